@@ -1,0 +1,3 @@
+from ditattn.cli import main
+
+raise SystemExit(main())

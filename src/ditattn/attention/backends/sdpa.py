@@ -1,0 +1,75 @@
+"""PyTorch SDPA backends: ``torch_sdpa`` (any platform) and ``torch_cudnn_sdpa`` (cuDNN pinned).
+
+Both take the ``[B, S, H, D]`` layout of the backend contract and transpose to SDPA's
+``[B, H, S, D]``.  LSE comes from the aten ops that return it (CPU flash, CUDA flash / cuDNN /
+efficient); where none applies (an additive bias together with ``return_lse`` on CPU) the
+float32 math path computes it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from ditattn.attention.backends.base import AttnCall, expand_kv, reference_attention, register
+from ditattn.attention.names import AttentionBackendEnum as B
+
+
+def _bhsd(t):
+    return t.transpose(1, 2)
+
+
+def _lse_cpu(q, k, v, call):
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        _bhsd(q), _bhsd(k), _bhsd(v), 0.0, call.causal, attn_mask=None, scale=call.scale
+    )
+    return _bhsd(out), lse.float()
+
+
+def _lse_cuda(q, k, v, call):
+    if call.attn_bias is None and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256:
+        res = torch.ops.aten._scaled_dot_product_flash_attention(
+            _bhsd(q), _bhsd(k), _bhsd(v), 0.0, call.causal, False, scale=call.scale
+        )
+        return _bhsd(res[0]), res[1].float()
+    bias = call.attn_bias
+    if bias is not None:
+        bias = bias.to(q.dtype).expand(q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+    res = torch.ops.aten._scaled_dot_product_efficient_attention(
+        _bhsd(q), _bhsd(k), _bhsd(v), bias, True, 0.0, call.causal, scale=call.scale
+    )
+    return _bhsd(res[0]), res[1][..., : q.shape[1]].float()
+
+
+@register(B.TORCH_SDPA)
+def torch_sdpa(q, k, v, call: AttnCall, config: dict):
+    heads = q.shape[2]
+    if call.return_lse:
+        k2, v2 = expand_kv(k, v, heads)
+        if call.attn_bias is None and q.device.type == "cpu":
+            return _lse_cpu(q, k2, v2, call)
+        if q.device.type == "cuda":
+            return _lse_cuda(q, k2, v2, call)
+        out, lse = reference_attention(q, k2, v2, causal=call.causal, scale=call.scale, attn_bias=call.attn_bias)
+        return out.to(q.dtype), lse.float()
+    bias = call.attn_bias
+    if bias is not None and bias.dtype != torch.bool:
+        bias = bias.to(q.dtype)
+    gqa = k.shape[2] != heads
+    out = F.scaled_dot_product_attention(
+        _bhsd(q), _bhsd(k), _bhsd(v), attn_mask=bias, is_causal=call.causal, scale=call.scale, enable_gqa=gqa
+    )
+    return _bhsd(out), None
+
+
+@register(B.TORCH_CUDNN_SDPA)
+def torch_cudnn_sdpa(q, k, v, call: AttnCall, config: dict):
+    k, v = expand_kv(k, v, q.shape[2])
+    if call.return_lse:
+        res = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            _bhsd(q), _bhsd(k), _bhsd(v), None, True, 0.0, call.causal, False, scale=call.scale
+        )
+        return _bhsd(res[0]), res[1].reshape(q.shape[0], q.shape[2], q.shape[1]).float()
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        out = F.scaled_dot_product_attention(_bhsd(q), _bhsd(k), _bhsd(v), is_causal=call.causal, scale=call.scale)
+    return _bhsd(out), None

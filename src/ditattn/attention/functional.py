@@ -1,0 +1,107 @@
+"""``ditattn.attention``: one attention call through a named (or automatically chosen) backend."""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Optional
+
+import torch
+
+from ditattn.attention.backends.base import AttnCall, get_impl
+from ditattn.attention.config import parse_attention_backend_config, validate_backend_config
+from ditattn.attention.context import get_forced_backend
+from ditattn.attention.names import AttentionBackendEnum as B
+from ditattn.attention.selector import Decision, LayerSpec, select_backend
+from ditattn.errors import AttentionConfigError
+from ditattn.platforms import current_platform, platform_for_device
+
+Tensor = torch.Tensor
+
+
+def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
+    """Validate the ``[batch, seq, heads, head_dim]`` layout; raise AttentionConfigError if wrong."""
+    for n, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise AttentionConfigError(f"{n} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise AttentionConfigError(
+                f"{n} must be 4-D [batch, seq, heads, head_dim], got shape {tuple(t.shape)}"
+            )
+        if not t.is_floating_point():
+            raise AttentionConfigError(f"{n} must be a floating-point tensor, got {t.dtype}")
+    if k.shape != v.shape:
+        raise AttentionConfigError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0]:
+        raise AttentionConfigError(f"q and k batch sizes differ: {q.shape[0]} vs {k.shape[0]}")
+    if q.shape[3] != k.shape[3]:
+        raise AttentionConfigError(f"q and k head dims differ: {q.shape[3]} vs {k.shape[3]}")
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
+        raise AttentionConfigError(
+            f"query heads ({q.shape[2]}) must be a multiple of key/value heads ({k.shape[2]}) for grouped-query attention"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise AttentionConfigError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise AttentionConfigError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
+
+
+@lru_cache(maxsize=4096)
+def _decide(backend: Optional[B], forced: Optional[B], platform, role, head_dim, dtype, heads, kv_heads,
+            causal, needs_bias, needs_lse) -> Decision:
+    layer = LayerSpec(prefix="attention()", role=role, head_dim=head_dim, dtype=dtype, num_heads=heads,
+                      num_kv_heads=kv_heads, causal=causal, needs_bias=needs_bias, needs_lse=needs_lse)
+    from ditattn.attention.context import AttentionSettings
+
+    return select_backend(layer, explicit=backend, component=None, settings=AttentionSettings(), platform=platform)
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    backend: "str | B | None" = None,
+    config: "str | dict | None" = None,
+    causal: bool = False,
+    scale: Optional[float] = None,
+    attn_bias: Optional[Tensor] = None,
+    video_shape: Optional[tuple[int, int, int]] = None,
+    text_len: int = 0,
+    step: Optional[int] = None,
+    layer_idx: Optional[int] = None,
+    return_lse: bool = False,
+):
+    """Scaled dot-product attention through one backend.
+
+    q: ``[batch, seq_q, heads, head_dim]``; k, v: ``[batch, seq_kv, kv_heads, head_dim]`` with
+    ``heads % kv_heads == 0`` (GQA). backend: a name of ``AttentionBackendEnum`` (aliases allowed)
+    or None for the platform's automatic choice (a global force applies). config: backend
+    parameters (dict, JSON, ``k=v`` pairs or a file path). attn_bias: additive float bias (or
+    boolean mask, True = keep) broadcastable to ``[batch, heads, seq_q, seq_kv]``.
+    video_shape: latent grid ``(T, H, W)`` of the video tokens, which come first in the sequence;
+    text_len: text tokens that follow them (joint attention); step / layer_idx: denoising step and
+    DiT block index (sparse schedules use them).
+
+    Returns the output ``[batch, seq_q, heads, head_dim]`` in q's dtype, and with
+    ``return_lse=True`` also the log-sum-exp ``[batch, heads, seq_q]`` (float32).
+    Raises :class:`AttentionConfigError` for bad inputs or a backend that cannot serve the call.
+    """
+    check_qkv(q, k, v)
+    if video_shape is not None:
+        if len(video_shape) != 3 or any((not isinstance(x, int)) or x <= 0 for x in video_shape):
+            raise AttentionConfigError(f"video_shape must be three positive integers (T, H, W), got {video_shape!r}")
+        if video_shape[0] * video_shape[1] * video_shape[2] + text_len != q.shape[1]:
+            raise AttentionConfigError(
+                f"video_shape {tuple(video_shape)} ({video_shape[0] * video_shape[1] * video_shape[2]} tokens) "
+                f"+ text_len {text_len} does not match the sequence length {q.shape[1]}"
+            )
+    b = None if backend is None else B.from_name(backend)
+    platform = platform_for_device(q.device)
+    role = "self" if q.shape[1] == k.shape[1] else "cross"
+    dec = _decide(b, get_forced_backend(), platform, role, q.shape[-1], q.dtype, q.shape[2], k.shape[2],
+                  causal, attn_bias is not None, return_lse)
+    cfg = validate_backend_config(dec.backend, parse_attention_backend_config(config),
+                                  strict_unknown=(dec.backend == b))
+    call = AttnCall(causal=causal, scale=scale, attn_bias=attn_bias, video_shape=video_shape, text_len=text_len,
+                    step=step, layer_idx=layer_idx, return_lse=return_lse, layer_key=None)
+    out, lse = get_impl(dec.backend)(q, k, v, call, cfg)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,141 @@
+"""``LocalAttention``: the attention module models build (single device).
+
+The backend is resolved once, at construction, through the selector (so the selector costs
+nothing per call); the decision is recorded in the component being built (the plan).  Per call
+the layer only reads the request override table and the forward context (step, latent grid).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from ditattn.attention.backends.base import AttnCall, get_impl
+from ditattn.attention.config import validate_backend_config
+from ditattn.attention.context import current_component, current_forward, current_request, current_settings
+from ditattn.attention.names import AttentionBackendEnum as B
+from ditattn.attention.selector import Decision, LayerSpec, select_backend
+from ditattn.attention.specs import SPECS, DTYPE_NAMES
+from ditattn.errors import AttentionConfigError
+from ditattn.platforms import current_platform
+
+
+def _as_backend(x):
+    return None if x is None else B.from_name(x)
+
+
+class LocalAttention(nn.Module):
+    """Attention over ``[batch, seq, heads, head_dim]`` tensors through the selected backend.
+
+    Args:
+        num_heads, head_dim: query heads and head size; num_kv_heads: K/V heads (GQA), default
+            num_heads.
+        role: ``"self"`` or ``"cross"``; causal: causal mask; scale: softmax scale (default
+            head_dim ** -0.5).
+        prefix: the module path inside its component (for the plan), layer_idx: DiT block index.
+        needs_bias: the layer passes an additive bias (only bias-capable backends qualify).
+        default_backend / required_backend / supported_backends: see :class:`LayerSpec`.
+        dtype: the dtype the layer will run in (for the capability check; default: the
+            component's parameters' dtype is unknown at construction, so torch's default dtype).
+
+    ``forward(q, k, v, attn_bias=None, return_lse=False)`` returns ``[batch, seq_q, heads,
+    head_dim]`` (and the LSE ``[batch, heads, seq_q]`` when asked).
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        num_kv_heads: Optional[int] = None,
+        *,
+        role: str = "self",
+        causal: bool = False,
+        scale: Optional[float] = None,
+        prefix: str = "",
+        layer_idx: Optional[int] = None,
+        needs_bias: bool = False,
+        needs_lse: bool = False,
+        default_backend=None,
+        required_backend=None,
+        supported_backends: Optional[Sequence] = None,
+        dtype: Optional[torch.dtype] = None,
+    ):
+        super().__init__()
+        if role not in ("self", "cross"):
+            raise AttentionConfigError(f"attention role must be 'self' or 'cross', got {role!r}")
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.role, self.causal, self.scale = role, causal, scale
+        self.prefix, self.layer_idx = prefix, layer_idx
+        self.spec = LayerSpec(
+            prefix=prefix, role=role, head_dim=head_dim, num_heads=num_heads, num_kv_heads=self.num_kv_heads,
+            dtype=dtype or torch.get_default_dtype(), causal=causal, needs_bias=needs_bias, needs_lse=needs_lse,
+            default_backend=_as_backend(default_backend), required_backend=_as_backend(required_backend),
+            supported_backends=tuple(B.from_name(b) for b in supported_backends) if supported_backends else None,
+        )
+        component = current_component()
+        self.component = component.name if component else None
+        self.is_dit = component.is_dit if component else True
+        self._platform = current_platform()
+        self.decision: Decision = select_backend(self.spec, component=component)
+        if component is not None:
+            component.decisions.append(self.decision)
+        self._bind(self.decision.backend)
+
+    # -- the bound backend ---------------------------------------------------------------------
+    def _bind(self, backend: B) -> None:
+        self.backend = backend
+        self.config = validate_backend_config(backend, current_settings().config, strict_unknown=False)
+        self._impl = None
+        self._ok_dtypes = {self.spec.dtype}
+
+    @property
+    def impl(self):
+        if self._impl is None:
+            self._impl = get_impl(self.backend)
+        return self._impl
+
+    def rebind(self, backend: B, source: str, reason: Optional[str] = None) -> None:
+        """Switch this layer to ``backend`` (autotune, or a permanent server default change)."""
+        self.decision.backend, self.decision.source = backend, source
+        if reason:
+            self.decision.fallback_reason = reason
+        self._bind(backend)
+
+    def _check_dtype(self, dtype: torch.dtype, backend: B) -> None:
+        req = self.spec.request()
+        req = type(req)(**{**req.__dict__, "dtype": dtype})
+        reasons = [r for r in SPECS[backend].reasons(req, self._platform) if "dtype" in r]
+        if reasons:
+            raise AttentionConfigError(
+                f"{self.component or ''}{'.' if self.component else ''}{self.prefix}: backend {backend.value} "
+                f"was chosen for {DTYPE_NAMES.get(self.spec.dtype)} but is called with "
+                f"{DTYPE_NAMES.get(dtype, dtype)}: {'; '.join(reasons)}"
+            )
+        self._ok_dtypes.add(dtype)
+
+    def forward(self, q, k, v, attn_bias=None, return_lse: bool = False):
+        backend, impl, config = self.backend, None, self.config
+        req = current_request()
+        if req is not None and req.override_table is not None:
+            entry = req.override_table.get(id(self))
+            if entry is not None:
+                backend, impl, config = entry
+        if impl is None:
+            impl = self.impl
+        if q.dtype not in self._ok_dtypes:
+            self._check_dtype(q.dtype, backend)
+        fwd = current_forward()
+        call = AttnCall(
+            causal=self.causal, scale=self.scale, attn_bias=attn_bias,
+            video_shape=fwd.video_shape if self.role == "self" else None,
+            text_len=fwd.text_len if self.role == "self" else 0,
+            step=fwd.step, num_steps=fwd.num_steps, layer_idx=self.layer_idx, return_lse=return_lse,
+            layer_key=f"{self.component}.{self.prefix}" if self.component else self.prefix,
+        )
+        out, lse = impl(q, k, v, call, config)
+        return (out, lse) if return_lse else out
+
+    def extra_repr(self) -> str:
+        return f"heads={self.num_heads}, head_dim={self.head_dim}, role={self.role}, backend={self.backend.value}"

@@ -1,0 +1,179 @@
+"""Request-scoped attention: the per-request backend override (DESIGN 2.7) and skip softmax (2.8).
+
+Both are validated against the whole DiT before anything switches, then installed as a table
+``id(layer) -> (backend, impl, config)`` in a :class:`RequestState` that the caller activates with
+``request_scope(state)`` around the denoise loop.  Layers consult the table per call; the server
+default is untouched, so the next request without an override runs the default.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Optional
+
+from torch import nn
+
+from ditattn.attention.backends.base import AttnCall, get_impl
+from ditattn.attention.config import validate_backend_config
+from ditattn.attention.context import AttentionSettings, RequestState, SkipSoftmaxParams
+from ditattn.attention.layer import LocalAttention
+from ditattn.attention.names import AttentionBackendEnum as B
+from ditattn.attention.specs import SPECS, DTYPE_NAMES
+from ditattn.errors import AttentionConfigError
+from ditattn.platforms import current_platform
+from ditattn.platforms.policy import substitute
+
+log = logging.getLogger("ditattn.attention")
+
+DROP_IN = tuple(b for b in B if SPECS[b].drop_in)
+
+
+def dit_layers(modules: Iterable[nn.Module]) -> list[LocalAttention]:
+    """Every ``LocalAttention`` of the given DiT modules (``transformer``, ``transformer_2``)."""
+    out = []
+    for m in modules:
+        out.extend(x for x in m.modules() if isinstance(x, LocalAttention))
+    return out
+
+
+def _refuse(msg: str):
+    log.warning("request refused: %s", msg)
+    raise AttentionConfigError(msg)
+
+
+def validate_override(name, layers: list[LocalAttention], settings: AttentionSettings) -> Optional[B]:
+    """Check a per-request override against DESIGN 2.7; return the backend or raise with the reason."""
+    if name is None or name == "":
+        return None
+    try:
+        backend = B.from_name(name)
+    except AttentionConfigError as exc:
+        _refuse(f"attention_backend_override: {exc}")
+    if backend not in DROP_IN:
+        _refuse(
+            f"attention_backend_override '{backend.value}' is not a per-request drop-in backend; "
+            f"accepted: {', '.join(b.value for b in DROP_IN)}"
+        )
+    if settings.compiled:
+        _refuse("attention_backend_override is refused: the server runs under torch.compile, which bakes "
+                "the attention kernel into the traced graph")
+    if settings.cuda_graphs:
+        _refuse("attention_backend_override is refused: the server runs captured CUDA graphs, which bake "
+                "the attention kernel into the graph")
+    sparse = sorted({l.backend.value for l in layers if SPECS[l.backend].sparse})
+    if sparse:
+        _refuse(f"attention_backend_override is refused: the server's DiT runs the sparse backend "
+                f"{', '.join(sparse)}, which cannot be mixed with a per-request dense switch")
+    if settings.ring_degree > 1 and not SPECS[backend].returns_lse:
+        _refuse(f"attention_backend_override '{backend.value}' is refused: ring parallelism "
+                f"(ring degree {settings.ring_degree}) needs a backend that returns the softmax LSE")
+    return backend
+
+
+def prepare_request_override(
+    dit_modules: Iterable[nn.Module],
+    name=None,
+    settings: Optional[AttentionSettings] = None,
+    skip_softmax: "SkipSoftmaxParams | dict | None" = None,
+    dtype=None,
+) -> RequestState:
+    """Validate and prepare a request's attention state for every DiT layer, all or nothing.
+
+    dit_modules: the DiT components; name: ``attention_backend_override`` (None = server default);
+    skip_softmax: ``{threshold_scale_factor > 0, start_step >= 0}`` or None; dtype: the run's
+    compute dtype (defaults to each layer's construction dtype). Raises AttentionConfigError with
+    the reason (and logs it) if any layer cannot switch; on success nothing global changed.
+    """
+    settings = settings or AttentionSettings()
+    layers = dit_layers(dit_modules)
+    backend = validate_override(name, layers, settings)
+    ss = parse_skip_softmax(skip_softmax)
+    platform = current_platform()
+    table: dict = {}
+    if backend is not None:
+        for layer in layers:
+            req = layer.spec.request()
+            if dtype is not None:
+                req = type(req)(**{**req.__dict__, "dtype": dtype})
+            if settings.ring_degree > 1 and layer.role == "self":
+                req = type(req)(**{**req.__dict__, "needs_lse": True})
+            reasons = SPECS[backend].reasons(req, platform)
+            if reasons:
+                sub = substitute(backend, req, platform)
+                if sub is not None:
+                    _refuse(f"attention_backend_override '{backend.value}' is refused: this platform would run "
+                            f"{sub[0].value} instead ({sub[1]}); a per-request override is never substituted")
+                _refuse(f"attention_backend_override '{backend.value}' cannot serve "
+                        f"{layer.component}.{layer.prefix} ({layer.role}): {'; '.join(reasons)}")
+            table[id(layer)] = (backend, get_impl(backend), validate_backend_config(backend, {}))
+    if ss is not None:
+        _install_skip_softmax(layers, ss, settings, table, platform, dtype)
+    return RequestState(override=backend, override_table=table or None, skip_softmax=ss)
+
+
+def parse_skip_softmax(value) -> Optional[SkipSoftmaxParams]:
+    """``{threshold_scale_factor, start_step}`` → SkipSoftmaxParams; raise with the reason if invalid."""
+    if value is None:
+        return None
+    if isinstance(value, SkipSoftmaxParams):
+        value = {"threshold_scale_factor": value.threshold_scale_factor, "start_step": value.start_step}
+    if not isinstance(value, dict):
+        _refuse("skip_softmax_params must be an object {threshold_scale_factor, start_step}")
+    unknown = set(value) - {"threshold_scale_factor", "start_step"}
+    if unknown:
+        _refuse(f"skip_softmax_params: unknown key(s) {sorted(unknown)}; accepted: threshold_scale_factor, start_step")
+    tsf = value.get("threshold_scale_factor")
+    if tsf is None:
+        _refuse("skip_softmax_params.threshold_scale_factor is required (no default: calibrate it per model)")
+    if isinstance(tsf, bool) or not isinstance(tsf, (int, float)) or not tsf > 0 or tsf == float("inf"):
+        _refuse(f"skip_softmax_params.threshold_scale_factor must be a positive number, got {tsf!r}")
+    start = value.get("start_step", 0)
+    if start is None:
+        start = 0
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        _refuse(f"skip_softmax_params.start_step must be an integer >= 0, got {start!r}")
+    return SkipSoftmaxParams(float(tsf), int(start))
+
+
+SKIP_SOFTMAX_HEAD_DIMS = (128, 256)
+
+
+def _install_skip_softmax(layers, ss: SkipSoftmaxParams, settings, table, platform, dtype) -> None:
+    if settings.ring_degree > 1:
+        _refuse("skip_softmax_params is refused: ring attention merges partial softmax states and cannot "
+                "skip tiles; use Ulysses sequence parallelism")
+    if settings.compiled:
+        _refuse("skip_softmax_params is refused: the server runs under torch.compile")
+    if settings.cuda_graphs:
+        _refuse("skip_softmax_params is refused: the server runs captured CUDA graphs")
+    try:
+        from ditattn.attention.kernels import skip_softmax as kernel
+    except ImportError:
+        kernel = None
+    if kernel is None or not hasattr(kernel, "supported_reasons"):
+        _refuse("skip_softmax_params is refused: this build has no skip-softmax kernel")
+    self_layers = [l for l in layers if l.role == "self"]
+    if not self_layers:
+        _refuse("skip_softmax_params is refused: the model has no DiT self-attention layer")
+    for layer in self_layers:
+        run_dtype = dtype or layer.spec.dtype
+        reasons = list(kernel.supported_reasons(platform, run_dtype, layer.head_dim))
+        if layer.spec.needs_bias or layer.causal:
+            reasons.append("the layer uses an attention mask")
+        if reasons:
+            _refuse(f"skip_softmax_params is refused for {layer.component}.{layer.prefix}: " + "; ".join(reasons))
+        base_backend, base_impl, base_cfg = table.get(id(layer)) or (layer.backend, layer.impl, layer.config)
+        table[id(layer)] = (base_backend, _skip_softmax_impl(kernel, ss, base_impl, base_cfg), base_cfg)
+
+
+def _skip_softmax_impl(kernel, ss: SkipSoftmaxParams, dense_impl, dense_cfg):
+    def impl(q, k, v, call: AttnCall, config):
+        if call.step is not None and call.step < ss.start_step:
+            return dense_impl(q, k, v, call, dense_cfg)
+        if call.attn_bias is not None or call.causal:
+            raise AttentionConfigError("skip softmax cannot run with an attention mask")
+        return kernel.skip_softmax_attention(
+            q, k, v, threshold_scale_factor=ss.threshold_scale_factor, scale=call.scale,
+            return_lse=call.return_lse, stats_key=call.layer_key,
+        )
+
+    return impl

@@ -1,0 +1,355 @@
+"""The block-sparse attention core shared by every sparse video backend.
+
+Block-list format (like FlexAttention's ``BlockMask`` kv lists)::
+
+    kv_indices  int32 [B, H, n_q_blocks, max_kv_blocks]   key blocks attended by each query block
+    kv_counts   int32 [B, H, n_q_blocks]                  the first kv_counts[b, h, i] entries are valid
+
+Query block ``i`` covers query positions ``[i*block_size, (i+1)*block_size)``; key block ``j``
+covers key positions ``[j*block_size, (j+1)*block_size)``.  Valid entries are distinct, sorted
+ascending (planners here always produce that; the kernels do not rely on the order) and lie in
+``[0, n_kv_blocks)``; entries past ``kv_counts`` are ignored (planners fill them with 0).  A query
+block with ``kv_counts == 0`` attends nothing: its rows are zero with LSE ``-inf``.  ``B`` and
+``H`` may be 1 in the lists to broadcast over batch / heads.
+
+``kv_valid`` (optional, bool ``[B, S_kv]`` or per-head ``[B, H, S_kv]``) marks real keys; False keys
+(padding) are masked out inside the selected blocks.
+
+Implementations (``impl``):
+
+* ``"reference"`` — blocked PyTorch, exact, float32 accumulation (float64 for float64 input); the
+  CPU path and the reference for the others.
+* ``"flex"`` — ``torch.nn.attention.flex_attention`` with a ``BlockMask`` built from the same lists
+  (compiled on CUDA, eager elsewhere — eager is O(S^2) memory, for tests only).
+* ``"triton"`` — ``ditattn.attention.kernels.block_sparse_triton.block_sparse_attention_triton``
+  (imported lazily, CUDA tensors only), called with the same arguments as this function minus
+  ``impl``: k/v already expanded to q's head count, lists contiguous int32 ``[B, H, ...]``,
+  ``kv_valid`` None or ``[B, S_kv]``.
+* ``"auto"`` — triton on CUDA when importable (and the call fits it: 2-D or no ``kv_valid``, a
+  supported block size), else flex on CUDA; reference on CPU.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+from typing import Optional
+
+import torch
+
+from ditattn.attention.backends.base import expand_kv
+from ditattn.errors import AttentionConfigError
+
+Tensor = torch.Tensor
+log = logging.getLogger(__name__)
+
+IMPLS = ("auto", "reference", "flex", "triton")
+_TRITON_MODULE = "ditattn.attention.kernels.block_sparse_triton"
+# scores materialised per reference chunk (elements); bounds CPU memory
+_REF_CHUNK_ELEMS = 1 << 24
+
+
+# ------------------------------------------------------------------------------------------------
+# list helpers
+
+
+def block_mask_to_lists(block_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Boolean block mask ``[B, H, n_q_blocks, n_kv_blocks]`` -> ``(kv_indices, kv_counts)``.
+
+    ``kv_indices`` is int32 ``[B, H, n_q_blocks, max(1, max count)]`` with each row's True columns
+    in ascending order followed by zeros; ``kv_counts`` is int32 ``[B, H, n_q_blocks]``.
+    """
+    if block_mask.dtype != torch.bool or block_mask.dim() != 4:
+        raise ValueError("block_mask must be a bool tensor [B, H, n_q_blocks, n_kv_blocks]")
+    counts = block_mask.sum(-1)
+    width = max(1, int(counts.max())) if counts.numel() else 1
+    nk = block_mask.shape[-1]
+    # True columns first (ascending), then the rest
+    keyv = torch.where(block_mask, 0, nk) + torch.arange(nk, device=block_mask.device)
+    order = torch.argsort(keyv, dim=-1)[..., :width]
+    slot = torch.arange(width, device=block_mask.device)
+    order = torch.where(slot < counts.unsqueeze(-1), order, torch.zeros_like(order))
+    return order.to(torch.int32).contiguous(), counts.to(torch.int32).contiguous()
+
+
+def lists_to_block_mask(kv_indices: Tensor, kv_counts: Tensor, n_kv_blocks: int) -> Tensor:
+    """Inverse of :func:`block_mask_to_lists`: ``[B, H, n_q_blocks, n_kv_blocks]`` bool."""
+    m = kv_indices.shape[-1]
+    slot = torch.arange(m, device=kv_indices.device)
+    live = slot < kv_counts.unsqueeze(-1).long()
+    out = torch.zeros(*kv_indices.shape[:-1], n_kv_blocks + 1, dtype=torch.bool, device=kv_indices.device)
+    idx = torch.where(live, kv_indices.long(), torch.full_like(kv_indices, n_kv_blocks, dtype=torch.long))
+    out.scatter_(-1, idx, True)
+    return out[..., :n_kv_blocks]
+
+
+def block_lists_to_dense_mask(kv_indices: Tensor, kv_counts: Tensor, *, block_size: int,
+                              seq_len_kv: Optional[int] = None, kv_valid: Optional[Tensor] = None) -> Tensor:
+    """Explicit token mask of a block list, for tests: bool ``[B, H, S_q, S_kv]`` (True = attend)
+    with ``S_q = n_q_blocks * block_size`` and ``S_kv = seq_len_kv`` (default ``S_q``); ``kv_valid``
+    (``[B, S_kv]`` or ``[B, H, S_kv]``) additionally masks padding keys."""
+    nq = kv_indices.shape[2]
+    skv = nq * block_size if seq_len_kv is None else seq_len_kv
+    nk = skv // block_size
+    bm = lists_to_block_mask(kv_indices, kv_counts, nk)
+    dense = bm.repeat_interleave(block_size, dim=2).repeat_interleave(block_size, dim=3)
+    if kv_valid is not None:
+        kvv = kv_valid if kv_valid.dim() == 3 else kv_valid.unsqueeze(1)
+        dense = dense & kvv.unsqueeze(2)
+    return dense
+
+
+def full_lists(batch: int, heads: int, n_q_blocks: int, n_kv_blocks: int, device=None) -> tuple[Tensor, Tensor]:
+    """Lists in which every query block attends every key block (dense attention)."""
+    idx = torch.arange(n_kv_blocks, dtype=torch.int32, device=device).expand(batch, heads, n_q_blocks, -1)
+    cnt = torch.full((batch, heads, n_q_blocks), n_kv_blocks, dtype=torch.int32, device=device)
+    return idx, cnt
+
+
+def kept_fraction(kv_counts: Tensor, n_kv_blocks: int) -> float:
+    """Fraction of (query block, key block) pairs that a block list keeps."""
+    total = kv_counts.numel() * n_kv_blocks
+    return float(kv_counts.sum()) / total if total else 0.0
+
+
+# ------------------------------------------------------------------------------------------------
+# public entry point
+
+
+def _check(q, k, v, kv_indices, kv_counts, block_size, kv_valid):
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError("q, k, v must be [batch, seq, heads, head_dim]")
+    B, Sq, H, D = q.shape
+    Skv, Hkv = k.shape[1], k.shape[2]
+    if k.shape[0] != B or v.shape[:3] != k.shape[:3] or k.shape[3] != D:
+        raise ValueError(f"incompatible q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if H % Hkv:
+        raise ValueError(f"query heads {H} must be a multiple of key/value heads {Hkv}")
+    if block_size <= 0 or Sq % block_size or Skv % block_size:
+        raise ValueError(f"sequence lengths ({Sq}, {Skv}) must be multiples of block_size {block_size}")
+    nq = Sq // block_size
+    if kv_indices.dim() != 4 or kv_counts.dim() != 3:
+        raise ValueError("kv_indices must be [B, H, n_q_blocks, max_kv_blocks] and kv_counts [B, H, n_q_blocks]")
+    if kv_indices.shape[2] != nq or kv_counts.shape[2] != nq:
+        raise ValueError(f"block lists cover {kv_indices.shape[2]} query blocks, the queries have {nq}")
+    for t, name in ((kv_indices, "kv_indices"), (kv_counts, "kv_counts")):
+        if t.shape[0] not in (1, B) or t.shape[1] not in (1, H):
+            raise ValueError(f"{name} batch/head dims {tuple(t.shape[:2])} must be ({B} or 1, {H} or 1)")
+    if kv_valid is not None:
+        if kv_valid.dtype != torch.bool or kv_valid.shape[-1] != Skv or kv_valid.dim() not in (2, 3):
+            raise ValueError("kv_valid must be bool [B, S_kv] or [B, H, S_kv]")
+
+
+def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, kv_indices: Tensor, kv_counts: Tensor, *,
+                           block_size: int = 64, scale: Optional[float] = None,
+                           kv_valid: Optional[Tensor] = None, return_lse: bool = False,
+                           impl: str = "auto") -> tuple[Tensor, Optional[Tensor]]:
+    """Exact softmax attention of each query block over its listed key blocks.
+
+    q ``[B, S_q, H, D]``, k/v ``[B, S_kv, H_kv, D]`` (``H % H_kv == 0``), both lengths multiples of
+    ``block_size``; block lists and ``kv_valid`` as in the module docstring.  ``scale`` defaults to
+    ``D ** -0.5``.  Returns ``(out [B, S_q, H, D] in q.dtype, lse [B, H, S_q] float32 natural log
+    or None)``; rows with no valid key give zeros and LSE ``-inf``.
+    """
+    if impl not in IMPLS:
+        raise AttentionConfigError(f"block-sparse impl must be one of {list(IMPLS)}, got {impl!r}")
+    _check(q, k, v, kv_indices, kv_counts, block_size, kv_valid)
+    B, Sq, H, D = q.shape
+    scale = D ** -0.5 if scale is None else float(scale)
+    k, v = expand_kv(k, v, H)
+    kv_indices = kv_indices.expand(B, H, -1, -1)
+    kv_counts = kv_counts.expand(B, H, -1)
+    if impl == "auto":
+        impl = _auto_impl(q, block_size, kv_valid)
+    if impl == "triton":
+        if not q.is_cuda:
+            raise AttentionConfigError("the Triton block-sparse kernel needs CUDA tensors; use impl='reference' on CPU")
+        fn = _load_triton()
+        if fn is None:
+            raise AttentionConfigError(f"the Triton block-sparse kernel ({_TRITON_MODULE}) is not available in this build")
+        if kv_valid is not None and kv_valid.dim() == 3:
+            raise AttentionConfigError("the Triton block-sparse kernel takes kv_valid [B, S_kv] only; use impl='flex'")
+        return fn(q, k, v, kv_indices.to(torch.int32).contiguous(), kv_counts.to(torch.int32).contiguous(),
+                  block_size=block_size, scale=scale, kv_valid=kv_valid, return_lse=return_lse)
+    if impl == "flex":
+        return _flex(q, k, v, kv_indices, kv_counts, block_size, scale, kv_valid, return_lse)
+    return _reference(q, k, v, kv_indices, kv_counts, block_size, scale, kv_valid, return_lse)
+
+
+# ------------------------------------------------------------------------------------------------
+# dispatch helpers
+
+_triton_fn = None
+_triton_tried = False
+
+
+def _load_triton():
+    global _triton_fn, _triton_tried
+    if not _triton_tried:
+        _triton_tried = True
+        try:
+            mod = importlib.import_module(_TRITON_MODULE)
+            _triton_fn = getattr(mod, "block_sparse_attention_triton", None)
+        except ModuleNotFoundError as exc:
+            if exc.name and not _TRITON_MODULE.startswith(exc.name) and exc.name != "triton":
+                raise
+            _triton_fn = None
+        except ImportError as exc:  # triton present but broken: say so, use flex
+            log.warning("Triton block-sparse kernel unavailable (%s); using FlexAttention", exc)
+            _triton_fn = None
+    return _triton_fn
+
+
+def _triton_fits(block_size: int, kv_valid) -> bool:
+    if kv_valid is not None and kv_valid.dim() == 3:
+        return False
+    mod = importlib.import_module(_TRITON_MODULE)
+    sizes = getattr(mod, "SUPPORTED_BLOCK_SIZES", None)
+    if sizes is not None:
+        return block_size in sizes
+    return block_size >= 16 and block_size & (block_size - 1) == 0
+
+
+def _auto_impl(q: Tensor, block_size: int, kv_valid) -> str:
+    if not q.is_cuda:
+        return "reference"
+    if _load_triton() is not None and _triton_fits(block_size, kv_valid):
+        return "triton"
+    return "flex"
+
+
+# ------------------------------------------------------------------------------------------------
+# reference
+
+
+def _reference(q, k, v, kv_indices, kv_counts, bs, scale, kv_valid, return_lse):
+    B, Sq, H, D = q.shape
+    Skv = k.shape[1]
+    nq, nk = Sq // bs, Skv // bs
+    m = kv_indices.shape[-1]
+    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dev = q.device
+    qb = q.transpose(1, 2).to(dt).reshape(B, H, nq, bs, D)
+    kb = k.transpose(1, 2).to(dt).reshape(B, H, nk, bs, D)
+    vb = v.transpose(1, 2).to(dt).reshape(B, H, nk, bs, D)
+    if kv_valid is None:
+        kvv = None
+    elif kv_valid.dim() == 2:
+        kvv = kv_valid.view(B, 1, nk, bs).expand(B, H, nk, bs)
+    else:
+        kvv = kv_valid.view(B, H, nk, bs)
+    out = torch.zeros(B, H, nq, bs, D, dtype=dt, device=dev)
+    lse = torch.full((B, H, nq, bs), float("-inf"), dtype=dt, device=dev)
+    per_qblock = B * H * m * bs * max(bs, D)
+    chunk = max(1, _REF_CHUNK_ELEMS // max(1, per_qblock))
+    bi = torch.arange(B, device=dev).view(B, 1, 1, 1)
+    hi = torch.arange(H, device=dev).view(1, H, 1, 1)
+    slot = torch.arange(m, device=dev)
+    counts = kv_counts.to(dev).long()
+    indices = kv_indices.to(dev).long()
+    for i0 in range(0, nq, chunk):
+        i1 = min(nq, i0 + chunk)
+        idx = indices[:, :, i0:i1].clamp(0, nk - 1)  # [B,H,c,m]
+        live = slot < counts[:, :, i0:i1].unsqueeze(-1)  # [B,H,c,m]
+        kg = kb[bi, hi, idx]  # [B,H,c,m,bs,D]
+        vg = vb[bi, hi, idx]
+        s = torch.einsum("bhcqd,bhcmkd->bhcqmk", qb[:, :, i0:i1], kg) * scale
+        keep = live.unsqueeze(-1).expand(-1, -1, -1, -1, bs)  # [B,H,c,m,bs]
+        if kvv is not None:
+            keep = keep & kvv[bi, hi, idx]
+        c = i1 - i0
+        s = s.reshape(B, H, c, bs, m * bs)
+        s = s.masked_fill(~keep.reshape(B, H, c, 1, m * bs), float("-inf"))
+        l = torch.logsumexp(s, dim=-1)  # [B,H,c,bs]
+        p = torch.exp(s - torch.where(torch.isfinite(l), l, torch.zeros_like(l)).unsqueeze(-1))
+        o = torch.einsum("bhcqn,bhcnd->bhcqd", p, vg.reshape(B, H, c, m * bs, D))
+        out[:, :, i0:i1] = o
+        lse[:, :, i0:i1] = l
+    out = out.reshape(B, H, Sq, D).transpose(1, 2).to(q.dtype)
+    return out, (lse.reshape(B, H, Sq).to(torch.float32) if return_lse else None)
+
+
+# ------------------------------------------------------------------------------------------------
+# FlexAttention
+
+_compiled_flex = None
+
+
+def _flex_fn(device: torch.device):
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type != "cuda":
+        return flex_attention
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
+
+
+def build_flex_block_mask(kv_indices: Tensor, kv_counts: Tensor, *, block_size: int, seq_len_q: int,
+                          seq_len_kv: int, kv_valid: Optional[Tensor] = None, device=None):
+    """A FlexAttention ``BlockMask`` equal to the block lists (and ``kv_valid`` padding)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    device = torch.device(device) if device is not None else kv_indices.device
+    nk = seq_len_kv // block_size
+    B, H, nq, m = kv_indices.shape
+    ind = torch.zeros(B, H, nq, nk, dtype=torch.int32, device=device)
+    ind[..., :m] = kv_indices.to(device=device, dtype=torch.int32)
+    cnt = kv_counts.to(device=device, dtype=torch.int32).contiguous()
+    if kv_valid is None:
+        zeros = torch.zeros_like(cnt)
+        return BlockMask.from_kv_blocks(zeros, ind.clone(), cnt, ind, BLOCK_SIZE=block_size,
+                                        seq_lengths=(seq_len_q, seq_len_kv))
+    valid = kv_valid.to(device)
+    if valid.dim() == 2:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return valid[b, kv_idx]
+    else:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return valid[b, h, kv_idx]
+    return BlockMask.from_kv_blocks(cnt, ind, BLOCK_SIZE=block_size, mask_mod=mask_mod,
+                                    seq_lengths=(seq_len_q, seq_len_kv))
+
+
+def _flex(q, k, v, kv_indices, kv_counts, bs, scale, kv_valid, return_lse):
+    B, Sq, H, D = q.shape
+    Skv = k.shape[1]
+    bm = build_flex_block_mask(kv_indices.contiguous(), kv_counts.contiguous(), block_size=bs,
+                               seq_len_q=Sq, seq_len_kv=Skv, kv_valid=kv_valid, device=q.device)
+    fn = _flex_fn(q.device)
+    qh, kh, vh = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    if return_lse:
+        try:
+            from torch.nn.attention.flex_attention import AuxRequest
+
+            out, aux = fn(qh, kh, vh, block_mask=bm, scale=scale, return_aux=AuxRequest(lse=True))
+            lse = aux.lse
+        except ImportError:  # older torch
+            out, lse = fn(qh, kh, vh, block_mask=bm, scale=scale, return_lse=True)
+        out = out.transpose(1, 2)
+        # FlexAttention's empty rows: lse -inf, output zero
+        return out.to(q.dtype), lse.to(torch.float32)
+    out = fn(qh, kh, vh, block_mask=bm, scale=scale)
+    return out.transpose(1, 2).to(q.dtype), None
+
+
+def dense_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[float] = None,
+                    return_lse: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+    """Dense non-causal attention for the dense phases of sparse backends: PyTorch SDPA (``[B, S,
+    H, D]`` in/out, GQA allowed); with ``return_lse`` the exact blocked reference (one block)."""
+    H = q.shape[2]
+    if return_lse:
+        k2, v2 = expand_kv(k, v, H)
+        S = q.shape[1]
+        Skv = k2.shape[1]
+        g = math.gcd(S, Skv)
+        idx, cnt = full_lists(1, 1, S // g, Skv // g, device=q.device)
+        return block_sparse_attention(q, k2, v2, idx, cnt, block_size=g, scale=scale, return_lse=True,
+                                      impl="reference" if not q.is_cuda else "flex")
+    import torch.nn.functional as F
+
+    gqa = k.shape[2] != H
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         scale=scale, enable_gqa=gqa)
+    return out.transpose(1, 2), None

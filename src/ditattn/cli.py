@@ -1,0 +1,218 @@
+"""The ``ditattn`` command line: ``generate``, ``plan``, ``backends``, ``serve``.
+
+User-input errors print one line ``error: <what was wrong; what is accepted>`` to stderr and exit
+with status 2 (no traceback).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Optional, Sequence
+
+from ditattn.errors import AttentionConfigError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2
+        sys.stderr.write(f"error: {message} (see '{self.prog} --help')\n")
+        raise SystemExit(2)
+
+
+def _bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("true", "1", "yes", "on"):
+        return True
+    if low in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _pos_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
+    return v
+
+
+def _pos_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return v
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def add_attention_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("attention")
+    g.add_argument("--attention-backend", metavar="NAME",
+                   help="global attention backend (see 'ditattn backends'; fa3/fa4 -> fa, cudnn_sdpa -> "
+                        "torch_cudnn_sdpa). Strict for the DiT; auxiliary components fall back when "
+                        "incompatible. With --backend diffusers it is passed to diffusers' set_attention_backend")
+    g.add_argument("--component-attention-backends", metavar="SPEC",
+                   help="per-component overrides: text_encoder=torch_sdpa,transformer.cross=fa or a JSON "
+                        "object; keys are model_index.json module names, optionally with .self/.cross")
+    g.add_argument("--attention-backend-config", metavar="CFG",
+                   help="backend parameters: a .json/.yaml file, a JSON object, or k=v,k=v pairs")
+    g.add_argument("--attention-backend-override", metavar="NAME",
+                   help="request-scoped backend for the DiT denoise loop: fa, torch_sdpa, sage_attn, sage_attn_3")
+    g.add_argument("--enable-attention-backend-autotune", type=_bool, default=False, metavar="true|false",
+                   help="time compatible candidates per automatically chosen layer on its first large input "
+                        "and switch when one is faster and agrees numerically (default false)")
+    g.add_argument("--skip-softmax-threshold-scale-factor", type=_pos_float, metavar="X",
+                   help="request-scoped skip softmax (BLASST): tiles with estimated mass below X/context_length "
+                        "are skipped; no default, calibrate per model")
+    g.add_argument("--skip-softmax-start-step", type=_nonneg_int, default=None, metavar="N",
+                   help="zero-based denoising step where skip softmax starts (default 0)")
+
+
+def add_model_flags(p: argparse.ArgumentParser, *, prompt_required: bool) -> None:
+    g = p.add_argument_group("model and sampling")
+    if prompt_required:
+        g.add_argument("--prompt", required=True, help="text prompt")
+    g.add_argument("--model-path", default=None, metavar="PATH_OR_ID",
+                   help="local diffusers-format Wan checkpoint directory, or ditattn:tiny-wan / ditattn:tiny-wan2.2 "
+                        "(default ditattn:tiny-wan, built locally, no download)")
+    g.add_argument("--negative-prompt", default=None, help="negative prompt for classifier-free guidance")
+    g.add_argument("--num-inference-steps", type=_pos_int, default=None, metavar="N", help="denoising steps")
+    g.add_argument("--guidance-scale", type=_float, default=None, metavar="G", help="classifier-free guidance scale")
+    g.add_argument("--height", type=_pos_int, default=None, metavar="H", help="output height in pixels")
+    g.add_argument("--width", type=_pos_int, default=None, metavar="W", help="output width in pixels")
+    g.add_argument("--num-frames", type=_pos_int, default=None, metavar="F", help="frames (1 = image)")
+    g.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default 0)")
+    g.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available, else cpu)")
+    g.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="compute dtype (default float32 on cpu, bfloat16 on GPUs)")
+    g.add_argument("--backend", default="native", choices=("native", "diffusers"),
+                   help="native ditattn pipeline (default) or the stock diffusers pipeline")
+    g.add_argument("--model-variant", default=None, metavar="NAME", help="model variant (for checkpoints that have several)")
+    g.add_argument("--num-gpus", type=_pos_int, default=1, metavar="N", help="processes for sequence parallelism")
+    g.add_argument("--ulysses-degree", type=_pos_int, default=None, metavar="U", help="Ulysses degree")
+    g.add_argument("--ring-degree", type=_pos_int, default=None, metavar="R", help="ring-attention degree")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="ditattn", description="Diffusion-transformer inference with pluggable attention backends.")
+    p.add_argument("-v", "--verbose", action="store_true", help="log attention decisions and fallbacks")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    g = sub.add_parser("generate", help="run a pipeline and write the video (.mp4) or image (.png)",
+                       description="Run the pipeline and write the result into --output-path.")
+    add_model_flags(g, prompt_required=True)
+    o = g.add_argument_group("output")
+    o.add_argument("--output-path", default="outputs", metavar="DIR", help="output directory (default outputs/)")
+    o.add_argument("--output-file", default=None, metavar="NAME", help="output file name (default derived from the prompt)")
+    o.add_argument("--save-output", action="store_true", default=True, help="write the output file (default on)")
+    o.add_argument("--no-save-output", dest="save_output", action="store_false", help="do not write the output")
+    o.add_argument("--fps", type=_pos_int, default=16, help="frames per second of the MP4 (default 16)")
+    add_attention_flags(g)
+
+    pl = sub.add_parser("plan", help="resolve every attention layer without denoising and print the plan",
+                        description="Build the pipeline, resolve each attention layer, print which backend it got and why.")
+    add_model_flags(pl, prompt_required=False)
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    add_attention_flags(pl)
+
+    b = sub.add_parser("backends", help="list every attention backend, whether it runs here and why not")
+    b.add_argument("--json", action="store_true", help="print JSON")
+    add_attention_flags(b)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible image/video server")
+    add_model_flags(s, prompt_required=False)
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    s.add_argument("--port", type=_pos_int, default=30000, help="port (default 30000)")
+    s.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
+    s.add_argument("--max-batch-size", type=_pos_int, default=4, help="dynamic batching: requests per batch (default 4)")
+    s.add_argument("--max-queue", type=_pos_int, default=64, help="queued requests before 429 (default 64)")
+    add_attention_flags(s)
+    return p
+
+
+def cmd_backends(args) -> int:
+    from ditattn.registry import list_backends
+    from ditattn.platforms import current_platform
+
+    import signal
+
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `ditattn backends | head` exits quietly
+    infos = list_backends()
+    plat = current_platform()
+    if args.json:
+        print(json.dumps({"platform": plat.to_json(), "backends": [i.to_json() for i in infos]}, indent=2, default=str))
+        return 0
+    print(f"platform: {plat.describe()}")
+    print(f"{'backend':<24} {'kind':<17} {'here':<5} platforms / why not")
+    for i in infos:
+        names = i.name + (f" ({', '.join(i.aliases)})" if i.aliases else "")
+        here = "yes" if i.usable_here else "no"
+        flags = [f for f, on in (("lossy", i.lossy), ("LSE", i.returns_lse), ("bias", i.accepts_bias),
+                                 ("drop-in", i.drop_in), ("self-only", not i.cross_attention)) if on]
+        print(f"{names:<24} {i.kind:<17} {here:<5} {','.join(i.platforms)}  [{' '.join(flags)}]")
+        print(f"{'':<24} {i.summary}")
+        if i.usable_here and i.runtime:
+            print(f"{'':<24} runs here via: {i.runtime}")
+        for r in i.reasons:
+            print(f"{'':<24} - {r}")
+        if i.substitute_here:
+            print(f"{'':<24} falls back here to {i.substitute_here}")
+        if i.missing_kernel and i.missing_kernel not in i.reasons:
+            print(f"{'':<24} note: {i.missing_kernel}")
+        for prm in i.params:
+            req = " (required)" if prm["required"] else ""
+            print(f"{'':<24} param {prm['name']}: {prm['type']} = {prm['default']!r}{req} — {prm['help']}")
+        if i.notes:
+            print(f"{'':<24} note: {i.notes}")
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "backends":
+            return cmd_backends(args)
+        if args.command == "generate":
+            from ditattn.pipelines.run import generate_main
+
+            return generate_main(args)
+        if args.command == "plan":
+            from ditattn.pipelines.run import plan_main
+
+            return plan_main(args)
+        if args.command == "serve":
+            from ditattn.server.app import serve_main
+
+            return serve_main(args)
+    except AttentionConfigError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        return 130
+    return 0

@@ -1,0 +1,166 @@
+"""Platforms: what hardware the running PyTorch sees, and simulated platforms for tests.
+
+A :class:`Platform` is plain data (name, device type, compute capability, installed packages), so
+tests can build any platform with any capability and package set without the hardware::
+
+    Platform.simulate("cuda", capability=(10, 0), packages={"flash_attn.cute"})
+
+:func:`current_platform` detects the real one once per process (``set_platform`` overrides it).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+from functools import lru_cache
+from typing import Iterable, Iterator
+
+PLATFORM_NAMES = ("cpu", "cuda", "rocm", "xpu", "musa", "mps", "npu")
+
+# Optional runtime packages the backends use, by import name.
+KNOWN_PACKAGES = (
+    "flash_attn.cute",  # FlashAttention-4 (CuTe DSL)
+    "flash_attn_interface",  # FlashAttention-3
+    "flash_attn",  # FlashAttention-2
+    "sageattention",
+    "sageattn3",
+    "spas_sage_attn",  # SpargeAttn
+    "st_attn",
+    "vsa",
+    "sol_attn",
+    "svg",
+    "aiter",
+    "sgl_kernel_npu",
+    "triton",
+)
+
+
+@lru_cache(maxsize=None)
+def _module_installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError, AttributeError):
+        return False
+
+
+@dataclasses.dataclass(frozen=True)
+class Platform:
+    """One execution platform.
+
+    name: one of ``PLATFORM_NAMES``. device_type: the torch device type (``"cuda"`` for ROCm too).
+    capability: ``(major, minor)`` compute capability on CUDA, None elsewhere.
+    packages: import names of installed optional runtimes (None = look them up lazily).
+    """
+
+    name: str
+    device_type: str
+    capability: tuple[int, int] | None = None
+    device_name: str = ""
+    packages: frozenset[str] | None = None
+    simulated: bool = False
+
+    def has_package(self, module: str) -> bool:
+        if self.packages is not None:
+            return module in self.packages
+        return _module_installed(module)
+
+    def has_any(self, modules: Iterable[str]) -> str | None:
+        for m in modules:
+            if self.has_package(m):
+                return m
+        return None
+
+    @property
+    def sm(self) -> int | None:
+        """Compute capability as an integer (9.0 -> 90), or None."""
+        if self.capability is None:
+            return None
+        return self.capability[0] * 10 + self.capability[1]
+
+    def describe(self) -> str:
+        cap = f" SM{self.sm}" if self.sm is not None else ""
+        dev = f" ({self.device_name})" if self.device_name else ""
+        return f"{self.name}{cap}{dev}"
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name,
+            "device": self.device_type,
+            "capability": list(self.capability) if self.capability else None,
+        }
+
+    @classmethod
+    def simulate(
+        cls,
+        name: str,
+        capability: tuple[int, int] | None = None,
+        packages: Iterable[str] = (),
+        device_name: str = "",
+    ) -> "Platform":
+        """A platform that does not need the hardware: for tests and for ``plan`` dry runs."""
+        if name not in PLATFORM_NAMES:
+            from ditattn.errors import AttentionConfigError
+
+            raise AttentionConfigError(
+                f"unknown platform '{name}'; known platforms: {', '.join(PLATFORM_NAMES)}"
+            )
+        device_type = {"rocm": "cuda"}.get(name, name)
+        if name in ("cuda", "rocm") and capability is None:
+            capability = (9, 0) if name == "cuda" else (9, 4)
+        return cls(name, device_type, capability, device_name, frozenset(packages), True)
+
+
+def detect_platform(device: "str | None" = None) -> Platform:
+    """Detect the platform of ``device`` (default: the best accelerator the running PyTorch sees)."""
+    import torch
+
+    dev = torch.device(device) if device is not None else None
+    kind = dev.type if dev is not None else None
+    if kind in (None, "cuda") and torch.cuda.is_available():
+        idx = dev.index if dev is not None and dev.index is not None else torch.cuda.current_device()
+        cap = torch.cuda.get_device_capability(idx)
+        name = "rocm" if getattr(torch.version, "hip", None) else "cuda"
+        return Platform(name, "cuda", tuple(cap), torch.cuda.get_device_name(idx))
+    if kind == "cuda":
+        return Platform("cpu", "cpu")  # caller asked for CUDA without one; the device check reports it
+    for plat in ("xpu", "musa", "npu"):
+        mod = getattr(torch, plat, None)
+        if kind in (None, plat) and mod is not None and getattr(mod, "is_available", lambda: False)():
+            return Platform(plat, plat)
+    if kind in (None, "mps") and getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+        return Platform("mps", "mps")
+    return Platform("cpu", "cpu")
+
+
+_override: list[Platform] = []
+
+
+@lru_cache(maxsize=None)
+def _detected() -> Platform:
+    return detect_platform()
+
+
+def current_platform() -> Platform:
+    """The platform in force: a ``use_platform`` override, else the detected one."""
+    return _override[-1] if _override else _detected()
+
+
+def platform_for_device(device) -> Platform:
+    """The platform for tensors on ``device`` (a CPU tensor on a CUDA machine runs on the CPU)."""
+    import torch
+
+    dev = torch.device(device)
+    cur = current_platform()
+    if dev.type == cur.device_type or cur.simulated:
+        return cur
+    return Platform("cpu", "cpu") if dev.type == "cpu" else detect_platform(str(dev))
+
+
+@contextlib.contextmanager
+def use_platform(platform: Platform) -> Iterator[Platform]:
+    """Run a block as if on ``platform`` (tests; ``plan --platform`` dry runs)."""
+    _override.append(platform)
+    try:
+        yield platform
+    finally:
+        _override.pop()

@@ -1,0 +1,93 @@
+"""ditattn.attention() against a float64 reference at odd sizes (fp32 and bf16, GQA, LSE, bias)."""
+import pytest
+import torch
+
+import ditattn
+from ditattn import AttentionConfigError
+from ditattn.attention.backends.base import reference_attention
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _sdpa_err(q, k, v, ref, **kw):
+    """Error of plain PyTorch SDPA in the same dtype (the yardstick for low-precision kernels)."""
+    rep = q.shape[2] // k.shape[2]
+    kk, vv = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
+    o = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2), **kw)
+    return _rel(o.transpose(1, 2), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sq,skv,d,h,hkv", [(97, 97, 64, 4, 4), (255, 255, 80, 6, 2), (97, 131, 128, 4, 1)])
+@pytest.mark.parametrize("backend", [None, "torch_sdpa"])
+def test_matches_float64_reference(dtype, sq, skv, d, h, hkv, backend):
+    g = torch.Generator().manual_seed(sq * d + h)
+    q = torch.randn(2, sq, h, d, generator=g).to(dtype)
+    k = torch.randn(2, skv, hkv, d, generator=g).to(dtype)
+    v = torch.randn(2, skv, hkv, d, generator=g).to(dtype)
+    out, lse = ditattn.attention(q, k, v, backend=backend, return_lse=True)
+    ref, ref_lse = reference_attention(q, k, v, dtype=torch.float64)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert lse.shape == (2, h, sq) and lse.dtype == torch.float32
+    tol = 1e-5 if dtype == torch.float32 else 2 * _sdpa_err(q, k, v, ref) + 1e-3
+    assert _rel(out, ref) < tol
+    assert (lse.double() - ref_lse).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_causal_and_bias(dtype):
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 97, 4, 64, generator=g).to(dtype) for _ in range(3))
+    bias = torch.randn(1, 4, 97, 97, generator=g)
+    for kw in ({"causal": True}, {"attn_bias": bias}):
+        out, lse = ditattn.attention(q, k, v, return_lse=True, **kw)
+        ref, ref_lse = reference_attention(q, k, v, dtype=torch.float64, **kw)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert _rel(out, ref) < tol
+        assert (lse.double() - ref_lse).abs().max().item() < 1e-4
+
+
+def test_fa_on_cpu_is_substituted_and_correct():
+    q, k, v = (torch.randn(1, 33, 2, 64) for _ in range(3))
+    out = ditattn.attention(q, k, v, backend="fa4")
+    ref, _ = reference_attention(q, k, v, dtype=torch.float64)
+    assert _rel(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(q=torch.randn(2, 3, 4), k=torch.randn(2, 3, 4), v=torch.randn(2, 3, 4)), "4-D"),
+        (dict(q=torch.randn(1, 5, 3, 8), k=torch.randn(1, 5, 2, 8), v=torch.randn(1, 5, 2, 8)), "multiple"),
+        (dict(q=torch.randn(1, 5, 2, 8), k=torch.randn(1, 5, 2, 16), v=torch.randn(1, 5, 2, 16)), "head dims"),
+        (dict(q=torch.randn(1, 5, 2, 8), k=torch.randn(1, 5, 2, 8), v=torch.randn(1, 6, 2, 8)), "same shape"),
+        (dict(q=torch.randn(1, 5, 2, 8), k=torch.randn(1, 5, 2, 8).half(), v=torch.randn(1, 5, 2, 8).half()), "dtypes"),
+    ],
+)
+def test_bad_inputs_raise_clear_errors(kwargs, match):
+    with pytest.raises(AttentionConfigError, match=match):
+        ditattn.attention(kwargs["q"], kwargs["k"], kwargs["v"])
+
+
+def test_explicit_backend_that_cannot_run_here_explains():
+    q = torch.randn(1, 8, 2, 64)
+    with pytest.raises(AttentionConfigError, match="torch_cudnn_sdpa.*not supported on cpu"):
+        ditattn.attention(q, q, q, backend="cudnn_sdpa")
+    with pytest.raises(AttentionConfigError, match="unknown attention backend 'flashy'"):
+        ditattn.attention(q, q, q, backend="flashy")
+
+
+def test_video_shape_must_match_sequence():
+    q = torch.randn(1, 10, 2, 64)
+    with pytest.raises(AttentionConfigError, match="does not match the sequence length"):
+        ditattn.attention(q, q, q, video_shape=(1, 2, 4), text_len=1)
+
+
+def test_force_applies_to_automatic_calls():
+    q = torch.randn(1, 8, 2, 64)
+    with ditattn.global_force_attn_backend_context_manager("torch_cudnn_sdpa"):
+        with pytest.raises(AttentionConfigError, match="torch_cudnn_sdpa"):
+            ditattn.attention(q, q, q)
+    ditattn.attention(q, q, q)  # restored
