@@ -1,8 +1,8 @@
 """ditattn: a diffusion-transformer inference runtime with pluggable attention backends."""
+from ditattn import attention  # the callable package: ditattn.attention(q, k, v, ...)
 from ditattn.attention import (
     AttentionBackendEnum,
     LocalAttention,
-    attention,
     global_force_attn_backend,
     global_force_attn_backend_context_manager,
     parse_attention_backend_config,

@@ -21,6 +21,12 @@ from ditattn.errors import AttentionConfigError
 from ditattn.platforms import current_platform
 
 
+def _autotune():
+    from ditattn.attention import autotune
+
+    return autotune
+
+
 def _as_backend(x):
     return None if x is None else B.from_name(x)
 
@@ -78,7 +84,10 @@ class LocalAttention(nn.Module):
         self.component = component.name if component else None
         self.is_dit = component.is_dit if component else True
         self._platform = current_platform()
-        self.decision: Decision = select_backend(self.spec, component=component)
+        settings = current_settings()
+        self.decision: Decision = select_backend(self.spec, component=component, settings=settings)
+        # autotune only replaces automatic choices, never explicit/forced/required/CLI/component ones
+        self._autotune_pending = bool(settings.autotune) and self.decision.source == "auto"
         if component is not None:
             component.decisions.append(self.decision)
         self._bind(self.decision.backend)
@@ -123,6 +132,8 @@ class LocalAttention(nn.Module):
             if entry is not None:
                 backend, impl, config = entry
         if impl is None:
+            if self._autotune_pending and q.numel() >= _autotune().MIN_QUERY_ELEMENTS:
+                self._run_autotune(q, k, v, attn_bias)
             impl = self.impl
         if q.dtype not in self._ok_dtypes:
             self._check_dtype(q.dtype, backend)
@@ -136,6 +147,19 @@ class LocalAttention(nn.Module):
         )
         out, lse = impl(q, k, v, call, config)
         return (out, lse) if return_lse else out
+
+    def _run_autotune(self, q, k, v, attn_bias) -> None:
+        self._autotune_pending = False
+        at = _autotune()
+        req = self.spec.request()
+        req = type(req)(**{**req.__dict__, "dtype": q.dtype, "needs_bias": attn_bias is not None})
+        call = AttnCall(causal=self.causal, scale=self.scale, attn_bias=attn_bias)
+        with torch.no_grad():
+            res = at.tune(self.backend, req, self._platform, q, k, v, call)
+        at.log.info("%s.%s: %s", self.component, self.prefix, res.reason)
+        self.autotune_result = res
+        if res.chosen != self.backend:
+            self.rebind(res.chosen, "autotune", res.reason)
 
     def extra_repr(self) -> str:
         return f"heads={self.num_heads}, head_dim={self.head_dim}, role={self.role}, backend={self.backend.value}"

@@ -1,0 +1,127 @@
+"""Per-request override (DESIGN 2.7) and skip-softmax parameter validation (2.8), on a toy DiT."""
+import pytest
+import torch
+from torch import nn
+
+from ditattn import AttentionConfigError, LocalAttention
+from ditattn.attention.context import (
+    AttentionSettings,
+    attention_settings,
+    component_scope,
+    request_scope,
+)
+from ditattn.attention.names import AttentionBackendEnum as B
+from ditattn.attention.override import parse_skip_softmax, prepare_request_override
+from ditattn.platforms import Platform, use_platform
+
+CPU = Platform.simulate("cpu")
+
+
+class ToyDiT(nn.Module):
+    def __init__(self, heads=2, dim=32):
+        super().__init__()
+        self.attn1 = LocalAttention(heads, dim, role="self", prefix="blocks.0.attn1", dtype=torch.float32)
+        self.attn2 = LocalAttention(heads, dim, role="cross", prefix="blocks.0.attn2", dtype=torch.float32)
+
+    def forward(self, x, ctx):
+        return self.attn2(self.attn1(x, x, x), ctx, ctx)
+
+
+def build(settings=AttentionSettings(), platform=CPU):
+    with use_platform(platform), attention_settings(settings), component_scope("transformer"):
+        return ToyDiT()
+
+
+def prep(model, name=None, settings=AttentionSettings(), platform=CPU, **kw):
+    with use_platform(platform):
+        return prepare_request_override([model], name, settings, **kw)
+
+
+def test_override_applies_to_request_only_and_default_returns():
+    model = build()
+    seen = []
+    import ditattn.attention.backends.sage  # noqa: F401  (register the CPU reference)
+    from ditattn.attention.backends import base
+
+    real = base.get_impl(B.SAGE_ATTN)
+
+    def spy(q, k, v, call, cfg):
+        seen.append(call.layer_key)
+        return real(q, k, v, call, cfg)
+
+    state = prep(model, "sage_attn")
+    state.override_table = {k: (b, spy, c) for k, (b, _, c) in state.override_table.items()}
+    x, ctx = torch.randn(1, 16, 2, 32), torch.randn(1, 7, 2, 32)
+    with request_scope(state):
+        model(x, ctx)
+    assert seen == ["transformer.blocks.0.attn1", "transformer.blocks.0.attn2"]
+    seen.clear()
+    model(x, ctx)  # next request: server default (torch_sdpa), the spy is not called
+    assert seen == [] and model.attn1.backend == B.TORCH_SDPA
+
+
+@pytest.mark.parametrize("name,match", [
+    ("nope", "unknown attention backend 'nope'"),
+    ("sliding_tile_attn", "not a per-request drop-in"),
+    ("torch_cudnn_sdpa", "not a per-request drop-in"),
+    ("fa", "would run torch_sdpa instead"),
+    ("sage_attn_3", "cannot serve"),
+])
+def test_override_refusals(name, match):
+    with pytest.raises(AttentionConfigError, match=match):
+        prep(build(), name)
+
+
+def test_refused_under_compile_graphs_sparse_and_ring():
+    model = build()
+    with pytest.raises(AttentionConfigError, match="torch.compile"):
+        prep(model, "torch_sdpa", AttentionSettings(compiled=True))
+    with pytest.raises(AttentionConfigError, match="CUDA graphs"):
+        prep(model, "torch_sdpa", AttentionSettings(cuda_graphs=True))
+    sparse = build(AttentionSettings(backend=B.VIDEO_SPARSE_ATTN))
+    with pytest.raises(AttentionConfigError, match="sparse backend video_sparse_attn"):
+        prep(sparse, "torch_sdpa")
+    h200 = Platform.simulate("cuda", (9, 0), {"flash_attn.cute", "triton", "sageattn3"})
+    ring = AttentionSettings(ring_degree=2)
+    m = build(ring, h200)
+    with pytest.raises(AttentionConfigError, match="sage_attn_3.*LSE|needs a backend that returns the softmax LSE"):
+        prep(m, "sage_attn_3", ring, h200)
+
+
+def test_all_or_nothing():
+    """A refusal for one layer leaves no partial switch: nothing global changes."""
+    model = build()
+    before = (model.attn1.backend, model.attn2.backend)
+    with pytest.raises(AttentionConfigError):
+        prep(model, "fa")
+    assert (model.attn1.backend, model.attn2.backend) == before
+
+
+@pytest.mark.parametrize("value,match", [
+    ({}, "threshold_scale_factor is required"),
+    ({"threshold_scale_factor": 0}, "positive number"),
+    ({"threshold_scale_factor": -1.0}, "positive number"),
+    ({"threshold_scale_factor": "big"}, "positive number"),
+    ({"threshold_scale_factor": 10, "start_step": -1}, "start_step must be an integer >= 0"),
+    ({"threshold_scale_factor": 10, "start_step": 1.5}, "start_step must be an integer >= 0"),
+    ({"threshold_scale_factor": 10, "foo": 1}, "unknown key"),
+    ([1, 2], "must be an object"),
+])
+def test_skip_softmax_param_validation(value, match):
+    with pytest.raises(AttentionConfigError, match=match):
+        parse_skip_softmax(value)
+
+
+def test_skip_softmax_defaults():
+    p = parse_skip_softmax({"threshold_scale_factor": 500})
+    assert (p.threshold_scale_factor, p.start_step) == (500.0, 0)
+    assert parse_skip_softmax(None) is None
+
+
+def test_skip_softmax_refused_under_ring_and_compile():
+    model = build()
+    for settings, match in ((AttentionSettings(ring_degree=2), "ring attention"),
+                            (AttentionSettings(compiled=True), "torch.compile"),
+                            (AttentionSettings(cuda_graphs=True), "CUDA graphs")):
+        with pytest.raises(AttentionConfigError, match=match):
+            prep(model, None, settings, skip_softmax={"threshold_scale_factor": 10.0})
