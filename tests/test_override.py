@@ -125,3 +125,39 @@ def test_skip_softmax_refused_under_ring_and_compile():
                             (AttentionSettings(cuda_graphs=True), "CUDA graphs")):
         with pytest.raises(AttentionConfigError, match=match):
             prep(model, None, settings, skip_softmax={"threshold_scale_factor": 10.0})
+
+
+def test_skip_softmax_runs_reference_on_cpu_from_start_step():
+    from ditattn.attention.context import forward_context
+    from ditattn.attention.kernels.skip_softmax import skip_softmax_reference
+    from ditattn.attention.override import skipped_fraction
+
+    with use_platform(CPU), attention_settings(AttentionSettings()), component_scope("transformer"):
+        layer = LocalAttention(2, 128, role="self", prefix="blocks.0.attn1", dtype=torch.bfloat16)
+    model = nn.ModuleList([layer])
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 300, 2, 128, generator=g).bfloat16() for _ in range(3))
+    k[:, :150] *= 4  # make some tiles dominant so others fall under the threshold
+    state = prep(model, None, skip_softmax={"threshold_scale_factor": 5.0, "start_step": 2})
+    with request_scope(state):
+        with forward_context(step=0):
+            dense = layer(q, k, v)
+        with forward_context(step=2):
+            sparse = layer(q, k, v)
+    ref_dense = layer(q, k, v)
+    assert torch.equal(dense, ref_dense)
+    expect, _, frac = skip_softmax_reference(q, k, v, threshold_scale_factor=5.0)
+    assert torch.equal(sparse, expect)
+    assert frac > 0.2 and skipped_fraction(state) == pytest.approx(frac)
+    assert not torch.equal(sparse, dense)
+
+
+def test_skip_softmax_refusals_on_dtype_and_platform():
+    model = build()  # fp32 toy DiT, head dim 32
+    with pytest.raises(AttentionConfigError, match="float16 or bfloat16"):
+        prep(model, None, skip_softmax={"threshold_scale_factor": 10.0})
+    with pytest.raises(AttentionConfigError, match="SM90"):
+        prep(model, None, platform=Platform.simulate("mps"), skip_softmax={"threshold_scale_factor": 10.0})
+    with pytest.raises(AttentionConfigError, match="SM90"):
+        prep(model, None, platform=Platform.simulate("cuda", (8, 0), {"triton"}),
+             skip_softmax={"threshold_scale_factor": 10.0})

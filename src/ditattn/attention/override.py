@@ -134,46 +134,77 @@ def parse_skip_softmax(value) -> Optional[SkipSoftmaxParams]:
     return SkipSoftmaxParams(float(tsf), int(start))
 
 
-SKIP_SOFTMAX_HEAD_DIMS = (128, 256)
+SKIP_SOFTMAX_SM = (90, 100, 103, 107)
+
+
+def skip_softmax_platform_reasons(platform) -> list[str]:
+    """Why skip softmax cannot run on ``platform`` (Triton kernel on Hopper/Blackwell; PyTorch
+    reference of the same tile rule on the CPU)."""
+    if platform.name == "cpu":
+        return []
+    if platform.name == "cuda" and platform.sm in SKIP_SOFTMAX_SM and platform.has_package("triton"):
+        return []
+    where = f"{platform.name}" + (f" SM{platform.sm}" if platform.sm else "")
+    return [f"skip softmax needs Hopper SM90 or Blackwell SM100/SM103/SM107 with Triton (this is {where}); "
+            "the CPU runs its reference path"]
 
 
 def _install_skip_softmax(layers, ss: SkipSoftmaxParams, settings, table, platform, dtype) -> None:
-    if settings.ring_degree > 1:
-        _refuse("skip_softmax_params is refused: ring attention merges partial softmax states and cannot "
-                "skip tiles; use Ulysses sequence parallelism")
+    from ditattn.attention.kernels import skip_softmax as kernel
+
     if settings.compiled:
-        _refuse("skip_softmax_params is refused: the server runs under torch.compile")
+        _refuse("skip_softmax_params is refused: the server runs under torch.compile, which bakes the "
+                "attention kernel into the traced graph")
     if settings.cuda_graphs:
         _refuse("skip_softmax_params is refused: the server runs captured CUDA graphs")
-    try:
-        from ditattn.attention.kernels import skip_softmax as kernel
-    except ImportError:
-        kernel = None
-    if kernel is None or not hasattr(kernel, "supported_reasons"):
-        _refuse("skip_softmax_params is refused: this build has no skip-softmax kernel")
+    reasons = skip_softmax_platform_reasons(platform)
+    if reasons:
+        _refuse("skip_softmax_params is refused: " + "; ".join(reasons))
     self_layers = [l for l in layers if l.role == "self"]
     if not self_layers:
         _refuse("skip_softmax_params is refused: the model has no DiT self-attention layer")
     for layer in self_layers:
-        run_dtype = dtype or layer.spec.dtype
-        reasons = list(kernel.supported_reasons(platform, run_dtype, layer.head_dim))
-        if layer.spec.needs_bias or layer.causal:
-            reasons.append("the layer uses an attention mask")
-        if reasons:
-            _refuse(f"skip_softmax_params is refused for {layer.component}.{layer.prefix}: " + "; ".join(reasons))
+        try:
+            kernel.check_skip_softmax_request(
+                dtype=dtype or layer.spec.dtype, head_dim=layer.head_dim, role=layer.role,
+                has_mask=layer.spec.needs_bias, causal=layer.causal, ring_degree=settings.ring_degree,
+                threshold_scale_factor=ss.threshold_scale_factor, start_step=ss.start_step,
+            )
+        except AttentionConfigError as exc:
+            _refuse(f"skip_softmax_params is refused for {layer.component}.{layer.prefix}: {exc}")
         base_backend, base_impl, base_cfg = table.get(id(layer)) or (layer.backend, layer.impl, layer.config)
         table[id(layer)] = (base_backend, _skip_softmax_impl(kernel, ss, base_impl, base_cfg), base_cfg)
 
 
 def _skip_softmax_impl(kernel, ss: SkipSoftmaxParams, dense_impl, dense_cfg):
+    """A backend impl that runs skip softmax from ``start_step`` on and the layer's dense backend
+    before it; each sparse call appends its skipped-tile fraction to the request's stats."""
+    from ditattn.attention.context import current_request
+
     def impl(q, k, v, call: AttnCall, config):
         if call.step is not None and call.step < ss.start_step:
             return dense_impl(q, k, v, call, dense_cfg)
         if call.attn_bias is not None or call.causal:
             raise AttentionConfigError("skip softmax cannot run with an attention mask")
-        return kernel.skip_softmax_attention(
-            q, k, v, threshold_scale_factor=ss.threshold_scale_factor, scale=call.scale,
-            return_lse=call.return_lse, stats_key=call.layer_key,
-        )
+        if q.is_cuda:
+            out, lse, frac = kernel.skip_softmax_attention(
+                q, k, v, threshold_scale_factor=ss.threshold_scale_factor, scale=call.scale,
+                return_lse=call.return_lse)
+        else:
+            out, lse, frac = kernel.skip_softmax_reference(
+                q, k, v, threshold_scale_factor=ss.threshold_scale_factor, scale=call.scale,
+                return_lse=call.return_lse)
+        state = current_request()
+        if state is not None:
+            state.stats.setdefault("skip_softmax_fractions", []).append(frac)
+        return out, lse
 
     return impl
+
+
+def skipped_fraction(state: RequestState) -> Optional[float]:
+    """Mean fraction of tiles skipped over the request's skip-softmax calls (None if none ran)."""
+    fr = state.stats.get("skip_softmax_fractions") if state is not None else None
+    if not fr:
+        return None
+    return float(sum(float(f) for f in fr) / len(fr))

@@ -1,0 +1,156 @@
+"""End-to-end DiT step: the native Wan transformer against diffusers' WanTransformer3DModel.
+
+Builds the Wan2.1 architecture (1.3B by default; ``--arch 14b``) with random weights, loads the
+SAME weights into both models, checks the outputs agree within bf16 tolerance and times one DiT
+forward of each side by side (CUDA events, warm-up first, median of --repeats), for diffusers'
+default attention and ours with several backends.
+
+    python bench/e2e.py --arch 1.3b --res 480p --out $OUT/e2e.json
+
+Prints a short table last; writes every figure to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+ARCH = {
+    "1.3b": dict(num_attention_heads=12, attention_head_dim=128, ffn_dim=8960, num_layers=30),
+    "14b": dict(num_attention_heads=40, attention_head_dim=128, ffn_dim=13824, num_layers=40),
+}
+RES = {"480p": (480, 832), "720p": (720, 1280)}
+
+
+def median_ms(fn, warmup=2, repeats=5):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", default="1.3b", choices=sorted(ARCH))
+    ap.add_argument("--res", default="480p", choices=sorted(RES))
+    ap.add_argument("--frames", type=int, default=81)
+    ap.add_argument("--text-len", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--backends", default="auto,fa,torch_cudnn_sdpa,video_sparse_attn:sparsity=0.9",
+                    help="comma list of ours; name:k=v;k=v for a config")
+    ap.add_argument("--diffusers-backends", default="native,_native_cudnn")
+    ap.add_argument("--compile", action="store_true", help="also time ours with torch.compile of non-attention parts")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    from diffusers import WanTransformer3DModel
+
+    from ditattn.attention.config import parse_attention_backend_config
+    from ditattn.attention.context import AttentionSettings, attention_settings, component_scope, forward_context
+    from ditattn.attention.names import AttentionBackendEnum as B
+    from ditattn.models.wan.transformer import KEEP_FP32, WanTransformer, WanTransformerConfig, cast_model
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    cfg = dict(patch_size=(1, 2, 2), in_channels=16, out_channels=16, text_dim=4096, freq_dim=256,
+               cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
+               **ARCH[args.arch])
+    torch.manual_seed(0)
+    t0 = time.time()
+    ref = WanTransformer3DModel(**cfg)
+    sd = ref.state_dict()
+    cast_model(ref, dt, KEEP_FP32).to(dev).eval()
+    h, w = RES[args.res]
+    lat_f = (args.frames - 1) // 4 + 1
+    g = torch.Generator(device=dev).manual_seed(1)
+    x = torch.randn(1, 16, lat_f, h // 8, w // 8, device=dev, generator=g, dtype=dt)
+    t = torch.tensor([500.0], device=dev)
+    txt = torch.randn(1, args.text_len, 4096, device=dev, generator=g, dtype=dt)
+    grid = (lat_f, h // 16, w // 16)
+    seq = grid[0] * grid[1] * grid[2]
+    print(f"arch {args.arch} res {args.res} frames {args.frames} grid {grid} S={seq} built in {time.time() - t0:.1f}s",
+          flush=True)
+    results = {"arch": args.arch, "res": args.res, "frames": args.frames, "seq": seq, "grid": grid, "rows": []}
+
+    with torch.no_grad():
+        ref_out = None
+        for name in [s for s in args.diffusers_backends.split(",") if s]:
+            try:
+                ref.set_attention_backend(name)
+                fn = lambda: ref(hidden_states=x, timestep=t, encoder_hidden_states=txt, return_dict=False)[0]
+                out = fn()
+                ms = median_ms(fn, repeats=args.repeats)
+                if ref_out is None:
+                    ref_out = out.float()
+                results["rows"].append({"side": "diffusers", "backend": name, "ms": ms, "rel_err": rel(out, ref_out)})
+                print(f"diffusers {name:<22} {ms:8.1f} ms", flush=True)
+            except Exception as exc:  # a diffusers backend missing here is reported, not fatal
+                results["rows"].append({"side": "diffusers", "backend": name, "error": str(exc)[:300]})
+                print(f"diffusers {name}: {exc}", flush=True)
+        base_ms = next(r["ms"] for r in results["rows"] if "ms" in r)
+        ref.cpu()
+        del ref
+        torch.cuda.empty_cache()
+
+        for spec in [s for s in args.backends.split(",") if s]:
+            name, _, cfg_txt = spec.partition(":")
+            backend = None if name == "auto" else B.from_name(name)
+            settings = AttentionSettings(backend=backend, config=parse_attention_backend_config(cfg_txt.replace(";", ",")))
+            try:
+                with attention_settings(settings), component_scope("transformer"):
+                    model = WanTransformer(WanTransformerConfig.from_dict(cfg), dtype=dt)
+                model.load_state_dict(sd, strict=True)
+                cast_model(model, dt, KEEP_FP32).to(dev).eval()
+                chosen = sorted({m.backend.value for m in model.modules() if hasattr(m, "backend") and hasattr(m, "role")})
+                variants = [("eager", model)]
+                if args.compile:
+                    from ditattn.models.wan.compile import compile_blocks  # optional helper
+
+                    variants.append(("compiled", compile_blocks(model)))
+                for label, m in variants:
+                    fn = lambda: m(x, t, txt)
+                    with forward_context(step=10**6, num_steps=10**6):  # past any dense warm-up steps
+                        out = fn()
+                        ms = median_ms(fn, repeats=args.repeats)
+                    err = rel(out, ref_out)
+                    row = {"side": "ditattn", "backend": spec, "variant": label, "chosen": chosen, "ms": ms,
+                           "speedup_vs_diffusers_default": base_ms / ms, "rel_err_vs_diffusers": err}
+                    results["rows"].append(row)
+                    print(f"ditattn  {spec:<22} {label:<8} {ms:8.1f} ms  {base_ms / ms:5.2f}x  err {err:.2e}  {chosen}",
+                          flush=True)
+                del model
+                torch.cuda.empty_cache()
+            except Exception as exc:
+                results["rows"].append({"side": "ditattn", "backend": spec, "error": f"{type(exc).__name__}: {exc}"[:400]})
+                print(f"ditattn  {spec}: {type(exc).__name__}: {exc}", flush=True)
+
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(results, fh, indent=2)
+    print("\nside      backend                variant    ms      vs diffusers default   rel err")
+    for r in results["rows"]:
+        if "ms" in r:
+            print(f"{r['side']:<9} {r['backend']:<22} {r.get('variant', ''):<8} {r['ms']:8.1f} "
+                  f"{r.get('speedup_vs_diffusers_default', 1.0):8.2f}x {r.get('rel_err_vs_diffusers', r.get('rel_err', 0)):.2e}")
+
+
+if __name__ == "__main__":
+    main()
