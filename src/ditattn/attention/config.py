@@ -89,7 +89,8 @@ def parse_attention_backend_config(value: "str | dict | None") -> dict:
     if not text:
         return {}
     lower = text.lower()
-    if lower.endswith((".json", ".yaml", ".yml")) or os.path.isfile(text):
+    # a path ending in .json inside k=v pairs (mask_strategy_file_path=/x/m.json) is not a config file
+    if (lower.endswith((".json", ".yaml", ".yml")) and "=" not in text) or os.path.isfile(text):
         if not os.path.isfile(text):
             raise AttentionConfigError(f"attention backend config file not found: {text}")
         with open(text, encoding="utf-8") as fh:
@@ -328,7 +329,7 @@ SCHEMAS: dict[str, tuple[Param, ...]] = {
     ),
     "sla_attn": (
         P("topk", "float", 0.2, "Fraction of key blocks per query block computed exactly (critical)", check=_in(0.0, 1.0, lo_open=True), accepted="a number in (0, 1]"),
-        P("negligible_fraction", "float", 0.0, "Fraction of key blocks skipped outright (lowest mass); the rest go through the linear branch", check=_in(0.0, 1.0), accepted="a number in [0, 1)"),
+        P("negligible_fraction", "float", 0.0, "Fraction of key blocks skipped outright (lowest mass); the rest go through the linear branch", check=_in(0.0, 1.0, hi_open=True), accepted="a number in [0, 1)"),
         P("block_size", "int", 64, "Block size in tokens", choices=(32, 64, 128)),
     ),
     "sparse_video_gen_2_attn": (

@@ -32,7 +32,8 @@ class AttnCall:
     come first, in T-major order); text_len: text tokens that follow the video tokens in the same
     sequence (joint attention); step: denoising step index; num_steps: total steps of the run;
     layer_idx: DiT block index; layer_key: a stable name of the calling layer (for per-layer state
-    such as STA search statistics).
+    such as STA search statistics); head_offset: global index of q's first head when the call sees
+    a head shard (Ulysses), so per-head schedules (STA windows) pick the right heads.
     """
 
     causal: bool = False
@@ -45,6 +46,7 @@ class AttnCall:
     layer_idx: Optional[int] = None
     return_lse: bool = False
     layer_key: Optional[str] = None
+    head_offset: int = 0  # index of this call's first head in the layer's full head set (Ulysses shards)
 
 
 Impl = Callable[[Tensor, Tensor, Tensor, AttnCall, dict], "tuple[Tensor, Optional[Tensor]]"]

@@ -23,10 +23,11 @@ Implementations (``impl``):
   (compiled on CUDA, eager elsewhere — eager is O(S^2) memory, for tests only).
 * ``"triton"`` — ``ditattn.attention.kernels.block_sparse_triton.block_sparse_attention_triton``
   (imported lazily, CUDA tensors only), called with the same arguments as this function minus
-  ``impl``: k/v already expanded to q's head count, lists contiguous int32 ``[B, H, ...]``,
+  ``impl``: k/v with their own (GQA) head count, lists contiguous int32 ``[B, H, ...]``,
   ``kv_valid`` None or ``[B, S_kv]``.
-* ``"auto"`` — triton on CUDA when importable (and the call fits it: 2-D or no ``kv_valid``, a
-  supported block size), else flex on CUDA; reference on CPU.
+* ``"auto"`` — triton on CUDA when importable and the call fits it (fp16/bf16, the module's
+  ``SUPPORTED_BLOCK_SIZES`` / ``SUPPORTED_HEAD_DIMS``, no per-head ``kv_valid``), else flex on
+  CUDA; reference on CPU.
 """
 from __future__ import annotations
 
@@ -156,9 +157,6 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, kv_indices: Tensor, 
     _check(q, k, v, kv_indices, kv_counts, block_size, kv_valid)
     B, Sq, H, D = q.shape
     scale = D ** -0.5 if scale is None else float(scale)
-    k, v = expand_kv(k, v, H)
-    kv_indices = kv_indices.expand(B, H, -1, -1)
-    kv_counts = kv_counts.expand(B, H, -1)
     if impl == "auto":
         impl = _auto_impl(q, block_size, kv_valid)
     if impl == "triton":
@@ -169,8 +167,12 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, kv_indices: Tensor, 
             raise AttentionConfigError(f"the Triton block-sparse kernel ({_TRITON_MODULE}) is not available in this build")
         if kv_valid is not None and kv_valid.dim() == 3:
             raise AttentionConfigError("the Triton block-sparse kernel takes kv_valid [B, S_kv] only; use impl='flex'")
-        return fn(q, k, v, kv_indices.to(torch.int32).contiguous(), kv_counts.to(torch.int32).contiguous(),
+        # the kernel serves grouped-query attention and broadcast (B or H = 1) lists itself
+        return fn(q, k, v, kv_indices.to(torch.int32), kv_counts.to(torch.int32),
                   block_size=block_size, scale=scale, kv_valid=kv_valid, return_lse=return_lse)
+    kv_indices = kv_indices.expand(B, H, -1, -1)
+    kv_counts = kv_counts.expand(B, H, -1)
+    k, v = expand_kv(k, v, H)
     if impl == "flex":
         return _flex(q, k, v, kv_indices, kv_counts, block_size, scale, kv_valid, return_lse)
     return _reference(q, k, v, kv_indices, kv_counts, block_size, scale, kv_valid, return_lse)
@@ -200,20 +202,22 @@ def _load_triton():
     return _triton_fn
 
 
-def _triton_fits(block_size: int, kv_valid) -> bool:
+def _triton_fits(q: Tensor, block_size: int, kv_valid) -> bool:
+    """Whether the Triton kernel serves this call (dtype, head dim, block size, 2-D kv_valid)."""
     if kv_valid is not None and kv_valid.dim() == 3:
         return False
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return False
     mod = importlib.import_module(_TRITON_MODULE)
-    sizes = getattr(mod, "SUPPORTED_BLOCK_SIZES", None)
-    if sizes is not None:
-        return block_size in sizes
-    return block_size >= 16 and block_size & (block_size - 1) == 0
+    sizes = getattr(mod, "SUPPORTED_BLOCK_SIZES", (16, 32, 64, 128))
+    dims = getattr(mod, "SUPPORTED_HEAD_DIMS", (16, 32, 64, 128, 256))
+    return block_size in sizes and q.shape[-1] in dims
 
 
 def _auto_impl(q: Tensor, block_size: int, kv_valid) -> str:
     if not q.is_cuda:
         return "reference"
-    if _load_triton() is not None and _triton_fits(block_size, kv_valid):
+    if _load_triton() is not None and _triton_fits(q, block_size, kv_valid):
         return "triton"
     return "flex"
 
@@ -288,28 +292,47 @@ def _flex_fn(device: torch.device):
 
 def build_flex_block_mask(kv_indices: Tensor, kv_counts: Tensor, *, block_size: int, seq_len_q: int,
                           seq_len_kv: int, kv_valid: Optional[Tensor] = None, device=None):
-    """A FlexAttention ``BlockMask`` equal to the block lists (and ``kv_valid`` padding)."""
+    """A FlexAttention ``BlockMask`` equal to the block lists (and ``kv_valid`` padding).
+
+    Key blocks whose keys are all valid go into the "full" lists (no mask evaluation in the fused
+    kernel), the others into the partial lists.  The ``mask_mod`` encodes the whole token mask
+    (block membership and key validity) because eager FlexAttention evaluates it everywhere.
+    """
     from torch.nn.attention.flex_attention import BlockMask
 
     device = torch.device(device) if device is not None else kv_indices.device
     nk = seq_len_kv // block_size
-    B, H, nq, m = kv_indices.shape
-    ind = torch.zeros(B, H, nq, nk, dtype=torch.int32, device=device)
-    ind[..., :m] = kv_indices.to(device=device, dtype=torch.int32)
-    cnt = kv_counts.to(device=device, dtype=torch.int32).contiguous()
+    B, H = kv_indices.shape[:2]
+    bm = lists_to_block_mask(kv_indices.to(device), kv_counts.to(device), nk)  # [B,H,nq,nk]
     if kv_valid is None:
-        zeros = torch.zeros_like(cnt)
-        return BlockMask.from_kv_blocks(zeros, ind.clone(), cnt, ind, BLOCK_SIZE=block_size,
-                                        seq_lengths=(seq_len_q, seq_len_kv))
-    valid = kv_valid.to(device)
-    if valid.dim() == 2:
+        full_bm = bm
+        valid = None
+    else:
+        valid = kv_valid.to(device)
+        vb = valid.view(*valid.shape[:-1], nk, block_size).all(-1)  # [B,nk] or [B,H,nk]
+        vb = vb.unsqueeze(1) if vb.dim() == 2 else vb
+        full_bm = bm & vb.unsqueeze(2)
+    part_bm = bm & ~full_bm
+
+    def pad_lists(mask):
+        idx, cnt = block_mask_to_lists(mask)
+        ind = torch.zeros(*idx.shape[:3], nk, dtype=torch.int32, device=device)
+        ind[..., :idx.shape[-1]] = idx
+        return cnt, ind
+
+    full_cnt, full_ind = pad_lists(full_bm)
+    part_cnt, part_ind = pad_lists(part_bm)
+    if valid is None:
         def mask_mod(b, h, q_idx, kv_idx):
-            return valid[b, kv_idx]
+            return bm[b, h, q_idx // block_size, kv_idx // block_size]
+    elif valid.dim() == 2:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return bm[b, h, q_idx // block_size, kv_idx // block_size] & valid[b, kv_idx]
     else:
         def mask_mod(b, h, q_idx, kv_idx):
-            return valid[b, h, kv_idx]
-    return BlockMask.from_kv_blocks(cnt, ind, BLOCK_SIZE=block_size, mask_mod=mask_mod,
-                                    seq_lengths=(seq_len_q, seq_len_kv))
+            return bm[b, h, q_idx // block_size, kv_idx // block_size] & valid[b, h, kv_idx]
+    return BlockMask.from_kv_blocks(part_cnt, part_ind, full_cnt, full_ind, BLOCK_SIZE=block_size,
+                                    mask_mod=mask_mod, seq_lengths=(seq_len_q, seq_len_kv))
 
 
 def _flex(q, k, v, kv_indices, kv_counts, bs, scale, kv_valid, return_lse):
@@ -319,37 +342,70 @@ def _flex(q, k, v, kv_indices, kv_counts, bs, scale, kv_valid, return_lse):
                                seq_len_q=Sq, seq_len_kv=Skv, kv_valid=kv_valid, device=q.device)
     fn = _flex_fn(q.device)
     qh, kh, vh = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    # the fused kernel's tiles must divide the mask's blocks (its defaults are 128 x 64)
+    kopt = {"BLOCK_M": bs, "BLOCK_N": bs} if q.is_cuda and bs < 128 else None
     if return_lse:
         try:
             from torch.nn.attention.flex_attention import AuxRequest
 
-            out, aux = fn(qh, kh, vh, block_mask=bm, scale=scale, return_aux=AuxRequest(lse=True))
+            out, aux = fn(qh, kh, vh, block_mask=bm, scale=scale, kernel_options=kopt,
+                          return_aux=AuxRequest(lse=True))
             lse = aux.lse
         except ImportError:  # older torch
-            out, lse = fn(qh, kh, vh, block_mask=bm, scale=scale, return_lse=True)
+            out, lse = fn(qh, kh, vh, block_mask=bm, scale=scale, kernel_options=kopt, return_lse=True)
         out = out.transpose(1, 2)
         # FlexAttention's empty rows: lse -inf, output zero
         return out.to(q.dtype), lse.to(torch.float32)
-    out = fn(qh, kh, vh, block_mask=bm, scale=scale)
+    out = fn(qh, kh, vh, block_mask=bm, scale=scale, kernel_options=kopt)
     return out.transpose(1, 2).to(q.dtype), None
 
 
+def _pick_block(n: int) -> int:
+    for cand in (128, 64, 32, 16, 8, 4, 2):
+        if n % cand == 0:
+            return cand
+    return 1
+
+
 def dense_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[float] = None,
-                    return_lse: bool = False) -> tuple[Tensor, Optional[Tensor]]:
-    """Dense non-causal attention for the dense phases of sparse backends: PyTorch SDPA (``[B, S,
-    H, D]`` in/out, GQA allowed); with ``return_lse`` the exact blocked reference (one block)."""
+                    return_lse: bool = False, backend: Optional[str] = None) -> tuple[Tensor, Optional[Tensor]]:
+    """Dense non-causal attention for the dense phases of sparse backends (``[B, S, H, D]`` in and
+    out, GQA allowed).
+
+    ``backend``: a dense backend name served through ``ditattn.attention.functional.attention``
+    when that module exists (else PyTorch SDPA).  Without ``backend``: PyTorch SDPA, or — when
+    ``return_lse`` is set — the exact blocked reference (CPU) / FlexAttention (CUDA) with every
+    block attended.
+    """
+    if backend is not None:
+        fn = _functional_attention()
+        if fn is not None:
+            res = fn(q, k, v, backend=backend, scale=scale, return_lse=return_lse)
+            if isinstance(res, tuple):
+                return res[0], (res[1] if return_lse else None)
+            return res, None
     H = q.shape[2]
     if return_lse:
         k2, v2 = expand_kv(k, v, H)
-        S = q.shape[1]
-        Skv = k2.shape[1]
-        g = math.gcd(S, Skv)
-        idx, cnt = full_lists(1, 1, S // g, Skv // g, device=q.device)
-        return block_sparse_attention(q, k2, v2, idx, cnt, block_size=g, scale=scale, return_lse=True,
-                                      impl="reference" if not q.is_cuda else "flex")
+        bs = _pick_block(math.gcd(q.shape[1], k2.shape[1]))
+        idx, cnt = full_lists(1, 1, q.shape[1] // bs, k2.shape[1] // bs, device=q.device)
+        return block_sparse_attention(q, k2, v2, idx, cnt, block_size=bs, scale=scale, return_lse=True,
+                                      impl="flex" if q.is_cuda else "reference")
     import torch.nn.functional as F
 
     gqa = k.shape[2] != H
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                          scale=scale, enable_gqa=gqa)
     return out.transpose(1, 2), None
+
+
+def _functional_attention():
+    """``ditattn.attention.functional.attention`` if that module exists in this build, else None."""
+    name = "ditattn.attention.functional"
+    try:
+        mod = importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name in (name, "ditattn.attention.functional"):
+            return None
+        raise
+    return getattr(mod, "attention", None)

@@ -185,8 +185,16 @@ class TileLayout:
                     self._device_cache[key] = got
         return got
 
-    def kv_valid(self, batch: int, device=None) -> Tensor:
-        """Key validity ``[batch, padded_len]`` bool (a broadcast view; do not write to it)."""
+    @property
+    def has_padding(self) -> bool:
+        """True when some tiled position is padding (then keys need the validity mask)."""
+        return self.padded_len != self.seq_len
+
+    def kv_valid(self, batch: int, device=None) -> Optional[Tensor]:
+        """Key validity ``[batch, padded_len]`` bool (a broadcast view; do not write to it), or
+        None when the layout has no padding (every key valid: the kernels skip the mask)."""
+        if not self.has_padding:
+            return None
         valid = self.on(device or "cpu").valid
         return valid.unsqueeze(0).expand(batch, -1)
 

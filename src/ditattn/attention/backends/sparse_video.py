@@ -1,0 +1,264 @@
+"""Backend implementations of the sparse video backends on the in-tree sparse engine.
+
+Registers ``sliding_tile_attn``, ``video_sparse_attn``, ``sparge_attn``, ``vmoba_attn``,
+``sparse_video_gen_2_attn``, ``sla_attn``, ``sage_sla_attn`` and ``sol_attn`` (contract:
+:mod:`ditattn.attention.backends.base`).  Common rules:
+
+* self-attention over ``call.video_shape = (T, H, W)`` latent tokens (T-major) followed by
+  ``call.text_len`` text tokens; ``video_shape`` None, a length that does not match, causal
+  attention, an additive bias or cross-attention (different q/kv lengths) raise
+  :class:`AttentionConfigError` (``sparge_attn`` instead runs dense SDPA on shapes it does not
+  sparsify, as the seed says);
+* text tokens attend and are attended by everything; GQA K/V heads are expanded;
+* ``call.step`` None counts as a sparse step, ``call.layer_idx`` None as layer 0;
+* dense phases (``skip_time_steps``, ``first_full_step``, ``dense_steps``, ``dense_layers``, ...)
+  run PyTorch SDPA (``sol_attn``: its ``dense_backend``);
+* each call records its kept block fraction in ``ditattn.attention.sparse.last_stats``.
+
+``DITATTN_BLOCK_SPARSE_IMPL`` (``auto``/``reference``/``flex``/``triton``) overrides the core's
+kernel choice (benchmarks, debugging).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from ditattn.attention.backends.base import AttnCall, expand_kv, register
+from ditattn.attention.config import parse_layer_list, schema_for, validate_backend_config
+from ditattn.attention.names import AttentionBackendEnum as B
+from ditattn.attention.sparse import record_stats, stats_key
+from ditattn.attention.sparse.block_sparse import dense_attention
+from ditattn.attention.sparse.sla import sla_attention
+from ditattn.attention.sparse.sol import sol_attention
+from ditattn.attention.sparse.sparge import sparge_applies, sparge_attention
+from ditattn.attention.sparse.sta import (
+    flush_sta_search,  # noqa: F401  (re-exported for callers that end a calibration run)
+    get_search,
+    load_mask_strategy,
+    parse_candidates,
+    sliding_tile_attention,
+    sta_search_attention,
+)
+from ditattn.attention.sparse.svg2 import svg2_attention
+from ditattn.attention.sparse.vmoba import vmoba_attention, vmoba_layer_mode
+from ditattn.attention.sparse.vsa import video_sparse_attention
+from ditattn.errors import AttentionConfigError
+
+Tensor = torch.Tensor
+
+SEARCH_MODES = ("STA_searching", "STA_tuning", "STA_tuning_cfg")
+
+
+def _impl() -> str:
+    return os.environ.get("DITATTN_BLOCK_SPARSE_IMPL", "auto")
+
+
+def _config(backend: B, config: Optional[dict]) -> dict:
+    """The backend's full config: ``config`` as given when it already holds every schema key
+    (validated by the selector), else validated here with defaults filled in."""
+    config = dict(config or {})
+    names = [p.name for p in schema_for(backend)]
+    if all(n in config for n in names):
+        return config
+    return validate_backend_config(backend, config, strict_unknown=False)
+
+
+def _check_call(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall) -> tuple[tuple[int, int, int], int]:
+    if call.causal:
+        raise AttentionConfigError(f"{name}: sparse video attention is non-causal; causal attention is not supported")
+    if call.attn_bias is not None:
+        raise AttentionConfigError(f"{name}: does not accept an additive attention bias/mask")
+    if q.shape[1] != k.shape[1]:
+        raise AttentionConfigError(
+            f"{name}: sparse video attention needs self-attention (q has {q.shape[1]} tokens, k/v {k.shape[1]}); "
+            "cross-attention is served by a dense backend"
+        )
+    if call.video_shape is None:
+        raise AttentionConfigError(f"{name}: sparse video attention needs the latent grid video_shape=(T,H,W)")
+    try:
+        T, H, W = (int(x) for x in call.video_shape)
+    except (TypeError, ValueError):
+        raise AttentionConfigError(
+            f"{name}: video_shape must be three positive integers (T, H, W), got {call.video_shape!r}") from None
+    if min(T, H, W) <= 0:
+        raise AttentionConfigError(f"{name}: video_shape must be three positive integers (T, H, W), got {call.video_shape!r}")
+    text_len = int(call.text_len or 0)
+    if T * H * W + text_len != q.shape[1]:
+        raise AttentionConfigError(
+            f"{name}: sequence length {q.shape[1]} != T*H*W + text_len = {T}*{H}*{W} + {text_len} "
+            f"= {T * H * W + text_len} (video_shape={call.video_shape})"
+        )
+    return (T, H, W), text_len
+
+
+def _key(name: str, call: AttnCall) -> str:
+    return stats_key(name, call.layer_key, call.layer_idx)
+
+
+def _dense(name: str, q, k, v, call: AttnCall, reason: str, backend: Optional[str] = None):
+    record_stats(_key(name, call), backend=name, kept_fraction=1.0, dense=True, reason=reason,
+                 step=call.step, layer_idx=call.layer_idx)
+    return dense_attention(q, k, v, scale=call.scale, return_lse=call.return_lse, backend=backend)
+
+
+def _sparse_done(name: str, call: AttnCall, plan, **extra):
+    record_stats(_key(name, call), backend=name, kept_fraction=plan.kept_fraction, dense=False, reason="",
+                 step=call.step, layer_idx=call.layer_idx, **extra)
+
+
+def _layer(call: AttnCall) -> int:
+    return 0 if call.layer_idx is None else int(call.layer_idx)
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+@register(B.SLIDING_TILE_ATTN)
+def sliding_tile_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
+    name = B.SLIDING_TILE_ATTN.value
+    cfg = _config(B.SLIDING_TILE_ATTN, config)
+    vs, text_len = _check_call(name, q, k, v, call)
+    k, v = expand_kv(k, v, q.shape[2])
+    mode = cfg["sta_mode"]
+    path = cfg["mask_strategy_file_path"]
+    tile_size = tuple(cfg.get("tile_size") or (4, 4, 4))
+    strategy = load_mask_strategy(path) if mode == "STA_inference" else None
+    if call.step is not None and call.step < cfg["skip_time_steps"]:
+        return _dense(name, q, k, v, call, f"step {call.step} < skip_time_steps {cfg['skip_time_steps']}")
+    head_offset = int(getattr(call, "head_offset", 0) or 0)
+    if mode in SEARCH_MODES:
+        search = get_search(path, mode, parse_candidates(cfg.get("window_candidates")))
+        out, lse = sta_search_attention(q, k, v, video_shape=vs, search=search,
+                                        step=0 if call.step is None else int(call.step), layer=_layer(call),
+                                        head_offset=head_offset, tile_size=tile_size, text_len=text_len,
+                                        scale=call.scale, return_lse=call.return_lse, impl=_impl())
+        record_stats(_key(name, call), backend=name, kept_fraction=1.0, dense=True,
+                     reason=f"{mode}: full attention returned, candidates measured", step=call.step,
+                     layer_idx=call.layer_idx)
+        return out, lse
+    windows = strategy.windows(call.step, _layer(call), q.shape[2], head_offset)
+    out, lse, plan = sliding_tile_attention(q, k, v, video_shape=vs, windows=windows, tile_size=tile_size,
+                                            text_len=text_len, scale=call.scale, return_lse=call.return_lse,
+                                            impl=_impl())
+    _sparse_done(name, call, plan, windows=windows.tolist())
+    return out, lse
+
+
+@register(B.VIDEO_SPARSE_ATTN)
+def video_sparse_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
+    name = B.VIDEO_SPARSE_ATTN.value
+    cfg = _config(B.VIDEO_SPARSE_ATTN, config)
+    vs, text_len = _check_call(name, q, k, v, call)
+    k, v = expand_kv(k, v, q.shape[2])
+    out, lse, plan = video_sparse_attention(q, k, v, video_shape=vs, sparsity=cfg["sparsity"], text_len=text_len,
+                                            scale=call.scale, return_lse=call.return_lse, impl=_impl())
+    _sparse_done(name, call, plan, tiles_per_query=plan.extra["k"])
+    return out, lse
+
+
+@register(B.SPARGE_ATTN)
+def sparge_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
+    name = B.SPARGE_ATTN.value
+    cfg = _config(B.SPARGE_ATTN, config)
+    ok, why = sparge_applies(q.shape[1], k.shape[1], q.shape[3])
+    if not ok:
+        if call.causal or call.attn_bias is not None:
+            raise AttentionConfigError(f"{name}: causal attention and additive biases are not supported")
+        return _dense(name, q, k, v, call, f"dense SDPA: {why}")
+    vs, text_len = _check_call(name, q, k, v, call)
+    k, v = expand_kv(k, v, q.shape[2])
+    out, lse, plan = sparge_attention(q, k, v, video_shape=vs, topk=cfg["topk"], block_size=cfg.get("block_size", 64),
+                                      text_len=text_len, scale=call.scale, return_lse=call.return_lse, impl=_impl())
+    _sparse_done(name, call, plan)
+    return out, lse
+
+
+@register(B.VMOBA_ATTN)
+def vmoba_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
+    name = B.VMOBA_ATTN.value
+    cfg = _config(B.VMOBA_ATTN, config)
+    vs, text_len = _check_call(name, q, k, v, call)
+    k, v = expand_kv(k, v, q.shape[2])
+    mode = vmoba_layer_mode(call.layer_idx, first_full_layer=cfg["first_full_layer"],
+                            temporal_layer=cfg["temporal_layer"], spatial_layer=cfg["spatial_layer"],
+                            st_layer=cfg["st_layer"])
+    if call.step is not None and call.step < cfg["first_full_step"]:
+        return _dense(name, q, k, v, call, f"step {call.step} < first_full_step {cfg['first_full_step']}")
+    if mode == "full":
+        return _dense(name, q, k, v, call, f"layer {_layer(call)} < first_full_layer {cfg['first_full_layer']}")
+    chunk = {"temporal": cfg.get("temporal_chunk_size"), "spatial": cfg.get("spatial_chunk_size"),
+             "st": cfg.get("st_chunk_size")}[mode]
+    topk = {"temporal": cfg.get("temporal_topk"), "spatial": cfg.get("spatial_topk"), "st": cfg.get("st_topk")}[mode]
+    out, lse, plan = vmoba_attention(q, k, v, video_shape=vs, mode=mode, chunk=chunk, topk=topk,
+                                     select_mode=cfg["moba_select_mode"], threshold=cfg["moba_threshold"],
+                                     threshold_type=cfg["moba_threshold_type"], text_len=text_len, scale=call.scale,
+                                     return_lse=call.return_lse, impl=_impl())
+    _sparse_done(name, call, plan, mode=mode, chunk=plan.extra["chunk"], topk=plan.extra["topk"])
+    return out, lse
+
+
+@register(B.SPARSE_VIDEO_GEN_2_ATTN)
+def sparse_video_gen_2_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
+    name = B.SPARSE_VIDEO_GEN_2_ATTN.value
+    cfg = _config(B.SPARSE_VIDEO_GEN_2_ATTN, config)
+    vs, text_len = _check_call(name, q, k, v, call)
+    k, v = expand_kv(k, v, q.shape[2])
+    if call.step is not None and call.step < cfg["first_full_steps"]:
+        return _dense(name, q, k, v, call, f"step {call.step} < first_full_steps {cfg['first_full_steps']}")
+    out, lse, plan = svg2_attention(q, k, v, video_shape=vs, text_len=text_len, num_q_clusters=cfg["num_q_clusters"],
+                                    num_k_clusters=cfg["num_k_clusters"], kmeans_iters=cfg["kmeans_iters"],
+                                    top_p=cfg["top_p"], scale=call.scale, return_lse=call.return_lse, impl=_impl())
+    _sparse_done(name, call, plan)
+    return out, lse
+
+
+def _sla(backend: B, q, k, v, call: AttnCall, config: dict):
+    name = backend.value
+    cfg = _config(backend, config)
+    vs, text_len = _check_call(name, q, k, v, call)
+    k, v = expand_kv(k, v, q.shape[2])
+    out, lse, plan = sla_attention(q, k, v, video_shape=vs, text_len=text_len, topk=cfg["topk"],
+                                   negligible_fraction=cfg["negligible_fraction"], block_size=cfg["block_size"],
+                                   quantize=backend is B.SAGE_SLA_ATTN, scale=call.scale,
+                                   return_lse=call.return_lse, impl=_impl())
+    _sparse_done(name, call, plan, marginal_fraction=plan.extra["marginal_fraction"], linear_branch="absent (zero)")
+    return out, lse
+
+
+@register(B.SLA_ATTN)
+def sla_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
+    return _sla(B.SLA_ATTN, q, k, v, call, config)
+
+
+@register(B.SAGE_SLA_ATTN)
+def sage_sla_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
+    return _sla(B.SAGE_SLA_ATTN, q, k, v, call, config)
+
+
+@register(B.SOL_ATTN)
+def sol_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
+    name = B.SOL_ATTN.value
+    cfg = _config(B.SOL_ATTN, config)
+    if q.dtype != torch.bfloat16 or q.shape[3] != 128:
+        raise AttentionConfigError(
+            f"{name}: needs bfloat16 q/k/v with head dim 128 (got {str(q.dtype).replace('torch.', '')}, "
+            f"head dim {q.shape[3]}); use --dtype bf16 with a head-dim-128 model, or another sparse backend"
+        )
+    vs, text_len = _check_call(name, q, k, v, call)
+    dense_backend = cfg["dense_backend"]
+    if call.step is not None and call.step < cfg["dense_steps"]:
+        return _dense(name, q, k, v, call, f"step {call.step} < dense_steps {cfg['dense_steps']} ({dense_backend})",
+                      backend=dense_backend)
+    layer = _layer(call)
+    if layer in parse_layer_list(cfg["dense_layers"]):
+        return _dense(name, q, k, v, call, f"layer {layer} in dense_layers {cfg['dense_layers']} ({dense_backend})",
+                      backend=dense_backend)
+    k, v = expand_kv(k, v, q.shape[2])
+    out, lse, plan = sol_attention(q, k, v, video_shape=vs, text_len=text_len, tau=cfg["tau"],
+                                   thresh_type=cfg["thresh_type"], sink_start=cfg["sink_start"],
+                                   sink_tokens=cfg["sink_tokens"], scale=call.scale, return_lse=call.return_lse,
+                                   impl=_impl())
+    _sparse_done(name, call, plan, approximate_fraction=1.0 - plan.kept_fraction)
+    return out, lse

@@ -1,0 +1,131 @@
+"""Sparse-Linear Attention (SLA) and its quantized variant (SAGE_SLA).
+
+Classification (per batch, head, query block): the block-pooled attention ``softmax_j(scale *
+mean(q_i) . mean(k_j))`` over video key blocks ranks the key blocks; the top ``ceil(topk * n)``
+are *critical*, the bottom ``floor(negligible_fraction * n)`` of the rest are *negligible*, the
+others *marginal*.  Text blocks are always critical (and text queries attend everything).
+
+* Sparse branch: exact softmax attention over the critical blocks (block-sparse core).  For
+  ``sage_sla_attn`` Q and K enter the sparse branch INT8-quantized (K first smoothed by subtracting
+  its mean over the sequence, which leaves softmax unchanged; then symmetric per-block, per-head
+  scales ``max|x| / 127``), emulated here by de-quantizing before the exact kernel.
+* Linear branch: for the marginal blocks, ``o_l = phi(q) (sum_j phi(K_j)^T V_j) / (phi(q) .
+  sum_j phi(K_j)^T 1)`` with ``phi = softmax`` over the head dimension, then a learned projection
+  ``proj(o_l)`` added to the sparse output.  The projection is a trained checkpoint tensor
+  (``proj_weight [D, D]``, optional ``proj_bias [D]``); checkpoints without it — every checkpoint
+  this build loads — contribute zero, so the output is the sparse branch alone.  The LSE returned
+  is the sparse branch's.
+* Negligible blocks are skipped.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from ditattn.attention.sparse.common import SparsePlan, add_special_blocks, ceil_fraction, run_block_mask
+from ditattn.attention.sparse.sparge import sparge_tile_size
+from ditattn.attention.sparse.tiling import TileLayout, make_tile_layout, tile, untile
+from ditattn.attention.sparse.vsa import pooled_video_scores
+
+Tensor = torch.Tensor
+
+
+def sla_classify(q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout, *, topk: float, negligible_fraction: float,
+                 scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``(critical, marginal, pooled probabilities)``, each ``[B, H, nv, nv]`` over video blocks."""
+    scores = pooled_video_scores(q_tiled, k_tiled, layout, scale)
+    probs = torch.softmax(scores, dim=-1)
+    nv = layout.n_video_blocks
+    n_crit = ceil_fraction(float(topk), nv)
+    n_negl = min(int(math.floor(float(negligible_fraction) * nv + 1e-9)), nv - n_crit)
+    order = probs.argsort(dim=-1, descending=True)
+    rank = torch.empty_like(order)
+    rank.scatter_(-1, order, torch.arange(nv, device=order.device).expand_as(order))
+    critical = rank < n_crit
+    negligible = rank >= nv - n_negl
+    marginal = ~critical & ~negligible
+    return critical, marginal, probs
+
+
+def quantize_blocks_int8(x_tiled: Tensor, layout: TileLayout, *, smooth: bool = False
+                         ) -> tuple[Tensor, Tensor, Tensor]:
+    """Symmetric INT8 per (batch, block, head): ``x [B, P, H, D]`` -> ``(int8 values [B, P, H, D],
+    scales [B, n_blocks, H] float32, de-quantized float32 [B, P, H, D])``.  ``smooth`` first
+    subtracts the mean over the real tokens of the sequence per (batch, head, channel)."""
+    B, P, H, D = x_tiled.shape
+    valid = layout.on(x_tiled.device).valid.view(1, P, 1, 1)
+    x = x_tiled.float()
+    if smooth:
+        mean = (x * valid).sum(1, keepdim=True) / valid.sum().clamp(min=1)
+        x = (x - mean) * valid
+    xb = x.view(B, layout.n_blocks, layout.block_size, H, D)
+    amax = xb.abs().amax(dim=(2, 4))  # [B,nb,H]
+    sc = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    qi = torch.round(xb / sc.view(B, -1, 1, H, 1)).clamp(-127, 127)
+    deq = (qi * sc.view(B, -1, 1, H, 1)).view(B, P, H, D)
+    return qi.to(torch.int8).view(B, P, H, D), sc, deq
+
+
+def linear_branch(q_tiled: Tensor, k_tiled: Tensor, v_tiled: Tensor, layout: TileLayout,
+                  marginal: Tensor) -> Tensor:
+    """Linear attention of each query over its marginal key blocks (``phi = softmax`` over the head
+    dim): ``marginal`` bool ``[B, H, n_blocks, n_blocks]`` -> float32 ``[B, P, H, D]`` (rows with
+    no marginal block are zero)."""
+    B, P, H, D = q_tiled.shape
+    nb, bs = layout.n_blocks, layout.block_size
+    valid = layout.on(q_tiled.device).valid.view(1, P, 1, 1).float()
+    fq = torch.softmax(q_tiled.float(), dim=-1)
+    fk = torch.softmax(k_tiled.float(), dim=-1) * valid
+    fkb = fk.view(B, nb, bs, H, D)
+    vb = v_tiled.float().view(B, nb, bs, H, D)
+    kv = torch.einsum("bjthd,bjthe->bhjde", fkb, vb)  # [B,H,nb,D,D]
+    ksum = fkb.sum(2).permute(0, 2, 1, 3)  # [B,H,nb,D]
+    m = marginal.float()
+    a = torch.einsum("bhij,bhjde->bhide", m, kv)
+    z = torch.einsum("bhij,bhjd->bhid", m, ksum)
+    fqb = fq.view(B, nb, bs, H, D)
+    num = torch.einsum("bitxd,bxide->bitxe", fqb, a)
+    den = torch.einsum("bitxd,bxid->bitx", fqb, z).unsqueeze(-1)
+    out = torch.where(den > 0, num / den.clamp(min=1e-30), torch.zeros_like(num))
+    return out.reshape(B, P, H, D)
+
+
+def sla_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: int = 0, topk: float = 0.2,
+                  negligible_fraction: float = 0.0, block_size: int = 64, quantize: bool = False,
+                  proj_weight: Optional[Tensor] = None, proj_bias: Optional[Tensor] = None,
+                  scale: Optional[float] = None, return_lse: bool = False, impl: str = "auto"
+                  ) -> tuple[Tensor, Optional[Tensor], SparsePlan]:
+    """SLA (``quantize=True``: SAGE_SLA) over ``[B, T*H*W + text_len, heads, D]`` q/k/v (k/v with
+    q's head count).  Returns ``(out, sparse-branch lse or None, plan)``; ``plan.extra`` holds the
+    ``critical``/``marginal`` video-block masks and the pooled ``probs``."""
+    layout = make_tile_layout(video_shape, sparge_tile_size(block_size), text_len)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    qt, kt = tile(q, layout), tile(k, layout)
+    critical, marginal, probs = sla_classify(qt, kt, layout, topk=topk, negligible_fraction=negligible_fraction,
+                                             scale=scale)
+    bm = add_special_blocks(layout, critical)
+    extra = {"critical": critical, "marginal": marginal, "probs": probs}
+    if quantize:
+        _, _, qd = quantize_blocks_int8(qt, layout)
+        _, _, kd = quantize_blocks_int8(kt, layout, smooth=True)
+        if q.dtype == torch.float64:
+            qd, kd = qd.double(), kd.double()
+        out, lse, plan = run_block_mask(q, k, v, layout, bm, scale=scale, return_lse=return_lse, impl=impl,
+                                        extra=extra, q_tiled=qd, k_tiled=kd)
+    else:
+        out, lse, plan = run_block_mask(q, k, v, layout, bm, scale=scale, return_lse=return_lse, impl=impl,
+                                        extra=extra, q_tiled=qt, k_tiled=kt)
+    nb = layout.n_blocks
+    marg_full = torch.zeros(*marginal.shape[:2], nb, nb, dtype=torch.bool, device=q.device)
+    nv = layout.n_video_blocks
+    marg_full[..., :nv, :nv] = marginal
+    plan.extra["marginal_fraction"] = float(marg_full.float().mean())
+    if proj_weight is not None:
+        ol = linear_branch(qt, kt, tile(v, layout), layout, marg_full)
+        proj = ol @ proj_weight.float().t()
+        if proj_bias is not None:
+            proj = proj + proj_bias.float()
+        out = (out.float() + untile(proj, layout)).to(q.dtype)
+    return out, lse, plan

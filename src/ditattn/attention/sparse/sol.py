@@ -1,0 +1,138 @@
+"""Sol attention: threshold routing between exact key blocks and block-centroid approximation.
+
+Blocks are 4x4x4 tiles (64 tokens).  For every (batch, head, query block ``i``) and video key
+block ``j``, with block means ``q_i``, ``k_j``, ``v_j`` (over real tokens) and
+``s_ij = scale * q_i . k_j``:
+
+* threshold ``thr_i = m_i + tau * sqrt(var_i + 1e-6)`` where, for ``thresh_type=diag``,
+  ``m_i = scale * q_i . mean_j(k_j)`` and ``var_i = scale^2 * sum_d q_id^2 var_j(k_jd)`` (diagonal
+  approximation of the score variance), and for ``thresh_type=exact`` ``m_i``/``var_i`` are the
+  mean and (population) variance of the actual scores ``s_i.`` over the video key blocks;
+* block ``j`` is *exact* for ``i`` when ``s_ij > thr_i`` or the tiles are neighbours in tile order
+  (``|tile(i) - tile(j)| <= 1``); special blocks (text tokens and the exact KV sink
+  ``[sink_start, sink_start + sink_tokens)``) are exact for every query, and special query rows
+  (text, sink tokens) attend everything exactly;
+* every other block is *approximate*: it contributes one virtual key ``k_j`` with value ``v_j`` and
+  weight ``|block j|`` (score ``q . k_j * scale + log |block j|``), so the softmax denominator sees
+  the block's size.
+
+Output = softmax over (exact tokens) ∪ (virtual keys of approximate blocks), computed as the exact
+block-sparse part and the centroid part merged by their LSEs.  A higher ``tau`` routes fewer
+blocks exactly.  ``kv_splits`` is a kernel tuning argument of the upstream CUDA kernel; the
+in-tree engine splits work itself and ignores it (it is validated).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ditattn.attention.sparse.block_sparse import block_mask_to_lists, block_sparse_attention, kept_fraction
+from ditattn.attention.sparse.common import SparsePlan, add_special_blocks
+from ditattn.attention.sparse.tiling import TileLayout, make_tile_layout, pooled_blocks, tile, untile
+from ditattn.errors import AttentionConfigError
+
+Tensor = torch.Tensor
+
+SOL_TILE_SIZE = (4, 4, 4)
+_CHUNK_ELEMS = 1 << 25
+
+
+def sol_route(q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout, *, tau: float, thresh_type: str,
+              scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``(exact video-block routes [B, H, nv, nv] bool, scores [B, H, nv, nv], thresholds [B, H, nv])``."""
+    nv = layout.n_video_blocks
+    pq = pooled_blocks(q_tiled, layout)[:, :, :nv]
+    pk = pooled_blocks(k_tiled, layout)[:, :, :nv]
+    s = (pq @ pk.transpose(-1, -2)) * scale
+    if thresh_type == "diag":
+        mu = pk.mean(2, keepdim=True)  # [B,H,1,D]
+        var_k = (pk.pow(2).mean(2, keepdim=True) - mu.pow(2)).clamp(min=0)
+        m = (pq * mu).sum(-1) * scale
+        var = (pq.pow(2) * var_k).sum(-1) * scale * scale
+    elif thresh_type == "exact":
+        m = s.mean(-1)
+        var = (s.pow(2).mean(-1) - m.pow(2)).clamp(min=0)
+    else:
+        raise AttentionConfigError(f"sol_attn: thresh_type must be 'diag' or 'exact', got {thresh_type!r}")
+    thr = m + float(tau) * torch.sqrt(var + 1e-6)
+    bt = layout.block_tile[:nv].to(s.device)
+    near = (bt.view(-1, 1) - bt.view(1, -1)).abs() <= 1
+    return (s > thr.unsqueeze(-1)) | near, s, thr
+
+
+def sol_sink_range(sink_start: int, sink_tokens: int, seq_len: int) -> tuple[int, int]:
+    if sink_tokens <= 0:
+        return (0, 0)
+    stop = sink_start + sink_tokens
+    if sink_start < 0 or stop > seq_len:
+        raise AttentionConfigError(
+            f"sol_attn: exact KV sink [sink_start={sink_start}, sink_start+sink_tokens={stop}) lies outside the "
+            f"sequence of {seq_len} tokens; set sink_start/sink_tokens inside it (or sink_tokens=0)"
+        )
+    return (sink_start, stop)
+
+
+def _centroid_part(q_tiled: Tensor, kc: Tensor, vc: Tensor, logw: Tensor, approx_rows: Tensor,
+                   bs: int, scale: float) -> tuple[Tensor, Tensor]:
+    """Attention of every query over the virtual keys of its approximate blocks.
+
+    q_tiled ``[B, P, H, D]``; kc/vc ``[B, H, nv, D]``; logw ``[nv]``; approx_rows ``[B, H, nb, nv]``
+    bool (per query block).  Returns ``(out [B, H, P, D] float, lse [B, H, P] float)``.
+    """
+    B, P, H, D = q_tiled.shape
+    dt = kc.dtype
+    qh = q_tiled.to(dt).transpose(1, 2)  # [B,H,P,D]
+    nv = kc.shape[2]
+    out = torch.zeros(B, H, P, D, dtype=dt, device=q_tiled.device)
+    lse = torch.full((B, H, P), float("-inf"), dtype=dt, device=q_tiled.device)
+    hc = max(1, min(H, _CHUNK_ELEMS // max(1, B * P * nv)))
+    for h0 in range(0, H, hc):
+        h1 = min(H, h0 + hc)
+        s = (qh[:, h0:h1] @ kc[:, h0:h1].transpose(-1, -2)) * scale + logw.view(1, 1, 1, -1)
+        allow = approx_rows[:, h0:h1].repeat_interleave(bs, dim=2)  # [B,h,P,nv]
+        s = s.masked_fill(~allow, float("-inf"))
+        l = torch.logsumexp(s, -1)
+        p = torch.exp(s - torch.where(torch.isfinite(l), l, torch.zeros_like(l)).unsqueeze(-1))
+        out[:, h0:h1] = p @ vc[:, h0:h1]
+        lse[:, h0:h1] = l
+    return out, lse
+
+
+def sol_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: int = 0, tau: float = 1.0,
+                  thresh_type: str = "diag", sink_start: int = 0, sink_tokens: int = 0,
+                  scale: Optional[float] = None, return_lse: bool = False, impl: str = "auto"
+                  ) -> tuple[Tensor, Optional[Tensor], SparsePlan]:
+    """Sol over ``[B, T*H*W + text_len, heads, D]`` q/k/v (k/v with q's head count); any float
+    dtype / head dim (the backend enforces bf16 and 128).  Returns ``(out, lse or None, plan)``
+    with ``plan.extra``: ``exact`` video routes ``[B, H, nv, nv]``, ``scores``, ``thresholds``."""
+    B, S, H, D = q.shape
+    n_video = int(torch.tensor(video_shape).prod())
+    sink = sol_sink_range(int(sink_start), int(sink_tokens), n_video + int(text_len))
+    layout = make_tile_layout(video_shape, SOL_TILE_SIZE, text_len, special_ranges=[sink] if sink[1] > sink[0] else [])
+    scale = D ** -0.5 if scale is None else float(scale)
+    qt, kt, vt = tile(q, layout), tile(k, layout), tile(v, layout)
+    exact, scores, thr = sol_route(qt, kt, layout, tau=tau, thresh_type=thresh_type, scale=scale)
+    bm = add_special_blocks(layout, exact)
+    idx, cnt = block_mask_to_lists(bm)
+    kvv = layout.kv_valid(B, q.device)
+    o1, l1 = block_sparse_attention(qt, kt, vt, idx, cnt, block_size=layout.block_size, scale=scale,
+                                    kv_valid=kvv, return_lse=True, impl=impl)
+    nv, nb, bs = layout.n_video_blocks, layout.n_blocks, layout.block_size
+    kc = pooled_blocks(kt, layout)[:, :, :nv]
+    vc = pooled_blocks(vt, layout)[:, :, :nv]
+    logw = layout.block_count[:nv].to(kc.device, kc.dtype).log()
+    approx = torch.zeros(B, H, nb, nv, dtype=torch.bool, device=q.device)
+    approx[:, :, :nv] = ~exact
+    o2, l2 = _centroid_part(qt, kc, vc, logw, approx, bs, scale)
+    l1d = l1.to(l2.dtype)
+    lse = torch.logaddexp(l1d, l2)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    w1 = torch.exp(l1d - safe).unsqueeze(-1)
+    w2 = torch.exp(l2 - safe).unsqueeze(-1)
+    o = o1.transpose(1, 2).to(l2.dtype) * w1 + o2 * w2  # [B,H,P,D]
+    out = untile(o.transpose(1, 2), layout).to(q.dtype)
+    lse_out = untile(lse.float(), layout, dim=2) if return_lse else None
+    plan = SparsePlan(layout, idx, cnt, kept_fraction(cnt, nb),
+                      {"exact": exact, "scores": scores, "thresholds": thr, "sink": sink})
+    return out, lse_out, plan

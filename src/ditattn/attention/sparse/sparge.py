@@ -1,0 +1,72 @@
+"""SpargeAttention: keep, per head, the ``topk`` fraction of key blocks ranked by block-pooled Q.K.
+
+Blocks are 3-D tiles (``block_size`` 32 -> 2x4x4, 64 -> 4x4x4, 128 -> 4x4x8 latent tokens), so a
+pooled block is spatially coherent.  For every (batch, head, query block) the pooled similarity
+``scale * mean(q) . mean(k)`` ranks the video key blocks and the top ``ceil(topk * n_blocks)`` are
+kept (``topk`` in (0, 1]); text blocks are always kept and text queries attend everything.  The
+kept blocks are computed exactly.  (Upstream SpargeAttn runs the kept blocks through SageAttention's
+INT8 Q.K kernel; this build has no quantized block-sparse kernel, so kept blocks are exact
+everywhere.  Upstream's self-similarity fallback for incoherent blocks has no seed parameter and is
+not applied.)
+
+Shape rule (seed): only square self-attention of at least 128 tokens with head dim 64 or 128 is
+sparsified; any other call runs dense SDPA (:func:`sparge_applies`).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ditattn.attention.sparse.common import SparsePlan, add_special_blocks, ceil_fraction, run_block_mask, topk_mask
+from ditattn.attention.sparse.tiling import TileLayout, make_tile_layout, tile
+from ditattn.attention.sparse.vsa import pooled_video_scores
+from ditattn.errors import AttentionConfigError
+
+Tensor = torch.Tensor
+
+SPARGE_TILES = {32: (2, 4, 4), 64: (4, 4, 4), 128: (4, 4, 8)}
+SPARGE_HEAD_DIMS = (64, 128)
+SPARGE_MIN_TOKENS = 128
+
+
+def sparge_tile_size(block_size: int) -> tuple[int, int, int]:
+    try:
+        return SPARGE_TILES[int(block_size)]
+    except KeyError:
+        raise AttentionConfigError(
+            f"sparge_attn: block_size must be one of {sorted(SPARGE_TILES)}, got {block_size!r}"
+        ) from None
+
+
+def sparge_applies(seq_q: int, seq_kv: int, head_dim: int) -> tuple[bool, str]:
+    """Whether a call is sparsified (and if not, why it runs dense SDPA)."""
+    if seq_q != seq_kv:
+        return False, f"not square self-attention (q {seq_q} tokens, kv {seq_kv})"
+    if seq_q < SPARGE_MIN_TOKENS:
+        return False, f"{seq_q} tokens < {SPARGE_MIN_TOKENS}"
+    if head_dim not in SPARGE_HEAD_DIMS:
+        return False, f"head dim {head_dim} not in {list(SPARGE_HEAD_DIMS)}"
+    return True, ""
+
+
+def sparge_block_mask(q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout, topk: float,
+                      scale: float) -> tuple[Tensor, Tensor]:
+    """``(block mask [B, H, n_blocks, n_blocks], pooled scores [B, H, nv, nv])``."""
+    scores = pooled_video_scores(q_tiled, k_tiled, layout, scale)
+    kk = ceil_fraction(float(topk), layout.n_video_blocks)
+    return add_special_blocks(layout, topk_mask(scores, kk)), scores
+
+
+def sparge_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, topk: float = 0.5, block_size: int = 64,
+                     text_len: int = 0, scale: Optional[float] = None, return_lse: bool = False,
+                     impl: str = "auto") -> tuple[Tensor, Optional[Tensor], SparsePlan]:
+    """Sparge over ``[B, T*H*W + text_len, heads, D]`` q/k/v (k/v with q's head count); no shape
+    rule here (the backend applies :func:`sparge_applies`)."""
+    layout = make_tile_layout(video_shape, sparge_tile_size(block_size), text_len)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    qt, kt = tile(q, layout), tile(k, layout)
+    bm, scores = sparge_block_mask(qt, kt, layout, topk, scale)
+    kk = ceil_fraction(float(topk), layout.n_video_blocks)
+    return run_block_mask(q, k, v, layout, bm, scale=scale, return_lse=return_lse, impl=impl,
+                          extra={"scores": scores, "k": kk}, q_tiled=qt, k_tiled=kt)

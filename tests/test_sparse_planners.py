@@ -1,0 +1,504 @@
+"""Each sparse planner against an explicit token mask built independently here (original token order),
+and each planner's output against dense attention with that mask (fp32, tight)."""
+import math
+import os
+import warnings
+from fractions import Fraction
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest
+import torch
+
+from ditattn.attention.backends.base import reference_attention
+from ditattn.attention.sparse.common import plan_token_mask
+from ditattn.attention.sparse.sla import sla_attention
+from ditattn.attention.sparse.sol import sol_attention
+from ditattn.attention.sparse.sparge import sparge_attention
+from ditattn.attention.sparse.sta import sliding_tile_attention
+from ditattn.attention.sparse.svg2 import kmeans, svg2_attention, svg2_token_mask
+from ditattn.attention.sparse.vmoba import vmoba_attention, vmoba_layer_mode
+from ditattn.attention.sparse.vsa import video_sparse_attention
+
+ATOL = 3e-6
+
+
+def qkv(grid, text_len, heads=3, dim=16, batch=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    S = grid[0] * grid[1] * grid[2] + text_len
+    return tuple(torch.randn(batch, S, heads, dim, generator=g) for _ in range(3))
+
+
+def coords(grid):
+    T, H, W = grid
+    i = torch.arange(T * H * W)
+    return torch.stack([i // (H * W), (i // W) % H, i % W], 1)
+
+
+def with_text(video_mask, text_len):
+    """[..., N, N] video mask -> [..., S, S] with text rows/cols all True."""
+    N = video_mask.shape[-1]
+    S = N + text_len
+    out = torch.ones(*video_mask.shape[:-2], S, S, dtype=torch.bool)
+    out[..., :N, :N] = video_mask
+    return out
+
+
+def tile_ids(grid, tile):
+    c = coords(grid) // torch.tensor(tile)
+    n = [-(-g // t) for g, t in zip(grid, tile)]
+    return (c[:, 0] * n[1] + c[:, 1]) * n[2] + c[:, 2], n
+
+
+def group_means(x, ids, n):
+    """x [B, N, H, D], ids [N] -> [B, H, n, D] means (float64)."""
+    out = torch.zeros(x.shape[0], x.shape[2], n, x.shape[3], dtype=torch.float64)
+    for t in range(n):
+        sel = ids == t
+        if sel.any():
+            out[:, :, t] = x[:, sel].double().mean(1)
+    return out
+
+
+def check_output(res, q, k, v, mask, atol=ATOL, **ref_kw):
+    out, lse, _ = res
+    ro, rl = reference_attention(q, k, v, mask=mask, **ref_kw)
+    torch.testing.assert_close(out.float(), ro.float(), rtol=0, atol=atol)
+    if lse is not None:
+        torch.testing.assert_close(lse.float(), rl.float(), rtol=0, atol=atol)
+
+
+CASES = [((3, 5, 7), 0), ((3, 5, 7), 7), ((2, 6, 9), 0), ((2, 6, 9), 7)]
+
+
+# ------------------------------------------------------------------------------------------------
+# STA
+
+
+def sta_mask_independent(grid, tile, windows, text_len):
+    """Per token pair: the key token's tile lies in the query tile's clamped window."""
+    tc = coords(grid) // torch.tensor(tile)
+    n = [-(-g // t) for g, t in zip(grid, tile)]
+    N = tc.shape[0]
+    masks = []
+    for w in windows:
+        keep = torch.ones(N, N, dtype=torch.bool)
+        for ax in range(3):
+            ww = max(1, min(w[ax], n[ax]))
+            start = (tc[:, ax] - (ww - 1) // 2).clamp(min=0).clamp(max=n[ax] - ww)
+            kc = tc[:, ax].view(1, -1)
+            keep &= (kc >= start.view(-1, 1)) & (kc < start.view(-1, 1) + ww)
+        masks.append(keep)
+    return with_text(torch.stack(masks).unsqueeze(0), text_len)
+
+
+@pytest.mark.parametrize("grid,text_len", CASES)
+@pytest.mark.parametrize("tile", [(1, 2, 2), (2, 3, 2)])
+def test_sta_matches_tile_distance_mask(grid, text_len, tile):
+    q, k, v = qkv(grid, text_len)
+    windows = [[1, 1, 3], [3, 3, 1], [2, 4, 5]]  # even sizes and windows larger than the grid too
+    res = sliding_tile_attention(q, k, v, video_shape=grid, windows=windows, tile_size=tile, text_len=text_len,
+                                 return_lse=True)
+    mask = sta_mask_independent(grid, tile, windows, text_len)
+    assert torch.equal(plan_token_mask(res[2]), mask)
+    check_output(res, q, k, v, mask)
+    assert 0 < res[2].kept_fraction < 1
+
+
+def test_sta_window_clamps_at_edges_keeps_full_size():
+    grid, tile = (1, 1, 10), (1, 1, 1)
+    q, k, v = qkv(grid, 0, heads=1)
+    _, _, plan = sliding_tile_attention(q, k, v, video_shape=grid, windows=[1, 1, 3], tile_size=tile)
+    m = plan_token_mask(plan)[0, 0]
+    assert m[0].nonzero().flatten().tolist() == [0, 1, 2]  # shifted inwards at the left edge
+    assert m[5].nonzero().flatten().tolist() == [4, 5, 6]
+    assert m[9].nonzero().flatten().tolist() == [7, 8, 9]
+    assert (m.sum(1) == 3).all()
+
+
+def test_sta_flex_path_equals_reference():
+    grid, text_len = (3, 5, 7), 7
+    q, k, v = qkv(grid, text_len, batch=1)
+    a = sliding_tile_attention(q, k, v, video_shape=grid, windows=[1, 3, 3], tile_size=(2, 2, 4), text_len=text_len,
+                               return_lse=True, impl="reference")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        b = sliding_tile_attention(q, k, v, video_shape=grid, windows=[1, 3, 3], tile_size=(2, 2, 4),
+                                   text_len=text_len, return_lse=True, impl="flex")
+    torch.testing.assert_close(a[0], b[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(a[1], b[1], rtol=0, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# VSA / Sparge (pooled top-k)
+
+
+def pooled_topk_mask(q, k, grid, tile, text_len, keep_count, scale):
+    ids, n = tile_ids(grid, tile)
+    nt = n[0] * n[1] * n[2]
+    N = ids.numel()
+    pq = group_means(q[:, :N], ids, nt)
+    pk = group_means(k[:, :N], ids, nt)
+    s = pq @ pk.transpose(-1, -2) * scale  # [B,H,nt,nt]
+    top = s.topk(keep_count, dim=-1).indices
+    sel = torch.zeros_like(s, dtype=torch.bool).scatter_(-1, top, True)
+    tok = sel[:, :, ids][:, :, :, ids]
+    return with_text(tok, text_len), keep_count, nt
+
+
+@pytest.mark.parametrize("grid,text_len", CASES)
+@pytest.mark.parametrize("sparsity", [0.0, 0.7, 0.9, 1.0])
+def test_vsa_topk_tiles(grid, text_len, sparsity):
+    q, k, v = qkv(grid, text_len, seed=1)
+    tile = (1, 2, 3)
+    nt = math.prod(-(-g // t) for g, t in zip(grid, tile))
+    kk = max(1, math.ceil((1 - Fraction(str(sparsity))) * nt))
+    res = video_sparse_attention(q, k, v, video_shape=grid, sparsity=sparsity, text_len=text_len, tile_size=tile,
+                                 return_lse=True)
+    mask, _, _ = pooled_topk_mask(q, k, grid, tile, text_len, kk, 16 ** -0.5)
+    assert res[2].extra["k"] == kk
+    assert torch.equal(plan_token_mask(res[2]), mask)
+    check_output(res, q, k, v, mask)
+
+
+def test_vsa_default_tiles_are_4x4x4():
+    grid = (5, 9, 6)
+    q, k, v = qkv(grid, 0, heads=2, seed=2)
+    res = video_sparse_attention(q, k, v, video_shape=grid, sparsity=0.5)
+    assert res[2].layout.tile_size == (4, 4, 4) and res[2].layout.block_size == 64
+    mask, _, _ = pooled_topk_mask(q, k, grid, (4, 4, 4), 0, math.ceil(0.5 * 12), 16 ** -0.5)
+    assert torch.equal(plan_token_mask(res[2]), mask)
+    check_output(res, q, k, v, mask)
+
+
+@pytest.mark.parametrize("block_size,tile", [(32, (2, 4, 4)), (64, (4, 4, 4))])
+@pytest.mark.parametrize("topk", [0.25, 0.5, 1.0])
+def test_sparge_topk_fraction(block_size, tile, topk):
+    grid, text_len = (3, 8, 9), 7
+    q, k, v = qkv(grid, text_len, heads=2, dim=64, seed=3)
+    res = sparge_attention(q, k, v, video_shape=grid, topk=topk, block_size=block_size, text_len=text_len,
+                           return_lse=True)
+    nt = math.prod(-(-g // t) for g, t in zip(grid, tile))
+    kk = max(1, math.ceil(Fraction(str(topk)) * nt))
+    mask, _, _ = pooled_topk_mask(q, k, grid, tile, text_len, kk, 64 ** -0.5)
+    assert torch.equal(plan_token_mask(res[2]), mask)
+    check_output(res, q, k, v, mask)
+
+
+# ------------------------------------------------------------------------------------------------
+# V-MoBA
+
+
+def vmoba_chunk_ids(grid, mode, chunk):
+    c = coords(grid)
+    T, H, W = grid
+    if mode == "temporal":
+        return c[:, 0] // chunk
+    if mode == "spatial":
+        ch, cw = chunk
+        return (c[:, 1] // ch) * (-(-W // cw)) + c[:, 2] // cw
+    ct, ch, cw = chunk
+    return ((c[:, 0] // ct) * (-(-H // ch)) + c[:, 1] // ch) * (-(-W // cw)) + c[:, 2] // cw
+
+
+def select_independent(gates, own, mode, k, thr):
+    """Plain-Python V-MoBA selection inside one group (lists)."""
+    n = len(gates)
+    if mode == "topk":
+        chosen = {i for i in range(n) if own[i]}
+        rest = sorted((i for i in range(n) if not own[i]), key=lambda i: -gates[i])
+        for i in rest[: max(0, min(k, n) - len(chosen))]:
+            chosen.add(i)
+        return chosen
+    lo, hi = min(gates), max(gates)
+    den = hi - lo if hi - lo > 1e-6 else 1.0
+    norm = [(g - lo) / den for g in gates]
+    total = sum(norm) + 1e-6
+    chosen = {i for i in range(n) if own[i]}
+    acc = sum(norm[i] for i in chosen) / total
+    for i in sorted((i for i in range(n) if not own[i]), key=lambda i: -norm[i]):
+        if acc >= thr:
+            break
+        chosen.add(i)
+        acc += norm[i] / total
+    return chosen
+
+
+def vmoba_mask_independent(q, k, grid, text_len, mode, chunk, select_mode, topk, thr, ttype, qblock=64):
+    B, S, H, D = q.shape
+    N = S - text_len
+    cid = vmoba_chunk_ids(grid, mode, chunk)
+    chunks = sorted(set(cid.tolist()))
+    remap = {c: i for i, c in enumerate(chunks)}
+    cid = torch.tensor([remap[c] for c in cid.tolist()])
+    nc = len(chunks)
+    # query blocks: consecutive groups of 64 tokens of a chunk (raster order inside the chunk)
+    qblocks = []
+    for c in range(nc):
+        toks = torch.nonzero(cid == c).flatten().tolist()
+        for i in range(0, len(toks), qblock):
+            qblocks.append((c, toks[i:i + qblock]))
+    kmean = group_means(k[:, :N], cid, nc)  # [B,H,nc,D]
+    gate = torch.zeros(B, H, len(qblocks), nc, dtype=torch.float64)
+    for j, (c, toks) in enumerate(qblocks):
+        qm = q[:, toks].double().mean(1)  # [B,H,D]
+        gate[:, :, j] = torch.einsum("bhd,bhcd->bhc", qm, kmean)
+    own = torch.zeros(len(qblocks), nc, dtype=torch.bool)
+    for j, (c, _) in enumerate(qblocks):
+        own[j, c] = True
+    sel = torch.zeros(B, H, len(qblocks), nc, dtype=torch.bool)
+    for b in range(B):
+        groups = []
+        if ttype == "query_head":
+            groups = [[(h, j, c) for c in range(nc)] for h in range(H) for j in range(len(qblocks))]
+            per = 1
+        elif ttype == "head_global":
+            groups = [[(h, j, c) for j in range(len(qblocks)) for c in range(nc)] for h in range(H)]
+            per = len(qblocks)
+        else:
+            groups = [[(h, j, c) for h in range(H) for j in range(len(qblocks)) for c in range(nc)]]
+            per = H * len(qblocks)
+        for grp in groups:
+            gv = [float(gate[b, h, j, c]) for h, j, c in grp]
+            ov = [bool(own[j, c]) for h, j, c in grp]
+            for idx in select_independent(gv, ov, select_mode, topk * per, thr):
+                h, j, c = grp[idx]
+                sel[b, h, j, c] = True
+    tok = torch.zeros(B, H, N, N, dtype=torch.bool)
+    for j, (c, toks) in enumerate(qblocks):
+        tok[:, :, toks] = sel[:, :, j][:, :, cid].unsqueeze(2).expand(-1, -1, len(toks), -1)
+    return with_text(tok, text_len), sel
+
+
+VMOBA_CASES = [(m, c, s, "query_head") for m, c in [("temporal", 2), ("spatial", (3, 4)), ("st", (1, 3, 4))]
+               for s in ("topk", "threshold")]
+VMOBA_CASES += [("temporal", 2, s, t) for s in ("topk", "threshold") for t in ("head_global", "overall")]
+VMOBA_CASES += [("spatial", (3, 4), "threshold", "overall")]
+
+
+@pytest.mark.parametrize("mode,chunk,select_mode,ttype", VMOBA_CASES)
+def test_vmoba_selection(mode, chunk, select_mode, ttype):
+    grid, text_len = (4, 6, 9), 7
+    q, k, v = qkv(grid, text_len, heads=2, seed=4)
+    res = vmoba_attention(q, k, v, video_shape=grid, mode=mode, chunk=chunk, topk=2, select_mode=select_mode,
+                          threshold=0.4, threshold_type=ttype, text_len=text_len, return_lse=True)
+    vol = {"temporal": 2 * 6 * 9, "spatial": 4 * 3 * 4, "st": 1 * 3 * 4}[mode]
+    qblock = 64 if vol >= 64 else max(16, 2 ** math.ceil(math.log2(vol)))  # small chunks: smaller blocks
+    assert res[2].layout.block_size == qblock
+    mask, sel = vmoba_mask_independent(q, k, grid, text_len, mode, chunk, select_mode, 2, 0.4, ttype, qblock)
+    assert torch.equal(res[2].extra["selection"], sel)
+    assert torch.equal(plan_token_mask(res[2]), mask)
+    check_output(res, q, k, v, mask)
+
+
+def test_vmoba_defaults_and_layer_cycle():
+    grid = (5, 6, 9)
+    q, k, v = qkv(grid, 0, heads=2, seed=5)
+    res = vmoba_attention(q, k, v, video_shape=grid, mode="spatial")
+    assert res[2].extra["chunk"] == (2, 3)  # ceil(6/4), ceil(9/4)
+    assert res[2].extra["topk"] == math.ceil(res[2].extra["n_chunks"] / 4)
+    mask, _ = vmoba_mask_independent(q, k, grid, 0, "spatial", (2, 3), "threshold", 1, 0.25, "query_head")
+    assert torch.equal(plan_token_mask(res[2]), mask)
+    check_output(res, q, k, v, mask)
+    modes = [vmoba_layer_mode(i, first_full_layer=2, temporal_layer=1, spatial_layer=2, st_layer=1) for i in range(9)]
+    assert modes == ["full", "full", "temporal", "spatial", "spatial", "st", "temporal", "spatial", "spatial"]
+    assert vmoba_layer_mode(None) == "temporal"
+
+
+# ------------------------------------------------------------------------------------------------
+# SVG2
+
+
+def svg2_mask_independent(q, k, plan, text_len, top_p, scale):
+    ql, kl = plan.extra["q_labels"], plan.extra["k_labels"]
+    B, H, N = ql.shape
+    Cq, Ck = plan.extra["selection"].shape[-2:]
+    mask = torch.zeros(B, H, N, N, dtype=torch.bool)
+    sels = torch.zeros(B, H, Cq, Ck, dtype=torch.bool)
+    for b in range(B):
+        for h in range(H):
+            cq = group_means(q[b:b + 1, :N, h:h + 1], ql[b, h], Cq)[0, 0]
+            ck = group_means(k[b:b + 1, :N, h:h + 1], kl[b, h], Ck)[0, 0]
+            size = torch.bincount(kl[b, h], minlength=Ck).double()
+            for i in range(Cq):
+                logits = [(scale * float(cq[i] @ ck[j]) + math.log(size[j]), j) for j in range(Ck) if size[j] > 0]
+                m = max(x for x, _ in logits)
+                z = sum(math.exp(x - m) for x, _ in logits)
+                acc = 0.0
+                for x, j in sorted(logits, reverse=True):
+                    if acc >= top_p and sels[b, h, i].any():
+                        break
+                    sels[b, h, i, j] = True
+                    acc += math.exp(x - m) / z
+            mask[b, h] = sels[b, h][ql[b, h]][:, kl[b, h]]
+    return with_text(mask, text_len), sels
+
+
+@pytest.mark.parametrize("grid,text_len", CASES)
+def test_svg2_cluster_pairs(grid, text_len):
+    q, k, v = qkv(grid, text_len, heads=2, seed=6)
+    res = svg2_attention(q, k, v, video_shape=grid, text_len=text_len, num_q_clusters=6, num_k_clusters=9,
+                         kmeans_iters=4, top_p=0.6, block_size=8, return_lse=True)
+    plan = res[2]
+    mask, sels = svg2_mask_independent(q, k, plan, text_len, 0.6, 16 ** -0.5)
+    assert torch.equal(plan.extra["selection"], sels)
+    assert torch.equal(svg2_token_mask(plan), mask)
+    check_output(res, q, k, v, mask)
+    assert 0 < plan.kept_fraction < 1
+
+
+def test_kmeans_converges_to_a_fixed_point():
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 120, 8, generator=g)
+    labels, cent, sizes = kmeans(x, 7, 60)
+    d = torch.cdist(x.double(), cent.double())
+    d = d.masked_fill((sizes == 0).unsqueeze(1), float("inf"))
+    assert torch.equal(d.argmin(-1), labels)
+    for gi in range(3):
+        for c in range(7):
+            if sizes[gi, c] > 0:
+                torch.testing.assert_close(cent[gi, c], x[gi][labels[gi] == c].mean(0), rtol=0, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# SLA / SAGE_SLA
+
+
+def sla_masks_independent(q, k, grid, tile, text_len, topk, negl, scale):
+    ids, n = tile_ids(grid, tile)
+    nt = n[0] * n[1] * n[2]
+    N = ids.numel()
+    s = group_means(q[:, :N], ids, nt) @ group_means(k[:, :N], ids, nt).transpose(-1, -2) * scale
+    n_crit = max(1, math.ceil(Fraction(str(topk)) * nt))
+    n_negl = min(math.floor(Fraction(str(negl)) * nt), nt - n_crit)
+    order = s.argsort(-1, descending=True)
+    crit = torch.zeros_like(s, dtype=torch.bool).scatter_(-1, order[..., :n_crit], True)
+    negl_m = torch.zeros_like(crit)
+    if n_negl:
+        negl_m.scatter_(-1, order[..., nt - n_negl:], True)
+    marg = ~crit & ~negl_m
+    tok = lambda m: m[:, :, ids][:, :, :, ids]  # noqa: E731
+    crit_tok = with_text(tok(crit), text_len)
+    marg_tok = torch.zeros_like(crit_tok)
+    marg_tok[..., :N, :N] = tok(marg)
+    return crit_tok, marg_tok
+
+
+@pytest.mark.parametrize("grid,text_len", CASES)
+def test_sla_sparse_branch_and_linear_branch(grid, text_len):
+    q, k, v = qkv(grid, text_len, heads=2, dim=16, seed=8)
+    scale = 16 ** -0.5
+    res = sla_attention(q, k, v, video_shape=grid, text_len=text_len, topk=0.3, negligible_fraction=0.3,
+                        block_size=32, return_lse=True)
+    crit, marg = sla_masks_independent(q, k, grid, (2, 4, 4), text_len, 0.3, 0.3, scale)
+    assert torch.equal(plan_token_mask(res[2]), crit)
+    check_output(res, q, k, v, crit)  # no projection in the checkpoint: the sparse branch alone
+    # with a trained projection the linear branch over marginal blocks is added
+    g = torch.Generator().manual_seed(9)
+    W = torch.randn(16, 16, generator=g) * 0.1
+    bias = torch.randn(16, generator=g) * 0.1
+    out, _, _ = sla_attention(q, k, v, video_shape=grid, text_len=text_len, topk=0.3, negligible_fraction=0.3,
+                              block_size=32, proj_weight=W, proj_bias=bias)
+    fq = torch.softmax(q.double(), -1).transpose(1, 2)
+    fk = torch.softmax(k.double(), -1).transpose(1, 2)
+    a = (fq @ fk.transpose(-1, -2)) * marg
+    den = a.sum(-1, keepdim=True)
+    ol = torch.where(den > 0, (a @ v.double().transpose(1, 2)) / den.clamp(min=1e-300), torch.zeros(1).double())
+    expect = reference_attention(q, k, v, mask=crit)[0].double() + (ol.transpose(1, 2) @ W.double().t() + bias.double())
+    torch.testing.assert_close(out.double(), expect, rtol=0, atol=1e-5)
+
+
+def quantize_independent(x, grid, tile, text_len, smooth):
+    """Symmetric INT8 per (batch, block, head) with blocks = tiles, text in blocks of the tile volume."""
+    x = x.double()
+    B, S, H, D = x.shape
+    if smooth:
+        x = x - x.mean(1, keepdim=True)
+    ids, n = tile_ids(grid, tile)
+    bs = math.prod(tile)
+    N = ids.numel()
+    nt = n[0] * n[1] * n[2]
+    block = torch.cat([ids, nt + torch.arange(text_len) // bs])
+    out = torch.empty_like(x)
+    for blk in block.unique():
+        sel = block == blk
+        amax = x[:, sel].abs().amax(dim=(1, 3), keepdim=True)
+        sc = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+        out[:, sel] = torch.round(x[:, sel] / sc).clamp(-127, 127) * sc
+    return out
+
+
+@pytest.mark.parametrize("grid,text_len", [((3, 5, 7), 7), ((2, 6, 9), 0)])
+def test_sage_sla_quantized_sparse_branch(grid, text_len):
+    q, k, v = qkv(grid, text_len, heads=2, seed=10)
+    res = sla_attention(q, k, v, video_shape=grid, text_len=text_len, topk=0.4, block_size=32, quantize=True,
+                        return_lse=True)
+    crit, _ = sla_masks_independent(q, k, grid, (2, 4, 4), text_len, 0.4, 0.0, 16 ** -0.5)
+    assert torch.equal(plan_token_mask(res[2]), crit)
+    qd = quantize_independent(q, grid, (2, 4, 4), text_len, smooth=False)
+    kd = quantize_independent(k, grid, (2, 4, 4), text_len, smooth=True)
+    ro, _ = reference_attention(qd, kd, v.double(), mask=crit, dtype=torch.float64)
+    torch.testing.assert_close(res[0].double(), ro, rtol=0, atol=2e-5)
+    exact = sla_attention(q, k, v, video_shape=grid, text_len=text_len, topk=0.4, block_size=32)[0]
+    assert 0 < (res[0] - exact).abs().max() < 0.05  # quantization is lossy but close
+
+
+# ------------------------------------------------------------------------------------------------
+# Sol
+
+
+def sol_reference(q, k, v, grid, text_len, tau, thresh_type, sink, scale):
+    """Independent Sol: exact tokens of routed blocks + centroid virtual keys of the other blocks."""
+    B, S, H, D = q.shape
+    N = S - text_len
+    special = torch.zeros(S, dtype=torch.bool)
+    special[N:] = True
+    special[sink[0]:sink[1]] = True
+    tid, n = tile_ids(grid, (4, 4, 4))
+    tid = torch.where(special[:N], torch.full_like(tid, -1), tid)
+    tiles = sorted(set(tid.tolist()) - {-1})
+    nv = len(tiles)
+    cq = torch.stack([q[:, :N][:, tid == t].double().mean(1) for t in tiles], 2)  # [B,H,nv,D]
+    ck = torch.stack([k[:, :N][:, tid == t].double().mean(1) for t in tiles], 2)
+    cv = torch.stack([v[:, :N][:, tid == t].double().mean(1) for t in tiles], 2)
+    cnt = torch.tensor([int((tid == t).sum()) for t in tiles], dtype=torch.float64)
+    s = cq @ ck.transpose(-1, -2) * scale
+    if thresh_type == "diag":
+        mu = ck.mean(2, keepdim=True)
+        var_k = (ck ** 2).mean(2, keepdim=True) - mu ** 2
+        m = (cq * mu).sum(-1) * scale
+        var = (cq ** 2 * var_k.clamp(min=0)).sum(-1) * scale ** 2
+    else:
+        m = s.mean(-1)
+        var = (s ** 2).mean(-1) - m ** 2
+    thr = m + tau * torch.sqrt(var.clamp(min=0) + 1e-6)
+    tt = torch.tensor(tiles)
+    exact = (s > thr.unsqueeze(-1)) | ((tt.view(-1, 1) - tt.view(1, -1)).abs() <= 1)
+    pos = {t: i for i, t in enumerate(tiles)}
+    blk = torch.tensor([pos[t] if t >= 0 else -1 for t in tid.tolist()] + [-1] * text_len)  # [S]
+    is_vid = blk >= 0
+    bi = blk.clamp(min=0)
+    tok = exact[:, :, bi][:, :, :, bi] & is_vid.view(-1, 1) & is_vid.view(1, -1)
+    tok = tok | ~is_vid.view(-1, 1) | ~is_vid.view(1, -1)
+    approx = (~exact)[:, :, bi] & is_vid.view(-1, 1)  # [B,H,S,nv]
+    kx = torch.cat([k.double(), ck.transpose(1, 2)], 1)
+    vx = torch.cat([v.double(), cv.transpose(1, 2)], 1)
+    mask = torch.cat([tok, approx], -1)
+    bias = torch.cat([torch.zeros(S), cnt.log()]).view(1, 1, 1, -1).expand(B, H, S, -1)
+    return reference_attention(q.double(), kx, vx, mask=mask, attn_bias=bias, scale=scale, dtype=torch.float64), exact
+
+
+@pytest.mark.parametrize("grid,text_len", [((5, 9, 7), 7), ((6, 8, 9), 0)])
+@pytest.mark.parametrize("thresh_type", ["diag", "exact"])
+@pytest.mark.parametrize("tau,sink", [(0.5, (0, 0)), (1.5, (10, 30))])
+def test_sol_routing_and_centroid_branch(grid, text_len, thresh_type, tau, sink):
+    q, k, v = qkv(grid, text_len, heads=2, dim=16, batch=1, seed=11)
+    scale = 16 ** -0.5
+    out, lse, plan = sol_attention(q, k, v, video_shape=grid, text_len=text_len, tau=tau, thresh_type=thresh_type,
+                                   sink_start=sink[0], sink_tokens=sink[1] - sink[0], return_lse=True)
+    (ro, rl), exact = sol_reference(q, k, v, grid, text_len, tau, thresh_type, sink, scale)
+    assert torch.equal(plan.extra["exact"], exact)
+    assert 0 < float(exact.float().mean()) < 1
+    torch.testing.assert_close(out.double(), ro, rtol=0, atol=1e-5)
+    torch.testing.assert_close(lse.double(), rl, rtol=0, atol=1e-5)
