@@ -1,0 +1,236 @@
+"""Runners: what the server calls to validate attention settings and generate a batch.
+
+:class:`BaseRunner` holds everything that does not depend on the pipeline: the model's defaults and
+limits, the per-request attention validation (``prepare_request_override`` over the DiT modules)
+and the report of which backend each DiT layer runs under the active request scope.
+:class:`PipelineRunner` drives the native Wan pipeline (``ditattn.pipelines.wan``).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import logging
+from typing import Iterable, Optional, Sequence
+
+import numpy as np
+from torch import nn
+
+from ditattn.attention.context import AttentionSettings, RequestState, current_request
+from ditattn.attention.override import dit_layers, prepare_request_override
+from ditattn.errors import AttentionConfigError
+from ditattn.platforms import use_platform
+
+log = logging.getLogger("ditattn.server")
+
+
+@dataclasses.dataclass
+class ModelDefaults:
+    """Defaults for fields a request leaves out, and the model's shape rules.
+
+    size_multiple: width and height must be multiples of it (VAE stride × patch size);
+    frame_step: frame counts must be ``1 + k * frame_step`` (VAE temporal stride).
+    """
+
+    width: int = 832
+    height: int = 480
+    num_frames: int = 81
+    num_inference_steps: int = 50
+    guidance_scale: float = 5.0
+    fps: int = 16
+    size_multiple: int = 16
+    frame_step: int = 4
+
+
+class BaseRunner:
+    """Attention validation and reporting over ``dit_modules``; subclasses implement ``run_batch``.
+
+    model_id: the id ``GET /v1/models`` lists; aliases: other accepted values of a request's
+    ``model``; settings: the server's AttentionSettings (compile / CUDA graphs / ring degree feed the
+    override rules); dtype: the DiT's compute dtype; platform: the platform the DiT runs on (None =
+    the current one); default_override / default_skip_softmax: what a request that leaves those
+    fields out gets (``ditattn serve --attention-backend-override`` / ``--skip-softmax-*``).
+    """
+
+    def __init__(self, model_id: str, dit_modules: Sequence[nn.Module], *, defaults: Optional[ModelDefaults] = None,
+                 settings: Optional[AttentionSettings] = None, dtype=None, aliases: Iterable[str] = (),
+                 platform=None, default_override: Optional[str] = None, default_skip_softmax: Optional[dict] = None):
+        self.model_id = model_id
+        self.aliases = {model_id, *aliases}
+        self.dit_modules = list(dit_modules)
+        self.defaults = defaults or ModelDefaults()
+        self.settings = settings or AttentionSettings()
+        self.dtype = dtype
+        self.platform = platform
+        self.default_override = default_override or None
+        self.default_skip_softmax = default_skip_softmax
+        self.default_negative_prompt: Optional[str] = None
+        self._layers = dit_layers(self.dit_modules)
+
+    def prepare(self, override: Optional[str], skip_softmax: Optional[dict]) -> RequestState:
+        """Validate ``attention_backend_override`` / ``skip_softmax_params`` against every DiT layer,
+        all or nothing; return the RequestState to run under (``override`` None when the server
+        default runs). Fields left out (None) take the server's defaults. Raises
+        AttentionConfigError with the reason (logged) on any refusal, including a backend this build
+        has no implementation of."""
+        if override is None or override == "":
+            override = self.default_override
+        if skip_softmax is None:
+            skip_softmax = self.default_skip_softmax
+        plat = use_platform(self.platform) if self.platform is not None else contextlib.nullcontext()
+        try:
+            with plat:
+                return prepare_request_override(self.dit_modules, override, self.settings, skip_softmax, self.dtype)
+        except LookupError as exc:  # get_impl: backend known but not built
+            msg = f"attention_backend_override '{override}' is refused: {exc}"
+            log.warning("request refused: %s", msg)
+            raise AttentionConfigError(msg) from None
+
+    def default_backends(self) -> list[str]:
+        """The DiT backend value(s) of the server default (no request override)."""
+        return sorted({l.backend.value for l in self._layers})
+
+    def active_backends(self) -> list[str]:
+        """The DiT backend value(s) the layers run under the current request scope (what
+        ``LocalAttention.forward`` will pick: the request table entry, else the layer's backend)."""
+        req = current_request()
+        table = req.override_table if req is not None and req.override_table is not None else {}
+        out = set()
+        for layer in self._layers:
+            entry = table.get(id(layer))
+            out.add((entry[0] if entry is not None else layer.backend).value)
+        return sorted(out)
+
+    def request_stats(self) -> dict:
+        """JSON-safe copy of the active request's statistics (e.g. skip-softmax tile counts)."""
+        req = current_request()
+        if req is None or not req.stats:
+            return {}
+        return _json_safe(req.stats)
+
+    def run_batch(self, jobs) -> list:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+def _json_safe(x, depth: int = 0):
+    if depth > 6:
+        return str(x)
+    if isinstance(x, dict):
+        return {str(k): _json_safe(v, depth + 1) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v, depth + 1) for v in x]
+    if isinstance(x, (bool, int, str)) or x is None:
+        return x
+    if isinstance(x, float):
+        return x if np.isfinite(x) else str(x)
+    try:
+        import torch
+
+        if isinstance(x, torch.Tensor):
+            return _json_safe(x.detach().cpu().tolist(), depth + 1)
+    except Exception:  # pragma: no cover
+        pass
+    if isinstance(x, np.generic):
+        return _json_safe(x.item(), depth + 1)
+    return str(x)
+
+
+class PipelineRunner(BaseRunner):
+    """Runs batches on a :class:`ditattn.pipelines.wan.WanPipelineNative`.
+
+    A batch's jobs share one signature (size, frames, steps, guidance, attention settings); their
+    prompts, negative prompts and seeds (job seed + i for its i-th sample) are stacked into one
+    pipeline call whose frames are split back per job. Each sample's noise comes from its own seed,
+    so a sample does not depend on what it was batched with.
+    """
+
+    def __init__(self, pipe, model_id: str, *, aliases: Iterable[str] = (), default_override=None,
+                 default_skip_softmax=None):
+        d = pipe.defaults
+        tr = pipe.components.get("transformer") or pipe.components.get("transformer_2")
+        patch = max(tr.config.patch_size[1], tr.config.patch_size[2]) if tr is not None else 2
+        defaults = ModelDefaults(
+            width=d["width"], height=d["height"], num_frames=d["num_frames"],
+            num_inference_steps=d["num_inference_steps"], guidance_scale=d["guidance_scale"],
+            size_multiple=pipe.vae_scale_spatial * patch, frame_step=pipe.vae_scale_temporal,
+        )
+        super().__init__(model_id, pipe.dit_modules, defaults=defaults, settings=pipe.settings, dtype=pipe.dtype,
+                         aliases=aliases, platform=pipe.platform, default_override=default_override,
+                         default_skip_softmax=default_skip_softmax)
+        self.pipe = pipe
+        self._on_step = "on_step" in inspect.signature(pipe.generate).parameters
+
+    def default_backends(self) -> list[str]:
+        return list(self.pipe.dit_backends())
+
+    def run_batch(self, jobs) -> list:
+        from ditattn.server.scheduler import GenerationResult
+
+        head = jobs[0]
+        prompts, negatives, seeds = [], [], []
+        for j in jobs:
+            for i in range(j.n):
+                prompts.append(j.prompt)
+                negatives.append(j.negative_prompt or "")
+                seeds.append(j.seed + i)
+        kw = {}
+        if self._on_step:
+            def on_step(done: int, total: int) -> None:
+                for j in jobs:
+                    if j.on_progress is not None:
+                        j.on_progress(j, done / max(total, 1))
+
+            kw["on_step"] = on_step
+        res = self.pipe.generate(
+            prompts, negatives, height=head.height, width=head.width, num_frames=head.num_frames,
+            num_inference_steps=head.num_inference_steps, guidance_scale=head.guidance_scale, seed=seeds,
+            request_state=current_request() or head.state, progress=False, **kw,
+        )
+        frames = np.asarray(res.frames)
+        stats = _json_safe(res.stats) if res.stats else {}
+        out, k = [], 0
+        for j in jobs:
+            out.append(GenerationResult(frames=frames[k:k + j.n], attention_backends=list(res.attention_backends),
+                                        stats=stats, seconds=float(res.timings.get("total", 0.0))))
+            k += j.n
+        return out
+
+
+def build_runner(args) -> PipelineRunner:
+    """Load the pipeline ``ditattn serve`` was asked for (model and attention flags in ``args``) and
+    validate the server-wide request defaults; raises AttentionConfigError on bad input."""
+    from ditattn.pipelines.run import parallel_degrees, settings_from_args, skip_softmax_from_args
+    from ditattn.pipelines.wan import WanPipelineNative
+
+    if getattr(args, "backend", "native") != "native":
+        raise AttentionConfigError("ditattn serve runs the native pipeline only (per-request attention overrides "
+                                   "need ditattn's attention layers); drop --backend diffusers")
+    from ditattn.distributed.launch import in_worker
+
+    u, r = parallel_degrees(args)
+    if u * r > 1 and not in_worker():  # ranks started by ditattn.distributed.launch relay rank 0's calls
+        raise AttentionConfigError(f"sequence parallelism (--num-gpus {u * r}) needs one process per rank: start "
+                                   f"it with ditattn serve (ditattn.distributed.launch), or use --num-gpus 1")
+    settings = settings_from_args(args)
+    pipe = WanPipelineNative.from_pretrained(args.model_path, settings, device=args.device, dtype=args.dtype,
+                                             variant=getattr(args, "model_variant", None))
+    name = pipe.model_index.name
+    aliases = {name, args.model_path or name}
+    if not name.startswith("ditattn:"):
+        import os
+
+        aliases.add(os.path.basename(os.path.normpath(name)))
+    runner = PipelineRunner(pipe, name, aliases=aliases,
+                            default_override=getattr(args, "attention_backend_override", None),
+                            default_skip_softmax=skip_softmax_from_args(args))
+    # sampling flags given to `serve` become the defaults of requests that leave those fields out
+    d = runner.defaults
+    for flag, field in (("height", "height"), ("width", "width"), ("num_frames", "num_frames"),
+                        ("num_inference_steps", "num_inference_steps"), ("guidance_scale", "guidance_scale")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            setattr(d, field, value)
+    pipe.check_size(d.height, d.width, d.num_frames)
+    runner.default_negative_prompt = getattr(args, "negative_prompt", None)
+    runner.prepare(None, None)  # the server-wide attention defaults must themselves be valid
+    return runner
