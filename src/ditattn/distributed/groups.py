@@ -1,0 +1,198 @@
+"""Process groups of sequence parallelism (DESIGN 2.5): world, Ulysses groups and ring groups.
+
+``N`` ranks are laid out as a ``R × U`` grid (``U`` = Ulysses degree, ``R`` = ring degree,
+``U × R = N``)::
+
+    rank = ring_rank * U + ulysses_rank
+
+* a **Ulysses group** is the ``U`` consecutive ranks that share a ``ring_rank`` (the all-to-all
+  traffic, the heavier one, stays between neighbouring devices, usually on one NVLink island);
+* a **ring group** is the ``R`` ranks that share a ``ulysses_rank`` (``K``/``V`` blocks rotate
+  around it with point-to-point sends).
+
+The sequence is cut into ``N`` equal chunks and rank ``r`` holds chunk ``r``.  After the Ulysses
+all-to-all inside a Ulysses group, a rank holds the contiguous block ``ring_rank`` of ``R`` blocks
+(``U`` chunks long) for ``H / U`` heads, so the ring runs over contiguous sequence blocks.
+
+The state is per process (one process per rank): :func:`init_sequence_parallel` creates it after
+``torch.distributed`` is initialised, :func:`get_sequence_parallel` reads it (None when sequence
+parallelism is off), :func:`destroy_sequence_parallel` clears it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch.distributed as dist
+
+from ditattn.errors import AttentionConfigError
+
+
+def _pairs(n: int) -> str:
+    return ", ".join(f"{u}x{n // u}" for u in range(1, n + 1) if n % u == 0)
+
+
+def resolve_degrees(num_gpus: int, ulysses_degree: Optional[int] = None,
+                    ring_degree: Optional[int] = None) -> tuple[int, int]:
+    """The ``(ulysses_degree, ring_degree)`` of a run on ``num_gpus`` ranks.
+
+    A degree left as None takes the rest of ``num_gpus`` (both None: all Ulysses, ring 1).
+    Raises :class:`AttentionConfigError` unless every value is a positive integer and
+    ``ulysses_degree × ring_degree == num_gpus``.
+    """
+    for flag, val in (("--num-gpus", num_gpus), ("--ulysses-degree", ulysses_degree), ("--ring-degree", ring_degree)):
+        if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
+            raise AttentionConfigError(f"{flag} must be a positive integer, got {val!r}")
+    n = num_gpus
+    u, r = ulysses_degree, ring_degree
+    if u is None and r is None:
+        u, r = n, 1
+    elif u is None:
+        if n % r:
+            raise AttentionConfigError(
+                f"--ring-degree {r} does not divide --num-gpus {n}; the Ulysses degree × ring degree must equal "
+                f"--num-gpus (accepted U x R for {n}: {_pairs(n)})"
+            )
+        u = n // r
+    elif r is None:
+        if n % u:
+            raise AttentionConfigError(
+                f"--ulysses-degree {u} does not divide --num-gpus {n}; the Ulysses degree × ring degree must equal "
+                f"--num-gpus (accepted U x R for {n}: {_pairs(n)})"
+            )
+        r = n // u
+    if u * r != n:
+        raise AttentionConfigError(
+            f"--ulysses-degree {u} × --ring-degree {r} = {u * r} does not equal --num-gpus {n}; "
+            f"accepted U x R for {n}: {_pairs(n)}"
+        )
+    return u, r
+
+
+def check_heads_divisible(num_heads: int, ulysses_degree: int, where: str = "attention layer") -> None:
+    """Raise :class:`AttentionConfigError` unless ``num_heads`` divides by ``ulysses_degree``
+    (Ulysses gives every rank of a Ulysses group ``num_heads / ulysses_degree`` whole heads)."""
+    if ulysses_degree > 1 and num_heads % ulysses_degree:
+        ok = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
+        raise AttentionConfigError(
+            f"{where}: {num_heads} attention heads do not divide by the Ulysses degree {ulysses_degree}; "
+            f"accepted Ulysses degrees for this model: {', '.join(map(str, ok))} "
+            f"(put the rest of --num-gpus into --ring-degree)"
+        )
+
+
+def rank_layout(world_size: int, ulysses_degree: int, ring_degree: int) -> tuple[list[list[int]], list[list[int]]]:
+    """``(ulysses_groups, ring_groups)`` as lists of global ranks for the grid layout above.
+
+    ``ulysses_groups[g]`` are the ranks of ring position ``g`` (ordered by Ulysses rank);
+    ``ring_groups[u]`` are the ranks of Ulysses position ``u`` (ordered by ring rank).
+    """
+    u, r = resolve_degrees(world_size, ulysses_degree, ring_degree)
+    ulysses_groups = [[g * u + j for j in range(u)] for g in range(r)]
+    ring_groups = [[g * u + j for g in range(r)] for j in range(u)]
+    return ulysses_groups, ring_groups
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceParallelGroups:
+    """This rank's place in the sequence-parallel grid.
+
+    ulysses_group / ring_group: the process groups (None where the degree is 1);
+    ulysses_ranks / ring_ranks: their members as global ranks, in group-rank order;
+    backend: the ``torch.distributed`` backend (``nccl`` or ``gloo``).
+    """
+
+    world_size: int
+    rank: int
+    ulysses_degree: int
+    ring_degree: int
+    ulysses_group: Optional[object]
+    ring_group: Optional[object]
+    ulysses_ranks: tuple[int, ...]
+    ring_ranks: tuple[int, ...]
+    backend: str = "gloo"
+
+    @property
+    def ulysses_rank(self) -> int:
+        """Position inside the Ulysses group (which ``1/U`` of the heads this rank owns)."""
+        return self.rank % self.ulysses_degree
+
+    @property
+    def ring_rank(self) -> int:
+        """Position inside the ring group (which contiguous sequence block this rank owns)."""
+        return self.rank // self.ulysses_degree
+
+    def describe(self) -> str:
+        return (f"rank {self.rank}/{self.world_size} (ulysses {self.ulysses_rank}/{self.ulysses_degree}, "
+                f"ring {self.ring_rank}/{self.ring_degree}, {self.backend})")
+
+
+_state: list[Optional[SequenceParallelGroups]] = [None]
+
+
+def init_sequence_parallel(ulysses_degree: Optional[int] = None, ring_degree: Optional[int] = None) -> SequenceParallelGroups:
+    """Create the Ulysses and ring process groups of this run and make them current.
+
+    ``torch.distributed`` must be initialised (every rank calls this, in the same order: group
+    creation is collective).  Degrees left None take the rest of the world size (see
+    :func:`resolve_degrees`).  Raises :class:`AttentionConfigError` for degrees that do not
+    multiply to the world size.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise AttentionConfigError(
+            "sequence parallelism needs torch.distributed to be initialised first "
+            "(use ditattn.distributed.launch.launch, torchrun, or torch.distributed.init_process_group)"
+        )
+    world, rank = dist.get_world_size(), dist.get_rank()
+    u, r = resolve_degrees(world, ulysses_degree, ring_degree)
+    u_groups, r_groups = rank_layout(world, u, r)
+    # group creation is collective: every rank creates every group, in the same order
+    u_handle = r_handle = None
+    mine_u = u_groups[rank // u]
+    mine_r = r_groups[rank % u]
+    if u > 1:
+        if u == world:
+            u_handle = dist.group.WORLD
+        else:
+            for ranks in u_groups:
+                g = dist.new_group(ranks)
+                if ranks == mine_u:
+                    u_handle = g
+    if r > 1:
+        if r == world:
+            r_handle = dist.group.WORLD
+        else:
+            for ranks in r_groups:
+                g = dist.new_group(ranks)
+                if ranks == mine_r:
+                    r_handle = g
+    state = SequenceParallelGroups(
+        world_size=world, rank=rank, ulysses_degree=u, ring_degree=r, ulysses_group=u_handle,
+        ring_group=r_handle, ulysses_ranks=tuple(mine_u), ring_ranks=tuple(mine_r),
+        backend=str(dist.get_backend()),
+    )
+    _state[0] = state
+    return state
+
+
+def get_sequence_parallel() -> Optional[SequenceParallelGroups]:
+    """The current groups, or None when sequence parallelism is not initialised in this process."""
+    return _state[0]
+
+
+def sequence_parallel_world_size() -> int:
+    """Ranks that share one sequence (1 when sequence parallelism is off)."""
+    s = _state[0]
+    return 1 if s is None else s.world_size
+
+
+def sequence_parallel_rank() -> int:
+    """This rank's index among :func:`sequence_parallel_world_size` ranks (0 when off)."""
+    s = _state[0]
+    return 0 if s is None else s.rank
+
+
+def destroy_sequence_parallel() -> None:
+    """Forget the current groups.  The subgroups go with ``torch.distributed.destroy_process_group()``,
+    which the owner of the default group calls (after a barrier)."""
+    _state[0] = None

@@ -1,0 +1,4 @@
+"""Native Wan models: the video DiT (:mod:`.transformer`) and its checkpoint loader."""
+from ditattn.models.wan.transformer import WanTransformer, WanTransformerConfig, load_wan_transformer
+
+__all__ = ["WanTransformer", "WanTransformerConfig", "load_wan_transformer"]

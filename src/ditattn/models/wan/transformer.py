@@ -1,0 +1,394 @@
+"""Native Wan 2.1 / 2.2 video DiT, state-dict compatible with diffusers' ``WanTransformer3DModel``.
+
+Every attention layer is a :class:`~ditattn.attention.layer.LocalAttention` whose backend the
+selector resolves when the model is constructed (inside the component's attention scope):
+``blocks.{i}.attn1`` is self-attention over the video tokens (role ``self``, with 3-D RoPE; a
+``USPAttention``, which is ``LocalAttention`` on one rank and Ulysses x ring attention under
+sequence parallelism, where the model shards the video tokens after patch embedding and gathers
+them before the output projection) and ``blocks.{i}.attn2`` is cross-attention from the video
+tokens to the text tokens (role ``cross``, local on every rank).
+
+Tensor layout: the model takes latents ``[batch, channels, frames, height, width]`` and patchifies
+them with ``patch_size = (p_t, p_h, p_w)`` into ``T' * H' * W'`` tokens in T-major order, where
+``(T', H', W') = (frames // p_t, height // p_h, width // p_w)`` is the latent grid that sparse
+backends read from the forward context (``video_shape``).
+
+Precision follows diffusers: the layer norms, the modulation tables and the time embedder compute
+in float32 (their parameters stay float32 when the model runs in fp16/bf16).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ditattn.attention.context import forward_context
+from ditattn.attention.layer import LocalAttention
+from ditattn.distributed.attention import USPAttention
+from ditattn.distributed.comm import gather_sequence, shard_sequence
+from ditattn.errors import AttentionConfigError
+
+# parameters that stay float32 when the model runs in fp16/bf16 (diffusers' _keep_in_fp32_modules)
+KEEP_FP32 = ("time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")
+
+
+@dataclasses.dataclass
+class WanTransformerConfig:
+    """The ``config.json`` of a diffusers ``WanTransformer3DModel`` (same field names and defaults)."""
+
+    patch_size: tuple = (1, 2, 2)
+    num_attention_heads: int = 40
+    attention_head_dim: int = 128
+    in_channels: int = 16
+    out_channels: Optional[int] = 16
+    text_dim: int = 4096
+    freq_dim: int = 256
+    ffn_dim: int = 13824
+    num_layers: int = 40
+    cross_attn_norm: bool = True
+    qk_norm: Optional[str] = "rms_norm_across_heads"
+    eps: float = 1e-6
+    image_dim: Optional[int] = None
+    added_kv_proj_dim: Optional[int] = None
+    rope_max_seq_len: int = 1024
+    pos_embed_seq_len: Optional[int] = None
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "WanTransformerConfig":
+        """Build from a ``config.json`` dict; private keys (``_class_name`` …) are ignored."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        cfg = cls(**{k: v for k, v in data.items() if k in names})
+        cfg.patch_size = tuple(int(p) for p in cfg.patch_size)
+        if cfg.out_channels is None:
+            cfg.out_channels = cfg.in_channels
+        if cfg.image_dim is not None or cfg.added_kv_proj_dim is not None:
+            raise AttentionConfigError(
+                "this Wan transformer has image conditioning (image_dim / added_kv_proj_dim: an image-to-video "
+                "checkpoint); the native pipeline runs text-to-video Wan 2.1/2.2 checkpoints only"
+            )
+        if len(cfg.patch_size) != 3:
+            raise AttentionConfigError(f"Wan transformer patch_size must have 3 entries, got {cfg.patch_size}")
+        return cfg
+
+    @property
+    def inner_dim(self) -> int:
+        return self.num_attention_heads * self.attention_head_dim
+
+
+class FP32LayerNorm(nn.LayerNorm):
+    """LayerNorm computed in float32, result cast back to the input dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.float() if self.weight is not None else None
+        b = self.bias.float() if self.bias is not None else None
+        return F.layer_norm(x.float(), self.normalized_shape, w, b, self.eps).to(x.dtype)
+
+
+def sinusoidal_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
+    """``[N] -> [N, dim]`` float32 timestep features: ``cos`` half first, then ``sin``."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+    ang = t[:, None].float() * freqs[None, :]
+    emb = torch.cat([torch.cos(ang), torch.sin(ang)], dim=-1)
+    if dim % 2:
+        emb = F.pad(emb, (0, 1))
+    return emb
+
+
+class _MLP2(nn.Module):
+    """``linear_2(act(linear_1(x)))`` (the key layout of diffusers' embedding MLPs)."""
+
+    def __init__(self, d_in: int, d_hidden: int, d_out: int, act: nn.Module):
+        super().__init__()
+        self.linear_1 = nn.Linear(d_in, d_hidden)
+        self.act = act
+        self.linear_2 = nn.Linear(d_hidden, d_out)
+
+    def forward(self, x):
+        return self.linear_2(self.act(self.linear_1(x)))
+
+
+class WanConditionEmbedder(nn.Module):
+    """Timestep -> (temb, 6-way modulation), text features -> model width."""
+
+    def __init__(self, cfg: WanTransformerConfig):
+        super().__init__()
+        d = cfg.inner_dim
+        self.freq_dim = cfg.freq_dim
+        self.time_embedder = _MLP2(cfg.freq_dim, d, d, nn.SiLU())
+        self.act_fn = nn.SiLU()
+        self.time_proj = nn.Linear(d, 6 * d)
+        self.text_embedder = _MLP2(cfg.text_dim, d, d, nn.GELU(approximate="tanh"))
+
+    def time(self, timestep: torch.Tensor, dtype: torch.dtype, timestep_seq_len: Optional[int] = None):
+        """``(temb, modulation)``: timestep features cast to ``dtype`` and their 6-way projection."""
+        t = sinusoidal_embedding(timestep, self.freq_dim)
+        if timestep_seq_len is not None:
+            t = t.unflatten(0, (-1, timestep_seq_len))
+        t = t.to(self.time_embedder.linear_1.weight.dtype)
+        temb = self.time_embedder(t).to(dtype)
+        return temb, self.time_proj(self.act_fn(temb))
+
+    def forward(self, timestep: torch.Tensor, text: torch.Tensor, timestep_seq_len: Optional[int] = None):
+        temb, tproj = self.time(timestep, text.dtype, timestep_seq_len)
+        return temb, tproj, self.text_embedder(text)
+
+
+def rope_tables(head_dim: int, grid: tuple[int, int, int], device, theta: float = 10000.0):
+    """Wan's 3-D rotary tables for a ``(T, H, W)`` token grid.
+
+    The head dim splits into time / height / width parts (``h = w = 2 * (head_dim // 6)``, time gets
+    the rest).  Returns ``(cos, sin)``, each float32 ``[1, T*H*W, 1, head_dim // 2]`` (one angle per
+    rotated pair of channels, T-major token order).
+    """
+    hw = 2 * (head_dim // 6)
+    dims = (head_dim - 2 * hw, hw, hw)
+    T, H, W = grid
+    per_axis = []
+    for dim, n in zip(dims, grid):
+        inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        per_axis.append(torch.outer(torch.arange(n, dtype=torch.float64), inv))  # [n, dim/2]
+    ang = torch.cat(
+        [
+            per_axis[0].view(T, 1, 1, -1).expand(T, H, W, -1),
+            per_axis[1].view(1, H, 1, -1).expand(T, H, W, -1),
+            per_axis[2].view(1, 1, W, -1).expand(T, H, W, -1),
+        ],
+        dim=-1,
+    ).reshape(1, T * H * W, 1, -1)
+    return ang.cos().float().to(device), ang.sin().float().to(device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved channel pairs ``(x[2i], x[2i+1])`` of ``x [B, S, heads, D]`` by the angles."""
+    pairs = x.unflatten(-1, (-1, 2))
+    a, b = pairs[..., 0], pairs[..., 1]
+    out = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class WanAttention(nn.Module):
+    """Projections + q/k RMSNorm (+ RoPE for self-attention) around one ``LocalAttention``."""
+
+    def __init__(self, cfg: WanTransformerConfig, *, role: str, prefix: str, layer_idx: int, dtype):
+        super().__init__()
+        d = cfg.inner_dim
+        self.heads = cfg.num_attention_heads
+        self.to_q = nn.Linear(d, d)
+        self.to_k = nn.Linear(d, d)
+        self.to_v = nn.Linear(d, d)
+        self.to_out = nn.ModuleList([nn.Linear(d, d), nn.Dropout(0.0)])
+        self.norm_q = nn.RMSNorm(d, eps=cfg.eps, elementwise_affine=True)
+        self.norm_k = nn.RMSNorm(d, eps=cfg.eps, elementwise_affine=True)
+        # self-attention is sequence-parallel (USPAttention == LocalAttention on one rank); cross-attention
+        # attends each rank's query shard to the replicated text K/V locally
+        self.attn = (USPAttention if role == "self" else LocalAttention)(
+            cfg.num_attention_heads, cfg.attention_head_dim, role=role, prefix=prefix, layer_idx=layer_idx,
+            dtype=dtype,
+        )
+
+    def project_kv(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (normed) and V of ``src [B, L, D]`` as ``[B, L, heads, head_dim]``."""
+        k = self.norm_k(self.to_k(src)).unflatten(2, (self.heads, -1))
+        return k, self.to_v(src).unflatten(2, (self.heads, -1))
+
+    def forward(self, x: torch.Tensor, context: Optional[torch.Tensor] = None, rotary=None,
+                kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        q = self.norm_q(self.to_q(x)).unflatten(2, (self.heads, -1))
+        k, v = kv if kv is not None else self.project_kv(x if context is None else context)
+        if rotary is not None:
+            q, k = apply_rope(q, *rotary), apply_rope(k, *rotary)
+        out = self.attn(q, k, v).flatten(2, 3).type_as(q)
+        return self.to_out[0](out)
+
+
+class _GeluProj(nn.Module):
+    def __init__(self, d_in: int, d_out: int):
+        super().__init__()
+        self.proj = nn.Linear(d_in, d_out)
+
+    def forward(self, x):
+        return F.gelu(self.proj(x), approximate="tanh")
+
+
+class WanFeedForward(nn.Module):
+    """``net.0.proj`` -> tanh-GELU -> ``net.2`` (diffusers' FeedForward key layout)."""
+
+    def __init__(self, dim: int, inner: int):
+        super().__init__()
+        self.net = nn.ModuleList([_GeluProj(dim, inner), nn.Dropout(0.0), nn.Linear(inner, dim)])
+
+    def forward(self, x):
+        return self.net[2](self.net[0](x))
+
+
+class WanBlock(nn.Module):
+    """Modulated self-attention, cross-attention to text, modulated feed-forward."""
+
+    def __init__(self, cfg: WanTransformerConfig, idx: int, dtype):
+        super().__init__()
+        d = cfg.inner_dim
+        self.norm1 = FP32LayerNorm(d, cfg.eps, elementwise_affine=False)
+        self.attn1 = WanAttention(cfg, role="self", prefix=f"blocks.{idx}.attn1", layer_idx=idx, dtype=dtype)
+        self.attn2 = WanAttention(cfg, role="cross", prefix=f"blocks.{idx}.attn2", layer_idx=idx, dtype=dtype)
+        self.norm2 = FP32LayerNorm(d, cfg.eps, elementwise_affine=True) if cfg.cross_attn_norm else nn.Identity()
+        self.ffn = WanFeedForward(d, cfg.ffn_dim)
+        self.norm3 = FP32LayerNorm(d, cfg.eps, elementwise_affine=False)
+        self.scale_shift_table = nn.Parameter(torch.randn(1, 6, d) / d**0.5)
+
+    def forward(self, x, context, tproj, rotary, kv=None):
+        if tproj.ndim == 4:  # per-token timesteps (Wan 2.2 TI2V): [B, S, 6, D]
+            mods = (self.scale_shift_table.unsqueeze(0) + tproj.float()).chunk(6, dim=2)
+            mods = [m.squeeze(2) for m in mods]
+        else:  # [B, 6, D]
+            mods = (self.scale_shift_table + tproj.float()).chunk(6, dim=1)
+        shift1, scale1, gate1, shift2, scale2, gate2 = mods
+        h = (self.norm1(x.float()) * (1 + scale1) + shift1).type_as(x)
+        x = (x.float() + self.attn1(h, None, rotary) * gate1).type_as(x)
+        h = self.norm2(x.float()).type_as(x)
+        x = x + self.attn2(h, context, kv=kv)
+        h = (self.norm3(x.float()) * (1 + scale2) + shift2).type_as(x)
+        x = (x.float() + self.ffn(h).float() * gate2).type_as(x)
+        return x
+
+
+class WanTransformer(nn.Module):
+    """The Wan DiT: ``forward(latents [B, C, F, H, W], timestep [B] | [B, S], text [B, L, text_dim])
+    -> prediction [B, out_channels, F, H, W]``.
+
+    Construct it inside ``component_scope("transformer")`` (and the run's ``attention_settings``)
+    so its attention layers resolve their backends; ``dtype`` is the compute dtype the layers are
+    checked for.  Weights load unchanged from a diffusers ``WanTransformer3DModel`` checkpoint.
+    """
+
+    def __init__(self, config: WanTransformerConfig, *, dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        self.config = config
+        d = config.inner_dim
+        self.patch_embedding = nn.Conv3d(config.in_channels, d, kernel_size=config.patch_size, stride=config.patch_size)
+        self.condition_embedder = WanConditionEmbedder(config)
+        self.blocks = nn.ModuleList([WanBlock(config, i, dtype) for i in range(config.num_layers)])
+        self.norm_out = FP32LayerNorm(d, config.eps, elementwise_affine=False)
+        self.proj_out = nn.Linear(d, config.out_channels * math.prod(config.patch_size))
+        self.scale_shift_table = nn.Parameter(torch.randn(1, 2, d) / d**0.5)
+        self._rope_cache: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def latent_grid(self, frames: int, height: int, width: int) -> tuple[int, int, int]:
+        """The token grid ``(T', H', W')`` of latents with that many frames / rows / columns."""
+        pt, ph, pw = self.config.patch_size
+        return frames // pt, height // ph, width // pw
+
+    def rotary(self, grid: tuple[int, int, int], device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (grid, str(device))
+        tab = self._rope_cache.get(key)
+        if tab is None:
+            tab = rope_tables(self.config.attention_head_dim, grid, device)
+            if len(self._rope_cache) > 16:
+                self._rope_cache.clear()
+            self._rope_cache[key] = tab
+        return tab
+
+    def encode_text(self, encoder_hidden_states: torch.Tensor) -> "WanTextCache":
+        """Precompute the text side of every step: the projected text ``[B, L, D]`` and each block's
+        cross-attention K/V.  They do not depend on the latents or the timestep, so a denoise loop
+        computes them once and passes ``text_cache=`` to every step (same numbers, less work)."""
+        context = self.condition_embedder.text_embedder(encoder_hidden_states)
+        kv = [block.attn2.project_kv(context) for block in self.blocks]
+        return WanTextCache(context, kv, encoder_hidden_states.dtype)
+
+    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor,
+                encoder_hidden_states: Optional[torch.Tensor] = None, *, text_cache: "Optional[WanTextCache]" = None):
+        """latents ``[B, C, F, H, W]``, timestep ``[B]`` (or ``[B, S]`` per token), text
+        ``[B, L, text_dim]`` (or a :meth:`encode_text` cache of it) -> ``[B, out_channels, F, H, W]``."""
+        if text_cache is None:
+            if encoder_hidden_states is None:
+                raise ValueError("WanTransformer.forward needs encoder_hidden_states or text_cache")
+            text_cache = self.encode_text(encoder_hidden_states)
+        B, _, frames, height, width = hidden_states.shape
+        pt, ph, pw = self.config.patch_size
+        grid = self.latent_grid(frames, height, width)
+        rotary = self.rotary(grid, hidden_states.device)
+
+        x = self.patch_embedding(hidden_states).flatten(2).transpose(1, 2).contiguous()
+        ts_len = None
+        if timestep.ndim == 2:
+            ts_len = timestep.shape[1]
+            timestep = timestep.flatten()
+        temb, tproj = self.condition_embedder.time(timestep, text_cache.dtype, ts_len)
+        context = text_cache.context
+        tproj = tproj.unflatten(2, (6, -1)) if ts_len is not None else tproj.unflatten(1, (6, -1))
+
+        with forward_context(video_shape=grid, text_len=0):
+            # sequence parallelism: each rank runs the blocks on its chunk of the video tokens (identity on one rank)
+            seq_len = x.shape[1]
+            x, rotary = shard_sequence(x), tuple(shard_sequence(t) for t in rotary)
+            tproj = shard_sequence(tproj) if tproj.ndim == 4 else tproj
+            for block, kv in zip(self.blocks, text_cache.kv):
+                x = block(x, context, tproj, rotary, kv)
+            x = gather_sequence(x, seq_len)
+
+        if temb.ndim == 3:
+            shift, scale = (self.scale_shift_table.unsqueeze(0) + temb.unsqueeze(2)).chunk(2, dim=2)
+            shift, scale = shift.squeeze(2), scale.squeeze(2)
+        else:
+            shift, scale = (self.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
+        x = (self.norm_out(x.float()) * (1 + scale) + shift).type_as(x)
+        x = self.proj_out(x)
+        T, H, W = grid
+        x = x.reshape(B, T, H, W, pt, ph, pw, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
+        return x.flatten(6, 7).flatten(4, 5).flatten(2, 3)
+
+
+@dataclasses.dataclass
+class WanTextCache:
+    """The text side of a denoise loop (:meth:`WanTransformer.encode_text`): ``context`` the projected
+    text ``[B, L, D]``, ``kv`` one cross-attention ``(K, V)`` pair ``[B, L, heads, head_dim]`` per
+    block, ``dtype`` of the raw text features (the time embedding is cast to it, as diffusers does)."""
+
+    context: torch.Tensor
+    kv: list
+    dtype: torch.dtype
+
+
+def cast_model(model: nn.Module, dtype: torch.dtype, keep_fp32: tuple[str, ...] = ()) -> nn.Module:
+    """Cast parameters to ``dtype`` in place, each at most once; in fp16/bf16 the parameters with a
+    name part in ``keep_fp32`` become (stay) float32, as diffusers / transformers load them."""
+    from ditattn.models.weights import target_dtype
+
+    keep = _keep_fn(keep_fp32)
+    for name, p in model.named_parameters():
+        want = target_dtype(name, dtype, keep)
+        if p.dtype != want:
+            p.data = p.data.to(want)
+    return model
+
+
+def _keep_fn(keep_fp32: tuple[str, ...]):
+    return lambda name: any(part in keep_fp32 for part in name.split("."))
+
+
+def load_wan_transformer(folder: str, *, dtype: torch.dtype = torch.float32, device="cpu",
+                         variant: Optional[str] = None, load_weights: bool = True) -> WanTransformer:
+    """Build a :class:`WanTransformer` from a diffusers ``WanTransformer3DModel`` folder
+    (``config.json`` + weights) in ``dtype`` on ``device``, in eval mode without gradients.
+
+    Call it inside the component's attention scope.  ``load_weights=False`` builds the model on
+    the meta device (no memory, no file reads beyond the config): enough to resolve the attention
+    plan.
+    """
+    from ditattn.models.weights import assign_state_dict, load_state_dict, read_json
+    import os
+
+    cfg = WanTransformerConfig.from_dict(read_json(os.path.join(folder, "config.json")))
+    with torch.device("meta"):
+        model = WanTransformer(cfg, dtype=dtype)
+    if load_weights:
+        state = load_state_dict(folder, variant, dtype=dtype, keep_fp32=_keep_fn(KEEP_FP32))
+        assign_state_dict(model, state, where=folder, ignore_unexpected=("norm_added_q",))
+        cast_model(model, dtype, KEEP_FP32).to(device)
+    model.eval().requires_grad_(False)
+    return model

@@ -1,0 +1,64 @@
+"""Writing generated frames: MP4 (H.264, yuv420p, via imageio-ffmpeg) for clips, PNG for one frame."""
+from __future__ import annotations
+
+import os
+import re
+from typing import Optional
+
+import numpy as np
+
+from ditattn.errors import AttentionConfigError
+
+EXTENSIONS = (".mp4", ".png")
+
+
+def default_file_name(prompt: str, seed: int, num_frames: int) -> str:
+    """``<prompt slug>_s<seed>.mp4`` (or ``.png`` for one frame)."""
+    slug = re.sub(r"[^A-Za-z0-9]+", "_", prompt).strip("_")[:48].rstrip("_") or "output"
+    return f"{slug}_s{seed}{'.png' if num_frames == 1 else '.mp4'}"
+
+
+def output_file_path(out_dir: str, file_name: Optional[str], prompt: str, seed: int, num_frames: int) -> str:
+    """Where to write: ``out_dir/file_name`` (extension added when missing); a ``.png`` name for a
+    multi-frame clip or another extension is an :class:`AttentionConfigError`."""
+    if not file_name:
+        file_name = default_file_name(prompt, seed, num_frames)
+    if os.sep in file_name or (os.altsep and os.altsep in file_name):
+        raise AttentionConfigError(f"--output-file '{file_name}' must be a file name; put the folder in --output-path")
+    stem, ext = os.path.splitext(file_name)
+    ext = ext.lower()
+    if not ext:
+        file_name = f"{file_name}{'.png' if num_frames == 1 else '.mp4'}"
+    elif ext not in EXTENSIONS:
+        raise AttentionConfigError(f"--output-file '{file_name}': unsupported extension '{ext}'; accepted: .mp4, .png")
+    elif ext == ".png" and num_frames != 1:
+        raise AttentionConfigError(
+            f"--output-file '{file_name}': a {num_frames}-frame video cannot be a .png; use .mp4 or --num-frames 1"
+        )
+    return os.path.join(out_dir, file_name)
+
+
+def save_frames(frames: np.ndarray, path: str, fps: int = 16) -> str:
+    """Write ``frames`` (uint8 ``[F, H, W, 3]``) to ``path`` (.mp4 or .png); returns the path."""
+    if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
+        raise ValueError(f"frames must be uint8 [F, H, W, 3], got {frames.dtype} {frames.shape}")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    if path.lower().endswith(".png"):
+        from PIL import Image
+
+        Image.fromarray(frames[0]).save(path)
+        return path
+    import imageio.v2 as imageio
+
+    h, w = frames.shape[1:3]
+    block = 16 if h % 16 == 0 and w % 16 == 0 else 2
+    if h % block or w % block:  # yuv420p needs even sizes
+        frames = np.pad(frames, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)), mode="edge")
+    writer = imageio.get_writer(path, format="FFMPEG", mode="I", fps=fps, codec="libx264", quality=8,
+                                pixelformat="yuv420p", macro_block_size=block, ffmpeg_log_level="error")
+    try:
+        for f in frames:
+            writer.append_data(f)
+    finally:
+        writer.close()
+    return path

@@ -1,0 +1,68 @@
+"""Human-readable rendering of the attention plan (DESIGN 1.5)."""
+from __future__ import annotations
+
+from typing import Optional
+
+
+def _ranges(idx: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    out, start, prev = [], None, None
+    for i in sorted(idx):
+        if start is None:
+            start = prev = i
+        elif i == prev + 1:
+            prev = i
+        else:
+            out.append(f"{start}-{prev}" if prev != start else str(start))
+            start = prev = i
+    if start is not None:
+        out.append(f"{start}-{prev}" if prev != start else str(start))
+    return ",".join(out)
+
+
+def _layer_index(prefix: str) -> Optional[int]:
+    for part in prefix.split("."):
+        if part.isdigit():
+            return int(part)
+    return None
+
+
+def format_plan(plan: dict, *, model: str = "", dtype: str = "", override: Optional[str] = None) -> str:
+    """The plan as a table: one row per (component, role, backend, source, fallback reason) with the
+    layer indices it covers; fixed-attention components are listed as such."""
+    plat = plan["platform"]
+    cap = f" (capability {plat['capability'][0]}.{plat['capability'][1]})" if plat.get("capability") else ""
+    lines = [f"platform: {plat['name']}{cap}, device {plat['device']}" + (f", dtype {dtype}" if dtype else "")]
+    if model:
+        lines.append(f"model: {model}")
+    rows = []
+    notes = []
+    for comp in plan["components"]:
+        if not comp["selectable"]:
+            rows.append((comp["name"], "-", "-", "fixed", "-", "fixed attention (overrides rejected)"))
+            continue
+        if not comp["layers"]:
+            rows.append((comp["name"], "-", "-", "-", "-", "no attention layers"))
+            continue
+        groups: dict[tuple, list] = {}
+        for layer in comp["layers"]:
+            key = (layer["role"], layer["backend"], layer["source"], layer.get("fallback_reason"))
+            groups.setdefault(key, []).append(layer["prefix"])
+        for (role, backend, source, reason), prefixes in groups.items():
+            idx = [i for i in (_layer_index(p) for p in prefixes) if i is not None]
+            where = f"{len(prefixes)} ({_ranges(idx)})" if idx else str(len(prefixes))
+            note = ""
+            if reason:
+                notes.append(reason)
+                note = f"fallback [{len(notes)}]"
+            rows.append((comp["name"], role, where, backend, source, note))
+    head = ("component", "role", "layers", "backend", "source", "note")
+    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines.append(fmt.format(*head).rstrip())
+    lines.extend(fmt.format(*map(str, r)).rstrip() for r in rows)
+    for i, n in enumerate(notes, 1):
+        lines.append(f"[{i}] {n}")
+    if override:
+        lines.append(f"request override: DiT attention runs {override} for this run (validated)")
+    return "\n".join(lines)

@@ -1,0 +1,524 @@
+"""The native Wan 2.1 / 2.2 text-to-video pipeline.
+
+:class:`WanPipelineNative` loads a diffusers-format Wan folder (or a built-in ``ditattn:tiny-*``
+model), constructs every component inside its attention scope so that the run's
+:class:`~ditattn.attention.context.AttentionSettings` (global backend, component / role overrides,
+backend config) resolve each attention layer once, and checks the overrides afterwards (unknown
+component, fixed-attention component, unused override → :class:`AttentionConfigError`).
+
+Components: ``text_encoder`` (native UMT5, selectable, bias-needing), ``transformer`` and the
+optional ``transformer_2`` (native Wan DiT, selectable; the Wan 2.2 low-noise expert runs below
+``boundary_ratio * num_train_timesteps``), ``vae`` (diffusers ``AutoencoderKLWan``: fixed
+attention, not selectable), ``scheduler`` (the diffusers class named in the checkpoint),
+``tokenizer``.
+
+Python use (one object serves many requests; calls may run concurrently from several threads)::
+
+    from ditattn.pipelines.wan import WanPipelineNative
+    pipe = WanPipelineNative.from_pretrained("ditattn:tiny-wan", settings=None, device="cpu", dtype=torch.float32)
+    frames = pipe(["a cat", "a dog"], seed=[1, 2])        # uint8 [2, F, H, W, 3]
+    res = pipe.generate("a cat", override="torch_sdpa")   # GenerationResult (frames, backends, timings)
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+import time
+from typing import Any, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from ditattn.attention.config import check_config_keys_used
+from ditattn.attention.context import (
+    AttentionSettings,
+    ComponentScope,
+    RequestState,
+    attention_settings,
+    component_scope,
+    forward_context,
+    request_scope,
+)
+from ditattn.attention.selector import check_overrides_used
+from ditattn.errors import AttentionConfigError
+from ditattn.models.umt5 import load_umt5_encoder
+from ditattn.models.wan.transformer import load_wan_transformer
+from ditattn.pipelines.model_index import ModelIndex, read_model_index, resolve_model_path
+from ditattn.pipelines.text import PromptTokenizer
+from ditattn.platforms import Platform, platform_for_device, use_platform
+
+log = logging.getLogger("ditattn.pipeline")
+
+# Sampling defaults. The built-in tiny models default to a small clip so that the default CPU run
+# takes seconds; real checkpoints default to the Wan 2.1 reference settings (diffusers' defaults).
+TINY_DEFAULTS = dict(height=128, width=128, num_frames=9, num_inference_steps=8, guidance_scale=5.0)
+CHECKPOINT_DEFAULTS = dict(height=480, width=832, num_frames=81, num_inference_steps=50, guidance_scale=5.0)
+MAX_SEQUENCE_LENGTH = 512  # text tokens the DiT cross-attends to (Wan's context length)
+
+SELECTABLE = ("text_encoder", "transformer", "transformer_2")
+FIXED = ("vae",)
+DIT = ("transformer", "transformer_2")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_dtype(value: "str | torch.dtype | None", platform: Platform) -> torch.dtype:
+    """``float32``/``bfloat16``/``float16`` (or a torch dtype); None = float32 on CPU, bfloat16 elsewhere."""
+    if value is None:
+        return torch.float32 if platform.name == "cpu" else torch.bfloat16
+    if isinstance(value, torch.dtype):
+        if value not in (torch.float32, torch.bfloat16, torch.float16):
+            raise AttentionConfigError(f"unsupported dtype {value}; accepted: float32, bfloat16, float16")
+        return value
+    try:
+        return DTYPES[str(value).lower()]
+    except KeyError:
+        raise AttentionConfigError(f"unknown dtype '{value}'; accepted: float32, bfloat16, float16") from None
+
+
+def parse_device(value: "str | torch.device | None") -> torch.device:
+    """A usable torch device (None = ``cuda`` when available, else ``cpu``); unusable → error."""
+    if value is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(value)
+    except (RuntimeError, TypeError):
+        raise AttentionConfigError(f"unknown device '{value}'; accepted: cpu, cuda, cuda:N, mps, xpu, ...") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise AttentionConfigError(f"device '{value}' requested but CUDA is not available here; use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise AttentionConfigError(
+                f"device '{value}' does not exist; this machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
+    elif dev.type != "cpu":
+        mod = getattr(torch, dev.type, None) if dev.type != "mps" else getattr(torch.backends, "mps", None)
+        if mod is None or not getattr(mod, "is_available", lambda: False)():
+            raise AttentionConfigError(f"device '{value}' is not available here; use --device cpu")
+    return dev
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """What one pipeline call produced.
+
+    frames: ``np.uint8 [N, F, H, W, 3]`` (or float32 in [0, 1] with ``output_type="float"``, or the
+    final latents ``[N, C, T, H/8, W/8]`` tensor with ``output_type="latent"``); attention_backends:
+    the backends the DiT's attention ran in this call (the request override when one was given);
+    timings: seconds per stage (``text``, ``denoise``, ``decode``, ``total``); stats: request
+    statistics reported by backends (e.g. skip-softmax tile fractions).
+    """
+
+    frames: Any
+    attention_backends: list[str]
+    timings: dict[str, float]
+    stats: dict
+    latents: torch.Tensor  # the final latents [N, C, T, H/8, W/8] (float32) that were decoded
+    seeds: list[int]
+    height: int
+    width: int
+    num_frames: int
+    num_inference_steps: int
+
+
+class WanPipelineNative:
+    """Native Wan text-to-video pipeline; build it with :meth:`from_pretrained`.
+
+    Attributes: ``model_index`` (:class:`ModelIndex`), ``components`` (name -> module/object),
+    ``scopes`` (component -> :class:`ComponentScope` with the attention decisions), ``settings``,
+    ``platform``, ``device``, ``dtype``, ``defaults`` (sampling defaults of this model).
+    """
+
+    def __init__(self, model_index: ModelIndex, components: dict[str, Any], scopes: dict[str, ComponentScope],
+                 settings: AttentionSettings, platform: Platform, device: torch.device, dtype: torch.dtype,
+                 load_weights: bool):
+        self.model_index = model_index
+        self.components = components
+        self.scopes = scopes
+        self.settings = settings
+        self.platform = platform
+        self.device = device
+        self.dtype = dtype
+        self.loaded = load_weights
+        self.defaults = dict(TINY_DEFAULTS if model_index.is_builtin else CHECKPOINT_DEFAULTS)
+        self.boundary_ratio = model_index.config.get("boundary_ratio")
+        self.expand_timesteps = bool(model_index.config.get("expand_timesteps") or False)
+        vae_cfg = {}
+        if os.path.isfile(os.path.join(model_index.folder("vae"), "config.json")):
+            from ditattn.models.weights import read_json
+
+            vae_cfg = read_json(os.path.join(model_index.folder("vae"), "config.json"))
+        self.vae_scale_temporal = int(vae_cfg.get("scale_factor_temporal") or 4)
+        self.vae_scale_spatial = int(vae_cfg.get("scale_factor_spatial") or 8)
+
+    # ------------------------------------------------------------------------------------------
+    # construction
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: Optional[str] = None,
+        settings: Optional[AttentionSettings] = None,
+        device: "str | torch.device | None" = None,
+        dtype: "str | torch.dtype | None" = None,
+        *,
+        variant: Optional[str] = None,
+        load_weights: bool = True,
+    ) -> "WanPipelineNative":
+        """Load the pipeline at ``path`` (a local diffusers-format Wan folder or ``ditattn:tiny-wan`` /
+        ``ditattn:tiny-wan2.2``; None = ``ditattn:tiny-wan``) on ``device`` in compute ``dtype``
+        (None = float32 on CPU, bfloat16 on accelerators; the VAE always decodes in float32).
+
+        Every component is constructed inside its attention scope under ``settings`` (None = all
+        automatic).  ``load_weights=False`` only resolves the attention plan (models on the meta
+        device, no VAE): enough for :meth:`plan`.  Raises :class:`AttentionConfigError` for a bad
+        path, an unsupported checkpoint, a refused backend or override, or unused config keys.
+        """
+        settings = settings or AttentionSettings()
+        folder, name = resolve_model_path(path)
+        mi = read_model_index(folder, name)
+        dev = parse_device(device)
+        platform = platform_for_device(dev)
+        dt = parse_dtype(dtype, platform)
+        components: dict[str, Any] = {}
+        scopes: dict[str, ComponentScope] = {}
+        with use_platform(platform), attention_settings(settings):
+            for comp in mi.components:
+                lib, klass = mi.components[comp]
+                sub = mi.folder(comp)
+                if comp == "text_encoder":
+                    if klass not in ("UMT5EncoderModel",):
+                        raise AttentionConfigError(
+                            f"{sub}: text encoder class '{klass}' is not supported; the native Wan pipeline runs "
+                            "UMT5EncoderModel"
+                        )
+                    with component_scope(comp, selectable=True) as scope:
+                        components[comp] = load_umt5_encoder(sub, dtype=dt, device=dev, variant=variant,
+                                                             load_weights=load_weights)
+                    scopes[comp] = scope
+                elif comp in DIT:
+                    if klass != "WanTransformer3DModel":
+                        raise AttentionConfigError(
+                            f"{sub}: transformer class '{klass}' is not supported; the native Wan pipeline "
+                            "runs WanTransformer3DModel"
+                        )
+                    with component_scope(comp, selectable=True) as scope:
+                        components[comp] = load_wan_transformer(sub, dtype=dt, device=dev, variant=variant,
+                                                                load_weights=load_weights)
+                    scopes[comp] = scope
+                elif comp == "vae":
+                    with component_scope(comp, selectable=False) as scope:
+                        components[comp] = _load_vae(sub, dev, variant) if load_weights else None
+                    scopes[comp] = scope
+                elif comp == "tokenizer":
+                    components[comp] = PromptTokenizer(sub) if load_weights else None
+                elif comp == "scheduler":
+                    components[comp] = _scheduler_factory(sub, klass) if load_weights else None
+                else:
+                    log.info("ignoring component %s (%s.%s)", comp, lib, klass)
+            missing = [c for c in ("text_encoder", "tokenizer", "vae", "scheduler") if c not in mi.components]
+            if not any(c in mi.components for c in DIT):
+                missing.append("transformer")
+            if missing:
+                raise AttentionConfigError(f"{folder}: model_index.json lacks component(s) {', '.join(missing)}")
+            check_overrides_used(settings.component_overrides, scopes, mi.components.keys())
+            used = [d.backend for s in scopes.values() for d in s.decisions]
+            check_config_keys_used(settings.config, used)
+        return cls(mi, components, scopes, settings, platform, dev, dt, load_weights)
+
+    # ------------------------------------------------------------------------------------------
+    # plan
+
+    def plan(self) -> dict:
+        """The attention plan (DESIGN 1.5): ``{"platform": {...}, "components": [{"name",
+        "selectable", "layers": [{"prefix", "role", "backend", "source", "fallback_reason"}]}]}``."""
+        order = [c for c in ("text_encoder", "transformer", "transformer_2", "vae") if c in self.scopes]
+        order += [c for c in self.scopes if c not in order]
+        return {
+            "platform": self.platform.to_json(),
+            "components": [
+                {"name": c, "selectable": self.scopes[c].selectable,
+                 "layers": [d.to_json() for d in self.scopes[c].decisions]}
+                for c in order
+            ],
+        }
+
+    @property
+    def dit_modules(self) -> list[torch.nn.Module]:
+        return [self.components[c] for c in DIT if self.components.get(c) is not None]
+
+    def dit_backends(self) -> list[str]:
+        """The backends the DiT layers were built with (self-attention first), without duplicates."""
+        out: list[str] = []
+        for c in DIT:
+            if c in self.scopes:
+                for role in ("self", "cross"):
+                    for d in self.scopes[c].decisions:
+                        if d.role == role and d.backend.value not in out:
+                            out.append(d.backend.value)
+        return out
+
+    # ------------------------------------------------------------------------------------------
+    # generation
+
+    def prepare_request(self, override=None, skip_softmax=None) -> Optional[RequestState]:
+        """Validate a request's ``attention_backend_override`` / ``skip_softmax`` against the DiT
+        (DESIGN 2.7 / 2.8) and return the prepared state (None when neither is given). Raises
+        :class:`AttentionConfigError` with the reason; nothing changes on refusal."""
+        if override in (None, "") and skip_softmax is None:
+            return None
+        from ditattn.attention.override import prepare_request_override
+
+        with use_platform(self.platform):
+            return prepare_request_override(self.dit_modules, override, self.settings, skip_softmax=skip_softmax,
+                                            dtype=self.dtype)
+
+    def check_size(self, height: int, width: int, num_frames: int) -> None:
+        """Raise :class:`AttentionConfigError` unless the size is one this model can generate."""
+        mult = self.vae_scale_spatial * 2
+        tr = self.components.get("transformer") or self.components.get("transformer_2")
+        if tr is not None:
+            mult = self.vae_scale_spatial * max(tr.config.patch_size[1], tr.config.patch_size[2])
+        for what, v in (("height", height), ("width", width)):
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0 or v % mult:
+                raise AttentionConfigError(f"{what} {v!r} is not supported; accepted: positive multiples of {mult}")
+        st = self.vae_scale_temporal
+        if not isinstance(num_frames, int) or isinstance(num_frames, bool) or num_frames < 1 or (num_frames - 1) % st:
+            raise AttentionConfigError(
+                f"num_frames {num_frames!r} is not supported; accepted: 1 + {st}k (1, {1 + st}, {1 + 2 * st}, ...)"
+            )
+
+    def __call__(self, prompt, negative_prompt=None, **kw):
+        """Same arguments as :meth:`generate`; returns only the frames (uint8 ``[N, F, H, W, 3]``)."""
+        return self.generate(prompt, negative_prompt, **kw).frames
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt: Union[str, Sequence[str]],
+        negative_prompt: Union[str, Sequence[str], None] = None,
+        *,
+        height: Optional[int] = None,
+        width: Optional[int] = None,
+        num_frames: Optional[int] = None,
+        num_inference_steps: Optional[int] = None,
+        guidance_scale: Optional[float] = None,
+        guidance_scale_2: Optional[float] = None,
+        seed: Union[int, Sequence[int], None] = 0,
+        override: Optional[str] = None,
+        skip_softmax=None,
+        request_state: Optional[RequestState] = None,
+        max_sequence_length: int = MAX_SEQUENCE_LENGTH,
+        latents: Optional[torch.Tensor] = None,
+        output_type: str = "uint8",
+        progress: bool = True,
+        on_step=None,
+    ) -> GenerationResult:
+        """Generate one clip per prompt.
+
+        prompt: a string or a list of N strings (one batch); negative_prompt: None, a string for
+        all, or N strings. height/width: pixels (multiples of 16), num_frames: 1 + 4k (1 = image);
+        None takes :attr:`defaults`. guidance_scale > 1 enables classifier-free guidance
+        (guidance_scale_2: the low-noise expert's scale, default guidance_scale). seed: an int
+        (prompt i uses seed + i) or N ints; each clip's initial noise comes from its own CPU
+        generator, so a clip does not depend on what it is batched with. override: a per-request
+        dense drop-in backend for the DiT (DESIGN 2.7); skip_softmax: ``{threshold_scale_factor,
+        start_step}`` (2.8); request_state: an already prepared state (:meth:`prepare_request`)
+        instead of those two. latents: optional initial noise ``[N, C, T, H/8, W/8]`` float32.
+        output_type: ``uint8`` (default), ``float`` ([0, 1] float32) or ``latent``.
+        on_step: optional callable ``(steps_done, total_steps)`` called after each denoising step.
+        """
+        if not self.loaded:
+            raise AttentionConfigError("this pipeline was built with load_weights=False (plan only); it cannot generate")
+        t_start = time.perf_counter()
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        if not prompts or not all(isinstance(p, str) for p in prompts):
+            raise AttentionConfigError("prompt must be a string or a non-empty list of strings")
+        n = len(prompts)
+        if negative_prompt is None or isinstance(negative_prompt, str):
+            negatives = [negative_prompt or ""] * n
+        else:
+            negatives = list(negative_prompt)
+            if len(negatives) != n:
+                raise AttentionConfigError(f"negative_prompt has {len(negatives)} entries for {n} prompts")
+        if seed is None:
+            seed = 0
+        seeds = [int(seed) + i for i in range(n)] if isinstance(seed, (int, np.integer)) else [int(s) for s in seed]
+        if len(seeds) != n:
+            raise AttentionConfigError(f"seed has {len(seeds)} entries for {n} prompts")
+        d = self.defaults
+        height = d["height"] if height is None else height
+        width = d["width"] if width is None else width
+        num_frames = d["num_frames"] if num_frames is None else num_frames
+        steps = d["num_inference_steps"] if num_inference_steps is None else num_inference_steps
+        guidance = d["guidance_scale"] if guidance_scale is None else float(guidance_scale)
+        guidance_2 = guidance if guidance_scale_2 is None else float(guidance_scale_2)
+        self.check_size(height, width, num_frames)
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise AttentionConfigError(f"num_inference_steps must be a positive integer, got {steps!r}")
+        if output_type not in ("uint8", "float", "latent"):
+            raise AttentionConfigError(f"output_type must be uint8, float or latent, got {output_type!r}")
+        state = request_state if request_state is not None else self.prepare_request(override, skip_softmax)
+
+        dev, dt = self.device, self.dtype
+        do_cfg = guidance > 1.0  # as diffusers: the first scale decides whether negatives are encoded
+        timings: dict[str, float] = {}
+
+        # 1. text
+        t0 = time.perf_counter()
+        texts = prompts + negatives if do_cfg else prompts
+        ids, mask = self.components["tokenizer"](texts, max_sequence_length)
+        lens = mask.sum(dim=1).tolist()
+        # padding keys are masked out, so encoding only up to the longest prompt gives the same
+        # embeddings for the real tokens; the padding rows are zeros (as diffusers pads them)
+        L_max = max(1, int(max(lens)))
+        emb = self.components["text_encoder"](ids[:, :L_max].to(dev), mask[:, :L_max].to(dev))
+        context = emb.new_zeros(emb.shape[0], ids.shape[1], emb.shape[2])
+        for i, L in enumerate(lens):
+            context[i, :L] = emb[i, :L]
+        dits = {c: self.components.get(c) for c in DIT}
+        ref_dit = dits["transformer"] if dits["transformer"] is not None else dits["transformer_2"]
+        context = context.to(dt)
+        timings["text"] = time.perf_counter() - t0
+
+        # 2. noise
+        C = ref_dit.config.in_channels
+        lat_shape = (C, (num_frames - 1) // self.vae_scale_temporal + 1,
+                     height // self.vae_scale_spatial, width // self.vae_scale_spatial)
+        if latents is None:
+            latents = torch.stack([
+                torch.randn(lat_shape, generator=torch.Generator("cpu").manual_seed(s), dtype=torch.float32)
+                for s in seeds
+            ])
+        elif tuple(latents.shape) != (n, *lat_shape):
+            raise AttentionConfigError(f"latents must have shape {(n, *lat_shape)}, got {tuple(latents.shape)}")
+        latents = latents.to(dev, torch.float32)
+        grid = ref_dit.latent_grid(*lat_shape[1:])
+
+        # 3. denoise
+        t0 = time.perf_counter()
+        scheduler = self.components["scheduler"]()
+        scheduler.set_timesteps(steps, device=dev)
+        if hasattr(scheduler, "set_begin_index"):
+            scheduler.set_begin_index(0)
+        timesteps = scheduler.timesteps
+        boundary = None
+        if self.boundary_ratio is not None and dits["transformer_2"] is not None:
+            boundary = float(self.boundary_ratio) * scheduler.config.num_train_timesteps
+        used_models = set()
+        text_caches: dict = {}  # per expert: projected text + cross-attention K/V, computed once
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(timesteps), desc="denoising", unit="step", file=sys.stderr, disable=not progress,
+                   dynamic_ncols=True, leave=True)
+        try:
+            with request_scope(state) if state is not None else _nullcontext():
+                for i, t in enumerate(timesteps):
+                    if dits["transformer"] is not None and (boundary is None or float(t) >= boundary):
+                        name, scale = "transformer", guidance
+                    else:
+                        name, scale = "transformer_2", guidance_2
+                    model = dits[name]
+                    used_models.add(name)
+                    x = latents.to(dt)
+                    if do_cfg:
+                        x = torch.cat([x, x])
+                    if name not in text_caches:
+                        text_caches[name] = model.encode_text(context)
+                    if self.expand_timesteps:
+                        ts = t.expand(x.shape[0], grid[0] * grid[1] * grid[2])
+                    else:
+                        ts = t.expand(x.shape[0])
+                    with forward_context(step=i, num_steps=len(timesteps), video_shape=grid, text_len=0):
+                        out = model(x, ts, text_cache=text_caches[name])
+                    if do_cfg:
+                        cond, uncond = out.float().chunk(2)
+                        pred = uncond + scale * (cond - uncond)
+                    else:
+                        pred = out.float()
+                    latents = scheduler.step(pred, t, latents, return_dict=False)[0]
+                    bar.update(1)
+                    if on_step is not None:
+                        on_step(i + 1, len(timesteps))
+        finally:
+            bar.close()
+        timings["denoise"] = time.perf_counter() - t0
+
+        # 4. decode
+        t0 = time.perf_counter()
+        if output_type == "latent":
+            frames = latents
+        else:
+            frames = self.decode(latents)
+            if output_type == "uint8":
+                frames = (frames * 255.0).round().clip(0, 255).astype(np.uint8)
+        timings["decode"] = time.perf_counter() - t0
+        timings["total"] = time.perf_counter() - t_start
+
+        if state is not None and state.override is not None:
+            backends = [state.override.value]
+        else:
+            backends = []
+            for c in DIT:
+                if c in used_models:
+                    for role in ("self", "cross"):
+                        for dcs in self.scopes[c].decisions:
+                            if dcs.role == role and dcs.backend.value not in backends:
+                                backends.append(dcs.backend.value)
+        stats = dict(state.stats) if state is not None else {}
+        return GenerationResult(frames, backends, timings, stats, latents, seeds, height, width, num_frames, steps)
+
+    def decode(self, latents: torch.Tensor) -> np.ndarray:
+        """Latents ``[N, C, T, h, w]`` -> float32 frames in [0, 1], ``np.ndarray [N, F, H, W, 3]``."""
+        vae = self.components["vae"]
+        cfg = vae.config
+        z = latents.to(self.device, vae.dtype)
+        mean = torch.tensor(cfg.latents_mean, dtype=z.dtype, device=z.device).view(1, cfg.z_dim, 1, 1, 1)
+        inv_std = 1.0 / torch.tensor(cfg.latents_std, dtype=z.dtype, device=z.device).view(1, cfg.z_dim, 1, 1, 1)
+        z = z / inv_std + mean
+        video = vae.decode(z, return_dict=False)[0]  # [N, 3, F, H, W] in [-1, 1]
+        video = (video.float() / 2 + 0.5).clamp(0, 1)
+        return video.permute(0, 2, 3, 4, 1).cpu().numpy()
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+def _load_vae(folder: str, device: torch.device, variant: Optional[str]):
+    from diffusers import AutoencoderKLWan
+
+    kw = {"variant": variant} if variant else {}
+    try:
+        vae = AutoencoderKLWan.from_pretrained(folder, dtype=torch.float32, **kw)
+    except (OSError, ValueError) as exc:
+        raise AttentionConfigError(f"cannot load the VAE from {folder}: {exc}") from None
+    return vae.to(device).eval().requires_grad_(False)
+
+
+def _scheduler_factory(folder: str, klass: str):
+    """A zero-argument callable that returns a fresh scheduler (schedulers keep per-run state)."""
+    import diffusers
+
+    from ditattn.models.weights import read_json
+
+    cls = getattr(diffusers, klass, None)
+    if cls is None:
+        raise AttentionConfigError(f"{folder}: unknown scheduler class '{klass}' (not in diffusers {diffusers.__version__})")
+    config = read_json(os.path.join(folder, "scheduler_config.json"))
+    template = cls.from_config(config)
+    frozen = template.config
+
+    def make():
+        return cls.from_config(frozen)
+
+    make.config = frozen
+    make.cls = cls
+    return make

@@ -1,0 +1,143 @@
+"""``ditattn generate`` end to end: MP4 / PNG output, the timing line, errors, the diffusers passthrough."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ditattn.cli import main
+
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+SMALL = ["--height", "32", "--width", "48", "--num-inference-steps", "2"]
+
+
+def run(capsys, *argv):
+    capsys.readouterr()
+    rc = main(["generate", *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def read_mp4(path):
+    import imageio.v2 as imageio
+
+    reader = imageio.get_reader(path, format="FFMPEG")
+    try:
+        meta = reader.get_meta_data()
+        frames = np.stack(list(reader.iter_data()))
+    finally:
+        reader.close()
+    return frames, meta
+
+
+def test_generate_writes_a_playable_mp4(capsys, tmp_path):
+    rc, out, err = run(capsys, "--prompt", "a red fox in the snow", "--num-frames", "5", "--seed", "4",
+                       "--output-path", str(tmp_path), *SMALL)
+    assert rc == 0, err
+    lines = out.strip().splitlines()
+    path = str(tmp_path / "a_red_fox_in_the_snow_s4.mp4")
+    assert lines[0] == f"saved: {path}"
+    assert lines[-1].startswith("done in ") and "48x32, 5 frames, 2 steps" in lines[-1]
+    assert "denoise" in lines[-1] and "DiT attention: torch_sdpa" in lines[-1]
+    assert "denoising" in err and "2/2" in err  # the progress bar (stderr)
+    frames, meta = read_mp4(path)
+    assert frames.shape == (5, 32, 48, 3) and frames.dtype == np.uint8
+    assert meta["codec"] == "h264" and meta["fps"] == 16 and meta["pix_fmt"].startswith("yuv420p")
+    assert frames.std() > 1  # not a blank clip
+
+
+def test_generate_single_frame_writes_png(capsys, tmp_path):
+    from PIL import Image
+
+    rc, out, err = run(capsys, "--prompt", "sunset", "--num-frames", "1", "--output-path", str(tmp_path),
+                       "--output-file", "still", *SMALL)
+    assert rc == 0, err
+    path = tmp_path / "still.png"
+    assert out.strip().splitlines()[0] == f"saved: {path}"
+    img = Image.open(path)
+    assert img.size == (48, 32) and img.mode == "RGB"
+
+
+def test_generate_request_override_and_no_save(capsys, tmp_path):
+    rc, out, err = run(capsys, "--prompt", "x", "--num-frames", "1", "--attention-backend-override", "torch_sdpa",
+                       "--no-save-output", "--output-path", str(tmp_path), *SMALL)
+    assert rc == 0, err
+    assert os.listdir(tmp_path) == []
+    last = out.strip().splitlines()[-1]
+    assert "(not saved)" in last and "DiT attention: torch_sdpa" in last
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--output-file", "clip.png", "--num-frames", "5"], "cannot be a .png"),
+    (["--output-file", "clip.gif"], "unsupported extension"),
+    (["--height", "40"], "multiples of 16"),
+    (["--num-frames", "6"], "1 + 4k"),
+    (["--attention-backend-override", "video_sparse_attn"], "not a per-request drop-in"),
+    (["--component-attention-backends", "vae=torch_sdpa"], "fixed attention"),
+    (["--model-path", "/nonexistent/wan"], "not a local directory"),
+    (["--num-gpus", "2", "--ulysses-degree", "4"], "does not divide --num-gpus 2"),
+    (["--num-gpus", "2", "--ulysses-degree", "1", "--ring-degree", "1"], "must equal --num-gpus 2"),
+    (["--num-gpus", "3"], "accepted Ulysses degrees for this model: 1, 2, 4"),
+    (["--skip-softmax-start-step", "2"], "needs --skip-softmax-threshold-scale-factor"),
+])
+def test_generate_user_errors(capsys, tmp_path, argv, message):
+    rc, out, err = run(capsys, "--prompt", "x", "--output-path", str(tmp_path), *argv)
+    assert rc == 2
+    assert err.startswith("error: ") and message in err
+    assert "Traceback" not in err
+
+
+def test_diffusers_passthrough_matches_native(capsys, tmp_path):
+    from PIL import Image
+
+    common = ["--prompt", "a lighthouse", "--num-frames", "1", "--seed", "2", "--output-path", str(tmp_path), *SMALL]
+    rc, out, err = run(capsys, *common, "--output-file", "native.png")
+    assert rc == 0, err
+    rc, out, err = run(capsys, *common, "--output-file", "stock.png", "--backend", "diffusers",
+                       "--attention-backend", "native")
+    assert rc == 0, err
+    assert out.strip().splitlines()[-1].endswith("DiT attention: diffusers:native")
+    a = np.asarray(Image.open(tmp_path / "native.png"), dtype=np.int16)
+    b = np.asarray(Image.open(tmp_path / "stock.png"), dtype=np.int16)
+    assert np.abs(a - b).max() <= 1
+
+
+def test_diffusers_passthrough_rejections(capsys, tmp_path):
+    for argv, flag in ((["--component-attention-backends", "transformer=torch_sdpa"], "--component-attention-backends"),
+                       (["--attention-backend-override", "fa"], "--attention-backend-override"),
+                       (["--attention-backend-config", "sparsity=0.5"], "--attention-backend-config")):
+        rc, out, err = run(capsys, "--prompt", "x", "--backend", "diffusers", *argv)
+        assert rc == 2 and err.startswith(f"error: {flag} applies to the native pipeline only")
+    rc, out, err = run(capsys, "--prompt", "x", "--backend", "diffusers", "--attention-backend", "not_a_backend",
+                       "--output-path", str(tmp_path), *SMALL)
+    assert rc == 2 and "set_attention_backend" in err and "flash" in err
+
+
+def test_cli_error_exit_code_in_a_subprocess():
+    proc = subprocess.run(
+        [sys.executable, "-m", "ditattn", "plan", "--component-attention-backends", "text_encoder=fa"],
+        capture_output=True, text=True, env=_env(), timeout=300,
+    )
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "bias" in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
+
+
+def test_default_command_as_a_new_user(tmp_path):
+    """The README's main command: no flags but --prompt, default model, a video with a progress bar
+    and the timing summary as the last line."""
+    proc = subprocess.run([sys.executable, "-m", "ditattn", "generate", "--prompt", "a cat surfing a wave"],
+                          capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0] == "saved: outputs/a_cat_surfing_a_wave_s0.mp4"
+    assert lines[-1].startswith("done in ") and "128x128, 9 frames, 8 steps" in lines[-1]
+    assert "8/8" in proc.stderr
+    frames, _ = read_mp4(str(tmp_path / "outputs" / "a_cat_surfing_a_wave_s0.mp4"))
+    assert frames.shape == (9, 128, 128, 3)
