@@ -25,3 +25,18 @@ def _no_force_leak():
     before = _forced[0]
     yield
     _forced[0] = before
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _ditattn_model_cache(tmp_path_factory):
+    """The built-in tiny models (``ditattn:tiny-wan``, ``ditattn:tiny-wan2.2``) are built once per
+    test session into a temporary cache (never the user's ~/.cache); subprocesses inherit it.
+    ``DITATTN_TEST_CACHE=DIR`` reuses DIR across sessions (faster local iteration)."""
+    path = os.environ.get("DITATTN_TEST_CACHE") or str(tmp_path_factory.mktemp("ditattn-cache"))
+    old = os.environ.get("DITATTN_CACHE")
+    os.environ["DITATTN_CACHE"] = path
+    yield path
+    if old is None:
+        os.environ.pop("DITATTN_CACHE", None)
+    else:
+        os.environ["DITATTN_CACHE"] = old

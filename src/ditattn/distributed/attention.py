@@ -256,6 +256,7 @@ class USPAttention(LocalAttention):
                 causal=causal, scale=self.scale, attn_bias=None, video_shape=vshape, text_len=tlen,
                 step=fwd.step, num_steps=fwd.num_steps, layer_idx=self.layer_idx, return_lse=lse,
                 layer_key=f"{self.component}.{self.prefix}" if self.component else self.prefix,
+                head_offset=(g.ulysses_rank * (heads // U)) if U > 1 else 0,
             )
 
         # 2. attention over the whole sequence
