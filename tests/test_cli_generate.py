@@ -86,6 +86,8 @@ def test_generate_request_override_and_no_save(capsys, tmp_path):
     (["--num-gpus", "2", "--ulysses-degree", "1", "--ring-degree", "1"], "must equal --num-gpus 2"),
     (["--num-gpus", "3"], "accepted Ulysses degrees for this model: 1, 2, 4"),
     (["--skip-softmax-start-step", "2"], "needs --skip-softmax-threshold-scale-factor"),
+    (["--enable-cuda-graph"], "--enable-cuda-graph needs a CUDA device"),
+    (["--enable-torch-compile", "--attention-backend-override", "torch_sdpa"], "torch.compile"),
 ])
 def test_generate_user_errors(capsys, tmp_path, argv, message):
     rc, out, err = run(capsys, "--prompt", "x", "--output-path", str(tmp_path), *argv)
@@ -112,7 +114,8 @@ def test_diffusers_passthrough_matches_native(capsys, tmp_path):
 def test_diffusers_passthrough_rejections(capsys, tmp_path):
     for argv, flag in ((["--component-attention-backends", "transformer=torch_sdpa"], "--component-attention-backends"),
                        (["--attention-backend-override", "fa"], "--attention-backend-override"),
-                       (["--attention-backend-config", "sparsity=0.5"], "--attention-backend-config")):
+                       (["--attention-backend-config", "sparsity=0.5"], "--attention-backend-config"),
+                       (["--enable-torch-compile"], "--enable-torch-compile")):
         rc, out, err = run(capsys, "--prompt", "x", "--backend", "diffusers", *argv)
         assert rc == 2 and err.startswith(f"error: {flag} applies to the native pipeline only")
     rc, out, err = run(capsys, "--prompt", "x", "--backend", "diffusers", "--attention-backend", "not_a_backend",

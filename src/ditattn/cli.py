@@ -112,6 +112,13 @@ def add_model_flags(p: argparse.ArgumentParser, *, prompt_required: bool) -> Non
     g.add_argument("--num-gpus", type=_pos_int, default=1, metavar="N", help="processes for sequence parallelism")
     g.add_argument("--ulysses-degree", type=_pos_int, default=None, metavar="U", help="Ulysses degree")
     g.add_argument("--ring-degree", type=_pos_int, default=None, metavar="R", help="ring-attention degree")
+    perf = p.add_argument_group("performance")
+    perf.add_argument("--enable-torch-compile", action="store_true",
+                      help="torch.compile each DiT block (attention stays eager, so backend selection still applies); "
+                           "per-request overrides and skip softmax are then refused")
+    perf.add_argument("--enable-cuda-graph", action="store_true",
+                      help="CUDA only: compile the DiT blocks with CUDA graphs (breakable at attention); implies "
+                           "--enable-torch-compile; per-request overrides and skip softmax are then refused")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,13 +21,15 @@ NATIVE_ONLY = (
     ("attention_backend_override", "--attention-backend-override"),
     ("skip_softmax_threshold_scale_factor", "--skip-softmax-threshold-scale-factor"),
     ("skip_softmax_start_step", "--skip-softmax-start-step"),
+    ("enable_torch_compile", "--enable-torch-compile"),
+    ("enable_cuda_graph", "--enable-cuda-graph"),
 )
 
 
 def reject_native_only_flags(args) -> None:
     """Raise :class:`AttentionConfigError` naming the first native-only flag set with --backend diffusers."""
     for attr, flag in NATIVE_ONLY:
-        if getattr(args, attr, None) not in (None, ""):
+        if getattr(args, attr, None) not in (None, "", False):
             raise AttentionConfigError(
                 f"{flag} applies to the native pipeline only; --backend diffusers runs the stock diffusers "
                 "WanPipeline, whose only attention flag is --attention-backend (passed to set_attention_backend)"

@@ -60,6 +60,8 @@ def settings_from_args(args) -> AttentionSettings:
         autotune=bool(getattr(args, "enable_attention_backend_autotune", False)),
         ring_degree=r,
         ulysses_degree=u,
+        compiled=bool(getattr(args, "enable_torch_compile", False) or getattr(args, "enable_cuda_graph", False)),
+        cuda_graphs=bool(getattr(args, "enable_cuda_graph", False)),
     )
 
 

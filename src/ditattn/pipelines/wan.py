@@ -227,6 +227,14 @@ class WanPipelineNative:
             check_overrides_used(settings.component_overrides, scopes, mi.components.keys())
             used = [d.backend for s in scopes.values() for d in s.decisions]
             check_config_keys_used(settings.config, used)
+        if settings.cuda_graphs and dev.type != "cuda":
+            raise AttentionConfigError(f"--enable-cuda-graph needs a CUDA device (this run is on {dev.type})")
+        if settings.compiled and load_weights:
+            from ditattn.models.wan.compile import compile_blocks
+
+            for comp in DIT:
+                if components.get(comp) is not None:
+                    compile_blocks(components[comp], mode="reduce-overhead" if settings.cuda_graphs else None)
         return cls(mi, components, scopes, settings, platform, dev, dt, load_weights)
 
     # ------------------------------------------------------------------------------------------

@@ -1,0 +1,278 @@
+"""Fused block-sparse flash-attention forward (Triton).
+
+One program computes one query block of ``block_size`` rows for one (batch, head): it walks the
+block's key-block list with a run-time loop (``kv_counts[b, h, i]`` iterations), and for each
+listed key block does the flash-attention step: ``S = Q K^T`` on the tensor cores, online softmax
+in base 2 (``exp2`` with the ``log2(e)``-prescaled scale), ``acc += P V``.  Blocks that are not
+listed cost nothing: no loads, no math.  With ``kv_per_iter = n > 1`` one loop iteration gathers
+``n`` listed key blocks into one ``n * block_size``-wide tile (larger tensor-core tiles for small
+blocks such as the 64-token 4x4x4 video tiles); an odd tail is masked.
+
+Block-list format: ``kv_indices`` int32 ``[B, H, n_q_blocks, max_kv_blocks]``, ``kv_counts`` int32
+``[B, H, n_q_blocks]`` (B and H may be 1: broadcast); the first ``kv_counts`` entries of a row are
+the key blocks that query block attends (distinct, in ``[0, S_kv / block_size)``).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ditattn.attention.kernels import LOG2E, check_device, check_qkv, last_dim_contiguous
+from ditattn.errors import AttentionConfigError
+
+SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+@triton.jit
+def _bs_attn_fwd(
+    Q, K, V, Out, Lse, KvIdx, KvCnt, KvValid,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh,
+    stride_ib, stride_ih, stride_im,
+    stride_cb, stride_ch,
+    stride_valid_b,
+    H, GROUP, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, KV_PER_ITER: tl.constexpr,
+    HAS_VALID: tl.constexpr, RETURN_LSE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // GROUP
+    BN: tl.constexpr = BLOCK * KV_PER_ITER
+
+    offs_m = pid_m * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_r = tl.arange(0, BN)
+
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :])
+    cnt = tl.load(KvCnt + b * stride_cb + h * stride_ch + pid_m)
+    idx_base = KvIdx + b * stride_ib + h * stride_ih + pid_m * stride_im
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+
+    m_i = tl.full([BLOCK], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK], tl.float32)
+    acc = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+
+    for j in range(0, cnt, KV_PER_ITER):
+        if KV_PER_ITER == 1:
+            kb = tl.load(idx_base + j)
+            offs_n = kb * BLOCK + offs_r
+            col_ok = offs_r >= 0
+        else:
+            slot = offs_r // BLOCK
+            live = (j + slot) < cnt
+            kbv = tl.load(idx_base + j + slot, mask=live, other=0)
+            offs_n = kbv * BLOCK + (offs_r % BLOCK)
+            col_ok = live
+        k = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None])
+        s = tl.dot(q, k) * qk_scale
+        if HAS_VALID:
+            kv_ok = tl.load(KvValid + b * stride_valid_b + offs_n) != 0
+            col_ok = col_ok & kv_ok
+        if HAS_VALID or KV_PER_ITER > 1:
+            s = tl.where(col_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_use)
+        p = tl.math.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :])
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+
+    l_div = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_div[:, None]
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],
+             out.to(Out.dtype.element_ty))
+    if RETURN_LSE:
+        lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_div)) * 0.6931471805599453)
+        tl.store(Lse + pid_bh * (tl.num_programs(0) * BLOCK) + offs_m, lse)
+
+
+def default_config(block_size: int, head_dim: int) -> dict:
+    """Launch configuration used when the caller passes none (tuned on the H200, see
+    docs/benchmarks.md): ``kv_per_iter`` key blocks per loop iteration, ``num_warps``,
+    ``num_stages``."""
+    if head_dim > 128:
+        return {"kv_per_iter": 1, "num_warps": 8 if block_size >= 128 else 4, "num_stages": 1}
+    if block_size >= 128:
+        return {"kv_per_iter": 1, "num_warps": 8, "num_stages": 3}
+    if block_size == 64:
+        return {"kv_per_iter": 1, "num_warps": 4, "num_stages": 3}
+    return {"kv_per_iter": 128 // block_size // 2, "num_warps": 4, "num_stages": 2}
+
+
+FA4_BLOCK_SIZES = (64, 128)
+IMPLS = ("auto", "triton", "fa4")
+
+
+@functools.lru_cache(maxsize=None)
+def _fa4_block_sparse():
+    """FlashAttention-4's block-sparse forward (``flash_attn.cute``), or None when not installed."""
+    try:
+        from flash_attn.cute import flash_attn_func
+        from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+    except Exception:
+        return None
+    return flash_attn_func, BlockSparseTensorsTorch
+
+
+def _suffix_valid_len(kv_valid: Optional[torch.Tensor], skv: int) -> Optional[int]:
+    """Number of valid keys when ``kv_valid`` is one valid prefix shared by the batch, else None."""
+    if kv_valid is None:
+        return skv
+    n = int(kv_valid[0].sum())
+    expect = torch.arange(skv, device=kv_valid.device) < n
+    return n if bool((kv_valid == expect).all()) else None
+
+
+def fa4_fits(q: torch.Tensor, block_size: int, kv_valid: Optional[torch.Tensor]) -> Optional[str]:
+    """Why the FlashAttention-4 block-sparse path cannot take this call (None: it can)."""
+    if _fa4_block_sparse() is None:
+        return "flash_attn.cute (flash-attn-4) is not installed"
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] not in (9, 10):
+        return "FlashAttention-4 block sparsity runs on SM90/SM100 only"
+    if block_size not in FA4_BLOCK_SIZES:
+        return f"FlashAttention-4 block sparsity takes block sizes {list(FA4_BLOCK_SIZES)}, not {block_size}"
+    if q.shape[-1] > 128:
+        return "head dims above 128 use the Triton kernel"
+    n = _suffix_valid_len(kv_valid, q.shape[1] if kv_valid is None else kv_valid.shape[1])
+    if n is None:
+        return "kv_valid is not one valid prefix shared by the batch"
+    if kv_valid is not None and kv_valid.shape[1] - n >= block_size:
+        return "kv_valid pads a whole key block"
+    return None
+
+
+def _fa4_call(q, k, v, kv_indices, kv_counts, block_size, scale, kv_valid, return_lse):
+    flash_attn_func, BST = _fa4_block_sparse()
+    B, H = q.shape[0], q.shape[2]
+    n = _suffix_valid_len(kv_valid, k.shape[1])
+    if n < k.shape[1]:  # FA4 masks the ragged end of the key sequence itself
+        k, v = k[:, :n], v[:, :n]
+    idx = kv_indices.expand(B, H, -1, -1).contiguous()
+    cnt = kv_counts.expand(B, H, -1).contiguous()
+    tensors = BST(mask_block_cnt=torch.zeros_like(cnt), mask_block_idx=torch.zeros_like(idx),
+                  full_block_cnt=cnt, full_block_idx=idx, block_size=(block_size, block_size))
+    out, lse = flash_attn_func(q, k, v, softmax_scale=scale, block_sparse_tensors=tensors, return_lse=return_lse)
+    empty = cnt == 0
+    if bool(empty.any()):  # our contract: rows with no key block are zero with LSE -inf
+        rows = empty.repeat_interleave(block_size, dim=2)  # [B, H, Sq]
+        out = out.masked_fill(rows.transpose(1, 2)[..., None], 0.0)
+        if lse is not None:
+            lse = lse.masked_fill(rows, float("-inf"))
+    return out, (lse.float() if return_lse else None)
+
+
+def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                  kv_indices: torch.Tensor, kv_counts: torch.Tensor, *,
+                                  block_size: int = 64, scale: Optional[float] = None,
+                                  kv_valid: Optional[torch.Tensor] = None, return_lse: bool = False,
+                                  config: Optional[dict] = None, impl: str = "auto"):
+    """Exact attention of each query block over its listed key blocks, fused in one kernel.
+
+    q ``[B, S_q, H, D]``, k/v ``[B, S_kv, H_kv, D]`` (fp16/bf16; ``H % H_kv == 0``; ``S_q`` and
+    ``S_kv`` multiples of ``block_size``; D in 16/32/64/128/256); ``kv_indices`` int32
+    ``[B|1, H|1, S_q/block_size, max_kv_blocks]`` and ``kv_counts`` int32 ``[B|1, H|1, S_q/block_size]``
+    (entries past the count are ignored; listed entries must be distinct and in range: they are
+    not bounds-checked on the device); ``kv_valid`` optional bool ``[B, S_kv]`` (False = padding key,
+    masked).  ``scale`` defaults to ``D ** -0.5``.  ``config`` overrides the launch configuration
+    (keys of :func:`default_config`).  Returns ``(out [B, S_q, H, D] in q.dtype, lse [B, H, S_q]
+    float32 natural log, or None)``; a query row with no valid key gives zeros and LSE ``-inf``.
+
+    ``impl``: ``"triton"`` runs the kernel of this module; ``"fa4"`` runs FlashAttention-4's
+    block-sparse forward with the same lists (SM90/SM100, block size 64 or 128, head dim <= 128,
+    ``kv_valid`` None or one valid prefix shared by the batch); ``"auto"`` (default) takes FA4 when
+    installed and the call fits -- measured as fast or faster than the Triton kernel on the H200
+    (docs/benchmarks.md) -- else Triton.
+    """
+    what = "block-sparse Triton kernel"
+    if impl not in IMPLS:
+        raise AttentionConfigError(f"{what}: impl {impl!r} not supported (accepts {list(IMPLS)})")
+    B, Sq, Skv, H, Hkv, D = check_qkv(q, k, v, what=what, head_dims=SUPPORTED_HEAD_DIMS)
+    check_device(q, k, v, kv_indices, kv_counts, what=what)
+    if block_size not in SUPPORTED_BLOCK_SIZES:
+        raise AttentionConfigError(f"{what}: block_size {block_size} not supported (accepts {list(SUPPORTED_BLOCK_SIZES)})")
+    if Sq % block_size or Skv % block_size:
+        raise AttentionConfigError(
+            f"{what}: sequence lengths ({Sq}, {Skv}) must be multiples of block_size {block_size}; pad them "
+            "and mark padded keys with kv_valid"
+        )
+    nq = Sq // block_size
+    if kv_indices.dim() != 4 or kv_counts.dim() != 3 or kv_indices.shape[2] != nq or kv_counts.shape[2] != nq:
+        raise AttentionConfigError(
+            f"{what}: kv_indices must be [B, H, {nq}, max_kv_blocks] and kv_counts [B, H, {nq}]; got "
+            f"{tuple(kv_indices.shape)} and {tuple(kv_counts.shape)}"
+        )
+    for t, name in ((kv_indices, "kv_indices"), (kv_counts, "kv_counts")):
+        if t.dtype != torch.int32:
+            raise AttentionConfigError(f"{what}: {name} must be int32, got {t.dtype}")
+        if t.shape[0] not in (1, B) or t.shape[1] not in (1, H):
+            raise AttentionConfigError(f"{what}: {name} batch/head dims {tuple(t.shape[:2])} must be ({B} or 1, {H} or 1)")
+    if kv_valid is not None and (kv_valid.dtype != torch.bool or tuple(kv_valid.shape) != (B, Skv)):
+        raise AttentionConfigError(f"{what}: kv_valid must be bool [{B}, {Skv}], got {kv_valid.dtype} {tuple(kv_valid.shape)}")
+    if kv_indices.shape[3] == 0:
+        kv_indices = torch.zeros(*kv_indices.shape[:3], 1, dtype=torch.int32, device=q.device)
+    cfg = default_config(block_size, D)
+    if config:
+        unknown = set(config) - set(cfg)
+        if unknown:
+            raise AttentionConfigError(f"{what}: unknown config keys {sorted(unknown)}; accepted: {sorted(cfg)}")
+        cfg.update(config)
+    kvpi = int(cfg["kv_per_iter"])
+    if kvpi < 1 or kvpi & (kvpi - 1):
+        raise AttentionConfigError(f"{what}: kv_per_iter must be a power of two >= 1, got {kvpi}")
+
+    q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
+    scale = D ** -0.5 if scale is None else float(scale)
+    if impl != "triton" and q.is_cuda:
+        why = fa4_fits(q, block_size, kv_valid)
+        if why is None and q.dtype in (torch.float16, torch.bfloat16):
+            return _fa4_call(q, k, v, kv_indices, kv_counts, block_size, scale, kv_valid, return_lse)
+        if impl == "fa4":
+            raise AttentionConfigError(f"{what}: impl 'fa4' cannot take this call: {why}")
+    elif impl == "fa4":
+        raise AttentionConfigError(f"{what}: impl 'fa4' needs CUDA tensors")
+    kv_indices = kv_indices.expand(B, H, -1, -1)
+    kv_counts = kv_counts.expand(B, H, -1)
+    if kv_indices.stride(-1) != 1:
+        kv_indices = kv_indices.contiguous()
+    if kv_counts.stride(-1) != 1:
+        kv_counts = kv_counts.contiguous()
+    out = torch.empty_like(q)
+    lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device) if return_lse else out
+    valid = kv_valid.to(torch.int8).contiguous() if kv_valid is not None else kv_counts
+    grid = (nq, B * H)
+    args = (
+        q, k, v, out, lse, kv_indices, kv_counts, valid,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        kv_indices.stride(0), kv_indices.stride(1), kv_indices.stride(2),
+        kv_counts.stride(0), kv_counts.stride(1),
+        valid.stride(0) if kv_valid is not None else 0,
+        H, H // Hkv, scale * LOG2E,
+    )
+    meta = dict(HEAD_DIM=D, BLOCK=block_size, KV_PER_ITER=kvpi, HAS_VALID=kv_valid is not None,
+                RETURN_LSE=bool(return_lse), num_warps=int(cfg["num_warps"]))
+    try:
+        _bs_attn_fwd[grid](*args, **meta, num_stages=int(cfg["num_stages"]))
+    except triton.runtime.errors.OutOfResources:
+        _bs_attn_fwd[grid](*args, **meta, num_stages=1)
+    return out, (lse if return_lse else None)
+
+
+__all__ = ["block_sparse_attention_triton", "default_config", "fa4_fits", "SUPPORTED_BLOCK_SIZES",
+           "SUPPORTED_HEAD_DIMS", "IMPLS"]

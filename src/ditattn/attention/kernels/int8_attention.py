@@ -1,0 +1,398 @@
+"""Quantized dense attention (SageAttention-style), Triton kernel and PyTorch reference.
+
+Math (per batch b, query head h, key/value head g = h // (H / H_kv)):
+
+1. Smooth K: ``K~ = K - mean_s(K)`` (per channel, over all keys).  Every score of a query row
+   shifts by the same ``q . mean(K)``, so the softmax (and the output) is unchanged; the LSE is
+   corrected back by ``scale * q . mean(K)``.
+2. Quantize Q to INT8 per token (or per block of ``block_m`` rows) and K~ to INT8 per block of
+   ``block_n`` rows, symmetric, ``scale = amax / 127``, round half away from zero.
+3. ``S = (Q8 K8^T) * sQ * sK * scale`` -- the product on the INT8 tensor cores (INT32 accumulate,
+   exact), the dequantization one multiply per score (folded with ``log2 e`` for ``exp2``).
+4. Online softmax in FP32, ``P . V`` on the tensor cores either in FP16/BF16 (``pv="fp16"``: P in
+   V's dtype, FP32 accumulate) or in FP8 e4m3 (``pv="fp8"``: P scaled by 2^8 so that it uses the
+   normal FP8 range, V per-channel scaled to +-448 and stored transposed, accumulation promoted to
+   FP32 every tile).
+
+Accuracy on random normal inputs (relative L2 error against float32): about 1.2-1.4 % with
+``pv="fp16"``; about 4 % with ``pv="fp8"`` (3 mantissa bits on P and V), so ``fp8`` is opt-in.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ditattn.attention.backends.base import expand_kv
+from ditattn.attention.kernels import LOG2E, check_device, check_qkv, last_dim_contiguous
+from ditattn.errors import AttentionConfigError
+
+SUPPORTED_HEAD_DIMS = (32, 64, 128)
+PV_MODES = ("fp16", "fp8")
+Q_GRANULARITIES = ("token", "block")
+FP8_MAX = 448.0
+P_SHIFT_FP8 = 8.0  # P is computed as exp2(s - m + 8) = 256 * softmax numerator on the FP8 path
+
+
+# ------------------------------------------------------------------------------------------------
+# quantization pre-passes
+
+
+@triton.jit
+def _quant_int8_rows(
+    X, KMean, Out, Scale, Qkm,
+    stride_xb, stride_xs, stride_xh,
+    stride_mb, stride_mh,
+    S, S_pad, H, GROUP, mult, qkm_mult,
+    HEAD_DIM: tl.constexpr, BLK: tl.constexpr,
+    SUB_MEAN: tl.constexpr, PER_TOKEN: tl.constexpr, WRITE_QKM: tl.constexpr,
+):
+    pid_blk = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    offs_s = pid_blk * BLK + tl.arange(0, BLK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = offs_s < S
+    x = tl.load(X + b * stride_xb + h * stride_xh + offs_s[:, None] * stride_xs + offs_d[None, :],
+                mask=ok[:, None], other=0.0).to(tl.float32)
+    row = (b * H + h) * S_pad + offs_s
+    if SUB_MEAN or WRITE_QKM:
+        mean = tl.load(KMean + b * stride_mb + (h // GROUP) * stride_mh + offs_d)
+        if SUB_MEAN:
+            x = tl.where(ok[:, None], x - mean[None, :], 0.0)
+        if WRITE_QKM:
+            tl.store(Qkm + row, tl.sum(x * mean[None, :], 1) * qkm_mult)
+    if PER_TOKEN:
+        amax = tl.max(tl.abs(x), 1)
+        sc = tl.where(amax > 0.0, amax / 127.0, 1.0)
+        xq = x / sc[:, None]
+        tl.store(Scale + row, sc * mult)
+    else:
+        amax = tl.max(tl.max(tl.abs(x), 1), 0)
+        sc = tl.where(amax > 0.0, amax / 127.0, 1.0)
+        xq = x / sc
+        tl.store(Scale + (b * H + h) * (S_pad // BLK) + pid_blk, sc * mult)
+    xq = xq + tl.where(xq >= 0.0, 0.5, -0.5)
+    tl.store(Out + row[:, None] * HEAD_DIM + offs_d[None, :], xq.to(tl.int8))
+
+
+@triton.jit
+def _quant_v_fp8_t(
+    V, VScale, Out,
+    stride_vb, stride_vs, stride_vh,
+    S, S_pad, HKV,
+    HEAD_DIM: tl.constexpr, BLK: tl.constexpr,
+):
+    pid_blk = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    offs_s = pid_blk * BLK + tl.arange(0, BLK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = offs_s < S
+    x = tl.load(V + b * stride_vb + h * stride_vh + offs_s[:, None] * stride_vs + offs_d[None, :],
+                mask=ok[:, None], other=0.0).to(tl.float32)
+    sc = tl.load(VScale + (b * HKV + h) * HEAD_DIM + offs_d)
+    xq = x / sc[None, :]
+    base = Out + (b * HKV + h) * HEAD_DIM * S_pad
+    tl.store(base + offs_d[None, :] * S_pad + offs_s[:, None], xq.to(tl.float8e4nv, fp_downcast_rounding="rtne"))
+
+
+# ------------------------------------------------------------------------------------------------
+# attention kernel
+
+
+@triton.jit
+def _int8_attn_inner(
+    acc, l_i, m_i, q, rs, k_base, ks_base, v_base, stride_vs, start, end, offs_m, Skv, Skv_pad,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+    PV_FP8: tl.constexpr, FP8_ACC: tl.constexpr, INT_TRICK: tl.constexpr, PSHIFT: tl.constexpr,
+    WS: tl.constexpr,
+):
+    offs_nb = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WS):
+        offs_n = start_n + offs_nb
+        k = tl.load(k_base + offs_n[None, :] * HEAD_DIM + offs_d[:, None])
+        ks = tl.load(ks_base + start_n // BLOCK_N)
+        s_i = tl.dot(q, k)
+        if INT_TRICK:
+            # exact int32 -> fp32 for |x| < 2^22 (|Q8.K8| <= 128*127*127): integer add + float subtract
+            sf = (s_i + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+        else:
+            sf = s_i.to(tl.float32)
+        r = rs * ks
+        if MASK:
+            s = sf * r[:, None]
+            ok = offs_n[None, :] < Skv
+            if CAUSAL:
+                ok = ok & (offs_n[None, :] <= offs_m[:, None])
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - (m_use - PSHIFT)[:, None])
+        else:
+            m_new = tl.maximum(m_i, tl.max(s_i, 1).to(tl.float32) * r)
+            m_use = m_new
+            p = tl.math.exp2(sf * r[:, None] - (m_use - PSHIFT)[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if PV_FP8:
+            vt = tl.load(v_base + offs_d[:, None] * Skv_pad + offs_n[None, :])
+            if FP8_ACC > 0:
+                acc = tl.dot(p.to(tl.float8e4nv, fp_downcast_rounding="rtne"), tl.trans(vt), acc, max_num_imprecise_acc=FP8_ACC)
+            else:
+                acc = tl.dot(p.to(tl.float8e4nv, fp_downcast_rounding="rtne"), tl.trans(vt), acc)
+        else:
+            if MASK:
+                v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :],
+                            mask=offs_n[:, None] < Skv, other=0.0)
+            else:
+                v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :])
+            acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _int8_attn_fwd(
+    Q8, QS, Qkm, K8, KS, V, VS, Out, Lse,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh,
+    Sq, Skv, Sq_pad, Skv_pad, H, HKV,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    Q_PER_TOKEN: tl.constexpr, PV_FP8: tl.constexpr, FP8_ACC: tl.constexpr, INT_TRICK: tl.constexpr,
+    CAUSAL: tl.constexpr, RETURN_LSE: tl.constexpr, PSHIFT: tl.constexpr, WS: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // (H // HKV)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+
+    q = tl.load(Q8 + (pid_bh * Sq_pad + offs_m[:, None]) * HEAD_DIM + offs_d[None, :])
+    if Q_PER_TOKEN:
+        rs = tl.load(QS + pid_bh * Sq_pad + offs_m)
+    else:
+        rs = tl.zeros([BLOCK_M], tl.float32) + tl.load(QS + pid_bh * (Sq_pad // BLOCK_M) + pid_m)
+    bhk = b * HKV + hk
+    k_base = K8 + bhk * Skv_pad * HEAD_DIM
+    ks_base = KS + bhk * (Skv_pad // BLOCK_N)
+    if PV_FP8:
+        v_base = V + bhk * HEAD_DIM * Skv_pad
+    else:
+        v_base = V + b * stride_vb + hk * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    full_end = (Skv // BLOCK_N) * BLOCK_N
+    if CAUSAL:
+        hi = tl.minimum(Skv, (pid_m + 1) * BLOCK_M)
+        lo_diag = tl.minimum(full_end, ((pid_m * BLOCK_M) // BLOCK_N) * BLOCK_N)
+        acc, l_i, m_i = _int8_attn_inner(acc, l_i, m_i, q, rs, k_base, ks_base, v_base, stride_vs,
+                                         0, lo_diag, offs_m, Skv, Skv_pad, BLOCK_N, HEAD_DIM, False, True,
+                                         PV_FP8, FP8_ACC, INT_TRICK, PSHIFT, WS)
+        acc, l_i, m_i = _int8_attn_inner(acc, l_i, m_i, q, rs, k_base, ks_base, v_base, stride_vs,
+                                         lo_diag, hi, offs_m, Skv, Skv_pad, BLOCK_N, HEAD_DIM, True, True,
+                                         PV_FP8, FP8_ACC, INT_TRICK, PSHIFT, WS)
+    else:
+        acc, l_i, m_i = _int8_attn_inner(acc, l_i, m_i, q, rs, k_base, ks_base, v_base, stride_vs,
+                                         0, full_end, offs_m, Skv, Skv_pad, BLOCK_N, HEAD_DIM, False, False,
+                                         PV_FP8, FP8_ACC, INT_TRICK, PSHIFT, WS)
+        acc, l_i, m_i = _int8_attn_inner(acc, l_i, m_i, q, rs, k_base, ks_base, v_base, stride_vs,
+                                         full_end, Skv, offs_m, Skv, Skv_pad, BLOCK_N, HEAD_DIM, True, False,
+                                         PV_FP8, FP8_ACC, INT_TRICK, PSHIFT, WS)
+
+    l_div = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_div[:, None]
+    if PV_FP8:
+        out = out * tl.load(VS + bhk * HEAD_DIM + offs_d)[None, :]
+    row_ok = offs_m < Sq
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],
+             out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    if RETURN_LSE:
+        lse = (m_i + tl.math.log2(l_div) - PSHIFT) * 0.6931471805599453 + tl.load(Qkm + pid_bh * Sq_pad + offs_m)
+        lse = tl.where(l_i == 0.0, float("-inf"), lse)
+        tl.store(Lse + pid_bh * Sq + offs_m, lse, mask=row_ok)
+
+
+# ------------------------------------------------------------------------------------------------
+# public entry points
+
+
+def default_config(head_dim: int, pv: str = "fp16") -> dict:
+    """Launch configuration used when the caller passes none (tuned on the H200; see
+    docs/benchmarks.md).  ``warp_specialize`` asks Triton to warp-specialize the key loop."""
+    if pv == "fp8":
+        return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "int_trick": True,
+                "fp8_acc": 128, "warp_specialize": False}
+    return {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3, "int_trick": True,
+            "fp8_acc": 0, "warp_specialize": False}
+
+
+def _check_common(q, k, v, pv, q_granularity, what):
+    dims = check_qkv(q, k, v, what=what, head_dims=SUPPORTED_HEAD_DIMS)
+    if pv not in PV_MODES:
+        raise AttentionConfigError(f"{what}: pv {pv!r} not supported (accepts {list(PV_MODES)})")
+    if q_granularity not in Q_GRANULARITIES:
+        raise AttentionConfigError(f"{what}: q_granularity {q_granularity!r} not supported (accepts {list(Q_GRANULARITIES)})")
+    return dims
+
+
+def int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float] = None,
+                   causal: bool = False, return_lse: bool = False, pv: str = "fp16",
+                   q_granularity: str = "token", config: Optional[dict] = None):
+    """Quantized attention on the GPU (Triton): INT8 Q.K with smoothed K, FP16/BF16 or FP8 P.V.
+
+    q ``[B, S_q, H, D]``, k/v ``[B, S_kv, H_kv, D]`` fp16/bf16, ``H % H_kv == 0``, D in 32/64/128;
+    ``causal`` is top-left aligned (query i sees keys j <= i); ``scale`` defaults to ``D ** -0.5``;
+    ``pv`` "fp16" (P in V's dtype) or "fp8" (e4m3); ``q_granularity`` "token" (one Q scale per
+    row) or "block" (one per ``block_m`` rows).  ``config`` overrides keys of
+    :func:`default_config`.  Returns ``(out [B, S_q, H, D] in q.dtype, lse [B, H, S_q] float32
+    natural log or None)``.  The inputs are not modified.
+    """
+    what = "int8 attention kernel"
+    B, Sq, Skv, H, Hkv, D = _check_common(q, k, v, pv, q_granularity, what)
+    check_device(q, k, v, what=what)
+    cfg = default_config(D, pv)
+    if config:
+        unknown = set(config) - set(cfg)
+        if unknown:
+            raise AttentionConfigError(f"{what}: unknown config keys {sorted(unknown)}; accepted: {sorted(cfg)}")
+        cfg.update(config)
+    bm, bn = int(cfg["block_m"]), int(cfg["block_n"])
+    scale = D ** -0.5 if scale is None else float(scale)
+    q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
+    dev = q.device
+    sq_pad = triton.cdiv(Sq, bm) * bm
+    skv_pad = triton.cdiv(Skv, bn) * bn
+    per_token = q_granularity == "token"
+
+    kmean = k.mean(dim=1, dtype=torch.float32).contiguous()  # [B, Hkv, D]
+    q8 = torch.empty((B, H, sq_pad, D), dtype=torch.int8, device=dev)
+    qs = torch.empty((B, H, sq_pad if per_token else sq_pad // bm), dtype=torch.float32, device=dev)
+    qkm = torch.empty((B, H, sq_pad), dtype=torch.float32, device=dev) if return_lse else qs
+    qblk = 64 if per_token else bm
+    _quant_int8_rows[(sq_pad // qblk, H, B)](
+        q, kmean, q8, qs, qkm, q.stride(0), q.stride(1), q.stride(2), kmean.stride(0), kmean.stride(1),
+        Sq, sq_pad, H, H // Hkv, scale * LOG2E, scale,
+        HEAD_DIM=D, BLK=qblk, SUB_MEAN=False, PER_TOKEN=per_token, WRITE_QKM=bool(return_lse), num_warps=4,
+    )
+    k8 = torch.empty((B, Hkv, skv_pad, D), dtype=torch.int8, device=dev)
+    ks = torch.empty((B, Hkv, skv_pad // bn), dtype=torch.float32, device=dev)
+    _quant_int8_rows[(skv_pad // bn, Hkv, B)](
+        k, kmean, k8, ks, ks, k.stride(0), k.stride(1), k.stride(2), kmean.stride(0), kmean.stride(1),
+        Skv, skv_pad, Hkv, 1, 1.0, 1.0,
+        HEAD_DIM=D, BLK=bn, SUB_MEAN=True, PER_TOKEN=False, WRITE_QKM=False, num_warps=4,
+    )
+    if pv == "fp8":
+        vs = (v.abs().amax(dim=1).float() / FP8_MAX).clamp_min(1e-30).contiguous()  # [B, Hkv, D]
+        vk = torch.empty((B, Hkv, D, skv_pad), dtype=torch.float8_e4m3fn, device=dev)
+        _quant_v_fp8_t[(skv_pad // 64, Hkv, B)](
+            v, vs, vk, v.stride(0), v.stride(1), v.stride(2), Skv, skv_pad, Hkv, HEAD_DIM=D, BLK=64, num_warps=4,
+        )
+        sv = (0, 0, 0)
+    else:
+        vs, vk = ks, v
+        sv = (v.stride(0), v.stride(1), v.stride(2))
+    out = torch.empty_like(q)
+    lse = torch.empty((B, H, Sq), dtype=torch.float32, device=dev) if return_lse else out
+    _int8_attn_fwd[(sq_pad // bm, B * H)](
+        q8, qs, qkm, k8, ks, vk, vs, out, lse,
+        sv[0], sv[1], sv[2], out.stride(0), out.stride(1), out.stride(2),
+        Sq, Skv, sq_pad, skv_pad, H, Hkv,
+        BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=D, Q_PER_TOKEN=per_token, PV_FP8=pv == "fp8",
+        FP8_ACC=min(int(cfg["fp8_acc"]), bn) if pv == "fp8" else 0, INT_TRICK=bool(cfg["int_trick"]),
+        CAUSAL=bool(causal), RETURN_LSE=bool(return_lse), PSHIFT=P_SHIFT_FP8 if pv == "fp8" else 0.0,
+        WS=bool(cfg["warp_specialize"]),
+        num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
+    )
+    return out, (lse if return_lse else None)
+
+
+def _quant_sym(x: torch.Tensor, dim) -> tuple[torch.Tensor, torch.Tensor]:
+    amax = x.abs().amax(dim=dim, keepdim=True)
+    sc = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    xq = x / sc
+    xq = torch.trunc(xq + torch.where(xq >= 0, 0.5, -0.5))
+    return xq, sc
+
+
+def int8_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float] = None,
+                             causal: bool = False, return_lse: bool = False, pv: str = "fp16",
+                             q_granularity: str = "token", block_m: int = 128, block_n: int = 128):
+    """The same quantization as :func:`int8_attention`, in PyTorch (any device; the CPU path).
+
+    q ``[B, S_q, H, D]``, k/v ``[B, S_kv, H_kv, D]`` in float32, float16 or bfloat16 (any head dim).
+    Quantized products are exact (INT8 values held in float32), softmax in float32 with the row's
+    global maximum; P.V with P and V rounded to V's dtype (float16 for float32 input) or to FP8
+    e4m3 (P scaled by 2^8, V per channel).  Returns ``(out in q.dtype, lse [B, H, S_q] float32 or
+    None)``; the LSE is that of the unquantized-scale scores ``scale * q . k`` (smoothing undone).
+    """
+    what = "int8 attention reference"
+    B, Sq, Skv, H, Hkv, D = check_qkv(q, k, v, what=what, dtypes=(torch.float32, torch.float16, torch.bfloat16))
+    if pv not in PV_MODES:
+        raise AttentionConfigError(f"{what}: pv {pv!r} not supported (accepts {list(PV_MODES)})")
+    if q_granularity not in Q_GRANULARITIES:
+        raise AttentionConfigError(f"{what}: q_granularity {q_granularity!r} not supported (accepts {list(Q_GRANULARITIES)})")
+    scale = D ** -0.5 if scale is None else float(scale)
+    k, v = expand_kv(k, v, H)
+    f32 = torch.float32
+    qf = q.to(f32).transpose(1, 2)  # [B, H, Sq, D]
+    kf = k.to(f32).transpose(1, 2)
+    kmean = kf.mean(dim=2, keepdim=True)
+    ks_ = kf - kmean
+    nbk = -(-Skv // block_n)
+    pad_k = nbk * block_n - Skv
+    kp = torch.nn.functional.pad(ks_, (0, 0, 0, pad_k)).reshape(B, H, nbk, block_n, D)
+    k8, ksc = _quant_sym(kp, dim=(3, 4))
+    k8 = k8.reshape(B, H, nbk * block_n, D)[:, :, :Skv]
+    ksc = ksc.reshape(B, H, nbk, 1).expand(B, H, nbk, block_n).reshape(B, H, nbk * block_n)[:, :, :Skv]
+    if q_granularity == "token":
+        q8, qsc = _quant_sym(qf, dim=3)
+        qsc = qsc.squeeze(-1)
+    else:
+        nbq = -(-Sq // block_m)
+        qp = torch.nn.functional.pad(qf, (0, 0, 0, nbq * block_m - Sq)).reshape(B, H, nbq, block_m, D)
+        q8, qsc = _quant_sym(qp, dim=(3, 4))
+        q8 = q8.reshape(B, H, nbq * block_m, D)[:, :, :Sq]
+        qsc = qsc.reshape(B, H, nbq, 1).expand(B, H, nbq, block_m).reshape(B, H, nbq * block_m)[:, :, :Sq]
+    pv_dtype = v.dtype if v.dtype in (torch.float16, torch.bfloat16) else torch.float16
+    vf = v.transpose(1, 2)
+    if pv == "fp8":
+        vsc = (vf.to(f32).abs().amax(dim=2, keepdim=True) / FP8_MAX).clamp_min(1e-30)
+        vq = (vf.to(f32) / vsc).to(torch.float8_e4m3fn).to(f32)
+    else:
+        vq = vf.to(pv_dtype).to(f32)
+    out = torch.empty(B, H, Sq, D, dtype=f32, device=q.device)
+    lse = torch.empty(B, H, Sq, dtype=f32, device=q.device)
+    chunk = max(1, (1 << 24) // max(1, B * H * Skv))
+    for i0 in range(0, Sq, chunk):
+        i1 = min(Sq, i0 + chunk)
+        s = (q8[:, :, i0:i1] @ k8.transpose(-1, -2)) * (qsc[:, :, i0:i1, None] * ksc[:, :, None, :] * scale)
+        if causal:
+            keep = torch.arange(i0, i1, device=q.device)[:, None] >= torch.arange(Skv, device=q.device)[None, :]
+            s = s.masked_fill(~keep, float("-inf"))
+        m = s.amax(dim=-1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        p = torch.exp(s - m)
+        l_ = p.sum(dim=-1, keepdim=True)
+        if pv == "fp8":
+            pq = (p * 256.0).to(torch.float8_e4m3fn).to(f32) / 256.0
+            o = (pq @ vq) * vsc
+        else:
+            o = p.to(pv_dtype).to(f32) @ vq
+        ldiv = torch.where(l_ > 0, l_, torch.ones_like(l_))
+        out[:, :, i0:i1] = o / ldiv
+        lse[:, :, i0:i1] = torch.where(l_ > 0, m + torch.log(ldiv), torch.full_like(l_, float("-inf"))).squeeze(-1)
+    lse = lse + scale * (qf @ kmean.transpose(-1, -2)).squeeze(-1)
+    return out.transpose(1, 2).to(q.dtype), (lse if return_lse else None)
+
+
+__all__ = ["int8_attention", "int8_attention_reference", "default_config", "SUPPORTED_HEAD_DIMS", "PV_MODES"]

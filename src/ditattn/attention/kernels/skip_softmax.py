@@ -1,0 +1,273 @@
+"""Skip-softmax flash attention (BLASST, DESIGN 2.8), Triton kernel and PyTorch reference.
+
+A flash-attention forward that always computes the Q.K tile, then estimates the tile's softmax
+mass from its row maxima: when, for every query row of the tile, ``exp(rowmax_tile - m_running)``
+is below ``threshold = threshold_scale_factor / context_length``, the tile is skipped -- no
+exponentials, no softmax-state update, no P.V product, and (with ``prefetch_v=False``) no V load.
+By default (``prefetch_v=True``, measured faster on the H200) the V tile is requested before the
+decision so that Triton's software pipeline can prefetch it: a load inside the data-dependent
+branch cannot be pipelined, which cost more than the skipped traffic saves in this compute-bound
+kernel.  The first tile of a row block
+is never skipped (its running maximum is -inf).  With ``threshold_scale_factor=None`` the same
+kernel runs dense (the baseline the speed-up is measured against).
+
+Self-attention of fp16/bf16 with head dim 128 or 256, unmasked (no bias, not causal).  Requests
+with a mask, ring attention, torch.compile or a CUDA-graph capture are rejected by
+:func:`check_skip_softmax_request` instead of silently running dense.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ditattn.attention.backends.base import expand_kv
+from ditattn.attention.kernels import LOG2E, check_device, check_qkv, last_dim_contiguous
+from ditattn.errors import AttentionConfigError
+
+SUPPORTED_HEAD_DIMS = (128, 256)
+KERNEL_HEAD_DIMS = (64, 128, 256)  # what the kernel itself compiles for (64: tests / benches)
+
+
+@triton.jit
+def _skip_softmax_fwd(
+    Q, K, V, Out, Lse, Stats,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh,
+    Sq, Skv, H, HKV, qk_scale, log2_thr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SKIP: tl.constexpr, RETURN_LSE: tl.constexpr, PREFETCH_V: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // (H // HKV)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_nb = tl.arange(0, BLOCK_N)
+    row_ok = offs_m < Sq
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    n_skip = tl.zeros([], tl.int32)
+    for start_n in range(0, Skv, BLOCK_N):
+        offs_n = start_n + offs_nb
+        col_ok = offs_n < Skv
+        k = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None], mask=col_ok[None, :], other=0.0)
+        s = tl.dot(q, k) * qk_scale
+        s = tl.where(col_ok[None, :], s, float("-inf"))
+        m_tile = tl.max(s, 1)
+        if SKIP:
+            # estimated mass of the tile relative to the running max, worst row of the block
+            gain = tl.max(tl.where(row_ok, m_tile - m_i, float("-inf")), 0)
+            if PREFETCH_V:
+                # V issued before the decision so the software pipeline can prefetch it
+                v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+            if gain >= log2_thr:
+                m_new = tl.maximum(m_i, m_tile)
+                alpha = tl.math.exp2(m_i - m_new)
+                p = tl.math.exp2(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None]
+                if not PREFETCH_V:
+                    v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=col_ok[:, None],
+                                other=0.0)
+                acc = tl.dot(p.to(v.dtype), v, acc)
+                m_i = m_new
+            else:
+                n_skip += 1
+        else:
+            m_new = tl.maximum(m_i, m_tile)
+            alpha = tl.math.exp2(m_i - m_new)
+            p = tl.math.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+            acc = tl.dot(p.to(v.dtype), v, acc)
+            m_i = m_new
+
+    l_div = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_div[:, None]
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],
+             out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    if RETURN_LSE:
+        lse = (m_i + tl.math.log2(l_div)) * 0.6931471805599453
+        tl.store(Lse + pid_bh * Sq + offs_m, lse, mask=row_ok)
+    if SKIP:
+        tl.store(Stats + pid_bh * tl.num_programs(0) + pid_m, n_skip)
+
+
+def default_config(head_dim: int) -> dict:
+    """Launch configuration used when the caller passes none (tuned on the H200, docs/benchmarks.md).
+
+    ``prefetch_v``: issue the V tile load before the skip decision (lets Triton's software
+    pipeline prefetch it; a skipped tile's V then still crosses the memory bus, but the kernel is
+    compute-bound) instead of inside the taken branch (no V traffic for skipped tiles, no prefetch).
+    """
+    if head_dim >= 256:
+        return {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2, "prefetch_v": True}
+    return {"block_m": 128, "block_n": 128 if head_dim >= 128 else 64, "num_warps": 8, "num_stages": 3,
+            "prefetch_v": True}
+
+
+def skip_threshold(threshold_scale_factor: float, context_length: int) -> float:
+    """The per-tile mass threshold ``threshold_scale_factor / context_length`` of BLASST."""
+    return float(threshold_scale_factor) / float(context_length)
+
+
+def _validate_factor(threshold_scale_factor):
+    if threshold_scale_factor is None:
+        return
+    if isinstance(threshold_scale_factor, bool) or not isinstance(threshold_scale_factor, (int, float)) \
+            or not math.isfinite(threshold_scale_factor) or threshold_scale_factor <= 0:
+        raise AttentionConfigError(
+            f"skip softmax: threshold_scale_factor must be a number > 0, got {threshold_scale_factor!r}"
+        )
+
+
+def check_skip_softmax_request(*, dtype: Optional[torch.dtype] = None, head_dim: Optional[int] = None,
+                               role: str = "self", has_mask: bool = False, causal: bool = False,
+                               ring_degree: int = 1, threshold_scale_factor=None,
+                               start_step: int = 0) -> None:
+    """Raise :class:`AttentionConfigError` when skip softmax cannot serve a request (DESIGN 2.8).
+
+    Rejected: cross-attention, masks/biases, causal attention, ring attention (``ring_degree > 1``),
+    running under torch.compile, during a CUDA-graph capture, dtypes other than fp16/bf16, head
+    dims other than 128/256, a threshold factor that is not a number > 0, a negative start step.
+    """
+    _validate_factor(threshold_scale_factor)
+    if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
+        raise AttentionConfigError(f"skip softmax: start_step must be an integer >= 0, got {start_step!r}")
+    if role != "self":
+        raise AttentionConfigError("skip softmax serves self-attention only (this layer is cross-attention)")
+    if has_mask:
+        raise AttentionConfigError("skip softmax cannot run with an attention mask or bias (unmasked attention only)")
+    if causal:
+        raise AttentionConfigError("skip softmax cannot run causal attention (unmasked attention only)")
+    if ring_degree > 1:
+        raise AttentionConfigError(
+            f"skip softmax cannot run with ring attention (ring degree {ring_degree}); use ring degree 1"
+        )
+    if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
+        raise AttentionConfigError(f"skip softmax needs float16 or bfloat16 inputs, got {str(dtype).replace('torch.', '')}")
+    if head_dim is not None and head_dim not in SUPPORTED_HEAD_DIMS:
+        raise AttentionConfigError(f"skip softmax supports head dim 128 or 256, got {head_dim}")
+    if torch.compiler.is_compiling():
+        raise AttentionConfigError("skip softmax cannot run under torch.compile (its tile skipping is data dependent)")
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise AttentionConfigError("skip softmax cannot run inside a captured CUDA graph")
+
+
+def skip_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                           threshold_scale_factor: Optional[float] = None, scale: Optional[float] = None,
+                           return_lse: bool = False, config: Optional[dict] = None,
+                           allow_any_head_dim: bool = False):
+    """Flash attention with BLASST tile skipping (Triton).
+
+    q ``[B, S_q, H, D]``, k/v ``[B, S_kv, H_kv, D]`` fp16/bf16, ``H % H_kv == 0``, D 128 or 256
+    (``allow_any_head_dim`` also admits 64, for tests and benches).  ``threshold_scale_factor``
+    ``> 0`` enables skipping with threshold ``factor / S_kv``; None runs the dense path of the same
+    kernel.  Returns ``(out [B, S_q, H, D] in q.dtype, lse [B, H, S_q] float32 or None,
+    skipped_fraction)`` where ``skipped_fraction`` is a 0-d float32 tensor on q's device (tiles
+    skipped / tiles visited; 0 on the dense path) -- ``float()`` it to read it (a device sync).
+    """
+    what = "skip-softmax kernel"
+    _validate_factor(threshold_scale_factor)
+    dims = KERNEL_HEAD_DIMS if allow_any_head_dim else SUPPORTED_HEAD_DIMS
+    B, Sq, Skv, H, Hkv, D = check_qkv(q, k, v, what=what, head_dims=dims)
+    check_device(q, k, v, what=what)
+    if torch.compiler.is_compiling():
+        raise AttentionConfigError("skip softmax cannot run under torch.compile (its tile skipping is data dependent)")
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise AttentionConfigError("skip softmax cannot run inside a captured CUDA graph")
+    cfg = default_config(D)
+    if config:
+        unknown = set(config) - set(cfg)
+        if unknown:
+            raise AttentionConfigError(f"{what}: unknown config keys {sorted(unknown)}; accepted: {sorted(cfg)}")
+        cfg.update(config)
+    bm, bn = int(cfg["block_m"]), int(cfg["block_n"])
+    scale = D ** -0.5 if scale is None else float(scale)
+    q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
+    skip = threshold_scale_factor is not None
+    log2_thr = math.log2(skip_threshold(threshold_scale_factor, Skv)) if skip else 0.0
+    nqb = triton.cdiv(Sq, bm)
+    out = torch.empty_like(q)
+    lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device) if return_lse else out
+    stats = torch.zeros((B * H * nqb,), dtype=torch.int32, device=q.device) if skip else out
+    _skip_softmax_fwd[(nqb, B * H)](
+        q, k, v, out, lse, stats,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        Sq, Skv, H, Hkv, scale * LOG2E, log2_thr,
+        HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, SKIP=skip, RETURN_LSE=bool(return_lse),
+        PREFETCH_V=bool(cfg["prefetch_v"]),
+        num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
+    )
+    if skip:
+        frac = stats.sum(dtype=torch.float32) / float(stats.numel() * triton.cdiv(Skv, bn))
+    else:
+        frac = torch.zeros((), dtype=torch.float32, device=q.device)
+    return out, (lse if return_lse else None), frac
+
+
+def skip_softmax_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                           threshold_scale_factor: Optional[float], scale: Optional[float] = None,
+                           block_m: int = 128, block_n: int = 128, return_lse: bool = False):
+    """The kernel's tile-skipping rule in PyTorch float32 (any device, any float dtype).
+
+    Walks each ``block_m``-row query block over ``block_n``-key tiles in order with an online
+    softmax and applies the same skip decision as the kernel.  Returns ``(out [B, S_q, H, D] in
+    q.dtype, lse [B, H, S_q] float32 or None, skipped_fraction float)``.
+    """
+    _validate_factor(threshold_scale_factor)
+    B, Sq, H, D = q.shape
+    Skv = k.shape[1]
+    scale = D ** -0.5 if scale is None else float(scale)
+    k, v = expand_kv(k, v, H)
+    qf, kf, vf = (t.float().transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
+    log2_thr = math.log2(skip_threshold(threshold_scale_factor, Skv)) if threshold_scale_factor else None
+    out = torch.empty(B, H, Sq, D, dtype=torch.float32, device=q.device)
+    lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
+    skipped = visited = 0
+    for b in range(B):
+        for h in range(H):
+            for i0 in range(0, Sq, block_m):
+                qb = qf[b, h, i0:i0 + block_m]
+                m = torch.full((qb.shape[0],), float("-inf"), device=q.device)
+                l_ = torch.zeros(qb.shape[0], device=q.device)
+                acc = torch.zeros(qb.shape[0], D, device=q.device)
+                for j0 in range(0, Skv, block_n):
+                    s = (qb @ kf[b, h, j0:j0 + block_n].T) * (scale * LOG2E)
+                    mt = s.amax(dim=1)
+                    visited += 1
+                    if log2_thr is not None and float((mt - m).max()) < log2_thr:
+                        skipped += 1
+                        continue
+                    mn = torch.maximum(m, mt)
+                    alpha = torch.exp2(m - mn)
+                    p = torch.exp2(s - mn[:, None])
+                    l_ = l_ * alpha + p.sum(1)
+                    acc = acc * alpha[:, None] + p @ vf[b, h, j0:j0 + block_n]
+                    m = mn
+                out[b, h, i0:i0 + block_m] = acc / l_[:, None]
+                lse[b, h, i0:i0 + block_m] = (m + torch.log2(l_)) / LOG2E
+    frac = skipped / visited if visited else 0.0
+    return out.transpose(1, 2).to(q.dtype), (lse if return_lse else None), frac
+
+
+__all__ = ["skip_softmax_attention", "skip_softmax_reference", "check_skip_softmax_request", "skip_threshold",
+           "default_config", "SUPPORTED_HEAD_DIMS"]

@@ -1,0 +1,97 @@
+"""CPU behaviour of the FlashAttention / Sage / aiter backends and the quantized reference."""
+import logging
+
+import pytest
+import torch
+
+from ditattn.attention.backends.base import AttnCall, get_impl, reference_attention
+from ditattn.attention.names import AttentionBackendEnum as B
+from ditattn.errors import AttentionConfigError, BackendUnavailableError
+
+
+def rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def qkv(sq=77, skv=91, h=4, hkv=2, d=64, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(2, sq, h, d, generator=g).to(dtype), (torch.randn(2, skv, hkv, d, generator=g) + 0.5).to(dtype),
+            torch.randn(2, skv, hkv, d, generator=g).to(dtype))
+
+
+def test_fa_on_cpu_runs_torch_sdpa_and_logs(caplog):
+    from ditattn.attention.backends import flash
+
+    q, k, v = qkv(dtype=torch.bfloat16)
+    flash._warned.clear()
+    with caplog.at_level(logging.WARNING, logger="ditattn.attention.backends.flash"):
+        out, lse = get_impl(B.FA)(q, k, v, AttnCall(return_lse=True), {})
+        get_impl(B.FA)(q, k, v, AttnCall(), {})
+    assert sum("fa runs torch_sdpa" in r.getMessage() for r in caplog.records) == 1  # logged once
+    ref, ref_lse = reference_attention(q, k, v)
+    assert rel(out, ref) < 1e-2 and (lse - ref_lse).abs().max() < 2e-2
+    assert flash.fa_fallback_reason("cpu") is not None
+
+
+def test_fa_runtime_order():
+    from ditattn.attention.backends import flash
+
+    assert [r[0] for r in flash.FA_RUNTIMES] == ["fa4", "fa3", "fa2"]
+    assert flash.FA_RUNTIMES[0][1] == "flash_attn.cute"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("pv", ["fp16", "fp8"])
+def test_sage_cpu_reference(dtype, pv, monkeypatch):
+    monkeypatch.setenv("DITATTN_SAGE_PV", pv)
+    q, k, v = qkv(dtype=dtype, seed=3)
+    k0 = k.clone()
+    out, lse = get_impl(B.SAGE_ATTN)(q, k, v, AttnCall(return_lse=True), {})
+    ref, ref_lse = reference_attention(q, k, v)
+    assert out.dtype == dtype and torch.equal(k, k0)
+    assert rel(out, ref) < (0.025 if pv == "fp16" else 0.06)
+    assert (lse - ref_lse).abs().max() < 0.05
+
+
+def test_int8_reference_is_exact_without_quantization_error():
+    """Inputs already on the INT8 grids (values k/127 * scale with one value hitting 127) are
+    quantized exactly, so the reference must equal float attention up to the fp16 P.V rounding."""
+    from ditattn.attention.kernels.int8_attention import int8_attention_reference
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-127, 128, (1, 64, 2, 32), generator=g).float()
+    q[..., 0] = 127
+    k = torch.randint(-127, 128, (1, 128, 2, 32), generator=g).float()
+    k = k - k.mean(dim=1, keepdim=True)  # already smooth
+    v = torch.randn(1, 128, 2, 32, generator=g)
+    q, k = q / 400, k / 400
+    out, lse = int8_attention_reference(q, k, v, return_lse=True, q_granularity="token", block_m=64, block_n=128)
+    ref, ref_lse = reference_attention(q, k, v)
+    assert rel(out, ref) < 2e-3 and (lse - ref_lse).abs().max() < 1e-3
+
+
+def test_sage_rejects_bias_and_bad_env(monkeypatch):
+    q, k, v = qkv()
+    with pytest.raises(AttentionConfigError, match="bias"):
+        get_impl(B.SAGE_ATTN)(q, k, v, AttnCall(attn_bias=torch.zeros(1, 1, 77, 91)), {})
+    monkeypatch.setenv("DITATTN_SAGE_PV", "fp4")
+    with pytest.raises(AttentionConfigError, match="DITATTN_SAGE_PV"):
+        get_impl(B.SAGE_ATTN)(q, k, v, AttnCall(), {})
+
+
+def test_sage3_and_aiter_refused_on_cpu():
+    q, k, v = qkv(dtype=torch.bfloat16)
+    with pytest.raises(BackendUnavailableError, match="Blackwell"):
+        get_impl(B.SAGE_ATTN_3)(q, k, v, AttnCall(), {})
+    with pytest.raises(BackendUnavailableError, match="ROCm"):
+        get_impl(B.AITER)(q, k, v, AttnCall(), {})
+
+
+def test_skip_softmax_reference_dense_equals_attention():
+    from ditattn.attention.kernels.skip_softmax import skip_softmax_reference
+
+    q, k, v = qkv(sq=130, skv=130, h=2, hkv=1, d=32, seed=4)
+    out, lse, frac = skip_softmax_reference(q, k, v, threshold_scale_factor=None, block_m=64, block_n=64,
+                                            return_lse=True)
+    ref, ref_lse = reference_attention(q, k, v)
+    assert frac == 0.0 and rel(out, ref) < 1e-5 and (lse - ref_lse).abs().max() < 1e-4

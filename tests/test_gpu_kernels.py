@@ -1,0 +1,198 @@
+"""GPU numerics of the dense GPU backends and the in-tree Triton kernels (skipped without CUDA).
+
+Every kernel is compared with a float32 reference on fresh random inputs of odd sizes.  Exact
+kernels must stay within about 2x the error of plain PyTorch SDPA in the same dtype; quantized ones
+within their documented bounds.  Speed is never asserted here (bench/ measures it).
+"""
+import math
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+from ditattn.attention.backends.base import AttnCall, get_impl, reference_attention  # noqa: E402
+from ditattn.attention.names import AttentionBackendEnum as B  # noqa: E402
+from ditattn.errors import AttentionConfigError  # noqa: E402
+
+
+def rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def rand(*shape, dtype=torch.bfloat16, seed=0, shift=0.0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(*shape, generator=g, device="cuda") + shift).to(dtype)
+
+
+def qkv(b, sq, skv, h, hkv, d, dtype=torch.bfloat16, seed=0):
+    return (rand(b, sq, h, d, dtype=dtype, seed=seed), rand(b, skv, hkv, d, dtype=dtype, seed=seed + 1, shift=0.3),
+            rand(b, skv, hkv, d, dtype=dtype, seed=seed + 2))
+
+
+def sdpa_err(q, k, v, causal=False):
+    rep = q.shape[2] // k.shape[2]
+    k2, v2 = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
+    out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k2.transpose(1, 2), v2.transpose(1, 2),
+                                                           is_causal=causal).transpose(1, 2)
+    ref, _ = reference_attention(q, k2, v2, causal=causal)
+    return rel(out, ref)
+
+
+def _fa_installed():
+    from ditattn.attention.backends.flash import fa_runtime
+
+    return fa_runtime() is not None
+
+
+# ------------------------------------------------------------------------------------------------
+# dense backends
+
+
+@pytest.mark.parametrize("backend", [B.TORCH_SDPA, B.TORCH_CUDNN_SDPA, B.FA])
+@pytest.mark.parametrize("d,causal,gqa", [(128, False, False), (64, True, True)])
+def test_dense_backend_numerics(backend, d, causal, gqa):
+    if backend is B.FA and not _fa_installed():
+        pytest.skip("no FlashAttention runtime installed")
+    q, k, v = qkv(1, 1000, 1000, 8, 2 if gqa else 8, d, seed=d)
+    out, lse = get_impl(backend)(q, k, v, AttnCall(causal=causal, return_lse=True), {})
+    ref, ref_lse = reference_attention(q, k, v, causal=causal)
+    assert out.shape == q.shape and lse.shape == (1, 8, 1000) and lse.dtype == torch.float32
+    assert rel(out, ref) <= 2 * sdpa_err(q, k, v, causal) + 1e-4
+    assert (lse - ref_lse).abs().max() < 2e-2
+
+
+def test_fa_rejects_bias_and_float32():
+    if not _fa_installed():
+        pytest.skip("no FlashAttention runtime installed")
+    q, k, v = qkv(1, 64, 64, 2, 2, 64)
+    with pytest.raises(AttentionConfigError, match="bias"):
+        get_impl(B.FA)(q, k, v, AttnCall(attn_bias=torch.zeros(1, 1, 64, 64, device="cuda")), {})
+    with pytest.raises(AttentionConfigError, match="dtype"):
+        get_impl(B.FA)(q.float(), k.float(), v.float(), AttnCall(), {})
+
+
+@pytest.mark.parametrize("pv", ["fp16", "fp8"])
+def test_sage_attn_backend(pv, monkeypatch):
+    monkeypatch.setenv("DITATTN_SAGE_PV", pv)
+    monkeypatch.setenv("DITATTN_SAGE_IMPL", "triton")
+    q, k, v = qkv(2, 777, 1001, 8, 4, 128, seed=5)
+    k0 = k.clone()
+    out, lse = get_impl(B.SAGE_ATTN)(q, k, v, AttnCall(return_lse=True), {})
+    ref, ref_lse = reference_attention(q, k, v)
+    assert torch.equal(k, k0)
+    assert rel(out, ref) < (0.02 if pv == "fp16" else 0.06)
+    assert (lse - ref_lse).abs().max() < 0.05
+
+
+def test_sage_attn_package_keeps_k():
+    pytest.importorskip("sageattention")
+    import os
+
+    os.environ["DITATTN_SAGE_IMPL"] = "package"
+    try:
+        q, k, v = qkv(1, 512, 512, 4, 4, 128, seed=9)
+        k0 = k.clone()
+        out, lse = get_impl(B.SAGE_ATTN)(q, k, v, AttnCall(), {})
+        assert lse is None and torch.equal(k, k0)
+        assert rel(out, reference_attention(q, k, v)[0]) < 0.03
+    finally:
+        del os.environ["DITATTN_SAGE_IMPL"]
+
+
+def test_sage_attn_3_refused_off_blackwell():
+    major, _ = torch.cuda.get_device_capability()
+    if major in (10, 12):
+        pytest.skip("Blackwell GPU")
+    from ditattn.errors import BackendUnavailableError
+
+    q, k, v = qkv(1, 64, 64, 2, 2, 64)
+    with pytest.raises(BackendUnavailableError, match="Blackwell"):
+        get_impl(B.SAGE_ATTN_3)(q, k, v, AttnCall(), {})
+
+
+# ------------------------------------------------------------------------------------------------
+# kernels
+
+
+@pytest.mark.parametrize("pv,gran,causal,d", [("fp16", "token", False, 128), ("fp16", "block", True, 64),
+                                              ("fp8", "token", False, 128), ("fp8", "token", True, 64)])
+def test_int8_kernel(pv, gran, causal, d):
+    from ditattn.attention.kernels.int8_attention import int8_attention, int8_attention_reference
+
+    q, k, v = qkv(1, 1000, 1000 if causal else 1234, 6, 3, d, seed=3)
+    o, lse = int8_attention(q, k, v, causal=causal, return_lse=True, pv=pv, q_granularity=gran)
+    qo, ql = int8_attention_reference(q, k, v, causal=causal, return_lse=True, pv=pv, q_granularity=gran)
+    ref, rl = reference_attention(q, k, v, causal=causal)
+    assert rel(o, ref) < (0.02 if pv == "fp16" else 0.06)
+    assert rel(o, qo) < (3e-3 if pv == "fp16" else 0.03)
+    assert (lse - rl).abs().max() < 0.05 and (lse - ql).abs().max() < 5e-3
+
+
+@pytest.mark.parametrize("bs,kvpi,dtype,impl", [(64, 1, torch.bfloat16, "triton"), (64, 2, torch.float16, "triton"),
+                                                  (128, 1, torch.bfloat16, "triton"), (64, 1, torch.bfloat16, "fa4"),
+                                                  (128, 1, torch.float16, "fa4")])
+def test_block_sparse_kernel(bs, kvpi, dtype, impl):
+    from ditattn.attention.kernels.block_sparse_triton import block_sparse_attention_triton
+    from ditattn.attention.sparse.block_sparse import block_lists_to_dense_mask, block_mask_to_lists
+
+    S = 12 * bs
+    q, k, v = qkv(2, S, S, 6, 3, 128, dtype=dtype, seed=bs + kvpi)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    bm = torch.rand(2, 6, 12, 12, generator=g, device="cuda") < 0.3
+    bm[1, 2, 4] = False
+    idx, cnt = block_mask_to_lists(bm)
+    valid = torch.ones(2, S, dtype=torch.bool, device="cuda")
+    if impl == "fa4":
+        from ditattn.attention.kernels.block_sparse_triton import fa4_fits
+
+        valid[:, -11:] = False  # one valid prefix shared by the batch: FA4 masks the ragged end
+        if fa4_fits(q, bs, valid) is not None:
+            pytest.skip(fa4_fits(q, bs, valid))
+    else:
+        valid[0, -11:] = False
+    o, lse = block_sparse_attention_triton(q, k, v, idx, cnt, block_size=bs, kv_valid=valid, return_lse=True,
+                                           config={"kv_per_iter": kvpi}, impl=impl)
+    mask = block_lists_to_dense_mask(idx, cnt, block_size=bs, kv_valid=valid)
+    ref, rl = reference_attention(q, k, v, mask=mask)
+    assert rel(o, ref) <= 2 * sdpa_err(q, k, v) + 1e-4
+    fin = torch.isfinite(rl)
+    assert torch.equal(fin, torch.isfinite(lse)) and (lse[fin] - rl[fin]).abs().max() < 1e-2
+    assert (o[1, 4 * bs:5 * bs, 2] == 0).all()
+
+
+def test_skip_softmax_kernel():
+    from ditattn.attention.kernels.skip_softmax import skip_softmax_attention, skip_softmax_reference
+
+    q, k, v = qkv(1, 1100, 1100, 4, 2, 128, seed=8)
+    o, lse, frac = skip_softmax_attention(q, k, v, return_lse=True)
+    ref, rl = reference_attention(q, k, v)
+    assert float(frac) == 0 and rel(o, ref) <= 2 * sdpa_err(q, k, v) + 1e-4 and (lse - rl).abs().max() < 1e-2
+    # attention-sink inputs: most tiles after the first carry little mass and are skipped
+    g = torch.Generator(device="cuda").manual_seed(2)
+    u = torch.randn(128, generator=g, device="cuda")
+    u = u / u.norm()
+    a = math.sqrt(14.0 * math.sqrt(128))  # sink score gap of 14 (natural log units)
+    qs = torch.randn(1, 1024, 4, 128, generator=g, device="cuda")
+    qs = qs - (qs @ u)[..., None] * u + a * u
+    ks = torch.randn(1, 1024, 4, 128, generator=g, device="cuda")
+    ks = ks - (ks @ u)[..., None] * u
+    ks[:, :16] += a * u
+    vs = torch.randn(1, 1024, 4, 128, generator=g, device="cuda")
+    qs, ks, vs = qs.half(), ks.half(), vs.half()
+    o2, _, frac2 = skip_softmax_attention(qs, ks, vs, threshold_scale_factor=4.0)
+    so, _, sfrac = skip_softmax_reference(qs, ks, vs, threshold_scale_factor=4.0)
+    assert sfrac > 0.5 and abs(float(frac2) - sfrac) < 0.05
+    assert rel(o2, so) < 1e-2 and rel(o2, reference_attention(qs, ks, vs)[0]) < 0.05
+
+
+def test_skip_softmax_rejects_graph_capture():
+    from ditattn.attention.kernels.skip_softmax import skip_softmax_attention
+
+    q, k, v = qkv(1, 256, 256, 2, 2, 128)
+    skip_softmax_attention(q, k, v, threshold_scale_factor=1.0)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(AttentionConfigError, match="CUDA graph"):
+        with torch.cuda.graph(graph):
+            skip_softmax_attention(q, k, v, threshold_scale_factor=1.0)
+    assert math.isfinite(float(skip_softmax_attention(q, k, v, threshold_scale_factor=1.0)[2]))

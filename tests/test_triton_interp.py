@@ -1,0 +1,256 @@
+"""The in-tree Triton kernels, run in the Triton interpreter on CPU (tiny shapes).
+
+``tests/conftest.py`` sets ``TRITON_INTERPRET=1`` before anything imports Triton when no GPU is
+present; on a CUDA machine these tests skip (tests/test_gpu_kernels.py covers the compiled kernels).
+
+The interpreter of triton 3.7 mishandles conversions the kernels rely on: ``tl.dot`` on bf16
+operands multiplies the raw bits, float32 -> bf16 truncates instead of rounding to nearest (the
+GPU rounds), and float32 -> fp8 downcasts flush subnormal results wrongly.  A test-only patch
+(``_patch_interpreter``) routes these through PyTorch's conversions.
+"""
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="Triton interpreter tests run on CPU-only machines"
+)
+
+triton = pytest.importorskip("triton")
+
+from ditattn.attention.backends.base import reference_attention  # noqa: E402
+from ditattn.errors import AttentionConfigError  # noqa: E402
+
+_TORCH_FP = {"fp8e4nv": torch.float8_e4m3fn, "fp8e5": torch.float8_e5m2, "bf16": torch.bfloat16,
+             "fp16": torch.float16, "fp32": torch.float32}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _patch_interpreter():
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+
+    def widen(data, dtype):
+        if dtype == tl.bfloat16:
+            return (data.astype(np.uint32) << 16).view(np.float32)
+        if dtype.is_fp8():
+            t = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).copy())
+            return t.view(_TORCH_FP[dtype.name]).float().numpy()
+        return data
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        ad, bd = widen(a.data, a.dtype.scalar), widen(b.data, b.dtype.scalar)
+        return interp.TensorHandle(np.matmul(ad, bd, dtype=d.data.dtype) + d.data, d.dtype.scalar)
+
+    orig_fp = interp.InterpreterBuilder.create_fp_to_fp
+    orig_dot = interp.InterpreterBuilder.create_dot
+    orig_trunc = interp.InterpreterBuilder.create_fp_trunc
+
+    def create_fp_trunc(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:  # round to nearest even
+            y = torch.from_numpy(np.ascontiguousarray(src.data).copy()).to(torch.bfloat16).view(torch.int16)
+            return interp.TensorHandle(y.numpy().view(np.uint16), tl.bfloat16)
+        return orig_trunc(self, src, dst_type)
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        s, d = src.dtype.scalar, dst_type.scalar
+        if s.name in _TORCH_FP and d.name in _TORCH_FP and (s.is_fp8() or d.is_fp8()):
+            x = torch.from_numpy(np.ascontiguousarray(src.data).copy())
+            if s.is_fp8():
+                x = x.view(torch.uint8).view(_TORCH_FP[s.name])
+            elif s.name == "bf16":
+                x = x.view(torch.int16).view(torch.bfloat16)
+            y = x.to(_TORCH_FP[d.name])
+            y = y.view(torch.uint8) if d.is_fp8() else (y.view(torch.int16) if d.name == "bf16" else y)
+            return interp.TensorHandle(y.numpy().view(interp._get_np_dtype(dst_type)), d)
+        return orig_fp(self, src, dst_type, rounding_mode)
+
+    interp.InterpreterBuilder.create_dot = create_dot
+    interp.InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
+    interp.InterpreterBuilder.create_fp_trunc = create_fp_trunc
+    yield
+    interp.InterpreterBuilder.create_fp_trunc = orig_trunc
+    interp.InterpreterBuilder.create_dot = orig_dot
+    interp.InterpreterBuilder.create_fp_to_fp = orig_fp
+
+
+def rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def _sdpa_error(q, k, v):
+    """Relative error of plain PyTorch SDPA in q's dtype against float64 on these inputs: the yardstick."""
+    rep = q.shape[2] // k.shape[2]
+    k2, v2 = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
+    out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k2.transpose(1, 2), v2.transpose(1, 2))
+    ref, _ = reference_attention(q, k2, v2, dtype=torch.float64)
+    return rel(out.transpose(1, 2), ref)
+
+
+def _rand(*shape, dtype, gen, shift=0.0):
+    return (torch.randn(*shape, generator=gen) + shift).to(dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# block-sparse
+
+
+@pytest.mark.parametrize("dtype,kv_per_iter,gqa", [(torch.float16, 1, False), (torch.bfloat16, 2, True)])
+def test_block_sparse_matches_reference(dtype, kv_per_iter, gqa):
+    from ditattn.attention.kernels.block_sparse_triton import block_sparse_attention_triton
+    from ditattn.attention.sparse.block_sparse import block_mask_to_lists, block_sparse_attention
+
+    g = torch.Generator().manual_seed(11 + kv_per_iter)
+    B, S, H, D, bs = 2, 160, 2, 32, 32
+    hkv = 1 if gqa else H
+    q, k, v = (_rand(B, S, h, D, dtype=dtype, gen=g) for h in (H, hkv, hkv))
+    nq = S // bs
+    bm = torch.rand(B, H, nq, nq, generator=g) < 0.5
+    bm[0, 1, 2] = False  # a query block with no key block: zeros and LSE -inf
+    bm[1, 0, 3] = True
+    idx, cnt = block_mask_to_lists(bm)
+    valid = torch.ones(B, S, dtype=torch.bool)
+    valid[1, -7:] = False
+    o, lse = block_sparse_attention_triton(q, k, v, idx, cnt, block_size=bs, kv_valid=valid, return_lse=True,
+                                           config={"kv_per_iter": kv_per_iter})
+    ro, rl = block_sparse_attention(q.double(), k.double(), v.double(), idx, cnt, block_size=bs, kv_valid=valid,
+                                    return_lse=True, impl="reference")
+    assert torch.isfinite(o.float()).all()
+    assert rel(o, ro) <= 2 * _sdpa_error(q, k, v) + 1e-4
+    fin = torch.isfinite(rl)
+    assert torch.equal(fin, torch.isfinite(lse))
+    assert (lse[fin] - rl[fin]).abs().max() < 1e-2
+    assert (o[0, 2 * bs:3 * bs, 1] == 0).all()
+
+
+def test_block_sparse_broadcast_lists_and_no_lse():
+    from ditattn.attention.kernels.block_sparse_triton import block_sparse_attention_triton
+
+    g = torch.Generator().manual_seed(5)
+    B, S, H, D, bs = 1, 128, 2, 32, 64
+    q, k, v = (_rand(B, S, H, D, dtype=torch.float16, gen=g) for _ in range(3))
+    idx = torch.tensor([[[[1, 0], [0, 1]]]], dtype=torch.int32)  # [1, 1, 2, 2] broadcast over heads
+    cnt = torch.tensor([[[1, 2]]], dtype=torch.int32)
+    o, lse = block_sparse_attention_triton(q, k, v, idx, cnt, block_size=bs)
+    assert lse is None
+    mask = torch.zeros(S, S, dtype=torch.bool)
+    mask[:64, 64:] = True
+    mask[64:, :] = True
+    ro, _ = reference_attention(q, k, v, mask=mask.view(1, 1, S, S))
+    assert rel(o, ro) <= 2 * _sdpa_error(q, k, v) + 1e-4
+
+
+def test_block_sparse_rejects_bad_input():
+    from ditattn.attention.kernels.block_sparse_triton import block_sparse_attention_triton
+
+    q = torch.randn(1, 96, 2, 32, dtype=torch.float16)
+    idx = torch.zeros(1, 2, 3, 1, dtype=torch.int32)
+    cnt = torch.ones(1, 2, 3, dtype=torch.int32)
+    with pytest.raises(AttentionConfigError, match="block_size 48"):
+        block_sparse_attention_triton(q, q, q, idx, cnt, block_size=48)
+    with pytest.raises(AttentionConfigError, match="multiples of block_size"):
+        block_sparse_attention_triton(q, q, q, idx, cnt, block_size=64)
+    with pytest.raises(AttentionConfigError, match="int32"):
+        block_sparse_attention_triton(q, q, q, idx.long(), cnt, block_size=32)
+    with pytest.raises(AttentionConfigError, match="dtype"):
+        block_sparse_attention_triton(q.float(), q.float(), q.float(), idx, cnt, block_size=32)
+
+
+# ------------------------------------------------------------------------------------------------
+# int8 attention
+
+
+@pytest.mark.parametrize("pv,gran,causal", [("fp16", "token", False), ("fp16", "block", True), ("fp8", "token", False)])
+def test_int8_attention_kernel(pv, gran, causal):
+    from ditattn.attention.kernels.int8_attention import int8_attention, int8_attention_reference
+
+    g = torch.Generator().manual_seed(3)
+    B, Sq, Skv, H, Hkv, D = 1, 100, 130 if not causal else 100, 4, 2, 32
+    q = _rand(B, Sq, H, D, dtype=torch.bfloat16, gen=g)
+    k = _rand(B, Skv, Hkv, D, dtype=torch.bfloat16, gen=g, shift=0.7)  # a key mean for smoothing to remove
+    v = _rand(B, Skv, Hkv, D, dtype=torch.bfloat16, gen=g)
+    k_before = k.clone()
+    o, lse = int8_attention(q, k, v, causal=causal, return_lse=True, pv=pv, q_granularity=gran,
+                            config={"block_m": 64, "block_n": 64})
+    assert torch.equal(k, k_before)  # inputs untouched
+    qo, ql = int8_attention_reference(q, k, v, causal=causal, return_lse=True, pv=pv, q_granularity=gran,
+                                      block_m=64, block_n=64)
+    ro, rl = reference_attention(q, k, v, causal=causal)
+    bound = 0.025 if pv == "fp16" else 0.06
+    assert rel(o, ro) < bound
+    assert rel(o, qo) < (2e-3 if pv == "fp16" else 0.03)  # same quantization as the PyTorch reference
+    assert (lse - rl).abs().max() < 0.05
+    assert (lse - ql).abs().max() < 2e-3
+
+
+def test_int8_attention_rejects_bad_input():
+    from ditattn.attention.kernels.int8_attention import int8_attention
+
+    q = torch.randn(1, 64, 2, 32, dtype=torch.float16)
+    with pytest.raises(AttentionConfigError, match="pv"):
+        int8_attention(q, q, q, pv="int4")
+    with pytest.raises(AttentionConfigError, match="head dim 48"):
+        int8_attention(torch.randn(1, 64, 2, 48, dtype=torch.float16), torch.randn(1, 64, 2, 48, dtype=torch.float16),
+                       torch.randn(1, 64, 2, 48, dtype=torch.float16))
+    with pytest.raises(AttentionConfigError, match="multiple of key/value heads"):
+        int8_attention(torch.randn(1, 64, 3, 32, dtype=torch.float16), q, q)
+
+
+# ------------------------------------------------------------------------------------------------
+# skip softmax
+
+
+def _sinky(B, S, H, D, gen, dtype, a=8.0, n_sink=8):
+    """Inputs whose attention concentrates on the first ``n_sink`` keys (an attention sink), so that
+    later key tiles carry little softmax mass and skip."""
+    u = torch.randn(D, generator=gen)
+    u = u / u.norm()
+    q = torch.randn(B, S, H, D, generator=gen) + a * u
+    k = torch.randn(B, S, H, D, generator=gen)
+    k = k - (k @ u)[..., None] * u
+    k[:, :n_sink] += a * u
+    v = torch.randn(B, S, H, D, generator=gen)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def test_skip_softmax_dense_path_and_skipping():
+    from ditattn.attention.kernels.skip_softmax import skip_softmax_attention, skip_softmax_reference
+
+    g = torch.Generator().manual_seed(7)
+    B, S, H, D = 1, 256, 2, 64
+    q, k, v = _sinky(B, S, H, D, g, torch.float16)
+    cfg = {"block_m": 64, "block_n": 64}
+    o, lse, frac = skip_softmax_attention(q, k, v, return_lse=True, allow_any_head_dim=True, config=cfg)
+    ro, rl = reference_attention(q, k, v)
+    assert float(frac) == 0.0 and rel(o, ro) < 3e-3 and (lse - rl).abs().max() < 1e-2
+
+    o2, lse2, frac2 = skip_softmax_attention(q, k, v, threshold_scale_factor=16.0, return_lse=True,
+                                             allow_any_head_dim=True, config=cfg)
+    so, sl, sfrac = skip_softmax_reference(q, k, v, threshold_scale_factor=16.0, block_m=64, block_n=64, return_lse=True)
+    assert 0.5 < sfrac < 1.0
+    assert abs(float(frac2) - sfrac) <= 1.0 / 32 + 1e-6  # at most one of 32 tile decisions differs
+    assert rel(o2, so) < 1e-2
+    assert rel(o2, ro) < 0.05  # skipped tiles held little mass
+    assert (lse2 - sl).abs().max() < 1e-2
+
+
+def test_skip_softmax_rejects():
+    from ditattn.attention.kernels.skip_softmax import check_skip_softmax_request, skip_softmax_attention
+
+    q = torch.randn(1, 64, 2, 64, dtype=torch.float16)
+    with pytest.raises(AttentionConfigError, match="head dim"):
+        skip_softmax_attention(q, q, q, threshold_scale_factor=1.0)
+    with pytest.raises(AttentionConfigError, match="> 0"):
+        skip_softmax_attention(q, q, q, threshold_scale_factor=0.0, allow_any_head_dim=True)
+    with pytest.raises(AttentionConfigError, match="dtype"):
+        skip_softmax_attention(q.float(), q.float(), q.float(), threshold_scale_factor=1.0, allow_any_head_dim=True)
+    for kw, pat in [({"has_mask": True}, "mask"), ({"causal": True}, "causal"), ({"ring_degree": 2}, "ring"),
+                    ({"role": "cross"}, "self-attention"), ({"dtype": torch.float32}, "float16"),
+                    ({"head_dim": 64}, "head dim"), ({"threshold_scale_factor": -1}, "> 0"),
+                    ({"start_step": -1}, "start_step")]:
+        with pytest.raises(AttentionConfigError, match=pat):
+            check_skip_softmax_request(**kw)
+    check_skip_softmax_request(dtype=torch.bfloat16, head_dim=128, threshold_scale_factor=math.pi)
