@@ -24,11 +24,22 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 ARCH = {
     "1.3b": dict(num_attention_heads=12, attention_head_dim=128, ffn_dim=8960, num_layers=30),
     "14b": dict(num_attention_heads=40, attention_head_dim=128, ffn_dim=13824, num_layers=40),
+    "tiny": dict(num_attention_heads=2, attention_head_dim=128, ffn_dim=256, num_layers=2),  # CPU smoke test
 }
-RES = {"480p": (480, 832), "720p": (720, 1280)}
+RES = {"480p": (480, 832), "720p": (720, 1280), "tiny": (64, 64)}
 
 
 def median_ms(fn, warmup=2, repeats=5):
+    if not torch.cuda.is_available():  # CPU smoke runs
+        import time as _t
+
+        fn()
+        ts = []
+        for _ in range(repeats):
+            t0 = _t.perf_counter()
+            fn()
+            ts.append((_t.perf_counter() - t0) * 1e3)
+        return sorted(ts)[len(ts) // 2]
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -69,7 +80,8 @@ def main():
     from ditattn.attention.names import AttentionBackendEnum as B
     from ditattn.models.wan.transformer import KEEP_FP32, WanTransformer, WanTransformerConfig, cast_model
 
-    dev, dt = torch.device("cuda"), torch.bfloat16
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dt = torch.bfloat16
     cfg = dict(patch_size=(1, 2, 2), in_channels=16, out_channels=16, text_dim=4096, freq_dim=256,
                cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
                **ARCH[args.arch])
@@ -81,9 +93,11 @@ def main():
     h, w = RES[args.res]
     lat_f = (args.frames - 1) // 4 + 1
     g = torch.Generator(device=dev).manual_seed(1)
+    if args.arch == "tiny":
+        args.frames, args.text_len = 5, 16
     x = torch.randn(1, 16, lat_f, h // 8, w // 8, device=dev, generator=g, dtype=dt)
     t = torch.tensor([500.0], device=dev)
-    txt = torch.randn(1, args.text_len, 4096, device=dev, generator=g, dtype=dt)
+    txt = torch.randn(1, args.text_len, cfg["text_dim"], device=dev, generator=g, dtype=dt)
     grid = (lat_f, h // 16, w // 16)
     seq = grid[0] * grid[1] * grid[2]
     print(f"arch {args.arch} res {args.res} frames {args.frames} grid {grid} S={seq} built in {time.time() - t0:.1f}s",
@@ -108,7 +122,8 @@ def main():
         base_ms = next(r["ms"] for r in results["rows"] if "ms" in r)
         ref.cpu()
         del ref
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
         for spec in [s for s in args.backends.split(",") if s]:
             name, _, cfg_txt = spec.partition(":")
@@ -121,7 +136,7 @@ def main():
                 cast_model(model, dt, KEEP_FP32).to(dev).eval()
                 chosen = sorted({m.backend.value for m in model.modules() if hasattr(m, "backend") and hasattr(m, "role")})
                 variants = [("eager", model)]
-                if args.compile:
+                if args.compile and spec == args.backends.split(",")[0]:
                     from ditattn.models.wan.compile import compile_blocks  # optional helper
 
                     variants.append(("compiled", compile_blocks(model)))
@@ -129,6 +144,8 @@ def main():
                     fn = lambda: m(x, t, txt)
                     with forward_context(step=10**6, num_steps=10**6):  # past any dense warm-up steps
                         out = fn()
+                        if torch.cuda.is_available():
+                            torch.cuda.synchronize()
                         ms = median_ms(fn, repeats=args.repeats)
                     err = rel(out, ref_out)
                     row = {"side": "ditattn", "backend": spec, "variant": label, "chosen": chosen, "ms": ms,
@@ -137,7 +154,8 @@ def main():
                     print(f"ditattn  {spec:<22} {label:<8} {ms:8.1f} ms  {base_ms / ms:5.2f}x  err {err:.2e}  {chosen}",
                           flush=True)
                 del model
-                torch.cuda.empty_cache()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
             except Exception as exc:
                 results["rows"].append({"side": "ditattn", "backend": spec, "error": f"{type(exc).__name__}: {exc}"[:400]})
                 print(f"ditattn  {spec}: {type(exc).__name__}: {exc}", flush=True)

@@ -254,3 +254,23 @@ def test_skip_softmax_rejects():
         with pytest.raises(AttentionConfigError, match=pat):
             check_skip_softmax_request(**kw)
     check_skip_softmax_request(dtype=torch.bfloat16, head_dim=128, threshold_scale_factor=math.pi)
+
+
+def test_tma_descriptor_paths_match_pointer_paths():
+    """The TMA-descriptor variants (2-D descriptors whose tail rows cross into the next batch) give
+    the same results as the pointer variants."""
+    from ditattn.attention.kernels.int8_attention import int8_attention
+    from ditattn.attention.kernels.skip_softmax import skip_softmax_attention
+
+    g = torch.Generator().manual_seed(21)
+    q = _rand(2, 100, 4, 64, dtype=torch.float16, gen=g)
+    k = _rand(2, 90, 2, 64, dtype=torch.float16, gen=g)
+    v = _rand(2, 90, 2, 64, dtype=torch.float16, gen=g)
+    for pv in ("fp16", "fp8"):
+        a, la = int8_attention(q, k, v, pv=pv, return_lse=True, config={"block_m": 64, "block_n": 64})
+        b, lb = int8_attention(q, k, v, pv=pv, return_lse=True, config={"block_m": 64, "block_n": 64, "tma": True})
+        assert torch.equal(a, b) and torch.equal(la, lb)
+    cfg = {"block_m": 64, "block_n": 64}
+    a, la, _ = skip_softmax_attention(q, k, v, return_lse=True, allow_any_head_dim=True, config=cfg)
+    b, lb, _ = skip_softmax_attention(q, k, v, return_lse=True, allow_any_head_dim=True, config=dict(cfg, tma=True))
+    assert torch.equal(a, b) and torch.equal(la, lb)

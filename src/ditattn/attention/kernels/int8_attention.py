@@ -107,15 +107,19 @@ def _quant_v_fp8_t(
 @triton.jit
 def _int8_attn_inner(
     acc, l_i, m_i, q, rs, k_base, ks_base, v_base, stride_vs, start, end, offs_m, Skv, Skv_pad,
+    KD, VD, k_row, v_row, v_col,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
     PV_FP8: tl.constexpr, FP8_ACC: tl.constexpr, INT_TRICK: tl.constexpr, PSHIFT: tl.constexpr,
-    WS: tl.constexpr,
+    WS: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     offs_nb = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WS):
         offs_n = start_n + offs_nb
-        k = tl.load(k_base + offs_n[None, :] * HEAD_DIM + offs_d[:, None])
+        if USE_TMA:
+            k = tl.trans(KD.load([k_row + start_n, 0]))
+        else:
+            k = tl.load(k_base + offs_n[None, :] * HEAD_DIM + offs_d[:, None])
         ks = tl.load(ks_base + start_n // BLOCK_N)
         s_i = tl.dot(q, k)
         if INT_TRICK:
@@ -141,13 +145,18 @@ def _int8_attn_inner(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if PV_FP8:
-            vt = tl.load(v_base + offs_d[:, None] * Skv_pad + offs_n[None, :])
+            if USE_TMA:
+                vt = VD.load([v_row, start_n])
+            else:
+                vt = tl.load(v_base + offs_d[:, None] * Skv_pad + offs_n[None, :])
             if FP8_ACC > 0:
                 acc = tl.dot(p.to(tl.float8e4nv, fp_downcast_rounding="rtne"), tl.trans(vt), acc, max_num_imprecise_acc=FP8_ACC)
             else:
                 acc = tl.dot(p.to(tl.float8e4nv, fp_downcast_rounding="rtne"), tl.trans(vt), acc)
         else:
-            if MASK:
+            if USE_TMA:
+                v = VD.load([v_row + start_n, v_col])
+            elif MASK:
                 v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :],
                             mask=offs_n[:, None] < Skv, other=0.0)
             else:
@@ -159,13 +168,14 @@ def _int8_attn_inner(
 
 @triton.jit
 def _int8_attn_fwd(
-    Q8, QS, Qkm, K8, KS, V, VS, Out, Lse,
+    Q8, QS, Qkm, K8, KS, V, VS, Out, Lse, QD, KD, VD,
     stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh,
     Sq, Skv, Sq_pad, Skv_pad, H, HKV,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     Q_PER_TOKEN: tl.constexpr, PV_FP8: tl.constexpr, FP8_ACC: tl.constexpr, INT_TRICK: tl.constexpr,
     CAUSAL: tl.constexpr, RETURN_LSE: tl.constexpr, PSHIFT: tl.constexpr, WS: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -175,7 +185,10 @@ def _int8_attn_fwd(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
 
-    q = tl.load(Q8 + (pid_bh * Sq_pad + offs_m[:, None]) * HEAD_DIM + offs_d[None, :])
+    if USE_TMA:
+        q = QD.load([pid_bh * Sq_pad + pid_m * BLOCK_M, 0])
+    else:
+        q = tl.load(Q8 + (pid_bh * Sq_pad + offs_m[:, None]) * HEAD_DIM + offs_d[None, :])
     if Q_PER_TOKEN:
         rs = tl.load(QS + pid_bh * Sq_pad + offs_m)
     else:
@@ -183,10 +196,15 @@ def _int8_attn_fwd(
     bhk = b * HKV + hk
     k_base = K8 + bhk * Skv_pad * HEAD_DIM
     ks_base = KS + bhk * (Skv_pad // BLOCK_N)
+    k_row = bhk * Skv_pad
     if PV_FP8:
         v_base = V + bhk * HEAD_DIM * Skv_pad
+        v_row = bhk * HEAD_DIM
+        v_col = 0
     else:
         v_base = V + b * stride_vb + hk * stride_vh
+        v_row = b * Skv  # descriptor over [B * Skv, H_kv * D]; tail rows meet p = 0
+        v_col = hk * HEAD_DIM
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -196,18 +214,18 @@ def _int8_attn_fwd(
         hi = tl.minimum(Skv, (pid_m + 1) * BLOCK_M)
         lo_diag = tl.minimum(full_end, ((pid_m * BLOCK_M) // BLOCK_N) * BLOCK_N)
         acc, l_i, m_i = _int8_attn_inner(acc, l_i, m_i, q, rs, k_base, ks_base, v_base, stride_vs,
-                                         0, lo_diag, offs_m, Skv, Skv_pad, BLOCK_N, HEAD_DIM, False, True,
-                                         PV_FP8, FP8_ACC, INT_TRICK, PSHIFT, WS)
+                                         0, lo_diag, offs_m, Skv, Skv_pad, KD, VD, k_row, v_row, v_col, BLOCK_N, HEAD_DIM, False, True,
+                                         PV_FP8, FP8_ACC, INT_TRICK, PSHIFT, WS, USE_TMA)
         acc, l_i, m_i = _int8_attn_inner(acc, l_i, m_i, q, rs, k_base, ks_base, v_base, stride_vs,
-                                         lo_diag, hi, offs_m, Skv, Skv_pad, BLOCK_N, HEAD_DIM, True, True,
-                                         PV_FP8, FP8_ACC, INT_TRICK, PSHIFT, WS)
+                                         lo_diag, hi, offs_m, Skv, Skv_pad, KD, VD, k_row, v_row, v_col, BLOCK_N, HEAD_DIM, True, True,
+                                         PV_FP8, FP8_ACC, INT_TRICK, PSHIFT, WS, USE_TMA)
     else:
         acc, l_i, m_i = _int8_attn_inner(acc, l_i, m_i, q, rs, k_base, ks_base, v_base, stride_vs,
-                                         0, full_end, offs_m, Skv, Skv_pad, BLOCK_N, HEAD_DIM, False, False,
-                                         PV_FP8, FP8_ACC, INT_TRICK, PSHIFT, WS)
+                                         0, full_end, offs_m, Skv, Skv_pad, KD, VD, k_row, v_row, v_col, BLOCK_N, HEAD_DIM, False, False,
+                                         PV_FP8, FP8_ACC, INT_TRICK, PSHIFT, WS, USE_TMA)
         acc, l_i, m_i = _int8_attn_inner(acc, l_i, m_i, q, rs, k_base, ks_base, v_base, stride_vs,
-                                         full_end, Skv, offs_m, Skv, Skv_pad, BLOCK_N, HEAD_DIM, True, False,
-                                         PV_FP8, FP8_ACC, INT_TRICK, PSHIFT, WS)
+                                         full_end, Skv, offs_m, Skv, Skv_pad, KD, VD, k_row, v_row, v_col, BLOCK_N, HEAD_DIM, True, False,
+                                         PV_FP8, FP8_ACC, INT_TRICK, PSHIFT, WS, USE_TMA)
 
     l_div = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_div[:, None]
@@ -228,12 +246,14 @@ def _int8_attn_fwd(
 
 def default_config(head_dim: int, pv: str = "fp16") -> dict:
     """Launch configuration used when the caller passes none (tuned on the H200; see
-    docs/benchmarks.md).  ``warp_specialize`` asks Triton to warp-specialize the key loop."""
+    docs/benchmarks.md).  ``tma``: load tiles through TMA descriptors (used when V is contiguous;
+    otherwise the pointer path runs, with ``block_n`` 64 unless the caller set it);
+    ``warp_specialize`` asks Triton to warp-specialize the key loop (no gain measured)."""
     if pv == "fp8":
         return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "int_trick": True,
-                "fp8_acc": 128, "warp_specialize": False}
-    return {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3, "int_trick": True,
-            "fp8_acc": 0, "warp_specialize": False}
+                "fp8_acc": 128, "warp_specialize": False, "tma": False}
+    return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "int_trick": True,
+            "fp8_acc": 0, "warp_specialize": False, "tma": True}
 
 
 def _check_common(q, k, v, pv, q_granularity, what):
@@ -266,9 +286,12 @@ def int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: 
         if unknown:
             raise AttentionConfigError(f"{what}: unknown config keys {sorted(unknown)}; accepted: {sorted(cfg)}")
         cfg.update(config)
+    q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
+    use_tma = bool(cfg["tma"]) and (pv == "fp8" or v.is_contiguous())
+    if cfg["tma"] and not use_tma and not (config and "block_n" in config):
+        cfg["block_n"] = 64  # the pointer path's tuned tile
     bm, bn = int(cfg["block_m"]), int(cfg["block_n"])
     scale = D ** -0.5 if scale is None else float(scale)
-    q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     dev = q.device
     sq_pad = triton.cdiv(Sq, bm) * bm
     skv_pad = triton.cdiv(Skv, bn) * bn
@@ -303,14 +326,25 @@ def int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: 
         sv = (v.stride(0), v.stride(1), v.stride(2))
     out = torch.empty_like(q)
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=dev) if return_lse else out
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        qd = TensorDescriptor(q8, [B * H * sq_pad, D], [D, 1], [bm, D])
+        kd = TensorDescriptor(k8, [B * Hkv * skv_pad, D], [D, 1], [bn, D])
+        if pv == "fp8":
+            vd = TensorDescriptor(vk, [B * Hkv * D, skv_pad], [skv_pad, 1], [D, bn])
+        else:
+            vd = TensorDescriptor(v, [B * Skv, Hkv * D], [Hkv * D, 1], [bn, D])
+    else:
+        qd = kd = vd = None
     _int8_attn_fwd[(sq_pad // bm, B * H)](
-        q8, qs, qkm, k8, ks, vk, vs, out, lse,
+        q8, qs, qkm, k8, ks, vk, vs, out, lse, qd, kd, vd,
         sv[0], sv[1], sv[2], out.stride(0), out.stride(1), out.stride(2),
         Sq, Skv, sq_pad, skv_pad, H, Hkv,
         BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=D, Q_PER_TOKEN=per_token, PV_FP8=pv == "fp8",
         FP8_ACC=min(int(cfg["fp8_acc"]), bn) if pv == "fp8" else 0, INT_TRICK=bool(cfg["int_trick"]),
         CAUSAL=bool(causal), RETURN_LSE=bool(return_lse), PSHIFT=P_SHIFT_FP8 if pv == "fp8" else 0.0,
-        WS=bool(cfg["warp_specialize"]),
+        WS=bool(cfg["warp_specialize"]), USE_TMA=use_tma,
         num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
     )
     return out, (lse if return_lse else None)

@@ -4,10 +4,9 @@ A flash-attention forward that always computes the Q.K tile, then estimates the 
 mass from its row maxima: when, for every query row of the tile, ``exp(rowmax_tile - m_running)``
 is below ``threshold = threshold_scale_factor / context_length``, the tile is skipped -- no
 exponentials, no softmax-state update, no P.V product, and (with ``prefetch_v=False``) no V load.
-By default (``prefetch_v=True``, measured faster on the H200) the V tile is requested before the
-decision so that Triton's software pipeline can prefetch it: a load inside the data-dependent
-branch cannot be pipelined, which cost more than the skipped traffic saves in this compute-bound
-kernel.  The first tile of a row block
+The V load sits inside the taken branch by default (``prefetch_v=False``: measured faster on the
+H200 whenever tiles are skipped); ``prefetch_v=True`` issues it before the decision instead, so the
+software pipeline can prefetch it.  ``tma=True`` loads Q/K/V tiles through TMA descriptors.  The first tile of a row block
 is never skipped (its running maximum is -inf).  With ``threshold_scale_factor=None`` the same
 kernel runs dense (the baseline the speed-up is measured against).
 
@@ -34,14 +33,14 @@ KERNEL_HEAD_DIMS = (64, 128, 256)  # what the kernel itself compiles for (64: te
 
 @triton.jit
 def _skip_softmax_fwd(
-    Q, K, V, Out, Lse, Stats,
+    Q, K, V, Out, Lse, Stats, QD, KD, VD,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh,
     Sq, Skv, H, HKV, qk_scale, log2_thr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SKIP: tl.constexpr, RETURN_LSE: tl.constexpr, PREFETCH_V: tl.constexpr,
+    SKIP: tl.constexpr, RETURN_LSE: tl.constexpr, PREFETCH_V: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -52,10 +51,16 @@ def _skip_softmax_fwd(
     offs_d = tl.arange(0, HEAD_DIM)
     offs_nb = tl.arange(0, BLOCK_N)
     row_ok = offs_m < Sq
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)
+    if USE_TMA:
+        # 2-D descriptors over [B * S, H * D]: rows past a batch's end belong to the next batch (or
+        # are zero-filled); their scores are masked and their V rows meet p = 0
+        q = QD.load([b * Sq + pid_m * BLOCK_M, h * HEAD_DIM])
+    else:
+        q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
+                    mask=row_ok[:, None], other=0.0)
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
+    kv_row = b * Skv
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -64,8 +69,11 @@ def _skip_softmax_fwd(
     for start_n in range(0, Skv, BLOCK_N):
         offs_n = start_n + offs_nb
         col_ok = offs_n < Skv
-        k = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None], mask=col_ok[None, :], other=0.0)
-        s = tl.dot(q, k) * qk_scale
+        if USE_TMA:
+            s = tl.dot(q, tl.trans(KD.load([kv_row + start_n, hk * HEAD_DIM]))) * qk_scale
+        else:
+            k = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None], mask=col_ok[None, :], other=0.0)
+            s = tl.dot(q, k) * qk_scale
         s = tl.where(col_ok[None, :], s, float("-inf"))
         m_tile = tl.max(s, 1)
         if SKIP:
@@ -73,7 +81,11 @@ def _skip_softmax_fwd(
             gain = tl.max(tl.where(row_ok, m_tile - m_i, float("-inf")), 0)
             if PREFETCH_V:
                 # V issued before the decision so the software pipeline can prefetch it
-                v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+                if USE_TMA:
+                    v = VD.load([kv_row + start_n, hk * HEAD_DIM])
+                else:
+                    v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=col_ok[:, None],
+                                other=0.0)
             if gain >= log2_thr:
                 m_new = tl.maximum(m_i, m_tile)
                 alpha = tl.math.exp2(m_i - m_new)
@@ -81,8 +93,11 @@ def _skip_softmax_fwd(
                 l_i = l_i * alpha + tl.sum(p, 1)
                 acc = acc * alpha[:, None]
                 if not PREFETCH_V:
-                    v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=col_ok[:, None],
-                                other=0.0)
+                    if USE_TMA:
+                        v = VD.load([kv_row + start_n, hk * HEAD_DIM])
+                    else:
+                        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=col_ok[:, None],
+                                    other=0.0)
                 acc = tl.dot(p.to(v.dtype), v, acc)
                 m_i = m_new
             else:
@@ -93,7 +108,10 @@ def _skip_softmax_fwd(
             p = tl.math.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None]
-            v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+            if USE_TMA:
+                v = VD.load([kv_row + start_n, hk * HEAD_DIM])
+            else:
+                v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=col_ok[:, None], other=0.0)
             acc = tl.dot(p.to(v.dtype), v, acc)
             m_i = m_new
 
@@ -112,13 +130,14 @@ def default_config(head_dim: int) -> dict:
     """Launch configuration used when the caller passes none (tuned on the H200, docs/benchmarks.md).
 
     ``prefetch_v``: issue the V tile load before the skip decision (lets Triton's software
-    pipeline prefetch it; a skipped tile's V then still crosses the memory bus, but the kernel is
-    compute-bound) instead of inside the taken branch (no V traffic for skipped tiles, no prefetch).
+    pipeline prefetch it; a skipped tile's V then still crosses the memory bus) instead of inside
+    the taken branch (no V traffic for skipped tiles, no prefetch).  ``tma``: TMA descriptor loads
+    (contiguous inputs only).
     """
     if head_dim >= 256:
-        return {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2, "prefetch_v": True}
+        return {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2, "prefetch_v": False, "tma": False}
     return {"block_m": 128, "block_n": 128 if head_dim >= 128 else 64, "num_warps": 8, "num_stages": 3,
-            "prefetch_v": True}
+            "prefetch_v": False, "tma": True}
 
 
 def skip_threshold(threshold_scale_factor: float, context_length: int) -> float:
@@ -206,15 +225,24 @@ def skip_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     out = torch.empty_like(q)
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device) if return_lse else out
     stats = torch.zeros((B * H * nqb,), dtype=torch.int32, device=q.device) if skip else out
+    use_tma = bool(cfg["tma"]) and all(t.is_contiguous() for t in (q, k, v))
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        qd = TensorDescriptor(q, [B * Sq, H * D], [H * D, 1], [bm, D])
+        kd = TensorDescriptor(k, [B * Skv, Hkv * D], [Hkv * D, 1], [bn, D])
+        vd = TensorDescriptor(v, [B * Skv, Hkv * D], [Hkv * D, 1], [bn, D])
+    else:
+        qd = kd = vd = None
     _skip_softmax_fwd[(nqb, B * H)](
-        q, k, v, out, lse, stats,
+        q, k, v, out, lse, stats, qd, kd, vd,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         Sq, Skv, H, Hkv, scale * LOG2E, log2_thr,
         HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, SKIP=skip, RETURN_LSE=bool(return_lse),
-        PREFETCH_V=bool(cfg["prefetch_v"]),
+        PREFETCH_V=bool(cfg["prefetch_v"]), USE_TMA=use_tma,
         num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
     )
     if skip:

@@ -1,0 +1,207 @@
+"""Shared helpers of the GPU benchmarks (PERF.md method): timing, FLOPs, references, output.
+
+Timing is the median of ``triton.testing.do_bench`` (CUDA events, L2 flushed between calls,
+warm-up first).  Accuracy is the relative L2 error ``|out - ref| / |ref|`` against a float32
+reference computed on a random subset of query rows (full key set), TF32 disabled.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+from typing import Callable, Optional
+
+import torch
+
+#: where the benchmarks run; BENCH_DEVICE=cpu (with TRITON_INTERPRET=1 and tiny shapes) smoke-tests
+#: the scripts' code paths on a machine without a GPU (the timings then mean nothing)
+DEVICE = os.environ.get("BENCH_DEVICE", "cuda")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if os.path.join(ROOT, "src") not in sys.path:
+    sys.path.insert(0, os.path.join(ROOT, "src"))
+
+
+def attn_flops(b: int, h: int, sq: int, skv: int, d: int) -> float:
+    """Dense attention forward FLOPs, ``4 * B * H * Sq * Skv * D`` (PERF.md)."""
+    return 4.0 * b * h * sq * skv * d
+
+
+def bench_ms(fn: Callable[[], object], warmup_ms: float = 100, rep_ms: float = 400) -> float:
+    """Median milliseconds of ``fn()`` (do_bench; the first call also absorbs compilation)."""
+    if DEVICE != "cuda":
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    import triton.testing
+
+    fn()
+    torch.cuda.synchronize()
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def empty_cache():
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.float(), ref.float()
+    if not torch.isfinite(out).all():
+        return float("nan")
+    return float((out - ref).norm() / ref.norm())
+
+
+def make_qkv(b, s, h, d, *, hkv=None, dtype=torch.bfloat16, seed=0, device=None):
+    """Fresh random normal q, k, v ``[B, S, H, D]`` (never zeros)."""
+    device = device or DEVICE
+    g = torch.Generator(device=device).manual_seed(seed)
+    hkv = h if hkv is None else hkv
+    q = torch.randn(b, s, h, d, generator=g, device=device, dtype=dtype)
+    k = torch.randn(b, s, hkv, d, generator=g, device=device, dtype=dtype)
+    v = torch.randn(b, s, hkv, d, generator=g, device=device, dtype=dtype)
+    return q, k, v
+
+
+def sample_rows(s: int, n: int, seed: int = 1, device=None) -> torch.Tensor:
+    device = device or DEVICE
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    n = min(n, s)
+    return torch.randperm(s, generator=g)[:n].sort().values.to(device)
+
+
+def reference_rows(q, k, v, rows: torch.Tensor, *, scale: Optional[float] = None,
+                   mask_fn: Optional[Callable] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 attention of the query ``rows`` over all keys: ``(out [B, n, H, D], lse [B, H, n])``.
+
+    ``mask_fn(rows, head_slice)`` may return a bool ``[B or 1, h, n, Skv]`` mask (True = attend).
+    Computed per head group to bound memory; TF32 is off.
+    """
+    if q.device.type == "cpu":
+        q, k, v = q.float(), k.float(), v.float()
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        B, S, H, D = q.shape
+        hkv = k.shape[2]
+        rep = H // hkv
+        scale = D ** -0.5 if scale is None else scale
+        qs = q[:, rows].float()
+        n = rows.numel()
+        out = torch.empty(B, n, H, D, device=q.device)
+        lse = torch.empty(B, H, n, device=q.device)
+        per = max(1, int(2 ** 30 // max(1, B * n * k.shape[1] * 4)))
+        for h0 in range(0, H, per):
+            h1 = min(H, h0 + per)
+            hk = torch.arange(h0, h1, device=q.device) // rep
+            kk = k[:, :, hk].float().transpose(1, 2)
+            vv = v[:, :, hk].float().transpose(1, 2)
+            s_ = (qs[:, :, h0:h1].transpose(1, 2) @ kk.transpose(-1, -2)) * scale
+            if mask_fn is not None:
+                s_ = s_.masked_fill(~mask_fn(rows, slice(h0, h1)), float("-inf"))
+            l_ = torch.logsumexp(s_, dim=-1)
+            p = torch.exp(s_ - l_[..., None]).nan_to_num(0.0)
+            out[:, :, h0:h1] = (p @ vv).transpose(1, 2)
+            lse[:, h0:h1] = l_
+            del kk, vv, s_, p
+        return out, lse
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+def env_info() -> dict:
+    info = {"python": platform.python_version(), "torch": torch.__version__}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except Exception:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["capability"] = list(torch.cuda.get_device_capability())
+        info["cudnn"] = torch.backends.cudnn.version()
+        info["sms"] = torch.cuda.get_device_properties(0).multi_processor_count
+    for mod in ("flash_attn_4", "sageattention"):
+        try:
+            from importlib.metadata import version
+
+            info[mod] = version(mod.replace("_", "-"))
+        except Exception:
+            pass
+    return info
+
+
+class Recorder:
+    """Collects result rows, re-writing ``<out>/<name>.json`` after each so a timeout keeps them."""
+
+    def __init__(self, out_dir: str, name: str, meta: dict):
+        self.out_dir = out_dir
+        self.path = os.path.join(out_dir, f"{name}.json")
+        self.data = {"meta": meta, "rows": [], "notes": []}
+        os.makedirs(out_dir, exist_ok=True)
+
+    def add(self, **row):
+        self.data["rows"].append(row)
+        self.flush()
+        return row
+
+    def note(self, text: str):
+        print("NOTE:", text, flush=True)
+        self.data["notes"].append(text)
+        self.flush()
+
+    def flush(self):
+        with open(self.path, "w") as f:
+            json.dump(self.data, f, indent=1, default=str)
+
+
+class Deadline:
+    """Wall-clock budget of a benchmark run: ``left()`` seconds remain."""
+
+    def __init__(self, seconds: float):
+        self.end = time.time() + seconds
+
+    def left(self) -> float:
+        return self.end - time.time()
+
+
+def guarded(rec: Recorder, what: str, fn: Callable[[], object]):
+    """Run ``fn``; on an exception record it (first lines) and return None."""
+    try:
+        return fn()
+    except Exception as exc:  # a failing candidate must not stop the run
+        msg = f"{what}: {type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        rec.note(msg)
+        traceback.print_exc(limit=3)
+        sync()
+        return None
+
+
+def fmt_table(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
+    """Markdown table of ``rows``; ``cols`` is ``(key, header, format)``."""
+    head = "| " + " | ".join(h for _, h, _ in cols) + " |"
+    sep = "|" + "|".join("---" for _ in cols) + "|"
+    lines = [head, sep]
+    for r in rows:
+        cells = []
+        for key, _, f in cols:
+            v = r.get(key)
+            if v is None or (isinstance(v, float) and math.isnan(v)):
+                cells.append("-")
+            elif f:
+                cells.append(format(v, f))
+            else:
+                cells.append(str(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
