@@ -15,7 +15,6 @@ from ditattn.attention.backends.base import AttnCall, get_impl, reference_attent
 from ditattn.attention.config import parse_attention_backend_config, validate_backend_config
 from ditattn.attention.names import AttentionBackendEnum as B
 from ditattn.attention.sparse import last_stats
-from ditattn.attention.sparse import block_sparse as bsmod
 from ditattn.attention.sparse.common import plan_token_mask
 from ditattn.attention.sparse.sla import sla_attention
 from ditattn.attention.sparse.sol import sol_attention
@@ -59,6 +58,8 @@ def config_for(backend, strategy_path="/nonexistent.json", **extra):
     if backend is B.SLIDING_TILE_ATTN:
         raw.setdefault("mask_strategy_file_path", strategy_path)
         raw.setdefault("tile_size", [1, 2, 2])
+    if backend is B.VIDEO_SPARSE_ATTN:
+        raw.setdefault("sparsity", 0.25)  # the default 0.0 keeps every tile and runs dense
     return validate_backend_config(backend, raw)
 
 
@@ -262,7 +263,9 @@ def test_sol_dense_steps_layers_and_dense_backend(monkeypatch):
         seen.append(backend)
         return reference_attention(q_, k_, v_)[0].to(q_.dtype), None
 
-    monkeypatch.setattr(bsmod, "_functional_attention", lambda: fake_functional)
+    import ditattn.attention.functional as functional_mod
+
+    monkeypatch.setattr(functional_mod, "attention", fake_functional)
     cfg = validate_backend_config(B.SOL_ATTN, {"dense_steps": 2, "dense_layers": "0-2,5",
                                                "dense_backend": "sage_attn", "tau": 0.5})
     last_stats.clear()
@@ -278,10 +281,6 @@ def test_sol_dense_steps_layers_and_dense_backend(monkeypatch):
     out, _ = impl(q, k, v, AttnCall(step=3, layer_idx=3, **c), cfg)
     ref = sol_attention(q.float(), k.float(), v.float(), tau=0.5, **c)[0]
     assert (out.float() - ref).abs().max() < 3e-2
-    # without the functional module the dense prefix falls back to SDPA
-    monkeypatch.setattr(bsmod, "_functional_attention", lambda: None)
-    out, _ = impl(q, k, v, AttnCall(step=0, layer_idx=3, **c), cfg)
-    assert (out.float() - _dense_ref(q, k, v)).abs().max() < 3e-2
 
 
 def test_sol_requires_bf16_and_head_dim_128():
@@ -502,3 +501,15 @@ def test_backends_accept_partial_config_and_fill_defaults():
     assert last_stats["video_sparse_attn/layer0"]["tiles_per_query"] == 2  # 1x2x2 tiles of 4x4x4: ceil(0.5 * 4)
     with pytest.raises(AttentionConfigError, match="required"):
         get_impl(B.SLIDING_TILE_ATTN)(q, k, v, call(), {})
+
+
+def test_vsa_sparsity_zero_is_exact_dense_attention():
+    from ditattn.attention.backends.base import reference_attention
+
+    q, k, v = qkv(grid=(3, 8, 9), text_len=TEXT)
+    c = AttnCall(video_shape=(3, 8, 9), text_len=TEXT, step=0, layer_idx=0, layer_key="vsa0")
+    last_stats.clear()
+    out, _ = get_impl(B.VIDEO_SPARSE_ATTN)(q, k, v, c, validate_backend_config(B.VIDEO_SPARSE_ATTN, {}))
+    ref, _ = reference_attention(q, k, v, dtype=torch.float64)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    assert last_stats["vsa0"]["dense"] is True and "every tile" in last_stats["vsa0"]["reason"]

@@ -54,6 +54,17 @@ def _decide(backend: Optional[B], forced: Optional[B], platform, role, head_dim,
     return select_backend(layer, explicit=backend, component=None, settings=AttentionSettings(), platform=platform)
 
 
+def auto_dense_backend(q: Tensor, k: Tensor, *, causal: bool = False, return_lse: bool = False) -> B:
+    """The platform's automatic dense backend for this call, ignoring any global force (used by
+    the dense phases of sparse backends, which must not recurse into a forced sparse backend)."""
+    from ditattn.attention.selector import _auto
+    from ditattn.attention.specs import LayerRequest
+
+    req = LayerRequest(role="self" if q.shape[1] == k.shape[1] else "cross", head_dim=q.shape[-1], dtype=q.dtype,
+                       num_heads=q.shape[2], num_kv_heads=k.shape[2], causal=causal, needs_lse=return_lse)
+    return _auto(req, platform_for_device(q.device), None, [])
+
+
 def attention(
     q: Tensor,
     k: Tensor,

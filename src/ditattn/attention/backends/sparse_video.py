@@ -151,6 +151,8 @@ def video_sparse_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: d
     name = B.VIDEO_SPARSE_ATTN.value
     cfg = _config(B.VIDEO_SPARSE_ATTN, config)
     vs, text_len = _check_call(name, q, k, v, call)
+    if cfg["sparsity"] == 0.0:  # k = every tile: the fine stage is exact full attention
+        return _dense(name, q, k, v, call, "sparsity 0.0 keeps every tile (exact dense attention)")
     k, v = expand_kv(k, v, q.shape[2])
     out, lse, plan = video_sparse_attention(q, k, v, video_shape=vs, sparsity=cfg["sparsity"], text_len=text_len,
                                             scale=call.scale, return_lse=call.return_lse, impl=_impl())

@@ -370,42 +370,15 @@ def _pick_block(n: int) -> int:
 def dense_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[float] = None,
                     return_lse: bool = False, backend: Optional[str] = None) -> tuple[Tensor, Optional[Tensor]]:
     """Dense non-causal attention for the dense phases of sparse backends (``[B, S, H, D]`` in and
-    out, GQA allowed).
+    out, GQA allowed), through ``ditattn.attention`` with ``backend`` (a dense backend name) or,
+    when None, the platform's automatic dense choice (FlashAttention-4 on the H200, SDPA on the
+    CPU; a global force never turns this back into a sparse backend).
+    Returns ``(out, lse [B, H, S] float32 or None)``."""
+    from ditattn.attention.functional import attention, auto_dense_backend
 
-    ``backend``: a dense backend name served through ``ditattn.attention.functional.attention``
-    when that module exists (else PyTorch SDPA).  Without ``backend``: PyTorch SDPA, or — when
-    ``return_lse`` is set — the exact blocked reference (CPU) / FlexAttention (CUDA) with every
-    block attended.
-    """
-    if backend is not None:
-        fn = _functional_attention()
-        if fn is not None:
-            res = fn(q, k, v, backend=backend, scale=scale, return_lse=return_lse)
-            if isinstance(res, tuple):
-                return res[0], (res[1] if return_lse else None)
-            return res, None
-    H = q.shape[2]
-    if return_lse:
-        k2, v2 = expand_kv(k, v, H)
-        bs = _pick_block(math.gcd(q.shape[1], k2.shape[1]))
-        idx, cnt = full_lists(1, 1, q.shape[1] // bs, k2.shape[1] // bs, device=q.device)
-        return block_sparse_attention(q, k2, v2, idx, cnt, block_size=bs, scale=scale, return_lse=True,
-                                      impl="flex" if q.is_cuda else "reference")
-    import torch.nn.functional as F
-
-    gqa = k.shape[2] != H
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         scale=scale, enable_gqa=gqa)
-    return out.transpose(1, 2), None
-
-
-def _functional_attention():
-    """``ditattn.attention.functional.attention`` if that module exists in this build, else None."""
-    name = "ditattn.attention.functional"
-    try:
-        mod = importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name in (name, "ditattn.attention.functional"):
-            return None
-        raise
-    return getattr(mod, "attention", None)
+    if backend is None:
+        backend = auto_dense_backend(q, k, return_lse=return_lse)
+    res = attention(q, k, v, backend=backend, scale=scale, return_lse=return_lse)
+    if isinstance(res, tuple):
+        return res[0], (res[1] if return_lse else None)
+    return res, None
