@@ -44,6 +44,12 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise AttentionConfigError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
 
 
+@lru_cache(maxsize=None)
+def _default_config(backend: B) -> dict:
+    """Validated defaults of ``backend`` (raises, uncached, when a parameter is required)."""
+    return validate_backend_config(backend, {}, strict_unknown=False)
+
+
 @lru_cache(maxsize=4096)
 def _decide(backend: Optional[B], forced: Optional[B], platform, role, head_dim, dtype, heads, kv_heads,
             causal, needs_bias, needs_lse) -> Decision:
@@ -110,8 +116,8 @@ def attention(
     role = "self" if q.shape[1] == k.shape[1] else "cross"
     dec = _decide(b, get_forced_backend(), platform, role, q.shape[-1], q.dtype, q.shape[2], k.shape[2],
                   causal, attn_bias is not None, return_lse)
-    cfg = validate_backend_config(dec.backend, parse_attention_backend_config(config),
-                                  strict_unknown=(dec.backend == b))
+    cfg = dict(_default_config(dec.backend)) if config is None else validate_backend_config(
+        dec.backend, parse_attention_backend_config(config), strict_unknown=(dec.backend == b))
     call = AttnCall(causal=causal, scale=scale, attn_bias=attn_bias, video_shape=video_shape, text_len=text_len,
                     step=step, layer_idx=layer_idx, return_lse=return_lse, layer_key=None)
     out, lse = get_impl(dec.backend)(q, k, v, call, cfg)

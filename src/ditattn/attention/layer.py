@@ -83,6 +83,7 @@ class LocalAttention(nn.Module):
         component = current_component()
         self.component = component.name if component else None
         self.is_dit = component.is_dit if component else True
+        self.layer_key = f"{self.component}.{prefix}" if self.component else prefix
         self._platform = current_platform()
         settings = current_settings()
         self.decision: Decision = select_backend(self.spec, component=component, settings=settings)
@@ -143,7 +144,7 @@ class LocalAttention(nn.Module):
             video_shape=fwd.video_shape if self.role == "self" else None,
             text_len=fwd.text_len if self.role == "self" else 0,
             step=fwd.step, num_steps=fwd.num_steps, layer_idx=self.layer_idx, return_lse=return_lse,
-            layer_key=f"{self.component}.{self.prefix}" if self.component else self.prefix,
+            layer_key=self.layer_key,
         )
         out, lse = impl(q, k, v, call, config)
         return (out, lse) if return_lse else out

@@ -24,7 +24,7 @@ from ditattn.attention.names import AttentionBackendEnum as B
 Tensor = torch.Tensor
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class AttnCall:
     """Per-call metadata handed to a backend.
 
