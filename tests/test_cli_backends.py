@@ -44,3 +44,30 @@ def test_cli_user_errors_are_one_line_exit_2():
 def test_python_dash_m_and_help():
     r = run("--help")
     assert r.returncode == 0 and "generate" in r.stdout and "backends" in r.stdout
+
+
+def test_backends_validates_attention_flags_instead_of_ignoring_them(capsys):
+    assert main(["backends", "--attention-backend", "nope"]) == 2
+    assert capsys.readouterr().err.startswith("error: unknown attention backend 'nope'")
+    assert main(["backends", "--attention-backend-config", "foo=1"]) == 2
+    assert "config key(s) 'foo' belong to no backend" in capsys.readouterr().err
+    assert main(["backends", "--attention-backend", "fa", "--attention-backend-config", "sparsity=0.5"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("note: --attention-backend, --attention-backend-config checked") and err.count("\n") == 1
+
+
+def test_serve_flag_errors_before_loading_the_model(capsys):
+    import socket
+
+    with pytest.raises(SystemExit) as ei:  # argparse-level error
+        main(["serve", "--port", "99999"])
+    assert ei.value.code == 2 and "expected a TCP port 1-65535" in capsys.readouterr().err
+    assert main(["serve", "--seed", "5"]) == 2
+    assert capsys.readouterr().err.startswith("error: --seed does not apply to serve")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot listen on 127.0.0.1:{port}") and err.count("\n") == 1

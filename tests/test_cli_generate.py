@@ -144,3 +144,26 @@ def test_default_command_as_a_new_user(tmp_path):
     assert "8/8" in proc.stderr
     frames, _ = read_mp4(str(tmp_path / "outputs" / "a_cat_surfing_a_wave_s0.mp4"))
     assert frames.shape == (9, 128, 128, 3)
+
+
+def test_generate_rejects_non_finite_guidance_and_reports_refusal_once(capsys, caplog, tmp_path):
+    with pytest.raises(SystemExit) as ei:  # argparse-level error
+        run(capsys, "--prompt", "x", "--guidance-scale", "nan")
+    assert ei.value.code == 2 and "expected a finite number" in capsys.readouterr().err
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        rc, out, err = run(capsys, "--prompt", "x", "--output-path", str(tmp_path), *SMALL,
+                           "--attention-backend-override", "nope")
+    assert rc == 2 and err.startswith("error: attention_backend_override: unknown attention backend 'nope'")
+    assert not any("request refused" in r.getMessage() for r in caplog.records)  # the error line says it once
+    from ditattn.cli import _drop_refusal_log
+
+    assert _drop_refusal_log not in logging.getLogger("ditattn.attention").filters  # not left behind
+
+
+def test_generate_config_file_garbage_is_one_line(capsys, tmp_path):
+    bad = tmp_path / "c.yml"
+    bad.write_text("x: {\n  - ]\n")
+    rc, out, err = run(capsys, "--prompt", "x", "--attention-backend-config", str(bad))
+    assert rc == 2 and err.startswith("error: cannot parse attention backend config file") and err.count("\n") == 1

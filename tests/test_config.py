@@ -163,3 +163,12 @@ def test_enum_from_name():
     with pytest.raises(AttentionConfigError, match="valid names: fa, torch_sdpa"):
         B.from_name("flash")
     assert len(B) == 22
+
+
+def test_garbage_yaml_config_file_is_one_line_error(tmp_path):
+    bad = tmp_path / "cfg.yaml"
+    bad.write_text("a: [1, 2\n")
+    with pytest.raises(AttentionConfigError) as ei:
+        parse_attention_backend_config(str(bad))
+    msg = str(ei.value)
+    assert "\n" not in msg and "line 2" in msg and "accepted: a JSON object or YAML mapping" in msg

@@ -243,3 +243,12 @@ def test_local_model_folder(capsys, tmp_path):
     assert rc == 2 and "'FluxPipeline' is not supported" in err
     rc, err = plan(capsys, "--model-path", "ditattn:tiny-flux")
     assert rc == 2 and "ditattn:tiny-wan, ditattn:tiny-wan2.2" in err
+
+
+def test_plan_checks_size_and_names_flags_that_do_not_change_it(capsys):
+    assert main(["plan", "--height", "65"]) == 2
+    # (the first build of the tiny model may print a progress bar before; the error is the last line)
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: height 65 is not supported")
+    assert main(["plan", "--num-inference-steps", "3", "--seed", "5", "--height", "64", "--num-frames", "5"]) == 0
+    err = capsys.readouterr().err
+    assert "note: --num-inference-steps, --seed do not change the attention plan" in err

@@ -49,6 +49,16 @@ def _nonneg_int(text: str) -> int:
     return v
 
 
+def _port(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a TCP port 1-65535, got {text!r}") from None
+    if not 1 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port 1-65535, got {v}")
+    return v
+
+
 def _pos_float(text: str) -> float:
     try:
         v = float(text)
@@ -61,9 +71,12 @@ def _pos_float(text: str) -> float:
 
 def _float(text: str) -> float:
     try:
-        return float(text)
+        v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if v != v or v in (float("inf"), float("-inf")):  # nan/inf would silently produce a NaN video
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return v
 
 
 def add_attention_flags(p: argparse.ArgumentParser) -> None:
@@ -151,12 +164,50 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible image/video server")
     add_model_flags(s, prompt_required=False)
     s.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    s.add_argument("--port", type=_pos_int, default=30000, help="port (default 30000)")
+    s.add_argument("--port", type=_port, default=30000, help="port (default 30000)")
     s.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
     s.add_argument("--max-batch-size", type=_pos_int, default=4, help="dynamic batching: requests per batch (default 4)")
     s.add_argument("--max-queue", type=_pos_int, default=64, help="queued requests before 429 (default 64)")
     add_attention_flags(s)
+    s.set_defaults(seed=None)  # requests carry their own seed; see _check_serve_flags
     return p
+
+
+_ATTENTION_FLAGS = (("attention_backend", "--attention-backend"),
+                    ("component_attention_backends", "--component-attention-backends"),
+                    ("attention_backend_config", "--attention-backend-config"),
+                    ("attention_backend_override", "--attention-backend-override"),
+                    ("enable_attention_backend_autotune", "--enable-attention-backend-autotune"),
+                    ("skip_softmax_threshold_scale_factor", "--skip-softmax-threshold-scale-factor"),
+                    ("skip_softmax_start_step", "--skip-softmax-start-step"))
+
+
+def _check_backends_flags(args) -> None:
+    """``backends`` accepts the attention flags (DESIGN 1.2) but lists every backend regardless:
+    validate what was given (bad names, unknown config keys -> AttentionConfigError) and say on
+    stderr that the listing does not depend on them, so nothing is ignored silently."""
+    from ditattn.attention.config import (SCHEMAS, parse_attention_backend_config,
+                                          parse_component_overrides)
+    from ditattn.attention.names import AttentionBackendEnum
+    from ditattn.pipelines.run import skip_softmax_from_args
+
+    given = [flag for attr, flag in _ATTENTION_FLAGS
+             if getattr(args, attr, None) is not None and getattr(args, attr) is not False]
+    if not given:
+        return
+    for attr in ("attention_backend", "attention_backend_override"):
+        if getattr(args, attr, None):
+            AttentionBackendEnum.from_name(getattr(args, attr))
+    parse_component_overrides(args.component_attention_backends)
+    cfg = parse_attention_backend_config(args.attention_backend_config)
+    known = {p.name for params in SCHEMAS.values() for p in params}
+    unknown = sorted(k for k in cfg if k not in known)
+    if unknown:
+        raise AttentionConfigError(f"config key(s) {', '.join(map(repr, unknown))} belong to no backend; "
+                                   "accepted: the params listed by 'ditattn backends'")
+    skip_softmax_from_args(args)
+    sys.stderr.write(f"note: {', '.join(given)} checked; the backend list does not depend on them "
+                     "(use 'ditattn plan' to see their effect)\n")
 
 
 def cmd_backends(args) -> int:
@@ -164,6 +215,8 @@ def cmd_backends(args) -> int:
     from ditattn.platforms import current_platform
 
     import signal
+
+    _check_backends_flags(args)
 
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `ditattn backends | head` exits quietly
     infos = list_backends()
@@ -196,11 +249,43 @@ def cmd_backends(args) -> int:
     return 0
 
 
+def _check_serve_flags(args) -> None:
+    """Before loading the model: refuse ``--seed`` (each request carries its own seed, so the flag
+    would be ignored) and an address the server cannot bind (bad host, port in use)."""
+    import socket
+
+    if args.seed is not None:
+        raise AttentionConfigError("--seed does not apply to serve; accepted: a 'seed' field in each request "
+                                   "(requests without one get a random seed)")
+    try:
+        infos = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise AttentionConfigError(f"--host {args.host!r} cannot be resolved ({exc}); accepted: an IP address or "
+                                   "host name of this machine, e.g. 127.0.0.1 or 0.0.0.0") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as exc:
+            raise AttentionConfigError(f"cannot listen on {args.host}:{args.port} ({exc.strerror or exc}); accepted: "
+                                       "a free port and an address of this machine") from None
+
+
+def _drop_refusal_log(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("request refused")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    # generate/plan report a refused override / skip softmax as the one `error:` line; the server-side
+    # log warning would print the same reason a second time
+    attn_log = logging.getLogger("ditattn.attention")
+    if args.command in ("generate", "plan"):
+        attn_log.addFilter(_drop_refusal_log)
     try:
         if args.command == "backends":
             return cmd_backends(args)
@@ -213,13 +298,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
             return plan_main(args)
         if args.command == "serve":
+            _check_serve_flags(args)
             from ditattn.server.app import serve_main
 
             return serve_main(args)
     except AttentionConfigError as exc:
-        sys.stderr.write(f"error: {exc}\n")
+        sys.stderr.write(f"error: {' '.join(str(exc).split())}\n")  # one line, even for multi-line parser errors
         return 2
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
         return 130
+    finally:
+        attn_log.removeFilter(_drop_refusal_log)
     return 0

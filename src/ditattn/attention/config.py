@@ -103,7 +103,10 @@ def parse_attention_backend_config(value: "str | dict | None") -> dict:
 
                 data = yaml.safe_load(body)
         except Exception as exc:  # json.JSONDecodeError, yaml.YAMLError
-            raise AttentionConfigError(f"cannot parse attention backend config file {text}: {exc}") from None
+            mark = getattr(exc, "problem_mark", None)  # YAML: keep it to one line, with the position
+            why = f"{exc.problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else exc
+            raise AttentionConfigError(f"cannot parse attention backend config file {text}: {why}; accepted: "
+                                       "a JSON object or YAML mapping of backend parameters") from None
         if data is None:
             return {}
         if not isinstance(data, dict):

@@ -54,14 +54,14 @@ def validate_override(name, layers: list[LocalAttention], settings: AttentionSet
             f"accepted: {', '.join(b.value for b in DROP_IN)}"
         )
     if settings.compiled:
-        _refuse("attention_backend_override is refused: the server runs under torch.compile, which bakes "
+        _refuse("attention_backend_override is refused: the DiT runs under torch.compile, which bakes "
                 "the attention kernel into the traced graph")
     if settings.cuda_graphs:
-        _refuse("attention_backend_override is refused: the server runs captured CUDA graphs, which bake "
+        _refuse("attention_backend_override is refused: the DiT runs captured CUDA graphs, which bake "
                 "the attention kernel into the graph")
     sparse = sorted({l.backend.value for l in layers if SPECS[l.backend].sparse})
     if sparse:
-        _refuse(f"attention_backend_override is refused: the server's DiT runs the sparse backend "
+        _refuse(f"attention_backend_override is refused: the DiT runs the sparse backend "
                 f"{', '.join(sparse)}, which cannot be mixed with a per-request dense switch")
     if settings.ring_degree > 1 and not SPECS[backend].returns_lse:
         _refuse(f"attention_backend_override '{backend.value}' is refused: ring parallelism "
@@ -153,10 +153,10 @@ def _install_skip_softmax(layers, ss: SkipSoftmaxParams, settings, table, platfo
     from ditattn.attention.kernels import skip_softmax as kernel
 
     if settings.compiled:
-        _refuse("skip_softmax_params is refused: the server runs under torch.compile, which bakes the "
+        _refuse("skip_softmax_params is refused: the DiT runs under torch.compile, which bakes the "
                 "attention kernel into the traced graph")
     if settings.cuda_graphs:
-        _refuse("skip_softmax_params is refused: the server runs captured CUDA graphs")
+        _refuse("skip_softmax_params is refused: the DiT runs captured CUDA graphs")
     reasons = skip_softmax_platform_reasons(platform)
     if reasons:
         _refuse("skip_softmax_params is refused: " + "; ".join(reasons))

@@ -136,6 +136,16 @@ def plan_main(args) -> int:
     override = getattr(args, "attention_backend_override", None)
     ss = skip_softmax_from_args(args)
     state = pipe.prepare_request(override, ss)
+    size = [getattr(args, k, None) for k in ("height", "width", "num_frames")]
+    if any(v is not None for v in size):  # a size the model cannot generate is an error here too
+        d = pipe.defaults
+        pipe.check_size(size[0] or d["height"], size[1] or d["width"], size[2] or d["num_frames"])
+    unused = [flag for attr, flag in (("negative_prompt", "--negative-prompt"),
+                                      ("num_inference_steps", "--num-inference-steps"),
+                                      ("guidance_scale", "--guidance-scale"), ("seed", "--seed"))
+              if getattr(args, attr, None) not in (None, 0)]
+    if unused:  # accepted for symmetry with generate; say so rather than ignore them silently
+        sys.stderr.write(f"note: {', '.join(unused)} do not change the attention plan (sampling only)\n")
     plan = pipe.plan()
     if args.json:
         if state is not None and state.override is not None:
