@@ -87,6 +87,7 @@ def test_generate_request_override_and_no_save(capsys, tmp_path):
     (["--num-gpus", "3"], "accepted Ulysses degrees for this model: 1, 2, 4"),
     (["--skip-softmax-start-step", "2"], "needs --skip-softmax-threshold-scale-factor"),
     (["--enable-cuda-graph"], "--enable-cuda-graph needs a CUDA device"),
+    (["--num-frames", "1", "--fps", "8"], "--fps applies to videos only"),
     (["--enable-torch-compile", "--attention-backend-override", "torch_sdpa"], "torch.compile"),
 ])
 def test_generate_user_errors(capsys, tmp_path, argv, message):
@@ -167,3 +168,11 @@ def test_generate_config_file_garbage_is_one_line(capsys, tmp_path):
     bad.write_text("x: {\n  - ]\n")
     rc, out, err = run(capsys, "--prompt", "x", "--attention-backend-config", str(bad))
     assert rc == 2 and err.startswith("error: cannot parse attention backend config file") and err.count("\n") == 1
+
+
+def test_negative_seed_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--prompt", "x", "--seed", "-1"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "expected an integer >= 0" in err and len(err.strip().splitlines()) == 1

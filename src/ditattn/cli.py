@@ -115,7 +115,7 @@ def add_model_flags(p: argparse.ArgumentParser, *, prompt_required: bool) -> Non
     g.add_argument("--height", type=_pos_int, default=None, metavar="H", help="output height in pixels")
     g.add_argument("--width", type=_pos_int, default=None, metavar="W", help="output width in pixels")
     g.add_argument("--num-frames", type=_pos_int, default=None, metavar="F", help="frames (1 = image)")
-    g.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default 0)")
+    g.add_argument("--seed", type=_nonneg_int, default=0, metavar="S", help="random seed, an integer >= 0 (default 0)")
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available, else cpu)")
     g.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="compute dtype (default float32 on cpu, bfloat16 on GPUs)")
@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--output-file", default=None, metavar="NAME", help="output file name (default derived from the prompt)")
     o.add_argument("--save-output", action="store_true", default=True, help="write the output file (default on)")
     o.add_argument("--no-save-output", dest="save_output", action="store_false", help="do not write the output")
-    o.add_argument("--fps", type=_pos_int, default=16, help="frames per second of the MP4 (default 16)")
+    o.add_argument("--fps", type=_pos_int, default=None, help="frames per second of the MP4 (default 16; videos only)")
     add_attention_flags(g)
 
     pl = sub.add_parser("plan", help="resolve every attention layer without denoising and print the plan",

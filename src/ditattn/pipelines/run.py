@@ -163,6 +163,8 @@ def generate_main(args) -> int:
     t_start = time.perf_counter()
     if not args.prompt or not args.prompt.strip():
         raise AttentionConfigError("--prompt must not be empty")
+    if args.num_frames == 1 and getattr(args, "fps", None) is not None:
+        raise AttentionConfigError("--fps applies to videos only; --num-frames 1 writes a single frame (PNG)")
     if args.backend == "diffusers":
         from ditattn.pipelines.diffusers_backend import reject_native_only_flags
 
