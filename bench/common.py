@@ -25,6 +25,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if os.path.join(ROOT, "src") not in sys.path:
     sys.path.insert(0, os.path.join(ROOT, "src"))
 
+#: Wan2.1 DiT architectures (diffusers WanTransformer3DModel config fields) for the end-to-end and
+#: multi-GPU step benchmarks; "tiny" is a CPU smoke-test size
+WAN_ARCH = {
+    "1.3b": dict(num_attention_heads=12, attention_head_dim=128, ffn_dim=8960, num_layers=30),
+    "14b": dict(num_attention_heads=40, attention_head_dim=128, ffn_dim=13824, num_layers=40),
+    "tiny": dict(num_attention_heads=2, attention_head_dim=128, ffn_dim=256, num_layers=2),
+}
+WAN_COMMON = dict(patch_size=(1, 2, 2), in_channels=16, out_channels=16, text_dim=4096, freq_dim=256,
+                  cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+#: output resolutions (height, width) in pixels
+WAN_RES = {"480p": (480, 832), "720p": (720, 1280), "tiny": (64, 64)}
+
 
 def attn_flops(b: int, h: int, sq: int, skv: int, d: int) -> float:
     """Dense attention forward FLOPs, ``4 * B * H * Sq * Skv * D`` (PERF.md)."""

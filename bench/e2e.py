@@ -19,14 +19,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-
-ARCH = {
-    "1.3b": dict(num_attention_heads=12, attention_head_dim=128, ffn_dim=8960, num_layers=30),
-    "14b": dict(num_attention_heads=40, attention_head_dim=128, ffn_dim=13824, num_layers=40),
-    "tiny": dict(num_attention_heads=2, attention_head_dim=128, ffn_dim=256, num_layers=2),  # CPU smoke test
-}
-RES = {"480p": (480, 832), "720p": (720, 1280), "tiny": (64, 64)}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import WAN_ARCH as ARCH, WAN_COMMON, WAN_RES as RES  # noqa: E402
 
 
 def median_ms(fn, warmup=2, repeats=5):
@@ -82,9 +76,7 @@ def main():
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dt = torch.bfloat16
-    cfg = dict(patch_size=(1, 2, 2), in_channels=16, out_channels=16, text_dim=4096, freq_dim=256,
-               cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
-               **ARCH[args.arch])
+    cfg = dict(**WAN_COMMON, **ARCH[args.arch])
     torch.manual_seed(0)
     t0 = time.time()
     ref = WanTransformer3DModel(**cfg)

@@ -18,15 +18,10 @@ import sys
 
 for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ.setdefault(_k, _v)
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-
-ARCH = {
-    "1.3b": dict(num_attention_heads=12, attention_head_dim=128, ffn_dim=8960, num_layers=30),
-    "14b": dict(num_attention_heads=40, attention_head_dim=128, ffn_dim=13824, num_layers=40),
-}
-RES = {"480p": (480, 832), "720p": (720, 1280)}
+from common import WAN_ARCH as ARCH, WAN_COMMON, WAN_RES as RES  # noqa: E402
 
 
 def _layouts(n: int, heads: int) -> list[tuple[str, int, int]]:
@@ -54,8 +49,7 @@ def _step(groups, arch: str, res: str, frames: int, text_len: int, backend: str,
     settings = AttentionSettings(backend=None if name == "auto" else B.from_name(name),
                                  config=parse_attention_backend_config(cfg_txt.replace(";", ",")),
                                  ulysses_degree=groups.ulysses_degree, ring_degree=groups.ring_degree)
-    cfg = WanTransformerConfig(patch_size=(1, 2, 2), in_channels=16, out_channels=16, text_dim=4096, freq_dim=256,
-                               **ARCH[arch])
+    cfg = WanTransformerConfig.from_dict({**WAN_COMMON, **ARCH[arch]})
     dev = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(0)
     with torch.device(dev), attention_settings(settings), component_scope("transformer"):

@@ -12,7 +12,7 @@ from ditattn.attention.context import get_forced_backend
 from ditattn.attention.names import AttentionBackendEnum as B
 from ditattn.attention.selector import Decision, LayerSpec, select_backend
 from ditattn.errors import AttentionConfigError
-from ditattn.platforms import current_platform, platform_for_device
+from ditattn.platforms import platform_for_device
 
 Tensor = torch.Tensor
 

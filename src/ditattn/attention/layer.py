@@ -6,6 +6,7 @@ the layer only reads the request override table and the forward context (step, l
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Sequence
 
 import torch
@@ -114,8 +115,7 @@ class LocalAttention(nn.Module):
         self._bind(backend)
 
     def _check_dtype(self, dtype: torch.dtype, backend: B) -> None:
-        req = self.spec.request()
-        req = type(req)(**{**req.__dict__, "dtype": dtype})
+        req = dataclasses.replace(self.spec.request(), dtype=dtype)
         reasons = [r for r in SPECS[backend].reasons(req, self._platform) if "dtype" in r]
         if reasons:
             raise AttentionConfigError(
@@ -152,8 +152,7 @@ class LocalAttention(nn.Module):
     def _run_autotune(self, q, k, v, attn_bias) -> None:
         self._autotune_pending = False
         at = _autotune()
-        req = self.spec.request()
-        req = type(req)(**{**req.__dict__, "dtype": q.dtype, "needs_bias": attn_bias is not None})
+        req = dataclasses.replace(self.spec.request(), dtype=q.dtype, needs_bias=attn_bias is not None)
         call = AttnCall(causal=self.causal, scale=self.scale, attn_bias=attn_bias)
         with torch.no_grad():
             res = at.tune(self.backend, req, self._platform, q, k, v, call)

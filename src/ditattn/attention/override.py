@@ -7,6 +7,7 @@ default is untouched, so the next request without an override runs the default.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Iterable, Optional
 
@@ -93,9 +94,9 @@ def prepare_request_override(
         for layer in layers:
             req = layer.spec.request()
             if dtype is not None:
-                req = type(req)(**{**req.__dict__, "dtype": dtype})
+                req = dataclasses.replace(req, dtype=dtype)
             if settings.ring_degree > 1 and layer.role == "self":
-                req = type(req)(**{**req.__dict__, "needs_lse": True})
+                req = dataclasses.replace(req, needs_lse=True)
             reasons = SPECS[backend].reasons(req, platform)
             if reasons:
                 sub = substitute(backend, req, platform)

@@ -173,10 +173,6 @@ def _fp8_sm120_check(spec, req, platform):
     return out
 
 
-def _sparse_video_check(spec, req, platform):
-    return []
-
-
 _NONE = (Runtime(),)
 _CUDA_INTREE = {"cuda": (Runtime((), "in-tree Triton/FlexAttention"),), "cpu": (Runtime((), "in-tree PyTorch reference"),)}
 

@@ -130,6 +130,21 @@ class SequenceParallelGroups:
 _state: list[Optional[SequenceParallelGroups]] = [None]
 
 
+def _create_groups(all_groups, mine, degree: int, world: int):
+    """Create every group of one kind (collective: all ranks, same order); return this rank's
+    (None for degree 1, the world group when one group spans every rank)."""
+    if degree == 1:
+        return None
+    if degree == world:
+        return dist.group.WORLD
+    handle = None
+    for ranks in all_groups:
+        g = dist.new_group(ranks)
+        if ranks == mine:
+            handle = g
+    return handle
+
+
 def init_sequence_parallel(ulysses_degree: Optional[int] = None, ring_degree: Optional[int] = None) -> SequenceParallelGroups:
     """Create the Ulysses and ring process groups of this run and make them current.
 
@@ -147,25 +162,10 @@ def init_sequence_parallel(ulysses_degree: Optional[int] = None, ring_degree: Op
     u, r = resolve_degrees(world, ulysses_degree, ring_degree)
     u_groups, r_groups = rank_layout(world, u, r)
     # group creation is collective: every rank creates every group, in the same order
-    u_handle = r_handle = None
     mine_u = u_groups[rank // u]
     mine_r = r_groups[rank % u]
-    if u > 1:
-        if u == world:
-            u_handle = dist.group.WORLD
-        else:
-            for ranks in u_groups:
-                g = dist.new_group(ranks)
-                if ranks == mine_u:
-                    u_handle = g
-    if r > 1:
-        if r == world:
-            r_handle = dist.group.WORLD
-        else:
-            for ranks in r_groups:
-                g = dist.new_group(ranks)
-                if ranks == mine_r:
-                    r_handle = g
+    u_handle = _create_groups(u_groups, mine_u, u, world)
+    r_handle = _create_groups(r_groups, mine_r, r, world)
     state = SequenceParallelGroups(
         world_size=world, rank=rank, ulysses_degree=u, ring_degree=r, ulysses_group=u_handle,
         ring_group=r_handle, ulysses_ranks=tuple(mine_u), ring_ranks=tuple(mine_r),

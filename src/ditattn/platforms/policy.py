@@ -29,8 +29,6 @@ def auto_candidates(req: LayerRequest, platform: Platform) -> list[B]:
         if sm in (100, 103) and dense_half:
             # SM100/B200: cuDNN SDPA first for dense non-causal fp16/bf16, FA when cuDNN has no kernel
             return [B.TORCH_CUDNN_SDPA, B.FA, B.TORCH_SDPA]
-        if sm == 120 and False:  # fp8_fa_sm120 is opt-in only, never automatic
-            pass
         # Measured on H200 (PERF.md): FA4 > cuDNN SDPA > torch flash (FA2 path)
         if _fa_fast_runtime(platform):
             return [B.FA, B.TORCH_CUDNN_SDPA, B.TORCH_SDPA]
@@ -85,6 +83,3 @@ def _sage_without_sm90_fix() -> bool:
     except Exception:
         return False
 
-
-# The seed's platform support matrix (Yes/No per platform), used by `ditattn backends` and tests.
-SEED_MATRIX_PLATFORMS = ("cuda", "rocm", "xpu", "musa", "mps", "npu")

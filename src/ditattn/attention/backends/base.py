@@ -123,7 +123,6 @@ def reference_attention(q, k, v, *, causal=False, scale=None, attn_bias=None, ma
     if mask is not None:
         s = s.masked_fill(~mask.to(torch.bool), float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse.unsqueeze(-1).where(torch.isfinite(lse.unsqueeze(-1)), torch.zeros_like(lse.unsqueeze(-1))))
-    p = torch.nan_to_num(p, nan=0.0)
-    out = p @ vf
+    shift = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # fully masked rows: exp(-inf) = 0
+    out = torch.exp(s - shift.unsqueeze(-1)) @ vf
     return out.transpose(1, 2), lse
