@@ -49,6 +49,52 @@ def median_ms(fn, warmup=2, repeats=5):
     return ts[len(ts) // 2]
 
 
+#: kernel-name fragments -> category, first match wins (raw top kernels are recorded too)
+_CATEGORIES = [
+    ("attention", ("flash", "fmha", "attn", "attention", "sdpa", "block_sparse", "int8_")),
+    ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "matmul", "cublas", "splitk")),
+    ("inductor-fused", ("triton_",)),
+    ("norm", ("norm",)),
+    ("copy/cast", ("copy", "cast", "convert", "cat", "transpose", "permute")),
+]
+
+
+def _category(name: str) -> str:
+    low = name.lower()
+    for cat, keys in _CATEGORIES:
+        if any(k in low for k in keys):
+            return cat
+    return "elementwise/other"
+
+
+def profile_step(fn, top: int = 25) -> dict:
+    """One step under torch.profiler: GPU kernel time per category, the top kernels, and the wall time.
+
+    ``busy_ms`` is the sum of kernel times; wall - busy is launch gaps and host work (syncs show up there).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3
+    kernels: dict[str, list] = {}
+    for ev in prof.events():
+        if str(getattr(ev, "device_type", "")).endswith("CUDA"):  # a kernel (or memcpy) on the GPU timeline
+            k = kernels.setdefault(ev.name, [0.0, 0])
+            k[0] += ev.time_range.elapsed_us() / 1e3
+            k[1] += 1
+    cats: dict[str, float] = {}
+    for name, (ms, _) in kernels.items():
+        cats[_category(name)] = cats.get(_category(name), 0.0) + ms
+    busy = sum(cats.values())
+    tops = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"wall_ms": wall, "busy_ms": busy, "categories_ms": dict(sorted(cats.items(), key=lambda kv: -kv[1])),
+            "top_kernels": [{"name": n[:160], "ms": ms, "calls": c, "category": _category(n)} for n, (ms, c) in tops]}
+
+
 def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -64,6 +110,8 @@ def main():
                     help="comma list of ours; name:k=v;k=v for a config")
     ap.add_argument("--diffusers-backends", default="native,_native_cudnn")
     ap.add_argument("--compile", action="store_true", help="also time ours with torch.compile of non-attention parts")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile one step per row (GPU time per kernel category, top kernels)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -94,6 +142,11 @@ def main():
     seq = grid[0] * grid[1] * grid[2]
     print(f"arch {args.arch} res {args.res} frames {args.frames} grid {grid} S={seq} built in {time.time() - t0:.1f}s",
           flush=True)
+    def dump(res):  # after every row, so a time limit keeps what was measured
+        if args.out:
+            with open(args.out, "w") as fh:
+                json.dump(res, fh, indent=2)
+
     results = {"arch": args.arch, "res": args.res, "frames": args.frames, "seq": seq, "grid": grid, "rows": []}
 
     with torch.no_grad():
@@ -106,7 +159,11 @@ def main():
                 ms = median_ms(fn, repeats=args.repeats)
                 if ref_out is None:
                     ref_out = out.float()
-                results["rows"].append({"side": "diffusers", "backend": name, "ms": ms, "rel_err": rel(out, ref_out)})
+                row = {"side": "diffusers", "backend": name, "ms": ms, "rel_err": rel(out, ref_out)}
+                if args.profile and torch.cuda.is_available():
+                    row["profile"] = profile_step(fn)
+                    print(f"  profile {row['profile']['categories_ms']}", flush=True)
+                results["rows"].append(row)
                 print(f"diffusers {name:<22} {ms:8.1f} ms", flush=True)
             except Exception as exc:  # a diffusers backend missing here is reported, not fatal
                 results["rows"].append({"side": "diffusers", "backend": name, "error": str(exc)[:300]})
@@ -128,7 +185,7 @@ def main():
                 cast_model(model, dt, KEEP_FP32).to(dev).eval()
                 chosen = sorted({m.backend.value for m in model.modules() if hasattr(m, "backend") and hasattr(m, "role")})
                 variants = [("eager", model)]
-                if args.compile and spec == args.backends.split(",")[0]:
+                if args.compile:
                     from ditattn.models.wan.compile import compile_blocks  # optional helper
 
                     variants.append(("compiled", compile_blocks(model)))
@@ -142,7 +199,13 @@ def main():
                     err = rel(out, ref_out)
                     row = {"side": "ditattn", "backend": spec, "variant": label, "chosen": chosen, "ms": ms,
                            "speedup_vs_diffusers_default": base_ms / ms, "rel_err_vs_diffusers": err}
+                    if args.profile and torch.cuda.is_available():
+                        with forward_context(step=10**6, num_steps=10**6):
+                            row["profile"] = profile_step(fn)
+                        print(f"  profile wall {row['profile']['wall_ms']:.1f} busy {row['profile']['busy_ms']:.1f} "
+                              f"{ {k: round(v, 1) for k, v in row['profile']['categories_ms'].items()} }", flush=True)
                     results["rows"].append(row)
+                    dump(results)
                     print(f"ditattn  {spec:<22} {label:<8} {ms:8.1f} ms  {base_ms / ms:5.2f}x  err {err:.2e}  {chosen}",
                           flush=True)
                 del model
@@ -152,9 +215,7 @@ def main():
                 results["rows"].append({"side": "ditattn", "backend": spec, "error": f"{type(exc).__name__}: {exc}"[:400]})
                 print(f"ditattn  {spec}: {type(exc).__name__}: {exc}", flush=True)
 
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(results, fh, indent=2)
+    dump(results)
     print("\nside      backend                variant    ms      vs diffusers default   rel err")
     for r in results["rows"]:
         if "ms" in r:

@@ -57,6 +57,7 @@ def main():
     ap.add_argument("--grid", default=None, help="override: T,H,W (e.g. 3,4,6 for a CPU smoke run)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--ref-rows", type=int, default=1024, help="query rows checked against the float32 reference")
+    ap.add_argument("--backends", default=None, help="comma list: only these backends (default: all)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -79,7 +80,10 @@ def main():
         n_tiles = [(-(-d // 4)) for d in grid]
         with open(sta_file, "w") as fh:  # every (step, layer, head): a 3x3x3-tile window
             json.dump({f"0_0_{h}": [3, 3, 3] for h in range(args.heads)}, fh)
+        only = set(args.backends.split(",")) if args.backends else None
         for name, cfg in CASES:
+            if only is not None and name not in only:
+                continue
             if cfg == "STA":
                 cfg = {"mask_strategy_file_path": sta_file, "skip_time_steps": 0}
             label = name + ("" if not cfg or name == "sliding_tile_attn" else ":" + ",".join(f"{a}={b}" for a, b in cfg.items()))
@@ -97,10 +101,10 @@ def main():
                 row = {"grid": grid, "seq": S, "backend": label, "error": f"{type(exc).__name__}: {exc}"[:300]}
             rows.append(row)
             print(json.dumps(row), flush=True)
+            if args.out:  # written after every row, so a time limit keeps what was measured
+                with open(args.out, "w") as fh:
+                    json.dump(rows, fh, indent=2)
         del q, k, v
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(rows, fh, indent=2)
     print(f"\n{'S':>6} {'backend':<40} {'ms':>8} {'x dense':>8} {'kept':>6} {'rel err':>9}")
     for r in rows:
         if "ms" in r:
