@@ -109,7 +109,10 @@ def main():
     ap.add_argument("--backends", default="auto,fa,torch_cudnn_sdpa,video_sparse_attn:sparsity=0.9",
                     help="comma list of ours; name:k=v;k=v for a config")
     ap.add_argument("--diffusers-backends", default="native,_native_cudnn")
-    ap.add_argument("--compile", action="store_true", help="also time ours with torch.compile of non-attention parts")
+    ap.add_argument("--variants", default="eager",
+                    help="comma list of: eager (fused kernels, the default model), unfused (plain PyTorch ops, "
+                         "set_fused_ops(False)), compiled (torch.compile of each block, attention eager; runs last)")
+    ap.add_argument("--compile", action="store_true", help="shorthand: add 'compiled' to --variants")
     ap.add_argument("--profile", action="store_true",
                     help="also profile one step per row (GPU time per kernel category, top kernels)")
     ap.add_argument("--out", default=None)
@@ -184,13 +187,15 @@ def main():
                 model.load_state_dict(sd, strict=True)
                 cast_model(model, dt, KEEP_FP32).to(dev).eval()
                 chosen = sorted({m.backend.value for m in model.modules() if hasattr(m, "backend") and hasattr(m, "role")})
-                variants = [("eager", model)]
-                if args.compile:
-                    from ditattn.models.wan.compile import compile_blocks  # optional helper
+                # compile_blocks compiles the blocks IN PLACE, so "compiled" runs after the eager variants
+                wanted = [v for v in args.variants.split(",") if v] + (["compiled"] if args.compile else [])
+                for label in [v for v in ("unfused", "eager", "compiled") if v in wanted]:
+                    model.set_fused_ops(label != "unfused")
+                    if label == "compiled":
+                        from ditattn.models.wan.compile import compile_blocks
 
-                    variants.append(("compiled", compile_blocks(model)))
-                for label, m in variants:
-                    fn = lambda: m(x, t, txt)
+                        compile_blocks(model)
+                    fn = lambda: model(x, t, txt)
                     with forward_context(step=10**6, num_steps=10**6):  # past any dense warm-up steps
                         out = fn()
                         if torch.cuda.is_available():

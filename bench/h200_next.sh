@@ -3,6 +3,7 @@
 # Stage first (device call 1: carry [".gpu-a"], `bash .gpu-a/stage.sh`), then (carry [".gpu-b"]):
 #   bash bench/h200_next.sh e2e       # issue 11: the step, eager + compiled, profiled, 480p and 720p
 #   bash bench/h200_next.sh kernels   # issues 6, 5, 10: sparse backends at both shapes, block-sparse re-time, 1-GPU NCCL
+#   bash bench/h200_next.sh fused     # issue 11 after the fused kernels + whole generate; issue 6: sage_sla / sol
 # Each step has its own time limit (< 560 s per part, inside the 600 s call limit); everything lands in $OUT.
 set -uo pipefail
 source .gpu-b/activate.sh
@@ -22,5 +23,12 @@ kernels)
   step 200 python3 bench/sparse_backends.py --shapes wan720 --heads 40 --repeats 2 --out "$OUT/sparse_backends720.json"
   step 130 python3 bench/sparse.py --out "$OUT/sp" --budget-s 110
   step 100 python3 bench/multigpu.py --gpus 1 --arch 1.3b --res 480p --repeats 2 --out "$OUT/mg.json" ;;
-*) echo "usage: bash bench/h200_next.sh e2e|kernels" >&2; exit 2 ;;
+fused)  # ONE call: the fused DiT kernels (GPU tests, step eager vs unfused), sage_sla / sol re-timed, whole generate
+  step 50 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_gpu_kernels.py -k "fused"
+  step 160 python3 bench/e2e.py --arch 1.3b --res 480p --repeats 3 --variants unfused,eager --profile \
+      --diffusers-backends native --backends "auto,video_sparse_attn:sparsity=0.9" --out "$OUT/e2e480.json"
+  step 45 python3 bench/sparse_backends.py --shapes wan480 --backends sage_sla_attn,sol_attn --heads 40 --repeats 2 \
+      --out "$OUT/sparse_backends480.json"
+  step 240 python3 bench/generate.py --steps 3 --out "$OUT/generate.json" ;;
+*) echo "usage: bash bench/h200_next.sh e2e|kernels|fused" >&2; exit 2 ;;
 esac

@@ -102,7 +102,15 @@ def _build(name: str, out_dir: str) -> None:
         scheduler=UniPCMultistepScheduler(**SCHEDULER), transformer=transformer, transformer_2=transformer_2,
         boundary_ratio=BOUNDARY_RATIO if transformer_2 is not None else None,
     )
-    pipe.save_pretrained(out_dir, safe_serialization=True)
+    from transformers.utils import logging as tf_logging
+
+    was_enabled = tf_logging.is_progress_bar_enabled()
+    tf_logging.disable_progress_bar()  # a one-off internal build: no "Writing model shards" bar on stderr
+    try:
+        pipe.save_pretrained(out_dir, safe_serialization=True)
+    finally:
+        if was_enabled:
+            tf_logging.enable_progress_bar()
 
 
 def tiny_model_path(name: str, root: Optional[str] = None) -> str:

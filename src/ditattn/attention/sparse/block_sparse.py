@@ -31,6 +31,7 @@ Implementations (``impl``):
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import math
@@ -208,10 +209,16 @@ def _triton_fits(q: Tensor, block_size: int, kv_valid) -> bool:
         return False
     if q.dtype not in (torch.float16, torch.bfloat16):
         return False
-    mod = importlib.import_module(_TRITON_MODULE)
-    sizes = getattr(mod, "SUPPORTED_BLOCK_SIZES", (16, 32, 64, 128))
-    dims = getattr(mod, "SUPPORTED_HEAD_DIMS", (16, 32, 64, 128, 256))
+    sizes, dims = _triton_limits()
     return block_size in sizes and q.shape[-1] in dims
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_limits() -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The kernel module's (block sizes, head dims), read once."""
+    mod = importlib.import_module(_TRITON_MODULE)
+    return (tuple(getattr(mod, "SUPPORTED_BLOCK_SIZES", (16, 32, 64, 128))),
+            tuple(getattr(mod, "SUPPORTED_HEAD_DIMS", (16, 32, 64, 128, 256))))
 
 
 def _auto_impl(q: Tensor, block_size: int, kv_valid) -> str:

@@ -1,9 +1,9 @@
 """Pieces shared by the planners: special (text/sink) blocks, running a plan, plan masks."""
 from __future__ import annotations
 
-import dataclasses
+import functools
 import math
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -11,27 +11,47 @@ from ditattn.attention.sparse.block_sparse import (
     block_lists_to_dense_mask,
     block_mask_to_lists,
     block_sparse_attention,
-    kept_fraction,
 )
+from ditattn.attention.sparse.block_sparse import kept_fraction as count_kept_fraction
 from ditattn.attention.sparse.tiling import TileLayout, tile, untile
 
 Tensor = torch.Tensor
 
 
-@dataclasses.dataclass
 class SparsePlan:
     """What a planner decided for one call.
 
     layout: the tile layout the lists refer to; kv_indices/kv_counts: block lists (see
-    :mod:`.block_sparse`); kept_fraction: kept (query block, key block) pairs / all pairs;
+    :mod:`.block_sparse`); kept_fraction: kept (query block, key block) pairs / all pairs, a float;
     extra: planner-specific details (scores, windows, cluster labels, ...).
+
+    ``kept_fraction`` may be given as a float, as a 0-dim tensor, or as None (then it is counted
+    from ``kv_counts`` over ``layout.n_blocks`` key blocks).  Tensors become a float on the first
+    read of :attr:`kept_fraction`, so a caller that never reads it never waits for the device.
     """
 
-    layout: Optional[TileLayout]
-    kv_indices: Tensor
-    kv_counts: Tensor
-    kept_fraction: float
-    extra: dict = dataclasses.field(default_factory=dict)
+    def __init__(self, layout: Optional[TileLayout], kv_indices: Tensor, kv_counts: Tensor,
+                 kept_fraction: Union[float, Tensor, None] = None, extra: Optional[dict] = None):
+        if kept_fraction is None and layout is None:
+            raise ValueError("SparsePlan needs kept_fraction when it has no layout")
+        self.layout = layout
+        self.kv_indices = kv_indices
+        self.kv_counts = kv_counts
+        self._kept = kept_fraction
+        self.extra = {} if extra is None else extra
+
+    @property
+    def kept_fraction(self) -> float:
+        if self._kept is None:
+            self._kept = count_kept_fraction(self.kv_counts, self.layout.n_blocks)  # syncs
+        elif isinstance(self._kept, Tensor):
+            self._kept = float(self._kept)  # syncs
+        return self._kept
+
+    def __repr__(self) -> str:
+        kept = "pending" if isinstance(self._kept, (Tensor, type(None))) else f"{self._kept:.4f}"
+        return (f"SparsePlan(layout={self.layout!r}, kv_indices={tuple(self.kv_indices.shape)}, "
+                f"kept_fraction={kept}, extra={sorted(self.extra)})")
 
 
 def add_special_blocks(layout: TileLayout, video_mask: Tensor) -> Tensor:
@@ -69,6 +89,49 @@ def ceil_fraction(fraction: float, n: int) -> int:
     return max(1, min(n, math.ceil(round(fraction * n, 9))))
 
 
+def topk_lists(layout: TileLayout, scores: Tensor, k: int) -> tuple[Tensor, Tensor, float]:
+    """Block lists of "each video query block keeps its ``k`` best-scoring video key blocks, plus
+    every special block; each special query block keeps every block", built straight from the
+    top-k indices (no dense mask, no wide sort).
+
+    ``scores``: float ``[B, H, n_video_blocks, n_video_blocks]``.  Returns ``(kv_indices,
+    kv_counts, kept_fraction)`` equal to ``block_mask_to_lists(add_special_blocks(layout,
+    topk_mask(scores, k)))`` and the plan's kept fraction (host arithmetic).  ``kv_counts`` is a
+    broadcast view of a cached constant: do not write to it.  No device synchronisation for k >= 1.
+    """
+    nv, nb = layout.n_video_blocks, layout.n_blocks
+    ns = nb - nv
+    k = max(0, min(int(k), nv))
+    B, H = scores.shape[:2]
+    total = B * H * nb * nb
+    kept = float(B * H * (nv * (k + ns) + ns * nb)) / total if total else 0.0
+    if k == 0:  # never from VSA (k >= 1); the general path is exact here
+        return *block_mask_to_lists(add_special_blocks(layout, topk_mask(scores, 0))), kept
+    # The selected set is the same whether topk sorts its output or not (CUDA sorts after
+    # selecting); only the CPU's kernel picks among ties differently, so it keeps sorted=True.
+    sel = scores.topk(k, dim=-1, sorted=not scores.is_cuda).indices.to(torch.int32).sort(dim=-1).values
+    tail, special_rows, counts = _topk_constants(layout, scores.device, k, B, H)
+    if ns:
+        sel = torch.cat([torch.cat([sel, tail], dim=-1), special_rows], dim=2)
+    return sel, counts, kept
+
+
+@functools.lru_cache(maxsize=64)
+def _topk_constants(layout: TileLayout, device: torch.device, k: int, B: int, H: int):
+    """For :func:`topk_lists`, as broadcast int32 views: the rest of a video row ``[B, H, nv, nb - k]``
+    (special block ids, then zeros), the special rows ``[B, H, ns, nb]`` (every block) and the
+    counts ``[B, H, nb]`` (``k + ns`` for video rows, ``nb`` for special rows)."""
+    nv, nb = layout.n_video_blocks, layout.n_blocks
+    ns = nb - nv
+    row = torch.zeros(nb - k, dtype=torch.int32)
+    row[:ns] = torch.arange(nv, nb, dtype=torch.int32)
+    counts = torch.full((nb,), nb, dtype=torch.int32)
+    counts[:nv] = k + ns
+    tail = row.to(device).expand(B, H, nv, -1)
+    special_rows = torch.arange(nb, dtype=torch.int32, device=device).expand(B, H, ns, -1)
+    return tail, special_rows, counts.to(device).expand(B, H, -1)
+
+
 def run_block_mask(q: Tensor, k: Tensor, v: Tensor, layout: TileLayout, block_mask: Tensor, *,
                    scale: Optional[float], return_lse: bool, impl: str = "auto",
                    extra: Optional[dict] = None, q_tiled: Optional[Tensor] = None,
@@ -76,18 +139,28 @@ def run_block_mask(q: Tensor, k: Tensor, v: Tensor, layout: TileLayout, block_ma
     """Tile q/k/v (original order ``[B, S, H, D]``, k/v already expanded to q's heads), run the
     block-sparse core with ``block_mask`` (bool ``[B or 1, H or 1, n_blocks, n_blocks]``) and
     untile.  Returns ``(out [B, S, H, D], lse [B, H, S] or None, plan)``."""
+    idx, cnt = block_mask_to_lists(block_mask.to(q.device))
+    return run_block_lists(q, k, v, layout, idx, cnt, scale=scale, return_lse=return_lse, impl=impl,
+                           extra=extra, q_tiled=q_tiled, k_tiled=k_tiled)
+
+
+def run_block_lists(q: Tensor, k: Tensor, v: Tensor, layout: TileLayout, kv_indices: Tensor, kv_counts: Tensor, *,
+                    scale: Optional[float], return_lse: bool, impl: str = "auto",
+                    kept_fraction: Union[float, Tensor, None] = None, extra: Optional[dict] = None,
+                    q_tiled: Optional[Tensor] = None,
+                    k_tiled: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor], SparsePlan]:
+    """:func:`run_block_mask` with block lists (int32 ``[B or 1, H or 1, n_blocks, m]`` /
+    ``[B or 1, H or 1, n_blocks]`` on q's device) instead of a mask; ``kept_fraction`` as in
+    :class:`SparsePlan` (None: counted from the lists when read).  Adds no device sync of its own."""
     qt = tile(q, layout) if q_tiled is None else q_tiled
     kt = tile(k, layout) if k_tiled is None else k_tiled
     vt = tile(v, layout)
-    idx, cnt = block_mask_to_lists(block_mask.to(q.device))
-    B = q.shape[0]
-    kv_valid = layout.kv_valid(B, q.device)
-    out_t, lse_t = block_sparse_attention(qt, kt, vt, idx, cnt, block_size=layout.block_size, scale=scale,
-                                          kv_valid=kv_valid, return_lse=return_lse, impl=impl)
+    kv_valid = layout.kv_valid(q.shape[0], q.device)
+    out_t, lse_t = block_sparse_attention(qt, kt, vt, kv_indices, kv_counts, block_size=layout.block_size,
+                                          scale=scale, kv_valid=kv_valid, return_lse=return_lse, impl=impl)
     out = untile(out_t, layout).to(q.dtype)
     lse = untile(lse_t, layout, dim=2) if lse_t is not None else None
-    plan = SparsePlan(layout, idx, cnt, kept_fraction(cnt, layout.n_blocks), extra or {})
-    return out, lse, plan
+    return out, lse, SparsePlan(layout, kv_indices, kv_counts, kept_fraction, extra or {})
 
 
 def plan_token_mask(plan: SparsePlan) -> Tensor:

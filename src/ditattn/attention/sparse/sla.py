@@ -108,10 +108,10 @@ def sla_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: int
     bm = add_special_blocks(layout, critical)
     extra = {"critical": critical, "marginal": marginal, "probs": probs}
     if quantize:
-        _, _, qd = quantize_blocks_int8(qt, layout)
-        _, _, kd = quantize_blocks_int8(kt, layout, smooth=True)
-        if q.dtype == torch.float64:
-            qd, kd = qd.double(), kd.double()
+        # the de-quantized values go into the block-sparse kernel in q's dtype (the fused bf16/fp16
+        # kernel on GPU; a float32 operand would force the slow reference path)
+        qd = quantize_blocks_int8(qt, layout)[2].to(q.dtype)
+        kd = quantize_blocks_int8(kt, layout, smooth=True)[2].to(q.dtype)
         out, lse, plan = run_block_mask(q, k, v, layout, bm, scale=scale, return_lse=return_lse, impl=impl,
                                         extra=extra, q_tiled=qd, k_tiled=kd)
     else:

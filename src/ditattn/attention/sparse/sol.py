@@ -84,18 +84,23 @@ def _centroid_part(q_tiled: Tensor, kc: Tensor, vc: Tensor, logw: Tensor, approx
     dt = kc.dtype
     qh = q_tiled.to(dt).transpose(1, 2)  # [B,H,P,D]
     nv = kc.shape[2]
+    nb = P // bs
     out = torch.zeros(B, H, P, D, dtype=dt, device=q_tiled.device)
     lse = torch.full((B, H, P), float("-inf"), dtype=dt, device=q_tiled.device)
     hc = max(1, min(H, _CHUNK_ELEMS // max(1, B * P * nv)))
     for h0 in range(0, H, hc):
         h1 = min(H, h0 + hc)
-        s = (qh[:, h0:h1] @ kc[:, h0:h1].transpose(-1, -2)) * scale + logw.view(1, 1, 1, -1)
-        allow = approx_rows[:, h0:h1].repeat_interleave(bs, dim=2)  # [B,h,P,nv]
-        s = s.masked_fill(~allow, float("-inf"))
-        l = torch.logsumexp(s, -1)
-        p = torch.exp(s - torch.where(torch.isfinite(l), l, torch.zeros_like(l)).unsqueeze(-1))
-        out[:, h0:h1] = p @ vc[:, h0:h1]
-        lse[:, h0:h1] = l
+        s = torch.baddbmm(logw.view(1, 1, -1).to(dt), qh[:, h0:h1].flatten(0, 1), kc[:, h0:h1].flatten(0, 1).transpose(1, 2),
+                          alpha=scale).view(B, h1 - h0, nb, bs, nv)
+        # the route is per query BLOCK: broadcast it over the block's rows instead of materialising it per row
+        s.masked_fill_(~approx_rows[:, h0:h1, :, None, :], float("-inf"))
+        s = s.view(B, h1 - h0, P, nv)
+        m = s.amax(-1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        p = s.sub_(m).exp_()
+        l = p.sum(-1, keepdim=True)
+        out[:, h0:h1] = (p @ vc[:, h0:h1]) / l.clamp(min=1e-30)
+        lse[:, h0:h1] = (m + l.log()).squeeze(-1)
     return out, lse
 
 

@@ -16,7 +16,14 @@ from typing import Optional
 
 import torch
 
-from ditattn.attention.sparse.common import SparsePlan, add_special_blocks, ceil_fraction, run_block_mask, topk_mask
+from ditattn.attention.sparse.common import (
+    SparsePlan,
+    add_special_blocks,
+    ceil_fraction,
+    run_block_lists,
+    topk_lists,
+    topk_mask,
+)
 from ditattn.attention.sparse.tiling import TileLayout, make_tile_layout, pooled_blocks, tile
 
 Tensor = torch.Tensor
@@ -57,7 +64,9 @@ def video_sparse_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, spar
     layout = make_tile_layout(video_shape, tile_size, text_len)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     qt, kt = tile(q, layout), tile(k, layout)
-    bm, scores = vsa_block_mask(qt, kt, layout, sparsity, scale)
+    scores = pooled_video_scores(qt, kt, layout, scale)
     kk = vsa_num_selected(sparsity, layout.n_video_blocks)
-    return run_block_mask(q, k, v, layout, bm, scale=scale, return_lse=return_lse, impl=impl,
-                          extra={"scores": scores, "k": kk}, q_tiled=qt, k_tiled=kt)
+    # the lists of vsa_block_mask's mask, built from the top-k indices (no mask, no device sync)
+    idx, cnt, kept = topk_lists(layout, scores, kk)
+    return run_block_lists(q, k, v, layout, idx, cnt, scale=scale, return_lse=return_lse, impl=impl,
+                           kept_fraction=kept, extra={"scores": scores, "k": kk}, q_tiled=qt, k_tiled=kt)

@@ -15,6 +15,12 @@ backends read from the forward context (``video_shape``).
 
 Precision follows diffusers: the layer norms, the modulation tables and the time embedder compute
 in float32 (their parameters stay float32 when the model runs in fp16/bf16).
+
+Speed: the memory-bound work around each attention (gated residual + modulated layer norm, q/k
+RMSNorm + RoPE) runs as single-pass fused kernels from :mod:`ditattn.models.fused` (Triton on CUDA,
+the PyTorch reference elsewhere), and on CUDA the feed-forward's tanh-GELU runs in the epilogue of
+its first GEMM (cuBLASLt).  ``WanTransformer.set_fused_ops(False)`` switches all of it back to the
+plain PyTorch ops (same numbers up to rounding; for comparisons).
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ from ditattn.attention.layer import LocalAttention
 from ditattn.distributed.attention import USPAttention
 from ditattn.distributed.comm import gather_sequence, shard_sequence
 from ditattn.errors import AttentionConfigError
+from ditattn.models.fused import qk_norm_rope, residual_norm
 
 # parameters that stay float32 when the model runs in fp16/bf16 (diffusers' _keep_in_fp32_modules)
 KEEP_FP32 = ("time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")
@@ -197,11 +204,17 @@ class WanAttention(nn.Module):
         return k, self.to_v(src).unflatten(2, (self.heads, -1))
 
     def forward(self, x: torch.Tensor, context: Optional[torch.Tensor] = None, rotary=None,
-                kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
-        q = self.norm_q(self.to_q(x)).unflatten(2, (self.heads, -1))
-        k, v = kv if kv is not None else self.project_kv(x if context is None else context)
-        if rotary is not None:
-            q, k = apply_rope(q, *rotary), apply_rope(k, *rotary)
+                kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None, fused: str = "auto") -> torch.Tensor:
+        if rotary is not None and kv is None and context is None:  # self-attention: one pass for norms + RoPE
+            q, k = qk_norm_rope(self.to_q(x), self.to_k(x), self.norm_q.weight, self.norm_k.weight, *rotary,
+                                eps=self.norm_q.eps, head_dim=x.shape[-1] // self.heads, impl=fused)
+            q, k, v = q.unflatten(2, (self.heads, -1)), k.unflatten(2, (self.heads, -1)), self.to_v(x).unflatten(
+                2, (self.heads, -1))
+        else:
+            q = self.norm_q(self.to_q(x)).unflatten(2, (self.heads, -1))
+            k, v = kv if kv is not None else self.project_kv(x if context is None else context)
+            if rotary is not None:
+                q, k = apply_rope(q, *rotary), apply_rope(k, *rotary)
         out = self.attn(q, k, v).flatten(2, 3).type_as(q)
         return self.to_out[0](out)
 
@@ -211,7 +224,12 @@ class _GeluProj(nn.Module):
         super().__init__()
         self.proj = nn.Linear(d_in, d_out)
 
-    def forward(self, x):
+    def forward(self, x, fused: str = "auto"):
+        if fused != "torch" and x.is_cuda and self.proj.bias is not None:
+            # GEMM + bias + tanh-GELU in one cuBLASLt call (the activation in the GEMM epilogue)
+            y = torch._addmm_activation(self.proj.bias, x.reshape(-1, x.shape[-1]), self.proj.weight.t(),
+                                        use_gelu=True)
+            return y.view(*x.shape[:-1], -1)
         return F.gelu(self.proj(x), approximate="tanh")
 
 
@@ -222,8 +240,8 @@ class WanFeedForward(nn.Module):
         super().__init__()
         self.net = nn.ModuleList([_GeluProj(dim, inner), nn.Dropout(0.0), nn.Linear(inner, dim)])
 
-    def forward(self, x):
-        return self.net[2](self.net[0](x))
+    def forward(self, x, fused: str = "auto"):
+        return self.net[2](self.net[0](x, fused))
 
 
 class WanBlock(nn.Module):
@@ -239,6 +257,8 @@ class WanBlock(nn.Module):
         self.ffn = WanFeedForward(d, cfg.ffn_dim)
         self.norm3 = FP32LayerNorm(d, cfg.eps, elementwise_affine=False)
         self.scale_shift_table = nn.Parameter(torch.randn(1, 6, d) / d**0.5)
+        #: "auto" (fused kernels where they run), "torch" (plain PyTorch ops): WanTransformer.set_fused_ops
+        self.fused = "auto"
 
     def forward(self, x, context, tproj, rotary, kv=None):
         if tproj.ndim == 4:  # per-token timesteps (Wan 2.2 TI2V): [B, S, 6, D]
@@ -247,12 +267,18 @@ class WanBlock(nn.Module):
         else:  # [B, 6, D]
             mods = (self.scale_shift_table + tproj.float()).chunk(6, dim=1)
         shift1, scale1, gate1, shift2, scale2, gate2 = mods
-        h = (self.norm1(x.float()) * (1 + scale1) + shift1).type_as(x)
-        x = (x.float() + self.attn1(h, None, rotary) * gate1).type_as(x)
-        h = self.norm2(x.float()).type_as(x)
-        x = x + self.attn2(h, context, kv=kv)
-        h = (self.norm3(x.float()) * (1 + scale2) + shift2).type_as(x)
-        x = (x.float() + self.ffn(h).float() * gate2).type_as(x)
+        f, eps = self.fused, self.norm1.eps
+        # x' = x + branch * gate and the next modulated norm of x', one pass each (models/fused.py)
+        _, h = residual_norm(x, scale=scale1, shift=shift1, eps=eps, impl=f)
+        y = self.attn1(h, None, rotary, fused=f)
+        if isinstance(self.norm2, nn.LayerNorm):
+            x, h = residual_norm(x, y, gate1, weight=self.norm2.weight, bias=self.norm2.bias, eps=self.norm2.eps, impl=f)
+        else:  # no cross-attention norm
+            x, _ = residual_norm(x, y, gate1, norm=False, impl=f)
+            h = x
+        x, h = residual_norm(x, self.attn2(h, context, kv=kv, fused=f), None, scale=scale2, shift=shift2,
+                             eps=self.norm3.eps, impl=f)
+        x, _ = residual_norm(x, self.ffn(h, f), gate2, norm=False, impl=f)
         return x
 
 
@@ -276,6 +302,12 @@ class WanTransformer(nn.Module):
         self.proj_out = nn.Linear(d, config.out_channels * math.prod(config.patch_size))
         self.scale_shift_table = nn.Parameter(torch.randn(1, 2, d) / d**0.5)
         self._rope_cache: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def set_fused_ops(self, enabled: bool) -> "WanTransformer":
+        """Use the fused kernels of :mod:`ditattn.models.fused` (default) or plain PyTorch ops."""
+        for block in self.blocks:
+            block.fused = "auto" if enabled else "torch"
+        return self
 
     def latent_grid(self, frames: int, height: int, width: int) -> tuple[int, int, int]:
         """The token grid ``(T', H', W')`` of latents with that many frames / rows / columns."""
@@ -336,7 +368,8 @@ class WanTransformer(nn.Module):
             shift, scale = shift.squeeze(2), scale.squeeze(2)
         else:
             shift, scale = (self.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
-        x = (self.norm_out(x.float()) * (1 + scale) + shift).type_as(x)
+        _, x = residual_norm(x, scale=scale, shift=shift, eps=self.norm_out.eps, impl=self.blocks[0].fused
+                             if len(self.blocks) else "auto")
         x = self.proj_out(x)
         T, H, W = grid
         x = x.reshape(B, T, H, W, pt, ph, pw, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
