@@ -183,8 +183,9 @@ def main():
             settings = AttentionSettings(backend=backend, config=parse_attention_backend_config(cfg_txt.replace(";", ",")))
             try:
                 with attention_settings(settings), component_scope("transformer"):
-                    model = WanTransformer(WanTransformerConfig.from_dict(cfg), dtype=dt)
-                model.load_state_dict(sd, strict=True)
+                    with torch.device("meta"):  # no random init: the weights come from sd
+                        model = WanTransformer(WanTransformerConfig.from_dict(cfg), dtype=dt)
+                model.load_state_dict(sd, strict=True, assign=True)
                 cast_model(model, dt, KEEP_FP32).to(dev).eval()
                 chosen = sorted({m.backend.value for m in model.modules() if hasattr(m, "backend") and hasattr(m, "role")})
                 # compile_blocks compiles the blocks IN PLACE, so "compiled" runs after the eager variants

@@ -29,6 +29,6 @@ fused)  # ONE call: the fused DiT kernels (GPU tests, step eager vs unfused), sa
       --diffusers-backends native --backends "auto,video_sparse_attn:sparsity=0.9" --out "$OUT/e2e480.json"
   step 100 python3 bench/sparse_backends.py --shapes wan480,wan720 --backends sage_sla_attn,sol_attn --heads 40 \
       --repeats 2 --out "$OUT/sparse_backends.json"
-  step 200 python3 bench/generate.py --steps 3 --out "$OUT/generate.json" ;;
+  step "${GEN_S:-200}" python3 bench/generate.py --steps 3 --out "$OUT/generate.json" ;;
 *) echo "usage: bash bench/h200_next.sh e2e|kernels|fused" >&2; exit 2 ;;
 esac
