@@ -23,12 +23,13 @@ kernels)
   step 200 python3 bench/sparse_backends.py --shapes wan720 --heads 40 --repeats 2 --out "$OUT/sparse_backends720.json"
   step 130 python3 bench/sparse.py --out "$OUT/sp" --budget-s 110
   step 100 python3 bench/multigpu.py --gpus 1 --arch 1.3b --res 480p --repeats 2 --out "$OUT/mg.json" ;;
-fused)  # ONE call: the fused DiT kernels (GPU tests, step eager vs unfused), sage_sla / sol re-timed, whole generate
-  step 50 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_gpu_kernels.py -k "fused"
+fused)  # ONE call: the fused DiT kernels (step eager vs unfused, GPU tests), sage_sla / sol re-timed, whole generate
   step 160 python3 bench/e2e.py --arch 1.3b --res 480p --repeats 3 --variants unfused,eager --profile \
       --diffusers-backends native --backends "auto,video_sparse_attn:sparsity=0.9" --out "$OUT/e2e480.json"
+  step 50 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_gpu_kernels.py -k "fused"
   step 100 python3 bench/sparse_backends.py --shapes wan480,wan720 --backends sage_sla_attn,sol_attn --heads 40 \
       --repeats 2 --out "$OUT/sparse_backends.json"
-  step "${GEN_S:-200}" python3 bench/generate.py --steps 3 --out "$OUT/generate.json" ;;
+  # GEN_S=0 skips the whole-generate step (when the device budget is short)
+  if [ "${GEN_S:-200}" -gt 0 ]; then step "${GEN_S:-200}" python3 bench/generate.py --steps 3 --out "$OUT/generate.json"; fi ;;
 *) echo "usage: bash bench/h200_next.sh e2e|kernels|fused" >&2; exit 2 ;;
 esac
