@@ -27,9 +27,9 @@ fused)  # ONE call: the fused DiT kernels (step eager vs unfused, GPU tests), sa
   step 160 python3 bench/e2e.py --arch 1.3b --res 480p --repeats 3 --variants unfused,eager --profile \
       --diffusers-backends native --backends "auto,video_sparse_attn:sparsity=0.9" --out "$OUT/e2e480.json"
   step 50 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_gpu_kernels.py -k "fused"
-  step 100 python3 bench/sparse_backends.py --shapes wan480,wan720 --backends sage_sla_attn,sol_attn --heads 40 \
-      --repeats 2 --out "$OUT/sparse_backends.json"
-  # GEN_S=0 skips the whole-generate step (when the device budget is short)
+  if [ "${SB_S:-100}" -gt 0 ]; then step "${SB_S:-100}" python3 bench/sparse_backends.py --shapes wan480,wan720 \
+      --backends sage_sla_attn,sol_attn --heads 40 --repeats 2 --out "$OUT/sparse_backends.json"; fi
+  # SB_S=0 / GEN_S=0 skip the sparse-backend / whole-generate steps (when the device budget is short)
   if [ "${GEN_S:-200}" -gt 0 ]; then step "${GEN_S:-200}" python3 bench/generate.py --steps 3 --out "$OUT/generate.json"; fi ;;
 *) echo "usage: bash bench/h200_next.sh e2e|kernels|fused" >&2; exit 2 ;;
 esac
