@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The H200 measurements still open (issues 5, 6, 10, 11), as two back-to-back device calls.
+# The H200 measurements still open (issues 5, 6, 10, 11), one device call per part (600 s limit each).
 # Stage first (device call 1: carry [".gpu-a"], `bash .gpu-a/stage.sh`), then (carry [".gpu-b"]):
 #   bash bench/h200_next.sh e2e       # issue 11: the step, eager + compiled, profiled, 480p and 720p
 #   bash bench/h200_next.sh kernels   # issues 6, 5, 10: sparse backends at both shapes, block-sparse re-time, 1-GPU NCCL

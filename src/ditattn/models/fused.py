@@ -211,15 +211,19 @@ def qk_norm_rope_reference(q: Tensor, k: Tensor, wq: Optional[Tensor], wk: Optio
     """PyTorch reference of :func:`qk_norm_rope` (same contract)."""
     n = q.shape[-1]
 
-    def one(x, w):
-        x = F.rms_norm(x, (n,), w, eps).unflatten(-1, (-1, head_dim))
-        pairs = x.unflatten(-1, (-1, 2))
-        a, b = pairs[..., 0], pairs[..., 1]
-        c, s = cos.view(1, -1, 1, head_dim // 2), sin.view(1, -1, 1, head_dim // 2)
-        out = torch.stack([a * c - b * s, a * s + b * c], dim=-1)
-        return out.flatten(-2).to(x.dtype).flatten(-2)
-
+    c, s = cos.reshape(1, -1, 1, head_dim // 2), sin.reshape(1, -1, 1, head_dim // 2)
+    one = lambda x, w: apply_rope(F.rms_norm(x, (n,), w, eps).unflatten(-1, (-1, head_dim)), c, s).flatten(-2)
     return one(q, wq), one(k, wk)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate interleaved channel pairs ``(x[2i], x[2i+1])`` of ``x [B, S, heads, D]`` by the angles
+    ``cos``/``sin`` (float32, broadcastable to ``[B, S, heads, D // 2]``); computed in float32, result
+    in x's dtype."""
+    pairs = x.unflatten(-1, (-1, 2))
+    a, b = pairs[..., 0], pairs[..., 1]
+    out = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1)
+    return out.flatten(-2).type_as(x)
 
 
 if _HAVE_TRITON:

@@ -37,7 +37,7 @@ from ditattn.attention.layer import LocalAttention
 from ditattn.distributed.attention import USPAttention
 from ditattn.distributed.comm import gather_sequence, shard_sequence
 from ditattn.errors import AttentionConfigError
-from ditattn.models.fused import qk_norm_rope, residual_norm
+from ditattn.models.fused import apply_rope, qk_norm_rope, residual_norm
 
 # parameters that stay float32 when the model runs in fp16/bf16 (diffusers' _keep_in_fp32_modules)
 KEEP_FP32 = ("time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")
@@ -170,14 +170,6 @@ def rope_tables(head_dim: int, grid: tuple[int, int, int], device, theta: float 
     return ang.cos().float().to(device), ang.sin().float().to(device)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved channel pairs ``(x[2i], x[2i+1])`` of ``x [B, S, heads, D]`` by the angles."""
-    pairs = x.unflatten(-1, (-1, 2))
-    a, b = pairs[..., 0], pairs[..., 1]
-    out = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1)
-    return out.flatten(-2).type_as(x)
-
-
 class WanAttention(nn.Module):
     """Projections + q/k RMSNorm (+ RoPE for self-attention) around one ``LocalAttention``."""
 
@@ -302,11 +294,13 @@ class WanTransformer(nn.Module):
         self.proj_out = nn.Linear(d, config.out_channels * math.prod(config.patch_size))
         self.scale_shift_table = nn.Parameter(torch.randn(1, 2, d) / d**0.5)
         self._rope_cache: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.fused = "auto"  # the output norm's impl; see set_fused_ops
 
     def set_fused_ops(self, enabled: bool) -> "WanTransformer":
         """Use the fused kernels of :mod:`ditattn.models.fused` (default) or plain PyTorch ops."""
+        self.fused = "auto" if enabled else "torch"
         for block in self.blocks:
-            block.fused = "auto" if enabled else "torch"
+            block.fused = self.fused
         return self
 
     def latent_grid(self, frames: int, height: int, width: int) -> tuple[int, int, int]:
@@ -368,8 +362,7 @@ class WanTransformer(nn.Module):
             shift, scale = shift.squeeze(2), scale.squeeze(2)
         else:
             shift, scale = (self.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
-        _, x = residual_norm(x, scale=scale, shift=shift, eps=self.norm_out.eps, impl=self.blocks[0].fused
-                             if len(self.blocks) else "auto")
+        _, x = residual_norm(x, scale=scale, shift=shift, eps=self.norm_out.eps, impl=self.fused)
         x = self.proj_out(x)
         T, H, W = grid
         x = x.reshape(B, T, H, W, pt, ph, pw, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
