@@ -20,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import WAN_ARCH as ARCH, WAN_COMMON, WAN_RES as RES  # noqa: E402
+from common import WAN_ARCH as ARCH, WAN_COMMON, WAN_RES as RES, profile_step  # noqa: E402
 
 
 def median_ms(fn, warmup=2, repeats=5):
@@ -47,52 +47,6 @@ def median_ms(fn, warmup=2, repeats=5):
         ts.append(a.elapsed_time(b))
     ts.sort()
     return ts[len(ts) // 2]
-
-
-#: kernel-name fragments -> category, first match wins (raw top kernels are recorded too)
-_CATEGORIES = [
-    ("attention", ("flash", "fmha", "attn", "attention", "sdpa", "block_sparse", "int8_")),
-    ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "matmul", "cublas", "splitk")),
-    ("inductor-fused", ("triton_",)),
-    ("norm", ("norm",)),
-    ("copy/cast", ("copy", "cast", "convert", "cat", "transpose", "permute")),
-]
-
-
-def _category(name: str) -> str:
-    low = name.lower()
-    for cat, keys in _CATEGORIES:
-        if any(k in low for k in keys):
-            return cat
-    return "elementwise/other"
-
-
-def profile_step(fn, top: int = 25) -> dict:
-    """One step under torch.profiler: GPU kernel time per category, the top kernels, and the wall time.
-
-    ``busy_ms`` is the sum of kernel times; wall - busy is launch gaps and host work (syncs show up there).
-    """
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) * 1e3
-    kernels: dict[str, list] = {}
-    for ev in prof.events():
-        if str(getattr(ev, "device_type", "")).endswith("CUDA"):  # a kernel (or memcpy) on the GPU timeline
-            k = kernels.setdefault(ev.name, [0.0, 0])
-            k[0] += ev.time_range.elapsed_us() / 1e3
-            k[1] += 1
-    cats: dict[str, float] = {}
-    for name, (ms, _) in kernels.items():
-        cats[_category(name)] = cats.get(_category(name), 0.0) + ms
-    busy = sum(cats.values())
-    tops = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
-    return {"wall_ms": wall, "busy_ms": busy, "categories_ms": dict(sorted(cats.items(), key=lambda kv: -kv[1])),
-            "top_kernels": [{"name": n[:160], "ms": ms, "calls": c, "category": _category(n)} for n, (ms, c) in tops]}
 
 
 def rel(a, b):

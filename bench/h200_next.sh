@@ -4,6 +4,9 @@
 #   bash bench/h200_next.sh e2e       # issue 11: the step, eager + compiled, profiled, 480p and 720p
 #   bash bench/h200_next.sh kernels   # issues 6, 5, 10: sparse backends at both shapes, block-sparse re-time, 1-GPU NCCL
 #   bash bench/h200_next.sh fused     # issue 11 after the fused kernels + whole generate; issue 6: sage_sla / sol
+#   bash bench/h200_next.sh remeasure # issue 6: sage_sla / sol re-timed; issue 5: block-sparse with kernel times
+#   bash bench/h200_next.sh profile   # issue 6: per-kernel profile of the sparse backends (SP_S=secs: + 64-token re-time)
+#   bash bench/h200_next.sh tma       # issue 5: block-sparse Triton kernel with TMA loads, tests + bench/sparse.py
 # Each step has its own time limit (< 560 s per part, inside the 600 s call limit); everything lands in $OUT.
 set -uo pipefail
 source .gpu-b/activate.sh
@@ -31,5 +34,18 @@ fused)  # ONE call: the fused DiT kernels (step eager vs unfused, GPU tests), sa
       --backends sage_sla_attn,sol_attn --heads 40 --repeats 2 --out "$OUT/sparse_backends.json"; fi
   # SB_S=0 / GEN_S=0 skip the sparse-backend / whole-generate steps (when the device budget is short)
   if [ "${GEN_S:-200}" -gt 0 ]; then step "${GEN_S:-200}" python3 bench/generate.py --steps 3 --out "$OUT/generate.json"; fi ;;
-*) echo "usage: bash bench/h200_next.sh e2e|kernels|fused" >&2; exit 2 ;;
+remeasure)  # issue 6: sage_sla / sol after their fixes, both shapes; issue 5: block-sparse with kernel times
+  step 200 python3 bench/sparse_backends.py --shapes wan480,wan720 --backends sage_sla_attn,sol_attn --heads 40 \
+      --repeats 2 --out "$OUT/sparse_backends.json"
+  step 300 python3 bench/sparse.py --out "$OUT/sp" --budget-s 280 ;;
+profile)  # issue 6: where the sparse backends spend their time, after the fused Sol / SageSLA kernels
+  step 90 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_gpu_kernels.py -k "block_sparse or sol"
+  step 240 python3 bench/sparse_backends.py --shapes wan480,wan720 --backends sla_attn,sage_sla_attn,sol_attn \
+      --heads 40 --repeats 2 --profile --out "$OUT/sparse_backends_profile.json"
+  if [ "${SP_S:-0}" -gt 0 ]; then step "$SP_S" python3 bench/sparse.py --out "$OUT/sp" --budget-s $((SP_S - 20)) \
+      --block-sizes 64; fi ;;
+tma)  # issue 5: the block-sparse Triton kernel with TMA descriptor loads, checked and timed
+  step 90 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_gpu_kernels.py -k "block_sparse"
+  step 300 python3 bench/sparse.py --out "$OUT/sp" --budget-s 280 ;;
+*) echo "usage: bash bench/h200_next.sh e2e|kernels|fused|remeasure|profile|tma" >&2; exit 2 ;;
 esac

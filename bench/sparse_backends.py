@@ -19,8 +19,11 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+
+from common import profile_step  # noqa: E402
 
 SHAPES = {"wan480": (21, 30, 52), "wan720": (21, 45, 80)}
 CASES = [
@@ -59,10 +62,12 @@ def main():
     ap.add_argument("--ref-rows", type=int, default=1024, help="query rows checked against the float32 reference")
     ap.add_argument("--backends", default=None, help="comma list: only these backends (default: all)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile one call per backend (GPU time per kernel, top kernels; CUDA only)")
     args = ap.parse_args()
 
     import ditattn
-    from ditattn.attention.sparse import last_stats
+    from ditattn.attention.sparse import clear_stats, last_stats
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sta_file = os.path.join(tempfile.mkdtemp(), "sta.json")
@@ -89,6 +94,7 @@ def main():
             label = name + ("" if not cfg or name == "sliding_tile_attn" else ":" + ",".join(f"{a}={b}" for a, b in cfg.items()))
             try:
                 run = lambda: ditattn.attention(q, k, v, backend=name, config=cfg, video_shape=grid, step=0, layer_idx=0)
+                clear_stats()  # the kept fraction read below is this backend's
                 out = run()
                 ms = timed(run, args.repeats)
                 err = ((out[:, sel].float() - exact).norm() / exact.norm()).item()
@@ -97,6 +103,11 @@ def main():
                 row = {"grid": grid, "seq": S, "heads": args.heads, "backend": label, "ms": ms, "dense_ms": dense_ms,
                        "dense_backend": dense_backend, "speedup_vs_dense": dense_ms / ms, "kept_fraction": kept,
                        "rel_err": err}
+                if args.profile and dev.type == "cuda":
+                    row["profile"] = profile_step(run, top=12)
+                    print(f"  profile wall {row['profile']['wall_ms']:.1f} busy {row['profile']['busy_ms']:.1f}", flush=True)
+                    for kern in row["profile"]["top_kernels"]:
+                        print(f"    {kern['ms']:8.2f} ms x{kern['calls']:<3} {kern['name'][:110]}", flush=True)
             except Exception as exc:  # report and go on
                 row = {"grid": grid, "seq": S, "backend": label, "error": f"{type(exc).__name__}: {exc}"[:300]}
             rows.append(row)

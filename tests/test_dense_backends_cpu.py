@@ -117,3 +117,19 @@ def test_block_sparse_fa4_probe_cache(monkeypatch):
     valid[1, 3] = False  # no longer one shared prefix
     assert bst._probe(valid, counts, 256) == (None, True) and len(calls) == 3
     assert bst._probe(None, counts, 256) == (256, True)
+
+
+def test_block_sparse_identity_cache_drops_dead_entries():
+    """The per-plan cache of the FA4 path keeps results only while their tensors live."""
+    pytest.importorskip("triton")
+    from ditattn.attention.kernels import block_sparse_triton as bst
+
+    cache, runs = {}, []
+    keep = [torch.zeros(3) for _ in range(70)]
+    for t in keep:
+        bst._identity_cached(cache, (t, None), (1,), lambda: runs.append(1) or len(runs))
+    assert bst._identity_cached(cache, (keep[5], None), (1,), lambda: -1) == 6  # a hit, no recompute
+    assert len(runs) == 70 and len(cache) == 70
+    del keep[:60]
+    bst._identity_cached(cache, (torch.zeros(1), None), (1,), lambda: 0)  # insertion prunes the dead
+    assert len(cache) == 11

@@ -133,8 +133,11 @@ def test_int8_kernel(pv, gran, causal, d):
 
 @pytest.mark.parametrize("bs,kvpi,dtype,impl", [(64, 1, torch.bfloat16, "triton"), (64, 2, torch.float16, "triton"),
                                                   (128, 1, torch.bfloat16, "triton"), (64, 1, torch.bfloat16, "fa4"),
-                                                  (128, 1, torch.float16, "fa4")])
+                                                  (128, 1, torch.float16, "fa4"), (64, 1, torch.bfloat16, "triton-tma"),
+                                                  (128, 1, torch.float16, "triton-tma")])
 def test_block_sparse_kernel(bs, kvpi, dtype, impl):
+    tma = impl == "triton-tma"
+    impl = "triton" if tma else impl
     from ditattn.attention.kernels.block_sparse_triton import block_sparse_attention_triton
     from ditattn.attention.sparse.block_sparse import block_lists_to_dense_mask, block_mask_to_lists
 
@@ -153,8 +156,10 @@ def test_block_sparse_kernel(bs, kvpi, dtype, impl):
             pytest.skip(fa4_fits(q, bs, valid))
     else:
         valid[0, -11:] = False
+        valid[1, bs + 3:bs + 9] = False  # padding inside a key block (tile layouts pad many blocks)
+        valid[1, 5 * bs:6 * bs] = False  # a key block that is all padding
     o, lse = block_sparse_attention_triton(q, k, v, idx, cnt, block_size=bs, kv_valid=valid, return_lse=True,
-                                           config={"kv_per_iter": kvpi}, impl=impl)
+                                           config={"kv_per_iter": kvpi, "tma": tma}, impl=impl)
     mask = block_lists_to_dense_mask(idx, cnt, block_size=bs, kv_valid=valid)
     ref, rl = reference_attention(q, k, v, mask=mask)
     assert rel(o, ref) <= 2 * sdpa_err(q, k, v) + 1e-4
@@ -248,3 +253,19 @@ def test_wan_transformer_fused_matches_plain_on_cuda():
         plain = model.set_fused_ops(False)(x.bfloat16(), t, txt.bfloat16())
         fused = model.set_fused_ops(True)(x.bfloat16(), t, txt.bfloat16())
     assert rel(fused, ref32) <= 2 * rel(plain, ref32) + 1e-4
+
+
+def test_sol_fused_centroid_kernel():
+    """sol_attention on CUDA in bf16 (block-sparse kernel + the fused centroid kernel) against its
+    float64 PyTorch path on the same inputs: same routes, error within 2x SDPA's."""
+    from ditattn.attention.sparse.sol import sol_attention
+
+    grid, text_len = (7, 10, 13), 33
+    S = grid[0] * grid[1] * grid[2] + text_len
+    q, k, v = qkv(1, S, S, 4, 4, 128, seed=21)
+    kw = dict(video_shape=grid, text_len=text_len, tau=0.8, sink_start=0, sink_tokens=64, return_lse=True)
+    out, lse, plan = sol_attention(q, k, v, **kw)
+    ro, rl, rplan = sol_attention(q.double(), k.double(), v.double(), impl="reference", **kw)
+    assert torch.equal(plan.extra["exact"], rplan.extra["exact"])
+    assert rel(out, ro) <= 2 * sdpa_err(q, k, v) + 1e-4
+    assert (lse.double() - rl).abs().max() < 2e-2

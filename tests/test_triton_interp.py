@@ -98,8 +98,9 @@ def _rand(*shape, dtype, gen, shift=0.0):
 # block-sparse
 
 
-@pytest.mark.parametrize("dtype,kv_per_iter,gqa", [(torch.float16, 1, False), (torch.bfloat16, 2, True)])
-def test_block_sparse_matches_reference(dtype, kv_per_iter, gqa):
+@pytest.mark.parametrize("dtype,kv_per_iter,gqa,tma", [(torch.float16, 1, False, False), (torch.bfloat16, 2, True, False),
+                                                       (torch.bfloat16, 1, True, True)])
+def test_block_sparse_matches_reference(dtype, kv_per_iter, gqa, tma):
     from ditattn.attention.kernels.block_sparse_triton import block_sparse_attention_triton
     from ditattn.attention.sparse.block_sparse import block_mask_to_lists, block_sparse_attention
 
@@ -114,8 +115,10 @@ def test_block_sparse_matches_reference(dtype, kv_per_iter, gqa):
     idx, cnt = block_mask_to_lists(bm)
     valid = torch.ones(B, S, dtype=torch.bool)
     valid[1, -7:] = False
+    valid[0, bs + 3:bs + 9] = False  # padding inside a key block (tile layouts pad many blocks)
+    valid[1, 2 * bs:3 * bs] = False  # a key block that is all padding
     o, lse = block_sparse_attention_triton(q, k, v, idx, cnt, block_size=bs, kv_valid=valid, return_lse=True,
-                                           config={"kv_per_iter": kv_per_iter})
+                                           config={"kv_per_iter": kv_per_iter, "tma": tma})
     ro, rl = block_sparse_attention(q.double(), k.double(), v.double(), idx, cnt, block_size=bs, kv_valid=valid,
                                     return_lse=True, impl="reference")
     assert torch.isfinite(o.float()).all()
@@ -124,6 +127,89 @@ def test_block_sparse_matches_reference(dtype, kv_per_iter, gqa):
     assert torch.equal(fin, torch.isfinite(lse))
     assert (lse[fin] - rl[fin]).abs().max() < 1e-2
     assert (o[0, 2 * bs:3 * bs, 1] == 0).all()
+
+
+def test_block_centroid_kernel_matches_torch():
+    """Virtual keys with log-weights and a per-query-block route, no initial state: equal to a
+    float64 masked softmax; a query block with no routed key gives zeros and LSE -inf; NV is not a
+    multiple of the key chunk."""
+    from ditattn.attention.kernels.block_centroid import block_centroid_attention
+
+    g = torch.Generator().manual_seed(5)
+    B, H, D, bs, nb, NV = 1, 2, 32, 16, 4, 37
+    q = _rand(B, nb * bs, H, D, dtype=torch.bfloat16, gen=g)
+    kc, vc = (_rand(B, H, NV, D, dtype=torch.bfloat16, gen=g) for _ in range(2))
+    logw = torch.rand(NV, generator=g) * 3
+    approx = torch.rand(B, H, nb, NV, generator=g) < 0.6
+    approx[0, 1, 2] = False
+    out, lse = block_centroid_attention(q, kc, vc, logw, approx, block_size=bs, scale=D ** -0.5, block_n=16)
+    s = torch.einsum("bphd,bhnd->bhpn", q.double(), kc.double()) * D ** -0.5 + logw.double()
+    s = s.masked_fill(~approx.repeat_interleave(bs, dim=2), float("-inf"))
+    ref_lse = torch.logsumexp(s, -1)
+    p = torch.nan_to_num(torch.exp(s - ref_lse[..., None]))
+    ref = torch.einsum("bhpn,bhnd->bphd", p, vc.double())
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(fin, torch.isfinite(lse)) and not fin[0, 1, 2 * bs:3 * bs].any()
+    assert (out[0, 2 * bs:3 * bs, 1] == 0).all()
+    assert rel(out, ref) < 1e-2 and (lse[fin] - ref_lse[fin]).abs().max() < 1e-2
+
+
+def test_sage_sla_triton_path_matches_reference_path():
+    """sage_sla on the Triton path (fused quantization + block-sparse kernel, bf16) against the
+    PyTorch quantization + float64 reference kernel on the same inputs."""
+    from ditattn.attention.sparse.sla import sla_attention
+
+    grid, text_len = (4, 8, 8), 5
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (_rand(1, 256 + text_len, 2, 32, dtype=torch.bfloat16, gen=g) for _ in range(3))
+    kw = dict(video_shape=grid, text_len=text_len, topk=0.4, negligible_fraction=0.25, block_size=32, quantize=True)
+    out, _, plan = sla_attention(q, k, v, impl="triton", **kw)
+    ro, _, rplan = sla_attention(q, k, v, impl="reference", **kw)
+    assert torch.equal(plan.extra["critical"], rplan.extra["critical"])
+    from ditattn.attention.sparse.block_sparse import kept_fraction
+
+    nb = plan.layout.n_blocks  # the host-side fractions equal what the lists and masks hold
+    assert abs(plan.kept_fraction - kept_fraction(plan.kv_counts, nb)) < 1e-12
+    assert abs(plan.extra["marginal_fraction"] - float(plan.extra["marginal"].sum()) / (2 * nb * nb)) < 1e-12
+    assert rel(out, ro) <= 2 * _sdpa_error(q, k, v) + 1e-3
+
+
+def test_sol_fused_centroids_match_float32_path():
+    """sol_attention with impl="triton": block-sparse kernel + the fused centroid kernel in bf16,
+    against the float32 PyTorch path on the same (bf16-valued) inputs."""
+    from ditattn.attention.sparse.sol import sol_attention
+
+    grid, text_len, H, D = (5, 8, 9), 7, 2, 32
+    g = torch.Generator().manual_seed(3)
+    S = grid[0] * grid[1] * grid[2] + text_len
+    q, k, v = (_rand(1, S, H, D, dtype=torch.bfloat16, gen=g) for _ in range(3))
+    kw = dict(video_shape=grid, text_len=text_len, tau=0.5, sink_start=3, sink_tokens=20, return_lse=True)
+    out, lse, plan = sol_attention(q, k, v, impl="triton", **kw)
+    ro, rl, rplan = sol_attention(q.double(), k.double(), v.double(), impl="reference", **kw)
+    assert torch.equal(plan.extra["exact"], rplan.extra["exact"])
+    assert 0 < float(plan.extra["exact"].float().mean()) < 1
+    assert rel(out, ro) <= 2 * _sdpa_error(q, k, v) + 1e-4
+    assert (lse.double() - rl).abs().max() < 2e-2
+
+
+@pytest.mark.parametrize("smooth", [False, True])
+def test_block_int8_fake_quant_matches_reference(smooth):
+    """The one-pass Triton quantize-dequantize equals SageSLA's PyTorch reference on a padded tile
+    layout (padding rows zero and excluded from the mean and the block scales)."""
+    from ditattn.attention.kernels.block_quant import fake_quant_int8_blocks
+    from ditattn.attention.sparse.sla import quantize_blocks_int8
+    from ditattn.attention.sparse.tiling import make_tile_layout, tile
+
+    layout = make_tile_layout((5, 6, 7), (2, 4, 4), 9)  # 32-token blocks, partial tiles, text
+    g = torch.Generator().manual_seed(7 + smooth)
+    x = _rand(2, 5 * 6 * 7 + 9, 3, 32, dtype=torch.bfloat16, gen=g, shift=0.5)
+    xt = tile(x, layout)
+    got = fake_quant_int8_blocks(xt, layout.valid, block_size=layout.block_size, smooth=smooth)
+    ref = quantize_blocks_int8(xt, layout, smooth=smooth)[2].to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and (got[:, ~layout.valid] == 0).all()
+    same = (got == ref).float().mean().item()
+    step = quantize_blocks_int8(xt, layout, smooth=smooth)[1].max().item()
+    assert same > 0.999 and (got.float() - ref.float()).abs().max() <= 1.01 * step
 
 
 def test_block_sparse_broadcast_lists_and_no_lse():

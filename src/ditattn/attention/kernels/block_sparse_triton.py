@@ -6,7 +6,8 @@ listed key block does the flash-attention step: ``S = Q K^T`` on the tensor core
 in base 2 (``exp2`` with the ``log2(e)``-prescaled scale), ``acc += P V``.  Blocks that are not
 listed cost nothing: no loads, no math.  With ``kv_per_iter = n > 1`` one loop iteration gathers
 ``n`` listed key blocks into one ``n * block_size``-wide tile (larger tensor-core tiles for small
-blocks such as the 64-token 4x4x4 video tiles); an odd tail is masked.
+blocks such as the 64-token 4x4x4 video tiles); an odd tail is masked.  Padding keys (``kv_valid``)
+are masked only in the key blocks that hold some: the others cost one flag load.
 
 Block-list format: ``kv_indices`` int32 ``[B, H, n_q_blocks, max_kv_blocks]``, ``kv_counts`` int32
 ``[B, H, n_q_blocks]`` (B and H may be 1: broadcast); the first ``kv_counts`` entries of a row are
@@ -22,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ditattn.attention.kernels import LOG2E, check_device, check_qkv, last_dim_contiguous
+from ditattn.attention.kernels import LOG2E, check_device, check_qkv, interpreting, last_dim_contiguous
 from ditattn.errors import AttentionConfigError
 
 SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
@@ -31,17 +32,17 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 @triton.jit
 def _bs_attn_fwd(
-    Q, K, V, Out, Lse, KvIdx, KvCnt, KvValid,
+    Q, K, V, Out, Lse, KvIdx, KvCnt, KvValid, KvPartial, QD, KD, VD,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh,
     stride_ib, stride_ih, stride_im,
     stride_cb, stride_ch,
-    stride_valid_b,
-    H, GROUP, qk_scale,
+    stride_valid_b, stride_partial_b,
+    H, GROUP, qk_scale, Sq, Skv,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, KV_PER_ITER: tl.constexpr,
-    HAS_VALID: tl.constexpr, RETURN_LSE: tl.constexpr,
+    HAS_VALID: tl.constexpr, RETURN_LSE: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -54,7 +55,10 @@ def _bs_attn_fwd(
     offs_d = tl.arange(0, HEAD_DIM)
     offs_r = tl.arange(0, BN)
 
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :])
+    if USE_TMA:  # 2-D descriptors over [B * S, H * D] (S a multiple of BLOCK: tiles never cross a batch)
+        q = QD.load([b * Sq + pid_m * BLOCK, h * HEAD_DIM])
+    else:
+        q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :])
     cnt = tl.load(KvCnt + b * stride_cb + h * stride_ch + pid_m)
     idx_base = KvIdx + b * stride_ib + h * stride_ih + pid_m * stride_im
     k_base = K + b * stride_kb + hk * stride_kh
@@ -68,27 +72,36 @@ def _bs_attn_fwd(
         if KV_PER_ITER == 1:
             kb = tl.load(idx_base + j)
             offs_n = kb * BLOCK + offs_r
-            col_ok = offs_r >= 0
         else:
             slot = offs_r // BLOCK
             live = (j + slot) < cnt
             kbv = tl.load(idx_base + j + slot, mask=live, other=0)
             offs_n = kbv * BLOCK + (offs_r % BLOCK)
             col_ok = live
-        k = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None])
-        s = tl.dot(q, k) * qk_scale
-        if HAS_VALID:
-            kv_ok = tl.load(KvValid + b * stride_valid_b + offs_n) != 0
-            col_ok = col_ok & kv_ok
-        if HAS_VALID or KV_PER_ITER > 1:
+        if USE_TMA:
+            s = tl.dot(q, tl.trans(KD.load([b * Skv + kb * BLOCK, hk * HEAD_DIM]))) * qk_scale
+        else:
+            k = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None])
+            s = tl.dot(q, k) * qk_scale
+        if KV_PER_ITER > 1:
+            if HAS_VALID:
+                col_ok = col_ok & (tl.load(KvValid + b * stride_valid_b + offs_n) != 0)
             s = tl.where(col_ok[None, :], s, float("-inf"))
+        elif HAS_VALID:
+            # only key blocks that hold padding pay for the per-key mask (one flag load otherwise)
+            if tl.load(KvPartial + b * stride_partial_b + kb) != 0:
+                kv_ok = tl.load(KvValid + b * stride_valid_b + offs_n) != 0
+                s = tl.where(kv_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_i - m_use)
         p = tl.math.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :])
+        if USE_TMA:
+            v = VD.load([b * Skv + kb * BLOCK, hk * HEAD_DIM])
+        else:
+            v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :])
         acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
 
@@ -104,20 +117,26 @@ def _bs_attn_fwd(
 def default_config(block_size: int, head_dim: int) -> dict:
     """Launch configuration used when the caller passes none (tuned on the H200, see
     docs/benchmarks.md): ``kv_per_iter`` key blocks per loop iteration, ``num_warps``,
-    ``num_stages``."""
+    ``num_stages``, ``tma`` (Q/K/V tiles through TMA descriptors; CUDA SM90+, one key block per
+    iteration, contiguous q/k/v; otherwise pointer loads)."""
     if head_dim > 128:
-        return {"kv_per_iter": 1, "num_warps": 8 if block_size >= 128 else 4, "num_stages": 1}
-    if block_size >= 128:
-        return {"kv_per_iter": 1, "num_warps": 8, "num_stages": 3}
-    if block_size == 64:
-        return {"kv_per_iter": 1, "num_warps": 4, "num_stages": 3}
-    return {"kv_per_iter": 128 // block_size // 2, "num_warps": 4, "num_stages": 2}
+        cfg = {"kv_per_iter": 1, "num_warps": 8 if block_size >= 128 else 4, "num_stages": 1}
+    elif block_size >= 128:
+        cfg = {"kv_per_iter": 1, "num_warps": 8, "num_stages": 3}
+    elif block_size == 64:
+        cfg = {"kv_per_iter": 1, "num_warps": 4, "num_stages": 3}
+    else:
+        cfg = {"kv_per_iter": 128 // block_size // 2, "num_warps": 4, "num_stages": 2}
+    cfg["tma"] = False
+    return cfg
 
 
 FA4_BLOCK_SIZES = (64, 128)  # what impl="fa4" accepts
 FA4_AUTO_BLOCK_SIZES = (128,)  # where impl="auto" prefers FA4 (measured; at 64 the two tie)
 IMPLS = ("auto", "triton", "fa4")
 _PROBE_CACHE: dict = {}
+_FA4_LISTS_CACHE: dict = {}
+_VALID_CACHE: dict = {}  # kv_valid -> (int8 mask, per key block 'holds padding' flags)
 
 
 @functools.lru_cache(maxsize=None)
@@ -141,6 +160,30 @@ def _probe_uncached(kv_valid, kv_counts, skv):
     return (None if bad else int(n)), bool(empty)
 
 
+def _identity_cached(cache: dict, tensors: tuple, extra: tuple, compute):
+    """``compute()``, memoised on the identity and in-place version of ``tensors`` (None allowed).
+
+    A layer reuses its plan's tensors across calls; keying on the objects (held by weak reference,
+    so a freed tensor whose id is recycled never hits) avoids recomputing per-plan facts that cost
+    a device sync or a few small kernels.  An in-place change of a tensor bumps its version and
+    misses."""
+    key = tuple(id(t) for t in tensors) + extra
+    hit = cache.get(key)
+    if hit is not None:
+        refs, result = hit
+        if all((r is None and t is None) or (r is not None and t is not None and r[0]() is t and r[1] == t._version)
+               for r, t in zip(refs, tensors)):
+            return result
+    result = compute()
+    if len(cache) >= 64:  # drop entries whose tensors are gone (their results may hold device memory)
+        for k in [k for k, (refs, _) in cache.items() if any(r is not None and r[0]() is None for r in refs)]:
+            del cache[k]
+        if len(cache) >= 256:
+            cache.clear()
+    cache[key] = (tuple(None if t is None else (weakref.ref(t), t._version) for t in tensors), result)
+    return result
+
+
 def _probe(kv_valid: Optional[torch.Tensor], kv_counts: torch.Tensor, skv: int) -> tuple[Optional[int], bool]:
     """``(valid prefix length or None, any empty query block)``.
 
@@ -148,20 +191,8 @@ def _probe(kv_valid: Optional[torch.Tensor], kv_counts: torch.Tensor, skv: int) 
     seen; later calls with the same, unmodified objects (the usual case: a layer reuses its plan)
     hit a cache keyed by object identity and in-place version, so they do not sync.
     """
-    key = (id(kv_valid), id(kv_counts), skv)
-    hit = _PROBE_CACHE.get(key)
-    if hit is not None:
-        (rv, vv), (rc, vc), result = hit
-        if (rv() if rv else None) is kv_valid and rc() is kv_counts and vc == kv_counts._version \
-                and (kv_valid is None or vv == kv_valid._version):
-            return result
-    result = _probe_uncached(kv_valid, kv_counts, skv)
-    if len(_PROBE_CACHE) > 256:
-        _PROBE_CACHE.clear()
-    _PROBE_CACHE[key] = ((weakref.ref(kv_valid) if kv_valid is not None else None,
-                          kv_valid._version if kv_valid is not None else 0),
-                         (weakref.ref(kv_counts), kv_counts._version), result)
-    return result
+    return _identity_cached(_PROBE_CACHE, (kv_valid, kv_counts), (skv,),
+                            lambda: _probe_uncached(kv_valid, kv_counts, skv))
 
 
 def fa4_fits(q: torch.Tensor, block_size: int, kv_valid: Optional[torch.Tensor],
@@ -191,10 +222,14 @@ def _fa4_call(q, k, v, kv_indices, kv_counts, block_size, scale, n, any_empty, r
     B, H = q.shape[0], q.shape[2]
     if n < k.shape[1]:  # FA4 masks the ragged end of the key sequence itself
         k, v = k[:, :n], v[:, :n]
-    idx = kv_indices.expand(B, H, -1, -1).contiguous()
-    cnt = kv_counts.expand(B, H, -1).contiguous()
-    tensors = BST(mask_block_cnt=torch.zeros_like(cnt), mask_block_idx=torch.zeros_like(idx),
-                  full_block_cnt=cnt, full_block_idx=idx, block_size=(block_size, block_size))
+
+    def build():  # FA4's list format, once per plan (cached: no per-call copies on the host path)
+        idx = kv_indices.expand(B, H, -1, -1).contiguous()
+        cnt = kv_counts.expand(B, H, -1).contiguous()
+        return cnt, BST(mask_block_cnt=torch.zeros_like(cnt), mask_block_idx=torch.zeros_like(idx),
+                        full_block_cnt=cnt, full_block_idx=idx, block_size=(block_size, block_size))
+
+    cnt, tensors = _identity_cached(_FA4_LISTS_CACHE, (kv_indices, kv_counts), (B, H, block_size), build)
     out, lse = flash_attn_func(q, k, v, softmax_scale=scale, block_sparse_tensors=tensors, return_lse=return_lse)
     if any_empty:  # our contract: rows with no key block are zero with LSE -inf
         rows = (cnt == 0).repeat_interleave(block_size, dim=2)  # [B, H, Sq]
@@ -283,21 +318,35 @@ def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         kv_counts = kv_counts.contiguous()
     out = torch.empty_like(q)
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device) if return_lse else out
-    valid = kv_valid.to(torch.int8).contiguous() if kv_valid is not None else kv_counts
+    if kv_valid is not None:  # int8 key mask + per key block "holds padding" flags, once per plan
+        valid, partial = _identity_cached(_VALID_CACHE, (kv_valid,), (block_size,), lambda: (
+            kv_valid.to(torch.int8).contiguous(), (~kv_valid.view(B, -1, block_size).all(-1)).to(torch.int8)))
+    else:
+        valid = partial = kv_counts  # unused placeholders
+    use_tma = bool(cfg["tma"]) and kvpi == 1 and all(t.is_contiguous() for t in (q, k, v)) and (
+        interpreting() or torch.cuda.get_device_capability(q.device)[0] >= 9)
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        descs = (TensorDescriptor(q, [B * Sq, H * D], [H * D, 1], [block_size, D]),
+                 TensorDescriptor(k, [B * Skv, Hkv * D], [Hkv * D, 1], [block_size, D]),
+                 TensorDescriptor(v, [B * Skv, Hkv * D], [Hkv * D, 1], [block_size, D]))
+    else:
+        descs = (q, k, v)  # unused placeholders
     grid = (nq, B * H)
     args = (
-        q, k, v, out, lse, kv_indices, kv_counts, valid,
+        q, k, v, out, lse, kv_indices, kv_counts, valid, partial, *descs,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         kv_indices.stride(0), kv_indices.stride(1), kv_indices.stride(2),
         kv_counts.stride(0), kv_counts.stride(1),
-        valid.stride(0) if kv_valid is not None else 0,
-        H, H // Hkv, scale * LOG2E,
+        valid.stride(0) if kv_valid is not None else 0, partial.stride(0) if kv_valid is not None else 0,
+        H, H // Hkv, scale * LOG2E, Sq, Skv,
     )
     meta = dict(HEAD_DIM=D, BLOCK=block_size, KV_PER_ITER=kvpi, HAS_VALID=kv_valid is not None,
-                RETURN_LSE=bool(return_lse), num_warps=int(cfg["num_warps"]))
+                RETURN_LSE=bool(return_lse), USE_TMA=use_tma, num_warps=int(cfg["num_warps"]))
     try:
         _bs_attn_fwd[grid](*args, **meta, num_stages=int(cfg["num_stages"]))
     except triton.runtime.errors.OutOfResources:

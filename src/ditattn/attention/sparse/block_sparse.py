@@ -161,8 +161,11 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, kv_indices: Tensor, 
     if impl == "auto":
         impl = _auto_impl(q, block_size, kv_valid)
     if impl == "triton":
-        if not q.is_cuda:
-            raise AttentionConfigError("the Triton block-sparse kernel needs CUDA tensors; use impl='reference' on CPU")
+        from ditattn.attention.kernels import interpreting
+
+        if not q.is_cuda and not interpreting():
+            raise AttentionConfigError("the Triton block-sparse kernel needs CUDA tensors (or TRITON_INTERPRET=1 on "
+                                       "CPU); use impl='reference' on CPU")
         fn = _load_triton()
         if fn is None:
             raise AttentionConfigError(f"the Triton block-sparse kernel ({_TRITON_MODULE}) is not available in this build")

@@ -89,6 +89,24 @@ def ceil_fraction(fraction: float, n: int) -> int:
     return max(1, min(n, math.ceil(round(fraction * n, 9))))
 
 
+def rows_kept_fraction(layout: TileLayout, k: int) -> float:
+    """Kept fraction of a plan where every video query block keeps ``k`` video key blocks plus every
+    special block, and every special query block keeps everything (host arithmetic, no sync)."""
+    nv, nb = layout.n_video_blocks, layout.n_blocks
+    ns = nb - nv
+    return float(nv * (k + ns) + ns * nb) / (nb * nb) if nb else 0.0
+
+
+def triton_path(q: Tensor, impl: str) -> bool:
+    """Whether a planner's auxiliary Triton kernel (Sol's centroid part, SageSLA's quantization)
+    runs: always for ``impl="triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``), for ``"auto"``
+    on CUDA in fp16/bf16 with a head dim of 16..256 (power of two); otherwise the PyTorch path."""
+    if impl == "triton":
+        return True
+    return (impl == "auto" and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+            and q.shape[-1] in (16, 32, 64, 128, 256))
+
+
 def topk_lists(layout: TileLayout, scores: Tensor, k: int) -> tuple[Tensor, Tensor, float]:
     """Block lists of "each video query block keeps its ``k`` best-scoring video key blocks, plus
     every special block; each special query block keeps every block", built straight from the
@@ -103,8 +121,7 @@ def topk_lists(layout: TileLayout, scores: Tensor, k: int) -> tuple[Tensor, Tens
     ns = nb - nv
     k = max(0, min(int(k), nv))
     B, H = scores.shape[:2]
-    total = B * H * nb * nb
-    kept = float(B * H * (nv * (k + ns) + ns * nb)) / total if total else 0.0
+    kept = rows_kept_fraction(layout, k)
     if k == 0:  # never from VSA (k >= 1); the general path is exact here
         return *block_mask_to_lists(add_special_blocks(layout, topk_mask(scores, 0))), kept
     # The selected set is the same whether topk sorts its output or not (CUDA sorts after
@@ -134,14 +151,16 @@ def _topk_constants(layout: TileLayout, device: torch.device, k: int, B: int, H:
 
 def run_block_mask(q: Tensor, k: Tensor, v: Tensor, layout: TileLayout, block_mask: Tensor, *,
                    scale: Optional[float], return_lse: bool, impl: str = "auto",
+                   kept_fraction: Union[float, Tensor, None] = None,
                    extra: Optional[dict] = None, q_tiled: Optional[Tensor] = None,
                    k_tiled: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor], SparsePlan]:
     """Tile q/k/v (original order ``[B, S, H, D]``, k/v already expanded to q's heads), run the
     block-sparse core with ``block_mask`` (bool ``[B or 1, H or 1, n_blocks, n_blocks]``) and
-    untile.  Returns ``(out [B, S, H, D], lse [B, H, S] or None, plan)``."""
+    untile.  ``kept_fraction`` as in :func:`run_block_lists`.  Returns ``(out [B, S, H, D],
+    lse [B, H, S] or None, plan)``."""
     idx, cnt = block_mask_to_lists(block_mask.to(q.device))
     return run_block_lists(q, k, v, layout, idx, cnt, scale=scale, return_lse=return_lse, impl=impl,
-                           extra=extra, q_tiled=q_tiled, k_tiled=k_tiled)
+                           kept_fraction=kept_fraction, extra=extra, q_tiled=q_tiled, k_tiled=k_tiled)
 
 
 def run_block_lists(q: Tensor, k: Tensor, v: Tensor, layout: TileLayout, kv_indices: Tensor, kv_counts: Tensor, *,

@@ -3,12 +3,13 @@
 Classification (per batch, head, query block): the block-pooled attention ``softmax_j(scale *
 mean(q_i) . mean(k_j))`` over video key blocks ranks the key blocks; the top ``ceil(topk * n)``
 are *critical*, the bottom ``floor(negligible_fraction * n)`` of the rest are *negligible*, the
-others *marginal*.  Text blocks are always critical (and text queries attend everything).
+others *marginal* (ties at a boundary go to whichever block ``torch.topk`` returns).  Text blocks are always critical (and text queries attend everything).
 
 * Sparse branch: exact softmax attention over the critical blocks (block-sparse core).  For
   ``sage_sla_attn`` Q and K enter the sparse branch INT8-quantized (K first smoothed by subtracting
   its mean over the sequence, which leaves softmax unchanged; then symmetric per-block, per-head
-  scales ``max|x| / 127``), emulated here by de-quantizing before the exact kernel.
+  scales ``max|x| / 127``), emulated here by de-quantizing before the exact kernel (on CUDA one
+  Triton pass per tensor, :mod:`ditattn.attention.kernels.block_quant`).
 * Linear branch: for the marginal blocks, ``o_l = phi(q) (sum_j phi(K_j)^T V_j) / (phi(q) .
   sum_j phi(K_j)^T 1)`` with ``phi = softmax`` over the head dimension, then a learned projection
   ``proj(o_l)`` added to the sparse output.  The projection is a trained checkpoint tensor
@@ -24,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from ditattn.attention.sparse.common import SparsePlan, add_special_blocks, ceil_fraction, run_block_mask
+from ditattn.attention.sparse.common import SparsePlan, ceil_fraction, run_block_lists, topk_lists, triton_path
 from ditattn.attention.sparse.sparge import sparge_tile_size
 from ditattn.attention.sparse.tiling import TileLayout, make_tile_layout, tile, untile
 from ditattn.attention.sparse.vsa import pooled_video_scores
@@ -32,21 +33,30 @@ from ditattn.attention.sparse.vsa import pooled_video_scores
 Tensor = torch.Tensor
 
 
+def sla_counts(n_video_blocks: int, topk: float, negligible_fraction: float) -> tuple[int, int]:
+    """``(critical, negligible)`` key blocks per video query block."""
+    n_crit = ceil_fraction(float(topk), n_video_blocks)
+    return n_crit, min(int(math.floor(float(negligible_fraction) * n_video_blocks + 1e-9)), n_video_blocks - n_crit)
+
+
 def sla_classify(q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout, *, topk: float, negligible_fraction: float,
-                 scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """``(critical, marginal, pooled probabilities)``, each ``[B, H, nv, nv]`` over video blocks."""
+                 scale: float) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, Tensor, float]]:
+    """``(critical, marginal, pooled probabilities, lists)``: the masks and probabilities are
+    ``[B, H, nv, nv]`` over video blocks; ``lists`` are the sparse branch's block lists
+    ``(kv_indices, kv_counts, kept_fraction)`` (critical blocks plus every special block), built
+    straight from the top-k selection (no sort of the whole score matrix)."""
     scores = pooled_video_scores(q_tiled, k_tiled, layout, scale)
     probs = torch.softmax(scores, dim=-1)
     nv = layout.n_video_blocks
-    n_crit = ceil_fraction(float(topk), nv)
-    n_negl = min(int(math.floor(float(negligible_fraction) * nv + 1e-9)), nv - n_crit)
-    order = probs.argsort(dim=-1, descending=True)
-    rank = torch.empty_like(order)
-    rank.scatter_(-1, order, torch.arange(nv, device=order.device).expand_as(order))
-    critical = rank < n_crit
-    negligible = rank >= nv - n_negl
-    marginal = ~critical & ~negligible
-    return critical, marginal, probs
+    n_crit, n_negl = sla_counts(nv, topk, negligible_fraction)
+    idx, cnt, kept = topk_lists(layout, probs, n_crit)
+    critical = torch.zeros_like(probs, dtype=torch.bool)
+    critical.scatter_(-1, idx[:, :, :nv, :n_crit].long(), True)
+    marginal = ~critical
+    if n_negl:  # the n_negl least probable of the non-critical blocks
+        low = probs.masked_fill(critical, float("inf")).topk(n_negl, dim=-1, largest=False).indices
+        marginal.scatter_(-1, low, False)
+    return critical, marginal, probs, (idx, cnt, kept)
 
 
 def quantize_blocks_int8(x_tiled: Tensor, layout: TileLayout, *, smooth: bool = False
@@ -103,26 +113,32 @@ def sla_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: int
     layout = make_tile_layout(video_shape, sparge_tile_size(block_size), text_len)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     qt, kt = tile(q, layout), tile(k, layout)
-    critical, marginal, probs = sla_classify(qt, kt, layout, topk=topk, negligible_fraction=negligible_fraction,
-                                             scale=scale)
-    bm = add_special_blocks(layout, critical)
-    extra = {"critical": critical, "marginal": marginal, "probs": probs}
+    critical, marginal, probs, (idx, cnt, kept) = sla_classify(qt, kt, layout, topk=topk,
+                                                               negligible_fraction=negligible_fraction, scale=scale)
+    nv, nb = layout.n_video_blocks, layout.n_blocks
+    n_crit, n_negl = sla_counts(nv, topk, negligible_fraction)
+    # both fractions follow from the per-row counts of sla_classify (host arithmetic, no device sync)
+    extra = {"critical": critical, "marginal": marginal, "probs": probs,
+             "marginal_fraction": nv * (nv - n_crit - n_negl) / (nb * nb)}
     if quantize:
         # the de-quantized values go into the block-sparse kernel in q's dtype (the fused bf16/fp16
         # kernel on GPU; a float32 operand would force the slow reference path)
-        qd = quantize_blocks_int8(qt, layout)[2].to(q.dtype)
-        kd = quantize_blocks_int8(kt, layout, smooth=True)[2].to(q.dtype)
-        out, lse, plan = run_block_mask(q, k, v, layout, bm, scale=scale, return_lse=return_lse, impl=impl,
-                                        extra=extra, q_tiled=qd, k_tiled=kd)
+        if triton_path(q, impl):
+            from ditattn.attention.kernels.block_quant import fake_quant_int8_blocks
+
+            valid = layout.on(q.device).valid
+            qs = fake_quant_int8_blocks(qt, valid, block_size=layout.block_size)
+            ks = fake_quant_int8_blocks(kt, valid, block_size=layout.block_size, smooth=True)
+        else:
+            qs = quantize_blocks_int8(qt, layout)[2].to(q.dtype)
+            ks = quantize_blocks_int8(kt, layout, smooth=True)[2].to(q.dtype)
     else:
-        out, lse, plan = run_block_mask(q, k, v, layout, bm, scale=scale, return_lse=return_lse, impl=impl,
-                                        extra=extra, q_tiled=qt, k_tiled=kt)
-    nb = layout.n_blocks
-    marg_full = torch.zeros(*marginal.shape[:2], nb, nb, dtype=torch.bool, device=q.device)
-    nv = layout.n_video_blocks
-    marg_full[..., :nv, :nv] = marginal
-    plan.extra["marginal_fraction"] = float(marg_full.float().mean())
+        qs, ks = qt, kt
+    out, lse, plan = run_block_lists(q, k, v, layout, idx, cnt, scale=scale, return_lse=return_lse, impl=impl,
+                                     kept_fraction=kept, extra=extra, q_tiled=qs, k_tiled=ks)
     if proj_weight is not None:
+        marg_full = torch.zeros(*marginal.shape[:2], nb, nb, dtype=torch.bool, device=q.device)
+        marg_full[..., :nv, :nv] = marginal
         ol = linear_branch(qt, kt, tile(v, layout), layout, marg_full)
         proj = ol @ proj_weight.float().t()
         if proj_bias is not None:

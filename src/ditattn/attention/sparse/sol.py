@@ -17,7 +17,9 @@ block ``j``, with block means ``q_i``, ``k_j``, ``v_j`` (over real tokens) and
   the block's size.
 
 Output = softmax over (exact tokens) ∪ (virtual keys of approximate blocks), computed as the exact
-block-sparse part and the centroid part merged by their LSEs.  A higher ``tau`` routes fewer
+block-sparse part and the centroid part merged by their LSEs (on CUDA in bf16/fp16 the centroid
+part continues the exact part's softmax state in one Triton kernel,
+:mod:`ditattn.attention.kernels.block_centroid`; elsewhere in PyTorch, float32).  A higher ``tau`` routes fewer
 blocks exactly.  ``kv_splits`` is a kernel tuning argument of the upstream CUDA kernel; the
 in-tree engine splits work itself and ignores it (it is validated).
 """
@@ -28,7 +30,7 @@ from typing import Optional
 import torch
 
 from ditattn.attention.sparse.block_sparse import block_mask_to_lists, block_sparse_attention, kept_fraction
-from ditattn.attention.sparse.common import SparsePlan, add_special_blocks
+from ditattn.attention.sparse.common import SparsePlan, add_special_blocks, triton_path
 from ditattn.attention.sparse.tiling import TileLayout, make_tile_layout, pooled_blocks, tile, untile
 from ditattn.errors import AttentionConfigError
 
@@ -129,14 +131,22 @@ def sol_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: int
     logw = layout.block_count[:nv].to(kc.device, kc.dtype).log()
     approx = torch.zeros(B, H, nb, nv, dtype=torch.bool, device=q.device)
     approx[:, :, :nv] = ~exact
-    o2, l2 = _centroid_part(qt, kc, vc, logw, approx, bs, scale)
-    l1d = l1.to(l2.dtype)
-    lse = torch.logaddexp(l1d, l2)
-    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    w1 = torch.exp(l1d - safe).unsqueeze(-1)
-    w2 = torch.exp(l2 - safe).unsqueeze(-1)
-    o = o1.transpose(1, 2).to(l2.dtype) * w1 + o2 * w2  # [B,H,P,D]
-    out = untile(o.transpose(1, 2), layout).to(q.dtype)
+    if triton_path(q, impl):
+        # the virtual keys continue the exact part's online softmax inside one Triton kernel
+        from ditattn.attention.kernels.block_centroid import block_centroid_attention
+
+        o_t, lse = block_centroid_attention(qt, kc, vc, logw, approx, block_size=bs, scale=scale, o_init=o1,
+                                            lse_init=l1)
+        out = untile(o_t, layout).to(q.dtype)
+    else:
+        o2, l2 = _centroid_part(qt, kc, vc, logw, approx, bs, scale)
+        l1d = l1.to(l2.dtype)
+        lse = torch.logaddexp(l1d, l2)
+        safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+        w1 = torch.exp(l1d - safe).unsqueeze(-1)
+        w2 = torch.exp(l2 - safe).unsqueeze(-1)
+        o = o1.transpose(1, 2).to(l2.dtype) * w1 + o2 * w2  # [B,H,P,D]
+        out = untile(o.transpose(1, 2), layout).to(q.dtype)
     lse_out = untile(lse.float(), layout, dim=2) if return_lse else None
     plan = SparsePlan(layout, idx, cnt, kept_fraction(cnt, nb),
                       {"exact": exact, "scores": scores, "thresholds": thr, "sink": sink})
