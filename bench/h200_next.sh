@@ -7,6 +7,7 @@
 #   bash bench/h200_next.sh remeasure # issue 6: sage_sla / sol re-timed; issue 5: block-sparse with kernel times
 #   bash bench/h200_next.sh profile   # issue 6: per-kernel profile of the sparse backends (SP_S=secs: + 64-token re-time)
 #   bash bench/h200_next.sh tma       # issue 5: block-sparse Triton kernel with TMA loads, tests + bench/sparse.py
+#   bash bench/h200_next.sh final     # issue 11: 480p step (dense, VSA 0.9) after session 14, then whole generate
 # Each step has its own time limit (< 560 s per part, inside the 600 s call limit); everything lands in $OUT.
 set -uo pipefail
 source .gpu-b/activate.sh
@@ -47,5 +48,9 @@ profile)  # issue 6: where the sparse backends spend their time, after the fused
 tma)  # issue 5: the block-sparse Triton kernel with TMA descriptor loads, checked and timed
   step 90 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_gpu_kernels.py -k "block_sparse"
   step 300 python3 bench/sparse.py --out "$OUT/sp" --budget-s 280 ;;
-*) echo "usage: bash bench/h200_next.sh e2e|kernels|fused|remeasure|profile|tma" >&2; exit 2 ;;
+final)  # issue 11 after session 14's sparse-engine changes: the 480p step (dense + VSA 0.9), then the whole generate
+  step 200 python3 bench/e2e.py --arch 1.3b --res 480p --repeats 3 --variants eager --diffusers-backends native \
+      --backends "auto,video_sparse_attn:sparsity=0.9" --out "$OUT/e2e480.json"
+  step 300 python3 bench/generate.py --steps 3 --out "$OUT/generate.json" ;;
+*) echo "usage: bash bench/h200_next.sh e2e|kernels|fused|remeasure|profile|tma|final" >&2; exit 2 ;;
 esac
