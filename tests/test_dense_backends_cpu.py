@@ -133,3 +133,7 @@ def test_block_sparse_identity_cache_drops_dead_entries():
     del keep[:60]
     bst._identity_cached(cache, (torch.zeros(1), None), (1,), lambda: 0)  # insertion prunes the dead
     assert len(cache) == 11
+    with torch.inference_mode():  # inference tensors have no version counter: recomputed, never cached
+        t = torch.zeros(3)
+        assert [bst._identity_cached(cache, (t, None), (1,), lambda: runs.append(1) or 7) for _ in range(2)] == [7, 7]
+    assert len(runs) == 72 and len(cache) == 11

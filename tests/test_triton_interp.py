@@ -174,6 +174,27 @@ def test_sage_sla_triton_path_matches_reference_path():
     assert rel(out, ro) <= 2 * _sdpa_error(q, k, v) + 1e-3
 
 
+def test_sparse_triton_paths_under_inference_mode():
+    """The pipelines run under torch.inference_mode (tensors without version counters): the Triton
+    paths of VSA, SLA and Sol, with padded tile layouts, run there and equal their results outside."""
+    from ditattn.attention.sparse.sla import sla_attention
+    from ditattn.attention.sparse.sol import sol_attention
+    from ditattn.attention.sparse.vsa import video_sparse_attention
+
+    grid = (3, 5, 11)  # a grid no other test uses: its tile layout (cached) is first built in inference mode
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (_rand(1, 165, 2, 32, dtype=torch.bfloat16, gen=g) for _ in range(3))
+    runs = [lambda: video_sparse_attention(q, k, v, video_shape=grid, sparsity=0.5, impl="triton")[0],
+            lambda: sla_attention(q, k, v, video_shape=grid, topk=0.4, block_size=32, quantize=True, impl="triton")[0],
+            lambda: sol_attention(q, k, v, video_shape=grid, tau=0.5, impl="triton")[0]]
+    for run in runs:
+        with torch.inference_mode():
+            inside = run()
+            again = run()
+        outside = run()
+        assert torch.equal(inside, outside) and torch.equal(again, outside)
+
+
 def test_sol_fused_centroids_match_float32_path():
     """sol_attention with impl="triton": block-sparse kernel + the fused centroid kernel in bf16,
     against the float32 PyTorch path on the same (bf16-valued) inputs."""

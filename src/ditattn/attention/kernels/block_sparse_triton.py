@@ -166,7 +166,10 @@ def _identity_cached(cache: dict, tensors: tuple, extra: tuple, compute):
     A layer reuses its plan's tensors across calls; keying on the objects (held by weak reference,
     so a freed tensor whose id is recycled never hits) avoids recomputing per-plan facts that cost
     a device sync or a few small kernels.  An in-place change of a tensor bumps its version and
-    misses."""
+    misses.  Tensors created under ``torch.inference_mode`` have no version counter: for them the
+    result is recomputed on every call."""
+    if any(t is not None and t.is_inference() for t in tensors):
+        return compute()  # inference tensors carry no version counter: an in-place change would go unseen
     key = tuple(id(t) for t in tensors) + extra
     hit = cache.get(key)
     if hit is not None:
