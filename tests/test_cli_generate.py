@@ -89,6 +89,7 @@ def test_generate_request_override_and_no_save(capsys, tmp_path):
     (["--enable-cuda-graph"], "--enable-cuda-graph needs a CUDA device"),
     (["--num-frames", "1", "--fps", "8"], "--fps applies to videos only"),
     (["--enable-torch-compile", "--attention-backend-override", "torch_sdpa"], "torch.compile"),
+    (["--attention-backend", "sol_attn"], "accepts bfloat16) (the compute dtype is chosen with --dtype)"),
 ])
 def test_generate_user_errors(capsys, tmp_path, argv, message):
     rc, out, err = run(capsys, "--prompt", "x", "--output-path", str(tmp_path), *argv)

@@ -303,7 +303,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
             return serve_main(args)
     except AttentionConfigError as exc:
-        sys.stderr.write(f"error: {' '.join(str(exc).split())}\n")  # one line, even for multi-line parser errors
+        msg = " ".join(str(exc).split())  # one line, even for multi-line parser errors
+        if args.command in ("generate", "plan") and "dtype" in msg and "not supported" in msg \
+                and getattr(args, "dtype", None) is None:
+            msg += " (the compute dtype is chosen with --dtype)"
+        sys.stderr.write(f"error: {msg}\n")
         return 2
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
