@@ -193,6 +193,13 @@ def test_sparse_triton_paths_under_inference_mode():
             again = run()
         outside = run()
         assert torch.equal(inside, outside) and torch.equal(again, outside)
+    from ditattn.attention.kernels import block_sparse_triton as bst
+    from ditattn.attention.sparse.tiling import make_tile_layout
+
+    with torch.inference_mode():  # the layout's cached key mask is an ordinary tensor: per-plan caches work
+        kvv = make_tile_layout(grid, (4, 4, 4)).kv_valid(1)
+        assert kvv is not None and not kvv.is_inference()
+        assert any(k[0] == id(kvv) for k in bst._VALID_CACHE)
 
 
 def test_sol_fused_centroids_match_float32_path():

@@ -138,6 +138,11 @@ def _topk_constants(layout: TileLayout, device: torch.device, k: int, B: int, H:
     """For :func:`topk_lists`, as broadcast int32 views: the rest of a video row ``[B, H, nv, nb - k]``
     (special block ids, then zeros), the special rows ``[B, H, ns, nb]`` (every block) and the
     counts ``[B, H, nb]`` (``k + ns`` for video rows, ``nb`` for special rows)."""
+    with torch.inference_mode(False):  # cached: ordinary tensors even when first built under inference mode
+        return _build_topk_constants(layout, device, k, B, H)
+
+
+def _build_topk_constants(layout: TileLayout, device: torch.device, k: int, B: int, H: int):
     nv, nb = layout.n_video_blocks, layout.n_blocks
     ns = nb - nv
     row = torch.zeros(nb - k, dtype=torch.int32)

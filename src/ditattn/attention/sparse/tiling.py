@@ -181,7 +181,8 @@ class TileLayout:
             with self._lock:
                 got = self._device_cache.get(key)
                 if got is None:
-                    got = _DeviceIndex(self, device)
+                    with torch.inference_mode(False):  # cached constants: ordinary tensors even when first
+                        got = _DeviceIndex(self, device)  # built under inference mode (kernels cache on them)
                     self._device_cache[key] = got
         return got
 
@@ -198,7 +199,8 @@ class TileLayout:
         idx = self.on(device or "cpu")
         got = idx.kv_valid.get(batch)
         if got is None:  # the same view object per batch size (kernels may cache by identity)
-            got = idx.kv_valid.setdefault(batch, idx.valid.unsqueeze(0).expand(batch, -1))
+            with torch.inference_mode(False):
+                got = idx.kv_valid.setdefault(batch, idx.valid.unsqueeze(0).expand(batch, -1))
         return got
 
     def __repr__(self) -> str:
@@ -230,13 +232,15 @@ class _DeviceIndex:
     def count_as(self, dtype: torch.dtype) -> Tensor:
         got = self.counts.get(dtype)
         if got is None:
-            got = self.counts.setdefault(dtype, self.block_count.clamp(min=1).to(dtype).view(1, -1, 1, 1))
+            with torch.inference_mode(False):
+                got = self.counts.setdefault(dtype, self.block_count.clamp(min=1).to(dtype).view(1, -1, 1, 1))
         return got
 
 
 @lru_cache(maxsize=256)
 def _cached_layout(video_shape, tile_size, text_len, block_size, special_ranges) -> TileLayout:
-    return TileLayout(video_shape, tile_size, text_len, block_size, special_ranges)
+    with torch.inference_mode(False):  # cached: ordinary tensors even when first built under inference mode
+        return TileLayout(video_shape, tile_size, text_len, block_size, special_ranges)
 
 
 def make_tile_layout(video_shape, tile_size=DEFAULT_TILE_SIZE, text_len: int = 0,
