@@ -38,6 +38,15 @@ WAN_COMMON = dict(patch_size=(1, 2, 2), in_channels=16, out_channels=16, text_di
 WAN_RES = {"480p": (480, 832), "720p": (720, 1280), "tiny": (64, 64)}
 
 
+def add_wan_args(ap, *, text_len: bool = True) -> None:
+    """The Wan benchmark shape flags shared by bench/e2e.py, bench/generate.py and bench/multigpu.py."""
+    ap.add_argument("--arch", default="1.3b", choices=sorted(WAN_ARCH))
+    ap.add_argument("--res", default="480p", choices=sorted(WAN_RES))
+    ap.add_argument("--frames", type=int, default=81)
+    if text_len:
+        ap.add_argument("--text-len", type=int, default=512)
+
+
 def attn_flops(b: int, h: int, sq: int, skv: int, d: int) -> float:
     """Dense attention forward FLOPs, ``4 * B * H * Sq * Skv * D`` (PERF.md)."""
     return 4.0 * b * h * sq * skv * d

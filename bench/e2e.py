@@ -20,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import WAN_ARCH as ARCH, WAN_COMMON, WAN_RES as RES, profile_step  # noqa: E402
+from common import WAN_ARCH as ARCH, WAN_COMMON, WAN_RES as RES, add_wan_args, profile_step, rel_err  # noqa: E402
 
 
 def median_ms(fn, warmup=2, repeats=5):
@@ -49,16 +49,9 @@ def median_ms(fn, warmup=2, repeats=5):
     return ts[len(ts) // 2]
 
 
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arch", default="1.3b", choices=sorted(ARCH))
-    ap.add_argument("--res", default="480p", choices=sorted(RES))
-    ap.add_argument("--frames", type=int, default=81)
-    ap.add_argument("--text-len", type=int, default=512)
+    add_wan_args(ap)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--backends", default="auto,fa,torch_cudnn_sdpa,video_sparse_attn:sparsity=0.9",
                     help="comma list of ours; name:k=v;k=v for a config")
@@ -116,7 +109,7 @@ def main():
                 ms = median_ms(fn, repeats=args.repeats)
                 if ref_out is None:
                     ref_out = out.float()
-                row = {"side": "diffusers", "backend": name, "ms": ms, "rel_err": rel(out, ref_out)}
+                row = {"side": "diffusers", "backend": name, "ms": ms, "rel_err": rel_err(out, ref_out)}
                 if args.profile and torch.cuda.is_available():
                     row["profile"] = profile_step(fn)
                     print(f"  profile {row['profile']['categories_ms']}", flush=True)
@@ -156,7 +149,7 @@ def main():
                         if torch.cuda.is_available():
                             torch.cuda.synchronize()
                         ms = median_ms(fn, repeats=args.repeats)
-                    err = rel(out, ref_out)
+                    err = rel_err(out, ref_out)
                     row = {"side": "ditattn", "backend": spec, "variant": label, "chosen": chosen, "ms": ms,
                            "speedup_vs_diffusers_default": base_ms / ms, "rel_err_vs_diffusers": err}
                     if args.profile and torch.cuda.is_available():

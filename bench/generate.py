@@ -19,7 +19,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import WAN_ARCH, WAN_COMMON, WAN_RES  # noqa: E402
+from common import WAN_ARCH, WAN_COMMON, WAN_RES, add_wan_args  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -42,9 +42,7 @@ def build_folder(path: str, arch: str) -> None:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arch", default="1.3b", choices=sorted(WAN_ARCH))
-    ap.add_argument("--res", default="480p", choices=sorted(WAN_RES))
-    ap.add_argument("--frames", type=int, default=81)
+    add_wan_args(ap, text_len=False)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--guidance", type=float, default=5.0)
     ap.add_argument("--backends", default="auto,video_sparse_attn:sparsity=0.9", help="ours, comma list")

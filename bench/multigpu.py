@@ -21,7 +21,7 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-from common import WAN_ARCH as ARCH, WAN_COMMON, WAN_RES as RES  # noqa: E402
+from common import WAN_ARCH as ARCH, WAN_COMMON, WAN_RES as RES, add_wan_args  # noqa: E402
 
 
 def _layouts(n: int, heads: int) -> list[tuple[str, int, int]]:
@@ -80,10 +80,7 @@ def _step(groups, arch: str, res: str, frames: int, text_len: int, backend: str,
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arch", default="1.3b", choices=sorted(ARCH))
-    ap.add_argument("--res", default="480p", choices=sorted(RES))
-    ap.add_argument("--frames", type=int, default=81)
-    ap.add_argument("--text-len", type=int, default=512)
+    add_wan_args(ap)
     ap.add_argument("--gpus", default="1,2,4,8")
     ap.add_argument("--backends", default="fa")
     ap.add_argument("--repeats", type=int, default=3)

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from ditattn.attention.kernels import LOG2E, check_device
+from ditattn.attention.kernels.block_sparse_triton import softmax_finish, softmax_step
 from ditattn.errors import AttentionConfigError
 
 
@@ -63,17 +64,12 @@ def _centroid_fwd(
             w = tl.load(LogW + offs_n, mask=in_range, other=0.0) * 1.4426950408889634
             s = tl.dot(q, k) * qk_scale + w[None, :]
             s = tl.where(routed[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.math.exp2(m_i - m_use)
-            p = tl.math.exp2(s - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
+            p, alpha, m_new, l_i = softmax_step(s, m_i, l_i)
             v = tl.load(v_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=in_range[:, None], other=0.0)
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
             m_i = m_new
-    l_div = tl.where(l_i == 0.0, 1.0, l_i)
-    tl.store(Out + row, (acc / l_div[:, None]).to(Out.dtype.element_ty))
-    lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_div)) * 0.6931471805599453)
+    out, lse = softmax_finish(acc, m_i, l_i)
+    tl.store(Out + row, out.to(Out.dtype.element_ty))
     tl.store(Lse + pid_bh * (tl.num_programs(0) * BLOCK_M) + offs_m, lse)
 
 

@@ -31,6 +31,26 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
 @triton.jit
+def softmax_step(s, m_i, l_i):
+    """One online-softmax step in base 2 over a score tile ``s [M, N]`` (``-inf`` = masked):
+    ``(p, alpha, m_new, l_new)``; rescale the accumulator by ``alpha`` and add ``p @ V``.  Rows
+    with no key yet stay at ``m = -inf, l = 0`` (no NaN)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_use)
+    p = tl.math.exp2(s - m_use[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def softmax_finish(acc, m_i, l_i):
+    """``(out = acc / l, lse in natural log)``; a row with no key gives zeros and LSE ``-inf``."""
+    l_div = tl.where(l_i == 0.0, 1.0, l_i)
+    lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_div)) * 0.6931471805599453)
+    return acc / l_div[:, None], lse
+
+
+@triton.jit
 def _bs_attn_fwd(
     Q, K, V, Out, Lse, KvIdx, KvCnt, KvValid, KvPartial, QD, KD, VD,
     stride_qb, stride_qs, stride_qh,
@@ -92,11 +112,7 @@ def _bs_attn_fwd(
             if tl.load(KvPartial + b * stride_partial_b + kb) != 0:
                 kv_ok = tl.load(KvValid + b * stride_valid_b + offs_n) != 0
                 s = tl.where(kv_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_use)
-        p = tl.math.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = softmax_step(s, m_i, l_i)
         acc = acc * alpha[:, None]
         if USE_TMA:
             v = VD.load([b * Skv + kb * BLOCK, hk * HEAD_DIM])
@@ -105,12 +121,10 @@ def _bs_attn_fwd(
         acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
 
-    l_div = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_div[:, None]
+    out, lse = softmax_finish(acc, m_i, l_i)
     tl.store(Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],
              out.to(Out.dtype.element_ty))
     if RETURN_LSE:
-        lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_div)) * 0.6931471805599453)
         tl.store(Lse + pid_bh * (tl.num_programs(0) * BLOCK) + offs_m, lse)
 
 
