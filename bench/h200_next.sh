@@ -8,6 +8,10 @@
 #   bash bench/h200_next.sh profile   # issue 6: per-kernel profile of the sparse backends (SP_S=secs: + 64-token re-time)
 #   bash bench/h200_next.sh tma       # issue 5: block-sparse Triton kernel with TMA loads, tests + bench/sparse.py
 #   bash bench/h200_next.sh final     # issue 11: 480p step (dense, VSA 0.9) after session 14, then whole generate
+#   bash bench/h200_next.sh floor     # issue 5: GPU tests after the softmax-helper refactor; bench/sparse.py with the
+#                                     # gather and math floors (bench/gather_floor.py) next to every kernel
+#                                     # (SP_SEQS=32760 SP_S=220: one sequence length only)
+#   bash bench/h200_next.sh defaults64 # issue 5: after the new default at block 64 (SP_S=0: no bench/sparse.py): GPU tests, 64-token rows, VSA step
 # Each step has its own time limit (< 560 s per part, inside the 600 s call limit); everything lands in $OUT.
 set -uo pipefail
 source .gpu-b/activate.sh
@@ -52,5 +56,16 @@ final)  # issue 11 after session 14's sparse-engine changes: the 480p step (dens
   step 200 python3 bench/e2e.py --arch 1.3b --res 480p --repeats 3 --variants eager --diffusers-backends native \
       --backends "auto,video_sparse_attn:sparsity=0.9" --out "$OUT/e2e480.json"
   step 300 python3 bench/generate.py --steps 3 --out "$OUT/generate.json" ;;
-*) echo "usage: bash bench/h200_next.sh e2e|kernels|fused|remeasure|profile|tma|final" >&2; exit 2 ;;
+floor)  # issue 5: is the 64-token gap data movement? the gather alone vs the kernels, every cell
+  step 120 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_gpu_kernels.py tests/test_bench_gather_floor.py \
+      -k "block_sparse or sol or gather"
+  step "${SP_S:-400}" python3 bench/sparse.py --out "$OUT/sp" --budget-s $((${SP_S:-400} - 20)) \
+      --seqs "${SP_SEQS:-32760,75600}" ;;
+defaults64)  # issue 5: block size 64 defaults to one-stage TMA loads: GPU tests, the 64-token rows, the VSA step
+  step 90 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_gpu_kernels.py -k "block_sparse or sol"
+  if [ "${SP_S:-150}" -gt 0 ]; then step "${SP_S:-150}" python3 bench/sparse.py --out "$OUT/sp" --budget-s $((${SP_S:-150} - 20)) \
+      --seqs 32760 --block-sizes 64 --sparsities "${SP_SPARSITIES:-0.85,0.9,0.95}"; fi
+  step 150 python3 bench/e2e.py --arch 1.3b --res 480p --repeats 3 --variants eager --diffusers-backends native \
+      --backends "video_sparse_attn:sparsity=0.9" --out "$OUT/e2e480.json" ;;
+*) echo "usage: bash bench/h200_next.sh e2e|kernels|fused|remeasure|profile|tma|final|floor|defaults64" >&2; exit 2 ;;
 esac
