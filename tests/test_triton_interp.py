@@ -3,15 +3,14 @@
 ``tests/conftest.py`` sets ``TRITON_INTERPRET=1`` before anything imports Triton when no GPU is
 present; on a CUDA machine these tests skip (tests/test_gpu_kernels.py covers the compiled kernels).
 
-The interpreter of triton 3.7 mishandles conversions the kernels rely on: ``tl.dot`` on bf16
-operands multiplies the raw bits, float32 -> bf16 truncates instead of rounding to nearest (the
-GPU rounds), and float32 -> fp8 downcasts flush subnormal results wrongly.  A test-only patch
-(``_patch_interpreter``) routes these through PyTorch's conversions.
+The interpreter of triton 3.7 mishandles conversions the kernels rely on (bf16 ``tl.dot`` on raw
+bits, float32 -> bf16 truncation, fp8 subnormals); ``ditattn.attention.kernels.interpreter_dtypes``
+fixes them for the product's CPU path, enabled by the kernels' device check — these tests run
+without any patch of their own, so they also check that it is enabled.
 """
 import math
 import os
 
-import numpy as np
 import pytest
 import torch
 
@@ -23,59 +22,6 @@ triton = pytest.importorskip("triton")
 
 from ditattn.attention.backends.base import reference_attention  # noqa: E402
 from ditattn.errors import AttentionConfigError  # noqa: E402
-
-_TORCH_FP = {"fp8e4nv": torch.float8_e4m3fn, "fp8e5": torch.float8_e5m2, "bf16": torch.bfloat16,
-             "fp16": torch.float16, "fp32": torch.float32}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _patch_interpreter():
-    import triton.language as tl
-    from triton.runtime import interpreter as interp
-
-    def widen(data, dtype):
-        if dtype == tl.bfloat16:
-            return (data.astype(np.uint32) << 16).view(np.float32)
-        if dtype.is_fp8():
-            t = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).copy())
-            return t.view(_TORCH_FP[dtype.name]).float().numpy()
-        return data
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        ad, bd = widen(a.data, a.dtype.scalar), widen(b.data, b.dtype.scalar)
-        return interp.TensorHandle(np.matmul(ad, bd, dtype=d.data.dtype) + d.data, d.dtype.scalar)
-
-    orig_fp = interp.InterpreterBuilder.create_fp_to_fp
-    orig_dot = interp.InterpreterBuilder.create_dot
-    orig_trunc = interp.InterpreterBuilder.create_fp_trunc
-
-    def create_fp_trunc(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:  # round to nearest even
-            y = torch.from_numpy(np.ascontiguousarray(src.data).copy()).to(torch.bfloat16).view(torch.int16)
-            return interp.TensorHandle(y.numpy().view(np.uint16), tl.bfloat16)
-        return orig_trunc(self, src, dst_type)
-
-    def create_fp_to_fp(self, src, dst_type, rounding_mode):
-        s, d = src.dtype.scalar, dst_type.scalar
-        if s.name in _TORCH_FP and d.name in _TORCH_FP and (s.is_fp8() or d.is_fp8()):
-            x = torch.from_numpy(np.ascontiguousarray(src.data).copy())
-            if s.is_fp8():
-                x = x.view(torch.uint8).view(_TORCH_FP[s.name])
-            elif s.name == "bf16":
-                x = x.view(torch.int16).view(torch.bfloat16)
-            y = x.to(_TORCH_FP[d.name])
-            y = y.view(torch.uint8) if d.is_fp8() else (y.view(torch.int16) if d.name == "bf16" else y)
-            return interp.TensorHandle(y.numpy().view(interp._get_np_dtype(dst_type)), d)
-        return orig_fp(self, src, dst_type, rounding_mode)
-
-    interp.InterpreterBuilder.create_dot = create_dot
-    interp.InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
-    interp.InterpreterBuilder.create_fp_trunc = create_fp_trunc
-    yield
-    interp.InterpreterBuilder.create_fp_trunc = orig_trunc
-    interp.InterpreterBuilder.create_dot = orig_dot
-    interp.InterpreterBuilder.create_fp_to_fp = orig_fp
-
 
 def rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())

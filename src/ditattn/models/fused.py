@@ -52,6 +52,9 @@ def _use_triton(*tensors: Tensor, impl: str) -> bool:
         return _HAVE_TRITON and tensors[0].is_cuda
     if not (_HAVE_TRITON and (tensors[0].is_cuda or _interpreting())):
         raise AttentionConfigError("fused op impl='triton' needs Triton and CUDA tensors (or TRITON_INTERPRET=1)")
+    from ditattn.attention.kernels import check_device
+
+    check_device(*tensors, what="fused op impl='triton'")  # on CPU: the interpreter's bf16/fp8 fixes
     return True
 
 

@@ -11,6 +11,7 @@ Modules (import them lazily: importing one compiles nothing, but imports ``trito
 * :mod:`.block_centroid` -- Sol's block-centroid virtual keys, continuing a block-sparse pass's
   online softmax (fused LSE merge).
 * :mod:`.block_quant` -- one-pass per-block INT8 quantize-dequantize (SageSLA's emulated INT8 Q/K).
+* :mod:`.interpreter_dtypes` -- correct bf16/fp8 arithmetic for the CPU path in Triton's interpreter.
 
 Every public kernel takes q/k/v in the backend layout ``[batch, seq, heads, head_dim]`` (k/v may
 have fewer heads: grouped-query attention) and returns ``(out, lse | None)`` with ``lse``
@@ -42,6 +43,13 @@ def check_device(*tensors: torch.Tensor, what: str) -> None:
     if dev.type == "cuda":
         return
     if dev.type == "cpu" and interpreting():
+        from ditattn.attention.kernels.interpreter_dtypes import enable
+
+        narrow = {torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2}
+        if not enable() and any(t.dtype in narrow for t in tensors):
+            raise AttentionConfigError(
+                f"{what}: this Triton's CPU interpreter cannot compute in {tensors[0].dtype} (bit-level bf16/fp8 "
+                "arithmetic); use float16, or the PyTorch path (the default on CPU)")
         return
     raise AttentionConfigError(
         f"{what}: needs CUDA tensors (got {dev.type}); CPU tensors run only under TRITON_INTERPRET=1"
