@@ -44,9 +44,11 @@ def _rand(*shape, dtype, gen, shift=0.0):
 # block-sparse
 
 
-@pytest.mark.parametrize("dtype,kv_per_iter,gqa,tma", [(torch.float16, 1, False, False), (torch.bfloat16, 2, True, False),
-                                                       (torch.bfloat16, 1, True, True)])
-def test_block_sparse_matches_reference(dtype, kv_per_iter, gqa, tma):
+@pytest.mark.parametrize("dtype,kv_per_iter,gqa,tma,ws", [(torch.float16, 1, False, False, False),
+                                                          (torch.bfloat16, 2, True, False, False),
+                                                          (torch.bfloat16, 1, True, True, False),
+                                                          (torch.bfloat16, 1, False, True, True)])
+def test_block_sparse_matches_reference(dtype, kv_per_iter, gqa, tma, ws):
     from ditattn.attention.kernels.block_sparse_triton import block_sparse_attention_triton
     from ditattn.attention.sparse.block_sparse import block_mask_to_lists, block_sparse_attention
 
@@ -64,7 +66,7 @@ def test_block_sparse_matches_reference(dtype, kv_per_iter, gqa, tma):
     valid[0, bs + 3:bs + 9] = False  # padding inside a key block (tile layouts pad many blocks)
     valid[1, 2 * bs:3 * bs] = False  # a key block that is all padding
     o, lse = block_sparse_attention_triton(q, k, v, idx, cnt, block_size=bs, kv_valid=valid, return_lse=True,
-                                           config={"kv_per_iter": kv_per_iter, "tma": tma})
+                                           config={"kv_per_iter": kv_per_iter, "tma": tma, "warp_specialize": ws})
     ro, rl = block_sparse_attention(q.double(), k.double(), v.double(), idx, cnt, block_size=bs, kv_valid=valid,
                                     return_lse=True, impl="reference")
     assert torch.isfinite(o.float()).all()
