@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ditattn.attention.kernels import LOG2E
+from ditattn.attention.kernels import LOG2E, check_device
 from ditattn.attention.kernels.block_sparse_triton import softmax_finish, softmax_step
 
 
@@ -50,6 +50,7 @@ def _gather_kv(K, V, Out, KvIdx, KvCnt, stride_s, stride_h, stride_ih, stride_im
 def gather_kv(k: torch.Tensor, v: torch.Tensor, kv_indices: torch.Tensor, kv_counts: torch.Tensor, *,
               block_size: int, num_warps: int = 4, tma: bool = False) -> torch.Tensor:
     """Gather every listed K/V tile once per query block (see the module docstring)."""
+    check_device(k, v, kv_indices, kv_counts, what="gather_kv")  # CPU: the interpreter's bf16 fixes
     _, S, H, D = k.shape
     nq = kv_counts.shape[-1]
     out = torch.empty((H, nq, block_size), dtype=torch.float32, device=k.device)
@@ -113,6 +114,7 @@ def math_only(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_counts: torc
     ``[1, S, H, D]`` contiguous; returns ``[1, S, H, D]`` — equal to attention of each query block
     over its diagonal tile alone (tested), whatever the count (a repeated key block does not change
     softmax weights)."""
+    check_device(q, k, v, kv_counts, what="math_only")  # CPU: the interpreter's bf16 fixes
     _, S, H, D = q.shape
     out = torch.empty_like(q)
     cnt = kv_counts[0].contiguous()
