@@ -423,3 +423,14 @@ def test_wan_transformer_fused_kernels_match_plain_ops():
         fused = model(x, t, txt)
     assert fused.shape == plain.shape and torch.isfinite(fused).all()
     assert rel(fused, plain) < 1e-2
+
+
+def test_interpreter_without_dtype_fixes_refuses_bf16(monkeypatch):
+    """If this Triton's interpreter lacks the hooks the bf16/fp8 fixes need, a bf16 launch on CPU is
+    refused with the reason instead of computing on raw bits; float16 still runs."""
+    from ditattn.attention.kernels import check_device, interpreter_dtypes
+
+    monkeypatch.setattr(interpreter_dtypes, "enable", lambda: False)
+    with pytest.raises(AttentionConfigError, match="cannot compute in torch.bfloat16.*float16"):
+        check_device(torch.zeros(2, dtype=torch.bfloat16), what="kernel")
+    check_device(torch.zeros(2, dtype=torch.float16), what="kernel")

@@ -139,13 +139,12 @@ def default_config(block_size: int, head_dim: int) -> dict:
     elif block_size >= 128:
         cfg = {"kv_per_iter": 1, "num_warps": 8, "num_stages": 3}
     elif block_size == 64:  # TMA, one stage: more programs resident per SM beat a deeper pipeline (runs 17-21)
-        return {"kv_per_iter": 1, "num_warps": 4, "num_stages": 1, "tma": True, "warp_specialize": False}
+        cfg = {"kv_per_iter": 1, "num_warps": 4, "num_stages": 1, "tma": True}
     else:
         cfg = {"kv_per_iter": 128 // block_size // 2, "num_warps": 4, "num_stages": 2}
-    cfg["tma"] = False
+    cfg.setdefault("tma", False)
     cfg["warp_specialize"] = False  # measured: no gain at 128, 1.6-1.8x slower at 64 (Triton 3.6, H200)
     return cfg
-
 
 
 _POINTER_STAGES = 3  # pointer loads when a TMA default cannot run: one stage is slow there (run 20: 1.90 vs 1.70)
