@@ -24,6 +24,9 @@ from ditattn.platforms import Platform
 log = logging.getLogger("ditattn.pipeline")
 
 DIT = ("transformer", "transformer_2")
+# component -> (the diffusers class it must be, what it is, its native loader)
+NATIVE_MODELS = {"text_encoder": ("UMT5EncoderModel", "text encoder", load_umt5_encoder),
+                 "transformer": ("WanTransformer3DModel", "transformer", load_wan_transformer)}
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -81,25 +84,14 @@ def build_components(mi: ModelIndex, dev: torch.device, dt: torch.dtype, *, vari
     for comp in mi.components:
         lib, klass = mi.components[comp]
         sub = mi.folder(comp)
-        if comp == "text_encoder":
-            if klass not in ("UMT5EncoderModel",):
-                raise AttentionConfigError(
-                    f"{sub}: text encoder class '{klass}' is not supported; the native Wan pipeline runs "
-                    "UMT5EncoderModel"
-                )
+        native = NATIVE_MODELS.get("transformer" if comp in DIT else comp)
+        if native is not None:  # a selectable native model: built inside its attention scope
+            expected, what, load = native
+            if klass != expected:
+                raise AttentionConfigError(f"{sub}: {what} class '{klass}' is not supported; the native Wan pipeline "
+                                           f"runs {expected}")
             with component_scope(comp, selectable=True) as scope:
-                components[comp] = load_umt5_encoder(sub, dtype=dt, device=dev, variant=variant,
-                                                     load_weights=load_weights)
-            scopes[comp] = scope
-        elif comp in DIT:
-            if klass != "WanTransformer3DModel":
-                raise AttentionConfigError(
-                    f"{sub}: transformer class '{klass}' is not supported; the native Wan pipeline "
-                    "runs WanTransformer3DModel"
-                )
-            with component_scope(comp, selectable=True) as scope:
-                components[comp] = load_wan_transformer(sub, dtype=dt, device=dev, variant=variant,
-                                                        load_weights=load_weights)
+                components[comp] = load(sub, dtype=dt, device=dev, variant=variant, load_weights=load_weights)
             scopes[comp] = scope
         elif comp == "vae":
             with component_scope(comp, selectable=False) as scope:
