@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
-from ditattn.runconfig import (DTYPES, boolean, finite_float, nonneg_int, positive_float, positive_int,
-                               tcp_port)
+from ditattn.runconfig import DTYPES
+from ditattn.runconfig.checks import boolean, finite_float, nonneg_int, positive_float, positive_int, tcp_port
 
 
 def arg_type(check: Callable[[Any], Any]) -> Callable[[str], Any]:
