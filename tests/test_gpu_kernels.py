@@ -73,12 +73,10 @@ def test_fa_rejects_bias_and_float32():
 
 
 @pytest.mark.parametrize("pv", ["fp16", "fp8"])
-def test_sage_attn_backend(pv, monkeypatch):
-    monkeypatch.setenv("DITATTN_SAGE_PV", pv)
-    monkeypatch.setenv("DITATTN_SAGE_IMPL", "triton")
+def test_sage_attn_backend(pv):
     q, k, v = qkv(2, 777, 1001, 8, 4, 128, seed=5)
     k0 = k.clone()
-    out, lse = get_impl(B.SAGE_ATTN)(q, k, v, AttnCall(return_lse=True), {})
+    out, lse = get_impl(B.SAGE_ATTN)(q, k, v, AttnCall(return_lse=True), {"impl": "triton", "pv_dtype": pv})
     ref, ref_lse = reference_attention(q, k, v)
     assert torch.equal(k, k0)
     assert rel(out, ref) < (0.02 if pv == "fp16" else 0.06)
@@ -87,17 +85,11 @@ def test_sage_attn_backend(pv, monkeypatch):
 
 def test_sage_attn_package_keeps_k():
     pytest.importorskip("sageattention")
-    import os
-
-    os.environ["DITATTN_SAGE_IMPL"] = "package"
-    try:
-        q, k, v = qkv(1, 512, 512, 4, 4, 128, seed=9)
-        k0 = k.clone()
-        out, lse = get_impl(B.SAGE_ATTN)(q, k, v, AttnCall(), {})
-        assert lse is None and torch.equal(k, k0)
-        assert rel(out, reference_attention(q, k, v)[0]) < 0.03
-    finally:
-        del os.environ["DITATTN_SAGE_IMPL"]
+    q, k, v = qkv(1, 512, 512, 4, 4, 128, seed=9)
+    k0 = k.clone()
+    out, lse = get_impl(B.SAGE_ATTN)(q, k, v, AttnCall(), {"impl": "package"})
+    assert lse is None and torch.equal(k, k0)
+    assert rel(out, reference_attention(q, k, v)[0]) < 0.03
 
 
 def test_sage_attn_3_refused_off_blackwell():

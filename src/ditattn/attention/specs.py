@@ -216,7 +216,7 @@ SPECS: dict[B, BackendSpec] = {s.backend: s for s in [
                     "cpu": (Runtime((), "in-tree PyTorch reference"),)},
           seed_platforms=("cuda", "musa"), cpu_dtypes=ALL_FLOAT,
           cuda_sm=(80, 86, 89, 90, 120), lossy=True, returns_lse=True, drop_in=True, max_head_dim=128,
-          install_hint="pip install sageattention",
+          install_hint="pip install sageattention", config_schema="sage_attn",
           notes="lossy (INT8 Q.K); upstream SM list SM80/86/89/90/120; on Hopper a package without "
                 "the SM90 fix falls back to fa"),
     _spec(B.SAGE_ATTN_3, kind="quantized", summary="SageAttention3 (FP4 microscaling), Blackwell only",

@@ -196,41 +196,35 @@ class PipelineRunner(BaseRunner):
         return out
 
 
-def build_runner(args) -> PipelineRunner:
-    """Load the pipeline ``ditattn serve`` was asked for (model and attention flags in ``args``) and
-    validate the server-wide request defaults; raises AttentionConfigError on bad input."""
-    from ditattn.pipelines.run import parallel_degrees, settings_from_args, skip_softmax_from_args
+def build_runner(config) -> PipelineRunner:
+    """Load the pipeline of ``config`` (a :class:`~ditattn.runconfig.RunConfig`: model, attention
+    and parallel sections) and validate the server-wide request defaults (its sampling section and
+    attention override / skip softmax); raises AttentionConfigError on bad input."""
+    import os
+
+    from ditattn.distributed.launch import in_worker
     from ditattn.pipelines.wan import WanPipelineNative
 
-    if getattr(args, "backend", "native") != "native":
+    if config.model.backend != "native":
         raise AttentionConfigError("ditattn serve runs the native pipeline only (per-request attention overrides "
                                    "need ditattn's attention layers); drop --backend diffusers")
-    from ditattn.distributed.launch import in_worker
-
-    u, r = parallel_degrees(args)
+    u, r = config.parallel.degrees()
     if u * r > 1 and not in_worker():  # ranks started by ditattn.distributed.launch relay rank 0's calls
         raise AttentionConfigError(f"sequence parallelism (--num-gpus {u * r}) needs one process per rank: start "
                                    f"it with ditattn serve (ditattn.distributed.launch), or use --num-gpus 1")
-    settings = settings_from_args(args)
-    pipe = WanPipelineNative.from_pretrained(args.model_path, settings, device=args.device, dtype=args.dtype,
-                                             variant=getattr(args, "model_variant", None))
+    pipe = WanPipelineNative.from_config(config)
     name = pipe.model_index.name
-    aliases = {name, args.model_path or name}
+    aliases = {name, config.model.model_path or name}
     if not name.startswith("ditattn:"):
-        import os
-
         aliases.add(os.path.basename(os.path.normpath(name)))
-    runner = PipelineRunner(pipe, name, aliases=aliases,
-                            default_override=getattr(args, "attention_backend_override", None),
-                            default_skip_softmax=skip_softmax_from_args(args))
-    # sampling flags given to `serve` become the defaults of requests that leave those fields out
-    d = runner.defaults
-    for flag, field in (("height", "height"), ("width", "width"), ("num_frames", "num_frames"),
-                        ("num_inference_steps", "num_inference_steps"), ("guidance_scale", "guidance_scale")):
-        value = getattr(args, flag, None)
-        if value is not None:
-            setattr(d, field, value)
+    runner = PipelineRunner(pipe, name, aliases=aliases, default_override=config.attention.attention_backend_override,
+                            default_skip_softmax=config.attention.skip_softmax())
+    # sampling settings given to `serve` become the defaults of requests that leave those fields out
+    d, s = runner.defaults, config.sampling
+    for field in ("height", "width", "num_frames", "num_inference_steps", "guidance_scale"):
+        if getattr(s, field) is not None:
+            setattr(d, field, getattr(s, field))
     pipe.check_size(d.height, d.width, d.num_frames)
-    runner.default_negative_prompt = getattr(args, "negative_prompt", None)
+    runner.default_negative_prompt = s.negative_prompt
     runner.prepare(None, None)  # the server-wide attention defaults must themselves be valid
     return runner

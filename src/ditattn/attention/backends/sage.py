@@ -1,35 +1,47 @@
 """Quantized dense backends: ``sage_attn`` and ``sage_attn_3``.
 
-``sage_attn`` (INT8 Q.K with smoothed K, FP16/BF16 or FP8 P.V; lossy):
+``sage_attn`` (INT8 Q.K with smoothed K, FP16/BF16 or FP8 P.V; lossy) has several
+implementations, chosen by its config key ``impl`` (schema: :mod:`ditattn.attention.schemas`;
+``ditattn backends`` lists it):
 
-* CUDA: our Triton kernel (:func:`ditattn.attention.kernels.int8_attention.int8_attention`:
-  per-token Q / per-block K INT8 scales, online softmax, LSE, GQA) or the ``sageattention``
-  package.  Which one is ``DITATTN_SAGE_IMPL`` (``auto`` | ``triton`` | ``package``); ``auto``
-  takes the Triton kernel on SM90 (measured faster than sageattention 1.0.6 there, see
-  docs/benchmarks.md), whenever the LSE is needed (the package returns none) and when the package
-  is missing, else the package.  P.V precision is ``DITATTN_SAGE_PV`` (``fp16``, the default:
-  about 1.3 % relative error on random inputs; ``fp8``: faster tensor-core rate, about 4 %).
-  sageattention 1.0.6 subtracts the key mean from its K argument in place, so it gets a clone.
-* CPU: :func:`ditattn.attention.kernels.int8_attention.int8_attention_reference`, the same
-  quantization in PyTorch (float32, float16 or bfloat16 inputs).
+* ``triton``: our Triton kernel (:func:`ditattn.attention.kernels.int8_attention.int8_attention`:
+  per-token Q / per-block K INT8 scales, online softmax, LSE, GQA); CUDA fp16/bf16 (or CPU under
+  ``TRITON_INTERPRET=1``), head dims ``SUPPORTED_HEAD_DIMS``;
+* ``package``: the ``sageattention`` package (CUDA; no LSE; its own P.V precision, so ``pv_dtype``
+  fp16 only).  sageattention 1.0.6 subtracts the key mean from its K argument in place, so it gets
+  a clone;
+* ``reference``: :func:`ditattn.attention.kernels.int8_attention.int8_attention_reference`, the same
+  quantization in PyTorch (float32, float16 or bfloat16; any device);
+* ``auto`` (default): the first implementation of :func:`auto_order` that can serve the call: on
+  SM90 the Triton kernel (measured faster than sageattention 1.0.6 there, see docs/benchmarks.md),
+  on other CUDA GPUs the package, then the Triton kernel; on other devices the reference.
+
+``pv_dtype`` is the P.V precision (``fp16``, the default: about 1.3 % relative error on random
+inputs; ``fp8``: faster tensor-core rate, about 4 %); ``qk_dtype`` only ``int8`` so far.  A new
+implementation is one more :class:`SageImpl` row in :data:`SAGE_IMPLS` (and its name in the schema's
+``impl`` choices).
 
 ``sage_attn_3`` runs ``sageattn3.sageattn3_blackwell`` (FP4 microscaling) on Blackwell GPUs only.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import logging
-import os
+from typing import Callable, Optional
+
 import torch
 
 from ditattn.attention.backends.base import AttnCall, expand_kv, register
 from ditattn.attention.names import AttentionBackendEnum as B
+from ditattn.attention.config import complete_backend_config
+from ditattn.attention.schemas import SAGE_PV_DTYPES
 from ditattn.errors import AttentionConfigError, BackendUnavailableError
+from ditattn.settings import check_retired
 
 log = logging.getLogger(__name__)
 
-SAGE_IMPLS = ("auto", "triton", "package")
 BLACKWELL_SMS = (100, 103, 120, 121)
 
 
@@ -42,36 +54,109 @@ def _load(module: str, attr: str):
         return None
 
 
-def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
-    val = os.environ.get(name, default).strip().lower()
-    if val not in choices:
-        raise AttentionConfigError(f"{name}={val!r} is not valid; accepted: {', '.join(choices)}")
-    return val
+# ------------------------------------------------------------------------------------------------
+# sage_attn implementations: why_not(q, call, cfg) -> reason or None; run(q, k, v, call, cfg) -> (out, lse)
 
 
-def sage_cuda_impl(q: torch.Tensor, need_lse: bool) -> str:
-    """Which CUDA implementation ``sage_attn`` uses for ``q``: ``"triton"`` or ``"package"``."""
-    choice = _env_choice("DITATTN_SAGE_IMPL", SAGE_IMPLS, "auto")
-    has_pkg = _load("sageattention", "sageattn") is not None
-    d = q.shape[-1]
+def _triton_why_not(q: torch.Tensor, call: AttnCall, cfg: dict) -> Optional[str]:
+    from ditattn.attention.kernels import interpreting
     from ditattn.attention.kernels.int8_attention import SUPPORTED_HEAD_DIMS
 
-    if choice == "package":
-        if not has_pkg:
-            raise BackendUnavailableError("sage_attn", ["DITATTN_SAGE_IMPL=package but package 'sageattention' is not installed"])
-        if need_lse:
-            raise AttentionConfigError("sage_attn: the sageattention package returns no LSE (needed here); "
-                                       "use DITATTN_SAGE_IMPL=triton or auto")
-        return "package"
-    if choice == "triton" or need_lse or not has_pkg:
-        if d not in SUPPORTED_HEAD_DIMS:
-            raise AttentionConfigError(f"sage_attn: the in-tree INT8 kernel supports head dim {list(SUPPORTED_HEAD_DIMS)}, "
-                                       f"not {d}" + ("" if has_pkg else " (and package 'sageattention' is not installed)"))
-        return "triton"
+    if q.device.type != "cuda" and not (q.device.type == "cpu" and interpreting()):
+        return f"the Triton kernel needs a CUDA device (or TRITON_INTERPRET=1 on the CPU), not {q.device.type}"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"the Triton kernel takes float16/bfloat16, not {str(q.dtype).replace('torch.', '')}"
+    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        return f"the Triton kernel supports head dim {list(SUPPORTED_HEAD_DIMS)}, not {q.shape[-1]}"
+    return None
+
+
+def _triton_run(q, k, v, call: AttnCall, cfg: dict):
+    from ditattn.attention.kernels.int8_attention import int8_attention
+
+    return int8_attention(q, k, v, scale=call.scale, causal=call.causal, return_lse=call.return_lse,
+                          pv=cfg["pv_dtype"])
+
+
+def _package_why_not(q: torch.Tensor, call: AttnCall, cfg: dict) -> Optional[str]:
+    if _load("sageattention", "sageattn") is None:
+        return "package 'sageattention' is not installed (pip install sageattention)"
+    if q.device.type != "cuda":
+        return f"the sageattention package runs on CUDA, not {q.device.type}"
+    if call.return_lse:
+        return "the sageattention package returns no LSE (needed here)"
+    if cfg["pv_dtype"] != "fp16":
+        return f"the sageattention package chooses its own P.V precision (pv_dtype {cfg['pv_dtype']} needs impl " \
+               "triton or reference)"
+    return None
+
+
+def _package_run(q, k, v, call: AttnCall, cfg: dict):
+    sageattn = _load("sageattention", "sageattn")
+    # sageattention 1.0.6 does `k -= k.mean(...)` on its argument: never hand it ours
+    return sageattn(q, k.clone(), v, tensor_layout="NHD", is_causal=call.causal, sm_scale=call.scale), None
+
+
+def _reference_why_not(q: torch.Tensor, call: AttnCall, cfg: dict) -> Optional[str]:
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"the reference takes float32/float16/bfloat16, not {str(q.dtype).replace('torch.', '')}"
+    return None
+
+
+def _reference_run(q, k, v, call: AttnCall, cfg: dict):
+    from ditattn.attention.kernels.int8_attention import int8_attention_reference
+
+    return int8_attention_reference(q, k, v, scale=call.scale, causal=call.causal, return_lse=call.return_lse,
+                                    pv=cfg["pv_dtype"])
+
+
+@dataclasses.dataclass(frozen=True)
+class SageImpl:
+    """One implementation of ``sage_attn``: ``why_not(q, call, cfg)`` says why it cannot serve a
+    call (None: it can); ``run(q, k, v, call, cfg)`` returns ``(out, lse | None)``; ``qk_dtypes`` /
+    ``pv_dtypes``: the precisions it implements."""
+
+    why_not: Callable[[torch.Tensor, AttnCall, dict], Optional[str]]
+    run: Callable
+    qk_dtypes: tuple = ("int8",)
+    pv_dtypes: tuple = SAGE_PV_DTYPES
+
+
+SAGE_IMPLS: dict[str, SageImpl] = {
+    "triton": SageImpl(_triton_why_not, _triton_run),
+    "package": SageImpl(_package_why_not, _package_run, pv_dtypes=("fp16",)),
+    "reference": SageImpl(_reference_why_not, _reference_run),
+}
+
+
+def auto_order(q: torch.Tensor) -> tuple[str, ...]:
+    """The implementations ``impl=auto`` tries, in order, for ``q``'s device."""
+    if q.device.type != "cuda":
+        return ("reference",)
     major, minor = torch.cuda.get_device_capability(q.device)
-    if major * 10 + minor == 90 and d in SUPPORTED_HEAD_DIMS:
-        return "triton"
-    return "package"
+    if major * 10 + minor == 90:
+        return ("triton", "package")
+    return ("package", "triton")
+
+
+def sage_impl_for(q: torch.Tensor, call: AttnCall, cfg: Optional[dict] = None) -> str:
+    """The ``sage_attn`` implementation that serves this call under config ``cfg`` (defaults for
+    missing keys).  An explicit ``impl`` that cannot serve the call, or ``auto`` with no
+    implementation that can, raises :class:`AttentionConfigError` with the reasons
+    (:class:`BackendUnavailableError` when the package is missing)."""
+    cfg = complete_backend_config(B.SAGE_ATTN, cfg)
+    names = auto_order(q) if cfg["impl"] == "auto" else (cfg["impl"],)
+    reasons = []
+    for name in names:
+        impl = SAGE_IMPLS[name]
+        why = impl.why_not(q, call, cfg)
+        if why is None and cfg["qk_dtype"] in impl.qk_dtypes and cfg["pv_dtype"] in impl.pv_dtypes:
+            return name
+        reasons.append(f"{name}: {why or 'does not implement these precisions'}")
+    if cfg["impl"] == "package" and _load("sageattention", "sageattn") is None:
+        raise BackendUnavailableError("sage_attn", [f"impl package: {reasons[0].split(': ', 1)[1]}"])
+    raise AttentionConfigError(f"sage_attn: no implementation can serve this call (impl {cfg['impl']}): "
+                               + "; ".join(reasons))
 
 
 @register(B.SAGE_ATTN)
@@ -79,27 +164,17 @@ def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Attn
     """``sage_attn``: q ``[B, S_q, H, D]``, k/v ``[B, S_kv, H_kv, D]``; returns ``(out, lse|None)``.
 
     Lossy (INT8 Q.K).  No additive bias.  CUDA: fp16/bf16; CPU: float32/float16/bfloat16.
+    ``config``: ``impl``, ``pv_dtype``, ``qk_dtype`` (missing keys take their defaults).
     """
     if call.attn_bias is not None:
         raise AttentionConfigError("sage_attn: does not accept an additive attention bias/mask; accepted: no bias")
-    pv = _env_choice("DITATTN_SAGE_PV", ("fp16", "fp8"), "fp16")
-    if q.device.type == "cuda":
-        if q.dtype not in (torch.float16, torch.bfloat16):
-            raise AttentionConfigError(
-                f"sage_attn: dtype {str(q.dtype).replace('torch.', '')} not supported on CUDA (accepts float16, bfloat16)"
-            )
-        impl = sage_cuda_impl(q, call.return_lse)
-        if impl == "package":
-            sageattn = _load("sageattention", "sageattn")
-            # sageattention 1.0.6 does `k -= k.mean(...)` on its argument: never hand it ours
-            out = sageattn(q, k.clone(), v, tensor_layout="NHD", is_causal=call.causal, sm_scale=call.scale)
-            return out, None
-        from ditattn.attention.kernels.int8_attention import int8_attention
-
-        return int8_attention(q, k, v, scale=call.scale, causal=call.causal, return_lse=call.return_lse, pv=pv)
-    from ditattn.attention.kernels.int8_attention import int8_attention_reference
-
-    return int8_attention_reference(q, k, v, scale=call.scale, causal=call.causal, return_lse=call.return_lse, pv=pv)
+    check_retired("DITATTN_SAGE_IMPL", "DITATTN_SAGE_PV")
+    cfg = complete_backend_config(B.SAGE_ATTN, config)
+    if q.device.type == "cuda" and q.dtype not in (torch.float16, torch.bfloat16):
+        raise AttentionConfigError(
+            f"sage_attn: dtype {str(q.dtype).replace('torch.', '')} not supported on CUDA (accepts float16, bfloat16)"
+        )
+    return SAGE_IMPLS[sage_impl_for(q, call, cfg)].run(q, k, v, call, cfg)
 
 
 def sage3_unavailable_reasons(device: torch.device) -> list[str]:
