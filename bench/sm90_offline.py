@@ -95,6 +95,34 @@ def compile_kernel(config: dict, *, head_dim: int = 128, dtype=None):
         num_warps=4, maxnreg=168, grid=(1,))
 
 
+def compile_block_sparse(config: dict, *, head_dim: int = 128, has_valid: bool = True, dtype=None):
+    """Build ``_bs_fwd_sm90`` (block-sparse, 64-token blocks) for ``config`` on CPU stand-in tensors."""
+    import torch
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from ditattn.attention.kernels import block_sparse_sm90 as m
+
+    dtype = dtype or torch.bfloat16
+    cfg = m.default_config(head_dim)
+    cfg.update(config)
+    d, bs, b, h, hkv, s = head_dim, 64, 1, 2, 2, 512
+    nq = s // bs
+    gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    lay = gl.NVMMASharedLayout.get_default_for([bs, d], gdt)
+    x = torch.zeros(b * s, h * d, dtype=dtype)
+    desc = TensorDescriptor(x, list(x.shape), [h * d, 1], [bs, d], lay)
+    idx = torch.zeros(b, h, nq, nq, dtype=torch.int32)
+    cnt = torch.zeros(b, h, nq, dtype=torch.int32)
+    f = torch.zeros(4096)
+    return m._bs_fwd_sm90.warmup(
+        desc, desc, desc, desc, idx, cnt, f, f, f, h, h // hkv, nq, s, s, 0.1,
+        idx.stride(0), idx.stride(1), idx.stride(2), cnt.stride(0), cnt.stride(1), 0, 0,
+        HEAD_DIM=d, NUM_STAGES=int(cfg["num_stages"]), HAS_VALID=has_valid, RETURN_LSE=True,
+        CONSUMER_REGS=int(cfg["consumer_regs"]), PRODUCER_REGS=int(cfg["producer_regs"]),
+        num_warps=4, maxnreg=168, grid=(1,))
+
+
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)(?:\.[A-Z0-9_x.]+)?\s*([^;]*);")
 
 
@@ -106,7 +134,7 @@ def sass_of(cubin: bytes, path: str) -> str:
 
 def analyse(sass: str) -> dict:
     """Registers, spills and the census of the main key loop: the smallest backward-branch loop that
-    issues both the Q.K (IGMMA) and the P.V (HGMMA) products."""
+    issues both the Q.K (IGMMA, or HGMMA for bf16 Q.K) and the P.V (HGMMA) products."""
     ins = [(int(a, 16), op, args) for a, op, args in _INSTR.findall(sass)]
     regs = max((int(r) for r in re.findall(r"\bR(\d+)\b", sass)), default=0) + 1
     spills = sum(1 for _, op, _ in ins if op in ("LDL", "STL"))
@@ -116,7 +144,9 @@ def analyse(sass: str) -> dict:
         if t and int(t.group(1), 16) < addr:
             lo = int(t.group(1), 16)
             body = [o for a, o, _ in ins if lo <= a <= addr]
-            if "IGMMA" in body and "HGMMA" in body and (best is None or len(body) < len(best)):
+            gmmas = sum(1 for o in body if o in ("IGMMA", "HGMMA"))
+            qk = "IGMMA" in body or gmmas >= 2 * 4  # bf16 Q.K and P.V: two groups of HGMMA
+            if qk and "HGMMA" in body and (best is None or len(body) < len(best)):
                 best = body
     census = collections.Counter(best or [])
     return {"registers": regs, "spills": spills, "loop_instructions": sum(census.values()),
@@ -128,6 +158,7 @@ def main(argv=None):
     ap.add_argument("--variants", default="default=", help="'name=key:val/key:val;...' (empty = defaults)")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--sass-dir", default=None, help="also write each variant's SASS here")
+    ap.add_argument("--kernel", choices=("sage", "block_sparse"), default="sage")
     args = ap.parse_args(argv)
     install_offline_driver()
     import tempfile
@@ -139,7 +170,8 @@ def main(argv=None):
         for kv in filter(None, spec.split("/")):
             k, _, v = kv.partition(":")
             cfg[k] = (v.lower() == "true") if v.lower() in ("true", "false") else int(v) if v.isdigit() else v
-        kern = compile_kernel(cfg, head_dim=args.head_dim)
+        build = compile_kernel if args.kernel == "sage" else compile_block_sparse
+        kern = build(cfg, head_dim=args.head_dim)
         sass = sass_of(kern.asm["cubin"], os.path.join(tmp, f"{name}.cubin"))
         if args.sass_dir:
             os.makedirs(args.sass_dir, exist_ok=True)
