@@ -369,6 +369,9 @@ class ServerState:
 
     def job_backends(self, job: GenerationJob) -> list:
         """The backends a job will report before it runs (validated state; the run reports again)."""
+        backends_for = getattr(self.runner, "backends_for", None)
+        if backends_for is not None and job.state is not None:
+            return backends_for(job.state)
         if job.override is not None:
             return [job.override]
         return self.runner.default_backends()

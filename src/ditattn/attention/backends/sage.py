@@ -10,6 +10,10 @@
   is missing, else the package.  P.V precision is ``DITATTN_SAGE_PV`` (``fp16``, the default:
   about 1.3 % relative error on random inputs; ``fp8``: faster tensor-core rate, about 4 %).
   sageattention 1.0.6 subtracts the key mean from its K argument in place, so it gets a clone.
+* Hopper: a call the in-tree kernel cannot serve (head dims other than 32/64/128) needs a
+  sageattention build with the SM90 binding fix; with PyPI's 2.2.0 the selector runs ``fa``
+  instead (the seed's fallback, recorded in the plan).
+* MUSA: the ``sageattention`` package (no LSE).
 * CPU: :func:`ditattn.attention.kernels.int8_attention.int8_attention_reference`, the same
   quantization in PyTorch (float32, float16 or bfloat16 inputs).
 
@@ -25,7 +29,9 @@ import torch
 
 from ditattn.attention.backends.base import AttnCall, expand_kv, register
 from ditattn.attention.names import AttentionBackendEnum as B
+from ditattn.attention.specs import SAGE_SM90_FIX_INSTALL, sage_cuda_runtime, sage_lacks_sm90_fix
 from ditattn.errors import AttentionConfigError, BackendUnavailableError
+from ditattn.platforms import platform_for_device
 
 log = logging.getLogger(__name__)
 
@@ -50,18 +56,30 @@ def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
 
 
 def sage_cuda_impl(q: torch.Tensor, need_lse: bool) -> str:
-    """Which CUDA implementation ``sage_attn`` uses for ``q``: ``"triton"`` or ``"package"``."""
+    """Which CUDA implementation ``sage_attn`` uses for ``q``: a key of :data:`CUDA_IMPLS`.
+
+    ``auto``: the in-tree kernel on SM90 (measured faster), when the LSE is needed and when the
+    package is missing; else the package. On SM90 a head dim the in-tree kernel does not cover
+    goes to the package only if it has the SM90 binding fix
+    (:func:`ditattn.attention.specs.sage_cuda_runtime`, the rule the selector applies, which puts
+    ``fa`` on such layers as the seed says); a direct call gets the reason instead.
+    """
     choice = _env_choice("DITATTN_SAGE_IMPL", SAGE_IMPLS, "auto")
     has_pkg = _load("sageattention", "sageattn") is not None
     d = q.shape[-1]
     from ditattn.attention.kernels.int8_attention import SUPPORTED_HEAD_DIMS
 
+    platform = platform_for_device(q.device)
     if choice == "package":
         if not has_pkg:
             raise BackendUnavailableError("sage_attn", ["DITATTN_SAGE_IMPL=package but package 'sageattention' is not installed"])
         if need_lse:
             raise AttentionConfigError("sage_attn: the sageattention package returns no LSE (needed here); "
                                        "use DITATTN_SAGE_IMPL=triton or auto")
+        if platform.sm == 90 and sage_lacks_sm90_fix(platform):
+            raise BackendUnavailableError("sage_attn", [
+                f"DITATTN_SAGE_IMPL=package: sageattention {platform.package_version('sageattention')} lacks the "
+                f"upstream SM90 binding fix on Hopper; install: {SAGE_SM90_FIX_INSTALL}, or use auto/triton"])
         return "package"
     if choice == "triton" or need_lse or not has_pkg:
         if d not in SUPPORTED_HEAD_DIMS:
@@ -69,34 +87,58 @@ def sage_cuda_impl(q: torch.Tensor, need_lse: bool) -> str:
                                        f"not {d}" + ("" if has_pkg else " (and package 'sageattention' is not installed)"))
         return "triton"
     major, minor = torch.cuda.get_device_capability(q.device)
-    if major * 10 + minor == 90 and d in SUPPORTED_HEAD_DIMS:
-        return "triton"
+    if major * 10 + minor == 90:
+        if d in SUPPORTED_HEAD_DIMS:
+            return "triton"
+        impl, why = sage_cuda_runtime(platform, d, need_lse)
+        if impl is None:  # the selector runs fa on such layers; a direct call gets the reason
+            raise BackendUnavailableError("sage_attn", [why])
     return "package"
+
+
+def _run_package(q, k, v, call: AttnCall, pv: str):
+    if call.return_lse:
+        raise AttentionConfigError("sage_attn: the sageattention package returns no LSE (ring attention needs it)")
+    sageattn = _load("sageattention", "sageattn")
+    if sageattn is None:
+        raise BackendUnavailableError("sage_attn", ["needs package 'sageattention' (not installed); "
+                                                    "install: pip install sageattention"])
+    # sageattention 1.0.6 does `k -= k.mean(...)` on its argument: never hand it ours
+    out = sageattn(q, k.clone(), v, tensor_layout="NHD", is_causal=call.causal, sm_scale=call.scale)
+    return out, None
+
+
+def _run_triton(q, k, v, call: AttnCall, pv: str):
+    from ditattn.attention.kernels.int8_attention import int8_attention
+
+    return int8_attention(q, k, v, scale=call.scale, causal=call.causal, return_lse=call.return_lse, pv=pv)
+
+
+#: CUDA implementations of ``sage_attn`` by key (what :func:`sage_cuda_impl` picks).
+CUDA_IMPLS = {"triton": _run_triton, "package": _run_package}
 
 
 @register(B.SAGE_ATTN)
 def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttnCall, config: dict):
     """``sage_attn``: q ``[B, S_q, H, D]``, k/v ``[B, S_kv, H_kv, D]``; returns ``(out, lse|None)``.
 
-    Lossy (INT8 Q.K).  No additive bias.  CUDA: fp16/bf16; CPU: float32/float16/bfloat16.
+    Lossy (INT8 Q.K).  No additive bias.  CUDA: fp16/bf16 (:data:`CUDA_IMPLS`); MUSA: the
+    sageattention package (no LSE); CPU: float32/float16/bfloat16 reference.
     """
     if call.attn_bias is not None:
         raise AttentionConfigError("sage_attn: does not accept an additive attention bias/mask; accepted: no bias")
     pv = _env_choice("DITATTN_SAGE_PV", ("fp16", "fp8"), "fp16")
-    if q.device.type == "cuda":
+    if q.device.type in ("cuda", "musa"):
         if q.dtype not in (torch.float16, torch.bfloat16):
             raise AttentionConfigError(
-                f"sage_attn: dtype {str(q.dtype).replace('torch.', '')} not supported on CUDA (accepts float16, bfloat16)"
+                f"sage_attn: dtype {str(q.dtype).replace('torch.', '')} not supported on {q.device.type} "
+                "(accepts float16, bfloat16)"
             )
-        impl = sage_cuda_impl(q, call.return_lse)
-        if impl == "package":
-            sageattn = _load("sageattention", "sageattn")
-            # sageattention 1.0.6 does `k -= k.mean(...)` on its argument: never hand it ours
-            out = sageattn(q, k.clone(), v, tensor_layout="NHD", is_causal=call.causal, sm_scale=call.scale)
-            return out, None
-        from ditattn.attention.kernels.int8_attention import int8_attention
-
-        return int8_attention(q, k, v, scale=call.scale, causal=call.causal, return_lse=call.return_lse, pv=pv)
+        impl = "package" if q.device.type == "musa" else sage_cuda_impl(q, call.return_lse)
+        return CUDA_IMPLS[impl](q, k, v, call, pv)
+    if q.device.type != "cpu":
+        raise BackendUnavailableError("sage_attn", [f"runs on CUDA, MUSA (sageattention package) and the CPU "
+                                                    f"reference, not on {q.device.type}"])
     from ditattn.attention.kernels.int8_attention import int8_attention_reference
 
     return int8_attention_reference(q, k, v, scale=call.scale, causal=call.causal, return_lse=call.return_lse, pv=pv)
