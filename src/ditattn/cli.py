@@ -102,6 +102,29 @@ def add_attention_flags(p: argparse.ArgumentParser) -> None:
                    help="zero-based denoising step where skip softmax starts (default 0)")
 
 
+def add_platform_flags(p: argparse.ArgumentParser) -> None:
+    """``--platform NAME[:SM]`` / ``--platform-packages a,b`` (plan and backends): simulate a machine."""
+    g = p.add_argument_group("simulated platform (see what another machine would run)")
+    g.add_argument("--platform", metavar="NAME[:SM]",
+                   help="resolve as if on this platform instead of the machine here: cuda:80, cuda:90, cuda:100, "
+                        "cuda:120 (any SM), rocm, xpu, musa, npu, mps, cpu; nothing runs on it")
+    g.add_argument("--platform-packages", metavar="A,B",
+                   help="optional packages the simulated platform has (default none), by import name, "
+                        "optionally pinned: flash_attn.cute,triton,sageattention==2.2.0")
+
+
+def simulated_platform(args):
+    """The :class:`~ditattn.platforms.Platform` that ``--platform``/``--platform-packages`` ask for,
+    or None (the machine here)."""
+    from ditattn.platforms import Platform
+
+    if getattr(args, "platform", None) is None:
+        if getattr(args, "platform_packages", None):
+            raise AttentionConfigError("--platform-packages needs --platform NAME[:SM]")
+        return None
+    return Platform.from_spec(args.platform, args.platform_packages)
+
+
 def add_model_flags(p: argparse.ArgumentParser, *, prompt_required: bool) -> None:
     g = p.add_argument_group("model and sampling")
     if prompt_required:
@@ -156,10 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_flags(pl, prompt_required=False)
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     add_attention_flags(pl)
+    add_platform_flags(pl)
 
     b = sub.add_parser("backends", help="list every attention backend, whether it runs here and why not")
     b.add_argument("--json", action="store_true", help="print JSON")
     add_attention_flags(b)
+    add_platform_flags(b)
 
     s = sub.add_parser("serve", help="OpenAI-compatible image/video server")
     add_model_flags(s, prompt_required=False)
@@ -224,7 +249,8 @@ def cmd_backends(args) -> int:
     if args.json:
         print(json.dumps({"platform": plat.to_json(), "backends": [i.to_json() for i in infos]}, indent=2, default=str))
         return 0
-    print(f"platform: {plat.describe()}")
+    sim = f" [simulated, packages: {', '.join(sorted(plat.packages or ())) or 'none'}]" if plat.simulated else ""
+    print(f"platform: {plat.describe()}{sim}")
     print(f"{'backend':<24} {'kind':<17} {'here':<5} platforms / why not")
     for i in infos:
         names = i.name + (f" ({', '.join(i.aliases)})" if i.aliases else "")
@@ -287,16 +313,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command in ("generate", "plan"):
         attn_log.addFilter(_drop_refusal_log)
     try:
-        if args.command == "backends":
-            return cmd_backends(args)
+        if args.command in ("backends", "plan"):
+            import contextlib
+
+            from ditattn.platforms import use_platform
+
+            sim = simulated_platform(args)
+            with use_platform(sim) if sim is not None else contextlib.nullcontext():
+                if args.command == "backends":
+                    return cmd_backends(args)
+                from ditattn.pipelines.run import plan_main
+
+                return plan_main(args)
         if args.command == "generate":
             from ditattn.pipelines.run import generate_main
 
             return generate_main(args)
-        if args.command == "plan":
-            from ditattn.pipelines.run import plan_main
-
-            return plan_main(args)
         if args.command == "serve":
             _check_serve_flags(args)
             from ditattn.server.app import serve_main

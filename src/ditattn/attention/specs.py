@@ -242,7 +242,7 @@ def _fp8_sm120_check(spec, req, platform):
 
 
 _NONE = (Runtime(),)
-_NO_FA_KERNEL = "this build has no {p} FlashAttention kernel path ({what} is not wired in)"
+_NO_FA_KERNEL = "ditattn has no FlashAttention kernel for {p} ({what} is not integrated)"
 _CUDA_INTREE = {"cuda": (Runtime((), "in-tree Triton/FlexAttention"),), "cpu": (Runtime((), "in-tree PyTorch reference"),)}
 
 
@@ -257,11 +257,11 @@ SPECS: dict[B, BackendSpec] = {s.backend: s for s in [
                              Runtime(("flash_attn",), "FlashAttention-2")),
                     "rocm": (Runtime(("flash_attn",), "FlashAttention (ROCm build of flash-attn)"),),
                     "xpu": (Runtime((), "XPU flash attention", missing=_NO_FA_KERNEL.format(
-                        p="XPU", what="the seed's XPU flash attention (sgl-kernel's XPU build)")),),
+                        p="XPU", what="the XPU flash attention of sgl-kernel-xpu")),),
                     "musa": (Runtime(("flash_attn",), "MUSA FlashAttention", missing=_NO_FA_KERNEL.format(
-                        p="MUSA", what="MUSA FlashAttention")),),
+                        p="MUSA", what="a MUSA build of flash-attn")),),
                     "npu": (Runtime((), "NPU fused attention", missing=_NO_FA_KERNEL.format(
-                        p="NPU", what="torch_npu's fused attention")),)},
+                        p="NPU", what="torch_npu's npu_fusion_attention")),)},
           seed_platforms=("cuda", "rocm", "xpu", "musa", "npu"),
           cuda_sm_min=80, returns_lse=True, varlen=True, drop_in=True,
           install_hint="pip install flash-attn-4 (SM90/SM100), or flash-attn (FA2; its ROCm build on ROCm)",

@@ -32,7 +32,8 @@ def format_plan(plan: dict, *, model: str = "", dtype: str = "", override: Optio
     layer indices it covers; fixed-attention components are listed as such."""
     plat = plan["platform"]
     cap = f" (capability {plat['capability'][0]}.{plat['capability'][1]})" if plat.get("capability") else ""
-    lines = [f"platform: {plat['name']}{cap}, device {plat['device']}" + (f", dtype {dtype}" if dtype else "")]
+    sim = f" [simulated, packages: {', '.join(plat.get('packages') or ()) or 'none'}]" if plat.get("simulated") else ""
+    lines = [f"platform: {plat['name']}{cap}, device {plat['device']}" + (f", dtype {dtype}" if dtype else "") + sim]
     if model:
         lines.append(f"model: {model}")
     rows = []

@@ -56,7 +56,7 @@ def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
 
 
 def sage_cuda_impl(q: torch.Tensor, need_lse: bool) -> str:
-    """Which CUDA implementation ``sage_attn`` uses for ``q``: a key of :data:`CUDA_IMPLS`.
+    """Which CUDA implementation ``sage_attn`` uses for ``q``: a key of :data:`IMPLS`.
 
     ``auto``: the in-tree kernel on SM90 (measured faster), when the LSE is needed and when the
     package is missing; else the package. On SM90 a head dim the in-tree kernel does not cover
@@ -114,34 +114,44 @@ def _run_triton(q, k, v, call: AttnCall, pv: str):
     return int8_attention(q, k, v, scale=call.scale, causal=call.causal, return_lse=call.return_lse, pv=pv)
 
 
-#: CUDA implementations of ``sage_attn`` by key (what :func:`sage_cuda_impl` picks).
-CUDA_IMPLS = {"triton": _run_triton, "package": _run_package}
+def _run_reference(q, k, v, call: AttnCall, pv: str):
+    from ditattn.attention.kernels.int8_attention import int8_attention_reference
+
+    return int8_attention_reference(q, k, v, scale=call.scale, causal=call.causal, return_lse=call.return_lse, pv=pv)
+
+
+#: Implementations of ``sage_attn`` by key (what :func:`sage_impl_key` picks).
+IMPLS = {"triton": _run_triton, "package": _run_package, "reference": _run_reference}
+
+
+def sage_impl_key(device_type: str, q: torch.Tensor, need_lse: bool) -> str:
+    """Key of :data:`IMPLS` for a call on ``device_type``: CUDA per :func:`sage_cuda_impl`, MUSA
+    the sageattention package (the seed's MUSA support), CPU the PyTorch reference."""
+    if device_type == "cuda":
+        return sage_cuda_impl(q, need_lse)
+    if device_type == "musa":
+        return "package"
+    if device_type == "cpu":
+        return "reference"
+    raise BackendUnavailableError("sage_attn", [f"runs on CUDA, MUSA (sageattention package) and the CPU "
+                                                f"reference, not on {device_type}"])
 
 
 @register(B.SAGE_ATTN)
 def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttnCall, config: dict):
     """``sage_attn``: q ``[B, S_q, H, D]``, k/v ``[B, S_kv, H_kv, D]``; returns ``(out, lse|None)``.
 
-    Lossy (INT8 Q.K).  No additive bias.  CUDA: fp16/bf16 (:data:`CUDA_IMPLS`); MUSA: the
-    sageattention package (no LSE); CPU: float32/float16/bfloat16 reference.
+    Lossy (INT8 Q.K).  No additive bias.  CUDA and MUSA: fp16/bf16; CPU: float32/float16/bfloat16.
     """
     if call.attn_bias is not None:
         raise AttentionConfigError("sage_attn: does not accept an additive attention bias/mask; accepted: no bias")
     pv = _env_choice("DITATTN_SAGE_PV", ("fp16", "fp8"), "fp16")
-    if q.device.type in ("cuda", "musa"):
-        if q.dtype not in (torch.float16, torch.bfloat16):
-            raise AttentionConfigError(
-                f"sage_attn: dtype {str(q.dtype).replace('torch.', '')} not supported on {q.device.type} "
-                "(accepts float16, bfloat16)"
-            )
-        impl = "package" if q.device.type == "musa" else sage_cuda_impl(q, call.return_lse)
-        return CUDA_IMPLS[impl](q, k, v, call, pv)
-    if q.device.type != "cpu":
-        raise BackendUnavailableError("sage_attn", [f"runs on CUDA, MUSA (sageattention package) and the CPU "
-                                                    f"reference, not on {q.device.type}"])
-    from ditattn.attention.kernels.int8_attention import int8_attention_reference
-
-    return int8_attention_reference(q, k, v, scale=call.scale, causal=call.causal, return_lse=call.return_lse, pv=pv)
+    if q.device.type != "cpu" and q.dtype not in (torch.float16, torch.bfloat16):
+        raise AttentionConfigError(
+            f"sage_attn: dtype {str(q.dtype).replace('torch.', '')} not supported on {q.device.type} "
+            "(accepts float16, bfloat16)"
+        )
+    return IMPLS[sage_impl_key(q.device.type, q, call.return_lse)](q, k, v, call, pv)
 
 
 def sage3_unavailable_reasons(device: torch.device) -> list[str]:
