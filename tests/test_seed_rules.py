@@ -367,3 +367,13 @@ def test_server_reports_what_runs_for_required_layers_and_skip_softmax():
     assert id(model.attn2) in state.override_table and state.override_table[id(model.attn2)][0] == B.TORCH_SDPA
     state = runner.prepare("torch_sdpa", None)
     assert runner.backends_for(state) == ["torch_sdpa"]
+
+
+@pytest.mark.parametrize("sm,packages,head_dim,label", [
+    ((9, 0), {"triton", "sageattention"}, 128, "in-tree Triton INT8 kernel"),  # measured faster on SM90
+    ((8, 0), {"triton", "sageattention"}, 128, "sageattention package"),
+    ((8, 0), {"triton"}, 64, "in-tree Triton INT8 kernel"),
+    ((8, 0), {"triton", "sageattention"}, 96, "sageattention package"),
+])
+def test_plan_runtime_label_is_the_sage_implementation_that_runs(sm, packages, head_dim, label):
+    assert decide(Platform.simulate("cuda", sm, packages), backend="sage_attn", head_dim=head_dim).runtime == label

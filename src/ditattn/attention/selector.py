@@ -29,7 +29,7 @@ from ditattn.attention.context import (
     get_forced_backend,
 )
 from ditattn.attention.names import AttentionBackendEnum as B
-from ditattn.attention.specs import SPECS, LayerRequest
+from ditattn.attention.specs import SPECS, LayerRequest, sage_cuda_runtime
 from ditattn.errors import AttentionConfigError, BackendUnavailableError
 from ditattn.platforms import Platform, current_platform
 from ditattn.platforms.policy import auto_candidates, runtime_fallback, substitute
@@ -219,7 +219,7 @@ def select_backend(
     if asked is None:
         b = _auto(req, platform, layer.supported_backends, rejected)
         return Decision(layer.prefix, layer.role, b, "auto", rejected=rejected,
-                        runtime=_runtime_label(b, platform), runtime_fallback=runtime_fallback(b, req, platform))
+                        runtime=_runtime_label(b, platform, req), runtime_fallback=runtime_fallback(b, req, platform))
 
     run, sub_reason, reasons = resolve_on_platform(asked, req, platform)
     if not reasons:
@@ -227,7 +227,7 @@ def select_backend(
             _note(component, where, f"{asked.value} requested, running {run.value}: {sub_reason}", source)
         return Decision(layer.prefix, layer.role, run, source, requested=asked,
                         fallback_reason=(f"{asked.value} -> {run.value}: {sub_reason}" if sub_reason else None),
-                        runtime=_runtime_label(run, platform), override_key=override_key)
+                        runtime=_runtime_label(run, platform, req), override_key=override_key)
     rejected.append((asked.value, reasons))
 
     # a sparse backend reaching a cross-attention layer (the global or component key, or a
@@ -237,7 +237,7 @@ def select_backend(
         why = f"{asked.value} is a sparse self-attention backend and cannot serve cross-attention; using {b.value} ({how})"
         _note(component, where, why, source)
         return Decision(layer.prefix, layer.role, b, source, requested=asked, fallback_reason=why,
-                        rejected=rejected, runtime=_runtime_label(b, platform), override_key=override_key)
+                        rejected=rejected, runtime=_runtime_label(b, platform, req), override_key=override_key)
 
     if strict:
         raise BackendUnavailableError(asked.value, reasons, what=where)
@@ -249,13 +249,13 @@ def select_backend(
             why = f"{asked.value} cannot serve this layer ({'; '.join(reasons)}); using the layer default {run2.value}"
             _note(component, where, why, "layer_default")  # the seed's auxiliary-component rule: INFO
             return Decision(layer.prefix, layer.role, run2, "layer_default", requested=asked,
-                            fallback_reason=why, rejected=rejected, runtime=_runtime_label(run2, platform))
+                            fallback_reason=why, rejected=rejected, runtime=_runtime_label(run2, platform, req))
         rejected.append((layer.default_backend.value, reasons2))
     b = _auto(req, platform, layer.supported_backends, rejected)
     why = f"{asked.value} cannot serve this layer ({'; '.join(reasons)}); using the platform choice {b.value}"
     _note(component, where, why, "auto")
     return Decision(layer.prefix, layer.role, b, "auto", requested=asked, fallback_reason=why,
-                    rejected=rejected, runtime=_runtime_label(b, platform))
+                    rejected=rejected, runtime=_runtime_label(b, platform, req))
 
 
 _fallback_logged: set = set()
@@ -285,7 +285,12 @@ def bind_impl(decision: Decision):
     return run
 
 
-def _runtime_label(b: B, platform: Platform) -> str:
+def _runtime_label(b: B, platform: Platform, req: Optional[LayerRequest] = None) -> str:
+    if b is B.SAGE_ATTN and platform.name == "cuda" and req is not None:  # per head dim, as the backend runs it
+        impl = sage_cuda_runtime(platform, req.head_dim, req.needs_lse)[0]
+        module = {"triton": "triton", "package": "sageattention"}.get(impl)
+        labels = {rt.modules[0]: rt.label for rt in SPECS[b].runtimes["cuda"]}
+        return labels.get(module, "")
     rt = SPECS[b].runtime_on(platform)
     return rt.label if rt is not None else ""
 

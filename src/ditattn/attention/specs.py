@@ -204,23 +204,27 @@ def sage_lacks_sm90_fix(platform: Platform) -> bool:
 
 
 def sage_cuda_runtime(platform: Platform, head_dim: int | None, needs_lse: bool = False) -> tuple[str | None, str]:
-    """Which CUDA implementation serves ``sage_attn`` for ``head_dim``: ``("triton", "")`` (the
-    in-tree INT8 kernel), ``("package", "")`` (sageattention) or ``(None, reason)``."""
+    """Which CUDA implementation serves ``sage_attn`` for ``head_dim`` (the automatic rule, shared
+    by the selector and the backend so the plan names what runs): ``("triton", "")`` (the in-tree
+    INT8 kernel: on SM90, where it measured faster, when the LSE is needed, and without the
+    package), ``("package", "")`` (sageattention) or ``(None, reason)``."""
+    has_pkg = platform.has_package("sageattention")
     intree = platform.has_package("triton") and (head_dim is None or head_dim in SAGE_INTREE_HEAD_DIMS)
-    if intree:
+    pkg_broken = has_pkg and platform.sm == 90 and sage_lacks_sm90_fix(platform)
+    if intree and (needs_lse or not has_pkg or platform.sm == 90):
         return "triton", ""
+    if has_pkg and not needs_lse and not pkg_broken:
+        return "package", ""
     why_intree = ("the in-tree INT8 kernel needs Triton" if not platform.has_package("triton") else
                   f"the in-tree INT8 kernel supports head dims {'/'.join(map(str, SAGE_INTREE_HEAD_DIMS))}, "
                   f"not {head_dim}")
-    if not platform.has_package("sageattention"):
+    if not has_pkg:
         return None, f"{why_intree}, and package 'sageattention' is not installed; install: pip install sageattention"
-    if platform.sm == 90 and sage_lacks_sm90_fix(platform):
+    if pkg_broken:
         ver = platform.package_version("sageattention")
         return None, (f"{why_intree}, and sageattention {ver} lacks the upstream SM90 binding fix on Hopper "
                       f"(install: {SAGE_SM90_FIX_INSTALL})")
-    if needs_lse:
-        return None, f"{why_intree}, and the sageattention package returns no LSE (ring attention needs it)"
-    return "package", ""
+    return None, f"{why_intree}, and the sageattention package returns no LSE (ring attention needs it)"
 
 
 def _sage_check(spec, req, platform):

@@ -58,11 +58,11 @@ def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
 def sage_cuda_impl(q: torch.Tensor, need_lse: bool) -> str:
     """Which CUDA implementation ``sage_attn`` uses for ``q``: a key of :data:`IMPLS`.
 
-    ``auto``: the in-tree kernel on SM90 (measured faster), when the LSE is needed and when the
-    package is missing; else the package. On SM90 a head dim the in-tree kernel does not cover
-    goes to the package only if it has the SM90 binding fix
-    (:func:`ditattn.attention.specs.sage_cuda_runtime`, the rule the selector applies, which puts
-    ``fa`` on such layers as the seed says); a direct call gets the reason instead.
+    ``auto`` is :func:`ditattn.attention.specs.sage_cuda_runtime`, the rule the selector applies
+    (so the plan names what runs): the in-tree kernel on SM90 (measured faster), when the LSE is
+    needed and without the package, else the package. A call nothing may serve raises with the
+    reason; on Hopper with a sageattention build that lacks the SM90 fix the selector has already
+    put ``fa`` on such layers, as the seed says.
     """
     choice = _env_choice("DITATTN_SAGE_IMPL", SAGE_IMPLS, "auto")
     has_pkg = _load("sageattention", "sageattn") is not None
@@ -81,19 +81,15 @@ def sage_cuda_impl(q: torch.Tensor, need_lse: bool) -> str:
                 f"DITATTN_SAGE_IMPL=package: sageattention {platform.package_version('sageattention')} lacks the "
                 f"upstream SM90 binding fix on Hopper; install: {SAGE_SM90_FIX_INSTALL}, or use auto/triton"])
         return "package"
-    if choice == "triton" or need_lse or not has_pkg:
+    if choice == "triton":
         if d not in SUPPORTED_HEAD_DIMS:
             raise AttentionConfigError(f"sage_attn: the in-tree INT8 kernel supports head dim {list(SUPPORTED_HEAD_DIMS)}, "
-                                       f"not {d}" + ("" if has_pkg else " (and package 'sageattention' is not installed)"))
+                                       f"not {d}")
         return "triton"
-    major, minor = torch.cuda.get_device_capability(q.device)
-    if major * 10 + minor == 90:
-        if d in SUPPORTED_HEAD_DIMS:
-            return "triton"
-        impl, why = sage_cuda_runtime(platform, d, need_lse)
-        if impl is None:  # the selector runs fa on such layers; a direct call gets the reason
-            raise BackendUnavailableError("sage_attn", [why])
-    return "package"
+    impl, why = sage_cuda_runtime(platform, d, need_lse)
+    if impl is None:
+        raise BackendUnavailableError("sage_attn", [why])
+    return impl
 
 
 def _run_package(q, k, v, call: AttnCall, pv: str):
