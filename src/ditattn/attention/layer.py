@@ -104,7 +104,8 @@ class LocalAttention(nn.Module):
     @property
     def impl(self):
         if self._impl is None:
-            self._impl = bind_impl(self.decision) if self.decision.backend == self.backend else get_impl(self.backend)
+            fallback = self.decision.runtime_fallback is not None and self.decision.backend == self.backend
+            self._impl = bind_impl(self.decision) if fallback else get_impl(self.backend)
         return self._impl
 
     def rebind(self, backend: B, source: str, reason: Optional[str] = None) -> None:

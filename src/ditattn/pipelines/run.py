@@ -119,7 +119,9 @@ def _seed(args) -> int:
 
 
 def plan_main(args) -> int:
-    """``ditattn plan``: resolve every attention layer of the native pipeline and print the plan."""
+    """``ditattn plan``: resolve every attention layer of the native pipeline and print the plan
+    (on the platform in force: the machine here, or the one ``--platform`` simulates, which the CLI
+    installs with :func:`ditattn.platforms.use_platform` before calling this)."""
     if getattr(args, "backend", "native") == "diffusers":
         raise AttentionConfigError(
             "plan describes the native pipeline's attention layers; --backend diffusers has no ditattn plan "
