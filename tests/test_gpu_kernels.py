@@ -62,6 +62,19 @@ def test_dense_backend_numerics(backend, d, causal, gqa):
     assert (lse - ref_lse).abs().max() < 2e-2
 
 
+def test_cudnn_precheck_agrees_with_dispatch():
+    """The per-call check behind the SM100 cuDNN -> FA fallback (issue 26): a call cuDNN serves
+    passes; one it has no kernel for (fp32) raises NoKernelError instead of a raw RuntimeError."""
+    from ditattn.attention.backends.base import NoKernelError
+    from ditattn.attention.backends.sdpa import cudnn_no_kernel_reason
+
+    q, k, v = qkv(1, 256, 256, 4, 4, 128)
+    assert cudnn_no_kernel_reason(q, k, v, AttnCall()) is None
+    assert cudnn_no_kernel_reason(q, k, v, AttnCall(causal=True)) is None
+    with pytest.raises(NoKernelError, match="no kernel"):
+        get_impl(B.TORCH_CUDNN_SDPA)(q.float(), k.float(), v.float(), AttnCall(), {})
+
+
 def test_fa_rejects_bias_and_float32():
     if not _fa_installed():
         pytest.skip("no FlashAttention runtime installed")

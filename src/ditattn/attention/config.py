@@ -47,7 +47,8 @@ def _scalar(text: str) -> Any:
 
 def _split_pairs(text: str) -> list[str]:
     """Split ``k=v,k=v`` on top-level commas; a piece without '=' continues the previous value
-    (so ``dense_layers=0,1`` keeps ``0,1``) and brackets group (``chunk=[2,4]``)."""
+    (so ``dense_layers=0,1`` keeps ``0,1``), brackets group (``chunk=[2,4]``), and empty pieces
+    are dropped (a trailing comma, ``topk=0.5,``, never ends up inside a value)."""
     parts, buf, depth = [], [], 0
     for ch in text:
         if ch in "[{":
@@ -62,6 +63,8 @@ def _split_pairs(text: str) -> list[str]:
     parts.append("".join(buf))
     merged: list[str] = []
     for p in parts:
+        if not p.strip():
+            continue  # an empty piece (`k=v,` or `a=1,,b=2`) separates nothing
         if "=" not in p and merged:
             merged[-1] += "," + p
         else:
@@ -132,7 +135,10 @@ def parse_attention_backend_config(value: "str | dict | None") -> dict:
             raise AttentionConfigError("attention backend config JSON must be an object")
         return data
     out: dict[str, Any] = {}
-    for piece in _split_pairs(text):
+    pieces = _split_pairs(text)
+    if not pieces:
+        raise AttentionConfigError(f"attention backend config {value!r} holds no key=value pair")
+    for piece in pieces:
         if "=" not in piece:
             raise AttentionConfigError(
                 f"cannot parse attention backend config {value!r}: expected a .json/.yaml file path, "
@@ -259,13 +265,12 @@ def component_override_for(
 ) -> tuple[AttentionBackendEnum, str, str] | None:
     """The override that applies to ``component``/``role``: ``(backend, key, source)``.
 
-    A role key beats the component key; ``transformer_2`` (any ``X_2``) inherits ``X``'s keys
-    unless it has keys of its own.
+    A role key beats the component key; ``transformer_2`` (any ``X_2``) inherits ``X``'s keys for a
+    role unless it has a key of its own that covers that role (``X_2.<role>`` or ``X_2``), so
+    ``transformer=A,transformer_2.cross=B`` gives ``transformer_2`` self-attention ``A``.
     """
-    own = [component]
-    if component.endswith("_2") and not any(k.split(".")[0] == component for k in overrides):
-        own.append(component[:-2])
-    for comp in own:
+    chain = [component] + ([component[:-2]] if component.endswith("_2") else [])
+    for comp in chain:
         if f"{comp}.{role}" in overrides:
             return overrides[f"{comp}.{role}"], f"{comp}.{role}", "component_role"
         if comp in overrides:

@@ -169,7 +169,7 @@ BLOCK_SPARSE_IMPL = P(
 
 SCHEMAS: dict[str, tuple[Param, ...]] = {
     "sage_attn": (
-        P("impl", "str", "auto", "Implementation: auto (SM90: the in-tree Triton INT8 kernel; other CUDA GPUs: the sageattention package when it is installed and no LSE is needed, else the Triton kernel; CPU: reference), triton (in-tree INT8 kernel; CUDA, or CPU under TRITON_INTERPRET=1), package (sageattention; CUDA, no LSE, fp16 P.V), reference (PyTorch, any device)", choices=SAGE_IMPLS),
+        P("impl", "str", "auto", "Implementation: auto (CUDA: the rule the plan reports — SM90: the in-tree Triton INT8 kernel; other GPUs: the sageattention package when it is installed and neither the LSE nor pv_dtype fp8 is needed, else the Triton kernel; MUSA: the package; CPU: reference), triton (in-tree INT8 kernel; CUDA, or CPU under TRITON_INTERPRET=1), package (sageattention; CUDA/MUSA, no LSE, fp16 P.V; on Hopper only a build with the SM90 fix), reference (PyTorch, any device)", choices=SAGE_IMPLS),
         P("pv_dtype", "str", "fp16", "P.V precision: fp16 (about 1.3 % relative error on random inputs) or fp8 (faster tensor-core rate, about 4 %); impl package chooses its own and accepts fp16 only", choices=SAGE_PV_DTYPES),
         P("qk_dtype", "str", "int8", "Q.K precision: int8 (per-token Q / per-block K scales, smoothed K); fp8 is reserved for a kernel that implements it", choices=SAGE_QK_DTYPES, check=_qk_implemented, accepted="int8 (fp8: no kernel yet)"),
     ),

@@ -35,7 +35,8 @@ def _check_attention_options(cfg: RunConfig) -> None:
 
 
 def run(cfg: RunConfig) -> int:
-    """``ditattn backends``: the table (or ``--json``) of every backend on this platform."""
+    """``ditattn backends``: the table (or ``--json``) of every backend on this platform, or on the
+    one ``--platform`` simulates (``cfg.simulation``)."""
     import signal
 
     from ditattn.platforms import current_platform
@@ -43,12 +44,14 @@ def run(cfg: RunConfig) -> int:
 
     _check_attention_options(cfg)
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `ditattn backends | head` exits quietly
-    infos = list_backends()
-    plat = current_platform()
+    with cfg.simulation.scope():
+        plat = current_platform()
+        infos = list_backends(plat)
     if cfg.json:
         print(json.dumps({"platform": plat.to_json(), "backends": [i.to_json() for i in infos]}, indent=2, default=str))
         return 0
-    print(f"platform: {plat.describe()}")
+    sim = f" [simulated, packages: {', '.join(sorted(plat.packages or ())) or 'none'}]" if plat.simulated else ""
+    print(f"platform: {plat.describe()}{sim}")
     print(f"{'backend':<24} {'kind':<17} {'here':<5} platforms / why not")
     for i in infos:
         names = i.name + (f" ({', '.join(i.aliases)})" if i.aliases else "")

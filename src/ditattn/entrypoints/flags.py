@@ -61,6 +61,19 @@ def attention_flags(p: argparse.ArgumentParser) -> None:
                    help="zero-based denoising step where skip softmax starts (default 0)")
 
 
+def platform_flags(p: argparse.ArgumentParser) -> None:
+    """``--platform NAME[:SM]`` / ``--platform-packages A,B`` (``plan``, ``backends``): simulate a machine.
+    Checked by :class:`~ditattn.runconfig.SimulationConfig` (like a backend name: an ``error:`` line
+    and exit status 2 from ``main``)."""
+    g = p.add_argument_group("simulated platform (see what another machine would run)")
+    g.add_argument("--platform", metavar="NAME[:SM]",
+                   help="resolve as if on this platform instead of the machine here: cuda:80, cuda:90, cuda:100, "
+                        "cuda:120 (any SM), rocm, xpu, musa, npu, mps, cpu; nothing runs on it")
+    g.add_argument("--platform-packages", metavar="A,B",
+                   help="optional packages the simulated platform has (default none), by import name, "
+                        "optionally pinned: flash_attn.cute,triton,sageattention==2.2.0")
+
+
 def model_flags(p: argparse.ArgumentParser, *, prompt: bool = False) -> None:
     """Model, sampling, parallelism and performance flags (``generate``, ``plan``, ``serve``);
     ``--prompt`` only where the command takes one (``generate``)."""

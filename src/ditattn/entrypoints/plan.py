@@ -1,5 +1,6 @@
 """``ditattn plan``: resolve every attention layer of the native pipeline without weights or
-denoising and print the plan (``--json``: the DESIGN 1.5 object)."""
+denoising and print the plan (``--json``: the DESIGN 1.5 object), on the machine here or on the
+platform ``--platform`` simulates (``cfg.simulation``)."""
 from __future__ import annotations
 
 import json
@@ -11,6 +12,11 @@ from ditattn.runconfig import RunConfig, flag_name
 
 def run(cfg: RunConfig) -> int:
     """``ditattn plan``; user errors raise :class:`AttentionConfigError`."""
+    with cfg.simulation.scope():
+        return _plan(cfg)
+
+
+def _plan(cfg: RunConfig) -> int:
     if cfg.model.backend == "diffusers":
         raise AttentionConfigError(
             "plan describes the native pipeline's attention layers; --backend diffusers has no ditattn plan "

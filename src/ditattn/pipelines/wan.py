@@ -186,14 +186,14 @@ class WanPipelineNative:
         return [self.components[c] for c in DIT if self.components.get(c) is not None]
 
     def dit_backends(self) -> list[str]:
-        """The backends the DiT layers were built with (self-attention first), without duplicates."""
+        """The backends the DiT layers were built with (self-attention first; a per-call fallback
+        once a call has used it), without duplicates."""
         out: list[str] = []
         for c in DIT:
             if c in self.scopes:
                 for role in ("self", "cross"):
                     for d in self.scopes[c].decisions:
-                        if d.role == role and d.backend.value not in out:
-                            out.append(d.backend.value)
+                        out += [b.value for b in d.ran_backends() if d.role == role and b.value not in out]
         return out
 
     # ------------------------------------------------------------------------------------------
@@ -393,16 +393,11 @@ class WanPipelineNative:
         timings["decode"] = time.perf_counter() - t0
         timings["total"] = time.perf_counter() - t_start
 
-        if state is not None and state.override is not None:
-            backends = [state.override.value]
-        else:
-            backends = []
-            for c in DIT:
-                if c in used_models:
-                    for role in ("self", "cross"):
-                        for dcs in self.scopes[c].decisions:
-                            if dcs.role == role and dcs.backend.value not in backends:
-                                backends.append(dcs.backend.value)
+        from ditattn.attention.override import dit_layers, request_backends
+
+        layers = dit_layers(dits[c] for c in DIT if c in used_models)
+        backends = request_backends([l for l in layers if l.role == "self"] + [l for l in layers if l.role == "cross"],
+                                    state)
         stats = dict(state.stats) if state is not None else {}
         return GenerationResult(frames, backends, timings, stats, latents, seeds, height, width, num_frames, steps)
 

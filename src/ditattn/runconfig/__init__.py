@@ -9,6 +9,7 @@
 * :class:`ParallelConfig` — sequence parallelism (``num_gpus = ulysses_degree × ring_degree``);
 * :class:`OutputConfig` — where ``generate`` writes;
 * :class:`ServerConfig` — ``serve``'s address, batching and request limits;
+* :class:`SimulationConfig` — ``plan`` / ``backends``: resolve on a simulated platform;
 
 plus ``verbose`` and ``json``.  Every field's name is the long flag without its dashes
 (``--num-inference-steps`` → ``num_inference_steps``), so the same object is built from the CLI
@@ -38,6 +39,8 @@ from ditattn.runconfig.checks import (
     nonneg_int,
     one_of,
     optional,
+    package_list,
+    platform_spec,
     positive_float,
     positive_int,
     tcp_port,
@@ -186,8 +189,42 @@ class ServerConfig(_Section):
     batch_window_s: float = _field(0.01, nonneg_float, "seconds the scheduler waits to fill a batch")
 
 
+@dataclasses.dataclass(frozen=True)
+class SimulationConfig(_Section):
+    """``plan`` / ``backends``: resolve as if on another machine (nothing runs on it).
+
+    platform: ``NAME[:SM]`` (``cuda:90``, ``cuda:120``, ``rocm``, ``xpu``, ``musa``, ``npu``, ``mps``,
+    ``cpu``; None: the machine here); platform_packages: the optional packages it has, by import
+    name, optionally pinned (``sageattention==2.2.0``; needs ``platform``)."""
+
+    platform: Optional[str] = _field(None, optional(platform_spec), "simulated platform NAME[:SM] (None: this machine)")
+    platform_packages: Optional[tuple] = _field(None, optional(package_list), "packages of the simulated platform")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.platform is None and self.platform_packages:
+            raise AttentionConfigError("--platform-packages needs --platform NAME[:SM]")
+
+    def simulated(self):
+        """The simulated :class:`~ditattn.platforms.Platform`, or None (the machine here)."""
+        from ditattn.platforms import Platform
+
+        return None if self.platform is None else Platform.from_spec(self.platform, self.platform_packages)
+
+    def scope(self):
+        """A context in which :func:`~ditattn.platforms.current_platform` is the simulated platform
+        (a no-op context without one)."""
+        import contextlib
+
+        from ditattn.platforms import use_platform
+
+        sim = self.simulated()
+        return use_platform(sim) if sim is not None else contextlib.nullcontext()
+
+
 SECTIONS = {"model": ModelConfig, "sampling": SamplingConfig, "attention": AttentionOptions,
-            "parallel": ParallelConfig, "output": OutputConfig, "server": ServerConfig}
+            "parallel": ParallelConfig, "output": OutputConfig, "server": ServerConfig,
+            "simulation": SimulationConfig}
 TOP_LEVEL = ("verbose", "json")
 
 
@@ -210,6 +247,7 @@ class RunConfig:
     parallel: ParallelConfig = _section(ParallelConfig)
     output: OutputConfig = _section(OutputConfig)
     server: ServerConfig = _section(ServerConfig)
+    simulation: SimulationConfig = _section(SimulationConfig)
     verbose: bool = False
     json: bool = False
 

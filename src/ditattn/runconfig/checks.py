@@ -107,3 +107,22 @@ def optional(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
         return None if value is None else check(value)
 
     return maybe
+
+
+def platform_spec(value: Any) -> str:
+    """A simulated platform ``NAME[:SM]`` (``cuda:90``, ``xpu``; see
+    :func:`ditattn.platforms.parse_platform_spec`), returned normalised (stripped, lower case)."""
+    from ditattn.platforms import parse_platform_spec
+
+    parse_platform_spec(text(value))  # AttentionConfigError is a ValueError: same one-line message
+    return value.strip().lower()
+
+
+def package_list(value: Any) -> tuple:
+    """Packages of a simulated platform: ``"a,b"`` or a list of import names, each optionally
+    ``name==version`` (see :func:`ditattn.platforms.parse_platform_packages`)."""
+    from ditattn.platforms import parse_platform_packages
+
+    if not isinstance(value, (str, list, tuple)):
+        raise ValueError(f"expected comma-separated package names or a list, got {value!r}")
+    return parse_platform_packages(value)

@@ -17,7 +17,7 @@ import numpy as np
 from torch import nn
 
 from ditattn.attention.context import AttentionSettings, RequestState, current_request
-from ditattn.attention.override import dit_layers, prepare_request_override
+from ditattn.attention.override import dit_layers, prepare_request_override, request_backends
 from ditattn.errors import AttentionConfigError
 from ditattn.platforms import use_platform
 
@@ -93,13 +93,12 @@ class BaseRunner:
     def active_backends(self) -> list[str]:
         """The DiT backend value(s) the layers run under the current request scope (what
         ``LocalAttention.forward`` will pick: the request table entry, else the layer's backend)."""
-        req = current_request()
-        table = req.override_table if req is not None and req.override_table is not None else {}
-        out = set()
-        for layer in self._layers:
-            entry = table.get(id(layer))
-            out.add((entry[0] if entry is not None else layer.backend).value)
-        return sorted(out)
+        return self.backends_for(current_request())
+
+    def backends_for(self, state: Optional[RequestState]) -> list[str]:
+        """The DiT backend value(s) a request prepared as ``state`` runs (layers with a required
+        backend keep theirs under an override or skip softmax)."""
+        return sorted(request_backends(self._layers, state))
 
     def request_stats(self) -> dict:
         """JSON-safe copy of the active request's statistics (e.g. skip-softmax tile counts)."""

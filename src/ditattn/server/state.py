@@ -118,7 +118,12 @@ class ServerState:
             raise RequestError(msg, param=field, code="attention_refused") from None
 
     def job_backends(self, job: GenerationJob) -> list:
-        """The backends a job will report before it runs (validated state; the run reports again)."""
+        """The backends a job will report before it runs (validated state; the run reports again):
+        what its prepared request state runs (layers with a required backend keep theirs under an
+        override or skip softmax), else the override's name or the defaults."""
+        backends_for = getattr(self.runner, "backends_for", None)
+        if backends_for is not None and job.state is not None:
+            return backends_for(job.state)
         if job.override is not None:
             return [job.override]
         return self.runner.default_backends()

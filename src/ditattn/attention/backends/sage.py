@@ -7,19 +7,26 @@ implementations, chosen by its config key ``impl`` (schema: :mod:`ditattn.attent
 * ``triton``: our Triton kernel (:func:`ditattn.attention.kernels.int8_attention.int8_attention`:
   per-token Q / per-block K INT8 scales, online softmax, LSE, GQA); CUDA fp16/bf16 (or CPU under
   ``TRITON_INTERPRET=1``), head dims ``SUPPORTED_HEAD_DIMS``;
-* ``package``: the ``sageattention`` package (CUDA; no LSE; its own P.V precision, so ``pv_dtype``
-  fp16 only).  sageattention 1.0.6 subtracts the key mean from its K argument in place, so it gets
-  a clone;
+* ``package``: the ``sageattention`` package (CUDA and MUSA; no LSE; its own P.V precision, so
+  ``pv_dtype`` fp16 only; on Hopper only a build with the upstream SM90 binding fix, not PyPI's
+  2.2.0).  sageattention 1.0.6 subtracts the key mean from its K argument in place, so it gets a
+  clone;
 * ``reference``: :func:`ditattn.attention.kernels.int8_attention.int8_attention_reference`, the same
   quantization in PyTorch (float32, float16 or bfloat16; any device);
-* ``auto`` (default): the first implementation of :func:`auto_order` that can serve the call: on
-  SM90 the Triton kernel (measured faster than sageattention 1.0.6 there, see docs/benchmarks.md),
-  on other CUDA GPUs the package, then the Triton kernel; on other devices the reference.
+* ``auto`` (default): :func:`auto_impl`.  On CUDA that is
+  :func:`ditattn.attention.specs.sage_cuda_runtime`, the rule the selector applies too, so the
+  plan names what runs: the Triton kernel on SM90 (measured faster than sageattention 1.0.6 there,
+  see docs/benchmarks.md), whenever the LSE or ``pv_dtype`` fp8 is needed and when the package is
+  missing, else the package.  On Hopper a call the in-tree kernel cannot serve (head dims other
+  than 32/64/128) needs the package with the SM90 fix; without it the selector has already put
+  ``fa`` on such layers (the seed's fallback, recorded in the plan).  MUSA: the package.  Other
+  devices: the reference.
 
 ``pv_dtype`` is the P.V precision (``fp16``, the default: about 1.3 % relative error on random
 inputs; ``fp8``: faster tensor-core rate, about 4 %); ``qk_dtype`` only ``int8`` so far.  A new
-implementation is one more :class:`SageImpl` row in :data:`SAGE_IMPLS` (and its name in the schema's
-``impl`` choices).
+implementation is one more :class:`SageImpl` row in :data:`SAGE_IMPLS` (its name in the schema's
+``impl`` choices, and a place in :func:`auto_impl` / ``sage_cuda_runtime`` if ``auto`` should pick
+it).
 
 ``sage_attn_3`` runs ``sageattn3.sageattn3_blackwell`` (FP4 microscaling) on Blackwell GPUs only.
 """
@@ -37,7 +44,9 @@ from ditattn.attention.backends.base import AttnCall, expand_kv, register
 from ditattn.attention.names import AttentionBackendEnum as B
 from ditattn.attention.config import complete_backend_config
 from ditattn.attention.schemas import SAGE_PV_DTYPES
+from ditattn.attention.specs import SAGE_SM90_FIX_INSTALL, sage_cuda_runtime, sage_lacks_sm90_fix
 from ditattn.errors import AttentionConfigError, BackendUnavailableError
+from ditattn.platforms import Platform, current_platform, platform_for_device
 from ditattn.settings import check_retired
 
 log = logging.getLogger(__name__)
@@ -78,11 +87,24 @@ def _triton_run(q, k, v, call: AttnCall, cfg: dict):
                           pv=cfg["pv_dtype"])
 
 
-def _package_why_not(q: torch.Tensor, call: AttnCall, cfg: dict) -> Optional[str]:
+def _package_install_problem(q: torch.Tensor) -> Optional[str]:
+    """Why the installed sageattention cannot run at all here: missing, or (Hopper) a build without
+    the upstream SM90 binding fix.  None: it can."""
     if _load("sageattention", "sageattn") is None:
         return "package 'sageattention' is not installed (pip install sageattention)"
-    if q.device.type != "cuda":
-        return f"the sageattention package runs on CUDA, not {q.device.type}"
+    platform = platform_for_device(q.device)
+    if platform.name == "cuda" and platform.sm == 90 and sage_lacks_sm90_fix(platform):
+        return (f"sageattention {platform.package_version('sageattention')} lacks the upstream SM90 binding fix "
+                f"on Hopper; install: {SAGE_SM90_FIX_INSTALL}")
+    return None
+
+
+def _package_why_not(q: torch.Tensor, call: AttnCall, cfg: dict) -> Optional[str]:
+    problem = _package_install_problem(q)
+    if problem is not None:
+        return problem
+    if q.device.type not in ("cuda", "musa"):
+        return f"the sageattention package runs on CUDA and MUSA, not {q.device.type}"
     if call.return_lse:
         return "the sageattention package returns no LSE (needed here)"
     if cfg["pv_dtype"] != "fp16":
@@ -129,50 +151,58 @@ SAGE_IMPLS: dict[str, SageImpl] = {
 }
 
 
-def auto_order(q: torch.Tensor) -> tuple[str, ...]:
-    """The implementations ``impl=auto`` tries, in order, for ``q``'s device."""
-    if q.device.type != "cuda":
-        return ("reference",)
-    major, minor = torch.cuda.get_device_capability(q.device)
-    if major * 10 + minor == 90:
-        return ("triton", "package")
-    return ("package", "triton")
+def auto_impl(device_type: str, head_dim: int, need_lse: bool = False, pv_dtype: str = "fp16",
+              platform: Optional[Platform] = None) -> str:
+    """The :data:`SAGE_IMPLS` key ``impl=auto`` runs for a call on ``device_type`` with ``head_dim``.
+
+    CUDA: :func:`ditattn.attention.specs.sage_cuda_runtime` on ``platform`` (default: the current
+    one), the rule the selector labels the plan with; MUSA: the sageattention package (the seed's
+    MUSA support); other devices: the PyTorch reference.  Raises :class:`BackendUnavailableError`
+    with the reason when nothing may serve the call on CUDA."""
+    if device_type == "cuda":
+        name, why = sage_cuda_runtime(platform or current_platform(), head_dim, need_lse, pv_dtype)
+        if name is None:
+            raise BackendUnavailableError("sage_attn", [why])
+        return name
+    return "package" if device_type == "musa" else "reference"
 
 
 def sage_impl_for(q: torch.Tensor, call: AttnCall, cfg: Optional[dict] = None) -> str:
     """The ``sage_attn`` implementation that serves this call under config ``cfg`` (defaults for
     missing keys).  An explicit ``impl`` that cannot serve the call, or ``auto`` with no
     implementation that can, raises :class:`AttentionConfigError` with the reasons
-    (:class:`BackendUnavailableError` when the package is missing)."""
+    (:class:`BackendUnavailableError` when ``impl=package`` and the package is missing or, on Hopper,
+    lacks the SM90 fix; and when ``auto`` has nothing on CUDA, see :func:`auto_impl`)."""
     cfg = complete_backend_config(B.SAGE_ATTN, cfg)
-    names = auto_order(q) if cfg["impl"] == "auto" else (cfg["impl"],)
-    reasons = []
-    for name in names:
-        impl = SAGE_IMPLS[name]
-        why = impl.why_not(q, call, cfg)
-        if why is None and cfg["qk_dtype"] in impl.qk_dtypes and cfg["pv_dtype"] in impl.pv_dtypes:
-            return name
-        reasons.append(f"{name}: {why or 'does not implement these precisions'}")
-    if cfg["impl"] == "package" and _load("sageattention", "sageattn") is None:
-        raise BackendUnavailableError("sage_attn", [f"impl package: {reasons[0].split(': ', 1)[1]}"])
+    if cfg["impl"] == "auto":
+        name = auto_impl(q.device.type, q.shape[-1], call.return_lse, cfg["pv_dtype"], platform_for_device(q.device))
+    else:
+        name = cfg["impl"]
+    impl = SAGE_IMPLS[name]
+    why = impl.why_not(q, call, cfg)
+    if why is None and cfg["qk_dtype"] in impl.qk_dtypes and cfg["pv_dtype"] in impl.pv_dtypes:
+        return name
+    if cfg["impl"] == "package" and why is not None and why == _package_install_problem(q):
+        raise BackendUnavailableError("sage_attn", [f"impl package: {why}"])
     raise AttentionConfigError(f"sage_attn: no implementation can serve this call (impl {cfg['impl']}): "
-                               + "; ".join(reasons))
+                               f"{name}: {why or 'does not implement these precisions'}")
 
 
 @register(B.SAGE_ATTN)
 def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttnCall, config: dict):
     """``sage_attn``: q ``[B, S_q, H, D]``, k/v ``[B, S_kv, H_kv, D]``; returns ``(out, lse|None)``.
 
-    Lossy (INT8 Q.K).  No additive bias.  CUDA: fp16/bf16; CPU: float32/float16/bfloat16.
+    Lossy (INT8 Q.K).  No additive bias.  CUDA and MUSA: fp16/bf16; CPU: float32/float16/bfloat16.
     ``config``: ``impl``, ``pv_dtype``, ``qk_dtype`` (missing keys take their defaults).
     """
     if call.attn_bias is not None:
         raise AttentionConfigError("sage_attn: does not accept an additive attention bias/mask; accepted: no bias")
     check_retired("DITATTN_SAGE_IMPL", "DITATTN_SAGE_PV")
     cfg = complete_backend_config(B.SAGE_ATTN, config)
-    if q.device.type == "cuda" and q.dtype not in (torch.float16, torch.bfloat16):
+    if q.device.type != "cpu" and q.dtype not in (torch.float16, torch.bfloat16):
         raise AttentionConfigError(
-            f"sage_attn: dtype {str(q.dtype).replace('torch.', '')} not supported on CUDA (accepts float16, bfloat16)"
+            f"sage_attn: dtype {str(q.dtype).replace('torch.', '')} not supported on {q.device.type} "
+            "(accepts float16, bfloat16)"
         )
     return SAGE_IMPLS[sage_impl_for(q, call, cfg)].run(q, k, v, call, cfg)
 
