@@ -58,7 +58,7 @@ def test_retired_block_sparse_env_var_is_refused(monkeypatch):
 
 def test_sage_keys_are_validated_and_listed():
     cfg = validate_backend_config(B.SAGE_ATTN, {})
-    assert cfg == {"impl": "auto", "pv_dtype": "fp16", "qk_dtype": "int8"}
+    assert cfg == {"impl": "auto", "pv_dtype": "fp16", "qk_dtype": "int8", "k_granularity": "auto"}
     with pytest.raises(AttentionConfigError, match="invalid value 'cuda' for 'impl'; accepted: one of"):
         validate_backend_config(B.SAGE_ATTN, {"impl": "cuda"})
     with pytest.raises(AttentionConfigError, match="'qk_dtype' .no sage_attn kernel implements fp8 Q.K yet.; "
@@ -66,7 +66,8 @@ def test_sage_keys_are_validated_and_listed():
         validate_backend_config(B.SAGE_ATTN, {"qk_dtype": "fp8"})
     info = {b.name: b for b in list_backends()}["sage_attn"]
     params = {p["name"]: p for p in info.params}
-    assert set(params) == {"impl", "pv_dtype", "qk_dtype"} and params["impl"]["default"] == "auto"
+    assert set(params) == {"impl", "pv_dtype", "qk_dtype", "k_granularity"} and params["impl"]["default"] == "auto"
+    assert "sm90" in params["impl"]["choices"]
     vsa = {p["name"] for p in {b.name: b for b in list_backends()}["video_sparse_attn"].params}
     assert "block_sparse_impl" in vsa
 
@@ -78,3 +79,38 @@ def test_backends_lists_the_implementation_keys(capsys):
     out = capsys.readouterr().out
     assert "param impl: str = 'auto'" in out and "param pv_dtype: str = 'fp16'" in out
     assert "param block_sparse_impl: str = 'auto'" in out
+
+
+def test_sage_auto_rule_picks_the_sm90_kernel_on_hopper_only():
+    from ditattn.attention.specs import sage_cuda_runtime
+    from ditattn.platforms import Platform
+
+    hopper = Platform.simulate("cuda", capability=(9, 0), packages={"triton"})
+    assert sage_cuda_runtime(hopper, 128) == ("sm90", "")
+    assert sage_cuda_runtime(hopper, 64, needs_lse=True) == ("sm90", "")  # the kernel returns the LSE
+    assert sage_cuda_runtime(hopper, 128, pv_dtype="fp8")[0] == "triton"  # sm90 has no FP8 P.V
+    assert sage_cuda_runtime(hopper, 32)[0] == "triton"  # head dim 32: only the Triton kernel
+    ampere = Platform.simulate("cuda", capability=(8, 0), packages={"triton"})
+    assert sage_cuda_runtime(ampere, 128)[0] == "triton"
+
+
+def test_sage_k_granularity_reaches_the_implementations():
+    import torch
+
+    from ditattn.attention.backends.base import AttnCall
+    from ditattn.attention.backends.sage import SAGE_IMPLS, sage_impl_for
+    from ditattn.attention.kernels.int8_attention import int8_attention_reference
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 200, 2, 64, generator=g) for _ in range(3))
+    k = k + 0.5
+    call = AttnCall()
+    out_auto, _ = SAGE_IMPLS["reference"].run(q, k, v, call, {"pv_dtype": "fp16", "k_granularity": "auto"})
+    out_tok, _ = int8_attention_reference(q, k, v, k_granularity="token")
+    out_blk, _ = int8_attention_reference(q, k, v, k_granularity="block")
+    assert torch.equal(out_auto, out_tok) and not torch.equal(out_tok, out_blk)
+    # the Triton kernel has per-block K scales only: an explicit token granularity is refused with the reason
+    why = SAGE_IMPLS["triton"].why_not(q.half(), call, {"k_granularity": "token"})
+    assert why is not None and "per block" in why
+    with pytest.raises(AttentionConfigError, match="sm90 kernel needs an SM90"):
+        sage_impl_for(q, call, {"impl": "sm90"})

@@ -294,7 +294,7 @@ def _runtime_label(b: B, platform: Platform, req: Optional[LayerRequest] = None,
         if impl == "auto":
             impl = sage_cuda_runtime(platform, req.head_dim, req.needs_lse, cfg.get("pv_dtype", "fp16"))[0]
         runtimes = SPECS[b].runtimes
-        module = {"triton": "triton", "package": "sageattention"}.get(impl)
+        module = {"triton": "triton", "package": "sageattention", "sm90": "triton.experimental.gluon"}.get(impl)
         labels = {rt.modules[0]: rt.label for rt in runtimes["cuda"]}
         return labels.get(module) or (runtimes["cpu"][0].label if impl == "reference" else "")
     rt = SPECS[b].runtime_on(platform)

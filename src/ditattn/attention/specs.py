@@ -182,6 +182,7 @@ def _fa_check(spec, req, platform):
 
 # Head dims of ditattn's in-tree INT8 sage kernel (kernels/int8_attention.py SUPPORTED_HEAD_DIMS).
 SAGE_INTREE_HEAD_DIMS = (32, 64, 128)
+SAGE_SM90_HEAD_DIMS = (64, 128)  # the warp-specialised Gluon kernel (impl sm90)
 SAGE_SM90_FIX_COMMIT = "d9704247a5139ab4c03bf7fc6b35cc0e2cbb5ea4"
 SAGE_SM90_FIX_INSTALL = (f"pip install --force-reinstall git+https://github.com/thu-ml/SageAttention.git@"
                          f"{SAGE_SM90_FIX_COMMIT} --no-build-isolation")
@@ -207,10 +208,14 @@ def sage_cuda_runtime(platform: Platform, head_dim: int | None, needs_lse: bool 
                       pv_dtype: str = "fp16") -> tuple[str | None, str]:
     """Which CUDA implementation serves ``sage_attn`` for ``head_dim`` under ``impl=auto`` (the
     automatic rule, shared by the selector and the backend so the plan names what runs):
+    ``("sm90", "")`` (the warp-specialised Gluon kernel: SM90, head dim 64/128, fp16 P.V),
     ``("triton", "")`` (the in-tree INT8 kernel: on SM90, where it measured faster, when the LSE or
     ``pv_dtype`` fp8 is needed, and without the package), ``("package", "")`` (sageattention) or
     ``(None, reason)``.  The names are keys of ``backends.sage.SAGE_IMPLS``."""
     has_pkg = platform.has_package("sageattention")
+    if (platform.sm == 90 and platform.has_package("triton") and pv_dtype == "fp16"
+            and (head_dim is None or head_dim in SAGE_SM90_HEAD_DIMS)):
+        return "sm90", ""  # measured fastest on the H200 (docs/benchmarks.md section 2)
     intree = platform.has_package("triton") and (head_dim is None or head_dim in SAGE_INTREE_HEAD_DIMS)
     pkg_broken = has_pkg and platform.sm == 90 and sage_lacks_sm90_fix(platform)
     pkg_fits = not needs_lse and pv_dtype == "fp16"  # the package returns no LSE, picks its own P.V precision
@@ -292,7 +297,8 @@ SPECS: dict[B, BackendSpec] = {s.backend: s for s in [
                 "mask_strategy_file_path required"),
     _spec(B.SAGE_ATTN, kind="quantized", summary="SageAttention: INT8 Q.K with smoothed K, FP16/FP8 P.V",
           runtimes={"cuda": (Runtime(("triton",), "in-tree Triton INT8 kernel"),
-                             Runtime(("sageattention",), "sageattention package")),
+                             Runtime(("sageattention",), "sageattention package"),
+                             Runtime(("triton.experimental.gluon",), "in-tree Gluon SM90 kernel")),
                     "musa": (Runtime(("sageattention",), "sageattention package"),),
                     "cpu": (Runtime((), "in-tree PyTorch reference"),)},
           seed_platforms=("cuda", "musa"), cpu_dtypes=ALL_FLOAT,

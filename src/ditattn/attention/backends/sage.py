@@ -4,6 +4,10 @@
 implementations, chosen by its config key ``impl`` (schema: :mod:`ditattn.attention.schemas`;
 ``ditattn backends`` lists it):
 
+* ``sm90``: our warp-specialised Gluon kernel for Hopper
+  (:func:`ditattn.attention.kernels.sage_sm90.sage_attention_sm90`: TMA producer warp, two consumer
+  warpgroups, asynchronous INT8 Q.K and BF16/FP16 P.V ``wgmma``; per-token Q and K scales by default);
+  SM90 only, head dims 64/128, non-causal, ``pv_dtype`` fp16;
 * ``triton``: our Triton kernel (:func:`ditattn.attention.kernels.int8_attention.int8_attention`:
   per-token Q / per-block K INT8 scales, online softmax, LSE, GQA); CUDA fp16/bf16 (or CPU under
   ``TRITON_INTERPRET=1``), head dims ``SUPPORTED_HEAD_DIMS``;
@@ -15,15 +19,18 @@ implementations, chosen by its config key ``impl`` (schema: :mod:`ditattn.attent
   quantization in PyTorch (float32, float16 or bfloat16; any device);
 * ``auto`` (default): :func:`auto_impl`.  On CUDA that is
   :func:`ditattn.attention.specs.sage_cuda_runtime`, the rule the selector applies too, so the
-  plan names what runs: the Triton kernel on SM90 (measured faster than sageattention 1.0.6 there,
-  see docs/benchmarks.md), whenever the LSE or ``pv_dtype`` fp8 is needed and when the package is
-  missing, else the package.  On Hopper a call the in-tree kernel cannot serve (head dims other
+  plan names what runs: on SM90 the sm90 kernel (head dims 64/128, fp16 P.V; a causal call falls
+  back to the Triton kernel), else the Triton kernel on SM90 (measured faster than sageattention
+  1.0.6 there, see docs/benchmarks.md), whenever the LSE or ``pv_dtype`` fp8 is needed and when the
+  package is missing, else the package.  On Hopper a call the in-tree kernel cannot serve (head dims other
   than 32/64/128) needs the package with the SM90 fix; without it the selector has already put
   ``fa`` on such layers (the seed's fallback, recorded in the plan).  MUSA: the package.  Other
   devices: the reference.
 
-``pv_dtype`` is the P.V precision (``fp16``, the default: about 1.3 % relative error on random
-inputs; ``fp8``: faster tensor-core rate, about 4 %); ``qk_dtype`` only ``int8`` so far.  A new
+``pv_dtype`` is the P.V precision (``fp16``, the default: about 1 % relative error on random
+inputs; ``fp8``: faster tensor-core rate, about 4 %); ``qk_dtype`` only ``int8`` so far;
+``k_granularity`` the K scale granularity (``token`` or ``block``; ``auto``: token on sm90 and the
+reference, block on the Triton kernel).  A new
 implementation is one more :class:`SageImpl` row in :data:`SAGE_IMPLS` (its name in the schema's
 ``impl`` choices, and a place in :func:`auto_impl` / ``sage_cuda_runtime`` if ``auto`` should pick
 it).
@@ -77,6 +84,8 @@ def _triton_why_not(q: torch.Tensor, call: AttnCall, cfg: dict) -> Optional[str]
         return f"the Triton kernel takes float16/bfloat16, not {str(q.dtype).replace('torch.', '')}"
     if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
         return f"the Triton kernel supports head dim {list(SUPPORTED_HEAD_DIMS)}, not {q.shape[-1]}"
+    if cfg.get("k_granularity") == "token":
+        return "the Triton kernel scales K per block of keys (k_granularity token: impl sm90 or reference)"
     return None
 
 
@@ -97,6 +106,34 @@ def _package_install_problem(q: torch.Tensor) -> Optional[str]:
         return (f"sageattention {platform.package_version('sageattention')} lacks the upstream SM90 binding fix "
                 f"on Hopper; install: {SAGE_SM90_FIX_INSTALL}")
     return None
+
+
+def _sm90_why_not(q: torch.Tensor, call: AttnCall, cfg: dict) -> Optional[str]:
+    from ditattn.attention.specs import SAGE_SM90_HEAD_DIMS
+
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
+        where = q.device.type if q.device.type != "cuda" else "SM%d%d" % torch.cuda.get_device_capability(q.device)
+        return f"the sm90 kernel needs an SM90 (Hopper) GPU, not {where}"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"the sm90 kernel takes float16/bfloat16, not {str(q.dtype).replace('torch.', '')}"
+    if q.shape[-1] not in SAGE_SM90_HEAD_DIMS:
+        return f"the sm90 kernel supports head dim {list(SAGE_SM90_HEAD_DIMS)}, not {q.shape[-1]}"
+    if call.causal:
+        return "the sm90 kernel is non-causal only (the Triton kernel serves causal calls)"
+    if _load("triton.experimental.gluon", "jit") is None:
+        return "the sm90 kernel needs Triton with the Gluon dialect (triton >= 3.5)"
+    return None
+
+
+def _k_granularity(cfg: dict, auto: str) -> str:
+    return auto if cfg.get("k_granularity", "auto") == "auto" else cfg["k_granularity"]
+
+
+def _sm90_run(q, k, v, call: AttnCall, cfg: dict):
+    from ditattn.attention.kernels.sage_sm90 import sage_attention_sm90
+
+    return sage_attention_sm90(q, k, v, scale=call.scale, return_lse=call.return_lse,
+                               config={"k_granularity": _k_granularity(cfg, "token")})
 
 
 def _package_why_not(q: torch.Tensor, call: AttnCall, cfg: dict) -> Optional[str]:
@@ -129,7 +166,7 @@ def _reference_run(q, k, v, call: AttnCall, cfg: dict):
     from ditattn.attention.kernels.int8_attention import int8_attention_reference
 
     return int8_attention_reference(q, k, v, scale=call.scale, causal=call.causal, return_lse=call.return_lse,
-                                    pv=cfg["pv_dtype"])
+                                    pv=cfg["pv_dtype"], k_granularity=_k_granularity(cfg, "token"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +182,7 @@ class SageImpl:
 
 
 SAGE_IMPLS: dict[str, SageImpl] = {
+    "sm90": SageImpl(_sm90_why_not, _sm90_run, pv_dtypes=("fp16",)),
     "triton": SageImpl(_triton_why_not, _triton_run),
     "package": SageImpl(_package_why_not, _package_run, pv_dtypes=("fp16",)),
     "reference": SageImpl(_reference_why_not, _reference_run),
@@ -182,6 +220,11 @@ def sage_impl_for(q: torch.Tensor, call: AttnCall, cfg: Optional[dict] = None) -
     why = impl.why_not(q, call, cfg)
     if why is None and cfg["qk_dtype"] in impl.qk_dtypes and cfg["pv_dtype"] in impl.pv_dtypes:
         return name
+    if cfg["impl"] == "auto" and name == "sm90":  # e.g. a causal call: the Triton kernel serves it
+        alt = SAGE_IMPLS["triton"].why_not(q, call, cfg)
+        if alt is None:
+            return "triton"
+        why = f"{why}; triton: {alt}"
     if cfg["impl"] == "package" and why is not None and why == _package_install_problem(q):
         raise BackendUnavailableError("sage_attn", [f"impl package: {why}"])
     raise AttentionConfigError(f"sage_attn: no implementation can serve this call (impl {cfg['impl']}): "
