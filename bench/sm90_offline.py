@@ -91,7 +91,7 @@ def compile_kernel(config: dict, *, head_dim: int = 128, dtype=None):
         BLOCK_N=bn, HEAD_DIM=d, NUM_STAGES=int(cfg["num_stages"]), RETURN_LSE=True,
         CONSUMER_REGS=int(cfg["consumer_regs"]), PRODUCER_REGS=int(cfg["producer_regs"]),
         K_PER_TOKEN=cfg["k_granularity"] == "token", PINGPONG=bool(cfg["pingpong"]),
-        TMA_STORE=bool(cfg["tma_store"]), STATIC_MAX=bool(cfg["static_max"]),
+        TMA_STORE=bool(cfg["tma_store"]), STATIC_MAX=bool(cfg["static_max"]), Q_REGS=bool(cfg["q_regs"]),
         num_warps=4, maxnreg=168, grid=(1,))
 
 

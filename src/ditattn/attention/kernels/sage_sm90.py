@@ -46,7 +46,7 @@ LOGIT_LIMIT = gl.constexpr(100.0)
 def default_config(head_dim: int) -> dict:
     """Launch configuration used when the caller passes none."""
     return {"block_n": 128, "num_stages": 2, "consumer_regs": 240, "producer_regs": 24, "k_granularity": "token",
-            "pingpong": True, "tma_store": True, "static_max": True}
+            "pingpong": True, "tma_store": True, "static_max": True, "q_regs": False}
 
 
 @gluon.jit
@@ -232,7 +232,7 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, ks_smem, o_smem, ones_sm
               stride_os, n_full, n_blocks,
               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
               RETURN_LSE: gl.constexpr, K_PER_TOKEN: gl.constexpr, PINGPONG: gl.constexpr,
-              TMA_STORE: gl.constexpr, STATIC_MAX: gl.constexpr):
+              TMA_STORE: gl.constexpr, STATIC_MAX: gl.constexpr, Q_REGS: gl.constexpr):
     """One consumer warpgroup: 64 query rows over all keys, then the epilogue.
 
     With ``STATIC_MAX`` the warpgroup checks once whether every row's logits are bounded by
@@ -248,6 +248,8 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, ks_smem, o_smem, ones_sm
     rs = gl.load(qs_ptr + rows)
     mbarrier.wait(q_bar.index(WG), 0)
     q = q_smem.index(WG)
+    if Q_REGS:  # the Q.K product's A operand from registers: no shared-memory reads of Q per product
+        q = q.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=4))
     static = False
     if STATIC_MAX:
         static = gl.max(gl.load(qn_ptr + rows), 0) * gl.load(kn_ptr) <= LOGIT_LIMIT
@@ -294,7 +296,7 @@ def _sage_fwd_sm90(q_desc, k_desc, v_desc, o_desc, ks_desc, qs_ptr, qn_ptr, kn_p
                    BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
                    RETURN_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                    K_PER_TOKEN: gl.constexpr, PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr,
-                   STATIC_MAX: gl.constexpr):
+                   STATIC_MAX: gl.constexpr, Q_REGS: gl.constexpr):
     pid_m = gl.program_id(0)
     pid_bh = gl.program_id(1)
     b = pid_bh // H
@@ -348,11 +350,11 @@ def _sage_fwd_sm90(q_desc, k_desc, v_desc, o_desc, ks_desc, qs_ptr, qn_ptr, kn_p
         (_consumer, (0, q_smem, k_smem, v_smem, ks_smem, o_smem, ones_smem, q_bar, k_ready, k_empty, v_ready,
                      v_empty, turn, o_desc, qs_row, qn_row, kn_h, ks_row, qkm_row, o_base, lse_row, m0, b,
                      h * HEAD_DIM, Sq, Skv, stride_os, n_full, n_blocks, BLOCK_N, HEAD_DIM, NUM_STAGES, RETURN_LSE,
-                     K_PER_TOKEN, PINGPONG, TMA_STORE, STATIC_MAX)),
+                     K_PER_TOKEN, PINGPONG, TMA_STORE, STATIC_MAX, Q_REGS)),
         (_consumer, (1, q_smem, k_smem, v_smem, ks_smem, o_smem, ones_smem, q_bar, k_ready, k_empty, v_ready,
                      v_empty, turn, o_desc, qs_row, qn_row, kn_h, ks_row, qkm_row, o_base, lse_row, m0, b,
                      h * HEAD_DIM, Sq, Skv, stride_os, n_full, n_blocks, BLOCK_N, HEAD_DIM, NUM_STAGES, RETURN_LSE,
-                     K_PER_TOKEN, PINGPONG, TMA_STORE, STATIC_MAX)),
+                     K_PER_TOKEN, PINGPONG, TMA_STORE, STATIC_MAX, Q_REGS)),
         (_producer, (q_desc, k_desc, v_desc, ks_desc, q_smem, k_smem, v_smem, ks_smem, q_bar, k_ready, k_empty,
                      v_ready, v_empty, pid_bh * Sq_pad + m0, bhk * Skv_pad, b * Skv, hk * HEAD_DIM, n_blocks,
                      BLOCK_N, NUM_STAGES, K_PER_TOKEN)),
@@ -410,7 +412,7 @@ def sage_attention_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sc
         BLOCK_N=bn, HEAD_DIM=D, NUM_STAGES=stages, RETURN_LSE=bool(return_lse),
         CONSUMER_REGS=int(cfg["consumer_regs"]), PRODUCER_REGS=int(cfg["producer_regs"]),
         K_PER_TOKEN=k_tok, PINGPONG=bool(cfg["pingpong"]),
-        TMA_STORE=tma_store, STATIC_MAX=bool(cfg["static_max"]),
+        TMA_STORE=tma_store, STATIC_MAX=bool(cfg["static_max"]), Q_REGS=bool(cfg["q_regs"]),
         num_warps=4, maxnreg=168,
     )
     return out, (lse if return_lse else None)
