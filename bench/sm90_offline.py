@@ -116,11 +116,11 @@ def compile_block_sparse(config: dict, *, head_dim: int = 128, has_valid: bool =
     cnt = torch.zeros(b, h, nq, dtype=torch.int32)
     f = torch.zeros(4096)
     return m._bs_fwd_sm90.warmup(
-        desc, desc, desc, desc, idx, cnt, f, f, f, h, h // hkv, nq, s, s, 0.1,
+        desc, desc, desc, desc, idx, cnt, f, f, f, f, f, h, h // hkv, nq, s, s, 0.1,
         idx.stride(0), idx.stride(1), idx.stride(2), cnt.stride(0), cnt.stride(1), 0, 0,
         HEAD_DIM=d, NUM_STAGES=int(cfg["num_stages"]), HAS_VALID=has_valid, RETURN_LSE=True,
         CONSUMER_REGS=int(cfg["consumer_regs"]), PRODUCER_REGS=int(cfg["producer_regs"]),
-        num_warps=4, maxnreg=168, grid=(1,))
+        STATIC_MAX=bool(cfg["static_max"]), num_warps=4, maxnreg=168, grid=(1,))
 
 
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)(?:\.[A-Z0-9_x.]+)?\s*([^;]*);")

@@ -37,7 +37,7 @@ BLOCK = gl.constexpr(64)
 
 def default_config(head_dim: int) -> dict:
     """Launch configuration used when the caller passes none."""
-    return {"num_stages": 2, "consumer_regs": 232, "producer_regs": 40}
+    return {"num_stages": 2, "consumer_regs": 232, "producer_regs": 40, "static_max": True}
 
 
 @gluon.jit
@@ -84,67 +84,135 @@ def _scores(s, idx_ptr, valid_ptr, partial_ptr, i, HAS_VALID: gl.constexpr, s_la
     return s
 
 
-@gluon.jit
-def _online(s, m_i, l_i, qk_scale):
-    """One online-softmax step in base 2 on raw scores ``s`` (``-inf`` masked): ``(p, alpha, m, l)``.
-    ``m`` is kept in raw-score units; a row with no key yet stays at m = -inf, l = 0 (no NaN)."""
-    m_new = gl.maximum(m_i, gl.max(s, 1))
-    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(gl.fma(s, qk_scale, -(m_use * qk_scale)[:, None]))
-    alpha = gl.exp2((m_i - m_use) * qk_scale)
-    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+#: rows whose base-2 logits are bounded by this in magnitude (|q_i| * max_j |k_j| * scale * log2 e) run the
+#: softmax without a running maximum: exp2 of the raw logit stays inside fp32/bf16 range
+LOGIT_LIMIT = gl.constexpr(100.0)
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-              o_desc, idx_ptr, n, live, valid_ptr, partial_ptr, lse_ptr, o_row, o_col, qk_scale,
-              HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_VALID: gl.constexpr, RETURN_LSE: gl.constexpr):
-    """One query block (64 rows) over its ``n`` listed key blocks, then the epilogue."""
+def _probs(s, m_i, l_i, qk_scale, STATIC_MAX: gl.constexpr):
+    """exp2 of one tile of raw scores ``s`` (``-inf`` masked): ``(p, alpha, m, l)``.
+
+    Static max: p = exp2(s * qk_scale), no rescale (alpha 1), the row sums come from the tensor cores.
+    Otherwise one online-softmax step in base 2 (``m`` in raw-score units; a row with no key yet
+    stays at m = -inf, l = 0, no NaN)."""
+    if STATIC_MAX:
+        return gl.exp2(s * qk_scale), m_i, m_i, l_i
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(gl.fma(s, qk_scale, -(m_use * qk_scale)[:, None]))
+        alpha = gl.exp2((m_i - m_use) * qk_scale)
+        return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _kv_loop(WG: gl.constexpr, q, n, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready, v_empty, idx_ptr,
+             valid_ptr, partial_ptr, qk_scale, STATIC_MAX: gl.constexpr, HEAD_DIM: gl.constexpr,
+             NUM_STAGES: gl.constexpr, HAS_VALID: gl.constexpr):
+    """The ``n >= 1`` listed key blocks of one query block: ``(acc [64, D], l [64], m [64])``.
+
+    Q.K(i) is issued before P(i-1).V(i-1) (and, with the static max, P(i-1) x ones for the row sums),
+    so the softmax of block i runs under the products of block i-1."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+    l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    pl_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     dt: gl.constexpr = v_smem.dtype
     base: gl.constexpr = WG * NUM_STAGES
 
     m_i = gl.full([BLOCK], float("-inf"), gl.float32, row_s)
+    if STATIC_MAX:
+        m_i = gl.zeros([BLOCK], gl.float32, row_s)
     l_i = gl.zeros([BLOCK], gl.float32, row_s)
     acc = gl.zeros([BLOCK, HEAD_DIM], gl.float32, o_layout)
+    l_acc = gl.zeros([BLOCK, 8], gl.float32, l_layout)
     zero_s = gl.zeros([BLOCK, BLOCK], gl.float32, s_layout)
+
+    mbarrier.wait(k_ready.index(base), 0)
+    s_tok = warpgroup_mma(q, k_smem.index(base).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(0, deps=(s_tok,))
+    mbarrier.arrive(k_empty.index(base), count=1)
+    s = _scores(s, idx_ptr, valid_ptr, partial_ptr, 0, HAS_VALID, s_layout)
+    p, alpha, m_i, l_i = _probs(s, m_i, l_i, qk_scale, STATIC_MAX)
+    p_prev = gl.convert_layout(p.to(dt), p_layout)
+    for i in range(1, n):
+        st = base + i % NUM_STAGES
+        sp = base + (i - 1) % NUM_STAGES
+        mbarrier.wait(k_ready.index(st), (i // NUM_STAGES) & 1)
+        mbarrier.wait(v_ready.index(sp), ((i - 1) // NUM_STAGES) & 1)
+        s_tok = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        o_tok = warpgroup_mma(p_prev, v_smem.index(sp), acc, is_async=True)
+        if STATIC_MAX:
+            pl = gl.convert_layout(p_prev, pl_layout)
+            l_tok = warpgroup_mma(pl, ones_smem.permute((1, 0)), l_acc, is_async=True)
+            s = warpgroup_mma_wait(2, deps=(s_tok,))
+        else:
+            s = warpgroup_mma_wait(1, deps=(s_tok,))
+        mbarrier.arrive(k_empty.index(st), count=1)
+        s = _scores(s, idx_ptr, valid_ptr, partial_ptr, i, HAS_VALID, s_layout)
+        p, alpha, m_i, l_i = _probs(s, m_i, l_i, qk_scale, STATIC_MAX)
+        p_next = gl.convert_layout(p.to(dt), p_layout)
+        # P(i-1) stays in deps until its products are done (else ptxas serialises every wgmma)
+        if STATIC_MAX:
+            acc, l_acc, _p, _pl = warpgroup_mma_wait(0, deps=(o_tok, l_tok, p_prev, pl))
+        else:
+            acc, _p = warpgroup_mma_wait(0, deps=(o_tok, p_prev))
+        mbarrier.arrive(v_empty.index(sp), count=1)
+        if not STATIC_MAX:
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        p_prev = p_next
+    sp = base + (n - 1) % NUM_STAGES
+    mbarrier.wait(v_ready.index(sp), ((n - 1) // NUM_STAGES) & 1)
+    o_tok = warpgroup_mma(p_prev, v_smem.index(sp), acc, is_async=True)
+    if STATIC_MAX:
+        pl = gl.convert_layout(p_prev, pl_layout)
+        l_tok = warpgroup_mma(pl, ones_smem.permute((1, 0)), l_acc, is_async=True)
+        acc, l_acc, _p, _pl = warpgroup_mma_wait(0, deps=(o_tok, l_tok, p_prev, pl))
+        l_i = gl.convert_layout(gl.max(l_acc, 1), row_s)  # the 8 columns are equal
+    else:
+        acc, _p = warpgroup_mma_wait(0, deps=(o_tok, p_prev))
+    mbarrier.arrive(v_empty.index(sp), count=1)
+    return acc, l_i, m_i
+
+
+@gluon.jit
+def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, ones_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+              o_desc, idx_ptr, n, live, valid_ptr, partial_ptr, lse_ptr, qn_ptr, kn, o_row, o_col, qk_scale,
+              HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_VALID: gl.constexpr, RETURN_LSE: gl.constexpr,
+              STATIC_MAX: gl.constexpr):
+    """One query block (64 rows) over its ``n`` listed key blocks, then the epilogue.  With
+    ``STATIC_MAX`` the rows' logit bound (``qn_i * kn``) decides once whether the loop runs without a
+    running maximum."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    m_i = gl.full([BLOCK], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([BLOCK], gl.float32, row_s)
+    acc = gl.zeros([BLOCK, HEAD_DIM], gl.float32, o_layout)
     q = q_smem.index(WG)
+    rows = gl.arange(0, BLOCK, layout=row_s)
     if live:
         mbarrier.wait(q_bar.index(WG), 0)
     if n > 0:
-        mbarrier.wait(k_ready.index(base), 0)
-        s_tok = warpgroup_mma(q, k_smem.index(base).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(0, deps=(s_tok,))
-        mbarrier.arrive(k_empty.index(base), count=1)
-        s = _scores(s, idx_ptr, valid_ptr, partial_ptr, 0, HAS_VALID, s_layout)
-        p, alpha, m_i, l_i = _online(s, m_i, l_i, qk_scale)
-        p_prev = gl.convert_layout(p.to(dt), p_layout)
-        for i in range(1, n):
-            st = base + i % NUM_STAGES
-            sp = base + (i - 1) % NUM_STAGES
-            mbarrier.wait(k_ready.index(st), (i // NUM_STAGES) & 1)
-            mbarrier.wait(v_ready.index(sp), ((i - 1) // NUM_STAGES) & 1)
-            s_tok = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            o_tok = warpgroup_mma(p_prev, v_smem.index(sp), acc, is_async=True)
-            s = warpgroup_mma_wait(1, deps=(s_tok,))
-            mbarrier.arrive(k_empty.index(st), count=1)
-            s = _scores(s, idx_ptr, valid_ptr, partial_ptr, i, HAS_VALID, s_layout)
-            p, alpha, m_i, l_i = _online(s, m_i, l_i, qk_scale)
-            p_next = gl.convert_layout(p.to(dt), p_layout)
-            # P(i-1) stays in deps until its product is done (else ptxas serialises every wgmma)
-            acc, _p = warpgroup_mma_wait(0, deps=(o_tok, p_prev))
-            mbarrier.arrive(v_empty.index(sp), count=1)
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            p_prev = p_next
-        sp = base + (n - 1) % NUM_STAGES
-        mbarrier.wait(v_ready.index(sp), ((n - 1) // NUM_STAGES) & 1)
-        o_tok = warpgroup_mma(p_prev, v_smem.index(sp), acc, is_async=True)
-        acc, _p = warpgroup_mma_wait(0, deps=(o_tok, p_prev))
-        mbarrier.arrive(v_empty.index(sp), count=1)
+        if STATIC_MAX:
+            if gl.max(gl.load(qn_ptr + rows), 0) * kn <= LOGIT_LIMIT:
+                acc, l_i, m_i = _kv_loop(WG, q, n, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready, v_empty,
+                                         idx_ptr, valid_ptr, partial_ptr, qk_scale, True, HEAD_DIM, NUM_STAGES,
+                                         HAS_VALID)
+            else:
+                acc, l_i, m_i = _kv_loop(WG, q, n, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready, v_empty,
+                                         idx_ptr, valid_ptr, partial_ptr, qk_scale, False, HEAD_DIM, NUM_STAGES,
+                                         HAS_VALID)
+        else:
+            acc, l_i, m_i = _kv_loop(WG, q, n, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready, v_empty,
+                                     idx_ptr, valid_ptr, partial_ptr, qk_scale, False, HEAD_DIM, NUM_STAGES,
+                                     HAS_VALID)
     if live:
         l_o = gl.convert_layout(l_i, row_o)
         out = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
@@ -152,18 +220,19 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
         fence_async_shared()
         tma.async_copy_shared_to_global(o_desc, [o_row, o_col], q)
         if RETURN_LSE:
-            rows = gl.arange(0, BLOCK, layout=row_s)
-            lse = gl.where(l_i == 0.0, float("-inf"), (m_i * qk_scale + gl.log2(l_i)) * 0.6931471805599453)
+            m_fin = gl.where(m_i == float("-inf"), 0.0, m_i)
+            lse = gl.where(l_i == 0.0, float("-inf"), (m_fin * qk_scale + gl.log2(l_i)) * 0.6931471805599453)
             gl.store(lse_ptr + rows, lse)
         tma.store_wait(0)
 
 
 @gluon.jit
-def _bs_fwd_sm90(q_desc, k_desc, v_desc, o_desc, idx_ptr, cnt_ptr, valid_ptr, partial_ptr, lse_ptr,
+def _bs_fwd_sm90(q_desc, k_desc, v_desc, o_desc, idx_ptr, cnt_ptr, valid_ptr, partial_ptr, lse_ptr, qn_ptr, kn_ptr,
                  H, GROUP, nq, Sq, Skv, qk_scale, stride_ib, stride_ih, stride_im, stride_cb, stride_ch,
                  stride_vb, stride_pb,
                  HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_VALID: gl.constexpr,
-                 RETURN_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                 RETURN_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                 STATIC_MAX: gl.constexpr):
     pid = gl.program_id(0)
     pid_bh = gl.program_id(1)
     b = pid_bh // H
@@ -180,6 +249,13 @@ def _bs_fwd_sm90(q_desc, k_desc, v_desc, o_desc, idx_ptr, cnt_ptr, valid_ptr, pa
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [2 * NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [2 * NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
+    # the B operand of the row-sum product P x ones (K-major [8, BLOCK], read transposed)
+    ones_smem = k_smem.index(0)  # placeholder (rank 2), unused without the static max
+    if STATIC_MAX:
+        ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, BLOCK], v_desc.dtype)
+        ones_smem = gl.allocate_shared_memory(v_desc.dtype, [8, BLOCK], ones_layout)
+        ones_smem.store(gl.full([8, BLOCK], 1.0, v_desc.dtype, gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])))
+        fence_async_shared()
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [2 * NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [2 * NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -197,13 +273,17 @@ def _bs_fwd_sm90(q_desc, k_desc, v_desc, o_desc, idx_ptr, cnt_ptr, valid_ptr, pa
     valid_b = valid_ptr + b * stride_vb
     partial_b = partial_ptr + b * stride_pb
     lse_row = lse_ptr + pid_bh * Sq + qb0 * BLOCK
+    qn_row = qn_ptr + pid_bh * Sq + qb0 * BLOCK
+    kn = 0.0
+    if STATIC_MAX:
+        kn = gl.load(kn_ptr + b * (H // GROUP) + hk)
     gl.warp_specialize([
-        (_consumer, (0, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, idx0, n0, True,
-                     valid_b, partial_b, lse_row, q_row, h * HEAD_DIM, qk_scale, HEAD_DIM, NUM_STAGES, HAS_VALID,
-                     RETURN_LSE)),
-        (_consumer, (1, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, idx1, n1, has1,
-                     valid_b, partial_b, lse_row + BLOCK, q_row + BLOCK, h * HEAD_DIM, qk_scale, HEAD_DIM,
-                     NUM_STAGES, HAS_VALID, RETURN_LSE)),
+        (_consumer, (0, q_smem, k_smem, v_smem, ones_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, idx0,
+                     n0, True, valid_b, partial_b, lse_row, qn_row, kn, q_row, h * HEAD_DIM, qk_scale, HEAD_DIM,
+                     NUM_STAGES, HAS_VALID, RETURN_LSE, STATIC_MAX)),
+        (_consumer, (1, q_smem, k_smem, v_smem, ones_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, idx1,
+                     n1, has1, valid_b, partial_b, lse_row + BLOCK, qn_row + BLOCK, kn, q_row + BLOCK,
+                     h * HEAD_DIM, qk_scale, HEAD_DIM, NUM_STAGES, HAS_VALID, RETURN_LSE, STATIC_MAX)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                      idx0, idx1, n0, n1, has1, q_row, h * HEAD_DIM, b * Skv, hk * HEAD_DIM, NUM_STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -257,6 +337,12 @@ def block_sparse_attention_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         valid = partial = kv_counts
     out = torch.empty_like(q)
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device) if return_lse else out
+    static = bool(cfg["static_max"])
+    if static:  # logit bound factors: |q_i| * scale * log2 e per row [B, H, Sq], max_j |k_j| per (b, kv head)
+        qn = (torch.linalg.vector_norm(q, dim=-1, dtype=torch.float32) * (scale * LOG2E)).transpose(1, 2).contiguous()
+        kn = torch.linalg.vector_norm(k, dim=-1, dtype=torch.float32).amax(dim=1).contiguous()
+    else:
+        qn = kn = lse
     gdt = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
     lay = gl.NVMMASharedLayout.get_default_for([block_size, D], gdt)
     qd = TensorDescriptor(q, [B * Sq, H * D], [H * D, 1], [block_size, D], lay)
@@ -264,12 +350,12 @@ def block_sparse_attention_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     vd = TensorDescriptor(v, [B * Skv, Hkv * D], [Hkv * D, 1], [block_size, D], lay)
     od = TensorDescriptor(out, [B * Sq, H * D], [H * D, 1], [block_size, D], lay)
     _bs_fwd_sm90[((nq + 1) // 2, B * H)](
-        qd, kd, vd, od, kv_indices, kv_counts, valid, partial, lse,
+        qd, kd, vd, od, kv_indices, kv_counts, valid, partial, lse, qn, kn,
         H, H // Hkv, nq, Sq, Skv, scale * LOG2E,
         kv_indices.stride(0), kv_indices.stride(1), kv_indices.stride(2), kv_counts.stride(0), kv_counts.stride(1),
         valid.stride(0) if kv_valid is not None else 0, partial.stride(0) if kv_valid is not None else 0,
         HEAD_DIM=D, NUM_STAGES=int(cfg["num_stages"]), HAS_VALID=kv_valid is not None, RETURN_LSE=bool(return_lse),
-        CONSUMER_REGS=int(cfg["consumer_regs"]), PRODUCER_REGS=int(cfg["producer_regs"]),
+        CONSUMER_REGS=int(cfg["consumer_regs"]), PRODUCER_REGS=int(cfg["producer_regs"]), STATIC_MAX=static,
         num_warps=4, maxnreg=168,
     )
     return out, (lse if return_lse else None)
