@@ -159,11 +159,13 @@ def main(argv=None):
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--sass-dir", default=None, help="also write each variant's SASS here")
     ap.add_argument("--kernel", choices=("sage", "block_sparse"), default="sage")
+    ap.add_argument("--json", action="store_true", help="print one JSON object {variant: analysis} instead")
     args = ap.parse_args(argv)
     install_offline_driver()
     import tempfile
 
     tmp = tempfile.mkdtemp()
+    results = {}
     for part in filter(None, args.variants.split(";")):
         name, _, spec = part.partition("=")
         cfg = {}
@@ -178,9 +180,17 @@ def main(argv=None):
             with open(os.path.join(args.sass_dir, f"{name}.sass"), "w") as fh:
                 fh.write(sass)
         a = analyse(sass)
+        a["shared"] = kern.metadata.shared
+        results[name] = a
+        if args.json:
+            continue
         top = " ".join(f"{k}:{v}" for k, v in list(a["loop_census"].items())[:14])
         print(f"{name}: regs {a['registers']}, spills {a['spills']}, smem {kern.metadata.shared} B, "
               f"loop {a['loop_instructions']} instr/iteration [{top}]")
+    if args.json:
+        import json
+
+        print(json.dumps(results))
 
 
 if __name__ == "__main__":

@@ -40,3 +40,20 @@ def _ditattn_model_cache(tmp_path_factory):
         os.environ.pop("DITATTN_CACHE", None)
     else:
         os.environ["DITATTN_CACHE"] = old
+
+
+def sm90_offline_census(kernel: str, variants: str) -> dict:
+    """Compile an SM90 Gluon kernel for Hopper without a GPU (bench/sm90_offline.py, in a fresh
+    interpreter without the Triton interpreter) and return ``{variant: registers, spills, shared,
+    loop census}``."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.path.join(root, "src") + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, os.path.join(root, "bench", "sm90_offline.py"), "--kernel", kernel,
+                           "--variants", variants, "--json"], capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

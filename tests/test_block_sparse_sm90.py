@@ -7,38 +7,17 @@
   padding keys, GQA, an empty query block (zeros, LSE -inf), an odd number of query blocks, both
   softmax paths.
 """
-import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from conftest import sm90_offline_census
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
-_OFFLINE = r"""
-import json, sys
-sys.path.insert(0, sys.argv[1])
-import sm90_offline as so
-so.install_offline_driver()
-out = {}
-for name, cfg in (("static", {}), ("online", {"static_max": False})):
-    kern = so.compile_block_sparse(cfg)
-    out[name] = so.analyse(so.sass_of(kern.asm["cubin"], sys.argv[2] + "/" + name + ".cubin"))
-print(json.dumps(out))
-"""
 
-
-def test_block_sparse_kernel_compiles_for_sm90_with_async_wgmma(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.path.join(ROOT, "src") + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _OFFLINE, os.path.join(ROOT, "bench"), str(tmp_path)],
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+def test_block_sparse_kernel_compiles_for_sm90_with_async_wgmma():
+    res = sm90_offline_census("block_sparse", "static=;online=static_max:false")
     for name, a in res.items():
         c = a["loop_census"]
         assert c.get("HGMMA", 0) >= 12, (name, c)  # Q.K (8 k-steps) and P.V (4)

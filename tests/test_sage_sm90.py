@@ -8,17 +8,13 @@
 * GPU (SM90 only): numerics against float32 and against the PyTorch reference of the same
   quantization, static-max and online paths, odd lengths, GQA, head dims 64/128, LSE.
 """
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from conftest import sm90_offline_census
 
 from ditattn.attention.kernels.int8_attention import int8_attention_reference
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
@@ -67,28 +63,9 @@ def test_prologue_scales_and_logit_bound(k_per_token):
     assert (logits.abs().amax(-1) >= 0.2 * bound[..., 0]).all()  # a bound, not a blanket constant
 
 
-_OFFLINE = r"""
-import json, sys
-sys.path.insert(0, sys.argv[1])
-import sm90_offline as so
-so.install_offline_driver()
-out = {}
-for name, cfg in (("token", {}), ("block", {"k_granularity": "block"})):
-    kern = so.compile_kernel(cfg)
-    a = so.analyse(so.sass_of(kern.asm["cubin"], sys.argv[2] + "/" + name + ".cubin"))
-    a["shared"] = kern.metadata.shared
-    out[name] = a
-print(json.dumps(out))
-"""
 
-
-def test_kernel_compiles_for_sm90_with_async_wgmma(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.path.join(ROOT, "src") + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _OFFLINE, os.path.join(ROOT, "bench"), str(tmp_path)],
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+def test_kernel_compiles_for_sm90_with_async_wgmma():
+    res = sm90_offline_census("sage", "token=;block=k_granularity:block")
     for name, a in res.items():
         c = a["loop_census"]
         assert c.get("IGMMA", 0) >= 4 and c.get("HGMMA", 0) >= 8, (name, c)  # INT8 Q.K, BF16 P.V (+ row sums)

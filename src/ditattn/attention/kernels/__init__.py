@@ -20,6 +20,7 @@ have fewer heads: grouped-query attention) and returns ``(out, lse | None)`` wit
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 
@@ -87,6 +88,18 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, what: str,
     if Sq == 0 or Skv == 0 or B == 0:
         raise AttentionConfigError(f"{what}: empty input (batch {B}, seq_q {Sq}, seq_kv {Skv})")
     return B, Sq, Skv, H, Hkv, D
+
+
+def launch_config(defaults: dict, config: Optional[dict], *, what: str) -> dict:
+    """``defaults`` updated with the caller's ``config``; an unknown key raises
+    :class:`AttentionConfigError` naming the accepted keys."""
+    cfg = dict(defaults)
+    if config:
+        unknown = set(config) - set(cfg)
+        if unknown:
+            raise AttentionConfigError(f"{what}: unknown config keys {sorted(unknown)}; accepted: {sorted(cfg)}")
+        cfg.update(config)
+    return cfg
 
 
 def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:

@@ -27,8 +27,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ditattn.attention.kernels import LOG2E, check_device, last_dim_contiguous
-from ditattn.errors import AttentionConfigError
+from ditattn.attention.kernels.gluon_sm90 import finish_pv, ones_operand
+from ditattn.attention.kernels import LOG2E, launch_config
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_BLOCK_SIZES = (64,)
@@ -167,14 +167,7 @@ def _kv_loop(WG: gl.constexpr, q, n, k_smem, v_smem, ones_smem, k_ready, k_empty
         p_prev = p_next
     sp = base + (n - 1) % NUM_STAGES
     mbarrier.wait(v_ready.index(sp), ((n - 1) // NUM_STAGES) & 1)
-    o_tok = warpgroup_mma(p_prev, v_smem.index(sp), acc, is_async=True)
-    if STATIC_MAX:
-        pl = gl.convert_layout(p_prev, pl_layout)
-        l_tok = warpgroup_mma(pl, ones_smem.permute((1, 0)), l_acc, is_async=True)
-        acc, l_acc, _p, _pl = warpgroup_mma_wait(0, deps=(o_tok, l_tok, p_prev, pl))
-        l_i = gl.convert_layout(gl.max(l_acc, 1), row_s)  # the 8 columns are equal
-    else:
-        acc, _p = warpgroup_mma_wait(0, deps=(o_tok, p_prev))
+    acc, l_i = finish_pv(p_prev, v_smem.index(sp), acc, l_acc, l_i, ones_smem, STATIC_MAX, pl_layout, row_s)
     mbarrier.arrive(v_empty.index(sp), count=1)
     return acc, l_i, m_i
 
@@ -252,10 +245,7 @@ def _bs_fwd_sm90(q_desc, k_desc, v_desc, o_desc, idx_ptr, cnt_ptr, valid_ptr, pa
     # the B operand of the row-sum product P x ones (K-major [8, BLOCK], read transposed)
     ones_smem = k_smem.index(0)  # placeholder (rank 2), unused without the static max
     if STATIC_MAX:
-        ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, BLOCK], v_desc.dtype)
-        ones_smem = gl.allocate_shared_memory(v_desc.dtype, [8, BLOCK], ones_layout)
-        ones_smem.store(gl.full([8, BLOCK], 1.0, v_desc.dtype, gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])))
-        fence_async_shared()
+        ones_smem = ones_operand(v_desc.dtype, BLOCK)  # row sums of P on the tensor cores
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [2 * NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [2 * NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -289,52 +279,45 @@ def _bs_fwd_sm90(q_desc, k_desc, v_desc, o_desc, idx_ptr, cnt_ptr, valid_ptr, pa
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
+def why_not(q: torch.Tensor, block_size: int) -> Optional[str]:
+    """Why this kernel cannot serve a call (None: it can)."""
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return "needs an SM90 (Hopper) GPU"
+    if block_size not in SUPPORTED_BLOCK_SIZES:
+        return f"block size {block_size} (accepts {list(SUPPORTED_BLOCK_SIZES)})"
+    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        return f"head dim {q.shape[-1]} (accepts {list(SUPPORTED_HEAD_DIMS)})"
+    return None
+
+
 def block_sparse_attention_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_indices: torch.Tensor,
                                 kv_counts: torch.Tensor, *, block_size: int = 64, scale: Optional[float] = None,
                                 kv_valid: Optional[torch.Tensor] = None, return_lse: bool = False,
-                                config: Optional[dict] = None, _validated: bool = False):
-    """Block-sparse attention on SM90, warp-specialised (Gluon), at 64-token blocks.
+                                config: Optional[dict] = None):
+    """Block-sparse attention on SM90, warp-specialised (Gluon), at 64-token blocks: the arguments and
+    result of :func:`~ditattn.attention.kernels.block_sparse_triton.block_sparse_attention_triton`
+    (which validates them and calls :func:`launch`) with ``impl="sm90"``; ``config`` takes the keys
+    of :func:`default_config`."""
+    from ditattn.attention.kernels.block_sparse_triton import block_sparse_attention_triton
 
-    The arguments and result of :func:`~ditattn.attention.kernels.block_sparse_triton.block_sparse_attention_triton`
-    (q ``[B, S_q, H, D]``, k/v ``[B, S_kv, H_kv, D]`` fp16/bf16 with S multiples of 64 and D 64/128;
-    ``kv_indices`` int32 ``[B|1, H|1, S_q/64, max]``, ``kv_counts`` int32 ``[B|1, H|1, S_q/64]``;
-    ``kv_valid`` optional bool ``[B, S_kv]``).  Returns ``(out, lse | None)``; a query block with an
-    empty list gives zeros and LSE -inf.  ``_validated``: the caller already checked shapes/lists
-    (the Triton entry point does when it dispatches here).
-    """
+    return block_sparse_attention_triton(q, k, v, kv_indices, kv_counts, block_size=block_size, scale=scale,
+                                         kv_valid=kv_valid, return_lse=return_lse, config=config, impl="sm90")
+
+
+def launch(q, k, v, kv_indices, kv_counts, valid, partial, *, scale: float, return_lse: bool,
+           config: Optional[dict] = None):
+    """Launch on validated inputs: q/k/v ``[B, S, H|H_kv, D]`` (last dim contiguous), lists expanded to
+    ``[B, H, ...]`` int32 with unit last stride, ``valid`` int8 ``[B, S_kv]`` and ``partial`` int8
+    ``[B, S_kv / 64]`` (or both None without padding keys).  Returns ``(out, lse | None)``."""
     what = "block-sparse SM90 kernel"
     B, Sq, H, D = q.shape
     Skv, Hkv = k.shape[1], k.shape[2]
-    if not _validated:
-        from ditattn.attention.kernels import check_qkv
-
-        check_qkv(q, k, v, what=what, head_dims=SUPPORTED_HEAD_DIMS)
-        check_device(q, k, v, kv_indices, kv_counts, what=what)
-    if block_size not in SUPPORTED_BLOCK_SIZES or D not in SUPPORTED_HEAD_DIMS:
-        raise AttentionConfigError(f"{what}: block size {block_size} / head dim {D} not supported "
-                                   f"(accepts block {list(SUPPORTED_BLOCK_SIZES)}, head dim {list(SUPPORTED_HEAD_DIMS)})")
-    if Sq % block_size or Skv % block_size:
-        raise AttentionConfigError(f"{what}: sequence lengths ({Sq}, {Skv}) must be multiples of {block_size}")
-    cfg = default_config(D)
-    if config:
-        unknown = set(config) - set(cfg)
-        if unknown:
-            raise AttentionConfigError(f"{what}: unknown config keys {sorted(unknown)}; accepted: {sorted(cfg)}")
-        cfg.update(config)
-    q, k, v = (t if t.is_contiguous() else t.contiguous() for t in (last_dim_contiguous(x) for x in (q, k, v)))
-    scale = D ** -0.5 if scale is None else float(scale)
-    nq = Sq // block_size
-    kv_indices = kv_indices.expand(B, H, -1, -1)
-    kv_counts = kv_counts.expand(B, H, -1)
-    if kv_indices.stride(-1) != 1:
-        kv_indices = kv_indices.contiguous()
-    if kv_counts.stride(-1) != 1:
-        kv_counts = kv_counts.contiguous()
-    if kv_valid is not None:
-        valid = kv_valid.to(torch.int8).contiguous()
-        partial = (~kv_valid.view(B, -1, block_size).all(-1)).to(torch.int8).contiguous()
-    else:
-        valid = partial = kv_counts
+    cfg = launch_config(default_config(D), config, what=what)
+    q, k, v = (t if t.is_contiguous() else t.contiguous() for t in (q, k, v))
+    nq = Sq // BLOCK.value
+    has_valid = valid is not None
+    if not has_valid:
+        valid = partial = kv_counts  # unused placeholders
     out = torch.empty_like(q)
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device) if return_lse else out
     static = bool(cfg["static_max"])
@@ -344,21 +327,23 @@ def block_sparse_attention_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     else:
         qn = kn = lse
     gdt = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
-    lay = gl.NVMMASharedLayout.get_default_for([block_size, D], gdt)
-    qd = TensorDescriptor(q, [B * Sq, H * D], [H * D, 1], [block_size, D], lay)
-    kd = TensorDescriptor(k, [B * Skv, Hkv * D], [Hkv * D, 1], [block_size, D], lay)
-    vd = TensorDescriptor(v, [B * Skv, Hkv * D], [Hkv * D, 1], [block_size, D], lay)
-    od = TensorDescriptor(out, [B * Sq, H * D], [H * D, 1], [block_size, D], lay)
+    bs = BLOCK.value
+    lay = gl.NVMMASharedLayout.get_default_for([bs, D], gdt)
+    qd = TensorDescriptor(q, [B * Sq, H * D], [H * D, 1], [bs, D], lay)
+    kd = TensorDescriptor(k, [B * Skv, Hkv * D], [Hkv * D, 1], [bs, D], lay)
+    vd = TensorDescriptor(v, [B * Skv, Hkv * D], [Hkv * D, 1], [bs, D], lay)
+    od = TensorDescriptor(out, [B * Sq, H * D], [H * D, 1], [bs, D], lay)
     _bs_fwd_sm90[((nq + 1) // 2, B * H)](
         qd, kd, vd, od, kv_indices, kv_counts, valid, partial, lse, qn, kn,
         H, H // Hkv, nq, Sq, Skv, scale * LOG2E,
         kv_indices.stride(0), kv_indices.stride(1), kv_indices.stride(2), kv_counts.stride(0), kv_counts.stride(1),
-        valid.stride(0) if kv_valid is not None else 0, partial.stride(0) if kv_valid is not None else 0,
-        HEAD_DIM=D, NUM_STAGES=int(cfg["num_stages"]), HAS_VALID=kv_valid is not None, RETURN_LSE=bool(return_lse),
+        valid.stride(0) if has_valid else 0, partial.stride(0) if has_valid else 0,
+        HEAD_DIM=D, NUM_STAGES=int(cfg["num_stages"]), HAS_VALID=has_valid, RETURN_LSE=bool(return_lse),
         CONSUMER_REGS=int(cfg["consumer_regs"]), PRODUCER_REGS=int(cfg["producer_regs"]), STATIC_MAX=static,
         num_warps=4, maxnreg=168,
     )
     return out, (lse if return_lse else None)
 
 
-__all__ = ["block_sparse_attention_sm90", "default_config", "SUPPORTED_BLOCK_SIZES", "SUPPORTED_HEAD_DIMS"]
+__all__ = ["block_sparse_attention_sm90", "launch", "why_not", "default_config", "SUPPORTED_BLOCK_SIZES",
+           "SUPPORTED_HEAD_DIMS"]

@@ -23,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ditattn.attention.kernels import LOG2E, check_device, check_qkv, interpreting, last_dim_contiguous
+from ditattn.attention.kernels import (LOG2E, check_device, check_qkv, interpreting, last_dim_contiguous,
+                                      launch_config)
 from ditattn.errors import AttentionConfigError
 
 SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
@@ -150,7 +151,7 @@ def default_config(block_size: int, head_dim: int) -> dict:
 _POINTER_STAGES = 3  # pointer loads when a TMA default cannot run: one stage is slow there (run 20: 1.90 vs 1.70)
 FA4_BLOCK_SIZES = (64, 128)  # what impl="fa4" accepts
 FA4_AUTO_BLOCK_SIZES = (128,)  # where impl="auto" prefers FA4 (measured; at 64 ours is 0-14 % faster)
-IMPLS = ("auto", "triton", "fa4")
+IMPLS = ("auto", "triton", "fa4", "sm90")
 _PROBE_CACHE: dict = {}
 _FA4_LISTS_CACHE: dict = {}
 _VALID_CACHE: dict = {}  # kv_valid -> (int8 mask, per key block 'holds padding' flags)
@@ -275,7 +276,9 @@ def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     (keys of :func:`default_config`).  Returns ``(out [B, S_q, H, D] in q.dtype, lse [B, H, S_q]
     float32 natural log, or None)``; a query row with no valid key gives zeros and LSE ``-inf``.
 
-    ``impl``: ``"triton"`` runs the kernel of this module; ``"fa4"`` runs FlashAttention-4's
+    ``impl``: ``"triton"`` runs the kernel of this module; ``"sm90"`` the warp-specialised Gluon kernel
+    of :mod:`.block_sparse_sm90` (SM90, block size 64, head dim 64/128; not yet chosen by ``auto``: no
+    H200 measurement yet); ``"fa4"`` runs FlashAttention-4's
     block-sparse forward with the same lists (SM90/SM100, block size 64 or 128, head dim <= 128,
     ``kv_valid`` None or one valid prefix shared by the batch); ``"auto"`` (default) takes FA4 for
     block size 128 when installed and the call fits (measured 1.11-1.35x faster than the Triton
@@ -309,12 +312,7 @@ def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         raise AttentionConfigError(f"{what}: kv_valid must be bool [{B}, {Skv}], got {kv_valid.dtype} {tuple(kv_valid.shape)}")
     if kv_indices.shape[3] == 0:
         kv_indices = torch.zeros(*kv_indices.shape[:3], 1, dtype=torch.int32, device=q.device)
-    cfg = default_config(block_size, D)
-    if config:
-        unknown = set(config) - set(cfg)
-        if unknown:
-            raise AttentionConfigError(f"{what}: unknown config keys {sorted(unknown)}; accepted: {sorted(cfg)}")
-        cfg.update(config)
+    cfg = launch_config(default_config(block_size, D), config, what=what)
     kvpi = int(cfg["kv_per_iter"])
     if kvpi < 1 or kvpi & (kvpi - 1):
         raise AttentionConfigError(f"{what}: kv_per_iter must be a power of two >= 1, got {kvpi}")
@@ -336,13 +334,23 @@ def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         kv_indices = kv_indices.contiguous()
     if kv_counts.stride(-1) != 1:
         kv_counts = kv_counts.contiguous()
-    out = torch.empty_like(q)
-    lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device) if return_lse else out
     if kv_valid is not None:  # int8 key mask + per key block "holds padding" flags, once per plan
         valid, partial = _identity_cached(_VALID_CACHE, (kv_valid,), (block_size,), lambda: (
             kv_valid.to(torch.int8).contiguous(), (~kv_valid.view(B, -1, block_size).all(-1)).to(torch.int8)))
     else:
+        valid = partial = None
+    if impl == "sm90":
+        from ditattn.attention.kernels import block_sparse_sm90
+
+        why = block_sparse_sm90.why_not(q, block_size)
+        if why:
+            raise AttentionConfigError(f"{what}: impl 'sm90' cannot take this call: {why}")
+        return block_sparse_sm90.launch(q, k, v, kv_indices, kv_counts, valid, partial, scale=scale,
+                                        return_lse=return_lse, config=config)
+    if valid is None:
         valid = partial = kv_counts  # unused placeholders
+    out = torch.empty_like(q)
+    lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device) if return_lse else out
     use_tma = bool(cfg["tma"]) and kvpi == 1 and all(t.is_contiguous() for t in (q, k, v)) and (
         interpreting() or torch.cuda.get_device_capability(q.device)[0] >= 9)
     if use_tma:

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ditattn.attention.backends.base import expand_kv
-from ditattn.attention.kernels import LOG2E, check_device, check_qkv, last_dim_contiguous
+from ditattn.attention.kernels import LOG2E, check_device, check_qkv, last_dim_contiguous, launch_config
 from ditattn.errors import AttentionConfigError
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
@@ -337,12 +337,7 @@ def int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: 
     what = "int8 attention kernel"
     B, Sq, Skv, H, Hkv, D = _check_common(q, k, v, pv, q_granularity, what)
     check_device(q, k, v, what=what)
-    cfg = default_config(D, pv)
-    if config:
-        unknown = set(config) - set(cfg)
-        if unknown:
-            raise AttentionConfigError(f"{what}: unknown config keys {sorted(unknown)}; accepted: {sorted(cfg)}")
-        cfg.update(config)
+    cfg = launch_config(default_config(D, pv), config, what=what)
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     use_tma = bool(cfg["tma"]) and (pv == "fp8" or v.is_contiguous())
     if cfg["tma"] and not use_tma and not (config and "block_n" in config):

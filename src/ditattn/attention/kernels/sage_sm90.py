@@ -29,7 +29,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ditattn.attention.kernels import LOG2E, check_device, check_qkv, last_dim_contiguous
+from ditattn.attention.kernels.gluon_sm90 import finish_pv, ones_operand
+from ditattn.attention.kernels import LOG2E, check_device, check_qkv, last_dim_contiguous, launch_config
 from ditattn.errors import AttentionConfigError
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -214,14 +215,7 @@ def _mainloop(WG: gl.constexpr, q, rs, kblk_ptr, k_smem, v_smem, ks_smem, ones_s
                                         True, STATIC_MAX, K_PER_TOKEN, PINGPONG, NUM_STAGES, BLOCK_N, HEAD_DIM)
     sp = (n_blocks - 1) % NUM_STAGES
     mbarrier.wait(v_ready.index(sp), ((n_blocks - 1) // NUM_STAGES) & 1)
-    o_tok = warpgroup_mma(p_prev, v_smem.index(sp), acc, is_async=True)
-    if STATIC_MAX:
-        pl = gl.convert_layout(p_prev, pl_layout)
-        l_tok = warpgroup_mma(pl, ones_smem.permute((1, 0)), l_acc, is_async=True)
-        acc, l_acc, _p, _pl = warpgroup_mma_wait(0, deps=(o_tok, l_tok, p_prev, pl))
-        l_i = gl.convert_layout(gl.max(l_acc, 1), row_s)  # the 8 columns are equal
-    else:
-        acc, _p = warpgroup_mma_wait(0, deps=(o_tok, p_prev))
+    acc, l_i = finish_pv(p_prev, v_smem.index(sp), acc, l_acc, l_i, ones_smem, STATIC_MAX, pl_layout, row_s)
     mbarrier.arrive(v_empty.index(sp), count=1)
     return acc, l_i, m_i
 
@@ -318,11 +312,7 @@ def _sage_fwd_sm90(q_desc, k_desc, v_desc, o_desc, ks_desc, qs_ptr, qn_ptr, kn_p
         o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
     else:
         o_smem = q_smem
-    # the B operand of the row-sum product P x ones, K-major: [8, BLOCK_N] of ones, read transposed
-    ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, BLOCK_N], v_desc.dtype)
-    ones_smem = gl.allocate_shared_memory(v_desc.dtype, [8, BLOCK_N], ones_layout)
-    ones_smem.store(gl.full([8, BLOCK_N], 1.0, v_desc.dtype, gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])))
-    fence_async_shared()
+    ones_smem = ones_operand(v_desc.dtype, BLOCK_N)  # row sums of P on the tensor cores
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -375,12 +365,7 @@ def sage_attention_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sc
     what = "sage_attn SM90 kernel"
     B, Sq, Skv, H, Hkv, D = check_qkv(q, k, v, what=what, head_dims=SUPPORTED_HEAD_DIMS)
     check_device(q, k, v, what=what)
-    cfg = default_config(D)
-    if config:
-        unknown = set(config) - set(cfg)
-        if unknown:
-            raise AttentionConfigError(f"{what}: unknown config keys {sorted(unknown)}; accepted: {sorted(cfg)}")
-        cfg.update(config)
+    cfg = launch_config(default_config(D), config, what=what)
     bn, stages = int(cfg["block_n"]), int(cfg["num_stages"])
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     if not v.is_contiguous():

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ditattn.attention.backends.base import expand_kv
-from ditattn.attention.kernels import LOG2E, check_device, check_qkv, last_dim_contiguous
+from ditattn.attention.kernels import LOG2E, check_device, check_qkv, last_dim_contiguous, launch_config
 from ditattn.errors import AttentionConfigError
 
 SUPPORTED_HEAD_DIMS = (128, 256)
@@ -210,12 +210,7 @@ def skip_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         raise AttentionConfigError("skip softmax cannot run under torch.compile (its tile skipping is data dependent)")
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
         raise AttentionConfigError("skip softmax cannot run inside a captured CUDA graph")
-    cfg = default_config(D)
-    if config:
-        unknown = set(config) - set(cfg)
-        if unknown:
-            raise AttentionConfigError(f"{what}: unknown config keys {sorted(unknown)}; accepted: {sorted(cfg)}")
-        cfg.update(config)
+    cfg = launch_config(default_config(D), config, what=what)
     bm, bn = int(cfg["block_m"]), int(cfg["block_n"])
     scale = D ** -0.5 if scale is None else float(scale)
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
