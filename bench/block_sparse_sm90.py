@@ -25,7 +25,7 @@ from sparse import fa4_sparse_fn, random_lists  # noqa: E402
 
 def check(rec, variants):
     from ditattn.attention.backends.base import reference_attention
-    from ditattn.attention.kernels.block_sparse_sm90 import block_sparse_attention_sm90
+    from ditattn.attention.kernels.block_sparse_triton import block_sparse_attention_triton
     from ditattn.attention.sparse.block_sparse import block_lists_to_dense_mask
 
     rows = []
@@ -41,8 +41,8 @@ def check(rec, variants):
         ref, ref_lse = reference_attention(q, k, v, mask=mask)
         for name, cfg in variants.items():
             def run():
-                o, lse = block_sparse_attention_sm90(q, k, v, idx, cnt, block_size=bs, kv_valid=valid,
-                                                     return_lse=True, config=cfg)
+                o, lse = block_sparse_attention_triton(q, k, v, idx, cnt, impl="sm90", block_size=bs,
+                                                       kv_valid=valid, return_lse=True, config=cfg)
                 torch.cuda.synchronize()
                 fin = torch.isfinite(ref_lse)
                 return rec.add(section="check", variant=name, shape=f"{B},{S},{H},{Hkv},{D}", rel_err=rel_err(o, ref),
@@ -57,7 +57,7 @@ def check(rec, variants):
 
 def timing(rec, dl, seqs, sparsities, heads, variants):
     from ditattn.attention.backends.base import AttnCall, get_impl
-    from ditattn.attention.kernels.block_sparse_sm90 import block_sparse_attention_sm90
+    from ditattn.attention.kernels.block_sparse_triton import block_sparse_attention_triton
     from ditattn.attention.kernels.block_sparse_triton import block_sparse_attention_triton
     from ditattn.attention.names import AttentionBackendEnum as B
 
@@ -81,8 +81,8 @@ def timing(rec, dl, seqs, sparsities, heads, variants):
             cands = {"triton (auto, kv_valid)": lambda: block_sparse_attention_triton(q, k, v, idx, cnt, block_size=bs,
                                                                                        kv_valid=valid)[0]}
             for name, cfg in variants.items():
-                cands[f"sm90 {name}"] = (lambda cfg=cfg: block_sparse_attention_sm90(
-                    q, k, v, idx, cnt, block_size=bs, kv_valid=valid, config=cfg)[0])
+                cands[f"sm90 {name}"] = (lambda cfg=cfg: block_sparse_attention_triton(
+                    q, k, v, idx, cnt, impl="sm90", block_size=bs, kv_valid=valid, config=cfg)[0])
             try:
                 import flash_attn.cute  # noqa: F401
 

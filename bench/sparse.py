@@ -85,10 +85,10 @@ def impls(q, k, v, idx, cnt, bs, nk, triton_cfgs, valid=None):
         out[f"ours triton {label}"] = (lambda cfg=cfg: block_sparse_attention_triton(
             q, k, v, idx, cnt, block_size=bs, config=cfg, impl="triton")[0])
     if bs == 64 and q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0):
-        from ditattn.attention.kernels.block_sparse_sm90 import block_sparse_attention_sm90
+        from ditattn.attention.kernels.block_sparse_triton import block_sparse_attention_triton
 
-        out["ours sm90 (Gluon, warp-specialised)"] = lambda: block_sparse_attention_sm90(
-            q, k, v, idx, cnt, block_size=bs, kv_valid=valid)[0]
+        out["ours sm90 (Gluon, warp-specialised)"] = lambda: block_sparse_attention_triton(
+            q, k, v, idx, cnt, impl="sm90", block_size=bs, kv_valid=valid)[0]
     if valid is not None:
         # the entry point as the sparse engine calls it: padded keys marked, impl chosen automatically
         out["ours auto (kv_valid)"] = lambda: block_sparse_attention_triton(q, k, v, idx, cnt, block_size=bs,
@@ -168,10 +168,10 @@ def correctness(rec, base=1000):
                     sdpa_bf16_err=sdpa_err, lse_max_err=float((lse[fin] - ref_lse[fin]).abs().max()),
                     empty_rows_ok=bool(torch.equal(torch.isfinite(lse), fin)))
         if bs == 64 and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
-            from ditattn.attention.kernels.block_sparse_sm90 import block_sparse_attention_sm90
+            from ditattn.attention.kernels.block_sparse_triton import block_sparse_attention_triton
 
-            res = guarded(rec, "correctness sm90 bs=64", lambda: block_sparse_attention_sm90(
-                q, k, v, idx, cnt, block_size=bs, kv_valid=valid, return_lse=True))
+            res = guarded(rec, "correctness sm90 bs=64", lambda: block_sparse_attention_triton(
+                q, k, v, idx, cnt, impl="sm90", block_size=bs, kv_valid=valid, return_lse=True))
             if res is not None:
                 o, lse = res
                 fin = torch.isfinite(ref_lse)

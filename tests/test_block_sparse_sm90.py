@@ -44,7 +44,7 @@ def _lists(b, h, nq, keep, seed):
 ])
 def test_block_sparse_sm90_numerics(b, h, hkv, d, s_real, q_scale, static):
     from ditattn.attention.backends.base import reference_attention
-    from ditattn.attention.kernels.block_sparse_sm90 import block_sparse_attention_sm90
+    from ditattn.attention.kernels.block_sparse_triton import block_sparse_attention_triton
     from ditattn.attention.sparse.block_sparse import block_lists_to_dense_mask
 
     bs = 64
@@ -57,8 +57,8 @@ def test_block_sparse_sm90_numerics(b, h, hkv, d, s_real, q_scale, static):
     idx, cnt = _lists(b, h, nq, max(1, nq // 3), seed=s_real)
     cnt[0, 0, 1] = 0  # an empty query block
     valid = torch.arange(s, device="cuda")[None, :].expand(b, s) < s_real
-    out, lse = block_sparse_attention_sm90(q, k, v, idx, cnt, block_size=bs, kv_valid=valid, return_lse=True,
-                                           config={"static_max": static})
+    out, lse = block_sparse_attention_triton(q, k, v, idx, cnt, impl="sm90", block_size=bs, kv_valid=valid,
+                                             return_lse=True, config={"static_max": static})
     mask = block_lists_to_dense_mask(idx, cnt, block_size=bs, kv_valid=valid)
     ref, ref_lse = reference_attention(q, k, v, mask=mask)
     err = float((out.float() - ref.float()).norm() / ref.float().norm())

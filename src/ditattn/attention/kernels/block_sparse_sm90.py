@@ -290,20 +290,6 @@ def why_not(q: torch.Tensor, block_size: int) -> Optional[str]:
     return None
 
 
-def block_sparse_attention_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_indices: torch.Tensor,
-                                kv_counts: torch.Tensor, *, block_size: int = 64, scale: Optional[float] = None,
-                                kv_valid: Optional[torch.Tensor] = None, return_lse: bool = False,
-                                config: Optional[dict] = None):
-    """Block-sparse attention on SM90, warp-specialised (Gluon), at 64-token blocks: the arguments and
-    result of :func:`~ditattn.attention.kernels.block_sparse_triton.block_sparse_attention_triton`
-    (which validates them and calls :func:`launch`) with ``impl="sm90"``; ``config`` takes the keys
-    of :func:`default_config`."""
-    from ditattn.attention.kernels.block_sparse_triton import block_sparse_attention_triton
-
-    return block_sparse_attention_triton(q, k, v, kv_indices, kv_counts, block_size=block_size, scale=scale,
-                                         kv_valid=kv_valid, return_lse=return_lse, config=config, impl="sm90")
-
-
 def launch(q, k, v, kv_indices, kv_counts, valid, partial, *, scale: float, return_lse: bool,
            config: Optional[dict] = None):
     """Launch on validated inputs: q/k/v ``[B, S, H|H_kv, D]`` (last dim contiguous), lists expanded to
@@ -345,5 +331,5 @@ def launch(q, k, v, kv_indices, kv_counts, valid, partial, *, scale: float, retu
     return out, (lse if return_lse else None)
 
 
-__all__ = ["block_sparse_attention_sm90", "launch", "why_not", "default_config", "SUPPORTED_BLOCK_SIZES",
+__all__ = ["launch", "why_not", "default_config", "SUPPORTED_BLOCK_SIZES",
            "SUPPORTED_HEAD_DIMS"]
