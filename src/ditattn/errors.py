@@ -6,6 +6,18 @@ what is accepted.  The CLI prints it as ``error: <message>`` and exits with stat
 answers HTTP 400 with it.
 """
 
+from typing import Any
+
+
+def short_repr(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for error messages (a 5000-digit number or a
+    megabyte string stays one short line)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int too long for repr (more than sys.get_int_max_str_digits() digits)
+        return f"an integer of about {int(value.bit_length() * 0.30103)} digits"
+    return text if len(text) <= limit else f"{text[:limit - 20]}...{text[-12:]} ({len(text)} characters)"
+
 
 class AttentionConfigError(ValueError):
     """A user-input error: the message names what was wrong and what is accepted."""
