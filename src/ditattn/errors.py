@@ -32,3 +32,13 @@ class BackendUnavailableError(AttentionConfigError):
         super().__init__(
             f"attention backend '{backend}' cannot serve {what}: " + "; ".join(self.reasons)
         )
+
+
+class GenerationCancelled(Exception):
+    """A generation stopped between denoising steps because its ``should_stop`` callable asked
+    for it (a cancelled or timed-out request, a server shutting down); ``reason`` is what that
+    callable returned.  Not a user-input error: the caller that asked for the stop handles it."""
+
+    def __init__(self, reason: str):
+        self.reason = str(reason)
+        super().__init__(f"generation stopped: {self.reason}")

@@ -22,7 +22,7 @@ from ditattn.errors import AttentionConfigError
 MAX_FILE_BYTES = 16 << 20  # config and strategy files are small; a bigger one is a mistake
 
 
-def _parse_error(exc: BaseException) -> str:
+def parse_error_reason(exc: BaseException) -> str:
     """One line on why a JSON / YAML text could not be parsed (nesting too deep, a number too
     long, or the parser's own message with its position)."""
     if isinstance(exc, RecursionError):
@@ -42,7 +42,7 @@ def loads_json(text: str, what: str) -> Any:
     try:
         return json.loads(text)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
-        raise AttentionConfigError(f"{what} is not valid JSON: {_parse_error(exc)}") from None
+        raise AttentionConfigError(f"{what} is not valid JSON: {parse_error_reason(exc)}") from None
 
 
 def _scalar(text: str) -> Any:
@@ -120,7 +120,7 @@ def load_mapping_file(path: str, *, what: str = "config file", accepted: str = "
 
             data = yaml.safe_load(body)
     except Exception as exc:  # json.JSONDecodeError, yaml.YAMLError, RecursionError, int digit limit
-        raise AttentionConfigError(f"cannot parse {what} {path}: {_parse_error(exc)}; accepted: {accepted}") from None
+        raise AttentionConfigError(f"cannot parse {what} {path}: {parse_error_reason(exc)}; accepted: {accepted}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
