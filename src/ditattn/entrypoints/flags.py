@@ -157,7 +157,8 @@ def server_flags(p: argparse.ArgumentParser) -> None:
                      help="a request is stopped at its next denoising step this long after it was accepted (image: "
                           "504; video job: failed with 'timeout', counted from its start) (default 600)")
     lim.add_argument("--max-output-pixels", type=typed("max_output_pixels"), metavar="P",
-                     help="largest width x height x frames x n of one request (default 1280x720x81 = 74649600)")
+                     help="largest width x height x frames x n of one request (default: 16 x the model's default "
+                          "output, at most 1280x720x81 = 74649600; the tiny model: 2359296)")
     lim.add_argument("--max-steps", type=typed("max_steps"), metavar="N", help="most denoising steps (default 100)")
     lim.add_argument("--max-n", type=typed("max_n"), metavar="N", help="most images per image request (default 10)")
     lim.add_argument("--max-side", type=typed("max_side"), metavar="PX", help="largest width or height (default 2048)")

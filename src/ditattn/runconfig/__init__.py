@@ -186,7 +186,7 @@ class ServerConfig(_Section):
     the next start with the same folder (None = a private temporary folder removed at shutdown);
     public_url: the external base URL of image URLs (None: relative URLs); max_*: request limits
     (400 beyond them, naming the limit), ``max_output_pixels`` bounding width × height × frames ×
-    n; max_videos_kept: the oldest finished video jobs (and files) are forgotten beyond this count;
+    n (None: 16 × the model's default output, at most a 720p 81-frame clip); max_videos_kept: the oldest finished video jobs (and files) are forgotten beyond this count;
     batch_window_s: how long the scheduler waits for more requests to batch; drain_timeout_s: after
     SIGTERM, how long the running job may take to finish before it is stopped and kept queued.
     """
@@ -206,8 +206,9 @@ class ServerConfig(_Section):
     max_side: int = _field(2048, int_between(1, MAX_SIDE), "largest width or height of a request")
     max_pixels: int = _field(1920 * 1088, int_between(1, MAX_SIDE * MAX_SIDE), "largest width x height of a request")
     max_frames: int = _field(257, int_between(1, MAX_FRAMES), "most frames of a video request")
-    max_output_pixels: int = _field(1280 * 720 * 81, int_between(1, 10 ** 12),
-                                    "largest width x height x frames x n of a request")
+    max_output_pixels: Optional[int] = _field(None, optional(int_between(1, 10 ** 12)),
+                                              "largest width x height x frames x n of a request (None: 16 x the "
+                                              "model's default output, at most 1280 x 720 x 81)")
     max_steps: int = _field(100, int_between(1, MAX_STEPS), "most denoising steps of a request")
     max_n: int = _field(10, int_between(1, 128), "most images per image request")
     max_fps: int = _field(120, int_between(1, MAX_FPS), "highest fps of a video request")

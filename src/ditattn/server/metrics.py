@@ -44,7 +44,8 @@ class Metrics:
         self.cancelled = Counter("ditattn_requests_cancelled",
                                  "Requests stopped before they finished, by kind, reason and stage.",
                                  ("kind", "reason", "stage"), registry=r)
-        self.batches = Counter("ditattn_batches", "Batches run by the scheduler, by outcome.", ("outcome",), registry=r)
+        self.batches = Counter("ditattn_batches", "Batches run by the scheduler, by outcome (ok, error, cancelled).",
+                               ("outcome",), registry=r)
         self.batch_size = Histogram("ditattn_batch_size", "Requests per scheduler batch.",
                                     buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         self.generation_seconds = Histogram("ditattn_batch_seconds", "Wall time of one batch run in seconds.",

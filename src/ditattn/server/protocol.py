@@ -19,7 +19,7 @@ import re
 import time
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ditattn.errors import short_repr
 
@@ -169,6 +169,11 @@ class SkipSoftmaxBody(BaseModel):
     threshold_scale_factor: Optional[float] = _finite(le=1e6)
     start_step: Optional[int] = Field(default=None, ge=0, le=100000)
 
+    @field_validator("threshold_scale_factor", "start_step", mode="before")
+    @classmethod
+    def _numbers_are_not_bools(cls, value):
+        return _not_bool(value)
+
     def as_dict(self) -> dict:
         d: dict = {}
         if self.threshold_scale_factor is not None:
@@ -182,10 +187,24 @@ class SkipSoftmaxBody(BaseModel):
         return list(cls.model_fields)
 
 
+def _not_bool(value: Any) -> Any:
+    """JSON ``true`` / ``false`` is no number (pydantic's lax mode would read ``"n": true`` as 1)."""
+    if isinstance(value, bool):
+        raise ValueError("expected a number, got a boolean")
+    return value
+
+
 class _Extras(BaseModel):
     """The ditattn extra body fields shared by images and videos."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("num_inference_steps", "guidance_scale", "seed", "n", "num_frames", "fps", "seconds",
+                     "output_compression", "partial_images", "frame_count", "frame_duration_ms", mode="before",
+                     check_fields=False)
+    @classmethod
+    def _numbers_are_not_bools(cls, value):
+        return _not_bool(value)
 
     negative_prompt: Optional[str] = Field(default=None, max_length=20000)
     num_inference_steps: Optional[int] = None  # the limit: the server's --max-steps

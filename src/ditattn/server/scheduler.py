@@ -390,7 +390,7 @@ class Scheduler:
         try:
             results = self._call(batch)
         except GenerationCancelled as exc:
-            self._notify(batch, time.perf_counter() - t0, None)
+            self._notify(batch, time.perf_counter() - t0, exc)
             for job in batch:
                 self._end(job, job.should_stop() or SHUTDOWN, "running")
             return [], exc

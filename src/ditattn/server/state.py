@@ -17,7 +17,7 @@ from typing import Optional
 
 from fastapi import Request
 
-from ditattn.errors import AttentionConfigError
+from ditattn.errors import AttentionConfigError, GenerationCancelled
 from ditattn.runconfig import ServerConfig
 from ditattn.server.metrics import Metrics
 from ditattn.server.protocol import RequestError, parse_size
@@ -27,6 +27,7 @@ from ditattn.server.store import ImageStore, VideoStore
 
 BACKEND_HEADER = "x-ditattn-attention-backend"
 DISCONNECTED = "client_disconnected"
+DEFAULT_OUTPUT_CAP = 1280 * 720 * 81  # the largest output of a Wan 2.x checkpoint (720p, 81 frames)
 STOP_GRACE_S = 10.0  # after the drain time: how long a stopped job's current step may still take
 
 log = logging.getLogger("ditattn.server")
@@ -86,15 +87,19 @@ class ServerState:
     # -- callbacks of the scheduler ---------------------------------------------------------------
     def _on_batch(self, jobs, seconds, error) -> None:
         m = self.metrics
-        m.batches.labels(outcome="ok" if error is None else "error").inc()
+        outcome = "ok" if error is None else "cancelled" if isinstance(error, GenerationCancelled) else "error"
+        m.batches.labels(outcome=outcome).inc()
         m.batch_size.observe(len(jobs))
         m.generation_seconds.observe(seconds)
         self._batch_seconds = seconds if self._batch_seconds == 0 else 0.8 * self._batch_seconds + 0.2 * seconds
 
     def _on_cancel(self, job: GenerationJob, reason: str, stage: str) -> None:
         self.metrics.cancelled.labels(kind=job.kind, reason=reason, stage=stage).inc()
-        log.info("request %s (%s) %s while %s", job.id, job.kind,
-                 "timed out" if reason == "timeout" else f"stopped: {reason.replace('_', ' ')}", stage)
+        if reason == SHUTDOWN and job.kind == "video" and self.videos.jobs is not None:
+            return  # its one line: "stays queued for the next start" (routes.videos)
+        log.log(logging.WARNING if reason == "timeout" else logging.INFO, "request %s (%s) %s while %s", job.id,
+                job.kind, "reached the request timeout" if reason == "timeout" else
+                f"stopped: {reason.replace('_', ' ')}", stage)
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -231,9 +236,18 @@ class ServerState:
                                f"--max-steps), got {steps}", param="num_inference_steps", code="limit_exceeded")
         return steps
 
+    @property
+    def max_output_pixels(self) -> int:
+        """``--max-output-pixels``, or 16 × the model's default output (width × height × frames), at
+        most a 720p 81-frame clip (1280 × 720 × 81)."""
+        if self.config.max_output_pixels is not None:
+            return self.config.max_output_pixels
+        d = self.runner.defaults
+        return min(DEFAULT_OUTPUT_CAP, 16 * d.width * d.height * d.num_frames)
+
     def check_output_size(self, width: int, height: int, frames: int, n: int) -> None:
         """width × height × frames × n within ``--max-output-pixels`` (400 naming it)."""
-        total, limit = width * height * frames * n, self.config.max_output_pixels
+        total, limit = width * height * frames * n, self.max_output_pixels
         if total > limit:
             raise RequestError(f"this request asks for {width}x{height} x {frames} frame(s) x n={n} = {total} output "
                                f"pixels; the server's limit (--max-output-pixels) is {limit}", param="size",
@@ -324,9 +338,10 @@ class ServerState:
         if gone in done:
             self.scheduler.cancel(job, DISCONNECTED)
             raise ClientGone(job.id)
-        self.scheduler.cancel(job, "timeout")
+        self.scheduler.cancel(job, "timeout")  # logged by _on_cancel
         raise RequestError(f"the request did not finish within {self.config.request_timeout_s:g} s (the server's "
-                           "--request-timeout-s); it was stopped", status=504, type="timeout_error", code="timeout")
+                           "--request-timeout-s); it was stopped", status=504, type="timeout_error", code="timeout",
+                           logged=True)
 
     def count(self, kind: str, outcome: str, backends: list) -> None:
         self.metrics.generations.labels(kind=kind, outcome=outcome, attention_backend=",".join(backends)).inc()
