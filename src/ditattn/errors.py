@@ -14,8 +14,10 @@ def short_repr(value: Any, limit: int = 60) -> str:
     megabyte string stays one short line)."""
     try:
         text = repr(value)
-    except ValueError:  # an int too long for repr (more than sys.get_int_max_str_digits() digits)
-        return f"an integer of about {int(value.bit_length() * 0.30103)} digits"
+    except ValueError:  # an int too long for repr (more than sys.get_int_max_str_digits() digits), or holds one
+        if isinstance(value, int):
+            return f"an integer of about {int(value.bit_length() * 0.30103)} digits"
+        return f"a {type(value).__name__} holding an integer too long to show"
     return text if len(text) <= limit else f"{text[:limit - 20]}...{text[-12:]} ({len(text)} characters)"
 
 

@@ -118,7 +118,8 @@ def load_mapping_file(path: str, *, what: str = "config file", accepted: str = "
         else:
             import yaml
 
-            data = yaml.safe_load(body)
+            # libyaml's loader when the wheel has it: fast, and it refuses deep nesting at once
+            data = yaml.load(body, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     except Exception as exc:  # json.JSONDecodeError, yaml.YAMLError, RecursionError, int digit limit
         raise AttentionConfigError(f"cannot parse {what} {path}: {parse_error_reason(exc)}; accepted: {accepted}") from None
     if data is None:

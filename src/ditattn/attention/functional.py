@@ -165,6 +165,8 @@ def attention(
     check_call_args(q, k, causal=causal, scale=scale, attn_bias=attn_bias, text_len=text_len, step=step,
                     layer_idx=layer_idx, return_lse=return_lse)
     scale = None if scale is None else float(scale)
+    if attn_bias is not None and attn_bias.dim() < 4:  # backends take a 4-D [batch, heads, seq_q, seq_kv] bias
+        attn_bias = attn_bias.reshape((1,) * (4 - attn_bias.dim()) + tuple(attn_bias.shape))
     if video_shape is not None:
         if not isinstance(video_shape, (tuple, list)) or len(video_shape) != 3 or \
                 any(not _is_int(x) or x <= 0 for x in video_shape):
