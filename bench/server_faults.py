@@ -289,7 +289,7 @@ def stage_bad_input(srv: Server, repeat: int, workers: int) -> dict:
         sum(v for k, v in before.items() if k.startswith("ditattn_http_requests_total"))
     check(counted >= len(reqs) + 1, f"metrics counted {counted} requests of {len(reqs) + 1}")
     return {"requests": len(reqs), "kinds": len(bad_requests()), "statuses": statuses, "seconds": round(dt, 2),
-            "5xx": len(five), "tracebacks_in_log": 0, "metrics_counted": int(counted)}
+            "n_5xx": len(five), "tracebacks_in_log": 0, "metrics_counted": int(counted)}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -528,39 +528,28 @@ def run(out: str, quick: bool) -> dict:
     return results
 
 
+ROWS = [  # (result key, table label, line: str.format over that stage's figures)
+    ("bad_input", "bad input storm", "{requests} requests ({kinds} kinds) in {seconds} s: statuses {statuses}, "
+                                     "5xx {n_5xx}, tracebacks {tracebacks_in_log}"),
+    ("mixed_storm", "mixed storm", "{requests} requests: {statuses}, {videos} videos completed, image p50 "
+                                   "{image_p50_s} s / p95 {image_p95_s} s"),
+    ("disconnects", "disconnects", "running one stopped {running_disconnect_stop_s} s after the client left; "
+                                   "{queued_disconnects} queued, {queued_computed} computed; DELETE of a running job "
+                                   "stopped in {delete_running_stop_s} s; 499s {counted_499}"),
+    ("timeout", "request timeout", "504 after {answered_504_s} s (limit {timeout_s} s), worker free after "
+                                   "{worker_free_s} s"),
+    ("sigterm", "SIGTERM", "exit {exit_status} in {exit_s} s (drain {drain_timeout_s} s), 503 while draining "
+                           "{refused_while_draining}, {jobs_kept} jobs kept -> {statuses_after_restart}, "
+                           "{finished_videos_kept} finished videos identical"),
+    ("second_sigterm", "second SIGTERM", "exit {exit_status} in {second_signal_exit_s} s; job after restart: "
+                                         "{job_after_restart}; idle SIGTERM exit {idle_exit_status} in "
+                                         "{idle_sigterm_exit_s} s"),
+    ("files", "files", "{files_seen} seen, {removed} removed, {removed_without_log_line} without a log line"),
+]
+
+
 def table(r: dict) -> str:
-    rows = [("stage", "result")]
-    if "bad_input" in r:
-        b = r["bad_input"]
-        rows.append(("bad input storm", f"{b['requests']} requests ({b['kinds']} kinds) in {b['seconds']} s: "
-                                        f"statuses {b['statuses']}, 5xx {b['5xx']}, tracebacks {b['tracebacks_in_log']}"))
-    if "mixed_storm" in r:
-        m = r["mixed_storm"]
-        rows.append(("mixed storm", f"{m['requests']} requests: {m['statuses']}, {m['videos']} videos completed, "
-                                    f"image p50 {m['image_p50_s']} s / p95 {m['image_p95_s']} s"))
-    if "disconnects" in r:
-        d = r["disconnects"]
-        rows.append(("disconnects", f"running one stopped {d['running_disconnect_stop_s']} s after the client left; "
-                                    f"{d['queued_disconnects']} queued, {d['queued_computed']} computed; DELETE of a "
-                                    f"running job stopped in {d['delete_running_stop_s']} s; 499s {d['counted_499']}"))
-    if "timeout" in r:
-        t = r["timeout"]
-        rows.append(("request timeout", f"504 after {t['answered_504_s']} s (limit {t['timeout_s']} s), worker "
-                                        f"free after {t['worker_free_s']} s"))
-    if "sigterm" in r:
-        s = r["sigterm"]
-        rows.append(("SIGTERM", f"exit {s['exit_status']} in {s['exit_s']} s (drain {s['drain_timeout_s']} s), "
-                                f"503 while draining {s['refused_while_draining']}, {s['jobs_kept']} jobs kept -> "
-                                f"{s['statuses_after_restart']}, {s['finished_videos_kept']} finished videos identical"))
-    if "second_sigterm" in r:
-        s = r["second_sigterm"]
-        rows.append(("second SIGTERM", f"exit {s['exit_status']} in {s['second_signal_exit_s']} s; job after restart: "
-                                       f"{s['job_after_restart']}; idle SIGTERM exit {s['idle_exit_status']} in "
-                                       f"{s['idle_sigterm_exit_s']} s"))
-    if "files" in r:
-        f = r["files"]
-        rows.append(("files", f"{f['files_seen']} seen, {f['removed']} removed, "
-                              f"{f['removed_without_log_line']} without a log line"))
+    rows = [("stage", "result")] + [(label, line.format(**r[key])) for key, label, line in ROWS if key in r]
     rows.append(("verdict", "PASS" if r.get("ok") else f"FAIL: {r.get('failed')}"))
     w = max(len(a) for a, _ in rows)
     return "\n".join(f"{a:<{w}}  {b}" for a, b in rows)

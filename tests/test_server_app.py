@@ -26,6 +26,7 @@ from ditattn.server.metrics import parse_text
 from ditattn.server.runner import BaseRunner, ModelDefaults
 from ditattn.server.scheduler import GenerationResult
 from ditattn.server.state import BACKEND_HEADER
+from test_server_scheduler import denoise_steps
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the client marks the videos API deprecated
 
@@ -61,24 +62,12 @@ class ToyRunner(BaseRunner):
         self.stepping = threading.Event()
 
     def run_batch(self, jobs):
-        from ditattn.errors import GenerationCancelled
-        from ditattn.server.scheduler import batch_stop_reason
-
         if self.gate is not None:
             assert self.gate.wait(30)
         if self.delay:
             time.sleep(self.delay)
-        done = 0
-        try:
-            for _ in range(self.steps):
-                reason = batch_stop_reason(jobs)
-                if reason:
-                    raise GenerationCancelled(reason)
-                self.stepping.set()
-                time.sleep(self.step_s)
-                done += 1
-        finally:
-            self.steps_run.append(([j.prompt for j in jobs], done))
+        denoise_steps(jobs, self.steps, self.step_s, self.stepping,
+                      lambda done: self.steps_run.append(([j.prompt for j in jobs], done)))
         if self.fail_prompt and any(j.prompt == self.fail_prompt for j in jobs):
             raise RuntimeError("the toy model cannot draw that")
         self.batches.append([(j.prompt, j.override) for j in jobs])

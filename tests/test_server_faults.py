@@ -16,7 +16,7 @@ def test_server_fault_script_quick(tmp_path):
                            str(tmp_path)], capture_output=True, text=True, env=env, timeout=1200)
     report = json.loads((tmp_path / "server_faults.json").read_text())
     assert proc.returncode == 0 and report["ok"], proc.stdout + proc.stderr
-    assert report["bad_input"]["5xx"] == 0 and report["bad_input"]["requests"] >= 60
+    assert report["bad_input"]["n_5xx"] == 0 and report["bad_input"]["requests"] >= 60
     assert report["disconnects"]["queued_computed"] == 0
     assert report["sigterm"]["exit_status"] == 0 and report["sigterm"]["jobs_kept"] == 5
     assert report["second_sigterm"]["exit_status"] in (143, -15)

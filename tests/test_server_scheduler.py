@@ -170,18 +170,26 @@ class SteppingRunner:
         self.started = threading.Event()
 
     def run_batch(self, jobs):
-        done = 0
-        try:
-            for _ in range(self.steps):
-                reason = batch_stop_reason(jobs)
-                if reason:
-                    raise GenerationCancelled(reason)
-                self.started.set()
-                time.sleep(self.step_s)
-                done += 1
-        finally:
-            self.ran.append(([j.id for j in jobs], done))
+        denoise_steps(jobs, self.steps, self.step_s, self.started, lambda done: self.ran.append(([j.id for j in jobs],
+                                                                                                  done)))
         return [GenerationResult(np.zeros((j.n, 1, 2, 2, 3), np.uint8), ["x"]) for j in jobs]
+
+
+def denoise_steps(jobs, steps, step_s, stepping: threading.Event, record) -> None:
+    """``steps`` sleeps of ``step_s`` seconds, asking ``batch_stop_reason(jobs)`` before each one as
+    the pipeline asks its ``should_stop`` (GenerationCancelled with the reason); ``stepping`` is set
+    once a step runs; ``record(steps_done)`` is called however it ends."""
+    done = 0
+    try:
+        for _ in range(steps):
+            reason = batch_stop_reason(jobs)
+            if reason:
+                raise GenerationCancelled(reason)
+            stepping.set()
+            time.sleep(step_s)
+            done += 1
+    finally:
+        record(done)
 
 
 def _wait(cond, timeout=10):
