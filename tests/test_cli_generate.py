@@ -264,3 +264,11 @@ def test_mask_strategy_file_errors_are_one_line(capsys, tmp_path):
         last = err.strip().splitlines()[-1]  # read at the first denoising step: after the progress bar
         assert rc == 2 and last.startswith("error: sliding_tile_attn: ") and message in last, err
         assert "Traceback" not in err
+
+
+def test_png_name_for_the_models_default_video_is_refused_before_denoising(capsys, tmp_path, monkeypatch):
+    import ditattn.pipelines.wan as wan
+
+    monkeypatch.setattr(wan.WanPipelineNative, "generate", lambda *a, **k: pytest.fail("generated"))
+    rc, err = _usage(capsys, "generate", "--prompt", "x", "--output-path", str(tmp_path / "still.png"), *SMALL)
+    assert rc == 2 and "a 9-frame video cannot be a .png" in err

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from typing import Any, Iterable
 
 from ditattn.attention.names import AttentionBackendEnum
@@ -22,10 +23,44 @@ from ditattn.errors import AttentionConfigError
 MAX_FILE_BYTES = 16 << 20  # config and strategy files are small; a bigger one is a mistake
 
 
+MAX_DEPTH = 100  # nesting of a config value or file: far beyond any real one, far below the parsers' recursion
+_JSON_TOKENS = {bytes: re.compile(rb'[\[\]{}"\\]'), str: re.compile(r'[\[\]{}"\\]')}
+
+
+def json_depth_exceeds(text: "str | bytes", max_depth: int) -> bool:
+    """Whether JSON ``text`` nests arrays / objects deeper than ``max_depth`` (brackets inside
+    strings do not count).  Linear, without recursion: run before a parser whose recursion a deep
+    document would exhaust."""
+    if text.count("[" if isinstance(text, str) else b"[") + text.count("{" if isinstance(text, str) else b"{") \
+            <= max_depth:  # the common case, at C speed
+        return False
+    opens, closes, quote, backslash = ("[{", "]}", '"', "\\") if isinstance(text, str) else \
+        ((b"[", b"{"), (b"]", b"}"), b'"', b"\\")
+    depth, in_string, escaped = 0, False, False
+    for m in _JSON_TOKENS[type(text)].finditer(text):
+        ch = m.group()
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == backslash:
+                escaped = True
+            elif ch == quote:
+                in_string = False
+        elif ch == quote:
+            in_string = True
+        elif ch in opens:
+            depth += 1
+            if depth > max_depth:
+                return True
+        elif ch in closes:
+            depth -= 1
+    return False
+
+
 def parse_error_reason(exc: BaseException) -> str:
     """One line on why a JSON / YAML text could not be parsed (nesting too deep, a number too
     long, or the parser's own message with its position)."""
-    if isinstance(exc, RecursionError):
+    if isinstance(exc, RecursionError) or "nesting depth" in str(exc):  # the latter: libyaml's words
         return "nested too deeply"
     mark = getattr(exc, "problem_mark", None)  # YAML: keep it to one line, with the position
     if mark is not None:
@@ -39,6 +74,8 @@ def parse_error_reason(exc: BaseException) -> str:
 def loads_json(text: str, what: str) -> Any:
     """``json.loads(text)``; malformed JSON, too deep nesting and numbers with thousands of digits
     raise :class:`AttentionConfigError` naming ``what``."""
+    if json_depth_exceeds(text, MAX_DEPTH):
+        raise AttentionConfigError(f"{what} is not valid JSON: nested too deeply (more than {MAX_DEPTH} levels)")
     try:
         return json.loads(text)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
@@ -112,6 +149,9 @@ def load_mapping_file(path: str, *, what: str = "config file", accepted: str = "
     if len(body) > MAX_FILE_BYTES:
         raise AttentionConfigError(f"{what} {path} is larger than {MAX_FILE_BYTES // (1 << 20)} MiB; accepted: "
                                    f"{accepted}")
+    if json_depth_exceeds(body, MAX_DEPTH):  # YAML flow style nests with the same brackets
+        raise AttentionConfigError(f"cannot parse {what} {path}: nested too deeply (more than {MAX_DEPTH} levels); "
+                                   f"accepted: {accepted}")
     try:
         if path.lower().endswith(".json"):
             data = json.loads(body)

@@ -92,7 +92,7 @@ def _tune_cpu_threads(device) -> None:
         torch.set_num_threads(want)
 
 
-def _output_path(cfg: RunConfig, num_frames: int) -> Optional[str]:
+def _output_path(cfg: RunConfig, num_frames: Optional[int]) -> Optional[str]:
     """The file this run writes (None with --no-save-output), checked before any work: name and
     extension, a writable folder, the writer installed; an existing file gets a numeric suffix
     unless --overwrite (chosen again when writing, so a file created meanwhile is kept too)."""
@@ -147,9 +147,10 @@ def _generate_native(cfg: RunConfig, t_start: float) -> int:
     cfg.attention_settings()  # refuse bad attention flags before any work
     kw = cfg.generate_kwargs()
     _tune_cpu_threads(cfg.model.device)
-    _output_path(cfg, cfg.sampling.num_frames or 2)  # refuse an unwritable output before loading
+    _output_path(cfg, cfg.sampling.num_frames)  # refuse an unwritable output before loading
     t0 = time.perf_counter()
     pipe = WanPipelineNative.from_config(cfg)
+    _output_path(cfg, kw["num_frames"] or pipe.defaults["num_frames"])  # ... and with the frame count, before the work
     state = pipe.prepare_request(kw.pop("override"), kw.pop("skip_softmax"))
     load = time.perf_counter() - t0 + (t0 - t_start)
     res = pipe.generate(**kw, request_state=state, progress=sequence_parallel_rank() == 0)  # one bar: rank 0's

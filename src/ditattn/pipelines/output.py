@@ -12,15 +12,17 @@ from ditattn.errors import AttentionConfigError
 EXTENSIONS = (".mp4", ".png")
 
 
-def default_file_name(prompt: str, seed: int, num_frames: int) -> str:
-    """``<prompt slug>_s<seed>.mp4`` (or ``.png`` for one frame)."""
+def default_file_name(prompt: str, seed: int, num_frames: Optional[int]) -> str:
+    """``<prompt slug>_s<seed>.mp4`` (or ``.png`` for one frame; None: not known yet, a video)."""
     slug = re.sub(r"[^A-Za-z0-9]+", "_", prompt).strip("_")[:48].rstrip("_") or "output"
     return f"{slug}_s{seed}{'.png' if num_frames == 1 else '.mp4'}"
 
 
-def output_file_path(out_dir: str, file_name: Optional[str], prompt: str, seed: int, num_frames: int) -> str:
+def output_file_path(out_dir: str, file_name: Optional[str], prompt: str, seed: int,
+                     num_frames: Optional[int]) -> str:
     """Where to write: ``out_dir/file_name`` (extension added when missing); a ``.png`` name for a
-    multi-frame clip or another extension is an :class:`AttentionConfigError`."""
+    multi-frame clip, an ``.mp4`` for one frame or another extension is an
+    :class:`AttentionConfigError` (``num_frames`` None: not known yet, the frame checks wait)."""
     if not file_name:
         file_name = default_file_name(prompt, seed, num_frames)
     if os.sep in file_name or (os.altsep and os.altsep in file_name):
@@ -31,7 +33,7 @@ def output_file_path(out_dir: str, file_name: Optional[str], prompt: str, seed: 
         file_name = f"{file_name}{'.png' if num_frames == 1 else '.mp4'}"
     elif ext not in EXTENSIONS:
         raise AttentionConfigError(f"--output-file '{file_name}': unsupported extension '{ext}'; accepted: .mp4, .png")
-    elif ext == ".png" and num_frames != 1:
+    elif ext == ".png" and num_frames not in (1, None):
         raise AttentionConfigError(
             f"--output-file '{file_name}': a {num_frames}-frame video cannot be a .png; use .mp4 or --num-frames 1"
         )

@@ -9,7 +9,6 @@ stored); nested form keys (``p[x]``) are unflattened by :func:`~ditattn.server.p
 from __future__ import annotations
 
 import json
-import re
 
 import python_multipart  # noqa: F401  (the form parsers below need it: fail at import, not per request)
 from fastapi import Request
@@ -17,41 +16,11 @@ from pydantic import ValidationError
 from starlette.datastructures import Headers, UploadFile
 from starlette.formparsers import FormParser, MultiPartException, MultiPartParser
 
-from ditattn.attention.config import parse_error_reason
+from ditattn.attention.config import json_depth_exceeds, parse_error_reason
 from ditattn.server.protocol import RequestError, unflatten_form, validation_error_to_request_error
 
 MAX_FORM_FIELDS = 100
 MAX_FORM_FILES = 4
-
-
-def json_depth_exceeds(body: bytes, max_depth: int) -> bool:
-    """Whether the JSON text ``body`` nests arrays / objects deeper than ``max_depth`` (brackets
-    inside strings do not count).  Linear, without recursion: run before ``json.loads``, whose
-    recursion a deep body would exhaust."""
-    if body.count(b"[") + body.count(b"{") <= max_depth:  # the common case, at C speed
-        return False
-    depth, in_string, escaped = 0, False, False
-    for m in _JSON_TOKENS.finditer(body):
-        ch = m.group()
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == b"\\":
-                escaped = True
-            elif ch == b'"':
-                in_string = False
-        elif ch == b'"':
-            in_string = True
-        elif ch in (b"[", b"{"):
-            depth += 1
-            if depth > max_depth:
-                return True
-        elif ch in (b"]", b"}"):
-            depth -= 1
-    return False
-
-
-_JSON_TOKENS = re.compile(rb'[\[\]{}"\\]')
 
 
 async def _read_limited(request: Request, max_bytes: int) -> bytes:

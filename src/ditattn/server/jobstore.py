@@ -60,24 +60,33 @@ class JobStore:
             self.close()
             raise
 
+    @property
+    def closed(self) -> bool:
+        return getattr(self, "_db", None) is None
+
     def save(self, record: dict) -> None:
         """Insert or update the job ``record`` (a JSON-safe dict with ``id`` and ``status``); a new
-        job goes after the existing ones (the load order)."""
+        job goes after the existing ones (the load order).  RuntimeError once closed."""
         body = json.dumps(record, sort_keys=True)
         with self._lock:
-            self._db.execute("INSERT INTO videos (id, status, record) VALUES (?, ?, ?) ON CONFLICT(id) DO UPDATE "
+            self._live().execute("INSERT INTO videos (id, status, record) VALUES (?, ?, ?) ON CONFLICT(id) DO UPDATE "
                              "SET status = excluded.status, record = excluded.record",
                              (record["id"], record["status"], body))
 
     def delete(self, vid: str) -> None:
         with self._lock:
-            self._db.execute("DELETE FROM videos WHERE id = ?", (vid,))
+            self._live().execute("DELETE FROM videos WHERE id = ?", (vid,))
+
+    def _live(self) -> sqlite3.Connection:
+        if self.closed:
+            raise RuntimeError(f"the job store {self.path} is closed (the server has shut down)")
+        return self._db
 
     def load(self) -> list[dict]:
         """Every stored record, oldest first; a row that is not valid JSON is skipped (reported by
         ``bad_rows``)."""
         with self._lock:
-            rows = self._db.execute("SELECT id, record FROM videos ORDER BY rowid").fetchall()
+            rows = self._live().execute("SELECT id, record FROM videos ORDER BY rowid").fetchall()
         out, self.bad_rows = [], []
         for vid, body in rows:
             try:

@@ -143,8 +143,10 @@ class ServerState:
     def stop(self) -> None:
         """Lifespan shutdown: stop the worker and the encoders, close the job store, and remove the
         private temporary output folder (logged, with what it held)."""
-        self.draining = True
-        self.scheduler.stop()
+        self.begin_drain()
+        if self.scheduler.stop_running(SHUTDOWN):  # not drained (a server stopped without the signal path)
+            log.warning("shutdown: stopping the running batch at its next denoising step")
+        self.scheduler.stop(timeout=STOP_GRACE_S)
         self.encoder.shutdown(wait=True)
         if self.videos.jobs is not None:
             self.videos.jobs.close()

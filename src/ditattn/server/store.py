@@ -131,18 +131,23 @@ class VideoStore:
             return r
 
     def _persist(self, rec: VideoRecord) -> None:
-        if self.jobs is not None:
-            try:
-                self.jobs.save(rec.to_json(self.folder))
-            except Exception:  # the in-memory record still serves; the next change retries
-                log.exception("job store: cannot save video %s", rec.id)
+        self._write(lambda: self.jobs.save(rec.to_json(self.folder)), f"save video {rec.id} ({rec.status})")
 
     def _forget(self, vid: str) -> None:
-        if self.jobs is not None:
-            try:
-                self.jobs.delete(vid)
-            except Exception:
-                log.exception("job store: cannot delete video %s", vid)
+        self._write(lambda: self.jobs.delete(vid), f"delete video {vid}")
+
+    def _write(self, op, what: str) -> None:
+        """One job-store write; a failure is logged (the in-memory record still serves, the next
+        change retries), once the store is closed without a traceback."""
+        if self.jobs is None:
+            return
+        if self.jobs.closed:
+            log.warning("job store closed: cannot %s", what)
+            return
+        try:
+            op()
+        except Exception:
+            log.exception("job store: cannot %s", what)
 
 
 def remove_file(path: Optional[str], why: str) -> None:
