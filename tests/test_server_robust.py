@@ -95,7 +95,7 @@ def test_delete_cancels_a_queued_and_a_running_video_job(tmp_path):
         assert app.state.server.videos.jobs.load() == []  # gone from the job store too
 
 
-def test_limits_and_hostile_numbers_are_400s_naming_the_limit():
+def test_limits_and_hostile_numbers_are_400s_naming_the_limit(caplog):
     runner = ToyRunner()
     with serve(runner, max_output_pixels=32 * 16 * 4, max_steps=4, max_n=2, max_frames=17) as (base, app):
         img, vid = base + "/v1/images/generations", base + "/v1/videos"
@@ -124,9 +124,13 @@ def test_limits_and_hostile_numbers_are_400s_naming_the_limit():
             (img, {"prompt": "x", "model": "m" * 500}, "does not exist"),
         ]
         for url, body, words in cases:
-            r = httpx.post(url, json=body)
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="ditattn.server"):
+                r = httpx.post(url, json=body)
             assert r.status_code in (400, 404), (body, r.status_code, r.text[:300])
             assert words in r.json()["error"]["message"], (body, r.json())
+            lines = [rec for rec in caplog.records if rec.name == "ditattn.server"]
+            assert len(lines) == (r.status_code == 400), (body, [rec.getMessage() for rec in lines])  # one per refusal
         for raw in (b'{"prompt": "x", "guidance_scale": NaN}', b'{"prompt": "x", "guidance_scale": Infinity}',
                     b'{"prompt": "x", "n": ' + b"9" * 5000 + b"}", b'{"prompt": "x", "seed": 1e999}'):
             r = httpx.post(img, content=raw, headers={"content-type": "application/json"})
@@ -281,3 +285,31 @@ def test_output_dir_in_use_or_foreign_is_refused(tmp_path):
     with pytest.raises(AttentionConfigError, match="is not a ditattn job store"):
         create_app(ToyRunner(), ServerConfig(output_dir=str(bad)))
     assert (bad / "jobs.sqlite").read_bytes().startswith(b"this is not")  # left alone
+
+
+def test_job_store_round_trip_order_and_refusals(tmp_path):
+    import sqlite3
+
+    from ditattn.server.jobstore import JobStore
+
+    store = JobStore(str(tmp_path))
+    for i in range(3):
+        store.save({"id": f"v{i}", "status": "queued", "n": i})
+    store.save({"id": "v0", "status": "completed", "n": 0})  # an update keeps its place
+    store.delete("v1")
+    assert [(r["id"], r["status"]) for r in store.load()] == [("v0", "completed"), ("v2", "queued")]
+    store.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        store.save({"id": "v3", "status": "queued"})
+    db = sqlite3.connect(str(tmp_path / "jobs.sqlite"))
+    db.execute("INSERT INTO videos (id, status, record) VALUES ('bad', 'queued', '{not json')")
+    db.commit()
+    db.close()
+    store = JobStore(str(tmp_path))  # the lock was released by close()
+    assert [r["id"] for r in store.load()] == ["v0", "v2"] and store.bad_rows == ["bad"]
+    store.close()
+    db = sqlite3.connect(str(tmp_path / "jobs.sqlite"))
+    db.execute("PRAGMA user_version = 7")
+    db.close()
+    with pytest.raises(AttentionConfigError, match="job store version 7"):
+        JobStore(str(tmp_path))
