@@ -15,12 +15,13 @@ Stages, each with assertions (the run stops at the first failed one, exit status
    clients go away behind a long video job, which is then DELETEd.  Asserts: the running one stops
    within a few steps, the queued ones are never computed (no batch, no image), each is counted as
    cancelled and as a 499, the deleted job stops at its next step.
-4. **request timeout** (not with --quick) — a request longer than ``--request-timeout-s``: 504, and
-   the worker is free right after.
-5. **SIGTERM with queued video jobs** — a running and four queued video jobs, then SIGTERM: new
-   work gets 503 with Retry-After while draining, the process exits 0 within the drain bound; a
-   restart with the same ``--output-dir`` finds every job (finished ones downloadable with the same
-   bytes, the others queued and then completed).
+4. **request timeout** (not with --quick; on the restarted server, ``--request-timeout-s 8``) — a
+   request longer than the timeout: 504, and the worker is free right after.
+5. **SIGTERM with queued video jobs** — a long running and four queued video jobs, then SIGTERM:
+   new work gets 503 with Retry-After while draining, the process exits 0 within the drain bound
+   (the running job stopped and kept queued); a restart with the same ``--output-dir`` finds every
+   job (finished ones downloadable with the same bytes; the long one re-queued, then deleted; the
+   four queued ones completed).
 6. **second SIGTERM** — a long job, SIGTERM twice: the process exits at once (status 143); the next
    start finds the job again.
 7. **files** — every output file that disappeared during the whole run is named in a server log
@@ -36,6 +37,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -49,7 +51,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY = "faults-key"
 SERVE_FLAGS = ["--api-key", KEY, "--max-batch-size", "4", "--max-queue", "12", "--height", "32", "--width", "32",
                "--num-frames", "5", "--num-inference-steps", "2", "--guidance-scale", "1.0", "--max-steps", "400",
-               "--drain-timeout-s", "1", "--request-timeout-s", "20", "--max-body-bytes", "65536"]
+               "--drain-timeout-s", "1", "--request-timeout-s", "60", "--max-body-bytes", "65536"]
+RESTART_TIMEOUT_S = 8.0  # the restarted server's --request-timeout-s (the timeout stage runs there)
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
@@ -346,7 +349,7 @@ def stage_mixed_storm(srv: Server, n: int, workers: int) -> dict:
 # ------------------------------------------------------------------------------------------------
 # stage 3: disconnects
 
-LONG_IMAGE = {"prompt": "a long one", "size": "128x128", "num_inference_steps": 400}
+LONG_IMAGE = {"prompt": "a long one", "size": "256x256", "num_inference_steps": 400}
 
 
 def stage_disconnects(srv: Server, queued: int) -> dict:
@@ -360,7 +363,7 @@ def stage_disconnects(srv: Server, queued: int) -> dict:
     wait_for(lambda: srv.health()["status"] == "ok", 60, "the abandoned request to stop")
     running_stop_s = time.time() - t0
     # queued requests whose clients go away, behind a long video job (deleted afterwards)
-    blocker = create_video(srv, prompt="blocker", size="128x128", num_frames=1, num_inference_steps=400)
+    blocker = create_video(srv, prompt="blocker", size="256x256", num_frames=1, num_inference_steps=400)
     wait_for(lambda: video(srv, blocker["id"])["status"] == "in_progress", 60, "the blocker to run")
     socks = [raw_post(srv, "/v1/images/generations", {"prompt": f"gone {i}", "seed": i}) for i in range(queued)]
     wait_for(lambda: srv.health()["queue_depth"] == queued, 60, f"{queued} queued requests")
@@ -415,7 +418,8 @@ def stage_timeout(srv: Server, timeout_s: float) -> dict:
 
 
 def stage_sigterm(srv: Server, out_dir: str, log_dir: str, storm_digests: dict) -> tuple[dict, Server]:
-    running = create_video(srv, prompt="running at shutdown", size="64x64", num_frames=5, num_inference_steps=12,
+    # long enough never to finish before the signal, on any machine; after the restart it is deleted
+    running = create_video(srv, prompt="running at shutdown", size="256x256", num_frames=1, num_inference_steps=400,
                            seed=7)
     wait_for(lambda: video(srv, running["id"])["status"] == "in_progress", 60, "the job to run")
     queued = [create_video(srv, prompt=f"queued at shutdown {i}", num_frames=5, seed=20 + i)["id"] for i in range(4)]
@@ -439,7 +443,8 @@ def stage_sigterm(srv: Server, out_dir: str, log_dir: str, storm_digests: dict) 
     check(refused is not None and refused[1], "no 503 with Retry-After while draining")
     log = srv.log()
     check("draining" in log, "no drain line in the log")
-    restart = Server(out_dir, os.path.join(log_dir, "serve_restart.log"))
+    restart = Server(out_dir, os.path.join(log_dir, "serve_restart.log"),
+                     extra=["--request-timeout-s", f"{RESTART_TIMEOUT_S:g}"])
     ids = {v["id"] for v in httpx.get(restart.base + "/v1/videos?limit=100", headers=AUTH).json()["data"]}
     check(set(storm_digests) | {running["id"], *queued} <= ids, "a job is missing after the restart")
     found = {vid: video(restart, vid)["status"] for vid in [running["id"], *queued]}
@@ -447,7 +452,9 @@ def stage_sigterm(srv: Server, out_dir: str, log_dir: str, storm_digests: dict) 
     same = all(sha(httpx.get(f"{restart.base}/v1/videos/{vid}/content", headers=AUTH).content) == d
                for vid, d in storm_digests.items())
     check(same, "a finished video changed or vanished across the restart")
-    for vid in [running["id"], *queued]:
+    r = httpx.delete(f"{restart.base}/v1/videos/{running['id']}", headers=AUTH, timeout=30)  # the long one: enough
+    check(r.status_code == 200, f"DELETE after the restart: {r.status_code}")
+    for vid in queued:
         v = wait_video(restart, vid)
         check(v["status"] == "completed", f"re-queued video {vid} ended {v['status']}: {v.get('error')}")
     return ({"drain_timeout_s": 1.0, "exit_s": round(exit_s, 2), "exit_status": rc, "refused_while_draining": refused,
@@ -456,7 +463,7 @@ def stage_sigterm(srv: Server, out_dir: str, log_dir: str, storm_digests: dict) 
 
 
 def stage_second_sigterm(srv: Server, out_dir: str, log_dir: str) -> dict:
-    job = create_video(srv, prompt="long at a hard exit", size="128x128", num_frames=1, num_inference_steps=300)
+    job = create_video(srv, prompt="long at a hard exit", size="256x256", num_frames=1, num_inference_steps=400)
     wait_for(lambda: video(srv, job["id"])["status"] == "in_progress", 60, "the job to run")
     srv.signal(signal.SIGTERM)
     time.sleep(0.3)
@@ -505,12 +512,12 @@ def run(out: str, quick: bool) -> dict:
         results["mixed_storm"] = stage_mixed_storm(srv, n=24 if quick else 64, workers=24 if quick else 64)
         seen |= files(serve_dir)
         results["disconnects"] = stage_disconnects(srv, queued=4 if quick else 8)
-        if not quick:
-            results["timeout"] = stage_timeout(srv, 20.0)
         seen |= files(serve_dir)
         digests = results["mixed_storm"].pop("digests")
         results["sigterm"], srv = stage_sigterm(srv, serve_dir, out, digests)
         servers.append(srv)
+        if not quick:
+            results["timeout"] = stage_timeout(srv, RESTART_TIMEOUT_S)
         seen |= files(serve_dir)
         results["second_sigterm"] = stage_second_sigterm(srv, serve_dir, out)
         seen |= files(serve_dir)
@@ -523,6 +530,10 @@ def run(out: str, quick: bool) -> dict:
     finally:
         for s in servers:
             s.kill()
+    if results["ok"]:
+        shutil.rmtree(work, ignore_errors=True)
+    else:
+        results["kept_output_dir"] = serve_dir  # for a look at what the servers left
     with open(os.path.join(out, "server_faults.json"), "w") as f:
         json.dump(results, f, indent=2, default=str)
     return results
@@ -536,11 +547,11 @@ ROWS = [  # (result key, table label, line: str.format over that stage's figures
     ("disconnects", "disconnects", "running one stopped {running_disconnect_stop_s} s after the client left; "
                                    "{queued_disconnects} queued, {queued_computed} computed; DELETE of a running job "
                                    "stopped in {delete_running_stop_s} s; 499s {counted_499}"),
-    ("timeout", "request timeout", "504 after {answered_504_s} s (limit {timeout_s} s), worker free after "
-                                   "{worker_free_s} s"),
     ("sigterm", "SIGTERM", "exit {exit_status} in {exit_s} s (drain {drain_timeout_s} s), 503 while draining "
                            "{refused_while_draining}, {jobs_kept} jobs kept -> {statuses_after_restart}, "
                            "{finished_videos_kept} finished videos identical"),
+    ("timeout", "request timeout", "504 after {answered_504_s} s (limit {timeout_s} s), worker free after "
+                                   "{worker_free_s} s"),
     ("second_sigterm", "second SIGTERM", "exit {exit_status} in {second_signal_exit_s} s; job after restart: "
                                          "{job_after_restart}; idle SIGTERM exit {idle_exit_status} in "
                                          "{idle_sigterm_exit_s} s"),
