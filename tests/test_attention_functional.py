@@ -91,3 +91,68 @@ def test_force_applies_to_automatic_calls():
         with pytest.raises(AttentionConfigError, match="torch_cudnn_sdpa"):
             ditattn.attention(q, q, q)
     ditattn.attention(q, q, q)  # restored
+
+
+def _crash_free(code: str) -> "subprocess.CompletedProcess":
+    """Run ``code`` in a fresh interpreter (a kernel that kills the process fails the test instead of pytest)."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", "import torch, ditattn\n" + code], capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("shapes", [
+    ((1, 4, 2, 32), (1, 0, 2, 32)),   # empty key sequence (was SIGFPE with return_lse)
+    ((1, 4, 0, 32), (1, 4, 0, 32)),   # zero heads
+    ((1, 0, 2, 32), (1, 4, 2, 32)),   # empty query sequence
+    ((0, 4, 2, 32), (0, 4, 2, 32)),   # empty batch
+    ((1, 4, 2, 0), (1, 4, 2, 0)),     # empty head dim
+])
+def test_empty_dimensions_are_refused_not_crashed(shapes):
+    qs, ks = shapes
+    r = _crash_free(f"q = torch.randn{qs}; k = torch.randn{ks}\n"
+                    "try:\n    ditattn.attention(q, k, k, return_lse=True)\n"
+                    "except ditattn.AttentionConfigError as e:\n    print('refused:', e)\n")
+    assert r.returncode == 0, r.stderr
+    assert "refused:" in r.stdout and "empty" in r.stdout
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(scale=float("nan")), "scale must be None"),
+    (dict(scale=float("inf")), "scale must be None"),
+    (dict(scale=0.0), "finite number > 0"),
+    (dict(scale=-1), "finite number > 0"),
+    (dict(scale="0.1"), "scale must be None"),
+    (dict(scale=True), "scale must be None"),
+    (dict(causal="yes"), "causal must be True or False"),
+    (dict(causal=1), "causal must be True or False"),
+    (dict(return_lse=None), "return_lse must be True or False"),
+    (dict(attn_bias=5), "attn_bias must be None or a torch.Tensor"),
+    (dict(attn_bias=torch.zeros(1, 2, 8, 8, dtype=torch.int64)), "floating-point bias or a bool mask"),
+    (dict(attn_bias=torch.zeros(3, 3)), "does not broadcast"),
+    (dict(attn_bias=torch.zeros(1, 1, 1, 2, 8, 8)), "does not broadcast"),
+    (dict(attn_bias=torch.zeros(2, 1, 8, 8)), "does not broadcast"),
+    (dict(text_len=-1), "text_len must be an integer >= 0"),
+    (dict(text_len=1.5), "text_len must be an integer >= 0"),
+    (dict(step=-2), "step must be None or an integer >= 0"),
+    (dict(layer_idx="0"), "layer_idx must be None"),
+    (dict(video_shape=(1, 2, 4.0)), "video_shape must be three positive integers"),
+    (dict(video_shape="124"), "video_shape must be three positive integers"),
+])
+def test_call_arguments_are_validated(kwargs, match):
+    q = torch.randn(1, 8, 2, 16)
+    with pytest.raises(AttentionConfigError, match=match):
+        ditattn.attention(q, q, q, **kwargs)
+
+
+def test_valid_scale_and_broadcast_bias_still_run():
+    import numpy as np
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 8, 2, 16, generator=g) for _ in range(3))
+    out = ditattn.attention(q, k, v, scale=np.float32(0.25))
+    ref, _ = reference_attention(q, k, v, scale=0.25, dtype=torch.float64)
+    assert _rel(out, ref) < 1e-5
+    for bias in (torch.zeros(8), torch.zeros(8, 8), torch.zeros(1, 2, 1, 8), torch.ones(8, 8, dtype=torch.bool)):
+        assert ditattn.attention(q, k, v, attn_bias=bias, return_lse=True)[0].shape == q.shape

@@ -176,4 +176,99 @@ def test_negative_seed_is_a_usage_error(capsys):
         main(["generate", "--prompt", "x", "--seed", "-1"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and "expected an integer >= 0" in err and len(err.strip().splitlines()) == 1
+    assert err.startswith("error: ") and "expected an integer from 0 to" in err and len(err.strip().splitlines()) == 1
+
+
+def _usage(capsys, *argv):
+    """``main(argv)`` as a user sees it: (exit status, stderr), whether argparse or the command refused."""
+    capsys.readouterr()
+    try:
+        rc = main(list(argv))
+    except SystemExit as exc:
+        rc = exc.code
+    return rc, capsys.readouterr().err
+
+
+def test_output_path_naming_a_file_and_no_overwrite(capsys, tmp_path):
+    from PIL import Image
+
+    target = tmp_path / "sub" / "still.png"
+    common = ["--prompt", "a lighthouse", "--num-frames", "1", *SMALL]
+    rc, out, err = run(capsys, *common, "--output-path", str(target))
+    assert rc == 0, err
+    assert out.splitlines()[0] == f"saved: {target}" and target.is_file() and not (tmp_path / "sub" / "still.png").is_dir()
+    first = target.read_bytes()
+    rc, out, err = run(capsys, *common, "--output-path", str(target), "--seed", "5")  # same name: kept, suffix added
+    assert rc == 0 and out.splitlines()[0] == f"saved: {tmp_path / 'sub' / 'still_1.png'}"
+    assert target.read_bytes() == first
+    rc, out, err = run(capsys, *common, "--output-path", str(target), "--seed", "5", "--overwrite")
+    assert rc == 0 and out.splitlines()[0] == f"saved: {target}" and target.read_bytes() != first
+    assert np.asarray(Image.open(target)).shape == (32, 48, 3)
+    assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == ["still.png", "still_1.png"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num-frames", "1", "--output-file", "x.mp4"], "one frame is written as a .png image"),
+    (["--output-path", "{tmp}/clip.mp4", "--output-file", "y.mp4"], "names a file and --output-file"),
+    (["--output-path", "{tmp}/afile/clip.mp4"], "is a file, not a folder"),
+    (["--output-path", "{tmp}/adir.mp4"], "is an existing folder"),
+])
+def test_output_refused_before_generation(capsys, tmp_path, monkeypatch, argv, message):
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "adir.mp4").mkdir()
+    import ditattn.pipelines.wan as wan
+
+    monkeypatch.setattr(wan.WanPipelineNative, "from_config", classmethod(lambda cls, cfg: pytest.fail("loaded")))
+    rc, err = _usage(capsys, "generate", "--prompt", "x", *[a.format(tmp=tmp_path) for a in argv], *SMALL)
+    assert rc == 2 and err.startswith("error: ") and message in err and err.count("\n") == 1, err
+
+
+def test_missing_video_writer_is_refused_before_generation(capsys, tmp_path, monkeypatch):
+    import imageio_ffmpeg
+
+    import ditattn.pipelines.wan as wan
+
+    def no_ffmpeg():
+        raise RuntimeError("No ffmpeg exe could be found. Install ffmpeg on your system, or set IMAGEIO_FFMPEG_EXE")
+
+    monkeypatch.setattr(imageio_ffmpeg, "get_ffmpeg_exe", no_ffmpeg)
+    monkeypatch.setattr(wan.WanPipelineNative, "from_config", classmethod(lambda cls, cfg: pytest.fail("loaded")))
+    rc, err = _usage(capsys, "generate", "--prompt", "x", "--output-path", str(tmp_path), *SMALL)
+    assert rc == 2 and err.startswith("error: cannot write MP4 video: no ffmpeg") and "imageio-ffmpeg" in err
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"num-inference-steps: \xff\xfe\n", "not UTF-8 text"),
+    (b"num-inference-steps: " + b"9" * 5000 + b"\n", "a number has too many digits"),
+    (b"guidance-scale: " + b"9" * 400 + b"\n", "guidance-scale: expected a finite number from 0 to 100"),
+    (b"attention-backend-config: " + b"[" * 3000 + b"]" * 3000 + b"\n", "nested too deeply"),
+    (b"seed: " + b"9" * 30 + b"\n", "seed: expected an integer from 0 to"),
+    (b"attention-backend-config: '{\"sparsity\": " + b"9" * 5000 + b"}'\n", "a number has too many digits"),
+])
+def test_config_file_read_errors_are_one_line(capsys, tmp_path, content, message):
+    path = tmp_path / "run.yaml"
+    path.write_bytes(content)
+    rc, err = _usage(capsys, "generate", "--prompt", "x", "--config", str(path), "--no-save-output", *SMALL)
+    assert rc == 2 and err.startswith("error: ") and message in err, err
+    assert err.count("\n") == 1 and len(err) < 400 and "Traceback" not in err
+
+
+def test_mask_strategy_file_errors_are_one_line(capsys, tmp_path):
+    for body, message in ((b"\xff\xfe{}", "not UTF-8 text"), (b"[" * 5000, "nested too deeply"),
+                          (b'{"0_0_0": [' + b"9" * 5000 + b", 1, 1]}", "too many digits")):
+        strat = tmp_path / "mask.json"
+        strat.write_bytes(body)
+        rc, err = _usage(capsys, "generate", "--prompt", "x", "--no-save-output", *SMALL, "--num-frames", "5",
+                         "--attention-backend", "sliding_tile_attn",
+                         "--attention-backend-config", f"mask_strategy_file_path={strat}")
+        last = err.strip().splitlines()[-1]  # read at the first denoising step: after the progress bar
+        assert rc == 2 and last.startswith("error: sliding_tile_attn: ") and message in last, err
+        assert "Traceback" not in err
+
+
+def test_png_name_for_the_models_default_video_is_refused_before_denoising(capsys, tmp_path, monkeypatch):
+    import ditattn.pipelines.wan as wan
+
+    monkeypatch.setattr(wan.WanPipelineNative, "generate", lambda *a, **k: pytest.fail("generated"))
+    rc, err = _usage(capsys, "generate", "--prompt", "x", "--output-path", str(tmp_path / "still.png"), *SMALL)
+    assert rc == 2 and "a 9-frame video cannot be a .png" in err

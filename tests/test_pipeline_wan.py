@@ -182,3 +182,30 @@ def test_sparse_backend_runs_end_to_end():
                      output_type="latent")
     assert res.attention_backends == ["video_sparse_attn", "torch_sdpa"]
     assert res.frames.shape == (1, 16, 2, 8, 8) and torch.isfinite(res.frames).all()
+
+
+def test_should_stop_ends_the_run_between_steps(pipe):
+    """The cancellation hook a server passes (issue 23): asked before the text encoder, each step and
+    the decode; a reason stops the run there with GenerationCancelled and nothing is decoded."""
+    from ditattn.distributed.relay import PipelineRelay
+    from ditattn.errors import GenerationCancelled
+
+    steps_done, asked = [], []
+
+    def stop_after_two():
+        asked.append(len(steps_done))
+        return "deleted" if len(steps_done) >= 2 else None
+
+    with pytest.raises(GenerationCancelled, match="generation stopped: deleted") as ei:
+        pipe.generate("x", height=32, width=32, num_frames=1, num_inference_steps=6, progress=False,
+                      on_step=lambda done, total: steps_done.append(done), should_stop=stop_after_two)
+    assert ei.value.reason == "deleted" and steps_done == [1, 2] and asked[-1] == 2
+    with pytest.raises(GenerationCancelled):  # stopped before the text encoder already
+        pipe.generate("x", height=32, width=32, num_frames=1, num_inference_steps=2, progress=False,
+                      should_stop=lambda: "timeout")
+    res = pipe.generate("x", height=32, width=32, num_frames=1, num_inference_steps=2, progress=False,
+                        should_stop=lambda: None)
+    assert res.frames.shape == (1, 1, 32, 32, 3)
+    # sequence parallelism relays calls to other ranks: the callable is never sent
+    msg = PipelineRelay.describe_call(("x",), {"should_stop": stop_after_two, "on_step": print, "seed": 1})
+    assert msg["kwargs"] == {"seed": 1}

@@ -26,6 +26,7 @@ from ditattn.server.metrics import parse_text
 from ditattn.server.runner import BaseRunner, ModelDefaults
 from ditattn.server.scheduler import GenerationResult
 from ditattn.server.state import BACKEND_HEADER
+from test_server_scheduler import denoise_steps
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the client marks the videos API deprecated
 
@@ -44,22 +45,29 @@ class ToyDiT(nn.Module):
 
 class ToyRunner(BaseRunner):
     """Runs the toy DiT once per batch under the active request scope and returns frames whose
-    pixel values encode the seed; ``gate`` holds batches, ``fail_prompt`` makes one request fail."""
+    pixel values encode the seed; ``gate`` holds batches, ``fail_prompt`` makes one request fail,
+    ``steps`` x ``step_s`` seconds of "denoising" ask ``batch_stop_reason`` before each step (as the
+    pipeline asks its ``should_stop``); ``steps_run`` records how many steps each batch ran."""
 
-    def __init__(self, settings=AttentionSettings(), gate=None, fail_prompt=None, delay=0.0):
+    def __init__(self, settings=AttentionSettings(), gate=None, fail_prompt=None, delay=0.0, steps=0, step_s=0.0):
         with attention_settings(settings), component_scope("transformer"):
             self.dit = ToyDiT()
         super().__init__("toy-dit", [self.dit], defaults=ModelDefaults(width=32, height=16, num_frames=5,
                                                                        num_inference_steps=2),
                          settings=settings, dtype=torch.float32, aliases=("toy",))
         self.gate, self.fail_prompt, self.delay = gate, fail_prompt, delay
+        self.steps, self.step_s = steps, step_s
         self.batches = []
+        self.steps_run = []
+        self.stepping = threading.Event()
 
     def run_batch(self, jobs):
         if self.gate is not None:
             assert self.gate.wait(30)
         if self.delay:
             time.sleep(self.delay)
+        denoise_steps(jobs, self.steps, self.step_s, self.stepping,
+                      lambda done: self.steps_run.append(([j.prompt for j in jobs], done)))
         if self.fail_prompt and any(j.prompt == self.fail_prompt for j in jobs):
             raise RuntimeError("the toy model cannot draw that")
         self.batches.append([(j.prompt, j.override) for j in jobs])
@@ -140,7 +148,8 @@ def test_images_b64_and_url(toy):
         assert img.shape == (16, 32, 3) and (img == 10 + i).all()
     r = c.images.generate(prompt="x", response_format="url", extra_body={"seed": 3})
     assert r.attention_backends == ["torch_sdpa"]  # the server default of the toy DiT
-    got = httpx.get(r.data[0].url)
+    assert r.data[0].url.startswith("/v1/images/img_")  # relative: no --public-url, and never the Host header
+    got = httpx.get(base + r.data[0].url)
     assert got.status_code == 200 and got.headers["content-type"] == "image/png"
     assert got.headers[BACKEND_HEADER] == "torch_sdpa"
     assert np.asarray(Image.open(io.BytesIO(got.content))).shape == (16, 32, 3)  # default size 32x16
@@ -300,12 +309,15 @@ def test_failing_request_fails_alone_and_timeouts():
         with ThreadPoolExecutor(4) as ex:
             futs = {p: ex.submit(c.images.generate, prompt=p) for p in ("ok1", "boom", "ok2")}
             assert futs["ok1"].result().data and futs["ok2"].result().data
-            with pytest.raises(openai.InternalServerError, match="the toy model cannot draw that"):
+            with pytest.raises(openai.InternalServerError) as ei:
                 futs["boom"].result()
+            msg = ei.value.body["message"]  # fixed text and a reference: no exception text, no path
+            assert msg.startswith("internal server error (reference ") and "cannot draw" not in msg
         v = c.videos.create(prompt="boom")
         v = wait_video(c, v.id)
-        assert v.status == "failed" and "cannot draw" in v.error.message and v.error.code == "generation_failed"
-        with pytest.raises(openai.ConflictError, match="cannot draw"):
+        assert v.status == "failed" and v.error.code == "generation_failed"
+        assert v.error.message == f"internal server error (reference {v.id[:12]}; the server log has the details)"
+        with pytest.raises(openai.ConflictError, match="internal server error"):
             c.videos.download_content(v.id)
         assert c.images.generate(prompt="fine").data
     gate = threading.Event()

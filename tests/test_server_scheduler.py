@@ -16,7 +16,9 @@ from ditattn.server.protocol import (
     unflatten_form,
     validation_error_to_request_error,
 )
-from ditattn.server.scheduler import GenerationJob, GenerationResult, JobTimeout, QueueFull, Scheduler
+from ditattn.server.scheduler import (GenerationJob, GenerationResult, JobCancelled, JobTimeout, QueueFull, Scheduler,
+                                      SchedulerStopped, batch_stop_reason)
+from ditattn.errors import GenerationCancelled
 
 
 class RecordingRunner:
@@ -145,7 +147,10 @@ def test_deadline_in_queue_and_cancel():
     late = job(1, deadline=time.monotonic() + 0.05)
     gone = job(2)
     f_late, f_gone = sch.submit(late), sch.submit(gone)
-    assert sch.cancel(gone) and f_gone.cancelled()
+    assert sch.cancel(gone, "client_disconnected") == "queued"
+    with pytest.raises(JobCancelled, match="client disconnected"):
+        f_gone.result(0)
+    assert sch.cancel(gone, "client_disconnected") is None  # already ended
     time.sleep(0.1)
     gate.set()
     with pytest.raises(JobTimeout):
@@ -153,6 +158,126 @@ def test_deadline_in_queue_and_cancel():
     sch.submit(job(3)).result(10)
     assert ["j1"] not in runner.batches and ["j2"] not in runner.batches
     sch.stop()
+
+
+class SteppingRunner:
+    """Runs ``steps`` steps of ``step_s`` seconds per batch, asking ``batch_stop_reason`` before each
+    one (what PipelineRunner hands the pipeline as ``should_stop``); records the steps it ran."""
+
+    def __init__(self, steps=50, step_s=0.02):
+        self.steps, self.step_s = steps, step_s
+        self.ran = []  # (job ids, steps run)
+        self.started = threading.Event()
+
+    def run_batch(self, jobs):
+        denoise_steps(jobs, self.steps, self.step_s, self.started, lambda done: self.ran.append(([j.id for j in jobs],
+                                                                                                  done)))
+        return [GenerationResult(np.zeros((j.n, 1, 2, 2, 3), np.uint8), ["x"]) for j in jobs]
+
+
+def denoise_steps(jobs, steps, step_s, stepping: threading.Event, record) -> None:
+    """``steps`` sleeps of ``step_s`` seconds, asking ``batch_stop_reason(jobs)`` before each one as
+    the pipeline asks its ``should_stop`` (GenerationCancelled with the reason); ``stepping`` is set
+    once a step runs; ``record(steps_done)`` is called however it ends."""
+    done = 0
+    try:
+        for _ in range(steps):
+            reason = batch_stop_reason(jobs)
+            if reason:
+                raise GenerationCancelled(reason)
+            stepping.set()
+            time.sleep(step_s)
+            done += 1
+    finally:
+        record(done)
+
+
+def _wait(cond, timeout=10):
+    t0 = time.time()
+    while not cond():
+        assert time.time() - t0 < timeout
+        time.sleep(0.005)
+
+
+def test_cancel_running_job_stops_at_next_step_and_reports_it():
+    runner = SteppingRunner()
+    cancels = []
+    sch = Scheduler(runner, max_batch_size=2, batch_window_s=0.0,
+                    on_cancel=lambda job, reason, stage: cancels.append((job.id, reason, stage))).start()
+    a = job(1)
+    fa = sch.submit(a)
+    assert runner.started.wait(10)
+    t0 = time.time()
+    assert sch.cancel(a, "deleted") == "running"
+    with pytest.raises(JobCancelled, match="deleted"):
+        fa.result(10)
+    assert time.time() - t0 < 1.0
+    assert runner.ran[0][1] < 10 and cancels == [("j1", "deleted", "running")]
+    # a batch of two: cancelling one lets the other finish; the cancelled one loses its result
+    runner.started.clear()
+    b, c = job(2), job(3)
+    fb, fc = sch.submit(b), sch.submit(c)
+    assert runner.started.wait(10)
+    _wait(lambda: sch.running == 2)
+    assert sch.cancel(b, "client_disconnected") == "running"
+    assert fc.result(10).frames.shape == (1, 1, 2, 2, 3)
+    with pytest.raises(JobCancelled):
+        fb.result(0)
+    assert runner.ran[1] == (["j2", "j3"], 50)
+    assert cancels[-1] == ("j2", "client_disconnected", "running")
+    sch.stop()
+
+
+def test_running_job_past_its_deadline_is_stopped():
+    runner = SteppingRunner(steps=500)
+    cancels = []
+    sch = Scheduler(runner, max_batch_size=1, batch_window_s=0.0,
+                    on_cancel=lambda job, reason, stage: cancels.append((reason, stage))).start()
+    t0 = time.time()
+    with pytest.raises(JobTimeout, match="request timeout"):
+        sch.submit(job(1, deadline=time.monotonic() + 0.2)).result(10)
+    assert time.time() - t0 < 1.5 and runner.ran[0][1] < 100 and cancels == [("timeout", "running")]
+    # run_timeout_s: the deadline restarts when the job starts (a video job's run is bounded on its own)
+    v = job(2, deadline=time.monotonic() + 0.05, run_timeout_s=0.4)
+    with pytest.raises(JobTimeout):
+        sch.submit(v).result(10)
+    assert runner.ran[-1][0] == ["j2"] and 10 <= runner.ran[-1][1] < 100 and cancels[-1] == ("timeout", "running")
+    # a queued job past its deadline never runs
+    runner.started.clear()
+    fb = sch.submit(job(3))
+    assert runner.started.wait(10)
+    late = sch.submit(job(4, deadline=time.monotonic() + 0.01, run_timeout_s=10))
+    (running_job,), _ = sch.running_jobs()
+    assert running_job.id == "j3" and sch.cancel(running_job, "deleted") == "running"
+    with pytest.raises(JobTimeout):
+        late.result(10)
+    assert cancels[-1] == ("timeout", "queued")
+    assert all(ids != ["j4"] for ids, _ in runner.ran)
+    sch.stop()
+
+
+def test_pause_keeps_chosen_queued_jobs_and_stop_running():
+    runner = SteppingRunner(steps=1000)
+    sch = Scheduler(runner, max_batch_size=1, batch_window_s=0.0).start()
+    running = sch.submit(job(0))
+    assert runner.started.wait(10)
+    keep, drop = job(1), job(2, prompt="drop me")
+    fk, fd = sch.submit(keep), sch.submit(drop)
+    dropped = sch.pause(keep=lambda j: j.prompt != "drop me")
+    assert dropped == [drop] and sch.pending() == [keep]
+    with pytest.raises(SchedulerStopped):
+        fd.result(0)
+    with pytest.raises(SchedulerStopped):
+        sch.submit(job(3))
+    assert not sch.wait_idle(0.1)
+    assert sch.stop_running("shutdown") == 1
+    assert sch.wait_idle(5)
+    with pytest.raises(SchedulerStopped):
+        running.result(0)
+    assert sch.pending() == [keep] and not fk.done()  # paused: nothing new starts
+    sch.stop()
+    with pytest.raises(SchedulerStopped):
+        fk.result(0)
 
 
 def test_batch_window_collects_concurrent_arrivals():

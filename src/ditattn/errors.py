@@ -6,6 +6,20 @@ what is accepted.  The CLI prints it as ``error: <message>`` and exits with stat
 answers HTTP 400 with it.
 """
 
+from typing import Any
+
+
+def short_repr(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for error messages (a 5000-digit number or a
+    megabyte string stays one short line)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int too long for repr (more than sys.get_int_max_str_digits() digits), or holds one
+        if isinstance(value, int):
+            return f"an integer of about {int(value.bit_length() * 0.30103)} digits"
+        return f"a {type(value).__name__} holding an integer too long to show"
+    return text if len(text) <= limit else f"{text[:limit - 20]}...{text[-12:]} ({len(text)} characters)"
+
 
 class AttentionConfigError(ValueError):
     """A user-input error: the message names what was wrong and what is accepted."""
@@ -20,3 +34,13 @@ class BackendUnavailableError(AttentionConfigError):
         super().__init__(
             f"attention backend '{backend}' cannot serve {what}: " + "; ".join(self.reasons)
         )
+
+
+class GenerationCancelled(Exception):
+    """A generation stopped between denoising steps because its ``should_stop`` callable asked
+    for it (a cancelled or timed-out request, a server shutting down); ``reason`` is what that
+    callable returned.  Not a user-input error: the caller that asked for the stop handles it."""
+
+    def __init__(self, reason: str):
+        self.reason = str(reason)
+        super().__init__(f"generation stopped: {self.reason}")

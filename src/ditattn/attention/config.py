@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from typing import Any, Iterable
 
 from ditattn.attention.names import AttentionBackendEnum
@@ -18,6 +19,67 @@ from ditattn.errors import AttentionConfigError
 
 # ------------------------------------------------------------------------------------------------
 # raw parsing
+
+MAX_FILE_BYTES = 16 << 20  # config and strategy files are small; a bigger one is a mistake
+
+
+MAX_DEPTH = 100  # nesting of a config value or file: far beyond any real one, far below the parsers' recursion
+_JSON_TOKENS = {bytes: re.compile(rb'[\[\]{}"\\]'), str: re.compile(r'[\[\]{}"\\]')}
+
+
+def json_depth_exceeds(text: "str | bytes", max_depth: int) -> bool:
+    """Whether JSON ``text`` nests arrays / objects deeper than ``max_depth`` (brackets inside
+    strings do not count).  Linear, without recursion: run before a parser whose recursion a deep
+    document would exhaust."""
+    if text.count("[" if isinstance(text, str) else b"[") + text.count("{" if isinstance(text, str) else b"{") \
+            <= max_depth:  # the common case, at C speed
+        return False
+    opens, closes, quote, backslash = ("[{", "]}", '"', "\\") if isinstance(text, str) else \
+        ((b"[", b"{"), (b"]", b"}"), b'"', b"\\")
+    depth, in_string, escaped = 0, False, False
+    for m in _JSON_TOKENS[type(text)].finditer(text):
+        ch = m.group()
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == backslash:
+                escaped = True
+            elif ch == quote:
+                in_string = False
+        elif ch == quote:
+            in_string = True
+        elif ch in opens:
+            depth += 1
+            if depth > max_depth:
+                return True
+        elif ch in closes:
+            depth -= 1
+    return False
+
+
+def parse_error_reason(exc: BaseException) -> str:
+    """One line on why a JSON / YAML text could not be parsed (nesting too deep, a number too
+    long, or the parser's own message with its position)."""
+    if isinstance(exc, RecursionError) or "nesting depth" in str(exc):  # the latter: libyaml's words
+        return "nested too deeply"
+    mark = getattr(exc, "problem_mark", None)  # YAML: keep it to one line, with the position
+    if mark is not None:
+        return f"{exc.problem} at line {mark.line + 1}, column {mark.column + 1}"
+    msg = " ".join(str(exc).split())
+    if "integer string conversion" in msg:
+        return "a number has too many digits"
+    return msg[:200]
+
+
+def loads_json(text: str, what: str) -> Any:
+    """``json.loads(text)``; malformed JSON, too deep nesting and numbers with thousands of digits
+    raise :class:`AttentionConfigError` naming ``what``."""
+    if json_depth_exceeds(text, MAX_DEPTH):
+        raise AttentionConfigError(f"{what} is not valid JSON: nested too deeply (more than {MAX_DEPTH} levels)")
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+        raise AttentionConfigError(f"{what} is not valid JSON: {parse_error_reason(exc)}") from None
 
 
 def _scalar(text: str) -> Any:
@@ -38,10 +100,8 @@ def _scalar(text: str) -> Any:
     except ValueError:
         pass
     if t[:1] in "[{":
-        try:
-            return json.loads(t)
-        except json.JSONDecodeError:
-            raise AttentionConfigError(f"malformed JSON value {t!r} in attention backend config") from None
+        shown = t if len(t) <= 60 else f"{t[:40]}... ({len(t)} characters)"
+        return loads_json(t, f"the value {shown!r} in the attention backend config")
     return t
 
 
@@ -80,20 +140,28 @@ def load_mapping_file(path: str, *, what: str = "config file", accepted: str = "
     """
     try:
         with open(path, encoding="utf-8") as fh:
-            body = fh.read()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise AttentionConfigError(f"cannot read {what} {path}: {getattr(exc, 'strerror', None) or exc}") from None
+            body = fh.read(MAX_FILE_BYTES + 1)
+    except UnicodeDecodeError as exc:
+        raise AttentionConfigError(f"cannot read {what} {path}: not UTF-8 text (byte {exc.start}); accepted: "
+                                   f"{accepted}") from None
+    except OSError as exc:
+        raise AttentionConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    if len(body) > MAX_FILE_BYTES:
+        raise AttentionConfigError(f"{what} {path} is larger than {MAX_FILE_BYTES // (1 << 20)} MiB; accepted: "
+                                   f"{accepted}")
+    if json_depth_exceeds(body, MAX_DEPTH):  # YAML flow style nests with the same brackets
+        raise AttentionConfigError(f"cannot parse {what} {path}: nested too deeply (more than {MAX_DEPTH} levels); "
+                                   f"accepted: {accepted}")
     try:
         if path.lower().endswith(".json"):
             data = json.loads(body)
         else:
             import yaml
 
-            data = yaml.safe_load(body)
-    except Exception as exc:  # json.JSONDecodeError, yaml.YAMLError
-        mark = getattr(exc, "problem_mark", None)  # YAML: keep it to one line, with the position
-        why = f"{exc.problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else exc
-        raise AttentionConfigError(f"cannot parse {what} {path}: {why}; accepted: {accepted}") from None
+            # libyaml's loader when the wheel has it: fast, and it refuses deep nesting at once
+            data = yaml.load(body, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    except Exception as exc:  # json.JSONDecodeError, yaml.YAMLError, RecursionError, int digit limit
+        raise AttentionConfigError(f"cannot parse {what} {path}: {parse_error_reason(exc)}; accepted: {accepted}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -127,10 +195,7 @@ def parse_attention_backend_config(value: "str | dict | None") -> dict:
         return load_mapping_file(text, what="attention backend config file",
                                  accepted="a JSON object or YAML mapping of backend parameters")
     if text.startswith("{"):
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise AttentionConfigError(f"attention backend config is not valid JSON: {exc}") from None
+        data = loads_json(text, "attention backend config")
         if not isinstance(data, dict):
             raise AttentionConfigError("attention backend config JSON must be an object")
         return data
@@ -225,10 +290,7 @@ def parse_component_overrides(value: "str | dict | None") -> dict[str, Attention
         if not text:
             return {}
         if text.startswith("{"):
-            try:
-                data = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise AttentionConfigError(f"--component-attention-backends is not valid JSON: {exc}") from None
+            data = loads_json(text, "--component-attention-backends")
             if not isinstance(data, dict):
                 raise AttentionConfigError("--component-attention-backends JSON must be an object")
         else:

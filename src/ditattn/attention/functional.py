@@ -1,6 +1,8 @@
 """``ditattn.attention``: one attention call through a named (or automatically chosen) backend."""
 from __future__ import annotations
 
+import math
+import numbers
 from functools import lru_cache
 from typing import Optional
 
@@ -28,6 +30,13 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
             )
         if not t.is_floating_point():
             raise AttentionConfigError(f"{n} must be a floating-point tensor, got {t.dtype}")
+    for n, t in (("q", q), ("k", k)):
+        empty = [name for name, size in zip(("batch", "seq", "heads", "head_dim"), t.shape) if size == 0]
+        if empty:
+            raise AttentionConfigError(
+                f"{n} has an empty {' and '.join(empty)} dimension (shape {tuple(t.shape)}); every dimension of "
+                "[batch, seq, heads, head_dim] must be at least 1"
+            )
     if k.shape != v.shape:
         raise AttentionConfigError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     if q.shape[0] != k.shape[0]:
@@ -42,6 +51,44 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise AttentionConfigError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise AttentionConfigError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_call_args(q: Tensor, k: Tensor, *, causal, scale, attn_bias, text_len, step, layer_idx,
+                    return_lse) -> None:
+    """Validate :func:`attention`'s per-call arguments (q/k already checked by :func:`check_qkv`):
+    ``causal`` and ``return_lse`` are bools; ``scale`` None or a finite number > 0; ``attn_bias``
+    None or a bool / floating tensor on q's device broadcastable to ``[batch, heads, seq_q,
+    seq_kv]``; ``text_len`` an int >= 0; ``step`` / ``layer_idx`` None or ints >= 0.  Raises
+    :class:`AttentionConfigError` naming the argument and what is accepted."""
+    for name, flag in (("causal", causal), ("return_lse", return_lse)):
+        if not isinstance(flag, bool):
+            raise AttentionConfigError(f"{name} must be True or False, got {flag!r}")
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
+            raise AttentionConfigError(f"scale must be None (1/sqrt(head_dim)) or a finite number > 0, got {scale!r}")
+    if not _is_int(text_len) or text_len < 0:
+        raise AttentionConfigError(f"text_len must be an integer >= 0, got {text_len!r}")
+    for name, val in (("step", step), ("layer_idx", layer_idx)):
+        if val is not None and (not _is_int(val) or val < 0):
+            raise AttentionConfigError(f"{name} must be None or an integer >= 0, got {val!r}")
+    if attn_bias is None:
+        return
+    if not isinstance(attn_bias, torch.Tensor):
+        raise AttentionConfigError(f"attn_bias must be None or a torch.Tensor, got {type(attn_bias).__name__}")
+    if not (attn_bias.is_floating_point() or attn_bias.dtype == torch.bool):
+        raise AttentionConfigError(f"attn_bias must be a floating-point bias or a bool mask, got {attn_bias.dtype}")
+    if attn_bias.device != q.device:
+        raise AttentionConfigError(f"attn_bias is on {attn_bias.device}, q on {q.device}; put them on one device")
+    target = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+    shape = tuple(attn_bias.shape)
+    if len(shape) > 4 or any(s not in (1, t) for s, t in zip(shape[::-1], target[::-1])):
+        raise AttentionConfigError(
+            f"attn_bias of shape {shape} does not broadcast to [batch, heads, seq_q, seq_kv] = {list(target)}"
+        )
 
 
 @lru_cache(maxsize=None)
@@ -115,8 +162,14 @@ def attention(
     Raises :class:`AttentionConfigError` for bad inputs or a backend that cannot serve the call.
     """
     check_qkv(q, k, v)
+    check_call_args(q, k, causal=causal, scale=scale, attn_bias=attn_bias, text_len=text_len, step=step,
+                    layer_idx=layer_idx, return_lse=return_lse)
+    scale = None if scale is None else float(scale)
+    if attn_bias is not None and attn_bias.dim() < 4:  # backends take a 4-D [batch, heads, seq_q, seq_kv] bias
+        attn_bias = attn_bias.reshape((1,) * (4 - attn_bias.dim()) + tuple(attn_bias.shape))
     if video_shape is not None:
-        if len(video_shape) != 3 or any((not isinstance(x, int)) or x <= 0 for x in video_shape):
+        if not isinstance(video_shape, (tuple, list)) or len(video_shape) != 3 or \
+                any(not _is_int(x) or x <= 0 for x in video_shape):
             raise AttentionConfigError(f"video_shape must be three positive integers (T, H, W), got {video_shape!r}")
         if video_shape[0] * video_shape[1] * video_shape[2] + text_len != q.shape[1]:
             raise AttentionConfigError(

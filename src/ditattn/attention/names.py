@@ -51,7 +51,7 @@ class AttentionBackendEnum(enum.Enum):
             return cls(key)
         except ValueError:
             raise AttentionConfigError(
-                f"unknown attention backend '{name}'; valid names: {', '.join(valid_names())} "
+                f"unknown attention backend '{name if len(name) <= 64 else name[:40] + '...'}'; valid names: {', '.join(valid_names())} "
                 f"(aliases: {', '.join(f'{a}->{t}' for a, t in ALIASES.items())})"
             ) from None
 

@@ -9,10 +9,11 @@ validation against these schemas: :mod:`ditattn.attention.config`.  ``ditattn ba
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable
 
 from ditattn.attention.names import AttentionBackendEnum
-from ditattn.errors import AttentionConfigError
+from ditattn.errors import AttentionConfigError, short_repr
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +34,7 @@ class Param:
         def bad(extra: str = "") -> AttentionConfigError:
             acc = self.accepted or (f"one of {list(self.choices)}" if self.choices else f"a {self.type}")
             return AttentionConfigError(
-                f"{backend}: invalid value {value!r} for '{self.name}'{extra}; accepted: {acc}"
+                f"{backend}: invalid value {short_repr(value)} for '{self.name}'{extra}; accepted: {acc}"
             )
 
         t = self.type
@@ -43,7 +44,12 @@ class Param:
         elif t == "float":
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise bad(" (must be a number)")
-            value = float(value)
+            try:
+                value = float(value)
+            except OverflowError:
+                raise bad(" (too large)") from None
+            if not math.isfinite(value):
+                raise bad(" (must be finite)")
         elif t == "bool":
             if not isinstance(value, bool):
                 raise bad(" (must be true or false)")

@@ -53,6 +53,7 @@ class PipelineRelay:
         kw = dict(kwargs)
         state = kw.pop("request_state", None)
         kw.pop("on_step", None)
+        kw.pop("should_stop", None)
         kw.pop("progress", None)
         msg = {"op": "generate", "args": args, "kwargs": kw, "override": None, "skip_softmax": None}
         if state is not None:
@@ -66,13 +67,17 @@ class PipelineRelay:
     def leading(self, pipeline_cls: type):
         """Rank 0: relay every ``pipeline_cls.generate`` call made inside the block (any class with
         ``generate(*args, request_state=..., **kwargs)`` and ``prepare_request(override,
-        skip_softmax)``, e.g. ``WanPipelineNative``); tell the followers to stop on exit."""
+        skip_softmax)``, e.g. ``WanPipelineNative``); tell the followers to stop on exit.  A call's
+        ``should_stop`` is dropped: a collective run cannot stop on one rank alone."""
         import threading
 
         orig = pipeline_cls.__dict__["generate"]
         relay = self
 
         def generate(pipe, *a, **kw):
+            # a collective run cannot stop on one rank alone (the others would wait in the next step's
+            # collectives): under sequence parallelism a request is only cancelled before it starts
+            kw.pop("should_stop", None)
             with relay.lock:
                 relay._send(relay.describe_call(a, kw))
                 return orig(pipe, *a, **kw)

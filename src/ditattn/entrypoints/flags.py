@@ -9,10 +9,11 @@ same words.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any, Callable
 
-from ditattn.runconfig import DTYPES
-from ditattn.runconfig.checks import boolean, finite_float, nonneg_int, positive_float, positive_int, tcp_port
+from ditattn.runconfig import DTYPES, SECTIONS, RunConfig
+from ditattn.runconfig.checks import boolean
 
 
 def arg_type(check: Callable[[Any], Any]) -> Callable[[str], Any]:
@@ -27,8 +28,15 @@ def arg_type(check: Callable[[Any], Any]) -> Callable[[str], Any]:
     return convert
 
 
-POS_INT, NONNEG_INT, PORT = arg_type(positive_int), arg_type(nonneg_int), arg_type(tcp_port)
-FLOAT, POS_FLOAT, BOOL = arg_type(finite_float), arg_type(positive_float), arg_type(boolean)
+BOOL = arg_type(boolean)
+
+
+def typed(key: str) -> Callable[[str], Any]:
+    """The argparse ``type`` of the RunConfig field ``key``: that field's own check (so a flag and a
+    YAML key accept the same values, bounds included)."""
+    section = RunConfig.keys()[key]
+    cls = SECTIONS[section]
+    return arg_type(next(f.metadata["check"] for f in dataclasses.fields(cls) if f.name == key))
 
 
 def config_flag(p: argparse.ArgumentParser) -> None:
@@ -54,10 +62,10 @@ def attention_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-attention-backend-autotune", type=BOOL, metavar="true|false",
                    help="time compatible candidates per automatically chosen layer on its first large input "
                         "and switch when one is faster and agrees numerically (default false)")
-    g.add_argument("--skip-softmax-threshold-scale-factor", type=POS_FLOAT, metavar="X",
+    g.add_argument("--skip-softmax-threshold-scale-factor", type=typed("skip_softmax_threshold_scale_factor"), metavar="X",
                    help="request-scoped skip softmax (BLASST): tiles with estimated mass below X/context_length "
                         "are skipped; no default, calibrate per model")
-    g.add_argument("--skip-softmax-start-step", type=NONNEG_INT, metavar="N",
+    g.add_argument("--skip-softmax-start-step", type=typed("skip_softmax_start_step"), metavar="N",
                    help="zero-based denoising step where skip softmax starts (default 0)")
 
 
@@ -84,20 +92,20 @@ def model_flags(p: argparse.ArgumentParser, *, prompt: bool = False) -> None:
                    help="local diffusers-format Wan checkpoint directory, or ditattn:tiny-wan / ditattn:tiny-wan2.2 "
                         "(default ditattn:tiny-wan, built locally, no download)")
     g.add_argument("--negative-prompt", help="negative prompt for classifier-free guidance")
-    g.add_argument("--num-inference-steps", type=POS_INT, metavar="N", help="denoising steps")
-    g.add_argument("--guidance-scale", type=FLOAT, metavar="G", help="classifier-free guidance scale")
-    g.add_argument("--height", type=POS_INT, metavar="H", help="output height in pixels")
-    g.add_argument("--width", type=POS_INT, metavar="W", help="output width in pixels")
-    g.add_argument("--num-frames", type=POS_INT, metavar="F", help="frames (1 = image)")
-    g.add_argument("--seed", type=NONNEG_INT, metavar="S", help="random seed, an integer >= 0 (default 0)")
+    g.add_argument("--num-inference-steps", type=typed("num_inference_steps"), metavar="N", help="denoising steps")
+    g.add_argument("--guidance-scale", type=typed("guidance_scale"), metavar="G", help="classifier-free guidance scale")
+    g.add_argument("--height", type=typed("height"), metavar="H", help="output height in pixels")
+    g.add_argument("--width", type=typed("width"), metavar="W", help="output width in pixels")
+    g.add_argument("--num-frames", type=typed("num_frames"), metavar="F", help="frames (1 = image)")
+    g.add_argument("--seed", type=typed("seed"), metavar="S", help="random seed, an integer >= 0 (default 0)")
     g.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available, else cpu)")
     g.add_argument("--dtype", choices=DTYPES, help="compute dtype (default float32 on cpu, bfloat16 on GPUs)")
     g.add_argument("--backend", choices=("native", "diffusers"),
                    help="native ditattn pipeline (default) or the stock diffusers pipeline")
     g.add_argument("--model-variant", metavar="NAME", help="model variant (for checkpoints that have several)")
-    g.add_argument("--num-gpus", type=POS_INT, metavar="N", help="processes for sequence parallelism")
-    g.add_argument("--ulysses-degree", type=POS_INT, metavar="U", help="Ulysses degree")
-    g.add_argument("--ring-degree", type=POS_INT, metavar="R", help="ring-attention degree")
+    g.add_argument("--num-gpus", type=typed("num_gpus"), metavar="N", help="processes for sequence parallelism")
+    g.add_argument("--ulysses-degree", type=typed("ulysses_degree"), metavar="U", help="Ulysses degree")
+    g.add_argument("--ring-degree", type=typed("ring_degree"), metavar="R", help="ring-attention degree")
     perf = p.add_argument_group("performance")
     perf.add_argument("--enable-torch-compile", action="store_true",
                       help="torch.compile each DiT block (attention stays eager, so backend selection still applies); "
@@ -109,11 +117,14 @@ def model_flags(p: argparse.ArgumentParser, *, prompt: bool = False) -> None:
 
 def output_flags(p: argparse.ArgumentParser) -> None:
     o = p.add_argument_group("output")
-    o.add_argument("--output-path", metavar="DIR", help="output directory (default outputs/)")
+    o.add_argument("--output-path", metavar="DIR",
+                   help="output directory (default outputs/), or the output file itself when it ends in .mp4 / .png")
     o.add_argument("--output-file", metavar="NAME", help="output file name (default derived from the prompt)")
     o.add_argument("--save-output", action="store_true", help="write the output file (default on)")
     o.add_argument("--no-save-output", dest="save_output", action="store_false", help="do not write the output")
-    o.add_argument("--fps", type=POS_INT, help="frames per second of the MP4 (default 16; videos only)")
+    o.add_argument("--fps", type=typed("fps"), help="frames per second of the MP4 (default 16; videos only)")
+    o.add_argument("--overwrite", action="store_true",
+                   help="replace an existing output file (default: keep it and add a numeric suffix, _1, _2, ...)")
 
 
 def json_flag(p: argparse.ArgumentParser, what: str) -> None:
@@ -121,9 +132,44 @@ def json_flag(p: argparse.ArgumentParser, what: str) -> None:
 
 
 def server_flags(p: argparse.ArgumentParser) -> None:
+    """``serve``: address, batching, limits and lifecycle; every flag is a ServerConfig field."""
     g = p.add_argument_group("server")
     g.add_argument("--host", help="bind address (default 127.0.0.1)")
-    g.add_argument("--port", type=PORT, help="port (default 30000)")
+    g.add_argument("--port", type=typed("port"), help="port (default 30000)")
     g.add_argument("--api-key", help="require Authorization: Bearer KEY")
-    g.add_argument("--max-batch-size", type=POS_INT, help="dynamic batching: requests per batch (default 4)")
-    g.add_argument("--max-queue", type=POS_INT, help="queued requests before 429 (default 64)")
+    g.add_argument("--public-url", metavar="URL", type=typed("public_url"),
+                   help="external base URL of this server (e.g. https://img.example.com); image URLs are built from "
+                        "it (default: relative URLs, never from the request's Host header)")
+    g.add_argument("--output-dir", metavar="DIR",
+                   help="where outputs and the video job store (jobs.sqlite) live; a restart with the same folder "
+                        "re-queues unfinished video jobs and serves finished ones (default: a temporary folder "
+                        "removed at shutdown)")
+    g.add_argument("--max-batch-size", type=typed("max_batch_size"), metavar="B",
+                   help="dynamic batching: requests per batch (default 4)")
+    g.add_argument("--max-queue", type=typed("max_queue"), metavar="N", help="queued requests before 429 (default 64)")
+    g.add_argument("--batch-window-s", type=typed("batch_window_s"), metavar="S",
+                   help="seconds the scheduler waits for more requests to fill a batch (default 0.01)")
+    g.add_argument("--drain-timeout-s", type=typed("drain_timeout_s"), metavar="S",
+                   help="after SIGTERM: seconds the running job may take to finish before it is stopped at its next "
+                        "step and kept queued for the next start (default 20); a second SIGTERM exits at once")
+    lim = p.add_argument_group("request limits (a request over one gets HTTP 400 naming it)")
+    lim.add_argument("--request-timeout-s", type=typed("request_timeout_s"), metavar="S",
+                     help="a request is stopped at its next denoising step this long after it was accepted (image: "
+                          "504; video job: failed with 'timeout', counted from its start) (default 600)")
+    lim.add_argument("--max-output-pixels", type=typed("max_output_pixels"), metavar="P",
+                     help="largest width x height x frames x n of one request (default: 16 x the model's default "
+                          "output, at most 1280x720x81 = 74649600; the tiny model: 2359296)")
+    lim.add_argument("--max-steps", type=typed("max_steps"), metavar="N", help="most denoising steps (default 100)")
+    lim.add_argument("--max-n", type=typed("max_n"), metavar="N", help="most images per image request (default 10)")
+    lim.add_argument("--max-side", type=typed("max_side"), metavar="PX", help="largest width or height (default 2048)")
+    lim.add_argument("--max-pixels", type=typed("max_pixels"), metavar="P",
+                     help="largest width x height (default 1920x1088)")
+    lim.add_argument("--max-frames", type=typed("max_frames"), metavar="F", help="most frames of a video (default 257)")
+    lim.add_argument("--max-fps", type=typed("max_fps"), metavar="FPS", help="highest fps of a video (default 120)")
+    lim.add_argument("--max-body-bytes", type=typed("max_body_bytes"), metavar="BYTES",
+                     help="largest request body (default 1048576)")
+    lim.add_argument("--max-json-depth", type=typed("max_json_depth"), metavar="D",
+                     help="deepest nesting of a JSON body, checked before parsing (default 32)")
+    lim.add_argument("--max-videos-kept", type=typed("max_videos_kept"), metavar="N",
+                     help="finished video jobs kept; beyond it the oldest are forgotten and their files removed "
+                          "(logged) (default 1000)")

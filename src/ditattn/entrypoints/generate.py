@@ -92,24 +92,29 @@ def _tune_cpu_threads(device) -> None:
         torch.set_num_threads(want)
 
 
-def _check_output_name(cfg: RunConfig, num_frames: int) -> None:
-    """Fail before the work on an output file name that cannot be written."""
-    from ditattn.pipelines.output import output_file_path
-
-    o = cfg.output
-    if o.save_output and o.output_file:
-        output_file_path(o.output_path, o.output_file, cfg.sampling.prompt, cfg.sampling.seed or 0, num_frames)
-
-
-def _write(cfg: RunConfig, frames, num_frames: int) -> Optional[str]:
-    from ditattn.pipelines.output import output_file_path, save_frames
+def _output_path(cfg: RunConfig, num_frames: Optional[int]) -> Optional[str]:
+    """The file this run writes (None with --no-save-output), checked before any work: name and
+    extension, a writable folder, the writer installed; an existing file gets a numeric suffix
+    unless --overwrite (chosen again when writing, so a file created meanwhile is kept too)."""
+    from ditattn.pipelines.output import check_output_target, output_file_path, split_output_target, unused_path
 
     o, s = cfg.output, cfg.sampling
     if not o.save_output:
         return None
-    path = output_file_path(o.output_path, o.output_file, s.prompt, s.seed or 0, num_frames)
+    folder, name = split_output_target(o.output_path, o.output_file)
+    path = output_file_path(folder, name, s.prompt, s.seed or 0, num_frames)
+    check_output_target(path)
+    return unused_path(path, o.overwrite)
+
+
+def _write(cfg: RunConfig, frames, num_frames: int) -> Optional[str]:
+    from ditattn.pipelines.output import save_frames
+
+    path = _output_path(cfg, num_frames)
+    if path is None:
+        return None
     try:
-        return save_frames(frames, path, fps=o.fps or 16)
+        return save_frames(frames, path, fps=cfg.output.fps or 16)
     except OSError as exc:
         raise AttentionConfigError(f"cannot write {path}: {exc.strerror or exc}; choose another --output-path") from None
 
@@ -142,9 +147,10 @@ def _generate_native(cfg: RunConfig, t_start: float) -> int:
     cfg.attention_settings()  # refuse bad attention flags before any work
     kw = cfg.generate_kwargs()
     _tune_cpu_threads(cfg.model.device)
-    _check_output_name(cfg, cfg.sampling.num_frames or 2)
+    _output_path(cfg, cfg.sampling.num_frames)  # refuse an unwritable output before loading
     t0 = time.perf_counter()
     pipe = WanPipelineNative.from_config(cfg)
+    _output_path(cfg, kw["num_frames"] or pipe.defaults["num_frames"])  # ... and with the frame count, before the work
     state = pipe.prepare_request(kw.pop("override"), kw.pop("skip_softmax"))
     load = time.perf_counter() - t0 + (t0 - t_start)
     res = pipe.generate(**kw, request_state=state, progress=sequence_parallel_rank() == 0)  # one bar: rank 0's
@@ -178,7 +184,7 @@ def _generate_diffusers(cfg: RunConfig, t_start: float) -> int:
     steps = s.num_inference_steps or d["num_inference_steps"]
     guidance = d["guidance_scale"] if s.guidance_scale is None else s.guidance_scale
     check_size_static(mi, height, width, num_frames)
-    _check_output_name(cfg, num_frames)
+    _output_path(cfg, num_frames)
     t0 = time.perf_counter()
     pipe = load_diffusers_pipeline(folder, device=dev, dtype=dt, variant=m.model_variant,
                                    attention_backend=cfg.attention.attention_backend)

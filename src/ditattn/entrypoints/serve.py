@@ -52,20 +52,28 @@ def run(cfg: RunConfig) -> int:
 
 
 def serve_here(cfg: RunConfig) -> int:
-    """Load the pipeline and serve it on ``cfg.server.host:port`` until interrupted."""
+    """Load the pipeline and serve it on ``cfg.server.host:port`` until a signal ends it (the
+    first SIGTERM / Ctrl-C drains: :mod:`ditattn.server.lifecycle`)."""
     import uvicorn
 
     from ditattn.server.app import create_app
+    from ditattn.server.lifecycle import DrainingServer
     from ditattn.server.runner import build_runner
 
+    log.setLevel(logging.INFO)  # a server's operational lines (job store, drain, removed files) are shown
     runner = build_runner(cfg)
-    app = create_app(runner, cfg.server)
+    app = create_app(runner, cfg.server)  # opens the job store of --output-dir (error: in use, foreign file)
+    state = app.state.server
     host, port = cfg.server.host, cfg.server.port
     if host not in ("127.0.0.1", "localhost", "::1") and not cfg.server.api_key:
         log.warning("serving on %s without --api-key: anyone who can reach this address can use the server", host)
+    where = (f"outputs and job store in {state.output_dir}" if cfg.server.output_dir else
+             "no --output-dir: outputs in a temporary folder, video jobs are not kept across restarts")
     print(f"ditattn serve: model {runner.model_id} on http://{host}:{port} "
-          f"(DiT attention: {', '.join(runner.default_backends())})", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="info" if cfg.verbose else "warning")
+          f"(DiT attention: {', '.join(runner.default_backends())}; {where})", flush=True)
+    server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level="info" if cfg.verbose else "warning",
+                                           timeout_graceful_shutdown=5), state)
+    server.run()
     return 0
 
 

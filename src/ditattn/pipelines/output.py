@@ -12,15 +12,17 @@ from ditattn.errors import AttentionConfigError
 EXTENSIONS = (".mp4", ".png")
 
 
-def default_file_name(prompt: str, seed: int, num_frames: int) -> str:
-    """``<prompt slug>_s<seed>.mp4`` (or ``.png`` for one frame)."""
+def default_file_name(prompt: str, seed: int, num_frames: Optional[int]) -> str:
+    """``<prompt slug>_s<seed>.mp4`` (or ``.png`` for one frame; None: not known yet, a video)."""
     slug = re.sub(r"[^A-Za-z0-9]+", "_", prompt).strip("_")[:48].rstrip("_") or "output"
     return f"{slug}_s{seed}{'.png' if num_frames == 1 else '.mp4'}"
 
 
-def output_file_path(out_dir: str, file_name: Optional[str], prompt: str, seed: int, num_frames: int) -> str:
+def output_file_path(out_dir: str, file_name: Optional[str], prompt: str, seed: int,
+                     num_frames: Optional[int]) -> str:
     """Where to write: ``out_dir/file_name`` (extension added when missing); a ``.png`` name for a
-    multi-frame clip or another extension is an :class:`AttentionConfigError`."""
+    multi-frame clip, an ``.mp4`` for one frame or another extension is an
+    :class:`AttentionConfigError` (``num_frames`` None: not known yet, the frame checks wait)."""
     if not file_name:
         file_name = default_file_name(prompt, seed, num_frames)
     if os.sep in file_name or (os.altsep and os.altsep in file_name):
@@ -31,11 +33,76 @@ def output_file_path(out_dir: str, file_name: Optional[str], prompt: str, seed: 
         file_name = f"{file_name}{'.png' if num_frames == 1 else '.mp4'}"
     elif ext not in EXTENSIONS:
         raise AttentionConfigError(f"--output-file '{file_name}': unsupported extension '{ext}'; accepted: .mp4, .png")
-    elif ext == ".png" and num_frames != 1:
+    elif ext == ".png" and num_frames not in (1, None):
         raise AttentionConfigError(
             f"--output-file '{file_name}': a {num_frames}-frame video cannot be a .png; use .mp4 or --num-frames 1"
         )
+    elif ext == ".mp4" and num_frames == 1:
+        raise AttentionConfigError(
+            f"--output-file '{file_name}': one frame is written as a .png image, not an .mp4; use "
+            f"'{stem}.png' (or no extension), or more frames (--num-frames 5)"
+        )
     return os.path.join(out_dir, file_name)
+
+
+def split_output_target(output_path: str, output_file: Optional[str]) -> tuple[str, Optional[str]]:
+    """``(folder, file name)`` of ``--output-path`` / ``--output-file``: an output path ending in
+    ``.mp4`` / ``.png`` is the file itself (then ``--output-file`` must be left out)."""
+    if os.path.splitext(output_path)[1].lower() in EXTENSIONS:
+        if output_file:
+            raise AttentionConfigError(
+                f"--output-path '{output_path}' names a file and --output-file '{output_file}' another; give either "
+                "--output-path FILE.mp4 or --output-path DIR --output-file NAME"
+            )
+        folder, name = os.path.split(output_path)
+        return folder or ".", name
+    return output_path, output_file
+
+
+def check_output_target(path: str) -> None:
+    """Before any work: ``path``'s folder exists or can be created and is writable, ``path`` is not
+    a folder, and the writer of its kind is installed (imageio-ffmpeg's ffmpeg for ``.mp4``,
+    Pillow for ``.png``).  Raises :class:`AttentionConfigError` with what to change."""
+    if os.path.isdir(path):
+        raise AttentionConfigError(f"the output file {path} is an existing folder; choose another name")
+    folder = os.path.dirname(os.path.abspath(path))
+    probe = folder
+    while not os.path.exists(probe):  # the nearest existing ancestor decides whether it can be created
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise AttentionConfigError(f"cannot write {path}: {probe} is a file, not a folder; choose another "
+                                   "--output-path")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise AttentionConfigError(f"cannot write {path}: no write permission in {probe}; choose another "
+                                   "--output-path")
+    if path.lower().endswith(".mp4"):
+        try:
+            import imageio_ffmpeg
+
+            imageio_ffmpeg.get_ffmpeg_exe()
+        except (ImportError, RuntimeError) as exc:
+            raise AttentionConfigError(
+                f"cannot write MP4 video: no ffmpeg for imageio ({' '.join(str(exc).split())[:120]}); install "
+                "imageio-ffmpeg (pip install imageio-ffmpeg) or set IMAGEIO_FFMPEG_EXE, or write one frame as a "
+                "PNG (--num-frames 1)"
+            ) from None
+    else:
+        try:
+            import PIL.Image  # noqa: F401
+        except ImportError:
+            raise AttentionConfigError("cannot write PNG images: Pillow is not installed (pip install pillow)") from None
+
+
+def unused_path(path: str, overwrite: bool = False) -> str:
+    """``path``, or when a file is already there (and not ``overwrite``) the first free
+    ``<stem>_1<ext>``, ``<stem>_2<ext>``, ... beside it."""
+    if overwrite or not os.path.exists(path):
+        return path
+    stem, ext = os.path.splitext(path)
+    i = 1
+    while os.path.exists(f"{stem}_{i}{ext}"):
+        i += 1
+    return f"{stem}_{i}{ext}"
 
 
 def save_frames(frames: np.ndarray, path: str, fps: int = 16) -> str:

@@ -42,7 +42,7 @@ from ditattn.attention.context import (
     request_scope,
 )
 from ditattn.attention.selector import check_overrides_used
-from ditattn.errors import AttentionConfigError
+from ditattn.errors import AttentionConfigError, GenerationCancelled
 from ditattn.pipelines.loading import DIT, build_components, parse_device, parse_dtype
 from ditattn.pipelines.model_index import ModelIndex, read_model_index, resolve_model_path
 from ditattn.platforms import Platform, platform_for_device, use_platform
@@ -251,6 +251,7 @@ class WanPipelineNative:
         output_type: str = "uint8",
         progress: bool = True,
         on_step=None,
+        should_stop=None,
     ) -> GenerationResult:
         """Generate one clip per prompt.
 
@@ -265,6 +266,10 @@ class WanPipelineNative:
         instead of those two. latents: optional initial noise ``[N, C, T, H/8, W/8]`` float32.
         output_type: ``uint8`` (default), ``float`` ([0, 1] float32) or ``latent``.
         on_step: optional callable ``(steps_done, total_steps)`` called after each denoising step.
+        should_stop: optional callable ``() -> reason or None`` asked before the text encoder, before
+        each denoising step and before decoding; a truthy reason stops the run there with
+        :class:`~ditattn.errors.GenerationCancelled` (a server cancelling a request or enforcing its
+        timeout; the pipeline knows nothing of servers).
         """
         if not self.loaded:
             raise AttentionConfigError("this pipeline was built with load_weights=False (plan only); it cannot generate")
@@ -298,6 +303,12 @@ class WanPipelineNative:
             raise AttentionConfigError(f"output_type must be uint8, float or latent, got {output_type!r}")
         state = request_state if request_state is not None else self.prepare_request(override, skip_softmax)
 
+        def check_stop() -> None:
+            reason = should_stop() if should_stop is not None else None
+            if reason:
+                raise GenerationCancelled(reason)
+
+        check_stop()
         dev, dt = self.device, self.dtype
         do_cfg = guidance > 1.0  # as diffusers: the first scale decides whether negatives are encoded
         timings: dict[str, float] = {}
@@ -352,6 +363,7 @@ class WanPipelineNative:
         try:
             with request_scope(state) if state is not None else contextlib.nullcontext():
                 for i, t in enumerate(timesteps):
+                    check_stop()
                     if dits["transformer"] is not None and (boundary is None or float(t) >= boundary):
                         name, scale = "transformer", guidance
                     else:
@@ -383,6 +395,7 @@ class WanPipelineNative:
         timings["denoise"] = time.perf_counter() - t0
 
         # 4. decode
+        check_stop()
         t0 = time.perf_counter()
         if output_type == "latent":
             frames = latents

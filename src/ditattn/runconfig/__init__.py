@@ -34,15 +34,13 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Union
 from ditattn.errors import AttentionConfigError
 from ditattn.runconfig.checks import (
     boolean,
-    finite_float,
-    nonneg_float,
-    nonneg_int,
+    float_between,
+    int_between,
     one_of,
     optional,
     package_list,
     platform_spec,
-    positive_float,
-    positive_int,
+    public_url,
     tcp_port,
     text,
     text_or_mapping,
@@ -85,19 +83,31 @@ class ModelConfig(_Section):
     enable_cuda_graph: bool = _field(False, boolean, "CUDA graphs for the DiT blocks (implies torch.compile)")
 
 
+# Bounds of the numeric settings: far beyond any real run, small enough that no value reaches code
+# that would overflow on it (a 30-digit step count, a seed past 64 bits, a 1e300 guidance scale).
+MAX_STEPS = 1000
+MAX_SIDE = 16384
+MAX_FRAMES = 1025
+MAX_SEED = 2 ** 63 - 1
+MAX_GUIDANCE = 100.0
+MAX_FPS = 240
+MAX_GPUS = 1024
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig(_Section):
     """Prompt and sampling; None takes the model's default (``serve``: the default of requests)."""
 
     prompt: Optional[str] = _field(None, optional(text), "text prompt")
     negative_prompt: Optional[str] = _field(None, optional(text), "negative prompt for classifier-free guidance")
-    num_inference_steps: Optional[int] = _field(None, optional(positive_int), "denoising steps")
-    guidance_scale: Optional[float] = _field(None, optional(finite_float), "classifier-free guidance scale")
-    height: Optional[int] = _field(None, optional(positive_int), "output height in pixels")
-    width: Optional[int] = _field(None, optional(positive_int), "output width in pixels")
-    num_frames: Optional[int] = _field(None, optional(positive_int), "frames (1 = image)")
-    seed: Optional[int] = _field(None, optional(nonneg_int), "random seed (None: 0 for generate; serve refuses it, "
-                                 "requests carry their own)")
+    num_inference_steps: Optional[int] = _field(None, optional(int_between(1, MAX_STEPS)), "denoising steps")
+    guidance_scale: Optional[float] = _field(None, optional(float_between(0.0, MAX_GUIDANCE)),
+                                             "classifier-free guidance scale (> 1 enables guidance)")
+    height: Optional[int] = _field(None, optional(int_between(1, MAX_SIDE)), "output height in pixels")
+    width: Optional[int] = _field(None, optional(int_between(1, MAX_SIDE)), "output width in pixels")
+    num_frames: Optional[int] = _field(None, optional(int_between(1, MAX_FRAMES)), "frames (1 = image)")
+    seed: Optional[int] = _field(None, optional(int_between(0, MAX_SEED)), "random seed (None: 0 for generate; serve "
+                                 "refuses it, requests carry their own)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,9 +122,10 @@ class AttentionOptions(_Section):
                                                               "backend parameters: a file, JSON, k=v pairs or a mapping")
     attention_backend_override: Optional[str] = _field(None, optional(text), "request-scoped DiT backend")
     enable_attention_backend_autotune: bool = _field(False, boolean, "time candidates per automatic layer")
-    skip_softmax_threshold_scale_factor: Optional[float] = _field(None, optional(positive_float),
+    skip_softmax_threshold_scale_factor: Optional[float] = _field(None, optional(float_between(0.0, 1e6, lo_open=True)),
                                                                   "request-scoped skip softmax threshold scale")
-    skip_softmax_start_step: Optional[int] = _field(None, optional(nonneg_int), "first skip-softmax step (default 0)")
+    skip_softmax_start_step: Optional[int] = _field(None, optional(int_between(0, MAX_STEPS)),
+                                                    "first skip-softmax step (default 0)")
 
     def skip_softmax(self) -> Optional[dict]:
         """``{threshold_scale_factor, start_step}`` or None; a start step without a threshold is an error."""
@@ -138,9 +149,10 @@ class AttentionOptions(_Section):
 class ParallelConfig(_Section):
     """Sequence parallelism: ``num_gpus`` ranks as a Ulysses × ring grid."""
 
-    num_gpus: int = _field(1, positive_int, "processes for sequence parallelism")
-    ulysses_degree: Optional[int] = _field(None, optional(positive_int), "Ulysses degree (None: the rest of num_gpus)")
-    ring_degree: Optional[int] = _field(None, optional(positive_int), "ring-attention degree (None: the rest)")
+    num_gpus: int = _field(1, int_between(1, MAX_GPUS), "processes for sequence parallelism")
+    ulysses_degree: Optional[int] = _field(None, optional(int_between(1, MAX_GPUS)),
+                                           "Ulysses degree (None: the rest of num_gpus)")
+    ring_degree: Optional[int] = _field(None, optional(int_between(1, MAX_GPUS)), "ring-attention degree (None: the rest)")
 
     def degrees(self) -> tuple[int, int]:
         """``(ulysses, ring)`` with ``ulysses × ring == num_gpus`` (AttentionConfigError otherwise)."""
@@ -151,42 +163,60 @@ class ParallelConfig(_Section):
 
 @dataclasses.dataclass(frozen=True)
 class OutputConfig(_Section):
-    """Where ``generate`` writes its MP4 (clips) or PNG (one frame)."""
+    """Where ``generate`` writes its MP4 (clips) or PNG (one frame).
 
-    output_path: str = _field("outputs", text, "output directory")
+    output_path: a folder, or a file path when it ends in ``.mp4`` / ``.png``; an existing file is
+    never replaced unless ``overwrite`` (a ``_1``, ``_2``, ... suffix is added instead)."""
+
+    output_path: str = _field("outputs", text, "output directory, or a file path ending in .mp4 / .png")
     output_file: Optional[str] = _field(None, optional(text), "output file name (None: derived from the prompt)")
     save_output: bool = _field(True, boolean, "write the output file")
-    fps: Optional[int] = _field(None, optional(positive_int), "frames per second of the MP4 (None: 16)")
+    fps: Optional[int] = _field(None, optional(int_between(1, MAX_FPS)), "frames per second of the MP4 (None: 16)")
+    overwrite: bool = _field(False, boolean, "replace an existing output file (default: add a numeric suffix)")
 
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig(_Section):
-    """``serve``: address, batching and request limits.
+    """``serve``: address, batching, request limits and lifecycle.
 
     api_key: required bearer token (None = open); max_batch_size / max_queue: scheduler bounds;
-    request_timeout_s: an image request waits at most this long (504 after), a video job fails if
-    it cannot start within it; output_dir: where MP4/PNG outputs go (None = a private temporary
-    directory removed at shutdown); max_*: request limits (400 beyond them); max_videos_kept: the
-    oldest finished video jobs (and files) are forgotten beyond this count; batch_window_s: how
-    long the scheduler waits for more requests to batch.
+    request_timeout_s: a request is stopped (at its next denoising step) this long after it was
+    accepted (image requests get 504; a video job fails with ``timeout``, counted from its start);
+    output_dir: where MP4/PNG outputs and the video job store (``jobs.sqlite``) live, reloaded by
+    the next start with the same folder (None = a private temporary folder removed at shutdown);
+    public_url: the external base URL of image URLs (None: relative URLs); max_*: request limits
+    (400 beyond them, naming the limit), ``max_output_pixels`` bounding width × height × frames ×
+    n (None: 16 × the model's default output, at most a 720p 81-frame clip); max_videos_kept: the oldest finished video jobs (and files) are forgotten beyond this count;
+    batch_window_s: how long the scheduler waits for more requests to batch; drain_timeout_s: after
+    SIGTERM, how long the running job may take to finish before it is stopped and kept queued.
     """
 
     host: str = _field("127.0.0.1", text, "bind address")
     port: int = _field(30000, tcp_port, "TCP port")
     api_key: Optional[str] = _field(None, optional(text), "require Authorization: Bearer KEY")
-    max_batch_size: int = _field(4, positive_int, "dynamic batching: requests per batch")
-    max_queue: int = _field(64, positive_int, "queued requests before 429")
-    request_timeout_s: float = _field(600.0, positive_float, "seconds a request may wait or run")
-    output_dir: Optional[str] = _field(None, optional(text), "where outputs are written (None: a temporary folder)")
-    max_side: int = _field(2048, positive_int, "largest width or height of a request")
-    max_pixels: int = _field(1920 * 1088, positive_int, "largest width x height of a request")
-    max_frames: int = _field(257, positive_int, "most frames of a video request")
-    max_steps: int = _field(200, positive_int, "most denoising steps of a request")
-    max_n: int = _field(10, positive_int, "most images per image request")
-    max_fps: int = _field(120, positive_int, "highest fps of a video request")
-    max_body_bytes: int = _field(1 << 20, positive_int, "largest request body in bytes")
-    max_videos_kept: int = _field(1000, positive_int, "finished video jobs kept before the oldest are forgotten")
-    batch_window_s: float = _field(0.01, nonneg_float, "seconds the scheduler waits to fill a batch")
+    public_url: Optional[str] = _field(None, optional(public_url), "external base URL for image URLs")
+    max_batch_size: int = _field(4, int_between(1, 1024), "dynamic batching: requests per batch")
+    max_queue: int = _field(64, int_between(1, 100000), "queued requests before 429")
+    request_timeout_s: float = _field(600.0, float_between(0.0, 7 * 86400.0, lo_open=True),
+                                      "seconds a request may take before it is stopped")
+    drain_timeout_s: float = _field(20.0, float_between(0.0, 86400.0), "seconds the running job may take to finish "
+                                    "after SIGTERM")
+    output_dir: Optional[str] = _field(None, optional(text), "where outputs and the job store live (None: a temporary "
+                                       "folder)")
+    max_side: int = _field(2048, int_between(1, MAX_SIDE), "largest width or height of a request")
+    max_pixels: int = _field(1920 * 1088, int_between(1, MAX_SIDE * MAX_SIDE), "largest width x height of a request")
+    max_frames: int = _field(257, int_between(1, MAX_FRAMES), "most frames of a video request")
+    max_output_pixels: Optional[int] = _field(None, optional(int_between(1, 10 ** 12)),
+                                              "largest width x height x frames x n of a request (None: 16 x the "
+                                              "model's default output, at most 1280 x 720 x 81)")
+    max_steps: int = _field(100, int_between(1, MAX_STEPS), "most denoising steps of a request")
+    max_n: int = _field(10, int_between(1, 128), "most images per image request")
+    max_fps: int = _field(120, int_between(1, MAX_FPS), "highest fps of a video request")
+    max_body_bytes: int = _field(1 << 20, int_between(1024, 1 << 30), "largest request body in bytes")
+    max_json_depth: int = _field(32, int_between(2, 1000), "deepest nesting of a JSON request body")
+    max_videos_kept: int = _field(1000, int_between(1, 10 ** 6), "finished video jobs kept before the oldest are "
+                                  "forgotten")
+    batch_window_s: float = _field(0.01, float_between(0.0, 60.0), "seconds the scheduler waits to fill a batch")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,19 +9,24 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Mapping, Union
 
+from ditattn.errors import short_repr as _short
+
 
 def _integer(value: Any, ok: Callable[[int], bool], expected: str) -> int:
     if isinstance(value, str):
+        text = value.strip()
+        if len(text) > 100:  # int() of a 5000-digit string is refused by Python (or is slow)
+            raise ValueError(f"expected {expected}, got {_short(value)}")
         try:
-            number = int(value.strip())
+            number = int(text)
         except ValueError:
-            raise ValueError(f"expected {expected}, got {value!r}") from None
+            raise ValueError(f"expected {expected}, got {_short(value)}") from None
     elif isinstance(value, int) and not isinstance(value, bool):
         number = value
     else:
-        raise ValueError(f"expected {expected}, got {value!r}")
+        raise ValueError(f"expected {expected}, got {_short(value)}")
     if not ok(number):
-        raise ValueError(f"expected {expected}, got {number}")
+        raise ValueError(f"expected {expected}, got {_short(number)}")
     return number
 
 
@@ -37,21 +42,33 @@ def tcp_port(value: Any) -> int:
     return _integer(value, lambda v: 1 <= v <= 65535, "a TCP port 1-65535")
 
 
+def int_between(lo: int, hi: int) -> Callable[[Any], int]:
+    """An integer in ``[lo, hi]`` (text accepted); the bound keeps absurd values (a 30-digit step
+    count or seed) from reaching code that would overflow on them."""
+    expected = (f"a positive integer up to {hi}" if lo == 1 else f"an integer from {lo} to {hi}")
+
+    def check(value: Any) -> int:
+        return _integer(value, lambda v: lo <= v <= hi, expected)
+
+    check.__name__ = "integer"
+    return check
+
+
 def _number(value: Any, ok: Callable[[float], bool], expected: str, unparsable: str = "a number") -> float:
     if isinstance(value, str):
         try:
             number = float(value)
         except ValueError:
-            raise ValueError(f"expected {unparsable}, got {value!r}") from None
+            raise ValueError(f"expected {unparsable}, got {_short(value)}") from None
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
         try:
             number = float(value)
         except OverflowError:
-            raise ValueError(f"expected {expected}, got {value!r}") from None
+            raise ValueError(f"expected {expected}, got {_short(value)}") from None
     else:
-        raise ValueError(f"expected {unparsable}, got {value!r}")
+        raise ValueError(f"expected {unparsable}, got {_short(value)}")
     if not ok(number):  # nan/inf would silently produce a NaN video
-        raise ValueError(f"expected {expected}, got {value!r}")
+        raise ValueError(f"expected {expected}, got {_short(value)}")
     return number
 
 
@@ -67,6 +84,19 @@ def nonneg_float(value: Any) -> float:
     return _number(value, lambda v: math.isfinite(v) and v >= 0, "a number >= 0", "a number >= 0")
 
 
+def float_between(lo: float, hi: float, *, lo_open: bool = False) -> Callable[[Any], float]:
+    """A finite number in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``); text accepted."""
+    expected = (f"a positive number up to {hi:g}" if lo_open and lo == 0 else
+                f"a finite number from {lo:g} to {hi:g}" if not lo_open else f"a number above {lo:g} up to {hi:g}")
+
+    def check(value: Any) -> float:
+        return _number(value, lambda v: math.isfinite(v) and (v > lo if lo_open else v >= lo) and v <= hi, expected,
+                       expected)
+
+    check.__name__ = "number"
+    return check
+
+
 def boolean(value: Any) -> bool:
     if isinstance(value, bool):
         return value
@@ -75,12 +105,12 @@ def boolean(value: Any) -> bool:
         return True
     if low in ("false", "0", "no", "off"):
         return False
-    raise ValueError(f"expected true or false, got {value!r}")
+    raise ValueError(f"expected true or false, got {_short(value)}")
 
 
 def text(value: Any) -> str:
     if not isinstance(value, str):
-        raise ValueError(f"expected a string, got {value!r}")
+        raise ValueError(f"expected a string, got {_short(value)}")
     return value
 
 
@@ -88,14 +118,14 @@ def text_or_mapping(value: Any) -> Union[str, dict]:
     if isinstance(value, Mapping):
         return dict(value)
     if not isinstance(value, str):
-        raise ValueError(f"expected a string or a mapping, got {value!r}")
+        raise ValueError(f"expected a string or a mapping, got {_short(value)}")
     return value
 
 
 def one_of(*choices: str) -> Callable[[Any], str]:
     def check(value: Any) -> str:
         if value not in choices:
-            raise ValueError(f"expected one of {', '.join(choices)}, got {value!r}")
+            raise ValueError(f"expected one of {', '.join(choices)}, got {_short(value)}")
         return value
 
     return check
@@ -124,5 +154,22 @@ def package_list(value: Any) -> tuple:
     from ditattn.platforms import parse_platform_packages
 
     if not isinstance(value, (str, list, tuple)):
-        raise ValueError(f"expected comma-separated package names or a list, got {value!r}")
+        raise ValueError(f"expected comma-separated package names or a list, got {_short(value)}")
     return parse_platform_packages(value)
+
+
+def public_url(value: Any) -> str:
+    """An absolute ``http(s)://host[:port][/path]`` base URL (no query or fragment), returned without
+    a trailing slash."""
+    from urllib.parse import urlsplit
+
+    url = text(value).strip()
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018  (raises ValueError for a bad port)
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+        raise ValueError(f"expected an absolute http(s) URL such as https://images.example.com/ditattn, got "
+                         f"{_short(value)}")
+    return url.rstrip("/")

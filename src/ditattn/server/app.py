@@ -9,8 +9,11 @@ Every request is validated before it is queued: body fields, size / steps / fram
 model name, and the attention settings (``attention_backend_override`` and ``skip_softmax_params``
 through the runner's ``prepare``, which applies DESIGN 2.7 / 2.8 and logs each refusal). Refusals
 are 400s with an OpenAI error body. Valid requests go to the :class:`~ditattn.server.scheduler.Scheduler`
-(429 when its queue is full). Outputs are written atomically under a server-owned directory with
-server-generated ids; no request field names a path.  ``ditattn serve`` itself:
+(429 with ``Retry-After`` when its queue is full; 503 while the server drains for a shutdown).
+Outputs are written atomically under a server-owned folder with server-generated ids; no request
+field names a path.  Cancellation (client disconnect, ``DELETE``), timeouts, the job store and the
+graceful drain: :mod:`~ditattn.server.state`, :mod:`~ditattn.server.scheduler`,
+:mod:`~ditattn.server.jobstore`, :mod:`~ditattn.server.lifecycle`.  ``ditattn serve`` itself:
 :mod:`ditattn.entrypoints.serve`.
 """
 from __future__ import annotations
@@ -30,14 +33,17 @@ def create_app(runner, config: Optional[ServerConfig] = None) -> FastAPI:
     """Build the FastAPI app serving ``runner`` (see :class:`ditattn.server.runner.BaseRunner`)
     under ``config`` (None: the defaults).
 
-    The scheduler thread starts with the app's lifespan (uvicorn runs it) and stops at shutdown.
-    ``app.state.server`` is the :class:`~ditattn.server.state.ServerState`.
+    The scheduler thread starts with the app's lifespan (uvicorn runs it), which also reloads the
+    job store of ``config.output_dir``, and stops at shutdown.  ``app.state.server`` is the
+    :class:`~ditattn.server.state.ServerState`.  Raises AttentionConfigError for an output folder
+    it cannot use (another server holds it, a foreign ``jobs.sqlite``).
     """
     state = ServerState(runner, config or ServerConfig())
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         state.start()
+        videos.restore_jobs(state)  # with an --output-dir: the jobs of the previous run
         try:
             yield
         finally:

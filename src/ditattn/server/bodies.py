@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from starlette.datastructures import Headers, UploadFile
 from starlette.formparsers import FormParser, MultiPartException, MultiPartParser
 
+from ditattn.attention.config import json_depth_exceeds, parse_error_reason
 from ditattn.server.protocol import RequestError, unflatten_form, validation_error_to_request_error
 
 MAX_FORM_FIELDS = 100
@@ -24,13 +25,18 @@ MAX_FORM_FILES = 4
 
 async def _read_limited(request: Request, max_bytes: int) -> bytes:
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise RequestError(f"request body too large ({declared} bytes; limit {max_bytes})", status=413)
+    if declared is not None and declared.isdigit() and len(declared) < 20 and int(declared) > max_bytes:
+        raise RequestError(f"request body too large ({declared} bytes; limit {max_bytes}, the server's "
+                           "--max-body-bytes)", status=413, code="body_too_large")
+    if declared is not None and declared.isdigit() and len(declared) >= 20:
+        raise RequestError(f"request body too large (limit {max_bytes} bytes, the server's --max-body-bytes)",
+                           status=413, code="body_too_large")
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
         if len(body) > max_bytes:
-            raise RequestError(f"request body too large (limit {max_bytes} bytes)", status=413)
+            raise RequestError(f"request body too large (limit {max_bytes} bytes, the server's --max-body-bytes)",
+                               status=413, code="body_too_large")
     return bytes(body)
 
 
@@ -47,6 +53,8 @@ async def _parse_form(headers: Headers, body: bytes, multipart: bool) -> list:
             form = await FormParser(headers, stream()).parse()
     except MultiPartException as exc:
         raise RequestError(f"malformed form body: {exc.message}") from None
+    except (ValueError, UnicodeDecodeError):  # undecodable field names / values
+        raise RequestError("malformed form body: it could not be decoded") from None
     items = []
     for name, value in form.multi_items():
         if isinstance(value, UploadFile):
@@ -57,19 +65,24 @@ async def _parse_form(headers: Headers, body: bytes, multipart: bool) -> list:
     return items
 
 
-async def read_body(request: Request, max_bytes: int) -> dict:
-    """The request body (at most ``max_bytes``, else 413) as a dict: a JSON object, or a
-    multipart / url-encoded form.  Malformed bodies raise :class:`RequestError` (400)."""
+async def read_body(request: Request, max_bytes: int, max_depth: int = 32) -> dict:
+    """The request body (at most ``max_bytes``, else 413) as a dict: a JSON object (nested at most
+    ``max_depth`` deep, checked before parsing), or a multipart / url-encoded form.  Malformed
+    bodies raise :class:`RequestError` (400)."""
     body = await _read_limited(request, max_bytes)
     ctype = request.headers.get("content-type", "").lower()
     if ctype.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
-        return unflatten_form(await _parse_form(request.headers, body, ctype.startswith("multipart/")))
+        items = await _parse_form(request.headers, body, ctype.startswith("multipart/"))
+        return unflatten_form(items, max_depth=max_depth)
     if not body.strip():
         raise RequestError("empty request body; send a JSON object")
+    if json_depth_exceeds(body, max_depth):
+        raise RequestError(f"request body nests deeper than {max_depth} levels (the server's --max-json-depth)",
+                           code="body_too_deep")
     try:
         data = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise RequestError(f"request body is not valid JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, int digit limit
+        raise RequestError(f"request body is not valid JSON: {parse_error_reason(exc)}") from None
     if not isinstance(data, dict):
         raise RequestError("request body must be a JSON object")
     return data

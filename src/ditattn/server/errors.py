@@ -1,90 +1,136 @@
-"""How the app answers what the routes do not: the API key check and request counting
-(middleware), and every error as an OpenAI error body (exception handlers)."""
+"""How the app answers what the routes do not: the API key check, request counting and internal
+errors (one ASGI middleware, :class:`ServerMiddleware`), and every error as an OpenAI error body
+(exception handlers).
+
+Every response is counted once in ``ditattn_http_requests`` by endpoint and status — 401s refused
+before routing, 500s and requests whose client went away (499) included.  An unexpected exception
+is logged once, with its traceback and a reference, and answered with a fixed message carrying that
+reference (never the exception's text or a path); it does not propagate to uvicorn, which would log
+it a second time.
+"""
 from __future__ import annotations
 
 import hmac
 import logging
+import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ditattn.server.protocol import RequestError, error_body
+from ditattn.server.state import internal_message
 
 log = logging.getLogger("ditattn.server")
+CLIENT_CLOSED = 499
 
 
-def _endpoint_label(routes: list, request: Request) -> str:
+def _endpoint_label(routes: list, scope: dict) -> str:
     """The matched route's path template (bounded label values), also for requests refused before
     routing (401); ``other`` for paths no route serves."""
-    route = request.scope.get("route")
-    path = getattr(route, "path", None)
+    path = getattr(scope.get("route"), "path", None)
     if path:
         return path
     from starlette.routing import Match
 
     for r in routes:
         try:
-            if r.matches(request.scope)[0] == Match.FULL:
+            if r.matches(scope)[0] == Match.FULL:
                 return getattr(r, "path", "other")
         except Exception:  # pragma: no cover - defensive
             continue
     return "other"
 
 
-def install_auth_and_metrics(app: FastAPI, routes: list) -> None:
-    """Middleware: ``Authorization: Bearer <key>`` on every path but ``/health`` when the server
-    has an API key (401 otherwise), and every response counted by endpoint and status (``routes``:
-    the app's routes, to label requests refused before routing)."""
+class ServerMiddleware:
+    """Pure ASGI middleware around the routes: ``Authorization: Bearer <key>`` on every path but
+    ``/health`` when the server has an API key (401 otherwise), the request counter, and the last
+    line against unexpected exceptions (see the module docstring).  ``routes``: the app's routes, to
+    label requests refused before routing."""
 
-    @app.middleware("http")
-    async def auth_and_count(request: Request, call_next):
-        state = app.state.server
+    def __init__(self, app, routes: list):
+        self.app = app
+        self.routes = routes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = scope["app"].state.server
+        status = {"code": None}
+
+        async def send_counted(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            refusal = self._auth(state, scope)
+            if refusal is not None:
+                await refusal(scope, receive, send_counted)
+            else:
+                await self.app(scope, receive, send_counted)
+        except ClientDisconnect:  # the client left while its body was read
+            status["code"] = status["code"] or CLIENT_CLOSED
+        except Exception as exc:  # noqa: BLE001 - the one place that answers what nothing else caught
+            ref = uuid.uuid4().hex[:12]
+            log.error("internal error on %s %s (reference %s): %s: %s", scope.get("method"),
+                      scope.get("path", "")[:200], ref, type(exc).__name__, exc, exc_info=exc)
+            if status["code"] is None:
+                await JSONResponse(error_body(internal_message(ref), type="server_error"),
+                                   status_code=500)(scope, receive, send_counted)
+            else:  # the response had started: it cannot become a 500 any more
+                status["code"] = 500
+        finally:
+            state.metrics.requests.labels(endpoint=_endpoint_label(self.routes, scope),
+                                          status=str(status["code"] or 500)).inc()
+
+    @staticmethod
+    def _auth(state, scope):
         key = state.config.api_key
-        response = None
-        if key is not None and request.url.path != "/health":
-            auth = request.headers.get("authorization", "")
-            scheme, _, token = auth.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-                msg = ("missing API key: send 'Authorization: Bearer <key>'" if not auth
-                       else "invalid API key in the Authorization header")
-                response = JSONResponse(error_body(msg, type="authentication_error", code="invalid_api_key"),
-                                        status_code=401, headers={"WWW-Authenticate": "Bearer"})
-        if response is None:
-            response = await call_next(request)
-        state.metrics.requests.labels(endpoint=_endpoint_label(routes, request), status=str(response.status_code)).inc()
-        return response
+        if key is None or scope.get("path") == "/health":
+            return None
+        auth = Request(scope).headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode()):
+            return None
+        msg = ("missing API key: send 'Authorization: Bearer <key>'" if not auth
+               else "invalid API key in the Authorization header")
+        return JSONResponse(error_body(msg, type="authentication_error", code="invalid_api_key"), status_code=401,
+                            headers={"WWW-Authenticate": "Bearer"})
+
+
+def install_auth_and_metrics(app: FastAPI, routes: list) -> None:
+    """Add :class:`ServerMiddleware` (``routes``: the app's routes, for endpoint labels)."""
+    app.add_middleware(ServerMiddleware, routes=routes)
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Exception handlers: :class:`RequestError` as its status and body, HTTP and validation
-    errors as OpenAI error bodies, anything else as a logged 500."""
+    """Exception handlers: :class:`RequestError` as its status, headers and body (logged once),
+    HTTP and validation errors as OpenAI error bodies."""
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError):
-        if exc.status >= 500:
-            log.error("request failed: %s", exc.message)
+        if exc.logged:
+            pass
+        elif exc.status >= 500:
+            log.error("request failed (%d): %s", exc.status, exc.message)
         elif exc.status not in (401, 404) and exc.code != "attention_refused":  # those are logged where raised
             log.warning("request refused (%d): %s", exc.status, exc.message)
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers or None)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
-        msg = f"{request.method} {request.url.path}: {exc.detail}"
+        msg = f"{request.method} {request.url.path[:200]}: {exc.detail}"
         return JSONResponse(error_body(msg, type=kind), status_code=exc.status_code)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
         errs = exc.errors()
         first = errs[0] if errs else {}
-        loc = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        loc = ".".join(str(p) for p in first.get("loc", ())[1:])[:100] or None
         return JSONResponse(error_body(f"invalid value for '{loc}': {first.get('msg', 'invalid')}", param=loc),
                             status_code=400)
-
-    @app.exception_handler(Exception)
-    async def _internal_error(request: Request, exc: Exception):
-        log.exception("internal error on %s %s", request.method, request.url.path)
-        return JSONResponse(error_body(f"internal server error: {type(exc).__name__}: {exc}", type="server_error"),
-                            status_code=500)

@@ -19,12 +19,15 @@ class Metrics:
 
     requests: HTTP requests by endpoint and status code; generations: finished generation requests
     by kind (image/video), outcome (ok/error) and attention backend; refusals: 400s caused by the
-    attention settings, by field; batches / batch_size: scheduler batches and their sizes in
-    requests; generation_seconds: wall time of each batch run; queue_depth / running: gauges read
-    from the scheduler at scrape time.
+    attention settings, by field; cancelled: requests stopped before they finished, by kind, reason
+    (``client_disconnected``, ``deleted``, ``timeout``, ``shutdown``) and stage (``queued``: never
+    computed; ``running``: stopped at a denoising step or its result dropped); batches /
+    batch_size: scheduler batches and their sizes in requests; generation_seconds: wall time of
+    each batch run; queue_depth / running / running_age / draining: gauges read at scrape time.
     """
 
-    def __init__(self, queue_depth: Callable[[], float] = lambda: 0, running: Callable[[], float] = lambda: 0):
+    def __init__(self, queue_depth: Callable[[], float] = lambda: 0, running: Callable[[], float] = lambda: 0,
+                 running_age: Callable[[], float] = lambda: 0, draining: Callable[[], float] = lambda: 0):
         r = self.registry = CollectorRegistry()
         self.requests = Counter("ditattn_http_requests", "HTTP requests by endpoint and status code.",
                                 ("endpoint", "status"), registry=r)
@@ -38,7 +41,11 @@ class Metrics:
                                 registry=r)
         self.queue_full = Counter("ditattn_queue_full", "Requests refused with 429 because the queue was full.",
                                   registry=r)
-        self.batches = Counter("ditattn_batches", "Batches run by the scheduler, by outcome.", ("outcome",), registry=r)
+        self.cancelled = Counter("ditattn_requests_cancelled",
+                                 "Requests stopped before they finished, by kind, reason and stage.",
+                                 ("kind", "reason", "stage"), registry=r)
+        self.batches = Counter("ditattn_batches", "Batches run by the scheduler, by outcome (ok, error, cancelled).",
+                               ("outcome",), registry=r)
         self.batch_size = Histogram("ditattn_batch_size", "Requests per scheduler batch.",
                                     buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         self.generation_seconds = Histogram("ditattn_batch_seconds", "Wall time of one batch run in seconds.",
@@ -47,6 +54,11 @@ class Metrics:
         self.queue_depth.set_function(queue_depth)
         self.running = Gauge("ditattn_running_samples", "Samples in the batch now running.", registry=r)
         self.running.set_function(running)
+        self.running_age = Gauge("ditattn_running_batch_age_seconds", "Seconds the running batch has run (0: idle).",
+                                 registry=r)
+        self.running_age.set_function(running_age)
+        self.draining = Gauge("ditattn_draining", "1 while the server drains for a shutdown.", registry=r)
+        self.draining.set_function(draining)
 
     def render(self) -> bytes:
         """The registry in the Prometheus text exposition format."""

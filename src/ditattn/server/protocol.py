@@ -19,7 +19,9 @@ import re
 import time
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ditattn.errors import short_repr
 
 # ------------------------------------------------------------------------------------------------
 # errors
@@ -31,13 +33,16 @@ class RequestError(Exception):
     status: HTTP status; message: what was wrong and what is accepted; type: OpenAI error type
     (``invalid_request_error``, ``authentication_error``, ``rate_limit_error``, ``not_found_error``,
     ``timeout_error``, ``server_error``); param: the offending request field or None; code: a short
-    machine-readable code or None.
+    machine-readable code or None; headers: extra response headers (``Retry-After``); logged: the
+    reason was already logged where it was found (the handler does not log it again).
     """
 
     def __init__(self, message: str, *, status: int = 400, type: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[str] = None):
+                 param: Optional[str] = None, code: Optional[str] = None, headers: Optional[dict] = None,
+                 logged: bool = False):
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+        self.headers, self.logged = dict(headers or {}), logged
 
     def body(self) -> dict:
         return error_body(self.message, type=self.type, param=self.param, code=self.code)
@@ -54,7 +59,7 @@ def validation_error_to_request_error(exc: ValidationError, model: type) -> Requ
     errs = exc.errors()
     first = errs[0] if errs else {"loc": (), "msg": str(exc), "type": ""}
     loc = [str(p) for p in first.get("loc", ())]
-    param = ".".join(loc) if loc else None
+    param = ".".join(loc)[:100] if loc else None
     if first.get("type") == "extra_forbidden":
         accepted = ", ".join(sorted(model.accepted_fields())) if hasattr(model, "accepted_fields") else ""
         msg = f"unknown field '{param}'" + (f"; accepted fields: {accepted}" if accepted else "")
@@ -62,7 +67,7 @@ def validation_error_to_request_error(exc: ValidationError, model: type) -> Requ
     if first.get("type") == "missing":
         return RequestError(f"missing required field '{param}'", param=param, code="missing_required_parameter")
     value = first.get("input")
-    shown = repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
+    shown = short_repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
     msg = f"invalid value for '{param}': {first.get('msg', 'invalid')} (got {shown})"
     return RequestError(msg, param=param, code="invalid_value")
 
@@ -74,18 +79,20 @@ def validation_error_to_request_error(exc: ValidationError, model: type) -> Requ
 _FORM_KEY = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)((?:\[[A-Za-z0-9_]*\])*)$")
 
 
-def unflatten_form(items: list[tuple[str, str]]) -> dict:
+def unflatten_form(items: list[tuple[str, str]], max_depth: int = 32) -> dict:
     """``[("a", "1"), ("p[x]", "2"), ("l[]", "3"), ("l[]", "4")]`` → ``{"a": "1", "p": {"x": "2"},
     "l": ["3", "4"]}`` (the openai client's ``brackets`` encoding of nested objects and arrays).
 
-    Raises RequestError for a malformed key or a key given twice.
+    Raises RequestError for a malformed key, a key given twice or nested deeper than ``max_depth``.
     """
     out: dict = {}
     for key, value in items:
-        m = _FORM_KEY.match(key)
+        m = _FORM_KEY.match(key) if len(key) <= 512 else None
         if not m:
-            raise RequestError(f"malformed form field name {key!r}", param=key)
+            raise RequestError(f"malformed form field name {short_repr(key)}", param=key[:100])
         parts = [m.group(1)] + re.findall(r"\[([A-Za-z0-9_]*)\]", m.group(2))
+        if len(parts) > max_depth:
+            raise RequestError(f"form field {short_repr(key)} nests deeper than {max_depth} levels", param=key[:100])
         node = out
         for i, part in enumerate(parts):
             last = i == len(parts) - 1
@@ -143,12 +150,29 @@ def parse_size(value: Optional[str], *, param: str = "size") -> Optional[tuple[i
     return w, h
 
 
+# Bounds of the numeric request fields that no server setting bounds: far beyond any real request,
+# tight enough that no value reaches code that would overflow on it.
+MAX_SEED = 2 ** 63 - 1
+MAX_GUIDANCE = 100.0
+MAX_SECONDS = 3600.0
+
+
+def _finite(**kw):
+    return Field(default=None, allow_inf_nan=False, **kw)
+
+
 class SkipSoftmaxBody(BaseModel):
-    """``skip_softmax_params`` (DESIGN 2.8). Semantic checks (required, > 0) are the runtime's."""
+    """``skip_softmax_params`` (DESIGN 2.8). Semantic checks (required, > 0) are the runtime's;
+    here only that the numbers are finite and bounded."""
 
     model_config = ConfigDict(extra="forbid")
-    threshold_scale_factor: Optional[float] = None
-    start_step: Optional[int] = None
+    threshold_scale_factor: Optional[float] = _finite(le=1e6)
+    start_step: Optional[int] = Field(default=None, ge=0, le=100000)
+
+    @field_validator("threshold_scale_factor", "start_step", mode="before")
+    @classmethod
+    def _numbers_are_not_bools(cls, value):
+        return _not_bool(value)
 
     def as_dict(self) -> dict:
         d: dict = {}
@@ -163,15 +187,29 @@ class SkipSoftmaxBody(BaseModel):
         return list(cls.model_fields)
 
 
+def _not_bool(value: Any) -> Any:
+    """JSON ``true`` / ``false`` is no number (pydantic's lax mode would read ``"n": true`` as 1)."""
+    if isinstance(value, bool):
+        raise ValueError("expected a number, got a boolean")
+    return value
+
+
 class _Extras(BaseModel):
     """The ditattn extra body fields shared by images and videos."""
 
     model_config = ConfigDict(extra="forbid")
 
+    @field_validator("num_inference_steps", "guidance_scale", "seed", "n", "num_frames", "fps", "seconds",
+                     "output_compression", "partial_images", "frame_count", "frame_duration_ms", mode="before",
+                     check_fields=False)
+    @classmethod
+    def _numbers_are_not_bools(cls, value):
+        return _not_bool(value)
+
     negative_prompt: Optional[str] = Field(default=None, max_length=20000)
-    num_inference_steps: Optional[int] = None
-    guidance_scale: Optional[float] = None
-    seed: Optional[int] = None
+    num_inference_steps: Optional[int] = None  # the limit: the server's --max-steps
+    guidance_scale: Optional[float] = _finite()
+    seed: Optional[int] = None  # the range: check_numbers
     attention_backend_override: Optional[str] = Field(default=None, max_length=64)
     skip_softmax_params: Optional[SkipSoftmaxBody] = None
 
@@ -179,11 +217,17 @@ class _Extras(BaseModel):
     def accepted_fields(cls) -> list[str]:
         return list(cls.model_fields)
 
-    def check_numbers(self) -> None:
-        if self.guidance_scale is not None and not math.isfinite(self.guidance_scale):
-            raise RequestError("guidance_scale must be a finite number", param="guidance_scale")
-        if self.seed is not None and not (-(2 ** 63) <= self.seed < 2 ** 63):
-            raise RequestError("seed must fit in a signed 64-bit integer", param="seed")
+    def check_numbers(self, n: int = 1) -> None:
+        """Range checks no server setting decides: guidance scale in [0, 100]; seed in [0, 2^63 - 1]
+        with room for the ``n`` consecutive seeds of an image request."""
+        g = self.guidance_scale
+        if g is not None and not (math.isfinite(g) and 0.0 <= g <= MAX_GUIDANCE):
+            raise RequestError(f"guidance_scale must be a number from 0 to {MAX_GUIDANCE:g}, got {g!r} (above 1 "
+                               f"enables classifier-free guidance; typical values are 3-8)", param="guidance_scale")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED - (n - 1):
+            raise RequestError(f"seed must be an integer from 0 to {MAX_SEED - (n - 1)}"
+                               + (f" (image i of n={n} uses seed + i)" if n > 1 else "") + f", got {self.seed}",
+                               param="seed")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -199,26 +243,26 @@ class ImageGenerationRequest(_Extras):
     """
 
     prompt: str = Field(min_length=1, max_length=20000)
-    model: Optional[str] = None
-    n: Optional[int] = None
-    size: Optional[str] = None
+    model: Optional[str] = Field(default=None, max_length=512)
+    n: Optional[int] = None  # the limit: the server's --max-n
+    size: Optional[str] = Field(default=None, max_length=64)
     response_format: Optional[Literal["b64_json", "url"]] = None
     # accepted and ignored
-    quality: Optional[str] = None
-    style: Optional[str] = None
-    user: Optional[str] = None
-    safety_identifier: Optional[str] = None
-    moderation: Optional[str] = None
-    output_compression: Optional[int] = None
-    complexity: Optional[str] = None
+    quality: Optional[str] = Field(default=None, max_length=64)
+    style: Optional[str] = Field(default=None, max_length=64)
+    user: Optional[str] = Field(default=None, max_length=256)
+    safety_identifier: Optional[str] = Field(default=None, max_length=256)
+    moderation: Optional[str] = Field(default=None, max_length=64)
+    output_compression: Optional[int] = Field(default=None, ge=0, le=100)
+    complexity: Optional[str] = Field(default=None, max_length=64)
     # accepted only with the value the server can honour
-    background: Optional[str] = None
-    output_format: Optional[str] = None
+    background: Optional[str] = Field(default=None, max_length=64)
+    output_format: Optional[str] = Field(default=None, max_length=64)
     stream: Optional[bool] = None
-    partial_images: Optional[int] = None
+    partial_images: Optional[int] = Field(default=None, ge=0, le=3)
     svg: Optional[Any] = None
-    frame_count: Optional[int] = None
-    frame_duration_ms: Optional[int] = None
+    frame_count: Optional[int] = Field(default=None, ge=0, le=100000)
+    frame_duration_ms: Optional[int] = Field(default=None, ge=0, le=10 ** 7)
 
     def check_unsupported(self) -> None:
         if self.stream:
@@ -268,24 +312,27 @@ class VideoCreateRequest(_Extras):
     """
 
     prompt: str = Field(min_length=1, max_length=20000)
-    model: Optional[str] = None
+    model: Optional[str] = Field(default=None, max_length=512)
     seconds: Optional[Union[str, float]] = None
-    size: Optional[str] = None
-    num_frames: Optional[int] = None
-    fps: Optional[int] = None
+    size: Optional[str] = Field(default=None, max_length=64)
+    num_frames: Optional[int] = None  # the limit: the server's --max-frames
+    fps: Optional[int] = None  # the limit: the server's --max-fps
     input_reference: Optional[Any] = None
-    user: Optional[str] = None
+    user: Optional[str] = Field(default=None, max_length=256)
 
     def seconds_value(self) -> Optional[float]:
+        """``seconds`` as a number (None when left out); 400 unless a finite number in (0, 3600]."""
         if self.seconds is None or (isinstance(self.seconds, str) and self.seconds.strip() == ""):
             return None
+        shown = short_repr(self.seconds, 40)
         try:
             s = float(self.seconds)
-        except (TypeError, ValueError):
-            raise RequestError(f"invalid seconds {self.seconds!r}: expected a positive number such as '4'",
+        except (TypeError, ValueError, OverflowError):
+            raise RequestError(f"invalid seconds {shown}: expected a positive number such as '4'",
                                param="seconds") from None
-        if not (s > 0 and math.isfinite(s)):
-            raise RequestError(f"invalid seconds {self.seconds!r}: must be a positive number", param="seconds")
+        if not (math.isfinite(s) and 0 < s <= MAX_SECONDS):
+            raise RequestError(f"invalid seconds {shown}: expected a number above 0 and at most {MAX_SECONDS:g}",
+                               param="seconds")
         return s
 
 

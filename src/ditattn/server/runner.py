@@ -157,13 +157,16 @@ class PipelineRunner(BaseRunner):
                          aliases=aliases, platform=pipe.platform, default_override=default_override,
                          default_skip_softmax=default_skip_softmax)
         self.pipe = pipe
-        self._on_step = "on_step" in inspect.signature(pipe.generate).parameters
+        params = inspect.signature(pipe.generate).parameters
+        self._on_step, self._should_stop = "on_step" in params, "should_stop" in params
 
     def default_backends(self) -> list[str]:
         return list(self.pipe.dit_backends())
 
     def run_batch(self, jobs) -> list:
-        from ditattn.server.scheduler import GenerationResult
+        """One pipeline call for ``jobs``; it stops at the next denoising step once every job must
+        (cancelled, timed out, shutdown: :func:`~ditattn.server.scheduler.batch_stop_reason`)."""
+        from ditattn.server.scheduler import GenerationResult, batch_stop_reason
 
         head = jobs[0]
         prompts, negatives, seeds = [], [], []
@@ -180,6 +183,8 @@ class PipelineRunner(BaseRunner):
                         j.on_progress(j, done / max(total, 1))
 
             kw["on_step"] = on_step
+        if self._should_stop:
+            kw["should_stop"] = lambda: batch_stop_reason(jobs)
         res = self.pipe.generate(
             prompts, negatives, height=head.height, width=head.width, num_frames=head.num_frames,
             num_inference_steps=head.num_inference_steps, guidance_scale=head.guidance_scale, seed=seeds,

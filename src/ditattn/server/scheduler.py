@@ -12,9 +12,19 @@ The batch runs inside ``request_scope(state)`` (a context variable set in the wo
 ``state`` is the :class:`~ditattn.attention.context.RequestState` prepared and validated for the
 batch's attention settings; leaving the scope restores the server default for the next batch.
 
-A batch that raises is re-run one job at a time, so a failing request fails alone. Jobs whose
-deadline passes while queued fail with :class:`JobTimeout` without running; jobs cancelled while
-queued are dropped. ``submit`` raises :class:`QueueFull` when ``max_queue`` jobs are already waiting.
+A batch that raises is re-run one job at a time, so a failing request fails alone. ``submit``
+raises :class:`QueueFull` when ``max_queue`` jobs are already waiting.
+
+Stopping work: a job past its deadline, or cancelled (:meth:`Scheduler.cancel`: a client that
+disconnected, a deleted video job), is dropped from the queue at once; when it is running it is
+marked, and the runner's ``should_stop`` callable (:func:`batch_stop_reason`, handed to the
+pipeline) stops the batch at its next denoising step once every job in it must stop
+(:class:`~ditattn.errors.GenerationCancelled`); a job cancelled inside a batch that runs on for the
+others loses its result.  Such a job ends with :class:`JobCancelled` (its reason),
+:class:`JobTimeout` or, for a shutdown, :class:`SchedulerStopped`, and ``on_cancel(job, reason,
+stage)`` reports it.  :meth:`Scheduler.pause` (graceful shutdown) takes no new batch: the running
+one finishes or is stopped (:meth:`Scheduler.stop_running`), queued jobs stay queued
+(:meth:`Scheduler.pending`) unless the caller drops them.
 """
 from __future__ import annotations
 
@@ -29,8 +39,12 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 import numpy as np
 
 from ditattn.attention.context import RequestState, SkipSoftmaxParams, request_scope
+from ditattn.errors import GenerationCancelled
 
 log = logging.getLogger("ditattn.server")
+
+SHUTDOWN = "shutdown"
+TIMEOUT = "timeout"
 
 
 class QueueFull(Exception):
@@ -38,11 +52,19 @@ class QueueFull(Exception):
 
 
 class JobTimeout(Exception):
-    """The job's deadline passed before it could run."""
+    """The job reached its deadline (while queued, or running: stopped at its next step)."""
 
 
 class SchedulerStopped(Exception):
-    """The scheduler was stopped before the job ran."""
+    """The server is shutting down: the job was not started, or was stopped."""
+
+
+class JobCancelled(Exception):
+    """The job was cancelled; ``reason``: ``client_disconnected`` or ``deleted``."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+        super().__init__(f"the request was cancelled ({reason.replace('_', ' ')})")
 
 
 @dataclasses.dataclass
@@ -66,7 +88,10 @@ class GenerationJob:
     kind: ``"image"`` or ``"video"``; n: samples (images) to produce, each with seed ``seed + i``;
     override: the canonical backend value of ``attention_backend_override`` or None; skip_softmax:
     parsed parameters or None; state: the RequestState prepared for these settings (None for
-    runners that need none); deadline: ``time.monotonic()`` value after which it must not start.
+    runners that need none); deadline: ``time.monotonic()`` value after which the job is stopped
+    (queued: dropped; running: at its next denoising step); run_timeout_s: when set, the deadline
+    is reset to start + run_timeout_s when the job starts (video jobs bound their wait in the
+    queue and their run separately); stop_reason: set by :meth:`Scheduler.cancel`.
     """
 
     kind: str
@@ -85,11 +110,21 @@ class GenerationJob:
     skip_softmax: Optional[SkipSoftmaxParams] = None
     state: Optional[RequestState] = None
     deadline: Optional[float] = None
+    run_timeout_s: Optional[float] = None
+    stop_reason: Optional[str] = None
     id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
     created: float = dataclasses.field(default_factory=time.time)
     future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
     on_start: Optional[Callable[["GenerationJob"], None]] = None
     on_progress: Optional[Callable[["GenerationJob", float], None]] = None
+
+    def should_stop(self, now: Optional[float] = None) -> Optional[str]:
+        """Why this job must stop now (its cancel reason, or ``timeout`` past its deadline), else None."""
+        if self.stop_reason is not None:
+            return self.stop_reason
+        if self.deadline is not None and (time.monotonic() if now is None else now) > self.deadline:
+            return TIMEOUT
+        return None
 
     def signature(self) -> tuple:
         """The dynamic-batching key: jobs share a batch only if these are all equal."""
@@ -97,6 +132,25 @@ class GenerationJob:
                                                      self.skip_softmax.start_step)
         return (self.model, self.width, self.height, self.num_frames, self.num_inference_steps,
                 float(self.guidance_scale), self.negative_prompt or "", self.override, ss)
+
+
+def batch_stop_reason(jobs: Sequence[GenerationJob]) -> Optional[str]:
+    """Why a running batch must stop — every job in it must (cancelled, timed out, shutdown) — else
+    None: the ``should_stop`` callable runners hand to the pipeline."""
+    now = time.monotonic()
+    reasons = [j.should_stop(now) for j in jobs]
+    if not reasons or not all(reasons):
+        return None
+    return SHUTDOWN if SHUTDOWN in reasons else reasons[0]
+
+
+def stop_error(reason: str) -> BaseException:
+    """The exception a job stopped for ``reason`` ends with."""
+    if reason == TIMEOUT:
+        return JobTimeout("the request reached the server's request timeout and was stopped")
+    if reason == SHUTDOWN:
+        return SchedulerStopped("the server is shutting down")
+    return JobCancelled(reason)
 
 
 class Runner(Protocol):
@@ -108,7 +162,8 @@ class Runner(Protocol):
         """Validate a request's attention settings (raise AttentionConfigError with the reason)."""
 
     def run_batch(self, jobs: Sequence[GenerationJob]) -> list:
-        """Run jobs that share one signature, inside their request scope; one GenerationResult each."""
+        """Run jobs that share one signature, inside their request scope; one GenerationResult each.
+        Runners that can stop between steps pass ``lambda: batch_stop_reason(jobs)`` down."""
 
 
 class Scheduler:
@@ -117,11 +172,14 @@ class Scheduler:
     runner: object with ``run_batch(jobs) -> list[GenerationResult]``; max_batch_size: requests per
     batch; max_queue: waiting jobs before :class:`QueueFull`; batch_window_s: after taking a head
     job whose batch is not full, wait this long once for more matching jobs to arrive;
-    on_batch: callback ``(jobs, seconds, error)`` after each run (metrics).
+    on_batch: callback ``(jobs, seconds, error)`` after each run (metrics); on_cancel: callback
+    ``(job, reason, stage)`` when a job ends cancelled, timed out or stopped by a shutdown, stage
+    ``queued`` or ``running``.
     """
 
     def __init__(self, runner, *, max_batch_size: int = 4, max_queue: int = 64, batch_window_s: float = 0.01,
-                 on_batch: Optional[Callable[[list, float, Optional[BaseException]], None]] = None):
+                 on_batch: Optional[Callable[[list, float, Optional[BaseException]], None]] = None,
+                 on_cancel: Optional[Callable[[GenerationJob, str, str], None]] = None):
         if max_batch_size < 1 or max_queue < 1:
             raise ValueError("max_batch_size and max_queue must be >= 1")
         self.runner = runner
@@ -129,10 +187,13 @@ class Scheduler:
         self.max_queue = max_queue
         self.batch_window_s = batch_window_s
         self.on_batch = on_batch
+        self.on_cancel = on_cancel
         self._pending: list[GenerationJob] = []
         self._cond = threading.Condition()
         self._stopped = False
+        self._paused = False
         self._running: list[GenerationJob] = []
+        self._running_since: Optional[float] = None
         self._thread: Optional[threading.Thread] = None
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -143,36 +204,79 @@ class Scheduler:
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop the worker; jobs still queued fail with SchedulerStopped."""
+        """Stop the worker (after its running batch); jobs still queued fail with SchedulerStopped."""
         with self._cond:
             self._stopped = True
             left, self._pending = self._pending, []
             self._cond.notify_all()
         for job in left:
-            _fail(job, SchedulerStopped("the server is shutting down"))
+            self._end(job, SHUTDOWN, "queued")
         if self._thread is not None:
             self._thread.join(timeout)
 
-    # -- queue -------------------------------------------------------------------------------
-    def submit(self, job: GenerationJob) -> concurrent.futures.Future:
-        """Queue ``job``; its future resolves to a GenerationResult or raises the job's error."""
+    def pause(self, keep: Callable[[GenerationJob], bool] = lambda job: True) -> list[GenerationJob]:
+        """Take no new batch (graceful shutdown); ``submit`` raises SchedulerStopped from now on.
+        Queued jobs for which ``keep(job)`` is false end now with SchedulerStopped (and are
+        returned); the others stay queued (:meth:`pending`)."""
         with self._cond:
-            if self._stopped:
+            self._paused = True
+            dropped = [j for j in self._pending if not keep(j)]
+            self._pending = [j for j in self._pending if keep(j)]
+            self._cond.notify_all()
+        for job in dropped:
+            self._end(job, SHUTDOWN, "queued")
+        return dropped
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no batch runs (True), at most ``timeout`` seconds (False)."""
+        end = time.monotonic() + timeout
+        with self._cond:
+            while self._running:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def pending(self) -> list[GenerationJob]:
+        """The queued jobs, oldest first."""
+        with self._cond:
+            return list(self._pending)
+
+    # -- queue -------------------------------------------------------------------------------
+    def submit(self, job: GenerationJob, *, restore: bool = False) -> concurrent.futures.Future:
+        """Queue ``job``; its future resolves to a GenerationResult or raises the job's error.
+        ``restore``: a job reloaded from the job store, queued even beyond ``max_queue``."""
+        with self._cond:
+            if self._stopped or self._paused:
                 raise SchedulerStopped("the server is shutting down")
-            if len(self._pending) >= self.max_queue:
+            if len(self._pending) >= self.max_queue and not restore:
                 raise QueueFull(f"the request queue is full ({self.max_queue} waiting); retry later")
             self._pending.append(job)
             self._cond.notify_all()
         return job.future
 
-    def cancel(self, job: GenerationJob) -> bool:
-        """Remove a queued job (True) — a running job cannot be cancelled (False)."""
+    def cancel(self, job: GenerationJob, reason: str) -> Optional[str]:
+        """Cancel ``job`` for ``reason``: a queued job ends at once (returns ``"queued"``); a running
+        one is marked and stops at its next denoising step, or loses its result if others in its
+        batch go on (``"running"``); None when it has already finished."""
         with self._cond:
             if job in self._pending:
                 self._pending.remove(job)
-                job.future.cancel()
-                return True
-        return False
+            elif job in self._running:
+                job.stop_reason = job.stop_reason or reason
+                return "running"
+            else:
+                return None
+        self._end(job, reason, "queued")
+        return "queued"
+
+    def stop_running(self, reason: str) -> int:
+        """Mark every running job to stop for ``reason`` at its next step; returns how many."""
+        with self._cond:
+            for job in self._running:
+                job.stop_reason = job.stop_reason or reason
+            return len(self._running)
 
     @property
     def queue_depth(self) -> int:
@@ -184,25 +288,29 @@ class Scheduler:
         with self._cond:
             return sum(j.n for j in self._running)
 
+    def running_jobs(self) -> tuple[list[GenerationJob], Optional[float]]:
+        """The running batch's jobs and when it started (``time.monotonic()``; None when idle)."""
+        with self._cond:
+            return list(self._running), self._running_since
+
     # -- worker ------------------------------------------------------------------------------
     def _take_batch(self) -> Optional[list[GenerationJob]]:
         wait_until: Optional[float] = None
         with self._cond:
             while True:
-                while not self._pending and not self._stopped:
+                while (not self._pending or self._paused) and not self._stopped:
                     self._cond.wait()
                 if self._stopped:
                     return None
                 now = time.monotonic()
-                live = []
+                live, expired = [], []
                 for job in self._pending:
-                    if job.future.cancelled():
+                    if job.future.done():
                         continue
-                    if job.deadline is not None and now > job.deadline:
-                        _fail(job, JobTimeout("the request timed out while queued"))
-                        continue
-                    live.append(job)
+                    (expired if job.should_stop(now) else live).append(job)
                 self._pending = live
+                for job in expired:  # (the condition's lock is re-entrant: the callbacks may read the queue)
+                    self._end(job, job.should_stop(now) or TIMEOUT, "queued")
                 if not live:
                     wait_until = None
                     continue
@@ -223,7 +331,11 @@ class Scheduler:
                 wait_until = None
                 if not taken:
                     continue
-                self._running = taken
+                start = time.monotonic()
+                for j in taken:
+                    if j.run_timeout_s is not None:
+                        j.deadline = start + j.run_timeout_s
+                self._running, self._running_since = taken, start
                 return taken
 
     def _loop(self) -> None:
@@ -233,9 +345,14 @@ class Scheduler:
                 return
             try:
                 self._run(batch)
+            except BaseException:  # noqa: BLE001 - the worker must survive whatever a batch does
+                log.exception("scheduler worker: unexpected error around a batch")
+                for job in batch:
+                    _fail(job, RuntimeError("internal scheduler error"))
             finally:
                 with self._cond:
-                    self._running = []
+                    self._running, self._running_since = [], None
+                    self._cond.notify_all()
 
     def _run(self, batch: list[GenerationJob]) -> None:
         for job in batch:
@@ -244,32 +361,73 @@ class Scheduler:
                     job.on_start(job)
                 except Exception:  # a callback must not take the worker down
                     log.exception("on_start callback failed")
+        results, error = self._attempt(batch)
+        if error is None:
+            for job, res in zip(batch, results):
+                self._deliver(job, res)
+            return
+        if results is not None:  # stopped: every job has ended
+            return
+        if len(batch) == 1:
+            self._failed(batch[0], error)
+            return
+        log.warning("batch of %d failed (%s: %s); re-running its requests one by one", len(batch),
+                    type(error).__name__, error)
+        for job in batch:  # outside the except block: a failure's traceback is its own, not chained
+            if job.should_stop():
+                self._end(job, job.should_stop(), "running")
+                continue
+            results, error = self._attempt([job])
+            if error is None:
+                self._deliver(job, results[0])
+            elif results is None:
+                self._failed(job, error)
+
+    def _attempt(self, batch: list[GenerationJob]) -> tuple[Optional[list], Optional[BaseException]]:
+        """Run ``batch`` once: ``(results, None)``; ``([], exc)`` when it was stopped (each job
+        already ended with its reason); ``(None, exc)`` when it failed."""
         t0 = time.perf_counter()
         try:
             results = self._call(batch)
-        except BaseException as exc:  # noqa: BLE001 - isolate, then report per job
-            dt = time.perf_counter() - t0
-            self._notify(batch, dt, exc)
-            if len(batch) == 1:
-                log.warning("request %s failed: %s", batch[0].id, exc)
-                _fail(batch[0], exc)
-                return
-            log.warning("batch of %d failed (%s); re-running its requests one by one", len(batch), exc)
+        except GenerationCancelled as exc:
+            self._notify(batch, time.perf_counter() - t0, exc)
             for job in batch:
-                t1 = time.perf_counter()
-                try:
-                    res = self._call([job])
-                except BaseException as exc1:  # noqa: BLE001
-                    self._notify([job], time.perf_counter() - t1, exc1)
-                    log.warning("request %s failed: %s", job.id, exc1)
-                    _fail(job, exc1)
-                else:
-                    self._notify([job], time.perf_counter() - t1, None)
-                    _resolve(job, res[0])
-            return
+                self._end(job, job.should_stop() or SHUTDOWN, "running")
+            return [], exc
+        except BaseException as exc:  # noqa: BLE001 - isolated per job by the caller
+            self._notify(batch, time.perf_counter() - t0, exc)
+            return None, exc
         self._notify(batch, time.perf_counter() - t0, None)
-        for job, res in zip(batch, results):
-            _resolve(job, res)
+        return results, None
+
+    def _deliver(self, job: GenerationJob, result: Any) -> None:
+        """The job's result, unless it was cancelled meanwhile (its batch ran on for others)."""
+        if job.stop_reason is not None:
+            self._end(job, job.stop_reason, "running")
+        elif not job.future.done():
+            job.future.set_result(result)
+
+    def _failed(self, job: GenerationJob, exc: BaseException) -> None:
+        """One log line (with the traceback for unexpected errors) per failed job, then its error."""
+        from ditattn.errors import AttentionConfigError
+
+        if isinstance(exc, AttentionConfigError):
+            log.warning("request %s refused while running: %s", job.id, exc)
+        else:
+            log.error("request %s failed (reference %s): %s: %s", job.id, job.id[:12], type(exc).__name__, exc,
+                      exc_info=exc)
+        _fail(job, exc)
+
+    def _end(self, job: GenerationJob, reason: str, stage: str) -> None:
+        """End ``job`` stopped for ``reason`` (cancelled, timed out, shutdown) and report it."""
+        if job.future.done():
+            return
+        _fail(job, stop_error(reason))
+        if self.on_cancel is not None:
+            try:
+                self.on_cancel(job, reason, stage)
+            except Exception:
+                log.exception("on_cancel callback failed")
 
     def _call(self, batch: list[GenerationJob]) -> list:
         state = batch[0].state
@@ -289,11 +447,6 @@ class Scheduler:
                 self.on_batch(batch, seconds, error)
             except Exception:
                 log.exception("on_batch callback failed")
-
-
-def _resolve(job: GenerationJob, result: Any) -> None:
-    if not job.future.done():
-        job.future.set_result(result)
 
 
 def _fail(job: GenerationJob, exc: BaseException) -> None:

@@ -1,27 +1,40 @@
 """What the request handlers share (:class:`ServerState`, at ``app.state.server``): the runner, the
-scheduler, the metrics, the video and image stores, the encoder pool and the output directory, with
-the checks and the job submission every generating endpoint uses."""
+scheduler, the metrics, the video and image stores, the encoder pool and the output folder, with
+the checks and the job submission every generating endpoint uses, the wait for a result (timeout,
+client disconnect), the health report and the graceful drain."""
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import logging
 import os
 import secrets
 import shutil
 import tempfile
+import threading
 import time
 from typing import Optional
 
 from fastapi import Request
 
-from ditattn.errors import AttentionConfigError
+from ditattn.errors import AttentionConfigError, GenerationCancelled
 from ditattn.runconfig import ServerConfig
 from ditattn.server.metrics import Metrics
 from ditattn.server.protocol import RequestError, parse_size
-from ditattn.server.scheduler import (GenerationJob, GenerationResult, JobTimeout, QueueFull, Scheduler,
-                                      SchedulerStopped)
+from ditattn.server.scheduler import (SHUTDOWN, GenerationJob, GenerationResult, JobCancelled, JobTimeout, QueueFull,
+                                      Scheduler, SchedulerStopped)
 from ditattn.server.store import ImageStore, VideoStore
 
 BACKEND_HEADER = "x-ditattn-attention-backend"
+DISCONNECTED = "client_disconnected"
+DEFAULT_OUTPUT_CAP = 1280 * 720 * 81  # the largest output of a Wan 2.x checkpoint (720p, 81 frames)
+STOP_GRACE_S = 10.0  # after the drain time: how long a stopped job's current step may still take
+
+log = logging.getLogger("ditattn.server")
+
+
+class ClientGone(Exception):
+    """The client of a waiting request disconnected; its job was cancelled."""
 
 
 class ServerState:
@@ -30,41 +43,174 @@ class ServerState:
     def __init__(self, runner, config: ServerConfig):
         self.runner = runner
         self.config = config
-        self.metrics = Metrics(queue_depth=lambda: self.scheduler.queue_depth, running=lambda: self.scheduler.running)
+        self.draining = False
+        self._drain_lock = threading.Lock()
+        self._batch_seconds = 0.0  # running mean of a batch's wall time, for Retry-After
         self.scheduler = Scheduler(runner, max_batch_size=config.max_batch_size, max_queue=config.max_queue,
-                                   batch_window_s=config.batch_window_s, on_batch=self._on_batch)
+                                   batch_window_s=config.batch_window_s, on_batch=self._on_batch,
+                                   on_cancel=self._on_cancel)
+        self.metrics = Metrics(queue_depth=lambda: self.scheduler.queue_depth, running=lambda: self.scheduler.running,
+                               running_age=lambda: self.running_age() or 0.0, draining=lambda: float(self.draining))
         self._own_dir = config.output_dir is None
-        self.output_dir = config.output_dir or tempfile.mkdtemp(prefix="ditattn-serve-")
+        self.output_dir = os.path.abspath(config.output_dir) if config.output_dir else \
+            tempfile.mkdtemp(prefix="ditattn-serve-")
         for sub in ("videos", "images"):
-            os.makedirs(os.path.join(self.output_dir, sub), exist_ok=True)
-        self.videos = VideoStore(config.max_videos_kept)
+            try:
+                os.makedirs(os.path.join(self.output_dir, sub), exist_ok=True)
+            except OSError as exc:
+                raise AttentionConfigError(f"--output-dir {self.output_dir}: cannot create {sub}/ "
+                                           f"({exc.strerror or exc})") from None
+        jobs = None
+        if not self._own_dir:
+            from ditattn.server.jobstore import JobStore
+
+            jobs = JobStore(self.output_dir)
+        self.videos = VideoStore(config.max_videos_kept, jobs, self.output_dir)
         self.images = ImageStore(os.path.join(self.output_dir, "images"), config.max_videos_kept * 4)
         self.encoder = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="ditattn-encode")
+        self._encodes: set = set()
+        self._encodes_lock = threading.Lock()
         self.started = time.time()
 
+    def encode_later(self, fn) -> concurrent.futures.Future:
+        """Run ``fn`` on the encoder pool; the drain waits for it (RuntimeError once shut down)."""
+        fut = self.encoder.submit(fn)
+        with self._encodes_lock:
+            self._encodes.add(fut)
+        fut.add_done_callback(self._encode_done)
+        return fut
+
+    def _encode_done(self, fut) -> None:
+        with self._encodes_lock:
+            self._encodes.discard(fut)
+
+    # -- callbacks of the scheduler ---------------------------------------------------------------
     def _on_batch(self, jobs, seconds, error) -> None:
         m = self.metrics
-        m.batches.labels(outcome="ok" if error is None else "error").inc()
+        outcome = "ok" if error is None else "cancelled" if isinstance(error, GenerationCancelled) else "error"
+        m.batches.labels(outcome=outcome).inc()
         m.batch_size.observe(len(jobs))
         m.generation_seconds.observe(seconds)
+        self._batch_seconds = seconds if self._batch_seconds == 0 else 0.8 * self._batch_seconds + 0.2 * seconds
 
+    def _on_cancel(self, job: GenerationJob, reason: str, stage: str) -> None:
+        self.metrics.cancelled.labels(kind=job.kind, reason=reason, stage=stage).inc()
+        if reason == SHUTDOWN and job.kind == "video" and self.videos.jobs is not None:
+            return  # its one line: "stays queued for the next start" (routes.videos)
+        log.log(logging.WARNING if reason == "timeout" else logging.INFO, "request %s (%s) %s while %s", job.id,
+                job.kind, "reached the request timeout" if reason == "timeout" else
+                f"stopped: {reason.replace('_', ' ')}", stage)
+
+    # -- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
         self.scheduler.start()
 
+    def begin_drain(self) -> None:
+        """Stop taking work (new generation requests get 503): queued image requests end now
+        (503); queued video jobs stay queued, and in the job store for the next start."""
+        with self._drain_lock:
+            if self.draining:
+                return
+            self.draining = True
+        keep_videos = self.videos.jobs is not None
+        self.scheduler.pause(keep=lambda job: job.kind == "video" and keep_videos)
+
+    def drain(self, timeout: float) -> bool:
+        """:meth:`begin_drain`, then give the running batch ``timeout`` seconds to finish; past that
+        it is stopped at its next denoising step (a video job goes back to ``queued``), waiting up to
+        ``STOP_GRACE_S`` more for that step; then wait for MP4 encodes.  True when nothing was left
+        running."""
+        self.begin_drain()
+        t0 = time.monotonic()
+        idle = self.scheduler.wait_idle(timeout)
+        if not idle:
+            n = self.scheduler.stop_running(SHUTDOWN)
+            log.warning("drain: the running batch (%d request(s)) did not finish within %.0f s; stopping it at its "
+                        "next denoising step", n, timeout)
+            idle = self.scheduler.wait_idle(STOP_GRACE_S)
+            if not idle:
+                log.error("drain: the running step did not end within %.0f s more; exiting without it (a video job "
+                          "stays in_progress in the job store and is re-queued by the next start)", STOP_GRACE_S)
+        with self._encodes_lock:
+            encodes = list(self._encodes)
+        concurrent.futures.wait(encodes)  # MP4s of jobs that finished are written before the exit
+        left = [j.id for j in self.scheduler.pending()]
+        log.warning("drained in %.1f s: %s; %d video job(s) stay queued%s", time.monotonic() - t0,
+                    "nothing running" if idle else "a step still running", len(left),
+                    f" in the job store {self.videos.jobs.path}" if self.videos.jobs is not None else "")
+        return idle
+
     def stop(self) -> None:
-        self.scheduler.stop()
+        """Lifespan shutdown: stop the worker and the encoders, close the job store, and remove the
+        private temporary output folder (logged, with what it held)."""
+        self.begin_drain()
+        if self.scheduler.stop_running(SHUTDOWN):  # not drained (a server stopped without the signal path)
+            log.warning("shutdown: stopping the running batch at its next denoising step")
+        self.scheduler.stop(timeout=STOP_GRACE_S)
         self.encoder.shutdown(wait=True)
+        if self.videos.jobs is not None:
+            self.videos.jobs.close()
         if self._own_dir:
+            held = []
+            for sub in ("videos", "images"):
+                try:
+                    held += sorted(os.listdir(os.path.join(self.output_dir, sub)))
+                except OSError:
+                    pass
+            log.log(logging.WARNING if held else logging.INFO,
+                    "removing the temporary output folder %s%s (start serve with --output-dir to keep outputs and "
+                    "video jobs across restarts)", self.output_dir,
+                    f" with {len(held)} file(s): {', '.join(held)}" if held else "")
             shutil.rmtree(self.output_dir, ignore_errors=True)
 
+    # -- health --------------------------------------------------------------------------------------
+    def running_age(self) -> Optional[float]:
+        """Seconds the running batch has run (None when idle)."""
+        _, since = self.scheduler.running_jobs()
+        return None if since is None else time.monotonic() - since
+
+    def health(self) -> tuple[dict, int]:
+        """``(body, HTTP status)`` of ``/health``: ``ok`` (idle), ``busy`` (a batch runs within its
+        time), ``degraded`` (the running batch is past its deadline: stuck in one step), ``draining``
+        (shutting down); 503 for the last two."""
+        jobs, since = self.scheduler.running_jobs()
+        now = time.monotonic()
+        body = {"model": self.runner.model_id, "queue_depth": self.scheduler.queue_depth,
+                "running": sum(j.n for j in jobs), "attention_backends": self.runner.default_backends()}
+        if since is not None:
+            body["running_job_age_s"] = round(now - since, 3)
+            overdue = [now - j.deadline for j in jobs if j.deadline is not None and now > j.deadline]
+            if overdue:
+                body["running_job_overdue_s"] = round(max(overdue), 3)
+        if self.draining:
+            status = "draining"
+        elif since is None:
+            status = "ok"
+        else:
+            status = "degraded" if "running_job_overdue_s" in body else "busy"
+        body = {"status": status, **body}
+        return body, 503 if status in ("degraded", "draining") else 200
+
+    def retry_after(self) -> int:
+        """Seconds a refused client should wait: the queue ahead of it in batches × the mean batch
+        time, within [1, 600]."""
+        batches = self.scheduler.queue_depth / max(1, self.config.max_batch_size) + 1
+        return int(min(600, max(1, round(batches * (self._batch_seconds or 1.0)))))
+
     # -- checks shared by images and videos -----------------------------------------------------
+    def check_accepting(self) -> None:
+        if self.draining:
+            raise RequestError("the server is shutting down and takes no new work; retry on another instance or "
+                               "after the restart", status=503, type="server_error", code="shutting_down",
+                               headers={"Retry-After": "30"})
+
     def check_model(self, model: Optional[str]) -> str:
         """The served model's id for a request's ``model`` (None / '' = the served one); 404 otherwise."""
         if model is None or model == "":
             return self.runner.model_id
         if model not in self.runner.aliases:
-            raise RequestError(f"The model '{model}' does not exist on this server; available: {self.runner.model_id}",
-                               status=404, param="model", code="model_not_found")
+            raise RequestError(f"The model '{model[:200]}' does not exist on this server; available: "
+                               f"{self.runner.model_id}", status=404, param="model", code="model_not_found")
         return self.runner.model_id
 
     def check_size(self, size: Optional[str]) -> tuple[int, int]:
@@ -74,39 +220,72 @@ class ServerState:
         if wh is None:
             return d.width, d.height
         w, h = wh
+        if w > c.max_side or h > c.max_side or w * h > c.max_pixels:
+            raise RequestError(f"invalid size '{w}x{h}': at most {c.max_side} pixels per side (the server's "
+                               f"--max-side) and {c.max_pixels} pixels in total (--max-pixels)", param="size",
+                               code="limit_exceeded")
         m = d.size_multiple
         if w % m or h % m:
             raise RequestError(f"invalid size '{w}x{h}': width and height must be multiples of {m} for this model",
                                param="size", code="invalid_size")
-        if w > c.max_side or h > c.max_side or w * h > c.max_pixels:
-            raise RequestError(f"invalid size '{w}x{h}': at most {c.max_side} pixels per side and {c.max_pixels} "
-                               f"pixels in total", param="size", code="invalid_size")
         return w, h
 
     def check_steps(self, steps: Optional[int]) -> int:
         if steps is None:
-            return self.runner.defaults.num_inference_steps
+            steps = self.runner.defaults.num_inference_steps
         if not 1 <= steps <= self.config.max_steps:
-            raise RequestError(f"num_inference_steps must be between 1 and {self.config.max_steps}, got {steps}",
-                               param="num_inference_steps")
+            raise RequestError(f"num_inference_steps must be between 1 and {self.config.max_steps} (the server's "
+                               f"--max-steps), got {steps}", param="num_inference_steps", code="limit_exceeded")
         return steps
 
-    def job(self, req, *, kind: str, width: int, height: int, num_frames: int, steps: int, **kw) -> GenerationJob:
-        """The scheduler job of a validated image / video request: its attention settings prepared
-        (400 with the reason when refused), the server's defaults for the fields it leaves out, a
-        random seed when it has none, and the request deadline."""
-        skip = req.skip_softmax_params.as_dict() if req.skip_softmax_params is not None else None
-        rstate = self.attention_state(req.attention_backend_override, skip)
+    @property
+    def max_output_pixels(self) -> int:
+        """``--max-output-pixels``, or 16 × the model's default output (width × height × frames), at
+        most a 720p 81-frame clip (1280 × 720 × 81)."""
+        if self.config.max_output_pixels is not None:
+            return self.config.max_output_pixels
         d = self.runner.defaults
+        return min(DEFAULT_OUTPUT_CAP, 16 * d.width * d.height * d.num_frames)
+
+    def check_output_size(self, width: int, height: int, frames: int, n: int) -> None:
+        """width × height × frames × n within ``--max-output-pixels`` (400 naming it)."""
+        total, limit = width * height * frames * n, self.max_output_pixels
+        if total > limit:
+            raise RequestError(f"this request asks for {width}x{height} x {frames} frame(s) x n={n} = {total} output "
+                               f"pixels; the server's limit (--max-output-pixels) is {limit}", param="size",
+                               code="limit_exceeded")
+
+    def check_skip_softmax(self, skip: Optional[dict]) -> None:
+        if skip and skip.get("start_step") is not None and skip["start_step"] > self.config.max_steps:
+            raise RequestError(f"skip_softmax_params.start_step must be at most {self.config.max_steps} (the "
+                               f"server's --max-steps), got {skip['start_step']}", param="skip_softmax_params")
+
+    # -- jobs -----------------------------------------------------------------------------------
+    def request_params(self, req, *, width: int, height: int, num_frames: int, steps: int, fps: int) -> dict:
+        """The validated request as the JSON-safe fields that build its job (the server's defaults
+        for those it leaves out, a random seed when it has none)."""
+        d = self.runner.defaults
+        skip = req.skip_softmax_params.as_dict() if req.skip_softmax_params is not None else None
+        self.check_skip_softmax(skip)
+        return dict(prompt=req.prompt, width=width, height=height, num_frames=num_frames, num_inference_steps=steps,
+                    fps=fps, negative_prompt=req.negative_prompt if req.negative_prompt is not None else
+                    getattr(self.runner, "default_negative_prompt", None),
+                    guidance_scale=d.guidance_scale if req.guidance_scale is None else req.guidance_scale,
+                    seed=secrets.randbelow(2 ** 31) if req.seed is None else req.seed,
+                    override=req.attention_backend_override, skip_softmax=skip)
+
+    def make_job(self, kind: str, params: dict, *, model: str, n: int = 1, **kw) -> GenerationJob:
+        """The scheduler job of validated ``params`` (:meth:`request_params`): its attention settings
+        prepared (400 with the reason when refused) and its deadline (video jobs: the queue wait
+        and the run are each bounded by the request timeout)."""
+        rstate = self.attention_state(params["override"], params["skip_softmax"])
+        timeout = self.config.request_timeout_s
+        p = {k: params[k] for k in ("prompt", "width", "height", "num_frames", "num_inference_steps", "negative_prompt",
+                                    "guidance_scale", "seed", "fps")}
         return GenerationJob(
-            kind=kind, prompt=req.prompt, width=width, height=height, num_frames=num_frames, num_inference_steps=steps,
-            negative_prompt=req.negative_prompt if req.negative_prompt is not None else
-            getattr(self.runner, "default_negative_prompt", None),
-            guidance_scale=d.guidance_scale if req.guidance_scale is None else req.guidance_scale,
-            seed=secrets.randbelow(2 ** 31) if req.seed is None else req.seed,
-            override=rstate.override.value if rstate.override is not None else None,
-            skip_softmax=rstate.skip_softmax, state=rstate, deadline=time.monotonic() + self.config.request_timeout_s,
-            **kw)
+            kind=kind, model=model, n=n, **p, override=rstate.override.value if rstate.override is not None else None,
+            skip_softmax=rstate.skip_softmax, state=rstate, deadline=time.monotonic() + timeout,
+            run_timeout_s=timeout if kind == "video" else None, **kw)
 
     def attention_state(self, override: Optional[str], skip: Optional[dict]):
         try:
@@ -129,21 +308,53 @@ class ServerState:
         return self.runner.default_backends()
 
     # -- submission -----------------------------------------------------------------------------
-    def submit(self, job: GenerationJob) -> concurrent.futures.Future:
-        """Queue ``job``; a full queue is a 429, a stopping scheduler a 503."""
-        import logging
-
+    def submit(self, job: GenerationJob, *, restore: bool = False) -> concurrent.futures.Future:
+        """Queue ``job``; a full queue is a 429 (with Retry-After), a draining server a 503."""
         try:
-            return self.scheduler.submit(job)
+            return self.scheduler.submit(job, restore=restore)
         except QueueFull as exc:
             self.metrics.queue_full.inc()
-            logging.getLogger("ditattn.server").warning("request refused (429): %s", exc)
-            raise RequestError(str(exc), status=429, type="rate_limit_error", code="queue_full") from None
-        except SchedulerStopped as exc:
-            raise RequestError(str(exc), status=503, type="server_error", code="shutting_down") from None
+            wait = self.retry_after()
+            log.warning("request refused (429): %s; Retry-After %d s", exc, wait)
+            raise RequestError(str(exc), status=429, type="rate_limit_error", code="queue_full",
+                               headers={"Retry-After": str(wait)}, logged=True) from None
+        except SchedulerStopped:
+            self.check_accepting()
+            raise
+
+    async def wait_result(self, request: Request, job: GenerationJob,
+                          fut: concurrent.futures.Future) -> GenerationResult:
+        """The result of ``job`` for a client waiting on ``request``.  A client that disconnects
+        cancels it (removed from the queue, or stopped at its next step: :class:`ClientGone`); past
+        the request timeout it is stopped too (504)."""
+        waiter = asyncio.wrap_future(fut)
+        waiter.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even if nobody awaits
+        gone = asyncio.ensure_future(_disconnected(request))
+        remaining = None if job.deadline is None else max(0.0, job.deadline - time.monotonic())
+        try:
+            done, _ = await asyncio.wait({waiter, gone}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if waiter in done:
+            return waiter.result()  # raises the job's error
+        if gone in done:
+            self.scheduler.cancel(job, DISCONNECTED)
+            raise ClientGone(job.id)
+        self.scheduler.cancel(job, "timeout")  # logged by _on_cancel
+        raise RequestError(f"the request did not finish within {self.config.request_timeout_s:g} s (the server's "
+                           "--request-timeout-s); it was stopped", status=504, type="timeout_error", code="timeout",
+                           logged=True)
 
     def count(self, kind: str, outcome: str, backends: list) -> None:
         self.metrics.generations.labels(kind=kind, outcome=outcome, attention_backend=",".join(backends)).inc()
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client of ``request`` (whose body was read) has disconnected."""
+    while True:
+        message = await request.receive()
+        if message.get("type") == "http.disconnect":
+            return
 
 
 def server_state(request: Request) -> ServerState:
@@ -151,16 +362,26 @@ def server_state(request: Request) -> ServerState:
     return request.app.state.server
 
 
-def failure(exc: BaseException) -> RequestError:
-    """The HTTP error of a job that failed with ``exc``."""
+def failure(exc: BaseException, reference: Optional[str] = None) -> RequestError:
+    """The HTTP error of a job that ended with ``exc``: a fixed message for unexpected errors (the
+    details are in the server log under ``reference``, logged once by the scheduler)."""
     if isinstance(exc, JobTimeout):
-        return RequestError(str(exc), status=504, type="timeout_error", code="timeout")
+        return RequestError(str(exc), status=504, type="timeout_error", code="timeout", logged=True)
     if isinstance(exc, SchedulerStopped):
-        return RequestError(str(exc), status=503, type="server_error", code="shutting_down")
+        return RequestError("the server is shutting down; retry after the restart", status=503, type="server_error",
+                            code="shutting_down", headers={"Retry-After": "30"}, logged=True)
+    if isinstance(exc, JobCancelled):
+        return RequestError(str(exc), status=409, code="cancelled", logged=True)
     if isinstance(exc, AttentionConfigError):
-        return RequestError(str(exc), status=400, code="attention_refused")
-    return RequestError(f"generation failed: {type(exc).__name__}: {exc}", status=500, type="server_error",
-                        code="generation_failed")
+        return RequestError(str(exc), status=400, code="attention_refused", logged=True)
+    return RequestError(internal_message(reference), status=500, type="server_error", code="generation_failed",
+                        logged=True)
+
+
+def internal_message(reference: Optional[str]) -> str:
+    """The fixed text of an internal error (no exception text, no paths)."""
+    return "internal server error" + (f" (reference {reference}; the server log has the details)" if reference
+                                      else "; the server log has the details")
 
 
 def skip_params(job: GenerationJob) -> Optional[dict]:

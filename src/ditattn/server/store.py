@@ -1,9 +1,11 @@
-"""What the server keeps between requests: video job records and stored images, both bounded
-(the oldest finished entries and their files are forgotten first)."""
+"""What the server keeps between requests: video job records (written through to the on-disk
+:class:`~ditattn.server.jobstore.JobStore` when the server has an ``--output-dir``) and stored
+images, both bounded.  Every file removed here is logged with its reason."""
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import threading
 import uuid
@@ -13,11 +15,17 @@ from typing import Any, Optional
 from ditattn.server.media import atomic_write
 from ditattn.server.protocol import VideoError, VideoObject
 
+log = logging.getLogger("ditattn.server")
+
+FINISHED = ("completed", "failed")
+_PERSISTED = ("status", "path", "error", "completed_at", "attention_backends", "skip_softmax")
+
 
 @dataclasses.dataclass
 class VideoRecord:
-    """One video job: the validated request, its status (queued → in_progress → completed or
-    failed), progress in percent, error, output path, and the scheduler job while it is pending."""
+    """One video job: the validated request (``request``: the fields that rebuild its scheduler job
+    after a restart), its status (queued → in_progress → completed or failed), progress in
+    percent, error, output path, and the scheduler job while it is pending."""
 
     id: str
     model: str
@@ -31,6 +39,7 @@ class VideoRecord:
     skip_softmax: Optional[dict]
     attention_backends: list
     created_at: int
+    request: dict = dataclasses.field(default_factory=dict)
     status: str = "queued"
     progress: int = 0
     completed_at: Optional[int] = None
@@ -47,27 +56,52 @@ class VideoRecord:
             fps=self.fps, num_inference_steps=self.num_inference_steps,
         )
 
+    def to_json(self, folder: str) -> dict:
+        """The stored form: every field but the live job; ``path`` relative to ``folder``."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "job"}
+        if self.path:
+            d["path"] = os.path.relpath(self.path, folder)
+        return d
+
+    @classmethod
+    def from_json(cls, data: dict, folder: str) -> "VideoRecord":
+        """A record read back from the store (``path`` made absolute under ``folder``; unknown keys
+        ignored, so a store written by a newer version still loads). Raises TypeError / KeyError
+        for a record missing required fields."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"job"}
+        rec = cls(**{k: v for k, v in data.items() if k in names})
+        if rec.path:
+            rec.path = os.path.normpath(os.path.join(folder, rec.path))
+        return rec
+
 
 class VideoStore:
-    """Video job records by id (insertion order), bounded: the oldest finished ones are forgotten."""
+    """Video job records by id (insertion order), bounded: beyond ``max_kept`` the oldest finished
+    ones are forgotten and their files removed (logged).  ``jobs`` (optional): the on-disk store
+    every status change is written to; ``folder``: the output folder paths are stored relative to."""
 
-    def __init__(self, max_kept: int):
+    def __init__(self, max_kept: int, jobs=None, folder: str = ""):
         self.max_kept = max_kept
+        self.jobs = jobs
+        self.folder = folder
         self._records: "OrderedDict[str, VideoRecord]" = OrderedDict()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
 
     def add(self, rec: VideoRecord) -> None:
         drop = []
         with self._lock:
             self._records[rec.id] = rec
+            self._persist(rec)
             if len(self._records) > self.max_kept:
                 for vid, r in list(self._records.items()):
                     if len(self._records) <= self.max_kept:
                         break
-                    if r.status in ("completed", "failed"):
+                    if r.status in FINISHED:
                         drop.append(self._records.pop(vid))
+                        self._forget(vid)
         for r in drop:
-            unlink(r.path)
+            remove_file(r.path, f"video {r.id} forgotten: more than {self.max_kept} finished video jobs are kept "
+                                f"(--max-videos-kept)")
 
     def get(self, vid: str) -> Optional[VideoRecord]:
         with self._lock:
@@ -75,30 +109,62 @@ class VideoStore:
 
     def pop(self, vid: str) -> Optional[VideoRecord]:
         with self._lock:
-            return self._records.pop(vid, None)
+            rec = self._records.pop(vid, None)
+            if rec is not None:
+                self._forget(vid)
+            return rec
 
     def list(self) -> list:
         with self._lock:
             return list(self._records.values())
 
-    def update(self, vid: str, **kw) -> None:
+    def update(self, vid: str, **kw) -> Optional[VideoRecord]:
+        """Set fields of record ``vid`` (None if it is gone); status, path and error changes are
+        written to the job store."""
         with self._lock:
             r = self._records.get(vid)
             if r is not None:
                 for k, v in kw.items():
                     setattr(r, k, v)
+                if any(k in _PERSISTED for k in kw):
+                    self._persist(r)
+            return r
+
+    def _persist(self, rec: VideoRecord) -> None:
+        self._write(lambda: self.jobs.save(rec.to_json(self.folder)), f"save video {rec.id} ({rec.status})")
+
+    def _forget(self, vid: str) -> None:
+        self._write(lambda: self.jobs.delete(vid), f"delete video {vid}")
+
+    def _write(self, op, what: str) -> None:
+        """One job-store write; a failure is logged (the in-memory record still serves, the next
+        change retries), once the store is closed without a traceback."""
+        if self.jobs is None:
+            return
+        if self.jobs.closed:
+            log.warning("job store closed: cannot %s", what)
+            return
+        try:
+            op()
+        except Exception:
+            log.exception("job store: cannot %s", what)
 
 
-def unlink(path: Optional[str]) -> None:
-    """Remove ``path`` if one is given and it still exists."""
-    if path:
-        with contextlib.suppress(OSError):
+def remove_file(path: Optional[str], why: str) -> None:
+    """Remove ``path`` if one is given and it exists, logging ``why`` (no file goes silently)."""
+    if path and os.path.exists(path):
+        try:
             os.unlink(path)
+        except OSError as exc:
+            log.warning("%s; could not remove %s: %s", why, path, exc.strerror or exc)
+        else:
+            log.info("%s; removed %s", why, path)
 
 
 class ImageStore:
     """PNG images served at ``GET /v1/images/{id}/content`` (``response_format="url"``), by id,
-    each with the DiT backends that made it; at most ``max_kept``."""
+    each with the DiT backends that made it; at most ``max_kept`` (the oldest file is removed,
+    logged, beyond that).  The index lives in memory: image URLs do not survive a restart."""
 
     def __init__(self, folder: str, max_kept: int):
         self.folder, self.max_kept = folder, max_kept
@@ -114,12 +180,28 @@ class ImageStore:
         with self._lock:
             self._images[iid] = (path, backends)
             while len(self._images) > self.max_kept:
-                drop.append(self._images.popitem(last=False)[1][0])
-        for p in drop:
-            unlink(p)
+                drop.append(self._images.popitem(last=False))
+        for old, (p, _) in drop:
+            remove_file(p, f"image {old} forgotten: more than {self.max_kept} images are kept")
         return iid
 
     def get(self, iid: str) -> Optional[tuple[str, list]]:
         """``(path, backends)`` of image ``iid``, or None."""
         with self._lock:
             return self._images.get(iid)
+
+    def clear_folder(self) -> int:
+        """Remove the image files a previous run left in the folder (their URLs died with it), one
+        log line for all; returns how many."""
+        names = []
+        with contextlib.suppress(OSError):
+            names = sorted(n for n in os.listdir(self.folder) if n.endswith(".png"))
+        removed = 0
+        for name in names:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self.folder, name))
+                removed += 1
+        if names:
+            log.info("removed %d image(s) of a previous run from %s (image URLs do not survive a restart): %s",
+                     removed, self.folder, ", ".join(names))
+        return removed

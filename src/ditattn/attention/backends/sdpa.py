@@ -13,6 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ditattn.attention.backends.base import AttnCall, NoKernelError, expand_kv, reference_attention, register
 from ditattn.attention.names import AttentionBackendEnum as B
+from ditattn.errors import AttentionConfigError
 
 
 def _bhsd(t):
@@ -45,6 +46,9 @@ def _lse_cuda(q, k, v, call):
 def torch_sdpa(q, k, v, call: AttnCall, config: dict):
     heads = q.shape[2]
     if call.return_lse:
+        if 0 in (*q.shape, *k.shape):  # the aten LSE ops divide by these (SIGFPE on the CPU)
+            raise AttentionConfigError(f"torch_sdpa: empty q {tuple(q.shape)} or k {tuple(k.shape)}; every dimension "
+                                       "of [batch, seq, heads, head_dim] must be at least 1")
         k2, v2 = expand_kv(k, v, heads)
         if call.attn_bias is None and q.device.type == "cpu":
             return _lse_cpu(q, k2, v2, call)

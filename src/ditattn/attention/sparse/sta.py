@@ -217,11 +217,15 @@ def load_mask_strategy(path: str) -> MaskStrategy:
         got = _strategy_cache.get(path)
         if got is not None and got[0] == stamp:
             return got[1]
+    from ditattn.attention.config import loads_json
+
     try:
         with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise AttentionConfigError(f"sliding_tile_attn: cannot read mask strategy {path}: {exc}") from None
+            body = fh.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        why = f"not UTF-8 text (byte {exc.start})" if isinstance(exc, UnicodeDecodeError) else exc.strerror or exc
+        raise AttentionConfigError(f"sliding_tile_attn: cannot read mask strategy {path}: {why}") from None
+    data = loads_json(body, f"sliding_tile_attn: mask strategy {path}")
     strat = parse_mask_strategy(data, path)
     with _strategy_lock:
         _strategy_cache[path] = (stamp, strat)

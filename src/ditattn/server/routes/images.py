@@ -1,51 +1,60 @@
-"""``POST /v1/images/generations`` and ``GET /v1/images/{id}/content`` (PNG, for ``response_format="url"``)."""
+"""``POST /v1/images/generations`` and ``GET /v1/images/{id}/content`` (PNG, for ``response_format="url"``).
+
+An image request waits for its result: a client that disconnects meanwhile cancels it (removed from
+the queue, or stopped at its next denoising step) and is answered 499 (counted, never sent).
+Image URLs are ``--public-url`` + ``/v1/images/{id}/content``, or that path alone (relative) when no
+public URL is configured; the request's ``Host`` header is never used.
+"""
 from __future__ import annotations
 
 import asyncio
 import base64
+import os
 import re
 import time
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
 
 from ditattn.server.bodies import read_body, validate
 from ditattn.server.media import encode_png
 from ditattn.server.protocol import ImageData, ImageGenerationRequest, ImagesResponse, RequestError
-from ditattn.server.scheduler import GenerationResult
-from ditattn.server.state import BACKEND_HEADER, ServerState, failure, server_state, skip_report
+from ditattn.server.state import BACKEND_HEADER, ClientGone, ServerState, failure, server_state, skip_report
 
 router = APIRouter()
 _IMAGE_ID = re.compile(r"^img_[0-9a-f]{32}$")
+CLIENT_CLOSED = 499  # nginx's "client closed request": counted in /metrics, never reaches the client
 
 
 @router.post("/v1/images/generations")
 async def images_generations(request: Request, state: ServerState = Depends(server_state)):
     config = state.config
-    req = validate(ImageGenerationRequest, await read_body(request, config.max_body_bytes))
+    state.check_accepting()
+    req = validate(ImageGenerationRequest, await read_body(request, config.max_body_bytes, config.max_json_depth))
     req.check_unsupported()
-    req.check_numbers()
-    model = state.check_model(req.model)
-    width, height = state.check_size(req.size)
     n = 1 if req.n is None else req.n
     if not 1 <= n <= config.max_n:
-        raise RequestError(f"n must be between 1 and {config.max_n}, got {n}", param="n")
+        raise RequestError(f"n must be between 1 and {config.max_n} (the server's --max-n), got {n}", param="n",
+                           code="limit_exceeded")
+    req.check_numbers(n)
+    model = state.check_model(req.model)
+    width, height = state.check_size(req.size)
     steps = state.check_steps(req.num_inference_steps)
-    job = state.job(req, kind="image", width=width, height=height, num_frames=1, steps=steps, n=n, model=model)
+    state.check_output_size(width, height, 1, n)
+    params = state.request_params(req, width=width, height=height, num_frames=1, steps=steps,
+                                  fps=state.runner.defaults.fps)
+    job = state.make_job("image", params, model=model, n=n)
     fut = state.submit(job)
     try:
-        result: GenerationResult = await asyncio.wait_for(asyncio.wrap_future(fut), config.request_timeout_s)
-    except asyncio.TimeoutError:
-        state.scheduler.cancel(job)
+        result = await state.wait_result(request, job, fut)
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+    except RequestError:
         state.count("image", "error", state.job_backends(job))
-        raise RequestError(f"the request did not finish within {config.request_timeout_s:g} s", status=504,
-                           type="timeout_error", code="timeout") from None
-    except asyncio.CancelledError:
-        state.scheduler.cancel(job)
         raise
-    except BaseException as exc:  # noqa: BLE001
+    except BaseException as exc:  # noqa: BLE001 - the job's own error, logged by the scheduler
         state.count("image", "error", state.job_backends(job))
-        raise failure(exc) from None
+        raise failure(exc, job.id[:12]) from None
     backends = list(result.attention_backends)
     frames = result.frames
     pngs = await asyncio.get_running_loop().run_in_executor(
@@ -56,7 +65,7 @@ async def images_generations(request: Request, state: ServerState = Depends(serv
             items.append(ImageData(b64_json=base64.b64encode(png).decode("ascii")))
         else:
             iid = state.images.add(png, backends)
-            items.append(ImageData(url=str(request.base_url).rstrip("/") + f"/v1/images/{iid}/content"))
+            items.append(ImageData(url=f"{config.public_url or ''}/v1/images/{iid}/content"))
     state.count("image", "ok", backends)
     state.metrics.images.inc(len(items))
     body = ImagesResponse(
@@ -68,9 +77,8 @@ async def images_generations(request: Request, state: ServerState = Depends(serv
 
 @router.get("/v1/images/{image_id}/content")
 async def image_content(image_id: str, state: ServerState = Depends(server_state)):
-    import os
-
     entry = state.images.get(image_id) if _IMAGE_ID.match(image_id) else None
     if entry is None or not os.path.exists(entry[0]):
-        raise RequestError(f"no image with id '{image_id}'", status=404, type="not_found_error", param="image_id")
+        raise RequestError(f"no image with id '{image_id[:80]}'", status=404, type="not_found_error",
+                           param="image_id")
     return FileResponse(entry[0], media_type="image/png", headers={BACKEND_HEADER: ",".join(entry[1])})

@@ -2,7 +2,11 @@
 ``GET /v1/videos/{id}/content`` (MP4) and ``DELETE /v1/videos/{id}``.
 
 A job is validated, queued and answered at once (``status: queued``); the scheduler runs it, the
-encoder pool writes its MP4 (:func:`_finish`), and the client polls the job.
+encoder pool writes its MP4 (:func:`_finish`), and the client polls the job.  ``DELETE`` cancels a
+queued job (it never runs) or a running one (stopped at its next denoising step) and removes its
+output.  With an ``--output-dir`` every job is in the job store: :func:`restore_jobs` re-queues the
+unfinished ones and serves the finished ones after a restart; a job stopped by a shutdown goes back
+to ``queued``.
 """
 from __future__ import annotations
 
@@ -17,13 +21,13 @@ from typing import Optional
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import FileResponse, JSONResponse
 
-from ditattn.errors import AttentionConfigError
+from ditattn.errors import AttentionConfigError, short_repr
 from ditattn.server.bodies import read_body, validate
 from ditattn.server.media import write_mp4
 from ditattn.server.protocol import RequestError, VideoCreateRequest, VideoList
-from ditattn.server.scheduler import GenerationResult, JobTimeout
-from ditattn.server.state import BACKEND_HEADER, ServerState, server_state, skip_params, skip_report
-from ditattn.server.store import VideoRecord, unlink
+from ditattn.server.scheduler import GenerationJob, GenerationResult, JobCancelled, JobTimeout, SchedulerStopped
+from ditattn.server.state import BACKEND_HEADER, ServerState, internal_message, server_state, skip_params, skip_report
+from ditattn.server.store import VideoRecord, remove_file
 
 router = APIRouter()
 log = logging.getLogger("ditattn.server")
@@ -38,22 +42,29 @@ def _frames(state: ServerState, req: VideoCreateRequest, fps: int) -> int:
     if req.num_frames is not None:
         frames = req.num_frames
     elif seconds is not None:
+        if seconds * fps > limit:
+            raise RequestError(f"seconds={seconds:g} at {fps} fps is more than {limit} frames (the server's "
+                               f"--max-frames)", param="seconds", code="limit_exceeded")
         frames = 1 + d.frame_step * max(0, round(seconds * fps / d.frame_step))
     else:
         frames = d.num_frames
     if not 1 <= frames <= limit or (frames - 1) % d.frame_step:
-        lo = 1 + d.frame_step * max(0, (frames - 1) // d.frame_step)
+        step = d.frame_step
+        hi = 1 + step * ((limit - 1) // step)  # the most frames allowed
+        lo = 1 + step * max(0, (frames - 1) // step)
+        near = [hi] if frames > limit else sorted({min(lo, hi), min(lo + step, hi)})
         raise RequestError(
-            f"invalid frame count {frames}: this model needs 1 + {d.frame_step}*k frames, between 1 and "
-            f"{limit} (e.g. {min(lo, limit)} or {min(lo + d.frame_step, limit)})",
-            param="num_frames" if req.num_frames else "seconds")
+            f"invalid frame count {short_repr(frames)}: this model needs 1 + {step}*k frames, between 1 and {limit} "
+            f"(the server's --max-frames) (e.g. {' or '.join(map(str, near))})",
+            param="num_frames" if req.num_frames is not None else "seconds", code="invalid_frames")
     return frames
 
 
 @router.post("/v1/videos")
 async def create_video(request: Request, state: ServerState = Depends(server_state)):
     config = state.config
-    req = validate(VideoCreateRequest, await read_body(request, config.max_body_bytes))
+    state.check_accepting()
+    req = validate(VideoCreateRequest, await read_body(request, config.max_body_bytes, config.max_json_depth))
     req.check_numbers()
     if req.input_reference is not None:
         raise RequestError("input_reference (image-to-video) is not supported: this server runs text-to-video "
@@ -62,32 +73,93 @@ async def create_video(request: Request, state: ServerState = Depends(server_sta
     width, height = state.check_size(req.size)
     fps = state.runner.defaults.fps if req.fps is None else req.fps
     if not 1 <= fps <= config.max_fps:
-        raise RequestError(f"fps must be between 1 and {config.max_fps}, got {fps}", param="fps")
+        raise RequestError(f"fps must be between 1 and {config.max_fps} (the server's --max-fps), got {fps}",
+                           param="fps", code="limit_exceeded")
     frames = _frames(state, req, fps)
     steps = state.check_steps(req.num_inference_steps)
+    state.check_output_size(width, height, frames, 1)
+    params = state.request_params(req, width=width, height=height, num_frames=frames, steps=steps, fps=fps)
     vid = "video_" + uuid.uuid4().hex
-    job = state.job(req, kind="video", width=width, height=height, num_frames=frames, steps=steps, n=1, fps=fps,
-                    model=model, id=vid, on_start=lambda j: state.videos.update(j.id, status="in_progress"),
-                    on_progress=lambda j, frac: state.videos.update(j.id, progress=max(0, min(99, int(frac * 100)))))
+    job = _video_job(state, vid, params, model)
     rec = VideoRecord(
         id=vid, model=model, prompt=req.prompt, size=f"{width}x{height}", seconds=f"{frames / fps:g}",
         num_frames=frames, fps=fps, num_inference_steps=steps, override=job.override, skip_softmax=skip_params(job),
-        attention_backends=state.job_backends(job), created_at=int(time.time()), job=job,
+        attention_backends=state.job_backends(job), created_at=int(time.time()), request=params, job=job,
     )
     state.videos.add(rec)
     try:
         fut = state.submit(job)
-    except RequestError:
+    except BaseException:
         state.videos.pop(vid)
         raise
     fut.add_done_callback(lambda f: _finish(state, rec, f))
     return JSONResponse(rec.to_object().model_dump(), headers={BACKEND_HEADER: ",".join(rec.attention_backends)})
 
 
+def _video_job(state: ServerState, vid: str, params: dict, model: str) -> GenerationJob:
+    return state.make_job(
+        "video", params, model=model, id=vid, on_start=lambda j: state.videos.update(j.id, status="in_progress"),
+        on_progress=lambda j, frac: state.videos.update(j.id, progress=max(0, min(99, int(frac * 100)))))
+
+
+def restore_jobs(state: ServerState) -> None:
+    """Load the job store of the output folder (at start): finished jobs are served again (a
+    completed job whose file is gone becomes failed, logged), unfinished ones are queued again in
+    their original order (one whose request this server cannot serve any more fails with the
+    reason, logged).  Files of a previous run that no job refers to are left alone."""
+    store = state.videos.jobs
+    if store is None:
+        return
+    state.images.clear_folder()
+    _remove_partial_encodes(os.path.join(state.output_dir, "videos"))
+    counts = {"completed": 0, "failed": 0, "queued": 0}
+    for data in store.load():
+        try:
+            rec = VideoRecord.from_json(data, state.output_dir)
+        except (TypeError, KeyError, ValueError):
+            log.error("job store: record %s is unreadable; left in %s", data.get("id"), store.path)
+            continue
+        if rec.status == "completed" and not (rec.path and os.path.exists(rec.path)):
+            log.warning("job store: video %s was completed but its file %s is gone; marked failed", rec.id, rec.path)
+            rec.status, rec.error = "failed", {"code": "file_missing", "message": "the output file is gone"}
+        state.videos.add(rec)
+        if rec.status in ("queued", "in_progress"):
+            _requeue(state, rec)
+        counts["queued" if rec.status == "queued" else rec.status] += 1
+    for vid in store.bad_rows:
+        log.error("job store: record %s is not valid JSON; left in %s", vid, store.path)
+    log.warning("job store %s: %d completed, %d failed, %d re-queued video job(s)", store.path, counts["completed"],
+                counts["failed"], counts["queued"])
+
+
+def _requeue(state: ServerState, rec: VideoRecord) -> None:
+    try:
+        model = state.check_model(rec.model)
+        job = _video_job(state, rec.id, rec.request, model)
+        fut = state.submit(job, restore=True)
+    except (RequestError, KeyError, TypeError, AttentionConfigError) as exc:
+        why = exc.message if isinstance(exc, RequestError) else f"its stored request is incomplete ({exc})"
+        log.warning("job store: video %s cannot run on this server: %s; marked failed", rec.id, why)
+        state.videos.update(rec.id, status="failed", completed_at=int(time.time()),
+                            error={"code": "not_restorable", "message": why})
+        return
+    state.videos.update(rec.id, status="queued", progress=0, job=job)
+    fut.add_done_callback(lambda f: _finish(state, rec, f))
+
+
+def _remove_partial_encodes(folder: str) -> None:
+    try:
+        names = [n for n in os.listdir(folder) if n.endswith(".tmp.mp4")]
+    except OSError:
+        return
+    for name in names:
+        remove_file(os.path.join(folder, name), "a partial MP4 of an interrupted encode")
+
+
 def _record(state: ServerState, video_id: str) -> VideoRecord:
     rec = state.videos.get(video_id) if _VIDEO_ID.match(video_id) else None
     if rec is None:
-        raise RequestError(f"no video with id '{video_id}'", status=404, type="not_found_error",
+        raise RequestError(f"no video with id '{video_id[:80]}'", status=404, type="not_found_error",
                            param="video_id", code="video_not_found")
     return rec
 
@@ -98,14 +170,14 @@ async def list_videos(after: Optional[str] = None, limit: int = 20, order: str =
     if not 1 <= limit <= 100:
         raise RequestError(f"limit must be between 1 and 100, got {limit}", param="limit")
     if order not in ("asc", "desc"):
-        raise RequestError(f"order must be 'asc' or 'desc', got {order!r}", param="order")
+        raise RequestError(f"order must be 'asc' or 'desc', got {order[:40]!r}", param="order")
     recs = state.videos.list()
     if order == "desc":
         recs = recs[::-1]
     if after:
         ids = [r.id for r in recs]
         if after not in ids:
-            raise RequestError(f"no video with id '{after}' (the 'after' cursor)", status=404, param="after",
+            raise RequestError(f"no video with id '{after[:80]}' (the 'after' cursor)", status=404, param="after",
                                type="not_found_error")
         recs = recs[ids.index(after) + 1:]
     page = recs[:limit]
@@ -122,14 +194,14 @@ async def retrieve_video(video_id: str, state: ServerState = Depends(server_stat
 
 @router.delete("/v1/videos/{video_id}")
 async def delete_video(video_id: str, state: ServerState = Depends(server_state)):
+    """Delete a video job: a queued one never runs, a running one stops at its next denoising step,
+    a finished one's MP4 is removed (logged)."""
     rec = _record(state, video_id)
-    if rec.status in ("queued",) and rec.job is not None:
-        state.scheduler.cancel(rec.job)
-    elif rec.status == "in_progress":
-        raise RequestError(f"video '{video_id}' is being generated; delete it after it finishes", status=409,
-                           code="video_in_progress")
+    stage = state.scheduler.cancel(rec.job, "deleted") if rec.job is not None else None
     state.videos.pop(video_id)
-    unlink(rec.path)
+    log.info("video %s deleted by request (it was %s%s)", video_id, rec.status,
+             "; stopping it at its next denoising step" if stage == "running" else "")
+    remove_file(rec.path, f"video {video_id} deleted by request")
     return JSONResponse({"id": video_id, "object": "video.deleted", "deleted": True})
 
 
@@ -137,7 +209,7 @@ async def delete_video(video_id: str, state: ServerState = Depends(server_state)
 async def video_content(video_id: str, variant: str = "video", state: ServerState = Depends(server_state)):
     rec = _record(state, video_id)
     if variant != "video":
-        raise RequestError(f"variant {variant!r} is not available; accepted: video", param="variant")
+        raise RequestError(f"variant {variant[:40]!r} is not available; accepted: video", param="variant")
     if rec.status != "completed" or not rec.path or not os.path.exists(rec.path):
         why = rec.error["message"] if rec.status == "failed" and rec.error else f"its status is {rec.status}"
         raise RequestError(f"video '{video_id}' has no content: {why}", status=409, code="video_not_ready")
@@ -146,45 +218,54 @@ async def video_content(video_id: str, variant: str = "video", state: ServerStat
 
 
 def _finish(state: ServerState, rec: VideoRecord, fut: concurrent.futures.Future) -> None:
-    """Scheduler done-callback: encode the MP4 on the encoder pool, then mark the job."""
+    """Scheduler done-callback: encode the MP4 on the encoder pool, then mark the job; a job a
+    shutdown stopped goes back to ``queued`` (it is in the job store for the next start)."""
     label = list(rec.attention_backends)
-    if fut.cancelled():
-        state.videos.update(rec.id, status="failed", error={"code": "cancelled", "message": "the job was cancelled"},
-                            completed_at=int(time.time()), job=None)
-        return
     exc = fut.exception()
     if exc is not None:
-        code = "timeout" if isinstance(exc, JobTimeout) else "generation_failed"
-        if isinstance(exc, AttentionConfigError):
-            code = "attention_refused"
-        state.videos.update(rec.id, status="failed", error={"code": code, "message": f"{exc}"},
-                            completed_at=int(time.time()), job=None)
+        if isinstance(exc, SchedulerStopped) and state.videos.jobs is not None:
+            if state.videos.update(rec.id, status="queued", progress=0, job=None) is not None:
+                log.info("video %s stays queued for the next start (job store %s)", rec.id, state.videos.jobs.path)
+            return
+        if isinstance(exc, JobCancelled):  # deleted: the record is already gone
+            return
+        error = {"code": "generation_failed", "message": internal_message(rec.id[:12])}
+        if isinstance(exc, JobTimeout):
+            error = {"code": "timeout", "message": str(exc)}
+        elif isinstance(exc, SchedulerStopped):
+            error = {"code": "shutting_down", "message": "the server shut down before the job finished (no "
+                                                         "--output-dir: the job could not be kept)"}
+        elif isinstance(exc, AttentionConfigError):
+            error = {"code": "attention_refused", "message": str(exc)}
+        state.videos.update(rec.id, status="failed", error=error, completed_at=int(time.time()), job=None)
         state.count("video", "error", label)
         return
     result: GenerationResult = fut.result()
+    job = rec.job
 
     def encode():
+        path = os.path.join(state.output_dir, "videos", rec.id + ".mp4")
         try:
-            path = os.path.join(state.output_dir, "videos", rec.id + ".mp4")
             write_mp4(path, result.frames[0], rec.fps)
         except Exception as e:  # noqa: BLE001
-            log.exception("encoding video %s failed", rec.id)
+            log.error("encoding video %s failed (reference %s): %s: %s", rec.id, rec.id[:12], type(e).__name__, e,
+                      exc_info=e)
             state.videos.update(rec.id, status="failed", completed_at=int(time.time()), job=None,
-                                error={"code": "encoding_failed", "message": f"MP4 encoding failed: {e}"})
+                                error={"code": "encoding_failed", "message": internal_message(rec.id[:12])})
             state.count("video", "error", label)
             return
         backends = list(result.attention_backends)
-        skip = skip_report(rec.job, result) if rec.job is not None else rec.skip_softmax
-        if state.videos.get(rec.id) is None:  # deleted meanwhile
-            unlink(path)
+        skip = skip_report(job, result) if job is not None else rec.skip_softmax
+        if state.videos.update(rec.id, status="completed", progress=100, completed_at=int(time.time()), path=path,
+                               attention_backends=backends, skip_softmax=skip, job=None) is None:
+            remove_file(path, f"video {rec.id} was deleted while it was encoded")
             return
-        state.videos.update(rec.id, status="completed", progress=100, completed_at=int(time.time()), path=path,
-                            attention_backends=backends, skip_softmax=skip, job=None)
         state.count("video", "ok", backends)
         state.metrics.videos.inc()
 
     try:
-        state.encoder.submit(encode)
-    except RuntimeError:  # executor shut down
+        state.encode_later(encode)
+    except RuntimeError:  # the encoder pool is shut down: the server is past its drain
+        log.error("video %s finished after the encoders stopped; its frames are lost", rec.id)
         state.videos.update(rec.id, status="failed", completed_at=int(time.time()), job=None,
-                            error={"code": "shutting_down", "message": "the server is shutting down"})
+                            error={"code": "shutting_down", "message": "the server shut down while the job finished"})

@@ -1,0 +1,134 @@
+"""The video job store: one SQLite database (the standard library's :mod:`sqlite3`) in the server's
+``--output-dir``, so that queued and finished video jobs survive a restart.
+
+Each job is one row ``(id, status, record)`` where ``record`` is the job's JSON (its validated
+request, status, error, output file relative to the output folder, ...).  Every status change is
+written through at once (WAL journal, ``synchronous=FULL``), so even a hard exit loses no job: a
+job that was running is found ``in_progress`` and re-queued by the next start.  One server at a
+time owns a folder (an exclusive ``flock`` on ``serve.lock``).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sqlite3
+import threading
+from typing import Optional
+
+from ditattn.errors import AttentionConfigError
+
+SCHEMA_VERSION = 1
+DB_FILE = "jobs.sqlite"
+LOCK_FILE = "serve.lock"
+
+
+class JobStore:
+    """Video job records on disk under ``folder`` (created if missing).
+
+    Raises :class:`AttentionConfigError` when another server holds the folder, or when the file
+    there is not a job store of this version (nothing is overwritten).
+    """
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        self.path = os.path.join(folder, DB_FILE)
+        self._lock = threading.Lock()
+        self.bad_rows: list[str] = []
+        self._lock_fd = None
+        self._lock_fd = _lock_folder(folder)
+        try:
+            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30)
+            version = self._db.execute("PRAGMA user_version").fetchone()[0]
+            if version not in (0, SCHEMA_VERSION):
+                raise AttentionConfigError(
+                    f"--output-dir {folder}: {DB_FILE} has job store version {version}, this ditattn reads "
+                    f"version {SCHEMA_VERSION}; use another --output-dir"
+                )
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.execute("CREATE TABLE IF NOT EXISTS videos (id TEXT PRIMARY KEY, status TEXT NOT NULL, "
+                             "record TEXT NOT NULL)")
+            self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        except sqlite3.DatabaseError as exc:
+            self.close()
+            raise AttentionConfigError(
+                f"--output-dir {folder}: {DB_FILE} is not a ditattn job store ({exc}); move it away or use "
+                "another --output-dir"
+            ) from None
+        except AttentionConfigError:
+            self.close()
+            raise
+
+    @property
+    def closed(self) -> bool:
+        return getattr(self, "_db", None) is None
+
+    def save(self, record: dict) -> None:
+        """Insert or update the job ``record`` (a JSON-safe dict with ``id`` and ``status``); a new
+        job goes after the existing ones (the load order).  RuntimeError once closed."""
+        body = json.dumps(record, sort_keys=True)
+        with self._lock:
+            self._live().execute("INSERT INTO videos (id, status, record) VALUES (?, ?, ?) ON CONFLICT(id) DO UPDATE "
+                             "SET status = excluded.status, record = excluded.record",
+                             (record["id"], record["status"], body))
+
+    def delete(self, vid: str) -> None:
+        with self._lock:
+            self._live().execute("DELETE FROM videos WHERE id = ?", (vid,))
+
+    def _live(self) -> sqlite3.Connection:
+        if self.closed:
+            raise RuntimeError(f"the job store {self.path} is closed (the server has shut down)")
+        return self._db
+
+    def load(self) -> list[dict]:
+        """Every stored record, oldest first; a row that is not valid JSON is skipped (reported by
+        ``bad_rows``)."""
+        with self._lock:
+            rows = self._live().execute("SELECT id, record FROM videos ORDER BY rowid").fetchall()
+        out, self.bad_rows = [], []
+        for vid, body in rows:
+            try:
+                rec = json.loads(body)
+            except ValueError:
+                self.bad_rows.append(vid)
+                continue
+            if isinstance(rec, dict) and rec.get("id") == vid:
+                out.append(rec)
+            else:
+                self.bad_rows.append(vid)
+        return out
+
+    def close(self) -> None:
+        db = getattr(self, "_db", None)
+        if db is not None:
+            with self._lock:
+                db.close()
+            self._db = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
+
+
+def _lock_folder(folder: str) -> Optional[int]:
+    """Hold an exclusive lock on ``folder`` for this process (POSIX ``flock``; None elsewhere)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        return None
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd = os.open(os.path.join(folder, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise AttentionConfigError(f"--output-dir {folder}: cannot use it ({exc.strerror or exc})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise AttentionConfigError(f"--output-dir {folder} is in use by another ditattn serve; stop it or choose "
+                                   "another folder") from None
+    with contextlib.suppress(OSError):
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
