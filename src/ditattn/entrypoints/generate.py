@@ -167,7 +167,8 @@ def _generate_diffusers(cfg: RunConfig, t_start: float) -> int:
 
     reject_native_only_options(cfg)
     m, s = cfg.model, cfg.sampling
-    folder, name = resolve_model_path(m.model_path)
+    folder, name = resolve_model_path(m.model_path, revision=m.revision, local_files_only=m.local_files_only,
+                                      variant=m.model_variant)
     mi = read_model_index(folder, name)
     dev = parse_device(m.device)
     dt = parse_dtype(m.dtype, platform_for_device(dev))
