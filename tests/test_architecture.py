@@ -22,6 +22,7 @@ LAYERS = [
     ("distributed",),
     ("models",),
     ("runconfig",),
+    ("integrations",),
     ("pipelines",),
     ("server",),
     ("entrypoints", "cli", "__main__"),

@@ -187,7 +187,7 @@ def _generate_diffusers(cfg: RunConfig, t_start: float) -> int:
     t0 = time.perf_counter()
     pipe = load_diffusers_pipeline(folder, device=dev, dtype=dt, variant=m.model_variant,
                                    attention_backend=cfg.attention.attention_backend if route == "diffusers" else None)
-    record = apply_ditattn(pipe, cfg) if route == "ditattn" else None
+    routing = apply_ditattn(pipe, cfg) if route == "ditattn" else None
     load = time.perf_counter() - t0 + (t0 - t_start)
     with torch.inference_mode():
         frames, secs = run_diffusers(
@@ -195,11 +195,11 @@ def _generate_diffusers(cfg: RunConfig, t_start: float) -> int:
             num_frames=num_frames, num_inference_steps=steps, guidance_scale=guidance, seed=s.seed or 0,
         )
     backends, stats = f"diffusers:{cfg.attention.attention_backend or 'default'}", {}
-    if record is not None:
+    if routing is not None:
         from ditattn.integrations.diffusers import call_backends
 
         backends = f"{','.join(call_backends(pipe))} (ditattn in diffusers)"
-        stats = dict(record.last_state.stats) if record.last_state is not None else {}
+        stats = dict(routing.last_state.stats) if routing.last_state is not None else {}
     _report(cfg, frames[0], t_start=t_start, load=load, steps=steps, size=(width, height), num_frames=num_frames,
             parts={"generate": secs}, backends=backends, stats=stats)
     return 0

@@ -46,18 +46,17 @@ def _plan(cfg: RunConfig) -> int:
 
 def _plan_diffusers(cfg: RunConfig) -> int:
     """``plan --backend diffusers``: the diffusers pipeline's transformer layers as ditattn routes them."""
-    from ditattn.integrations.diffusers import plan_of
     from ditattn.pipelines.diffusers_backend import plan_diffusers, reject_native_only_options
     from ditattn.pipelines.plan import format_plan
 
     reject_native_only_options(cfg)
-    record, name, dtype = plan_diffusers(cfg)
-    plan = plan_of(record)
+    routing, name, dtype = plan_diffusers(cfg)
+    plan = routing.plan()
     override = None
     if cfg.attention.attention_backend_override or cfg.attention.skip_softmax():
         from ditattn.integrations.diffusers import prepare_request
 
-        state = prepare_request(record, cfg.attention.attention_backend_override, cfg.attention.skip_softmax())
+        state = prepare_request(routing, cfg.attention.attention_backend_override, cfg.attention.skip_softmax())
         override = state.override.value if state.override is not None else None
     if cfg.json:
         plan["pipeline"] = "diffusers"

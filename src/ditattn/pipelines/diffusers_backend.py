@@ -146,8 +146,8 @@ def apply_ditattn(pipe, config):
 
 def plan_diffusers(config):
     """The attention plan of the diffusers pipeline ``config`` describes, without weights: its
-    transformer(s) built from their configs on the meta device and routed by ditattn.  Returns
-    ``(applied record, model name, dtype)``."""
+    transformer(s) built from their configs on the meta device and routed by ditattn (nothing
+    installed).  Returns ``(routing, model name, dtype)``."""
     import os
 
     import diffusers
@@ -177,9 +177,9 @@ def plan_diffusers(config):
             with torch.device("meta"):
                 dits[comp] = cls.from_config(cls.load_config(os.path.join(folder, comp)))
     fixed = tuple(c for c, (lib, klass) in mi.components.items() if c not in dits and _is_model(lib, klass))
-    record = route_models(dits, config.attention_settings(), fixed=fixed, known=tuple(mi.components),
-                          platform=platform, dtype=dt)
-    return record, name, dt
+    routing = route_models(dits, config.attention_settings(), fixed=fixed, known=tuple(mi.components),
+                           platform=platform, dtype=dt)
+    return routing, name, dt
 
 
 def _is_model(library: str, klass: str) -> bool:
