@@ -56,6 +56,10 @@ def main():
     proc = cli("plan", "--backend", "diffusers", "--attention-backend", "video_sparse_attn", "--json")
     check("ditattn plan --backend diffusers", proc.returncode == 0 and json.loads(proc.stdout)["pipeline"] == "diffusers",
           proc.stderr[-300:])
+    proc = cli("generate", "--prompt", "a red fox", "--num-frames", "1", "--attention-backend", "sage_attn",
+               "--attention-backend-config", "impl=reference,pv_dtype=fp8", "--dtype", "bfloat16",
+               "--skip-softmax-threshold-scale-factor", "0.5", "--output-path", OUT, *SMALL)
+    check("CPU reference paths without Triton (sage_attn, skip softmax)", proc.returncode == 0, proc.stderr[-300:])
     proc = cli("generate", "--prompt", "x", "--attention-backend", "nope")
     check("a bad flag is one error line, exit 2",
           proc.returncode == 2 and proc.stderr.startswith("error: ") and proc.stderr.strip().count("\n") == 0,

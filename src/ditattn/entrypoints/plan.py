@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import sys
 
-from ditattn.errors import AttentionConfigError
 from ditattn.runconfig import RunConfig, flag_name
 
 
