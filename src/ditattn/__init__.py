@@ -14,8 +14,9 @@ signature, so its submodules (``ditattn.attention.layer``, …) stay importable.
 """
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ditattn.lazy import lazy_getattr
 
 __version__ = "0.1.0"
 
@@ -48,15 +49,7 @@ if TYPE_CHECKING:  # what type checkers see; the same objects are loaded lazily 
     from ditattn.registry import BackendInfo, list_backends
 
 
-def __getattr__(name: str) -> Any:
-    if name == "attention":  # the callable package (importing it binds ditattn.attention)
-        return importlib.import_module("ditattn.attention")
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'ditattn' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, globals(), {**_EXPORTS, "attention": "ditattn.attention:"})
 
 
 def __dir__() -> list[str]:

@@ -7,10 +7,11 @@ use, so importing one submodule (``ditattn.attention.names``) does not import th
 """
 from __future__ import annotations
 
-import importlib
 import sys
 import types
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ditattn.lazy import lazy_getattr
 
 _EXPORTS = {
     "AttentionBackendEnum": "ditattn.attention.names",
@@ -48,15 +49,7 @@ class _CallableModule(types.ModuleType):
         return _DOC + "\n\n" + (_function().__doc__ or "")
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'ditattn.attention' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
+__getattr__ = lazy_getattr(__name__, globals(), _EXPORTS)
 _DOC = __doc__ or ""
 sys.modules[__name__].__class__ = _CallableModule
 
