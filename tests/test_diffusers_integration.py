@@ -252,6 +252,8 @@ def test_text_first_tokens_move_after_the_grid_for_sparse_backends(flux):
         ref = ditattn.attention(move(q), move(k), move(v), backend="video_sparse_attn", config={"sparsity": 0.5},
                                 video_shape=(1, H, W), text_len=TEXT)
         assert torch.equal(out, torch.cat([ref[:, -TEXT:], ref[:, :-TEXT]], dim=1))
+        with pytest.raises(AttentionConfigError, match="chosen for cpu but the pipeline now runs on meta"):
+            dispatch(*(t.to("meta") for t in (q, k, v)))
     finally:
         dd.remove(pipe)
 

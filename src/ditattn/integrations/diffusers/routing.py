@@ -62,7 +62,7 @@ def _effective_backend(layer: LocalAttention):
     return entry[0] if entry is not None else layer.backend
 
 
-def make_dispatch(layer: LocalAttention, family: Family) -> Callable[..., torch.Tensor]:
+def make_dispatch(layer: "RoutedLayer", family: Family) -> Callable[..., torch.Tensor]:
     """A drop-in for diffusers' ``dispatch_attention_fn`` that runs ``layer``.
 
     query ``[B, S_q, H, D]``, key / value ``[B, S_kv, H_kv, D]`` (diffusers' and ditattn's layout);
@@ -70,6 +70,7 @@ def make_dispatch(layer: LocalAttention, family: Family) -> Callable[..., torch.
     ``[B, S_q, H, D]``.  Raises :class:`AttentionConfigError` for what ditattn does not run here
     (dropout, context parallelism, a causal call on a non-causal layer, extra backend kwargs)."""
     where = f"{layer.component}.{layer.prefix}" if layer.component else layer.prefix
+    platform = layer.platform
 
     def dispatch_attention_fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                               enable_gqa=False, attention_kwargs=None, *, backend=None, parallel_config=None):
@@ -84,6 +85,10 @@ def make_dispatch(layer: LocalAttention, family: Family) -> Callable[..., torch.
         if attention_kwargs:
             raise AttentionConfigError(f"{where}: backend-specific attention kwargs {sorted(attention_kwargs)} "
                                        "are diffusers' own; ditattn backends take --attention-backend-config")
+        if query.device.type != platform.device_type and not platform.simulated:
+            raise AttentionConfigError(f"{where}: the backends were chosen for {platform.device_type} but the "
+                                       f"pipeline now runs on {query.device.type}; call apply(pipe, ...) again after "
+                                       "pipe.to(...)")
         if scale is not None:
             layer.scale = float(scale)
         text_len = layer.text_len_hint()
@@ -99,6 +104,11 @@ def make_dispatch(layer: LocalAttention, family: Family) -> Callable[..., torch.
 
 class RoutedLayer(LocalAttention):
     """A :class:`LocalAttention` serving one diffusers attention module."""
+
+    @property
+    def platform(self):
+        """The platform the backend was chosen for (the device the pipeline was on at ``apply``)."""
+        return self._platform
 
     def text_len_hint(self) -> int:
         return current_forward().text_len if self.role == "self" else 0
