@@ -83,3 +83,20 @@ def test_every_dependency_has_a_floor_and_py_typed_ships():
 
 def _version(text):
     return tuple(int(x) for x in re.findall(r"\d+", text.split("+")[0])[:3])
+
+
+def test_type_checkers_see_the_attention_function(tmp_path):
+    """``ditattn.attention`` is the typed function to mypy (and the package is ``py.typed``): a
+    misspelt keyword is a type error."""
+    pytest.importorskip("mypy")
+    snippet = tmp_path / "use.py"
+    snippet.write_text("import torch\nimport ditattn\n\nq = torch.randn(1, 8, 2, 16)\n"
+                       "out: torch.Tensor = ditattn.attention(q, q, q, backend='torch_sdpa')\n"
+                       "ditattn.attention(q, q, q, bakend='torch_sdpa')\n"
+                       "pipe = ditattn.WanPipeline.from_pretrained('ditattn:tiny-wan', attention_backend='fa')\n")
+    env = dict(os.environ, MYPYPATH=os.path.join(ROOT, "src"))
+    proc = subprocess.run([sys.executable, "-m", "mypy", "--follow-imports=silent", "--cache-dir",
+                           str(tmp_path / "cache"), str(snippet)], capture_output=True, text=True, env=env,
+                          timeout=600, cwd=tmp_path)
+    errors = [l for l in proc.stdout.splitlines() if ": error:" in l]
+    assert len(errors) == 1 and 'Unexpected keyword argument "bakend" for "attention"' in errors[0], proc.stdout
