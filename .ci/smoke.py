@@ -23,8 +23,10 @@ EXE = shutil.which("ditattn") or sys.exit("the ditattn console script is not on 
 SMALL = ["--height", "32", "--width", "48", "--num-inference-steps", "2"]
 
 
-def check(what, ok, detail=""):
-    print(f"{'ok  ' if ok else 'FAIL'} {what}{': ' + detail if detail else ''}", flush=True)
+def check(what, ok, detail="", info=""):
+    """Print ``ok`` with ``info``, or ``FAIL`` with ``detail`` (e.g. the command's stderr) and stop."""
+    note = info if ok else detail
+    print(f"{'ok  ' if ok else 'FAIL'} {what}{': ' + note if note else ''}", flush=True)
     if not ok:
         sys.exit(1)
 
@@ -37,9 +39,9 @@ def main():
     import ditattn
 
     check("ditattn imports from the install, not a checkout", "site-packages" in ditattn.__file__ or
-          os.environ.get("SMOKE_ALLOW_SOURCE") == "1", ditattn.__file__)
+          os.environ.get("SMOKE_ALLOW_SOURCE") == "1", ditattn.__file__, ditattn.__file__)
     best = min(_timed(EXE, "--help") for _ in range(3))
-    check("ditattn --help under 1 s", best < 1.0, f"{best:.2f} s")
+    check("ditattn --help under 1 s", best < 1.0, f"{best:.2f} s", f"{best:.2f} s")
 
     proc = cli("backends", "--json")
     check("ditattn backends", proc.returncode == 0 and "torch_sdpa" in proc.stdout, proc.stderr[-300:])
@@ -115,14 +117,14 @@ def _serve():
             if time.time() - t0 > 300:
                 check("ditattn serve comes up within 300 s", False, open(log.name).read()[-500:])
             time.sleep(0.5)
-        check("ditattn serve comes up", True, f"{time.time() - t0:.0f} s")
+        check("ditattn serve comes up", True, info=f"{time.time() - t0:.0f} s")
         body = json.dumps({"prompt": "a boat", "size": "32x32"}).encode()
         req = urllib.request.Request(base + "/v1/images/generations", data=body,
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=300) as r:
             answer = json.loads(r.read())
         check("ditattn serve answers an image request", len(answer["data"]) == 1 and answer["attention_backends"],
-              str(answer.get("attention_backends")))
+              str(answer), str(answer.get("attention_backends")))
     finally:
         proc.terminate()
         proc.wait(30)
