@@ -17,11 +17,12 @@ PKG_DIR = os.path.join(ROOT, "src", "ditattn")
 # bottom to top; a module may import its own layer and the layers below it.  A new top-level
 # module or package must be placed here (the test says so when one is not).
 LAYERS = [
-    ("errors", "settings"),
+    ("errors", "settings", "extras", "lazy"),
     ("attention", "platforms", "registry"),
     ("distributed",),
     ("models",),
     ("runconfig",),
+    ("integrations",),
     ("pipelines",),
     ("server",),
     ("entrypoints", "cli", "__main__"),

@@ -114,15 +114,17 @@ def test_diffusers_passthrough_matches_native(capsys, tmp_path):
 
 
 def test_diffusers_passthrough_rejections(capsys, tmp_path):
-    for argv, flag in ((["--component-attention-backends", "transformer=torch_sdpa"], "--component-attention-backends"),
-                       (["--attention-backend-override", "fa"], "--attention-backend-override"),
-                       (["--attention-backend-config", "sparsity=0.5"], "--attention-backend-config"),
-                       (["--enable-torch-compile"], "--enable-torch-compile")):
+    for argv, flag in ((["--enable-torch-compile"], "--enable-torch-compile"),
+                       (["--num-gpus", "2"], "sequence parallelism")):
         rc, out, err = run(capsys, "--prompt", "x", "--backend", "diffusers", *argv)
-        assert rc == 2 and err.startswith(f"error: {flag} applies to the native pipeline only")
+        assert rc == 2 and err.startswith(f"error: {flag}") and "native pipeline only" in err
     rc, out, err = run(capsys, "--prompt", "x", "--backend", "diffusers", "--attention-backend", "not_a_backend",
                        "--output-path", str(tmp_path), *SMALL)
-    assert rc == 2 and "set_attention_backend" in err and "flash" in err
+    assert rc == 2 and "neither a ditattn backend nor one of diffusers'" in err and "flash" in err
+    assert "torch_sdpa" in err  # ditattn's names too
+    rc, out, err = run(capsys, "--prompt", "x", "--backend", "diffusers", "--attention-backend", "native",
+                       "--component-attention-backends", "transformer=torch_sdpa")
+    assert rc == 2 and "needs a ditattn --attention-backend; 'native' is diffusers' own" in err
 
 
 def test_cli_error_exit_code_in_a_subprocess():

@@ -246,9 +246,13 @@ def test_human_plan_table(capsys):
     assert "cannot serve cross-attention" in out  # the fallback reasons are listed
 
 
-def test_plan_rejects_diffusers_backend(capsys):
+def test_plan_of_the_diffusers_backend(capsys):
+    """--backend diffusers: the diffusers pipeline's layers as ditattn routes them
+    (tests/test_diffusers_integration.py has the details); diffusers' own names have no plan."""
     rc, err = plan(capsys, "--backend", "diffusers")
-    assert rc == 2 and "native" in err
+    assert rc == 0, err
+    rc, err = plan(capsys, "--backend", "diffusers", "--attention-backend", "flash")
+    assert rc == 2 and "'flash' is diffusers' own backend name" in err
 
 
 def test_local_model_folder(capsys, tmp_path):

@@ -17,7 +17,8 @@ and the process:
 Variables that used to select backend implementations are retired: :func:`check_retired` turns
 a leftover one into an error that names the config key replacing it, so it is never silently
 ignored.  Variables of other projects that ditattn honours: ``TRITON_INTERPRET=1`` (run the Triton
-kernels in Triton's CPU interpreter), ``HF_HUB_OFFLINE``, ``OMP_NUM_THREADS``, ``TQDM_DISABLE``.
+kernels in Triton's CPU interpreter), ``HF_HOME`` / ``HF_HUB_CACHE`` and ``HF_HUB_OFFLINE`` (repo
+ids given to ``--model-path``), ``OMP_NUM_THREADS``, ``TQDM_DISABLE``.
 """
 from __future__ import annotations
 

@@ -177,7 +177,7 @@ def skip_softmax_platform_reasons(platform) -> list[str]:
 
 
 def _install_skip_softmax(layers, ss: SkipSoftmaxParams, settings, table, platform, dtype) -> None:
-    from ditattn.attention.kernels import skip_softmax as kernel
+    from ditattn.attention.kernels import skip_softmax_rules as kernel  # no Triton needed to validate
 
     if settings.compiled:
         _refuse("skip_softmax_params is refused: the DiT runs under torch.compile, which bakes the "
@@ -224,7 +224,9 @@ def _skip_softmax_impl(kernel, ss: SkipSoftmaxParams, dense_impl, dense_cfg):
         if call.attn_bias is not None or call.causal:
             raise AttentionConfigError("skip softmax cannot run with an attention mask")
         if q.is_cuda:
-            out, lse, frac = kernel.skip_softmax_attention(
+            from ditattn.attention.kernels.skip_softmax import skip_softmax_attention
+
+            out, lse, frac = skip_softmax_attention(
                 q, k, v, threshold_scale_factor=ss.threshold_scale_factor, scale=call.scale,
                 return_lse=call.return_lse)
         else:

@@ -89,8 +89,13 @@ def model_flags(p: argparse.ArgumentParser, *, prompt: bool = False) -> None:
     if prompt:
         g.add_argument("--prompt", help="text prompt (required; here or in --config)")
     g.add_argument("--model-path", metavar="PATH_OR_ID",
-                   help="local diffusers-format Wan checkpoint directory, or ditattn:tiny-wan / ditattn:tiny-wan2.2 "
-                        "(default ditattn:tiny-wan, built locally, no download)")
+                   help="local diffusers-format Wan checkpoint directory, a Hugging Face repo id (org/name, e.g. "
+                        "Wan-AI/Wan2.1-T2V-1.3B-Diffusers: the local cache first, else a download; HF_HUB_OFFLINE=1 "
+                        "honoured), or ditattn:tiny-wan / ditattn:tiny-wan2.2 (default ditattn:tiny-wan, built "
+                        "locally, no download)")
+    g.add_argument("--revision", metavar="REV", help="branch, tag or commit of a Hugging Face repo id (default main)")
+    g.add_argument("--local-files-only", action="store_true",
+                   help="resolve a Hugging Face repo id from the local cache only (never download)")
     g.add_argument("--negative-prompt", help="negative prompt for classifier-free guidance")
     g.add_argument("--num-inference-steps", type=typed("num_inference_steps"), metavar="N", help="denoising steps")
     g.add_argument("--guidance-scale", type=typed("guidance_scale"), metavar="G", help="classifier-free guidance scale")

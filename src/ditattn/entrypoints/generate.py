@@ -164,16 +164,21 @@ def _generate_native(cfg: RunConfig, t_start: float) -> int:
 def _generate_diffusers(cfg: RunConfig, t_start: float) -> int:
     import torch
 
-    from ditattn.pipelines.diffusers_backend import (check_size_static, load_diffusers_pipeline,
-                                                     reject_native_only_options, run_diffusers)
+    from ditattn.pipelines.diffusers_backend import (apply_ditattn, attention_route, check_size_static,
+                                                     load_diffusers_pipeline, reject_native_only_options,
+                                                     run_diffusers)
     from ditattn.pipelines.loading import parse_device, parse_dtype
     from ditattn.pipelines.model_index import read_model_index, resolve_model_path
     from ditattn.pipelines.wan import CHECKPOINT_DEFAULTS, TINY_DEFAULTS
     from ditattn.platforms import platform_for_device
 
     reject_native_only_options(cfg)
+    route = attention_route(cfg)
+    if route == "ditattn":
+        cfg.attention_settings()  # refuse bad attention flags before loading
     m, s = cfg.model, cfg.sampling
-    folder, name = resolve_model_path(m.model_path)
+    folder, name = resolve_model_path(m.model_path, revision=m.revision, local_files_only=m.local_files_only,
+                                      variant=m.model_variant)
     mi = read_model_index(folder, name)
     dev = parse_device(m.device)
     dt = parse_dtype(m.dtype, platform_for_device(dev))
@@ -187,13 +192,20 @@ def _generate_diffusers(cfg: RunConfig, t_start: float) -> int:
     _output_path(cfg, num_frames)
     t0 = time.perf_counter()
     pipe = load_diffusers_pipeline(folder, device=dev, dtype=dt, variant=m.model_variant,
-                                   attention_backend=cfg.attention.attention_backend)
+                                   attention_backend=cfg.attention.attention_backend if route == "diffusers" else None)
+    routing = apply_ditattn(pipe, cfg) if route == "ditattn" else None
     load = time.perf_counter() - t0 + (t0 - t_start)
     with torch.inference_mode():
         frames, secs = run_diffusers(
             pipe, prompt=s.prompt, negative_prompt=s.negative_prompt, height=height, width=width,
             num_frames=num_frames, num_inference_steps=steps, guidance_scale=guidance, seed=s.seed or 0,
         )
+    backends, stats = f"diffusers:{cfg.attention.attention_backend or 'default'}", {}
+    if routing is not None:
+        from ditattn.integrations.diffusers import call_backends
+
+        backends = f"{','.join(call_backends(pipe))} (ditattn in diffusers)"
+        stats = dict(routing.last_state.stats) if routing.last_state is not None else {}
     _report(cfg, frames[0], t_start=t_start, load=load, steps=steps, size=(width, height), num_frames=num_frames,
-            parts={"generate": secs}, backends=f"diffusers:{cfg.attention.attention_backend or 'default'}")
+            parts={"generate": secs}, backends=backends, stats=stats)
     return 0

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import sys
 
-from ditattn.errors import AttentionConfigError
 from ditattn.runconfig import RunConfig, flag_name
 
 
@@ -18,10 +17,7 @@ def run(cfg: RunConfig) -> int:
 
 def _plan(cfg: RunConfig) -> int:
     if cfg.model.backend == "diffusers":
-        raise AttentionConfigError(
-            "plan describes the native pipeline's attention layers; --backend diffusers has no ditattn plan "
-            "(drop --backend diffusers)"
-        )
+        return _plan_diffusers(cfg)
     from ditattn.pipelines.plan import format_plan
     from ditattn.pipelines.wan import WanPipelineNative
 
@@ -44,4 +40,29 @@ def _plan(cfg: RunConfig) -> int:
     else:
         dtype = str(pipe.dtype).replace("torch.", "")
         print(format_plan(plan, model=pipe.model_index.name, dtype=dtype, override=override))
+    return 0
+
+
+def _plan_diffusers(cfg: RunConfig) -> int:
+    """``plan --backend diffusers``: the diffusers pipeline's transformer layers as ditattn routes them."""
+    from ditattn.pipelines.diffusers_backend import plan_diffusers, reject_native_only_options
+    from ditattn.pipelines.plan import format_plan
+
+    reject_native_only_options(cfg)
+    routing, name, dtype = plan_diffusers(cfg)
+    plan = routing.plan()
+    override = None
+    if cfg.attention.attention_backend_override or cfg.attention.skip_softmax():
+        from ditattn.integrations.diffusers import prepare_request
+
+        state = prepare_request(routing, cfg.attention.attention_backend_override, cfg.attention.skip_softmax())
+        override = state.override.value if state.override is not None else None
+    if cfg.json:
+        plan["pipeline"] = "diffusers"
+        if override is not None:
+            plan["request_override"] = override
+        print(json.dumps(plan, indent=2))
+    else:
+        print(format_plan(plan, model=f"{name} (diffusers pipeline, ditattn attention)",
+                          dtype=str(dtype).replace("torch.", ""), override=override))
     return 0

@@ -42,6 +42,9 @@ def check_serve_options(cfg: RunConfig) -> None:
 
 def run(cfg: RunConfig) -> int:
     """``ditattn serve``; user errors raise :class:`AttentionConfigError`."""
+    from ditattn.extras import require
+
+    require("server", "ditattn serve")
     check_serve_options(cfg)
     if cfg.model.backend != "native":
         raise AttentionConfigError("ditattn serve runs the native pipeline only (per-request attention overrides "

@@ -1,9 +1,14 @@
-"""``--backend diffusers``: the stock diffusers ``WanPipeline``, for comparison with the native one.
+"""``--backend diffusers``: the stock diffusers ``WanPipeline``, alone or with ditattn's attention
+inside it (:mod:`ditattn.integrations.diffusers`).
 
-Only ``--attention-backend`` applies, passed unchanged to diffusers' ``set_attention_backend``
-(diffusers' own names: ``native``, ``flash``, ``_flash_3_hub``, ``sage``, ``xformers``, …).  The
-ditattn attention machinery (component overrides, backend config, request override, skip softmax,
-autotune, sequence parallelism) exists only for the native pipeline, so those flags are rejected.
+``--attention-backend NAME``: a ditattn backend name (``fa``, ``torch_sdpa``, ``video_sparse_attn``,
+…) routes the pipeline's transformer attention through ditattn (:func:`~ditattn.integrations.diffusers.apply`),
+and so do ``--component-attention-backends`` (transformer keys), ``--attention-backend-config``,
+``--attention-backend-override``, skip softmax and autotune; a name that only diffusers knows
+(``native``, ``flash``, ``_flash_3_hub``, ``sage``, ``xformers``, …) is passed unchanged to
+diffusers' ``set_attention_backend``; with none of these flags diffusers runs its own default.  A
+name both know (``aiter``) is ditattn's.  Sequence parallelism and torch.compile run the native
+pipeline only.
 """
 from __future__ import annotations
 
@@ -15,30 +20,54 @@ import torch
 
 from ditattn.errors import AttentionConfigError
 
-NATIVE_ONLY = ("component_attention_backends", "attention_backend_config", "attention_backend_override",
-               "skip_softmax_threshold_scale_factor", "skip_softmax_start_step")
+DITATTN_ONLY = ("component_attention_backends", "attention_backend_config", "attention_backend_override",
+                "skip_softmax_threshold_scale_factor", "skip_softmax_start_step", "enable_attention_backend_autotune")
 
 
 def reject_native_only_options(config) -> None:
-    """Raise :class:`AttentionConfigError` naming the first native-only option of ``config`` (a
-    :class:`~ditattn.runconfig.RunConfig`) set together with ``--backend diffusers``."""
-    a, m, p = config.attention, config.model, config.parallel
-    given = [name for name in NATIVE_ONLY if getattr(a, name) not in (None, "", False)]
-    given += [name for name in ("enable_torch_compile", "enable_cuda_graph") if getattr(m, name)]
+    """Raise :class:`AttentionConfigError` for an option of ``config`` (a
+    :class:`~ditattn.runconfig.RunConfig`) that only the native pipeline runs (torch.compile, CUDA
+    graphs, sequence parallelism) set together with ``--backend diffusers``, and for ditattn
+    attention flags next to a diffusers-only ``--attention-backend`` name."""
+    m, p = config.model, config.parallel
+    given = [name for name in ("enable_torch_compile", "enable_cuda_graph") if getattr(m, name)]
     if given:
         raise AttentionConfigError(
-            f"--{given[0].replace('_', '-')} applies to the native pipeline only; --backend diffusers runs the stock "
-            "diffusers WanPipeline, whose only attention flag is --attention-backend (passed to set_attention_backend)"
-        )
-    if a.enable_attention_backend_autotune:
-        raise AttentionConfigError(
-            "--enable-attention-backend-autotune applies to the native pipeline only; not with --backend diffusers"
+            f"--{given[0].replace('_', '-')} applies to the native pipeline only; not with --backend diffusers"
         )
     if p.num_gpus > 1 or (p.ulysses_degree or 1) > 1 or (p.ring_degree or 1) > 1:
         raise AttentionConfigError(
             "sequence parallelism (--num-gpus/--ulysses-degree/--ring-degree) runs the native pipeline only; "
             "not with --backend diffusers"
         )
+    attention_route(config)
+
+
+def attention_route(config) -> Optional[str]:
+    """How ``--backend diffusers`` runs attention: ``"ditattn"`` (through
+    :mod:`ditattn.integrations.diffusers`), ``"diffusers"`` (``--attention-backend`` is a
+    diffusers-only name for ``set_attention_backend``) or None (diffusers' default)."""
+    from ditattn.attention.names import AttentionBackendEnum
+
+    a = config.attention
+    ours = [n for n in DITATTN_ONLY if getattr(a, n) not in (None, "", False)]
+    name = a.attention_backend
+    if name is None:
+        return "ditattn" if ours else None
+    try:
+        AttentionBackendEnum.from_name(name)
+        return "ditattn"
+    except AttentionConfigError as exc:
+        ditattn_error = str(exc)
+    if name not in diffusers_backend_names():
+        raise AttentionConfigError(
+            f"--attention-backend '{name}' (with --backend diffusers) is neither a ditattn backend nor one of "
+            f"diffusers' ({', '.join(diffusers_backend_names())}); {ditattn_error.split('; ', 1)[-1]}")
+    if ours:
+        raise AttentionConfigError(
+            f"--{ours[0].replace('_', '-')} needs a ditattn --attention-backend; '{name}' is diffusers' own backend "
+            "name (ditattn's dense ones: fa, torch_sdpa, torch_cudnn_sdpa, sage_attn)")
+    return "diffusers"
 
 
 def check_size_static(mi, height: int, width: int, num_frames: int) -> None:
@@ -75,7 +104,7 @@ def diffusers_backend_names() -> list[str]:
 
 def load_diffusers_pipeline(folder: str, *, device: torch.device, dtype: torch.dtype,
                             variant: Optional[str] = None, attention_backend: Optional[str] = None):
-    """``diffusers.WanPipeline`` from ``folder`` on ``device`` (VAE in float32), with
+    """``diffusers.WanPipeline`` from ``folder`` on ``device`` (VAE in float32), with diffusers'
     ``set_attention_backend(attention_backend)`` applied to its transformer(s) when given."""
     from diffusers import WanPipeline
 
@@ -102,6 +131,67 @@ def load_diffusers_pipeline(folder: str, *, device: torch.device, dtype: torch.d
                     f"set_attention_backend: {msg}"
                 ) from None
     return pipe
+
+
+def apply_ditattn(pipe, config):
+    """:func:`ditattn.integrations.diffusers.apply` with the attention flags of ``config``."""
+    from ditattn.integrations.diffusers import apply
+
+    a = config.attention
+    return apply(pipe, attention_backend=a.attention_backend, attention_backend_config=a.attention_backend_config,
+                 component_attention_backends=a.component_attention_backends,
+                 attention_backend_override=a.attention_backend_override, skip_softmax=a.skip_softmax(),
+                 enable_attention_backend_autotune=a.enable_attention_backend_autotune)
+
+
+def plan_diffusers(config):
+    """The attention plan of the diffusers pipeline ``config`` describes, without weights: its
+    transformer(s) built from their configs on the meta device and routed by ditattn (nothing
+    installed).  Returns ``(routing, model name, dtype)``."""
+    import os
+
+    import diffusers
+
+    from ditattn.integrations.diffusers import DIT, route_models
+    from ditattn.pipelines.loading import parse_device, parse_dtype
+    from ditattn.pipelines.model_index import read_model_index, resolve_model_path
+    from ditattn.platforms import platform_for_device
+
+    if attention_route(config) == "diffusers":
+        raise AttentionConfigError(f"plan explains ditattn's backends; '{config.attention.attention_backend}' is "
+                                   "diffusers' own backend name (ditattn's: see ditattn backends)")
+    m = config.model
+    folder, name = resolve_model_path(m.model_path, revision=m.revision, local_files_only=m.local_files_only,
+                                      variant=m.model_variant)
+    mi = read_model_index(folder, name)
+    dev = parse_device(m.device)
+    platform = platform_for_device(dev)
+    dt = parse_dtype(m.dtype, platform)
+    dits = {}
+    for comp in DIT:
+        if comp in mi.components:
+            cls = getattr(diffusers, mi.components[comp][1], None)
+            if cls is None:
+                raise AttentionConfigError(f"{folder}: {comp} class '{mi.components[comp][1]}' is not in diffusers "
+                                           f"{diffusers.__version__}")
+            with torch.device("meta"):
+                dits[comp] = cls.from_config(cls.load_config(os.path.join(folder, comp)))
+    fixed = tuple(c for c, (lib, klass) in mi.components.items() if c not in dits and _is_model(lib, klass))
+    routing = route_models(dits, config.attention_settings(), fixed=fixed, known=tuple(mi.components),
+                           platform=platform, dtype=dt)
+    return routing, name, dt
+
+
+def _is_model(library: str, klass: str) -> bool:
+    """Whether ``library.klass`` (a ``model_index.json`` entry) is a torch model (not a tokenizer
+    or scheduler)."""
+    import importlib
+
+    try:
+        cls = getattr(importlib.import_module(library), klass)
+    except (ImportError, AttributeError):
+        return False
+    return isinstance(cls, type) and issubclass(cls, torch.nn.Module)
 
 
 def run_diffusers(pipe, *, prompt: str, negative_prompt: Optional[str], height: int, width: int, num_frames: int,

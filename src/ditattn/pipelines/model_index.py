@@ -1,4 +1,5 @@
-"""Resolving ``--model-path`` and reading a diffusers ``model_index.json``."""
+"""Resolving ``--model-path`` (built-in name, local folder or Hugging Face repo id) and reading a
+diffusers ``model_index.json``."""
 from __future__ import annotations
 
 import dataclasses
@@ -36,27 +37,39 @@ class ModelIndex:
         return self.name in TINY_MODELS
 
 
-def resolve_model_path(model_path: Optional[str]) -> tuple[str, str]:
+def resolve_model_path(model_path: Optional[str], *, revision: Optional[str] = None, local_files_only: bool = False,
+                       cache_dir: Optional[str] = None, variant: Optional[str] = None) -> tuple[str, str]:
     """``(folder, name)`` for ``--model-path`` (None = the built-in default ``ditattn:tiny-wan``).
 
-    Accepts ``ditattn:tiny-wan`` / ``ditattn:tiny-wan2.2`` (built locally on first use) or a local
-    diffusers-format folder containing ``model_index.json``; nothing is downloaded.
+    Accepts, in this order: ``ditattn:tiny-wan`` / ``ditattn:tiny-wan2.2`` (built locally on first
+    use); a local diffusers-format folder containing ``model_index.json``; a Hugging Face repo id
+    ``org/name``, resolved by :func:`ditattn.pipelines.hub.resolve_repo_id` (the local cache
+    first, a download unless ``local_files_only`` or ``HF_HUB_OFFLINE``; ``revision``: branch, tag
+    or commit; ``cache_dir``: instead of ``HF_HOME``'s hub cache; ``variant``: the weights variant
+    to download).  ``name`` is what the user passed.  Raises :class:`AttentionConfigError`.
     """
+    from ditattn.pipelines.hub import looks_like_repo_id, resolve_repo_id
+
     name = model_path or DEFAULT_MODEL
+    if not isinstance(name, str) or not name.strip():
+        raise AttentionConfigError(f"--model-path must be a non-empty string, got {model_path!r}")
+    local = os.path.expanduser(name)
+    is_repo = not os.path.isdir(local) and looks_like_repo_id(name)
+    if revision is not None and not is_repo:
+        raise AttentionConfigError(f"--revision applies to Hugging Face repo ids (org/name) only; '{name}' is "
+                                   f"{'a built-in model' if name.startswith('ditattn:') else 'a local folder'}")
     if name.startswith("ditattn:"):
         return tiny_model_path(name), name
-    folder = os.path.expanduser(name)
-    if not os.path.isdir(folder):
-        raise AttentionConfigError(
-            f"--model-path '{name}' is not a local directory; give a diffusers-format Wan checkpoint folder "
-            f"(with model_index.json) or a built-in model: {', '.join(TINY_MODELS)} (ditattn never downloads)"
-        )
-    if not os.path.isfile(os.path.join(folder, "model_index.json")):
-        raise AttentionConfigError(
-            f"--model-path '{name}' has no model_index.json; give a diffusers-format Wan checkpoint folder "
-            f"or a built-in model: {', '.join(TINY_MODELS)}"
-        )
-    return os.path.abspath(folder), name
+    if is_repo:
+        return resolve_repo_id(name, revision=revision, local_files_only=local_files_only, cache_dir=cache_dir,
+                               variant=variant), name
+    accepted = (f"a diffusers-format Wan checkpoint folder (with model_index.json), a Hugging Face repo id "
+                f"(org/name, e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers) or a built-in model: {', '.join(TINY_MODELS)}")
+    if not os.path.isdir(local):
+        raise AttentionConfigError(f"--model-path '{name}' is not a local directory; accepted: {accepted}")
+    if not os.path.isfile(os.path.join(local, "model_index.json")):
+        raise AttentionConfigError(f"--model-path '{name}' has no model_index.json; accepted: {accepted}")
+    return os.path.abspath(local), name
 
 
 def read_model_index(folder: str, name: Optional[str] = None) -> ModelIndex:

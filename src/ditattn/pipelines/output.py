@@ -129,3 +129,37 @@ def save_frames(frames: np.ndarray, path: str, fps: int = 16) -> str:
     finally:
         writer.close()
     return path
+
+
+def save_video(frames, path: str, *, fps: int = 16) -> str:
+    """Write one generated clip to ``path`` (``.mp4``: H.264; ``.png``: a single frame) and return
+    the path.
+
+    frames: what :class:`ditattn.WanPipeline` returns — uint8 ``[F, H, W, 3]``, or a batch
+    ``[N, F, H, W, 3]`` with ``N == 1`` — or floats in ``[0, 1]`` of the same shapes (numpy or
+    torch).  Raises :class:`AttentionConfigError` for other shapes, a batch of several clips, a
+    ``.png`` for several frames or an unsupported extension.
+    """
+    if hasattr(frames, "detach"):  # a torch tensor
+        frames = frames.detach().cpu().numpy()
+    frames = np.asarray(frames)
+    if frames.ndim == 5:
+        if frames.shape[0] != 1:
+            raise AttentionConfigError(f"save_video writes one clip; got a batch of {frames.shape[0]} "
+                                       "(pass frames[i] for clip i)")
+        frames = frames[0]
+    if frames.ndim != 4 or frames.shape[-1] != 3:
+        raise AttentionConfigError(f"save_video expects frames [F, H, W, 3] (or [1, F, H, W, 3]), got shape "
+                                   f"{tuple(frames.shape)}")
+    if frames.dtype != np.uint8:
+        if not np.issubdtype(frames.dtype, np.floating):
+            raise AttentionConfigError(f"save_video expects uint8 or float frames in [0, 1], got {frames.dtype}")
+        frames = (np.clip(frames, 0.0, 1.0) * 255.0).round().astype(np.uint8)
+    if not isinstance(fps, int) or isinstance(fps, bool) or fps < 1:
+        raise AttentionConfigError(f"fps must be a positive integer, got {fps!r}")
+    folder, file_name = os.path.split(os.fspath(path))
+    target = output_file_path(folder or ".", file_name, "", 0, frames.shape[0])
+    try:
+        return save_frames(frames, target, fps=fps)
+    except OSError as exc:
+        raise AttentionConfigError(f"cannot write {target}: {exc.strerror or exc}") from None

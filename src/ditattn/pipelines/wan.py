@@ -124,9 +124,14 @@ class WanPipelineNative:
         *,
         variant: Optional[str] = None,
         load_weights: bool = True,
+        revision: Optional[str] = None,
+        local_files_only: bool = False,
+        cache_dir: Optional[str] = None,
     ) -> "WanPipelineNative":
-        """Load the pipeline at ``path`` (a local diffusers-format Wan folder or ``ditattn:tiny-wan`` /
-        ``ditattn:tiny-wan2.2``; None = ``ditattn:tiny-wan``) on ``device`` in compute ``dtype``
+        """Load the pipeline at ``path`` (a local diffusers-format Wan folder, a Hugging Face repo id
+        ``org/name`` at ``revision`` — see :func:`~ditattn.pipelines.model_index.resolve_model_path`
+        for ``local_files_only`` and ``cache_dir`` — or ``ditattn:tiny-wan`` / ``ditattn:tiny-wan2.2``;
+        None = ``ditattn:tiny-wan``) on ``device`` in compute ``dtype``
         (None = float32 on CPU, bfloat16 on accelerators; the VAE always decodes in float32).
 
         Every component is constructed inside its attention scope under ``settings`` (None = all
@@ -135,7 +140,8 @@ class WanPipelineNative:
         path, an unsupported checkpoint, a refused backend or override, or unused config keys.
         """
         settings = settings or AttentionSettings()
-        folder, name = resolve_model_path(path)
+        folder, name = resolve_model_path(path, revision=revision, local_files_only=local_files_only,
+                                          cache_dir=cache_dir, variant=variant)
         mi = read_model_index(folder, name)
         dev = parse_device(device)
         platform = platform_for_device(dev)
@@ -156,13 +162,15 @@ class WanPipelineNative:
         return cls(mi, components, scopes, settings, platform, dev, dt, load_weights)
 
     @classmethod
-    def from_config(cls, config, *, load_weights: bool = True) -> "WanPipelineNative":
+    def from_config(cls, config, *, load_weights: bool = True, cache_dir: Optional[str] = None) -> "WanPipelineNative":
         """The pipeline of a :class:`~ditattn.runconfig.RunConfig` (the object ``ditattn generate``
         builds from its flags and ``--config``): its model section (path, device, dtype, variant,
-        compile flags) and its attention settings.  Sample with ``generate(**config.generate_kwargs())``."""
+        revision, compile flags) and its attention settings (``cache_dir``: a Hugging Face cache instead
+        of ``HF_HOME``'s).  Sample with ``generate(**config.generate_kwargs())``."""
         m = config.model
         return cls.from_pretrained(m.model_path, config.attention_settings(), device=m.device, dtype=m.dtype,
-                                   variant=m.model_variant, load_weights=load_weights)
+                                   variant=m.model_variant, load_weights=load_weights, revision=m.revision,
+                                   local_files_only=m.local_files_only, cache_dir=cache_dir)
 
     # ------------------------------------------------------------------------------------------
     # plan

@@ -39,6 +39,7 @@ from ditattn.runconfig.checks import (
     one_of,
     optional,
     package_list,
+    plain_name,
     platform_spec,
     public_url,
     tcp_port,
@@ -72,10 +73,12 @@ DTYPES = ("float32", "bfloat16", "float16")
 class ModelConfig(_Section):
     """What to load and how to run it."""
 
-    model_path: Optional[str] = _field(None, optional(text), "local diffusers-format Wan folder or ditattn:tiny-wan / "
-                                       "ditattn:tiny-wan2.2 (None: ditattn:tiny-wan)")
+    model_path: Optional[str] = _field(None, optional(text), "local diffusers-format Wan folder, Hugging Face repo id "
+                                       "org/name, or ditattn:tiny-wan / ditattn:tiny-wan2.2 (None: ditattn:tiny-wan)")
+    revision: Optional[str] = _field(None, optional(text), "branch, tag or commit of a Hugging Face repo id")
+    local_files_only: bool = _field(False, boolean, "resolve a Hugging Face repo id from the local cache only")
     model_variant: Optional[str] = _field(None, optional(text), "weights variant of checkpoints that have several")
-    device: Optional[str] = _field(None, optional(text), "cpu, cuda, cuda:1, ... (None: cuda if available, else cpu)")
+    device: Optional[str] = _field(None, optional(plain_name), "cpu, cuda, cuda:1, ... (None: cuda if available, else cpu)")
     dtype: Optional[str] = _field(None, optional(one_of(*DTYPES)), "compute dtype (None: float32 on cpu, bfloat16 on "
                                   "GPUs)")
     backend: str = _field("native", one_of("native", "diffusers"), "native ditattn pipeline or stock diffusers")
@@ -115,12 +118,12 @@ class AttentionOptions(_Section):
     """The user's attention choices, as given (names and specs are parsed by
     :meth:`RunConfig.attention_settings`)."""
 
-    attention_backend: Optional[str] = _field(None, optional(text), "global attention backend")
+    attention_backend: Optional[str] = _field(None, optional(plain_name), "global attention backend")
     component_attention_backends: Union[str, dict, None] = _field(None, optional(text_or_mapping),
                                                                   "per-component overrides: a spec or a mapping")
     attention_backend_config: Union[str, dict, None] = _field(None, optional(text_or_mapping),
                                                               "backend parameters: a file, JSON, k=v pairs or a mapping")
-    attention_backend_override: Optional[str] = _field(None, optional(text), "request-scoped DiT backend")
+    attention_backend_override: Optional[str] = _field(None, optional(plain_name), "request-scoped DiT backend")
     enable_attention_backend_autotune: bool = _field(False, boolean, "time candidates per automatic layer")
     skip_softmax_threshold_scale_factor: Optional[float] = _field(None, optional(float_between(0.0, 1e6, lo_open=True)),
                                                                   "request-scoped skip softmax threshold scale")

@@ -6,6 +6,7 @@ the config into :class:`~ditattn.errors.AttentionConfigError` naming the key).
 """
 from __future__ import annotations
 
+import enum
 import math
 from typing import Any, Callable, Mapping, Union
 
@@ -114,9 +115,26 @@ def text(value: Any) -> str:
     return value
 
 
+def _plain(value: Any) -> Any:
+    """An enum member as its value, a ``torch.dtype`` / ``torch.device`` as its name (``float32``,
+    ``cuda:1``); anything else unchanged (Python callers may pass the objects, the CLI passes text)."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    kind = type(value)
+    if kind.__module__ == "torch" and kind.__name__ in ("dtype", "device"):
+        return str(value).replace("torch.", "")
+    return value
+
+
+def plain_name(value: Any) -> str:
+    """A name as text, or an enum member / torch dtype / torch device (see :func:`_plain`)."""
+    return text(_plain(value))
+
+
 def text_or_mapping(value: Any) -> Union[str, dict]:
+    """A spec string, or a mapping (its enum values as their names)."""
     if isinstance(value, Mapping):
-        return dict(value)
+        return {k: _plain(v) for k, v in value.items()}
     if not isinstance(value, str):
         raise ValueError(f"expected a string or a mapping, got {_short(value)}")
     return value
@@ -124,6 +142,7 @@ def text_or_mapping(value: Any) -> Union[str, dict]:
 
 def one_of(*choices: str) -> Callable[[Any], str]:
     def check(value: Any) -> str:
+        value = _plain(value)
         if value not in choices:
             raise ValueError(f"expected one of {', '.join(choices)}, got {_short(value)}")
         return value

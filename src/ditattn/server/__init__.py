@@ -6,7 +6,12 @@ reading JSON / form bodies; ``protocol``: request/response bodies; ``store``: vi
 images; ``media``: PNG / MP4 encoding; ``scheduler``: queue + batching worker; ``runner``: the model
 side (attention validation, batch generation); ``metrics``: Prometheus metrics.  FastAPI and
 uvicorn are imported only when the app is built; ``ditattn serve`` is :mod:`ditattn.entrypoints.serve`.
+Without the ``server`` extra, importing this package raises the one-line
+:class:`~ditattn.extras.MissingDependencyError` naming ``ditattn[server]``.
 """
+from ditattn.extras import require
+
+require("server", "the ditattn server")
 
 __all__ = ["create_app"]
 

@@ -15,7 +15,7 @@ implementations, chosen by its config key ``impl`` (schema: :mod:`ditattn.attent
   ``pv_dtype`` fp16 only; on Hopper only a build with the upstream SM90 binding fix, not PyPI's
   2.2.0).  sageattention 1.0.6 subtracts the key mean from its K argument in place, so it gets a
   clone;
-* ``reference``: :func:`ditattn.attention.kernels.int8_attention.int8_attention_reference`, the same
+* ``reference``: :func:`ditattn.attention.kernels.int8_reference.int8_attention_reference`, the same
   quantization in PyTorch (float32, float16 or bfloat16; any device);
 * ``auto`` (default): :func:`auto_impl`.  On CUDA that is
   :func:`ditattn.attention.specs.sage_cuda_runtime`, the rule the selector applies too, so the
@@ -75,11 +75,16 @@ def _load(module: str, attr: str):
 
 
 def _triton_why_not(q: torch.Tensor, call: AttnCall, cfg: dict) -> Optional[str]:
+    import importlib.util
+
     from ditattn.attention.kernels import interpreting
-    from ditattn.attention.kernels.int8_attention import SUPPORTED_HEAD_DIMS
 
     if q.device.type != "cuda" and not (q.device.type == "cpu" and interpreting()):
         return f"the Triton kernel needs a CUDA device (or TRITON_INTERPRET=1 on the CPU), not {q.device.type}"
+    if importlib.util.find_spec("triton") is None:
+        return "the Triton kernel needs the triton package (pip install triton, or ditattn[gpu])"
+    from ditattn.attention.kernels.int8_attention import SUPPORTED_HEAD_DIMS
+
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"the Triton kernel takes float16/bfloat16, not {str(q.dtype).replace('torch.', '')}"
     if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
@@ -163,7 +168,7 @@ def _reference_why_not(q: torch.Tensor, call: AttnCall, cfg: dict) -> Optional[s
 
 
 def _reference_run(q, k, v, call: AttnCall, cfg: dict):
-    from ditattn.attention.kernels.int8_attention import int8_attention_reference
+    from ditattn.attention.kernels.int8_reference import int8_attention_reference
 
     return int8_attention_reference(q, k, v, scale=call.scale, causal=call.causal, return_lse=call.return_lse,
                                     pv=cfg["pv_dtype"], k_granularity=_k_granularity(cfg, "token"))

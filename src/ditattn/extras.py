@@ -1,0 +1,47 @@
+"""Optional dependencies: which ``pip install ditattn[EXTRA]`` provides which module, and the
+one-line error when one is missing.
+
+The extras (``pyproject.toml``): ``server`` (``ditattn serve``: FastAPI, uvicorn, pydantic,
+python-multipart, prometheus-client; checked here), ``gpu`` (Triton and FlashAttention-4 for NVIDIA
+GPUs: a backend without its runtime is refused or substituted with the install hint that
+``ditattn backends`` shows) and ``dev`` (the test tools).  Everything else is a hard dependency.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+from ditattn.errors import AttentionConfigError
+
+# extra -> ((import name, distribution name), ...)
+EXTRAS: dict[str, tuple[tuple[str, str], ...]] = {
+    "server": (("fastapi", "fastapi"), ("uvicorn", "uvicorn"), ("pydantic", "pydantic"),
+               ("python_multipart", "python-multipart"), ("prometheus_client", "prometheus-client")),
+}
+
+
+class MissingDependencyError(AttentionConfigError, ImportError):
+    """An optional dependency is not installed; the message names it and the extra that installs it."""
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package that is missing or broken
+        return False
+
+
+def missing(extra: str) -> list[str]:
+    """The distributions of ``extra`` whose modules are not importable here."""
+    return [dist for module, dist in EXTRAS[extra] if not _installed(module)]
+
+
+def require(extra: str, what: str) -> None:
+    """Raise :class:`MissingDependencyError` (one line: what needs it, what is missing, the pip
+    command) unless every module of ``extra`` is installed."""
+    gone = missing(extra)
+    if gone:
+        verb = "is" if len(gone) == 1 else "are"
+        raise MissingDependencyError(
+            f"{what} needs {', '.join(gone)}, which {verb} not installed; install ditattn[{extra}] "
+            f"(pip install 'ditattn[{extra}]', or from a checkout: pip install '.[{extra}]')"
+        )

@@ -1,0 +1,162 @@
+"""``ditattn.WanPipeline``: the Wan text-to-video pipeline for Python users.
+
+A thin front of :class:`~ditattn.pipelines.wan.WanPipelineNative` that takes the CLI's settings
+as keyword arguments — strings, or :class:`~ditattn.AttentionBackendEnum` members, ``torch.dtype``
+and ``torch.device`` objects — and checks them exactly as the CLI does (the fields of
+:class:`~ditattn.runconfig.RunConfig`), so a bad value raises the same one-line
+:class:`~ditattn.errors.AttentionConfigError` (a ``ValueError``)::
+
+    import ditattn
+    pipe = ditattn.WanPipeline.from_pretrained("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", attention_backend="fa",
+                                               component_attention_backends={"text_encoder": "torch_sdpa"},
+                                               device="cuda", dtype="bfloat16")
+    frames = pipe("a red fox running through fresh snow", num_frames=33, seed=1)   # uint8 [1, 33, H, W, 3]
+    ditattn.save_video(frames, "fox.mp4")
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Sequence, Union
+
+from ditattn.errors import AttentionConfigError
+from ditattn.runconfig import AttentionOptions, ModelConfig, RunConfig, SamplingConfig
+
+Spec = Union[str, Mapping[str, Any], None]
+
+
+class WanPipeline:
+    """Wan 2.1 / 2.2 text-to-video with ditattn's attention backends; build it with
+    :meth:`from_pretrained`.  ``pipe(prompt, ...)`` returns the frames; :meth:`generate` also returns
+    the attention backends that ran and the timings; :meth:`plan` the attention plan.
+
+    Attributes: ``config`` (the :class:`~ditattn.runconfig.RunConfig` it was built from),
+    ``native`` (the :class:`~ditattn.pipelines.wan.WanPipelineNative` that runs it), ``device``,
+    ``dtype``, ``defaults`` (the model's sampling defaults).
+    """
+
+    def __init__(self, native, config: RunConfig):
+        self.native = native
+        self.config = config
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: Optional[str] = None,
+        *,
+        attention_backend: Any = None,
+        attention_backend_config: Spec = None,
+        component_attention_backends: Spec = None,
+        device: Any = None,
+        dtype: Any = None,
+        revision: Optional[str] = None,
+        local_files_only: bool = False,
+        cache_dir: Optional[str] = None,
+        variant: Optional[str] = None,
+        enable_attention_backend_autotune: bool = False,
+        enable_torch_compile: bool = False,
+    ) -> "WanPipeline":
+        """Load ``model`` — a local diffusers-format Wan folder, a Hugging Face repo id ``org/name``
+        (the local cache first, ``revision``, ``local_files_only``, ``cache_dir`` instead of
+        ``HF_HOME``) or ``ditattn:tiny-wan`` / ``ditattn:tiny-wan2.2`` (None: ``ditattn:tiny-wan``).
+
+        attention_backend: the global backend (``"fa"``, ``"torch_sdpa"``, ``"video_sparse_attn"``,
+        an ``AttentionBackendEnum`` member, …; None: automatic per platform);
+        attention_backend_config: backend parameters (a dict, JSON, ``"k=v,k=v"`` or a file path);
+        component_attention_backends: per-component / per-role overrides (a dict such as
+        ``{"text_encoder": "torch_sdpa", "transformer.cross": "fa"}`` or the CLI's spec string);
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"`` or a ``torch.device`` (None: cuda if available);
+        dtype: ``"bfloat16"`` / ``"float16"`` / ``"float32"`` or a ``torch.dtype`` (None: float32
+        on CPU, bfloat16 on GPUs).  Raises :class:`AttentionConfigError` for any bad value.
+        """
+        config = RunConfig(
+            model=ModelConfig(model_path=model, revision=revision, local_files_only=local_files_only,
+                              model_variant=variant, device=device, dtype=dtype,
+                              enable_torch_compile=enable_torch_compile),
+            attention=AttentionOptions(attention_backend=attention_backend,
+                                       attention_backend_config=attention_backend_config,
+                                       component_attention_backends=component_attention_backends,
+                                       enable_attention_backend_autotune=enable_attention_backend_autotune),
+        )
+        from ditattn.pipelines.wan import WanPipelineNative
+
+        return cls(WanPipelineNative.from_config(config, cache_dir=cache_dir), config)
+
+    # -- properties of the loaded model ---------------------------------------------------------
+    @property
+    def device(self):
+        return self.native.device
+
+    @property
+    def dtype(self):
+        return self.native.dtype
+
+    @property
+    def defaults(self) -> dict:
+        return dict(self.native.defaults)
+
+    def plan(self) -> dict:
+        """The attention plan: which backend each attention layer got and why (the object
+        ``ditattn plan --json`` prints)."""
+        return self.native.plan()
+
+    # -- generation ----------------------------------------------------------------------------
+    def __call__(self, prompt: Union[str, Sequence[str]], **kw: Any):
+        """Generate; same arguments as :meth:`generate`.  Returns the frames: ``np.uint8
+        [N, F, H, W, 3]``, one clip per prompt (``F == 1`` for an image)."""
+        return self.generate(prompt, **kw).frames
+
+    def generate(
+        self,
+        prompt: Union[str, Sequence[str]],
+        *,
+        negative_prompt: Union[str, Sequence[str], None] = None,
+        num_inference_steps: Optional[int] = None,
+        guidance_scale: Optional[float] = None,
+        height: Optional[int] = None,
+        width: Optional[int] = None,
+        num_frames: Optional[int] = None,
+        seed: Union[int, Sequence[int], None] = None,
+        attention_backend_override: Any = None,
+        skip_softmax_threshold_scale_factor: Optional[float] = None,
+        skip_softmax_start_step: Optional[int] = None,
+        progress: bool = True,
+    ):
+        """Generate one clip per prompt and return the
+        :class:`~ditattn.pipelines.wan.GenerationResult` (``frames``, ``attention_backends``,
+        ``timings``, ``stats``).
+
+        prompt: a string or a list of N strings (one batch); negative_prompt: a string or N strings.
+        None sampling values take the model's :attr:`defaults`; height / width: multiples of 16;
+        num_frames: 1 + 4k (1 = an image); seed: an int (prompt i uses seed + i; None: 0) or N ints.
+        attention_backend_override: a dense drop-in backend for this call's DiT attention (``fa``,
+        ``torch_sdpa``, ``sage_attn``, ``sage_attn_3``); skip_softmax_*: request-scoped skip softmax
+        (needs a threshold, calibrated per model).  Raises :class:`AttentionConfigError` with the
+        CLI's message for any bad value.
+        """
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt) if isinstance(prompt, (list, tuple)) else None
+        if not prompts:
+            raise AttentionConfigError(f"prompt must be a string or a non-empty list of strings, got {prompt!r}")
+        negatives = negative_prompt if isinstance(negative_prompt, (list, tuple)) else [negative_prompt]
+        seeds = seed if isinstance(seed, (list, tuple)) else [seed]
+        for i, p in enumerate(prompts):  # each value through the CLI's checks
+            SamplingConfig(prompt=p, negative_prompt=negatives[min(i, len(negatives) - 1)],
+                           num_inference_steps=num_inference_steps, guidance_scale=guidance_scale, height=height,
+                           width=width, num_frames=num_frames, seed=seeds[min(i, len(seeds) - 1)])
+        if not all(p.strip() for p in prompts):
+            raise AttentionConfigError("prompt must not be empty")
+        attention = AttentionOptions(attention_backend_override=attention_backend_override,
+                                     skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor,
+                                     skip_softmax_start_step=skip_softmax_start_step)
+        return self.native.generate(
+            prompts if len(prompts) > 1 else prompts[0], negative_prompt, height=height, width=width,
+            num_frames=num_frames, num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
+            seed=0 if seed is None else seed, override=attention.attention_backend_override,
+            skip_softmax=attention.skip_softmax(), progress=progress,
+        )
+
+    def __repr__(self) -> str:
+        dit = ", ".join(self.native.dit_backends())
+        return (f"WanPipeline(model={self.native.model_index.name!r}, device={self.device}, "
+                f"dtype={str(self.dtype).replace('torch.', '')}, DiT attention: {dit})")
+
+
+__all__ = ["WanPipeline"]
