@@ -1,4 +1,4 @@
-"""The ``ditattn`` command line: ``generate``, ``plan``, ``backends``, ``serve``.
+"""The ``ditattn`` command line: ``generate``, ``plan``, ``backends``, ``serve``, ``compare``.
 
 User-input errors print one line ``error: <what was wrong; what is accepted>`` to stderr and exit
 with status 2 (no traceback).
@@ -102,9 +102,13 @@ def add_attention_flags(p: argparse.ArgumentParser) -> None:
                    help="zero-based denoising step where skip softmax starts (default 0)")
 
 
-def add_model_flags(p: argparse.ArgumentParser, *, prompt_required: bool) -> None:
+def add_model_flags(p: argparse.ArgumentParser, *, prompt_required: bool, several: bool = False) -> None:
+    """Model and sampling flags; ``several``: ``--prompt`` and ``--seed`` may repeat (``compare``)."""
     g = p.add_argument_group("model and sampling")
-    if prompt_required:
+    if several:
+        g.add_argument("--prompt", action="append", required=True, metavar="TEXT",
+                       help="text prompt (repeat for several prompts)")
+    elif prompt_required:
         g.add_argument("--prompt", required=True, help="text prompt")
     g.add_argument("--model-path", default=None, metavar="PATH_OR_ID",
                    help="local diffusers-format Wan checkpoint directory, or ditattn:tiny-wan / ditattn:tiny-wan2.2 "
@@ -115,7 +119,11 @@ def add_model_flags(p: argparse.ArgumentParser, *, prompt_required: bool) -> Non
     g.add_argument("--height", type=_pos_int, default=None, metavar="H", help="output height in pixels")
     g.add_argument("--width", type=_pos_int, default=None, metavar="W", help="output width in pixels")
     g.add_argument("--num-frames", type=_pos_int, default=None, metavar="F", help="frames (1 = image)")
-    g.add_argument("--seed", type=_nonneg_int, default=0, metavar="S", help="random seed, an integer >= 0 (default 0)")
+    if several:
+        g.add_argument("--seed", type=_nonneg_int, nargs="+", action="extend", default=None, metavar="S",
+                       help="random seeds, integers >= 0; every prompt runs with every seed (default 0)")
+    else:
+        g.add_argument("--seed", type=_nonneg_int, default=0, metavar="S", help="random seed, an integer >= 0 (default 0)")
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available, else cpu)")
     g.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="compute dtype (default float32 on cpu, bfloat16 on GPUs)")
@@ -170,6 +178,38 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queue", type=_pos_int, default=64, help="queued requests before 429 (default 64)")
     add_attention_flags(s)
     s.set_defaults(seed=None)  # requests carry their own seed; see _check_serve_flags
+
+    c = sub.add_parser(
+        "compare", help="paired generations under several attention settings: time, PSNR/SSIM, per-layer error",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run the same prompts and seeds under two or more attention settings (--variant; the first is "
+                    "the reference), pair the clips per prompt and seed, and report per variant: DiT and whole "
+                    "time, PSNR / SSIM / MS-SSIM against the reference, the per-layer attention-output error and "
+                    "cosine at the capture steps (against the reference run, and against the reference backend on "
+                    "the layer's own inputs), and the kept fraction of sparse backends. Writes compare.json, "
+                    "compare.png, contact_sheet.png and side-by-side MP4s into --output-path.",
+        epilog="example:\n  ditattn compare --prompt 'a red circle moving right' --prompt 'a blue square' \\\n"
+               "    --variant dense=torch_sdpa --variant vsa='video_sparse_attn:sparsity=0.5' --seed 0 1")
+    add_model_flags(c, prompt_required=True, several=True)
+    cv = c.add_argument_group("comparison")
+    cv.add_argument("--variant", action="append", required=True, metavar="NAME=SPEC",
+                    help="an attention setting: NAME=BACKEND[:k=v;k=v][@component=backend,...] or NAME={json with "
+                         "backend, config, components}; BACKEND 'auto' = automatic. Repeat; the first is the reference")
+    cv.add_argument("--capture-steps", default="0,-1", metavar="LIST",
+                    help="denoising steps whose attention outputs are compared, comma-separated, negative = from "
+                         "the end (default 0,-1)")
+    cv.add_argument("--capture-rows", type=_nonneg_int, default=4096, metavar="N",
+                    help="sequence rows kept per captured attention output (default 4096; 0 = all)")
+    cv.add_argument("--no-in-context", dest="in_context", action="store_false",
+                    help="skip running the reference backend on each layer's own inputs at the capture steps")
+    cv.add_argument("--warmup", type=_nonneg_int, default=None, metavar="N",
+                    help="untimed generations per variant first (default 1 on CUDA, 0 on CPU)")
+    cv.add_argument("--output-path", default="outputs/compare", metavar="DIR",
+                    help="where compare.json, compare.png, contact_sheet.png and the videos go (default outputs/compare)")
+    cv.add_argument("--no-video", dest="write_video", action="store_false", help="do not write side-by-side MP4s")
+    cv.add_argument("--fps", type=_pos_int, default=16, help="frames per second of the MP4s (default 16)")
+    cv.add_argument("--json", action="store_true", help="print the report as JSON instead of the summary table")
+    add_attention_flags(c)
     return p
 
 
@@ -272,6 +312,44 @@ def _check_serve_flags(args) -> None:
                                        "a free port and an address of this machine") from None
 
 
+def cmd_compare(args) -> int:
+    """``ditattn compare``: the arguments become a typed CompareConfig; the work is
+    :func:`ditattn.evaluation.compare.run_compare`."""
+    from ditattn.evaluation.compare import CompareConfig, format_summary, json_ready, parse_variant, run_compare
+    from ditattn.pipelines.run import settings_from_args
+
+    refused = [flag for attr, flag in _ATTENTION_FLAGS
+               if attr != "enable_attention_backend_autotune" and getattr(args, attr, None) is not None]
+    if refused:
+        raise AttentionConfigError(f"compare takes its attention settings per variant, not {', '.join(refused)}; "
+                                   "accepted: --variant NAME=BACKEND[:k=v;k=v][@component=backend,...]")
+    if args.backend != "native" or args.num_gpus != 1:
+        raise AttentionConfigError("compare runs the native pipeline on one device; accepted: --backend native, "
+                                   "--num-gpus 1")
+    try:
+        steps = tuple(int(x) for x in args.capture_steps.split(",") if x.strip())
+    except ValueError:
+        raise AttentionConfigError(f"--capture-steps {args.capture_steps!r}: expected comma-separated integers "
+                                   "(negative = from the end), e.g. 0,-1") from None
+    cfg = CompareConfig(
+        variants=[parse_variant(v) for v in args.variant], prompts=list(args.prompt), seeds=args.seed or [0],
+        model_path=args.model_path, device=args.device, dtype=args.dtype, negative_prompt=args.negative_prompt,
+        num_inference_steps=args.num_inference_steps, guidance_scale=args.guidance_scale, height=args.height,
+        width=args.width, num_frames=args.num_frames, capture_steps=steps, capture_rows=args.capture_rows,
+        in_context=args.in_context, warmup=args.warmup, output_dir=args.output_path, write_video=args.write_video,
+        fps=args.fps, base=settings_from_args(args))
+    report = run_compare(cfg)
+    if args.json:
+        print(json.dumps(json_ready(report), indent=1))
+    else:
+        for note in report.get("notes", []):
+            print(f"note: {note}")
+        for key, val in report["files"].items():
+            print(f"{key}: {', '.join(val) if isinstance(val, list) else val}")
+        print(format_summary(report))
+    return 0
+
+
 def _drop_refusal_log(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith("request refused")
 
@@ -297,6 +375,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from ditattn.pipelines.run import plan_main
 
             return plan_main(args)
+        if args.command == "compare":
+            return cmd_compare(args)
         if args.command == "serve":
             _check_serve_flags(args)
             from ditattn.server.app import serve_main
