@@ -224,3 +224,44 @@ def test_capture_qkv_roundtrip(tmp_path):
     bad.write_bytes(b"not a safetensors file")
     with pytest.raises(ActivationFileError, match="cannot read"):
         load_qkv(str(bad))
+
+
+# ------------------------------------------------------------------------------------------------ structured inputs
+
+
+def test_structured_inputs_decay_with_distance_and_differ_by_head_type():
+    from ditattn.evaluation.structured import StructuredSpec, attention_profile, structured_qkv
+
+    grid = (6, 12, 16)
+    spec = StructuredSpec(video_shape=grid, heads=5, sinks=0)
+    q, k, v, info = structured_qkv(spec, dtype=torch.float32)
+    assert q.shape == (1, 6 * 12 * 16, 5, 128) and info["head_types"][:3] == ["spatial", "temporal", "spatial"]
+    assert all(10 <= n <= 16 for n in info["content_norms"])
+    q2, k2, _, _ = structured_qkv(spec, dtype=torch.float32)
+    assert torch.equal(q, q2) and torch.equal(k, k2)  # deterministic
+    prof = attention_profile(q, k, grid)
+    S, T = q.shape[1], grid[0]
+    for h, kind in enumerate(info["head_types"]):
+        if kind != "global":  # local heads put far more mass on the 27 nearest tokens than uniform attention
+            assert prof["near"][h] > 5 * 27 / S, (h, kind, prof["near"][h])
+    # spatial heads stay in their frame, temporal heads stay at their place across frames
+    assert prof["same_frame"][0] > 1.5 / T and prof["same_frame"][0] > prof["same_frame"][1]
+    assert prof["same_place"][1] > prof["same_place"][0] and prof["same_place"][1] > 10 * T / S
+    # the global head is the broadest
+    assert prof["top1_percent"][4] < min(prof["top1_percent"][:4])
+
+
+def test_structured_sinks_draw_attention():
+    from ditattn.evaluation.structured import StructuredSpec, sink_positions, structured_qkv
+
+    assert sink_positions(100, 4) == [0, 25, 50, 75] and sink_positions(100, 0) == []
+    grid = (4, 8, 8)
+    with_s = structured_qkv(StructuredSpec(video_shape=grid, heads=2, sinks=4), dtype=torch.float32)
+    without = structured_qkv(StructuredSpec(video_shape=grid, heads=2, sinks=0), dtype=torch.float32)
+
+    def sink_mass(q, k, sinks):
+        p = torch.softmax(q[0, :, 0] @ k[0, :, 0].T * 128 ** -0.5, dim=-1)
+        return float(p[:, sinks].sum(-1).mean())
+
+    sinks = with_s[3]["sinks"]
+    assert sink_mass(with_s[0], with_s[1], sinks) > 3 * sink_mass(without[0], without[1], sinks)
