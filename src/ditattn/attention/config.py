@@ -288,6 +288,7 @@ SCHEMAS: dict[str, tuple[Param, ...]] = {
     "sparge_attn": (
         P("topk", "float", 0.5, "Fraction of predicted attention blocks kept per head", check=_in(0.0, 1.0, lo_open=True), accepted="a number in (0, 1]"),
         P("block_size", "int", 64, "Block size in tokens for the block importance prediction", choices=(32, 64, 128)),
+        P("quantize", "bool", True, "Kept blocks with INT8 Q.K per block (SageAttention-style, as upstream); false: exact kept blocks"),
     ),
     "video_sparse_attn_h3": (
         P("VSA_sparsity", "float", 0.9, "Fraction of video tiles excluded from top-k", check=_in(0.0, 1.0), accepted="a number in [0, 1]"),

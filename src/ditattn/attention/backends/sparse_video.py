@@ -164,6 +164,10 @@ def video_sparse_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: d
 def sparge_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
     name = B.SPARGE_ATTN.value
     cfg = _config(B.SPARGE_ATTN, config)
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise AttentionConfigError(
+            f"{name}: needs float16 or bfloat16 q/k/v (got {str(q.dtype).replace('torch.', '')}): SpargeAttention "
+            "quantizes its kept blocks SageAttention-style; use --dtype bfloat16 or float16")
     ok, why = sparge_applies(q.shape[1], k.shape[1], q.shape[3])
     if not ok:
         if call.causal or call.attn_bias is not None:
@@ -172,8 +176,9 @@ def sparge_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
     vs, text_len = _check_call(name, q, k, v, call)
     k, v = expand_kv(k, v, q.shape[2])
     out, lse, plan = sparge_attention(q, k, v, video_shape=vs, topk=cfg["topk"], block_size=cfg.get("block_size", 64),
-                                      text_len=text_len, scale=call.scale, return_lse=call.return_lse, impl=_impl())
-    _sparse_done(name, call, plan)
+                                      text_len=text_len, quantize=cfg.get("quantize", True), scale=call.scale,
+                                      return_lse=call.return_lse, impl=_impl())
+    _sparse_done(name, call, plan, quantized=plan.extra["quantized"])
     return out, lse
 
 
