@@ -339,7 +339,9 @@ SCHEMAS: dict[str, tuple[Param, ...]] = {
     "sparse_video_gen_2_attn": (
         P("num_q_clusters", "int", 32, "k-means clusters of queries per head", check=_positive, accepted="an integer > 0"),
         P("num_k_clusters", "int", 64, "k-means clusters of keys per head", check=_positive, accepted="an integer > 0"),
-        P("kmeans_iters", "int", 5, "k-means iterations", check=_positive, accepted="an integer > 0"),
+        P("kmeans_iters", "int", 5, "k-means iterations of a cold start (first step of a request)", check=_positive, accepted="an integer > 0"),
+        P("warm_iters", "int", 1, "k-means iterations of later steps, started from the previous step's centroids of the layer", check=_positive, accepted="an integer > 0"),
+        P("recluster_every", "int", 1, "cluster every N-th step; the steps between reuse the cached permutation and block lists", check=_positive, accepted="an integer > 0"),
         P("top_p", "float", 0.9, "Cumulative estimated attention mass kept per query cluster", check=_in(0.0, 1.0, lo_open=True), accepted="a number in (0, 1]"),
         P("first_full_steps", "int", 0, "Dense attention for the first N denoising steps", check=_nonneg, accepted="an integer >= 0"),
     ),

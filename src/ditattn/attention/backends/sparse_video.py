@@ -21,6 +21,7 @@ kernel choice (benchmarks, debugging).
 from __future__ import annotations
 
 import os
+import threading
 from typing import Optional
 
 import torch
@@ -214,10 +215,14 @@ def sparse_video_gen_2_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, con
     k, v = expand_kv(k, v, q.shape[2])
     if call.step is not None and call.step < cfg["first_full_steps"]:
         return _dense(name, q, k, v, call, f"step {call.step} < first_full_steps {cfg['first_full_steps']}")
+    # warm start per layer and calling thread (one request runs its steps on one thread)
+    state_key = f"{_key(name, call)}@{threading.get_ident()}"
     out, lse, plan = svg2_attention(q, k, v, video_shape=vs, text_len=text_len, num_q_clusters=cfg["num_q_clusters"],
                                     num_k_clusters=cfg["num_k_clusters"], kmeans_iters=cfg["kmeans_iters"],
-                                    top_p=cfg["top_p"], scale=call.scale, return_lse=call.return_lse, impl=_impl())
-    _sparse_done(name, call, plan)
+                                    top_p=cfg["top_p"], warm_iters=cfg["warm_iters"],
+                                    recluster_every=cfg["recluster_every"], state_key=state_key, step=call.step,
+                                    scale=call.scale, return_lse=call.return_lse, impl=_impl())
+    _sparse_done(name, call, plan, mode=plan.extra["mode"])
     return out, lse
 
 
