@@ -82,8 +82,13 @@ def kept_of(last_stats):
     return sum(vals) / len(vals) if vals else None
 
 
+#: --error-only: no timing; one call per case (stateful backends: three steps, the last measured)
+ERROR_ONLY = False
+
+
 def run_case(attention, q, k, v, grid, backend, cfg, *, layer=LAYER, stateful=False):
-    """``(ms, out)`` of one backend call pattern (a fresh step per call when ``stateful``)."""
+    """``(ms, out)`` of one backend call pattern (a fresh step per call when ``stateful``);
+    ``ms`` None under ``--error-only``."""
     state = {"step": 0}
 
     def call():
@@ -93,6 +98,10 @@ def run_case(attention, q, k, v, grid, backend, cfg, *, layer=LAYER, stateful=Fa
             state["step"] += 1
         return out
 
+    if ERROR_ONLY:
+        for _ in range(2 if stateful else 0):
+            call()
+        return None, call()
     call()  # cold start (compilation, the first k-means)
     ms = bench_ms(call)
     return ms, call()
@@ -135,12 +144,16 @@ def measure_input(rec, dl, args, name, q, k, v, grid, tmp):
     dense_ms, dense_out = run_case(ditattn.attention, q, k, v, None, dense_backend, None)
     rel, cos = errors(dense_out, exact, rows)
     base = {"input": name, "grid": list(grid), "seq": S, "heads": H}
-    rec.add(**base, case=f"dense {dense_backend}", backend=dense_backend, ms=dense_ms, speedup=1.0, rel_err=rel,
+    rec.add(**base, case=f"dense {dense_backend}", backend=dense_backend, ms=dense_ms,
+            speedup=1.0 if dense_ms else None, rel_err=rel,
             cosine=cos, kept_fraction=1.0)
-    print(f"[{name}] grid {grid} S={S} heads={H}: dense {dense_backend} {dense_ms:.2f} ms, err {rel:.2e}", flush=True)
+    print(f"[{name}] grid {grid} S={S} heads={H}: dense {dense_backend} {dense_ms or float('nan'):.2f} ms, "
+          f"err {rel:.2e}", flush=True)
     only = set(args.backends.split(",")) if args.backends else None
     for label, backend, cfg in CASES:
         if only is not None and backend not in only:
+            continue
+        if args.cases and not any(c in label for c in args.cases.split(",")):
             continue
         if dl.left() < 0:
             rec.note(f"budget exhausted before {label} at {name}")
@@ -163,8 +176,9 @@ def measure_input(rec, dl, args, name, q, k, v, grid, tmp):
             except Exception as exc:  # report and go on
                 rec.note(f"{lab} at {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
                 continue
-            row = rec.add(**base, case=lab, backend=backend, config=cfg, speedup=dense_ms / res["ms"], **res)
-            print(f"  {lab:<44} {row['ms']:9.2f} ms  x{row['speedup']:5.2f}  kept "
+            row = rec.add(**base, case=lab, backend=backend, config=cfg,
+                          speedup=dense_ms / res["ms"] if res["ms"] else None, **res)
+            print(f"  {lab:<44} {row['ms'] or float('nan'):9.2f} ms  x{row['speedup'] or float('nan'):5.2f}  kept "
                   f"{row['kept_fraction'] if row['kept_fraction'] is not None else float('nan'):.3f}  "
                   f"err {row['rel_err']:.3e}  cos {row['cosine']:.5f}"
                   + (f"  search {row['search_s']:.2f} s" if "search_s" in row else ""), flush=True)
@@ -179,7 +193,7 @@ def chart(rows, path):
     groups = sorted({(r["input"], r["heads"]) for r in rows})
     fig, axes = plt.subplots(1, len(groups), figsize=(6.5 * len(groups), 5), squeeze=False)
     for ax, (inp, heads) in zip(axes[0], groups):
-        sel = [r for r in rows if r["input"] == inp and r["heads"] == heads and r.get("rel_err")]
+        sel = [r for r in rows if r["input"] == inp and r["heads"] == heads and r.get("rel_err") and r.get("speedup")]
         for backend in sorted({r["backend"] for r in sel}):
             pts = [r for r in sel if r["backend"] == backend]
             ax.scatter([r["speedup"] for r in pts], [r["rel_err"] for r in pts], label=backend, s=22)
@@ -207,8 +221,13 @@ def main():
     ap.add_argument("--no-structured", action="store_true", help="only the --activations inputs")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new cases after this many seconds")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--error-only", action="store_true",
+                    help="measure errors and kept fractions only (one call per case, no timing): CPU runs at full grids")
+    ap.add_argument("--cases", default=None, help="comma list of substrings: only cases whose label contains one")
     ap.add_argument("--out", default="fidelity_out", help="output directory")
     args = ap.parse_args()
+    global ERROR_ONLY
+    ERROR_ONLY = args.error_only
 
     from ditattn.evaluation.structured import StructuredSpec, structured_qkv
 
@@ -244,7 +263,7 @@ def main():
     cols = [("input", "input", ""), ("heads", "H", ""), ("case", "case", ""), ("ms", "ms", ".2f"),
             ("speedup", "x dense", ".2f"), ("kept_fraction", "kept", ".3f"), ("rel_err", "rel err", ".3e"),
             ("cosine", "cosine", ".5f"), ("search_s", "search s", ".2f")]
-    print(fmt_table([dict(r, input=r["input"][:40]) for r in rows], cols))
+    print(fmt_table(rows, cols))
     for n in rec.data["notes"]:
         print("NOTE:", n)
 

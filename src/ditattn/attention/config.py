@@ -337,8 +337,8 @@ SCHEMAS: dict[str, tuple[Param, ...]] = {
         P("block_size", "int", 64, "Block size in tokens", choices=(32, 64, 128)),
     ),
     "sparse_video_gen_2_attn": (
-        P("num_q_clusters", "int", 32, "k-means clusters of queries per head", check=_positive, accepted="an integer > 0"),
-        P("num_k_clusters", "int", 64, "k-means clusters of keys per head", check=_positive, accepted="an integer > 0"),
+        P("num_q_clusters", "int", 64, "k-means clusters of queries per head", check=_positive, accepted="an integer > 0"),
+        P("num_k_clusters", "int", 128, "k-means clusters of keys per head", check=_positive, accepted="an integer > 0"),
         P("kmeans_iters", "int", 5, "k-means iterations of a cold start (first step of a request)", check=_positive, accepted="an integer > 0"),
         P("warm_iters", "int", 1, "k-means iterations of later steps, started from the previous step's centroids of the layer", check=_positive, accepted="an integer > 0"),
         P("recluster_every", "int", 1, "cluster every N-th step; the steps between reuse the cached permutation and block lists", check=_positive, accepted="an integer > 0"),

@@ -57,7 +57,7 @@ class StructuredSpec:
     types: tuple = ("spatial", "temporal", "spatial", "temporal", "global")
     sinks: int = 4
     sink_align: float = 3.0
-    sink_gain: float = 0.45
+    sink_gain: float = 0.35
     seed: int = 0
 
     def head_type(self, h: int) -> str:

@@ -218,7 +218,7 @@ def _plan(q: Tensor, k: Tensor, n_video: int, text_len: int, cq, ck, qs, ks, ql,
 
 
 def svg2_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: int = 0,
-                   num_q_clusters: int = 32, num_k_clusters: int = 64, kmeans_iters: int = 5, top_p: float = 0.9,
+                   num_q_clusters: int = 64, num_k_clusters: int = 128, kmeans_iters: int = 5, top_p: float = 0.9,
                    warm_iters: int = 1, recluster_every: int = 1, state_key: Optional[str] = None,
                    step: Optional[int] = None, block_size: Optional[int] = None, scale: Optional[float] = None,
                    return_lse: bool = False, impl: str = "auto") -> tuple[Tensor, Optional[Tensor], SparsePlan]:
