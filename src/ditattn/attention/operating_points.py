@@ -48,5 +48,7 @@ OPERATING_POINTS: dict[str, OperatingPoint] = {
     "sol_attn": OperatingPoint("tau 1.0, diag; sparse layers and steps", 0.312, 0.9521, 0.212),
     "vmoba_attn": OperatingPoint("threshold 0.25; mean of its temporal/spatial/st layers", 0.810, 0.661, 0.150),
     "video_sparse_attn": OperatingPoint("sparsity 0.0: every tile kept, runs exact dense attention", 0.0017, 1.0, 1.0),
+    "sliding_tile_attn": OperatingPoint("after STA_searching with the default candidate windows (about 27 tiles)",
+                                        0.924, 0.5834, 0.042),
     "sla_attn": OperatingPoint("topk 0.2; no linear branch in any checkpoint", 0.408, 0.9173, 0.200),
 }
