@@ -125,7 +125,7 @@ class _LayerState:
     anchor: int  # step of the last clustering
     q_cent: Tensor
     k_cent: Tensor
-    cached: tuple  # (q_perm, k_perm, kv_indices, kv_counts, kept, extra) of the last clustering
+    cached: tuple  # (q_perm, k_perm, kv_indices, kv_counts, kept, extra) of the last clustering; () unless reused
 
 
 _states: dict[str, _LayerState] = {}
@@ -261,8 +261,10 @@ def svg2_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: in
             kl, ck, ks = kmeans(kv_, num_k_clusters, warm_iters, init=st.k_cent)
         q_perm, k_perm, idx, cnt, kept, extra = _plan(q, k, N, text_len, cq, ck, qs, ks, ql, kl, scale, top_p, bs)
         if state_key is not None and step is not None:
+            # the plan is kept only when later steps reuse it (it is ~50 MB per layer at 480p x 40 heads)
+            cached = (q_perm, k_perm, idx, cnt, kept, extra) if recluster_every > 1 else ()
             with _states_lock:
-                _states[state_key] = _LayerState(sig, step, step, cq, ck, (q_perm, k_perm, idx, cnt, kept, extra))
+                _states[state_key] = _LayerState(sig, step, step, cq, ck, cached)
     nb = -(-S // bs)
     P = nb * bs
     kv_valid = (torch.arange(P, device=q.device) < S).expand(B, P)
