@@ -123,6 +123,8 @@ def test_compare_config_validation():
         CompareConfig(variants=[d, d], prompts=["a"]).validate()
     with pytest.raises(AttentionConfigError, match="prompt"):
         CompareConfig(variants=[d, Variant("e")], prompts=[" "]).validate()
+    with pytest.raises(AttentionConfigError, match="warmup"):
+        CompareConfig(variants=[d, Variant("e")], prompts=["a"], warmup=-1).validate()
 
 
 def test_resolve_steps_and_rows():
@@ -181,7 +183,8 @@ def test_compare_two_variants_two_prompts_on_cpu(compare_run):
 
 def test_compare_identical_variants_are_exact(tmp_path, capsys):
     rc = main(["compare", "--prompt", "a cat", *SMALL, "--num-inference-steps", "1", "--variant", "a=torch_sdpa",
-               "--variant", "b=torch_sdpa", "--output-path", str(tmp_path), "--no-video", "--seed", "3", "4"])
+               "--variant", "b=torch_sdpa", "--output-path", str(tmp_path), "--no-video", "--seed", "3", "4",
+               "--warmup", "0"])
     assert rc == 0
     text = capsys.readouterr().out
     assert "inf" in text.splitlines()[-1]

@@ -202,8 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sequence rows kept per captured attention output (default 4096; 0 = all)")
     cv.add_argument("--no-in-context", dest="in_context", action="store_false",
                     help="skip running the reference backend on each layer's own inputs at the capture steps")
-    cv.add_argument("--warmup", type=_nonneg_int, default=None, metavar="N",
-                    help="untimed generations per variant first (default 1 on CUDA, 0 on CPU)")
+    cv.add_argument("--warmup", type=_nonneg_int, default=1, metavar="N",
+                    help="untimed generations per variant first, so one-time costs (imports, kernel compilation) do not "
+                         "bias the first variant's time (default 1)")
     cv.add_argument("--output-path", default="outputs/compare", metavar="DIR",
                     help="where compare.json, compare.png, contact_sheet.png and the videos go (default outputs/compare)")
     cv.add_argument("--no-video", dest="write_video", action="store_false", help="do not write side-by-side MP4s")
@@ -342,7 +343,16 @@ def cmd_compare(args) -> int:
         width=args.width, num_frames=args.num_frames, capture_steps=steps, capture_rows=args.capture_rows,
         in_context=args.in_context, warmup=args.warmup, output_dir=args.output_path, write_video=args.write_video,
         fps=args.fps, base=settings_from_args(args))
-    report = run_compare(cfg)
+    import torch
+
+    from ditattn.pipelines.run import _tune_cpu_threads
+
+    threads = torch.get_num_threads()
+    _tune_cpu_threads(args.device)  # on a busy CPU, fewer threads run much faster (see its docstring)
+    try:
+        report = run_compare(cfg)
+    finally:
+        torch.set_num_threads(threads)
     if args.json:
         print(json.dumps(json_ready(report), indent=1))
     else:

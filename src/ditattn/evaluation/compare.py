@@ -127,7 +127,8 @@ class CompareConfig:
     model's defaults.  capture_steps: denoising steps whose attention outputs are compared (negative
     = from the end); capture_rows: sequence rows kept per captured output (0 = all); in_context:
     also run the reference backend on each variant layer's own inputs at the capture steps.
-    warmup: untimed generations per variant before the timed ones (None: 1 on CUDA, 0 on CPU).
+    warmup: untimed generations per variant before the timed ones (one-time costs such as imports and
+    kernel compilation would otherwise land on the first variant).
     output_dir: where the JSON, chart, contact sheet and videos go (None: nothing written).
     base: settings shared by every variant (autotune, compile flags).
     """
@@ -147,7 +148,7 @@ class CompareConfig:
     capture_steps: tuple = (0, -1)
     capture_rows: int = 4096
     in_context: bool = True
-    warmup: Optional[int] = None
+    warmup: int = 1
     output_dir: Optional[str] = "outputs/compare"
     write_video: bool = True
     fps: int = 16
@@ -168,7 +169,7 @@ class CompareConfig:
             raise AttentionConfigError("--seed values must be integers >= 0")
         if self.capture_rows < 0:
             raise AttentionConfigError("--capture-rows must be >= 0 (0 = every row)")
-        if self.warmup is not None and self.warmup < 0:
+        if self.warmup < 0:
             raise AttentionConfigError("--warmup must be >= 0")
         if self.num_inference_steps:
             resolve_steps(self.capture_steps, self.num_inference_steps)
@@ -246,8 +247,7 @@ def run_compare(cfg: CompareConfig) -> dict:
                 meta = {"model": pipe.model_index.name, "device": str(pipe.device),
                         "dtype": str(pipe.dtype).replace("torch.", ""), "num_inference_steps": steps,
                         "capture_steps": sorted(capture)}
-            warm = cfg.warmup if cfg.warmup is not None else (1 if pipe.device.type == "cuda" else 0)
-            for _ in range(warm):
+            for _ in range(cfg.warmup):
                 pipe.generate(cfg.prompts[0], cfg.negative_prompt, seed=int(cfg.seeds[0]), **gen_kw)
 
             def on_step(done: int, total: int, dev=pipe.device) -> None:
