@@ -29,6 +29,7 @@ clusters again; the steps between reuse the cached permutation and block lists a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import threading
 from typing import Optional
@@ -217,6 +218,14 @@ def _plan(q: Tensor, k: Tensor, n_video: int, text_len: int, cq, ck, qs, ks, ql,
     return q_perm, k_perm, idx, cnt, kept, extra
 
 
+@functools.lru_cache(maxsize=32)
+def _kv_valid(B: int, P: int, S: int, device: torch.device) -> Tensor:
+    """bool ``[B, P]``: the first ``S`` positions are real (cached, and an ordinary tensor even when
+    first built under inference mode, so the kernel's per-plan facts are computed once)."""
+    with torch.inference_mode(False):
+        return (torch.arange(P, device=device) < S).expand(B, P)
+
+
 def svg2_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: int = 0,
                    num_q_clusters: int = 64, num_k_clusters: int = 128, kmeans_iters: int = 5, top_p: float = 0.9,
                    warm_iters: int = 1, recluster_every: int = 1, state_key: Optional[str] = None,
@@ -267,7 +276,7 @@ def svg2_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: in
                 _states[state_key] = _LayerState(sig, step, step, cq, ck, cached)
     nb = -(-S // bs)
     P = nb * bs
-    kv_valid = (torch.arange(P, device=q.device) < S).expand(B, P)
+    kv_valid = _kv_valid(B, P, S, q.device)
     qp, kp, vp = _gather_tokens(q, q_perm, P), _gather_tokens(k, k_perm, P), _gather_tokens(v, k_perm, P)
     out_p, lse_p = block_sparse_attention(qp, kp, vp, idx, cnt, block_size=bs, scale=scale, kv_valid=kv_valid,
                                           return_lse=return_lse, impl=impl)
