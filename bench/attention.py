@@ -30,6 +30,17 @@ from common import (Deadline, Recorder, attn_flops, bench_ms, empty_cache, env_i
 
 SHAPES = [(1, 24, 4096, 128), (1, 12, 4096, 128), (1, 12, 16384, 128), (1, 12, 32760, 128),
           (1, 40, 32760, 128), (1, 40, 75600, 128), (1, 24, 4096, 64)]
+#: latent token grids (T, H, W) of the structured inputs, per sequence length (Wan 480p / 720p x 81 frames)
+GRIDS = {4096: (4, 32, 32), 16384: (16, 32, 32), 32760: (21, 30, 52), 75600: (21, 45, 80)}
+
+
+def make_inputs(kind, b, s, h, d, seed):
+    """``random`` (i.i.d. normal) or ``structured`` (common.structured_qkv on the grid of ``s``)."""
+    if kind == "structured":
+        if s not in GRIDS:
+            raise SystemExit(f"no token grid for S={s} (structured inputs accept S in {sorted(GRIDS)})")
+        return common.structured_qkv(b, GRIDS[s], h, d, seed=seed)
+    return make_qkv(b, s, h, d, seed=seed)
 TUNE_SHAPE = (1, 12, 32760, 128)
 
 
@@ -81,6 +92,12 @@ def dense_candidates(q, k, v, int8_cfg=None, int8_fp8_cfg=None, skip_cfg=None, h
 
     c["ours int8 QK + fp16 PV"] = lambda: int8_attention(q, k, v, pv="fp16", config=int8_cfg)[0]
     c["ours int8 QK + fp8 PV"] = lambda: int8_attention(q, k, v, pv="fp8", config=int8_fp8_cfg)[0]
+    if q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0) and q.shape[-1] in (64, 128):
+        from ditattn.attention.kernels.sage_sm90 import sage_attention_sm90
+
+        c["ours sm90 int8 QK (token K) + bf16 PV"] = lambda: sage_attention_sm90(q, k, v)[0]
+        c["ours sm90 int8 QK (block K) + bf16 PV"] = lambda: sage_attention_sm90(
+            q, k, v, config={"k_granularity": "block"})[0]
     if q.shape[-1] in (128, 256):
         from ditattn.attention.kernels.skip_softmax import skip_softmax_attention
 
@@ -154,13 +171,13 @@ def tune(rec, dl, fa_ms_holder, shape=TUNE_SHAPE):
     return pick.get("int8-fp16"), pick.get("int8-fp8"), pick.get("skip")
 
 
-def run_dense(rec, dl, shapes, int8_cfg, int8_fp8_cfg, skip_cfg):
+def run_dense(rec, dl, shapes, int8_cfg, int8_fp8_cfg, skip_cfg, inputs="random"):
     summary = []
     for si, (b, h, s, d) in enumerate(shapes):
         if dl.left() < 45:
             rec.note(f"dense: stopped before shape {(b, h, s, d)} (time budget)")
             break
-        q, k, v = make_qkv(b, s, h, d, seed=1000 + si)
+        q, k, v = make_inputs(inputs, b, s, h, d, seed=1000 + si)
         rows = sample_rows(s, 256, seed=si)
         ref, ref_lse = reference_rows(q, k, v, rows)
         fl = attn_flops(b, h, s, s, d)
@@ -175,12 +192,13 @@ def run_dense(rec, dl, shapes, int8_cfg, int8_fp8_cfg, skip_cfg):
             if out is None:
                 continue
             err = rel_err(out[:, rows], ref)
+            cos = float(F.cosine_similarity(out[:, rows].float().flatten(), ref.float().flatten(), dim=0))
             del out
             ms = guarded(rec, f"time {name} {(b, h, s, d)}", lambda fn=fn: bench_ms(fn))
             if ms is None:
                 continue
             res[name] = rec.add(section="dense", shape=[b, h, s, d], backend=name, ms=ms, tflops=fl / ms / 1e9,
-                                rel_err=err)
+                                rel_err=err, cos=cos, inputs=inputs)
         # LSE accuracy of the backends that return it
         from ditattn.attention.backends.base import AttnCall, get_impl
         from ditattn.attention.kernels.int8_attention import int8_attention
@@ -317,6 +335,8 @@ def main(argv=None):
     ap.add_argument("--shapes", default="", help="B,H,S,D;B,H,S,D;... (default: the PERF.md shapes)")
     ap.add_argument("--tune-shape", default=",".join(map(str, TUNE_SHAPE)))
     ap.add_argument("--skip-shape", default="1,12,32760,128")
+    ap.add_argument("--inputs", choices=("random", "structured"), default="random",
+                    help="i.i.d. normal q/k/v, or q/k rotated by Wan's 3-D RoPE on the shape's token grid")
     args = ap.parse_args(argv)
     if common.DEVICE == "cuda" and not torch.cuda.is_available():
         print("bench/attention.py needs a CUDA GPU")
@@ -328,12 +348,12 @@ def main(argv=None):
     parse = lambda t: tuple(int(x) for x in t.split(","))  # noqa: E731
     cfgs = (None, None, None) if args.no_tune else tune(rec, dl, fa_ms, parse(args.tune_shape))
     shapes = [parse(t) for t in args.shapes.split(";")] if args.shapes else (SHAPES[:2] if args.quick else SHAPES)
-    summary = run_dense(rec, dl, shapes, *cfgs)
+    summary = run_dense(rec, dl, shapes, *cfgs, inputs=args.inputs)
     skip_rows = [] if args.no_skip else run_skip(rec, dl, cfgs[2], parse(args.skip_shape))
     plot(summary, os.path.join(args.out, "attention.png"))
     print("\n## dense (bf16; err = rel. L2 vs float32 on 256 rows)")
     print(fmt_table(summary, [("shape", "B,H,S,D", ""), ("backend", "backend", ""), ("ms", "ms", ".3f"),
-                              ("tflops", "TFLOP/s", ".0f"), ("rel_err", "rel err", ".2e"),
+                              ("tflops", "TFLOP/s", ".0f"), ("rel_err", "rel err", ".2e"), ("cos", "cos", ".5f"),
                               ("speedup_vs_torch_default", "x torch default", ".2f")]))
     if skip_rows:
         print("\n## skip softmax (attention-sink inputs)")

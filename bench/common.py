@@ -151,6 +151,38 @@ def make_qkv(b, s, h, d, *, hkv=None, dtype=torch.bfloat16, seed=0, device=None)
     return q, k, v
 
 
+
+def structured_qkv(b, grid, h, d, *, hkv=None, dtype=torch.bfloat16, seed=0, device=None,
+                   norm_range=(10.0, 16.0)):
+    """Structured q, k, v ``[B, T*H*W, H, D]`` on a Wan latent token grid ``(T, H, W)`` (PERF.md):
+    per head a content vector ``a`` (norm drawn in ``norm_range``) plus unit noise, for q and for k,
+    each rotated by Wan's 3-D RoPE at its token's (t, h, w), so attention decays with 3-D distance
+    as in trained video DiTs; v is i.i.d. normal."""
+    from ditattn.models.fused import apply_rope
+    from ditattn.models.wan.transformer import rope_tables
+
+    device = device or DEVICE
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    hkv = h if hkv is None else hkv
+    s = grid[0] * grid[1] * grid[2]
+    cos, sin = rope_tables(d, tuple(grid), device)
+
+    def content(nh):
+        a = torch.randn(nh, d, generator=g)
+        norms = torch.empty(nh).uniform_(*norm_range, generator=g)
+        return (a / a.norm(dim=-1, keepdim=True) * norms[:, None]).to(device)
+
+    def side(nh, a):
+        x = a[None, None] + torch.randn(b, s, nh, d, generator=g).to(device)
+        return apply_rope(x, cos, sin).to(dtype)
+
+    a_q = content(h)
+    a_k = a_q.view(hkv, h // hkv, d).mean(1) if hkv != h else a_q
+    q = side(h, a_q)
+    k = side(hkv, a_k)
+    v = torch.randn(b, s, hkv, d, generator=g).to(device=device, dtype=dtype)
+    return q, k, v
+
 def sample_rows(s: int, n: int, seed: int = 1, device=None) -> torch.Tensor:
     device = device or DEVICE
     g = torch.Generator(device="cpu").manual_seed(seed)

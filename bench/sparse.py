@@ -84,6 +84,11 @@ def impls(q, k, v, idx, cnt, bs, nk, triton_cfgs, valid=None):
     for label, cfg in triton_cfgs.items():
         out[f"ours triton {label}"] = (lambda cfg=cfg: block_sparse_attention_triton(
             q, k, v, idx, cnt, block_size=bs, config=cfg, impl="triton")[0])
+    if bs == 64 and q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0):
+        from ditattn.attention.kernels.block_sparse_sm90 import block_sparse_attention_sm90
+
+        out["ours sm90 (Gluon, warp-specialised)"] = lambda: block_sparse_attention_sm90(
+            q, k, v, idx, cnt, block_size=bs, kv_valid=valid)[0]
     if valid is not None:
         # the entry point as the sparse engine calls it: padded keys marked, impl chosen automatically
         out["ours auto (kv_valid)"] = lambda: block_sparse_attention_triton(q, k, v, idx, cnt, block_size=bs,
@@ -162,6 +167,18 @@ def correctness(rec, base=1000):
             rec.add(section="correctness", impl=f"triton kv_per_iter={kvpi}", block_size=bs, rel_err=rel_err(o, ref),
                     sdpa_bf16_err=sdpa_err, lse_max_err=float((lse[fin] - ref_lse[fin]).abs().max()),
                     empty_rows_ok=bool(torch.equal(torch.isfinite(lse), fin)))
+        if bs == 64 and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+            from ditattn.attention.kernels.block_sparse_sm90 import block_sparse_attention_sm90
+
+            res = guarded(rec, "correctness sm90 bs=64", lambda: block_sparse_attention_sm90(
+                q, k, v, idx, cnt, block_size=bs, kv_valid=valid, return_lse=True))
+            if res is not None:
+                o, lse = res
+                fin = torch.isfinite(ref_lse)
+                rec.add(section="correctness", impl="sm90 (Gluon)", block_size=bs, rel_err=rel_err(o, ref),
+                        sdpa_bf16_err=sdpa_err, lse_max_err=float((lse[fin] - ref_lse[fin]).abs().max()),
+                        empty_rows_ok=bool(torch.equal(torch.isfinite(lse), fin)),
+                        empty_rows_zero=bool((o[0, bs:2 * bs, 0] == 0).all()))
         # the automatic entry (FA4 when it fits) with a shared valid prefix and an empty query block
         valid_p = torch.arange(S, device=common.DEVICE)[None, :].expand(B, S) < S_real
         mask_p = block_lists_to_dense_mask(idx, cnt, block_size=bs, kv_valid=valid_p)

@@ -83,7 +83,7 @@ def test_generate_request_override_and_no_save(capsys, tmp_path):
     (["--component-attention-backends", "vae=torch_sdpa"], "fixed attention"),
     (["--model-path", "/nonexistent/wan"], "not a local directory"),
     (["--num-gpus", "2", "--ulysses-degree", "4"], "does not divide --num-gpus 2"),
-    (["--num-gpus", "2", "--ulysses-degree", "1", "--ring-degree", "1"], "must equal --num-gpus 2"),
+    (["--num-gpus", "2", "--ulysses-degree", "1", "--ring-degree", "1"], "1 × --ring-degree 1 = 1 does not equal --num-gpus 2"),
     (["--num-gpus", "3"], "accepted Ulysses degrees for this model: 1, 2, 4"),
     (["--skip-softmax-start-step", "2"], "needs --skip-softmax-threshold-scale-factor"),
     (["--enable-cuda-graph"], "--enable-cuda-graph needs a CUDA device"),
@@ -159,7 +159,7 @@ def test_generate_rejects_non_finite_guidance_and_reports_refusal_once(capsys, c
                            "--attention-backend-override", "nope")
     assert rc == 2 and err.startswith("error: attention_backend_override: unknown attention backend 'nope'")
     assert not any("request refused" in r.getMessage() for r in caplog.records)  # the error line says it once
-    from ditattn.cli import _drop_refusal_log
+    from ditattn.entrypoints.cli import _drop_refusal_log
 
     assert _drop_refusal_log not in logging.getLogger("ditattn.attention").filters  # not left behind
 

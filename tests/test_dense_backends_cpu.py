@@ -42,11 +42,10 @@ def test_fa_runtime_order():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("pv", ["fp16", "fp8"])
-def test_sage_cpu_reference(dtype, pv, monkeypatch):
-    monkeypatch.setenv("DITATTN_SAGE_PV", pv)
+def test_sage_cpu_reference(dtype, pv):
     q, k, v = qkv(dtype=dtype, seed=3)
     k0 = k.clone()
-    out, lse = get_impl(B.SAGE_ATTN)(q, k, v, AttnCall(return_lse=True), {})
+    out, lse = get_impl(B.SAGE_ATTN)(q, k, v, AttnCall(return_lse=True), {"pv_dtype": pv})
     ref, ref_lse = reference_attention(q, k, v)
     assert out.dtype == dtype and torch.equal(k, k0)
     assert rel(out, ref) < (0.025 if pv == "fp16" else 0.06)
@@ -70,13 +69,39 @@ def test_int8_reference_is_exact_without_quantization_error():
     assert rel(out, ref) < 2e-3 and (lse - ref_lse).abs().max() < 1e-3
 
 
-def test_sage_rejects_bias_and_bad_env(monkeypatch):
+def test_sage_rejects_bias_bad_config_and_retired_env(monkeypatch):
     q, k, v = qkv()
     with pytest.raises(AttentionConfigError, match="bias"):
         get_impl(B.SAGE_ATTN)(q, k, v, AttnCall(attn_bias=torch.zeros(1, 1, 77, 91)), {})
-    monkeypatch.setenv("DITATTN_SAGE_PV", "fp4")
-    with pytest.raises(AttentionConfigError, match="DITATTN_SAGE_PV"):
+    with pytest.raises(AttentionConfigError, match="invalid value 'fp4' for 'pv_dtype'"):
+        get_impl(B.SAGE_ATTN)(q, k, v, AttnCall(), {"pv_dtype": "fp4"})
+    with pytest.raises(AttentionConfigError, match="no sage_attn kernel implements fp8 Q.K yet"):
+        get_impl(B.SAGE_ATTN)(q, k, v, AttnCall(), {"qk_dtype": "fp8"})
+    monkeypatch.setenv("DITATTN_SAGE_PV", "fp8")  # retired: an error naming the config key, never ignored
+    with pytest.raises(AttentionConfigError, match="DITATTN_SAGE_PV is no longer read; use the sage_attn config key 'pv_dtype'"):
         get_impl(B.SAGE_ATTN)(q, k, v, AttnCall(), {})
+
+
+def test_sage_impl_dispatch_on_cpu(monkeypatch):
+    """CPU: auto and reference run the PyTorch reference; the package and (without the Triton
+    interpreter) the Triton kernel are refused with the reason; the schema's impl choices are the
+    dispatch table's."""
+    from ditattn.attention.backends import sage
+    from ditattn.attention.schemas import SAGE_IMPLS
+
+    assert set(SAGE_IMPLS) == {"auto", *sage.SAGE_IMPLS}
+    q, k, v = qkv(dtype=torch.float32, seed=4)
+    for impl in ("auto", "reference"):
+        assert sage.sage_impl_for(q, AttnCall(), {"impl": impl}) == "reference"
+    out, _ = get_impl(B.SAGE_ATTN)(q, k, v, AttnCall(), {"impl": "reference", "pv_dtype": "fp8"})
+    from ditattn.attention.kernels.int8_attention import int8_attention_reference
+
+    assert torch.equal(out, int8_attention_reference(q, k, v, pv="fp8", k_granularity="token")[0])  # auto: token
+    with pytest.raises(AttentionConfigError, match="impl package: .*sageattention"):
+        get_impl(B.SAGE_ATTN)(q, k, v, AttnCall(), {"impl": "package"})
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(AttentionConfigError, match="triton: the Triton kernel needs a CUDA device"):
+        get_impl(B.SAGE_ATTN)(q, k, v, AttnCall(), {"impl": "triton"})
 
 
 def test_sage3_and_aiter_refused_on_cpu():

@@ -15,7 +15,7 @@ import torch
 from ditattn import AttentionConfigError
 from ditattn.attention.context import AttentionSettings
 from ditattn.distributed import destroy_sequence_parallel, init_sequence_parallel
-from ditattn.distributed.launch import PipelineRelay
+from ditattn.distributed.relay import PipelineRelay
 
 # 9 frames at 48x48: latent grid 3x3x3 = 27 tokens (2 ranks: 14 each, one padding token)
 GEN = dict(height=48, width=48, num_frames=9, num_inference_steps=2, seed=3)
@@ -44,7 +44,7 @@ def _worker(groups, configs):
         def call(name, **kw):
             results[name] = pipe.generate("a blue bird", output_type="float", progress=False, **GEN, **kw).frames
 
-        with relay.leading():
+        with relay.leading(type(pipe)):
             time.sleep(0.4)  # idle: heartbeats flow
             threads = [threading.Thread(target=call, args=("plain",)),
                        threading.Thread(target=call, args=("override",), kwargs={"override": "torch_sdpa"})]
@@ -62,13 +62,12 @@ def _worker(groups, configs):
     return out
 
 
-def _rank_target(args):
-    """What each launched rank runs: the real ``ditattn generate`` command, then the extra checks."""
-    from ditattn.distributed import get_sequence_parallel
-    from ditattn.distributed.launch import run_command
+def _rank_target(rank, cfg):
+    """What each launched rank runs: the real ``ditattn generate`` rank, then the extra checks."""
+    from ditattn.entrypoints.generate import run_rank
 
-    rc = run_command(args)
-    groups = get_sequence_parallel()
+    rc = run_rank(rank, cfg)
+    groups = rank.groups
     res = _worker(groups, [(2, 1), (1, 2)])
     res["rc"] = rc
     torch.save(res, os.path.join(os.environ["DITATTN_TEST_RESULTS"], f"rank{groups.rank}.pt"))
@@ -78,7 +77,7 @@ def _rank_target(args):
 def test_generate_two_ranks_ulysses_and_ring_match_single_process(tmp_path, capfd, monkeypatch):
     """One spawn: ``ditattn generate --num-gpus 2 --ulysses-degree 2`` through the CLI, whose ranks
     then also run the Ulysses-2 and ring-2 pipelines and serve's relay."""
-    import ditattn.distributed.launch as launch_mod
+    import ditattn.entrypoints.generate as generate_mod
     from ditattn.cli import main
 
     out_dir, res_dir = tmp_path / "out", tmp_path / "res"
@@ -90,7 +89,7 @@ def test_generate_two_ranks_ulysses_and_ring_match_single_process(tmp_path, capf
     single = {p: pipe.generate(p, output_type="float", progress=False, **GEN).frames for p in ("a red fox", "a blue bird")}
 
     monkeypatch.setenv("DITATTN_TEST_RESULTS", str(res_dir))
-    monkeypatch.setattr(launch_mod, "run_command", _rank_target)  # the default target the CLI's launch picks
+    monkeypatch.setattr(generate_mod, "run_rank", _rank_target)  # what `generate --num-gpus 2` runs per rank
     assert main(common + ["--output-file", "u2.png", "--num-gpus", "2", "--ulysses-degree", "2"]) == 0
 
     # the CLI run: rank 0 alone printed and wrote, and the image equals the single-process one

@@ -62,6 +62,19 @@ def test_dense_backend_numerics(backend, d, causal, gqa):
     assert (lse - ref_lse).abs().max() < 2e-2
 
 
+def test_cudnn_precheck_agrees_with_dispatch():
+    """The per-call check behind the SM100 cuDNN -> FA fallback (issue 26): a call cuDNN serves
+    passes; one it has no kernel for (fp32) raises NoKernelError instead of a raw RuntimeError."""
+    from ditattn.attention.backends.base import NoKernelError
+    from ditattn.attention.backends.sdpa import cudnn_no_kernel_reason
+
+    q, k, v = qkv(1, 256, 256, 4, 4, 128)
+    assert cudnn_no_kernel_reason(q, k, v, AttnCall()) is None
+    assert cudnn_no_kernel_reason(q, k, v, AttnCall(causal=True)) is None
+    with pytest.raises(NoKernelError, match="no kernel"):
+        get_impl(B.TORCH_CUDNN_SDPA)(q.float(), k.float(), v.float(), AttnCall(), {})
+
+
 def test_fa_rejects_bias_and_float32():
     if not _fa_installed():
         pytest.skip("no FlashAttention runtime installed")
@@ -73,12 +86,10 @@ def test_fa_rejects_bias_and_float32():
 
 
 @pytest.mark.parametrize("pv", ["fp16", "fp8"])
-def test_sage_attn_backend(pv, monkeypatch):
-    monkeypatch.setenv("DITATTN_SAGE_PV", pv)
-    monkeypatch.setenv("DITATTN_SAGE_IMPL", "triton")
+def test_sage_attn_backend(pv):
     q, k, v = qkv(2, 777, 1001, 8, 4, 128, seed=5)
     k0 = k.clone()
-    out, lse = get_impl(B.SAGE_ATTN)(q, k, v, AttnCall(return_lse=True), {})
+    out, lse = get_impl(B.SAGE_ATTN)(q, k, v, AttnCall(return_lse=True), {"impl": "triton", "pv_dtype": pv})
     ref, ref_lse = reference_attention(q, k, v)
     assert torch.equal(k, k0)
     assert rel(out, ref) < (0.02 if pv == "fp16" else 0.06)
@@ -87,17 +98,11 @@ def test_sage_attn_backend(pv, monkeypatch):
 
 def test_sage_attn_package_keeps_k():
     pytest.importorskip("sageattention")
-    import os
-
-    os.environ["DITATTN_SAGE_IMPL"] = "package"
-    try:
-        q, k, v = qkv(1, 512, 512, 4, 4, 128, seed=9)
-        k0 = k.clone()
-        out, lse = get_impl(B.SAGE_ATTN)(q, k, v, AttnCall(), {})
-        assert lse is None and torch.equal(k, k0)
-        assert rel(out, reference_attention(q, k, v)[0]) < 0.03
-    finally:
-        del os.environ["DITATTN_SAGE_IMPL"]
+    q, k, v = qkv(1, 512, 512, 4, 4, 128, seed=9)
+    k0 = k.clone()
+    out, lse = get_impl(B.SAGE_ATTN)(q, k, v, AttnCall(), {"impl": "package"})
+    assert lse is None and torch.equal(k, k0)
+    assert rel(out, reference_attention(q, k, v)[0]) < 0.03
 
 
 def test_sage_attn_3_refused_off_blackwell():

@@ -155,9 +155,26 @@ def test_sparse_component_override_on_cross_falls_back(capsys):
     assert all("cannot serve cross-attention" in l["fallback_reason"] for l in cross)
 
 
+def test_sparse_role_override_on_cross_is_swapped_for_dense(capsys, caplog):
+    """The seed: an incompatible override fails except when a sparse backend for cross-attention is
+    swapped for a compatible dense one (issue 26 item 7: this used to exit with an error)."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="ditattn.attention"):
+        rc, p = plan(capsys, "--component-attention-backends", "transformer.cross=video_sparse_attn")
+    assert rc == 0
+    cross = layers(p, "transformer", "cross")
+    assert {(l["backend"], l["source"], l["requested"]) for l in cross} == {
+        ("torch_sdpa", "component_role", "video_sparse_attn")}
+    assert all("cannot serve cross-attention" in l["fallback_reason"] for l in cross)
+    assert summary(p, "transformer", "self") == {("torch_sdpa", "auto")}
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "video_sparse_attn" in r.getMessage()]
+    assert len(warned) == 1 and "cross-attention" in warned[0].getMessage()  # once per component and role
+
+
 def test_explicit_role_override_is_strict(capsys):
-    rc, err = plan(capsys, "--component-attention-backends", "transformer.cross=video_sparse_attn")
-    assert rc == 2 and "video_sparse_attn" in err and "cross" in err
+    rc, err = plan(capsys, "--component-attention-backends", "transformer.cross=sage_attn_3")
+    assert rc == 2 and "sage_attn_3" in err and "cross" in err
 
 
 def test_transformer_2_inherits_unless_it_has_its_own(capsys):
@@ -172,9 +189,13 @@ def test_transformer_2_inherits_unless_it_has_its_own(capsys):
                  "transformer=video_sparse_attn,transformer_2.cross=sage_attn")
     assert rc == 0
     assert summary(p, "transformer", "self") == {("video_sparse_attn", "component")}
-    # transformer_2 has a key of its own: it no longer inherits transformer's
+    # transformer_2's own key decides its cross-attention; its self-attention still inherits
+    # transformer= (issue 26 item 8: a role key used to cancel inheritance for the other role)
     assert summary(p, "transformer_2", "cross") == {("sage_attn", "component_role")}
-    assert summary(p, "transformer_2", "self") == {("torch_sdpa", "auto")}
+    assert summary(p, "transformer_2", "self") == {("video_sparse_attn", "component")}
+    rc, p = plan(capsys, "--model-path", "ditattn:tiny-wan2.2", "--component-attention-backends",
+                 "transformer=video_sparse_attn,transformer_2=sage_attn")
+    assert summary(p, "transformer_2", "self") == {("sage_attn", "component")}  # its own key beats inheritance
 
 
 def test_config_keys_checked_against_backends_in_use(capsys):

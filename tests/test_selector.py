@@ -76,8 +76,13 @@ def test_role_key_beats_component_key():
 def test_transformer_2_inherits_unless_it_has_its_own_keys():
     d, _ = sel(comp="transformer_2", overrides="transformer=torch_cudnn_sdpa")
     assert (d.backend, d.override_key) == (B.TORCH_CUDNN_SDPA, "transformer")
+    # transformer_2's own key covers only cross-attention: its self-attention still inherits
     d, _ = sel(comp="transformer_2", overrides="transformer=torch_cudnn_sdpa,transformer_2.cross=torch_sdpa")
-    assert d.source == "auto" and d.backend == B.FA  # own keys (cross only) stop the inheritance
+    assert (d.backend, d.override_key) == (B.TORCH_CUDNN_SDPA, "transformer")
+    d, _ = sel(comp="transformer_2", overrides="transformer=torch_cudnn_sdpa,transformer_2=torch_sdpa")
+    assert (d.backend, d.override_key) == (B.TORCH_SDPA, "transformer_2")
+    d, _ = sel(comp="transformer_2", overrides="transformer.self=torch_cudnn_sdpa,transformer_2=torch_sdpa")
+    assert (d.backend, d.override_key) == (B.TORCH_SDPA, "transformer_2")  # own component key beats inherited role key
 
 
 def test_cli_global_then_layer_default_then_auto():
@@ -144,10 +149,12 @@ def test_sparse_cross_fallback_prefers_dense_cli_backend():
     assert d.backend == B.TORCH_CUDNN_SDPA
 
 
-def test_explicit_role_override_of_sparse_on_cross_is_an_error():
+def test_sparse_role_override_on_cross_runs_a_dense_backend():
     cross = LayerSpec(prefix="blocks.0.attn2", role="cross", head_dim=128, dtype=BF16)
-    with pytest.raises(AttentionConfigError, match="cross-attention"):
-        sel(cross, overrides="transformer.cross=video_sparse_attn")
+    d, scope = sel(cross, overrides="transformer.cross=video_sparse_attn")
+    assert (d.backend, d.source, d.requested) == (B.FA, "component_role", B.VIDEO_SPARSE_ATTN)
+    assert "cannot serve cross-attention" in d.fallback_reason
+    assert "transformer.cross" in scope.used_override_keys
 
 
 def test_backend_sets_are_hints_not_allowlists():

@@ -20,10 +20,12 @@ from torch import nn
 
 from ditattn.attention.context import AttentionSettings, attention_settings, component_scope, forward_context
 from ditattn.attention.names import AttentionBackendEnum as B
-from ditattn.server.app import BACKEND_HEADER, ServerConfig, create_app
+from ditattn.runconfig import ServerConfig
+from ditattn.server.app import create_app
 from ditattn.server.metrics import parse_text
 from ditattn.server.runner import BaseRunner, ModelDefaults
 from ditattn.server.scheduler import GenerationResult
+from ditattn.server.state import BACKEND_HEADER
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the client marks the videos API deprecated
 
@@ -380,7 +382,7 @@ def test_metrics_count(toy):
 
     assert delta('ditattn_http_requests_total{endpoint="/v1/images/generations",status="200"}') == 1
     assert delta('ditattn_http_requests_total{endpoint="/v1/images/generations",status="400"}') == 1
-    assert delta('ditattn_generations_total{kind="image",outcome="ok",attention_backend="torch_sdpa"}') == 1
+    assert delta('ditattn_generations_total{attention_backend="torch_sdpa",kind="image",outcome="ok"}') == 1
     assert delta("ditattn_images_generated_total") == 3
     assert delta('ditattn_attention_refusals_total{field="attention_backend_override"}') == 1
     assert delta('ditattn_batches_total{outcome="ok"}') == 1

@@ -16,7 +16,7 @@ import numpy as np
 import openai
 import pytest
 
-from ditattn.server.metrics import parse_text
+from ditattn.server.metrics import parse_text, samples
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the client marks the videos API deprecated
 
@@ -154,7 +154,7 @@ def test_concurrent_mixed_load(server):
     reports exactly the backend it asked for, each invalid one is a 400 naming the reason."""
     base, _ = server
     c = client(base)
-    before = parse_text(httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text)
+    before = samples(httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text)
     rng = np.random.default_rng(1234)
     choices = [None, "torch_sdpa", "sage_attn", "TORCH_SDPA", "fa", "sliding_tile_attn", "bogus", "sage_attn_3"]
     picks = [choices[i] for i in rng.integers(0, len(choices), 64)]
@@ -206,16 +206,18 @@ def test_concurrent_mixed_load(server):
             assert kind == "ok" and detail == want, (name, kind, detail)
             n_ok += 1
     assert n_ok > 10 and n_bad > 10
-    after = parse_text(httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text)
+    after = samples(httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text)
 
-    def delta(prefix):
-        return sum(v for k, v in after.items() if k.startswith(prefix)) - \
-            sum(v for k, v in before.items() if k.startswith(prefix))
+    def delta(name, **labels):
+        def total(rows):
+            return sum(v for n, lab, v in rows if n == name and all(lab.get(k) == x for k, x in labels.items()))
+
+        return total(after) - total(before)
 
     assert delta("ditattn_attention_refusals_total") == n_bad
-    assert delta('ditattn_generations_total{kind="image",outcome="ok"') + \
-        delta('ditattn_generations_total{kind="video",outcome="ok"') == n_ok
-    assert delta("ditattn_generations_total{kind=\"image\",outcome=\"error\"") == 0
+    assert delta("ditattn_generations_total", kind="image", outcome="ok") + \
+        delta("ditattn_generations_total", kind="video", outcome="ok") == n_ok
+    assert delta("ditattn_generations_total", kind="image", outcome="error") == 0
     assert delta("ditattn_batch_size_sum") == n_ok  # every valid request ran in exactly one batch
     assert delta("ditattn_batch_size_count") <= n_ok
     print(f"mixed load: {n_ok} ok, {n_bad} refused in {elapsed:.1f}s, "

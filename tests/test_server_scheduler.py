@@ -246,20 +246,22 @@ def test_request_models_reject_unknown_and_bad_fields():
 def test_metrics_exposition():
     depth = [3]
     m = Metrics(queue_depth=lambda: depth[0])
-    m.requests.inc(endpoint="/v1/videos", status="200")
-    m.requests.inc(endpoint="/v1/videos", status="200")
-    m.generations.inc(kind="image", outcome="ok", attention_backend='weird"name')
+    m.requests.labels(endpoint="/v1/videos", status="200").inc()
+    m.requests.labels(endpoint="/v1/videos", status="200").inc()
+    m.generations.labels(kind="image", outcome="ok", attention_backend='weird"name').inc()
     m.batch_size.observe(3)
     m.batch_size.observe(9)
-    text = m.render()
+    text = m.render().decode()
     assert "# TYPE ditattn_http_requests_total counter" in text
     assert "# TYPE ditattn_batch_size histogram" in text
     vals = parse_text(text)
     assert vals['ditattn_http_requests_total{endpoint="/v1/videos",status="200"}'] == 2
-    assert vals['ditattn_generations_total{kind="image",outcome="ok",attention_backend="weird\\"name"}'] == 1
+    assert vals['ditattn_generations_total{attention_backend="weird\\"name",kind="image",outcome="ok"}'] == 1
     assert vals['ditattn_batch_size_bucket{le="4.0"}'] == 1
     assert vals['ditattn_batch_size_bucket{le="+Inf"}'] == 2
     assert vals["ditattn_batch_size_sum"] == 12 and vals["ditattn_batch_size_count"] == 2
     assert vals["ditattn_queue_depth"] == 3 and vals["ditattn_queue_full_total"] == 0
+    depth[0] = 5  # gauges are read at scrape time
+    assert parse_text(m.render())["ditattn_queue_depth"] == 5
     with pytest.raises(ValueError):
-        m.requests.inc(endpoint="x")
+        m.requests.labels(endpoint="x")

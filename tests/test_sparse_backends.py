@@ -544,7 +544,8 @@ def test_seed_defaults():
                                          "spatial_topk", "st_chunk_size", "st_topk"))
     sol = validate_backend_config(B.SOL_ATTN, {})
     assert sol == {"tau": 1.0, "thresh_type": "diag", "sink_tokens": 0, "sink_start": 0, "dense_steps": 10,
-                   "dense_layers": "0,1", "dense_backend": "fa", "kv_splits": "auto"}
+                   "dense_layers": "0,1", "dense_backend": "fa", "kv_splits": "auto",
+                   "block_sparse_impl": "auto"}
 
 
 def test_backends_accept_partial_config_and_fill_defaults():

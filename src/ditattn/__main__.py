@@ -1,3 +1,3 @@
-from ditattn.cli import main
+from ditattn.entrypoints.cli import main
 
 raise SystemExit(main())

@@ -94,6 +94,7 @@ class ComponentScope:
     selectable: bool = True
     decisions: list = dataclasses.field(default_factory=list)
     used_override_keys: set = dataclasses.field(default_factory=set)
+    logged: set = dataclasses.field(default_factory=set)  # substitution messages already logged
 
 
 _component: contextvars.ContextVar[Optional[ComponentScope]] = contextvars.ContextVar(

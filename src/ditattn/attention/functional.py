@@ -6,11 +6,11 @@ from typing import Optional
 
 import torch
 
-from ditattn.attention.backends.base import AttnCall, get_impl
+from ditattn.attention.backends.base import AttnCall
 from ditattn.attention.config import parse_attention_backend_config, validate_backend_config
 from ditattn.attention.context import get_forced_backend
 from ditattn.attention.names import AttentionBackendEnum as B
-from ditattn.attention.selector import Decision, LayerSpec, select_backend
+from ditattn.attention.selector import Decision, LayerSpec, bind_impl, select_backend
 from ditattn.errors import AttentionConfigError
 from ditattn.platforms import platform_for_device
 
@@ -60,15 +60,27 @@ def _decide(backend: Optional[B], forced: Optional[B], platform, role, head_dim,
     return select_backend(layer, explicit=backend, component=None, settings=AttentionSettings(), platform=platform)
 
 
-def auto_dense_backend(q: Tensor, k: Tensor, *, causal: bool = False, return_lse: bool = False) -> B:
-    """The platform's automatic dense backend for this call, ignoring any global force (used by
-    the dense phases of sparse backends, which must not recurse into a forced sparse backend)."""
+def _auto_dense_decision(q: Tensor, k: Tensor, causal: bool, return_lse: bool) -> Decision:
     from ditattn.attention.selector import _auto
     from ditattn.attention.specs import LayerRequest
+    from ditattn.platforms.policy import runtime_fallback
 
     req = LayerRequest(role="self" if q.shape[1] == k.shape[1] else "cross", head_dim=q.shape[-1], dtype=q.dtype,
                        num_heads=q.shape[2], num_kv_heads=k.shape[2], causal=causal, needs_lse=return_lse)
-    return _auto(req, platform_for_device(q.device), None, [])
+    platform = platform_for_device(q.device)
+    b = _auto(req, platform, None, [])
+    return Decision("dense phase", req.role, b, "auto", runtime_fallback=runtime_fallback(b, req, platform))
+
+
+def auto_dense_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[float] = None,
+                         return_lse: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+    """Dense non-causal attention through the platform's automatic choice, ignoring any global force
+    and with the automatic choice's per-call fallback (SM100: cuDNN, then FA). ``[B, S, H, D]`` in
+    and out; returns ``(out, lse [B, H, S] float32 or None)``."""
+    check_qkv(q, k, v)
+    dec = _auto_dense_decision(q, k, False, return_lse)
+    call = AttnCall(scale=scale, return_lse=return_lse)
+    return bind_impl(dec)(q, k, v, call, dict(_default_config(dec.backend)))
 
 
 def attention(
@@ -120,5 +132,5 @@ def attention(
         dec.backend, parse_attention_backend_config(config), strict_unknown=(dec.backend == b))
     call = AttnCall(causal=causal, scale=scale, attn_bias=attn_bias, video_shape=video_shape, text_len=text_len,
                     step=step, layer_idx=layer_idx, return_lse=return_lse, layer_key=None)
-    out, lse = get_impl(dec.backend)(q, k, v, call, cfg)
+    out, lse = bind_impl(dec)(q, k, v, call, cfg)
     return (out, lse) if return_lse else out

@@ -16,7 +16,7 @@ from ditattn.attention.backends.base import AttnCall, get_impl
 from ditattn.attention.config import validate_backend_config
 from ditattn.attention.context import current_component, current_forward, current_request, current_settings
 from ditattn.attention.names import AttentionBackendEnum as B
-from ditattn.attention.selector import Decision, LayerSpec, select_backend
+from ditattn.attention.selector import Decision, LayerSpec, bind_impl, select_backend
 from ditattn.attention.specs import SPECS, DTYPE_NAMES
 from ditattn.errors import AttentionConfigError
 from ditattn.platforms import current_platform
@@ -104,12 +104,14 @@ class LocalAttention(nn.Module):
     @property
     def impl(self):
         if self._impl is None:
-            self._impl = get_impl(self.backend)
+            fallback = self.decision.runtime_fallback is not None and self.decision.backend == self.backend
+            self._impl = bind_impl(self.decision) if fallback else get_impl(self.backend)
         return self._impl
 
     def rebind(self, backend: B, source: str, reason: Optional[str] = None) -> None:
         """Switch this layer to ``backend`` (autotune, or a permanent server default change)."""
         self.decision.backend, self.decision.source = backend, source
+        self.decision.runtime_fallback = None  # the per-call fallback belonged to the automatic choice
         if reason:
             self.decision.fallback_reason = reason
         self._bind(backend)

@@ -20,6 +20,7 @@ from ditattn.attention.layer import LocalAttention
 from ditattn.attention.names import AttentionBackendEnum as B
 from ditattn.attention.specs import SPECS, DTYPE_NAMES
 from ditattn.errors import AttentionConfigError
+from ditattn.attention.selector import resolve_on_platform
 from ditattn.platforms import current_platform
 from ditattn.platforms.policy import substitute
 
@@ -33,6 +34,26 @@ def dit_layers(modules: Iterable[nn.Module]) -> list[LocalAttention]:
     out = []
     for m in modules:
         out.extend(x for x in m.modules() if isinstance(x, LocalAttention))
+    return out
+
+
+def keeps_backend(layer: LocalAttention) -> bool:
+    """A layer whose model declares its backend *required* for correctness keeps it under every
+    request-scoped switch (the seed: such layers keep it even when the surroundings change)."""
+    return layer.spec.required_backend is not None
+
+
+def request_backends(layers: Iterable[LocalAttention], state: Optional[RequestState]) -> list[str]:
+    """The backend names ``layers`` run under ``state`` (None: the server default), in layer order
+    without duplicates: the request's table entry where there is one, else the layer's backend,
+    plus a per-call fallback the layer has actually used."""
+    table = state.override_table if state is not None and state.override_table else {}
+    out: list[str] = []
+    for layer in layers:
+        entry = table.get(id(layer))
+        for b in [entry[0]] if entry is not None else layer.decision.ran_backends():
+            if b.value not in out:
+                out.append(b.value)
     return out
 
 
@@ -60,7 +81,7 @@ def validate_override(name, layers: list[LocalAttention], settings: AttentionSet
     if settings.cuda_graphs:
         _refuse("attention_backend_override is refused: the DiT runs captured CUDA graphs, which bake "
                 "the attention kernel into the graph")
-    sparse = sorted({l.backend.value for l in layers if SPECS[l.backend].sparse})
+    sparse = sorted({l.backend.value for l in layers if SPECS[l.backend].sparse and not keeps_backend(l)})
     if sparse:
         _refuse(f"attention_backend_override is refused: the DiT runs the sparse backend "
                 f"{', '.join(sparse)}, which cannot be mixed with a per-request dense switch")
@@ -92,6 +113,8 @@ def prepare_request_override(
     table: dict = {}
     if backend is not None:
         for layer in layers:
+            if keeps_backend(layer):
+                continue
             req = layer.spec.request()
             if dtype is not None:
                 req = dataclasses.replace(req, dtype=dtype)
@@ -107,6 +130,9 @@ def prepare_request_override(
                         f"{layer.component}.{layer.prefix} ({layer.role}): {'; '.join(reasons)}")
             table[id(layer)] = (backend, get_impl(backend), validate_backend_config(backend, {}))
     if ss is not None:
+        if backend is not None and backend is not B.FA:
+            _refuse(f"skip_softmax_params cannot be combined with attention_backend_override '{backend.value}': "
+                    "skip softmax runs on the FA path (dense FA before start_step); accepted: no override, or fa")
         _install_skip_softmax(layers, ss, settings, table, platform, dtype)
     return RequestState(override=backend, override_table=table or None, skip_softmax=ss)
 
@@ -161,9 +187,10 @@ def _install_skip_softmax(layers, ss: SkipSoftmaxParams, settings, table, platfo
     reasons = skip_softmax_platform_reasons(platform)
     if reasons:
         _refuse("skip_softmax_params is refused: " + "; ".join(reasons))
-    self_layers = [l for l in layers if l.role == "self"]
+    self_layers = [l for l in layers if l.role == "self" and not keeps_backend(l)]
     if not self_layers:
-        _refuse("skip_softmax_params is refused: the model has no DiT self-attention layer")
+        _refuse("skip_softmax_params is refused: the model has no DiT self-attention layer that may switch "
+                "(layers with a required backend keep it)")
     for layer in self_layers:
         try:
             kernel.check_skip_softmax_request(
@@ -173,13 +200,22 @@ def _install_skip_softmax(layers, ss: SkipSoftmaxParams, settings, table, platfo
             )
         except AttentionConfigError as exc:
             _refuse(f"skip_softmax_params is refused for {layer.component}.{layer.prefix}: {exc}")
-        base_backend, base_impl, base_cfg = table.get(id(layer)) or (layer.backend, layer.impl, layer.config)
-        table[id(layer)] = (base_backend, _skip_softmax_impl(kernel, ss, base_impl, base_cfg), base_cfg)
+        # the seed routes the layer to the FA path: dense FA before start_step (the platform's
+        # resolution of fa: torch_sdpa where no FlashAttention runs), skip softmax from start_step
+        req = dataclasses.replace(layer.spec.request(), dtype=dtype or layer.spec.dtype)
+        dense, why, reasons = resolve_on_platform(B.FA, req, platform)
+        if reasons:
+            _refuse(f"skip_softmax_params is refused for {layer.component}.{layer.prefix}: its dense phase "
+                    f"runs fa, which cannot serve it: {'; '.join(reasons)}")
+        if why:
+            log.info("skip softmax on %s.%s: dense phase fa -> %s: %s", layer.component, layer.prefix,
+                     dense.value, why)
+        table[id(layer)] = (dense, _skip_softmax_impl(kernel, ss, get_impl(dense), {}), {})
 
 
 def _skip_softmax_impl(kernel, ss: SkipSoftmaxParams, dense_impl, dense_cfg):
-    """A backend impl that runs skip softmax from ``start_step`` on and the layer's dense backend
-    before it; each sparse call appends its skipped-tile fraction to the request's stats."""
+    """A backend impl that runs skip softmax from ``start_step`` on and ``dense_impl`` (the FA
+    path) before it; each sparse call appends its skipped-tile fraction to the request's stats."""
     from ditattn.attention.context import current_request
 
     def impl(q, k, v, call: AttnCall, config):

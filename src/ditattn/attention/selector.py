@@ -19,6 +19,7 @@ from typing import Iterable, Optional
 
 import torch
 
+from ditattn.attention.backends.base import NoKernelError, get_impl
 from ditattn.attention.config import component_override_for
 from ditattn.attention.context import (
     AttentionSettings,
@@ -28,10 +29,10 @@ from ditattn.attention.context import (
     get_forced_backend,
 )
 from ditattn.attention.names import AttentionBackendEnum as B
-from ditattn.attention.specs import SPECS, LayerRequest
+from ditattn.attention.specs import SPECS, LayerRequest, sage_cuda_runtime
 from ditattn.errors import AttentionConfigError, BackendUnavailableError
 from ditattn.platforms import Platform, current_platform
-from ditattn.platforms.policy import auto_candidates, substitute
+from ditattn.platforms.policy import auto_candidates, runtime_fallback, substitute
 
 log = logging.getLogger("ditattn.attention")
 
@@ -82,6 +83,9 @@ class Decision:
     rejected: list = dataclasses.field(default_factory=list)  # [(backend name, [reasons])]
     runtime: str = ""
     override_key: Optional[str] = None
+    # per-call fallback of an automatic choice (SM100: cuDNN first, FA when cuDNN has no kernel)
+    runtime_fallback: Optional[B] = None
+    runtime_fallback_used: bool = False  # set once a call actually ran the fallback
 
     def to_json(self) -> dict:
         d = {
@@ -95,11 +99,25 @@ class Decision:
             d["requested"] = self.requested.value
         if self.runtime:
             d["runtime"] = self.runtime
+        if self.runtime_fallback is not None:
+            d["runtime_fallback"] = self.runtime_fallback.value
         return d
 
+    def ran_backends(self) -> list[B]:
+        """The backends calls of this layer have run: its backend, plus the per-call fallback once used."""
+        return [self.backend] + ([self.runtime_fallback] if self.runtime_fallback_used else [])
 
-def _usable(backend: B, req: LayerRequest, platform: Platform, allow_substitute: bool = True):
-    """``(backend_to_run, substitution_reason, reasons)``; reasons empty when usable."""
+
+# sources where a user (or the model, for ``required``) named the backend: a substitution is a WARNING
+EXPLICIT_SOURCES = ("explicit", "forced", "required", "component_role", "component", "cli")
+
+
+def resolve_on_platform(backend: B, req: LayerRequest, platform: Platform, allow_substitute: bool = True):
+    """How ``platform`` serves ``backend`` for ``req``: ``(backend_to_run, substitution_reason,
+    reasons)``; reasons empty when usable (possibly through the seed's platform substitution).
+
+    Substitutions chain (``sage_attn`` -> ``fa`` -> ``torch_sdpa`` on Hopper without a fixed
+    sageattention and without FlashAttention); the reason names every hop."""
     reasons = SPECS[backend].reasons(req, platform)
     if not reasons:
         return backend, None, []
@@ -107,9 +125,23 @@ def _usable(backend: B, req: LayerRequest, platform: Platform, allow_substitute:
         sub = substitute(backend, req, platform)
         if sub is not None:
             target, why = sub
-            if not SPECS[target].reasons(req, platform):
-                return target, why, []
+            run, why2, reasons2 = resolve_on_platform(target, req, platform) if target != backend else (target, None, reasons)
+            if not reasons2:
+                return run, (f"{why}; then {target.value} -> {run.value}: {why2}" if why2 else why), []
     return backend, None, reasons
+
+
+def _note(component: Optional[ComponentScope], where: str, msg: str, source: str) -> None:
+    """Log a substitution: WARNING when the backend was asked for explicitly, else INFO; once per
+    component, role and message (a DiT has dozens of identical layers)."""
+    level = logging.WARNING if source in EXPLICIT_SOURCES else logging.INFO
+    if component is not None:
+        key = (where.split(" ", 1)[-1], msg)
+        if key in component.logged:
+            return
+        component.logged.add(key)
+        where = f"{component.name} {where.split(' ', 1)[-1]}"
+    log.log(level, "%s: %s", where, msg)
 
 
 def _auto(req: LayerRequest, platform: Platform, hints: Optional[Iterable[B]], rejected: list):
@@ -132,7 +164,7 @@ def _dense_for_cross(layer: LayerSpec, req, platform, settings, rejected) -> tup
     """A compatible dense backend for cross-attention when self-attention runs sparse."""
     for b, why in ((settings.backend, "cli"), (layer.default_backend, "layer_default")):
         if b is not None and not SPECS[b].sparse:
-            run, _, reasons = _usable(b, req, platform)
+            run, _, reasons = resolve_on_platform(b, req, platform)
             if not reasons:
                 return run, why
     return _auto(req, platform, layer.supported_backends, rejected), "auto"
@@ -187,45 +219,84 @@ def select_backend(
     if asked is None:
         b = _auto(req, platform, layer.supported_backends, rejected)
         return Decision(layer.prefix, layer.role, b, "auto", rejected=rejected,
-                        runtime=_runtime_label(b, platform))
+                        runtime=_runtime_label(b, platform, req, settings.config), runtime_fallback=runtime_fallback(b, req, platform))
 
-    run, sub_reason, reasons = _usable(asked, req, platform)
+    run, sub_reason, reasons = resolve_on_platform(asked, req, platform)
     if not reasons:
         if sub_reason:
-            log.info("%s: %s requested, running %s: %s", where, asked.value, run.value, sub_reason)
+            _note(component, where, f"{asked.value} requested, running {run.value}: {sub_reason}", source)
         return Decision(layer.prefix, layer.role, run, source, requested=asked,
                         fallback_reason=(f"{asked.value} -> {run.value}: {sub_reason}" if sub_reason else None),
-                        runtime=_runtime_label(run, platform), override_key=override_key)
+                        runtime=_runtime_label(run, platform, req, settings.config), override_key=override_key)
     rejected.append((asked.value, reasons))
 
-    # sparse self-attention backend on a cross-attention layer -> compatible dense backend
-    if SPECS[asked].sparse and layer.role == "cross" and source in ("forced", "component", "cli"):
+    # a sparse backend reaching a cross-attention layer (the global or component key, or a
+    # `.cross` role key) -> a compatible dense backend, the seed's one exception to strictness
+    if SPECS[asked].sparse and layer.role == "cross" and source in ("forced", "component", "component_role", "cli"):
         b, how = _dense_for_cross(layer, req, platform, settings, rejected)
         why = f"{asked.value} is a sparse self-attention backend and cannot serve cross-attention; using {b.value} ({how})"
-        log.info("%s: %s", where, why)
+        _note(component, where, why, source)
         return Decision(layer.prefix, layer.role, b, source, requested=asked, fallback_reason=why,
-                        rejected=rejected, runtime=_runtime_label(b, platform), override_key=override_key)
+                        rejected=rejected, runtime=_runtime_label(b, platform, req, settings.config), override_key=override_key)
 
     if strict:
         raise BackendUnavailableError(asked.value, reasons, what=where)
 
     # auxiliary component (CLI global) or a declared default that does not fit: fall back
     if source == "cli" and layer.default_backend is not None and layer.default_backend != asked:
-        run2, sub2, reasons2 = _usable(layer.default_backend, req, platform)
+        run2, sub2, reasons2 = resolve_on_platform(layer.default_backend, req, platform)
         if not reasons2:
             why = f"{asked.value} cannot serve this layer ({'; '.join(reasons)}); using the layer default {run2.value}"
-            log.info("%s: %s", where, why)
+            _note(component, where, why, "layer_default")  # the seed's auxiliary-component rule: INFO
             return Decision(layer.prefix, layer.role, run2, "layer_default", requested=asked,
-                            fallback_reason=why, rejected=rejected, runtime=_runtime_label(run2, platform))
+                            fallback_reason=why, rejected=rejected, runtime=_runtime_label(run2, platform, req, settings.config))
         rejected.append((layer.default_backend.value, reasons2))
     b = _auto(req, platform, layer.supported_backends, rejected)
     why = f"{asked.value} cannot serve this layer ({'; '.join(reasons)}); using the platform choice {b.value}"
-    log.info("%s: %s", where, why)
+    _note(component, where, why, "auto")
     return Decision(layer.prefix, layer.role, b, "auto", requested=asked, fallback_reason=why,
-                    rejected=rejected, runtime=_runtime_label(b, platform))
+                    rejected=rejected, runtime=_runtime_label(b, platform, req, settings.config))
 
 
-def _runtime_label(b: B, platform: Platform) -> str:
+_fallback_logged: set = set()
+
+
+def bind_impl(decision: Decision):
+    """The implementation a layer with ``decision`` calls: the backend's, wrapped with the per-call
+    fallback when the decision has one (a call the backend has no kernel for runs the fallback,
+    logged once per reason at WARNING and recorded on the decision)."""
+    impl = get_impl(decision.backend)
+    fallback = decision.runtime_fallback
+    if fallback is None:
+        return impl
+    fb_impl = get_impl(fallback)
+
+    def run(q, k, v, call, config):
+        try:
+            return impl(q, k, v, call, config)
+        except NoKernelError as exc:
+            decision.runtime_fallback_used = True
+            msg = f"{decision.backend.value} -> {fallback.value} for this call: {'; '.join(exc.reasons)}"
+            if msg not in _fallback_logged:
+                _fallback_logged.add(msg)
+                log.warning("%s (automatic choice; the seed's per-call fallback)", msg)
+            return fb_impl(q, k, v, call, {})
+
+    return run
+
+
+def _runtime_label(b: B, platform: Platform, req: Optional[LayerRequest] = None, config: Optional[dict] = None) -> str:
+    """The runtime label of ``b`` in the plan; for ``sage_attn`` on CUDA the implementation that runs
+    for ``req`` under the backend config (``impl``, else the automatic rule)."""
+    if b is B.SAGE_ATTN and platform.name == "cuda" and req is not None:  # per head dim, as the backend runs it
+        cfg = config or {}
+        impl = cfg.get("impl", "auto")
+        if impl == "auto":
+            impl = sage_cuda_runtime(platform, req.head_dim, req.needs_lse, cfg.get("pv_dtype", "fp16"))[0]
+        runtimes = SPECS[b].runtimes
+        module = {"triton": "triton", "package": "sageattention", "sm90": "triton.experimental.gluon"}.get(impl)
+        labels = {rt.modules[0]: rt.label for rt in runtimes["cuda"]}
+        return labels.get(module) or (runtimes["cpu"][0].label if impl == "reference" else "")
     rt = SPECS[b].runtime_on(platform)
     return rt.label if rt is not None else ""
 

@@ -47,10 +47,16 @@ class LayerRequest:
 
 @dataclasses.dataclass(frozen=True)
 class Runtime:
-    """How a backend runs on one platform: alternative import names (empty = in-tree/built in)."""
+    """How a backend runs on one platform: alternative import names (empty = in-tree/built in).
+
+    missing: non-empty when the seed names this runtime but this build has no kernel path for it
+    (the reason); such a runtime never counts as available, so the backend is refused or, where
+    the seed allows it, substituted (``fa`` -> ``torch_sdpa``) with this reason.
+    """
 
     modules: tuple[str, ...] = ()
     label: str = "in-tree"
+    missing: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,9 +100,20 @@ class BackendSpec:
     def runtime_on(self, platform: Platform) -> Runtime | None:
         """The first installed runtime on ``platform``, or None."""
         for rt in self.runtimes.get(platform.name, ()):
-            if not rt.modules or platform.has_any(rt.modules):
+            if not rt.missing and (not rt.modules or platform.has_any(rt.modules)):
                 return rt
         return None
+
+    def runtime_reason(self, platform: Platform) -> str | None:
+        """Why no runtime of this backend is available on ``platform`` (None: one is)."""
+        if self.runtime_on(platform) is not None:
+            return None
+        rts = self.runtimes.get(platform.name, ())
+        if rts and all(rt.missing for rt in rts):
+            return "; ".join(rt.missing for rt in rts)
+        mods = [m for rt in rts if not rt.missing for m in rt.modules]
+        hint = f"; install: {self.install_hint}" if self.install_hint else ""
+        return f"needs package {' or '.join(repr(m) for m in mods)} (not installed){hint}"
 
     def platform_reasons(self, platform: Platform) -> list[str]:
         """Why the backend cannot run on ``platform`` at all (platform, SM, missing package)."""
@@ -114,10 +131,9 @@ class BackendSpec:
                 )
             if self.cuda_sm_min is not None and platform.sm < self.cuda_sm_min:
                 reasons.append(f"needs CUDA SM{self.cuda_sm_min}+, this GPU is SM{platform.sm}")
-        if self.runtime_on(platform) is None and not self.missing_kernel:
-            mods = [m for rt in self.runtimes[platform.name] for m in rt.modules]
-            hint = f"; install: {self.install_hint}" if self.install_hint else ""
-            reasons.append(f"needs package {' or '.join(repr(m) for m in mods)} (not installed){hint}")
+        missing = self.runtime_reason(platform)
+        if missing is not None and not self.missing_kernel:
+            reasons.append(missing)
         return reasons
 
     def reasons(self, req: LayerRequest, platform: Platform) -> list[str]:
@@ -164,6 +180,72 @@ def _fa_check(spec, req, platform):
     return []
 
 
+# Head dims of ditattn's in-tree INT8 sage kernel (kernels/int8_attention.py SUPPORTED_HEAD_DIMS).
+SAGE_INTREE_HEAD_DIMS = (32, 64, 128)
+SAGE_SM90_HEAD_DIMS = (64, 128)  # the warp-specialised Gluon kernel (impl sm90)
+SAGE_SM90_FIX_COMMIT = "d9704247a5139ab4c03bf7fc6b35cc0e2cbb5ea4"
+SAGE_SM90_FIX_INSTALL = (f"pip install --force-reinstall git+https://github.com/thu-ml/SageAttention.git@"
+                         f"{SAGE_SM90_FIX_COMMIT} --no-build-isolation")
+
+
+def sage_lacks_sm90_fix(platform: Platform) -> bool:
+    """True when the installed ``sageattention`` is a 2.x build up to 2.2.0 from a package index:
+    those lack the upstream SM90 binding fix (the seed: PyPI ``sageattention==2.2.0`` does not
+    work on Hopper). 1.x is Triton-only (no binding); a git install (``+git.<sha>``) or a later
+    release is taken as fixed; an unknown version counts as fixed."""
+    ver = platform.package_version("sageattention")
+    if not ver or "+git" in ver:
+        return False
+    parts = []
+    for x in ver.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in x if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    parts += [0] * (3 - len(parts))
+    return parts[0] == 2 and tuple(parts) <= (2, 2, 0)
+
+
+def sage_cuda_runtime(platform: Platform, head_dim: int | None, needs_lse: bool = False,
+                      pv_dtype: str = "fp16") -> tuple[str | None, str]:
+    """Which CUDA implementation serves ``sage_attn`` for ``head_dim`` under ``impl=auto`` (the
+    automatic rule, shared by the selector and the backend so the plan names what runs):
+    ``("sm90", "")`` (the warp-specialised Gluon kernel: SM90, head dim 64/128, fp16 P.V),
+    ``("triton", "")`` (the in-tree INT8 kernel: on SM90, where it measured faster, when the LSE or
+    ``pv_dtype`` fp8 is needed, and without the package), ``("package", "")`` (sageattention) or
+    ``(None, reason)``.  The names are keys of ``backends.sage.SAGE_IMPLS``."""
+    has_pkg = platform.has_package("sageattention")
+    if (platform.sm == 90 and platform.has_package("triton") and pv_dtype == "fp16"
+            and (head_dim is None or head_dim in SAGE_SM90_HEAD_DIMS)):
+        return "sm90", ""  # measured fastest on the H200 (docs/benchmarks.md section 2)
+    intree = platform.has_package("triton") and (head_dim is None or head_dim in SAGE_INTREE_HEAD_DIMS)
+    pkg_broken = has_pkg and platform.sm == 90 and sage_lacks_sm90_fix(platform)
+    pkg_fits = not needs_lse and pv_dtype == "fp16"  # the package returns no LSE, picks its own P.V precision
+    if intree and (not pkg_fits or not has_pkg or platform.sm == 90):
+        return "triton", ""
+    if has_pkg and pkg_fits and not pkg_broken:
+        return "package", ""
+    why_intree = ("the in-tree INT8 kernel needs Triton" if not platform.has_package("triton") else
+                  f"the in-tree INT8 kernel supports head dims {'/'.join(map(str, SAGE_INTREE_HEAD_DIMS))}, "
+                  f"not {head_dim}")
+    if not has_pkg:
+        return None, f"{why_intree}, and package 'sageattention' is not installed; install: pip install sageattention"
+    if pkg_broken:
+        ver = platform.package_version("sageattention")
+        return None, (f"{why_intree}, and sageattention {ver} lacks the upstream SM90 binding fix on Hopper "
+                      f"(install: {SAGE_SM90_FIX_INSTALL})")
+    if needs_lse:
+        return None, f"{why_intree}, and the sageattention package returns no LSE (ring attention needs it)"
+    return None, f"{why_intree}, and the sageattention package has no pv_dtype {pv_dtype} (fp16 only)"
+
+
+def _sage_check(spec, req, platform):
+    if platform.name == "musa" and req.needs_lse:
+        return ["on MUSA sage_attn runs the sageattention package, which returns no LSE (ring attention needs it)"]
+    if platform.name != "cuda" or spec.runtime_on(platform) is None:
+        return []  # off CUDA, or no runtime at all: platform_reasons already says why
+    impl, why = sage_cuda_runtime(platform, req.head_dim, req.needs_lse)
+    return [] if impl else [why]
+
+
 def _fp8_sm120_check(spec, req, platform):
     out = []
     if req.causal:
@@ -174,6 +256,7 @@ def _fp8_sm120_check(spec, req, platform):
 
 
 _NONE = (Runtime(),)
+_NO_FA_KERNEL = "ditattn has no FlashAttention kernel for {p} ({what} is not integrated)"
 _CUDA_INTREE = {"cuda": (Runtime((), "in-tree Triton/FlexAttention"),), "cpu": (Runtime((), "in-tree PyTorch reference"),)}
 
 
@@ -186,15 +269,18 @@ SPECS: dict[B, BackendSpec] = {s.backend: s for s in [
           runtimes={"cuda": (Runtime(("flash_attn.cute",), "FlashAttention-4"),
                              Runtime(("flash_attn_interface",), "FlashAttention-3"),
                              Runtime(("flash_attn",), "FlashAttention-2")),
-                    "rocm": (Runtime(("flash_attn", "aiter"), "ROCm FlashAttention"),),
-                    "xpu": (Runtime((), "XPU flash attention"),),
-                    "musa": (Runtime(("flash_attn",), "MUSA FlashAttention"),),
-                    "npu": (Runtime((), "NPU fused attention"),)},
+                    "rocm": (Runtime(("flash_attn",), "FlashAttention (ROCm build of flash-attn)"),),
+                    "xpu": (Runtime((), "XPU flash attention", missing=_NO_FA_KERNEL.format(
+                        p="XPU", what="the XPU flash attention of sgl-kernel-xpu")),),
+                    "musa": (Runtime(("flash_attn",), "MUSA FlashAttention", missing=_NO_FA_KERNEL.format(
+                        p="MUSA", what="a MUSA build of flash-attn")),),
+                    "npu": (Runtime((), "NPU fused attention", missing=_NO_FA_KERNEL.format(
+                        p="NPU", what="torch_npu's npu_fusion_attention")),)},
           seed_platforms=("cuda", "rocm", "xpu", "musa", "npu"),
           cuda_sm_min=80, returns_lse=True, varlen=True, drop_in=True,
-          install_hint="pip install flash-attn-4 (SM90/SM100), or flash-attn (FA2)",
+          install_hint="pip install flash-attn-4 (SM90/SM100), or flash-attn (FA2; its ROCm build on ROCm)",
           notes="falls back to torch_sdpa (logged, recorded in the plan) when no FlashAttention runtime "
-                "is installed or the platform has none (CPU, MPS)",
+                "is installed or this build has no kernel path for the platform (CPU, MPS, XPU, MUSA, NPU)",
           extra_check=_fa_check),
     _spec(B.TORCH_SDPA, kind="dense", summary="PyTorch scaled_dot_product_attention",
           runtimes={p: _NONE for p in ("cpu", "cuda", "rocm", "xpu", "musa", "mps", "npu")},
@@ -211,14 +297,17 @@ SPECS: dict[B, BackendSpec] = {s.backend: s for s in [
                 "mask_strategy_file_path required"),
     _spec(B.SAGE_ATTN, kind="quantized", summary="SageAttention: INT8 Q.K with smoothed K, FP16/FP8 P.V",
           runtimes={"cuda": (Runtime(("triton",), "in-tree Triton INT8 kernel"),
-                             Runtime(("sageattention",), "sageattention package")),
+                             Runtime(("sageattention",), "sageattention package"),
+                             Runtime(("triton.experimental.gluon",), "in-tree Gluon SM90 kernel")),
                     "musa": (Runtime(("sageattention",), "sageattention package"),),
                     "cpu": (Runtime((), "in-tree PyTorch reference"),)},
           seed_platforms=("cuda", "musa"), cpu_dtypes=ALL_FLOAT,
           cuda_sm=(80, 86, 89, 90, 120), lossy=True, returns_lse=True, drop_in=True, max_head_dim=128,
-          install_hint="pip install sageattention",
-          notes="lossy (INT8 Q.K); upstream SM list SM80/86/89/90/120; on Hopper a package without "
-                "the SM90 fix falls back to fa"),
+          install_hint="pip install sageattention", config_schema="sage_attn",
+          notes="lossy (INT8 Q.K); upstream SM list SM80/86/89/90/120; on Hopper a call the in-tree kernel "
+                "cannot serve falls back to fa when the installed sageattention lacks the SM90 fix; "
+                "on MUSA it runs the sageattention package (no LSE)",
+          extra_check=_sage_check),
     _spec(B.SAGE_ATTN_3, kind="quantized", summary="SageAttention3 (FP4 microscaling), Blackwell only",
           runtimes={"cuda": (Runtime(("sageattn3",), "SageAttention3"),)}, seed_platforms=("cuda",),
           cuda_sm=(100, 103, 120, 121), lossy=True, drop_in=True,

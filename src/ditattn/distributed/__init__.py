@@ -5,8 +5,8 @@
   sharding and gathering a model's token sequence;
 * :mod:`~ditattn.distributed.ring` — ring attention with the LSE merge;
 * :mod:`~ditattn.distributed.attention` — ``UlyssesAttention`` / ``USPAttention`` modules;
-* :mod:`~ditattn.distributed.launch` — one process per rank for ``generate`` / ``serve``
-  (spawn, or ``torchrun``).
+* :mod:`~ditattn.distributed.launch` — run any callable on N ranks (spawn, or ``torchrun``);
+* :mod:`~ditattn.distributed.relay` — replay rank 0's pipeline calls on the other ranks (``serve``).
 
 A model supports sequence parallelism by building ``USPAttention`` for self-attention, sharding
 its token sequence with :func:`shard_sequence` before the blocks and gathering it with

@@ -19,6 +19,7 @@ import tempfile
 from typing import Optional
 
 from ditattn.errors import AttentionConfigError
+from ditattn.settings import cache_dir
 
 TINY_MODELS = ("ditattn:tiny-wan", "ditattn:tiny-wan2.2")
 DEFAULT_MODEL = "ditattn:tiny-wan"
@@ -40,11 +41,6 @@ SCHEDULER = dict(
     solver_order=2, solver_type="bh2", predict_x0=True, lower_order_final=True, final_sigmas_type="zero",
 )
 BOUNDARY_RATIO = 0.875
-
-
-def cache_dir() -> str:
-    """The user cache directory: ``$DITATTN_CACHE`` or ``~/.cache/ditattn``."""
-    return os.environ.get("DITATTN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ditattn")
 
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -15,35 +15,52 @@ import torch
 
 from ditattn.errors import AttentionConfigError
 
-NATIVE_ONLY = (
-    ("component_attention_backends", "--component-attention-backends"),
-    ("attention_backend_config", "--attention-backend-config"),
-    ("attention_backend_override", "--attention-backend-override"),
-    ("skip_softmax_threshold_scale_factor", "--skip-softmax-threshold-scale-factor"),
-    ("skip_softmax_start_step", "--skip-softmax-start-step"),
-    ("enable_torch_compile", "--enable-torch-compile"),
-    ("enable_cuda_graph", "--enable-cuda-graph"),
-)
+NATIVE_ONLY = ("component_attention_backends", "attention_backend_config", "attention_backend_override",
+               "skip_softmax_threshold_scale_factor", "skip_softmax_start_step")
 
 
-def reject_native_only_flags(args) -> None:
-    """Raise :class:`AttentionConfigError` naming the first native-only flag set with --backend diffusers."""
-    for attr, flag in NATIVE_ONLY:
-        if getattr(args, attr, None) not in (None, "", False):
-            raise AttentionConfigError(
-                f"{flag} applies to the native pipeline only; --backend diffusers runs the stock diffusers "
-                "WanPipeline, whose only attention flag is --attention-backend (passed to set_attention_backend)"
-            )
-    if getattr(args, "enable_attention_backend_autotune", False):
+def reject_native_only_options(config) -> None:
+    """Raise :class:`AttentionConfigError` naming the first native-only option of ``config`` (a
+    :class:`~ditattn.runconfig.RunConfig`) set together with ``--backend diffusers``."""
+    a, m, p = config.attention, config.model, config.parallel
+    given = [name for name in NATIVE_ONLY if getattr(a, name) not in (None, "", False)]
+    given += [name for name in ("enable_torch_compile", "enable_cuda_graph") if getattr(m, name)]
+    if given:
+        raise AttentionConfigError(
+            f"--{given[0].replace('_', '-')} applies to the native pipeline only; --backend diffusers runs the stock "
+            "diffusers WanPipeline, whose only attention flag is --attention-backend (passed to set_attention_backend)"
+        )
+    if a.enable_attention_backend_autotune:
         raise AttentionConfigError(
             "--enable-attention-backend-autotune applies to the native pipeline only; not with --backend diffusers"
         )
-    if (getattr(args, "num_gpus", 1) or 1) > 1 or (getattr(args, "ulysses_degree", None) or 1) > 1 or (
-        getattr(args, "ring_degree", None) or 1
-    ) > 1:
+    if p.num_gpus > 1 or (p.ulysses_degree or 1) > 1 or (p.ring_degree or 1) > 1:
         raise AttentionConfigError(
             "sequence parallelism (--num-gpus/--ulysses-degree/--ring-degree) runs the native pipeline only; "
             "not with --backend diffusers"
+        )
+
+
+def check_size_static(mi, height: int, width: int, num_frames: int) -> None:
+    """The size rules of :meth:`WanPipelineNative.check_size` from the checkpoint's configs alone
+    (``mi``: its :class:`~ditattn.pipelines.model_index.ModelIndex`), before diffusers loads it."""
+    import os
+
+    from ditattn.models.weights import read_json
+
+    vae = read_json(os.path.join(mi.folder("vae"), "config.json"))
+    comp = "transformer" if "transformer" in mi.components else "transformer_2"
+    tr = read_json(os.path.join(mi.folder(comp), "config.json"))
+    sp = int(vae.get("scale_factor_spatial") or 8)
+    st = int(vae.get("scale_factor_temporal") or 4)
+    patch = tr.get("patch_size", (1, 2, 2))
+    mult = sp * max(int(patch[1]), int(patch[2]))
+    for what, v in (("height", height), ("width", width)):
+        if v % mult:
+            raise AttentionConfigError(f"--{what} {v} is not supported; accepted: positive multiples of {mult}")
+    if (num_frames - 1) % st:
+        raise AttentionConfigError(
+            f"--num-frames {num_frames} is not supported; accepted: 1 + {st}k (1, {1 + st}, {1 + 2 * st}, ...)"
         )
 
 

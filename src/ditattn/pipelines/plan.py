@@ -32,7 +32,8 @@ def format_plan(plan: dict, *, model: str = "", dtype: str = "", override: Optio
     layer indices it covers; fixed-attention components are listed as such."""
     plat = plan["platform"]
     cap = f" (capability {plat['capability'][0]}.{plat['capability'][1]})" if plat.get("capability") else ""
-    lines = [f"platform: {plat['name']}{cap}, device {plat['device']}" + (f", dtype {dtype}" if dtype else "")]
+    sim = f" [simulated, packages: {', '.join(plat.get('packages') or ()) or 'none'}]" if plat.get("simulated") else ""
+    lines = [f"platform: {plat['name']}{cap}, device {plat['device']}" + (f", dtype {dtype}" if dtype else "") + sim]
     if model:
         lines.append(f"model: {model}")
     rows = []
@@ -46,15 +47,18 @@ def format_plan(plan: dict, *, model: str = "", dtype: str = "", override: Optio
             continue
         groups: dict[tuple, list] = {}
         for layer in comp["layers"]:
-            key = (layer["role"], layer["backend"], layer["source"], layer.get("fallback_reason"))
+            key = (layer["role"], layer["backend"], layer["source"], layer.get("fallback_reason"),
+                   layer.get("runtime_fallback"))
             groups.setdefault(key, []).append(layer["prefix"])
-        for (role, backend, source, reason), prefixes in groups.items():
+        for (role, backend, source, reason, per_call), prefixes in groups.items():
             idx = [i for i in (_layer_index(p) for p in prefixes) if i is not None]
             where = f"{len(prefixes)} ({_ranges(idx)})" if idx else str(len(prefixes))
             note = ""
             if reason:
                 notes.append(reason)
                 note = f"fallback [{len(notes)}]"
+            if per_call:
+                note = (note + "; " if note else "") + f"calls {backend} has no kernel for run {per_call}"
             rows.append((comp["name"], role, where, backend, source, note))
     head = ("component", "role", "layers", "backend", "source", "note")
     widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]

@@ -21,6 +21,7 @@ Python use (one object serves many requests; calls may run concurrently from sev
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -37,16 +38,13 @@ from ditattn.attention.context import (
     ComponentScope,
     RequestState,
     attention_settings,
-    component_scope,
     forward_context,
     request_scope,
 )
 from ditattn.attention.selector import check_overrides_used
 from ditattn.errors import AttentionConfigError
-from ditattn.models.umt5 import load_umt5_encoder
-from ditattn.models.wan.transformer import load_wan_transformer
+from ditattn.pipelines.loading import DIT, build_components, parse_device, parse_dtype
 from ditattn.pipelines.model_index import ModelIndex, read_model_index, resolve_model_path
-from ditattn.pipelines.text import PromptTokenizer
 from ditattn.platforms import Platform, platform_for_device, use_platform
 
 log = logging.getLogger("ditattn.pipeline")
@@ -59,47 +57,6 @@ MAX_SEQUENCE_LENGTH = 512  # text tokens the DiT cross-attends to (Wan's context
 
 SELECTABLE = ("text_encoder", "transformer", "transformer_2")
 FIXED = ("vae",)
-DIT = ("transformer", "transformer_2")
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def parse_dtype(value: "str | torch.dtype | None", platform: Platform) -> torch.dtype:
-    """``float32``/``bfloat16``/``float16`` (or a torch dtype); None = float32 on CPU, bfloat16 elsewhere."""
-    if value is None:
-        return torch.float32 if platform.name == "cpu" else torch.bfloat16
-    if isinstance(value, torch.dtype):
-        if value not in (torch.float32, torch.bfloat16, torch.float16):
-            raise AttentionConfigError(f"unsupported dtype {value}; accepted: float32, bfloat16, float16")
-        return value
-    try:
-        return DTYPES[str(value).lower()]
-    except KeyError:
-        raise AttentionConfigError(f"unknown dtype '{value}'; accepted: float32, bfloat16, float16") from None
-
-
-def parse_device(value: "str | torch.device | None") -> torch.device:
-    """A usable torch device (None = ``cuda`` when available, else ``cpu``); unusable → error."""
-    if value is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(value)
-    except (RuntimeError, TypeError):
-        raise AttentionConfigError(f"unknown device '{value}'; accepted: cpu, cuda, cuda:N, mps, xpu, ...") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise AttentionConfigError(f"device '{value}' requested but CUDA is not available here; use --device cpu")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise AttentionConfigError(
-                f"device '{value}' does not exist; this machine has {torch.cuda.device_count()} CUDA device(s)"
-            )
-    elif dev.type != "cpu":
-        mod = getattr(torch, dev.type, None) if dev.type != "mps" else getattr(torch.backends, "mps", None)
-        if mod is None or not getattr(mod, "is_available", lambda: False)():
-            raise AttentionConfigError(f"device '{value}' is not available here; use --device cpu")
-    return dev
-
 
 @dataclasses.dataclass
 class GenerationResult:
@@ -183,47 +140,8 @@ class WanPipelineNative:
         dev = parse_device(device)
         platform = platform_for_device(dev)
         dt = parse_dtype(dtype, platform)
-        components: dict[str, Any] = {}
-        scopes: dict[str, ComponentScope] = {}
         with use_platform(platform), attention_settings(settings):
-            for comp in mi.components:
-                lib, klass = mi.components[comp]
-                sub = mi.folder(comp)
-                if comp == "text_encoder":
-                    if klass not in ("UMT5EncoderModel",):
-                        raise AttentionConfigError(
-                            f"{sub}: text encoder class '{klass}' is not supported; the native Wan pipeline runs "
-                            "UMT5EncoderModel"
-                        )
-                    with component_scope(comp, selectable=True) as scope:
-                        components[comp] = load_umt5_encoder(sub, dtype=dt, device=dev, variant=variant,
-                                                             load_weights=load_weights)
-                    scopes[comp] = scope
-                elif comp in DIT:
-                    if klass != "WanTransformer3DModel":
-                        raise AttentionConfigError(
-                            f"{sub}: transformer class '{klass}' is not supported; the native Wan pipeline "
-                            "runs WanTransformer3DModel"
-                        )
-                    with component_scope(comp, selectable=True) as scope:
-                        components[comp] = load_wan_transformer(sub, dtype=dt, device=dev, variant=variant,
-                                                                load_weights=load_weights)
-                    scopes[comp] = scope
-                elif comp == "vae":
-                    with component_scope(comp, selectable=False) as scope:
-                        components[comp] = _load_vae(sub, dev, variant) if load_weights else None
-                    scopes[comp] = scope
-                elif comp == "tokenizer":
-                    components[comp] = PromptTokenizer(sub) if load_weights else None
-                elif comp == "scheduler":
-                    components[comp] = _scheduler_factory(sub, klass) if load_weights else None
-                else:
-                    log.info("ignoring component %s (%s.%s)", comp, lib, klass)
-            missing = [c for c in ("text_encoder", "tokenizer", "vae", "scheduler") if c not in mi.components]
-            if not any(c in mi.components for c in DIT):
-                missing.append("transformer")
-            if missing:
-                raise AttentionConfigError(f"{folder}: model_index.json lacks component(s) {', '.join(missing)}")
+            components, scopes = build_components(mi, dev, dt, variant=variant, load_weights=load_weights)
             check_overrides_used(settings.component_overrides, scopes, mi.components.keys())
             used = [d.backend for s in scopes.values() for d in s.decisions]
             check_config_keys_used(settings.config, used)
@@ -236,6 +154,15 @@ class WanPipelineNative:
                 if components.get(comp) is not None:
                     compile_blocks(components[comp], mode="reduce-overhead" if settings.cuda_graphs else None)
         return cls(mi, components, scopes, settings, platform, dev, dt, load_weights)
+
+    @classmethod
+    def from_config(cls, config, *, load_weights: bool = True) -> "WanPipelineNative":
+        """The pipeline of a :class:`~ditattn.runconfig.RunConfig` (the object ``ditattn generate``
+        builds from its flags and ``--config``): its model section (path, device, dtype, variant,
+        compile flags) and its attention settings.  Sample with ``generate(**config.generate_kwargs())``."""
+        m = config.model
+        return cls.from_pretrained(m.model_path, config.attention_settings(), device=m.device, dtype=m.dtype,
+                                   variant=m.model_variant, load_weights=load_weights)
 
     # ------------------------------------------------------------------------------------------
     # plan
@@ -259,14 +186,14 @@ class WanPipelineNative:
         return [self.components[c] for c in DIT if self.components.get(c) is not None]
 
     def dit_backends(self) -> list[str]:
-        """The backends the DiT layers were built with (self-attention first), without duplicates."""
+        """The backends the DiT layers were built with (self-attention first; a per-call fallback
+        once a call has used it), without duplicates."""
         out: list[str] = []
         for c in DIT:
             if c in self.scopes:
                 for role in ("self", "cross"):
                     for d in self.scopes[c].decisions:
-                        if d.role == role and d.backend.value not in out:
-                            out.append(d.backend.value)
+                        out += [b.value for b in d.ran_backends() if d.role == role and b.value not in out]
         return out
 
     # ------------------------------------------------------------------------------------------
@@ -423,7 +350,7 @@ class WanPipelineNative:
         bar = tqdm(total=len(timesteps), desc="denoising", unit="step", file=sys.stderr, disable=not progress,
                    dynamic_ncols=True, leave=True)
         try:
-            with request_scope(state) if state is not None else _nullcontext():
+            with request_scope(state) if state is not None else contextlib.nullcontext():
                 for i, t in enumerate(timesteps):
                     if dits["transformer"] is not None and (boundary is None or float(t) >= boundary):
                         name, scale = "transformer", guidance
@@ -466,16 +393,11 @@ class WanPipelineNative:
         timings["decode"] = time.perf_counter() - t0
         timings["total"] = time.perf_counter() - t_start
 
-        if state is not None and state.override is not None:
-            backends = [state.override.value]
-        else:
-            backends = []
-            for c in DIT:
-                if c in used_models:
-                    for role in ("self", "cross"):
-                        for dcs in self.scopes[c].decisions:
-                            if dcs.role == role and dcs.backend.value not in backends:
-                                backends.append(dcs.backend.value)
+        from ditattn.attention.override import dit_layers, request_backends
+
+        layers = dit_layers(dits[c] for c in DIT if c in used_models)
+        backends = request_backends([l for l in layers if l.role == "self"] + [l for l in layers if l.role == "cross"],
+                                    state)
         stats = dict(state.stats) if state is not None else {}
         return GenerationResult(frames, backends, timings, stats, latents, seeds, height, width, num_frames, steps)
 
@@ -490,43 +412,3 @@ class WanPipelineNative:
         video = vae.decode(z, return_dict=False)[0]  # [N, 3, F, H, W] in [-1, 1]
         video = (video.float() / 2 + 0.5).clamp(0, 1)
         return video.permute(0, 2, 3, 4, 1).cpu().numpy()
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return False
-
-
-def _load_vae(folder: str, device: torch.device, variant: Optional[str]):
-    from diffusers import AutoencoderKLWan
-
-    kw = {"variant": variant} if variant else {}
-    try:
-        vae = AutoencoderKLWan.from_pretrained(folder, dtype=torch.float32, **kw)
-    except (OSError, ValueError) as exc:
-        raise AttentionConfigError(f"cannot load the VAE from {folder}: {exc}") from None
-    return vae.to(device).eval().requires_grad_(False)
-
-
-def _scheduler_factory(folder: str, klass: str):
-    """A zero-argument callable that returns a fresh scheduler (schedulers keep per-run state)."""
-    import diffusers
-
-    from ditattn.models.weights import read_json
-
-    cls = getattr(diffusers, klass, None)
-    if cls is None:
-        raise AttentionConfigError(f"{folder}: unknown scheduler class '{klass}' (not in diffusers {diffusers.__version__})")
-    config = read_json(os.path.join(folder, "scheduler_config.json"))
-    template = cls.from_config(config)
-    frozen = template.config
-
-    def make():
-        return cls.from_config(frozen)
-
-    make.config = frozen
-    make.cls = cls
-    return make

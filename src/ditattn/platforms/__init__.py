@@ -50,6 +50,8 @@ class Platform:
     name: one of ``PLATFORM_NAMES``. device_type: the torch device type (``"cuda"`` for ROCm too).
     capability: ``(major, minor)`` compute capability on CUDA, None elsewhere.
     packages: import names of installed optional runtimes (None = look them up lazily).
+    versions: ``(import name, version)`` pairs a simulated platform pins (a real one reads the
+    installed distribution's metadata).
     """
 
     name: str
@@ -58,11 +60,21 @@ class Platform:
     device_name: str = ""
     packages: frozenset[str] | None = None
     simulated: bool = False
+    versions: tuple[tuple[str, str], ...] = ()
 
     def has_package(self, module: str) -> bool:
         if self.packages is not None:
             return module in self.packages
         return _module_installed(module)
+
+    def package_version(self, module: str) -> str | None:
+        """Version of the distribution behind ``module`` (None: unknown or not installed).
+
+        A build installed from a git checkout carries ``+git.<commit>`` (pip's ``direct_url.json``),
+        so rules about one PyPI release can tell the two apart."""
+        if self.packages is not None:
+            return dict(self.versions).get(module)
+        return _installed_version(module)
 
     def has_any(self, modules: Iterable[str]) -> str | None:
         for m in modules:
@@ -83,11 +95,15 @@ class Platform:
         return f"{self.name}{cap}{dev}"
 
     def to_json(self) -> dict:
-        return {
+        out = {
             "name": self.name,
             "device": self.device_type,
             "capability": list(self.capability) if self.capability else None,
         }
+        if self.simulated:
+            out["simulated"] = True
+            out["packages"] = sorted(self.packages or ())
+        return out
 
     @classmethod
     def simulate(
@@ -97,7 +113,8 @@ class Platform:
         packages: Iterable[str] = (),
         device_name: str = "",
     ) -> "Platform":
-        """A platform that does not need the hardware: for tests and for ``plan`` dry runs."""
+        """A platform that does not need the hardware: for tests and for ``plan``/``backends
+        --platform``. ``packages``: import names, each optionally pinned as ``name==version``."""
         if name not in PLATFORM_NAMES:
             from ditattn.errors import AttentionConfigError
 
@@ -107,7 +124,98 @@ class Platform:
         device_type = {"rocm": "cuda"}.get(name, name)
         if name in ("cuda", "rocm") and capability is None:
             capability = (9, 0) if name == "cuda" else (9, 4)
-        return cls(name, device_type, capability, device_name, frozenset(packages), True)
+        names, versions = set(), []
+        for p in packages:
+            mod, _, ver = p.partition("==")
+            names.add(mod)
+            if ver:
+                versions.append((mod, ver))
+        return cls(name, device_type, capability, device_name, frozenset(names), True, tuple(sorted(versions)))
+
+    @classmethod
+    def from_spec(cls, spec: str, packages: "str | Iterable[str] | None" = None) -> "Platform":
+        """A simulated platform from a spec ``NAME[:SM]`` (``cuda:90``, ``cuda:8.6``, ``rocm``,
+        ``xpu``, ``npu``, ``musa``, ``mps``, ``cpu``: :func:`parse_platform_spec`) and its packages
+        (``"a,b"`` or a list: :func:`parse_platform_packages`; default none) — what ``plan`` /
+        ``backends --platform`` simulate.  Raises :class:`AttentionConfigError` naming what is accepted."""
+        name, capability = parse_platform_spec(spec)
+        return cls.simulate(name, capability, parse_platform_packages(packages))
+
+
+def parse_platform_spec(spec: str) -> tuple[str, "tuple[int, int] | None"]:
+    """``"cuda:90"`` -> ``("cuda", (9, 0))``, ``"xpu"`` -> ``("xpu", None)``: a platform name of
+    :data:`PLATFORM_NAMES`, with an SM (``90``, ``sm90``, ``sm_90``, ``9.0``) for cuda only.
+    Raises :class:`AttentionConfigError` naming what is accepted."""
+    from ditattn.errors import AttentionConfigError
+
+    name, _, sm = str(spec).strip().lower().partition(":")
+    if name not in PLATFORM_NAMES:
+        raise AttentionConfigError(f"unknown platform '{name}'; accepted: {', '.join(PLATFORM_NAMES)}, "
+                                   "with ':SM' for cuda (e.g. cuda:90)")
+    if not sm:
+        return name, None
+    if name != "cuda":
+        raise AttentionConfigError(f"{spec!r}: a compute capability applies to cuda only (e.g. cuda:90, cuda:100)")
+    return name, _parse_sm(sm)
+
+
+def parse_platform_packages(packages: "str | Iterable[str] | None") -> tuple[str, ...]:
+    """``"flash_attn.cute,sageattention==2.2.0"`` (or a list) -> a tuple of import names from
+    :data:`KNOWN_PACKAGES`, each optionally pinned as ``name==version``; raises
+    :class:`AttentionConfigError` for an unknown name."""
+    from ditattn.errors import AttentionConfigError
+
+    if isinstance(packages, str):
+        packages = packages.split(",")
+    out = tuple(str(p).strip() for p in packages or () if str(p).strip())
+    unknown = [p for p in out if p.partition("==")[0] not in KNOWN_PACKAGES]
+    if unknown:
+        raise AttentionConfigError(f"unknown package(s) {', '.join(unknown)}; accepted: {', '.join(KNOWN_PACKAGES)} "
+                                   "(import names, optionally name==version)")
+    return out
+
+
+def _parse_sm(sm: str) -> tuple[int, int]:
+    """``"90"`` / ``"sm90"`` / ``"sm_90"`` / ``"9.0"`` / ``"120"`` -> ``(major, minor)``."""
+    from ditattn.errors import AttentionConfigError
+
+    text = sm.removeprefix("sm").lstrip("_")
+    try:
+        if "." in text:
+            major, minor = (int(x) for x in text.split(".", 1))
+        else:
+            major, minor = divmod(int(text), 10)
+    except ValueError:
+        major = minor = -1
+    if not (1 <= major <= 20 and 0 <= minor <= 9):
+        raise AttentionConfigError(f"bad compute capability '{sm}'; accepted: e.g. cuda:80, cuda:90, cuda:100, "
+                                   "cuda:120 or cuda:8.6")
+    return major, minor
+
+
+@lru_cache(maxsize=None)
+def _installed_version(module: str) -> str | None:
+    """The installed distribution version of import name ``module`` (``+git.<sha>`` appended for a
+    VCS install), or None."""
+    import json
+    from importlib import metadata
+
+    top = module.split(".")[0]
+    dists = metadata.packages_distributions().get(top) or [top]
+    for dist in dists:
+        try:
+            d = metadata.distribution(dist)
+        except metadata.PackageNotFoundError:
+            continue
+        ver = d.version
+        try:
+            vcs = json.loads(d.read_text("direct_url.json") or "{}").get("vcs_info")
+        except (ValueError, AttributeError):
+            vcs = None
+        if vcs and vcs.get("commit_id"):
+            ver += f"+git.{vcs['commit_id'][:12]}"
+        return ver
+    return None
 
 
 def detect_platform(device: "str | None" = None) -> Platform:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ditattn.attention.names import AttentionBackendEnum as B
-from ditattn.attention.specs import SPECS, LayerRequest
+from ditattn.attention.specs import SPECS, LayerRequest, sage_cuda_runtime, sage_lacks_sm90_fix
 from ditattn.platforms import Platform
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -20,19 +20,27 @@ def _fa_fast_runtime(platform: Platform) -> bool:
     return platform.has_any(("flash_attn.cute", "flash_attn_interface")) is not None
 
 
+#: SM -> (evidence, yields to FA4/FA3): where the automatic CUDA order puts cuDNN SDPA ahead of
+#: FlashAttention for dense non-causal fp16/bf16 attention. Everywhere else the seed's rule applies:
+#: FlashAttention when usable, else PyTorch SDPA (no unmeasured reordering).
+CUDNN_FIRST: dict[int, tuple[str, bool]] = {
+    90: ("measured on the H200 (PERF.md): cuDNN SDPA ~1.6x torch's flash path, faster than FlashAttention-2; "
+         "FlashAttention-4/-3 are faster still and stay first when installed", True),
+    100: ("the seed's SM100/B200 rule (cuDNN first, FA when cuDNN has no kernel for a call); "
+          "not measured by ditattn", False),
+    103: ("the seed's SM100-family rule, as SM100; not measured by ditattn", False),
+}
+
+
 def auto_candidates(req: LayerRequest, platform: Platform) -> list[B]:
     """Dense backends in preference order for ``req`` on ``platform``."""
     name = platform.name
     if name == "cuda":
-        sm = platform.sm or 0
         dense_half = req.dtype in _HALF and not req.causal and not req.needs_bias
-        if sm in (100, 103) and dense_half:
-            # SM100/B200: cuDNN SDPA first for dense non-causal fp16/bf16, FA when cuDNN has no kernel
+        rule = CUDNN_FIRST.get(platform.sm or 0)
+        if rule is not None and dense_half and not (rule[1] and _fa_fast_runtime(platform)):
             return [B.TORCH_CUDNN_SDPA, B.FA, B.TORCH_SDPA]
-        # Measured on H200 (PERF.md): FA4 > cuDNN SDPA > torch flash (FA2 path)
-        if _fa_fast_runtime(platform):
-            return [B.FA, B.TORCH_CUDNN_SDPA, B.TORCH_SDPA]
-        return [B.TORCH_CUDNN_SDPA, B.FA, B.TORCH_SDPA]
+        return [B.FA, B.TORCH_SDPA]
     if name in ("rocm", "xpu", "npu"):
         if name == "npu" and not req.needs_lse:
             return [B.TORCH_SDPA]  # NPU: FA for ring attention, SDPA otherwise
@@ -42,44 +50,54 @@ def auto_candidates(req: LayerRequest, platform: Platform) -> list[B]:
     return [B.TORCH_SDPA]  # cpu, mps
 
 
+def runtime_fallback(backend: B, req: LayerRequest, platform: Platform) -> "B | None":
+    """The backend an automatic choice falls back to, per call, when ``backend`` has no kernel for
+    that call (the seed's SM100 rule: cuDNN SDPA first, FA when cuDNN cannot serve), or None."""
+    if backend is not B.TORCH_CUDNN_SDPA or platform.name != "cuda" or platform.sm not in (100, 103):
+        return None
+    cands = auto_candidates(req, platform)
+    for b in cands[cands.index(backend) + 1:] if backend in cands else ():
+        if not SPECS[b].reasons(req, platform):
+            return b
+        sub = substitute(b, req, platform)
+        if sub is not None and not SPECS[sub[0]].reasons(req, platform):
+            return sub[0]
+    return None
+
+
 def substitute(backend: B, req: LayerRequest, platform: Platform) -> "tuple[B, str] | None":
     """The backend the platform runs instead of ``backend`` and why, or None (no substitution).
 
-    Only the seed's fallbacks substitute: ``fa`` without an installed FlashAttention runtime (or on
-    a platform without one) → ``torch_sdpa``; ``sage_attn`` on Hopper with a sageattention build
-    that lacks the SM90 fix and no in-tree kernel → ``fa``; ``fp8_fa_sm120`` off SM120 or on an
-    unsupported call → ``torch_cudnn_sdpa``.
+    Only the seed's fallbacks substitute: ``fa`` without an installed FlashAttention runtime, or on
+    a platform where this build has no FlashAttention kernel path (CPU, MPS, XPU, MUSA, NPU, ROCm
+    without flash-attn) → ``torch_sdpa``; ``sage_attn`` on Hopper for a call the in-tree INT8
+    kernel cannot serve when the installed sageattention lacks the SM90 fix → ``fa``;
+    ``fp8_fa_sm120`` off SM120 or on a call it cannot serve → ``torch_cudnn_sdpa``.
     """
     spec = SPECS[backend]
     if backend is B.FA:
         if platform.name in ("cpu", "mps"):
             return B.TORCH_SDPA, f"no FlashAttention runtime on {platform.name}; {platform.name} uses torch_sdpa"
-        if platform.name in spec.runtimes and spec.runtime_on(platform) is None:
-            mods = [m for rt in spec.runtimes[platform.name] for m in rt.modules]
-            return B.TORCH_SDPA, (
-                f"no FlashAttention runtime installed ({' / '.join(mods)} not found); "
-                f"install: {spec.install_hint}"
-            )
+        rts = spec.runtimes.get(platform.name, ())
+        why = None
+        if rts and spec.runtime_on(platform) is None:
+            mods = [m for rt in rts if not rt.missing for m in rt.modules]
+            why = (spec.runtime_reason(platform) if not mods else
+                   f"no FlashAttention runtime installed ({' / '.join(mods)} not found); install: {spec.install_hint}")
+        if why is not None:
+            if platform.name == "rocm" and platform.has_package("aiter"):
+                why += "; aiter is installed: select it with --attention-backend aiter"
+            return B.TORCH_SDPA, f"{why}; fa runs torch_sdpa"
         return None
     if backend is B.SAGE_ATTN and platform.name == "cuda" and platform.sm == 90:
-        rt = spec.runtime_on(platform)
-        if rt is not None and rt.modules == ("sageattention",) and _sage_without_sm90_fix():
-            return B.FA, "sageattention from PyPI lacks the SM90 binding fix on Hopper; using fa"
+        impl, why = sage_cuda_runtime(platform, req.head_dim, req.needs_lse)
+        if impl is None and platform.has_package("sageattention") and sage_lacks_sm90_fix(platform):
+            return B.FA, f"{why}; the seed falls back to fa on Hopper"
         return None
     if backend is B.FP8_FA_SM120 and platform.name == "cuda":
         if platform.sm != 120:
             return B.TORCH_CUDNN_SDPA, f"fp8_fa_sm120 runs on SM120 only (this GPU is SM{platform.sm})"
-        reasons = spec.reasons(req, platform)
-        if reasons:
-            return B.TORCH_CUDNN_SDPA, "fp8_fa_sm120 cannot serve this call (" + "; ".join(reasons) + ")"
+        call = [r for r in spec.reasons(req, platform) if r != spec.missing_kernel]
+        if call:  # the seed: calls the FP8 kernel does not serve use torch_cudnn_sdpa
+            return B.TORCH_CUDNN_SDPA, "fp8_fa_sm120 cannot serve this call (" + "; ".join(call) + ")"
     return None
-
-
-def _sage_without_sm90_fix() -> bool:
-    try:
-        from importlib.metadata import version
-
-        return version("sageattention") == "2.2.0"
-    except Exception:
-        return False
-

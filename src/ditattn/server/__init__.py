@@ -1,12 +1,14 @@
 """OpenAI-compatible image/video server with per-request attention overrides and dynamic batching.
 
-``protocol``: request/response bodies; ``scheduler``: queue + batching worker; ``runner``: the model
-side (attention validation, batch generation); ``metrics``: Prometheus text; ``app``: the FastAPI
-app factory :func:`create_app` and ``ditattn serve`` (:func:`serve_main`). FastAPI and uvicorn are
-imported only when the app is built.
+``app``: the FastAPI app factory :func:`create_app` (assembly only); ``routes``: one router per
+resource (images, videos, models, health/metrics); ``state``: what the handlers share; ``bodies``:
+reading JSON / form bodies; ``protocol``: request/response bodies; ``store``: video jobs and stored
+images; ``media``: PNG / MP4 encoding; ``scheduler``: queue + batching worker; ``runner``: the model
+side (attention validation, batch generation); ``metrics``: Prometheus metrics.  FastAPI and
+uvicorn are imported only when the app is built; ``ditattn serve`` is :mod:`ditattn.entrypoints.serve`.
 """
 
-__all__ = ["create_app", "serve_main"]
+__all__ = ["create_app"]
 
 
 def __getattr__(name):

@@ -17,7 +17,7 @@ import numpy as np
 from torch import nn
 
 from ditattn.attention.context import AttentionSettings, RequestState, current_request
-from ditattn.attention.override import dit_layers, prepare_request_override
+from ditattn.attention.override import dit_layers, prepare_request_override, request_backends
 from ditattn.errors import AttentionConfigError
 from ditattn.platforms import use_platform
 
@@ -93,13 +93,12 @@ class BaseRunner:
     def active_backends(self) -> list[str]:
         """The DiT backend value(s) the layers run under the current request scope (what
         ``LocalAttention.forward`` will pick: the request table entry, else the layer's backend)."""
-        req = current_request()
-        table = req.override_table if req is not None and req.override_table is not None else {}
-        out = set()
-        for layer in self._layers:
-            entry = table.get(id(layer))
-            out.add((entry[0] if entry is not None else layer.backend).value)
-        return sorted(out)
+        return self.backends_for(current_request())
+
+    def backends_for(self, state: Optional[RequestState]) -> list[str]:
+        """The DiT backend value(s) a request prepared as ``state`` runs (layers with a required
+        backend keep theirs under an override or skip softmax)."""
+        return sorted(request_backends(self._layers, state))
 
     def request_stats(self) -> dict:
         """JSON-safe copy of the active request's statistics (e.g. skip-softmax tile counts)."""
@@ -196,41 +195,35 @@ class PipelineRunner(BaseRunner):
         return out
 
 
-def build_runner(args) -> PipelineRunner:
-    """Load the pipeline ``ditattn serve`` was asked for (model and attention flags in ``args``) and
-    validate the server-wide request defaults; raises AttentionConfigError on bad input."""
-    from ditattn.pipelines.run import parallel_degrees, settings_from_args, skip_softmax_from_args
+def build_runner(config) -> PipelineRunner:
+    """Load the pipeline of ``config`` (a :class:`~ditattn.runconfig.RunConfig`: model, attention
+    and parallel sections) and validate the server-wide request defaults (its sampling section and
+    attention override / skip softmax); raises AttentionConfigError on bad input."""
+    import os
+
+    from ditattn.distributed.launch import in_worker
     from ditattn.pipelines.wan import WanPipelineNative
 
-    if getattr(args, "backend", "native") != "native":
+    if config.model.backend != "native":
         raise AttentionConfigError("ditattn serve runs the native pipeline only (per-request attention overrides "
                                    "need ditattn's attention layers); drop --backend diffusers")
-    from ditattn.distributed.launch import in_worker
-
-    u, r = parallel_degrees(args)
+    u, r = config.parallel.degrees()
     if u * r > 1 and not in_worker():  # ranks started by ditattn.distributed.launch relay rank 0's calls
         raise AttentionConfigError(f"sequence parallelism (--num-gpus {u * r}) needs one process per rank: start "
                                    f"it with ditattn serve (ditattn.distributed.launch), or use --num-gpus 1")
-    settings = settings_from_args(args)
-    pipe = WanPipelineNative.from_pretrained(args.model_path, settings, device=args.device, dtype=args.dtype,
-                                             variant=getattr(args, "model_variant", None))
+    pipe = WanPipelineNative.from_config(config)
     name = pipe.model_index.name
-    aliases = {name, args.model_path or name}
+    aliases = {name, config.model.model_path or name}
     if not name.startswith("ditattn:"):
-        import os
-
         aliases.add(os.path.basename(os.path.normpath(name)))
-    runner = PipelineRunner(pipe, name, aliases=aliases,
-                            default_override=getattr(args, "attention_backend_override", None),
-                            default_skip_softmax=skip_softmax_from_args(args))
-    # sampling flags given to `serve` become the defaults of requests that leave those fields out
-    d = runner.defaults
-    for flag, field in (("height", "height"), ("width", "width"), ("num_frames", "num_frames"),
-                        ("num_inference_steps", "num_inference_steps"), ("guidance_scale", "guidance_scale")):
-        value = getattr(args, flag, None)
-        if value is not None:
-            setattr(d, field, value)
+    runner = PipelineRunner(pipe, name, aliases=aliases, default_override=config.attention.attention_backend_override,
+                            default_skip_softmax=config.attention.skip_softmax())
+    # sampling settings given to `serve` become the defaults of requests that leave those fields out
+    d, s = runner.defaults, config.sampling
+    for field in ("height", "width", "num_frames", "num_inference_steps", "guidance_scale"):
+        if getattr(s, field) is not None:
+            setattr(d, field, getattr(s, field))
     pipe.check_size(d.height, d.width, d.num_frames)
-    runner.default_negative_prompt = getattr(args, "negative_prompt", None)
+    runner.default_negative_prompt = s.negative_prompt
     runner.prepare(None, None)  # the server-wide attention defaults must themselves be valid
     return runner

@@ -20,8 +20,14 @@ from typing import Callable, Optional
 import torch
 
 from ditattn.attention.names import AttentionBackendEnum as B
+from ditattn.errors import BackendUnavailableError
 
 Tensor = torch.Tensor
+
+
+class NoKernelError(BackendUnavailableError):
+    """The backend runs on this platform but has no kernel for this particular call (shape, dtype,
+    head dim); an automatic choice with a per-call fallback (SM100 cuDNN -> FA) catches it."""
 
 
 @dataclasses.dataclass(slots=True)

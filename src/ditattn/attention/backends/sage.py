@@ -1,35 +1,63 @@
 """Quantized dense backends: ``sage_attn`` and ``sage_attn_3``.
 
-``sage_attn`` (INT8 Q.K with smoothed K, FP16/BF16 or FP8 P.V; lossy):
+``sage_attn`` (INT8 Q.K with smoothed K, FP16/BF16 or FP8 P.V; lossy) has several
+implementations, chosen by its config key ``impl`` (schema: :mod:`ditattn.attention.schemas`;
+``ditattn backends`` lists it):
 
-* CUDA: our Triton kernel (:func:`ditattn.attention.kernels.int8_attention.int8_attention`:
-  per-token Q / per-block K INT8 scales, online softmax, LSE, GQA) or the ``sageattention``
-  package.  Which one is ``DITATTN_SAGE_IMPL`` (``auto`` | ``triton`` | ``package``); ``auto``
-  takes the Triton kernel on SM90 (measured faster than sageattention 1.0.6 there, see
-  docs/benchmarks.md), whenever the LSE is needed (the package returns none) and when the package
-  is missing, else the package.  P.V precision is ``DITATTN_SAGE_PV`` (``fp16``, the default:
-  about 1.3 % relative error on random inputs; ``fp8``: faster tensor-core rate, about 4 %).
-  sageattention 1.0.6 subtracts the key mean from its K argument in place, so it gets a clone.
-* CPU: :func:`ditattn.attention.kernels.int8_attention.int8_attention_reference`, the same
-  quantization in PyTorch (float32, float16 or bfloat16 inputs).
+* ``sm90``: our warp-specialised Gluon kernel for Hopper
+  (:func:`ditattn.attention.kernels.sage_sm90.sage_attention_sm90`: TMA producer warp, two consumer
+  warpgroups, asynchronous INT8 Q.K and BF16/FP16 P.V ``wgmma``; per-token Q and K scales by default);
+  SM90 only, head dims 64/128, non-causal, ``pv_dtype`` fp16;
+* ``triton``: our Triton kernel (:func:`ditattn.attention.kernels.int8_attention.int8_attention`:
+  per-token Q / per-block K INT8 scales, online softmax, LSE, GQA); CUDA fp16/bf16 (or CPU under
+  ``TRITON_INTERPRET=1``), head dims ``SUPPORTED_HEAD_DIMS``;
+* ``package``: the ``sageattention`` package (CUDA and MUSA; no LSE; its own P.V precision, so
+  ``pv_dtype`` fp16 only; on Hopper only a build with the upstream SM90 binding fix, not PyPI's
+  2.2.0).  sageattention 1.0.6 subtracts the key mean from its K argument in place, so it gets a
+  clone;
+* ``reference``: :func:`ditattn.attention.kernels.int8_attention.int8_attention_reference`, the same
+  quantization in PyTorch (float32, float16 or bfloat16; any device);
+* ``auto`` (default): :func:`auto_impl`.  On CUDA that is
+  :func:`ditattn.attention.specs.sage_cuda_runtime`, the rule the selector applies too, so the
+  plan names what runs: on SM90 the sm90 kernel (head dims 64/128, fp16 P.V; a causal call falls
+  back to the Triton kernel), else the Triton kernel on SM90 (measured faster than sageattention
+  1.0.6 there, see docs/benchmarks.md), whenever the LSE or ``pv_dtype`` fp8 is needed and when the
+  package is missing, else the package.  On Hopper a call the in-tree kernel cannot serve (head dims other
+  than 32/64/128) needs the package with the SM90 fix; without it the selector has already put
+  ``fa`` on such layers (the seed's fallback, recorded in the plan).  MUSA: the package.  Other
+  devices: the reference.
+
+``pv_dtype`` is the P.V precision (``fp16``, the default: about 1 % relative error on random
+inputs; ``fp8``: faster tensor-core rate, about 4 %); ``qk_dtype`` only ``int8`` so far;
+``k_granularity`` the K scale granularity (``token`` or ``block``; ``auto``: token on sm90 and the
+reference, block on the Triton kernel).  A new
+implementation is one more :class:`SageImpl` row in :data:`SAGE_IMPLS` (its name in the schema's
+``impl`` choices, and a place in :func:`auto_impl` / ``sage_cuda_runtime`` if ``auto`` should pick
+it).
 
 ``sage_attn_3`` runs ``sageattn3.sageattn3_blackwell`` (FP4 microscaling) on Blackwell GPUs only.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import logging
-import os
+from typing import Callable, Optional
+
 import torch
 
 from ditattn.attention.backends.base import AttnCall, expand_kv, register
 from ditattn.attention.names import AttentionBackendEnum as B
+from ditattn.attention.config import complete_backend_config
+from ditattn.attention.schemas import SAGE_PV_DTYPES
+from ditattn.attention.specs import SAGE_SM90_FIX_INSTALL, sage_cuda_runtime, sage_lacks_sm90_fix
 from ditattn.errors import AttentionConfigError, BackendUnavailableError
+from ditattn.platforms import Platform, current_platform, platform_for_device
+from ditattn.settings import check_retired
 
 log = logging.getLogger(__name__)
 
-SAGE_IMPLS = ("auto", "triton", "package")
 BLACKWELL_SMS = (100, 103, 120, 121)
 
 
@@ -42,64 +70,184 @@ def _load(module: str, attr: str):
         return None
 
 
-def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
-    val = os.environ.get(name, default).strip().lower()
-    if val not in choices:
-        raise AttentionConfigError(f"{name}={val!r} is not valid; accepted: {', '.join(choices)}")
-    return val
+# ------------------------------------------------------------------------------------------------
+# sage_attn implementations: why_not(q, call, cfg) -> reason or None; run(q, k, v, call, cfg) -> (out, lse)
 
 
-def sage_cuda_impl(q: torch.Tensor, need_lse: bool) -> str:
-    """Which CUDA implementation ``sage_attn`` uses for ``q``: ``"triton"`` or ``"package"``."""
-    choice = _env_choice("DITATTN_SAGE_IMPL", SAGE_IMPLS, "auto")
-    has_pkg = _load("sageattention", "sageattn") is not None
-    d = q.shape[-1]
+def _triton_why_not(q: torch.Tensor, call: AttnCall, cfg: dict) -> Optional[str]:
+    from ditattn.attention.kernels import interpreting
     from ditattn.attention.kernels.int8_attention import SUPPORTED_HEAD_DIMS
 
-    if choice == "package":
-        if not has_pkg:
-            raise BackendUnavailableError("sage_attn", ["DITATTN_SAGE_IMPL=package but package 'sageattention' is not installed"])
-        if need_lse:
-            raise AttentionConfigError("sage_attn: the sageattention package returns no LSE (needed here); "
-                                       "use DITATTN_SAGE_IMPL=triton or auto")
-        return "package"
-    if choice == "triton" or need_lse or not has_pkg:
-        if d not in SUPPORTED_HEAD_DIMS:
-            raise AttentionConfigError(f"sage_attn: the in-tree INT8 kernel supports head dim {list(SUPPORTED_HEAD_DIMS)}, "
-                                       f"not {d}" + ("" if has_pkg else " (and package 'sageattention' is not installed)"))
-        return "triton"
-    major, minor = torch.cuda.get_device_capability(q.device)
-    if major * 10 + minor == 90 and d in SUPPORTED_HEAD_DIMS:
-        return "triton"
-    return "package"
+    if q.device.type != "cuda" and not (q.device.type == "cpu" and interpreting()):
+        return f"the Triton kernel needs a CUDA device (or TRITON_INTERPRET=1 on the CPU), not {q.device.type}"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"the Triton kernel takes float16/bfloat16, not {str(q.dtype).replace('torch.', '')}"
+    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        return f"the Triton kernel supports head dim {list(SUPPORTED_HEAD_DIMS)}, not {q.shape[-1]}"
+    if cfg.get("k_granularity") == "token":
+        return "the Triton kernel scales K per block of keys (k_granularity token: impl sm90 or reference)"
+    return None
+
+
+def _triton_run(q, k, v, call: AttnCall, cfg: dict):
+    from ditattn.attention.kernels.int8_attention import int8_attention
+
+    return int8_attention(q, k, v, scale=call.scale, causal=call.causal, return_lse=call.return_lse,
+                          pv=cfg["pv_dtype"])
+
+
+def _package_install_problem(q: torch.Tensor) -> Optional[str]:
+    """Why the installed sageattention cannot run at all here: missing, or (Hopper) a build without
+    the upstream SM90 binding fix.  None: it can."""
+    if _load("sageattention", "sageattn") is None:
+        return "package 'sageattention' is not installed (pip install sageattention)"
+    platform = platform_for_device(q.device)
+    if platform.name == "cuda" and platform.sm == 90 and sage_lacks_sm90_fix(platform):
+        return (f"sageattention {platform.package_version('sageattention')} lacks the upstream SM90 binding fix "
+                f"on Hopper; install: {SAGE_SM90_FIX_INSTALL}")
+    return None
+
+
+def _sm90_why_not(q: torch.Tensor, call: AttnCall, cfg: dict) -> Optional[str]:
+    from ditattn.attention.specs import SAGE_SM90_HEAD_DIMS
+
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
+        where = q.device.type if q.device.type != "cuda" else "SM%d%d" % torch.cuda.get_device_capability(q.device)
+        return f"the sm90 kernel needs an SM90 (Hopper) GPU, not {where}"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"the sm90 kernel takes float16/bfloat16, not {str(q.dtype).replace('torch.', '')}"
+    if q.shape[-1] not in SAGE_SM90_HEAD_DIMS:
+        return f"the sm90 kernel supports head dim {list(SAGE_SM90_HEAD_DIMS)}, not {q.shape[-1]}"
+    if call.causal:
+        return "the sm90 kernel is non-causal only (the Triton kernel serves causal calls)"
+    if _load("triton.experimental.gluon", "jit") is None:
+        return "the sm90 kernel needs Triton with the Gluon dialect (triton >= 3.5)"
+    return None
+
+
+def _k_granularity(cfg: dict, auto: str) -> str:
+    return auto if cfg.get("k_granularity", "auto") == "auto" else cfg["k_granularity"]
+
+
+def _sm90_run(q, k, v, call: AttnCall, cfg: dict):
+    from ditattn.attention.kernels.sage_sm90 import sage_attention_sm90
+
+    return sage_attention_sm90(q, k, v, scale=call.scale, return_lse=call.return_lse,
+                               config={"k_granularity": _k_granularity(cfg, "token")})
+
+
+def _package_why_not(q: torch.Tensor, call: AttnCall, cfg: dict) -> Optional[str]:
+    problem = _package_install_problem(q)
+    if problem is not None:
+        return problem
+    if q.device.type not in ("cuda", "musa"):
+        return f"the sageattention package runs on CUDA and MUSA, not {q.device.type}"
+    if call.return_lse:
+        return "the sageattention package returns no LSE (needed here)"
+    if cfg["pv_dtype"] != "fp16":
+        return f"the sageattention package chooses its own P.V precision (pv_dtype {cfg['pv_dtype']} needs impl " \
+               "triton or reference)"
+    return None
+
+
+def _package_run(q, k, v, call: AttnCall, cfg: dict):
+    sageattn = _load("sageattention", "sageattn")
+    # sageattention 1.0.6 does `k -= k.mean(...)` on its argument: never hand it ours
+    return sageattn(q, k.clone(), v, tensor_layout="NHD", is_causal=call.causal, sm_scale=call.scale), None
+
+
+def _reference_why_not(q: torch.Tensor, call: AttnCall, cfg: dict) -> Optional[str]:
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"the reference takes float32/float16/bfloat16, not {str(q.dtype).replace('torch.', '')}"
+    return None
+
+
+def _reference_run(q, k, v, call: AttnCall, cfg: dict):
+    from ditattn.attention.kernels.int8_attention import int8_attention_reference
+
+    return int8_attention_reference(q, k, v, scale=call.scale, causal=call.causal, return_lse=call.return_lse,
+                                    pv=cfg["pv_dtype"], k_granularity=_k_granularity(cfg, "token"))
+
+
+@dataclasses.dataclass(frozen=True)
+class SageImpl:
+    """One implementation of ``sage_attn``: ``why_not(q, call, cfg)`` says why it cannot serve a
+    call (None: it can); ``run(q, k, v, call, cfg)`` returns ``(out, lse | None)``; ``qk_dtypes`` /
+    ``pv_dtypes``: the precisions it implements."""
+
+    why_not: Callable[[torch.Tensor, AttnCall, dict], Optional[str]]
+    run: Callable
+    qk_dtypes: tuple = ("int8",)
+    pv_dtypes: tuple = SAGE_PV_DTYPES
+
+
+SAGE_IMPLS: dict[str, SageImpl] = {
+    "sm90": SageImpl(_sm90_why_not, _sm90_run, pv_dtypes=("fp16",)),
+    "triton": SageImpl(_triton_why_not, _triton_run),
+    "package": SageImpl(_package_why_not, _package_run, pv_dtypes=("fp16",)),
+    "reference": SageImpl(_reference_why_not, _reference_run),
+}
+
+
+def auto_impl(device_type: str, head_dim: int, need_lse: bool = False, pv_dtype: str = "fp16",
+              platform: Optional[Platform] = None) -> str:
+    """The :data:`SAGE_IMPLS` key ``impl=auto`` runs for a call on ``device_type`` with ``head_dim``.
+
+    CUDA: :func:`ditattn.attention.specs.sage_cuda_runtime` on ``platform`` (default: the current
+    one), the rule the selector labels the plan with; MUSA: the sageattention package (the seed's
+    MUSA support); other devices: the PyTorch reference.  Raises :class:`BackendUnavailableError`
+    with the reason when nothing may serve the call on CUDA."""
+    if device_type == "cuda":
+        name, why = sage_cuda_runtime(platform or current_platform(), head_dim, need_lse, pv_dtype)
+        if name is None:
+            raise BackendUnavailableError("sage_attn", [why])
+        return name
+    return "package" if device_type == "musa" else "reference"
+
+
+def sage_impl_for(q: torch.Tensor, call: AttnCall, cfg: Optional[dict] = None) -> str:
+    """The ``sage_attn`` implementation that serves this call under config ``cfg`` (defaults for
+    missing keys).  An explicit ``impl`` that cannot serve the call, or ``auto`` with no
+    implementation that can, raises :class:`AttentionConfigError` with the reasons
+    (:class:`BackendUnavailableError` when ``impl=package`` and the package is missing or, on Hopper,
+    lacks the SM90 fix; and when ``auto`` has nothing on CUDA, see :func:`auto_impl`)."""
+    cfg = complete_backend_config(B.SAGE_ATTN, cfg)
+    if cfg["impl"] == "auto":
+        name = auto_impl(q.device.type, q.shape[-1], call.return_lse, cfg["pv_dtype"], platform_for_device(q.device))
+    else:
+        name = cfg["impl"]
+    impl = SAGE_IMPLS[name]
+    why = impl.why_not(q, call, cfg)
+    if why is None and cfg["qk_dtype"] in impl.qk_dtypes and cfg["pv_dtype"] in impl.pv_dtypes:
+        return name
+    if cfg["impl"] == "auto" and name == "sm90":  # e.g. a causal call: the Triton kernel serves it
+        alt = SAGE_IMPLS["triton"].why_not(q, call, cfg)
+        if alt is None:
+            return "triton"
+        why = f"{why}; triton: {alt}"
+    if cfg["impl"] == "package" and why is not None and why == _package_install_problem(q):
+        raise BackendUnavailableError("sage_attn", [f"impl package: {why}"])
+    raise AttentionConfigError(f"sage_attn: no implementation can serve this call (impl {cfg['impl']}): "
+                               f"{name}: {why or 'does not implement these precisions'}")
 
 
 @register(B.SAGE_ATTN)
 def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttnCall, config: dict):
     """``sage_attn``: q ``[B, S_q, H, D]``, k/v ``[B, S_kv, H_kv, D]``; returns ``(out, lse|None)``.
 
-    Lossy (INT8 Q.K).  No additive bias.  CUDA: fp16/bf16; CPU: float32/float16/bfloat16.
+    Lossy (INT8 Q.K).  No additive bias.  CUDA and MUSA: fp16/bf16; CPU: float32/float16/bfloat16.
+    ``config``: ``impl``, ``pv_dtype``, ``qk_dtype`` (missing keys take their defaults).
     """
     if call.attn_bias is not None:
         raise AttentionConfigError("sage_attn: does not accept an additive attention bias/mask; accepted: no bias")
-    pv = _env_choice("DITATTN_SAGE_PV", ("fp16", "fp8"), "fp16")
-    if q.device.type == "cuda":
-        if q.dtype not in (torch.float16, torch.bfloat16):
-            raise AttentionConfigError(
-                f"sage_attn: dtype {str(q.dtype).replace('torch.', '')} not supported on CUDA (accepts float16, bfloat16)"
-            )
-        impl = sage_cuda_impl(q, call.return_lse)
-        if impl == "package":
-            sageattn = _load("sageattention", "sageattn")
-            # sageattention 1.0.6 does `k -= k.mean(...)` on its argument: never hand it ours
-            out = sageattn(q, k.clone(), v, tensor_layout="NHD", is_causal=call.causal, sm_scale=call.scale)
-            return out, None
-        from ditattn.attention.kernels.int8_attention import int8_attention
-
-        return int8_attention(q, k, v, scale=call.scale, causal=call.causal, return_lse=call.return_lse, pv=pv)
-    from ditattn.attention.kernels.int8_attention import int8_attention_reference
-
-    return int8_attention_reference(q, k, v, scale=call.scale, causal=call.causal, return_lse=call.return_lse, pv=pv)
+    check_retired("DITATTN_SAGE_IMPL", "DITATTN_SAGE_PV")
+    cfg = complete_backend_config(B.SAGE_ATTN, config)
+    if q.device.type != "cpu" and q.dtype not in (torch.float16, torch.bfloat16):
+        raise AttentionConfigError(
+            f"sage_attn: dtype {str(q.dtype).replace('torch.', '')} not supported on {q.device.type} "
+            "(accepts float16, bfloat16)"
+        )
+    return SAGE_IMPLS[sage_impl_for(q, call, cfg)].run(q, k, v, call, cfg)
 
 
 def sage3_unavailable_reasons(device: torch.device) -> list[str]:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ditattn.attention.backends.base import AttnCall, expand_kv, reference_attention, register
+from ditattn.attention.backends.base import AttnCall, NoKernelError, expand_kv, reference_attention, register
 from ditattn.attention.names import AttentionBackendEnum as B
 
 
@@ -62,9 +62,28 @@ def torch_sdpa(q, k, v, call: AttnCall, config: dict):
     return _bhsd(out), None
 
 
+def cudnn_no_kernel_reason(q, k, v, call: AttnCall) -> "str | None":
+    """Why cuDNN SDPA has no kernel for this call (None: it has one), from PyTorch's own dispatch
+    check (``torch.backends.cuda.can_use_cudnn_attention``); q/k/v in the ``[B, S, H, D]`` layout."""
+    if q.device.type != "cuda":
+        return f"cuDNN SDPA needs CUDA tensors (these are on {q.device.type})"
+    if call.attn_bias is not None:
+        return "torch_cudnn_sdpa does not take an additive attention bias"
+    params = torch.backends.cuda.SDPAParams(_bhsd(q), _bhsd(k), _bhsd(v), None, 0.0, call.causal, False)
+    if not torch.backends.cuda.can_use_cudnn_attention(params, False):
+        return (f"cuDNN has no kernel for this call (dtype {str(q.dtype).replace('torch.', '')}, head dim "
+                f"{q.shape[-1]}, seq {q.shape[1]}x{k.shape[1]}, causal {call.causal})")
+    return None
+
+
 @register(B.TORCH_CUDNN_SDPA)
 def torch_cudnn_sdpa(q, k, v, call: AttnCall, config: dict):
+    """``torch_cudnn_sdpa``: SDPA pinned to cuDNN. Raises :class:`NoKernelError` (with PyTorch's
+    reason) when cuDNN has no kernel for the call, so an automatic choice can fall back per call."""
     k, v = expand_kv(k, v, q.shape[2])
+    why = cudnn_no_kernel_reason(q, k, v, call)
+    if why is not None:
+        raise NoKernelError("torch_cudnn_sdpa", [why])
     if call.return_lse:
         res = torch.ops.aten._scaled_dot_product_cudnn_attention(
             _bhsd(q), _bhsd(k), _bhsd(v), None, True, 0.0, call.causal, False, scale=call.scale

@@ -15,19 +15,18 @@ Registers ``sliding_tile_attn``, ``video_sparse_attn``, ``sparge_attn``, ``vmoba
   run PyTorch SDPA (``sol_attn``: its ``dense_backend``);
 * each call records its kept block fraction in ``ditattn.attention.sparse.last_stats``.
 
-``DITATTN_BLOCK_SPARSE_IMPL`` (``auto``/``reference``/``flex``/``triton``) overrides the core's
-kernel choice (benchmarks, debugging).
+The config key ``block_sparse_impl`` (``auto``/``reference``/``flex``/``triton``) picks the
+engine's kernel (:func:`ditattn.attention.sparse.block_sparse.block_sparse_attention`).
 """
 from __future__ import annotations
 
-import os
 import threading
 from typing import Optional
 
 import torch
 
 from ditattn.attention.backends.base import AttnCall, expand_kv, register
-from ditattn.attention.config import parse_layer_list, schema_for, validate_backend_config
+from ditattn.attention.config import complete_backend_config, parse_layer_list
 from ditattn.attention.names import AttentionBackendEnum as B
 from ditattn.attention.sparse import record_stats, stats_key
 from ditattn.attention.sparse.block_sparse import dense_attention
@@ -46,24 +45,17 @@ from ditattn.attention.sparse.svg2 import svg2_attention
 from ditattn.attention.sparse.vmoba import vmoba_attention, vmoba_layer_mode
 from ditattn.attention.sparse.vsa import video_sparse_attention
 from ditattn.errors import AttentionConfigError
+from ditattn.settings import check_retired
 
 Tensor = torch.Tensor
 
 SEARCH_MODES = ("STA_searching", "STA_tuning", "STA_tuning_cfg")
 
 
-def _impl() -> str:
-    return os.environ.get("DITATTN_BLOCK_SPARSE_IMPL", "auto")
-
-
 def _config(backend: B, config: Optional[dict]) -> dict:
-    """The backend's full config: ``config`` as given when it already holds every schema key
-    (validated by the selector), else validated here with defaults filled in."""
-    config = dict(config or {})
-    names = [p.name for p in schema_for(backend)]
-    if all(n in config for n in names):
-        return config
-    return validate_backend_config(backend, config, strict_unknown=False)
+    """The backend's full config (defaults filled in, validated unless the layer already did)."""
+    check_retired("DITATTN_BLOCK_SPARSE_IMPL")
+    return complete_backend_config(backend, config)
 
 
 def _check_call(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall) -> tuple[tuple[int, int, int], int]:
@@ -134,7 +126,7 @@ def sliding_tile_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: d
         out, lse = sta_search_attention(q, k, v, video_shape=vs, search=search,
                                         step=0 if call.step is None else int(call.step), layer=_layer(call),
                                         head_offset=head_offset, tile_size=tile_size, text_len=text_len,
-                                        scale=call.scale, return_lse=call.return_lse, impl=_impl())
+                                        scale=call.scale, return_lse=call.return_lse, impl=cfg["block_sparse_impl"])
         record_stats(_key(name, call), backend=name, kept_fraction=1.0, dense=True,
                      reason=f"{mode}: full attention returned, candidates measured", step=call.step,
                      layer_idx=call.layer_idx)
@@ -142,7 +134,7 @@ def sliding_tile_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: d
     windows = strategy.windows(call.step, _layer(call), q.shape[2], head_offset)
     out, lse, plan = sliding_tile_attention(q, k, v, video_shape=vs, windows=windows, tile_size=tile_size,
                                             text_len=text_len, scale=call.scale, return_lse=call.return_lse,
-                                            impl=_impl())
+                                            impl=cfg["block_sparse_impl"])
     _sparse_done(name, call, plan, windows=windows.tolist())
     return out, lse
 
@@ -156,7 +148,7 @@ def video_sparse_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: d
         return _dense(name, q, k, v, call, "sparsity 0.0 keeps every tile (exact dense attention)")
     k, v = expand_kv(k, v, q.shape[2])
     out, lse, plan = video_sparse_attention(q, k, v, video_shape=vs, sparsity=cfg["sparsity"], text_len=text_len,
-                                            scale=call.scale, return_lse=call.return_lse, impl=_impl())
+                                            scale=call.scale, return_lse=call.return_lse, impl=cfg["block_sparse_impl"])
     _sparse_done(name, call, plan, tiles_per_query=plan.extra["k"])
     return out, lse
 
@@ -178,7 +170,7 @@ def sparge_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
     k, v = expand_kv(k, v, q.shape[2])
     out, lse, plan = sparge_attention(q, k, v, video_shape=vs, topk=cfg["topk"], block_size=cfg.get("block_size", 64),
                                       text_len=text_len, quantize=cfg.get("quantize", True), scale=call.scale,
-                                      return_lse=call.return_lse, impl=_impl())
+                                      return_lse=call.return_lse, impl=cfg["block_sparse_impl"])
     _sparse_done(name, call, plan, quantized=plan.extra["quantized"])
     return out, lse
 
@@ -202,7 +194,7 @@ def vmoba_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
     out, lse, plan = vmoba_attention(q, k, v, video_shape=vs, mode=mode, chunk=chunk, topk=topk,
                                      select_mode=cfg["moba_select_mode"], threshold=cfg["moba_threshold"],
                                      threshold_type=cfg["moba_threshold_type"], text_len=text_len, scale=call.scale,
-                                     return_lse=call.return_lse, impl=_impl())
+                                     return_lse=call.return_lse, impl=cfg["block_sparse_impl"])
     _sparse_done(name, call, plan, mode=mode, chunk=plan.extra["chunk"], topk=plan.extra["topk"])
     return out, lse
 
@@ -221,7 +213,7 @@ def sparse_video_gen_2_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, con
                                     num_k_clusters=cfg["num_k_clusters"], kmeans_iters=cfg["kmeans_iters"],
                                     top_p=cfg["top_p"], warm_iters=cfg["warm_iters"],
                                     recluster_every=cfg["recluster_every"], state_key=state_key, step=call.step,
-                                    scale=call.scale, return_lse=call.return_lse, impl=_impl())
+                                    scale=call.scale, return_lse=call.return_lse, impl=cfg["block_sparse_impl"])
     _sparse_done(name, call, plan, mode=plan.extra["mode"])
     return out, lse
 
@@ -234,7 +226,7 @@ def _sla(backend: B, q, k, v, call: AttnCall, config: dict):
     out, lse, plan = sla_attention(q, k, v, video_shape=vs, text_len=text_len, topk=cfg["topk"],
                                    negligible_fraction=cfg["negligible_fraction"], block_size=cfg["block_size"],
                                    quantize=backend is B.SAGE_SLA_ATTN, scale=call.scale,
-                                   return_lse=call.return_lse, impl=_impl())
+                                   return_lse=call.return_lse, impl=cfg["block_sparse_impl"])
     _sparse_done(name, call, plan, marginal_fraction=plan.extra["marginal_fraction"], linear_branch="absent (zero)")
     return out, lse
 
@@ -271,6 +263,6 @@ def sol_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
     out, lse, plan = sol_attention(q, k, v, video_shape=vs, text_len=text_len, tau=cfg["tau"],
                                    thresh_type=cfg["thresh_type"], sink_start=cfg["sink_start"],
                                    sink_tokens=cfg["sink_tokens"], scale=call.scale, return_lse=call.return_lse,
-                                   impl=_impl())
+                                   impl=cfg["block_sparse_impl"])
     _sparse_done(name, call, plan, approximate_fraction=1.0 - plan.kept_fraction)
     return out, lse

@@ -43,13 +43,14 @@ P_SHIFT_FP8 = 8.0  # P is computed as exp2(s - m + 8) = 256 * softmax numerator 
 
 @triton.jit
 def _quant_int8_rows(
-    X, KMean, Out, Scale, Qkm,
+    X, KMean, Out, Scale, Qkm, Norm,
     stride_xb, stride_xs, stride_xh,
     stride_mb, stride_mh,
     S, S_pad, H, GROUP, mult, qkm_mult,
     HEAD_DIM: tl.constexpr, BLK: tl.constexpr,
-    SUB_MEAN: tl.constexpr, PER_TOKEN: tl.constexpr, WRITE_QKM: tl.constexpr,
+    SUB_MEAN: tl.constexpr, PER_TOKEN: tl.constexpr, WRITE_QKM: tl.constexpr, NORM: tl.constexpr,
 ):
+    # NORM 1: per row |x8|_2 * scale (Q's logit bound factor); NORM 2: per program max of that (K's)
     pid_blk = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -76,7 +77,15 @@ def _quant_int8_rows(
         xq = x / sc
         tl.store(Scale + (b * H + h) * (S_pad // BLK) + pid_blk, sc * mult)
     xq = xq + tl.where(xq >= 0.0, 0.5, -0.5)
-    tl.store(Out + row[:, None] * HEAD_DIM + offs_d[None, :], xq.to(tl.int8))
+    x8 = xq.to(tl.int8)
+    tl.store(Out + row[:, None] * HEAD_DIM + offs_d[None, :], x8)
+    if NORM > 0:
+        xf = x8.to(tl.float32)
+        nrm = tl.sqrt(tl.sum(xf * xf, 1)) * (sc * mult)
+        if NORM == 1:
+            tl.store(Norm + row, nrm)
+        else:
+            tl.store(Norm + (b * H + h) * (S_pad // BLK) + pid_blk, tl.max(nrm, 0))
 
 
 @triton.jit
@@ -265,6 +274,54 @@ def _check_common(q, k, v, pv, q_granularity, what):
     return dims
 
 
+def quantize_qk(q: torch.Tensor, k: torch.Tensor, *, scale: float, block_m: int, block_n: int,
+                need_qkm: bool, per_token: bool = True, k_per_token: bool = False, norms: bool = False):
+    """The INT8 prologue of the quantized kernels (two Triton passes and one mean over K).
+
+    q ``[B, S_q, H, D]``, k ``[B, S_kv, H_kv, D]`` fp16/bf16 (last dim contiguous).  Returns
+    ``(q8, qs, qkm, k8, ks, sq_pad, skv_pad)``: ``q8 [B, H, sq_pad, D]`` int8 with ``sq_pad`` =
+    S_q rounded up to ``block_m``; ``qs`` float32 Q scales times ``scale * log2 e``, ``[B, H, sq_pad]``
+    per token (or ``[B, H, sq_pad // block_m]`` per block); ``qkm [B, H, sq_pad]`` = ``scale * q .
+    mean(K)`` (the LSE correction of the smoothing; ``qs`` again when ``need_qkm`` is false);
+    ``k8 [B, H_kv, skv_pad, D]`` int8 of ``K - mean_s(K)`` and ``ks`` its scales, per block of
+    ``block_n`` keys ``[B, H_kv, skv_pad // block_n]`` or, with ``k_per_token``, per key
+    ``[B, H_kv, skv_pad]``.  Padded rows are zero.  With ``norms`` (per-token Q only) it also
+    returns ``(qn, kn)``: ``qn [B, H, sq_pad]`` = ``|q8_i|_2 * qs_i`` and ``kn [B, H_kv]`` = ``max_j
+    |k8_j|_2 * sK_j``, so that ``qn_i * kn`` bounds every base-2 logit of row i (Cauchy-Schwarz).
+    """
+    B, Sq, H, D = q.shape
+    Skv, Hkv = k.shape[1], k.shape[2]
+    dev = q.device
+    sq_pad = triton.cdiv(Sq, block_m) * block_m
+    skv_pad = triton.cdiv(Skv, block_n) * block_n
+    bm, bn = block_m, block_n
+    kmean = k.mean(dim=1, dtype=torch.float32).contiguous()  # [B, Hkv, D]
+    q8 = torch.empty((B, H, sq_pad, D), dtype=torch.int8, device=dev)
+    qs = torch.empty((B, H, sq_pad if per_token else sq_pad // bm), dtype=torch.float32, device=dev)
+    qkm = torch.empty((B, H, sq_pad), dtype=torch.float32, device=dev) if need_qkm else qs
+    qblk = 64 if per_token else bm
+    qn = torch.empty((B, H, sq_pad), dtype=torch.float32, device=dev) if norms else qs
+    _quant_int8_rows[(sq_pad // qblk, H, B)](
+        q, kmean, q8, qs, qkm, qn, q.stride(0), q.stride(1), q.stride(2), kmean.stride(0), kmean.stride(1),
+        Sq, sq_pad, H, H // Hkv, scale * LOG2E, scale,
+        HEAD_DIM=D, BLK=qblk, SUB_MEAN=False, PER_TOKEN=per_token, WRITE_QKM=bool(need_qkm),
+        NORM=1 if norms else 0, num_warps=4,
+    )
+    k8 = torch.empty((B, Hkv, skv_pad, D), dtype=torch.int8, device=dev)
+    ks = torch.empty((B, Hkv, skv_pad if k_per_token else skv_pad // bn), dtype=torch.float32, device=dev)
+    kblk = 64 if k_per_token else bn
+    knp = torch.empty((B, Hkv, skv_pad // kblk), dtype=torch.float32, device=dev) if norms else ks
+    _quant_int8_rows[(skv_pad // kblk, Hkv, B)](
+        k, kmean, k8, ks, ks, knp, k.stride(0), k.stride(1), k.stride(2), kmean.stride(0), kmean.stride(1),
+        Skv, skv_pad, Hkv, 1, 1.0, 1.0,
+        HEAD_DIM=D, BLK=kblk, SUB_MEAN=True, PER_TOKEN=k_per_token, WRITE_QKM=False,
+        NORM=2 if norms else 0, num_warps=4,
+    )
+    if norms:
+        return q8, qs, qkm, k8, ks, sq_pad, skv_pad, qn, knp.amax(dim=-1).contiguous()
+    return q8, qs, qkm, k8, ks, sq_pad, skv_pad
+
+
 def int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float] = None,
                    causal: bool = False, return_lse: bool = False, pv: str = "fp16",
                    q_granularity: str = "token", config: Optional[dict] = None):
@@ -293,27 +350,10 @@ def int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: 
     bm, bn = int(cfg["block_m"]), int(cfg["block_n"])
     scale = D ** -0.5 if scale is None else float(scale)
     dev = q.device
-    sq_pad = triton.cdiv(Sq, bm) * bm
-    skv_pad = triton.cdiv(Skv, bn) * bn
     per_token = q_granularity == "token"
 
-    kmean = k.mean(dim=1, dtype=torch.float32).contiguous()  # [B, Hkv, D]
-    q8 = torch.empty((B, H, sq_pad, D), dtype=torch.int8, device=dev)
-    qs = torch.empty((B, H, sq_pad if per_token else sq_pad // bm), dtype=torch.float32, device=dev)
-    qkm = torch.empty((B, H, sq_pad), dtype=torch.float32, device=dev) if return_lse else qs
-    qblk = 64 if per_token else bm
-    _quant_int8_rows[(sq_pad // qblk, H, B)](
-        q, kmean, q8, qs, qkm, q.stride(0), q.stride(1), q.stride(2), kmean.stride(0), kmean.stride(1),
-        Sq, sq_pad, H, H // Hkv, scale * LOG2E, scale,
-        HEAD_DIM=D, BLK=qblk, SUB_MEAN=False, PER_TOKEN=per_token, WRITE_QKM=bool(return_lse), num_warps=4,
-    )
-    k8 = torch.empty((B, Hkv, skv_pad, D), dtype=torch.int8, device=dev)
-    ks = torch.empty((B, Hkv, skv_pad // bn), dtype=torch.float32, device=dev)
-    _quant_int8_rows[(skv_pad // bn, Hkv, B)](
-        k, kmean, k8, ks, ks, k.stride(0), k.stride(1), k.stride(2), kmean.stride(0), kmean.stride(1),
-        Skv, skv_pad, Hkv, 1, 1.0, 1.0,
-        HEAD_DIM=D, BLK=bn, SUB_MEAN=True, PER_TOKEN=False, WRITE_QKM=False, num_warps=4,
-    )
+    q8, qs, qkm, k8, ks, sq_pad, skv_pad = quantize_qk(q, k, scale=scale, block_m=bm, block_n=bn,
+                                                        need_qkm=bool(return_lse), per_token=per_token)
     if pv == "fp8":
         vs = (v.abs().amax(dim=1).float() / FP8_MAX).clamp_min(1e-30).contiguous()  # [B, Hkv, D]
         vk = torch.empty((B, Hkv, D, skv_pad), dtype=torch.float8_e4m3fn, device=dev)
@@ -360,10 +400,12 @@ def _quant_sym(x: torch.Tensor, dim) -> tuple[torch.Tensor, torch.Tensor]:
 
 def int8_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float] = None,
                              causal: bool = False, return_lse: bool = False, pv: str = "fp16",
-                             q_granularity: str = "token", block_m: int = 128, block_n: int = 128):
+                             q_granularity: str = "token", block_m: int = 128, block_n: int = 128,
+                             k_granularity: str = "block"):
     """The same quantization as :func:`int8_attention`, in PyTorch (any device; the CPU path).
 
     q ``[B, S_q, H, D]``, k/v ``[B, S_kv, H_kv, D]`` in float32, float16 or bfloat16 (any head dim).
+    ``k_granularity`` "block" (one K scale per ``block_n`` keys) or "token" (one per key).
     Quantized products are exact (INT8 values held in float32), softmax in float32 with the row's
     global maximum; P.V with P and V rounded to V's dtype (float16 for float32 input) or to FP8
     e4m3 (P scaled by 2^8, V per channel).  Returns ``(out in q.dtype, lse [B, H, S_q] float32 or
@@ -382,12 +424,18 @@ def int8_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     kf = k.to(f32).transpose(1, 2)
     kmean = kf.mean(dim=2, keepdim=True)
     ks_ = kf - kmean
-    nbk = -(-Skv // block_n)
-    pad_k = nbk * block_n - Skv
-    kp = torch.nn.functional.pad(ks_, (0, 0, 0, pad_k)).reshape(B, H, nbk, block_n, D)
-    k8, ksc = _quant_sym(kp, dim=(3, 4))
-    k8 = k8.reshape(B, H, nbk * block_n, D)[:, :, :Skv]
-    ksc = ksc.reshape(B, H, nbk, 1).expand(B, H, nbk, block_n).reshape(B, H, nbk * block_n)[:, :, :Skv]
+    if k_granularity not in Q_GRANULARITIES:
+        raise AttentionConfigError(f"{what}: k_granularity {k_granularity!r} not supported (accepts {list(Q_GRANULARITIES)})")
+    if k_granularity == "token":
+        k8, ksc = _quant_sym(ks_, dim=3)
+        ksc = ksc.squeeze(-1)
+    else:
+        nbk = -(-Skv // block_n)
+        pad_k = nbk * block_n - Skv
+        kp = torch.nn.functional.pad(ks_, (0, 0, 0, pad_k)).reshape(B, H, nbk, block_n, D)
+        k8, ksc = _quant_sym(kp, dim=(3, 4))
+        k8 = k8.reshape(B, H, nbk * block_n, D)[:, :, :Skv]
+        ksc = ksc.reshape(B, H, nbk, 1).expand(B, H, nbk, block_n).reshape(B, H, nbk * block_n)[:, :, :Skv]
     if q_granularity == "token":
         q8, qsc = _quant_sym(qf, dim=3)
         qsc = qsc.squeeze(-1)
@@ -429,4 +477,4 @@ def int8_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return out.transpose(1, 2).to(q.dtype), (lse if return_lse else None)
 
 
-__all__ = ["int8_attention", "int8_attention_reference", "default_config", "SUPPORTED_HEAD_DIMS", "PV_MODES"]
+__all__ = ["int8_attention", "quantize_qk", "int8_attention_reference", "default_config", "SUPPORTED_HEAD_DIMS", "PV_MODES"]

@@ -384,10 +384,10 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[float] =
     when None, the platform's automatic dense choice (FlashAttention-4 on the H200, SDPA on the
     CPU; a global force never turns this back into a sparse backend).
     Returns ``(out, lse [B, H, S] float32 or None)``."""
-    from ditattn.attention.functional import attention, auto_dense_backend
+    from ditattn.attention.functional import attention, auto_dense_attention
 
     if backend is None:
-        backend = auto_dense_backend(q, k, return_lse=return_lse)
+        return auto_dense_attention(q, k, v, scale=scale, return_lse=return_lse)
     res = attention(q, k, v, backend=backend, scale=scale, return_lse=return_lse)
     if isinstance(res, tuple):
         return res[0], (res[1] if return_lse else None)

@@ -1,0 +1,187 @@
+"""Compile the SM90 Gluon attention kernel for Hopper on a machine without a GPU, and read its SASS.
+
+Triton compiles for a named target without a driver once ``get_current_target`` answers; this tool
+installs a stand-in CUDA driver that names ``sm_90`` and asks for no device, builds the kernel for
+each configuration and prints, per configuration: the highest register index, local-memory
+spills, shared memory, and an instruction census of the main key loop (one iteration of one
+consumer warp) — the numbers that decide whether the loop is issue-, MUFU- or tensor-core-bound.
+
+    python bench/sm90_offline.py                      # default config, D=128, bf16
+    python bench/sm90_offline.py --variants "default=;kblock=k_granularity:block" --sass-dir /tmp/sass
+
+Run it with ``TRITON_INTERPRET`` unset.  The SASS is disassembled with the ``cuobjdump`` that ships
+in Triton's wheel.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if os.path.join(ROOT, "src") not in sys.path:
+    sys.path.insert(0, os.path.join(ROOT, "src"))
+
+
+def install_offline_driver(capability: int = 90) -> None:
+    """Make Triton compile for ``sm_<capability>`` without a GPU (launching stays impossible)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.driver import CudaDriver
+
+    class OfflineCuda(CudaDriver):
+        def __init__(self):  # the real one loads libcuda
+            pass
+
+        def get_current_target(self):
+            return GPUTarget("cuda", capability, 32)
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        @staticmethod
+        def is_active():
+            return True
+
+    triton.runtime.driver.set_active(OfflineCuda())
+
+
+def _tool(name: str) -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def compile_kernel(config: dict, *, head_dim: int = 128, dtype=None):
+    """Build ``_sage_fwd_sm90`` for ``config`` (keys of ``sage_sm90.default_config``) on CPU stand-in
+    tensors; returns Triton's compiled kernel (``.asm['cubin']``, ``.metadata``)."""
+    import torch
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from ditattn.attention.kernels import sage_sm90 as m
+
+    dtype = dtype or torch.bfloat16
+    cfg = m.default_config(head_dim)
+    cfg.update(config)
+    d, bn = head_dim, int(cfg["block_n"])
+    b, h, hkv, sq, skv = 1, 2, 2, 256, 300
+    sq_pad, skv_pad = 256, -(-skv // bn) * bn
+    gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    nvmma = gl.NVMMASharedLayout.get_default_for
+    q8 = torch.zeros(b * h * sq_pad, d, dtype=torch.int8)
+    k8 = torch.zeros(b * hkv * skv_pad, d, dtype=torch.int8)
+    v = torch.zeros(b * skv, hkv * d, dtype=dtype)
+    o = torch.zeros(b, sq, h, d, dtype=dtype)
+    ks = torch.zeros(b * hkv * skv_pad)
+    f = torch.zeros(4096)
+    qd = TensorDescriptor(q8, list(q8.shape), [d, 1], [64, d], nvmma([64, d], gl.int8))
+    kd = TensorDescriptor(k8, list(k8.shape), [d, 1], [bn, d], nvmma([bn, d], gl.int8))
+    vd = TensorDescriptor(v, list(v.shape), [hkv * d, 1], [bn, d], nvmma([bn, d], gdt))
+    od = TensorDescriptor(o, [b, sq, h * d], [sq * h * d, h * d, 1], [1, 64, d], nvmma([1, 64, d], gdt))
+    ksd = TensorDescriptor(ks, [ks.numel()], [1], [bn], nvmma([bn], gl.float32))
+    return m._sage_fwd_sm90.warmup(
+        qd, kd, vd, od, ksd, f, f, f, f, f, o, f, sq, skv, sq_pad, skv_pad, h, hkv, o.stride(0), o.stride(1), o.stride(2),
+        BLOCK_N=bn, HEAD_DIM=d, NUM_STAGES=int(cfg["num_stages"]), RETURN_LSE=True,
+        CONSUMER_REGS=int(cfg["consumer_regs"]), PRODUCER_REGS=int(cfg["producer_regs"]),
+        K_PER_TOKEN=cfg["k_granularity"] == "token", PINGPONG=bool(cfg["pingpong"]),
+        TMA_STORE=bool(cfg["tma_store"]), STATIC_MAX=bool(cfg["static_max"]), Q_REGS=bool(cfg["q_regs"]),
+        num_warps=4, maxnreg=168, grid=(1,))
+
+
+def compile_block_sparse(config: dict, *, head_dim: int = 128, has_valid: bool = True, dtype=None):
+    """Build ``_bs_fwd_sm90`` (block-sparse, 64-token blocks) for ``config`` on CPU stand-in tensors."""
+    import torch
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from ditattn.attention.kernels import block_sparse_sm90 as m
+
+    dtype = dtype or torch.bfloat16
+    cfg = m.default_config(head_dim)
+    cfg.update(config)
+    d, bs, b, h, hkv, s = head_dim, 64, 1, 2, 2, 512
+    nq = s // bs
+    gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    lay = gl.NVMMASharedLayout.get_default_for([bs, d], gdt)
+    x = torch.zeros(b * s, h * d, dtype=dtype)
+    desc = TensorDescriptor(x, list(x.shape), [h * d, 1], [bs, d], lay)
+    idx = torch.zeros(b, h, nq, nq, dtype=torch.int32)
+    cnt = torch.zeros(b, h, nq, dtype=torch.int32)
+    f = torch.zeros(4096)
+    return m._bs_fwd_sm90.warmup(
+        desc, desc, desc, desc, idx, cnt, f, f, f, f, f, h, h // hkv, nq, s, s, 0.1,
+        idx.stride(0), idx.stride(1), idx.stride(2), cnt.stride(0), cnt.stride(1), 0, 0,
+        HEAD_DIM=d, NUM_STAGES=int(cfg["num_stages"]), HAS_VALID=has_valid, RETURN_LSE=True,
+        CONSUMER_REGS=int(cfg["consumer_regs"]), PRODUCER_REGS=int(cfg["producer_regs"]),
+        STATIC_MAX=bool(cfg["static_max"]), num_warps=4, maxnreg=168, grid=(1,))
+
+
+_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)(?:\.[A-Z0-9_x.]+)?\s*([^;]*);")
+
+
+def sass_of(cubin: bytes, path: str) -> str:
+    with open(path, "wb") as fh:
+        fh.write(cubin)
+    return subprocess.run([_tool("cuobjdump"), "--dump-sass", path], capture_output=True, text=True, check=True).stdout
+
+
+def analyse(sass: str) -> dict:
+    """Registers, spills and the census of the main key loop: the smallest backward-branch loop that
+    issues both the Q.K (IGMMA, or HGMMA for bf16 Q.K) and the P.V (HGMMA) products."""
+    ins = [(int(a, 16), op, args) for a, op, args in _INSTR.findall(sass)]
+    regs = max((int(r) for r in re.findall(r"\bR(\d+)\b", sass)), default=0) + 1
+    spills = sum(1 for _, op, _ in ins if op in ("LDL", "STL"))
+    best = None
+    for addr, op, args in ins:
+        t = re.search(r"0x([0-9a-f]+)", args) if op == "BRA" else None
+        if t and int(t.group(1), 16) < addr:
+            lo = int(t.group(1), 16)
+            body = [o for a, o, _ in ins if lo <= a <= addr]
+            gmmas = sum(1 for o in body if o in ("IGMMA", "HGMMA"))
+            qk = "IGMMA" in body or gmmas >= 2 * 4  # bf16 Q.K and P.V: two groups of HGMMA
+            if qk and "HGMMA" in body and (best is None or len(body) < len(best)):
+                best = body
+    census = collections.Counter(best or [])
+    return {"registers": regs, "spills": spills, "loop_instructions": sum(census.values()),
+            "loop_census": dict(census.most_common())}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variants", default="default=", help="'name=key:val/key:val;...' (empty = defaults)")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--sass-dir", default=None, help="also write each variant's SASS here")
+    ap.add_argument("--kernel", choices=("sage", "block_sparse"), default="sage")
+    args = ap.parse_args(argv)
+    install_offline_driver()
+    import tempfile
+
+    tmp = tempfile.mkdtemp()
+    for part in filter(None, args.variants.split(";")):
+        name, _, spec = part.partition("=")
+        cfg = {}
+        for kv in filter(None, spec.split("/")):
+            k, _, v = kv.partition(":")
+            cfg[k] = (v.lower() == "true") if v.lower() in ("true", "false") else int(v) if v.isdigit() else v
+        build = compile_kernel if args.kernel == "sage" else compile_block_sparse
+        kern = build(cfg, head_dim=args.head_dim)
+        sass = sass_of(kern.asm["cubin"], os.path.join(tmp, f"{name}.cubin"))
+        if args.sass_dir:
+            os.makedirs(args.sass_dir, exist_ok=True)
+            with open(os.path.join(args.sass_dir, f"{name}.sass"), "w") as fh:
+                fh.write(sass)
+        a = analyse(sass)
+        top = " ".join(f"{k}:{v}" for k, v in list(a["loop_census"].items())[:14])
+        print(f"{name}: regs {a['registers']}, spills {a['spills']}, smem {kern.metadata.shared} B, "
+              f"loop {a['loop_instructions']} instr/iteration [{top}]")
+
+
+if __name__ == "__main__":
+    main()

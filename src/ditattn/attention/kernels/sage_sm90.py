@@ -1,0 +1,421 @@
+"""Warp-specialised quantized attention for Hopper (SM90), written in Triton's Gluon dialect.
+
+The same math as :mod:`ditattn.attention.kernels.int8_attention` (SageAttention-style: K smoothed
+by its token mean, Q and K in INT8 with per-token / per-block scales, online softmax in FP32,
+P.V on the FP16/BF16 tensor cores), organised the way Hopper needs it to pass the bf16 roofline:
+
+* one CTA owns 128 query rows of one (batch, head): two *consumer* warpgroups of 64 rows each, and
+  one *producer* warp that streams K and V tiles into a ring of shared-memory stages with TMA
+  (``cp.async.bulk.tensor``) and signals them through ``mbarrier``\\ s;
+* each consumer issues its Q.K product as an asynchronous ``wgmma`` (INT8 x INT8 -> INT32) and its
+  P.V product as an asynchronous ``wgmma`` with P in registers, so one warpgroup's softmax runs
+  while the other warpgroup's products occupy the tensor cores;
+* registers are re-balanced with ``setmaxnreg``: 240 per consumer thread, 24 for the producer.
+
+Quantization prologue: the Triton passes of :mod:`.int8_attention` (one pass over Q, one mean and one
+pass over K; V is read in place through a TMA descriptor).  Head dims 64 and 128; any lengths
+(keys past the end are masked in the last tile; query rows past the end are not stored); GQA.
+Non-causal only (the DiT's attention); the Triton kernel serves ``causal=True``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ditattn.attention.kernels import LOG2E, check_device, check_qkv, last_dim_contiguous
+from ditattn.errors import AttentionConfigError
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+BLOCK_M = gl.constexpr(128)  # query rows per CTA (two consumer warpgroups of 64)
+WG_M = gl.constexpr(64)
+INT_MAGIC = gl.constexpr(0x4B400000)  # bits of 1.5 * 2^23: (x + magic) as fp32 is 12582912 + x for |x| < 2^22
+INT_MAGIC_F = gl.constexpr(12582912.0)
+#: a row whose base-2 logits are bounded by this in magnitude (Cauchy-Schwarz on the INT8 rows) runs
+#: the softmax without a running maximum: exp2 of the raw logit stays within fp32/bf16 range
+#: (2^-100 .. 2^100; the row sum at most 2^117), so no max, no rescale of the accumulators
+LOGIT_LIMIT = gl.constexpr(100.0)
+
+
+def default_config(head_dim: int) -> dict:
+    """Launch configuration used when the caller passes none."""
+    return {"block_n": 128, "num_stages": 2, "consumer_regs": 240, "producer_regs": 24, "k_granularity": "token",
+            "pingpong": True, "tma_store": True, "static_max": True, "q_regs": False}
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, ks_desc, q_smem, k_smem, v_smem, ks_smem, q_bar, k_ready, k_empty, v_ready,
+              v_empty, q_row, k_row, v_row, v_col, n_blocks, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+              K_PER_TOKEN: gl.constexpr):
+    # both consumers' Q tiles, then K (with its per-token scales) and V tiles through the ring
+    for w in gl.static_range(2):
+        mbarrier.expect(q_bar.index(w), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row + w * WG_M, 0], q_bar.index(w), q_smem.index(w))
+    for j in range(n_blocks):
+        st = j % NUM_STAGES
+        ph = (j // NUM_STAGES) & 1
+        mbarrier.wait(k_empty.index(st), ph ^ 1)
+        if K_PER_TOKEN:
+            mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes + ks_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(ks_desc, [k_row + j * BLOCK_N], k_ready.index(st), ks_smem.index(st))
+        else:
+            mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [k_row + j * BLOCK_N, 0], k_ready.index(st), k_smem.index(st))
+        mbarrier.wait(v_empty.index(st), ph ^ 1)
+        mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [v_row + j * BLOCK_N, v_col], v_ready.index(st), v_smem.index(st))
+
+
+@gluon.jit
+def _logits(s_i, rs, kblk, ks_buf, col0, Skv, MASK: gl.constexpr, K_PER_TOKEN: gl.constexpr,
+            s_layout: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Base-2 logits (fp32) of one tile of INT32 scores.
+
+    ``s_i * rs * kblk`` (``rs`` per row: sQ * softmax scale * log2 e; ``kblk`` the block's sK) or,
+    with per-token K scales, ``s_i * kcol * rs`` (``kcol`` per column, read from ``ks_buf``).  The
+    INT32 -> FP32 conversion is the integer-add trick (exact for |s_i| < 2^22; |Q8.K8| <= 128 * 127
+    * 127): ``(s_i + magic)`` reinterpreted as fp32 is ``12582912 + s_i``; the offset is removed
+    inside the following FMA.  Keys at or past ``Skv`` get -inf when ``MASK``."""
+    sf = (s_i + INT_MAGIC).to(gl.float32, bitcast=True)
+    if K_PER_TOKEN:
+        kcol = ks_buf.load(gl.SliceLayout(0, s_layout))
+        t = gl.fma(sf, kcol[None, :], (kcol * -INT_MAGIC_F)[None, :]) * rs[:, None]
+    else:
+        r = rs * kblk
+        t = gl.fma(sf, r[:, None], (r * -INT_MAGIC_F)[:, None])
+    if MASK:
+        cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        t = gl.where((cols < Skv)[None, :], t, float("-inf"))
+    return t
+
+
+@gluon.jit
+def _probs(t, m_i, l_i, STATIC_MAX: gl.constexpr):
+    """exp2 of the logits: ``(p, alpha, m_new, l_new)``.  Static max: p = exp2(t), no rescale, the
+    row sums come from the tensor cores (l untouched).  Otherwise the online softmax: running
+    maximum, alpha rescales the accumulator, row sums added here."""
+    if STATIC_MAX:
+        return gl.exp2(t), m_i, m_i, l_i
+    else:
+        m_new = gl.maximum(m_i, gl.max(t, 1))
+        p = gl.exp2(t - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _step(WG: gl.constexpr, j, q, acc, l_acc, l_i, p_prev, m_i, rs, zero_s, kblk_ptr, k_smem, v_smem, ks_smem,
+          ones_smem, k_ready, k_empty, v_ready, v_empty, turn, Skv, MASK: gl.constexpr, STATIC_MAX: gl.constexpr,
+          K_PER_TOKEN: gl.constexpr, PINGPONG: gl.constexpr, NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+          HEAD_DIM: gl.constexpr):
+    """Key tile ``j >= 1``: issue Q.K(j), P(j-1).V(j-1) (and, with the static max, P(j-1) x ones for
+    the row sums), then the softmax of tile j while the products run.  Returns
+    ``(acc, l_acc, l, P(j) as the next A operand, m)``."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+    l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    pl_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=2)
+    st = j % NUM_STAGES
+    sp = (j - 1) % NUM_STAGES
+    kblk = 1.0
+    if not K_PER_TOKEN:
+        kblk = gl.load(kblk_ptr + j)
+    mbarrier.wait(k_ready.index(st), (j // NUM_STAGES) & 1)
+    mbarrier.wait(v_ready.index(sp), ((j - 1) // NUM_STAGES) & 1)
+    if PINGPONG:
+        mbarrier.wait(turn.index(WG), (j & 1) ^ (1 - WG))
+    s_tok = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    o_tok = warpgroup_mma(p_prev, v_smem.index(sp), acc, is_async=True)
+    if STATIC_MAX:
+        pl = gl.convert_layout(p_prev, pl_layout)
+        l_tok = warpgroup_mma(pl, ones_smem.permute((1, 0)), l_acc, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - WG), count=1)
+    if STATIC_MAX:
+        s_i = warpgroup_mma_wait(2, deps=(s_tok,))
+    else:
+        s_i = warpgroup_mma_wait(1, deps=(s_tok,))
+    t = _logits(s_i, rs, kblk, ks_smem.index(st), j * BLOCK_N, Skv, MASK, K_PER_TOKEN, s_layout, BLOCK_N)
+    mbarrier.arrive(k_empty.index(st), count=1)
+    p, alpha, m_i, l_i = _probs(t, m_i, l_i, STATIC_MAX)
+    p_next = gl.convert_layout(p.to(v_smem.dtype), p_layout)
+    # P(j-1) stays in deps: its registers are read by the products in flight until this wait (else
+    # ptxas serializes every wgmma of the kernel, warning C7513)
+    if STATIC_MAX:
+        acc, l_acc, _p, _pl = warpgroup_mma_wait(0, deps=(o_tok, l_tok, p_prev, pl))
+    else:
+        acc, _p = warpgroup_mma_wait(0, deps=(o_tok, p_prev))
+    mbarrier.arrive(v_empty.index(sp), count=1)
+    if not STATIC_MAX:
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    return acc, l_acc, l_i, p_next, m_i
+
+
+@gluon.jit
+def _mainloop(WG: gl.constexpr, q, rs, kblk_ptr, k_smem, v_smem, ks_smem, ones_smem, k_ready, k_empty, v_ready,
+              v_empty, turn, Skv, n_full, n_blocks, STATIC_MAX: gl.constexpr, K_PER_TOKEN: gl.constexpr,
+              PINGPONG: gl.constexpr, NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """All key tiles of one consumer: returns ``(acc [64, D], l [64], m [64])`` (base-2 max).
+
+    The next tile's Q.K product is issued before this tile's P.V (and the row sums, a P x ones
+    product on the tensor cores), so the softmax of tile j runs while the tensor cores do
+    P(j-1).V(j-1) (FA3's intra-warpgroup overlap); with ``PINGPONG`` the two consumers take turns
+    issuing their products (``turn`` mbarriers).  Full tiles run in the loop, a partial last tile
+    once after it with the key mask."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+    l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    pl_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    pdt: gl.constexpr = v_smem.dtype
+
+    m_i = gl.full([WG_M], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([WG_M], gl.float32, row_s)
+    acc = gl.zeros([WG_M, HEAD_DIM], gl.float32, o_layout)
+    l_acc = gl.zeros([WG_M, 8], gl.float32, l_layout)
+    zero_s = gl.zeros([WG_M, BLOCK_N], gl.int32, s_layout)
+    if STATIC_MAX:
+        m_i = gl.zeros([WG_M], gl.float32, row_s)
+
+    # tile 0: Q.K and the softmax, no P.V yet
+    kblk = 1.0
+    if not K_PER_TOKEN:
+        kblk = gl.load(kblk_ptr)
+    mbarrier.wait(k_ready.index(0), 0)
+    if PINGPONG:
+        mbarrier.wait(turn.index(WG), 1 - WG)
+    s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - WG), count=1)
+    s_i = warpgroup_mma_wait(0, deps=(s_tok,))
+    if n_full > 0:
+        t = _logits(s_i, rs, kblk, ks_smem.index(0), 0, Skv, False, K_PER_TOKEN, s_layout, BLOCK_N)
+    else:
+        t = _logits(s_i, rs, kblk, ks_smem.index(0), 0, Skv, True, K_PER_TOKEN, s_layout, BLOCK_N)
+    mbarrier.arrive(k_empty.index(0), count=1)
+    p, alpha, m_i, l_i = _probs(t, m_i, l_i, STATIC_MAX)
+    p_prev = gl.convert_layout(p.to(pdt), p_layout)
+
+    for j in range(1, n_full):
+        acc, l_acc, l_i, p_prev, m_i = _step(WG, j, q, acc, l_acc, l_i, p_prev, m_i, rs, zero_s, kblk_ptr, k_smem, v_smem,
+                                        ks_smem, ones_smem, k_ready, k_empty, v_ready, v_empty, turn, Skv, False,
+                                        STATIC_MAX, K_PER_TOKEN, PINGPONG, NUM_STAGES, BLOCK_N, HEAD_DIM)
+    if n_full < n_blocks and n_full > 0:
+        acc, l_acc, l_i, p_prev, m_i = _step(WG, n_full, q, acc, l_acc, l_i, p_prev, m_i, rs, zero_s, kblk_ptr, k_smem,
+                                        v_smem, ks_smem, ones_smem, k_ready, k_empty, v_ready, v_empty, turn, Skv,
+                                        True, STATIC_MAX, K_PER_TOKEN, PINGPONG, NUM_STAGES, BLOCK_N, HEAD_DIM)
+    sp = (n_blocks - 1) % NUM_STAGES
+    mbarrier.wait(v_ready.index(sp), ((n_blocks - 1) // NUM_STAGES) & 1)
+    o_tok = warpgroup_mma(p_prev, v_smem.index(sp), acc, is_async=True)
+    if STATIC_MAX:
+        pl = gl.convert_layout(p_prev, pl_layout)
+        l_tok = warpgroup_mma(pl, ones_smem.permute((1, 0)), l_acc, is_async=True)
+        acc, l_acc, _p, _pl = warpgroup_mma_wait(0, deps=(o_tok, l_tok, p_prev, pl))
+        l_i = gl.convert_layout(gl.max(l_acc, 1), row_s)  # the 8 columns are equal
+    else:
+        acc, _p = warpgroup_mma_wait(0, deps=(o_tok, p_prev))
+    mbarrier.arrive(v_empty.index(sp), count=1)
+    return acc, l_i, m_i
+
+
+@gluon.jit
+def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, ks_smem, o_smem, ones_smem, q_bar, k_ready, k_empty, v_ready,
+              v_empty, turn, o_desc, qs_ptr, qn_ptr, kn_ptr, ks_ptr, qkm_ptr, o_ptr, lse_ptr, m0, o_b, o_col, Sq, Skv,
+              stride_os, n_full, n_blocks,
+              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
+              RETURN_LSE: gl.constexpr, K_PER_TOKEN: gl.constexpr, PINGPONG: gl.constexpr,
+              TMA_STORE: gl.constexpr, STATIC_MAX: gl.constexpr, Q_REGS: gl.constexpr):
+    """One consumer warpgroup: 64 query rows over all keys, then the epilogue.
+
+    With ``STATIC_MAX`` the warpgroup checks once whether every row's logits are bounded by
+    ``LOGIT_LIMIT`` (``qn_i * kn``); if so it runs the loop without a running maximum, else the
+    online softmax."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+    l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    m_start = m0 + WG * WG_M
+    rows = m_start + gl.arange(0, WG_M, layout=row_s)
+    rs = gl.load(qs_ptr + rows)
+    mbarrier.wait(q_bar.index(WG), 0)
+    q = q_smem.index(WG)
+    if Q_REGS:  # the Q.K product's A operand from registers: no shared-memory reads of Q per product
+        q = q.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=4))
+    static = False
+    if STATIC_MAX:
+        static = gl.max(gl.load(qn_ptr + rows), 0) * gl.load(kn_ptr) <= LOGIT_LIMIT
+    if static:
+        acc, l_i, m_i = _mainloop(WG, q, rs, ks_ptr, k_smem, v_smem, ks_smem, ones_smem, k_ready, k_empty,
+                                  v_ready, v_empty, turn, Skv, n_full, n_blocks, True, K_PER_TOKEN, PINGPONG,
+                                    NUM_STAGES, BLOCK_N, HEAD_DIM)
+    else:
+        acc, l_i, m_i = _mainloop(WG, q, rs, ks_ptr, k_smem, v_smem, ks_smem, ones_smem, k_ready, k_empty,
+                                  v_ready, v_empty, turn, Skv, n_full, n_blocks, False, K_PER_TOKEN, PINGPONG,
+                                    NUM_STAGES, BLOCK_N, HEAD_DIM)
+    _epilogue(WG, acc, l_i, m_i, rows, o_smem, o_desc, o_ptr, lse_ptr, qkm_ptr, m_start, o_b, o_col, Sq,
+              stride_os, o_layout, HEAD_DIM, RETURN_LSE, TMA_STORE)
+
+
+@gluon.jit
+def _epilogue(WG: gl.constexpr, acc, l_i, m_i, rows, o_smem, o_desc, o_ptr, lse_ptr, qkm_ptr, m_start, o_b, o_col,
+              Sq, stride_os, o_layout: gl.constexpr, HEAD_DIM: gl.constexpr, RETURN_LSE: gl.constexpr,
+              TMA_STORE: gl.constexpr):
+    """Normalise and store one consumer's 64 output rows (rows past ``Sq`` are not written) and
+    their LSE (natural log, the K smoothing undone by ``qkm``)."""
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    out = acc / gl.convert_layout(l_i, row_o)[:, None]
+    if TMA_STORE:
+        buf = o_smem.index(WG)
+        buf.reshape([WG_M, HEAD_DIM]).store(out.to(o_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [o_b, m_start, o_col], buf)
+    else:
+        rows_o = m_start + gl.arange(0, WG_M, layout=row_o)
+        cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        gl.store(o_ptr + rows_o[:, None] * stride_os + cols_o[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=(rows_o < Sq)[:, None])
+    if RETURN_LSE:
+        lse = (m_i + gl.log2(l_i)) * 0.6931471805599453 + gl.load(qkm_ptr + rows)
+        gl.store(lse_ptr + rows, lse, mask=rows < Sq)
+    if TMA_STORE:
+        tma.store_wait(0)
+
+
+@gluon.jit
+def _sage_fwd_sm90(q_desc, k_desc, v_desc, o_desc, ks_desc, qs_ptr, qn_ptr, kn_ptr, ks_ptr, qkm_ptr, o_ptr, lse_ptr,
+                   Sq, Skv, Sq_pad, Skv_pad, H, HKV, stride_ob, stride_os, stride_oh,
+                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
+                   RETURN_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                   K_PER_TOKEN: gl.constexpr, PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr,
+                   STATIC_MAX: gl.constexpr, Q_REGS: gl.constexpr):
+    pid_m = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // (H // HKV)
+    bhk = b * HKV + hk
+    m0 = pid_m * BLOCK_M
+    n_blocks = gl.cdiv(Skv, BLOCK_N)
+    n_full = Skv // BLOCK_N
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
+    if K_PER_TOKEN:
+        ks_smem = gl.allocate_shared_memory(ks_desc.dtype, [NUM_STAGES] + ks_desc.block_type.shape, ks_desc.layout)
+    else:
+        ks_smem = k_smem
+    if TMA_STORE:
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
+    else:
+        o_smem = q_smem
+    # the B operand of the row-sum product P x ones, K-major: [8, BLOCK_N] of ones, read transposed
+    ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, BLOCK_N], v_desc.dtype)
+    ones_smem = gl.allocate_shared_memory(v_desc.dtype, [8, BLOCK_N], ones_layout)
+    ones_smem.store(gl.full([8, BLOCK_N], 1.0, v_desc.dtype, gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])))
+    fence_async_shared()
+    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for w in gl.static_range(2):
+        mbarrier.init(q_bar.index(w), count=1)
+        mbarrier.init(turn.index(w), count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(v_empty.index(i), count=2)
+
+    # constexpr arguments must be written into each partition's tuple (a tuple variable drops them)
+    qs_row = qs_ptr + pid_bh * Sq_pad
+    qn_row = qn_ptr + pid_bh * Sq_pad
+    kn_h = kn_ptr + bhk
+    ks_row = ks_ptr + bhk * (Skv_pad if K_PER_TOKEN else Skv_pad // BLOCK_N)
+    qkm_row = qkm_ptr + pid_bh * Sq_pad
+    o_base = o_ptr + b * stride_ob + h * stride_oh
+    lse_row = lse_ptr + pid_bh * Sq
+    gl.warp_specialize([
+        (_consumer, (0, q_smem, k_smem, v_smem, ks_smem, o_smem, ones_smem, q_bar, k_ready, k_empty, v_ready,
+                     v_empty, turn, o_desc, qs_row, qn_row, kn_h, ks_row, qkm_row, o_base, lse_row, m0, b,
+                     h * HEAD_DIM, Sq, Skv, stride_os, n_full, n_blocks, BLOCK_N, HEAD_DIM, NUM_STAGES, RETURN_LSE,
+                     K_PER_TOKEN, PINGPONG, TMA_STORE, STATIC_MAX, Q_REGS)),
+        (_consumer, (1, q_smem, k_smem, v_smem, ks_smem, o_smem, ones_smem, q_bar, k_ready, k_empty, v_ready,
+                     v_empty, turn, o_desc, qs_row, qn_row, kn_h, ks_row, qkm_row, o_base, lse_row, m0, b,
+                     h * HEAD_DIM, Sq, Skv, stride_os, n_full, n_blocks, BLOCK_N, HEAD_DIM, NUM_STAGES, RETURN_LSE,
+                     K_PER_TOKEN, PINGPONG, TMA_STORE, STATIC_MAX, Q_REGS)),
+        (_producer, (q_desc, k_desc, v_desc, ks_desc, q_smem, k_smem, v_smem, ks_smem, q_bar, k_ready, k_empty,
+                     v_ready, v_empty, pid_bh * Sq_pad + m0, bhk * Skv_pad, b * Skv, hk * HEAD_DIM, n_blocks,
+                     BLOCK_N, NUM_STAGES, K_PER_TOKEN)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def sage_attention_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float] = None,
+                        return_lse: bool = False, config: Optional[dict] = None):
+    """INT8 Q.K / FP16-BF16 P.V attention on SM90 (Gluon, warp-specialised).
+
+    q ``[B, S_q, H, D]``, k/v ``[B, S_kv, H_kv, D]`` fp16/bf16 on one CUDA device, ``H % H_kv == 0``,
+    D in 64/128, non-causal; ``scale`` defaults to ``D ** -0.5``.  Q is quantized per token, K
+    (smoothed by its mean over keys) per block of ``block_n`` keys; P is rounded to V's dtype.
+    Returns ``(out [B, S_q, H, D] in q.dtype, lse [B, H, S_q] float32 natural log or None)``.
+    """
+    from ditattn.attention.kernels.int8_attention import quantize_qk
+
+    what = "sage_attn SM90 kernel"
+    B, Sq, Skv, H, Hkv, D = check_qkv(q, k, v, what=what, head_dims=SUPPORTED_HEAD_DIMS)
+    check_device(q, k, v, what=what)
+    cfg = default_config(D)
+    if config:
+        unknown = set(config) - set(cfg)
+        if unknown:
+            raise AttentionConfigError(f"{what}: unknown config keys {sorted(unknown)}; accepted: {sorted(cfg)}")
+        cfg.update(config)
+    bn, stages = int(cfg["block_n"]), int(cfg["num_stages"])
+    q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
+    if not v.is_contiguous():
+        v = v.contiguous()
+    scale = D ** -0.5 if scale is None else float(scale)
+    if cfg["k_granularity"] not in ("token", "block"):
+        raise AttentionConfigError(f"{what}: k_granularity {cfg['k_granularity']!r} not supported "
+                                   "(accepts 'token', 'block')")
+    k_tok = cfg["k_granularity"] == "token"
+    q8, qs, qkm, k8, ks, sq_pad, skv_pad, qn, kn = quantize_qk(
+        q, k, scale=scale, block_m=BLOCK_M.value, block_n=bn, need_qkm=return_lse, k_per_token=k_tok, norms=True)
+    out = torch.empty_like(q)
+    lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device) if return_lse else out
+    gdt = gl.float16 if v.dtype == torch.float16 else gl.bfloat16
+    q_layout = gl.NVMMASharedLayout.get_default_for([WG_M.value, D], gl.int8)
+    k_layout = gl.NVMMASharedLayout.get_default_for([bn, D], gl.int8)
+    v_layout = gl.NVMMASharedLayout.get_default_for([bn, D], gdt)
+    qd = TensorDescriptor(q8, [B * H * sq_pad, D], [D, 1], [WG_M.value, D], q_layout)
+    kd = TensorDescriptor(k8, [B * Hkv * skv_pad, D], [D, 1], [bn, D], k_layout)
+    vd = TensorDescriptor(v, [B * Skv, Hkv * D], [Hkv * D, 1], [bn, D], v_layout)
+    tma_store = bool(cfg["tma_store"]) and out.is_contiguous()
+    o_layout = gl.NVMMASharedLayout.get_default_for([1, WG_M.value, D], gdt)
+    od = TensorDescriptor(out, [B, Sq, H * D], [Sq * H * D, H * D, 1], [1, WG_M.value, D], o_layout)
+    ks_flat = ks.view(-1)
+    ksd = TensorDescriptor(ks_flat, [ks_flat.numel()], [1], [bn], gl.NVMMASharedLayout.get_default_for([bn], gl.float32))
+    _sage_fwd_sm90[(sq_pad // BLOCK_M.value, B * H)](
+        qd, kd, vd, od, ksd, qs, qn, kn, ks, qkm, out, lse, Sq, Skv, sq_pad, skv_pad, H, Hkv,
+        out.stride(0), out.stride(1), out.stride(2),
+        BLOCK_N=bn, HEAD_DIM=D, NUM_STAGES=stages, RETURN_LSE=bool(return_lse),
+        CONSUMER_REGS=int(cfg["consumer_regs"]), PRODUCER_REGS=int(cfg["producer_regs"]),
+        K_PER_TOKEN=k_tok, PINGPONG=bool(cfg["pingpong"]),
+        TMA_STORE=tma_store, STATIC_MAX=bool(cfg["static_max"]), Q_REGS=bool(cfg["q_regs"]),
+        num_warps=4, maxnreg=168,
+    )
+    return out, (lse if return_lse else None)
+
+
+__all__ = ["sage_attention_sm90", "default_config", "SUPPORTED_HEAD_DIMS"]

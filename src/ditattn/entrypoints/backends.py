@@ -1,0 +1,80 @@
+"""``ditattn backends``: every attention backend, whether it runs here and why not, and its config keys."""
+from __future__ import annotations
+
+import json
+import sys
+
+from ditattn.errors import AttentionConfigError
+from ditattn.runconfig import RunConfig, flag_name
+
+
+def _check_attention_options(cfg: RunConfig) -> None:
+    """``backends`` accepts the attention flags (DESIGN 1.2) but lists every backend regardless:
+    validate what was given (bad names, unknown config keys -> AttentionConfigError) and say on
+    stderr that the listing does not depend on them, so nothing is ignored silently."""
+    from ditattn.attention.config import SCHEMAS, parse_attention_backend_config, parse_component_overrides
+    from ditattn.attention.names import AttentionBackendEnum
+
+    a = cfg.attention
+    given = a.given()
+    if not given:
+        return
+    for name in (a.attention_backend, a.attention_backend_override):
+        if name:
+            AttentionBackendEnum.from_name(name)
+    parse_component_overrides(a.component_attention_backends)
+    raw = parse_attention_backend_config(a.attention_backend_config)
+    known = {p.name for params in SCHEMAS.values() for p in params}
+    unknown = sorted(k for k in raw if k not in known)
+    if unknown:
+        raise AttentionConfigError(f"config key(s) {', '.join(map(repr, unknown))} belong to no backend; "
+                                   "accepted: the params listed by 'ditattn backends'")
+    a.skip_softmax()
+    sys.stderr.write(f"note: {', '.join('--' + flag_name(k) for k in given)} checked; the backend list does not "
+                     "depend on them (use 'ditattn plan' to see their effect)\n")
+
+
+def run(cfg: RunConfig) -> int:
+    """``ditattn backends``: the table (or ``--json``) of every backend on this platform, or on the
+    one ``--platform`` simulates (``cfg.simulation``)."""
+    import signal
+
+    from ditattn.platforms import current_platform
+    from ditattn.registry import list_backends
+
+    _check_attention_options(cfg)
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `ditattn backends | head` exits quietly
+    with cfg.simulation.scope():
+        plat = current_platform()
+        infos = list_backends(plat)
+    if cfg.json:
+        print(json.dumps({"platform": plat.to_json(), "backends": [i.to_json() for i in infos]}, indent=2, default=str))
+        return 0
+    sim = f" [simulated, packages: {', '.join(sorted(plat.packages or ())) or 'none'}]" if plat.simulated else ""
+    print(f"platform: {plat.describe()}{sim}")
+    print(f"{'backend':<24} {'kind':<17} {'here':<5} platforms / why not")
+    for i in infos:
+        names = i.name + (f" ({', '.join(i.aliases)})" if i.aliases else "")
+        here = "yes" if i.usable_here else "no"
+        flags = [f for f, on in (("lossy", i.lossy), ("LSE", i.returns_lse), ("bias", i.accepts_bias),
+                                 ("drop-in", i.drop_in), ("self-only", not i.cross_attention)) if on]
+        print(f"{names:<24} {i.kind:<17} {here:<5} {','.join(i.platforms)}  [{' '.join(flags)}]")
+        print(f"{'':<24} {i.summary}")
+        if i.usable_here and i.runtime:
+            print(f"{'':<24} runs here via: {i.runtime}")
+        for r in i.reasons:
+            print(f"{'':<24} - {r}")
+        if i.substitute_here:
+            print(f"{'':<24} falls back here to {i.substitute_here}")
+        if i.missing_kernel and i.missing_kernel not in i.reasons:
+            print(f"{'':<24} note: {i.missing_kernel}")
+        for prm in i.params:
+            req = " (required)" if prm["required"] else ""
+            print(f"{'':<24} param {prm['name']}: {prm['type']} = {prm['default']!r}{req} — {prm['help']}")
+        if i.notes:
+            print(f"{'':<24} note: {i.notes}")
+        if i.operating_point:
+            from ditattn.attention.operating_points import OperatingPoint
+
+            print(f"{'':<24} measured {OperatingPoint(**i.operating_point).describe()}")
+    return 0

@@ -1,0 +1,136 @@
+"""The ``ditattn`` command line: parse the flags (and ``--config FILE.yaml``) into one
+:class:`~ditattn.runconfig.RunConfig` and hand it to the command's ``run``.
+
+User-input errors print one line ``error: <what was wrong; what is accepted>`` to stderr and exit
+with status 2 (no traceback).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import logging
+import sys
+from typing import Callable, Optional, Sequence
+
+from ditattn.entrypoints import flags
+from ditattn.errors import AttentionConfigError
+from ditattn.runconfig import RunConfig
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2
+        sys.stderr.write(f"error: {message} (see '{self.prog} --help')\n")
+        raise SystemExit(2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """One subcommand: its help, its flag groups, the RunConfig sections (and top-level keys) it
+    reads — what ``--config`` may set — and ``run``, ``"module:function"`` taking the RunConfig and
+    returning the exit status (imported only when the command runs, so ``--help`` stays fast)."""
+
+    name: str
+    help: str
+    description: str
+    flags: tuple[Callable[[argparse.ArgumentParser], None], ...]
+    accept: tuple[str, ...]
+    run: str
+
+
+def _json(what: str):
+    return lambda p: flags.json_flag(p, what)
+
+
+COMMANDS = (
+    Command("generate", "run a pipeline and write the video (.mp4) or image (.png)",
+            "Run the pipeline and write the result into --output-path.",
+            (lambda p: flags.model_flags(p, prompt=True), flags.output_flags, flags.attention_flags),
+            ("model", "sampling", "attention", "parallel", "output", "verbose"),
+            "ditattn.entrypoints.generate:run"),
+    Command("plan", "resolve every attention layer without denoising and print the plan",
+            "Build the pipeline, resolve each attention layer, print which backend it got and why.",
+            (flags.model_flags, _json("the plan"), flags.attention_flags, flags.platform_flags),
+            ("model", "sampling", "attention", "parallel", "simulation", "verbose", "json"),
+            "ditattn.entrypoints.plan:run"),
+    Command("backends", "list every attention backend, whether it runs here and why not",
+            "List every attention backend, whether it runs here and why not, and its config keys.",
+            (_json("the list"), flags.attention_flags, flags.platform_flags),
+            ("attention", "simulation", "verbose", "json"),
+            "ditattn.entrypoints.backends:run"),
+    Command("serve", "OpenAI-compatible image/video server",
+            "Serve the model over an OpenAI-compatible HTTP API (images, video jobs, models, health, metrics).",
+            (flags.model_flags, flags.server_flags, flags.attention_flags),
+            ("model", "sampling", "attention", "parallel", "server", "verbose"),
+            "ditattn.entrypoints.serve:run"),
+    Command("compare", "paired generations under several attention settings: time, PSNR/SSIM, per-layer error",
+            "Run the same prompts and seeds under two or more attention settings (--variant; the first is the "
+            "reference), pair the clips per prompt and seed, and report per variant: DiT and whole time, PSNR / "
+            "SSIM / MS-SSIM against the reference, the per-layer attention-output error and cosine at the capture "
+            "steps (against the reference run, and against the reference backend on the layer's own inputs), and "
+            "the kept fraction of sparse backends. Writes compare.json, compare.png, contact_sheet.png and "
+            "side-by-side MP4s into --output-path (docs/evaluation.md).",
+            (lambda p: flags.model_flags(p, seed=False), flags.compare_flags, _json("the report"),
+             flags.attention_flags),
+            ("model", "sampling", "attention", "parallel", "output", "compare", "verbose", "json"),
+            "ditattn.entrypoints.compare:run"),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="ditattn", description="Diffusion-transformer inference with pluggable attention backends.",
+                argument_default=argparse.SUPPRESS)
+    p.add_argument("-v", "--verbose", action="store_true", help="log attention decisions and fallbacks")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    for cmd in COMMANDS:
+        sp = sub.add_parser(cmd.name, help=cmd.help, description=cmd.description, argument_default=argparse.SUPPRESS)
+        for add in cmd.flags:
+            add(sp)
+        flags.config_flag(sp)
+    return p
+
+
+def build_config(command: Command, given: dict) -> RunConfig:
+    """The run's config: defaults, then ``--config`` (``given["config_file"]``), then the flags."""
+    given = dict(given)
+    path = given.pop("config_file", None)
+    cfg = RunConfig.from_file(path, accept=command.accept) if path else RunConfig()
+    return RunConfig.from_mapping(given, base=cfg, accept=command.accept, source="command line")
+
+
+def _drop_refusal_log(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("request refused")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ns = build_parser().parse_args(argv)
+    given = vars(ns)
+    name = given.pop("command")
+    command = next(c for c in COMMANDS if c.name == name)
+    logging.basicConfig(level=logging.INFO if given.get("verbose") else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    # generate/plan report a refused override / skip softmax as the one `error:` line; the server-side
+    # log warning would print the same reason a second time
+    attn_log = logging.getLogger("ditattn.attention")
+    if command.name in ("generate", "plan"):
+        attn_log.addFilter(_drop_refusal_log)
+    cfg = None
+    try:
+        cfg = build_config(command, given)
+        if cfg.verbose:
+            logging.getLogger().setLevel(logging.INFO)
+        module, _, func = command.run.partition(":")
+        return int(getattr(importlib.import_module(module), func)(cfg) or 0)
+    except AttentionConfigError as exc:
+        msg = " ".join(str(exc).split())  # one line, even for multi-line parser errors
+        if command.name in ("generate", "plan") and "dtype" in msg and "not supported" in msg \
+                and (cfg is None or cfg.model.dtype is None):
+            msg += " (the compute dtype is chosen with --dtype)"
+        sys.stderr.write(f"error: {msg}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        return 130
+    finally:
+        attn_log.removeFilter(_drop_refusal_log)

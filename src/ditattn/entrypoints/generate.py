@@ -1,0 +1,193 @@
+"""``ditattn generate``: run the pipeline, write the output, print its path and a timing line.
+
+:func:`run` takes a :class:`~ditattn.runconfig.RunConfig`, generates one clip, writes it (MP4 for
+clips, PNG for one frame) and prints the file path and, as the last line, a one-line timing
+summary; ``--num-gpus N`` runs it on N ranks (rank 0 prints and writes).
+
+Default settings with the built-in ``ditattn:tiny-wan``: 128x128, 9 frames, 8 steps, guidance 5.0,
+seed 0, float32 on CPU (about 2 s of compute on 2 idle cores; most of a cold run is importing torch
+and diffusers, ~12 s end to end).  Real checkpoints default to 832x480, 81 frames, 50 steps.  On a
+CPU run the number of torch threads follows the idle cores (see :func:`_tune_cpu_threads`).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Optional
+
+from ditattn import settings
+from ditattn.distributed.launch import RankInfo
+from ditattn.entrypoints.ranks import needs_ranks, run_on_ranks
+from ditattn.errors import AttentionConfigError
+from ditattn.runconfig import RunConfig
+
+
+def run(cfg: RunConfig) -> int:
+    """``ditattn generate``; user errors raise :class:`AttentionConfigError`."""
+    t_start = time.perf_counter()
+    s = cfg.sampling
+    if s.prompt is None:
+        raise AttentionConfigError("--prompt is required (on the command line, or as 'prompt' in --config)")
+    if not s.prompt.strip():
+        raise AttentionConfigError("--prompt must not be empty")
+    if s.num_frames == 1 and cfg.output.fps is not None:
+        raise AttentionConfigError("--fps applies to videos only; --num-frames 1 writes a single frame (PNG)")
+    if cfg.model.backend == "diffusers":
+        from ditattn.pipelines.diffusers_backend import reject_native_only_options
+
+        reject_native_only_options(cfg)  # before any launch: sequence parallelism is native-only
+    cfg.parallel.degrees()  # U x R must equal --num-gpus
+    if needs_ranks(cfg):  # each rank runs run_rank below
+        return run_on_ranks(run_rank, cfg)
+    return generate_here(cfg, t_start)
+
+
+def run_rank(rank: RankInfo, cfg: RunConfig) -> int:
+    """What each rank of ``generate --num-gpus N`` runs: the same generation on its device; only
+    rank 0 writes the output."""
+    return generate_here(cfg.for_rank(rank.rank, rank.device), time.perf_counter())
+
+
+def generate_here(cfg: RunConfig, t_start: float) -> int:
+    """Generate in this process (one rank, or the whole run)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        if cfg.model.backend == "diffusers":
+            return _generate_diffusers(cfg, t_start)
+        return _generate_native(cfg, t_start)
+    finally:
+        torch.set_num_threads(threads)  # _tune_cpu_threads may have lowered it for this run
+
+
+def _tune_cpu_threads(device) -> None:
+    """On a CPU run, use only the cores other processes leave idle (1-minute load average).
+
+    PyTorch's OpenMP threads spin-wait at barriers, so when the machine is already busy, running
+    as many threads as cores makes them fight the other work: on a loaded 2-core machine the default
+    run was 3-4x slower with 2 threads than with 1.  ``OMP_NUM_THREADS`` or ``DITATTN_NUM_THREADS``
+    set by the user win; an idle machine keeps torch's default.
+    """
+    import logging
+    import os
+
+    import torch
+
+    if str(device or "cpu").split(":")[0] != "cpu" and torch.cuda.is_available():
+        return
+    explicit = settings.num_threads()
+    if explicit is not None:
+        torch.set_num_threads(explicit)
+        return
+    if os.environ.get("OMP_NUM_THREADS") or not hasattr(os, "getloadavg"):
+        return
+    cores = os.cpu_count() or 1
+    busy = os.getloadavg()[0]
+    want = max(1, min(torch.get_num_threads(), int(cores - busy + 0.5)))
+    if want < torch.get_num_threads():
+        logging.getLogger("ditattn.pipeline").info(
+            "load average %.1f on %d cores: using %d CPU thread(s)", busy, cores, want)
+        torch.set_num_threads(want)
+
+
+def _check_output_name(cfg: RunConfig, num_frames: int) -> None:
+    """Fail before the work on an output file name that cannot be written."""
+    from ditattn.pipelines.output import output_file_path
+
+    o = cfg.output
+    if o.save_output and o.output_file:
+        output_file_path(o.output_path, o.output_file, cfg.sampling.prompt, cfg.sampling.seed or 0, num_frames)
+
+
+def _write(cfg: RunConfig, frames, num_frames: int) -> Optional[str]:
+    from ditattn.pipelines.output import output_file_path, save_frames
+
+    o, s = cfg.output, cfg.sampling
+    if not o.save_output:
+        return None
+    path = output_file_path(o.output_path, o.output_file, s.prompt, s.seed or 0, num_frames)
+    try:
+        return save_frames(frames, path, fps=o.fps or 16)
+    except OSError as exc:
+        raise AttentionConfigError(f"cannot write {path}: {exc.strerror or exc}; choose another --output-path") from None
+
+
+def _report(cfg: RunConfig, frames, *, t_start: float, load: float, steps: int, size: tuple, num_frames: int,
+            parts: dict, backends: str, stats: Optional[dict] = None) -> None:
+    """Write the output, print its path, the attention stats and the one-line timing summary."""
+    t0 = time.perf_counter()
+    path = _write(cfg, frames, num_frames)
+    parts = {**parts, "save": time.perf_counter() - t0}
+    if path:
+        print(f"saved: {path}")
+    if stats:
+        print(f"attention stats: {json.dumps(stats, default=str)}")
+    w, h = size
+    detail = ", ".join(f"{k} {v:.1f}s" for k, v in parts.items())
+    if "denoise" in parts:
+        detail += f"; {parts['denoise'] / max(steps, 1):.2f}s/step"
+    where = "" if path else " (not saved)"
+    total = time.perf_counter() - t_start
+    print(f"done in {total:.1f}s{where}: {w}x{h}, {num_frames} frame{'s' if num_frames != 1 else ''}, {steps} steps "
+          f"(load {load:.1f}s, {detail}); DiT attention: {backends}")
+    sys.stdout.flush()
+
+
+def _generate_native(cfg: RunConfig, t_start: float) -> int:
+    from ditattn.distributed.groups import sequence_parallel_rank
+    from ditattn.pipelines.wan import WanPipelineNative
+
+    cfg.attention_settings()  # refuse bad attention flags before any work
+    kw = cfg.generate_kwargs()
+    _tune_cpu_threads(cfg.model.device)
+    _check_output_name(cfg, cfg.sampling.num_frames or 2)
+    t0 = time.perf_counter()
+    pipe = WanPipelineNative.from_config(cfg)
+    state = pipe.prepare_request(kw.pop("override"), kw.pop("skip_softmax"))
+    load = time.perf_counter() - t0 + (t0 - t_start)
+    res = pipe.generate(**kw, request_state=state, progress=sequence_parallel_rank() == 0)  # one bar: rank 0's
+    parts = {"text": res.timings["text"], "denoise": res.timings["denoise"], "decode": res.timings["decode"]}
+    _report(cfg, res.frames[0], t_start=t_start, load=load, steps=res.num_inference_steps,
+            size=(res.width, res.height), num_frames=res.num_frames, parts=parts,
+            backends=",".join(res.attention_backends), stats=res.stats)
+    return 0
+
+
+def _generate_diffusers(cfg: RunConfig, t_start: float) -> int:
+    import torch
+
+    from ditattn.pipelines.diffusers_backend import (check_size_static, load_diffusers_pipeline,
+                                                     reject_native_only_options, run_diffusers)
+    from ditattn.pipelines.loading import parse_device, parse_dtype
+    from ditattn.pipelines.model_index import read_model_index, resolve_model_path
+    from ditattn.pipelines.wan import CHECKPOINT_DEFAULTS, TINY_DEFAULTS
+    from ditattn.platforms import platform_for_device
+
+    reject_native_only_options(cfg)
+    m, s = cfg.model, cfg.sampling
+    folder, name = resolve_model_path(m.model_path)
+    mi = read_model_index(folder, name)
+    dev = parse_device(m.device)
+    dt = parse_dtype(m.dtype, platform_for_device(dev))
+    _tune_cpu_threads(dev)
+    d = TINY_DEFAULTS if mi.is_builtin else CHECKPOINT_DEFAULTS
+    height, width = s.height or d["height"], s.width or d["width"]
+    num_frames = s.num_frames or d["num_frames"]
+    steps = s.num_inference_steps or d["num_inference_steps"]
+    guidance = d["guidance_scale"] if s.guidance_scale is None else s.guidance_scale
+    check_size_static(mi, height, width, num_frames)
+    _check_output_name(cfg, num_frames)
+    t0 = time.perf_counter()
+    pipe = load_diffusers_pipeline(folder, device=dev, dtype=dt, variant=m.model_variant,
+                                   attention_backend=cfg.attention.attention_backend)
+    load = time.perf_counter() - t0 + (t0 - t_start)
+    with torch.inference_mode():
+        frames, secs = run_diffusers(
+            pipe, prompt=s.prompt, negative_prompt=s.negative_prompt, height=height, width=width,
+            num_frames=num_frames, num_inference_steps=steps, guidance_scale=guidance, seed=s.seed or 0,
+        )
+    _report(cfg, frames[0], t_start=t_start, load=load, steps=steps, size=(width, height), num_frames=num_frames,
+            parts={"generate": secs}, backends=f"diffusers:{cfg.attention.attention_backend or 'default'}")
+    return 0

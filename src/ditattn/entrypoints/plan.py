@@ -1,0 +1,47 @@
+"""``ditattn plan``: resolve every attention layer of the native pipeline without weights or
+denoising and print the plan (``--json``: the DESIGN 1.5 object), on the machine here or on the
+platform ``--platform`` simulates (``cfg.simulation``)."""
+from __future__ import annotations
+
+import json
+import sys
+
+from ditattn.errors import AttentionConfigError
+from ditattn.runconfig import RunConfig, flag_name
+
+
+def run(cfg: RunConfig) -> int:
+    """``ditattn plan``; user errors raise :class:`AttentionConfigError`."""
+    with cfg.simulation.scope():
+        return _plan(cfg)
+
+
+def _plan(cfg: RunConfig) -> int:
+    if cfg.model.backend == "diffusers":
+        raise AttentionConfigError(
+            "plan describes the native pipeline's attention layers; --backend diffusers has no ditattn plan "
+            "(drop --backend diffusers)"
+        )
+    from ditattn.pipelines.plan import format_plan
+    from ditattn.pipelines.wan import WanPipelineNative
+
+    pipe = WanPipelineNative.from_config(cfg, load_weights=False)
+    state = pipe.prepare_request(cfg.attention.attention_backend_override, cfg.attention.skip_softmax())
+    s = cfg.sampling
+    if any(v is not None for v in (s.height, s.width, s.num_frames)):  # a size the model cannot generate is an error
+        d = pipe.defaults
+        pipe.check_size(s.height or d["height"], s.width or d["width"], s.num_frames or d["num_frames"])
+    unused = [f"--{flag_name(k)}" for k in ("prompt", "negative_prompt", "num_inference_steps", "guidance_scale", "seed")
+              if getattr(s, k) not in (None, 0)]
+    if unused:  # accepted for symmetry with generate; say so rather than ignore them silently
+        sys.stderr.write(f"note: {', '.join(unused)} do not change the attention plan (sampling only)\n")
+    plan = pipe.plan()
+    override = state.override.value if state is not None and state.override is not None else None
+    if cfg.json:
+        if override is not None:
+            plan["request_override"] = override
+        print(json.dumps(plan, indent=2))
+    else:
+        dtype = str(pipe.dtype).replace("torch.", "")
+        print(format_plan(plan, model=pipe.model_index.name, dtype=dtype, override=override))
+    return 0

@@ -1,0 +1,48 @@
+"""Sequence-parallel runs of a command (``--num-gpus N``): refuse what can be refused before any
+rank starts, then run the command's rank function on every rank through
+:func:`ditattn.distributed.launch.launch`."""
+from __future__ import annotations
+
+from typing import Callable
+
+from ditattn import settings
+from ditattn.distributed.launch import RankInfo, check_devices, in_worker, launch, own_result, under_torchrun
+from ditattn.runconfig import RunConfig
+
+
+def needs_ranks(cfg: RunConfig) -> bool:
+    """More than one rank asked for, and this process is not already one of them."""
+    return cfg.parallel.num_gpus > 1 and not in_worker()
+
+
+def preflight(cfg: RunConfig) -> None:
+    """What can be refused before any rank starts (a refused run should not load a large model N
+    times): the native pipeline is built as for ``ditattn plan`` — on the meta device, no weights —
+    under the run's attention settings and degrees, so heads that do not divide by the Ulysses
+    degree, ring with a backend without LSE (sparse included), bad overrides and a refused
+    ``--attention-backend-override`` raise :class:`AttentionConfigError` here.  Skipped for
+    ``--backend diffusers``."""
+    if cfg.model.backend != "native":
+        return
+    from ditattn.pipelines.wan import WanPipelineNative
+
+    pipe = WanPipelineNative.from_config(cfg, load_weights=False)
+    pipe.prepare_request(cfg.attention.attention_backend_override, cfg.attention.skip_softmax())
+
+
+def run_on_ranks(rank_fn: Callable[[RankInfo, RunConfig], int], cfg: RunConfig) -> int:
+    """Run ``rank_fn(rank, cfg)`` on ``cfg.parallel.num_gpus`` ranks (spawned, or this process's
+    rank under ``torchrun``) after the device check and the :func:`preflight`; return this
+    process's exit status (rank 0's after a spawn).  ``rank_fn`` must be a module-level function;
+    ranks other than 0 print nothing to stdout."""
+    import torch
+
+    n = cfg.parallel.num_gpus
+    u, r = cfg.parallel.degrees()
+    device = cfg.model.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if not under_torchrun():
+        check_devices(device, n)
+    preflight(cfg)
+    results = launch(rank_fn, n, args=(cfg,), device=device, ulysses_degree=u, ring_degree=r,
+                     timeout_s=settings.dist_timeout_s(), quiet_followers=True)
+    return int(own_result(results) or 0)

@@ -1,0 +1,84 @@
+"""``ditattn serve``: load the model, then run the OpenAI-compatible server until interrupted.
+
+With ``--num-gpus N`` every rank loads the pipeline; rank 0 runs the HTTP server and relays each
+pipeline call (:class:`~ditattn.distributed.relay.PipelineRelay`), the other ranks replay them.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+
+from ditattn.distributed.launch import RankInfo
+from ditattn.entrypoints.ranks import needs_ranks, run_on_ranks
+from ditattn.errors import AttentionConfigError
+from ditattn.runconfig import RunConfig
+
+log = logging.getLogger("ditattn.server")
+
+
+def check_serve_options(cfg: RunConfig) -> None:
+    """Before loading the model: refuse a seed or prompt (each request carries its own, so they
+    would be ignored) and an address the server cannot bind (bad host, port in use)."""
+    if cfg.sampling.seed is not None:
+        raise AttentionConfigError("--seed does not apply to serve; accepted: a 'seed' field in each request "
+                                   "(requests without one get a random seed)")
+    if cfg.sampling.prompt is not None:
+        raise AttentionConfigError("prompt does not apply to serve; accepted: a 'prompt' field in each request")
+    host, port = cfg.server.host, cfg.server.port
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise AttentionConfigError(f"--host {host!r} cannot be resolved ({exc}); accepted: an IP address or "
+                                   "host name of this machine, e.g. 127.0.0.1 or 0.0.0.0") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as exc:
+            raise AttentionConfigError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); accepted: "
+                                       "a free port and an address of this machine") from None
+
+
+def run(cfg: RunConfig) -> int:
+    """``ditattn serve``; user errors raise :class:`AttentionConfigError`."""
+    check_serve_options(cfg)
+    if cfg.model.backend != "native":
+        raise AttentionConfigError("ditattn serve runs the native pipeline only (per-request attention overrides "
+                                   "need ditattn's attention layers); drop --backend diffusers")
+    if needs_ranks(cfg):  # one process per rank: rank 0 serves, the others follow
+        return run_on_ranks(run_rank, cfg)
+    return serve_here(cfg)
+
+
+def serve_here(cfg: RunConfig) -> int:
+    """Load the pipeline and serve it on ``cfg.server.host:port`` until interrupted."""
+    import uvicorn
+
+    from ditattn.server.app import create_app
+    from ditattn.server.runner import build_runner
+
+    runner = build_runner(cfg)
+    app = create_app(runner, cfg.server)
+    host, port = cfg.server.host, cfg.server.port
+    if host not in ("127.0.0.1", "localhost", "::1") and not cfg.server.api_key:
+        log.warning("serving on %s without --api-key: anyone who can reach this address can use the server", host)
+    print(f"ditattn serve: model {runner.model_id} on http://{host}:{port} "
+          f"(DiT attention: {', '.join(runner.default_backends())})", flush=True)
+    uvicorn.run(app, host=host, port=port, log_level="info" if cfg.verbose else "warning")
+    return 0
+
+
+def run_rank(rank: RankInfo, cfg: RunConfig) -> int:
+    """One rank of ``serve --num-gpus N``: rank 0 serves with its pipeline calls relayed; the
+    other ranks build the same pipeline and replay them."""
+    from ditattn.distributed.relay import PipelineRelay
+    from ditattn.pipelines.wan import WanPipelineNative
+
+    cfg = cfg.for_rank(rank.rank, rank.device)
+    relay = PipelineRelay()
+    if rank.rank == 0:
+        with relay.leading(WanPipelineNative):
+            return serve_here(cfg)
+    relay.follow(WanPipelineNative.from_config(cfg))
+    return 0

@@ -1,0 +1,384 @@
+"""The typed run configuration: what a ``ditattn`` command runs, built once and passed down.
+
+:class:`RunConfig` holds one of each section:
+
+* :class:`ModelConfig` — what to load, on which device and dtype, compiled or not;
+* :class:`SamplingConfig` — prompt and sampling (size, frames, steps, guidance, seed);
+* :class:`AttentionOptions` — the user's attention choices (become
+  :class:`~ditattn.attention.context.AttentionSettings` through :meth:`RunConfig.attention_settings`);
+* :class:`ParallelConfig` — sequence parallelism (``num_gpus = ulysses_degree × ring_degree``);
+* :class:`OutputConfig` — where ``generate`` writes;
+* :class:`ServerConfig` — ``serve``'s address, batching and request limits;
+* :class:`SimulationConfig` — ``plan`` / ``backends``: resolve on a simulated platform;
+* :class:`CompareOptions` — ``compare``: prompts, seeds, variants and what is captured;
+
+plus ``verbose`` and ``json``.  Every field's name is the long flag without its dashes
+(``--num-inference-steps`` → ``num_inference_steps``), so the same object is built from the CLI
+(:mod:`ditattn.entrypoints.cli`), from a YAML/JSON file (:meth:`RunConfig.from_file`, keys
+``num-inference-steps`` or ``num_inference_steps``), from a mapping (:meth:`RunConfig.from_mapping`)
+or in Python::
+
+    cfg = RunConfig(sampling=SamplingConfig(prompt="a fox", num_frames=1),
+                    attention=AttentionOptions(attention_backend="torch_sdpa"))
+    pipe = WanPipelineNative.from_config(cfg)
+    res = pipe.generate(**cfg.generate_kwargs())
+
+Each field is validated on construction by its check (:mod:`ditattn.runconfig.checks`;
+:class:`AttentionConfigError` naming the key and what is accepted); rules across fields live in :meth:`ParallelConfig.degrees`,
+:meth:`AttentionOptions.skip_softmax` and the commands.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
+
+from ditattn.errors import AttentionConfigError
+from ditattn.runconfig.checks import (
+    boolean,
+    finite_float,
+    integer,
+    list_of,
+    text_items,
+    nonneg_float,
+    nonneg_int,
+    one_of,
+    optional,
+    package_list,
+    platform_spec,
+    positive_float,
+    positive_int,
+    tcp_port,
+    text,
+    text_or_mapping,
+)
+
+
+def _field(default: Any, check: Callable[[Any], Any], help: str) -> Any:
+    return dataclasses.field(default=default, metadata={"check": check, "help": help})
+
+
+class _Section:
+    """Validates (and types) every field on construction."""
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            try:
+                object.__setattr__(self, f.name, f.metadata["check"](getattr(self, f.name)))
+            except ValueError as exc:
+                raise AttentionConfigError(f"{f.name}: {exc}") from None
+
+
+# ------------------------------------------------------------------------------------------------
+# sections
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig(_Section):
+    """What to load and how to run it."""
+
+    model_path: Optional[str] = _field(None, optional(text), "local diffusers-format Wan folder or ditattn:tiny-wan / "
+                                       "ditattn:tiny-wan2.2 (None: ditattn:tiny-wan)")
+    model_variant: Optional[str] = _field(None, optional(text), "weights variant of checkpoints that have several")
+    device: Optional[str] = _field(None, optional(text), "cpu, cuda, cuda:1, ... (None: cuda if available, else cpu)")
+    dtype: Optional[str] = _field(None, optional(one_of(*DTYPES)), "compute dtype (None: float32 on cpu, bfloat16 on "
+                                  "GPUs)")
+    backend: str = _field("native", one_of("native", "diffusers"), "native ditattn pipeline or stock diffusers")
+    enable_torch_compile: bool = _field(False, boolean, "torch.compile each DiT block")
+    enable_cuda_graph: bool = _field(False, boolean, "CUDA graphs for the DiT blocks (implies torch.compile)")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig(_Section):
+    """Prompt and sampling; None takes the model's default (``serve``: the default of requests)."""
+
+    prompt: Optional[str] = _field(None, optional(text), "text prompt")
+    negative_prompt: Optional[str] = _field(None, optional(text), "negative prompt for classifier-free guidance")
+    num_inference_steps: Optional[int] = _field(None, optional(positive_int), "denoising steps")
+    guidance_scale: Optional[float] = _field(None, optional(finite_float), "classifier-free guidance scale")
+    height: Optional[int] = _field(None, optional(positive_int), "output height in pixels")
+    width: Optional[int] = _field(None, optional(positive_int), "output width in pixels")
+    num_frames: Optional[int] = _field(None, optional(positive_int), "frames (1 = image)")
+    seed: Optional[int] = _field(None, optional(nonneg_int), "random seed (None: 0 for generate; serve refuses it, "
+                                 "requests carry their own)")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionOptions(_Section):
+    """The user's attention choices, as given (names and specs are parsed by
+    :meth:`RunConfig.attention_settings`)."""
+
+    attention_backend: Optional[str] = _field(None, optional(text), "global attention backend")
+    component_attention_backends: Union[str, dict, None] = _field(None, optional(text_or_mapping),
+                                                                  "per-component overrides: a spec or a mapping")
+    attention_backend_config: Union[str, dict, None] = _field(None, optional(text_or_mapping),
+                                                              "backend parameters: a file, JSON, k=v pairs or a mapping")
+    attention_backend_override: Optional[str] = _field(None, optional(text), "request-scoped DiT backend")
+    enable_attention_backend_autotune: bool = _field(False, boolean, "time candidates per automatic layer")
+    skip_softmax_threshold_scale_factor: Optional[float] = _field(None, optional(positive_float),
+                                                                  "request-scoped skip softmax threshold scale")
+    skip_softmax_start_step: Optional[int] = _field(None, optional(nonneg_int), "first skip-softmax step (default 0)")
+
+    def skip_softmax(self) -> Optional[dict]:
+        """``{threshold_scale_factor, start_step}`` or None; a start step without a threshold is an error."""
+        if self.skip_softmax_threshold_scale_factor is None:
+            if self.skip_softmax_start_step is not None:
+                raise AttentionConfigError(
+                    "--skip-softmax-start-step needs --skip-softmax-threshold-scale-factor (no default threshold: "
+                    "calibrate it per model)"
+                )
+            return None
+        start = self.skip_softmax_start_step
+        return {"threshold_scale_factor": self.skip_softmax_threshold_scale_factor,
+                "start_step": 0 if start is None else start}
+
+    def given(self) -> list[str]:
+        """The names of the options that were set (not None / False)."""
+        return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) not in (None, False)]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig(_Section):
+    """Sequence parallelism: ``num_gpus`` ranks as a Ulysses × ring grid."""
+
+    num_gpus: int = _field(1, positive_int, "processes for sequence parallelism")
+    ulysses_degree: Optional[int] = _field(None, optional(positive_int), "Ulysses degree (None: the rest of num_gpus)")
+    ring_degree: Optional[int] = _field(None, optional(positive_int), "ring-attention degree (None: the rest)")
+
+    def degrees(self) -> tuple[int, int]:
+        """``(ulysses, ring)`` with ``ulysses × ring == num_gpus`` (AttentionConfigError otherwise)."""
+        from ditattn.distributed.groups import resolve_degrees
+
+        return resolve_degrees(self.num_gpus, self.ulysses_degree, self.ring_degree)
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputConfig(_Section):
+    """Where ``generate`` writes its MP4 (clips) or PNG (one frame)."""
+
+    output_path: str = _field("outputs", text, "output directory")
+    output_file: Optional[str] = _field(None, optional(text), "output file name (None: derived from the prompt)")
+    save_output: bool = _field(True, boolean, "write the output file")
+    fps: Optional[int] = _field(None, optional(positive_int), "frames per second of the MP4 (None: 16)")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig(_Section):
+    """``serve``: address, batching and request limits.
+
+    api_key: required bearer token (None = open); max_batch_size / max_queue: scheduler bounds;
+    request_timeout_s: an image request waits at most this long (504 after), a video job fails if
+    it cannot start within it; output_dir: where MP4/PNG outputs go (None = a private temporary
+    directory removed at shutdown); max_*: request limits (400 beyond them); max_videos_kept: the
+    oldest finished video jobs (and files) are forgotten beyond this count; batch_window_s: how
+    long the scheduler waits for more requests to batch.
+    """
+
+    host: str = _field("127.0.0.1", text, "bind address")
+    port: int = _field(30000, tcp_port, "TCP port")
+    api_key: Optional[str] = _field(None, optional(text), "require Authorization: Bearer KEY")
+    max_batch_size: int = _field(4, positive_int, "dynamic batching: requests per batch")
+    max_queue: int = _field(64, positive_int, "queued requests before 429")
+    request_timeout_s: float = _field(600.0, positive_float, "seconds a request may wait or run")
+    output_dir: Optional[str] = _field(None, optional(text), "where outputs are written (None: a temporary folder)")
+    max_side: int = _field(2048, positive_int, "largest width or height of a request")
+    max_pixels: int = _field(1920 * 1088, positive_int, "largest width x height of a request")
+    max_frames: int = _field(257, positive_int, "most frames of a video request")
+    max_steps: int = _field(200, positive_int, "most denoising steps of a request")
+    max_n: int = _field(10, positive_int, "most images per image request")
+    max_fps: int = _field(120, positive_int, "highest fps of a video request")
+    max_body_bytes: int = _field(1 << 20, positive_int, "largest request body in bytes")
+    max_videos_kept: int = _field(1000, positive_int, "finished video jobs kept before the oldest are forgotten")
+    batch_window_s: float = _field(0.01, nonneg_float, "seconds the scheduler waits to fill a batch")
+
+
+@dataclasses.dataclass(frozen=True)
+class SimulationConfig(_Section):
+    """``plan`` / ``backends``: resolve as if on another machine (nothing runs on it).
+
+    platform: ``NAME[:SM]`` (``cuda:90``, ``cuda:120``, ``rocm``, ``xpu``, ``musa``, ``npu``, ``mps``,
+    ``cpu``; None: the machine here); platform_packages: the optional packages it has, by import
+    name, optionally pinned (``sageattention==2.2.0``; needs ``platform``)."""
+
+    platform: Optional[str] = _field(None, optional(platform_spec), "simulated platform NAME[:SM] (None: this machine)")
+    platform_packages: Optional[tuple] = _field(None, optional(package_list), "packages of the simulated platform")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.platform is None and self.platform_packages:
+            raise AttentionConfigError("--platform-packages needs --platform NAME[:SM]")
+
+    def simulated(self):
+        """The simulated :class:`~ditattn.platforms.Platform`, or None (the machine here)."""
+        from ditattn.platforms import Platform
+
+        return None if self.platform is None else Platform.from_spec(self.platform, self.platform_packages)
+
+    def scope(self):
+        """A context in which :func:`~ditattn.platforms.current_platform` is the simulated platform
+        (a no-op context without one)."""
+        import contextlib
+
+        from ditattn.platforms import use_platform
+
+        sim = self.simulated()
+        return use_platform(sim) if sim is not None else contextlib.nullcontext()
+
+
+@dataclasses.dataclass(frozen=True)
+class CompareOptions(_Section):
+    """``compare``: every prompt runs with every seed under every variant (the first is the reference).
+
+    The keys are ``prompts`` / ``seeds`` / ``variant`` (flags ``--prompt P``, ``--seed S [S ...]``,
+    ``--variant NAME=SPEC``, each repeatable); variants are parsed by
+    :func:`ditattn.evaluation.compare.parse_variant`."""
+
+    prompts: tuple = _field((), text_items, "prompts (each runs with every seed)")
+    seeds: tuple = _field((0,), list_of(nonneg_int, "integers >= 0"), "seeds")
+    variant: tuple = _field((), text_items, "attention settings NAME=SPEC; the first is the reference")
+    capture_steps: tuple = _field((0, -1), list_of(integer, "integers"),
+                                  "denoising steps whose attention outputs are compared (negative: from the end)")
+    capture_rows: int = _field(4096, nonneg_int, "sequence rows kept per captured output (0: all)")
+    in_context: bool = _field(True, boolean, "also run the reference backend on each layer's own inputs")
+    warmup: int = _field(1, nonneg_int, "untimed generations per variant first")
+    write_video: bool = _field(True, boolean, "write side-by-side MP4s")
+
+
+SECTIONS = {"model": ModelConfig, "sampling": SamplingConfig, "attention": AttentionOptions,
+            "parallel": ParallelConfig, "output": OutputConfig, "server": ServerConfig,
+            "simulation": SimulationConfig, "compare": CompareOptions}
+TOP_LEVEL = ("verbose", "json")
+
+
+def _section(cls):
+    return dataclasses.field(default_factory=cls)
+
+
+def flag_name(key: str) -> str:
+    """``num_inference_steps`` → ``num-inference-steps`` (how keys are shown in messages)."""
+    return key.replace("_", "-")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """One run of a ``ditattn`` command; see the module docstring."""
+
+    model: ModelConfig = _section(ModelConfig)
+    sampling: SamplingConfig = _section(SamplingConfig)
+    attention: AttentionOptions = _section(AttentionOptions)
+    parallel: ParallelConfig = _section(ParallelConfig)
+    output: OutputConfig = _section(OutputConfig)
+    server: ServerConfig = _section(ServerConfig)
+    simulation: SimulationConfig = _section(SimulationConfig)
+    compare: CompareOptions = _section(CompareOptions)
+    verbose: bool = False
+    json: bool = False
+
+    def __post_init__(self):
+        for name, cls in SECTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise AttentionConfigError(f"RunConfig.{name} must be a {cls.__name__}, got {getattr(self, name)!r}")
+        for name in TOP_LEVEL:
+            try:
+                object.__setattr__(self, name, boolean(getattr(self, name)))
+            except ValueError as exc:
+                raise AttentionConfigError(f"{name}: {exc}") from None
+
+    # -- building ---------------------------------------------------------------------------------
+    @staticmethod
+    def keys(accept: Optional[Iterable[str]] = None) -> dict[str, Optional[str]]:
+        """Every settable key → its section (None for ``verbose`` / ``json``), limited to the
+        sections and top-level keys named in ``accept`` (None: all)."""
+        accept = None if accept is None else set(accept)
+        out: dict[str, Optional[str]] = {}
+        for section, cls in SECTIONS.items():
+            if accept is None or section in accept:
+                out.update({f.name: section for f in dataclasses.fields(cls)})
+        out.update({k: None for k in TOP_LEVEL if accept is None or k in accept})
+        return out
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], *, base: Optional["RunConfig"] = None,
+                     accept: Optional[Iterable[str]] = None, source: str = "config") -> "RunConfig":
+        """``base`` (default: all defaults) with the flat ``values`` applied on top.
+
+        Keys are field names or long flag names (``num_inference_steps``, ``num-inference-steps``,
+        ``--num-inference-steps``); ``accept`` limits them to some sections / top-level keys (a
+        command's); values are checked like the flags' (text such as ``"4"`` is converted).
+        Unknown keys, keys outside ``accept`` and bad values raise :class:`AttentionConfigError`
+        prefixed with ``source``.
+        """
+        if not isinstance(values, Mapping):
+            raise AttentionConfigError(f"{source}: expected a mapping of settings, got {type(values).__name__}")
+        known, allowed = cls.keys(), cls.keys(accept)
+        shown = ", ".join(sorted(flag_name(k) for k in allowed))
+        changes: dict[Optional[str], dict] = {}
+        for raw, value in values.items():
+            key = str(raw).lstrip("-").replace("-", "_")
+            if key not in known:
+                raise AttentionConfigError(f"{source}: unknown key {raw!r}; accepted: {shown}")
+            if key not in allowed:
+                where = f"the {known[key]} settings" if known[key] else "other commands"
+                raise AttentionConfigError(f"{source}: key {raw!r} does not apply here (it belongs to {where}); "
+                                           f"accepted: {shown}")
+            section = known[key]
+            check = boolean if section is None else next(
+                f.metadata["check"] for f in dataclasses.fields(SECTIONS[section]) if f.name == key)
+            try:
+                changes.setdefault(section, {})[key] = check(value)
+            except ValueError as exc:
+                raise AttentionConfigError(f"{source}: {flag_name(key)}: {exc}") from None
+        base = base or cls()
+        top = changes.pop(None, {})
+        sections = {s: dataclasses.replace(getattr(base, s), **kw) for s, kw in changes.items()}
+        return dataclasses.replace(base, **sections, **top)
+
+    @classmethod
+    def from_file(cls, path: str, *, base: Optional["RunConfig"] = None,
+                  accept: Optional[Iterable[str]] = None) -> "RunConfig":
+        """:meth:`from_mapping` of the YAML / JSON mapping in ``path``."""
+        from ditattn.attention.config import load_mapping_file
+
+        data = load_mapping_file(path, what="config file",
+                                 accepted="a YAML mapping of long flag names to values, e.g. 'num-inference-steps: 4'")
+        return cls.from_mapping(data, base=base, accept=accept, source=f"config file {path}")
+
+    # -- what the layers below take ---------------------------------------------------------------
+    def attention_settings(self):
+        """The :class:`~ditattn.attention.context.AttentionSettings` of this run (parses backend
+        names, component overrides and the backend config; raises AttentionConfigError)."""
+        from ditattn.attention.config import parse_attention_backend_config, parse_component_overrides
+        from ditattn.attention.context import AttentionSettings
+        from ditattn.attention.names import AttentionBackendEnum
+
+        a, m = self.attention, self.model
+        u, r = self.parallel.degrees()
+        return AttentionSettings(
+            backend=AttentionBackendEnum.from_name(a.attention_backend) if a.attention_backend else None,
+            component_overrides=parse_component_overrides(a.component_attention_backends),
+            config=parse_attention_backend_config(a.attention_backend_config),
+            autotune=a.enable_attention_backend_autotune,
+            ring_degree=r,
+            ulysses_degree=u,
+            compiled=m.enable_torch_compile or m.enable_cuda_graph,
+            cuda_graphs=m.enable_cuda_graph,
+        )
+
+    def generate_kwargs(self) -> dict:
+        """Keyword arguments of ``WanPipelineNative.generate`` for this run: the sampling fields
+        (None = the model's default; seed None = 0), the request override and skip softmax."""
+        s = self.sampling
+        return dict(prompt=s.prompt, negative_prompt=s.negative_prompt, height=s.height, width=s.width,
+                    num_frames=s.num_frames, num_inference_steps=s.num_inference_steps,
+                    guidance_scale=s.guidance_scale, seed=s.seed or 0,
+                    override=self.attention.attention_backend_override, skip_softmax=self.attention.skip_softmax())
+
+    def for_rank(self, rank: int, device: str) -> "RunConfig":
+        """This run as rank ``rank`` of a sequence-parallel job runs it: on ``device``, with the
+        degrees resolved, and only rank 0 writing output."""
+        u, r = self.parallel.degrees()
+        return dataclasses.replace(
+            self, model=dataclasses.replace(self.model, device=device),
+            parallel=dataclasses.replace(self.parallel, ulysses_degree=u, ring_degree=r),
+            output=self.output if rank == 0 else dataclasses.replace(self.output, save_output=False))

@@ -1,0 +1,83 @@
+"""Request bodies: JSON, ``multipart/form-data`` (as the openai client sends video jobs) and
+url-encoded forms, read under a size limit and validated into the protocol models.
+
+Forms go through Starlette's form parsers on ``python-multipart`` (what FastAPI uses for
+``Form``/``File`` parameters); an endpoint here takes JSON *or* a form, so the body is read once and
+dispatched on its content type.  Uploaded files become the marker ``{"filename": ...}`` (never
+stored); nested form keys (``p[x]``) are unflattened by :func:`~ditattn.server.protocol.unflatten_form`.
+"""
+from __future__ import annotations
+
+import json
+
+import python_multipart  # noqa: F401  (the form parsers below need it: fail at import, not per request)
+from fastapi import Request
+from pydantic import ValidationError
+from starlette.datastructures import Headers, UploadFile
+from starlette.formparsers import FormParser, MultiPartException, MultiPartParser
+
+from ditattn.server.protocol import RequestError, unflatten_form, validation_error_to_request_error
+
+MAX_FORM_FIELDS = 100
+MAX_FORM_FILES = 4
+
+
+async def _read_limited(request: Request, max_bytes: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise RequestError(f"request body too large ({declared} bytes; limit {max_bytes})", status=413)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise RequestError(f"request body too large (limit {max_bytes} bytes)", status=413)
+    return bytes(body)
+
+
+async def _parse_form(headers: Headers, body: bytes, multipart: bool) -> list:
+    async def stream():
+        yield body
+        yield b""
+
+    try:
+        if multipart:
+            form = await MultiPartParser(headers, stream(), max_files=MAX_FORM_FILES, max_fields=MAX_FORM_FIELDS,
+                                         max_part_size=len(body) + 1).parse()
+        else:
+            form = await FormParser(headers, stream()).parse()
+    except MultiPartException as exc:
+        raise RequestError(f"malformed form body: {exc.message}") from None
+    items = []
+    for name, value in form.multi_items():
+        if isinstance(value, UploadFile):
+            items.append((name, {"filename": value.filename}))
+            await value.close()
+        else:
+            items.append((name, value))
+    return items
+
+
+async def read_body(request: Request, max_bytes: int) -> dict:
+    """The request body (at most ``max_bytes``, else 413) as a dict: a JSON object, or a
+    multipart / url-encoded form.  Malformed bodies raise :class:`RequestError` (400)."""
+    body = await _read_limited(request, max_bytes)
+    ctype = request.headers.get("content-type", "").lower()
+    if ctype.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
+        return unflatten_form(await _parse_form(request.headers, body, ctype.startswith("multipart/")))
+    if not body.strip():
+        raise RequestError("empty request body; send a JSON object")
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RequestError(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise RequestError("request body must be a JSON object")
+    return data
+
+
+def validate(model_cls, data: dict):
+    """``model_cls.model_validate(data)``, a validation error becoming one readable 400."""
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error_to_request_error(exc, model_cls) from None
