@@ -24,6 +24,7 @@ LAYERS = [
     ("runconfig",),
     ("integrations",),
     ("pipelines",),
+    ("evaluation",),  # compare runs pipelines; nothing below the entry points imports it
     ("server",),
     ("entrypoints", "cli", "__main__"),
 ]

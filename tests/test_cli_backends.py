@@ -71,3 +71,20 @@ def test_serve_flag_errors_before_loading_the_model(capsys):
         assert main(["serve", "--port", str(port)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: cannot listen on 127.0.0.1:{port}") and err.count("\n") == 1
+
+
+def test_backends_name_the_measured_operating_points_of_sparse_defaults(capsys):
+    """Issue 19: every sparse backend's defaults carry their measured (error, speed) operating point."""
+    from ditattn.attention.operating_points import OPERATING_POINTS
+
+    assert main(["backends", "--json"]) == 0
+    names = {b["name"]: b for b in json.loads(capsys.readouterr().out)["backends"]}
+    for n in ("sparge_attn", "sparse_video_gen_2_attn", "sol_attn", "vmoba_attn", "video_sparse_attn"):
+        op = names[n]["operating_point"]
+        assert op is not None and 0 <= op["rel_err"] < 2 and 0 < op["kept"] <= 1, n
+        assert op["speedup"] is not None or "bench/fidelity.py" in op["speed_pending"]
+    assert names["torch_sdpa"]["operating_point"] is None
+    assert main(["backends"]) == 0
+    out = capsys.readouterr().out
+    assert "measured at defaults (topk 0.5, INT8 Q.K in kept blocks) on structured 480p inputs" in out
+    assert len(OPERATING_POINTS) >= 5

@@ -310,18 +310,26 @@ def test_vmoba_defaults_and_layer_cycle():
 # SVG2
 
 
-def svg2_mask_independent(q, k, plan, text_len, top_p, scale):
+def svg2_mask_independent(q, k, plan, text_len, top_p, scale, bs):
+    """The SVG2 token mask from the plan's cluster labels alone: cluster pairs by the top-p rule on
+    centroid estimates, tokens sorted by cluster (stable) then text, blocks of ``bs`` positions,
+    block a -> block b iff a selected pair lies in (clusters of a) x (clusters of b) or either block
+    holds text."""
     ql, kl = plan.extra["q_labels"], plan.extra["k_labels"]
     B, H, N = ql.shape
+    S = N + text_len
     Cq, Ck = plan.extra["selection"].shape[-2:]
-    mask = torch.zeros(B, H, N, N, dtype=torch.bool)
+    mask = torch.zeros(B, H, S, S, dtype=torch.bool)
     sels = torch.zeros(B, H, Cq, Ck, dtype=torch.bool)
     for b in range(B):
         for h in range(H):
             cq = group_means(q[b:b + 1, :N, h:h + 1], ql[b, h], Cq)[0, 0]
             ck = group_means(k[b:b + 1, :N, h:h + 1], kl[b, h], Ck)[0, 0]
             size = torch.bincount(kl[b, h], minlength=Ck).double()
+            qsize = torch.bincount(ql[b, h], minlength=Cq)
             for i in range(Cq):
+                if qsize[i] == 0:
+                    continue
                 logits = [(scale * float(cq[i] @ ck[j]) + math.log(size[j]), j) for j in range(Ck) if size[j] > 0]
                 m = max(x for x, _ in logits)
                 z = sum(math.exp(x - m) for x, _ in logits)
@@ -331,8 +339,23 @@ def svg2_mask_independent(q, k, plan, text_len, top_p, scale):
                         break
                     sels[b, h, i, j] = True
                     acc += math.exp(x - m) / z
-            mask[b, h] = sels[b, h][ql[b, h]][:, kl[b, h]]
-    return with_text(mask, text_len), sels
+            qorder = sorted(range(N), key=lambda t: (int(ql[b, h, t]), t)) + list(range(N, S))
+            korder = sorted(range(N), key=lambda t: (int(kl[b, h, t]), t)) + list(range(N, S))
+
+            def blocks(order, labels):
+                out = []
+                for a in range(0, S, bs):
+                    toks = order[a:a + bs]
+                    out.append(({int(labels[t]) for t in toks if t < N}, any(t >= N for t in toks), toks))
+                return out
+
+            for qc, qtext, qtoks in blocks(qorder, ql[b, h]):
+                for kc, ktext, ktoks in blocks(korder, kl[b, h]):
+                    on = qtext or ktext or any(bool(sels[b, h, i, j]) for i in qc for j in kc)
+                    if on:
+                        for t in qtoks:
+                            mask[b, h, t, ktoks] = True
+    return mask, sels
 
 
 @pytest.mark.parametrize("grid,text_len", CASES)
@@ -341,11 +364,50 @@ def test_svg2_cluster_pairs(grid, text_len):
     res = svg2_attention(q, k, v, video_shape=grid, text_len=text_len, num_q_clusters=6, num_k_clusters=9,
                          kmeans_iters=4, top_p=0.6, block_size=8, return_lse=True)
     plan = res[2]
-    mask, sels = svg2_mask_independent(q, k, plan, text_len, 0.6, 16 ** -0.5)
+    mask, sels = svg2_mask_independent(q, k, plan, text_len, 0.6, 16 ** -0.5, 8)
     assert torch.equal(plan.extra["selection"], sels)
     assert torch.equal(svg2_token_mask(plan), mask)
     check_output(res, q, k, v, mask)
-    assert 0 < plan.kept_fraction < 1
+    assert 0 < plan.kept_fraction < 1 and plan.extra["mode"] == "cold"
+
+
+def test_svg2_warm_start_reuse_and_reset():
+    from ditattn.attention.sparse.svg2 import reset_svg2_state
+
+    grid = (3, 6, 8)
+    q, k, v = qkv(grid, 0, heads=2, seed=8)
+    kw = dict(video_shape=grid, num_q_clusters=5, num_k_clusters=7, kmeans_iters=6, top_p=0.7, block_size=16,
+              state_key="t", warm_iters=1)
+    reset_svg2_state()
+    modes = []
+    for step in (0, 1, 2):
+        res = svg2_attention(q, k, v, step=step, **kw)
+        modes.append(res[2].extra["mode"])
+        check_output(res, q, k, v, svg2_token_mask(res[2]))
+    assert modes == ["cold", "warm", "warm"]
+    # a step that does not advance is a new request: cold again; step 0 too
+    assert svg2_attention(q, k, v, step=2, **kw)[2].extra["mode"] == "cold"
+    assert svg2_attention(q, k, v, step=0, **kw)[2].extra["mode"] == "cold"
+    # recluster_every: the steps between reuse the cached plan exactly
+    reset_svg2_state()
+    kw["recluster_every"] = 3
+    got = [svg2_attention(q + 0.01 * s, k, v, step=s, **kw) for s in range(5)]
+    assert [g[2].extra["mode"] for g in got] == ["cold", "reused", "reused", "warm", "reused"]
+    assert got[1][2].kv_indices is got[0][2].kv_indices
+    check_output(got[2], q + 0.02, k, v, svg2_token_mask(got[2][2]))
+    # shapes change -> cold
+    q2, k2, v2 = qkv((3, 6, 9), 0, heads=2, seed=8)
+    assert svg2_attention(q2, k2, v2, step=5, **{**kw, "video_shape": (3, 6, 9)})[2].extra["mode"] == "cold"
+    reset_svg2_state()
+
+
+def test_kmeans_warm_start_from_converged_centroids_is_a_fixed_point():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 90, 8, generator=g)
+    labels, cent, _ = kmeans(x, 5, 80)
+    l2, c2, _ = kmeans(x, 5, 1, init=cent)
+    assert torch.equal(l2, labels)
+    torch.testing.assert_close(c2, cent)
 
 
 def test_kmeans_converges_to_a_fixed_point():

@@ -6,6 +6,7 @@ from typing import Optional
 
 from ditattn.attention.config import schema_for
 from ditattn.attention.names import AttentionBackendEnum, aliases_of
+from ditattn.attention.operating_points import OPERATING_POINTS
 from ditattn.attention.specs import DTYPE_NAMES, SPECS, LayerRequest
 from ditattn.platforms import Platform, current_platform
 from ditattn.platforms.policy import substitute
@@ -35,6 +36,7 @@ class BackendInfo:
     params: tuple[dict, ...]
     substitute_here: Optional[str] = None  # "torch_sdpa: <why>" when the platform runs another backend
     missing_kernel: str = ""
+    operating_point: Optional[dict] = None  # measured (error, speed) at the defaults, sparse backends
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -65,5 +67,6 @@ def list_backends(platform: Optional[Platform] = None) -> list[BackendInfo]:
             ),
             substitute_here=f"{sub[0].value}: {sub[1]}" if sub else None,
             missing_kernel=s.missing_kernel,
+            operating_point=OPERATING_POINTS[b.value].to_json() if b.value in OPERATING_POINTS else None,
         ))
     return out

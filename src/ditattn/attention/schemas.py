@@ -196,6 +196,7 @@ SCHEMAS: dict[str, tuple[Param, ...]] = {
     "sparge_attn": (
         P("topk", "float", 0.5, "Fraction of predicted attention blocks kept per head", check=_in(0.0, 1.0, lo_open=True), accepted="a number in (0, 1]"),
         P("block_size", "int", 64, "Block size in tokens for the block importance prediction", choices=(32, 64, 128)),
+        P("quantize", "bool", True, "Kept blocks with INT8 Q.K per block (SageAttention-style, as upstream); false: exact kept blocks"),
         BLOCK_SPARSE_IMPL,
     ),
     "video_sparse_attn_h3": (
@@ -248,9 +249,11 @@ SCHEMAS: dict[str, tuple[Param, ...]] = {
         BLOCK_SPARSE_IMPL,
     ),
     "sparse_video_gen_2_attn": (
-        P("num_q_clusters", "int", 32, "k-means clusters of queries per head", check=_positive, accepted="an integer > 0"),
-        P("num_k_clusters", "int", 64, "k-means clusters of keys per head", check=_positive, accepted="an integer > 0"),
-        P("kmeans_iters", "int", 5, "k-means iterations", check=_positive, accepted="an integer > 0"),
+        P("num_q_clusters", "int", 64, "k-means clusters of queries per head", check=_positive, accepted="an integer > 0"),
+        P("num_k_clusters", "int", 128, "k-means clusters of keys per head", check=_positive, accepted="an integer > 0"),
+        P("kmeans_iters", "int", 5, "k-means iterations of a cold start (first step of a request)", check=_positive, accepted="an integer > 0"),
+        P("warm_iters", "int", 1, "k-means iterations of later steps, started from the previous step's centroids of the layer", check=_positive, accepted="an integer > 0"),
+        P("recluster_every", "int", 1, "cluster every N-th step; the steps between reuse the cached permutation and block lists", check=_positive, accepted="an integer > 0"),
         P("top_p", "float", 0.9, "Cumulative estimated attention mass kept per query cluster", check=_in(0.0, 1.0, lo_open=True), accepted="a number in (0, 1]"),
         P("first_full_steps", "int", 0, "Dense attention for the first N denoising steps", check=_nonneg, accepted="an integer >= 0"),
         BLOCK_SPARSE_IMPL,

@@ -73,4 +73,8 @@ def run(cfg: RunConfig) -> int:
             print(f"{'':<24} param {prm['name']}: {prm['type']} = {prm['default']!r}{req} — {prm['help']}")
         if i.notes:
             print(f"{'':<24} note: {i.notes}")
+        if i.operating_point:
+            from ditattn.attention.operating_points import OperatingPoint
+
+            print(f"{'':<24} measured {OperatingPoint(**i.operating_point).describe()}")
     return 0

@@ -63,6 +63,17 @@ COMMANDS = (
             (flags.model_flags, flags.server_flags, flags.attention_flags),
             ("model", "sampling", "attention", "parallel", "server", "verbose"),
             "ditattn.entrypoints.serve:run"),
+    Command("compare", "paired generations under several attention settings: time, PSNR/SSIM, per-layer error",
+            "Run the same prompts and seeds under two or more attention settings (--variant; the first is the "
+            "reference), pair the clips per prompt and seed, and report per variant: DiT and whole time, PSNR / "
+            "SSIM / MS-SSIM against the reference, the per-layer attention-output error and cosine at the capture "
+            "steps (against the reference run, and against the reference backend on the layer's own inputs), and "
+            "the kept fraction of sparse backends. Writes compare.json, compare.png, contact_sheet.png and "
+            "side-by-side MP4s into --output-path (docs/evaluation.md).",
+            (lambda p: flags.model_flags(p, seed=False), flags.compare_flags, _json("the report"),
+             flags.attention_flags),
+            ("model", "sampling", "attention", "parallel", "output", "compare", "verbose", "json"),
+            "ditattn.entrypoints.compare:run"),
 )
 
 

@@ -13,7 +13,7 @@ import dataclasses
 from typing import Any, Callable
 
 from ditattn.runconfig import DTYPES, SECTIONS, RunConfig
-from ditattn.runconfig.checks import boolean
+from ditattn.runconfig.checks import boolean, nonneg_int, positive_int
 
 
 def arg_type(check: Callable[[Any], Any]) -> Callable[[str], Any]:
@@ -29,6 +29,7 @@ def arg_type(check: Callable[[Any], Any]) -> Callable[[str], Any]:
 
 
 BOOL = arg_type(boolean)
+POS_INT, NONNEG_INT = arg_type(positive_int), arg_type(nonneg_int)  # flags outside RunConfig (compare)
 
 
 def typed(key: str) -> Callable[[str], Any]:
@@ -82,9 +83,10 @@ def platform_flags(p: argparse.ArgumentParser) -> None:
                         "optionally pinned: flash_attn.cute,triton,sageattention==2.2.0")
 
 
-def model_flags(p: argparse.ArgumentParser, *, prompt: bool = False) -> None:
-    """Model, sampling, parallelism and performance flags (``generate``, ``plan``, ``serve``);
-    ``--prompt`` only where the command takes one (``generate``)."""
+def model_flags(p: argparse.ArgumentParser, *, prompt: bool = False, seed: bool = True) -> None:
+    """Model, sampling, parallelism and performance flags (``generate``, ``plan``, ``serve``,
+    ``compare``); ``--prompt`` only where the command takes one (``generate``), ``--seed`` unless the
+    command has its own (``compare``)."""
     g = p.add_argument_group("model and sampling")
     if prompt:
         g.add_argument("--prompt", help="text prompt (required; here or in --config)")
@@ -102,7 +104,8 @@ def model_flags(p: argparse.ArgumentParser, *, prompt: bool = False) -> None:
     g.add_argument("--height", type=typed("height"), metavar="H", help="output height in pixels")
     g.add_argument("--width", type=typed("width"), metavar="W", help="output width in pixels")
     g.add_argument("--num-frames", type=typed("num_frames"), metavar="F", help="frames (1 = image)")
-    g.add_argument("--seed", type=typed("seed"), metavar="S", help="random seed, an integer >= 0 (default 0)")
+    if seed:
+        g.add_argument("--seed", type=typed("seed"), metavar="S", help="random seed, an integer >= 0 (default 0)")
     g.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available, else cpu)")
     g.add_argument("--dtype", choices=DTYPES, help="compute dtype (default float32 on cpu, bfloat16 on GPUs)")
     g.add_argument("--backend", choices=("native", "diffusers"),
@@ -178,3 +181,29 @@ def server_flags(p: argparse.ArgumentParser) -> None:
     lim.add_argument("--max-videos-kept", type=typed("max_videos_kept"), metavar="N",
                      help="finished video jobs kept; beyond it the oldest are forgotten and their files removed "
                           "(logged) (default 1000)")
+
+
+def compare_flags(p: argparse.ArgumentParser) -> None:
+    """``compare``: prompts, seeds, variants, what is captured, where it is written."""
+    g = p.add_argument_group("comparison")
+    g.add_argument("--prompt", dest="prompts", action="append", metavar="TEXT",
+                   help="text prompt (repeat for several; required; --config key 'prompts')")
+    g.add_argument("--seed", dest="seeds", type=NONNEG_INT, nargs="+", action="extend", metavar="S",
+                   help="random seeds, integers >= 0; every prompt runs with every seed (default 0; key 'seeds')")
+    g.add_argument("--variant", action="append", metavar="NAME=SPEC",
+                   help="an attention setting: NAME=BACKEND[:k=v;k=v][@component=backend,...] or NAME={json with "
+                        "backend, config, components}; BACKEND 'auto' = automatic. Repeat; the first is the reference")
+    g.add_argument("--capture-steps", metavar="LIST",
+                   help="denoising steps whose attention outputs are compared, comma-separated, negative = from "
+                        "the end (default 0,-1)")
+    g.add_argument("--capture-rows", type=NONNEG_INT, metavar="N",
+                   help="sequence rows kept per captured attention output (default 4096; 0 = all)")
+    g.add_argument("--no-in-context", dest="in_context", action="store_false",
+                   help="skip running the reference backend on each layer's own inputs at the capture steps")
+    g.add_argument("--warmup", type=NONNEG_INT, metavar="N",
+                   help="untimed generations per variant first, so one-time costs (imports, kernel compilation) "
+                        "do not bias the first variant's time (default 1)")
+    g.add_argument("--output-path", metavar="DIR",
+                   help="where compare.json, compare.png, contact_sheet.png and the videos go (default outputs/)")
+    g.add_argument("--no-video", dest="write_video", action="store_false", help="do not write side-by-side MP4s")
+    g.add_argument("--fps", type=POS_INT, help="frames per second of the MP4s (default 16)")

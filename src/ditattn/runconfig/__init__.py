@@ -10,6 +10,7 @@
 * :class:`OutputConfig` — where ``generate`` writes;
 * :class:`ServerConfig` — ``serve``'s address, batching and request limits;
 * :class:`SimulationConfig` — ``plan`` / ``backends``: resolve on a simulated platform;
+* :class:`CompareOptions` — ``compare``: prompts, seeds, variants and what is captured;
 
 plus ``verbose`` and ``json``.  Every field's name is the long flag without its dashes
 (``--num-inference-steps`` → ``num_inference_steps``), so the same object is built from the CLI
@@ -34,8 +35,13 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Union
 from ditattn.errors import AttentionConfigError
 from ditattn.runconfig.checks import (
     boolean,
+    finite_float,
     float_between,
     int_between,
+    integer,
+    list_of,
+    nonneg_float,
+    nonneg_int,
     one_of,
     optional,
     package_list,
@@ -44,6 +50,7 @@ from ditattn.runconfig.checks import (
     public_url,
     tcp_port,
     text,
+    text_items,
     text_or_mapping,
 )
 
@@ -255,9 +262,28 @@ class SimulationConfig(_Section):
         return use_platform(sim) if sim is not None else contextlib.nullcontext()
 
 
+@dataclasses.dataclass(frozen=True)
+class CompareOptions(_Section):
+    """``compare``: every prompt runs with every seed under every variant (the first is the reference).
+
+    The keys are ``prompts`` / ``seeds`` / ``variant`` (flags ``--prompt P``, ``--seed S [S ...]``,
+    ``--variant NAME=SPEC``, each repeatable); variants are parsed by
+    :func:`ditattn.evaluation.compare.parse_variant`."""
+
+    prompts: tuple = _field((), text_items, "prompts (each runs with every seed)")
+    seeds: tuple = _field((0,), list_of(nonneg_int, "integers >= 0"), "seeds")
+    variant: tuple = _field((), text_items, "attention settings NAME=SPEC; the first is the reference")
+    capture_steps: tuple = _field((0, -1), list_of(integer, "integers"),
+                                  "denoising steps whose attention outputs are compared (negative: from the end)")
+    capture_rows: int = _field(4096, nonneg_int, "sequence rows kept per captured output (0: all)")
+    in_context: bool = _field(True, boolean, "also run the reference backend on each layer's own inputs")
+    warmup: int = _field(1, nonneg_int, "untimed generations per variant first")
+    write_video: bool = _field(True, boolean, "write side-by-side MP4s")
+
+
 SECTIONS = {"model": ModelConfig, "sampling": SamplingConfig, "attention": AttentionOptions,
             "parallel": ParallelConfig, "output": OutputConfig, "server": ServerConfig,
-            "simulation": SimulationConfig}
+            "simulation": SimulationConfig, "compare": CompareOptions}
 TOP_LEVEL = ("verbose", "json")
 
 
@@ -281,6 +307,7 @@ class RunConfig:
     output: OutputConfig = _section(OutputConfig)
     server: ServerConfig = _section(ServerConfig)
     simulation: SimulationConfig = _section(SimulationConfig)
+    compare: CompareOptions = _section(CompareOptions)
     verbose: bool = False
     json: bool = False
 

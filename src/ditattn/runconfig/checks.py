@@ -192,3 +192,29 @@ def public_url(value: Any) -> str:
         raise ValueError(f"expected an absolute http(s) URL such as https://images.example.com/ditattn, got "
                          f"{_short(value)}")
     return url.rstrip("/")
+
+
+def list_of(check: Callable[[Any], Any], what: str) -> Callable[[Any], tuple]:
+    """A tuple of values each passing ``check``: from a list/tuple, or from one comma-separated
+    string (``"0,-1"``); ``what`` names the items in messages."""
+    def items(value: Any) -> tuple:
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"expected a list of {what}, got {value!r}")
+        return tuple(check(v) for v in value)
+
+    return items
+
+
+def integer(value: Any) -> int:
+    return _integer(value, lambda v: True, "an integer")
+
+
+def text_items(value: Any) -> tuple:
+    """A tuple of strings (a list/tuple of strings; one string is one item, commas included)."""
+    if isinstance(value, str):
+        return (value,)
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"expected a list of strings, got {value!r}")
+    return tuple(value)

@@ -20,6 +20,7 @@ engine's kernel (:func:`ditattn.attention.sparse.block_sparse.block_sparse_atten
 """
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 import torch
@@ -156,6 +157,10 @@ def video_sparse_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: d
 def sparge_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
     name = B.SPARGE_ATTN.value
     cfg = _config(B.SPARGE_ATTN, config)
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise AttentionConfigError(
+            f"{name}: needs float16 or bfloat16 q/k/v (got {str(q.dtype).replace('torch.', '')}): SpargeAttention "
+            "quantizes its kept blocks SageAttention-style; use --dtype bfloat16 or float16")
     ok, why = sparge_applies(q.shape[1], k.shape[1], q.shape[3])
     if not ok:
         if call.causal or call.attn_bias is not None:
@@ -164,9 +169,9 @@ def sparge_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
     vs, text_len = _check_call(name, q, k, v, call)
     k, v = expand_kv(k, v, q.shape[2])
     out, lse, plan = sparge_attention(q, k, v, video_shape=vs, topk=cfg["topk"], block_size=cfg.get("block_size", 64),
-                                      text_len=text_len, scale=call.scale, return_lse=call.return_lse,
-                                      impl=cfg["block_sparse_impl"])
-    _sparse_done(name, call, plan)
+                                      text_len=text_len, quantize=cfg.get("quantize", True), scale=call.scale,
+                                      return_lse=call.return_lse, impl=cfg["block_sparse_impl"])
+    _sparse_done(name, call, plan, quantized=plan.extra["quantized"])
     return out, lse
 
 
@@ -202,11 +207,14 @@ def sparse_video_gen_2_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, con
     k, v = expand_kv(k, v, q.shape[2])
     if call.step is not None and call.step < cfg["first_full_steps"]:
         return _dense(name, q, k, v, call, f"step {call.step} < first_full_steps {cfg['first_full_steps']}")
+    # warm start per layer and calling thread (one request runs its steps on one thread)
+    state_key = f"{_key(name, call)}@{threading.get_ident()}"
     out, lse, plan = svg2_attention(q, k, v, video_shape=vs, text_len=text_len, num_q_clusters=cfg["num_q_clusters"],
                                     num_k_clusters=cfg["num_k_clusters"], kmeans_iters=cfg["kmeans_iters"],
-                                    top_p=cfg["top_p"], scale=call.scale, return_lse=call.return_lse,
-                                    impl=cfg["block_sparse_impl"])
-    _sparse_done(name, call, plan)
+                                    top_p=cfg["top_p"], warm_iters=cfg["warm_iters"],
+                                    recluster_every=cfg["recluster_every"], state_key=state_key, step=call.step,
+                                    scale=call.scale, return_lse=call.return_lse, impl=cfg["block_sparse_impl"])
+    _sparse_done(name, call, plan, mode=plan.extra["mode"])
     return out, lse
 
 

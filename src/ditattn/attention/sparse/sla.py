@@ -8,8 +8,7 @@ others *marginal* (ties at a boundary go to whichever block ``torch.topk`` retur
 * Sparse branch: exact softmax attention over the critical blocks (block-sparse core).  For
   ``sage_sla_attn`` Q and K enter the sparse branch INT8-quantized (K first smoothed by subtracting
   its mean over the sequence, which leaves softmax unchanged; then symmetric per-block, per-head
-  scales ``max|x| / 127``), emulated here by de-quantizing before the exact kernel (on CUDA one
-  Triton pass per tensor, :mod:`ditattn.attention.kernels.block_quant`).
+  scales ``max|x| / 127``; :mod:`.quant`).
 * Linear branch: for the marginal blocks, ``o_l = phi(q) (sum_j phi(K_j)^T V_j) / (phi(q) .
   sum_j phi(K_j)^T 1)`` with ``phi = softmax`` over the head dimension, then a learned projection
   ``proj(o_l)`` added to the sparse output.  The projection is a trained checkpoint tensor
@@ -25,7 +24,8 @@ from typing import Optional
 
 import torch
 
-from ditattn.attention.sparse.common import SparsePlan, ceil_fraction, run_block_lists, topk_lists, triton_path
+from ditattn.attention.sparse.common import SparsePlan, ceil_fraction, run_block_lists, topk_lists
+from ditattn.attention.sparse.quant import quantize_blocks_int8, quantize_qk_blocks  # noqa: F401 (re-export)
 from ditattn.attention.sparse.sparge import sparge_tile_size
 from ditattn.attention.sparse.tiling import TileLayout, make_tile_layout, tile, untile
 from ditattn.attention.sparse.vsa import pooled_video_scores
@@ -57,25 +57,6 @@ def sla_classify(q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout, *, topk: 
         low = probs.masked_fill(critical, float("inf")).topk(n_negl, dim=-1, largest=False).indices
         marginal.scatter_(-1, low, False)
     return critical, marginal, probs, (idx, cnt, kept)
-
-
-def quantize_blocks_int8(x_tiled: Tensor, layout: TileLayout, *, smooth: bool = False
-                         ) -> tuple[Tensor, Tensor, Tensor]:
-    """Symmetric INT8 per (batch, block, head): ``x [B, P, H, D]`` -> ``(int8 values [B, P, H, D],
-    scales [B, n_blocks, H] float32, de-quantized float32 [B, P, H, D])``.  ``smooth`` first
-    subtracts the mean over the real tokens of the sequence per (batch, head, channel)."""
-    B, P, H, D = x_tiled.shape
-    valid = layout.on(x_tiled.device).valid.view(1, P, 1, 1)
-    x = x_tiled.float()
-    if smooth:
-        mean = (x * valid).sum(1, keepdim=True) / valid.sum().clamp(min=1)
-        x = (x - mean) * valid
-    xb = x.view(B, layout.n_blocks, layout.block_size, H, D)
-    amax = xb.abs().amax(dim=(2, 4))  # [B,nb,H]
-    sc = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-    qi = torch.round(xb / sc.view(B, -1, 1, H, 1)).clamp(-127, 127)
-    deq = (qi * sc.view(B, -1, 1, H, 1)).view(B, P, H, D)
-    return qi.to(torch.int8).view(B, P, H, D), sc, deq
 
 
 def linear_branch(q_tiled: Tensor, k_tiled: Tensor, v_tiled: Tensor, layout: TileLayout,
@@ -120,20 +101,9 @@ def sla_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: int
     # both fractions follow from the per-row counts of sla_classify (host arithmetic, no device sync)
     extra = {"critical": critical, "marginal": marginal, "probs": probs,
              "marginal_fraction": nv * (nv - n_crit - n_negl) / (nb * nb)}
-    if quantize:
-        # the de-quantized values go into the block-sparse kernel in q's dtype (the fused bf16/fp16
-        # kernel on GPU; a float32 operand would force the slow reference path)
-        if triton_path(q, impl):
-            from ditattn.attention.kernels.block_quant import fake_quant_int8_blocks
-
-            valid = layout.on(q.device).valid
-            qs = fake_quant_int8_blocks(qt, valid, block_size=layout.block_size)
-            ks = fake_quant_int8_blocks(kt, valid, block_size=layout.block_size, smooth=True)
-        else:
-            qs = quantize_blocks_int8(qt, layout)[2].to(q.dtype)
-            ks = quantize_blocks_int8(kt, layout, smooth=True)[2].to(q.dtype)
-    else:
-        qs, ks = qt, kt
+    # the de-quantized values go into the block-sparse kernel in q's dtype (the fused bf16/fp16
+    # kernel on GPU; a float32 operand would force the slow reference path)
+    qs, ks = quantize_qk_blocks(qt, kt, layout, impl=impl) if quantize else (qt, kt)
     out, lse, plan = run_block_lists(q, k, v, layout, idx, cnt, scale=scale, return_lse=return_lse, impl=impl,
                                      kept_fraction=kept, extra=extra, q_tiled=qs, k_tiled=ks)
     if proj_weight is not None:

@@ -4,10 +4,14 @@ Blocks are 3-D tiles (``block_size`` 32 -> 2x4x4, 64 -> 4x4x4, 128 -> 4x4x8 late
 pooled block is spatially coherent.  For every (batch, head, query block) the pooled similarity
 ``scale * mean(q) . mean(k)`` ranks the video key blocks and the top ``ceil(topk * n_blocks)`` are
 kept (``topk`` in (0, 1]); text blocks are always kept and text queries attend everything.  The
-kept blocks are computed exactly.  (Upstream SpargeAttn runs the kept blocks through SageAttention's
-INT8 Q.K kernel; this build has no quantized block-sparse kernel, so kept blocks are exact
-everywhere.  Upstream's self-similarity fallback for incoherent blocks has no seed parameter and is
-not applied.)
+block lists come straight from the top-k indices (no dense mask, no sort, no device sync).
+
+Kept blocks are computed SageAttention-style, as upstream SpargeAttn does through SageAttention2
+(which is why the seed calls Sparge approximate even at ``topk=1``): Q and smoothed K are quantized
+to INT8 per (batch, block, head) and the scores come from the quantized values
+(:mod:`.quant`); P.V stays in the input precision (fp16/bf16).  ``quantize=False`` computes the
+kept blocks exactly (the plain block-sparse variant).  Upstream's self-similarity fallback for
+incoherent blocks has no seed parameter and is not applied.
 
 Shape rule (seed): only square self-attention of at least 128 tokens with head dim 64 or 128 is
 sparsified; any other call runs dense SDPA (:func:`sparge_applies`).
@@ -18,7 +22,9 @@ from typing import Optional
 
 import torch
 
-from ditattn.attention.sparse.common import SparsePlan, add_special_blocks, ceil_fraction, run_block_mask, topk_mask
+from ditattn.attention.sparse.common import (SparsePlan, add_special_blocks, ceil_fraction, run_block_lists, topk_lists,
+                                            topk_mask)
+from ditattn.attention.sparse.quant import quantize_qk_blocks
 from ditattn.attention.sparse.tiling import TileLayout, make_tile_layout, tile
 from ditattn.attention.sparse.vsa import pooled_video_scores
 from ditattn.errors import AttentionConfigError
@@ -59,14 +65,19 @@ def sparge_block_mask(q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout, topk
 
 
 def sparge_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, topk: float = 0.5, block_size: int = 64,
-                     text_len: int = 0, scale: Optional[float] = None, return_lse: bool = False,
-                     impl: str = "auto") -> tuple[Tensor, Optional[Tensor], SparsePlan]:
+                     text_len: int = 0, quantize: bool = False, scale: Optional[float] = None,
+                     return_lse: bool = False, impl: str = "auto") -> tuple[Tensor, Optional[Tensor], SparsePlan]:
     """Sparge over ``[B, T*H*W + text_len, heads, D]`` q/k/v (k/v with q's head count); no shape
-    rule here (the backend applies :func:`sparge_applies`)."""
+    or dtype rule here (the backend applies :func:`sparge_applies` and FP16/BF16).  ``quantize``:
+    INT8 Q.K in the kept blocks (the backend's default); False: exact kept blocks.  The selection
+    uses the unquantized pooled scores.  Returns ``(out, lse or None, plan)``."""
     layout = make_tile_layout(video_shape, sparge_tile_size(block_size), text_len)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     qt, kt = tile(q, layout), tile(k, layout)
-    bm, scores = sparge_block_mask(qt, kt, layout, topk, scale)
+    scores = pooled_video_scores(qt, kt, layout, scale)
     kk = ceil_fraction(float(topk), layout.n_video_blocks)
-    return run_block_mask(q, k, v, layout, bm, scale=scale, return_lse=return_lse, impl=impl,
-                          extra={"scores": scores, "k": kk}, q_tiled=qt, k_tiled=kt)
+    idx, cnt, kept = topk_lists(layout, scores, kk)  # the lists of sparge_block_mask's mask
+    qs, ks = quantize_qk_blocks(qt, kt, layout, impl=impl) if quantize else (qt, kt)
+    return run_block_lists(q, k, v, layout, idx, cnt, scale=scale, return_lse=return_lse, impl=impl,
+                           kept_fraction=kept, extra={"scores": scores, "k": kk, "quantized": bool(quantize)},
+                           q_tiled=qs, k_tiled=ks)

@@ -1,0 +1,277 @@
+"""Fidelity of the sparse backends on structured inputs (and captured activations): the quality-vs-speed frontier.
+
+For each grid and head count: structured q/k/v (:mod:`ditattn.evaluation.structured`: per-head
+content vectors plus noise rotated by Wan's 3-D RoPE, spatial / temporal / global heads, sink
+tokens; v i.i.d.), bf16.  Every case (a backend and a config) runs through ``ditattn.attention``
+exactly as a DiT layer calls it (``video_shape``, a step and a layer index past the dense phases,
+so the sparse path is what is measured); reported per case:
+
+* ``ms``: median time of one call (planning included), and ``x dense``: the dense kernel's time
+  (``fa`` = FlashAttention-4 on the H200; ``torch_sdpa`` on CPU) divided by it, same run;
+* ``rel_err`` = |out - exact| / |exact| and ``cosine`` against float32 exact attention over all
+  keys, on ``--ref-rows`` sampled query rows;
+* ``kept``: fraction of (query block, key block) pairs computed.
+
+Stateful backends run as in a denoising loop: ``sparse_video_gen_2_attn`` is called with
+increasing steps (warm-started k-means), its time is the steady state and its error that of the
+last timed call.  ``sliding_tile_attn`` runs its workflow end to end: one ``STA_searching`` call
+(full attention plus every candidate window, the search cost reported as ``search_s``) writes the
+mask-strategy file, then ``STA_inference`` reads it.
+
+``--activations FILE`` adds the entries of an activation file (``bench/capture_qkv.py``, format
+``ditattn-qkv-v1``) as inputs next to the structured ones.  Writes ``fidelity.json`` and
+``fidelity.png`` (error against speed-up, log scale) into ``--out`` and prints the frontier table
+last.  CPU smoke run: ``BENCH_DEVICE=cpu python bench/fidelity.py --grid 3,8,8 --heads 2``.
+
+    python bench/fidelity.py --grids wan480 --heads 12,40 --out $OUT/fid
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+from common import DEVICE, Deadline, Recorder, bench_ms, env_info, fmt_table, reference_rows, sample_rows  # noqa: E402
+
+GRIDS = {"wan480": (21, 30, 52), "wan720": (21, 45, 80)}
+LAYER = 2  # past sol_attn's default dense_layers 0,1
+#: (label, backend, config); "defaults" rows keep every default except the dense phases
+CASES = [
+    ("sparge_attn (defaults)", "sparge_attn", {}),
+    ("sparge_attn topk=0.3", "sparge_attn", {"topk": 0.3}),
+    ("sparge_attn topk=0.15", "sparge_attn", {"topk": 0.15}),
+    ("sparge_attn exact topk=0.3", "sparge_attn", {"topk": 0.3, "quantize": False}),
+    ("sparge_attn block_size=128", "sparge_attn", {"block_size": 128}),
+    ("sparge_attn topk=0.3 block_size=128", "sparge_attn", {"topk": 0.3, "block_size": 128}),
+    ("sparse_video_gen_2_attn (defaults)", "sparse_video_gen_2_attn", {}),
+    ("sparse_video_gen_2_attn top_p=0.8", "sparse_video_gen_2_attn", {"top_p": 0.8}),
+    ("sparse_video_gen_2_attn top_p=0.95", "sparse_video_gen_2_attn", {"top_p": 0.95}),
+    ("sparse_video_gen_2_attn recluster_every=4", "sparse_video_gen_2_attn", {"recluster_every": 4}),
+    ("sparse_video_gen_2_attn 32/64 clusters", "sparse_video_gen_2_attn", {"num_q_clusters": 32, "num_k_clusters": 64}),
+    ("sol_attn (defaults)", "sol_attn", {}),
+    ("sol_attn tau=2", "sol_attn", {"tau": 2.0}),
+    ("vmoba_attn (defaults)", "vmoba_attn", {}),
+    ("vmoba_attn threshold=0.5", "vmoba_attn", {"moba_threshold": 0.5}),
+    ("video_sparse_attn sparsity=0.9", "video_sparse_attn", {"sparsity": 0.9}),
+    ("video_sparse_attn sparsity=0.75", "video_sparse_attn", {"sparsity": 0.75}),
+    ("sla_attn (defaults)", "sla_attn", {}),
+    ("STA searched (default candidates)", "sliding_tile_attn", {"search": None}),
+    ("STA searched (large windows)", "sliding_tile_attn", {"search": [3, 5, 7, 5, 5, 5, 1, 9, 13, 6, 3, 5, 3, 9, 9]}),
+]
+VMOBA_MODES = {0: "temporal", 1: "spatial", 2: "st"}
+
+
+def device_sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def errors(out, exact, rows):
+    o = out[:, rows].double().flatten()
+    e = exact.double().flatten()
+    rel = float((o - e).norm() / e.norm())
+    cos = float(torch.dot(o, e) / (o.norm() * e.norm()))
+    return rel, cos
+
+
+def kept_of(last_stats):
+    """Mean kept fraction over the sparse engine's statistics entries (None: no sparse call)."""
+    vals = [s["kept_fraction"] for s in last_stats.values()]
+    return sum(vals) / len(vals) if vals else None
+
+
+#: --error-only: no timing; one call per case (stateful backends: three steps, the last measured)
+ERROR_ONLY = False
+
+
+def run_case(attention, q, k, v, grid, backend, cfg, *, layer=LAYER, stateful=False):
+    """``(ms, out)`` of one backend call pattern (a fresh step per call when ``stateful``);
+    ``ms`` None under ``--error-only``."""
+    state = {"step": 0}
+
+    def call():
+        out = attention(q, k, v, backend=backend, config=cfg, video_shape=grid,
+                        step=state["step"] if stateful else None, layer_idx=layer)
+        if stateful:
+            state["step"] += 1
+        return out
+
+    if ERROR_ONLY:
+        for _ in range(2 if stateful else 0):
+            call()
+        return None, call()
+    call()  # cold start (compilation, the first k-means)
+    ms = bench_ms(call)
+    return ms, call()
+
+
+def sta_rows(attention, q, k, v, grid, rows, exact, label, candidates, tmp):
+    """The STA workflow: one searching call writes the strategy, inference reads it."""
+    from ditattn.attention.sparse import clear_stats, last_stats
+    from ditattn.attention.sparse.sta import flush_sta_search, reset_sta_search
+
+    path = os.path.join(tmp, f"sta_{abs(hash((label, grid, q.shape[2])))}.json")
+    reset_sta_search(path)
+    search_cfg = {"mask_strategy_file_path": path, "sta_mode": "STA_searching", "skip_time_steps": 0}
+    if candidates:
+        search_cfg["window_candidates"] = candidates
+    device_sync()
+    t0 = time.perf_counter()
+    attention(q, k, v, backend="sliding_tile_attn", config=search_cfg, video_shape=grid, step=0, layer_idx=LAYER)
+    flush_sta_search(path)
+    device_sync()
+    search_s = time.perf_counter() - t0
+    with open(path) as fh:
+        windows = json.load(fh)
+    cfg = {"mask_strategy_file_path": path, "skip_time_steps": 0}
+    clear_stats()
+    ms, out = run_case(attention, q, k, v, grid, "sliding_tile_attn", cfg)
+    rel, cos = errors(out, exact, rows)
+    return {"ms": ms, "rel_err": rel, "cosine": cos, "kept_fraction": kept_of(last_stats), "search_s": search_s,
+            "windows": sorted({tuple(w) for w in windows.values()})}
+
+
+def measure_input(rec, dl, args, name, q, k, v, grid, tmp):
+    import ditattn
+    from ditattn.attention.sparse import clear_stats, last_stats
+
+    S, H = q.shape[1], q.shape[2]
+    rows = sample_rows(S, args.ref_rows, device=q.device)
+    exact, _ = reference_rows(q, k, v, rows)
+    dense_backend = "fa" if DEVICE == "cuda" else "torch_sdpa"
+    dense_ms, dense_out = run_case(ditattn.attention, q, k, v, None, dense_backend, None)
+    rel, cos = errors(dense_out, exact, rows)
+    base = {"input": name, "grid": list(grid), "seq": S, "heads": H}
+    rec.add(**base, case=f"dense {dense_backend}", backend=dense_backend, ms=dense_ms,
+            speedup=1.0 if dense_ms else None, rel_err=rel,
+            cosine=cos, kept_fraction=1.0)
+    print(f"[{name}] grid {grid} S={S} heads={H}: dense {dense_backend} {dense_ms or float('nan'):.2f} ms, "
+          f"err {rel:.2e}", flush=True)
+    only = set(args.backends.split(",")) if args.backends else None
+    for label, backend, cfg in CASES:
+        if only is not None and backend not in only:
+            continue
+        if args.cases and not any(c in label for c in args.cases.split(",")):
+            continue
+        if dl.left() < 0:
+            rec.note(f"budget exhausted before {label} at {name}")
+            return
+
+        def one(label=label, backend=backend, cfg=dict(cfg), layer=LAYER):
+            clear_stats()
+            if backend == "sliding_tile_attn":
+                return sta_rows(ditattn.attention, q, k, v, grid, rows, exact, label, cfg["search"], tmp)
+            stateful = backend == "sparse_video_gen_2_attn"
+            ms, out = run_case(ditattn.attention, q, k, v, grid, backend, cfg, layer=layer, stateful=stateful)
+            rel, cos = errors(out, exact, rows)
+            return {"ms": ms, "rel_err": rel, "cosine": cos, "kept_fraction": kept_of(last_stats)}
+
+        layers = VMOBA_MODES if backend == "vmoba_attn" else {LAYER: None}
+        for layer, mode in layers.items():
+            lab = label + (f" [{mode}]" if mode else "")
+            try:
+                res = one(layer=layer)
+            except Exception as exc:  # report and go on
+                rec.note(f"{lab} at {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
+                continue
+            row = rec.add(**base, case=lab, backend=backend, config=cfg,
+                          speedup=dense_ms / res["ms"] if res["ms"] else None, **res)
+            print(f"  {lab:<44} {row['ms'] or float('nan'):9.2f} ms  x{row['speedup'] or float('nan'):5.2f}  kept "
+                  f"{row['kept_fraction'] if row['kept_fraction'] is not None else float('nan'):.3f}  "
+                  f"err {row['rel_err']:.3e}  cos {row['cosine']:.5f}"
+                  + (f"  search {row['search_s']:.2f} s" if "search_s" in row else ""), flush=True)
+
+
+def chart(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r["input"], r["heads"]) for r in rows})
+    fig, axes = plt.subplots(1, len(groups), figsize=(6.5 * len(groups), 5), squeeze=False)
+    for ax, (inp, heads) in zip(axes[0], groups):
+        sel = [r for r in rows if r["input"] == inp and r["heads"] == heads and r.get("rel_err") and r.get("speedup")]
+        for backend in sorted({r["backend"] for r in sel}):
+            pts = [r for r in sel if r["backend"] == backend]
+            ax.scatter([r["speedup"] for r in pts], [r["rel_err"] for r in pts], label=backend, s=22)
+        ax.axvline(1.0, color="grey", lw=0.6, ls="--")
+        ax.axvline(1.5, color="grey", lw=0.6, ls=":")
+        ax.axhline(0.05, color="grey", lw=0.6, ls=":")
+        ax.set(xscale="log", yscale="log", xlabel="speed-up over dense (same run)", ylabel="relative L2 error",
+               title=f"{inp}, {heads} heads")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--grids", default="wan480", help="comma list of " + ", ".join(GRIDS))
+    ap.add_argument("--grid", default=None, help="override: T,H,W (e.g. 3,8,8 for a CPU smoke run)")
+    ap.add_argument("--heads", default="12,40", help="comma list of head counts")
+    ap.add_argument("--ref-rows", type=int, default=1024, help="query rows checked against the float32 reference")
+    ap.add_argument("--backends", default=None, help="comma list: only these backends")
+    ap.add_argument("--activations", default=None, metavar="FILE",
+                    help="also measure on the q/k/v of an activation file (bench/capture_qkv.py)")
+    ap.add_argument("--no-structured", action="store_true", help="only the --activations inputs")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new cases after this many seconds")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--error-only", action="store_true",
+                    help="measure errors and kept fractions only (one call per case, no timing): CPU runs at full grids")
+    ap.add_argument("--cases", default=None, help="comma list of substrings: only cases whose label contains one")
+    ap.add_argument("--out", default="fidelity_out", help="output directory")
+    args = ap.parse_args()
+    global ERROR_ONLY
+    ERROR_ONLY = args.error_only
+
+    from ditattn.evaluation.structured import StructuredSpec, structured_qkv
+
+    dl = Deadline(args.budget_s)
+    rec = Recorder(args.out, "fidelity", {"env": env_info(), "argv": sys.argv[1:], "device": DEVICE})
+    tmp = tempfile.mkdtemp()
+    inputs = []
+    if not args.no_structured:
+        grids = [tuple(int(x) for x in args.grid.split(","))] if args.grid else [GRIDS[g] for g in args.grids.split(",")]
+        for grid in grids:
+            for heads in (int(h) for h in args.heads.split(",")):
+                inputs.append(("structured", grid, heads, None))
+    if args.activations:
+        from ditattn.evaluation.capture import load_qkv
+
+        for entry, q, k, v in load_qkv(args.activations):
+            inputs.append((f"activations:{entry['name']}", tuple(entry["video_shape"]), q.shape[2], (q, k, v)))
+    for name, grid, heads, qkv in inputs:
+        if qkv is None:
+            q, k, v, _ = structured_qkv(StructuredSpec(video_shape=grid, heads=heads, seed=args.seed), device=DEVICE)
+        else:
+            q, k, v = (t.to(DEVICE, torch.bfloat16) for t in qkv)
+        measure_input(rec, dl, args, name, q, k, v, grid, tmp)
+        del q, k, v
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    rows = rec.data["rows"]
+    try:
+        chart(rows, os.path.join(args.out, "fidelity.png"))
+    except Exception as exc:  # the table and JSON still stand
+        rec.note(f"chart not written: {type(exc).__name__}: {exc}")
+    print("\n## Quality-vs-speed frontier (structured inputs unless named; rel_err vs float32 exact)\n")
+    cols = [("input", "input", ""), ("heads", "H", ""), ("case", "case", ""), ("ms", "ms", ".2f"),
+            ("speedup", "x dense", ".2f"), ("kept_fraction", "kept", ".3f"), ("rel_err", "rel err", ".3e"),
+            ("cosine", "cosine", ".5f"), ("search_s", "search s", ".2f")]
+    print(fmt_table(rows, cols))
+    for n in rec.data["notes"]:
+        print("NOTE:", n)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""bench/fidelity.py runs end to end on CPU (tiny grid, BENCH_DEVICE=cpu): structured inputs and an
+activation file, the STA search workflow, the table printed last, JSON and chart written."""
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _write_activations(path, grid=(2, 8, 8), heads=2):
+    from safetensors.torch import save_file
+
+    from ditattn.evaluation.capture import QKV_FORMAT
+
+    g = torch.Generator().manual_seed(0)
+    S = grid[0] * grid[1] * grid[2]
+    name = "transformer.blocks.3.attn1@step7"
+    tensors = {f"{name}.{t}": torch.randn(1, S, heads, 128, generator=g).to(torch.bfloat16) for t in "qkv"}
+    entries = [{"name": name, "layer": "transformer.blocks.3.attn1", "layer_idx": 3, "step": 7,
+                "video_shape": list(grid), "text_len": 0, "scale": None, "prompt": "p", "seed": 0, "model": "m"}]
+    save_file(tensors, path, metadata={"format": QKV_FORMAT, "entries": json.dumps(entries)})
+
+
+def test_fidelity_smoke_on_cpu(tmp_path):
+    act = str(tmp_path / "act.safetensors")
+    _write_activations(act)
+    out = tmp_path / "fid"
+    env = dict(os.environ, BENCH_DEVICE="cpu", PYTHONPATH=os.path.join(ROOT, "src"))
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "fidelity.py"), "--grid", "4,8,8", "--heads", "2",
+                          "--cases", "sparge_attn (defaults),sparse_video_gen_2_attn (defaults),STA searched (default",
+                          "--activations", act, "--ref-rows", "64", "--out", str(out)],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    table = res.stdout[res.stdout.index("## Quality-vs-speed frontier"):]
+    assert "| structured | 2 | sparge_attn (defaults) |" in table
+    assert "activations:transformer.blocks.3.attn1@step7" in table
+    data = json.loads((out / "fidelity.json").read_text())
+    rows = data["rows"]
+    cases = {(r["input"], r["case"]) for r in rows}
+    assert ("structured", "STA searched (default candidates)") in cases
+    for r in rows:
+        assert 0 <= r["rel_err"] < 2 and -1 <= r["cosine"] <= 1 and r["ms"] > 0, r
+        assert r["kept_fraction"] is None or 0 < r["kept_fraction"] <= 1
+    sta = next(r for r in rows if r["case"].startswith("STA"))
+    assert sta["search_s"] > 0 and sta["windows"]
+    svg = next(r for r in rows if r["backend"] == "sparse_video_gen_2_attn")
+    assert 0 < svg["kept_fraction"] <= 1
+    assert (out / "fidelity.png").stat().st_size > 1000
+    assert not data["notes"], data["notes"]
