@@ -80,9 +80,12 @@ def model_flags(p: argparse.ArgumentParser, *, prompt: bool = False) -> None:
     g = p.add_argument_group("model and sampling")
     if prompt:
         g.add_argument("--prompt", help="text prompt (required; here or in --config)")
+    from ditattn.models.builtin import BUILTIN_MODELS, DEFAULT_MODEL
+
     g.add_argument("--model-path", metavar="PATH_OR_ID",
-                   help="local diffusers-format Wan checkpoint directory, or ditattn:tiny-wan / ditattn:tiny-wan2.2 "
-                        "(default ditattn:tiny-wan, built locally, no download)")
+                   help="local diffusers-format Wan checkpoint directory, or a built-in model: "
+                        + ", ".join(f"{m.name} ({m.summary})" for m in BUILTIN_MODELS.values())
+                        + f"; default {DEFAULT_MODEL}; built-in models are built locally, nothing is downloaded")
     g.add_argument("--negative-prompt", help="negative prompt for classifier-free guidance")
     g.add_argument("--num-inference-steps", type=POS_INT, metavar="N", help="denoising steps")
     g.add_argument("--guidance-scale", type=FLOAT, metavar="G", help="classifier-free guidance scale")

@@ -6,7 +6,7 @@ import os
 from typing import Any, Optional
 
 from ditattn.errors import AttentionConfigError
-from ditattn.models.tiny import DEFAULT_MODEL, TINY_MODELS, tiny_model_path
+from ditattn.models.builtin import BUILTIN_MODELS, DEFAULT_MODEL, builtin_model, builtin_model_path
 from ditattn.models.weights import read_json
 
 SUPPORTED_PIPELINES = ("WanPipeline",)
@@ -16,7 +16,7 @@ SUPPORTED_PIPELINES = ("WanPipeline",)
 class ModelIndex:
     """A parsed ``model_index.json``.
 
-    path: the checkpoint folder; name: what the user passed (``ditattn:tiny-wan`` or the path);
+    path: the checkpoint folder; name: what the user passed (``ditattn:shapes`` or the path);
     pipeline_class: ``_class_name``; components: module name -> (library, class) for every entry
     that is present (``[null, null]`` entries are absent components); config: the remaining
     pipeline settings (``boundary_ratio``, ``expand_timesteps``, …).
@@ -33,28 +33,34 @@ class ModelIndex:
 
     @property
     def is_builtin(self) -> bool:
-        return self.name in TINY_MODELS
+        return self.name in BUILTIN_MODELS
+
+    @property
+    def builtin_defaults(self) -> Optional[dict]:
+        """The sampling defaults of a built-in model (None for a user checkpoint)."""
+        return builtin_model(self.name).defaults() if self.is_builtin else None
 
 
 def resolve_model_path(model_path: Optional[str]) -> tuple[str, str]:
-    """``(folder, name)`` for ``--model-path`` (None = the built-in default ``ditattn:tiny-wan``).
+    """``(folder, name)`` for ``--model-path`` (None = the built-in default :data:`DEFAULT_MODEL`).
 
-    Accepts ``ditattn:tiny-wan`` / ``ditattn:tiny-wan2.2`` (built locally on first use) or a local
-    diffusers-format folder containing ``model_index.json``; nothing is downloaded.
+    Accepts a built-in name (``ditattn:shapes``, ``ditattn:tiny-wan``, ``ditattn:tiny-wan2.2``:
+    built locally on first use) or a local diffusers-format folder containing
+    ``model_index.json``; nothing is downloaded.
     """
     name = model_path or DEFAULT_MODEL
     if name.startswith("ditattn:"):
-        return tiny_model_path(name), name
+        return builtin_model_path(name), name
     folder = os.path.expanduser(name)
     if not os.path.isdir(folder):
         raise AttentionConfigError(
             f"--model-path '{name}' is not a local directory; give a diffusers-format Wan checkpoint folder "
-            f"(with model_index.json) or a built-in model: {', '.join(TINY_MODELS)} (ditattn never downloads)"
+            f"(with model_index.json) or a built-in model: {', '.join(BUILTIN_MODELS)} (ditattn never downloads)"
         )
     if not os.path.isfile(os.path.join(folder, "model_index.json")):
         raise AttentionConfigError(
             f"--model-path '{name}' has no model_index.json; give a diffusers-format Wan checkpoint folder "
-            f"or a built-in model: {', '.join(TINY_MODELS)}"
+            f"or a built-in model: {', '.join(BUILTIN_MODELS)}"
         )
     return os.path.abspath(folder), name
 

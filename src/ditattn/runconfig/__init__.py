@@ -74,8 +74,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 class ModelConfig(_Section):
     """What to load and how to run it."""
 
-    model_path: Optional[str] = _field(None, optional(text), "local diffusers-format Wan folder or ditattn:tiny-wan / "
-                                       "ditattn:tiny-wan2.2 (None: ditattn:tiny-wan)")
+    model_path: Optional[str] = _field(None, optional(text), "local diffusers-format Wan folder or a built-in model: "
+                                       "ditattn:shapes, ditattn:tiny-wan, ditattn:tiny-wan2.2 (None: the default, "
+                                       "ditattn.models.builtin.DEFAULT_MODEL)")
     model_variant: Optional[str] = _field(None, optional(text), "weights variant of checkpoints that have several")
     device: Optional[str] = _field(None, optional(text), "cpu, cuda, cuda:1, ... (None: cuda if available, else cpu)")
     dtype: Optional[str] = _field(None, optional(one_of(*DTYPES)), "compute dtype (None: float32 on cpu, bfloat16 on "
