@@ -24,7 +24,7 @@ LAYERS = [
     ("runconfig",),
     ("pipelines",),
     ("server",),
-    ("entrypoints", "cli", "__main__"),
+    ("entrypoints", "cli", "__main__", "train"),  # train: python -m ditattn.train.shapes, imported by nothing
 ]
 ENTRY_LAYER = LAYERS[-1]
 

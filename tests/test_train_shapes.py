@@ -175,3 +175,36 @@ def test_training_cli_needs_a_budget(capsys):
         main(["--stage", "vae", "--out", "/tmp/x-never-written"])
     assert exc.value.code == 2
     assert "give --budget-s, --vae-budget-s or --vae-steps" in capsys.readouterr().err
+
+
+def test_unclamped_decode_is_diffusers_decode_before_its_clamp():
+    from ditattn.train.recipe import recipe
+    from ditattn.train.vae_stage import build_vae, decode_unclamped
+
+    vae = build_vae(recipe("tiny"), 0).eval()
+    z = torch.randn(2, 16, 3, 4, 4)
+    with torch.no_grad():
+        vae.decoder.conv_out.weight.mul_(10)  # outputs well outside [-1, 1]: the clamp must matter
+        ref = vae.decode(z).sample
+        out = decode_unclamped(vae, z)
+    assert out.shape == ref.shape == (2, 3, 9, 32, 32)
+    torch.testing.assert_close(out.clamp(-1, 1), ref)
+    assert out.abs().max() > 2
+
+
+def test_bucket_flag_parsing():
+    from ditattn.train.recipe import Bucket
+    from ditattn.train.shapes import parse_buckets
+
+    assert parse_buckets("64x64x9:2, 128x256x17") == (Bucket(64, 64, 9, 2.0), Bucket(128, 256, 17, 1.0))
+    assert Bucket(256, 256, 33).tokens() == 2304
+    for bad in ("64x64", "60x64x9", "64x64x8", "64x64x9:0", "axbxc"):
+        with pytest.raises(ValueError, match="--buckets"):
+            parse_buckets(bad)
+
+
+def test_training_cli_rejects_an_unusable_device(tmp_path, capsys):
+    from ditattn.train.shapes import main
+
+    assert main(["--stage", "vae", "--vae-steps", "1", "--out", str(tmp_path), "--device", "nonsense"]) == 2
+    assert "unknown --device 'nonsense'" in capsys.readouterr().err

@@ -120,9 +120,10 @@ def build_components(meta: dict, tensors: dict) -> dict:
     return modules
 
 
-def _digest(paths) -> str:
+def package_digest(folder: Optional[str] = None) -> str:
+    """The first 12 hex digits of the SHA-256 of the package files (``shapes.json`` + weights)."""
     h = hashlib.sha256()
-    for p in paths:
+    for p in package_files(folder):
         with open(p, "rb") as fh:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
                 h.update(chunk)
@@ -141,4 +142,4 @@ def shapes_model_path(root: Optional[str] = None, package: Optional[str] = None)
         mods = build_components(meta, load_file(files[1]))
         save_wan_pipeline(out_dir, **mods)
 
-    return cached_folder(f"shapes-{_digest(files)}", build, root)
+    return cached_folder(f"shapes-{package_digest(package)}", build, root)

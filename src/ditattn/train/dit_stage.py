@@ -67,11 +67,13 @@ class LatentPool:
         if self.latents is None:
             self.latents = torch.empty((self.capacity, *latents.shape[1:]), device=self.storage, dtype=self.dtype)
             self.captions = [""] * self.capacity
-        for i in range(latents.shape[0]):
-            self.latents[self.pos] = latents[i].to(self.storage, self.dtype)
-            self.captions[self.pos] = captions[i]
-            self.pos = (self.pos + 1) % self.capacity
-            self.filled = min(self.capacity, self.filled + 1)
+        n = min(latents.shape[0], self.capacity)
+        idx = [(self.pos + i) % self.capacity for i in range(n)]
+        self.latents[torch.tensor(idx, device=self.storage)] = latents[:n].to(self.storage, self.dtype)
+        for i, j in enumerate(idx):
+            self.captions[j] = captions[i]
+        self.pos = (self.pos + n) % self.capacity
+        self.filled = min(self.capacity, self.filled + n)
 
     def draw(self, n: int, g: torch.Generator) -> tuple[torch.Tensor, list[str]]:
         idx = torch.randint(0, self.filled, (n,), generator=g)
@@ -146,6 +148,8 @@ def train_dit(recipe: Recipe, vae, budget: Budget, device: torch.device, seed: i
             clips, caps, _ = scene_batch(fresh, bucket.frames, bucket.height, bucket.width, g_data, device=device)
             z = vae.encode(clips).latent_dist.mode().float()
             pool.add(normalize_latents(vae, z), caps)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # so that encode_s measures the rendering + encoding
         encode_s += time.perf_counter() - t0
         x0, caps = pool.draw(B, g_data)
         x0 = x0.float()

@@ -15,8 +15,6 @@ stages' training settings.  Presets:
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
-
 from ditattn.models.local import BYTE_VOCAB_SIZE
 
 SCHEDULER = dict(
@@ -41,15 +39,18 @@ class Bucket:
 
 @dataclasses.dataclass
 class VaeStage:
-    """VAE training: clips of ``frames`` frames rendered at one of ``render_sizes`` and cropped to
-    ``crop x crop``; loss = L1 + MSE + ``kl_weight`` * KL; Adam at ``lr``."""
+    """VAE training: clips of ``frames`` frames (two shapes with probability ``p_two``) rendered at
+    one of ``render_sizes`` and cropped to ``crop x crop`` around a shape; loss = L1 + MSE (shape
+    pixels weigh ``1 + fg_weight``) + ``kl_weight`` * KL; AdamW at ``lr``."""
 
     batch: int
     frames: int = 9
+    p_two: float = 0.7
     render_sizes: tuple = (64, 128, 256)
     crop: int = 64
     lr: float = 5e-4
     kl_weight: float = 1e-6
+    fg_weight: float = 4.0
     warmup: int = 100
 
 
@@ -91,11 +92,10 @@ class Recipe:
         "a white circle moving left and a green square moving down",
     )
 
-    def with_overrides(self, text_lr: Optional[float] = None) -> "Recipe":
-        r = dataclasses.replace(self)
-        if text_lr is not None:
-            r.dit_stage = dataclasses.replace(self.dit_stage, text_lr=text_lr)
-        return r
+    def with_overrides(self, **changes) -> "Recipe":
+        """A copy whose DiT stage takes the ``changes`` that are not None (``text_lr``, ``buckets``, ...)."""
+        changes = {k: v for k, v in changes.items() if v is not None}
+        return dataclasses.replace(self, dit_stage=dataclasses.replace(self.dit_stage, **changes))
 
 
 def _text_encoder(d_model: int, layers: int, heads: int, d_ff: int) -> dict:
@@ -126,12 +126,12 @@ PRESETS = {
         "full", _text_encoder(128, 2, 4, 256), _transformer(2, 128, 6, 512, 128, 256), _vae(16, [1, 2, 2, 2]),
         dict(DEFAULTS),
         VaeStage(batch=48, frames=9, render_sizes=(64, 128, 256), crop=128, lr=5e-4),
-        DitStage(buckets=FULL_BUCKETS, batch_tokens=65536, max_batch=512, reuse=4, pool_batches=16),
+        DitStage(buckets=FULL_BUCKETS, batch_tokens=65536, max_batch=512, reuse=4, pool_batches=16, ema_decay=0.998),
     ),
     "cpu": Recipe(
         "cpu", _text_encoder(128, 2, 4, 256), _transformer(2, 128, 6, 512, 128, 256), _vae(16, [1, 2, 2, 2]),
         dict(DEFAULTS),
-        VaeStage(batch=4, frames=9, render_sizes=(64, 128), crop=48, lr=1e-3),
+        VaeStage(batch=8, frames=9, render_sizes=(32, 64, 128), crop=32, lr=1e-3, warmup=50),
         DitStage(buckets=(Bucket(64, 64, 9, 2.0), Bucket(128, 128, 9, 1.0), Bucket(128, 128, 17, 1.0)),
                  batch_tokens=1024, max_batch=16, reuse=4, pool_batches=64, warmup=50, ema_decay=0.998),
     ),

@@ -58,15 +58,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--text-encoder", choices=("trained", "frozen"), default="trained",
                    help="train the UMT5 encoder with the DiT (default) or keep its random init frozen (as Wan "
                         "freezes T5)")
+    p.add_argument("--buckets", default=None, metavar="HxWxF[:W],...",
+                   help="DiT training sizes with optional weights, e.g. 64x64x9:2,128x128x17 (default: the preset's)")
+    p.add_argument("--batch-tokens", type=int, default=None, help="DiT tokens per step (default: the preset's)")
     p.add_argument("--init", default=None, help="folder with shapes.json/.safetensors to take the VAE from "
                                                 "(stage dit; default --out)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     p.add_argument("--eval-prompts", type=int, default=None,
-                   help="single-shape prompts judged after the DiT stage (default 30 on CUDA, 6 on CPU)")
+                   help="single-shape prompts judged per evaluation size after the DiT stage (default 30; sizes "
+                        "64x64x9, 128x128x17 and 256x256x33 on CUDA, 64x64x9 on CPU; 0 = none)")
     p.add_argument("--checkpoint-every-s", type=float, default=120.0,
                    help="write the package files every N seconds of DiT training (default 120)")
     p.add_argument("--compile", action="store_true", help="torch.compile the DiT (pays off only for long runs)")
     args = p.parse_args(argv)
+    if args.buckets is not None:
+        try:
+            args.buckets = parse_buckets(args.buckets)
+        except ValueError as exc:
+            p.error(str(exc))
     for stage in ("vae", "dit"):
         if args.stage in (stage, "all"):
             b = getattr(args, f"{stage}_budget_s")
@@ -76,6 +85,25 @@ def parse_args(argv=None) -> argparse.Namespace:
             if b is None and getattr(args, f"{stage}_steps") is None:
                 p.error(f"stage {stage}: give --budget-s, --{stage}-budget-s or --{stage}-steps")
     return args
+
+
+def parse_buckets(text: str) -> tuple:
+    """``"64x64x9:2,128x128x17"`` -> Buckets; sizes must be multiples of 16, frames 1 + 4k."""
+    from ditattn.train.recipe import Bucket
+
+    out = []
+    for item in text.split(","):
+        size, _, weight = item.strip().partition(":")
+        try:
+            h, w, f = (int(v) for v in size.split("x"))
+            wt = float(weight) if weight else 1.0
+        except ValueError:
+            raise ValueError(f"--buckets: bad entry {item!r}; expected HxWxF or HxWxF:weight") from None
+        if h <= 0 or w <= 0 or h % 16 or w % 16 or f < 1 or (f - 1) % 4 or wt <= 0:
+            raise ValueError(f"--buckets: {item!r}: height/width must be positive multiples of 16, frames 1 + 4k, "
+                             "weight positive")
+        out.append(Bucket(h, w, f, wt))
+    return tuple(out)
 
 
 def _device(name: Optional[str]) -> torch.device:
@@ -240,7 +268,9 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    recipe = get_recipe(args.preset).with_overrides(text_lr=0.0 if args.text_encoder == "frozen" else None)
+        torch.backends.cudnn.benchmark = True  # few distinct conv shapes: the VAE's crops and buckets
+    recipe = get_recipe(args.preset).with_overrides(text_lr=0.0 if args.text_encoder == "frozen" else None,
+                                                    buckets=args.buckets, batch_tokens=args.batch_tokens)
     losses = LossLog(args.out)
     t_start = time.perf_counter()
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
@@ -252,6 +282,7 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
     from ditattn.train.dit_stage import build_text_encoder, build_transformer, train_dit
     from ditattn.train.vae_stage import reconstruction_grid, train_vae
 
+    status = 0
     if args.stage in ("vae", "all"):
         vae = train_vae(recipe, Budget(args.vae_budget_s, args.vae_steps), device, args.seed, losses)
         d = recipe.sampling_defaults
@@ -283,22 +314,30 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
         training["stages"]["dit"] = dict(losses.info["dit"])
         export(args.out, recipe, vae, te, dit, training)
         losses.write()
-        verdicts = sample_prompts_grid(args.out, recipe, device, recipe.sample_prompts, seed=args.seed)
-        for v in verdicts:
-            log.info("sample %-60s %s", v["prompt"], {k: v[k] for k in ("ok", "dominant", "dx", "dy", "growth")})
-        n_eval = args.eval_prompts if args.eval_prompts is not None else (30 if device.type == "cuda" else 6)
-        if n_eval:
-            ev = evaluate(args.out, recipe, device, n_eval)
-            log.info("prompt following (%d prompts at %s): colour %.0f %%, motion %.0f %%", ev["n"],
-                     "x".join(map(str, ev["size"])), 100 * ev["color_accuracy"], 100 * ev["motion_accuracy"])
-            training["stages"]["dit"]["eval"] = {k: ev[k] for k in ("size", "n", "color_accuracy", "motion_accuracy")}
-            losses.info["dit"]["eval"] = ev
-        training["stages"]["dit"]["samples"] = verdicts
+        try:  # the model is saved: a failure from here on costs only the samples and the evaluation
+            verdicts = sample_prompts_grid(args.out, recipe, device, recipe.sample_prompts, seed=args.seed)
+            for v in verdicts:
+                log.info("sample %-60s %s", v["prompt"], {k: v[k] for k in ("ok", "dominant", "dx", "dy", "growth")})
+            training["stages"]["dit"]["samples"] = verdicts
+            n_eval = 30 if args.eval_prompts is None else args.eval_prompts
+            sizes = [(64, 9), (128, 17), (256, 33)] if device.type == "cuda" else [(64, 9)]
+            evals = []
+            for size, frames in sizes if n_eval else []:
+                ev = evaluate(args.out, recipe, device, n_eval, size=size, frames=frames)
+                log.info("prompt following (%d prompts at %s): colour %.0f %%, motion %.0f %%", ev["n"],
+                         "x".join(map(str, ev["size"])), 100 * ev["color_accuracy"], 100 * ev["motion_accuracy"])
+                evals.append(ev)
+            training["stages"]["dit"]["eval"] = [{k: ev[k] for k in ("size", "n", "color_accuracy", "motion_accuracy")}
+                                                 for ev in evals]
+            losses.info["dit"]["eval"] = evals
+        except Exception:  # noqa: BLE001 - report it, keep the files
+            log.exception("dit: sampling / evaluation failed (the model files are written)")
+            status = 1
         export(args.out, recipe, vae, te, dit, training)
         losses.write()
     log.info("done in %.0f s; files in %s: %s", time.perf_counter() - t_start, args.out,
              ", ".join(sorted(f for f in os.listdir(args.out) if not f.startswith("."))))
-    return 0
+    return status
 
 
 if __name__ == "__main__":

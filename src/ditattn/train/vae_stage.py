@@ -1,8 +1,9 @@
 """Stage 1: the ``AutoencoderKLWan`` on procedural clips (reconstruction + a small KL, as Wan).
 
 Each step renders a batch of ``frames``-frame clips at one of the recipe's render sizes (so shapes
-appear at several scales), crops them to ``crop x crop`` and minimises ``L1 + MSE`` between clip
-and reconstruction plus ``kl_weight`` x the posterior's KL per element.  Afterwards the weights
+appear at several scales), crops them to ``crop x crop`` around a shape, and minimises ``L1 + MSE`` between clip
+and reconstruction (shape pixels weighted up: at first the decoder only learns the background)
+plus ``kl_weight`` x the posterior's KL per element.  Afterwards the weights
 are rounded to float16 (what ships) and the per-channel mean / std of the latents (posterior
 means over clips of several sizes) go into the VAE config (``latents_mean`` / ``latents_std``),
 which the pipelines use to normalise latents for the DiT.
@@ -15,7 +16,7 @@ from typing import Optional
 import torch
 
 from ditattn.train.recipe import Recipe
-from ditattn.train.scenes import scene_batch
+from ditattn.train.scenes import BACKGROUND, scene_batch
 from ditattn.train.tracking import Budget, LossLog, progress
 
 log = logging.getLogger("ditattn.train")
@@ -28,36 +29,77 @@ def autocast(device: torch.device):
     return torch.autocast(device.type, enabled=False)
 
 
+LOGVAR_INIT = -8.0
+
+
 def build_vae(recipe: Recipe, seed: int):
+    """A fresh ``AutoencoderKLWan`` whose posterior starts nearly deterministic: the log-variance
+    half of ``quant_conv`` gets bias ``LOGVAR_INIT`` (std 0.02), since at the default init the
+    sampling noise (std 1) drowns the encoder's means (~0.15) and the decoder learns nothing
+    but the background for hundreds of steps."""
     from diffusers import AutoencoderKLWan
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return AutoencoderKLWan(**recipe.vae)
+        vae = AutoencoderKLWan(**recipe.vae)
+    with torch.no_grad():
+        vae.quant_conv.bias[vae.config.z_dim:] = LOGVAR_INIT
+    return vae
 
 
-def _crop(x: torch.Tensor, size: int, g: torch.Generator) -> torch.Tensor:
-    """Random ``size x size`` crop per clip of ``x [B, C, F, H, W]``."""
+def _crop_on_shapes(x: torch.Tensor, scenes, size: int, g: torch.Generator) -> torch.Tensor:
+    """A ``size x size`` crop per clip of ``x [B, C, F, H, W]`` around the mid-clip centre of one
+    of its shapes (jittered by up to a quarter of the crop), so crops of large frames are not empty."""
     H, W = x.shape[-2:]
     if H <= size and W <= size:
         return x
     out = []
     for i in range(x.shape[0]):
-        top = int(torch.randint(0, H - size + 1, (1,), generator=g))
-        left = int(torch.randint(0, W - size + 1, (1,), generator=g))
+        k = int(torch.randint(0, int(scenes.present[i].sum()), (1,), generator=g))
+        cx = float(scenes.x0[i, k] + scenes.dx[i, k] / 2) * W
+        cy = float(scenes.y0[i, k] + scenes.dy[i, k] / 2) * H
+        jx, jy = ((torch.rand(2, generator=g) - 0.5) * size / 2).tolist()
+        left = int(min(max(cx + jx - size / 2, 0), W - size))
+        top = int(min(max(cy + jy - size / 2, 0), H - size))
         out.append(x[i, :, :, top:top + size, left:left + size])
     return torch.stack(out)
 
 
-def vae_loss(vae, x: torch.Tensor, kl_weight: float, generator: Optional[torch.Generator] = None):
-    """``(loss, reconstruction)`` for clips ``x [B, 3, F, H, W]`` in [-1, 1]."""
+def decode_unclamped(vae, z: torch.Tensor) -> torch.Tensor:
+    """``AutoencoderKLWan.decode`` without its final clamp to [-1, 1] (which would stop the gradient
+    of every pixel outside that range): latents ``[B, C, T, h, w]`` -> clip ``[B, 3, F, H, W]``.
+
+    The same causal frame-by-frame loop over diffusers' decoder and its feature cache as
+    ``AutoencoderKLWan._decode`` (diffusers 0.42), so ``tests/test_train_shapes.py`` checks it
+    against ``decode`` on in-range outputs.
+    """
+    vae.clear_cache()
+    x = vae.post_quant_conv(z)
+    outs = []
+    for i in range(z.shape[2]):
+        vae._conv_idx = [0]
+        outs.append(vae.decoder(x[:, :, i:i + 1], feat_cache=vae._feat_map, feat_idx=vae._conv_idx,
+                                first_chunk=i == 0))
+    vae.clear_cache()
+    return torch.cat(outs, dim=2)
+
+
+def vae_loss(vae, x: torch.Tensor, kl_weight: float, generator: Optional[torch.Generator] = None,
+             fg_weight: float = 0.0):
+    """``(loss, reconstruction)`` for clips ``x [B, 3, F, H, W]`` in [-1, 1]: L1 + MSE per element
+    (pixels off the background weigh ``1 + fg_weight``) + ``kl_weight`` x the KL per element."""
     post = vae.encode(x).latent_dist
     z = post.mean + post.std * torch.randn(post.mean.shape, generator=generator, device=x.device,
                                            dtype=post.mean.dtype)
-    rec = vae.decode(z).sample
+    rec = decode_unclamped(vae, z)
     rec32, x32 = rec.float(), x.float()
     kl = 0.5 * (post.mean.float() ** 2 + post.var.float() - 1.0 - post.logvar.float()).sum() / x.numel()
-    loss = (rec32 - x32).abs().mean() + ((rec32 - x32) ** 2).mean() + kl_weight * kl
+    err = rec32 - x32
+    w = 1.0
+    if fg_weight:
+        bg = torch.tensor(BACKGROUND, device=x.device).view(1, 3, 1, 1, 1) * 2 - 1
+        w = 1.0 + fg_weight * ((x32 - bg).abs().amax(dim=1, keepdim=True) > 0.05).float()
+    loss = (w * (err.abs() + err * err)).mean() + kl_weight * kl
     return loss, rec
 
 
@@ -74,12 +116,12 @@ def train_vae(recipe: Recipe, budget: Budget, device: torch.device, seed: int, l
     step = 0
     while not budget.done(step):
         size = cfg.render_sizes[int(torch.randint(0, len(cfg.render_sizes), (1,), generator=g_data))]
-        clips, _, _ = scene_batch(cfg.batch, cfg.frames, size, size, g_data, device=device)
-        x = _crop(clips, cfg.crop, g_data)
+        clips, _, scenes = scene_batch(cfg.batch, cfg.frames, size, size, g_data, device=device, p_two=cfg.p_two)
+        x = _crop_on_shapes(clips, scenes, cfg.crop, g_data)
         for group in opt.param_groups:
             group["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.warmup)
         with autocast(device):
-            loss, _ = vae_loss(vae, x, cfg.kl_weight, g_noise)
+            loss, _ = vae_loss(vae, x, cfg.kl_weight, g_noise, fg_weight=cfg.fg_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
