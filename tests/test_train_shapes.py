@@ -207,4 +207,4 @@ def test_training_cli_rejects_an_unusable_device(tmp_path, capsys):
     from ditattn.train.shapes import main
 
     assert main(["--stage", "vae", "--vae-steps", "1", "--out", str(tmp_path), "--device", "nonsense"]) == 2
-    assert "unknown --device 'nonsense'" in capsys.readouterr().err
+    assert "unknown device 'nonsense'" in capsys.readouterr().err

@@ -106,18 +106,6 @@ def parse_buckets(text: str) -> tuple:
     return tuple(out)
 
 
-def _device(name: Optional[str]) -> torch.device:
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"unknown --device '{name}'; accepted: cpu, cuda, cuda:N") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name} requested but CUDA is not available here; use --device cpu")
-    return dev
-
-
 def _setup_logging(out: str) -> list:
     os.makedirs(out, exist_ok=True)
     log.setLevel(logging.INFO)
@@ -246,9 +234,11 @@ def evaluate(out: str, recipe: Recipe, device: torch.device, n: int, seed: int =
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from ditattn.pipelines.wan import parse_device
+
     try:
-        device = _device(args.device)
-    except ValueError as exc:
+        device = parse_device(args.device)
+    except ValueError as exc:  # AttentionConfigError: says what was wrong and what is accepted
         print(f"error: {exc}", file=sys.stderr)
         return 2
     handlers = _setup_logging(args.out)
