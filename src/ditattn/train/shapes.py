@@ -234,7 +234,7 @@ def evaluate(out: str, recipe: Recipe, device: torch.device, n: int, seed: int =
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from ditattn.pipelines.wan import parse_device
+    from ditattn.pipelines.loading import parse_device
 
     try:
         device = parse_device(args.device)
