@@ -26,7 +26,7 @@ LAYERS = [
     ("pipelines",),
     ("evaluation",),  # compare runs pipelines; nothing below the entry points imports it
     ("server",),
-    ("entrypoints", "cli", "__main__"),
+    ("entrypoints", "cli", "__main__", "train"),  # train: python -m ditattn.train.shapes, imported by nothing
 ]
 ENTRY_LAYER = LAYERS[-1]
 

@@ -90,11 +90,14 @@ def model_flags(p: argparse.ArgumentParser, *, prompt: bool = False, seed: bool 
     g = p.add_argument_group("model and sampling")
     if prompt:
         g.add_argument("--prompt", help="text prompt (required; here or in --config)")
+    from ditattn.models.builtin import BUILTIN_MODELS, DEFAULT_MODEL
+
     g.add_argument("--model-path", metavar="PATH_OR_ID",
                    help="local diffusers-format Wan checkpoint directory, a Hugging Face repo id (org/name, e.g. "
                         "Wan-AI/Wan2.1-T2V-1.3B-Diffusers: the local cache first, else a download; HF_HUB_OFFLINE=1 "
-                        "honoured), or ditattn:tiny-wan / ditattn:tiny-wan2.2 (default ditattn:tiny-wan, built "
-                        "locally, no download)")
+                        "honoured), or a built-in model: "
+                        + ", ".join(f"{m.name} ({m.summary})" for m in BUILTIN_MODELS.values())
+                        + f"; default {DEFAULT_MODEL}; built-in models are built locally, nothing is downloaded")
     g.add_argument("--revision", metavar="REV", help="branch, tag or commit of a Hugging Face repo id (default main)")
     g.add_argument("--local-files-only", action="store_true",
                    help="resolve a Hugging Face repo id from the local cache only (never download)")

@@ -4,8 +4,8 @@
 clips, PNG for one frame) and prints the file path and, as the last line, a one-line timing
 summary; ``--num-gpus N`` runs it on N ranks (rank 0 prints and writes).
 
-Default settings with the built-in ``ditattn:tiny-wan``: 128x128, 9 frames, 8 steps, guidance 5.0,
-seed 0, float32 on CPU (about 2 s of compute on 2 idle cores; most of a cold run is importing torch
+Default settings: each built-in model has its own (:mod:`ditattn.models.builtin`; the default
+``ditattn:tiny-wan``: 128x128, 9 frames, 8 steps, guidance 5.0), seed 0, float32 on CPU (about 2 s of compute on 2 idle cores; most of a cold run is importing torch
 and diffusers, ~12 s end to end).  Real checkpoints default to 832x480, 81 frames, 50 steps.  On a
 CPU run the number of torch threads follows the idle cores (see :func:`_tune_cpu_threads`).
 """
@@ -169,7 +169,7 @@ def _generate_diffusers(cfg: RunConfig, t_start: float) -> int:
                                                      run_diffusers)
     from ditattn.pipelines.loading import parse_device, parse_dtype
     from ditattn.pipelines.model_index import read_model_index, resolve_model_path
-    from ditattn.pipelines.wan import CHECKPOINT_DEFAULTS, TINY_DEFAULTS
+    from ditattn.pipelines.wan import CHECKPOINT_DEFAULTS
     from ditattn.platforms import platform_for_device
 
     reject_native_only_options(cfg)
@@ -183,7 +183,7 @@ def _generate_diffusers(cfg: RunConfig, t_start: float) -> int:
     dev = parse_device(m.device)
     dt = parse_dtype(m.dtype, platform_for_device(dev))
     _tune_cpu_threads(dev)
-    d = TINY_DEFAULTS if mi.is_builtin else CHECKPOINT_DEFAULTS
+    d = mi.builtin_defaults or CHECKPOINT_DEFAULTS
     height, width = s.height or d["height"], s.width or d["width"]
     num_frames = s.num_frames or d["num_frames"]
     steps = s.num_inference_steps or d["num_inference_steps"]

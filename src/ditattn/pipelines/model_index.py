@@ -7,7 +7,7 @@ import os
 from typing import Any, Optional
 
 from ditattn.errors import AttentionConfigError
-from ditattn.models.tiny import DEFAULT_MODEL, TINY_MODELS, tiny_model_path
+from ditattn.models.builtin import BUILTIN_MODELS, DEFAULT_MODEL, builtin_model, builtin_model_path
 from ditattn.models.weights import read_json
 
 SUPPORTED_PIPELINES = ("WanPipeline",)
@@ -17,7 +17,7 @@ SUPPORTED_PIPELINES = ("WanPipeline",)
 class ModelIndex:
     """A parsed ``model_index.json``.
 
-    path: the checkpoint folder; name: what the user passed (``ditattn:tiny-wan`` or the path);
+    path: the checkpoint folder; name: what the user passed (``ditattn:shapes`` or the path);
     pipeline_class: ``_class_name``; components: module name -> (library, class) for every entry
     that is present (``[null, null]`` entries are absent components); config: the remaining
     pipeline settings (``boundary_ratio``, ``expand_timesteps``, …).
@@ -34,16 +34,21 @@ class ModelIndex:
 
     @property
     def is_builtin(self) -> bool:
-        return self.name in TINY_MODELS
+        return self.name in BUILTIN_MODELS
+
+    @property
+    def builtin_defaults(self) -> Optional[dict]:
+        """The sampling defaults of a built-in model (None for a user checkpoint)."""
+        return builtin_model(self.name).defaults() if self.is_builtin else None
 
 
 def resolve_model_path(model_path: Optional[str], *, revision: Optional[str] = None, local_files_only: bool = False,
                        cache_dir: Optional[str] = None, variant: Optional[str] = None) -> tuple[str, str]:
-    """``(folder, name)`` for ``--model-path`` (None = the built-in default ``ditattn:tiny-wan``).
+    """``(folder, name)`` for ``--model-path`` (None = the built-in default :data:`DEFAULT_MODEL`).
 
-    Accepts, in this order: ``ditattn:tiny-wan`` / ``ditattn:tiny-wan2.2`` (built locally on first
-    use); a local diffusers-format folder containing ``model_index.json``; a Hugging Face repo id
-    ``org/name``, resolved by :func:`ditattn.pipelines.hub.resolve_repo_id` (the local cache
+    Accepts, in this order: a built-in name (``ditattn:shapes``, ``ditattn:tiny-wan``,
+    ``ditattn:tiny-wan2.2``: built locally on first use); a local diffusers-format folder
+    containing ``model_index.json``; a Hugging Face repo id ``org/name``, resolved by :func:`ditattn.pipelines.hub.resolve_repo_id` (the local cache
     first, a download unless ``local_files_only`` or ``HF_HUB_OFFLINE``; ``revision``: branch, tag
     or commit; ``cache_dir``: instead of ``HF_HOME``'s hub cache; ``variant``: the weights variant
     to download).  ``name`` is what the user passed.  Raises :class:`AttentionConfigError`.
@@ -59,12 +64,12 @@ def resolve_model_path(model_path: Optional[str], *, revision: Optional[str] = N
         raise AttentionConfigError(f"--revision applies to Hugging Face repo ids (org/name) only; '{name}' is "
                                    f"{'a built-in model' if name.startswith('ditattn:') else 'a local folder'}")
     if name.startswith("ditattn:"):
-        return tiny_model_path(name), name
+        return builtin_model_path(name), name
     if is_repo:
         return resolve_repo_id(name, revision=revision, local_files_only=local_files_only, cache_dir=cache_dir,
                                variant=variant), name
     accepted = (f"a diffusers-format Wan checkpoint folder (with model_index.json), a Hugging Face repo id "
-                f"(org/name, e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers) or a built-in model: {', '.join(TINY_MODELS)}")
+                f"(org/name, e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers) or a built-in model: {', '.join(BUILTIN_MODELS)}")
     if not os.path.isdir(local):
         raise AttentionConfigError(f"--model-path '{name}' is not a local directory; accepted: {accepted}")
     if not os.path.isfile(os.path.join(local, "model_index.json")):

@@ -1,7 +1,7 @@
 """The native Wan 2.1 / 2.2 text-to-video pipeline.
 
-:class:`WanPipelineNative` loads a diffusers-format Wan folder (or a built-in ``ditattn:tiny-*``
-model), constructs every component inside its attention scope so that the run's
+:class:`WanPipelineNative` loads a diffusers-format Wan folder (or a built-in ``ditattn:`` model,
+:mod:`ditattn.models.builtin`), constructs every component inside its attention scope so that the run's
 :class:`~ditattn.attention.context.AttentionSettings` (global backend, component / role overrides,
 backend config) resolve each attention layer once, and checks the overrides afterwards (unknown
 component, fixed-attention component, unused override → :class:`AttentionConfigError`).
@@ -49,9 +49,8 @@ from ditattn.platforms import Platform, platform_for_device, use_platform
 
 log = logging.getLogger("ditattn.pipeline")
 
-# Sampling defaults. The built-in tiny models default to a small clip so that the default CPU run
-# takes seconds; real checkpoints default to the Wan 2.1 reference settings (diffusers' defaults).
-TINY_DEFAULTS = dict(height=128, width=128, num_frames=9, num_inference_steps=8, guidance_scale=5.0)
+# Sampling defaults: each built-in model has its own (ditattn.models.builtin); real checkpoints default
+# to the Wan 2.1 reference settings (diffusers' defaults).
 CHECKPOINT_DEFAULTS = dict(height=480, width=832, num_frames=81, num_inference_steps=50, guidance_scale=5.0)
 MAX_SEQUENCE_LENGTH = 512  # text tokens the DiT cross-attends to (Wan's context length)
 
@@ -100,7 +99,7 @@ class WanPipelineNative:
         self.device = device
         self.dtype = dtype
         self.loaded = load_weights
-        self.defaults = dict(TINY_DEFAULTS if model_index.is_builtin else CHECKPOINT_DEFAULTS)
+        self.defaults = dict(model_index.builtin_defaults or CHECKPOINT_DEFAULTS)
         self.boundary_ratio = model_index.config.get("boundary_ratio")
         self.expand_timesteps = bool(model_index.config.get("expand_timesteps") or False)
         vae_cfg = {}
@@ -130,8 +129,8 @@ class WanPipelineNative:
     ) -> "WanPipelineNative":
         """Load the pipeline at ``path`` (a local diffusers-format Wan folder, a Hugging Face repo id
         ``org/name`` at ``revision`` — see :func:`~ditattn.pipelines.model_index.resolve_model_path`
-        for ``local_files_only`` and ``cache_dir`` — or ``ditattn:tiny-wan`` / ``ditattn:tiny-wan2.2``;
-        None = ``ditattn:tiny-wan``) on ``device`` in compute ``dtype``
+        for ``local_files_only`` and ``cache_dir`` — or a built-in ``ditattn:`` model;
+        None = the default built-in model) on ``device`` in compute ``dtype``
         (None = float32 on CPU, bfloat16 on accelerators; the VAE always decodes in float32).
 
         Every component is constructed inside its attention scope under ``settings`` (None = all

@@ -81,7 +81,8 @@ class ModelConfig(_Section):
     """What to load and how to run it."""
 
     model_path: Optional[str] = _field(None, optional(text), "local diffusers-format Wan folder, Hugging Face repo id "
-                                       "org/name, or ditattn:tiny-wan / ditattn:tiny-wan2.2 (None: ditattn:tiny-wan)")
+                                       "org/name, or a built-in model: ditattn:shapes, ditattn:tiny-wan, "
+                                       "ditattn:tiny-wan2.2 (None: the default, ditattn.models.builtin.DEFAULT_MODEL)")
     revision: Optional[str] = _field(None, optional(text), "branch, tag or commit of a Hugging Face repo id")
     local_files_only: bool = _field(False, boolean, "resolve a Hugging Face repo id from the local cache only")
     model_variant: Optional[str] = _field(None, optional(text), "weights variant of checkpoints that have several")

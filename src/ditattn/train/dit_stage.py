@@ -1,0 +1,210 @@
+"""Stage 2: the Wan DiT (and the UMT5 text encoder, unless frozen) with flow matching.
+
+Trains diffusers' ``WanTransformer3DModel`` (plain PyTorch, so autograd works; ditattn's native
+model runs fused kernels without a backward) on latents of the frozen stage-1 VAE:
+
+- sizes: each step draws a :class:`~ditattn.train.recipe.Bucket` by weight and fills a batch of
+  about ``batch_tokens`` DiT tokens;
+- latents: a ring pool per bucket; each step renders and encodes ``batch / reuse`` new clips into
+  it (the first visit fills a whole batch) and trains on a random batch drawn from the pool;
+- text: captions are tokenised with the byte tokenizer, dropped to ``""`` with probability
+  ``caption_dropout`` (classifier-free guidance), encoded, and given to the DiT as the pipelines
+  do (zero padding to 512 tokens, computed through :func:`~ditattn.train.flow.text_context`);
+- loss: MSE between the DiT output and the velocity ``noise - x0`` at shifted-uniform sigmas;
+- AdamW with linear warm-up, gradient clipping, bf16 autocast on CUDA, an EMA of the weights
+  (what ships).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ditattn.train.flow import flow_pair, install_text_bias, shift_sigmas, text_context
+from ditattn.train.recipe import Bucket, Recipe
+from ditattn.train.scenes import scene_batch
+from ditattn.train.tracking import EMA, Budget, LossLog, progress
+from ditattn.train.vae_stage import autocast, normalize_latents
+
+log = logging.getLogger("ditattn.train")
+
+
+def build_text_encoder(recipe: Recipe, seed: int):
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 1)
+        return UMT5EncoderModel(UMT5Config(**recipe.text_encoder))
+
+
+def build_transformer(recipe: Recipe, seed: int):
+    """A fresh diffusers ``WanTransformer3DModel`` with a zero output projection (predicts 0 at start)."""
+    from diffusers import WanTransformer3DModel
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 2)
+        model = WanTransformer3DModel(**recipe.transformer)
+    torch.nn.init.zeros_(model.proj_out.weight)
+    torch.nn.init.zeros_(model.proj_out.bias)
+    return model
+
+
+class LatentPool:
+    """A ring buffer of ``capacity`` normalised latents (``[N, C, T, h, w]``) and their captions."""
+
+    def __init__(self, capacity: int, storage: torch.device, dtype: torch.dtype):
+        self.capacity, self.storage, self.dtype = capacity, storage, dtype
+        self.latents: Optional[torch.Tensor] = None
+        self.captions: list[str] = []
+        self.filled = 0
+        self.pos = 0
+
+    def add(self, latents: torch.Tensor, captions: list[str]) -> None:
+        if self.latents is None:
+            self.latents = torch.empty((self.capacity, *latents.shape[1:]), device=self.storage, dtype=self.dtype)
+            self.captions = [""] * self.capacity
+        n = min(latents.shape[0], self.capacity)
+        idx = [(self.pos + i) % self.capacity for i in range(n)]
+        self.latents[torch.tensor(idx, device=self.storage)] = latents[:n].to(self.storage, self.dtype)
+        for i, j in enumerate(idx):
+            self.captions[j] = captions[i]
+        self.pos = (self.pos + n) % self.capacity
+        self.filled = min(self.capacity, self.filled + n)
+
+    def draw(self, n: int, g: torch.Generator) -> tuple[torch.Tensor, list[str]]:
+        idx = torch.randint(0, self.filled, (n,), generator=g)
+        return self.latents[idx.to(self.storage)], [self.captions[int(i)] for i in idx]
+
+
+def bucket_batch(bucket: Bucket, recipe: Recipe) -> int:
+    cfg = recipe.dit_stage
+    return max(1, min(cfg.max_batch, cfg.batch_tokens // bucket.tokens()))
+
+
+class TextEncoder:
+    """Captions -> ``(context, bias)`` for the DiT (see :func:`ditattn.train.flow.text_context`)."""
+
+    def __init__(self, model, device: torch.device):
+        from ditattn.models.local import build_byte_tokenizer
+
+        self.model, self.device = model, device
+        self.tokenizer = build_byte_tokenizer()
+
+    def __call__(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        enc = self.tokenizer(captions, padding="longest", return_tensors="pt")
+        ids, mask = enc.input_ids.to(self.device), enc.attention_mask.to(self.device)
+        hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state
+        return text_context(hidden, mask)
+
+
+def train_dit(recipe: Recipe, vae, budget: Budget, device: torch.device, seed: int, losses: LossLog,
+              checkpoint: Optional[Callable[[object, object, int], None]] = None, checkpoint_every_s: float = 120.0,
+              compile_model: bool = False):
+    """Train a fresh text encoder + DiT on ``vae``'s latents for ``budget``.
+
+    Returns ``(text_encoder, transformer, steps)`` in eval mode holding the EMA weights.
+    ``checkpoint(text_encoder, transformer, step)`` is called with the EMA weights swapped in
+    every ``checkpoint_every_s`` seconds (so a run cut short still leaves a model).
+    """
+    cfg = recipe.dit_stage
+    te = build_text_encoder(recipe, seed).to(device)
+    dit = build_transformer(recipe, seed).to(device).train()
+    proc = install_text_bias(dit)
+    train_text = cfg.text_lr > 0
+    te.train(train_text).requires_grad_(train_text)
+    groups = [{"params": [p for p in dit.parameters()], "lr": cfg.lr}]
+    if train_text:
+        groups.append({"params": [p for p in te.parameters()], "lr": cfg.text_lr})
+    for g_ in groups:
+        g_["base_lr"] = g_["lr"]
+    opt = torch.optim.AdamW(groups, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
+    trained = [p for g_ in groups for p in g_["params"]]
+    ema = EMA(trained, cfg.ema_decay)
+    forward = torch.compile(dit) if compile_model else dit
+    text = TextEncoder(te, device)
+    shift = float(recipe.scheduler["flow_shift"])
+
+    g_data = torch.Generator().manual_seed(seed + 201)
+    g_noise = torch.Generator(device).manual_seed(seed + 202)
+    storage_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    pools = {b: LatentPool(cfg.pool_batches * bucket_batch(b, recipe), device, storage_dtype) for b in cfg.buckets}
+    weights = torch.tensor([b.weight for b in cfg.buckets], dtype=torch.float64)
+    losses.start("dit", buckets=[[b.height, b.width, b.frames, b.weight, bucket_batch(b, recipe)] for b in cfg.buckets],
+                 batch_tokens=cfg.batch_tokens, text_encoder="trained" if train_text else "frozen",
+                 params_dit=sum(p.numel() for p in dit.parameters()), params_text=sum(p.numel() for p in te.parameters()))
+    bar = progress(budget.steps, "dit")
+    step, last_ckpt, encode_s = 0, time.perf_counter(), 0.0
+    while not budget.done(step):
+        bucket = cfg.buckets[int(torch.multinomial(weights, 1, generator=g_data))]
+        B = bucket_batch(bucket, recipe)
+        pool = pools[bucket]
+        t0 = time.perf_counter()
+        fresh = B if pool.filled < B else math.ceil(B / cfg.reuse)
+        with torch.no_grad(), autocast(device):
+            clips, caps, _ = scene_batch(fresh, bucket.frames, bucket.height, bucket.width, g_data, device=device)
+            z = vae.encode(clips).latent_dist.mode().float()
+            pool.add(normalize_latents(vae, z), caps)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # so that encode_s measures the rendering + encoding
+        encode_s += time.perf_counter() - t0
+        x0, caps = pool.draw(B, g_data)
+        x0 = x0.float()
+        drop = torch.rand(B, generator=g_data) < cfg.caption_dropout
+        caps = ["" if d else c for c, d in zip(caps, drop.tolist())]
+        sigma = shift_sigmas(torch.rand(B, generator=g_data), shift).to(device)
+        noise = torch.randn(x0.shape, generator=g_noise, device=device)
+        xt, target = flow_pair(x0, noise, sigma)
+        frac = min(1.0, (step + 1) / cfg.warmup)
+        for g_ in opt.param_groups:
+            g_["lr"] = g_["base_lr"] * frac
+        with autocast(device):
+            with torch.set_grad_enabled(train_text):
+                context, bias = text(caps)
+            proc.bias = bias
+            pred = forward(xt, sigma * 1000.0, context).sample
+        loss = F.mse_loss(pred.float(), target)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trained, cfg.grad_clip)
+        opt.step()
+        ema.update()
+        step += 1
+        value = float(loss.detach())
+        losses.add("dit", step, budget.elapsed, value)
+        bar.update(1)
+        bar.set_postfix(loss=f"{value:.4f}", size=f"{bucket.height}x{bucket.width}x{bucket.frames}", refresh=False)
+        if checkpoint is not None and time.perf_counter() - last_ckpt > checkpoint_every_s:
+            _with_ema(ema, te, dit, lambda: checkpoint(te, dit, step))
+            last_ckpt = time.perf_counter()
+    bar.close()
+    proc.bias = None
+    losses.info["dit"].update(steps=step, seconds=round(budget.elapsed, 1), encode_seconds=round(encode_s, 1))
+    log.info("dit: %d steps in %.0f s (%.0f s rendering + encoding), last loss %.4f", step, budget.elapsed, encode_s,
+             losses.stages["dit"][-1][2] if losses.stages["dit"] else float("nan"))
+    ema.swap()  # keep the averages
+    _restore_processors(dit)
+    return te.eval().requires_grad_(False), dit.eval().requires_grad_(False), step
+
+
+def _with_ema(ema: EMA, te, dit, fn) -> None:
+    modes = [(m, m.training) for m in (te, dit)]
+    ema.swap()
+    try:
+        te.eval()
+        dit.eval()
+        fn()
+    finally:
+        ema.swap()
+        for m, was in modes:
+            m.train(was)
+
+
+def _restore_processors(dit) -> None:
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+    for block in dit.blocks:
+        block.attn2.set_processor(WanAttnProcessor())
