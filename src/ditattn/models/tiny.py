@@ -9,7 +9,8 @@ one id per byte), ``transformer`` (WanTransformer3DModel: 2 blocks, 4 heads x he
 512), ``vae`` (AutoencoderKLWan, base dim 8: 8x spatial / 4x temporal compression, 16 latent
 channels) and ``scheduler`` (UniPC flow-matching, shift 3.0, as the Wan 2.1 checkpoints ship).
 ``tiny-wan2.2`` adds ``transformer_2`` (the low-noise expert, another seed) and
-``boundary_ratio = 0.875`` like Wan2.2-T2V-A14B.
+``boundary_ratio = 0.875`` like Wan2.2-T2V-A14B.  The image-to-video layouts (``tiny-wan-i2v``,
+``tiny-wan2.2-ti2v``, ``tiny-wan2.2-i2v``) are recipes of :mod:`ditattn.models.tiny_i2v`.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from typing import Optional
 from ditattn.errors import AttentionConfigError
 from ditattn.settings import cache_dir
 
-TINY_MODELS = ("ditattn:tiny-wan", "ditattn:tiny-wan2.2")
+TINY_MODELS = ("ditattn:tiny-wan", "ditattn:tiny-wan2.2", "ditattn:tiny-wan-i2v", "ditattn:tiny-wan2.2-ti2v",
+               "ditattn:tiny-wan2.2-i2v")
 DEFAULT_MODEL = "ditattn:tiny-wan"
 _VERSION = "v1"  # bump when the recipe changes so stale caches are not reused
 
@@ -78,6 +80,10 @@ def build_byte_tokenizer(model_max_length: int = 512):
 
 
 def _build(name: str, out_dir: str) -> None:
+    if name not in ("ditattn:tiny-wan", "ditattn:tiny-wan2.2"):
+        from ditattn.models import tiny_i2v
+
+        return tiny_i2v.build(name, out_dir)
     import torch
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
@@ -98,6 +104,11 @@ def _build(name: str, out_dir: str) -> None:
         scheduler=UniPCMultistepScheduler(**SCHEDULER), transformer=transformer, transformer_2=transformer_2,
         boundary_ratio=BOUNDARY_RATIO if transformer_2 is not None else None,
     )
+    save_quietly(pipe, out_dir)
+
+
+def save_quietly(pipe, out_dir: str) -> None:
+    """``pipe.save_pretrained(out_dir)`` in safetensors without transformers' progress bar."""
     from transformers.utils import logging as tf_logging
 
     was_enabled = tf_logging.is_progress_bar_enabled()
@@ -110,8 +121,8 @@ def _build(name: str, out_dir: str) -> None:
 
 
 def tiny_model_path(name: str, root: Optional[str] = None) -> str:
-    """The folder of built-in model ``name`` (``ditattn:tiny-wan`` / ``ditattn:tiny-wan2.2``),
-    building it on first use (a few seconds; atomic, so concurrent processes are safe)."""
+    """The folder of built-in model ``name`` (one of :data:`TINY_MODELS`), building it on first use
+    (a few seconds; atomic, so concurrent processes are safe)."""
     if name not in TINY_MODELS:
         raise AttentionConfigError(f"unknown built-in model '{name}'; built-in models: {', '.join(TINY_MODELS)}")
     root = os.path.join(root or cache_dir(), "models")

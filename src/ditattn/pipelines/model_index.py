@@ -9,7 +9,7 @@ from ditattn.errors import AttentionConfigError
 from ditattn.models.tiny import DEFAULT_MODEL, TINY_MODELS, tiny_model_path
 from ditattn.models.weights import read_json
 
-SUPPORTED_PIPELINES = ("WanPipeline",)
+SUPPORTED_PIPELINES = ("WanPipeline", "WanImageToVideoPipeline")
 
 
 @dataclasses.dataclass
@@ -39,7 +39,7 @@ class ModelIndex:
 def resolve_model_path(model_path: Optional[str]) -> tuple[str, str]:
     """``(folder, name)`` for ``--model-path`` (None = the built-in default ``ditattn:tiny-wan``).
 
-    Accepts ``ditattn:tiny-wan`` / ``ditattn:tiny-wan2.2`` (built locally on first use) or a local
+    Accepts a built-in ``ditattn:tiny-*`` model (built locally on first use) or a local
     diffusers-format folder containing ``model_index.json``; nothing is downloaded.
     """
     name = model_path or DEFAULT_MODEL
@@ -66,7 +66,7 @@ def read_model_index(folder: str, name: Optional[str] = None) -> ModelIndex:
     if cls not in SUPPORTED_PIPELINES:
         raise AttentionConfigError(
             f"{folder}: pipeline class '{cls}' is not supported by the native pipeline; supported: "
-            f"{', '.join(SUPPORTED_PIPELINES)} (Wan 2.1 / 2.2 text-to-video)"
+            f"{', '.join(SUPPORTED_PIPELINES)} (Wan 2.1 / 2.2 text-to-video, text-image-to-video and image-to-video)"
         )
     components: dict[str, tuple[str, str]] = {}
     config: dict[str, Any] = {}

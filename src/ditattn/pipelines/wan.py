@@ -1,4 +1,5 @@
-"""The native Wan 2.1 / 2.2 text-to-video pipeline.
+"""The native Wan 2.1 / 2.2 pipeline: text-to-video, image-to-video (Wan 2.1 I2V, Wan 2.2 I2V-A14B)
+and text-image-to-video (Wan 2.2 TI2V-5B).
 
 :class:`WanPipelineNative` loads a diffusers-format Wan folder (or a built-in ``ditattn:tiny-*``
 model), constructs every component inside its attention scope so that the run's
@@ -10,7 +11,9 @@ Components: ``text_encoder`` (native UMT5, selectable, bias-needing), ``transfor
 optional ``transformer_2`` (native Wan DiT, selectable; the Wan 2.2 low-noise expert runs below
 ``boundary_ratio * num_train_timesteps``), ``vae`` (diffusers ``AutoencoderKLWan``: fixed
 attention, not selectable), ``scheduler`` (the diffusers class named in the checkpoint),
-``tokenizer``.
+``tokenizer``; image-to-video checkpoints with CLIP conditioning add ``image_encoder`` (native CLIP
+vision tower, selectable) and ``image_processor``.  How an image conditions each layout:
+:mod:`ditattn.pipelines.conditioning`.
 
 Python use (one object serves many requests; calls may run concurrently from several threads)::
 
@@ -41,8 +44,11 @@ from ditattn.attention.context import (
     forward_context,
     request_scope,
 )
+from ditattn.attention.names import ROLES
 from ditattn.attention.selector import check_overrides_used
 from ditattn.errors import AttentionConfigError
+from ditattn.pipelines.conditioning import (ImageCondition, conditioning_mode, encode_image_condition, load_image,
+                                            size_for_image)
 from ditattn.pipelines.loading import DIT, build_components, parse_device, parse_dtype
 from ditattn.pipelines.model_index import ModelIndex, read_model_index, resolve_model_path
 from ditattn.platforms import Platform, platform_for_device, use_platform
@@ -55,7 +61,7 @@ TINY_DEFAULTS = dict(height=128, width=128, num_frames=9, num_inference_steps=8,
 CHECKPOINT_DEFAULTS = dict(height=480, width=832, num_frames=81, num_inference_steps=50, guidance_scale=5.0)
 MAX_SEQUENCE_LENGTH = 512  # text tokens the DiT cross-attends to (Wan's context length)
 
-SELECTABLE = ("text_encoder", "transformer", "transformer_2")
+SELECTABLE = ("text_encoder", "image_encoder", "transformer", "transformer_2")
 FIXED = ("vae",)
 
 @dataclasses.dataclass
@@ -110,6 +116,15 @@ class WanPipelineNative:
             vae_cfg = read_json(os.path.join(model_index.folder("vae"), "config.json"))
         self.vae_scale_temporal = int(vae_cfg.get("scale_factor_temporal") or 4)
         self.vae_scale_spatial = int(vae_cfg.get("scale_factor_spatial") or 8)
+        ref = components.get("transformer") or components.get("transformer_2")
+        self.z_dim = int(vae_cfg.get("z_dim") or ref.config.out_channels)
+        #: ``t2v``, ``i2v`` (an image is required) or ``ti2v`` (an image is optional); see conditioning.py
+        self.mode = conditioning_mode(ref.config.in_channels, self.z_dim, self.expand_timesteps,
+                                      self.vae_scale_temporal)
+        self.image_embeds = ref.config.has_image_input  # Wan 2.1 I2V: CLIP image tokens
+        if self.image_embeds and not {"image_encoder", "image_processor"} <= set(model_index.components):
+            raise AttentionConfigError(f"{model_index.path}: the transformer takes CLIP image tokens (image_dim) but "
+                                       "model_index.json lacks image_encoder / image_processor")
 
     # ------------------------------------------------------------------------------------------
     # construction
@@ -170,7 +185,7 @@ class WanPipelineNative:
     def plan(self) -> dict:
         """The attention plan (DESIGN 1.5): ``{"platform": {...}, "components": [{"name",
         "selectable", "layers": [{"prefix", "role", "backend", "source", "fallback_reason"}]}]}``."""
-        order = [c for c in ("text_encoder", "transformer", "transformer_2", "vae") if c in self.scopes]
+        order = [c for c in ("text_encoder", "image_encoder", "transformer", "transformer_2", "vae") if c in self.scopes]
         order += [c for c in self.scopes if c not in order]
         return {
             "platform": self.platform.to_json(),
@@ -191,7 +206,7 @@ class WanPipelineNative:
         out: list[str] = []
         for c in DIT:
             if c in self.scopes:
-                for role in ("self", "cross"):
+                for role in ROLES:
                     for d in self.scopes[c].decisions:
                         out += [b.value for b in d.ran_backends() if d.role == role and b.value not in out]
         return out
@@ -213,10 +228,7 @@ class WanPipelineNative:
 
     def check_size(self, height: int, width: int, num_frames: int) -> None:
         """Raise :class:`AttentionConfigError` unless the size is one this model can generate."""
-        mult = self.vae_scale_spatial * 2
-        tr = self.components.get("transformer") or self.components.get("transformer_2")
-        if tr is not None:
-            mult = self.vae_scale_spatial * max(tr.config.patch_size[1], tr.config.patch_size[2])
+        mult = self.size_multiple()
         for what, v in (("height", height), ("width", width)):
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0 or v % mult:
                 raise AttentionConfigError(f"{what} {v!r} is not supported; accepted: positive multiples of {mult}")
@@ -243,6 +255,7 @@ class WanPipelineNative:
         guidance_scale: Optional[float] = None,
         guidance_scale_2: Optional[float] = None,
         seed: Union[int, Sequence[int], None] = 0,
+        image=None,
         override: Optional[str] = None,
         skip_softmax=None,
         request_state: Optional[RequestState] = None,
@@ -256,10 +269,14 @@ class WanPipelineNative:
 
         prompt: a string or a list of N strings (one batch); negative_prompt: None, a string for
         all, or N strings. height/width: pixels (multiples of 16), num_frames: 1 + 4k (1 = image);
-        None takes :attr:`defaults`. guidance_scale > 1 enables classifier-free guidance
-        (guidance_scale_2: the low-noise expert's scale, default guidance_scale). seed: an int
-        (prompt i uses seed + i) or N ints; each clip's initial noise comes from its own CPU
-        generator, so a clip does not depend on what it is batched with. override: a per-request
+        None takes :attr:`defaults` (with an image and neither given: the default area at the
+        image's aspect ratio). guidance_scale > 1 enables classifier-free guidance
+        (guidance_scale_2: the low-noise expert's scale of a two-expert checkpoint, default
+        guidance_scale). seed: an int (prompt i uses seed + i) or N ints; each clip's initial noise
+        comes from its own CPU generator, so a clip does not depend on what it is batched with.
+        image: the first frame of image-to-video / TI2V checkpoints (required by ``i2v`` ones,
+        refused by text-to-video ones): a path, encoded bytes, a PIL image or a uint8 array ``[H, W,
+        3]``, or a list of N of those (one per prompt). override: a per-request
         dense drop-in backend for the DiT (DESIGN 2.7); skip_softmax: ``{threshold_scale_factor,
         start_step}`` (2.8); request_state: an already prepared state (:meth:`prepare_request`)
         instead of those two. latents: optional initial noise ``[N, C, T, H/8, W/8]`` float32.
@@ -284,12 +301,19 @@ class WanPipelineNative:
         seeds = [int(seed) + i for i in range(n)] if isinstance(seed, (int, np.integer)) else [int(s) for s in seed]
         if len(seeds) != n:
             raise AttentionConfigError(f"seed has {len(seeds)} entries for {n} prompts")
+        images = self._images(image, n)
         d = self.defaults
+        if images is not None and height is None and width is None:
+            height, width = size_for_image(images[0].width, images[0].height, d["height"] * d["width"],
+                                           self.size_multiple())
         height = d["height"] if height is None else height
         width = d["width"] if width is None else width
         num_frames = d["num_frames"] if num_frames is None else num_frames
         steps = d["num_inference_steps"] if num_inference_steps is None else num_inference_steps
         guidance = d["guidance_scale"] if guidance_scale is None else float(guidance_scale)
+        if guidance_scale_2 is not None and self.boundary_ratio is None:
+            raise AttentionConfigError("guidance_scale_2 applies to two-expert checkpoints (Wan 2.2 A14B, with "
+                                       "boundary_ratio); this one has a single transformer")
         guidance_2 = guidance if guidance_scale_2 is None else float(guidance_scale_2)
         self.check_size(height, width, num_frames)
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
@@ -319,9 +343,8 @@ class WanPipelineNative:
         context = context.to(dt)
         timings["text"] = time.perf_counter() - t0
 
-        # 2. noise
-        C = ref_dit.config.in_channels
-        lat_shape = (C, (num_frames - 1) // self.vae_scale_temporal + 1,
+        # 2. noise (and the image's conditioning)
+        lat_shape = (self.z_dim, (num_frames - 1) // self.vae_scale_temporal + 1,
                      height // self.vae_scale_spatial, width // self.vae_scale_spatial)
         if latents is None:
             latents = torch.stack([
@@ -332,6 +355,14 @@ class WanPipelineNative:
             raise AttentionConfigError(f"latents must have shape {(n, *lat_shape)}, got {tuple(latents.shape)}")
         latents = latents.to(dev, torch.float32)
         grid = ref_dit.latent_grid(*lat_shape[1:])
+        condition = None
+        if images is not None:
+            t0 = time.perf_counter()
+            condition = self._condition(images, height, width, num_frames)
+            timings["image"] = time.perf_counter() - t0
+        image_embeds = None
+        if condition is not None and condition.image_embeds is not None:
+            image_embeds = torch.cat([condition.image_embeds] * 2) if do_cfg else condition.image_embeds
 
         # 3. denoise
         t0 = time.perf_counter()
@@ -358,12 +389,15 @@ class WanPipelineNative:
                         name, scale = "transformer_2", guidance_2
                     model = dits[name]
                     used_models.add(name)
-                    x = latents.to(dt)
+                    x = (latents if condition is None else condition.model_input(latents)).to(dt)
                     if do_cfg:
                         x = torch.cat([x, x])
                     if name not in text_caches:
-                        text_caches[name] = model.encode_text(context)
-                    if self.expand_timesteps:
+                        text_caches[name] = model.encode_text(
+                            context, image_embeds if model.config.has_image_input else None)
+                    if condition is not None and condition.mode == "ti2v":
+                        ts = condition.timesteps(t, x.shape[0], model.config.patch_size)
+                    elif self.expand_timesteps:
                         ts = t.expand(x.shape[0], grid[0] * grid[1] * grid[2])
                     else:
                         ts = t.expand(x.shape[0])
@@ -381,6 +415,8 @@ class WanPipelineNative:
         finally:
             bar.close()
         timings["denoise"] = time.perf_counter() - t0
+        if condition is not None:
+            latents = condition.finalize(latents)  # TI2V: the first latent frame is the image's
 
         # 4. decode
         t0 = time.perf_counter()
@@ -396,10 +432,43 @@ class WanPipelineNative:
         from ditattn.attention.override import dit_layers, request_backends
 
         layers = dit_layers(dits[c] for c in DIT if c in used_models)
-        backends = request_backends([l for l in layers if l.role == "self"] + [l for l in layers if l.role == "cross"],
-                                    state)
+        backends = request_backends([l for r in ROLES for l in layers if l.role == r], state)
         stats = dict(state.stats) if state is not None else {}
         return GenerationResult(frames, backends, timings, stats, latents, seeds, height, width, num_frames, steps)
+
+    def _images(self, image, n: int) -> Optional[list]:
+        """The batch's input images (one RGB PIL image per prompt) or None; checks that this
+        checkpoint takes (``i2v``, ``ti2v``) or needs (``i2v``) one."""
+        if image is None:
+            if self.mode == "i2v":
+                raise AttentionConfigError(
+                    "this checkpoint is image-to-video: give the first frame (--image PATH; input_reference on the "
+                    "server; image= in Python)")
+            return None
+        if self.mode == "t2v":
+            raise AttentionConfigError(
+                "this checkpoint is text-to-video and takes no image; image conditioning needs an image-to-video "
+                "checkpoint (Wan 2.1 I2V, Wan 2.2 I2V-A14B or TI2V-5B)")
+        items = list(image) if isinstance(image, (list, tuple)) else [image]
+        if len(items) not in (1, n):
+            raise AttentionConfigError(f"image has {len(items)} entries for {n} prompts (give 1 or {n})")
+        images = [load_image(x, where="image" if len(items) == 1 else f"image {i}") for i, x in enumerate(items)]
+        return images * n if len(images) == 1 else images
+
+    def _condition(self, images: list, height: int, width: int, num_frames: int) -> ImageCondition:
+        """The batch's :class:`ImageCondition` (VAE latents of the first frame, CLIP tokens)."""
+        return encode_image_condition(
+            images, mode=self.mode, vae=self.components["vae"], height=height, width=width, num_frames=num_frames,
+            temporal=self.vae_scale_temporal, spatial=self.vae_scale_spatial, device=self.device,
+            image_encoder=self.components.get("image_encoder") if self.image_embeds else None,
+            image_processor=self.components.get("image_processor"), embed_dtype=self.dtype)
+
+    def size_multiple(self) -> int:
+        """Heights and widths must be multiples of this (VAE stride x patch size)."""
+        tr = self.components.get("transformer") or self.components.get("transformer_2")
+        if tr is None:
+            return self.vae_scale_spatial * 2
+        return self.vae_scale_spatial * max(tr.config.patch_size[1], tr.config.patch_size[2])
 
     def decode(self, latents: torch.Tensor) -> np.ndarray:
         """Latents ``[N, C, T, h, w]`` -> float32 frames in [0, 1], ``np.ndarray [N, F, H, W, 3]``."""
