@@ -266,7 +266,10 @@ class WanAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, context: Optional[torch.Tensor] = None, rotary=None,
                 kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None, fused: str = "auto",
-                image_kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+                image_kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                image: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``x [B, S, D]`` -> ``[B, S, D]``; cross-attention takes ``context`` or its projected ``kv``,
+        and (image-to-video) the embedded image tokens ``image`` or their projected ``image_kv``."""
         if rotary is not None and kv is None and context is None:  # self-attention: one pass for norms + RoPE
             q, k = qk_norm_rope(self.to_q(x), self.to_k(x), self.norm_q.weight, self.norm_k.weight, *rotary,
                                 eps=self.norm_q.eps, head_dim=x.shape[-1] // self.heads, impl=fused)
@@ -280,7 +283,10 @@ class WanAttention(nn.Module):
         out = self.attn(q, k, v).flatten(2, 3).type_as(q)
         if self.image_attn is not None:
             if image_kv is None:
-                raise ValueError("this image-to-video transformer needs the image tokens (encoder_hidden_states_image)")
+                if image is None:
+                    raise ValueError("this image-to-video transformer needs the image tokens "
+                                     "(encoder_hidden_states_image)")
+                image_kv = self.project_image_kv(image)
             out = out + self.image_attn(q, *image_kv).flatten(2, 3).type_as(q)
         return self.to_out[0](out)
 
@@ -327,7 +333,7 @@ class WanBlock(nn.Module):
         #: "auto" (fused kernels where they run), "torch" (plain PyTorch ops): WanTransformer.set_fused_ops
         self.fused = "auto"
 
-    def forward(self, x, context, tproj, rotary, kv=None, image_kv=None):
+    def forward(self, x, context, tproj, rotary, kv=None, image_kv=None, image=None):
         if tproj.ndim == 4:  # per-token timesteps (Wan 2.2 TI2V): [B, S, 6, D]
             mods = (self.scale_shift_table.unsqueeze(0) + tproj.float()).chunk(6, dim=2)
             mods = [m.squeeze(2) for m in mods]
@@ -343,8 +349,8 @@ class WanBlock(nn.Module):
         else:  # no cross-attention norm
             x, _ = residual_norm(x, y, gate1, norm=False, impl=f)
             h = x
-        x, h = residual_norm(x, self.attn2(h, context, kv=kv, fused=f, image_kv=image_kv), None, scale=scale2,
-                             shift=shift2, eps=self.norm3.eps, impl=f)
+        x, h = residual_norm(x, self.attn2(h, context, kv=kv, fused=f, image_kv=image_kv, image=image), None,
+                             scale=scale2, shift=shift2, eps=self.norm3.eps, impl=f)
         x, _ = residual_norm(x, self.ffn(h, f), gate2, norm=False, impl=f)
         return x
 
@@ -394,21 +400,26 @@ class WanTransformer(nn.Module):
         return tab
 
     def encode_text(self, encoder_hidden_states: torch.Tensor,
-                    encoder_hidden_states_image: Optional[torch.Tensor] = None) -> "WanTextCache":
-        """Precompute the conditioning side of every step: the projected text ``[B, L, D]`` and each
-        block's cross-attention K/V (and, for image-to-video checkpoints, the embedded CLIP image
-        tokens ``[B, N, image_dim]`` and each block's image K/V).  They do not depend on the latents
+                    encoder_hidden_states_image: Optional[torch.Tensor] = None, *,
+                    per_block: bool = True) -> "WanTextCache":
+        """Precompute the conditioning side of every step: the projected text ``[B, L, D]`` (and, for
+        image-to-video checkpoints, the embedded CLIP image tokens ``[B, N, image_dim] -> [B, N, D]``)
+        and, with ``per_block``, each block's cross-attention K/V.  They do not depend on the latents
         or the timestep, so a denoise loop computes them once and passes ``text_cache=`` to every
-        step (same numbers, less work)."""
+        step (same numbers, less work).  ``per_block=False`` leaves the K/V to each block's forward
+        (for block-streaming offload, where a block's weights are on the device only while it runs)."""
         context = self.condition_embedder.text_embedder(encoder_hidden_states)
-        kv = [block.attn2.project_kv(context) for block in self.blocks]
-        image_kv = None
+        image = None
         if self.config.has_image_input:
             if encoder_hidden_states_image is None:
                 raise ValueError("this image-to-video transformer (image_dim set) needs encoder_hidden_states_image")
             image = self.condition_embedder.image_embedder(encoder_hidden_states_image)
-            image_kv = [block.attn2.project_image_kv(image) for block in self.blocks]
-        return WanTextCache(context, kv, encoder_hidden_states.dtype, image_kv)
+        kv = image_kv = None
+        if per_block:
+            kv = [block.attn2.project_kv(context) for block in self.blocks]
+            if image is not None:
+                image_kv = [block.attn2.project_image_kv(image) for block in self.blocks]
+        return WanTextCache(context, kv, encoder_hidden_states.dtype, image, image_kv)
 
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor,
                 encoder_hidden_states: Optional[torch.Tensor] = None,
@@ -440,9 +451,10 @@ class WanTransformer(nn.Module):
             seq_len = x.shape[1]
             x, rotary = shard_sequence(x), tuple(shard_sequence(t) for t in rotary)
             tproj = shard_sequence(tproj) if tproj.ndim == 4 else tproj
-            image_kv = text_cache.image_kv or [None] * len(self.blocks)
-            for block, kv, ikv in zip(self.blocks, text_cache.kv, image_kv):
-                x = block(x, context, tproj, rotary, kv, ikv)
+            c = text_cache
+            for i, block in enumerate(self.blocks):
+                x = block(x, context, tproj, rotary, c.kv[i] if c.kv else None,
+                          c.image_kv[i] if c.image_kv else None, c.image)
             x = gather_sequence(x, seq_len)
 
         if temb.ndim == 3:
@@ -461,13 +473,15 @@ class WanTransformer(nn.Module):
 class WanTextCache:
     """The conditioning side of a denoise loop (:meth:`WanTransformer.encode_text`): ``context`` the
     projected text ``[B, L, D]``, ``kv`` one cross-attention ``(K, V)`` pair ``[B, L, heads, head_dim]``
-    per block, ``dtype`` of the raw text features (the time embedding is cast to it, as diffusers
-    does), ``image_kv`` one image ``(K, V)`` pair ``[B, N, heads, head_dim]`` per block (image-to-video
-    checkpoints only, else None)."""
+    per block (None: each block projects ``context`` itself), ``dtype`` of the raw text features (the
+    time embedding is cast to it, as diffusers does); image-to-video checkpoints only (else None):
+    ``image`` the embedded image tokens ``[B, N, D]`` and ``image_kv`` one image ``(K, V)`` pair
+    ``[B, N, heads, head_dim]`` per block (None: each block projects ``image``)."""
 
     context: torch.Tensor
-    kv: list
+    kv: Optional[list]
     dtype: torch.dtype
+    image: Optional[torch.Tensor] = None
     image_kv: Optional[list] = None
 
 
