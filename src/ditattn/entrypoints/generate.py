@@ -31,6 +31,10 @@ def run(cfg: RunConfig) -> int:
         raise AttentionConfigError("--prompt is required (on the command line, or as 'prompt' in --config)")
     if not s.prompt.strip():
         raise AttentionConfigError("--prompt must not be empty")
+    if s.image is not None:  # a missing or unreadable image fails before any loading
+        from ditattn.pipelines.conditioning import load_image
+
+        load_image(s.image, where="--image")
     if s.num_frames == 1 and cfg.output.fps is not None:
         raise AttentionConfigError("--fps applies to videos only; --num-frames 1 writes a single frame (PNG)")
     if cfg.model.backend == "diffusers":
@@ -115,8 +119,9 @@ def _write(cfg: RunConfig, frames, num_frames: int) -> Optional[str]:
 
 
 def _report(cfg: RunConfig, frames, *, t_start: float, load: float, steps: int, size: tuple, num_frames: int,
-            parts: dict, backends: str, stats: Optional[dict] = None) -> None:
-    """Write the output, print its path, the attention stats and the one-line timing summary."""
+            parts: dict, backends: str, stats: Optional[dict] = None, peak_memory: Optional[int] = None) -> None:
+    """Write the output, print its path, the attention stats and the one-line timing summary (with
+    the peak CUDA memory of the generation when it ran on a GPU)."""
     t0 = time.perf_counter()
     path = _write(cfg, frames, num_frames)
     parts = {**parts, "save": time.perf_counter() - t0}
@@ -130,8 +135,9 @@ def _report(cfg: RunConfig, frames, *, t_start: float, load: float, steps: int, 
         detail += f"; {parts['denoise'] / max(steps, 1):.2f}s/step"
     where = "" if path else " (not saved)"
     total = time.perf_counter() - t_start
+    peak = f"; peak GPU memory {peak_memory / 2**30:.1f} GiB" if peak_memory is not None else ""
     print(f"done in {total:.1f}s{where}: {w}x{h}, {num_frames} frame{'s' if num_frames != 1 else ''}, {steps} steps "
-          f"(load {load:.1f}s, {detail}); DiT attention: {backends}")
+          f"(load {load:.1f}s, {detail}); DiT attention: {backends}{peak}")
     sys.stdout.flush()
 
 
@@ -144,14 +150,14 @@ def _generate_native(cfg: RunConfig, t_start: float) -> int:
     _tune_cpu_threads(cfg.model.device)
     _check_output_name(cfg, cfg.sampling.num_frames or 2)
     t0 = time.perf_counter()
-    pipe = WanPipelineNative.from_config(cfg)
+    pipe = WanPipelineNative.from_config(cfg, lora_fuse=True)  # one run: LoRAs fused unless --lora-fuse false
     state = pipe.prepare_request(kw.pop("override"), kw.pop("skip_softmax"))
     load = time.perf_counter() - t0 + (t0 - t_start)
     res = pipe.generate(**kw, request_state=state, progress=sequence_parallel_rank() == 0)  # one bar: rank 0's
-    parts = {"text": res.timings["text"], "denoise": res.timings["denoise"], "decode": res.timings["decode"]}
+    parts = {k: res.timings[k] for k in ("text", "image", "denoise", "decode") if k in res.timings}
     _report(cfg, res.frames[0], t_start=t_start, load=load, steps=res.num_inference_steps,
             size=(res.width, res.height), num_frames=res.num_frames, parts=parts,
-            backends=",".join(res.attention_backends), stats=res.stats)
+            backends=",".join(res.attention_backends), stats=res.stats, peak_memory=res.peak_memory)
     return 0
 
 

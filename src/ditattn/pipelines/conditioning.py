@@ -186,12 +186,20 @@ def vae_pixels(images: list, height: int, width: int, spatial: int) -> torch.Ten
     return VideoProcessor(vae_scale_factor=spatial).preprocess(images, height=height, width=width).float()
 
 
+def clip_image_embeds(images: list, image_encoder, image_processor, device: torch.device,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """CLIP image tokens ``[N, tokens, image_dim]`` in ``dtype`` of RGB PIL ``images`` (the
+    checkpoint's image processor, then the encoder's penultimate hidden states)."""
+    px = image_processor(images=images, return_tensors="pt")["pixel_values"].to(device)
+    return image_encoder(px.to(image_encoder.dtype)).to(dtype)
+
+
 def encode_image_condition(images: list, *, mode: str, vae, height: int, width: int, num_frames: int,
-                           temporal: int, spatial: int, device: torch.device, image_encoder=None,
-                           image_processor=None, embed_dtype: torch.dtype = torch.float32) -> ImageCondition:
+                           temporal: int, spatial: int, device: torch.device,
+                           image_embeds: Optional[torch.Tensor] = None) -> ImageCondition:
     """The :class:`ImageCondition` of ``images`` (one RGB PIL image per sample) for an output of
-    ``num_frames`` frames of ``height x width``; ``vae`` encodes (its posterior mode, normalised),
-    ``image_encoder`` / ``image_processor`` give the CLIP tokens when the transformer takes them."""
+    ``num_frames`` frames of ``height x width``: ``vae`` encodes (its posterior mode, normalised);
+    ``image_embeds`` (:func:`clip_image_embeds`) are carried along for transformers that take them."""
     n = len(images)
     pixels = vae_pixels(images, height, width, spatial).to(device)  # [N, 3, H, W]
     video = pixels.unsqueeze(2)
@@ -200,17 +208,13 @@ def encode_image_condition(images: list, *, mode: str, vae, height: int, width: 
     z = vae.encode(video.to(vae.dtype)).latent_dist.mode().float()
     z = _normalize(z, vae.config)
     T, h, w = (num_frames - 1) // temporal + 1, height // spatial, width // spatial
-    embeds = None
-    if image_encoder is not None:
-        px = image_processor(images=images, return_tensors="pt")["pixel_values"].to(device)
-        embeds = image_encoder(px.to(image_encoder.dtype)).to(embed_dtype)
     if mode == "ti2v":
         mask = torch.ones(1, 1, T, h, w, device=device)
         mask[:, :, 0] = 0
-        return ImageCondition(mode, z, mask, embeds)
+        return ImageCondition(mode, z, mask, image_embeds)
     # the mask has one channel per frame of the first latent frame's temporal group (4), 1 on the image
     frame_mask = torch.zeros(n, 1, num_frames, h, w, device=device)
     frame_mask[:, :, 0] = 1
     frame_mask = torch.cat([frame_mask[:, :, :1].repeat_interleave(temporal, dim=2), frame_mask[:, :, 1:]], dim=2)
     mask = frame_mask.view(n, -1, temporal, h, w).transpose(1, 2)  # [N, temporal, T, h, w]
-    return ImageCondition(mode, torch.cat([mask, z], dim=1), None, embeds)
+    return ImageCondition(mode, torch.cat([mask, z], dim=1), None, image_embeds)

@@ -29,6 +29,7 @@ import dataclasses
 import logging
 import os
 import sys
+import threading
 import time
 from typing import Any, Optional, Sequence, Union
 
@@ -47,10 +48,12 @@ from ditattn.attention.context import (
 from ditattn.attention.names import ROLES
 from ditattn.attention.selector import check_overrides_used
 from ditattn.errors import AttentionConfigError
-from ditattn.pipelines.conditioning import (ImageCondition, conditioning_mode, encode_image_condition, load_image,
-                                            size_for_image)
+from ditattn.models.lora import Adapter, load_loras, lora_scales, resolve_request_lora
+from ditattn.pipelines.conditioning import (ImageCondition, clip_image_embeds, conditioning_mode,
+                                            encode_image_condition, load_image, size_for_image)
 from ditattn.pipelines.loading import DIT, build_components, parse_device, parse_dtype
 from ditattn.pipelines.model_index import ModelIndex, read_model_index, resolve_model_path
+from ditattn.pipelines.offload import ComponentPlacement, check_offload_mode
 from ditattn.platforms import Platform, platform_for_device, use_platform
 
 log = logging.getLogger("ditattn.pipeline")
@@ -71,8 +74,9 @@ class GenerationResult:
     frames: ``np.uint8 [N, F, H, W, 3]`` (or float32 in [0, 1] with ``output_type="float"``, or the
     final latents ``[N, C, T, H/8, W/8]`` tensor with ``output_type="latent"``); attention_backends:
     the backends the DiT's attention ran in this call (the request override when one was given);
-    timings: seconds per stage (``text``, ``denoise``, ``decode``, ``total``); stats: request
-    statistics reported by backends (e.g. skip-softmax tile fractions).
+    timings: seconds per stage (``text``, ``image``, ``denoise``, ``decode``, ``total``); stats: request
+    statistics reported by backends (e.g. skip-softmax tile fractions); peak_memory: the most bytes
+    allocated on the CUDA device during the call (None elsewhere).
     """
 
     frames: Any
@@ -85,6 +89,15 @@ class GenerationResult:
     width: int
     num_frames: int
     num_inference_steps: int
+    peak_memory: Optional[int] = None
+
+
+@dataclasses.dataclass
+class _Run:
+    device: Optional[torch.device]  # CUDA device whose peak memory is measured, else None
+
+    def peak_memory(self) -> Optional[int]:
+        return None if self.device is None else int(torch.cuda.max_memory_allocated(self.device))
 
 
 class WanPipelineNative:
@@ -92,12 +105,14 @@ class WanPipelineNative:
 
     Attributes: ``model_index`` (:class:`ModelIndex`), ``components`` (name -> module/object),
     ``scopes`` (component -> :class:`ComponentScope` with the attention decisions), ``settings``,
-    ``platform``, ``device``, ``dtype``, ``defaults`` (sampling defaults of this model).
+    ``platform``, ``device``, ``dtype``, ``defaults`` (sampling defaults of this model), ``adapters``
+    (the loaded LoRAs), ``placement`` (where components live between uses: offload).
     """
 
     def __init__(self, model_index: ModelIndex, components: dict[str, Any], scopes: dict[str, ComponentScope],
                  settings: AttentionSettings, platform: Platform, device: torch.device, dtype: torch.dtype,
-                 load_weights: bool):
+                 load_weights: bool, *, placement: Optional[ComponentPlacement] = None,
+                 adapters: Sequence[Adapter] = ()):
         self.model_index = model_index
         self.components = components
         self.scopes = scopes
@@ -106,6 +121,9 @@ class WanPipelineNative:
         self.device = device
         self.dtype = dtype
         self.loaded = load_weights
+        self.placement = placement or ComponentPlacement(components, device)
+        self.adapters = list(adapters)
+        self._offload_lock = threading.Lock()  # offloaded components move: one generation at a time
         self.defaults = dict(TINY_DEFAULTS if model_index.is_builtin else CHECKPOINT_DEFAULTS)
         self.boundary_ratio = model_index.config.get("boundary_ratio")
         self.expand_timesteps = bool(model_index.config.get("expand_timesteps") or False)
@@ -139,6 +157,12 @@ class WanPipelineNative:
         *,
         variant: Optional[str] = None,
         load_weights: bool = True,
+        offload: str = "none",
+        offload_group_blocks: int = 1,
+        vae_tiling: bool = False,
+        vae_slicing: bool = False,
+        lora: Sequence = (),
+        lora_fuse: bool = False,
     ) -> "WanPipelineNative":
         """Load the pipeline at ``path`` (a local diffusers-format Wan folder or ``ditattn:tiny-wan`` /
         ``ditattn:tiny-wan2.2``; None = ``ditattn:tiny-wan``) on ``device`` in compute ``dtype``
@@ -146,8 +170,16 @@ class WanPipelineNative:
 
         Every component is constructed inside its attention scope under ``settings`` (None = all
         automatic).  ``load_weights=False`` only resolves the attention plan (models on the meta
-        device, no VAE): enough for :meth:`plan`.  Raises :class:`AttentionConfigError` for a bad
-        path, an unsupported checkpoint, a refused backend or override, or unused config keys.
+        device, no VAE): enough for :meth:`plan`.
+
+        Memory: ``offload`` (``none``, ``text_encoder``, ``model``, ``group``: see
+        :mod:`ditattn.pipelines.offload`; ``offload_group_blocks`` DiT blocks per streamed group),
+        ``vae_tiling`` / ``vae_slicing`` (diffusers' tiled / per-sample VAE encode and decode).
+        LoRA: ``lora`` is a list of ``[COMPONENT=]PATH[:SCALE]`` specs (or :class:`~ditattn.models.lora.
+        LoRASpec`) loaded into the DiT, fused into the weights with ``lora_fuse`` or kept apart (then a
+        request's ``lora=`` scales can change them).  Raises :class:`AttentionConfigError` for a bad
+        path, an unsupported checkpoint, a refused backend or override, unused config keys, a bad
+        LoRA or offload setting.
         """
         settings = settings or AttentionSettings()
         folder, name = resolve_model_path(path)
@@ -155,29 +187,52 @@ class WanPipelineNative:
         dev = parse_device(device)
         platform = platform_for_device(dev)
         dt = parse_dtype(dtype, platform)
+        check_offload_mode(offload)
+        if offload == "group" and settings.compiled:
+            raise AttentionConfigError("--offload group streams the DiT's weights during the forward, which compiled "
+                                       "blocks cannot follow; use --offload model, or drop --enable-torch-compile")
+        if lora and not lora_fuse and settings.compiled:
+            raise AttentionConfigError("unfused LoRA adapters (switchable per request) cannot run inside compiled "
+                                       "blocks; add --lora-fuse, or drop --enable-torch-compile")
+        home = torch.device("cpu") if offload != "none" and load_weights else dev
         with use_platform(platform), attention_settings(settings):
-            components, scopes = build_components(mi, dev, dt, variant=variant, load_weights=load_weights)
+            components, scopes = build_components(mi, home, dt, variant=variant, load_weights=load_weights)
             check_overrides_used(settings.component_overrides, scopes, mi.components.keys())
             used = [d.backend for s in scopes.values() for d in s.decisions]
             check_config_keys_used(settings.config, used)
         if settings.cuda_graphs and dev.type != "cuda":
             raise AttentionConfigError(f"--enable-cuda-graph needs a CUDA device (this run is on {dev.type})")
+        adapters, placement = [], None
+        if load_weights:
+            adapters = load_loras(components, lora, fuse=lora_fuse)
+            placement = ComponentPlacement(components, dev, offload, offload_group_blocks)
+            vae = components.get("vae")
+            if vae is not None and vae_tiling:
+                vae.enable_tiling()  # diffusers' tiles: 256-pixel tiles, 192-pixel stride, blended seams
+            if vae is not None and vae_slicing:
+                vae.enable_slicing()  # one sample of the batch at a time
         if settings.compiled and load_weights:
             from ditattn.models.wan.compile import compile_blocks
 
             for comp in DIT:
                 if components.get(comp) is not None:
                     compile_blocks(components[comp], mode="reduce-overhead" if settings.cuda_graphs else None)
-        return cls(mi, components, scopes, settings, platform, dev, dt, load_weights)
+        return cls(mi, components, scopes, settings, platform, dev, dt, load_weights, placement=placement,
+                   adapters=adapters)
 
     @classmethod
-    def from_config(cls, config, *, load_weights: bool = True) -> "WanPipelineNative":
+    def from_config(cls, config, *, load_weights: bool = True, lora_fuse: Optional[bool] = None) -> "WanPipelineNative":
         """The pipeline of a :class:`~ditattn.runconfig.RunConfig` (the object ``ditattn generate``
         builds from its flags and ``--config``): its model section (path, device, dtype, variant,
-        compile flags) and its attention settings.  Sample with ``generate(**config.generate_kwargs())``."""
+        compile, offload, VAE tiling / slicing and LoRA settings) and its attention settings
+        (``lora_fuse``: the command's default when the config leaves it unset).  Sample with
+        ``generate(**config.generate_kwargs())``."""
         m = config.model
+        fuse = m.lora_fuse if m.lora_fuse is not None else bool(lora_fuse)
         return cls.from_pretrained(m.model_path, config.attention_settings(), device=m.device, dtype=m.dtype,
-                                   variant=m.model_variant, load_weights=load_weights)
+                                   variant=m.model_variant, load_weights=load_weights, offload=m.offload,
+                                   offload_group_blocks=m.offload_group_blocks, vae_tiling=m.vae_tiling,
+                                   vae_slicing=m.vae_slicing, lora=m.lora_path, lora_fuse=fuse)
 
     # ------------------------------------------------------------------------------------------
     # plan
@@ -256,6 +311,7 @@ class WanPipelineNative:
         guidance_scale_2: Optional[float] = None,
         seed: Union[int, Sequence[int], None] = 0,
         image=None,
+        lora: Optional[dict] = None,
         override: Optional[str] = None,
         skip_softmax=None,
         request_state: Optional[RequestState] = None,
@@ -276,7 +332,9 @@ class WanPipelineNative:
         comes from its own CPU generator, so a clip does not depend on what it is batched with.
         image: the first frame of image-to-video / TI2V checkpoints (required by ``i2v`` ones,
         refused by text-to-video ones): a path, encoded bytes, a PIL image or a uint8 array ``[H, W,
-        3]``, or a list of N of those (one per prompt). override: a per-request
+        3]``, or a list of N of those (one per prompt). lora: the scales of the loaded unfused LoRA
+        adapters for this call (name -> scale, adapters not named are off; None: their load-time
+        scales). override: a per-request
         dense drop-in backend for the DiT (DESIGN 2.7); skip_softmax: ``{threshold_scale_factor,
         start_step}`` (2.8); request_state: an already prepared state (:meth:`prepare_request`)
         instead of those two. latents: optional initial noise ``[N, C, T, H/8, W/8]`` float32.
@@ -326,115 +384,121 @@ class WanPipelineNative:
         do_cfg = guidance > 1.0  # as diffusers: the first scale decides whether negatives are encoded
         timings: dict[str, float] = {}
 
-        # 1. text
-        t0 = time.perf_counter()
-        texts = prompts + negatives if do_cfg else prompts
-        ids, mask = self.components["tokenizer"](texts, max_sequence_length)
-        lens = mask.sum(dim=1).tolist()
-        # padding keys are masked out, so encoding only up to the longest prompt gives the same
-        # embeddings for the real tokens; the padding rows are zeros (as diffusers pads them)
-        L_max = max(1, int(max(lens)))
-        emb = self.components["text_encoder"](ids[:, :L_max].to(dev), mask[:, :L_max].to(dev))
-        context = emb.new_zeros(emb.shape[0], ids.shape[1], emb.shape[2])
-        for i, L in enumerate(lens):
-            context[i, :L] = emb[i, :L]
-        dits = {c: self.components.get(c) for c in DIT}
-        ref_dit = dits["transformer"] if dits["transformer"] is not None else dits["transformer_2"]
-        context = context.to(dt)
-        timings["text"] = time.perf_counter() - t0
-
-        # 2. noise (and the image's conditioning)
-        lat_shape = (self.z_dim, (num_frames - 1) // self.vae_scale_temporal + 1,
-                     height // self.vae_scale_spatial, width // self.vae_scale_spatial)
-        if latents is None:
-            latents = torch.stack([
-                torch.randn(lat_shape, generator=torch.Generator("cpu").manual_seed(s), dtype=torch.float32)
-                for s in seeds
-            ])
-        elif tuple(latents.shape) != (n, *lat_shape):
-            raise AttentionConfigError(f"latents must have shape {(n, *lat_shape)}, got {tuple(latents.shape)}")
-        latents = latents.to(dev, torch.float32)
-        grid = ref_dit.latent_grid(*lat_shape[1:])
-        condition = None
-        if images is not None:
+        scales = resolve_request_lora(lora, self.adapters)
+        with self._run_scope(scales) as run:
+            # 1. text
             t0 = time.perf_counter()
-            condition = self._condition(images, height, width, num_frames)
-            timings["image"] = time.perf_counter() - t0
-        image_embeds = None
-        if condition is not None and condition.image_embeds is not None:
-            image_embeds = torch.cat([condition.image_embeds] * 2) if do_cfg else condition.image_embeds
+            texts = prompts + negatives if do_cfg else prompts
+            ids, mask = self.components["tokenizer"](texts, max_sequence_length)
+            lens = mask.sum(dim=1).tolist()
+            # padding keys are masked out, so encoding only up to the longest prompt gives the same
+            # embeddings for the real tokens; the padding rows are zeros (as diffusers pads them)
+            L_max = max(1, int(max(lens)))
+            with self.placement.use("text_encoder"):
+                emb = self.components["text_encoder"](ids[:, :L_max].to(dev), mask[:, :L_max].to(dev))
+            context = emb.new_zeros(emb.shape[0], ids.shape[1], emb.shape[2])
+            for i, L in enumerate(lens):
+                context[i, :L] = emb[i, :L]
+            dits = {c: self.components.get(c) for c in DIT}
+            ref_dit = dits["transformer"] if dits["transformer"] is not None else dits["transformer_2"]
+            context = context.to(dt)
+            timings["text"] = time.perf_counter() - t0
 
-        # 3. denoise
-        t0 = time.perf_counter()
-        scheduler = self.components["scheduler"]()
-        scheduler.set_timesteps(steps, device=dev)
-        if hasattr(scheduler, "set_begin_index"):
-            scheduler.set_begin_index(0)
-        timesteps = scheduler.timesteps
-        boundary = None
-        if self.boundary_ratio is not None and dits["transformer_2"] is not None:
-            boundary = float(self.boundary_ratio) * scheduler.config.num_train_timesteps
-        used_models = set()
-        text_caches: dict = {}  # per expert: projected text + cross-attention K/V, computed once
-        from tqdm.auto import tqdm
+            # 2. noise (and the image's conditioning)
+            lat_shape = (self.z_dim, (num_frames - 1) // self.vae_scale_temporal + 1,
+                         height // self.vae_scale_spatial, width // self.vae_scale_spatial)
+            if latents is None:
+                latents = torch.stack([
+                    torch.randn(lat_shape, generator=torch.Generator("cpu").manual_seed(s), dtype=torch.float32)
+                    for s in seeds
+                ])
+            elif tuple(latents.shape) != (n, *lat_shape):
+                raise AttentionConfigError(f"latents must have shape {(n, *lat_shape)}, got {tuple(latents.shape)}")
+            latents = latents.to(dev, torch.float32)
+            grid = ref_dit.latent_grid(*lat_shape[1:])
+            condition = None
+            if images is not None:
+                t0 = time.perf_counter()
+                condition = self._condition(images, height, width, num_frames)
+                timings["image"] = time.perf_counter() - t0
+            image_embeds = None
+            if condition is not None and condition.image_embeds is not None:
+                image_embeds = torch.cat([condition.image_embeds] * 2) if do_cfg else condition.image_embeds
 
-        bar = tqdm(total=len(timesteps), desc="denoising", unit="step", file=sys.stderr, disable=not progress,
-                   dynamic_ncols=True, leave=True)
-        try:
-            with request_scope(state) if state is not None else contextlib.nullcontext():
-                for i, t in enumerate(timesteps):
-                    if dits["transformer"] is not None and (boundary is None or float(t) >= boundary):
-                        name, scale = "transformer", guidance
-                    else:
-                        name, scale = "transformer_2", guidance_2
-                    model = dits[name]
-                    used_models.add(name)
-                    x = (latents if condition is None else condition.model_input(latents)).to(dt)
-                    if do_cfg:
-                        x = torch.cat([x, x])
-                    if name not in text_caches:
-                        text_caches[name] = model.encode_text(
-                            context, image_embeds if model.config.has_image_input else None)
-                    if condition is not None and condition.mode == "ti2v":
-                        ts = condition.timesteps(t, x.shape[0], model.config.patch_size)
-                    elif self.expand_timesteps:
-                        ts = t.expand(x.shape[0], grid[0] * grid[1] * grid[2])
-                    else:
-                        ts = t.expand(x.shape[0])
-                    with forward_context(step=i, num_steps=len(timesteps), video_shape=grid, text_len=0):
-                        out = model(x, ts, text_cache=text_caches[name])
-                    if do_cfg:
-                        cond, uncond = out.float().chunk(2)
-                        pred = uncond + scale * (cond - uncond)
-                    else:
-                        pred = out.float()
-                    latents = scheduler.step(pred, t, latents, return_dict=False)[0]
-                    bar.update(1)
-                    if on_step is not None:
-                        on_step(i + 1, len(timesteps))
-        finally:
-            bar.close()
-        timings["denoise"] = time.perf_counter() - t0
-        if condition is not None:
-            latents = condition.finalize(latents)  # TI2V: the first latent frame is the image's
+            # 3. denoise
+            t0 = time.perf_counter()
+            scheduler = self.components["scheduler"]()
+            scheduler.set_timesteps(steps, device=dev)
+            if hasattr(scheduler, "set_begin_index"):
+                scheduler.set_begin_index(0)
+            timesteps = scheduler.timesteps
+            boundary = None
+            if self.boundary_ratio is not None and dits["transformer_2"] is not None:
+                boundary = float(self.boundary_ratio) * scheduler.config.num_train_timesteps
+            used_models = set()
+            text_caches: dict = {}  # per expert: projected text + cross-attention K/V, computed once
+            from tqdm.auto import tqdm
 
-        # 4. decode
-        t0 = time.perf_counter()
-        if output_type == "latent":
-            frames = latents
-        else:
-            frames = self.decode(latents)
-            if output_type == "uint8":
-                frames = (frames * 255.0).round().clip(0, 255).astype(np.uint8)
-        timings["decode"] = time.perf_counter() - t0
-        timings["total"] = time.perf_counter() - t_start
+            bar = tqdm(total=len(timesteps), desc="denoising", unit="step", file=sys.stderr, disable=not progress,
+                       dynamic_ncols=True, leave=True)
+            try:
+                with request_scope(state) if state is not None else contextlib.nullcontext():
+                    for i, t in enumerate(timesteps):
+                        if dits["transformer"] is not None and (boundary is None or float(t) >= boundary):
+                            name, scale = "transformer", guidance
+                        else:
+                            name, scale = "transformer_2", guidance_2
+                        model = dits[name]
+                        used_models.add(name)
+                        self.placement.onload(name)  # stays on the device until another component needs it
+                        x = (latents if condition is None else condition.model_input(latents)).to(dt)
+                        if do_cfg:
+                            x = torch.cat([x, x])
+                        if name not in text_caches:  # block-streamed DiTs project the K/V in each block
+                            text_caches[name] = model.encode_text(
+                                context, image_embeds if model.config.has_image_input else None,
+                                per_block=name not in self.placement.streamers)
+                        if condition is not None and condition.mode == "ti2v":
+                            ts = condition.timesteps(t, x.shape[0], model.config.patch_size)
+                        elif self.expand_timesteps:
+                            ts = t.expand(x.shape[0], grid[0] * grid[1] * grid[2])
+                        else:
+                            ts = t.expand(x.shape[0])
+                        with forward_context(step=i, num_steps=len(timesteps), video_shape=grid, text_len=0):
+                            out = model(x, ts, text_cache=text_caches[name])
+                        if do_cfg:
+                            cond, uncond = out.float().chunk(2)
+                            pred = uncond + scale * (cond - uncond)
+                        else:
+                            pred = out.float()
+                        latents = scheduler.step(pred, t, latents, return_dict=False)[0]
+                        bar.update(1)
+                        if on_step is not None:
+                            on_step(i + 1, len(timesteps))
+            finally:
+                bar.close()
+            timings["denoise"] = time.perf_counter() - t0
+            if condition is not None:
+                latents = condition.finalize(latents)  # TI2V: the first latent frame is the image's
 
-        from ditattn.attention.override import dit_layers, request_backends
+            # 4. decode
+            t0 = time.perf_counter()
+            if output_type == "latent":
+                frames = latents
+            else:
+                frames = self.decode(latents)
+                if output_type == "uint8":
+                    frames = (frames * 255.0).round().clip(0, 255).astype(np.uint8)
+            timings["decode"] = time.perf_counter() - t0
+            timings["total"] = time.perf_counter() - t_start
 
-        layers = dit_layers(dits[c] for c in DIT if c in used_models)
-        backends = request_backends([l for r in ROLES for l in layers if l.role == r], state)
-        stats = dict(state.stats) if state is not None else {}
-        return GenerationResult(frames, backends, timings, stats, latents, seeds, height, width, num_frames, steps)
+            from ditattn.attention.override import dit_layers, request_backends
+
+            layers = dit_layers(dits[c] for c in DIT if c in used_models)
+            backends = request_backends([l for r in ROLES for l in layers if l.role == r], state)
+            stats = dict(state.stats) if state is not None else {}
+            return GenerationResult(frames, backends, timings, stats, latents, seeds, height, width, num_frames, steps,
+                                    run.peak_memory())
 
     def _images(self, image, n: int) -> Optional[list]:
         """The batch's input images (one RGB PIL image per prompt) or None; checks that this
@@ -457,11 +521,31 @@ class WanPipelineNative:
 
     def _condition(self, images: list, height: int, width: int, num_frames: int) -> ImageCondition:
         """The batch's :class:`ImageCondition` (VAE latents of the first frame, CLIP tokens)."""
-        return encode_image_condition(
-            images, mode=self.mode, vae=self.components["vae"], height=height, width=width, num_frames=num_frames,
-            temporal=self.vae_scale_temporal, spatial=self.vae_scale_spatial, device=self.device,
-            image_encoder=self.components.get("image_encoder") if self.image_embeds else None,
-            image_processor=self.components.get("image_processor"), embed_dtype=self.dtype)
+        embeds = None
+        if self.image_embeds:
+            with self.placement.use("image_encoder"):
+                embeds = clip_image_embeds(images, self.components["image_encoder"],
+                                           self.components["image_processor"], self.device, self.dtype)
+        with self.placement.use("vae"):
+            return encode_image_condition(
+                images, mode=self.mode, vae=self.components["vae"], height=height, width=width,
+                num_frames=num_frames, temporal=self.vae_scale_temporal, spatial=self.vae_scale_spatial,
+                device=self.device, image_embeds=embeds)
+
+    @contextlib.contextmanager
+    def _run_scope(self, scales: Optional[dict]):
+        """One generation: LoRA scales in effect, one call at a time when components move (offload),
+        every offloaded component back on the CPU afterwards, CUDA peak memory measured."""
+        lock = self._offload_lock if self.placement.offloaded else contextlib.nullcontext()
+        cuda = self.device.type == "cuda"
+        with lock, lora_scales(scales):
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(self.device)
+            run = _Run(self.device if cuda else None)
+            try:
+                yield run
+            finally:
+                self.placement.release()
 
     def size_multiple(self) -> int:
         """Heights and widths must be multiples of this (VAE stride x patch size)."""
@@ -472,6 +556,10 @@ class WanPipelineNative:
 
     def decode(self, latents: torch.Tensor) -> np.ndarray:
         """Latents ``[N, C, T, h, w]`` -> float32 frames in [0, 1], ``np.ndarray [N, F, H, W, 3]``."""
+        with self.placement.use("vae"):
+            return self._decode(latents)
+
+    def _decode(self, latents: torch.Tensor) -> np.ndarray:
         vae = self.components["vae"]
         cfg = vae.config
         z = latents.to(self.device, vae.dtype)

@@ -35,6 +35,7 @@ from ditattn.errors import AttentionConfigError
 from ditattn.runconfig.checks import (
     boolean,
     finite_float,
+    lora_specs,
     nonneg_float,
     nonneg_int,
     one_of,
@@ -68,6 +69,8 @@ class _Section:
 # sections
 
 DTYPES = ("float32", "bfloat16", "float16")
+#: where components live between uses (ditattn.pipelines.offload)
+OFFLOAD_MODES = ("none", "text_encoder", "model", "group")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +86,16 @@ class ModelConfig(_Section):
     backend: str = _field("native", one_of("native", "diffusers"), "native ditattn pipeline or stock diffusers")
     enable_torch_compile: bool = _field(False, boolean, "torch.compile each DiT block")
     enable_cuda_graph: bool = _field(False, boolean, "CUDA graphs for the DiT blocks (implies torch.compile)")
+    offload: str = _field("none", one_of(*OFFLOAD_MODES), "CPU offload: none, text_encoder (encoders visit the device "
+                          "only to encode), model (each component on the device only while it runs), group (model, "
+                          "and the DiT streamed block group by block group)")
+    offload_group_blocks: int = _field(1, positive_int, "DiT blocks per streamed group (--offload group)")
+    vae_tiling: bool = _field(False, boolean, "VAE encode/decode in overlapping spatial tiles (less memory)")
+    vae_slicing: bool = _field(False, boolean, "VAE encode/decode one sample of the batch at a time")
+    lora_path: tuple = _field((), lora_specs, "LoRA adapters: [COMPONENT=]PATH[:SCALE] each (COMPONENT transformer or "
+                              "transformer_2, default transformer; SCALE default 1.0)")
+    lora_fuse: Optional[bool] = _field(None, optional(boolean), "fuse the LoRAs into the weights (None: generate "
+                                       "fuses, serve keeps them apart so requests can set their scales)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +106,10 @@ class SamplingConfig(_Section):
     negative_prompt: Optional[str] = _field(None, optional(text), "negative prompt for classifier-free guidance")
     num_inference_steps: Optional[int] = _field(None, optional(positive_int), "denoising steps")
     guidance_scale: Optional[float] = _field(None, optional(finite_float), "classifier-free guidance scale")
+    guidance_scale_2: Optional[float] = _field(None, optional(finite_float), "guidance scale of the low-noise expert "
+                                               "(two-expert Wan 2.2 checkpoints; None: guidance_scale)")
+    image: Optional[str] = _field(None, optional(text), "first frame of an image-to-video / TI2V checkpoint (a PNG, "
+                                  "JPEG, WebP or BMP file)")
     height: Optional[int] = _field(None, optional(positive_int), "output height in pixels")
     width: Optional[int] = _field(None, optional(positive_int), "output width in pixels")
     num_frames: Optional[int] = _field(None, optional(positive_int), "frames (1 = image)")
@@ -347,7 +364,7 @@ class RunConfig:
         s = self.sampling
         return dict(prompt=s.prompt, negative_prompt=s.negative_prompt, height=s.height, width=s.width,
                     num_frames=s.num_frames, num_inference_steps=s.num_inference_steps,
-                    guidance_scale=s.guidance_scale, seed=s.seed or 0,
+                    guidance_scale=s.guidance_scale, guidance_scale_2=s.guidance_scale_2, image=s.image, seed=s.seed or 0,
                     override=self.attention.attention_backend_override, skip_softmax=self.attention.skip_softmax())
 
     def for_rank(self, rank: int, device: str) -> "RunConfig":
