@@ -154,3 +154,5 @@ def server_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", help="require Authorization: Bearer KEY")
     g.add_argument("--max-batch-size", type=POS_INT, help="dynamic batching: requests per batch (default 4)")
     g.add_argument("--max-queue", type=POS_INT, help="queued requests before 429 (default 64)")
+    g.add_argument("--max-image-bytes", type=POS_INT, metavar="BYTES",
+                   help="largest input_reference image of an image-to-video job, encoded (default 10 MiB)")

@@ -9,8 +9,8 @@ one id per byte), ``transformer`` (WanTransformer3DModel: 2 blocks, 4 heads x he
 512), ``vae`` (AutoencoderKLWan, base dim 8: 8x spatial / 4x temporal compression, 16 latent
 channels) and ``scheduler`` (UniPC flow-matching, shift 3.0, as the Wan 2.1 checkpoints ship).
 ``tiny-wan2.2`` adds ``transformer_2`` (the low-noise expert, another seed) and
-``boundary_ratio = 0.875`` like Wan2.2-T2V-A14B.  The image-to-video layouts (``tiny-wan-i2v``,
-``tiny-wan2.2-ti2v``, ``tiny-wan2.2-i2v``) are recipes of :mod:`ditattn.models.tiny_i2v`.
+``boundary_ratio = 0.875`` like Wan2.2-T2V-A14B.  The image-to-video layouts are in
+:mod:`ditattn.models.tiny_i2v`.
 """
 from __future__ import annotations
 
@@ -22,8 +22,7 @@ from typing import Optional
 from ditattn.errors import AttentionConfigError
 from ditattn.settings import cache_dir
 
-TINY_MODELS = ("ditattn:tiny-wan", "ditattn:tiny-wan2.2", "ditattn:tiny-wan-i2v", "ditattn:tiny-wan2.2-ti2v",
-               "ditattn:tiny-wan2.2-i2v")
+TINY_MODELS = ("ditattn:tiny-wan", "ditattn:tiny-wan2.2")
 DEFAULT_MODEL = "ditattn:tiny-wan"
 _VERSION = "v1"  # bump when the recipe changes so stale caches are not reused
 
@@ -80,10 +79,6 @@ def build_byte_tokenizer(model_max_length: int = 512):
 
 
 def _build(name: str, out_dir: str) -> None:
-    if name not in ("ditattn:tiny-wan", "ditattn:tiny-wan2.2"):
-        from ditattn.models import tiny_i2v
-
-        return tiny_i2v.build(name, out_dir)
     import torch
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
@@ -125,6 +120,12 @@ def tiny_model_path(name: str, root: Optional[str] = None) -> str:
     (a few seconds; atomic, so concurrent processes are safe)."""
     if name not in TINY_MODELS:
         raise AttentionConfigError(f"unknown built-in model '{name}'; built-in models: {', '.join(TINY_MODELS)}")
+    return cached_build(name, _build, root)
+
+
+def cached_build(name: str, build, root: Optional[str] = None) -> str:
+    """The cache folder of built-in model ``name``, written by ``build(name, folder)`` on first use into
+    a temporary folder then renamed (atomic: concurrent processes are safe)."""
     root = os.path.join(root or cache_dir(), "models")
     target = os.path.join(root, f"{name.split(':', 1)[1]}-{_VERSION}")
     if os.path.isfile(os.path.join(target, "model_index.json")):
@@ -132,7 +133,7 @@ def tiny_model_path(name: str, root: Optional[str] = None) -> str:
     os.makedirs(root, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".build-", dir=root)
     try:
-        _build(name, tmp)
+        build(name, tmp)
         try:
             os.replace(tmp, target)
         except OSError:

@@ -18,6 +18,9 @@ tested against diffusers' own pipelines on them:
 """
 from __future__ import annotations
 
+from typing import Optional
+
+from ditattn.errors import AttentionConfigError
 from ditattn.models import tiny
 
 I2V_MODELS = ("ditattn:tiny-wan-i2v", "ditattn:tiny-wan2.2-ti2v", "ditattn:tiny-wan2.2-i2v")
@@ -33,6 +36,14 @@ VAE22 = dict(base_dim=8, decoder_base_dim=8, z_dim=48, dim_mult=[1, 1, 1, 1], nu
              latents_std=[round(0.8 + 0.8 * i / 47, 4) for i in range(48)])
 I2V_BOUNDARY_RATIO = 0.9
 TI2V_FLOW_SHIFT = 5.0
+
+
+def i2v_model_path(name: str, root: Optional[str] = None) -> str:
+    """The folder of built-in model ``name`` (one of :data:`I2V_MODELS`), built on first use."""
+    if name not in I2V_MODELS:
+        raise AttentionConfigError(f"unknown built-in model '{name}'; image-to-video built-in models: "
+                                   f"{', '.join(I2V_MODELS)}")
+    return tiny.cached_build(name, build, root)
 
 
 def build(name: str, out_dir: str) -> None:

@@ -7,6 +7,9 @@ from typing import Any, Optional
 
 from ditattn.errors import AttentionConfigError
 from ditattn.models.tiny import DEFAULT_MODEL, TINY_MODELS, tiny_model_path
+from ditattn.models.tiny_i2v import I2V_MODELS, i2v_model_path
+
+BUILTIN_MODELS = TINY_MODELS + I2V_MODELS
 from ditattn.models.weights import read_json
 
 SUPPORTED_PIPELINES = ("WanPipeline", "WanImageToVideoPipeline")
@@ -33,7 +36,7 @@ class ModelIndex:
 
     @property
     def is_builtin(self) -> bool:
-        return self.name in TINY_MODELS
+        return self.name in BUILTIN_MODELS
 
 
 def resolve_model_path(model_path: Optional[str]) -> tuple[str, str]:
@@ -44,17 +47,19 @@ def resolve_model_path(model_path: Optional[str]) -> tuple[str, str]:
     """
     name = model_path or DEFAULT_MODEL
     if name.startswith("ditattn:"):
-        return tiny_model_path(name), name
+        if name not in BUILTIN_MODELS:
+            raise AttentionConfigError(f"unknown built-in model '{name}'; built-in models: {', '.join(BUILTIN_MODELS)}")
+        return (i2v_model_path(name) if name in I2V_MODELS else tiny_model_path(name)), name
     folder = os.path.expanduser(name)
     if not os.path.isdir(folder):
         raise AttentionConfigError(
             f"--model-path '{name}' is not a local directory; give a diffusers-format Wan checkpoint folder "
-            f"(with model_index.json) or a built-in model: {', '.join(TINY_MODELS)} (ditattn never downloads)"
+            f"(with model_index.json) or a built-in model: {', '.join(BUILTIN_MODELS)} (ditattn never downloads)"
         )
     if not os.path.isfile(os.path.join(folder, "model_index.json")):
         raise AttentionConfigError(
             f"--model-path '{name}' has no model_index.json; give a diffusers-format Wan checkpoint folder "
-            f"or a built-in model: {', '.join(TINY_MODELS)}"
+            f"or a built-in model: {', '.join(BUILTIN_MODELS)}"
         )
     return os.path.abspath(folder), name
 

@@ -201,7 +201,10 @@ class ServerConfig(_Section):
     max_steps: int = _field(200, positive_int, "most denoising steps of a request")
     max_n: int = _field(10, positive_int, "most images per image request")
     max_fps: int = _field(120, positive_int, "highest fps of a video request")
-    max_body_bytes: int = _field(1 << 20, positive_int, "largest request body in bytes")
+    max_body_bytes: int = _field(1 << 20, positive_int, "largest request body in bytes (without the image of an "
+                                 "image-to-video job)")
+    max_image_bytes: int = _field(10 << 20, positive_int, "largest encoded input_reference image in bytes")
+    max_image_pixels: int = _field(4096 * 4096, positive_int, "largest input_reference image in pixels")
     max_videos_kept: int = _field(1000, positive_int, "finished video jobs kept before the oldest are forgotten")
     batch_window_s: float = _field(0.01, nonneg_float, "seconds the scheduler waits to fill a batch")
 

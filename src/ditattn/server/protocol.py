@@ -171,6 +171,8 @@ class _Extras(BaseModel):
     negative_prompt: Optional[str] = Field(default=None, max_length=20000)
     num_inference_steps: Optional[int] = None
     guidance_scale: Optional[float] = None
+    guidance_scale_2: Optional[float] = None
+    lora: Optional[dict[str, float]] = Field(default=None, max_length=16)
     seed: Optional[int] = None
     attention_backend_override: Optional[str] = Field(default=None, max_length=64)
     skip_softmax_params: Optional[SkipSoftmaxBody] = None
@@ -180,8 +182,9 @@ class _Extras(BaseModel):
         return list(cls.model_fields)
 
     def check_numbers(self) -> None:
-        if self.guidance_scale is not None and not math.isfinite(self.guidance_scale):
-            raise RequestError("guidance_scale must be a finite number", param="guidance_scale")
+        for name in ("guidance_scale", "guidance_scale_2"):
+            if getattr(self, name) is not None and not math.isfinite(getattr(self, name)):
+                raise RequestError(f"{name} must be a finite number", param=name)
         if self.seed is not None and not (-(2 ** 63) <= self.seed < 2 ** 63):
             raise RequestError("seed must fit in a signed 64-bit integer", param="seed")
 
@@ -263,8 +266,8 @@ class VideoCreateRequest(_Extras):
     """``POST /v1/videos`` body (OpenAI videos API + DESIGN 1.6 extras + ``num_frames``, ``fps``).
 
     ``seconds`` is the OpenAI clip duration (a string in the client; any positive number here);
-    ``num_frames`` wins over it. ``input_reference`` (image-to-video) is refused: the server runs
-    text-to-video models.
+    ``num_frames`` wins over it. ``input_reference`` is the first frame of an image-to-video job
+    (:mod:`ditattn.server.references`: a file upload, ``{"image_url": data URL}`` or base64).
     """
 
     prompt: str = Field(min_length=1, max_length=20000)
@@ -335,10 +338,15 @@ class VideoList(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """OpenAI ``Model`` plus ``lora_adapters`` (what a request's ``lora`` may name) and ``image_input``
+    (``none``, ``optional`` or ``required``: whether video jobs take / need an ``input_reference``)."""
+
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "ditattn"
+    lora_adapters: list[dict] = Field(default_factory=list)
+    image_input: str = "none"
 
 
 class ModelList(BaseModel):

@@ -53,13 +53,15 @@ def _frames(state: ServerState, req: VideoCreateRequest, fps: int) -> int:
 @router.post("/v1/videos")
 async def create_video(request: Request, state: ServerState = Depends(server_state)):
     config = state.config
-    req = validate(VideoCreateRequest, await read_body(request, config.max_body_bytes))
+    # for a model that takes a first frame, the body may carry it (base64 grows it by a third)
+    limit = config.max_body_bytes
+    if getattr(state.runner.defaults, "image_input", "none") != "none":
+        limit += (config.max_image_bytes * 4) // 3 + 4096
+    req = validate(VideoCreateRequest, await read_body(request, limit))
     req.check_numbers()
-    if req.input_reference is not None:
-        raise RequestError("input_reference (image-to-video) is not supported: this server runs text-to-video "
-                           "models", param="input_reference")
     model = state.check_model(req.model)
-    width, height = state.check_size(req.size)
+    image = state.check_image(req.input_reference)
+    width, height = state.check_size(req.size, image)
     fps = state.runner.defaults.fps if req.fps is None else req.fps
     if not 1 <= fps <= config.max_fps:
         raise RequestError(f"fps must be between 1 and {config.max_fps}, got {fps}", param="fps")
@@ -67,7 +69,7 @@ async def create_video(request: Request, state: ServerState = Depends(server_sta
     steps = state.check_steps(req.num_inference_steps)
     vid = "video_" + uuid.uuid4().hex
     job = state.job(req, kind="video", width=width, height=height, num_frames=frames, steps=steps, n=1, fps=fps,
-                    model=model, id=vid, on_start=lambda j: state.videos.update(j.id, status="in_progress"),
+                    model=model, id=vid, image=image, on_start=lambda j: state.videos.update(j.id, status="in_progress"),
                     on_progress=lambda j, frac: state.videos.update(j.id, progress=max(0, min(99, int(frac * 100)))))
     rec = VideoRecord(
         id=vid, model=model, prompt=req.prompt, size=f"{width}x{height}", seconds=f"{frames / fps:g}",
