@@ -12,6 +12,7 @@ CPU run the number of torch threads follows the idle cores (see :func:`_tune_cpu
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import Optional
@@ -161,11 +162,28 @@ def _generate_native(cfg: RunConfig, t_start: float) -> int:
     return 0
 
 
+def _diffusers_image(mi, path: Optional[str]):
+    """The ``--image`` of a ``--backend diffusers`` run (checked against the checkpoint), or None."""
+    from ditattn.pipelines.conditioning import load_image
+    from ditattn.pipelines.diffusers_backend import conditioning_mode_static
+
+    mode = conditioning_mode_static(mi)
+    if path is None:
+        if mode == "i2v":
+            raise AttentionConfigError("this checkpoint is image-to-video: give the first frame with --image PATH")
+        return None
+    if mode == "t2v":
+        raise AttentionConfigError("this checkpoint is text-to-video and takes no --image; image conditioning needs "
+                                   "an image-to-video checkpoint (Wan 2.1 I2V, Wan 2.2 I2V-A14B or TI2V-5B)")
+    return load_image(path, where="--image")
+
+
 def _generate_diffusers(cfg: RunConfig, t_start: float) -> int:
     import torch
 
     from ditattn.pipelines.diffusers_backend import (check_size_static, load_diffusers_pipeline,
                                                      reject_native_only_options, run_diffusers)
+    from ditattn.models.weights import read_json
     from ditattn.pipelines.loading import parse_device, parse_dtype
     from ditattn.pipelines.model_index import read_model_index, resolve_model_path
     from ditattn.pipelines.wan import CHECKPOINT_DEFAULTS, TINY_DEFAULTS
@@ -179,7 +197,15 @@ def _generate_diffusers(cfg: RunConfig, t_start: float) -> int:
     dt = parse_dtype(m.dtype, platform_for_device(dev))
     _tune_cpu_threads(dev)
     d = TINY_DEFAULTS if mi.is_builtin else CHECKPOINT_DEFAULTS
+    image = _diffusers_image(mi, s.image)
     height, width = s.height or d["height"], s.width or d["width"]
+    if image is not None and s.height is None and s.width is None:
+        from ditattn.pipelines.conditioning import size_for_image
+
+        patch = read_json(os.path.join(mi.folder("transformer" if "transformer" in mi.components else "transformer_2"),
+                                       "config.json")).get("patch_size", (1, 2, 2))
+        spatial = int(read_json(os.path.join(mi.folder("vae"), "config.json")).get("scale_factor_spatial") or 8)
+        height, width = size_for_image(image.width, image.height, d["height"] * d["width"], spatial * int(patch[1]))
     num_frames = s.num_frames or d["num_frames"]
     steps = s.num_inference_steps or d["num_inference_steps"]
     guidance = d["guidance_scale"] if s.guidance_scale is None else s.guidance_scale
@@ -187,13 +213,19 @@ def _generate_diffusers(cfg: RunConfig, t_start: float) -> int:
     _check_output_name(cfg, num_frames)
     t0 = time.perf_counter()
     pipe = load_diffusers_pipeline(folder, device=dev, dtype=dt, variant=m.model_variant,
-                                   attention_backend=cfg.attention.attention_backend)
+                                   attention_backend=cfg.attention.attention_backend, image_to_video=image is not None,
+                                   model=m)
     load = time.perf_counter() - t0 + (t0 - t_start)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
     with torch.inference_mode():
         frames, secs = run_diffusers(
             pipe, prompt=s.prompt, negative_prompt=s.negative_prompt, height=height, width=width,
             num_frames=num_frames, num_inference_steps=steps, guidance_scale=guidance, seed=s.seed or 0,
+            image=image, guidance_scale_2=s.guidance_scale_2,
         )
+    peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
     _report(cfg, frames[0], t_start=t_start, load=load, steps=steps, size=(width, height), num_frames=num_frames,
-            parts={"generate": secs}, backends=f"diffusers:{cfg.attention.attention_backend or 'default'}")
+            parts={"generate": secs}, backends=f"diffusers:{cfg.attention.attention_backend or 'default'}",
+            peak_memory=peak)
     return 0
