@@ -1,7 +1,6 @@
 """Memory options: CPU offload (which components and DiT blocks are on the device while each one runs,
 checked from forward hooks; same output as without offload), VAE tiling / slicing, and refusals.
 On a CUDA machine the same checks run on the real devices."""
-import os
 import shutil
 
 import numpy as np

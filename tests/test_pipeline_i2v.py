@@ -2,7 +2,6 @@
 image-conditioned layouts (Wan 2.1 I2V, Wan 2.2 TI2V-5B, Wan 2.2 I2V-A14B) against diffusers' pipelines
 frame for frame, the image cross-attention role in plans and overrides, and input image checks."""
 import json
-import os
 
 import numpy as np
 import pytest

@@ -3,11 +3,6 @@
 with a base64 data URL, per-request ``lora``), and every refusal of a bad reference image or LoRA."""
 import base64
 import io
-import os
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import numpy as np
@@ -22,10 +17,10 @@ from ditattn.runconfig import ModelConfig, RunConfig, SamplingConfig, ServerConf
 from ditattn.server.app import create_app
 from ditattn.server.runner import build_runner
 from ditattn.server.scheduler import GenerationJob
+from serving import serve_process, wait_video
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the client marks the videos API deprecated
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY = "k-i2v"
 
 
@@ -119,61 +114,19 @@ def test_batching_signature_keeps_image_and_lora_apart():
 # end to end
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, lora_file):
-    port = _free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               PYTHONPATH=os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     log = tmp_path_factory.mktemp("serve-i2v") / "server.log"
-    cmd = [sys.executable, "-m", "ditattn", "serve", "--model-path", "ditattn:tiny-wan-i2v", "--port", str(port),
-           "--api-key", KEY, "--num-inference-steps", "2", "--guidance-scale", "3.0", "--num-frames", "5",
-           "--lora-path", f"{lora_file}:0.5"]
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    base = f"http://127.0.0.1:{port}"
-    t0 = time.time()
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"ditattn serve exited with {proc.returncode}:\n{log.read_text()}")
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() - t0 > 180:
-                pytest.fail(f"ditattn serve did not come up:\n{log.read_text()}")
-            time.sleep(0.2)
+    args = ["--model-path", "ditattn:tiny-wan-i2v", "--api-key", KEY, "--num-inference-steps", "2",
+            "--guidance-scale", "3.0", "--num-frames", "5", "--lora-path", f"{lora_file}:0.5"]
+    with serve_process(args, log) as base:
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _wait(c, vid, timeout=120):
-    t0 = time.time()
-    v = c.videos.retrieve(vid)
-    while v.status in ("queued", "in_progress"):
-        assert time.time() - t0 < timeout, v
-        time.sleep(0.1)
-        v = c.videos.retrieve(vid)
-    return v
 
 
 def _frames(c, vid):
     import imageio.v3 as iio
 
-    v = _wait(c, vid)
+    v = wait_video(c, vid)
     assert v.status == "completed", v
     return iio.imread(c.videos.download_content(vid).content, extension=".mp4")
 
