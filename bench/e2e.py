@@ -3,9 +3,12 @@
 Builds the Wan2.1 architecture (1.3B by default; ``--arch 14b``) with random weights, loads the
 SAME weights into both models, checks the outputs agree within bf16 tolerance and times one DiT
 forward of each side by side (CUDA events, warm-up first, median of --repeats), for diffusers'
-default attention and ours with several backends.
+default attention and ours with several backends.  ``--i2v`` builds the image-to-video DiT instead
+(Wan2.1-I2V: 36 input channels, 257 CLIP image tokens of width 1280 through the added image
+cross-attention; the text stays 512 tokens, which diffusers' I2V attention assumes).
 
     python bench/e2e.py --arch 1.3b --res 480p --out $OUT/e2e.json
+    python bench/e2e.py --arch 14b --res 480p --i2v --out $OUT/e2e_i2v.json
 
 Prints a short table last; writes every figure to --out.
 """
@@ -60,6 +63,8 @@ def main():
                     help="comma list of: eager (fused kernels, the default model), unfused (plain PyTorch ops, "
                          "set_fused_ops(False)), compiled (torch.compile of each block, attention eager; runs last)")
     ap.add_argument("--compile", action="store_true", help="shorthand: add 'compiled' to --variants")
+    ap.add_argument("--i2v", action="store_true",
+                    help="the image-to-video DiT (Wan2.1-I2V layout: in_channels 36, image_dim 1280, image cross-attention)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile one step per row (GPU time per kernel category, top kernels)")
     ap.add_argument("--out", default=None)
@@ -75,6 +80,10 @@ def main():
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dt = torch.bfloat16
     cfg = dict(**WAN_COMMON, **ARCH[args.arch])
+    if args.i2v:
+        if args.text_len != 512:
+            ap.error("--i2v needs --text-len 512 (diffusers' image cross-attention splits the context at 512 tokens)")
+        cfg.update(in_channels=36, image_dim=1280, added_kv_proj_dim=cfg["num_attention_heads"] * cfg["attention_head_dim"])
     torch.manual_seed(0)
     t0 = time.time()
     ref = WanTransformer3DModel(**cfg)
@@ -84,27 +93,31 @@ def main():
     lat_f = (args.frames - 1) // 4 + 1
     g = torch.Generator(device=dev).manual_seed(1)
     if args.arch == "tiny":
-        args.frames, args.text_len = 5, 16
-    x = torch.randn(1, 16, lat_f, h // 8, w // 8, device=dev, generator=g, dtype=dt)
+        args.frames, args.text_len = 5, (512 if args.i2v else 16)  # diffusers' I2V attention needs 512
+    x = torch.randn(1, cfg["in_channels"], lat_f, h // 8, w // 8, device=dev, generator=g, dtype=dt)
     t = torch.tensor([500.0], device=dev)
     txt = torch.randn(1, args.text_len, cfg["text_dim"], device=dev, generator=g, dtype=dt)
+    img = torch.randn(1, 257, 1280, device=dev, generator=g, dtype=dt) if args.i2v else None
+    ref_kw = {"encoder_hidden_states_image": img} if args.i2v else {}
     grid = (lat_f, h // 16, w // 16)
     seq = grid[0] * grid[1] * grid[2]
-    print(f"arch {args.arch} res {args.res} frames {args.frames} grid {grid} S={seq} built in {time.time() - t0:.1f}s",
-          flush=True)
+    print(f"arch {args.arch}{' i2v' if args.i2v else ''} res {args.res} frames {args.frames} grid {grid} S={seq} "
+          f"built in {time.time() - t0:.1f}s", flush=True)
     def dump(res):  # after every row, so a time limit keeps what was measured
         if args.out:
             with open(args.out, "w") as fh:
                 json.dump(res, fh, indent=2)
 
-    results = {"arch": args.arch, "res": args.res, "frames": args.frames, "seq": seq, "grid": grid, "rows": []}
+    results = {"arch": args.arch, "i2v": args.i2v, "res": args.res, "frames": args.frames, "seq": seq, "grid": grid,
+               "rows": []}
 
     with torch.no_grad():
         ref_out = None
         for name in [s for s in args.diffusers_backends.split(",") if s]:
             try:
                 ref.set_attention_backend(name)
-                fn = lambda: ref(hidden_states=x, timestep=t, encoder_hidden_states=txt, return_dict=False)[0]
+                fn = lambda: ref(hidden_states=x, timestep=t, encoder_hidden_states=txt, return_dict=False,
+                                 **ref_kw)[0]
                 out = fn()
                 ms = median_ms(fn, repeats=args.repeats)
                 if ref_out is None:
@@ -143,7 +156,7 @@ def main():
                         from ditattn.models.wan.compile import compile_blocks
 
                         compile_blocks(model)
-                    fn = lambda: model(x, t, txt)
+                    fn = lambda: model(x, t, txt, img)
                     with forward_context(step=10**6, num_steps=10**6):  # past any dense warm-up steps
                         out = fn()
                         if torch.cuda.is_available():

@@ -149,9 +149,13 @@ def test_checkpoint_mismatch_is_a_clear_error(tiny, tmp_path):
         load_wan_transformer(os.path.join(tiny, "transformer"), variant="fp16")
 
 
-def test_image_to_video_config_refused():
-    with pytest.raises(AttentionConfigError, match="image-to-video"):
-        WanTransformerConfig.from_dict({"image_dim": 1280, "added_kv_proj_dim": 5120})
+def test_image_to_video_config_checks():
+    cfg = WanTransformerConfig.from_dict({"image_dim": 1280, "added_kv_proj_dim": 5120})  # Wan2.1-I2V-14B
+    assert cfg.has_image_input and not WanTransformerConfig().has_image_input
+    with pytest.raises(AttentionConfigError, match="needs both"):
+        WanTransformerConfig.from_dict({"image_dim": 1280})
+    with pytest.raises(AttentionConfigError, match="added_kv_proj_dim 64 must equal the model width"):
+        WanTransformerConfig.from_dict({"image_dim": 1280, "added_kv_proj_dim": 64})
 
 
 def test_bfloat16_keeps_fp32_modules(tiny, native_transformer):

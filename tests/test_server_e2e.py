@@ -4,10 +4,6 @@ driven by the official ``openai`` client (images, video jobs, refusals, a concur
 import base64
 import importlib.util
 import io
-import os
-import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,54 +13,22 @@ import openai
 import pytest
 
 from ditattn.server.metrics import parse_text, samples
+from serving import serve_process, wait_video
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the client marks the videos API deprecated
 
 KEY = "test-key-123"
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # sage_attn runs on the CPU through its in-tree reference once that backend module exists
 SAGE_BUILT = importlib.util.find_spec("ditattn.attention.backends.sage") is not None
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = _free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               PYTHONPATH=os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    cmd = [sys.executable, "-m", "ditattn", "serve", "--port", str(port), "--api-key", KEY,
-           "--max-batch-size", "8", "--max-queue", "8", "--height", "16", "--width", "16",
-           "--num-inference-steps", "2", "--guidance-scale", "1.0", "--num-frames", "5"]
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    base = f"http://127.0.0.1:{port}"
-    t0 = time.time()
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"ditattn serve exited with {proc.returncode}:\n{log.read_text()}")
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() - t0 > 180:
-                pytest.fail(f"ditattn serve did not come up:\n{log.read_text()}")
-            time.sleep(0.2)
+    args = ["--api-key", KEY, "--max-batch-size", "8", "--max-queue", "8", "--height", "16", "--width", "16",
+            "--num-inference-steps", "2", "--guidance-scale", "1.0", "--num-frames", "5"]
+    with serve_process(args, log) as base:
         yield base, log
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def client(base, key=KEY):
@@ -75,16 +39,6 @@ def png(b64):
     from PIL import Image
 
     return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))))
-
-
-def wait_video(c, vid, timeout=120):
-    t0 = time.time()
-    v = c.videos.retrieve(vid)
-    while v.status in ("queued", "in_progress"):
-        assert time.time() - t0 < timeout, v
-        time.sleep(0.1)
-        v = c.videos.retrieve(vid)
-    return v
 
 
 def test_images_and_video_end_to_end(server):

@@ -75,7 +75,8 @@ def test_package_errors_are_clear(tmp_path):
 
 
 def test_builtin_registry():
-    assert list(BUILTIN_MODELS) == ["ditattn:shapes", "ditattn:tiny-wan", "ditattn:tiny-wan2.2"]
+    assert list(BUILTIN_MODELS) == ["ditattn:shapes", "ditattn:tiny-wan", "ditattn:tiny-wan2.2", "ditattn:tiny-wan-i2v",
+                                    "ditattn:tiny-wan2.2-ti2v", "ditattn:tiny-wan2.2-i2v"]
     assert DEFAULT_MODEL in BUILTIN_MODELS
     with pytest.raises(AttentionConfigError, match="unknown built-in model 'ditattn:nope'.*ditattn:shapes"):
         resolve_model_path("ditattn:nope")

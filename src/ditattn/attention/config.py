@@ -13,7 +13,7 @@ import os
 import re
 from typing import Any, Iterable
 
-from ditattn.attention.names import AttentionBackendEnum
+from ditattn.attention.names import ROLES, AttentionBackendEnum, role_chain
 from ditattn.attention.schemas import SCHEMAS, Param, parse_layer_list, schema_for  # noqa: F401  (re-exported)
 from ditattn.errors import AttentionConfigError
 
@@ -281,7 +281,8 @@ def parse_component_overrides(value: "str | dict | None") -> dict[str, Attention
     """Parse ``text_encoder=torch_sdpa,transformer.cross=fa`` or a JSON object.
 
     Returns ``{key: backend}`` where a key is a ``model_index.json`` module name optionally
-    followed by ``.self`` or ``.cross``.
+    followed by a role: ``.self``, ``.cross`` (every cross-attention layer) or ``.cross_image``
+    (the image cross-attention of an image-to-video DiT).
     """
     if value is None:
         return {}
@@ -313,10 +314,10 @@ def parse_component_overrides(value: "str | dict | None") -> dict[str, Attention
     for key, name in data.items():
         key = str(key).strip()
         comp, dot, role = key.partition(".")
-        if not comp or (dot and role not in ("self", "cross")):
+        if not comp or (dot and role not in ROLES):
             raise AttentionConfigError(
                 f"bad component override key {key!r}: use a model_index.json module name, optionally "
-                "with a role suffix .self or .cross (e.g. transformer.cross)"
+                f"with a role suffix {', '.join('.' + r for r in ROLES)} (e.g. transformer.cross)"
             )
         out[key] = AttentionBackendEnum.from_name(name)
     return out
@@ -327,14 +328,16 @@ def component_override_for(
 ) -> tuple[AttentionBackendEnum, str, str] | None:
     """The override that applies to ``component``/``role``: ``(backend, key, source)``.
 
-    A role key beats the component key; ``transformer_2`` (any ``X_2``) inherits ``X``'s keys for a
-    role unless it has a key of its own that covers that role (``X_2.<role>`` or ``X_2``), so
-    ``transformer=A,transformer_2.cross=B`` gives ``transformer_2`` self-attention ``A``.
+    A role key beats the component key (for an image cross-attention layer ``.cross_image`` beats
+    ``.cross``, which covers every cross-attention layer); ``transformer_2`` (any ``X_2``) inherits
+    ``X``'s keys for a role unless it has a key of its own that covers that role (``X_2.<role>`` or
+    ``X_2``), so ``transformer=A,transformer_2.cross=B`` gives ``transformer_2`` self-attention ``A``.
     """
     chain = [component] + ([component[:-2]] if component.endswith("_2") else [])
     for comp in chain:
-        if f"{comp}.{role}" in overrides:
-            return overrides[f"{comp}.{role}"], f"{comp}.{role}", "component_role"
+        for r in role_chain(role):
+            if f"{comp}.{r}" in overrides:
+                return overrides[f"{comp}.{r}"], f"{comp}.{r}", "component_role"
         if comp in overrides:
             return overrides[comp], comp, "component"
     return None

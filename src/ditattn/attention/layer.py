@@ -15,7 +15,7 @@ from torch import nn
 from ditattn.attention.backends.base import AttnCall, get_impl
 from ditattn.attention.config import validate_backend_config
 from ditattn.attention.context import current_component, current_forward, current_request, current_settings
-from ditattn.attention.names import AttentionBackendEnum as B
+from ditattn.attention.names import ROLES, AttentionBackendEnum as B
 from ditattn.attention.selector import Decision, LayerSpec, bind_impl, select_backend
 from ditattn.attention.specs import SPECS, DTYPE_NAMES
 from ditattn.errors import AttentionConfigError
@@ -38,7 +38,7 @@ class LocalAttention(nn.Module):
     Args:
         num_heads, head_dim: query heads and head size; num_kv_heads: K/V heads (GQA), default
             num_heads.
-        role: ``"self"`` or ``"cross"``; causal: causal mask; scale: softmax scale (default
+        role: ``"self"``, ``"cross"`` (to text) or ``"cross_image"`` (to image tokens); causal: causal mask; scale: softmax scale (default
             head_dim ** -0.5).
         prefix: the module path inside its component (for the plan), layer_idx: DiT block index.
         needs_bias: the layer passes an additive bias (only bias-capable backends qualify).
@@ -69,8 +69,8 @@ class LocalAttention(nn.Module):
         dtype: Optional[torch.dtype] = None,
     ):
         super().__init__()
-        if role not in ("self", "cross"):
-            raise AttentionConfigError(f"attention role must be 'self' or 'cross', got {role!r}")
+        if role not in ROLES:
+            raise AttentionConfigError(f"attention role must be one of {', '.join(ROLES)}, got {role!r}")
         self.num_heads, self.head_dim = num_heads, head_dim
         self.num_kv_heads = num_kv_heads or num_heads
         self.role, self.causal, self.scale = role, causal, scale

@@ -69,3 +69,19 @@ def valid_names() -> list[str]:
 
 def aliases_of(backend: AttentionBackendEnum) -> list[str]:
     return [a for a, t in ALIASES.items() if t == backend.value]
+
+
+# ------------------------------------------------------------------------------------------------
+# attention roles
+
+#: What an attention layer attends to: ``self`` (its own tokens), ``cross`` (the text tokens) and
+#: ``cross_image`` (the image tokens of an image-to-video DiT: Wan 2.1 I2V's added image K/V).
+ROLES = ("self", "cross", "cross_image")
+#: Roles whose keys come from another sequence (sparse video backends cannot serve them).
+CROSS_ROLES = ("cross", "cross_image")
+
+
+def role_chain(role: str) -> tuple[str, ...]:
+    """The override keys that may cover a layer of ``role``, most specific first: a
+    ``cross_image`` layer takes a ``.cross_image`` key, else a ``.cross`` key (all cross-attention)."""
+    return ("cross_image", "cross") if role == "cross_image" else (role,)

@@ -28,7 +28,7 @@ from ditattn.attention.context import (
     current_settings,
     get_forced_backend,
 )
-from ditattn.attention.names import AttentionBackendEnum as B
+from ditattn.attention.names import CROSS_ROLES, AttentionBackendEnum as B
 from ditattn.attention.specs import SPECS, LayerRequest, sage_cuda_runtime
 from ditattn.errors import AttentionConfigError, BackendUnavailableError
 from ditattn.platforms import Platform, current_platform
@@ -43,7 +43,7 @@ SOURCES = ("forced", "explicit", "component_role", "component", "cli", "layer_de
 class LayerSpec:
     """What an attention layer declares about itself.
 
-    prefix: module path inside its component (``blocks.0.attn1``); role: ``self``|``cross``;
+    prefix: module path inside its component (``blocks.0.attn1``); role: ``self``|``cross``|``cross_image``;
     default_backend: the layer's/component's declared default; required_backend: needed for
     correctness (kept even under overrides); supported_backends: hints for automatic choice only.
     """
@@ -230,9 +230,9 @@ def select_backend(
                         runtime=_runtime_label(run, platform, req, settings.config), override_key=override_key)
     rejected.append((asked.value, reasons))
 
-    # a sparse backend reaching a cross-attention layer (the global or component key, or a
-    # `.cross` role key) -> a compatible dense backend, the seed's one exception to strictness
-    if SPECS[asked].sparse and layer.role == "cross" and source in ("forced", "component", "component_role", "cli"):
+    # a sparse backend reaching a cross-attention layer (text or image; the global or component key,
+    # or a `.cross` role key) -> a compatible dense backend, the seed's one exception to strictness
+    if SPECS[asked].sparse and layer.role in CROSS_ROLES and source in ("forced", "component", "component_role", "cli"):
         b, how = _dense_for_cross(layer, req, platform, settings, rejected)
         why = f"{asked.value} is a sparse self-attention backend and cannot serve cross-attention; using {b.value} ({how})"
         _note(component, where, why, source)
@@ -321,7 +321,8 @@ def check_overrides_used(overrides: dict, scopes: dict[str, ComponentScope], kno
         used = any(key in s.used_override_keys for s in scopes.values())
         if not used:
             role = key.partition(".")[2]
-            what = f"no {role}-attention layer" if role else "no attention layer"
+            what = {"": "no attention layer", "cross_image": "no image cross-attention layer (not an image-to-video "
+                    "checkpoint with image_dim)"}.get(role, f"no {role}-attention layer")
             raise AttentionConfigError(
                 f"--component-attention-backends: override '{key}' was not used: component '{comp}' has "
                 f"{what} that takes it"

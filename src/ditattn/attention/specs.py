@@ -12,7 +12,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from ditattn.attention.names import AttentionBackendEnum as B
+from ditattn.attention.names import CROSS_ROLES, AttentionBackendEnum as B
 from ditattn.platforms import Platform
 
 FP16_BF16 = frozenset({torch.float16, torch.bfloat16})
@@ -26,7 +26,8 @@ DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat1
 class LayerRequest:
     """What one attention layer (or one call) needs from a backend.
 
-    role: ``"self"`` or ``"cross"``. head_dim, dtype: of q/k/v. needs_bias: the layer adds a bias
+    role: ``"self"``, ``"cross"`` or ``"cross_image"`` (``names.ROLES``). head_dim, dtype: of q/k/v.
+    needs_bias: the layer adds a bias
     or mask to the scores. needs_lse: the caller merges partial results (ring attention).
     varlen: packed variable-length sequences. seq_q/seq_kv/batch: known only for a concrete call.
     """
@@ -161,7 +162,7 @@ class BackendSpec:
         """Reasons about what the layer computes (cross-attention, bias, LSE, causal, varlen): a
         platform substitution never overrides these."""
         reasons = []
-        if req.role == "cross" and not self.cross_attention:
+        if req.role in CROSS_ROLES and not self.cross_attention:
             reasons.append("cannot serve cross-attention (sparse video attention needs self-attention)")
         if req.needs_bias and not self.accepts_bias:
             reasons.append("does not accept an additive attention bias/mask, which this layer needs")

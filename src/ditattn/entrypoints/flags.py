@@ -12,7 +12,7 @@ import argparse
 import dataclasses
 from typing import Any, Callable
 
-from ditattn.runconfig import DTYPES, SECTIONS, RunConfig
+from ditattn.runconfig import DTYPES, OFFLOAD_MODES, SECTIONS, RunConfig
 from ditattn.runconfig.checks import boolean, nonneg_int, positive_int
 
 
@@ -90,6 +90,10 @@ def model_flags(p: argparse.ArgumentParser, *, prompt: bool = False, seed: bool 
     g = p.add_argument_group("model and sampling")
     if prompt:
         g.add_argument("--prompt", help="text prompt (required; here or in --config)")
+        g.add_argument("--image", metavar="PATH",
+                       help="first frame for image-to-video checkpoints (Wan 2.1 I2V, Wan 2.2 I2V-A14B: required; "
+                            "TI2V-5B: optional): a PNG, JPEG, WebP or BMP file. Without --height/--width the output "
+                            "takes the model's default area at the image's aspect ratio")
     from ditattn.models.builtin import BUILTIN_MODELS, DEFAULT_MODEL
 
     g.add_argument("--model-path", metavar="PATH_OR_ID",
@@ -104,6 +108,9 @@ def model_flags(p: argparse.ArgumentParser, *, prompt: bool = False, seed: bool 
     g.add_argument("--negative-prompt", help="negative prompt for classifier-free guidance")
     g.add_argument("--num-inference-steps", type=typed("num_inference_steps"), metavar="N", help="denoising steps")
     g.add_argument("--guidance-scale", type=typed("guidance_scale"), metavar="G", help="classifier-free guidance scale")
+    g.add_argument("--guidance-scale-2", type=typed("guidance_scale_2"), metavar="G",
+                   help="guidance scale of the low-noise expert of two-expert Wan 2.2 checkpoints (default: "
+                        "--guidance-scale); the switch point is the checkpoint's boundary_ratio")
     g.add_argument("--height", type=typed("height"), metavar="H", help="output height in pixels")
     g.add_argument("--width", type=typed("width"), metavar="W", help="output width in pixels")
     g.add_argument("--num-frames", type=typed("num_frames"), metavar="F", help="frames (1 = image)")
@@ -117,6 +124,26 @@ def model_flags(p: argparse.ArgumentParser, *, prompt: bool = False, seed: bool 
     g.add_argument("--num-gpus", type=typed("num_gpus"), metavar="N", help="processes for sequence parallelism")
     g.add_argument("--ulysses-degree", type=typed("ulysses_degree"), metavar="U", help="Ulysses degree")
     g.add_argument("--ring-degree", type=typed("ring_degree"), metavar="R", help="ring-attention degree")
+    lora = p.add_argument_group("LoRA")
+    lora.add_argument("--lora-path", action="append", metavar="[COMPONENT=]PATH[:SCALE]",
+                      help="load a diffusers / PEFT-format Wan LoRA (a .safetensors file, or a folder with "
+                           "pytorch_lora_weights.safetensors) into the DiT; repeat for several. COMPONENT: transformer "
+                           "(default) or transformer_2 (the low-noise expert of two-expert checkpoints); SCALE "
+                           "default 1.0. On serve, requests pick adapters by file name with a 'lora' field")
+    lora.add_argument("--lora-fuse", type=typed("lora_fuse"), metavar="true|false",
+                      help="fuse the LoRAs into the weights (no per-step cost, fixed scales); default true for "
+                           "generate, false for serve (requests may then change the scales)")
+    mem = p.add_argument_group("memory")
+    mem.add_argument("--offload", choices=OFFLOAD_MODES,
+                     help="CPU offload: text_encoder (the encoders visit the GPU only to encode), model (each "
+                          "component on the GPU only while it runs), group (model, and the DiT streamed to the GPU "
+                          "a group of blocks at a time, the next group copied while the current one computes); "
+                          "default none")
+    mem.add_argument("--offload-group-blocks", type=typed("offload_group_blocks"), metavar="N",
+                     help="DiT blocks per streamed group with --offload group (default 1)")
+    mem.add_argument("--vae-tiling", action="store_true",
+                     help="VAE encode/decode in overlapping 256-pixel tiles (needed for 720p x 81 frames on most GPUs)")
+    mem.add_argument("--vae-slicing", action="store_true", help="VAE encode/decode one sample of a batch at a time")
     perf = p.add_argument_group("performance")
     perf.add_argument("--enable-torch-compile", action="store_true",
                       help="torch.compile each DiT block (attention stays eager, so backend selection still applies); "
@@ -179,6 +206,10 @@ def server_flags(p: argparse.ArgumentParser) -> None:
     lim.add_argument("--max-fps", type=typed("max_fps"), metavar="FPS", help="highest fps of a video (default 120)")
     lim.add_argument("--max-body-bytes", type=typed("max_body_bytes"), metavar="BYTES",
                      help="largest request body (default 1048576)")
+    lim.add_argument("--max-image-bytes", type=typed("max_image_bytes"), metavar="BYTES",
+                     help="largest input_reference image of an image-to-video job, encoded (default 10 MiB)")
+    lim.add_argument("--max-image-pixels", type=typed("max_image_pixels"), metavar="P",
+                     help="largest input_reference image in pixels (default 4096x4096)")
     lim.add_argument("--max-json-depth", type=typed("max_json_depth"), metavar="D",
                      help="deepest nesting of a JSON body, checked before parsing (default 32)")
     lim.add_argument("--max-videos-kept", type=typed("max_videos_kept"), metavar="N",

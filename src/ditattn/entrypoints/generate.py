@@ -12,6 +12,7 @@ CPU run the number of torch threads follows the idle cores (see :func:`_tune_cpu
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import Optional
@@ -31,6 +32,10 @@ def run(cfg: RunConfig) -> int:
         raise AttentionConfigError("--prompt is required (on the command line, or as 'prompt' in --config)")
     if not s.prompt.strip():
         raise AttentionConfigError("--prompt must not be empty")
+    if s.image is not None:  # a missing or unreadable image fails before any loading
+        from ditattn.pipelines.conditioning import load_image
+
+        load_image(s.image, where="--image")
     if s.num_frames == 1 and cfg.output.fps is not None:
         raise AttentionConfigError("--fps applies to videos only; --num-frames 1 writes a single frame (PNG)")
     if cfg.model.backend == "diffusers":
@@ -120,8 +125,9 @@ def _write(cfg: RunConfig, frames, num_frames: int) -> Optional[str]:
 
 
 def _report(cfg: RunConfig, frames, *, t_start: float, load: float, steps: int, size: tuple, num_frames: int,
-            parts: dict, backends: str, stats: Optional[dict] = None) -> None:
-    """Write the output, print its path, the attention stats and the one-line timing summary."""
+            parts: dict, backends: str, stats: Optional[dict] = None, peak_memory: Optional[int] = None) -> None:
+    """Write the output, print its path, the attention stats and the one-line timing summary (with
+    the peak CUDA memory of the generation when it ran on a GPU)."""
     t0 = time.perf_counter()
     path = _write(cfg, frames, num_frames)
     parts = {**parts, "save": time.perf_counter() - t0}
@@ -135,8 +141,9 @@ def _report(cfg: RunConfig, frames, *, t_start: float, load: float, steps: int, 
         detail += f"; {parts['denoise'] / max(steps, 1):.2f}s/step"
     where = "" if path else " (not saved)"
     total = time.perf_counter() - t_start
+    peak = f"; peak GPU memory {peak_memory / 2**30:.1f} GiB" if peak_memory is not None else ""
     print(f"done in {total:.1f}s{where}: {w}x{h}, {num_frames} frame{'s' if num_frames != 1 else ''}, {steps} steps "
-          f"(load {load:.1f}s, {detail}); DiT attention: {backends}")
+          f"(load {load:.1f}s, {detail}); DiT attention: {backends}{peak}")
     sys.stdout.flush()
 
 
@@ -149,21 +156,38 @@ def _generate_native(cfg: RunConfig, t_start: float) -> int:
     _tune_cpu_threads(cfg.model.device)
     _output_path(cfg, cfg.sampling.num_frames)  # refuse an unwritable output before loading
     t0 = time.perf_counter()
-    pipe = WanPipelineNative.from_config(cfg)
+    pipe = WanPipelineNative.from_config(cfg, lora_fuse=True)  # one run: LoRAs fused unless --lora-fuse false
     _output_path(cfg, kw["num_frames"] or pipe.defaults["num_frames"])  # ... and with the frame count, before the work
     state = pipe.prepare_request(kw.pop("override"), kw.pop("skip_softmax"))
     load = time.perf_counter() - t0 + (t0 - t_start)
     res = pipe.generate(**kw, request_state=state, progress=sequence_parallel_rank() == 0)  # one bar: rank 0's
-    parts = {"text": res.timings["text"], "denoise": res.timings["denoise"], "decode": res.timings["decode"]}
+    parts = {k: res.timings[k] for k in ("text", "image", "denoise", "decode") if k in res.timings}
     _report(cfg, res.frames[0], t_start=t_start, load=load, steps=res.num_inference_steps,
             size=(res.width, res.height), num_frames=res.num_frames, parts=parts,
-            backends=",".join(res.attention_backends), stats=res.stats)
+            backends=",".join(res.attention_backends), stats=res.stats, peak_memory=res.peak_memory)
     return 0
+
+
+def _diffusers_image(mi, path: Optional[str]):
+    """The ``--image`` of a ``--backend diffusers`` run (checked against the checkpoint), or None."""
+    from ditattn.pipelines.conditioning import load_image
+    from ditattn.pipelines.diffusers_backend import conditioning_mode_static
+
+    mode = conditioning_mode_static(mi)
+    if path is None:
+        if mode == "i2v":
+            raise AttentionConfigError("this checkpoint is image-to-video: give the first frame with --image PATH")
+        return None
+    if mode == "t2v":
+        raise AttentionConfigError("this checkpoint is text-to-video and takes no --image; image conditioning needs "
+                                   "an image-to-video checkpoint (Wan 2.1 I2V, Wan 2.2 I2V-A14B or TI2V-5B)")
+    return load_image(path, where="--image")
 
 
 def _generate_diffusers(cfg: RunConfig, t_start: float) -> int:
     import torch
 
+    from ditattn.models.weights import read_json
     from ditattn.pipelines.diffusers_backend import (apply_ditattn, attention_route, check_size_static,
                                                      load_diffusers_pipeline, reject_native_only_options,
                                                      run_diffusers)
@@ -184,7 +208,15 @@ def _generate_diffusers(cfg: RunConfig, t_start: float) -> int:
     dt = parse_dtype(m.dtype, platform_for_device(dev))
     _tune_cpu_threads(dev)
     d = mi.builtin_defaults or CHECKPOINT_DEFAULTS
+    image = _diffusers_image(mi, s.image)
     height, width = s.height or d["height"], s.width or d["width"]
+    if image is not None and s.height is None and s.width is None:
+        from ditattn.pipelines.conditioning import size_for_image
+
+        patch = read_json(os.path.join(mi.folder("transformer" if "transformer" in mi.components else "transformer_2"),
+                                       "config.json")).get("patch_size", (1, 2, 2))
+        spatial = int(read_json(os.path.join(mi.folder("vae"), "config.json")).get("scale_factor_spatial") or 8)
+        height, width = size_for_image(image.width, image.height, d["height"] * d["width"], spatial * int(patch[1]))
     num_frames = s.num_frames or d["num_frames"]
     steps = s.num_inference_steps or d["num_inference_steps"]
     guidance = d["guidance_scale"] if s.guidance_scale is None else s.guidance_scale
@@ -192,14 +224,19 @@ def _generate_diffusers(cfg: RunConfig, t_start: float) -> int:
     _output_path(cfg, num_frames)
     t0 = time.perf_counter()
     pipe = load_diffusers_pipeline(folder, device=dev, dtype=dt, variant=m.model_variant,
-                                   attention_backend=cfg.attention.attention_backend if route == "diffusers" else None)
+                                   attention_backend=cfg.attention.attention_backend if route == "diffusers" else None,
+                                   image_to_video=image is not None, model=m)
     routing = apply_ditattn(pipe, cfg) if route == "ditattn" else None
     load = time.perf_counter() - t0 + (t0 - t_start)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
     with torch.inference_mode():
         frames, secs = run_diffusers(
             pipe, prompt=s.prompt, negative_prompt=s.negative_prompt, height=height, width=width,
             num_frames=num_frames, num_inference_steps=steps, guidance_scale=guidance, seed=s.seed or 0,
+            image=image, guidance_scale_2=s.guidance_scale_2,
         )
+    peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
     backends, stats = f"diffusers:{cfg.attention.attention_backend or 'default'}", {}
     if routing is not None:
         from ditattn.integrations.diffusers import call_backends
@@ -207,5 +244,5 @@ def _generate_diffusers(cfg: RunConfig, t_start: float) -> int:
         backends = f"{','.join(call_backends(pipe))} (ditattn in diffusers)"
         stats = dict(routing.last_state.stats) if routing.last_state is not None else {}
     _report(cfg, frames[0], t_start=t_start, load=load, steps=steps, size=(width, height), num_frames=num_frames,
-            parts={"generate": secs}, backends=backends, stats=stats)
+            parts={"generate": secs}, backends=backends, stats=stats, peak_memory=peak)
     return 0

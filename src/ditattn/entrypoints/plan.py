@@ -27,10 +27,16 @@ def _plan(cfg: RunConfig) -> int:
     if any(v is not None for v in (s.height, s.width, s.num_frames)):  # a size the model cannot generate is an error
         d = pipe.defaults
         pipe.check_size(s.height or d["height"], s.width or d["width"], s.num_frames or d["num_frames"])
-    unused = [f"--{flag_name(k)}" for k in ("prompt", "negative_prompt", "num_inference_steps", "guidance_scale", "seed")
+    unused = [f"--{flag_name(k)}" for k in ("prompt", "negative_prompt", "num_inference_steps", "guidance_scale",
+                                             "guidance_scale_2", "image", "seed")
               if getattr(s, k) not in (None, 0)]
+    m = cfg.model
+    unused += [f"--{flag_name(k)}" for k in ("lora_path", "lora_fuse", "vae_tiling", "vae_slicing")
+               if getattr(m, k) not in (None, False, ())]
+    unused += ["--offload"] if m.offload != "none" else []
     if unused:  # accepted for symmetry with generate; say so rather than ignore them silently
-        sys.stderr.write(f"note: {', '.join(unused)} do not change the attention plan (sampling only)\n")
+        sys.stderr.write(f"note: {', '.join(unused)} do not change the attention plan (sampling, weights and memory "
+                         "only)\n")
     plan = pipe.plan()
     override = state.override.value if state is not None and state.override is not None else None
     if cfg.json:

@@ -24,6 +24,9 @@ def check_serve_options(cfg: RunConfig) -> None:
                                    "(requests without one get a random seed)")
     if cfg.sampling.prompt is not None:
         raise AttentionConfigError("prompt does not apply to serve; accepted: a 'prompt' field in each request")
+    if cfg.sampling.image is not None:
+        raise AttentionConfigError("--image does not apply to serve; accepted: an 'input_reference' image in each "
+                                   "POST /v1/videos request")
     host, port = cfg.server.host, cfg.server.port
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)

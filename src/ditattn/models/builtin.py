@@ -1,8 +1,9 @@
 """The built-in models, usable as ``--model-path ditattn:<name>``: names, folders, sampling defaults.
 
 ``ditattn:shapes`` is a small trained Wan model (coloured shapes moving on a plain background;
-weights ship in the package); ``ditattn:tiny-wan`` / ``ditattn:tiny-wan2.2`` have random weights
-and exist for fast tests.  Each resolves to a diffusers-format folder built locally on first use;
+weights ship in the package); ``ditattn:tiny-wan`` / ``ditattn:tiny-wan2.2`` and the image-to-video
+layouts ``ditattn:tiny-wan-i2v`` / ``ditattn:tiny-wan2.2-ti2v`` / ``ditattn:tiny-wan2.2-i2v`` have
+random weights and exist for fast tests.  Each resolves to a diffusers-format folder built locally on first use;
 nothing is downloaded.
 """
 from __future__ import annotations
@@ -31,8 +32,15 @@ TINY_DEFAULTS = dict(height=128, width=128, num_frames=9, num_inference_steps=8,
 def _tiny(name: str) -> BuiltinModel:
     from ditattn.models import tiny
 
-    return BuiltinModel(name, "random weights, its video is noise; for fast tests", lambda root: tiny.tiny_model_path(name, root),
-                        lambda: dict(TINY_DEFAULTS))
+    return BuiltinModel(name, "random weights, its video is noise; for fast tests",
+                        lambda root: tiny.tiny_model_path(name, root), lambda: dict(TINY_DEFAULTS))
+
+
+def _tiny_i2v(name: str) -> BuiltinModel:
+    from ditattn.models import tiny_i2v
+
+    return BuiltinModel(name, "random weights, image-to-video layout; for fast tests",
+                        lambda root: tiny_i2v.i2v_model_path(name, root), lambda: dict(TINY_DEFAULTS))
 
 
 def _shapes() -> BuiltinModel:
@@ -43,7 +51,8 @@ def _shapes() -> BuiltinModel:
 
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {m.name: m for m in (
-    _shapes(), _tiny("ditattn:tiny-wan"), _tiny("ditattn:tiny-wan2.2"))}
+    _shapes(), _tiny("ditattn:tiny-wan"), _tiny("ditattn:tiny-wan2.2"), _tiny_i2v("ditattn:tiny-wan-i2v"),
+    _tiny_i2v("ditattn:tiny-wan2.2-ti2v"), _tiny_i2v("ditattn:tiny-wan2.2-i2v"))}
 DEFAULT_MODEL = "ditattn:tiny-wan"
 
 

@@ -80,12 +80,17 @@ def save_wan_pipeline(out_dir: str, *, text_encoder, transformer, vae, scheduler
                       boundary_ratio: Optional[float] = None) -> None:
     """Write a diffusers ``WanPipeline`` folder (byte tokenizer) from built components, quietly."""
     from diffusers import WanPipeline
-    from transformers.utils import logging as tf_logging
 
-    pipe = WanPipeline(
+    save_quietly(WanPipeline(
         tokenizer=build_byte_tokenizer(), text_encoder=text_encoder, vae=vae, scheduler=scheduler,
         transformer=transformer, transformer_2=transformer_2, boundary_ratio=boundary_ratio,
-    )
+    ), out_dir)
+
+
+def save_quietly(pipe, out_dir: str) -> None:
+    """``pipe.save_pretrained(out_dir)`` in safetensors without transformers' progress bar."""
+    from transformers.utils import logging as tf_logging
+
     was_enabled = tf_logging.is_progress_bar_enabled()
     tf_logging.disable_progress_bar()  # a one-off internal build: no "Writing model shards" bar on stderr
     try:

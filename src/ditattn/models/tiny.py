@@ -8,7 +8,8 @@ one id per byte), ``transformer`` (WanTransformer3DModel: 2 blocks, 4 heads x he
 512), ``vae`` (AutoencoderKLWan, base dim 8: 8x spatial / 4x temporal compression, 16 latent
 channels) and ``scheduler`` (UniPC flow-matching, shift 3.0, as the Wan 2.1 checkpoints ship).
 ``tiny-wan2.2`` adds ``transformer_2`` (the low-noise expert, another seed) and
-``boundary_ratio = 0.875`` like Wan2.2-T2V-A14B.
+``boundary_ratio = 0.875`` like Wan2.2-T2V-A14B.  The image-to-video layouts are in
+:mod:`ditattn.models.tiny_i2v`.
 """
 from __future__ import annotations
 
@@ -62,8 +63,8 @@ def _build(name: str, out_dir: str) -> None:
 
 
 def tiny_model_path(name: str, root: Optional[str] = None) -> str:
-    """The folder of built-in model ``name`` (``ditattn:tiny-wan`` / ``ditattn:tiny-wan2.2``),
-    building it on first use (a few seconds; atomic, so concurrent processes are safe)."""
+    """The folder of built-in model ``name`` (one of :data:`TINY_MODELS`), building it on first use
+    (a few seconds; atomic, so concurrent processes are safe)."""
     if name not in TINY_MODELS:
         raise AttentionConfigError(f"unknown built-in model '{name}'; built-in models: {', '.join(TINY_MODELS)}")
     return cached_folder(f"{name.split(':', 1)[1]}-{_VERSION}", lambda tmp: _build(name, tmp), root)

@@ -13,11 +13,10 @@ import math
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ditattn.attention.layer import LocalAttention
-from ditattn.errors import AttentionConfigError
+from ditattn.models.activations import activation
 
 KEEP_FP32 = ("wo",)  # transformers keeps the feed-forward output projection in float32
 
@@ -51,29 +50,6 @@ class UMT5Config:
         if self.feed_forward_proj == "gated-gelu":
             return "gelu_new"
         return self.feed_forward_proj.split("-")[-1]
-
-
-def _gelu_tanh(x):
-    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
-
-
-_ACTS = {
-    "gelu_new": _gelu_tanh,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu": F.gelu,
-    "relu": F.relu,
-    "silu": F.silu,
-    "swish": F.silu,
-}
-
-
-def _activation(name: str):
-    try:
-        return _ACTS[name]
-    except KeyError:
-        raise AttentionConfigError(
-            f"UMT5 text encoder: unsupported activation '{name}'; supported: {', '.join(_ACTS)}"
-        ) from None
 
 
 class UMT5LayerNorm(nn.Module):
@@ -159,7 +135,7 @@ class _Dense(nn.Module):
         else:
             self.wi = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
         self.wo = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
-        self.act = _activation(cfg.dense_act_fn)
+        self.act = activation(cfg.dense_act_fn, "UMT5 text encoder")
 
     def forward(self, x):
         h = self.act(self.wi_0(x)) * self.wi_1(x) if self.gated else self.act(self.wi(x))

@@ -1,5 +1,9 @@
-"""``--backend diffusers``: the stock diffusers ``WanPipeline``, alone or with ditattn's attention
-inside it (:mod:`ditattn.integrations.diffusers`).
+"""``--backend diffusers``: the stock diffusers ``WanPipeline`` (``WanImageToVideoPipeline`` with
+``--image``), alone or with ditattn's attention inside it (:mod:`ditattn.integrations.diffusers`).
+The memory and LoRA flags map to diffusers' own (``enable_model_cpu_offload``,
+``enable_group_offload``, VAE ``enable_tiling`` / ``enable_slicing``, ``load_lora_weights`` +
+``set_adapters`` (+ ``fuse_lora``)); ``--offload text_encoder`` has no diffusers counterpart and is
+refused.
 
 ``--attention-backend NAME``: a ditattn backend name (``fa``, ``torch_sdpa``, ``video_sparse_attn``,
 …) routes the pipeline's transformer attention through ditattn (:func:`~ditattn.integrations.diffusers.apply`),
@@ -12,6 +16,7 @@ pipeline only.
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Optional
 
@@ -34,6 +39,10 @@ def reject_native_only_options(config) -> None:
     if given:
         raise AttentionConfigError(
             f"--{given[0].replace('_', '-')} applies to the native pipeline only; not with --backend diffusers"
+        )
+    if m.offload == "text_encoder":
+        raise AttentionConfigError("--offload text_encoder applies to the native pipeline only; with --backend "
+                                   "diffusers use --offload model or group"
         )
     if p.num_gpus > 1 or (p.ulysses_degree or 1) > 1 or (p.ring_degree or 1) > 1:
         raise AttentionConfigError(
@@ -70,6 +79,19 @@ def attention_route(config) -> Optional[str]:
     return "diffusers"
 
 
+def conditioning_mode_static(mi) -> str:
+    """The checkpoint's image conditioning (``t2v``, ``i2v``, ``ti2v``; see
+    :mod:`ditattn.pipelines.conditioning`) from its configs alone."""
+    from ditattn.models.weights import read_json
+    from ditattn.pipelines.conditioning import conditioning_mode
+
+    vae = read_json(os.path.join(mi.folder("vae"), "config.json"))
+    comp = "transformer" if "transformer" in mi.components else "transformer_2"
+    tr = read_json(os.path.join(mi.folder(comp), "config.json"))
+    return conditioning_mode(int(tr.get("in_channels", 16)), int(vae.get("z_dim", 16)),
+                             bool(mi.config.get("expand_timesteps")), int(vae.get("scale_factor_temporal") or 4))
+
+
 def check_size_static(mi, height: int, width: int, num_frames: int) -> None:
     """The size rules of :meth:`WanPipelineNative.check_size` from the checkpoint's configs alone
     (``mi``: its :class:`~ditattn.pipelines.model_index.ModelIndex`), before diffusers loads it."""
@@ -103,25 +125,31 @@ def diffusers_backend_names() -> list[str]:
 
 
 def load_diffusers_pipeline(folder: str, *, device: torch.device, dtype: torch.dtype,
-                            variant: Optional[str] = None, attention_backend: Optional[str] = None):
-    """``diffusers.WanPipeline`` from ``folder`` on ``device`` (VAE in float32), with diffusers'
-    ``set_attention_backend(attention_backend)`` applied to its transformer(s) when given."""
-    from diffusers import WanPipeline
+                            variant: Optional[str] = None, attention_backend: Optional[str] = None,
+                            image_to_video: bool = False, model=None):
+    """``diffusers.WanPipeline`` (``WanImageToVideoPipeline`` with ``image_to_video``) from ``folder`` on
+    ``device`` (VAE in float32), with diffusers' ``set_attention_backend(attention_backend)`` applied to
+    its transformer(s) when given, and ``model`` (a :class:`~ditattn.runconfig.ModelConfig`)'s offload,
+    VAE tiling / slicing and LoRA settings mapped to diffusers' own."""
+    from diffusers import WanImageToVideoPipeline, WanPipeline
 
     kw = {"variant": variant} if variant else {}
     try:
-        pipe = WanPipeline.from_pretrained(folder, dtype=dtype, **kw)
+        pipe = (WanImageToVideoPipeline if image_to_video else WanPipeline).from_pretrained(folder, dtype=dtype, **kw)
     except (OSError, ValueError) as exc:
         raise AttentionConfigError(f"diffusers cannot load {folder}: {exc}") from None
-    pipe.to(device)
     pipe.vae.to(torch.float32)
+    if model is not None:
+        _apply_model_options(pipe, model, device)
+    else:
+        pipe.to(device)
     if attention_backend:
         for name in ("transformer", "transformer_2"):
-            model = getattr(pipe, name, None)
-            if model is None:
+            dit = getattr(pipe, name, None)
+            if dit is None:
                 continue
             try:
-                model.set_attention_backend(attention_backend)
+                dit.set_attention_backend(attention_backend)
             except (ValueError, ImportError, RuntimeError, KeyError) as exc:
                 msg = " ".join(str(exc).split())
                 if "must be one of" not in msg:
@@ -148,8 +176,6 @@ def plan_diffusers(config):
     """The attention plan of the diffusers pipeline ``config`` describes, without weights: its
     transformer(s) built from their configs on the meta device and routed by ditattn (nothing
     installed).  Returns ``(routing, model name, dtype)``."""
-    import os
-
     import diffusers
 
     from ditattn.integrations.diffusers import DIT, route_models
@@ -194,16 +220,60 @@ def _is_model(library: str, klass: str) -> bool:
     return isinstance(cls, type) and issubclass(cls, torch.nn.Module)
 
 
+def _apply_model_options(pipe, model, device: torch.device) -> None:
+    """Offload, VAE tiling / slicing and LoRA of a :class:`~ditattn.runconfig.ModelConfig`, diffusers' way."""
+    from ditattn.models.lora import LoRAError, parse_lora_spec
+
+    names, scales = [], []
+    for raw in model.lora_path:
+        spec = parse_lora_spec(raw)
+        if getattr(pipe, spec.component, None) is None:
+            raise LoRAError(f"--lora-path {spec.path}: this checkpoint has no {spec.component}")
+        path = os.path.expanduser(spec.path)
+        kw = {"weight_name": os.path.basename(path)} if os.path.isfile(path) else {}
+        folder = os.path.dirname(path) or "." if os.path.isfile(path) else path
+        name = spec.name if spec.name not in names else f"{spec.name}_{len(names) + 1}"
+        try:
+            pipe.load_lora_weights(folder, adapter_name=name, load_into_transformer_2=spec.component == "transformer_2",
+                                   **kw)
+        except (OSError, ValueError, KeyError, RuntimeError) as exc:
+            raise LoRAError(f"--lora-path {spec.path}: diffusers cannot load it ({' '.join(str(exc).split())[:300]})") \
+                from None
+        names.append(name)
+        scales.append(spec.scale)
+    if names:
+        pipe.set_adapters(names, scales)
+        if model.lora_fuse is not False:
+            pipe.fuse_lora(adapter_names=names)
+    if model.vae_tiling:
+        pipe.vae.enable_tiling()
+    if model.vae_slicing:
+        pipe.vae.enable_slicing()
+    if model.offload == "model":
+        pipe.enable_model_cpu_offload(device=device)
+    elif model.offload == "group":
+        pipe.enable_group_offload(onload_device=device, offload_type="block_level",
+                                  num_blocks_per_group=model.offload_group_blocks, use_stream=device.type == "cuda")
+    else:
+        pipe.to(device)
+
+
 def run_diffusers(pipe, *, prompt: str, negative_prompt: Optional[str], height: int, width: int, num_frames: int,
                   num_inference_steps: int, guidance_scale: float, seed: int, max_sequence_length: int = 512,
-                  progress: bool = True) -> tuple[np.ndarray, float]:
-    """Run the diffusers pipeline; returns (uint8 frames ``[1, F, H, W, 3]``, seconds)."""
+                  progress: bool = True, image=None, guidance_scale_2: Optional[float] = None
+                  ) -> tuple[np.ndarray, float]:
+    """Run the diffusers pipeline (``image``: the first frame of an image-to-video pipeline); returns
+    (uint8 frames ``[1, F, H, W, 3]``, seconds)."""
     pipe.set_progress_bar_config(disable=not progress)
+    extra = {} if image is None else {"image": image}
+    if guidance_scale_2 is not None:
+        extra["guidance_scale_2"] = guidance_scale_2
     t0 = time.perf_counter()
     out = pipe(
         prompt=prompt, negative_prompt=negative_prompt, height=height, width=width, num_frames=num_frames,
         num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
         generator=torch.Generator("cpu").manual_seed(seed), output_type="np", max_sequence_length=max_sequence_length,
+        **extra,
     ).frames
     frames = np.asarray(out, dtype=np.float32)
     return (frames * 255.0).round().clip(0, 255).astype(np.uint8), time.perf_counter() - t0

@@ -15,6 +15,7 @@ import torch
 
 from ditattn.attention.context import ComponentScope, component_scope
 from ditattn.errors import AttentionConfigError
+from ditattn.models.clip_vision import load_clip_vision_encoder, load_image_processor
 from ditattn.models.umt5 import load_umt5_encoder
 from ditattn.models.wan.transformer import load_wan_transformer
 from ditattn.pipelines.model_index import ModelIndex
@@ -26,6 +27,7 @@ log = logging.getLogger("ditattn.pipeline")
 DIT = ("transformer", "transformer_2")
 # component -> (the diffusers class it must be, what it is, its native loader)
 NATIVE_MODELS = {"text_encoder": ("UMT5EncoderModel", "text encoder", load_umt5_encoder),
+                 "image_encoder": ("CLIPVisionModel", "image encoder", load_clip_vision_encoder),
                  "transformer": ("WanTransformer3DModel", "transformer", load_wan_transformer)}
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -99,6 +101,8 @@ def build_components(mi: ModelIndex, dev: torch.device, dt: torch.dtype, *, vari
             scopes[comp] = scope
         elif comp == "tokenizer":
             components[comp] = PromptTokenizer(sub) if load_weights else None
+        elif comp == "image_processor":
+            components[comp] = load_image_processor(sub) if load_weights else None
         elif comp == "scheduler":
             components[comp] = _scheduler_factory(sub, klass) if load_weights else None
         else:

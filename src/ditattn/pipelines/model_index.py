@@ -10,7 +10,7 @@ from ditattn.errors import AttentionConfigError
 from ditattn.models.builtin import BUILTIN_MODELS, DEFAULT_MODEL, builtin_model, builtin_model_path
 from ditattn.models.weights import read_json
 
-SUPPORTED_PIPELINES = ("WanPipeline",)
+SUPPORTED_PIPELINES = ("WanPipeline", "WanImageToVideoPipeline")
 
 
 @dataclasses.dataclass
@@ -84,7 +84,7 @@ def read_model_index(folder: str, name: Optional[str] = None) -> ModelIndex:
     if cls not in SUPPORTED_PIPELINES:
         raise AttentionConfigError(
             f"{folder}: pipeline class '{cls}' is not supported by the native pipeline; supported: "
-            f"{', '.join(SUPPORTED_PIPELINES)} (Wan 2.1 / 2.2 text-to-video)"
+            f"{', '.join(SUPPORTED_PIPELINES)} (Wan 2.1 / 2.2 text-to-video, text-image-to-video and image-to-video)"
         )
     components: dict[str, tuple[str, str]] = {}
     config: dict[str, Any] = {}

@@ -1,4 +1,5 @@
-"""The native Wan 2.1 / 2.2 text-to-video pipeline.
+"""The native Wan 2.1 / 2.2 pipeline: text-to-video, image-to-video (Wan 2.1 I2V, Wan 2.2 I2V-A14B)
+and text-image-to-video (Wan 2.2 TI2V-5B).
 
 :class:`WanPipelineNative` loads a diffusers-format Wan folder (or a built-in ``ditattn:`` model,
 :mod:`ditattn.models.builtin`), constructs every component inside its attention scope so that the run's
@@ -10,7 +11,9 @@ Components: ``text_encoder`` (native UMT5, selectable, bias-needing), ``transfor
 optional ``transformer_2`` (native Wan DiT, selectable; the Wan 2.2 low-noise expert runs below
 ``boundary_ratio * num_train_timesteps``), ``vae`` (diffusers ``AutoencoderKLWan``: fixed
 attention, not selectable), ``scheduler`` (the diffusers class named in the checkpoint),
-``tokenizer``.
+``tokenizer``; image-to-video checkpoints with CLIP conditioning add ``image_encoder`` (native CLIP
+vision tower, selectable) and ``image_processor``.  How an image conditions each layout:
+:mod:`ditattn.pipelines.conditioning`.
 
 Python use (one object serves many requests; calls may run concurrently from several threads)::
 
@@ -26,6 +29,7 @@ import dataclasses
 import logging
 import os
 import sys
+import threading
 import time
 from typing import Any, Optional, Sequence, Union
 
@@ -41,10 +45,15 @@ from ditattn.attention.context import (
     forward_context,
     request_scope,
 )
+from ditattn.attention.names import ROLES
 from ditattn.attention.selector import check_overrides_used
 from ditattn.errors import AttentionConfigError, GenerationCancelled
+from ditattn.models.lora import Adapter, load_loras, lora_scales, resolve_request_lora
+from ditattn.pipelines.conditioning import (ImageCondition, clip_image_embeds, conditioning_mode,
+                                            encode_image_condition, load_image, size_for_image)
 from ditattn.pipelines.loading import DIT, build_components, parse_device, parse_dtype
 from ditattn.pipelines.model_index import ModelIndex, read_model_index, resolve_model_path
+from ditattn.pipelines.offload import ComponentPlacement, check_offload_mode
 from ditattn.platforms import Platform, platform_for_device, use_platform
 
 log = logging.getLogger("ditattn.pipeline")
@@ -54,7 +63,7 @@ log = logging.getLogger("ditattn.pipeline")
 CHECKPOINT_DEFAULTS = dict(height=480, width=832, num_frames=81, num_inference_steps=50, guidance_scale=5.0)
 MAX_SEQUENCE_LENGTH = 512  # text tokens the DiT cross-attends to (Wan's context length)
 
-SELECTABLE = ("text_encoder", "transformer", "transformer_2")
+SELECTABLE = ("text_encoder", "image_encoder", "transformer", "transformer_2")
 FIXED = ("vae",)
 
 @dataclasses.dataclass
@@ -64,8 +73,9 @@ class GenerationResult:
     frames: ``np.uint8 [N, F, H, W, 3]`` (or float32 in [0, 1] with ``output_type="float"``, or the
     final latents ``[N, C, T, H/8, W/8]`` tensor with ``output_type="latent"``); attention_backends:
     the backends the DiT's attention ran in this call (the request override when one was given);
-    timings: seconds per stage (``text``, ``denoise``, ``decode``, ``total``); stats: request
-    statistics reported by backends (e.g. skip-softmax tile fractions).
+    timings: seconds per stage (``text``, ``image``, ``denoise``, ``decode``, ``total``); stats: request
+    statistics reported by backends (e.g. skip-softmax tile fractions); peak_memory: the most bytes
+    allocated on the CUDA device during the call (None elsewhere).
     """
 
     frames: Any
@@ -78,6 +88,15 @@ class GenerationResult:
     width: int
     num_frames: int
     num_inference_steps: int
+    peak_memory: Optional[int] = None
+
+
+@dataclasses.dataclass
+class _Run:
+    device: Optional[torch.device]  # CUDA device whose peak memory is measured, else None
+
+    def peak_memory(self) -> Optional[int]:
+        return None if self.device is None else int(torch.cuda.max_memory_allocated(self.device))
 
 
 class WanPipelineNative:
@@ -85,12 +104,14 @@ class WanPipelineNative:
 
     Attributes: ``model_index`` (:class:`ModelIndex`), ``components`` (name -> module/object),
     ``scopes`` (component -> :class:`ComponentScope` with the attention decisions), ``settings``,
-    ``platform``, ``device``, ``dtype``, ``defaults`` (sampling defaults of this model).
+    ``platform``, ``device``, ``dtype``, ``defaults`` (sampling defaults of this model), ``adapters``
+    (the loaded LoRAs), ``placement`` (where components live between uses: offload).
     """
 
     def __init__(self, model_index: ModelIndex, components: dict[str, Any], scopes: dict[str, ComponentScope],
                  settings: AttentionSettings, platform: Platform, device: torch.device, dtype: torch.dtype,
-                 load_weights: bool):
+                 load_weights: bool, *, placement: Optional[ComponentPlacement] = None,
+                 adapters: Sequence[Adapter] = ()):
         self.model_index = model_index
         self.components = components
         self.scopes = scopes
@@ -99,6 +120,9 @@ class WanPipelineNative:
         self.device = device
         self.dtype = dtype
         self.loaded = load_weights
+        self.placement = placement or ComponentPlacement(components, device)
+        self.adapters = list(adapters)
+        self._offload_lock = threading.Lock()  # offloaded components move: one generation at a time
         self.defaults = dict(model_index.builtin_defaults or CHECKPOINT_DEFAULTS)
         self.boundary_ratio = model_index.config.get("boundary_ratio")
         self.expand_timesteps = bool(model_index.config.get("expand_timesteps") or False)
@@ -109,6 +133,15 @@ class WanPipelineNative:
             vae_cfg = read_json(os.path.join(model_index.folder("vae"), "config.json"))
         self.vae_scale_temporal = int(vae_cfg.get("scale_factor_temporal") or 4)
         self.vae_scale_spatial = int(vae_cfg.get("scale_factor_spatial") or 8)
+        ref = components.get("transformer") or components.get("transformer_2")
+        self.z_dim = int(vae_cfg.get("z_dim") or ref.config.out_channels)
+        #: ``t2v``, ``i2v`` (an image is required) or ``ti2v`` (an image is optional); see conditioning.py
+        self.mode = conditioning_mode(ref.config.in_channels, self.z_dim, self.expand_timesteps,
+                                      self.vae_scale_temporal)
+        self.image_embeds = ref.config.has_image_input  # Wan 2.1 I2V: CLIP image tokens
+        if self.image_embeds and not {"image_encoder", "image_processor"} <= set(model_index.components):
+            raise AttentionConfigError(f"{model_index.path}: the transformer takes CLIP image tokens (image_dim) but "
+                                       "model_index.json lacks image_encoder / image_processor")
 
     # ------------------------------------------------------------------------------------------
     # construction
@@ -126,6 +159,12 @@ class WanPipelineNative:
         revision: Optional[str] = None,
         local_files_only: bool = False,
         cache_dir: Optional[str] = None,
+        offload: str = "none",
+        offload_group_blocks: int = 1,
+        vae_tiling: bool = False,
+        vae_slicing: bool = False,
+        lora: Sequence = (),
+        lora_fuse: bool = False,
     ) -> "WanPipelineNative":
         """Load the pipeline at ``path`` (a local diffusers-format Wan folder, a Hugging Face repo id
         ``org/name`` at ``revision`` — see :func:`~ditattn.pipelines.model_index.resolve_model_path`
@@ -135,8 +174,16 @@ class WanPipelineNative:
 
         Every component is constructed inside its attention scope under ``settings`` (None = all
         automatic).  ``load_weights=False`` only resolves the attention plan (models on the meta
-        device, no VAE): enough for :meth:`plan`.  Raises :class:`AttentionConfigError` for a bad
-        path, an unsupported checkpoint, a refused backend or override, or unused config keys.
+        device, no VAE): enough for :meth:`plan`.
+
+        Memory: ``offload`` (``none``, ``text_encoder``, ``model``, ``group``: see
+        :mod:`ditattn.pipelines.offload`; ``offload_group_blocks`` DiT blocks per streamed group),
+        ``vae_tiling`` / ``vae_slicing`` (diffusers' tiled / per-sample VAE encode and decode).
+        LoRA: ``lora`` is a list of ``[COMPONENT=]PATH[:SCALE]`` specs (or :class:`~ditattn.models.lora.
+        LoRASpec`) loaded into the DiT, fused into the weights with ``lora_fuse`` or kept apart (then a
+        request's ``lora=`` scales can change them).  Raises :class:`AttentionConfigError` for a bad
+        path, an unsupported checkpoint, a refused backend or override, unused config keys, a bad
+        LoRA or offload setting.
         """
         settings = settings or AttentionSettings()
         folder, name = resolve_model_path(path, revision=revision, local_files_only=local_files_only,
@@ -145,31 +192,54 @@ class WanPipelineNative:
         dev = parse_device(device)
         platform = platform_for_device(dev)
         dt = parse_dtype(dtype, platform)
+        check_offload_mode(offload)
+        if offload == "group" and settings.compiled:
+            raise AttentionConfigError("--offload group streams the DiT's weights during the forward, which compiled "
+                                       "blocks cannot follow; use --offload model, or drop --enable-torch-compile")
+        if lora and not lora_fuse and settings.compiled:
+            raise AttentionConfigError("unfused LoRA adapters (switchable per request) cannot run inside compiled "
+                                       "blocks; add --lora-fuse, or drop --enable-torch-compile")
+        home = torch.device("cpu") if offload != "none" and load_weights else dev
         with use_platform(platform), attention_settings(settings):
-            components, scopes = build_components(mi, dev, dt, variant=variant, load_weights=load_weights)
+            components, scopes = build_components(mi, home, dt, variant=variant, load_weights=load_weights)
             check_overrides_used(settings.component_overrides, scopes, mi.components.keys())
             used = [d.backend for s in scopes.values() for d in s.decisions]
             check_config_keys_used(settings.config, used)
         if settings.cuda_graphs and dev.type != "cuda":
             raise AttentionConfigError(f"--enable-cuda-graph needs a CUDA device (this run is on {dev.type})")
+        adapters, placement = [], None
+        if load_weights:
+            adapters = load_loras(components, lora, fuse=lora_fuse)
+            placement = ComponentPlacement(components, dev, offload, offload_group_blocks)
+            vae = components.get("vae")
+            if vae is not None and vae_tiling:
+                vae.enable_tiling()  # diffusers' tiles: 256-pixel tiles, 192-pixel stride, blended seams
+            if vae is not None and vae_slicing:
+                vae.enable_slicing()  # one sample of the batch at a time
         if settings.compiled and load_weights:
             from ditattn.models.wan.compile import compile_blocks
 
             for comp in DIT:
                 if components.get(comp) is not None:
                     compile_blocks(components[comp], mode="reduce-overhead" if settings.cuda_graphs else None)
-        return cls(mi, components, scopes, settings, platform, dev, dt, load_weights)
+        return cls(mi, components, scopes, settings, platform, dev, dt, load_weights, placement=placement,
+                   adapters=adapters)
 
     @classmethod
-    def from_config(cls, config, *, load_weights: bool = True, cache_dir: Optional[str] = None) -> "WanPipelineNative":
+    def from_config(cls, config, *, load_weights: bool = True, cache_dir: Optional[str] = None,
+                    lora_fuse: Optional[bool] = None) -> "WanPipelineNative":
         """The pipeline of a :class:`~ditattn.runconfig.RunConfig` (the object ``ditattn generate``
         builds from its flags and ``--config``): its model section (path, device, dtype, variant,
-        revision, compile flags) and its attention settings (``cache_dir``: a Hugging Face cache instead
-        of ``HF_HOME``'s).  Sample with ``generate(**config.generate_kwargs())``."""
+        revision, compile, offload, VAE tiling / slicing and LoRA settings) and its attention settings
+        (``cache_dir``: a Hugging Face cache instead of ``HF_HOME``'s; ``lora_fuse``: the command's
+        default when the config leaves it unset).  Sample with ``generate(**config.generate_kwargs())``."""
         m = config.model
+        fuse = m.lora_fuse if m.lora_fuse is not None else bool(lora_fuse)
         return cls.from_pretrained(m.model_path, config.attention_settings(), device=m.device, dtype=m.dtype,
                                    variant=m.model_variant, load_weights=load_weights, revision=m.revision,
-                                   local_files_only=m.local_files_only, cache_dir=cache_dir)
+                                   local_files_only=m.local_files_only, cache_dir=cache_dir, offload=m.offload,
+                                   offload_group_blocks=m.offload_group_blocks, vae_tiling=m.vae_tiling,
+                                   vae_slicing=m.vae_slicing, lora=m.lora_path, lora_fuse=fuse)
 
     # ------------------------------------------------------------------------------------------
     # plan
@@ -177,7 +247,7 @@ class WanPipelineNative:
     def plan(self) -> dict:
         """The attention plan (DESIGN 1.5): ``{"platform": {...}, "components": [{"name",
         "selectable", "layers": [{"prefix", "role", "backend", "source", "fallback_reason"}]}]}``."""
-        order = [c for c in ("text_encoder", "transformer", "transformer_2", "vae") if c in self.scopes]
+        order = [c for c in ("text_encoder", "image_encoder", "transformer", "transformer_2", "vae") if c in self.scopes]
         order += [c for c in self.scopes if c not in order]
         return {
             "platform": self.platform.to_json(),
@@ -198,7 +268,7 @@ class WanPipelineNative:
         out: list[str] = []
         for c in DIT:
             if c in self.scopes:
-                for role in ("self", "cross"):
+                for role in ROLES:
                     for d in self.scopes[c].decisions:
                         out += [b.value for b in d.ran_backends() if d.role == role and b.value not in out]
         return out
@@ -220,10 +290,7 @@ class WanPipelineNative:
 
     def check_size(self, height: int, width: int, num_frames: int) -> None:
         """Raise :class:`AttentionConfigError` unless the size is one this model can generate."""
-        mult = self.vae_scale_spatial * 2
-        tr = self.components.get("transformer") or self.components.get("transformer_2")
-        if tr is not None:
-            mult = self.vae_scale_spatial * max(tr.config.patch_size[1], tr.config.patch_size[2])
+        mult = self.size_multiple()
         for what, v in (("height", height), ("width", width)):
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0 or v % mult:
                 raise AttentionConfigError(f"{what} {v!r} is not supported; accepted: positive multiples of {mult}")
@@ -250,6 +317,8 @@ class WanPipelineNative:
         guidance_scale: Optional[float] = None,
         guidance_scale_2: Optional[float] = None,
         seed: Union[int, Sequence[int], None] = 0,
+        image=None,
+        lora: Optional[dict] = None,
         override: Optional[str] = None,
         skip_softmax=None,
         request_state: Optional[RequestState] = None,
@@ -264,10 +333,16 @@ class WanPipelineNative:
 
         prompt: a string or a list of N strings (one batch); negative_prompt: None, a string for
         all, or N strings. height/width: pixels (multiples of 16), num_frames: 1 + 4k (1 = image);
-        None takes :attr:`defaults`. guidance_scale > 1 enables classifier-free guidance
-        (guidance_scale_2: the low-noise expert's scale, default guidance_scale). seed: an int
-        (prompt i uses seed + i) or N ints; each clip's initial noise comes from its own CPU
-        generator, so a clip does not depend on what it is batched with. override: a per-request
+        None takes :attr:`defaults` (with an image and neither given: the default area at the
+        image's aspect ratio). guidance_scale > 1 enables classifier-free guidance
+        (guidance_scale_2: the low-noise expert's scale of a two-expert checkpoint, default
+        guidance_scale). seed: an int (prompt i uses seed + i) or N ints; each clip's initial noise
+        comes from its own CPU generator, so a clip does not depend on what it is batched with.
+        image: the first frame of image-to-video / TI2V checkpoints (required by ``i2v`` ones,
+        refused by text-to-video ones): a path, encoded bytes, a PIL image or a uint8 array ``[H, W,
+        3]``, or a list of N of those (one per prompt). lora: the scales of the loaded unfused LoRA
+        adapters for this call (name -> scale, adapters not named are off; None: their load-time
+        scales). override: a per-request
         dense drop-in backend for the DiT (DESIGN 2.7); skip_softmax: ``{threshold_scale_factor,
         start_step}`` (2.8); request_state: an already prepared state (:meth:`prepare_request`)
         instead of those two. latents: optional initial noise ``[N, C, T, H/8, W/8]`` float32.
@@ -296,12 +371,19 @@ class WanPipelineNative:
         seeds = [int(seed) + i for i in range(n)] if isinstance(seed, (int, np.integer)) else [int(s) for s in seed]
         if len(seeds) != n:
             raise AttentionConfigError(f"seed has {len(seeds)} entries for {n} prompts")
+        images = self._images(image, n)
         d = self.defaults
+        if images is not None and height is None and width is None:
+            height, width = size_for_image(images[0].width, images[0].height, d["height"] * d["width"],
+                                           self.size_multiple())
         height = d["height"] if height is None else height
         width = d["width"] if width is None else width
         num_frames = d["num_frames"] if num_frames is None else num_frames
         steps = d["num_inference_steps"] if num_inference_steps is None else num_inference_steps
         guidance = d["guidance_scale"] if guidance_scale is None else float(guidance_scale)
+        if guidance_scale_2 is not None and self.boundary_ratio is None:
+            raise AttentionConfigError("guidance_scale_2 applies to two-expert checkpoints (Wan 2.2 A14B, with "
+                                       "boundary_ratio); this one has a single transformer")
         guidance_2 = guidance if guidance_scale_2 is None else float(guidance_scale_2)
         self.check_size(height, width, num_frames)
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
@@ -320,109 +402,184 @@ class WanPipelineNative:
         do_cfg = guidance > 1.0  # as diffusers: the first scale decides whether negatives are encoded
         timings: dict[str, float] = {}
 
-        # 1. text
-        t0 = time.perf_counter()
-        texts = prompts + negatives if do_cfg else prompts
-        ids, mask = self.components["tokenizer"](texts, max_sequence_length)
-        lens = mask.sum(dim=1).tolist()
-        # padding keys are masked out, so encoding only up to the longest prompt gives the same
-        # embeddings for the real tokens; the padding rows are zeros (as diffusers pads them)
-        L_max = max(1, int(max(lens)))
-        emb = self.components["text_encoder"](ids[:, :L_max].to(dev), mask[:, :L_max].to(dev))
-        context = emb.new_zeros(emb.shape[0], ids.shape[1], emb.shape[2])
-        for i, L in enumerate(lens):
-            context[i, :L] = emb[i, :L]
-        dits = {c: self.components.get(c) for c in DIT}
-        ref_dit = dits["transformer"] if dits["transformer"] is not None else dits["transformer_2"]
-        context = context.to(dt)
-        timings["text"] = time.perf_counter() - t0
+        scales = resolve_request_lora(lora, self.adapters)
+        with self._run_scope(scales) as run:
+            # 1. text
+            t0 = time.perf_counter()
+            texts = prompts + negatives if do_cfg else prompts
+            ids, mask = self.components["tokenizer"](texts, max_sequence_length)
+            lens = mask.sum(dim=1).tolist()
+            # padding keys are masked out, so encoding only up to the longest prompt gives the same
+            # embeddings for the real tokens; the padding rows are zeros (as diffusers pads them)
+            L_max = max(1, int(max(lens)))
+            with self.placement.use("text_encoder"):
+                emb = self.components["text_encoder"](ids[:, :L_max].to(dev), mask[:, :L_max].to(dev))
+            context = emb.new_zeros(emb.shape[0], ids.shape[1], emb.shape[2])
+            for i, L in enumerate(lens):
+                context[i, :L] = emb[i, :L]
+            dits = {c: self.components.get(c) for c in DIT}
+            ref_dit = dits["transformer"] if dits["transformer"] is not None else dits["transformer_2"]
+            context = context.to(dt)
+            timings["text"] = time.perf_counter() - t0
 
-        # 2. noise
-        C = ref_dit.config.in_channels
-        lat_shape = (C, (num_frames - 1) // self.vae_scale_temporal + 1,
-                     height // self.vae_scale_spatial, width // self.vae_scale_spatial)
-        if latents is None:
-            latents = torch.stack([
-                torch.randn(lat_shape, generator=torch.Generator("cpu").manual_seed(s), dtype=torch.float32)
-                for s in seeds
-            ])
-        elif tuple(latents.shape) != (n, *lat_shape):
-            raise AttentionConfigError(f"latents must have shape {(n, *lat_shape)}, got {tuple(latents.shape)}")
-        latents = latents.to(dev, torch.float32)
-        grid = ref_dit.latent_grid(*lat_shape[1:])
+            # 2. noise (and the image's conditioning)
+            lat_shape = (self.z_dim, (num_frames - 1) // self.vae_scale_temporal + 1,
+                         height // self.vae_scale_spatial, width // self.vae_scale_spatial)
+            if latents is None:
+                latents = torch.stack([
+                    torch.randn(lat_shape, generator=torch.Generator("cpu").manual_seed(s), dtype=torch.float32)
+                    for s in seeds
+                ])
+            elif tuple(latents.shape) != (n, *lat_shape):
+                raise AttentionConfigError(f"latents must have shape {(n, *lat_shape)}, got {tuple(latents.shape)}")
+            latents = latents.to(dev, torch.float32)
+            grid = ref_dit.latent_grid(*lat_shape[1:])
+            condition = None
+            if images is not None:
+                t0 = time.perf_counter()
+                condition = self._condition(images, height, width, num_frames)
+                timings["image"] = time.perf_counter() - t0
+            image_embeds = None
+            if condition is not None and condition.image_embeds is not None:
+                image_embeds = torch.cat([condition.image_embeds] * 2) if do_cfg else condition.image_embeds
 
-        # 3. denoise
-        t0 = time.perf_counter()
-        scheduler = self.components["scheduler"]()
-        scheduler.set_timesteps(steps, device=dev)
-        if hasattr(scheduler, "set_begin_index"):
-            scheduler.set_begin_index(0)
-        timesteps = scheduler.timesteps
-        boundary = None
-        if self.boundary_ratio is not None and dits["transformer_2"] is not None:
-            boundary = float(self.boundary_ratio) * scheduler.config.num_train_timesteps
-        used_models = set()
-        text_caches: dict = {}  # per expert: projected text + cross-attention K/V, computed once
-        from tqdm.auto import tqdm
+            # 3. denoise
+            t0 = time.perf_counter()
+            scheduler = self.components["scheduler"]()
+            scheduler.set_timesteps(steps, device=dev)
+            if hasattr(scheduler, "set_begin_index"):
+                scheduler.set_begin_index(0)
+            timesteps = scheduler.timesteps
+            boundary = None
+            if self.boundary_ratio is not None and dits["transformer_2"] is not None:
+                boundary = float(self.boundary_ratio) * scheduler.config.num_train_timesteps
+            used_models = set()
+            text_caches: dict = {}  # per expert: projected text + cross-attention K/V, computed once
+            from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(timesteps), desc="denoising", unit="step", file=sys.stderr, disable=not progress,
-                   dynamic_ncols=True, leave=True)
-        try:
-            with request_scope(state) if state is not None else contextlib.nullcontext():
-                for i, t in enumerate(timesteps):
-                    check_stop()
-                    if dits["transformer"] is not None and (boundary is None or float(t) >= boundary):
-                        name, scale = "transformer", guidance
-                    else:
-                        name, scale = "transformer_2", guidance_2
-                    model = dits[name]
-                    used_models.add(name)
-                    x = latents.to(dt)
-                    if do_cfg:
-                        x = torch.cat([x, x])
-                    if name not in text_caches:
-                        text_caches[name] = model.encode_text(context)
-                    if self.expand_timesteps:
-                        ts = t.expand(x.shape[0], grid[0] * grid[1] * grid[2])
-                    else:
-                        ts = t.expand(x.shape[0])
-                    with forward_context(step=i, num_steps=len(timesteps), video_shape=grid, text_len=0):
-                        out = model(x, ts, text_cache=text_caches[name])
-                    if do_cfg:
-                        cond, uncond = out.float().chunk(2)
-                        pred = uncond + scale * (cond - uncond)
-                    else:
-                        pred = out.float()
-                    latents = scheduler.step(pred, t, latents, return_dict=False)[0]
-                    bar.update(1)
-                    if on_step is not None:
-                        on_step(i + 1, len(timesteps))
-        finally:
-            bar.close()
-        timings["denoise"] = time.perf_counter() - t0
+            bar = tqdm(total=len(timesteps), desc="denoising", unit="step", file=sys.stderr, disable=not progress,
+                       dynamic_ncols=True, leave=True)
+            try:
+                with request_scope(state) if state is not None else contextlib.nullcontext():
+                    for i, t in enumerate(timesteps):
+                        check_stop()
+                        if dits["transformer"] is not None and (boundary is None or float(t) >= boundary):
+                            name, scale = "transformer", guidance
+                        else:
+                            name, scale = "transformer_2", guidance_2
+                        model = dits[name]
+                        used_models.add(name)
+                        self.placement.onload(name)  # stays on the device until another component needs it
+                        x = (latents if condition is None else condition.model_input(latents)).to(dt)
+                        if do_cfg:
+                            x = torch.cat([x, x])
+                        if name not in text_caches:  # block-streamed DiTs project the K/V in each block
+                            text_caches[name] = model.encode_text(
+                                context, image_embeds if model.config.has_image_input else None,
+                                per_block=name not in self.placement.streamers)
+                        if condition is not None and condition.mode == "ti2v":
+                            ts = condition.timesteps(t, x.shape[0], model.config.patch_size)
+                        elif self.expand_timesteps:
+                            ts = t.expand(x.shape[0], grid[0] * grid[1] * grid[2])
+                        else:
+                            ts = t.expand(x.shape[0])
+                        with forward_context(step=i, num_steps=len(timesteps), video_shape=grid, text_len=0):
+                            out = model(x, ts, text_cache=text_caches[name])
+                        if do_cfg:
+                            cond, uncond = out.float().chunk(2)
+                            pred = uncond + scale * (cond - uncond)
+                        else:
+                            pred = out.float()
+                        latents = scheduler.step(pred, t, latents, return_dict=False)[0]
+                        bar.update(1)
+                        if on_step is not None:
+                            on_step(i + 1, len(timesteps))
+            finally:
+                bar.close()
+            timings["denoise"] = time.perf_counter() - t0
+            if condition is not None:
+                latents = condition.finalize(latents)  # TI2V: the first latent frame is the image's
 
-        # 4. decode
-        check_stop()
-        t0 = time.perf_counter()
-        if output_type == "latent":
-            frames = latents
-        else:
-            frames = self.decode(latents)
-            if output_type == "uint8":
-                frames = (frames * 255.0).round().clip(0, 255).astype(np.uint8)
-        timings["decode"] = time.perf_counter() - t0
-        timings["total"] = time.perf_counter() - t_start
+            # 4. decode
+            check_stop()
+            t0 = time.perf_counter()
+            if output_type == "latent":
+                frames = latents
+            else:
+                frames = self.decode(latents)
+                if output_type == "uint8":
+                    frames = (frames * 255.0).round().clip(0, 255).astype(np.uint8)
+            timings["decode"] = time.perf_counter() - t0
+            timings["total"] = time.perf_counter() - t_start
 
-        from ditattn.attention.override import dit_layers, request_backends
+            from ditattn.attention.override import dit_layers, request_backends
 
-        layers = dit_layers(dits[c] for c in DIT if c in used_models)
-        backends = request_backends([l for l in layers if l.role == "self"] + [l for l in layers if l.role == "cross"],
-                                    state)
-        stats = dict(state.stats) if state is not None else {}
-        return GenerationResult(frames, backends, timings, stats, latents, seeds, height, width, num_frames, steps)
+            layers = dit_layers(dits[c] for c in DIT if c in used_models)
+            backends = request_backends([l for r in ROLES for l in layers if l.role == r], state)
+            stats = dict(state.stats) if state is not None else {}
+            return GenerationResult(frames, backends, timings, stats, latents, seeds, height, width, num_frames, steps,
+                                    run.peak_memory())
+
+    def _images(self, image, n: int) -> Optional[list]:
+        """The batch's input images (one RGB PIL image per prompt) or None; checks that this
+        checkpoint takes (``i2v``, ``ti2v``) or needs (``i2v``) one."""
+        if image is None:
+            if self.mode == "i2v":
+                raise AttentionConfigError(
+                    "this checkpoint is image-to-video: give the first frame (--image PATH; input_reference on the "
+                    "server; image= in Python)")
+            return None
+        if self.mode == "t2v":
+            raise AttentionConfigError(
+                "this checkpoint is text-to-video and takes no image; image conditioning needs an image-to-video "
+                "checkpoint (Wan 2.1 I2V, Wan 2.2 I2V-A14B or TI2V-5B)")
+        items = list(image) if isinstance(image, (list, tuple)) else [image]
+        if len(items) not in (1, n):
+            raise AttentionConfigError(f"image has {len(items)} entries for {n} prompts (give 1 or {n})")
+        images = [load_image(x, where="image" if len(items) == 1 else f"image {i}") for i, x in enumerate(items)]
+        return images * n if len(images) == 1 else images
+
+    def _condition(self, images: list, height: int, width: int, num_frames: int) -> ImageCondition:
+        """The batch's :class:`ImageCondition` (VAE latents of the first frame, CLIP tokens)."""
+        embeds = None
+        if self.image_embeds:
+            with self.placement.use("image_encoder"):
+                embeds = clip_image_embeds(images, self.components["image_encoder"],
+                                           self.components["image_processor"], self.device, self.dtype)
+        with self.placement.use("vae"):
+            return encode_image_condition(
+                images, mode=self.mode, vae=self.components["vae"], height=height, width=width,
+                num_frames=num_frames, temporal=self.vae_scale_temporal, spatial=self.vae_scale_spatial,
+                device=self.device, image_embeds=embeds)
+
+    @contextlib.contextmanager
+    def _run_scope(self, scales: Optional[dict]):
+        """One generation: LoRA scales in effect, one call at a time when components move (offload),
+        every offloaded component back on the CPU afterwards, CUDA peak memory measured."""
+        lock = self._offload_lock if self.placement.offloaded else contextlib.nullcontext()
+        cuda = self.device.type == "cuda"
+        with lock, lora_scales(scales):
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(self.device)
+            run = _Run(self.device if cuda else None)
+            try:
+                yield run
+            finally:
+                self.placement.release()
+
+    def size_multiple(self) -> int:
+        """Heights and widths must be multiples of this (VAE stride x patch size)."""
+        tr = self.components.get("transformer") or self.components.get("transformer_2")
+        if tr is None:
+            return self.vae_scale_spatial * 2
+        return self.vae_scale_spatial * max(tr.config.patch_size[1], tr.config.patch_size[2])
 
     def decode(self, latents: torch.Tensor) -> np.ndarray:
         """Latents ``[N, C, T, h, w]`` -> float32 frames in [0, 1], ``np.ndarray [N, F, H, W, 3]``."""
+        with self.placement.use("vae"):
+            return self._decode(latents)
+
+    def _decode(self, latents: torch.Tensor) -> np.ndarray:
         vae = self.components["vae"]
         cfg = vae.config
         z = latents.to(self.device, vae.dtype)

@@ -40,6 +40,7 @@ from ditattn.runconfig.checks import (
     int_between,
     integer,
     list_of,
+    lora_specs,
     nonneg_float,
     nonneg_int,
     one_of,
@@ -47,6 +48,7 @@ from ditattn.runconfig.checks import (
     package_list,
     plain_name,
     platform_spec,
+    positive_int,
     public_url,
     tcp_port,
     text,
@@ -74,6 +76,8 @@ class _Section:
 # sections
 
 DTYPES = ("float32", "bfloat16", "float16")
+#: where components live between uses (ditattn.pipelines.offload)
+OFFLOAD_MODES = ("none", "text_encoder", "model", "group")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +96,16 @@ class ModelConfig(_Section):
     backend: str = _field("native", one_of("native", "diffusers"), "native ditattn pipeline or stock diffusers")
     enable_torch_compile: bool = _field(False, boolean, "torch.compile each DiT block")
     enable_cuda_graph: bool = _field(False, boolean, "CUDA graphs for the DiT blocks (implies torch.compile)")
+    offload: str = _field("none", one_of(*OFFLOAD_MODES), "CPU offload: none, text_encoder (encoders visit the device "
+                          "only to encode), model (each component on the device only while it runs), group (model, "
+                          "and the DiT streamed block group by block group)")
+    offload_group_blocks: int = _field(1, positive_int, "DiT blocks per streamed group (--offload group)")
+    vae_tiling: bool = _field(False, boolean, "VAE encode/decode in overlapping spatial tiles (less memory)")
+    vae_slicing: bool = _field(False, boolean, "VAE encode/decode one sample of the batch at a time")
+    lora_path: tuple = _field((), lora_specs, "LoRA adapters: [COMPONENT=]PATH[:SCALE] each (COMPONENT transformer or "
+                              "transformer_2, default transformer; SCALE default 1.0)")
+    lora_fuse: Optional[bool] = _field(None, optional(boolean), "fuse the LoRAs into the weights (None: generate "
+                                       "fuses, serve keeps them apart so requests can set their scales)")
 
 
 # Bounds of the numeric settings: far beyond any real run, small enough that no value reaches code
@@ -114,6 +128,11 @@ class SamplingConfig(_Section):
     num_inference_steps: Optional[int] = _field(None, optional(int_between(1, MAX_STEPS)), "denoising steps")
     guidance_scale: Optional[float] = _field(None, optional(float_between(0.0, MAX_GUIDANCE)),
                                              "classifier-free guidance scale (> 1 enables guidance)")
+    guidance_scale_2: Optional[float] = _field(None, optional(float_between(0.0, MAX_GUIDANCE)),
+                                               "guidance scale of the low-noise expert (two-expert Wan 2.2 "
+                                               "checkpoints; None: guidance_scale)")
+    image: Optional[str] = _field(None, optional(text), "first frame of an image-to-video / TI2V checkpoint (a PNG, "
+                                  "JPEG, WebP or BMP file)")
     height: Optional[int] = _field(None, optional(int_between(1, MAX_SIDE)), "output height in pixels")
     width: Optional[int] = _field(None, optional(int_between(1, MAX_SIDE)), "output width in pixels")
     num_frames: Optional[int] = _field(None, optional(int_between(1, MAX_FRAMES)), "frames (1 = image)")
@@ -224,6 +243,9 @@ class ServerConfig(_Section):
     max_n: int = _field(10, int_between(1, 128), "most images per image request")
     max_fps: int = _field(120, int_between(1, MAX_FPS), "highest fps of a video request")
     max_body_bytes: int = _field(1 << 20, int_between(1024, 1 << 30), "largest request body in bytes")
+    max_image_bytes: int = _field(10 << 20, int_between(1, 1 << 30), "largest encoded input_reference image in bytes")
+    max_image_pixels: int = _field(4096 * 4096, int_between(1, MAX_SIDE * MAX_SIDE),
+                                   "largest input_reference image in pixels")
     max_json_depth: int = _field(32, int_between(2, 1000), "deepest nesting of a JSON request body")
     max_videos_kept: int = _field(1000, int_between(1, 10 ** 6), "finished video jobs kept before the oldest are "
                                   "forgotten")
@@ -408,7 +430,7 @@ class RunConfig:
         s = self.sampling
         return dict(prompt=s.prompt, negative_prompt=s.negative_prompt, height=s.height, width=s.width,
                     num_frames=s.num_frames, num_inference_steps=s.num_inference_steps,
-                    guidance_scale=s.guidance_scale, seed=s.seed or 0,
+                    guidance_scale=s.guidance_scale, guidance_scale_2=s.guidance_scale_2, image=s.image, seed=s.seed or 0,
                     override=self.attention.attention_backend_override, skip_softmax=self.attention.skip_softmax())
 
     def for_rank(self, rank: int, device: str) -> "RunConfig":

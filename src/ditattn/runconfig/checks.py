@@ -158,6 +158,20 @@ def optional(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return maybe
 
 
+def lora_specs(value: Any) -> tuple:
+    """LoRA adapters: one ``[COMPONENT=]PATH[:SCALE]`` string or a list of them (checked by
+    :func:`ditattn.models.lora.parse_lora_spec`), returned as a tuple of strings."""
+    from ditattn.models.lora import parse_lora_spec
+
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"expected [COMPONENT=]PATH[:SCALE] strings, got {value!r}")
+    for v in value:
+        parse_lora_spec(v)  # AttentionConfigError is a ValueError: same one-line message
+    return tuple(v.strip() for v in value)
+
+
 def platform_spec(value: Any) -> str:
     """A simulated platform ``NAME[:SM]`` (``cuda:90``, ``xpu``; see
     :func:`ditattn.platforms.parse_platform_spec`), returned normalised (stripped, lower case)."""

@@ -4,7 +4,9 @@ url-encoded forms, read under a size limit and validated into the protocol model
 Forms go through Starlette's form parsers on ``python-multipart`` (what FastAPI uses for
 ``Form``/``File`` parameters); an endpoint here takes JSON *or* a form, so the body is read once and
 dispatched on its content type.  Uploaded files become the marker ``{"filename": ...}`` (never
-stored); nested form keys (``p[x]``) are unflattened by :func:`~ditattn.server.protocol.unflatten_form`.
+stored) except ``input_reference``, whose bytes the image-to-video endpoint decodes
+(``{"filename", "content_type", "data"}``); nested form keys (``p[x]``) are unflattened by
+:func:`~ditattn.server.protocol.unflatten_form`.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from ditattn.server.protocol import RequestError, unflatten_form, validation_err
 
 MAX_FORM_FIELDS = 100
 MAX_FORM_FILES = 4
+FILE_FIELDS = ("input_reference",)  # uploads whose content a request may use
 
 
 async def _read_limited(request: Request, max_bytes: int) -> bytes:
@@ -58,7 +61,10 @@ async def _parse_form(headers: Headers, body: bytes, multipart: bool) -> list:
     items = []
     for name, value in form.multi_items():
         if isinstance(value, UploadFile):
-            items.append((name, {"filename": value.filename}))
+            item = {"filename": value.filename}
+            if name in FILE_FIELDS:  # bounded by the body limit already
+                item.update(content_type=value.content_type, data=await value.read())
+            items.append((name, item))
             await value.close()
         else:
             items.append((name, value))

@@ -199,7 +199,7 @@ class _Extras(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    @field_validator("num_inference_steps", "guidance_scale", "seed", "n", "num_frames", "fps", "seconds",
+    @field_validator("num_inference_steps", "guidance_scale", "guidance_scale_2", "seed", "n", "num_frames", "fps", "seconds",
                      "output_compression", "partial_images", "frame_count", "frame_duration_ms", mode="before",
                      check_fields=False)
     @classmethod
@@ -209,6 +209,8 @@ class _Extras(BaseModel):
     negative_prompt: Optional[str] = Field(default=None, max_length=20000)
     num_inference_steps: Optional[int] = None  # the limit: the server's --max-steps
     guidance_scale: Optional[float] = _finite()
+    guidance_scale_2: Optional[float] = _finite()
+    lora: Optional[dict[str, float]] = Field(default=None, max_length=16)
     seed: Optional[int] = None  # the range: check_numbers
     attention_backend_override: Optional[str] = Field(default=None, max_length=64)
     skip_softmax_params: Optional[SkipSoftmaxBody] = None
@@ -218,12 +220,13 @@ class _Extras(BaseModel):
         return list(cls.model_fields)
 
     def check_numbers(self, n: int = 1) -> None:
-        """Range checks no server setting decides: guidance scale in [0, 100]; seed in [0, 2^63 - 1]
+        """Range checks no server setting decides: guidance scales in [0, 100]; seed in [0, 2^63 - 1]
         with room for the ``n`` consecutive seeds of an image request."""
-        g = self.guidance_scale
-        if g is not None and not (math.isfinite(g) and 0.0 <= g <= MAX_GUIDANCE):
-            raise RequestError(f"guidance_scale must be a number from 0 to {MAX_GUIDANCE:g}, got {g!r} (above 1 "
-                               f"enables classifier-free guidance; typical values are 3-8)", param="guidance_scale")
+        for name in ("guidance_scale", "guidance_scale_2"):
+            g = getattr(self, name)
+            if g is not None and not (math.isfinite(g) and 0.0 <= g <= MAX_GUIDANCE):
+                raise RequestError(f"{name} must be a number from 0 to {MAX_GUIDANCE:g}, got {g!r} (above 1 "
+                                   f"enables classifier-free guidance; typical values are 3-8)", param=name)
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED - (n - 1):
             raise RequestError(f"seed must be an integer from 0 to {MAX_SEED - (n - 1)}"
                                + (f" (image i of n={n} uses seed + i)" if n > 1 else "") + f", got {self.seed}",
@@ -307,8 +310,8 @@ class VideoCreateRequest(_Extras):
     """``POST /v1/videos`` body (OpenAI videos API + DESIGN 1.6 extras + ``num_frames``, ``fps``).
 
     ``seconds`` is the OpenAI clip duration (a string in the client; any positive number here);
-    ``num_frames`` wins over it. ``input_reference`` (image-to-video) is refused: the server runs
-    text-to-video models.
+    ``num_frames`` wins over it. ``input_reference`` is the first frame of an image-to-video job
+    (:mod:`ditattn.server.references`: a file upload, ``{"image_url": data URL}`` or base64).
     """
 
     prompt: str = Field(min_length=1, max_length=20000)
@@ -382,10 +385,15 @@ class VideoList(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """OpenAI ``Model`` plus ``lora_adapters`` (what a request's ``lora`` may name) and ``image_input``
+    (``none``, ``optional`` or ``required``: whether video jobs take / need an ``input_reference``)."""
+
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "ditattn"
+    lora_adapters: list[dict] = Field(default_factory=list)
+    image_input: str = "none"
 
 
 class ModelList(BaseModel):

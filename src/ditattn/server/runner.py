@@ -29,7 +29,9 @@ class ModelDefaults:
     """Defaults for fields a request leaves out, and the model's shape rules.
 
     size_multiple: width and height must be multiples of it (VAE stride × patch size);
-    frame_step: frame counts must be ``1 + k * frame_step`` (VAE temporal stride).
+    frame_step: frame counts must be ``1 + k * frame_step`` (VAE temporal stride); image_input:
+    ``none`` (text-to-video), ``optional`` (TI2V) or ``required`` (image-to-video); two_experts: the
+    checkpoint has a low-noise expert (``guidance_scale_2`` applies).
     """
 
     width: int = 832
@@ -40,6 +42,8 @@ class ModelDefaults:
     fps: int = 16
     size_multiple: int = 16
     frame_step: int = 4
+    image_input: str = "none"
+    two_experts: bool = False
 
 
 class BaseRunner:
@@ -152,6 +156,8 @@ class PipelineRunner(BaseRunner):
             width=d["width"], height=d["height"], num_frames=d["num_frames"],
             num_inference_steps=d["num_inference_steps"], guidance_scale=d["guidance_scale"],
             size_multiple=pipe.vae_scale_spatial * patch, frame_step=pipe.vae_scale_temporal,
+            image_input={"t2v": "none", "ti2v": "optional", "i2v": "required"}[pipe.mode],
+            two_experts=pipe.boundary_ratio is not None,
         )
         super().__init__(model_id, pipe.dit_modules, defaults=defaults, settings=pipe.settings, dtype=pipe.dtype,
                          aliases=aliases, platform=pipe.platform, default_override=default_override,
@@ -162,6 +168,19 @@ class PipelineRunner(BaseRunner):
 
     def default_backends(self) -> list[str]:
         return list(self.pipe.dit_backends())
+
+    def check_lora(self, lora: Optional[dict]) -> Optional[tuple]:
+        """A request's ``lora`` (adapter name -> scale) as the job's sorted ``((name, scale), ...)``, or
+        None for the defaults; raises :class:`~ditattn.models.lora.LoRAError` naming what is wrong."""
+        from ditattn.models.lora import resolve_request_lora
+
+        scales = resolve_request_lora(lora, self.pipe.adapters)
+        return None if scales is None else tuple(sorted(scales.items()))
+
+    def adapters(self) -> list[dict]:
+        """The loaded LoRA adapters (name, component, default scale, fused)."""
+        return [{"name": a.name, "component": a.component, "scale": a.scale, "fused": a.fused}
+                for a in self.pipe.adapters]
 
     def run_batch(self, jobs) -> list:
         """One pipeline call for ``jobs``; it stops at the next denoising step once every job must
@@ -185,10 +204,15 @@ class PipelineRunner(BaseRunner):
             kw["on_step"] = on_step
         if self._should_stop:
             kw["should_stop"] = lambda: batch_stop_reason(jobs)
+        if head.image is not None:  # one first frame per sample
+            kw["image"] = [j.image for j in jobs for _ in range(j.n)]
+        if head.lora is not None:
+            kw["lora"] = dict(head.lora)
         res = self.pipe.generate(
             prompts, negatives, height=head.height, width=head.width, num_frames=head.num_frames,
-            num_inference_steps=head.num_inference_steps, guidance_scale=head.guidance_scale, seed=seeds,
-            request_state=current_request() or head.state, progress=False, **kw,
+            num_inference_steps=head.num_inference_steps, guidance_scale=head.guidance_scale,
+            guidance_scale_2=head.guidance_scale_2, seed=seeds, request_state=current_request() or head.state,
+            progress=False, **kw,
         )
         frames = np.asarray(res.frames)
         stats = _json_safe(res.stats) if res.stats else {}
@@ -216,7 +240,7 @@ def build_runner(config) -> PipelineRunner:
     if u * r > 1 and not in_worker():  # ranks started by ditattn.distributed.launch relay rank 0's calls
         raise AttentionConfigError(f"sequence parallelism (--num-gpus {u * r}) needs one process per rank: start "
                                    f"it with ditattn serve (ditattn.distributed.launch), or use --num-gpus 1")
-    pipe = WanPipelineNative.from_config(config)
+    pipe = WanPipelineNative.from_config(config, lora_fuse=False)  # unfused: requests may set the scales
     name = pipe.model_index.name
     aliases = {name, config.model.model_path or name}
     if not name.startswith("ditattn:"):

@@ -4,7 +4,9 @@ A :class:`GenerationJob` is one request (an image request with ``n`` images, or 
 :meth:`GenerationJob.signature` holds everything that must be equal for requests to share one
 denoise call: model, width, height, frames, steps, guidance scale, negative prompt, the attention
 override and the skip-softmax parameters. The worker takes the oldest queued job and adds the
-following queued jobs with the same signature, in arrival order, up to ``max_batch_size`` requests —
+following queued jobs with the same signature, in arrival order, up to ``max_batch_size`` requests
+(image-to-video jobs batch with each other, each with its own first frame, never with text-only ones;
+the LoRA scales and the low-noise expert's guidance scale are part of the signature) —
 so requests with different attention settings never share a batch, and the oldest job is always
 served next (no starvation).
 
@@ -91,7 +93,10 @@ class GenerationJob:
     runners that need none); deadline: ``time.monotonic()`` value after which the job is stopped
     (queued: dropped; running: at its next denoising step); run_timeout_s: when set, the deadline
     is reset to start + run_timeout_s when the job starts (video jobs bound their wait in the
-    queue and their run separately); stop_reason: set by :meth:`Scheduler.cancel`.
+    queue and their run separately); stop_reason: set by :meth:`Scheduler.cancel`; image: the first
+    frame of an image-to-video job (a PIL image) or None; lora: the LoRA scales ``((name, scale),
+    ...)`` sorted by name, or None for the server's defaults; guidance_scale_2: the low-noise
+    expert's guidance scale (two-expert checkpoints) or None.
     """
 
     kind: str
@@ -112,6 +117,9 @@ class GenerationJob:
     deadline: Optional[float] = None
     run_timeout_s: Optional[float] = None
     stop_reason: Optional[str] = None
+    image: Any = None
+    lora: Optional[tuple] = None
+    guidance_scale_2: Optional[float] = None
     id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
     created: float = dataclasses.field(default_factory=time.time)
     future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
@@ -131,7 +139,8 @@ class GenerationJob:
         ss = None if self.skip_softmax is None else (self.skip_softmax.threshold_scale_factor,
                                                      self.skip_softmax.start_step)
         return (self.model, self.width, self.height, self.num_frames, self.num_inference_steps,
-                float(self.guidance_scale), self.negative_prompt or "", self.override, ss)
+                float(self.guidance_scale), self.negative_prompt or "", self.override, ss,
+                self.image is not None, self.lora, self.guidance_scale_2)
 
 
 def batch_stop_reason(jobs: Sequence[GenerationJob]) -> Optional[str]:

@@ -213,10 +213,16 @@ class ServerState:
                                f"{self.runner.model_id}", status=404, param="model", code="model_not_found")
         return self.runner.model_id
 
-    def check_size(self, size: Optional[str]) -> tuple[int, int]:
-        """``(width, height)`` of a request's ``size`` (None / auto = the default) within the limits."""
+    def check_size(self, size: Optional[str], image=None) -> tuple[int, int]:
+        """``(width, height)`` of a request's ``size`` within the limits; None / auto = the default
+        (with a first frame ``image``: the default area at the image's aspect ratio)."""
         d, c = self.runner.defaults, self.config
         wh = parse_size(size)
+        if wh is None and image is not None:
+            from ditattn.pipelines.conditioning import size_for_image
+
+            h, w = size_for_image(image.width, image.height, d.width * d.height, d.size_multiple)
+            wh = (w, h)
         if wh is None:
             return d.width, d.height
         w, h = wh
@@ -260,28 +266,74 @@ class ServerState:
             raise RequestError(f"skip_softmax_params.start_step must be at most {self.config.max_steps} (the "
                                f"server's --max-steps), got {skip['start_step']}", param="skip_softmax_params")
 
+    def check_image(self, input_reference) -> Optional[object]:
+        """The first frame of a request (a PIL image) or None; 400 when the model takes no image, needs
+        one that is missing, or the image is unusable."""
+        mode = getattr(self.runner.defaults, "image_input", "none")
+        if input_reference is None:
+            if mode == "required":
+                raise RequestError("this model is image-to-video: input_reference (the first frame) is required; "
+                                   "send it with POST /v1/videos", param="input_reference",
+                                   code="missing_input_reference")
+            return None
+        if mode == "none":
+            raise RequestError("input_reference (image-to-video) is not supported: this server runs a text-to-video "
+                               "model", param="input_reference")
+        from ditattn.server.references import reference_image
+
+        return reference_image(input_reference, max_bytes=self.config.max_image_bytes,
+                               max_pixels=self.config.max_image_pixels)
+
+    def check_lora(self, lora) -> Optional[tuple]:
+        """A request's ``lora`` scales as the job's sorted tuple (None: the server's defaults); 400 with
+        the reason when an adapter is unknown, fused or the scale is not finite."""
+        check = getattr(self.runner, "check_lora", None)
+        if lora is None:
+            return None
+        if check is None:
+            raise RequestError("lora is not supported by this server", param="lora")
+        try:
+            return check(lora)
+        except AttentionConfigError as exc:
+            raise RequestError(str(exc), param="lora", code="invalid_lora") from None
+
     # -- jobs -----------------------------------------------------------------------------------
-    def request_params(self, req, *, width: int, height: int, num_frames: int, steps: int, fps: int) -> dict:
+    def request_params(self, req, *, kind: str, width: int, height: int, num_frames: int, steps: int,
+                       fps: int) -> dict:
         """The validated request as the JSON-safe fields that build its job (the server's defaults
-        for those it leaves out, a random seed when it has none)."""
+        for those it leaves out, a random seed when it has none); 400 when an image request reaches
+        an image-to-video model, ``guidance_scale_2`` a one-expert model, or ``lora`` an unknown or
+        fused adapter.  The first frame of an image-to-video job is not among them (see
+        :meth:`make_job`)."""
         d = self.runner.defaults
+        if kind == "image" and getattr(d, "image_input", "none") == "required":
+            raise RequestError("this model is image-to-video: images need a first frame; use POST /v1/videos with "
+                               "input_reference", param="model")
+        if req.guidance_scale_2 is not None and not getattr(d, "two_experts", False):
+            raise RequestError("guidance_scale_2 applies to two-expert models (Wan 2.2 A14B); this model has one "
+                               "transformer", param="guidance_scale_2")
+        lora = self.check_lora(req.lora)
         skip = req.skip_softmax_params.as_dict() if req.skip_softmax_params is not None else None
         self.check_skip_softmax(skip)
         return dict(prompt=req.prompt, width=width, height=height, num_frames=num_frames, num_inference_steps=steps,
                     fps=fps, negative_prompt=req.negative_prompt if req.negative_prompt is not None else
                     getattr(self.runner, "default_negative_prompt", None),
                     guidance_scale=d.guidance_scale if req.guidance_scale is None else req.guidance_scale,
+                    guidance_scale_2=req.guidance_scale_2, lora=None if lora is None else [list(x) for x in lora],
                     seed=secrets.randbelow(2 ** 31) if req.seed is None else req.seed,
                     override=req.attention_backend_override, skip_softmax=skip)
 
     def make_job(self, kind: str, params: dict, *, model: str, n: int = 1, **kw) -> GenerationJob:
         """The scheduler job of validated ``params`` (:meth:`request_params`): its attention settings
         prepared (400 with the reason when refused) and its deadline (video jobs: the queue wait
-        and the run are each bounded by the request timeout)."""
+        and the run are each bounded by the request timeout); ``kw``: further job fields (the
+        ``image`` of an image-to-video job, callbacks)."""
         rstate = self.attention_state(params["override"], params["skip_softmax"])
         timeout = self.config.request_timeout_s
         p = {k: params[k] for k in ("prompt", "width", "height", "num_frames", "num_inference_steps", "negative_prompt",
                                     "guidance_scale", "seed", "fps")}
+        p["guidance_scale_2"] = params.get("guidance_scale_2")
+        p["lora"] = tuple(tuple(x) for x in params["lora"]) if params.get("lora") else None
         return GenerationJob(
             kind=kind, model=model, n=n, **p, override=rstate.override.value if rstate.override is not None else None,
             skip_softmax=rstate.skip_softmax, state=rstate, deadline=time.monotonic() + timeout,

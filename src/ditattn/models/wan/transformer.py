@@ -6,7 +6,11 @@ selector resolves when the model is constructed (inside the component's attentio
 ``USPAttention``, which is ``LocalAttention`` on one rank and Ulysses x ring attention under
 sequence parallelism, where the model shards the video tokens after patch embedding and gathers
 them before the output projection) and ``blocks.{i}.attn2`` is cross-attention from the video
-tokens to the text tokens (role ``cross``, local on every rank).
+tokens to the text tokens (role ``cross``, local on every rank).  Image-to-video checkpoints (Wan 2.1
+I2V: ``image_dim`` / ``added_kv_proj_dim`` in the config) add ``blocks.{i}.attn2.image``: the same
+queries attend to the projected CLIP image tokens through their own K/V projections (role
+``cross_image``, its own attention layer, so it has its own backend in the plan and takes
+``transformer.cross_image=...`` overrides); its output is added to the text cross-attention's.
 
 Tensor layout: the model takes latents ``[batch, channels, frames, height, width]`` and patchifies
 them with ``patch_size = (p_t, p_h, p_w)`` into ``T' * H' * W'`` tokens in T-major order, where
@@ -72,10 +76,15 @@ class WanTransformerConfig:
         cfg.patch_size = tuple(int(p) for p in cfg.patch_size)
         if cfg.out_channels is None:
             cfg.out_channels = cfg.in_channels
-        if cfg.image_dim is not None or cfg.added_kv_proj_dim is not None:
+        if (cfg.image_dim is None) != (cfg.added_kv_proj_dim is None):
             raise AttentionConfigError(
-                "this Wan transformer has image conditioning (image_dim / added_kv_proj_dim: an image-to-video "
-                "checkpoint); the native pipeline runs text-to-video Wan 2.1/2.2 checkpoints only"
+                f"Wan transformer config has image_dim={cfg.image_dim} but added_kv_proj_dim={cfg.added_kv_proj_dim}; "
+                "an image-to-video transformer needs both (the image embedder and the image K/V projections)"
+            )
+        if cfg.added_kv_proj_dim is not None and cfg.added_kv_proj_dim != cfg.inner_dim:
+            raise AttentionConfigError(
+                f"Wan transformer config: added_kv_proj_dim {cfg.added_kv_proj_dim} must equal the model width "
+                f"num_attention_heads x attention_head_dim = {cfg.inner_dim} (it projects the embedded image tokens)"
             )
         if len(cfg.patch_size) != 3:
             raise AttentionConfigError(f"Wan transformer patch_size must have 3 entries, got {cfg.patch_size}")
@@ -84,6 +93,11 @@ class WanTransformerConfig:
     @property
     def inner_dim(self) -> int:
         return self.num_attention_heads * self.attention_head_dim
+
+    @property
+    def has_image_input(self) -> bool:
+        """True for Wan 2.1 image-to-video transformers (CLIP image tokens through added K/V)."""
+        return self.image_dim is not None
 
 
 class FP32LayerNorm(nn.LayerNorm):
@@ -119,8 +133,45 @@ class _MLP2(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
+class _Proj(nn.Module):
+    def __init__(self, d_in: int, d_out: int):
+        super().__init__()
+        self.proj = nn.Linear(d_in, d_out)
+
+
+class _GeluFF(nn.Module):
+    """``net.0.proj`` -> exact GELU -> ``net.2`` (diffusers' FeedForward key layout, ``mult=1``)."""
+
+    def __init__(self, d_in: int, d_out: int):
+        super().__init__()
+        self.net = nn.ModuleList([_Proj(d_in, d_in), nn.Dropout(0.0), nn.Linear(d_in, d_out)])
+
+    def forward(self, x):
+        return self.net[2](F.gelu(self.net[0].proj(x)))
+
+
+class WanImageEmbedding(nn.Module):
+    """CLIP image tokens ``[B, N, image_dim]`` -> model width ``[B, N, D]`` (LayerNorm, GELU MLP,
+    LayerNorm; with ``pos_embed_seq_len`` a learned position table is added first and a batch of
+    two images per sample (first and last frame) becomes one sequence of ``2 N`` tokens)."""
+
+    def __init__(self, d_in: int, d_out: int, pos_embed_seq_len: Optional[int] = None):
+        super().__init__()
+        self.norm1 = FP32LayerNorm(d_in)
+        self.ff = _GeluFF(d_in, d_out)
+        self.norm2 = FP32LayerNorm(d_out)
+        self.pos_embed = nn.Parameter(torch.zeros(1, pos_embed_seq_len, d_in)) if pos_embed_seq_len else None
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        if self.pos_embed is not None:
+            B, N, C = image.shape
+            image = image.view(-1, 2 * N, C) + self.pos_embed
+        return self.norm2(self.ff(self.norm1(image)))
+
+
 class WanConditionEmbedder(nn.Module):
-    """Timestep -> (temb, 6-way modulation), text features -> model width."""
+    """Timestep -> (temb, 6-way modulation), text features -> model width, and for image-to-video
+    checkpoints CLIP image tokens -> model width (``image_embedder``)."""
 
     def __init__(self, cfg: WanTransformerConfig):
         super().__init__()
@@ -130,6 +181,8 @@ class WanConditionEmbedder(nn.Module):
         self.act_fn = nn.SiLU()
         self.time_proj = nn.Linear(d, 6 * d)
         self.text_embedder = _MLP2(cfg.text_dim, d, d, nn.GELU(approximate="tanh"))
+        self.image_embedder = (WanImageEmbedding(cfg.image_dim, d, cfg.pos_embed_seq_len)
+                               if cfg.image_dim is not None else None)
 
     def time(self, timestep: torch.Tensor, dtype: torch.dtype, timestep_seq_len: Optional[int] = None):
         """``(temb, modulation)``: timestep features cast to ``dtype`` and their 6-way projection."""
@@ -171,9 +224,13 @@ def rope_tables(head_dim: int, grid: tuple[int, int, int], device, theta: float 
 
 
 class WanAttention(nn.Module):
-    """Projections + q/k RMSNorm (+ RoPE for self-attention) around one ``LocalAttention``."""
+    """Projections + q/k RMSNorm (+ RoPE for self-attention) around one ``LocalAttention``; the
+    cross-attention of an image-to-video checkpoint (``image=True``) adds the image K/V projections
+    (``add_k_proj``, ``add_v_proj``, ``norm_added_k``) and a second layer, ``image_attn`` (role
+    ``cross_image``)."""
 
-    def __init__(self, cfg: WanTransformerConfig, *, role: str, prefix: str, layer_idx: int, dtype):
+    def __init__(self, cfg: WanTransformerConfig, *, role: str, prefix: str, layer_idx: int, dtype,
+                 image: bool = False):
         super().__init__()
         d = cfg.inner_dim
         self.heads = cfg.num_attention_heads
@@ -189,14 +246,30 @@ class WanAttention(nn.Module):
             cfg.num_attention_heads, cfg.attention_head_dim, role=role, prefix=prefix, layer_idx=layer_idx,
             dtype=dtype,
         )
+        self.image_attn = None
+        if image:
+            self.add_k_proj = nn.Linear(cfg.added_kv_proj_dim, d)
+            self.add_v_proj = nn.Linear(cfg.added_kv_proj_dim, d)
+            self.norm_added_k = nn.RMSNorm(d, eps=cfg.eps, elementwise_affine=True)
+            self.image_attn = LocalAttention(cfg.num_attention_heads, cfg.attention_head_dim, role="cross_image",
+                                             prefix=f"{prefix}.image", layer_idx=layer_idx, dtype=dtype)
 
     def project_kv(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K (normed) and V of ``src [B, L, D]`` as ``[B, L, heads, head_dim]``."""
         k = self.norm_k(self.to_k(src)).unflatten(2, (self.heads, -1))
         return k, self.to_v(src).unflatten(2, (self.heads, -1))
 
+    def project_image_kv(self, image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (normed) and V of the embedded image tokens ``[B, N, D]`` as ``[B, N, heads, head_dim]``."""
+        k = self.norm_added_k(self.add_k_proj(image)).unflatten(2, (self.heads, -1))
+        return k, self.add_v_proj(image).unflatten(2, (self.heads, -1))
+
     def forward(self, x: torch.Tensor, context: Optional[torch.Tensor] = None, rotary=None,
-                kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None, fused: str = "auto") -> torch.Tensor:
+                kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None, fused: str = "auto",
+                image_kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                image: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``x [B, S, D]`` -> ``[B, S, D]``; cross-attention takes ``context`` or its projected ``kv``,
+        and (image-to-video) the embedded image tokens ``image`` or their projected ``image_kv``."""
         if rotary is not None and kv is None and context is None:  # self-attention: one pass for norms + RoPE
             q, k = qk_norm_rope(self.to_q(x), self.to_k(x), self.norm_q.weight, self.norm_k.weight, *rotary,
                                 eps=self.norm_q.eps, head_dim=x.shape[-1] // self.heads, impl=fused)
@@ -208,6 +281,13 @@ class WanAttention(nn.Module):
             if rotary is not None:
                 q, k = apply_rope(q, *rotary), apply_rope(k, *rotary)
         out = self.attn(q, k, v).flatten(2, 3).type_as(q)
+        if self.image_attn is not None:
+            if image_kv is None:
+                if image is None:
+                    raise ValueError("this image-to-video transformer needs the image tokens "
+                                     "(encoder_hidden_states_image)")
+                image_kv = self.project_image_kv(image)
+            out = out + self.image_attn(q, *image_kv).flatten(2, 3).type_as(q)
         return self.to_out[0](out)
 
 
@@ -244,7 +324,8 @@ class WanBlock(nn.Module):
         d = cfg.inner_dim
         self.norm1 = FP32LayerNorm(d, cfg.eps, elementwise_affine=False)
         self.attn1 = WanAttention(cfg, role="self", prefix=f"blocks.{idx}.attn1", layer_idx=idx, dtype=dtype)
-        self.attn2 = WanAttention(cfg, role="cross", prefix=f"blocks.{idx}.attn2", layer_idx=idx, dtype=dtype)
+        self.attn2 = WanAttention(cfg, role="cross", prefix=f"blocks.{idx}.attn2", layer_idx=idx, dtype=dtype,
+                                  image=cfg.has_image_input)
         self.norm2 = FP32LayerNorm(d, cfg.eps, elementwise_affine=True) if cfg.cross_attn_norm else nn.Identity()
         self.ffn = WanFeedForward(d, cfg.ffn_dim)
         self.norm3 = FP32LayerNorm(d, cfg.eps, elementwise_affine=False)
@@ -252,7 +333,7 @@ class WanBlock(nn.Module):
         #: "auto" (fused kernels where they run), "torch" (plain PyTorch ops): WanTransformer.set_fused_ops
         self.fused = "auto"
 
-    def forward(self, x, context, tproj, rotary, kv=None):
+    def forward(self, x, context, tproj, rotary, kv=None, image_kv=None, image=None):
         if tproj.ndim == 4:  # per-token timesteps (Wan 2.2 TI2V): [B, S, 6, D]
             mods = (self.scale_shift_table.unsqueeze(0) + tproj.float()).chunk(6, dim=2)
             mods = [m.squeeze(2) for m in mods]
@@ -268,8 +349,8 @@ class WanBlock(nn.Module):
         else:  # no cross-attention norm
             x, _ = residual_norm(x, y, gate1, norm=False, impl=f)
             h = x
-        x, h = residual_norm(x, self.attn2(h, context, kv=kv, fused=f), None, scale=scale2, shift=shift2,
-                             eps=self.norm3.eps, impl=f)
+        x, h = residual_norm(x, self.attn2(h, context, kv=kv, fused=f, image_kv=image_kv, image=image), None,
+                             scale=scale2, shift=shift2, eps=self.norm3.eps, impl=f)
         x, _ = residual_norm(x, self.ffn(h, f), gate2, norm=False, impl=f)
         return x
 
@@ -318,22 +399,39 @@ class WanTransformer(nn.Module):
             self._rope_cache[key] = tab
         return tab
 
-    def encode_text(self, encoder_hidden_states: torch.Tensor) -> "WanTextCache":
-        """Precompute the text side of every step: the projected text ``[B, L, D]`` and each block's
-        cross-attention K/V.  They do not depend on the latents or the timestep, so a denoise loop
-        computes them once and passes ``text_cache=`` to every step (same numbers, less work)."""
+    def encode_text(self, encoder_hidden_states: torch.Tensor,
+                    encoder_hidden_states_image: Optional[torch.Tensor] = None, *,
+                    per_block: bool = True) -> "WanTextCache":
+        """Precompute the conditioning side of every step: the projected text ``[B, L, D]`` (and, for
+        image-to-video checkpoints, the embedded CLIP image tokens ``[B, N, image_dim] -> [B, N, D]``)
+        and, with ``per_block``, each block's cross-attention K/V.  They do not depend on the latents
+        or the timestep, so a denoise loop computes them once and passes ``text_cache=`` to every
+        step (same numbers, less work).  ``per_block=False`` leaves the K/V to each block's forward
+        (for block-streaming offload, where a block's weights are on the device only while it runs)."""
         context = self.condition_embedder.text_embedder(encoder_hidden_states)
-        kv = [block.attn2.project_kv(context) for block in self.blocks]
-        return WanTextCache(context, kv, encoder_hidden_states.dtype)
+        image = None
+        if self.config.has_image_input:
+            if encoder_hidden_states_image is None:
+                raise ValueError("this image-to-video transformer (image_dim set) needs encoder_hidden_states_image")
+            image = self.condition_embedder.image_embedder(encoder_hidden_states_image)
+        kv = image_kv = None
+        if per_block:
+            kv = [block.attn2.project_kv(context) for block in self.blocks]
+            if image is not None:
+                image_kv = [block.attn2.project_image_kv(image) for block in self.blocks]
+        return WanTextCache(context, kv, encoder_hidden_states.dtype, image, image_kv)
 
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor,
-                encoder_hidden_states: Optional[torch.Tensor] = None, *, text_cache: "Optional[WanTextCache]" = None):
+                encoder_hidden_states: Optional[torch.Tensor] = None,
+                encoder_hidden_states_image: Optional[torch.Tensor] = None, *,
+                text_cache: "Optional[WanTextCache]" = None):
         """latents ``[B, C, F, H, W]``, timestep ``[B]`` (or ``[B, S]`` per token), text
-        ``[B, L, text_dim]`` (or a :meth:`encode_text` cache of it) -> ``[B, out_channels, F, H, W]``."""
+        ``[B, L, text_dim]`` and, for image-to-video checkpoints, CLIP image tokens
+        ``[B, N, image_dim]`` (or a :meth:`encode_text` cache of both) -> ``[B, out_channels, F, H, W]``."""
         if text_cache is None:
             if encoder_hidden_states is None:
                 raise ValueError("WanTransformer.forward needs encoder_hidden_states or text_cache")
-            text_cache = self.encode_text(encoder_hidden_states)
+            text_cache = self.encode_text(encoder_hidden_states, encoder_hidden_states_image)
         B, _, frames, height, width = hidden_states.shape
         pt, ph, pw = self.config.patch_size
         grid = self.latent_grid(frames, height, width)
@@ -353,8 +451,10 @@ class WanTransformer(nn.Module):
             seq_len = x.shape[1]
             x, rotary = shard_sequence(x), tuple(shard_sequence(t) for t in rotary)
             tproj = shard_sequence(tproj) if tproj.ndim == 4 else tproj
-            for block, kv in zip(self.blocks, text_cache.kv):
-                x = block(x, context, tproj, rotary, kv)
+            c = text_cache
+            for i, block in enumerate(self.blocks):
+                x = block(x, context, tproj, rotary, c.kv[i] if c.kv else None,
+                          c.image_kv[i] if c.image_kv else None, c.image)
             x = gather_sequence(x, seq_len)
 
         if temb.ndim == 3:
@@ -371,13 +471,18 @@ class WanTransformer(nn.Module):
 
 @dataclasses.dataclass
 class WanTextCache:
-    """The text side of a denoise loop (:meth:`WanTransformer.encode_text`): ``context`` the projected
-    text ``[B, L, D]``, ``kv`` one cross-attention ``(K, V)`` pair ``[B, L, heads, head_dim]`` per
-    block, ``dtype`` of the raw text features (the time embedding is cast to it, as diffusers does)."""
+    """The conditioning side of a denoise loop (:meth:`WanTransformer.encode_text`): ``context`` the
+    projected text ``[B, L, D]``, ``kv`` one cross-attention ``(K, V)`` pair ``[B, L, heads, head_dim]``
+    per block (None: each block projects ``context`` itself), ``dtype`` of the raw text features (the
+    time embedding is cast to it, as diffusers does); image-to-video checkpoints only (else None):
+    ``image`` the embedded image tokens ``[B, N, D]`` and ``image_kv`` one image ``(K, V)`` pair
+    ``[B, N, heads, head_dim]`` per block (None: each block projects ``image``)."""
 
     context: torch.Tensor
-    kv: list
+    kv: Optional[list]
     dtype: torch.dtype
+    image: Optional[torch.Tensor] = None
+    image_kv: Optional[list] = None
 
 
 def cast_model(model: nn.Module, dtype: torch.dtype, keep_fp32: tuple[str, ...] = ()) -> nn.Module:

@@ -41,7 +41,7 @@ async def images_generations(request: Request, state: ServerState = Depends(serv
     width, height = state.check_size(req.size)
     steps = state.check_steps(req.num_inference_steps)
     state.check_output_size(width, height, 1, n)
-    params = state.request_params(req, width=width, height=height, num_frames=1, steps=steps,
+    params = state.request_params(req, kind="image", width=width, height=height, num_frames=1, steps=steps,
                                   fps=state.runner.defaults.fps)
     job = state.make_job("image", params, model=model, n=n)
     fut = state.submit(job)

@@ -11,7 +11,9 @@ router = APIRouter()
 
 
 def _card(state: ServerState) -> ModelCard:
-    return ModelCard(id=state.runner.model_id, created=int(state.started))
+    adapters = getattr(state.runner, "adapters", None)
+    return ModelCard(id=state.runner.model_id, created=int(state.started), lora_adapters=adapters() if adapters else [],
+                     image_input=getattr(state.runner.defaults, "image_input", "none"))
 
 
 @router.get("/v1/models")

@@ -64,13 +64,15 @@ def _frames(state: ServerState, req: VideoCreateRequest, fps: int) -> int:
 async def create_video(request: Request, state: ServerState = Depends(server_state)):
     config = state.config
     state.check_accepting()
-    req = validate(VideoCreateRequest, await read_body(request, config.max_body_bytes, config.max_json_depth))
+    # for a model that takes a first frame, the body may carry it (base64 grows it by a third)
+    limit = config.max_body_bytes
+    if getattr(state.runner.defaults, "image_input", "none") != "none":
+        limit += (config.max_image_bytes * 4) // 3 + 4096
+    req = validate(VideoCreateRequest, await read_body(request, limit, config.max_json_depth))
     req.check_numbers()
-    if req.input_reference is not None:
-        raise RequestError("input_reference (image-to-video) is not supported: this server runs text-to-video "
-                           "models", param="input_reference")
     model = state.check_model(req.model)
-    width, height = state.check_size(req.size)
+    image = state.check_image(req.input_reference)
+    width, height = state.check_size(req.size, image)
     fps = state.runner.defaults.fps if req.fps is None else req.fps
     if not 1 <= fps <= config.max_fps:
         raise RequestError(f"fps must be between 1 and {config.max_fps} (the server's --max-fps), got {fps}",
@@ -78,9 +80,12 @@ async def create_video(request: Request, state: ServerState = Depends(server_sta
     frames = _frames(state, req, fps)
     steps = state.check_steps(req.num_inference_steps)
     state.check_output_size(width, height, frames, 1)
-    params = state.request_params(req, width=width, height=height, num_frames=frames, steps=steps, fps=fps)
+    params = state.request_params(req, kind="video", width=width, height=height, num_frames=frames, steps=steps,
+                                  fps=fps)
     vid = "video_" + uuid.uuid4().hex
-    job = _video_job(state, vid, params, model)
+    if image is not None and state.videos.jobs is not None:  # kept for a restart, with the job
+        params["input_reference_file"] = _save_reference(state, vid, image)
+    job = _video_job(state, vid, params, model, image)
     rec = VideoRecord(
         id=vid, model=model, prompt=req.prompt, size=f"{width}x{height}", seconds=f"{frames / fps:g}",
         num_frames=frames, fps=fps, num_inference_steps=steps, override=job.override, skip_softmax=skip_params(job),
@@ -96,10 +101,46 @@ async def create_video(request: Request, state: ServerState = Depends(server_sta
     return JSONResponse(rec.to_object().model_dump(), headers={BACKEND_HEADER: ",".join(rec.attention_backends)})
 
 
-def _video_job(state: ServerState, vid: str, params: dict, model: str) -> GenerationJob:
+def _video_job(state: ServerState, vid: str, params: dict, model: str, image=None) -> GenerationJob:
     return state.make_job(
-        "video", params, model=model, id=vid, on_start=lambda j: state.videos.update(j.id, status="in_progress"),
+        "video", params, model=model, id=vid, image=image,
+        on_start=lambda j: state.videos.update(j.id, status="in_progress"),
         on_progress=lambda j, frac: state.videos.update(j.id, progress=max(0, min(99, int(frac * 100)))))
+
+
+def _reference_path(state: ServerState, name: str) -> str:
+    return os.path.join(state.output_dir, name)
+
+
+def _save_reference(state: ServerState, vid: str, image) -> str:
+    """Write the first frame of image-to-video job ``vid`` next to the job store (PNG, lossless), so
+    that a restart can run the job again; returns its path relative to the output folder."""
+    name = os.path.join("inputs", vid + ".png")
+    path = _reference_path(state, name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    image.save(path, format="PNG")
+    return name
+
+
+def _load_reference(state: ServerState, params: dict):
+    """The stored first frame of a restored job (None for a text-to-video job); KeyError when it is gone."""
+    name = params.get("input_reference_file")
+    if not name:
+        return None
+    from PIL import Image
+
+    path = _reference_path(state, name)
+    if not os.path.isfile(path):
+        raise KeyError(f"its first frame {name} is gone")
+    with Image.open(path) as im:
+        return im.convert("RGB")
+
+
+def _drop_reference(state: ServerState, rec: VideoRecord) -> None:
+    """Remove the stored first frame of a finished or deleted job (if it has one)."""
+    name = rec.request.get("input_reference_file") if rec.request else None
+    if name:
+        remove_file(_reference_path(state, name), f"video {rec.id} finished: its stored first frame is not needed")
 
 
 def restore_jobs(state: ServerState) -> None:
@@ -135,7 +176,9 @@ def restore_jobs(state: ServerState) -> None:
 def _requeue(state: ServerState, rec: VideoRecord) -> None:
     try:
         model = state.check_model(rec.model)
-        job = _video_job(state, rec.id, rec.request, model)
+        if rec.request.get("lora"):
+            state.check_lora({name: scale for name, scale in rec.request["lora"]})
+        job = _video_job(state, rec.id, rec.request, model, _load_reference(state, rec.request))
         fut = state.submit(job, restore=True)
     except (RequestError, KeyError, TypeError, AttentionConfigError) as exc:
         why = exc.message if isinstance(exc, RequestError) else f"its stored request is incomplete ({exc})"
@@ -199,6 +242,7 @@ async def delete_video(video_id: str, state: ServerState = Depends(server_state)
     rec = _record(state, video_id)
     stage = state.scheduler.cancel(rec.job, "deleted") if rec.job is not None else None
     state.videos.pop(video_id)
+    _drop_reference(state, rec)
     log.info("video %s deleted by request (it was %s%s)", video_id, rec.status,
              "; stopping it at its next denoising step" if stage == "running" else "")
     remove_file(rec.path, f"video {video_id} deleted by request")
@@ -227,6 +271,7 @@ def _finish(state: ServerState, rec: VideoRecord, fut: concurrent.futures.Future
             if state.videos.update(rec.id, status="queued", progress=0, job=None) is not None:
                 log.info("video %s stays queued for the next start (job store %s)", rec.id, state.videos.jobs.path)
             return
+        _drop_reference(state, rec)
         if isinstance(exc, JobCancelled):  # deleted: the record is already gone
             return
         error = {"code": "generation_failed", "message": internal_message(rec.id[:12])}
@@ -240,6 +285,7 @@ def _finish(state: ServerState, rec: VideoRecord, fut: concurrent.futures.Future
         state.videos.update(rec.id, status="failed", error=error, completed_at=int(time.time()), job=None)
         state.count("video", "error", label)
         return
+    _drop_reference(state, rec)
     result: GenerationResult = fut.result()
     job = rec.job
 
