@@ -3,6 +3,7 @@
 with a base64 data URL, per-request ``lora``), and every refusal of a bad reference image or LoRA."""
 import base64
 import io
+import time
 
 import httpx
 import numpy as np
@@ -164,3 +165,57 @@ def test_image_to_video_end_to_end(server, tmp_path):
     with pytest.raises(openai.BadRequestError) as ei:
         c.videos.create(prompt="a boat", input_reference=b"not an image", size="48x32")
     assert "input_reference: not a readable image" in ei.value.body["message"]
+
+
+def test_image_to_video_job_survives_a_restart(tmp_path, lora_file):
+    """With --output-dir the first frame of an image-to-video job is stored next to the job store,
+    a restart runs the re-queued job on it, and the stored frame is removed once the job ends."""
+    import json
+    import os
+    import sqlite3
+
+    from ditattn.server.jobstore import DB_FILE
+
+    out = tmp_path / "serve"
+    cfg = RunConfig(model=ModelConfig(model_path="ditattn:tiny-wan-i2v", lora_path=(lora_file,)),
+                    sampling=SamplingConfig(num_inference_steps=1, num_frames=5))
+    runner = build_runner(cfg)
+    body = {"prompt": "a boat", "size": "48x32", "seed": 3, "input_reference": base64.b64encode(_png(48, 32)).decode()}
+    with TestClient(create_app(runner, ServerConfig(batch_window_s=0.0, output_dir=str(out)))) as c:
+        vid = c.post("/v1/videos", json=body).json()["id"]
+        for _ in range(600):
+            done = c.get(f"/v1/videos/{vid}").json()
+            if done["status"] in ("completed", "failed"):
+                break
+            time.sleep(0.05)
+        assert done["status"] == "completed", done
+        first = c.get(f"/v1/videos/{vid}/content").content
+    assert not os.listdir(out / "inputs")  # the stored frame went with the finished job
+    # play an unfinished job of the previous run: the same record, queued again, its frame on disk
+    db = sqlite3.connect(str(out / DB_FILE))
+    (record,) = [json.loads(r) for (r,) in db.execute("SELECT record FROM videos WHERE id = ?", (vid,))]
+    name = record["request"]["input_reference_file"]
+    Image.open(io.BytesIO(_png(48, 32))).convert("RGB").save(out / name, format="PNG")
+    os.remove(out / record["path"])
+    record.update(status="queued", path=None, progress=0, completed_at=None)
+    db.execute("UPDATE videos SET status = 'queued', record = ? WHERE id = ?", (json.dumps(record), vid))
+    db.commit()
+    db.close()
+    with TestClient(create_app(runner, ServerConfig(batch_window_s=0.0, output_dir=str(out)))) as c:
+        for _ in range(600):
+            done = c.get(f"/v1/videos/{vid}").json()
+            if done["status"] in ("completed", "failed"):
+                break
+            time.sleep(0.05)
+        assert done["status"] == "completed", done
+        assert c.get(f"/v1/videos/{vid}/content").content == first  # same frame, seed and settings
+    assert not (out / name).exists()
+    # a re-queued job whose stored frame is gone fails with the reason, and the server keeps serving
+    record.update(status="queued", path=None)
+    db = sqlite3.connect(str(out / DB_FILE))
+    db.execute("UPDATE videos SET status = 'queued', record = ? WHERE id = ?", (json.dumps(record), vid))
+    db.commit()
+    db.close()
+    with TestClient(create_app(runner, ServerConfig(batch_window_s=0.0, output_dir=str(out)))) as c:
+        err = c.get(f"/v1/videos/{vid}").json()
+        assert err["status"] == "failed" and "first frame" in err["error"]["message"]

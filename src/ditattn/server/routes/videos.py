@@ -123,7 +123,7 @@ def _save_reference(state: ServerState, vid: str, image) -> str:
 
 
 def _load_reference(state: ServerState, params: dict):
-    """The stored first frame of a restored job (None for a text-to-video job); KeyError when it is gone."""
+    """The stored first frame of a restored job (None for a text-to-video job); RequestError when it is gone."""
     name = params.get("input_reference_file")
     if not name:
         return None
@@ -131,7 +131,7 @@ def _load_reference(state: ServerState, params: dict):
 
     path = _reference_path(state, name)
     if not os.path.isfile(path):
-        raise KeyError(f"its first frame {name} is gone")
+        raise RequestError(f"its stored first frame {name} is gone", param="input_reference")
     with Image.open(path) as im:
         return im.convert("RGB")
 
