@@ -134,6 +134,10 @@ def test_backend_outputs_match_engine_and_explicit_masks(strategy_file):
 
     check(B.VIDEO_SPARSE_ATTN, {"sparsity": 0.6},
           video_sparse_attention(q, k, v, video_shape=grid, sparsity=0.6, text_len=TEXT))
+    padded = video_sparse_attention(q, k, v, video_shape=grid, sparsity=0.6, text_len=TEXT, edge_tiles="padded")
+    check(B.VIDEO_SPARSE_ATTN, {"sparsity": 0.6, "edge_tiles": "padded"}, padded)
+    assert padded[2].layout.n_video_blocks > video_sparse_attention(
+        q, k, v, video_shape=grid, sparsity=0.6, text_len=TEXT)[2].layout.n_video_blocks
     # sparge (fp16/bf16 only): the planner in float32 against its explicit mask; the backend in bf16 equals it
     res = sparge_attention(q, k, v, video_shape=grid, topk=0.3, block_size=32, text_len=TEXT)
     torch.testing.assert_close(res[0], reference_attention(q, k, v, mask=plan_token_mask(res[2]))[0], rtol=0, atol=3e-6)
@@ -460,15 +464,15 @@ def test_sta_strategy_file_errors(tmp_path, strategy_file):
 VALID = {
     B.SLIDING_TILE_ATTN: {"mask_strategy_file_path": "/x/s.json", "sta_mode": "STA_searching", "skip_time_steps": 0,
                           "tile_size": [2, 4, 4], "window_candidates": [1, 3, 3, 3, 3, 3]},
-    B.VIDEO_SPARSE_ATTN: {"sparsity": 0.9},
-    B.SPARGE_ATTN: {"topk": 1.0, "block_size": 128},
+    B.VIDEO_SPARSE_ATTN: {"sparsity": 0.9, "edge_tiles": "padded"},
+    B.SPARGE_ATTN: {"topk": 1.0, "block_size": 128, "edge_tiles": "padded"},
     B.VMOBA_ATTN: {"temporal_chunk_size": 2, "temporal_topk": 3, "spatial_chunk_size": [3, 4], "spatial_topk": 20,
                    "st_chunk_size": [4, 6, 4], "st_topk": 15, "moba_select_mode": "topk", "moba_threshold": 1.0,
                    "moba_threshold_type": "head_global", "first_full_step": 0, "first_full_layer": 2,
                    "temporal_layer": 0, "spatial_layer": 2, "st_layer": 1},
     B.SOL_ATTN: {"tau": 2.5, "thresh_type": "exact", "sink_tokens": 256, "sink_start": 10, "dense_steps": 0,
-                 "dense_layers": "0-2", "dense_backend": "sage_attn", "kv_splits": 4},
-    B.SLA_ATTN: {"topk": 0.1, "negligible_fraction": 0.5, "block_size": 32},
+                 "dense_layers": "0-2", "dense_backend": "sage_attn", "kv_splits": 4, "edge_tiles": "padded"},
+    B.SLA_ATTN: {"topk": 0.1, "negligible_fraction": 0.5, "block_size": 32, "edge_tiles": "packed"},
     B.SAGE_SLA_ATTN: {"topk": 1.0, "negligible_fraction": 0.0, "block_size": 128},
     B.SPARSE_VIDEO_GEN_2_ATTN: {"num_q_clusters": 8, "num_k_clusters": 16, "kmeans_iters": 1, "top_p": 1.0,
                                 "first_full_steps": 3},
@@ -480,7 +484,8 @@ INVALID = [
     (B.SLIDING_TILE_ATTN, "tile_size", [4, 4]), (B.SLIDING_TILE_ATTN, "tile_size", [0, 4, 4]),
     (B.SLIDING_TILE_ATTN, "window_candidates", [1, 3]),
     (B.VIDEO_SPARSE_ATTN, "sparsity", -0.1), (B.VIDEO_SPARSE_ATTN, "sparsity", 1.5),
-    (B.VIDEO_SPARSE_ATTN, "sparsity", "high"),
+    (B.VIDEO_SPARSE_ATTN, "sparsity", "high"), (B.VIDEO_SPARSE_ATTN, "edge_tiles", "merged"),
+    (B.SPARGE_ATTN, "edge_tiles", True), (B.SOL_ATTN, "edge_tiles", "pad"), (B.SAGE_SLA_ATTN, "edge_tiles", ""),
     (B.SPARGE_ATTN, "topk", 0.0), (B.SPARGE_ATTN, "topk", 1.01), (B.SPARGE_ATTN, "block_size", 48),
     (B.VMOBA_ATTN, "temporal_chunk_size", 0), (B.VMOBA_ATTN, "temporal_topk", -2),
     (B.VMOBA_ATTN, "spatial_chunk_size", [3]), (B.VMOBA_ATTN, "spatial_topk", 0),
@@ -545,7 +550,12 @@ def test_seed_defaults():
     sol = validate_backend_config(B.SOL_ATTN, {})
     assert sol == {"tau": 1.0, "thresh_type": "diag", "sink_tokens": 0, "sink_start": 0, "dense_steps": 10,
                    "dense_layers": "0,1", "dense_backend": "fa", "kv_splits": "auto",
-                   "block_sparse_impl": "auto"}
+                   "edge_tiles": "packed", "block_sparse_impl": "auto"}
+    for backend in (B.VIDEO_SPARSE_ATTN, B.SPARGE_ATTN, B.SLA_ATTN, B.SAGE_SLA_ATTN):
+        assert validate_backend_config(backend, {})["edge_tiles"] == "packed"
+    for backend in (B.VMOBA_ATTN, B.SPARSE_VIDEO_GEN_2_ATTN):  # chunks / clusters are their unit: no packing
+        assert "edge_tiles" not in validate_backend_config(backend, {})
+    assert "edge_tiles" not in sta
 
 
 def test_backends_accept_partial_config_and_fill_defaults():

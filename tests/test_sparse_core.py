@@ -1,4 +1,5 @@
 """Sparse engine core: 3-D tiling and the block-sparse attention kernel (CPU reference + FlexAttention)."""
+import math
 import os
 import warnings
 
@@ -107,6 +108,135 @@ def test_pooled_blocks_means_real_tokens_only():
         sel = (coords == lay.block_coords[b]).all(1)
         torch.testing.assert_close(pooled[0, :, b], x[0, :105][sel].mean(0), rtol=0, atol=1e-12)
     torch.testing.assert_close(pooled[0, :, -1], x[0, 105:].mean(0), rtol=0, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------------
+# packed edge tiles
+
+PACKED_CASES = [  # (grid, tile, text_len, special ranges)
+    ((5, 8, 12), (4, 4, 4), 0, ()),      # a 1-frame last slab: 16-token tiles, four to a block
+    ((6, 10, 9), (4, 4, 4), 7, ()),      # cut on every axis: 32-, 16-, 8-token ... tiles
+    ((9, 7, 13), (4, 4, 4), 3, ()),
+    ((3, 5, 7), (1, 2, 3), 0, ()),
+    ((7, 9, 11), (2, 4, 4), 5, ((20, 45),)),  # special tokens make some edge tiles smaller
+    ((1, 1, 1), (4, 4, 4), 2, ()),
+    ((2, 2, 2), (4, 4, 4), 0, ((0, 8),)),     # every video token special: no video block
+]
+
+
+def _block_tiles(lay):
+    """Blocks as (sorted tile list, real-token count) read off tile() of the token indices."""
+    n = math.prod(lay.video_shape)
+    ids = tile(torch.arange(lay.seq_len, dtype=torch.float64).view(1, -1, 1, 1), lay)[0, :, 0, 0].long()
+    out = []
+    for b in range(lay.n_video_blocks):
+        toks = [t for t, ok in zip(ids[b * lay.block_size:(b + 1) * lay.block_size].tolist(),
+                                   lay.valid[b * lay.block_size:(b + 1) * lay.block_size].tolist()) if ok]
+        assert all(t < n for t in toks)
+        out.append((sorted({int(lay.token_tile[t]) for t in toks}), toks))
+    return out
+
+
+@pytest.mark.parametrize("grid,tile_size,text_len,special", PACKED_CASES)
+def test_packed_layout_round_trip_and_blocks(grid, tile_size, text_len, special):
+    from test_sparse_planners import tile_groups
+
+    lay = make_tile_layout(grid, tile_size, text_len, special_ranges=special, edge_tiles="packed")
+    pad = make_tile_layout(grid, tile_size, text_len, special_ranges=special)
+    S = lay.seq_len
+    x = torch.randn(2, S, 3, 5)
+    xt = tile(x, lay)
+    assert xt.shape == (2, lay.padded_len, 3, 5) and torch.equal(untile(xt, lay), x)
+    assert torch.equal(xt[:, ~lay.valid], torch.zeros_like(xt[:, ~lay.valid])) and int(lay.valid.sum()) == S
+    y = torch.randn(2, lay.padded_len, 3, 5)
+    assert torch.equal(tile(untile(y, lay), lay)[:, lay.valid], y[:, lay.valid])
+    # the blocks are the independent rule's groups; every tile whole inside one block
+    n = math.prod(grid)
+    is_special = torch.zeros(n, dtype=torch.bool)
+    for a, b in special:
+        is_special[a:min(b, n)] = True
+    groups, counts = tile_groups(grid, tile_size, "packed", is_special)
+    blocks = _block_tiles(lay)
+    assert [tiles for tiles, _ in blocks] == [sorted(g) for g in groups]
+    assert lay.n_video_blocks == len(groups) <= pad.n_video_blocks
+    for b, (tiles, toks) in enumerate(blocks):
+        assert len(toks) == sum(counts[t] for t in tiles) == int(lay.block_count[b]) <= lay.block_size
+        c = token_coords(grid)[toks] // torch.tensor(tile_size)
+        torch.testing.assert_close(lay.block_centroid[b], c.double().mean(0), rtol=0, atol=1e-12)
+    assert lay.n_packed_blocks == sum(len(g) > 1 for g in groups)
+    # text (and other special tokens) follow in order, as in the padded layout
+    ids = tile(torch.arange(S, dtype=torch.float64).view(1, S, 1, 1), lay)[0, :, 0, 0]
+    assert ids[lay.n_video_blocks * lay.block_size:][lay.valid[lay.n_video_blocks * lay.block_size:]].tolist() == \
+        ids_pad_tail(pad)
+
+
+def ids_pad_tail(lay):
+    ids = tile(torch.arange(lay.seq_len, dtype=torch.float64).view(1, -1, 1, 1), lay)[0, :, 0, 0]
+    return ids[lay.n_video_blocks * lay.block_size:][lay.valid[lay.n_video_blocks * lay.block_size:]].tolist()
+
+
+def test_packed_runs_are_chains_of_neighbour_tiles_of_one_shape():
+    lay = make_tile_layout((6, 10, 9), (4, 4, 4), 0, edge_tiles="packed")
+    ids = tile(torch.arange(lay.seq_len, dtype=torch.float64).view(1, -1, 1, 1), lay)[0, :, 0, 0].long()
+    grid = torch.tensor(lay.grid)
+    packed = 0
+    for b in range(lay.n_video_blocks):
+        toks = ids[b * 64:(b + 1) * 64][lay.valid[b * 64:(b + 1) * 64]]
+        walk = list(dict.fromkeys(lay.token_tile[toks].tolist()))  # tiles in layout order
+        if len(walk) == 1:
+            continue
+        packed += 1
+        coords = torch.stack([torch.tensor([t // (grid[1] * grid[2]), (t // grid[2]) % grid[1], t % grid[2]])
+                              for t in walk])
+        ext = torch.minimum(torch.tensor([4, 4, 4]), torch.tensor([6, 10, 9]) - coords * 4)
+        assert (ext == ext[0]).all() and ext[0].prod() < 64  # edge tiles of one shape
+        assert ((coords[1:] - coords[:-1]).abs().sum(1) == 1).all()  # each step a face neighbour
+    assert packed == lay.n_packed_blocks > 0
+
+
+@pytest.mark.parametrize("grid,text,blocks", [((21, 30, 52), 0, 513), ((21, 30, 52), 512, 521),
+                                              ((21, 45, 80), 0, 1182), ((21, 45, 80), 512, 1190)])
+def test_packed_layout_at_wan_grids(grid, text, blocks):
+    lay = make_tile_layout(grid, (4, 4, 4), text, edge_tiles="packed")
+    pad = make_tile_layout(grid, (4, 4, 4), text)
+    assert lay.n_blocks == blocks
+    assert lay.n_video_blocks <= -(-math.prod(grid) // 64) + 1  # within one block of the minimum
+    assert pad.n_video_blocks == math.prod(pad.grid)  # 624 / 1440: one padded block per tile
+    assert int(lay.block_count[:lay.n_video_blocks].sum()) == math.prod(grid)
+
+
+def test_pooled_blocks_of_packed_layout_are_real_token_means():
+    lay = make_tile_layout((6, 10, 9), (4, 4, 4), 5, edge_tiles="packed")
+    assert lay.n_packed_blocks > 0
+    x = torch.randn(2, lay.seq_len, 3, 4, dtype=torch.float64)
+    xt = tile(x, lay)
+    pooled = pooled_blocks(xt, lay)
+    src = lay.source.view(lay.n_blocks, lay.block_size)
+    for b in range(lay.n_blocks):
+        real = src[b][src[b] >= 0]
+        torch.testing.assert_close(pooled[:, :, b], x[:, real].mean(1), rtol=0, atol=1e-12)
+    nv = lay.n_video_blocks
+    torch.testing.assert_close(pooled_blocks(xt, lay, nv, scale=0.5), pooled[:, :, :nv] * 0.5, rtol=0, atol=1e-12)
+
+
+def test_edge_tiles_errors_and_sta_refuses_packed():
+    from ditattn.attention.sparse.sta import sta_video_mask
+
+    with pytest.raises(AttentionConfigError, match="edge_tiles must be one of"):
+        make_tile_layout((3, 5, 7), edge_tiles="merged")
+    with pytest.raises(AttentionConfigError, match="STA windows are defined on tile coordinates"):
+        sta_video_mask(make_tile_layout((5, 8, 12), edge_tiles="packed"), [1, 1, 1])
+    # a grid with no two edge tiles of one shape packs nothing: the same layout as padded
+    a, b = make_tile_layout((5, 6, 7), edge_tiles="packed"), make_tile_layout((5, 6, 7))
+    assert a.n_packed_blocks == 0 and torch.equal(a.position, b.position)
+
+
+def test_sol_neighbour_blocks_padded_is_tile_distance():
+    from ditattn.attention.sparse.sol import neighbour_blocks
+
+    lay = make_tile_layout((7, 9, 11), (4, 4, 4), 3, special_ranges=[(0, 64)])  # specials leave holes
+    bt = lay.block_tile[:lay.n_video_blocks]
+    assert torch.equal(neighbour_blocks(lay, torch.device("cpu")), (bt.view(-1, 1) - bt.view(1, -1)).abs() <= 1)
 
 
 # ------------------------------------------------------------------------------------------------

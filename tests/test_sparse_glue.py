@@ -109,14 +109,16 @@ def test_kv_valid_view_is_cached():
 
 @pytest.mark.parametrize("shape,text", [((5, 6, 7), 0), ((5, 6, 7), 11), ((3, 8, 9), 0), ((4, 4, 8), 6)])
 @pytest.mark.parametrize("sparsity", [0.5, 0.9])
-def test_vsa_equals_mask_path(shape, text, sparsity):
+@pytest.mark.parametrize("edge_tiles", ["padded", "packed"])
+def test_vsa_equals_mask_path(shape, text, sparsity, edge_tiles):
     """video_sparse_attention (lists from top-k) == the mask path (vsa_block_mask + run_block_mask)."""
     S = shape[0] * shape[1] * shape[2] + text
     g = torch.Generator().manual_seed(S)
     q, k, v = (torch.randn(2, S, 2, 16, generator=g) for _ in range(3))
     out, lse, plan = video_sparse_attention(q, k, v, video_shape=shape, sparsity=sparsity, text_len=text,
-                                            return_lse=True)
-    lay = make_tile_layout(shape, (4, 4, 4), text)
+                                            return_lse=True, edge_tiles=edge_tiles)
+    lay = make_tile_layout(shape, (4, 4, 4), text, edge_tiles=edge_tiles)
+    assert plan.layout is lay
     scale = 16 ** -0.5
     bm, scores = vsa_block_mask(tile(q, lay), tile(k, lay), lay, sparsity, scale)
     ref_out, ref_lse, ref_plan = run_block_mask(q, k, v, lay, bm, scale=scale, return_lse=True)

@@ -51,6 +51,55 @@ def tile_ids(grid, tile):
     return (c[:, 0] * n[1] + c[:, 1]) * n[2] + c[:, 2], n
 
 
+def tile_groups(grid, tile, edge_tiles="padded", special=None):
+    """Blocks as lists of flat tile ids, in block order, by the rule of tiling.py's docstring written
+    here in plain Python (one block per tile; no tile spans several blocks).  ``special``: bool [N] of
+    video tokens carried outside the tiles.  Returns ``(groups, counts per tile)``."""
+    ids, n = tile_ids(grid, tile)
+    keep = torch.ones(ids.numel(), dtype=torch.bool) if special is None else ~special
+    counts = torch.bincount(ids[keep], minlength=n[0] * n[1] * n[2]).tolist()
+    vol = math.prod(tile)
+    runs = []
+    packed = set()
+    if edge_tiles == "packed":
+        by_shape = {}
+        for tid in range(len(counts)):
+            c = (tid // (n[1] * n[2]), (tid // n[2]) % n[1], tid % n[2])
+            ext = tuple(min(tile[a], grid[a] - c[a] * tile[a]) for a in range(3))
+            if math.prod(ext) < vol and 0 < counts[tid] < vol:
+                by_shape.setdefault(ext, {})[c] = tid
+        for cells in by_shape.values():
+            axes = [sorted({c[a] for c in cells}) for a in range(3)]
+            walk, flip_mid, flip_last = [], False, False
+            for a in axes[0]:
+                for b in (axes[1][::-1] if flip_mid else axes[1]):
+                    walk += [cells[(a, b, c)] for c in (axes[2][::-1] if flip_last else axes[2]) if (a, b, c) in cells]
+                    flip_last = not flip_last
+                flip_mid = not flip_mid
+            run, filled = [], 0
+            for tid in walk:
+                if run and filled + counts[tid] > vol:
+                    runs.append(run)
+                    run, filled = [], 0
+                run.append(tid)
+                filled += counts[tid]
+            runs.append(run)
+        packed = {t for r in runs for t in r}
+    groups = runs + [[t] for t in range(len(counts)) if counts[t] and t not in packed]
+    return sorted(groups, key=min), counts
+
+
+def block_ids(grid, tile, edge_tiles="padded", special=None):
+    """``(block index of every video token [N] (-1 for special), blocks as tile lists)``."""
+    groups, _ = tile_groups(grid, tile, edge_tiles, special)
+    tid, _ = tile_ids(grid, tile)
+    of_tile = {t: g for g, ts in enumerate(groups) for t in ts}
+    ids = torch.tensor([of_tile.get(t, -1) for t in tid.tolist()])
+    if special is not None:
+        ids[special] = -1
+    return ids, groups
+
+
 def group_means(x, ids, n):
     """x [B, N, H, D], ids [N] -> [B, H, n, D] means (float64)."""
     out = torch.zeros(x.shape[0], x.shape[2], n, x.shape[3], dtype=torch.float64)
@@ -134,9 +183,9 @@ def test_sta_flex_path_equals_reference():
 # VSA / Sparge (pooled top-k)
 
 
-def pooled_topk_mask(q, k, grid, tile, text_len, keep_count, scale):
-    ids, n = tile_ids(grid, tile)
-    nt = n[0] * n[1] * n[2]
+def pooled_topk_mask(q, k, grid, tile, text_len, keep_count, scale, edge_tiles="padded"):
+    ids, groups = block_ids(grid, tile, edge_tiles)
+    nt = len(groups)
     N = ids.numel()
     pq = group_means(q[:, :N], ids, nt)
     pk = group_means(k[:, :N], ids, nt)
@@ -149,39 +198,45 @@ def pooled_topk_mask(q, k, grid, tile, text_len, keep_count, scale):
 
 @pytest.mark.parametrize("grid,text_len", CASES)
 @pytest.mark.parametrize("sparsity", [0.0, 0.7, 0.9, 1.0])
-def test_vsa_topk_tiles(grid, text_len, sparsity):
+@pytest.mark.parametrize("edge_tiles", ["padded", "packed"])
+def test_vsa_topk_tiles(grid, text_len, sparsity, edge_tiles):
     q, k, v = qkv(grid, text_len, seed=1)
     tile = (1, 2, 3)
-    nt = math.prod(-(-g // t) for g, t in zip(grid, tile))
+    nt = len(tile_groups(grid, tile, edge_tiles)[0])
     kk = max(1, math.ceil((1 - Fraction(str(sparsity))) * nt))
     res = video_sparse_attention(q, k, v, video_shape=grid, sparsity=sparsity, text_len=text_len, tile_size=tile,
-                                 return_lse=True)
-    mask, _, _ = pooled_topk_mask(q, k, grid, tile, text_len, kk, 16 ** -0.5)
-    assert res[2].extra["k"] == kk
+                                 return_lse=True, edge_tiles=edge_tiles)
+    mask, _, _ = pooled_topk_mask(q, k, grid, tile, text_len, kk, 16 ** -0.5, edge_tiles)
+    assert res[2].extra["k"] == kk and res[2].layout.n_video_blocks == nt
     assert torch.equal(plan_token_mask(res[2]), mask)
     check_output(res, q, k, v, mask)
 
 
-def test_vsa_default_tiles_are_4x4x4():
-    grid = (5, 9, 6)
+def test_vsa_default_tiles_are_4x4x4_and_edge_tiles_packed():
+    grid = (5, 9, 6)  # 2x3x2 tiles; edge tiles 1x4x4 (x2), 4x1x4 (x2), 1x1x4, 4x4x2 (x3), ...
     q, k, v = qkv(grid, 0, heads=2, seed=2)
     res = video_sparse_attention(q, k, v, video_shape=grid, sparsity=0.5)
-    assert res[2].layout.tile_size == (4, 4, 4) and res[2].layout.block_size == 64
-    mask, _, _ = pooled_topk_mask(q, k, grid, (4, 4, 4), 0, math.ceil(0.5 * 12), 16 ** -0.5)
+    lay = res[2].layout
+    assert lay.tile_size == (4, 4, 4) and lay.block_size == 64 and lay.edge_tiles == "packed"
+    nb = len(tile_groups(grid, (4, 4, 4), "packed")[0])
+    assert lay.n_video_blocks == nb < 12
+    mask, _, _ = pooled_topk_mask(q, k, grid, (4, 4, 4), 0, math.ceil(0.5 * nb), 16 ** -0.5, "packed")
     assert torch.equal(plan_token_mask(res[2]), mask)
     check_output(res, q, k, v, mask)
 
 
 @pytest.mark.parametrize("block_size,tile", [(32, (2, 4, 4)), (64, (4, 4, 4))])
 @pytest.mark.parametrize("topk", [0.25, 0.5, 1.0])
-def test_sparge_topk_fraction(block_size, tile, topk):
+@pytest.mark.parametrize("edge_tiles", ["padded", "packed"])
+def test_sparge_topk_fraction(block_size, tile, topk, edge_tiles):
     grid, text_len = (3, 8, 9), 7
     q, k, v = qkv(grid, text_len, heads=2, dim=64, seed=3)
     res = sparge_attention(q, k, v, video_shape=grid, topk=topk, block_size=block_size, text_len=text_len,
-                           return_lse=True)
-    nt = math.prod(-(-g // t) for g, t in zip(grid, tile))
+                           return_lse=True, edge_tiles=edge_tiles)
+    nt = len(tile_groups(grid, tile, edge_tiles)[0])
     kk = max(1, math.ceil(Fraction(str(topk)) * nt))
-    mask, _, _ = pooled_topk_mask(q, k, grid, tile, text_len, kk, 64 ** -0.5)
+    assert res[2].extra["k"] == kk
+    mask, _, _ = pooled_topk_mask(q, k, grid, tile, text_len, kk, 64 ** -0.5, edge_tiles)
     assert torch.equal(plan_token_mask(res[2]), mask)
     check_output(res, q, k, v, mask)
 
@@ -427,9 +482,9 @@ def test_kmeans_converges_to_a_fixed_point():
 # SLA / SAGE_SLA
 
 
-def sla_masks_independent(q, k, grid, tile, text_len, topk, negl, scale):
-    ids, n = tile_ids(grid, tile)
-    nt = n[0] * n[1] * n[2]
+def sla_masks_independent(q, k, grid, tile, text_len, topk, negl, scale, edge_tiles="padded"):
+    ids, groups = block_ids(grid, tile, edge_tiles)
+    nt = len(groups)
     N = ids.numel()
     s = group_means(q[:, :N], ids, nt) @ group_means(k[:, :N], ids, nt).transpose(-1, -2) * scale
     n_crit = max(1, math.ceil(Fraction(str(topk)) * nt))
@@ -448,12 +503,13 @@ def sla_masks_independent(q, k, grid, tile, text_len, topk, negl, scale):
 
 
 @pytest.mark.parametrize("grid,text_len", CASES)
-def test_sla_sparse_branch_and_linear_branch(grid, text_len):
+@pytest.mark.parametrize("edge_tiles", ["padded", "packed"])
+def test_sla_sparse_branch_and_linear_branch(grid, text_len, edge_tiles):
     q, k, v = qkv(grid, text_len, heads=2, dim=16, seed=8)
     scale = 16 ** -0.5
     res = sla_attention(q, k, v, video_shape=grid, text_len=text_len, topk=0.3, negligible_fraction=0.3,
-                        block_size=32, return_lse=True)
-    crit, marg = sla_masks_independent(q, k, grid, (2, 4, 4), text_len, 0.3, 0.3, scale)
+                        block_size=32, return_lse=True, edge_tiles=edge_tiles)
+    crit, marg = sla_masks_independent(q, k, grid, (2, 4, 4), text_len, 0.3, 0.3, scale, edge_tiles)
     assert torch.equal(plan_token_mask(res[2]), crit)
     check_output(res, q, k, v, crit)  # no projection in the checkpoint: the sparse branch alone
     # with a trained projection the linear branch over marginal blocks is added
@@ -461,7 +517,7 @@ def test_sla_sparse_branch_and_linear_branch(grid, text_len):
     W = torch.randn(16, 16, generator=g) * 0.1
     bias = torch.randn(16, generator=g) * 0.1
     out, _, _ = sla_attention(q, k, v, video_shape=grid, text_len=text_len, topk=0.3, negligible_fraction=0.3,
-                              block_size=32, proj_weight=W, proj_bias=bias)
+                              block_size=32, proj_weight=W, proj_bias=bias, edge_tiles=edge_tiles)
     fq = torch.softmax(q.double(), -1).transpose(1, 2)
     fk = torch.softmax(k.double(), -1).transpose(1, 2)
     a = (fq @ fk.transpose(-1, -2)) * marg
@@ -471,16 +527,16 @@ def test_sla_sparse_branch_and_linear_branch(grid, text_len):
     torch.testing.assert_close(out.double(), expect, rtol=0, atol=1e-5)
 
 
-def quantize_independent(x, grid, tile, text_len, smooth):
-    """Symmetric INT8 per (batch, block, head) with blocks = tiles, text in blocks of the tile volume."""
+def quantize_independent(x, grid, tile, text_len, smooth, edge_tiles="padded"):
+    """Symmetric INT8 per (batch, block, head), text in blocks of the tile volume."""
     x = x.double()
     B, S, H, D = x.shape
     if smooth:
         x = x - x.mean(1, keepdim=True)
-    ids, n = tile_ids(grid, tile)
+    ids, groups = block_ids(grid, tile, edge_tiles)
     bs = math.prod(tile)
     N = ids.numel()
-    nt = n[0] * n[1] * n[2]
+    nt = len(groups)
     block = torch.cat([ids, nt + torch.arange(text_len) // bs])
     out = torch.empty_like(x)
     for blk in block.unique():
@@ -492,17 +548,19 @@ def quantize_independent(x, grid, tile, text_len, smooth):
 
 
 @pytest.mark.parametrize("grid,text_len", [((3, 5, 7), 7), ((2, 6, 9), 0)])
-def test_sage_sla_quantized_sparse_branch(grid, text_len):
+@pytest.mark.parametrize("edge_tiles", ["padded", "packed"])
+def test_sage_sla_quantized_sparse_branch(grid, text_len, edge_tiles):
     q, k, v = qkv(grid, text_len, heads=2, seed=10)
     res = sla_attention(q, k, v, video_shape=grid, text_len=text_len, topk=0.4, block_size=32, quantize=True,
-                        return_lse=True)
-    crit, _ = sla_masks_independent(q, k, grid, (2, 4, 4), text_len, 0.4, 0.0, 16 ** -0.5)
+                        return_lse=True, edge_tiles=edge_tiles)
+    crit, _ = sla_masks_independent(q, k, grid, (2, 4, 4), text_len, 0.4, 0.0, 16 ** -0.5, edge_tiles)
     assert torch.equal(plan_token_mask(res[2]), crit)
-    qd = quantize_independent(q, grid, (2, 4, 4), text_len, smooth=False)
-    kd = quantize_independent(k, grid, (2, 4, 4), text_len, smooth=True)
+    qd = quantize_independent(q, grid, (2, 4, 4), text_len, smooth=False, edge_tiles=edge_tiles)
+    kd = quantize_independent(k, grid, (2, 4, 4), text_len, smooth=True, edge_tiles=edge_tiles)
     ro, _ = reference_attention(qd, kd, v.double(), mask=crit, dtype=torch.float64)
     torch.testing.assert_close(res[0].double(), ro, rtol=0, atol=2e-5)
-    exact = sla_attention(q, k, v, video_shape=grid, text_len=text_len, topk=0.4, block_size=32)[0]
+    exact = sla_attention(q, k, v, video_shape=grid, text_len=text_len, topk=0.4, block_size=32,
+                          edge_tiles=edge_tiles)[0]
     assert 0 < (res[0] - exact).abs().max() < 0.05  # quantization is lossy but close
 
 
@@ -510,17 +568,16 @@ def test_sage_sla_quantized_sparse_branch(grid, text_len):
 # Sol
 
 
-def sol_reference(q, k, v, grid, text_len, tau, thresh_type, sink, scale):
+def sol_reference(q, k, v, grid, text_len, tau, thresh_type, sink, scale, edge_tiles="padded"):
     """Independent Sol: exact tokens of routed blocks + centroid virtual keys of the other blocks."""
     B, S, H, D = q.shape
     N = S - text_len
     special = torch.zeros(S, dtype=torch.bool)
     special[N:] = True
     special[sink[0]:sink[1]] = True
-    tid, n = tile_ids(grid, (4, 4, 4))
-    tid = torch.where(special[:N], torch.full_like(tid, -1), tid)
-    tiles = sorted(set(tid.tolist()) - {-1})
-    nv = len(tiles)
+    tid, groups = block_ids(grid, (4, 4, 4), edge_tiles, special[:N])
+    tiles = range(len(groups))
+    nv = len(groups)
     cq = torch.stack([q[:, :N][:, tid == t].double().mean(1) for t in tiles], 2)  # [B,H,nv,D]
     ck = torch.stack([k[:, :N][:, tid == t].double().mean(1) for t in tiles], 2)
     cv = torch.stack([v[:, :N][:, tid == t].double().mean(1) for t in tiles], 2)
@@ -535,10 +592,9 @@ def sol_reference(q, k, v, grid, text_len, tau, thresh_type, sink, scale):
         m = s.mean(-1)
         var = (s ** 2).mean(-1) - m ** 2
     thr = m + tau * torch.sqrt(var.clamp(min=0) + 1e-6)
-    tt = torch.tensor(tiles)
-    exact = (s > thr.unsqueeze(-1)) | ((tt.view(-1, 1) - tt.view(1, -1)).abs() <= 1)
-    pos = {t: i for i, t in enumerate(tiles)}
-    blk = torch.tensor([pos[t] if t >= 0 else -1 for t in tid.tolist()] + [-1] * text_len)  # [S]
+    near = torch.tensor([[any(abs(a - b) <= 1 for a in gi for b in gj) for gj in groups] for gi in groups])
+    exact = (s > thr.unsqueeze(-1)) | near
+    blk = torch.cat([tid, torch.full((text_len,), -1)])  # [S]
     is_vid = blk >= 0
     bi = blk.clamp(min=0)
     tok = exact[:, :, bi][:, :, :, bi] & is_vid.view(-1, 1) & is_vid.view(1, -1)
@@ -554,12 +610,15 @@ def sol_reference(q, k, v, grid, text_len, tau, thresh_type, sink, scale):
 @pytest.mark.parametrize("grid,text_len", [((5, 9, 7), 7), ((6, 8, 9), 0)])
 @pytest.mark.parametrize("thresh_type", ["diag", "exact"])
 @pytest.mark.parametrize("tau,sink", [(0.5, (0, 0)), (1.5, (10, 30))])
-def test_sol_routing_and_centroid_branch(grid, text_len, thresh_type, tau, sink):
+@pytest.mark.parametrize("edge_tiles", ["padded", "packed"])
+def test_sol_routing_and_centroid_branch(grid, text_len, thresh_type, tau, sink, edge_tiles):
     q, k, v = qkv(grid, text_len, heads=2, dim=16, batch=1, seed=11)
     scale = 16 ** -0.5
     out, lse, plan = sol_attention(q, k, v, video_shape=grid, text_len=text_len, tau=tau, thresh_type=thresh_type,
-                                   sink_start=sink[0], sink_tokens=sink[1] - sink[0], return_lse=True)
-    (ro, rl), exact = sol_reference(q, k, v, grid, text_len, tau, thresh_type, sink, scale)
+                                   sink_start=sink[0], sink_tokens=sink[1] - sink[0], return_lse=True,
+                                   edge_tiles=edge_tiles)
+    (ro, rl), exact = sol_reference(q, k, v, grid, text_len, tau, thresh_type, sink, scale, edge_tiles)
+    assert plan.layout.n_video_blocks == exact.shape[-1]
     assert torch.equal(plan.extra["exact"], exact)
     assert 0 < float(exact.float().mean()) < 1
     torch.testing.assert_close(out.double(), ro, rtol=0, atol=1e-5)

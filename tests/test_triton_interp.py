@@ -145,9 +145,37 @@ def test_sparse_triton_paths_under_inference_mode():
     from ditattn.attention.sparse.tiling import make_tile_layout
 
     with torch.inference_mode():  # the layout's cached key mask is an ordinary tensor: per-plan caches work
-        kvv = make_tile_layout(grid, (4, 4, 4)).kv_valid(1)
+        kvv = make_tile_layout(grid, (4, 4, 4), edge_tiles="packed").kv_valid(1)  # the default layout
         assert kvv is not None and not kvv.is_inference()
         assert any(k[0] == id(kvv) for k in bst._VALID_CACHE)
+
+
+@pytest.mark.parametrize("backend", ["vsa", "sol"])
+def test_packed_edge_tiles_on_the_triton_kernels(backend):
+    """A packed layout (16-token edge tiles four to a block, a 32-token partial block, a padded text
+    block): the Triton block-sparse kernel (and Sol's centroid kernel) against the reference kernel on
+    the same plan."""
+    from ditattn.attention.sparse.sol import sol_attention
+    from ditattn.attention.sparse.vsa import video_sparse_attention
+
+    grid, text_len = (5, 8, 12), 5
+    g = torch.Generator().manual_seed(21)
+    S = grid[0] * grid[1] * grid[2] + text_len
+    q, k, v = (_rand(1, S, 2, 32, dtype=torch.bfloat16, gen=g) for _ in range(3))
+    if backend == "vsa":
+        run = lambda impl: video_sparse_attention(q, k, v, video_shape=grid, sparsity=0.5, text_len=text_len,  # noqa: E731
+                                                  return_lse=True, impl=impl)
+    else:
+        run = lambda impl: sol_attention(q, k, v, video_shape=grid, text_len=text_len, tau=0.5,  # noqa: E731
+                                         return_lse=True, impl=impl)
+    out, lse, plan = run("triton")
+    ro, rl, rplan = run("reference")
+    lay = plan.layout
+    assert lay.edge_tiles == "packed" and lay.n_packed_blocks == 2 and lay.n_video_blocks == 8
+    assert sorted(lay.block_count.tolist()) == [5, 32, 64, 64, 64, 64, 64, 64, 64]
+    assert torch.equal(plan.kv_indices, rplan.kv_indices) and torch.equal(plan.kv_counts, rplan.kv_counts)
+    assert rel(out, ro) <= 2 * _sdpa_error(q, k, v) + 1e-4
+    assert (lse - rl).abs().max() < 2e-2
 
 
 def test_sol_fused_centroids_match_float32_path():

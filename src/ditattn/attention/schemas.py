@@ -174,6 +174,14 @@ BLOCK_SPARSE_IMPL = P(
     "CPU: the blocked PyTorch reference), triton (CUDA, or CPU under TRITON_INTERPRET=1), flex or reference",
     choices=BLOCK_SPARSE_IMPLS)
 
+# the pooled top-k / routing backends on the block-sparse engine: how tiles cut by the grid edge are laid out
+EDGE_TILES = P(
+    "edge_tiles", "str", "packed",
+    "Tiles cut by the grid edge: packed (several such tiles share one block, so the block count approaches "
+    "tokens / block size: 513 instead of 624 blocks at 21x30x52 in 4x4x4 tiles) or padded (every tile its own "
+    "block, padded to full size)",
+    choices=("packed", "padded"))
+
 SCHEMAS: dict[str, tuple[Param, ...]] = {
     "sage_attn": (
         P("impl", "str", "auto", "Implementation: auto (CUDA: the rule the plan reports — SM90: the warp-specialised Gluon kernel (sm90) for head dim 64/128 with fp16 P.V, else the in-tree Triton INT8 kernel; other GPUs: the sageattention package when it is installed and neither the LSE nor pv_dtype fp8 is needed, else the Triton kernel; MUSA: the package; CPU: reference), triton (in-tree INT8 kernel; CUDA, or CPU under TRITON_INTERPRET=1), package (sageattention; CUDA/MUSA, no LSE, fp16 P.V; on Hopper only a build with the SM90 fix), reference (PyTorch, any device), sm90 (Gluon kernel: SM90 only, head dim 64/128, fp16/bf16 P.V, non-causal)", choices=SAGE_IMPLS),
@@ -191,12 +199,14 @@ SCHEMAS: dict[str, tuple[Param, ...]] = {
     ),
     "video_sparse_attn": (
         P("sparsity", "float", 0.0, "Fraction of key tiles skipped per query tile (0.0 - 1.0)", check=_in(0.0, 1.0), accepted="a number in [0, 1]"),
+        EDGE_TILES,
         BLOCK_SPARSE_IMPL,
     ),
     "sparge_attn": (
         P("topk", "float", 0.5, "Fraction of predicted attention blocks kept per head", check=_in(0.0, 1.0, lo_open=True), accepted="a number in (0, 1]"),
         P("block_size", "int", 64, "Block size in tokens for the block importance prediction", choices=(32, 64, 128)),
         P("quantize", "bool", True, "Kept blocks with INT8 Q.K per block (SageAttention-style, as upstream); false: exact kept blocks"),
+        EDGE_TILES,
         BLOCK_SPARSE_IMPL,
     ),
     "video_sparse_attn_h3": (
@@ -240,12 +250,14 @@ SCHEMAS: dict[str, tuple[Param, ...]] = {
         P("dense_layers", "str", "0,1", "Layer indices kept dense, e.g. 0,1 or 0-2", check=_layer_list_check, accepted="comma-separated indices or ranges like 0,1 or 0-2"),
         P("dense_backend", "str", "fa", "Backend for the dense prefix: fa or sage_attn (approximate)", choices=("fa", "sage_attn")),
         P("kv_splits", "int|str", "auto", "KV split factor passed to the kernel; auto for long sequences", check=_kv_splits_check, accepted="'auto' or a positive integer"),
+        EDGE_TILES,
         BLOCK_SPARSE_IMPL,
     ),
     "sla_attn": (
         P("topk", "float", 0.2, "Fraction of key blocks per query block computed exactly (critical)", check=_in(0.0, 1.0, lo_open=True), accepted="a number in (0, 1]"),
         P("negligible_fraction", "float", 0.0, "Fraction of key blocks skipped outright (lowest mass); the rest go through the linear branch", check=_in(0.0, 1.0, hi_open=True), accepted="a number in [0, 1)"),
         P("block_size", "int", 64, "Block size in tokens", choices=(32, 64, 128)),
+        EDGE_TILES,
         BLOCK_SPARSE_IMPL,
     ),
     "sparse_video_gen_2_attn": (

@@ -16,7 +16,11 @@ Registers ``sliding_tile_attn``, ``video_sparse_attn``, ``sparge_attn``, ``vmoba
 * each call records its kept block fraction in ``ditattn.attention.sparse.last_stats``.
 
 The config key ``block_sparse_impl`` (``auto``/``reference``/``flex``/``triton``) picks the
-engine's kernel (:func:`ditattn.attention.sparse.block_sparse.block_sparse_attention`).
+engine's kernel (:func:`ditattn.attention.sparse.block_sparse.block_sparse_attention`).  The
+pooled backends (``video_sparse_attn``, ``sparge_attn``, ``sla_attn``/``sage_sla_attn``,
+``sol_attn``) take ``edge_tiles`` (``packed``, the default, or ``padded``; :mod:`ditattn.attention.sparse.tiling`);
+``sliding_tile_attn`` (windows on tile coordinates) and ``vmoba_attn`` (chunks are its unit) keep
+one block per tile.
 """
 from __future__ import annotations
 
@@ -148,7 +152,8 @@ def video_sparse_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: d
         return _dense(name, q, k, v, call, "sparsity 0.0 keeps every tile (exact dense attention)")
     k, v = expand_kv(k, v, q.shape[2])
     out, lse, plan = video_sparse_attention(q, k, v, video_shape=vs, sparsity=cfg["sparsity"], text_len=text_len,
-                                            scale=call.scale, return_lse=call.return_lse, impl=cfg["block_sparse_impl"])
+                                            scale=call.scale, return_lse=call.return_lse, impl=cfg["block_sparse_impl"],
+                                            edge_tiles=cfg["edge_tiles"])
     _sparse_done(name, call, plan, tiles_per_query=plan.extra["k"])
     return out, lse
 
@@ -170,7 +175,8 @@ def sparge_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
     k, v = expand_kv(k, v, q.shape[2])
     out, lse, plan = sparge_attention(q, k, v, video_shape=vs, topk=cfg["topk"], block_size=cfg.get("block_size", 64),
                                       text_len=text_len, quantize=cfg.get("quantize", True), scale=call.scale,
-                                      return_lse=call.return_lse, impl=cfg["block_sparse_impl"])
+                                      return_lse=call.return_lse, impl=cfg["block_sparse_impl"],
+                                      edge_tiles=cfg["edge_tiles"])
     _sparse_done(name, call, plan, quantized=plan.extra["quantized"])
     return out, lse
 
@@ -226,7 +232,8 @@ def _sla(backend: B, q, k, v, call: AttnCall, config: dict):
     out, lse, plan = sla_attention(q, k, v, video_shape=vs, text_len=text_len, topk=cfg["topk"],
                                    negligible_fraction=cfg["negligible_fraction"], block_size=cfg["block_size"],
                                    quantize=backend is B.SAGE_SLA_ATTN, scale=call.scale,
-                                   return_lse=call.return_lse, impl=cfg["block_sparse_impl"])
+                                   return_lse=call.return_lse, impl=cfg["block_sparse_impl"],
+                                   edge_tiles=cfg["edge_tiles"])
     _sparse_done(name, call, plan, marginal_fraction=plan.extra["marginal_fraction"], linear_branch="absent (zero)")
     return out, lse
 
@@ -263,6 +270,6 @@ def sol_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
     out, lse, plan = sol_attention(q, k, v, video_shape=vs, text_len=text_len, tau=cfg["tau"],
                                    thresh_type=cfg["thresh_type"], sink_start=cfg["sink_start"],
                                    sink_tokens=cfg["sink_tokens"], scale=call.scale, return_lse=call.return_lse,
-                                   impl=cfg["block_sparse_impl"])
+                                   impl=cfg["block_sparse_impl"], edge_tiles=cfg["edge_tiles"])
     _sparse_done(name, call, plan, approximate_fraction=1.0 - plan.kept_fraction)
     return out, lse

@@ -1,5 +1,10 @@
 """Sparse-Linear Attention (SLA) and its quantized variant (SAGE_SLA).
 
+Blocks are the tiles of :func:`.sparge.sparge_tile_size`; with ``edge_tiles="packed"`` (the
+default) the tiles cut by the grid edge are packed several to a block (:mod:`.tiling`), ``"padded"``
+keeps one block per tile.  The INT8 scales, the linear branch's key sums and the pooled means are
+per block (over its real tokens).
+
 Classification (per batch, head, query block): the block-pooled attention ``softmax_j(scale *
 mean(q_i) . mean(k_j))`` over video key blocks ranks the key blocks; the top ``ceil(topk * n)``
 are *critical*, the bottom ``floor(negligible_fraction * n)`` of the rest are *negligible*, the
@@ -86,12 +91,12 @@ def linear_branch(q_tiled: Tensor, k_tiled: Tensor, v_tiled: Tensor, layout: Til
 def sla_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: int = 0, topk: float = 0.2,
                   negligible_fraction: float = 0.0, block_size: int = 64, quantize: bool = False,
                   proj_weight: Optional[Tensor] = None, proj_bias: Optional[Tensor] = None,
-                  scale: Optional[float] = None, return_lse: bool = False, impl: str = "auto"
-                  ) -> tuple[Tensor, Optional[Tensor], SparsePlan]:
+                  scale: Optional[float] = None, return_lse: bool = False, impl: str = "auto",
+                  edge_tiles: str = "packed") -> tuple[Tensor, Optional[Tensor], SparsePlan]:
     """SLA (``quantize=True``: SAGE_SLA) over ``[B, T*H*W + text_len, heads, D]`` q/k/v (k/v with
-    q's head count).  Returns ``(out, sparse-branch lse or None, plan)``; ``plan.extra`` holds the
+    q's head count); ``edge_tiles`` as in the module docstring.  Returns ``(out, sparse-branch lse or None, plan)``; ``plan.extra`` holds the
     ``critical``/``marginal`` video-block masks and the pooled ``probs``."""
-    layout = make_tile_layout(video_shape, sparge_tile_size(block_size), text_len)
+    layout = make_tile_layout(video_shape, sparge_tile_size(block_size), text_len, edge_tiles=edge_tiles)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     qt, kt = tile(q, layout), tile(k, layout)
     critical, marginal, probs, (idx, cnt, kept) = sla_classify(qt, kt, layout, topk=topk,

@@ -1,15 +1,17 @@
 """Sol attention: threshold routing between exact key blocks and block-centroid approximation.
 
-Blocks are 4x4x4 tiles (64 tokens).  For every (batch, head, query block ``i``) and video key
-block ``j``, with block means ``q_i``, ``k_j``, ``v_j`` (over real tokens) and
-``s_ij = scale * q_i . k_j``:
+Blocks are 4x4x4 tiles (64 tokens); with ``edge_tiles="packed"`` (the default) the tiles cut by
+the grid edge are packed several to a block (:mod:`.tiling`), ``"padded"`` keeps one block per tile.
+For every (batch, head, query block ``i``) and video key block ``j``, with block means ``q_i``,
+``k_j``, ``v_j`` (over real tokens) and ``s_ij = scale * q_i . k_j``:
 
 * threshold ``thr_i = m_i + tau * sqrt(var_i + 1e-6)`` where, for ``thresh_type=diag``,
   ``m_i = scale * q_i . mean_j(k_j)`` and ``var_i = scale^2 * sum_d q_id^2 var_j(k_jd)`` (diagonal
   approximation of the score variance), and for ``thresh_type=exact`` ``m_i``/``var_i`` are the
   mean and (population) variance of the actual scores ``s_i.`` over the video key blocks;
-* block ``j`` is *exact* for ``i`` when ``s_ij > thr_i`` or the tiles are neighbours in tile order
-  (``|tile(i) - tile(j)| <= 1``); special blocks (text tokens and the exact KV sink
+* block ``j`` is *exact* for ``i`` when ``s_ij > thr_i`` or the blocks hold tiles that are
+  neighbours in tile order (``|tile_a - tile_b| <= 1`` for a tile ``a`` of block ``i`` and a tile
+  ``b`` of block ``j``, flat tile indices; one tile per block unless packed); special blocks (text tokens and the exact KV sink
   ``[sink_start, sink_start + sink_tokens)``) are exact for every query, and special query rows
   (text, sink tokens) attend everything exactly;
 * every other block is *approximate*: it contributes one virtual key ``k_j`` with value ``v_j`` and
@@ -25,6 +27,7 @@ in-tree engine splits work itself and ignores it (it is validated).
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -44,8 +47,8 @@ def sol_route(q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout, *, tau: floa
               scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """``(exact video-block routes [B, H, nv, nv] bool, scores [B, H, nv, nv], thresholds [B, H, nv])``."""
     nv = layout.n_video_blocks
-    pq = pooled_blocks(q_tiled, layout)[:, :, :nv]
-    pk = pooled_blocks(k_tiled, layout)[:, :, :nv]
+    pq = pooled_blocks(q_tiled, layout, nv)
+    pk = pooled_blocks(k_tiled, layout, nv)
     s = (pq @ pk.transpose(-1, -2)) * scale
     if thresh_type == "diag":
         mu = pk.mean(2, keepdim=True)  # [B,H,1,D]
@@ -58,9 +61,26 @@ def sol_route(q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout, *, tau: floa
     else:
         raise AttentionConfigError(f"sol_attn: thresh_type must be 'diag' or 'exact', got {thresh_type!r}")
     thr = m + float(tau) * torch.sqrt(var + 1e-6)
-    bt = layout.block_tile[:nv].to(s.device)
-    near = (bt.view(-1, 1) - bt.view(1, -1)).abs() <= 1
-    return (s > thr.unsqueeze(-1)) | near, s, thr
+    return (s > thr.unsqueeze(-1)) | neighbour_blocks(layout, s.device), s, thr
+
+
+@functools.lru_cache(maxsize=64)
+def neighbour_blocks(layout: TileLayout, device: torch.device) -> Tensor:
+    """Bool ``[nv, nv]`` on ``device`` (cached): video blocks ``i`` and ``j`` hold tiles ``a`` and
+    ``b`` with ``|a - b| <= 1`` (flat tile indices)."""
+    nv = layout.n_video_blocks
+    blocks, tiles = layout.block_tile_pairs()
+    first, count = layout.tile_first_block, layout.tile_num_blocks
+    near = torch.zeros(nv, nv, dtype=torch.bool)
+    for d in (-1, 0, 1):
+        other = tiles + d
+        ok = (other >= 0) & (other < layout.n_tiles)
+        rows, other = blocks[ok], other[ok]
+        n = count[other]
+        offs = torch.arange(int(n.sum())) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
+        near[torch.repeat_interleave(rows, n), torch.repeat_interleave(first[other], n) + offs] = True
+    with torch.inference_mode(False):  # cached: an ordinary tensor even when first built under inference mode
+        return near.to(device)
 
 
 def sol_sink_range(sink_start: int, sink_tokens: int, seq_len: int) -> tuple[int, int]:
@@ -108,15 +128,17 @@ def _centroid_part(q_tiled: Tensor, kc: Tensor, vc: Tensor, logw: Tensor, approx
 
 def sol_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: int = 0, tau: float = 1.0,
                   thresh_type: str = "diag", sink_start: int = 0, sink_tokens: int = 0,
-                  scale: Optional[float] = None, return_lse: bool = False, impl: str = "auto"
-                  ) -> tuple[Tensor, Optional[Tensor], SparsePlan]:
+                  scale: Optional[float] = None, return_lse: bool = False, impl: str = "auto",
+                  edge_tiles: str = "packed") -> tuple[Tensor, Optional[Tensor], SparsePlan]:
     """Sol over ``[B, T*H*W + text_len, heads, D]`` q/k/v (k/v with q's head count); any float
-    dtype / head dim (the backend enforces bf16 and 128).  Returns ``(out, lse or None, plan)``
-    with ``plan.extra``: ``exact`` video routes ``[B, H, nv, nv]``, ``scores``, ``thresholds``."""
+    dtype / head dim (the backend enforces bf16 and 128); ``edge_tiles`` as in the module
+    docstring.  Returns ``(out, lse or None, plan)`` with ``plan.extra``: ``exact`` video routes
+    ``[B, H, nv, nv]``, ``scores``, ``thresholds``."""
     B, S, H, D = q.shape
     n_video = int(torch.tensor(video_shape).prod())
     sink = sol_sink_range(int(sink_start), int(sink_tokens), n_video + int(text_len))
-    layout = make_tile_layout(video_shape, SOL_TILE_SIZE, text_len, special_ranges=[sink] if sink[1] > sink[0] else [])
+    layout = make_tile_layout(video_shape, SOL_TILE_SIZE, text_len, special_ranges=[sink] if sink[1] > sink[0] else [],
+                              edge_tiles=edge_tiles)
     scale = D ** -0.5 if scale is None else float(scale)
     qt, kt, vt = tile(q, layout), tile(k, layout), tile(v, layout)
     exact, scores, thr = sol_route(qt, kt, layout, tau=tau, thresh_type=thresh_type, scale=scale)
@@ -126,8 +148,8 @@ def sol_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: int
     o1, l1 = block_sparse_attention(qt, kt, vt, idx, cnt, block_size=layout.block_size, scale=scale,
                                     kv_valid=kvv, return_lse=True, impl=impl)
     nv, nb, bs = layout.n_video_blocks, layout.n_blocks, layout.block_size
-    kc = pooled_blocks(kt, layout)[:, :, :nv]
-    vc = pooled_blocks(vt, layout)[:, :, :nv]
+    kc = pooled_blocks(kt, layout, nv)
+    vc = pooled_blocks(vt, layout, nv)
     logw = layout.block_count[:nv].to(kc.device, kc.dtype).log()
     approx = torch.zeros(B, H, nb, nv, dtype=torch.bool, device=q.device)
     approx[:, :, :nv] = ~exact

@@ -1,7 +1,9 @@
 """SpargeAttention: keep, per head, the ``topk`` fraction of key blocks ranked by block-pooled Q.K.
 
 Blocks are 3-D tiles (``block_size`` 32 -> 2x4x4, 64 -> 4x4x4, 128 -> 4x4x8 latent tokens), so a
-pooled block is spatially coherent.  For every (batch, head, query block) the pooled similarity
+pooled block is spatially coherent; with ``edge_tiles="packed"`` (the default) the tiles cut by the
+grid edge are packed several to a block (:mod:`.tiling`), ``"padded"`` keeps one block per tile.
+For every (batch, head, query block) the pooled similarity
 ``scale * mean(q) . mean(k)`` ranks the video key blocks and the top ``ceil(topk * n_blocks)`` are
 kept (``topk`` in (0, 1]); text blocks are always kept and text queries attend everything.  The
 block lists come straight from the top-k indices (no dense mask, no sort, no device sync).
@@ -66,12 +68,14 @@ def sparge_block_mask(q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout, topk
 
 def sparge_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, topk: float = 0.5, block_size: int = 64,
                      text_len: int = 0, quantize: bool = False, scale: Optional[float] = None,
-                     return_lse: bool = False, impl: str = "auto") -> tuple[Tensor, Optional[Tensor], SparsePlan]:
+                     return_lse: bool = False, impl: str = "auto",
+                     edge_tiles: str = "packed") -> tuple[Tensor, Optional[Tensor], SparsePlan]:
     """Sparge over ``[B, T*H*W + text_len, heads, D]`` q/k/v (k/v with q's head count); no shape
     or dtype rule here (the backend applies :func:`sparge_applies` and FP16/BF16).  ``quantize``:
     INT8 Q.K in the kept blocks (the backend's default); False: exact kept blocks.  The selection
-    uses the unquantized pooled scores.  Returns ``(out, lse or None, plan)``."""
-    layout = make_tile_layout(video_shape, sparge_tile_size(block_size), text_len)
+    uses the unquantized pooled scores.  ``edge_tiles`` as in the module docstring.  Returns
+    ``(out, lse or None, plan)``."""
+    layout = make_tile_layout(video_shape, sparge_tile_size(block_size), text_len, edge_tiles=edge_tiles)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     qt, kt = tile(q, layout), tile(k, layout)
     scores = pooled_video_scores(qt, kt, layout, scale)

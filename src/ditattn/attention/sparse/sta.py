@@ -4,7 +4,9 @@ Window rule (per head, in tiles): along each axis with ``n`` tiles and window ``
 ``1 <= w <= n``), the query tile at coordinate ``c`` attends key tiles ``[s, s + w)`` with
 ``s = clamp(c - (w - 1) // 2, 0, n - w)``: centred for odd ``w`` and shifted inwards at the grid
 edges so that the window keeps its full size ("windows clamp at the grid edges").  Text tokens
-(and other special tokens) attend everything and are attended by everything.
+(and other special tokens) attend everything and are attended by everything.  The layout is the
+padded one (:mod:`.tiling`, ``edge_tiles="padded"``): windows are boxes of tile coordinates, and a
+block of packed edge tiles would sit at several coordinates at once.
 
 Mask strategy file (JSON): ``{"<step>_<layer>_<head>": [wt, wh, ww], ...}`` (positive integers, in
 tiles).  Lookup for (step, layer, head): the exact key; else the entry of the same layer/head with
@@ -80,7 +82,15 @@ def window_starts(coords: Tensor, windows: Tensor, grid: Sequence[int]) -> tuple
 
 def sta_video_mask(layout: TileLayout, windows, device=None) -> Tensor:
     """Video-block mask of STA: bool ``[Hw, n_video_blocks, n_video_blocks]`` for ``windows``
-    ``[3]`` or ``[Hw, 3]`` (tiles), on ``device`` (default: the windows' device)."""
+    ``[3]`` or ``[Hw, 3]`` (tiles), on ``device`` (default: the windows' device).
+
+    STA's windows are boxes of tiles: the layout must keep one block per tile (``edge_tiles=
+    "padded"``); a block of packed edge tiles spans several window positions, so a packed layout
+    raises :class:`AttentionConfigError`."""
+    if layout.n_packed_blocks:
+        raise AttentionConfigError(
+            "sliding_tile_attn: STA windows are defined on tile coordinates and need one block per tile; "
+            "build the layout with edge_tiles='padded'")
     w = _windows_tensor(windows)
     device = w.device if device is None else torch.device(device)
     w = w.to(device)

@@ -1,10 +1,17 @@
-"""Video Sparse Attention (VSA): coarse tile-pooled top-k, then exact fine attention.
+"""Video Sparse Attention (VSA): coarse block-pooled top-k, then exact fine attention.
 
-Coarse stage: Q and K are mean-pooled over the real tokens of each 4x4x4 tile (64 tokens); the
-pooled scores ``scale * q_tile . k_tile`` rank, per (batch, head, query tile), the video key tiles,
-and the top ``k = ceil((1 - sparsity) * n_tiles)`` are kept (``n_tiles`` = video tiles of the
-grid; at least 1).  Text tokens attend and are attended by everything.  Fine stage: exact attention
-of every query over the tokens of its selected tiles (block-sparse core).
+Blocks: the 4x4x4 tiles (64 tokens) of :mod:`.tiling`.  With ``edge_tiles="packed"`` (the default)
+the tiles cut by the grid edge are packed several to a block (at 21x30x52: 513 blocks instead of
+624, for 512 blocks' worth of tokens); with ``"padded"`` each tile is its own block, padded.
+
+Coarse stage: Q and K are mean-pooled over the real tokens of each video block; the pooled scores
+``scale * q_block . k_block`` rank, per (batch, head, query block), the video key blocks, and the
+top ``k = ceil((1 - sparsity) * n_blocks)`` are kept (``n_blocks`` = video blocks of the layout; at
+least 1).  Upstream VSA pads every tile and keeps ``ceil((1 - sparsity) * n_video_tokens / 64)``
+tiles; the packed layout has at most one block more than ``n_video_tokens / 64`` rounded up, so
+its ``k`` is upstream's at the Wan grids (52 at 21x30x52, 119 at 21x45x80), where the padded layout
+counts the padded tiles (63 and 144).  Text tokens attend and are attended by everything.  Fine
+stage: exact attention of every query over the tokens of its selected blocks (block-sparse core).
 
 Upstream VSA also has a trained gate-compress branch whose coarse (tile-level) attention output is
 gated into the result.  None of our checkpoints carries that branch, so the fine output stands
@@ -33,11 +40,12 @@ VSA_TILE_SIZE = (4, 4, 4)
 
 def pooled_video_scores(q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout, scale: float) -> Tensor:
     """``scale * mean(q) . mean(k)`` between video blocks: float32 ``[B, H, nv, nv]`` from tiled
-    ``[B, padded_len, H, D]`` q/k (means over real tokens only)."""
+    ``[B, padded_len, H, D]`` q/k (means over real tokens only; the scale is applied to the pooled
+    queries, not to the ``nv x nv`` product)."""
     nv = layout.n_video_blocks
-    pq = pooled_blocks(q_tiled, layout)[:, :, :nv]
-    pk = pooled_blocks(k_tiled, layout)[:, :, :nv]
-    return (pq @ pk.transpose(-1, -2)) * scale
+    pq = pooled_blocks(q_tiled, layout, nv, scale=scale)
+    pk = pooled_blocks(k_tiled, layout, nv)
+    return pq @ pk.transpose(-1, -2)
 
 
 def vsa_num_selected(sparsity: float, n_tiles: int) -> int:
@@ -55,13 +63,14 @@ def vsa_block_mask(q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout, sparsit
 
 def video_sparse_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, sparsity: float, text_len: int = 0,
                            scale: Optional[float] = None, tile_size=VSA_TILE_SIZE, return_lse: bool = False,
-                           impl: str = "auto") -> tuple[Tensor, Optional[Tensor], SparsePlan]:
+                           impl: str = "auto", edge_tiles: str = "packed") -> tuple[Tensor, Optional[Tensor], SparsePlan]:
     """VSA over ``[B, T*H*W + text_len, heads, D]`` q/k/v (k/v with q's head count).
 
-    Returns ``(out [B, S, heads, D], lse [B, heads, S] float32 or None, plan)``; ``plan.extra``
-    holds the coarse ``scores`` and ``k`` (tiles kept per query tile).
+    ``edge_tiles``: ``"packed"`` or ``"padded"`` (module docstring).  Returns ``(out [B, S, heads,
+    D], lse [B, heads, S] float32 or None, plan)``; ``plan.extra`` holds the coarse ``scores`` and
+    ``k`` (blocks kept per query block).
     """
-    layout = make_tile_layout(video_shape, tile_size, text_len)
+    layout = make_tile_layout(video_shape, tile_size, text_len, edge_tiles=edge_tiles)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     qt, kt = tile(q, layout), tile(k, layout)
     scores = pooled_video_scores(qt, kt, layout, scale)
