@@ -12,6 +12,7 @@
 #                                     # gather and math floors (bench/gather_floor.py) next to every kernel
 #                                     # (SP_SEQS=32760 SP_S=220: one sequence length only)
 #   bash bench/h200_next.sh defaults64 # issue 5: after the new default at block 64 (SP_S=0: no bench/sparse.py): GPU tests, 64-token rows, VSA step
+#   bash bench/h200_next.sh edgetiles  # issue 18 item 3: packed edge tiles, the VSA selection stage's share, the VSA step packed vs padded
 # Each step has its own time limit (< 560 s per part, inside the 600 s call limit); everything lands in $OUT.
 set -uo pipefail
 source .gpu-b/activate.sh
@@ -67,5 +68,11 @@ defaults64)  # issue 5: block size 64 defaults to one-stage TMA loads: GPU tests
       --seqs 32760 --block-sizes 64 --sparsities "${SP_SPARSITIES:-0.85,0.9,0.95}"; fi
   step 150 python3 bench/e2e.py --arch 1.3b --res 480p --repeats 3 --variants eager --diffusers-backends native \
       --backends "video_sparse_attn:sparsity=0.9" --out "$OUT/e2e480.json" ;;
-*) echo "usage: bash bench/h200_next.sh e2e|kernels|fused|remeasure|profile|tma|final|floor|defaults64" >&2; exit 2 ;;
+edgetiles)  # issue 18 item 3: GPU tests, VSA stages (selection vs call, padded vs packed), the 480p VSA 0.9 step both ways
+  step 90 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_gpu_kernels.py -k "block_sparse or sol"
+  step 220 python3 bench/vsa_stages.py --out "$OUT/vsa_stages"
+  step 250 python3 bench/e2e.py --arch 1.3b --res 480p --repeats 3 --variants eager --diffusers-backends native \
+      --backends "video_sparse_attn:sparsity=0.9,video_sparse_attn:sparsity=0.9;edge_tiles=padded" \
+      --out "$OUT/e2e480.json" ;;
+*) echo "usage: bash bench/h200_next.sh e2e|kernels|fused|remeasure|profile|tma|final|floor|defaults64|edgetiles" >&2; exit 2 ;;
 esac

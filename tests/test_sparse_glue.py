@@ -171,3 +171,24 @@ def test_vsa_path_has_no_host_reads(monkeypatch, text):
         out, lse = impl(q, k, v, call, {"sparsity": 0.75})
     assert torch.equal(got[0], want[0]) and torch.equal(out, want[0]) and torch.equal(lse, want[1])
     assert last_stats["video_sparse_attn/layer2"]["kept_fraction"] == want[2].kept_fraction
+
+
+@pytest.mark.parametrize("name", ["sparge", "sla"])
+def test_sparge_and_sla_paths_have_no_host_reads(monkeypatch, name):
+    """Sparge's and SLA's lists come from the top-k of the pooled scores, their fractions from host
+    arithmetic: no device synchronisation on a (packed edge tiles) call either."""
+    from ditattn.attention.sparse.sla import sla_attention
+    from ditattn.attention.sparse.sparge import sparge_attention
+
+    shape, text = (5, 8, 12), 7
+    S = 5 * 8 * 12 + text
+    q, k, v = (torch.randn(1, S, 2, 64) for _ in range(3))
+    kw = dict(video_shape=shape, text_len=text, topk=0.4, return_lse=True)
+    fn = sparge_attention if name == "sparge" else sla_attention
+    want = fn(q, k, v, **kw)
+    assert want[2].layout.n_packed_blocks > 0
+    with monkeypatch.context() as m:
+        _forbid_host_reads(m)
+        got = fn(q, k, v, **kw)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert got[2].kept_fraction == want[2].kept_fraction
