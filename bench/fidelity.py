@@ -61,7 +61,11 @@ CASES = [
     ("vmoba_attn threshold=0.5", "vmoba_attn", {"moba_threshold": 0.5}),
     ("video_sparse_attn sparsity=0.9", "video_sparse_attn", {"sparsity": 0.9}),
     ("video_sparse_attn sparsity=0.75", "video_sparse_attn", {"sparsity": 0.75}),
+    ("video_sparse_attn sparsity=0.9 edge_tiles=padded", "video_sparse_attn", {"sparsity": 0.9, "edge_tiles": "padded"}),
     ("sla_attn (defaults)", "sla_attn", {}),
+    ("sla_attn edge_tiles=padded", "sla_attn", {"edge_tiles": "padded"}),
+    ("sol_attn edge_tiles=padded", "sol_attn", {"edge_tiles": "padded"}),
+    ("sparge_attn edge_tiles=padded", "sparge_attn", {"edge_tiles": "padded"}),
     ("STA searched (default candidates)", "sliding_tile_attn", {"search": None}),
     ("STA searched (large windows)", "sliding_tile_attn", {"search": [3, 5, 7, 5, 5, 5, 1, 9, 13, 6, 3, 5, 3, 9, 9]}),
 ]
