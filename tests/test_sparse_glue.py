@@ -173,7 +173,7 @@ def test_vsa_path_has_no_host_reads(monkeypatch, text):
     assert last_stats["video_sparse_attn/layer2"]["kept_fraction"] == want[2].kept_fraction
 
 
-@pytest.mark.parametrize("name", ["sparge", "sla"])
+@pytest.mark.parametrize("name", ["sparge", "sparge_int8", "sla"])
 def test_sparge_and_sla_paths_have_no_host_reads(monkeypatch, name):
     """Sparge's and SLA's lists come from the top-k of the pooled scores, their fractions from host
     arithmetic: no device synchronisation on a (packed edge tiles) call either."""
@@ -184,7 +184,9 @@ def test_sparge_and_sla_paths_have_no_host_reads(monkeypatch, name):
     S = 5 * 8 * 12 + text
     q, k, v = (torch.randn(1, S, 2, 64) for _ in range(3))
     kw = dict(video_shape=shape, text_len=text, topk=0.4, return_lse=True)
-    fn = sparge_attention if name == "sparge" else sla_attention
+    fn = sla_attention if name == "sla" else sparge_attention
+    if name == "sparge_int8":  # the backend's default: INT8 Q.K in the kept blocks
+        kw["quantize"] = True
     want = fn(q, k, v, **kw)
     assert want[2].layout.n_packed_blocks > 0
     with monkeypatch.context() as m:
