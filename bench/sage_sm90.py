@@ -1,12 +1,15 @@
 """Check and time the SM90 Gluon kernel of ``sage_attn`` (ditattn.attention.kernels.sage_sm90).
 
-One device call: correctness first (random and structured inputs, odd lengths, GQA, head dims 64/128,
-fp16/bf16, LSE; against the PyTorch reference of the same quantization and against float32 exact
-attention), then the timing table (median of do_bench, the quantization prologue included) next to
-cuDNN SDPA, FA4 (``fa``, if installed) and the Triton INT8 kernel, for each kernel config in
-``--variants``.  Prints a short table last; writes ``sage_sm90.json`` under ``--out``.
+One device call: correctness first (random and structured inputs, V with channel offsets, odd lengths,
+GQA, head dims 64/128, fp16/bf16, LSE; against the PyTorch reference of the same quantization — FP8 P.V
+variants against its FP8 mode — and against float32 exact attention; plus a long sequence, S = 32,760,
+on sampled rows against float32, where direct FP8 accumulation would show), then the timing table
+(median of do_bench, the quantization prologue — for FP8 P.V also V's statistics and transposed FP8
+copy — included) next to cuDNN SDPA, FA4 (``fa``, if installed) and the Triton INT8 kernel, for each
+kernel config in ``--variants``.  Prints a short table last; writes ``sage_sm90.json`` under ``--out``.
 
-    python3 bench/sage_sm90.py --out $OUT/sage --budget-s 400
+    python3 bench/sage_sm90.py --out $OUT/sage --budget-s 400 \
+        --variants "fp16=;fp8=pv_dtype:fp8;fp8_direct=pv_dtype:fp8/pv_accum:direct"
 """
 from __future__ import annotations
 
@@ -29,7 +32,9 @@ CHECKS = [  # (B, Sq, Skv, H, Hkv, D, dtype, kind)
     (1, 4096, 4096, 8, 8, 128, torch.bfloat16, "random"),
     (1, 3 * 30 * 52, 3 * 30 * 52, 4, 4, 128, torch.bfloat16, "structured"),
     (1, 1, 300, 2, 1, 128, torch.bfloat16, "random"),
+    (1, 700, 900, 4, 2, 128, torch.bfloat16, "vbias"),
 ]
+LONG_CHECK = (1, 32760, 4, 128, 256)  # B, S, H, D, sampled query rows: accumulation over 256 key tiles
 
 
 def _variants(spec: str) -> dict[str, dict]:
@@ -46,6 +51,8 @@ def _variants(spec: str) -> dict[str, dict]:
 
 
 def _inputs(b, sq, skv, h, hkv, d, dtype, kind, seed):
+    """``random``: i.i.d. normal; ``structured``: :func:`common.structured_qkv`; ``vbias``: random with
+    per-channel offsets of V (std 3) — what ``v_smooth`` removes before the FP8 rounding."""
     if kind == "structured":
         grid = (sq // (30 * 52), 30, 52)
         return common.structured_qkv(b, grid, h, d, hkv=hkv, dtype=dtype, seed=seed)
@@ -53,7 +60,17 @@ def _inputs(b, sq, skv, h, hkv, d, dtype, kind, seed):
     q = torch.randn(b, sq, h, d, generator=g, device="cuda", dtype=dtype)
     k = torch.randn(b, skv, hkv, d, generator=g, device="cuda", dtype=dtype)
     v = torch.randn(b, skv, hkv, d, generator=g, device="cuda", dtype=dtype)
+    if kind == "vbias":
+        v = (v.float() + 3.0 * torch.randn(d, generator=g, device="cuda")).to(dtype)
     return q, k, v
+
+
+def quant_reference_kwargs(cfg: dict) -> dict:
+    """``int8_attention_reference`` keywords computing what the SM90 kernel computes under ``cfg``."""
+    kw = {"block_n": int(cfg.get("block_n", 128)), "k_granularity": cfg.get("k_granularity", "token")}
+    if cfg.get("pv_dtype", "fp16") == "fp8":
+        kw.update(pv="fp8", p_rowsum="fp8", v_smooth=bool(cfg.get("v_smooth", False)))
+    return kw
 
 
 def _exact(q, k, v):
@@ -70,14 +87,18 @@ def check(rec, variants):
     for i, (b, sq, skv, h, hkv, d, dtype, kind) in enumerate(CHECKS):
         q, k, v = _inputs(b, sq, skv, h, hkv, d, dtype, kind, seed=100 + i)
         ref_o, ref_l = _exact(q, k, v)
-        qrefs = {g: int8_attention_reference(q, k, v, block_n=128, k_granularity=g)[0] for g in ("token", "block")}
+        qrefs = {}
         sdpa = torch.nn.functional.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(h // hkv, 1),
             v.transpose(1, 2).repeat_interleave(h // hkv, 1)).transpose(1, 2)
         for name, cfg in variants.items():
             if cfg.get("ablate"):
                 continue  # ablations leave a stage out: their output is wrong by design
-            qref = qrefs[cfg.get("k_granularity", "token")]
+            kw = quant_reference_kwargs(cfg)
+            key = tuple(sorted(kw.items()))
+            if key not in qrefs:
+                qrefs[key] = int8_attention_reference(q, k, v, **kw)[0]
+            qref = qrefs[key]
 
             def run():
                 out, lse = sage_attention_sm90(q, k, v, return_lse=True, config=cfg)
@@ -91,6 +112,35 @@ def check(rec, variants):
             r = guarded(rec, f"check {name} {b},{sq},{skv},{h},{hkv},{d}", run)
             if r:
                 rows.append(r)
+    return rows + check_long(rec, variants)
+
+
+def check_long(rec, variants):
+    """Error against float32 on sampled query rows of one long sequence (random inputs): the FP8
+    tensor cores add with fewer mantissa bits than FP32, so direct FP8 accumulation drifts with the
+    number of key tiles; two-level accumulation should not."""
+    from ditattn.attention.kernels.sage_sm90 import sage_attention_sm90
+
+    b, s, h, d, n = LONG_CHECK
+    q, k, v = _inputs(b, s, s, h, h, d, torch.bfloat16, "random", seed=11)
+    idx = common.sample_rows(s, n)
+    ref_o, _ = common.reference_rows(q, k, v, idx)
+    rows = []
+    for name, cfg in variants.items():
+        if cfg.get("ablate"):
+            continue
+
+        def run():
+            out = sage_attention_sm90(q, k, v, config=cfg)[0][:, idx]
+            cos = torch.nn.functional.cosine_similarity(out.float().flatten(), ref_o.flatten(), dim=0).item()
+            return rec.add(section="check", variant=name, shape=f"{b},{s},{s},{h},{h},{d}", dtype="bfloat16",
+                           kind=f"random, {n} rows", finite=bool(torch.isfinite(out).all()),
+                           err=rel_err(out, ref_o), cos=cos)
+        r = guarded(rec, f"check long {name}", run)
+        if r:
+            rows.append(r)
+    del q, k, v
+    torch.cuda.empty_cache()
     return rows
 
 
@@ -124,6 +174,9 @@ def timing(rec, dl, shapes, variants):
             row["fa4"] = fl / ms / 1e9 if ms else None
         ms = guarded(rec, "triton int8", lambda: bench_ms(lambda: int8_attention(q, k, v)))
         row["triton_int8"] = fl / ms / 1e9 if ms else None
+        if any(c.get("pv_dtype") == "fp8" for c in variants.values()):  # what impl=auto runs for pv_dtype fp8
+            ms = guarded(rec, "triton int8 fp8", lambda: bench_ms(lambda: int8_attention(q, k, v, pv="fp8")))
+            row["triton_fp8"] = fl / ms / 1e9 if ms else None
         for name, cfg in variants.items():
             if d not in (64, 128):
                 continue
@@ -145,8 +198,9 @@ def main(argv=None):
     ap.add_argument("--out", default="outputs/sage")
     ap.add_argument("--budget-s", type=float, default=400)
     ap.add_argument("--shapes", default=SHAPES, help="'B,H,S,D;...' timed shapes")
-    ap.add_argument("--variants", default="default=;nopipe=pipeline:false",
-                    help="'name=key:val/key:val;...' kernel configs (empty = defaults)")
+    ap.add_argument("--variants", default="fp16=;fp8=pv_dtype:fp8;fp8_direct=pv_dtype:fp8/pv_accum:direct",
+                    help="'name=key:val/key:val;...' kernel configs (keys of sage_sm90.default_config; empty = "
+                         "defaults)")
     ap.add_argument("--no-check", action="store_true")
     args = ap.parse_args(argv)
     dl = Deadline(args.budget_s)
@@ -162,7 +216,7 @@ def main(argv=None):
                              ("lse_max_abs", "lse max abs", ".1e"), ("finite", "finite", "")]))
     print()
     cols = [("shape", "B,H,S,D", ""), ("cudnn", "cuDNN", ".0f"), ("fa4", "FA4", ".0f"),
-            ("triton_int8", "triton int8", ".0f")]
+            ("triton_int8", "triton int8", ".0f"), ("triton_fp8", "triton fp8 PV", ".0f")]
     cols += [(n, n, ".0f") for n in variants] + [("best_vs_base", "best / (FA4 or cuDNN)", ".3f")]
     print(fmt_table(times, cols))
     print("TFLOP/s (dense-equivalent 4*B*H*S^2*D / time; quantization prologue included)")

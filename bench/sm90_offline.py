@@ -68,8 +68,7 @@ def compile_kernel(config: dict, *, head_dim: int = 128, dtype=None):
     from ditattn.attention.kernels import sage_sm90 as m
 
     dtype = dtype or torch.bfloat16
-    cfg = m.default_config(head_dim)
-    cfg.update(config)
+    cfg = m.kernel_config(head_dim, config)
     d, bn = head_dim, int(cfg["block_n"])
     b, h, hkv, sq, skv = 1, 2, 2, 256, 300
     sq_pad, skv_pad = 256, -(-skv // bn) * bn
@@ -77,21 +76,23 @@ def compile_kernel(config: dict, *, head_dim: int = 128, dtype=None):
     nvmma = gl.NVMMASharedLayout.get_default_for
     q8 = torch.zeros(b * h * sq_pad, d, dtype=torch.int8)
     k8 = torch.zeros(b * hkv * skv_pad, d, dtype=torch.int8)
-    v = torch.zeros(b * skv, hkv * d, dtype=dtype)
     o = torch.zeros(b, sq, h, d, dtype=dtype)
     ks = torch.zeros(b * hkv * skv_pad)
     f = torch.zeros(4096)
     qd = TensorDescriptor(q8, list(q8.shape), [d, 1], [64, d], nvmma([64, d], gl.int8))
     kd = TensorDescriptor(k8, list(k8.shape), [d, 1], [bn, d], nvmma([bn, d], gl.int8))
-    vd = TensorDescriptor(v, list(v.shape), [hkv * d, 1], [bn, d], nvmma([bn, d], gdt))
+    if cfg["pv_dtype"] == "fp8":
+        vt = torch.zeros(b * hkv * d, skv_pad, dtype=torch.float8_e4m3fn)
+        vd = TensorDescriptor(vt, list(vt.shape), [skv_pad, 1], [d, bn], nvmma([d, bn], gl.float8e4nv))
+    else:
+        v = torch.zeros(b * skv, hkv * d, dtype=dtype)
+        vd = TensorDescriptor(v, list(v.shape), [hkv * d, 1], [bn, d], nvmma([bn, d], gdt))
     od = TensorDescriptor(o, [b, sq, h * d], [sq * h * d, h * d, 1], [1, 64, d], nvmma([1, 64, d], gdt))
     ksd = TensorDescriptor(ks, [ks.numel()], [1], [bn], nvmma([bn], gl.float32))
     return m._sage_fwd_sm90.warmup(
-        qd, kd, vd, od, ksd, f, f, f, f, f, o, f, sq, skv, sq_pad, skv_pad, h, hkv, o.stride(0), o.stride(1), o.stride(2),
-        BLOCK_N=bn, HEAD_DIM=d, NUM_STAGES=int(cfg["num_stages"]), RETURN_LSE=True,
-        CONSUMER_REGS=int(cfg["consumer_regs"]), PRODUCER_REGS=int(cfg["producer_regs"]),
-        K_PER_TOKEN=cfg["k_granularity"] == "token", PINGPONG=bool(cfg["pingpong"]),
-        TMA_STORE=bool(cfg["tma_store"]), STATIC_MAX=bool(cfg["static_max"]), Q_REGS=bool(cfg["q_regs"]),
+        qd, kd, vd, od, ksd, f, f, f, f, f, f, f, o, f, sq, skv, sq_pad, skv_pad, h, hkv,
+        o.stride(0), o.stride(1), o.stride(2),
+        **m.kernel_constexprs(cfg, d, return_lse=True, tma_store=bool(cfg["tma_store"])),
         num_warps=4, maxnreg=168, grid=(1,))
 
 
@@ -132,9 +133,21 @@ def sass_of(cubin: bytes, path: str) -> str:
     return subprocess.run([_tool("cuobjdump"), "--dump-sass", path], capture_output=True, text=True, check=True).stdout
 
 
+def ptxas_warnings(ptx: str, path: str) -> list[str]:
+    """Warnings and performance advisories of ``ptxas -arch=sm_90a -v`` on the kernel's PTX (e.g.
+    "(C7513) Potential Performance Loss": ptxas serialised every ``wgmma`` because a register an
+    in-flight product reads is redefined before its wait)."""
+    with open(path, "w") as fh:
+        fh.write(ptx)
+    proc = subprocess.run([_tool("ptxas"), "-arch=sm_90a", "-v", path, "-o", path + ".cubin"], capture_output=True,
+                          text=True)
+    return [ln.strip() for ln in (proc.stdout + proc.stderr).splitlines()
+            if re.search(r"warning|\(C\d{4}\)|Performance Loss", ln, re.IGNORECASE)]
+
+
 def analyse(sass: str) -> dict:
     """Registers, spills and the census of the main key loop: the smallest backward-branch loop that
-    issues both the Q.K (IGMMA, or HGMMA for bf16 Q.K) and the P.V (HGMMA) products."""
+    issues both the Q.K (IGMMA, or HGMMA for bf16 Q.K) and the P.V (HGMMA; QGMMA for FP8) products."""
     ins = [(int(a, 16), op, args) for a, op, args in _INSTR.findall(sass)]
     regs = max((int(r) for r in re.findall(r"\bR(\d+)\b", sass)), default=0) + 1
     spills = sum(1 for _, op, _ in ins if op in ("LDL", "STL"))
@@ -146,7 +159,8 @@ def analyse(sass: str) -> dict:
             body = [o for a, o, _ in ins if lo <= a <= addr]
             gmmas = sum(1 for o in body if o in ("IGMMA", "HGMMA"))
             qk = "IGMMA" in body or gmmas >= 2 * 4  # bf16 Q.K and P.V: two groups of HGMMA
-            if qk and "HGMMA" in body and (best is None or len(body) < len(best)):
+            pv = "HGMMA" in body or "QGMMA" in body
+            if qk and pv and (best is None or len(body) < len(best)):
                 best = body
     census = collections.Counter(best or [])
     return {"registers": regs, "spills": spills, "loop_instructions": sum(census.values()),
@@ -181,12 +195,15 @@ def main(argv=None):
                 fh.write(sass)
         a = analyse(sass)
         a["shared"] = kern.metadata.shared
+        a["ptxas_warnings"] = ptxas_warnings(kern.asm["ptx"], os.path.join(tmp, f"{name}.ptx"))
         results[name] = a
         if args.json:
             continue
         top = " ".join(f"{k}:{v}" for k, v in list(a["loop_census"].items())[:14])
         print(f"{name}: regs {a['registers']}, spills {a['spills']}, smem {kern.metadata.shared} B, "
               f"loop {a['loop_instructions']} instr/iteration [{top}]")
+        for w in a["ptxas_warnings"]:
+            print(f"  ptxas: {w}")
     if args.json:
         import json
 

@@ -58,7 +58,8 @@ def test_retired_block_sparse_env_var_is_refused(monkeypatch):
 
 def test_sage_keys_are_validated_and_listed():
     cfg = validate_backend_config(B.SAGE_ATTN, {})
-    assert cfg == {"impl": "auto", "pv_dtype": "fp16", "qk_dtype": "int8", "k_granularity": "auto"}
+    assert cfg == {"impl": "auto", "pv_dtype": "fp16", "pv_accum": "two_level", "qk_dtype": "int8",
+                   "k_granularity": "auto"}
     with pytest.raises(AttentionConfigError, match="invalid value 'cuda' for 'impl'; accepted: one of"):
         validate_backend_config(B.SAGE_ATTN, {"impl": "cuda"})
     with pytest.raises(AttentionConfigError, match="'qk_dtype' .no sage_attn kernel implements fp8 Q.K yet.; "
@@ -66,7 +67,8 @@ def test_sage_keys_are_validated_and_listed():
         validate_backend_config(B.SAGE_ATTN, {"qk_dtype": "fp8"})
     info = {b.name: b for b in list_backends()}["sage_attn"]
     params = {p["name"]: p for p in info.params}
-    assert set(params) == {"impl", "pv_dtype", "qk_dtype", "k_granularity"} and params["impl"]["default"] == "auto"
+    assert set(params) == {"impl", "pv_dtype", "pv_accum", "qk_dtype", "k_granularity"}
+    assert params["impl"]["default"] == "auto" and params["pv_accum"]["choices"] == ["two_level", "direct"]
     assert "sm90" in params["impl"]["choices"]
     vsa = {p["name"] for p in {b.name: b for b in list_backends()}["video_sparse_attn"].params}
     assert "block_sparse_impl" in vsa
@@ -88,7 +90,8 @@ def test_sage_auto_rule_picks_the_sm90_kernel_on_hopper_only():
     hopper = Platform.simulate("cuda", capability=(9, 0), packages={"triton"})
     assert sage_cuda_runtime(hopper, 128) == ("sm90", "")
     assert sage_cuda_runtime(hopper, 64, needs_lse=True) == ("sm90", "")  # the kernel returns the LSE
-    assert sage_cuda_runtime(hopper, 128, pv_dtype="fp8")[0] == "triton"  # sm90 has no FP8 P.V
+    # sm90 has FP8 P.V too (impl sm90); auto keeps fp8 on the Triton kernel until the H200 measures it
+    assert sage_cuda_runtime(hopper, 128, pv_dtype="fp8")[0] == "triton"
     assert sage_cuda_runtime(hopper, 32)[0] == "triton"  # head dim 32: only the Triton kernel
     ampere = Platform.simulate("cuda", capability=(8, 0), packages={"triton"})
     assert sage_cuda_runtime(ampere, 128)[0] == "triton"
@@ -114,3 +117,24 @@ def test_sage_k_granularity_reaches_the_implementations():
     assert why is not None and "per block" in why
     with pytest.raises(AttentionConfigError, match="sm90 kernel needs an SM90"):
         sage_impl_for(q, call, {"impl": "sm90"})
+
+
+def test_sage_pv_accum_is_checked_against_precision_and_implementation():
+    import torch
+
+    from ditattn.attention.backends.base import AttnCall
+    from ditattn.attention.backends.sage import SAGE_IMPLS, sage_impl_for
+
+    q = torch.randn(1, 64, 2, 64)
+    call = AttnCall()
+    with pytest.raises(AttentionConfigError, match="pv_accum direct applies to pv_dtype fp8 only"):
+        sage_impl_for(q, call, {"pv_accum": "direct"})
+    with pytest.raises(AttentionConfigError, match="reference adds each key block's FP8 P.V in float32"):
+        sage_impl_for(q, call, {"pv_dtype": "fp8", "pv_accum": "direct"})
+    assert sage_impl_for(q, call, {"pv_dtype": "fp8", "pv_accum": "two_level"}) == "reference"
+    # the sm90 kernel implements fp8 P.V: off Hopper it is refused for the device, not the precision
+    assert "fp8" in SAGE_IMPLS["sm90"].pv_dtypes
+    with pytest.raises(AttentionConfigError, match="sm90 kernel needs an SM90"):
+        sage_impl_for(q.half(), call, {"impl": "sm90", "pv_dtype": "fp8"})
+    with pytest.raises(AttentionConfigError, match="invalid value 'fp22' for 'pv_accum'"):
+        sage_impl_for(q, call, {"pv_dtype": "fp8", "pv_accum": "fp22"})

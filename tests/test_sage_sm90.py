@@ -1,19 +1,29 @@
 """The SM90 Gluon kernel of ``sage_attn`` (ditattn.attention.kernels.sage_sm90).
 
 * CPU (Triton interpreter): the INT8 prologue it shares with the Triton kernel — scales, smoothing,
-  the LSE correction and the logit-bound norms that decide the static-max softmax.
+  the LSE correction and the logit-bound norms that decide the static-max softmax; the FP8 P.V
+  prologue (V's channel scales and means, the transposed copy in the token order of the kernel's
+  FP8 P operand).
+* CPU: the FP8 P.V semantics of the PyTorch reference (key-block running maximum, e4m3 P and V,
+  two-level accumulation) against a sequential emulation of the kernel's loop and against float32.
 * CPU (no GPU needed): the kernel compiles for sm_90 and its main loop keeps the wgmma products
   asynchronous (ptxas serialises every wgmma of a kernel when an in-flight product's registers are
-  redefined — warning C7513 — which shows as a wait after each product).
+  redefined — C7513 — which shows as a wait after each product), without spills, FP8 P without byte
+  permutes.
 * GPU (SM90 only): numerics against float32 and against the PyTorch reference of the same
-  quantization, static-max and online paths, odd lengths, GQA, head dims 64/128, LSE.
+  quantization, static-max and online paths, fp16 and fp8 P.V, odd lengths, GQA, head dims 64/128, LSE.
 """
+import os
+import sys
+
 
 import pytest
 import torch
 from conftest import sm90_offline_census
 
 from ditattn.attention.kernels.int8_attention import int8_attention_reference
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 
 IS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
@@ -74,14 +84,101 @@ def test_kernel_compiles_for_sm90_with_async_wgmma():
         assert a["registers"] <= 240 and a["spills"] <= 4, (name, a["registers"], a["spills"])
         assert a["shared"] <= 227 * 1024
         assert c.get("MUFU", 0) == 64, (name, c)  # one exp2 per score, no running-max exps in the static loop
+        assert not a["ptxas_warnings"], (name, a["ptxas_warnings"])
 
 
-def _qkv(b, sq, skv, h, hkv, d, dtype, seed, q_scale=1.0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = (torch.randn(b, sq, h, d, generator=g, device="cuda") * q_scale).to(dtype)
-    k = (torch.randn(b, skv, hkv, d, generator=g, device="cuda") + 0.3).to(dtype)
-    v = torch.randn(b, skv, hkv, d, generator=g, device="cuda").to(dtype)
-    return q, k, v
+def test_fp8_pv_kernel_compiles_for_sm90_with_async_wgmma():
+    """FP8 P.V: FP8 wgmma (QGMMA) for P.V and the row sums, P packed without byte permutes or shuffles
+    (the column relabelling makes the accumulator registers the A operand), no spills, no C7513."""
+    res = sm90_offline_census("sage", "fp8=pv_dtype:fp8;fp8_direct_kblock=pv_dtype:fp8/pv_accum:direct/"
+                                      "k_granularity:block")
+    for name, a in res.items():
+        c = a["loop_census"]
+        assert c.get("IGMMA", 0) >= 4 and c.get("QGMMA", 0) >= 8 and "HGMMA" not in c, (name, c)
+        assert c.get("WARPGROUP", 0) <= 8, (name, c)
+        assert a["spills"] == 0 and a["registers"] <= 240, (name, a["registers"], a["spills"])
+        assert not a["ptxas_warnings"], (name, a["ptxas_warnings"])
+        assert c.get("PRMT", 0) == 0 and c.get("SHFL", 0) <= 4, (name, c)  # 4 shuffles: the row maxima
+        assert c.get("F2FP", 0) == 32, (name, c)  # 64 scores -> e4m3, two per instruction
+        assert c.get("MUFU", 0) == 66, (name, c)  # an exp2 per score, one per row for the rescale
+
+
+def _fp8_p_relabel(p):
+    """What the kernel's ``fp8_pack`` does to P's columns (per 16; :data:`gluon_sm90.FP8_P_PERMUTE`)."""
+    from ditattn.attention.kernels.gluon_sm90 import FP8_P_PERMUTE
+
+    m, n = p.shape
+    return p.reshape(m, n // 16, 2, 2, 2, 2).permute(*FP8_P_PERMUTE.value).reshape(m, n)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test (CPU)")
+@pytest.mark.parametrize("smooth", [False, True])
+def test_fp8_v_prologue_scales_and_token_order(smooth):
+    from ditattn.attention.kernels.int8_attention import quantize_v_fp8
+
+    torch.manual_seed(1)
+    B, S, Hkv, D, s_pad = 1, 150, 2, 64, 256
+    v = (torch.randn(B, S, Hkv, D) + 2.0 * torch.randn(D)).bfloat16()  # channel offsets
+    vt, vs, vm = quantize_v_fp8(v, s_pad=s_pad, smooth=smooth, permute=True)
+    assert vt.shape == (B, Hkv, D, s_pad) and vt.dtype == torch.float8_e4m3fn
+    vf = v.float().transpose(1, 2)  # [B, Hkv, S, D]
+    mean = vf.mean(dim=2)
+    assert torch.allclose(vm, mean if smooth else torch.zeros_like(mean), atol=1e-6)
+    x = vf - vm[:, :, None, :]
+    assert torch.allclose(vs, x.abs().amax(dim=2) / 448, rtol=1e-6)
+    want = (x / vs[:, :, None, :]).to(torch.float8_e4m3fn).float()  # [B, Hkv, S, D], tokens in order
+    # the kernel multiplies its relabelled P with the stored V^T: must equal P . V in the tokens' order
+    got = vt.float().transpose(-1, -2)  # [B, Hkv, s_pad, D], stored order
+    p = torch.rand(64, s_pad, dtype=torch.float64)
+    p[:, S:] = 0.0  # keys past the end have p = 0 in the kernel
+    natural = torch.nn.functional.pad(want, (0, 0, 0, s_pad - S))
+    assert torch.allclose(_fp8_p_relabel(p) @ got.double(), p @ natural.double(), rtol=1e-12, atol=1e-9)
+    # and the stored tensor is exactly the quantized V, permuted within each 16 tokens; padding is 0
+    perm = _fp8_p_relabel(torch.arange(s_pad, dtype=torch.float32)[None])[0].long()  # stored k <- token perm[k]
+    assert torch.equal(got, natural[:, :, perm])
+    assert torch.count_nonzero(got[:, :, (perm >= S)]) == 0
+    unpermuted, _, _ = quantize_v_fp8(v, s_pad=s_pad, smooth=smooth, permute=False)
+    assert torch.equal(unpermuted.float().transpose(-1, -2), natural)
+
+
+def _fp8_kernel_emulation(q, k, v, block_n, v_smooth, k_granularity):
+    """The SM90 kernel's FP8 P.V loop written out sequentially (online softmax per key tile,
+    e4m3 P = exp2(t - m + 8), two-level accumulation, row sums of the rounded P), on the reference's
+    quantized Q.K logits (pv fp16 path: the same INT8 scores)."""
+    from ditattn.attention.kernels.int8_reference import LOG2E
+
+    B, Sq, H, D = q.shape
+    Skv, Hkv = k.shape[1], k.shape[2]
+    kr, vr = k.repeat_interleave(H // Hkv, 2), v.repeat_interleave(H // Hkv, 2)
+    # logits of the reference quantization: recover them from its LSE-free path by quantizing here
+    qf, kf = q.float().transpose(1, 2), kr.float().transpose(1, 2)
+    kf = kf - kf.mean(dim=2, keepdim=True)
+    qa = qf.abs().amax(-1, keepdim=True) / 127
+    q8 = torch.trunc(qf / qa + torch.where(qf >= 0, 0.5, -0.5))
+    assert k_granularity == "token"
+    ka = kf.abs().amax(-1, keepdim=True) / 127
+    k8 = torch.trunc(kf / ka + torch.where(kf >= 0, 0.5, -0.5))
+    t = (q8 @ k8.transpose(-1, -2)) * qa * ka.transpose(-1, -2) * D ** -0.5 * LOG2E
+    vf = vr.float().transpose(1, 2)
+    vm = vf.mean(dim=2, keepdim=True) if v_smooth else torch.zeros_like(vf[:, :, :1])
+    vs = (vf - vm).abs().amax(dim=2, keepdim=True) / 448
+    vq = ((vf - vm) / vs).to(torch.float8_e4m3fn).float()
+    m = torch.full((B, H, Sq, 1), float("-inf"))
+    acc = torch.zeros(B, H, Sq, D)
+    l_ = torch.zeros(B, H, Sq, 1)
+    for j0 in range(0, Skv, block_n):
+        tj = t[..., j0:j0 + block_n]
+        m_new = torch.maximum(m, tj.amax(-1, keepdim=True))
+        alpha = torch.exp2(m - m_new)
+        pq = torch.exp2(tj - m_new + 8).to(torch.float8_e4m3fn).float()
+        acc = acc * alpha + pq @ vq[:, :, j0:j0 + block_n]
+        l_ = l_ * alpha + pq.sum(-1, keepdim=True)
+        m = m_new
+    return (acc / l_ * vs + vm).transpose(1, 2)
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def _exact(q, k, v):
@@ -92,8 +189,68 @@ def _exact(q, k, v):
     return (torch.softmax(s, -1) @ vf).transpose(1, 2), lse
 
 
-def _rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
+@pytest.mark.parametrize("shape,v_smooth", [((1, 77, 333, 4, 2, 64), False), ((2, 130, 257, 2, 1, 128), True)])
+def test_fp8_reference_is_the_kernel_loop(shape, v_smooth):
+    """The reference's vectorised FP8 P.V (running maximum per key block via cummax, one matmul)
+    equals the kernel's sequential loop; the error against float32 is e4m3's."""
+    b, sq, skv, h, hkv, d = shape
+    g = torch.Generator().manual_seed(sq)
+    q = torch.randn(b, sq, h, d, generator=g).bfloat16()
+    k = (torch.randn(b, skv, hkv, d, generator=g) + 0.4).bfloat16()
+    v = (torch.randn(b, skv, hkv, d, generator=g) + torch.randn(d, generator=g)).bfloat16()
+    out, lse = int8_attention_reference(q, k, v, return_lse=True, pv="fp8", p_rowsum="fp8", v_smooth=v_smooth,
+                                        k_granularity="token", block_n=64)
+    emu = _fp8_kernel_emulation(q, k, v, 64, v_smooth, "token")
+    assert _rel(out.float(), emu) < 4e-3  # bf16 output rounding apart
+    ref, ref_lse = _exact(q, k, v)
+    assert _rel(out, ref) < 0.05
+    assert float((lse.double() - ref_lse).abs().max()) < 0.02
+
+
+def test_fp8_reference_error_on_structured_inputs_and_v_smoothing():
+    """Structured q/k (Wan 3-D RoPE, bench/common.structured_qkv): FP8 P.V costs e4m3's ~3.6 % (P and
+    V each ~2.5 %); smoothing V by its channel mean removes the offsets' share of V's rounding."""
+    import common
+
+    q, k, v = common.structured_qkv(1, (2, 16, 24), 4, 128, hkv=2, dtype=torch.bfloat16, seed=3, device="cpu")
+    ref, _ = _exact(q, k, v)
+    fp16, _ = int8_attention_reference(q, k, v, k_granularity="token")
+    fp8, _ = int8_attention_reference(q, k, v, pv="fp8", p_rowsum="fp8", k_granularity="token")
+    cos = torch.nn.functional.cosine_similarity(fp8.double().flatten(), ref.flatten(), dim=0).item()
+    assert _rel(fp16, ref) < 0.02 and 0.02 < _rel(fp8, ref) < 0.045 and cos > 0.999
+    vb = (v.float() + 4.0 * torch.randn(128, generator=torch.Generator().manual_seed(0))).bfloat16()
+    ref_b, _ = _exact(q, k, vb)
+    plain, _ = int8_attention_reference(q, k, vb, pv="fp8", p_rowsum="fp8", k_granularity="token")
+    smooth, _ = int8_attention_reference(q, k, vb, pv="fp8", p_rowsum="fp8", k_granularity="token", v_smooth=True)
+    err_plain = float((plain.double() - ref_b).norm() / (ref_b - ref_b.mean(dim=1, keepdim=True)).norm())
+    err_smooth = float((smooth.double() - ref_b).norm() / (ref_b - ref_b.mean(dim=1, keepdim=True)).norm())
+    assert err_smooth < 0.8 * err_plain, (err_smooth, err_plain)
+
+
+def test_kernel_config_validation():
+    from ditattn.attention.kernels.sage_sm90 import kernel_config
+    from ditattn.errors import AttentionConfigError
+
+    cfg = kernel_config(128, {"pv_dtype": "fp8"})
+    assert cfg["static_max"] is False and cfg["pv_accum"] == "two_level" and cfg["pv_overlap"] is False
+    assert kernel_config(128, None)["static_max"] is True and kernel_config(128, None)["pv_dtype"] == "fp16"
+    for bad, msg in (({"pv_dtype": "fp4"}, "pv_dtype 'fp4' not supported"),
+                     ({"pv_dtype": "fp8", "static_max": True}, "static_max needs pv_dtype fp16"),
+                     ({"pv_accum": "direct"}, "apply to pv_dtype fp8 only"),
+                     ({"v_smooth": True}, "apply to pv_dtype fp8 only"),
+                     ({"pv_dtype": "fp8", "pv_accum": "fp22"}, "pv_accum 'fp22' not supported"),
+                     ({"k_granularity": "row"}, "k_granularity 'row' not supported")):
+        with pytest.raises(AttentionConfigError, match=msg):
+            kernel_config(128, bad)
+
+
+def _qkv(b, sq, skv, h, hkv, d, dtype, seed, q_scale=1.0, v_offset=0.0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = (torch.randn(b, sq, h, d, generator=g, device="cuda") * q_scale).to(dtype)
+    k = (torch.randn(b, skv, hkv, d, generator=g, device="cuda") + 0.3).to(dtype)
+    v = (torch.randn(b, skv, hkv, d, generator=g, device="cuda")
+         + v_offset * torch.randn(d, generator=g, device="cuda")).to(dtype)
+    return q, k, v
 
 
 @pytest.mark.skipif(not IS_SM90, reason="needs an SM90 (Hopper) GPU")
@@ -118,6 +275,53 @@ def test_sm90_kernel_numerics(shape, dtype, kgran, q_scale):
     assert _rel(out, qref) < (6e-3 if dtype == torch.bfloat16 else 1.5e-3)
     assert _rel(out, ref) < 2.5e-2
     assert float((lse.double() - ref_lse).abs().max()) < 0.1
+
+
+@pytest.mark.skipif(not IS_SM90, reason="needs an SM90 (Hopper) GPU")
+@pytest.mark.parametrize("shape,dtype,cfg,v_offset", [
+    ((2, 1000, 777, 6, 3, 128), torch.bfloat16, {}, 0.0),                           # two-level, GQA, odd lengths
+    ((1, 555, 1333, 4, 4, 64), torch.float16, {"pv_accum": "direct"}, 0.0),         # head dim 64, direct
+    ((1, 300, 129, 2, 1, 128), torch.bfloat16, {"k_granularity": "block", "pv_overlap": True}, 0.0),
+    ((1, 640, 700, 2, 2, 128), torch.bfloat16, {"v_smooth": True}, 3.0),            # V with channel offsets
+    ((1, 1, 64, 2, 2, 128), torch.bfloat16, {}, 0.0),                               # one query, one partial tile
+])
+def test_sm90_fp8_pv_numerics(shape, dtype, cfg, v_offset):
+    """FP8 P.V: the kernel against the reference's FP8 mode (same key blocks, e4m3 P and V, row sums
+    of the rounded P) and against float32 (e4m3's ~3.7 %)."""
+    from ditattn.attention.kernels.sage_sm90 import sage_attention_sm90
+
+    b, sq, skv, h, hkv, d = shape
+    cfg = {"pv_dtype": "fp8", **cfg}
+    q, k, v = _qkv(b, sq, skv, h, hkv, d, dtype, seed=sq + skv, v_offset=v_offset)
+    out, lse = sage_attention_sm90(q, k, v, return_lse=True, config=cfg)
+    assert out.shape == q.shape and out.dtype == dtype and lse.shape == (b, h, sq)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    ref, ref_lse = _exact(q, k, v)
+    qref, qlse = int8_attention_reference(q, k, v, return_lse=True, pv="fp8", p_rowsum="fp8", block_n=128,
+                                          k_granularity=cfg.get("k_granularity", "token"),
+                                          v_smooth=cfg.get("v_smooth", False))
+    # the same quantization (the output's bf16/fp16 rounding, exp2.approx flipping a rare e4m3 rounding
+    # and, with direct accumulation, the tensor cores' shorter accumulator apart)
+    bound = 8e-3 if dtype == torch.bfloat16 else 3e-3
+    assert _rel(out, qref) < (bound if cfg.get("pv_accum", "two_level") == "two_level" else 1.5e-2)
+    assert _rel(out, ref) < 0.05
+    assert float((lse.double() - qlse.double()).abs().max()) < 1e-2
+    assert float((lse.double() - ref_lse).abs().max()) < 0.1
+
+
+@pytest.mark.skipif(not IS_SM90, reason="needs an SM90 (Hopper) GPU")
+def test_sage_backend_runs_the_sm90_fp8_kernel():
+    from ditattn.attention.backends.base import AttnCall, get_impl
+    from ditattn.attention.backends.sage import sage_impl_for
+    from ditattn.attention.kernels.sage_sm90 import sage_attention_sm90
+    from ditattn.attention.names import AttentionBackendEnum as B
+
+    q, k, v = _qkv(1, 300, 500, 4, 2, 128, torch.bfloat16, seed=7)
+    cfg = {"impl": "sm90", "pv_dtype": "fp8", "pv_accum": "direct"}
+    assert sage_impl_for(q, AttnCall(), cfg) == "sm90"
+    out, _ = get_impl(B.SAGE_ATTN)(q, k, v, AttnCall(), cfg)
+    want, _ = sage_attention_sm90(q, k, v, config={"pv_dtype": "fp8", "pv_accum": "direct"})
+    assert torch.equal(out, want)
 
 
 @pytest.mark.skipif(not IS_SM90, reason="needs an SM90 (Hopper) GPU")

@@ -158,6 +158,7 @@ P = Param
 SAGE_IMPLS = ("auto", "sm90", "triton", "package", "reference")
 SAGE_K_GRANULARITIES = ("auto", "token", "block")
 SAGE_PV_DTYPES = ("fp16", "fp8")
+SAGE_PV_ACCUMS = ("two_level", "direct")
 SAGE_QK_DTYPES = ("int8", "fp8")
 SAGE_QK_IMPLEMENTED = ("int8",)  # Q.K precisions some sage_attn kernel implements
 BLOCK_SPARSE_IMPLS = ("auto", "reference", "flex", "triton")
@@ -184,8 +185,9 @@ EDGE_TILES = P(
 
 SCHEMAS: dict[str, tuple[Param, ...]] = {
     "sage_attn": (
-        P("impl", "str", "auto", "Implementation: auto (CUDA: the rule the plan reports — SM90: the warp-specialised Gluon kernel (sm90) for head dim 64/128 with fp16 P.V, else the in-tree Triton INT8 kernel; other GPUs: the sageattention package when it is installed and neither the LSE nor pv_dtype fp8 is needed, else the Triton kernel; MUSA: the package; CPU: reference), triton (in-tree INT8 kernel; CUDA, or CPU under TRITON_INTERPRET=1), package (sageattention; CUDA/MUSA, no LSE, fp16 P.V; on Hopper only a build with the SM90 fix), reference (PyTorch, any device), sm90 (Gluon kernel: SM90 only, head dim 64/128, fp16/bf16 P.V, non-causal)", choices=SAGE_IMPLS),
-        P("pv_dtype", "str", "fp16", "P.V precision: fp16 (about 1.3 % relative error on random inputs) or fp8 (faster tensor-core rate, about 4 %); impl package chooses its own and accepts fp16 only", choices=SAGE_PV_DTYPES),
+        P("impl", "str", "auto", "Implementation: auto (CUDA: the rule the plan reports — SM90: the warp-specialised Gluon kernel (sm90) for head dim 64/128 with fp16 P.V, else the in-tree Triton INT8 kernel; other GPUs: the sageattention package when it is installed and neither the LSE nor pv_dtype fp8 is needed, else the Triton kernel; MUSA: the package; CPU: reference), triton (in-tree INT8 kernel; CUDA, or CPU under TRITON_INTERPRET=1), package (sageattention; CUDA/MUSA, no LSE, fp16 P.V; on Hopper only a build with the SM90 fix), reference (PyTorch, any device), sm90 (Gluon kernel: SM90 only, head dim 64/128, fp16 or fp8 P.V, non-causal)", choices=SAGE_IMPLS),
+        P("pv_dtype", "str", "fp16", "P.V precision: fp16 (about 1.3 % relative error on random inputs) or fp8 (P and V in e4m3: twice the tensor-core rate, about 3.7 % on random and structured inputs); impl package chooses its own and accepts fp16 only; impl auto runs fp8 on the Triton kernel (sm90 serves it with impl sm90)", choices=SAGE_PV_DTYPES),
+        P("pv_accum", "str", "two_level", "FP8 P.V accumulation (pv_dtype fp8 only): two_level (each key block's P.V in a fresh accumulator, added in FP32) or direct (one accumulator across all keys: fewer instructions, but the FP8 tensor cores add with fewer mantissa bits than FP32, so the error grows with the sequence length; impl sm90 or triton)", choices=SAGE_PV_ACCUMS),
         P("qk_dtype", "str", "int8", "Q.K precision: int8 (per-token Q scales, smoothed K); fp8 is reserved for a kernel that implements it", choices=SAGE_QK_DTYPES, check=_qk_implemented, accepted="int8 (fp8: no kernel yet)"),
         P("k_granularity", "str", "auto", "INT8 scale granularity of the smoothed K: token (one scale per key; 1.7 % error on structured inputs) or block (one per 128 keys; 2.3 %, about 10 % faster on the sm90 kernel); auto: token on sm90 and reference, block on the Triton kernel (the only one it has)", choices=SAGE_K_GRANULARITIES),
     ),

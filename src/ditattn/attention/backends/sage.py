@@ -7,7 +7,8 @@ implementations, chosen by its config key ``impl`` (schema: :mod:`ditattn.attent
 * ``sm90``: our warp-specialised Gluon kernel for Hopper
   (:func:`ditattn.attention.kernels.sage_sm90.sage_attention_sm90`: TMA producer warp, two consumer
   warpgroups, asynchronous INT8 Q.K and BF16/FP16 P.V ``wgmma``; per-token Q and K scales by default);
-  SM90 only, head dims 64/128, non-causal, ``pv_dtype`` fp16;
+  SM90 only, head dims 64/128, non-causal, ``pv_dtype`` fp16 or fp8 (SageAttention2's FP8 P.V;
+  ``impl=auto`` keeps fp8 on the Triton kernel until the H200 has measured the sm90 one);
 * ``triton``: our Triton kernel (:func:`ditattn.attention.kernels.int8_attention.int8_attention`:
   per-token Q / per-block K INT8 scales, online softmax, LSE, GQA); CUDA fp16/bf16 (or CPU under
   ``TRITON_INTERPRET=1``), head dims ``SUPPORTED_HEAD_DIMS``;
@@ -28,7 +29,8 @@ implementations, chosen by its config key ``impl`` (schema: :mod:`ditattn.attent
   devices: the reference.
 
 ``pv_dtype`` is the P.V precision (``fp16``, the default: about 1 % relative error on random
-inputs; ``fp8``: faster tensor-core rate, about 4 %); ``qk_dtype`` only ``int8`` so far;
+inputs; ``fp8``: faster tensor-core rate, about 3.7 %), ``pv_accum`` how FP8 P.V accumulates
+(``two_level`` or ``direct``); ``qk_dtype`` only ``int8`` so far;
 ``k_granularity`` the K scale granularity (``token`` or ``block``; ``auto``: token on sm90 and the
 reference, block on the Triton kernel).  A new
 implementation is one more :class:`SageImpl` row in :data:`SAGE_IMPLS` (its name in the schema's
@@ -97,8 +99,9 @@ def _triton_why_not(q: torch.Tensor, call: AttnCall, cfg: dict) -> Optional[str]
 def _triton_run(q, k, v, call: AttnCall, cfg: dict):
     from ditattn.attention.kernels.int8_attention import int8_attention
 
+    fp8_direct = cfg["pv_dtype"] == "fp8" and cfg.get("pv_accum") == "direct"
     return int8_attention(q, k, v, scale=call.scale, causal=call.causal, return_lse=call.return_lse,
-                          pv=cfg["pv_dtype"])
+                          pv=cfg["pv_dtype"], config={"fp8_acc": 0} if fp8_direct else None)
 
 
 def _package_install_problem(q: torch.Tensor) -> Optional[str]:
@@ -137,8 +140,10 @@ def _k_granularity(cfg: dict, auto: str) -> str:
 def _sm90_run(q, k, v, call: AttnCall, cfg: dict):
     from ditattn.attention.kernels.sage_sm90 import sage_attention_sm90
 
-    return sage_attention_sm90(q, k, v, scale=call.scale, return_lse=call.return_lse,
-                               config={"k_granularity": _k_granularity(cfg, "token")})
+    config = {"k_granularity": _k_granularity(cfg, "token"), "pv_dtype": cfg["pv_dtype"]}
+    if cfg["pv_dtype"] == "fp8":
+        config["pv_accum"] = cfg["pv_accum"]
+    return sage_attention_sm90(q, k, v, scale=call.scale, return_lse=call.return_lse, config=config)
 
 
 def _package_why_not(q: torch.Tensor, call: AttnCall, cfg: dict) -> Optional[str]:
@@ -164,6 +169,9 @@ def _package_run(q, k, v, call: AttnCall, cfg: dict):
 def _reference_why_not(q: torch.Tensor, call: AttnCall, cfg: dict) -> Optional[str]:
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return f"the reference takes float32/float16/bfloat16, not {str(q.dtype).replace('torch.', '')}"
+    if cfg.get("pv_dtype") == "fp8" and cfg.get("pv_accum") == "direct":
+        return ("the reference adds each key block's FP8 P.V in float32 (pv_accum two_level); direct "
+                "accumulation is a property of the FP8 tensor cores (impl sm90 or triton)")
     return None
 
 
@@ -187,7 +195,7 @@ class SageImpl:
 
 
 SAGE_IMPLS: dict[str, SageImpl] = {
-    "sm90": SageImpl(_sm90_why_not, _sm90_run, pv_dtypes=("fp16",)),
+    "sm90": SageImpl(_sm90_why_not, _sm90_run),
     "triton": SageImpl(_triton_why_not, _triton_run),
     "package": SageImpl(_package_why_not, _package_run, pv_dtypes=("fp16",)),
     "reference": SageImpl(_reference_why_not, _reference_run),
@@ -217,6 +225,9 @@ def sage_impl_for(q: torch.Tensor, call: AttnCall, cfg: Optional[dict] = None) -
     (:class:`BackendUnavailableError` when ``impl=package`` and the package is missing or, on Hopper,
     lacks the SM90 fix; and when ``auto`` has nothing on CUDA, see :func:`auto_impl`)."""
     cfg = complete_backend_config(B.SAGE_ATTN, cfg)
+    if cfg["pv_dtype"] != "fp8" and cfg["pv_accum"] != "two_level":
+        raise AttentionConfigError(f"sage_attn: pv_accum {cfg['pv_accum']} applies to pv_dtype fp8 only (fp16 P.V "
+                                   "accumulates in FP32); accepted with pv_dtype fp16: two_level (the default)")
     if cfg["impl"] == "auto":
         name = auto_impl(q.device.type, q.shape[-1], call.return_lse, cfg["pv_dtype"], platform_for_device(q.device))
     else:

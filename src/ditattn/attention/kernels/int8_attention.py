@@ -85,11 +85,33 @@ def _quant_int8_rows(
 
 
 @triton.jit
+def _v_channel_stats(
+    V, Sum, Max, Min,
+    stride_vb, stride_vs, stride_vh,
+    S, HKV, NCH,
+    HEAD_DIM: tl.constexpr, BLK: tl.constexpr,
+):
+    # per (chunk of BLK tokens, head, batch): the channel sums, maxima and minima of V
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    offs_s = pid * BLK + tl.arange(0, BLK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = (offs_s < S)[:, None]
+    x = tl.load(V + b * stride_vb + h * stride_vh + offs_s[:, None] * stride_vs + offs_d[None, :],
+                mask=ok, other=0.0).to(tl.float32)
+    out = ((b * HKV + h) * NCH + pid) * HEAD_DIM + offs_d
+    tl.store(Sum + out, tl.sum(x, 0))
+    tl.store(Max + out, tl.max(tl.where(ok, x, float("-inf")), 0))
+    tl.store(Min + out, tl.min(tl.where(ok, x, float("inf")), 0))
+
+
+@triton.jit
 def _quant_v_fp8_t(
-    V, VScale, Out,
+    V, VScale, VMean, Out,
     stride_vb, stride_vs, stride_vh,
     S, S_pad, HKV,
-    HEAD_DIM: tl.constexpr, BLK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLK: tl.constexpr, SUB_MEAN: tl.constexpr, PERMUTE: tl.constexpr,
 ):
     pid_blk = tl.program_id(0)
     h = tl.program_id(1)
@@ -99,10 +121,49 @@ def _quant_v_fp8_t(
     ok = offs_s < S
     x = tl.load(V + b * stride_vb + h * stride_vh + offs_s[:, None] * stride_vs + offs_d[None, :],
                 mask=ok[:, None], other=0.0).to(tl.float32)
+    if SUB_MEAN:
+        x = tl.where(ok[:, None], x - tl.load(VMean + (b * HKV + h) * HEAD_DIM + offs_d)[None, :], 0.0)
     sc = tl.load(VScale + (b * HKV + h) * HEAD_DIM + offs_d)
     xq = x / sc[None, :]
+    pos = offs_s
+    if PERMUTE:  # token c of each 16 at k = (c0, c3, c1, c2) in bits: the FP8 P operand's order
+        pos = (offs_s & ~15) | (offs_s & 1) | ((offs_s >> 2) & 2) | ((offs_s << 1) & 12)
     base = Out + (b * HKV + h) * HEAD_DIM * S_pad
-    tl.store(base + offs_d[None, :] * S_pad + offs_s[:, None], xq.to(tl.float8e4nv, fp_downcast_rounding="rtne"))
+    tl.store(base + offs_d[None, :] * S_pad + pos[:, None], xq.to(tl.float8e4nv, fp_downcast_rounding="rtne"),
+             mask=(offs_s < S_pad)[:, None])
+
+
+def quantize_v_fp8(v: torch.Tensor, *, s_pad: int, smooth: bool = False, permute: bool = False):
+    """V in FP8 e4m3 with one scale per channel, transposed (the FP8 P.V prologue: two Triton passes).
+
+    v ``[B, S, H_kv, D]`` fp16/bf16 (last dim contiguous); ``s_pad`` >= S, a multiple of 16.  Returns
+    ``(vt, vs, vm)``: ``vt [B, H_kv, D, s_pad]`` float8_e4m3fn = ``(V - vm) / vs`` rounded to nearest
+    even (padded tokens 0); ``vs [B, H_kv, D]`` float32 = ``amax_s |V - vm| / 448``; ``vm [B, H_kv,
+    D]`` the channel means over the S tokens with ``smooth`` (the rows of P sum to 1, so the kernel
+    adds ``vm`` back to its output), else zeros.  ``permute``: within every 16 tokens, token c is
+    stored at position (c0, c3, c1, c2) in bits — the order in which the SM90 kernel's FP8 P operand
+    holds its columns (``sage_sm90._p_operand``)."""
+    check_device(v, what="FP8 V prologue")
+    B, S, Hkv, D = v.shape
+    blk = 64
+    nch = triton.cdiv(S, blk)
+    sums, maxs, mins = (torch.empty((B, Hkv, nch, D), dtype=torch.float32, device=v.device) for _ in range(3))
+    _v_channel_stats[(nch, Hkv, B)](v, sums, maxs, mins, v.stride(0), v.stride(1), v.stride(2), S, Hkv, nch,
+                                    HEAD_DIM=D, BLK=blk, num_warps=4)
+    vmax, vmin = maxs.amax(dim=2), mins.amin(dim=2)
+    if smooth:
+        vm = sums.sum(dim=2) / S
+        amax = torch.maximum(vmax - vm, vm - vmin)
+    else:
+        vm = torch.zeros_like(vmax)
+        amax = torch.maximum(vmax, -vmin)
+    vs = (amax / FP8_MAX).clamp_min(1e-30).contiguous()
+    vt = torch.empty((B, Hkv, D, s_pad), dtype=torch.float8_e4m3fn, device=v.device)
+    _quant_v_fp8_t[(triton.cdiv(s_pad, blk), Hkv, B)](
+        v, vs, vm, vt, v.stride(0), v.stride(1), v.stride(2), S, s_pad, Hkv,
+        HEAD_DIM=D, BLK=blk, SUB_MEAN=bool(smooth), PERMUTE=bool(permute), num_warps=4,
+    )
+    return vt, vs, vm.contiguous()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -346,11 +407,7 @@ def int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: 
     q8, qs, qkm, k8, ks, sq_pad, skv_pad = quantize_qk(q, k, scale=scale, block_m=bm, block_n=bn,
                                                         need_qkm=bool(return_lse), per_token=per_token)
     if pv == "fp8":
-        vs = (v.abs().amax(dim=1).float() / FP8_MAX).clamp_min(1e-30).contiguous()  # [B, Hkv, D]
-        vk = torch.empty((B, Hkv, D, skv_pad), dtype=torch.float8_e4m3fn, device=dev)
-        _quant_v_fp8_t[(skv_pad // 64, Hkv, B)](
-            v, vs, vk, v.stride(0), v.stride(1), v.stride(2), Skv, skv_pad, Hkv, HEAD_DIM=D, BLK=64, num_warps=4,
-        )
+        vk, vs, _ = quantize_v_fp8(v, s_pad=skv_pad)
         sv = (0, 0, 0)
     else:
         vs, vk = ks, v
@@ -381,4 +438,4 @@ def int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: 
     return out, (lse if return_lse else None)
 
 
-__all__ = ["int8_attention", "quantize_qk", "int8_attention_reference", "default_config", "SUPPORTED_HEAD_DIMS", "PV_MODES"]
+__all__ = ["int8_attention", "quantize_qk", "quantize_v_fp8", "int8_attention_reference", "default_config", "SUPPORTED_HEAD_DIMS", "PV_MODES"]

@@ -12,7 +12,10 @@ from ditattn.errors import AttentionConfigError
 
 PV_MODES = ("fp16", "fp8")
 Q_GRANULARITIES = ("token", "block")
+P_ROWSUMS = ("fp32", "fp8")
 FP8_MAX = 448.0
+P_SHIFT_FP8 = 8.0  # FP8 P.V: P = exp2(t - m + 8), in (0, 256]
+LOG2E = 1.4426950408889634
 
 
 def _quant_sym(x: torch.Tensor, dim) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,15 +29,21 @@ def _quant_sym(x: torch.Tensor, dim) -> tuple[torch.Tensor, torch.Tensor]:
 def int8_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float] = None,
                              causal: bool = False, return_lse: bool = False, pv: str = "fp16",
                              q_granularity: str = "token", block_m: int = 128, block_n: int = 128,
-                             k_granularity: str = "block"):
+                             k_granularity: str = "block", v_smooth: bool = False, p_rowsum: str = "fp32"):
     """The same quantization as :func:`int8_attention`, in PyTorch (any device; the CPU path).
 
     q ``[B, S_q, H, D]``, k/v ``[B, S_kv, H_kv, D]`` in float32, float16 or bfloat16 (any head dim).
     ``k_granularity`` "block" (one K scale per ``block_n`` keys) or "token" (one per key).
-    Quantized products are exact (INT8 values held in float32), softmax in float32 with the row's
-    global maximum; P.V with P and V rounded to V's dtype (float16 for float32 input) or to FP8
-    e4m3 (P scaled by 2^8, V per channel).  Returns ``(out in q.dtype, lse [B, H, S_q] float32 or
-    None)``; the LSE is that of the unquantized-scale scores ``scale * q . k`` (smoothing undone).
+    Quantized products are exact (INT8 values held in float32), softmax in float32.  ``pv`` "fp16":
+    P (from the row's global maximum) and V rounded to V's dtype (float16 for float32 input).
+    ``pv`` "fp8", as the GPU kernels compute it: the keys in blocks of ``block_n`` with a running
+    maximum m (base 2), P = exp2(t - m + 8) rounded to e4m3 per block, each block's P.V exact in
+    float32 and added with the running-max rescale (two-level accumulation); V per channel in e4m3
+    (scale amax / 448), with ``v_smooth`` after subtracting its channel mean over the keys (added
+    back to the output); the row sums of P before rounding (``p_rowsum`` "fp32", the Triton kernel)
+    or after (``"fp8"``, the SM90 kernel, which sums P on the tensor cores).  Returns ``(out in
+    q.dtype, lse [B, H, S_q] float32 or None)``; the LSE is that of the unquantized-scale scores
+    ``scale * q . k`` (smoothing undone).
     """
     what = "int8 attention reference"
     B, Sq, Skv, H, Hkv, D = check_qkv(q, k, v, what=what, dtypes=(torch.float32, torch.float16, torch.bfloat16))
@@ -42,6 +51,8 @@ def int8_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         raise AttentionConfigError(f"{what}: pv {pv!r} not supported (accepts {list(PV_MODES)})")
     if q_granularity not in Q_GRANULARITIES:
         raise AttentionConfigError(f"{what}: q_granularity {q_granularity!r} not supported (accepts {list(Q_GRANULARITIES)})")
+    if p_rowsum not in P_ROWSUMS:
+        raise AttentionConfigError(f"{what}: p_rowsum {p_rowsum!r} not supported (accepts {list(P_ROWSUMS)})")
     scale = D ** -0.5 if scale is None else float(scale)
     k, v = expand_kv(k, v, H)
     f32 = torch.float32
@@ -73,8 +84,10 @@ def int8_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     pv_dtype = v.dtype if v.dtype in (torch.float16, torch.bfloat16) else torch.float16
     vf = v.transpose(1, 2)
     if pv == "fp8":
-        vsc = (vf.to(f32).abs().amax(dim=2, keepdim=True) / FP8_MAX).clamp_min(1e-30)
-        vq = (vf.to(f32) / vsc).to(torch.float8_e4m3fn).to(f32)
+        vf32 = vf.to(f32)
+        vmean = vf32.mean(dim=2, keepdim=True) if v_smooth else torch.zeros_like(vf32[:, :, :1])
+        vsc = ((vf32 - vmean).abs().amax(dim=2, keepdim=True) / FP8_MAX).clamp_min(1e-30)
+        vq = ((vf32 - vmean) / vsc).to(torch.float8_e4m3fn).to(f32)
     else:
         vq = vf.to(pv_dtype).to(f32)
     out = torch.empty(B, H, Sq, D, dtype=f32, device=q.device)
@@ -86,15 +99,18 @@ def int8_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         if causal:
             keep = torch.arange(i0, i1, device=q.device)[:, None] >= torch.arange(Skv, device=q.device)[None, :]
             s = s.masked_fill(~keep, float("-inf"))
+        if pv == "fp8":
+            o, l_, m2 = _fp8_pv_blocks(s * LOG2E, vq, block_n, p_rowsum)
+            ldiv = torch.where(l_ > 0, l_, torch.ones_like(l_))
+            out[:, :, i0:i1] = o / ldiv * vsc + vmean
+            lse2 = m2 + torch.log2(ldiv) - P_SHIFT_FP8
+            lse[:, :, i0:i1] = torch.where(l_ > 0, lse2 / LOG2E, torch.full_like(l_, float("-inf"))).squeeze(-1)
+            continue
         m = s.amax(dim=-1, keepdim=True)
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         p = torch.exp(s - m)
         l_ = p.sum(dim=-1, keepdim=True)
-        if pv == "fp8":
-            pq = (p * 256.0).to(torch.float8_e4m3fn).to(f32) / 256.0
-            o = (pq @ vq) * vsc
-        else:
-            o = p.to(pv_dtype).to(f32) @ vq
+        o = p.to(pv_dtype).to(f32) @ vq
         ldiv = torch.where(l_ > 0, l_, torch.ones_like(l_))
         out[:, :, i0:i1] = o / ldiv
         lse[:, :, i0:i1] = torch.where(l_ > 0, m + torch.log(ldiv), torch.full_like(l_, float("-inf"))).squeeze(-1)
@@ -102,4 +118,22 @@ def int8_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return out.transpose(1, 2).to(q.dtype), (lse if return_lse else None)
 
 
-__all__ = ["int8_attention_reference", "PV_MODES", "Q_GRANULARITIES", "FP8_MAX"]
+def _fp8_pv_blocks(t: torch.Tensor, vq: torch.Tensor, block_n: int, p_rowsum: str):
+    """FP8 P.V of base-2 logits ``t [B, H, n, S_kv]`` (-inf = masked) with ``vq [B, H, S_kv, D]`` (e4m3
+    values in float32), key block by key block as the kernels do: running maximum m_j after block j,
+    P_j = e4m3(exp2(t - m_j + 8)), ``o = sum_j exp2(m_j - m_last) P_j V_j`` (the online rescale, exact
+    in float32).  Returns ``(o [B, H, n, D], l [B, H, n, 1], m_last [B, H, n, 1])``."""
+    B, H, n, S = t.shape
+    nb = -(-S // block_n)
+    tb = torch.nn.functional.pad(t, (0, nb * block_n - S), value=float("-inf")).reshape(B, H, n, nb, block_n)
+    m = torch.cummax(tb.amax(dim=-1), dim=-1).values  # [B, H, n, nb]
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp2(tb - (m - P_SHIFT_FP8)[..., None])
+    pq = p.to(torch.float8_e4m3fn).to(torch.float32)
+    w = torch.exp2(m - m[..., -1:])[..., None]
+    o = (pq * w).reshape(B, H, n, nb * block_n)[..., :S] @ vq
+    l_ = ((pq if p_rowsum == "fp8" else p) * w).sum(dim=(-1, -2))[..., None]
+    return o, l_, m[..., -1:]
+
+
+__all__ = ["int8_attention_reference", "PV_MODES", "Q_GRANULARITIES", "P_ROWSUMS", "FP8_MAX"]
