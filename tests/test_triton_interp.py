@@ -271,7 +271,7 @@ def test_int8_attention_kernel(pv, gran, causal):
     ro, rl = reference_attention(q, k, v, causal=causal)
     bound = 0.025 if pv == "fp16" else 0.06
     assert rel(o, ro) < bound
-    assert rel(o, qo) < (2e-3 if pv == "fp16" else 0.03)  # same quantization as the PyTorch reference
+    assert rel(o, qo) < 2e-3  # same quantization as the PyTorch reference (fp8: the same key blocks)
     assert (lse - rl).abs().max() < 0.05
     assert (lse - ql).abs().max() < 2e-3
 

@@ -8,6 +8,9 @@
   ``deps`` of the wait that retires it: otherwise the register allocator may reuse P's registers
   while the product still reads them, and ptxas then serialises every ``wgmma`` of the kernel
   (warning C7513; measured: ~30 % slower).
+* :func:`fp8_pack` / :func:`fp8_operand`: P in e4m3 as the A operand of an FP8 ``wgmma`` — packed into
+  int32 registers (what a loop carries and what the deps keep alive) with its columns relabelled so
+  that no data moves; :func:`rescale`: the online softmax's per-row rescale.
 """
 from __future__ import annotations
 
