@@ -3,11 +3,13 @@
 Triton compiles for a named target without a driver once ``get_current_target`` answers; this tool
 installs a stand-in CUDA driver that names ``sm_90`` and asks for no device, builds the kernel for
 each configuration and prints, per configuration: the highest register index, local-memory
-spills, shared memory, and an instruction census of the main key loop (one iteration of one
-consumer warp) — the numbers that decide whether the loop is issue-, MUFU- or tensor-core-bound.
+spills, shared memory, an instruction census of the main key loop (one iteration of one consumer
+warp) — the numbers that decide whether the loop is issue-, MUFU- or tensor-core-bound — and any
+warning or performance advisory of ``ptxas -arch=sm_90a -v`` on the PTX (C7513: serialised wgmma).
 
     python bench/sm90_offline.py                      # default config, D=128, bf16
     python bench/sm90_offline.py --variants "default=;kblock=k_granularity:block" --sass-dir /tmp/sass
+    python bench/sm90_offline.py --variants "fp16=;fp8=pv_dtype:fp8;fp8_direct=pv_dtype:fp8/pv_accum:direct"
 
 Run it with ``TRITON_INTERPRET`` unset.  The SASS is disassembled with the ``cuobjdump`` that ships
 in Triton's wheel.
