@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The H200 runs still open after session 17 (no device time was left in it), one device call per part,
+# in priority order (the lossy path first).  Stage first (device call 1: carry [".gpu-a"],
+# `bash .gpu-a/stage.sh`), then each part with carry [".gpu-b"] (".gpu-b", ".shapes-vae" for shapes-dit):
+#
+#   bash bench/h200_session18.sh kernels    # issues 17 + 18: first GPU run of the FP8 P.V option and of the SM90
+#                                           # block-sparse kernel; TFLOP/s + error next to FA4 / cuDNN (~9 min)
+#   bash bench/h200_session18.sh shapes     # issue 20: train ditattn:shapes, VAE then DiT, one call (~9.5 min)
+#   bash bench/h200_session18.sh shapes-vae # ... or the VAE alone (8.5 min); copy $OUT/shapes to .shapes-vae/,
+#   bash bench/h200_session18.sh shapes-dit # ... then the DiT from it (9.5 min, carry .shapes-vae too)
+#   bash bench/h200_session18.sh sparse     # issues 18 item 3 + 19: VSA selection share (packed vs padded edge
+#                                           # tiles), fidelity frontier at 480p with 12 / 40 heads (~9.5 min)
+#   bash bench/h200_session18.sh eco        # issues 21 + 24: diffusers WanPipeline with ditattn inside, the I2V DiT
+#                                           # step, 14B 720p with offload + VAE tiling (~9.5 min)
+#   bash bench/h200_session18.sh quant      # issue 25: 8-bit DiT linears (bench/dit_quant.py)
+#
+# Every step has its own time limit inside the 600 s call limit; everything lands in $OUT, tables last.
+set -uo pipefail
+export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+[ -f .gpu-b/activate.sh ] && source .gpu-b/activate.sh
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+step() { local secs=$1; shift; echo "== $* (limit ${secs}s)"; timeout "$secs" "$@" 2>&1 | tee -a "$OUT/log" | tail -45; }
+case "${1:-}" in
+kernels)
+  step 150 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_sage_sm90.py tests/test_block_sparse_sm90.py \
+      tests/test_gpu_kernels.py -k "not compiles and (sage or int8 or numerics or block_sparse)"
+  step 240 python3 bench/sage_sm90.py --out "$OUT/sage" --budget-s 170 \
+      --variants "fp16=;kblk=k_granularity:block;fp8=pv_dtype:fp8;fp8_kblk=pv_dtype:fp8/k_granularity:block/pv_overlap:true"
+  step 150 python3 bench/block_sparse_sm90.py --out "$OUT/bs" --seqs 32760,75600 --sparsities 0.9 --budget-s 110 ;;
+shapes)
+  step 590 python3 -m ditattn.train.shapes --stage all --preset full --device cuda --vae-budget-s 180 \
+      --dit-budget-s 330 --out "$OUT/shapes" ;;
+shapes-vae)
+  step 540 python3 -m ditattn.train.shapes --stage vae --preset full --device cuda --vae-budget-s 470 --out "$OUT/shapes" ;;
+shapes-dit)
+  step 590 python3 -m ditattn.train.shapes --stage dit --preset full --device cuda --init .shapes-vae \
+      --dit-budget-s 520 --out "$OUT/shapes" ;;
+sparse)
+  step 200 python3 bench/vsa_stages.py --out "$OUT/vsa_stages"
+  step 370 python3 bench/fidelity.py --grids wan480 --heads 12,40 --budget-s 300 --out "$OUT/fid" ;;
+eco)
+  step 200 python3 bench/diffusers_apply.py --arch 1.3b --res 480p --frames 81 --steps 3 --out "$OUT/diffusers_apply"
+  step 150 python3 bench/e2e.py --arch 14b --res 480p --i2v --repeats 3 --diffusers-backends native --backends auto \
+      --out "$OUT/e2e_i2v.json"
+  step 220 python3 bench/wan_memory.py --arch 14b --res 720p --frames 81 --steps 2 --variants none,group+tiling \
+      --out "$OUT/wan_memory.json" ;;
+quant)
+  [ -f .gpu-c/activate.sh ] && source .gpu-c/activate.sh
+  step 560 python3 bench/dit_quant.py --out "$OUT/dit_quant" ;;
+*) echo "usage: bash bench/h200_session18.sh kernels|shapes|shapes-vae|shapes-dit|sparse|eco|quant" >&2; exit 2 ;;
+esac
