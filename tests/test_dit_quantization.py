@@ -567,3 +567,59 @@ def test_sequence_parallel_int8_matches_one_process(tmp_path, capfd):
     assert out.count("DiT linears: int8 (16 of 26 linears)") == 2, out
     a, b = (iio.imread(tmp_path / f).astype(int) for f in ("one.png", "two.png"))
     assert a.std() > 1 and np.abs(a - b).max() <= 1
+
+
+# ------------------------------------------------------------------------------------------------
+# with LoRA and offload (issue 24's options)
+
+
+def _write_lora(path, seed=0, rank=4):
+    """A diffusers-format LoRA on two of the tiny DiT's quantized linears."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for module in ("blocks.0.attn1.to_q", "blocks.1.ffn.net.2"):
+        out[f"transformer.{module}.lora_A.weight"] = torch.randn(rank, 512, generator=g) * 0.2
+        out[f"transformer.{module}.lora_B.weight"] = torch.randn(512, rank, generator=g) * 0.2
+    save_file(out, str(path))
+    return str(path)
+
+
+@needs_torchao
+@pytest.mark.parametrize("fuse", [True, False])
+def test_lora_with_int8_linears(tmp_path, fuse):
+    """A fused LoRA goes into the weights before they are quantized; an unfused one runs beside the
+    8-bit base GEMM (its per-request scale still switches it: scale 0 is the plain INT8 model)."""
+    from ditattn.models.lora import LoRALinear
+    from ditattn.pipelines.wan import WanPipelineNative
+
+    path = _write_lora(tmp_path / "style.safetensors")
+    kw = dict(device="cpu", dtype="float32", lora=[path], lora_fuse=fuse)
+    lat = lambda p, **g: p.generate("a fox", output_type="latent", progress=False, **SMALL, **g).frames  # noqa: E731
+    plain_q = WanPipelineNative.from_pretrained("ditattn:tiny-wan", device="cpu", dtype="float32",
+                                                dit_quantization="int8")
+    ref = lat(WanPipelineNative.from_pretrained("ditattn:tiny-wan", **kw))
+    pipe = WanPipelineNative.from_pretrained("ditattn:tiny-wan", dit_quantization="int8", **kw)
+    layer = pipe.components["transformer"].blocks[0].attn1.to_q
+    assert isinstance(layer, LoRALinear) != fuse and not Q.plain_weight(layer)
+    out = lat(pipe)
+    assert 0 < ((out - ref).norm() / ref.norm()).item() < 2e-2
+    assert ((out - lat(plain_q)).norm() / ref.norm()).item() > 3e-2  # the LoRA is applied
+    if not fuse:
+        assert torch.equal(lat(pipe, lora={"style": 0.0}), lat(plain_q))
+
+
+@needs_torchao
+def test_offload_with_quantization(capsys):
+    """``--offload text_encoder`` keeps the DiT on its device: it composes; ``model`` / ``group``
+    move plain CPU master tensors by their data, which quantized weights do not support: refused."""
+    from ditattn.pipelines.wan import WanPipelineNative
+
+    pipe = WanPipelineNative.from_pretrained("ditattn:tiny-wan", device="cpu", dtype="float32",
+                                             dit_quantization="int8", offload="text_encoder")
+    assert pipe.quantization_summary() == "int8 (16 of 26 linears)"
+    assert torch.isfinite(pipe.generate("a fox", output_type="latent", progress=False, **SMALL).frames).all()
+    for mode in ("model", "group"):
+        err = _refused(capsys, ["generate", "--prompt", "x", "--dit-quantization", "int8", "--offload", mode])
+        assert f"--dit-quantization int8 with --offload {mode}" in err and "--offload text_encoder" in err
