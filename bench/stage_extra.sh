@@ -2,7 +2,7 @@
 # Stage torchao for the H200 machine (it has no torchao and no registry) as a third carry folder,
 # .gpu-c (about 0.7 MB), next to ../shared/gpu/prepare.sh's .gpu-a / .gpu-b.
 #
-# Only torchao's Python code travels: its C++ extensions (_C*.so, ~29 MB) are built for torch 2.9.x and
+# Only torchao's Python code travels: its C++ extensions (_C*.so) are built for torch 2.10 and
 # torchao itself skips loading them under another torch (the machine has 2.11; see torchao issue 2919).
 # ditattn does not need them: --dit-quantization fp8 runs torch._scaled_mm and int8 runs torch._int_mm
 # (PyTorch ops) with torchao's Python quantization code (Float8Tensor / LinearActivationQuantizedTensor).
@@ -14,7 +14,7 @@
 # (.gpu-b is ~54 MiB, .gpu-c 0.7 MB, the tracked files ~2-3 MB: under the 64 MiB a call may carry).
 set -euo pipefail
 root=$(git rev-parse --show-toplevel); cd "$root"
-version=${TORCHAO_VERSION:-0.15.0}
+version=${TORCHAO_VERSION:-0.16.0}
 cache=${DITATTN_GPU_CACHE:-$HOME/.cache/ditattn-gpu}
 mkdir -p "$cache/whl"
 exclude=$(git rev-parse --git-path info/exclude)

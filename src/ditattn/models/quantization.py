@@ -226,7 +226,7 @@ def torchao_config(mode: str):
             return q.Int8DynamicActivationInt8WeightConfig(set_inductor_config=False)
     except (AttributeError, TypeError) as exc:  # a torchao older than the floor
         raise AttentionConfigError(f"--dit-quantization {mode}: this torchao lacks what it needs ({exc}); "
-                                   "install torchao>=0.15 (pip install 'ditattn[quant]')") from None
+                                   "install torchao>=0.16 (pip install 'ditattn[quant]')") from None
     raise AttentionConfigError(f"no torchao config for DiT quantization {mode!r}; accepted: fp8, int8")
 
 

@@ -118,7 +118,8 @@ def build_components(mi: ModelIndex, dev: torch.device, dt: torch.dtype, *, vari
             if klass != expected:
                 raise AttentionConfigError(f"{sub}: {what} class '{klass}' is not supported; the native Wan pipeline "
                                            f"runs {expected}")
-            dit = dict(weights_file=(dit_weights or {}).get(comp)) if comp in DIT else {}
+            weights_file = (dit_weights or {}).get(comp) if comp in DIT else None
+            dit = {"weights_file": weights_file} if weights_file else {}
             with component_scope(comp, selectable=True) as scope:
                 components[comp] = load(sub, dtype=dt, device=dev, variant=variant, load_weights=load_weights, **dit)
             scopes[comp] = scope
