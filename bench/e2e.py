@@ -52,6 +52,43 @@ def median_ms(fn, warmup=2, repeats=5):
     return ts[len(ts) // 2]
 
 
+def wan_inputs(args, cfg: dict, dev, dt):
+    """One DiT step's inputs for ``--res`` / ``--frames`` / ``--text-len`` (seeded): latents ``[1,
+    in_channels, F', H/8, W/8]``, timestep ``[1]`` (500), text ``[1, text_len, text_dim]``, CLIP
+    image tokens ``[1, 257, 1280]`` when ``cfg`` has an ``image_dim`` (else None) and the latent grid."""
+    h, w = RES[args.res]
+    lat_f = (args.frames - 1) // 4 + 1
+    g = torch.Generator(device=dev).manual_seed(1)
+    x = torch.randn(1, cfg["in_channels"], lat_f, h // 8, w // 8, device=dev, generator=g, dtype=dt)
+    t = torch.tensor([500.0], device=dev)
+    txt = torch.randn(1, args.text_len, cfg["text_dim"], device=dev, generator=g, dtype=dt)
+    img = torch.randn(1, 257, 1280, device=dev, generator=g, dtype=dt) if cfg.get("image_dim") else None
+    return x, t, txt, img, (lat_f, h // 16, w // 16)
+
+
+def native_model(cfg: dict, sd: dict, spec: str, dt, dev, *, cast: bool = True):
+    """The native Wan DiT of diffusers config ``cfg`` with the weights ``sd`` (assigned, not copied),
+    its attention from ``spec`` (``auto`` or ``name[:k=v;k=v]``), on ``dev`` in compute dtype ``dt``;
+    returns ``(model, the backends its layers chose)``."""
+    from ditattn.attention.config import parse_attention_backend_config
+    from ditattn.attention.context import AttentionSettings, attention_settings, component_scope
+    from ditattn.attention.names import AttentionBackendEnum as B
+    from ditattn.models.wan.transformer import KEEP_FP32, WanTransformer, WanTransformerConfig, cast_model
+
+    name, _, cfg_txt = spec.partition(":")
+    backend = None if name == "auto" else B.from_name(name)
+    settings = AttentionSettings(backend=backend, config=parse_attention_backend_config(cfg_txt.replace(";", ",")))
+    with attention_settings(settings), component_scope("transformer"):
+        with torch.device("meta"):  # no random init: the weights come from sd
+            model = WanTransformer(WanTransformerConfig.from_dict(cfg), dtype=dt)
+    model.load_state_dict(sd, strict=True, assign=True)
+    if cast:
+        cast_model(model, dt, KEEP_FP32)
+    model.to(dev).eval().requires_grad_(False)
+    chosen = sorted({m.backend.value for m in model.modules() if hasattr(m, "backend") and hasattr(m, "role")})
+    return model, chosen
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_wan_args(ap)
@@ -72,10 +109,8 @@ def main():
 
     from diffusers import WanTransformer3DModel
 
-    from ditattn.attention.config import parse_attention_backend_config
-    from ditattn.attention.context import AttentionSettings, attention_settings, component_scope, forward_context
-    from ditattn.attention.names import AttentionBackendEnum as B
-    from ditattn.models.wan.transformer import KEEP_FP32, WanTransformer, WanTransformerConfig, cast_model
+    from ditattn.attention.context import forward_context
+    from ditattn.models.wan.transformer import KEEP_FP32, cast_model
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dt = torch.bfloat16
@@ -89,17 +124,10 @@ def main():
     ref = WanTransformer3DModel(**cfg)
     sd = ref.state_dict()
     cast_model(ref, dt, KEEP_FP32).to(dev).eval()
-    h, w = RES[args.res]
-    lat_f = (args.frames - 1) // 4 + 1
-    g = torch.Generator(device=dev).manual_seed(1)
     if args.arch == "tiny":
         args.frames, args.text_len = 5, (512 if args.i2v else 16)  # diffusers' I2V attention needs 512
-    x = torch.randn(1, cfg["in_channels"], lat_f, h // 8, w // 8, device=dev, generator=g, dtype=dt)
-    t = torch.tensor([500.0], device=dev)
-    txt = torch.randn(1, args.text_len, cfg["text_dim"], device=dev, generator=g, dtype=dt)
-    img = torch.randn(1, 257, 1280, device=dev, generator=g, dtype=dt) if args.i2v else None
+    x, t, txt, img, grid = wan_inputs(args, cfg, dev, dt)
     ref_kw = {"encoder_hidden_states_image": img} if args.i2v else {}
-    grid = (lat_f, h // 16, w // 16)
     seq = grid[0] * grid[1] * grid[2]
     print(f"arch {args.arch}{' i2v' if args.i2v else ''} res {args.res} frames {args.frames} grid {grid} S={seq} "
           f"built in {time.time() - t0:.1f}s", flush=True)
@@ -138,16 +166,8 @@ def main():
             torch.cuda.empty_cache()
 
         for spec in [s for s in args.backends.split(",") if s]:
-            name, _, cfg_txt = spec.partition(":")
-            backend = None if name == "auto" else B.from_name(name)
-            settings = AttentionSettings(backend=backend, config=parse_attention_backend_config(cfg_txt.replace(";", ",")))
             try:
-                with attention_settings(settings), component_scope("transformer"):
-                    with torch.device("meta"):  # no random init: the weights come from sd
-                        model = WanTransformer(WanTransformerConfig.from_dict(cfg), dtype=dt)
-                model.load_state_dict(sd, strict=True, assign=True)
-                cast_model(model, dt, KEEP_FP32).to(dev).eval()
-                chosen = sorted({m.backend.value for m in model.modules() if hasattr(m, "backend") and hasattr(m, "role")})
+                model, chosen = native_model(cfg, sd, spec, dt, dev)
                 # compile_blocks compiles the blocks IN PLACE, so "compiled" runs after the eager variants
                 wanted = [v for v in args.variants.split(",") if v] + (["compiled"] if args.compile else [])
                 for label in [v for v in ("unfused", "eager", "compiled") if v in wanted]:

@@ -110,6 +110,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     command = next(c for c in COMMANDS if c.name == name)
     logging.basicConfig(level=logging.INFO if given.get("verbose") else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    # torchao (imported by diffusers when it is installed) warns on import that it skips its C++ extensions
+    # for this torch: ditattn does not use them (ditattn.models.quantization), so the line is only noise
+    logging.getLogger("torchao").setLevel(logging.ERROR)
     # generate/plan report a refused override / skip softmax as the one `error:` line; the server-side
     # log warning would print the same reason a second time
     attn_log = logging.getLogger("ditattn.attention")

@@ -19,6 +19,9 @@ def compare_config(cfg: RunConfig):
     if refused:
         raise AttentionConfigError(f"compare takes its attention settings per variant, not {', '.join(refused)}; "
                                    "accepted: --variant NAME=BACKEND[:k=v;k=v][@component=backend,...]")
+    if cfg.model.dit_quantization != "none":
+        raise AttentionConfigError("compare takes the DiT quantization per variant, not --dit-quantization; accepted: "
+                                   "--variant NAME=BACKEND+fp8 (or +int8)")
     if cfg.model.backend != "native" or cfg.parallel.num_gpus != 1:
         raise AttentionConfigError("compare runs the native pipeline on one device; accepted: --backend native, "
                                    "--num-gpus 1")
@@ -35,7 +38,7 @@ def compare_config(cfg: RunConfig):
         guidance_scale=s.guidance_scale, height=s.height, width=s.width, num_frames=s.num_frames,
         capture_steps=c.capture_steps, capture_rows=c.capture_rows, in_context=c.in_context, warmup=c.warmup,
         output_dir=o.output_path, write_video=c.write_video, fps=o.fps or 16,
-        base=dataclasses.replace(cfg.attention_settings(), backend=None))
+        base=dataclasses.replace(cfg.attention_settings(), backend=None), dit_weights=cfg.model.dit_weights)
 
 
 def run(cfg: RunConfig) -> int:

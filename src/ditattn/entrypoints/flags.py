@@ -12,7 +12,7 @@ import argparse
 import dataclasses
 from typing import Any, Callable
 
-from ditattn.runconfig import DTYPES, OFFLOAD_MODES, SECTIONS, RunConfig
+from ditattn.runconfig import DIT_QUANTIZATION, DTYPES, OFFLOAD_MODES, SECTIONS, RunConfig
 from ditattn.runconfig.checks import boolean, nonneg_int, positive_int
 
 
@@ -151,6 +151,18 @@ def model_flags(p: argparse.ArgumentParser, *, prompt: bool = False, seed: bool 
     perf.add_argument("--enable-cuda-graph", action="store_true",
                       help="CUDA only: compile the DiT blocks with CUDA graphs (breakable at attention); implies "
                            "--enable-torch-compile; per-request overrides and skip softmax are then refused")
+    perf.add_argument("--dit-quantization", choices=DIT_QUANTIZATION,
+                      help="8-bit linear layers for the DiT through torchao (pip install 'ditattn[quant]'), quantized "
+                           "once at load time: fp8 = e4m3 weights per output channel and activations per token "
+                           "(NVIDIA GPU with compute capability >= 8.9, --dtype bfloat16); int8 = the same in int8 "
+                           "(CPU or NVIDIA GPU). The self-attention, cross-attention query/output and feed-forward GEMMs "
+                           "are quantized; the time and text embeddings, the cross-attention K/V and the final "
+                           "projection stay in --dtype ('ditattn plan' lists them). Default none")
+    g.add_argument("--dit-weights", metavar="FILE.safetensors",
+                   help="take the DiT's weights from this single file instead of the checkpoint folder's: diffusers "
+                        "or original Wan key names, bf16/fp16/fp32 or 8-bit with scales (ComfyUI/Kijai "
+                        "*_fp8_scaled, *_fp8_e4m3fn, LightX2V FP8/INT8), dequantized when loaded; a model with two "
+                        "DiTs takes transformer=FILE,transformer_2=FILE")
 
 
 def output_flags(p: argparse.ArgumentParser) -> None:
@@ -225,8 +237,10 @@ def compare_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", dest="seeds", type=NONNEG_INT, nargs="+", action="extend", metavar="S",
                    help="random seeds, integers >= 0; every prompt runs with every seed (default 0; key 'seeds')")
     g.add_argument("--variant", action="append", metavar="NAME=SPEC",
-                   help="an attention setting: NAME=BACKEND[:k=v;k=v][@component=backend,...] or NAME={json with "
-                        "backend, config, components}; BACKEND 'auto' = automatic. Repeat; the first is the reference")
+                   help="an attention setting: NAME=BACKEND[:k=v;k=v][@component=backend,...][+fp8|+int8] or "
+                        "NAME={json with backend, config, components, dit_quantization}; BACKEND 'auto' = automatic; "
+                        "+fp8 / +int8 quantize the DiT's linears (see --dit-quantization). Repeat; the first is the "
+                        "reference")
     g.add_argument("--capture-steps", metavar="LIST",
                    help="denoising steps whose attention outputs are compared, comma-separated, negative = from "
                         "the end (default 0,-1)")

@@ -164,7 +164,8 @@ def _generate_native(cfg: RunConfig, t_start: float) -> int:
     parts = {k: res.timings[k] for k in ("text", "image", "denoise", "decode") if k in res.timings}
     _report(cfg, res.frames[0], t_start=t_start, load=load, steps=res.num_inference_steps,
             size=(res.width, res.height), num_frames=res.num_frames, parts=parts,
-            backends=",".join(res.attention_backends), stats=res.stats, peak_memory=res.peak_memory)
+            backends=",".join(res.attention_backends) + _linears_note(pipe), stats=res.stats,
+            peak_memory=res.peak_memory)
     return 0
 
 
@@ -182,6 +183,12 @@ def _diffusers_image(mi, path: Optional[str]):
         raise AttentionConfigError("this checkpoint is text-to-video and takes no --image; image conditioning needs "
                                    "an image-to-video checkpoint (Wan 2.1 I2V, Wan 2.2 I2V-A14B or TI2V-5B)")
     return load_image(path, where="--image")
+
+
+def _linears_note(pipe) -> str:
+    """``"; DiT linears: fp8 (240 of 306 linears)"`` under --dit-quantization, else empty."""
+    q = pipe.quantization_summary()
+    return f"; DiT linears: {q}" if q else ""
 
 
 def _generate_diffusers(cfg: RunConfig, t_start: float) -> int:

@@ -75,8 +75,10 @@ def serve_here(cfg: RunConfig) -> int:
         log.warning("serving on %s without --api-key: anyone who can reach this address can use the server", host)
     where = (f"outputs and job store in {state.output_dir}" if cfg.server.output_dir else
              "no --output-dir: outputs in a temporary folder, video jobs are not kept across restarts")
+    q = runner.pipe.quantization_summary()  # per process: every request runs these linears
+    linears = f"; DiT linears: {q}" if q else ""
     print(f"ditattn serve: model {runner.model_id} on http://{host}:{port} "
-          f"(DiT attention: {', '.join(runner.default_backends())}; {where})", flush=True)
+          f"(DiT attention: {', '.join(runner.default_backends())}{linears}; {where})", flush=True)
     server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level="info" if cfg.verbose else "warning",
                                            timeout_graceful_shutdown=5), state)
     server.run()

@@ -42,23 +42,27 @@ from ditattn.attention.names import AttentionBackendEnum
 from ditattn.errors import AttentionConfigError
 from ditattn.evaluation.capture import AttentionRecorder, resolve_steps, self_attention_layers
 from ditattn.evaluation.metrics import clip_metrics
+from ditattn.models.quantization import MODES, check_mode
 
 log = logging.getLogger("ditattn.compare")
 
 _NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")
-VARIANT_SYNTAX = ("NAME=BACKEND[:k=v;k=v][@component=backend,...] or NAME={json object with backend, config, "
-                  "components}; BACKEND 'auto' = automatic choice")
+VARIANT_SYNTAX = ("NAME=BACKEND[:k=v;k=v][@component=backend,...][+fp8|+int8] or NAME={json object with backend, "
+                  "config, components, dit_quantization}; BACKEND 'auto' = automatic choice; +fp8 / +int8: 8-bit DiT "
+                  "linears")
 
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """One attention setting: ``backend`` (None = automatic), its ``config`` (validated against the
-    backend's schema) and component overrides ``{component[.role]: backend}``."""
+    backend's schema), component overrides ``{component[.role]: backend}`` and the DiT's linear
+    quantization (``none``, ``fp8``, ``int8``: :mod:`ditattn.models.quantization`)."""
 
     name: str
     backend: Optional[str] = None
     config: dict = dataclasses.field(default_factory=dict)
     components: dict = dataclasses.field(default_factory=dict)
+    dit_quantization: str = "none"
 
     def settings(self, base: Optional[AttentionSettings] = None) -> AttentionSettings:
         """The run settings: ``base`` (autotune, parallel degrees, compile flags) with this
@@ -71,7 +75,8 @@ class Variant:
     def label(self) -> str:
         cfg = ",".join(f"{k}={v}" for k, v in self.config.items())
         comps = ",".join(f"{k}={v}" for k, v in self.components.items())
-        return f"{self.backend or 'auto'}" + (f":{cfg}" if cfg else "") + (f"@{comps}" if comps else "")
+        quant = f"+{self.dit_quantization}" if self.dit_quantization != "none" else ""
+        return f"{self.backend or 'auto'}" + (f":{cfg}" if cfg else "") + (f"@{comps}" if comps else "") + quant
 
 
 def parse_variant(text: str) -> Variant:
@@ -89,14 +94,17 @@ def parse_variant(text: str) -> Variant:
             data = json.loads(spec)
         except json.JSONDecodeError as exc:
             raise AttentionConfigError(f"--variant {name}: not valid JSON ({exc}); expected {VARIANT_SYNTAX}") from None
-        unknown = set(data) - {"backend", "config", "components"}
+        unknown = set(data) - {"backend", "config", "components", "dit_quantization"}
         if unknown:
             raise AttentionConfigError(f"--variant {name}: unknown key(s) {sorted(unknown)}; accepted: backend, "
-                                       "config, components")
+                                       "config, components, dit_quantization")
         backend, config, comps = data.get("backend"), data.get("config") or {}, data.get("components") or {}
+        quant = data.get("dit_quantization") or "none"
         if not isinstance(config, dict) or not isinstance(comps, dict):
             raise AttentionConfigError(f"--variant {name}: 'config' and 'components' must be JSON objects")
     else:
+        head, plus, tail = spec.rpartition("+")
+        spec, quant = (head, tail.strip()) if plus and tail.strip() in MODES else (spec, "none")
         spec, at, comp_text = spec.partition("@")
         backend, colon, cfg_text = spec.partition(":")
         config = {}
@@ -115,7 +123,8 @@ def parse_variant(text: str) -> Variant:
         full = validate_backend_config(canon, config)
         config = {k: full[k] for k in config}
     parse_component_overrides(comps or None)  # validates component keys and backend names
-    return Variant(name, canon, config, {str(k).strip(): str(v).strip() for k, v in comps.items()})
+    return Variant(name, canon, config, {str(k).strip(): str(v).strip() for k, v in comps.items()},
+                   check_mode(quant))
 
 
 @dataclasses.dataclass
@@ -130,7 +139,8 @@ class CompareConfig:
     warmup: untimed generations per variant before the timed ones (one-time costs such as imports and
     kernel compilation would otherwise land on the first variant).
     output_dir: where the JSON, chart, contact sheet and videos go (None: nothing written).
-    base: settings shared by every variant (autotune, compile flags).
+    base: settings shared by every variant (autotune, compile flags).  dit_weights: the DiT weights
+    file(s) every variant loads (``--dit-weights``; None: the checkpoint's).
     """
 
     variants: list
@@ -154,6 +164,7 @@ class CompareConfig:
     fps: int = 16
     progress: bool = True
     base: Optional[AttentionSettings] = None
+    dit_weights: Any = None
 
     def validate(self) -> None:
         if len(self.variants) < 2:
@@ -236,7 +247,8 @@ def run_compare(cfg: CompareConfig) -> dict:
         for vi, var in enumerate(cfg.variants):
             bar.set_postfix_str(var.name)
             pipe = WanPipelineNative.from_pretrained(cfg.model_path, var.settings(cfg.base), device=cfg.device,
-                                                     dtype=cfg.dtype)
+                                                     dtype=cfg.dtype, dit_quantization=var.dit_quantization,
+                                                     dit_weights=cfg.dit_weights)
             d = pipe.defaults
             steps = cfg.num_inference_steps or d["num_inference_steps"]
             capture = resolve_steps(cfg.capture_steps, steps)
@@ -276,7 +288,8 @@ def run_compare(cfg: CompareConfig) -> dict:
                 runs.append(run)
                 bar.update(1)
             report_variants.append({"name": var.name, "backend": var.backend or "auto", "config": var.config,
-                                    "components": var.components, "label": var.label(),
+                                    "components": var.components, "dit_quantization": var.dit_quantization,
+                                    "label": var.label(),
                                     "dit_backends": pipe.dit_backends(), "runs": runs})
             del pipe
             gc.collect()

@@ -64,9 +64,12 @@ def target_dtype(name: str, dtype: torch.dtype, keep_fp32: Optional[Callable[[st
 
 
 def _cast(tensors: dict, dtype, keep_fp32) -> dict:
+    """Floating tensors to their target dtype; 8-bit floats stay as stored (an FP8 checkpoint's
+    weights are dequantized with their scales by the model's loader)."""
     if dtype is None:
         return tensors
-    return {k: (v.to(target_dtype(k, dtype, keep_fp32)) if v.is_floating_point() else v) for k, v in tensors.items()}
+    return {k: (v.to(target_dtype(k, dtype, keep_fp32)) if v.is_floating_point() and v.element_size() > 1 else v)
+            for k, v in tensors.items()}
 
 
 def load_state_dict(folder: str, variant: Optional[str] = None, *, dtype: Optional[torch.dtype] = None,

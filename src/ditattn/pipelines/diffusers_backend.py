@@ -32,10 +32,12 @@ DITATTN_ONLY = ("component_attention_backends", "attention_backend_config", "att
 def reject_native_only_options(config) -> None:
     """Raise :class:`AttentionConfigError` for an option of ``config`` (a
     :class:`~ditattn.runconfig.RunConfig`) that only the native pipeline runs (torch.compile, CUDA
-    graphs, sequence parallelism) set together with ``--backend diffusers``, and for ditattn
-    attention flags next to a diffusers-only ``--attention-backend`` name."""
+    graphs, sequence parallelism, DiT quantization and weight files) set together with
+    ``--backend diffusers``, and for ditattn attention flags next to a diffusers-only
+    ``--attention-backend`` name."""
     m, p = config.model, config.parallel
-    given = [name for name in ("enable_torch_compile", "enable_cuda_graph") if getattr(m, name)]
+    given = [name for name in ("enable_torch_compile", "enable_cuda_graph", "dit_weights") if getattr(m, name)]
+    given += ["dit_quantization"] if m.dit_quantization != "none" else []
     if given:
         raise AttentionConfigError(
             f"--{given[0].replace('_', '-')} applies to the native pipeline only; not with --backend diffusers"

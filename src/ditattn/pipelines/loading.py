@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -70,11 +70,37 @@ def parse_device(value: "str | torch.device | None") -> torch.device:
     return dev
 
 
+def parse_dit_weights(spec: "str | Mapping[str, str] | None", mi: ModelIndex) -> dict[str, str]:
+    """``--dit-weights``: ``PATH`` (the model's one DiT), ``transformer=PATH,transformer_2=PATH`` or a
+    mapping -> ``{component: path}``; AttentionConfigError for an unknown component or a bare path
+    given to a model with two DiTs, and a path that is not an existing ``.safetensors`` file (checked
+    here, before any weights are read)."""
+    from ditattn.models.wan.checkpoint import check_weights_file
+
+    if spec is None or spec == "":
+        return {}
+    dits = [c for c in DIT if c in mi.components]
+    if isinstance(spec, str) and (os.path.exists(spec) or "=" not in spec):
+        if len(dits) != 1:
+            raise AttentionConfigError(f"--dit-weights {spec!r}: this model has {len(dits)} DiTs ({', '.join(dits)}); "
+                                       "accepted: transformer=PATH,transformer_2=PATH")
+        return {dits[0]: check_weights_file(spec)}
+    pairs = spec.items() if isinstance(spec, Mapping) else (p.partition("=")[::2] for p in spec.split(",") if p.strip())
+    out = {str(k).strip(): str(v).strip() for k, v in pairs}
+    bad = [k for k in out if k not in dits]
+    if bad or not all(out.values()):
+        raise AttentionConfigError(f"--dit-weights: unknown DiT component {bad[0] if bad else ''!r} or empty path; "
+                                   f"accepted: {', '.join(f'{c}=PATH' for c in dits)}")
+    return {k: check_weights_file(v) for k, v in out.items()}
+
+
 def build_components(mi: ModelIndex, dev: torch.device, dt: torch.dtype, *, variant: Optional[str] = None,
-                     load_weights: bool = True) -> tuple[dict[str, Any], dict[str, ComponentScope]]:
+                     load_weights: bool = True,
+                     dit_weights: Optional[Mapping[str, str]] = None) -> tuple[dict[str, Any], dict[str, ComponentScope]]:
     """The components of ``mi`` on ``dev`` in compute dtype ``dt`` (the VAE in float32) and the
     attention scope of each selectable / fixed one.  ``load_weights=False``: models on the meta
-    device, no VAE, tokenizer or scheduler (enough for the attention plan).  Raises
+    device, no VAE, tokenizer or scheduler (enough for the attention plan).  The DiTs take their
+    weights from ``dit_weights[component]`` when given (a single ``.safetensors`` file).  Raises
     :class:`AttentionConfigError` for a missing or unsupported component."""
     missing = [c for c in ("text_encoder", "tokenizer", "vae", "scheduler") if c not in mi.components]
     if not any(c in mi.components for c in DIT):
@@ -92,8 +118,10 @@ def build_components(mi: ModelIndex, dev: torch.device, dt: torch.dtype, *, vari
             if klass != expected:
                 raise AttentionConfigError(f"{sub}: {what} class '{klass}' is not supported; the native Wan pipeline "
                                            f"runs {expected}")
+            weights_file = (dit_weights or {}).get(comp) if comp in DIT else None
+            dit = {"weights_file": weights_file} if weights_file else {}
             with component_scope(comp, selectable=True) as scope:
-                components[comp] = load(sub, dtype=dt, device=dev, variant=variant, load_weights=load_weights)
+                components[comp] = load(sub, dtype=dt, device=dev, variant=variant, load_weights=load_weights, **dit)
             scopes[comp] = scope
         elif comp == "vae":
             with component_scope(comp, selectable=False) as scope:

@@ -27,6 +27,32 @@ def _layer_index(prefix: str) -> Optional[int]:
     return None
 
 
+def compact_names(names: list[str]) -> str:
+    """Module names with their block index folded: ``blocks.0.ffn``, ``blocks.1.ffn`` ->
+    ``blocks.{0-1}.ffn``."""
+    groups: dict[str, list[int]] = {}
+    for name in names:
+        parts = name.split(".")
+        i = next((j for j, p in enumerate(parts) if p.isdigit() and j and parts[j - 1] == "blocks"), None)
+        if i is None:
+            groups.setdefault(name, [])
+        else:
+            groups.setdefault(".".join(parts[:i] + ["{}"] + parts[i + 1:]), []).append(int(parts[i]))
+    return ", ".join(t.replace("{}", "{" + _ranges(idx) + "}") if idx else t for t, idx in groups.items())
+
+
+def _quantization_lines(comp: dict) -> list[str]:
+    """``--dit-quantization``: the rule's result for one DiT component (counts, and what stays)."""
+    lq = comp.get("linear_quantization")
+    if not lq:
+        return []
+    done = ", ".join(f"{g['count']} {g['reason']}" for g in lq["groups"] if g["quantized"])
+    lines = [f"{comp['name']} linears: {lq['mode']}, {lq['quantized']} of {lq['total']} quantized"
+             + (f" ({done})" if done else "")]
+    lines += [f"  kept {compact_names(g['layers'])}: {g['reason']}" for g in lq["groups"] if not g["quantized"]]
+    return lines
+
+
 def format_plan(plan: dict, *, model: str = "", dtype: str = "", override: Optional[str] = None) -> str:
     """The plan as a table: one row per (component, role, backend, source, fallback reason) with the
     layer indices it covers; fixed-attention components are listed as such."""
@@ -67,6 +93,8 @@ def format_plan(plan: dict, *, model: str = "", dtype: str = "", override: Optio
     lines.extend(fmt.format(*map(str, r)).rstrip() for r in rows)
     for i, n in enumerate(notes, 1):
         lines.append(f"[{i}] {n}")
+    for comp in plan["components"]:
+        lines.extend(_quantization_lines(comp))
     if override:
         lines.append(f"request override: DiT attention runs {override} for this run (validated)")
     return "\n".join(lines)

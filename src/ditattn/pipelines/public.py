@@ -53,6 +53,8 @@ class WanPipeline:
         variant: Optional[str] = None,
         enable_attention_backend_autotune: bool = False,
         enable_torch_compile: bool = False,
+        dit_quantization: str = "none",
+        dit_weights: Spec = None,
     ) -> "WanPipeline":
         """Load ``model`` — a local diffusers-format Wan folder, a Hugging Face repo id ``org/name``
         (the local cache first, ``revision``, ``local_files_only``, ``cache_dir`` instead of
@@ -65,12 +67,17 @@ class WanPipeline:
         ``{"text_encoder": "torch_sdpa", "transformer.cross": "fa"}`` or the CLI's spec string);
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"`` or a ``torch.device`` (None: cuda if available);
         dtype: ``"bfloat16"`` / ``"float16"`` / ``"float32"`` or a ``torch.dtype`` (None: float32
-        on CPU, bfloat16 on GPUs).  Raises :class:`AttentionConfigError` for any bad value.
+        on CPU, bfloat16 on GPUs); dit_quantization: ``"none"``, ``"fp8"`` (NVIDIA GPU with compute
+        capability >= 8.9, bfloat16) or ``"int8"`` — the DiT's linears in 8 bits through torchao
+        (``ditattn[quant]``); dit_weights: a ``.safetensors`` file of DiT weights instead of the
+        checkpoint's (FP8/INT8 with scales too) or ``{"transformer": file, "transformer_2": file}``.
+        Raises :class:`AttentionConfigError` for any bad value.
         """
         config = RunConfig(
             model=ModelConfig(model_path=model, revision=revision, local_files_only=local_files_only,
                               model_variant=variant, device=device, dtype=dtype,
-                              enable_torch_compile=enable_torch_compile),
+                              enable_torch_compile=enable_torch_compile, dit_quantization=dit_quantization,
+                              dit_weights=dit_weights),
             attention=AttentionOptions(attention_backend=attention_backend,
                                        attention_backend_config=attention_backend_config,
                                        component_attention_backends=component_attention_backends,
@@ -155,8 +162,10 @@ class WanPipeline:
 
     def __repr__(self) -> str:
         dit = ", ".join(self.native.dit_backends())
+        q = self.native.quantization_summary()
         return (f"WanPipeline(model={self.native.model_index.name!r}, device={self.device}, "
-                f"dtype={str(self.dtype).replace('torch.', '')}, DiT attention: {dit})")
+                f"dtype={str(self.dtype).replace('torch.', '')}, DiT attention: {dit}"
+                + (f", DiT linears: {q})" if q else ")"))
 
 
 __all__ = ["WanPipeline"]

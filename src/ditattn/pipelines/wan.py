@@ -51,7 +51,7 @@ from ditattn.errors import AttentionConfigError, GenerationCancelled
 from ditattn.models.lora import Adapter, load_loras, lora_scales, resolve_request_lora
 from ditattn.pipelines.conditioning import (ImageCondition, clip_image_embeds, conditioning_mode,
                                             encode_image_condition, load_image, size_for_image)
-from ditattn.pipelines.loading import DIT, build_components, parse_device, parse_dtype
+from ditattn.pipelines.loading import DIT, build_components, parse_device, parse_dit_weights, parse_dtype
 from ditattn.pipelines.model_index import ModelIndex, read_model_index, resolve_model_path
 from ditattn.pipelines.offload import ComponentPlacement, check_offload_mode
 from ditattn.platforms import Platform, platform_for_device, use_platform
@@ -165,6 +165,8 @@ class WanPipelineNative:
         vae_slicing: bool = False,
         lora: Sequence = (),
         lora_fuse: bool = False,
+        dit_quantization: str = "none",
+        dit_weights: "str | dict | None" = None,
     ) -> "WanPipelineNative":
         """Load the pipeline at ``path`` (a local diffusers-format Wan folder, a Hugging Face repo id
         ``org/name`` at ``revision`` — see :func:`~ditattn.pipelines.model_index.resolve_model_path`
@@ -184,8 +186,18 @@ class WanPipelineNative:
         request's ``lora=`` scales can change them).  Raises :class:`AttentionConfigError` for a bad
         path, an unsupported checkpoint, a refused backend or override, unused config keys, a bad
         LoRA or offload setting.
+
+        dit_quantization: ``none`` (default), ``fp8`` or ``int8`` — the DiT's linears quantized by
+        torchao once at load time (:mod:`ditattn.models.quantization`; refused with the reason
+        when the platform, dtype or torchao cannot run it).  dit_weights: a ``.safetensors`` file
+        holding the DiT's weights instead of the folder's (diffusers or original Wan key names,
+        bf16/fp16/fp32 or FP8/INT8 with scales: :mod:`ditattn.models.wan.checkpoint`), or
+        ``{component: file}`` for a model with two DiTs.
         """
+        from ditattn.models.quantization import check_mode, check_supported, plan_linears, quantize_linears
+
         settings = settings or AttentionSettings()
+        dit_quantization = check_mode(dit_quantization)
         folder, name = resolve_model_path(path, revision=revision, local_files_only=local_files_only,
                                           cache_dir=cache_dir, variant=variant)
         mi = read_model_index(folder, name)
@@ -199,9 +211,17 @@ class WanPipelineNative:
         if lora and not lora_fuse and settings.compiled:
             raise AttentionConfigError("unfused LoRA adapters (switchable per request) cannot run inside compiled "
                                        "blocks; add --lora-fuse, or drop --enable-torch-compile")
+        check_supported(dit_quantization, platform, dt)  # before any weights are read
+        if dit_quantization != "none" and offload in ("model", "group"):
+            raise AttentionConfigError(
+                f"--dit-quantization {dit_quantization} with --offload {offload}: the offload keeps plain CPU master "
+                "copies of the weights and moves them by tensor data, which torchao's quantized weights do not "
+                "support; use --offload text_encoder (an 8-bit DiT is half the size of a bf16 one) or no offload")
+        weights = parse_dit_weights(dit_weights, mi)
         home = torch.device("cpu") if offload != "none" and load_weights else dev
         with use_platform(platform), attention_settings(settings):
-            components, scopes = build_components(mi, home, dt, variant=variant, load_weights=load_weights)
+            components, scopes = build_components(mi, home, dt, variant=variant, load_weights=load_weights,
+                                                  dit_weights=weights)
             check_overrides_used(settings.component_overrides, scopes, mi.components.keys())
             used = [d.backend for s in scopes.values() for d in s.decisions]
             check_config_keys_used(settings.config, used)
@@ -216,6 +236,11 @@ class WanPipelineNative:
                 vae.enable_tiling()  # diffusers' tiles: 256-pixel tiles, 192-pixel stride, blended seams
             if vae is not None and vae_slicing:
                 vae.enable_slicing()  # one sample of the batch at a time
+        for comp in DIT:  # after LoRA fusion and placement (the DiT on its device), before compilation
+            if components.get(comp) is not None:
+                model = components[comp]
+                model.linear_quantization = (quantize_linears(model, dit_quantization) if load_weights
+                                             else plan_linears(model, dit_quantization))
         if settings.compiled and load_weights:
             from ditattn.models.wan.compile import compile_blocks
 
@@ -239,7 +264,8 @@ class WanPipelineNative:
                                    variant=m.model_variant, load_weights=load_weights, revision=m.revision,
                                    local_files_only=m.local_files_only, cache_dir=cache_dir, offload=m.offload,
                                    offload_group_blocks=m.offload_group_blocks, vae_tiling=m.vae_tiling,
-                                   vae_slicing=m.vae_slicing, lora=m.lora_path, lora_fuse=fuse)
+                                   vae_slicing=m.vae_slicing, lora=m.lora_path, lora_fuse=fuse,
+                                   dit_quantization=m.dit_quantization, dit_weights=m.dit_weights)
 
     # ------------------------------------------------------------------------------------------
     # plan
@@ -249,14 +275,29 @@ class WanPipelineNative:
         "selectable", "layers": [{"prefix", "role", "backend", "source", "fallback_reason"}]}]}``."""
         order = [c for c in ("text_encoder", "image_encoder", "transformer", "transformer_2", "vae") if c in self.scopes]
         order += [c for c in self.scopes if c not in order]
-        return {
-            "platform": self.platform.to_json(),
-            "components": [
-                {"name": c, "selectable": self.scopes[c].selectable,
-                 "layers": [d.to_json() for d in self.scopes[c].decisions]}
-                for c in order
-            ],
-        }
+        quant = self.linear_quantization()
+        comps = []
+        for c in order:
+            entry = {"name": c, "selectable": self.scopes[c].selectable,
+                     "layers": [d.to_json() for d in self.scopes[c].decisions]}
+            if c in quant and quant[c].mode != "none":  # --dit-quantization: the rule's result
+                entry["linear_quantization"] = {**quant[c].to_json(), "summary": quant[c].describe()}
+            comps.append(entry)
+        return {"platform": self.platform.to_json(), "components": comps}
+
+    def linear_quantization(self) -> dict:
+        """``{DiT component: QuantizationPlan}``: which linears ``--dit-quantization`` quantized (or,
+        built without weights, would quantize) and why the others stay."""
+        return {c: self.components[c].linear_quantization for c in DIT
+                if getattr(self.components.get(c), "linear_quantization", None) is not None}
+
+    def quantization_summary(self) -> Optional[str]:
+        """``"fp8 (240 of 306 linears)"`` (Wan2.1-1.3B) for a quantized DiT (several DiTs: summed), else None."""
+        plans = list(self.linear_quantization().values())
+        if not plans or plans[0].mode == "none":
+            return None
+        n, total = sum(len(p.quantized) for p in plans), sum(len(p.decisions) for p in plans)
+        return f"{plans[0].mode} ({n} of {total} linears)"
 
     @property
     def dit_modules(self) -> list[torch.nn.Module]:

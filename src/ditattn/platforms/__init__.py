@@ -32,6 +32,7 @@ KNOWN_PACKAGES = (
     "aiter",
     "sgl_kernel_npu",
     "triton",
+    "torchao",  # 8-bit DiT linears (--dit-quantization)
 )
 
 

@@ -78,6 +78,7 @@ class _Section:
 DTYPES = ("float32", "bfloat16", "float16")
 #: where components live between uses (ditattn.pipelines.offload)
 OFFLOAD_MODES = ("none", "text_encoder", "model", "group")
+DIT_QUANTIZATION = ("none", "fp8", "int8")  # ditattn.models.quantization.MODES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +107,11 @@ class ModelConfig(_Section):
                               "transformer_2, default transformer; SCALE default 1.0)")
     lora_fuse: Optional[bool] = _field(None, optional(boolean), "fuse the LoRAs into the weights (None: generate "
                                        "fuses, serve keeps them apart so requests can set their scales)")
+    dit_quantization: str = _field("none", one_of(*DIT_QUANTIZATION), "8-bit DiT linears through torchao: fp8 "
+                                   "(CUDA SM >= 8.9, bfloat16) or int8; per process, not per request")
+    dit_weights: Union[str, dict, None] = _field(None, optional(text_or_mapping), "a .safetensors file of DiT weights "
+                                                 "instead of the checkpoint's (FP8/INT8 with scales too), or "
+                                                 "transformer=FILE,transformer_2=FILE")
 
 
 # Bounds of the numeric settings: far beyond any real run, small enough that no value reaches code

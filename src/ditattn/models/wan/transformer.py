@@ -23,12 +23,16 @@ in float32 (their parameters stay float32 when the model runs in fp16/bf16).
 Speed: the memory-bound work around each attention (gated residual + modulated layer norm, q/k
 RMSNorm + RoPE) runs as single-pass fused kernels from :mod:`ditattn.models.fused` (Triton on CUDA,
 the PyTorch reference elsewhere), and on CUDA the feed-forward's tanh-GELU runs in the epilogue of
-its first GEMM (cuBLASLt).  ``WanTransformer.set_fused_ops(False)`` switches all of it back to the
+its first GEMM (cuBLASLt; with plain weights only: a linear quantized by
+:mod:`ditattn.models.quantization` runs its own 8-bit GEMM and the GELU after it).  The fused norm
+kernels read only norm weights, never a linear's, so they run unchanged under quantization.
+``WanTransformer.set_fused_ops(False)`` switches all of it back to the
 plain PyTorch ops (same numbers up to rounding; for comparisons).
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Any, Optional
 
@@ -42,6 +46,7 @@ from ditattn.distributed.attention import USPAttention
 from ditattn.distributed.comm import gather_sequence, shard_sequence
 from ditattn.errors import AttentionConfigError
 from ditattn.models.fused import apply_rope, qk_norm_rope, residual_norm
+from ditattn.models.quantization import plain_weight
 
 # parameters that stay float32 when the model runs in fp16/bf16 (diffusers' _keep_in_fp32_modules)
 KEEP_FP32 = ("time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")
@@ -296,8 +301,14 @@ class _GeluProj(nn.Module):
         super().__init__()
         self.proj = nn.Linear(d_in, d_out)
 
+    def gelu_epilogue(self, on_cuda: bool, fused: str = "auto") -> bool:
+        """Whether the tanh-GELU runs in the cuBLASLt epilogue of this GEMM: on CUDA, with a bias
+        and a plain weight; a quantized weight (``--dit-quantization``) runs its own 8-bit GEMM
+        through the module and the GELU after it."""
+        return fused != "torch" and on_cuda and self.proj.bias is not None and plain_weight(self.proj)
+
     def forward(self, x, fused: str = "auto"):
-        if fused != "torch" and x.is_cuda and self.proj.bias is not None:
+        if self.gelu_epilogue(x.is_cuda, fused):
             # GEMM + bias + tanh-GELU in one cuBLASLt call (the activation in the GEMM epilogue)
             y = torch._addmm_activation(self.proj.bias, x.reshape(-1, x.shape[-1]), self.proj.weight.t(),
                                         use_gelu=True)
@@ -503,23 +514,36 @@ def _keep_fn(keep_fp32: tuple[str, ...]):
 
 
 def load_wan_transformer(folder: str, *, dtype: torch.dtype = torch.float32, device="cpu",
-                         variant: Optional[str] = None, load_weights: bool = True) -> WanTransformer:
+                         variant: Optional[str] = None, load_weights: bool = True,
+                         weights_file: Optional[str] = None) -> WanTransformer:
     """Build a :class:`WanTransformer` from a diffusers ``WanTransformer3DModel`` folder
     (``config.json`` + weights) in ``dtype`` on ``device``, in eval mode without gradients.
 
     Call it inside the component's attention scope.  ``load_weights=False`` builds the model on
     the meta device (no memory, no file reads beyond the config): enough to resolve the attention
-    plan.
+    plan.  ``weights_file``: one ``.safetensors`` file to take the weights from instead of the
+    folder's (diffusers or original Wan key names, 8-bit with scales too:
+    :mod:`ditattn.models.wan.checkpoint`).  8-bit linears are applied afterwards
+    (:func:`ditattn.models.quantization.quantize_linears`, after any LoRA is fused).
     """
-    from ditattn.models.weights import assign_state_dict, load_state_dict, read_json
+    from ditattn.models.wan.checkpoint import is_scale_key, load_weights_file, to_native_state
+    from ditattn.models.weights import assign_state_dict, load_state_dict, read_json, target_dtype
     import os
 
     cfg = WanTransformerConfig.from_dict(read_json(os.path.join(folder, "config.json")))
     with torch.device("meta"):
         model = WanTransformer(cfg, dtype=dtype)
-    if load_weights:
-        state = load_state_dict(folder, variant, dtype=dtype, keep_fp32=_keep_fn(KEEP_FP32))
-        assign_state_dict(model, state, where=folder, ignore_unexpected=("norm_added_q",))
-        cast_model(model, dtype, KEEP_FP32).to(device)
     model.eval().requires_grad_(False)
+    keep = _keep_fn(KEEP_FP32)
+    if load_weights:
+        if weights_file is None:
+            state = load_state_dict(folder, variant, dtype=dtype, keep_fp32=lambda n: keep(n) or is_scale_key(n))
+        else:
+            state = load_weights_file(weights_file)
+        state, report = to_native_state(state, lambda name: target_dtype(name, dtype, keep))
+        if weights_file is not None or report.eight_bit:
+            logging.getLogger("ditattn.pipeline").info("DiT weights from %s: %s", weights_file or folder,
+                                                        report.describe())
+        assign_state_dict(model, state, where=weights_file or folder, ignore_unexpected=("norm_added_q",))
+        cast_model(model, dtype, KEEP_FP32).to(device)
     return model

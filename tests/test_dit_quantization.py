@@ -1,0 +1,625 @@
+"""8-bit DiT linears (``--dit-quantization``, :mod:`ditattn.models.quantization`) and 8-bit Wan
+checkpoints (``--dit-weights``, :mod:`ditattn.models.wan.checkpoint`).
+
+On CPU: the rule's result on the tiny and the 14B architecture (meta device), the platform checks
+as one-line errors, torchao's INT8 path run numerically on the tiny DiT (output error and cosine
+against float32 and bfloat16), the GELU-epilogue routing, the pipeline / CLI / server / compare /
+sequence-parallel wiring, and FP8 / INT8 checkpoints in the ComfyUI/Kijai and LightX2V layouts
+built here.  FP8 itself needs a CUDA GPU of compute capability >= 8.9: those tests skip elsewhere.
+"""
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from ditattn.attention.context import component_scope
+from ditattn.errors import AttentionConfigError
+from ditattn.models import quantization as Q
+from ditattn.platforms import Platform
+
+HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
+needs_torchao = pytest.mark.skipif(not HAS_TORCHAO, reason="torchao is not installed (pip install 'ditattn[quant]')")
+HAS_FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+needs_fp8_gpu = pytest.mark.skipif(not (HAS_FP8_GPU and HAS_TORCHAO),
+                                   reason="FP8 linears need torchao and a CUDA GPU of compute capability >= 8.9")
+SMALL = dict(height=48, width=48, num_frames=5, num_inference_steps=2, seed=3)
+
+
+def _tiny_folder() -> str:
+    from ditattn.models.builtin import builtin_model_path
+
+    return os.path.join(builtin_model_path("ditattn:tiny-wan"), "transformer")
+
+
+def _dit(quantization="none", dtype=torch.float32, device="cpu", **kw):
+    from ditattn.models.wan.transformer import load_wan_transformer
+
+    with component_scope("transformer"):
+        model = load_wan_transformer(_tiny_folder(), dtype=dtype, device=device, **kw)
+    model.linear_quantization = Q.quantize_linears(model, quantization)
+    return model
+
+
+def _inputs(device="cpu"):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 16, 3, 16, 16, generator=g)  # latent grid 3 x 8 x 8 = 192 tokens
+    txt = torch.randn(1, 16, 64, generator=g)
+    return x.to(device), torch.tensor([500.0], device=device), txt.to(device)
+
+
+def _run(model, dtype, device="cpu"):
+    x, t, txt = _inputs(device)
+    with torch.inference_mode():
+        return model(x.to(dtype), t, txt.to(dtype)).float().cpu()
+
+
+def _err(out, ref):
+    rel = ((out - ref).norm() / ref.norm()).item()
+    cos = torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0).item()
+    return rel, cos
+
+
+# ------------------------------------------------------------------------------------------------
+# the declared rule
+
+
+def _meta_dit(**arch):
+    from ditattn.models.wan.transformer import WanTransformer, WanTransformerConfig
+
+    with component_scope("transformer"), torch.device("meta"):
+        return WanTransformer(WanTransformerConfig(**arch), dtype=torch.bfloat16)
+
+
+def test_rule_on_the_14b_architecture():
+    """40 blocks: every block's 8 per-token GEMMs quantized; the embeddings, the cached text K/V and
+    the final projection kept, each with its reason."""
+    plan = Q.plan_linears(_meta_dit(num_layers=40), "fp8")
+    assert len(plan.decisions) == 40 * 10 + 6
+    assert len(plan.quantized) == 40 * 8
+    groups = {r: names for q, r, names in plan.groups() if not q}
+    assert groups["final projection (the prediction itself)"] == ["proj_out"]
+    assert len(groups["cross-attention K/V of the text (once per generation, cached)"]) == 80
+    assert sorted(groups["time embedding (one row per sample, float32)"]) == [
+        "condition_embedder.time_embedder.linear_1", "condition_embedder.time_embedder.linear_2",
+        "condition_embedder.time_proj"]
+    assert len(groups["text embedding (once per generation)"]) == 2
+    quantized = set(plan.quantized)
+    for i in (0, 39):
+        for name in ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "attn2.to_out.0",
+                     "ffn.net.0.proj", "ffn.net.2"):
+            assert f"blocks.{i}.{name}" in quantized
+    assert plan.describe().startswith("fp8: 320 of 406 linears quantized (160 self-attention projection, ")
+    js = plan.to_json()
+    assert js["quantized"] == 320 and sum(g["count"] for g in js["groups"]) == 406
+    assert Q.plan_linears(_meta_dit(num_layers=2), "none").quantized == []
+
+
+def test_rule_size_limits_are_declared_reasons():
+    """Narrow GEMMs (the trained ditattn:shapes model is 32 wide) and widths that are not a multiple
+    of 16 stay, with the reason; a custom rule is plain data."""
+    narrow = Q.plan_linears(_meta_dit(num_layers=1, num_attention_heads=2, attention_head_dim=16, ffn_dim=64), "int8")
+    assert narrow.quantized == []
+    assert any(r == "small GEMM (fewer than 512 features)" for _, r, _ in narrow.groups())
+    odd = Q.plan_linears(_meta_dit(num_layers=1, num_attention_heads=4, attention_head_dim=128, ffn_dim=1000), "int8")
+    kept = {n: r for q, r, names in odd.groups() if not q for n in names}
+    assert kept["blocks.0.ffn.net.0.proj"] == "features not a multiple of 16"
+    everything = Q.LinearQuantRule(patterns=(("*", True, "all"),), min_features=16)
+    assert len(Q.plan_linears(_meta_dit(num_layers=1), "int8", everything).quantized) == 16
+
+
+# ------------------------------------------------------------------------------------------------
+# what each mode needs: one line naming everything missing
+
+
+@pytest.mark.parametrize("mode, platform, dtype, expect", [
+    ("none", Platform.simulate("cpu"), torch.float32, None),
+    ("int8", Platform.simulate("cpu", packages=["torchao"]), torch.float32, None),
+    ("int8", Platform.simulate("cuda", (8, 0), packages=["torchao"]), torch.bfloat16, None),
+    ("fp8", Platform.simulate("cuda", (9, 0), packages=["torchao"]), torch.bfloat16, None),
+    ("fp8", Platform.simulate("cuda", (8, 9), packages=["torchao"]), torch.bfloat16, None),
+    ("int8", Platform.simulate("cpu"), torch.float32, ["torchao (not installed: pip install 'ditattn[quant]')"]),
+    ("fp8", Platform.simulate("cuda", (8, 0), packages=["torchao"]), torch.bfloat16,
+     ["compute capability >= 8.9", "cuda SM80"]),
+    ("fp8", Platform.simulate("cpu"), torch.float32, ["torchao", "NVIDIA GPU", "this run is on cpu", "--dtype bfloat16"]),
+    ("fp8", Platform.simulate("cuda", (9, 0), packages=["torchao"]), torch.float16, ["--dtype bfloat16", "float16"]),
+    ("int8", Platform.simulate("xpu", packages=["torchao"]), torch.bfloat16, ["a CPU or an NVIDIA GPU", "xpu"]),
+])
+def test_why_not(mode, platform, dtype, expect):
+    reason = Q.why_not(mode, platform, dtype)
+    if expect is None:
+        assert reason is None
+        Q.check_supported(mode, platform, dtype)
+        return
+    assert reason.startswith(f"--dit-quantization {mode} needs ") and "\n" not in reason
+    for word in expect:
+        assert word in reason
+    with pytest.raises(AttentionConfigError, match="needs"):
+        Q.check_supported(mode, platform, dtype)
+
+
+def test_unknown_mode_is_refused():
+    from ditattn.runconfig import DIT_QUANTIZATION, ModelConfig
+
+    assert DIT_QUANTIZATION == Q.MODES  # the config's copy (it imports no torch)
+    with pytest.raises(AttentionConfigError, match="accepted: none, fp8, int8"):
+        Q.check_mode("fp4")
+    with pytest.raises(AttentionConfigError, match="dit_quantization: expected one of none, fp8, int8"):
+        ModelConfig(dit_quantization="fp4")
+
+
+def _refused(capsys, argv) -> str:
+    """Run the CLI, expect exit status 2 and one ``error:`` line on stderr; return that line."""
+    from ditattn.cli import main
+
+    capsys.readouterr()
+    try:
+        rc = main(argv)
+    except SystemExit as exc:  # argparse's own refusals
+        rc = exc.code
+    assert rc == 2, argv
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), (argv, err)
+    return err[0]
+
+
+def test_cli_refusals_are_one_line(capsys):
+    """fp8 here (CPU, float32) and on a simulated A100 / H200 without torchao; a bad value; --backend
+    diffusers; sequence parallelism refuses it before any rank starts."""
+    from ditattn.cli import main
+
+    cases = [
+        (["generate", "--prompt", "x", "--dit-quantization", "fp8"],
+         ["needs", "compute capability >= 8.9", "this run is on cpu", "--dtype bfloat16"]),
+        (["plan", "--dit-quantization", "fp8", "--platform", "cuda:80", "--platform-packages", "torchao"],
+         ["compute capability >= 8.9", "SM80"]),
+        (["plan", "--dit-quantization", "fp8", "--platform", "cuda:90"], ["needs torchao", "ditattn[quant]"]),
+        (["plan", "--dit-quantization", "fp4"], ["invalid choice", "fp8"]),
+        (["generate", "--prompt", "x", "--backend", "diffusers", "--dit-quantization", "int8"],
+         ["--dit-quantization applies to the native pipeline only"]),
+        (["generate", "--prompt", "x", "--num-gpus", "2", "--dit-quantization", "fp8"], ["compute capability"]),
+        (["serve", "--dit-quantization", "fp8", "--port", "1"], ["compute capability"]),
+    ]
+    for argv, words in cases:
+        err = _refused(capsys, argv)
+        for w in words:
+            assert w in err, (argv, err)
+
+
+def test_plan_shows_the_rule(capsys):
+    """``plan --platform cuda:90`` resolves what an H200 with torchao would quantize, without weights."""
+    import json
+
+    from ditattn.cli import main
+
+    args = ["plan", "--dit-quantization", "fp8", "--platform", "cuda:90", "--platform-packages", "torchao",
+            "--dtype", "bfloat16"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "transformer linears: fp8, 16 of 26 quantized (8 self-attention projection, " in out
+    assert "  kept blocks.{0-1}.attn2.to_k, blocks.{0-1}.attn2.to_v: cross-attention K/V" in out
+    assert "  kept proj_out: final projection" in out
+    assert main(args + ["--json"]) == 0
+    comp = next(c for c in json.loads(capsys.readouterr().out)["components"] if c["name"] == "transformer")
+    assert comp["linear_quantization"]["quantized"] == 16 and comp["linear_quantization"]["mode"] == "fp8"
+    assert main(["plan", "--json"]) == 0  # without the flag the plan is unchanged
+    assert all("linear_quantization" not in c for c in json.loads(capsys.readouterr().out)["components"])
+
+
+# ------------------------------------------------------------------------------------------------
+# torchao's INT8 path on CPU, numerically
+
+
+@needs_torchao
+def test_int8_tiny_dit_against_float32_and_bfloat16():
+    """The INT8 DiT's output against the float32 and bfloat16 DiTs of the same weights: close (rel.
+    error, cosine) but not identical (the quantized GEMMs ran), and exactly the selected linears
+    hold quantized weights."""
+    ref32 = _run(_dit(), torch.float32)
+    ref16 = _run(_dit(dtype=torch.bfloat16), torch.bfloat16)
+    q32_model = _dit("int8")
+    assert sorted(n for n, m in Q.linears(q32_model) if not Q.plain_weight(m)) == sorted(
+        q32_model.linear_quantization.quantized)
+    assert len(q32_model.linear_quantization.quantized) == 16
+    q32 = _run(q32_model, torch.float32)
+    q16 = _run(_dit("int8", torch.bfloat16), torch.bfloat16)
+    rel, cos = _err(q32, ref32)
+    assert 1e-5 < rel < 1e-2 and cos > 0.9999, (rel, cos)
+    rel16, cos16 = _err(q16, ref16)
+    assert 1e-5 < rel16 < 2e-2 and cos16 > 0.999, (rel16, cos16)
+    assert _err(q16, ref32)[0] < 2e-2
+    print(f"int8 fp32: rel {rel:.2e} cos {cos:.6f}; int8 bf16 vs bf16: rel {rel16:.2e} cos {cos16:.6f}")
+
+
+@needs_torchao
+def test_each_quantized_linear_is_an_8bit_gemm():
+    """Per layer: a quantized linear's output differs from the float GEMM by INT8 rounding (about
+    1e-2 relative), the kept ones are untouched."""
+    plain, q = _dit(), _dit("int8")
+    x = torch.randn(4, 96, 512, generator=torch.Generator().manual_seed(1))
+    for name in ("blocks.0.attn1.to_q", "blocks.1.ffn.net.2", "blocks.0.attn2.to_out.0"):
+        a, b = plain.get_submodule(name)(x), q.get_submodule(name)(x)
+        rel = ((a - b).norm() / a.norm()).item()
+        assert 1e-4 < rel < 3e-2, (name, rel)
+    assert torch.equal(plain.proj_out.weight, q.proj_out.weight)
+    assert torch.equal(plain.blocks[0].attn2.to_k.weight, q.blocks[0].attn2.to_k.weight)
+
+
+@needs_torchao
+def test_gelu_epilogue_takes_plain_weights_only():
+    """The cuBLASLt GELU epilogue reads ``proj.weight`` itself: a quantized projection goes through
+    the module (its 8-bit GEMM) and the GELU after it, fused or not."""
+    from ditattn.models.wan.transformer import _GeluProj
+
+    everything = Q.LinearQuantRule(patterns=(("*", True, "all"),), min_features=16)
+    proj = _GeluProj(64, 128)
+    assert proj.gelu_epilogue(on_cuda=True) and not proj.gelu_epilogue(on_cuda=True, fused="torch")
+    x = torch.randn(2, 32, 64)
+    plain = proj(x)
+    Q.quantize_linears(proj, "int8", everything)
+    assert not Q.plain_weight(proj.proj) and not proj.gelu_epilogue(on_cuda=True)
+    out = proj(x, "auto")
+    assert torch.equal(out, proj(x, "torch"))
+    assert 0 < ((out - plain).norm() / plain.norm()).item() < 3e-2
+
+
+@needs_torchao
+def test_fused_and_plain_ops_agree_under_int8():
+    """``set_fused_ops(False)`` (plain PyTorch norms and GELU) against the default path, both INT8."""
+    model = _dit("int8")
+    fused = _run(model, torch.float32)
+    plain = _run(model.set_fused_ops(False), torch.float32)
+    assert _err(fused, plain)[0] < 1e-5
+
+
+# ------------------------------------------------------------------------------------------------
+# the pipeline, the CLI, the server, compare, sequence parallelism
+
+
+@needs_torchao
+def test_pipeline_generate_and_summary(capsys):
+    from ditattn.cli import main
+    from ditattn.pipelines.wan import WanPipelineNative
+
+    ref = WanPipelineNative.from_pretrained("ditattn:tiny-wan", device="cpu", dtype="float32")
+    pipe = WanPipelineNative.from_pretrained("ditattn:tiny-wan", device="cpu", dtype="float32",
+                                             dit_quantization="int8")
+    assert pipe.quantization_summary() == "int8 (16 of 26 linears)" and ref.quantization_summary() is None
+    a = ref.generate("a red fox", output_type="latent", progress=False, **SMALL).frames
+    b = pipe.generate("a red fox", output_type="latent", progress=False, **SMALL).frames
+    rel = ((a - b).norm() / a.norm()).item()
+    assert 0 < rel < 2e-2, rel
+    assert main(["generate", "--prompt", "a fox", "--dit-quantization", "int8", "--no-save-output",
+                 "--height", "32", "--width", "32", "--num-frames", "1", "--num-inference-steps", "1"]) == 0
+    assert "DiT linears: int8 (16 of 26 linears)" in capsys.readouterr().out.strip().splitlines()[-1]
+
+
+@needs_torchao
+def test_int8_with_every_dense_backend_on_cpu():
+    """The quantized linears are independent of the attention backend: dense, quantized and sparse
+    attention (their CPU reference paths) all run with INT8 linears."""
+    from ditattn.attention.context import AttentionSettings
+    from ditattn.attention.names import AttentionBackendEnum
+    from ditattn.pipelines.wan import WanPipelineNative
+
+    for backend in ("torch_sdpa", "sage_attn", "sparge_attn"):
+        pipe = WanPipelineNative.from_pretrained(
+            "ditattn:tiny-wan", AttentionSettings(backend=AttentionBackendEnum.from_name(backend)), device="cpu",
+            dtype="bfloat16", dit_quantization="int8")
+        res = pipe.generate("a fox", output_type="latent", progress=False, **SMALL)
+        assert torch.isfinite(res.frames).all(), backend
+
+
+@needs_torchao
+def test_server_runs_quantized_and_requests_cannot_change_it():
+    """``serve --dit-quantization int8``: per process; a request carrying the field is refused (it
+    is not part of the request, so not of the batching signature)."""
+    from fastapi.testclient import TestClient
+
+    from ditattn.runconfig import RunConfig
+    from ditattn.server.app import create_app
+    from ditattn.server.runner import build_runner
+
+    cfg = RunConfig.from_mapping({"dit_quantization": "int8", "num_inference_steps": 1, "height": 32, "width": 32,
+                                  "num_frames": 1, "batch_window_s": 0})
+    runner = build_runner(cfg)
+    assert runner.pipe.quantization_summary() == "int8 (16 of 26 linears)"
+    with TestClient(create_app(runner, cfg.server)) as client:
+        r = client.post("/v1/images/generations", json={"prompt": "a boat", "size": "32x32"})
+        assert r.status_code == 200, r.text
+        r = client.post("/v1/images/generations", json={"prompt": "a boat", "size": "32x32",
+                                                        "dit_quantization": "none"})
+        assert r.status_code == 400 and "dit_quantization" in r.text
+
+
+def test_compare_variants_carry_the_quantization():
+    from ditattn.evaluation.compare import parse_variant
+
+    v = parse_variant("q=sage_attn:pv_dtype=fp8+fp8")
+    assert (v.backend, v.dit_quantization, v.label()) == ("sage_attn", "fp8", "sage_attn:pv_dtype=fp8+fp8")
+    assert parse_variant("q=auto+int8").dit_quantization == "int8"
+    assert parse_variant('q={"backend": "fa", "dit_quantization": "int8"}').dit_quantization == "int8"
+    assert parse_variant("ref=fa").dit_quantization == "none"
+    with pytest.raises(AttentionConfigError, match="accepted: none, fp8, int8"):
+        parse_variant('q={"backend": "fa", "dit_quantization": "fp4"}')
+
+
+# ------------------------------------------------------------------------------------------------
+# 8-bit checkpoints: ComfyUI/Kijai and LightX2V layouts, built here from the tiny DiT's weights
+
+# diffusers -> original Wan names (the inverse of diffusers' convert_wan_transformer_to_diffusers)
+TO_WAN = [("condition_embedder.time_embedder.linear_1", "time_embedding.0"),
+          ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
+          ("condition_embedder.text_embedder.linear_1", "text_embedding.0"),
+          ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
+          ("condition_embedder.time_proj", "time_projection.1"), (".attn1.", ".self_attn."),
+          (".attn2.", ".cross_attn."), (".to_q.", ".q."), (".to_k.", ".k."), (".to_v.", ".v."),
+          (".to_out.0.", ".o."), (".norm2.", ".norm3."), ("ffn.net.0.proj", "ffn.0"), ("ffn.net.2", "ffn.2"),
+          ("proj_out", "head.head")]
+
+
+def _wan_name(key: str) -> str:
+    for a, b in TO_WAN:
+        key = key.replace(a, b)
+    if key == "scale_shift_table":
+        return "head.modulation"
+    return key.replace(".scale_shift_table", ".modulation")
+
+
+def _fp8(w: torch.Tensor, per_channel: bool):
+    amax = w.abs().amax(dim=1, keepdim=True) if per_channel else w.abs().max()
+    scale = (amax.float() / 448.0).clamp(min=1e-12)
+    return (w.float() / scale).to(torch.float8_e4m3fn), scale
+
+
+def _int8(w: torch.Tensor):
+    scale = (w.abs().amax(dim=1, keepdim=True).float() / 127.0).clamp(min=1e-12)
+    return torch.round(w.float() / scale).clamp(-128, 127).to(torch.int8), scale
+
+
+def _write(tmp_path, name, layout):
+    """The tiny DiT's weights as ``layout``: ``comfy`` (Wan names under model.diffusion_model., per
+    tensor float8 + scale_weight + scaled_fp8 marker), ``kijai`` (Wan names, plain float8 casts),
+    ``lightx2v-fp8`` / ``lightx2v-int8`` (Wan names, per-channel weight_scale of the block
+    linears, an input_scale), ``diffusers-fp8`` (diffusers names, per-channel weight_scale)."""
+    from safetensors.torch import save_file
+
+    sd = {k: v.float().contiguous() for k, v in _dit().state_dict().items()}
+    out = {}
+    for k, v in sd.items():
+        name_k = k if layout == "diffusers-fp8" else _wan_name(k)
+        if layout == "comfy":
+            name_k = "model.diffusion_model." + name_k
+        linear = k.endswith(".weight") and v.dim() == 2
+        if linear and layout in ("comfy", "kijai") or (linear and k.startswith("blocks.")):
+            base = name_k[: -len("weight")]
+            if layout == "kijai":
+                out[name_k] = v.to(torch.float8_e4m3fn)
+            elif layout == "comfy":
+                out[name_k], s = _fp8(v, per_channel=False)
+                out[base + "scale_weight"] = s.reshape(1)
+            elif layout == "lightx2v-int8":
+                out[name_k], out[base + "weight_scale"] = _int8(v)
+                out[base + "input_scale"] = torch.ones(1)
+            else:  # lightx2v-fp8, diffusers-fp8
+                out[name_k], out[base + "weight_scale"] = _fp8(v, per_channel=True)
+        else:
+            out[name_k] = v.to(torch.bfloat16)
+    if layout == "comfy":
+        out["scaled_fp8"] = torch.zeros(0, dtype=torch.float8_e4m3fn)
+    path = tmp_path / f"{name}.safetensors"
+    save_file(out, str(path))
+    return str(path), sd
+
+
+@pytest.mark.parametrize("layout, scales, tol", [
+    ("comfy", {"per-tensor"}, 0.07), ("kijai", {"none"}, 0.07), ("lightx2v-fp8", {"per-channel"}, 0.07),
+    ("lightx2v-int8", {"per-channel"}, 0.01), ("diffusers-fp8", {"per-channel"}, 0.07)])
+def test_eight_bit_checkpoint_layouts(tmp_path, layout, scales, tol):
+    """Each layout loads into the native DiT: weights within the format's rounding of the originals
+    (e4m3: 2^-4 relative, int8 per channel: half a step), the DiT output close to the original's."""
+    from ditattn.models.wan.checkpoint import load_weights_file, to_native_state
+    from ditattn.models.weights import target_dtype
+
+    path, sd = _write(tmp_path, layout, layout)
+    state, report = to_native_state(load_weights_file(path), lambda n: target_dtype(n, torch.float32))
+    assert report.scales == scales and report.eight_bit > 0
+    assert report.layout == ("diffusers" if layout == "diffusers-fp8" else "wan")
+    assert set(state) == set(sd)
+    w0, w = sd["blocks.0.attn1.to_q.weight"], state["blocks.0.attn1.to_q.weight"]
+    assert 0 < ((w - w0).norm() / w0.norm()).item() < tol
+    model = _dit(weights_file=path)
+    rel, cos = _err(_run(model, torch.float32), _run(_dit(), torch.float32))
+    assert rel < tol and cos > 0.99, (layout, rel, cos)
+
+
+@needs_torchao
+def test_fp8_checkpoint_then_int8_linears(tmp_path):
+    """A LightX2V FP8 file loaded and quantized again at load time (``--dit-weights`` +
+    ``--dit-quantization int8``) through the pipeline and the CLI."""
+    from ditattn.cli import main
+    from ditattn.pipelines.wan import WanPipelineNative
+
+    path, _ = _write(tmp_path, "dit_fp8", "lightx2v-fp8")
+    pipe = WanPipelineNative.from_pretrained("ditattn:tiny-wan", device="cpu", dtype="float32",
+                                             dit_quantization="int8", dit_weights=path)
+    ref = WanPipelineNative.from_pretrained("ditattn:tiny-wan", device="cpu", dtype="float32")
+    a = ref.generate("a red fox", output_type="latent", progress=False, **SMALL).frames
+    b = pipe.generate("a red fox", output_type="latent", progress=False, **SMALL).frames
+    assert 0 < ((a - b).norm() / a.norm()).item() < 0.1
+    assert main(["generate", "--prompt", "a fox", "--dit-weights", path, "--dit-quantization", "int8",
+                 "--no-save-output", "--height", "32", "--width", "32", "--num-frames", "1",
+                 "--num-inference-steps", "1"]) == 0
+
+
+def test_bad_checkpoints_are_one_line(tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    from ditattn.cli import main
+    from ditattn.models.wan.checkpoint import to_native_state
+
+    f32 = lambda n: torch.float32  # noqa: E731
+    w = torch.zeros(8, 4)
+    cases = [
+        ({"a.weight": torch.zeros(8, 2, dtype=torch.uint8)}, "packed 4-bit weight"),
+        ({"a.weight": w.to(torch.int8)}, "int8 weight without a scale"),
+        ({"a.weight": w.to(torch.float8_e4m3fn), "a.weight_scale": torch.ones(3)}, "scale of shape (3,)"),
+        ({"a.weight": w, "b.scale_weight": torch.ones(1)}, "scale tensor(s) without an 8-bit weight"),
+    ]
+    for state, words in cases:
+        with pytest.raises(AttentionConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
+            to_native_state(state, f32)
+    path, _ = _write(tmp_path, "ok", "comfy")
+    two = tmp_path / "two.safetensors"
+    save_file({"blocks.0.attn1.to_q.weight": torch.zeros(4, 4)}, str(two))
+    for argv, words in [
+        (["--dit-weights", str(tmp_path / "missing.safetensors")], "does not exist"),
+        (["--dit-weights", str(tmp_path / "x.bin")], "accepted: a .safetensors file"),
+        (["--dit-weights", str(two)], "checkpoint does not match the model configuration"),
+        (["--dit-weights", path, "--model-path", "ditattn:tiny-wan2.2"], "transformer=PATH,transformer_2=PATH"),
+        (["--dit-weights", f"transformer_3={path}", "--model-path", "ditattn:tiny-wan2.2"],
+         "unknown DiT component 'transformer_3'"),
+    ]:
+        assert words in _refused(capsys, ["generate", "--prompt", "x", "--no-save-output", *argv])
+
+
+def test_eight_bit_weights_inside_a_diffusers_folder(tmp_path):
+    """A diffusers folder whose transformer file holds FP8 weights with per-channel scales: loaded in
+    bfloat16, each weight is dequantized with its scale (not cast as stored)."""
+    import shutil
+
+    from ditattn.models.builtin import builtin_model_path
+    from ditattn.pipelines.wan import WanPipelineNative
+
+    folder = tmp_path / "wan-fp8"
+    shutil.copytree(builtin_model_path("ditattn:tiny-wan"), folder)
+    path, sd = _write(tmp_path, "dit", "diffusers-fp8")
+    os.replace(path, folder / "transformer" / "diffusion_pytorch_model.safetensors")
+    pipe = WanPipelineNative.from_pretrained(str(folder), device="cpu", dtype="bfloat16")
+    w0 = sd["blocks.1.ffn.net.2.weight"]
+    w = pipe.components["transformer"].blocks[1].ffn.net[2].weight.float()
+    assert pipe.components["transformer"].blocks[1].ffn.net[2].weight.dtype == torch.bfloat16
+    assert ((w - w0).norm() / w0.norm()).item() < 0.07
+
+
+def test_two_dit_weights_files(tmp_path):
+    """Wan 2.2's pair: ``transformer=FILE,transformer_2=FILE``; the folder's weights otherwise."""
+    from ditattn.pipelines.wan import WanPipelineNative
+
+    path, _ = _write(tmp_path, "dit", "comfy")
+    spec = f"transformer={path},transformer_2={path}"
+    pipe = WanPipelineNative.from_pretrained("ditattn:tiny-wan2.2", device="cpu", dtype="float32", dit_weights=spec)
+    a, b = pipe.components["transformer"], pipe.components["transformer_2"]
+    assert torch.equal(a.blocks[0].attn1.to_q.weight, b.blocks[0].attn1.to_q.weight)
+
+
+# ------------------------------------------------------------------------------------------------
+# FP8 on the GPU (skipped without an SM89+ GPU and torchao)
+
+
+@needs_fp8_gpu
+def test_fp8_tiny_dit_on_the_gpu():
+    """FP8 against bfloat16 on the same weights, fused kernels (Triton norms; the GELU epilogue
+    routed around the quantized GEMM) against plain ops, and torch.compile of the blocks."""
+    from ditattn.models.wan.compile import compile_blocks
+
+    ref = _run(_dit(dtype=torch.bfloat16, device="cuda"), torch.bfloat16, "cuda")
+    model = _dit("fp8", torch.bfloat16, "cuda")
+    assert not model.blocks[0].ffn.net[0].gelu_epilogue(on_cuda=True)
+    out = _run(model, torch.bfloat16, "cuda")
+    rel, cos = _err(out, ref)
+    assert 1e-4 < rel < 3e-2 and cos > 0.999, (rel, cos)
+    plain = _run(model.set_fused_ops(False), torch.bfloat16, "cuda")
+    assert _err(out, plain)[0] < 1e-2
+    compiled = _run(compile_blocks(model.set_fused_ops(True)), torch.bfloat16, "cuda")
+    assert _err(compiled, out)[0] < 2e-2
+
+
+@needs_fp8_gpu
+@pytest.mark.parametrize("mode", ["fp8", "int8"])
+def test_quantized_pipeline_on_the_gpu(mode):
+    from ditattn.pipelines.wan import WanPipelineNative
+
+    ref = WanPipelineNative.from_pretrained("ditattn:tiny-wan", device="cuda", dtype="bfloat16")
+    pipe = WanPipelineNative.from_pretrained("ditattn:tiny-wan", device="cuda", dtype="bfloat16",
+                                             dit_quantization=mode)
+    a = ref.generate("a red fox", output_type="latent", progress=False, **SMALL).frames
+    b = pipe.generate("a red fox", output_type="latent", progress=False, **SMALL).frames
+    assert 0 < ((a - b).norm() / a.norm()).item() < 5e-2
+    assert np.isfinite(b.cpu().numpy()).all()
+
+
+@needs_torchao
+def test_sequence_parallel_int8_matches_one_process(tmp_path, capfd):
+    """``generate --num-gpus 2 --ulysses-degree 2 --dit-quantization int8`` (two gloo ranks, each
+    quantizing its own copy) writes the image the single-process INT8 run writes: activations are
+    quantized per token, so sharding the tokens does not change the scales."""
+    import imageio.v3 as iio
+
+    from ditattn.cli import main
+
+    common = ["generate", "--prompt", "a red fox", "--num-frames", "1", "--height", "48", "--width", "48",
+              "--num-inference-steps", "2", "--dit-quantization", "int8", "--output-path", str(tmp_path)]
+    assert main(common + ["--output-file", "one.png"]) == 0
+    assert main(common + ["--output-file", "two.png", "--num-gpus", "2", "--ulysses-degree", "2"]) == 0
+    out = capfd.readouterr().out
+    assert out.count("DiT linears: int8 (16 of 26 linears)") == 2, out
+    a, b = (iio.imread(tmp_path / f).astype(int) for f in ("one.png", "two.png"))
+    assert a.std() > 1 and np.abs(a - b).max() <= 1
+
+
+# ------------------------------------------------------------------------------------------------
+# with LoRA and offload (issue 24's options)
+
+
+def _write_lora(path, seed=0, rank=4):
+    """A diffusers-format LoRA on two of the tiny DiT's quantized linears."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for module in ("blocks.0.attn1.to_q", "blocks.1.ffn.net.2"):
+        out[f"transformer.{module}.lora_A.weight"] = torch.randn(rank, 512, generator=g) * 0.2
+        out[f"transformer.{module}.lora_B.weight"] = torch.randn(512, rank, generator=g) * 0.2
+    save_file(out, str(path))
+    return str(path)
+
+
+@needs_torchao
+@pytest.mark.parametrize("fuse", [True, False])
+def test_lora_with_int8_linears(tmp_path, fuse):
+    """A fused LoRA goes into the weights before they are quantized; an unfused one runs beside the
+    8-bit base GEMM (its per-request scale still switches it: scale 0 is the plain INT8 model)."""
+    from ditattn.models.lora import LoRALinear
+    from ditattn.pipelines.wan import WanPipelineNative
+
+    path = _write_lora(tmp_path / "style.safetensors")
+    kw = dict(device="cpu", dtype="float32", lora=[path], lora_fuse=fuse)
+    lat = lambda p, **g: p.generate("a fox", output_type="latent", progress=False, **SMALL, **g).frames  # noqa: E731
+    plain_q = WanPipelineNative.from_pretrained("ditattn:tiny-wan", device="cpu", dtype="float32",
+                                                dit_quantization="int8")
+    ref = lat(WanPipelineNative.from_pretrained("ditattn:tiny-wan", **kw))
+    pipe = WanPipelineNative.from_pretrained("ditattn:tiny-wan", dit_quantization="int8", **kw)
+    layer = pipe.components["transformer"].blocks[0].attn1.to_q
+    assert isinstance(layer, LoRALinear) != fuse and not Q.plain_weight(layer)
+    out = lat(pipe)
+    assert 0 < ((out - ref).norm() / ref.norm()).item() < 2e-2
+    assert ((out - lat(plain_q)).norm() / ref.norm()).item() > 3e-2  # the LoRA is applied
+    if not fuse:
+        assert torch.equal(lat(pipe, lora={"style": 0.0}), lat(plain_q))
+
+
+@needs_torchao
+def test_offload_with_quantization(capsys):
+    """``--offload text_encoder`` keeps the DiT on its device: it composes; ``model`` / ``group``
+    move plain CPU master tensors by their data, which quantized weights do not support: refused."""
+    from ditattn.pipelines.wan import WanPipelineNative
+
+    pipe = WanPipelineNative.from_pretrained("ditattn:tiny-wan", device="cpu", dtype="float32",
+                                             dit_quantization="int8", offload="text_encoder")
+    assert pipe.quantization_summary() == "int8 (16 of 26 linears)"
+    assert torch.isfinite(pipe.generate("a fox", output_type="latent", progress=False, **SMALL).frames).all()
+    for mode in ("model", "group"):
+        err = _refused(capsys, ["generate", "--prompt", "x", "--dit-quantization", "int8", "--offload", mode])
+        assert f"--dit-quantization int8 with --offload {mode}" in err and "--offload text_encoder" in err
