@@ -12,7 +12,8 @@
 #                                           # tiles), fidelity frontier at 480p with 12 / 40 heads (~9.5 min)
 #   bash bench/h200_session18.sh eco        # issues 21 + 24: diffusers WanPipeline with ditattn inside, the I2V DiT
 #                                           # step, 14B 720p with offload + VAE tiling (~9.5 min)
-#   bash bench/h200_session18.sh quant      # issue 25: 8-bit DiT linears (bench/dit_quant.py)
+#   bash bench/h200_session18.sh quant      # issue 25: 8-bit DiT linears, 1.3B step (carry .gpu-c too: stage_extra.sh)
+#   bash bench/h200_session18.sh quant14b   # issue 25: the 14B architecture
 #
 # Every step has its own time limit inside the 600 s call limit; everything lands in $OUT, tables last.
 set -uo pipefail
@@ -45,8 +46,14 @@ eco)
       --out "$OUT/e2e_i2v.json"
   step 220 python3 bench/wan_memory.py --arch 14b --res 720p --frames 81 --steps 2 --variants none,group+tiling \
       --out "$OUT/wan_memory.json" ;;
-quant)
-  [ -f .gpu-c/activate.sh ] && source .gpu-c/activate.sh
-  step 560 python3 bench/dit_quant.py --out "$OUT/dit_quant" ;;
-*) echo "usage: bash bench/h200_session18.sh kernels|shapes|shapes-vae|shapes-dit|sparse|eco|quant" >&2; exit 2 ;;
+quant)  # carry [".gpu-b", ".gpu-c"] (bash bench/stage_extra.sh writes .gpu-c: torchao's Python code)
+  source .gpu-c/activate.sh
+  step 90 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_dit_quantization.py -k gpu
+  step 480 python3 bench/dit_quant.py --arch 1.3b --res 480p --frames 81 --backends fa,sage_attn --variants eager \
+      --budget-s 420 --out-dir "$OUT" ;;
+quant14b)  # carry [".gpu-b", ".gpu-c"]
+  source .gpu-c/activate.sh
+  step 560 python3 bench/dit_quant.py --arch 14b --res 480p --frames 81 --backends fa,sage_attn --variants eager \
+      --repeats 3 --budget-s 480 --out-dir "$OUT" ;;
+*) echo "usage: bash bench/h200_session18.sh kernels|shapes|shapes-vae|shapes-dit|sparse|eco|quant|quant14b" >&2; exit 2 ;;
 esac
