@@ -184,8 +184,8 @@ class PipelineRunner(BaseRunner):
 
     def run_batch(self, jobs) -> list:
         """One pipeline call for ``jobs``; it stops at the next denoising step once every job must
-        (cancelled, timed out, shutdown: :func:`~ditattn.server.scheduler.batch_stop_reason`)."""
-        from ditattn.server.scheduler import GenerationResult, batch_stop_reason
+        (cancelled, timed out, shutdown: :func:`~ditattn.server.jobs.batch_stop_reason`)."""
+        from ditattn.server.jobs import GenerationResult, batch_stop_reason
 
         head = jobs[0]
         prompts, negatives, seeds = [], [], []

@@ -1,14 +1,10 @@
 """Dynamic batching: a bounded FIFO queue and one worker thread that runs batches on the runner.
 
-A :class:`GenerationJob` is one request (an image request with ``n`` images, or one video job). Its
-:meth:`GenerationJob.signature` holds everything that must be equal for requests to share one
-denoise call: model, width, height, frames, steps, guidance scale, negative prompt, the attention
-override and the skip-softmax parameters. The worker takes the oldest queued job and adds the
-following queued jobs with the same signature, in arrival order, up to ``max_batch_size`` requests
-(image-to-video jobs batch with each other, each with its own first frame, never with text-only ones;
-the LoRA scales and the low-noise expert's guidance scale are part of the signature) —
-so requests with different attention settings never share a batch, and the oldest job is always
-served next (no starvation).
+The worker takes the oldest queued :class:`~ditattn.server.jobs.GenerationJob` and adds the
+following queued jobs with the same :meth:`~ditattn.server.jobs.GenerationJob.signature`, in
+arrival order, up to ``max_batch_size`` requests — so requests with different attention settings
+never share a batch, and the oldest job is always served next (no starvation).  The jobs, their
+results and how they end live in :mod:`ditattn.server.jobs`.
 
 The batch runs inside ``request_scope(state)`` (a context variable set in the worker thread), where
 ``state`` is the :class:`~ditattn.attention.context.RequestState` prepared and validated for the
@@ -31,148 +27,21 @@ one finishes or is stopped (:meth:`Scheduler.stop_running`), queued jobs stay qu
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
 import threading
 import time
-import uuid
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional
 
-import numpy as np
-
-from ditattn.attention.context import RequestState, SkipSoftmaxParams, request_scope
+from ditattn.attention.context import request_scope
 from ditattn.errors import GenerationCancelled
+# the jobs this module queues (re-exported: importable from here as before)
+from ditattn.server.jobs import (SHUTDOWN, TIMEOUT, GenerationJob, GenerationResult, JobCancelled, JobTimeout,
+                                 QueueFull, Runner, SchedulerStopped, batch_stop_reason, stop_error)
 
 log = logging.getLogger("ditattn.server")
 
-SHUTDOWN = "shutdown"
-TIMEOUT = "timeout"
-
-
-class QueueFull(Exception):
-    """The queue already holds ``max_queue`` waiting jobs."""
-
-
-class JobTimeout(Exception):
-    """The job reached its deadline (while queued, or running: stopped at its next step)."""
-
-
-class SchedulerStopped(Exception):
-    """The server is shutting down: the job was not started, or was stopped."""
-
-
-class JobCancelled(Exception):
-    """The job was cancelled; ``reason``: ``client_disconnected`` or ``deleted``."""
-
-    def __init__(self, reason: str):
-        self.reason = reason
-        super().__init__(f"the request was cancelled ({reason.replace('_', ' ')})")
-
-
-@dataclasses.dataclass
-class GenerationResult:
-    """What a runner returns for one job.
-
-    frames: uint8 ``[n, num_frames, height, width, 3]`` (RGB); attention_backends: the DiT backend
-    value(s) that ran, sorted; stats: JSON-safe request statistics (e.g. skip-softmax tile counts).
-    """
-
-    frames: np.ndarray
-    attention_backends: list
-    stats: dict = dataclasses.field(default_factory=dict)
-    seconds: float = 0.0
-
-
-@dataclasses.dataclass(eq=False)
-class GenerationJob:
-    """One validated generation request.
-
-    kind: ``"image"`` or ``"video"``; n: samples (images) to produce, each with seed ``seed + i``;
-    override: the canonical backend value of ``attention_backend_override`` or None; skip_softmax:
-    parsed parameters or None; state: the RequestState prepared for these settings (None for
-    runners that need none); deadline: ``time.monotonic()`` value after which the job is stopped
-    (queued: dropped; running: at its next denoising step); run_timeout_s: when set, the deadline
-    is reset to start + run_timeout_s when the job starts (video jobs bound their wait in the
-    queue and their run separately); stop_reason: set by :meth:`Scheduler.cancel`; image: the first
-    frame of an image-to-video job (a PIL image) or None; lora: the LoRA scales ``((name, scale),
-    ...)`` sorted by name, or None for the server's defaults; guidance_scale_2: the low-noise
-    expert's guidance scale (two-expert checkpoints) or None.
-    """
-
-    kind: str
-    prompt: str
-    width: int
-    height: int
-    num_frames: int
-    num_inference_steps: int
-    guidance_scale: float
-    model: str = ""
-    negative_prompt: Optional[str] = None
-    seed: int = 0
-    n: int = 1
-    fps: int = 16
-    override: Optional[str] = None
-    skip_softmax: Optional[SkipSoftmaxParams] = None
-    state: Optional[RequestState] = None
-    deadline: Optional[float] = None
-    run_timeout_s: Optional[float] = None
-    stop_reason: Optional[str] = None
-    image: Any = None
-    lora: Optional[tuple] = None
-    guidance_scale_2: Optional[float] = None
-    id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
-    created: float = dataclasses.field(default_factory=time.time)
-    future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
-    on_start: Optional[Callable[["GenerationJob"], None]] = None
-    on_progress: Optional[Callable[["GenerationJob", float], None]] = None
-
-    def should_stop(self, now: Optional[float] = None) -> Optional[str]:
-        """Why this job must stop now (its cancel reason, or ``timeout`` past its deadline), else None."""
-        if self.stop_reason is not None:
-            return self.stop_reason
-        if self.deadline is not None and (time.monotonic() if now is None else now) > self.deadline:
-            return TIMEOUT
-        return None
-
-    def signature(self) -> tuple:
-        """The dynamic-batching key: jobs share a batch only if these are all equal."""
-        ss = None if self.skip_softmax is None else (self.skip_softmax.threshold_scale_factor,
-                                                     self.skip_softmax.start_step)
-        return (self.model, self.width, self.height, self.num_frames, self.num_inference_steps,
-                float(self.guidance_scale), self.negative_prompt or "", self.override, ss,
-                self.image is not None, self.lora, self.guidance_scale_2)
-
-
-def batch_stop_reason(jobs: Sequence[GenerationJob]) -> Optional[str]:
-    """Why a running batch must stop — every job in it must (cancelled, timed out, shutdown) — else
-    None: the ``should_stop`` callable runners hand to the pipeline."""
-    now = time.monotonic()
-    reasons = [j.should_stop(now) for j in jobs]
-    if not reasons or not all(reasons):
-        return None
-    return SHUTDOWN if SHUTDOWN in reasons else reasons[0]
-
-
-def stop_error(reason: str) -> BaseException:
-    """The exception a job stopped for ``reason`` ends with."""
-    if reason == TIMEOUT:
-        return JobTimeout("the request reached the server's request timeout and was stopped")
-    if reason == SHUTDOWN:
-        return SchedulerStopped("the server is shutting down")
-    return JobCancelled(reason)
-
-
-class Runner(Protocol):
-    """What the server needs from a model (see :class:`ditattn.server.runner.PipelineRunner`)."""
-
-    model_id: str
-
-    def prepare(self, override: Optional[str], skip_softmax: Optional[dict]) -> RequestState:
-        """Validate a request's attention settings (raise AttentionConfigError with the reason)."""
-
-    def run_batch(self, jobs: Sequence[GenerationJob]) -> list:
-        """Run jobs that share one signature, inside their request scope; one GenerationResult each.
-        Runners that can stop between steps pass ``lambda: batch_stop_reason(jobs)`` down."""
+__all__ = ["Scheduler", "SHUTDOWN", "TIMEOUT", "GenerationJob", "GenerationResult", "JobCancelled", "JobTimeout",
+           "QueueFull", "Runner", "SchedulerStopped", "batch_stop_reason", "stop_error"]
 
 
 class Scheduler:

@@ -25,7 +25,7 @@ from ditattn.errors import AttentionConfigError, short_repr
 from ditattn.server.bodies import read_body, validate
 from ditattn.server.media import write_mp4
 from ditattn.server.protocol import RequestError, VideoCreateRequest, VideoList
-from ditattn.server.scheduler import GenerationJob, GenerationResult, JobCancelled, JobTimeout, SchedulerStopped
+from ditattn.server.jobs import GenerationJob, GenerationResult, JobCancelled, JobTimeout, SchedulerStopped
 from ditattn.server.state import BACKEND_HEADER, ServerState, internal_message, server_state, skip_params, skip_report
 from ditattn.server.store import VideoRecord, remove_file
 
