@@ -1,0 +1,127 @@
+"""The sections of the run configuration that one command reads: :class:`ServerConfig`
+(``serve``), :class:`SimulationConfig` (``plan`` / ``backends``) and :class:`CompareOptions`
+(``compare``).  Part of :class:`~ditattn.runconfig.RunConfig`; importable from
+:mod:`ditattn.runconfig`."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from ditattn.errors import AttentionConfigError
+from ditattn.runconfig.checks import (
+    boolean,
+    float_between,
+    int_between,
+    integer,
+    list_of,
+    nonneg_int,
+    optional,
+    package_list,
+    platform_spec,
+    public_url,
+    tcp_port,
+    text,
+    text_items,
+)
+from ditattn.runconfig.fields import MAX_FPS, MAX_FRAMES, MAX_SIDE, MAX_STEPS
+from ditattn.runconfig.fields import Section as _Section
+from ditattn.runconfig.fields import setting as _field
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig(_Section):
+    """``serve``: address, batching, request limits and lifecycle.
+
+    api_key: required bearer token (None = open); max_batch_size / max_queue: scheduler bounds;
+    request_timeout_s: a request is stopped (at its next denoising step) this long after it was
+    accepted (image requests get 504; a video job fails with ``timeout``, counted from its start);
+    output_dir: where MP4/PNG outputs and the video job store (``jobs.sqlite``) live, reloaded by
+    the next start with the same folder (None = a private temporary folder removed at shutdown);
+    public_url: the external base URL of image URLs (None: relative URLs); max_*: request limits
+    (400 beyond them, naming the limit), ``max_output_pixels`` bounding width × height × frames ×
+    n (None: 16 × the model's default output, at most a 720p 81-frame clip); max_videos_kept: the oldest finished video jobs (and files) are forgotten beyond this count;
+    batch_window_s: how long the scheduler waits for more requests to batch; drain_timeout_s: after
+    SIGTERM, how long the running job may take to finish before it is stopped and kept queued.
+    """
+
+    host: str = _field("127.0.0.1", text, "bind address")
+    port: int = _field(30000, tcp_port, "TCP port")
+    api_key: Optional[str] = _field(None, optional(text), "require Authorization: Bearer KEY")
+    public_url: Optional[str] = _field(None, optional(public_url), "external base URL for image URLs")
+    max_batch_size: int = _field(4, int_between(1, 1024), "dynamic batching: requests per batch")
+    max_queue: int = _field(64, int_between(1, 100000), "queued requests before 429")
+    request_timeout_s: float = _field(600.0, float_between(0.0, 7 * 86400.0, lo_open=True),
+                                      "seconds a request may take before it is stopped")
+    drain_timeout_s: float = _field(20.0, float_between(0.0, 86400.0), "seconds the running job may take to finish "
+                                    "after SIGTERM")
+    output_dir: Optional[str] = _field(None, optional(text), "where outputs and the job store live (None: a temporary "
+                                       "folder)")
+    max_side: int = _field(2048, int_between(1, MAX_SIDE), "largest width or height of a request")
+    max_pixels: int = _field(1920 * 1088, int_between(1, MAX_SIDE * MAX_SIDE), "largest width x height of a request")
+    max_frames: int = _field(257, int_between(1, MAX_FRAMES), "most frames of a video request")
+    max_output_pixels: Optional[int] = _field(None, optional(int_between(1, 10 ** 12)),
+                                              "largest width x height x frames x n of a request (None: 16 x the "
+                                              "model's default output, at most 1280 x 720 x 81)")
+    max_steps: int = _field(100, int_between(1, MAX_STEPS), "most denoising steps of a request")
+    max_n: int = _field(10, int_between(1, 128), "most images per image request")
+    max_fps: int = _field(120, int_between(1, MAX_FPS), "highest fps of a video request")
+    max_body_bytes: int = _field(1 << 20, int_between(1024, 1 << 30), "largest request body in bytes")
+    max_image_bytes: int = _field(10 << 20, int_between(1, 1 << 30), "largest encoded input_reference image in bytes")
+    max_image_pixels: int = _field(4096 * 4096, int_between(1, MAX_SIDE * MAX_SIDE),
+                                   "largest input_reference image in pixels")
+    max_json_depth: int = _field(32, int_between(2, 1000), "deepest nesting of a JSON request body")
+    max_videos_kept: int = _field(1000, int_between(1, 10 ** 6), "finished video jobs kept before the oldest are "
+                                  "forgotten")
+    batch_window_s: float = _field(0.01, float_between(0.0, 60.0), "seconds the scheduler waits to fill a batch")
+
+
+@dataclasses.dataclass(frozen=True)
+class SimulationConfig(_Section):
+    """``plan`` / ``backends``: resolve as if on another machine (nothing runs on it).
+
+    platform: ``NAME[:SM]`` (``cuda:90``, ``cuda:120``, ``rocm``, ``xpu``, ``musa``, ``npu``, ``mps``,
+    ``cpu``; None: the machine here); platform_packages: the optional packages it has, by import
+    name, optionally pinned (``sageattention==2.2.0``; needs ``platform``)."""
+
+    platform: Optional[str] = _field(None, optional(platform_spec), "simulated platform NAME[:SM] (None: this machine)")
+    platform_packages: Optional[tuple] = _field(None, optional(package_list), "packages of the simulated platform")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.platform is None and self.platform_packages:
+            raise AttentionConfigError("--platform-packages needs --platform NAME[:SM]")
+
+    def simulated(self):
+        """The simulated :class:`~ditattn.platforms.Platform`, or None (the machine here)."""
+        from ditattn.platforms import Platform
+
+        return None if self.platform is None else Platform.from_spec(self.platform, self.platform_packages)
+
+    def scope(self):
+        """A context in which :func:`~ditattn.platforms.current_platform` is the simulated platform
+        (a no-op context without one)."""
+        import contextlib
+
+        from ditattn.platforms import use_platform
+
+        sim = self.simulated()
+        return use_platform(sim) if sim is not None else contextlib.nullcontext()
+
+
+@dataclasses.dataclass(frozen=True)
+class CompareOptions(_Section):
+    """``compare``: every prompt runs with every seed under every variant (the first is the reference).
+
+    The keys are ``prompts`` / ``seeds`` / ``variant`` (flags ``--prompt P``, ``--seed S [S ...]``,
+    ``--variant NAME=SPEC``, each repeatable); variants are parsed by
+    :func:`ditattn.evaluation.compare.parse_variant`."""
+
+    prompts: tuple = _field((), text_items, "prompts (each runs with every seed)")
+    seeds: tuple = _field((0,), list_of(nonneg_int, "integers >= 0"), "seeds")
+    variant: tuple = _field((), text_items, "attention settings NAME=SPEC; the first is the reference")
+    capture_steps: tuple = _field((0, -1), list_of(integer, "integers"),
+                                  "denoising steps whose attention outputs are compared (negative: from the end)")
+    capture_rows: int = _field(4096, nonneg_int, "sequence rows kept per captured output (0: all)")
+    in_context: bool = _field(True, boolean, "also run the reference backend on each layer's own inputs")
+    warmup: int = _field(1, nonneg_int, "untimed generations per variant first")
+    write_video: bool = _field(True, boolean, "write side-by-side MP4s")
