@@ -66,7 +66,8 @@ class StructuredSpec:
 
 def rope_pair_axes(head_dim: int) -> list[tuple[int, int]]:
     """``[(axis, rank)]`` per rotated channel pair of Wan's RoPE: axis 0/1/2 = t/h/w, rank 0 the
-    fastest frequency of that axis (pairs are in the order of :func:`rope_tables`)."""
+    fastest frequency of that axis (pairs in the order of
+    :func:`~ditattn.models.wan.embeddings.rope_tables`)."""
     hw = 2 * (head_dim // 6)
     dims = (head_dim - 2 * hw, hw, hw)
     return [(axis, r) for axis, d in enumerate(dims) for r in range(d // 2)]
@@ -117,7 +118,7 @@ def structured_qkv(spec: StructuredSpec, *, device="cpu", dtype=torch.bfloat16,
     tokens in T-major order, as the Wan DiT lays them out) and an info dict (``head_types``,
     ``sinks``, ``content_norms``).  Deterministic in ``spec.seed``."""
     from ditattn.models.fused import apply_rope
-    from ditattn.models.wan.transformer import rope_tables
+    from ditattn.models.wan.embeddings import rope_tables
 
     T, H, W = (int(x) for x in spec.video_shape)
     S, D = T * H * W, spec.head_dim

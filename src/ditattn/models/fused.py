@@ -293,7 +293,7 @@ def qk_norm_rope(q: Tensor, k: Tensor, wq: Optional[Tensor], wk: Optional[Tensor
         q, k: ``[B, S, N]`` projections (``N = heads * head_dim``), same shape and dtype.
         wq, wk: RMSNorm weights ``[N]`` (or both None: no weight).
         cos, sin: float32 rotary tables with ``S * head_dim // 2`` entries (``[1, S, 1, head_dim//2]``
-            from :func:`ditattn.models.wan.transformer.rope_tables`), one angle per channel pair.
+            from :func:`ditattn.models.wan.embeddings.rope_tables`), one angle per channel pair.
         eps: RMSNorm epsilon.  head_dim: channels per head (even).
         impl: ``"auto"`` (Triton on CUDA, PyTorch otherwise), ``"triton"`` or ``"torch"``.
 
