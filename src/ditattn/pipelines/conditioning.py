@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ditattn.errors import AttentionConfigError
+from ditattn.pipelines.latents import normalize_latents
 
 MODES = ("t2v", "i2v", "ti2v")
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "BMP")  # what PIL must identify an input image as
@@ -122,6 +123,28 @@ def load_image(value: ImageInput, *, where: str = "image", max_pixels: int = DEF
                           f"got {type(value).__name__}")
 
 
+def batch_images(image, n: int, mode: str) -> Optional[list]:
+    """The input images of a batch of ``n`` prompts (one RGB PIL image per prompt; one image given
+    serves them all) or None; ``image``: None, one :data:`ImageInput` or a list of 1 or ``n``.
+    :class:`AttentionConfigError` when a checkpoint of ``mode`` needs one (``i2v``) and none is
+    given, or takes none (``t2v``)."""
+    if image is None:
+        if mode == "i2v":
+            raise AttentionConfigError(
+                "this checkpoint is image-to-video: give the first frame (--image PATH; input_reference on the "
+                "server; image= in Python)")
+        return None
+    if mode == "t2v":
+        raise AttentionConfigError(
+            "this checkpoint is text-to-video and takes no image; image conditioning needs an image-to-video "
+            "checkpoint (Wan 2.1 I2V, Wan 2.2 I2V-A14B or TI2V-5B)")
+    items = list(image) if isinstance(image, (list, tuple)) else [image]
+    if len(items) not in (1, n):
+        raise AttentionConfigError(f"image has {len(items)} entries for {n} prompts (give 1 or {n})")
+    images = [load_image(x, where="image" if len(items) == 1 else f"image {i}") for i, x in enumerate(items)]
+    return images * n if len(images) == 1 else images
+
+
 def size_for_image(width: int, height: int, area: int, multiple: int) -> tuple[int, int]:
     """``(height, width)`` with about ``area`` pixels, the aspect ratio of a ``width x height``
     image, each side a positive multiple of ``multiple`` (how Wan sizes image-to-video outputs)."""
@@ -172,12 +195,6 @@ class ImageCondition:
         return per_token.unsqueeze(0).expand(batch, -1)
 
 
-def _normalize(z: torch.Tensor, vae_config) -> torch.Tensor:
-    mean = torch.tensor(vae_config.latents_mean, dtype=z.dtype, device=z.device).view(1, -1, 1, 1, 1)
-    inv_std = 1.0 / torch.tensor(vae_config.latents_std, dtype=z.dtype, device=z.device).view(1, -1, 1, 1, 1)
-    return (z - mean) * inv_std
-
-
 def vae_pixels(images: list, height: int, width: int, spatial: int) -> torch.Tensor:
     """PIL images -> ``[N, 3, height, width]`` float32 in ``[-1, 1]`` (diffusers' VideoProcessor:
     resized to the output size with Lanczos)."""
@@ -206,7 +223,7 @@ def encode_image_condition(images: list, *, mode: str, vae, height: int, width: 
     if mode == "i2v":  # the image, then black frames: [N, 3, F, H, W]
         video = torch.cat([video, video.new_zeros(n, 3, num_frames - 1, height, width)], dim=2)
     z = vae.encode(video.to(vae.dtype)).latent_dist.mode().float()
-    z = _normalize(z, vae.config)
+    z = normalize_latents(z, vae.config)
     T, h, w = (num_frames - 1) // temporal + 1, height // spatial, width // spatial
     if mode == "ti2v":
         mask = torch.ones(1, 1, T, h, w, device=device)

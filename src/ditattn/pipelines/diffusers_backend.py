@@ -84,37 +84,19 @@ def attention_route(config) -> Optional[str]:
 def conditioning_mode_static(mi) -> str:
     """The checkpoint's image conditioning (``t2v``, ``i2v``, ``ti2v``; see
     :mod:`ditattn.pipelines.conditioning`) from its configs alone."""
-    from ditattn.models.weights import read_json
     from ditattn.pipelines.conditioning import conditioning_mode
+    from ditattn.pipelines.latents import VideoGeometry
 
-    vae = read_json(os.path.join(mi.folder("vae"), "config.json"))
-    comp = "transformer" if "transformer" in mi.components else "transformer_2"
-    tr = read_json(os.path.join(mi.folder(comp), "config.json"))
-    return conditioning_mode(int(tr.get("in_channels", 16)), int(vae.get("z_dim", 16)),
-                             bool(mi.config.get("expand_timesteps")), int(vae.get("scale_factor_temporal") or 4))
+    g = VideoGeometry.from_model_index(mi)
+    return conditioning_mode(g.in_channels, g.z_dim, g.expand_timesteps, g.temporal)
 
 
 def check_size_static(mi, height: int, width: int, num_frames: int) -> None:
     """The size rules of :meth:`WanPipelineNative.check_size` from the checkpoint's configs alone
     (``mi``: its :class:`~ditattn.pipelines.model_index.ModelIndex`), before diffusers loads it."""
-    import os
+    from ditattn.pipelines.latents import VideoGeometry
 
-    from ditattn.models.weights import read_json
-
-    vae = read_json(os.path.join(mi.folder("vae"), "config.json"))
-    comp = "transformer" if "transformer" in mi.components else "transformer_2"
-    tr = read_json(os.path.join(mi.folder(comp), "config.json"))
-    sp = int(vae.get("scale_factor_spatial") or 8)
-    st = int(vae.get("scale_factor_temporal") or 4)
-    patch = tr.get("patch_size", (1, 2, 2))
-    mult = sp * max(int(patch[1]), int(patch[2]))
-    for what, v in (("height", height), ("width", width)):
-        if v % mult:
-            raise AttentionConfigError(f"--{what} {v} is not supported; accepted: positive multiples of {mult}")
-    if (num_frames - 1) % st:
-        raise AttentionConfigError(
-            f"--num-frames {num_frames} is not supported; accepted: 1 + {st}k (1, {1 + st}, {1 + 2 * st}, ...)"
-        )
+    VideoGeometry.from_model_index(mi).check_size(height, width, num_frames, flags=True)
 
 
 def diffusers_backend_names() -> list[str]:

@@ -128,7 +128,7 @@ class WanPipeline:
         progress: bool = True,
     ):
         """Generate one clip per prompt and return the
-        :class:`~ditattn.pipelines.wan.GenerationResult` (``frames``, ``attention_backends``,
+        :class:`~ditattn.pipelines.generation.GenerationResult` (``frames``, ``attention_backends``,
         ``timings``, ``stats``).
 
         prompt: a string or a list of N strings (one batch); negative_prompt: a string or N strings.

@@ -1,8 +1,9 @@
-"""Prompt tokenization for Wan pipelines (the ``tokenizer`` component).
+"""Prompts of the Wan pipelines: tokenization (the ``tokenizer`` component) and the text features
+the DiT cross-attends to (:func:`encode_prompts`).
 
-Uses the ``tokenizers`` library directly on ``tokenizer/tokenizer.json`` (fast, and identical to
-transformers' fast tokenizer built from the same file); folders without ``tokenizer.json`` fall
-back to ``transformers.AutoTokenizer``.
+Tokenization uses the ``tokenizers`` library directly on ``tokenizer/tokenizer.json`` (fast, and
+identical to transformers' fast tokenizer built from the same file); folders without
+``tokenizer.json`` fall back to ``transformers.AutoTokenizer``.
 """
 from __future__ import annotations
 
@@ -78,3 +79,19 @@ class PromptTokenizer:
         ids = torch.tensor([e.ids for e in encs], dtype=torch.long)
         mask = torch.tensor([e.attention_mask for e in encs], dtype=torch.long)
         return ids, mask
+
+
+def encode_prompts(tokenizer, text_encoder, texts: Sequence[str], max_length: int,
+                   device: torch.device) -> torch.Tensor:
+    """Text features ``[len(texts), max_length, dim]`` of ``texts``: tokenized (truncated, padded to
+    ``max_length``) and encoded on ``device`` by ``text_encoder(ids, mask)``.  Padding keys are masked
+    out, so the encoder runs only up to the longest prompt (same features for the real tokens) and
+    the padding rows are zeros, as diffusers pads them."""
+    ids, mask = tokenizer(texts, max_length)
+    lens = mask.sum(dim=1).tolist()
+    L_max = max(1, int(max(lens)))
+    emb = text_encoder(ids[:, :L_max].to(device), mask[:, :L_max].to(device))
+    context = emb.new_zeros(emb.shape[0], ids.shape[1], emb.shape[2])
+    for i, L in enumerate(lens):
+        context[i, :L] = emb[i, :L]
+    return context

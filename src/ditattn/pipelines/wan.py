@@ -13,7 +13,9 @@ optional ``transformer_2`` (native Wan DiT, selectable; the Wan 2.2 low-noise ex
 attention, not selectable), ``scheduler`` (the diffusers class named in the checkpoint),
 ``tokenizer``; image-to-video checkpoints with CLIP conditioning add ``image_encoder`` (native CLIP
 vision tower, selectable) and ``image_processor``.  How an image conditions each layout:
-:mod:`ditattn.pipelines.conditioning`.
+:mod:`ditattn.pipelines.conditioning`; a call's inputs, scope and result:
+:mod:`ditattn.pipelines.generation`; the denoise loop: :mod:`ditattn.pipelines.denoise`; latents
+and size rules: :mod:`ditattn.pipelines.latents`.
 
 Python use (one object serves many requests; calls may run concurrently from several threads)::
 
@@ -24,11 +26,9 @@ Python use (one object serves many requests; calls may run concurrently from sev
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
-import sys
 import threading
 import time
 from typing import Any, Optional, Sequence, Union
@@ -42,18 +42,20 @@ from ditattn.attention.context import (
     ComponentScope,
     RequestState,
     attention_settings,
-    forward_context,
-    request_scope,
 )
 from ditattn.attention.names import ROLES
 from ditattn.attention.selector import check_overrides_used
 from ditattn.errors import AttentionConfigError, GenerationCancelled
-from ditattn.models.lora import Adapter, load_loras, lora_scales, resolve_request_lora
+from ditattn.models.lora import Adapter, load_loras, resolve_request_lora
 from ditattn.pipelines.conditioning import (ImageCondition, clip_image_embeds, conditioning_mode,
-                                            encode_image_condition, load_image, size_for_image)
+                                            encode_image_condition)
+from ditattn.pipelines.denoise import denoise
+from ditattn.pipelines.generation import GenerationResult, generation_run, resolve_inputs
+from ditattn.pipelines.latents import VideoGeometry, decode_latents, prepare_latents
 from ditattn.pipelines.loading import DIT, build_components, parse_device, parse_dit_weights, parse_dtype
 from ditattn.pipelines.model_index import ModelIndex, read_model_index, resolve_model_path
 from ditattn.pipelines.offload import ComponentPlacement, check_offload_mode
+from ditattn.pipelines.text import encode_prompts
 from ditattn.platforms import Platform, platform_for_device, use_platform
 
 log = logging.getLogger("ditattn.pipeline")
@@ -65,39 +67,6 @@ MAX_SEQUENCE_LENGTH = 512  # text tokens the DiT cross-attends to (Wan's context
 
 SELECTABLE = ("text_encoder", "image_encoder", "transformer", "transformer_2")
 FIXED = ("vae",)
-
-@dataclasses.dataclass
-class GenerationResult:
-    """What one pipeline call produced.
-
-    frames: ``np.uint8 [N, F, H, W, 3]`` (or float32 in [0, 1] with ``output_type="float"``, or the
-    final latents ``[N, C, T, H/8, W/8]`` tensor with ``output_type="latent"``); attention_backends:
-    the backends the DiT's attention ran in this call (the request override when one was given);
-    timings: seconds per stage (``text``, ``image``, ``denoise``, ``decode``, ``total``); stats: request
-    statistics reported by backends (e.g. skip-softmax tile fractions); peak_memory: the most bytes
-    allocated on the CUDA device during the call (None elsewhere).
-    """
-
-    frames: Any
-    attention_backends: list[str]
-    timings: dict[str, float]
-    stats: dict
-    latents: torch.Tensor  # the final latents [N, C, T, H/8, W/8] (float32) that were decoded
-    seeds: list[int]
-    height: int
-    width: int
-    num_frames: int
-    num_inference_steps: int
-    peak_memory: Optional[int] = None
-
-
-@dataclasses.dataclass
-class _Run:
-    device: Optional[torch.device]  # CUDA device whose peak memory is measured, else None
-
-    def peak_memory(self) -> Optional[int]:
-        return None if self.device is None else int(torch.cuda.max_memory_allocated(self.device))
-
 
 class WanPipelineNative:
     """Native Wan text-to-video pipeline; build it with :meth:`from_pretrained`.
@@ -131,13 +100,13 @@ class WanPipelineNative:
             from ditattn.models.weights import read_json
 
             vae_cfg = read_json(os.path.join(model_index.folder("vae"), "config.json"))
-        self.vae_scale_temporal = int(vae_cfg.get("scale_factor_temporal") or 4)
-        self.vae_scale_spatial = int(vae_cfg.get("scale_factor_spatial") or 8)
         ref = components.get("transformer") or components.get("transformer_2")
-        self.z_dim = int(vae_cfg.get("z_dim") or ref.config.out_channels)
+        #: VAE compression, latent channels and the DiT's patch: the size rules (latents.py)
+        self.geometry = VideoGeometry.from_configs(vae_cfg, dataclasses.asdict(ref.config), self.expand_timesteps)
+        g = self.geometry
+        self.vae_scale_temporal, self.vae_scale_spatial, self.z_dim = g.temporal, g.spatial, g.z_dim
         #: ``t2v``, ``i2v`` (an image is required) or ``ti2v`` (an image is optional); see conditioning.py
-        self.mode = conditioning_mode(ref.config.in_channels, self.z_dim, self.expand_timesteps,
-                                      self.vae_scale_temporal)
+        self.mode = conditioning_mode(g.in_channels, g.z_dim, self.expand_timesteps, g.temporal)
         self.image_embeds = ref.config.has_image_input  # Wan 2.1 I2V: CLIP image tokens
         if self.image_embeds and not {"image_encoder", "image_processor"} <= set(model_index.components):
             raise AttentionConfigError(f"{model_index.path}: the transformer takes CLIP image tokens (image_dim) but "
@@ -331,15 +300,11 @@ class WanPipelineNative:
 
     def check_size(self, height: int, width: int, num_frames: int) -> None:
         """Raise :class:`AttentionConfigError` unless the size is one this model can generate."""
-        mult = self.size_multiple()
-        for what, v in (("height", height), ("width", width)):
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0 or v % mult:
-                raise AttentionConfigError(f"{what} {v!r} is not supported; accepted: positive multiples of {mult}")
-        st = self.vae_scale_temporal
-        if not isinstance(num_frames, int) or isinstance(num_frames, bool) or num_frames < 1 or (num_frames - 1) % st:
-            raise AttentionConfigError(
-                f"num_frames {num_frames!r} is not supported; accepted: 1 + {st}k (1, {1 + st}, {1 + 2 * st}, ...)"
-            )
+        self.geometry.check_size(height, width, num_frames)
+
+    def size_multiple(self) -> int:
+        """Heights and widths must be multiples of this (VAE stride x patch size)."""
+        return self.geometry.size_multiple
 
     def __call__(self, prompt, negative_prompt=None, **kw):
         """Same arguments as :meth:`generate`; returns only the frames (uint8 ``[N, F, H, W, 3]``)."""
@@ -397,40 +362,12 @@ class WanPipelineNative:
         if not self.loaded:
             raise AttentionConfigError("this pipeline was built with load_weights=False (plan only); it cannot generate")
         t_start = time.perf_counter()
-        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-        if not prompts or not all(isinstance(p, str) for p in prompts):
-            raise AttentionConfigError("prompt must be a string or a non-empty list of strings")
-        n = len(prompts)
-        if negative_prompt is None or isinstance(negative_prompt, str):
-            negatives = [negative_prompt or ""] * n
-        else:
-            negatives = list(negative_prompt)
-            if len(negatives) != n:
-                raise AttentionConfigError(f"negative_prompt has {len(negatives)} entries for {n} prompts")
-        if seed is None:
-            seed = 0
-        seeds = [int(seed) + i for i in range(n)] if isinstance(seed, (int, np.integer)) else [int(s) for s in seed]
-        if len(seeds) != n:
-            raise AttentionConfigError(f"seed has {len(seeds)} entries for {n} prompts")
-        images = self._images(image, n)
-        d = self.defaults
-        if images is not None and height is None and width is None:
-            height, width = size_for_image(images[0].width, images[0].height, d["height"] * d["width"],
-                                           self.size_multiple())
-        height = d["height"] if height is None else height
-        width = d["width"] if width is None else width
-        num_frames = d["num_frames"] if num_frames is None else num_frames
-        steps = d["num_inference_steps"] if num_inference_steps is None else num_inference_steps
-        guidance = d["guidance_scale"] if guidance_scale is None else float(guidance_scale)
-        if guidance_scale_2 is not None and self.boundary_ratio is None:
-            raise AttentionConfigError("guidance_scale_2 applies to two-expert checkpoints (Wan 2.2 A14B, with "
-                                       "boundary_ratio); this one has a single transformer")
-        guidance_2 = guidance if guidance_scale_2 is None else float(guidance_scale_2)
-        self.check_size(height, width, num_frames)
-        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-            raise AttentionConfigError(f"num_inference_steps must be a positive integer, got {steps!r}")
-        if output_type not in ("uint8", "float", "latent"):
-            raise AttentionConfigError(f"output_type must be uint8, float or latent, got {output_type!r}")
+        inp = resolve_inputs(prompt, negative_prompt, seed=seed, image=image, height=height, width=width,
+                             num_frames=num_frames, num_inference_steps=num_inference_steps,
+                             guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2, output_type=output_type,
+                             defaults=self.defaults, geometry=self.geometry, mode=self.mode,
+                             two_experts=self.boundary_ratio is not None)
+        height, width, num_frames, steps = inp.height, inp.width, inp.num_frames, inp.steps
         state = request_state if request_state is not None else self.prepare_request(override, skip_softmax)
 
         def check_stop() -> None:
@@ -440,49 +377,28 @@ class WanPipelineNative:
 
         check_stop()
         dev, dt = self.device, self.dtype
-        do_cfg = guidance > 1.0  # as diffusers: the first scale decides whether negatives are encoded
+        do_cfg = inp.guidance > 1.0  # as diffusers: the first scale decides whether negatives are encoded
         timings: dict[str, float] = {}
 
         scales = resolve_request_lora(lora, self.adapters)
-        with self._run_scope(scales) as run:
+        with generation_run(self.placement, dev, scales, self._offload_lock) as run:
             # 1. text
             t0 = time.perf_counter()
-            texts = prompts + negatives if do_cfg else prompts
-            ids, mask = self.components["tokenizer"](texts, max_sequence_length)
-            lens = mask.sum(dim=1).tolist()
-            # padding keys are masked out, so encoding only up to the longest prompt gives the same
-            # embeddings for the real tokens; the padding rows are zeros (as diffusers pads them)
-            L_max = max(1, int(max(lens)))
             with self.placement.use("text_encoder"):
-                emb = self.components["text_encoder"](ids[:, :L_max].to(dev), mask[:, :L_max].to(dev))
-            context = emb.new_zeros(emb.shape[0], ids.shape[1], emb.shape[2])
-            for i, L in enumerate(lens):
-                context[i, :L] = emb[i, :L]
+                context = encode_prompts(self.components["tokenizer"], self.components["text_encoder"],
+                                         inp.prompts + inp.negatives if do_cfg else inp.prompts, max_sequence_length,
+                                         dev)
             dits = {c: self.components.get(c) for c in DIT}
-            ref_dit = dits["transformer"] if dits["transformer"] is not None else dits["transformer_2"]
             context = context.to(dt)
             timings["text"] = time.perf_counter() - t0
 
             # 2. noise (and the image's conditioning)
-            lat_shape = (self.z_dim, (num_frames - 1) // self.vae_scale_temporal + 1,
-                         height // self.vae_scale_spatial, width // self.vae_scale_spatial)
-            if latents is None:
-                latents = torch.stack([
-                    torch.randn(lat_shape, generator=torch.Generator("cpu").manual_seed(s), dtype=torch.float32)
-                    for s in seeds
-                ])
-            elif tuple(latents.shape) != (n, *lat_shape):
-                raise AttentionConfigError(f"latents must have shape {(n, *lat_shape)}, got {tuple(latents.shape)}")
-            latents = latents.to(dev, torch.float32)
-            grid = ref_dit.latent_grid(*lat_shape[1:])
+            latents = prepare_latents(self.geometry.latent_shape(num_frames, height, width), inp.seeds, dev, latents)
             condition = None
-            if images is not None:
+            if inp.images is not None:
                 t0 = time.perf_counter()
-                condition = self._condition(images, height, width, num_frames)
+                condition = self._condition(inp.images, height, width, num_frames)
                 timings["image"] = time.perf_counter() - t0
-            image_embeds = None
-            if condition is not None and condition.image_embeds is not None:
-                image_embeds = torch.cat([condition.image_embeds] * 2) if do_cfg else condition.image_embeds
 
             # 3. denoise
             t0 = time.perf_counter()
@@ -490,53 +406,11 @@ class WanPipelineNative:
             scheduler.set_timesteps(steps, device=dev)
             if hasattr(scheduler, "set_begin_index"):
                 scheduler.set_begin_index(0)
-            timesteps = scheduler.timesteps
-            boundary = None
-            if self.boundary_ratio is not None and dits["transformer_2"] is not None:
-                boundary = float(self.boundary_ratio) * scheduler.config.num_train_timesteps
-            used_models = set()
-            text_caches: dict = {}  # per expert: projected text + cross-attention K/V, computed once
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(timesteps), desc="denoising", unit="step", file=sys.stderr, disable=not progress,
-                       dynamic_ncols=True, leave=True)
-            try:
-                with request_scope(state) if state is not None else contextlib.nullcontext():
-                    for i, t in enumerate(timesteps):
-                        check_stop()
-                        if dits["transformer"] is not None and (boundary is None or float(t) >= boundary):
-                            name, scale = "transformer", guidance
-                        else:
-                            name, scale = "transformer_2", guidance_2
-                        model = dits[name]
-                        used_models.add(name)
-                        self.placement.onload(name)  # stays on the device until another component needs it
-                        x = (latents if condition is None else condition.model_input(latents)).to(dt)
-                        if do_cfg:
-                            x = torch.cat([x, x])
-                        if name not in text_caches:  # block-streamed DiTs project the K/V in each block
-                            text_caches[name] = model.encode_text(
-                                context, image_embeds if model.config.has_image_input else None,
-                                per_block=name not in self.placement.streamers)
-                        if condition is not None and condition.mode == "ti2v":
-                            ts = condition.timesteps(t, x.shape[0], model.config.patch_size)
-                        elif self.expand_timesteps:
-                            ts = t.expand(x.shape[0], grid[0] * grid[1] * grid[2])
-                        else:
-                            ts = t.expand(x.shape[0])
-                        with forward_context(step=i, num_steps=len(timesteps), video_shape=grid, text_len=0):
-                            out = model(x, ts, text_cache=text_caches[name])
-                        if do_cfg:
-                            cond, uncond = out.float().chunk(2)
-                            pred = uncond + scale * (cond - uncond)
-                        else:
-                            pred = out.float()
-                        latents = scheduler.step(pred, t, latents, return_dict=False)[0]
-                        bar.update(1)
-                        if on_step is not None:
-                            on_step(i + 1, len(timesteps))
-            finally:
-                bar.close()
+            latents, used_models = denoise(
+                latents, scheduler, dits, context=context, condition=condition, guidance=inp.guidance,
+                guidance_2=inp.guidance_2, boundary_ratio=self.boundary_ratio, expand_timesteps=self.expand_timesteps,
+                placement=self.placement, dtype=dt, state=state, progress=progress, on_step=on_step,
+                check_stop=check_stop)
             timings["denoise"] = time.perf_counter() - t0
             if condition is not None:
                 latents = condition.finalize(latents)  # TI2V: the first latent frame is the image's
@@ -558,27 +432,8 @@ class WanPipelineNative:
             layers = dit_layers(dits[c] for c in DIT if c in used_models)
             backends = request_backends([l for r in ROLES for l in layers if l.role == r], state)
             stats = dict(state.stats) if state is not None else {}
-            return GenerationResult(frames, backends, timings, stats, latents, seeds, height, width, num_frames, steps,
-                                    run.peak_memory())
-
-    def _images(self, image, n: int) -> Optional[list]:
-        """The batch's input images (one RGB PIL image per prompt) or None; checks that this
-        checkpoint takes (``i2v``, ``ti2v``) or needs (``i2v``) one."""
-        if image is None:
-            if self.mode == "i2v":
-                raise AttentionConfigError(
-                    "this checkpoint is image-to-video: give the first frame (--image PATH; input_reference on the "
-                    "server; image= in Python)")
-            return None
-        if self.mode == "t2v":
-            raise AttentionConfigError(
-                "this checkpoint is text-to-video and takes no image; image conditioning needs an image-to-video "
-                "checkpoint (Wan 2.1 I2V, Wan 2.2 I2V-A14B or TI2V-5B)")
-        items = list(image) if isinstance(image, (list, tuple)) else [image]
-        if len(items) not in (1, n):
-            raise AttentionConfigError(f"image has {len(items)} entries for {n} prompts (give 1 or {n})")
-        images = [load_image(x, where="image" if len(items) == 1 else f"image {i}") for i, x in enumerate(items)]
-        return images * n if len(images) == 1 else images
+            return GenerationResult(frames, backends, timings, stats, latents, inp.seeds, height, width, num_frames,
+                                    steps, run.peak_memory())
 
     def _condition(self, images: list, height: int, width: int, num_frames: int) -> ImageCondition:
         """The batch's :class:`ImageCondition` (VAE latents of the first frame, CLIP tokens)."""
@@ -593,40 +448,7 @@ class WanPipelineNative:
                 num_frames=num_frames, temporal=self.vae_scale_temporal, spatial=self.vae_scale_spatial,
                 device=self.device, image_embeds=embeds)
 
-    @contextlib.contextmanager
-    def _run_scope(self, scales: Optional[dict]):
-        """One generation: LoRA scales in effect, one call at a time when components move (offload),
-        every offloaded component back on the CPU afterwards, CUDA peak memory measured."""
-        lock = self._offload_lock if self.placement.offloaded else contextlib.nullcontext()
-        cuda = self.device.type == "cuda"
-        with lock, lora_scales(scales):
-            if cuda:
-                torch.cuda.reset_peak_memory_stats(self.device)
-            run = _Run(self.device if cuda else None)
-            try:
-                yield run
-            finally:
-                self.placement.release()
-
-    def size_multiple(self) -> int:
-        """Heights and widths must be multiples of this (VAE stride x patch size)."""
-        tr = self.components.get("transformer") or self.components.get("transformer_2")
-        if tr is None:
-            return self.vae_scale_spatial * 2
-        return self.vae_scale_spatial * max(tr.config.patch_size[1], tr.config.patch_size[2])
-
     def decode(self, latents: torch.Tensor) -> np.ndarray:
         """Latents ``[N, C, T, h, w]`` -> float32 frames in [0, 1], ``np.ndarray [N, F, H, W, 3]``."""
         with self.placement.use("vae"):
-            return self._decode(latents)
-
-    def _decode(self, latents: torch.Tensor) -> np.ndarray:
-        vae = self.components["vae"]
-        cfg = vae.config
-        z = latents.to(self.device, vae.dtype)
-        mean = torch.tensor(cfg.latents_mean, dtype=z.dtype, device=z.device).view(1, cfg.z_dim, 1, 1, 1)
-        inv_std = 1.0 / torch.tensor(cfg.latents_std, dtype=z.dtype, device=z.device).view(1, cfg.z_dim, 1, 1, 1)
-        z = z / inv_std + mean
-        video = vae.decode(z, return_dict=False)[0]  # [N, 3, F, H, W] in [-1, 1]
-        video = (video.float() / 2 + 0.5).clamp(0, 1)
-        return video.permute(0, 2, 3, 4, 1).cpu().numpy()
+            return decode_latents(self.components["vae"], latents, self.device)

@@ -150,12 +150,10 @@ class PipelineRunner(BaseRunner):
     def __init__(self, pipe, model_id: str, *, aliases: Iterable[str] = (), default_override=None,
                  default_skip_softmax=None):
         d = pipe.defaults
-        tr = pipe.components.get("transformer") or pipe.components.get("transformer_2")
-        patch = max(tr.config.patch_size[1], tr.config.patch_size[2]) if tr is not None else 2
         defaults = ModelDefaults(
             width=d["width"], height=d["height"], num_frames=d["num_frames"],
             num_inference_steps=d["num_inference_steps"], guidance_scale=d["guidance_scale"],
-            size_multiple=pipe.vae_scale_spatial * patch, frame_step=pipe.vae_scale_temporal,
+            size_multiple=pipe.size_multiple(), frame_step=pipe.vae_scale_temporal,
             image_input={"t2v": "none", "ti2v": "optional", "i2v": "required"}[pipe.mode],
             two_experts=pipe.boundary_ratio is not None,
         )
