@@ -235,3 +235,21 @@ def encode_image_condition(images: list, *, mode: str, vae, height: int, width: 
     frame_mask = torch.cat([frame_mask[:, :, :1].repeat_interleave(temporal, dim=2), frame_mask[:, :, 1:]], dim=2)
     mask = frame_mask.view(n, -1, temporal, h, w).transpose(1, 2)  # [N, temporal, T, h, w]
     return ImageCondition(mode, torch.cat([mask, z], dim=1), None, image_embeds)
+
+
+def image_condition(images: list, *, mode: str, components: dict, placement, height: int, width: int,
+                    num_frames: int, temporal: int, spatial: int, device: torch.device, dtype: torch.dtype,
+                    clip: bool) -> ImageCondition:
+    """The batch's :class:`ImageCondition` from a pipeline's ``components``: the CLIP tokens of the
+    ``image_encoder`` / ``image_processor`` when the DiT takes them (``clip``), then the ``vae``
+    latents (:func:`encode_image_condition`), each component on the device while it runs
+    (``placement``: the pipeline's :class:`~ditattn.pipelines.offload.ComponentPlacement`)."""
+    embeds = None
+    if clip:
+        with placement.use("image_encoder"):
+            embeds = clip_image_embeds(images, components["image_encoder"], components["image_processor"], device,
+                                       dtype)
+    with placement.use("vae"):
+        return encode_image_condition(images, mode=mode, vae=components["vae"], height=height, width=width,
+                                      num_frames=num_frames, temporal=temporal, spatial=spatial, device=device,
+                                      image_embeds=embeds)

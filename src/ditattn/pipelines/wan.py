@@ -47,8 +47,7 @@ from ditattn.attention.names import ROLES
 from ditattn.attention.selector import check_overrides_used
 from ditattn.errors import AttentionConfigError, GenerationCancelled
 from ditattn.models.lora import Adapter, load_loras, resolve_request_lora
-from ditattn.pipelines.conditioning import (ImageCondition, clip_image_embeds, conditioning_mode,
-                                            encode_image_condition)
+from ditattn.pipelines.conditioning import conditioning_mode, image_condition
 from ditattn.pipelines.denoise import denoise
 from ditattn.pipelines.generation import GenerationResult, generation_run, resolve_inputs
 from ditattn.pipelines.latents import VideoGeometry, decode_latents, prepare_latents
@@ -397,7 +396,10 @@ class WanPipelineNative:
             condition = None
             if inp.images is not None:
                 t0 = time.perf_counter()
-                condition = self._condition(inp.images, height, width, num_frames)
+                condition = image_condition(
+                    inp.images, mode=self.mode, components=self.components, placement=self.placement, height=height,
+                    width=width, num_frames=num_frames, temporal=self.vae_scale_temporal,
+                    spatial=self.vae_scale_spatial, device=dev, dtype=dt, clip=self.image_embeds)
                 timings["image"] = time.perf_counter() - t0
 
             # 3. denoise
@@ -434,19 +436,6 @@ class WanPipelineNative:
             stats = dict(state.stats) if state is not None else {}
             return GenerationResult(frames, backends, timings, stats, latents, inp.seeds, height, width, num_frames,
                                     steps, run.peak_memory())
-
-    def _condition(self, images: list, height: int, width: int, num_frames: int) -> ImageCondition:
-        """The batch's :class:`ImageCondition` (VAE latents of the first frame, CLIP tokens)."""
-        embeds = None
-        if self.image_embeds:
-            with self.placement.use("image_encoder"):
-                embeds = clip_image_embeds(images, self.components["image_encoder"],
-                                           self.components["image_processor"], self.device, self.dtype)
-        with self.placement.use("vae"):
-            return encode_image_condition(
-                images, mode=self.mode, vae=self.components["vae"], height=height, width=width,
-                num_frames=num_frames, temporal=self.vae_scale_temporal, spatial=self.vae_scale_spatial,
-                device=self.device, image_embeds=embeds)
 
     def decode(self, latents: torch.Tensor) -> np.ndarray:
         """Latents ``[N, C, T, h, w]`` -> float32 frames in [0, 1], ``np.ndarray [N, F, H, W, 3]``."""
