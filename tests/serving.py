@@ -53,12 +53,13 @@ def serve_process(args, log_path, *, startup_s: float = 180):
             proc.wait()
 
 
-def wait_video(c, vid, timeout=120):
-    """Poll job ``vid`` with the openai client ``c`` until it is no longer queued or in progress."""
+def wait_video(c, vid, timeout=120, poll=0.1):
+    """Poll job ``vid`` with the openai client ``c`` every ``poll`` seconds until it is no longer
+    queued or in progress."""
     t0 = time.time()
     v = c.videos.retrieve(vid)
     while v.status in ("queued", "in_progress"):
         assert time.time() - t0 < timeout, v
-        time.sleep(0.1)
+        time.sleep(poll)
         v = c.videos.retrieve(vid)
     return v

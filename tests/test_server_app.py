@@ -4,8 +4,8 @@ runner: a toy DiT made of real ``LocalAttention`` layers, so attention validatio
 """
 import base64
 import contextlib
+import functools
 import io
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +26,7 @@ from ditattn.server.metrics import parse_text
 from ditattn.server.runner import BaseRunner, ModelDefaults
 from ditattn.server.scheduler import GenerationResult
 from ditattn.server.state import BACKEND_HEADER
+import serving
 from test_server_scheduler import denoise_steps
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the client marks the videos API deprecated
@@ -84,17 +85,11 @@ class ToyRunner(BaseRunner):
         return out
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def serve(runner, **cfg):
     """Run the app on uvicorn in a thread; yield (base_url, app)."""
     app = create_app(runner, ServerConfig(**{"batch_window_s": 0.0, **cfg}))
-    port = _free_port()
+    port = serving.free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="on"))
     th = threading.Thread(target=server.run, daemon=True)
     th.start()
@@ -113,14 +108,7 @@ def client(base, key="none"):
     return openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0, timeout=30)
 
 
-def wait_video(c, vid, timeout=20):
-    t0 = time.time()
-    v = c.videos.retrieve(vid)
-    while v.status in ("queued", "in_progress"):
-        assert time.time() - t0 < timeout
-        time.sleep(0.02)
-        v = c.videos.retrieve(vid)
-    return v
+wait_video = functools.partial(serving.wait_video, timeout=20, poll=0.02)  # the in-process toy server is quick
 
 
 @pytest.fixture(scope="module")

@@ -32,6 +32,16 @@ def _png(w=40, h=24, fmt="PNG", seed=0, solid=False) -> bytes:
     return buf.getvalue()
 
 
+def _finished(c, vid) -> dict:
+    """Job ``vid`` once it has completed or failed, polled through the in-process ``TestClient`` ``c``."""
+    for _ in range(600):
+        done = c.get(f"/v1/videos/{vid}").json()
+        if done["status"] in ("completed", "failed"):
+            return done
+        time.sleep(0.05)
+    return done
+
+
 def _lora(path, seed=0):
     """A random diffusers-format LoRA for the tiny DiT's self-attention projections."""
     g = torch.Generator().manual_seed(seed)
@@ -183,11 +193,7 @@ def test_image_to_video_job_survives_a_restart(tmp_path, lora_file):
     body = {"prompt": "a boat", "size": "48x32", "seed": 3, "input_reference": base64.b64encode(_png(48, 32)).decode()}
     with TestClient(create_app(runner, ServerConfig(batch_window_s=0.0, output_dir=str(out)))) as c:
         vid = c.post("/v1/videos", json=body).json()["id"]
-        for _ in range(600):
-            done = c.get(f"/v1/videos/{vid}").json()
-            if done["status"] in ("completed", "failed"):
-                break
-            time.sleep(0.05)
+        done = _finished(c, vid)
         assert done["status"] == "completed", done
         first = c.get(f"/v1/videos/{vid}/content").content
     assert not os.listdir(out / "inputs")  # the stored frame went with the finished job
@@ -202,11 +208,7 @@ def test_image_to_video_job_survives_a_restart(tmp_path, lora_file):
     db.commit()
     db.close()
     with TestClient(create_app(runner, ServerConfig(batch_window_s=0.0, output_dir=str(out)))) as c:
-        for _ in range(600):
-            done = c.get(f"/v1/videos/{vid}").json()
-            if done["status"] in ("completed", "failed"):
-                break
-            time.sleep(0.05)
+        done = _finished(c, vid)
         assert done["status"] == "completed", done
         assert c.get(f"/v1/videos/{vid}/content").content == first  # same frame, seed and settings
     assert not (out / name).exists()
