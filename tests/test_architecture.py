@@ -17,7 +17,7 @@ PKG_DIR = os.path.join(ROOT, "src", "ditattn")
 # bottom to top; a module may import its own layer and the layers below it.  A new top-level
 # module or package must be placed here (the test says so when one is not).
 LAYERS = [
-    ("errors", "settings", "extras", "lazy"),
+    ("errors", "settings", "extras", "lazy", "files"),
     ("attention", "platforms", "registry"),
     ("distributed",),
     ("models",),

@@ -22,6 +22,7 @@ import os
 from typing import Optional
 
 from ditattn.errors import AttentionConfigError
+from ditattn.files import atomic_write
 from ditattn.models.local import cached_folder, save_wan_pipeline
 
 NAME = "ditattn:shapes"
@@ -72,7 +73,7 @@ def write_package(folder: str, meta: dict, state_dicts: dict, dtype=None) -> tup
     stored in ``dtype`` (default float16), each as its own storage.
     """
     import torch
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     dtype = dtype or torch.float16
     missing = [c for c in COMPONENTS if c not in state_dicts or c not in meta.get("components", {})]
@@ -85,13 +86,9 @@ def write_package(folder: str, meta: dict, state_dicts: dict, dtype=None) -> tup
             tensors[f"{comp}.{k}"] = (t.to(dtype) if t.is_floating_point() else t).contiguous().clone()
     os.makedirs(folder, exist_ok=True)
     meta_path, weights_path = package_files(folder)
-    save_file(tensors, weights_path + ".tmp", metadata={"format": str(FORMAT)})
-    os.chmod(weights_path + ".tmp", 0o644)
-    os.replace(weights_path + ".tmp", weights_path)
-    with open(meta_path + ".tmp", "w", encoding="utf-8") as fh:
-        json.dump(dict(meta, format=FORMAT), fh, indent=1, sort_keys=True)
-        fh.write("\n")
-    os.replace(meta_path + ".tmp", meta_path)
+    atomic_write(weights_path, save(tensors, metadata={"format": str(FORMAT)}))
+    os.chmod(weights_path, 0o644)
+    atomic_write(meta_path, json.dumps(dict(meta, format=FORMAT), indent=1, sort_keys=True) + "\n")
     return meta_path, weights_path
 
 

@@ -1,4 +1,5 @@
-"""Encoding the server's outputs: PNG images and H.264 MP4 videos, written atomically."""
+"""Encoding the server's outputs: PNG images and H.264 MP4 videos, written atomically
+(:func:`ditattn.files.atomic_write`)."""
 from __future__ import annotations
 
 import io
@@ -7,16 +8,7 @@ import uuid
 
 import numpy as np
 
-
-def atomic_write(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file in the same folder (readers never see
-    a partial file)."""
-    tmp = f"{path}.{uuid.uuid4().hex}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+from ditattn.files import atomic_write  # noqa: F401 (re-export: the server's file writes)
 
 
 def encode_png(frame: np.ndarray) -> bytes:

@@ -12,7 +12,7 @@ import uuid
 from collections import OrderedDict
 from typing import Any, Optional
 
-from ditattn.server.media import atomic_write
+from ditattn.files import atomic_write
 from ditattn.server.protocol import VideoError, VideoObject
 
 log = logging.getLogger("ditattn.server")

@@ -44,6 +44,7 @@ from ditattn.attention.sparse.block_sparse import block_mask_to_lists, block_spa
 from ditattn.attention.sparse.common import SparsePlan, add_special_blocks, run_block_mask
 from ditattn.attention.sparse.tiling import DEFAULT_TILE_SIZE, TileLayout, make_tile_layout, tile, untile
 from ditattn.errors import AttentionConfigError
+from ditattn.files import atomic_write
 
 Tensor = torch.Tensor
 log = logging.getLogger(__name__)
@@ -254,10 +255,7 @@ def _write_json(path: str, data: dict) -> None:
     path = os.path.abspath(path)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     body = "{\n" + ",\n".join(f" {json.dumps(key)}: {json.dumps(val)}" for key, val in data.items()) + "\n}\n"
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(body if data else "{}\n")
-    os.replace(tmp, path)
+    atomic_write(path, body if data else "{}\n")
 
 
 # ------------------------------------------------------------------------------------------------

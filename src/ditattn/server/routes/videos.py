@@ -18,14 +18,16 @@ import time
 import uuid
 from typing import Optional
 
+import numpy as np
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import FileResponse, JSONResponse
 
 from ditattn.errors import AttentionConfigError, short_repr
+from ditattn.files import atomic_write
 from ditattn.server.bodies import read_body, validate
-from ditattn.server.media import write_mp4
-from ditattn.server.protocol import RequestError, VideoCreateRequest, VideoList
 from ditattn.server.jobs import GenerationJob, GenerationResult, JobCancelled, JobTimeout, SchedulerStopped
+from ditattn.server.media import encode_png, write_mp4
+from ditattn.server.protocol import RequestError, VideoCreateRequest, VideoList
 from ditattn.server.state import BACKEND_HEADER, ServerState, internal_message, server_state, skip_params, skip_report
 from ditattn.server.store import VideoRecord, remove_file
 
@@ -118,7 +120,7 @@ def _save_reference(state: ServerState, vid: str, image) -> str:
     name = os.path.join("inputs", vid + ".png")
     path = _reference_path(state, name)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    image.save(path, format="PNG")
+    atomic_write(path, encode_png(np.asarray(image)))
     return name
 
 
