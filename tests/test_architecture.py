@@ -4,7 +4,9 @@
 * imports point down the layers of :data:`LAYERS` (entry points on top; ``distributed`` imports
   nothing above it; the pipelines know nothing of the server);
 * nothing below the entry-point layer imports ``argparse`` or touches an argparse ``Namespace``;
-* every module imports on its own, first thing in a fresh interpreter.
+* every module imports on its own, first thing in a fresh interpreter;
+* no module is longer than :data:`MAX_MODULE_LINES` unless it is one kernel or one cohesive
+  algorithm, named in :data:`LONG_MODULES` with the reason.
 """
 import ast
 import os
@@ -29,6 +31,14 @@ LAYERS = [
     ("entrypoints", "cli", "__main__", "train"),  # train: python -m ditattn.train.shapes, imported by nothing
 ]
 ENTRY_LAYER = LAYERS[-1]
+
+# A module longer than this is split along its seams, unless it is one kernel or one cohesive
+# algorithm: then it is named here with the reason (keep this short).
+MAX_MODULE_LINES = 450
+LONG_MODULES = {
+    "ditattn.attention.kernels.sage_sm90": "one kernel: the warp-specialised SM90 Gluon attention kernel "
+                                           "(INT8 Q.K, FP16 / FP8 P.V) with its launch",
+}
 
 
 def _modules() -> dict:
@@ -204,3 +214,29 @@ def test_every_module_imports_first_in_a_fresh_interpreter():
                           env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     assert proc.stdout.strip() == "FAILED:"
+
+
+def _too_long(lines: dict, allowed: dict, limit: int) -> tuple[list, list]:
+    """``(modules over limit and not allowed, allowed modules that are gone or within the limit)``."""
+    over = sorted(f"{name} ({n} lines)" for name, n in lines.items() if n > limit and name not in allowed)
+    stale = sorted(name for name in allowed if lines.get(name, 0) <= limit)
+    return over, stale
+
+
+def test_size_check_finds_long_modules():
+    lines = {"ditattn.a": 451, "ditattn.b": 450, "ditattn.k": 900, "ditattn.c": 10}
+    assert _too_long(lines, {"ditattn.k": "kernel"}, 450) == (["ditattn.a (451 lines)"], [])
+    assert _too_long(lines, {"ditattn.k": "kernel", "ditattn.c": "x", "ditattn.gone": "y"}, 450) == (
+        ["ditattn.a (451 lines)"], ["ditattn.c", "ditattn.gone"])
+
+
+def test_modules_stay_short():
+    lines = {}
+    for name, path in MODULES.items():
+        with open(path, encoding="utf-8") as fh:
+            lines[name] = sum(1 for _ in fh)
+    over, stale = _too_long(lines, LONG_MODULES, MAX_MODULE_LINES)
+    assert over == [], (f"modules over {MAX_MODULE_LINES} lines: {', '.join(over)}; split them along their seams "
+                        "(or, for one kernel / one cohesive algorithm, add them to LONG_MODULES with the reason)")
+    assert stale == [], f"LONG_MODULES entries that are gone or short again (remove them): {', '.join(stale)}"
+    assert all(reason.strip() for reason in LONG_MODULES.values())
