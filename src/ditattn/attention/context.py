@@ -12,7 +12,7 @@ import contextvars
 import dataclasses
 from typing import Any, Iterator, Optional
 
-from ditattn.attention.names import AttentionBackendEnum
+from ditattn.attention.names import DIT_COMPONENTS, AttentionBackendEnum
 
 # ------------------------------------------------------------------------------------------------
 # 1. global force
@@ -110,7 +110,7 @@ def current_component() -> Optional[ComponentScope]:
 def component_scope(name: str, *, is_dit: "bool | None" = None, selectable: bool = True) -> Iterator[ComponentScope]:
     """Construct a component inside this block so its layers see its overrides and record decisions."""
     if is_dit is None:
-        is_dit = name.split(".")[0] in ("transformer", "transformer_2")
+        is_dit = name.split(".")[0] in DIT_COMPONENTS
     scope = ComponentScope(name, is_dit=is_dit, selectable=selectable)
     token = _component.set(scope)
     try:

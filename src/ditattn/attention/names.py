@@ -79,6 +79,9 @@ def aliases_of(backend: AttentionBackendEnum) -> list[str]:
 ROLES = ("self", "cross", "cross_image")
 #: Roles whose keys come from another sequence (sparse video backends cannot serve them).
 CROSS_ROLES = ("cross", "cross_image")
+#: The DiT components of a Wan pipeline (``transformer_2``: Wan 2.2's low-noise expert); their
+#: attention is the request-scoped one (overrides, skip softmax), and LoRAs load into them.
+DIT_COMPONENTS = ("transformer", "transformer_2")
 
 
 def role_chain(role: str) -> tuple[str, ...]:

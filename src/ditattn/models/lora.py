@@ -29,9 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ditattn.attention.names import DIT_COMPONENTS
 from ditattn.errors import AttentionConfigError
 
-LORA_COMPONENTS = ("transformer", "transformer_2")
+LORA_COMPONENTS = DIT_COMPONENTS
 
 
 class LoRAError(AttentionConfigError):

@@ -142,6 +142,16 @@ class QuantizationPlan:
         return line + (f"; kept in the compute dtype: {', '.join(kept)}" if kept else "")
 
 
+def summary(plans: Iterable[QuantizationPlan]) -> Optional[str]:
+    """``"fp8 (240 of 306 linears)"`` (Wan2.1-1.3B) for the plans of a quantized DiT (several DiTs:
+    summed), else None."""
+    plans = list(plans)
+    if not plans or plans[0].mode == "none":
+        return None
+    n, total = sum(len(p.quantized) for p in plans), sum(len(p.decisions) for p in plans)
+    return f"{plans[0].mode} ({n} of {total} linears)"
+
+
 def check_mode(mode: object) -> str:
     """``mode`` as one of :data:`MODES` (None means ``none``); AttentionConfigError otherwise."""
     if mode is None:

@@ -23,6 +23,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ditattn.attention.names import DIT_COMPONENTS
 from ditattn.errors import AttentionConfigError
 
 DITATTN_ONLY = ("component_attention_backends", "attention_backend_config", "attention_backend_override",
@@ -128,7 +129,7 @@ def load_diffusers_pipeline(folder: str, *, device: torch.device, dtype: torch.d
     else:
         pipe.to(device)
     if attention_backend:
-        for name in ("transformer", "transformer_2"):
+        for name in DIT_COMPONENTS:
             dit = getattr(pipe, name, None)
             if dit is None:
                 continue

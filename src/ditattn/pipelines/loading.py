@@ -14,6 +14,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from ditattn.attention.context import ComponentScope, component_scope
+from ditattn.attention.names import DIT_COMPONENTS
 from ditattn.errors import AttentionConfigError
 from ditattn.models.clip_vision import load_clip_vision_encoder, load_image_processor
 from ditattn.models.umt5 import load_umt5_encoder
@@ -24,7 +25,7 @@ from ditattn.platforms import Platform
 
 log = logging.getLogger("ditattn.pipeline")
 
-DIT = ("transformer", "transformer_2")
+DIT = DIT_COMPONENTS
 # component -> (the diffusers class it must be, what it is, its native loader)
 NATIVE_MODELS = {"text_encoder": ("UMT5EncoderModel", "text encoder", load_umt5_encoder),
                  "image_encoder": ("CLIPVisionModel", "image encoder", load_clip_vision_encoder),
@@ -68,6 +69,31 @@ def parse_device(value: "str | torch.device | None") -> torch.device:
         if mod is None or not getattr(mod, "is_available", lambda: False)():
             raise AttentionConfigError(f"device '{value}' is not available here; use --device cpu")
     return dev
+
+
+def check_load_options(settings, *, offload: str, lora, lora_fuse: bool, dit_quantization: str, platform: Platform,
+                       dtype: torch.dtype) -> None:
+    """Refuse, before any weights are read, the load options that cannot run together: an unknown
+    ``offload`` mode, block streaming (``group``) or unfused LoRAs under torch.compile (``settings``:
+    the run's :class:`~ditattn.attention.context.AttentionSettings`), a ``dit_quantization`` mode that
+    ``platform`` / ``dtype`` / torchao cannot run, 8-bit linears with a weight-moving offload.  Raises
+    :class:`AttentionConfigError` naming the flags and what to change."""
+    from ditattn.models.quantization import check_supported
+    from ditattn.pipelines.offload import check_offload_mode
+
+    check_offload_mode(offload)
+    if offload == "group" and settings.compiled:
+        raise AttentionConfigError("--offload group streams the DiT's weights during the forward, which compiled "
+                                   "blocks cannot follow; use --offload model, or drop --enable-torch-compile")
+    if lora and not lora_fuse and settings.compiled:
+        raise AttentionConfigError("unfused LoRA adapters (switchable per request) cannot run inside compiled "
+                                   "blocks; add --lora-fuse, or drop --enable-torch-compile")
+    check_supported(dit_quantization, platform, dtype)
+    if dit_quantization != "none" and offload in ("model", "group"):
+        raise AttentionConfigError(
+            f"--dit-quantization {dit_quantization} with --offload {offload}: the offload keeps plain CPU master "
+            "copies of the weights and moves them by tensor data, which torchao's quantized weights do not "
+            "support; use --offload text_encoder (an 8-bit DiT is half the size of a bf16 one) or no offload")
 
 
 def parse_dit_weights(spec: "str | Mapping[str, str] | None", mi: ModelIndex) -> dict[str, str]:

@@ -27,13 +27,13 @@ from typing import Iterable, Iterator, Optional
 import torch
 from torch import nn
 
+from ditattn.attention.names import DIT_COMPONENTS as DIT
 from ditattn.errors import AttentionConfigError
 from ditattn.runconfig import OFFLOAD_MODES
 
 log = logging.getLogger("ditattn.pipeline")
 
 ENCODERS = ("text_encoder", "image_encoder")
-DIT = ("transformer", "transformer_2")
 
 
 def check_offload_mode(mode: str) -> None:

@@ -1,7 +1,43 @@
-"""Human-readable rendering of the attention plan (DESIGN 1.5)."""
+"""The attention plan (DESIGN 1.5) of the native pipeline: its JSON object (:func:`build_plan`),
+the DiT backends it names (:func:`dit_backends`) and its human-readable rendering
+(:func:`format_plan`)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Mapping, Optional
+
+from ditattn.attention.names import ROLES
+from ditattn.pipelines.loading import DIT
+
+COMPONENT_ORDER = ("text_encoder", "image_encoder", "transformer", "transformer_2", "vae")
+
+
+def build_plan(platform, scopes: Mapping, quantization: Mapping) -> dict:
+    """``{"platform": {...}, "components": [{"name", "selectable", "layers": [{"prefix", "role",
+    "backend", "source", "fallback_reason"}], "linear_quantization"?}]}`` of a pipeline's component
+    ``scopes`` (name -> :class:`~ditattn.attention.context.ComponentScope`; pipeline order first) on
+    ``platform``; ``quantization``: ``{DiT component: QuantizationPlan}`` (``--dit-quantization``,
+    listed unless its mode is none)."""
+    order = [c for c in COMPONENT_ORDER if c in scopes]
+    order += [c for c in scopes if c not in order]
+    comps = []
+    for c in order:
+        entry = {"name": c, "selectable": scopes[c].selectable, "layers": [d.to_json() for d in scopes[c].decisions]}
+        if c in quantization and quantization[c].mode != "none":  # --dit-quantization: the rule's result
+            entry["linear_quantization"] = {**quantization[c].to_json(), "summary": quantization[c].describe()}
+        comps.append(entry)
+    return {"platform": platform.to_json(), "components": comps}
+
+
+def dit_backends(scopes: Mapping) -> list[str]:
+    """The backends the DiT layers of ``scopes`` were built with (self-attention first; a per-call
+    fallback once a call has used it), without duplicates."""
+    out: list[str] = []
+    for c in DIT:
+        if c in scopes:
+            for role in ROLES:
+                for d in scopes[c].decisions:
+                    out += [b.value for b in d.ran_backends() if d.role == role and b.value not in out]
+    return out
 
 
 def _ranges(idx: list[int]) -> str:

@@ -51,9 +51,11 @@ from ditattn.pipelines.conditioning import conditioning_mode, image_condition
 from ditattn.pipelines.denoise import denoise
 from ditattn.pipelines.generation import GenerationResult, generation_run, resolve_inputs
 from ditattn.pipelines.latents import VideoGeometry, decode_latents, prepare_latents
-from ditattn.pipelines.loading import DIT, build_components, parse_device, parse_dit_weights, parse_dtype
+from ditattn.pipelines.loading import (DIT, build_components, check_load_options, parse_device, parse_dit_weights,
+                                      parse_dtype)
 from ditattn.pipelines.model_index import ModelIndex, read_model_index, resolve_model_path
-from ditattn.pipelines.offload import ComponentPlacement, check_offload_mode
+from ditattn.pipelines.offload import ComponentPlacement
+from ditattn.pipelines.plan import build_plan, dit_backends
 from ditattn.pipelines.text import encode_prompts
 from ditattn.platforms import Platform, platform_for_device, use_platform
 
@@ -162,7 +164,7 @@ class WanPipelineNative:
         bf16/fp16/fp32 or FP8/INT8 with scales: :mod:`ditattn.models.wan.checkpoint`), or
         ``{component: file}`` for a model with two DiTs.
         """
-        from ditattn.models.quantization import check_mode, check_supported, plan_linears, quantize_linears
+        from ditattn.models.quantization import check_mode, plan_linears, quantize_linears
 
         settings = settings or AttentionSettings()
         dit_quantization = check_mode(dit_quantization)
@@ -172,19 +174,8 @@ class WanPipelineNative:
         dev = parse_device(device)
         platform = platform_for_device(dev)
         dt = parse_dtype(dtype, platform)
-        check_offload_mode(offload)
-        if offload == "group" and settings.compiled:
-            raise AttentionConfigError("--offload group streams the DiT's weights during the forward, which compiled "
-                                       "blocks cannot follow; use --offload model, or drop --enable-torch-compile")
-        if lora and not lora_fuse and settings.compiled:
-            raise AttentionConfigError("unfused LoRA adapters (switchable per request) cannot run inside compiled "
-                                       "blocks; add --lora-fuse, or drop --enable-torch-compile")
-        check_supported(dit_quantization, platform, dt)  # before any weights are read
-        if dit_quantization != "none" and offload in ("model", "group"):
-            raise AttentionConfigError(
-                f"--dit-quantization {dit_quantization} with --offload {offload}: the offload keeps plain CPU master "
-                "copies of the weights and moves them by tensor data, which torchao's quantized weights do not "
-                "support; use --offload text_encoder (an 8-bit DiT is half the size of a bf16 one) or no offload")
+        check_load_options(settings, offload=offload, lora=lora, lora_fuse=lora_fuse,
+                           dit_quantization=dit_quantization, platform=platform, dtype=dt)
         weights = parse_dit_weights(dit_weights, mi)
         home = torch.device("cpu") if offload != "none" and load_weights else dev
         with use_platform(platform), attention_settings(settings):
@@ -241,17 +232,7 @@ class WanPipelineNative:
     def plan(self) -> dict:
         """The attention plan (DESIGN 1.5): ``{"platform": {...}, "components": [{"name",
         "selectable", "layers": [{"prefix", "role", "backend", "source", "fallback_reason"}]}]}``."""
-        order = [c for c in ("text_encoder", "image_encoder", "transformer", "transformer_2", "vae") if c in self.scopes]
-        order += [c for c in self.scopes if c not in order]
-        quant = self.linear_quantization()
-        comps = []
-        for c in order:
-            entry = {"name": c, "selectable": self.scopes[c].selectable,
-                     "layers": [d.to_json() for d in self.scopes[c].decisions]}
-            if c in quant and quant[c].mode != "none":  # --dit-quantization: the rule's result
-                entry["linear_quantization"] = {**quant[c].to_json(), "summary": quant[c].describe()}
-            comps.append(entry)
-        return {"platform": self.platform.to_json(), "components": comps}
+        return build_plan(self.platform, self.scopes, self.linear_quantization())
 
     def linear_quantization(self) -> dict:
         """``{DiT component: QuantizationPlan}``: which linears ``--dit-quantization`` quantized (or,
@@ -261,11 +242,9 @@ class WanPipelineNative:
 
     def quantization_summary(self) -> Optional[str]:
         """``"fp8 (240 of 306 linears)"`` (Wan2.1-1.3B) for a quantized DiT (several DiTs: summed), else None."""
-        plans = list(self.linear_quantization().values())
-        if not plans or plans[0].mode == "none":
-            return None
-        n, total = sum(len(p.quantized) for p in plans), sum(len(p.decisions) for p in plans)
-        return f"{plans[0].mode} ({n} of {total} linears)"
+        from ditattn.models.quantization import summary
+
+        return summary(self.linear_quantization().values())
 
     @property
     def dit_modules(self) -> list[torch.nn.Module]:
@@ -274,13 +253,7 @@ class WanPipelineNative:
     def dit_backends(self) -> list[str]:
         """The backends the DiT layers were built with (self-attention first; a per-call fallback
         once a call has used it), without duplicates."""
-        out: list[str] = []
-        for c in DIT:
-            if c in self.scopes:
-                for role in ROLES:
-                    for d in self.scopes[c].decisions:
-                        out += [b.value for b in d.ran_backends() if d.role == role and b.value not in out]
-        return out
+        return dit_backends(self.scopes)
 
     # ------------------------------------------------------------------------------------------
     # generation

@@ -34,13 +34,14 @@ from ditattn.attention.context import (
     request_scope,
 )
 from ditattn.attention.layer import LocalAttention
+from ditattn.attention.names import DIT_COMPONENTS
 from ditattn.attention.selector import check_overrides_used
 from ditattn.attention.specs import SPECS
 from ditattn.errors import AttentionConfigError
 from ditattn.integrations.diffusers.families import FAMILIES, Family, family_of, forward_arg
 from ditattn.platforms import Platform, platform_for_device, use_platform
 
-DIT = ("transformer", "transformer_2")
+DIT = DIT_COMPONENTS
 
 # the request state of the pipeline calls inside ``options(pipe, ...)``
 call_state: contextvars.ContextVar[Optional[RequestState]] = contextvars.ContextVar("ditattn_diffusers_call",
