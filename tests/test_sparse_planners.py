@@ -225,20 +225,103 @@ def test_vsa_default_tiles_are_4x4x4_and_edge_tiles_packed():
     check_output(res, q, k, v, mask)
 
 
-@pytest.mark.parametrize("block_size,tile", [(32, (2, 4, 4)), (64, (4, 4, 4))])
+def pooled_query_scores(q, k, grid, tile, scale, variance=False, edge_tiles="padded"):
+    """Independent pooled-query scores in original token order: per block pair (I, J),
+    log sum_{j in J} exp(scale * mean_I(q) . k_j (+ 0.5 scale^2 var_I(q) . k_j^2)), float64."""
+    ids, groups = block_ids(grid, tile, edge_tiles)
+    nt = len(groups)
+    N = ids.numel()
+    pq = group_means(q[:, :N], ids, nt)  # [B,H,nt,D]
+    kk = k[:, :N].double().transpose(1, 2)  # [B,H,N,D]
+    s = pq @ kk.transpose(-1, -2) * scale  # [B,H,nt,N]
+    if variance:
+        var = (group_means(q[:, :N].double().pow(2), ids, nt) - pq.pow(2)).clamp(min=0)
+        s = s + 0.5 * scale * scale * (var @ kk.pow(2).transpose(-1, -2))
+    out = torch.full((*s.shape[:3], nt), float("-inf"), dtype=torch.float64)
+    for t in range(nt):
+        sel = ids == t
+        if sel.any():
+            out[..., t] = torch.logsumexp(s[..., sel], -1)
+    return out
+
+
+def block_similarity(x, grid, tile, edge_tiles="padded"):
+    """Mean pairwise cosine similarity of each block's tokens (self-pairs included): [B, H, nt]."""
+    ids, groups = block_ids(grid, tile, edge_tiles)
+    nt = len(groups)
+    N = ids.numel()
+    u = torch.nn.functional.normalize(x[:, :N].double(), dim=-1)
+    out = torch.zeros(x.shape[0], x.shape[2], nt, dtype=torch.float64)
+    for t in range(nt):
+        ut = u[:, ids == t].transpose(1, 2)  # [B,H,n,D]
+        out[..., t] = (ut @ ut.transpose(-1, -2)).mean((-1, -2))
+    return out
+
+
+def topk_token_mask(s, keep_count, ids, text_len, forced=None):
+    """Top-k per row of tile scores ``s`` [B,H,nt,nt] (forced tile pairs added) as a token mask."""
+    top = s.topk(keep_count, dim=-1).indices
+    sel = torch.zeros_like(s, dtype=torch.bool).scatter_(-1, top, True)
+    if forced is not None:
+        sel |= forced
+    return with_text(sel[:, :, ids][:, :, :, ids], text_len)
+
+
+SPARGE_TILES = [(32, (2, 4, 4)), (64, (4, 4, 4)), (128, (4, 4, 8))]
+
+
+@pytest.mark.parametrize("block_size,tile", SPARGE_TILES)
 @pytest.mark.parametrize("topk", [0.25, 0.5, 1.0])
 @pytest.mark.parametrize("edge_tiles", ["padded", "packed"])
-def test_sparge_topk_fraction(block_size, tile, topk, edge_tiles):
-    grid, text_len = (3, 8, 9), 7
+@pytest.mark.parametrize("predictor", ["pooled", "pooled_query", "pooled_query_var"])
+def test_sparge_topk_fraction(block_size, tile, topk, edge_tiles, predictor):
+    grid, text_len = (3, 9, 10), 7  # partial tiles on every axis (128: 4x4x8 tiles of a 3x9x10 grid)
     q, k, v = qkv(grid, text_len, heads=2, dim=64, seed=3)
     res = sparge_attention(q, k, v, video_shape=grid, topk=topk, block_size=block_size, text_len=text_len,
-                           return_lse=True, edge_tiles=edge_tiles)
+                           predictor=predictor, return_lse=True, edge_tiles=edge_tiles)
     nt = len(tile_groups(grid, tile, edge_tiles)[0])
     kk = max(1, math.ceil(Fraction(str(topk)) * nt))
     assert res[2].extra["k"] == kk
-    mask, _, _ = pooled_topk_mask(q, k, grid, tile, text_len, kk, 64 ** -0.5, edge_tiles)
+    if predictor == "pooled":
+        mask, _, _ = pooled_topk_mask(q, k, grid, tile, text_len, kk, 64 ** -0.5, edge_tiles)
+    else:
+        s = pooled_query_scores(q, k, grid, tile, 64 ** -0.5, variance=predictor == "pooled_query_var",
+                                edge_tiles=edge_tiles)
+        mask = topk_token_mask(s, kk, block_ids(grid, tile, edge_tiles)[0], text_len)
     assert torch.equal(plan_token_mask(res[2]), mask)
     check_output(res, q, k, v, mask)
+    assert res[2].extra["predictor"] == predictor
+
+
+@pytest.mark.parametrize("grid,text_len,edge_tiles", [((3, 9, 10), 7, "packed"), ((5, 6, 7), 0, "padded")])
+def test_sparge_self_similarity_fallback(grid, text_len, edge_tiles):
+    """Blocks whose mean pairwise cosine similarity is <= simthreshd1: their query rows attend every
+    block and their key columns are kept for every query, the top-k is taken among the others."""
+    tile = (4, 4, 4)
+    q, k, v = qkv(grid, text_len, heads=2, dim=64, seed=7)
+    ids, groups = block_ids(grid, tile, edge_tiles)
+    nt = len(groups)
+    sq, sk = block_similarity(q, grid, tile, edge_tiles), block_similarity(k, grid, tile, edge_tiles)
+    vals = torch.cat([sq.flatten(), sk.flatten()]).sort().values
+    mid = vals.numel() // 2
+    thr = float(vals[mid - 1] + vals[mid]) / 2  # about half the blocks fall back; no block at the threshold
+    kk = math.ceil(0.25 * nt)
+    s = pooled_query_scores(q, k, grid, tile, 64 ** -0.5, edge_tiles=edge_tiles)
+    k_odd = (sk <= thr).unsqueeze(2).expand(-1, -1, nt, -1)
+    forced = k_odd | (sq <= thr).unsqueeze(3).expand(-1, -1, -1, nt)
+    mask = topk_token_mask(s.masked_fill(k_odd, float("-inf")), kk, ids, text_len, forced)
+    res = sparge_attention(q, k, v, video_shape=grid, topk=0.25, text_len=text_len, simthreshd1=thr,
+                           return_lse=True, edge_tiles=edge_tiles)
+    assert torch.equal(plan_token_mask(res[2]), mask)
+    check_output(res, q, k, v, mask)
+    assert res[2].kept_fraction > 0.25 + 0.2  # the fallback adds blocks on top of the top-k
+    # the similarity lies in [0, 1]: upstream's top-k default -0.1 (ours) changes nothing
+    off = sparge_attention(q, k, v, video_shape=grid, topk=0.25, text_len=text_len, simthreshd1=-0.1,
+                           edge_tiles=edge_tiles)
+    plain = sparge_attention(q, k, v, video_shape=grid, topk=0.25, text_len=text_len, simthreshd1=0.0,
+                             edge_tiles=edge_tiles)
+    assert torch.equal(plan_token_mask(off[2]), plan_token_mask(plain[2]))
+    assert bool((sq >= 0).all() and (sq <= 1 + 1e-12).all())
 
 
 # ------------------------------------------------------------------------------------------------

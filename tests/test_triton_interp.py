@@ -102,6 +102,31 @@ def test_block_centroid_kernel_matches_torch():
     assert rel(out, ref) < 1e-2 and (lse[fin] - ref_lse[fin]).abs().max() < 1e-2
 
 
+@pytest.mark.parametrize("variance", [False, True])
+def test_pooled_query_block_scores_kernel_matches_torch(variance):
+    """The selection kernel of sparge_attn's pooled_query predictor against its PyTorch path in
+    float64: a partial edge tile (padding keys masked), a query count that is not a multiple of the
+    kernel's chunk, with and without the variance term."""
+    from ditattn.attention.sparse.block_scores import pooled_query_block_scores
+    from ditattn.attention.sparse.tiling import make_tile_layout, tile
+
+    g = torch.Generator().manual_seed(8)
+    grid = (3, 8, 6)  # 4x4x4 tiles: 1 x 2 x 2 tiles, all partial in T and W
+    lay = make_tile_layout(grid, (4, 4, 4))
+    q, k = (_rand(1, 144, 2, 32, dtype=torch.bfloat16, gen=g, shift=0.3) for _ in range(2))
+    qt, kt = tile(q, lay), tile(k, lay)
+    got = pooled_query_block_scores(qt, kt, lay, 32 ** -0.5, variance=variance, impl="triton")
+    want = pooled_query_block_scores(qt.double(), kt.double(), lay, 32 ** -0.5, variance=variance,
+                                     impl="reference")
+    assert got.dtype == torch.float32 and got.shape == want.shape == (1, 2, 4, 4)
+    assert (got.double() - want).abs().max() < 3e-2
+    from ditattn.attention.kernels.block_scores import pooled_query_lse
+
+    with pytest.raises(AttentionConfigError, match="block_size"):
+        pooled_query_lse(torch.zeros(1, 2, 4, 32), None, kt[:, :96], torch.ones(96, dtype=torch.bool), block_size=48,
+                         scale=1.0)
+
+
 def test_sage_sla_triton_path_matches_reference_path():
     """sage_sla on the Triton path (fused quantization + block-sparse kernel, bf16) against the
     PyTorch quantization + float64 reference kernel on the same inputs."""
