@@ -472,7 +472,8 @@ VALID = {
                    "moba_threshold_type": "head_global", "first_full_step": 0, "first_full_layer": 2,
                    "temporal_layer": 0, "spatial_layer": 2, "st_layer": 1},
     B.SOL_ATTN: {"tau": 2.5, "thresh_type": "exact", "sink_tokens": 256, "sink_start": 10, "dense_steps": 0,
-                 "dense_layers": "0-2", "dense_backend": "sage_attn", "kv_splits": 4, "edge_tiles": "padded"},
+                 "dense_layers": "0-2", "dense_backend": "sage_attn", "kv_splits": 4, "edge_tiles": "padded",
+                 "predictor": "pooled", "centroid_variance": False},
     B.SLA_ATTN: {"topk": 0.1, "negligible_fraction": 0.5, "block_size": 32, "edge_tiles": "packed"},
     B.SAGE_SLA_ATTN: {"topk": 1.0, "negligible_fraction": 0.0, "block_size": 128},
     B.SPARSE_VIDEO_GEN_2_ATTN: {"num_q_clusters": 8, "num_k_clusters": 16, "kmeans_iters": 1, "top_p": 1.0,
@@ -502,6 +503,7 @@ INVALID = [
     (B.SOL_ATTN, "sink_tokens", -1), (B.SOL_ATTN, "sink_start", -5), (B.SOL_ATTN, "dense_steps", -1),
     (B.SOL_ATTN, "dense_layers", "a,b"), (B.SOL_ATTN, "dense_layers", "3-1"),
     (B.SOL_ATTN, "dense_backend", "torch_sdpa"), (B.SOL_ATTN, "kv_splits", 0), (B.SOL_ATTN, "kv_splits", "many"),
+    (B.SOL_ATTN, "predictor", "pooled_query_var"), (B.SOL_ATTN, "centroid_variance", "yes"),
     (B.SLA_ATTN, "topk", 0.0), (B.SLA_ATTN, "negligible_fraction", 1.0), (B.SLA_ATTN, "negligible_fraction", -0.1),
     (B.SLA_ATTN, "block_size", 100), (B.SAGE_SLA_ATTN, "topk", 2.0),
     (B.SPARSE_VIDEO_GEN_2_ATTN, "num_q_clusters", 0), (B.SPARSE_VIDEO_GEN_2_ATTN, "num_k_clusters", -1),
@@ -552,8 +554,8 @@ def test_seed_defaults():
                                          "spatial_topk", "st_chunk_size", "st_topk"))
     sol = validate_backend_config(B.SOL_ATTN, {})
     assert sol == {"tau": 1.0, "thresh_type": "diag", "sink_tokens": 0, "sink_start": 0, "dense_steps": 10,
-                   "dense_layers": "0,1", "dense_backend": "fa", "kv_splits": "auto",
-                   "edge_tiles": "packed", "block_sparse_impl": "auto"}
+                   "dense_layers": "0,1", "dense_backend": "fa", "kv_splits": "auto", "predictor": "pooled_query",
+                   "centroid_variance": True, "edge_tiles": "packed", "block_sparse_impl": "auto"}
     for backend in (B.VIDEO_SPARSE_ATTN, B.SPARGE_ATTN, B.SLA_ATTN, B.SAGE_SLA_ATTN):
         assert validate_backend_config(backend, {})["edge_tiles"] == "packed"
     for backend in (B.VMOBA_ATTN, B.SPARSE_VIDEO_GEN_2_ATTN):  # chunks / clusters are their unit: no packing

@@ -651,8 +651,12 @@ def test_sage_sla_quantized_sparse_branch(grid, text_len, edge_tiles):
 # Sol
 
 
-def sol_reference(q, k, v, grid, text_len, tau, thresh_type, sink, scale, edge_tiles="padded"):
-    """Independent Sol: exact tokens of routed blocks + centroid virtual keys of the other blocks."""
+def sol_reference(q, k, v, grid, text_len, tau, thresh_type, sink, scale, edge_tiles="padded", predictor="pooled",
+                  centroid_variance=False):
+    """Independent Sol: exact tokens of routed blocks + centroid virtual keys of the other blocks.
+    ``pooled_query``: the rule's count per query block, filled with its neighbours, then the best
+    log sum_{t in block j} exp(scale * mean_i(q) . k_t); ``centroid_variance``: virtual key j's
+    score gains 0.5 * scale^2 * q^2 . var_j(k)."""
     B, S, H, D = q.shape
     N = S - text_len
     special = torch.zeros(S, dtype=torch.bool)
@@ -677,6 +681,16 @@ def sol_reference(q, k, v, grid, text_len, tau, thresh_type, sink, scale, edge_t
     thr = m + tau * torch.sqrt(var.clamp(min=0) + 1e-6)
     near = torch.tensor([[any(abs(a - b) <= 1 for a in gi for b in gj) for gj in groups] for gi in groups])
     exact = (s > thr.unsqueeze(-1)) | near
+    if predictor == "pooled_query":
+        lse = torch.stack([torch.logsumexp(torch.einsum("bhid,bthd->bhit", cq, k[:, :N][:, tid == t].double()) * scale,
+                                           -1) for t in tiles], -1)  # [B,H,nv,nv]
+        count = exact.sum(-1)
+        routed = torch.zeros_like(exact)
+        for b, h, i in torch.cartesian_prod(*(torch.arange(x) for x in exact.shape[:3])).tolist():
+            rest = [j for j in sorted(range(nv), key=lambda j: -float(lse[b, h, i, j])) if not near[i, j]]
+            for j in [j for j in range(nv) if near[i, j]] + rest[: int(count[b, h, i]) - int(near[i].sum())]:
+                routed[b, h, i, j] = True
+        exact = routed
     blk = torch.cat([tid, torch.full((text_len,), -1)])  # [S]
     is_vid = blk >= 0
     bi = blk.clamp(min=0)
@@ -687,6 +701,10 @@ def sol_reference(q, k, v, grid, text_len, tau, thresh_type, sink, scale, edge_t
     vx = torch.cat([v.double(), cv.transpose(1, 2)], 1)
     mask = torch.cat([tok, approx], -1)
     bias = torch.cat([torch.zeros(S), cnt.log()]).view(1, 1, 1, -1).expand(B, H, S, -1)
+    if centroid_variance:
+        kvar = torch.stack([k[:, :N][:, tid == t].double().var(1, unbiased=False) for t in tiles], 2)  # [B,H,nv,D]
+        jensen = 0.5 * scale ** 2 * torch.einsum("bshd,bhjd->bhsj", q.double() ** 2, kvar)
+        bias = bias + torch.cat([torch.zeros(B, H, S, S, dtype=torch.float64), jensen], -1)
     return reference_attention(q.double(), kx, vx, mask=mask, attn_bias=bias, scale=scale, dtype=torch.float64), exact
 
 
@@ -694,13 +712,16 @@ def sol_reference(q, k, v, grid, text_len, tau, thresh_type, sink, scale, edge_t
 @pytest.mark.parametrize("thresh_type", ["diag", "exact"])
 @pytest.mark.parametrize("tau,sink", [(0.5, (0, 0)), (1.5, (10, 30))])
 @pytest.mark.parametrize("edge_tiles", ["padded", "packed"])
-def test_sol_routing_and_centroid_branch(grid, text_len, thresh_type, tau, sink, edge_tiles):
+@pytest.mark.parametrize("predictor,centroid_variance", [("pooled", False), ("pooled_query", True)])
+def test_sol_routing_and_centroid_branch(grid, text_len, thresh_type, tau, sink, edge_tiles, predictor,
+                                         centroid_variance):
     q, k, v = qkv(grid, text_len, heads=2, dim=16, batch=1, seed=11)
     scale = 16 ** -0.5
     out, lse, plan = sol_attention(q, k, v, video_shape=grid, text_len=text_len, tau=tau, thresh_type=thresh_type,
                                    sink_start=sink[0], sink_tokens=sink[1] - sink[0], return_lse=True,
-                                   edge_tiles=edge_tiles)
-    (ro, rl), exact = sol_reference(q, k, v, grid, text_len, tau, thresh_type, sink, scale, edge_tiles)
+                                   edge_tiles=edge_tiles, predictor=predictor, centroid_variance=centroid_variance)
+    (ro, rl), exact = sol_reference(q, k, v, grid, text_len, tau, thresh_type, sink, scale, edge_tiles, predictor,
+                                    centroid_variance)
     assert plan.layout.n_video_blocks == exact.shape[-1]
     assert torch.equal(plan.extra["exact"], exact)
     assert 0 < float(exact.float().mean()) < 1

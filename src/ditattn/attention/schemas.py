@@ -163,6 +163,7 @@ SAGE_QK_DTYPES = ("int8", "fp8")
 SAGE_QK_IMPLEMENTED = ("int8",)  # Q.K precisions some sage_attn kernel implements
 BLOCK_SPARSE_IMPLS = ("auto", "reference", "flex", "triton")
 SPARGE_PREDICTORS = ("pooled_query", "pooled_query_var", "pooled")
+SOL_PREDICTORS = ("pooled_query", "pooled")
 
 
 def _qk_implemented(v):
@@ -255,6 +256,8 @@ SCHEMAS: dict[str, tuple[Param, ...]] = {
         P("dense_layers", "str", "0,1", "Layer indices kept dense, e.g. 0,1 or 0-2", check=_layer_list_check, accepted="comma-separated indices or ranges like 0,1 or 0-2"),
         P("dense_backend", "str", "fa", "Backend for the dense prefix: fa or sage_attn (approximate)", choices=("fa", "sage_attn")),
         P("kv_splits", "int|str", "auto", "KV split factor passed to the kernel; auto for long sequences", check=_kv_splits_check, accepted="'auto' or a positive integer"),
+        P("predictor", "str", "pooled_query", "Which blocks are exact: pooled_query (tau's rule sets how many per query block, its tile neighbours then the best by each query block's mean against every key, log-sum-exp per block) or pooled (upstream: the rule's blocks by mean(q) . mean(k))", choices=SOL_PREDICTORS),
+        P("centroid_variance", "bool", True, "Approximate blocks' virtual keys add the blocks' key variance term 0.5 * scale^2 * q^2 . var(k) (the mass of a spread block, which its mean key underestimates); false: upstream's mean key and log size only"),
         EDGE_TILES,
         BLOCK_SPARSE_IMPL,
     ),

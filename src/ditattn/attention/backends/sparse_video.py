@@ -270,7 +270,9 @@ def sol_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
     k, v = expand_kv(k, v, q.shape[2])
     out, lse, plan = sol_attention(q, k, v, video_shape=vs, text_len=text_len, tau=cfg["tau"],
                                    thresh_type=cfg["thresh_type"], sink_start=cfg["sink_start"],
-                                   sink_tokens=cfg["sink_tokens"], scale=call.scale, return_lse=call.return_lse,
-                                   impl=cfg["block_sparse_impl"], edge_tiles=cfg["edge_tiles"])
+                                   sink_tokens=cfg["sink_tokens"], predictor=cfg["predictor"],
+                                   centroid_variance=cfg["centroid_variance"], scale=call.scale,
+                                   return_lse=call.return_lse, impl=cfg["block_sparse_impl"],
+                                   edge_tiles=cfg["edge_tiles"])
     _sparse_done(name, call, plan, approximate_fraction=1.0 - plan.kept_fraction)
     return out, lse
