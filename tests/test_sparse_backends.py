@@ -470,14 +470,14 @@ VALID = {
     B.VMOBA_ATTN: {"temporal_chunk_size": 2, "temporal_topk": 3, "spatial_chunk_size": [3, 4], "spatial_topk": 20,
                    "st_chunk_size": [4, 6, 4], "st_topk": 15, "moba_select_mode": "topk", "moba_threshold": 1.0,
                    "moba_threshold_type": "head_global", "first_full_step": 0, "first_full_layer": 2,
-                   "temporal_layer": 0, "spatial_layer": 2, "st_layer": 1},
+                   "temporal_layer": 0, "spatial_layer": 2, "st_layer": 1, "gate": "mean"},
     B.SOL_ATTN: {"tau": 2.5, "thresh_type": "exact", "sink_tokens": 256, "sink_start": 10, "dense_steps": 0,
                  "dense_layers": "0-2", "dense_backend": "sage_attn", "kv_splits": 4, "edge_tiles": "padded",
                  "predictor": "pooled", "centroid_variance": False},
     B.SLA_ATTN: {"topk": 0.1, "negligible_fraction": 0.5, "block_size": 32, "edge_tiles": "packed"},
     B.SAGE_SLA_ATTN: {"topk": 1.0, "negligible_fraction": 0.0, "block_size": 128},
     B.SPARSE_VIDEO_GEN_2_ATTN: {"num_q_clusters": 8, "num_k_clusters": 16, "kmeans_iters": 1, "top_p": 1.0,
-                                "first_full_steps": 3},
+                                "first_full_steps": 3, "predictor": "centroids"},
 }
 
 INVALID = [
@@ -496,7 +496,7 @@ INVALID = [
     (B.VMOBA_ATTN, "st_chunk_size", [4, 6]), (B.VMOBA_ATTN, "st_chunk_size", [4, 0, 4]),
     (B.VMOBA_ATTN, "st_topk", "many"), (B.VMOBA_ATTN, "moba_select_mode", "random"),
     (B.VMOBA_ATTN, "moba_threshold", 0.0), (B.VMOBA_ATTN, "moba_threshold", 1.5),
-    (B.VMOBA_ATTN, "moba_threshold_type", "per_token"), (B.VMOBA_ATTN, "first_full_step", -1),
+    (B.VMOBA_ATTN, "moba_threshold_type", "per_token"), (B.VMOBA_ATTN, "gate", "max"), (B.VMOBA_ATTN, "first_full_step", -1),
     (B.VMOBA_ATTN, "first_full_layer", -1), (B.VMOBA_ATTN, "temporal_layer", -1),
     (B.VMOBA_ATTN, "spatial_layer", 1.5), (B.VMOBA_ATTN, "st_layer", -3),
     (B.SOL_ATTN, "tau", 0.0), (B.SOL_ATTN, "tau", -1.0), (B.SOL_ATTN, "thresh_type", "approx"),
@@ -509,6 +509,7 @@ INVALID = [
     (B.SPARSE_VIDEO_GEN_2_ATTN, "num_q_clusters", 0), (B.SPARSE_VIDEO_GEN_2_ATTN, "num_k_clusters", -1),
     (B.SPARSE_VIDEO_GEN_2_ATTN, "kmeans_iters", 0), (B.SPARSE_VIDEO_GEN_2_ATTN, "top_p", 0.0),
     (B.SPARSE_VIDEO_GEN_2_ATTN, "top_p", 1.2), (B.SPARSE_VIDEO_GEN_2_ATTN, "first_full_steps", -1),
+    (B.SPARSE_VIDEO_GEN_2_ATTN, "predictor", "pooled"),
 ]
 
 
@@ -536,6 +537,17 @@ def test_unknown_key_rejected(backend):
     raw["not_a_key"] = 1
     with pytest.raises(AttentionConfigError, match="unknown config key.*not_a_key"):
         validate_backend_config(backend, raw)
+
+
+def test_predictor_choices_match_the_planners():
+    """The schemas' choice lists are the planners' own (a new predictor needs both)."""
+    from ditattn.attention import schemas
+    from ditattn.attention.sparse import sol, sparge, svg2, vmoba
+
+    assert schemas.SPARGE_PREDICTORS == sparge.SPARGE_PREDICTORS
+    assert schemas.SOL_PREDICTORS == sol.SOL_PREDICTORS
+    assert schemas.VMOBA_GATES == vmoba.VMOBA_GATES
+    assert schemas.SVG2_PREDICTORS == svg2.SVG2_PREDICTORS
 
 
 def test_seed_defaults():

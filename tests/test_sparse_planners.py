@@ -363,7 +363,7 @@ def select_independent(gates, own, mode, k, thr):
     return chosen
 
 
-def vmoba_mask_independent(q, k, grid, text_len, mode, chunk, select_mode, topk, thr, ttype, qblock=64):
+def vmoba_mask_independent(q, k, grid, text_len, mode, chunk, select_mode, topk, thr, ttype, qblock=64, gate_kind="mean"):
     B, S, H, D = q.shape
     N = S - text_len
     cid = vmoba_chunk_ids(grid, mode, chunk)
@@ -381,7 +381,12 @@ def vmoba_mask_independent(q, k, grid, text_len, mode, chunk, select_mode, topk,
     gate = torch.zeros(B, H, len(qblocks), nc, dtype=torch.float64)
     for j, (c, toks) in enumerate(qblocks):
         qm = q[:, toks].double().mean(1)  # [B,H,D]
-        gate[:, :, j] = torch.einsum("bhd,bhcd->bhc", qm, kmean)
+        if gate_kind == "mean":
+            gate[:, :, j] = torch.einsum("bhd,bhcd->bhc", qm, kmean)
+        else:  # log sum over the chunk's keys of exp(scale * qm . k_t)
+            st = torch.einsum("bhd,bthd->bht", qm, k[:, :N].double()) * q.shape[-1] ** -0.5
+            for cc in range(nc):
+                gate[:, :, j, cc] = torch.logsumexp(st[:, :, cid == cc], -1)
     own = torch.zeros(len(qblocks), nc, dtype=torch.bool)
     for j, (c, _) in enumerate(qblocks):
         own[j, c] = True
@@ -416,15 +421,16 @@ VMOBA_CASES += [("spatial", (3, 4), "threshold", "overall")]
 
 
 @pytest.mark.parametrize("mode,chunk,select_mode,ttype", VMOBA_CASES)
-def test_vmoba_selection(mode, chunk, select_mode, ttype):
+@pytest.mark.parametrize("gate", ["pooled_query", "mean"])
+def test_vmoba_selection(mode, chunk, select_mode, ttype, gate):
     grid, text_len = (4, 6, 9), 7
     q, k, v = qkv(grid, text_len, heads=2, seed=4)
     res = vmoba_attention(q, k, v, video_shape=grid, mode=mode, chunk=chunk, topk=2, select_mode=select_mode,
-                          threshold=0.4, threshold_type=ttype, text_len=text_len, return_lse=True)
+                          threshold=0.4, threshold_type=ttype, gate=gate, text_len=text_len, return_lse=True)
     vol = {"temporal": 2 * 6 * 9, "spatial": 4 * 3 * 4, "st": 1 * 3 * 4}[mode]
     qblock = 64 if vol >= 64 else max(16, 2 ** math.ceil(math.log2(vol)))  # small chunks: smaller blocks
     assert res[2].layout.block_size == qblock
-    mask, sel = vmoba_mask_independent(q, k, grid, text_len, mode, chunk, select_mode, 2, 0.4, ttype, qblock)
+    mask, sel = vmoba_mask_independent(q, k, grid, text_len, mode, chunk, select_mode, 2, 0.4, ttype, qblock, gate)
     assert torch.equal(res[2].extra["selection"], sel)
     assert torch.equal(plan_token_mask(res[2]), mask)
     check_output(res, q, k, v, mask)
@@ -436,7 +442,9 @@ def test_vmoba_defaults_and_layer_cycle():
     res = vmoba_attention(q, k, v, video_shape=grid, mode="spatial")
     assert res[2].extra["chunk"] == (2, 3)  # ceil(6/4), ceil(9/4)
     assert res[2].extra["topk"] == math.ceil(res[2].extra["n_chunks"] / 4)
-    mask, _ = vmoba_mask_independent(q, k, grid, 0, "spatial", (2, 3), "threshold", 1, 0.25, "query_head")
+    assert res[2].extra["gate"] == "pooled_query"
+    mask, _ = vmoba_mask_independent(q, k, grid, 0, "spatial", (2, 3), "threshold", 1, 0.25, "query_head",
+                                     gate_kind="pooled_query")
     assert torch.equal(plan_token_mask(res[2]), mask)
     check_output(res, q, k, v, mask)
     modes = [vmoba_layer_mode(i, first_full_layer=2, temporal_layer=1, spatial_layer=2, st_layer=1) for i in range(9)]
@@ -448,9 +456,10 @@ def test_vmoba_defaults_and_layer_cycle():
 # SVG2
 
 
-def svg2_mask_independent(q, k, plan, text_len, top_p, scale, bs):
+def svg2_mask_independent(q, k, plan, text_len, top_p, scale, bs, predictor="pooled_query"):
     """The SVG2 token mask from the plan's cluster labels alone: cluster pairs by the top-p rule on
-    centroid estimates, tokens sorted by cluster (stable) then text, blocks of ``bs`` positions,
+    centroid estimates (``centroids``: scale * cq_i . ck_j + log |K_j|; ``pooled_query``:
+    log sum_{t in K_j} exp(scale * cq_i . k_t)), tokens sorted by cluster (stable) then text, blocks of ``bs`` positions,
     block a -> block b iff a selected pair lies in (clusters of a) x (clusters of b) or either block
     holds text."""
     ql, kl = plan.extra["q_labels"], plan.extra["k_labels"]
@@ -468,7 +477,11 @@ def svg2_mask_independent(q, k, plan, text_len, top_p, scale, bs):
             for i in range(Cq):
                 if qsize[i] == 0:
                     continue
-                logits = [(scale * float(cq[i] @ ck[j]) + math.log(size[j]), j) for j in range(Ck) if size[j] > 0]
+                if predictor == "centroids":
+                    logits = [(scale * float(cq[i] @ ck[j]) + math.log(size[j]), j) for j in range(Ck) if size[j] > 0]
+                else:
+                    st = scale * (k[b, :N, h].double() @ cq[i])
+                    logits = [(float(torch.logsumexp(st[kl[b, h] == j], 0)), j) for j in range(Ck) if size[j] > 0]
                 m = max(x for x, _ in logits)
                 z = sum(math.exp(x - m) for x, _ in logits)
                 acc = 0.0
@@ -497,12 +510,13 @@ def svg2_mask_independent(q, k, plan, text_len, top_p, scale, bs):
 
 
 @pytest.mark.parametrize("grid,text_len", CASES)
-def test_svg2_cluster_pairs(grid, text_len):
+@pytest.mark.parametrize("predictor", ["pooled_query", "centroids"])
+def test_svg2_cluster_pairs(grid, text_len, predictor):
     q, k, v = qkv(grid, text_len, heads=2, seed=6)
     res = svg2_attention(q, k, v, video_shape=grid, text_len=text_len, num_q_clusters=6, num_k_clusters=9,
-                         kmeans_iters=4, top_p=0.6, block_size=8, return_lse=True)
+                         kmeans_iters=4, top_p=0.6, block_size=8, predictor=predictor, return_lse=True)
     plan = res[2]
-    mask, sels = svg2_mask_independent(q, k, plan, text_len, 0.6, 16 ** -0.5, 8)
+    mask, sels = svg2_mask_independent(q, k, plan, text_len, 0.6, 16 ** -0.5, 8, predictor)
     assert torch.equal(plan.extra["selection"], sels)
     assert torch.equal(svg2_token_mask(plan), mask)
     check_output(res, q, k, v, mask)

@@ -164,6 +164,8 @@ SAGE_QK_IMPLEMENTED = ("int8",)  # Q.K precisions some sage_attn kernel implemen
 BLOCK_SPARSE_IMPLS = ("auto", "reference", "flex", "triton")
 SPARGE_PREDICTORS = ("pooled_query", "pooled_query_var", "pooled")
 SOL_PREDICTORS = ("pooled_query", "pooled")
+VMOBA_GATES = ("pooled_query", "mean")
+SVG2_PREDICTORS = ("pooled_query", "centroids")
 
 
 def _qk_implemented(v):
@@ -236,6 +238,7 @@ SCHEMAS: dict[str, tuple[Param, ...]] = {
         P("moba_select_mode", "str", "threshold", "Selection mode", choices=("threshold", "topk")),
         P("moba_threshold", "float", 0.25, "Threshold for selection (cumulative gate mass)", check=_in(0.0, 1.0, lo_open=True), accepted="a number in (0, 1]"),
         P("moba_threshold_type", "str", "query_head", "How the threshold is applied", choices=("query_head", "head_global", "overall")),
+        P("gate", "str", "pooled_query", "Chunk gate: pooled_query (log-sum-exp over the chunk's keys of the query block's mean . each key: sees sink keys and peaks that a chunk mean hides) or mean (upstream: query block mean . chunk mean key; use it for checkpoints trained with V-MoBA's gate)", choices=VMOBA_GATES),
         P("first_full_step", "int", 12, "Initial steps with full attention", check=_nonneg, accepted="an integer >= 0"),
         P("first_full_layer", "int", 0, "Initial layers with full attention", check=_nonneg, accepted="an integer >= 0"),
         P("temporal_layer", "int", 1, "Layers of temporal chunking per cycle", check=_nonneg, accepted="an integer >= 0"),
@@ -275,6 +278,7 @@ SCHEMAS: dict[str, tuple[Param, ...]] = {
         P("warm_iters", "int", 1, "k-means iterations of later steps, started from the previous step's centroids of the layer", check=_positive, accepted="an integer > 0"),
         P("recluster_every", "int", 1, "cluster every N-th step; the steps between reuse the cached permutation and block lists", check=_positive, accepted="an integer > 0"),
         P("top_p", "float", 0.9, "Cumulative estimated attention mass kept per query cluster", check=_in(0.0, 1.0, lo_open=True), accepted="a number in (0, 1]"),
+        P("predictor", "str", "pooled_query", "Mass estimate of a (query cluster, key cluster) pair: pooled_query (log-sum-exp over the key cluster's keys of the query centroid . each key: sees sink keys and spread clusters) or centroids (upstream: query centroid . key centroid + log cluster size)", choices=SVG2_PREDICTORS),
         P("first_full_steps", "int", 0, "Dense attention for the first N denoising steps", check=_nonneg, accepted="an integer >= 0"),
         BLOCK_SPARSE_IMPL,
     ),
