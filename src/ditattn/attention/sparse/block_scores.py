@@ -25,6 +25,7 @@ chunks of at most ``_CHUNK_ELEMS`` logits.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -67,7 +68,14 @@ def pooled_query_block_scores(q_tiled: Tensor, k_tiled: Tensor, layout: TileLayo
         from ditattn.attention.kernels.block_scores import pooled_query_lse
 
         return pooled_query_lse(mean, var, k_tiled[:, : nv * bs], valid, block_size=bs, scale=scale)
-    return pooled_query_lse_torch(mean, var, k_tiled[:, : nv * bs], valid, block_size=bs, scale=scale)
+    return pooled_query_lse_torch(mean, var, k_tiled[:, : nv * bs], valid if _video_padding(layout) else None,
+                                  block_size=bs, scale=scale)
+
+
+@functools.lru_cache(maxsize=256)
+def _video_padding(layout: TileLayout) -> bool:
+    """Whether some video block of ``layout`` holds padding (host arithmetic, once per layout)."""
+    return not bool(layout.valid[: layout.n_video_blocks * layout.block_size].all())
 
 
 def _use_triton(k: Tensor, impl: str) -> bool:
@@ -78,18 +86,18 @@ def _use_triton(k: Tensor, impl: str) -> bool:
     return k.shape[-1] in (16, 32, 64, 128, 256)
 
 
-def pooled_query_lse_torch(mean: Tensor, var: Optional[Tensor], k: Tensor, valid: Tensor, *, block_size: int,
-                           scale: float) -> Tensor:
+def pooled_query_lse_torch(mean: Tensor, var: Optional[Tensor], k: Tensor, valid: Optional[Tensor], *,
+                           block_size: int, scale: float) -> Tensor:
     """PyTorch path of the pooled-query scores: ``mean``/``var`` ``[B, H, M, D]`` float, ``k``
-    ``[B, n * block_size, H, D]``, ``valid`` bool ``[n * block_size]`` -> float32 ``[B, H, M, n]``
-    (float64 for float64 keys), computed in chunks of at most ``_CHUNK_ELEMS`` logits."""
+    ``[B, n * block_size, H, D]``, ``valid`` bool ``[n * block_size]`` (None: every key is real) ->
+    float32 ``[B, H, M, n]`` (float64 for float64 keys), computed in chunks of at most
+    ``_CHUNK_ELEMS`` logits; no host synchronisation."""
     B, N, H, D = k.shape
     M = mean.shape[2]
     n = N // block_size
     dt = torch.float64 if k.dtype == torch.float64 else torch.float32
     out = torch.empty(B, H, M, n, dtype=dt, device=k.device)
-    invalid = ~valid.to(k.device)
-    has_invalid = bool(invalid.any())
+    invalid = None if valid is None else ~valid.to(k.device)
     rows = max(1, min(M, _CHUNK_ELEMS // max(1, B * N)))
     heads = max(1, min(H, _CHUNK_ELEMS // max(1, B * N * rows)))
     for h0 in range(0, H, heads):
@@ -102,7 +110,7 @@ def pooled_query_lse_torch(mean: Tensor, var: Optional[Tensor], k: Tensor, valid
             s.mul_(scale)
             if var is not None:
                 s.add_(var[:, h0:h1, m0:m1].to(dt) @ k2.transpose(-1, -2), alpha=0.5 * scale * scale)
-            if has_invalid:
+            if invalid is not None:
                 s.masked_fill_(invalid, float("-inf"))
             out[:, h0:h1, m0:m1] = torch.logsumexp(s.view(B, h1 - h0, m1 - m0, n, block_size), dim=-1)
     return out
