@@ -3,8 +3,9 @@
 Blocks are 3-D tiles (``block_size`` 32 -> 2x4x4, 64 -> 4x4x4, 128 -> 4x4x8 latent tokens), so a
 pooled block is spatially coherent; with ``edge_tiles="packed"`` (the default) the tiles cut by the
 grid edge are packed several to a block (:mod:`.tiling`), ``"padded"`` keeps one block per tile.
-For every (batch, head, query block) a predictor scores the video key blocks and the top ``ceil(topk * n_blocks)`` are kept (``topk`` in (0, 1]); text blocks
-are always kept and text queries attend everything.  Predictors (:mod:`.block_scores`):
+For every (batch, head, query block) a predictor scores the video key blocks and the top
+``ceil(topk * n_blocks)`` are kept (``topk`` in (0, 1]); text blocks are always kept and text
+queries attend everything.  Predictors (:mod:`.block_scores`):
 
 * ``pooled`` — upstream SpargeAttn's ``scale * mean(q) . mean(k)`` (both sides mean-pooled);
 * ``pooled_query`` (default) — ``log sum_{j in block} exp(scale * mean(q) . k_j)``: the query
