@@ -260,17 +260,70 @@ def test_wan_transformer_fused_matches_plain_on_cuda():
     assert rel(fused, ref32) <= 2 * rel(plain, ref32) + 1e-4
 
 
-def test_sol_fused_centroid_kernel():
-    """sol_attention on CUDA in bf16 (block-sparse kernel + the fused centroid kernel) against its
-    float64 PyTorch path on the same inputs: same routes, error within 2x SDPA's."""
+@pytest.mark.parametrize("centroid_variance", [True, False])
+def test_sol_fused_centroid_kernel(centroid_variance):
+    """sol_attention on CUDA in bf16 (block-sparse kernel + the fused centroid kernel, with and
+    without the key-variance term) against its float64 PyTorch path on the same inputs: same routes
+    (upstream's pooled predictor: the pooled-query route is checked in the next test), error within
+    2x SDPA's."""
     from ditattn.attention.sparse.sol import sol_attention
 
     grid, text_len = (7, 10, 13), 33
     S = grid[0] * grid[1] * grid[2] + text_len
     q, k, v = qkv(1, S, S, 4, 4, 128, seed=21)
-    kw = dict(video_shape=grid, text_len=text_len, tau=0.8, sink_start=0, sink_tokens=64, return_lse=True)
+    kw = dict(video_shape=grid, text_len=text_len, tau=0.8, sink_start=0, sink_tokens=64, return_lse=True,
+              predictor="pooled", centroid_variance=centroid_variance)
     out, lse, plan = sol_attention(q, k, v, **kw)
     ro, rl, rplan = sol_attention(q.double(), k.double(), v.double(), impl="reference", **kw)
     assert torch.equal(plan.extra["exact"], rplan.extra["exact"])
     assert rel(out, ro) <= 2 * sdpa_err(q, k, v) + 1e-4
     assert (lse.double() - rl).abs().max() < 2e-2
+
+
+@pytest.mark.parametrize("block_size,variance", [(64, False), (64, True), (128, False), (32, False)])
+def test_pooled_query_block_scores_kernel(block_size, variance):
+    """The selection kernel of the pooled-query predictor (Sparge, Sol, V-MoBA) in bf16 against the
+    float64 PyTorch path: scores within bf16 rounding, the top half of each row nearly the same set
+    (ties within rounding may swap), padding keys of partial tiles masked."""
+    from ditattn.attention.sparse.block_scores import pooled_query_block_scores
+    from ditattn.attention.sparse.sparge import sparge_tile_size
+    from ditattn.attention.sparse.tiling import make_tile_layout, tile
+
+    grid = (7, 10, 13)  # partial tiles on every axis
+    lay = make_tile_layout(grid, sparge_tile_size(block_size))
+    q, k, _ = qkv(1, 910, 910, 3, 3, 128, seed=31)
+    qt, kt = tile(q, lay), tile(k, lay)
+    got = pooled_query_block_scores(qt, kt, lay, 128 ** -0.5, variance=variance)  # auto: the Triton kernel
+    want = pooled_query_block_scores(qt.double(), kt.double(), lay, 128 ** -0.5, variance=variance,
+                                     impl="reference")
+    assert got.is_cuda and got.dtype == torch.float32
+    assert (got.double() - want).abs().max() < 5e-2
+    half = max(1, want.shape[-1] // 2)
+    top = lambda x: torch.zeros_like(x, dtype=torch.bool).scatter_(-1, x.topk(half, -1).indices, True)  # noqa: E731
+    assert float((top(got.double()) == top(want)).float().mean()) > 0.97
+
+
+def test_pooled_query_selection_on_cuda():
+    """sparge_attn / sol_attn with their default pooled-query predictor on CUDA: outputs match the
+    PyTorch path run on CUDA with the same (bf16) inputs within 2x SDPA's error when the plans agree,
+    and the kept fractions equal the requested ones."""
+    from ditattn.attention.sparse.sol import sol_attention
+    from ditattn.attention.sparse.sparge import sparge_attention
+
+    grid = (8, 12, 16)
+    S = grid[0] * grid[1] * grid[2]
+    q, k, v = qkv(1, S, S, 4, 4, 128, seed=41)
+    out, _, plan = sparge_attention(q, k, v, video_shape=grid, topk=0.5, quantize=False)
+    ref, _, rplan = sparge_attention(q, k, v, video_shape=grid, topk=0.5, quantize=False, impl="reference")
+    from ditattn.attention.sparse.block_sparse import lists_to_block_mask
+
+    assert plan.kept_fraction == rplan.kept_fraction == 0.5
+    nb = plan.layout.n_blocks
+    m, rm = (lists_to_block_mask(p.kv_indices, p.kv_counts, nb) for p in (plan, rplan))
+    assert float((m == rm).float().mean()) > 0.97
+    if torch.equal(m, rm):
+        assert rel(out, ref) <= 2 * sdpa_err(q, k, v) + 1e-4
+    out, _, plan = sol_attention(q, k, v, video_shape=grid)
+    ref, _, rplan = sol_attention(q, k, v, video_shape=grid, impl="reference")
+    assert float((plan.extra["exact"] == rplan.extra["exact"]).float().mean()) > 0.97
+    assert abs(plan.kept_fraction - rplan.kept_fraction) < 1e-9  # tau's rule sets the counts

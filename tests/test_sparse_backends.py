@@ -465,17 +465,19 @@ VALID = {
     B.SLIDING_TILE_ATTN: {"mask_strategy_file_path": "/x/s.json", "sta_mode": "STA_searching", "skip_time_steps": 0,
                           "tile_size": [2, 4, 4], "window_candidates": [1, 3, 3, 3, 3, 3]},
     B.VIDEO_SPARSE_ATTN: {"sparsity": 0.9, "edge_tiles": "padded"},
-    B.SPARGE_ATTN: {"topk": 1.0, "block_size": 128, "edge_tiles": "padded"},
+    B.SPARGE_ATTN: {"topk": 1.0, "block_size": 128, "edge_tiles": "padded", "predictor": "pooled_query_var",
+                    "simthreshd1": 0.6},
     B.VMOBA_ATTN: {"temporal_chunk_size": 2, "temporal_topk": 3, "spatial_chunk_size": [3, 4], "spatial_topk": 20,
                    "st_chunk_size": [4, 6, 4], "st_topk": 15, "moba_select_mode": "topk", "moba_threshold": 1.0,
                    "moba_threshold_type": "head_global", "first_full_step": 0, "first_full_layer": 2,
-                   "temporal_layer": 0, "spatial_layer": 2, "st_layer": 1},
+                   "temporal_layer": 0, "spatial_layer": 2, "st_layer": 1, "gate": "mean"},
     B.SOL_ATTN: {"tau": 2.5, "thresh_type": "exact", "sink_tokens": 256, "sink_start": 10, "dense_steps": 0,
-                 "dense_layers": "0-2", "dense_backend": "sage_attn", "kv_splits": 4, "edge_tiles": "padded"},
+                 "dense_layers": "0-2", "dense_backend": "sage_attn", "kv_splits": 4, "edge_tiles": "padded",
+                 "predictor": "pooled", "centroid_variance": False},
     B.SLA_ATTN: {"topk": 0.1, "negligible_fraction": 0.5, "block_size": 32, "edge_tiles": "packed"},
     B.SAGE_SLA_ATTN: {"topk": 1.0, "negligible_fraction": 0.0, "block_size": 128},
     B.SPARSE_VIDEO_GEN_2_ATTN: {"num_q_clusters": 8, "num_k_clusters": 16, "kmeans_iters": 1, "top_p": 1.0,
-                                "first_full_steps": 3},
+                                "first_full_steps": 3, "predictor": "centroids"},
 }
 
 INVALID = [
@@ -487,23 +489,27 @@ INVALID = [
     (B.VIDEO_SPARSE_ATTN, "sparsity", "high"), (B.VIDEO_SPARSE_ATTN, "edge_tiles", "merged"),
     (B.SPARGE_ATTN, "edge_tiles", True), (B.SOL_ATTN, "edge_tiles", "pad"), (B.SAGE_SLA_ATTN, "edge_tiles", ""),
     (B.SPARGE_ATTN, "topk", 0.0), (B.SPARGE_ATTN, "topk", 1.01), (B.SPARGE_ATTN, "block_size", 48),
+    (B.SPARGE_ATTN, "predictor", "antidiagonal"), (B.SPARGE_ATTN, "simthreshd1", 1.5),
+    (B.SPARGE_ATTN, "simthreshd1", "high"),
     (B.VMOBA_ATTN, "temporal_chunk_size", 0), (B.VMOBA_ATTN, "temporal_topk", -2),
     (B.VMOBA_ATTN, "spatial_chunk_size", [3]), (B.VMOBA_ATTN, "spatial_topk", 0),
     (B.VMOBA_ATTN, "st_chunk_size", [4, 6]), (B.VMOBA_ATTN, "st_chunk_size", [4, 0, 4]),
     (B.VMOBA_ATTN, "st_topk", "many"), (B.VMOBA_ATTN, "moba_select_mode", "random"),
     (B.VMOBA_ATTN, "moba_threshold", 0.0), (B.VMOBA_ATTN, "moba_threshold", 1.5),
-    (B.VMOBA_ATTN, "moba_threshold_type", "per_token"), (B.VMOBA_ATTN, "first_full_step", -1),
+    (B.VMOBA_ATTN, "moba_threshold_type", "per_token"), (B.VMOBA_ATTN, "gate", "max"), (B.VMOBA_ATTN, "first_full_step", -1),
     (B.VMOBA_ATTN, "first_full_layer", -1), (B.VMOBA_ATTN, "temporal_layer", -1),
     (B.VMOBA_ATTN, "spatial_layer", 1.5), (B.VMOBA_ATTN, "st_layer", -3),
     (B.SOL_ATTN, "tau", 0.0), (B.SOL_ATTN, "tau", -1.0), (B.SOL_ATTN, "thresh_type", "approx"),
     (B.SOL_ATTN, "sink_tokens", -1), (B.SOL_ATTN, "sink_start", -5), (B.SOL_ATTN, "dense_steps", -1),
     (B.SOL_ATTN, "dense_layers", "a,b"), (B.SOL_ATTN, "dense_layers", "3-1"),
     (B.SOL_ATTN, "dense_backend", "torch_sdpa"), (B.SOL_ATTN, "kv_splits", 0), (B.SOL_ATTN, "kv_splits", "many"),
+    (B.SOL_ATTN, "predictor", "pooled_query_var"), (B.SOL_ATTN, "centroid_variance", "yes"),
     (B.SLA_ATTN, "topk", 0.0), (B.SLA_ATTN, "negligible_fraction", 1.0), (B.SLA_ATTN, "negligible_fraction", -0.1),
     (B.SLA_ATTN, "block_size", 100), (B.SAGE_SLA_ATTN, "topk", 2.0),
     (B.SPARSE_VIDEO_GEN_2_ATTN, "num_q_clusters", 0), (B.SPARSE_VIDEO_GEN_2_ATTN, "num_k_clusters", -1),
     (B.SPARSE_VIDEO_GEN_2_ATTN, "kmeans_iters", 0), (B.SPARSE_VIDEO_GEN_2_ATTN, "top_p", 0.0),
     (B.SPARSE_VIDEO_GEN_2_ATTN, "top_p", 1.2), (B.SPARSE_VIDEO_GEN_2_ATTN, "first_full_steps", -1),
+    (B.SPARSE_VIDEO_GEN_2_ATTN, "predictor", "pooled"),
 ]
 
 
@@ -533,6 +539,17 @@ def test_unknown_key_rejected(backend):
         validate_backend_config(backend, raw)
 
 
+def test_predictor_choices_match_the_planners():
+    """The schemas' choice lists are the planners' own (a new predictor needs both)."""
+    from ditattn.attention import schemas
+    from ditattn.attention.sparse import sol, sparge, svg2, vmoba
+
+    assert schemas.SPARGE_PREDICTORS == sparge.SPARGE_PREDICTORS
+    assert schemas.SOL_PREDICTORS == sol.SOL_PREDICTORS
+    assert schemas.VMOBA_GATES == vmoba.VMOBA_GATES
+    assert schemas.SVG2_PREDICTORS == svg2.SVG2_PREDICTORS
+
+
 def test_seed_defaults():
     with pytest.raises(AttentionConfigError, match="'mask_strategy_file_path' is required"):
         validate_backend_config(B.SLIDING_TILE_ATTN, {})
@@ -549,8 +566,8 @@ def test_seed_defaults():
                                          "spatial_topk", "st_chunk_size", "st_topk"))
     sol = validate_backend_config(B.SOL_ATTN, {})
     assert sol == {"tau": 1.0, "thresh_type": "diag", "sink_tokens": 0, "sink_start": 0, "dense_steps": 10,
-                   "dense_layers": "0,1", "dense_backend": "fa", "kv_splits": "auto",
-                   "edge_tiles": "packed", "block_sparse_impl": "auto"}
+                   "dense_layers": "0,1", "dense_backend": "fa", "kv_splits": "auto", "predictor": "pooled_query",
+                   "centroid_variance": True, "edge_tiles": "packed", "block_sparse_impl": "auto"}
     for backend in (B.VIDEO_SPARSE_ATTN, B.SPARGE_ATTN, B.SLA_ATTN, B.SAGE_SLA_ATTN):
         assert validate_backend_config(backend, {})["edge_tiles"] == "packed"
     for backend in (B.VMOBA_ATTN, B.SPARSE_VIDEO_GEN_2_ATTN):  # chunks / clusters are their unit: no packing

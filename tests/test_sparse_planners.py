@@ -225,20 +225,103 @@ def test_vsa_default_tiles_are_4x4x4_and_edge_tiles_packed():
     check_output(res, q, k, v, mask)
 
 
-@pytest.mark.parametrize("block_size,tile", [(32, (2, 4, 4)), (64, (4, 4, 4))])
+def pooled_query_scores(q, k, grid, tile, scale, variance=False, edge_tiles="padded"):
+    """Independent pooled-query scores in original token order: per block pair (I, J),
+    log sum_{j in J} exp(scale * mean_I(q) . k_j (+ 0.5 scale^2 var_I(q) . k_j^2)), float64."""
+    ids, groups = block_ids(grid, tile, edge_tiles)
+    nt = len(groups)
+    N = ids.numel()
+    pq = group_means(q[:, :N], ids, nt)  # [B,H,nt,D]
+    kk = k[:, :N].double().transpose(1, 2)  # [B,H,N,D]
+    s = pq @ kk.transpose(-1, -2) * scale  # [B,H,nt,N]
+    if variance:
+        var = (group_means(q[:, :N].double().pow(2), ids, nt) - pq.pow(2)).clamp(min=0)
+        s = s + 0.5 * scale * scale * (var @ kk.pow(2).transpose(-1, -2))
+    out = torch.full((*s.shape[:3], nt), float("-inf"), dtype=torch.float64)
+    for t in range(nt):
+        sel = ids == t
+        if sel.any():
+            out[..., t] = torch.logsumexp(s[..., sel], -1)
+    return out
+
+
+def block_similarity(x, grid, tile, edge_tiles="padded"):
+    """Mean pairwise cosine similarity of each block's tokens (self-pairs included): [B, H, nt]."""
+    ids, groups = block_ids(grid, tile, edge_tiles)
+    nt = len(groups)
+    N = ids.numel()
+    u = torch.nn.functional.normalize(x[:, :N].double(), dim=-1)
+    out = torch.zeros(x.shape[0], x.shape[2], nt, dtype=torch.float64)
+    for t in range(nt):
+        ut = u[:, ids == t].transpose(1, 2)  # [B,H,n,D]
+        out[..., t] = (ut @ ut.transpose(-1, -2)).mean((-1, -2))
+    return out
+
+
+def topk_token_mask(s, keep_count, ids, text_len, forced=None):
+    """Top-k per row of tile scores ``s`` [B,H,nt,nt] (forced tile pairs added) as a token mask."""
+    top = s.topk(keep_count, dim=-1).indices
+    sel = torch.zeros_like(s, dtype=torch.bool).scatter_(-1, top, True)
+    if forced is not None:
+        sel |= forced
+    return with_text(sel[:, :, ids][:, :, :, ids], text_len)
+
+
+SPARGE_TILES = [(32, (2, 4, 4)), (64, (4, 4, 4)), (128, (4, 4, 8))]
+
+
+@pytest.mark.parametrize("block_size,tile", SPARGE_TILES)
 @pytest.mark.parametrize("topk", [0.25, 0.5, 1.0])
 @pytest.mark.parametrize("edge_tiles", ["padded", "packed"])
-def test_sparge_topk_fraction(block_size, tile, topk, edge_tiles):
-    grid, text_len = (3, 8, 9), 7
+@pytest.mark.parametrize("predictor", ["pooled", "pooled_query", "pooled_query_var"])
+def test_sparge_topk_fraction(block_size, tile, topk, edge_tiles, predictor):
+    grid, text_len = (3, 9, 10), 7  # partial tiles on every axis (128: 4x4x8 tiles of a 3x9x10 grid)
     q, k, v = qkv(grid, text_len, heads=2, dim=64, seed=3)
     res = sparge_attention(q, k, v, video_shape=grid, topk=topk, block_size=block_size, text_len=text_len,
-                           return_lse=True, edge_tiles=edge_tiles)
+                           predictor=predictor, return_lse=True, edge_tiles=edge_tiles)
     nt = len(tile_groups(grid, tile, edge_tiles)[0])
     kk = max(1, math.ceil(Fraction(str(topk)) * nt))
     assert res[2].extra["k"] == kk
-    mask, _, _ = pooled_topk_mask(q, k, grid, tile, text_len, kk, 64 ** -0.5, edge_tiles)
+    if predictor == "pooled":
+        mask, _, _ = pooled_topk_mask(q, k, grid, tile, text_len, kk, 64 ** -0.5, edge_tiles)
+    else:
+        s = pooled_query_scores(q, k, grid, tile, 64 ** -0.5, variance=predictor == "pooled_query_var",
+                                edge_tiles=edge_tiles)
+        mask = topk_token_mask(s, kk, block_ids(grid, tile, edge_tiles)[0], text_len)
     assert torch.equal(plan_token_mask(res[2]), mask)
     check_output(res, q, k, v, mask)
+    assert res[2].extra["predictor"] == predictor
+
+
+@pytest.mark.parametrize("grid,text_len,edge_tiles", [((3, 9, 10), 7, "packed"), ((5, 6, 7), 0, "padded")])
+def test_sparge_self_similarity_fallback(grid, text_len, edge_tiles):
+    """Blocks whose mean pairwise cosine similarity is <= simthreshd1: their query rows attend every
+    block and their key columns are kept for every query, the top-k is taken among the others."""
+    tile = (4, 4, 4)
+    q, k, v = qkv(grid, text_len, heads=2, dim=64, seed=7)
+    ids, groups = block_ids(grid, tile, edge_tiles)
+    nt = len(groups)
+    sq, sk = block_similarity(q, grid, tile, edge_tiles), block_similarity(k, grid, tile, edge_tiles)
+    vals = torch.cat([sq.flatten(), sk.flatten()]).sort().values
+    mid = vals.numel() // 2
+    thr = float(vals[mid - 1] + vals[mid]) / 2  # about half the blocks fall back; no block at the threshold
+    kk = math.ceil(0.25 * nt)
+    s = pooled_query_scores(q, k, grid, tile, 64 ** -0.5, edge_tiles=edge_tiles)
+    k_odd = (sk <= thr).unsqueeze(2).expand(-1, -1, nt, -1)
+    forced = k_odd | (sq <= thr).unsqueeze(3).expand(-1, -1, -1, nt)
+    mask = topk_token_mask(s.masked_fill(k_odd, float("-inf")), kk, ids, text_len, forced)
+    res = sparge_attention(q, k, v, video_shape=grid, topk=0.25, text_len=text_len, simthreshd1=thr,
+                           return_lse=True, edge_tiles=edge_tiles)
+    assert torch.equal(plan_token_mask(res[2]), mask)
+    check_output(res, q, k, v, mask)
+    assert res[2].kept_fraction > 0.25 + 0.2  # the fallback adds blocks on top of the top-k
+    # the similarity lies in [0, 1]: upstream's top-k default -0.1 (ours) changes nothing
+    off = sparge_attention(q, k, v, video_shape=grid, topk=0.25, text_len=text_len, simthreshd1=-0.1,
+                           edge_tiles=edge_tiles)
+    plain = sparge_attention(q, k, v, video_shape=grid, topk=0.25, text_len=text_len, simthreshd1=0.0,
+                             edge_tiles=edge_tiles)
+    assert torch.equal(plan_token_mask(off[2]), plan_token_mask(plain[2]))
+    assert bool((sq >= 0).all() and (sq <= 1 + 1e-12).all())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -280,7 +363,7 @@ def select_independent(gates, own, mode, k, thr):
     return chosen
 
 
-def vmoba_mask_independent(q, k, grid, text_len, mode, chunk, select_mode, topk, thr, ttype, qblock=64):
+def vmoba_mask_independent(q, k, grid, text_len, mode, chunk, select_mode, topk, thr, ttype, qblock=64, gate_kind="mean"):
     B, S, H, D = q.shape
     N = S - text_len
     cid = vmoba_chunk_ids(grid, mode, chunk)
@@ -298,7 +381,12 @@ def vmoba_mask_independent(q, k, grid, text_len, mode, chunk, select_mode, topk,
     gate = torch.zeros(B, H, len(qblocks), nc, dtype=torch.float64)
     for j, (c, toks) in enumerate(qblocks):
         qm = q[:, toks].double().mean(1)  # [B,H,D]
-        gate[:, :, j] = torch.einsum("bhd,bhcd->bhc", qm, kmean)
+        if gate_kind == "mean":
+            gate[:, :, j] = torch.einsum("bhd,bhcd->bhc", qm, kmean)
+        else:  # log sum over the chunk's keys of exp(scale * qm . k_t)
+            st = torch.einsum("bhd,bthd->bht", qm, k[:, :N].double()) * q.shape[-1] ** -0.5
+            for cc in range(nc):
+                gate[:, :, j, cc] = torch.logsumexp(st[:, :, cid == cc], -1)
     own = torch.zeros(len(qblocks), nc, dtype=torch.bool)
     for j, (c, _) in enumerate(qblocks):
         own[j, c] = True
@@ -333,15 +421,16 @@ VMOBA_CASES += [("spatial", (3, 4), "threshold", "overall")]
 
 
 @pytest.mark.parametrize("mode,chunk,select_mode,ttype", VMOBA_CASES)
-def test_vmoba_selection(mode, chunk, select_mode, ttype):
+@pytest.mark.parametrize("gate", ["pooled_query", "mean"])
+def test_vmoba_selection(mode, chunk, select_mode, ttype, gate):
     grid, text_len = (4, 6, 9), 7
     q, k, v = qkv(grid, text_len, heads=2, seed=4)
     res = vmoba_attention(q, k, v, video_shape=grid, mode=mode, chunk=chunk, topk=2, select_mode=select_mode,
-                          threshold=0.4, threshold_type=ttype, text_len=text_len, return_lse=True)
+                          threshold=0.4, threshold_type=ttype, gate=gate, text_len=text_len, return_lse=True)
     vol = {"temporal": 2 * 6 * 9, "spatial": 4 * 3 * 4, "st": 1 * 3 * 4}[mode]
     qblock = 64 if vol >= 64 else max(16, 2 ** math.ceil(math.log2(vol)))  # small chunks: smaller blocks
     assert res[2].layout.block_size == qblock
-    mask, sel = vmoba_mask_independent(q, k, grid, text_len, mode, chunk, select_mode, 2, 0.4, ttype, qblock)
+    mask, sel = vmoba_mask_independent(q, k, grid, text_len, mode, chunk, select_mode, 2, 0.4, ttype, qblock, gate)
     assert torch.equal(res[2].extra["selection"], sel)
     assert torch.equal(plan_token_mask(res[2]), mask)
     check_output(res, q, k, v, mask)
@@ -353,7 +442,9 @@ def test_vmoba_defaults_and_layer_cycle():
     res = vmoba_attention(q, k, v, video_shape=grid, mode="spatial")
     assert res[2].extra["chunk"] == (2, 3)  # ceil(6/4), ceil(9/4)
     assert res[2].extra["topk"] == math.ceil(res[2].extra["n_chunks"] / 4)
-    mask, _ = vmoba_mask_independent(q, k, grid, 0, "spatial", (2, 3), "threshold", 1, 0.25, "query_head")
+    assert res[2].extra["gate"] == "pooled_query"
+    mask, _ = vmoba_mask_independent(q, k, grid, 0, "spatial", (2, 3), "threshold", 1, 0.25, "query_head",
+                                     gate_kind="pooled_query")
     assert torch.equal(plan_token_mask(res[2]), mask)
     check_output(res, q, k, v, mask)
     modes = [vmoba_layer_mode(i, first_full_layer=2, temporal_layer=1, spatial_layer=2, st_layer=1) for i in range(9)]
@@ -365,9 +456,10 @@ def test_vmoba_defaults_and_layer_cycle():
 # SVG2
 
 
-def svg2_mask_independent(q, k, plan, text_len, top_p, scale, bs):
+def svg2_mask_independent(q, k, plan, text_len, top_p, scale, bs, predictor="pooled_query"):
     """The SVG2 token mask from the plan's cluster labels alone: cluster pairs by the top-p rule on
-    centroid estimates, tokens sorted by cluster (stable) then text, blocks of ``bs`` positions,
+    centroid estimates (``centroids``: scale * cq_i . ck_j + log |K_j|; ``pooled_query``:
+    log sum_{t in K_j} exp(scale * cq_i . k_t)), tokens sorted by cluster (stable) then text, blocks of ``bs`` positions,
     block a -> block b iff a selected pair lies in (clusters of a) x (clusters of b) or either block
     holds text."""
     ql, kl = plan.extra["q_labels"], plan.extra["k_labels"]
@@ -385,7 +477,11 @@ def svg2_mask_independent(q, k, plan, text_len, top_p, scale, bs):
             for i in range(Cq):
                 if qsize[i] == 0:
                     continue
-                logits = [(scale * float(cq[i] @ ck[j]) + math.log(size[j]), j) for j in range(Ck) if size[j] > 0]
+                if predictor == "centroids":
+                    logits = [(scale * float(cq[i] @ ck[j]) + math.log(size[j]), j) for j in range(Ck) if size[j] > 0]
+                else:
+                    st = scale * (k[b, :N, h].double() @ cq[i])
+                    logits = [(float(torch.logsumexp(st[kl[b, h] == j], 0)), j) for j in range(Ck) if size[j] > 0]
                 m = max(x for x, _ in logits)
                 z = sum(math.exp(x - m) for x, _ in logits)
                 acc = 0.0
@@ -414,12 +510,13 @@ def svg2_mask_independent(q, k, plan, text_len, top_p, scale, bs):
 
 
 @pytest.mark.parametrize("grid,text_len", CASES)
-def test_svg2_cluster_pairs(grid, text_len):
+@pytest.mark.parametrize("predictor", ["pooled_query", "centroids"])
+def test_svg2_cluster_pairs(grid, text_len, predictor):
     q, k, v = qkv(grid, text_len, heads=2, seed=6)
     res = svg2_attention(q, k, v, video_shape=grid, text_len=text_len, num_q_clusters=6, num_k_clusters=9,
-                         kmeans_iters=4, top_p=0.6, block_size=8, return_lse=True)
+                         kmeans_iters=4, top_p=0.6, block_size=8, predictor=predictor, return_lse=True)
     plan = res[2]
-    mask, sels = svg2_mask_independent(q, k, plan, text_len, 0.6, 16 ** -0.5, 8)
+    mask, sels = svg2_mask_independent(q, k, plan, text_len, 0.6, 16 ** -0.5, 8, predictor)
     assert torch.equal(plan.extra["selection"], sels)
     assert torch.equal(svg2_token_mask(plan), mask)
     check_output(res, q, k, v, mask)
@@ -568,8 +665,12 @@ def test_sage_sla_quantized_sparse_branch(grid, text_len, edge_tiles):
 # Sol
 
 
-def sol_reference(q, k, v, grid, text_len, tau, thresh_type, sink, scale, edge_tiles="padded"):
-    """Independent Sol: exact tokens of routed blocks + centroid virtual keys of the other blocks."""
+def sol_reference(q, k, v, grid, text_len, tau, thresh_type, sink, scale, edge_tiles="padded", predictor="pooled",
+                  centroid_variance=False):
+    """Independent Sol: exact tokens of routed blocks + centroid virtual keys of the other blocks.
+    ``pooled_query``: the rule's count per query block, filled with its neighbours, then the best
+    log sum_{t in block j} exp(scale * mean_i(q) . k_t); ``centroid_variance``: virtual key j's
+    score gains 0.5 * scale^2 * q^2 . var_j(k)."""
     B, S, H, D = q.shape
     N = S - text_len
     special = torch.zeros(S, dtype=torch.bool)
@@ -594,6 +695,16 @@ def sol_reference(q, k, v, grid, text_len, tau, thresh_type, sink, scale, edge_t
     thr = m + tau * torch.sqrt(var.clamp(min=0) + 1e-6)
     near = torch.tensor([[any(abs(a - b) <= 1 for a in gi for b in gj) for gj in groups] for gi in groups])
     exact = (s > thr.unsqueeze(-1)) | near
+    if predictor == "pooled_query":
+        lse = torch.stack([torch.logsumexp(torch.einsum("bhid,bthd->bhit", cq, k[:, :N][:, tid == t].double()) * scale,
+                                           -1) for t in tiles], -1)  # [B,H,nv,nv]
+        count = exact.sum(-1)
+        routed = torch.zeros_like(exact)
+        for b, h, i in torch.cartesian_prod(*(torch.arange(x) for x in exact.shape[:3])).tolist():
+            rest = [j for j in sorted(range(nv), key=lambda j: -float(lse[b, h, i, j])) if not near[i, j]]
+            for j in [j for j in range(nv) if near[i, j]] + rest[: int(count[b, h, i]) - int(near[i].sum())]:
+                routed[b, h, i, j] = True
+        exact = routed
     blk = torch.cat([tid, torch.full((text_len,), -1)])  # [S]
     is_vid = blk >= 0
     bi = blk.clamp(min=0)
@@ -604,6 +715,10 @@ def sol_reference(q, k, v, grid, text_len, tau, thresh_type, sink, scale, edge_t
     vx = torch.cat([v.double(), cv.transpose(1, 2)], 1)
     mask = torch.cat([tok, approx], -1)
     bias = torch.cat([torch.zeros(S), cnt.log()]).view(1, 1, 1, -1).expand(B, H, S, -1)
+    if centroid_variance:
+        kvar = torch.stack([k[:, :N][:, tid == t].double().var(1, unbiased=False) for t in tiles], 2)  # [B,H,nv,D]
+        jensen = 0.5 * scale ** 2 * torch.einsum("bshd,bhjd->bhsj", q.double() ** 2, kvar)
+        bias = bias + torch.cat([torch.zeros(B, H, S, S, dtype=torch.float64), jensen], -1)
     return reference_attention(q.double(), kx, vx, mask=mask, attn_bias=bias, scale=scale, dtype=torch.float64), exact
 
 
@@ -611,13 +726,16 @@ def sol_reference(q, k, v, grid, text_len, tau, thresh_type, sink, scale, edge_t
 @pytest.mark.parametrize("thresh_type", ["diag", "exact"])
 @pytest.mark.parametrize("tau,sink", [(0.5, (0, 0)), (1.5, (10, 30))])
 @pytest.mark.parametrize("edge_tiles", ["padded", "packed"])
-def test_sol_routing_and_centroid_branch(grid, text_len, thresh_type, tau, sink, edge_tiles):
+@pytest.mark.parametrize("predictor,centroid_variance", [("pooled", False), ("pooled_query", True)])
+def test_sol_routing_and_centroid_branch(grid, text_len, thresh_type, tau, sink, edge_tiles, predictor,
+                                         centroid_variance):
     q, k, v = qkv(grid, text_len, heads=2, dim=16, batch=1, seed=11)
     scale = 16 ** -0.5
     out, lse, plan = sol_attention(q, k, v, video_shape=grid, text_len=text_len, tau=tau, thresh_type=thresh_type,
                                    sink_start=sink[0], sink_tokens=sink[1] - sink[0], return_lse=True,
-                                   edge_tiles=edge_tiles)
-    (ro, rl), exact = sol_reference(q, k, v, grid, text_len, tau, thresh_type, sink, scale, edge_tiles)
+                                   edge_tiles=edge_tiles, predictor=predictor, centroid_variance=centroid_variance)
+    (ro, rl), exact = sol_reference(q, k, v, grid, text_len, tau, thresh_type, sink, scale, edge_tiles, predictor,
+                                    centroid_variance)
     assert plan.layout.n_video_blocks == exact.shape[-1]
     assert torch.equal(plan.extra["exact"], exact)
     assert 0 < float(exact.float().mean()) < 1

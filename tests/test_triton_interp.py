@@ -77,10 +77,11 @@ def test_block_sparse_matches_reference(dtype, kv_per_iter, gqa, tma, ws):
     assert (o[0, 2 * bs:3 * bs, 1] == 0).all()
 
 
-def test_block_centroid_kernel_matches_torch():
+@pytest.mark.parametrize("has_var", [False, True])
+def test_block_centroid_kernel_matches_torch(has_var):
     """Virtual keys with log-weights and a per-query-block route, no initial state: equal to a
     float64 masked softmax; a query block with no routed key gives zeros and LSE -inf; NV is not a
-    multiple of the key chunk."""
+    multiple of the key chunk; with ``kvar`` the score gains 0.5 * scale^2 * q^2 . kvar_j."""
     from ditattn.attention.kernels.block_centroid import block_centroid_attention
 
     g = torch.Generator().manual_seed(5)
@@ -90,8 +91,12 @@ def test_block_centroid_kernel_matches_torch():
     logw = torch.rand(NV, generator=g) * 3
     approx = torch.rand(B, H, nb, NV, generator=g) < 0.6
     approx[0, 1, 2] = False
-    out, lse = block_centroid_attention(q, kc, vc, logw, approx, block_size=bs, scale=D ** -0.5, block_n=16)
+    kvar = torch.rand(B, H, NV, D, generator=g) * 2 if has_var else None
+    out, lse = block_centroid_attention(q, kc, vc, logw, approx, block_size=bs, scale=D ** -0.5, block_n=16,
+                                        kvar=kvar)
     s = torch.einsum("bphd,bhnd->bhpn", q.double(), kc.double()) * D ** -0.5 + logw.double()
+    if has_var:
+        s = s + 0.5 / D * torch.einsum("bphd,bhnd->bhpn", q.double() ** 2, kvar.bfloat16().double())
     s = s.masked_fill(~approx.repeat_interleave(bs, dim=2), float("-inf"))
     ref_lse = torch.logsumexp(s, -1)
     p = torch.nan_to_num(torch.exp(s - ref_lse[..., None]))
@@ -100,6 +105,31 @@ def test_block_centroid_kernel_matches_torch():
     assert torch.equal(fin, torch.isfinite(lse)) and not fin[0, 1, 2 * bs:3 * bs].any()
     assert (out[0, 2 * bs:3 * bs, 1] == 0).all()
     assert rel(out, ref) < 1e-2 and (lse[fin] - ref_lse[fin]).abs().max() < 1e-2
+
+
+@pytest.mark.parametrize("variance", [False, True])
+def test_pooled_query_block_scores_kernel_matches_torch(variance):
+    """The selection kernel of sparge_attn's pooled_query predictor against its PyTorch path in
+    float64: a partial edge tile (padding keys masked), a query count that is not a multiple of the
+    kernel's chunk, with and without the variance term."""
+    from ditattn.attention.sparse.block_scores import pooled_query_block_scores
+    from ditattn.attention.sparse.tiling import make_tile_layout, tile
+
+    g = torch.Generator().manual_seed(8)
+    grid = (3, 8, 6)  # 4x4x4 tiles: 1 x 2 x 2 tiles, all partial in T and W
+    lay = make_tile_layout(grid, (4, 4, 4))
+    q, k = (_rand(1, 144, 2, 32, dtype=torch.bfloat16, gen=g, shift=0.3) for _ in range(2))
+    qt, kt = tile(q, lay), tile(k, lay)
+    got = pooled_query_block_scores(qt, kt, lay, 32 ** -0.5, variance=variance, impl="triton")
+    want = pooled_query_block_scores(qt.double(), kt.double(), lay, 32 ** -0.5, variance=variance,
+                                     impl="reference")
+    assert got.dtype == torch.float32 and got.shape == want.shape == (1, 2, 4, 4)
+    assert (got.double() - want).abs().max() < 3e-2
+    from ditattn.attention.kernels.block_scores import pooled_query_lse
+
+    with pytest.raises(AttentionConfigError, match="block_size"):
+        pooled_query_lse(torch.zeros(1, 2, 4, 32), None, kt[:, :96], torch.ones(96, dtype=torch.bool), block_size=48,
+                         scale=1.0)
 
 
 def test_sage_sla_triton_path_matches_reference_path():
@@ -178,16 +208,19 @@ def test_packed_edge_tiles_on_the_triton_kernels(backend):
     assert (lse - rl).abs().max() < 2e-2
 
 
-def test_sol_fused_centroids_match_float32_path():
-    """sol_attention with impl="triton": block-sparse kernel + the fused centroid kernel in bf16,
-    against the float32 PyTorch path on the same (bf16-valued) inputs."""
+@pytest.mark.parametrize("predictor,centroid_variance", [("pooled_query", True), ("pooled", False)])
+def test_sol_fused_centroids_match_float32_path(predictor, centroid_variance):
+    """sol_attention with impl="triton": block-sparse kernel + the fused centroid kernel in bf16
+    (with and without the key-variance term), against the float32 PyTorch path on the same
+    (bf16-valued) inputs."""
     from ditattn.attention.sparse.sol import sol_attention
 
     grid, text_len, H, D = (5, 8, 9), 7, 2, 32
     g = torch.Generator().manual_seed(3)
     S = grid[0] * grid[1] * grid[2] + text_len
     q, k, v = (_rand(1, S, H, D, dtype=torch.bfloat16, gen=g) for _ in range(3))
-    kw = dict(video_shape=grid, text_len=text_len, tau=0.5, sink_start=3, sink_tokens=20, return_lse=True)
+    kw = dict(video_shape=grid, text_len=text_len, tau=0.5, sink_start=3, sink_tokens=20, return_lse=True,
+              predictor=predictor, centroid_variance=centroid_variance)
     out, lse, plan = sol_attention(q, k, v, impl="triton", **kw)
     ro, rl, rplan = sol_attention(q.double(), k.double(), v.double(), impl="reference", **kw)
     assert torch.equal(plan.extra["exact"], rplan.extra["exact"])

@@ -174,10 +174,11 @@ def sparge_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
     vs, text_len = _check_call(name, q, k, v, call)
     k, v = expand_kv(k, v, q.shape[2])
     out, lse, plan = sparge_attention(q, k, v, video_shape=vs, topk=cfg["topk"], block_size=cfg.get("block_size", 64),
-                                      text_len=text_len, quantize=cfg.get("quantize", True), scale=call.scale,
+                                      text_len=text_len, quantize=cfg.get("quantize", True),
+                                      predictor=cfg["predictor"], simthreshd1=cfg["simthreshd1"], scale=call.scale,
                                       return_lse=call.return_lse, impl=cfg["block_sparse_impl"],
                                       edge_tiles=cfg["edge_tiles"])
-    _sparse_done(name, call, plan, quantized=plan.extra["quantized"])
+    _sparse_done(name, call, plan, quantized=plan.extra["quantized"], predictor=plan.extra["predictor"])
     return out, lse
 
 
@@ -199,7 +200,8 @@ def vmoba_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
     topk = {"temporal": cfg.get("temporal_topk"), "spatial": cfg.get("spatial_topk"), "st": cfg.get("st_topk")}[mode]
     out, lse, plan = vmoba_attention(q, k, v, video_shape=vs, mode=mode, chunk=chunk, topk=topk,
                                      select_mode=cfg["moba_select_mode"], threshold=cfg["moba_threshold"],
-                                     threshold_type=cfg["moba_threshold_type"], text_len=text_len, scale=call.scale,
+                                     threshold_type=cfg["moba_threshold_type"], gate=cfg["gate"], text_len=text_len,
+                                     scale=call.scale,
                                      return_lse=call.return_lse, impl=cfg["block_sparse_impl"])
     _sparse_done(name, call, plan, mode=mode, chunk=plan.extra["chunk"], topk=plan.extra["topk"])
     return out, lse
@@ -218,7 +220,8 @@ def sparse_video_gen_2_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, con
     out, lse, plan = svg2_attention(q, k, v, video_shape=vs, text_len=text_len, num_q_clusters=cfg["num_q_clusters"],
                                     num_k_clusters=cfg["num_k_clusters"], kmeans_iters=cfg["kmeans_iters"],
                                     top_p=cfg["top_p"], warm_iters=cfg["warm_iters"],
-                                    recluster_every=cfg["recluster_every"], state_key=state_key, step=call.step,
+                                    recluster_every=cfg["recluster_every"], predictor=cfg["predictor"],
+                                    state_key=state_key, step=call.step,
                                     scale=call.scale, return_lse=call.return_lse, impl=cfg["block_sparse_impl"])
     _sparse_done(name, call, plan, mode=plan.extra["mode"])
     return out, lse
@@ -269,7 +272,9 @@ def sol_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
     k, v = expand_kv(k, v, q.shape[2])
     out, lse, plan = sol_attention(q, k, v, video_shape=vs, text_len=text_len, tau=cfg["tau"],
                                    thresh_type=cfg["thresh_type"], sink_start=cfg["sink_start"],
-                                   sink_tokens=cfg["sink_tokens"], scale=call.scale, return_lse=call.return_lse,
-                                   impl=cfg["block_sparse_impl"], edge_tiles=cfg["edge_tiles"])
+                                   sink_tokens=cfg["sink_tokens"], predictor=cfg["predictor"],
+                                   centroid_variance=cfg["centroid_variance"], scale=call.scale,
+                                   return_lse=call.return_lse, impl=cfg["block_sparse_impl"],
+                                   edge_tiles=cfg["edge_tiles"])
     _sparse_done(name, call, plan, approximate_fraction=1.0 - plan.kept_fraction)
     return out, lse

@@ -9,14 +9,22 @@ For every (batch, head, query block ``i``) and video key block ``j``, with block
   ``m_i = scale * q_i . mean_j(k_j)`` and ``var_i = scale^2 * sum_d q_id^2 var_j(k_jd)`` (diagonal
   approximation of the score variance), and for ``thresh_type=exact`` ``m_i``/``var_i`` are the
   mean and (population) variance of the actual scores ``s_i.`` over the video key blocks;
-* block ``j`` is *exact* for ``i`` when ``s_ij > thr_i`` or the blocks hold tiles that are
-  neighbours in tile order (``|tile_a - tile_b| <= 1`` for a tile ``a`` of block ``i`` and a tile
-  ``b`` of block ``j``, flat tile indices; one tile per block unless packed); special blocks (text tokens and the exact KV sink
-  ``[sink_start, sink_start + sink_tokens)``) are exact for every query, and special query rows
-  (text, sink tokens) attend everything exactly;
+* with ``predictor="pooled"`` (upstream) block ``j`` is *exact* for ``i`` when ``s_ij > thr_i`` or
+  the blocks hold tiles that are neighbours in tile order (``|tile_a - tile_b| <= 1`` for a tile
+  ``a`` of block ``i`` and a tile ``b`` of block ``j``, flat tile indices; one tile per block unless
+  packed); with ``predictor="pooled_query"`` (the default) that rule only sets *how many* blocks
+  query block ``i`` computes exactly (``n_i``), and *which* ones are its neighbours plus the best
+  of the rest by the pooled-query score ``log sum_{t in j} exp(scale * q_i . k_t)``
+  (:mod:`.block_scores`), which sees what a block mean hides (sink keys, fast RoPE channels);
+  special blocks (text tokens and the exact KV sink ``[sink_start, sink_start + sink_tokens)``) are
+  exact for every query, and special query rows (text, sink tokens) attend everything exactly;
 * every other block is *approximate*: it contributes one virtual key ``k_j`` with value ``v_j`` and
   weight ``|block j|`` (score ``q . k_j * scale + log |block j|``), so the softmax denominator sees
-  the block's size.
+  the block's size.  With ``centroid_variance`` the score also gets the block's key spread,
+  ``+ 0.5 * scale^2 * sum_d q_d^2 var_j(k_d)`` — the log of the block's mean ``exp`` score for
+  keys spread normally around ``k_j`` rather than the ``exp`` of its mean score, which by Jensen's
+  inequality is always lower (about 2x lower per block on the structured inputs of
+  docs/benchmarks.md §11).
 
 Output = softmax over (exact tokens) ∪ (virtual keys of approximate blocks), computed as the exact
 block-sparse part and the centroid part merged by their LSEs (on CUDA in bf16/fp16 the centroid
@@ -32,6 +40,7 @@ from typing import Optional
 
 import torch
 
+from ditattn.attention.sparse.block_scores import pooled_query_block_scores, pooled_query_features
 from ditattn.attention.sparse.block_sparse import block_mask_to_lists, block_sparse_attention, kept_fraction
 from ditattn.attention.sparse.common import SparsePlan, add_special_blocks, triton_path
 from ditattn.attention.sparse.tiling import TileLayout, make_tile_layout, pooled_blocks, tile, untile
@@ -40,12 +49,15 @@ from ditattn.errors import AttentionConfigError
 Tensor = torch.Tensor
 
 SOL_TILE_SIZE = (4, 4, 4)
+SOL_PREDICTORS = ("pooled_query", "pooled")
 _CHUNK_ELEMS = 1 << 25
 
 
 def sol_route(q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout, *, tau: float, thresh_type: str,
-              scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """``(exact video-block routes [B, H, nv, nv] bool, scores [B, H, nv, nv], thresholds [B, H, nv])``."""
+              scale: float, predictor: str = "pooled_query",
+              impl: str = "auto") -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """``(exact video-block routes [B, H, nv, nv] bool, pooled scores [B, H, nv, nv], thresholds
+    [B, H, nv], pooled-query scores [B, H, nv, nv] or None)`` (module docstring)."""
     nv = layout.n_video_blocks
     pq = pooled_blocks(q_tiled, layout, nv)
     pk = pooled_blocks(k_tiled, layout, nv)
@@ -61,7 +73,18 @@ def sol_route(q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout, *, tau: floa
     else:
         raise AttentionConfigError(f"sol_attn: thresh_type must be 'diag' or 'exact', got {thresh_type!r}")
     thr = m + float(tau) * torch.sqrt(var + 1e-6)
-    return (s > thr.unsqueeze(-1)) | neighbour_blocks(layout, s.device), s, thr
+    near = neighbour_blocks(layout, s.device)
+    rule = (s > thr.unsqueeze(-1)) | near
+    if predictor == "pooled":
+        return rule, s, thr, None
+    if predictor != "pooled_query":
+        raise AttentionConfigError(f"sol_attn: predictor must be one of {list(SOL_PREDICTORS)}, got {predictor!r}")
+    # the seed rule's count per query block; the neighbours first, then the best pooled-query scores
+    route = pooled_query_block_scores(q_tiled, k_tiled, layout, scale,
+                                      impl="reference" if impl in ("reference", "flex") else "auto")
+    order = route.masked_fill(near, float("inf")).argsort(dim=-1, descending=True)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(nv, device=order.device).expand_as(order))
+    return rank < rule.sum(-1, keepdim=True), s, thr, route
 
 
 @functools.lru_cache(maxsize=64)
@@ -96,11 +119,13 @@ def sol_sink_range(sink_start: int, sink_tokens: int, seq_len: int) -> tuple[int
 
 
 def _centroid_part(q_tiled: Tensor, kc: Tensor, vc: Tensor, logw: Tensor, approx_rows: Tensor,
-                   bs: int, scale: float) -> tuple[Tensor, Tensor]:
+                   bs: int, scale: float, kvar: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Attention of every query over the virtual keys of its approximate blocks.
 
     q_tiled ``[B, P, H, D]``; kc/vc ``[B, H, nv, D]``; logw ``[nv]``; approx_rows ``[B, H, nb, nv]``
-    bool (per query block).  Returns ``(out [B, H, P, D] float, lse [B, H, P] float)``.
+    bool (per query block); kvar ``[B, H, nv, D]`` or None: the blocks' per-channel key variance
+    (adds ``0.5 * scale^2 * q^2 . kvar_j`` to the score).  Returns ``(out [B, H, P, D] float,
+    lse [B, H, P] float)``.
     """
     B, P, H, D = q_tiled.shape
     dt = kc.dtype
@@ -113,7 +138,11 @@ def _centroid_part(q_tiled: Tensor, kc: Tensor, vc: Tensor, logw: Tensor, approx
     for h0 in range(0, H, hc):
         h1 = min(H, h0 + hc)
         s = torch.baddbmm(logw.view(1, 1, -1).to(dt), qh[:, h0:h1].flatten(0, 1), kc[:, h0:h1].flatten(0, 1).transpose(1, 2),
-                          alpha=scale).view(B, h1 - h0, nb, bs, nv)
+                          alpha=scale)
+        if kvar is not None:
+            s.baddbmm_(qh[:, h0:h1].flatten(0, 1).pow(2), kvar[:, h0:h1].flatten(0, 1).to(dt).transpose(1, 2),
+                       alpha=0.5 * scale * scale)
+        s = s.view(B, h1 - h0, nb, bs, nv)
         # the route is per query BLOCK: broadcast it over the block's rows instead of materialising it per row
         s.masked_fill_(~approx_rows[:, h0:h1, :, None, :], float("-inf"))
         s = s.view(B, h1 - h0, P, nv)
@@ -128,12 +157,14 @@ def _centroid_part(q_tiled: Tensor, kc: Tensor, vc: Tensor, logw: Tensor, approx
 
 def sol_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: int = 0, tau: float = 1.0,
                   thresh_type: str = "diag", sink_start: int = 0, sink_tokens: int = 0,
+                  predictor: str = "pooled_query", centroid_variance: bool = True,
                   scale: Optional[float] = None, return_lse: bool = False, impl: str = "auto",
                   edge_tiles: str = "packed") -> tuple[Tensor, Optional[Tensor], SparsePlan]:
     """Sol over ``[B, T*H*W + text_len, heads, D]`` q/k/v (k/v with q's head count); any float
-    dtype / head dim (the backend enforces bf16 and 128); ``edge_tiles`` as in the module
-    docstring.  Returns ``(out, lse or None, plan)`` with ``plan.extra``: ``exact`` video routes
-    ``[B, H, nv, nv]``, ``scores``, ``thresholds``."""
+    dtype / head dim (the backend enforces bf16 and 128).  ``predictor``, ``centroid_variance``
+    and ``edge_tiles``: the module docstring.  Returns ``(out, lse or None, plan)`` with
+    ``plan.extra``: ``exact`` video routes ``[B, H, nv, nv]``, ``scores`` (pooled),
+    ``thresholds``, ``route_scores`` (pooled-query scores, or None with ``predictor="pooled"``)."""
     B, S, H, D = q.shape
     n_video = int(torch.tensor(video_shape).prod())
     sink = sol_sink_range(int(sink_start), int(sink_tokens), n_video + int(text_len))
@@ -141,14 +172,15 @@ def sol_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: int
                               edge_tiles=edge_tiles)
     scale = D ** -0.5 if scale is None else float(scale)
     qt, kt, vt = tile(q, layout), tile(k, layout), tile(v, layout)
-    exact, scores, thr = sol_route(qt, kt, layout, tau=tau, thresh_type=thresh_type, scale=scale)
+    exact, scores, thr, route = sol_route(qt, kt, layout, tau=tau, thresh_type=thresh_type, scale=scale,
+                                          predictor=predictor, impl=impl)
     bm = add_special_blocks(layout, exact)
     idx, cnt = block_mask_to_lists(bm)
     kvv = layout.kv_valid(B, q.device)
     o1, l1 = block_sparse_attention(qt, kt, vt, idx, cnt, block_size=layout.block_size, scale=scale,
                                     kv_valid=kvv, return_lse=True, impl=impl)
     nv, nb, bs = layout.n_video_blocks, layout.n_blocks, layout.block_size
-    kc = pooled_blocks(kt, layout, nv)
+    kc, kvar = pooled_query_features(kt, layout, nv, variance=bool(centroid_variance))
     vc = pooled_blocks(vt, layout, nv)
     logw = layout.block_count[:nv].to(kc.device, kc.dtype).log()
     approx = torch.zeros(B, H, nb, nv, dtype=torch.bool, device=q.device)
@@ -158,10 +190,10 @@ def sol_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: int
         from ditattn.attention.kernels.block_centroid import block_centroid_attention
 
         o_t, lse = block_centroid_attention(qt, kc, vc, logw, approx, block_size=bs, scale=scale, o_init=o1,
-                                            lse_init=l1)
+                                            lse_init=l1, kvar=kvar)
         out = untile(o_t, layout).to(q.dtype)
     else:
-        o2, l2 = _centroid_part(qt, kc, vc, logw, approx, bs, scale)
+        o2, l2 = _centroid_part(qt, kc, vc, logw, approx, bs, scale, kvar)
         l1d = l1.to(l2.dtype)
         lse = torch.logaddexp(l1d, l2)
         safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
@@ -171,5 +203,6 @@ def sol_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: int
         out = untile(o.transpose(1, 2), layout).to(q.dtype)
     lse_out = untile(lse.float(), layout, dim=2) if return_lse else None
     plan = SparsePlan(layout, idx, cnt, kept_fraction(cnt, nb),
-                      {"exact": exact, "scores": scores, "thresholds": thr, "sink": sink})
+                      {"exact": exact, "scores": scores, "thresholds": thr, "route_scores": route, "sink": sink,
+                       "predictor": predictor, "centroid_variance": bool(centroid_variance)})
     return out, lse_out, plan

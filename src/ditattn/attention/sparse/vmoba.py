@@ -10,8 +10,12 @@ edge may be partial.  Tokens are laid out chunk by chunk (:class:`TileLayout` wi
 tile) in blocks of :func:`vmoba_block_size` tokens (64, or the power of two >= the chunk volume,
 at least 16, for small chunks so that padding stays small); a query block lies inside one chunk.
 
-Gate (per batch, head, query block, chunk): ``mean(q over the query block) . mean(k over the
-chunk)``.  Every query block always attends its own chunk.  Selection of the other chunks:
+Gate (per batch, head, query block, chunk), ``gate``: ``pooled_query`` (default)
+``log sum_{t in chunk} exp(scale * mean(q over the query block) . k_t)`` (:mod:`.block_scores`:
+the chunk's mass as seen from the query block's mean; it sees sink keys and local peaks that a
+chunk mean of thousands of keys averages away), or ``mean`` (upstream) ``mean(q over the query
+block) . mean(k over the chunk)``.  Every query block always attends its own chunk.  Selection of
+the other chunks:
 
 * ``moba_select_mode=topk``: the ``k`` best chunks including the own chunk (``temporal_topk`` /
   ``spatial_topk`` / ``st_topk``), per query block (``moba_threshold_type=query_head``), or the
@@ -37,6 +41,7 @@ from typing import Optional
 
 import torch
 
+from ditattn.attention.sparse.block_scores import pooled_query_block_scores
 from ditattn.attention.sparse.common import SparsePlan, add_special_blocks, run_block_mask
 from ditattn.attention.sparse.tiling import TileLayout, make_tile_layout, tile
 from ditattn.errors import AttentionConfigError
@@ -45,6 +50,7 @@ Tensor = torch.Tensor
 
 VMOBA_BLOCK_SIZE = 64
 MODES = ("temporal", "spatial", "st")
+VMOBA_GATES = ("pooled_query", "mean")
 
 
 def vmoba_layer_mode(layer_idx: Optional[int], *, first_full_layer: int = 0, temporal_layer: int = 1,
@@ -98,9 +104,12 @@ def vmoba_block_size(chunk_volume: int) -> int:
     return max(16, 1 << (int(chunk_volume) - 1).bit_length())
 
 
-def chunk_gates(q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout) -> tuple[Tensor, Tensor]:
-    """``(gate [B, H, nv, n_chunks] float32, chunk_of_block [nv] int64)``: pooled query block .
-    chunk mean key; chunks are the layout's non-empty tiles in tile order."""
+def chunk_gates(q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout, predictor: str = "mean",
+                scale: Optional[float] = None, impl: str = "auto") -> tuple[Tensor, Tensor]:
+    """``(gate [B, H, nv, n_chunks] float32, chunk_of_block [nv] int64)``; chunks are the layout's
+    non-empty tiles in tile order.  ``predictor="mean"``: pooled query block . chunk mean key;
+    ``"pooled_query"``: ``log sum_{t in chunk} exp(scale * pooled query block . k_t)`` (``scale``
+    default ``D ** -0.5``)."""
     B, P, H, D = q_tiled.shape
     nv, bs = layout.n_video_blocks, layout.block_size
     dev = q_tiled.device
@@ -110,6 +119,12 @@ def chunk_gates(q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout) -> tuple[T
     remap[present] = torch.arange(present.numel())
     chunk_of_block = remap[layout.block_tile[:nv]].to(dev)
     nc = present.numel()
+    if predictor == "pooled_query":
+        blocks = pooled_query_block_scores(q_tiled, k_tiled, layout, D ** -0.5 if scale is None else float(scale),
+                                           impl="reference" if impl in ("reference", "flex") else "auto")
+        return _segment_logsumexp(blocks, chunk_of_block, nc), chunk_of_block
+    if predictor != "mean":
+        raise AttentionConfigError(f"vmoba_attn: gate must be one of {list(VMOBA_GATES)}, got {predictor!r}")
     cnt = layout.block_count[:nv].to(dev, dt)
     qsum = q_tiled[:, : nv * bs].to(dt).view(B, nv, bs, H, D).sum(2)  # [B,nv,H,D]
     ksum = k_tiled[:, : nv * bs].to(dt).view(B, nv, bs, H, D).sum(2)
@@ -119,6 +134,17 @@ def chunk_gates(q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout) -> tuple[T
     kmean = kc / ccount.view(1, -1, 1, 1)
     gate = torch.einsum("bqhd,bchd->bhqc", qmean, kmean)
     return gate, chunk_of_block
+
+
+def _segment_logsumexp(x: Tensor, group: Tensor, n_groups: int) -> Tensor:
+    """``log sum exp`` of ``x [..., n]`` over the entries of each group (``group [n]`` int64 ids,
+    consecutive or not): ``[..., n_groups]`` (``-inf`` for an empty group)."""
+    idx = group.to(x.device).expand_as(x)
+    m = torch.full((*x.shape[:-1], n_groups), float("-inf"), dtype=x.dtype, device=x.device)
+    m.scatter_reduce_(-1, idx, x, "amax")
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    tot = torch.zeros_like(m).scatter_add_(-1, idx, (x - m_safe.gather(-1, idx)).exp())
+    return torch.where(tot > 0, m_safe + tot.clamp(min=1e-30).log(), torch.full_like(m, float("-inf")))
 
 
 def _select_groups(g: Tensor, own: Tensor, mode: str, k: int, threshold: float) -> Tensor:
@@ -172,10 +198,11 @@ def vmoba_select(gate: Tensor, chunk_of_block: Tensor, *, select_mode: str, topk
 
 
 def vmoba_block_mask(q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout, *, select_mode: str, topk: int,
-                     threshold: float, threshold_type: str) -> tuple[Tensor, Tensor, Tensor]:
+                     threshold: float, threshold_type: str, gate: str = "mean", scale: Optional[float] = None,
+                     impl: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
     """``(block mask [B, H, n_blocks, n_blocks], chunk selection [B, H, nv, n_chunks], chunk_of_block)``."""
-    gate, cob = chunk_gates(q_tiled, k_tiled, layout)
-    sel = vmoba_select(gate, cob, select_mode=select_mode, topk=topk, threshold=threshold,
+    gates, cob = chunk_gates(q_tiled, k_tiled, layout, gate, scale, impl)
+    sel = vmoba_select(gates, cob, select_mode=select_mode, topk=topk, threshold=threshold,
                        threshold_type=threshold_type)
     video = sel[..., cob]  # key block j selected iff its chunk is
     return add_special_blocks(layout, video), sel, cob
@@ -183,8 +210,9 @@ def vmoba_block_mask(q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout, *, se
 
 def vmoba_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, mode: str, chunk=None,
                     topk: Optional[int] = None, select_mode: str = "threshold", threshold: float = 0.25,
-                    threshold_type: str = "query_head", text_len: int = 0, scale: Optional[float] = None,
-                    return_lse: bool = False, impl: str = "auto") -> tuple[Tensor, Optional[Tensor], SparsePlan]:
+                    threshold_type: str = "query_head", gate: str = "pooled_query", text_len: int = 0,
+                    scale: Optional[float] = None, return_lse: bool = False,
+                    impl: str = "auto") -> tuple[Tensor, Optional[Tensor], SparsePlan]:
     """V-MoBA with chunking ``mode`` (``temporal``/``spatial``/``st``) over ``[B, T*H*W + text_len,
     heads, D]`` q/k/v (k/v with q's head count).  ``chunk``/``topk`` None -> grid defaults."""
     vs = tuple(int(x) for x in video_shape)
@@ -198,8 +226,8 @@ def vmoba_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, mode: str, 
         topk = max(1, math.ceil(n_chunks / 4))
     qt, kt = tile(q, layout), tile(k, layout)
     bm, sel, cob = vmoba_block_mask(qt, kt, layout, select_mode=select_mode, topk=topk, threshold=threshold,
-                                    threshold_type=threshold_type)
+                                    threshold_type=threshold_type, gate=gate, scale=scale, impl=impl)
     return run_block_mask(q, k, v, layout, bm, scale=scale, return_lse=return_lse, impl=impl,
-                          extra={"mode": mode, "chunk": chunk, "topk": topk, "selection": sel,
+                          extra={"mode": mode, "chunk": chunk, "topk": topk, "gate": gate, "selection": sel,
                                  "chunk_of_block": cob, "n_chunks": n_chunks},
                           q_tiled=qt, k_tiled=kt)

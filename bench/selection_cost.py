@@ -1,0 +1,120 @@
+"""Cost of the block predictors of the training-free sparse backends against their whole call (issue 19).
+
+    python3 bench/selection_cost.py --out $OUT/selcost            # GPU: wan480, 12 and 40 heads
+    BENCH_DEVICE=cpu python bench/selection_cost.py --grid 4,8,8 --heads 2   # smoke test
+
+Per head count (bf16, batch 1, head dim 128, structured q/k/v of ``ditattn.evaluation.structured``,
+the backends' default packed tiles), median wall time (do_bench) and GPU kernel time of:
+
+* ``pooled``            upstream's predictor: pooled q . pooled k (Sparge ``predictor=pooled``);
+* ``pooled_query``      pooled q against every key, log-sum-exp per key block (Triton kernel);
+* ``pooled_query_var``  the same with the query variance term;
+* ``svg2_clusters``     SVG2's pooled-query cluster-pair scores (64 query centroids against every key);
+* ``sparge_call``       ``sparge_attention`` at topk 0.5 with each predictor, end to end (tiling, INT8
+  quantization, selection, block-sparse kernel, untiling);
+* ``dense_fa``          the dense attention of the same call (FA4 when installed, else SDPA).
+
+The last table prints each predictor's time as a share of the Sparge call with it (target: well
+below 10 %) and of dense attention, next to its FLOPs as a share of dense attention's ``4 N^2 D``.
+Full rows go to ``<out>/selection_cost.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+from common import DEVICE, Recorder, bench_ms, env_info, fmt_table, guarded, kernel_ms  # noqa: E402
+
+GRIDS = {"wan480": (21, 30, 52), "wan720": (21, 45, 80)}
+
+
+def _dense(q, k, v):
+    import ditattn
+
+    backend = "fa" if DEVICE == "cuda" else "torch_sdpa"
+    return ditattn.attention(q, k, v, backend=backend)
+
+
+def measure(rec, grid, heads):
+    from ditattn.attention.sparse.block_scores import pooled_query_block_scores
+    from ditattn.attention.sparse.sparge import sparge_attention, sparge_tile_size
+    from ditattn.attention.sparse.svg2 import pooled_query_cluster_scores
+    from ditattn.attention.sparse.tiling import make_tile_layout, tile
+    from ditattn.attention.sparse.vsa import pooled_video_scores
+    from ditattn.evaluation.structured import StructuredSpec, structured_qkv
+
+    q, k, v, _ = structured_qkv(StructuredSpec(video_shape=grid, heads=heads), device=DEVICE)
+    S, D = q.shape[1], q.shape[-1]
+    scale = D ** -0.5
+    lay = make_tile_layout(grid, sparge_tile_size(64), 0, edge_tiles="packed")
+    qt, kt = tile(q, lay), tile(k, lay)
+    nv = lay.n_video_blocks
+    g = torch.Generator(device="cpu").manual_seed(0)
+    labels = torch.randint(0, 128, (heads, S), generator=g).to(DEVICE)
+    cq = torch.randn(heads, 64, D, generator=g).to(DEVICE)
+    keys = k[0].transpose(0, 1)  # [H, S, D]
+    dense_flops = 4.0 * heads * S * S * D
+    cases = {
+        "pooled": (lambda: pooled_video_scores(qt, kt, lay, scale), 2.0 * heads * nv * nv * D),
+        "pooled_query": (lambda: pooled_query_block_scores(qt, kt, lay, scale), 2.0 * heads * nv * nv * 64 * D),
+        "pooled_query_var": (lambda: pooled_query_block_scores(qt, kt, lay, scale, variance=True),
+                             4.0 * heads * nv * nv * 64 * D),
+        "svg2_clusters": (lambda: pooled_query_cluster_scores(cq, keys, labels, 128, scale), 2.0 * heads * 64 * S * D),
+        "sparge_call pooled": (lambda: sparge_attention(q, k, v, video_shape=grid, topk=0.5, quantize=True,
+                                                        predictor="pooled"), None),
+        "sparge_call pooled_query": (lambda: sparge_attention(q, k, v, video_shape=grid, topk=0.5, quantize=True),
+                                     None),
+        "dense_fa": (lambda: _dense(q, k, v), dense_flops),
+    }
+    out = {}
+    for name, (fn, flops) in cases.items():
+        ms = guarded(rec, f"{name} H={heads}", lambda fn=fn: bench_ms(fn))
+        kms = guarded(rec, f"{name} H={heads} (kernels)", lambda fn=fn: kernel_ms(fn))
+        out[name] = (ms, kms)
+        rec.add(grid="x".join(map(str, grid)), heads=heads, case=name, ms=ms, kernel_ms=kms,
+                flops_share=None if flops is None else flops / dense_flops)
+        print(f"  H={heads} {name:<26} {ms if ms is not None else float('nan'):9.3f} ms  kernels "
+              f"{kms if kms is not None else float('nan'):9.3f} ms", flush=True)
+    summary = []
+    for name, call in (("pooled", "sparge_call pooled"), ("pooled_query", "sparge_call pooled_query"),
+                       ("pooled_query_var", "sparge_call pooled_query"), ("svg2_clusters", None)):
+        ms, kms = out[name]
+        cms = out[call][0] if call else None
+        dms = out["dense_fa"][0]
+        summary.append({"heads": heads, "predictor": name, "ms": ms,
+                        "of_call": ms / cms if ms and cms else None, "of_dense": ms / dms if ms and dms else None,
+                        "flops_of_dense": cases[name][1] / dense_flops})
+    return summary
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--grids", default="wan480", help="comma list of " + ", ".join(GRIDS))
+    ap.add_argument("--grid", default=None, help="override: T,H,W (CPU smoke run)")
+    ap.add_argument("--heads", default="12,40")
+    ap.add_argument("--out", default="selection_cost_out")
+    args = ap.parse_args()
+    rec = Recorder(args.out, "selection_cost", {"env": env_info(), "argv": sys.argv[1:], "device": DEVICE})
+    grids = [tuple(int(x) for x in args.grid.split(","))] if args.grid else [GRIDS[g] for g in args.grids.split(",")]
+    summary = []
+    for grid in grids:
+        for heads in (int(h) for h in args.heads.split(",")):
+            print(f"[grid {grid}, {heads} heads]", flush=True)
+            summary += measure(rec, grid, heads)
+    rec.data["summary"] = summary
+    rec.flush()
+    print("\n## Predictor cost (share of the Sparge call at topk 0.5 with it, and of dense attention)\n")
+    print(fmt_table(summary, [("heads", "H", ""), ("predictor", "predictor", ""), ("ms", "ms", ".3f"),
+                              ("of_call", "of call", ".3f"), ("of_dense", "of dense", ".3f"),
+                              ("flops_of_dense", "FLOPs of dense", ".4f")]))
+    for n in rec.data["notes"]:
+        print("NOTE:", n)
+
+
+if __name__ == "__main__":
+    main()
