@@ -10,6 +10,10 @@
 #   bash bench/h200_session18.sh shapes-dit # ... then the DiT from it (9.5 min, carry .shapes-vae too)
 #   bash bench/h200_session18.sh sparse     # issues 18 item 3 + 19: VSA selection share (packed vs padded edge
 #                                           # tiles), fidelity frontier at 480p with 12 / 40 heads (~9.5 min)
+#   bash bench/h200_session18.sh selection  # issue 19: GPU tests of the pooled-query predictor kernels, the predictors'
+#                                           # cost against the Sparge call (bench/selection_cost.py), the fidelity
+#                                           # frontier at 480p with 12 heads (~9 min)
+#   bash bench/h200_session18.sh selection40 # issue 19: the same frontier with 40 heads (~9.5 min)
 #   bash bench/h200_session18.sh eco        # issues 21 + 24: diffusers WanPipeline with ditattn inside, the I2V DiT
 #                                           # step, 14B 720p with offload + VAE tiling (~9.5 min)
 #   bash bench/h200_session18.sh quant      # issue 25: 8-bit DiT linears, 1.3B step (carry .gpu-c too: stage_extra.sh)
@@ -40,6 +44,12 @@ shapes-dit)
 sparse)
   step 200 python3 bench/vsa_stages.py --out "$OUT/vsa_stages"
   step 370 python3 bench/fidelity.py --grids wan480 --heads 12,40 --budget-s 300 --out "$OUT/fid" ;;
+selection)
+  step 120 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_gpu_kernels.py -k "pooled_query or sol"
+  step 100 python3 bench/selection_cost.py --out "$OUT/selcost"
+  step 350 python3 bench/fidelity.py --grids wan480 --heads 12 --budget-s 290 --out "$OUT/fid12" ;;
+selection40)
+  step 580 python3 bench/fidelity.py --grids wan480 --heads 40 --budget-s 500 --out "$OUT/fid40" ;;
 eco)
   step 200 python3 bench/diffusers_apply.py --arch 1.3b --res 480p --frames 81 --steps 3 --out "$OUT/diffusers_apply"
   step 150 python3 bench/e2e.py --arch 14b --res 480p --i2v --repeats 3 --diffusers-backends native --backends auto \

@@ -86,5 +86,6 @@ def test_backends_name_the_measured_operating_points_of_sparse_defaults(capsys):
     assert names["torch_sdpa"]["operating_point"] is None
     assert main(["backends"]) == 0
     out = capsys.readouterr().out
-    assert "measured at defaults (topk 0.5, INT8 Q.K in kept blocks, packed edge tiles) on structured 480p inputs" in out
+    assert ("measured at defaults (topk 0.5, pooled-query predictor, INT8 Q.K in kept blocks, packed edge tiles) on "
+            "structured 480p inputs") in out
     assert len(OPERATING_POINTS) >= 5

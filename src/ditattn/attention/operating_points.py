@@ -16,7 +16,8 @@ from typing import Optional
 ERROR_SOURCE = ("bench/fidelity.py --grids wan480 --heads 5 --ref-rows 512 --error-only (CPU, bf16 inputs, "
                 "structured: 2 spatial, 2 temporal, 1 global head)")
 #: the H200 command that fills in the speed-ups (docs/benchmarks.md §11)
-SPEED_COMMAND = "python3 bench/fidelity.py --grids wan480 --heads 12,40 --out $OUT/fid (H200, FA4 as 'fa')"
+SPEED_COMMAND = ("bash bench/h200_session18.sh selection / selection40: bench/fidelity.py --grids wan480 --heads 12 / 40 "
+                 "(H200, FA4 as 'fa')")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,13 +43,18 @@ class OperatingPoint:
         return dataclasses.asdict(self)
 
 
-#: sparge_attn, sol_attn and sla_attn: re-measured with the same command after their default became
-#: edge_tiles=packed (docs/benchmarks.md §13 has both layouts side by side)
+#: sparge_attn, sol_attn, sparse_video_gen_2_attn and vmoba_attn: re-measured with the same command after their
+#: default block predictors became pooled_query (docs/benchmarks.md §11, CPU run 2); sla_attn after its default
+#: became edge_tiles=packed (§13)
 OPERATING_POINTS: dict[str, OperatingPoint] = {
-    "sparge_attn": OperatingPoint("topk 0.5, INT8 Q.K in kept blocks, packed edge tiles", 0.102, 0.9949, 0.501),
-    "sparse_video_gen_2_attn": OperatingPoint("64/128 clusters, top_p 0.9, warm-started step", 0.228, 0.9744, 0.422),
-    "sol_attn": OperatingPoint("tau 1.0, diag, packed edge tiles; sparse layers and steps", 0.301, 0.9560, 0.224),
-    "vmoba_attn": OperatingPoint("threshold 0.25; mean of its temporal/spatial/st layers", 0.810, 0.661, 0.150),
+    "sparge_attn": OperatingPoint("topk 0.5, pooled-query predictor, INT8 Q.K in kept blocks, packed edge tiles",
+                                  0.054, 0.9986, 0.501),
+    "sparse_video_gen_2_attn": OperatingPoint("64/128 clusters, top_p 0.9, pooled-query cluster mass, warm-started "
+                                              "step", 0.135, 0.9921, 0.417),
+    "sol_attn": OperatingPoint("tau 1.0, diag, pooled-query choice of the exact blocks, centroid variance, packed edge "
+                               "tiles; sparse layers and steps", 0.070, 0.9977, 0.224),
+    "vmoba_attn": OperatingPoint("threshold 0.25, pooled-query gate; mean of its temporal/spatial/st layers",
+                                 0.606, 0.860, 0.179),
     "video_sparse_attn": OperatingPoint("sparsity 0.0: every tile kept, runs exact dense attention", 0.0017, 1.0, 1.0),
     "sliding_tile_attn": OperatingPoint("after STA_searching with the default candidate windows (about 27 tiles)",
                                         0.924, 0.5834, 0.042),

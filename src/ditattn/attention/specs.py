@@ -313,7 +313,7 @@ SPECS: dict[B, BackendSpec] = {s.backend: s for s in [
           runtimes={"cuda": (Runtime(("sageattn3",), "SageAttention3"),)}, seed_platforms=("cuda",),
           cuda_sm=(100, 103, 120, 121), lossy=True, drop_in=True,
           install_hint="build SageAttention3 from its upstream repository (Blackwell GPUs only)"),
-    _spec(B.SPARGE_ATTN, kind="sparse+quantized", summary="SpargeAttention: top-k blocks by pooled Q.K similarity, INT8 Q.K in kept blocks",
+    _spec(B.SPARGE_ATTN, kind="sparse+quantized", summary="SpargeAttention: top-k blocks by pooled-query block scores, INT8 Q.K in kept blocks",
           runtimes=_CUDA_INTREE, seed_platforms=("cuda",), dtypes=FP16_BF16,
           cuda_sm=(80, 86, 87, 89, 90), lossy=True, cross_attention=False, causal=False,
           config_schema="sparge_attn",

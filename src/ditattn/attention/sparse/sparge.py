@@ -11,7 +11,7 @@ queries attend everything.  Predictors (:mod:`.block_scores`):
 * ``pooled_query`` (default) — ``log sum_{j in block} exp(scale * mean(q) . k_j)``: the query
   block's mean against every key of the block.  It sees sink keys and the fast RoPE channels that
   block means average away: on the structured 480p inputs of docs/benchmarks.md §11 it lowers the
-  error at ``topk`` 0.5 from 9.7 % to 3.9 %, for 1/128 of the dense attention's FLOPs;
+  error at ``topk`` 0.5 from 10.2 % to 5.4 % (INT8, packed tiles), for 1/128 of dense attention's FLOPs;
 * ``pooled_query_var`` — ``pooled_query`` plus the query block's per-channel variance term
   (second order), twice its FLOPs.
 
