@@ -58,7 +58,6 @@ def check(rec, variants):
 def timing(rec, dl, seqs, sparsities, heads, variants):
     from ditattn.attention.backends.base import AttnCall, get_impl
     from ditattn.attention.kernels.block_sparse_triton import block_sparse_attention_triton
-    from ditattn.attention.kernels.block_sparse_triton import block_sparse_attention_triton
     from ditattn.attention.names import AttentionBackendEnum as B
 
     rows = []

@@ -5,6 +5,8 @@
 #
 #   bash bench/h200_session18.sh kernels    # issues 17 + 18: first GPU run of the FP8 P.V option and of the SM90
 #                                           # block-sparse kernel; TFLOP/s + error next to FA4 / cuDNN (~9 min)
+#   bash bench/h200_session18.sh bsfix      # issue 18: the SM90 block-sparse kernel after its Triton 3.6 compile fix —
+#                                           # GPU tests, then correctness + time vs Triton / FA4 / ideal (~5 min)
 #   bash bench/h200_session18.sh shapes     # issue 20: train ditattn:shapes, VAE then DiT, one call (~9.5 min)
 #   bash bench/h200_session18.sh shapes-vae # ... or the VAE alone (8.5 min); copy $OUT/shapes to .shapes-vae/,
 #   bash bench/h200_session18.sh shapes-dit # ... then the DiT from it (9.5 min, carry .shapes-vae too)
@@ -33,6 +35,10 @@ kernels)
   step 240 python3 bench/sage_sm90.py --out "$OUT/sage" --budget-s 170 \
       --variants "fp16=;kblk=k_granularity:block;fp8=pv_dtype:fp8;fp8_kblk=pv_dtype:fp8/k_granularity:block/pv_overlap:true"
   step 150 python3 bench/block_sparse_sm90.py --out "$OUT/bs" --seqs 32760,75600 --sparsities 0.9 --budget-s 110 ;;
+bsfix)
+  step 110 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_block_sparse_sm90.py -k "not compiles"
+  step 190 python3 bench/block_sparse_sm90.py --out "$OUT/bs" --seqs 32760,75600 --sparsities 0.9,0.85,0.95 \
+      --budget-s 160 --variants "default=;online=static_max:false" ;;
 shapes)
   step 590 python3 -m ditattn.train.shapes --stage all --preset full --device cuda --vae-budget-s 180 \
       --dit-budget-s 330 --out "$OUT/shapes" ;;

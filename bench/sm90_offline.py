@@ -10,14 +10,26 @@ warning or performance advisory of ``ptxas -arch=sm_90a -v`` on the PTX (C7513: 
     python bench/sm90_offline.py                      # default config, D=128, bf16
     python bench/sm90_offline.py --variants "default=;kblock=k_granularity:block" --sass-dir /tmp/sass
     python bench/sm90_offline.py --variants "fp16=;fp8=pv_dtype:fp8;fp8_direct=pv_dtype:fp8/pv_accum:direct"
+    python bench/sm90_offline.py --kernel block_sparse --matrix    # every constexpr combination
+    python bench/sm90_offline.py --kernel block_sparse --variants "d64_fp16=head_dim:64/dtype:fp16/has_valid:false"
 
-Run it with ``TRITON_INTERPRET`` unset.  The SASS is disassembled with the ``cuobjdump`` that ships
-in Triton's wheel.
+Besides the kernel's config keys a variant may set the build keys ``head_dim``, ``dtype`` (bf16|fp16)
+and, for the block-sparse kernel, ``has_valid`` / ``return_lse`` (its other constexprs).  ``--matrix``
+(block-sparse) compiles every combination of head dim 64/128, bf16/fp16, with/without padding keys,
+with/without LSE, static-max/online softmax — everything a caller can launch.
+
+Compile with the Triton version of the GPU machine (``GPU_TRITON``): versions differ in what Gluon
+accepts (3.7.1 passes a layout read off a tensor as a call argument, 3.6.0 fails to compile it), so
+a build under another version proves little — prefix ``PYTHONPATH=<a pip --target dir with
+triton==3.6.0>`` or pass ``--triton-path DIR``; the tool prints the version it used and warns on a
+mismatch.  Run it with ``TRITON_INTERPRET`` unset.  The SASS is disassembled with the ``cuobjdump``
+that ships in Triton's wheel.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import os
 import re
 import subprocess
@@ -26,6 +38,10 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if os.path.join(ROOT, "src") not in sys.path:
     sys.path.insert(0, os.path.join(ROOT, "src"))
+
+
+#: the Triton version of the lent H200 machine (docs/benchmarks.md, /work/shared/spec/NOTES.md)
+GPU_TRITON = "3.6.0"
 
 
 def install_offline_driver(capability: int = 90) -> None:
@@ -98,17 +114,19 @@ def compile_kernel(config: dict, *, head_dim: int = 128, dtype=None):
         num_warps=4, maxnreg=168, grid=(1,))
 
 
-def compile_block_sparse(config: dict, *, head_dim: int = 128, has_valid: bool = True, dtype=None):
-    """Build ``_bs_fwd_sm90`` (block-sparse, 64-token blocks) for ``config`` on CPU stand-in tensors."""
+def compile_block_sparse(config: dict, *, head_dim: int = 128, has_valid: bool = True, return_lse: bool = True,
+                         dtype=None):
+    """Build ``_bs_fwd_sm90`` (block-sparse, 64-token blocks) for ``config`` on CPU stand-in tensors,
+    with the constexprs ``launch`` derives from the same call (GQA and lengths are run-time values)."""
     import torch
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from ditattn.attention.kernels import block_sparse_sm90 as m
+    from ditattn.attention.kernels import launch_config
 
     dtype = dtype or torch.bfloat16
-    cfg = m.default_config(head_dim)
-    cfg.update(config)
+    cfg = launch_config(m.default_config(head_dim), config, what="block-sparse SM90 kernel")
     d, bs, b, h, hkv, s = head_dim, 64, 1, 2, 2, 512
     nq = s // bs
     gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
@@ -121,9 +139,8 @@ def compile_block_sparse(config: dict, *, head_dim: int = 128, has_valid: bool =
     return m._bs_fwd_sm90.warmup(
         desc, desc, desc, desc, idx, cnt, f, f, f, f, f, h, h // hkv, nq, s, s, 0.1,
         idx.stride(0), idx.stride(1), idx.stride(2), cnt.stride(0), cnt.stride(1), 0, 0,
-        HEAD_DIM=d, NUM_STAGES=int(cfg["num_stages"]), HAS_VALID=has_valid, RETURN_LSE=True,
-        CONSUMER_REGS=int(cfg["consumer_regs"]), PRODUCER_REGS=int(cfg["producer_regs"]),
-        STATIC_MAX=bool(cfg["static_max"]), num_warps=4, maxnreg=168, grid=(1,))
+        **m.kernel_constexprs(cfg, d, dtype, has_valid=has_valid, return_lse=return_lse),
+        num_warps=4, maxnreg=168, grid=(1,))
 
 
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)(?:\.[A-Z0-9_x.]+)?\s*([^;]*);")
@@ -169,27 +186,74 @@ def analyse(sass: str) -> dict:
             "loop_census": dict(census.most_common())}
 
 
+def block_sparse_matrix() -> dict:
+    """Every constexpr combination of the block-sparse kernel a caller can launch."""
+    out = {}
+    for d, dt, valid, lse, static in itertools.product((128, 64), ("bf16", "fp16"), (True, False), (True, False),
+                                                       (True, False)):
+        name = f"d{d}_{dt}_{'valid' if valid else 'novalid'}_{'lse' if lse else 'nolse'}_{'static' if static else 'online'}"
+        out[name] = {"head_dim": d, "dtype": dt, "has_valid": valid, "return_lse": lse, "static_max": static}
+    return out
+
+
+def build_variant(kernel: str, cfg: dict, head_dim: int):
+    """Compile one variant: its build keys (``head_dim``, ``dtype``, ``has_valid``, ``return_lse``) choose
+    the constexprs, the rest is the kernel's config.  ValueError on an unknown value or key."""
+    import torch
+
+    cfg = dict(cfg)
+    dts = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    dt = str(cfg.pop("dtype", "bf16"))
+    if dt not in dts:
+        raise ValueError(f"dtype {dt!r} (accepts {list(dts)})")
+    kw = {"head_dim": int(cfg.pop("head_dim", head_dim)), "dtype": dts[dt]}
+    if kernel == "sage":
+        if "has_valid" in cfg or "return_lse" in cfg:
+            raise ValueError("has_valid/return_lse are build keys of the block_sparse kernel only")
+        return compile_kernel(cfg, **kw)
+    for k in ("has_valid", "return_lse"):
+        if k in cfg:
+            kw[k] = bool(cfg.pop(k))
+    return compile_block_sparse(cfg, **kw)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", default="default=", help="'name=key:val/key:val;...' (empty = defaults)")
+    ap.add_argument("--matrix", action="store_true",
+                    help="block_sparse: compile every constexpr combination (replaces --variants)")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--sass-dir", default=None, help="also write each variant's SASS here")
     ap.add_argument("--kernel", choices=("sage", "block_sparse"), default="sage")
+    ap.add_argument("--triton-path", default=None,
+                    help=f"a site-packages dir holding the GPU's Triton ({GPU_TRITON}), searched first")
     ap.add_argument("--json", action="store_true", help="print one JSON object {variant: analysis} instead")
     args = ap.parse_args(argv)
+    if args.matrix and args.kernel != "block_sparse":
+        ap.error("--matrix is for --kernel block_sparse")
+    if args.triton_path:
+        sys.path.insert(0, args.triton_path)
+    import triton
+
+    if triton.__version__ != GPU_TRITON:
+        print(f"warning: compiling with Triton {triton.__version__}, the GPU machine runs {GPU_TRITON}: what compiles "
+              "here may not compile there (pass --triton-path)", file=sys.stderr)
     install_offline_driver()
     import tempfile
 
     tmp = tempfile.mkdtemp()
     results = {}
-    for part in filter(None, args.variants.split(";")):
-        name, _, spec = part.partition("=")
-        cfg = {}
-        for kv in filter(None, spec.split("/")):
-            k, _, v = kv.partition(":")
-            cfg[k] = (v.lower() == "true") if v.lower() in ("true", "false") else int(v) if v.isdigit() else v
-        build = compile_kernel if args.kernel == "sage" else compile_block_sparse
-        kern = build(cfg, head_dim=args.head_dim)
+    sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
+    from sage_sm90 import _variants  # the benches' 'name=key:val/...' syntax
+
+    variants = block_sparse_matrix() if args.matrix else _variants(args.variants)
+    if not args.json:
+        print(f"Triton {triton.__version__}, sm_90a, kernel {args.kernel}")
+    for name, cfg in variants.items():
+        try:
+            kern = build_variant(args.kernel, cfg, args.head_dim)
+        except ValueError as e:  # AttentionConfigError included
+            ap.error(f"variant {name}: {e}")
         sass = sass_of(kern.asm["cubin"], os.path.join(tmp, f"{name}.cubin"))
         if args.sass_dir:
             os.makedirs(args.sass_dir, exist_ok=True)
@@ -198,6 +262,7 @@ def main(argv=None):
         a = analyse(sass)
         a["shared"] = kern.metadata.shared
         a["ptxas_warnings"] = ptxas_warnings(kern.asm["ptx"], os.path.join(tmp, f"{name}.ptx"))
+        a["triton"] = triton.__version__
         results[name] = a
         if args.json:
             continue

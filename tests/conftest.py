@@ -45,7 +45,8 @@ def _ditattn_model_cache(tmp_path_factory):
 def sm90_offline_census(kernel: str, variants: str) -> dict:
     """Compile an SM90 Gluon kernel for Hopper without a GPU (bench/sm90_offline.py, in a fresh
     interpreter without the Triton interpreter) and return ``{variant: registers, spills, shared,
-    loop census}``."""
+    loop census}``.  ``DITATTN_SM90_TRITON_PATH`` (a site-packages dir holding the GPU machine's
+    Triton, 3.6.0) compiles with that version instead of the installed one."""
     import json
     import subprocess
     import sys
@@ -53,7 +54,10 @@ def sm90_offline_census(kernel: str, variants: str) -> dict:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.path.join(root, "src") + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, os.path.join(root, "bench", "sm90_offline.py"), "--kernel", kernel,
-                           "--variants", variants, "--json"], capture_output=True, text=True, env=env, timeout=900)
+    cmd = [sys.executable, os.path.join(root, "bench", "sm90_offline.py"), "--kernel", kernel, "--variants", variants,
+           "--json"]
+    if os.environ.get("DITATTN_SM90_TRITON_PATH"):
+        cmd += ["--triton-path", os.environ["DITATTN_SM90_TRITON_PATH"]]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

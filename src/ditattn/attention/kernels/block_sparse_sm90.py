@@ -85,8 +85,18 @@ def _scores(s, idx_ptr, valid_ptr, partial_ptr, i, HAS_VALID: gl.constexpr, s_la
 
 
 #: rows whose base-2 logits are bounded by this in magnitude (|q_i| * max_j |k_j| * scale * log2 e) run the
-#: softmax without a running maximum: exp2 of the raw logit stays inside fp32/bf16 range
-LOGIT_LIMIT = gl.constexpr(100.0)
+#: softmax without a running maximum: exp2 of the raw logit must stay inside the range of P's dtype —
+#: bf16 has fp32's exponent range (2^±100 is safe, row sums of up to 2^20 keys included); fp16 overflows
+#: past 65504 = 2^15.999 and loses precision below 2^-14, so its bound is 2^±15
+LOGIT_LIMITS = {torch.bfloat16: 100.0, torch.float16: 15.0}
+
+
+def kernel_constexprs(cfg: dict, head_dim: int, dtype: torch.dtype, *, has_valid: bool, return_lse: bool) -> dict:
+    """The compile-time arguments of ``_bs_fwd_sm90`` for one call (``cfg``: a full launch config)."""
+    return dict(HEAD_DIM=head_dim, NUM_STAGES=int(cfg["num_stages"]), HAS_VALID=bool(has_valid),
+                RETURN_LSE=bool(return_lse), CONSUMER_REGS=int(cfg["consumer_regs"]),
+                PRODUCER_REGS=int(cfg["producer_regs"]), STATIC_MAX=bool(cfg["static_max"]),
+                LOGIT_LIMIT=LOGIT_LIMITS[dtype])
 
 
 @gluon.jit
@@ -176,10 +186,10 @@ def _kv_loop(WG: gl.constexpr, q, n, k_smem, v_smem, ones_smem, k_ready, k_empty
 def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, ones_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
               o_desc, idx_ptr, n, live, valid_ptr, partial_ptr, lse_ptr, qn_ptr, kn, o_row, o_col, qk_scale,
               HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_VALID: gl.constexpr, RETURN_LSE: gl.constexpr,
-              STATIC_MAX: gl.constexpr):
+              STATIC_MAX: gl.constexpr, LOGIT_LIMIT: gl.constexpr):
     """One query block (64 rows) over its ``n`` listed key blocks, then the epilogue.  With
     ``STATIC_MAX`` the rows' logit bound (``qn_i * kn``) decides once whether the loop runs without a
-    running maximum."""
+    running maximum (bound <= ``LOGIT_LIMIT``, see :data:`LOGIT_LIMITS`)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -225,7 +235,7 @@ def _bs_fwd_sm90(q_desc, k_desc, v_desc, o_desc, idx_ptr, cnt_ptr, valid_ptr, pa
                  stride_vb, stride_pb,
                  HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_VALID: gl.constexpr,
                  RETURN_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                 STATIC_MAX: gl.constexpr):
+                 STATIC_MAX: gl.constexpr, LOGIT_LIMIT: gl.constexpr):
     pid = gl.program_id(0)
     pid_bh = gl.program_id(1)
     b = pid_bh // H
@@ -270,10 +280,10 @@ def _bs_fwd_sm90(q_desc, k_desc, v_desc, o_desc, idx_ptr, cnt_ptr, valid_ptr, pa
     gl.warp_specialize([
         (_consumer, (0, q_smem, k_smem, v_smem, ones_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, idx0,
                      n0, True, valid_b, partial_b, lse_row, qn_row, kn, q_row, h * HEAD_DIM, qk_scale, HEAD_DIM,
-                     NUM_STAGES, HAS_VALID, RETURN_LSE, STATIC_MAX)),
+                     NUM_STAGES, HAS_VALID, RETURN_LSE, STATIC_MAX, LOGIT_LIMIT)),
         (_consumer, (1, q_smem, k_smem, v_smem, ones_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, idx1,
                      n1, has1, valid_b, partial_b, lse_row + BLOCK, qn_row + BLOCK, kn, q_row + BLOCK,
-                     h * HEAD_DIM, qk_scale, HEAD_DIM, NUM_STAGES, HAS_VALID, RETURN_LSE, STATIC_MAX)),
+                     h * HEAD_DIM, qk_scale, HEAD_DIM, NUM_STAGES, HAS_VALID, RETURN_LSE, STATIC_MAX, LOGIT_LIMIT)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                      idx0, idx1, n0, n1, has1, q_row, h * HEAD_DIM, b * Skv, hk * HEAD_DIM, NUM_STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -324,12 +334,10 @@ def launch(q, k, v, kv_indices, kv_counts, valid, partial, *, scale: float, retu
         H, H // Hkv, nq, Sq, Skv, scale * LOG2E,
         kv_indices.stride(0), kv_indices.stride(1), kv_indices.stride(2), kv_counts.stride(0), kv_counts.stride(1),
         valid.stride(0) if has_valid else 0, partial.stride(0) if has_valid else 0,
-        HEAD_DIM=D, NUM_STAGES=int(cfg["num_stages"]), HAS_VALID=has_valid, RETURN_LSE=bool(return_lse),
-        CONSUMER_REGS=int(cfg["consumer_regs"]), PRODUCER_REGS=int(cfg["producer_regs"]), STATIC_MAX=static,
-        num_warps=4, maxnreg=168,
+        **kernel_constexprs(cfg, D, q.dtype, has_valid=has_valid, return_lse=return_lse), num_warps=4, maxnreg=168,
     )
     return out, (lse if return_lse else None)
 
 
-__all__ = ["launch", "why_not", "default_config", "SUPPORTED_BLOCK_SIZES",
+__all__ = ["launch", "why_not", "default_config", "kernel_constexprs", "LOGIT_LIMITS", "SUPPORTED_BLOCK_SIZES",
            "SUPPORTED_HEAD_DIMS"]

@@ -273,8 +273,8 @@ def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     (entries past the count are ignored; listed entries must be distinct and in range: they are
     not bounds-checked on the device); ``kv_valid`` optional bool ``[B, S_kv]`` (False = padding key,
     masked).  ``scale`` defaults to ``D ** -0.5``.  ``config`` overrides the launch configuration
-    (keys of :func:`default_config`).  Returns ``(out [B, S_q, H, D] in q.dtype, lse [B, H, S_q]
-    float32 natural log, or None)``; a query row with no valid key gives zeros and LSE ``-inf``.
+    (keys of :func:`default_config`; with ``impl="sm90"`` those of ``block_sparse_sm90.default_config``).
+    Returns ``(out [B, S_q, H, D] in q.dtype, lse [B, H, S_q] float32 natural log, or None)``; a query row with no valid key gives zeros and LSE ``-inf``.
 
     ``impl``: ``"triton"`` runs the kernel of this module; ``"sm90"`` the warp-specialised Gluon kernel
     of :mod:`.block_sparse_sm90` (SM90, block size 64, head dim 64/128; not yet chosen by ``auto``: no
@@ -312,10 +312,17 @@ def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         raise AttentionConfigError(f"{what}: kv_valid must be bool [{B}, {Skv}], got {kv_valid.dtype} {tuple(kv_valid.shape)}")
     if kv_indices.shape[3] == 0:
         kv_indices = torch.zeros(*kv_indices.shape[:3], 1, dtype=torch.int32, device=q.device)
-    cfg = launch_config(default_config(block_size, D), config, what=what)
-    kvpi = int(cfg["kv_per_iter"])
-    if kvpi < 1 or kvpi & (kvpi - 1):
-        raise AttentionConfigError(f"{what}: kv_per_iter must be a power of two >= 1, got {kvpi}")
+    if impl == "sm90":  # its own config keys (block_sparse_sm90.default_config), validated by its launch
+        from ditattn.attention.kernels import block_sparse_sm90
+
+        why = block_sparse_sm90.why_not(q, block_size)
+        if why:
+            raise AttentionConfigError(f"{what}: impl 'sm90' cannot take this call: {why}")
+    else:
+        cfg = launch_config(default_config(block_size, D), config, what=what)
+        kvpi = int(cfg["kv_per_iter"])
+        if kvpi < 1 or kvpi & (kvpi - 1):
+            raise AttentionConfigError(f"{what}: kv_per_iter must be a power of two >= 1, got {kvpi}")
 
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     scale = D ** -0.5 if scale is None else float(scale)
@@ -340,11 +347,6 @@ def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     else:
         valid = partial = None
     if impl == "sm90":
-        from ditattn.attention.kernels import block_sparse_sm90
-
-        why = block_sparse_sm90.why_not(q, block_size)
-        if why:
-            raise AttentionConfigError(f"{what}: impl 'sm90' cannot take this call: {why}")
         return block_sparse_sm90.launch(q, k, v, kv_indices, kv_counts, valid, partial, scale=scale,
                                         return_lse=return_lse, config=config)
     if valid is None:

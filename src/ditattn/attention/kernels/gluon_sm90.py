@@ -148,8 +148,10 @@ def finish_pv(p, v_buf, acc, l_acc, l_i, ones, ROW_SUMS: gl.constexpr, pl_layout
               row_layout: gl.constexpr):
     """``acc += p @ v_buf`` and, with ``ROW_SUMS``, ``l = rowsum(l_acc + p @ ones)`` (the 8 columns of
     the ones product are equal); returns ``(acc, l)`` (``l_i`` unchanged without ``ROW_SUMS``)."""
-    o_tok, l_tok, pl = issue_pv(p, v_buf, acc, l_acc, acc, l_acc, ones, ROW_SUMS, False, False, p.type.layout,
-                                pl_layout)
+    # a layout read off a tensor is a plain Python object: bind it as a constexpr before passing it on
+    # (Triton 3.6 cannot pass it as an argument: "'DotOperandLayout' object has no attribute '_flatten_ir'")
+    p_layout: gl.constexpr = p.type.layout
+    o_tok, l_tok, pl = issue_pv(p, v_buf, acc, l_acc, acc, l_acc, ones, ROW_SUMS, False, False, p_layout, pl_layout)
     acc, l_acc, _a = retire_pv(o_tok, l_tok, p, pl, acc, l_acc, l_i, l_i, ROW_SUMS, False, 0, False, False)
     if ROW_SUMS:
         l_i = gl.convert_layout(gl.max(l_acc, 1), row_layout)
