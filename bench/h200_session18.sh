@@ -3,6 +3,8 @@
 # in priority order (the lossy path first).  Stage first (device call 1: carry [".gpu-a"],
 # `bash .gpu-a/stage.sh`), then each part with carry [".gpu-b"] (".gpu-b", ".shapes-vae" for shapes-dit):
 #
+#   bash bench/h200_session18.sh fp8fix     # issue 17: the FP8 P.V fix (row sums in FP32 on the CUDA cores): the
+#                                           # SM90 GPU tests, then fp16 / kblk / fp8 / fp8_direct at 2 shapes (~4 min)
 #   bash bench/h200_session18.sh kernels    # issues 17 + 18: first GPU run of the FP8 P.V option and of the SM90
 #                                           # block-sparse kernel; TFLOP/s + error next to FA4 / cuDNN (~9 min)
 #   bash bench/h200_session18.sh bsfix      # issue 18: the SM90 block-sparse kernel after its Triton 3.6 compile fix —
@@ -39,6 +41,10 @@ bsfix)
   step 110 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_block_sparse_sm90.py -k "not compiles"
   step 190 python3 bench/block_sparse_sm90.py --out "$OUT/bs" --seqs 32760,75600 --sparsities 0.9,0.85,0.95 \
       --budget-s 160 --variants "default=;online=static_max:false" ;;
+fp8fix)
+  step 110 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_sage_sm90.py -k "not compiles"
+  step 120 python3 bench/sage_sm90.py --out "$OUT/sage" --budget-s 90 --shapes "1,40,32760,128;1,24,4096,64" \
+      --variants "fp16=;kblk=k_granularity:block;fp8=pv_dtype:fp8;fp8_direct=pv_dtype:fp8/pv_accum:direct" ;;
 shapes)
   step 590 python3 -m ditattn.train.shapes --stage all --preset full --device cuda --vae-budget-s 180 \
       --dit-budget-s 330 --out "$OUT/shapes" ;;
@@ -71,5 +77,5 @@ quant14b)  # carry [".gpu-b", ".gpu-c"]
   source .gpu-c/activate.sh
   step 560 python3 bench/dit_quant.py --arch 14b --res 480p --frames 81 --backends fa,sage_attn --variants eager \
       --repeats 3 --budget-s 480 --out-dir "$OUT" ;;
-*) echo "usage: bash bench/h200_session18.sh kernels|shapes|shapes-vae|shapes-dit|sparse|eco|quant|quant14b" >&2; exit 2 ;;
+*) echo "usage: bash bench/h200_session18.sh fp8fix|kernels|bsfix|shapes|shapes-vae|shapes-dit|sparse|eco|quant|quant14b" >&2; exit 2 ;;
 esac

@@ -69,7 +69,7 @@ def quant_reference_kwargs(cfg: dict) -> dict:
     """``int8_attention_reference`` keywords computing what the SM90 kernel computes under ``cfg``."""
     kw = {"block_n": int(cfg.get("block_n", 128)), "k_granularity": cfg.get("k_granularity", "token")}
     if cfg.get("pv_dtype", "fp16") == "fp8":
-        kw.update(pv="fp8", p_rowsum="fp8", v_smooth=bool(cfg.get("v_smooth", False)))
+        kw.update(pv="fp8", p_rowsum="fp32", v_smooth=bool(cfg.get("v_smooth", False)))
     return kw
 
 

@@ -88,17 +88,19 @@ def test_kernel_compiles_for_sm90_with_async_wgmma():
 
 
 def test_fp8_pv_kernel_compiles_for_sm90_with_async_wgmma():
-    """FP8 P.V: FP8 wgmma (QGMMA) for P.V and the row sums, P packed without byte permutes or shuffles
-    (the column relabelling makes the accumulator registers the A operand), no spills, no C7513."""
+    """FP8 P.V: FP8 wgmma (QGMMA) for P.V (the row sums of P in FP32 on the CUDA cores), P packed without
+    byte permutes or shuffles (the column relabelling makes the accumulator registers the A operand), no
+    spills, no C7513."""
     res = sm90_offline_census("sage", "fp8=pv_dtype:fp8;fp8_direct_kblock=pv_dtype:fp8/pv_accum:direct/"
                                       "k_granularity:block")
     for name, a in res.items():
         c = a["loop_census"]
-        assert c.get("IGMMA", 0) >= 4 and c.get("QGMMA", 0) >= 8 and "HGMMA" not in c, (name, c)
+        assert c.get("IGMMA", 0) >= 4 and c.get("QGMMA", 0) >= 4 and "HGMMA" not in c, (name, c)
         assert c.get("WARPGROUP", 0) <= 8, (name, c)
         assert a["spills"] == 0 and a["registers"] <= 240, (name, a["registers"], a["spills"])
         assert not a["ptxas_warnings"], (name, a["ptxas_warnings"])
-        assert c.get("PRMT", 0) == 0 and c.get("SHFL", 0) <= 4, (name, c)  # 4 shuffles: the row maxima
+        # 8 shuffles: the row maxima and the row sums (two rows per thread, a quad each)
+        assert c.get("PRMT", 0) == 0 and c.get("SHFL", 0) <= 8, (name, c)
         assert c.get("F2FP", 0) == 32, (name, c)  # 64 scores -> e4m3, two per instruction
         assert c.get("MUFU", 0) == 66, (name, c)  # an exp2 per score, one per row for the rescale
 
@@ -143,7 +145,7 @@ def test_fp8_v_prologue_scales_and_token_order(smooth):
 
 def _fp8_kernel_emulation(q, k, v, block_n, v_smooth, k_granularity):
     """The SM90 kernel's FP8 P.V loop written out sequentially (online softmax per key tile,
-    e4m3 P = exp2(t - m + 8), two-level accumulation, row sums of the rounded P), on the reference's
+    e4m3 P = exp2(t - m + 8), two-level accumulation, FP32 row sums of P before rounding), on the reference's
     quantized Q.K logits (pv fp16 path: the same INT8 scores)."""
     from ditattn.attention.kernels.int8_reference import LOG2E
 
@@ -170,9 +172,9 @@ def _fp8_kernel_emulation(q, k, v, block_n, v_smooth, k_granularity):
         tj = t[..., j0:j0 + block_n]
         m_new = torch.maximum(m, tj.amax(-1, keepdim=True))
         alpha = torch.exp2(m - m_new)
-        pq = torch.exp2(tj - m_new + 8).to(torch.float8_e4m3fn).float()
-        acc = acc * alpha + pq @ vq[:, :, j0:j0 + block_n]
-        l_ = l_ * alpha + pq.sum(-1, keepdim=True)
+        p = torch.exp2(tj - m_new + 8)
+        acc = acc * alpha + p.to(torch.float8_e4m3fn).float() @ vq[:, :, j0:j0 + block_n]
+        l_ = l_ * alpha + p.sum(-1, keepdim=True)
         m = m_new
     return (acc / l_ * vs + vm).transpose(1, 2)
 
@@ -198,7 +200,7 @@ def test_fp8_reference_is_the_kernel_loop(shape, v_smooth):
     q = torch.randn(b, sq, h, d, generator=g).bfloat16()
     k = (torch.randn(b, skv, hkv, d, generator=g) + 0.4).bfloat16()
     v = (torch.randn(b, skv, hkv, d, generator=g) + torch.randn(d, generator=g)).bfloat16()
-    out, lse = int8_attention_reference(q, k, v, return_lse=True, pv="fp8", p_rowsum="fp8", v_smooth=v_smooth,
+    out, lse = int8_attention_reference(q, k, v, return_lse=True, pv="fp8", p_rowsum="fp32", v_smooth=v_smooth,
                                         k_granularity="token", block_n=64)
     emu = _fp8_kernel_emulation(q, k, v, 64, v_smooth, "token")
     assert _rel(out.float(), emu) < 4e-3  # bf16 output rounding apart
@@ -273,7 +275,9 @@ def test_sm90_kernel_numerics(shape, dtype, kgran, q_scale):
     qref, _ = int8_attention_reference(q, k, v, block_n=128, k_granularity=kgran)
     # the kernel computes the reference's quantization (bf16/fp16 rounding of P and the output apart)
     assert _rel(out, qref) < (6e-3 if dtype == torch.bfloat16 else 1.5e-3)
-    assert _rel(out, ref) < 2.5e-2
+    # against float32: INT8 Q.K's own error, which grows with the logit scale (q_scale 12: the reference
+    # of the same quantization is 3.4 % off float32, measured on CPU), so bounded by the reference's
+    assert _rel(out, ref) < max(2.5e-2, 1.1 * _rel(qref, ref))
     assert float((lse.double() - ref_lse).abs().max()) < 0.1
 
 
@@ -286,8 +290,8 @@ def test_sm90_kernel_numerics(shape, dtype, kgran, q_scale):
     ((1, 1, 64, 2, 2, 128), torch.bfloat16, {}, 0.0),                               # one query, one partial tile
 ])
 def test_sm90_fp8_pv_numerics(shape, dtype, cfg, v_offset):
-    """FP8 P.V: the kernel against the reference's FP8 mode (same key blocks, e4m3 P and V, row sums
-    of the rounded P) and against float32 (e4m3's ~3.7 %)."""
+    """FP8 P.V: the kernel against the reference's FP8 mode (same key blocks, e4m3 P and V, FP32 row
+    sums of P before rounding) and against float32 (e4m3's ~3.7 %)."""
     from ditattn.attention.kernels.sage_sm90 import sage_attention_sm90
 
     b, sq, skv, h, hkv, d = shape
@@ -297,7 +301,7 @@ def test_sm90_fp8_pv_numerics(shape, dtype, cfg, v_offset):
     assert out.shape == q.shape and out.dtype == dtype and lse.shape == (b, h, sq)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     ref, ref_lse = _exact(q, k, v)
-    qref, qlse = int8_attention_reference(q, k, v, return_lse=True, pv="fp8", p_rowsum="fp8", block_n=128,
+    qref, qlse = int8_attention_reference(q, k, v, return_lse=True, pv="fp8", p_rowsum="fp32", block_n=128,
                                           k_granularity=cfg.get("k_granularity", "token"),
                                           v_smooth=cfg.get("v_smooth", False))
     # the same quantization (the output's bf16/fp16 rounding, exp2.approx flipping a rare e4m3 rounding

@@ -133,7 +133,8 @@ def retire_pv(o_tok, l_tok, p, pl, acc, l_acc, alpha, a_prev, ROW_SUMS: gl.const
         lo = l_acc
     if TWO_LEVEL:
         acc = acc * gl.convert_layout(a_prev, gl.SliceLayout(1, acc.type.layout))[:, None] + o
-        l_acc = l_acc * gl.convert_layout(a_prev, gl.SliceLayout(1, l_acc.type.layout))[:, None] + lo
+        if ROW_SUMS:
+            l_acc = l_acc * gl.convert_layout(a_prev, gl.SliceLayout(1, l_acc.type.layout))[:, None] + lo
         a_prev = alpha
     else:
         acc = o

@@ -20,8 +20,9 @@ of P sum to 1, so the mean is added back in the epilogue), stored transposed ``[
 *are* the A operand's registers (no shuffles; :func:`_p_operand`), and P.V either accumulated
 directly or, with ``pv_accum`` "two_level", per key tile into a fresh FP32 accumulator added to the
 main one (the FP8 tensor cores accumulate with fewer mantissa bits than FP32).  The FP8 path runs
-the online softmax (a static maximum would put P outside e4m3's range) with the row sums of the
-rounded P on the tensor cores.
+the online softmax (a static maximum would put P outside e4m3's range) with the row sums of P (before
+rounding) in FP32 on the CUDA cores, like the fp16 online softmax: an FP8 ``P x ones`` product on the
+tensor cores (m64n8k32) gave wrong row sums on the H200 (issue 17; docs/sage_sm90_notes.md).
 
 Quantization prologue: the Triton passes of :mod:`.int8_attention` (one pass over Q, one mean and one
 pass over K; V is read in place through a TMA descriptor (fp16) or quantized in two passes, channel
@@ -153,9 +154,8 @@ def _probs(u, f, g, m_i, l_i, STATIC_MAX: gl.constexpr, PV_FP8: gl.constexpr, K_
 
     Static max: p = exp2(t), no rescale, the row sums come from the tensor cores (l untouched).
     Otherwise the online softmax: the running maximum from the row maxima of ``u`` (``f > 0``),
-    ``p = exp2(u * f + (g - m_new))`` (one FMA), alpha rescales the accumulator; fp16 P.V adds the
-    row sums here, fp8 P.V (p = exp2(t - m + P_SHIFT), in (0, 256]) sums the rounded P on the tensor
-    cores."""
+    ``p = exp2(u * f + (g - m_new))`` (one FMA; fp8 P.V: ``exp2(t - m + P_SHIFT)``, in (0, 256]),
+    alpha rescales the accumulator and ``l = l * alpha + rowsum(p)`` (FP32, before any rounding)."""
     if STATIC_MAX:
         if K_PER_TOKEN:
             return gl.exp2(u * f[:, None]), m_i, m_i, l_i
@@ -165,10 +165,10 @@ def _probs(u, f, g, m_i, l_i, STATIC_MAX: gl.constexpr, PV_FP8: gl.constexpr, K_
         m_new = gl.maximum(m_i, gl.max(u, 1) * f + g)
         alpha = gl.exp2(m_i - m_new)
         if PV_FP8:
-            return gl.exp2(gl.fma(u, f[:, None], (g - m_new + P_SHIFT)[:, None])), alpha, m_new, l_i
+            p = gl.exp2(gl.fma(u, f[:, None], (g - m_new + P_SHIFT)[:, None]))
         else:
             p = gl.exp2(gl.fma(u, f[:, None], (g - m_new)[:, None]))
-            return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+        return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
 
 @gluon.jit
@@ -191,15 +191,15 @@ def _step(WG: gl.constexpr, j, q, acc, l_acc, l_i, p_prev, m_i, a_prev, rs, zero
           PV_OVERLAP: gl.constexpr):
     """Key tile ``j >= 1``: returns ``(acc, l_acc, l, P(j) as the next A operand, m, alpha owed to acc)``.
 
-    ``PV_OVERLAP``: issue Q.K(j), then P(j-1).V(j-1) (and, with the static max or fp8 P.V, P(j-1) x
-    ones for the row sums), and run the softmax of tile j while the products run (FA3's
+    ``PV_OVERLAP``: issue Q.K(j), then P(j-1).V(j-1) (and, with the static max, P(j-1) x ones for
+    the row sums), and run the softmax of tile j while the products run (FA3's
     intra-warpgroup overlap).  Otherwise P(j-1).V(j-1) goes first and is retired while Q.K(j) runs,
     before the softmax: a two-level accumulator is then dead during the softmax (fewer live
     registers), the softmax overlaps only the other consumer's products."""
     s_layout: gl.constexpr = _mma_layouts(BLOCK_N, HEAD_DIM, PV_FP8)[0]
     p_layout: gl.constexpr = _mma_layouts(BLOCK_N, HEAD_DIM, PV_FP8)[3]
     pl_layout: gl.constexpr = _mma_layouts(BLOCK_N, HEAD_DIM, PV_FP8)[4]
-    ROW_SUMS: gl.constexpr = STATIC_MAX or PV_FP8
+    ROW_SUMS: gl.constexpr = STATIC_MAX  # P x ones on the tensor cores
     st = j % NUM_STAGES
     sp = (j - 1) % NUM_STAGES
     kblk = 1.0
@@ -260,7 +260,7 @@ def _mainloop(WG: gl.constexpr, q, rs, kblk_ptr, k_smem, v_smem, ks_smem, ones_s
     p_layout: gl.constexpr = _mma_layouts(BLOCK_N, HEAD_DIM, PV_FP8)[3]
     pl_layout: gl.constexpr = _mma_layouts(BLOCK_N, HEAD_DIM, PV_FP8)[4]
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    ROW_SUMS: gl.constexpr = STATIC_MAX or PV_FP8
+    ROW_SUMS: gl.constexpr = STATIC_MAX  # P x ones on the tensor cores
 
     m_i = gl.full([WG_M], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([WG_M], gl.float32, row_s)
@@ -415,7 +415,7 @@ def _sage_fwd_sm90(q_desc, k_desc, v_desc, o_desc, ks_desc, qs_ptr, qn_ptr, kn_p
         o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
     else:
         o_smem = q_smem
-    ones_smem = ones_operand(v_desc.dtype, BLOCK_N)  # row sums of P on the tensor cores
+    ones_smem = ones_operand(v_desc.dtype, BLOCK_N)  # row sums of P on the tensor cores (static max only)
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
