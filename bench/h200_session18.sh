@@ -45,6 +45,13 @@ fp8fix)
   step 110 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_sage_sm90.py -k "not compiles"
   step 120 python3 bench/sage_sm90.py --out "$OUT/sage" --budget-s 90 --shapes "1,40,32760,128;1,24,4096,64" \
       --variants "fp16=;kblk=k_granularity:block;fp8=pv_dtype:fp8;fp8_direct=pv_dtype:fp8/pv_accum:direct" ;;
+verify18)  # session 18's last call: both kernel fixes (fp8fix + bsfix) in one call, tight limits (~7.5 min)
+  step 100 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_sage_sm90.py tests/test_block_sparse_sm90.py \
+      -k "not compiles"
+  step 110 python3 bench/sage_sm90.py --out "$OUT/sage" --budget-s 80 --shapes "1,40,32760,128;1,24,4096,64" \
+      --variants "fp16=;kblk=k_granularity:block;fp8=pv_dtype:fp8;fp8_direct=pv_dtype:fp8/pv_accum:direct"
+  step 150 python3 bench/block_sparse_sm90.py --out "$OUT/bs" --seqs 32760,75600 --sparsities 0.9,0.85 \
+      --budget-s 120 --variants "default=;online=static_max:false" ;;
 shapes)
   step 590 python3 -m ditattn.train.shapes --stage all --preset full --device cuda --vae-budget-s 180 \
       --dit-budget-s 330 --out "$OUT/shapes" ;;
