@@ -9,10 +9,11 @@ no float32 copies, permutes or scaling passes.
 **Top-k to block lists** (:func:`topk_block_lists`): one program per (batch, head, query block).
 It loads the query block's row of ``nv`` float32 scores and maps each score to an int32 key with
 the same order (sign-magnitude to two's complement; ``-0.0`` counts as ``+0.0``, NaN as the largest
-value). A 32-step bitwise search over the key, with one count per step, finds the k-th largest key
-``T``. The row keeps every key above ``T``, plus the lowest-indexed keys equal to ``T`` until ``k``
-are kept, so ties go to the lower block index, deterministically. A prefix sum places the kept
-block ids in ascending order. The program then appends the special blocks and zeros, so it writes
+value). A bitwise search over the key, with one count per step, finds the k-th largest key ``T``:
+at most 32 steps, fewer when the count reaches exactly ``k`` earlier (about 15 at 513 blocks,
+k = 52, random q/k). The row keeps every key above ``T``, plus the lowest-indexed keys equal to
+``T`` until ``k`` are kept, so ties go to the lower block index, deterministically. A prefix sum
+places the kept block ids in ascending order. The program then appends the special blocks and zeros, so it writes
 the final int32 ``kv_indices`` row directly. Special query rows get every block. The kernel has no
 sort, no ``[B, H, nv, k]`` int64 intermediate, no casts and no concatenation.
 
@@ -75,13 +76,18 @@ def _topk_lists(
         bits = s.to(tl.int32, bitcast=True)
         key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # int32 order == float order
         key = tl.where(valid, key, -2147483648)
-        # T = the k-th largest key: the largest t with count(key >= t) >= K, built from the top bit
-        c = tl.sum((key >= 0).to(tl.int32), 0)
-        t = tl.where(c >= K, 0, -2147483648)
-        for bit in tl.static_range(30, -1, -1):
+        # t -> the k-th largest key (the largest t with count(key >= t) >= K), built from the top bit;
+        # stop early once count(key >= t) == K: then no tie crosses the cut and {key >= t} is the answer
+        c0 = tl.sum((key >= 0).to(tl.int32), 0)
+        t = tl.where(c0 >= K, 0, -2147483648)
+        c = tl.where(c0 >= K, c0, NV)  # count(key >= t)
+        bit = 30
+        while (bit >= 0) & (c != K):
             cand = t | (1 << bit)
-            c = tl.sum((key >= cand).to(tl.int32), 0)
-            t = tl.where(c >= K, cand, t)
+            cc = tl.sum((key >= cand).to(tl.int32), 0)
+            t = tl.where(cc >= K, cand, t)
+            c = tl.where(cc >= K, cc, c)
+            bit -= 1
         above = key > t
         tied = (key == t) & valid
         take = tied & (tl.cumsum(tied.to(tl.int32), 0) <= K - tl.sum(above.to(tl.int32), 0))
