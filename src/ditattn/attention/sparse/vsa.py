@@ -93,9 +93,12 @@ def video_sparse_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, spar
                            impl: str = "auto", edge_tiles: str = "packed") -> tuple[Tensor, Optional[Tensor], SparsePlan]:
     """VSA over ``[B, T*H*W + text_len, heads, D]`` q/k/v (k/v with q's head count).
 
-    ``edge_tiles``: ``"packed"`` or ``"padded"`` (module docstring).  Returns ``(out [B, S, heads,
-    D], lse [B, heads, S] float32 or None, plan)``; ``plan.extra`` holds the coarse ``scores`` and
-    ``k`` (blocks kept per query block).
+    ``edge_tiles``: ``"packed"`` or ``"padded"`` (module docstring).  ``impl``: the block-sparse
+    core's (:func:`~ditattn.attention.sparse.block_sparse.block_sparse_attention`); the selection
+    stage follows ``"reference"`` and ``"triton"`` and is automatic otherwise
+    (:func:`pooled_video_blocks`, :func:`~ditattn.attention.sparse.common.topk_lists`).  Returns
+    ``(out [B, S, heads, D], lse [B, heads, S] float32 or None, plan)``; ``plan.extra`` holds the
+    coarse ``scores`` and ``k`` (blocks kept per query block).
     """
     layout = make_tile_layout(video_shape, tile_size, text_len, edge_tiles=edge_tiles)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
