@@ -59,9 +59,9 @@ selection)
 selection40)
   step 580 python3 bench/fidelity.py --grids wan480 --heads 40 --budget-s 500 --out "$OUT/fid40" ;;
 vsasel)
-  step 75 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_gpu_kernels.py tests/test_block_select.py \
+  step 85 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_gpu_kernels.py tests/test_block_select.py \
       tests/test_bench_vsa_stages.py -k "vsa or select or stages"
-  step 125 python3 bench/vsa_stages.py --layouts packed --out "$OUT/vsa_stages" ;;
+  step 115 python3 bench/vsa_stages.py --layouts packed --out "$OUT/vsa_stages" ;;
 eco)
   step 200 python3 bench/diffusers_apply.py --arch 1.3b --res 480p --frames 81 --steps 3 --out "$OUT/diffusers_apply"
   step 150 python3 bench/e2e.py --arch 14b --res 480p --i2v --repeats 3 --diffusers-backends native --backends auto \
