@@ -18,6 +18,8 @@
 #                                           # cost against the Sparge call (bench/selection_cost.py), the fidelity
 #                                           # frontier at 480p with 12 heads (~9 min)
 #   bash bench/h200_session18.sh selection40 # issue 19: the same frontier with 40 heads (~9.5 min)
+#   bash bench/h200_session18.sh vsasel     # issue 18 item 3: VSA selection in Triton (pooling + top-k lists) —
+#                                           # GPU tests, then vsa_stages before/after, packed tiles (~3.3 min)
 #   bash bench/h200_session18.sh eco        # issues 21 + 24: diffusers WanPipeline with ditattn inside, the I2V DiT
 #                                           # step, 14B 720p with offload + VAE tiling (~9.5 min)
 #   bash bench/h200_session18.sh quant      # issue 25: 8-bit DiT linears, 1.3B step (carry .gpu-c too: stage_extra.sh)
@@ -75,6 +77,10 @@ selection)
   step 350 python3 bench/fidelity.py --grids wan480 --heads 12 --budget-s 290 --out "$OUT/fid12" ;;
 selection40)
   step 580 python3 bench/fidelity.py --grids wan480 --heads 40 --budget-s 500 --out "$OUT/fid40" ;;
+vsasel)
+  step 85 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_gpu_kernels.py tests/test_block_select.py \
+      tests/test_bench_vsa_stages.py -k "vsa or select or stages"
+  step 115 python3 bench/vsa_stages.py --layouts packed --out "$OUT/vsa_stages" ;;
 eco)
   step 200 python3 bench/diffusers_apply.py --arch 1.3b --res 480p --frames 81 --steps 3 --out "$OUT/diffusers_apply"
   step 150 python3 bench/e2e.py --arch 14b --res 480p --i2v --repeats 3 --diffusers-backends native --backends auto \

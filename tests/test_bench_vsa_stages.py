@@ -33,3 +33,8 @@ def test_stages_compute_what_the_call_computes():
         assert torch.equal(idx, plan.kv_indices) and torch.equal(cnt, plan.kv_counts)
         assert torch.equal(fns["topk"]()[0], idx)
         assert torch.equal(fns["rest"]()[0], out)
+        # the replaced selection: the same lists on these (tie-free) inputs, the same call
+        old_idx, old_scores = fns["select_torch"]()
+        assert torch.equal(old_idx, idx) and torch.equal(old_scores, plan.extra["scores"])
+        assert torch.equal(fns["topk_torch"](), idx) and torch.equal(fns["call_torchsel"]()[0], out)
+        assert vsa_stages.agreement(fns, grid, 0.5, edge_tiles) == {"same_rows": 1.0, "exact": True}

@@ -303,6 +303,93 @@ def test_pooled_query_block_scores_kernel(block_size, variance):
     assert float((top(got.double()) == top(want)).float().mean()) > 0.97
 
 
+@pytest.mark.parametrize("grid,text,heads,k", [((21, 30, 52), 0, 4, 52), ((21, 30, 52), 512, 2, 52),
+                                                ((21, 45, 80), 0, 2, 119), ((5, 8, 12), 7, 3, 1)])
+def test_vsa_topk_lists_kernel(grid, text, heads, k):
+    """The compiled top-k list kernel (VSA's selection at the Wan grids: 513 and 1182 packed blocks,
+    with and without text blocks) gives exactly the PyTorch path's lists on the same scores: random
+    rows, rows of ties, signed zeros, infinities and NaN."""
+    from ditattn.attention.sparse.common import topk_lists
+    from ditattn.attention.sparse.tiling import make_tile_layout
+
+    lay = make_tile_layout(grid, (4, 4, 4), text, edge_tiles="packed")
+    nv = lay.n_video_blocks
+    s = rand(1, heads, nv, nv, dtype=torch.float32, seed=nv + k)
+    r = s[0, 0]
+    r[0] = 0.5
+    r[1] = (r[1] * 2).round()
+    r[2, ::3] = float("-inf")
+    r[3, ::5] = float("inf")
+    r[3, 1::7] = float("nan")
+    r[4, ::2] = -0.0
+    r[4, 1::2] = 0.0
+    for kk in (k, nv):
+        got, cnt, kept = topk_lists(lay, s, kk)  # auto: the kernel for float32 CUDA scores
+        want, _, _ = topk_lists(lay, s, kk, "reference")
+        assert got.is_cuda and got.dtype == torch.int32
+        assert torch.equal(got, want), (kk, (got != want).any(-1).nonzero()[:4].tolist())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_vsa_pool_kernel(dtype):
+    """The compiled pooling kernel against pooled_blocks: bitwise on integer-valued tokens (exact
+    sums), within float32 rounding on random ones; packed edge blocks with fewer than 64 real tokens."""
+    from ditattn.attention.kernels.block_select import pool_qk_blocks
+    from ditattn.attention.sparse.tiling import make_tile_layout, pooled_blocks, tile
+
+    lay = make_tile_layout((21, 30, 52), (4, 4, 4), 0, edge_tiles="packed")
+    nv, S = lay.n_video_blocks, lay.seq_len
+    count = lay.on("cuda").count_as(torch.float32).view(-1)
+    for integer in (True, False):
+        q, k, _ = qkv(1, S, S, 4, 4, 128, dtype=dtype, seed=11)
+        if integer:
+            q, k = (q * 4).round(), (k * 4).round()
+        qt, kt = tile(q, lay), tile(k, lay)
+        pq, pk = pool_qk_blocks(qt, kt, count, n_blocks=nv, block_size=64, scale=128 ** -0.5)
+        rq, rk = pooled_blocks(qt, lay, nv, scale=128 ** -0.5), pooled_blocks(kt, lay, nv)
+        if integer:
+            assert torch.equal(pq, rq) and torch.equal(pk, rk)
+        else:
+            assert (pq - rq).abs().max() < 1e-6 and (pk - rk).abs().max() < 1e-5
+
+
+def test_vsa_selection_on_cuda():
+    """video_sparse_attention on CUDA (Triton selection) against the replaced selection (pooled_blocks,
+    torch.topk) on the same bf16 inputs: every row keeps the same blocks except where the two scores
+    of a swapped pair lie within float32 rounding of each other; outputs agree when the plans do;
+    and the call makes no host synchronisation."""
+    from ditattn.attention.sparse.block_sparse import lists_to_block_mask
+    from ditattn.attention.sparse.tiling import make_tile_layout, pooled_blocks, tile
+    from ditattn.attention.sparse.vsa import video_sparse_attention, vsa_num_selected
+
+    grid = (9, 16, 20)
+    S = math.prod(grid)
+    q, k, v = qkv(1, S, S, 8, 8, 128, seed=7)
+    out, _, plan = video_sparse_attention(q, k, v, video_shape=grid, sparsity=0.9)
+    lay = plan.layout
+    nv, kk = lay.n_video_blocks, vsa_num_selected(0.9, lay.n_video_blocks)
+    old = pooled_blocks(tile(q, lay), lay, nv, scale=128 ** -0.5) @ pooled_blocks(tile(k, lay), lay, nv).mT
+    new = plan.extra["scores"]
+    assert (new - old).abs().max() <= 1e-5 * old.abs().max()
+    m_old = torch.zeros_like(old, dtype=torch.bool).scatter_(-1, old.topk(kk, -1).indices, True)
+    m_new = lists_to_block_mask(plan.kv_indices, plan.kv_counts, lay.n_blocks)[..., :nv, :nv]
+    kth = old.topk(kk, -1).values[..., -1:]
+    swapped = m_old != m_new
+    assert float(swapped.float().mean()) < 1e-3
+    assert ((old - kth).abs()[swapped] <= 1e-5 * old.abs().max()).all()
+    ref, _, _ = video_sparse_attention(q, k, v, video_shape=grid, sparsity=0.9, impl="reference")
+    if not swapped.any():
+        assert rel(out, ref) <= 2 * sdpa_err(q, k, v) + 1e-3
+    torch.cuda.synchronize()
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        video_sparse_attention(q, k, v, video_shape=grid, sparsity=0.9)
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
+    assert make_tile_layout(grid, (4, 4, 4), edge_tiles="packed") is lay
+
+
 def test_pooled_query_selection_on_cuda():
     """sparge_attn / sol_attn with their default pooled-query predictor on CUDA: outputs match the
     PyTorch path run on CUDA with the same (bf16) inputs within 2x SDPA's error when the plans agree,

@@ -11,6 +11,8 @@ Modules (import them lazily: importing one compiles nothing, but imports ``trito
 * :mod:`.block_centroid` -- Sol's block-centroid virtual keys, continuing a block-sparse pass's
   online softmax (fused LSE merge).
 * :mod:`.block_quant` -- one-pass per-block INT8 quantize-dequantize (SageSLA's emulated INT8 Q/K).
+* :mod:`.block_select` -- the top-k planners' selection stage: pooling of q and k per block in one
+  launch, and a per-row top-k that writes the int32 block lists (ties to the lower block id).
 * :mod:`.interpreter_dtypes` -- correct bf16/fp8 arithmetic for the CPU path in Triton's interpreter.
 
 Every public kernel takes q/k/v in the backend layout ``[batch, seq, heads, head_dim]`` (k/v may

@@ -20,18 +20,22 @@ from ditattn.errors import AttentionConfigError
 
 
 @triton.jit
+def block_head_program(H, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """A program over one (block, batch x head) of a ``(n_blocks, B * H)`` grid: ``(block, batch x
+    head, batch, head, the block's rows, the head dim's columns)``."""
+    blk = tl.program_id(0)
+    bh = tl.program_id(1)
+    return blk, bh, bh // H, bh % H, blk * BLOCK + tl.arange(0, BLOCK), tl.arange(0, HEAD_DIM)
+
+
+@triton.jit
 def _fake_quant_blocks(
     X, Valid, Mean, Out,
     stride_xb, stride_xs, stride_xh,
     H,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, SMOOTH: tl.constexpr,
 ):
-    blk = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    offs_s = blk * BLOCK + tl.arange(0, BLOCK)
-    offs_d = tl.arange(0, HEAD_DIM)
+    _, bh, b, h, offs_s, offs_d = block_head_program(H, BLOCK, HEAD_DIM)
     ptr = b * stride_xb + h * stride_xh + offs_s[:, None] * stride_xs + offs_d[None, :]
     x = tl.load(X + ptr).to(tl.float32)
     ok = tl.load(Valid + offs_s) != 0

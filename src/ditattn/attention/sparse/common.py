@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 from typing import Optional, Union
 
@@ -14,6 +15,7 @@ from ditattn.attention.sparse.block_sparse import (
 )
 from ditattn.attention.sparse.block_sparse import kept_fraction as count_kept_fraction
 from ditattn.attention.sparse.tiling import TileLayout, tile, untile
+from ditattn.errors import AttentionConfigError
 
 Tensor = torch.Tensor
 
@@ -67,9 +69,20 @@ def add_special_blocks(layout: TileLayout, video_mask: Tensor) -> Tensor:
     return out
 
 
+def topk_indices(scores: Tensor, k: int) -> Tensor:
+    """int64 indices of the ``k`` largest entries along the last dim, in no particular order.
+
+    The rule (also the Triton selection kernel's, :mod:`ditattn.attention.kernels.block_select`):
+    higher score first, equal scores by lower index; ``-0.0`` equals ``+0.0``; NaN ranks above
+    ``+inf``.  ``torch.topk`` leaves the choice among ties to its kernel (CPU and CUDA choose
+    differently), so this is a stable descending sort.
+    """
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
 def topk_mask(scores: Tensor, k: int, valid: Optional[Tensor] = None) -> Tensor:
-    """Boolean mask of the ``k`` largest entries along the last dim (``valid`` False entries never
-    chosen; fewer than k valid entries -> all valid ones)."""
+    """Boolean mask of the ``k`` largest entries along the last dim, ties as in :func:`topk_indices`
+    (``valid`` False entries never chosen; fewer than k valid entries -> all valid ones)."""
     n = scores.shape[-1]
     k = max(0, min(int(k), n))
     if valid is not None:
@@ -77,8 +90,7 @@ def topk_mask(scores: Tensor, k: int, valid: Optional[Tensor] = None) -> Tensor:
     out = torch.zeros_like(scores, dtype=torch.bool)
     if k == 0:
         return out
-    idx = scores.topk(k, dim=-1).indices
-    out.scatter_(-1, idx, True)
+    out.scatter_(-1, topk_indices(scores, k), True)
     if valid is not None:
         out &= valid
     return out
@@ -107,15 +119,28 @@ def triton_path(q: Tensor, impl: str) -> bool:
             and q.shape[-1] in (16, 32, 64, 128, 256))
 
 
-def topk_lists(layout: TileLayout, scores: Tensor, k: int) -> tuple[Tensor, Tensor, float]:
+def select_impl(impl: str) -> str:
+    """The selection stage's path for a planner's ``impl`` (the block-sparse core's choice):
+    ``"reference"`` and ``"triton"`` carry over, anything else is ``"auto"``."""
+    return impl if impl in ("reference", "triton") else "auto"
+
+
+def topk_lists(layout: TileLayout, scores: Tensor, k: int, impl: str = "auto") -> tuple[Tensor, Tensor, float]:
     """Block lists of "each video query block keeps its ``k`` best-scoring video key blocks, plus
     every special block; each special query block keeps every block", built straight from the
-    top-k indices (no dense mask, no wide sort).
+    top-k (no dense mask, no wide sort on the GPU).
 
     ``scores``: float ``[B, H, n_video_blocks, n_video_blocks]``.  Returns ``(kv_indices,
     kv_counts, kept_fraction)`` equal to ``block_mask_to_lists(add_special_blocks(layout,
-    topk_mask(scores, k)))`` and the plan's kept fraction (host arithmetic).  ``kv_counts`` is a
-    broadcast view of a cached constant: do not write to it.  No device synchronisation for k >= 1.
+    topk_mask(scores, k)))`` (ties to the lower block id, :func:`topk_indices`) and the plan's kept
+    fraction (host arithmetic).  ``kv_counts`` is a broadcast view of a cached constant: do not
+    write to it.  No device synchronisation for k >= 1.
+
+    ``impl``: ``"auto"`` (the Triton kernel of :mod:`ditattn.attention.kernels.block_select` for
+    float32 CUDA scores of at most its ``MAX_TOPK_BLOCKS`` columns, else PyTorch), ``"reference"``
+    (PyTorch: :func:`topk_indices`, an int32 sort of the ``k`` ids, special columns concatenated)
+    or ``"triton"`` (the kernel; CUDA, or CPU under ``TRITON_INTERPRET=1``).  Both paths give
+    identical lists for identical scores.
     """
     nv, nb = layout.n_video_blocks, layout.n_blocks
     ns = nb - nv
@@ -124,13 +149,41 @@ def topk_lists(layout: TileLayout, scores: Tensor, k: int) -> tuple[Tensor, Tens
     kept = rows_kept_fraction(layout, k)
     if k == 0:  # never from VSA (k >= 1); the general path is exact here
         return *block_mask_to_lists(add_special_blocks(layout, topk_mask(scores, 0))), kept
-    # The selected set is the same whether topk sorts its output or not (CUDA sorts after
-    # selecting); only the CPU's kernel picks among ties differently, so it keeps sorted=True.
-    sel = scores.topk(k, dim=-1, sorted=not scores.is_cuda).indices.to(torch.int32).sort(dim=-1).values
     tail, special_rows, counts = _topk_constants(layout, scores.device, k, B, H)
+    kernel = _topk_kernel(scores, impl)
+    if kernel is not None:
+        return kernel(scores, k, n_blocks=nb), counts, kept
+    sel = topk_indices(scores, k).to(torch.int32).sort(dim=-1).values
     if ns:
         sel = torch.cat([torch.cat([sel, tail], dim=-1), special_rows], dim=2)
     return sel, counts, kept
+
+
+def _topk_kernel(scores: Tensor, impl: str):
+    """The Triton top-k list builder for this call, or None for the PyTorch path (see :func:`topk_lists`)."""
+    if impl not in ("auto", "reference", "triton"):
+        raise AttentionConfigError(f"top-k selection impl must be 'auto', 'reference' or 'triton', got {impl!r}")
+    if impl == "reference" or (impl == "auto" and not (scores.is_cuda and scores.dtype == torch.float32)):
+        return None
+    mod = select_kernels()
+    if mod is None:
+        if impl == "triton":
+            raise AttentionConfigError("the Triton top-k selection kernel needs the triton package; use impl='reference'")
+        return None
+    if impl == "auto" and scores.shape[-1] > mod.MAX_TOPK_BLOCKS:
+        return None
+    return mod.topk_block_lists
+
+
+@functools.lru_cache(maxsize=None)
+def select_kernels():
+    """:mod:`ditattn.attention.kernels.block_select`, or None when Triton is not importable."""
+    try:
+        return importlib.import_module("ditattn.attention.kernels.block_select")
+    except ModuleNotFoundError as exc:  # no triton: the PyTorch path
+        if exc.name != "triton" and not (exc.name or "").startswith("triton."):
+            raise
+        return None
 
 
 @functools.lru_cache(maxsize=64)

@@ -39,7 +39,7 @@ import torch
 
 from ditattn.attention.sparse.block_scores import block_self_similarity, pooled_query_block_scores
 from ditattn.attention.sparse.common import (SparsePlan, add_special_blocks, ceil_fraction, run_block_lists,
-                                            run_block_mask, topk_lists, topk_mask)
+                                            run_block_mask, select_impl, topk_lists, topk_mask)
 from ditattn.attention.sparse.quant import quantize_qk_blocks
 from ditattn.attention.sparse.tiling import TileLayout, make_tile_layout, tile
 from ditattn.attention.sparse.vsa import pooled_video_scores
@@ -77,7 +77,7 @@ def sparge_scores(q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout, scale: f
                   impl: str = "auto") -> Tensor:
     """Block scores of ``predictor`` (module docstring): float32 ``[B, H, nv, nv]``, higher = keep."""
     if predictor == "pooled":
-        return pooled_video_scores(q_tiled, k_tiled, layout, scale)
+        return pooled_video_scores(q_tiled, k_tiled, layout, scale, impl)
     if predictor in ("pooled_query", "pooled_query_var"):
         return pooled_query_block_scores(q_tiled, k_tiled, layout, scale, variance=predictor == "pooled_query_var",
                                          impl="reference" if impl in ("reference", "flex") else "auto")
@@ -123,5 +123,5 @@ def sparge_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, topk: floa
                                          impl=impl)
         return run_block_mask(q, k, v, layout, mask, extra=dict(extra, scores=scores), **run)
     scores = sparge_scores(qt, kt, layout, scale, predictor, impl)
-    idx, cnt, kept = topk_lists(layout, scores, kk)  # the lists of sparge_block_mask's mask
+    idx, cnt, kept = topk_lists(layout, scores, kk, select_impl(impl))  # the lists of sparge_block_mask's mask
     return run_block_lists(q, k, v, layout, idx, cnt, kept_fraction=kept, extra=dict(extra, scores=scores), **run)

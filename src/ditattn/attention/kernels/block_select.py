@@ -1,0 +1,175 @@
+"""The top-k block selection stage of the pooled sparse planners (VSA, Sparge, SLA) in two Triton kernels.
+
+**Pooling** (:func:`pool_qk_blocks`): one program per (video block, batch x head) loads the
+``[block_size, D]`` tile of tiled q and of tiled k, sums each in float32, divides by the block's
+real-token count (padding rows are zero, as :func:`ditattn.attention.sparse.tiling.tile` leaves
+them) and multiplies the q mean by the attention scale. Pooled q and k come from one launch, with
+no float32 copies, permutes or scaling passes.
+
+**Top-k to block lists** (:func:`topk_block_lists`): one program per (batch, head, query block).
+It loads the query block's row of ``nv`` float32 scores and maps each score to an int32 key with
+the same order (sign-magnitude to two's complement; ``-0.0`` counts as ``+0.0``, NaN as the largest
+value). A bitwise search over the key, with one count per step, finds the k-th largest key ``T``:
+at most 32 steps, fewer when the count reaches exactly ``k`` earlier (about 15 at 513 blocks,
+k = 52, random q/k). The row keeps every key above ``T``, plus the lowest-indexed keys equal to
+``T`` until ``k`` are kept, so ties go to the lower block index, deterministically. A prefix sum
+places the kept block ids in ascending order. The program then appends the special blocks and zeros, so it writes
+the final int32 ``kv_indices`` row directly. Special query rows get every block. The kernel has no
+sort, no ``[B, H, nv, k]`` int64 intermediate, no casts and no concatenation.
+
+:func:`ditattn.attention.sparse.common.topk_lists` (reference: a stable descending sort) and
+:func:`ditattn.attention.sparse.tiling.pooled_blocks` are the PyTorch paths of the same
+contracts. On identical scores, the two top-k paths select identical blocks.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ditattn.attention.kernels import check_device
+from ditattn.attention.kernels.block_quant import block_head_program
+from ditattn.errors import AttentionConfigError
+
+# row width (video blocks) one top-k program holds in registers; wider rows take the PyTorch path
+MAX_TOPK_BLOCKS = 8192
+POOL_HEAD_DIMS = (16, 32, 64, 128, 256)
+POOL_BLOCK_SIZES = (16, 32, 64, 128)
+
+
+@triton.jit
+def _pool_qk(
+    Q, K, Count, PQ, PK,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    H, NV, scale,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+):
+    blk, bh, b, h, offs_s, offs_d = block_head_program(H, BLOCK, HEAD_DIM)
+    cnt = tl.load(Count + blk)  # float32, clamped to >= 1
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_s[:, None] * stride_qs + offs_d[None, :])
+    k = tl.load(K + b * stride_kb + h * stride_kh + offs_s[:, None] * stride_ks + offs_d[None, :])
+    out = (bh * NV + blk) * HEAD_DIM + offs_d  # [B, H, NV, D] contiguous
+    # the PyTorch path's operations in its order: sum, divide (IEEE), then the scale
+    tl.store(PQ + out, tl.div_rn(tl.sum(q.to(tl.float32), 0), cnt) * scale)
+    tl.store(PK + out, tl.div_rn(tl.sum(k.to(tl.float32), 0), cnt))
+
+
+@triton.jit
+def _topk_lists(
+    S, Out,
+    stride_sb, stride_sh, stride_si,
+    H, NV, NB, K, W,
+    BLOCK_N: tl.constexpr, HAS_TAIL: tl.constexpr,
+):
+    i = tl.program_id(0)  # query block
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs = tl.arange(0, BLOCK_N)
+    out_row = Out + (bh * NB + i) * W
+    if i < NV:
+        valid = offs < NV
+        s = tl.load(S + b * stride_sb + h * stride_sh + i * stride_si + offs, mask=valid, other=0.0)
+        s = tl.where(s == 0.0, 0.0, s)  # -0.0 ranks as +0.0
+        s = tl.where(s != s, float("nan"), s)  # one NaN, above +inf
+        bits = s.to(tl.int32, bitcast=True)
+        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # int32 order == float order
+        key = tl.where(valid, key, -2147483648)
+        # t -> the k-th largest key (the largest t with count(key >= t) >= K), built from the top bit;
+        # stop early once count(key >= t) == K: then no tie crosses the cut and {key >= t} is the answer
+        c0 = tl.sum((key >= 0).to(tl.int32), 0)
+        t = tl.where(c0 >= K, 0, -2147483648)
+        c = tl.where(c0 >= K, c0, NV)  # count(key >= t)
+        bit = 30
+        while (bit >= 0) & (c != K):
+            cand = t | (1 << bit)
+            cc = tl.sum((key >= cand).to(tl.int32), 0)
+            t = tl.where(cc >= K, cand, t)
+            c = tl.where(cc >= K, cc, c)
+            bit -= 1
+        above = key > t
+        tied = (key == t) & valid
+        take = tied & (tl.cumsum(tied.to(tl.int32), 0) <= K - tl.sum(above.to(tl.int32), 0))
+        sel = above | take
+        slot = tl.cumsum(sel.to(tl.int32), 0) - 1  # ascending block ids
+        tl.store(out_row + slot, offs, mask=sel)
+        if HAS_TAIL:  # then the special blocks (ids NV..NB-1), then zeros up to W
+            rest = offs - K
+            tl.store(out_row + offs, tl.where(rest < NB - NV, NV + rest, 0), mask=(rest >= 0) & (offs < W))
+    else:  # a special query block attends every block
+        tl.store(out_row + offs, offs, mask=offs < NB)
+
+
+def pool_qk_blocks(q_tiled: torch.Tensor, k_tiled: torch.Tensor, count: torch.Tensor, *, n_blocks: int,
+                   block_size: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale * mean(q), mean(k))`` per block: float32 ``[B, H, n_blocks, D]`` each.
+
+    q_tiled / k_tiled: ``[B, P, H, D]`` fp16/bf16/fp32 in tile order (same shape, ``P >= n_blocks *
+    block_size``, padding rows zero); count: float32 ``[>= n_blocks]``, the real tokens per block
+    clamped to >= 1; block_size a power of two 16..128; D a power of two 16..256.  Runs on CUDA, or
+    on CPU under ``TRITON_INTERPRET=1``.
+    """
+    what = "block pooling kernel"
+    check_device(q_tiled, k_tiled, count, what=what)
+    if q_tiled.dim() != 4 or q_tiled.shape != k_tiled.shape:
+        raise AttentionConfigError(f"{what}: q and k must be one shape [B, P, H, D]; got {tuple(q_tiled.shape)}, "
+                                   f"{tuple(k_tiled.shape)}")
+    B, P, H, D = q_tiled.shape
+    if q_tiled.dtype not in (torch.float16, torch.bfloat16, torch.float32) or k_tiled.dtype != q_tiled.dtype:
+        raise AttentionConfigError(f"{what}: q/k must share float16, bfloat16 or float32; got {q_tiled.dtype}, "
+                                   f"{k_tiled.dtype}")
+    if D not in POOL_HEAD_DIMS or block_size not in POOL_BLOCK_SIZES or n_blocks * block_size > P:
+        raise AttentionConfigError(f"{what}: needs head dim in {list(POOL_HEAD_DIMS)}, block_size in 16..128 (power "
+                                   f"of two) and {n_blocks} blocks within {P} rows; got D={D}, block_size={block_size}")
+    if count.dtype != torch.float32 or count.dim() != 1 or count.numel() < n_blocks:
+        raise AttentionConfigError(f"{what}: count must be float32 [>= {n_blocks}]")
+    q_tiled, k_tiled = (t if t.stride(-1) == 1 else t.contiguous() for t in (q_tiled, k_tiled))
+    pq = torch.empty(B, H, n_blocks, D, dtype=torch.float32, device=q_tiled.device)
+    pk = torch.empty_like(pq)
+    if pq.numel():
+        _pool_qk[(n_blocks, B * H)](
+            q_tiled, k_tiled, count, pq, pk,
+            q_tiled.stride(0), q_tiled.stride(1), q_tiled.stride(2),
+            k_tiled.stride(0), k_tiled.stride(1), k_tiled.stride(2),
+            H, n_blocks, float(scale),
+            HEAD_DIM=D, BLOCK=block_size, num_warps=4,
+        )
+    return pq, pk
+
+
+def topk_block_lists(scores: torch.Tensor, k: int, *, n_blocks: int) -> torch.Tensor:
+    """``kv_indices`` int32 ``[B, H, n_blocks, W]`` of "video query block ``i`` keeps its ``k``
+    best-scoring video key blocks (ties: the lower block id), ascending, then the special blocks
+    ``nv .. n_blocks - 1``, then zeros; a special query block keeps every block".
+
+    scores: float32 ``[B, H, nv, nv]`` (last dim contiguous); ``1 <= k <= nv <= MAX_TOPK_BLOCKS``;
+    ``n_blocks >= nv`` (``ns = n_blocks - nv`` special blocks); ``W = k`` without special blocks,
+    else ``n_blocks`` (the width of :func:`ditattn.attention.sparse.block_sparse.block_mask_to_lists`).
+    Runs on CUDA, or on CPU under ``TRITON_INTERPRET=1``.
+    """
+    what = "top-k block selection kernel"
+    check_device(scores, what=what)
+    if scores.dim() != 4 or scores.dtype != torch.float32 or scores.shape[2] != scores.shape[3]:
+        raise AttentionConfigError(f"{what}: scores must be float32 [B, H, nv, nv]; got {scores.dtype} "
+                                   f"{tuple(scores.shape)}")
+    B, H, nv, _ = scores.shape
+    if not 1 <= nv <= MAX_TOPK_BLOCKS or not 1 <= k <= nv or n_blocks < nv:
+        raise AttentionConfigError(f"{what}: needs 1 <= k <= nv <= {MAX_TOPK_BLOCKS} and n_blocks >= nv; got k={k}, "
+                                   f"nv={nv}, n_blocks={n_blocks}")
+    if scores.stride(-1) != 1:
+        scores = scores.contiguous()
+    width = k if n_blocks == nv else n_blocks
+    out = torch.empty(B, H, n_blocks, width, dtype=torch.int32, device=scores.device)
+    block_n = triton.next_power_of_2(max(n_blocks, 16))
+    if out.numel():
+        _topk_lists[(n_blocks, B * H)](
+            scores, out,
+            scores.stride(0), scores.stride(1), scores.stride(2),
+            H, nv, n_blocks, int(k), width,
+            BLOCK_N=block_n, HAS_TAIL=width > k, num_warps=max(1, min(16, block_n // 256)),
+        )
+    return out
+
+
+__all__ = ["pool_qk_blocks", "topk_block_lists", "MAX_TOPK_BLOCKS", "POOL_HEAD_DIMS", "POOL_BLOCK_SIZES"]

@@ -1,0 +1,223 @@
+"""The selection stage of the pooled planners (VSA, Sparge, SLA): the top-k rule (ties to the lower
+block id), the PyTorch path against the implementation it replaced, and the two Triton kernels of
+``ditattn.attention.kernels.block_select`` against the PyTorch path in Triton's CPU interpreter
+(``tests/conftest.py`` sets ``TRITON_INTERPRET=1`` on CPU-only machines; tests/test_gpu_kernels.py
+covers the compiled kernels)."""
+import math
+import os
+
+import pytest
+import torch
+
+from ditattn.attention.sparse.block_sparse import block_mask_to_lists
+from ditattn.attention.sparse.common import add_special_blocks, topk_indices, topk_lists, topk_mask
+from ditattn.attention.sparse.tiling import make_tile_layout, pooled_blocks, tile
+from ditattn.attention.sparse.vsa import pooled_video_scores, video_sparse_attention, vsa_num_selected
+from ditattn.errors import AttentionConfigError
+
+interp = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                            reason="Triton interpreter tests run on CPU-only machines")
+
+
+def rule_topk(row: list, k: int) -> set:
+    """The documented rule, spelled out: higher first, NaN above everything, -0.0 == +0.0, then the lower index."""
+    def key(j):
+        x = row[j]
+        return (0, 0.0, j) if math.isnan(x) else (1, -(x + 0.0), j)
+    return set(sorted(range(len(row)), key=key)[:k])
+
+
+def structured_scores(B, H, nv, seed):
+    """Random rows and rows full of ties, signed zeros, infinities and NaN."""
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randn(B, H, nv, nv, generator=g)
+    r = s[0, 0]
+    r[0] = 1.5  # one value everywhere
+    r[1] = r[1].round()  # a few values, many ties
+    r[2, ::3] = float("-inf")
+    r[3, ::5] = float("inf")
+    r[3, 1::7] = float("nan")
+    r[4, : nv // 2] = -0.0
+    r[4, nv // 2:] = 0.0
+    r[4, ::4] = -1.0
+    r[5] = -torch.rand(nv, generator=g) * 1e-38  # subnormals
+    r[6] = torch.randint(0, 3, (nv,), generator=g).float() * 1e30
+    return s
+
+
+def old_topk_lists(layout, scores, k):
+    """The implementation this stage replaced (torch.topk; its choice among ties is the kernel's)."""
+    nv, nb = layout.n_video_blocks, layout.n_blocks
+    sel = scores.topk(k, dim=-1).indices.to(torch.int32).sort(dim=-1).values
+    if nb > nv:
+        B, H = scores.shape[:2]
+        tail = torch.zeros(nb - k, dtype=torch.int32)
+        tail[: nb - nv] = torch.arange(nv, nb, dtype=torch.int32)
+        special = torch.arange(nb, dtype=torch.int32).expand(B, H, nb - nv, nb)
+        sel = torch.cat([torch.cat([sel, tail.expand(B, H, nv, -1)], -1), special], 2)
+    return sel
+
+
+LAYOUTS = [((5, 6, 7), 0), ((9, 13, 17), 70)]  # packed: edge tiles share blocks; with special blocks
+
+
+def test_topk_indices_follow_the_rule():
+    s = structured_scores(1, 2, 23, seed=3)
+    for k in (1, 4, 11, 23):
+        got = topk_indices(s, k)
+        for h in range(2):
+            for i in range(23):
+                assert set(got[0, h, i].tolist()) == rule_topk(s[0, h, i].tolist(), k), (h, i, k)
+    mask = topk_mask(s, 5)
+    assert torch.equal(mask.sum(-1), torch.full((1, 2, 23), 5))
+    assert mask[0, 0, 0, :5].all() and not mask[0, 0, 0, 5:].any()  # all tied: the first five
+
+
+@pytest.mark.parametrize("shape,text", LAYOUTS)
+def test_reference_lists_equal_the_replaced_implementation_without_ties(shape, text):
+    """Random float scores have no ties: the new rule picks exactly what torch.topk picked."""
+    lay = make_tile_layout(shape, (4, 4, 4), text, edge_tiles="packed")
+    nv = lay.n_video_blocks
+    s = torch.randn(2, 3, nv, nv, generator=torch.Generator().manual_seed(nv))
+    for k in (1, 7, nv // 2, nv):
+        idx, cnt, _ = topk_lists(lay, s, k, "reference")
+        assert torch.equal(idx, old_topk_lists(lay, s, k)), k
+        ref_idx, ref_cnt = block_mask_to_lists(add_special_blocks(lay, topk_mask(s, k)))
+        assert torch.equal(idx, ref_idx) and torch.equal(cnt, ref_cnt)
+
+
+def test_topk_lists_rejects_unknown_impl():
+    lay = make_tile_layout((5, 6, 7), (4, 4, 4), edge_tiles="packed")
+    with pytest.raises(AttentionConfigError, match="'auto', 'reference' or 'triton'"):
+        topk_lists(lay, torch.zeros(1, 1, lay.n_video_blocks, lay.n_video_blocks), 2, "flex")
+
+
+# ------------------------------------------------------------------------------------------------
+# the Triton kernels in the interpreter
+
+
+@interp
+@pytest.mark.parametrize("shape,text", LAYOUTS)
+def test_topk_kernel_equals_reference(shape, text):
+    """Exactly the reference's lists (same blocks, same order, same padding) on random rows and on
+    rows of ties, signed zeros, infinities, NaN and subnormals, with and without special blocks."""
+    lay = make_tile_layout(shape, (4, 4, 4), text, edge_tiles="packed")
+    nv = lay.n_video_blocks
+    s = structured_scores(1, 1, nv, seed=nv)
+    for k in (1, nv // 3, nv):
+        want, cnt, kept = topk_lists(lay, s, k, "reference")
+        got, cnt2, kept2 = topk_lists(lay, s, k, "triton")
+        assert got.dtype == torch.int32 and got.is_contiguous()
+        assert torch.equal(got, want), (k, (got != want).any(-1).nonzero()[:4].tolist())
+        assert cnt2 is cnt and kept2 == kept
+    for i in range(7):  # and the structured rows by the rule itself
+        assert set(got[0, 0, i, :k].tolist()) == rule_topk(s[0, 0, i].tolist(), k)
+
+
+@interp
+def test_topk_kernel_batch_heads_and_strided_scores():
+    lay = make_tile_layout((4, 8, 8), (4, 4, 4), 5, edge_tiles="packed")
+    nv = lay.n_video_blocks
+    big = torch.randn(2, 3, nv, nv + 3, generator=torch.Generator().manual_seed(5)).round()
+    s = big[..., :nv]  # row stride nv + 3
+    got, _, _ = topk_lists(lay, s, 3, "triton")
+    assert torch.equal(got, topk_lists(lay, s.contiguous(), 3, "reference")[0])
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_pool_kernel_equals_pooled_blocks(dtype):
+    """Bitwise on integer-valued tokens (every sum exact: the same division and scale follow), within
+    float32 rounding of the sums on random tokens; only the video blocks; padding rows ignored."""
+    from ditattn.attention.kernels.block_select import pool_qk_blocks
+
+    lay = make_tile_layout((5, 6, 7), (4, 4, 4), 9, edge_tiles="packed")
+    nv = lay.n_video_blocks
+    count = lay.on("cpu").count_as(torch.float32).view(-1)
+    g = torch.Generator().manual_seed(2)
+    for integer in (True, False):
+        q, k = ((torch.randint(-8, 9, (2, lay.seq_len, 3, 32), generator=g).float() if integer
+                 else torch.randn(2, lay.seq_len, 3, 32, generator=g)).to(dtype) for _ in range(2))
+        qt, kt = tile(q, lay), tile(k, lay)
+        pq, pk = pool_qk_blocks(qt, kt, count, n_blocks=nv, block_size=64, scale=0.3)
+        rq, rk = pooled_blocks(qt, lay, nv, scale=0.3), pooled_blocks(kt, lay, nv)
+        assert pq.shape == (2, 3, nv, 32) and pq.dtype == torch.float32 and pq.is_contiguous()
+        if integer:
+            assert torch.equal(pq, rq) and torch.equal(pk, rk)
+        else:
+            assert (pq - rq).abs().max() < 1e-6 and (pk - rk).abs().max() < 1e-6
+
+
+@interp
+@pytest.mark.parametrize("shape,text", [((5, 6, 7), 0), ((5, 8, 8), 7)])
+def test_vsa_triton_selection_equals_reference(shape, text):
+    """The whole VSA call with the Triton selection (and core) against the PyTorch path: on
+    integer-valued q/k the pooled scores are bitwise equal, so the plans must be identical."""
+    S = math.prod(shape) + text
+    g = torch.Generator().manual_seed(S)
+    q, k = (torch.randint(-4, 5, (1, S, 2, 16), generator=g).to(torch.float16) for _ in range(2))
+    v = torch.randn(1, S, 2, 16, generator=g).to(torch.float16)
+    kw = dict(video_shape=shape, sparsity=0.7, text_len=text, return_lse=True)
+    out, lse, plan = video_sparse_attention(q, k, v, impl="triton", **kw)
+    rout, rlse, rplan = video_sparse_attention(q, k, v, impl="reference", **kw)
+    assert torch.equal(plan.extra["scores"], rplan.extra["scores"])
+    assert torch.equal(plan.kv_indices, rplan.kv_indices) and torch.equal(plan.kv_counts, rplan.kv_counts)
+    assert plan.kept_fraction == rplan.kept_fraction
+    assert (out.float() - rout.float()).abs().max() < 2e-3 and (lse - rlse).abs().max() < 2e-3
+
+
+@interp
+def test_triton_selection_is_three_launches():
+    """Pooling, scores and lists on the Triton path: two kernel launches and one matmul; nothing
+    else computes (the PyTorch path is ~11-13 ops: sums, divides, scale, copies, top-k, cast, sort, cats)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import ditattn.attention.kernels.block_select as bsel
+
+    lay = make_tile_layout((5, 8, 12), (4, 4, 4), 7, edge_tiles="packed")
+    q, k = (torch.randn(1, lay.seq_len, 2, 32).to(torch.float16) for _ in range(2))
+    qt, kt = tile(q, lay), tile(k, lay)
+    kk = vsa_num_selected(0.9, lay.n_video_blocks)
+    launches = []
+
+    class Count:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            launches.append(self.name)
+            return self.kernel[grid]
+
+    def select():
+        return topk_lists(lay, pooled_video_scores(qt, kt, lay, 32 ** -0.5, "triton"), kk, "triton")
+
+    with pytest.MonkeyPatch.context() as m:
+        for name in ("_pool_qk", "_topk_lists"):
+            m.setattr(bsel, name, Count(name, getattr(bsel, name)))
+        select()
+        launches.clear()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            select()
+    top = [e.name for e in prof.events() if e.name.startswith("aten::")
+           and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
+    # the interpreter's own host copies (new_empty / set_ / copy_) do not exist on a GPU
+    computing = [n for n in top if n not in {"aten::new_empty", "aten::set_", "aten::copy_", "aten::empty",
+                                             "aten::empty_like", "aten::view", "aten::transpose", "aten::expand",
+                                             "aten::reshape", "aten::alias", "aten::slice", "aten::permute"}]
+    assert launches == ["_pool_qk", "_topk_lists"] and computing == ["aten::matmul"], (launches, computing)
+
+
+@interp
+def test_kernels_reject_bad_input():
+    from ditattn.attention.kernels.block_select import pool_qk_blocks, topk_block_lists
+
+    s = torch.zeros(1, 1, 4, 4)
+    with pytest.raises(AttentionConfigError, match="1 <= k <= nv"):
+        topk_block_lists(s, 5, n_blocks=4)
+    with pytest.raises(AttentionConfigError, match="float32"):
+        topk_block_lists(s.double(), 2, n_blocks=4)
+    x = torch.zeros(1, 128, 2, 32, dtype=torch.float16)
+    with pytest.raises(AttentionConfigError, match="block_size"):
+        pool_qk_blocks(x, x, torch.ones(2), n_blocks=2, block_size=48, scale=1.0)
+    with pytest.raises(AttentionConfigError, match="one shape"):
+        pool_qk_blocks(x, x[:, :64], torch.ones(2), n_blocks=1, block_size=64, scale=1.0)
