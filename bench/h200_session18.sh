@@ -60,6 +60,10 @@ verify18s)  # the same, leaner (~4.5 min): when less device time is left
   step 75 python3 bench/sage_sm90.py --out "$OUT/sage" --budget-s 55 --shapes "1,40,32760,128" \
       --variants "fp16=;fp8=pv_dtype:fp8;fp8_direct=pv_dtype:fp8/pv_accum:direct"
   step 100 python3 bench/block_sparse_sm90.py --out "$OUT/bs" --seqs 32760 --sparsities 0.9 --budget-s 75 ;;
+verify18m)  # minimal (~3 min): the GPU tests of both kernel fixes, then the block-sparse SM90 timing at 480p
+  step 90 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_sage_sm90.py tests/test_block_sparse_sm90.py \
+      -k "not compiles"
+  step 80 python3 bench/block_sparse_sm90.py --out "$OUT/bs" --seqs 32760 --sparsities 0.9 --budget-s 60 ;;
 shapes)
   step 590 python3 -m ditattn.train.shapes --stage all --preset full --device cuda --vae-budget-s 180 \
       --dit-budget-s 330 --out "$OUT/shapes" ;;
