@@ -42,6 +42,7 @@ def build_skeleton(folder: str, arch: str) -> None:
     import torch
     from diffusers import AutoencoderKLWan
 
+    from ditattn.models.tiny import VAE as TINY_VAE
     from ditattn.models.tiny import build_byte_tokenizer
 
     def dump(path, data):
@@ -60,7 +61,10 @@ def build_skeleton(folder: str, arch: str) -> None:
     dump(os.path.join(folder, "scheduler", "scheduler_config.json"), SCHEDULER)
     build_byte_tokenizer().save_pretrained(os.path.join(folder, "tokenizer"))
     torch.manual_seed(0)
-    AutoencoderKLWan().save_pretrained(os.path.join(folder, "vae"))  # the Wan 2.1 VAE config, random weights
+    # the Wan 2.1 VAE config with random weights; arch "tiny" (CPU smoke runs) takes the built-in tiny
+    # model's VAE (same class and compression, base dim 8): the full one's 64x64 decode costs seconds
+    vae = AutoencoderKLWan(**TINY_VAE) if arch == "tiny" else AutoencoderKLWan()
+    vae.save_pretrained(os.path.join(folder, "vae"))
 
 
 def _random_weights(load, keep):
