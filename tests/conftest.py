@@ -42,22 +42,79 @@ def _ditattn_model_cache(tmp_path_factory):
         os.environ["DITATTN_CACHE"] = old
 
 
-def sm90_offline_census(kernel: str, variants: str) -> dict:
-    """Compile an SM90 Gluon kernel for Hopper without a GPU (bench/sm90_offline.py, in a fresh
-    interpreter without the Triton interpreter) and return ``{variant: registers, spills, shared,
-    loop census}``.  ``DITATTN_SM90_TRITON_PATH`` (a site-packages dir holding the GPU machine's
-    Triton, 3.6.0) compiles with that version instead of the installed one."""
+def pytest_configure(config):
+    config.addinivalue_line("markers", "sm90_census(kernel, variants): the test reads the offline SM90 census of "
+                            "these kernel variants through the ``sm90_census`` fixture")
+
+
+_CENSUS_DRIVER = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import sm90_offline
+for kernel, variants in json.loads(sys.argv[2]):
+    sm90_offline.main(["--kernel", kernel, "--variants", variants, "--json", *json.loads(sys.argv[3])])
+"""
+
+
+@pytest.fixture(scope="session")
+def _sm90_census_all(request) -> dict:
+    """Every census the session's ``sm90_census`` markers ask for, compiled in ONE fresh interpreter
+    without the Triton interpreter (bench/sm90_offline.py): ``{(kernel, variants): {variant:
+    registers, spills, shared, loop census}}``.  ``DITATTN_SM90_TRITON_PATH`` (a site-packages dir
+    holding the GPU machine's Triton, 3.6.0) compiles with that version instead of the installed one."""
     import json
     import subprocess
     import sys
 
+    wanted = sorted({tuple(m.args) for item in request.session.items for m in item.iter_markers("sm90_census")})
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.path.join(root, "src") + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, os.path.join(root, "bench", "sm90_offline.py"), "--kernel", kernel, "--variants", variants,
-           "--json"]
-    if os.environ.get("DITATTN_SM90_TRITON_PATH"):
-        cmd += ["--triton-path", os.environ["DITATTN_SM90_TRITON_PATH"]]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    triton_path = os.environ.get("DITATTN_SM90_TRITON_PATH")
+    extra = ["--triton-path", triton_path] if triton_path else []
+    proc = subprocess.run([sys.executable, "-c", _CENSUS_DRIVER, os.path.join(root, "bench"), json.dumps(wanted),
+                           json.dumps(extra)], capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    lines = proc.stdout.strip().splitlines()[-len(wanted):]
+    return {pair: json.loads(line) for pair, line in zip(wanted, lines)}
+
+
+@pytest.fixture
+def sm90_census(request, _sm90_census_all) -> dict:
+    """The offline SM90 census (``{variant: registers, spills, shared, loop census}``) of the test's
+    ``@pytest.mark.sm90_census(kernel, variants)``."""
+    marker = request.node.get_closest_marker("sm90_census")
+    assert marker is not None, "sm90_census needs @pytest.mark.sm90_census(kernel, variants)"
+    return _sm90_census_all[tuple(marker.args)]
+
+
+@pytest.fixture
+def run_bench(monkeypatch, capsys):
+    """``run_bench("fidelity.py", *argv, env={...})`` runs ``python bench/fidelity.py argv`` in this
+    process (as ``__main__``, with ``env`` set and a fresh import of bench/common.py, which reads
+    BENCH_DEVICE) and returns what it printed to stdout; a non-zero exit fails the test.  The CPU
+    smoke runs of the benchmarks then share the session's imports (torch, diffusers, ...) instead of
+    paying seconds per script for them in a fresh interpreter."""
+    import runpy
+    import sys
+
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+
+    def run(script: str, *argv: str, env: dict | None = None) -> str:
+        for key, value in (env or {}).items():
+            monkeypatch.setenv(key, value)
+        for name in ("common", "e2e"):  # bench modules that scripts import by these names
+            monkeypatch.delitem(sys.modules, name, raising=False)
+        monkeypatch.syspath_prepend(bench)
+        path = os.path.join(bench, script)
+        monkeypatch.setattr(sys, "argv", [path, *argv])
+        capsys.readouterr()
+        try:
+            runpy.run_path(path, run_name="__main__")
+        except SystemExit as exc:
+            captured = capsys.readouterr()
+            assert exc.code in (0, None), f"{script}: exit {exc.code}\n{captured.out[-2000:]}{captured.err[-3000:]}"
+            return captured.out
+        return capsys.readouterr().out
+
+    return run

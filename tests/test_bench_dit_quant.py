@@ -1,25 +1,17 @@
 """bench/dit_quant.py on the tiny architecture (CPU smoke of the H200 benchmark's code paths): the
 diffusers baseline, bf16 and INT8 rows with errors against bf16, FP8 refused with its reason here."""
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytest.importorskip("torchao")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke run; on a GPU run the benchmark itself")
-def test_dit_quant_smoke(tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "dit_quant.py"), "--arch", "tiny", "--res",
-                           "tiny", "--backends", "torch_sdpa", "--min-features", "128", "--repeats", "1",
-                           "--timesteps", "900,100", "--out-dir", str(tmp_path)],
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_dit_quant_smoke(tmp_path, run_bench):
+    stdout = run_bench("dit_quant.py", "--arch", "tiny", "--res", "tiny", "--backends", "torch_sdpa", "--min-features",
+                       "128", "--repeats", "1", "--timesteps", "900,100", "--out-dir", str(tmp_path))
     rows = {(r["side"], r["quant"]): r for r in json.load(open(tmp_path / "dit_quant_tiny.json"))["rows"]}
     assert rows[("diffusers", "none")]["ms"] > 0
     bf16, int8 = rows[("ditattn", "none")], rows[("ditattn", "int8")]
@@ -27,4 +19,4 @@ def test_dit_quant_smoke(tmp_path):
     assert int8["quantized_linears"] == 16 and [s["t"] for s in int8["per_step"]] == [900.0, 100.0]
     assert 1e-5 < int8["max_rel_err_vs_bf16"] < 3e-2 and int8["min_cos_vs_bf16"] > 0.999
     assert "compute capability >= 8.9" in rows[("ditattn", "fp8")]["error"]
-    assert proc.stdout.strip().splitlines()[-1].startswith("ditattn   torch_sdpa   int8")  # the table comes last
+    assert stdout.strip().splitlines()[-1].startswith("ditattn   torch_sdpa   int8")  # the table comes last

@@ -1,13 +1,8 @@
 """bench/fidelity.py runs end to end on CPU (tiny grid, BENCH_DEVICE=cpu): structured inputs and an
 activation file, the STA search workflow, the table printed last, JSON and chart written."""
 import json
-import os
-import subprocess
-import sys
 
 import torch
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _write_activations(path, grid=(2, 8, 8), heads=2):
@@ -24,17 +19,14 @@ def _write_activations(path, grid=(2, 8, 8), heads=2):
     save_file(tensors, path, metadata={"format": QKV_FORMAT, "entries": json.dumps(entries)})
 
 
-def test_fidelity_smoke_on_cpu(tmp_path):
+def test_fidelity_smoke_on_cpu(tmp_path, run_bench):
     act = str(tmp_path / "act.safetensors")
     _write_activations(act)
     out = tmp_path / "fid"
-    env = dict(os.environ, BENCH_DEVICE="cpu", PYTHONPATH=os.path.join(ROOT, "src"))
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "fidelity.py"), "--grid", "4,8,8", "--heads", "2",
-                          "--cases", "sparge_attn (defaults),sparse_video_gen_2_attn (defaults),STA searched (default",
-                          "--activations", act, "--ref-rows", "64", "--out", str(out)],
-                         capture_output=True, text=True, env=env, timeout=600)
-    assert res.returncode == 0, res.stderr[-2000:]
-    table = res.stdout[res.stdout.index("## Quality-vs-speed frontier"):]
+    stdout = run_bench("fidelity.py", "--grid", "4,8,8", "--heads", "2", "--cases",
+                       "sparge_attn (defaults),sparse_video_gen_2_attn (defaults),STA searched (default",
+                       "--activations", act, "--ref-rows", "64", "--out", str(out), env={"BENCH_DEVICE": "cpu"})
+    table = stdout[stdout.index("## Quality-vs-speed frontier"):]
     assert "| structured | 2 | sparge_attn (defaults) |" in table
     assert "activations:transformer.blocks.3.attn1@step7" in table
     data = json.loads((out / "fidelity.json").read_text())

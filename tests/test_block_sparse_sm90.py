@@ -13,15 +13,15 @@ import math
 
 import pytest
 import torch
-from conftest import sm90_offline_census
 
 IS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-def test_block_sparse_kernel_compiles_for_sm90_with_async_wgmma():
-    res = sm90_offline_census("block_sparse", "static=;online=static_max:false;"
-                              "d64_fp16_static=head_dim:64/dtype:fp16/has_valid:false/return_lse:false;"
-                              "d64_fp16_online=head_dim:64/dtype:fp16/has_valid:false/return_lse:false/static_max:false")
+@pytest.mark.sm90_census("block_sparse", "static=;online=static_max:false;"
+                         "d64_fp16_static=head_dim:64/dtype:fp16/has_valid:false/return_lse:false;"
+                         "d64_fp16_online=head_dim:64/dtype:fp16/has_valid:false/return_lse:false/static_max:false")
+def test_block_sparse_kernel_compiles_for_sm90_with_async_wgmma(sm90_census):
+    res = sm90_census
     for name, a in res.items():
         c = a["loop_census"]
         d = 64 if name.startswith("d64") else 128

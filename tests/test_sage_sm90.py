@@ -19,7 +19,6 @@ import sys
 
 import pytest
 import torch
-from conftest import sm90_offline_census
 
 from ditattn.attention.kernels.int8_attention import int8_attention_reference
 
@@ -74,8 +73,9 @@ def test_prologue_scales_and_logit_bound(k_per_token):
 
 
 
-def test_kernel_compiles_for_sm90_with_async_wgmma():
-    res = sm90_offline_census("sage", "token=;block=k_granularity:block")
+@pytest.mark.sm90_census("sage", "token=;block=k_granularity:block")
+def test_kernel_compiles_for_sm90_with_async_wgmma(sm90_census):
+    res = sm90_census
     for name, a in res.items():
         c = a["loop_census"]
         assert c.get("IGMMA", 0) >= 4 and c.get("HGMMA", 0) >= 8, (name, c)  # INT8 Q.K, BF16 P.V (+ row sums)
@@ -87,12 +87,12 @@ def test_kernel_compiles_for_sm90_with_async_wgmma():
         assert not a["ptxas_warnings"], (name, a["ptxas_warnings"])
 
 
-def test_fp8_pv_kernel_compiles_for_sm90_with_async_wgmma():
+@pytest.mark.sm90_census("sage", "fp8=pv_dtype:fp8;fp8_direct_kblock=pv_dtype:fp8/pv_accum:direct/k_granularity:block")
+def test_fp8_pv_kernel_compiles_for_sm90_with_async_wgmma(sm90_census):
     """FP8 P.V: FP8 wgmma (QGMMA) for P.V (the row sums of P in FP32 on the CUDA cores), P packed without
     byte permutes or shuffles (the column relabelling makes the accumulator registers the A operand), no
     spills, no C7513."""
-    res = sm90_offline_census("sage", "fp8=pv_dtype:fp8;fp8_direct_kblock=pv_dtype:fp8/pv_accum:direct/"
-                                      "k_granularity:block")
+    res = sm90_census
     for name, a in res.items():
         c = a["loop_census"]
         assert c.get("IGMMA", 0) >= 4 and c.get("QGMMA", 0) >= 4 and "HGMMA" not in c, (name, c)
