@@ -1,5 +1,12 @@
 import os
 
+# One PyTorch CPU thread in the test process and in every process it starts (set before torch is
+# imported): the tests' tensors are tiny, and OpenMP threads spin-wait at barriers, so on a shared
+# 2-core CI machine two threads cost 2-6x the CPU time of one (and more wall time, not less).  An
+# OMP_NUM_THREADS in the environment wins.
+OMP_THREADS_SET_HERE = "OMP_NUM_THREADS" not in os.environ
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # Must be set before triton or any kernel module is imported: Triton kernels run in the
 # interpreter on CPU-only machines (NOTES.md).
 try:

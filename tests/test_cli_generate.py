@@ -5,6 +5,7 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import OMP_THREADS_SET_HERE
 
 from ditattn.cli import main
 
@@ -139,8 +140,11 @@ def test_cli_error_exit_code_in_a_subprocess():
 def test_default_command_as_a_new_user(tmp_path):
     """The README's main command: no flags but --prompt, default model, a video with a progress bar
     and the timing summary as the last line."""
+    env = _env()
+    if OMP_THREADS_SET_HERE:  # not conftest's one-thread setting: a new user's run picks its CPU threads itself
+        del env["OMP_NUM_THREADS"]
     proc = subprocess.run([sys.executable, "-m", "ditattn", "generate", "--prompt", "a cat surfing a wave"],
-                          capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=600)
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert lines[0] == "saved: outputs/a_cat_surfing_a_wave_s0.mp4"
