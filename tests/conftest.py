@@ -1,12 +1,5 @@
 import os
 
-# One PyTorch CPU thread in the test process and in every process it starts (set before torch is
-# imported): the tests' tensors are tiny, and OpenMP threads spin-wait at barriers, so on a shared
-# 2-core CI machine two threads cost 2-6x the CPU time of one (and more wall time, not less).  An
-# OMP_NUM_THREADS in the environment wins.
-OMP_THREADS_SET_HERE = "OMP_NUM_THREADS" not in os.environ
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-
 # Must be set before triton or any kernel module is imported: Triton kernels run in the
 # interpreter on CPU-only machines (NOTES.md).
 try:
@@ -14,9 +7,18 @@ try:
 
     _HAS_CUDA = _torch.cuda.is_available()
 except Exception:  # pragma: no cover
-    _HAS_CUDA = False
+    _torch, _HAS_CUDA = None, False
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Without a GPU: one PyTorch CPU thread in the test process and in every process it starts.  The
+# tests' tensors are tiny and OpenMP threads spin-wait at barriers, so on a shared 2-core CI machine
+# two threads cost 2-6x the CPU time of one (and more wall time, not less).  An OMP_NUM_THREADS in
+# the environment wins.
+OMP_THREADS_SET_HERE = not _HAS_CUDA and "OMP_NUM_THREADS" not in os.environ
+if OMP_THREADS_SET_HERE:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    if _torch is not None:
+        _torch.set_num_threads(1)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
