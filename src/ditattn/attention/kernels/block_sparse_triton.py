@@ -289,9 +289,14 @@ def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     if impl not in IMPLS:
         raise AttentionConfigError(f"{what}: impl {impl!r} not supported (accepts {list(IMPLS)})")
     B, Sq, Skv, H, Hkv, D = check_qkv(q, k, v, what=what, head_dims=SUPPORTED_HEAD_DIMS)
-    check_device(q, k, v, kv_indices, kv_counts, what=what)
     if block_size not in SUPPORTED_BLOCK_SIZES:
         raise AttentionConfigError(f"{what}: block_size {block_size} not supported (accepts {list(SUPPORTED_BLOCK_SIZES)})")
+    if impl != "sm90":  # config errors first, whatever the device (impl 'sm90' validates its own keys at launch)
+        cfg = launch_config(default_config(block_size, D), config, what=what)
+        kvpi = int(cfg["kv_per_iter"])
+        if kvpi < 1 or kvpi & (kvpi - 1):
+            raise AttentionConfigError(f"{what}: kv_per_iter must be a power of two >= 1, got {kvpi}")
+    check_device(q, k, v, kv_indices, kv_counts, what=what)
     if Sq % block_size or Skv % block_size:
         raise AttentionConfigError(
             f"{what}: sequence lengths ({Sq}, {Skv}) must be multiples of block_size {block_size}; pad them "
@@ -318,11 +323,6 @@ def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         why = block_sparse_sm90.why_not(q, block_size)
         if why:
             raise AttentionConfigError(f"{what}: impl 'sm90' cannot take this call: {why}")
-    else:
-        cfg = launch_config(default_config(block_size, D), config, what=what)
-        kvpi = int(cfg["kv_per_iter"])
-        if kvpi < 1 or kvpi & (kvpi - 1):
-            raise AttentionConfigError(f"{what}: kv_per_iter must be a power of two >= 1, got {kvpi}")
 
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     scale = D ** -0.5 if scale is None else float(scale)
