@@ -272,13 +272,16 @@ def test_sm90_kernel_numerics(shape, dtype, kgran, q_scale):
     assert out.shape == q.shape and out.dtype == dtype and lse.shape == (b, h, sq)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     ref, ref_lse = _exact(q, k, v)
-    qref, _ = int8_attention_reference(q, k, v, block_n=128, k_granularity=kgran)
+    qref, qref_lse = int8_attention_reference(q, k, v, block_n=128, k_granularity=kgran, return_lse=True)
     # the kernel computes the reference's quantization (bf16/fp16 rounding of P and the output apart)
     assert _rel(out, qref) < (6e-3 if dtype == torch.bfloat16 else 1.5e-3)
+    assert float((lse.double() - qref_lse.double()).abs().max()) < 5e-2
     # against float32: INT8 Q.K's own error, which grows with the logit scale (q_scale 12: the reference
-    # of the same quantization is 3.4 % off float32, measured on CPU), so bounded by the reference's
+    # of the same quantization is 3.4 % off float32, measured on CPU, and its LSE 0.40 off on the H200 at
+    # logits of 30-47), so bounded by the reference's
     assert _rel(out, ref) < max(2.5e-2, 1.1 * _rel(qref, ref))
-    assert float((lse.double() - ref_lse).abs().max()) < 0.1
+    lse_bound = max(0.1, 1.1 * float((qref_lse.double() - ref_lse).abs().max()))
+    assert float((lse.double() - ref_lse).abs().max()) < lse_bound
 
 
 @pytest.mark.skipif(not IS_SM90, reason="needs an SM90 (Hopper) GPU")
