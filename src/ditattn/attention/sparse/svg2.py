@@ -26,6 +26,15 @@ Per (batch, head):
    takes the union), when ``b`` holds a text token, or when ``a`` holds a text query.  The output is
    permuted back exactly.
 
+Cost of a warm step (``bench/svg2_stages.py`` counts it per stage): per k-means iteration one fused
+float32 product ``|c|^2 - 2 x . c`` and its argmin (``2 N C D`` FLOPs per head), then the cluster
+sums as the product of the labels' one-hot ``[C, N]`` with the points — in bf16 for bf16 inputs
+(0/1 and bf16 operands are exact, the accumulation float32, the sums rounded to bf16) —; the
+pooled-query masses as the row-relative exponentials of the ``[Cq, N]`` logits times the key
+one-hot (no scatter atomics).  Nothing is read back to the host: the block lists have a fixed
+width off the CPU (:func:`~ditattn.attention.sparse.block_sparse.list_width`), the kernel is told
+that no query block is empty, and the kept fraction is a device scalar until it is read.
+
 State (warm start, reuse): kept per ``state_key`` (the backend uses the layer's key and the calling
 thread) and restarted cold at step 0, whenever the step does not advance (a new request), and when
 the shapes change.  With ``recluster_every = n > 1`` only every n-th step after a cold start
