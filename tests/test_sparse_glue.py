@@ -200,7 +200,8 @@ def test_sparge_and_sla_paths_have_no_host_reads(monkeypatch, name):
 def test_svg2_and_sol_paths_have_no_host_reads(monkeypatch, name):
     """SVG2 (cold then warm k-means steps, the cluster plan, the per-head gathers) and Sol run their
     whole backend call without reading a value back from the device: on the meta device (where any
-    such read fails) with every tensor -> host conversion forbidden besides.  Their kept fraction
+    such read fails) with every tensor -> host conversion and every host -> device copy (a stream
+    wait on CUDA) forbidden besides.  Their kept fraction
     is recorded as a device scalar that the statistics entry reads on first access."""
     from ditattn.attention.sparse import LayerStats, clear_stats
     from ditattn.attention.sparse.svg2 import reset_svg2_state
@@ -216,8 +217,17 @@ def test_svg2_and_sol_paths_have_no_host_reads(monkeypatch, name):
     if name == "sol":  # builds the cached tile layout's device constants first (once per layout)
         impl(q, k, v, AttnCall(video_shape=shape, text_len=text, step=12, layer_idx=2), cfg)
     clear_stats()
+    real_to = torch.Tensor.to
+
+    def to_without_upload(self, *a, **kw):  # a host -> device copy waits for the stream on CUDA too
+        out = real_to(self, *a, **kw)
+        if self.device.type == "cpu" and out.device.type != "cpu":
+            raise AssertionError("host-to-device copy on the call path")
+        return out
+
     with monkeypatch.context() as m:
         _forbid_host_reads(m)
+        m.setattr(torch.Tensor, "to", to_without_upload)
         for step in steps:
             out, lse = impl(q, k, v, AttnCall(video_shape=shape, text_len=text, step=step, layer_idx=2,
                                               return_lse=True), cfg)

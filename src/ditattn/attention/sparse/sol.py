@@ -183,7 +183,7 @@ def sol_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: int
     nv, nb, bs = layout.n_video_blocks, layout.n_blocks, layout.block_size
     kc, kvar = pooled_query_features(kt, layout, nv, variance=bool(centroid_variance))
     vc = pooled_blocks(vt, layout, nv)
-    logw = layout.block_count[:nv].to(kc.device, kc.dtype).log()
+    logw = layout.on(kc.device).block_count[:nv].to(kc.dtype).log()  # the device copy is cached: no upload
     approx = torch.zeros(B, H, nb, nv, dtype=torch.bool, device=q.device)
     approx[:, :, :nv] = ~exact
     if triton_path(q, impl):
