@@ -83,8 +83,8 @@ selection)
   step 100 python3 bench/selection_cost.py --out "$OUT/selcost"
   step 350 python3 bench/fidelity.py --grids wan480 --heads 12 --budget-s 290 --out "$OUT/fid12" ;;
 sparsedef)
-  step 60 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_gpu_kernels.py -k "svg2 or synchronise"
-  step 70 python3 bench/svg2_stages.py --heads 12 --out "$OUT/svg2_stages"
+  step 75 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_gpu_kernels.py -k "svg2 or synchronise"
+  step 65 python3 bench/svg2_stages.py --heads 12 --out "$OUT/svg2_stages"
   step 150 python3 bench/fidelity.py --grids wan480 --heads 12 --gen-device cpu --budget-s 110 --out "$OUT/fid" \
       --cases "sparse_video_gen_2_attn (defaults),sparse_video_gen_2_attn warm_iters=2,sparse_video_gen_2_attn top_p=0.95,sparse_video_gen_2_attn recluster_every=4,sol_attn (defaults),sol_attn tau=0.75,sol_attn tau=0.5,sparge_attn (defaults),sparge_attn topk=0.4,sparge_attn exact topk=0.5,sparge_attn exact topk=0.45,sparge_attn exact topk=0.4,sparge_attn exact topk=0.35,sparge_attn exact topk=0.3" ;;
 selection40)
