@@ -49,6 +49,10 @@ CASES = [
     ("sparge_attn topk=0.3", "sparge_attn", {"topk": 0.3}),
     ("sparge_attn topk=0.15", "sparge_attn", {"topk": 0.15}),
     ("sparge_attn exact topk=0.3", "sparge_attn", {"topk": 0.3, "quantize": False}),
+    ("sparge_attn exact topk=0.35", "sparge_attn", {"topk": 0.35, "quantize": False}),
+    ("sparge_attn exact topk=0.4", "sparge_attn", {"topk": 0.4, "quantize": False}),
+    ("sparge_attn exact topk=0.45", "sparge_attn", {"topk": 0.45, "quantize": False}),
+    ("sparge_attn exact topk=0.5", "sparge_attn", {"quantize": False}),
     ("sparge_attn topk=0.4 predictor=pooled_query_var", "sparge_attn", {"topk": 0.4, "predictor": "pooled_query_var"}),
     ("sparge_attn upstream predictor=pooled", "sparge_attn", {"predictor": "pooled"}),
     ("sparge_attn block_size=128", "sparge_attn", {"block_size": 128}),
@@ -59,12 +63,16 @@ CASES = [
     ("sparse_video_gen_2_attn recluster_every=4", "sparse_video_gen_2_attn", {"recluster_every": 4}),
     ("sparse_video_gen_2_attn top_p=0.95 recluster_every=4", "sparse_video_gen_2_attn",
      {"top_p": 0.95, "recluster_every": 4}),
+    ("sparse_video_gen_2_attn warm_iters=2", "sparse_video_gen_2_attn", {"warm_iters": 2}),
     ("sparse_video_gen_2_attn 32/64 clusters", "sparse_video_gen_2_attn", {"num_q_clusters": 32, "num_k_clusters": 64}),
     ("sparse_video_gen_2_attn upstream predictor=centroids", "sparse_video_gen_2_attn", {"predictor": "centroids"}),
     ("sol_attn (defaults)", "sol_attn", {}),
     ("sol_attn tau=0.5", "sol_attn", {"tau": 0.5}),
     ("sol_attn tau=0.25", "sol_attn", {"tau": 0.25}),
     ("sol_attn tau=2", "sol_attn", {"tau": 2.0}),
+    ("sol_attn tau=0.75", "sol_attn", {"tau": 0.75}),
+    ("sol_attn tau=1.25", "sol_attn", {"tau": 1.25}),
+    ("sol_attn thresh_type=exact", "sol_attn", {"thresh_type": "exact"}),
     ("sol_attn upstream predictor=pooled centroid_variance=false", "sol_attn",
      {"predictor": "pooled", "centroid_variance": False}),
     ("vmoba_attn (defaults)", "vmoba_attn", {}),
@@ -170,10 +178,11 @@ def measure_input(rec, dl, args, name, q, k, v, grid, tmp):
     print(f"[{name}] grid {grid} S={S} heads={H}: dense {dense_backend} {dense_ms or float('nan'):.2f} ms, "
           f"err {rel:.2e}", flush=True)
     only = set(args.backends.split(",")) if args.backends else None
+    labels = {c[0] for c in CASES}
     for label, backend, cfg in CASES:
         if only is not None and backend not in only:
             continue
-        if args.cases and not any(c in label for c in args.cases.split(",")):
+        if args.cases and not any(c == label or (c not in labels and c in label) for c in args.cases.split(",")):
             continue
         if dl.left() < 0:
             rec.note(f"budget exhausted before {label} at {name}")
@@ -241,9 +250,15 @@ def main():
     ap.add_argument("--no-structured", action="store_true", help="only the --activations inputs")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new cases after this many seconds")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gen-device", default=None, choices=("cpu", "cuda"),
+                    help="device whose random generator draws the structured inputs' noise (default: the benchmark "
+                         "device); 'cpu' on the GPU measures the very inputs of a CPU --error-only run (the two "
+                         "generators draw different samples, whose errors differ by up to ~20 %%)")
     ap.add_argument("--error-only", action="store_true",
                     help="measure errors and kept fractions only (one call per case, no timing): CPU runs at full grids")
-    ap.add_argument("--cases", default=None, help="comma list of substrings: only cases whose label contains one")
+    ap.add_argument("--cases", default=None,
+                    help="comma list: only these cases (an entry equal to a case label selects that case alone, "
+                         "any other entry every case whose label contains it)")
     ap.add_argument("--out", default="fidelity_out", help="output directory")
     args = ap.parse_args()
     global ERROR_ONLY
@@ -259,7 +274,8 @@ def main():
         grids = [tuple(int(x) for x in args.grid.split(","))] if args.grid else [GRIDS[g] for g in args.grids.split(",")]
         for grid in grids:
             for heads in (int(h) for h in args.heads.split(",")):
-                inputs.append(("structured", grid, heads, None))
+                name = "structured" if args.gen_device in (None, DEVICE) else f"structured ({args.gen_device} noise)"
+                inputs.append((name, grid, heads, None))
     if args.activations:
         from ditattn.evaluation.capture import load_qkv
 
@@ -267,7 +283,9 @@ def main():
             inputs.append((f"activations:{entry['name']}", tuple(entry["video_shape"]), q.shape[2], (q, k, v)))
     for name, grid, heads, qkv in inputs:
         if qkv is None:
-            q, k, v, _ = structured_qkv(StructuredSpec(video_shape=grid, heads=heads, seed=args.seed), device=DEVICE)
+            q, k, v, _ = structured_qkv(StructuredSpec(video_shape=grid, heads=heads, seed=args.seed),
+                                        device=args.gen_device or DEVICE)
+            q, k, v = (t.to(DEVICE) for t in (q, k, v))
         else:
             q, k, v = (t.to(DEVICE, torch.bfloat16) for t in qkv)
         measure_input(rec, dl, args, name, q, k, v, grid, tmp)

@@ -20,6 +20,9 @@
 #   bash bench/h200_session18.sh selection40 # issue 19: the same frontier with 40 heads (~9.5 min)
 #   bash bench/h200_session18.sh vsasel     # issue 18 item 3: VSA selection in Triton (pooling + top-k lists) —
 #                                           # GPU tests, then vsa_stages before/after, packed tiles (~3.3 min)
+#   bash bench/h200_session18.sh sparsedef  # issue 19 (a)+(b): GPU tests of the sync-free SVG2 / Sol paths, SVG2's warm
+#                                           # step by stage, then the defaults and the candidate settings against FA4 dense
+#                                           # on the inputs of the CPU --error-only runs (--gen-device cpu) (~4.5 min)
 #   bash bench/h200_session18.sh eco        # issues 21 + 24: diffusers WanPipeline with ditattn inside, the I2V DiT
 #                                           # step, 14B 720p with offload + VAE tiling (~9.5 min)
 #   bash bench/h200_session18.sh quant      # issue 25: 8-bit DiT linears, 1.3B step (carry .gpu-c too: stage_extra.sh)
@@ -79,6 +82,11 @@ selection)
   step 120 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_gpu_kernels.py -k "pooled_query or sol"
   step 100 python3 bench/selection_cost.py --out "$OUT/selcost"
   step 350 python3 bench/fidelity.py --grids wan480 --heads 12 --budget-s 290 --out "$OUT/fid12" ;;
+sparsedef)
+  step 75 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_gpu_kernels.py -k "svg2 or synchronise"
+  step 65 python3 bench/svg2_stages.py --heads 12 --out "$OUT/svg2_stages"
+  step 150 python3 bench/fidelity.py --grids wan480 --heads 12 --gen-device cpu --budget-s 110 --out "$OUT/fid" \
+      --cases "sparse_video_gen_2_attn (defaults),sparse_video_gen_2_attn warm_iters=2,sparse_video_gen_2_attn top_p=0.95,sparse_video_gen_2_attn recluster_every=4,sol_attn (defaults),sol_attn tau=0.75,sol_attn tau=0.5,sparge_attn (defaults),sparge_attn topk=0.4,sparge_attn exact topk=0.5,sparge_attn exact topk=0.45,sparge_attn exact topk=0.4,sparge_attn exact topk=0.35,sparge_attn exact topk=0.3" ;;
 selection40)
   step 580 python3 bench/fidelity.py --grids wan480 --heads 40 --budget-s 500 --out "$OUT/fid40" ;;
 vsasel)
@@ -100,5 +108,5 @@ quant14b)  # carry [".gpu-b", ".gpu-c"]
   source .gpu-c/activate.sh
   step 560 python3 bench/dit_quant.py --arch 14b --res 480p --frames 81 --backends fa,sage_attn --variants eager \
       --repeats 3 --budget-s 480 --out-dir "$OUT" ;;
-*) echo "usage: bash bench/h200_session18.sh fp8fix|kernels|bsfix|shapes|shapes-vae|shapes-dit|sparse|eco|quant|quant14b" >&2; exit 2 ;;
+*) echo "usage: bash bench/h200_session18.sh fp8fix|kernels|bsfix|shapes|shapes-vae|shapes-dit|sparse|selection|selection40|vsasel|sparsedef|eco|quant|quant14b" >&2; exit 2 ;;
 esac

@@ -20,6 +20,9 @@ error per head and overall.  Predictors (``local+`` / ``sol+`` prefixes force ea
 * ``adS``: XAttention-style antidiagonal scores with stride S; ``pkr``: every query row against
   pooled keys, row-normalised.
 
+``--svg2 JSON`` instead plans ``sparse_video_gen_2_attn`` for each config of a JSON list over ``--steps``
+steps (cold, then warm k-means; the kernel skipped) and prints each plan's kept fraction and mask error.
+
 This is how the defaults of docs/attention.md "Block predictors" were chosen (docs/benchmarks.md §11).
 """
 from __future__ import annotations
@@ -236,6 +239,50 @@ def select(scores, kk, forced=None, alloc="topk", tau=None):
     return m
 
 
+def svg2_rows(q, k, v, grid, rows, exact, cfg: dict, steps: int) -> list[dict]:
+    """``sparse_video_gen_2_attn``'s plans over ``steps`` steps (cold, then warm k-means), the kernel
+    skipped: per step the kept fraction and the error of exact attention under the plan's token mask on
+    the sampled ``rows`` (overall and per head)."""
+    import json
+
+    from ditattn.attention.sparse import svg2
+    from ditattn.attention.sparse.block_sparse import lists_to_block_mask
+
+    B, S, H, _ = q.shape
+    out_rows = []
+    kernel = svg2.block_sparse_attention
+    svg2.block_sparse_attention = lambda qp, *a, **kw: (torch.zeros_like(qp), None)  # plans only
+    try:
+        key = f"selection_explore:{json.dumps(cfg, sort_keys=True)}"
+        svg2.reset_svg2_state(key)
+        for step in range(steps):
+            t0 = time.perf_counter()
+            _, _, plan = svg2.svg2_attention(q, k, v, video_shape=grid, state_key=key, step=step, **cfg)
+            secs = time.perf_counter() - t0
+            bs, nb = plan.extra["block_size"], plan.kv_counts.shape[-1]
+            bm = lists_to_block_mask(plan.kv_indices, plan.kv_counts, nb)[0]  # [H, nb, nb] (batch 1)
+            blocks = []
+            for perm in (plan.extra["q_perm"][0], plan.extra["k_perm"][0]):  # token -> block of its position
+                inv = torch.empty_like(perm).scatter_(1, perm, torch.arange(S).expand(H, S))
+                blocks.append(inv // bs)
+            qb, kb = blocks[0][:, rows], blocks[1]
+
+            def mask_fn(_rows, hs, bm=bm, qb=qb, kb=kb):
+                m = bm[hs].gather(1, qb[hs].unsqueeze(-1).expand(-1, -1, nb))
+                return m.gather(2, kb[hs].unsqueeze(1).expand(-1, m.shape[1], -1)).unsqueeze(0)
+
+            out, _ = reference_rows(q, k, v, rows, mask_fn=mask_fn)
+            err = out.double() - exact.double()
+            out_rows.append({"step": step, "mode": plan.extra["mode"], "kept": plan.kept_fraction,
+                             "err": float(err.norm() / exact.double().norm()), "plan_s": secs,
+                             "per_head": [float(err[:, :, h].norm() / exact[:, :, h].double().norm())
+                                          for h in range(H)]})
+        svg2.reset_svg2_state(key)
+    finally:
+        svg2.block_sparse_attention = kernel
+    return out_rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--grid", default="12,16,28")
@@ -249,6 +296,10 @@ def main():
     ap.add_argument("--edge", default="packed")
     ap.add_argument("--sol", action="store_true", help="evaluate Sol-style: unselected blocks as centroid keys")
     ap.add_argument("--sol-variance", action="store_true", help="with --sol: the centroid key-variance term")
+    ap.add_argument("--svg2", default=None, metavar="JSON",
+                    help="instead of predictors: sparse_video_gen_2_attn plans for a JSON list of configs, e.g. "
+                         "'[{}, {\"top_p\": 0.95}]' (kernel skipped; error of each plan's mask per step)")
+    ap.add_argument("--steps", type=int, default=3, help="--svg2: steps per config (cold, then warm)")
     args = ap.parse_args()
     global SOL_VARIANCE
     SOL_VARIANCE = args.sol_variance
@@ -266,6 +317,15 @@ def main():
     near = neighbours(layout)
     print(f"grid {grid} S={S} tiles {nv} heads {info['head_types']} local window {near.float().mean():.3f}")
     types = info["head_types"]
+    if args.svg2:
+        import json
+
+        for cfg in json.loads(args.svg2):
+            for r in svg2_rows(q, k, v, grid, rows, exact, cfg, args.steps):
+                print(f"svg2 {json.dumps(cfg)} step {r['step']} {r['mode']}: kept {r['kept']:.3f} err {r['err']:.4f} "
+                      f"({r['plan_s']:.1f} s) per head " + " ".join(f"{t[:4]}{h}={e:.3f}" for h, (t, e) in
+                                                                  enumerate(zip(types, r["per_head"]))), flush=True)
+        return
     cache = {}
 
     def scores_of(name):

@@ -42,3 +42,29 @@ def test_fidelity_smoke_on_cpu(tmp_path, run_bench):
     assert 0 < svg["kept_fraction"] <= 1
     assert (out / "fidelity.png").stat().st_size > 1000
     assert not data["notes"], data["notes"]
+
+
+def test_case_lists_in_the_gpu_scripts_name_existing_cases():
+    """Every --cases entry of the H200 scripts selects at least one case of bench/fidelity.py (an exact
+    label selects that case alone)."""
+    import importlib.util
+    import os
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("fidelity_cases", os.path.join(root, "bench", "fidelity.py"))
+    fidelity = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fidelity)
+
+    labels = [c[0] for c in fidelity.CASES]
+    assert len(set(labels)) == len(labels)
+    found = 0
+    for name in os.listdir(os.path.join(root, "bench")):
+        if not name.endswith(".sh"):
+            continue
+        text = open(os.path.join(root, "bench", name)).read()
+        for m in re.finditer(r'fidelity\.py[^\n]*(?:\\\n[^\n]*)*?--cases "([^"]+)"', text):
+            for entry in m.group(1).split(","):
+                found += 1
+                assert entry in labels or any(entry in lab for lab in labels), (name, entry)
+    assert found >= 10

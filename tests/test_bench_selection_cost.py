@@ -22,3 +22,16 @@ def test_selection_explore_smoke_on_cpu(run_bench):
     err = {ln.split()[0]: float(ln.split()[-1]) for ln in stdout.splitlines()
            if ln.split() and ln.split()[0] in ("pooled", "oracle", "hp")}
     assert set(err) == {"pooled", "oracle", "hp"} and err["oracle"] <= err["pooled"], stdout
+
+
+def test_selection_explore_svg2_plans(run_bench):
+    """--svg2: SVG2's plans over cold and warm steps; keeping every cluster pair (top_p 1) is exact."""
+    stdout = run_bench("selection_explore.py", "--grid", "4,8,12", "--rows", "64", "--heads", "3", "--steps", "2",
+                       "--svg2", '[{"num_q_clusters": 4, "num_k_clusters": 8}, '
+                                 '{"num_q_clusters": 4, "num_k_clusters": 8, "top_p": 1.0}]')
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("svg2 ")]
+    assert [ln.split(" step ")[1].split(":")[0] for ln in lines] == ["0 cold", "1 warm"] * 2
+    err = [float(ln.split(" err ")[1].split()[0]) for ln in lines]
+    kept = [float(ln.split(" kept ")[1].split()[0]) for ln in lines]
+    assert 0 < err[0] < 1 and 0 < kept[0] < 1
+    assert err[2:] == [0.0, 0.0] and kept[2:] == [1.0, 1.0]

@@ -141,7 +141,12 @@ def test_block_sparse_fa4_probe_cache(monkeypatch):
     assert bst._probe(valid, counts, 256) == (250, True) and len(calls) == 2
     valid[1, 3] = False  # no longer one shared prefix
     assert bst._probe(valid, counts, 256) == (None, True) and len(calls) == 3
-    assert bst._probe(None, counts, 256) == (256, True)
+    assert bst._probe(None, counts, 256) == (256, True) and len(calls) == 4
+    # lists vouched non-empty (kv_counts None): new lists every call cost nothing once kv_valid is known
+    valid2 = torch.arange(256)[None, :].expand(2, 256) < 200
+    assert bst._probe(valid2, None, 256) == (200, False) and len(calls) == 5
+    assert bst._probe(valid2, None, 256) == (200, False) and len(calls) == 5
+    assert bst._probe(None, None, 256) == (256, False) and len(calls) == 5
 
 
 def test_block_sparse_identity_cache_drops_dead_entries():

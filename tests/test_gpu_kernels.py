@@ -414,3 +414,56 @@ def test_pooled_query_selection_on_cuda():
     ref, _, rplan = sol_attention(q, k, v, video_shape=grid, impl="reference")
     assert float((plan.extra["exact"] == rplan.extra["exact"]).float().mean()) > 0.97
     assert abs(plan.kept_fraction - rplan.kept_fraction) < 1e-9  # tau's rule sets the counts
+
+
+@pytest.mark.parametrize("block", [128, 32])
+def test_svg2_on_cuda_matches_its_token_mask(block):
+    """sparse_video_gen_2_attn on CUDA (128-token blocks: FA4's block-sparse path when installed, told
+    that no query block is empty; 32: the Triton kernel) with fixed-width lists: the output is exact
+    attention under the plan's own token mask, cold and warm."""
+    from ditattn.attention.sparse.svg2 import reset_svg2_state, svg2_attention, svg2_token_mask
+
+    grid = (8, 16, 32) if block == 128 else (4, 8, 16)
+    clusters = (16, 32) if block == 128 else (8, 16)
+    S = math.prod(grid) + 7
+    q, k, v = qkv(1, S, S, 4, 4, 128, seed=51)
+    reset_svg2_state("cuda-test")
+    for step in (0, 1):
+        out, lse, plan = svg2_attention(q, k, v, video_shape=grid, text_len=7, num_q_clusters=clusters[0],
+                                        num_k_clusters=clusters[1], top_p=0.7, state_key="cuda-test", step=step,
+                                        return_lse=True)
+        assert plan.extra["block_size"] == block and plan.kv_indices.shape[-1] == plan.kv_counts.shape[-1]
+        assert (plan.kv_counts > 0).all() and 0 < plan.kept_fraction < 1
+        ref, rl = reference_attention(q, k, v, mask=svg2_token_mask(plan))
+        assert rel(out, ref) <= 2 * sdpa_err(q, k, v) + 1e-4
+        assert (lse - rl).abs().max() < 1e-2
+    reset_svg2_state("cuda-test")
+
+
+def test_sparse_paths_do_not_synchronise():
+    """The warm SVG2 step, Sol and Sparge (their backends, stats recorded) launch without one CUDA
+    synchronisation once compiled: torch's sync debug mode "error" raises on any."""
+    from ditattn.attention.sparse import last_stats
+    from ditattn.attention.sparse.svg2 import reset_svg2_state
+
+    grid = (8, 16, 32)
+    S = math.prod(grid)
+    q, k, v = qkv(1, S, S, 4, 4, 128, seed=61)
+    cases = [(B.SPARSE_VIDEO_GEN_2_ATTN, {"num_q_clusters": 16, "num_k_clusters": 32}, (0, 1, 2, 3)),
+             (B.SOL_ATTN, {}, (12, 13)), (B.SPARGE_ATTN, {}, (0, 1))]
+    reset_svg2_state()
+    for backend, cfg, steps in cases:
+        impl = get_impl(backend)
+        call = lambda step: impl(q, k, v, AttnCall(video_shape=grid, step=step, layer_idx=3), cfg)  # noqa: E731
+        for step in steps[:2]:  # compilation, the layout constants, the probe of kv_valid, a warm step
+            call(step)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for step in steps[2:] or steps[1:]:
+                out = call(step)[0]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.isfinite(out.float()).all()
+        assert 0 < last_stats[f"{backend.value}/layer3"]["kept_fraction"] < 1
+    reset_svg2_state()

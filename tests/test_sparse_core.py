@@ -266,6 +266,28 @@ def test_list_helpers_round_trip():
     assert torch.equal(lists_to_block_mask(fi, fc, 4), torch.ones(1, 2, 3, 4, dtype=torch.bool))
 
 
+def test_fixed_width_lists_same_plan_and_output():
+    """block_mask_to_lists(width=...) pads the same lists with zeros (no sync: the width is given) and
+    every kernel gives the same result; list_width is fixed off the CPU only; a bad width is refused."""
+    from ditattn.attention.sparse.block_sparse import list_width
+
+    q, k, v, idx, cnt, bs, valid = _case(11)
+    bm = lists_to_block_mask(idx, cnt, q.shape[1] // bs)
+    nk = bm.shape[-1]
+    wide, wcnt = block_mask_to_lists(bm, width=nk)
+    assert wide.shape[-1] == nk > idx.shape[-1] and torch.equal(wcnt, cnt)
+    assert torch.equal(wide[..., :idx.shape[-1]], idx) and not wide[..., idx.shape[-1]:].any()
+    tight = block_sparse_attention(q, k, v, idx, cnt, block_size=bs, kv_valid=valid, return_lse=True)
+    padded = block_sparse_attention(q, k, v, wide, wcnt, block_size=bs, kv_valid=valid, return_lse=True)
+    assert torch.equal(tight[0], padded[0]) and torch.equal(tight[1], padded[1])
+    assert list_width(torch.device("cpu"), nk) is None and list_width(torch.device("meta"), nk) == nk
+    with torch.device("meta"):  # shapes only: any read of a value would fail here
+        assert block_mask_to_lists(bm.to("meta"), width=3)[0].shape == (*bm.shape[:3], 3)
+    for bad in (0, nk + 1):
+        with pytest.raises(ValueError, match="width must be in"):
+            block_mask_to_lists(bm, width=bad)
+
+
 # ------------------------------------------------------------------------------------------------
 # kernel
 

@@ -194,3 +194,71 @@ def test_sparge_and_sla_paths_have_no_host_reads(monkeypatch, name):
         got = fn(q, k, v, **kw)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert got[2].kept_fraction == want[2].kept_fraction
+
+
+@pytest.mark.parametrize("name", ["svg2", "sol"])
+def test_svg2_and_sol_paths_have_no_host_reads(monkeypatch, name):
+    """SVG2 (cold then warm k-means steps, the cluster plan, the per-head gathers) and Sol run their
+    whole backend call without reading a value back from the device: on the meta device (where any
+    such read fails) with every tensor -> host conversion and every host -> device copy (a stream
+    wait on CUDA) forbidden besides.  Their kept fraction
+    is recorded as a device scalar that the statistics entry reads on first access."""
+    from ditattn.attention.sparse import LayerStats, clear_stats
+    from ditattn.attention.sparse.svg2 import reset_svg2_state
+
+    shape, text = (5, 8, 12), 7
+    S = 5 * 8 * 12 + text
+    q, k, v = (torch.randn(1, S, 2, 128, device="meta", dtype=torch.bfloat16) for _ in range(3))
+    backend = B.SPARSE_VIDEO_GEN_2_ATTN if name == "svg2" else B.SOL_ATTN
+    impl = get_impl(backend)
+    cfg = {"num_q_clusters": 6, "num_k_clusters": 9} if name == "svg2" else {}
+    steps = (0, 1, 2) if name == "svg2" else (12,)
+    reset_svg2_state()
+    if name == "sol":  # builds the cached tile layout's device constants first (once per layout)
+        impl(q, k, v, AttnCall(video_shape=shape, text_len=text, step=12, layer_idx=2), cfg)
+    clear_stats()
+    real_to = torch.Tensor.to
+
+    def to_without_upload(self, *a, **kw):  # a host -> device copy waits for the stream on CUDA too
+        out = real_to(self, *a, **kw)
+        if self.device.type == "cpu" and out.device.type != "cpu":
+            raise AssertionError("host-to-device copy on the call path")
+        return out
+
+    with monkeypatch.context() as m:
+        _forbid_host_reads(m)
+        m.setattr(torch.Tensor, "to", to_without_upload)
+        for step in steps:
+            out, lse = impl(q, k, v, AttnCall(video_shape=shape, text_len=text, step=step, layer_idx=2,
+                                              return_lse=True), cfg)
+            assert out.shape == q.shape and lse.shape == (1, 2, S)
+    entry = last_stats[f"{backend.value}/layer2"]
+    assert isinstance(entry, LayerStats) and not entry["dense"]
+    assert isinstance(dict.__getitem__(entry, "kept_fraction"), torch.Tensor)  # not read yet
+    if name == "svg2":
+        assert entry["mode"] == "warm"
+    reset_svg2_state()
+
+
+def test_lazy_kept_fraction_reads_as_float():
+    """On the CPU the same backends record the kept fraction of their plan; reading the entry (in
+    any way) gives the float."""
+    import json
+
+    from ditattn.attention.sparse import clear_stats
+    from ditattn.attention.sparse.svg2 import reset_svg2_state, svg2_attention
+
+    shape, text = (4, 8, 8), 5
+    S = 4 * 8 * 8 + text
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, S, 2, 32, generator=g) for _ in range(3))
+    reset_svg2_state()
+    clear_stats()
+    kw = dict(num_q_clusters=8, num_k_clusters=16, top_p=0.5)
+    get_impl(B.SPARSE_VIDEO_GEN_2_ATTN)(q, k, v, AttnCall(video_shape=shape, text_len=text, step=None, layer_idx=1), kw)
+    want = svg2_attention(q, k, v, video_shape=shape, text_len=text, **kw)[2].kept_fraction
+    entry = last_stats["sparse_video_gen_2_attn/layer1"]
+    assert isinstance(dict.__getitem__(entry, "kept_fraction"), torch.Tensor)
+    assert dict(entry)["kept_fraction"] == want and isinstance(dict(entry)["kept_fraction"], float)
+    assert json.loads(json.dumps(entry))["kept_fraction"] == pytest.approx(want)
+    assert entry.get("kept_fraction") == want and 0 < want < 1 and entry == dict(entry)

@@ -101,7 +101,7 @@ def _dense(name: str, q, k, v, call: AttnCall, reason: str, backend: Optional[st
 
 
 def _sparse_done(name: str, call: AttnCall, plan, **extra):
-    record_stats(_key(name, call), backend=name, kept_fraction=plan.kept_fraction, dense=False, reason="",
+    record_stats(_key(name, call), backend=name, kept_fraction=plan.kept_fraction_pending, dense=False, reason="",
                  step=call.step, layer_idx=call.layer_idx, **extra)
 
 
@@ -276,5 +276,5 @@ def sol_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
                                    centroid_variance=cfg["centroid_variance"], scale=call.scale,
                                    return_lse=call.return_lse, impl=cfg["block_sparse_impl"],
                                    edge_tiles=cfg["edge_tiles"])
-    _sparse_done(name, call, plan, approximate_fraction=1.0 - plan.kept_fraction)
+    _sparse_done(name, call, plan, approximate_fraction=1.0 - plan.kept_fraction_pending)
     return out, lse

@@ -169,7 +169,10 @@ def _fa4_block_sparse():
 
 
 def _probe_uncached(kv_valid, kv_counts, skv):
-    empty = (kv_counts == 0).any()
+    if kv_counts is None:  # the caller vouches that no query block is empty
+        empty = torch.zeros((), dtype=torch.bool, device=kv_valid.device)
+    else:
+        empty = (kv_counts == 0).any()
     if kv_valid is None:
         return skv, bool(empty)
     n = kv_valid[0].sum()
@@ -205,13 +208,18 @@ def _identity_cached(cache: dict, tensors: tuple, extra: tuple, compute):
     return result
 
 
-def _probe(kv_valid: Optional[torch.Tensor], kv_counts: torch.Tensor, skv: int) -> tuple[Optional[int], bool]:
-    """``(valid prefix length or None, any empty query block)``.
+def _probe(kv_valid: Optional[torch.Tensor], kv_counts: Optional[torch.Tensor], skv: int) -> tuple[Optional[int], bool]:
+    """``(valid prefix length or None, any empty query block)``; ``kv_counts`` None: the caller
+    guarantees that every query block lists a key block (then only ``kv_valid`` is probed).
 
     Costs one device sync the first time a given ``(kv_valid, kv_counts)`` pair of tensor objects is
     seen; later calls with the same, unmodified objects (the usual case: a layer reuses its plan)
-    hit a cache keyed by object identity and in-place version, so they do not sync.
+    hit a cache keyed by object identity and in-place version, so they do not sync.  With
+    ``kv_counts`` None, new lists on every call (a planner that re-plans each step) cost no sync
+    once their ``kv_valid`` object has been seen.
     """
+    if kv_valid is None and kv_counts is None:
+        return skv, False
     return _identity_cached(_PROBE_CACHE, (kv_valid, kv_counts), (skv,),
                             lambda: _probe_uncached(kv_valid, kv_counts, skv))
 
@@ -264,7 +272,7 @@ def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                                   kv_indices: torch.Tensor, kv_counts: torch.Tensor, *,
                                   block_size: int = 64, scale: Optional[float] = None,
                                   kv_valid: Optional[torch.Tensor] = None, return_lse: bool = False,
-                                  config: Optional[dict] = None, impl: str = "auto"):
+                                  config: Optional[dict] = None, impl: str = "auto", nonempty_rows: bool = False):
     """Exact attention of each query block over its listed key blocks, fused in one kernel.
 
     q ``[B, S_q, H, D]``, k/v ``[B, S_kv, H_kv, D]`` (fp16/bf16; ``H % H_kv == 0``; ``S_q`` and
@@ -278,7 +286,8 @@ def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
     ``impl``: ``"triton"`` runs the kernel of this module; ``"sm90"`` the warp-specialised Gluon kernel
     of :mod:`.block_sparse_sm90` (SM90, block size 64, head dim 64/128; not yet chosen by ``auto``: no
-    H200 measurement yet); ``"fa4"`` runs FlashAttention-4's
+    H200 measurement yet); ``nonempty_rows``: the caller guarantees ``kv_counts >= 1`` for every query
+    block (the FA4 path then skips its emptiness check, a device sync for lists it has not seen); ``"fa4"`` runs FlashAttention-4's
     block-sparse forward with the same lists (SM90/SM100, block size 64 or 128, head dim <= 128,
     ``kv_valid`` None or one valid prefix shared by the batch); ``"auto"`` (default) takes FA4 for
     block size 128 when installed and the call fits (measured 1.11-1.35x faster than the Triton
@@ -329,7 +338,8 @@ def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     if impl == "fa4" or (impl == "auto" and q.is_cuda and block_size in FA4_AUTO_BLOCK_SIZES):
         why = fa4_fits(q, block_size, None)
         if why is None:
-            n, any_empty = _probe(kv_valid, kv_counts, Skv)  # the path's only device sync
+            # the path's only device sync (none for lists vouched non-empty once kv_valid has been seen)
+            n, any_empty = _probe(kv_valid, None if nonempty_rows else kv_counts, Skv)
             why = fa4_fits(q, block_size, kv_valid, valid_len=n)
         if why is None:
             return _fa4_call(q, k, v, kv_indices, kv_counts, block_size, scale, n, any_empty, return_lse)

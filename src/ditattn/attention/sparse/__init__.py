@@ -10,12 +10,16 @@ attention over those blocks":
   or the Triton kernel on CUDA).
 
 ``last_stats`` holds, per layer key, what the last sparse call of that layer did (kept fraction
-of blocks, whether it ran dense and why) for benchmarks and the plan.
+of blocks, whether it ran dense and why) for benchmarks and the plan.  A planner whose kept
+fraction is only known on the device records it as a 0-dim tensor; the entry turns it into a
+float when it is first read (:class:`LayerStats`), so recording costs no device sync.
 """
 from __future__ import annotations
 
 import threading
 from typing import Any, Optional
+
+import torch
 
 from ditattn.attention.sparse.block_sparse import (  # noqa: F401
     block_lists_to_dense_mask,
@@ -28,9 +32,47 @@ from ditattn.attention.sparse.block_sparse import (  # noqa: F401
 )
 from ditattn.attention.sparse.tiling import TileLayout, make_tile_layout, tile, untile  # noqa: F401
 
+class LayerStats(dict):
+    """One ``last_stats`` entry: a dict whose 0-dim tensor values (a kept fraction still on the
+    device) read as Python floats.  Every read path (``[]``, ``get``, ``items``, ``values``,
+    ``dict(entry)``, ``{**entry}``, ``json.dumps``) sees floats; the first read syncs the device
+    once and stores the float."""
+
+    def __getitem__(self, key):
+        val = dict.__getitem__(self, key)
+        if isinstance(val, torch.Tensor):
+            val = float(val)
+            dict.__setitem__(self, key, val)
+        return val
+
+    def __iter__(self):  # defined here so that dict(entry) / {**entry} read through __getitem__
+        return dict.__iter__(self)
+
+    def get(self, key, default=None):
+        return self[key] if key in self else default
+
+    def items(self):
+        return [(k, self[k]) for k in dict.keys(self)]
+
+    def values(self):
+        return [self[k] for k in dict.keys(self)]
+
+    def copy(self) -> dict:
+        return dict(self.items())
+
+    def __eq__(self, other):
+        return dict(self.items()) == (dict(other.items()) if isinstance(other, dict) else other)
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return repr(dict(self.items()))
+
+
 #: ``{layer_key: {"backend", "kept_fraction", "dense", "reason", "step", "layer_idx", ...}}`` for
-#: the most recent call of each layer (process-wide; statistics only, never read back by kernels).
-last_stats: dict[str, dict[str, Any]] = {}
+#: the most recent call of each layer (process-wide; statistics only, never read back by kernels;
+#: entries are :class:`LayerStats`).
+last_stats: dict[str, LayerStats] = {}
 _stats_lock = threading.Lock()
 
 
@@ -42,9 +84,10 @@ def stats_key(backend: str, layer_key: Optional[str], layer_idx: Optional[int]) 
 
 
 def record_stats(key: str, **info: Any) -> None:
-    """Store ``info`` as the latest statistics of ``key`` (replacing the previous entry)."""
+    """Store ``info`` as the latest statistics of ``key`` (replacing the previous entry); 0-dim
+    tensor values are read (as floats) only when the entry is."""
     with _stats_lock:
-        last_stats[key] = dict(info)
+        last_stats[key] = LayerStats(info)
 
 
 def clear_stats() -> None:

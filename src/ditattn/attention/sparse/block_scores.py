@@ -46,7 +46,7 @@ def pooled_query_features(q_tiled: Tensor, layout: TileLayout, n_blocks: int, *,
     if not variance:
         return mean, None
     dt = mean.dtype
-    cnt = layout.block_count[:n_blocks].to(q_tiled.device, dt).clamp(min=1).view(1, 1, -1, 1)
+    cnt = layout.on(q_tiled.device).count_as(dt)[:, :n_blocks].view(1, 1, -1, 1)  # cached on the device, >= 1
     sq = torch.cat([x.to(dt).pow(2).sum(2).transpose(1, 2) for x in _head_chunks(q_tiled, layout, n_blocks)], 1)
     return mean, (sq / cnt - mean.pow(2)).clamp(min=0)  # padding is zero: sums over real tokens
 
@@ -120,7 +120,7 @@ def block_self_similarity(x_tiled: Tensor, layout: TileLayout, n_blocks: int) ->
     """SpargeAttention's self-similarity of each block: the mean pairwise cosine similarity of its
     real tokens (self-pairs included), i.e. ``|mean_i x_i / |x_i| |^2``, in ``[0, 1]``.
     ``x_tiled [B, padded_len, H, D]`` -> float32 ``[B, H, n_blocks]``."""
-    cnt = layout.block_count[:n_blocks].to(x_tiled.device, torch.float32).clamp(min=1).view(1, 1, -1, 1)
+    cnt = layout.on(x_tiled.device).count_as(torch.float32)[:, :n_blocks].view(1, 1, -1, 1)
     parts = []
     for x in _head_chunks(x_tiled, layout, n_blocks):  # [B, n, b, h, D]
         x = x.float()

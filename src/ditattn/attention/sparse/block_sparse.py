@@ -23,7 +23,7 @@ Implementations (``impl``):
   (compiled on CUDA, eager elsewhere — eager is O(S^2) memory, for tests only).
 * ``"triton"`` — ``ditattn.attention.kernels.block_sparse_triton.block_sparse_attention_triton``
   (imported lazily, CUDA tensors only), called with the same arguments as this function minus
-  ``impl``: k/v with their own (GQA) head count, lists contiguous int32 ``[B, H, ...]``,
+  ``impl`` (``nonempty_rows`` included): k/v with their own (GQA) head count, lists contiguous int32 ``[B, H, ...]``,
   ``kv_valid`` None or ``[B, S_kv]``.
 * ``"auto"`` — triton on CUDA when importable and the call fits it (fp16/bf16, the module's
   ``SUPPORTED_BLOCK_SIZES`` / ``SUPPORTED_HEAD_DIMS``, no per-head ``kv_valid``), else flex on
@@ -55,23 +55,36 @@ _REF_CHUNK_ELEMS = 1 << 24
 # list helpers
 
 
-def block_mask_to_lists(block_mask: Tensor) -> tuple[Tensor, Tensor]:
+def block_mask_to_lists(block_mask: Tensor, width: Optional[int] = None) -> tuple[Tensor, Tensor]:
     """Boolean block mask ``[B, H, n_q_blocks, n_kv_blocks]`` -> ``(kv_indices, kv_counts)``.
 
-    ``kv_indices`` is int32 ``[B, H, n_q_blocks, max(1, max count)]`` with each row's True columns
-    in ascending order followed by zeros; ``kv_counts`` is int32 ``[B, H, n_q_blocks]``.
+    ``kv_indices`` is int32 ``[B, H, n_q_blocks, W]`` with each row's True columns in ascending
+    order followed by zeros; ``kv_counts`` is int32 ``[B, H, n_q_blocks]``.  ``W`` is ``width`` when
+    given (at least 1 and at most ``n_kv_blocks``: no device sync, the lists keep their shape from
+    call to call), else ``max(1, max count)`` (one device sync to read the count).  Planners pass
+    :func:`list_width` (fixed off the CPU, where a sync stalls the device; tight on the CPU, where
+    the reference kernel's work grows with the width).
     """
     if block_mask.dtype != torch.bool or block_mask.dim() != 4:
         raise ValueError("block_mask must be a bool tensor [B, H, n_q_blocks, n_kv_blocks]")
     counts = block_mask.sum(-1)
-    width = max(1, int(counts.max())) if counts.numel() else 1
     nk = block_mask.shape[-1]
+    if width is None:
+        width = max(1, int(counts.max())) if counts.numel() else 1
+    elif not 1 <= width <= max(1, nk):
+        raise ValueError(f"width must be in [1, n_kv_blocks={nk}], got {width}")
     # True columns first (ascending), then the rest
     keyv = torch.where(block_mask, 0, nk) + torch.arange(nk, device=block_mask.device)
     order = torch.argsort(keyv, dim=-1)[..., :width]
     slot = torch.arange(width, device=block_mask.device)
     order = torch.where(slot < counts.unsqueeze(-1), order, torch.zeros_like(order))
     return order.to(torch.int32).contiguous(), counts.to(torch.int32).contiguous()
+
+
+def list_width(device: torch.device, n_kv_blocks: int) -> Optional[int]:
+    """The ``width`` a planner passes to :func:`block_mask_to_lists`: ``n_kv_blocks`` on an
+    accelerator (no sync; the kernels read only each row's counted slots), None on the CPU."""
+    return None if torch.device(device).type == "cpu" else max(1, int(n_kv_blocks))
 
 
 def lists_to_block_mask(kv_indices: Tensor, kv_counts: Tensor, n_kv_blocks: int) -> Tensor:
@@ -145,12 +158,13 @@ def _check(q, k, v, kv_indices, kv_counts, block_size, kv_valid):
 def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, kv_indices: Tensor, kv_counts: Tensor, *,
                            block_size: int = 64, scale: Optional[float] = None,
                            kv_valid: Optional[Tensor] = None, return_lse: bool = False,
-                           impl: str = "auto") -> tuple[Tensor, Optional[Tensor]]:
+                           impl: str = "auto", nonempty_rows: bool = False) -> tuple[Tensor, Optional[Tensor]]:
     """Exact softmax attention of each query block over its listed key blocks.
 
     q ``[B, S_q, H, D]``, k/v ``[B, S_kv, H_kv, D]`` (``H % H_kv == 0``), both lengths multiples of
     ``block_size``; block lists and ``kv_valid`` as in the module docstring.  ``scale`` defaults to
-    ``D ** -0.5``.  Returns ``(out [B, S_q, H, D] in q.dtype, lse [B, H, S_q] float32 natural log
+    ``D ** -0.5``.  ``nonempty_rows``: the caller guarantees that every query block lists at least
+    one key block (lets the CUDA kernels skip a check that costs a device sync).  Returns ``(out [B, S_q, H, D] in q.dtype, lse [B, H, S_q] float32 natural log
     or None)``; rows with no valid key give zeros and LSE ``-inf``.
     """
     if impl not in IMPLS:
@@ -173,7 +187,8 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, kv_indices: Tensor, 
             raise AttentionConfigError("the Triton block-sparse kernel takes kv_valid [B, S_kv] only; use impl='flex'")
         # the kernel serves grouped-query attention and broadcast (B or H = 1) lists itself
         return fn(q, k, v, kv_indices.to(torch.int32), kv_counts.to(torch.int32),
-                  block_size=block_size, scale=scale, kv_valid=kv_valid, return_lse=return_lse)
+                  block_size=block_size, scale=scale, kv_valid=kv_valid, return_lse=return_lse,
+                  nonempty_rows=nonempty_rows)
     kv_indices = kv_indices.expand(B, H, -1, -1)
     kv_counts = kv_counts.expand(B, H, -1)
     k, v = expand_kv(k, v, H)

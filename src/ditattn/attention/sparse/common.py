@@ -43,10 +43,20 @@ class SparsePlan:
         self.extra = {} if extra is None else extra
 
     @property
+    def kept_fraction_pending(self) -> Union[float, Tensor]:
+        """The kept fraction without waiting for the device: a float when it is known on the host,
+        else a 0-dim tensor (counted from ``kv_counts`` on their device when it was None).  For
+        statistics that are read later (:class:`ditattn.attention.sparse.LayerStats`)."""
+        if self._kept is None:
+            total = self.kv_counts.numel() * self.layout.n_blocks
+            self._kept = self.kv_counts.sum(dtype=torch.float64) / total if total else 0.0
+        return self._kept
+
+    @property
     def kept_fraction(self) -> float:
         if self._kept is None:
             self._kept = count_kept_fraction(self.kv_counts, self.layout.n_blocks)  # syncs
-        elif isinstance(self._kept, Tensor):
+        if isinstance(self._kept, Tensor):
             self._kept = float(self._kept)  # syncs
         return self._kept
 

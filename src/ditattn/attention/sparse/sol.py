@@ -36,12 +36,13 @@ in-tree engine splits work itself and ignores it (it is validated).
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional
 
 import torch
 
 from ditattn.attention.sparse.block_scores import pooled_query_block_scores, pooled_query_features
-from ditattn.attention.sparse.block_sparse import block_mask_to_lists, block_sparse_attention, kept_fraction
+from ditattn.attention.sparse.block_sparse import block_mask_to_lists, block_sparse_attention, list_width
 from ditattn.attention.sparse.common import SparsePlan, add_special_blocks, triton_path
 from ditattn.attention.sparse.tiling import TileLayout, make_tile_layout, pooled_blocks, tile, untile
 from ditattn.errors import AttentionConfigError
@@ -166,7 +167,7 @@ def sol_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: int
     ``plan.extra``: ``exact`` video routes ``[B, H, nv, nv]``, ``scores`` (pooled),
     ``thresholds``, ``route_scores`` (pooled-query scores, or None with ``predictor="pooled"``)."""
     B, S, H, D = q.shape
-    n_video = int(torch.tensor(video_shape).prod())
+    n_video = math.prod(int(x) for x in video_shape)
     sink = sol_sink_range(int(sink_start), int(sink_tokens), n_video + int(text_len))
     layout = make_tile_layout(video_shape, SOL_TILE_SIZE, text_len, special_ranges=[sink] if sink[1] > sink[0] else [],
                               edge_tiles=edge_tiles)
@@ -175,14 +176,14 @@ def sol_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: int
     exact, scores, thr, route = sol_route(qt, kt, layout, tau=tau, thresh_type=thresh_type, scale=scale,
                                           predictor=predictor, impl=impl)
     bm = add_special_blocks(layout, exact)
-    idx, cnt = block_mask_to_lists(bm)
+    idx, cnt = block_mask_to_lists(bm, width=list_width(q.device, layout.n_blocks))
     kvv = layout.kv_valid(B, q.device)
     o1, l1 = block_sparse_attention(qt, kt, vt, idx, cnt, block_size=layout.block_size, scale=scale,
                                     kv_valid=kvv, return_lse=True, impl=impl)
     nv, nb, bs = layout.n_video_blocks, layout.n_blocks, layout.block_size
     kc, kvar = pooled_query_features(kt, layout, nv, variance=bool(centroid_variance))
     vc = pooled_blocks(vt, layout, nv)
-    logw = layout.block_count[:nv].to(kc.device, kc.dtype).log()
+    logw = layout.on(kc.device).block_count[:nv].to(kc.dtype).log()  # the device copy is cached: no upload
     approx = torch.zeros(B, H, nb, nv, dtype=torch.bool, device=q.device)
     approx[:, :, :nv] = ~exact
     if triton_path(q, impl):
@@ -202,7 +203,7 @@ def sol_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: int
         o = o1.transpose(1, 2).to(l2.dtype) * w1 + o2 * w2  # [B,H,P,D]
         out = untile(o.transpose(1, 2), layout).to(q.dtype)
     lse_out = untile(lse.float(), layout, dim=2) if return_lse else None
-    plan = SparsePlan(layout, idx, cnt, kept_fraction(cnt, nb),
+    plan = SparsePlan(layout, idx, cnt, None,  # the kept fraction is counted when first read
                       {"exact": exact, "scores": scores, "thresholds": thr, "route_scores": route, "sink": sink,
                        "predictor": predictor, "centroid_variance": bool(centroid_variance)})
     return out, lse_out, plan

@@ -26,6 +26,15 @@ Per (batch, head):
    takes the union), when ``b`` holds a text token, or when ``a`` holds a text query.  The output is
    permuted back exactly.
 
+Cost of a warm step (``bench/svg2_stages.py`` counts it per stage): per k-means iteration one fused
+float32 product ``|c|^2 - 2 x . c`` and its argmin (``2 N C D`` FLOPs per head), then the cluster
+sums as the product of the labels' one-hot ``[C, N]`` with the points — in bf16 for bf16 inputs
+(0/1 and bf16 operands are exact, the accumulation float32, the sums rounded to bf16) —; the
+pooled-query masses as the row-relative exponentials of the ``[Cq, N]`` logits times the key
+one-hot (no scatter atomics).  Nothing is read back to the host: the block lists have a fixed
+width off the CPU (:func:`~ditattn.attention.sparse.block_sparse.list_width`), the kernel is told
+that no query block is empty, and the kept fraction is a device scalar until it is read.
+
 State (warm start, reuse): kept per ``state_key`` (the backend uses the layer's key and the calling
 thread) and restarted cold at step 0, whenever the step does not advance (a new request), and when
 the shapes change.  With ``recluster_every = n > 1`` only every n-th step after a cold start
@@ -45,6 +54,7 @@ from ditattn.attention.sparse.block_sparse import (
     block_lists_to_dense_mask,
     block_mask_to_lists,
     block_sparse_attention,
+    list_width,
 )
 from ditattn.attention.sparse.common import SparsePlan
 from ditattn.errors import AttentionConfigError
@@ -53,63 +63,88 @@ Tensor = torch.Tensor
 
 SVG2_BLOCK_SIZE = 128
 SVG2_PREDICTORS = ("pooled_query", "centroids")
-_CHUNK_ELEMS = 1 << 24
+_CHUNK_ELEMS = 1 << 26
+
+
+def _product_dtype(x: Tensor) -> torch.dtype:
+    """dtype of the products with 0/1 (one-hot) matrices: bfloat16 for bfloat16 points (exact operands,
+    float32 accumulation, the result rounded to bfloat16: 2^-9 relative), else the float32/float64
+    compute dtype (fp16 sums could overflow)."""
+    return torch.bfloat16 if x.dtype == torch.bfloat16 else (torch.float64 if x.dtype == torch.float64 else torch.float32)
 
 
 def _assign(x: Tensor, cent: Tensor) -> Tensor:
-    """Nearest centroid of every point: ``x [G, N, D]``, ``cent [G, C, D]`` -> labels ``[G, N]``."""
-    d = cent.pow(2).sum(-1).unsqueeze(1) - 2.0 * (x @ cent.transpose(1, 2))
+    """Nearest centroid of every point: ``x [G, N, D]``, ``cent [G, C, D]`` (same float dtype) ->
+    labels ``[G, N]`` (one fused ``|c|^2 - 2 x . c`` product, then the argmin)."""
+    d = torch.baddbmm((cent * cent).sum(-1).unsqueeze(1), x, cent.transpose(1, 2), alpha=-2.0)
     return d.argmin(-1)
 
 
-def _update(x: Tensor, labels: Tensor, cent: Tensor) -> tuple[Tensor, Tensor]:
-    """Means of the assignment (one-hot matmul; an empty cluster keeps its centroid): ``(cent, sizes)``."""
-    G, N, D = x.shape
+def _update(xp: Tensor, labels: Tensor, cent: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Means of the assignment (one-hot product; an empty cluster keeps its centroid): ``(cent,
+    sizes, onehot [G, C, N] in xp's dtype)``; ``xp`` the points in :func:`_product_dtype`."""
+    G, N, _ = xp.shape
     C = cent.shape[1]
-    onehot = torch.zeros(G, C, N, dtype=x.dtype, device=x.device)
-    onehot.scatter_(1, labels.unsqueeze(1), 1.0)
-    sizes = onehot.sum(-1)
-    sums = onehot @ x
-    return torch.where(sizes.unsqueeze(-1) > 0, sums / sizes.clamp(min=1).unsqueeze(-1), cent), sizes
+    onehot = torch.zeros(G, C, N, dtype=xp.dtype, device=xp.device).scatter_(1, labels.unsqueeze(1), 1.0)
+    sizes = onehot.sum(-1, dtype=cent.dtype)
+    sums = torch.bmm(onehot, xp).to(cent.dtype)
+    cent = torch.where(sizes.unsqueeze(-1) > 0, sums / sizes.clamp(min=1).unsqueeze(-1), cent)
+    return cent, sizes, onehot
+
+
+def _lloyd(x: Tensor, n_clusters: int, iters: int, init: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`kmeans` plus ``(onehot [G, C, N] of the final labels, points in the compute dtype)``."""
+    G, N, D = x.shape
+    dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xc = x.to(dt)
+    xp = x if x.dtype == _product_dtype(x) else xc
+    if init is None:
+        C = max(1, min(int(n_clusters), N))
+        cent = xc[:, torch.linspace(0, N - 1, C, device=x.device).round().long()].clone()
+    else:
+        cent = init.to(dt)
+    labels = sizes = onehot = None
+    for _ in range(max(1, int(iters))):
+        labels = _assign(xc, cent)
+        cent, sizes, onehot = _update(xp, labels, cent)
+    return labels, cent, sizes, onehot, xc
 
 
 def kmeans(x: Tensor, n_clusters: int, iters: int, init: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """Batched Lloyd k-means: ``x [G, N, D]`` -> ``(labels [G, N] int64, centroids [G, C, D],
-    sizes [G, C])`` with ``C = min(n_clusters, N)`` (or ``init``'s C), computed in float32 (float64
-    for float64 input).  ``init``: starting centroids ``[G, C, D]`` (warm start); None: evenly
-    spaced points.  Each of the ``iters`` (>= 1) iterations assigns then re-centres, so the
-    centroids are the means of the returned labels (an empty cluster keeps its previous centroid
-    and has size 0)."""
-    G, N, D = x.shape
-    dt = torch.float64 if x.dtype == torch.float64 else torch.float32
-    x = x.to(dt)
-    if init is None:
-        C = max(1, min(int(n_clusters), N))
-        cent = x[:, torch.linspace(0, N - 1, C, device=x.device).round().long()].clone()
-    else:
-        cent = init.to(dt)
-    labels, sizes = None, None
-    for _ in range(max(1, int(iters))):
-        labels = _assign(x, cent)
-        cent, sizes = _update(x, labels, cent)
+    sizes [G, C])`` with ``C = min(n_clusters, N)`` (or ``init``'s C); distances in float32
+    (float64 for float64 input), cluster sums as one-hot products in :func:`_product_dtype`.
+    ``init``: starting centroids ``[G, C, D]`` (warm start); None: evenly spaced points.  Each of
+    the ``iters`` (>= 1) iterations assigns then re-centres, so the centroids are the means of the
+    returned labels (an empty cluster keeps its previous centroid and has size 0).  No device
+    synchronisation."""
+    labels, cent, sizes, _, _ = _lloyd(x, n_clusters, iters, init)
     return labels, cent, sizes
 
 
-def pooled_query_cluster_scores(cq: Tensor, keys: Tensor, k_labels: Tensor, n_k_clusters: int, scale: float) -> Tensor:
+def pooled_query_cluster_scores(cq: Tensor, keys: Tensor, k_labels: Tensor, n_k_clusters: int, scale: float,
+                                onehot: Optional[Tensor] = None) -> Tensor:
     """``log sum_{t in key cluster j} exp(scale * cq_i . k_t)``: float ``[G, Cq, Ck]`` from query
     centroids ``cq [G, Cq, D]``, keys ``[G, N, D]`` and their labels ``[G, N]`` (``-inf`` for an empty
-    key cluster).  Cost per (batch, head): ``2 Cq N D`` FLOPs, in chunks of ``_CHUNK_ELEMS`` logits."""
+    key cluster).  ``onehot``: the labels' one-hot ``[G, Ck, N]`` (as :func:`kmeans` builds it;
+    built here when None).  Per (batch, head): the logits ``[Cq, N]`` (``2 Cq N D`` FLOPs, in cq's
+    dtype), each row's exponentials relative to its maximum, and their sums per cluster as one
+    product with the one-hot (``2 Cq N Ck`` FLOPs) — a cluster whose every logit lies more than
+    ~87 below the row's maximum gets ``-inf`` (its share of the row is below 1e-38).  In chunks of
+    ``_CHUNK_ELEMS`` logits; no device synchronisation."""
     G, Cq, _ = cq.shape
     N = keys.shape[1]
-    out = torch.full((G, Cq, n_k_clusters), float("-inf"), dtype=cq.dtype, device=cq.device)
+    if onehot is None:
+        onehot = torch.zeros(G, n_k_clusters, N, dtype=_product_dtype(keys), device=keys.device).scatter_(
+            1, k_labels.unsqueeze(1), 1.0)
+    out = torch.empty(G, Cq, n_k_clusters, dtype=cq.dtype, device=cq.device)
     step = max(1, _CHUNK_ELEMS // max(1, Cq * N))
     for g0 in range(0, G, step):
         g1 = min(G, g0 + step)
-        s = (cq[g0:g1] @ keys[g0:g1].to(cq.dtype).transpose(1, 2)).mul_(scale)  # [g, Cq, N]
-        idx = k_labels[g0:g1].unsqueeze(1).expand_as(s)
-        m = torch.full_like(out[g0:g1], float("-inf")).scatter_reduce_(2, idx, s, "amax")
-        tot = torch.zeros_like(m).scatter_add_(2, idx, (s - m.gather(2, idx)).exp_())
-        out[g0:g1] = torch.where(tot > 0, m + tot.clamp(min=1e-30).log(), m)
+        s = torch.bmm(cq[g0:g1], keys[g0:g1].to(cq.dtype).transpose(1, 2)).mul_(scale)  # [g, Cq, N]
+        m = s.amax(-1, keepdim=True)
+        mass = torch.bmm(s.sub_(m).exp_().to(onehot.dtype), onehot[g0:g1].transpose(1, 2))
+        out[g0:g1] = mass.to(cq.dtype).log_().add_(m)
     return out
 
 
@@ -186,10 +221,9 @@ def _block_ranges(lab_sorted: Tensor, n_video: int, n_blocks: int, bs: int) -> t
     return torch.where(has, first, torch.zeros_like(first)), torch.where(has, last, torch.full_like(last, -1))
 
 
-def _pair_block_mask(sel: Tensor, q_range, k_range, q_special: Tensor, k_special: Tensor,
-                     k_real: Tensor) -> Tensor:
+def _pair_block_mask(sel: Tensor, q_range, k_range, q_special: Tensor, k_special: Tensor) -> Tensor:
     """bool ``[G, nb, nb]``: any selected cluster pair inside the two blocks' cluster ranges (2-D
-    prefix sums of ``sel``), or a special (text) query / key block; fully padded key blocks never."""
+    prefix sums of ``sel``), or a special (text) query / key block."""
     G, Cq, Ck = sel.shape
     cs = torch.zeros(G, Cq + 1, Ck + 1, dtype=torch.int32, device=sel.device)
     cs[:, 1:, 1:] = sel.to(torch.int32).cumsum(1).cumsum(2)
@@ -200,16 +234,21 @@ def _pair_block_mask(sel: Tensor, q_range, k_range, q_special: Tensor, k_special
         1, qa.unsqueeze(-1).expand(G, nb, Ck + 1))  # [G, nb, Ck+1]
     nk = ka.shape[1]
     cnt = rows.gather(2, (kb + 1).unsqueeze(1).expand(G, nb, nk)) - rows.gather(2, ka.unsqueeze(1).expand(G, nb, nk))
-    mask = (cnt > 0) | q_special.view(1, -1, 1) | k_special.view(1, 1, -1)
-    return mask & k_real.view(1, 1, -1)
+    return (cnt > 0) | q_special.view(1, -1, 1) | k_special.view(1, 1, -1)
 
 
 def _gather_tokens(x: Tensor, perm: Tensor, length: int) -> Tensor:
     """``x [B, S, H, D]`` permuted per head (``perm [B, H, S]``: original index at each position) and
     zero-padded to ``[B, length, H, D]`` (contiguous)."""
     B, S, H, D = x.shape
-    out = x.new_zeros(B, length, H, D)
-    out[:, :S] = x.gather(1, perm.transpose(1, 2).unsqueeze(-1).expand(B, S, H, D))
+    out = x.new_empty(B, length, H, D)
+    out[:, S:].zero_()
+    idx = perm.transpose(1, 2).unsqueeze(-1).expand(B, S, H, D)
+    head = out[:, :S]
+    if head.is_contiguous():  # B == 1: gather straight into the padded buffer
+        torch.gather(x, 1, idx, out=head)
+    else:
+        head.copy_(x.gather(1, idx))
     return out
 
 
@@ -222,33 +261,42 @@ def _scatter_tokens(y: Tensor, perm: Tensor) -> Tensor:
     return out
 
 
-def _plan(q: Tensor, k: Tensor, n_video: int, text_len: int, cq, ck, qs, ks, ql, kl, scale: float, top_p: float,
-          bs: int, predictor: str = "pooled_query") -> tuple:
-    """Permutations, block lists and kept fraction of one clustering (see module docstring)."""
+def _video_rows(x: Tensor, n_video: int) -> Tensor:
+    """The video tokens of ``x [B, S, H, D]`` as ``[B*H, N, D]`` (a strided view for B == 1, no copy)."""
+    B, _, H, D = x.shape
+    return x[:, :n_video].transpose(1, 2).reshape(B * H, n_video, D)
+
+
+def _plan(q: Tensor, n_video: int, cq, ck, qs, ks, ql, kl, scale: float, top_p: float, bs: int,
+          predictor: str = "pooled_query", keys: Optional[Tensor] = None, k_onehot: Optional[Tensor] = None) -> tuple:
+    """Permutations, block lists and kept fraction (a 0-dim tensor) of one clustering (module
+    docstring); ``keys [G, N, D]`` (float) and ``k_onehot`` (of ``kl``) for ``predictor="pooled_query"``.
+    No device synchronisation off the CPU (lists of a fixed width: one slot per key block)."""
     B, S, H, D = q.shape
     G, N = B * H, n_video
     scores = None
     if predictor == "pooled_query":
-        scores = pooled_query_cluster_scores(cq, k[:, :N].transpose(1, 2).reshape(G, N, D), kl, ck.shape[1], scale)
+        scores = pooled_query_cluster_scores(cq, keys, kl, ck.shape[1], scale, onehot=k_onehot)
     elif predictor != "centroids":
         raise AttentionConfigError(
             f"sparse_video_gen_2_attn: predictor must be one of {list(SVG2_PREDICTORS)}, got {predictor!r}")
     sel = cluster_pair_selection(cq, ck, ks, scale, top_p, q_sizes=qs, scores=scores)
-    nb = -(-S // bs)
+    nb = -(-S // bs)  # every block holds a real token
     dev = q.device
-    tail = torch.arange(N, S, device=dev).expand(G, S - N)
     qord = torch.sort(ql, dim=1, stable=True)
     kord = torch.sort(kl, dim=1, stable=True)
-    q_perm = torch.cat([qord.indices, tail], 1).view(B, H, S)
-    k_perm = torch.cat([kord.indices, tail], 1).view(B, H, S)
+    if S > N:
+        tail = torch.arange(N, S, device=dev).expand(G, S - N)
+        q_perm = torch.cat([qord.indices, tail], 1).view(B, H, S)
+        k_perm = torch.cat([kord.indices, tail], 1).view(B, H, S)
+    else:
+        q_perm, k_perm = qord.indices.view(B, H, S), kord.indices.view(B, H, S)
     pos = torch.arange(nb, device=dev) * bs
-    special = (pos + bs > N) & (pos < S) & (S > N)  # blocks holding a text token
-    k_real = pos < S
+    special = (pos + bs > N) & (S > N)  # blocks holding a text token
     mask = _pair_block_mask(sel, _block_ranges(qord.values, N, nb, bs), _block_ranges(kord.values, N, nb, bs),
-                            special, special, k_real)
-    idx, cnt = block_mask_to_lists(mask.view(B, H, nb, nb))
-    real = int(k_real.sum())
-    kept = (mask & k_real.view(1, -1, 1)).sum() / float(G * real * real)  # a 0-dim tensor: read lazily
+                            special, special)
+    idx, cnt = block_mask_to_lists(mask.view(B, H, nb, nb), width=list_width(dev, nb))
+    kept = mask.sum(dtype=torch.float32) / float(G * nb * nb)  # a 0-dim tensor: read lazily
     extra = {"q_labels": ql.view(B, H, N), "k_labels": kl.view(B, H, N), "selection": sel.view(B, H, *sel.shape[1:])}
     return q_perm, k_perm, idx, cnt, kept, extra
 
@@ -273,14 +321,18 @@ def svg2_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: in
     docstring).  Returns ``(out, lse or None, plan)``; ``plan.layout`` is None (per-head
     permutations) and ``plan.extra`` holds ``q_labels``/``k_labels`` ``[B, H, N]``, ``selection
     [B, H, Cq, Ck]``, ``q_perm``/``k_perm`` ``[B, H, S]`` (original token at each permuted
-    position), ``kv_valid [B, P]``, ``block_size`` and ``mode`` (``cold``/``warm``/``reused``).
+    position), ``kv_valid [B, P]``, ``block_size`` and ``mode`` (``cold``/``warm``/``reused``);
+    ``plan.kept_fraction`` is counted on the device and read (one sync) when first asked for.
+    On CUDA the call itself never synchronises with the host.
     """
     B, S, H, D = q.shape
     N = int(math.prod(video_shape))
     if S != N + text_len:
         raise ValueError(f"sequence {S} != video tokens {N} + text_len {text_len}")
+    if predictor not in SVG2_PREDICTORS:
+        raise AttentionConfigError(
+            f"sparse_video_gen_2_attn: predictor must be one of {list(SVG2_PREDICTORS)}, got {predictor!r}")
     scale = D ** -0.5 if scale is None else float(scale)
-    G = B * H
     bs = svg2_block_size(N, max(num_q_clusters, num_k_clusters)) if block_size is None else int(block_size)
     sig = (B, S, H, D, N, int(num_q_clusters), int(num_k_clusters), float(top_p), bs, predictor, q.device)
     st = None
@@ -294,18 +346,14 @@ def svg2_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: in
         q_perm, k_perm, idx, cnt, kept, extra = st.cached
         st.step = step
     else:
-        qv = q[:, :N].transpose(1, 2).reshape(G, N, D)
-        kv_ = k[:, :N].transpose(1, 2).reshape(G, N, D)
-        if st is None:
-            mode = "cold"
-            ql, cq, qs = kmeans(qv, num_q_clusters, kmeans_iters)
-            kl, ck, ks = kmeans(kv_, num_k_clusters, kmeans_iters)
-        else:
-            mode = "warm"
-            ql, cq, qs = kmeans(qv, num_q_clusters, warm_iters, init=st.q_cent)
-            kl, ck, ks = kmeans(kv_, num_k_clusters, warm_iters, init=st.k_cent)
-        q_perm, k_perm, idx, cnt, kept, extra = _plan(q, k, N, text_len, cq, ck, qs, ks, ql, kl, scale, top_p, bs,
-                                                      predictor)
+        mode = "cold" if st is None else "warm"
+        iters = kmeans_iters if st is None else warm_iters
+        ql, cq, qs, _, _ = _lloyd(_video_rows(q, N), num_q_clusters, iters, None if st is None else st.q_cent)
+        kl, ck, ks, k_onehot, keys = _lloyd(_video_rows(k, N), num_k_clusters, iters,
+                                            None if st is None else st.k_cent)
+        q_perm, k_perm, idx, cnt, kept, extra = _plan(q, N, cq, ck, qs, ks, ql, kl, scale, top_p, bs, predictor,
+                                                      keys=keys, k_onehot=k_onehot)
+        del k_onehot, keys
         if state_key is not None and step is not None:
             # the plan is kept only when later steps reuse it (it is ~50 MB per layer at 480p x 40 heads)
             cached = (q_perm, k_perm, idx, cnt, kept, extra) if recluster_every > 1 else ()
@@ -315,8 +363,9 @@ def svg2_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: in
     P = nb * bs
     kv_valid = _kv_valid(B, P, S, q.device)
     qp, kp, vp = _gather_tokens(q, q_perm, P), _gather_tokens(k, k_perm, P), _gather_tokens(v, k_perm, P)
+    # every query cluster selects a key cluster and text rows attend everything: no query block is empty
     out_p, lse_p = block_sparse_attention(qp, kp, vp, idx, cnt, block_size=bs, scale=scale, kv_valid=kv_valid,
-                                          return_lse=return_lse, impl=impl)
+                                          return_lse=return_lse, impl=impl, nonempty_rows=True)
     out = _scatter_tokens(out_p, q_perm)
     lse = None
     if lse_p is not None:
