@@ -35,12 +35,12 @@ def main():
     r = get_recipe(args.preset)
     vae, te, dit = build_vae(r, 0).eval(), build_text_encoder(r, 0).eval(), build_transformer(r, 0).eval()
     v = r.vae_stage
-    x = torch.randn(1, 3, v.frames, v.crop, v.crop)
+    x = torch.randn(1, 3, v.frames[0], v.crop, v.crop)
     enc = count(lambda: vae.encode(x).latent_dist.mode())
     z = vae.encode(x).latent_dist.mode()
     dec = count(lambda: decode_unclamped(vae, z))
     vae_step = 3 * (enc + dec) * v.batch
-    rows = [("vae train", f"{v.crop}x{v.crop}x{v.frames}", v.batch, (enc + dec) / 1e9, vae_step / 1e12, args.vae_s)]
+    rows = [("vae train", f"{v.crop}x{v.crop}x{v.frames[0]}", v.batch, (enc + dec) / 1e9, vae_step / 1e12, args.vae_s)]
     d = r.dit_stage
     ids = torch.randint(3, 259, (1, 40))
     hidden = te(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state

@@ -121,29 +121,40 @@ def _train(out, *extra):
                  *extra])
 
 
-def test_training_smoke_run_writes_a_loadable_model(tmp_path):
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A package trained by the ``tiny`` preset, 3 VAE + 3 DiT steps (shared by the tests below)."""
+    out = tmp_path_factory.mktemp("tiny_run")
+    assert _train(out, "--stage", "all", "--vae-steps", "3", "--dit-steps", "3") == 0
+    return out
+
+
+def _tensors(folder):
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "shapes.safetensors"))
+
+
+def test_training_smoke_run_writes_a_loadable_model(tiny_run, tmp_path):
     """3 VAE steps + 3 DiT steps on toy sizes: loss log, curve, samples and package files that the
     native pipeline loads and runs."""
-    assert _train(tmp_path, "--stage", "all", "--vae-steps", "3", "--dit-steps", "3") == 0
-    names = set(os.listdir(tmp_path))
+    names = set(os.listdir(tiny_run))
     assert {"shapes.json", "shapes.safetensors", "loss.json", "loss.png", "vae_recon.png", "samples.png",
             "train.log"} <= names
-    log = json.loads((tmp_path / "loss.json").read_text())
+    log = json.loads((tiny_run / "loss.json").read_text())
     assert [len(log["stages"][s]) for s in ("vae", "dit")] == [3, 3]
     assert all(np.isfinite(r[2]) for s in ("vae", "dit") for r in log["stages"][s])
-    meta = json.loads((tmp_path / "shapes.json").read_text())
+    meta = json.loads((tiny_run / "shapes.json").read_text())
     assert meta["training"]["stages"]["dit"]["steps"] == 3 and meta["training"]["seed"] == 0
     assert len(meta["components"]["vae"]["latents_mean"]) == 16
 
-    from safetensors.torch import load_file
-
-    tensors = load_file(str(tmp_path / "shapes.safetensors"))
+    tensors = _tensors(tiny_run)
     assert {t.dtype for t in tensors.values()} == {torch.float16}
 
     from ditattn.models.shapes import shapes_model_path
     from ditattn.pipelines.wan import WanPipelineNative
 
-    folder = shapes_model_path(root=str(tmp_path / "cache"), package=str(tmp_path))
+    folder = shapes_model_path(root=str(tmp_path / "cache"), package=str(tiny_run))
     pipe = WanPipelineNative.from_pretrained(folder, device="cpu")
     res = pipe.generate("a red circle moving right", height=32, width=32, num_frames=5, num_inference_steps=2,
                         progress=False)
@@ -151,10 +162,107 @@ def test_training_smoke_run_writes_a_loadable_model(tmp_path):
 
     # stage dit alone takes the VAE from the previous run's package, bit for bit
     out2 = tmp_path / "again"
-    assert _train(out2, "--stage", "dit", "--dit-steps", "2", "--init", str(tmp_path)) == 0
-    tensors2 = load_file(str(out2 / "shapes.safetensors"))
+    assert _train(out2, "--stage", "dit", "--dit-steps", "2", "--init", str(tiny_run)) == 0
+    tensors2 = _tensors(out2)
     vae_keys = [k for k in tensors if k.startswith("vae.")]
     assert vae_keys and all(torch.equal(tensors[k], tensors2[k]) for k in vae_keys)
+
+
+def test_dit_stage_resumes_from_a_package(tiny_run, tmp_path):
+    """--resume starts the text encoder + DiT from the package (0 steps give it back bit for bit; a
+    few steps stay closer to it than fresh weights do) and takes its VAE; the history is kept."""
+    ref = _tensors(tiny_run)
+    assert _train(tmp_path / "zero", "--stage", "dit", "--dit-steps", "0", "--resume", str(tiny_run)) == 0
+    zero = _tensors(tmp_path / "zero")
+    assert ref.keys() == zero.keys() and all(torch.equal(ref[k], zero[k]) for k in ref)
+
+    # another seed than the package's: a fresh start is then far from it, a resumed one near
+    assert _train(tmp_path / "two", "--stage", "dit", "--dit-steps", "2", "--seed", "5", "--resume", str(tiny_run)) == 0
+    assert _train(tmp_path / "fresh", "--stage", "dit", "--dit-steps", "2", "--seed", "5", "--init", str(tiny_run)) == 0
+    two, fresh = _tensors(tmp_path / "two"), _tensors(tmp_path / "fresh")
+    keys = [k for k in ref if k.startswith(("transformer.", "text_encoder."))]
+
+    def dist(t):
+        return sum(float((t[k].float() - ref[k].float()).pow(2).sum()) for k in keys)
+
+    assert 0 < dist(two) < dist(fresh)
+    meta = json.loads((tmp_path / "two" / "shapes.json").read_text())["training"]
+    assert meta["resumed_from"]["folder"] == str(tiny_run)
+    assert meta["history"][-1]["stages"]["dit"]["steps"] == 3  # what the resumed package had been through
+    assert meta["stages"]["dit"]["resumed"] is True and meta["stages"]["dit"]["steps"] == 2
+
+
+def test_decoder_only_vae_stage_keeps_the_latents_and_the_dit(tiny_run, tmp_path):
+    """--vae-train decoder --resume: the encoder, the latent statistics, the text encoder and the DiT
+    come out bit for bit; the decoder trained; the package is judged (it holds a trained DiT)."""
+    ref = _tensors(tiny_run)
+    out = tmp_path / "dec"
+    assert _train(out, "--stage", "vae", "--vae-steps", "2", "--resume", str(tiny_run), "--vae-train", "decoder") == 0
+    new = _tensors(out)
+    frozen = [k for k in ref if k.startswith(("vae.encoder.", "vae.quant_conv.", "transformer.", "text_encoder."))]
+    decoder = [k for k in ref if k.startswith("vae.decoder.")]
+    assert frozen and all(torch.equal(ref[k], new[k]) for k in frozen)
+    assert any(not torch.equal(ref[k], new[k]) for k in decoder)
+    old_meta, meta = (json.loads((f / "shapes.json").read_text()) for f in (tiny_run, out))
+    for key in ("latents_mean", "latents_std"):
+        assert meta["components"]["vae"][key] == old_meta["components"]["vae"][key]
+    vae_info = meta["training"]["stages"]["vae"]
+    assert vae_info["train_encoder"] is False and vae_info["resumed"] is True and vae_info["steps"] == 2
+    assert "samples" in meta["training"]["stages"]["dit"] and (out / "samples.png").is_file()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--stage", "vae", "--vae-steps", "1", "--vae-train", "decoder"], "--vae-train decoder continues a trained VAE"),
+    (["--stage", "dit", "--dit-steps", "1", "--resume", "/nonexistent"], "--resume /nonexistent: no shapes.json"),
+    (["--stage", "dit", "--dit-steps", "1", "--tune-guidance", "1,5"], "every scale must be above 1"),
+    (["--stage", "dit", "--dit-steps", "1", "--tune-guidance", "five"], "expected auto, off or scales"),
+])
+def test_resume_and_tuning_flags_are_checked(argv, message, tmp_path, capsys):
+    from ditattn.train.shapes import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--out", str(tmp_path), *argv])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_resuming_under_another_preset_is_refused(tiny_run, tmp_path, capsys):
+    from ditattn.train.shapes import main
+
+    rc = main(["--preset", "cpu", "--stage", "dit", "--dit-steps", "1", "--resume", str(tiny_run), "--out",
+               str(tmp_path), "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "is not preset 'cpu'" in err and "resume with the preset it was trained with" in err
+
+
+def test_learning_rate_schedule():
+    from ditattn.train.recipe import DitStage
+
+    cfg = DitStage(buckets=(), batch_tokens=1, warmup=10, resume_warmup=2, decay_frac=0.2, final_lr_frac=0.1)
+    assert cfg.lr_factor(0, 0.0) == pytest.approx(0.1) and cfg.lr_factor(9, 0.01) == 1.0
+    assert cfg.lr_factor(0, 0.0, resumed=True) == pytest.approx(0.5)
+    assert cfg.lr_factor(100, 0.8) == 1.0  # stable until the last 20 %
+    assert cfg.lr_factor(100, 0.9) == pytest.approx(0.55) and cfg.lr_factor(100, 1.0) == pytest.approx(0.1)
+    assert DitStage(buckets=(), batch_tokens=1, warmup=1).lr_factor(5, 1.0) == 1.0  # no decay by default
+
+
+def test_tuning_prompts_leave_the_semantic_test_out():
+    from test_shapes_model import SEMANTIC
+
+    from ditattn.train.evaluation import HELD_OUT, tuning_prompts
+
+    assert set(HELD_OUT) == set(SEMANTIC)
+    items = tuning_prompts(90)
+    assert len(set(items)) == 84 and not set(items) & set(HELD_OUT)  # 5 colours x 6 motions x 3 shapes - 6
+    assert {c for c, _, _ in items[:24]} == set(COLORS) and {m for _, _, m in items[:24]} == set(MOTIONS)
+
+
+def test_guidance_tuning_picks_a_scale_of_the_grid(tiny_run):
+    from ditattn.train.evaluation import tune_guidance
+    from ditattn.train.recipe import recipe
+
+    tuned = tune_guidance(str(tiny_run), recipe("tiny"), torch.device("cpu"), (2.0, 4.0), n=3)
+    assert tuned["best"] in (2.0, 4.0) and [r["guidance"] for r in tuned["rows"]] == [2.0, 4.0]
+    assert all(0 <= r["both"] <= r["color"] <= 3 for r in tuned["rows"]) and tuned["size"] == [32, 32, 5]
 
 
 def test_training_is_deterministic_from_the_seed(tmp_path):

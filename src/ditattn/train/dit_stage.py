@@ -6,13 +6,17 @@ model runs fused kernels without a backward) on latents of the frozen stage-1 VA
 - sizes: each step draws a :class:`~ditattn.train.recipe.Bucket` by weight and fills a batch of
   about ``batch_tokens`` DiT tokens;
 - latents: a ring pool per bucket; each step renders and encodes ``batch / reuse`` new clips into
-  it (the first visit fills a whole batch) and trains on a random batch drawn from the pool;
+  it (the first visit fills a whole batch, in chunks of that same size: one encoder shape per
+  bucket) and trains on a random batch drawn from the pool;
 - text: captions are tokenised with the byte tokenizer, dropped to ``""`` with probability
   ``caption_dropout`` (classifier-free guidance), encoded, and given to the DiT as the pipelines
   do (zero padding to 512 tokens, computed through :func:`~ditattn.train.flow.text_context`);
 - loss: MSE between the DiT output and the velocity ``noise - x0`` at shifted-uniform sigmas;
-- AdamW with linear warm-up, gradient clipping, bf16 autocast on CUDA, an EMA of the weights
-  (what ships).
+- AdamW with linear warm-up and a linear decay over the budget's last part
+  (:meth:`~ditattn.train.recipe.DitStage.lr_factor`), gradient clipping, bf16 autocast on CUDA, an
+  EMA of the weights (what ships);
+- a stage can continue from a saved package's text encoder + DiT (``init``; the optimizer and the
+  EMA start afresh, with a short warm-up).
 """
 from __future__ import annotations
 
@@ -103,16 +107,18 @@ class TextEncoder:
 
 def train_dit(recipe: Recipe, vae, budget: Budget, device: torch.device, seed: int, losses: LossLog,
               checkpoint: Optional[Callable[[object, object, int], None]] = None, checkpoint_every_s: float = 120.0,
-              compile_model: bool = False):
-    """Train a fresh text encoder + DiT on ``vae``'s latents for ``budget``.
+              compile_model: bool = False, init: Optional[tuple] = None):
+    """Train the text encoder + DiT on ``vae``'s latents for ``budget``.
 
-    Returns ``(text_encoder, transformer, steps)`` in eval mode holding the EMA weights.
-    ``checkpoint(text_encoder, transformer, step)`` is called with the EMA weights swapped in
-    every ``checkpoint_every_s`` seconds (so a run cut short still leaves a model).
+    init: ``(text_encoder, transformer)`` to continue from (a saved package's, see
+    :func:`ditattn.train.shapes.load_package`), else fresh ones from the recipe (zero output
+    projection).  Returns ``(text_encoder, transformer, steps)`` in eval mode holding the EMA
+    weights.  ``checkpoint(text_encoder, transformer, step)`` is called with the EMA weights
+    swapped in every ``checkpoint_every_s`` seconds (so a run cut short still leaves a model).
     """
     cfg = recipe.dit_stage
-    te = build_text_encoder(recipe, seed).to(device)
-    dit = build_transformer(recipe, seed).to(device).train()
+    te, dit = init if init is not None else (build_text_encoder(recipe, seed), build_transformer(recipe, seed))
+    te, dit = te.to(device), dit.to(device).train().requires_grad_(True)
     proc = install_text_bias(dit)
     train_text = cfg.text_lr > 0
     te.train(train_text).requires_grad_(train_text)
@@ -135,7 +141,8 @@ def train_dit(recipe: Recipe, vae, budget: Budget, device: torch.device, seed: i
     weights = torch.tensor([b.weight for b in cfg.buckets], dtype=torch.float64)
     losses.start("dit", buckets=[[b.height, b.width, b.frames, b.weight, bucket_batch(b, recipe)] for b in cfg.buckets],
                  batch_tokens=cfg.batch_tokens, text_encoder="trained" if train_text else "frozen",
-                 params_dit=sum(p.numel() for p in dit.parameters()), params_text=sum(p.numel() for p in te.parameters()))
+                 params_dit=sum(p.numel() for p in dit.parameters()),
+                 params_text=sum(p.numel() for p in te.parameters()), reuse=cfg.reuse, resumed=init is not None)
     bar = progress(budget.steps, "dit")
     step, last_ckpt, encode_s = 0, time.perf_counter(), 0.0
     while not budget.done(step):
@@ -143,11 +150,12 @@ def train_dit(recipe: Recipe, vae, budget: Budget, device: torch.device, seed: i
         B = bucket_batch(bucket, recipe)
         pool = pools[bucket]
         t0 = time.perf_counter()
-        fresh = B if pool.filled < B else math.ceil(B / cfg.reuse)
-        with torch.no_grad(), autocast(device):
-            clips, caps, _ = scene_batch(fresh, bucket.frames, bucket.height, bucket.width, g_data, device=device)
-            z = vae.encode(clips).latent_dist.mode().float()
-            pool.add(normalize_latents(vae, z), caps)
+        chunk = math.ceil(B / cfg.reuse)
+        for _ in range(math.ceil(B / chunk) if pool.filled < B else 1):  # one encoder shape per bucket
+            with torch.no_grad(), autocast(device):
+                clips, caps, _ = scene_batch(chunk, bucket.frames, bucket.height, bucket.width, g_data, device=device)
+                z = vae.encode(clips).latent_dist.mode().float()
+                pool.add(normalize_latents(vae, z), caps)
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # so that encode_s measures the rendering + encoding
         encode_s += time.perf_counter() - t0
@@ -158,7 +166,7 @@ def train_dit(recipe: Recipe, vae, budget: Budget, device: torch.device, seed: i
         sigma = shift_sigmas(torch.rand(B, generator=g_data), shift).to(device)
         noise = torch.randn(x0.shape, generator=g_noise, device=device)
         xt, target = flow_pair(x0, noise, sigma)
-        frac = min(1.0, (step + 1) / cfg.warmup)
+        frac = cfg.lr_factor(step, budget.fraction(step), resumed=init is not None)
         for g_ in opt.param_groups:
             g_["lr"] = g_["base_lr"] * frac
         with autocast(device):

@@ -39,12 +39,15 @@ class Bucket:
 
 @dataclasses.dataclass
 class VaeStage:
-    """VAE training: clips of ``frames`` frames (two shapes with probability ``p_two``) rendered at
-    one of ``render_sizes`` and cropped to ``crop x crop`` around a shape; loss = L1 + MSE (shape
-    pixels weigh ``1 + fg_weight``) + ``kl_weight`` * KL; AdamW at ``lr``."""
+    """VAE training: clips of one of ``frames`` frames (two shapes with probability ``p_two``)
+    rendered at one of ``render_sizes`` and cropped to ``crop x crop`` around a shape; ``batch``
+    clips of ``frames[0]`` frames per step (longer clips: proportionally fewer, so every step holds
+    about the same number of pixels); loss = L1 + MSE (shape pixels weigh ``1 + fg_weight``) +
+    ``kl_weight`` * KL; AdamW at ``lr`` after ``warmup`` steps (``resume_warmup`` when continuing
+    from saved weights: the optimizer state is not saved)."""
 
     batch: int
-    frames: int = 9
+    frames: tuple = (9,)
     p_two: float = 0.7
     render_sizes: tuple = (64, 128, 256)
     crop: int = 64
@@ -52,6 +55,11 @@ class VaeStage:
     kl_weight: float = 1e-6
     fg_weight: float = 4.0
     warmup: int = 100
+    resume_warmup: int = 50
+
+    def batch_for(self, frames: int) -> int:
+        """Clips per step at ``frames`` frames."""
+        return max(1, self.batch * self.frames[0] // frames)
 
 
 @dataclasses.dataclass
@@ -61,20 +69,36 @@ class DitStage:
     per bucket where each step encodes ``1 / reuse`` of a batch afresh (``reuse = 1``: every clip
     new); captions are dropped with ``caption_dropout`` (classifier-free guidance); sigmas are
     ``shift``-ed uniform (as the scheduler's ``flow_shift``); AdamW at ``lr`` (text encoder:
-    ``text_lr``; 0 = frozen), EMA ``ema_decay``."""
+    ``text_lr``; 0 = frozen) after a linear warm-up of ``warmup`` steps (``resume_warmup`` when
+    continuing from saved weights, whose optimizer state is not saved), then constant until the last
+    ``decay_frac`` of the budget, over which it falls linearly to ``final_lr_frac`` x (a
+    warm-up / stable / decay schedule: the stable phase can be continued, the decay anneals the
+    weights a run ships); EMA ``ema_decay``."""
 
     buckets: tuple
     batch_tokens: int
     max_batch: int = 512
-    reuse: int = 4
+    reuse: int = 8
     pool_batches: int = 16
     caption_dropout: float = 0.1
     lr: float = 4e-4
     text_lr: float = 4e-4
     weight_decay: float = 0.01
     warmup: int = 200
+    resume_warmup: int = 100
+    decay_frac: float = 0.0
+    final_lr_frac: float = 0.1
     ema_decay: float = 0.999
     grad_clip: float = 1.0
+
+    def lr_factor(self, step: int, progress: float, resumed: bool = False) -> float:
+        """The learning-rate multiplier at ``step`` (0-based) when ``progress`` in [0, 1] of the
+        budget is spent."""
+        warm = min(1.0, (step + 1) / max(1, self.resume_warmup if resumed else self.warmup))
+        if self.decay_frac <= 0 or progress <= 1 - self.decay_frac:
+            return warm
+        into = min(1.0, (progress - (1 - self.decay_frac)) / self.decay_frac)
+        return warm * (1 - (1 - self.final_lr_frac) * into)
 
 
 @dataclasses.dataclass
@@ -116,31 +140,32 @@ def _vae(base: int, mult: list) -> dict:
 
 
 FULL_BUCKETS = (
-    Bucket(64, 64, 9, 1.0), Bucket(128, 128, 17, 3.0), Bucket(128, 128, 33, 1.0), Bucket(192, 192, 17, 1.0),
+    Bucket(64, 64, 9, 1.0), Bucket(128, 128, 17, 4.0), Bucket(128, 128, 33, 1.0), Bucket(192, 192, 17, 1.0),
     Bucket(128, 256, 17, 0.5), Bucket(256, 128, 17, 0.5), Bucket(256, 256, 33, 2.0),
 )
-DEFAULTS = dict(height=128, width=128, num_frames=17, num_inference_steps=20, guidance_scale=5.0)
+DEFAULTS = dict(height=128, width=128, num_frames=17, num_inference_steps=20, guidance_scale=7.0)
 
 PRESETS = {
     "full": Recipe(
         "full", _text_encoder(128, 2, 4, 256), _transformer(2, 128, 6, 512, 128, 256), _vae(16, [1, 2, 2, 2]),
         dict(DEFAULTS),
-        VaeStage(batch=48, frames=9, render_sizes=(64, 128, 256), crop=128, lr=5e-4),
-        DitStage(buckets=FULL_BUCKETS, batch_tokens=65536, max_batch=512, reuse=4, pool_batches=16, ema_decay=0.998),
+        VaeStage(batch=48, frames=(9, 17), render_sizes=(64, 128, 256), crop=128, lr=5e-4),
+        DitStage(buckets=FULL_BUCKETS, batch_tokens=65536, max_batch=512, reuse=8, pool_batches=16, ema_decay=0.998,
+                 decay_frac=0.2),
     ),
     "cpu": Recipe(
         "cpu", _text_encoder(128, 2, 4, 256), _transformer(2, 128, 6, 512, 128, 256), _vae(16, [1, 2, 2, 2]),
         dict(DEFAULTS),
-        VaeStage(batch=8, frames=9, render_sizes=(32, 64, 128), crop=32, lr=1e-3, warmup=50),
+        VaeStage(batch=8, frames=(9,), render_sizes=(32, 64, 128), crop=32, lr=1e-3, warmup=50),
         DitStage(buckets=(Bucket(64, 64, 9, 2.0), Bucket(128, 128, 9, 1.0), Bucket(128, 128, 17, 1.0)),
                  batch_tokens=1024, max_batch=16, reuse=4, pool_batches=64, warmup=50, ema_decay=0.998),
     ),
     "tiny": Recipe(
         "tiny", _text_encoder(32, 1, 2, 64), _transformer(2, 16, 1, 64, 32, 32), _vae(4, [1, 1, 1, 1]),
         dict(height=32, width=32, num_frames=5, num_inference_steps=2, guidance_scale=3.0),
-        VaeStage(batch=2, frames=5, render_sizes=(32,), crop=32, lr=1e-3, warmup=1),
+        VaeStage(batch=2, frames=(5,), render_sizes=(32,), crop=32, lr=1e-3, warmup=1, resume_warmup=1),
         DitStage(buckets=(Bucket(32, 32, 5), Bucket(32, 64, 5)), batch_tokens=64, max_batch=4, reuse=2,
-                 pool_batches=2, warmup=1, ema_decay=0.9),
+                 pool_batches=2, warmup=1, resume_warmup=1, ema_decay=0.9),
         sample_prompts=("a red circle moving right",),
     ),
 }

@@ -1,12 +1,14 @@
 """Stage 1: the ``AutoencoderKLWan`` on procedural clips (reconstruction + a small KL, as Wan).
 
-Each step renders a batch of ``frames``-frame clips at one of the recipe's render sizes (so shapes
-appear at several scales), crops them to ``crop x crop`` around a shape, and minimises ``L1 + MSE`` between clip
-and reconstruction (shape pixels weighted up: at first the decoder only learns the background)
-plus ``kl_weight`` x the posterior's KL per element.  Afterwards the weights
-are rounded to float16 (what ships) and the per-channel mean / std of the latents (posterior
-means over clips of several sizes) go into the VAE config (``latents_mean`` / ``latents_std``),
-which the pipelines use to normalise latents for the DiT.
+Each step renders a batch of clips (9 or 17 frames in the full preset) at one of the recipe's
+render sizes (so shapes appear at several scales), crops them to ``crop x crop`` around a shape,
+and minimises ``L1 + MSE`` between clip and reconstruction (shape pixels weighted up: at first the
+decoder only learns the background) plus ``kl_weight`` x the posterior's KL per element.  A stage
+can continue from saved weights, and can train the decoder alone (the encoder frozen, so the
+latents a DiT was trained on stay valid).  Afterwards the weights are rounded to float16 (what
+ships) and the per-channel mean / std of the latents (posterior means over clips of several sizes)
+go into the VAE config (``latents_mean`` / ``latents_std``), which the pipelines use to normalise
+latents for the DiT.
 """
 from __future__ import annotations
 
@@ -85,46 +87,73 @@ def decode_unclamped(vae, z: torch.Tensor) -> torch.Tensor:
 
 
 def vae_loss(vae, x: torch.Tensor, kl_weight: float, generator: Optional[torch.Generator] = None,
-             fg_weight: float = 0.0):
+             fg_weight: float = 0.0, train_encoder: bool = True):
     """``(loss, reconstruction)`` for clips ``x [B, 3, F, H, W]`` in [-1, 1]: L1 + MSE per element
-    (pixels off the background weigh ``1 + fg_weight``) + ``kl_weight`` x the KL per element."""
-    post = vae.encode(x).latent_dist
+    (pixels off the background weigh ``1 + fg_weight``) + ``kl_weight`` x the KL per element.
+    ``train_encoder=False`` runs the encoder without gradients and leaves the KL out (it only
+    shapes the encoder): the decoder learns to draw the latents the encoder already gives."""
+    with torch.set_grad_enabled(train_encoder and torch.is_grad_enabled()):
+        post = vae.encode(x).latent_dist
     z = post.mean + post.std * torch.randn(post.mean.shape, generator=generator, device=x.device,
                                            dtype=post.mean.dtype)
     rec = decode_unclamped(vae, z)
     rec32, x32 = rec.float(), x.float()
-    kl = 0.5 * (post.mean.float() ** 2 + post.var.float() - 1.0 - post.logvar.float()).sum() / x.numel()
     err = rec32 - x32
     w = 1.0
     if fg_weight:
         bg = torch.tensor(BACKGROUND, device=x.device).view(1, 3, 1, 1, 1) * 2 - 1
         w = 1.0 + fg_weight * ((x32 - bg).abs().amax(dim=1, keepdim=True) > 0.05).float()
-    loss = (w * (err.abs() + err * err)).mean() + kl_weight * kl
+    loss = (w * (err.abs() + err * err)).mean()
+    if train_encoder:
+        kl = 0.5 * (post.mean.float() ** 2 + post.var.float() - 1.0 - post.logvar.float()).sum() / x.numel()
+        loss = loss + kl_weight * kl
     return loss, rec
 
 
-def train_vae(recipe: Recipe, budget: Budget, device: torch.device, seed: int, losses: LossLog):
-    """Train a fresh VAE for ``budget``; returns it (eval, float32, weights rounded to float16)."""
+def encoder_modules(vae) -> list:
+    """The modules that make the latents (``encoder`` + ``quant_conv``): frozen when only the decoder trains."""
+    return [vae.encoder, vae.quant_conv]
+
+
+def train_vae(recipe: Recipe, budget: Budget, device: torch.device, seed: int, losses: LossLog, init=None,
+              train_encoder: bool = True):
+    """Train the VAE for ``budget``; returns it (eval, float32, weights rounded to float16).
+
+    init: an ``AutoencoderKLWan`` to continue from (a saved package's, see :func:`load_package_vae`;
+    the optimizer starts afresh with ``resume_warmup`` steps), else a fresh one from the recipe.
+    train_encoder=False (needs ``init``) trains the decoder only: the encoder, and so the latents
+    and their mean / std that a DiT was trained on, stay bit for bit; the latent statistics are
+    then kept instead of measured again.
+    """
     cfg = recipe.vae_stage
-    vae = build_vae(recipe, seed).to(device).train()
-    opt = torch.optim.AdamW(vae.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    if not train_encoder and init is None:
+        raise ValueError("training the decoder only needs a VAE to start from (init)")
+    vae = (init if init is not None else build_vae(recipe, seed)).to(device).train().requires_grad_(True)
+    for m in encoder_modules(vae) if not train_encoder else []:
+        m.eval().requires_grad_(False)
+    params = [p for p in vae.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    warmup = cfg.resume_warmup if init is not None else cfg.warmup
     g_data = torch.Generator().manual_seed(seed + 101)
     g_noise = torch.Generator(device).manual_seed(seed + 102)
-    losses.start("vae", batch=cfg.batch, frames=cfg.frames, crop=cfg.crop, render_sizes=list(cfg.render_sizes),
-                 params=sum(p.numel() for p in vae.parameters()))
+    losses.start("vae", batch=cfg.batch, frames=list(cfg.frames), crop=cfg.crop, render_sizes=list(cfg.render_sizes),
+                 params=sum(p.numel() for p in vae.parameters()), trained_params=sum(p.numel() for p in params),
+                 train_encoder=train_encoder, resumed=init is not None)
     bar = progress(budget.steps, "vae")
     step = 0
     while not budget.done(step):
         size = cfg.render_sizes[int(torch.randint(0, len(cfg.render_sizes), (1,), generator=g_data))]
-        clips, _, scenes = scene_batch(cfg.batch, cfg.frames, size, size, g_data, device=device, p_two=cfg.p_two)
+        frames = cfg.frames[int(torch.randint(0, len(cfg.frames), (1,), generator=g_data))]
+        clips, _, scenes = scene_batch(cfg.batch_for(frames), frames, size, size, g_data, device=device,
+                                       p_two=cfg.p_two)
         x = _crop_on_shapes(clips, scenes, cfg.crop, g_data)
         for group in opt.param_groups:
-            group["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.warmup)
+            group["lr"] = cfg.lr * min(1.0, (step + 1) / warmup)
         with autocast(device):
-            loss, _ = vae_loss(vae, x, cfg.kl_weight, g_noise, fg_weight=cfg.fg_weight)
+            loss, _ = vae_loss(vae, x, cfg.kl_weight, g_noise, fg_weight=cfg.fg_weight, train_encoder=train_encoder)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         step += 1
         value = float(loss.detach())
@@ -133,13 +162,15 @@ def train_vae(recipe: Recipe, budget: Budget, device: torch.device, seed: int, l
         bar.set_postfix(loss=f"{value:.4f}", refresh=False)
     bar.close()
     losses.info["vae"].update(steps=step, seconds=round(budget.elapsed, 1))
-    log.info("vae: %d steps in %.0f s, last loss %.4f", step, budget.elapsed, losses.stages["vae"][-1][2]
+    log.info("vae: %d steps in %.0f s (%s), last loss %.4f", step, budget.elapsed,
+             "encoder and decoder" if train_encoder else "decoder only", losses.stages["vae"][-1][2]
              if losses.stages["vae"] else float("nan"))
     vae.eval().requires_grad_(False)
     with torch.no_grad():  # what ships is float16: train the DiT on exactly those latents
         for p in vae.parameters():
             p.copy_(p.half().float())
-    set_latent_stats(vae, recipe, device, seed)
+    if train_encoder:
+        set_latent_stats(vae, recipe, device, seed)
     return vae
 
 
