@@ -123,6 +123,12 @@ def profile_step(fn, top: int = 25) -> dict:
             "top_kernels": [{"name": n[:160], "ms": ms, "calls": c, "category": _category(n)} for n, (ms, c) in tops]}
 
 
+def require_cuda(hint: str = "set BENCH_DEVICE=cpu with --grid for a smoke run, or use --counts-only") -> None:
+    """Exit with a one-line error when the benchmarks target CUDA but no CUDA device is present."""
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        sys.exit(f"error: no CUDA device ({hint})")
+
+
 def sync():
     if DEVICE == "cuda":
         torch.cuda.synchronize()

@@ -36,8 +36,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
-
 import common  # noqa: E402
 from common import Recorder, bench_ms, env_info, fmt_table, guarded, kernel_ms  # noqa: E402
 
@@ -178,8 +176,7 @@ def main():
     print(fmt_table(counts, COUNT_COLS), flush=True)
     if args.counts_only:
         return
-    if common.DEVICE == "cuda" and not torch.cuda.is_available():
-        sys.exit("error: no CUDA device (set BENCH_DEVICE=cpu with --grid for a smoke run, or use --counts-only)")
+    common.require_cuda()
     from ditattn.evaluation.structured import StructuredSpec, structured_qkv
 
     rec = Recorder(args.out or os.path.join("/tmp", "svg2_stages"), "svg2_stages",

@@ -184,8 +184,7 @@ def main():
     print(fmt_table(counts, COUNT_COLS), flush=True)
     if args.counts_only:
         return
-    if common.DEVICE == "cuda" and not torch.cuda.is_available():
-        sys.exit("error: no CUDA device (set BENCH_DEVICE=cpu with --grid for a smoke run, or use --counts-only)")
+    common.require_cuda()
     rec = Recorder(args.out or os.path.join("/tmp", "vsa_stages"), "vsa_stages",
                    {"env": env_info(), "sparsity": args.sparsity, "counts": counts})
     grids = [tuple(int(x) for x in args.grid.split(","))] if args.grid else [GRIDS[g] for g in args.grids.split(",")]
