@@ -85,7 +85,8 @@ def test_generate_request_override_and_no_save(capsys, tmp_path):
     (["--model-path", "/nonexistent/wan"], "not a local directory"),
     (["--num-gpus", "2", "--ulysses-degree", "4"], "does not divide --num-gpus 2"),
     (["--num-gpus", "2", "--ulysses-degree", "1", "--ring-degree", "1"], "1 × --ring-degree 1 = 1 does not equal --num-gpus 2"),
-    (["--num-gpus", "3"], "accepted Ulysses degrees for this model: 1, 2, 4"),
+    (["--num-gpus", "3", "--model-path", "ditattn:tiny-wan"], "accepted Ulysses degrees for this model: 1, 2, 4"),
+    (["--num-gpus", "3"], "accepted Ulysses degrees for this model: 1, 2 "),  # ditattn:shapes has 2 heads
     (["--skip-softmax-start-step", "2"], "needs --skip-softmax-threshold-scale-factor"),
     (["--enable-cuda-graph"], "--enable-cuda-graph needs a CUDA device"),
     (["--num-frames", "1", "--fps", "8"], "--fps applies to videos only"),
@@ -138,20 +139,24 @@ def test_cli_error_exit_code_in_a_subprocess():
 
 
 def test_default_command_as_a_new_user(tmp_path):
-    """The README's main command: no flags but --prompt, default model, a video with a progress bar
-    and the timing summary as the last line."""
+    """The README's main command: no flags but --prompt, the default model (the trained ditattn:shapes),
+    a video with a progress bar and the timing summary as the last line, showing what was asked for."""
     env = _env()
     if OMP_THREADS_SET_HERE:  # not conftest's one-thread setting: a new user's run picks its CPU threads itself
         del env["OMP_NUM_THREADS"]
-    proc = subprocess.run([sys.executable, "-m", "ditattn", "generate", "--prompt", "a cat surfing a wave"],
+    proc = subprocess.run([sys.executable, "-m", "ditattn", "generate", "--prompt", "a blue square moving up"],
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
-    assert lines[0] == "saved: outputs/a_cat_surfing_a_wave_s0.mp4"
-    assert lines[-1].startswith("done in ") and "128x128, 9 frames, 8 steps" in lines[-1]
-    assert "8/8" in proc.stderr
-    frames, _ = read_mp4(str(tmp_path / "outputs" / "a_cat_surfing_a_wave_s0.mp4"))
-    assert frames.shape == (9, 128, 128, 3)
+    assert lines[0] == "saved: outputs/a_blue_square_moving_up_s0.mp4"
+    assert lines[-1].startswith("done in ") and "128x128, 17 frames, 20 steps" in lines[-1]
+    assert "20/20" in proc.stderr
+    frames, _ = read_mp4(str(tmp_path / "outputs" / "a_blue_square_moving_up_s0.mp4"))
+    assert frames.shape == (17, 128, 128, 3)
+    from ditattn.train.judge import judge
+
+    verdict = judge(frames, "blue", "moving up")  # through H.264, as a user sees it
+    assert verdict.color_ok and verdict.motion_ok, verdict
 
 
 def test_generate_rejects_non_finite_guidance_and_reports_refusal_once(capsys, caplog, tmp_path):
@@ -277,4 +282,4 @@ def test_png_name_for_the_models_default_video_is_refused_before_denoising(capsy
 
     monkeypatch.setattr(wan.WanPipelineNative, "generate", lambda *a, **k: pytest.fail("generated"))
     rc, err = _usage(capsys, "generate", "--prompt", "x", "--output-path", str(tmp_path / "still.png"), *SMALL)
-    assert rc == 2 and "a 9-frame video cannot be a .png" in err
+    assert rc == 2 and "a 17-frame video cannot be a .png" in err

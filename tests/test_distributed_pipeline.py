@@ -125,10 +125,15 @@ def test_cli_refuses_bad_parallel_flags_before_spawning(capsys):
 
     assert main(["generate", "--prompt", "x", "--num-gpus", "4", "--ulysses-degree", "3"]) == 2
     assert "--ulysses-degree 3 does not divide --num-gpus 4" in capsys.readouterr().err
-    # the tiny DiT has 4 heads: Ulysses 3 is refused from its config, before any rank starts
-    assert main(["generate", "--prompt", "x", "--num-gpus", "3", "--ulysses-degree", "3"]) == 2
+    # tiny-wan's DiT has 4 heads: Ulysses 3 is refused from its config, before any rank starts
+    assert main(["generate", "--prompt", "x", "--num-gpus", "3", "--ulysses-degree", "3",
+                 "--model-path", "ditattn:tiny-wan"]) == 2
     err = capsys.readouterr().err
     assert "4 attention heads do not divide" in err and "1, 2, 4" in err
+    # the default model, ditattn:shapes, has 2 heads
+    assert main(["generate", "--prompt", "x", "--num-gpus", "3", "--ulysses-degree", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "2 attention heads do not divide" in err and "1, 2 " in err
     assert err.strip().splitlines()[-1].startswith("error: ")  # one line, no traceback
     # ring with a sparse backend, or a ring-incapable request override: refused by the plan-only preflight
     assert main(["generate", "--prompt", "x", "--num-gpus", "2", "--ring-degree", "2",

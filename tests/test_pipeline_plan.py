@@ -46,8 +46,8 @@ def test_default_plan_shape(capsys):
     assert [c["selectable"] for c in p["components"]] == [True, True, False]
     assert layers(p, "vae") == []
     tr = layers(p, "transformer")
-    assert [(l["prefix"], l["role"]) for l in tr] == [
-        ("blocks.0.attn1", "self"), ("blocks.0.attn2", "cross"), ("blocks.1.attn1", "self"), ("blocks.1.attn2", "cross")]
+    assert [(l["prefix"], l["role"]) for l in tr] == [  # the default model, ditattn:shapes: 6 blocks
+        (f"blocks.{i}.attn{j}", role) for i in range(6) for j, role in ((1, "self"), (2, "cross"))]
     for l in tr + layers(p, "text_encoder"):
         assert set(l) >= {"prefix", "role", "backend", "source", "fallback_reason"}
         assert l["backend"] == "torch_sdpa" and l["fallback_reason"] is None

@@ -275,7 +275,12 @@ def test_sm90_kernel_numerics(shape, dtype, kgran, q_scale):
     qref, qref_lse = int8_attention_reference(q, k, v, block_n=128, k_granularity=kgran, return_lse=True)
     # the kernel computes the reference's quantization (bf16/fp16 rounding of P and the output apart)
     assert _rel(out, qref) < (6e-3 if dtype == torch.bfloat16 else 1.5e-3)
-    assert float((lse.double() - qref_lse.double()).abs().max()) < 5e-2
+    # LSE against the reference of the same quantization: a value within rounding of an INT8 boundary can land
+    # one step away from the reference's (Triton's fp32 division is approximate; the K mean is subtracted in a
+    # different order), which moves a logit by up to one Q step x max|K| x scale: 0.2 at q_scale 12, where the
+    # H200 measured 0.056 (session 20); 5e-2 holds at q_scale 1
+    q_step = float(q.float().abs().amax()) / 127 * float(k.float().abs().amax()) / d ** 0.5
+    assert float((lse.double() - qref_lse.double()).abs().max()) < max(5e-2, q_step)
     # against float32: INT8 Q.K's own error, which grows with the logit scale (q_scale 12: the reference
     # of the same quantization is 3.4 % off float32, measured on CPU, and its LSE 0.40 off on the H200 at
     # logits of 30-47), so bounded by the reference's

@@ -1,4 +1,4 @@
-"""``ditattn serve`` end to end: the real CLI in a subprocess, the built-in tiny Wan model on the CPU,
+"""``ditattn serve`` end to end: the real CLI in a subprocess, the default built-in model (ditattn:shapes) on the CPU,
 driven by the official ``openai`` client (images, video jobs, refusals, a concurrent mixed load,
 429, 401, /metrics)."""
 import base64
@@ -44,9 +44,9 @@ def png(b64):
 def test_images_and_video_end_to_end(server):
     base, _ = server
     c = client(base)
-    assert [m.id for m in c.models.list()] == ["ditattn:tiny-wan"]
+    assert [m.id for m in c.models.list()] == ["ditattn:shapes"]
     raw = c.images.with_raw_response.generate(
-        model="ditattn:tiny-wan", prompt="a red fox in the snow", n=2, size="32x16",
+        model="ditattn:shapes", prompt="a red fox in the snow", n=2, size="32x16",
         extra_body={"seed": 7, "attention_backend_override": "torch_sdpa", "negative_prompt": "blurry"})
     r = raw.parse()
     assert raw.headers["x-ditattn-attention-backend"] == "torch_sdpa"
@@ -58,7 +58,7 @@ def test_images_and_video_end_to_end(server):
                               extra_body={"seed": 7, "negative_prompt": "blurry"})
     assert again.attention_backends == ["torch_sdpa"]  # the server default on this CPU
 
-    v = c.videos.create(model="ditattn:tiny-wan", prompt="waves at dusk", size="32x32",
+    v = c.videos.create(model="ditattn:shapes", prompt="waves at dusk", size="32x32",
                         extra_body={"num_frames": 5, "fps": 8, "seed": 1, "attention_backend_override": "torch_sdpa"})
     assert v.status in ("queued", "in_progress") and v.seconds == "0.625"
     v = wait_video(c, v.id)

@@ -53,7 +53,7 @@ def _shapes() -> BuiltinModel:
 BUILTIN_MODELS: dict[str, BuiltinModel] = {m.name: m for m in (
     _shapes(), _tiny("ditattn:tiny-wan"), _tiny("ditattn:tiny-wan2.2"), _tiny_i2v("ditattn:tiny-wan-i2v"),
     _tiny_i2v("ditattn:tiny-wan2.2-ti2v"), _tiny_i2v("ditattn:tiny-wan2.2-i2v"))}
-DEFAULT_MODEL = "ditattn:tiny-wan"
+DEFAULT_MODEL = "ditattn:shapes"
 
 
 def builtin_model(name: str) -> BuiltinModel:
