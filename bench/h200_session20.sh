@@ -10,7 +10,15 @@
 #                                           # that VAE, DIT_S seconds (default 470), then judged (guidance tuned)
 #   bash bench/h200_session20.sh dit-resume # carry [".gpu-train", ".shapes-prev"]: continue a full package
 #
+#   bash bench/h200_session20.sh bs3        # carry [".gpu-b"]: issue 18, the SM90 block-sparse kernel with 3 stages
+#                                           # (offline: 230,888 B of shared memory, fits) and online softmax (~4 min)
+#   bash bench/h200_session20.sh fid40      # carry [".gpu-b"]: issue 19, every default + the fast settings at
+#                                           # 480p with 40 heads (the 14B layout), CPU-drawn inputs (~7 min)
+#
 # .shapes-vae / .shapes-prev: copy a returned shapes/shapes.{json,safetensors} there (git-ignored).
+# Staging for the .gpu-b parts: `bash ../shared/gpu/prepare.sh && bash bench/stage_split.sh` here once (the
+# tracked tree, 17 MB with the shapes weights, + the old 54 MiB .gpu-b is over the 64 MiB carry limit), then
+# device calls carry [".gpu-a"] `bash .gpu-a/stage.sh`, carry [".gpu-a2"] `bash .gpu-a2/stage.sh`.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/out}
@@ -30,8 +38,17 @@ last)  # carry [".gpu-b"]: FP8 P.V speed (the kernels part spent its budget on t
   step 60 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_gpu_kernels.py -k "svg2 or synchronise"
   step 150 python3 bench/fidelity.py --grids wan480 --heads 12 --gen-device cpu --budget-s 110 --out "$OUT/fid" \
       --cases "sparse_video_gen_2_attn (defaults),sol_attn (defaults),sparge_attn exact topk=0.4,sparge_attn exact topk=0.35" ;;
+bs3)
+  source .gpu-b/activate.sh
+  step 100 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_block_sparse_sm90.py -k "not compiles"
+  step 200 python3 bench/block_sparse_sm90.py --out "$OUT/bs" --seqs 32760,75600 --sparsities 0.9,0.85,0.95 \
+      --budget-s 170 --variants "default=;s3=num_stages:3;online=static_max:false;online_s3=num_stages:3/static_max:false" ;;
+fid40)
+  source .gpu-b/activate.sh
+  step 420 python3 bench/fidelity.py --grids wan480 --heads 40 --gen-device cpu --budget-s 380 --out "$OUT/fid40" \
+      --cases "sparge_attn (defaults),sparge_attn exact topk=0.4,sparge_attn exact topk=0.35,sparse_video_gen_2_attn (defaults),sol_attn (defaults),vmoba_attn (defaults),video_sparse_attn sparsity=0.9,sla_attn (defaults),STA searched (default candidates)" ;;
 vae) train 585 --stage vae --vae-budget-s "${VAE_S:-450}"; summary ;;
 dit) train 590 --stage dit --init .shapes-vae --dit-budget-s "${DIT_S:-470}"; summary ;;
 dit-resume) train 590 --stage dit --resume .shapes-prev --dit-budget-s "${DIT_S:-470}"; summary ;;
-*) echo "usage: bash bench/h200_session20.sh kernels|last|vae|dit|dit-resume" >&2; exit 2 ;;
+*) echo "usage: bash bench/h200_session20.sh kernels|last|bs3|fid40|vae|dit|dit-resume" >&2; exit 2 ;;
 esac

@@ -57,7 +57,8 @@ def test_lora_and_memory_options_from_yaml(capsys, tmp_path):
     save_file({"transformer.blocks.0.attn1.to_q.lora_A.weight": torch.randn(4, 512, generator=g),
                "transformer.blocks.0.attn1.to_q.lora_B.weight": torch.randn(512, 4, generator=g)}, str(lora))
     cfg = tmp_path / "run.yaml"
-    cfg.write_text(f"prompt: a fox\nlora-path: ['{lora}:0.5']\noffload: group\noffload-group-blocks: 1\n"
+    cfg.write_text(f"prompt: a fox\nmodel-path: ditattn:tiny-wan\nlora-path: ['{lora}:0.5']\noffload: group\n"
+                   "offload-group-blocks: 1\n"
                    "vae-slicing: true\n")
     rc, out, err = run(capsys, "generate", "--config", str(cfg), *SMALL, "--output-path", str(tmp_path))
     assert rc == 0, err

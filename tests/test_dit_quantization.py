@@ -193,7 +193,7 @@ def test_plan_shows_the_rule(capsys):
 
     from ditattn.cli import main
 
-    args = ["plan", "--dit-quantization", "fp8", "--platform", "cuda:90", "--platform-packages", "torchao",
+    args = ["plan", "--model-path", "ditattn:tiny-wan", "--dit-quantization", "fp8", "--platform", "cuda:90", "--platform-packages", "torchao",
             "--dtype", "bfloat16"]
     assert main(args) == 0
     out = capsys.readouterr().out
@@ -290,7 +290,7 @@ def test_pipeline_generate_and_summary(capsys):
     b = pipe.generate("a red fox", output_type="latent", progress=False, **SMALL).frames
     rel = ((a - b).norm() / a.norm()).item()
     assert 0 < rel < 2e-2, rel
-    assert main(["generate", "--prompt", "a fox", "--dit-quantization", "int8", "--no-save-output",
+    assert main(["generate", "--model-path", "ditattn:tiny-wan", "--prompt", "a fox", "--dit-quantization", "int8", "--no-save-output",
                  "--height", "32", "--width", "32", "--num-frames", "1", "--num-inference-steps", "1"]) == 0
     assert "DiT linears: int8 (16 of 26 linears)" in capsys.readouterr().out.strip().splitlines()[-1]
 
@@ -321,7 +321,7 @@ def test_server_runs_quantized_and_requests_cannot_change_it():
     from ditattn.server.app import create_app
     from ditattn.server.runner import build_runner
 
-    cfg = RunConfig.from_mapping({"dit_quantization": "int8", "num_inference_steps": 1, "height": 32, "width": 32,
+    cfg = RunConfig.from_mapping({"model_path": "ditattn:tiny-wan", "dit_quantization": "int8", "num_inference_steps": 1, "height": 32, "width": 32,
                                   "num_frames": 1, "batch_window_s": 0})
     runner = build_runner(cfg)
     assert runner.pipe.quantization_summary() == "int8 (16 of 26 linears)"
@@ -448,7 +448,7 @@ def test_fp8_checkpoint_then_int8_linears(tmp_path):
     a = ref.generate("a red fox", output_type="latent", progress=False, **SMALL).frames
     b = pipe.generate("a red fox", output_type="latent", progress=False, **SMALL).frames
     assert 0 < ((a - b).norm() / a.norm()).item() < 0.1
-    assert main(["generate", "--prompt", "a fox", "--dit-weights", path, "--dit-quantization", "int8",
+    assert main(["generate", "--model-path", "ditattn:tiny-wan", "--prompt", "a fox", "--dit-weights", path, "--dit-quantization", "int8",
                  "--no-save-output", "--height", "32", "--width", "32", "--num-frames", "1",
                  "--num-inference-steps", "1"]) == 0
 
@@ -559,7 +559,7 @@ def test_sequence_parallel_int8_matches_one_process(tmp_path, capfd):
 
     from ditattn.cli import main
 
-    common = ["generate", "--prompt", "a red fox", "--num-frames", "1", "--height", "48", "--width", "48",
+    common = ["generate", "--model-path", "ditattn:tiny-wan", "--prompt", "a red fox", "--num-frames", "1", "--height", "48", "--width", "48",
               "--num-inference-steps", "2", "--dit-quantization", "int8", "--output-path", str(tmp_path)]
     assert main(common + ["--output-file", "one.png"]) == 0
     assert main(common + ["--output-file", "two.png", "--num-gpus", "2", "--ulysses-degree", "2"]) == 0

@@ -157,7 +157,7 @@ def compare_run(tmp_path_factory):
 def test_compare_two_variants_two_prompts_on_cpu(compare_run):
     out, rep, secs = compare_run
     print(f"compare 2 variants x 2 prompts: {secs:.1f} s")
-    assert rep["reference"] == "dense" and rep["meta"]["model"] == "ditattn:tiny-wan"
+    assert rep["reference"] == "dense" and rep["meta"]["model"] == "ditattn:shapes"  # the default, trained model
     assert [v["name"] for v in rep["variants"]] == ["dense", "vsa"]
     dense, vsa = rep["variants"]
     assert len(vsa["runs"]) == 2 and {r["prompt_index"] for r in vsa["runs"]} == {0, 1}
@@ -168,7 +168,7 @@ def test_compare_two_variants_two_prompts_on_cpu(compare_run):
         assert run["attention_backends"][0] == "video_sparse_attn"
         layers = run["layers"]
         assert {(x["layer"], x["step"]) for x in layers} == {
-            (f"transformer.blocks.{i}.attn1", s) for i in (0, 1) for s in (0, 1)}
+            (f"transformer.blocks.{i}.attn1", s) for i in range(6) for s in (0, 1)}  # ditattn:shapes: 6 blocks
         for x in layers:
             assert x["rel_err"] > 0 and x["cosine"] < 1 and x["in_context_rel_err"] > 0
         # step 0, block 0 sees identical inputs in both runs: drift-free, so both errors agree
@@ -222,8 +222,8 @@ def test_capture_qkv_roundtrip(tmp_path):
     assert [e["name"] for e in entries] == ["transformer.blocks.1.attn1@step1"]
     (e, q, k, v), = load_qkv(path)
     T, H, W = e["video_shape"]
-    assert q.shape == (1, T * H * W, 4, 128) and k.shape == q.shape and v.shape == q.shape
-    assert e["step"] == 1 and e["layer_idx"] == 1 and e["model"] == "ditattn:tiny-wan"
+    assert q.shape == (1, T * H * W, 2, 128) and k.shape == q.shape and v.shape == q.shape  # ditattn:shapes
+    assert e["step"] == 1 and e["layer_idx"] == 1 and e["model"] == "ditattn:shapes"
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"not a safetensors file")
     with pytest.raises(ActivationFileError, match="cannot read"):
