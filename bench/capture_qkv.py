@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-path", default=None, help="diffusers-format Wan folder or ditattn:tiny-wan (default)")
+    ap.add_argument("--model-path", default=None, help="diffusers-format Wan folder or a built-in model (default: ditattn:shapes, the trained one)")
     ap.add_argument("--prompt", required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", default="-1", help="denoising steps to capture, comma-separated (negative = from the end)")
