@@ -11,7 +11,10 @@
 #   bash bench/h200_session20.sh dit-resume # carry [".gpu-train", ".shapes-prev"]: continue a full package
 #
 #   bash bench/h200_session20.sh bs3        # carry [".gpu-b"]: issue 18, the SM90 block-sparse kernel with 3 stages
-#                                           # (offline: 230,888 B of shared memory, fits) and online softmax (~4 min)
+#                                           # (offline: 230,888 B of shared memory, fits), online softmax and the
+#                                           # persistent schedule (GPU tests of every schedule first), ~9.5 min: the
+#                                           # bench's budget (300 s) is checked per (S, sparsity) row, a 720p row at
+#                                           # 0.85 with 9 candidates takes ~2 min, so the step's limit is 420 s
 #   bash bench/h200_session20.sh fid40      # carry [".gpu-b"]: issue 19, every default + the fast settings at
 #                                           # 480p with 40 heads (the 14B layout), CPU-drawn inputs (~7 min)
 #
@@ -40,9 +43,9 @@ last)  # carry [".gpu-b"]: FP8 P.V speed (the kernels part spent its budget on t
       --cases "sparse_video_gen_2_attn (defaults),sol_attn (defaults),sparge_attn exact topk=0.4,sparge_attn exact topk=0.35" ;;
 bs3)
   source .gpu-b/activate.sh
-  step 100 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_block_sparse_sm90.py -k "not compiles"
-  step 200 python3 bench/block_sparse_sm90.py --out "$OUT/bs" --seqs 32760,75600 --sparsities 0.9,0.85,0.95 \
-      --budget-s 170 --variants "default=;s3=num_stages:3;online=static_max:false;online_s3=num_stages:3/static_max:false" ;;
+  step 160 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_block_sparse_sm90.py -k "not compiles"
+  step 420 python3 bench/block_sparse_sm90.py --out "$OUT/bs" --seqs 32760,75600 --sparsities 0.9,0.85,0.95 \
+      --budget-s 300 --variants "default=;s3=num_stages:3;online=static_max:false;online_s3=num_stages:3/static_max:false;persist=persistent:true;persist_s3=persistent:true/num_stages:3;persist_online=persistent:true/static_max:false" ;;
 fid40)
   source .gpu-b/activate.sh
   step 420 python3 bench/fidelity.py --grids wan480 --heads 40 --gen-device cpu --budget-s 380 --out "$OUT/fid40" \

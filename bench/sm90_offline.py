@@ -16,7 +16,8 @@ warning or performance advisory of ``ptxas -arch=sm_90a -v`` on the PTX (C7513: 
 Besides the kernel's config keys a variant may set the build keys ``head_dim``, ``dtype`` (bf16|fp16)
 and, for the block-sparse kernel, ``has_valid`` / ``return_lse`` (its other constexprs).  ``--matrix``
 (block-sparse) compiles every combination of head dim 64/128, bf16/fp16, with/without padding keys,
-with/without LSE, static-max/online softmax — everything a caller can launch.
+with/without LSE, static-max/online softmax, one CTA per tile/persistent — everything a caller can
+launch with the default stages — and the persistent schedule with 3 stages (68 builds).
 
 Compile with the Triton version of the GPU machine (``GPU_TRITON``): versions differ in what Gluon
 accepts (3.7.1 passes a layout read off a tensor as a call argument, 3.6.0 fails to compile it), so
@@ -123,10 +124,9 @@ def compile_block_sparse(config: dict, *, head_dim: int = 128, has_valid: bool =
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from ditattn.attention.kernels import block_sparse_sm90 as m
-    from ditattn.attention.kernels import launch_config
 
     dtype = dtype or torch.bfloat16
-    cfg = launch_config(m.default_config(head_dim), config, what="block-sparse SM90 kernel")
+    cfg = m.kernel_config(head_dim, config)
     d, bs, b, h, hkv, s = head_dim, 64, 1, 2, 2, 512
     nq = s // bs
     gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
@@ -138,7 +138,7 @@ def compile_block_sparse(config: dict, *, head_dim: int = 128, has_valid: bool =
     f = torch.zeros(4096)
     return m._bs_fwd_sm90.warmup(
         desc, desc, desc, desc, idx, cnt, f, f, f, f, f, h, h // hkv, nq, s, s, 0.1,
-        idx.stride(0), idx.stride(1), idx.stride(2), cnt.stride(0), cnt.stride(1), 0, 0,
+        idx.stride(0), idx.stride(1), idx.stride(2), cnt.stride(0), cnt.stride(1), 0, 0, (nq + 1) // 2 * b * h,
         **m.kernel_constexprs(cfg, d, dtype, has_valid=has_valid, return_lse=return_lse),
         num_warps=4, maxnreg=168, grid=(1,))
 
@@ -187,12 +187,22 @@ def analyse(sass: str) -> dict:
 
 
 def block_sparse_matrix() -> dict:
-    """Every constexpr combination of the block-sparse kernel a caller can launch."""
+    """Every constexpr combination of the block-sparse kernel a caller can launch with the default stages:
+    head dim, dtype, padding mask, LSE, softmax, one CTA per tile or persistent (64); plus the persistent
+    schedule with 3 stages, whose head dim 128 stages the output in Q's buffer (head dim 64: in its own
+    tiles, as with 2 stages), with both softmax paths (4)."""
     out = {}
-    for d, dt, valid, lse, static in itertools.product((128, 64), ("bf16", "fp16"), (True, False), (True, False),
-                                                       (True, False)):
-        name = f"d{d}_{dt}_{'valid' if valid else 'novalid'}_{'lse' if lse else 'nolse'}_{'static' if static else 'online'}"
+    for d, dt, valid, lse, static, pers in itertools.product((128, 64), ("bf16", "fp16"), (True, False), (True, False),
+                                                             (True, False), (False, True)):
+        name = (f"d{d}_{dt}_{'valid' if valid else 'novalid'}_{'lse' if lse else 'nolse'}_"
+                f"{'static' if static else 'online'}{'_persist' if pers else ''}")
         out[name] = {"head_dim": d, "dtype": dt, "has_valid": valid, "return_lse": lse, "static_max": static}
+        if pers:
+            out[name]["persistent"] = True
+    for d, static in itertools.product((128, 64), (True, False)):
+        out[f"d{d}_bf16_valid_lse_{'static' if static else 'online'}_persist_s3"] = {
+            "head_dim": d, "has_valid": True, "return_lse": True, "static_max": static, "persistent": True,
+            "num_stages": 3}
     return out
 
 

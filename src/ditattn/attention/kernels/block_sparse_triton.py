@@ -281,7 +281,8 @@ def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     (entries past the count are ignored; listed entries must be distinct and in range: they are
     not bounds-checked on the device); ``kv_valid`` optional bool ``[B, S_kv]`` (False = padding key,
     masked).  ``scale`` defaults to ``D ** -0.5``.  ``config`` overrides the launch configuration
-    (keys of :func:`default_config`; with ``impl="sm90"`` those of ``block_sparse_sm90.default_config``).
+    (keys of :func:`default_config`; with ``impl="sm90"`` those of ``block_sparse_sm90.default_config``,
+    checked by ``block_sparse_sm90.kernel_config`` on any device).
     Returns ``(out [B, S_q, H, D] in q.dtype, lse [B, H, S_q] float32 natural log, or None)``; a query row with no valid key gives zeros and LSE ``-inf``.
 
     ``impl``: ``"triton"`` runs the kernel of this module; ``"sm90"`` the warp-specialised Gluon kernel
@@ -300,7 +301,11 @@ def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     B, Sq, Skv, H, Hkv, D = check_qkv(q, k, v, what=what, head_dims=SUPPORTED_HEAD_DIMS)
     if block_size not in SUPPORTED_BLOCK_SIZES:
         raise AttentionConfigError(f"{what}: block_size {block_size} not supported (accepts {list(SUPPORTED_BLOCK_SIZES)})")
-    if impl != "sm90":  # config errors first, whatever the device (impl 'sm90' validates its own keys at launch)
+    if impl == "sm90":  # config errors first, whatever the device: the SM90 kernel's own keys and values
+        from ditattn.attention.kernels import block_sparse_sm90
+
+        block_sparse_sm90.kernel_config(D, config)
+    else:
         cfg = launch_config(default_config(block_size, D), config, what=what)
         kvpi = int(cfg["kv_per_iter"])
         if kvpi < 1 or kvpi & (kvpi - 1):
@@ -326,9 +331,7 @@ def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         raise AttentionConfigError(f"{what}: kv_valid must be bool [{B}, {Skv}], got {kv_valid.dtype} {tuple(kv_valid.shape)}")
     if kv_indices.shape[3] == 0:
         kv_indices = torch.zeros(*kv_indices.shape[:3], 1, dtype=torch.int32, device=q.device)
-    if impl == "sm90":  # its own config keys (block_sparse_sm90.default_config), validated by its launch
-        from ditattn.attention.kernels import block_sparse_sm90
-
+    if impl == "sm90":
         why = block_sparse_sm90.why_not(q, block_size)
         if why:
             raise AttentionConfigError(f"{what}: impl 'sm90' cannot take this call: {why}")
