@@ -18,8 +18,13 @@ last timed call.  ``sliding_tile_attn`` runs its workflow end to end: one ``STA_
 (full attention plus every candidate window, the search cost reported as ``search_s``) writes the
 mask-strategy file, then ``STA_inference`` reads it.
 
-``--activations FILE`` adds the entries of an activation file (``bench/capture_qkv.py``, format
-``ditattn-qkv-v1``) as inputs next to the structured ones.  Writes ``fidelity.json`` and
+``sage_attn`` (INT8 Q·K, every pair computed) is the quantized dense reference.  Skip softmax (BLASST, a
+request option rather than a backend: ``--backends skip_softmax``) runs its CUDA kernel on the GPU and its
+PyTorch reference of the same tile rule elsewhere; its ``kept`` is the fraction of 128×128 tiles not skipped.
+
+``--activations FILE`` (repeatable) adds the entries of activation files (``bench/capture_qkv.py``, format
+``ditattn-qkv-v1``) as inputs next to the structured ones; with them a second table gives each case's
+mean / median / max error over those inputs and its mean error per captured step and layer.  Writes ``fidelity.json`` and
 ``fidelity.png`` (error against speed-up, log scale) into ``--out`` and prints the frontier table
 last.  CPU smoke run: ``BENCH_DEVICE=cpu python bench/fidelity.py --grid 3,8,8 --heads 2``.
 
@@ -42,6 +47,8 @@ from common import DEVICE, Deadline, Recorder, bench_ms, env_info, fmt_table, re
 
 GRIDS = {"wan480": (21, 30, 52), "wan720": (21, 45, 80)}
 LAYER = 2  # past sol_attn's default dense_layers 0,1
+#: pseudo backend name of the skip-softmax cases (``--backends skip_softmax`` selects them)
+SKIP_SOFTMAX = "skip_softmax"
 #: (label, backend, config); "defaults" rows keep every default except the dense phases
 CASES = [
     ("sparge_attn (defaults)", "sparge_attn", {}),
@@ -87,6 +94,15 @@ CASES = [
     ("sparge_attn edge_tiles=padded", "sparge_attn", {"edge_tiles": "padded"}),
     ("STA searched (default candidates)", "sliding_tile_attn", {"search": None}),
     ("STA searched (large windows)", "sliding_tile_attn", {"search": [3, 5, 7, 5, 5, 5, 1, 9, 13, 6, 3, 5, 3, 9, 9]}),
+    # the quantized dense reference: every pair computed, INT8 Q.K and fp16 / fp8 P.V
+    ("sage_attn (defaults)", "sage_attn", {}),
+    ("sage_attn pv_dtype=fp8", "sage_attn", {"pv_dtype": "fp8"}),
+    # skip softmax (BLASST): a request option, not a backend; the CUDA kernel on the GPU, its PyTorch
+    # reference of the same tile rule elsewhere; kept = the fraction of 128x128 tiles not skipped
+    ("skip_softmax factor=1", SKIP_SOFTMAX, {"threshold_scale_factor": 1.0}),
+    ("skip_softmax factor=4", SKIP_SOFTMAX, {"threshold_scale_factor": 4.0}),
+    ("skip_softmax factor=16", SKIP_SOFTMAX, {"threshold_scale_factor": 16.0}),
+    ("skip_softmax factor=64", SKIP_SOFTMAX, {"threshold_scale_factor": 64.0}),
 ]
 VMOBA_MODES = {0: "temporal", 1: "spatial", 2: "st"}
 
@@ -135,6 +151,28 @@ def run_case(attention, q, k, v, grid, backend, cfg, *, layer=LAYER, stateful=Fa
     return ms, call()
 
 
+def skip_softmax_row(q, k, v, grid, rows, exact, factor):
+    """Skip softmax at ``threshold_scale_factor`` ``factor``: the kernel on CUDA, the reference elsewhere;
+    ``kept`` = 1 - the fraction of tiles skipped."""
+    from ditattn.attention.kernels import skip_softmax_rules
+
+    frac = {}
+
+    def fn(q, k, v, **_):
+        if q.is_cuda:
+            from ditattn.attention.kernels.skip_softmax import skip_softmax_attention
+
+            out, _, f = skip_softmax_attention(q, k, v, threshold_scale_factor=factor)
+        else:
+            out, _, f = skip_softmax_rules.skip_softmax_reference(q, k, v, threshold_scale_factor=factor)
+        frac["skipped"] = float(f)
+        return out
+
+    ms, out = run_case(fn, q, k, v, grid, SKIP_SOFTMAX, None)
+    rel, cos = errors(out, exact, rows)
+    return {"ms": ms, "rel_err": rel, "cosine": cos, "kept_fraction": 1.0 - frac["skipped"]}
+
+
 def sta_rows(attention, q, k, v, grid, rows, exact, label, candidates, tmp):
     """The STA workflow: one searching call writes the strategy, inference reads it."""
     from ditattn.attention.sparse import clear_stats, last_stats
@@ -161,7 +199,7 @@ def sta_rows(attention, q, k, v, grid, rows, exact, label, candidates, tmp):
             "windows": sorted({tuple(w) for w in windows.values()})}
 
 
-def measure_input(rec, dl, args, name, q, k, v, grid, tmp):
+def measure_input(rec, dl, args, name, q, k, v, grid, tmp, meta=None):
     import ditattn
     from ditattn.attention.sparse import clear_stats, last_stats
 
@@ -171,7 +209,7 @@ def measure_input(rec, dl, args, name, q, k, v, grid, tmp):
     dense_backend = "fa" if DEVICE == "cuda" else "torch_sdpa"
     dense_ms, dense_out = run_case(ditattn.attention, q, k, v, None, dense_backend, None)
     rel, cos = errors(dense_out, exact, rows)
-    base = {"input": name, "grid": list(grid), "seq": S, "heads": H}
+    base = {"input": name, "grid": list(grid), "seq": S, "heads": H, **(meta or {})}
     rec.add(**base, case=f"dense {dense_backend}", backend=dense_backend, ms=dense_ms,
             speedup=1.0 if dense_ms else None, rel_err=rel,
             cosine=cos, kept_fraction=1.0)
@@ -192,6 +230,8 @@ def measure_input(rec, dl, args, name, q, k, v, grid, tmp):
             clear_stats()
             if backend == "sliding_tile_attn":
                 return sta_rows(ditattn.attention, q, k, v, grid, rows, exact, label, cfg["search"], tmp)
+            if backend == SKIP_SOFTMAX:
+                return skip_softmax_row(q, k, v, grid, rows, exact, cfg["threshold_scale_factor"])
             stateful = backend == "sparse_video_gen_2_attn"
             ms, out = run_case(ditattn.attention, q, k, v, grid, backend, cfg, layer=layer, stateful=stateful)
             rel, cos = errors(out, exact, rows)
@@ -213,6 +253,39 @@ def measure_input(rec, dl, args, name, q, k, v, grid, tmp):
                   + (f"  search {row['search_s']:.2f} s" if "search_s" in row else ""), flush=True)
 
 
+def activation_summary(rows):
+    """Per case over the activation inputs: ``n``, mean kept, mean / median / max error, min cosine, and
+    the mean error per captured step and per layer index.  Returns ``(summary rows, table columns)``
+    (empty when no row came from an activation file)."""
+    import statistics
+
+    act = [r for r in rows if str(r.get("input", "")).startswith("activations:") and r.get("rel_err") is not None]
+    if not act:
+        return [], []
+    steps = sorted({r["step"] for r in act if r.get("step") is not None})
+    layers = sorted({r["layer_idx"] for r in act if r.get("layer_idx") is not None})
+    out = []
+    for case in dict.fromkeys(r["case"] for r in act):
+        sel = [r for r in act if r["case"] == case]
+        errs = [r["rel_err"] for r in sel]
+        kept = [r["kept_fraction"] for r in sel if r.get("kept_fraction") is not None]
+        row = {"case": case, "n": len(sel), "kept": sum(kept) / len(kept) if kept else None,
+               "err_mean": sum(errs) / len(errs), "err_median": statistics.median(errs), "err_max": max(errs),
+               "cos_min": min(r["cosine"] for r in sel)}
+        for s in steps:
+            e = [r["rel_err"] for r in sel if r.get("step") == s]
+            row[f"err_step{s}"] = sum(e) / len(e) if e else None
+        for li in layers:
+            e = [r["rel_err"] for r in sel if r.get("layer_idx") == li]
+            row[f"err_layer{li}"] = sum(e) / len(e) if e else None
+        out.append(row)
+    cols = [("case", "case", ""), ("n", "n", ""), ("kept", "kept", ".3f"), ("err_mean", "err mean", ".4f"),
+            ("err_median", "median", ".4f"), ("err_max", "max", ".4f"), ("cos_min", "cos min", ".5f")]
+    cols += [(f"err_step{s}", f"step {s}", ".4f") for s in steps]
+    cols += [(f"err_layer{li}", f"layer {li}", ".4f") for li in layers]
+    return out, cols
+
+
 def chart(rows, path):
     import matplotlib
 
@@ -232,7 +305,8 @@ def chart(rows, path):
         ax.set(xscale="log", yscale="log", xlabel="speed-up over dense (same run)", ylabel="relative L2 error",
                title=f"{inp}, {heads} heads")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if sel:  # --error-only rows have no speed-up to plot
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -245,8 +319,9 @@ def main():
     ap.add_argument("--heads", default="12,40", help="comma list of head counts")
     ap.add_argument("--ref-rows", type=int, default=1024, help="query rows checked against the float32 reference")
     ap.add_argument("--backends", default=None, help="comma list: only these backends")
-    ap.add_argument("--activations", default=None, metavar="FILE",
-                    help="also measure on the q/k/v of an activation file (bench/capture_qkv.py)")
+    ap.add_argument("--activations", action="append", default=None, metavar="FILE",
+                    help="also measure on the q/k/v of an activation file (bench/capture_qkv.py); repeat for several "
+                         "files (inputs are then named with their prompt when the files' prompts differ)")
     ap.add_argument("--no-structured", action="store_true", help="only the --activations inputs")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new cases after this many seconds")
     ap.add_argument("--seed", type=int, default=0)
@@ -275,20 +350,25 @@ def main():
         for grid in grids:
             for heads in (int(h) for h in args.heads.split(",")):
                 name = "structured" if args.gen_device in (None, DEVICE) else f"structured ({args.gen_device} noise)"
-                inputs.append((name, grid, heads, None))
+                inputs.append((name, grid, heads, None, None))
     if args.activations:
         from ditattn.evaluation.capture import load_qkv
 
-        for entry, q, k, v in load_qkv(args.activations):
-            inputs.append((f"activations:{entry['name']}", tuple(entry["video_shape"]), q.shape[2], (q, k, v)))
-    for name, grid, heads, qkv in inputs:
+        loaded = [x for path in args.activations for x in load_qkv(path)]
+        several = len({e.get("prompt") for e, *_ in loaded}) > 1
+        for entry, q, k, v in loaded:
+            name = f"activations:{entry['name']}" + (f" ({entry.get('prompt')})" if several else "")
+            meta = {"step": entry.get("step"), "layer_idx": entry.get("layer_idx"), "prompt": entry.get("prompt"),
+                    "model": entry.get("model")}
+            inputs.append((name, tuple(entry["video_shape"]), q.shape[2], (q, k, v), meta))
+    for name, grid, heads, qkv, *meta in inputs:
         if qkv is None:
             q, k, v, _ = structured_qkv(StructuredSpec(video_shape=grid, heads=heads, seed=args.seed),
                                         device=args.gen_device or DEVICE)
             q, k, v = (t.to(DEVICE) for t in (q, k, v))
         else:
             q, k, v = (t.to(DEVICE, torch.bfloat16) for t in qkv)
-        measure_input(rec, dl, args, name, q, k, v, grid, tmp)
+        measure_input(rec, dl, args, name, q, k, v, grid, tmp, meta[0] if meta else None)
         del q, k, v
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
@@ -302,6 +382,13 @@ def main():
             ("speedup", "x dense", ".2f"), ("kept_fraction", "kept", ".3f"), ("rel_err", "rel err", ".3e"),
             ("cosine", "cosine", ".5f"), ("search_s", "search s", ".2f")]
     print(fmt_table(rows, cols))
+    summary, scols = activation_summary(rows)
+    if summary:
+        rec.data["activation_summary"] = summary
+        rec.flush()
+        print(f"\n## Over the activation inputs (per case: {summary[0]['n']} inputs unless n says otherwise; "
+              "err = rel_err vs float32 exact)\n")
+        print(fmt_table(summary, scols))
     for n in rec.data["notes"]:
         print("NOTE:", n)
 

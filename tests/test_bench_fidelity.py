@@ -68,3 +68,41 @@ def test_case_lists_in_the_gpu_scripts_name_existing_cases():
                 found += 1
                 assert entry in labels or any(entry in lab for lab in labels), (name, entry)
     assert found >= 10
+
+
+def test_fidelity_on_activations_captured_from_the_shapes_model(tmp_path, run_bench):
+    """bench/capture_qkv.py on the trained ``ditattn:shapes`` (128x128x9: a 3x8x8 grid, four 4x4x4 tiles; two
+    steps) writes real q/k/v that bench/fidelity.py reads: every entry becomes an input named with its prompt,
+    the dense backend's error is the bf16 rounding floor, the quantized dense reference is close, a sparse
+    backend is not, and the per-case summary over the activation inputs is printed and stored."""
+    act = str(tmp_path / "shapes_qkv.safetensors")
+    out = run_bench("capture_qkv.py", "--model-path", "ditattn:shapes", "--prompt", "a red circle moving right",
+                    "--steps", "0,-1", "--layers", "0,5", "--num-inference-steps", "2", "--height", "128", "--width",
+                    "128", "--num-frames", "9", "--out", act)
+    assert "wrote" in out and "(4 entries)" in out
+    act2 = str(tmp_path / "shapes_qkv2.safetensors")
+    run_bench("capture_qkv.py", "--model-path", "ditattn:shapes", "--prompt", "a blue square moving up", "--steps",
+              "-1", "--layers", "2", "--num-inference-steps", "2", "--height", "128", "--width", "128", "--num-frames", "9",
+              "--out", act2)
+    fid = tmp_path / "fid"
+    stdout = run_bench("fidelity.py", "--no-structured", "--activations", act, "--activations", act2, "--error-only",
+                       "--ref-rows", "64", "--cases", "sage_attn (defaults),video_sparse_attn sparsity=0.75",
+                       "--out", str(fid), env={"BENCH_DEVICE": "cpu"})
+    data = json.loads((fid / "fidelity.json").read_text())
+    rows = data["rows"]
+    inputs = {r["input"] for r in rows}
+    assert "activations:transformer.blocks.0.attn1@step0 (a red circle moving right)" in inputs
+    assert "activations:transformer.blocks.2.attn1@step1 (a blue square moving up)" in inputs
+    assert len(inputs) == 5  # 2 layers x 2 steps + 1
+    assert all(r["model"] == "ditattn:shapes" and r["grid"] == [3, 8, 8] and r["heads"] == 2 for r in rows)
+    dense = [r for r in rows if r["case"] == "dense torch_sdpa"]
+    assert len(dense) == 5 and all(r["rel_err"] < 5e-3 and r["cosine"] > 0.9999 for r in dense), dense
+    sage = [r for r in rows if r["case"] == "sage_attn (defaults)"]
+    assert len(sage) == 5 and all(r["rel_err"] < 0.05 for r in sage), sage
+    vsa = [r for r in rows if r["case"].startswith("video_sparse_attn")]
+    assert len(vsa) == 5 and all(0 < r["kept_fraction"] < 1 and r["rel_err"] > 1e-2 for r in vsa), vsa
+    summary = {s["case"]: s for s in data["activation_summary"]}
+    assert summary["dense torch_sdpa"]["n"] == 5 and summary["dense torch_sdpa"]["err_max"] < 5e-3
+    assert set(summary["sage_attn (defaults)"]) >= {"err_step0", "err_step1", "err_layer0", "err_layer2", "err_layer5"}
+    assert "## Over the activation inputs" in stdout
+    assert not data["notes"], data["notes"]
