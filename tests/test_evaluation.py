@@ -185,11 +185,18 @@ def test_compare_two_variants_two_prompts_on_cpu(compare_run):
 def test_compare_identical_variants_are_exact(tmp_path, capsys):
     rc = main(["compare", "--prompt", "a cat", *SMALL, "--num-inference-steps", "1", "--variant", "a=torch_sdpa",
                "--variant", "b=torch_sdpa", "--output-path", str(tmp_path), "--no-video", "--seed", "3", "4",
-               "--warmup", "0"])
+               "--warmup", "0", "--save-clips"])
     assert rc == 0
     text = capsys.readouterr().out
     assert "inf" in text.splitlines()[-1]
     rep = json.loads((tmp_path / "compare.json").read_text())
+    # --save-clips: every clip, lossless, under <variant>_p<prompt>_s<seed>
+    assert rep["files"]["clips"] == str(tmp_path / "clips.npz")
+    with np.load(tmp_path / "clips.npz") as clips:
+        assert sorted(clips.files) == ["a_p0_s3", "a_p0_s4", "b_p0_s3", "b_p0_s4"]
+        a3 = clips["a_p0_s3"]
+        assert a3.dtype == np.uint8 and a3.shape == (9, 64, 128, 3)
+        assert np.array_equal(a3, clips["b_p0_s3"]) and not np.array_equal(a3, clips["a_p0_s4"])
     runs = rep["variants"][1]["runs"]
     assert [r["seed"] for r in runs] == [3, 4]
     for r in runs:

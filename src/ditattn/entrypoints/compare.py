@@ -37,7 +37,7 @@ def compare_config(cfg: RunConfig):
         negative_prompt=s.negative_prompt, num_inference_steps=s.num_inference_steps,
         guidance_scale=s.guidance_scale, height=s.height, width=s.width, num_frames=s.num_frames,
         capture_steps=c.capture_steps, capture_rows=c.capture_rows, in_context=c.in_context, warmup=c.warmup,
-        output_dir=o.output_path, write_video=c.write_video, fps=o.fps or 16,
+        output_dir=o.output_path, write_video=c.write_video, save_clips=c.save_clips, fps=o.fps or 16,
         base=dataclasses.replace(cfg.attention_settings(), backend=None), dit_weights=cfg.model.dit_weights)
 
 

@@ -254,4 +254,7 @@ def compare_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--output-path", metavar="DIR",
                    help="where compare.json, compare.png, contact_sheet.png and the videos go (default outputs/)")
     g.add_argument("--no-video", dest="write_video", action="store_false", help="do not write side-by-side MP4s")
+    g.add_argument("--save-clips", dest="save_clips", action="store_true",
+                   help="also write every clip losslessly to clips.npz (uint8 [frames, height, width, 3] under "
+                        "'<variant>_p<prompt index>_s<seed>'), e.g. for bench/judge_clips.py")
     g.add_argument("--fps", type=POS_INT, help="frames per second of the MP4s (default 16)")

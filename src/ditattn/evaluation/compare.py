@@ -138,7 +138,8 @@ class CompareConfig:
     also run the reference backend on each variant layer's own inputs at the capture steps.
     warmup: untimed generations per variant before the timed ones (one-time costs such as imports and
     kernel compilation would otherwise land on the first variant).
-    output_dir: where the JSON, chart, contact sheet and videos go (None: nothing written).
+    output_dir: where the JSON, chart, contact sheet and videos go (None: nothing written); save_clips:
+    also write every clip losslessly to ``clips.npz`` there (key ``<variant>_p<prompt index>_s<seed>``).
     base: settings shared by every variant (autotune, compile flags).  dit_weights: the DiT weights
     file(s) every variant loads (``--dit-weights``; None: the checkpoint's).
     """
@@ -161,6 +162,7 @@ class CompareConfig:
     warmup: int = 1
     output_dir: Optional[str] = "outputs/compare"
     write_video: bool = True
+    save_clips: bool = False
     fps: int = 16
     progress: bool = True
     base: Optional[AttentionSettings] = None

@@ -61,9 +61,14 @@ def json_ready(obj):
     return obj
 
 
+def clip_key(variant: str, prompt_index: int, seed: int) -> str:
+    """The key of one clip in ``clips.npz`` (``--save-clips``)."""
+    return f"{variant}_p{prompt_index}_s{seed}"
+
+
 def write_outputs(report: dict, frames: dict, pairs: Sequence, cfg) -> None:
-    """Write ``compare.json``, ``compare.png``, ``contact_sheet.png`` and the side-by-side videos
-    into ``cfg.output_dir`` (``cfg``: the run's :class:`~ditattn.evaluation.compare.CompareConfig`);
+    """Write ``compare.json``, ``compare.png``, ``contact_sheet.png``, the side-by-side videos and (with
+    ``cfg.save_clips``) ``clips.npz`` into ``cfg.output_dir`` (``cfg``: the run's :class:`~ditattn.evaluation.compare.CompareConfig`);
     their paths go into ``report["files"]`` (a file that could not be written is listed in
     ``report["notes"]`` with the reason)."""
     os.makedirs(cfg.output_dir, exist_ok=True)
@@ -87,6 +92,11 @@ def write_outputs(report: dict, frames: dict, pairs: Sequence, cfg) -> None:
                 notes.append(f"side-by-side video not written ({type(exc).__name__}: {exc}); the contact sheet has "
                              "the frames")
                 break
+    if getattr(cfg, "save_clips", False):
+        path = os.path.join(cfg.output_dir, "clips.npz")
+        np.savez_compressed(path, **{clip_key(names[vi], pi, seed): frames[(vi, ji)]
+                                     for vi in range(len(names)) for ji, (pi, _p, seed) in enumerate(pairs)})
+        files["clips"] = path
     path = os.path.join(cfg.output_dir, "compare.json")
     files["json"] = path
     with open(path, "w") as fh:

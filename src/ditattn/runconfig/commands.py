@@ -125,3 +125,4 @@ class CompareOptions(_Section):
     in_context: bool = _field(True, boolean, "also run the reference backend on each layer's own inputs")
     warmup: int = _field(1, nonneg_int, "untimed generations per variant first")
     write_video: bool = _field(True, boolean, "write side-by-side MP4s")
+    save_clips: bool = _field(False, boolean, "write every clip losslessly to clips.npz (for judging them afterwards)")
