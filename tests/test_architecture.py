@@ -38,6 +38,9 @@ MAX_MODULE_LINES = 450
 LONG_MODULES = {
     "ditattn.attention.kernels.sage_sm90": "one kernel: the warp-specialised SM90 Gluon attention kernel "
                                            "(INT8 Q.K, FP16 / FP8 P.V) with its launch",
+    "ditattn.attention.kernels.block_sparse_sm90": "one kernel: the warp-specialised SM90 Gluon block-sparse "
+                                                   "forward, its one-CTA-per-tile and persistent schedules sharing "
+                                                   "the jitted K/V loop, with its config and launch",
 }
 
 
