@@ -47,6 +47,41 @@ def add_wan_args(ap, *, text_len: bool = True) -> None:
         ap.add_argument("--text-len", type=int, default=512)
 
 
+#: the latent token grids (T, H, W) of Wan 480p / 720p x 81 frames
+WAN_GRIDS = {"wan480": (21, 30, 52), "wan720": (21, 45, 80)}
+
+
+def add_grid_args(ap, *, grids: str = "wan480", heads: str = "12,40") -> None:
+    """``--grids`` (names of :data:`WAN_GRIDS`), ``--grid T,H,W`` (override, e.g. a small grid for a CPU smoke
+    run) and ``--heads`` (comma list); read them back with :func:`grid_args`."""
+    ap.add_argument("--grids", default=grids, help=f"comma list of {', '.join(WAN_GRIDS)} (default {grids})")
+    ap.add_argument("--grid", default=None, help="override: T,H,W (e.g. 5,8,12 for a CPU smoke run)")
+    ap.add_argument("--heads", default=heads, help=f"comma list of head counts (default {heads})")
+
+
+def grid_args(ap, args) -> tuple[list[tuple[str, tuple[int, int, int]]], list[int]]:
+    """``([(name, (T, H, W)), ...], [heads, ...])`` from :func:`add_grid_args`' flags; bad values end in
+    ``ap.error`` (one line, exit status 2)."""
+    try:
+        if args.grid:
+            grid = tuple(int(x) for x in args.grid.split(","))
+            if len(grid) != 3 or min(grid) < 1:
+                raise ValueError
+            grids = [("x".join(map(str, grid)), grid)]
+        else:
+            grids = [(g, WAN_GRIDS[g]) for g in args.grids.split(",")]
+    except (ValueError, KeyError):
+        ap.error(f"--grid takes T,H,W (three positive integers), --grids names from {', '.join(WAN_GRIDS)}: "
+                 f"got --grid {args.grid!r} --grids {args.grids!r}")
+    try:
+        heads = [int(h) for h in args.heads.split(",")]
+        if min(heads) < 1:
+            raise ValueError
+    except ValueError:
+        ap.error(f"--heads takes a comma list of positive integers, got {args.heads!r}")
+    return grids, heads
+
+
 def attn_flops(b: int, h: int, sq: int, skv: int, d: int) -> float:
     """Dense attention forward FLOPs, ``4 * B * H * Sq * Skv * D`` (PERF.md)."""
     return 4.0 * b * h * sq * skv * d

@@ -43,9 +43,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
+import common  # noqa: E402
 from common import DEVICE, Deadline, Recorder, bench_ms, env_info, fmt_table, reference_rows, sample_rows  # noqa: E402
 
-GRIDS = {"wan480": (21, 30, 52), "wan720": (21, 45, 80)}
 LAYER = 2  # past sol_attn's default dense_layers 0,1
 #: pseudo backend name of the skip-softmax cases (``--backends skip_softmax`` selects them)
 SKIP_SOFTMAX = "skip_softmax"
@@ -314,9 +314,7 @@ def chart(rows, path):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--grids", default="wan480", help="comma list of " + ", ".join(GRIDS))
-    ap.add_argument("--grid", default=None, help="override: T,H,W (e.g. 3,8,8 for a CPU smoke run)")
-    ap.add_argument("--heads", default="12,40", help="comma list of head counts")
+    common.add_grid_args(ap, grids="wan480", heads="12,40")
     ap.add_argument("--ref-rows", type=int, default=1024, help="query rows checked against the float32 reference")
     ap.add_argument("--backends", default=None, help="comma list: only these backends")
     ap.add_argument("--activations", action="append", default=None, metavar="FILE",
@@ -336,6 +334,7 @@ def main():
                          "any other entry every case whose label contains it)")
     ap.add_argument("--out", default="fidelity_out", help="output directory")
     args = ap.parse_args()
+    grids, heads_list = common.grid_args(ap, args)
     global ERROR_ONLY
     ERROR_ONLY = args.error_only
 
@@ -346,9 +345,8 @@ def main():
     tmp = tempfile.mkdtemp()
     inputs = []
     if not args.no_structured:
-        grids = [tuple(int(x) for x in args.grid.split(","))] if args.grid else [GRIDS[g] for g in args.grids.split(",")]
-        for grid in grids:
-            for heads in (int(h) for h in args.heads.split(",")):
+        for _, grid in grids:
+            for heads in heads_list:
                 name = "structured" if args.gen_device in (None, DEVICE) else f"structured ({args.gen_device} noise)"
                 inputs.append((name, grid, heads, None, None))
     if args.activations:

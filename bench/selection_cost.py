@@ -28,9 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
+import common  # noqa: E402
 from common import DEVICE, Recorder, bench_ms, env_info, fmt_table, guarded, kernel_ms  # noqa: E402
 
-GRIDS = {"wan480": (21, 30, 52), "wan720": (21, 45, 80)}
 
 
 def _dense(q, k, v):
@@ -94,16 +94,14 @@ def measure(rec, grid, heads):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--grids", default="wan480", help="comma list of " + ", ".join(GRIDS))
-    ap.add_argument("--grid", default=None, help="override: T,H,W (CPU smoke run)")
-    ap.add_argument("--heads", default="12,40")
+    common.add_grid_args(ap, grids="wan480", heads="12,40")
     ap.add_argument("--out", default="selection_cost_out")
     args = ap.parse_args()
+    grids, heads_list = common.grid_args(ap, args)
     rec = Recorder(args.out, "selection_cost", {"env": env_info(), "argv": sys.argv[1:], "device": DEVICE})
-    grids = [tuple(int(x) for x in args.grid.split(","))] if args.grid else [GRIDS[g] for g in args.grids.split(",")]
     summary = []
-    for grid in grids:
-        for heads in (int(h) for h in args.heads.split(",")):
+    for _, grid in grids:
+        for heads in heads_list:
             print(f"[grid {grid}, {heads} heads]", flush=True)
             summary += measure(rec, grid, heads)
     rec.data["summary"] = summary

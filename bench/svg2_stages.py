@@ -39,7 +39,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 from common import Recorder, bench_ms, env_info, fmt_table, guarded, kernel_ms  # noqa: E402
 
-GRIDS = {"wan480": (21, 30, 52), "wan720": (21, 45, 80)}
 
 
 def work(grid, heads: int, *, num_q_clusters: int = 64, num_k_clusters: int = 128, warm_iters: int = 1,
@@ -152,9 +151,7 @@ def stages(q, k, v, grid, *, num_q_clusters: int = 64, num_k_clusters: int = 128
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="folder for svg2_stages.json (default: print only)")
-    ap.add_argument("--grids", default="wan480", help=f"comma list of {sorted(GRIDS)}")
-    ap.add_argument("--grid", default=None, help="override: T,H,W (e.g. 5,8,12 for a CPU smoke run)")
-    ap.add_argument("--heads", default="12", help="comma list of head counts")
+    common.add_grid_args(ap, grids="wan480", heads="12")
     ap.add_argument("--num-q-clusters", type=int, default=64)
     ap.add_argument("--num-k-clusters", type=int, default=128)
     ap.add_argument("--warm-iters", type=int, default=1)
@@ -165,9 +162,7 @@ def main():
     ap.add_argument("--counts-only", action="store_true", help="only the work counts (no timing; any machine)")
     args = ap.parse_args()
 
-    grids = [("x".join(args.grid.split(",")), tuple(int(x) for x in args.grid.split(",")))] if args.grid else \
-        [(g, GRIDS[g]) for g in args.grids.split(",")]
-    heads_list = [int(h) for h in args.heads.split(",")]
+    grids, heads_list = common.grid_args(ap, args)
     kw = dict(num_q_clusters=args.num_q_clusters, num_k_clusters=args.num_k_clusters, warm_iters=args.warm_iters)
     counts = count_table(grids, heads_list, (args.fp32_tflops, args.bf16_tflops, args.hbm_tbs), **kw)
     print(f"SVG2 warm step ({args.num_q_clusters}/{args.num_k_clusters} clusters, warm_iters {args.warm_iters}): "

@@ -46,7 +46,6 @@ import torch  # noqa: E402
 import common  # noqa: E402
 from common import Recorder, bench_ms, env_info, fmt_table, guarded, kernel_ms, make_qkv  # noqa: E402
 
-GRIDS = {"wan480": (21, 30, 52), "wan720": (21, 45, 80)}
 LAYOUTS = ("padded", "packed")
 
 
@@ -67,7 +66,7 @@ def block_counts(grid, text_len: int, sparsity: float, edge_tiles: str) -> dict:
 
 def count_table(sparsity: float) -> list[dict]:
     rows = []
-    for grid in GRIDS.values():
+    for grid in common.WAN_GRIDS.values():
         for text in (0, 512):
             pair = [block_counts(grid, text, sparsity, e) for e in LAYOUTS]
             pair[1]["pairs_vs_padded"] = pair[1]["pairs_per_head"] / pair[0]["pairs_per_head"]
@@ -171,13 +170,12 @@ def gpu_launches(fn, iters: int = 5) -> Optional[float]:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="folder for vsa_stages.json (default: print only)")
-    ap.add_argument("--grids", default="wan480,wan720", help=f"comma list of {sorted(GRIDS)}")
-    ap.add_argument("--grid", default=None, help="override: T,H,W (e.g. 5,8,12 for a CPU smoke run)")
-    ap.add_argument("--heads", default="12,40", help="comma list of head counts")
+    common.add_grid_args(ap, grids="wan480,wan720", heads="12,40")
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma list of edge-tile layouts {list(LAYOUTS)}")
     ap.add_argument("--sparsity", type=float, default=0.9)
     ap.add_argument("--counts-only", action="store_true", help="only the block counts (no timing; any machine)")
     args = ap.parse_args()
+    grids, heads_list = common.grid_args(ap, args)
 
     counts = count_table(args.sparsity)
     print(f"VSA sparsity {args.sparsity}: blocks and block pairs per head")
@@ -187,10 +185,9 @@ def main():
     common.require_cuda()
     rec = Recorder(args.out or os.path.join("/tmp", "vsa_stages"), "vsa_stages",
                    {"env": env_info(), "sparsity": args.sparsity, "counts": counts})
-    grids = [tuple(int(x) for x in args.grid.split(","))] if args.grid else [GRIDS[g] for g in args.grids.split(",")]
     summary = []
-    for grid in grids:
-        for heads in (int(h) for h in args.heads.split(",")):
+    for _, grid in grids:
+        for heads in heads_list:
             S = math.prod(grid)
             q, k, v = make_qkv(1, S, heads, 128, seed=S + heads)
             for edge_tiles in args.layouts.split(","):

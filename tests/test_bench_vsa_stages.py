@@ -38,3 +38,18 @@ def test_stages_compute_what_the_call_computes():
         assert torch.equal(old_idx, idx) and torch.equal(old_scores, plan.extra["scores"])
         assert torch.equal(fns["topk_torch"](), idx) and torch.equal(fns["call_torchsel"]()[0], out)
         assert vsa_stages.agreement(fns, grid, 0.5, edge_tiles) == {"same_rows": 1.0, "exact": True}
+
+
+def test_grid_flags_shared_by_the_sparse_benches():
+    import argparse
+
+    import common
+
+    ap = argparse.ArgumentParser()
+    common.add_grid_args(ap, grids="wan480,wan720", heads="12,40")
+    assert common.grid_args(ap, ap.parse_args([])) == ([("wan480", (21, 30, 52)), ("wan720", (21, 45, 80))], [12, 40])
+    assert common.grid_args(ap, ap.parse_args(["--grid", "5,8,12", "--heads", "2"])) == ([("5x8x12", (5, 8, 12))], [2])
+    for bad in (["--grid", "5,8"], ["--grids", "wan999"], ["--heads", "0"], ["--heads", "x"]):
+        with pytest.raises(SystemExit) as ei:
+            common.grid_args(ap, ap.parse_args(bad))
+        assert ei.value.code == 2
