@@ -490,6 +490,29 @@ def _bs_fwd_sm90(q_desc, k_desc, v_desc, o_desc, idx_ptr, cnt_ptr, valid_ptr, pa
 
 
 @gluon.jit
+def _kv_rings(k_desc, v_desc, NUM_STAGES: gl.constexpr, STATIC_MAX: gl.constexpr):
+    """Both schedules' K/V rings (two warpgroups x ``NUM_STAGES`` slots: ring w, stage st is slot
+    ``w * NUM_STAGES + st``) with their ready / empty barriers initialised, and the B operand of the row-sum
+    product P x ones (K-major ``[8, BLOCK]``, read transposed; a placeholder without the static max):
+    ``(k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready, v_empty)``."""
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [2 * NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [2 * NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
+    ones_smem = k_smem.index(0)  # placeholder (rank 2), unused without the static max
+    if STATIC_MAX:
+        ones_smem = ones_operand(v_desc.dtype, BLOCK)  # row sums of P on the tensor cores
+    k_ready = gl.allocate_shared_memory(gl.int64, [2 * NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [2 * NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [2 * NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [2 * NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2 * NUM_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(v_empty.index(i), count=1)
+    return k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready, v_empty
+
+
+@gluon.jit
 def _bs_fwd_persistent(q_desc, k_desc, v_desc, o_desc, idx_ptr, cnt_ptr, valid_ptr, partial_ptr, lse_ptr, qn_ptr,
                        kn_ptr, H, GROUP, nq, Sq, Skv, qk_scale, stride_ib, stride_ih, stride_im, stride_cb, stride_ch,
                        stride_vb, stride_pb, num_tiles, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
@@ -501,25 +524,12 @@ def _bs_fwd_persistent(q_desc, k_desc, v_desc, o_desc, idx_ptr, cnt_ptr, valid_p
     o_smem = q_smem  # placeholder: the output goes through Q's buffer
     if OUT_BUFFER:
         o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [2 * NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [2 * NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
-    ones_smem = k_smem.index(0)  # placeholder (rank 2), unused without the static max
-    if STATIC_MAX:
-        ones_smem = ones_operand(v_desc.dtype, BLOCK)
+    k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready, v_empty = _kv_rings(k_desc, v_desc, NUM_STAGES, STATIC_MAX)
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [2 * NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [2 * NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [2 * NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [2 * NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for w in gl.static_range(2):
         mbarrier.init(q_ready.index(w), count=1)
         mbarrier.init(q_empty.index(w), count=1)
-    for i in gl.static_range(2 * NUM_STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(v_empty.index(i), count=1)
     gl.warp_specialize([
         (_consumer_persistent, (0, q_smem, o_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, k_ready, k_empty,
                                 v_ready, v_empty, o_desc, idx_ptr, cnt_ptr, valid_ptr, partial_ptr, lse_ptr, qn_ptr,
@@ -561,24 +571,10 @@ def _bs_fwd_tile(q_desc, k_desc, v_desc, o_desc, idx_ptr, cnt_ptr, valid_ptr, pa
     idx1 = idx0 + stride_im
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [2 * NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [2 * NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
-    # the B operand of the row-sum product P x ones (K-major [8, BLOCK], read transposed)
-    ones_smem = k_smem.index(0)  # placeholder (rank 2), unused without the static max
-    if STATIC_MAX:
-        ones_smem = ones_operand(v_desc.dtype, BLOCK)  # row sums of P on the tensor cores
+    k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready, v_empty = _kv_rings(k_desc, v_desc, NUM_STAGES, STATIC_MAX)
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [2 * NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [2 * NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [2 * NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [2 * NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for w in gl.static_range(2):
         mbarrier.init(q_bar.index(w), count=1)
-    for i in gl.static_range(2 * NUM_STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(v_empty.index(i), count=1)
 
     q_row = b * Sq + qb0 * BLOCK
     valid_b = valid_ptr + b * stride_vb
