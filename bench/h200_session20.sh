@@ -9,6 +9,8 @@
 #   bash bench/h200_session20.sh dit        # carry [".gpu-train", ".shapes-vae"]: text encoder + DiT from scratch on
 #                                           # that VAE, DIT_S seconds (default 470), then judged (guidance tuned)
 #   bash bench/h200_session20.sh dit-resume # carry [".gpu-train", ".shapes-prev"]: continue a full package
+#   bash bench/h200_session20.sh vae-dec    # carry [".gpu-train", ".shapes-prev"]: its VAE decoder alone (the DiT
+#                                           # stays valid), VAE_S seconds (default 450)
 #
 #   bash bench/h200_session20.sh bs3        # carry [".gpu-b"]: issue 18, the SM90 block-sparse kernel with 3 stages
 #                                           # (offline: 230,888 B of shared memory, fits), online softmax and the
@@ -53,5 +55,6 @@ fid40)
 vae) train 585 --stage vae --vae-budget-s "${VAE_S:-450}"; summary ;;
 dit) train 590 --stage dit --init .shapes-vae --dit-budget-s "${DIT_S:-470}"; summary ;;
 dit-resume) train 590 --stage dit --resume .shapes-prev --dit-budget-s "${DIT_S:-470}"; summary ;;
-*) echo "usage: bash bench/h200_session20.sh kernels|last|bs3|fid40|vae|dit|dit-resume" >&2; exit 2 ;;
+vae-dec) train 585 --stage vae --vae-train decoder --resume .shapes-prev --vae-budget-s "${VAE_S:-450}"; summary ;;
+*) echo "usage: bash bench/h200_session20.sh kernels|last|bs3|fid40|vae|dit|dit-resume|vae-dec" >&2; exit 2 ;;
 esac

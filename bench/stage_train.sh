@@ -7,7 +7,7 @@
 #
 # Run once from the project root on this machine:
 #     bash bench/stage_train.sh
-# then in a device call: carry [".gpu-train", ".shapes-NAME"], command "bash bench/h200_session19.sh PART"
+# then in a device call: carry [".gpu-train", ".shapes-NAME"], command "bash bench/h200_session20.sh PART"
 # (or "source .gpu-train/activate.sh && python3 -m ditattn.train.shapes ...").
 set -euo pipefail
 root=$(git rev-parse --show-toplevel); cd "$root"
@@ -35,4 +35,4 @@ fi
 export PYTHONPATH=/tmp/ditattn-train:$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 EOS
 du -sh .gpu-train
-echo "ready: carry [\".gpu-train\", \".shapes-...\"], command 'bash bench/h200_session19.sh shapes-dec' (see its header)"
+echo "ready: carry [\".gpu-train\", \".shapes-...\"], command 'bash bench/h200_session20.sh vae|dit|dit-resume|vae-dec' (see its header)"
