@@ -171,3 +171,29 @@ def test_block_sparse_sm90_numerics(b, h, hkv, d, s_real, q_scale, static, dtype
     fin = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), fin)
     assert float((lse[fin] - ref_lse[fin]).abs().max()) < 1e-2
+
+
+def test_block_sparse_auto_keeps_the_sm90_kernel_for_long_sequences_only(monkeypatch):
+    """impl="auto" routes 64-token tiles to the SM90 kernel from SM90_AUTO_MIN_TOKENS query tokens on
+    (run 24: faster than Triton at 75,600, not at 32,760), never off CUDA, at other block sizes, or
+    below the threshold; on the GPU the routed call is bit-identical to impl="sm90" and differs from
+    the Triton kernel's result only by rounding."""
+    from ditattn.attention.kernels import block_sparse_triton as bst
+
+    assert 32_760 < bst.SM90_AUTO_MIN_TOKENS <= 75_600
+    cpu_q = torch.zeros(1, bst.SM90_AUTO_MIN_TOKENS, 1, 64)
+    assert not bst._sm90_auto(cpu_q, 64)
+    if not IS_SM90:
+        return
+    s, h, d = 1024, 2, 128
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v = (torch.randn(1, s, h, d, generator=g, device="cuda").to(torch.bfloat16) for _ in range(3))
+    idx, cnt = _lists(1, h, s // 64, 5, seed=3)
+    assert not bst._sm90_auto(q, 64)  # 1,024 tokens: below the threshold
+    monkeypatch.setattr(bst, "SM90_AUTO_MIN_TOKENS", s)
+    assert bst._sm90_auto(q, 64) and not bst._sm90_auto(q, 128)
+    auto, _ = bst.block_sparse_attention_triton(q, k, v, idx, cnt, block_size=64)
+    sm90, _ = bst.block_sparse_attention_triton(q, k, v, idx, cnt, block_size=64, impl="sm90")
+    tri, _ = bst.block_sparse_attention_triton(q, k, v, idx, cnt, block_size=64, impl="triton")
+    assert torch.equal(auto, sm90)
+    assert float((auto.float() - tri.float()).norm() / tri.float().norm()) < 6e-3

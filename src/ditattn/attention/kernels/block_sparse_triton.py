@@ -152,9 +152,25 @@ _POINTER_STAGES = 3  # pointer loads when a TMA default cannot run: one stage is
 FA4_BLOCK_SIZES = (64, 128)  # what impl="fa4" accepts
 FA4_AUTO_BLOCK_SIZES = (128,)  # where impl="auto" prefers FA4 (measured; at 64 ours is 0-14 % faster)
 IMPLS = ("auto", "triton", "fa4", "sm90")
+#: impl="auto" takes the SM90 Gluon kernel at 64-token tiles from this many query tokens on (H200, docs/benchmarks.md
+#: §3 run 24: at 75,600 tokens it is 1.28-1.51x ideal against Triton's 1.49-1.56; at 32,760 it is no faster)
+SM90_AUTO_MIN_TOKENS = 60_000
 _PROBE_CACHE: dict = {}
 _FA4_LISTS_CACHE: dict = {}
 _VALID_CACHE: dict = {}  # kv_valid -> (int8 mask, per key block 'holds padding' flags)
+
+
+def _sm90_auto(q: torch.Tensor, block_size: int) -> bool:
+    """Whether ``impl="auto"`` routes a call to the SM90 kernel: 64-token tiles, at least
+    :data:`SM90_AUTO_MIN_TOKENS` query tokens, and the kernel can take it (SM90, head dim 64/128, a
+    Triton with Gluon's Hopper API)."""
+    if not q.is_cuda or block_size != 64 or q.shape[1] < SM90_AUTO_MIN_TOKENS:
+        return False
+    try:
+        from ditattn.attention.kernels import block_sparse_sm90
+    except ImportError:  # a Triton without Gluon's Hopper API: the Triton kernel serves
+        return False
+    return block_sparse_sm90.why_not(q, block_size) is None
 
 
 @functools.lru_cache(maxsize=None)
@@ -286,14 +302,14 @@ def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     Returns ``(out [B, S_q, H, D] in q.dtype, lse [B, H, S_q] float32 natural log, or None)``; a query row with no valid key gives zeros and LSE ``-inf``.
 
     ``impl``: ``"triton"`` runs the kernel of this module; ``"sm90"`` the warp-specialised Gluon kernel
-    of :mod:`.block_sparse_sm90` (SM90, block size 64, head dim 64/128; not yet chosen by ``auto``: no
-    H200 measurement yet); ``nonempty_rows``: the caller guarantees ``kv_counts >= 1`` for every query
+    of :mod:`.block_sparse_sm90` (SM90, block size 64, head dim 64/128); ``nonempty_rows``: the caller guarantees ``kv_counts >= 1`` for every query
     block (the FA4 path then skips its emptiness check, a device sync for lists it has not seen); ``"fa4"`` runs FlashAttention-4's
     block-sparse forward with the same lists (SM90/SM100, block size 64 or 128, head dim <= 128,
     ``kv_valid`` None or one valid prefix shared by the batch); ``"auto"`` (default) takes FA4 for
     block size 128 when installed and the call fits (measured 1.11-1.35x faster than the Triton
-    kernel on the H200, docs/benchmarks.md), else Triton (block size 64: ours, with its one-stage TMA
-    default, measured 0-14 % faster than FA4's).
+    kernel on the H200, docs/benchmarks.md), the SM90 kernel for block size 64 from
+    :data:`SM90_AUTO_MIN_TOKENS` query tokens on (no ``config`` given), else Triton (block size 64: ours,
+    with its one-stage TMA default, measured 0-14 % faster than FA4's).
     """
     what = "block-sparse Triton kernel"
     if impl not in IMPLS:
@@ -331,7 +347,9 @@ def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         raise AttentionConfigError(f"{what}: kv_valid must be bool [{B}, {Skv}], got {kv_valid.dtype} {tuple(kv_valid.shape)}")
     if kv_indices.shape[3] == 0:
         kv_indices = torch.zeros(*kv_indices.shape[:3], 1, dtype=torch.int32, device=q.device)
-    if impl == "sm90":
+    if impl == "auto" and config is None and _sm90_auto(q, block_size):
+        impl = "sm90"
+    elif impl == "sm90":
         why = block_sparse_sm90.why_not(q, block_size)
         if why:
             raise AttentionConfigError(f"{what}: impl 'sm90' cannot take this call: {why}")
@@ -360,6 +378,8 @@ def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     else:
         valid = partial = None
     if impl == "sm90":
+        from ditattn.attention.kernels import block_sparse_sm90
+
         return block_sparse_sm90.launch(q, k, v, kv_indices, kv_counts, valid, partial, scale=scale,
                                         return_lse=return_lse, config=config)
     if valid is None:
