@@ -5,6 +5,8 @@ diffusers' ``WanTransformer3DModel`` (default attention) on them, then for every
 (``--backends``, default ``fa,sage_attn``) builds the native DiT on the SAME weights with bf16, fp8
 and int8 linears (``--quant``) and times one step (CUDA events, warm-up first, median of
 ``--repeats``) per variant (``eager``; ``compiled`` = torch.compile of each block, runs last).
+FP8 rows quantize activations with ditattn's fused per-row quantizer (``src/ditattn/models/fp8_linear.py``;
+each row's ``activations`` field says for how many linears, and which stayed on torchao's path).
 
 Accuracy, like the attention benchmarks: at each of ``--timesteps`` the DiT output's relative L2
 error and cosine against the bf16-linears DiT of the same backend (the quantization alone) and the
@@ -147,7 +149,8 @@ def main():
                             steps.append(row_t)
                         row = rec.add(side="ditattn", backend=spec, chosen=chosen, quant=mode, variant=label, ms=ms,
                                       speedup_vs_diffusers=base_ms / ms, quantized_linears=len(plan.quantized),
-                                      linears=len(plan.decisions), quantize_s=quant_s, per_step=steps,
+                                      linears=len(plan.decisions), activations=plan.activations(),
+                                      quantize_s=quant_s, per_step=steps,
                                       max_rel_err_vs_bf16=max((s["rel_err_vs_bf16"] for s in steps), default=None)
                                       if bf16_out is not None else None,
                                       min_cos_vs_bf16=min((s["cos_vs_bf16"] for s in steps), default=None)

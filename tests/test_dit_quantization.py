@@ -5,8 +5,13 @@ On CPU: the rule's result on the tiny and the 14B architecture (meta device), th
 as one-line errors, torchao's INT8 path run numerically on the tiny DiT (output error and cosine
 against float32 and bfloat16), the GELU-epilogue routing, the pipeline / CLI / server / compare /
 sequence-parallel wiring, and FP8 / INT8 checkpoints in the ComfyUI/Kijai and LightX2V layouts
-built here.  FP8 itself needs a CUDA GPU of compute capability >= 8.9: those tests skip elsewhere.
+built here.  The fused FP8 activation quantizer (:mod:`ditattn.models.fp8_linear`) also runs here:
+its PyTorch reference against the float64 formula and torchao, its Triton kernel in the interpreter,
+and the FP8 linears / tiny DiT on torchao's FP8 weights (its hardware gate lifted) with
+``torch._scaled_mm`` on the CPU.  FP8 on the GPU needs compute capability >= 8.9: those tests
+(``-k gpu``) skip elsewhere.
 """
+import copy
 import importlib.util
 import os
 
@@ -167,8 +172,6 @@ def _refused(capsys, argv) -> str:
 def test_cli_refusals_are_one_line(capsys):
     """fp8 here (CPU, float32) and on a simulated A100 / H200 without torchao; a bad value; --backend
     diffusers; sequence parallelism refuses it before any rank starts."""
-    from ditattn.cli import main
-
     cases = [
         (["generate", "--prompt", "x", "--dit-quantization", "fp8"],
          ["needs", "compute capability >= 8.9", "this run is on cpu", "--dtype bfloat16"]),
@@ -200,9 +203,12 @@ def test_plan_shows_the_rule(capsys):
     assert "transformer linears: fp8, 16 of 26 quantized (8 self-attention projection, " in out
     assert "  kept blocks.{0-1}.attn2.to_k, blocks.{0-1}.attn2.to_v: cross-attention K/V" in out
     assert "  kept proj_out: final projection" in out
+    assert "  activations: fused per-row quantizer for 16 of 16 linears" in out
     assert main(args + ["--json"]) == 0
     comp = next(c for c in json.loads(capsys.readouterr().out)["components"] if c["name"] == "transformer")
     assert comp["linear_quantization"]["quantized"] == 16 and comp["linear_quantization"]["mode"] == "fp8"
+    assert comp["linear_quantization"]["activations"] == {
+        "summary": "fused per-row quantizer for 16 of 16 linears", "torchao": []}
     assert main(["plan", "--json"]) == 0  # without the flag the plan is unchanged
     assert all("linear_quantization" not in c for c in json.loads(capsys.readouterr().out)["components"])
 
@@ -271,6 +277,215 @@ def test_fused_and_plain_ops_agree_under_int8():
     fused = _run(model, torch.float32)
     plain = _run(model.set_fused_ops(False), torch.float32)
     assert _err(fused, plain)[0] < 1e-5
+
+
+# ------------------------------------------------------------------------------------------------
+# FP8: the fused per-row activation quantizer and the linears on it (models/fp8_linear.py), on CPU.
+# torchao's FP8 weights are built here with its hardware gate lifted (the gate is for the GEMM; the
+# weights are the GPU's), and torch._scaled_mm runs on the CPU, so the whole fused path runs here.
+
+INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
+needs_interpreter = pytest.mark.skipif(not INTERPRETER, reason="the Triton kernel runs on CPU under TRITON_INTERPRET=1 "
+                                                               "(tests/conftest.py sets it without a GPU)")
+
+
+@pytest.fixture
+def fp8_on_cpu(monkeypatch):
+    """torchao's FP8 weight quantization on the CPU (``quantize_`` refuses without an SM89+ GPU)."""
+    Q._torchao_quantization()
+    import torchao.quantization.quant_api as qa
+
+    monkeypatch.setattr(qa, "_check_hardware_support", lambda granularity: None)
+
+
+def _activations(m, k, seed=0):
+    """``[m, k]`` bf16 rows spanning 1e-3 .. 1e3, an all-zero row, a row with values near bf16's
+    largest (half of it zero), a row of tiny (1e-30) values and an outlier."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-3, 3, m)[:, None]
+    x[1] = 0
+    x[2, : k // 2] = 3e38 * torch.rand(k // 2, generator=g)
+    x[3] = torch.randn(k, generator=g) * 1e-30
+    x[4, 5] = 1e4
+    return x.to(torch.bfloat16)
+
+
+def _formula64(x, gelu=False):
+    """The quantizer's formula in float64, rounded once where the kernel rounds (bf16 scale, e4m3)."""
+    x64 = x.double()
+    if gelu:
+        u = 0.7978845608028654 * (x64 + 0.044715 * x64 ** 3)
+        x64 = (0.5 * x64 * (1 + torch.tanh(u))).to(torch.bfloat16).double()
+    scale = (x64.abs().amax(-1, keepdim=True).clamp(min=448 * 2.0 ** -126) / 448).to(torch.bfloat16).double()
+    return (x64 / scale).clamp(-448, 448).to(torch.float8_e4m3fn), scale.float()
+
+
+def _codes(q):
+    return q.view(torch.uint8)
+
+
+@pytest.mark.parametrize("m, k", [(37, 200), (5, 72), (9, 4500)])
+def test_fp8_quantizer_reference_is_the_formula_and_torchao(m, k):
+    """The PyTorch reference against the float64 formula (bit for bit) and against torchao's own
+    per-row activation quantization (bit for bit on every row but the all-zero one, where torchao's
+    scale is 0 and its row NaN: the one documented difference)."""
+    from ditattn.models.fp8_linear import quantize_rows
+
+    x = _activations(m, k)
+    q, scale = quantize_rows(x, impl="torch")
+    assert q.shape == (m, k) and q.dtype == torch.float8_e4m3fn and scale.shape == (m, 1) and scale.dtype == torch.float32
+    q64, s64 = _formula64(x)
+    assert torch.equal(_codes(q), _codes(q64)) and torch.equal(scale, s64)
+    assert torch.equal(q[1].float(), torch.zeros(k)) and scale[1].item() > 0  # the zero row: zeros, finite
+    assert q.float().abs().max() == 448  # each row's absmax lands on e4m3's largest value
+    deq = q.float() * scale
+    assert ((deq - x.float()).abs() <= x.float().abs() / 16 + scale * 2 ** -9 + 1e-37).all()  # e4m3: 3 mantissa bits
+    if HAS_TORCHAO:
+        from torchao.quantization import PerRow
+        from torchao.quantization.quantize_.workflows import Float8Tensor
+
+        Q._torchao_quantization()
+        ao = Float8Tensor.from_hp(x, granularity=PerRow())
+        rows = torch.arange(m) != 1
+        assert torch.equal(_codes(q[rows]), _codes(ao.qdata[rows])) and torch.equal(scale[rows], ao.scale[rows])
+        assert ao.scale[1].item() == 0 and torch.isnan(ao.qdata[1].float()).all()
+    q3, s3 = quantize_rows(x.view(1, m, k), impl="torch")  # leading dimensions flatten into rows
+    assert torch.equal(_codes(q3), _codes(q)) and torch.equal(s3, scale)
+
+
+def test_fp8_quantizer_refuses_what_it_does_not_take():
+    from ditattn.models.fp8_linear import quantize_rows
+
+    with pytest.raises(AttentionConfigError, match="expects bfloat16 activations, got torch.float32"):
+        quantize_rows(torch.zeros(2, 16))
+    with pytest.raises(AttentionConfigError, match="impl must be 'auto', 'triton' or 'torch'"):
+        quantize_rows(torch.zeros(2, 16, dtype=torch.bfloat16), impl="cuda")
+    with pytest.raises(AttentionConfigError, match="empty rows"):
+        quantize_rows(torch.zeros(2, 0, dtype=torch.bfloat16))
+
+
+def test_fp8_quantizer_gelu_reference_is_gelu_then_quantize():
+    """``gelu=True`` is the model's tanh-GELU (rounded to bf16) then the quantizer, and the float64
+    formula of both."""
+    from ditattn.models.fp8_linear import quantize_rows
+
+    x = (torch.randn(11, 96, generator=torch.Generator().manual_seed(2)) * 4).to(torch.bfloat16)
+    q, scale = quantize_rows(x, gelu=True, impl="torch")
+    q2, scale2 = quantize_rows(torch.nn.functional.gelu(x, approximate="tanh"), impl="torch")
+    assert torch.equal(_codes(q), _codes(q2)) and torch.equal(scale, scale2)
+    q64, s64 = _formula64(x, gelu=True)
+    assert (_codes(q) != _codes(q64)).float().mean() < 0.01 and torch.equal(scale, s64)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("m, k", [(37, 200), (5, 72), (9, 4500)])  # one pass (k <= 4096) and the chunked loop
+def test_fp8_quantizer_kernel_in_the_interpreter(m, k):
+    """The Triton kernel (Triton's CPU interpreter) against the reference: bit for bit; with the
+    GELU, against gelu-then-quantize: the same scales, codes equal but for the occasional 1-ulp
+    bf16 difference of the GELU (x * sigmoid(2u) against PyTorch's 0.5 x (1 + tanh u)), one e4m3
+    step at most."""
+    import warnings
+
+    from ditattn.models.fp8_linear import ONE_PASS_MAX, quantize_rows
+
+    assert (k <= ONE_PASS_MAX) == (k != 4500)
+    x = _activations(m, k, seed=k)
+    q, scale = quantize_rows(x, impl="triton")
+    q0, s0 = quantize_rows(x, impl="torch")
+    assert torch.equal(_codes(q), _codes(q0)) and torch.equal(scale, s0)
+    q, scale = quantize_rows(torch.cat([x, x], -1)[:, :k], impl="triton")  # rows with a stride
+    assert torch.equal(_codes(q), _codes(q0)) and torch.equal(scale, s0)
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3).to(torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # numpy's exp overflow for the negative tail (-> 0, as on GPUs)
+        q, scale = quantize_rows(x, gelu=True, impl="triton")
+    q0, s0 = quantize_rows(torch.nn.functional.gelu(x, approximate="tanh"), impl="torch")
+    assert torch.equal(scale, s0)
+    differ = _codes(q) != _codes(q0)
+    assert differ.float().mean() < 2e-3, differ.float().mean()
+    assert ((q.float() - q0.float()).abs() <= q0.float().abs() / 8 + 2 ** -9).all()
+
+
+def _fp8_linear_layer(k=512, n=384, seed=0):
+    lin = torch.nn.Linear(k, n)
+    with torch.no_grad():
+        lin.bias.normal_(generator=torch.Generator().manual_seed(seed))
+    return lin.to(torch.bfloat16)
+
+
+@needs_torchao
+def test_fp8_linear_against_dequantized_reference_and_torchao(fp8_on_cpu):
+    """One FP8 linear, fused path: the float64 GEMM of the dequantized operands plus bias within
+    bf16 rounding, torchao's own forward (its activation quantization, the same torch._scaled_mm)
+    bit for bit, and the bf16 linear within e4m3 rounding."""
+    from ditattn.models.fp8_linear import fp8_linear, quantize_rows, takes_fused
+
+    lin = _fp8_linear_layer()
+    plain = copy.deepcopy(lin)
+    Q.quantize_linears(lin, "fp8", Q.LinearQuantRule(patterns=(("*", True, "all"),), min_features=16))
+    assert takes_fused(lin) and not takes_fused(lin, "torch") and not takes_fused(plain)
+    x = _activations(7, 512)[4:].clone()  # rows 1e-1 .. 1e3 (an outlier in one)
+    x = torch.cat([x, torch.randn(2, 5, 512).to(torch.bfloat16).flatten(0, 1)]).view(13, 1, 512)
+    y = fp8_linear(x, lin)
+    assert y.shape == (13, 1, 384) and y.dtype == torch.bfloat16
+    q, scale = quantize_rows(x)
+    w = lin.weight
+    ref = (q.double() * scale.double()) @ (w.qdata.double() * w.scale.double()).t() + lin.bias.double()
+    ref = ref.view(13, 1, 384)
+    assert ((y.double() - ref).abs() <= ref.abs() * 2 ** -8 + ref.abs().amax(-1, keepdim=True) * 1e-5).all()
+    assert torch.equal(y, lin(x))  # torchao's path on the same operands
+    rel = ((y.float() - plain(x).float()).norm() / plain(x).float().norm()).item()
+    assert 1e-3 < rel < 5e-2, rel
+
+
+@needs_torchao
+def test_fp8_tiny_dit_quantizes_each_input_once(fp8_on_cpu, monkeypatch):
+    """The tiny DiT with FP8 linears on CPU: 6 quantizer passes per block (self-attention input
+    shared by q/k/v, its output, the cross-attention query input and output, the feed-forward
+    input, the GELU-fused hidden) for 8 GEMMs, and the output equal, bit for bit, to torchao's own
+    path (``set_fused_ops(False)``) on the same weights."""
+    from ditattn.models import fp8_linear
+
+    model = _dit("fp8", torch.bfloat16)
+    plan = model.linear_quantization
+    assert plan.torchao_activations == () and plan.activations() == "fused per-row quantizer for 16 of 16 linears"
+    assert plan.describe().endswith("; activations: fused per-row quantizer for 16 of 16 linears")
+    assert plan.to_json()["activations"] == {"summary": plan.activations(), "torchao": []}
+    calls, gemms = [], []
+    real_q, real_mm = fp8_linear.quantize_rows, fp8_linear.scaled_linear
+    monkeypatch.setattr(fp8_linear, "quantize_rows", lambda x, **kw: calls.append(kw.get("gelu")) or real_q(x, **kw))
+    monkeypatch.setattr(fp8_linear, "scaled_linear", lambda *a: gemms.append(a[2]) or real_mm(*a))
+    fused = _run(model, torch.bfloat16)
+    assert calls == [False, False, False, False, False, True] * 2 and len(gemms) == 16
+    assert gemms[:3] == [model.blocks[0].attn1.to_q, model.blocks[0].attn1.to_k, model.blocks[0].attn1.to_v]
+    calls.clear()
+    ao = _run(model.set_fused_ops(False), torch.bfloat16)
+    assert calls == [] and torch.equal(fused, ao)
+    rel, cos = _err(fused, _run(_dit(dtype=torch.bfloat16), torch.bfloat16))
+    assert 1e-4 < rel < 3e-2 and cos > 0.999, (rel, cos)
+
+
+@needs_torchao
+def test_fp8_unfused_lora_keeps_torchaos_path_and_the_plan_says_so(fp8_on_cpu, tmp_path):
+    """An unfused LoRA adapter (LoRALinear) keeps torchao's activation path: listed with the reason in
+    the plan and the log line, nothing silently replaced; its output still matches the fused model
+    where the adapter's scale is 0."""
+    from ditattn.models.lora import LoRALinear, apply_lora, lora_scales, parse_lora_spec, read_lora
+
+    model = _dit(dtype=torch.bfloat16)
+    apply_lora(model, read_lora(parse_lora_spec(_write_lora(tmp_path / "style.safetensors"))), fuse=False)
+    assert isinstance(model.blocks[0].attn1.to_q, LoRALinear)
+    meta = Q.plan_linears(model, "fp8")
+    plan = Q.quantize_linears(model, "fp8")
+    reason = "LoRALinear (e.g. an unfused LoRA adapter) runs its own forward"
+    assert [n for n, _ in plan.torchao_activations] == ["blocks.0.attn1.to_q", "blocks.1.ffn.net.2"]
+    assert {r for _, r in plan.torchao_activations} == {reason}
+    assert [n for n, _ in meta.torchao_activations] == ["blocks.0.attn1.to_q", "blocks.1.ffn.net.2"]
+    assert plan.activations() == f"fused per-row quantizer for 14 of 16 linears; torchao's own path for 2 ({reason})"
+    with lora_scales({}):  # adapters off: torchao's path on two linears, the fused one elsewhere
+        off = _run(model, torch.bfloat16)
+    assert torch.equal(off, _run(_dit("fp8", torch.bfloat16), torch.bfloat16))
+    assert not torch.equal(_run(model, torch.bfloat16), off)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -456,7 +671,6 @@ def test_fp8_checkpoint_then_int8_linears(tmp_path):
 def test_bad_checkpoints_are_one_line(tmp_path, capsys):
     from safetensors.torch import save_file
 
-    from ditattn.cli import main
     from ditattn.models.wan.checkpoint import to_native_state
 
     f32 = lambda n: torch.float32  # noqa: E731
@@ -527,6 +741,7 @@ def test_fp8_tiny_dit_on_the_gpu():
     ref = _run(_dit(dtype=torch.bfloat16, device="cuda"), torch.bfloat16, "cuda")
     model = _dit("fp8", torch.bfloat16, "cuda")
     assert not model.blocks[0].ffn.net[0].gelu_epilogue(on_cuda=True)
+    assert model.linear_quantization.activations() == "fused per-row quantizer for 16 of 16 linears"
     out = _run(model, torch.bfloat16, "cuda")
     rel, cos = _err(out, ref)
     assert 1e-4 < rel < 3e-2 and cos > 0.999, (rel, cos)
@@ -534,6 +749,51 @@ def test_fp8_tiny_dit_on_the_gpu():
     assert _err(out, plain)[0] < 1e-2
     compiled = _run(compile_blocks(model.set_fused_ops(True)), torch.bfloat16, "cuda")
     assert _err(compiled, out)[0] < 2e-2
+
+
+@needs_fp8_gpu
+@pytest.mark.parametrize("m, k", [(4095, 1536), (257, 8960), (33, 5120), (3, 13824)])
+def test_fp8_quantizer_kernel_on_the_gpu(m, k):
+    """The Triton kernel on CUDA (one pass up to 4096 wide, the chunked loop beyond) against the
+    reference and torchao's activation quantization: bit for bit; with the GELU against
+    gelu-then-quantize: codes within one e4m3 step, scales within one bf16 step (the GELU's float32
+    rounding differs from PyTorch's)."""
+    from torchao.quantization import PerRow
+    from torchao.quantization.quantize_.workflows import Float8Tensor
+
+    from ditattn.models.fp8_linear import quantize_rows
+
+    x = _activations(m, k, seed=k).cuda()
+    q, scale = quantize_rows(x)
+    q0, s0 = quantize_rows(x, impl="torch")
+    assert torch.equal(_codes(q), _codes(q0)) and torch.equal(scale, s0)
+    ao = Float8Tensor.from_hp(x, granularity=PerRow())
+    rows = torch.arange(m, device="cuda") != 1  # the all-zero row: torchao's is NaN
+    assert torch.equal(_codes(q[rows]), _codes(ao.qdata[rows])) and torch.equal(scale[rows], ao.scale[rows])
+    x = (torch.randn(m, k, device="cuda") * 3).to(torch.bfloat16)
+    q, scale = quantize_rows(x, gelu=True)
+    q0, s0 = quantize_rows(torch.nn.functional.gelu(x, approximate="tanh"), impl="torch")
+    assert ((scale - s0).abs() <= s0 * 2 ** -7).all()
+    assert ((q.float() * scale - q0.float() * s0).abs() <= (q0.float() * s0).abs() / 8 + s0 * 2 ** -8).all()
+    assert (_codes(q) != _codes(q0)).float().mean() < 1e-2
+
+
+@needs_fp8_gpu
+def test_fp8_fused_linear_on_the_gpu():
+    """One 1536-wide FP8 linear on CUDA: the fused path against torchao's own forward (the same
+    codes and the same torch._scaled_mm: bit for bit), and the GELU-fused input against GELU then
+    torchao's forward."""
+    from ditattn.models.fp8_linear import fp8_linear
+
+    lin = torch.nn.Linear(1536, 1536).to("cuda", torch.bfloat16)
+    plan = Q.quantize_linears(lin, "fp8", Q.LinearQuantRule(patterns=(("*", True, "all"),)))
+    assert plan.activations() == "fused per-row quantizer for 1 of 1 linears"
+    x = torch.randn(3, 77, 1536, device="cuda").to(torch.bfloat16)
+    y, ref = fp8_linear(x, lin), lin(x)
+    assert y.shape == (3, 77, 1536) and torch.equal(y, ref), (y.float() - ref.float()).abs().max().item()
+    y = fp8_linear(x, lin, gelu=True)
+    ref = lin(torch.nn.functional.gelu(x, approximate="tanh"))
+    assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
 
 
 @needs_fp8_gpu

@@ -6,8 +6,14 @@ Modes (:data:`MODES`):
   e4m3 with one scale per output channel, quantized once when the model is loaded; activations
   e4m3 with one scale per token, computed on every call; the GEMM is ``torch._scaled_mm`` with
   bfloat16 output.  Needs an NVIDIA GPU of compute capability >= 8.9 and ``--dtype bfloat16``.
+  The activations of the selected plain linears are quantized by :mod:`ditattn.models.fp8_linear`
+  (one fused pass per distinct input, torchao's numerics) with torchao's weights and the same
+  ``torch._scaled_mm``; any other (an unfused LoRA adapter) keeps torchao's own path, and the plan
+  (:meth:`QuantizationPlan.activations`, the load-time log line) lists it.
 * ``int8``: torchao ``Int8DynamicActivationInt8WeightConfig()`` — per-channel int8 weights,
-  per-token int8 activations (symmetric), ``torch._int_mm`` on CUDA; also runs on CPU.
+  per-token int8 activations (symmetric), ``torch._int_mm`` on CUDA; also runs on CPU.  Slow on
+  H100/H200-class GPUs (a Wan2.1-1.3B 480p step: 1,671 ms against 448 ms with bf16 linears on the
+  H200, docs/quantization.md): use ``fp8`` there.
 * ``none``: the linears stay in the compute dtype.
 
 Which linears are quantized is a declared rule (:data:`WAN_LINEAR_RULES`, first match wins, plus
@@ -111,6 +117,9 @@ class QuantizationPlan:
 
     mode: str
     decisions: tuple[LinearDecision, ...]
+    #: fp8: the quantized linears whose activations go through torchao's own quantization instead of
+    #: the fused quantizer of :mod:`ditattn.models.fp8_linear`, ``(name, reason)`` (empty: none)
+    torchao_activations: tuple[tuple[str, str], ...] = ()
 
     @property
     def quantized(self) -> list[str]:
@@ -123,11 +132,30 @@ class QuantizationPlan:
             out.setdefault((d.quantize and self.mode != "none", d.reason), []).append(d.name)
         return [(q, r, names) for (q, r), names in sorted(out.items(), key=lambda kv: not kv[0][0])]
 
+    def activations(self) -> Optional[str]:
+        """fp8: how the activations are quantized (``fused per-row quantizer for 240 of 240 linears``
+        plus the torchao fallbacks by reason), else None."""
+        if self.mode != "fp8" or not self.quantized:
+            return None
+        n = len(self.quantized)
+        line = f"fused per-row quantizer for {n - len(self.torchao_activations)} of {n} linears"
+        if self.torchao_activations:
+            why: dict[str, int] = {}
+            for _, r in self.torchao_activations:
+                why[r] = why.get(r, 0) + 1
+            line += "; torchao's own path for " + ", ".join(f"{c} ({r})" for r, c in why.items())
+        return line
+
     def to_json(self) -> dict:
-        """``{"mode", "quantized": N, "total": N, "groups": [{"quantized", "reason", "count", "layers"}]}``."""
-        return {"mode": self.mode, "quantized": len(self.quantized), "total": len(self.decisions),
-                "groups": [{"quantized": q, "reason": r, "count": len(names), "layers": names}
-                           for q, r, names in self.groups()]}
+        """``{"mode", "quantized": N, "total": N, "groups": [{"quantized", "reason", "count", "layers"}]}``
+        (fp8 adds ``"activations": {"summary", "torchao": [{"layer", "reason"}]}``)."""
+        out = {"mode": self.mode, "quantized": len(self.quantized), "total": len(self.decisions),
+               "groups": [{"quantized": q, "reason": r, "count": len(names), "layers": names}
+                          for q, r, names in self.groups()]}
+        if self.activations() is not None:
+            out["activations"] = {"summary": self.activations(),
+                                  "torchao": [{"layer": n, "reason": r} for n, r in self.torchao_activations]}
+        return out
 
     def describe(self) -> str:
         """One line: ``fp8: 240 of 306 linears quantized (...); kept in the compute dtype: 3 time
@@ -139,7 +167,8 @@ class QuantizationPlan:
         line = f"{self.mode}: {len(self.quantized)} of {len(self.decisions)} linears quantized"
         if got:
             line += f" ({', '.join(got)})"
-        return line + (f"; kept in the compute dtype: {', '.join(kept)}" if kept else "")
+        line += f"; kept in the compute dtype: {', '.join(kept)}" if kept else ""
+        return line + (f"; activations: {self.activations()}" if self.activations() else "")
 
 
 def summary(plans: Iterable[QuantizationPlan]) -> Optional[str]:
@@ -197,8 +226,15 @@ def linears(model: nn.Module) -> Iterable[tuple[str, nn.Linear]]:
 
 
 def plan_linears(model: nn.Module, mode: str, rule: LinearQuantRule = DEFAULT_RULE) -> QuantizationPlan:
-    """The rule applied to every linear of ``model`` (weights untouched; works on the meta device)."""
-    return QuantizationPlan(check_mode(mode), tuple(rule.decide(name, m) for name, m in linears(model)))
+    """The rule applied to every linear of ``model`` (weights untouched; works on the meta device).
+    fp8: a selected linear that is not a plain ``nn.Linear`` (an unfused LoRA adapter) is listed as
+    quantizing its activations through torchao's own path."""
+    plan = QuantizationPlan(check_mode(mode), tuple(rule.decide(name, m) for name, m in linears(model)))
+    if plan.mode != "fp8":
+        return plan
+    other = tuple((n, f"{type(model.get_submodule(n)).__name__} runs its own forward") for n in plan.quantized
+                  if type(model.get_submodule(n)) is not nn.Linear)
+    return dataclasses.replace(plan, torchao_activations=other)
 
 
 def plain_weight(linear: nn.Linear) -> bool:
@@ -253,5 +289,10 @@ def quantize_linears(model: nn.Module, mode: str, rule: LinearQuantRule = DEFAUL
     left = [n for n in plan.quantized if plain_weight(model.get_submodule(n))]
     if left:  # torchao skipped a layer it was asked to quantize: say so rather than report it quantized
         raise AttentionConfigError(f"torchao did not quantize {len(left)} selected linear(s), e.g. {left[0]}")
+    if plan.mode == "fp8":  # the fused activation quantizer where it applies; torchao's path elsewhere, listed
+        from ditattn.models.fp8_linear import mark_fused
+
+        other = tuple((n, r) for n in plan.quantized if (r := mark_fused(model.get_submodule(n))) is not None)
+        plan = dataclasses.replace(plan, torchao_activations=other)
     log.info("DiT linears %s", plan.describe())
     return plan

@@ -86,6 +86,8 @@ def _quantization_lines(comp: dict) -> list[str]:
     lines = [f"{comp['name']} linears: {lq['mode']}, {lq['quantized']} of {lq['total']} quantized"
              + (f" ({done})" if done else "")]
     lines += [f"  kept {compact_names(g['layers'])}: {g['reason']}" for g in lq["groups"] if not g["quantized"]]
+    if lq.get("activations"):  # fp8: the fused activation quantizer, torchao's path where it does not apply
+        lines.append(f"  activations: {lq['activations']['summary']}")
     return lines
 
 

@@ -26,8 +26,11 @@ Speed: the memory-bound work around each attention (gated residual + modulated l
 RMSNorm + RoPE) runs as single-pass fused kernels from :mod:`ditattn.models.fused` (Triton on CUDA,
 the PyTorch reference elsewhere), and on CUDA the feed-forward's tanh-GELU runs in the epilogue of
 its first GEMM (cuBLASLt; with plain weights only: a linear quantized by
-:mod:`ditattn.models.quantization` runs its own 8-bit GEMM and the GELU after it).  The fused norm
-kernels read only norm weights, never a linear's, so they run unchanged under quantization.
+:mod:`ditattn.models.quantization` runs its own 8-bit GEMM and the GELU after it).  FP8 linears
+(:mod:`ditattn.models.fp8_linear`) quantize each distinct input once in one fused pass (the
+self-attention q/k/v share one) and the feed-forward's GELU moves into the quantizer of its second
+GEMM.  The fused norm kernels read only norm weights, never a linear's, so they run unchanged under
+quantization.
 ``WanTransformer.set_fused_ops(False)`` switches all of it back to the
 plain PyTorch ops (same numbers up to rounding; for comparisons).
 """
@@ -49,6 +52,7 @@ from ditattn.distributed.comm import gather_sequence, shard_sequence
 from ditattn.models.wan.config import WanTransformerConfig
 from ditattn.models.wan.embeddings import FP32LayerNorm, WanConditionEmbedder, rope_tables
 from ditattn.models.fused import apply_rope, qk_norm_rope, residual_norm
+from ditattn.models.fp8_linear import fp8_linear, fp8_linears, takes_fused
 from ditattn.models.quantization import plain_weight
 
 # parameters that stay float32 when the model runs in fp16/bf16 (diffusers' _keep_in_fp32_modules)
@@ -103,12 +107,13 @@ class WanAttention(nn.Module):
         """``x [B, S, D]`` -> ``[B, S, D]``; cross-attention takes ``context`` or its projected ``kv``,
         and (image-to-video) the embedded image tokens ``image`` or their projected ``image_kv``."""
         if rotary is not None and kv is None and context is None:  # self-attention: one pass for norms + RoPE
-            q, k = qk_norm_rope(self.to_q(x), self.to_k(x), self.norm_q.weight, self.norm_k.weight, *rotary,
+            # FP8 linears: x quantized once for the three projections (models/fp8_linear.py)
+            q, k, v = fp8_linears(x, (self.to_q, self.to_k, self.to_v), fused)
+            q, k = qk_norm_rope(q, k, self.norm_q.weight, self.norm_k.weight, *rotary,
                                 eps=self.norm_q.eps, head_dim=x.shape[-1] // self.heads, impl=fused)
-            q, k, v = q.unflatten(2, (self.heads, -1)), k.unflatten(2, (self.heads, -1)), self.to_v(x).unflatten(
-                2, (self.heads, -1))
+            q, k, v = q.unflatten(2, (self.heads, -1)), k.unflatten(2, (self.heads, -1)), v.unflatten(2, (self.heads, -1))
         else:
-            q = self.norm_q(self.to_q(x)).unflatten(2, (self.heads, -1))
+            q = self.norm_q(fp8_linear(x, self.to_q, fused)).unflatten(2, (self.heads, -1))
             k, v = kv if kv is not None else self.project_kv(x if context is None else context)
             if rotary is not None:
                 q, k = apply_rope(q, *rotary), apply_rope(k, *rotary)
@@ -120,7 +125,7 @@ class WanAttention(nn.Module):
                                      "(encoder_hidden_states_image)")
                 image_kv = self.project_image_kv(image)
             out = out + self.image_attn(q, *image_kv).flatten(2, 3).type_as(q)
-        return self.to_out[0](out)
+        return fp8_linear(out, self.to_out[0], fused)
 
 
 class _GeluProj(nn.Module):
@@ -144,14 +149,19 @@ class _GeluProj(nn.Module):
 
 
 class WanFeedForward(nn.Module):
-    """``net.0.proj`` -> tanh-GELU -> ``net.2`` (diffusers' FeedForward key layout)."""
+    """``net.0.proj`` -> tanh-GELU -> ``net.2`` (diffusers' FeedForward key layout).  With FP8
+    linears on the fused path the first GEMM writes its bias-added output and the GELU runs in the
+    quantizer of the second GEMM's input (one pass: GELU, absmax, scale, cast)."""
 
     def __init__(self, dim: int, inner: int):
         super().__init__()
         self.net = nn.ModuleList([_GeluProj(dim, inner), nn.Dropout(0.0), nn.Linear(inner, dim)])
 
     def forward(self, x, fused: str = "auto"):
-        return self.net[2](self.net[0](x, fused))
+        fc1 = self.net[0].proj
+        if not takes_fused(fc1, fused):  # plain (GELU epilogue on CUDA) or torchao's path, GELU included
+            return fp8_linear(self.net[0](x, fused), self.net[2], fused)
+        return fp8_linear(fp8_linear(x, fc1, fused), self.net[2], fused, gelu=True)
 
 
 class WanBlock(nn.Module):
