@@ -12,9 +12,10 @@
 #   bash bench/h200_session21.sh fp8act14b  # the 14B architecture, the same rows, --repeats 3 (random init on the
 #                                           # CPU first; ~8 min)
 #
-# Staging: `bash ../shared/gpu/prepare.sh` and `bash bench/stage_extra.sh` (torchao's Python code as .gpu-c,
-# 0.7 MB) here once; device call 1: carry [".gpu-a"], `bash .gpu-a/stage.sh`; then, while warm, each part with
-# carry [".gpu-b", ".gpu-c"] (the script sources .gpu-b/activate.sh and .gpu-c/activate.sh itself).
+# Staging: `bash ../shared/gpu/prepare.sh && bash bench/stage_split.sh` and `bash bench/stage_extra.sh` (torchao's
+# Python code as .gpu-c, 0.7 MB) here once; device calls 1 and 2: carry [".gpu-a"] `bash .gpu-a/stage.sh`, carry
+# [".gpu-a2"] `bash .gpu-a2/stage.sh`; then, while warm, each part with carry [".gpu-b", ".gpu-c"] (the script
+# sources .gpu-b/activate.sh and .gpu-c/activate.sh itself).
 # Everything lands in $OUT: log, dit_quant_<arch>.json (every row with its profile), the table last.
 set -uo pipefail
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
