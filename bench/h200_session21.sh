@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 21's H200 plan: issue 25, FP8 DiT linears with the fused per-row activation quantizer
+# Session 21's H200 plan (each part one device call).  Issue 25: FP8 DiT linears with the fused per-row activation quantizer
 # (src/ditattn/models/fp8_linear.py: one Triton pass per distinct linear input, the self-attention q/k/v
 # sharing one, the feed-forward's GELU inside the second GEMM's quantizer; torchao's weights and the same
 # torch._scaled_mm).  Before it, the eager FP8 step was 601 ms against 448 ms bf16 (torchao's activation
@@ -11,6 +11,17 @@
 #                                           # fa + sage_attn, bf16 / fp8 linears, eager, kernel profile (~7 min)
 #   bash bench/h200_session21.sh fp8act14b  # the 14B architecture, the same rows, --repeats 3 (random init on the
 #                                           # CPU first; ~8 min)
+#
+#   bash bench/h200_session21.sh sage2-anchor  # issue 17: upstream SageAttention2's SM90 kernel (INT8 Q.K + FP8
+#                                              # P.V) timed next to FA4 and our sage_attn sm90 (fp16 / fp8 P.V),
+#                                              # with its error vs float32 (bench/sage2_anchor.py; ~5 min).  It
+#                                              # needs a built upstream package in $SAGE2_DIR (default
+#                                              # /tmp/sage2/pkg); the build is not in this repository (the
+#                                              # workplace keeps fetched code and recipes that build it out of
+#                                              # commits): the device command "bash .gpu-sage2/run.sh", carry
+#                                              # [".gpu-b", ".gpu-sage2"], builds it first and then runs this
+#                                              # part with SAGE2_T0 set, so build + bench stay under 575 s.
+#                                              # Without the build it stops with one line + the build log's tail.
 #
 # Staging: `bash ../shared/gpu/prepare.sh && bash bench/stage_split.sh` and `bash bench/stage_extra.sh` (torchao's
 # Python code as .gpu-c, 0.7 MB) here once; device calls 1 and 2: carry [".gpu-a"] `bash .gpu-a/stage.sh`, carry
@@ -36,5 +47,13 @@ fp8act14b)
   stage
   step 570 python3 bench/dit_quant.py --arch 14b --res 480p --frames 81 --backends fa,sage_attn --quant none,fp8 \
       --variants eager --profile --repeats 3 --budget-s 470 --out-dir "$OUT" ;;
-*) echo "usage: bash bench/h200_session21.sh fp8act|fp8act14b" >&2; exit 2 ;;
+sage2-anchor)
+  # the whole call (build included, when run.sh started the clock) ends by 575 s; the bench keeps 30 s spare
+  t0=${SAGE2_T0:-$(date +%s)}
+  source .gpu-b/activate.sh || exit 3
+  left=$(( 575 - ($(date +%s) - t0) ))
+  if [ "$left" -lt 90 ]; then echo "sage2-anchor: only ${left}s left of the call, not enough for the bench"; exit 3; fi
+  step "$left" python3 bench/sage2_anchor.py --sage2-dir "${SAGE2_DIR:-/tmp/sage2/pkg}" \
+      --build-log "$OUT/sage2_build.log" --out "$OUT/sage2" --budget-s $(( left - 30 )) ;;
+*) echo "usage: bash bench/h200_session21.sh fp8act|fp8act14b|sage2-anchor" >&2; exit 2 ;;
 esac
