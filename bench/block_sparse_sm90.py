@@ -55,7 +55,9 @@ def check(rec, variants):
     return rows
 
 
-def timing(rec, dl, seqs, sparsities, heads, variants):
+def timing(rec, dl, seqs, sparsities, heads, variants, extra=None):
+    """Per (S, sparsity) row: each candidate's time as a ratio to ideal.  ``extra(q, k, v, idx, cnt, s_real)``
+    may add candidates (name -> fn returning ``[B, S, H, D]``; bench/vsa_anchor.py's upstream kernel)."""
     from ditattn.attention.backends.base import AttnCall, get_impl
     from ditattn.attention.kernels.block_sparse_triton import block_sparse_attention_triton
     from ditattn.attention.names import AttentionBackendEnum as B
@@ -82,6 +84,8 @@ def timing(rec, dl, seqs, sparsities, heads, variants):
             for name, cfg in variants.items():
                 cands[f"sm90 {name}"] = (lambda cfg=cfg: block_sparse_attention_triton(
                     q, k, v, idx, cnt, impl="sm90", block_size=bs, kv_valid=valid, config=cfg)[0])
+            if extra is not None:
+                cands.update(extra(q, k, v, idx, cnt, s_real))
             try:
                 import flash_attn.cute  # noqa: F401
 
