@@ -23,6 +23,18 @@
 #                                              # part with SAGE2_T0 set, so build + bench stay under 575 s.
 #                                              # Without the build it stops with one line + the build log's tail.
 #
+#   bash bench/h200_session21.sh vsa-anchor    # issue 18 item 4: FastVideo's own VSA forward (fastvideo-kernel 0.3.5,
+#                                              # the ThunderKittens sm_90a kernel) timed next to our Triton / SM90
+#                                              # kernels and FA4 block-sparse at the same lists, S 32760 / 75600, 40
+#                                              # heads, sparsity 0.9 first, then 0.85 / 0.95 while the budget lasts,
+#                                              # after a check against float32 (bench/vsa_anchor.py).  It needs the
+#                                              # package built into $DITATTN_VSA_SITE (default /tmp/ditattn-vsa/site);
+#                                              # the build is not in this repository (as for sage2-anchor): the
+#                                              # device command "bash .gpu-vsa/run.sh", carry [".gpu-b", ".gpu-vsa"],
+#                                              # builds it first (<= 360 s, log $OUT/vsa_build.log) and then runs
+#                                              # this part with VSA_T0 set, so build + bench stay under 575 s.
+#                                              # Without the build it stops with one line + the build log's tail.
+#
 # Staging: `bash ../shared/gpu/prepare.sh && bash bench/stage_split.sh` and `bash bench/stage_extra.sh` (torchao's
 # Python code as .gpu-c, 0.7 MB) here once; device calls 1 and 2: carry [".gpu-a"] `bash .gpu-a/stage.sh`, carry
 # [".gpu-a2"] `bash .gpu-a2/stage.sh`; then, while warm, each part with carry [".gpu-b", ".gpu-c"] (the script
@@ -55,5 +67,14 @@ sage2-anchor)
   if [ "$left" -lt 90 ]; then echo "sage2-anchor: only ${left}s left of the call, not enough for the bench"; exit 3; fi
   step "$left" python3 bench/sage2_anchor.py --sage2-dir "${SAGE2_DIR:-/tmp/sage2/pkg}" \
       --build-log "$OUT/sage2_build.log" --out "$OUT/sage2" --budget-s $(( left - 30 )) ;;
-*) echo "usage: bash bench/h200_session21.sh fp8act|fp8act14b|sage2-anchor" >&2; exit 2 ;;
+vsa-anchor)
+  # the whole call (build included, when .gpu-vsa/run.sh started the clock) ends by 575 s; the bench checks its
+  # budget before each (S, sparsity) row and a 720p row takes up to ~1.5 min, so it keeps 100 s spare
+  t0=${VSA_T0:-$(date +%s)}
+  source .gpu-b/activate.sh || exit 3
+  left=$(( 575 - ($(date +%s) - t0) ))
+  if [ "$left" -lt 90 ]; then echo "vsa-anchor: only ${left}s left of the call, not enough for the bench"; exit 3; fi
+  step "$left" python3 bench/vsa_anchor.py --site "${DITATTN_VSA_SITE:-/tmp/ditattn-vsa/site}" \
+      --build-log "$OUT/vsa_build.log" --out "$OUT/vsa" --budget-s $(( left > 150 ? left - 100 : left - 40 )) ;;
+*) echo "usage: bash bench/h200_session21.sh fp8act|fp8act14b|sage2-anchor|vsa-anchor" >&2; exit 2 ;;
 esac
