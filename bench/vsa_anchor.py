@@ -177,8 +177,8 @@ def check(rec, ops, kinds, variants, cases=CHECK_CASES, ours=True):
         if "triton" in kinds and H == Hkv:
             cands["upstream Triton"] = upstream_fns(ops, ["triton"], q, k, v, idx, cnt, s_real)["upstream Triton"]
         if ours:
-            cands["ours triton (auto, kv_valid)"] = lambda: block_sparse_attention_triton(
-                q, k, v, idx, cnt, block_size=BS, kv_valid=valid, return_lse=True)
+            cands["ours triton (kv_valid)"] = lambda: block_sparse_attention_triton(
+                q, k, v, idx, cnt, impl="triton", block_size=BS, kv_valid=valid, return_lse=True)
         if ours and on_sm90:
             for name, cfg in variants.items():
                 cands[f"ours sm90 {name}"] = (lambda cfg=cfg: block_sparse_attention_triton(
@@ -232,7 +232,7 @@ def main(argv=None):
     print()
     print(fmt_table(checks, [("impl", "kernel", ""), ("shape", "B,S,H,Hkv,D", ""), ("rel_err", "err vs fp32", ".2e"),
                              ("lse_max_err", "lse max", ".1e"), ("finite", "finite", "")]))
-    names = ["upstream TK", "upstream TK + layout", "upstream Triton", "triton (auto, kv_valid)"]
+    names = ["upstream TK", "upstream TK + layout", "upstream Triton", "triton (kv_valid)"]
     names += [f"sm90 {n}" for n in variants] + ["fa4 block-sparse"]
     names = [n for n in names if any(n in r for r in times)]
     times.sort(key=lambda r: (r["seq"], r["sparsity"]))
