@@ -60,6 +60,13 @@ CASES = [
     ("sparge_attn exact topk=0.4", "sparge_attn", {"topk": 0.4, "quantize": False}),
     ("sparge_attn exact topk=0.45", "sparge_attn", {"topk": 0.45, "quantize": False}),
     ("sparge_attn exact topk=0.5", "sparge_attn", {"quantize": False}),
+    # cdfthreshd: the fewest blocks reaching that predicted share of each row's mass, topk the floor
+    ("sparge_attn exact cdf=0.9 topk=0.3", "sparge_attn", {"cdfthreshd": 0.9, "topk": 0.3, "quantize": False}),
+    ("sparge_attn exact cdf=0.93 topk=0.3", "sparge_attn", {"cdfthreshd": 0.93, "topk": 0.3, "quantize": False}),
+    ("sparge_attn exact cdf=0.95 topk=0.25", "sparge_attn", {"cdfthreshd": 0.95, "topk": 0.25, "quantize": False}),
+    ("sparge_attn exact cdf=0.95 topk=0.3", "sparge_attn", {"cdfthreshd": 0.95, "topk": 0.3, "quantize": False}),
+    ("sparge_attn cdf=0.95 topk=0.3", "sparge_attn", {"cdfthreshd": 0.95, "topk": 0.3}),
+    ("sparge_attn exact cdf=0.95 no floor", "sparge_attn", {"cdfthreshd": 0.95, "topk": 0.001, "quantize": False}),
     ("sparge_attn topk=0.4 predictor=pooled_query_var", "sparge_attn", {"topk": 0.4, "predictor": "pooled_query_var"}),
     ("sparge_attn upstream predictor=pooled", "sparge_attn", {"predictor": "pooled"}),
     ("sparge_attn block_size=128", "sparge_attn", {"block_size": 128}),

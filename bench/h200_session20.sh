@@ -19,6 +19,10 @@
 #                                           # 0.85 with 9 candidates takes ~2 min, so the step's limit is 420 s
 #   bash bench/h200_session20.sh fid40      # carry [".gpu-b"]: issue 19, every default + the fast settings at
 #                                           # 480p with 40 heads (the 14B layout), CPU-drawn inputs (~7 min)
+#   bash bench/h200_session20.sh fid40b     # carry [".gpu-b"]: issue 19, sparge_attn's cdfthreshd (topk the floor)
+#                                           # next to Sol and Sparge's defaults at 40 and 12 heads, CPU-drawn
+#                                           # inputs (the CPU figures of docs/benchmarks.md §11 CPU run 4);
+#                                           # the CUDA test of the cdf path first (~2 min, limit 300 s)
 #
 # .shapes-vae / .shapes-prev: copy a returned shapes/shapes.{json,safetensors} there (git-ignored).
 # Staging for the .gpu-b parts: `bash ../shared/gpu/prepare.sh && bash bench/stage_split.sh` here once (the
@@ -52,9 +56,14 @@ fid40)
   source .gpu-b/activate.sh
   step 420 python3 bench/fidelity.py --grids wan480 --heads 40 --gen-device cpu --budget-s 380 --out "$OUT/fid40" \
       --cases "sparge_attn (defaults),sparge_attn exact topk=0.4,sparge_attn exact topk=0.35,sparse_video_gen_2_attn (defaults),sol_attn (defaults),vmoba_attn (defaults),video_sparse_attn sparsity=0.9,sla_attn (defaults),STA searched (default candidates)" ;;
+fid40b)
+  source .gpu-b/activate.sh
+  step 60 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_gpu_kernels.py -k "cdfthreshd"
+  step 240 python3 bench/fidelity.py --grids wan480 --heads 40,12 --gen-device cpu --budget-s 200 --out "$OUT/fid40b" \
+      --cases "sol_attn (defaults),sparge_attn (defaults),sparge_attn exact topk=0.4,sparge_attn exact cdf=0.95 topk=0.3,sparge_attn exact cdf=0.93 topk=0.3,sparge_attn exact cdf=0.95 topk=0.25" ;;
 vae) train 585 --stage vae --vae-budget-s "${VAE_S:-450}"; summary ;;
 dit) train 590 --stage dit --init .shapes-vae --dit-budget-s "${DIT_S:-470}"; summary ;;
 dit-resume) train 590 --stage dit --resume .shapes-prev --dit-budget-s "${DIT_S:-470}"; summary ;;
 vae-dec) train 585 --stage vae --vae-train decoder --resume .shapes-prev --vae-budget-s "${VAE_S:-450}"; summary ;;
-*) echo "usage: bash bench/h200_session20.sh kernels|last|bs3|fid40|vae|dit|dit-resume|vae-dec" >&2; exit 2 ;;
+*) echo "usage: bash bench/h200_session20.sh kernels|last|bs3|fid40|fid40b|vae|dit|dit-resume|vae-dec" >&2; exit 2 ;;
 esac

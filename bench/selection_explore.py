@@ -22,6 +22,10 @@ error per head and overall.  Predictors (``local+`` / ``sol+`` prefixes force ea
 
 ``--svg2 JSON`` instead plans ``sparse_video_gen_2_attn`` for each config of a JSON list over ``--steps``
 steps (cold, then warm k-means; the kernel skipped) and prints each plan's kept fraction and mask error.
+``--sparge JSON`` plans ``sparge_attn`` for each config (keys of ``sparge_attention``: ``topk``,
+``cdfthreshd``, ``predictor``, ...) with the library's own selection (``sparge_block_mask``: the plan of
+``quantize=false``) and prints its kept fraction and mask error, overall and per head type — the error of
+``bench/fidelity.py --error-only`` for the exact kept blocks, without running their kernel on every row.
 
 This is how the defaults of docs/attention.md "Block predictors" were chosen (docs/benchmarks.md §11).
 """
@@ -283,6 +287,26 @@ def svg2_rows(q, k, v, grid, rows, exact, cfg: dict, steps: int) -> list[dict]:
     return out_rows
 
 
+def sparge_rows(q, k, v, grid, rows, exact, cfg: dict) -> dict:
+    """``sparge_attn``'s plan for ``cfg`` (no text tokens), the kernel skipped: the kept fraction and, on the
+    sampled ``rows``, the squared error and squared norm per head of exact attention under its block mask."""
+    from ditattn.attention.sparse.sparge import sparge_block_mask, sparge_tile_size
+
+    layout = make_tile_layout(grid, sparge_tile_size(cfg.get("block_size", 64)),
+                              edge_tiles=cfg.get("edge_tiles", "packed"))
+    t0 = time.perf_counter()
+    mask, _ = sparge_block_mask(tile(q, layout), tile(k, layout), layout, cfg.get("topk", 0.5), q.shape[-1] ** -0.5,
+                                predictor=cfg.get("predictor", "pooled_query"), simthreshd1=cfg.get("simthreshd1", -0.1),
+                                cdfthreshd=cfg.get("cdfthreshd"), impl="reference")
+    secs = time.perf_counter() - t0
+    blk = layout.position // layout.block_size  # original token -> block
+    qb = blk[rows]
+    out, _ = reference_rows(q, k, v, rows, mask_fn=lambda _r, hs: mask[:, hs][:, :, qb][..., blk])
+    err2 = (out.double() - exact.double()).pow(2).sum((0, 1, 3))
+    return {"kept": float(mask.float().mean()), "kept_head": mask.float().mean((0, 2, 3)), "err2": err2,
+            "ref2": exact.double().pow(2).sum((0, 1, 3)), "plan_s": secs}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--grid", default="12,16,28")
@@ -300,6 +324,9 @@ def main():
                     help="instead of predictors: sparse_video_gen_2_attn plans for a JSON list of configs, e.g. "
                          "'[{}, {\"top_p\": 0.95}]' (kernel skipped; error of each plan's mask per step)")
     ap.add_argument("--steps", type=int, default=3, help="--svg2: steps per config (cold, then warm)")
+    ap.add_argument("--sparge", default=None, metavar="JSON",
+                    help="instead of predictors: sparge_attn plans for a JSON list of configs, e.g. "
+                         "'[{\"topk\": 0.4}, {\"cdfthreshd\": 0.95, \"topk\": 0.3}]' (kernel skipped)")
     args = ap.parse_args()
     global SOL_VARIANCE
     SOL_VARIANCE = args.sol_variance
@@ -325,6 +352,25 @@ def main():
                 print(f"svg2 {json.dumps(cfg)} step {r['step']} {r['mode']}: kept {r['kept']:.3f} err {r['err']:.4f} "
                       f"({r['plan_s']:.1f} s) per head " + " ".join(f"{t[:4]}{h}={e:.3f}" for h, (t, e) in
                                                                   enumerate(zip(types, r["per_head"]))), flush=True)
+        return
+    if args.sparge:
+        import json
+
+        kinds = sorted(set(types))
+        print(f"{'sparge config':<44} {'kept':>6} {'err':>7}  " + "  ".join(f"{t} kept/err" for t in kinds)
+              + "  worst heads")
+        for cfg in json.loads(args.sparge):
+            r = sparge_rows(q, k, v, grid, rows, exact, cfg)
+            e2, r2, kh = r["err2"], r["ref2"], r["kept_head"]
+            per = []
+            for t in kinds:
+                sel = torch.tensor([x == t for x in types])
+                per.append(f"{float(kh[sel].mean()):.3f}/{float((e2[sel].sum() / r2[sel].sum()).sqrt()):.3f}")
+            worst = torch.argsort(e2 / r2, descending=True)[:3].tolist()
+            print(f"{json.dumps(cfg):<44} {r['kept']:6.3f} {float((e2.sum() / r2.sum()).sqrt()):7.4f}  "
+                  + "  ".join(f"{p:>14}" for p in per) + "  "
+                  + " ".join(f"{types[h][:4]}{h}={float((e2[h] / r2[h]).sqrt()):.3f}" for h in worst)
+                  + f"  (plan {r['plan_s']:.1f} s)", flush=True)
         return
     cache = {}
 

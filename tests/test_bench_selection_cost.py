@@ -35,3 +35,15 @@ def test_selection_explore_svg2_plans(run_bench):
     kept = [float(ln.split(" kept ")[1].split()[0]) for ln in lines]
     assert 0 < err[0] < 1 and 0 < kept[0] < 1
     assert err[2:] == [0.0, 0.0] and kept[2:] == [1.0, 1.0]
+
+
+def test_selection_explore_sparge_plans(run_bench):
+    """--sparge: sparge_attn's plans (the library's selection, kernel skipped); topk 1 is exact, cdfthreshd
+    with a floor keeps at least the floor and at most what cdfthreshd 1 keeps."""
+    stdout = run_bench("selection_explore.py", "--grid", "4,8,12", "--rows", "64", "--heads", "3",
+                       "--sparge", '[{"topk": 1.0}, {"topk": 0.25}, {"cdfthreshd": 0.9, "topk": 0.25}, '
+                                   '{"cdfthreshd": 0.9, "topk": 0.001}]')
+    rows = [ln.split("}")[1].split() for ln in stdout.splitlines() if ln.startswith("{")]
+    kept, err = [float(r[0]) for r in rows], [float(r[1]) for r in rows]
+    assert len(rows) == 4 and kept[0] == 1.0 and err[0] == 0.0
+    assert kept[1] <= kept[2] <= 1 and kept[3] <= kept[2] and err[2] <= err[1]

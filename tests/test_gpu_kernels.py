@@ -416,6 +416,33 @@ def test_pooled_query_selection_on_cuda():
     assert abs(plan.kept_fraction - rplan.kept_fraction) < 1e-9  # tau's rule sets the counts
 
 
+def test_sparge_cdfthreshd_on_cuda():
+    """sparge_attn with cdfthreshd on CUDA (rows of varying length, fixed-width lists): exact attention
+    under the plan's own token mask, no host synchronisation, and the plan of the PyTorch path."""
+    from ditattn.attention.sparse.block_sparse import lists_to_block_mask
+    from ditattn.attention.sparse.common import plan_token_mask
+    from ditattn.attention.sparse.sparge import sparge_attention
+
+    grid = (8, 12, 16)
+    S = math.prod(grid) + 7
+    q, k, v = qkv(1, S, S, 4, 4, 128, seed=43)
+    kw = dict(video_shape=grid, text_len=7, cdfthreshd=0.9, topk=0.2, quantize=False)
+    sparge_attention(q, k, v, **kw)  # layout constants and kernels built first
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out, _, plan = sparge_attention(q, k, v, **kw)
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
+    assert rel(out, reference_attention(q, k, v, mask=plan_token_mask(plan))[0]) <= 2 * sdpa_err(q, k, v) + 1e-4
+    counts = plan.kv_counts[0, :, :plan.layout.n_video_blocks]
+    assert int(counts.min()) < int(counts.max())
+    _, _, rplan = sparge_attention(q, k, v, impl="reference", **kw)
+    nb = plan.layout.n_blocks
+    m, rm = (lists_to_block_mask(p.kv_indices, p.kv_counts, nb) for p in (plan, rplan))
+    assert float((m == rm).float().mean()) > 0.97
+
+
 @pytest.mark.parametrize("block", [128, 32])
 def test_svg2_on_cuda_matches_its_token_mask(block):
     """sparse_video_gen_2_attn on CUDA (128-token blocks: FA4's block-sparse path when installed, told

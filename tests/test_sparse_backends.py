@@ -310,6 +310,26 @@ def test_sparge_quantizes_kept_blocks_int8_like_sage():
     assert float((out_q.float() - want).norm() / want.norm()) < 5e-3 < err_q
 
 
+def test_sparge_cdfthreshd_config():
+    """cdfthreshd: validated like the other keys (unset by default); the backend's plan is the planner's
+    (bf16, exact and INT8 kept blocks; topk the floor) and its statistics count the varying rows."""
+    for bad in (0.0, 1.5, -0.2, "high"):
+        with pytest.raises(AttentionConfigError, match=r"'cdfthreshd'.*accepted: a number in \(0, 1\]"):
+            validate_backend_config(B.SPARGE_ATTN, {"cdfthreshd": bad})
+    cfg = validate_backend_config(B.SPARGE_ATTN, {})
+    assert cfg["cdfthreshd"] is None and cfg["topk"] == 0.5
+    grid = (4, 8, 8)
+    q, k, v = qkv(grid=grid, text_len=TEXT, heads=2, dim=64, dtype=torch.bfloat16, seed=4)
+    impl = get_impl(B.SPARGE_ATTN)
+    c = AttnCall(video_shape=grid, text_len=TEXT, layer_idx=0)
+    for quant, topk in ((False, 0.2), (True, 0.5)):
+        cfg = {"cdfthreshd": 0.9, "quantize": quant} | ({"topk": topk} if topk != 0.5 else {})
+        out, _ = impl(q, k, v, c, validate_backend_config(B.SPARGE_ATTN, cfg))
+        want = sparge_attention(q, k, v, video_shape=grid, cdfthreshd=0.9, topk=topk, text_len=TEXT, quantize=quant)
+        torch.testing.assert_close(out, want[0], rtol=0, atol=0)
+        assert float(last_stats["sparge_attn/layer0"]["kept_fraction"]) == pytest.approx(want[2].kept_fraction)
+
+
 def test_sol_dense_steps_layers_and_dense_backend(monkeypatch):
     q, k, v = qkv(grid=(4, 8, 8), text_len=7, heads=2, dim=128, dtype=torch.bfloat16, seed=5)
     c = dict(video_shape=(4, 8, 8), text_len=7)

@@ -196,9 +196,10 @@ def test_sparge_and_sla_paths_have_no_host_reads(monkeypatch, name):
     assert got[2].kept_fraction == want[2].kept_fraction
 
 
-@pytest.mark.parametrize("name", ["svg2", "sol"])
+@pytest.mark.parametrize("name", ["svg2", "sol", "sparge_cdf"])
 def test_svg2_and_sol_paths_have_no_host_reads(monkeypatch, name):
-    """SVG2 (cold then warm k-means steps, the cluster plan, the per-head gathers) and Sol run their
+    """SVG2 (cold then warm k-means steps, the cluster plan, the per-head gathers), Sol and Sparge with
+    ``cdfthreshd`` (rows of varying length) run their
     whole backend call without reading a value back from the device: on the meta device (where any
     such read fails) with every tensor -> host conversion and every host -> device copy (a stream
     wait on CUDA) forbidden besides.  Their kept fraction
@@ -209,12 +210,13 @@ def test_svg2_and_sol_paths_have_no_host_reads(monkeypatch, name):
     shape, text = (5, 8, 12), 7
     S = 5 * 8 * 12 + text
     q, k, v = (torch.randn(1, S, 2, 128, device="meta", dtype=torch.bfloat16) for _ in range(3))
-    backend = B.SPARSE_VIDEO_GEN_2_ATTN if name == "svg2" else B.SOL_ATTN
+    backend = {"svg2": B.SPARSE_VIDEO_GEN_2_ATTN, "sol": B.SOL_ATTN, "sparge_cdf": B.SPARGE_ATTN}[name]
     impl = get_impl(backend)
-    cfg = {"num_q_clusters": 6, "num_k_clusters": 9} if name == "svg2" else {}
+    cfg = {"svg2": {"num_q_clusters": 6, "num_k_clusters": 9}, "sol": {},
+           "sparge_cdf": {"cdfthreshd": 0.9, "topk": 0.2}}[name]
     steps = (0, 1, 2) if name == "svg2" else (12,)
     reset_svg2_state()
-    if name == "sol":  # builds the cached tile layout's device constants first (once per layout)
+    if name != "svg2":  # builds the cached tile layout's device constants first (once per layout)
         impl(q, k, v, AttnCall(video_shape=shape, text_len=text, step=12, layer_idx=2), cfg)
     clear_stats()
     real_to = torch.Tensor.to

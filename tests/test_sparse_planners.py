@@ -324,6 +324,145 @@ def test_sparge_self_similarity_fallback(grid, text_len, edge_tiles):
     assert bool((sq >= 0).all() and (sq <= 1 + 1e-12).all())
 
 
+def cdf_select(log_mass, thr, valid=None, floor=1):
+    """Independent ``cdfthreshd`` rule: per row the fewest blocks, largest share first (ties to the lower
+    index), whose shares (softmax of ``log_mass`` over the valid blocks, float64) sum to >= ``thr``, but at
+    least the first ``floor`` valid blocks."""
+    s = log_mass.double()
+    if valid is not None:
+        s = s.masked_fill(~valid, float("-inf"))
+    p = torch.softmax(s, -1)
+    out = torch.zeros_like(s, dtype=torch.bool)
+    for idx in torch.cartesian_prod(*(torch.arange(n) for n in s.shape[:-1])).tolist():
+        row = p[tuple(idx)].tolist()
+        total = 0.0
+        for j in sorted(range(len(row)), key=lambda j: (-row[j], j)):
+            if valid is not None and not valid[tuple(idx) + (j,)]:
+                break
+            out[tuple(idx) + (j,)] = True
+            total += row[j]
+            floor_left = floor - int(out[tuple(idx)].sum())
+            if total >= thr and floor_left <= 0:
+                break
+    return out
+
+
+def test_mass_mask_keeps_the_fewest_blocks_reaching_the_share():
+    from ditattn.attention.sparse.common import mass_mask
+
+    share = torch.tensor([0.05, 0.5, 0.15, 0.3])
+    lm = share.log() + 3.0  # unnormalised log masses
+    for thr, want in [(0.4, [1]), (0.5 - 1e-4, [1]), (0.75, [1, 3]), (0.81, [1, 2, 3]), (0.96, [0, 1, 2, 3])]:
+        got = torch.nonzero(mass_mask(lm, thr)).flatten().tolist()
+        assert got == want, (thr, got)  # upstream's searchsorted(right=True) keeps one fewer at 0.75 / 0.81 / 0.96
+    # a peaked row keeps one block at any threshold < 1; threshold 1 keeps exactly the blocks with a nonzero share
+    peaked = torch.tensor([[-80.0, 0.0, -80.0, -200.0, float("-inf")]])
+    assert mass_mask(peaked, 0.999999).tolist() == [[False, True, False, False, False]]
+    assert mass_mask(peaked, 1.0).tolist() == (torch.softmax(peaked, -1) > 0).tolist() == [[True, True, True, False, False]]
+    # ties go to the lower index; invalid blocks have no share and are never kept; a row without valid blocks keeps none
+    assert mass_mask(torch.zeros(1, 4), 0.5).tolist() == [[True, True, False, False]]
+    # min_count: at least that many, the first ones in the same order (all valid ones if fewer)
+    assert torch.nonzero(mass_mask(lm, 0.4, min_count=3)).flatten().tolist() == [1, 2, 3]
+    assert torch.nonzero(mass_mask(lm, 0.96, min_count=2)).flatten().tolist() == [0, 1, 2, 3]
+    valid = torch.tensor([[True, False, True, True], [False, False, False, False]])
+    got = mass_mask(torch.tensor([[0.0, 9.0, 0.0, 0.0], [1.0, 2.0, 3.0, 4.0]]), 0.6, valid)
+    assert got.tolist() == [[True, False, True, False], [False, False, False, False]]
+
+
+@pytest.mark.parametrize("predictor", ["pooled", "pooled_query"])
+@pytest.mark.parametrize("cdf,topk", [(0.3, 0.01), (0.8, 0.01), (0.97, 0.01), (0.8, 0.3)])
+@pytest.mark.parametrize("edge_tiles", ["padded", "packed"])
+def test_sparge_cdfthreshd(predictor, cdf, topk, edge_tiles):
+    """``cdfthreshd``: per query block the fewest key blocks whose predicted share reaches it (the shares:
+    softmax of the pooled-query log masses, or of the pooled mean logits plus log block size), but at least
+    topk's count (topk 0.01: one block, upstream's rule)."""
+    grid, text_len, tile = (3, 9, 10), 7, (4, 4, 4)  # partial tiles on every axis: blocks of unequal size
+    q, k, v = qkv(grid, text_len, heads=2, dim=64, seed=5)
+    # a shared direction: queries weight it 0..1 along the sequence, keys at random, so some query blocks
+    # see peaked shares and others flat ones (i.i.d. noise alone gives every row the same count)
+    g = torch.Generator().manual_seed(6)
+    u = 8 * torch.nn.functional.normalize(torch.randn(64, generator=g), dim=0)
+    q = q + torch.linspace(0, 1, q.shape[1]).view(1, -1, 1, 1) * u
+    k = k + torch.randn(1, k.shape[1], 1, 1, generator=g) * u
+    ids, groups = block_ids(grid, tile, edge_tiles)
+    nt = len(groups)
+    if predictor == "pooled":
+        pq, pk = (group_means(x[:, :ids.numel()], ids, nt) for x in (q, k))
+        size = torch.bincount(ids, minlength=nt).double()
+        s = pq @ pk.transpose(-1, -2) * 64 ** -0.5 + size.log()
+    else:
+        s = pooled_query_scores(q, k, grid, tile, 64 ** -0.5, edge_tiles=edge_tiles)
+    floor = math.ceil(topk * nt)
+    sel = cdf_select(s, cdf, floor=floor)
+    res = sparge_attention(q, k, v, video_shape=grid, cdfthreshd=cdf, topk=topk, text_len=text_len,
+                           predictor=predictor, return_lse=True, edge_tiles=edge_tiles)
+    mask = with_text(sel[:, :, ids][:, :, :, ids], text_len)
+    assert torch.equal(plan_token_mask(res[2]), mask)
+    check_output(res, q, k, v, mask, atol=1e-5)  # sharper softmax than the other tests: float32 rounding ~4e-6
+    assert res[2].extra["k"] == floor and res[2].extra["cdfthreshd"] == cdf
+    counts = sel.sum(-1)
+    assert counts.min() == max(1, floor) if cdf < 0.5 else counts.min() >= floor
+    assert counts.min() < counts.max()  # lengths vary from row to row
+    assert res[2].kept_fraction == pytest.approx(float(plan_token_mask(res[2]).float().mean()), abs=0.2)
+
+
+def test_sparge_cdfthreshd_lengths_follow_each_heads_spread():
+    """A peaked head keeps one key block per query block, a flat one all of them; cdfthreshd=1 with
+    ``quantize=False`` keeps every block of shares > 0 and equals dense attention."""
+    grid = (4, 8, 16)  # 8 blocks of 4x4x4
+    q, k, v = qkv(grid, 0, heads=2, dim=64, batch=1, seed=9)
+    u = 8 * torch.nn.functional.normalize(torch.randn(64, generator=torch.Generator().manual_seed(1)), dim=0)
+    tile0 = (coords(grid)[:, 1:] < 4).all(1)  # the tokens of the first 4x4x4 tile
+    q[:, :, 0] = u  # head 0: every query aims at the first tile's keys (score 8, the others about 0)
+    k[:, :, 0] *= 0.01
+    k[:, tile0, 0] = u
+    q[:, :, 1] = 0.0  # head 1: every score equal -> equal shares
+    res = sparge_attention(q, k, v, video_shape=grid, cdfthreshd=0.9, topk=0.1, quantize=False)
+    cnt = res[2].kv_counts[0]
+    assert cnt[0].tolist() == [1] * 8 and cnt[1].tolist() == [8] * 8
+    assert res[2].kv_indices[0, 0, :, 0].tolist() == [0] * 8
+    assert res[2].kept_fraction == pytest.approx((8 + 64) / 128)
+    floor = sparge_attention(q, k, v, video_shape=grid, cdfthreshd=0.9, topk=0.25, quantize=False)
+    assert floor[2].kv_counts[0, 0].tolist() == [2] * 8 and floor[2].kv_counts[0, 1].tolist() == [8] * 8
+    full = sparge_attention(q, k, v, video_shape=grid, cdfthreshd=1.0, topk=0.1, quantize=False, return_lse=True)
+    assert full[2].kept_fraction == 1.0
+    check_output(full, q, k, v, None)
+
+
+def test_sparge_cdfthreshd_with_the_self_similarity_fallback():
+    """With ``simthreshd1``, the shares are renormalised over the non-fallback key blocks (as upstream,
+    whose fallback blocks get score -inf before the softmax); fallback rows and columns are added."""
+    grid, text_len, edge_tiles, tile = (3, 9, 10), 7, "packed", (4, 4, 4)
+    q, k, v = qkv(grid, text_len, heads=2, dim=64, seed=7)
+    ids, groups = block_ids(grid, tile, edge_tiles)
+    nt = len(groups)
+    sq, sk = block_similarity(q, grid, tile, edge_tiles), block_similarity(k, grid, tile, edge_tiles)
+    vals = torch.cat([sq.flatten(), sk.flatten()]).sort().values
+    thr = float(vals[vals.numel() // 4 - 1] + vals[vals.numel() // 4]) / 2  # about a quarter fall back
+    k_odd = (sk <= thr).unsqueeze(2).expand(-1, -1, nt, -1)
+    forced = k_odd | (sq <= thr).unsqueeze(3).expand(-1, -1, -1, nt)
+    s = pooled_query_scores(q, k, grid, tile, 64 ** -0.5, edge_tiles=edge_tiles)
+    sel = cdf_select(s, 0.6, valid=~k_odd, floor=math.ceil(0.2 * nt)) | forced
+    res = sparge_attention(q, k, v, video_shape=grid, cdfthreshd=0.6, topk=0.2, text_len=text_len, simthreshd1=thr,
+                           edge_tiles=edge_tiles)
+    mask = with_text(sel[:, :, ids][:, :, :, ids], text_len)
+    assert torch.equal(plan_token_mask(res[2]), mask)
+    check_output(res, q, k, v, mask)
+
+
+def test_sparge_selection_rule_is_checked():
+    from ditattn.errors import AttentionConfigError
+
+    q, k, v = qkv((3, 5, 7), 0, heads=1, dim=64, batch=1)
+    for kw, frag in [({"cdfthreshd": 0.0}, r"cdfthreshd must be a number in \(0, 1\], got 0.0"),
+                     ({"cdfthreshd": 1.5}, "cdfthreshd must"), ({"cdfthreshd": True}, "cdfthreshd must"),
+                     ({"topk": 0}, "topk must")]:
+        with pytest.raises(AttentionConfigError, match=frag):
+            sparge_attention(q, k, v, video_shape=(3, 5, 7), **kw)
+    plan = sparge_attention(q, k, v, video_shape=(3, 5, 7))[2]
+    assert plan.extra["k"] == math.ceil(0.5 * plan.layout.n_video_blocks) and plan.extra["cdfthreshd"] is None
+
+
 # ------------------------------------------------------------------------------------------------
 # V-MoBA
 

@@ -173,8 +173,9 @@ def sparge_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
         return _dense(name, q, k, v, call, f"dense SDPA: {why}")
     vs, text_len = _check_call(name, q, k, v, call)
     k, v = expand_kv(k, v, q.shape[2])
-    out, lse, plan = sparge_attention(q, k, v, video_shape=vs, topk=cfg["topk"], block_size=cfg.get("block_size", 64),
-                                      text_len=text_len, quantize=cfg.get("quantize", True),
+    out, lse, plan = sparge_attention(q, k, v, video_shape=vs, topk=cfg["topk"], cdfthreshd=cfg.get("cdfthreshd"),
+                                      block_size=cfg.get("block_size", 64), text_len=text_len,
+                                      quantize=cfg.get("quantize", True),
                                       predictor=cfg["predictor"], simthreshd1=cfg["simthreshd1"], scale=call.scale,
                                       return_lse=call.return_lse, impl=cfg["block_sparse_impl"],
                                       edge_tiles=cfg["edge_tiles"])

@@ -106,6 +106,30 @@ def topk_mask(scores: Tensor, k: int, valid: Optional[Tensor] = None) -> Tensor:
     return out
 
 
+def mass_mask(log_mass: Tensor, threshold: float, valid: Optional[Tensor] = None, min_count: int = 1) -> Tensor:
+    """Boolean mask, per row of ``log_mass [..., n]`` (unnormalised log masses: ``softmax`` along
+    the last dim is each entry's share), of the fewest entries, largest share first (ties to the
+    lower index, as :func:`topk_indices`), whose shares sum to at least ``threshold`` in (0, 1] —
+    but at least ``min_count`` (>= 1) entries, the first ones in that order.  ``valid`` False
+    entries have no share and are never chosen (a row with fewer valid entries keeps all of them).
+
+    Computed as "keep sorted position ``i`` while the share from ``i`` on exceeds ``1 - threshold``"
+    (a suffix sum, exact at the small end): ``threshold=1`` keeps exactly the entries whose float
+    share is nonzero (and the first ``min_count``).
+    """
+    if valid is not None:
+        log_mass = log_mass.masked_fill(~valid, float("-inf"))
+    sv, si = torch.sort(log_mass, dim=-1, descending=True, stable=True)
+    p = torch.softmax(sv, dim=-1).nan_to_num_(0.0)  # a row of -inf: NaN -> no share
+    tail = p.flip(-1).cumsum(-1).flip(-1)  # share from each sorted position on
+    take = tail > 1.0 - float(threshold)
+    take[..., :max(1, int(min_count))] = True
+    out = torch.zeros_like(take).scatter_(-1, si, take)
+    if valid is not None:
+        out &= valid
+    return out
+
+
 def ceil_fraction(fraction: float, n: int) -> int:
     """``ceil(fraction * n)`` robust to float noise (``(1 - 0.7) * 10`` is 3, not 4), at least 1."""
     return max(1, min(n, math.ceil(round(fraction * n, 9))))
