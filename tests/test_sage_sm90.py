@@ -229,6 +229,104 @@ def test_fp8_reference_error_on_structured_inputs_and_v_smoothing():
     assert err_smooth < 0.8 * err_plain, (err_smooth, err_plain)
 
 
+def test_k_thread_groups_are_the_columns_of_one_thread_in_the_kernels_accumulator():
+    """``k_granularity`` "thread": the keys that share a scale are exactly the S columns one thread holds in
+    the kernel's Q.K accumulator layout (read off Gluon's linear layout of ``sage_sm90._mma_layouts``)."""
+    gluon_ir = pytest.importorskip("triton._C.libtriton.gluon_ir")
+    from triton._C.libtriton import ir
+
+    from ditattn.attention.kernels.int8_reference import K_THREAD_GROUPS, k_thread_groups
+    from ditattn.attention.kernels.sage_sm90 import _mma_layouts
+
+    ctx = ir.context()
+    ir.load_dialects(ctx)
+    builder = gluon_ir.GluonOpBuilder(ctx)
+    for bn in (128, 64):
+        s_layout = _mma_layouts(bn, 128, False)[0]
+        ll = builder.to_linear_layout(s_layout._to_ir(builder), [64, bn])
+        groups = k_thread_groups(3 * bn, bn)
+        for tile in range(3):
+            for warp in range(4):
+                for lane in range(32):
+                    cols = set()
+                    for reg in range(2 ** len(ll.reg_bases)):
+                        col = 0
+                        for bits, bases in ((reg, ll.reg_bases), (lane, ll.lane_bases), (warp, ll.warp_bases)):
+                            for i, (_, c) in enumerate(bases):
+                                if bits >> i & 1:
+                                    col ^= c
+                        cols.add(col)
+                    assert len(cols) == bn // K_THREAD_GROUPS  # 32 (16) key columns per thread
+                    got = {int(groups[tile * bn + c]) for c in cols}
+                    assert got == {tile * K_THREAD_GROUPS + lane % 4}, (bn, warp, lane, got)
+
+
+@pytest.mark.parametrize("skv,block_n", [(300, 128), (77, 64), (256, 128)])
+def test_reference_k_thread_scales_against_a_loop(skv, block_n):
+    """The reference's per-thread K quantization against a plain loop over blocks and groups: group g of a
+    block holds keys 8 j + 2 g + {0, 1}; keys past the end count as zeros; an all-zero group has scale 1."""
+    from ditattn.attention.kernels.int8_reference import _quant_k_thread, k_thread_groups
+
+    g = torch.Generator().manual_seed(skv)
+    x = torch.randn(2, 3, skv, 16, generator=g) * torch.rand(1, 1, skv, 1, generator=g) * 5
+    x[:, :, 2:skv:8] *= 20.0  # outliers in group 1 only
+    x[0, 0, 0:block_n:8] = 0.0  # group 0 of block 0 (keys 8j, 8j + 1) all zero in head (0, 0)
+    x[0, 0, 1:block_n:8] = 0.0
+    x8, sc = _quant_k_thread(x, block_n, "test")
+    assert x8.shape == x.shape and sc.shape == x.shape[:3]
+    want_sc = torch.empty(x.shape[:3])
+    for blk in range(-(-skv // block_n)):
+        for grp in range(4):
+            keys = [blk * block_n + 8 * j + 2 * grp + p for j in range(block_n // 8) for p in (0, 1)]
+            keys = [i for i in keys if i < skv]
+            if not keys:
+                continue
+            amax = x[:, :, keys].abs().amax(dim=(-1, -2))
+            want_sc[:, :, keys] = torch.where(amax > 0, amax / 127, torch.ones_like(amax))[..., None]
+    assert torch.equal(sc, want_sc)
+    assert torch.equal(x8, _round_half_away(x / want_sc[..., None]))
+    assert x8.abs().max() <= 127 and sc[0, 0, 0] == 1.0 and sc[0, 0, 1] == 1.0
+    # one scale per (block, group): every key with the same k_thread_groups index has the same scale
+    idx = k_thread_groups(skv, block_n)
+    for i in idx.unique():
+        assert (sc[..., idx == i] == sc[..., idx == i][..., :1]).all()
+
+
+def test_reference_k_granularity_thread_end_to_end():
+    """``int8_attention_reference(k_granularity="thread")`` is the fp16 P.V attention of per-token INT8 Q and
+    the per-thread INT8 K of the smoothed keys (computed here independently), GQA and odd lengths; a bad value
+    names the accepted ones."""
+    from ditattn.attention.kernels.int8_reference import k_thread_groups
+    from ditattn.errors import AttentionConfigError
+
+    g = torch.Generator().manual_seed(5)
+    B, Sq, Skv, H, Hkv, D = 1, 50, 200, 4, 2, 64
+    q = torch.randn(B, Sq, H, D, generator=g).bfloat16()
+    k = (torch.randn(B, Skv, Hkv, D, generator=g) + 0.5).bfloat16()
+    v = torch.randn(B, Skv, Hkv, D, generator=g).bfloat16()
+    out, lse = int8_attention_reference(q, k, v, k_granularity="thread", return_lse=True)
+    kr, vr = k.repeat_interleave(2, 2).float().transpose(1, 2), v.repeat_interleave(2, 2).float().transpose(1, 2)
+    qf = q.float().transpose(1, 2)
+    ks = kr - kr.mean(dim=2, keepdim=True)
+    idx = k_thread_groups(Skv)
+    ksc = torch.empty(B, H, Skv)
+    for i in idx.unique():
+        ksc[..., idx == i] = (ks[:, :, idx == i].abs().amax(dim=(-1, -2)) / 127)[..., None]
+    k8 = _round_half_away(ks / ksc[..., None])
+    qsc = qf.abs().amax(-1, keepdim=True) / 127
+    q8 = _round_half_away(qf / qsc)
+    s = (q8 @ k8.transpose(-1, -2)) * qsc * ksc[:, :, None, :] * D ** -0.5
+    p = torch.exp(s - s.amax(-1, keepdim=True))
+    want = (p.bfloat16().float() @ vr.bfloat16().float()) / p.sum(-1, keepdim=True)
+    assert _rel(out.float().transpose(1, 2), want) < 4e-3  # the output's bf16 rounding
+    ref, _ = _exact(q, k, v)
+    assert _rel(out, ref) < 0.02
+    with pytest.raises(AttentionConfigError, match=r"accepts \['token', 'block', 'thread'\]"):
+        int8_attention_reference(q, k, v, k_granularity="row")
+    with pytest.raises(AttentionConfigError, match="multiple of 8"):
+        int8_attention_reference(q, k, v, k_granularity="thread", block_n=60)
+
+
 def test_kernel_config_validation():
     from ditattn.attention.kernels.sage_sm90 import kernel_config
     from ditattn.errors import AttentionConfigError

@@ -12,6 +12,11 @@ from ditattn.errors import AttentionConfigError
 
 PV_MODES = ("fp16", "fp8")
 Q_GRANULARITIES = ("token", "block")
+#: K scale granularities: per key, per block of ``block_n`` keys, or per *thread* (SageAttention2): within each block
+#: the keys a thread holds in the ``wgmma`` accumulator layout (columns 8 j + 2 t + {0, 1}, t = lane % 4) share one
+#: scale, so group ``(key % 8) // 2`` — :data:`K_THREAD_GROUPS` groups of ``block_n / 4`` keys per block
+K_GRANULARITIES = ("token", "block", "thread")
+K_THREAD_GROUPS = 4
 P_ROWSUMS = ("fp32", "fp8")
 FP8_MAX = 448.0
 P_SHIFT_FP8 = 8.0  # FP8 P.V: P = exp2(t - m + 8), in (0, 256]
@@ -33,7 +38,8 @@ def int8_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     """The same quantization as :func:`int8_attention`, in PyTorch (any device; the CPU path).
 
     q ``[B, S_q, H, D]``, k/v ``[B, S_kv, H_kv, D]`` in float32, float16 or bfloat16 (any head dim).
-    ``k_granularity`` "block" (one K scale per ``block_n`` keys) or "token" (one per key).
+    ``k_granularity`` "block" (one K scale per ``block_n`` keys), "token" (one per key) or "thread"
+    (:func:`k_thread_groups`: within each block of ``block_n`` keys, one scale per group ``(key % 8) // 2``).
     Quantized products are exact (INT8 values held in float32), softmax in float32.  ``pv`` "fp16":
     P (from the row's global maximum) and V rounded to V's dtype (float16 for float32 input).
     ``pv`` "fp8", as the GPU kernels compute it: the keys in blocks of ``block_n`` with a running
@@ -60,11 +66,13 @@ def int8_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     kf = k.to(f32).transpose(1, 2)
     kmean = kf.mean(dim=2, keepdim=True)
     ks_ = kf - kmean
-    if k_granularity not in Q_GRANULARITIES:
-        raise AttentionConfigError(f"{what}: k_granularity {k_granularity!r} not supported (accepts {list(Q_GRANULARITIES)})")
+    if k_granularity not in K_GRANULARITIES:
+        raise AttentionConfigError(f"{what}: k_granularity {k_granularity!r} not supported (accepts {list(K_GRANULARITIES)})")
     if k_granularity == "token":
         k8, ksc = _quant_sym(ks_, dim=3)
         ksc = ksc.squeeze(-1)
+    elif k_granularity == "thread":
+        k8, ksc = _quant_k_thread(ks_, block_n, what)
     else:
         nbk = -(-Skv // block_n)
         pad_k = nbk * block_n - Skv
@@ -118,6 +126,33 @@ def int8_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return out.transpose(1, 2).to(q.dtype), (lse if return_lse else None)
 
 
+def k_thread_groups(n: int, block_n: int = 128) -> torch.Tensor:
+    """Scale index of each of ``n`` keys under ``k_granularity`` "thread": key i uses scale
+    ``(i // block_n) * 4 + (i % 8) // 2`` — in the m64nNk* ``wgmma`` accumulator a thread (lane l) holds
+    the key columns ``8 j + 2 (l % 4) + {0, 1}`` of a tile, so the keys of one group are the ones one
+    thread multiplies (``int64 [n]``)."""
+    i = torch.arange(n)
+    return (i // block_n) * K_THREAD_GROUPS + (i % 8) // 2
+
+
+def _quant_k_thread(x: torch.Tensor, block_n: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric INT8 of ``x [B, H, S, D]`` with one scale per :func:`k_thread_groups` group (the
+    keys past S count as zeros): ``(x8 [B, H, S, D], per-key scale [B, H, S])``."""
+    if block_n % 8:
+        raise AttentionConfigError(f"{what}: k_granularity 'thread' needs block_n a multiple of 8, not {block_n}")
+    B, H, S, D = x.shape
+    nb = -(-S // block_n)
+    xp = torch.nn.functional.pad(x, (0, 0, 0, nb * block_n - S))
+    # [B, H, block, j, group, pair, D]: key = block * block_n + 8 j + 2 group + pair
+    xg = xp.reshape(B, H, nb, block_n // 8, K_THREAD_GROUPS, 2, D)
+    amax = xg.abs().amax(dim=(3, 5, 6), keepdim=True)
+    sc = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    xq = xg / sc
+    xq = torch.trunc(xq + torch.where(xq >= 0, 0.5, -0.5))
+    sc = sc.expand(B, H, nb, block_n // 8, K_THREAD_GROUPS, 2, 1)
+    return xq.reshape(B, H, nb * block_n, D)[:, :, :S], sc.reshape(B, H, nb * block_n)[:, :, :S]
+
+
 def _fp8_pv_blocks(t: torch.Tensor, vq: torch.Tensor, block_n: int, p_rowsum: str):
     """FP8 P.V of base-2 logits ``t [B, H, n, S_kv]`` (-inf = masked) with ``vq [B, H, S_kv, D]`` (e4m3
     values in float32), key block by key block as the kernels do: running maximum m_j after block j,
@@ -136,4 +171,5 @@ def _fp8_pv_blocks(t: torch.Tensor, vq: torch.Tensor, block_n: int, p_rowsum: st
     return o, l_, m[..., -1:]
 
 
-__all__ = ["int8_attention_reference", "PV_MODES", "Q_GRANULARITIES", "P_ROWSUMS", "FP8_MAX"]
+__all__ = ["int8_attention_reference", "k_thread_groups", "PV_MODES", "Q_GRANULARITIES", "K_GRANULARITIES",
+           "K_THREAD_GROUPS", "P_ROWSUMS", "FP8_MAX"]
