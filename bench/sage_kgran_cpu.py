@@ -1,0 +1,87 @@
+"""CPU accuracy of the ``sage_attn`` K scale granularities (issue 17): token / block / thread.
+
+For each input the PyTorch reference of the INT8 quantization (``int8_attention_reference``, fp16/bf16 P.V as
+the SM90 kernel computes it: per-token Q, K smoothed by its token mean, ``block_n`` 128) against exact attention
+in float64: relative L2 error and cosine of the output.  Random inputs (odd lengths, GQA, head dims 128 and 64)
+and the structured ones of ``bench/sage_sm90.py`` (Wan 3-D RoPE-rotated q/k, ``common.structured_qkv``).
+No GPU; about a minute on one core.
+
+    OMP_NUM_THREADS=1 PYTHONPATH=src python bench/sage_kgran_cpu.py [--grans token,block,thread] [--json F]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+CASES = [  # (B, Sq, Skv, H, Hkv, D, dtype, kind, seed)
+    (2, 1000, 777, 6, 3, 128, torch.bfloat16, "random", 100),
+    (1, 1000, 777, 4, 2, 64, torch.bfloat16, "random", 101),
+    (1, 555, 1333, 4, 4, 64, torch.float16, "random", 102),
+    (1, 3 * 30 * 52, 3 * 30 * 52, 4, 4, 128, torch.bfloat16, "structured", 103),
+    (1, 3 * 30 * 52, 3 * 30 * 52, 4, 2, 64, torch.bfloat16, "structured", 104),
+    (1, 2 * 30 * 52, 2 * 30 * 52, 4, 4, 128, torch.float16, "structured", 105),
+]
+
+
+def inputs(b, sq, skv, h, hkv, d, dtype, kind, seed):
+    if kind == "structured":
+        import common
+
+        return common.structured_qkv(b, (sq // (30 * 52), 30, 52), h, d, hkv=hkv, dtype=dtype, seed=seed,
+                                     device="cpu")
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, sq, h, d, generator=g).to(dtype)
+    k = torch.randn(b, skv, hkv, d, generator=g).to(dtype)
+    v = torch.randn(b, skv, hkv, d, generator=g).to(dtype)
+    return q, k, v
+
+
+def exact(q, k, v):
+    """float64 attention, one head at a time: ``[B, Sq, H, D]``."""
+    H, Hkv, D = q.shape[2], k.shape[2], q.shape[3]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for h in range(H):
+        qh = q[:, :, h].double()
+        kh, vh = k[:, :, h // (H // Hkv)].double(), v[:, :, h // (H // Hkv)].double()
+        s = (qh @ kh.transpose(-1, -2)) * D ** -0.5
+        out[:, :, h] = torch.softmax(s, -1) @ vh
+    return out
+
+
+def main(argv=None):
+    from ditattn.attention.kernels.int8_reference import int8_attention_reference
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--grans", default="token,block,thread")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    grans = args.grans.split(",")
+    rows = []
+    for b, sq, skv, h, hkv, d, dt, kind, seed in CASES:
+        q, k, v = inputs(b, sq, skv, h, hkv, d, dt, kind, seed)
+        ref = exact(q, k, v)
+        row = {"shape": f"{b},{sq},{skv},{h},{hkv},{d}", "dtype": str(dt).replace("torch.", ""), "kind": kind}
+        for gname in grans:
+            out = int8_attention_reference(q, k, v, k_granularity=gname, block_n=128)[0].double()
+            row[gname] = float((out - ref).norm() / ref.norm())
+            row[gname + "_cos"] = float(torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0))
+        row["sdpa_dtype"] = float((torch.nn.functional.scaled_dot_product_attention(
+            *(t.transpose(1, 2).float() for t in (q, k.repeat_interleave(h // hkv, 2), v.repeat_interleave(h // hkv, 2)))
+        ).transpose(1, 2).to(dt).double() - ref).norm() / ref.norm())
+        rows.append(row)
+        print(f"{row['shape']:>24} {row['dtype']:>8} {kind:>10}  " + "  ".join(
+            f"{gname} {100 * row[gname]:.2f} % / {row[gname + '_cos']:.6f}" for gname in grans)
+            + f"  (sdpa in {row['dtype']}: {100 * row['sdpa_dtype']:.2f} %)", flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
