@@ -183,6 +183,11 @@ def test_cli_refusals_are_one_line(capsys):
          ["--dit-quantization applies to the native pipeline only"]),
         (["generate", "--prompt", "x", "--num-gpus", "2", "--dit-quantization", "fp8"], ["compute capability"]),
         (["serve", "--dit-quantization", "fp8", "--port", "1"], ["compute capability"]),
+        # ditattn:shapes' GEMMs are all narrower than the rule's 512 features: int8 would change nothing
+        (["plan", "--model-path", "ditattn:shapes", "--dit-quantization", "int8"],
+         ["selects none of this model's 66 linears", "small GEMM", "--dit-quantization none"]),
+        (["compare", "--model-path", "ditattn:shapes", "--prompt", "x", "--variant", "a=torch_sdpa",
+          "--variant", "b=torch_sdpa+int8"], ["selects none of this model's 66 linears"]),
     ]
     for argv, words in cases:
         err = _refused(capsys, argv)

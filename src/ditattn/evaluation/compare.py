@@ -208,6 +208,10 @@ def run_compare(cfg: CompareConfig) -> dict:
     from ditattn.pipelines.wan import WanPipelineNative
 
     cfg.validate()
+    for var in cfg.variants:  # every variant refused before the first run, not after it (plans, no weights)
+        WanPipelineNative.from_pretrained(cfg.model_path, var.settings(cfg.base), device=cfg.device, dtype=cfg.dtype,
+                                          dit_quantization=var.dit_quantization, dit_weights=cfg.dit_weights,
+                                          load_weights=False)
     pairs = [(pi, p, int(s)) for pi, p in enumerate(cfg.prompts) for s in cfg.seeds]
     bar = tqdm(total=len(cfg.variants) * len(pairs), desc="compare", unit="run", file=sys.stderr,
                disable=not cfg.progress, dynamic_ncols=True)

@@ -171,6 +171,22 @@ class QuantizationPlan:
         return line + (f"; activations: {self.activations()}" if self.activations() else "")
 
 
+def check_something_quantized(plans: list[QuantizationPlan]) -> None:
+    """Refuse a quantization mode under which the rule selects no linear of any DiT (a model whose
+    GEMMs are all narrower than ``min_features``, e.g. the small built-in models): the run would be
+    exactly the unquantized one, so saying nothing would report bf16 figures as 8-bit ones.  Raises
+    :class:`AttentionConfigError` naming the mode and what the rule kept; ``none`` and empty lists pass."""
+    if not plans or plans[0].mode == "none" or any(p.quantized for p in plans):
+        return
+    kept = sorted({f"{r}" for p in plans for _, r, _ in p.groups()})
+    total = sum(len(p.decisions) for p in plans)
+    raise AttentionConfigError(
+        f"--dit-quantization {plans[0].mode}: the rule selects none of this model's {total} linears "
+        f"(kept: {'; '.join(kept)}), so the run would not be quantized at all; use --dit-quantization none "
+        f"(the rule quantizes per-token GEMMs with at least {DEFAULT_RULE.min_features} input and output "
+        "features: docs/quantization.md)")
+
+
 def summary(plans: Iterable[QuantizationPlan]) -> Optional[str]:
     """``"fp8 (240 of 306 linears)"`` (Wan2.1-1.3B) for the plans of a quantized DiT (several DiTs:
     summed), else None."""

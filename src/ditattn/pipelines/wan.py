@@ -164,7 +164,8 @@ class WanPipelineNative:
         bf16/fp16/fp32 or FP8/INT8 with scales: :mod:`ditattn.models.wan.checkpoint`), or
         ``{component: file}`` for a model with two DiTs.
         """
-        from ditattn.models.quantization import check_mode, plan_linears, quantize_linears
+        from ditattn.models.quantization import (check_mode, check_something_quantized, plan_linears,
+                                                 quantize_linears)
 
         settings = settings or AttentionSettings()
         dit_quantization = check_mode(dit_quantization)
@@ -200,6 +201,7 @@ class WanPipelineNative:
                 model = components[comp]
                 model.linear_quantization = (quantize_linears(model, dit_quantization) if load_weights
                                              else plan_linears(model, dit_quantization))
+        check_something_quantized([components[c].linear_quantization for c in DIT if components.get(c) is not None])
         if settings.compiled and load_weights:
             from ditattn.models.wan.compile import compile_blocks
 
