@@ -21,6 +21,43 @@ P_ROWSUMS = ("fp32", "fp8")
 FP8_MAX = 448.0
 P_SHIFT_FP8 = 8.0  # FP8 P.V: P = exp2(t - m + 8), in (0, 256]
 LOG2E = 1.4426950408889634
+#: bound on |log2| of the per-channel balance factors (after normalising their geometric mean to 1)
+QK_BALANCE_LOG2_LIMIT = 64.0
+
+
+def check_qk_balance(alpha, what: str) -> float:
+    """``qk_balance`` validated: None / 0 (off) -> 0.0, else a float in (0, 1]; raises
+    :class:`AttentionConfigError` for anything else."""
+    if alpha is None:
+        return 0.0
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (0.0 <= float(alpha) <= 1.0):
+        raise AttentionConfigError(f"{what}: qk_balance {alpha!r} not supported (accepts None or a number in [0, 1]; "
+                                   "0 / None = off)")
+    return float(alpha)
+
+
+def qk_balance_factors(amax_q: torch.Tensor, amax_k: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel balance factors of ``qk_balance`` (SmoothQuant-style migration between Q and K).
+
+    ``amax_q`` / ``amax_k`` ``[..., D]`` float32: the channel maxima of ``|Q|`` (over the tokens of all
+    the query heads that share one K/V head) and of ``|K - mean_s(K)|`` (over the keys of that head).
+    Returns ``(cq, ck)`` ``[..., D]`` float32 with ``Q' = Q * cq``, ``K' = (K - mean) * ck``:
+    ``c_d = amax_k_d ** alpha / amax_q_d ** (1 - alpha)``, normalised so that the geometric mean of c
+    over the channels where both maxima are > 0 is 1 and ``|log2 c_d| <=`` :data:`QK_BALANCE_LOG2_LIMIT`,
+    then ``cq = c``, ``ck = 1 / c``; a channel where either maximum is 0 contributes nothing to any
+    product and gets ``cq = ck = 0``.  After it the channel maxima are ``amax_q' = (aq ak)^alpha / g``,
+    ``amax_k' = (aq ak)^(1 - alpha) * g`` (g the normaliser): alpha 1 makes K flat across channels (all
+    the spread in Q, which has a scale per token), 0.5 gives both the same spread.  ``Q' . K'`` equals
+    ``Q . (K - mean)`` up to the float32 rounding of ``c`` and ``1 / c`` (relative 1e-7)."""
+    live = (amax_q > 0) & (amax_k > 0)
+    one = torch.ones_like(amax_q)
+    lc = alpha * torch.log2(torch.where(live, amax_k, one)) - (1.0 - alpha) * torch.log2(torch.where(live, amax_q, one))
+    n = live.sum(dim=-1, keepdim=True).clamp_min(1)
+    lc = lc - torch.where(live, lc, torch.zeros_like(lc)).sum(dim=-1, keepdim=True) / n
+    lc = lc.clamp(-QK_BALANCE_LOG2_LIMIT, QK_BALANCE_LOG2_LIMIT)
+    c = torch.exp2(lc)
+    zero = torch.zeros_like(c)
+    return torch.where(live, c, zero), torch.where(live, 1.0 / c, zero)
 
 
 def _quant_sym(x: torch.Tensor, dim) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,7 +71,8 @@ def _quant_sym(x: torch.Tensor, dim) -> tuple[torch.Tensor, torch.Tensor]:
 def int8_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float] = None,
                              causal: bool = False, return_lse: bool = False, pv: str = "fp16",
                              q_granularity: str = "token", block_m: int = 128, block_n: int = 128,
-                             k_granularity: str = "block", v_smooth: bool = False, p_rowsum: str = "fp32"):
+                             k_granularity: str = "block", v_smooth: bool = False, p_rowsum: str = "fp32",
+                             qk_balance: Optional[float] = None):
     """The same quantization as :func:`int8_attention`, in PyTorch (any device; the CPU path).
 
     q ``[B, S_q, H, D]``, k/v ``[B, S_kv, H_kv, D]`` in float32, float16 or bfloat16 (any head dim).
@@ -50,6 +88,12 @@ def int8_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     or after (``"fp8"``, the SM90 kernel, which sums P on the tensor cores).  Returns ``(out in
     q.dtype, lse [B, H, S_q] float32 or None)``; the LSE is that of the unquantized-scale scores
     ``scale * q . k`` (smoothing undone).
+
+    ``qk_balance`` (alpha in (0, 1]; None or 0: off): before quantizing, multiply Q's channels by c and
+    divide smoothed K's by c (:func:`qk_balance_factors`; the exact product ``Q . K~`` is unchanged, only
+    the INT8 rounding moves), c per (batch, K/V head) from the channel maxima of ``|K - mean_s(K)|``
+    over its keys and of ``|Q|`` over the tokens of every query head of its group (with GQA the query
+    heads that share a K/V head share its c).
     """
     what = "int8 attention reference"
     B, Sq, Skv, H, Hkv, D = check_qkv(q, k, v, what=what, dtypes=(torch.float32, torch.float16, torch.bfloat16))
@@ -60,14 +104,22 @@ def int8_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if p_rowsum not in P_ROWSUMS:
         raise AttentionConfigError(f"{what}: p_rowsum {p_rowsum!r} not supported (accepts {list(P_ROWSUMS)})")
     scale = D ** -0.5 if scale is None else float(scale)
+    if k_granularity not in K_GRANULARITIES:
+        raise AttentionConfigError(f"{what}: k_granularity {k_granularity!r} not supported (accepts {list(K_GRANULARITIES)})")
+    alpha = check_qk_balance(qk_balance, what)
     k, v = expand_kv(k, v, H)
     f32 = torch.float32
     qf = q.to(f32).transpose(1, 2)  # [B, H, Sq, D]
     kf = k.to(f32).transpose(1, 2)
     kmean = kf.mean(dim=2, keepdim=True)
     ks_ = kf - kmean
-    if k_granularity not in K_GRANULARITIES:
-        raise AttentionConfigError(f"{what}: k_granularity {k_granularity!r} not supported (accepts {list(K_GRANULARITIES)})")
+    qb = qf
+    if alpha > 0:
+        G = H // Hkv  # the heads of a group are adjacent (expand_kv: head h reads K/V head h // G)
+        aq = qf.abs().amax(dim=2).reshape(B, Hkv, G, D).amax(dim=2)
+        ak = ks_.abs().amax(dim=2).reshape(B, Hkv, G, D).amax(dim=2)  # the G copies are equal
+        cq, ck = (c.repeat_interleave(G, dim=1)[:, :, None, :] for c in qk_balance_factors(aq, ak, alpha))
+        qb, ks_ = qf * cq, ks_ * ck
     if k_granularity == "token":
         k8, ksc = _quant_sym(ks_, dim=3)
         ksc = ksc.squeeze(-1)
@@ -81,11 +133,11 @@ def int8_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         k8 = k8.reshape(B, H, nbk * block_n, D)[:, :, :Skv]
         ksc = ksc.reshape(B, H, nbk, 1).expand(B, H, nbk, block_n).reshape(B, H, nbk * block_n)[:, :, :Skv]
     if q_granularity == "token":
-        q8, qsc = _quant_sym(qf, dim=3)
+        q8, qsc = _quant_sym(qb, dim=3)
         qsc = qsc.squeeze(-1)
     else:
         nbq = -(-Sq // block_m)
-        qp = torch.nn.functional.pad(qf, (0, 0, 0, nbq * block_m - Sq)).reshape(B, H, nbq, block_m, D)
+        qp = torch.nn.functional.pad(qb, (0, 0, 0, nbq * block_m - Sq)).reshape(B, H, nbq, block_m, D)
         q8, qsc = _quant_sym(qp, dim=(3, 4))
         q8 = q8.reshape(B, H, nbq * block_m, D)[:, :, :Sq]
         qsc = qsc.reshape(B, H, nbq, 1).expand(B, H, nbq, block_m).reshape(B, H, nbq * block_m)[:, :, :Sq]
@@ -171,5 +223,5 @@ def _fp8_pv_blocks(t: torch.Tensor, vq: torch.Tensor, block_n: int, p_rowsum: st
     return o, l_, m[..., -1:]
 
 
-__all__ = ["int8_attention_reference", "k_thread_groups", "PV_MODES", "Q_GRANULARITIES", "K_GRANULARITIES",
+__all__ = ["int8_attention_reference", "k_thread_groups", "qk_balance_factors", "check_qk_balance", "PV_MODES", "Q_GRANULARITIES", "K_GRANULARITIES",
            "K_THREAD_GROUPS", "P_ROWSUMS", "FP8_MAX"]
