@@ -186,7 +186,8 @@ def _assert_int8_close(got, want, what):
     """Equal, or (float32 division on the GPU, the factors' last bit) one INT8 step apart on a handful of elements."""
     diff = (got.float() - want).abs()
     n = int(torch.count_nonzero(diff))
-    assert float(diff.max()) <= 1 and n <= max(8, want.numel() // 5000), (what, n, float(diff.max()))
+    share = 2000 if HAS_CUDA else 5000  # the GPU sums K's mean in another order and divides approximately
+    assert float(diff.max()) <= 1 and n <= max(8, want.numel() // share), (what, n, float(diff.max()))
 
 
 @needs_triton
@@ -204,8 +205,9 @@ def test_prologue_balance_matches_the_reference(shape, dtype, alpha, k_per_token
     qb, kb, kmean, cq, ck = _reference_balanced_qk(q.cpu(), k.cpu(), alpha)
     # the statistics and factors: K's mean to the float32 rounding of its sum, c to the last bit of log2 / exp2
     km, gq, gk = (t.cpu() for t in qk_balance_prologue(q, k, alpha))
-    assert torch.allclose(km, kmean, rtol=1e-6, atol=1e-6)
-    assert torch.allclose(gq, cq, rtol=1e-6) and torch.allclose(gk, ck, rtol=1e-6)
+    tol = 4e-6 if HAS_CUDA else 1e-6  # the GPU's log2 / exp2 are the approximate instructions
+    assert torch.allclose(km, kmean, rtol=tol, atol=10 * tol)
+    assert torch.allclose(gq, cq, rtol=tol) and torch.allclose(gk, ck, rtol=tol)
     assert torch.equal(gq == 0, cq == 0)
     scale = d ** -0.5
     q8, qs, qkm, k8, ks, sq_pad, skv_pad, qn, kn = (t.cpu() if torch.is_tensor(t) else t for t in quantize_qk(
@@ -345,3 +347,22 @@ def test_triton_kernel_with_balance_is_the_reference_on_gpu(shape, dtype, pv, ca
     got, _ = get_impl(B.SAGE_ATTN)(q, k, v, AttnCall(causal=causal), {"impl": "triton", "pv_dtype": pv,
                                                                         "qk_balance": alpha})
     assert torch.equal(got, int8_attention(q, k, v, causal=causal, pv=pv, qk_balance=alpha)[0])
+
+
+def test_session22_script_parses_and_its_variants_are_kernel_configs():
+    """bench/h200_session22.sh (it runs on the H200 only): bash -n, and its --variants are valid SM90 configs."""
+    import re
+    import subprocess
+
+    path = os.path.join(os.path.dirname(__file__), "..", "bench", "h200_session22.sh")
+    assert subprocess.run(["bash", "-n", path]).returncode == 0
+    pytest.importorskip("triton.experimental.gluon")
+    from sage_sm90 import _variants
+
+    from ditattn.attention.kernels.sage_sm90 import kernel_config
+
+    spec = re.search(r'--variants "([^"]+)"', open(path).read()).group(1)
+    variants = _variants(spec)
+    assert [c.get("qk_balance") for c in variants.values()] == [None, 0.5, None, 0.75]
+    for cfg in variants.values():
+        kernel_config(128, cfg)
