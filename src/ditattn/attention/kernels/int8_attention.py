@@ -163,7 +163,8 @@ def _qk_balance_factors(
 
 
 def qk_balance_prologue(q: torch.Tensor, k: torch.Tensor, alpha: float, *, rows: int = 512):
-    """``qk_balance``'s statistics on the GPU (three Triton launches: one read of Q, one of K).
+    """``qk_balance``'s statistics on the GPU (three Triton launches: one read of Q, one of K, which gives
+    K's mean too).
 
     q ``[B, S_q, H, D]``, k ``[B, S_kv, H_kv, D]`` fp16/bf16 (last dim contiguous), ``alpha`` in (0, 1].
     Returns ``(kmean, cq, ck)``, each ``[B, H_kv, D]`` float32: K's channel mean over its keys (from the
