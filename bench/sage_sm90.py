@@ -10,6 +10,9 @@ kernel config in ``--variants``.  Prints a short table last; writes ``sage_sm90.
 
     python3 bench/sage_sm90.py --out $OUT/sage --budget-s 400 \
         --variants "fp16=;fp8=pv_dtype:fp8;fp8_direct=pv_dtype:fp8/pv_accum:direct"
+
+(``qk_balance:0.5``: the per-channel Q/K balance, a prologue option; its statistics passes are inside
+the timed call like the rest of the prologue.)
 """
 from __future__ import annotations
 
@@ -45,9 +48,17 @@ def _variants(spec: str) -> dict[str, dict]:
         conf = {}
         for kv in filter(None, cfg.split("/")):
             k, _, v = kv.partition(":")
-            conf[k] = (v.lower() == "true") if v.lower() in ("true", "false") else int(v) if v.isdigit() else v
+            conf[k] = (v.lower() == "true") if v.lower() in ("true", "false") else int(v) if v.isdigit() else _num(v)
         out[name] = conf
     return out
+
+
+def _num(v: str):
+    """``v`` as a float when it reads as one (``qk_balance:0.5``), else the string."""
+    try:
+        return float(v)
+    except ValueError:
+        return v
 
 
 def _inputs(b, sq, skv, h, hkv, d, dtype, kind, seed):
@@ -67,7 +78,8 @@ def _inputs(b, sq, skv, h, hkv, d, dtype, kind, seed):
 
 def quant_reference_kwargs(cfg: dict) -> dict:
     """``int8_attention_reference`` keywords computing what the SM90 kernel computes under ``cfg``."""
-    kw = {"block_n": int(cfg.get("block_n", 128)), "k_granularity": cfg.get("k_granularity", "token")}
+    kw = {"block_n": int(cfg.get("block_n", 128)), "k_granularity": cfg.get("k_granularity", "token"),
+          "qk_balance": cfg.get("qk_balance")}
     if cfg.get("pv_dtype", "fp16") == "fp8":
         kw.update(pv="fp8", p_rowsum="fp32", v_smooth=bool(cfg.get("v_smooth", False)))
     return kw

@@ -32,7 +32,10 @@ implementations, chosen by its config key ``impl`` (schema: :mod:`ditattn.attent
 inputs; ``fp8``: faster tensor-core rate, about 3.7 %), ``pv_accum`` how FP8 P.V accumulates
 (``two_level`` or ``direct``); ``qk_dtype`` only ``int8`` so far;
 ``k_granularity`` the K scale granularity (``token`` or ``block``; ``auto``: token on sm90 and the
-reference, block on the Triton kernel).  A new
+reference, block on the Triton kernel); ``qk_balance`` (alpha in (0, 1], unset: off) the per-channel
+Q/K balance before the INT8 rounding, the same quantization in the sm90 and Triton kernels' prologue
+and in the reference (the package has none: ``auto`` runs the Triton kernel where it would pick the
+package).  A new
 implementation is one more :class:`SageImpl` row in :data:`SAGE_IMPLS` (its name in the schema's
 ``impl`` choices, and a place in :func:`auto_impl` / ``sage_cuda_runtime`` if ``auto`` should pick
 it).
@@ -101,7 +104,8 @@ def _triton_run(q, k, v, call: AttnCall, cfg: dict):
 
     fp8_direct = cfg["pv_dtype"] == "fp8" and cfg.get("pv_accum") == "direct"
     return int8_attention(q, k, v, scale=call.scale, causal=call.causal, return_lse=call.return_lse,
-                          pv=cfg["pv_dtype"], config={"fp8_acc": 0} if fp8_direct else None)
+                          pv=cfg["pv_dtype"], config={"fp8_acc": 0} if fp8_direct else None,
+                          qk_balance=cfg.get("qk_balance"))
 
 
 def _package_install_problem(q: torch.Tensor) -> Optional[str]:
@@ -140,7 +144,8 @@ def _k_granularity(cfg: dict, auto: str) -> str:
 def _sm90_run(q, k, v, call: AttnCall, cfg: dict):
     from ditattn.attention.kernels.sage_sm90 import sage_attention_sm90
 
-    config = {"k_granularity": _k_granularity(cfg, "token"), "pv_dtype": cfg["pv_dtype"]}
+    config = {"k_granularity": _k_granularity(cfg, "token"), "pv_dtype": cfg["pv_dtype"],
+              "qk_balance": cfg.get("qk_balance")}
     if cfg["pv_dtype"] == "fp8":
         config["pv_accum"] = cfg["pv_accum"]
     return sage_attention_sm90(q, k, v, scale=call.scale, return_lse=call.return_lse, config=config)
@@ -157,6 +162,8 @@ def _package_why_not(q: torch.Tensor, call: AttnCall, cfg: dict) -> Optional[str
     if cfg["pv_dtype"] != "fp16":
         return f"the sageattention package chooses its own P.V precision (pv_dtype {cfg['pv_dtype']} needs impl " \
                "triton or reference)"
+    if cfg.get("qk_balance"):
+        return "the sageattention package quantizes Q and K its own way (qk_balance needs impl sm90, triton or reference)"
     return None
 
 
@@ -179,7 +186,8 @@ def _reference_run(q, k, v, call: AttnCall, cfg: dict):
     from ditattn.attention.kernels.int8_reference import int8_attention_reference
 
     return int8_attention_reference(q, k, v, scale=call.scale, causal=call.causal, return_lse=call.return_lse,
-                                    pv=cfg["pv_dtype"], k_granularity=_k_granularity(cfg, "token"))
+                                    pv=cfg["pv_dtype"], k_granularity=_k_granularity(cfg, "token"),
+                                    qk_balance=cfg.get("qk_balance"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,7 +244,8 @@ def sage_impl_for(q: torch.Tensor, call: AttnCall, cfg: Optional[dict] = None) -
     why = impl.why_not(q, call, cfg)
     if why is None and cfg["qk_dtype"] in impl.qk_dtypes and cfg["pv_dtype"] in impl.pv_dtypes:
         return name
-    if cfg["impl"] == "auto" and name == "sm90":  # e.g. a causal call: the Triton kernel serves it
+    # e.g. a causal call on sm90, or qk_balance where the rule picked the package: the Triton kernel serves it
+    if cfg["impl"] == "auto" and (name == "sm90" or (name == "package" and cfg.get("qk_balance"))):
         alt = SAGE_IMPLS["triton"].why_not(q, call, cfg)
         if alt is None:
             return "triton"

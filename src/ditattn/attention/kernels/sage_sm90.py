@@ -25,7 +25,8 @@ rounding) in FP32 on the CUDA cores, like the fp16 online softmax: an FP8 ``P x 
 tensor cores (m64n8k32) gave wrong row sums on the H200 (issue 17; docs/sage_sm90_notes.md).
 
 Quantization prologue: the Triton passes of :mod:`.int8_attention` (one pass over Q, one mean and one
-pass over K; V is read in place through a TMA descriptor (fp16) or quantized in two passes, channel
+pass over K; with config ``qk_balance`` a statistics pass over each of Q and K, K's mean from the
+second, and one small launch for the balance factors, before the same two quantization passes; V is read in place through a TMA descriptor (fp16) or quantized in two passes, channel
 statistics then the transposed FP8 copy (fp8)).  Head dims 64 and 128; any lengths
 (keys past the end are masked in the last tile; query rows past the end are not stored); GQA.
 Non-causal only (the DiT's attention); the Triton kernel serves ``causal=True``.
@@ -44,6 +45,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ditattn.attention.kernels.gluon_sm90 import fp8_pack, issue_pv, ones_operand, rescale, retire_pv
 from ditattn.attention.kernels import LOG2E, check_device, check_qkv, last_dim_contiguous, launch_config
+from ditattn.attention.kernels.int8_reference import check_qk_balance
 from ditattn.errors import AttentionConfigError
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -63,10 +65,13 @@ PV_ACCUMS = ("two_level", "direct")
 
 def default_config(head_dim: int, pv_dtype: str = "fp16") -> dict:
     """Launch configuration used when the caller passes none (``pv_dtype`` picks the softmax: the
-    static maximum for fp16 P.V, the online one for fp8)."""
+    static maximum for fp16 P.V, the online one for fp8).  ``qk_balance`` (alpha in (0, 1]; None: off)
+    is the per-channel Q/K balance of the INT8 prologue (:func:`.int8_attention.quantize_qk`); the
+    kernel itself is the same."""
     return {"block_n": 128, "num_stages": 2, "consumer_regs": 240, "producer_regs": 24, "k_granularity": "token",
             "pingpong": True, "tma_store": True, "static_max": pv_dtype == "fp16", "q_regs": False,
-            "pv_dtype": pv_dtype, "pv_accum": "two_level", "v_smooth": False, "pv_overlap": pv_dtype == "fp16"}
+            "pv_dtype": pv_dtype, "pv_accum": "two_level", "v_smooth": False, "pv_overlap": pv_dtype == "fp16",
+            "qk_balance": None}
 
 
 @gluon.constexpr_function
@@ -473,8 +478,10 @@ def sage_attention_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sc
     (smoothed by its mean over keys) per key (``k_granularity`` "token") or per block of ``block_n``
     keys.  ``config`` keys (:func:`default_config`): ``pv_dtype`` "fp16" (P rounded to V's dtype) or
     "fp8" (P and V in e4m3, V per channel and, with ``v_smooth``, smoothed by its channel mean;
-    ``pv_accum`` "two_level" or "direct"; online softmax only).  Returns ``(out [B, S_q, H, D] in
-    q.dtype, lse [B, H, S_q] float32 natural log or None)``.
+    ``pv_accum`` "two_level" or "direct"; online softmax only); ``qk_balance`` (alpha in (0, 1]) balances
+    Q's and smoothed K's channels before the INT8 rounding (``int8_attention_reference``'s option of
+    the same name).  Returns ``(out [B, S_q, H, D] in q.dtype, lse [B, H, S_q] float32 natural log or
+    None)``.
     """
     from ditattn.attention.kernels.int8_attention import quantize_qk, quantize_v_fp8
 
@@ -490,7 +497,8 @@ def sage_attention_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sc
     scale = D ** -0.5 if scale is None else float(scale)
     k_tok = cfg["k_granularity"] == "token"
     q8, qs, qkm, k8, ks, sq_pad, skv_pad, qn, kn = quantize_qk(
-        q, k, scale=scale, block_m=BLOCK_M.value, block_n=bn, need_qkm=return_lse, k_per_token=k_tok, norms=True)
+        q, k, scale=scale, block_m=BLOCK_M.value, block_n=bn, need_qkm=return_lse, k_per_token=k_tok, norms=True,
+        qk_balance=cfg["qk_balance"])
     out = torch.empty_like(q)
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device) if return_lse else out
     gdt = gl.float16 if v.dtype == torch.float16 else gl.bfloat16
@@ -529,6 +537,7 @@ def kernel_config(head_dim: int, config: Optional[dict], *, what: str = "sage_at
     if cfg["k_granularity"] not in ("token", "block"):
         raise AttentionConfigError(f"{what}: k_granularity {cfg['k_granularity']!r} not supported "
                                    "(accepts 'token', 'block')")
+    check_qk_balance(cfg["qk_balance"], what)
     if cfg["pv_accum"] not in PV_ACCUMS:
         raise AttentionConfigError(f"{what}: pv_accum {cfg['pv_accum']!r} not supported (accepts {list(PV_ACCUMS)})")
     if pv == "fp8" and cfg["static_max"]:

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Session 22's H200 plan (one device call).  Issue 17: the per-channel Q/K balance (`qk_balance`) of sage_attn's
+# INT8 prologue, now in the Triton passes (src/ditattn/attention/kernels/int8_attention.py: qk_balance_prologue,
+# quantize_qk) and a backend parameter.  On the CPU reference it takes the default per-token K path from 2.09 % to
+# 1.82 % error on the worst structured input (docs/sage_sm90_notes.md); this run checks the GPU kernels compute the
+# same quantization and measures what the extra prologue passes (one more read of Q and of K) cost.
+#
+#   bash bench/h200_session22.sh sage-balance  # the GPU tests of tests/test_sage_sm90.py and tests/test_sage_balance.py
+#                                              # (the SM90 and Triton kernels with the balance against the reference
+#                                              # of the same quantization, the prologue against the reference's
+#                                              # steps), then bench/sage_sm90.py: correctness (err vs float32 and vs
+#                                              # the quantized reference) and TFLOP/s, prologue included, at
+#                                              # 1,40,32760,128 / 1,40,16384,128 / 1,24,4096,128 for default (token K),
+#                                              # token + qk_balance 0.5, block K, block + qk_balance 0.75 (~8.5 min)
+#
+# Staging: `bash ../shared/gpu/prepare.sh && bash bench/stage_split.sh` here once; device calls 1 and 2: carry
+# [".gpu-a"] `bash .gpu-a/stage.sh`, carry [".gpu-a2"] `bash .gpu-a2/stage.sh`; then, while warm, the part with
+# carry [".gpu-b"] (the script sources .gpu-b/activate.sh itself).
+# Everything lands in $OUT: log, sage/sage_sm90.json, the tables last.
+set -uo pipefail
+export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+step() { local secs=$1; shift; echo "== $* (limit ${secs}s)"; timeout "$secs" "$@" 2>&1 | tee -a "$OUT/log" | tail -45; }
+case "${1:-}" in
+sage-balance)
+  source .gpu-b/activate.sh || { echo "no .gpu-b: stage it (bash ../shared/gpu/prepare.sh), carry it"; exit 3; }
+  step 150 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_sage_sm90.py tests/test_sage_balance.py \
+      -k "not compiles"
+  # the prologue (statistics passes, factors, quantization) is inside sage_attention_sm90, so inside every timed call
+  step 360 python3 bench/sage_sm90.py --out "$OUT/sage" --budget-s 270 \
+      --shapes "1,40,32760,128;1,40,16384,128;1,24,4096,128" \
+      --variants "default=;bal=qk_balance:0.5;kblk=k_granularity:block;kblk_bal=k_granularity:block/qk_balance:0.75" ;;
+*) echo "usage: bash bench/h200_session22.sh sage-balance" >&2; exit 2 ;;
+esac
