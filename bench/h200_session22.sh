@@ -3,7 +3,7 @@
 # INT8 prologue, now in the Triton passes (src/ditattn/attention/kernels/int8_attention.py: qk_balance_prologue,
 # quantize_qk) and a backend parameter.  On the CPU reference it takes the default per-token K path from 2.09 % to
 # 1.82 % error on the worst structured input (docs/sage_sm90_notes.md); this run checks the GPU kernels compute the
-# same quantization and measures what the extra prologue passes (one more read of Q and of K) cost.
+# same quantization and measures what the extra prologue pass (one more read of Q; K's statistics pass replaces its mean pass) costs.
 #
 #   bash bench/h200_session22.sh sage-balance  # the GPU tests of tests/test_sage_sm90.py and tests/test_sage_balance.py
 #                                              # (the SM90 and Triton kernels with the balance against the reference
@@ -12,6 +12,14 @@
 #                                              # the quantized reference) and TFLOP/s, prologue included, at
 #                                              # 1,40,32760,128 / 1,40,16384,128 / 1,24,4096,128 for default (token K),
 #                                              # token + qk_balance 0.5, block K, block + qk_balance 0.75 (~8.5 min)
+#
+# Order for the next device session (30 min; session 22 had none): after the two stage calls,
+#   1. bash bench/h200_session20.sh fid40b      carry [".gpu-b"]           #19: Sparge cdfthreshd at 40/12 heads (~5 min)
+#   2. bash bench/h200_session21.sh fp8act      carry [".gpu-b", ".gpu-c"] #25: the fused FP8 activation quantizer (~7 min)
+#   3. bash .gpu-sage2/run.sh                   carry [".gpu-b", ".gpu-sage2"] #17: upstream SageAttention2 anchor (<= 575 s)
+#   4. bash bench/h200_session22.sh sage-balance carry [".gpu-b"]          #17 (~8.5 min)
+#   then bash .gpu-vsa/run.sh (#18 anchor), fp8act14b, in the session after.  .gpu-sage2 / .gpu-vsa are staged by
+#   scripts kept outside the repository (fetched code); docs/benchmarks.md §2 / §3 describe what they do.
 #
 # Staging: `bash ../shared/gpu/prepare.sh && bash bench/stage_split.sh` here once; device calls 1 and 2: carry
 # [".gpu-a"] `bash .gpu-a/stage.sh`, carry [".gpu-a2"] `bash .gpu-a2/stage.sh`; then, while warm, the part with
