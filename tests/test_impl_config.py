@@ -97,6 +97,14 @@ def test_sage_auto_rule_picks_the_sm90_kernel_on_hopper_only():
     assert sage_cuda_runtime(hopper, 32)[0] == "triton"  # head dim 32: only the Triton kernel
     ampere = Platform.simulate("cuda", capability=(8, 0), packages={"triton"})
     assert sage_cuda_runtime(ampere, 128)[0] == "triton"
+    # with the package the rule picks it off Hopper, but not with qk_balance (the package has none): the plan
+    # names the Triton kernel that then runs; without Triton nothing serves it, and the reason says why
+    ada_pkg = Platform.simulate("cuda", capability=(8, 9), packages={"triton", "sageattention"})
+    assert sage_cuda_runtime(ada_pkg, 128)[0] == "package"
+    assert sage_cuda_runtime(ada_pkg, 128, qk_balance=True)[0] == "triton"
+    pkg_only = Platform.simulate("cuda", capability=(8, 9), packages={"sageattention"})
+    impl, why = sage_cuda_runtime(pkg_only, 128, qk_balance=True)
+    assert impl is None and "no qk_balance" in why, why
 
 
 def test_sage_k_granularity_reaches_the_implementations():

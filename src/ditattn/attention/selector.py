@@ -292,7 +292,8 @@ def _runtime_label(b: B, platform: Platform, req: Optional[LayerRequest] = None,
         cfg = config or {}
         impl = cfg.get("impl", "auto")
         if impl == "auto":
-            impl = sage_cuda_runtime(platform, req.head_dim, req.needs_lse, cfg.get("pv_dtype", "fp16"))[0]
+            impl = sage_cuda_runtime(platform, req.head_dim, req.needs_lse, cfg.get("pv_dtype", "fp16"),
+                                     bool(cfg.get("qk_balance")))[0]
         runtimes = SPECS[b].runtimes
         module = {"triton": "triton", "package": "sageattention", "sm90": "triton.experimental.gluon"}.get(impl)
         labels = {rt.modules[0]: rt.label for rt in runtimes["cuda"]}

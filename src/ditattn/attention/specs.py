@@ -206,20 +206,21 @@ def sage_lacks_sm90_fix(platform: Platform) -> bool:
 
 
 def sage_cuda_runtime(platform: Platform, head_dim: int | None, needs_lse: bool = False,
-                      pv_dtype: str = "fp16") -> tuple[str | None, str]:
+                      pv_dtype: str = "fp16", qk_balance: bool = False) -> tuple[str | None, str]:
     """Which CUDA implementation serves ``sage_attn`` for ``head_dim`` under ``impl=auto`` (the
     automatic rule, shared by the selector and the backend so the plan names what runs):
     ``("sm90", "")`` (the warp-specialised Gluon kernel: SM90, head dim 64/128, fp16 P.V),
     ``("triton", "")`` (the in-tree INT8 kernel: on SM90, where it measured faster, when the LSE or
-    ``pv_dtype`` fp8 is needed, and without the package), ``("package", "")`` (sageattention) or
-    ``(None, reason)``.  The names are keys of ``backends.sage.SAGE_IMPLS``."""
+    ``pv_dtype`` fp8 or ``qk_balance`` is needed, and without the package), ``("package", "")``
+    (sageattention) or ``(None, reason)``.  The names are keys of ``backends.sage.SAGE_IMPLS``."""
     has_pkg = platform.has_package("sageattention")
     if (platform.sm == 90 and platform.has_package("triton") and pv_dtype == "fp16"
             and (head_dim is None or head_dim in SAGE_SM90_HEAD_DIMS)):
         return "sm90", ""  # measured fastest on the H200 (docs/benchmarks.md section 2)
     intree = platform.has_package("triton") and (head_dim is None or head_dim in SAGE_INTREE_HEAD_DIMS)
     pkg_broken = has_pkg and platform.sm == 90 and sage_lacks_sm90_fix(platform)
-    pkg_fits = not needs_lse and pv_dtype == "fp16"  # the package returns no LSE, picks its own P.V precision
+    # the package returns no LSE, picks its own P.V precision and quantizes Q / K its own way
+    pkg_fits = not needs_lse and pv_dtype == "fp16" and not qk_balance
     if intree and (not pkg_fits or not has_pkg or platform.sm == 90):
         return "triton", ""
     if has_pkg and pkg_fits and not pkg_broken:
@@ -235,6 +236,8 @@ def sage_cuda_runtime(platform: Platform, head_dim: int | None, needs_lse: bool 
                       f"(install: {SAGE_SM90_FIX_INSTALL})")
     if needs_lse:
         return None, f"{why_intree}, and the sageattention package returns no LSE (ring attention needs it)"
+    if qk_balance:
+        return None, f"{why_intree}, and the sageattention package has no qk_balance"
     return None, f"{why_intree}, and the sageattention package has no pv_dtype {pv_dtype} (fp16 only)"
 
 

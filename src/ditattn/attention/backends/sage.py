@@ -34,8 +34,8 @@ inputs; ``fp8``: faster tensor-core rate, about 3.7 %), ``pv_accum`` how FP8 P.V
 ``k_granularity`` the K scale granularity (``token`` or ``block``; ``auto``: token on sm90 and the
 reference, block on the Triton kernel); ``qk_balance`` (alpha in (0, 1], unset: off) the per-channel
 Q/K balance before the INT8 rounding, the same quantization in the sm90 and Triton kernels' prologue
-and in the reference (the package has none: ``auto`` runs the Triton kernel where it would pick the
-package).  A new
+and in the reference (the package has none: with it ``auto`` picks the Triton kernel where it would pick the
+package, and the plan says so).  A new
 implementation is one more :class:`SageImpl` row in :data:`SAGE_IMPLS` (its name in the schema's
 ``impl`` choices, and a place in :func:`auto_impl` / ``sage_cuda_runtime`` if ``auto`` should pick
 it).
@@ -211,7 +211,7 @@ SAGE_IMPLS: dict[str, SageImpl] = {
 
 
 def auto_impl(device_type: str, head_dim: int, need_lse: bool = False, pv_dtype: str = "fp16",
-              platform: Optional[Platform] = None) -> str:
+              platform: Optional[Platform] = None, qk_balance: bool = False) -> str:
     """The :data:`SAGE_IMPLS` key ``impl=auto`` runs for a call on ``device_type`` with ``head_dim``.
 
     CUDA: :func:`ditattn.attention.specs.sage_cuda_runtime` on ``platform`` (default: the current
@@ -219,7 +219,7 @@ def auto_impl(device_type: str, head_dim: int, need_lse: bool = False, pv_dtype:
     MUSA support); other devices: the PyTorch reference.  Raises :class:`BackendUnavailableError`
     with the reason when nothing may serve the call on CUDA."""
     if device_type == "cuda":
-        name, why = sage_cuda_runtime(platform or current_platform(), head_dim, need_lse, pv_dtype)
+        name, why = sage_cuda_runtime(platform or current_platform(), head_dim, need_lse, pv_dtype, qk_balance)
         if name is None:
             raise BackendUnavailableError("sage_attn", [why])
         return name
@@ -237,15 +237,16 @@ def sage_impl_for(q: torch.Tensor, call: AttnCall, cfg: Optional[dict] = None) -
         raise AttentionConfigError(f"sage_attn: pv_accum {cfg['pv_accum']} applies to pv_dtype fp8 only (fp16 P.V "
                                    "accumulates in FP32); accepted with pv_dtype fp16: two_level (the default)")
     if cfg["impl"] == "auto":
-        name = auto_impl(q.device.type, q.shape[-1], call.return_lse, cfg["pv_dtype"], platform_for_device(q.device))
+        name = auto_impl(q.device.type, q.shape[-1], call.return_lse, cfg["pv_dtype"], platform_for_device(q.device),
+                         bool(cfg.get("qk_balance")))
     else:
         name = cfg["impl"]
     impl = SAGE_IMPLS[name]
     why = impl.why_not(q, call, cfg)
     if why is None and cfg["qk_dtype"] in impl.qk_dtypes and cfg["pv_dtype"] in impl.pv_dtypes:
         return name
-    # e.g. a causal call on sm90, or qk_balance where the rule picked the package: the Triton kernel serves it
-    if cfg["impl"] == "auto" and (name == "sm90" or (name == "package" and cfg.get("qk_balance"))):
+    # e.g. a causal call on sm90: the Triton kernel serves it
+    if cfg["impl"] == "auto" and name == "sm90":
         alt = SAGE_IMPLS["triton"].why_not(q, call, cfg)
         if alt is None:
             return "triton"
