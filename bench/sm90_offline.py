@@ -110,7 +110,7 @@ def compile_kernel(config: dict, *, head_dim: int = 128, dtype=None):
     ksd = TensorDescriptor(ks, [ks.numel()], [1], [bn], nvmma([bn], gl.float32))
     return m._sage_fwd_sm90.warmup(
         qd, kd, vd, od, ksd, f, f, f, f, f, f, f, o, f, sq, skv, sq_pad, skv_pad, h, hkv,
-        o.stride(0), o.stride(1), o.stride(2),
+        o.stride(0), o.stride(1), o.stride(2), sq_pad // 128 * b * h,
         **m.kernel_constexprs(cfg, d, return_lse=True, tma_store=bool(cfg["tma_store"])),
         num_warps=4, maxnreg=168, grid=(1,))
 

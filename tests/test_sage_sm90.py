@@ -10,8 +10,13 @@
   asynchronous (ptxas serialises every wgmma of a kernel when an in-flight product's registers are
   redefined — C7513 — which shows as a wait after each product), without spills, FP8 P without byte
   permutes.
+* CPU: the persistent schedule (config ``persistent``) compiles with the same main loops — no spill
+  or C7513 inside them, the same products per key tile.
 * GPU (SM90 only): numerics against float32 and against the PyTorch reference of the same
-  quantization, static-max and online paths, fp16 and fp8 P.V, odd lengths, GQA, head dims 64/128, LSE.
+  quantization, static-max and online paths, fp16 and fp8 P.V, odd lengths, GQA, head dims 64/128, LSE
+  — each with one CTA per query tile and with the persistent schedule, on the full grid and on a grid
+  of 3 CTAs (many tiles per CTA: the ring's running count, the ping-pong turns and Q's phase carry
+  across tiles).
 """
 import os
 import sys
@@ -103,6 +108,24 @@ def test_fp8_pv_kernel_compiles_for_sm90_with_async_wgmma(sm90_census):
         assert c.get("PRMT", 0) == 0 and c.get("SHFL", 0) <= 8, (name, c)
         assert c.get("F2FP", 0) == 32, (name, c)  # 64 scores -> e4m3, two per instruction
         assert c.get("MUFU", 0) == 66, (name, c)  # an exp2 per score, one per row for the rescale
+
+
+@pytest.mark.sm90_census("sage", "persist=persistent:true;fp8_kblk_persist=pv_dtype:fp8/k_granularity:block/persistent:true")
+def test_persistent_kernel_compiles_for_sm90_with_the_same_main_loop(sm90_census):
+    """The persistent schedule wraps the same key loop in a loop over query tiles: the loop's products,
+    exp2 count and asynchrony stay; what the tile loop carries may spill (a few words, outside the key
+    loop: 23 spill instructions under Triton 3.6.0, D = 128), never inside it."""
+    res = sm90_census
+    for name, a in res.items():
+        c = a["loop_census"]
+        fp8 = "fp8" in name
+        assert c.get("IGMMA", 0) >= 4 and c.get(("QGMMA" if fp8 else "HGMMA"), 0) >= (4 if fp8 else 8), (name, c)
+        assert c.get("WARPGROUP", 0) <= 8, (name, c)
+        assert c.get("LDL", 0) == 0 and c.get("STL", 0) == 0, (name, c)  # no spill inside the key loop
+        assert a["spills"] <= 48 and a["registers"] <= 240, (name, a["registers"], a["spills"])
+        assert a["shared"] <= 227 * 1024
+        assert c.get("MUFU", 0) == (66 if fp8 else 64), (name, c)
+        assert not a["ptxas_warnings"], (name, a["ptxas_warnings"])
 
 
 def _fp8_p_relabel(p):
@@ -339,9 +362,37 @@ def test_kernel_config_validation():
                      ({"pv_accum": "direct"}, "apply to pv_dtype fp8 only"),
                      ({"v_smooth": True}, "apply to pv_dtype fp8 only"),
                      ({"pv_dtype": "fp8", "pv_accum": "fp22"}, "pv_accum 'fp22' not supported"),
-                     ({"k_granularity": "row"}, "k_granularity 'row' not supported")):
+                     ({"k_granularity": "row"}, "k_granularity 'row' not supported"),
+                     ({"persistent": 1}, "persistent must be True or False, got 1"),
+                     ({"persistent": "true"}, "persistent must be True or False, got 'true'"),
+                     ({"persistant": True}, r"unknown config keys \['persistant'\]; accepted: .*'persistent'")):
         with pytest.raises(AttentionConfigError, match=msg):
             kernel_config(128, bad)
+    assert kernel_config(128, None)["persistent"] is False
+    assert kernel_config(64, {"persistent": True, "pv_dtype": "fp8"})["persistent"] is True
+
+
+def test_kernel_constexprs_persistent():
+    from ditattn.attention.kernels.sage_sm90 import kernel_config, kernel_constexprs
+
+    for persistent in (False, True):
+        ce = kernel_constexprs(kernel_config(128, {"persistent": persistent}), 128, return_lse=True, tma_store=True)
+        assert ce["PERSISTENT"] is persistent
+
+
+#: schedules the GPU numerics run: (config, CTAs of the persistent grid — None: one per SM)
+SCHEDULES = {"tile": ({}, None), "persistent": ({"persistent": True}, None),
+             "persistent_3ctas": ({"persistent": True}, 3)}
+
+
+def _schedule(name, monkeypatch):
+    """The config of schedule ``name``; a small persistent grid (many tiles per CTA) via ``num_sms``."""
+    from ditattn.attention.kernels import sage_sm90
+
+    cfg, ctas = SCHEDULES[name]
+    if ctas is not None:
+        monkeypatch.setattr(sage_sm90, "num_sms", lambda device: ctas)
+    return dict(cfg)
 
 
 def _qkv(b, sq, skv, h, hkv, d, dtype, seed, q_scale=1.0, v_offset=0.0):
@@ -354,6 +405,7 @@ def _qkv(b, sq, skv, h, hkv, d, dtype, seed, q_scale=1.0, v_offset=0.0):
 
 
 @pytest.mark.skipif(not IS_SM90, reason="needs an SM90 (Hopper) GPU")
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("shape,dtype,kgran,q_scale", [
     ((2, 1000, 777, 6, 3, 128), torch.bfloat16, "token", 1.0),   # static max, GQA, odd lengths
     ((1, 555, 1333, 4, 4, 64), torch.float16, "token", 1.0),     # head dim 64
@@ -361,12 +413,13 @@ def _qkv(b, sq, skv, h, hkv, d, dtype, seed, q_scale=1.0, v_offset=0.0):
     ((1, 640, 700, 2, 2, 128), torch.bfloat16, "token", 12.0),   # logit bound > limit: online softmax
     ((1, 1, 64, 2, 2, 128), torch.bfloat16, "token", 1.0),       # one query, keys within one tile
 ])
-def test_sm90_kernel_numerics(shape, dtype, kgran, q_scale):
+def test_sm90_kernel_numerics(shape, dtype, kgran, q_scale, schedule, monkeypatch):
     from ditattn.attention.kernels.sage_sm90 import sage_attention_sm90
 
     b, sq, skv, h, hkv, d = shape
     q, k, v = _qkv(b, sq, skv, h, hkv, d, dtype, seed=sq + skv, q_scale=q_scale)
-    out, lse = sage_attention_sm90(q, k, v, return_lse=True, config={"k_granularity": kgran})
+    cfg = {"k_granularity": kgran, **_schedule(schedule, monkeypatch)}
+    out, lse = sage_attention_sm90(q, k, v, return_lse=True, config=cfg)
     assert out.shape == q.shape and out.dtype == dtype and lse.shape == (b, h, sq)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     ref, ref_lse = _exact(q, k, v)
@@ -388,6 +441,7 @@ def test_sm90_kernel_numerics(shape, dtype, kgran, q_scale):
 
 
 @pytest.mark.skipif(not IS_SM90, reason="needs an SM90 (Hopper) GPU")
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("shape,dtype,cfg,v_offset", [
     ((2, 1000, 777, 6, 3, 128), torch.bfloat16, {}, 0.0),                           # two-level, GQA, odd lengths
     ((1, 555, 1333, 4, 4, 64), torch.float16, {"pv_accum": "direct"}, 0.0),         # head dim 64, direct
@@ -395,13 +449,13 @@ def test_sm90_kernel_numerics(shape, dtype, kgran, q_scale):
     ((1, 640, 700, 2, 2, 128), torch.bfloat16, {"v_smooth": True}, 3.0),            # V with channel offsets
     ((1, 1, 64, 2, 2, 128), torch.bfloat16, {}, 0.0),                               # one query, one partial tile
 ])
-def test_sm90_fp8_pv_numerics(shape, dtype, cfg, v_offset):
+def test_sm90_fp8_pv_numerics(shape, dtype, cfg, v_offset, schedule, monkeypatch):
     """FP8 P.V: the kernel against the reference's FP8 mode (same key blocks, e4m3 P and V, FP32 row
     sums of P before rounding) and against float32 (e4m3's ~3.7 %)."""
     from ditattn.attention.kernels.sage_sm90 import sage_attention_sm90
 
     b, sq, skv, h, hkv, d = shape
-    cfg = {"pv_dtype": "fp8", **cfg}
+    cfg = {"pv_dtype": "fp8", **cfg, **_schedule(schedule, monkeypatch)}
     q, k, v = _qkv(b, sq, skv, h, hkv, d, dtype, seed=sq + skv, v_offset=v_offset)
     out, lse = sage_attention_sm90(q, k, v, return_lse=True, config=cfg)
     assert out.shape == q.shape and out.dtype == dtype and lse.shape == (b, h, sq)

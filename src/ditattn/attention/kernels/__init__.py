@@ -104,6 +104,13 @@ def launch_config(defaults: dict, config: Optional[dict], *, what: str) -> dict:
     return cfg
 
 
+def num_sms(device: torch.device) -> int:
+    """CTAs of a persistent schedule (the SM90 kernels' config ``persistent``): one per SM (their shared
+    memory admits one CTA per SM).  Each kernel module calls it through its own name, so that the GPU
+    tests can shrink one kernel's grid (monkeypatch) and run many tiles per CTA."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     """``t`` with stride 1 in its last dimension (a copy only when needed)."""
     return t if t.stride(-1) == 1 else t.contiguous()

@@ -32,8 +32,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ditattn.attention.kernels.gluon_sm90 import finish_pv, ones_operand
-from ditattn.attention.kernels import LOG2E, launch_config
+from ditattn.attention.kernels.gluon_sm90 import finish_pv, ones_operand, ring_slot
+from ditattn.attention.kernels import LOG2E, launch_config, num_sms
 from ditattn.errors import AttentionConfigError
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -176,17 +176,6 @@ def _probs(s, m_i, l_i, qk_scale, STATIC_MAX: gl.constexpr):
 
 
 @gluon.jit
-def _stage(j, NUM_STAGES: gl.constexpr, RUNNING: gl.constexpr):
-    """Ring stage and phase of a ring's ``j``-th K/V tile; ``RUNNING``: ``j`` is a run-time count
-    (the persistent schedule's) — unsigned, else a signed ``%`` / ``//`` costs sign fix-ups per tile."""
-    if RUNNING:
-        ju = j.to(gl.uint32)
-        return (ju % NUM_STAGES).to(gl.int32), ((ju // NUM_STAGES) & 1).to(gl.int32)
-    else:
-        return j % NUM_STAGES, (j // NUM_STAGES) & 1
-
-
-@gluon.jit
 def _kv_loop(WG: gl.constexpr, q, n, c0, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready, v_empty, q_free,
              idx_ptr, valid_ptr, partial_ptr, qk_scale, STATIC_MAX: gl.constexpr, HEAD_DIM: gl.constexpr,
              NUM_STAGES: gl.constexpr, HAS_VALID: gl.constexpr, RUNNING: gl.constexpr, RELEASE_Q: gl.constexpr):
@@ -221,7 +210,7 @@ def _kv_loop(WG: gl.constexpr, q, n, c0, k_smem, v_smem, ones_smem, k_ready, k_e
     l_acc = gl.zeros([BLOCK, 8], gl.float32, l_layout)
     zero_s = gl.zeros([BLOCK, BLOCK], gl.float32, s_layout)
 
-    r, ph = _stage(c0, NUM_STAGES, RUNNING)
+    r, ph = ring_slot(c0, NUM_STAGES, RUNNING)
     st = base + r
     mbarrier.wait(k_ready.index(st), ph)
     s_tok = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -232,8 +221,8 @@ def _kv_loop(WG: gl.constexpr, q, n, c0, k_smem, v_smem, ones_smem, k_ready, k_e
     p_prev = gl.convert_layout(p.to(dt), p_layout)
     p32 = p
     for i in range(1, n):
-        r, ph = _stage(c0 + i, NUM_STAGES, RUNNING)
-        rp, php = _stage(c0 + i - 1, NUM_STAGES, RUNNING)
+        r, ph = ring_slot(c0 + i, NUM_STAGES, RUNNING)
+        rp, php = ring_slot(c0 + i - 1, NUM_STAGES, RUNNING)
         st = base + r
         sp = base + rp
         mbarrier.wait(k_ready.index(st), ph)
@@ -267,7 +256,7 @@ def _kv_loop(WG: gl.constexpr, q, n, c0, k_smem, v_smem, ones_smem, k_ready, k_e
             p_prev = p_next
     if RELEASE_Q:  # the last Q.K has been waited for: Q's buffer is free
         mbarrier.arrive(q_free, count=1)
-    rp, php = _stage(c0 + n - 1, NUM_STAGES, RUNNING)
+    rp, php = ring_slot(c0 + n - 1, NUM_STAGES, RUNNING)
     sp = base + rp
     mbarrier.wait(v_ready.index(sp), php)
     if P_F32:
@@ -605,12 +594,6 @@ def why_not(q: torch.Tensor, block_size: int) -> Optional[str]:
     if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
         return f"head dim {q.shape[-1]} (accepts {list(SUPPORTED_HEAD_DIMS)})"
     return None
-
-
-def num_sms(device: torch.device) -> int:
-    """CTAs of the persistent schedule: one per SM (its shared memory admits one CTA per SM).  A
-    function of its own so that the GPU tests can shrink the grid and run many tiles per CTA."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def launch(q, k, v, kv_indices, kv_counts, valid, partial, *, scale: float, return_lse: bool,

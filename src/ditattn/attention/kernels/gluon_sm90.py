@@ -11,6 +11,7 @@
 * :func:`fp8_pack` / :func:`fp8_operand`: P in e4m3 as the A operand of an FP8 ``wgmma`` — packed into
   int32 registers (what a loop carries and what the deps keep alive) with its columns relabelled so
   that no data moves; :func:`rescale`: the online softmax's per-row rescale.
+* :func:`ring_slot`: stage and phase of a K/V ring's n-th tile (the persistent schedules' running counts).
 """
 from __future__ import annotations
 
@@ -157,3 +158,15 @@ def finish_pv(p, v_buf, acc, l_acc, l_i, ones, ROW_SUMS: gl.constexpr, pl_layout
     if ROW_SUMS:
         l_i = gl.convert_layout(gl.max(l_acc, 1), row_layout)
     return acc, l_i
+
+
+@gluon.jit
+def ring_slot(j, NUM_STAGES: gl.constexpr, RUNNING: gl.constexpr):
+    """Ring stage and phase of a ring's ``j``-th K/V tile; ``RUNNING``: ``j`` is a run-time count
+    (a persistent schedule's, carried across tiles) — unsigned, else a signed ``%`` / ``//`` costs
+    sign fix-ups per tile."""
+    if RUNNING:
+        ju = j.to(gl.uint32)
+        return (ju % NUM_STAGES).to(gl.int32), ((ju // NUM_STAGES) & 1).to(gl.int32)
+    else:
+        return j % NUM_STAGES, (j // NUM_STAGES) & 1

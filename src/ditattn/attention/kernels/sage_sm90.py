@@ -43,8 +43,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ditattn.attention.kernels.gluon_sm90 import fp8_pack, issue_pv, ones_operand, rescale, retire_pv
-from ditattn.attention.kernels import LOG2E, check_device, check_qkv, last_dim_contiguous, launch_config
+from ditattn.attention.kernels.gluon_sm90 import fp8_pack, issue_pv, ones_operand, rescale, retire_pv, ring_slot
+from ditattn.attention.kernels import LOG2E, check_device, check_qkv, last_dim_contiguous, launch_config, num_sms
 from ditattn.attention.kernels.int8_reference import check_qk_balance
 from ditattn.errors import AttentionConfigError
 
@@ -67,11 +67,12 @@ def default_config(head_dim: int, pv_dtype: str = "fp16") -> dict:
     """Launch configuration used when the caller passes none (``pv_dtype`` picks the softmax: the
     static maximum for fp16 P.V, the online one for fp8).  ``qk_balance`` (alpha in (0, 1]; None: off)
     is the per-channel Q/K balance of the INT8 prologue (:func:`.int8_attention.quantize_qk`); the
-    kernel itself is the same."""
+    kernel itself is the same.  ``persistent``: one CTA per SM looping over the query tiles (the next
+    tile's loads under the current tile's last products and epilogue) instead of one CTA per tile."""
     return {"block_n": 128, "num_stages": 2, "consumer_regs": 240, "producer_regs": 24, "k_granularity": "token",
             "pingpong": True, "tma_store": True, "static_max": pv_dtype == "fp16", "q_regs": False,
             "pv_dtype": pv_dtype, "pv_accum": "two_level", "v_smooth": False, "pv_overlap": pv_dtype == "fp16",
-            "qk_balance": None}
+            "qk_balance": None, "persistent": False}
 
 
 @gluon.constexpr_function
@@ -88,16 +89,19 @@ def _a_k_width(PV_FP8):
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, ks_desc, q_smem, k_smem, v_smem, ks_smem, q_bar, k_ready, k_empty, v_ready,
-              v_empty, q_row, k_row, v_row, v_col, n_blocks, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-              K_PER_TOKEN: gl.constexpr, PV_FP8: gl.constexpr):
-    # both consumers' Q tiles, then K (with its per-token scales) and V tiles through the ring (V^T
-    # tiles [D, BLOCK_N] with fp8 P.V)
+              v_empty, q_row, k_row, v_row, v_col, n_blocks, c0, tq, q_empty, BLOCK_N: gl.constexpr,
+              NUM_STAGES: gl.constexpr, K_PER_TOKEN: gl.constexpr, PV_FP8: gl.constexpr, RUNNING: gl.constexpr):
+    """Both consumers' Q tiles, then K (with its per-token scales) and V tiles through the ring (V^T
+    tiles [D, BLOCK_N] with fp8 P.V).  ``RUNNING`` (the persistent schedule): the CTA's ``tq``-th
+    query tile, each Q buffer loaded once its consumer has released it (``q_empty``), the ring's
+    running count ``c0`` carried over from the previous tiles."""
     for w in gl.static_range(2):
+        if RUNNING:
+            mbarrier.wait(q_empty.index(w), (tq & 1) ^ 1)
         mbarrier.expect(q_bar.index(w), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [q_row + w * WG_M, 0], q_bar.index(w), q_smem.index(w))
     for j in range(n_blocks):
-        st = j % NUM_STAGES
-        ph = (j // NUM_STAGES) & 1
+        st, ph = ring_slot(c0 + j, NUM_STAGES, RUNNING)
         mbarrier.wait(k_empty.index(st), ph ^ 1)
         if K_PER_TOKEN:
             mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes + ks_desc.block_type.nbytes)
@@ -189,12 +193,15 @@ def _p_operand(p, pdt: gl.constexpr, p_layout: gl.constexpr, PV_FP8: gl.constexp
 
 
 @gluon.jit
-def _step(WG: gl.constexpr, j, q, acc, l_acc, l_i, p_prev, m_i, a_prev, rs, zero_s, zero_o, zero_l, kblk_ptr, k_smem,
-          v_smem, ks_smem, ones_smem, k_ready, k_empty, v_ready, v_empty, turn, Skv, MASK: gl.constexpr,
+def _step(WG: gl.constexpr, j, c0, q, acc, l_acc, l_i, p_prev, m_i, a_prev, rs, zero_s, zero_o, zero_l, kblk_ptr,
+          k_smem, v_smem, ks_smem, ones_smem, k_ready, k_empty, v_ready, v_empty, turn, Skv, MASK: gl.constexpr,
           STATIC_MAX: gl.constexpr, K_PER_TOKEN: gl.constexpr, PINGPONG: gl.constexpr, NUM_STAGES: gl.constexpr,
           BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, PV_FP8: gl.constexpr, TWO_LEVEL: gl.constexpr,
-          PV_OVERLAP: gl.constexpr):
+          PV_OVERLAP: gl.constexpr, RUNNING: gl.constexpr):
     """Key tile ``j >= 1``: returns ``(acc, l_acc, l, P(j) as the next A operand, m, alpha owed to acc)``.
+    ``c0``: the K/V tiles the ring delivered before this query tile (0, or with ``RUNNING`` the
+    persistent schedule's running count): tile j sits in ring slot ``c0 + j``, and the ping-pong turn
+    count runs on with it.
 
     ``PV_OVERLAP``: issue Q.K(j), then P(j-1).V(j-1) (and, with the static max, P(j-1) x ones for
     the row sums), and run the softmax of tile j while the products run (FA3's
@@ -205,15 +212,15 @@ def _step(WG: gl.constexpr, j, q, acc, l_acc, l_i, p_prev, m_i, a_prev, rs, zero
     p_layout: gl.constexpr = _mma_layouts(BLOCK_N, HEAD_DIM, PV_FP8)[3]
     pl_layout: gl.constexpr = _mma_layouts(BLOCK_N, HEAD_DIM, PV_FP8)[4]
     ROW_SUMS: gl.constexpr = STATIC_MAX  # P x ones on the tensor cores
-    st = j % NUM_STAGES
-    sp = (j - 1) % NUM_STAGES
+    st, ph = ring_slot(c0 + j, NUM_STAGES, RUNNING)
+    sp, php = ring_slot(c0 + j - 1, NUM_STAGES, RUNNING)
     kblk = 1.0
     if not K_PER_TOKEN:
         kblk = gl.load(kblk_ptr + j)
-    mbarrier.wait(k_ready.index(st), (j // NUM_STAGES) & 1)
-    mbarrier.wait(v_ready.index(sp), ((j - 1) // NUM_STAGES) & 1)
+    mbarrier.wait(k_ready.index(st), ph)
+    mbarrier.wait(v_ready.index(sp), php)
     if PINGPONG:
-        mbarrier.wait(turn.index(WG), (j & 1) ^ (1 - WG))
+        mbarrier.wait(turn.index(WG), ((c0 + j) & 1) ^ (1 - WG))
     if PV_OVERLAP:
         s_tok = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     o_tok, l_tok, pl = issue_pv(p_prev, v_smem.index(sp), acc, l_acc, zero_o, zero_l, ones_smem, ROW_SUMS, PV_FP8,
@@ -249,16 +256,18 @@ def _step(WG: gl.constexpr, j, q, acc, l_acc, l_i, p_prev, m_i, a_prev, rs, zero
 
 @gluon.jit
 def _mainloop(WG: gl.constexpr, q, rs, kblk_ptr, k_smem, v_smem, ks_smem, ones_smem, k_ready, k_empty, v_ready,
-              v_empty, turn, Skv, n_full, n_blocks, STATIC_MAX: gl.constexpr, K_PER_TOKEN: gl.constexpr,
+              v_empty, turn, Skv, n_full, n_blocks, c0, q_free, STATIC_MAX: gl.constexpr, K_PER_TOKEN: gl.constexpr,
               PINGPONG: gl.constexpr, NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-              PV_FP8: gl.constexpr, TWO_LEVEL: gl.constexpr, PV_OVERLAP: gl.constexpr):
+              PV_FP8: gl.constexpr, TWO_LEVEL: gl.constexpr, PV_OVERLAP: gl.constexpr, RUNNING: gl.constexpr):
     """All key tiles of one consumer: returns ``(acc [64, D], l [64], m [64])`` (base-2 max).
 
     The next tile's Q.K product is issued before this tile's P.V (and the row sums, a P x ones
     product on the tensor cores), so the softmax of tile j runs while the tensor cores do
     P(j-1).V(j-1) (FA3's intra-warpgroup overlap); with ``PINGPONG`` the two consumers take turns
     issuing their products (``turn`` mbarriers).  Full tiles run in the loop, a partial last tile
-    once after it with the key mask."""
+    once after it with the key mask.  ``RUNNING`` (the persistent schedule): ring slots and turns
+    count on from ``c0`` (see :func:`_step`), and Q's buffer is released (``q_free``) once the last
+    Q.K is done, before the last P.V, so that the next query tile loads during the epilogue."""
     s_layout: gl.constexpr = _mma_layouts(BLOCK_N, HEAD_DIM, PV_FP8)[0]
     o_layout: gl.constexpr = _mma_layouts(BLOCK_N, HEAD_DIM, PV_FP8)[1]
     l_layout: gl.constexpr = _mma_layouts(BLOCK_N, HEAD_DIM, PV_FP8)[2]
@@ -279,18 +288,19 @@ def _mainloop(WG: gl.constexpr, q, rs, kblk_ptr, k_smem, v_smem, ks_smem, ones_s
     kblk = 1.0
     if not K_PER_TOKEN:
         kblk = gl.load(kblk_ptr)
-    mbarrier.wait(k_ready.index(0), 0)
+    st0, ph0 = ring_slot(c0, NUM_STAGES, RUNNING)
+    mbarrier.wait(k_ready.index(st0), ph0)
     if PINGPONG:
-        mbarrier.wait(turn.index(WG), 1 - WG)
-    s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        mbarrier.wait(turn.index(WG), (c0 & 1) ^ (1 - WG))
+    s_tok = warpgroup_mma(q, k_smem.index(st0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     if PINGPONG:
         mbarrier.arrive(turn.index(1 - WG), count=1)
     s_i = warpgroup_mma_wait(0, deps=(s_tok,))
     if n_full > 0:
-        u, f, g = _logits(s_i, rs, kblk, ks_smem.index(0), 0, Skv, False, K_PER_TOKEN, s_layout, BLOCK_N)
+        u, f, g = _logits(s_i, rs, kblk, ks_smem.index(st0), 0, Skv, False, K_PER_TOKEN, s_layout, BLOCK_N)
     else:
-        u, f, g = _logits(s_i, rs, kblk, ks_smem.index(0), 0, Skv, True, K_PER_TOKEN, s_layout, BLOCK_N)
-    mbarrier.arrive(k_empty.index(0), count=1)
+        u, f, g = _logits(s_i, rs, kblk, ks_smem.index(st0), 0, Skv, True, K_PER_TOKEN, s_layout, BLOCK_N)
+    mbarrier.arrive(k_empty.index(st0), count=1)
     p, a_prev, m_i, l_i = _probs(u, f, g, m_i, l_i, STATIC_MAX, PV_FP8, K_PER_TOKEN)
     p_prev = _p_operand(p, v_smem.dtype, p_layout, PV_FP8, BLOCK_N)
     zero_o = acc
@@ -298,16 +308,18 @@ def _mainloop(WG: gl.constexpr, q, rs, kblk_ptr, k_smem, v_smem, ks_smem, ones_s
 
     for j in range(1, n_full):
         acc, l_acc, l_i, p_prev, m_i, a_prev = _step(
-            WG, j, q, acc, l_acc, l_i, p_prev, m_i, a_prev, rs, zero_s, zero_o, zero_l, kblk_ptr, k_smem, v_smem,
+            WG, j, c0, q, acc, l_acc, l_i, p_prev, m_i, a_prev, rs, zero_s, zero_o, zero_l, kblk_ptr, k_smem, v_smem,
             ks_smem, ones_smem, k_ready, k_empty, v_ready, v_empty, turn, Skv, False, STATIC_MAX, K_PER_TOKEN,
-            PINGPONG, NUM_STAGES, BLOCK_N, HEAD_DIM, PV_FP8, TWO_LEVEL, PV_OVERLAP)
+            PINGPONG, NUM_STAGES, BLOCK_N, HEAD_DIM, PV_FP8, TWO_LEVEL, PV_OVERLAP, RUNNING)
     if n_full < n_blocks and n_full > 0:
         acc, l_acc, l_i, p_prev, m_i, a_prev = _step(
-            WG, n_full, q, acc, l_acc, l_i, p_prev, m_i, a_prev, rs, zero_s, zero_o, zero_l, kblk_ptr, k_smem, v_smem,
-            ks_smem, ones_smem, k_ready, k_empty, v_ready, v_empty, turn, Skv, True, STATIC_MAX, K_PER_TOKEN,
-            PINGPONG, NUM_STAGES, BLOCK_N, HEAD_DIM, PV_FP8, TWO_LEVEL, PV_OVERLAP)
-    sp = (n_blocks - 1) % NUM_STAGES
-    mbarrier.wait(v_ready.index(sp), ((n_blocks - 1) // NUM_STAGES) & 1)
+            WG, n_full, c0, q, acc, l_acc, l_i, p_prev, m_i, a_prev, rs, zero_s, zero_o, zero_l, kblk_ptr, k_smem,
+            v_smem, ks_smem, ones_smem, k_ready, k_empty, v_ready, v_empty, turn, Skv, True, STATIC_MAX, K_PER_TOKEN,
+            PINGPONG, NUM_STAGES, BLOCK_N, HEAD_DIM, PV_FP8, TWO_LEVEL, PV_OVERLAP, RUNNING)
+    if RUNNING:  # the last Q.K has been waited for: Q's buffer is free for the next query tile
+        mbarrier.arrive(q_free, count=1)
+    sp, php = ring_slot(c0 + n_blocks - 1, NUM_STAGES, RUNNING)
+    mbarrier.wait(v_ready.index(sp), php)
     o_tok, l_tok, pl = issue_pv(p_prev, v_smem.index(sp), acc, l_acc, zero_o, zero_l, ones_smem, ROW_SUMS, PV_FP8,
                                 TWO_LEVEL, p_layout, pl_layout)
     acc, l_acc, a_prev = retire_pv(o_tok, l_tok, p_prev, pl, acc, l_acc, a_prev, a_prev, ROW_SUMS, False, 0,
@@ -321,12 +333,14 @@ def _mainloop(WG: gl.constexpr, q, rs, kblk_ptr, k_smem, v_smem, ks_smem, ones_s
 @gluon.jit
 def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, ks_smem, o_smem, ones_smem, q_bar, k_ready, k_empty, v_ready,
               v_empty, turn, o_desc, qs_ptr, qn_ptr, kn_ptr, ks_ptr, qkm_ptr, vs_ptr, vm_ptr, o_ptr, lse_ptr, m0, o_b,
-              o_col, Sq, Skv, stride_os, n_full, n_blocks,
+              o_col, Sq, Skv, stride_os, n_full, n_blocks, c0, tq, q_free,
               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
               RETURN_LSE: gl.constexpr, K_PER_TOKEN: gl.constexpr, PINGPONG: gl.constexpr,
               TMA_STORE: gl.constexpr, STATIC_MAX: gl.constexpr, Q_REGS: gl.constexpr, PV_FP8: gl.constexpr,
-              TWO_LEVEL: gl.constexpr, V_SMOOTH: gl.constexpr, PV_OVERLAP: gl.constexpr):
-    """One consumer warpgroup: 64 query rows over all keys, then the epilogue.
+              TWO_LEVEL: gl.constexpr, V_SMOOTH: gl.constexpr, PV_OVERLAP: gl.constexpr, RUNNING: gl.constexpr):
+    """One consumer warpgroup: 64 query rows over all keys, then the epilogue.  ``RUNNING`` (the
+    persistent schedule, :func:`_consumer_persistent`): the CTA's ``tq``-th query tile, the ring's
+    running count ``c0``, Q's buffer released to ``q_free`` after the last Q.K.
 
     With ``STATIC_MAX`` the warpgroup checks once whether every row's logits are bounded by
     ``LOGIT_LIMIT`` (``qn_i * kn``); if so it runs the loop without a running maximum, else the
@@ -337,7 +351,7 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, ks_smem, o_smem, ones_sm
     m_start = m0 + WG * WG_M
     rows = m_start + gl.arange(0, WG_M, layout=row_s)
     rs = gl.load(qs_ptr + rows)
-    mbarrier.wait(q_bar.index(WG), 0)
+    mbarrier.wait(q_bar.index(WG), tq & 1)
     q = q_smem.index(WG)
     if Q_REGS:  # the Q.K product's A operand from registers: no shared-memory reads of Q per product
         q = q.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=4))
@@ -346,23 +360,25 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, ks_smem, o_smem, ones_sm
         static = gl.max(gl.load(qn_ptr + rows), 0) * gl.load(kn_ptr) <= LOGIT_LIMIT
     if static:
         acc, l_i, m_i = _mainloop(WG, q, rs, ks_ptr, k_smem, v_smem, ks_smem, ones_smem, k_ready, k_empty,
-                                  v_ready, v_empty, turn, Skv, n_full, n_blocks, True, K_PER_TOKEN, PINGPONG,
-                                  NUM_STAGES, BLOCK_N, HEAD_DIM, PV_FP8, TWO_LEVEL, PV_OVERLAP)
+                                  v_ready, v_empty, turn, Skv, n_full, n_blocks, c0, q_free, True, K_PER_TOKEN,
+                                  PINGPONG, NUM_STAGES, BLOCK_N, HEAD_DIM, PV_FP8, TWO_LEVEL, PV_OVERLAP, RUNNING)
     else:
         acc, l_i, m_i = _mainloop(WG, q, rs, ks_ptr, k_smem, v_smem, ks_smem, ones_smem, k_ready, k_empty,
-                                  v_ready, v_empty, turn, Skv, n_full, n_blocks, False, K_PER_TOKEN, PINGPONG,
-                                  NUM_STAGES, BLOCK_N, HEAD_DIM, PV_FP8, TWO_LEVEL, PV_OVERLAP)
+                                  v_ready, v_empty, turn, Skv, n_full, n_blocks, c0, q_free, False, K_PER_TOKEN,
+                                  PINGPONG, NUM_STAGES, BLOCK_N, HEAD_DIM, PV_FP8, TWO_LEVEL, PV_OVERLAP, RUNNING)
     _epilogue(WG, acc, l_i, m_i, rows, o_smem, o_desc, o_ptr, lse_ptr, qkm_ptr, vs_ptr, vm_ptr, m_start, o_b, o_col,
-              Sq, stride_os, BLOCK_N, HEAD_DIM, RETURN_LSE, TMA_STORE, PV_FP8, V_SMOOTH)
+              Sq, stride_os, BLOCK_N, HEAD_DIM, RETURN_LSE, TMA_STORE, PV_FP8, V_SMOOTH, RUNNING)
 
 
 @gluon.jit
 def _epilogue(WG: gl.constexpr, acc, l_i, m_i, rows, o_smem, o_desc, o_ptr, lse_ptr, qkm_ptr, vs_ptr, vm_ptr, m_start,
               o_b, o_col, Sq, stride_os, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, RETURN_LSE: gl.constexpr,
-              TMA_STORE: gl.constexpr, PV_FP8: gl.constexpr, V_SMOOTH: gl.constexpr):
+              TMA_STORE: gl.constexpr, PV_FP8: gl.constexpr, V_SMOOTH: gl.constexpr, RUNNING: gl.constexpr):
     """Normalise and store one consumer's 64 output rows (rows past ``Sq`` are not written) and
     their LSE (natural log, the K smoothing undone by ``qkm``).  FP8 P.V: times V's channel scales
-    (``vs_ptr``) plus, with ``V_SMOOTH``, its channel means (``vm_ptr``); the LSE less ``P_SHIFT``."""
+    (``vs_ptr``) plus, with ``V_SMOOTH``, its channel means (``vm_ptr``); the LSE less ``P_SHIFT``.
+    The TMA store is waited for at the end, or with ``RUNNING`` (persistent: one tile per call, the
+    staging buffer reused by the next) only before the buffer is written again."""
     o_layout: gl.constexpr = _mma_layouts(BLOCK_N, HEAD_DIM, PV_FP8)[1]
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
@@ -376,6 +392,8 @@ def _epilogue(WG: gl.constexpr, acc, l_i, m_i, rows, o_smem, o_desc, o_ptr, lse_
         out = acc / gl.convert_layout(l_i, row_o)[:, None]
     if TMA_STORE:
         buf = o_smem.index(WG)
+        if RUNNING:  # the previous tile's output has left the buffer
+            tma.store_wait(0)
         buf.reshape([WG_M, HEAD_DIM]).store(out.to(o_desc.dtype))
         fence_async_shared()
         tma.async_copy_shared_to_global(o_desc, [o_b, m_start, o_col], buf)
@@ -387,24 +405,111 @@ def _epilogue(WG: gl.constexpr, acc, l_i, m_i, rows, o_smem, o_desc, o_ptr, lse_
     if RETURN_LSE:
         lse = (m_i + gl.log2(l_i)) * 0.6931471805599453 + gl.load(qkm_ptr + rows)
         gl.store(lse_ptr + rows, lse, mask=rows < Sq)
+    if TMA_STORE and not RUNNING:
+        tma.store_wait(0)
+
+
+@gluon.jit
+def _head(bh, H, HKV, qs_ptr, qn_ptr, kn_ptr, ks_ptr, qkm_ptr, vs_ptr, vm_ptr, o_ptr, lse_ptr, Sq, Skv, Sq_pad,
+          Skv_pad, stride_ob, stride_oh, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, K_PER_TOKEN: gl.constexpr,
+          PV_FP8: gl.constexpr):
+    """What one (batch, head) ``bh = b * H + h`` reads and writes: ``(b, h, b * HKV + kv head, Q scale,
+    Q norm, K norm, K scale, LSE correction, V channel scale and mean, output and LSE bases, V's row
+    and column in its descriptor)``."""
+    b = bh // H
+    h = bh % H
+    hk = h // (H // HKV)
+    bhk = b * HKV + hk
+    if PV_FP8:  # V^T [B * H_kv * D, Skv_pad]
+        v_row = bhk * HEAD_DIM
+        v_col = 0
+    else:  # V in place, [B * Skv, H_kv * D]
+        v_row = b * Skv
+        v_col = hk * HEAD_DIM
+    return (b, h, bhk, qs_ptr + bh * Sq_pad, qn_ptr + bh * Sq_pad, kn_ptr + bhk,
+            ks_ptr + bhk * (Skv_pad if K_PER_TOKEN else Skv_pad // BLOCK_N), qkm_ptr + bh * Sq_pad,
+            vs_ptr + bhk * HEAD_DIM, vm_ptr + bhk * HEAD_DIM, o_ptr + b * stride_ob + h * stride_oh, lse_ptr + bh * Sq,
+            v_row, v_col)
+
+
+@gluon.jit
+def _producer_persistent(q_desc, k_desc, v_desc, ks_desc, q_smem, k_smem, v_smem, ks_smem, q_bar, q_empty, k_ready,
+                         k_empty, v_ready, v_empty, qs_ptr, qn_ptr, kn_ptr, ks_ptr, qkm_ptr, vs_ptr, vm_ptr, o_ptr,
+                         lse_ptr, Sq, Skv, Sq_pad, Skv_pad, H, HKV, stride_ob, stride_oh, num_tiles, n_blocks,
+                         BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
+                         K_PER_TOKEN: gl.constexpr, PV_FP8: gl.constexpr):
+    """The loads of the CTA's tiles ``pid, pid + grid, ...`` (tile ``t = (b * H + h) * m_tiles + m``, the
+    query tile fastest): :func:`_producer` per tile with the ring's running count and Q's phase
+    carried over, so the next tile's Q and first K/V tiles load while the consumers finish the
+    current one."""
+    m_tiles = Sq_pad // BLOCK_M
+    c = 0  # K/V tiles loaded so far
+    tq = 0  # query tiles loaded so far
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        bh = t // m_tiles
+        b, h, bhk, qs_row, qn_row, kn_h, ks_row, qkm_row, vs_h, vm_h, o_base, lse_row, v_row, v_col = _head(
+            bh, H, HKV, qs_ptr, qn_ptr, kn_ptr, ks_ptr, qkm_ptr, vs_ptr, vm_ptr, o_ptr, lse_ptr, Sq, Skv, Sq_pad,
+            Skv_pad, stride_ob, stride_oh, BLOCK_N, HEAD_DIM, K_PER_TOKEN, PV_FP8)
+        _producer(q_desc, k_desc, v_desc, ks_desc, q_smem, k_smem, v_smem, ks_smem, q_bar, k_ready, k_empty, v_ready,
+                  v_empty, bh * Sq_pad + (t - bh * m_tiles) * BLOCK_M, bhk * Skv_pad, v_row, v_col, n_blocks, c,
+                  tq, q_empty, BLOCK_N, NUM_STAGES, K_PER_TOKEN, PV_FP8, True)
+        c += n_blocks
+        tq += 1
+
+
+@gluon.jit
+def _consumer_persistent(WG: gl.constexpr, q_smem, k_smem, v_smem, ks_smem, o_smem, ones_smem, q_bar, q_empty, k_ready,
+                         k_empty, v_ready, v_empty, turn, o_desc, qs_ptr, qn_ptr, kn_ptr, ks_ptr, qkm_ptr, vs_ptr,
+                         vm_ptr, o_ptr, lse_ptr, Sq, Skv, Sq_pad, Skv_pad, H, HKV, stride_ob, stride_os, stride_oh,
+                         num_tiles, n_full, n_blocks, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                         NUM_STAGES: gl.constexpr, RETURN_LSE: gl.constexpr, K_PER_TOKEN: gl.constexpr,
+                         PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr, STATIC_MAX: gl.constexpr,
+                         Q_REGS: gl.constexpr, PV_FP8: gl.constexpr, TWO_LEVEL: gl.constexpr, V_SMOOTH: gl.constexpr,
+                         PV_OVERLAP: gl.constexpr):
+    """One consumer warpgroup over the CTA's tiles (the producer's sequence): :func:`_consumer` per tile
+    with the ring's running count and Q's phase carried over; its output staging buffer is waited
+    for only before its next use, and once at the end."""
+    m_tiles = Sq_pad // BLOCK_M
+    c = 0  # K/V tiles consumed so far
+    tq = 0  # query tiles consumed so far
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        bh = t // m_tiles
+        b, h, bhk, qs_row, qn_row, kn_h, ks_row, qkm_row, vs_h, vm_h, o_base, lse_row, v_row, v_col = _head(
+            bh, H, HKV, qs_ptr, qn_ptr, kn_ptr, ks_ptr, qkm_ptr, vs_ptr, vm_ptr, o_ptr, lse_ptr, Sq, Skv, Sq_pad,
+            Skv_pad, stride_ob, stride_oh, BLOCK_N, HEAD_DIM, K_PER_TOKEN, PV_FP8)
+        _consumer(WG, q_smem, k_smem, v_smem, ks_smem, o_smem, ones_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                  turn, o_desc, qs_row, qn_row, kn_h, ks_row, qkm_row, vs_h, vm_h, o_base, lse_row,
+                  (t - bh * m_tiles) * BLOCK_M, b, h * HEAD_DIM, Sq, Skv, stride_os, n_full, n_blocks, c, tq,
+                  q_empty.index(WG), BLOCK_N, HEAD_DIM, NUM_STAGES, RETURN_LSE, K_PER_TOKEN, PINGPONG, TMA_STORE,
+                  STATIC_MAX, Q_REGS, PV_FP8, TWO_LEVEL, V_SMOOTH, PV_OVERLAP, True)
+        c += n_blocks
+        tq += 1
     if TMA_STORE:
         tma.store_wait(0)
 
 
 @gluon.jit
 def _sage_fwd_sm90(q_desc, k_desc, v_desc, o_desc, ks_desc, qs_ptr, qn_ptr, kn_ptr, ks_ptr, qkm_ptr, vs_ptr, vm_ptr,
-                   o_ptr, lse_ptr, Sq, Skv, Sq_pad, Skv_pad, H, HKV, stride_ob, stride_os, stride_oh,
+                   o_ptr, lse_ptr, Sq, Skv, Sq_pad, Skv_pad, H, HKV, stride_ob, stride_os, stride_oh, num_tiles,
                    BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
                    RETURN_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                    K_PER_TOKEN: gl.constexpr, PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr,
                    STATIC_MAX: gl.constexpr, Q_REGS: gl.constexpr, PV_FP8: gl.constexpr, TWO_LEVEL: gl.constexpr,
-                   V_SMOOTH: gl.constexpr, PV_OVERLAP: gl.constexpr):
+                   V_SMOOTH: gl.constexpr, PV_OVERLAP: gl.constexpr, PERSISTENT: gl.constexpr):
+    """Grid ``(Sq_pad / 128, B * H)``: one CTA per 128-row query tile of one (batch, head); or, with
+    ``PERSISTENT``, ``(min(num_tiles, SMs),)``: each CTA loops over tiles ``pid, pid + grid, ...`` in
+    the order ``t = (b * H + h) * (Sq_pad / 128) + m`` — the query tile fastest, the one-CTA-per-tile
+    grid's launch order, so the tiles in flight share their head's K/V in L2.  The persistent
+    schedule keeps the ring, the barriers and the two consumers' ping-pong running across tiles, and
+    adds a ``q_empty`` barrier per Q buffer (released after the tile's last Q.K): the next tile's Q
+    and first K/V tiles load during the current tile's last P.V and epilogue, and the output's TMA
+    store is waited for only before its staging buffer is reused."""
     pid_m = gl.program_id(0)
     pid_bh = gl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    hk = h // (H // HKV)
-    bhk = b * HKV + hk
+    # (one CTA per tile; unused by the persistent schedule)
+    b, h, bhk, qs_row, qn_row, kn_h, ks_row, qkm_row, vs_h, vm_h, o_base, lse_row, v_row, v_col = _head(
+        pid_bh, H, HKV, qs_ptr, qn_ptr, kn_ptr, ks_ptr, qkm_ptr, vs_ptr, vm_ptr, o_ptr, lse_ptr, Sq, Skv, Sq_pad,
+        Skv_pad, stride_ob, stride_oh, BLOCK_N, HEAD_DIM, K_PER_TOKEN, PV_FP8)
     m0 = pid_m * BLOCK_M
     n_blocks = gl.cdiv(Skv, BLOCK_N)
     n_full = Skv // BLOCK_N
@@ -436,37 +541,46 @@ def _sage_fwd_sm90(q_desc, k_desc, v_desc, o_desc, ks_desc, qs_ptr, qn_ptr, kn_p
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(v_empty.index(i), count=2)
 
-    # constexpr arguments must be written into each partition's tuple (a tuple variable drops them)
-    qs_row = qs_ptr + pid_bh * Sq_pad
-    qn_row = qn_ptr + pid_bh * Sq_pad
-    kn_h = kn_ptr + bhk
-    ks_row = ks_ptr + bhk * (Skv_pad if K_PER_TOKEN else Skv_pad // BLOCK_N)
-    qkm_row = qkm_ptr + pid_bh * Sq_pad
-    vs_h = vs_ptr + bhk * HEAD_DIM
-    vm_h = vm_ptr + bhk * HEAD_DIM
-    o_base = o_ptr + b * stride_ob + h * stride_oh
-    lse_row = lse_ptr + pid_bh * Sq
-    if PV_FP8:  # V^T [B * H_kv * D, Skv_pad]
-        v_row = bhk * HEAD_DIM
-        v_col = 0
-    else:  # V in place, [B * Skv, H_kv * D]
-        v_row = b * Skv
-        v_col = hk * HEAD_DIM
-    gl.warp_specialize([
-        (_consumer, (0, q_smem, k_smem, v_smem, ks_smem, o_smem, ones_smem, q_bar, k_ready, k_empty, v_ready,
-                     v_empty, turn, o_desc, qs_row, qn_row, kn_h, ks_row, qkm_row, vs_h, vm_h, o_base, lse_row, m0,
-                     b, h * HEAD_DIM, Sq, Skv, stride_os, n_full, n_blocks, BLOCK_N, HEAD_DIM, NUM_STAGES,
-                     RETURN_LSE, K_PER_TOKEN, PINGPONG, TMA_STORE, STATIC_MAX, Q_REGS, PV_FP8, TWO_LEVEL, V_SMOOTH,
-                     PV_OVERLAP)),
-        (_consumer, (1, q_smem, k_smem, v_smem, ks_smem, o_smem, ones_smem, q_bar, k_ready, k_empty, v_ready,
-                     v_empty, turn, o_desc, qs_row, qn_row, kn_h, ks_row, qkm_row, vs_h, vm_h, o_base, lse_row, m0,
-                     b, h * HEAD_DIM, Sq, Skv, stride_os, n_full, n_blocks, BLOCK_N, HEAD_DIM, NUM_STAGES,
-                     RETURN_LSE, K_PER_TOKEN, PINGPONG, TMA_STORE, STATIC_MAX, Q_REGS, PV_FP8, TWO_LEVEL, V_SMOOTH,
-                     PV_OVERLAP)),
-        (_producer, (q_desc, k_desc, v_desc, ks_desc, q_smem, k_smem, v_smem, ks_smem, q_bar, k_ready, k_empty,
-                     v_ready, v_empty, pid_bh * Sq_pad + m0, bhk * Skv_pad, v_row, v_col, n_blocks,
-                     BLOCK_N, NUM_STAGES, K_PER_TOKEN, PV_FP8)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    if PERSISTENT:
+        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for w in gl.static_range(2):
+            mbarrier.init(q_empty.index(w), count=1)
+        gl.warp_specialize([
+            (_consumer_persistent, (0, q_smem, k_smem, v_smem, ks_smem, o_smem, ones_smem, q_bar, q_empty, k_ready,
+                                    k_empty, v_ready, v_empty, turn, o_desc, qs_ptr, qn_ptr, kn_ptr, ks_ptr, qkm_ptr,
+                                    vs_ptr, vm_ptr, o_ptr, lse_ptr, Sq, Skv, Sq_pad, Skv_pad, H, HKV, stride_ob,
+                                    stride_os, stride_oh, num_tiles, n_full, n_blocks, BLOCK_N, HEAD_DIM, NUM_STAGES,
+                                    RETURN_LSE, K_PER_TOKEN, PINGPONG, TMA_STORE, STATIC_MAX, Q_REGS, PV_FP8,
+                                    TWO_LEVEL, V_SMOOTH, PV_OVERLAP)),
+            (_consumer_persistent, (1, q_smem, k_smem, v_smem, ks_smem, o_smem, ones_smem, q_bar, q_empty, k_ready,
+                                    k_empty, v_ready, v_empty, turn, o_desc, qs_ptr, qn_ptr, kn_ptr, ks_ptr, qkm_ptr,
+                                    vs_ptr, vm_ptr, o_ptr, lse_ptr, Sq, Skv, Sq_pad, Skv_pad, H, HKV, stride_ob,
+                                    stride_os, stride_oh, num_tiles, n_full, n_blocks, BLOCK_N, HEAD_DIM, NUM_STAGES,
+                                    RETURN_LSE, K_PER_TOKEN, PINGPONG, TMA_STORE, STATIC_MAX, Q_REGS, PV_FP8,
+                                    TWO_LEVEL, V_SMOOTH, PV_OVERLAP)),
+            (_producer_persistent, (q_desc, k_desc, v_desc, ks_desc, q_smem, k_smem, v_smem, ks_smem, q_bar, q_empty,
+                                    k_ready, k_empty, v_ready, v_empty, qs_ptr, qn_ptr, kn_ptr, ks_ptr, qkm_ptr,
+                                    vs_ptr, vm_ptr, o_ptr, lse_ptr, Sq, Skv, Sq_pad, Skv_pad, H, HKV, stride_ob,
+                                    stride_oh, num_tiles, n_blocks, BLOCK_N, HEAD_DIM, NUM_STAGES, K_PER_TOKEN,
+                                    PV_FP8)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        # constexpr arguments must be written into each partition's tuple (a tuple variable drops them)
+        gl.warp_specialize([
+            (_consumer, (0, q_smem, k_smem, v_smem, ks_smem, o_smem, ones_smem, q_bar, k_ready, k_empty, v_ready,
+                         v_empty, turn, o_desc, qs_row, qn_row, kn_h, ks_row, qkm_row, vs_h, vm_h, o_base, lse_row, m0,
+                         b, h * HEAD_DIM, Sq, Skv, stride_os, n_full, n_blocks, 0, 0, q_bar, BLOCK_N, HEAD_DIM,
+                         NUM_STAGES, RETURN_LSE, K_PER_TOKEN, PINGPONG, TMA_STORE, STATIC_MAX, Q_REGS, PV_FP8,
+                         TWO_LEVEL, V_SMOOTH, PV_OVERLAP, False)),
+            (_consumer, (1, q_smem, k_smem, v_smem, ks_smem, o_smem, ones_smem, q_bar, k_ready, k_empty, v_ready,
+                         v_empty, turn, o_desc, qs_row, qn_row, kn_h, ks_row, qkm_row, vs_h, vm_h, o_base, lse_row, m0,
+                         b, h * HEAD_DIM, Sq, Skv, stride_os, n_full, n_blocks, 0, 0, q_bar, BLOCK_N, HEAD_DIM,
+                         NUM_STAGES, RETURN_LSE, K_PER_TOKEN, PINGPONG, TMA_STORE, STATIC_MAX, Q_REGS, PV_FP8,
+                         TWO_LEVEL, V_SMOOTH, PV_OVERLAP, False)),
+            (_producer, (q_desc, k_desc, v_desc, ks_desc, q_smem, k_smem, v_smem, ks_smem, q_bar, k_ready, k_empty,
+                         v_ready, v_empty, pid_bh * Sq_pad + m0, bhk * Skv_pad, v_row, v_col, n_blocks, 0, 0, q_bar,
+                         BLOCK_N, NUM_STAGES, K_PER_TOKEN, PV_FP8, False)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def sage_attention_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float] = None,
@@ -480,7 +594,8 @@ def sage_attention_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sc
     "fp8" (P and V in e4m3, V per channel and, with ``v_smooth``, smoothed by its channel mean;
     ``pv_accum`` "two_level" or "direct"; online softmax only); ``qk_balance`` (alpha in (0, 1]) balances
     Q's and smoothed K's channels before the INT8 rounding (``int8_attention_reference``'s option of
-    the same name).  Returns ``(out [B, S_q, H, D] in q.dtype, lse [B, H, S_q] float32 natural log or
+    the same name); ``persistent`` (bool, default False until timed on the H200) runs one CTA per SM,
+    each looping over the 128-row query tiles (see ``_sage_fwd_sm90``).  Returns ``(out [B, S_q, H, D] in q.dtype, lse [B, H, S_q] float32 natural log or
     None)``.
     """
     from ditattn.attention.kernels.int8_attention import quantize_qk, quantize_v_fp8
@@ -518,9 +633,14 @@ def sage_attention_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sc
     od = TensorDescriptor(out, [B, Sq, H * D], [Sq * H * D, H * D, 1], [1, WG_M.value, D], o_layout)
     ks_flat = ks.view(-1)
     ksd = TensorDescriptor(ks_flat, [ks_flat.numel()], [1], [bn], gl.NVMMASharedLayout.get_default_for([bn], gl.float32))
-    _sage_fwd_sm90[(sq_pad // BLOCK_M.value, B * H)](
+    num_tiles = sq_pad // BLOCK_M.value * B * H
+    if cfg["persistent"]:
+        grid = (min(num_tiles, num_sms(q.device)),)
+    else:
+        grid = (sq_pad // BLOCK_M.value, B * H)
+    _sage_fwd_sm90[grid](
         qd, kd, vd, od, ksd, qs, qn, kn, ks, qkm, vs, vm, out, lse, Sq, Skv, sq_pad, skv_pad, H, Hkv,
-        out.stride(0), out.stride(1), out.stride(2), **kernel_constexprs(cfg, D, return_lse=bool(return_lse),
+        out.stride(0), out.stride(1), out.stride(2), num_tiles, **kernel_constexprs(cfg, D, return_lse=bool(return_lse),
                                                                          tma_store=tma_store),
         num_warps=4, maxnreg=168,
     )
@@ -538,6 +658,8 @@ def kernel_config(head_dim: int, config: Optional[dict], *, what: str = "sage_at
         raise AttentionConfigError(f"{what}: k_granularity {cfg['k_granularity']!r} not supported "
                                    "(accepts 'token', 'block')")
     check_qk_balance(cfg["qk_balance"], what)
+    if not isinstance(cfg["persistent"], bool):
+        raise AttentionConfigError(f"{what}: persistent must be True or False, got {cfg['persistent']!r}")
     if cfg["pv_accum"] not in PV_ACCUMS:
         raise AttentionConfigError(f"{what}: pv_accum {cfg['pv_accum']!r} not supported (accepts {list(PV_ACCUMS)})")
     if pv == "fp8" and cfg["static_max"]:
@@ -557,7 +679,8 @@ def kernel_constexprs(cfg: dict, head_dim: int, *, return_lse: bool, tma_store: 
                 PRODUCER_REGS=int(cfg["producer_regs"]), K_PER_TOKEN=cfg["k_granularity"] == "token",
                 PINGPONG=bool(cfg["pingpong"]), TMA_STORE=tma_store, STATIC_MAX=bool(cfg["static_max"]),
                 Q_REGS=bool(cfg["q_regs"]), PV_FP8=pv_fp8, TWO_LEVEL=pv_fp8 and cfg["pv_accum"] == "two_level",
-                V_SMOOTH=pv_fp8 and bool(cfg["v_smooth"]), PV_OVERLAP=bool(cfg["pv_overlap"]))
+                V_SMOOTH=pv_fp8 and bool(cfg["v_smooth"]), PV_OVERLAP=bool(cfg["pv_overlap"]),
+                PERSISTENT=cfg["persistent"])
 
 
 __all__ = ["sage_attention_sm90", "default_config", "kernel_config", "SUPPORTED_HEAD_DIMS", "PV_DTYPES", "PV_ACCUMS"]
