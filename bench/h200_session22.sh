@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 22's H200 plan (one device call).  Issue 17: the per-channel Q/K balance (`qk_balance`) of sage_attn's
+# Session 22's H200 plan (each part one device call; session 22 itself had no device time).  Issue 17: the per-channel Q/K balance (`qk_balance`) of sage_attn's
 # INT8 prologue, now in the Triton passes (src/ditattn/attention/kernels/int8_attention.py: qk_balance_prologue,
 # quantize_qk) and a backend parameter.  On the CPU reference it takes the default per-token K path from 2.09 % to
 # 1.82 % error on the worst structured input (docs/sage_sm90_notes.md); this run checks the GPU kernels compute the
