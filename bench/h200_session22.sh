@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 22's H200 plan (each part one device call; session 22 itself had no device time).  Issue 17: the per-channel Q/K balance (`qk_balance`) of sage_attn's
-# INT8 prologue, now in the Triton passes (src/ditattn/attention/kernels/int8_attention.py: qk_balance_prologue,
+# INT8 prologue, now in the Triton passes (src/ditattn/attention/kernels/int8_quant.py: qk_balance_prologue,
 # quantize_qk) and a backend parameter.  On the CPU reference it takes the default per-token K path from 2.09 % to
 # 1.82 % error on the worst structured input (docs/sage_sm90_notes.md); this run checks the GPU kernels compute the
 # same quantization and measures what the extra prologue pass (one more read of Q; K's statistics pass replaces its mean pass) costs.

@@ -24,7 +24,7 @@ the online softmax (a static maximum would put P outside e4m3's range) with the 
 rounding) in FP32 on the CUDA cores, like the fp16 online softmax: an FP8 ``P x ones`` product on the
 tensor cores (m64n8k32) gave wrong row sums on the H200 (issue 17; docs/sage_sm90_notes.md).
 
-Quantization prologue: the Triton passes of :mod:`.int8_attention` (one pass over Q, one mean and one
+Quantization prologue: the Triton passes of :mod:`.int8_quant` (one pass over Q, one mean and one
 pass over K; with config ``qk_balance`` a statistics pass over each of Q and K, K's mean from the
 second, and one small launch for the balance factors, before the same two quantization passes; V is read in place through a TMA descriptor (fp16) or quantized in two passes, channel
 statistics then the transposed FP8 copy (fp8)).  Head dims 64 and 128; any lengths
@@ -66,7 +66,7 @@ PV_ACCUMS = ("two_level", "direct")
 def default_config(head_dim: int, pv_dtype: str = "fp16") -> dict:
     """Launch configuration used when the caller passes none (``pv_dtype`` picks the softmax: the
     static maximum for fp16 P.V, the online one for fp8).  ``qk_balance`` (alpha in (0, 1]; None: off)
-    is the per-channel Q/K balance of the INT8 prologue (:func:`.int8_attention.quantize_qk`); the
+    is the per-channel Q/K balance of the INT8 prologue (:func:`.int8_quant.quantize_qk`); the
     kernel itself is the same.  ``persistent``: one CTA per SM looping over the query tiles (the next
     tile's loads under the current tile's last products and epilogue) instead of one CTA per tile."""
     return {"block_n": 128, "num_stages": 2, "consumer_regs": 240, "producer_regs": 24, "k_granularity": "token",
@@ -185,7 +185,7 @@ def _p_operand(p, pdt: gl.constexpr, p_layout: gl.constexpr, PV_FP8: gl.constexp
     """P (fp32, in the Q.K accumulator layout) for the P.V product: rounded to ``pdt`` in the A
     operand layout (16-bit: the same registers), or packed to e4m3 by :func:`fp8_pack` (its columns
     relabelled; the prologue stores V^T's tokens in the same order,
-    :func:`ditattn.attention.kernels.int8_attention.quantize_v_fp8` ``permute``)."""
+    :func:`ditattn.attention.kernels.int8_quant.quantize_v_fp8` ``permute``)."""
     if PV_FP8:
         return fp8_pack(p, BLOCK_N)
     else:
@@ -598,7 +598,7 @@ def sage_attention_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sc
     each looping over the 128-row query tiles (see ``_sage_fwd_sm90``).  Returns ``(out [B, S_q, H, D] in q.dtype, lse [B, H, S_q] float32 natural log or
     None)``.
     """
-    from ditattn.attention.kernels.int8_attention import quantize_qk, quantize_v_fp8
+    from ditattn.attention.kernels.int8_quant import quantize_qk, quantize_v_fp8
 
     what = "sage_attn SM90 kernel"
     B, Sq, Skv, H, Hkv, D = check_qkv(q, k, v, what=what, head_dims=SUPPORTED_HEAD_DIMS)
