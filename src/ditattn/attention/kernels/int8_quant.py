@@ -17,6 +17,20 @@ from ditattn.attention.kernels.int8_reference import FP8_MAX, check_qk_balance
 
 
 @triton.jit
+def _load_row_block(X, stride_xb, stride_xs, stride_xh, S, HEAD_DIM: tl.constexpr, BLK: tl.constexpr):
+    # the program's block of BLK rows of head program_id(1), batch program_id(2), as float32 (rows past S: 0)
+    pid_blk = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    offs_s = pid_blk * BLK + tl.arange(0, BLK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = offs_s < S
+    x = tl.load(X + b * stride_xb + h * stride_xh + offs_s[:, None] * stride_xs + offs_d[None, :],
+                mask=ok[:, None], other=0.0).to(tl.float32)
+    return pid_blk, h, b, offs_s, offs_d, ok, x
+
+
+@triton.jit
 def _quant_int8_rows(
     X, KMean, Out, Scale, Qkm, Norm, Bal,
     stride_xb, stride_xs, stride_xh,
@@ -29,14 +43,7 @@ def _quant_int8_rows(
     # NORM 1: per row |x8|_2 * scale (Q's logit bound factor); NORM 2: per program max of that (K's).
     # BALANCE: multiply the channels by Bal [B, H / GROUP, D] (qk_balance's cq for Q, ck for K; after the
     # smoothing, and after Q's LSE term, which is that of the unbalanced Q)
-    pid_blk = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    offs_s = pid_blk * BLK + tl.arange(0, BLK)
-    offs_d = tl.arange(0, HEAD_DIM)
-    ok = offs_s < S
-    x = tl.load(X + b * stride_xb + h * stride_xh + offs_s[:, None] * stride_xs + offs_d[None, :],
-                mask=ok[:, None], other=0.0).to(tl.float32)
+    pid_blk, h, b, offs_s, offs_d, ok, x = _load_row_block(X, stride_xb, stride_xs, stride_xh, S, HEAD_DIM, BLK)
     row = (b * H + h) * S_pad + offs_s
     if SUB_MEAN or WRITE_QKM:
         mean = tl.load(KMean + b * stride_mb + (h // GROUP) * stride_mh + offs_d)
@@ -200,14 +207,7 @@ def _quant_v_fp8_t(
     S, S_pad, HKV,
     HEAD_DIM: tl.constexpr, BLK: tl.constexpr, SUB_MEAN: tl.constexpr, PERMUTE: tl.constexpr,
 ):
-    pid_blk = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    offs_s = pid_blk * BLK + tl.arange(0, BLK)
-    offs_d = tl.arange(0, HEAD_DIM)
-    ok = offs_s < S
-    x = tl.load(V + b * stride_vb + h * stride_vh + offs_s[:, None] * stride_vs + offs_d[None, :],
-                mask=ok[:, None], other=0.0).to(tl.float32)
+    pid_blk, h, b, offs_s, offs_d, ok, x = _load_row_block(V, stride_vb, stride_vs, stride_vh, S, HEAD_DIM, BLK)
     if SUB_MEAN:
         x = tl.where(ok[:, None], x - tl.load(VMean + (b * HKV + h) * HEAD_DIM + offs_d)[None, :], 0.0)
     sc = tl.load(VScale + (b * HKV + h) * HEAD_DIM + offs_d)
