@@ -25,7 +25,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import common  # noqa: E402
-from common import (Deadline, Recorder, attn_flops, bench_ms, empty_cache, env_info, fmt_table,  # noqa: E402
+from common import (Deadline, Recorder, attn_flops, bench_ms, cosine, empty_cache, env_info, fmt_table,  # noqa: E402
                     guarded, make_qkv, reference_rows, rel_err, sample_rows)
 
 SHAPES = [(1, 24, 4096, 128), (1, 12, 4096, 128), (1, 12, 16384, 128), (1, 12, 32760, 128),
@@ -192,7 +192,7 @@ def run_dense(rec, dl, shapes, int8_cfg, int8_fp8_cfg, skip_cfg, inputs="random"
             if out is None:
                 continue
             err = rel_err(out[:, rows], ref)
-            cos = float(F.cosine_similarity(out[:, rows].float().flatten(), ref.float().flatten(), dim=0))
+            cos = cosine(out[:, rows], ref)
             del out
             ms = guarded(rec, f"time {name} {(b, h, s, d)}", lambda fn=fn: bench_ms(fn))
             if ms is None:

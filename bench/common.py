@@ -174,11 +174,23 @@ def empty_cache():
         torch.cuda.empty_cache()
 
 
+def _compare_dtype(out: torch.Tensor, ref: torch.Tensor) -> torch.dtype:
+    return torch.float64 if torch.float64 in (out.dtype, ref.dtype) else torch.float32
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.float(), ref.float()
+    """``|out - ref| / |ref|`` (L2 over everything) in float32, or float64 if either is; NaN if ``out`` is not finite."""
+    dt = _compare_dtype(out, ref)
+    out, ref = out.to(dt), ref.to(dt)
     if not torch.isfinite(out).all():
         return float("nan")
     return float((out - ref).norm() / ref.norm())
+
+
+def cosine(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Cosine similarity of ``out`` and ``ref`` flattened, in float32 (float64 if either is)."""
+    dt = _compare_dtype(out, ref)
+    return float(torch.nn.functional.cosine_similarity(out.to(dt).flatten(), ref.to(dt).flatten(), dim=0))
 
 
 def make_qkv(b, s, h, d, *, hkv=None, dtype=torch.bfloat16, seed=0, device=None):

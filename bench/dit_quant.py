@@ -31,12 +31,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import WAN_ARCH as ARCH, WAN_COMMON, Deadline, Recorder, add_wan_args, env_info, profile_step, rel_err  # noqa: E402
+from common import WAN_ARCH as ARCH, WAN_COMMON, Deadline, Recorder, add_wan_args, env_info, profile_step, rel_err, cosine  # noqa: E402
 from e2e import median_ms, native_model, wan_inputs  # noqa: E402
-
-
-def cosine(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float(torch.nn.functional.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0))
 
 
 def _num(v, fmt: str) -> str:

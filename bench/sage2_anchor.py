@@ -40,7 +40,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-from common import Deadline, Recorder, attn_flops, bench_ms, fmt_table, guarded, rel_err  # noqa: E402
+from common import Deadline, Recorder, attn_flops, bench_ms, cosine, fmt_table, guarded, rel_err  # noqa: E402
 
 DEFAULT_DIR = os.environ.get("SAGE2_DIR", "/tmp/sage2/pkg")
 # the 40-head 480p shape first: it is the one issue 17 is judged on, and a budget cut keeps it
@@ -248,7 +248,7 @@ def check(rec, sa) -> list[dict]:
         shape = f"{b},{sq},{skv},{h},{hkv},{d}"
 
         def cos(out):
-            return torch.nn.functional.cosine_similarity(out.float().flatten(), ref_o.flatten(), dim=0).item()
+            return cosine(out, ref_o)
 
         def full():
             out, lse = sa.sageattn(q, k, v, tensor_layout="NHD", is_causal=False, return_lse=True)
@@ -320,7 +320,7 @@ def measure(rec, dl, shapes, names, sa, structured=True) -> tuple[list[dict], li
                     continue
                 sel = out[:, idx]
                 e = rel_err(sel, ref)
-                c = torch.nn.functional.cosine_similarity(sel.float().flatten(), ref.flatten(), dim=0).item()
+                c = cosine(sel, ref)
                 errs.append(rec.add(section="error", shape=row["shape"], kind=kind, candidate=name, err=e, cos=c))
                 if kind == "random":
                     ms = guarded(rec, f"time {name} {row['shape']}", lambda fn=fn: bench_ms(fn))

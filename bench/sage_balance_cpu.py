@@ -24,7 +24,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from sage_kgran_cpu import exact  # noqa: E402
+import common  # noqa: E402
+from sage_kgran_cpu import exact, random_qkv  # noqa: E402
 
 # (name, B, (T, Hs, Ws) grid or (Sq, Skv), H, Hkv, D, dtype, kind, seed, content norm range)
 CASES = [
@@ -47,15 +48,8 @@ CASES = [
 def case_inputs(case):
     name, b, dims, h, hkv, d, dtype, kind, seed, norms = case
     if kind == "structured":
-        import common
-
         return common.structured_qkv(b, dims, h, d, hkv=hkv, dtype=dtype, seed=seed, device="cpu", norm_range=norms)
-    g = torch.Generator().manual_seed(seed)
-    sq, skv = dims
-    q = torch.randn(b, sq, h, d, generator=g).to(dtype)
-    k = torch.randn(b, skv, hkv, d, generator=g).to(dtype)
-    v = torch.randn(b, skv, hkv, d, generator=g).to(dtype)
-    return q, k, v
+    return random_qkv(b, *dims, h, hkv, d, dtype, seed)
 
 
 def measure(q, k, v, grans, alphas):
@@ -67,8 +61,7 @@ def measure(q, k, v, grans, alphas):
         for a in alphas:
             out = int8_attention_reference(q, k, v, k_granularity=gran, block_n=128, qk_balance=a or None)[0].double()
             key = f"{gran}@{a:g}"
-            res[key] = (float((out - ref).norm() / ref.norm()),
-                        float(torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0)))
+            res[key] = (common.rel_err(out, ref), common.cosine(out, ref))
     return res
 
 

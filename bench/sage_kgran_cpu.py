@@ -18,6 +18,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
 
 CASES = [  # (B, Sq, Skv, H, Hkv, D, dtype, kind, seed)
     (2, 1000, 777, 6, 3, 128, torch.bfloat16, "random", 100),
@@ -29,17 +30,17 @@ CASES = [  # (B, Sq, Skv, H, Hkv, D, dtype, kind, seed)
 ]
 
 
+def random_qkv(b, sq, skv, h, hkv, d, dtype, seed):
+    """i.i.d. normal q ``[b, sq, h, d]``, k / v ``[b, skv, hkv, d]`` in ``dtype`` on the CPU (lengths may differ)."""
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(b, s, n, d, generator=g).to(dtype) for s, n in ((sq, h), (skv, hkv), (skv, hkv)))
+
+
 def inputs(b, sq, skv, h, hkv, d, dtype, kind, seed):
     if kind == "structured":
-        import common
-
         return common.structured_qkv(b, (sq // (30 * 52), 30, 52), h, d, hkv=hkv, dtype=dtype, seed=seed,
                                      device="cpu")
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, sq, h, d, generator=g).to(dtype)
-    k = torch.randn(b, skv, hkv, d, generator=g).to(dtype)
-    v = torch.randn(b, skv, hkv, d, generator=g).to(dtype)
-    return q, k, v
+    return random_qkv(b, sq, skv, h, hkv, d, dtype, seed)
 
 
 def exact(q, k, v):
@@ -69,8 +70,7 @@ def main(argv=None):
         row = {"shape": f"{b},{sq},{skv},{h},{hkv},{d}", "dtype": str(dt).replace("torch.", ""), "kind": kind}
         for gname in grans:
             out = int8_attention_reference(q, k, v, k_granularity=gname, block_n=128)[0].double()
-            row[gname] = float((out - ref).norm() / ref.norm())
-            row[gname + "_cos"] = float(torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0))
+            row[gname], row[gname + "_cos"] = common.rel_err(out, ref), common.cosine(out, ref)
         row["sdpa_dtype"] = float((torch.nn.functional.scaled_dot_product_attention(
             *(t.transpose(1, 2).float() for t in (q, k.repeat_interleave(h // hkv, 2), v.repeat_interleave(h // hkv, 2)))
         ).transpose(1, 2).to(dt).double() - ref).norm() / ref.norm())

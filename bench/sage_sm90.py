@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-from common import Deadline, Recorder, attn_flops, bench_ms, fmt_table, guarded, rel_err  # noqa: E402
+from common import Deadline, Recorder, attn_flops, bench_ms, cosine, fmt_table, guarded, rel_err  # noqa: E402
 
 SHAPES = "1,40,32760,128;1,12,32760,128;1,40,16384,128;1,24,4096,128;1,40,75600,128;1,24,4096,64"
 CHECKS = [  # (B, Sq, Skv, H, Hkv, D, dtype, kind)
@@ -115,7 +115,7 @@ def check(rec, variants):
             def run():
                 out, lse = sage_attention_sm90(q, k, v, return_lse=True, config=cfg)
                 torch.cuda.synchronize()
-                cos = torch.nn.functional.cosine_similarity(out.float().flatten(), ref_o.flatten(), dim=0).item()
+                cos = cosine(out, ref_o)
                 return rec.add(section="check", variant=name, shape=f"{b},{sq},{skv},{h},{hkv},{d}",
                                dtype=str(dtype).replace("torch.", ""), kind=kind,
                                finite=bool(torch.isfinite(out).all()), err=rel_err(out, ref_o), cos=cos,
@@ -144,7 +144,7 @@ def check_long(rec, variants):
 
         def run():
             out = sage_attention_sm90(q, k, v, config=cfg)[0][:, idx]
-            cos = torch.nn.functional.cosine_similarity(out.float().flatten(), ref_o.flatten(), dim=0).item()
+            cos = cosine(out, ref_o)
             return rec.add(section="check", variant=name, shape=f"{b},{s},{s},{h},{h},{d}", dtype="bfloat16",
                            kind=f"random, {n} rows", finite=bool(torch.isfinite(out).all()),
                            err=rel_err(out, ref_o), cos=cos)

@@ -18,6 +18,7 @@ import torch
 
 from ditattn.attention.kernels.int8_reference import int8_attention_reference, qk_balance_factors
 from ditattn.errors import AttentionConfigError
+from test_sage_sm90 import _exact, _rel, _round_half_away  # the same helpers as the kernel's own tests
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 
@@ -31,19 +32,9 @@ interpreter_only = pytest.mark.skipif(HAS_CUDA or os.environ.get("TRITON_INTERPR
                                       reason="interpreter test (CPU, TRITON_INTERPRET=1)")
 
 
-def _round_half_away(x):
-    return torch.trunc(x + torch.where(x >= 0, 0.5, -0.5))
-
-
-def _rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
-def _exact(q, k, v):
-    rep = q.shape[2] // k.shape[2]
-    qf, kf, vf = (t.double().transpose(1, 2) for t in (q, k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)))
-    s = (qf @ kf.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    return (torch.softmax(s, -1) @ vf).transpose(1, 2)
+def _exact_out(q, k, v):
+    """float64 exact attention, the output only: ``[B, Sq, H, D]``."""
+    return _exact(q, k, v)[0]
 
 
 @pytest.mark.parametrize("alpha", [0.25, 0.5, 0.75, 1.0])
@@ -128,7 +119,7 @@ def test_reference_balanced_quantization_is_the_independent_one(shape, dtype, kg
     assert _rel(out, want) < 5e-3  # the output's fp16/bf16 rounding
     plain, plse = int8_attention_reference(q, k, v, k_granularity=kgran, return_lse=True)
     assert not torch.equal(out, plain)  # the balance moved the rounding
-    ref = _exact(q, k, v)
+    ref = _exact_out(q, k, v)
     assert _rel(out, ref) < 0.03 and _rel(plain, ref) < 0.03
     assert float((lse - plse).abs().max()) < 0.05  # the LSE is that of the same scores
     for off in (None, 0, 0.0):
@@ -143,7 +134,7 @@ def test_reference_balance_with_zero_channels():
     q[..., 5] = 0.0
     k[..., 7] = 1.5  # constant: zero after the smoothing
     out = int8_attention_reference(q, k, v, qk_balance=0.75)[0]
-    assert torch.isfinite(out).all() and _rel(out, _exact(q, k, v)) < 0.03
+    assert torch.isfinite(out).all() and _rel(out, _exact_out(q, k, v)) < 0.03
 
 
 def test_qk_balance_validation():
@@ -318,7 +309,7 @@ def test_sm90_kernel_with_balance_is_the_reference(shape, dtype, kgran, alpha):
     qref, qlse = int8_attention_reference(q, k, v, block_n=128, k_granularity=kgran, qk_balance=alpha, return_lse=True)
     assert _rel(out, qref) < (6e-3 if dtype == torch.bfloat16 else 1.5e-3)
     assert float((lse.double() - qlse.double()).abs().max()) < _lse_step_bound(q, k, alpha)
-    exact = _exact(q.cpu(), k.cpu(), v.cpu()).to(out.device)
+    exact = _exact_out(q.cpu(), k.cpu(), v.cpu()).to(out.device)
     assert _rel(out, exact) < max(2.5e-2, 1.1 * _rel(qref, exact))
     # the backend passes the option to the kernel
     got, _ = get_impl(B.SAGE_ATTN)(q, k, v, AttnCall(), {"impl": "sm90", **cfg})
