@@ -6,7 +6,7 @@ in float64: relative L2 error and cosine of the output.  Random inputs (odd leng
 and the structured ones of ``bench/sage_sm90.py`` (Wan 3-D RoPE-rotated q/k, ``common.structured_qkv``).
 No GPU; about a minute on one core.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=src python bench/sage_kgran_cpu.py [--grans token,block,thread] [--json F]
+    OMP_NUM_THREADS=1 PYTHONPATH=src python bench/sage_kgran_cpu.py [--grans token,block,thread] [--block-n 128] [--json F]
 """
 from __future__ import annotations
 
@@ -60,6 +60,8 @@ def main(argv=None):
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--grans", default="token,block,thread")
+    ap.add_argument("--block-n", type=int, default=128, help="keys per K tile (the SM90 kernel's 128; 'thread' groups "
+                    "are block_n / 4 keys)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     grans = args.grans.split(",")
@@ -69,7 +71,7 @@ def main(argv=None):
         ref = exact(q, k, v)
         row = {"shape": f"{b},{sq},{skv},{h},{hkv},{d}", "dtype": str(dt).replace("torch.", ""), "kind": kind}
         for gname in grans:
-            out = int8_attention_reference(q, k, v, k_granularity=gname, block_n=128)[0].double()
+            out = int8_attention_reference(q, k, v, k_granularity=gname, block_n=args.block_n)[0].double()
             row[gname], row[gname + "_cos"] = common.rel_err(out, ref), common.cosine(out, ref)
         row["sdpa_dtype"] = float((torch.nn.functional.scaled_dot_product_attention(
             *(t.transpose(1, 2).float() for t in (q, k.repeat_interleave(h // hkv, 2), v.repeat_interleave(h // hkv, 2)))
