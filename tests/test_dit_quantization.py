@@ -305,14 +305,16 @@ def fp8_on_cpu(monkeypatch):
 
 def _activations(m, k, seed=0):
     """``[m, k]`` bf16 rows spanning 1e-3 .. 1e3, an all-zero row, a row with values near bf16's
-    largest (half of it zero), a row of tiny (1e-30) values and an outlier."""
+    largest (half of it zero), a row of tiny (1e-30) values and an outlier (for ``m < 5``, the first
+    ``m`` rows of the five-row draw)."""
+    n = max(m, 5)
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g) * torch.logspace(-3, 3, m)[:, None]
+    x = torch.randn(n, k, generator=g) * torch.logspace(-3, 3, n)[:, None]
     x[1] = 0
     x[2, : k // 2] = 3e38 * torch.rand(k // 2, generator=g)
     x[3] = torch.randn(k, generator=g) * 1e-30
     x[4, 5] = 1e4
-    return x.to(torch.bfloat16)
+    return x[:m].to(torch.bfloat16)
 
 
 def _formula64(x, gelu=False):

@@ -423,9 +423,14 @@ def test_sparge_cdfthreshd_on_cuda():
     from ditattn.attention.sparse.common import plan_token_mask
     from ditattn.attention.sparse.sparge import sparge_attention
 
+    from ditattn.evaluation.structured import StructuredSpec, structured_qkv
+
+    # structured inputs (3-D RoPE): on i.i.d. noise the pooled block scores are flat, so every row needs
+    # the same number of blocks and the varying-length path would go untested (23 of 25 blocks everywhere)
     grid = (8, 12, 16)
-    S = math.prod(grid) + 7
-    q, k, v = qkv(1, S, S, 4, 4, 128, seed=43)
+    q, k, v, _ = structured_qkv(StructuredSpec(video_shape=grid, heads=4, seed=43), device="cuda")
+    text = qkv(1, 7, 7, 4, 4, 128, seed=44)
+    q, k, v = (torch.cat([a, b], 1) for a, b in zip((q, k, v), text))
     kw = dict(video_shape=grid, text_len=7, cdfthreshd=0.9, topk=0.2, quantize=False)
     sparge_attention(q, k, v, **kw)  # layout constants and kernels built first
     mode = torch.cuda.get_sync_debug_mode()
