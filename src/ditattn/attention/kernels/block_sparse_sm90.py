@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ditattn.attention.kernels.gluon_sm90 import finish_pv, ones_operand, ring_slot
+from ditattn.attention.kernels.gluon_sm90 import finish_pv, ones_operand, ring_slot, smem_layout
 from ditattn.attention.kernels import LOG2E, launch_config, num_sms
 from ditattn.errors import AttentionConfigError
 
@@ -620,7 +620,7 @@ def launch(q, k, v, kv_indices, kv_counts, valid, partial, *, scale: float, retu
         qn = kn = lse
     gdt = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
     bs = BLOCK.value
-    lay = gl.NVMMASharedLayout.get_default_for([bs, D], gdt)
+    lay = smem_layout((bs, D), gdt)
     qd = TensorDescriptor(q, [B * Sq, H * D], [H * D, 1], [bs, D], lay)
     kd = TensorDescriptor(k, [B * Skv, Hkv * D], [Hkv * D, 1], [bs, D], lay)
     vd = TensorDescriptor(v, [B * Skv, Hkv * D], [Hkv * D, 1], [bs, D], lay)

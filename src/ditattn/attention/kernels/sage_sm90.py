@@ -36,15 +36,15 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ditattn.attention.kernels.gluon_sm90 import fp8_pack, issue_pv, ones_operand, rescale, retire_pv, ring_slot
-from ditattn.attention.kernels import LOG2E, check_device, check_qkv, last_dim_contiguous, launch_config, num_sms
+from ditattn.attention.kernels.gluon_sm90 import (fp8_pack, issue_pv, ones_operand, rescale, retire_pv, ring_slot,
+                                                  smem_layout)
+from ditattn.attention.kernels import check_device, check_qkv, last_dim_contiguous, launch_config, num_sms
 from ditattn.attention.kernels.int8_reference import check_qk_balance
 from ditattn.errors import AttentionConfigError
 
@@ -612,7 +612,7 @@ def sage_attention_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sc
     B, Sq, Skv, H, Hkv, D = check_qkv(q, k, v, what=what, head_dims=SUPPORTED_HEAD_DIMS)
     check_device(q, k, v, what=what)
     cfg = kernel_config(D, config, what=what)
-    bn, stages = int(cfg["block_n"]), int(cfg["num_stages"])
+    bn = int(cfg["block_n"])
     pv_fp8 = cfg["pv_dtype"] == "fp8"
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     if not v.is_contiguous():
@@ -625,22 +625,22 @@ def sage_attention_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sc
     out = torch.empty_like(q)
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device) if return_lse else out
     gdt = gl.float16 if v.dtype == torch.float16 else gl.bfloat16
-    q_layout = gl.NVMMASharedLayout.get_default_for([WG_M.value, D], gl.int8)
-    k_layout = gl.NVMMASharedLayout.get_default_for([bn, D], gl.int8)
+    q_layout = smem_layout((WG_M.value, D), gl.int8)
+    k_layout = smem_layout((bn, D), gl.int8)
     qd = TensorDescriptor(q8, [B * H * sq_pad, D], [D, 1], [WG_M.value, D], q_layout)
     kd = TensorDescriptor(k8, [B * Hkv * skv_pad, D], [D, 1], [bn, D], k_layout)
     if pv_fp8:
         vt, vs, vm = quantize_v_fp8(v, s_pad=skv_pad, smooth=bool(cfg["v_smooth"]), permute=True)
         vd = TensorDescriptor(vt, [B * Hkv * D, skv_pad], [skv_pad, 1], [D, bn],
-                              gl.NVMMASharedLayout.get_default_for([D, bn], gl.float8e4nv))
+                              smem_layout((D, bn), gl.float8e4nv))
     else:
         vs = vm = qs
-        vd = TensorDescriptor(v, [B * Skv, Hkv * D], [Hkv * D, 1], [bn, D], gl.NVMMASharedLayout.get_default_for([bn, D], gdt))
+        vd = TensorDescriptor(v, [B * Skv, Hkv * D], [Hkv * D, 1], [bn, D], smem_layout((bn, D), gdt))
     tma_store = bool(cfg["tma_store"]) and out.is_contiguous()
-    o_layout = gl.NVMMASharedLayout.get_default_for([1, WG_M.value, D], gdt)
+    o_layout = smem_layout((1, WG_M.value, D), gdt)
     od = TensorDescriptor(out, [B, Sq, H * D], [Sq * H * D, H * D, 1], [1, WG_M.value, D], o_layout)
     ks_flat = ks.view(-1)
-    ksd = TensorDescriptor(ks_flat, [ks_flat.numel()], [1], [bn], gl.NVMMASharedLayout.get_default_for([bn], gl.float32))
+    ksd = TensorDescriptor(ks_flat, [ks_flat.numel()], [1], [bn], smem_layout((bn,), gl.float32))
     num_tiles = sq_pad // BLOCK_M.value * B * H
     if cfg["persistent"]:
         grid = (min(num_tiles, num_sms(q.device)),)
