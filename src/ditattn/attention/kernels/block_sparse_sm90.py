@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ditattn.attention.kernels.gluon_sm90 import finish_pv, ones_operand, ring_slot, smem_layout
+from ditattn.attention.kernels.gluon_sm90 import LOGIT_LIMITS, finish_pv, ones_operand, ring_slot, smem_layout
 from ditattn.attention.kernels import LOG2E, launch_config, num_sms
 from ditattn.errors import AttentionConfigError
 
@@ -142,11 +142,6 @@ def _scores(s, idx_ptr, valid_ptr, partial_ptr, i, HAS_VALID: gl.constexpr, s_la
     return s
 
 
-#: rows whose base-2 logits are bounded by this in magnitude (|q_i| * max_j |k_j| * scale * log2 e) run the
-#: softmax without a running maximum: exp2 of the raw logit must stay inside the range of P's dtype —
-#: bf16 has fp32's exponent range (2^±100 is safe, row sums of up to 2^20 keys included); fp16 overflows
-#: past 65504 = 2^15.999 and loses precision below 2^-14, so its bound is 2^±15
-LOGIT_LIMITS = {torch.bfloat16: 100.0, torch.float16: 15.0}
 
 
 def kernel_constexprs(cfg: dict, head_dim: int, dtype: torch.dtype, *, has_valid: bool, return_lse: bool) -> dict:

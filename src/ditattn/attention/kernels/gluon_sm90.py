@@ -12,6 +12,7 @@
   int32 registers (what a loop carries and what the deps keep alive) with its columns relabelled so
   that no data moves; :func:`rescale`: the online softmax's per-row rescale.
 * :func:`ring_slot`: stage and phase of a K/V ring's n-th tile (the persistent schedules' running counts).
+* :data:`LOGIT_LIMITS` / :data:`LOGIT_LIMIT_BF16` / :data:`LOGIT_LIMIT_FP16`: the static-max softmax's bound;
 * :func:`smem_layout` (host side): the default NVMMA shared layout of a TMA block, cached (building one
   costs ~10 us of Python, and a call builds five or six: at S = 4096 the sage call is host-bound).
 """
@@ -19,9 +20,20 @@ from __future__ import annotations
 
 import functools
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+
+#: rows whose base-2 logits are bounded by this in magnitude (Cauchy-Schwarz: |q_i| * max_j |k_j| * scale *
+#: log2 e) run the softmax without a running maximum (no max, no rescale): exp2 of the raw logit, rounded to
+#: P's dtype (V's), must stay finite — bf16 has fp32's exponent range (2^+-100 is safe, row sums of up to 2^20
+#: keys included); fp16 overflows past 65504 = 2^15.999 (a logit above 16 gave inf in the sage kernel while
+#: it shared bf16's 100, issue 17), hence 2^+-15
+LOGIT_LIMIT_BF16 = gl.constexpr(100.0)
+LOGIT_LIMIT_FP16 = gl.constexpr(15.0)
+LOGIT_LIMITS = {torch.bfloat16: LOGIT_LIMIT_BF16.value, torch.float16: LOGIT_LIMIT_FP16.value}
 
 
 @functools.lru_cache(maxsize=None)

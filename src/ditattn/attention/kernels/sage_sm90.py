@@ -42,8 +42,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ditattn.attention.kernels.gluon_sm90 import (fp8_pack, issue_pv, ones_operand, rescale, retire_pv, ring_slot,
-                                                  smem_layout)
+from ditattn.attention.kernels.gluon_sm90 import (LOGIT_LIMIT_BF16, LOGIT_LIMIT_FP16, fp8_pack, issue_pv, ones_operand,
+                                                  rescale, retire_pv, ring_slot, smem_layout)
 from ditattn.attention.kernels import check_device, check_qkv, last_dim_contiguous, launch_config, num_sms
 from ditattn.attention.kernels.int8_reference import check_qk_balance
 from ditattn.errors import AttentionConfigError
@@ -53,14 +53,6 @@ BLOCK_M = gl.constexpr(128)  # query rows per CTA (two consumer warpgroups of 64
 WG_M = gl.constexpr(64)
 INT_MAGIC = gl.constexpr(0x4B400000)  # bits of 1.5 * 2^23: (x + magic) as fp32 is 12582912 + x for |x| < 2^22
 INT_MAGIC_F = gl.constexpr(12582912.0)
-#: a row whose base-2 logits are bounded by this in magnitude (Cauchy-Schwarz on the INT8 rows) runs
-#: the softmax without a running maximum: exp2 of the raw logit stays within fp32/bf16 range
-#: (2^-100 .. 2^100; the row sum at most 2^117), so no max, no rescale of the accumulators
-LOGIT_LIMIT = gl.constexpr(100.0)
-#: the same bound when P is rounded to fp16 (fp16 V): 2^-14 .. 2^14 keeps P normal and finite in fp16
-#: (largest 65504 < 2^16, smallest normal 2^-14); with bf16's limit a logit above 16 made P infinite
-#: and a row of logits below -24 made its sum 0 (issue 17, session 23's H200 run)
-LOGIT_LIMIT_FP16 = gl.constexpr(14.0)
 #: FP8 P.V: P = exp2(t - m + P_SHIFT) lies in (0, 2^8], inside e4m3's normal range (max 448)
 P_SHIFT = gl.constexpr(8.0)
 PV_DTYPES = ("fp16", "fp8")
@@ -347,8 +339,8 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, ks_smem, o_smem, ones_sm
     running count ``c0``, Q's buffer released to ``q_free`` after the last Q.K.
 
     With ``STATIC_MAX`` the warpgroup checks once whether every row's logits are bounded by
-    ``LOGIT_LIMIT`` (``LOGIT_LIMIT_FP16`` when P is rounded to fp16) (``qn_i * kn``); if so it runs
-    the loop without a running maximum, else the online softmax."""
+    P's dtype's limit (``qn_i * kn``, :data:`.gluon_sm90.LOGIT_LIMITS`); if so it runs the loop without a
+    running maximum, else the online softmax."""
     s_layout: gl.constexpr = _mma_layouts(BLOCK_N, HEAD_DIM, PV_FP8)[0]
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
@@ -362,10 +354,10 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, ks_smem, o_smem, ones_sm
     static = False
     if STATIC_MAX:
         bound = gl.max(gl.load(qn_ptr + rows), 0) * gl.load(kn_ptr)
-        if v_smem.dtype == gl.float16:
+        if v_smem.dtype == gl.float16:  # P is rounded to V's dtype (gluon_sm90.LOGIT_LIMITS)
             static = bound <= LOGIT_LIMIT_FP16
         else:
-            static = bound <= LOGIT_LIMIT
+            static = bound <= LOGIT_LIMIT_BF16
     if static:
         acc, l_i, m_i = _mainloop(WG, q, rs, ks_ptr, k_smem, v_smem, ks_smem, ones_smem, k_ready, k_empty,
                                   v_ready, v_empty, turn, Skv, n_full, n_blocks, c0, q_free, True, K_PER_TOKEN,
