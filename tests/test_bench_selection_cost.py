@@ -47,3 +47,19 @@ def test_selection_explore_sparge_plans(run_bench):
     kept, err = [float(r[0]) for r in rows], [float(r[1]) for r in rows]
     assert len(rows) == 4 and kept[0] == 1.0 and err[0] == 0.0
     assert kept[1] <= kept[2] <= 1 and kept[3] <= kept[2] and err[2] <= err[1]
+
+
+def test_selection_cost_cdf_smoke_on_cpu(tmp_path, run_bench):
+    """--cdf: the cdfthreshd list builder against the mask path (identical lists, no NOTE), the top-k lists and
+    the whole calls each way, in one table."""
+    stdout = run_bench("selection_cost.py", "--cdf", "--grid", "4,8,12", "--heads", "2", "--out", str(tmp_path),
+                       env={"BENCH_DEVICE": "cpu"})
+    table = stdout[stdout.index("## cdfthreshd selection"):]
+    for case in ("select cdf mask path", "select cdf lists", "select cdf lists torch", "select topk 0.4", "sparge cdf mask path",
+                 "sparge cdf lists", "sparge topk 0.4", "dense_fa"):
+        assert f"| {case} |" in table, case
+    data = json.loads((tmp_path / "selection_cost.json").read_text())
+    assert not data["notes"], data["notes"]
+    rows = {r["case"]: r for r in data["summary"]}
+    assert rows["select cdf lists"]["kept"] == rows["select cdf mask path"]["kept"] == rows["sparge cdf lists"]["kept"]
+    assert all(r["ms"] > 0 for r in data["rows"]) and rows["sparge cdf lists"]["x_dense"] > 0

@@ -446,6 +446,17 @@ def test_sparge_cdfthreshd_on_cuda():
     nb = plan.layout.n_blocks
     m, rm = (lists_to_block_mask(p.kv_indices, p.kv_counts, nb) for p in (plan, rplan))
     assert float((m == rm).float().mean()) > 0.97
+    # the list builder (mass_lists, used above) gives the mask path's lists on CUDA too, at nb columns
+    import ditattn.attention.sparse.sparge as sp
+    from ditattn.attention.sparse.common import mass_lists_via_mask
+
+    saved, sp.mass_lists = sp.mass_lists, mass_lists_via_mask
+    try:
+        _, _, mplan = sparge_attention(q, k, v, **kw)
+    finally:
+        sp.mass_lists = saved
+    assert plan.kv_indices.shape[-1] == nb
+    assert torch.equal(plan.kv_indices, mplan.kv_indices) and torch.equal(plan.kv_counts, mplan.kv_counts)
 
 
 @pytest.mark.parametrize("block", [128, 32])

@@ -1,4 +1,4 @@
-"""The top-k block selection stage of the pooled sparse planners (VSA, Sparge, SLA) in two Triton kernels.
+"""The block selection stage of the pooled sparse planners (VSA, Sparge, SLA) in three Triton kernels.
 
 **Pooling** (:func:`pool_qk_blocks`): one program per (video block, batch x head) loads the
 ``[block_size, D]`` tile of tiled q and of tiled k, sums each in float32, divides by the block's
@@ -17,9 +17,18 @@ places the kept block ids in ascending order. The program then appends the speci
 the final int32 ``kv_indices`` row directly. Special query rows get every block. The kernel has no
 sort, no ``[B, H, nv, k]`` int64 intermediate, no casts and no concatenation.
 
-:func:`ditattn.attention.sparse.common.topk_lists` (reference: a stable descending sort) and
+**Video mask to block lists** (:func:`mask_block_lists`, Sparge's ``cdfthreshd`` rows of varying
+length): one program per (batch, head, query block) loads the query block's row of the video
+block mask (the rule's output, :func:`ditattn.attention.sparse.common.mass_mask`), places the True
+block ids in ascending order with an integer prefix sum, appends the special blocks and zeros and
+writes the row's count: the final ``kv_indices`` / ``kv_counts`` of one launch, in place of the
+widened ``[nb, nb]`` mask and its per-row argsort.  Integer arithmetic only, so it equals the
+PyTorch path bit for bit.
+
+:func:`ditattn.attention.sparse.common.topk_lists` (reference: a stable descending sort),
+:func:`ditattn.attention.sparse.common.video_mask_lists` and
 :func:`ditattn.attention.sparse.tiling.pooled_blocks` are the PyTorch paths of the same
-contracts. On identical scores, the two top-k paths select identical blocks.
+contracts. On identical inputs the paths give identical blocks.
 """
 from __future__ import annotations
 
@@ -101,6 +110,33 @@ def _topk_lists(
         tl.store(out_row + offs, offs, mask=offs < NB)
 
 
+@triton.jit
+def _mask_lists(
+    M, Out, Cnt,
+    stride_mb, stride_mh, stride_mi,
+    H, NV, NB, W,
+    BLOCK_N: tl.constexpr,
+):
+    i = tl.program_id(0)  # query block
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs = tl.arange(0, BLOCK_N)
+    out_row = Out + (bh * NB + i) * W
+    if i < NV:
+        m = tl.load(M + b * stride_mb + h * stride_mh + i * stride_mi + offs, mask=offs < NV, other=0)
+        sel = m != 0
+        run = tl.cumsum(sel.to(tl.int32), 0)  # True blocks up to and including each column
+        c = tl.sum(sel.to(tl.int32), 0)
+        tl.store(out_row + run - 1, offs, mask=sel & (run <= W))  # ascending block ids, cut at W
+        rest = offs - c  # then the special blocks (ids NV..NB-1), then zeros up to W
+        tl.store(out_row + offs, tl.where(rest < NB - NV, NV + rest, 0), mask=(rest >= 0) & (offs < W))
+        tl.store(Cnt + bh * NB + i, c + NB - NV)
+    else:  # a special query block attends every block
+        tl.store(out_row + offs, offs, mask=offs < W)
+        tl.store(Cnt + bh * NB + i, NB)
+
+
 def pool_qk_blocks(q_tiled: torch.Tensor, k_tiled: torch.Tensor, count: torch.Tensor, *, n_blocks: int,
                    block_size: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scale * mean(q), mean(k))`` per block: float32 ``[B, H, n_blocks, D]`` each.
@@ -172,4 +208,38 @@ def topk_block_lists(scores: torch.Tensor, k: int, *, n_blocks: int) -> torch.Te
     return out
 
 
-__all__ = ["pool_qk_blocks", "topk_block_lists", "MAX_TOPK_BLOCKS", "POOL_HEAD_DIMS", "POOL_BLOCK_SIZES"]
+def mask_block_lists(video_mask: torch.Tensor, *, n_blocks: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(kv_indices int32 [B, H, n_blocks, width], kv_counts int32 [B, H, n_blocks])`` of "video query
+    block ``i`` keeps the video key blocks ``j`` with ``video_mask[b, h, i, j]``, ascending, then the
+    special blocks ``nv .. n_blocks - 1``, then zeros (rows cut at ``width``, counts kept); a special
+    query block keeps every block" — :func:`ditattn.attention.sparse.common.video_mask_lists`.
+
+    video_mask: bool ``[B, H, nv, nv]`` (last dim contiguous); ``1 <= nv <= n_blocks <=
+    MAX_TOPK_BLOCKS``; ``1 <= width <= n_blocks``.  Runs on CUDA, or on CPU under ``TRITON_INTERPRET=1``.
+    """
+    what = "block-mask list kernel"
+    check_device(video_mask, what=what)
+    if video_mask.dim() != 4 or video_mask.dtype != torch.bool or video_mask.shape[2] != video_mask.shape[3]:
+        raise AttentionConfigError(f"{what}: video_mask must be bool [B, H, nv, nv]; got {video_mask.dtype} "
+                                   f"{tuple(video_mask.shape)}")
+    B, H, nv, _ = video_mask.shape
+    if not 1 <= nv <= n_blocks <= MAX_TOPK_BLOCKS or not 1 <= width <= n_blocks:
+        raise AttentionConfigError(f"{what}: needs 1 <= nv <= n_blocks <= {MAX_TOPK_BLOCKS} and 1 <= width <= "
+                                   f"n_blocks; got nv={nv}, n_blocks={n_blocks}, width={width}")
+    if video_mask.stride(-1) != 1:
+        video_mask = video_mask.contiguous()
+    m = video_mask.view(torch.uint8)
+    out = torch.empty(B, H, n_blocks, width, dtype=torch.int32, device=video_mask.device)
+    cnt = torch.empty(B, H, n_blocks, dtype=torch.int32, device=video_mask.device)
+    block_n = triton.next_power_of_2(max(n_blocks, 16))
+    if out.numel():
+        _mask_lists[(n_blocks, B * H)](
+            m, out, cnt,
+            m.stride(0), m.stride(1), m.stride(2),
+            H, nv, n_blocks, int(width),
+            BLOCK_N=block_n, num_warps=max(1, min(16, block_n // 256)),
+        )
+    return out, cnt
+
+
+__all__ = ["pool_qk_blocks", "topk_block_lists", "mask_block_lists", "MAX_TOPK_BLOCKS", "POOL_HEAD_DIMS", "POOL_BLOCK_SIZES"]

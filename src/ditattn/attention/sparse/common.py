@@ -121,13 +121,119 @@ def mass_mask(log_mass: Tensor, threshold: float, valid: Optional[Tensor] = None
         log_mass = log_mass.masked_fill(~valid, float("-inf"))
     sv, si = torch.sort(log_mass, dim=-1, descending=True, stable=True)
     p = torch.softmax(sv, dim=-1).nan_to_num_(0.0)  # a row of -inf: NaN -> no share
-    tail = p.flip(-1).cumsum(-1).flip(-1)  # share from each sorted position on
-    take = tail > 1.0 - float(threshold)
+    # share from each sorted position on (a suffix sum), compared before flipping back: the same bits as
+    # flipping the float sums back first, one float copy fewer
+    take = (p.flip(-1).cumsum(-1) > 1.0 - float(threshold)).flip(-1)
     take[..., :max(1, int(min_count))] = True
     out = torch.zeros_like(take).scatter_(-1, si, take)
     if valid is not None:
         out &= valid
     return out
+
+
+def video_mask_lists(layout: TileLayout, video_mask: Tensor, width: Optional[int] = None,
+                     impl: str = "auto") -> tuple[Tensor, Tensor]:
+    """Block lists of a video-block mask plus the special blocks, without the dense mask or a sort:
+    equal (``torch.equal``) to ``block_mask_to_lists(add_special_blocks(layout, video_mask), width)``.
+
+    ``video_mask``: bool ``[B, H, nv, nv]`` (``nv = layout.n_video_blocks``; True = the video query
+    block attends the video key block).  Returns ``(kv_indices, kv_counts)`` (contiguous int32
+    ``[B, H, nb, W]`` and ``[B, H, nb]``, ``nb = layout.n_blocks``): a video query row lists its True
+    video key blocks in ascending order, then every special block ``nv .. nb-1``, then zeros (count:
+    its True blocks + ``nb - nv``); a special query row lists ``0 .. nb-1`` (count ``nb``).  ``W``:
+    ``width`` when given (in ``[1, nb]``; rows longer than ``W`` are cut, their counts kept, as
+    :func:`.block_mask_to_lists` does), else ``max(1, longest row)`` (one device sync when there are
+    no special blocks; pass :func:`.block_sparse.list_width` off the CPU).  No device sync when
+    ``width`` is given.
+
+    ``impl``: ``"auto"`` (the Triton kernel :func:`ditattn.attention.kernels.block_select.mask_block_lists`
+    for CUDA masks with a given ``width`` and at most its ``MAX_TOPK_BLOCKS`` blocks, else PyTorch),
+    ``"reference"`` (PyTorch) or ``"triton"`` (the kernel; CUDA, or CPU under ``TRITON_INTERPRET=1``).
+    Both paths give identical lists.  The PyTorch path scatters each video row into a zeroed row: True
+    column ``j`` to slot ``(True columns <= j) - 1`` (an inclusive running count), special block
+    ``nv + s`` to ``count + s``, every False column (value 0) to slot ``nb - 1``, which lies past the
+    row's count whenever the row has a False column.
+    """
+    if video_mask.dtype != torch.bool or video_mask.dim() != 4:
+        raise ValueError("video_mask must be a bool tensor [B, H, n_video_blocks, n_video_blocks]")
+    nv, nb = layout.n_video_blocks, layout.n_blocks
+    ns = nb - nv
+    if video_mask.shape[-2:] != (nv, nv):
+        raise ValueError(f"video_mask must end in ({nv}, {nv}) video blocks, got {tuple(video_mask.shape)}")
+    if width is not None and not 1 <= width <= nb:
+        raise ValueError(f"width must be in [1, n_blocks={nb}], got {width}")
+    kernel = _mask_lists_kernel(video_mask, nb, width, impl)
+    if kernel is not None:
+        if width is None:  # "triton" without a width: the tight one (a sync)
+            width = nb if ns else max(1, int(video_mask.sum(-1).max())) if video_mask.numel() else 1
+        return kernel(video_mask, n_blocks=nb, width=width)
+    B, H = video_mask.shape[:2]
+    dev = video_mask.device
+    slot = video_mask.cumsum(-1)  # int64 [B, H, nv, nv]: True columns up to and including j
+    count = slot[..., -1:].clone()  # [B, H, nv, 1]
+    # True column j -> slot (running count - 1); False columns -> slot nb - 1 with value 0 (a zero slot:
+    # a row with a False column has count + ns <= nb - 1), so equal values collide there, in any order
+    slot.sub_(1).masked_fill_(video_mask.logical_not(), nb - 1)
+    out = torch.zeros(B, H, nb, nb, dtype=torch.int32, device=dev)
+    rows = out[:, :, :nv]
+    rows.scatter_(-1, slot, video_mask * torch.arange(nv, dtype=torch.int32, device=dev))
+    counts = torch.full((B, H, nb), nb, dtype=torch.int32, device=dev)
+    counts[:, :, :nv] = count.squeeze(-1) + ns
+    if ns:
+        spec = torch.arange(ns, device=dev)
+        rows.scatter_(-1, count + spec, (spec + nv).to(torch.int32).expand(B, H, nv, ns))
+        out[:, :, nv:] = torch.arange(nb, dtype=torch.int32, device=dev)
+    if width is None:
+        width = nb if ns else max(1, int(count.max())) if count.numel() else 1  # syncs without special blocks
+    if width < nb:
+        out = out[..., :width].contiguous()
+    return out, counts
+
+
+def _mask_lists_kernel(video_mask: Tensor, nb: int, width: Optional[int], impl: str):
+    """The Triton list builder for :func:`video_mask_lists`, or None for the PyTorch path."""
+    if impl not in ("auto", "reference", "triton"):
+        raise AttentionConfigError(f"mask list impl must be 'auto', 'reference' or 'triton', got {impl!r}")
+    if impl == "reference" or (impl == "auto" and not (video_mask.is_cuda and width is not None)):
+        return None
+    mod = select_kernels()
+    if mod is None:
+        if impl == "triton":
+            raise AttentionConfigError("the Triton mask list kernel needs the triton package; use impl='reference'")
+        return None
+    if impl == "auto" and nb > mod.MAX_TOPK_BLOCKS:
+        return None
+    return mod.mask_block_lists
+
+
+def mass_lists(layout: TileLayout, log_mass: Tensor, threshold: float, min_count: int = 1,
+               valid: Optional[Tensor] = None, width: Optional[int] = None,
+               impl: str = "auto") -> tuple[Tensor, Tensor]:
+    """Block lists of the :func:`mass_mask` rule over the video blocks plus every special block (each
+    special query block keeps everything), without the dense ``[nb, nb]`` mask and with one sort (the
+    rule's own): equal (``torch.equal``) to :func:`mass_lists_via_mask`, i.e.
+    ``block_mask_to_lists(add_special_blocks(layout, mass_mask(log_mass, threshold, valid,
+    min_count)), width)``.
+
+    ``log_mass``: float ``[B, H, nv, nv]`` (``nv = layout.n_video_blocks``), row = video query block,
+    column = video key block; ``threshold``, ``valid`` (bool, ``log_mass``'s shape or broadcast to it)
+    and ``min_count`` as in :func:`mass_mask`.  Returns ``(kv_indices int32 [B, H, nb, W], kv_counts
+    int32 [B, H, nb])`` in the layout of :func:`video_mask_lists` (``width`` and ``impl`` likewise:
+    ``width`` given, no device sync; None, the tight width).  Row lengths vary, so the kept fraction
+    is left to the plan (:class:`SparsePlan` counts it from ``kv_counts`` when first read).
+    """
+    mask = mass_mask(log_mass, threshold, valid=valid, min_count=min_count)
+    return video_mask_lists(layout, mask, width, impl)
+
+
+def mass_lists_via_mask(layout: TileLayout, log_mass: Tensor, threshold: float, min_count: int = 1,
+                        valid: Optional[Tensor] = None, width: Optional[int] = None,
+                        impl: str = "auto") -> tuple[Tensor, Tensor]:
+    """:func:`mass_lists` through the dense block mask (``[B, H, nb, nb]`` bool, then an argsort per
+    row in :func:`.block_mask_to_lists`; ``impl`` ignored): the definition the list builder must
+    equal, for tests and ``bench/selection_cost.py --cdf``."""
+    mask = add_special_blocks(layout, mass_mask(log_mass, threshold, valid=valid, min_count=min_count))
+    return block_mask_to_lists(mask, width=width)
 
 
 def ceil_fraction(fraction: float, n: int) -> int:

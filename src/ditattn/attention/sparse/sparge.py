@@ -40,9 +40,12 @@ pooled summary — a query block of that kind attends every block, and a key blo
 kept for every query block, on top of the rule's blocks (which are then chosen among the other key
 blocks; with ``cdfthreshd`` the others' shares are renormalised among them, as upstream).  The
 similarity lies in [0, 1], so upstream's top-k default ``-0.1`` (also ours) never triggers.
-With ``topk`` and no fallback the lists come straight from the top-k indices (no dense mask);
-otherwise row lengths vary and the lists come from the block mask (fixed width off the CPU).
-Neither path synchronises with the device.
+With ``topk`` and no fallback the lists come straight from the top-k indices (no dense mask); with
+``cdfthreshd`` and no fallback row lengths vary and the lists come from the rule's video mask
+(one sort) through a running count per row (:func:`.common.mass_lists`: one Triton kernel on CUDA,
+a scatter on the CPU; no ``[n_blocks, n_blocks]`` mask, no second sort); with the fallback they
+come from the block mask.  Off the CPU the varying-length lists have a fixed width
+(``n_blocks``).  No path synchronises with the device.
 
 Kept blocks are computed SageAttention-style, as upstream SpargeAttn does through SageAttention2
 (which is why the seed calls Sparge approximate even at ``topk=1``): Q and smoothed K are quantized
@@ -61,8 +64,8 @@ import torch
 
 from ditattn.attention.sparse.block_scores import block_self_similarity, pooled_query_block_scores
 from ditattn.attention.sparse.block_sparse import block_mask_to_lists, list_width
-from ditattn.attention.sparse.common import (SparsePlan, add_special_blocks, ceil_fraction, mass_mask, run_block_lists,
-                                            select_impl, topk_lists, topk_mask)
+from ditattn.attention.sparse.common import (SparsePlan, add_special_blocks, ceil_fraction, mass_lists, mass_mask,
+                                            run_block_lists, select_impl, topk_lists, topk_mask)
 from ditattn.attention.sparse.quant import quantize_qk_blocks
 from ditattn.attention.sparse.tiling import TileLayout, make_tile_layout, tile
 from ditattn.attention.sparse.vsa import pooled_video_scores
@@ -176,7 +179,13 @@ def sparge_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, topk: floa
     qs, ks = quantize_qk_blocks(qt, kt, layout, impl=impl) if quantize else (qt, kt)
     extra = {"k": kk, "cdfthreshd": cdfthreshd, "quantized": bool(quantize), "predictor": predictor}
     run = dict(scale=scale, return_lse=return_lse, impl=impl, q_tiled=qs, k_tiled=ks)
-    if simthreshd1 >= 0 or cdfthreshd is not None:  # data-dependent row lengths: through the mask
+    if simthreshd1 < 0 and cdfthreshd is not None:  # varying row lengths, no fallback: lists without the mask
+        scores = sparge_scores(qt, kt, layout, scale, predictor, impl)
+        idx, cnt = mass_lists(layout, sparge_log_mass(scores, layout, predictor), cdfthreshd, kk,
+                              width=list_width(q.device, layout.n_blocks),
+                              impl=select_impl(impl))  # the lists of sparge_block_mask's mask
+        return run_block_lists(q, k, v, layout, idx, cnt, extra=dict(extra, scores=scores), **run)
+    if simthreshd1 >= 0:  # the self-similarity fallback: through the mask
         mask, scores = sparge_block_mask(qt, kt, layout, topk, scale, predictor=predictor, simthreshd1=simthreshd1,
                                          cdfthreshd=cdfthreshd, impl=impl)
         idx, cnt = block_mask_to_lists(mask, width=list_width(q.device, layout.n_blocks))
