@@ -8,6 +8,12 @@
 #                                           # and FA4's forward at 1x40x32760x128 bf16: pipe utilisation
 #                                           # (tensor, MUFU/xu, FMA, ALU), issue-slot use, warp-stall reasons
 #                                           # (bench/ncu_summary.py); ncu's availability is checked first (~3 min)
+#   bash bench/h200_session23.sh cdf        # carry [".gpu-b"]: issue 19, sparge cdfthreshd through the direct
+#                                           # list builder (mass_lists, Triton mask_block_lists on CUDA): the CUDA
+#                                           # test (lists equal the mask path's, no host sync), the selection
+#                                           # cost mask path vs lists and the whole call against FA4 dense
+#                                           # (bench/selection_cost.py --cdf), then the frontier rows at 40/12
+#                                           # heads (bench/fidelity.py) (~4 min)
 #
 # Everything lands in $OUT: log, the .ncu-rep, its raw CSV, the summary last.
 set -uo pipefail
@@ -29,5 +35,11 @@ sage-ncu)
   ncu --import "$OUT/sage_ncu.ncu-rep" --page raw --csv > "$OUT/sage_ncu_raw.csv" 2>>"$OUT/log"
   ncu --import "$OUT/sage_ncu.ncu-rep" --page details --print-details all > "$OUT/sage_ncu_details.txt" 2>>"$OUT/log"
   python3 bench/ncu_summary.py "$OUT/sage_ncu_raw.csv" --top 8 | tee "$OUT/sage_ncu_summary.txt" ;;
-*) echo "usage: bash bench/h200_session23.sh sage-ncu" >&2; exit 2 ;;
+cdf)
+  source .gpu-b/activate.sh || { echo "no .gpu-b: stage it (bash ../shared/gpu/prepare.sh), carry it"; exit 3; }
+  step 120 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_gpu_kernels.py -k cdfthreshd
+  step 150 python3 bench/selection_cost.py --cdf --exact --heads 40 --out "$OUT/selcost_cdf"
+  step 200 python3 bench/fidelity.py --grids wan480 --heads 40,12 --gen-device cpu --budget-s 160 --out "$OUT/fidcdf" \
+      --cases "sol_attn (defaults),sparge_attn exact topk=0.4,sparge_attn exact cdf=0.93 topk=0.3,sparge_attn exact cdf=0.9 topk=0.3" ;;
+*) echo "usage: bash bench/h200_session23.sh sage-ncu|cdf" >&2; exit 2 ;;
 esac
