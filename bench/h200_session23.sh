@@ -14,6 +14,15 @@
 #                                           # cost mask path vs lists and the whole call against FA4 dense
 #                                           # (bench/selection_cost.py --cdf), then the frontier rows at 40/12
 #                                           # heads (bench/fidelity.py) (~4 min)
+#   bash bench/h200_session23.sh fp8q       # carry [".gpu-b", ".gpu-c"]: issue 25, the reworked FP8 activation
+#                                           # quantizer (reciprocal multiply with a 17-bit rounding, GELU once
+#                                           # per element, several rows per program): its GPU tests, old vs new
+#                                           # kernel on the 1.3B / 14B shapes with the launch sweep
+#                                           # (bench/fp8_quant_kernel.py), then the profiled 1.3B step (~8 min)
+#
+# Order for session 24 (30 min of device time): the two stage calls, then cdf (~4 min), sage-ncu (~4 min), fp8q
+# (~8 min), then the VSA anchor (issue 18): carry [".gpu-b", ".gpu-vsa"] `bash .gpu-vsa/run.sh` (<= 575 s; its
+# staging script lives outside the repository, docs/benchmarks.md §3 says what it does).
 #
 # Everything lands in $OUT: log, the .ncu-rep, its raw CSV, the summary last.
 set -uo pipefail
@@ -41,5 +50,12 @@ cdf)
   step 150 python3 bench/selection_cost.py --cdf --exact --heads 40 --out "$OUT/selcost_cdf"
   step 200 python3 bench/fidelity.py --grids wan480 --heads 40,12 --gen-device cpu --budget-s 160 --out "$OUT/fidcdf" \
       --cases "sol_attn (defaults),sparge_attn exact topk=0.4,sparge_attn exact cdf=0.93 topk=0.3,sparge_attn exact cdf=0.9 topk=0.3" ;;
-*) echo "usage: bash bench/h200_session23.sh sage-ncu|cdf" >&2; exit 2 ;;
+fp8q)
+  source .gpu-b/activate.sh || { echo "no .gpu-b: stage it (bash ../shared/gpu/prepare.sh), carry it"; exit 3; }
+  source .gpu-c/activate.sh || { echo "no .gpu-c: bash bench/stage_extra.sh here, carry it"; exit 3; }
+  step 150 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_dit_quantization.py -k gpu
+  step 150 python3 bench/fp8_quant_kernel.py --sweep --out "$OUT"
+  step 200 python3 bench/dit_quant.py --arch 1.3b --res 480p --frames 81 --backends fa,sage_attn --quant none,fp8 \
+      --variants eager --profile --budget-s 170 --out-dir "$OUT" ;;
+*) echo "usage: bash bench/h200_session23.sh sage-ncu|cdf|fp8q" >&2; exit 2 ;;
 esac
