@@ -22,7 +22,14 @@ def main(argv=None):
     ap.add_argument("--shapes", default="1,24,4096,128;1,40,4096,64;1,40,4096,128;1,40,32760,128")
     ap.add_argument("--variants", default="default=;persist=persistent:true")
     args = ap.parse_args(argv)
-    from flash_attn.cute import flash_attn_func
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        print("sage_short.py: needs an SM90 (Hopper) GPU (the sage SM90 kernel and FA4)", file=sys.stderr)
+        return 2
+    try:
+        from flash_attn.cute import flash_attn_func
+    except ImportError as exc:
+        print(f"sage_short.py: needs FlashAttention-4 (flash_attn.cute): {exc}", file=sys.stderr)
+        return 2
 
     from ditattn.attention.kernels.sage_sm90 import sage_attention_sm90
 
@@ -41,7 +48,8 @@ def main(argv=None):
                 lines.append(f"| {spec} | {name} | {rep} | {w:.3f} | {kt:.3f} | {fl / w / 1e9:.0f} | {fl / kt / 1e9:.0f} |")
                 print(lines[-1], flush=True)
     print("\n".join(lines))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
