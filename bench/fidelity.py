@@ -63,6 +63,7 @@ CASES = [
     # cdfthreshd: the fewest blocks reaching that predicted share of each row's mass, topk the floor
     ("sparge_attn exact cdf=0.9 topk=0.3", "sparge_attn", {"cdfthreshd": 0.9, "topk": 0.3, "quantize": False}),
     ("sparge_attn exact cdf=0.93 topk=0.3", "sparge_attn", {"cdfthreshd": 0.93, "topk": 0.3, "quantize": False}),
+    ("sparge_attn exact cdf=0.94 topk=0.28", "sparge_attn", {"cdfthreshd": 0.94, "topk": 0.28, "quantize": False}),
     ("sparge_attn exact cdf=0.95 topk=0.25", "sparge_attn", {"cdfthreshd": 0.95, "topk": 0.25, "quantize": False}),
     ("sparge_attn exact cdf=0.95 topk=0.3", "sparge_attn", {"cdfthreshd": 0.95, "topk": 0.3, "quantize": False}),
     ("sparge_attn cdf=0.95 topk=0.3", "sparge_attn", {"cdfthreshd": 0.95, "topk": 0.3}),
