@@ -33,14 +33,10 @@
 # [".gpu-a"] `bash .gpu-a/stage.sh`, carry [".gpu-a2"] `bash .gpu-a2/stage.sh`; then, while warm, the part with
 # carry [".gpu-b"] (the script sources .gpu-b/activate.sh itself).
 # Everything lands in $OUT: log, sage/sage_sm90.json, the tables last.
-set -uo pipefail
-export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-step() { local secs=$1; shift; echo "== $* (limit ${secs}s)"; timeout "$secs" "$@" 2>&1 | tee -a "$OUT/log" | tail -45; }
+source bench/device_common.sh
 case "${1:-}" in
 sage-balance)
-  source .gpu-b/activate.sh || { echo "no .gpu-b: stage it (bash ../shared/gpu/prepare.sh), carry it"; exit 3; }
+  use_gpu_b
   step 150 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_sage_sm90.py tests/test_sage_balance.py \
       -k "not compiles"
   # the prologue (statistics passes, factors, quantization) is inside sage_attention_sm90, so inside every timed call
@@ -48,7 +44,7 @@ sage-balance)
       --shapes "1,40,32760,128;1,40,16384,128;1,24,4096,128" \
       --variants "default=;bal=qk_balance:0.5;kblk=k_granularity:block;kblk_bal=k_granularity:block/qk_balance:0.75" ;;
 sage-persist)
-  source .gpu-b/activate.sh || { echo "no .gpu-b: stage it (bash ../shared/gpu/prepare.sh), carry it"; exit 3; }
+  use_gpu_b
   step 200 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_sage_sm90.py -k "not compiles"
   step 330 python3 bench/sage_sm90.py --out "$OUT/sage_p" --budget-s 300 \
       --shapes "1,24,4096,128;1,24,4096,64;1,40,16384,128;1,40,32760,128" --variants "default=;persist=persistent:true" ;;

@@ -25,14 +25,10 @@
 # staging script lives outside the repository, docs/benchmarks.md §3 says what it does).
 #
 # Everything lands in $OUT: log, the .ncu-rep, its raw CSV, the summary last.
-set -uo pipefail
-export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-step() { local secs=$1; shift; echo "== $* (limit ${secs}s)"; timeout "$secs" "$@" 2>&1 | tee -a "$OUT/log" | tail -45; }
+source bench/device_common.sh
 case "${1:-}" in
 sage-ncu)
-  source .gpu-b/activate.sh || { echo "no .gpu-b: stage it (bash ../shared/gpu/prepare.sh), carry it"; exit 3; }
+  use_gpu_b
   command -v ncu >/dev/null || { echo "sage-ncu: no ncu on this machine's PATH"; exit 3; }
   ncu --version | tail -1
   # two launches per config (compile + warm, then the one to read): profile all six, read the second of each
@@ -45,14 +41,14 @@ sage-ncu)
   ncu --import "$OUT/sage_ncu.ncu-rep" --page details --print-details all > "$OUT/sage_ncu_details.txt" 2>>"$OUT/log"
   python3 bench/ncu_summary.py "$OUT/sage_ncu_raw.csv" --top 8 | tee "$OUT/sage_ncu_summary.txt" ;;
 cdf)
-  source .gpu-b/activate.sh || { echo "no .gpu-b: stage it (bash ../shared/gpu/prepare.sh), carry it"; exit 3; }
+  use_gpu_b
   step 120 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_gpu_kernels.py -k cdfthreshd
   step 150 python3 bench/selection_cost.py --cdf --exact --heads 40 --out "$OUT/selcost_cdf"
   step 200 python3 bench/fidelity.py --grids wan480 --heads 40,12 --gen-device cpu --budget-s 160 --out "$OUT/fidcdf" \
       --cases "sol_attn (defaults),sparge_attn exact topk=0.4,sparge_attn exact cdf=0.93 topk=0.3,sparge_attn exact cdf=0.94 topk=0.28,sparge_attn exact cdf=0.9 topk=0.3" ;;
 fp8q)
-  source .gpu-b/activate.sh || { echo "no .gpu-b: stage it (bash ../shared/gpu/prepare.sh), carry it"; exit 3; }
-  source .gpu-c/activate.sh || { echo "no .gpu-c: bash bench/stage_extra.sh here, carry it"; exit 3; }
+  use_gpu_b
+  use_gpu_c
   step 150 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_dit_quantization.py -k gpu
   step 150 python3 bench/fp8_quant_kernel.py --sweep --out "$OUT"
   step 200 python3 bench/dit_quant.py --arch 1.3b --res 480p --frames 81 --backends fa,sage_attn --quant none,fp8 \

@@ -176,19 +176,20 @@ def measure_cdf(rec, grid, heads, args):
     return out
 
 
-def main_cdf(ap, args):
+def run(ap, args, measure_fn, label: str, title: str, cols: list) -> None:
+    """``measure_fn(rec, grid, heads)`` over every grid and head count of the command line, recorded under
+    ``--out``; the summary table (``cols``) last."""
     grids, heads_list = common.grid_args(ap, args)
     rec = Recorder(args.out, "selection_cost", {"env": env_info(), "argv": sys.argv[1:], "device": DEVICE})
     summary = []
     for _, grid in grids:
         for heads in heads_list:
-            print(f"[grid {grid}, {heads} heads, cdfthreshd {args.cdfthreshd} floor {args.floor}]", flush=True)
-            summary += measure_cdf(rec, grid, heads, args)
+            print(f"[grid {grid}, {heads} heads{label}]", flush=True)
+            summary += measure_fn(rec, grid, heads)
     rec.data["summary"] = summary
     rec.flush()
-    print("\n## cdfthreshd selection: list builder vs mask path (x dense: dense ms / call ms)\n")
-    print(fmt_table(summary, [("heads", "H", ""), ("nv", "nv", ""), ("case", "case", ""), ("ms", "ms", ".3f"),
-                              ("kernel_ms", "kernel ms", ".3f"), ("kept", "kept", ".4f"), ("x_dense", "x dense", ".3f")]))
+    print(f"\n## {title}\n")
+    print(fmt_table(summary, cols))
     for n in rec.data["notes"]:
         print("NOTE:", n)
 
@@ -205,22 +206,14 @@ def main():
     ap.add_argument("--select-only", action="store_true", help="--cdf: the selection stages only")
     args = ap.parse_args()
     if args.cdf:
-        return main_cdf(ap, args)
-    grids, heads_list = common.grid_args(ap, args)
-    rec = Recorder(args.out, "selection_cost", {"env": env_info(), "argv": sys.argv[1:], "device": DEVICE})
-    summary = []
-    for _, grid in grids:
-        for heads in heads_list:
-            print(f"[grid {grid}, {heads} heads]", flush=True)
-            summary += measure(rec, grid, heads)
-    rec.data["summary"] = summary
-    rec.flush()
-    print("\n## Predictor cost (share of the Sparge call at topk 0.5 with it, and of dense attention)\n")
-    print(fmt_table(summary, [("heads", "H", ""), ("predictor", "predictor", ""), ("ms", "ms", ".3f"),
-                              ("of_call", "of call", ".3f"), ("of_dense", "of dense", ".3f"),
-                              ("flops_of_dense", "FLOPs of dense", ".4f")]))
-    for n in rec.data["notes"]:
-        print("NOTE:", n)
+        return run(ap, args, lambda rec, grid, heads: measure_cdf(rec, grid, heads, args),
+                   f", cdfthreshd {args.cdfthreshd} floor {args.floor}",
+                   "cdfthreshd selection: list builder vs mask path (x dense: dense ms / call ms)",
+                   [("heads", "H", ""), ("nv", "nv", ""), ("case", "case", ""), ("ms", "ms", ".3f"),
+                    ("kernel_ms", "kernel ms", ".3f"), ("kept", "kept", ".4f"), ("x_dense", "x dense", ".3f")])
+    return run(ap, args, measure, "", "Predictor cost (share of the Sparge call at topk 0.5 with it, and of dense attention)",
+               [("heads", "H", ""), ("predictor", "predictor", ""), ("ms", "ms", ".3f"), ("of_call", "of call", ".3f"),
+                ("of_dense", "of dense", ".3f"), ("flops_of_dense", "FLOPs of dense", ".4f")])
 
 
 if __name__ == "__main__":

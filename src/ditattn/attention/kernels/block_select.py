@@ -65,18 +65,29 @@ def _pool_qk(
 
 
 @triton.jit
+def _list_program(Out, H, NB, W):
+    """A list-building program's (query block ``i``, batch ``b``, head ``h``, ``bh``, its output row)."""
+    i = tl.program_id(0)  # query block
+    bh = tl.program_id(1)
+    return i, bh // H, bh % H, bh, Out + (bh * NB + i) * W
+
+
+@triton.jit
+def _store_tail(out_row, offs, count, NV, NB, W):
+    """After a video row's ``count`` ids: the special blocks (ids NV..NB-1), then zeros up to ``W``."""
+    rest = offs - count
+    tl.store(out_row + offs, tl.where(rest < NB - NV, NV + rest, 0), mask=(rest >= 0) & (offs < W))
+
+
+@triton.jit
 def _topk_lists(
     S, Out,
     stride_sb, stride_sh, stride_si,
     H, NV, NB, K, W,
     BLOCK_N: tl.constexpr, HAS_TAIL: tl.constexpr,
 ):
-    i = tl.program_id(0)  # query block
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+    i, b, h, bh, out_row = _list_program(Out, H, NB, W)
     offs = tl.arange(0, BLOCK_N)
-    out_row = Out + (bh * NB + i) * W
     if i < NV:
         valid = offs < NV
         s = tl.load(S + b * stride_sb + h * stride_sh + i * stride_si + offs, mask=valid, other=0.0)
@@ -103,9 +114,8 @@ def _topk_lists(
         sel = above | take
         slot = tl.cumsum(sel.to(tl.int32), 0) - 1  # ascending block ids
         tl.store(out_row + slot, offs, mask=sel)
-        if HAS_TAIL:  # then the special blocks (ids NV..NB-1), then zeros up to W
-            rest = offs - K
-            tl.store(out_row + offs, tl.where(rest < NB - NV, NV + rest, 0), mask=(rest >= 0) & (offs < W))
+        if HAS_TAIL:
+            _store_tail(out_row, offs, K, NV, NB, W)
     else:  # a special query block attends every block
         tl.store(out_row + offs, offs, mask=offs < NB)
 
@@ -117,20 +127,15 @@ def _mask_lists(
     H, NV, NB, W,
     BLOCK_N: tl.constexpr,
 ):
-    i = tl.program_id(0)  # query block
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+    i, b, h, bh, out_row = _list_program(Out, H, NB, W)
     offs = tl.arange(0, BLOCK_N)
-    out_row = Out + (bh * NB + i) * W
     if i < NV:
         m = tl.load(M + b * stride_mb + h * stride_mh + i * stride_mi + offs, mask=offs < NV, other=0)
         sel = m != 0
         run = tl.cumsum(sel.to(tl.int32), 0)  # True blocks up to and including each column
         c = tl.sum(sel.to(tl.int32), 0)
         tl.store(out_row + run - 1, offs, mask=sel & (run <= W))  # ascending block ids, cut at W
-        rest = offs - c  # then the special blocks (ids NV..NB-1), then zeros up to W
-        tl.store(out_row + offs, tl.where(rest < NB - NV, NV + rest, 0), mask=(rest >= 0) & (offs < W))
+        _store_tail(out_row, offs, c, NV, NB, W)
         tl.store(Cnt + bh * NB + i, c + NB - NV)
     else:  # a special query block attends every block
         tl.store(out_row + offs, offs, mask=offs < W)

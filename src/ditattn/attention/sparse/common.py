@@ -192,18 +192,26 @@ def video_mask_lists(layout: TileLayout, video_mask: Tensor, width: Optional[int
 
 def _mask_lists_kernel(video_mask: Tensor, nb: int, width: Optional[int], impl: str):
     """The Triton list builder for :func:`video_mask_lists`, or None for the PyTorch path."""
+    return _list_kernel("mask list", "mask_block_lists", impl, video_mask.is_cuda and width is not None, nb)
+
+
+def _list_kernel(what: str, name: str, impl: str, auto_eligible: bool, n_cols: int):
+    """The list-building kernel ``name`` of :mod:`ditattn.attention.kernels.block_select` for a call, or
+    None for the PyTorch path: ``impl`` "reference" -> None; "auto" -> the kernel when
+    ``auto_eligible`` (the inputs it takes on CUDA), Triton imports and ``n_cols`` fits its rows
+    (``MAX_TOPK_BLOCKS``); "triton" -> the kernel (an error naming ``what`` without Triton)."""
     if impl not in ("auto", "reference", "triton"):
-        raise AttentionConfigError(f"mask list impl must be 'auto', 'reference' or 'triton', got {impl!r}")
-    if impl == "reference" or (impl == "auto" and not (video_mask.is_cuda and width is not None)):
+        raise AttentionConfigError(f"{what} impl must be 'auto', 'reference' or 'triton', got {impl!r}")
+    if impl == "reference" or (impl == "auto" and not auto_eligible):
         return None
     mod = select_kernels()
     if mod is None:
         if impl == "triton":
-            raise AttentionConfigError("the Triton mask list kernel needs the triton package; use impl='reference'")
+            raise AttentionConfigError(f"the Triton {what} kernel needs the triton package; use impl='reference'")
         return None
-    if impl == "auto" and nb > mod.MAX_TOPK_BLOCKS:
+    if impl == "auto" and n_cols > mod.MAX_TOPK_BLOCKS:
         return None
-    return mod.mask_block_lists
+    return getattr(mod, name)
 
 
 def mass_lists(layout: TileLayout, log_mass: Tensor, threshold: float, min_count: int = 1,
@@ -301,18 +309,8 @@ def topk_lists(layout: TileLayout, scores: Tensor, k: int, impl: str = "auto") -
 
 def _topk_kernel(scores: Tensor, impl: str):
     """The Triton top-k list builder for this call, or None for the PyTorch path (see :func:`topk_lists`)."""
-    if impl not in ("auto", "reference", "triton"):
-        raise AttentionConfigError(f"top-k selection impl must be 'auto', 'reference' or 'triton', got {impl!r}")
-    if impl == "reference" or (impl == "auto" and not (scores.is_cuda and scores.dtype == torch.float32)):
-        return None
-    mod = select_kernels()
-    if mod is None:
-        if impl == "triton":
-            raise AttentionConfigError("the Triton top-k selection kernel needs the triton package; use impl='reference'")
-        return None
-    if impl == "auto" and scores.shape[-1] > mod.MAX_TOPK_BLOCKS:
-        return None
-    return mod.topk_block_lists
+    return _list_kernel("top-k selection", "topk_block_lists", impl,
+                        scores.is_cuda and scores.dtype == torch.float32, scores.shape[-1])
 
 
 @functools.lru_cache(maxsize=None)
