@@ -114,7 +114,8 @@ def kernel_ms(fn: Callable[[], object], iters: int = 10) -> Optional[float]:
 
 #: kernel-name fragments -> category, first match wins (raw top kernels are recorded too)
 _CATEGORIES = [
-    ("attention", ("flash", "fmha", "attn", "attention", "sdpa", "block_sparse", "int8_")),
+    ("attention", ("flash", "fmha", "attn", "attention", "sdpa", "block_sparse", "int8_", "sage")),
+    ("quantize", ("_quantize_rows",)),  # the FP8 linears' activation quantizer (issue 25)
     ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "matmul", "cublas", "splitk")),
     ("inductor-fused", ("triton_",)),
     ("norm", ("norm",)),

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Session 24's H200 plan (each part one device call, after the two stage calls: carry [".gpu-a"]
+# Session 24's H200 plan, all run in session 24 (figures: docs/benchmarks.md §2 run 26, §11 H200 run 5, §14
+# session 24; §3 run 25 for the VSA anchor) (each part one device call, after the two stage calls: carry [".gpu-a"]
 # `bash .gpu-a/stage.sh`, carry [".gpu-a2"] `bash .gpu-a2/stage.sh`; staging here once:
 # `bash ../shared/gpu/prepare.sh && bash bench/stage_split.sh && bash bench/stage_extra.sh`).
 #

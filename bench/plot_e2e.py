@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 def main(src, dst):
     rows = [r for r in json.load(open(src))["rows"] if "profile" in r]
-    cats = ["attention", "gemm", "norm", "inductor-fused", "copy/cast", "elementwise/other"]
+    cats = ["attention", "gemm", "quantize", "norm", "inductor-fused", "copy/cast", "elementwise/other"]
     labels = [f"{r['side']}\n{r['backend'].split(':')[0]}\n{r.get('variant', '')}" for r in rows]
     fig, ax = plt.subplots(figsize=(9, 4.5))
     bottom = [0.0] * len(rows)
