@@ -103,6 +103,7 @@ CASES = [
     ("vmoba_attn (defaults)", "vmoba_attn", {}),
     ("vmoba_attn threshold=0.5", "vmoba_attn", {"moba_threshold": 0.5}),
     ("vmoba_attn upstream gate=mean", "vmoba_attn", {"gate": "mean"}),
+    ("video_sparse_attn (defaults)", "video_sparse_attn", {}),
     ("video_sparse_attn sparsity=0.9", "video_sparse_attn", {"sparsity": 0.9}),
     ("video_sparse_attn sparsity=0.75", "video_sparse_attn", {"sparsity": 0.75}),
     ("video_sparse_attn sparsity=0.9 edge_tiles=padded", "video_sparse_attn", {"sparsity": 0.9, "edge_tiles": "padded"}),

@@ -77,7 +77,9 @@ OPERATING_POINTS: dict[str, OperatingPoint] = {
     "vmoba_attn": OperatingPoint("threshold 0.25, pooled-query gate; mean of its temporal/spatial/st layers",
                                  0.606, 0.860, 0.179, speedup=1.79, speedup_40=2.68, rel_err_12=0.532,
                                  rel_err_40=0.649),
-    "video_sparse_attn": OperatingPoint("sparsity 0.0: every tile kept, runs exact dense attention", 0.0017, 1.0, 1.0),
+    "video_sparse_attn": OperatingPoint("sparsity 0.0: every tile kept, runs exact dense attention", 0.0017, 1.0, 1.0,
+                                        speed_pending="bench/fidelity.py --grids wan480 --heads 12,40 --gen-device cpu "
+                                                      "--cases 'video_sparse_attn (defaults)' on the H200"),
     "sliding_tile_attn": OperatingPoint("after STA_searching with the default candidate windows (about 27 tiles)",
                                         0.924, 0.5834, 0.042, speedup=4.33, speedup_40=5.50, rel_err_12=0.857,
                                         rel_err_40=0.915),

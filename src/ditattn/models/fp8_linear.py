@@ -120,6 +120,7 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+@functools.lru_cache(maxsize=None)  # pure, a handful of widths per model
 def row_tiles(k: int) -> tuple[int, int, int]:
     """The one-pass kernel's column tiles ``(B0, B1, B2)`` for rows of width ``k <= ONE_PASS_MAX``:
     powers of two (B1, B2 may be 0 = absent) whose sum covers ``k`` with little padding -- 1536 =
@@ -147,13 +148,19 @@ def launch_config(m: int, k: int) -> dict:
     3.6: 8 warps issue ~25 instructions per element of the 8960-wide GELU rows where 16 warps
     issue ~32, for the reductions' fixed cost); ``bench/fp8_quant_kernel.py --sweep`` times the
     alternatives on the GPU."""
+    rows, num_warps = _launch_config(m, k)
+    return {"rows": rows, "num_warps": num_warps}
+
+
+@functools.lru_cache(maxsize=256)  # called for every quantized GEMM input: the arithmetic once per shape
+def _launch_config(m: int, k: int) -> tuple[int, int]:
     if k > ONE_PASS_MAX:
-        return {"rows": 1, "num_warps": 8}
+        return 1, 8
     width = sum(row_tiles(k))
     rows = 1
     while rows * 2 * width <= ROW_TILE_ELEMS and rows < m:
         rows *= 2
-    return {"rows": rows, "num_warps": 4 if rows * width <= 2048 else 8}
+    return rows, 4 if rows * width <= 2048 else 8
 
 
 if _HAVE_TRITON:

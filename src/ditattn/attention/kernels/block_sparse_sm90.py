@@ -13,9 +13,10 @@ m64 products are too small to hide the softmax on their own:
 * each consumer issues Q.K(j) before P(j-1).V(j-1) (asynchronous ``wgmma``), so its softmax runs
   under its own P.V product, and the two consumers' products interleave on the tensor cores.
 
-Config ``persistent`` (default off: on the H200 at most 0.06x of ideal faster at 480p, slower at 720p): one
-CTA per SM instead of one per tile, each looping over (batch, head, query-block pair) tiles; one producer warp per ring loads the next
-tile's Q and K/V while its consumer finishes the current one (ring counts run on across tiles), and
+Config ``persistent`` (default off: on the H200 at most 0.06x of ideal faster at 480p, slower at
+720p): one CTA per SM instead of one per tile, each looping over (batch, head, query-block pair)
+tiles; one producer warp per ring loads the next tile's Q and K/V while its consumer finishes the
+current one (ring counts run on across tiles), and
 the two warpgroups' tile sequences run independently (see :func:`_bs_fwd_sm90`).
 
 bf16/fp16, head dim 64/128, block size 64.  Padding keys (``kv_valid``) are masked only in key
