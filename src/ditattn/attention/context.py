@@ -148,6 +148,9 @@ class ForwardContext:
     num_steps: Optional[int] = None
     video_shape: Optional[tuple[int, int, int]] = None
     text_len: int = 0
+    #: which classifier-free-guidance half this forward computes when the halves run as separate
+    #: forwards ("cond" / "uncond"); None when one forward carries the whole batch (both halves batched)
+    branch: Optional[str] = None
 
 
 _request: contextvars.ContextVar[Optional[RequestState]] = contextvars.ContextVar("ditattn_request", default=None)
@@ -175,7 +178,7 @@ def request_scope(state: RequestState) -> Iterator[RequestState]:
 
 @contextlib.contextmanager
 def forward_context(**kw: Any) -> Iterator[ForwardContext]:
-    """Set step / num_steps / video_shape / text_len for the attention calls inside the block
+    """Set step / num_steps / video_shape / text_len / branch for the attention calls inside the block
     (fields not given keep their outer value)."""
     outer = _forward.get()
     ctx = dataclasses.replace(outer, **kw)

@@ -40,6 +40,31 @@ def typed(key: str) -> Callable[[str], Any]:
     return arg_type(next(f.metadata["check"] for f in dataclasses.fields(cls) if f.name == key))
 
 
+def _config_field(key: str) -> dataclasses.Field:
+    section = RunConfig.keys()[key]
+    if section is None:
+        raise KeyError(f"{key} is a top-level RunConfig key, not a field of a section")
+    return next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == key)
+
+
+def field_flags(g, *keys: str) -> None:
+    """Add ``--KEY`` for each RunConfig field ``KEY`` to the parser or group ``g``, described once: the
+    help text, value check and metavar are the field's own metadata (:func:`ditattn.runconfig.fields.setting`),
+    and a non-empty default is appended as "(default X)".  A bool field with a bool default takes an
+    optional value (``--flag`` = true, ``--flag false``)."""
+    for key in keys:
+        f = _config_field(key)
+        text = f.metadata["help"]
+        if isinstance(f.default, bool):
+            kw: dict[str, Any] = dict(nargs="?", const=True, metavar="true|false")
+            text += f" (default {str(f.default).lower()})"
+        else:
+            kw = dict(metavar=f.metadata.get("metavar") or key.rsplit("_", 1)[-1].upper())
+            if f.default not in (None, (), ""):
+                text += f" (default {f.default})"
+        g.add_argument("--" + key.replace("_", "-"), dest=key, type=typed(key), help=text, **kw)
+
+
 def config_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", dest="config_file", metavar="FILE.yaml",
                    help="settings from a YAML (or JSON) file: keys are the long flag names without the leading "

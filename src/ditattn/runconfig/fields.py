@@ -4,15 +4,16 @@ bounds of the numeric settings."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from ditattn.errors import AttentionConfigError
 
 
-def setting(default: Any, check: Callable[[Any], Any], help: str) -> Any:
-    """A dataclass field whose value ``check`` validates (and types) on construction; ``help``: one
-    line for messages and ``--help``."""
-    return dataclasses.field(default=default, metadata={"check": check, "help": help})
+def setting(default: Any, check: Callable[[Any], Any], help: str, *, metavar: Optional[str] = None) -> Any:
+    """A dataclass field whose value ``check`` validates (and types) on construction; ``help``: the
+    option's one description, for messages and ``--help``; ``metavar``: its value's name in ``--help``
+    (:func:`ditattn.entrypoints.flags.field_flags` builds the flag from these)."""
+    return dataclasses.field(default=default, metadata={"check": check, "help": help, "metavar": metavar})
 
 
 class Section:
