@@ -149,6 +149,7 @@ def model_flags(p: argparse.ArgumentParser, *, prompt: bool = False, seed: bool 
     g.add_argument("--num-gpus", type=typed("num_gpus"), metavar="N", help="processes for sequence parallelism")
     g.add_argument("--ulysses-degree", type=typed("ulysses_degree"), metavar="U", help="Ulysses degree")
     g.add_argument("--ring-degree", type=typed("ring_degree"), metavar="R", help="ring-attention degree")
+    field_flags(g, "cfg_parallel", "vae_parallel")
     lora = p.add_argument_group("LoRA")
     lora.add_argument("--lora-path", action="append", metavar="[COMPONENT=]PATH[:SCALE]",
                       help="load a diffusers / PEFT-format Wan LoRA (a .safetensors file, or a folder with "

@@ -19,7 +19,7 @@ from typing import Optional
 
 from ditattn import settings
 from ditattn.distributed.launch import RankInfo
-from ditattn.entrypoints.ranks import needs_ranks, run_on_ranks
+from ditattn.entrypoints.ranks import check_cfg_guidance, needs_ranks, run_on_ranks
 from ditattn.errors import AttentionConfigError
 from ditattn.runconfig import RunConfig
 
@@ -42,7 +42,8 @@ def run(cfg: RunConfig) -> int:
         from ditattn.pipelines.diffusers_backend import reject_native_only_options
 
         reject_native_only_options(cfg)  # before any launch: sequence parallelism is native-only
-    cfg.parallel.degrees()  # U x R must equal --num-gpus
+    cfg.parallel.degrees()  # (2 with --cfg-parallel) x U x R must equal --num-gpus
+    check_cfg_guidance(cfg)  # --cfg-parallel with --guidance-scale <= 1 (the model's default: in the preflight)
     if needs_ranks(cfg):  # each rank runs run_rank below
         return run_on_ranks(run_rank, cfg)
     return generate_here(cfg, t_start)

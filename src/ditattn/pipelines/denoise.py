@@ -17,6 +17,7 @@ from typing import Callable, Mapping, Optional
 import torch
 
 from ditattn.attention.context import RequestState, forward_context, request_scope
+from ditattn.distributed.cfg import get_cfg_parallel
 from ditattn.pipelines.conditioning import ImageCondition
 
 
@@ -36,14 +37,19 @@ def denoise(latents: torch.Tensor, scheduler, dits: Mapping[str, Optional[torch.
     placement: the :class:`~ditattn.pipelines.offload.ComponentPlacement` that brings each expert
     onto the device; dtype: the DiTs' compute dtype.  ``state``: the request's attention state, in
     effect for the whole loop; ``check_stop()`` runs before each step (it raises to stop);
-    ``on_step(done, total)`` after each; ``progress``: a tqdm bar on stderr.
+    ``on_step(done, total)`` after each; ``progress``: a tqdm bar on stderr.  Under CFG parallelism
+    (:mod:`ditattn.distributed.cfg`) this rank runs only its guidance half of each forward and the
+    halves are all-gathered before they are combined (same result on every rank).
     """
     from tqdm.auto import tqdm
 
     do_cfg = guidance > 1.0
+    split = get_cfg_parallel() if do_cfg else None  # CFG parallelism: this rank's half of every forward
     image_embeds = None
     if condition is not None and condition.image_embeds is not None:
         image_embeds = torch.cat([condition.image_embeds] * 2) if do_cfg else condition.image_embeds
+    if split is not None:
+        context, image_embeds = split.local_half(context), split.local_half(image_embeds)
     ref_dit = dits["transformer"] if dits["transformer"] is not None else dits["transformer_2"]
     grid = ref_dit.latent_grid(*latents.shape[2:])
     timesteps = scheduler.timesteps
@@ -67,7 +73,7 @@ def denoise(latents: torch.Tensor, scheduler, dits: Mapping[str, Optional[torch.
                 used_models.add(name)
                 placement.onload(name)  # stays on the device until another component needs it
                 x = (latents if condition is None else condition.model_input(latents)).to(dtype)
-                if do_cfg:
+                if do_cfg and split is None:
                     x = torch.cat([x, x])
                 if name not in text_caches:  # block-streamed DiTs project the K/V in each block
                     text_caches[name] = model.encode_text(
@@ -79,10 +85,11 @@ def denoise(latents: torch.Tensor, scheduler, dits: Mapping[str, Optional[torch.
                     ts = t.expand(x.shape[0], grid[0] * grid[1] * grid[2])
                 else:
                     ts = t.expand(x.shape[0])
-                with forward_context(step=i, num_steps=len(timesteps), video_shape=grid, text_len=0):
+                with forward_context(step=i, num_steps=len(timesteps), video_shape=grid, text_len=0,
+                                     branch=None if split is None else split.branch):
                     out = model(x, ts, text_cache=text_caches[name])
                 if do_cfg:
-                    cond, uncond = out.float().chunk(2)
+                    cond, uncond = (out.float().chunk(2) if split is None else (h.float() for h in split.gather(out)))
                     pred = uncond + scale * (cond - uncond)
                 else:
                     pred = out.float()

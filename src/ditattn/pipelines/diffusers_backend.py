@@ -47,10 +47,10 @@ def reject_native_only_options(config) -> None:
         raise AttentionConfigError("--offload text_encoder applies to the native pipeline only; with --backend "
                                    "diffusers use --offload model or group"
         )
-    if p.num_gpus > 1 or (p.ulysses_degree or 1) > 1 or (p.ring_degree or 1) > 1:
+    if p.num_gpus > 1 or (p.ulysses_degree or 1) > 1 or (p.ring_degree or 1) > 1 or p.cfg_parallel or p.vae_parallel:
         raise AttentionConfigError(
-            "sequence parallelism (--num-gpus/--ulysses-degree/--ring-degree) runs the native pipeline only; "
-            "not with --backend diffusers"
+            "sequence, CFG and VAE parallelism (--num-gpus/--ulysses-degree/--ring-degree/--cfg-parallel/"
+            "--vae-parallel) run the native pipeline only; not with --backend diffusers"
         )
     attention_route(config)
 

@@ -93,6 +93,7 @@ class WanPipelineNative:
         self.placement = placement or ComponentPlacement(components, device)
         self.adapters = list(adapters)
         self._offload_lock = threading.Lock()  # offloaded components move: one generation at a time
+        self.vae_parallel = False  # decode's tiles spread over the ranks (from_pretrained(vae_parallel=True))
         self.defaults = dict(model_index.builtin_defaults or CHECKPOINT_DEFAULTS)
         self.boundary_ratio = model_index.config.get("boundary_ratio")
         self.expand_timesteps = bool(model_index.config.get("expand_timesteps") or False)
@@ -137,6 +138,7 @@ class WanPipelineNative:
         lora_fuse: bool = False,
         dit_quantization: str = "none",
         dit_weights: "str | dict | None" = None,
+        vae_parallel: bool = False,
     ) -> "WanPipelineNative":
         """Load the pipeline at ``path`` (a local diffusers-format Wan folder, a Hugging Face repo id
         ``org/name`` at ``revision`` — see :func:`~ditattn.pipelines.model_index.resolve_model_path`
@@ -163,6 +165,10 @@ class WanPipelineNative:
         holding the DiT's weights instead of the folder's (diffusers or original Wan key names,
         bf16/fp16/fp32 or FP8/INT8 with scales: :mod:`ditattn.models.wan.checkpoint`), or
         ``{component: file}`` for a model with two DiTs.
+
+        vae_parallel: decode in the VAE's tiles spread over the ranks of the ``torch.distributed``
+        job this process is one rank of (every rank gets the frames one device gets with
+        ``vae_tiling``); refused outside such a job.
         """
         from ditattn.models.quantization import (check_mode, check_something_quantized, plan_linears,
                                                  quantize_linears)
@@ -188,6 +194,12 @@ class WanPipelineNative:
         if settings.cuda_graphs and dev.type != "cuda":
             raise AttentionConfigError(f"--enable-cuda-graph needs a CUDA device (this run is on {dev.type})")
         adapters, placement = [], None
+        if vae_parallel and load_weights:
+            import torch.distributed as dist
+
+            if not (dist.is_available() and dist.is_initialized()):
+                raise AttentionConfigError("vae_parallel spreads the VAE decode over the ranks of a torch.distributed "
+                                           "job; run it on several ranks (--num-gpus N) or leave it off")
         if load_weights:
             adapters = load_loras(components, lora, fuse=lora_fuse)
             placement = ComponentPlacement(components, dev, offload, offload_group_blocks)
@@ -208,8 +220,10 @@ class WanPipelineNative:
             for comp in DIT:
                 if components.get(comp) is not None:
                     compile_blocks(components[comp], mode="reduce-overhead" if settings.cuda_graphs else None)
-        return cls(mi, components, scopes, settings, platform, dev, dt, load_weights, placement=placement,
+        pipe = cls(mi, components, scopes, settings, platform, dev, dt, load_weights, placement=placement,
                    adapters=adapters)
+        pipe.vae_parallel = bool(vae_parallel)
+        return pipe
 
     @classmethod
     def from_config(cls, config, *, load_weights: bool = True, cache_dir: Optional[str] = None,
@@ -226,7 +240,8 @@ class WanPipelineNative:
                                    local_files_only=m.local_files_only, cache_dir=cache_dir, offload=m.offload,
                                    offload_group_blocks=m.offload_group_blocks, vae_tiling=m.vae_tiling,
                                    vae_slicing=m.vae_slicing, lora=m.lora_path, lora_fuse=fuse,
-                                   dit_quantization=m.dit_quantization, dit_weights=m.dit_weights)
+                                   dit_quantization=m.dit_quantization, dit_weights=m.dit_weights,
+                                   vae_parallel=config.parallel.vae_parallel)
 
     # ------------------------------------------------------------------------------------------
     # plan
@@ -415,4 +430,4 @@ class WanPipelineNative:
     def decode(self, latents: torch.Tensor) -> np.ndarray:
         """Latents ``[N, C, T, h, w]`` -> float32 frames in [0, 1], ``np.ndarray [N, F, H, W, 3]``."""
         with self.placement.use("vae"):
-            return decode_latents(self.components["vae"], latents, self.device)
+            return decode_latents(self.components["vae"], latents, self.device, parallel=self.vae_parallel)

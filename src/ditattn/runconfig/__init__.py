@@ -6,7 +6,7 @@
 * :class:`SamplingConfig` — prompt and sampling (size, frames, steps, guidance, seed);
 * :class:`AttentionOptions` — the user's attention choices (become
   :class:`~ditattn.attention.context.AttentionSettings` through :meth:`RunConfig.attention_settings`);
-* :class:`ParallelConfig` — sequence parallelism (``num_gpus = ulysses_degree × ring_degree``);
+* :class:`ParallelConfig` — sequence, CFG and VAE parallelism (``num_gpus = cfg × ulysses_degree × ring_degree``);
 * :class:`OutputConfig` — where ``generate`` writes;
 * :class:`ServerConfig` — ``serve``'s address, batching and request limits;
 * :class:`SimulationConfig` — ``plan`` / ``backends``: resolve on a simulated platform;
@@ -153,18 +153,30 @@ class AttentionOptions(_Section):
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig(_Section):
-    """Sequence parallelism: ``num_gpus`` ranks as a Ulysses × ring grid."""
+    """Parallelism: ``num_gpus`` ranks as a Ulysses × ring grid, or two of them (one per guidance half)
+    with ``cfg_parallel``; ``vae_parallel`` spreads the VAE decode's tiles over all ranks."""
 
     num_gpus: int = _field(1, int_between(1, MAX_GPUS), "processes for sequence parallelism")
     ulysses_degree: Optional[int] = _field(None, optional(int_between(1, MAX_GPUS)),
                                            "Ulysses degree (None: the rest of num_gpus)")
     ring_degree: Optional[int] = _field(None, optional(int_between(1, MAX_GPUS)), "ring-attention degree (None: the rest)")
+    cfg_parallel: bool = _field(False, boolean, "run the conditional and unconditional guidance passes on two halves "
+                                "of the ranks (num_gpus = 2 × ulysses × ring; needs guidance scale > 1)")
+    vae_parallel: bool = _field(False, boolean, "split the VAE decode into tiles spread over the ranks (the result "
+                                "equals --vae-tiling's one-device decode; needs num_gpus >= 2)")
 
     def degrees(self) -> tuple[int, int]:
-        """``(ulysses, ring)`` with ``ulysses × ring == num_gpus`` (AttentionConfigError otherwise)."""
-        from ditattn.distributed.groups import resolve_degrees
+        """``(ulysses, ring)`` of each sequence-parallel group, with ``cfg × ulysses × ring ==
+        num_gpus`` (``cfg``: :meth:`cfg_degree`); AttentionConfigError otherwise."""
+        from ditattn.distributed.cfg import resolve_parallel
 
-        return resolve_degrees(self.num_gpus, self.ulysses_degree, self.ring_degree)
+        _, u, r = resolve_parallel(self.num_gpus, self.ulysses_degree, self.ring_degree,
+                                   cfg_parallel=self.cfg_parallel, vae_parallel=self.vae_parallel)
+        return u, r
+
+    def cfg_degree(self) -> int:
+        """2 with ``cfg_parallel`` (the guidance halves on two groups of ranks), else 1."""
+        return 2 if self.cfg_parallel else 1
 
 
 @dataclasses.dataclass(frozen=True)

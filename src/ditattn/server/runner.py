@@ -234,9 +234,10 @@ def build_runner(config) -> PipelineRunner:
     if config.model.backend != "native":
         raise AttentionConfigError("ditattn serve runs the native pipeline only (per-request attention overrides "
                                    "need ditattn's attention layers); drop --backend diffusers")
-    u, r = config.parallel.degrees()
-    if u * r > 1 and not in_worker():  # ranks started by ditattn.distributed.launch relay rank 0's calls
-        raise AttentionConfigError(f"sequence parallelism (--num-gpus {u * r}) needs one process per rank: start "
+    config.parallel.degrees()
+    n = config.parallel.num_gpus
+    if n > 1 and not in_worker():  # ranks started by ditattn.distributed.launch relay rank 0's calls
+        raise AttentionConfigError(f"sequence parallelism (--num-gpus {n}) needs one process per rank: start "
                                    f"it with ditattn serve (ditattn.distributed.launch), or use --num-gpus 1")
     pipe = WanPipelineNative.from_config(config, lora_fuse=False)  # unfused: requests may set the scales
     name = pipe.model_index.name
