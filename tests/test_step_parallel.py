@@ -169,7 +169,7 @@ def test_parallel_flags_in_config_and_rank_arithmetic(tmp_path):
      "--ulysses-degree 2 × --ring-degree 2 = 4 does not equal --num-gpus 4 / 2 (--cfg-parallel)"),
     (["--cfg-parallel", "--num-gpus", "2", "--guidance-scale", "1"], "--guidance-scale is 1 (<= 1: no unconditional"),
     (["--vae-parallel"], "--vae-parallel splits the VAE decode over the ranks and needs --num-gpus 2"),
-    (["--cfg-parallel", "--num-gpus", "2", "--backend", "diffusers"], "run the native pipeline only"),
+    (["--cfg-parallel", "--num-gpus", "2", "--backend", "diffusers"], "runs the native pipeline only"),
 ])
 def test_bad_combinations_are_one_error_line(flags, message, capsys):
     from ditattn.cli import main

@@ -49,8 +49,8 @@ def reject_native_only_options(config) -> None:
         )
     if p.num_gpus > 1 or (p.ulysses_degree or 1) > 1 or (p.ring_degree or 1) > 1 or p.cfg_parallel or p.vae_parallel:
         raise AttentionConfigError(
-            "sequence, CFG and VAE parallelism (--num-gpus/--ulysses-degree/--ring-degree/--cfg-parallel/"
-            "--vae-parallel) run the native pipeline only; not with --backend diffusers"
+            "sequence parallelism (--num-gpus/--ulysses-degree/--ring-degree, --cfg-parallel, --vae-parallel) "
+            "runs the native pipeline only; not with --backend diffusers"
         )
     attention_route(config)
 
