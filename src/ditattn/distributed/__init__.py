@@ -5,6 +5,9 @@
   sharding and gathering a model's token sequence;
 * :mod:`~ditattn.distributed.ring` — ring attention with the LSE merge;
 * :mod:`~ditattn.distributed.attention` — ``UlyssesAttention`` / ``USPAttention`` modules;
+* :mod:`~ditattn.distributed.cfg` — CFG parallelism: the conditional and unconditional passes on two
+  halves of the ranks, predictions all-gathered;
+* :mod:`~ditattn.distributed.vae` — the VAE's tiled decode with its tiles spread over the ranks;
 * :mod:`~ditattn.distributed.launch` — run any callable on N ranks (spawn, or ``torchrun``);
 * :mod:`~ditattn.distributed.relay` — replay rank 0's pipeline calls on the other ranks (``serve``).
 
