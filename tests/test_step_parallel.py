@@ -38,7 +38,8 @@ def _pipe(model, settings, **kw):
 
 def _generate(pipe, model):
     g2 = {"guidance_scale_2": 3.0} if model.endswith("2.2") else {}
-    return pipe.generate("a red fox", negative_prompt="blurry", output_type="float", progress=False, **GEN, **g2).frames
+    return pipe.generate("a red fox", negative_prompt="blurry", output_type="float", progress=False, **GEN,
+                         **g2).frames
 
 
 def _worker(configs):
@@ -93,7 +94,8 @@ def _rank_target(rank, cfg):
 
 CONFIGS = {
     2: [("ditattn:tiny-wan", 2, 1, 1, True), ("ditattn:tiny-wan", 1, 2, 1, True)],
-    4: [("ditattn:tiny-wan2.2", 2, 2, 1, True), ("ditattn:tiny-wan", 1, 2, 2, True), ("ditattn:tiny-wan", 2, 1, 2, False)],
+    4: [("ditattn:tiny-wan2.2", 2, 2, 1, True), ("ditattn:tiny-wan", 1, 2, 2, True),
+        ("ditattn:tiny-wan", 2, 1, 2, False)],
 }
 CLI = {2: ["--cfg-parallel"], 4: ["--cfg-parallel", "--ulysses-degree", "2", "--vae-parallel"]}
 

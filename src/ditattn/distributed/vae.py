@@ -86,7 +86,8 @@ def decode_tile(vae, z: torch.Tensor) -> torch.Tensor:
     return torch.cat(frames, dim=2)
 
 
-def _gather_tiles(mine: list[torch.Tensor], grid: TileGrid, world: int, group, like: torch.Tensor) -> list[torch.Tensor]:
+def _gather_tiles(mine: list[torch.Tensor], grid: TileGrid, world: int, group,
+                  like: torch.Tensor) -> list[torch.Tensor]:
     """Every tile of ``grid``, decoded, on every rank: rank ``r`` holds tiles ``r, r + world, ...``
     (``mine``, in that order); they travel padded to the largest tile in one all-gather (``like``:
     a tensor of the decoder's dtype and device)."""

@@ -22,9 +22,10 @@ def compare_config(cfg: RunConfig):
     if cfg.model.dit_quantization != "none":
         raise AttentionConfigError("compare takes the DiT quantization per variant, not --dit-quantization; accepted: "
                                    "--variant NAME=BACKEND+fp8 (or +int8)")
-    if cfg.model.backend != "native" or cfg.parallel.num_gpus != 1:
+    p = cfg.parallel
+    if cfg.model.backend != "native" or p.num_gpus != 1 or p.cfg_parallel or p.vae_parallel:
         raise AttentionConfigError("compare runs the native pipeline on one device; accepted: --backend native, "
-                                   "--num-gpus 1")
+                                   "--num-gpus 1 (no --cfg-parallel / --vae-parallel)")
     s, c, o = cfg.sampling, cfg.compare, cfg.output
     if s.prompt is not None or s.seed is not None:
         raise AttentionConfigError("compare takes 'prompts' and 'seeds' (flags --prompt, --seed, both repeatable), "
