@@ -3,8 +3,8 @@
 * ``ditattn generate --cfg-parallel`` through the CLI on 2 ranks, and ``--cfg-parallel --ulysses-degree 2
   --vae-parallel`` on 4 (spawned ranks, rank 0 writes);
 * in the same spawns, the pipeline under CFG × Ulysses × ring layouts with the VAE's tiles spread over
-  the ranks (small tiles, so a 48×64 clip decodes in 6 tiles), on ``ditattn:tiny-wan`` and the
-  two-expert ``ditattn:tiny-wan2.2``: the frames equal the one-process frames with tiling (≤ 1e-5) and
+  the ranks (small tiles, so a 48×64 clip decodes in 6 tiles), on ``ditattn:tiny-wan``, the
+  two-expert ``ditattn:tiny-wan2.2`` and the image-to-video ``ditattn:tiny-wan-i2v``: the frames equal the one-process frames with tiling (≤ 1e-5) and
   are identical on every rank;
 * the parallel tiled decode of the Wan 2.2 VAE layout (patchified, clamped) against diffusers' own;
 * bad combinations refused with one ``error:`` line before any rank starts.
@@ -37,9 +37,11 @@ def _pipe(model, settings, **kw):
 
 
 def _generate(pipe, model):
-    g2 = {"guidance_scale_2": 3.0} if model.endswith("2.2") else {}
+    kw = {"guidance_scale_2": 3.0} if model.endswith("2.2") else {}
+    if model.endswith("i2v"):  # the first frame: latents concatenated to the input, CLIP tokens split by half
+        kw["image"] = np.random.default_rng(0).integers(0, 256, (48, 64, 3), dtype=np.uint8)
     return pipe.generate("a red fox", negative_prompt="blurry", output_type="float", progress=False, **GEN,
-                         **g2).frames
+                         **kw).frames
 
 
 def _worker(configs):
@@ -93,7 +95,8 @@ def _rank_target(rank, cfg):
 
 
 CONFIGS = {
-    2: [("ditattn:tiny-wan", 2, 1, 1, True), ("ditattn:tiny-wan", 1, 2, 1, True)],
+    2: [("ditattn:tiny-wan", 2, 1, 1, True), ("ditattn:tiny-wan", 1, 2, 1, True),
+        ("ditattn:tiny-wan-i2v", 2, 1, 1, False)],
     4: [("ditattn:tiny-wan2.2", 2, 2, 1, True), ("ditattn:tiny-wan", 1, 2, 2, True),
         ("ditattn:tiny-wan", 2, 1, 2, False)],
 }
