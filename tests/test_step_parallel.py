@@ -4,10 +4,11 @@
   --vae-parallel`` on 4 (spawned ranks, rank 0 writes);
 * in the same spawns, the pipeline under CFG × Ulysses × ring layouts with the VAE's tiles spread over
   the ranks (small tiles, so a 48×64 clip decodes in 6 tiles), on ``ditattn:tiny-wan``, the
-  two-expert ``ditattn:tiny-wan2.2`` and the image-to-video ``ditattn:tiny-wan-i2v``: the frames equal the one-process frames with tiling (≤ 1e-5) and
-  are identical on every rank;
+  two-expert ``ditattn:tiny-wan2.2`` and the image-to-video ``ditattn:tiny-wan-i2v``: the frames equal
+  the one-process frames with tiling (≤ 1e-5) and are identical on every rank;
 * the parallel tiled decode of the Wan 2.2 VAE layout (patchified, clamped) against diffusers' own;
-* bad combinations refused with one ``error:`` line before any rank starts.
+* bad combinations refused with one ``error:`` line before any rank starts;
+* on a machine with 4 CUDA GPUs, CFG 2 × Ulysses 2 with the parallel decode on NCCL against one GPU.
 """
 import os
 import subprocess
@@ -28,10 +29,10 @@ TILES = dict(tile_sample_min_height=32, tile_sample_min_width=32, tile_sample_st
              tile_sample_stride_width=24)
 
 
-def _pipe(model, settings, **kw):
+def _pipe(model, settings, device="cpu", **kw):
     from ditattn.pipelines.wan import WanPipelineNative
 
-    pipe = WanPipelineNative.from_pretrained(model, settings, device="cpu", dtype="float32", **kw)
+    pipe = WanPipelineNative.from_pretrained(model, settings, device=device, dtype="float32", **kw)
     pipe.components["vae"].enable_tiling(**TILES)
     return pipe
 
@@ -206,3 +207,24 @@ def test_cli_module_refuses_odd_ranks_before_loading(tmp_path):
         "error: --cfg-parallel needs an even --num-gpus (the conditional and unconditional passes each run on half "
         "of the ranks), got --num-gpus 3; use --num-gpus 4 or 2"]
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.safetensors"))
+
+
+def _nccl_rank(rank):
+    g = rank.groups
+    pipe = _pipe("ditattn:tiny-wan", AttentionSettings(ulysses_degree=g.ulysses_degree, ring_degree=g.ring_degree),
+                 vae_parallel=True, device=rank.device)
+    return _generate(pipe, "ditattn:tiny-wan")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs (NCCL)")
+def test_nccl_cfg_ulysses_and_vae_parallel_match_one_gpu():
+    """The same on NCCL: CFG 2 × Ulysses 2 with the decode over 4 GPUs against one GPU (float32)."""
+    from ditattn.distributed.launch import launch
+
+    with torch.inference_mode():
+        ref = _generate(_pipe("ditattn:tiny-wan", AttentionSettings(), vae_tiling=True, device="cuda"),
+                        "ditattn:tiny-wan")
+    out = launch(_nccl_rank, 4, cfg_degree=2, ulysses_degree=2, device="cuda", timeout_s=300)
+    for frames in out:
+        assert np.abs(frames - ref).max() <= 1e-4
+        assert np.array_equal(frames, out[0])
