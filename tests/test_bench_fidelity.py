@@ -44,9 +44,9 @@ def test_fidelity_smoke_on_cpu(tmp_path, run_bench):
     assert not data["notes"], data["notes"]
 
 
-def test_case_lists_in_the_gpu_scripts_name_existing_cases():
-    """Every --cases entry of the H200 scripts selects at least one case of bench/fidelity.py (an exact
-    label selects that case alone)."""
+def test_case_lists_in_the_docs_name_existing_cases():
+    """Every --cases entry of a bench/fidelity.py command in docs/*.md selects at least one case of
+    bench/fidelity.py (an exact label selects that case alone)."""
     import importlib.util
     import os
     import re
@@ -59,11 +59,12 @@ def test_case_lists_in_the_gpu_scripts_name_existing_cases():
     labels = [c[0] for c in fidelity.CASES]
     assert len(set(labels)) == len(labels)
     found = 0
-    for name in os.listdir(os.path.join(root, "bench")):
-        if not name.endswith(".sh"):
+    docs = os.path.join(root, "docs")
+    for name in sorted(os.listdir(docs)):
+        if not name.endswith(".md"):
             continue
-        text = open(os.path.join(root, "bench", name)).read()
-        for m in re.finditer(r'fidelity\.py[^\n]*(?:\\\n[^\n]*)*?--cases "([^"]+)"', text):
+        text = open(os.path.join(docs, name), encoding="utf-8").read()
+        for m in re.finditer(r'fidelity\.py[^`\n]*?--cases "([^"]+)"', text):
             for entry in m.group(1).split(","):
                 found += 1
                 assert entry in labels or any(entry in lab for lab in labels), (name, entry)
