@@ -22,7 +22,7 @@ directly or, with ``pv_accum`` "two_level", per key tile into a fresh FP32 accum
 main one (the FP8 tensor cores accumulate with fewer mantissa bits than FP32).  The FP8 path runs
 the online softmax (a static maximum would put P outside e4m3's range) with the row sums of P (before
 rounding) in FP32 on the CUDA cores, like the fp16 online softmax: an FP8 ``P x ones`` product on the
-tensor cores (m64n8k32) gave wrong row sums on the H200 (issue 17; docs/sage_sm90_notes.md).
+tensor cores (m64n8k32) gave wrong row sums on the H200 (docs/sage_kernel.md).
 
 Quantization prologue: the Triton passes of :mod:`.int8_quant` (one pass over Q, one mean and one
 pass over K; with config ``qk_balance`` a statistics pass over each of Q and K, K's mean from the
