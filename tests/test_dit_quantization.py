@@ -1026,7 +1026,7 @@ def test_sequence_parallel_int8_matches_one_process(tmp_path, capfd):
 
 
 # ------------------------------------------------------------------------------------------------
-# with LoRA and offload (issue 24's options)
+# with LoRA and offload
 
 
 def _write_lora(path, seed=0, rank=4):

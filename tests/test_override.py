@@ -1,4 +1,4 @@
-"""Per-request override (DESIGN 2.7) and skip-softmax parameter validation (2.8), on a toy DiT."""
+"""Per-request override and skip-softmax parameter validation, on a toy DiT."""
 import pytest
 import torch
 from torch import nn

@@ -1,4 +1,4 @@
-"""``qk_balance``: the per-channel Q/K balance of ``sage_attn``'s INT8 quantization (issue 17).
+"""``qk_balance``: the per-channel Q/K balance of ``sage_attn``'s INT8 quantization.
 
 * CPU: the balance factors (formula, normalisation, zero channels, the product unchanged in float64), the
   reference's balanced quantization against an independent computation (GQA: one c per K/V head, shared by the

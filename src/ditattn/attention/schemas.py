@@ -1,7 +1,7 @@
 """Backend config schemas: every parameter a backend accepts, with its type, default and range.
 
 :data:`SCHEMAS` maps a schema key (``BackendSpec.config_schema``) to its :class:`Param` tuple: the
-seed's parameter tables, the parameters of the in-tree algorithms the seed leaves unnamed, and the
+parameter tables of upstream (SGLang), the parameters of the in-tree algorithms it leaves unnamed, and the
 implementation choices of backends with several kernels (``sage_attn``: ``impl``, ``pv_dtype``,
 ``qk_dtype``; the sparse backends on the block-sparse engine: ``block_sparse_impl``).  Parsing and
 validation against these schemas: :mod:`ditattn.attention.config`.  ``ditattn backends`` prints them.

@@ -1,4 +1,4 @@
-"""Skip-softmax flash attention (BLASST, DESIGN 2.8), Triton kernel and PyTorch reference.
+"""Skip-softmax flash attention (BLASST), Triton kernel and PyTorch reference.
 
 A flash-attention forward that always computes the Q.K tile, then estimates the tile's softmax
 mass from its row maxima: when, for every query row of the tile, ``exp(rowmax_tile - m_running)``

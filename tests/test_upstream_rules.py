@@ -1,4 +1,4 @@
-"""Issue 26: the seed's rules where ditattn used to report one backend and run another.
+"""Upstream's (SGLang) rules where ditattn used to report one backend and run another.
 
 One block per item of the issue, each on simulated platforms (no hardware needed). Items 7 and
 8e also have tests in test_pipeline_plan.py / test_selector.py, through ``ditattn plan``.
@@ -253,7 +253,7 @@ def test_fp8_fa_sm120_explicit_on_sm120_is_refused_not_swapped():
     rtx = Platform.simulate("cuda", (12, 0), {"flash_attn.cute"})
     with pytest.raises(AttentionConfigError, match="SM120 FP8 CuTe kernel is not part of this build"):
         decide(rtx, backend="fp8_fa_sm120")
-    # the seed's fallbacks stay: calls the kernel does not serve, and other GPUs, use torch_cudnn_sdpa
+    # upstream's fallbacks stay: calls the kernel does not serve, and other GPUs, use torch_cudnn_sdpa
     dec = decide(rtx, backend="fp8_fa_sm120", causal=True)
     assert dec.backend == B.TORCH_CUDNN_SDPA and "non-causal" in dec.fallback_reason
     dec = decide(Platform.simulate("cuda", (9, 0), ()), backend="fp8_fa_sm120")
@@ -283,9 +283,9 @@ def test_auxiliary_fallback_from_the_global_backend_stays_info(caplog):
     ((12, 0), {"flash_attn"}, B.FA),
     ((9, 0), {"flash_attn"}, B.TORCH_CUDNN_SDPA),  # measured on the H200
     ((9, 0), {"flash_attn.cute"}, B.FA),
-    ((10, 0), {"flash_attn.cute"}, B.TORCH_CUDNN_SDPA),  # the seed's SM100 rule
+    ((10, 0), {"flash_attn.cute"}, B.TORCH_CUDNN_SDPA),  # upstream's SM100 rule
 ])
-def test_cudnn_first_only_where_measured_or_the_seed_says(sm, packages, expect):
+def test_cudnn_first_only_where_measured_or_upstream_says(sm, packages, expect):
     assert decide(Platform.simulate("cuda", sm, packages)).backend == expect
 
 
