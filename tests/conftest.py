@@ -1,7 +1,7 @@
 import os
 
 # Must be set before triton or any kernel module is imported: Triton kernels run in the
-# interpreter on CPU-only machines (NOTES.md).
+# interpreter on CPU-only machines.
 try:
     import torch as _torch
 

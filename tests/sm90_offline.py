@@ -41,7 +41,7 @@ if os.path.join(ROOT, "src") not in sys.path:
     sys.path.insert(0, os.path.join(ROOT, "src"))
 
 
-#: the Triton version of the lent H200 machine (docs/benchmarks.md, /work/shared/spec/NOTES.md)
+#: the Triton version of the H200 the kernels are measured on (docs/benchmarks.md)
 GPU_TRITON = "3.6.0"
 
 
