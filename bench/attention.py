@@ -214,7 +214,7 @@ def run_dense(rec, dl, shapes, int8_cfg, int8_fp8_cfg, skip_cfg, inputs="random"
                         max_abs_err=float((lse[:, :, rows] - ref_lse).abs().max()))
         base = next((r["ms"] for n, r in res.items() if n == "torch default SDPA"), None)
         fastest = min((r["ms"] for n, r in res.items() if n.startswith(("fa", "torch_cudnn", "torch flash"))), default=None)
-        for name, r in res.items():
+        for r in res.values():
             r["speedup_vs_torch_default"] = base / r["ms"] if base else None
             summary.append(dict(r, shape=f"{b},{h},{s},{d}"))
         auto = res.get("ditattn auto")

@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-from common import Deadline, Recorder, attn_flops, bench_ms, fmt_table, guarded, kernel_ms, make_qkv, rel_err  # noqa: E402
+from common import Deadline, Recorder, bench_ms, fmt_table, guarded, kernel_ms, make_qkv, rel_err  # noqa: E402
 from sage_sm90 import _variants  # noqa: E402
 from sparse import fa4_sparse_fn, random_lists  # noqa: E402
 

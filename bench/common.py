@@ -180,7 +180,8 @@ def _compare_dtype(out: torch.Tensor, ref: torch.Tensor) -> torch.dtype:
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """``|out - ref| / |ref|`` (L2 over everything) in float32, or float64 if either is; NaN if ``out`` is not finite."""
+    """``|out - ref| / |ref|`` (L2 over everything) in float32, or float64 if either is; NaN if ``out`` is
+    not finite."""
     dt = _compare_dtype(out, ref)
     out, ref = out.to(dt), ref.to(dt)
     if not torch.isfinite(out).all():

@@ -208,8 +208,8 @@ def main(argv=None):
                     outs["old"] = (q, scale)
                 ms_of.setdefault(kernel, []).append(ms)
                 print(f"{name:14s} {kernel} {row['config']:18s} {ms:8.4f} ms {row['gbps']:7.0f} GB/s  codes differ "
-                      f"{row['codes_differ']:.2e} (max {row['max_e4m3_steps']} step) scales differ {row['scales_differ']}",
-                      flush=True)
+                      f"{row['codes_differ']:.2e} (max {row['max_e4m3_steps']} step) "
+                      f"scales differ {row['scales_differ']}", flush=True)
                 rows_out.append(row)
             (qo, so_), (qn, sn) = outs["old"], outs["new"]
             agree = {"old_vs_new_codes_differ": float((qo.view(torch.uint8) != qn.view(torch.uint8)).float().mean()),

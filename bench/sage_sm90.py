@@ -17,8 +17,6 @@ the timed call like the rest of the prologue.)
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import sys
 

@@ -1,5 +1,5 @@
-"""Every component-override rule (selection priority, component and role keys), observed through ``ditattn plan --json`` on the
-built-in tiny models, on this CPU and on simulated GPUs."""
+"""Every component-override rule (selection priority, component and role keys), observed through
+``ditattn plan --json`` on the built-in tiny models, on this CPU and on simulated GPUs."""
 import json
 
 import pytest

@@ -3,9 +3,8 @@ import pytest
 import torch
 
 from ditattn.attention.names import AttentionBackendEnum as B
-from ditattn.attention.specs import SPECS, LayerRequest
+from ditattn.attention.specs import SPECS
 from ditattn.platforms import KNOWN_PACKAGES, Platform, detect_platform
-from ditattn.platforms.policy import auto_candidates
 from ditattn.attention.selector import LayerSpec, select_backend
 from ditattn.attention.context import AttentionSettings
 

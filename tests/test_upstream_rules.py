@@ -44,12 +44,14 @@ class ToyDiT(nn.Module):
         self.attn3 = LocalAttention(2, dim, role="cross", prefix="blocks.1.attn2", dtype=dtype)
 
 
-def build(settings=AttentionSettings(), platform=CPU, **kw):
+def build(settings=None, platform=CPU, **kw):
+    settings = settings if settings is not None else AttentionSettings()
     with use_platform(platform), attention_settings(settings), component_scope("transformer"):
         return ToyDiT(**kw)
 
 
-def prep(model, name=None, platform=CPU, settings=AttentionSettings(), **kw):
+def prep(model, name=None, platform=CPU, settings=None, **kw):
+    settings = settings if settings is not None else AttentionSettings()
     with use_platform(platform):
         return prepare_request_override([model], name, settings, **kw)
 
@@ -78,7 +80,7 @@ def test_fa_without_a_kernel_path_is_reported_as_the_sdpa_substitution(name):
     assert not info.usable_here and info.substitute_here.startswith("torch_sdpa:") and not info.runtime
     # automatic choice never names fa there either (NPU's ring-attention rule included)
     ring = LayerSpec(role="self", head_dim=64, dtype=BF16, needs_lse=True)
-    assert select_backend(ring, component=None, settings=AttentionSettings(), platform=platform).backend != B.FA
+    assert select_backend(ring, component=None, settings=None, platform=platform).backend != B.FA
 
 
 def test_rocm_with_flash_attn_runs_fa():
@@ -162,7 +164,7 @@ def test_sm100_cudnn_choice_falls_back_to_fa_per_call(caplog, monkeypatch):
 
     monkeypatch.setattr(selector, "_fallback_logged", set())  # logged once per process and reason
     b200 = Platform.simulate("cuda", (10, 0), {"flash_attn.cute"})
-    with use_platform(b200), attention_settings(AttentionSettings()), component_scope("transformer") as scope:
+    with use_platform(b200), attention_settings(AttentionSettings()), component_scope("transformer"):
         layer = LocalAttention(2, 128, role="self", prefix="blocks.0.attn1", dtype=BF16)
     d = layer.decision
     assert (d.backend, d.source, d.runtime_fallback) == (B.TORCH_CUDNN_SDPA, "auto", B.FA)

@@ -299,11 +299,13 @@ def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     masked).  ``scale`` defaults to ``D ** -0.5``.  ``config`` overrides the launch configuration
     (keys of :func:`default_config`; with ``impl="sm90"`` those of ``block_sparse_sm90.default_config``,
     checked by ``block_sparse_sm90.kernel_config`` on any device).
-    Returns ``(out [B, S_q, H, D] in q.dtype, lse [B, H, S_q] float32 natural log, or None)``; a query row with no valid key gives zeros and LSE ``-inf``.
+    Returns ``(out [B, S_q, H, D] in q.dtype, lse [B, H, S_q] float32 natural log, or None)``; a query
+    row with no valid key gives zeros and LSE ``-inf``.
 
     ``impl``: ``"triton"`` runs the kernel of this module; ``"sm90"`` the warp-specialised Gluon kernel
-    of :mod:`.block_sparse_sm90` (SM90, block size 64, head dim 64/128); ``nonempty_rows``: the caller guarantees ``kv_counts >= 1`` for every query
-    block (the FA4 path then skips its emptiness check, a device sync for lists it has not seen); ``"fa4"`` runs FlashAttention-4's
+    of :mod:`.block_sparse_sm90` (SM90, block size 64, head dim 64/128); ``nonempty_rows``: the caller
+    guarantees ``kv_counts >= 1`` for every query block (the FA4 path then skips its emptiness check, a
+    device sync for lists it has not seen); ``"fa4"`` runs FlashAttention-4's
     block-sparse forward with the same lists (SM90/SM100, block size 64 or 128, head dim <= 128,
     ``kv_valid`` None or one valid prefix shared by the batch); ``"auto"`` (default) takes FA4 for
     block size 128 when installed and the call fits (measured 1.11-1.35x faster than the Triton
