@@ -67,7 +67,7 @@ CASES = [
     ("sparge_attn exact cdf=0.95 topk=0.25", "sparge_attn", {"cdfthreshd": 0.95, "topk": 0.25, "quantize": False}),
     ("sparge_attn exact cdf=0.92 topk=0.3", "sparge_attn", {"cdfthreshd": 0.92, "topk": 0.3, "quantize": False}),
     ("sparge_attn exact cdf=0.91 topk=0.3", "sparge_attn", {"cdfthreshd": 0.91, "topk": 0.3, "quantize": False}),
-    # 4x4x8-token tiles: the kernels' 128-row regime (docs/benchmarks.md §3), coarser selection
+    # 4x4x8-token tiles: the kernels' 128-row regime (docs/benchmarks.md, block-sparse kernels), coarser selection
     ("sparge_attn exact topk=0.4 block_size=128", "sparge_attn", {"topk": 0.4, "quantize": False, "block_size": 128}),
     ("sparge_attn exact cdf=0.93 topk=0.3 block_size=128", "sparge_attn",
      {"cdfthreshd": 0.93, "topk": 0.3, "quantize": False, "block_size": 128}),
