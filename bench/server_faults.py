@@ -124,7 +124,7 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-            raise Failed(f"the server did not exit within {timeout} s")
+            raise Failed(f"the server did not exit within {timeout} s") from None
         finally:
             self._log.close()
         return rc, time.time() - t0

@@ -1,7 +1,7 @@
 import os
 
 # Must be set before triton or any kernel module is imported: Triton kernels run in the
-# interpreter on CPU-only machines (NOTES.md).
+# interpreter on CPU-only machines.
 try:
     import torch as _torch
 
@@ -68,7 +68,7 @@ for kernel, variants in json.loads(sys.argv[2]):
 @pytest.fixture(scope="session")
 def _sm90_census_all(request) -> dict:
     """Every census the session's ``sm90_census`` markers ask for, compiled in ONE fresh interpreter
-    without the Triton interpreter (bench/sm90_offline.py): ``{(kernel, variants): {variant:
+    without the Triton interpreter (tests/sm90_offline.py): ``{(kernel, variants): {variant:
     registers, spills, shared, loop census}}``.  ``DITATTN_SM90_TRITON_PATH`` (a site-packages dir
     holding the GPU machine's Triton, 3.6.0) compiles with that version instead of the installed one."""
     import json
@@ -81,7 +81,7 @@ def _sm90_census_all(request) -> dict:
     env["PYTHONPATH"] = os.path.join(root, "src") + os.pathsep + env.get("PYTHONPATH", "")
     triton_path = os.environ.get("DITATTN_SM90_TRITON_PATH")
     extra = ["--triton-path", triton_path] if triton_path else []
-    proc = subprocess.run([sys.executable, "-c", _CENSUS_DRIVER, os.path.join(root, "bench"), json.dumps(wanted),
+    proc = subprocess.run([sys.executable, "-c", _CENSUS_DRIVER, os.path.join(root, "tests"), json.dumps(wanted),
                            json.dumps(extra)], capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()[-len(wanted):]

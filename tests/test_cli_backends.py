@@ -83,7 +83,7 @@ def test_backends_name_the_measured_operating_points_of_sparse_defaults(capsys):
         op = names[n]["operating_point"]
         assert op is not None and 0 <= op["rel_err"] < 2 and 0 < op["kept"] <= 1, n
         assert op["speedup"] is not None or "bench/fidelity.py" in op["speed_pending"]
-    # issue 19: every training-free default measured on the H200 at both head counts, none slower than dense
+    # every training-free default measured on the H200 at both head counts, none slower than dense
     for n in ("sparge_attn", "sparse_video_gen_2_attn", "sol_attn", "vmoba_attn", "sliding_tile_attn"):
         op = names[n]["operating_point"]
         assert op["speedup"] >= 1.0 and op["speedup_40"] >= 1.0, n

@@ -450,7 +450,7 @@ def _ties(n_rows=12, seed=5):
                         + [(k + 0.5) * 2.0 ** -9 for k in range(8)], dtype=torch.float64)
     mids = mids[mids < 448]
     rows = []
-    for i in range(n_rows):
+    for _ in range(n_rows):
         s = float((torch.randint(128, 256, (1,), generator=g) // 32 * 32) * 2.0 ** (int(torch.randint(-40, 40, (1,), generator=g)) - 7))
         x = torch.cat([mids, -mids]) * s  # a 3-bit scale mantissa keeps (5-bit midpoint) * scale in bf16
         keep = x.to(torch.bfloat16).double() == x.double()
@@ -1026,7 +1026,7 @@ def test_sequence_parallel_int8_matches_one_process(tmp_path, capfd):
 
 
 # ------------------------------------------------------------------------------------------------
-# with LoRA and offload (issue 24's options)
+# with LoRA and offload
 
 
 def _write_lora(path, seed=0, rank=4):

@@ -1,5 +1,5 @@
-"""Every component-override rule (DESIGN 2.3 / 2.4), observed through ``ditattn plan --json`` on the
-built-in tiny models, on this CPU and on simulated GPUs."""
+"""Every component-override rule (selection priority, component and role keys), observed through
+``ditattn plan --json`` on the built-in tiny models, on this CPU and on simulated GPUs."""
 import json
 
 import pytest
@@ -157,7 +157,7 @@ def test_sparse_component_override_on_cross_falls_back(capsys):
 
 def test_sparse_role_override_on_cross_is_swapped_for_dense(capsys, caplog):
     """The seed: an incompatible override fails except when a sparse backend for cross-attention is
-    swapped for a compatible dense one (issue 26 item 7: this used to exit with an error)."""
+    swapped for a compatible dense one (this used to exit with an error)."""
     import logging
 
     with caplog.at_level(logging.WARNING, logger="ditattn.attention"):
@@ -190,7 +190,7 @@ def test_transformer_2_inherits_unless_it_has_its_own(capsys):
     assert rc == 0
     assert summary(p, "transformer", "self") == {("video_sparse_attn", "component")}
     # transformer_2's own key decides its cross-attention; its self-attention still inherits
-    # transformer= (issue 26 item 8: a role key used to cancel inheritance for the other role)
+    # transformer= (a role key used to cancel inheritance for the other role)
     assert summary(p, "transformer_2", "cross") == {("sage_attn", "component_role")}
     assert summary(p, "transformer_2", "self") == {("video_sparse_attn", "component")}
     rc, p = plan(capsys, "--model-path", "ditattn:tiny-wan2.2", "--component-attention-backends",

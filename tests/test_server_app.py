@@ -50,7 +50,8 @@ class ToyRunner(BaseRunner):
     ``steps`` x ``step_s`` seconds of "denoising" ask ``batch_stop_reason`` before each step (as the
     pipeline asks its ``should_stop``); ``steps_run`` records how many steps each batch ran."""
 
-    def __init__(self, settings=AttentionSettings(), gate=None, fail_prompt=None, delay=0.0, steps=0, step_s=0.0):
+    def __init__(self, settings=None, gate=None, fail_prompt=None, delay=0.0, steps=0, step_s=0.0):
+        settings = settings if settings is not None else AttentionSettings()
         with attention_settings(settings), component_scope("transformer"):
             self.dit = ToyDiT()
         super().__init__("toy-dit", [self.dit], defaults=ModelDefaults(width=32, height=16, num_frames=5,

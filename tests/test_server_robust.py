@@ -1,4 +1,4 @@
-"""The server against hostile or unlucky clients (issue 23), on a real uvicorn with the toy runner of
+"""The server against hostile or unlucky clients, on a real uvicorn with the toy runner of
 ``test_server_app``: disconnected clients are cancelled and not computed, DELETE stops a running
 video job, limits are 400s naming the flag, no input yields a 5xx, internal errors are fixed text
 counted and logged once, /health reports a stuck worker, 429 carries Retry-After, image URLs come

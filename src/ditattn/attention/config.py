@@ -1,6 +1,6 @@
 """``--attention-backend-config`` and ``--component-attention-backends``: parsing and validation.
 
-Config parsing order (DESIGN 2.6): an existing ``.json``/``.yaml``/``.yml`` file → a JSON object
+Config parsing order: an existing ``.json``/``.yaml``/``.yml`` file → a JSON object
 string → ``k=v`` pairs split on commas.  Each backend validates its own keys against its schema
 (:mod:`ditattn.attention.schemas`); unknown keys, wrong types and out-of-range values raise
 :class:`AttentionConfigError` naming the key and what is accepted.

@@ -22,7 +22,7 @@ _forced: list[Optional[AttentionBackendEnum]] = [None]
 
 def global_force_attn_backend(name: "str | AttentionBackendEnum | None") -> None:
     """Force every attention layer built (and every automatic ``attention()`` call) from now on to
-    use ``name``; ``None`` clears the force. Highest selection priority (DESIGN 2.3)."""
+    use ``name``; ``None`` clears the force. Highest selection priority after an explicit ``backend=``."""
     _forced[0] = None if name is None else AttentionBackendEnum.from_name(name)
 
 

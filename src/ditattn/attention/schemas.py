@@ -1,7 +1,7 @@
 """Backend config schemas: every parameter a backend accepts, with its type, default and range.
 
 :data:`SCHEMAS` maps a schema key (``BackendSpec.config_schema``) to its :class:`Param` tuple: the
-seed's parameter tables, the parameters of the in-tree algorithms the seed leaves unnamed, and the
+parameter tables of upstream (SGLang), the parameters of the in-tree algorithms it leaves unnamed, and the
 implementation choices of backends with several kernels (``sage_attn``: ``impl``, ``pv_dtype``,
 ``qk_dtype``; the sparse backends on the block-sparse engine: ``block_sparse_impl``).  Parsing and
 validation against these schemas: :mod:`ditattn.attention.config`.  ``ditattn backends`` prints them.
@@ -194,7 +194,7 @@ SCHEMAS: dict[str, tuple[Param, ...]] = {
         P("pv_accum", "str", "two_level", "FP8 P.V accumulation (pv_dtype fp8 only): two_level (each key block's P.V in a fresh accumulator, added in FP32) or direct (one accumulator across all keys: fewer instructions, but the FP8 tensor cores add with fewer mantissa bits than FP32, so the error grows with the sequence length; impl sm90 or triton)", choices=SAGE_PV_ACCUMS),
         P("qk_dtype", "str", "int8", "Q.K precision: int8 (per-token Q scales, smoothed K); fp8 is reserved for a kernel that implements it", choices=SAGE_QK_DTYPES, check=_qk_implemented, accepted="int8 (fp8: no kernel yet)"),
         P("k_granularity", "str", "auto", "INT8 scale granularity of the smoothed K: token (one scale per key; 1.7 % error on structured inputs) or block (one per 128 keys; 2.3 %, about 10 % faster on the sm90 kernel); auto: token on sm90 and reference, block on the Triton kernel (the only one it has)", choices=SAGE_K_GRANULARITIES),
-        P("qk_balance", "float", None, "Per-channel Q/K balance before the INT8 rounding (SmoothQuant-style, per batch and K/V head: Q's channels times c, smoothed K's divided by c, c = amax|K~|^a / amax|Q|^(1-a) normalised to geometric mean 1, so Q.K is unchanged): unset = off; a in (0, 1]. CPU reference (docs/sage_sm90_notes.md): token K scales with a = 0.5 bring the worst structured input from 2.09 % to 1.82 % error (every structured input <= 1.83 %), real DiT activations unchanged (<= 0.47 %); block K scales with a = 0.75 take 0.04-0.5 pp off but stay above 2 % on some inputs. Costs one more read of Q in the quantization prologue (impl sm90, triton, reference; not the package)", check=_in(0.0, 1.0, lo_open=True), accepted="a number in (0, 1] (unset: off)"),
+        P("qk_balance", "float", None, "Per-channel Q/K balance before the INT8 rounding (SmoothQuant-style, per batch and K/V head: Q's channels times c, smoothed K's divided by c, c = amax|K~|^a / amax|Q|^(1-a) normalised to geometric mean 1, so Q.K is unchanged): unset = off; a in (0, 1]. CPU reference (docs/sage_kernel.md): token K scales with a = 0.5 bring the worst structured input from 2.09 % to 1.82 % error (every structured input <= 1.83 %), real DiT activations unchanged (<= 0.47 %); block K scales with a = 0.75 take 0.04-0.5 pp off but stay above 2 % on some inputs. Costs one more read of Q in the quantization prologue (impl sm90, triton, reference; not the package)", check=_in(0.0, 1.0, lo_open=True), accepted="a number in (0, 1] (unset: off)"),
     ),
     "sliding_tile_attn": (
         P("mask_strategy_file_path", "str", None, "Path to the mask strategy JSON ('t_l_h' -> [wt, wh, ww] in tiles); written by STA_searching/STA_tuning", required=True, accepted="a path to a JSON file"),

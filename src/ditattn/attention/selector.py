@@ -1,4 +1,4 @@
-"""The attention backend selector (DESIGN 2.3).
+"""The attention backend selector.
 
 Priority, first that applies: explicit ``backend=`` argument > global force > the layer's required
 backend > component override (role key beats component key) > CLI ``--attention-backend`` > the
@@ -8,7 +8,7 @@ each rejected candidate, why (:class:`Decision`).
 Strictness: the DiT (and explicit, forced, required or component choices) fail closed with the
 reasons; auxiliary components fall back from the CLI global to their default or a platform
 backend, recorded in the plan; a sparse backend chosen for self-attention serves cross-attention
-through a compatible dense backend; the seed's platform substitutions (``fa`` without a runtime →
+through a compatible dense backend; upstream's (SGLang) platform substitutions (``fa`` without a runtime →
 ``torch_sdpa``, …) are allowed and recorded.
 """
 from __future__ import annotations
@@ -114,7 +114,7 @@ EXPLICIT_SOURCES = ("explicit", "forced", "required", "component_role", "compone
 
 def resolve_on_platform(backend: B, req: LayerRequest, platform: Platform, allow_substitute: bool = True):
     """How ``platform`` serves ``backend`` for ``req``: ``(backend_to_run, substitution_reason,
-    reasons)``; reasons empty when usable (possibly through the seed's platform substitution).
+    reasons)``; reasons empty when usable (possibly through a platform substitution).
 
     Substitutions chain (``sage_attn`` -> ``fa`` -> ``torch_sdpa`` on Hopper without a fixed
     sageattention and without FlashAttention); the reason names every hop."""
@@ -231,7 +231,7 @@ def select_backend(
     rejected.append((asked.value, reasons))
 
     # a sparse backend reaching a cross-attention layer (text or image; the global or component key,
-    # or a `.cross` role key) -> a compatible dense backend, the seed's one exception to strictness
+    # or a `.cross` role key) -> a compatible dense backend, the one exception to strictness
     if SPECS[asked].sparse and layer.role in CROSS_ROLES and source in ("forced", "component", "component_role", "cli"):
         b, how = _dense_for_cross(layer, req, platform, settings, rejected)
         why = f"{asked.value} is a sparse self-attention backend and cannot serve cross-attention; using {b.value} ({how})"
@@ -247,7 +247,7 @@ def select_backend(
         run2, sub2, reasons2 = resolve_on_platform(layer.default_backend, req, platform)
         if not reasons2:
             why = f"{asked.value} cannot serve this layer ({'; '.join(reasons)}); using the layer default {run2.value}"
-            _note(component, where, why, "layer_default")  # the seed's auxiliary-component rule: INFO
+            _note(component, where, why, "layer_default")  # an auxiliary component falls back to its default: INFO
             return Decision(layer.prefix, layer.role, run2, "layer_default", requested=asked,
                             fallback_reason=why, rejected=rejected, runtime=_runtime_label(run2, platform, req, settings.config))
         rejected.append((layer.default_backend.value, reasons2))
@@ -279,7 +279,7 @@ def bind_impl(decision: Decision):
             msg = f"{decision.backend.value} -> {fallback.value} for this call: {'; '.join(exc.reasons)}"
             if msg not in _fallback_logged:
                 _fallback_logged.add(msg)
-                log.warning("%s (automatic choice; the seed's per-call fallback)", msg)
+                log.warning("%s (automatic choice; per-call fallback)", msg)
             return fb_impl(q, k, v, call, {})
 
     return run

@@ -50,9 +50,9 @@ class LayerRequest:
 class Runtime:
     """How a backend runs on one platform: alternative import names (empty = in-tree/built in).
 
-    missing: non-empty when the seed names this runtime but this build has no kernel path for it
+    missing: non-empty when upstream (SGLang) names this runtime but this build has no kernel path for it
     (the reason); such a runtime never counts as available, so the backend is refused or, where
-    the seed allows it, substituted (``fa`` -> ``torch_sdpa``) with this reason.
+    upstream allows it, substituted (``fa`` -> ``torch_sdpa``) with this reason.
     """
 
     modules: tuple[str, ...] = ()
@@ -66,7 +66,7 @@ class BackendSpec:
     kind: str  # dense | quantized | sparse | sparse+quantized | sparse+linear
     summary: str
     runtimes: Mapping[str, tuple[Runtime, ...]]  # platform name -> alternatives (any one suffices)
-    seed_platforms: tuple[str, ...]  # the source document's support matrix
+    upstream_platforms: tuple[str, ...]  # where upstream (SGLang) supports it
     dtypes: frozenset = FP16_BF16
     cpu_dtypes: frozenset | None = None  # dtypes of the CPU reference path, when it differs
     head_dims: frozenset[int] | None = None
@@ -191,8 +191,8 @@ SAGE_SM90_FIX_INSTALL = (f"pip install --force-reinstall git+https://github.com/
 
 def sage_lacks_sm90_fix(platform: Platform) -> bool:
     """True when the installed ``sageattention`` is a 2.x build up to 2.2.0 from a package index:
-    those lack the upstream SM90 binding fix (the seed: PyPI ``sageattention==2.2.0`` does not
-    work on Hopper). 1.x is Triton-only (no binding); a git install (``+git.<sha>``) or a later
+    those lack the upstream SM90 binding fix (upstream notes that PyPI ``sageattention==2.2.0``
+    does not work on Hopper). 1.x is Triton-only (no binding); a git install (``+git.<sha>``) or a later
     release is taken as fixed; an unknown version counts as fixed."""
     ver = platform.package_version("sageattention")
     if not ver or "+git" in ver:
@@ -216,7 +216,7 @@ def sage_cuda_runtime(platform: Platform, head_dim: int | None, needs_lse: bool 
     has_pkg = platform.has_package("sageattention")
     if (platform.sm == 90 and platform.has_package("triton") and pv_dtype == "fp16"
             and (head_dim is None or head_dim in SAGE_SM90_HEAD_DIMS)):
-        return "sm90", ""  # measured fastest on the H200 (docs/benchmarks.md section 2)
+        return "sm90", ""  # measured fastest on the H200 (docs/benchmarks.md, "Quantized attention")
     intree = platform.has_package("triton") and (head_dim is None or head_dim in SAGE_INTREE_HEAD_DIMS)
     pkg_broken = has_pkg and platform.sm == 90 and sage_lacks_sm90_fix(platform)
     # the package returns no LSE, picks its own P.V precision and quantizes Q / K its own way
@@ -280,7 +280,7 @@ SPECS: dict[B, BackendSpec] = {s.backend: s for s in [
                         p="MUSA", what="a MUSA build of flash-attn")),),
                     "npu": (Runtime((), "NPU fused attention", missing=_NO_FA_KERNEL.format(
                         p="NPU", what="torch_npu's npu_fusion_attention")),)},
-          seed_platforms=("cuda", "rocm", "xpu", "musa", "npu"),
+          upstream_platforms=("cuda", "rocm", "xpu", "musa", "npu"),
           cuda_sm_min=80, returns_lse=True, varlen=True, drop_in=True,
           install_hint="pip install flash-attn-4 (SM90/SM100), or flash-attn (FA2; its ROCm build on ROCm)",
           notes="falls back to torch_sdpa (logged, recorded in the plan) when no FlashAttention runtime "
@@ -288,14 +288,14 @@ SPECS: dict[B, BackendSpec] = {s.backend: s for s in [
           extra_check=_fa_check),
     _spec(B.TORCH_SDPA, kind="dense", summary="PyTorch scaled_dot_product_attention",
           runtimes={p: _NONE for p in ("cpu", "cuda", "rocm", "xpu", "musa", "mps", "npu")},
-          seed_platforms=("cuda", "rocm", "xpu", "musa", "mps", "npu"),
+          upstream_platforms=("cuda", "rocm", "xpu", "musa", "mps", "npu"),
           dtypes=ALL_FLOAT, max_head_dim=None, returns_lse=True, accepts_bias=True, drop_in=True,
           notes="the most portable option; LSE through the aten flash/efficient ops"),
     _spec(B.TORCH_CUDNN_SDPA, kind="dense", summary="PyTorch SDPA pinned to the cuDNN kernel",
-          runtimes={"cuda": _NONE}, seed_platforms=("cuda",), cuda_sm_min=80, returns_lse=True,
+          runtimes={"cuda": _NONE}, upstream_platforms=("cuda",), cuda_sm_min=80, returns_lse=True,
           notes="fastest SDPA kernel on Hopper (about 1.6x torch's flash path at head dim 128)"),
     _spec(B.SLIDING_TILE_ATTN, kind="sparse", summary="Sliding Tile Attention (3-D tile windows per step/layer/head)",
-          runtimes=_CUDA_INTREE, seed_platforms=("cuda",), dtypes=ALL_FLOAT, cross_attention=False,
+          runtimes=_CUDA_INTREE, upstream_platforms=("cuda",), dtypes=ALL_FLOAT, cross_attention=False,
           causal=False, lossy=True, config_schema="sliding_tile_attn",
           notes="in-tree block-sparse engine (any resolution; upstream st_attn not needed); "
                 "mask_strategy_file_path required"),
@@ -305,7 +305,7 @@ SPECS: dict[B, BackendSpec] = {s.backend: s for s in [
                              Runtime(("triton.experimental.gluon",), "in-tree Gluon SM90 kernel")),
                     "musa": (Runtime(("sageattention",), "sageattention package"),),
                     "cpu": (Runtime((), "in-tree PyTorch reference"),)},
-          seed_platforms=("cuda", "musa"), cpu_dtypes=ALL_FLOAT,
+          upstream_platforms=("cuda", "musa"), cpu_dtypes=ALL_FLOAT,
           cuda_sm=(80, 86, 89, 90, 120), lossy=True, returns_lse=True, drop_in=True, max_head_dim=128,
           install_hint="pip install sageattention", config_schema="sage_attn",
           notes="lossy (INT8 Q.K); upstream SM list SM80/86/89/90/120; on Hopper a call the in-tree kernel "
@@ -313,80 +313,80 @@ SPECS: dict[B, BackendSpec] = {s.backend: s for s in [
                 "on MUSA it runs the sageattention package (no LSE)",
           extra_check=_sage_check),
     _spec(B.SAGE_ATTN_3, kind="quantized", summary="SageAttention3 (FP4 microscaling), Blackwell only",
-          runtimes={"cuda": (Runtime(("sageattn3",), "SageAttention3"),)}, seed_platforms=("cuda",),
+          runtimes={"cuda": (Runtime(("sageattn3",), "SageAttention3"),)}, upstream_platforms=("cuda",),
           cuda_sm=(100, 103, 120, 121), lossy=True, drop_in=True,
           install_hint="build SageAttention3 from its upstream repository (Blackwell GPUs only)"),
     _spec(B.SPARGE_ATTN, kind="sparse+quantized", summary="SpargeAttention: top-k blocks by pooled-query block scores, INT8 Q.K in kept blocks",
-          runtimes=_CUDA_INTREE, seed_platforms=("cuda",), dtypes=FP16_BF16,
+          runtimes=_CUDA_INTREE, upstream_platforms=("cuda",), dtypes=FP16_BF16,
           cuda_sm=(80, 86, 87, 89, 90), lossy=True, cross_attention=False, causal=False,
           config_schema="sparge_attn",
           notes="FP16/BF16; head dim 64/128, square self-attention of >=128 tokens; other shapes run dense SDPA; "
                 "kept blocks INT8 Q.K (quantize=false: exact)"),
     _spec(B.SOL_ATTN, kind="sparse", summary="Sol attention: threshold routing with exact KV sinks",
-          runtimes=_CUDA_INTREE, seed_platforms=("cuda",), dtypes=BF16, head_dims=frozenset({128}),
+          runtimes=_CUDA_INTREE, upstream_platforms=("cuda",), dtypes=BF16, head_dims=frozenset({128}),
           lossy=True, cross_attention=False, causal=False, config_schema="sol_attn",
           notes="BF16 and head dim 128 only; first dense_steps steps and dense_layers run dense_backend"),
     _spec(B.VIDEO_SPARSE_ATTN, kind="sparse", summary="Video Sparse Attention: coarse top-k tiles + fine attention",
-          runtimes=_CUDA_INTREE, seed_platforms=("cuda",), dtypes=ALL_FLOAT, lossy=True,
+          runtimes=_CUDA_INTREE, upstream_platforms=("cuda",), dtypes=ALL_FLOAT, lossy=True,
           cross_attention=False, causal=False, config_schema="video_sparse_attn",
           notes="4x4x4 tiles of 64 tokens; in-tree engine (upstream vsa not needed)"),
     _spec(B.SUBBLOCK_SPARSE_ATTN, kind="sparse", summary="Training-free SubBlock sparsity for MiniMax-H3",
           runtimes={"cuda": (Runtime((), "MiniMax-H3 kernels"),)},
-          missing_kernel="not available yet: the MiniMax-H3 kernels follow once an H3 checkpoint is supported (DESIGN 2.10)",
-          seed_platforms=("cuda",), cuda_sm=(90, 100, 120), lossy=True, cross_attention=False,
+          missing_kernel="not available yet: the MiniMax-H3 kernels follow once an H3 checkpoint is supported",
+          upstream_platforms=("cuda",), cuda_sm=(90, 100, 120), lossy=True, cross_attention=False,
           config_schema="subblock_sparse_attn",
-          install_hint="not available yet: needs a MiniMax-H3 checkpoint and its kernels (DESIGN 2.10)",
+          install_hint="not available yet: needs a MiniMax-H3 checkpoint and its kernels",
           notes="compute_mode bf16, or sage_fp8 on SM90 (needs SpargeAttn)"),
     _spec(B.VIDEO_SPARSE_ATTN_H3, kind="sparse", summary="VSA for MiniMax-H3 / FastH3 (gated compression branch)",
           runtimes={"cuda": (Runtime((), "MiniMax-H3 kernels"),)},
-          missing_kernel="not available yet: the MiniMax-H3 kernels follow once an H3 checkpoint is supported (DESIGN 2.10)",
-          seed_platforms=("cuda",), cuda_sm=(90, 100, 103), lossy=True, cross_attention=False,
+          missing_kernel="not available yet: the MiniMax-H3 kernels follow once an H3 checkpoint is supported",
+          upstream_platforms=("cuda",), cuda_sm=(90, 100, 103), lossy=True, cross_attention=False,
           config_schema="video_sparse_attn_h3",
-          install_hint="not available yet: needs a MiniMax-H3 checkpoint (DESIGN 2.10)",
+          install_hint="not available yet: needs a MiniMax-H3 checkpoint",
           notes="rejects ring > 1, torch.compile, captured CUDA graphs; text encoder stays SDPA"),
     _spec(B.HYBRID_WINDOW_ATTN_H3, kind="sparse+linear", summary="VDN-H3 hybrid window softmax + Video Delta linear branch",
           runtimes={"cuda": (Runtime((), "MiniMax-H3 kernels"),)},
-          missing_kernel="not available yet: the MiniMax-H3 kernels follow once an H3 checkpoint is supported (DESIGN 2.10)",
-          seed_platforms=("cuda",), cuda_sm=(80, 86, 89, 90, 100, 103, 120), lossy=False,
+          missing_kernel="not available yet: the MiniMax-H3 kernels follow once an H3 checkpoint is supported",
+          upstream_platforms=("cuda",), cuda_sm=(80, 86, 89, 90, 100, 103, 120), lossy=False,
           cross_attention=False, config_schema="hybrid_window_attn_h3",
-          install_hint="not available yet: needs a VDN-H3 checkpoint (DESIGN 2.10)",
+          install_hint="not available yet: needs a VDN-H3 checkpoint",
           notes="required by VDN-H3 weights; rejects base H3/FastH3 checkpoints, ring > 1, torch.compile"),
     _spec(B.VMOBA_ATTN, kind="sparse", summary="V-MoBA: top-k temporal/spatial/spatio-temporal chunks",
-          runtimes=_CUDA_INTREE, seed_platforms=("cuda",), dtypes=ALL_FLOAT, lossy=True,
+          runtimes=_CUDA_INTREE, upstream_platforms=("cuda",), dtypes=ALL_FLOAT, lossy=True,
           cross_attention=False, causal=False, config_schema="vmoba_attn"),
     _spec(B.AITER, kind="dense", summary="AMD aiter flash attention (ROCm only)",
-          runtimes={"rocm": (Runtime(("aiter",), "aiter"),)}, seed_platforms=("rocm",), returns_lse=True,
+          runtimes={"rocm": (Runtime(("aiter",), "aiter"),)}, upstream_platforms=("rocm",), returns_lse=True,
           install_hint="pip install aiter (ROCm)"),
     _spec(B.AITER_SAGE, kind="quantized", summary="AMD aiter Sage attention (ROCm only)",
-          runtimes={"rocm": (Runtime(("aiter",), "aiter"),)}, seed_platforms=("rocm",), lossy=True,
+          runtimes={"rocm": (Runtime(("aiter",), "aiter"),)}, upstream_platforms=("rocm",), lossy=True,
           missing_kernel="needs a ROCm GPU with aiter; this build has no aiter Sage bindings",
           install_hint="pip install aiter (ROCm)"),
     _spec(B.SLA_ATTN, kind="sparse+linear", summary="Sparse-Linear Attention: exact critical blocks + linear branch",
-          runtimes=_CUDA_INTREE, seed_platforms=("cuda",), dtypes=ALL_FLOAT, lossy=True,
+          runtimes=_CUDA_INTREE, upstream_platforms=("cuda",), dtypes=ALL_FLOAT, lossy=True,
           cross_attention=False, causal=False, config_schema="sla_attn",
           notes="linear branch projection from the checkpoint; zero when absent (pure sparse)"),
     _spec(B.SAGE_SLA_ATTN, kind="sparse+linear", summary="SageAttention + Sparse-Linear Attention (quantized sparse branch)",
-          runtimes=_CUDA_INTREE, seed_platforms=("cuda",), dtypes=ALL_FLOAT, lossy=True,
+          runtimes=_CUDA_INTREE, upstream_platforms=("cuda",), dtypes=ALL_FLOAT, lossy=True,
           cross_attention=False, causal=False, config_schema="sla_attn"),
     _spec(B.SPARSE_VIDEO_GEN_2_ATTN, kind="sparse", summary="Sparse-VideoGen2: k-means semantic permutation + block sparsity",
-          runtimes=_CUDA_INTREE, seed_platforms=("cuda",), dtypes=ALL_FLOAT, lossy=True,
+          runtimes=_CUDA_INTREE, upstream_platforms=("cuda",), dtypes=ALL_FLOAT, lossy=True,
           cross_attention=False, causal=False, config_schema="sparse_video_gen_2_attn"),
     _spec(B.LASER_ATTN, kind="sparse", summary="Laser attention (Ascend NPU only)",
-          runtimes={"npu": (Runtime(("sgl_kernel_npu",), "sgl_kernel_npu attentions"),)}, seed_platforms=("npu",),
+          runtimes={"npu": (Runtime(("sgl_kernel_npu",), "sgl_kernel_npu attentions"),)}, upstream_platforms=("npu",),
           missing_kernel="needs an Ascend NPU with sgl_kernel_npu's attentions; this build has no NPU bindings",
           lossy=True, cross_attention=False, install_hint="pip install sgl_kernel_npu (Ascend NPU)",
           notes="uses SDPA below 2048 tokens"),
     _spec(B.BLOCK_SPARSE_ATTN, kind="sparse", summary="Block sparse attention (Ascend NPU only)",
-          runtimes={"npu": (Runtime(("sgl_kernel_npu",), "sgl_kernel_npu attentions"),)}, seed_platforms=("npu",),
+          runtimes={"npu": (Runtime(("sgl_kernel_npu",), "sgl_kernel_npu attentions"),)}, upstream_platforms=("npu",),
           missing_kernel="needs an Ascend NPU with sgl_kernel_npu's attentions; this build has no NPU bindings",
           lossy=True, cross_attention=False, install_hint="pip install sgl_kernel_npu (Ascend NPU)",
           config_schema="block_sparse_attn"),
     _spec(B.RAIN_FUSION_ATTN, kind="sparse", summary="RainFusion attention (Ascend NPU only)",
-          runtimes={"npu": (Runtime(("sgl_kernel_npu",), "sgl_kernel_npu attentions"),)}, seed_platforms=("npu",),
+          runtimes={"npu": (Runtime(("sgl_kernel_npu",), "sgl_kernel_npu attentions"),)}, upstream_platforms=("npu",),
           missing_kernel="needs an Ascend NPU with sgl_kernel_npu's attentions; this build has no NPU bindings",
           lossy=True, cross_attention=False, install_hint="pip install sgl_kernel_npu (Ascend NPU)"),
     _spec(B.FP8_FA_SM120, kind="quantized", summary="FP8 (E4M3) dense attention in CuTe DSL for SM120 GPUs",
-          runtimes={"cuda": (Runtime(("flash_attn.cute",), "CuTe DSL"),)}, seed_platforms=("cuda",),
+          runtimes={"cuda": (Runtime(("flash_attn.cute",), "CuTe DSL"),)}, upstream_platforms=("cuda",),
           missing_kernel="needs an SM120 GPU (RTX 50 / RTX PRO Blackwell); the SM120 FP8 CuTe kernel is not part of this build",
           dtypes=BF16, head_dims=frozenset({128}), cuda_sm=(120,), lossy=True, causal=False,
           install_hint="pip install flash-attn-4 (provides the CuTe DSL runtime); SM120 GPUs only",

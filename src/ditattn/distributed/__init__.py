@@ -1,4 +1,4 @@
-"""Sequence parallelism on ``torch.distributed`` (DESIGN 2.5): Ulysses, ring and USP attention.
+"""Sequence parallelism on ``torch.distributed``: Ulysses, ring and USP attention.
 
 * :mod:`~ditattn.distributed.groups` — the rank grid (``U × R = N``) and its process groups;
 * :mod:`~ditattn.distributed.comm` — all-to-all between sequence and head shards, ring rotation,

@@ -1,4 +1,4 @@
-"""``UlyssesAttention`` and ``USPAttention``: sequence-parallel attention modules (DESIGN 2.5).
+"""``UlyssesAttention`` and ``USPAttention``: sequence-parallel attention modules.
 
 Both are :class:`~ditattn.attention.layer.LocalAttention` subclasses: the backend is resolved at
 construction by the same selector (so the plan, component overrides, the per-request override

@@ -91,8 +91,8 @@ def gather_heads(x: Tensor, group, degree: Optional[int] = None) -> Tensor:
 
 class RingComm:
     """Rotates one tensor per step around a ring group: send to the next ring rank, receive from
-    the previous one, with plain ``isend``/``irecv`` (NOTES.md: ``batch_isend_irecv`` followed by
-    ``destroy_process_group`` aborted gloo ranks).
+    the previous one, with plain ``isend``/``irecv`` (``batch_isend_irecv`` followed by
+    ``destroy_process_group`` was seen to abort gloo ranks).
 
     Even ring ranks post the send first and odd ones the receive first, so that on NCCL, where the
     two directions between the same pair of ranks share one stream, a ring of two never waits on

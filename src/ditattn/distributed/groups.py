@@ -1,4 +1,4 @@
-"""Process groups of sequence parallelism (DESIGN 2.5): world, Ulysses groups and ring groups.
+"""Process groups of sequence parallelism: world, Ulysses groups and ring groups.
 
 ``N`` ranks are laid out as a ``R × U`` grid (``U`` = Ulysses degree, ``R`` = ring degree,
 ``U × R = N``)::

@@ -114,7 +114,7 @@ def _rank_session(rank: int, world_size: int, device: str, *, init_method: Optio
         destroy_sequence_parallel()
         if own_pg:
             if ok:
-                dist.barrier()  # NOTES.md: barrier before destroy
+                dist.barrier()  # a barrier before destroy: a rank that destroys early aborts its peers
             dist.destroy_process_group()
 
 

@@ -9,7 +9,7 @@ from ditattn.runconfig import RunConfig, flag_name
 
 
 def _check_attention_options(cfg: RunConfig) -> None:
-    """``backends`` accepts the attention flags (DESIGN 1.2) but lists every backend regardless:
+    """``backends`` accepts the attention flags of ``generate`` but lists every backend regardless:
     validate what was given (bad names, unknown config keys -> AttentionConfigError) and say on
     stderr that the listing does not depend on them, so nothing is ignored silently."""
     from ditattn.attention.config import SCHEMAS, parse_attention_backend_config, parse_component_overrides

@@ -1,5 +1,5 @@
 """``ditattn plan``: resolve every attention layer of the native pipeline without weights or
-denoising and print the plan (``--json``: the DESIGN 1.5 object), on the machine here or on the
+denoising and print the plan (``--json``: the plan as a JSON object), on the machine here or on the
 platform ``--platform`` simulates (``cfg.simulation``)."""
 from __future__ import annotations
 

@@ -247,7 +247,7 @@ class WanPipelineNative:
     # plan
 
     def plan(self) -> dict:
-        """The attention plan (DESIGN 1.5): ``{"platform": {...}, "components": [{"name",
+        """The attention plan: ``{"platform": {...}, "components": [{"name",
         "selectable", "layers": [{"prefix", "role", "backend", "source", "fallback_reason"}]}]}``."""
         return build_plan(self.platform, self.scopes, self.linear_quantization())
 
@@ -277,7 +277,7 @@ class WanPipelineNative:
 
     def prepare_request(self, override=None, skip_softmax=None) -> Optional[RequestState]:
         """Validate a request's ``attention_backend_override`` / ``skip_softmax`` against the DiT
-        (DESIGN 2.7 / 2.8) and return the prepared state (None when neither is given). Raises
+        and return the prepared state (None when neither is given). Raises
         :class:`AttentionConfigError` with the reason; nothing changes on refusal."""
         if override in (None, "") and skip_softmax is None:
             return None
@@ -338,8 +338,8 @@ class WanPipelineNative:
         3]``, or a list of N of those (one per prompt). lora: the scales of the loaded unfused LoRA
         adapters for this call (name -> scale, adapters not named are off; None: their load-time
         scales). override: a per-request
-        dense drop-in backend for the DiT (DESIGN 2.7); skip_softmax: ``{threshold_scale_factor,
-        start_step}`` (2.8); request_state: an already prepared state (:meth:`prepare_request`)
+        dense drop-in backend for the DiT; skip_softmax: ``{threshold_scale_factor,
+        start_step}``; request_state: an already prepared state (:meth:`prepare_request`)
         instead of those two. latents: optional initial noise ``[N, C, T, H/8, W/8]`` float32.
         output_type: ``uint8`` (default), ``float`` ([0, 1] float32) or ``latent``.
         on_step: optional callable ``(steps_done, total_steps)`` called after each denoising step.

@@ -1,8 +1,8 @@
-"""Request and response bodies of the OpenAI-compatible server (DESIGN 1.6).
+"""Request and response bodies of the OpenAI-compatible server.
 
 The field names and shapes follow OpenAI's images and videos APIs as the official ``openai``
 Python client sends and parses them (``client.images.generate``, ``client.videos.create /
-retrieve / list / download_content``), plus the extra body fields of DESIGN 1.6
+retrieve / list / download_content``), plus ditattn's extra body fields
 (``negative_prompt``, ``num_inference_steps``, ``guidance_scale``, ``seed``,
 ``attention_backend_override``, ``skip_softmax_params``; videos also ``num_frames`` and ``fps``).
 
@@ -162,7 +162,7 @@ def _finite(**kw):
 
 
 class SkipSoftmaxBody(BaseModel):
-    """``skip_softmax_params`` (DESIGN 2.8). Semantic checks (required, > 0) are the runtime's;
+    """``skip_softmax_params`` of a request. Semantic checks (required, > 0) are the runtime's;
     here only that the numbers are finite and bounded."""
 
     model_config = ConfigDict(extra="forbid")
@@ -238,7 +238,7 @@ class _Extras(BaseModel):
 
 
 class ImageGenerationRequest(_Extras):
-    """``POST /v1/images/generations`` body (OpenAI images API + DESIGN 1.6 extras).
+    """``POST /v1/images/generations`` body (OpenAI images API + ditattn's extra fields).
 
     OpenAI fields that change nothing for a diffusion model (quality, style, user, …) are accepted
     and ignored; ones whose requested behaviour the server cannot give (streaming, partial images,
@@ -307,7 +307,7 @@ class ImagesResponse(BaseModel):
 
 
 class VideoCreateRequest(_Extras):
-    """``POST /v1/videos`` body (OpenAI videos API + DESIGN 1.6 extras + ``num_frames``, ``fps``).
+    """``POST /v1/videos`` body (OpenAI videos API + ditattn's extra fields + ``num_frames``, ``fps``).
 
     ``seconds`` is the OpenAI clip duration (a string in the client; any positive number here);
     ``num_frames`` wins over it. ``input_reference`` is the first frame of an image-to-video job

@@ -25,7 +25,7 @@ implementations, chosen by its config key ``impl`` (schema: :mod:`ditattn.attent
   1.0.6 there, see docs/benchmarks.md), whenever the LSE or ``pv_dtype`` fp8 is needed and when the
   package is missing, else the package.  On Hopper a call the in-tree kernel cannot serve (head dims other
   than 32/64/128) needs the package with the SM90 fix; without it the selector has already put
-  ``fa`` on such layers (the seed's fallback, recorded in the plan).  MUSA: the package.  Other
+  ``fa`` on such layers (upstream's fallback, recorded in the plan).  MUSA: the package.  Other
   devices: the reference.
 
 ``pv_dtype`` is the P.V precision (``fp16``, the default: about 1 % relative error on random
@@ -215,8 +215,8 @@ def auto_impl(device_type: str, head_dim: int, need_lse: bool = False, pv_dtype:
     """The :data:`SAGE_IMPLS` key ``impl=auto`` runs for a call on ``device_type`` with ``head_dim``.
 
     CUDA: :func:`ditattn.attention.specs.sage_cuda_runtime` on ``platform`` (default: the current
-    one), the rule the selector labels the plan with; MUSA: the sageattention package (the seed's
-    MUSA support); other devices: the PyTorch reference.  Raises :class:`BackendUnavailableError`
+    one), the rule the selector labels the plan with; MUSA: the sageattention package (as upstream
+    supports it on MUSA); other devices: the PyTorch reference.  Raises :class:`BackendUnavailableError`
     with the reason when nothing may serve the call on CUDA."""
     if device_type == "cuda":
         name, why = sage_cuda_runtime(platform or current_platform(), head_dim, need_lse, pv_dtype, qk_balance)

@@ -8,7 +8,7 @@ Registers ``sliding_tile_attn``, ``video_sparse_attn``, ``sparge_attn``, ``vmoba
   ``call.text_len`` text tokens; ``video_shape`` None, a length that does not match, causal
   attention, an additive bias or cross-attention (different q/kv lengths) raise
   :class:`AttentionConfigError` (``sparge_attn`` instead runs dense SDPA on shapes it does not
-  sparsify, as the seed says);
+  sparsify, as upstream does);
 * text tokens attend and are attended by everything; GQA K/V heads are expanded;
 * ``call.step`` None counts as a sparse step, ``call.layer_idx`` None as layer 0;
 * dense phases (``skip_time_steps``, ``first_full_step``, ``dense_steps``, ``dense_layers``, ...)

@@ -26,7 +26,7 @@ Per (batch, head):
    takes the union), when ``b`` holds a text token, or when ``a`` holds a text query.  The output is
    permuted back exactly.
 
-Cost of a warm step (``bench/svg2_stages.py`` counts it per stage): per k-means iteration one fused
+Cost of a warm step: per k-means iteration one fused
 float32 product ``|c|^2 - 2 x . c`` and its argmin (``2 N C D`` FLOPs per head), then the cluster
 sums as the product of the labels' one-hot ``[C, N]`` with the points — in bf16 for bf16 inputs
 (0/1 and bf16 operands are exact, the accumulation float32, the sums rounded to bf16) —; the

@@ -1,4 +1,4 @@
-"""Issue 26: the seed's rules where ditattn used to report one backend and run another.
+"""Upstream's (SGLang) rules where ditattn used to report one backend and run another.
 
 One block per item of the issue, each on simulated platforms (no hardware needed). Items 7 and
 8e also have tests in test_pipeline_plan.py / test_selector.py, through ``ditattn plan``.
@@ -44,12 +44,14 @@ class ToyDiT(nn.Module):
         self.attn3 = LocalAttention(2, dim, role="cross", prefix="blocks.1.attn2", dtype=dtype)
 
 
-def build(settings=AttentionSettings(), platform=CPU, **kw):
+def build(settings=None, platform=CPU, **kw):
+    settings = settings if settings is not None else AttentionSettings()
     with use_platform(platform), attention_settings(settings), component_scope("transformer"):
         return ToyDiT(**kw)
 
 
-def prep(model, name=None, platform=CPU, settings=AttentionSettings(), **kw):
+def prep(model, name=None, platform=CPU, settings=None, **kw):
+    settings = settings if settings is not None else AttentionSettings()
     with use_platform(platform):
         return prepare_request_override([model], name, settings, **kw)
 
@@ -78,7 +80,7 @@ def test_fa_without_a_kernel_path_is_reported_as_the_sdpa_substitution(name):
     assert not info.usable_here and info.substitute_here.startswith("torch_sdpa:") and not info.runtime
     # automatic choice never names fa there either (NPU's ring-attention rule included)
     ring = LayerSpec(role="self", head_dim=64, dtype=BF16, needs_lse=True)
-    assert select_backend(ring, component=None, settings=AttentionSettings(), platform=platform).backend != B.FA
+    assert select_backend(ring, component=None, settings=None, platform=platform).backend != B.FA
 
 
 def test_rocm_with_flash_attn_runs_fa():
@@ -162,7 +164,7 @@ def test_sm100_cudnn_choice_falls_back_to_fa_per_call(caplog, monkeypatch):
 
     monkeypatch.setattr(selector, "_fallback_logged", set())  # logged once per process and reason
     b200 = Platform.simulate("cuda", (10, 0), {"flash_attn.cute"})
-    with use_platform(b200), attention_settings(AttentionSettings()), component_scope("transformer") as scope:
+    with use_platform(b200), attention_settings(AttentionSettings()), component_scope("transformer"):
         layer = LocalAttention(2, 128, role="self", prefix="blocks.0.attn1", dtype=BF16)
     d = layer.decision
     assert (d.backend, d.source, d.runtime_fallback) == (B.TORCH_CUDNN_SDPA, "auto", B.FA)
@@ -253,7 +255,7 @@ def test_fp8_fa_sm120_explicit_on_sm120_is_refused_not_swapped():
     rtx = Platform.simulate("cuda", (12, 0), {"flash_attn.cute"})
     with pytest.raises(AttentionConfigError, match="SM120 FP8 CuTe kernel is not part of this build"):
         decide(rtx, backend="fp8_fa_sm120")
-    # the seed's fallbacks stay: calls the kernel does not serve, and other GPUs, use torch_cudnn_sdpa
+    # upstream's fallbacks stay: calls the kernel does not serve, and other GPUs, use torch_cudnn_sdpa
     dec = decide(rtx, backend="fp8_fa_sm120", causal=True)
     assert dec.backend == B.TORCH_CUDNN_SDPA and "non-causal" in dec.fallback_reason
     dec = decide(Platform.simulate("cuda", (9, 0), ()), backend="fp8_fa_sm120")
@@ -283,9 +285,9 @@ def test_auxiliary_fallback_from_the_global_backend_stays_info(caplog):
     ((12, 0), {"flash_attn"}, B.FA),
     ((9, 0), {"flash_attn"}, B.TORCH_CUDNN_SDPA),  # measured on the H200
     ((9, 0), {"flash_attn.cute"}, B.FA),
-    ((10, 0), {"flash_attn.cute"}, B.TORCH_CUDNN_SDPA),  # the seed's SM100 rule
+    ((10, 0), {"flash_attn.cute"}, B.TORCH_CUDNN_SDPA),  # upstream's SM100 rule
 ])
-def test_cudnn_first_only_where_measured_or_the_seed_says(sm, packages, expect):
+def test_cudnn_first_only_where_measured_or_upstream_says(sm, packages, expect):
     assert decide(Platform.simulate("cuda", sm, packages)).backend == expect
 
 

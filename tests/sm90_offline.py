@@ -7,11 +7,11 @@ spills, shared memory, an instruction census of the main key loop (one iteration
 warp) — the numbers that decide whether the loop is issue-, MUFU- or tensor-core-bound — and any
 warning or performance advisory of ``ptxas -arch=sm_90a -v`` on the PTX (C7513: serialised wgmma).
 
-    python bench/sm90_offline.py                      # default config, D=128, bf16
-    python bench/sm90_offline.py --variants "default=;kblock=k_granularity:block" --sass-dir /tmp/sass
-    python bench/sm90_offline.py --variants "fp16=;fp8=pv_dtype:fp8;fp8_direct=pv_dtype:fp8/pv_accum:direct"
-    python bench/sm90_offline.py --kernel block_sparse --matrix    # every constexpr combination
-    python bench/sm90_offline.py --kernel block_sparse --variants "d64_fp16=head_dim:64/dtype:fp16/has_valid:false"
+    python tests/sm90_offline.py                      # default config, D=128, bf16
+    python tests/sm90_offline.py --variants "default=;kblock=k_granularity:block" --sass-dir /tmp/sass
+    python tests/sm90_offline.py --variants "fp16=;fp8=pv_dtype:fp8;fp8_direct=pv_dtype:fp8/pv_accum:direct"
+    python tests/sm90_offline.py --kernel block_sparse --matrix    # every constexpr combination
+    python tests/sm90_offline.py --kernel block_sparse --variants "d64_fp16=head_dim:64/dtype:fp16/has_valid:false"
 
 Besides the kernel's config keys a variant may set the build keys ``head_dim``, ``dtype`` (bf16|fp16)
 and, for the block-sparse kernel, ``has_valid`` / ``return_lse`` (its other constexprs).  ``--matrix``
@@ -41,7 +41,7 @@ if os.path.join(ROOT, "src") not in sys.path:
     sys.path.insert(0, os.path.join(ROOT, "src"))
 
 
-#: the Triton version of the lent H200 machine (docs/benchmarks.md, /work/shared/spec/NOTES.md)
+#: the Triton version of the H200 the kernels are measured on (docs/benchmarks.md)
 GPU_TRITON = "3.6.0"
 
 
@@ -227,6 +227,27 @@ def build_variant(kernel: str, cfg: dict, head_dim: int):
     return compile_block_sparse(cfg, **kw)
 
 
+def _variants(spec: str) -> dict[str, dict]:
+    """``name=k:v/k:v;name2=...`` -> {name: config} (the syntax of bench/sage_sm90.py's --variants)."""
+    out = {}
+    for part in filter(None, spec.split(";")):
+        name, _, cfg = part.partition("=")
+        conf = {}
+        for kv in filter(None, cfg.split("/")):
+            k, _, v = kv.partition(":")
+            if v.lower() in ("true", "false"):
+                conf[k] = v.lower() == "true"
+            elif v.isdigit():
+                conf[k] = int(v)
+            else:
+                try:
+                    conf[k] = float(v)
+                except ValueError:
+                    conf[k] = v
+        out[name] = conf
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", default="default=", help="'name=key:val/key:val;...' (empty = defaults)")
@@ -253,9 +274,6 @@ def main(argv=None):
 
     tmp = tempfile.mkdtemp()
     results = {}
-    sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
-    from sage_sm90 import _variants  # the benches' 'name=key:val/...' syntax
-
     variants = block_sparse_matrix() if args.matrix else _variants(args.variants)
     if not args.json:
         print(f"Triton {triton.__version__}, sm_90a, kernel {args.kernel}")
