@@ -136,6 +136,8 @@ def model_flags(p: argparse.ArgumentParser, *, prompt: bool = False, seed: bool 
     g.add_argument("--guidance-scale-2", type=typed("guidance_scale_2"), metavar="G",
                    help="guidance scale of the low-noise expert of two-expert Wan 2.2 checkpoints (default: "
                         "--guidance-scale); the switch point is the checkpoint's boundary_ratio")
+    field_flags(p.add_argument_group("sampler and guidance (docs/steps.md)"), "scheduler", "flow_shift", "timesteps",
+                "cfg_interval", "cfg_batching")
     g.add_argument("--height", type=typed("height"), metavar="H", help="output height in pixels")
     g.add_argument("--width", type=typed("width"), metavar="W", help="output width in pixels")
     g.add_argument("--num-frames", type=typed("num_frames"), metavar="F", help="frames (1 = image)")
