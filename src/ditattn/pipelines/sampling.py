@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional, Sequence
 
+import numpy as np
 import torch
 
 from ditattn.errors import AttentionConfigError
@@ -135,7 +136,7 @@ def build_sampler(factory: Callable[[], Any], *, name: Optional[str] = None, shi
         if resolved not in ("flow_euler", "unipc", "lcm"):
             raise AttentionConfigError(f"--timesteps works with --scheduler flow_euler, unipc or lcm (diffusers' "
                                        f"{type(sched).__name__} takes no explicit flow sigmas)")
-        sched.set_timesteps(sigmas=[t / train_steps for t in timesteps], device=device)
+        sched.set_timesteps(sigmas=np.array(timesteps, dtype=np.float64) / train_steps, device=device)
     else:
         sched.set_timesteps(steps, device=device)
     if hasattr(sched, "set_begin_index"):

@@ -245,8 +245,9 @@ def timestep_list(value: Any) -> tuple:
     items = [v for v in value.split(",")] if isinstance(value, str) else value
     if not isinstance(items, (list, tuple)) or not items or len(items) > MAX_STEPS:
         raise ValueError(f"expected 1 to {MAX_STEPS} {expected}, got {_short(value)}")
-    out = tuple(_number(v.strip() if isinstance(v, str) else v, lambda x: math.isfinite(x) and 0 < x <= 1e6,
-                        f"timesteps above 0 ({expected})") for v in items)
+    what = f"timesteps above 0 ({expected})"
+    out = tuple(_number(v.strip() if isinstance(v, str) else v, lambda x: math.isfinite(x) and 0 < x <= 1e6, what,
+                        what) for v in items)
     for a, b in zip(out, out[1:]):
         if not b < a:
             what = "a duplicate" if a == b else "not descending"
