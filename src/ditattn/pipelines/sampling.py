@@ -109,8 +109,9 @@ def check_timesteps(timesteps: Sequence[float], num_train_timesteps: int, max_st
     """Refuse an explicit list outside ``(0, num_train_timesteps]`` or longer than ``max_steps``
     (one-line :class:`AttentionConfigError`; descending order and no duplicates: the config check)."""
     if timesteps[0] > num_train_timesteps:
+        n = num_train_timesteps
         raise AttentionConfigError(f"timesteps: {timesteps[0]:g} is above this checkpoint's num_train_timesteps "
-                                   f"({num_train_timesteps}); accepted: descending values in (0, {num_train_timesteps}]")
+                                   f"({n}); accepted: descending values in (0, {n}]")
     if max_steps is not None and len(timesteps) > max_steps:
         raise AttentionConfigError(f"timesteps: {len(timesteps)} steps, at most {max_steps} accepted")
 
