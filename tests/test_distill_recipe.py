@@ -177,3 +177,49 @@ def test_recipe_end_to_end(tmp_path, capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert rc == 0 and lines[0] == f"saved: {out}" and out.stat().st_size > 0
     assert "4 steps, lcm shift 5, 4 DiT forwards, CFG off (load" in lines[-1]
+
+
+def test_server_request_fields(tmp_path):
+    """The sampler fields of a request: validated (400 naming the field) and run (an image and a video job)."""
+    import base64
+    import time
+
+    from fastapi.testclient import TestClient
+
+    from ditattn.runconfig import ModelConfig, RunConfig, SamplingConfig, ServerConfig
+    from ditattn.server.app import create_app
+    from ditattn.server.runner import build_runner
+
+    cfg = RunConfig(model=ModelConfig(model_path="ditattn:tiny-wan"),
+                    sampling=SamplingConfig(num_inference_steps=2, num_frames=1, height=32, width=48,
+                                            scheduler="flow_euler"))
+    runner = build_runner(cfg)
+    with TestClient(create_app(runner, ServerConfig(batch_window_s=0.0, max_steps=8, max_output_pixels=10 ** 6))) as c:
+        for body, field, words in [
+            ({"timesteps": [500, 750]}, "timesteps", "not descending"),
+            ({"timesteps": "1500,10"}, "timesteps", "above this checkpoint's num_train_timesteps (1000)"),
+            ({"timesteps": list(range(900, 0, -100))}, "timesteps", "at most 8 (the server's --max-steps)"),
+            ({"timesteps": [1000, 500], "scheduler": "dpmpp"}, "timesteps", "works with scheduler flow_euler"),
+            ({"scheduler": "ddim"}, "scheduler", "expected one of flow_euler, unipc, dpmpp, lcm"),
+            ({"flow_shift": -1}, "flow_shift", "expected a positive number"),
+            ({"cfg_interval": "0.5:0.2"}, "cfg_interval", "START must be below END"),
+        ]:
+            r = c.post("/v1/images/generations", json={"prompt": "x", "size": "48x32", **body})
+            assert r.status_code == 400, (body, r.text)
+            err = r.json()["error"]
+            assert err["param"] == field and words in err["message"], (body, err)
+        r = c.post("/v1/images/generations", json={"prompt": "x", "size": "48x32", "scheduler": "lcm",
+                                                   "flow_shift": 5, "timesteps": [1000, 750, 500, 250],
+                                                   "guidance_scale": 1, "response_format": "b64_json"})
+        assert r.status_code == 200, r.text
+        assert base64.b64decode(r.json()["data"][0]["b64_json"])[:4] == b"\x89PNG"
+        # multipart form values are text: "1000,500" and "0:0.5"
+        v = c.post("/v1/videos", data={"prompt": "x", "size": "48x32", "seconds": "1", "timesteps": "1000,500",
+                                       "cfg_interval": "0:0.5", "scheduler": "unipc"})
+        assert v.status_code == 200, v.text
+        for _ in range(600):
+            done = c.get(f"/v1/videos/{v.json()['id']}").json()
+            if done["status"] in ("completed", "failed"):
+                break
+            time.sleep(0.05)
+        assert done["status"] == "completed", done

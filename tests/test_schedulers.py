@@ -242,7 +242,7 @@ def test_bad_timesteps_are_one_line_errors(value, words):
 def test_timesteps_above_training_range_or_with_dpmpp(factory):
     with pytest.raises(AttentionConfigError, match=r"above this checkpoint's num_train_timesteps \(1000\)"):
         build_sampler(factory, steps=4, timesteps=(1200.0, 500.0))
-    with pytest.raises(AttentionConfigError, match="--timesteps works with --scheduler flow_euler, unipc or lcm"):
+    with pytest.raises(AttentionConfigError, match="timesteps: an explicit list works with scheduler flow_euler, unipc or lcm"):
         build_sampler(factory, name="dpmpp", steps=4, timesteps=(1000.0, 500.0))
 
 

@@ -135,8 +135,8 @@ def build_sampler(factory: Callable[[], Any], *, name: Optional[str] = None, shi
         timesteps = tuple(float(t) for t in timesteps)
         check_timesteps(timesteps, train_steps)
         if resolved not in ("flow_euler", "unipc", "lcm"):
-            raise AttentionConfigError(f"--timesteps works with --scheduler flow_euler, unipc or lcm (diffusers' "
-                                       f"{type(sched).__name__} takes no explicit flow sigmas)")
+            raise AttentionConfigError(f"timesteps: an explicit list works with scheduler flow_euler, unipc or lcm "
+                                       f"(diffusers' {type(sched).__name__} takes no explicit flow sigmas)")
         sched.set_timesteps(sigmas=np.array(timesteps, dtype=np.float64) / train_steps, device=device)
     else:
         sched.set_timesteps(steps, device=device)
