@@ -185,3 +185,40 @@ def cfg_mode(guided: Sequence[bool], batching: str) -> str:
 def forwards(guided: Sequence[bool]) -> int:
     """DiT passes per clip: 2 for each guided step (conditional + unconditional), 1 for the others."""
     return sum(2 if g else 1 for g in guided)
+
+
+def sampling_plan(pipe, sampling, *, steps: Optional[int] = None, guidance: Optional[float] = None,
+                  height: Optional[int] = None, width: Optional[int] = None,
+                  num_frames: Optional[int] = None) -> dict:
+    """What a generation of ``pipe`` (a :class:`~ditattn.pipelines.wan.WanPipelineNative`, weights
+    loaded or not) would sample with the :class:`~ditattn.runconfig.SamplingConfig` ``sampling`` and
+    the size / steps / guidance given (None: the model's defaults), for ``ditattn plan``:
+    ``{"scheduler", "flow_shift", "steps", "timesteps" (what the DiT is given), "cfg" (the mode),
+    "cfg_batching" (resolved), "cfg_batching_requested", "forwards" (DiT passes per clip)}``."""
+    from ditattn.pipelines.loading import _scheduler_factory
+
+    d = pipe.defaults
+    factory = pipe.components.get("scheduler")
+    if factory is None:  # built without weights: the checkpoint's scheduler config is still on disk
+        factory = _scheduler_factory(pipe.model_index.folder("scheduler"), pipe.model_index.components["scheduler"][1])
+    sampler = build_sampler(factory, name=sampling.scheduler, shift=sampling.flow_shift,
+                            steps=steps or d["num_inference_steps"], timesteps=sampling.timesteps)
+    guidance = d["guidance_scale"] if guidance is None else guidance
+    guided = guided_steps(sampler.num_steps, sampling.cfg_interval, guidance > 1.0)
+    shape = pipe.geometry.latent_shape(num_frames or d["num_frames"], height or d["height"], width or d["width"])
+    ref = pipe.components.get("transformer") or pipe.components.get("transformer_2")
+    t, h, w = ref.latent_grid(*shape[1:])
+    batching = resolve_cfg_batching(sampling.cfg_batching, device=pipe.device, tokens=t * h * w)
+    return {"scheduler": sampler.name, "flow_shift": sampler.shift, "steps": sampler.num_steps,
+            "timesteps": [round(float(x), 3) for x in sampler.scheduler.timesteps],
+            "cfg": cfg_mode(guided, batching), "cfg_batching": batching,
+            "cfg_batching_requested": sampling.cfg_batching, "tokens": t * h * w, "forwards": forwards(guided)}
+
+
+def format_sampling(info: dict) -> str:
+    """One line of ``ditattn plan``'s text output for :func:`sampling_plan`'s dict."""
+    ts = info["timesteps"]
+    shown = ", ".join(f"{x:g}" for x in ts) if len(ts) <= 8 else f"{ts[0]:g} ... {ts[-1]:g}"
+    auto = f" (auto at {info['tokens']} tokens per clip)" if info["cfg_batching_requested"] == "auto" else ""
+    return (f"sampling: {info['scheduler']} shift {info['flow_shift']:g}, {info['steps']} steps (DiT timesteps "
+            f"{shown}), CFG {info['cfg']}{auto}, {info['forwards']} DiT forwards per clip")
