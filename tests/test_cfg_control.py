@@ -134,3 +134,20 @@ def test_summary_line_reports_sampler_and_forwards(capsys, tmp_path):
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert rc == 0
     assert "4 steps, flow_euler shift 5, 6 DiT forwards, CFG sequential, on 2 of 4 steps (load" in last
+
+
+def test_bench_cfg_batching_cpu_smoke(tmp_path):
+    """bench/cfg_batching.py runs (CPU smoke mode) and its two paths compute the same numbers."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "cfg.json"
+    env = dict(os.environ, BENCH_DEVICE="cpu", PYTHONPATH=os.path.join(root, "src"))
+    subprocess.run([sys.executable, os.path.join(root, "bench", "cfg_batching.py"), "--arch", "tiny", "--sizes",
+                    "32x48x5", "--text-len", "16", "--repeats", "1", "--out", str(out)], check=True, env=env,
+                   capture_output=True, timeout=300)
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["tokens"] == 2 * 2 * 3 and row["rel_diff"] < 1e-5 and row["batched_ms"] > 0
