@@ -154,7 +154,8 @@ def model_flags(p: argparse.ArgumentParser, *, prompt: bool = False, seed: bool 
     lora = p.add_argument_group("LoRA")
     lora.add_argument("--lora-path", action="append", metavar="[COMPONENT=]PATH[:SCALE]",
                       help="load a diffusers / PEFT-format Wan LoRA (a .safetensors file, or a folder with "
-                           "pytorch_lora_weights.safetensors) into the DiT; repeat for several. COMPONENT: transformer "
+                           "pytorch_lora_weights.safetensors; also the original Wan layout of step-distill LoRAs, "
+                           "with their .diff / .diff_b deltas) into the DiT; repeat for several. COMPONENT: transformer "
                            "(default) or transformer_2 (the low-noise expert of two-expert checkpoints); SCALE "
                            "default 1.0. On serve, requests pick adapters by file name with a 'lora' field")
     lora.add_argument("--lora-fuse", type=typed("lora_fuse"), metavar="true|false",

@@ -161,6 +161,9 @@ def _generate_native(cfg: RunConfig, t_start: float) -> int:
     kw = cfg.generate_kwargs()
     _tune_cpu_threads(cfg.model.device)
     _output_path(cfg, cfg.sampling.num_frames)  # refuse an unwritable output before loading
+    from ditattn.pipelines.sampling import check_sampling_settings
+
+    check_sampling_settings(cfg)  # ... and sampler settings the checkpoint's scheduler cannot take
     t0 = time.perf_counter()
     pipe = WanPipelineNative.from_config(cfg, lora_fuse=True)  # one run: LoRAs fused unless --lora-fuse false
     _output_path(cfg, kw["num_frames"] or pipe.defaults["num_frames"])  # ... and with the frame count, before the work

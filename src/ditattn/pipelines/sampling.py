@@ -222,3 +222,20 @@ def format_sampling(info: dict) -> str:
     auto = f" (auto at {info['tokens']} tokens per clip)" if info["cfg_batching_requested"] == "auto" else ""
     return (f"sampling: {info['scheduler']} shift {info['flow_shift']:g}, {info['steps']} steps (DiT timesteps "
             f"{shown}), CFG {info['cfg']}{auto}, {info['forwards']} DiT forwards per clip")
+
+
+def check_sampling_settings(config) -> None:
+    """Refuse the sampler settings of a :class:`~ditattn.runconfig.RunConfig` that do not build on its
+    checkpoint's scheduler (a timestep above ``num_train_timesteps``, explicit timesteps with
+    ``dpmpp``), reading only the checkpoint's scheduler config: before any model loads."""
+    s, m = config.sampling, config.model
+    if s.scheduler is None and s.flow_shift is None and s.timesteps is None:
+        return
+    from ditattn.pipelines.loading import _scheduler_factory
+    from ditattn.pipelines.model_index import read_model_index, resolve_model_path
+
+    folder, name = resolve_model_path(m.model_path, revision=m.revision, local_files_only=m.local_files_only,
+                                      variant=m.model_variant)
+    mi = read_model_index(folder, name)
+    factory = _scheduler_factory(mi.folder("scheduler"), mi.components["scheduler"][1])
+    build_sampler(factory, name=s.scheduler, shift=s.flow_shift, steps=1, timesteps=s.timesteps)
