@@ -96,10 +96,13 @@ def make_scheduler(factory: Callable[[], Any], name: Optional[str], shift: Optio
         if own is None:
             if name is None and shift == own_shift:
                 return factory(), factory.cls.__name__, shift
-            raise AttentionConfigError(f"this checkpoint's scheduler {factory.cls.__name__} takes no --flow-shift; "
-                                       f"choose --scheduler {', '.join(NAME_CLASSES)}")
-        sched = factory.cls.from_config(factory.config, **{SHIFT_KEY[own]: shift}, **FLOW_FORM.get(own, {}))
-        return sched, own, shift
+            raise AttentionConfigError(f"flow_shift: this checkpoint's scheduler {factory.cls.__name__} takes no "
+                                       f"shift; choose a scheduler: {', '.join(NAME_CLASSES)}")
+        # None: the checkpoint's scheduler as it is (only a new shift); named: in its flow form
+        overrides = dict(FLOW_FORM.get(own, {})) if name is not None else {}
+        if name is not None or shift != own_shift:
+            overrides[SHIFT_KEY[own]] = shift
+        return (factory.cls.from_config(factory.config, **overrides) if overrides else factory()), own, shift
     cls = getattr(diffusers, NAME_CLASSES[name])
     sched = cls(num_train_timesteps=train_steps, **{SHIFT_KEY[name]: shift}, **FLOW_FORM.get(name, {}))
     return sched, name, shift
