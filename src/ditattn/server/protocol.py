@@ -4,7 +4,8 @@ The field names and shapes follow OpenAI's images and videos APIs as the officia
 Python client sends and parses them (``client.images.generate``, ``client.videos.create /
 retrieve / list / download_content``), plus the extra body fields of DESIGN 1.6
 (``negative_prompt``, ``num_inference_steps``, ``guidance_scale``, ``seed``,
-``attention_backend_override``, ``skip_softmax_params``; videos also ``num_frames`` and ``fps``).
+``attention_backend_override``, ``skip_softmax_params``, the sampler fields ``scheduler``, ``flow_shift``,
+``timesteps``, ``cfg_interval``; videos also ``num_frames`` and ``fps``).
 
 The client posts images as JSON and videos as ``multipart/form-data`` whose values are strings and
 whose nested objects are flattened to ``key[sub]`` names; :func:`unflatten_form` turns such a form
