@@ -213,6 +213,13 @@ def test_server_request_fields(tmp_path):
                                                    "guidance_scale": 1, "response_format": "b64_json"})
         assert r.status_code == 200, r.text
         assert base64.b64decode(r.json()["data"][0]["b64_json"])[:4] == b"\x89PNG"
+        # the fields reach the pipeline: same seed, another sampler, another image; the same fields, the same image
+        images = []
+        for body in ({"scheduler": "lcm", "timesteps": "1000,500"}, {}, {"scheduler": "lcm", "timesteps": "1000,500"}):
+            r = c.post("/v1/images/generations", json={"prompt": "x", "size": "48x32", "seed": 4,
+                                                       "response_format": "b64_json", **body})
+            images.append(r.json()["data"][0]["b64_json"])
+        assert images[0] != images[1] and images[0] == images[2]
         # multipart form values are text: "1000,500" and "0:0.5"
         v = c.post("/v1/videos", data={"prompt": "x", "size": "48x32", "seconds": "1", "timesteps": "1000,500",
                                        "cfg_interval": "0:0.5", "scheduler": "unipc"})
