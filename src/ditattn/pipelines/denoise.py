@@ -69,6 +69,18 @@ def denoise(latents: torch.Tensor, scheduler, dits: Mapping[str, Optional[torch.
             text_caches[(name, part)] = model.encode_text(ctx, img, per_block=name not in placement.streamers)
         return text_caches[(name, part)]
 
+    def forward(step: tuple, xb: torch.Tensor, part: str, branch: Optional[str]) -> torch.Tensor:
+        """One DiT forward of step ``(expert name, model, t, i)`` on ``xb`` with the text ``part``."""
+        name, model, t, i = step
+        if condition is not None and condition.mode == "ti2v":
+            ts = condition.timesteps(t, xb.shape[0], model.config.patch_size)
+        elif expand_timesteps:
+            ts = t.expand(xb.shape[0], grid[0] * grid[1] * grid[2])
+        else:
+            ts = t.expand(xb.shape[0])
+        with forward_context(step=i, num_steps=len(timesteps), video_shape=grid, text_len=0, branch=branch):
+            return model(xb, ts, text_cache=text_cache(name, model, part)).float()
+
     bar = tqdm(total=len(timesteps), desc="denoising", unit="step", file=sys.stderr, disable=not progress,
                dynamic_ncols=True, leave=True)
     try:
@@ -84,26 +96,15 @@ def denoise(latents: torch.Tensor, scheduler, dits: Mapping[str, Optional[torch.
                 used_models.add(name)
                 placement.onload(name)  # stays on the device until another component needs it
                 x = (latents if condition is None else condition.model_input(latents)).to(dtype)
-
-                def forward(xb: torch.Tensor, part: str, branch: Optional[str]) -> torch.Tensor:
-                    if condition is not None and condition.mode == "ti2v":
-                        ts = condition.timesteps(t, xb.shape[0], model.config.patch_size)
-                    elif expand_timesteps:
-                        ts = t.expand(xb.shape[0], grid[0] * grid[1] * grid[2])
-                    else:
-                        ts = t.expand(xb.shape[0])
-                    with forward_context(step=i, num_steps=len(timesteps), video_shape=grid, text_len=0,
-                                         branch=branch):
-                        return model(xb, ts, text_cache=text_cache(name, model, part)).float()
-
+                step = (name, model, t, i)
                 if guided[i] and sequential_cfg:
-                    cond, uncond = forward(x, "cond", "cond"), forward(x, "uncond", "uncond")
+                    cond, uncond = forward(step, x, "cond", "cond"), forward(step, x, "uncond", "uncond")
                 elif guided[i]:
-                    cond, uncond = forward(torch.cat([x, x]), "all", None).chunk(2)
+                    cond, uncond = forward(step, torch.cat([x, x]), "all", None).chunk(2)
                 if guided[i]:
                     pred = uncond + scale * (cond - uncond)
                 else:  # no guidance, or a step outside the guidance interval: the conditional half only
-                    pred = forward(x, "cond", "cond") if do_cfg else forward(x, "all", None)
+                    pred = forward(step, x, "cond", "cond") if do_cfg else forward(step, x, "all", None)
                 latents = scheduler.step(pred, t, latents, return_dict=False, **(step_kwargs or {}))[0]
                 bar.update(1)
                 if on_step is not None:

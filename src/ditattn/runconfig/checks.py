@@ -248,7 +248,7 @@ def timestep_list(value: Any) -> tuple:
     what = f"timesteps above 0 ({expected})"
     out = tuple(_number(v.strip() if isinstance(v, str) else v, lambda x: math.isfinite(x) and 0 < x <= 1e6, what,
                         what) for v in items)
-    for a, b in zip(out, out[1:]):
+    for a, b in zip(out, out[1:], strict=False):
         if not b < a:
             what = "a duplicate" if a == b else "not descending"
             raise ValueError(f"expected {expected} (strictly descending, no duplicates), got {_short(value)} "
