@@ -275,5 +275,6 @@ def test_plan_checks_size_and_names_flags_that_do_not_change_it(capsys):
     # (the first build of the tiny model may print a progress bar before; the error is the last line)
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: height 65 is not supported")
     assert main(["plan", "--num-inference-steps", "3", "--seed", "5", "--height", "64", "--num-frames", "5"]) == 0
-    err = capsys.readouterr().err
-    assert "note: --num-inference-steps, --seed do not change the attention plan" in err
+    out = capsys.readouterr()
+    assert "note: --seed do not change the attention plan" in out.err
+    assert ", 3 steps (DiT timesteps" in out.out.strip().splitlines()[-1]  # the steps shape the sampling line

@@ -136,6 +136,8 @@ def model_flags(p: argparse.ArgumentParser, *, prompt: bool = False, seed: bool 
     g.add_argument("--guidance-scale-2", type=typed("guidance_scale_2"), metavar="G",
                    help="guidance scale of the low-noise expert of two-expert Wan 2.2 checkpoints (default: "
                         "--guidance-scale); the switch point is the checkpoint's boundary_ratio")
+    field_flags(p.add_argument_group("sampler and guidance (docs/steps.md)"), "scheduler", "flow_shift", "timesteps",
+                "cfg_interval", "cfg_batching")
     g.add_argument("--height", type=typed("height"), metavar="H", help="output height in pixels")
     g.add_argument("--width", type=typed("width"), metavar="W", help="output width in pixels")
     g.add_argument("--num-frames", type=typed("num_frames"), metavar="F", help="frames (1 = image)")
@@ -153,7 +155,8 @@ def model_flags(p: argparse.ArgumentParser, *, prompt: bool = False, seed: bool 
     lora = p.add_argument_group("LoRA")
     lora.add_argument("--lora-path", action="append", metavar="[COMPONENT=]PATH[:SCALE]",
                       help="load a diffusers / PEFT-format Wan LoRA (a .safetensors file, or a folder with "
-                           "pytorch_lora_weights.safetensors) into the DiT; repeat for several. COMPONENT: transformer "
+                           "pytorch_lora_weights.safetensors; also the original Wan layout of step-distill LoRAs, "
+                           "with their .diff / .diff_b deltas) into the DiT; repeat for several. COMPONENT: transformer "
                            "(default) or transformer_2 (the low-noise expert of two-expert checkpoints); SCALE "
                            "default 1.0. On serve, requests pick adapters by file name with a 'lora' field")
     lora.add_argument("--lora-fuse", type=typed("lora_fuse"), metavar="true|false",

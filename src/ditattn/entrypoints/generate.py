@@ -126,9 +126,11 @@ def _write(cfg: RunConfig, frames, num_frames: int) -> Optional[str]:
 
 
 def _report(cfg: RunConfig, frames, *, t_start: float, load: float, steps: int, size: tuple, num_frames: int,
-            parts: dict, backends: str, stats: Optional[dict] = None, peak_memory: Optional[int] = None) -> None:
+            parts: dict, backends: str, stats: Optional[dict] = None, peak_memory: Optional[int] = None,
+            sampling: Optional[dict] = None) -> None:
     """Write the output, print its path, the attention stats and the one-line timing summary (with
-    the peak CUDA memory of the generation when it ran on a GPU)."""
+    the sampler, the DiT forwards per clip and the CFG mode of ``sampling`` when given, and the peak
+    CUDA memory of the generation when it ran on a GPU)."""
     t0 = time.perf_counter()
     path = _write(cfg, frames, num_frames)
     parts = {**parts, "save": time.perf_counter() - t0}
@@ -143,8 +145,12 @@ def _report(cfg: RunConfig, frames, *, t_start: float, load: float, steps: int, 
     where = "" if path else " (not saved)"
     total = time.perf_counter() - t_start
     peak = f"; peak GPU memory {peak_memory / 2**30:.1f} GiB" if peak_memory is not None else ""
-    print(f"done in {total:.1f}s{where}: {w}x{h}, {num_frames} frame{'s' if num_frames != 1 else ''}, {steps} steps "
-          f"(load {load:.1f}s, {detail}); DiT attention: {backends}{peak}")
+    how = ""
+    if sampling:  # e.g. ", lcm shift 5, 4 DiT forwards, CFG off"
+        how = (f", {sampling['scheduler']} shift {sampling['flow_shift']:g}, {sampling['forwards']} DiT forwards, "
+               f"CFG {sampling['cfg']}")
+    print(f"done in {total:.1f}s{where}: {w}x{h}, {num_frames} frame{'s' if num_frames != 1 else ''}, {steps} steps"
+          f"{how} (load {load:.1f}s, {detail}); DiT attention: {backends}{peak}")
     sys.stdout.flush()
 
 
@@ -156,6 +162,9 @@ def _generate_native(cfg: RunConfig, t_start: float) -> int:
     kw = cfg.generate_kwargs()
     _tune_cpu_threads(cfg.model.device)
     _output_path(cfg, cfg.sampling.num_frames)  # refuse an unwritable output before loading
+    from ditattn.pipelines.sampling import check_sampling_settings
+
+    check_sampling_settings(cfg)  # ... and sampler settings the checkpoint's scheduler cannot take
     t0 = time.perf_counter()
     pipe = WanPipelineNative.from_config(cfg, lora_fuse=True)  # one run: LoRAs fused unless --lora-fuse false
     _output_path(cfg, kw["num_frames"] or pipe.defaults["num_frames"])  # ... and with the frame count, before the work
@@ -166,7 +175,7 @@ def _generate_native(cfg: RunConfig, t_start: float) -> int:
     _report(cfg, res.frames[0], t_start=t_start, load=load, steps=res.num_inference_steps,
             size=(res.width, res.height), num_frames=res.num_frames, parts=parts,
             backends=",".join(res.attention_backends) + _linears_note(pipe), stats=res.stats,
-            peak_memory=res.peak_memory)
+            peak_memory=res.peak_memory, sampling=res.sampling)
     return 0
 
 

@@ -156,6 +156,8 @@ class CompareConfig:
     height: Optional[int] = None
     width: Optional[int] = None
     num_frames: Optional[int] = None
+    #: sampler settings for every variant (scheduler, flow_shift, timesteps, cfg_interval, cfg_batching)
+    sampling: dict = dataclasses.field(default_factory=dict)
     capture_steps: tuple = (0, -1)
     capture_rows: int = 4096
     in_context: bool = True
@@ -228,9 +230,11 @@ def run_compare(cfg: CompareConfig) -> dict:
                                                      dit_weights=cfg.dit_weights)
             d = pipe.defaults
             steps = cfg.num_inference_steps or d["num_inference_steps"]
+            if cfg.sampling.get("timesteps"):
+                steps = len(cfg.sampling["timesteps"])  # an explicit schedule overrides the step count
             capture = resolve_steps(cfg.capture_steps, steps)
             gen_kw = dict(height=cfg.height, width=cfg.width, num_frames=cfg.num_frames, num_inference_steps=steps,
-                          guidance_scale=cfg.guidance_scale, progress=False)
+                          guidance_scale=cfg.guidance_scale, progress=False, **cfg.sampling)
             if vi == 0:
                 ref_map = _reference_map(pipe)
                 meta = {"model": pipe.model_index.name, "device": str(pipe.device),

@@ -107,6 +107,9 @@ class GenerationResult:
     num_frames: int
     num_inference_steps: int
     peak_memory: Optional[int] = None
+    #: the sampler and guidance that ran: scheduler, flow_shift, timesteps (explicit list or None),
+    #: forwards (DiT passes per clip: 2 per guided step, 1 otherwise), cfg (off / batched / sequential ...)
+    sampling: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass

@@ -56,8 +56,10 @@ from ditattn.pipelines.loading import (DIT, build_components, check_load_options
 from ditattn.pipelines.model_index import ModelIndex, read_model_index, resolve_model_path
 from ditattn.pipelines.offload import ComponentPlacement
 from ditattn.pipelines.plan import build_plan, dit_backends
+from ditattn.pipelines.sampling import build_sampler, cfg_mode, forwards, guided_steps, resolve_cfg_batching
 from ditattn.pipelines.text import encode_prompts
 from ditattn.platforms import Platform, platform_for_device, use_platform
+from ditattn.runconfig import SamplingConfig
 
 log = logging.getLogger("ditattn.pipeline")
 
@@ -312,6 +314,11 @@ class WanPipelineNative:
         guidance_scale: Optional[float] = None,
         guidance_scale_2: Optional[float] = None,
         seed: Union[int, Sequence[int], None] = 0,
+        scheduler: Optional[str] = None,
+        flow_shift: Optional[float] = None,
+        timesteps: Optional[Sequence[float]] = None,
+        cfg_interval=None,
+        cfg_batching: Optional[str] = None,
         image=None,
         lora: Optional[dict] = None,
         override: Optional[str] = None,
@@ -333,6 +340,10 @@ class WanPipelineNative:
         (guidance_scale_2: the low-noise expert's scale of a two-expert checkpoint, default
         guidance_scale). seed: an int (prompt i uses seed + i) or N ints; each clip's initial noise
         comes from its own CPU generator, so a clip does not depend on what it is batched with.
+        scheduler (``flow_euler``, ``unipc``, ``dpmpp``, ``lcm``; None: the checkpoint's), flow_shift,
+        timesteps (explicit descending list; overrides num_inference_steps), cfg_interval (``(START, END)``
+        or ``"START:END"``), cfg_batching (``auto``, ``batched``, ``sequential``): the sampler and the
+        guidance, checked as the CLI's flags (:mod:`ditattn.pipelines.sampling`).
         image: the first frame of image-to-video / TI2V checkpoints (required by ``i2v`` ones,
         refused by text-to-video ones): a path, encoded bytes, a PIL image or a uint8 array ``[H, W,
         3]``, or a list of N of those (one per prompt). lora: the scales of the loaded unfused LoRA
@@ -357,6 +368,8 @@ class WanPipelineNative:
                              defaults=self.defaults, geometry=self.geometry, mode=self.mode,
                              two_experts=self.boundary_ratio is not None)
         height, width, num_frames, steps = inp.height, inp.width, inp.num_frames, inp.steps
+        sampling = SamplingConfig(scheduler=scheduler, flow_shift=flow_shift, timesteps=timesteps,
+                                  cfg_interval=cfg_interval, cfg_batching=cfg_batching or "auto")
         state = request_state if request_state is not None else self.prepare_request(override, skip_softmax)
 
         def check_stop() -> None:
@@ -394,15 +407,17 @@ class WanPipelineNative:
 
             # 3. denoise
             t0 = time.perf_counter()
-            scheduler = self.components["scheduler"]()
-            scheduler.set_timesteps(steps, device=dev)
-            if hasattr(scheduler, "set_begin_index"):
-                scheduler.set_begin_index(0)
+            sampler = build_sampler(self.components["scheduler"], name=sampling.scheduler, shift=sampling.flow_shift,
+                                    steps=steps, timesteps=sampling.timesteps, device=dev, seeds=inp.seeds)
+            steps = sampler.num_steps
+            guided = guided_steps(steps, sampling.cfg_interval, do_cfg)
+            batching = resolve_cfg_batching(sampling.cfg_batching, device=dev, tokens=self.tokens(latents))
             latents, used_models = denoise(
-                latents, scheduler, dits, context=context, condition=condition, guidance=inp.guidance,
+                latents, sampler.scheduler, dits, context=context, condition=condition, guidance=inp.guidance,
                 guidance_2=inp.guidance_2, boundary_ratio=self.boundary_ratio, expand_timesteps=self.expand_timesteps,
                 placement=self.placement, dtype=dt, state=state, progress=progress, on_step=on_step,
-                check_stop=check_stop)
+                check_stop=check_stop, guided=guided, sequential_cfg=batching == "sequential",
+                step_kwargs=sampler.step_kwargs)
             timings["denoise"] = time.perf_counter() - t0
             if condition is not None:
                 latents = condition.finalize(latents)  # TI2V: the first latent frame is the image's
@@ -424,8 +439,16 @@ class WanPipelineNative:
             layers = dit_layers(dits[c] for c in DIT if c in used_models)
             backends = request_backends([l for r in ROLES for l in layers if l.role == r], state)
             stats = dict(state.stats) if state is not None else {}
+            info = dict(scheduler=sampler.name, flow_shift=sampler.shift, timesteps=sampler.timesteps,
+                        forwards=forwards(guided), cfg=cfg_mode(guided, batching))
             return GenerationResult(frames, backends, timings, stats, latents, inp.seeds, height, width, num_frames,
-                                    steps, run.peak_memory())
+                                    steps, run.peak_memory(), info)
+
+    def tokens(self, latents: torch.Tensor) -> int:
+        """Latent tokens per clip after patching (the DiT's sequence length) for ``latents [N, C, T, h, w]``."""
+        ref = self.components.get("transformer") or self.components.get("transformer_2")
+        t, h, w = ref.latent_grid(*latents.shape[2:])
+        return t * h * w
 
     def decode(self, latents: torch.Tensor) -> np.ndarray:
         """Latents ``[N, C, T, h, w]`` -> float32 frames in [0, 1], ``np.ndarray [N, F, H, W, 3]``."""

@@ -38,6 +38,7 @@ from ditattn.errors import AttentionConfigError
 from ditattn.runconfig.checks import (
     boolean,
     float_between,
+    fraction_interval,
     int_between,
     lora_specs,
     one_of,
@@ -46,6 +47,7 @@ from ditattn.runconfig.checks import (
     positive_int,
     text,
     text_or_mapping,
+    timestep_list,
 )
 from ditattn.runconfig.commands import CompareOptions, ServerConfig, SimulationConfig
 from ditattn.runconfig.fields import MAX_FPS, MAX_FRAMES, MAX_GPUS, MAX_GUIDANCE, MAX_SEED, MAX_SIDE, MAX_STEPS
@@ -60,6 +62,10 @@ DTYPES = ("float32", "bfloat16", "float16")
 #: where components live between uses (ditattn.pipelines.offload)
 OFFLOAD_MODES = ("none", "text_encoder", "model", "group")
 DIT_QUANTIZATION = ("none", "fp8", "int8")  # ditattn.models.quantization.MODES
+#: samplers of the denoising loop (ditattn.pipelines.sampling); None: the checkpoint's own scheduler
+SCHEDULERS = ("flow_euler", "unipc", "dpmpp", "lcm")
+#: how the two halves of classifier-free guidance run (ditattn.pipelines.sampling.resolve_cfg_batching)
+CFG_BATCHING = ("auto", "batched", "sequential")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +120,22 @@ class SamplingConfig(_Section):
     num_frames: Optional[int] = _field(None, optional(int_between(1, MAX_FRAMES)), "frames (1 = image)")
     seed: Optional[int] = _field(None, optional(int_between(0, MAX_SEED)), "random seed (None: 0 for generate; serve "
                                  "refuses it, requests carry their own)")
+    scheduler: Optional[str] = _field(None, optional(one_of(*SCHEDULERS)), "sampler: flow_euler, unipc, dpmpp "
+                                      "(flow-prediction DPM-Solver++), lcm (predict x0, re-noise; for step-distilled "
+                                      "checkpoints) (default: the checkpoint's own, unipc for Wan)", metavar="NAME")
+    flow_shift: Optional[float] = _field(None, optional(float_between(0.0, 100.0, lo_open=True)),
+                                         "flow-matching timestep shift (default: the checkpoint's, e.g. 3.0 for "
+                                         "Wan 2.1 480p)", metavar="X")
+    timesteps: Optional[tuple] = _field(None, optional(timestep_list), "explicit descending timesteps, e.g. "
+                                        "1000,750,500,250 as distilled checkpoints ship; each T runs at sigma = "
+                                        "shift(T / num_train_timesteps); overrides num-inference-steps",
+                                        metavar="T1,T2,...")
+    cfg_interval: Optional[tuple] = _field(None, optional(fraction_interval), "guide only steps i of n with START "
+                                           "<= i/n < END (fractions of the schedule); other steps run the "
+                                           "conditional pass only (default 0:1, every step)", metavar="START:END")
+    cfg_batching: str = _field("auto", one_of(*CFG_BATCHING), "classifier-free guidance halves as one batch-2 "
+                               "forward (batched), two batch-1 forwards (sequential), or auto (the rule in "
+                               "docs/steps.md)", metavar="auto|batched|sequential")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,7 +342,9 @@ class RunConfig:
         return dict(prompt=s.prompt, negative_prompt=s.negative_prompt, height=s.height, width=s.width,
                     num_frames=s.num_frames, num_inference_steps=s.num_inference_steps,
                     guidance_scale=s.guidance_scale, guidance_scale_2=s.guidance_scale_2, image=s.image, seed=s.seed or 0,
-                    override=self.attention.attention_backend_override, skip_softmax=self.attention.skip_softmax())
+                    scheduler=s.scheduler, flow_shift=s.flow_shift, timesteps=s.timesteps, cfg_interval=s.cfg_interval,
+                    cfg_batching=s.cfg_batching, override=self.attention.attention_backend_override,
+                    skip_softmax=self.attention.skip_softmax())
 
     def for_rank(self, rank: int, device: str) -> "RunConfig":
         """This run as rank ``rank`` of a sequence-parallel job runs it: on ``device``, with the

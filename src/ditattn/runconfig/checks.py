@@ -232,3 +232,39 @@ def text_items(value: Any) -> tuple:
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
         raise ValueError(f"expected a list of strings, got {value!r}")
     return tuple(value)
+
+
+def timestep_list(value: Any) -> tuple:
+    """An explicit denoising schedule: ``"1000,750,500,250"`` or a list of numbers, each in (0, 1e6],
+    strictly descending (so no duplicates), at most ``MAX_STEPS`` of them; returned as a tuple of floats.
+    The upper bound that matters, the checkpoint's ``num_train_timesteps``, is checked when the
+    scheduler is built (:func:`ditattn.pipelines.sampling.build_sampler`)."""
+    from ditattn.runconfig.fields import MAX_STEPS
+
+    expected = "descending timesteps such as 1000,750,500,250"
+    items = [v for v in value.split(",")] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not items or len(items) > MAX_STEPS:
+        raise ValueError(f"expected 1 to {MAX_STEPS} {expected}, got {_short(value)}")
+    what = f"timesteps above 0 ({expected})"
+    out = tuple(_number(v.strip() if isinstance(v, str) else v, lambda x: math.isfinite(x) and 0 < x <= 1e6, what,
+                        what) for v in items)
+    for a, b in zip(out, out[1:], strict=False):
+        if not b < a:
+            what = "a duplicate" if a == b else "not descending"
+            raise ValueError(f"expected {expected} (strictly descending, no duplicates), got {_short(value)} "
+                             f"({what}: {a:g} then {b:g})")
+    return out
+
+
+def fraction_interval(value: Any) -> tuple:
+    """A part of the denoising schedule ``START:END`` (text, or a pair of numbers), fractions with
+    ``0 <= START < END <= 1``; returned as ``(START, END)`` floats."""
+    expected = "START:END with 0 <= START < END <= 1, e.g. 0:0.5"
+    parts = value.split(":") if isinstance(value, str) else value
+    if not isinstance(parts, (list, tuple)) or len(parts) != 2:
+        raise ValueError(f"expected {expected}, got {_short(value)}")
+    start, end = (_number(p.strip() if isinstance(p, str) else p, lambda x: math.isfinite(x) and 0 <= x <= 1,
+                          expected, expected) for p in parts)
+    if not start < end:
+        raise ValueError(f"expected {expected}, got {_short(value)} (START must be below END)")
+    return (start, end)

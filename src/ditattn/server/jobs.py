@@ -76,7 +76,8 @@ class GenerationJob:
     queue and their run separately); stop_reason: set by :meth:`Scheduler.cancel`; image: the first
     frame of an image-to-video job (a PIL image) or None; lora: the LoRA scales ``((name, scale),
     ...)`` sorted by name, or None for the server's defaults; guidance_scale_2: the low-noise
-    expert's guidance scale (two-expert checkpoints) or None.
+    expert's guidance scale (two-expert checkpoints) or None; scheduler, flow_shift, timesteps,
+    cfg_interval: the request's sampler fields (None: the server's defaults).
     """
 
     kind: str
@@ -100,6 +101,10 @@ class GenerationJob:
     image: Any = None
     lora: Optional[tuple] = None
     guidance_scale_2: Optional[float] = None
+    scheduler: Optional[str] = None
+    flow_shift: Optional[float] = None
+    timesteps: Optional[tuple] = None
+    cfg_interval: Optional[tuple] = None
     id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
     created: float = dataclasses.field(default_factory=time.time)
     future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
@@ -120,7 +125,8 @@ class GenerationJob:
                                                      self.skip_softmax.start_step)
         return (self.model, self.width, self.height, self.num_frames, self.num_inference_steps,
                 float(self.guidance_scale), self.negative_prompt or "", self.override, ss,
-                self.image is not None, self.lora, self.guidance_scale_2)
+                self.image is not None, self.lora, self.guidance_scale_2, self.scheduler, self.flow_shift,
+                self.timesteps, self.cfg_interval)
 
 
 def batch_stop_reason(jobs: Sequence[GenerationJob]) -> Optional[str]:

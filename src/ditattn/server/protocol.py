@@ -4,7 +4,8 @@ The field names and shapes follow OpenAI's images and videos APIs as the officia
 Python client sends and parses them (``client.images.generate``, ``client.videos.create /
 retrieve / list / download_content``), plus ditattn's extra body fields
 (``negative_prompt``, ``num_inference_steps``, ``guidance_scale``, ``seed``,
-``attention_backend_override``, ``skip_softmax_params``; videos also ``num_frames`` and ``fps``).
+``attention_backend_override``, ``skip_softmax_params``, the sampler fields ``scheduler``, ``flow_shift``,
+``timesteps``, ``cfg_interval``; videos also ``num_frames`` and ``fps``).
 
 The client posts images as JSON and videos as ``multipart/form-data`` whose values are strings and
 whose nested objects are flattened to ``key[sub]`` names; :func:`unflatten_form` turns such a form
@@ -199,7 +200,8 @@ class _Extras(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    @field_validator("num_inference_steps", "guidance_scale", "guidance_scale_2", "seed", "n", "num_frames", "fps", "seconds",
+    @field_validator("num_inference_steps", "guidance_scale", "guidance_scale_2", "flow_shift", "seed", "n", "num_frames",
+                     "fps", "seconds",
                      "output_compression", "partial_images", "frame_count", "frame_duration_ms", mode="before",
                      check_fields=False)
     @classmethod
@@ -214,10 +216,32 @@ class _Extras(BaseModel):
     seed: Optional[int] = None  # the range: check_numbers
     attention_backend_override: Optional[str] = Field(default=None, max_length=64)
     skip_softmax_params: Optional[SkipSoftmaxBody] = None
+    scheduler: Optional[str] = Field(default=None, max_length=32)
+    flow_shift: Optional[float] = _finite()
+    timesteps: Union[list[float], str, None] = None  # a list or "1000,750,500,250" (forms send text)
+    cfg_interval: Union[list[float], str, None] = None  # [START, END] or "START:END"
 
     @classmethod
     def accepted_fields(cls) -> list[str]:
         return list(cls.model_fields)
+
+    def sampling(self) -> dict:
+        """The sampler fields the request gives (``scheduler``, ``flow_shift``, ``timesteps`` as a list,
+        ``cfg_interval`` as ``[START, END]``), checked as the CLI's flags (400 naming the field)."""
+        from ditattn.errors import AttentionConfigError
+        from ditattn.runconfig import SamplingConfig
+
+        out = {}
+        for name in ("scheduler", "flow_shift", "timesteps", "cfg_interval"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            try:
+                checked = getattr(SamplingConfig(**{name: value}), name)
+            except AttentionConfigError as exc:
+                raise RequestError(str(exc), param=name) from None
+            out[name] = list(checked) if isinstance(checked, tuple) else checked
+        return out
 
     def check_numbers(self, n: int = 1) -> None:
         """Range checks no server setting decides: guidance scales in [0, 100]; seed in [0, 2^63 - 1]

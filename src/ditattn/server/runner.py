@@ -175,6 +175,26 @@ class PipelineRunner(BaseRunner):
         scales = resolve_request_lora(lora, self.pipe.adapters)
         return None if scales is None else tuple(sorted(scales.items()))
 
+    #: the server's sampler settings (serve --scheduler ...), the defaults of requests that leave them out
+    default_sampling: dict = {}
+
+    def sampling_for(self, job) -> dict:
+        """The sampler keyword arguments of ``job``'s pipeline call: its fields over the server's defaults."""
+        out = dict(self.default_sampling)
+        out.update({k: getattr(job, k) for k in ("scheduler", "flow_shift", "timesteps", "cfg_interval")
+                    if getattr(job, k, None) is not None})
+        return out
+
+    def check_sampling(self, sampling: dict) -> None:
+        """Raise :class:`AttentionConfigError` unless the sampler settings (over the server's defaults)
+        build on this model's scheduler (explicit timesteps within its training range, a scheduler
+        that takes them)."""
+        from ditattn.pipelines.sampling import build_sampler
+
+        s = {**self.default_sampling, **sampling}
+        build_sampler(self.pipe.components["scheduler"], name=s.get("scheduler"), shift=s.get("flow_shift"), steps=1,
+                      timesteps=s.get("timesteps"))
+
     def adapters(self) -> list[dict]:
         """The loaded LoRA adapters (name, component, default scale, fused)."""
         return [{"name": a.name, "component": a.component, "scale": a.scale, "fused": a.fused}
@@ -206,6 +226,7 @@ class PipelineRunner(BaseRunner):
             kw["image"] = [j.image for j in jobs for _ in range(j.n)]
         if head.lora is not None:
             kw["lora"] = dict(head.lora)
+        kw.update(self.sampling_for(head))
         res = self.pipe.generate(
             prompts, negatives, height=head.height, width=head.width, num_frames=head.num_frames,
             num_inference_steps=head.num_inference_steps, guidance_scale=head.guidance_scale,
@@ -253,5 +274,8 @@ def build_runner(config) -> PipelineRunner:
             setattr(d, field, getattr(s, field))
     pipe.check_size(d.height, d.width, d.num_frames)
     runner.default_negative_prompt = s.negative_prompt
+    runner.default_sampling = {k: getattr(s, k) for k in ("scheduler", "flow_shift", "timesteps", "cfg_interval",
+                                                          "cfg_batching") if getattr(s, k) is not None}
+    runner.check_sampling({})  # the server-wide sampler settings must themselves be valid
     runner.prepare(None, None)  # the server-wide attention defaults must themselves be valid
     return runner

@@ -217,6 +217,9 @@ class ServerState(RequestChecks):
                                     "guidance_scale", "seed", "fps")}
         p["guidance_scale_2"] = params.get("guidance_scale_2")
         p["lora"] = tuple(tuple(x) for x in params["lora"]) if params.get("lora") else None
+        for key in ("scheduler", "flow_shift", "timesteps", "cfg_interval"):  # the request's sampler fields
+            value = params.get(key)
+            p[key] = tuple(value) if isinstance(value, list) else value
         return GenerationJob(
             kind=kind, model=model, n=n, **p, override=rstate.override.value if rstate.override is not None else None,
             skip_softmax=rstate.skip_softmax, state=rstate, deadline=time.monotonic() + timeout,
