@@ -73,15 +73,6 @@ class CFGParallelGroups:
         """``"cond"`` or ``"uncond"``: the half this rank's forwards compute (``ForwardContext.branch``)."""
         return BRANCHES[self.rank]
 
-    def local_half(self, batch: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """This rank's half of a guidance batch ``[2N, ...]`` laid out conditional first, then
-        unconditional (``[N, ...]``; None stays None)."""
-        if batch is None:
-            return None
-        if batch.shape[0] % self.degree:
-            raise ValueError(f"a guidance batch of {batch.shape[0]} rows does not split into {self.degree} halves")
-        return batch.chunk(self.degree)[self.rank]
-
     def gather(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """All-gather this rank's prediction ``out [N, ...]`` over the CFG group: every half's
         prediction, in :data:`BRANCHES` order (``(cond, uncond)``), identical on both ranks."""
