@@ -51,8 +51,10 @@ FLOW_FORM = {
 }
 #: ``--cfg-batching auto``: sequential halves from this many latent tokens per clip on an accelerator
 #: (one forward already fills the device; batching then only doubles activation memory); below it,
-#: and on the CPU, the halves run as one batched forward.  See docs/steps.md and bench/cfg_batching.py.
-AUTO_SEQUENTIAL_MIN_TOKENS = 75600  # 1280x720, 81 frames: 21 x 45 x 80 tokens
+#: and on the CPU, the halves run as one batched forward.  Measured on an H200 (Wan2.1-1.3B, bf16,
+#: one guided step, bench/cfg_batching.py): 32 760 tokens (480x832x81) batched 914 ms / sequential
+#: 906 ms; 1 950 tokens (240x416x17) batched 43 ms / sequential 91 ms.
+AUTO_SEQUENTIAL_MIN_TOKENS = 32760  # 832x480, 81 frames: 21 x 30 x 52 tokens
 RENOISE_SEED_XOR = 0x5DEECE66D  # clip seed -> seed of its re-noising generator (lcm)
 
 
