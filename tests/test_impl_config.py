@@ -78,7 +78,7 @@ def test_sage_keys_are_validated_and_listed():
 def test_backends_lists_the_implementation_keys(capsys):
     from ditattn.cli import main
 
-    assert main(["backends"]) == 0
+    assert main(["backends", "--verbose"]) == 0
     out = capsys.readouterr().out
     assert "param impl: str = 'auto'" in out and "param pv_dtype: str = 'fp16'" in out
     assert "param block_sparse_impl: str = 'auto'" in out

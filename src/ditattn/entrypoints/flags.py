@@ -130,6 +130,13 @@ def output_flags(p: argparse.ArgumentParser) -> None:
     field_flags(o, "fps", "overwrite")
 
 
+def backends_flags(p: argparse.ArgumentParser) -> None:
+    """``backends [NAME] [--verbose]``."""
+    p.add_argument("backend_name", nargs="?", metavar="NAME", help=field_help("backend_name"))
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="every backend in full: parameters, every reason, notes and measured operating points")
+
+
 def json_flag(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--json", action="store_true", help=f"print {what} as JSON")
 

@@ -1,6 +1,6 @@
 """The sections of the run configuration that one command reads: :class:`ServerConfig`
-(``serve``), :class:`SimulationConfig` (``plan`` / ``backends``) and :class:`CompareOptions`
-(``compare``).  Part of :class:`~ditattn.runconfig.RunConfig`; importable from
+(``serve``), :class:`SimulationConfig` (``plan`` / ``backends``), :class:`BackendsOptions`
+(``backends``) and :class:`CompareOptions` (``compare``).  Part of :class:`~ditattn.runconfig.RunConfig`; importable from
 :mod:`ditattn.runconfig`."""
 from __future__ import annotations
 
@@ -139,6 +139,16 @@ class SimulationConfig(_Section):
 
         sim = self.simulated()
         return use_platform(sim) if sim is not None else contextlib.nullcontext()
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendsOptions(_Section):
+    """``backends``: one line per backend, or one backend in full."""
+
+    backend_name: Optional[str] = _field(None, optional(text),
+                                         "show this backend in full: its parameters and every reason it does or "
+                                         "does not run here (default: one line per backend; --verbose: all in full)",
+                                         metavar="NAME")
 
 
 @dataclasses.dataclass(frozen=True)
