@@ -74,3 +74,28 @@ def test_bad_values_are_refused_by_the_parser(argv, capsys):
         build_parser().parse_args(["generate", *argv])
     assert exc.value.code == 2
     assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_attention_backend_help_says_what_happens(capsys):
+    """The help calls --attention-backend strict for the DiT and names the platform substitutions; on the
+    CPU (no FlashAttention kernel) fa runs torch_sdpa as a recorded substitution, a backend the CPU cannot
+    run and the platform does not substitute is refused, and a sparse backend leaves cross-attention to a
+    dense one."""
+    import json
+
+    from ditattn.cli import main
+
+    text = flags.field_help("attention_backend")
+    assert "strict" in text and "fa runs torch_sdpa" in text and "cross-attention" in text
+    plan = ["plan", "--model-path", "ditattn:tiny-wan", "--device", "cpu", "--json"]
+    assert main([*plan, "--attention-backend", "fa"]) == 0
+    dit = [l for c in json.loads(capsys.readouterr().out)["components"] if c["name"] == "transformer"
+           for l in c["layers"]]
+    assert dit and all(l["backend"] == "torch_sdpa" and l["source"] == "cli" and "fa -> torch_sdpa" in
+                       l["fallback_reason"] for l in dit)
+    assert main([*plan, "--attention-backend", "torch_cudnn_sdpa"]) == 2
+    assert "cannot serve transformer" in capsys.readouterr().err
+    assert main([*plan, "--attention-backend", "video_sparse_attn"]) == 0
+    dit = [l for c in json.loads(capsys.readouterr().out)["components"] if c["name"] == "transformer"
+           for l in c["layers"]]
+    assert {l["role"]: l["backend"] for l in dit} == {"self": "video_sparse_attn", "cross": "torch_sdpa"}
