@@ -89,13 +89,13 @@ def test_attention_backend_help_says_what_happens(capsys):
     assert "strict" in text and "fa runs torch_sdpa" in text and "cross-attention" in text
     plan = ["plan", "--model-path", "ditattn:tiny-wan", "--device", "cpu", "--json"]
     assert main([*plan, "--attention-backend", "fa"]) == 0
-    dit = [l for c in json.loads(capsys.readouterr().out)["components"] if c["name"] == "transformer"
-           for l in c["layers"]]
-    assert dit and all(l["backend"] == "torch_sdpa" and l["source"] == "cli" and "fa -> torch_sdpa" in
-                       l["fallback_reason"] for l in dit)
+    dit = [row for c in json.loads(capsys.readouterr().out)["components"] if c["name"] == "transformer"
+           for row in c["layers"]]
+    assert dit and all(row["backend"] == "torch_sdpa" and row["source"] == "cli" and "fa -> torch_sdpa" in
+                       row["fallback_reason"] for row in dit)
     assert main([*plan, "--attention-backend", "torch_cudnn_sdpa"]) == 2
     assert "cannot serve transformer" in capsys.readouterr().err
     assert main([*plan, "--attention-backend", "video_sparse_attn"]) == 0
-    dit = [l for c in json.loads(capsys.readouterr().out)["components"] if c["name"] == "transformer"
-           for l in c["layers"]]
-    assert {l["role"]: l["backend"] for l in dit} == {"self": "video_sparse_attn", "cross": "torch_sdpa"}
+    dit = [row for c in json.loads(capsys.readouterr().out)["components"] if c["name"] == "transformer"
+           for row in c["layers"]]
+    assert {row["role"]: row["backend"] for row in dit} == {"self": "video_sparse_attn", "cross": "torch_sdpa"}

@@ -32,7 +32,7 @@ def test_generate_warns_before_denoising_and_goes_on(capsys, monkeypatch, tmp_pa
                "--width", "2048", "--num-frames", "33", "--output-path", str(tmp_path)])
     err = capsys.readouterr().err
     assert rc == 130  # not refused: it went on to generate
-    (line,) = [l for l in err.splitlines() if l.startswith("warning:")]
+    (line,) = [x for x in err.splitlines() if x.startswith("warning:")]
     assert "2048x2048, 33 frames" in line and "tokens x" in line and " h here" in line
 
 

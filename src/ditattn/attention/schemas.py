@@ -1,10 +1,12 @@
-"""Backend config schemas: every parameter a backend accepts, with its type, default and range.
+"""Backend config schemas: the :class:`Param` type (type, default, range, help) and its checks.
 
-:data:`SCHEMAS` maps a schema key (``BackendSpec.config_schema``) to its :class:`Param` tuple: the
-seed's parameter tables, the parameters of the in-tree algorithms the seed leaves unnamed, and the
-implementation choices of backends with several kernels (``sage_attn``: ``impl``, ``pv_dtype``,
-``qk_dtype``; the sparse backends on the block-sparse engine: ``block_sparse_impl``).  Parsing and
-validation against these schemas: :mod:`ditattn.attention.config`.  ``ditattn backends`` prints them.
+Each backend module declares its own parameters next to its implementation
+(``backends.base.register(..., schema=(P(...), ...))``); :data:`SCHEMAS` maps a schema key
+(``BackendSpec.config_schema``) to those rows, loading the backend modules on first read.  Shared here:
+the implementation choices several backends or the kernels check against (``sage_attn``'s ``impl``,
+``pv_dtype``, ``qk_dtype``; ``block_sparse_impl`` and ``edge_tiles`` of the block-sparse engine).
+Parsing and validation against the schemas: :mod:`ditattn.attention.config`.  ``ditattn backends``
+prints them.
 """
 from __future__ import annotations
 

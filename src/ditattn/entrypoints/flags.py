@@ -147,7 +147,8 @@ def server_flags(p: argparse.ArgumentParser) -> None:
                 "max_batch_size", "max_queue", "batch_window_s", "drain_timeout_s")
     field_flags(p.add_argument_group("request limits (a request over one gets HTTP 400 naming it)"),
                 "request_timeout_s", "max_output_pixels", "max_steps", "max_n", "max_side", "max_pixels", "max_frames",
-                "max_fps", "max_body_bytes", "max_image_bytes", "max_image_pixels", "max_json_depth", "max_videos_kept")
+                "max_fps", "max_body_bytes", "max_image_bytes", "max_image_pixels", "max_json_depth",
+                "max_videos_kept")
 
 
 def compare_flags(p: argparse.ArgumentParser) -> None:

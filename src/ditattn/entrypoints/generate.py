@@ -177,7 +177,8 @@ def _warn_if_slow(pipe, kw: dict) -> None:
 
     if pipe.device.type != "cpu":
         return
-    d, c = pipe.defaults, pipe.components["transformer" if "transformer" in pipe.components else "transformer_2"].config
+    dit = "transformer" if "transformer" in pipe.components else "transformer_2"
+    d, c = pipe.defaults, pipe.components[dit].config
     h, w = kw["height"] or d["height"], kw["width"] or d["width"]
     frames, steps = kw["num_frames"] or d["num_frames"], kw["num_inference_steps"] or d["num_inference_steps"]
     guidance = (d["guidance_scale"] if kw["guidance_scale"] is None else kw["guidance_scale"]) > 1.0

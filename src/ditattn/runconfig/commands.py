@@ -1,7 +1,7 @@
 """The sections of the run configuration that one command reads: :class:`ServerConfig`
 (``serve``), :class:`SimulationConfig` (``plan`` / ``backends``), :class:`BackendsOptions`
-(``backends``) and :class:`CompareOptions` (``compare``).  Part of :class:`~ditattn.runconfig.RunConfig`; importable from
-:mod:`ditattn.runconfig`."""
+(``backends``) and :class:`CompareOptions` (``compare``).  Part of
+:class:`~ditattn.runconfig.RunConfig`; importable from :mod:`ditattn.runconfig`."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,7 +1,7 @@
 """Quantized dense backends: ``sage_attn`` and ``sage_attn_3``.
 
 ``sage_attn`` (INT8 Q.K with smoothed K, FP16/BF16 or FP8 P.V; lossy) has several
-implementations, chosen by its config key ``impl`` (schema: :mod:`ditattn.attention.schemas`;
+implementations, chosen by its config key ``impl`` (schema: :data:`SAGE_ATTN_SCHEMA` below;
 ``ditattn backends`` lists it):
 
 * ``sm90``: our warp-specialised Gluon kernel for Hopper

@@ -2,7 +2,8 @@
 
 Registers ``sliding_tile_attn``, ``video_sparse_attn``, ``sparge_attn``, ``vmoba_attn``,
 ``sparse_video_gen_2_attn``, ``sla_attn``, ``sage_sla_attn`` and ``sol_attn`` (contract:
-:mod:`ditattn.attention.backends.base`).  Common rules:
+:mod:`ditattn.attention.backends.base`), each with its capability row and parameter schema, through
+:func:`sparse_backend`, which runs the prologue they share.  Common rules:
 
 * self-attention over ``call.video_shape = (T, H, W)`` latent tokens (T-major) followed by
   ``call.text_len`` text tokens; ``video_shape`` None, a length that does not match, causal
@@ -34,8 +35,9 @@ from ditattn.attention.backends.base import AttnCall, register
 from ditattn.attention.config import complete_backend_config, parse_layer_list
 from ditattn.attention.names import AttentionBackendEnum as B
 from ditattn.attention.reference import expand_kv
-from ditattn.attention.schemas import (BLOCK_SPARSE_IMPL, EDGE_TILES, SOL_PREDICTORS, SPARGE_PREDICTORS, SVG2_PREDICTORS,
-                                       VMOBA_GATES, P, in_range, layer_list_check, list_len, non_negative, positive)
+from ditattn.attention.schemas import (BLOCK_SPARSE_IMPL, EDGE_TILES, SOL_PREDICTORS, SPARGE_PREDICTORS,
+                                       SVG2_PREDICTORS, VMOBA_GATES, P, in_range, layer_list_check, list_len,
+                                       non_negative, positive)
 from ditattn.attention.specs import ALL_FLOAT, BF16, FP16_BF16, IN_TREE_SPARSE, BackendSpec
 from ditattn.attention.sparse import record_stats, stats_key
 from ditattn.attention.sparse.block_sparse import dense_attention

@@ -27,6 +27,7 @@ def _fp8_sm120_check(spec, req, platform):
         out.append(f"only batch 1 (got {req.batch})")
     return out
 
+
 VIDEO_SPARSE_ATTN_H3_SCHEMA = (
     P("VSA_sparsity", "float", 0.9, "Fraction of video tiles excluded from top-k", check=in_range(0.0, 1.0), accepted="a number in [0, 1]"),
     P("vsa_mode", "str", "exempt", "exempt: non-video keys always selected; compete: they compete in top-k", choices=("exempt", "compete")),
