@@ -13,7 +13,7 @@ import dataclasses
 from typing import Any, Callable
 
 from ditattn.runconfig import SECTIONS, RunConfig
-from ditattn.runconfig.checks import boolean, nonneg_int, positive_int
+from ditattn.runconfig.checks import nonneg_int, positive_int
 
 
 def arg_type(check: Callable[[Any], Any]) -> Callable[[str], Any]:
@@ -28,7 +28,6 @@ def arg_type(check: Callable[[Any], Any]) -> Callable[[str], Any]:
     return convert
 
 
-BOOL = arg_type(boolean)
 POS_INT, NONNEG_INT = arg_type(positive_int), arg_type(nonneg_int)  # flags outside RunConfig (compare)
 
 
