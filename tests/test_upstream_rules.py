@@ -17,7 +17,7 @@ from ditattn.attention.context import (AttentionSettings, attention_settings, co
 from ditattn.attention.names import AttentionBackendEnum as B
 from ditattn.attention.override import prepare_request_override, request_backends
 from ditattn.attention.selector import LayerSpec, select_backend
-from ditattn.attention.specs import SAGE_INTREE_HEAD_DIMS, sage_lacks_sm90_fix
+from ditattn.attention.backends.sage import SAGE_INTREE_HEAD_DIMS, sage_lacks_sm90_fix
 from ditattn.cli import main
 from ditattn.platforms import Platform, use_platform
 from ditattn.registry import list_backends

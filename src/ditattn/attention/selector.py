@@ -29,7 +29,7 @@ from ditattn.attention.context import (
     get_forced_backend,
 )
 from ditattn.attention.names import CROSS_ROLES, AttentionBackendEnum as B
-from ditattn.attention.specs import SPECS, LayerRequest, sage_cuda_runtime
+from ditattn.attention.specs import SPECS, LayerRequest
 from ditattn.errors import AttentionConfigError, BackendUnavailableError
 from ditattn.platforms import Platform, current_platform
 from ditattn.platforms.policy import auto_candidates, runtime_fallback, substitute
@@ -286,19 +286,13 @@ def bind_impl(decision: Decision):
 
 
 def _runtime_label(b: B, platform: Platform, req: Optional[LayerRequest] = None, config: Optional[dict] = None) -> str:
-    """The runtime label of ``b`` in the plan; for ``sage_attn`` on CUDA the implementation that runs
-    for ``req`` under the backend config (``impl``, else the automatic rule)."""
-    if b is B.SAGE_ATTN and platform.name == "cuda" and req is not None:  # per head dim, as the backend runs it
-        cfg = config or {}
-        impl = cfg.get("impl", "auto")
-        if impl == "auto":
-            impl = sage_cuda_runtime(platform, req.head_dim, req.needs_lse, cfg.get("pv_dtype", "fp16"),
-                                     bool(cfg.get("qk_balance")))[0]
-        runtimes = SPECS[b].runtimes
-        module = {"triton": "triton", "package": "sageattention", "sm90": "triton.experimental.gluon"}.get(impl)
-        labels = {rt.modules[0]: rt.label for rt in runtimes["cuda"]}
-        return labels.get(module) or (runtimes["cpu"][0].label if impl == "reference" else "")
-    rt = SPECS[b].runtime_on(platform)
+    """The runtime label of ``b`` in the plan: the backend's own rule when its row has one (``sage_attn``
+    names the implementation that runs for ``req`` under the backend config), else the first
+    installed runtime of ``platform``."""
+    spec = SPECS[b]
+    if spec.runtime_label is not None:
+        return spec.runtime_label(spec, platform, req, config)
+    rt = spec.runtime_on(platform)
     return rt.label if rt is not None else ""
 
 

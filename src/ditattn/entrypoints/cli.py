@@ -54,9 +54,10 @@ COMMANDS = (
             ("model", "sampling", "attention", "parallel", "simulation", "verbose", "json"),
             "ditattn.entrypoints.plan:run"),
     Command("backends", "list every attention backend, whether it runs here and why not",
-            "List every attention backend, whether it runs here and why not, and its config keys.",
-            (_json("the list"), flags.attention_flags, flags.platform_flags),
-            ("attention", "simulation", "verbose", "json"),
+            "One line per attention backend: its name, kind, whether it runs here and, if not, why. "
+            "'ditattn backends NAME' or --verbose: parameters and every reason in full.",
+            (flags.backends_flags, _json("the list"), flags.attention_flags, flags.platform_flags),
+            ("attention", "simulation", "backends", "verbose", "json"),
             "ditattn.entrypoints.backends:run"),
     Command("serve", "OpenAI-compatible image/video server",
             "Serve the model over an OpenAI-compatible HTTP API (images, video jobs, models, health, metrics).",
@@ -77,10 +78,23 @@ COMMANDS = (
 )
 
 
+def _version() -> str:
+    """The installed distribution's version (importlib.metadata), else the package's own."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ditattn")
+    except PackageNotFoundError:
+        from ditattn import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="ditattn", description="Diffusion-transformer inference with pluggable attention backends.",
                 argument_default=argparse.SUPPRESS)
     p.add_argument("-v", "--verbose", action="store_true", help="log attention decisions and fallbacks")
+    p.add_argument("--version", action="version", version=f"ditattn {_version()}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     for cmd in COMMANDS:

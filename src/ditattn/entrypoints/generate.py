@@ -168,6 +168,7 @@ def _generate_native(cfg: RunConfig, t_start: float) -> int:
     t0 = time.perf_counter()
     pipe = WanPipelineNative.from_config(cfg, lora_fuse=True)  # one run: LoRAs fused unless --lora-fuse false
     _output_path(cfg, kw["num_frames"] or pipe.defaults["num_frames"])  # ... and with the frame count, before the work
+    _warn_if_slow(pipe, kw)
     state = pipe.prepare_request(kw.pop("override"), kw.pop("skip_softmax"))
     load = time.perf_counter() - t0 + (t0 - t_start)
     res = pipe.generate(**kw, request_state=state, progress=sequence_parallel_rank() == 0)  # one bar: rank 0's
@@ -177,6 +178,28 @@ def _generate_native(cfg: RunConfig, t_start: float) -> int:
             backends=",".join(res.attention_backends) + _linears_note(pipe), stats=res.stats,
             peak_memory=res.peak_memory, sampling=res.sampling)
     return 0
+
+
+def _warn_if_slow(pipe, kw: dict) -> None:
+    """On the CPU: a warning on stderr, with the estimate, when the request would take minutes
+    (:mod:`ditattn.pipelines.estimate`); the run goes on."""
+    from ditattn.pipelines.estimate import WARN_SECONDS, estimate, human_seconds
+
+    if pipe.device.type != "cpu":
+        return
+    dit = "transformer" if "transformer" in pipe.components else "transformer_2"
+    d, c = pipe.defaults, pipe.components[dit].config
+    h, w = kw["height"] or d["height"], kw["width"] or d["width"]
+    frames, steps = kw["num_frames"] or d["num_frames"], kw["num_inference_steps"] or d["num_inference_steps"]
+    guidance = (d["guidance_scale"] if kw["guidance_scale"] is None else kw["guidance_scale"]) > 1.0
+    est = estimate(height=h, width=w, num_frames=frames, steps=steps, guidance=guidance, layers=c.num_layers,
+                   heads=c.num_attention_heads, head_dim=c.attention_head_dim, ffn_dim=c.ffn_dim,
+                   patch_size=c.patch_size, vae_spatial=pipe.vae_scale_spatial, vae_temporal=pipe.vae_scale_temporal)
+    if est.seconds > WARN_SECONDS:
+        sys.stderr.write(f"warning: {w}x{h}, {frames} frames, {steps} steps on the CPU: {est.describe()}, roughly "
+                         f"{human_seconds(est.seconds)} here; a smaller --height/--width/--num-frames or fewer "
+                         "--num-inference-steps is faster, a GPU much faster\n")
+        sys.stderr.flush()
 
 
 def _diffusers_image(mi, path: Optional[str]):

@@ -111,19 +111,33 @@ def normalize_latents(z: torch.Tensor, vae_config) -> torch.Tensor:
     return (z - mean) * inv_std
 
 
-def decode_latents(vae, latents: torch.Tensor, device: torch.device, *, parallel: bool = False) -> np.ndarray:
+def decode_latents(vae, latents: torch.Tensor, device: torch.device, *, parallel: bool = False,
+                   progress: bool = False) -> np.ndarray:
     """Normalised latents ``[N, z, T, h, w]`` -> float32 frames in [0, 1], ``np.ndarray [N, F, H, W, 3]``
     (``vae``: diffusers' ``AutoencoderKLWan``, decoding on ``device`` in its own dtype).  ``parallel``:
     every rank of the default process group calls this with the same latents and the VAE's tiled decode
-    is spread over them (:func:`ditattn.distributed.vae.parallel_tiled_decode`; the same frames)."""
+    is spread over them (:func:`ditattn.distributed.vae.parallel_tiled_decode`; the same frames).
+    ``progress``: a bar on stderr counting the decoder's calls (one per latent frame and sample, more
+    with tiling), shown on a terminal only."""
+    from ditattn.pipelines.loading import progress_bar
+
     z = latents.to(device, vae.dtype)
     mean, inv_std = _latent_stats(vae.config, z)
     z = z / inv_std + mean
-    if parallel:
-        from ditattn.distributed.vae import parallel_tiled_decode
+    tiled = parallel or getattr(vae, "use_tiling", False)
+    bar = progress_bar(total=None if tiled else z.shape[0] * z.shape[2], desc="decoding", unit="frame",
+                       enabled=progress)
+    hook = vae.decoder.register_forward_hook(lambda *_: bar.update(1)) if hasattr(vae, "decoder") else None
+    try:
+        if parallel:
+            from ditattn.distributed.vae import parallel_tiled_decode
 
-        video = parallel_tiled_decode(vae, z)
-    else:
-        video = vae.decode(z, return_dict=False)[0]  # [N, 3, F, H, W] in [-1, 1]
+            video = parallel_tiled_decode(vae, z)
+        else:
+            video = vae.decode(z, return_dict=False)[0]  # [N, 3, F, H, W] in [-1, 1]
+    finally:
+        if hook is not None:
+            hook.remove()
+        bar.close()
     video = (video.float() / 2 + 0.5).clamp(0, 1)
     return video.permute(0, 2, 3, 4, 1).cpu().numpy()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 from typing import Optional
 
 import numpy as np
@@ -47,7 +48,13 @@ def output_file_path(out_dir: str, file_name: Optional[str], prompt: str, seed: 
 
 def split_output_target(output_path: str, output_file: Optional[str]) -> tuple[str, Optional[str]]:
     """``(folder, file name)`` of ``--output-path`` / ``--output-file``: an output path ending in
-    ``.mp4`` / ``.png`` is the file itself (then ``--output-file`` must be left out)."""
+    ``.mp4`` / ``.png`` is the file itself (then ``--output-file`` must be left out); a path with
+    another extension (``clip.gif``) is an :class:`AttentionConfigError` unless it is an existing
+    folder."""
+    ext = os.path.splitext(output_path.rstrip("/\\"))[1].lower()
+    if ext and ext not in EXTENSIONS and not os.path.isdir(output_path):
+        raise AttentionConfigError(f"--output-path '{output_path}': unsupported extension '{ext}'; accepted: .mp4 "
+                                   "(clips), .png (one frame), or a folder")
     if os.path.splitext(output_path)[1].lower() in EXTENSIONS:
         if output_file:
             raise AttentionConfigError(
@@ -75,6 +82,13 @@ def check_output_target(path: str) -> None:
     if not os.access(probe, os.W_OK | os.X_OK):
         raise AttentionConfigError(f"cannot write {path}: no write permission in {probe}; choose another "
                                    "--output-path")
+    try:  # what the permission bits do not tell: read-only and pseudo file systems (/proc, /sys)
+        fd, probe_file = tempfile.mkstemp(dir=probe, prefix=".ditattn-write-check-")
+        os.close(fd)
+        os.remove(probe_file)
+    except OSError as exc:
+        raise AttentionConfigError(f"cannot write {path}: {probe} does not take new files ({exc.strerror or exc}); "
+                                   "choose another --output-path") from None
     if path.lower().endswith(".mp4"):
         try:
             import imageio_ffmpeg

@@ -428,7 +428,7 @@ class WanPipelineNative:
             if output_type == "latent":
                 frames = latents
             else:
-                frames = self.decode(latents)
+                frames = self.decode(latents, progress=progress)
                 if output_type == "uint8":
                     frames = (frames * 255.0).round().clip(0, 255).astype(np.uint8)
             timings["decode"] = time.perf_counter() - t0
@@ -450,7 +450,9 @@ class WanPipelineNative:
         t, h, w = ref.latent_grid(*latents.shape[2:])
         return t * h * w
 
-    def decode(self, latents: torch.Tensor) -> np.ndarray:
-        """Latents ``[N, C, T, h, w]`` -> float32 frames in [0, 1], ``np.ndarray [N, F, H, W, 3]``."""
+    def decode(self, latents: torch.Tensor, progress: bool = False) -> np.ndarray:
+        """Latents ``[N, C, T, h, w]`` -> float32 frames in [0, 1], ``np.ndarray [N, F, H, W, 3]``
+        (``progress``: a bar on stderr when it is a terminal)."""
         with self.placement.use("vae"):
-            return decode_latents(self.components["vae"], latents, self.device, parallel=self.vae_parallel)
+            return decode_latents(self.components["vae"], latents, self.device, parallel=self.vae_parallel,
+                                  progress=progress)

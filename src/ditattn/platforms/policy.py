@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ditattn.attention.names import AttentionBackendEnum as B
-from ditattn.attention.specs import SPECS, LayerRequest, sage_cuda_runtime, sage_lacks_sm90_fix
+from ditattn.attention.specs import SPECS, LayerRequest
 from ditattn.platforms import Platform
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -90,6 +90,8 @@ def substitute(backend: B, req: LayerRequest, platform: Platform) -> "tuple[B, s
             return B.TORCH_SDPA, f"{why}; fa runs torch_sdpa"
         return None
     if backend is B.SAGE_ATTN and platform.name == "cuda" and platform.sm == 90:
+        from ditattn.attention.backends.sage import sage_cuda_runtime, sage_lacks_sm90_fix
+
         impl, why = sage_cuda_runtime(platform, req.head_dim, req.needs_lse)
         if impl is None and platform.has_package("sageattention") and sage_lacks_sm90_fix(platform):
             return B.FA, f"{why}; upstream falls back to fa on Hopper"

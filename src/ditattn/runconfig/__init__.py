@@ -49,7 +49,7 @@ from ditattn.runconfig.checks import (
     text_or_mapping,
     timestep_list,
 )
-from ditattn.runconfig.commands import CompareOptions, ServerConfig, SimulationConfig
+from ditattn.runconfig.commands import BackendsOptions, CompareOptions, ServerConfig, SimulationConfig
 from ditattn.runconfig.fields import MAX_FPS, MAX_FRAMES, MAX_GPUS, MAX_GUIDANCE, MAX_SEED, MAX_SIDE, MAX_STEPS
 from ditattn.runconfig.fields import Section as _Section  # the short names the sections below use
 from ditattn.runconfig.fields import setting as _field
@@ -72,54 +72,102 @@ CFG_BATCHING = ("auto", "batched", "sequential")
 class ModelConfig(_Section):
     """What to load and how to run it."""
 
-    model_path: Optional[str] = _field(None, optional(text), "local diffusers-format Wan folder, Hugging Face repo id "
-                                       "org/name, or a built-in model: ditattn:shapes, ditattn:tiny-wan, "
-                                       "ditattn:tiny-wan2.2 (None: the default, ditattn.models.builtin.DEFAULT_MODEL)")
-    revision: Optional[str] = _field(None, optional(text), "branch, tag or commit of a Hugging Face repo id")
-    local_files_only: bool = _field(False, boolean, "resolve a Hugging Face repo id from the local cache only")
-    model_variant: Optional[str] = _field(None, optional(text), "weights variant of checkpoints that have several")
-    device: Optional[str] = _field(None, optional(plain_name), "cpu, cuda, cuda:1, ... (None: cuda if available, else cpu)")
-    dtype: Optional[str] = _field(None, optional(one_of(*DTYPES)), "compute dtype (None: float32 on cpu, bfloat16 on "
-                                  "GPUs)")
-    backend: str = _field("native", one_of("native", "diffusers"), "native ditattn pipeline or stock diffusers")
-    enable_torch_compile: bool = _field(False, boolean, "torch.compile each DiT block")
-    enable_cuda_graph: bool = _field(False, boolean, "CUDA graphs for the DiT blocks (implies torch.compile)")
-    offload: str = _field("none", one_of(*OFFLOAD_MODES), "CPU offload: none, text_encoder (encoders visit the device "
-                          "only to encode), model (each component on the device only while it runs), group (model, "
-                          "and the DiT streamed block group by block group)")
-    offload_group_blocks: int = _field(1, positive_int, "DiT blocks per streamed group (--offload group)")
-    vae_tiling: bool = _field(False, boolean, "VAE encode/decode in overlapping spatial tiles (less memory)")
-    vae_slicing: bool = _field(False, boolean, "VAE encode/decode one sample of the batch at a time")
-    lora_path: tuple = _field((), lora_specs, "LoRA adapters: [COMPONENT=]PATH[:SCALE] each (COMPONENT transformer or "
-                              "transformer_2, default transformer; SCALE default 1.0)")
-    lora_fuse: Optional[bool] = _field(None, optional(boolean), "fuse the LoRAs into the weights (None: generate "
-                                       "fuses, serve keeps them apart so requests can set their scales)")
-    dit_quantization: str = _field("none", one_of(*DIT_QUANTIZATION), "8-bit DiT linears through torchao: fp8 "
-                                   "(CUDA SM >= 8.9, bfloat16) or int8; per process, not per request")
-    dit_weights: Union[str, dict, None] = _field(None, optional(text_or_mapping), "a .safetensors file of DiT weights "
-                                                 "instead of the checkpoint's (FP8/INT8 with scales too), or "
-                                                 "transformer=FILE,transformer_2=FILE")
+    model_path: Optional[str] = _field(None, optional(text),
+                                       "local diffusers-format Wan checkpoint directory, a Hugging Face repo id "
+                                       "(org/name, e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers: the local cache first, "
+                                       "else a download; HF_HUB_OFFLINE=1 honoured), or a built-in model built "
+                                       "locally without downloading: ditattn:shapes (the default), ditattn:tiny-wan, "
+                                       "ditattn:tiny-wan2.2", metavar="PATH_OR_ID")
+    revision: Optional[str] = _field(None, optional(text),
+                                     "branch, tag or commit of a Hugging Face repo id (default main)", metavar="REV")
+    local_files_only: bool = _field(False, boolean,
+                                    "resolve a Hugging Face repo id from the local cache only (never download)")
+    model_variant: Optional[str] = _field(None, optional(text),
+                                          "weights variant, for checkpoints that have several", metavar="NAME")
+    device: Optional[str] = _field(None, optional(plain_name),
+                                   "cpu, cuda, cuda:1, ... (default: cuda if available, else cpu)", metavar="DEVICE")
+    dtype: Optional[str] = _field(None, optional(one_of(*DTYPES)),
+                                  "compute dtype (default float32 on cpu, bfloat16 on GPUs)")
+    backend: str = _field("native", one_of("native", "diffusers"),
+                          "native ditattn pipeline, or the stock diffusers pipeline")
+    enable_torch_compile: bool = _field(False, boolean,
+                                        "torch.compile each DiT block (attention stays eager, so backend selection "
+                                        "still applies); per-request overrides and skip softmax are then refused")
+    enable_cuda_graph: bool = _field(False, boolean,
+                                     "CUDA only: compile the DiT blocks with CUDA graphs (breakable at attention); "
+                                     "implies --enable-torch-compile; per-request overrides and skip softmax are "
+                                     "then refused")
+    offload: str = _field("none", one_of(*OFFLOAD_MODES),
+                          "CPU offload: text_encoder (the encoders visit the GPU only to encode), model (each "
+                          "component on the GPU only while it runs), group (model, and the DiT streamed to the GPU a "
+                          "group of blocks at a time, the next group copied while the current one computes)")
+    offload_group_blocks: int = _field(1, positive_int,
+                                       "DiT blocks per streamed group with --offload group", metavar="N")
+    vae_tiling: bool = _field(False, boolean,
+                              "VAE encode/decode in overlapping 256-pixel tiles (needed for 720p x 81 frames on most "
+                              "GPUs)")
+    vae_slicing: bool = _field(False, boolean,
+                               "VAE encode/decode one sample of a batch at a time")
+    lora_path: tuple = _field((), lora_specs,
+                              "load a diffusers / PEFT-format Wan LoRA (a .safetensors file, or a folder with "
+                              "pytorch_lora_weights.safetensors; also the original Wan layout of step-distill "
+                              "LoRAs, with their .diff / .diff_b deltas) into the DiT; repeat for several. COMPONENT: "
+                              "transformer (default) or transformer_2 (the low-noise expert of two-expert "
+                              "checkpoints); SCALE default 1.0. On serve, requests pick adapters by file name with a "
+                              "'lora' field", metavar="[COMPONENT=]PATH[:SCALE]")
+    lora_fuse: Optional[bool] = _field(None, optional(boolean),
+                                       "fuse the LoRAs into the weights (no per-step cost, fixed scales); default "
+                                       "true for generate, false for serve (requests may then change the scales)",
+                                       metavar="true|false")
+    dit_quantization: str = _field("none", one_of(*DIT_QUANTIZATION),
+                                   "8-bit linear layers for the DiT through torchao (pip install 'ditattn[quant]'), "
+                                   "quantized once at load time: fp8 = e4m3 weights per output channel and "
+                                   "activations per token (the chosen device must be an NVIDIA GPU with compute "
+                                   "capability >= 8.9, --dtype bfloat16); int8 = the same in int8 (CPU or NVIDIA "
+                                   "GPU). The self-attention, cross-attention query/output and feed-forward GEMMs "
+                                   "are quantized; the time and text embeddings, the cross-attention K/V and the "
+                                   "final projection stay in --dtype ('ditattn plan' lists them). Per process, not "
+                                   "per request")
+    dit_weights: Union[str, dict, None] = _field(None, optional(text_or_mapping),
+                                                 "take the DiT's weights from this single file instead of the "
+                                                 "checkpoint folder's: diffusers or original Wan key names, "
+                                                 "bf16/fp16/fp32 or 8-bit with scales (ComfyUI/Kijai *_fp8_scaled, "
+                                                 "*_fp8_e4m3fn, LightX2V FP8/INT8), dequantized when loaded; a model "
+                                                 "with two DiTs takes transformer=FILE,transformer_2=FILE",
+                                                 metavar="FILE.safetensors")
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig(_Section):
     """Prompt and sampling; None takes the model's default (``serve``: the default of requests)."""
 
-    prompt: Optional[str] = _field(None, optional(text), "text prompt")
-    negative_prompt: Optional[str] = _field(None, optional(text), "negative prompt for classifier-free guidance")
-    num_inference_steps: Optional[int] = _field(None, optional(int_between(1, MAX_STEPS)), "denoising steps")
+    prompt: Optional[str] = _field(None, optional(text),
+                                   "text prompt (required for generate; here or in --config)", metavar="PROMPT")
+    negative_prompt: Optional[str] = _field(None, optional(text),
+                                            "negative prompt for classifier-free guidance", metavar="TEXT")
+    num_inference_steps: Optional[int] = _field(None, optional(int_between(1, MAX_STEPS)),
+                                                "denoising steps (default: the model's)", metavar="N")
     guidance_scale: Optional[float] = _field(None, optional(float_between(0.0, MAX_GUIDANCE)),
-                                             "classifier-free guidance scale (> 1 enables guidance)")
+                                             "classifier-free guidance scale, > 1 enables guidance (default: the "
+                                             "model's)", metavar="G")
     guidance_scale_2: Optional[float] = _field(None, optional(float_between(0.0, MAX_GUIDANCE)),
-                                               "guidance scale of the low-noise expert (two-expert Wan 2.2 "
-                                               "checkpoints; None: guidance_scale)")
-    image: Optional[str] = _field(None, optional(text), "first frame of an image-to-video / TI2V checkpoint (a PNG, "
-                                  "JPEG, WebP or BMP file)")
-    height: Optional[int] = _field(None, optional(int_between(1, MAX_SIDE)), "output height in pixels")
-    width: Optional[int] = _field(None, optional(int_between(1, MAX_SIDE)), "output width in pixels")
-    num_frames: Optional[int] = _field(None, optional(int_between(1, MAX_FRAMES)), "frames (1 = image)")
-    seed: Optional[int] = _field(None, optional(int_between(0, MAX_SEED)), "random seed (None: 0 for generate; serve "
-                                 "refuses it, requests carry their own)")
+                                               "guidance scale of the low-noise expert of two-expert Wan 2.2 "
+                                               "checkpoints (default: --guidance-scale); the switch point is the "
+                                               "checkpoint's boundary_ratio", metavar="G")
+    image: Optional[str] = _field(None, optional(text),
+                                  "first frame for image-to-video checkpoints (Wan 2.1 I2V, Wan 2.2 I2V-A14B: "
+                                  "required; TI2V-5B: optional): a PNG, JPEG, WebP or BMP file. Without "
+                                  "--height/--width the output takes the model's default area at the image's aspect "
+                                  "ratio", metavar="PATH")
+    height: Optional[int] = _field(None, optional(int_between(1, MAX_SIDE)),
+                                   "output height in pixels (default: the model's)", metavar="H")
+    width: Optional[int] = _field(None, optional(int_between(1, MAX_SIDE)),
+                                  "output width in pixels (default: the model's)", metavar="W")
+    num_frames: Optional[int] = _field(None, optional(int_between(1, MAX_FRAMES)),
+                                       "frames, 1 = image (default: the model's)", metavar="F")
+    seed: Optional[int] = _field(None, optional(int_between(0, MAX_SEED)),
+                                 "random seed, an integer >= 0 (default 0; serve refuses it: requests carry their "
+                                 "own)", metavar="S")
     scheduler: Optional[str] = _field(None, optional(one_of(*SCHEDULERS)), "sampler: flow_euler, unipc, dpmpp "
                                       "(flow-prediction DPM-Solver++), lcm (predict x0, re-noise; for step-distilled "
                                       "checkpoints) (default: the checkpoint's own, unipc for Wan)", metavar="NAME")
@@ -143,17 +191,44 @@ class AttentionOptions(_Section):
     """The user's attention choices, as given (names and specs are parsed by
     :meth:`RunConfig.attention_settings`)."""
 
-    attention_backend: Optional[str] = _field(None, optional(plain_name), "global attention backend")
+    attention_backend: Optional[str] = _field(None, optional(plain_name),
+                                              "global attention backend (see 'ditattn backends'; fa3/fa4 -> fa, "
+                                              "cudnn_sdpa -> torch_cudnn_sdpa). For the DiT it is strict: a backend "
+                                              "that cannot serve a layer is an error, except where the platform "
+                                              "substitutes one ('ditattn backends' and the plan say so): fa runs "
+                                              "torch_sdpa without a FlashAttention runtime (on the CPU always), "
+                                              "sage_attn runs fa on Hopper for calls only an unfixed sageattention "
+                                              "package could serve, fp8_fa_sm120 runs torch_cudnn_sdpa off SM120, "
+                                              "and a sparse backend leaves cross-attention to a dense one. Auxiliary "
+                                              "components (text encoder, VAE) fall back when incompatible. With "
+                                              "--backend diffusers it is passed to diffusers' set_attention_backend",
+                                              metavar="NAME")
     component_attention_backends: Union[str, dict, None] = _field(None, optional(text_or_mapping),
-                                                                  "per-component overrides: a spec or a mapping")
+                                                                  "per-component overrides: "
+                                                                  "text_encoder=torch_sdpa,transformer.cross=fa or a "
+                                                                  "JSON object; keys are model_index.json module "
+                                                                  "names, optionally with .self/.cross",
+                                                                  metavar="SPEC")
     attention_backend_config: Union[str, dict, None] = _field(None, optional(text_or_mapping),
-                                                              "backend parameters: a file, JSON, k=v pairs or a mapping")
-    attention_backend_override: Optional[str] = _field(None, optional(plain_name), "request-scoped DiT backend")
-    enable_attention_backend_autotune: bool = _field(False, boolean, "time candidates per automatic layer")
+                                                              "backend parameters: a .json/.yaml file, a JSON "
+                                                              "object, or k=v,k=v pairs (kernel choices too, e.g. "
+                                                              "impl=triton,pv_dtype=fp8 for sage_attn; 'ditattn "
+                                                              "backends' lists every key)", metavar="CFG")
+    attention_backend_override: Optional[str] = _field(None, optional(plain_name),
+                                                       "request-scoped backend for the DiT denoise loop: fa, "
+                                                       "torch_sdpa, sage_attn, sage_attn_3", metavar="NAME")
+    enable_attention_backend_autotune: bool = _field(False, boolean,
+                                                     "time compatible candidates per automatically chosen layer on "
+                                                     "its first large input and switch when one is faster and agrees "
+                                                     "numerically")
     skip_softmax_threshold_scale_factor: Optional[float] = _field(None, optional(float_between(0.0, 1e6, lo_open=True)),
-                                                                  "request-scoped skip softmax threshold scale")
+                                                                  "request-scoped skip softmax (BLASST): tiles with "
+                                                                  "estimated mass below X/context_length are "
+                                                                  "skipped; no default, calibrate per model",
+                                                                  metavar="X")
     skip_softmax_start_step: Optional[int] = _field(None, optional(int_between(0, MAX_STEPS)),
-                                                    "first skip-softmax step (default 0)")
+                                                    "zero-based denoising step where skip softmax starts (default 0)",
+                                                    metavar="N")
 
     def skip_softmax(self) -> Optional[dict]:
         """``{threshold_scale_factor, start_step}`` or None; a start step without a threshold is an error."""
@@ -178,10 +253,12 @@ class ParallelConfig(_Section):
     """Parallelism: ``num_gpus`` ranks as a Ulysses × ring grid, or two of them (one per guidance half)
     with ``cfg_parallel``; ``vae_parallel`` spreads the VAE decode's tiles over all ranks."""
 
-    num_gpus: int = _field(1, int_between(1, MAX_GPUS), "processes for sequence parallelism")
+    num_gpus: int = _field(1, int_between(1, MAX_GPUS),
+                           "processes for sequence parallelism", metavar="N")
     ulysses_degree: Optional[int] = _field(None, optional(int_between(1, MAX_GPUS)),
-                                           "Ulysses degree (None: the rest of num_gpus)")
-    ring_degree: Optional[int] = _field(None, optional(int_between(1, MAX_GPUS)), "ring-attention degree (None: the rest)")
+                                           "Ulysses degree (default: the rest of --num-gpus)", metavar="U")
+    ring_degree: Optional[int] = _field(None, optional(int_between(1, MAX_GPUS)),
+                                        "ring-attention degree (default: the rest of --num-gpus)", metavar="R")
     cfg_parallel: bool = _field(False, boolean, "run the conditional and unconditional guidance passes on two halves "
                                 "of the ranks (num_gpus = 2 × ulysses × ring; needs guidance scale > 1)")
     vae_parallel: bool = _field(False, boolean, "split the VAE decode into tiles spread over the ranks (the result "
@@ -208,16 +285,23 @@ class OutputConfig(_Section):
     output_path: a folder, or a file path when it ends in ``.mp4`` / ``.png``; an existing file is
     never replaced unless ``overwrite`` (a ``_1``, ``_2``, ... suffix is added instead)."""
 
-    output_path: str = _field("outputs", text, "output directory, or a file path ending in .mp4 / .png")
-    output_file: Optional[str] = _field(None, optional(text), "output file name (None: derived from the prompt)")
-    save_output: bool = _field(True, boolean, "write the output file")
-    fps: Optional[int] = _field(None, optional(int_between(1, MAX_FPS)), "frames per second of the MP4 (None: 16)")
-    overwrite: bool = _field(False, boolean, "replace an existing output file (default: add a numeric suffix)")
+    output_path: str = _field("outputs", text,
+                              "output directory, or the output file itself when it ends in .mp4 (clips) / .png (one "
+                              "frame)", metavar="PATH")
+    output_file: Optional[str] = _field(None, optional(text),
+                                        "output file name (default derived from the prompt)", metavar="NAME")
+    save_output: bool = _field(True, boolean,
+                               "write the output file")
+    fps: Optional[int] = _field(None, optional(int_between(1, MAX_FPS)),
+                                "frames per second of the MP4 (default 16; videos only)", metavar="FPS")
+    overwrite: bool = _field(False, boolean,
+                             "replace an existing output file (default: keep it and add a numeric suffix, _1, _2, "
+                             "...)")
 
 
 SECTIONS = {"model": ModelConfig, "sampling": SamplingConfig, "attention": AttentionOptions,
             "parallel": ParallelConfig, "output": OutputConfig, "server": ServerConfig,
-            "simulation": SimulationConfig, "compare": CompareOptions}
+            "simulation": SimulationConfig, "compare": CompareOptions, "backends": BackendsOptions}
 TOP_LEVEL = ("verbose", "json")
 
 
@@ -242,6 +326,7 @@ class RunConfig:
     server: ServerConfig = _section(ServerConfig)
     simulation: SimulationConfig = _section(SimulationConfig)
     compare: CompareOptions = _section(CompareOptions)
+    backends: BackendsOptions = _section(BackendsOptions)
     verbose: bool = False
     json: bool = False
 

@@ -147,6 +147,7 @@ def one_of(*choices: str) -> Callable[[Any], str]:
             raise ValueError(f"expected one of {', '.join(choices)}, got {_short(value)}")
         return value
 
+    check.choices = choices  # the flag lists them (ditattn.entrypoints.flags.field_flags)
     return check
 
 
@@ -155,6 +156,8 @@ def optional(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
     def maybe(value: Any) -> Any:
         return None if value is None else check(value)
 
+    if hasattr(check, "choices"):
+        maybe.choices = check.choices
     return maybe
 
 

@@ -11,8 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ditattn.attention.backends.base import AttnCall, NoKernelError, expand_kv, reference_attention, register
+from ditattn.attention.backends.base import AttnCall, NoKernelError, register
 from ditattn.attention.names import AttentionBackendEnum as B
+from ditattn.attention.reference import expand_kv, reference_attention
+from ditattn.attention.specs import ALL_FLOAT, NO_PACKAGE, BackendSpec
 from ditattn.errors import AttentionConfigError
 
 
@@ -42,7 +44,12 @@ def _lse_cuda(q, k, v, call):
     return _bhsd(res[0]), res[1][..., : q.shape[1]].float()
 
 
-@register(B.TORCH_SDPA)
+@register(B.TORCH_SDPA, spec=BackendSpec(
+    kind="dense", summary="PyTorch scaled_dot_product_attention",
+    runtimes={p: NO_PACKAGE for p in ("cpu", "cuda", "rocm", "xpu", "musa", "mps", "npu")},
+    upstream_platforms=("cuda", "rocm", "xpu", "musa", "mps", "npu"),
+    dtypes=ALL_FLOAT, max_head_dim=None, returns_lse=True, accepts_bias=True, drop_in=True,
+    notes="the most portable option; LSE through the aten flash/efficient ops"))
 def torch_sdpa(q, k, v, call: AttnCall, config: dict):
     heads = q.shape[2]
     if call.return_lse:
@@ -80,7 +87,10 @@ def cudnn_no_kernel_reason(q, k, v, call: AttnCall) -> "str | None":
     return None
 
 
-@register(B.TORCH_CUDNN_SDPA)
+@register(B.TORCH_CUDNN_SDPA, spec=BackendSpec(
+    kind="dense", summary="PyTorch SDPA pinned to the cuDNN kernel",
+    runtimes={"cuda": NO_PACKAGE}, upstream_platforms=("cuda",), cuda_sm_min=80, returns_lse=True,
+    notes="fastest SDPA kernel on Hopper (about 1.6x torch's flash path at head dim 128)"))
 def torch_cudnn_sdpa(q, k, v, call: AttnCall, config: dict):
     """``torch_cudnn_sdpa``: SDPA pinned to cuDNN. Raises :class:`NoKernelError` (with PyTorch's
     reason) when cuDNN has no kernel for the call, so an automatic choice can fall back per call."""

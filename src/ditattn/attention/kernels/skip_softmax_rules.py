@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from ditattn.attention.backends.base import expand_kv
+from ditattn.attention.reference import expand_kv
 from ditattn.attention.kernels import LOG2E
 from ditattn.errors import AttentionConfigError
 
