@@ -111,12 +111,22 @@ def normalize_latents(z: torch.Tensor, vae_config) -> torch.Tensor:
     return (z - mean) * inv_std
 
 
-def decode_latents(vae, latents: torch.Tensor, device: torch.device) -> np.ndarray:
+def decode_latents(vae, latents: torch.Tensor, device: torch.device, check_stop=None) -> np.ndarray:
     """Normalised latents ``[N, z, T, h, w]`` -> float32 frames in [0, 1], ``np.ndarray [N, F, H, W, 3]``
-    (``vae``: diffusers' ``AutoencoderKLWan``, decoding on ``device`` in its own dtype)."""
+    (``vae``: diffusers' ``AutoencoderKLWan``, decoding on ``device`` in its own dtype).
+    ``check_stop``: optional callable called before each call of the VAE's decoder (diffusers decodes
+    one latent frame per call), so that it can stop a long decode by raising."""
     z = latents.to(device, vae.dtype)
     mean, inv_std = _latent_stats(vae.config, z)
     z = z / inv_std + mean
-    video = vae.decode(z, return_dict=False)[0]  # [N, 3, F, H, W] in [-1, 1]
+    decoder = getattr(vae, "decoder", None)
+    hook = None
+    if check_stop is not None and isinstance(decoder, torch.nn.Module):
+        hook = decoder.register_forward_pre_hook(lambda module, args: check_stop())
+    try:
+        video = vae.decode(z, return_dict=False)[0]  # [N, 3, F, H, W] in [-1, 1]
+    finally:
+        if hook is not None:
+            hook.remove()
     video = (video.float() / 2 + 0.5).clamp(0, 1)
     return video.permute(0, 2, 3, 4, 1).cpu().numpy()

@@ -329,7 +329,7 @@ class WanPipelineNative:
         output_type: ``uint8`` (default), ``float`` ([0, 1] float32) or ``latent``.
         on_step: optional callable ``(steps_done, total_steps)`` called after each denoising step.
         should_stop: optional callable ``() -> reason or None`` asked before the text encoder, before
-        each denoising step and before decoding; a truthy reason stops the run there with
+        each denoising step, before decoding and between the latent frames the VAE decodes; a truthy reason stops the run there with
         :class:`~ditattn.errors.GenerationCancelled` (a server cancelling a request or enforcing its
         timeout; the pipeline knows nothing of servers).
         """
@@ -398,7 +398,7 @@ class WanPipelineNative:
             if output_type == "latent":
                 frames = latents
             else:
-                frames = self.decode(latents)
+                frames = self.decode(latents, check_stop=check_stop if should_stop is not None else None)
                 if output_type == "uint8":
                     frames = (frames * 255.0).round().clip(0, 255).astype(np.uint8)
             timings["decode"] = time.perf_counter() - t0
@@ -412,7 +412,8 @@ class WanPipelineNative:
             return GenerationResult(frames, backends, timings, stats, latents, inp.seeds, height, width, num_frames,
                                     steps, run.peak_memory())
 
-    def decode(self, latents: torch.Tensor) -> np.ndarray:
-        """Latents ``[N, C, T, h, w]`` -> float32 frames in [0, 1], ``np.ndarray [N, F, H, W, 3]``."""
+    def decode(self, latents: torch.Tensor, check_stop=None) -> np.ndarray:
+        """Latents ``[N, C, T, h, w]`` -> float32 frames in [0, 1], ``np.ndarray [N, F, H, W, 3]``;
+        ``check_stop`` (optional) is asked between latent frames and may raise to stop the decode."""
         with self.placement.use("vae"):
-            return decode_latents(self.components["vae"], latents, self.device)
+            return decode_latents(self.components["vae"], latents, self.device, check_stop=check_stop)

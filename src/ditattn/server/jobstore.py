@@ -45,20 +45,34 @@ class JobStore:
                     f"--output-dir {folder}: {DB_FILE} has job store version {version}, this ditattn reads "
                     f"version {SCHEMA_VERSION}; use another --output-dir"
                 )
+            self._check_tables(version)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.execute("CREATE TABLE IF NOT EXISTS videos (id TEXT PRIMARY KEY, status TEXT NOT NULL, "
                              "record TEXT NOT NULL)")
-            self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            if version != SCHEMA_VERSION:
+                self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         except sqlite3.DatabaseError as exc:
             self.close()
-            raise AttentionConfigError(
-                f"--output-dir {folder}: {DB_FILE} is not a ditattn job store ({exc}); move it away or use "
-                "another --output-dir"
-            ) from None
+            raise AttentionConfigError(_open_error(folder, exc)) from None
+        except OSError as exc:
+            self.close()
+            raise AttentionConfigError(_open_error(folder, exc)) from None
         except AttentionConfigError:
             self.close()
             raise
+
+    def _check_tables(self, version: int) -> None:
+        """Refuse a database that holds tables of something else: a ``videos`` table without this
+        store's columns, or (a file not yet marked as a job store) any other table."""
+        tables = {r[0] for r in self._db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        foreign = sorted(t for t in tables if t != "videos" and not t.startswith("sqlite_"))
+        if "videos" in tables:
+            cols = {r[1] for r in self._db.execute("PRAGMA table_info(videos)")}
+            if not {"id", "status", "record"} <= cols:
+                foreign.insert(0, f"videos({', '.join(sorted(cols))[:120]})")
+        if foreign and (version == 0 or foreign[0].startswith("videos(")):
+            raise sqlite3.DatabaseError(f"it holds other tables: {', '.join(foreign)[:200]}")
 
     @property
     def closed(self) -> bool:
@@ -109,6 +123,22 @@ class JobStore:
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
+
+
+def _open_error(folder: str, exc: BaseException) -> str:
+    """The refusal of a job store that cannot be opened: a full disk (or another I/O or permission
+    problem) says so and leaves the file alone; only a file that is not a job store is called one."""
+    import errno
+
+    text = str(exc)
+    if "disk is full" in text or isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (f"--output-dir {folder}: the disk is full, so the job store {DB_FILE} cannot be opened; free some "
+                "space and start again (the job store is intact: keep it, its jobs are restored then)")
+    if isinstance(exc, OSError) or isinstance(exc, sqlite3.OperationalError) and not text.startswith("it holds"):
+        return (f"--output-dir {folder}: cannot open the job store {DB_FILE} ({text[:200]}); check the folder's "
+                "permissions and free space (the file is left as it is)")
+    return (f"--output-dir {folder}: {DB_FILE} is not a ditattn job store ({text[:200]}); move it away or use "
+            "another --output-dir")
 
 
 def _lock_folder(folder: str) -> Optional[int]:

@@ -172,8 +172,9 @@ class ServerState(RequestChecks):
 
     def health(self) -> tuple[dict, int]:
         """``(body, HTTP status)`` of ``/health``: ``ok`` (idle), ``busy`` (a batch runs within its
-        time), ``degraded`` (the running batch is past its deadline: stuck in one step), ``draining``
-        (shutting down); 503 for the last two."""
+        time), ``degraded`` (the running batch is past its deadline: stuck in one step, or the job
+        store cannot be written: ``job_store_error`` says why), ``draining`` (shutting down); 503
+        for the last two."""
         jobs, since = self.scheduler.running_jobs()
         now = time.monotonic()
         body = {"model": self.runner.model_id, "queue_depth": self.scheduler.queue_depth,
@@ -183,8 +184,14 @@ class ServerState(RequestChecks):
             overdue = [now - j.deadline for j in jobs if j.deadline is not None and now > j.deadline]
             if overdue:
                 body["running_job_overdue_s"] = round(max(overdue), 3)
+        self.videos.retry_unsaved()
+        store_problem = self.videos.problem()
+        if store_problem is not None:
+            body["job_store_error"] = store_problem
         if self.draining:
             status = "draining"
+        elif store_problem is not None:
+            status = "degraded"
         elif since is None:
             status = "ok"
         else:
