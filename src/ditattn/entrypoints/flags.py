@@ -227,6 +227,7 @@ def server_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--drain-timeout-s", type=typed("drain_timeout_s"), metavar="S",
                    help="after SIGTERM: seconds the running job may take to finish before it is stopped at its next "
                         "step and kept queued for the next start (default 20); a second SIGTERM exits at once")
+    field_flags(g, "allowed_hosts", "allowed_origins", "header_timeout_s", "body_timeout_s")
     lim = p.add_argument_group("request limits (a request over one gets HTTP 400 naming it)")
     lim.add_argument("--request-timeout-s", type=typed("request_timeout_s"), metavar="S",
                      help="a request is stopped at its next denoising step this long after it was accepted (image: "

@@ -60,9 +60,8 @@ def run(cfg: RunConfig) -> int:
 def serve_here(cfg: RunConfig) -> int:
     """Load the pipeline and serve it on ``cfg.server.host:port`` until a signal ends it (the
     first SIGTERM / Ctrl-C drains: :mod:`ditattn.server.lifecycle`)."""
-    import uvicorn
-
     from ditattn.server.app import create_app
+    from ditattn.server.connection import uvicorn_config
     from ditattn.server.lifecycle import DrainingServer
     from ditattn.server.runner import build_runner
 
@@ -79,8 +78,9 @@ def serve_here(cfg: RunConfig) -> int:
     linears = f"; DiT linears: {q}" if q else ""
     print(f"ditattn serve: model {runner.model_id} on http://{host}:{port} "
           f"(DiT attention: {', '.join(runner.default_backends())}{linears}; {where})", flush=True)
-    server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level="info" if cfg.verbose else "warning",
-                                           timeout_graceful_shutdown=5), state)
+    config = uvicorn_config(app, cfg.server, log_level="info" if cfg.verbose else "warning",
+                            timeout_graceful_shutdown=5)
+    server = DrainingServer(config, state)  # h11 with read timeouts and half-close support (server.connection)
     server.run()
     return 0
 

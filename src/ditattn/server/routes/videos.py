@@ -349,6 +349,15 @@ def _finish(state: ServerState, rec: VideoRecord, fut: concurrent.futures.Future
                                 error={"code": "output_failed", "message": f"{reason} (reference {rec.id[:12]})"})
             state.count("video", "error", label)
             return
+        backends = list(result.attention_backends)
+        skip = skip_report(job, result) if job is not None else rec.skip_softmax
+        if state.videos.update(rec.id, status="completed", progress=100, completed_at=int(time.time()), path=path,
+                               attention_backends=backends, skip_softmax=skip, job=None) is None:
+            remove_file(path, f"video {rec.id} was deleted while it was encoded")
+            return
+        state.count("video", "ok", backends)
+        state.metrics.videos.inc()
+
     try:
         state.encode_later(encode)
     except RuntimeError:  # the encoder pool is shut down: the server is past its drain
