@@ -165,7 +165,7 @@ def restore_jobs(state: ServerState) -> None:
             rec = VideoRecord.from_json(data, state.output_dir)
             _check_record(rec)
         except Exception as exc:  # noqa: BLE001 - one malformed record fails alone
-            why = f"its stored record is malformed ({type(exc).__name__}: {str(exc)[:120]})"
+            why = f"its stored record is malformed ({type(exc).__name__}: {' '.join(str(exc).split())[:160]})"
             log.error("job store: video %s cannot be restored: %s; marked failed", data.get("id"), why)
             _fail_unreadable(state, data, why)
             counts["failed"] += 1
@@ -178,7 +178,7 @@ def restore_jobs(state: ServerState) -> None:
             try:
                 _requeue(state, rec)
             except Exception as exc:  # noqa: BLE001 - whatever one job meets, the others are restored
-                why = f"it could not be queued again ({type(exc).__name__}: {str(exc)[:120]})"
+                why = f"it could not be queued again ({type(exc).__name__}: {' '.join(str(exc).split())[:160]})"
                 log.error("job store: video %s %s; marked failed", rec.id, why, exc_info=exc)
                 state.videos.update(rec.id, status="failed", completed_at=int(time.time()), job=None,
                                     error={"code": "not_restorable", "message": why})
