@@ -461,3 +461,29 @@ def test_vae_decode_stops_between_latent_frames():
     assert vae.calls == 3 and len(vae.decoder._forward_pre_hooks) == 0
     out = decode_latents(vae, torch.zeros(1, 2, 7, 2, 2), torch.device("cpu"))
     assert out.shape == (1, 7, 2, 2, 3)
+
+
+def test_drain_waits_for_the_decode_of_finished_frames(tmp_path, monkeypatch):
+    import ditattn.server.state as state_mod
+
+    monkeypatch.setattr(state_mod, "STOP_GRACE_S", 0.2)
+    monkeypatch.setattr(state_mod, "DECODE_GRACE_S", 20.0)
+    decoding = threading.Event()
+
+    class Decoding(ToyRunner):
+        def run_batch(self, jobs):
+            for j in jobs:
+                j.denoised = True  # every step ran: what the pipeline runner records from on_step
+            decoding.set()
+            time.sleep(1.5)  # a decode that does not stop for a shutdown
+            return super().run_batch(jobs)
+
+    out = str(tmp_path / "serve")
+    with serve(Decoding(), output_dir=out) as (base, app):
+        c = client(base)
+        v = c.videos.create(prompt="decoding")
+        assert decoding.wait(10)
+        assert app.state.server.drain(0.0)  # SIGTERM while decoding: the frames are kept, not recomputed
+        rec = app.state.server.videos.get(v.id)
+        assert rec.status == "completed" and output.mp4_video_frames(rec.path) == 5
+        assert _stored(out, v.id)["status"] == "completed"

@@ -195,11 +195,10 @@ class PipelineRunner(BaseRunner):
                 negatives.append(j.negative_prompt or "")
                 seeds.append(j.seed + i)
         kw = {}
-        denoised = []  # once every step ran, a shutdown lets the decode finish (the frames are kept)
-        if self._on_step:
+        if self._on_step:  # once every step ran, a shutdown lets the decode finish (the frames are kept)
             def on_step(done: int, total: int) -> None:
-                if done >= total:
-                    denoised.append(True)
+                for j in jobs:
+                    j.denoised = done >= total
                 for j in jobs:
                     if j.on_progress is not None:
                         j.on_progress(j, done / max(total, 1))
@@ -208,7 +207,7 @@ class PipelineRunner(BaseRunner):
         if self._should_stop:
             def should_stop():
                 reason = batch_stop_reason(jobs)
-                return None if reason == SHUTDOWN and denoised else reason
+                return None if reason == SHUTDOWN and all(j.denoised for j in jobs) else reason
 
             kw["should_stop"] = should_stop
         if head.image is not None:  # one first frame per sample

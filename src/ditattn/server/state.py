@@ -30,6 +30,7 @@ from ditattn.server.store import ImageStore, VideoStore
 BACKEND_HEADER = "x-ditattn-attention-backend"
 DISCONNECTED = "client_disconnected"
 STOP_GRACE_S = 10.0  # after the drain time: how long a stopped job's current step may still take
+DECODE_GRACE_S = 300.0  # then, for a batch past its last step: how long its decode may take (its frames are kept)
 
 log = logging.getLogger("ditattn.server")
 
@@ -119,7 +120,8 @@ class ServerState(RequestChecks):
     def drain(self, timeout: float) -> bool:
         """:meth:`begin_drain`, then give the running batch ``timeout`` seconds to finish; past that
         it is stopped at its next denoising step (a video job goes back to ``queued``), waiting up to
-        ``STOP_GRACE_S`` more for that step; then wait for MP4 encodes.  True when nothing was left
+        ``STOP_GRACE_S`` more for that step (``DECODE_GRACE_S`` for a batch past its last step: its
+        decode finishes and its frames are kept); then wait for MP4 encodes.  True when nothing was left
         running."""
         self.begin_drain()
         t0 = time.monotonic()
@@ -129,6 +131,11 @@ class ServerState(RequestChecks):
             log.warning("drain: the running batch (%d request(s)) did not finish within %.0f s; stopping it at its "
                         "next denoising step", n, timeout)
             idle = self.scheduler.wait_idle(STOP_GRACE_S)
+            running, _ = self.scheduler.running_jobs()
+            if not idle and running and all(j.denoised for j in running):
+                log.warning("drain: the running batch is decoding finished frames; waiting up to %.0f s more so "
+                            "that they are kept", DECODE_GRACE_S)
+                idle = self.scheduler.wait_idle(DECODE_GRACE_S)
             if not idle:
                 log.error("drain: the running step did not end within %.0f s more; exiting without it (a video job "
                           "stays in_progress in the job store and is re-queued by the next start)", STOP_GRACE_S)
