@@ -177,12 +177,17 @@ def test_restore_fails_only_the_damaged_jobs(tmp_path, caplog):
     store.save({"id": malformed, "status": "queued", "request": "not a dict", "created_at": 5})
     store.save(_record(badtype, num_frames="many", status="in_progress"))
     store.close()
+    notjson = "video_" + "e" * 32
+    db = sqlite3.connect(str(out / "jobs.sqlite"))
+    db.execute("INSERT INTO videos (id, status, record) VALUES (?, 'queued', '{not json')", (notjson,))
+    db.commit()
+    db.close()
     with caplog.at_level(logging.WARNING, logger="ditattn.server"):
         with serve(ToyRunner(), output_dir=str(out)) as (base, app):
             c = client(base)
             assert wait_video(c, good).status == "completed"
             for vid, words in [(trunc, "damaged"), (notimg, "damaged"), (malformed, "malformed"),
-                               (badtype, "malformed")]:
+                               (badtype, "malformed"), (notjson, "not valid JSON")]:
                 v = c.videos.retrieve(vid)
                 assert v.status == "failed" and words in v.error.message, (vid, v)
                 assert _stored(str(out), vid)["status"] == "failed"

@@ -157,6 +157,10 @@ class ServerState(RequestChecks):
         self.scheduler.stop(timeout=STOP_GRACE_S)
         self.encoder.shutdown(wait=True)
         if self.videos.jobs is not None:
+            self.videos.retry_unsaved()
+            problem = self.videos.problem()
+            if problem is not None:
+                log.error("shutdown: %s", problem)
             self.videos.jobs.close()
         if self._own_dir:
             held = []

@@ -186,7 +186,7 @@ class VideoStore:
             if not self._unsaved:
                 return None
             return (f"the job store cannot be written ({self.error}); {len(self._unsaved)} video job change(s) not "
-                    f"saved yet: they are lost if the server stops before it can write again")
+                    f"saved yet (a restart before it can write again sees their last saved state)")
 
 
 def store_error_text(exc: BaseException) -> str:

@@ -153,7 +153,9 @@ def restore_jobs(state: ServerState) -> None:
     """Load the job store of the output folder (at start): finished jobs are served again (a
     completed job whose file is gone becomes failed, logged), unfinished ones are queued again in
     their original order (one whose request this server cannot serve any more fails with the
-    reason, logged).  Files of a previous run that no job refers to are left alone."""
+    reason, logged).  A record that is malformed or whose stored first frame is damaged fails alone,
+    with the reason; the others are restored.  Files of a previous run that no job refers to are left
+    alone."""
     store = state.videos.jobs
     if store is None:
         return
@@ -185,7 +187,9 @@ def restore_jobs(state: ServerState) -> None:
         status = state.videos.get(rec.id).status if state.videos.get(rec.id) is not None else rec.status
         counts["queued" if status in ("queued", "in_progress") else status] += 1
     for vid in store.bad_rows:
-        log.error("job store: record %s is not valid JSON; left in %s", vid, store.path)
+        log.error("job store: video %s cannot be restored: its stored record is not valid JSON; marked failed", vid)
+        _fail_unreadable(state, {"id": vid}, "its stored record is not valid JSON")
+        counts["failed"] += 1
     log.warning("job store %s: %d completed, %d failed, %d re-queued video job(s)", store.path, counts["completed"],
                 counts["failed"], counts["queued"])
 
@@ -204,8 +208,8 @@ def _check_record(rec: VideoRecord) -> None:
 
 
 def _fail_unreadable(state: ServerState, data: dict, why: str) -> None:
-    """Keep a record that cannot be restored as a failed job (so that its client learns why), when its
-    id is usable; otherwise it stays in the job store, logged."""
+    """Replace a record that cannot be restored by a failed job saying ``why`` (so that its client
+    learns it), when its id is a video id; otherwise the row stays in the job store, logged."""
     vid = data.get("id")
     if not isinstance(vid, str) or not _VIDEO_ID.match(vid):
         return
