@@ -71,7 +71,9 @@ def serve_here(cfg: RunConfig) -> int:
     state = app.state.server
     host, port = cfg.server.host, cfg.server.port
     if host not in ("127.0.0.1", "localhost", "::1") and not cfg.server.api_key:
-        log.warning("serving on %s without --api-key: anyone who can reach this address can use the server", host)
+        log.warning("serving on %s without --api-key: anyone who can reach this address can use the server (web "
+                    "pages cannot: requests must name it by IP address, localhost, --public-url or --allowed-hosts)",
+                    host)
     where = (f"outputs and job store in {state.output_dir}" if cfg.server.output_dir else
              "no --output-dir: outputs in a temporary folder, video jobs are not kept across restarts")
     q = runner.pipe.quantization_summary()  # per process: every request runs these linears
