@@ -55,6 +55,12 @@ def _real(fmt: str, w: int, h: int) -> bytes:
     return buf.getvalue()
 
 
+def _flip(data: bytes, pos: int, byte: int) -> bytes:
+    """``data`` with the byte at ``pos`` (modulo its length) replaced by ``byte``."""
+    p = pos % max(1, len(data))
+    return data[:p] + bytes([byte]) + data[p + 1:]
+
+
 SIDES = st.one_of(st.integers(0, 70000), st.sampled_from([0, 1, 15, 16, 2 ** 15, 2 ** 16, 2 ** 31 - 1, 2 ** 32 - 1]))
 IMAGES = st.one_of(
     st.builds(_png, SIDES, SIDES),
@@ -62,8 +68,8 @@ IMAGES = st.one_of(
     st.builds(lambda fmt, w, h, cut: _real(fmt, w, h)[:cut],
               st.sampled_from(["PNG", "JPEG", "WEBP", "BMP", "GIF", "TIFF"]), st.integers(1, 64), st.integers(1, 64),
               st.integers(0, 4000)),
-    st.builds(lambda fmt, pos, byte: (lambda d: d[:pos % max(1, len(d))] + bytes([byte]) + d[pos % max(1, len(d)) + 1:])(
-        _real(fmt, 24, 20)), st.sampled_from(["PNG", "JPEG", "WEBP", "BMP"]), st.integers(0, 10 ** 6), st.integers(0, 255)),
+    st.builds(lambda fmt, pos, byte: _flip(_real(fmt, 24, 20), pos, byte),
+              st.sampled_from(["PNG", "JPEG", "WEBP", "BMP"]), st.integers(0, 10 ** 6), st.integers(0, 255)),
     st.binary(max_size=200),
 )
 
@@ -110,7 +116,8 @@ def fuzz_host_origin(host, origin, allowed_hosts, allowed_origins, public_url):
     _count("host_origin")
     cfg = ServerConfig(allowed_hosts=tuple(allowed_hosts), allowed_origins=tuple(allowed_origins),
                        public_url=public_url)
-    headers = [(k.encode(), v.encode("latin-1", "replace")) for k, v in (("host", host), ("origin", origin)) if v is not None]
+    headers = [(k.encode(), v.encode("latin-1", "replace")) for k, v in (("host", host), ("origin", origin))
+               if v is not None]
     scope = {"type": "http", "path": "/v1/images/generations", "headers": headers}
     r = origin_refusal(cfg, scope)
     assert r is None or r.status_code == 403
