@@ -492,3 +492,34 @@ def test_drain_waits_for_the_decode_of_finished_frames(tmp_path, monkeypatch):
         rec = app.state.server.videos.get(v.id)
         assert rec.status == "completed" and output.mp4_video_frames(rec.path) == 5
         assert _stored(out, v.id)["status"] == "completed"
+
+
+def test_tiny_pipeline_decode_stops_between_latent_frames():
+    """The real VAE of the tiny model: a stop asked once its decode has started ends it at the next
+    latent frame (GenerationCancelled), not after the whole clip."""
+    import torch
+
+    from ditattn.errors import GenerationCancelled
+    from ditattn.pipelines.wan import WanPipelineNative
+
+    pipe = WanPipelineNative.from_pretrained("ditattn:tiny-wan")
+    decoder = pipe.components["vae"].decoder
+    calls = []
+    hook = decoder.register_forward_hook(lambda *a: calls.append(1))
+    state = {"denoised": False}
+
+    def stop_once_decoding():
+        return "deleted" if state["denoised"] and calls else None
+
+    try:
+        with pytest.raises(GenerationCancelled, match="deleted"):
+            pipe.generate("x", height=32, width=32, num_frames=13, num_inference_steps=1, progress=False,
+                          on_step=lambda done, total: state.update(denoised=done >= total),
+                          should_stop=stop_once_decoding)
+        stopped_after = len(calls)
+        calls.clear()
+        with torch.no_grad():
+            pipe.generate("x", height=32, width=32, num_frames=13, num_inference_steps=1, progress=False)
+    finally:
+        hook.remove()
+    assert stopped_after == 1 and len(calls) == 4  # 13 frames = 4 latent frames, one decoder call each
