@@ -523,3 +523,16 @@ def test_tiny_pipeline_decode_stops_between_latent_frames():
     finally:
         hook.remove()
     assert stopped_after == 1 and len(calls) == 4  # 13 frames = 4 latent frames, one decoder call each
+
+
+def test_damaged_job_store_file_is_refused_at_create_not_at_startup(tmp_path):
+    store = JobStore(str(tmp_path))
+    for i in range(300):
+        store.save(_record("video_" + f"{i:032x}", prompt="x" * 200))
+    store.close()
+    path = tmp_path / "jobs.sqlite"
+    data = bytearray(path.read_bytes())
+    data[4096:] = b"\xff" * (len(data) - 4096)  # every page but the header is damaged
+    path.write_bytes(bytes(data))
+    with pytest.raises(AttentionConfigError, match="damaged|not a ditattn job store"):
+        create_app(ToyRunner(), ServerConfig(output_dir=str(tmp_path)))

@@ -35,6 +35,7 @@ class JobStore:
         self.path = os.path.join(folder, DB_FILE)
         self._lock = threading.Lock()
         self.bad_rows: list[str] = []
+        self._rows: Optional[list] = None
         self._lock_fd = None
         self._lock_fd = _lock_folder(folder)
         try:
@@ -52,6 +53,8 @@ class JobStore:
                              "record TEXT NOT NULL)")
             if version != SCHEMA_VERSION:
                 self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            # read every row now: a damaged file is refused here, with its reason, not at the restore
+            self._rows = self._db.execute("SELECT id, record FROM videos ORDER BY rowid").fetchall()
         except sqlite3.DatabaseError as exc:
             self.close()
             raise AttentionConfigError(_open_error(folder, exc)) from None
@@ -100,7 +103,9 @@ class JobStore:
         """Every stored record, oldest first; a row that is not valid JSON is skipped (reported by
         ``bad_rows``)."""
         with self._lock:
-            rows = self._live().execute("SELECT id, record FROM videos ORDER BY rowid").fetchall()
+            rows, self._rows = self._rows, None
+            if rows is None:
+                rows = self._live().execute("SELECT id, record FROM videos ORDER BY rowid").fetchall()
         out, self.bad_rows = [], []
         for vid, body in rows:
             try:
@@ -137,6 +142,9 @@ def _open_error(folder: str, exc: BaseException) -> str:
     if isinstance(exc, OSError) or isinstance(exc, sqlite3.OperationalError) and not text.startswith("it holds"):
         return (f"--output-dir {folder}: cannot open the job store {DB_FILE} ({text[:200]}); check the folder's "
                 "permissions and free space (the file is left as it is)")
+    if "malformed" in text:
+        return (f"--output-dir {folder}: the job store {DB_FILE} is damaged ({text[:200]}); keep a copy and move it "
+                "away (its jobs cannot be restored), or use another --output-dir")
     return (f"--output-dir {folder}: {DB_FILE} is not a ditattn job store ({text[:200]}); move it away or use "
             "another --output-dir")
 
