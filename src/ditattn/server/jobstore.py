@@ -86,12 +86,14 @@ class JobStore:
         job goes after the existing ones (the load order).  RuntimeError once closed."""
         body = json.dumps(record, sort_keys=True)
         with self._lock:
+            self._rows = None  # the rows read at open are stale now
             self._live().execute("INSERT INTO videos (id, status, record) VALUES (?, ?, ?) ON CONFLICT(id) DO UPDATE "
                              "SET status = excluded.status, record = excluded.record",
                              (record["id"], record["status"], body))
 
     def delete(self, vid: str) -> None:
         with self._lock:
+            self._rows = None
             self._live().execute("DELETE FROM videos WHERE id = ?", (vid,))
 
     def _live(self) -> sqlite3.Connection:
