@@ -757,7 +757,7 @@ def test_server_runs_quantized_and_requests_cannot_change_it():
                                   "num_frames": 1, "batch_window_s": 0})
     runner = build_runner(cfg)
     assert runner.pipe.quantization_summary() == "int8 (16 of 26 linears)"
-    with TestClient(create_app(runner, cfg.server)) as client:
+    with TestClient(create_app(runner, cfg.server), base_url="http://localhost") as client:
         r = client.post("/v1/images/generations", json={"prompt": "a boat", "size": "32x32"})
         assert r.status_code == 200, r.text
         r = client.post("/v1/images/generations", json={"prompt": "a boat", "size": "32x32",

@@ -203,7 +203,7 @@ def test_health_reports_busy_then_degraded_past_the_timeout():
 def test_429_carries_retry_after_and_image_urls_use_the_public_url():
     gate = threading.Event()
     with serve(ToyRunner(gate=gate), max_batch_size=1, max_queue=1,
-               public_url="https://img.example.com/ditattn") as (base, app):
+               public_url="https://img.example.com/ditattn", allowed_hosts=("*",)) as (base, app):
         c = client(base)
         c.videos.create(prompt="running")
         _wait(lambda: app.state.server.scheduler.running == 1)

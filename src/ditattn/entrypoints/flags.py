@@ -146,7 +146,8 @@ def json_flag(p: argparse.ArgumentParser, what: str) -> None:
 def server_flags(p: argparse.ArgumentParser) -> None:
     """``serve``: address, batching, limits and lifecycle; every flag is a ServerConfig field."""
     field_flags(p.add_argument_group("server"), "host", "port", "api_key", "public_url", "output_dir",
-                "max_batch_size", "max_queue", "batch_window_s", "drain_timeout_s")
+                "max_batch_size", "max_queue", "batch_window_s", "drain_timeout_s", "allowed_hosts",
+                "allowed_origins", "header_timeout_s", "body_timeout_s")
     field_flags(p.add_argument_group("request limits (a request over one gets HTTP 400 naming it)"),
                 "request_timeout_s", "max_output_pixels", "max_steps", "max_n", "max_side", "max_pixels", "max_frames",
                 "max_fps", "max_body_bytes", "max_image_bytes", "max_image_pixels", "max_json_depth",

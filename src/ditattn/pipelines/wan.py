@@ -355,7 +355,7 @@ class WanPipelineNative:
         output_type: ``uint8`` (default), ``float`` ([0, 1] float32) or ``latent``.
         on_step: optional callable ``(steps_done, total_steps)`` called after each denoising step.
         should_stop: optional callable ``() -> reason or None`` asked before the text encoder, before
-        each denoising step and before decoding; a truthy reason stops the run there with
+        each denoising step, before decoding and between the latent frames the VAE decodes; a truthy reason stops the run there with
         :class:`~ditattn.errors.GenerationCancelled` (a server cancelling a request or enforcing its
         timeout; the pipeline knows nothing of servers).
         """
@@ -428,7 +428,8 @@ class WanPipelineNative:
             if output_type == "latent":
                 frames = latents
             else:
-                frames = self.decode(latents, progress=progress)
+                frames = self.decode(latents, progress=progress,
+                                     check_stop=check_stop if should_stop is not None else None)
                 if output_type == "uint8":
                     frames = (frames * 255.0).round().clip(0, 255).astype(np.uint8)
             timings["decode"] = time.perf_counter() - t0
@@ -450,9 +451,11 @@ class WanPipelineNative:
         t, h, w = ref.latent_grid(*latents.shape[2:])
         return t * h * w
 
-    def decode(self, latents: torch.Tensor, progress: bool = False) -> np.ndarray:
+    def decode(self, latents: torch.Tensor, progress: bool = False, check_stop=None) -> np.ndarray:
         """Latents ``[N, C, T, h, w]`` -> float32 frames in [0, 1], ``np.ndarray [N, F, H, W, 3]``
-        (``progress``: a bar on stderr when it is a terminal)."""
+        (``progress``: a bar on stderr when it is a terminal; ``check_stop`` (optional) is asked between
+        latent frames and may raise to stop the decode; not under ``--vae-parallel``, where every rank
+        must reach the collective decode)."""
         with self.placement.use("vae"):
             return decode_latents(self.components["vae"], latents, self.device, parallel=self.vae_parallel,
-                                  progress=progress)
+                                  progress=progress, check_stop=check_stop)

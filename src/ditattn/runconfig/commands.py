@@ -41,7 +41,10 @@ class ServerConfig(_Section):
     (400 beyond them, naming the limit), ``max_output_pixels`` bounding width × height × frames ×
     n (None: 16 × the model's default output, at most a 720p 81-frame clip); max_videos_kept: the oldest finished video jobs (and files) are forgotten beyond this count;
     batch_window_s: how long the scheduler waits for more requests to batch; drain_timeout_s: after
-    SIGTERM, how long the running job may take to finish before it is stopped and kept queued.
+    SIGTERM, how long the running job may take to finish before it is stopped and kept queued;
+    allowed_hosts / allowed_origins: without an API key, the ``Host`` names and browser ``Origin``s
+    answered besides the local ones (a web page elsewhere cannot drive the server); header_timeout_s /
+    body_timeout_s: a connection that stalls while sending a request is closed.
     """
 
     host: str = _field("127.0.0.1", text,
@@ -100,6 +103,16 @@ class ServerConfig(_Section):
                                   "removed (logged)", metavar="N")
     batch_window_s: float = _field(0.01, float_between(0.0, 60.0),
                                    "seconds the scheduler waits for more requests to fill a batch", metavar="S")
+    allowed_hosts: tuple = _field((), list_of(text, "host names"), "without --api-key: Host header names answered "
+                                  "besides localhost, IP addresses, --host and the --public-url host ('*': any)",
+                                  metavar="HOST[,HOST...]")
+    allowed_origins: tuple = _field((), list_of(text, "origins"), "without --api-key: browser Origins (scheme://host"
+                                    "[:port]) accepted besides the server's own and localhost ('*': any)",
+                                    metavar="ORIGIN[,ORIGIN...]")
+    header_timeout_s: float = _field(10.0, float_between(0.0, 3600.0, lo_open=True), "seconds a connection may take "
+                                     "to send a request's headers before it is closed")
+    body_timeout_s: float = _field(30.0, float_between(0.0, 3600.0, lo_open=True), "seconds a request body may "
+                                   "stall (no bytes received) before the connection is closed")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -110,6 +110,7 @@ class GenerationJob:
     future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
     on_start: Optional[Callable[["GenerationJob"], None]] = None
     on_progress: Optional[Callable[["GenerationJob", float], None]] = None
+    denoised: bool = False  # set by the runner once every denoising step ran (decoding: frames worth keeping)
 
     def should_stop(self, now: Optional[float] = None) -> Optional[str]:
         """Why this job must stop now (its cancel reason, or ``timeout`` past its deadline), else None."""

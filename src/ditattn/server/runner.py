@@ -201,9 +201,11 @@ class PipelineRunner(BaseRunner):
                 for a in self.pipe.adapters]
 
     def run_batch(self, jobs) -> list:
-        """One pipeline call for ``jobs``; it stops at the next denoising step once every job must
-        (cancelled, timed out, shutdown: :func:`~ditattn.server.jobs.batch_stop_reason`)."""
-        from ditattn.server.jobs import GenerationResult, batch_stop_reason
+        """One pipeline call for ``jobs``; it stops at the next denoising step, or between the frames
+        the VAE decodes, once every job must (cancelled, timed out, shutdown:
+        :func:`~ditattn.server.jobs.batch_stop_reason`); a shutdown that comes once every denoising
+        step ran lets the decode finish, so that the finished clip is kept."""
+        from ditattn.server.jobs import SHUTDOWN, GenerationResult, batch_stop_reason
 
         head = jobs[0]
         prompts, negatives, seeds = [], [], []
@@ -213,15 +215,21 @@ class PipelineRunner(BaseRunner):
                 negatives.append(j.negative_prompt or "")
                 seeds.append(j.seed + i)
         kw = {}
-        if self._on_step:
+        if self._on_step:  # once every step ran, a shutdown lets the decode finish (the frames are kept)
             def on_step(done: int, total: int) -> None:
+                for j in jobs:
+                    j.denoised = done >= total
                 for j in jobs:
                     if j.on_progress is not None:
                         j.on_progress(j, done / max(total, 1))
 
             kw["on_step"] = on_step
         if self._should_stop:
-            kw["should_stop"] = lambda: batch_stop_reason(jobs)
+            def should_stop():
+                reason = batch_stop_reason(jobs)
+                return None if reason == SHUTDOWN and all(j.denoised for j in jobs) else reason
+
+            kw["should_stop"] = should_stop
         if head.image is not None:  # one first frame per sample
             kw["image"] = [j.image for j in jobs for _ in range(j.n)]
         if head.lora is not None:
