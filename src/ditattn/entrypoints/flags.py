@@ -95,6 +95,11 @@ def attention_flags(p: argparse.ArgumentParser) -> None:
                    help="zero-based denoising step where skip softmax starts (default 0)")
 
 
+def cache_flags(p: argparse.ArgumentParser) -> None:
+    """``--cache-backend`` / ``--cache-backend-config`` (the step cache; RunConfig's cache section)."""
+    field_flags(p.add_argument_group("step cache"), "cache_backend", "cache_backend_config")
+
+
 def platform_flags(p: argparse.ArgumentParser) -> None:
     """``--platform NAME[:SM]`` / ``--platform-packages A,B`` (``plan``, ``backends``): simulate a machine.
     Checked by :class:`~ditattn.runconfig.SimulationConfig` (like a backend name: an ``error:`` line

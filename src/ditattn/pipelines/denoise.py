@@ -17,13 +17,14 @@ from typing import Callable, Mapping, Optional
 import torch
 
 from ditattn.attention.context import RequestState, forward_context, request_scope
+from ditattn.cache.runtime import cache_scope
 from ditattn.pipelines.conditioning import ImageCondition
 
 
 def denoise(latents: torch.Tensor, scheduler, dits: Mapping[str, Optional[torch.nn.Module]], *,
             context: torch.Tensor, condition: Optional[ImageCondition], guidance: float, guidance_2: float,
             boundary_ratio: Optional[float], expand_timesteps: bool, placement, dtype: torch.dtype,
-            state: Optional[RequestState] = None, progress: bool = True,
+            state: Optional[RequestState] = None, cache=None, progress: bool = True,
             on_step: Optional[Callable[[int, int], None]] = None,
             check_stop: Optional[Callable[[], None]] = None) -> tuple[torch.Tensor, set[str]]:
     """Run ``scheduler`` (its timesteps set) over ``latents [N, z, T, h, w]`` (float32, on the
@@ -35,7 +36,9 @@ def denoise(latents: torch.Tensor, scheduler, dits: Mapping[str, Optional[torch.
     condition: the batch's image condition or None; guidance_2: the low-noise expert's scale;
     placement: the :class:`~ditattn.pipelines.offload.ComponentPlacement` that brings each expert
     onto the device; dtype: the DiTs' compute dtype.  ``state``: the request's attention state, in
-    effect for the whole loop; ``check_stop()`` runs before each step (it raises to stop);
+    effect for the whole loop; ``cache``: the request's step cache (a
+    :class:`~ditattn.cache.runtime.CacheRun`, in effect for the whole loop; None: every forward computed);
+    ``check_stop()`` runs before each step (it raises to stop);
     ``on_step(done, total)`` after each; ``progress``: a tqdm bar on stderr.
     """
     from tqdm.auto import tqdm
@@ -55,7 +58,7 @@ def denoise(latents: torch.Tensor, scheduler, dits: Mapping[str, Optional[torch.
     bar = tqdm(total=len(timesteps), desc="denoising", unit="step", file=sys.stderr, disable=not progress,
                dynamic_ncols=True, leave=True)
     try:
-        with request_scope(state) if state is not None else contextlib.nullcontext():
+        with request_scope(state) if state is not None else contextlib.nullcontext(), cache_scope(cache):
             for i, t in enumerate(timesteps):
                 if check_stop is not None:
                     check_stop()

@@ -92,6 +92,8 @@ class WanPipelineNative:
         self.loaded = load_weights
         self.placement = placement or ComponentPlacement(components, device)
         self.adapters = list(adapters)
+        #: the default step cache of every call (a :class:`~ditattn.cache.runtime.CacheSetting`) or None
+        self.cache_setting = None
         self._offload_lock = threading.Lock()  # offloaded components move: one generation at a time
         self.defaults = dict(model_index.builtin_defaults or CHECKPOINT_DEFAULTS)
         self.boundary_ratio = model_index.config.get("boundary_ratio")
@@ -137,6 +139,8 @@ class WanPipelineNative:
         lora_fuse: bool = False,
         dit_quantization: str = "none",
         dit_weights: "str | dict | None" = None,
+        cache_backend: Optional[str] = None,
+        cache_backend_config: "str | dict | None" = None,
     ) -> "WanPipelineNative":
         """Load the pipeline at ``path`` (a local diffusers-format Wan folder, a Hugging Face repo id
         ``org/name`` at ``revision`` — see :func:`~ditattn.pipelines.model_index.resolve_model_path`
@@ -163,6 +167,10 @@ class WanPipelineNative:
         holding the DiT's weights instead of the folder's (diffusers or original Wan key names,
         bf16/fp16/fp32 or FP8/INT8 with scales: :mod:`ditattn.models.wan.checkpoint`), or
         ``{component: file}`` for a model with two DiTs.
+
+        cache_backend / cache_backend_config: the step cache every call uses unless it asks for
+        another (``none``, ``teacache``, ``magcache``, ``first_block_cache`` and their keys:
+        :mod:`ditattn.cache`; refused with the reason when this model cannot take it).
         """
         from ditattn.models.quantization import (check_mode, check_something_quantized, plan_linears,
                                                  quantize_linears)
@@ -208,8 +216,10 @@ class WanPipelineNative:
             for comp in DIT:
                 if components.get(comp) is not None:
                     compile_blocks(components[comp], mode="reduce-overhead" if settings.cuda_graphs else None)
-        return cls(mi, components, scopes, settings, platform, dev, dt, load_weights, placement=placement,
+        pipe = cls(mi, components, scopes, settings, platform, dev, dt, load_weights, placement=placement,
                    adapters=adapters)
+        pipe.cache_setting = pipe.prepare_cache(cache_backend, cache_backend_config)
+        return pipe
 
     @classmethod
     def from_config(cls, config, *, load_weights: bool = True, cache_dir: Optional[str] = None,
@@ -226,7 +236,9 @@ class WanPipelineNative:
                                    local_files_only=m.local_files_only, cache_dir=cache_dir, offload=m.offload,
                                    offload_group_blocks=m.offload_group_blocks, vae_tiling=m.vae_tiling,
                                    vae_slicing=m.vae_slicing, lora=m.lora_path, lora_fuse=fuse,
-                                   dit_quantization=m.dit_quantization, dit_weights=m.dit_weights)
+                                   dit_quantization=m.dit_quantization, dit_weights=m.dit_weights,
+                                   cache_backend=config.cache.cache_backend,
+                                   cache_backend_config=config.cache.cache_backend_config)
 
     # ------------------------------------------------------------------------------------------
     # plan
@@ -234,7 +246,9 @@ class WanPipelineNative:
     def plan(self) -> dict:
         """The attention plan (DESIGN 1.5): ``{"platform": {...}, "components": [{"name",
         "selectable", "layers": [{"prefix", "role", "backend", "source", "fallback_reason"}]}]}``."""
-        return build_plan(self.platform, self.scopes, self.linear_quantization())
+        plan = build_plan(self.platform, self.scopes, self.linear_quantization())
+        plan["cache"] = self.cache_setting.to_dict() if self.cache_setting is not None else None
+        return plan
 
     def linear_quantization(self) -> dict:
         """``{DiT component: QuantizationPlan}``: which linears ``--dit-quantization`` quantized (or,
@@ -272,6 +286,23 @@ class WanPipelineNative:
             return prepare_request_override(self.dit_modules, override, self.settings, skip_softmax=skip_softmax,
                                             dtype=self.dtype)
 
+    def prepare_cache(self, cache_backend=None, cache_backend_config=None):
+        """The :class:`~ditattn.cache.runtime.CacheSetting` of a call's ``cache_backend`` /
+        ``cache_backend_config`` (both None: the pipeline's default; ``"none"``: no cache), checked against
+        this model; raises :class:`AttentionConfigError` with the reason."""
+        if cache_backend is None and cache_backend_config in (None, "", {}):
+            return self.cache_setting
+        from ditattn.cache.config import resolve_cache
+
+        if cache_backend is None:  # keys for the default method
+            if self.cache_setting is None:
+                raise AttentionConfigError("cache_backend_config given without a cache backend; accepted: "
+                                           "cache_backend teacache|magcache|first_block_cache with it")
+            cache_backend = self.cache_setting.name
+        ref = self.components.get("transformer") or self.components.get("transformer_2")
+        return resolve_cache(cache_backend, cache_backend_config, model=self.model_index.name,
+                             num_blocks=len(ref.blocks))
+
     def check_size(self, height: int, width: int, num_frames: int) -> None:
         """Raise :class:`AttentionConfigError` unless the size is one this model can generate."""
         self.geometry.check_size(height, width, num_frames)
@@ -302,6 +333,9 @@ class WanPipelineNative:
         override: Optional[str] = None,
         skip_softmax=None,
         request_state: Optional[RequestState] = None,
+        cache_backend: Optional[str] = None,
+        cache_backend_config=None,
+        cache_setting=None,
         max_sequence_length: int = MAX_SEQUENCE_LENGTH,
         latents: Optional[torch.Tensor] = None,
         output_type: str = "uint8",
@@ -325,7 +359,9 @@ class WanPipelineNative:
         scales). override: a per-request
         dense drop-in backend for the DiT (DESIGN 2.7); skip_softmax: ``{threshold_scale_factor,
         start_step}`` (2.8); request_state: an already prepared state (:meth:`prepare_request`)
-        instead of those two. latents: optional initial noise ``[N, C, T, H/8, W/8]`` float32.
+        instead of those two. cache_backend / cache_backend_config: this call's step cache (None: the
+        pipeline's default, ``"none"``: off; :meth:`prepare_cache`), or cache_setting: an already prepared
+        one; the result's ``cache`` reports the forwards computed and reused. latents: optional initial noise ``[N, C, T, H/8, W/8]`` float32.
         output_type: ``uint8`` (default), ``float`` ([0, 1] float32) or ``latent``.
         on_step: optional callable ``(steps_done, total_steps)`` called after each denoising step.
         should_stop: optional callable ``() -> reason or None`` asked before the text encoder, before
@@ -343,6 +379,11 @@ class WanPipelineNative:
                              two_experts=self.boundary_ratio is not None)
         height, width, num_frames, steps = inp.height, inp.width, inp.num_frames, inp.steps
         state = request_state if request_state is not None else self.prepare_request(override, skip_softmax)
+        if cache_setting is None:
+            cache_setting = self.prepare_cache(cache_backend, cache_backend_config)
+        from ditattn.cache.runtime import CacheRun
+
+        cache = CacheRun(cache_setting) if cache_setting is not None else None
 
         def check_stop() -> None:
             reason = should_stop() if should_stop is not None else None
@@ -386,7 +427,7 @@ class WanPipelineNative:
             latents, used_models = denoise(
                 latents, scheduler, dits, context=context, condition=condition, guidance=inp.guidance,
                 guidance_2=inp.guidance_2, boundary_ratio=self.boundary_ratio, expand_timesteps=self.expand_timesteps,
-                placement=self.placement, dtype=dt, state=state, progress=progress, on_step=on_step,
+                placement=self.placement, dtype=dt, state=state, cache=cache, progress=progress, on_step=on_step,
                 check_stop=check_stop)
             timings["denoise"] = time.perf_counter() - t0
             if condition is not None:
@@ -410,7 +451,7 @@ class WanPipelineNative:
             backends = request_backends([l for r in ROLES for l in layers if l.role == r], state)
             stats = dict(state.stats) if state is not None else {}
             return GenerationResult(frames, backends, timings, stats, latents, inp.seeds, height, width, num_frames,
-                                    steps, run.peak_memory())
+                                    steps, run.peak_memory(), cache.stats() if cache is not None else None)
 
     def decode(self, latents: torch.Tensor) -> np.ndarray:
         """Latents ``[N, C, T, h, w]`` -> float32 frames in [0, 1], ``np.ndarray [N, F, H, W, 3]``."""
