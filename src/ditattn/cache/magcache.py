@@ -5,7 +5,7 @@ The calibration records, per step ``t``, the mean over tokens of ``||r_t|| / ||r
 ``r_t`` is the block stack's residual (output minus input): the magnitude ratio, close to 1 through
 most of the schedule and falling at the end.  At a step that may be skipped, the method multiplies
 the ratios since the last computed forward (``gamma``), adds ``|1 - gamma|`` to the accumulated error
-and counts the step; while the error is at most ``threshold`` and the count at most
+and counts the step; while the error stays below ``threshold`` and the count at most
 ``max_consecutive_skips``, the forward is reused (input + cached residual), else it is computed and
 the accumulators reset.  The decision reads only the calibration curve and the step index: every
 sequence-parallel rank and every request decides the same, and it costs no reduction.
@@ -35,7 +35,7 @@ class MagCache(CacheMethod):
         ratio = ratio_at(config["_mag_ratios"], view.step, view.num_steps)
         gamma = state.extra.get("gamma", 1.0) * ratio
         err = state.acc + abs(1.0 - gamma)
-        if err <= config["threshold"] and state.skips < config["max_consecutive_skips"]:
+        if err < config["threshold"] and state.skips < config["max_consecutive_skips"]:
             state.extra["gamma"], state.acc = gamma, err
             return self.reuse_all(view, state)
         return self._compute(view, state)
