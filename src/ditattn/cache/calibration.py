@@ -5,7 +5,8 @@ A calibration file is a small JSON object::
 
     {"format": "ditattn-cache-calibration", "version": 1, "model": "ditattn:shapes", "num_steps": 20,
      "guidance_scale": 5.0, "size": [128, 128, 17], "prompts": ["..."],
-     "teacache": {"coefficients": [c4, c3, c2, c1, c0]},      # numpy.polyval order: output change from input change
+     "teacache": {"coefficients": [c4, c3, c2, c1, c0],       # numpy.polyval order: output change from input change
+                  "input_range": [lo, hi]},                     # the input changes it was fitted on
      "magcache": {"mag_ratios": [1.0, r1, ..., r19]},           # one per step
      "samples": {"input_change": [[...]], "output_change": [[...]], "mag_ratio": [[...]]}}   # per prompt, per step
 
@@ -52,7 +53,7 @@ def _numbers(v, what: str, path: str, length: Optional[int] = None) -> list[floa
 def load_calibration(path: str, *, model: Optional[str] = None) -> dict:
     """The checked content of calibration file ``path``: ``{"model", "num_steps", "coefficients",
     "mag_ratios"}`` (either of the last two None when the file lacks that method's data).  A file
-    that is not one, malformed data (a curve whose length is not ``num_steps``, a polynomial of the wrong
+    that is not one, malformed data (``input_range``: the span of input changes the polynomial was fitted on) (a curve whose length is not ``num_steps``, a polynomial of the wrong
     size) or a calibration of another ``model`` raise :class:`AttentionConfigError`."""
     from ditattn.attention.config import load_mapping_file
 
@@ -68,16 +69,18 @@ def load_calibration(path: str, *, model: Optional[str] = None) -> dict:
     if model is not None and data.get("model") != model:
         raise AttentionConfigError(f"calibration file {path} was made for model {data.get('model')!r}, not {model!r}; "
                                    f"accepted: a calibration of {model} (ditattn calibrate-cache --model-path {model})")
-    coefficients = mag = None
+    coefficients = mag = span = None
     if "teacache" in data:
         coefficients = _numbers((data["teacache"] or {}).get("coefficients"), "teacache.coefficients", path)
+        if (data["teacache"] or {}).get("input_range") is not None:
+            span = _numbers(data["teacache"]["input_range"], "teacache.input_range", path, 2)
         if len(coefficients) > 8:
             raise AttentionConfigError(f"calibration file {path}: teacache.coefficients has {len(coefficients)} "
                                        "values; accepted: at most 8 (a polynomial of degree <= 7)")
     if "magcache" in data:
         mag = _numbers((data["magcache"] or {}).get("mag_ratios"), "magcache.mag_ratios", path, steps)
-    return {"model": data.get("model"), "num_steps": steps, "coefficients": coefficients, "mag_ratios": mag,
-            "path": path}
+    return {"model": data.get("model"), "num_steps": steps, "coefficients": coefficients, "input_range": span,
+            "mag_ratios": mag, "path": path}
 
 
 class Recorder(CacheMethod):
@@ -123,12 +126,13 @@ def fit(runs: list[Recorder], *, model: str, num_steps: int, guidance_scale: flo
                                        "supported)")
     x = np.array([v for r in runs for v in r.input_change[1:]], dtype=np.float64)
     y = np.array([v for r in runs for v in r.output_change[1:]], dtype=np.float64)
-    degree = min(POLY_DEGREE, max(len(x) - 1, 1))
+    degree = min(POLY_DEGREE, max(len(x) // 10, 1))  # ten samples per coefficient: no wild fits of few points
     coefficients = np.polyfit(x, y, degree).tolist()
     mag = np.mean(np.array([r.mag_ratio for r in runs], dtype=np.float64), axis=0).tolist()
     return {"format": FORMAT, "version": VERSION, "model": model, "num_steps": num_steps,
             "guidance_scale": guidance_scale, "size": list(size), "prompts": list(prompts),
-            "teacache": {"coefficients": coefficients}, "magcache": {"mag_ratios": mag},
+            "teacache": {"coefficients": coefficients, "input_range": [float(x.min()), float(x.max())]},
+            "magcache": {"mag_ratios": mag},
             "samples": {"input_change": [r.input_change for r in runs], "output_change": [r.output_change for r in runs],
                         "mag_ratio": [r.mag_ratio for r in runs]}}
 

@@ -41,6 +41,7 @@ class CacheSetting:
         cal = self.calibration or {}
         cfg["_coefficients"] = cal.get("coefficients")
         cfg["_mag_ratios"] = cal.get("mag_ratios")
+        cfg["_input_range"] = cal.get("input_range")
         return cfg
 
     def describe(self) -> str:

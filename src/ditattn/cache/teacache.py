@@ -35,18 +35,25 @@ class TeaCache(CacheMethod):
             state.acc = 0.0
             return self.compute_all(view, state)
         d = view.rel_l1(m, prev)
-        state.acc += rescale(config.get("_coefficients"), d)
+        state.acc += rescale(config.get("_coefficients"), d, config.get("_input_range"))
         if state.acc < config["threshold"] and state.skips < config["max_consecutive_skips"]:
             return self.reuse_all(view, state)
         state.acc = 0.0
         return self.compute_all(view, state)
 
 
-def rescale(coefficients, d: float) -> float:
-    """``d`` through the calibration polynomial (highest power first, as :func:`numpy.polyval`);
-    None: ``d`` itself.  Negative estimates count as 0."""
+def rescale(coefficients, d: float, span=None) -> float:
+    """``d`` through the calibration polynomial (highest power first, as :func:`numpy.polyval`;
+    None: ``d`` itself).  Outside the ``span`` ``[lo, hi]`` of input changes it was fitted on, the
+    polynomial's value at the nearer end scaled by ``d / end`` (a fitted polynomial is not to be trusted
+    beyond its data); negative estimates count as 0."""
     if coefficients is None:
         return d
+    if span is not None:
+        lo, hi = span
+        end = hi if d > hi else lo if d < lo else None
+        if end is not None and end > 0:
+            return max(float(np.polyval(coefficients, end)), 0.0) * d / end
     return max(float(np.polyval(coefficients, d)), 0.0)
 
 

@@ -63,6 +63,13 @@ COMMANDS = (
             (flags.model_flags, flags.server_flags, flags.attention_flags, flags.cache_flags),
             ("model", "sampling", "attention", "cache", "parallel", "server", "verbose"),
             "ditattn.entrypoints.serve:run"),
+    Command("calibrate-cache", "calibrate the step-cache methods (teacache, magcache) for a model",
+            "Run uncached generations of the given prompts, record per step how much the DiT's modulated input and "
+            "its block-stack residual change, and write a calibration JSON (the TeaCache polynomial and the MagCache "
+            "magnitude-ratio curve) that the methods take as calibration=PATH (docs/caching.md).",
+            (lambda p: flags.model_flags(p, seed=False), flags.calibrate_flags),
+            ("model", "sampling", "calibrate", "verbose"),
+            "ditattn.entrypoints.calibrate_cache:run"),
     Command("compare", "paired generations under several attention settings: time, PSNR/SSIM, per-layer error",
             "Run the same prompts and seeds under two or more attention settings (--variant; the first is the "
             "reference), pair the clips per prompt and seed, and report per variant: DiT and whole time, PSNR / "

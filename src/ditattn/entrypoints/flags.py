@@ -100,6 +100,16 @@ def cache_flags(p: argparse.ArgumentParser) -> None:
     field_flags(p.add_argument_group("step cache"), "cache_backend", "cache_backend_config")
 
 
+def calibrate_flags(p: argparse.ArgumentParser) -> None:
+    """``calibrate-cache``: prompts, seeds and the output file (RunConfig's calibrate section)."""
+    g = p.add_argument_group("calibration")
+    for flag, key, kw in (("--prompt", "calibrate_prompts", dict(action="append")),
+                          ("--seed", "calibrate_seeds", dict(nargs="+", action="extend", type=NONNEG_INT)),
+                          ("--output", "calibrate_output", dict(type=typed("calibrate_output")))):
+        f = _config_field(key)
+        g.add_argument(flag, dest=key, metavar=f.metadata["metavar"], help=f.metadata["help"], **kw)
+
+
 def platform_flags(p: argparse.ArgumentParser) -> None:
     """``--platform NAME[:SM]`` / ``--platform-packages A,B`` (``plan``, ``backends``): simulate a machine.
     Checked by :class:`~ditattn.runconfig.SimulationConfig` (like a backend name: an ``error:`` line

@@ -48,7 +48,7 @@ from ditattn.runconfig.checks import (
     text,
     text_or_mapping,
 )
-from ditattn.runconfig.commands import CompareOptions, ServerConfig, SimulationConfig
+from ditattn.runconfig.commands import CalibrateOptions, CompareOptions, ServerConfig, SimulationConfig
 from ditattn.runconfig.fields import MAX_FPS, MAX_FRAMES, MAX_GPUS, MAX_GUIDANCE, MAX_SEED, MAX_SIDE, MAX_STEPS
 from ditattn.runconfig.fields import Section as _Section  # the short names the sections below use
 from ditattn.runconfig.fields import setting as _field
@@ -209,7 +209,7 @@ class OutputConfig(_Section):
 
 SECTIONS = {"model": ModelConfig, "sampling": SamplingConfig, "attention": AttentionOptions, "cache": CacheOptions,
             "parallel": ParallelConfig, "output": OutputConfig, "server": ServerConfig,
-            "simulation": SimulationConfig, "compare": CompareOptions}
+            "simulation": SimulationConfig, "compare": CompareOptions, "calibrate": CalibrateOptions}
 TOP_LEVEL = ("verbose", "json")
 
 
@@ -235,6 +235,7 @@ class RunConfig:
     server: ServerConfig = _section(ServerConfig)
     simulation: SimulationConfig = _section(SimulationConfig)
     compare: CompareOptions = _section(CompareOptions)
+    calibrate: CalibrateOptions = _section(CalibrateOptions)
     verbose: bool = False
     json: bool = False
 
