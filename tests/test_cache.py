@@ -53,7 +53,7 @@ def test_teacache_trace_matches_hand_computation():
     # relative changes: .05, .0476, .0909, .0833, .0077, .0076, .0076, .0075 (identity rescale, no calibration:
     # tiny-wan has none); accumulated below 0.1 -> reuse, at most 2 in a row, first and last step computed
     signal = [1, 1.05, 1.10, 1.2, 1.3, 1.31, 1.32, 1.33, 1.34, 1.5]
-    cache, stack, outs = _run("teacache", "threshold=0.1,max_consecutive_skips=2", signal)
+    cache, stack, outs = _run("teacache", "threshold=0.1,max_consecutive_skips=2,start_step=1", signal)
     assert cache.stats()["trace"] == "CRRCRRCRRC"
     assert cache.stats()["computed"] == 4 and cache.stats()["reused"] == 6
     # a reused step is its input plus the residual of the last computed step (step 0's for steps 1 and 2)
@@ -71,8 +71,8 @@ def test_teacache_rescales_with_the_calibration_polynomial(tmp_path):
                                 "teacache": {"coefficients": [3.0, 0.0]}}))
     # change 0.06 per step: every other step reused; tripled (0.18 > 0.1) never
     signal = [1.06 ** k for k in range(6)]
-    plain, _, _ = _run("teacache", "threshold=0.1", signal)
-    scaled, _, _ = _run("teacache", {"threshold": 0.1, "calibration": str(path)}, signal)
+    plain, _, _ = _run("teacache", "threshold=0.1,start_step=1", signal)
+    scaled, _, _ = _run("teacache", {"threshold": 0.1, "start_step": 1, "calibration": str(path)}, signal)
     assert plain.stats()["trace"] == "CRCRCC"
     assert scaled.stats()["trace"] == "CCCCCC"
 
@@ -82,7 +82,7 @@ def test_magcache_trace_matches_hand_computation(tmp_path):
     path = tmp_path / "cal.json"
     path.write_text(json.dumps({"format": "ditattn-cache-calibration", "version": 1, "model": "m", "num_steps": 10,
                                 "magcache": {"mag_ratios": ratios}}))
-    setting = resolve_cache("magcache", f"calibration={path}", model="m", num_blocks=4)
+    setting = resolve_cache("magcache", f"calibration={path},start_step=2", model="m", num_blocks=4)
     cache, stack = CacheRun(setting), Stack(4, [0.0] * 10)
     for step in range(10):
         stack.forward(cache, torch.zeros(1, 3, D, dtype=torch.float64), step, 10)
@@ -109,7 +109,7 @@ def test_magcache_curve_read_at_the_same_schedule_position():
 def test_first_block_cache_trace_and_back_blocks():
     # front block residual per step; change against the last computed: .02, .05 -> R R; .2 -> C; .0083, .0167 -> R R
     front = [1, 1.02, 1.05, 1.2, 1.21, 1.22, 1.5]
-    cache, stack, outs = _run("first_block_cache", "threshold=0.1,fn_blocks=1,bn_blocks=1", [0.0] * 7, front=front)
+    cache, stack, outs = _run("first_block_cache", "threshold=0.1,fn_blocks=1,bn_blocks=1,start_step=1", [0.0] * 7, front=front)
     s = cache.stats()
     assert s["trace"] == "CRRCRRC"
     assert s["blocks_computed"] == 3 * 4 + 4 * 2 and s["blocks_total"] == 7 * 4
@@ -129,7 +129,7 @@ def test_taylorseer_extrapolates_the_residual():
     assert quad.predict(3).item() == pytest.approx(9.0)  # parabola through the three points
     assert ResidualStore(0).__class__(0).order == 0
     # in a method: the reused residual follows the trend of the computed ones
-    cache, stack, outs = _run("first_block_cache", "threshold=0.1,taylorseer=true,max_consecutive_skips=1",
+    cache, stack, outs = _run("first_block_cache", "threshold=0.1,taylorseer=true,max_consecutive_skips=1,start_step=1",
                               [0.0] * 6, front=[1, 1, 1.01, 1.01, 1.02, 1.02])
     assert cache.stats()["trace"] == "CRCRCC"
     # step 3 reuses blocks 1-3 (residual 9 * (1 + 0.1 s)) extrapolated from steps 0 and 2: exact for a line
@@ -138,7 +138,7 @@ def test_taylorseer_extrapolates_the_residual():
 
 def test_cfg_branches_keep_separate_state():
     """Split guidance: the conditional and unconditional forwards of a step each have their own state."""
-    setting = resolve_cache("teacache", "threshold=0.1", model=None, num_blocks=2)
+    setting = resolve_cache("teacache", "threshold=0.1,start_step=1", model=None, num_blocks=2)
     cache = CacheRun(setting)
     still, moving = Stack(2, [1.0] * 6), Stack(2, [1.0, 1.5, 2.2, 3.0, 4.0, 5.0])
     for step in range(6):
@@ -150,7 +150,7 @@ def test_cfg_branches_keep_separate_state():
 
 
 def test_expert_switch_drops_the_state():
-    setting = resolve_cache("teacache", "threshold=0.5,max_consecutive_skips=5", model=None, num_blocks=2)
+    setting = resolve_cache("teacache", "threshold=0.5,max_consecutive_skips=5,start_step=1", model=None, num_blocks=2)
     cache = CacheRun(setting)
     stack = Stack(2, [1.0] * 8)
     for step in range(8):

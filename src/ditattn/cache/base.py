@@ -22,6 +22,17 @@ from ditattn.errors import AttentionConfigError
 P = Param
 
 
+#: share of the steps computed before any reuse when ``start_step`` is unset
+START_FRACTION = 0.2
+
+
+def start_step(config: dict, num_steps: int) -> int:
+    """The first step that may be reused: ``start_step``, or the first :data:`START_FRACTION` of the
+    ``num_steps`` steps (at least one) when it is unset."""
+    s = config.get("start_step")
+    return s if s is not None else max(1, round(START_FRACTION * num_steps))
+
+
 def _end_step_check(v):
     return None if v is None or isinstance(v, int) else "must be an integer"
 
@@ -31,8 +42,8 @@ COMMON_PARAMS: tuple[Param, ...] = (
     P("threshold", "float", 0.1, "Skip budget: a forward is reused while the method's accumulated change estimate "
       "stays below it; 0 never skips (the output is then the uncached one, bit for bit)",
       check=_nonneg, accepted="a number >= 0"),
-    P("start_step", "int", 1, "Steps before this index are always computed", check=_nonneg,
-      accepted="an integer >= 0"),
+    P("start_step", "int", None, "Steps before this index are always computed (unset: the first 20 % of the "
+      "steps, at least one: the early steps lay out the picture)", check=_nonneg, accepted="an integer >= 0"),
     P("end_step", "int", -1, "Steps from this index on are always computed; negative counts from the end "
       "(-1: the last step is computed)", check=_end_step_check, accepted="an integer"),
     P("max_consecutive_skips", "int", 3, "Most forwards reused in a row before one is computed", check=_positive,

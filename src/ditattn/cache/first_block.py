@@ -26,7 +26,7 @@ class FirstBlockCache(CacheMethod):
         Param("bn_blocks", "int", 0, "Back blocks always computed (on the reused middle's result)", check=_nonneg,
               accepted="an integer >= 0"),
     )
-    defaults = {"threshold": 0.08, "start_step": 1, "end_step": -1, "max_consecutive_skips": 3}
+    defaults = {"threshold": 0.08, "end_step": -1, "max_consecutive_skips": 3}
     facts = CacheFacts(reuses="middle blocks", signal="relative L1 change of the front blocks' residual",
                        calibration=None, sequence_parallel="the L1 sums are all-reduced over the ranks")
 

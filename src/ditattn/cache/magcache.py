@@ -25,7 +25,7 @@ class MagCache(CacheMethod):
         Param("calibration", "str", None, "Calibration JSON (ditattn calibrate-cache) with the magnitude-ratio curve; "
               "unset: the file shipped for the model (required otherwise)", accepted="a path to a JSON file"),
     )
-    defaults = {"threshold": 0.06, "start_step": 2, "end_step": -1, "max_consecutive_skips": 2}
+    defaults = {"threshold": 0.06, "end_step": -1, "max_consecutive_skips": 2}
     facts = CacheFacts(reuses="blocks", signal="accumulated error of the calibrated residual-magnitude ratios",
                        calibration="required", sequence_parallel="decided from replicated values (curve and step)")
 

@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from ditattn.attention.context import current_forward
-from ditattn.cache.base import CacheMethod, StepView, new_state
+from ditattn.cache.base import CacheMethod, StepView, new_state, start_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +77,7 @@ class CacheRun:
     def _forced(self, step: int, num_steps: int) -> bool:
         end = self.config["end_step"]
         end = end if end >= 0 else num_steps + end
-        return step < self.config["start_step"] or step >= end
+        return step < start_step(self.config, num_steps) or step >= end
 
     def forward_blocks(self, model: torch.nn.Module, x: torch.Tensor, run: Callable, num_blocks: int,
                        modulated: Callable[[], torch.Tensor], valid: int) -> torch.Tensor:

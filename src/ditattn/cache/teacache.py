@@ -24,7 +24,7 @@ class TeaCache(CacheMethod):
         Param("calibration", "str", None, "Calibration JSON (ditattn calibrate-cache) whose polynomial rescales the "
               "input change; unset: the file shipped for the model, else no rescaling", accepted="a path to a JSON file"),
     )
-    defaults = {"threshold": 0.1, "start_step": 1, "end_step": -1, "max_consecutive_skips": 3}
+    defaults = {"threshold": 0.1, "end_step": -1, "max_consecutive_skips": 3}
     facts = CacheFacts(reuses="blocks", signal="rescaled relative L1 change of the first block's modulated input",
                        calibration="optional", sequence_parallel="the L1 sums are all-reduced over the ranks")
 
