@@ -25,11 +25,34 @@ def parse_cache_backend_config(value: "str | dict | None") -> dict:
         raise AttentionConfigError(str(exc).replace("attention backend config", "cache backend config")) from None
 
 
+def _field(name: str):
+    """Errors raised inside the block carry ``field = name`` (the request field a server names)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def scope():
+        try:
+            yield
+        except AttentionConfigError as exc:
+            if not hasattr(exc, "field"):
+                exc.field = name
+            raise
+
+    return scope()
+
+
 def validate_cache(backend, config: "str | dict | None" = None) -> Optional[tuple]:
     """``(method, validated config)`` for ``backend`` and its raw ``config`` (None for ``none``; a
-    config without a method is refused); no model checks."""
-    method = cache_method(backend)
-    raw = parse_cache_backend_config(config)
+    config without a method is refused); no model checks.  Errors carry ``field``: ``cache_backend``
+    or ``cache_backend_config``, the setting at fault."""
+    with _field("cache_backend"):
+        method = cache_method(backend)
+    with _field("cache_backend_config"):
+        raw = parse_cache_backend_config(config)
+        return _validated(method, raw)
+
+
+def _validated(method, raw: dict):
     if method is None:
         if raw:
             raise AttentionConfigError("cache backend config given without a cache backend; accepted: "
@@ -50,6 +73,11 @@ def resolve_cache(backend, config: "str | dict | None" = None, *, model: Optiona
     if found is None:
         return None
     method, cfg = found
+    with _field("cache_backend_config"):
+        return _for_model(method, cfg, model, num_blocks, native)
+
+
+def _for_model(method, cfg: dict, model: Optional[str], num_blocks: Optional[int], native: bool) -> CacheSetting:
     if not native:
         raise AttentionConfigError(f"cache backend {method.name} runs in ditattn's native Wan transformer; "
                                    "accepted: --backend native (the diffusers pipeline has no step cache here)")

@@ -214,6 +214,10 @@ class _Extras(BaseModel):
     seed: Optional[int] = None  # the range: check_numbers
     attention_backend_override: Optional[str] = Field(default=None, max_length=64)
     skip_softmax_params: Optional[SkipSoftmaxBody] = None
+    #: the request's step cache (none, teacache, magcache, first_block_cache) and its keys (k=v text or an object)
+    cache_backend: Optional[str] = Field(default=None, max_length=64)
+    cache_backend_config: Union[str, dict[str, Union[str, int, float, bool, None]], None] = Field(default=None,
+                                                                                                 max_length=64)
 
     @classmethod
     def accepted_fields(cls) -> list[str]:
@@ -300,6 +304,7 @@ class ImagesResponse(BaseModel):
     attention_backends: list[str]
     attention_backend_override: Optional[str] = None
     skip_softmax: Optional[dict] = None
+    cache: Optional[dict] = None  # the step cache's report: backend, forwards computed / reused, trace
 
 
 # ------------------------------------------------------------------------------------------------

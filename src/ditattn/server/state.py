@@ -217,6 +217,9 @@ class ServerState(RequestChecks):
                                     "guidance_scale", "seed", "fps")}
         p["guidance_scale_2"] = params.get("guidance_scale_2")
         p["lora"] = tuple(tuple(x) for x in params["lora"]) if params.get("lora") else None
+        prepare_cache = getattr(self.runner, "prepare_cache", None)
+        if prepare_cache is not None:  # checked at admission; the default when the request leaves it out
+            kw.setdefault("cache", prepare_cache(params.get("cache_backend"), params.get("cache_backend_config")))
         return GenerationJob(
             kind=kind, model=model, n=n, **p, override=rstate.override.value if rstate.override is not None else None,
             skip_softmax=rstate.skip_softmax, state=rstate, deadline=time.monotonic() + timeout,
