@@ -227,3 +227,42 @@ def test_two_expert_model_resets_at_the_switch():
     # (and the forced last step)
     first_low = s["trace"].index("C", 1)
     assert s["trace"] == "C" + "R" * (first_low - 1) + "C" + "R" * (4 - first_low) + "C"
+
+
+def test_public_pipeline_and_cli_take_the_cache(tmp_path, capsys):
+    import ditattn
+    from ditattn.cli import main
+
+    pipe = ditattn.WanPipeline.from_pretrained("ditattn:tiny-wan", cache_backend="teacache",
+                                               cache_backend_config={"threshold": 1e6})
+    res = pipe.generate("a fox", num_inference_steps=6, height=32, width=48, num_frames=5, progress=False)
+    assert res.cache["reused"] == 3
+    assert pipe.generate("a fox", num_inference_steps=6, height=32, width=48, num_frames=5, progress=False,
+                         cache_backend="none").cache is None
+    with pytest.raises(AttentionConfigError, match="'threshold'"):
+        pipe.generate("a fox", cache_backend="teacache", cache_backend_config="threshold=x")
+    with pytest.raises(AttentionConfigError, match="cache_backend: expected one of none, teacache"):
+        ditattn.WanPipeline.from_pretrained("ditattn:tiny-wan", cache_backend="tea")
+    # CLI: the summary line counts the forwards; bad settings are one error line, exit status 2
+    common = ["generate", "--model-path", "ditattn:tiny-wan", "--prompt", "a fox", "--num-frames", "1", "--height",
+              "32", "--width", "32", "--num-inference-steps", "6", "--output-path", str(tmp_path)]
+    assert main(common + ["--cache-backend", "teacache", "--cache-backend-config", "threshold=1e6"]) == 0
+    out = capsys.readouterr().out
+    assert "step cache teacache: 3 of 6 DiT forwards computed, 3 reused" in out
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text("cache-backend: first_block_cache\ncache-backend-config: {threshold: 0, fn_blocks: 1}\n")
+    assert main(common + ["--config", str(yaml), "--overwrite"]) == 0
+    assert "step cache first_block_cache: 6 of 6" in capsys.readouterr().out
+    for bad, words in ((["--cache-backend", "tea"], "--cache-backend"),
+                       (["--cache-backend", "teacache", "--cache-backend-config", "threshold=-1"], "'threshold'"),
+                       (["--cache-backend-config", "threshold=1"], "without a cache backend"),
+                       (["--cache-backend", "first_block_cache", "--cache-backend-config", "fn_blocks=6"],
+                        "fn_blocks + bn_blocks < 2"),
+                       (["--cache-backend", "magcache"], "needs a calibration"),
+                       (["--cache-backend", "teacache", "--backend", "diffusers"], "native")):
+        try:
+            rc = main(common + bad)
+        except SystemExit as exc:  # argparse's own refusal (a bad choice), also one line
+            rc = exc.code
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and len(err) == 1 and err[0].startswith("error:") and words in err[0], (bad, err)
