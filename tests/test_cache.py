@@ -3,7 +3,6 @@ extrapolation, configs and refusals, threshold 0 against the uncached pipeline (
 branches, the expert switch, and the quality of the shipped defaults on the trained model."""
 import json
 
-import numpy as np
 import pytest
 import torch
 
@@ -109,7 +108,8 @@ def test_magcache_curve_read_at_the_same_schedule_position():
 def test_first_block_cache_trace_and_back_blocks():
     # front block residual per step; change against the last computed: .02, .05 -> R R; .2 -> C; .0083, .0167 -> R R
     front = [1, 1.02, 1.05, 1.2, 1.21, 1.22, 1.5]
-    cache, stack, outs = _run("first_block_cache", "threshold=0.1,fn_blocks=1,bn_blocks=1,start_step=1", [0.0] * 7, front=front)
+    cache, stack, outs = _run("first_block_cache", "threshold=0.1,fn_blocks=1,bn_blocks=1,start_step=1", [0.0] * 7,
+                              front=front)
     s = cache.stats()
     assert s["trace"] == "CRRCRRC"
     assert s["blocks_computed"] == 3 * 4 + 4 * 2 and s["blocks_total"] == 7 * 4
@@ -129,7 +129,8 @@ def test_taylorseer_extrapolates_the_residual():
     assert quad.predict(3).item() == pytest.approx(9.0)  # parabola through the three points
     assert ResidualStore(0).__class__(0).order == 0
     # in a method: the reused residual follows the trend of the computed ones
-    cache, stack, outs = _run("first_block_cache", "threshold=0.1,taylorseer=true,max_consecutive_skips=1,start_step=1",
+    cache, stack, outs = _run("first_block_cache",
+                              "threshold=0.1,taylorseer=true,max_consecutive_skips=1,start_step=1",
                               [0.0] * 6, front=[1, 1, 1.01, 1.01, 1.02, 1.02])
     assert cache.stats()["trace"] == "CRCRCC"
     # step 3 reuses blocks 1-3 (residual 9 * (1 + 0.1 s)) extrapolated from steps 0 and 2: exact for a line
@@ -162,7 +163,8 @@ def test_expert_switch_drops_the_state():
 
 def test_bad_configs_name_the_key():
     cases = [("teacache", "threshold=-1", "'threshold'"), ("teacache", "treshold=1", "'treshold'"),
-             ("first_block_cache", "fn_blocks=0", "'fn_blocks'"), ("teacache", "taylorseer_order=3", "taylorseer_order"),
+             ("first_block_cache", "fn_blocks=0", "'fn_blocks'"),
+             ("teacache", "taylorseer_order=3", "taylorseer_order"),
              ("first_block_cache", "max_consecutive_skips=x", "'max_consecutive_skips'"),
              ("nope", None, "unknown cache backend 'nope'"), ("none", "threshold=1", "without a cache backend"),
              ("first_block_cache", "fn_blocks=3,bn_blocks=1", "fn_blocks + bn_blocks < 4"),
@@ -219,7 +221,8 @@ def test_two_expert_model_resets_at_the_switch():
     from ditattn.pipelines.wan import WanPipelineNative
 
     pipe = WanPipelineNative.from_pretrained("ditattn:tiny-wan2.2", device="cpu", dtype="float32")
-    res = pipe.generate("a fox", cache_backend="teacache", cache_backend_config="threshold=1e6,max_consecutive_skips=9",
+    res = pipe.generate("a fox", cache_backend="teacache",
+                        cache_backend_config="threshold=1e6,max_consecutive_skips=9",
                         **GEN)
     s = res.cache
     assert s["expert_switches"] == 1 and s["forwards"] == 6

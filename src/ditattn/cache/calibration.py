@@ -52,15 +52,17 @@ def _numbers(v, what: str, path: str, length: Optional[int] = None) -> list[floa
 
 def load_calibration(path: str, *, model: Optional[str] = None) -> dict:
     """The checked content of calibration file ``path``: ``{"model", "num_steps", "coefficients",
-    "mag_ratios"}`` (either of the last two None when the file lacks that method's data).  A file
-    that is not one, malformed data (``input_range``: the span of input changes the polynomial was fitted on) (a curve whose length is not ``num_steps``, a polynomial of the wrong
-    size) or a calibration of another ``model`` raise :class:`AttentionConfigError`."""
+    "input_range", "mag_ratios", "path"}`` (``coefficients`` / ``input_range`` / ``mag_ratios`` None when
+    the file lacks that method's data; ``input_range``: the span of input changes the polynomial was
+    fitted on).  A file that is not one, malformed data (a curve whose length is not ``num_steps``, a
+    polynomial of the wrong size) or a calibration of another ``model`` raise :class:`AttentionConfigError`."""
     from ditattn.attention.config import load_mapping_file
 
     data = load_mapping_file(path, what="calibration file", accepted="a JSON file written by ditattn calibrate-cache")
     if data.get("format") != FORMAT:
         raise AttentionConfigError(f"calibration file {path} is not a ditattn cache calibration (format "
-                                   f"{data.get('format')!r}); accepted: a JSON file written by ditattn calibrate-cache")
+                                   f"{data.get('format')!r}); accepted: a JSON file written by ditattn "
+                                   "calibrate-cache")
     if data.get("version") != VERSION:
         raise AttentionConfigError(f"calibration file {path}: version {data.get('version')!r}; accepted: {VERSION}")
     steps = data.get("num_steps")
@@ -68,7 +70,8 @@ def load_calibration(path: str, *, model: Optional[str] = None) -> dict:
         raise AttentionConfigError(f"calibration file {path}: num_steps must be an integer >= 2, got {steps!r}")
     if model is not None and data.get("model") != model:
         raise AttentionConfigError(f"calibration file {path} was made for model {data.get('model')!r}, not {model!r}; "
-                                   f"accepted: a calibration of {model} (ditattn calibrate-cache --model-path {model})")
+                                   f"accepted: a calibration of {model} (ditattn calibrate-cache --model-path "
+                                   f"{model})")
     coefficients = mag = span = None
     if "teacache" in data:
         coefficients = _numbers((data["teacache"] or {}).get("coefficients"), "teacache.coefficients", path)
@@ -133,7 +136,8 @@ def fit(runs: list[Recorder], *, model: str, num_steps: int, guidance_scale: flo
             "guidance_scale": guidance_scale, "size": list(size), "prompts": list(prompts),
             "teacache": {"coefficients": coefficients, "input_range": [float(x.min()), float(x.max())]},
             "magcache": {"mag_ratios": mag},
-            "samples": {"input_change": [r.input_change for r in runs], "output_change": [r.output_change for r in runs],
+            "samples": {"input_change": [r.input_change for r in runs],
+                        "output_change": [r.output_change for r in runs],
                         "mag_ratio": [r.mag_ratio for r in runs]}}
 
 

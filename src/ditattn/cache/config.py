@@ -94,3 +94,17 @@ def _for_model(method, cfg: dict, model: Optional[str], num_blocks: Optional[int
     if num_blocks is not None:
         method.check_model(cfg, num_blocks)
     return CacheSetting(method, cfg, calibration)
+
+
+def call_cache(default: Optional[CacheSetting], backend, config, *, model: Optional[str],
+               num_blocks: int) -> Optional[CacheSetting]:
+    """A call's cache: ``default`` (the pipeline's) when neither ``backend`` nor ``config`` is given,
+    ``default``'s method with new keys when only ``config`` is, else :func:`resolve_cache`."""
+    if backend is None and config in (None, "", {}):
+        return default
+    if backend is None:
+        if default is None:
+            raise AttentionConfigError("cache_backend_config given without a cache backend; accepted: "
+                                       "cache_backend teacache|magcache|first_block_cache with it")
+        backend = default.name
+    return resolve_cache(backend, config, model=model, num_blocks=num_blocks)

@@ -44,6 +44,10 @@ class CacheSetting:
         cfg["_input_range"] = cal.get("input_range")
         return cfg
 
+    def new_run(self) -> "CacheRun":
+        """A fresh request-scoped run of this setting."""
+        return CacheRun(self)
+
     def describe(self) -> str:
         """``teacache (threshold=0.1, start_step=1, ...; calibration ditattn_shapes.json)``."""
         keys = ", ".join(f"{k}={v}" for k, v in self.config.items() if k != "calibration" and v is not None)

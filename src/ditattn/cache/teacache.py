@@ -19,10 +19,12 @@ from ditattn.cache.base import BranchState, CacheFacts, CacheMethod, Outcome, St
 
 class TeaCache(CacheMethod):
     name = "teacache"
-    summary = "reuse the whole block stack while the rescaled change of the modulated input accumulates below a threshold"
+    summary = ("reuse the whole block stack while the rescaled change of the modulated input accumulates below a "
+               "threshold")
     params = (
         Param("calibration", "str", None, "Calibration JSON (ditattn calibrate-cache) whose polynomial rescales the "
-              "input change; unset: the file shipped for the model, else no rescaling", accepted="a path to a JSON file"),
+              "input change; unset: the file shipped for the model, else no rescaling",
+              accepted="a path to a JSON file"),
     )
     defaults = {"threshold": 0.1, "end_step": -1, "max_consecutive_skips": 3}
     facts = CacheFacts(reuses="blocks", signal="rescaled relative L1 change of the first block's modulated input",

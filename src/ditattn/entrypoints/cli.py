@@ -45,7 +45,8 @@ def _json(what: str):
 COMMANDS = (
     Command("generate", "run a pipeline and write the video (.mp4) or image (.png)",
             "Run the pipeline and write the result into --output-path.",
-            (lambda p: flags.model_flags(p, prompt=True), flags.output_flags, flags.attention_flags, flags.cache_flags),
+            (lambda p: flags.model_flags(p, prompt=True), flags.output_flags, flags.attention_flags,
+             flags.cache_flags),
             ("model", "sampling", "attention", "cache", "parallel", "output", "verbose"),
             "ditattn.entrypoints.generate:run"),
     Command("plan", "resolve every attention layer without denoising and print the plan",

@@ -290,18 +290,11 @@ class WanPipelineNative:
         """The :class:`~ditattn.cache.runtime.CacheSetting` of a call's ``cache_backend`` /
         ``cache_backend_config`` (both None: the pipeline's default; ``"none"``: no cache), checked against
         this model; raises :class:`AttentionConfigError` with the reason."""
-        if cache_backend is None and cache_backend_config in (None, "", {}):
-            return self.cache_setting
-        from ditattn.cache.config import resolve_cache
+        from ditattn.cache.config import call_cache
 
-        if cache_backend is None:  # keys for the default method
-            if self.cache_setting is None:
-                raise AttentionConfigError("cache_backend_config given without a cache backend; accepted: "
-                                           "cache_backend teacache|magcache|first_block_cache with it")
-            cache_backend = self.cache_setting.name
         ref = self.components.get("transformer") or self.components.get("transformer_2")
-        return resolve_cache(cache_backend, cache_backend_config, model=self.model_index.name,
-                             num_blocks=len(ref.blocks))
+        return call_cache(self.cache_setting, cache_backend, cache_backend_config, model=self.model_index.name,
+                          num_blocks=len(ref.blocks))
 
     def check_size(self, height: int, width: int, num_frames: int) -> None:
         """Raise :class:`AttentionConfigError` unless the size is one this model can generate."""
@@ -361,7 +354,8 @@ class WanPipelineNative:
         start_step}`` (2.8); request_state: an already prepared state (:meth:`prepare_request`)
         instead of those two. cache_backend / cache_backend_config: this call's step cache (None: the
         pipeline's default, ``"none"``: off; :meth:`prepare_cache`), or cache_setting: an already prepared
-        one; the result's ``cache`` reports the forwards computed and reused. latents: optional initial noise ``[N, C, T, H/8, W/8]`` float32.
+        one; the result's ``cache`` reports the forwards computed and reused. latents: optional initial
+        noise ``[N, C, T, H/8, W/8]`` float32.
         output_type: ``uint8`` (default), ``float`` ([0, 1] float32) or ``latent``.
         on_step: optional callable ``(steps_done, total_steps)`` called after each denoising step.
         should_stop: optional callable ``() -> reason or None`` asked before the text encoder, before
@@ -379,11 +373,8 @@ class WanPipelineNative:
                              two_experts=self.boundary_ratio is not None)
         height, width, num_frames, steps = inp.height, inp.width, inp.num_frames, inp.steps
         state = request_state if request_state is not None else self.prepare_request(override, skip_softmax)
-        if cache_setting is None:
-            cache_setting = self.prepare_cache(cache_backend, cache_backend_config)
-        from ditattn.cache.runtime import CacheRun
-
-        cache = CacheRun(cache_setting) if cache_setting is not None else None
+        cache_setting = cache_setting or self.prepare_cache(cache_backend, cache_backend_config)
+        cache = cache_setting.new_run() if cache_setting is not None else None
 
         def check_stop() -> None:
             reason = should_stop() if should_stop is not None else None
