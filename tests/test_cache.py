@@ -269,3 +269,20 @@ def test_public_pipeline_and_cli_take_the_cache(tmp_path, capsys):
             rc = exc.code
         err = capsys.readouterr().err.strip().splitlines()
         assert rc == 2 and len(err) == 1 and err[0].startswith("error:") and words in err[0], (bad, err)
+
+
+def test_compare_variants_take_a_cache():
+    from ditattn.evaluation.compare import parse_variant
+
+    v = parse_variant("tc=auto+fp8+cache:teacache:threshold=0.3;start_step=2")
+    assert v.dit_quantization == "fp8" and v.cache == {"backend": "teacache",
+                                                       "config": {"threshold": 0.3, "start_step": 2}}
+    assert v.label() == "auto+fp8+cache:teacache:threshold=0.3;start_step=2"
+    j = parse_variant('fb={"backend": "torch_sdpa", "cache": {"backend": "first_block_cache", '
+                      '"config": {"fn_blocks": 2}}}')
+    assert j.backend == "torch_sdpa" and j.cache["config"] == {"fn_blocks": 2}
+    assert parse_variant("plain=auto").cache is None and parse_variant("n=auto+cache:none").cache is None
+    for bad, words in (("x=auto+cache:teacache:thresh=1", "'thresh'"), ("x=auto+cache:tea", "unknown cache backend"),
+                       ('x={"cache": 3}', "'cache' must be")):
+        with pytest.raises(AttentionConfigError, match=words):
+            parse_variant(bad)

@@ -277,10 +277,11 @@ def compare_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", dest="seeds", type=NONNEG_INT, nargs="+", action="extend", metavar="S",
                    help="random seeds, integers >= 0; every prompt runs with every seed (default 0; key 'seeds')")
     g.add_argument("--variant", action="append", metavar="NAME=SPEC",
-                   help="an attention setting: NAME=BACKEND[:k=v;k=v][@component=backend,...][+fp8|+int8] or "
-                        "NAME={json with backend, config, components, dit_quantization}; BACKEND 'auto' = automatic; "
-                        "+fp8 / +int8 quantize the DiT's linears (see --dit-quantization). Repeat; the first is the "
-                        "reference")
+                   help="an attention setting: NAME=BACKEND[:k=v;k=v][@component=backend,...][+fp8|+int8]"
+                        "[+cache:METHOD[:k=v;k=v]] or NAME={json with backend, config, components, dit_quantization, "
+                        "cache}; BACKEND 'auto' = automatic; +fp8 / +int8 quantize the DiT's linears (see "
+                        "--dit-quantization); +cache:teacache:threshold=0.3 adds a step cache (docs/caching.md). "
+                        "Repeat; the first is the reference")
     g.add_argument("--capture-steps", metavar="LIST",
                    help="denoising steps whose attention outputs are compared, comma-separated, negative = from "
                         "the end (default 0,-1)")
