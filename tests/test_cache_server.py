@@ -64,3 +64,22 @@ def test_bad_cache_settings_are_400_naming_the_field(server, extra, field, words
     err = res.get("error", res)
     assert err["param"] == field and words in err["message"], err
     assert _post(server, {"cache_backend": "none"})[0] == 200  # and the server keeps serving
+
+
+def test_video_job_reports_its_cache(server):
+    import time
+
+    body = {"prompt": "a fox", "size": "48x32", "seconds": "1", "num_inference_steps": 6, "fps": 4,
+            "cache_backend": "teacache", "cache_backend_config": "threshold=1e6"}
+    r = httpx.post(server + "/v1/videos", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    vid = r.json()["id"]
+    t0 = time.time()
+    while (v := httpx.get(f"{server}/v1/videos/{vid}", timeout=30).json())["status"] in ("queued", "in_progress"):
+        assert time.time() - t0 < 120
+        time.sleep(0.1)
+    assert v["status"] == "completed", v
+    assert v["cache"]["backend"] == "teacache" and v["cache"]["trace"] == "CRRRCC"
+    bad = httpx.post(server + "/v1/videos", json={**body, "cache_backend_config": "max_consecutive_skips=0"},
+                     timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_backend_config"

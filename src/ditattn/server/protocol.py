@@ -373,6 +373,7 @@ class VideoObject(BaseModel):
     num_frames: int
     fps: int
     num_inference_steps: int
+    cache: Optional[dict] = None  # the step cache's report (completed jobs that ran one)
 
 
 class VideoList(BaseModel):
