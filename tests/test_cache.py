@@ -3,6 +3,7 @@ extrapolation, configs and refusals, threshold 0 against the uncached pipeline (
 branches, the expert switch, and the quality of the shipped defaults on the trained model."""
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -340,3 +341,16 @@ def test_shipped_calibration_keeps_the_trained_model_s_clip():
         assert psnr(clip, ref) > 21.0, (backend, psnr(clip, ref))
         a, b = judge(ref, "yellow", "moving down"), judge(clip, "yellow", "moving down")
         assert (a.color_ok, a.motion_ok) == (b.color_ok, b.motion_ok) == (True, True)
+
+
+def test_i2v_image_conditioning_caches_exactly_at_threshold_zero():
+    from ditattn.pipelines.wan import WanPipelineNative
+
+    pipe = WanPipelineNative.from_pretrained("ditattn:tiny-wan-i2v", device="cpu", dtype="float32")
+    image = (np.random.RandomState(3).rand(32, 32, 3) * 255).astype(np.uint8)
+    kw = dict(GEN, height=32, width=32, image=image, guidance_scale=3.0)
+    ref = pipe.generate("a fox", **kw)
+    same = pipe.generate("a fox", cache_backend="first_block_cache", cache_backend_config="threshold=0", **kw)
+    lossy = pipe.generate("a fox", cache_backend="first_block_cache", cache_backend_config="threshold=1e6", **kw)
+    assert torch.equal(ref.frames, same.frames) and lossy.cache["reused"] == 3
+    assert not torch.equal(ref.frames, lossy.frames)
