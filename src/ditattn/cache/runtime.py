@@ -118,13 +118,17 @@ class CacheRun:
 
 
 def rel_l1(a: torch.Tensor, b: torch.Tensor, valid: Optional[int] = None) -> float:
-    """``sum|a - b| / sum|b|`` over the first ``valid`` rows (dim 1) of ``a`` and ``b`` ``[B, s, D]``,
-    summed in float64 over every sequence-parallel rank (all-reduced: the same number on every rank)."""
+    """``sum|a - b| / sum|b|`` over the first ``valid`` rows (dim 1) of ``a`` and ``b`` ``[B, s, D]``, summed
+    over every sequence-parallel rank (all-reduced in float64: the same number on every rank).  Each rank's
+    sums accumulate in float32 (float64 for float64 inputs) without a widened copy of the tensors: one pass
+    over them, a small share of a DiT forward."""
     from ditattn.distributed.groups import get_sequence_parallel
 
     if valid is not None and valid < a.shape[1]:
         a, b = a[:, :valid], b[:, :valid]
-    sums = torch.stack([(a.double() - b.double()).abs().sum(), b.double().abs().sum()])
+    acc = torch.float64 if a.dtype == torch.float64 else torch.float32
+    sums = torch.stack([torch.linalg.vector_norm(a - b, ord=1, dtype=acc),
+                        torch.linalg.vector_norm(b, ord=1, dtype=acc)]).double()
     groups = get_sequence_parallel()
     if groups is not None and groups.world_size > 1:
         import torch.distributed as dist
