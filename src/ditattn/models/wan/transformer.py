@@ -33,6 +33,9 @@ GEMM.  The fused norm kernels read only norm weights, never a linear's, so they 
 quantization.
 ``WanTransformer.set_fused_ops(False)`` switches all of it back to the
 plain PyTorch ops (same numbers up to rounding; for comparisons).
+
+Step caching: when the request has a step cache (:func:`ditattn.cache.current_cache`), the block stack
+runs through it, which computes it, or part of it, or reuses the cached residual (:mod:`ditattn.cache`).
 """
 from __future__ import annotations
 
