@@ -45,13 +45,14 @@ def _json(what: str):
 COMMANDS = (
     Command("generate", "run a pipeline and write the video (.mp4) or image (.png)",
             "Run the pipeline and write the result into --output-path.",
-            (lambda p: flags.model_flags(p, prompt=True), flags.output_flags, flags.attention_flags),
-            ("model", "sampling", "attention", "parallel", "output", "verbose"),
+            (lambda p: flags.model_flags(p, prompt=True), flags.output_flags, flags.attention_flags,
+             flags.cache_flags),
+            ("model", "sampling", "attention", "cache", "parallel", "output", "verbose"),
             "ditattn.entrypoints.generate:run"),
     Command("plan", "resolve every attention layer without denoising and print the plan",
             "Build the pipeline, resolve each attention layer, print which backend it got and why.",
-            (flags.model_flags, _json("the plan"), flags.attention_flags, flags.platform_flags),
-            ("model", "sampling", "attention", "parallel", "simulation", "verbose", "json"),
+            (flags.model_flags, _json("the plan"), flags.attention_flags, flags.cache_flags, flags.platform_flags),
+            ("model", "sampling", "attention", "cache", "parallel", "simulation", "verbose", "json"),
             "ditattn.entrypoints.plan:run"),
     Command("backends", "list every attention backend, whether it runs here and why not",
             "One line per attention backend: its name, kind, whether it runs here and, if not, why. "
@@ -61,9 +62,16 @@ COMMANDS = (
             "ditattn.entrypoints.backends:run"),
     Command("serve", "OpenAI-compatible image/video server",
             "Serve the model over an OpenAI-compatible HTTP API (images, video jobs, models, health, metrics).",
-            (flags.model_flags, flags.server_flags, flags.attention_flags),
-            ("model", "sampling", "attention", "parallel", "server", "verbose"),
+            (flags.model_flags, flags.server_flags, flags.attention_flags, flags.cache_flags),
+            ("model", "sampling", "attention", "cache", "parallel", "server", "verbose"),
             "ditattn.entrypoints.serve:run"),
+    Command("calibrate-cache", "calibrate the step-cache methods (teacache, magcache) for a model",
+            "Run uncached generations of the given prompts, record per step how much the DiT's modulated input and "
+            "its block-stack residual change, and write a calibration JSON (the TeaCache polynomial and the MagCache "
+            "magnitude-ratio curve) that the methods take as calibration=PATH (docs/caching.md).",
+            (lambda p: flags.model_flags(p, seed=False), flags.calibrate_flags),
+            ("model", "sampling", "calibrate", "verbose"),
+            "ditattn.entrypoints.calibrate_cache:run"),
     Command("compare", "paired generations under several attention settings: time, PSNR/SSIM, per-layer error",
             "Run the same prompts and seeds under two or more attention settings (--variant; the first is the "
             "reference), pair the clips per prompt and seed, and report per variant: DiT and whole time, PSNR / "

@@ -96,6 +96,21 @@ def attention_flags(p: argparse.ArgumentParser) -> None:
                 "skip_softmax_threshold_scale_factor", "skip_softmax_start_step")
 
 
+def cache_flags(p: argparse.ArgumentParser) -> None:
+    """``--cache-backend`` / ``--cache-backend-config`` (the step cache; RunConfig's cache section)."""
+    field_flags(p.add_argument_group("step cache"), "cache_backend", "cache_backend_config")
+
+
+def calibrate_flags(p: argparse.ArgumentParser) -> None:
+    """``calibrate-cache``: prompts, seeds and the output file (RunConfig's calibrate section)."""
+    g = p.add_argument_group("calibration")
+    for flag, key, kw in (("--prompt", "calibrate_prompts", dict(action="append")),
+                          ("--seed", "calibrate_seeds", dict(nargs="+", action="extend", type=NONNEG_INT)),
+                          ("--output", "calibrate_output", dict(type=typed("calibrate_output")))):
+        f = _config_field(key)
+        g.add_argument(flag, dest=key, metavar=f.metadata["metavar"], help=f.metadata["help"], **kw)
+
+
 def platform_flags(p: argparse.ArgumentParser) -> None:
     """``--platform NAME[:SM]`` / ``--platform-packages A,B`` (``plan``, ``backends``): simulate a machine.
     Checked by :class:`~ditattn.runconfig.SimulationConfig` (like a backend name: an ``error:`` line
@@ -162,10 +177,11 @@ def compare_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", dest="seeds", type=NONNEG_INT, nargs="+", action="extend", metavar="S",
                    help="random seeds, integers >= 0; every prompt runs with every seed (default 0; key 'seeds')")
     g.add_argument("--variant", action="append", metavar="NAME=SPEC",
-                   help="an attention setting: NAME=BACKEND[:k=v;k=v][@component=backend,...][+fp8|+int8] or "
-                        "NAME={json with backend, config, components, dit_quantization}; BACKEND 'auto' = automatic; "
-                        "+fp8 / +int8 quantize the DiT's linears (see --dit-quantization). Repeat; the first is the "
-                        "reference")
+                   help="an attention setting: NAME=BACKEND[:k=v;k=v][@component=backend,...][+fp8|+int8]"
+                        "[+cache:METHOD[:k=v;k=v]] or NAME={json with backend, config, components, dit_quantization, "
+                        "cache}; BACKEND 'auto' = automatic; +fp8 / +int8 quantize the DiT's linears (see "
+                        "--dit-quantization); +cache:teacache:threshold=0.3 adds a step cache (docs/caching.md). "
+                        "Repeat; the first is the reference")
     g.add_argument("--capture-steps", metavar="LIST",
                    help="denoising steps whose attention outputs are compared, comma-separated, negative = from "
                         "the end (default 0,-1)")

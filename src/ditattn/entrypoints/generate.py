@@ -127,7 +127,7 @@ def _write(cfg: RunConfig, frames, num_frames: int) -> Optional[str]:
 
 def _report(cfg: RunConfig, frames, *, t_start: float, load: float, steps: int, size: tuple, num_frames: int,
             parts: dict, backends: str, stats: Optional[dict] = None, peak_memory: Optional[int] = None,
-            sampling: Optional[dict] = None) -> None:
+            sampling: Optional[dict] = None, cache: Optional[dict] = None) -> None:
     """Write the output, print its path, the attention stats and the one-line timing summary (with
     the sampler, the DiT forwards per clip and the CFG mode of ``sampling`` when given, and the peak
     CUDA memory of the generation when it ran on a GPU)."""
@@ -149,8 +149,12 @@ def _report(cfg: RunConfig, frames, *, t_start: float, load: float, steps: int, 
     if sampling:  # e.g. ", lcm shift 5, 4 DiT forwards, CFG off"
         how = (f", {sampling['scheduler']} shift {sampling['flow_shift']:g}, {sampling['forwards']} DiT forwards, "
                f"CFG {sampling['cfg']}")
+    step_cache = ""
+    if cache is not None:  # the step cache's count: DiT forwards computed / reused
+        step_cache = (f"; step cache {cache['backend']}: {cache['computed']} of {cache['forwards']} DiT forwards "
+                      f"computed, {cache['reused']} reused")
     print(f"done in {total:.1f}s{where}: {w}x{h}, {num_frames} frame{'s' if num_frames != 1 else ''}, {steps} steps"
-          f"{how} (load {load:.1f}s, {detail}); DiT attention: {backends}{peak}")
+          f"{how} (load {load:.1f}s, {detail}); DiT attention: {backends}{peak}{step_cache}")
     sys.stdout.flush()
 
 
@@ -176,7 +180,7 @@ def _generate_native(cfg: RunConfig, t_start: float) -> int:
     _report(cfg, res.frames[0], t_start=t_start, load=load, steps=res.num_inference_steps,
             size=(res.width, res.height), num_frames=res.num_frames, parts=parts,
             backends=",".join(res.attention_backends) + _linears_note(pipe), stats=res.stats,
-            peak_memory=res.peak_memory, sampling=res.sampling)
+            peak_memory=res.peak_memory, sampling=res.sampling, cache=res.cache)
     return 0
 
 
@@ -225,6 +229,9 @@ def _linears_note(pipe) -> str:
 
 
 def _generate_diffusers(cfg: RunConfig, t_start: float) -> int:
+    from ditattn.cache.config import resolve_cache
+
+    resolve_cache(cfg.cache.cache_backend, cfg.cache.cache_backend_config, native=False)  # refused: native only
     import torch
 
     from ditattn.models.weights import read_json

@@ -51,6 +51,9 @@ def _plan(cfg: RunConfig) -> int:
         dtype = str(pipe.dtype).replace("torch.", "")
         print(format_plan(plan, model=pipe.model_index.name, dtype=dtype, override=override))
         print(format_sampling(sampling))
+        cache = pipe.cache_setting
+        print(f"step cache: {cache.describe() if cache is not None else 'none'}"
+              + (f" [reuses {cache.method.facts.reuses}; decided by {cache.method.facts.signal}]" if cache else ""))
     return 0
 
 
@@ -60,6 +63,9 @@ def _plan_diffusers(cfg: RunConfig) -> int:
     from ditattn.pipelines.plan import format_plan
 
     reject_native_only_options(cfg)
+    from ditattn.cache.config import resolve_cache
+
+    resolve_cache(cfg.cache.cache_backend, cfg.cache.cache_backend_config, native=False)  # refused: native only
     routing, name, dtype = plan_diffusers(cfg)
     plan = routing.plan()
     override = None

@@ -18,6 +18,7 @@ from typing import Callable, Mapping, Optional, Sequence
 import torch
 
 from ditattn.attention.context import RequestState, forward_context, request_scope
+from ditattn.cache.runtime import cache_scope
 from ditattn.distributed.cfg import get_cfg_parallel
 from ditattn.pipelines.conditioning import ImageCondition
 
@@ -25,7 +26,7 @@ from ditattn.pipelines.conditioning import ImageCondition
 def denoise(latents: torch.Tensor, scheduler, dits: Mapping[str, Optional[torch.nn.Module]], *,
             context: torch.Tensor, condition: Optional[ImageCondition], guidance: float, guidance_2: float,
             boundary_ratio: Optional[float], expand_timesteps: bool, placement, dtype: torch.dtype,
-            state: Optional[RequestState] = None, progress: bool = True,
+            state: Optional[RequestState] = None, cache=None, progress: bool = True,
             on_step: Optional[Callable[[int, int], None]] = None,
             check_stop: Optional[Callable[[], None]] = None, guided: Optional[Sequence[bool]] = None,
             sequential_cfg: bool = False, step_kwargs: Optional[dict] = None) -> tuple[torch.Tensor, set[str]]:
@@ -38,7 +39,11 @@ def denoise(latents: torch.Tensor, scheduler, dits: Mapping[str, Optional[torch.
     condition: the batch's image condition or None; guidance_2: the low-noise expert's scale;
     placement: the :class:`~ditattn.pipelines.offload.ComponentPlacement` that brings each expert
     onto the device; dtype: the DiTs' compute dtype.  ``state``: the request's attention state, in
-    effect for the whole loop; ``check_stop()`` runs before each step (it raises to stop);
+    effect for the whole loop; ``cache``: the request's step cache (a
+    :class:`~ditattn.cache.runtime.CacheRun`, in effect for the whole loop; None: every forward computed;
+    it keeps one state per ``branch`` of the forward context, so batched CFG decides for both halves
+    at once and sequential or CFG-parallel halves decide each for itself);
+    ``check_stop()`` runs before each step (it raises to stop);
     ``on_step(done, total)`` after each; ``progress``: a tqdm bar on stderr.  ``guided``: per step,
     whether it runs guidance (None: every step when ``guidance > 1``; an unguided step of a guided run
     computes the conditional half only); ``sequential_cfg``: a guided step runs its halves as two
@@ -89,7 +94,7 @@ def denoise(latents: torch.Tensor, scheduler, dits: Mapping[str, Optional[torch.
     bar = tqdm(total=len(timesteps), desc="denoising", unit="step", file=sys.stderr, disable=not progress,
                dynamic_ncols=True, leave=True)
     try:
-        with request_scope(state) if state is not None else contextlib.nullcontext():
+        with request_scope(state) if state is not None else contextlib.nullcontext(), cache_scope(cache):
             for i, t in enumerate(timesteps):
                 if check_stop is not None:
                     check_stop()

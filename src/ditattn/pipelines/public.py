@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from ditattn.errors import AttentionConfigError
-from ditattn.runconfig import AttentionOptions, ModelConfig, RunConfig, SamplingConfig
+from ditattn.runconfig import AttentionOptions, CacheOptions, ModelConfig, RunConfig, SamplingConfig
 
 Spec = Union[str, Mapping[str, Any], None]
 
@@ -57,6 +57,8 @@ class WanPipeline:
         dit_weights: Spec = None,
         lora_path: Union[str, Sequence[str]] = (),
         lora_fuse: Optional[bool] = None,
+        cache_backend: Optional[str] = None,
+        cache_backend_config: Spec = None,
     ) -> "WanPipeline":
         """Load ``model`` — a local diffusers-format Wan folder, a Hugging Face repo id ``org/name``
         (the local cache first, ``revision``, ``local_files_only``, ``cache_dir`` instead of
@@ -75,7 +77,10 @@ class WanPipeline:
         checkpoint's (FP8/INT8 with scales too) or ``{"transformer": file, "transformer_2": file}``;
         lora_path: LoRA adapters, ``[COMPONENT=]PATH[:SCALE]`` each (a step-distill LoRA for both experts of
         Wan 2.2: ``["transformer=high.safetensors", "transformer_2=low.safetensors"]``), fused unless
-        ``lora_fuse=False``.  Raises :class:`AttentionConfigError` for any bad value.
+        ``lora_fuse=False``.
+        cache_backend / cache_backend_config: the step cache of every call (``"teacache"``, ``"magcache"``,
+        ``"first_block_cache"`` and their keys as a dict, JSON, ``"k=v,k=v"`` or a file; docs/caching.md).
+        Raises :class:`AttentionConfigError` for any bad value.
         """
         config = RunConfig(
             model=ModelConfig(model_path=model, revision=revision, local_files_only=local_files_only,
@@ -86,6 +91,7 @@ class WanPipeline:
                                        attention_backend_config=attention_backend_config,
                                        component_attention_backends=component_attention_backends,
                                        enable_attention_backend_autotune=enable_attention_backend_autotune),
+            cache=CacheOptions(cache_backend=cache_backend, cache_backend_config=cache_backend_config),
         )
         from ditattn.pipelines.wan import WanPipelineNative
 
@@ -134,6 +140,8 @@ class WanPipeline:
         attention_backend_override: Any = None,
         skip_softmax_threshold_scale_factor: Optional[float] = None,
         skip_softmax_start_step: Optional[int] = None,
+        cache_backend: Optional[str] = None,
+        cache_backend_config: Spec = None,
         progress: bool = True,
     ):
         """Generate one clip per prompt and return the
@@ -150,7 +158,8 @@ class WanPipeline:
         ``batched`` or ``sequential`` (docs/steps.md).
         attention_backend_override: a dense drop-in backend for this call's DiT attention (``fa``,
         ``torch_sdpa``, ``sage_attn``, ``sage_attn_3``); skip_softmax_*: request-scoped skip softmax
-        (needs a threshold, calibrated per model).  Raises :class:`AttentionConfigError` with the
+        (needs a threshold, calibrated per model); cache_backend / cache_backend_config: this call's step
+        cache (None: the pipeline's; ``"none"``: off), reported in the result's ``cache``.  Raises :class:`AttentionConfigError` with the
         CLI's message for any bad value.
         """
         prompts = [prompt] if isinstance(prompt, str) else list(prompt) if isinstance(prompt, (list, tuple)) else None
@@ -169,13 +178,15 @@ class WanPipeline:
         attention = AttentionOptions(attention_backend_override=attention_backend_override,
                                      skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor,
                                      skip_softmax_start_step=skip_softmax_start_step)
+        CacheOptions(cache_backend=cache_backend, cache_backend_config=cache_backend_config)  # the CLI's checks
         return self.native.generate(
             prompts if len(prompts) > 1 else prompts[0], negative_prompt, height=height, width=width,
             num_frames=num_frames, num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
             seed=0 if seed is None else seed, scheduler=sampling.scheduler, flow_shift=sampling.flow_shift,
             timesteps=sampling.timesteps, cfg_interval=sampling.cfg_interval, cfg_batching=sampling.cfg_batching,
             override=attention.attention_backend_override,
-            skip_softmax=attention.skip_softmax(), progress=progress,
+            skip_softmax=attention.skip_softmax(), cache_backend=cache_backend,
+            cache_backend_config=cache_backend_config, progress=progress,
         )
 
     def __repr__(self) -> str:

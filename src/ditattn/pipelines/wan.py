@@ -94,6 +94,8 @@ class WanPipelineNative:
         self.loaded = load_weights
         self.placement = placement or ComponentPlacement(components, device)
         self.adapters = list(adapters)
+        #: the default step cache of every call (a :class:`~ditattn.cache.runtime.CacheSetting`) or None
+        self.cache_setting = None
         self._offload_lock = threading.Lock()  # offloaded components move: one generation at a time
         self.vae_parallel = False  # decode's tiles spread over the ranks (from_pretrained(vae_parallel=True))
         self.defaults = dict(model_index.builtin_defaults or CHECKPOINT_DEFAULTS)
@@ -141,6 +143,8 @@ class WanPipelineNative:
         dit_quantization: str = "none",
         dit_weights: "str | dict | None" = None,
         vae_parallel: bool = False,
+        cache_backend: Optional[str] = None,
+        cache_backend_config: "str | dict | None" = None,
     ) -> "WanPipelineNative":
         """Load the pipeline at ``path`` (a local diffusers-format Wan folder, a Hugging Face repo id
         ``org/name`` at ``revision`` — see :func:`~ditattn.pipelines.model_index.resolve_model_path`
@@ -171,6 +175,9 @@ class WanPipelineNative:
         vae_parallel: decode in the VAE's tiles spread over the ranks of the ``torch.distributed``
         job this process is one rank of (every rank gets the frames one device gets with
         ``vae_tiling``); refused outside such a job.
+        cache_backend / cache_backend_config: the step cache every call uses unless it asks for
+        another (``none``, ``teacache``, ``magcache``, ``first_block_cache`` and their keys:
+        :mod:`ditattn.cache`; refused with the reason when this model cannot take it).
         """
         from ditattn.models.quantization import (check_mode, check_something_quantized, plan_linears,
                                                  quantize_linears)
@@ -225,6 +232,7 @@ class WanPipelineNative:
         pipe = cls(mi, components, scopes, settings, platform, dev, dt, load_weights, placement=placement,
                    adapters=adapters)
         pipe.vae_parallel = bool(vae_parallel)
+        pipe.cache_setting = pipe.prepare_cache(cache_backend, cache_backend_config)
         return pipe
 
     @classmethod
@@ -243,7 +251,9 @@ class WanPipelineNative:
                                    offload_group_blocks=m.offload_group_blocks, vae_tiling=m.vae_tiling,
                                    vae_slicing=m.vae_slicing, lora=m.lora_path, lora_fuse=fuse,
                                    dit_quantization=m.dit_quantization, dit_weights=m.dit_weights,
-                                   vae_parallel=config.parallel.vae_parallel)
+                                   vae_parallel=config.parallel.vae_parallel,
+                                   cache_backend=config.cache.cache_backend,
+                                   cache_backend_config=config.cache.cache_backend_config)
 
     # ------------------------------------------------------------------------------------------
     # plan
@@ -251,7 +261,9 @@ class WanPipelineNative:
     def plan(self) -> dict:
         """The attention plan: ``{"platform": {...}, "components": [{"name",
         "selectable", "layers": [{"prefix", "role", "backend", "source", "fallback_reason"}]}]}``."""
-        return build_plan(self.platform, self.scopes, self.linear_quantization())
+        plan = build_plan(self.platform, self.scopes, self.linear_quantization())
+        plan["cache"] = self.cache_setting.to_dict() if self.cache_setting is not None else None
+        return plan
 
     def linear_quantization(self) -> dict:
         """``{DiT component: QuantizationPlan}``: which linears ``--dit-quantization`` quantized (or,
@@ -289,6 +301,16 @@ class WanPipelineNative:
             return prepare_request_override(self.dit_modules, override, self.settings, skip_softmax=skip_softmax,
                                             dtype=self.dtype)
 
+    def prepare_cache(self, cache_backend=None, cache_backend_config=None):
+        """The :class:`~ditattn.cache.runtime.CacheSetting` of a call's ``cache_backend`` /
+        ``cache_backend_config`` (both None: the pipeline's default; ``"none"``: no cache), checked against
+        this model; raises :class:`AttentionConfigError` with the reason."""
+        from ditattn.cache.config import call_cache
+
+        ref = self.components.get("transformer") or self.components.get("transformer_2")
+        return call_cache(self.cache_setting, cache_backend, cache_backend_config, model=self.model_index.name,
+                          num_blocks=len(ref.blocks))
+
     def check_size(self, height: int, width: int, num_frames: int) -> None:
         """Raise :class:`AttentionConfigError` unless the size is one this model can generate."""
         self.geometry.check_size(height, width, num_frames)
@@ -324,6 +346,9 @@ class WanPipelineNative:
         override: Optional[str] = None,
         skip_softmax=None,
         request_state: Optional[RequestState] = None,
+        cache_backend: Optional[str] = None,
+        cache_backend_config=None,
+        cache_setting=None,
         max_sequence_length: int = MAX_SEQUENCE_LENGTH,
         latents: Optional[torch.Tensor] = None,
         output_type: str = "uint8",
@@ -351,7 +376,10 @@ class WanPipelineNative:
         scales). override: a per-request
         dense drop-in backend for the DiT; skip_softmax: ``{threshold_scale_factor,
         start_step}``; request_state: an already prepared state (:meth:`prepare_request`)
-        instead of those two. latents: optional initial noise ``[N, C, T, H/8, W/8]`` float32.
+        instead of those two. cache_backend / cache_backend_config: this call's step cache (None: the
+        pipeline's default, ``"none"``: off; :meth:`prepare_cache`), or cache_setting: an already prepared
+        one; the result's ``cache`` reports the forwards computed and reused. latents: optional initial
+        noise ``[N, C, T, H/8, W/8]`` float32.
         output_type: ``uint8`` (default), ``float`` ([0, 1] float32) or ``latent``.
         on_step: optional callable ``(steps_done, total_steps)`` called after each denoising step.
         should_stop: optional callable ``() -> reason or None`` asked before the text encoder, before
@@ -371,6 +399,8 @@ class WanPipelineNative:
         sampling = SamplingConfig(scheduler=scheduler, flow_shift=flow_shift, timesteps=timesteps,
                                   cfg_interval=cfg_interval, cfg_batching=cfg_batching or "auto")
         state = request_state if request_state is not None else self.prepare_request(override, skip_softmax)
+        cache_setting = cache_setting or self.prepare_cache(cache_backend, cache_backend_config)
+        cache = cache_setting.new_run() if cache_setting is not None else None
 
         def check_stop() -> None:
             reason = should_stop() if should_stop is not None else None
@@ -415,7 +445,7 @@ class WanPipelineNative:
             latents, used_models = denoise(
                 latents, sampler.scheduler, dits, context=context, condition=condition, guidance=inp.guidance,
                 guidance_2=inp.guidance_2, boundary_ratio=self.boundary_ratio, expand_timesteps=self.expand_timesteps,
-                placement=self.placement, dtype=dt, state=state, progress=progress, on_step=on_step,
+                placement=self.placement, dtype=dt, state=state, cache=cache, progress=progress, on_step=on_step,
                 check_stop=check_stop, guided=guided, sequential_cfg=batching == "sequential",
                 step_kwargs=sampler.step_kwargs)
             timings["denoise"] = time.perf_counter() - t0
@@ -443,7 +473,7 @@ class WanPipelineNative:
             info = dict(scheduler=sampler.name, flow_shift=sampler.shift, timesteps=sampler.timesteps,
                         forwards=forwards(guided), cfg=cfg_mode(guided, batching))
             return GenerationResult(frames, backends, timings, stats, latents, inp.seeds, height, width, num_frames,
-                                    steps, run.peak_memory(), info)
+                                    steps, run.peak_memory(), info, cache.stats() if cache is not None else None)
 
     def tokens(self, latents: torch.Tensor) -> int:
         """Latent tokens per clip after patching (the DiT's sequence length) for ``latents [N, C, T, h, w]``."""

@@ -6,6 +6,7 @@
 * :class:`SamplingConfig` — prompt and sampling (size, frames, steps, guidance, seed);
 * :class:`AttentionOptions` — the user's attention choices (become
   :class:`~ditattn.attention.context.AttentionSettings` through :meth:`RunConfig.attention_settings`);
+* :class:`CacheOptions` — the step cache (``--cache-backend``, ``--cache-backend-config``);
 * :class:`ParallelConfig` — sequence, CFG and VAE parallelism (``num_gpus = cfg × ulysses_degree × ring_degree``);
 * :class:`OutputConfig` — where ``generate`` writes;
 * :class:`ServerConfig` — ``serve``'s address, batching and request limits;
@@ -49,7 +50,8 @@ from ditattn.runconfig.checks import (
     text_or_mapping,
     timestep_list,
 )
-from ditattn.runconfig.commands import BackendsOptions, CompareOptions, ServerConfig, SimulationConfig
+from ditattn.runconfig.commands import (BackendsOptions, CalibrateOptions, CompareOptions, ServerConfig,
+                                         SimulationConfig)
 from ditattn.runconfig.fields import MAX_FPS, MAX_FRAMES, MAX_GPUS, MAX_GUIDANCE, MAX_SEED, MAX_SIDE, MAX_STEPS
 from ditattn.runconfig.fields import Section as _Section  # the short names the sections below use
 from ditattn.runconfig.fields import setting as _field
@@ -248,6 +250,31 @@ class AttentionOptions(_Section):
         return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) not in (None, False)]
 
 
+def _cache_name(value: Any) -> str:
+    from ditattn.cache.registry import CACHE_BACKENDS
+
+    return one_of(*CACHE_BACKENDS)(value.strip().lower() if isinstance(value, str) else value)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheOptions(_Section):
+    """The step cache: which method skips the DiT work that does not change between steps, and its keys
+    (:mod:`ditattn.cache`; ``docs/caching.md``)."""
+
+    cache_backend: Optional[str] = _field(None, optional(_cache_name), "step cache: none, teacache, magcache or "
+                                          "first_block_cache (docs/caching.md)", metavar="NAME")
+    cache_backend_config: Union[str, dict, None] = _field(None, optional(text_or_mapping), "step-cache keys: a "
+                                                          ".json/.yaml file, a JSON object or k=v pairs, e.g. "
+                                                          "threshold=0.1,start_step=2 or taylorseer=true",
+                                                          metavar="CFG")
+
+    def __post_init__(self):
+        super().__post_init__()
+        from ditattn.cache.config import validate_cache
+
+        validate_cache(self.cache_backend, self.cache_backend_config)  # names, keys, types, ranges
+
+
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig(_Section):
     """Parallelism: ``num_gpus`` ranks as a Ulysses × ring grid, or two of them (one per guidance half)
@@ -299,9 +326,10 @@ class OutputConfig(_Section):
                              "...)")
 
 
-SECTIONS = {"model": ModelConfig, "sampling": SamplingConfig, "attention": AttentionOptions,
+SECTIONS = {"model": ModelConfig, "sampling": SamplingConfig, "attention": AttentionOptions, "cache": CacheOptions,
             "parallel": ParallelConfig, "output": OutputConfig, "server": ServerConfig,
-            "simulation": SimulationConfig, "compare": CompareOptions, "backends": BackendsOptions}
+            "simulation": SimulationConfig, "compare": CompareOptions, "backends": BackendsOptions,
+            "calibrate": CalibrateOptions}
 TOP_LEVEL = ("verbose", "json")
 
 
@@ -321,12 +349,14 @@ class RunConfig:
     model: ModelConfig = _section(ModelConfig)
     sampling: SamplingConfig = _section(SamplingConfig)
     attention: AttentionOptions = _section(AttentionOptions)
+    cache: CacheOptions = _section(CacheOptions)
     parallel: ParallelConfig = _section(ParallelConfig)
     output: OutputConfig = _section(OutputConfig)
     server: ServerConfig = _section(ServerConfig)
     simulation: SimulationConfig = _section(SimulationConfig)
     compare: CompareOptions = _section(CompareOptions)
     backends: BackendsOptions = _section(BackendsOptions)
+    calibrate: CalibrateOptions = _section(CalibrateOptions)
     verbose: bool = False
     json: bool = False
 

@@ -182,3 +182,17 @@ class CompareOptions(_Section):
     warmup: int = _field(1, nonneg_int, "untimed generations per variant first")
     write_video: bool = _field(True, boolean, "write side-by-side MP4s")
     save_clips: bool = _field(False, boolean, "write every clip losslessly to clips.npz (for judging them afterwards)")
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrateOptions(_Section):
+    """``calibrate-cache``: the uncached runs whose per-step signals calibrate the step-cache methods
+    (flags ``--prompt P`` repeated, ``--seed S [S ...]``, ``--output FILE.json``)."""
+
+    calibrate_prompts: tuple = _field((), text_items, "calibration prompts (each runs with every seed); use prompts "
+                                      "you will not judge the cache on", metavar="TEXT")
+    calibrate_seeds: tuple = _field((0,), list_of(nonneg_int, "integers >= 0"), "calibration seeds", metavar="S")
+    calibrate_output: Optional[str] = _field(None, optional(text), "where the calibration JSON is written (a path "
+                                             "ending in .json); the methods take it as calibration=PATH",
+                                             metavar="FILE.json")
+

@@ -119,6 +119,21 @@ class RequestChecks:
         except AttentionConfigError as exc:
             raise RequestError(str(exc), param="lora", code="invalid_lora") from None
 
+    def check_cache(self, req) -> dict:
+        """A request's ``cache_backend`` / ``cache_backend_config`` checked against the model (400 naming the
+        field with the reason), as the JSON-safe params that build its job (absent: the server's default)."""
+        backend, config = req.cache_backend, req.cache_backend_config
+        if backend is None and config is None:
+            return {}
+        prepare = getattr(self.runner, "prepare_cache", None)
+        if prepare is None:
+            raise RequestError("cache_backend is not supported by this server", param="cache_backend")
+        try:
+            prepare(backend, config)
+        except AttentionConfigError as exc:
+            raise RequestError(str(exc), param=getattr(exc, "field", "cache_backend"), code="invalid_cache") from None
+        return {"cache_backend": backend, "cache_backend_config": config}
+
     def request_params(self, req, *, kind: str, width: int, height: int, num_frames: int, steps: int,
                        fps: int) -> dict:
         """The validated request as the JSON-safe fields that build its job (the server's defaults
@@ -143,7 +158,8 @@ class RequestChecks:
                     guidance_scale=d.guidance_scale if req.guidance_scale is None else req.guidance_scale,
                     guidance_scale_2=req.guidance_scale_2, lora=None if lora is None else [list(x) for x in lora],
                     seed=secrets.randbelow(2 ** 31) if req.seed is None else req.seed,
-                    override=req.attention_backend_override, skip_softmax=skip, **sampling)
+                    override=req.attention_backend_override, skip_softmax=skip, **sampling,
+                    **self.check_cache(req))
 
     def check_sampling(self, sampling: dict) -> dict:
         """A request's checked sampler fields (:meth:`~ditattn.server.protocol._Extras.sampling`) against

@@ -61,6 +61,7 @@ class GenerationResult:
     attention_backends: list
     stats: dict = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
+    cache: Optional[dict] = None  # the step cache's report of the batch's run (None: no cache)
 
 
 @dataclasses.dataclass(eq=False)
@@ -105,6 +106,7 @@ class GenerationJob:
     flow_shift: Optional[float] = None
     timesteps: Optional[tuple] = None
     cfg_interval: Optional[tuple] = None
+    cache: Any = None  # the step cache (ditattn.cache.CacheSetting) or None: jobs batch only with the same one
     id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
     created: float = dataclasses.field(default_factory=time.time)
     future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
@@ -127,7 +129,8 @@ class GenerationJob:
         return (self.model, self.width, self.height, self.num_frames, self.num_inference_steps,
                 float(self.guidance_scale), self.negative_prompt or "", self.override, ss,
                 self.image is not None, self.lora, self.guidance_scale_2, self.scheduler, self.flow_shift,
-                self.timesteps, self.cfg_interval)
+                self.timesteps, self.cfg_interval,
+                None if self.cache is None else (self.cache.name, repr(sorted(self.cache.config.items()))))
 
 
 def batch_stop_reason(jobs: Sequence[GenerationJob]) -> Optional[str]:

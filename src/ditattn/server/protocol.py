@@ -220,6 +220,10 @@ class _Extras(BaseModel):
     flow_shift: Optional[float] = _finite()
     timesteps: Union[list[float], str, None] = None  # a list or "1000,750,500,250" (forms send text)
     cfg_interval: Union[list[float], str, None] = None  # [START, END] or "START:END"
+    #: the request's step cache (none, teacache, magcache, first_block_cache) and its keys (k=v text or an object)
+    cache_backend: Optional[str] = Field(default=None, max_length=64)
+    cache_backend_config: Union[str, dict[str, Union[str, int, float, bool, None]], None] = Field(default=None,
+                                                                                                 max_length=64)
 
     @classmethod
     def accepted_fields(cls) -> list[str]:
@@ -324,6 +328,7 @@ class ImagesResponse(BaseModel):
     attention_backends: list[str]
     attention_backend_override: Optional[str] = None
     skip_softmax: Optional[dict] = None
+    cache: Optional[dict] = None  # the step cache's report: backend, forwards computed / reused, trace
 
 
 # ------------------------------------------------------------------------------------------------
@@ -392,6 +397,7 @@ class VideoObject(BaseModel):
     num_frames: int
     fps: int
     num_inference_steps: int
+    cache: Optional[dict] = None  # the step cache's report (completed jobs that ran one)
 
 
 class VideoList(BaseModel):

@@ -163,6 +163,12 @@ class PipelineRunner(BaseRunner):
         self.pipe = pipe
         params = inspect.signature(pipe.generate).parameters
         self._on_step, self._should_stop = "on_step" in params, "should_stop" in params
+        self._cache = "cache_setting" in params
+
+    def prepare_cache(self, backend, config):
+        """A request's step cache (:class:`~ditattn.cache.CacheSetting` or None), checked against the model;
+        both None: the server's default (``serve --cache-backend``)."""
+        return self.pipe.prepare_cache(backend, config)
 
     def default_backends(self) -> list[str]:
         return list(self.pipe.dit_backends())
@@ -235,6 +241,8 @@ class PipelineRunner(BaseRunner):
         if head.lora is not None:
             kw["lora"] = dict(head.lora)
         kw.update(self.sampling_for(head))
+        if self._cache:  # the job's own step cache (request-scoped state inside the call)
+            kw.update(cache_setting=head.cache) if head.cache is not None else kw.update(cache_backend="none")
         res = self.pipe.generate(
             prompts, negatives, height=head.height, width=head.width, num_frames=head.num_frames,
             num_inference_steps=head.num_inference_steps, guidance_scale=head.guidance_scale,
@@ -246,7 +254,8 @@ class PipelineRunner(BaseRunner):
         out, k = [], 0
         for j in jobs:
             out.append(GenerationResult(frames=frames[k:k + j.n], attention_backends=list(res.attention_backends),
-                                        stats=stats, seconds=float(res.timings.get("total", 0.0))))
+                                        stats=stats, seconds=float(res.timings.get("total", 0.0)),
+                                        cache=getattr(res, "cache", None)))
             k += j.n
         return out
 

@@ -238,6 +238,9 @@ class ServerState(RequestChecks):
         for key in ("scheduler", "flow_shift", "timesteps", "cfg_interval"):  # the request's sampler fields
             value = params.get(key)
             p[key] = tuple(value) if isinstance(value, list) else value
+        prepare_cache = getattr(self.runner, "prepare_cache", None)
+        if prepare_cache is not None:  # checked at admission; the default when the request leaves it out
+            kw.setdefault("cache", prepare_cache(params.get("cache_backend"), params.get("cache_backend_config")))
         return GenerationJob(
             kind=kind, model=model, n=n, **p, override=rstate.override.value if rstate.override is not None else None,
             skip_softmax=rstate.skip_softmax, state=rstate, deadline=time.monotonic() + timeout,

@@ -18,7 +18,7 @@ from ditattn.server.protocol import VideoError, VideoObject
 log = logging.getLogger("ditattn.server")
 
 FINISHED = ("completed", "failed")
-_PERSISTED = ("status", "path", "error", "completed_at", "attention_backends", "skip_softmax")
+_PERSISTED = ("status", "path", "error", "completed_at", "attention_backends", "skip_softmax", "cache")
 
 
 @dataclasses.dataclass
@@ -45,6 +45,7 @@ class VideoRecord:
     completed_at: Optional[int] = None
     error: Optional[dict] = None
     path: Optional[str] = None
+    cache: Optional[dict] = None  # the step cache's report once completed
     job: Any = None
 
     def to_object(self) -> VideoObject:
@@ -53,7 +54,7 @@ class VideoRecord:
             progress=self.progress, prompt=self.prompt, seconds=self.seconds, size=self.size, status=self.status,
             error=VideoError(**self.error) if self.error else None, attention_backends=list(self.attention_backends),
             attention_backend_override=self.override, skip_softmax=self.skip_softmax, num_frames=self.num_frames,
-            fps=self.fps, num_inference_steps=self.num_inference_steps,
+            fps=self.fps, num_inference_steps=self.num_inference_steps, cache=self.cache,
         )
 
     def to_json(self, folder: str) -> dict:

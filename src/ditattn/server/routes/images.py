@@ -76,6 +76,7 @@ async def images_generations(request: Request, state: ServerState = Depends(serv
     body = ImagesResponse(
         created=int(time.time()), data=items, size=f"{width}x{height}", attention_backends=backends,
         attention_backend_override=job.override, skip_softmax=skip_report(job, result),
+        cache=getattr(result, "cache", None),
     )
     return JSONResponse(body.model_dump(), headers={BACKEND_HEADER: ",".join(backends)})
 

@@ -356,7 +356,8 @@ def _finish(state: ServerState, rec: VideoRecord, fut: concurrent.futures.Future
         backends = list(result.attention_backends)
         skip = skip_report(job, result) if job is not None else rec.skip_softmax
         if state.videos.update(rec.id, status="completed", progress=100, completed_at=int(time.time()), path=path,
-                               attention_backends=backends, skip_softmax=skip, job=None) is None:
+                               attention_backends=backends, skip_softmax=skip, job=None,
+                               cache=getattr(result, "cache", None)) is None:
             remove_file(path, f"video {rec.id} was deleted while it was encoded")
             return
         state.count("video", "ok", backends)
