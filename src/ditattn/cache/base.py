@@ -16,7 +16,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ditattn.attention.schemas import Param, _in, _nonneg, _positive
+from ditattn.attention.schemas import Param
+from ditattn.attention.schemas import in_range as _in
+from ditattn.attention.schemas import non_negative as _nonneg
+from ditattn.attention.schemas import positive as _positive
 from ditattn.errors import AttentionConfigError
 
 P = Param
