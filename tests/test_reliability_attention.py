@@ -1,0 +1,141 @@
+"""Reliability of ``ditattn.attention()`` on inputs a caller may legitimately pass: q/k/v views whose
+head dim is strided (the LSE path), SVG2 at its exact setting and with a non-finite query, and the
+error types that may leave the call (only ``AttentionConfigError`` and its subclasses)."""
+import logging
+import zlib
+
+import pytest
+import torch
+
+import ditattn
+from ditattn.attention.backends.base import reference_attention
+from ditattn.attention.names import AttentionBackendEnum as B
+from ditattn.errors import AttentionConfigError
+
+CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(autouse=True)
+def _quiet_substitutions():
+    """``fa`` on the CPU logs its substitution by ``torch_sdpa`` once per reason: not the subject here."""
+    logging.disable(logging.WARNING)
+    yield
+    logging.disable(logging.NOTSET)
+
+
+# ------------------------------------------------------------------------------------------------
+# the LSE path on q/k/v whose last dimension is not packed
+
+
+def _view(shape, layout, dtype=torch.float32, device="cpu", gen=None):
+    """A ``[B, S, H, D]`` tensor of fresh normal values laid out as ``layout`` (a view, not a copy)."""
+    b, s, h, d = shape
+    rnd = lambda *sz: torch.randn(*sz, generator=gen).to(device=device, dtype=dtype)  # noqa: E731
+    if layout == "every_other":  # x[..., 1::2]: stride 2 in the head dim
+        return rnd(b, s, h, 2 * d + 1)[..., 1::2][..., :d]
+    if layout == "head_dim_outermost":  # a [B, D, S, H] buffer permuted: stride S*H in the head dim
+        return rnd(b, d, s, h).permute(0, 2, 3, 1)
+    if layout == "broadcast_head_dim":  # one value per row expanded over the head dim: stride 0
+        return rnd(b, s, h, 1).expand(b, s, h, d)
+    if layout == "heads_major":  # a [B, H, S, D] buffer transposed: the head dim stays packed
+        return rnd(b, h, s, d).transpose(1, 2)
+    raise AssertionError(layout)
+
+
+def _lse_backends_on_cpu() -> list[str]:
+    """Every backend that serves ``return_lse=True`` on the CPU (asked of the real selector)."""
+    q = torch.randn(1, 17, 2, 16)
+    names = []
+    for b in B:
+        try:
+            ditattn.attention(q, q, q, backend=b.value, return_lse=True, video_shape=(1, 3, 5), text_len=2)
+        except AttentionConfigError:
+            continue
+        names.append(b.value)
+    return names
+
+
+LSE_BACKENDS = _lse_backends_on_cpu()
+
+
+def test_the_lse_backends_on_cpu_include_the_dense_ones():
+    assert {"torch_sdpa", "fa", "sage_attn"} <= set(LSE_BACKENDS), LSE_BACKENDS
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("backend", LSE_BACKENDS)
+@pytest.mark.parametrize("layout", ["every_other", "head_dim_outermost", "broadcast_head_dim", "heads_major"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_lse_path_with_a_strided_head_dim_matches_float64(backend, layout, dtype, causal):
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{backend} {layout} {dtype} {causal}".encode()))
+    # odd sizes, grouped-query heads, seq_q != seq_kv
+    q = _view((2, 7, 6, 12), layout, dtype, gen=gen)
+    k = _view((2, 11, 3, 12), layout, dtype, gen=gen)
+    v = _view((2, 11, 3, 12), layout, dtype, gen=gen)
+    if layout != "heads_major":
+        assert q.stride(-1) != 1 and k.stride(-1) != 1 and v.stride(-1) != 1
+    out, lse = ditattn.attention(q, k, v, backend=backend, return_lse=True, causal=causal)
+    ref_out, ref_lse = reference_attention(q, k, v, causal=causal, dtype=torch.float64)
+    # bf16 inputs: the output is rounded to bf16 (and sage_attn quantizes Q.K to INT8)
+    tol_out = 2e-2 if backend == "sage_attn" or dtype == torch.bfloat16 else 1e-5
+    tol_lse = 3e-2 if backend == "sage_attn" or dtype == torch.bfloat16 else 1e-4
+    assert out.shape == q.shape and lse.shape == (2, 6, 7) and lse.dtype == torch.float32
+    assert _rel(out, ref_out) < tol_out
+    assert (lse.double() - ref_lse).abs().max().item() < tol_lse
+    # the same call on packed copies gives the same result
+    out_c, lse_c = ditattn.attention(q.contiguous(), k.contiguous(), v.contiguous(), backend=backend,
+                                     return_lse=True, causal=causal)
+    torch.testing.assert_close(out, out_c)
+    torch.testing.assert_close(lse, lse_c)
+
+
+def test_lse_path_with_a_strided_head_dim_keeps_gradients():
+    """The packed copy the LSE path makes is part of the autograd graph: the output's gradients reach
+    the strided views' base buffers and match the float64 reference's."""
+    gen = torch.Generator().manual_seed(3)
+    base = [torch.randn(1, 9, 2, 21, generator=gen).requires_grad_(True) for _ in range(3)]
+    q, k, v = (t[..., ::2] for t in base)
+    out, _ = ditattn.attention(q, k, v, backend="torch_sdpa", return_lse=True)
+    out.double().square().sum().backward()
+    grads = [t.grad.double() for t in base]
+    base64 = [t.detach().double().requires_grad_(True) for t in base]
+    ref_out, _ = reference_attention(*(t[..., ::2] for t in base64), dtype=torch.float64)
+    ref_out.square().sum().backward()
+    for g, t in zip(grads, base64):
+        assert _rel(g, t.grad) < 1e-4
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["torch_sdpa", "fa", "torch_cudnn_sdpa", "sage_attn"])
+@pytest.mark.parametrize("layout", ["every_other", "head_dim_outermost", "broadcast_head_dim"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_lse_path_with_a_strided_head_dim_matches_float64(backend, layout, dtype):
+    gen = torch.Generator().manual_seed(11)
+    q = _view((2, 77, 8, 64), layout, dtype, "cuda", gen=gen)
+    k = _view((2, 131, 4, 64), layout, dtype, "cuda", gen=gen)
+    v = _view((2, 131, 4, 64), layout, dtype, "cuda", gen=gen)
+    try:
+        out, lse = ditattn.attention(q, k, v, backend=backend, return_lse=True)
+    except AttentionConfigError as exc:  # a backend that cannot serve this GPU: refused, never wrong
+        pytest.skip(str(exc))
+    ref_out, ref_lse = reference_attention(q, k, v, dtype=torch.float64)
+    assert _rel(out, ref_out) < (3e-2 if backend == "sage_attn" else 1e-2)
+    assert (lse.double() - ref_lse).abs().max().item() < 5e-2
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("layout", ["every_other", "head_dim_outermost"])
+def test_cuda_lse_path_with_a_bias_and_a_strided_head_dim_matches_float64(layout):
+    gen = torch.Generator().manual_seed(12)
+    q = _view((1, 40, 4, 64), layout, torch.float16, "cuda", gen=gen)
+    k = _view((1, 56, 4, 64), layout, torch.float16, "cuda", gen=gen)
+    v = _view((1, 56, 4, 64), layout, torch.float16, "cuda", gen=gen)
+    bias = torch.randn(1, 1, 40, 56, generator=gen).cuda()
+    out, lse = ditattn.attention(q, k, v, backend="torch_sdpa", attn_bias=bias, return_lse=True)
+    ref_out, ref_lse = reference_attention(q, k, v, attn_bias=bias.half(), dtype=torch.float64)
+    assert _rel(out, ref_out) < 1e-2
+    assert (lse.double() - ref_lse).abs().max().item() < 5e-2
