@@ -139,3 +139,67 @@ def test_cuda_lse_path_with_a_bias_and_a_strided_head_dim_matches_float64(layout
     ref_out, ref_lse = reference_attention(q, k, v, attn_bias=bias.half(), dtype=torch.float64)
     assert _rel(out, ref_out) < 1e-2
     assert (lse.double() - ref_lse).abs().max().item() < 5e-2
+
+
+# ------------------------------------------------------------------------------------------------
+# SVG2 at its exact setting, and one non-finite token
+
+SVG2 = "sparse_video_gen_2_attn"
+GRID, TEXT = (2, 5, 7), 3  # 70 video tokens + 3 text tokens
+
+
+def _svg2(q, k, v, **config):
+    cfg = {"num_q_clusters": 8, "num_k_clusters": 8, **config}
+    return ditattn.attention(q, k, v, backend=SVG2, config=cfg, video_shape=GRID, text_len=TEXT)
+
+
+def _qkv(seed: int, gain: float = 1.0, heads: int = 3, dim: int = 16):
+    gen = torch.Generator().manual_seed(seed)
+    s = GRID[0] * GRID[1] * GRID[2] + TEXT
+    return [torch.randn(1, s, heads, dim, generator=gen) * g for g in (gain, gain, 1.0)]
+
+
+@pytest.mark.parametrize("predictor", ["pooled_query", "centroids"])
+@pytest.mark.parametrize("gain", [1.0, 8.0, 30.0])
+def test_svg2_top_p_one_is_dense_exact_on_peaked_logits(predictor, gain):
+    """q, k scaled by ``gain``: logits of spread ~gain^2, so most cluster masses round to 0 in float32;
+    top_p=1 must still keep every key (as sparsity 0 / topk 1 do for the other block-sparse backends)."""
+    q, k, v = _qkv(int(gain) * 7 + len(predictor), gain)
+    out = _svg2(q, k, v, top_p=1.0, predictor=predictor)
+    ref, _ = reference_attention(q, k, v, dtype=torch.float64)
+    # float32 logits up to ~3e3 in the online softmax: ~1e-5; one missed key cluster: > 0.1
+    assert _rel(out, ref) < 1e-4
+
+
+def _nonfinite_rows(x: torch.Tensor) -> set:
+    return {tuple(i) for i in (~torch.isfinite(x).all(-1)).nonzero().tolist()}
+
+
+@pytest.mark.parametrize("where", ["q", "k"])
+def test_svg2_top_p_one_with_one_inf_matches_dense_row_for_row(where):
+    q, k, v = _qkv(5)
+    (q if where == "q" else k)[0, 11, 1, 4] = float("-inf")
+    out = _svg2(q, k, v, top_p=1.0)
+    ref, _ = reference_attention(q, k, v, dtype=torch.float64)
+    bad = _nonfinite_rows(ref)
+    assert bad and _nonfinite_rows(out) == bad  # the same rows are non-finite as in dense attention
+    if where == "q":
+        assert bad == {(0, 11, 1)}  # only the -inf query's own row
+    ok = torch.isfinite(ref).all(-1)
+    assert _rel(out[ok], ref[ok]) < 1e-5
+
+
+@pytest.mark.parametrize("bad_value", [float("-inf"), float("inf"), float("nan")])
+@pytest.mark.parametrize("predictor", ["pooled_query", "centroids"])
+def test_svg2_one_non_finite_query_changes_only_its_own_row(bad_value, predictor):
+    """At the default top_p the selection is lossy; a non-finite query coordinate must still leave
+    every other output row exactly as it is when that coordinate is 0."""
+    q, k, v = _qkv(9)
+    q0 = q.clone()
+    q0[0, 20, 2, 3] = 0.0
+    q[0, 20, 2, 3] = bad_value
+    out, clean = _svg2(q, k, v, predictor=predictor), _svg2(q0, k, v, predictor=predictor)
+    assert _nonfinite_rows(out) == {(0, 20, 2)}
+    others = torch.ones(out.shape[:-1], dtype=torch.bool)
+    others[0, 20, 2] = False
+    torch.testing.assert_close(out[others], clean[others], rtol=0, atol=0)
