@@ -203,3 +203,136 @@ def test_svg2_one_non_finite_query_changes_only_its_own_row(bad_value, predictor
     others = torch.ones(out.shape[:-1], dtype=torch.bool)
     others[0, 20, 2] = False
     torch.testing.assert_close(out[others], clean[others], rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# the error types that leave attention()
+
+
+def test_svg2_is_differentiable_like_dense_attention():
+    """One batch element (the padded-buffer gather path) and two: at top_p=1 the gradients of q, k, v
+    are dense attention's."""
+    for batch in (1, 2):
+        gen = torch.Generator().manual_seed(batch)
+        base = torch.randn(3, batch, 73, 2, 16, generator=gen, dtype=torch.float64)
+        x = [t.float().requires_grad_(True) for t in base]
+        out = _svg2(*x, top_p=1.0)
+        out.double().square().sum().backward()
+        r = [t.clone().requires_grad_(True) for t in base]
+        reference_attention(*r, dtype=torch.float64)[0].square().sum().backward()
+        for a, b in zip(x, r):
+            assert _rel(a.grad, b.grad) < 1e-5
+
+
+def test_vmoba_on_meta_tensors_is_a_config_error():
+    q = torch.empty(1, 70, 2, 16, device="meta")
+    with pytest.raises(AttentionConfigError, match="vmoba_attn' cannot run on meta tensors") as info:
+        ditattn.attention(q, q, q, backend="vmoba_attn", video_shape=(2, 5, 7))
+    assert isinstance(info.value.__cause__, RuntimeError) and "accepted:" in str(info.value)
+    # a backend that needs no values serves shape-only runs
+    assert ditattn.attention(q, q, q, backend="torch_sdpa").shape == q.shape
+
+
+@pytest.fixture
+def fake_sdpa(monkeypatch):
+    """Replace torch_sdpa's implementation with ``fn`` for one test."""
+    from ditattn.attention.backends import base
+
+    base.get_impl(B.TORCH_SDPA)
+
+    def use(fn):
+        monkeypatch.setitem(base._REGISTRY, B.TORCH_SDPA, fn)
+
+    return use
+
+
+def _grad_qkv():
+    return [torch.randn(1, 5, 2, 8).requires_grad_(True) for _ in range(3)]
+
+
+def test_a_backend_failing_under_autograd_is_a_config_error(fake_sdpa):
+    def impl(q, k, v, call, cfg):
+        if torch.is_grad_enabled() and q.requires_grad:
+            raise RuntimeError("kernel has no backward")
+        return q.clone(), None
+
+    fake_sdpa(impl)
+    with pytest.raises(AttentionConfigError, match="torch_sdpa' does not support autograd.*no backward"):
+        ditattn.attention(*_grad_qkv(), backend="torch_sdpa")
+    with torch.no_grad():
+        assert ditattn.attention(*_grad_qkv(), backend="torch_sdpa").shape == (1, 5, 2, 8)
+
+
+def test_a_backend_returning_a_detached_output_is_a_config_error(fake_sdpa):
+    fake_sdpa(lambda q, k, v, call, cfg: (q.detach().clone(), None))
+    with pytest.raises(AttentionConfigError, match="not connected to q, k, v"):
+        ditattn.attention(*_grad_qkv(), backend="torch_sdpa")
+    q = torch.randn(1, 5, 2, 8)  # nothing requires grad: a detached output is the right output
+    assert ditattn.attention(q, q, q, backend="torch_sdpa").shape == q.shape
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("an internal bug"), torch.OutOfMemoryError("out of memory")])
+def test_failures_outside_the_known_input_classes_are_not_relabelled(fake_sdpa, exc):
+    def impl(q, k, v, call, cfg):
+        raise exc
+
+    fake_sdpa(impl)
+    for args in (_grad_qkv(), [torch.randn(1, 5, 2, 8)] * 3):
+        with pytest.raises(type(exc)) as info:
+            ditattn.attention(*args, backend="torch_sdpa")
+        assert not isinstance(info.value, AttentionConfigError)
+
+
+ODD_INPUTS = ["plain", "every_other", "head_dim_outermost", "broadcast_batch", "requires_grad", "meta", "neg_inf",
+              "nan", "float64", "float16", "bfloat16", "gqa_batch2", "one_token", "no_text"]
+
+
+def _odd_call(kind: str, gen: torch.Generator):
+    """q, k, v and the keyword arguments of one self-attention call of the odd input class ``kind``
+    (a 3x5 or 1x1 latent grid plus text tokens, 4 heads, head dim 16)."""
+    grid, text = ((1, 1, 1), 0) if kind == "one_token" else ((1, 3, 5), 0 if kind == "no_text" else 2)
+    s = grid[0] * grid[1] * grid[2] + text
+    b, hkv = (2, 2) if kind == "gqa_batch2" else (1, 4)
+    dtype = {"float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}.get(kind, torch.float32)
+    layout = kind if kind in ("every_other", "head_dim_outermost") else "plain"
+
+    def make(h):
+        if kind == "broadcast_batch":
+            return torch.randn(1, s, h, 16, generator=gen).expand(3, s, h, 16)
+        t = _view((b, s, h, 16), layout, dtype, gen=gen) if layout != "plain" else \
+            torch.randn(b, s, h, 16, generator=gen).to(dtype)
+        if kind in ("neg_inf", "nan"):
+            t[0, s // 2, 0, 3] = float("-inf") if kind == "neg_inf" else float("nan")
+        if kind == "meta":
+            t = torch.empty_like(t, device="meta")
+        return t.requires_grad_(True) if kind == "requires_grad" else t
+
+    return make(4), make(hkv), make(hkv), {"video_shape": grid, "text_len": text}
+
+
+@pytest.mark.parametrize("backend", [b.value for b in B])
+def test_only_config_errors_leave_attention_on_odd_inputs(backend):
+    """Every backend x every odd input class x LSE or not: a correct-shape result or an
+    AttentionConfigError (a one-line message), never another exception; a differentiable input
+    gives a differentiable output."""
+    gen = torch.Generator().manual_seed(zlib.crc32(backend.encode()))
+    outcomes = {}
+    for kind in ODD_INPUTS:
+        for lse in (False, True):
+            q, k, v, kw = _odd_call(kind, gen)
+            try:
+                res = ditattn.attention(q, k, v, backend=backend, return_lse=lse, **kw)
+            except AttentionConfigError as exc:
+                msg = str(exc)
+                assert msg and "\n" not in msg and len(msg) < 2000, msg[:300]
+                outcomes[kind, lse] = "refused"
+                continue
+            out = res[0] if lse else res
+            assert out.shape == q.shape and out.device == q.device
+            if lse:
+                assert res[1].shape == (q.shape[0], q.shape[2], q.shape[1])
+            if kind == "requires_grad":
+                assert out.requires_grad
+                out.float().sum().backward()
+            outcomes[kind, lse] = "ran"
+    assert len(outcomes) == 2 * len(ODD_INPUTS)

@@ -252,7 +252,8 @@ def _gather_tokens(x: Tensor, perm: Tensor, length: int) -> Tensor:
     out[:, S:].zero_()
     idx = perm.transpose(1, 2).unsqueeze(-1).expand(B, S, H, D)
     head = out[:, :S]
-    if head.is_contiguous():  # B == 1: gather straight into the padded buffer
+    # B == 1: gather straight into the padded buffer (out= is not differentiable: not under autograd)
+    if head.is_contiguous() and not (x.requires_grad and torch.is_grad_enabled()):
         torch.gather(x, 1, idx, out=head)
     else:
         head.copy_(x.gather(1, idx))
