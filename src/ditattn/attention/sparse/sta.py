@@ -232,8 +232,11 @@ def load_mask_strategy(path: str) -> MaskStrategy:
             return got[1]
     from ditattn.attention.config import loads_json, read_text_file
 
-    body = read_text_file(path, what="sliding_tile_attn: mask strategy", max_bytes=None,
-                          accepted="a JSON object mapping 'step_layer_head' to [wt, wh, ww]")
+    try:
+        body = read_text_file(path, what="mask strategy", max_bytes=None,
+                              accepted="a JSON object mapping 'step_layer_head' to [wt, wh, ww]")
+    except AttentionConfigError as exc:
+        raise AttentionConfigError(f"sliding_tile_attn: {exc}") from None
     data = loads_json(body, f"sliding_tile_attn: mask strategy {short_text(path)}")
     strat = parse_mask_strategy(data, path)
     with _strategy_lock:
