@@ -89,6 +89,7 @@ def test_the_config_is_validated_before_the_dtype(capsys):
     ["plan", "--config", LONG + ".yaml"],
     ["plan", "--platform", LONG],
     ["plan", "--dtype", LONG],
+    ["plan", "--dtype", "a'" * 50_000],  # argparse quotes a value holding ' with "
 ])
 def test_an_error_line_stays_short_for_a_100000_character_value(capsys, argv):
     line = _error(capsys, argv)
