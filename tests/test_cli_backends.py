@@ -91,7 +91,10 @@ def test_backends_validates_attention_flags_instead_of_ignoring_them(capsys):
     assert capsys.readouterr().err.startswith("error: unknown attention backend 'nope'")
     assert main(["backends", "--attention-backend-config", "foo=1"]) == 2
     assert "config key(s) 'foo' belong to no backend" in capsys.readouterr().err
-    assert main(["backends", "--attention-backend", "fa", "--attention-backend-config", "sparsity=0.5"]) == 0
+    assert main(["backends", "--attention-backend", "fa", "--attention-backend-config", "sparsity=0.5"]) == 2
+    assert "config key(s) 'sparsity' belong to no backend in use" in capsys.readouterr().err  # as plan says
+    assert main(["backends", "--attention-backend", "video_sparse_attn", "--attention-backend-config",
+                 "sparsity=0.5"]) == 0
     err = capsys.readouterr().err
     assert err.startswith("note: --attention-backend, --attention-backend-config checked") and err.count("\n") == 1
 

@@ -59,6 +59,13 @@ class AttentionSettings:
     compiled: bool = False  # torch.compile in use
     cuda_graphs: bool = False  # captured CUDA graphs in use
 
+    def named_backends(self) -> list[AttentionBackendEnum]:
+        """The backends these settings name for layers, each once: the global backend, then the
+        component overrides' (the backends ``config`` configures; a request override runs with
+        its defaults)."""
+        named = ([self.backend] if self.backend is not None else []) + list(self.component_overrides.values())
+        return list(dict.fromkeys(named))
+
 
 _settings: contextvars.ContextVar[AttentionSettings] = contextvars.ContextVar(
     "ditattn_attention_settings", default=AttentionSettings()

@@ -30,7 +30,7 @@ from ditattn.attention.context import (
 )
 from ditattn.attention.names import CROSS_ROLES, AttentionBackendEnum as B
 from ditattn.attention.specs import SPECS, LayerRequest
-from ditattn.errors import AttentionConfigError, BackendUnavailableError
+from ditattn.errors import AttentionConfigError, BackendUnavailableError, short_repr
 from ditattn.platforms import Platform, current_platform
 from ditattn.platforms.policy import auto_candidates, runtime_fallback, substitute
 
@@ -304,7 +304,7 @@ def check_overrides_used(overrides: dict, scopes: dict[str, ComponentScope], kno
         comp = key.split(".")[0]
         if comp not in known:
             raise AttentionConfigError(
-                f"--component-attention-backends: unknown component '{comp}'; this model's components: "
+                f"--component-attention-backends: unknown component {short_repr(comp)}; this model's components: "
                 f"{', '.join(sorted(known))}"
             )
         scope = scopes.get(comp)

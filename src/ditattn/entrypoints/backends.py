@@ -4,31 +4,34 @@ from __future__ import annotations
 import json
 import sys
 
-from ditattn.errors import AttentionConfigError
 from ditattn.runconfig import RunConfig, flag_name
 
 
 def _check_attention_options(cfg: RunConfig) -> None:
-    """``backends`` accepts the attention flags of ``generate`` but lists every backend regardless:
-    validate what was given (bad names, unknown config keys -> AttentionConfigError) and say on
-    stderr that the listing does not depend on them, so nothing is ignored silently."""
-    from ditattn.attention.config import SCHEMAS, parse_attention_backend_config, parse_component_overrides
+    """``backends`` accepts the attention flags but lists every backend regardless: validate what
+    was given exactly as ``plan`` does (bad names, bad values, keys that configure no backend in use
+    -> AttentionConfigError) and say on stderr that the listing does not depend on them, so nothing
+    is ignored silently.  Without a model, the backends in use are the named ones and the
+    platform's automatic dense choices (what serves every other layer)."""
+    import torch
+
+    from ditattn.attention.config import check_backend_config
     from ditattn.attention.names import AttentionBackendEnum
+    from ditattn.attention.specs import LayerRequest
+    from ditattn.platforms import current_platform
+    from ditattn.platforms.policy import auto_candidates
 
     a = cfg.attention
     given = a.given()
     if not given:
         return
-    for name in (a.attention_backend, a.attention_backend_override):
-        if name:
-            AttentionBackendEnum.from_name(name)
-    parse_component_overrides(a.component_attention_backends)
-    raw = parse_attention_backend_config(a.attention_backend_config)
-    known = {p.name for params in SCHEMAS.values() for p in params}
-    unknown = sorted(k for k in raw if k not in known)
-    if unknown:
-        raise AttentionConfigError(f"config key(s) {', '.join(map(repr, unknown))} belong to no backend; "
-                                   "accepted: the params listed by 'ditattn backends'")
+    if a.attention_backend_override:
+        AttentionBackendEnum.from_name(a.attention_backend_override)
+    settings = cfg.attention_settings()  # parses names, component overrides and the config as plan does
+    plat = current_platform()
+    auto = [b for role in ("self", "cross") for dt in (torch.bfloat16, torch.float32)
+            for b in auto_candidates(LayerRequest(role=role, head_dim=128, dtype=dt), plat)]
+    check_backend_config(settings.config, settings.named_backends() + auto)
     a.skip_softmax()
     sys.stderr.write(f"note: {', '.join('--' + flag_name(k) for k in given)} checked; the backend list does not "
                      "depend on them (use 'ditattn plan' to see their effect)\n")
@@ -55,9 +58,9 @@ def run(cfg: RunConfig) -> int:
     from ditattn.platforms import current_platform
     from ditattn.registry import list_backends
 
-    _check_attention_options(cfg)
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `ditattn backends | head` exits quietly
     with cfg.simulation.scope():
+        _check_attention_options(cfg)
         plat = current_platform()
         infos = list_backends(plat)
     name = cfg.backends.backend_name

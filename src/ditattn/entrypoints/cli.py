@@ -10,16 +10,18 @@ import argparse
 import dataclasses
 import importlib
 import logging
+import re
 import sys
 from typing import Callable, Optional, Sequence
 
 from ditattn.entrypoints import flags
-from ditattn.errors import AttentionConfigError
+from ditattn.errors import AttentionConfigError, short_repr
 from ditattn.runconfig import RunConfig
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2
+    def error(self, message: str):  # one line, exit 2, with the values argparse quotes cut short
+        message = re.sub(r"'([^']{100,})'|\"([^\"]{100,})\"", lambda m: short_repr(m.group(1) or m.group(2)), message)
         sys.stderr.write(f"error: {message} (see '{self.prog} --help')\n")
         raise SystemExit(2)
 

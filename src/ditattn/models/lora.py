@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ditattn.attention.names import DIT_COMPONENTS
-from ditattn.errors import AttentionConfigError
+from ditattn.errors import AttentionConfigError, short_repr
 
 LORA_COMPONENTS = DIT_COMPONENTS
 
@@ -79,7 +79,7 @@ def parse_lora_spec(text: str) -> LoRASpec:
     if eq and head in LORA_COMPONENTS:
         component, text = head, rest
     elif eq and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", head) and not os.path.exists(text):
-        raise LoRAError(f"--lora-path {text!r}: component {head!r} takes no LoRA; accepted: "
+        raise LoRAError(f"--lora-path {short_repr(text)}: component {short_repr(head)} takes no LoRA; accepted: "
                         f"{', '.join(LORA_COMPONENTS)}")
     path, scale = text, 1.0
     stem, colon, tail = text.rpartition(":")
@@ -90,7 +90,8 @@ def parse_lora_spec(text: str) -> LoRASpec:
             pass
         else:
             if not math.isfinite(scale):
-                raise LoRAError(f"--lora-path {text!r}: the scale must be a finite number, got {tail!r}")
+                raise LoRAError(f"--lora-path {short_repr(text)}: the scale must be a finite number, "
+                                f"got {short_repr(tail)}")
             path = stem
     return LoRASpec(path, scale, component)
 

@@ -36,7 +36,7 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from ditattn.attention.config import check_config_keys_used
+from ditattn.attention.config import check_backend_config
 from ditattn.attention.context import (
     AttentionSettings,
     ComponentScope,
@@ -183,6 +183,7 @@ class WanPipelineNative:
                                                  quantize_linears)
 
         settings = settings or AttentionSettings()
+        check_backend_config(settings.config, settings.named_backends(), complete=False)  # before dtype checks
         dit_quantization = check_mode(dit_quantization)
         folder, name = resolve_model_path(path, revision=revision, local_files_only=local_files_only,
                                           cache_dir=cache_dir, variant=variant)
@@ -199,7 +200,7 @@ class WanPipelineNative:
                                                   dit_weights=weights)
             check_overrides_used(settings.component_overrides, scopes, mi.components.keys())
             used = [d.backend for s in scopes.values() for d in s.decisions]
-            check_config_keys_used(settings.config, used)
+            check_backend_config(settings.config, used)
         if settings.cuda_graphs and dev.type != "cuda":
             raise AttentionConfigError(f"--enable-cuda-graph needs a CUDA device (this run is on {dev.type})")
         adapters, placement = [], None

@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterable, Mapping, Optional, Union
 
-from ditattn.errors import AttentionConfigError
+from ditattn.errors import AttentionConfigError, short_repr, short_text
 from ditattn.runconfig.checks import (
     boolean,
     float_between,
@@ -363,7 +363,8 @@ class RunConfig:
     def __post_init__(self):
         for name, cls in SECTIONS.items():
             if not isinstance(getattr(self, name), cls):
-                raise AttentionConfigError(f"RunConfig.{name} must be a {cls.__name__}, got {getattr(self, name)!r}")
+                raise AttentionConfigError(f"RunConfig.{name} must be a {cls.__name__}, "
+                                           f"got {short_repr(getattr(self, name))}")
         for name in TOP_LEVEL:
             try:
                 object.__setattr__(self, name, boolean(getattr(self, name)))
@@ -402,10 +403,11 @@ class RunConfig:
         for raw, value in values.items():
             key = str(raw).lstrip("-").replace("-", "_")
             if key not in known:
-                raise AttentionConfigError(f"{source}: unknown key {raw!r}; accepted: {shown}")
+                raise AttentionConfigError(f"{source}: unknown key {short_repr(raw)}; accepted: {shown}")
             if key not in allowed:
                 where = f"the {known[key]} settings" if known[key] else "other commands"
-                raise AttentionConfigError(f"{source}: key {raw!r} does not apply here (it belongs to {where}); "
+                raise AttentionConfigError(f"{source}: key {short_repr(raw)} does not apply here (it belongs to "
+                                           f"{where}); "
                                            f"accepted: {shown}")
             section = known[key]
             check = boolean if section is None else next(
@@ -427,7 +429,7 @@ class RunConfig:
 
         data = load_mapping_file(path, what="config file",
                                  accepted="a YAML mapping of long flag names to values, e.g. 'num-inference-steps: 4'")
-        return cls.from_mapping(data, base=base, accept=accept, source=f"config file {path}")
+        return cls.from_mapping(data, base=base, accept=accept, source=f"config file {short_text(path)}")
 
     # -- what the layers below take ---------------------------------------------------------------
     def attention_settings(self):

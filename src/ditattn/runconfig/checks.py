@@ -169,7 +169,7 @@ def lora_specs(value: Any) -> tuple:
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-        raise ValueError(f"expected [COMPONENT=]PATH[:SCALE] strings, got {value!r}")
+        raise ValueError(f"expected [COMPONENT=]PATH[:SCALE] strings, got {_short(value)}")
     for v in value:
         parse_lora_spec(v)  # AttentionConfigError is a ValueError: same one-line message
     return tuple(v.strip() for v in value)
@@ -218,7 +218,7 @@ def list_of(check: Callable[[Any], Any], what: str) -> Callable[[Any], tuple]:
         if isinstance(value, str):
             value = [v for v in value.split(",") if v.strip()]
         if not isinstance(value, (list, tuple)):
-            raise ValueError(f"expected a list of {what}, got {value!r}")
+            raise ValueError(f"expected a list of {what}, got {_short(value)}")
         return tuple(check(v) for v in value)
 
     return items
@@ -233,7 +233,7 @@ def text_items(value: Any) -> tuple:
     if isinstance(value, str):
         return (value,)
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-        raise ValueError(f"expected a list of strings, got {value!r}")
+        raise ValueError(f"expected a list of strings, got {_short(value)}")
     return tuple(value)
 
 

@@ -22,6 +22,7 @@ from typing import Callable, Optional
 import torch
 
 from ditattn.attention.backends.base import AttnCall, get_impl, register
+from ditattn.attention.kernels import last_dim_contiguous
 from ditattn.attention.names import AttentionBackendEnum as B
 from ditattn.attention.specs import BackendSpec, Runtime
 from ditattn.errors import AttentionConfigError, BackendUnavailableError
@@ -153,6 +154,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Att
             log.warning("fa: %s", reason)
         return get_impl(B.TORCH_SDPA)(q, k, v, call, config)
     _check_inputs("fa", q, k, v, call)
+    q, k, v = (last_dim_contiguous(t) for t in (q, k, v))  # the kernels index the head dim as packed
     rt = fa_runtime()
     key = next(x for x in FA_RUNTIMES if x[0] == rt)
     fn = _load(key[1], key[2])
@@ -190,5 +192,6 @@ def aiter_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Att
     if reasons:
         raise BackendUnavailableError("aiter", reasons)
     _check_inputs("aiter", q, k, v, call)
+    q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     res = fn(q, k, v, dropout_p=0.0, softmax_scale=call.scale, causal=call.causal, return_lse=call.return_lse)
     return _unpack(res, call.return_lse, "aiter")
