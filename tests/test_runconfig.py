@@ -35,7 +35,7 @@ def test_from_mapping_takes_flag_names_and_checks_values_like_the_flags():
         ({"dtype": "fp8"}, "src: dtype: expected one of float32, bfloat16, float16, got 'fp8'"),
         ({"port": 70000}, "src: port: expected a TCP port 1-65535, got 70000"),
         ({"prompt": 12}, "src: prompt: expected a string, got 12"),
-        ({"num-gpu": 2}, "src: unknown key 'num-gpu'; accepted: "),
+        ({"num-gpu": 2}, "src: unknown key 'num-gpu'; did you mean num-gpus? accepted: "),
     ):
         with pytest.raises(AttentionConfigError, match="^" + re.escape(message)):
             RunConfig.from_mapping(values, source="src")

@@ -36,29 +36,25 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from ditattn.attention.config import check_backend_config
 from ditattn.attention.context import (
     AttentionSettings,
     ComponentScope,
     RequestState,
-    attention_settings,
 )
 from ditattn.attention.names import ROLES
-from ditattn.attention.selector import check_overrides_used
 from ditattn.errors import AttentionConfigError, GenerationCancelled
-from ditattn.models.lora import Adapter, load_loras, resolve_request_lora
+from ditattn.models.lora import Adapter, resolve_request_lora
 from ditattn.pipelines.conditioning import conditioning_mode, image_condition
 from ditattn.pipelines.denoise import denoise
 from ditattn.pipelines.generation import GenerationResult, generation_run, resolve_inputs
 from ditattn.pipelines.latents import VideoGeometry, decode_latents, prepare_latents
-from ditattn.pipelines.loading import (DIT, build_components, check_load_options, parse_device, parse_dit_weights,
-                                      parse_dtype)
-from ditattn.pipelines.model_index import ModelIndex, read_model_index, resolve_model_path
+from ditattn.pipelines.loading import (DIT)
+from ditattn.pipelines.model_index import ModelIndex
 from ditattn.pipelines.offload import ComponentPlacement
 from ditattn.pipelines.plan import build_plan, dit_backends
 from ditattn.pipelines.sampling import build_sampler, cfg_mode, forwards, guided_steps, resolve_cfg_batching
 from ditattn.pipelines.text import encode_prompts
-from ditattn.platforms import Platform, platform_for_device, use_platform
+from ditattn.platforms import Platform, use_platform
 from ditattn.runconfig import SamplingConfig
 
 log = logging.getLogger("ditattn.pipeline")
@@ -179,59 +175,15 @@ class WanPipelineNative:
         another (``none``, ``teacache``, ``magcache``, ``first_block_cache`` and their keys:
         :mod:`ditattn.cache`; refused with the reason when this model cannot take it).
         """
-        from ditattn.models.quantization import (check_mode, check_something_quantized, plan_linears,
-                                                 quantize_linears)
+        from ditattn.pipelines.construction import load_components
 
-        settings = settings or AttentionSettings()
-        check_backend_config(settings.config, settings.named_backends(), complete=False)  # before dtype checks
-        dit_quantization = check_mode(dit_quantization)
-        folder, name = resolve_model_path(path, revision=revision, local_files_only=local_files_only,
-                                          cache_dir=cache_dir, variant=variant)
-        mi = read_model_index(folder, name)
-        dev = parse_device(device)
-        platform = platform_for_device(dev)
-        dt = parse_dtype(dtype, platform)
-        check_load_options(settings, offload=offload, lora=lora, lora_fuse=lora_fuse,
-                           dit_quantization=dit_quantization, platform=platform, dtype=dt)
-        weights = parse_dit_weights(dit_weights, mi)
-        home = torch.device("cpu") if offload != "none" and load_weights else dev
-        with use_platform(platform), attention_settings(settings):
-            components, scopes = build_components(mi, home, dt, variant=variant, load_weights=load_weights,
-                                                  dit_weights=weights)
-            check_overrides_used(settings.component_overrides, scopes, mi.components.keys())
-            used = [d.backend for s in scopes.values() for d in s.decisions]
-            check_backend_config(settings.config, used)
-        if settings.cuda_graphs and dev.type != "cuda":
-            raise AttentionConfigError(f"--enable-cuda-graph needs a CUDA device (this run is on {dev.type})")
-        adapters, placement = [], None
-        if vae_parallel and load_weights:
-            import torch.distributed as dist
-
-            if not (dist.is_available() and dist.is_initialized()):
-                raise AttentionConfigError("vae_parallel spreads the VAE decode over the ranks of a torch.distributed "
-                                           "job; run it on several ranks (--num-gpus N) or leave it off")
-        if load_weights:
-            adapters = load_loras(components, lora, fuse=lora_fuse)
-            placement = ComponentPlacement(components, dev, offload, offload_group_blocks)
-            vae = components.get("vae")
-            if vae is not None and vae_tiling:
-                vae.enable_tiling()  # diffusers' tiles: 256-pixel tiles, 192-pixel stride, blended seams
-            if vae is not None and vae_slicing:
-                vae.enable_slicing()  # one sample of the batch at a time
-        for comp in DIT:  # after LoRA fusion and placement (the DiT on its device), before compilation
-            if components.get(comp) is not None:
-                model = components[comp]
-                model.linear_quantization = (quantize_linears(model, dit_quantization) if load_weights
-                                             else plan_linears(model, dit_quantization))
-        check_something_quantized([components[c].linear_quantization for c in DIT if components.get(c) is not None])
-        if settings.compiled and load_weights:
-            from ditattn.models.wan.compile import compile_blocks
-
-            for comp in DIT:
-                if components.get(comp) is not None:
-                    compile_blocks(components[comp], mode="reduce-overhead" if settings.cuda_graphs else None)
-        pipe = cls(mi, components, scopes, settings, platform, dev, dt, load_weights, placement=placement,
-                   adapters=adapters)
+        c = load_components(path, settings or AttentionSettings(), device, dtype, variant=variant,
+                            load_weights=load_weights, revision=revision, local_files_only=local_files_only,
+                            cache_dir=cache_dir, offload=offload, offload_group_blocks=offload_group_blocks,
+                            vae_tiling=vae_tiling, vae_slicing=vae_slicing, lora=lora, lora_fuse=lora_fuse,
+                            dit_quantization=dit_quantization, dit_weights=dit_weights, vae_parallel=vae_parallel)
+        pipe = cls(c.model_index, c.components, c.scopes, c.settings, c.platform, c.device, c.dtype, load_weights,
+                   placement=c.placement, adapters=c.adapters)
         pipe.vae_parallel = bool(vae_parallel)
         pipe.cache_setting = pipe.prepare_cache(cache_backend, cache_backend_config)
         return pipe

@@ -55,6 +55,7 @@ from ditattn.runconfig.commands import (BackendsOptions, CalibrateOptions, Compa
 from ditattn.runconfig.fields import MAX_FPS, MAX_FRAMES, MAX_GPUS, MAX_GUIDANCE, MAX_SEED, MAX_SIDE, MAX_STEPS
 from ditattn.runconfig.fields import Section as _Section  # the short names the sections below use
 from ditattn.runconfig.fields import setting as _field
+from ditattn.runconfig.sampling import CFG_BATCHING, SCHEDULERS, CacheOptions, SamplingConfig
 
 
 # ------------------------------------------------------------------------------------------------
@@ -64,10 +65,6 @@ DTYPES = ("float32", "bfloat16", "float16")
 #: where components live between uses (ditattn.pipelines.offload)
 OFFLOAD_MODES = ("none", "text_encoder", "model", "group")
 DIT_QUANTIZATION = ("none", "fp8", "int8")  # ditattn.models.quantization.MODES
-#: samplers of the denoising loop (ditattn.pipelines.sampling); None: the checkpoint's own scheduler
-SCHEDULERS = ("flow_euler", "unipc", "dpmpp", "lcm")
-#: how the two halves of classifier-free guidance run (ditattn.pipelines.sampling.resolve_cfg_batching)
-CFG_BATCHING = ("auto", "batched", "sequential")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,55 +137,6 @@ class ModelConfig(_Section):
 
 
 @dataclasses.dataclass(frozen=True)
-class SamplingConfig(_Section):
-    """Prompt and sampling; None takes the model's default (``serve``: the default of requests)."""
-
-    prompt: Optional[str] = _field(None, optional(text),
-                                   "text prompt (required for generate; here or in --config)", metavar="PROMPT")
-    negative_prompt: Optional[str] = _field(None, optional(text),
-                                            "negative prompt for classifier-free guidance", metavar="TEXT")
-    num_inference_steps: Optional[int] = _field(None, optional(int_between(1, MAX_STEPS)),
-                                                "denoising steps (default: the model's)", metavar="N")
-    guidance_scale: Optional[float] = _field(None, optional(float_between(0.0, MAX_GUIDANCE)),
-                                             "classifier-free guidance scale, > 1 enables guidance (default: the "
-                                             "model's)", metavar="G")
-    guidance_scale_2: Optional[float] = _field(None, optional(float_between(0.0, MAX_GUIDANCE)),
-                                               "guidance scale of the low-noise expert of two-expert Wan 2.2 "
-                                               "checkpoints (default: --guidance-scale); the switch point is the "
-                                               "checkpoint's boundary_ratio", metavar="G")
-    image: Optional[str] = _field(None, optional(text),
-                                  "first frame for image-to-video checkpoints (Wan 2.1 I2V, Wan 2.2 I2V-A14B: "
-                                  "required; TI2V-5B: optional): a PNG, JPEG, WebP or BMP file. Without "
-                                  "--height/--width the output takes the model's default area at the image's aspect "
-                                  "ratio", metavar="PATH")
-    height: Optional[int] = _field(None, optional(int_between(1, MAX_SIDE)),
-                                   "output height in pixels (default: the model's)", metavar="H")
-    width: Optional[int] = _field(None, optional(int_between(1, MAX_SIDE)),
-                                  "output width in pixels (default: the model's)", metavar="W")
-    num_frames: Optional[int] = _field(None, optional(int_between(1, MAX_FRAMES)),
-                                       "frames, 1 = image (default: the model's)", metavar="F")
-    seed: Optional[int] = _field(None, optional(int_between(0, MAX_SEED)),
-                                 "random seed, an integer >= 0 (default 0; serve refuses it: requests carry their "
-                                 "own)", metavar="S")
-    scheduler: Optional[str] = _field(None, optional(one_of(*SCHEDULERS)), "sampler: flow_euler, unipc, dpmpp "
-                                      "(flow-prediction DPM-Solver++), lcm (predict x0, re-noise; for step-distilled "
-                                      "checkpoints) (default: the checkpoint's own, unipc for Wan)", metavar="NAME")
-    flow_shift: Optional[float] = _field(None, optional(float_between(0.0, 100.0, lo_open=True)),
-                                         "flow-matching timestep shift (default: the checkpoint's, e.g. 3.0 for "
-                                         "Wan 2.1 480p)", metavar="X")
-    timesteps: Optional[tuple] = _field(None, optional(timestep_list), "explicit descending timesteps, e.g. "
-                                        "1000,750,500,250 as distilled checkpoints ship; each T runs at sigma = "
-                                        "shift(T / num_train_timesteps); overrides num-inference-steps",
-                                        metavar="T1,T2,...")
-    cfg_interval: Optional[tuple] = _field(None, optional(fraction_interval), "guide only steps i of n with START "
-                                           "<= i/n < END (fractions of the schedule); other steps run the "
-                                           "conditional pass only (default 0:1, every step)", metavar="START:END")
-    cfg_batching: str = _field("auto", one_of(*CFG_BATCHING), "classifier-free guidance halves as one batch-2 "
-                               "forward (batched), two batch-1 forwards (sequential), or auto (the rule in "
-                               "docs/steps.md)", metavar="auto|batched|sequential")
-
-
-@dataclasses.dataclass(frozen=True)
 class AttentionOptions(_Section):
     """The user's attention choices, as given (names and specs are parsed by
     :meth:`RunConfig.attention_settings`)."""
@@ -248,31 +196,6 @@ class AttentionOptions(_Section):
     def given(self) -> list[str]:
         """The names of the options that were set (not None / False)."""
         return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) not in (None, False)]
-
-
-def _cache_name(value: Any) -> str:
-    from ditattn.cache.registry import CACHE_BACKENDS
-
-    return one_of(*CACHE_BACKENDS)(value.strip().lower() if isinstance(value, str) else value)
-
-
-@dataclasses.dataclass(frozen=True)
-class CacheOptions(_Section):
-    """The step cache: which method skips the DiT work that does not change between steps, and its keys
-    (:mod:`ditattn.cache`; ``docs/caching.md``)."""
-
-    cache_backend: Optional[str] = _field(None, optional(_cache_name), "step cache: none, teacache, magcache or "
-                                          "first_block_cache (docs/caching.md)", metavar="NAME")
-    cache_backend_config: Union[str, dict, None] = _field(None, optional(text_or_mapping), "step-cache keys: a "
-                                                          ".json/.yaml file, a JSON object or k=v pairs, e.g. "
-                                                          "threshold=0.1,start_step=2 or taylorseer=true",
-                                                          metavar="CFG")
-
-    def __post_init__(self):
-        super().__post_init__()
-        from ditattn.cache.config import validate_cache
-
-        validate_cache(self.cache_backend, self.cache_backend_config)  # names, keys, types, ranges
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,6 +258,18 @@ TOP_LEVEL = ("verbose", "json")
 
 def _section(cls):
     return dataclasses.field(default_factory=cls)
+
+
+def _accepted(key: str, allowed, shown: str) -> str:
+    """What an unknown key's message says is accepted: every key when the list is short, else the
+    closest keys and where the whole list is (so a message stays a readable line)."""
+    import difflib
+
+    if len(shown) <= 600:
+        return f"accepted: {shown}"
+    close = difflib.get_close_matches(key, list(allowed), n=3)
+    hint = f"did you mean {', '.join(flag_name(c) for c in close)}? " if close else ""
+    return f"{hint}accepted: {len(allowed)} keys, the long flag names of the command's --help without the dashes"
 
 
 def flag_name(key: str) -> str:
@@ -403,7 +338,7 @@ class RunConfig:
         for raw, value in values.items():
             key = str(raw).lstrip("-").replace("-", "_")
             if key not in known:
-                raise AttentionConfigError(f"{source}: unknown key {short_repr(raw)}; accepted: {shown}")
+                raise AttentionConfigError(f"{source}: unknown key {short_repr(raw)}; {_accepted(key, allowed, shown)}")
             if key not in allowed:
                 where = f"the {known[key]} settings" if known[key] else "other commands"
                 raise AttentionConfigError(f"{source}: key {short_repr(raw)} does not apply here (it belongs to "
@@ -415,7 +350,8 @@ class RunConfig:
             try:
                 changes.setdefault(section, {})[key] = check(value)
             except ValueError as exc:
-                raise AttentionConfigError(f"{source}: {flag_name(key)}: {exc}") from None
+                shown_key = ("--" if source == "command line" else "") + flag_name(key)
+                raise AttentionConfigError(f"{source}: {shown_key}: {exc}") from None
         base = base or cls()
         top = changes.pop(None, {})
         sections = {s: dataclasses.replace(getattr(base, s), **kw) for s, kw in changes.items()}
