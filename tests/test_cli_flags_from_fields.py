@@ -35,7 +35,8 @@ def test_every_field_flag_takes_its_help_from_the_field():
         if action.option_strings == ["--no-save-output"]:  # the negation of --save-output
             continue
         if action.option_strings:  # a positional (backends NAME) has none
-            assert action.option_strings == ["--" + action.dest.replace("_", "-")], (name, action.option_strings)
+            expected = flags.FLAG_NAMES.get(action.dest, "--" + action.dest.replace("_", "-"))
+            assert action.option_strings == [expected], (name, action.option_strings)
         assert action.help == flags.field_help(action.dest), f"{name} --{action.dest}: help is not the field's"
         seen.add(action.dest)
     # the generated flags cover the sections the commands read

@@ -101,14 +101,18 @@ def cache_flags(p: argparse.ArgumentParser) -> None:
     field_flags(p.add_argument_group("step cache"), "cache_backend", "cache_backend_config")
 
 
+#: RunConfig fields whose flag is not ``--KEY`` (the command's own short name for it)
+FLAG_NAMES = {"calibrate_prompts": "--prompt", "calibrate_seeds": "--seed", "calibrate_output": "--output"}
+
+
 def calibrate_flags(p: argparse.ArgumentParser) -> None:
     """``calibrate-cache``: prompts, seeds and the output file (RunConfig's calibrate section)."""
     g = p.add_argument_group("calibration")
-    for flag, key, kw in (("--prompt", "calibrate_prompts", dict(action="append")),
-                          ("--seed", "calibrate_seeds", dict(nargs="+", action="extend", type=NONNEG_INT)),
-                          ("--output", "calibrate_output", dict(type=typed("calibrate_output")))):
-        f = _config_field(key)
-        g.add_argument(flag, dest=key, metavar=f.metadata["metavar"], help=f.metadata["help"], **kw)
+    for key, kw in (("calibrate_prompts", dict(action="append")),
+                    ("calibrate_seeds", dict(nargs="+", action="extend", type=NONNEG_INT)),
+                    ("calibrate_output", dict(type=typed("calibrate_output")))):
+        g.add_argument(FLAG_NAMES[key], dest=key, metavar=_config_field(key).metadata["metavar"],
+                       help=field_help(key), **kw)
 
 
 def platform_flags(p: argparse.ArgumentParser) -> None:
