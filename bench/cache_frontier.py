@@ -53,6 +53,8 @@ def main(argv=None) -> int:
     ap.add_argument("--variant", action="append", help="METHOD:k=v,... (repeat; default: every method at 2-3 "
                                                         "thresholds)")
     ap.add_argument("--output", default="cache_frontier.json")
+    ap.add_argument("--time-budget-s", type=float, default=None,
+                    help="start no new prompt after this many seconds (the table then covers the prompts run)")
     args = ap.parse_args(argv)
 
     import numpy as np
@@ -90,7 +92,12 @@ def main(argv=None) -> int:
     rows = {v: {"variant": v, "psnr": [], "ssim": [], "forwards": 0, "computed": 0, "blocks": 0, "blocks_done": 0,
                 "color_ok": 0, "motion_ok": 0, "lost": 0, "time_s": 0.0} for v in ["uncached"] + variants}
     t_all = time.perf_counter()
+    done = 0
     for i, prompt in enumerate(prompts):
+        if args.time_budget_s is not None and time.perf_counter() - t_all > args.time_budget_s:
+            print(f"time budget reached after {done} prompts", file=sys.stderr, flush=True)
+            break
+        done += 1
         t0 = time.perf_counter()
         ref = pipe.generate(prompt, cache_backend="none", **kw)
         ref_clip, r = ref.frames[0], rows["uncached"]
@@ -118,7 +125,7 @@ def main(argv=None) -> int:
         print(f"[{i + 1}/{len(prompts)}] {prompt} ({time.perf_counter() - t_all:.0f}s)", file=sys.stderr, flush=True)
 
     out = []
-    n = len(prompts)
+    n = done
     head = (f"{'variant':<52} {'fwd x':>6} {'blk x':>6} {'PSNR':>6} {'min':>6} {'SSIM':>6} {'colour':>7} "
             f"{'motion':>7} {'lost':>5} {'s/clip':>7}")
     lines = [head]
