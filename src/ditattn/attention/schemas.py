@@ -187,6 +187,18 @@ EDGE_TILES = P(
     "block, padded to full size)",
     choices=("packed", "padded"))
 
+
+def error_budget(default: float) -> Param:
+    """The ``error_budget`` key of a training-free sparse backend (:mod:`ditattn.attention.sparse.budget`)."""
+    return P(
+        "error_budget", "float", default,
+        "Largest predicted attention mass a query block may drop (0 turns the check off): the selection keeps more "
+        "blocks until its estimate meets it, a head that then keeps most blocks runs dense, and a call whose heads all "
+        f"do runs the dense kernel; default {default} keeps the output within 5 % relative error on the structured "
+        "families (docs/attention.md, error budget)",
+        check=_in(0.0, 1.0, hi_open=True), accepted="a number in [0, 1) (0: off)")
+
+
 SCHEMAS: dict[str, tuple[Param, ...]] = {
     "sage_attn": (
         P("impl", "str", "auto", "Implementation: auto (CUDA: the rule the plan reports — SM90: the warp-specialised Gluon kernel (sm90) for head dim 64/128 with fp16 P.V, else the in-tree Triton INT8 kernel; other GPUs: the sageattention package when it is installed and neither the LSE nor pv_dtype fp8 is needed, else the Triton kernel; MUSA: the package; CPU: reference), triton (in-tree INT8 kernel; CUDA, or CPU under TRITON_INTERPRET=1), package (sageattention; CUDA/MUSA, no LSE, fp16 P.V; on Hopper only a build with the SM90 fix), reference (PyTorch, any device), sm90 (Gluon kernel: SM90 only, head dim 64/128, fp16 or fp8 P.V, non-causal)", choices=SAGE_IMPLS),
@@ -217,6 +229,7 @@ SCHEMAS: dict[str, tuple[Param, ...]] = {
         P("predictor", "str", "pooled_query", "Block predictor: pooled_query (each query block's mean against every key, log-sum-exp per key block: sees sink keys and fast RoPE channels; rel. error 5.4 % vs 10.2 % at topk 0.5 on the structured 480p inputs, for 1/128 of dense attention's FLOPs), pooled_query_var (plus the query variance term, twice that cost) or pooled (upstream: mean(q) . mean(k))", choices=SPARGE_PREDICTORS),
         P("simthreshd1", "float", -0.1, "Self-similarity threshold (upstream name): a block whose mean pairwise cosine similarity is <= it is computed for every query / key block on top of the topk / cdfthreshd blocks; the similarity is in [0, 1], so negative values (upstream's top-k default -0.1) turn the rule off", check=_in(-1.0, 1.0), accepted="a number in [-1, 1]"),
         EDGE_TILES,
+        error_budget(0.01),
         BLOCK_SPARSE_IMPL,
     ),
     "video_sparse_attn_h3": (
@@ -246,6 +259,7 @@ SCHEMAS: dict[str, tuple[Param, ...]] = {
         P("temporal_layer", "int", 1, "Layers of temporal chunking per cycle", check=_nonneg, accepted="an integer >= 0"),
         P("spatial_layer", "int", 1, "Layers of spatial chunking per cycle", check=_nonneg, accepted="an integer >= 0"),
         P("st_layer", "int", 1, "Layers of spatio-temporal chunking per cycle", check=_nonneg, accepted="an integer >= 0"),
+        error_budget(0.01),
         BLOCK_SPARSE_IMPL,
     ),
     "block_sparse_attn": (
@@ -264,6 +278,7 @@ SCHEMAS: dict[str, tuple[Param, ...]] = {
         P("predictor", "str", "pooled_query", "Which blocks are exact: pooled_query (tau's rule sets how many per query block, its tile neighbours then the best by each query block's mean against every key, log-sum-exp per block) or pooled (upstream: the rule's blocks by mean(q) . mean(k))", choices=SOL_PREDICTORS),
         P("centroid_variance", "bool", True, "Approximate blocks' virtual keys add the blocks' key variance term 0.5 * scale^2 * q^2 . var(k) (the mass of a spread block, which its mean key underestimates); false: upstream's mean key and log size only"),
         EDGE_TILES,
+        error_budget(0.02),
         BLOCK_SPARSE_IMPL,
     ),
     "sla_attn": (
@@ -282,6 +297,7 @@ SCHEMAS: dict[str, tuple[Param, ...]] = {
         P("top_p", "float", 0.9, "Cumulative estimated attention mass kept per query cluster", check=_in(0.0, 1.0, lo_open=True), accepted="a number in (0, 1]"),
         P("predictor", "str", "pooled_query", "Mass estimate of a (query cluster, key cluster) pair: pooled_query (log-sum-exp over the key cluster's keys of the query centroid . each key: sees sink keys and spread clusters) or centroids (upstream: query centroid . key centroid + log cluster size)", choices=SVG2_PREDICTORS),
         P("first_full_steps", "int", 0, "Dense attention for the first N denoising steps", check=_nonneg, accepted="an integer >= 0"),
+        error_budget(0.01),
         BLOCK_SPARSE_IMPL,
     ),
     "subblock_sparse_attn": (

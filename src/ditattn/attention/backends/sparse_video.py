@@ -24,6 +24,7 @@ one block per tile.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Optional
 
@@ -34,6 +35,7 @@ from ditattn.attention.config import complete_backend_config, parse_layer_list
 from ditattn.attention.names import AttentionBackendEnum as B
 from ditattn.attention.sparse import record_stats, stats_key
 from ditattn.attention.sparse.block_sparse import dense_attention
+from ditattn.attention.sparse.fallback import budget_stats, note_dense_once
 from ditattn.attention.sparse.sla import sla_attention
 from ditattn.attention.sparse.sol import sol_attention
 from ditattn.attention.sparse.sparge import sparge_applies, sparge_attention
@@ -90,19 +92,41 @@ def _check_call(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall) -> t
     return (T, H, W), text_len
 
 
+def _grid_or_line(name: str, q, k, v, call: AttnCall, block: int) -> tuple[tuple[int, int, int], int, Optional[tuple]]:
+    """``(grid, text_len, tile)`` of a call: the video grid and the backend's own tiles, or, for a
+    plain sequence (no ``video_shape``), the grid ``(1, 1, S - text_len)`` in 1-D tiles of ``block`` tokens."""
+    if call.video_shape is not None:
+        vs, text_len = _check_call(name, q, k, v, call)
+        return vs, text_len, None
+    text_len = int(call.text_len or 0)
+    n = q.shape[1] - text_len
+    if n <= 0:
+        raise AttentionConfigError(f"{name}: text_len {text_len} leaves no sequence tokens of {q.shape[1]}")
+    call_1d = dataclasses.replace(call, video_shape=(1, 1, n))
+    vs, text_len = _check_call(name, q, k, v, call_1d)
+    return vs, text_len, (1, 1, block)
+
+
 def _key(name: str, call: AttnCall) -> str:
     return stats_key(name, call.layer_key, call.layer_idx)
 
 
-def _dense(name: str, q, k, v, call: AttnCall, reason: str, backend: Optional[str] = None):
+def _dense(name: str, q, k, v, call: AttnCall, reason: str, backend: Optional[str] = None, announce: bool = False):
+    if announce:  # a size the backend never sparsifies: said once (log line, plan notes)
+        note_dense_once(name, call, reason)
     record_stats(_key(name, call), backend=name, kept_fraction=1.0, dense=True, reason=reason,
                  step=call.step, layer_idx=call.layer_idx)
     return dense_attention(q, k, v, scale=call.scale, return_lse=call.return_lse, backend=backend)
 
 
 def _sparse_done(name: str, call: AttnCall, plan, **extra):
-    record_stats(_key(name, call), backend=name, kept_fraction=plan.kept_fraction_pending, dense=False, reason="",
-                 step=call.step, layer_idx=call.layer_idx, **extra)
+    fallback = bool(plan.extra.get("dense_fallback"))
+    reason = "error budget: every head needs most blocks (dense kernel)" if fallback else ""
+    extra.update(budget_stats(plan))
+    record_stats(_key(name, call), backend=name, kept_fraction=plan.kept_fraction_pending, dense=fallback,
+                 reason=reason, step=call.step, layer_idx=call.layer_idx, **extra)
+    if fallback:
+        note_dense_once(name, call, reason)
 
 
 def _layer(call: AttnCall) -> int:
@@ -170,15 +194,16 @@ def sparge_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
     if not ok:
         if call.causal or call.attn_bias is not None:
             raise AttentionConfigError(f"{name}: causal attention and additive biases are not supported")
-        return _dense(name, q, k, v, call, f"dense SDPA: {why}")
-    vs, text_len = _check_call(name, q, k, v, call)
+        return _dense(name, q, k, v, call, f"dense SDPA: {why}", announce=True)
+    vs, text_len, tile_1d = _grid_or_line(name, q, k, v, call, cfg.get("block_size", 64))
     k, v = expand_kv(k, v, q.shape[2])
     out, lse, plan = sparge_attention(q, k, v, video_shape=vs, topk=cfg["topk"], cdfthreshd=cfg.get("cdfthreshd"),
+                                      tile_size=tile_1d,
                                       block_size=cfg.get("block_size", 64), text_len=text_len,
                                       quantize=cfg.get("quantize", True),
                                       predictor=cfg["predictor"], simthreshd1=cfg["simthreshd1"], scale=call.scale,
                                       return_lse=call.return_lse, impl=cfg["block_sparse_impl"],
-                                      edge_tiles=cfg["edge_tiles"])
+                                      edge_tiles=cfg["edge_tiles"], error_budget=cfg.get("error_budget", 0.0))
     _sparse_done(name, call, plan, quantized=plan.extra["quantized"], predictor=plan.extra["predictor"])
     return out, lse
 
@@ -202,8 +227,8 @@ def vmoba_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
     out, lse, plan = vmoba_attention(q, k, v, video_shape=vs, mode=mode, chunk=chunk, topk=topk,
                                      select_mode=cfg["moba_select_mode"], threshold=cfg["moba_threshold"],
                                      threshold_type=cfg["moba_threshold_type"], gate=cfg["gate"], text_len=text_len,
-                                     scale=call.scale,
-                                     return_lse=call.return_lse, impl=cfg["block_sparse_impl"])
+                                     scale=call.scale, return_lse=call.return_lse, impl=cfg["block_sparse_impl"],
+                                     error_budget=cfg.get("error_budget", 0.0))
     _sparse_done(name, call, plan, mode=mode, chunk=plan.extra["chunk"], topk=plan.extra["topk"])
     return out, lse
 
@@ -216,11 +241,19 @@ def sparse_video_gen_2_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, con
     k, v = expand_kv(k, v, q.shape[2])
     if call.step is not None and call.step < cfg["first_full_steps"]:
         return _dense(name, q, k, v, call, f"step {call.step} < first_full_steps {cfg['first_full_steps']}")
+    budget = cfg.get("error_budget", 0.0)
+    if budget > 0:  # decide from the estimate before clustering: a call that needs most blocks runs dense
+        from ditattn.attention.sparse.budget import precheck_dense
+
+        dense, _ = precheck_dense(q, k, vs, text_len, budget, scale=call.scale, impl=cfg["block_sparse_impl"])
+        if dense:
+            return _dense(name, q, k, v, call, "error budget: every head needs most blocks (dense kernel)",
+                          announce=True)
     # warm start per layer and calling thread (one request runs its steps on one thread)
     state_key = f"{_key(name, call)}@{threading.get_ident()}"
     out, lse, plan = svg2_attention(q, k, v, video_shape=vs, text_len=text_len, num_q_clusters=cfg["num_q_clusters"],
                                     num_k_clusters=cfg["num_k_clusters"], kmeans_iters=cfg["kmeans_iters"],
-                                    top_p=cfg["top_p"], warm_iters=cfg["warm_iters"],
+                                    top_p=max(cfg["top_p"], 1.0 - budget) if budget > 0 else cfg["top_p"], warm_iters=cfg["warm_iters"],
                                     recluster_every=cfg["recluster_every"], predictor=cfg["predictor"],
                                     state_key=state_key, step=call.step,
                                     scale=call.scale, return_lse=call.return_lse, impl=cfg["block_sparse_impl"])
@@ -261,7 +294,7 @@ def sol_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
             f"{name}: needs bfloat16 q/k/v with head dim 128 (got {str(q.dtype).replace('torch.', '')}, "
             f"head dim {q.shape[3]}); use --dtype bf16 with a head-dim-128 model, or another sparse backend"
         )
-    vs, text_len = _check_call(name, q, k, v, call)
+    vs, text_len, tile_1d = _grid_or_line(name, q, k, v, call, 64)
     dense_backend = cfg["dense_backend"]
     if call.step is not None and call.step < cfg["dense_steps"]:
         return _dense(name, q, k, v, call, f"step {call.step} < dense_steps {cfg['dense_steps']} ({dense_backend})",
@@ -276,6 +309,7 @@ def sol_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
                                    sink_tokens=cfg["sink_tokens"], predictor=cfg["predictor"],
                                    centroid_variance=cfg["centroid_variance"], scale=call.scale,
                                    return_lse=call.return_lse, impl=cfg["block_sparse_impl"],
-                                   edge_tiles=cfg["edge_tiles"])
+                                   edge_tiles=cfg["edge_tiles"], error_budget=cfg.get("error_budget", 0.0),
+                                   dense_backend=dense_backend, tile_size=tile_1d)
     _sparse_done(name, call, plan, approximate_fraction=1.0 - plan.kept_fraction_pending)
     return out, lse
