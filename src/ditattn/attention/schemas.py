@@ -229,7 +229,7 @@ SCHEMAS: dict[str, tuple[Param, ...]] = {
         P("predictor", "str", "pooled_query", "Block predictor: pooled_query (each query block's mean against every key, log-sum-exp per key block: sees sink keys and fast RoPE channels; rel. error 5.4 % vs 10.2 % at topk 0.5 on the structured 480p inputs, for 1/128 of dense attention's FLOPs), pooled_query_var (plus the query variance term, twice that cost) or pooled (upstream: mean(q) . mean(k))", choices=SPARGE_PREDICTORS),
         P("simthreshd1", "float", -0.1, "Self-similarity threshold (upstream name): a block whose mean pairwise cosine similarity is <= it is computed for every query / key block on top of the topk / cdfthreshd blocks; the similarity is in [0, 1], so negative values (upstream's top-k default -0.1) turn the rule off", check=_in(-1.0, 1.0), accepted="a number in [-1, 1]"),
         EDGE_TILES,
-        error_budget(0.01),
+        error_budget(0.005),
         BLOCK_SPARSE_IMPL,
     ),
     "video_sparse_attn_h3": (
@@ -259,7 +259,7 @@ SCHEMAS: dict[str, tuple[Param, ...]] = {
         P("temporal_layer", "int", 1, "Layers of temporal chunking per cycle", check=_nonneg, accepted="an integer >= 0"),
         P("spatial_layer", "int", 1, "Layers of spatial chunking per cycle", check=_nonneg, accepted="an integer >= 0"),
         P("st_layer", "int", 1, "Layers of spatio-temporal chunking per cycle", check=_nonneg, accepted="an integer >= 0"),
-        error_budget(0.01),
+        error_budget(0.005),
         BLOCK_SPARSE_IMPL,
     ),
     "block_sparse_attn": (
@@ -278,7 +278,7 @@ SCHEMAS: dict[str, tuple[Param, ...]] = {
         P("predictor", "str", "pooled_query", "Which blocks are exact: pooled_query (tau's rule sets how many per query block, its tile neighbours then the best by each query block's mean against every key, log-sum-exp per block) or pooled (upstream: the rule's blocks by mean(q) . mean(k))", choices=SOL_PREDICTORS),
         P("centroid_variance", "bool", True, "Approximate blocks' virtual keys add the blocks' key variance term 0.5 * scale^2 * q^2 . var(k) (the mass of a spread block, which its mean key underestimates); false: upstream's mean key and log size only"),
         EDGE_TILES,
-        error_budget(0.02),
+        error_budget(0.01),
         BLOCK_SPARSE_IMPL,
     ),
     "sla_attn": (
@@ -297,7 +297,7 @@ SCHEMAS: dict[str, tuple[Param, ...]] = {
         P("top_p", "float", 0.9, "Cumulative estimated attention mass kept per query cluster", check=_in(0.0, 1.0, lo_open=True), accepted="a number in (0, 1]"),
         P("predictor", "str", "pooled_query", "Mass estimate of a (query cluster, key cluster) pair: pooled_query (log-sum-exp over the key cluster's keys of the query centroid . each key: sees sink keys and spread clusters) or centroids (upstream: query centroid . key centroid + log cluster size)", choices=SVG2_PREDICTORS),
         P("first_full_steps", "int", 0, "Dense attention for the first N denoising steps", check=_nonneg, accepted="an integer >= 0"),
-        error_budget(0.01),
+        error_budget(0.005),
         BLOCK_SPARSE_IMPL,
     ),
     "subblock_sparse_attn": (

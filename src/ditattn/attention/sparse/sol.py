@@ -185,11 +185,10 @@ def sol_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: int
     if error_budget > 0:
         from ditattn.attention.sparse import budget as eb
 
-        lm = route if route is not None else pooled_query_block_scores(
-            qt, kt, layout, scale, impl="reference" if impl in ("reference", "flex") else "auto")
+        lm = eb.sub_block_log_mass(qt, kt, layout, scale, impl=impl)
         selected = exact
         exact, dense = eb.enforce_budget(lm, exact, error_budget)
-        budget = eb.budget_stats(lm, selected, exact, dense, error_budget, vt, layout)
+        budget = eb.budget_stats(lm, selected, exact, dense, error_budget)
         if eb.all_dense(dense):
             res = eb.Budgeted(layout, None, None, budget)
             out, lse = dense_attention(q, k, v, scale=scale, return_lse=return_lse, backend=dense_backend)

@@ -190,9 +190,8 @@ def sparge_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, topk: floa
 
         mask, scores = sparge_block_mask(qt, kt, layout, topk, scale, predictor=predictor, simthreshd1=simthreshd1,
                                          cdfthreshd=cdfthreshd, impl=impl)
-        lm = scores if predictor == "pooled_query" else None
         res = budgeted_lists(q, k, v, qt, kt, layout, mask[..., :layout.n_video_blocks, :layout.n_video_blocks],
-                             error_budget, scale=scale, return_lse=return_lse, impl=impl, log_mass=lm)
+                             error_budget, scale=scale, return_lse=return_lse, impl=impl)
         if res.dense_out is not None:
             return res.dense_out, res.dense_lse, res.plan(extra)
         return run_block_lists(q, k, v, layout, res.idx, res.cnt, extra=dict(extra, scores=scores, budget=res.stats),
