@@ -273,6 +273,14 @@ def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Attn
             f"sage_attn: dtype {str(q.dtype).replace('torch.', '')} not supported on {q.device.type} "
             "(accepts float16, bfloat16)"
         )
+    from ditattn.attention.backends.sage_crossover import routes_to_dense, say_once
+
+    why = None if call.causal else routes_to_dense(q, cfg)
+    if why is not None:  # below the measured Hopper crossover: the exact dense kernel is faster
+        from ditattn.attention.sparse.block_sparse import dense_attention
+
+        say_once(why)
+        return dense_attention(q, k, v, scale=call.scale, return_lse=call.return_lse, backend="fa")
     return SAGE_IMPLS[sage_impl_for(q, call, cfg)].run(q, k, v, call, cfg)
 
 
