@@ -34,6 +34,7 @@ blocks are not dropped but summarised by their centroids) was chosen on the stru
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Optional
 
@@ -74,39 +75,61 @@ def dropped_mass(log_mass: Tensor, keep: Tensor) -> Tensor:
     return (shares(log_mass) * (~keep)).sum(-1)
 
 
-def sub_block_log_mass(q_tiled: Tensor, k_tiled: Tensor, layout, scale: float, parts: int = SUB_BLOCKS,
-                       impl: str = "auto") -> Tensor:
-    """Block log-masses seen from ``parts`` sub-blocks of every video query block (consecutive runs of
-    ``block_size / parts`` tokens in tile order): float32 ``[B, H, nv, parts, nv]``, entry ``[.., i, s, j]``
-    ``= log sum_{t in j} exp(scale * qbar_{i,s} . k_t)`` with ``qbar_{i,s}`` the mean of the real tokens
-    of sub-block ``s`` of block ``i`` (a sub-block without real tokens: ``-inf``, no share).  ``parts``
-    query means per block instead of one: ``parts / (2 * block_size)`` of dense attention's FLOPs.
-    q_tiled / k_tiled ``[B, padded_len, H, D]`` in ``layout``'s order (k with q's heads)."""
+@functools.lru_cache(maxsize=64)
+def probe_rows(layout) -> Tensor:
+    """The probe rows of every video block of ``layout``: int64 ``[nv, 9]`` tiled positions (``block *
+    block_size + offset``) of the block's real token closest to each of the 8 corners of its bounding
+    box in ``(t, h, w)`` and of its centre (for a full tile: its 8 corner tokens and a middle one).
+    A very local head's row attends its neighbours, so the rows at the block's corners see every
+    neighbouring block that any row of the block needs."""
+    nv, bs = layout.n_video_blocks, layout.block_size
+    T, H, W = layout.video_shape
+    src = layout.source[: nv * bs].view(nv, bs)
+    real = src >= 0
+    n = src.clamp(min=0)
+    coords = torch.stack([n // (H * W), (n // W) % H, n % W], -1).to(torch.float64)  # [nv, bs, 3]
+    signs = torch.tensor([[a, b, c] for a in (-1, 1) for b in (-1, 1) for c in (-1, 1)], dtype=torch.float64)
+    score = torch.einsum("nbd,cd->nbc", coords, signs)  # [nv, bs, 8]: larger = nearer that corner
+    score = score.masked_fill(~real.unsqueeze(-1), float("-inf"))
+    corner = score.argmax(1)  # [nv, 8]
+    centre = (coords * real.unsqueeze(-1)).sum(1) / real.sum(1, keepdim=True).clamp(min=1)
+    dist = (coords - centre.unsqueeze(1)).pow(2).sum(-1).masked_fill(~real, float("inf"))
+    mid = dist.argmin(1, keepdim=True)
+    offs = torch.cat([corner, mid], 1)
+    with torch.inference_mode(False):
+        return offs + torch.arange(nv).unsqueeze(1) * bs
+
+
+def probe_log_mass(q_tiled: Tensor, k_tiled: Tensor, layout, scale: float, impl: str = "auto") -> Tensor:
+    """Exact block log-masses of every video block's probe rows (:func:`probe_rows`): float32
+    ``[B, H, nv, R, nv]`` (``R = 9``), entry ``[.., i, r, j] = log sum_{t in j} exp(scale * q_r . k_t)`` for
+    probe row ``r`` of query block ``i``; ``R / block_size`` of the Q.K products of dense attention
+    (9/64 at 64-token blocks), no P.V.  q_tiled / k_tiled ``[B, padded_len, H, D]`` in ``layout``'s
+    order (k with q's heads)."""
     from ditattn.attention.sparse.block_scores import pooled_query_lse_torch
 
     B, _, H, D = q_tiled.shape
     nv, bs = layout.n_video_blocks, layout.block_size
-    parts = max(1, min(int(parts), bs))
-    while bs % parts:
-        parts -= 1
-    sub = bs // parts
-    lay = layout.on(q_tiled.device)
-    valid = lay.valid[: nv * bs]
-    cnt = valid.view(nv, parts, sub).sum(-1)  # [nv, parts]
+    rows = probe_rows(layout).to(q_tiled.device)  # [nv, R]
+    R = rows.shape[1]
+    probes = q_tiled.index_select(1, rows.flatten())  # [B, nv*R, H, D]
     dt = torch.float64 if q_tiled.dtype == torch.float64 else torch.float32
-    x = q_tiled[:, : nv * bs].reshape(B, nv, parts, sub, H, D).sum(3, dtype=dt)  # padding rows are zero
-    mean = (x / cnt.clamp(min=1).to(dt).view(1, nv, parts, 1, 1)).permute(0, 3, 1, 2, 4).reshape(B, H, nv * parts, D)
+    mean = probes.to(dt).permute(0, 2, 1, 3)  # [B, H, nv*R, D]
     keys = k_tiled[:, : nv * bs]
+    valid = layout.on(q_tiled.device).valid[: nv * bs]
     if (keys.is_cuda and keys.dtype in (torch.float16, torch.bfloat16) and D in (16, 32, 64, 128, 256)
             and impl not in ("reference", "flex")):
         from ditattn.attention.kernels.block_scores import pooled_query_lse
 
         lm = pooled_query_lse(mean, None, keys, valid, block_size=bs, scale=scale)
     else:
-        lm = pooled_query_lse_torch(mean, None, keys, None if bool(valid.all()) else valid, block_size=bs,
-                                    scale=scale)
-    lm = lm.float().view(B, H, nv, parts, nv)
-    return lm.masked_fill((cnt == 0).view(1, 1, nv, parts, 1), float("-inf"))
+        lm = pooled_query_lse_torch(mean, None, keys, None if _full(layout) else valid, block_size=bs, scale=scale)
+    return lm.float().view(B, H, nv, R, nv)
+
+
+@functools.lru_cache(maxsize=64)
+def _full(layout) -> bool:
+    return bool(layout.valid[: layout.n_video_blocks * layout.block_size].all())
 
 
 def enforce_budget(log_mass: Tensor, keep: Tensor, budget: float,
@@ -175,7 +198,7 @@ def budgeted_lists(q: Tensor, k: Tensor, v: Tensor, q_tiled: Tensor, k_tiled: Te
     from ditattn.attention.sparse.block_sparse import dense_attention, list_width
     from ditattn.attention.sparse.common import select_impl, video_mask_lists
 
-    log_mass = sub_block_log_mass(q_tiled, k_tiled, layout, scale, impl=impl)
+    log_mass = probe_log_mass(q_tiled, k_tiled, layout, scale, impl=impl)
     keep, dense = enforce_budget(log_mass, video_keep, budget)
     stats = budget_stats(log_mass, video_keep, keep, dense, budget)
     if all_dense(dense):
@@ -206,7 +229,7 @@ def precheck_dense(q: Tensor, k: Tensor, video_shape, text_len: int, budget: flo
 
     layout = make_tile_layout(video_shape, tuple(tile_size), text_len)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    lm = sub_block_log_mass(tile(q, layout), tile(k, layout), layout, scale, impl=impl)
+    lm = probe_log_mass(tile(q, layout), tile(k, layout), layout, scale, impl=impl)
     nv = layout.n_video_blocks
     keep, _ = enforce_budget(lm, torch.zeros(*lm.shape[:3], nv, dtype=torch.bool, device=lm.device), budget,
                              dense_above=1.0)

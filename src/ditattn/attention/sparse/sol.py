@@ -185,7 +185,7 @@ def sol_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: int
     if error_budget > 0:
         from ditattn.attention.sparse import budget as eb
 
-        lm = eb.sub_block_log_mass(qt, kt, layout, scale, impl=impl)
+        lm = eb.probe_log_mass(qt, kt, layout, scale, impl=impl)
         selected = exact
         exact, dense = eb.enforce_budget(lm, exact, error_budget)
         budget = eb.budget_stats(lm, selected, exact, dense, error_budget)
