@@ -233,8 +233,13 @@ class WanPipelineNative:
 
     def plan(self) -> dict:
         """The attention plan (DESIGN 1.5): ``{"platform": {...}, "components": [{"name",
-        "selectable", "layers": [{"prefix", "role", "backend", "source", "fallback_reason"}]}]}``."""
-        return build_plan(self.platform, self.scopes, self.linear_quantization())
+        "selectable", "layers": [{"prefix", "role", "backend", "source", "fallback_reason"}]}]}``; after a
+        run, sparse layers also carry ``"sparse_run"`` (calls, mean kept fraction, dense fallbacks, heads
+        run dense by the error budget) and the plan the run's totals and ``"dense_notes"``."""
+        from ditattn.attention.sparse.fallback import annotate_plan
+
+        return annotate_plan(build_plan(self.platform, self.scopes, self.linear_quantization()),
+                             getattr(self, "_sparse_run", {}))
 
     def linear_quantization(self) -> dict:
         """``{DiT component: QuantizationPlan}``: which linears ``--dit-quantization`` quantized (or,
@@ -378,6 +383,9 @@ class WanPipelineNative:
                 timings["image"] = time.perf_counter() - t0
 
             # 3. denoise
+            from ditattn.attention.sparse import fallback as sparse_run
+
+            sparse_run.begin_run()  # the sparse backends' per-layer kept fractions and dense fallbacks
             t0 = time.perf_counter()
             scheduler = self.components["scheduler"]()
             scheduler.set_timesteps(steps, device=dev)
@@ -409,6 +417,10 @@ class WanPipelineNative:
             layers = dit_layers(dits[c] for c in DIT if c in used_models)
             backends = request_backends([l for r in ROLES for l in layers if l.role == r], state)
             stats = dict(state.stats) if state is not None else {}
+            self._sparse_run = sparse_run.run_summary()
+            if self._sparse_run:  # the run summary: totals; per layer in stats["sparse_layers"] and plan()
+                stats["sparse"] = sparse_run.totals(self._sparse_run)
+                stats["sparse_layers"] = self._sparse_run
             return GenerationResult(frames, backends, timings, stats, latents, inp.seeds, height, width, num_frames,
                                     steps, run.peak_memory())
 

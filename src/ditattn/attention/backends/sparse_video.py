@@ -35,7 +35,7 @@ from ditattn.attention.config import complete_backend_config, parse_layer_list
 from ditattn.attention.names import AttentionBackendEnum as B
 from ditattn.attention.sparse import record_stats, stats_key
 from ditattn.attention.sparse.block_sparse import dense_attention
-from ditattn.attention.sparse.fallback import budget_stats, note_dense_once
+from ditattn.attention.sparse.fallback import budget_stats, count_call, note_dense_once
 from ditattn.attention.sparse.sla import sla_attention
 from ditattn.attention.sparse.sol import sol_attention
 from ditattn.attention.sparse.sparge import sparge_applies, sparge_attention
@@ -112,10 +112,11 @@ def _key(name: str, call: AttnCall) -> str:
 
 
 def _dense(name: str, q, k, v, call: AttnCall, reason: str, backend: Optional[str] = None, announce: bool = False):
-    if announce:  # a size the backend never sparsifies: said once (log line, plan notes)
+    if announce:  # a size the backend never sparsifies, or the error budget: said once (log line, plan notes)
         note_dense_once(name, call, reason)
     record_stats(_key(name, call), backend=name, kept_fraction=1.0, dense=True, reason=reason,
-                 step=call.step, layer_idx=call.layer_idx)
+                 step=call.step, layer_idx=call.layer_idx, fallback=announce)
+    count_call(_key(name, call), kept=1.0, fallback=announce, dense=True)
     return dense_attention(q, k, v, scale=call.scale, return_lse=call.return_lse, backend=backend)
 
 
@@ -124,7 +125,9 @@ def _sparse_done(name: str, call: AttnCall, plan, **extra):
     reason = "error budget: every head needs most blocks (dense kernel)" if fallback else ""
     extra.update(budget_stats(plan))
     record_stats(_key(name, call), backend=name, kept_fraction=plan.kept_fraction_pending, dense=fallback,
-                 reason=reason, step=call.step, layer_idx=call.layer_idx, **extra)
+                 reason=reason, step=call.step, layer_idx=call.layer_idx, fallback=fallback, **extra)
+    count_call(_key(name, call), kept=plan.kept_fraction_pending, fallback=fallback, dense=fallback,
+               dense_heads=extra.get("dense_heads"), heads=extra.get("heads", 0))
     if fallback:
         note_dense_once(name, call, reason)
 

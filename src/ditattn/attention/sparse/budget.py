@@ -16,7 +16,7 @@ softmax renormalised over the kept keys, so with ``m`` the row's dropped mass::
 
 (``o_kept`` / ``o_drop``: the attention outputs over the kept / dropped keys alone), a relative error
 of at most ``2 m max|v| / |o|``.  The reported estimate, ``est_rel_err = ESTIMATE_FACTOR * max_i m_i``
-(6x), holds empirically: on every structured family and on activations captured from
+(8x), holds empirically: on every structured family and on activations captured from
 ``ditattn:shapes`` the measured relative error against float64 exact attention stays below
 ``est_rel_err + ESTIMATE_SLACK`` (0.02: the kernels' own error, Sparge's INT8 Q.K, Sol's centroids;
 ``tests/test_sparse_budget.py``).
@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 DENSE_ABOVE = 0.85
 #: the documented factor between measured and estimated relative error on the structured families
 #: and the captured activations (measured <= ESTIMATE_FACTOR * estimated + ESTIMATE_SLACK)
-ESTIMATE_FACTOR = 6.0
+ESTIMATE_FACTOR = 8.0
 ESTIMATE_SLACK = 0.02
 #: query sub-blocks per block whose predicted masses the budget checks (each must meet it)
 SUB_BLOCKS = 8

@@ -48,3 +48,74 @@ def budget_stats(plan) -> dict:
     if not stats:
         return {}
     return {k: stats[k] for k in BUDGET_FIELDS if k in stats}
+
+
+#: per layer key, this run's sparse-backend calls: ``{"calls", "dense_fallbacks", "dense_phases",
+#: "dense_heads", "heads", "kept"}`` (``kept``/``dense_heads``: lists of floats or device scalars)
+_run_layers: dict[str, dict] = {}
+
+
+def begin_run() -> None:
+    """Start counting a run's sparse-backend calls per layer (:func:`run_summary` reads them)."""
+    with _lock:
+        _run_layers.clear()
+
+
+def count_call(key: str, *, kept, fallback: bool, dense: bool, dense_heads=None, heads: int = 0) -> None:
+    """Count one call of layer ``key``: its kept fraction (float or device scalar), whether it ran
+    dense as a fallback (size rule or error budget) or as a dense phase (steps / layers the backend
+    keeps dense), and how many of its ``heads`` the error budget ran dense."""
+    with _lock:
+        e = _run_layers.setdefault(key, {"calls": 0, "dense_fallbacks": 0, "dense_phases": 0, "dense_heads": [],
+                                         "heads": 0, "kept": []})
+        e["calls"] += 1
+        e["dense_fallbacks"] += int(fallback)
+        e["dense_phases"] += int(dense and not fallback)
+        e["kept"].append(kept)
+        if dense_heads is not None:
+            e["dense_heads"].append(dense_heads)
+            e["heads"] = max(e["heads"], int(heads))
+
+
+def run_summary() -> dict:
+    """This run's per-layer summary since :func:`begin_run`: ``{layer_key: {"calls", "kept_fraction"
+    (mean), "dense_fallbacks" (calls run dense by the size rule or the error budget), "dense_phases",
+    "dense_heads" (heads the budget ran dense, summed over the calls), "heads"}}``, layers in call order;
+    reads device scalars (one sync)."""
+    with _lock:
+        items = list(_run_layers.items())
+    out = {}
+    for key, e in items:
+        kept = [float(x) for x in e["kept"]]
+        out[key] = {"calls": e["calls"], "kept_fraction": sum(kept) / len(kept) if kept else None,
+                    "dense_fallbacks": e["dense_fallbacks"], "dense_phases": e["dense_phases"],
+                    "dense_heads": int(sum(float(x) for x in e["dense_heads"])), "heads": e["heads"]}
+    return out
+
+
+def totals(summary: dict) -> dict:
+    """``{"sparse_layers", "calls", "dense_fallbacks", "dense_heads", "kept_fraction"}`` over a
+    :func:`run_summary` (kept fraction: mean over the calls)."""
+    calls = sum(e["calls"] for e in summary.values())
+    kept = sum((e["kept_fraction"] or 0.0) * e["calls"] for e in summary.values())
+    return {"sparse_layers": len(summary), "calls": calls,
+            "dense_fallbacks": sum(e["dense_fallbacks"] for e in summary.values()),
+            "dense_heads": sum(e["dense_heads"] for e in summary.values()),
+            "kept_fraction": kept / calls if calls else None}
+
+
+def annotate_plan(plan: dict, summary: dict) -> dict:
+    """Add each layer's run statistics (``summary[prefix]``, :func:`run_summary`) to the plan's
+    layers as ``"sparse_run"``, the dense-fallback reasons said this process as ``"dense_notes"``,
+    and the totals as ``"sparse_run"`` at the top; returns ``plan``."""
+    if summary:
+        for comp in plan.get("components", []):
+            for layer in comp.get("layers", []):
+                if layer.get("prefix") in summary:
+                    layer["sparse_run"] = summary[layer["prefix"]]
+        plan["sparse_run"] = totals(summary)
+    with _lock:
+        notes = {k: list(v) for k, v in dense_notes.items() if v}
+    if notes:
+        plan["dense_notes"] = notes
+    return plan
