@@ -222,6 +222,8 @@ def select_backend(
                         runtime=_runtime_label(b, platform, req, settings.config), runtime_fallback=runtime_fallback(b, req, platform))
 
     run, sub_reason, reasons = resolve_on_platform(asked, req, platform)
+    if not reasons and run is B.SAGE_ATTN:
+        _check_sage_impl(platform, settings.config)
     if not reasons:
         if sub_reason:
             _note(component, where, f"{asked.value} requested, running {run.value}: {sub_reason}", source)
@@ -285,6 +287,20 @@ def bind_impl(decision: Decision):
     return run
 
 
+def _check_sage_impl(platform: Platform, config: Optional[dict]) -> None:
+    """Refuse ``sage_attn`` with ``impl=package`` up front where the installed package cannot run
+    (Hopper with a sageattention release that lacks the SM90 binding fix): its first call would fail."""
+    from ditattn.attention.specs import runtime_broken
+
+    if (config or {}).get("impl") != "package":
+        return
+    for rt in SPECS[B.SAGE_ATTN].runtimes.get(platform.name, ()):
+        why = runtime_broken(rt, platform)
+        if why:
+            raise AttentionConfigError(f"sage_attn: impl package cannot run here: {why}; use impl auto (the in-tree "
+                                       "kernels)")
+
+
 def _runtime_label(b: B, platform: Platform, req: Optional[LayerRequest] = None, config: Optional[dict] = None) -> str:
     """The runtime label of ``b`` in the plan; for ``sage_attn`` on CUDA the implementation that runs
     for ``req`` under the backend config (``impl``, else the automatic rule)."""
@@ -297,7 +313,14 @@ def _runtime_label(b: B, platform: Platform, req: Optional[LayerRequest] = None,
         runtimes = SPECS[b].runtimes
         module = {"triton": "triton", "package": "sageattention", "sm90": "triton.experimental.gluon"}.get(impl)
         labels = {rt.modules[0]: rt.label for rt in runtimes["cuda"]}
-        return labels.get(module) or (runtimes["cpu"][0].label if impl == "reference" else "")
+        label = labels.get(module) or (runtimes["cpu"][0].label if impl == "reference" else "")
+        if platform.sm == 90 and cfg.get("impl", "auto") == "auto" and label:
+            from ditattn.attention.backends.sage_crossover import DEFAULT_MIN_SEQ_LEN
+
+            limit = int(cfg.get("min_seq_len", DEFAULT_MIN_SEQ_LEN) or 0)
+            if limit > 0:  # the measured Hopper crossover (backends/sage_crossover.py)
+                label += f"; fa (exact dense) below {limit} tokens"
+        return label
     rt = SPECS[b].runtime_on(platform)
     return rt.label if rt is not None else ""
 

@@ -99,9 +99,10 @@ class BackendSpec:
         return tuple(self.runtimes)
 
     def runtime_on(self, platform: Platform) -> Runtime | None:
-        """The first installed runtime on ``platform``, or None."""
+        """The first installed runtime on ``platform`` that works there, or None."""
         for rt in self.runtimes.get(platform.name, ()):
-            if not rt.missing and (not rt.modules or platform.has_any(rt.modules)):
+            if (not rt.missing and (not rt.modules or platform.has_any(rt.modules))
+                    and runtime_broken(rt, platform) is None):
                 return rt
         return None
 
@@ -110,6 +111,9 @@ class BackendSpec:
         if self.runtime_on(platform) is not None:
             return None
         rts = self.runtimes.get(platform.name, ())
+        broken = [b for b in (runtime_broken(rt, platform) for rt in rts) if b]
+        if broken:
+            return "; ".join(broken)
         if rts and all(rt.missing for rt in rts):
             return "; ".join(rt.missing for rt in rts)
         mods = [m for rt in rts if not rt.missing for m in rt.modules]
@@ -187,6 +191,16 @@ SAGE_SM90_HEAD_DIMS = (64, 128)  # the warp-specialised Gluon kernel (impl sm90)
 SAGE_SM90_FIX_COMMIT = "d9704247a5139ab4c03bf7fc6b35cc0e2cbb5ea4"
 SAGE_SM90_FIX_INSTALL = (f"pip install --force-reinstall git+https://github.com/thu-ml/SageAttention.git@"
                          f"{SAGE_SM90_FIX_COMMIT} --no-build-isolation")
+
+
+def runtime_broken(rt: Runtime, platform: Platform) -> str | None:
+    """Why an installed runtime does not work on ``platform`` (None: it does, or it is not installed):
+    the ``sageattention`` package of a 2.x release up to 2.2.0 on Hopper (no SM90 binding fix)."""
+    if ("sageattention" in rt.modules and platform.name == "cuda" and platform.sm == 90
+            and platform.has_package("sageattention") and sage_lacks_sm90_fix(platform)):
+        return (f"sageattention {platform.package_version('sageattention')} lacks the upstream SM90 binding fix "
+                f"on Hopper (install: {SAGE_SM90_FIX_INSTALL})")
+    return None
 
 
 def sage_lacks_sm90_fix(platform: Platform) -> bool:
