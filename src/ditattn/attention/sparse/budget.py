@@ -1,13 +1,14 @@
 """Error budget of the training-free sparse selections: estimate the attention mass a selection
 drops, keep more blocks (or run a head dense) until the estimate meets the budget.
 
-A selection keeps, per (batch, head, query block ``i``), a set ``K_i`` of key blocks.  The predicted
-share of key block ``j`` is ``w_isj = softmax_j(L_isj)`` with the *block log-mass* ``L_isj = log
-sum_{t in j} exp(scale * qbar_is . k_t)`` seen from the mean ``qbar_is`` of sub-block ``s`` of the
-query block (:data:`SUB_BLOCKS` runs of consecutive tokens in tile order, :func:`sub_block_log_mass`;
-one mean per block, as the planners' pooled-query predictor uses, hides the rows of very local
-heads, whose RoPE phases cancel in the mean).  The predicted **dropped mass** of the query block is
-``m_i = max_s sum_{j not in K_i} w_isj``.
+A selection keeps, per (batch, head, query block ``i``), a set ``K_i`` of key blocks.  For each
+query block, nine *probe rows* ``r`` (the tokens at the 8 corners of its box in ``(t, h, w)`` and its
+centre, :func:`probe_rows`) get their exact block log-masses ``L_irj = log sum_{t in j} exp(scale *
+q_r . k_t)`` (:func:`probe_log_mass`: 9 / block_size of dense attention's Q.K products, no P.V), so the
+share of key block ``j`` in probe row ``r`` is ``w_irj = softmax_j(L_irj)`` and the predicted
+**dropped mass** of the query block is ``m_i = max_r sum_{j not in K_i} w_irj``.  (One mean query per
+block, as the planners' pooled-query predictor uses, hides very local heads: their RoPE phases cancel
+in the mean; a row at a corner of the block sees every neighbouring block any row of it needs.)
 
 Output error.  For one query row with exact weights ``p`` over the keys, the sparse output is the
 softmax renormalised over the kept keys, so with ``m`` the row's dropped mass::
@@ -49,8 +50,6 @@ DENSE_ABOVE = 0.85
 #: and the captured activations (measured <= ESTIMATE_FACTOR * estimated + ESTIMATE_SLACK)
 ESTIMATE_FACTOR = 8.0
 ESTIMATE_SLACK = 0.02
-#: query sub-blocks per block whose predicted masses the budget checks (each must meet it)
-SUB_BLOCKS = 8
 
 
 def budget_value(value) -> float:
@@ -68,7 +67,7 @@ def shares(log_mass: Tensor) -> Tensor:
 
 def dropped_mass(log_mass: Tensor, keep: Tensor) -> Tensor:
     """Predicted dropped mass per query block: float32 ``[B, H, nq]`` from ``log_mass`` (``[B, H, nq,
-    nk]``, or per sub-block ``[B, H, nq, P, nk]``: then the largest over the sub-blocks) and the bool
+    nk]``, or per probe row ``[B, H, nq, R, nk]``: then the largest over the probe rows) and the bool
     selection ``keep [B, H, nq, nk]`` (True = kept)."""
     if log_mass.dim() == keep.dim() + 1:
         return (shares(log_mass) * (~keep).unsqueeze(-2)).sum(-1).amax(-1)
@@ -136,7 +135,7 @@ def enforce_budget(log_mass: Tensor, keep: Tensor, budget: float,
                    dense_above: float = DENSE_ABOVE) -> tuple[Tensor, Tensor]:
     """``(keep', dense_heads)``: ``keep`` (bool ``[B, H, nq, nk]``) plus, per row, the fewest blocks,
     largest predicted share first, whose shares reach ``1 - budget`` (``log_mass`` ``[B, H, nq, nk]``, or
-    ``[B, H, nq, P, nk]`` per sub-block: every sub-block's blocks); a head (``[B, H]`` bool
+    ``[B, H, nq, R, nk]`` per probe row: every probe row's blocks); a head (``[B, H]`` bool
     ``dense_heads``) whose kept fraction then exceeds ``dense_above`` keeps every block.  ``budget``
     <= 0 returns ``keep`` unchanged and no dense head."""
     from ditattn.attention.sparse.common import mass_mask
@@ -191,9 +190,8 @@ def budgeted_lists(q: Tensor, k: Tensor, v: Tensor, q_tiled: Tensor, k_tiled: Te
 
     q/k/v ``[B, S, H, D]`` (original order, k/v with q's heads); ``q_tiled`` / ``k_tiled``: the same in
     ``layout``'s tile order (unquantized); ``video_keep``: bool ``[B, H, nv, nv]`` selection over the
-    video blocks; ``log_mass``: the block log-masses ``[B, H, nv, nv]`` when the planner has them
-    (pooled-query ones; None: computed here).  Special (text/sink) blocks are kept as the planners keep
-    them.  ``stats`` (device scalars): :func:`summary` plus ``est_rel_err`` (:func:`estimate_error`).
+    video blocks; the predicted masses are :func:`probe_log_mass`'s.  Special (text/sink) blocks are kept
+    as the planners keep them.  ``stats`` (device scalars): :func:`budget_stats`.
     The dense path calls ``dense_backend`` (None: the platform's automatic dense kernel)."""
     from ditattn.attention.sparse.block_sparse import dense_attention, list_width
     from ditattn.attention.sparse.common import select_impl, video_mask_lists
