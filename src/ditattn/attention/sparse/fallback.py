@@ -111,8 +111,9 @@ def annotate_plan(plan: dict, summary: dict) -> dict:
     if summary:
         for comp in plan.get("components", []):
             for layer in comp.get("layers", []):
-                if layer.get("prefix") in summary:
-                    layer["sparse_run"] = summary[layer["prefix"]]
+                for key in (layer.get("prefix"), f"{comp.get('name')}.{layer.get('prefix')}"):
+                    if key in summary:  # a layer key is the component name and the layer's prefix
+                        layer["sparse_run"] = summary[key]
         plan["sparse_run"] = totals(summary)
     with _lock:
         notes = {k: list(v) for k, v in dense_notes.items() if v}
