@@ -93,7 +93,7 @@ def substitute(backend: B, req: LayerRequest, platform: Platform) -> "tuple[B, s
     spec = SPECS[backend]
     if platform.name == "mps" and backend is not B.TORCH_SDPA:
         # the seed: MPS always uses SDPA; an explicit backend runs it too, recorded as a substitution
-        return B.TORCH_SDPA, f"MPS always runs torch_sdpa ({backend.value} has no MPS kernel in this build)"
+        return B.TORCH_SDPA, f"mps always runs torch_sdpa ({backend.value} has no MPS kernel in this build)"
     if backend is B.FA:
         if platform.name == "cpu":
             return B.TORCH_SDPA, f"no FlashAttention runtime on {platform.name}; {platform.name} uses torch_sdpa"
