@@ -4,8 +4,8 @@ For each grid, head count and structured family (``--families``, default ``origi
 family of :data:`ditattn.evaluation.structured.FAMILIES`: ``original`` — per-head content vectors plus
 noise rotated by Wan's 3-D RoPE, spatial / temporal / global heads, sink tokens, v i.i.d.; ``weak`` —
 content norms 3-8; ``mixed`` — very local and near-global heads in one layer; ``smooth`` — spatially
-smooth values; ``weak_mixed_smooth`` — all three) structured q/k/v, bf16.  Every case (a backend and a config) runs through ``ditattn.attention``
-exactly as a DiT layer calls it (``video_shape``, a step and a layer index past the dense phases,
+smooth values; ``weak_mixed_smooth`` — all three) structured q/k/v, bf16.  Every case (a backend and a
+config) runs through ``ditattn.attention`` exactly as a DiT layer calls it (``video_shape``, a step and a layer index past the dense phases,
 so the sparse path is what is measured); reported per case:
 
 * ``ms``: median time of one call (planning included), and ``x dense``: the dense kernel's time
@@ -41,8 +41,9 @@ The frontier of the training-free defaults over every family (one call on the H2
 
     python bench/capture_qkv.py --prompt "a red circle moving right" --steps 10,-1 --layers 0,4,7 \
         --height 256 --width 256 --num-frames 33 --out $OUT/shapes_qkv.safetensors && \
-    python bench/fidelity.py --grids wan480 --heads 12,40 --families all --cases "(defaults),skip_softmax factor=4" \
-        --activations $OUT/shapes_qkv.safetensors --budget-s 420 --out $OUT/fid
+    python bench/fidelity.py --grids wan480 --heads 12,40 --families all --budget-s 360 --cases \
+        "sparge_attn (defaults),sol_attn (defaults),vmoba_attn (defaults),sparse_video_gen_2_attn (defaults),\
+sage_attn (defaults),skip_softmax factor=4" --activations $OUT/shapes_qkv.safetensors --out $OUT/fid
 """
 from __future__ import annotations
 

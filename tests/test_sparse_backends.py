@@ -598,7 +598,8 @@ def test_seed_defaults():
     sol = validate_backend_config(B.SOL_ATTN, {})
     assert sol == {"tau": 1.0, "thresh_type": "diag", "sink_tokens": 0, "sink_start": 0, "dense_steps": 10,
                    "dense_layers": "0,1", "dense_backend": "fa", "kv_splits": "auto", "predictor": "pooled_query",
-                   "centroid_variance": True, "edge_tiles": "packed", "block_sparse_impl": "auto", "error_budget": 0.01}
+                   "centroid_variance": True, "edge_tiles": "packed", "block_sparse_impl": "auto",
+                   "error_budget": 0.01}
     for backend in (B.VIDEO_SPARSE_ATTN, B.SPARGE_ATTN, B.SLA_ATTN, B.SAGE_SLA_ATTN):
         assert validate_backend_config(backend, {})["edge_tiles"] == "packed"
     for backend in (B.VMOBA_ATTN, B.SPARSE_VIDEO_GEN_2_ATTN):  # chunks / clusters are their unit: no packing

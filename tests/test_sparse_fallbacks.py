@@ -58,9 +58,9 @@ def test_unfixed_sageattention_on_hopper_is_refused_up_front(capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "impl package cannot run here" in err and "SM90 binding fix" in err and "Traceback" not in err
     # the fixed build is accepted
-    rc, plan, err = _plan(capsys, "--platform", "cuda:90", "--platform-packages",
-                          "sageattention==2.2.0+git.d9704247a513,triton", "--attention-backend", "sage_attn",
-                          "--attention-backend-config", "impl=package")
+    rc, _, err = _plan(capsys, "--platform", "cuda:90", "--platform-packages",
+                       "sageattention==2.2.0+git.d9704247a513,triton", "--attention-backend", "sage_attn",
+                       "--attention-backend-config", "impl=package")
     assert rc == 0, err
     # `backends` no longer says the unfixed package runs sage_attn here (no Triton: nothing else does)
     assert main(["backends", "--json", "--platform", "cuda:90", "--platform-packages", "sageattention==2.2.0"]) == 0

@@ -256,7 +256,8 @@ def sparse_video_gen_2_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, con
     state_key = f"{_key(name, call)}@{threading.get_ident()}"
     out, lse, plan = svg2_attention(q, k, v, video_shape=vs, text_len=text_len, num_q_clusters=cfg["num_q_clusters"],
                                     num_k_clusters=cfg["num_k_clusters"], kmeans_iters=cfg["kmeans_iters"],
-                                    top_p=max(cfg["top_p"], 1.0 - budget) if budget > 0 else cfg["top_p"], warm_iters=cfg["warm_iters"],
+                                    top_p=max(cfg["top_p"], 1.0 - budget) if budget > 0 else cfg["top_p"],
+                                    warm_iters=cfg["warm_iters"],
                                     recluster_every=cfg["recluster_every"], predictor=cfg["predictor"],
                                     state_key=state_key, step=call.step,
                                     scale=call.scale, return_lse=call.return_lse, impl=cfg["block_sparse_impl"])

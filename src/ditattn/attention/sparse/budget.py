@@ -82,7 +82,7 @@ def probe_rows(layout) -> Tensor:
     A very local head's row attends its neighbours, so the rows at the block's corners see every
     neighbouring block that any row of the block needs."""
     nv, bs = layout.n_video_blocks, layout.block_size
-    T, H, W = layout.video_shape
+    _, H, W = layout.video_shape
     src = layout.source[: nv * bs].view(nv, bs)
     real = src >= 0
     n = src.clamp(min=0)
@@ -184,7 +184,8 @@ class Budgeted:
 
 
 def budgeted_lists(q: Tensor, k: Tensor, v: Tensor, q_tiled: Tensor, k_tiled: Tensor, layout, video_keep: Tensor,
-                   budget: float, *, scale: float, return_lse: bool, impl: str = "auto", dense_backend: Optional[str] = None) -> Budgeted:
+                   budget: float, *, scale: float, return_lse: bool, impl: str = "auto",
+                   dense_backend: Optional[str] = None) -> Budgeted:
     """Apply the budget to a planner's video selection and build its block lists, or run the call
     dense when every head needs it.
 

@@ -175,7 +175,8 @@ def sol_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: int
     B, S, H, D = q.shape
     n_video = math.prod(int(x) for x in video_shape)
     sink = sol_sink_range(int(sink_start), int(sink_tokens), n_video + int(text_len))
-    layout = make_tile_layout(video_shape, SOL_TILE_SIZE if tile_size is None else tuple(tile_size), text_len, special_ranges=[sink] if sink[1] > sink[0] else [],
+    tiles = SOL_TILE_SIZE if tile_size is None else tuple(tile_size)
+    layout = make_tile_layout(video_shape, tiles, text_len, special_ranges=[sink] if sink[1] > sink[0] else [],
                               edge_tiles=edge_tiles)
     scale = D ** -0.5 if scale is None else float(scale)
     qt, kt, vt = tile(q, layout), tile(k, layout), tile(v, layout)
