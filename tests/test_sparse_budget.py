@@ -194,3 +194,26 @@ def test_error_budget_is_a_documented_config_key():
     q = torch.randn(1, 256, 2, 64).bfloat16()
     with pytest.raises(AttentionConfigError, match="error_budget"):
         ditattn.attention(q, q, q, backend="sparge_attn", config={"error_budget": 1.5}, video_shape=(4, 8, 8))
+
+
+def test_structured_families_differ_as_documented():
+    """weak: content norms 3-8; mixed: very local and near-global heads in one layer (the local ones keep
+    their mass near the query, the near-global ones spread it); smooth: neighbouring values agree."""
+    from ditattn.evaluation.structured import attention_profile
+
+    grid = (4, 8, 12)
+    _, _, _, info = structured_qkv(family_spec("weak", grid, 3), dtype=torch.float32)
+    assert all(3 <= n <= 8 for n in info["content_norms"])
+    q, k, _, info = structured_qkv(family_spec("mixed", grid, 4), dtype=torch.float32)
+    assert info["head_types"] == ["local", "near_global", "local", "spatial"]
+    near = attention_profile(q, k, grid)["near"]
+    assert min(near[0], near[2]) > 0.4 > 0.1 > near[1], near
+    for values, lo, hi in (("smooth", 0.8, 1.0), ("iid", -0.1, 0.1)):
+        spec = family_spec("smooth" if values == "smooth" else "original", grid, 1)
+        _, _, v, _ = structured_qkv(spec, dtype=torch.float32)
+        x = v[0, :, 0].view(*grid, -1)
+        a, b = x[:, :, 1:].flatten(0, 2), x[:, :, :-1].flatten(0, 2)  # horizontal neighbours
+        corr = float(torch.nn.functional.cosine_similarity(a, b).mean())
+        assert lo < corr < hi, (values, corr)
+    with pytest.raises(ValueError, match="unknown structured family"):
+        family_spec("noisy", grid, 1)
