@@ -128,3 +128,13 @@ def test_run_summary_and_plan_after_a_run_count_dense_fallbacks(caplog):
     rows = [f"{c['name']}.{l['prefix']}" for c in plan["components"] for l in c["layers"] if "sparse_run" in l]
     assert set(rows) == set(layers) and plan["sparse_run"]["dense_fallbacks"] == 2 * len(layers)
     assert any("tokens < 128" in r for r in plan["dense_notes"]["sparge_attn"])
+
+
+def test_compare_summary_counts_dense_fallbacks():
+    from ditattn.evaluation.report import format_summary, summarise
+
+    runs = [{"dit_s": 1.0, "total_s": 2.0, "kept_fraction": 0.8, "dense_fallback_calls": n} for n in (3, 4)]
+    s = summarise(runs, None)
+    assert s["dense_fallback_calls"] == 7
+    table = format_summary({"variants": [{"name": "sparge", "summary": s}]})
+    assert "fallbk" in table.splitlines()[0] and table.splitlines()[1].split()[-1] == "7"

@@ -195,5 +195,5 @@ def format_summary(report: dict) -> str:
                      f"{f(s['total_s'], '8.2f')} {f(s.get('psnr_mean'), '6.2f')} {f(s.get('ssim_mean'), '6.4f')} "
                      f"{f(s.get('ms_ssim_mean'), '7.4f')} {f(s.get('attn_rel_err_mean'), '9.2e')} "
                      f"{f(s.get('in_context_rel_err_mean'), '9.2e')} {f(s['kept_fraction'], '5.2f')} "
-                     f"{f(s.get('dense_fallback_calls'), '6d')}")
+                     f"{f(s.get('dense_fallback_calls'), '6.0f')}")
     return "\n".join(lines)
