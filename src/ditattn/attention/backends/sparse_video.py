@@ -248,8 +248,7 @@ def sparse_video_gen_2_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, con
     if budget > 0:  # decide from the estimate before clustering: a call that needs most blocks runs dense
         from ditattn.attention.sparse.budget import precheck_dense
 
-        dense, _ = precheck_dense(q, k, vs, text_len, budget, scale=call.scale, impl=cfg["block_sparse_impl"])
-        if dense:
+        if precheck_dense(q, k, vs, text_len, budget, scale=call.scale, impl=cfg["block_sparse_impl"]):
             return _dense(name, q, k, v, call, "error budget: every head needs most blocks (dense kernel)",
                           announce=True)
     # warm start per layer and calling thread (one request runs its steps on one thread)

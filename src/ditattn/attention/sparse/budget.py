@@ -27,7 +27,8 @@ of its own selection, the fewest blocks, largest share first, whose shares reach
 ``m_i <= b`` by the estimate); a head whose kept fraction then exceeds :data:`DENSE_ABOVE` runs
 dense (every block kept: the block-sparse engine costs more than a dense kernel there), and when
 every head of the call does, the backend skips the sparse kernel and calls the dense one
-(:func:`all_dense`).  ``b = 0`` turns the budget off.  The default budget of each backend (its
+(:func:`all_dense`).  The planners ask :func:`early_dense` first (the centre probe rows alone, before
+any selection work), so a call that ends dense costs the dense kernel plus 1 / block_size of its Q.K.  ``b = 0`` turns the budget off.  The default budget of each backend (its
 ``error_budget`` schema entry: 0.005 for Sparge, V-MoBA and SVG2, 0.01 for Sol, whose approximate
 blocks are not dropped but summarised by their centroids) was chosen on the structured families of
 :mod:`ditattn.evaluation.structured` so that the output stays within 5 % relative error
@@ -99,17 +100,20 @@ def probe_rows(layout) -> Tensor:
         return offs + torch.arange(nv).unsqueeze(1) * bs
 
 
-def probe_log_mass(q_tiled: Tensor, k_tiled: Tensor, layout, scale: float, impl: str = "auto") -> Tensor:
+def probe_log_mass(q_tiled: Tensor, k_tiled: Tensor, layout, scale: float, impl: str = "auto",
+                   centre_only: bool = False) -> Tensor:
     """Exact block log-masses of every video block's probe rows (:func:`probe_rows`): float32
     ``[B, H, nv, R, nv]`` (``R = 9``), entry ``[.., i, r, j] = log sum_{t in j} exp(scale * q_r . k_t)`` for
     probe row ``r`` of query block ``i``; ``R / block_size`` of the Q.K products of dense attention
     (9/64 at 64-token blocks), no P.V.  q_tiled / k_tiled ``[B, padded_len, H, D]`` in ``layout``'s
-    order (k with q's heads)."""
+    order (k with q's heads).  ``centre_only``: the centre row alone (``R = 1``, 1 / block_size of the
+    products), for :func:`early_dense`."""
     from ditattn.attention.sparse.block_scores import pooled_query_lse_torch
 
     B, _, H, D = q_tiled.shape
     nv, bs = layout.n_video_blocks, layout.block_size
-    rows = probe_rows(layout).to(q_tiled.device)  # [nv, R]
+    rows = probe_rows(layout)
+    rows = (rows[:, -1:] if centre_only else rows).to(q_tiled.device)  # [nv, R]
     R = rows.shape[1]
     probes = q_tiled.index_select(1, rows.flatten())  # [B, nv*R, H, D]
     dt = torch.float64 if q_tiled.dtype == torch.float64 else torch.float32
@@ -166,6 +170,19 @@ def summary(log_mass: Tensor, keep: Tensor, dense_heads: Tensor, budget: float) 
             "dense_heads": dense_heads.sum(), "heads": int(dense_heads.numel()), "error_budget": float(budget)}
 
 
+def dense_budgeted(q: Tensor, k: Tensor, v: Tensor, layout, budget: float, *, scale: Optional[float],
+                   return_lse: bool, dense_backend: Optional[str] = None, extra: Optional[dict] = None):
+    """``(out, lse, plan)`` of a call :func:`early_dense` sent to the dense kernel (``dense_backend``, None:
+    the platform's automatic one); the plan records the fallback with every head dense."""
+    from ditattn.attention.sparse.block_sparse import dense_attention
+
+    out, lse = dense_attention(q, k, v, scale=scale, return_lse=return_lse, backend=dense_backend)
+    heads = q.shape[0] * q.shape[2]
+    stats = {"dropped_mass_max": 0.0, "dropped_mass_mean": 0.0, "est_rel_err": 0.0, "dense_heads": float(heads),
+             "heads": heads, "error_budget": float(budget), "early": True}
+    return out, lse, Budgeted(layout, None, None, stats).plan(extra)
+
+
 class Budgeted:
     """What :func:`budgeted_lists` decided: block lists ``idx`` / ``cnt`` (None when the call ran
     dense), the dense output ``dense_out`` / ``dense_lse`` (None when it did not) and ``stats``."""
@@ -198,7 +215,7 @@ def budgeted_lists(q: Tensor, k: Tensor, v: Tensor, q_tiled: Tensor, k_tiled: Te
     from ditattn.attention.sparse.common import select_impl, video_mask_lists
 
     log_mass = probe_log_mass(q_tiled, k_tiled, layout, scale, impl=impl)
-    keep, dense = enforce_budget(log_mass, video_keep, budget)
+    keep, dense = enforce_budget(log_mass, video_keep, budget)  # video_keep: the planner's selection
     stats = budget_stats(log_mass, video_keep, keep, dense, budget)
     if all_dense(dense):
         out, lse = dense_attention(q, k, v, scale=scale, return_lse=return_lse, backend=dense_backend)
@@ -218,19 +235,34 @@ def budget_stats(log_mass: Tensor, selected: Tensor, keep: Tensor, dense: Tensor
     return stats
 
 
+def early_dense(q_tiled: Tensor, k_tiled: Tensor, layout, budget: float, *, scale: float,
+                impl: str = "auto") -> bool:
+    """Whether the budget already needs more than :data:`DENSE_ABOVE` of the blocks in every head from
+    the centre probe rows alone (a subset of the probe rows: the full check could only keep more), so
+    the call runs dense before any selection work: ``1 / block_size`` of dense attention's Q.K products
+    and one device sync.  q_tiled / k_tiled as in :func:`probe_log_mass`."""
+    if budget <= 0:
+        return False
+    lm = probe_log_mass(q_tiled, k_tiled, layout, scale, impl=impl, centre_only=True)
+    nv = layout.n_video_blocks
+    _, dense = enforce_budget(lm, torch.zeros(*lm.shape[:3], nv, dtype=torch.bool, device=lm.device), budget)
+    return all_dense(dense)
+
+
 def precheck_dense(q: Tensor, k: Tensor, video_shape, text_len: int, budget: float, *, scale: Optional[float] = None,
-                   impl: str = "auto", tile_size=(4, 4, 4)) -> tuple[bool, Tensor]:
-    """Before an expensive selection (SVG2's clustering): whether meeting ``budget`` on the 3-D tile
-    blocks of ``tile_size`` would keep more than :data:`DENSE_ABOVE` of the blocks in every head, so the
-    call should run dense without selecting.  q/k ``[B, S, H, D]`` (k with q's heads).  Returns
-    ``(all heads dense, kept fraction per head [B, H] float32)``; one device sync."""
+                   impl: str = "auto", tile_size=(4, 4, 4)) -> bool:
+    """Before an expensive selection (SVG2's clustering): whether meeting ``budget`` on the 3-D tile blocks
+    of ``tile_size`` needs more than :data:`DENSE_ABOVE` of the blocks in every head — :func:`early_dense`
+    first, then every probe row.  q/k ``[B, S, H, D]`` (k with q's heads).  At most two device syncs."""
     from ditattn.attention.sparse.tiling import make_tile_layout, tile
 
     layout = make_tile_layout(video_shape, tuple(tile_size), text_len)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    lm = probe_log_mass(tile(q, layout), tile(k, layout), layout, scale, impl=impl)
+    qt, kt = tile(q, layout), tile(k, layout)
+    if early_dense(qt, kt, layout, budget, scale=scale, impl=impl):
+        return True
+    lm = probe_log_mass(qt, kt, layout, scale, impl=impl)
     nv = layout.n_video_blocks
-    keep, _ = enforce_budget(lm, torch.zeros(*lm.shape[:3], nv, dtype=torch.bool, device=lm.device), budget,
-                             dense_above=1.0)
-    frac = keep.float().mean((-1, -2))
-    return all_dense(frac > DENSE_ABOVE), frac
+    _, dense = enforce_budget(lm, torch.zeros(*lm.shape[:3], nv, dtype=torch.bool, device=lm.device), budget)
+    return all_dense(dense)
+

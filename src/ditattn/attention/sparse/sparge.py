@@ -182,8 +182,13 @@ def sparge_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, topk: floa
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     qt, kt = tile(q, layout), tile(k, layout)
     kk = ceil_fraction(topk, layout.n_video_blocks)
-    qs, ks = quantize_qk_blocks(qt, kt, layout, impl=impl) if quantize else (qt, kt)
     extra = {"k": kk, "cdfthreshd": cdfthreshd, "quantized": bool(quantize), "predictor": predictor}
+    if error_budget > 0:
+        from ditattn.attention.sparse.budget import dense_budgeted, early_dense
+
+        if early_dense(qt, kt, layout, error_budget, scale=scale, impl=impl):  # before any selection work
+            return dense_budgeted(q, k, v, layout, error_budget, scale=scale, return_lse=return_lse, extra=extra)
+    qs, ks = quantize_qk_blocks(qt, kt, layout, impl=impl) if quantize else (qt, kt)
     run = dict(scale=scale, return_lse=return_lse, impl=impl, q_tiled=qs, k_tiled=ks)
     if error_budget > 0:  # the budgeted selection: through the video mask
         from ditattn.attention.sparse.budget import budgeted_lists
