@@ -217,3 +217,26 @@ def test_structured_families_differ_as_documented():
         assert lo < corr < hi, (values, corr)
     with pytest.raises(ValueError, match="unknown structured family"):
         family_spec("noisy", grid, 1)
+
+
+def test_svg2_layer_that_kept_most_blocks_runs_dense_for_the_rest_of_the_request(inputs, monkeypatch):
+    """After a step whose SVG2 plan kept more than DENSE_ABOVE of its blocks, the layer's later steps run the
+    dense kernel without clustering; a new request (the step does not advance) starts over."""
+    from ditattn.attention.sparse import budget as budget_mod
+    from ditattn.attention.sparse import svg2
+
+    q, k, v, _ = inputs[128]["mixed", 0]
+    calls = []
+    real = svg2.svg2_attention
+    monkeypatch.setattr("ditattn.attention.backends.sparse_video.svg2_attention",
+                        lambda *a, **kw: calls.append(kw["step"]) or real(*a, **kw))
+    monkeypatch.setattr(budget_mod, "DENSE_ABOVE", 0.5)  # the mixed family keeps more than half
+    monkeypatch.setattr(budget_mod, "precheck_dense", lambda *a, **kw: False)
+    kept = []
+    for step in (3, 4, 5, 0):
+        clear_stats()
+        ditattn.attention(q, k, v, backend="sparse_video_gen_2_attn", video_shape=GRID, step=step, layer_idx=7)
+        st = dict(next(iter(last_stats.values())))
+        kept.append((st["dense"], st["kept_fraction"]))
+    assert calls == [3, 0] and not kept[0][0] and kept[0][1] > 0.5, (calls, kept)
+    assert kept[1][0] and kept[2][0] and not kept[3][0], kept

@@ -245,14 +245,21 @@ def sparse_video_gen_2_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, con
     if call.step is not None and call.step < cfg["first_full_steps"]:
         return _dense(name, q, k, v, call, f"step {call.step} < first_full_steps {cfg['first_full_steps']}")
     budget = cfg.get("error_budget", 0.0)
-    if budget > 0:  # decide from the estimate before clustering: a call that needs most blocks runs dense
-        from ditattn.attention.sparse.budget import precheck_dense
-
-        if precheck_dense(q, k, vs, text_len, budget, scale=call.scale, impl=cfg["block_sparse_impl"]):
-            return _dense(name, q, k, v, call, "error budget: every head needs most blocks (dense kernel)",
-                          announce=True)
     # warm start per layer and calling thread (one request runs its steps on one thread)
     state_key = f"{_key(name, call)}@{threading.get_ident()}"
+    if budget > 0:  # decide before clustering: a layer that needs most blocks runs dense
+        from ditattn.attention.sparse import budget as eb
+        from ditattn.attention.sparse.budget import precheck_dense
+
+        last = eb.kept_last_step(state_key, call.step)
+        if last is not None and last > eb.DENSE_ABOVE:  # it kept most blocks last step: dense for the request
+            eb.remember_kept(state_key, call.step, 1.0)
+            return _dense(name, q, k, v, call, "error budget: the layer kept most blocks at an earlier step "
+                          "(dense kernel for the rest of the request)", announce=True)
+        if precheck_dense(q, k, vs, text_len, budget, scale=call.scale, impl=cfg["block_sparse_impl"]):
+            eb.remember_kept(state_key, call.step, 1.0)
+            return _dense(name, q, k, v, call, "error budget: every head needs most blocks (dense kernel)",
+                          announce=True)
     out, lse, plan = svg2_attention(q, k, v, video_shape=vs, text_len=text_len, num_q_clusters=cfg["num_q_clusters"],
                                     num_k_clusters=cfg["num_k_clusters"], kmeans_iters=cfg["kmeans_iters"],
                                     top_p=max(cfg["top_p"], 1.0 - budget) if budget > 0 else cfg["top_p"],
@@ -261,6 +268,8 @@ def sparse_video_gen_2_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, con
                                     state_key=state_key, step=call.step,
                                     scale=call.scale, return_lse=call.return_lse, impl=cfg["block_sparse_impl"])
     _sparse_done(name, call, plan, mode=plan.extra["mode"])
+    if budget > 0:
+        eb.remember_kept(state_key, call.step, plan.kept_fraction_pending)
     return out, lse
 
 

@@ -266,3 +266,22 @@ def precheck_dense(q: Tensor, k: Tensor, video_shape, text_len: int, budget: flo
     _, dense = enforce_budget(lm, torch.zeros(*lm.shape[:3], nv, dtype=torch.bool, device=lm.device), budget)
     return all_dense(dense)
 
+
+
+#: ``{state key: (step, kept fraction)}`` of SVG2's last call per layer and thread (:func:`kept_last_step`)
+_last_kept: dict = {}
+
+
+def remember_kept(key: str, step: Optional[int], kept) -> None:
+    """Record the kept fraction (float or device scalar) of layer ``key``'s call at ``step``."""
+    if step is not None:
+        _last_kept[key] = (int(step), kept)
+
+
+def kept_last_step(key: str, step: Optional[int]) -> Optional[float]:
+    """The kept fraction layer ``key`` recorded at an earlier step of the same run (None: none, or the
+    step did not advance, i.e. a new request); reads a device scalar (one sync, on a finished value)."""
+    prev = _last_kept.get(key)
+    if prev is None or step is None or int(step) <= prev[0]:
+        return None
+    return float(prev[1])
