@@ -240,3 +240,27 @@ def test_svg2_layer_that_kept_most_blocks_runs_dense_for_the_rest_of_the_request
         kept.append((st["dense"], st["kept_fraction"]))
     assert calls == [3, 0] and not kept[0][0] and kept[0][1] > 0.5, (calls, kept)
     assert kept[1][0] and kept[2][0] and not kept[3][0], kept
+
+
+@pytest.mark.parametrize("factor", [0.05, 1.0, 16.0])
+def test_skip_softmax_dropped_mass_bound_holds_per_row(factor):
+    """Skip softmax's guarantee: each row loses at most λ / (1 + λ) of its mass, so its output moves by at
+    most 2 λ / (1 + λ) max|v| (float64 exact attention as the reference, 1030 tokens, a sharply local head)."""
+    from ditattn.attention.kernels.skip_softmax_rules import (dropped_mass_bound, factor_for_budget,
+                                                              skip_softmax_reference)
+
+    S, D = 1030, 128  # a sharply local head: q_i . k_j ~ mean_f cos(w_f (i - j)), 64 frequencies in (0, pi)
+    pos = torch.arange(S, dtype=torch.float64)[:, None] * torch.linspace(0.05, 3.1, D // 2, dtype=torch.float64)
+    x = torch.cat([pos.cos(), pos.sin()], -1) * (14.0 / (D // 2) ** 0.5)
+    g = torch.Generator().manual_seed(5)
+    q = (x + 0.3 * torch.randn(S, D, generator=g, dtype=torch.float64)).float().view(1, S, 1, D)
+    k = (x + 0.3 * torch.randn(S, D, generator=g, dtype=torch.float64)).float().view(1, S, 1, D)
+    v = torch.randn(1, S, 1, D, generator=g)
+    out, _, skipped = skip_softmax_reference(q, k, v, threshold_scale_factor=factor, block_m=64, block_n=64)
+    ref = _exact(q, k, v)
+    bound = dropped_mass_bound(factor)
+    vmax = float(v.double().norm(dim=-1).max())
+    err = (out.double() - ref).norm(dim=-1)  # [1, S, H]
+    assert float(err.max()) <= 2 * bound * vmax + 1e-4, (float(err.max()), bound)
+    assert skipped > 0.1 or factor < 1, skipped  # peaked rows: tiles are skipped
+    assert dropped_mass_bound(factor_for_budget(0.05)) == pytest.approx(0.05)
