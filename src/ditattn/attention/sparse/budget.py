@@ -37,27 +37,18 @@ blocks are not dropped but summarised by their centroids) was chosen on the stru
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Optional
 
 import torch
 
 Tensor = torch.Tensor
-log = logging.getLogger(__name__)
 
 #: a head whose kept fraction (video blocks) exceeds this after the budget runs dense
 DENSE_ABOVE = 0.85
-#: the documented factor between measured and estimated relative error on the structured families
-#: and the captured activations (measured <= ESTIMATE_FACTOR * estimated + ESTIMATE_SLACK)
+#: ``est_rel_err = ESTIMATE_FACTOR * largest predicted dropped mass``; measured relative error <=
+#: ``est_rel_err + ESTIMATE_SLACK`` on the structured families and captured activations (tests)
 ESTIMATE_FACTOR = 8.0
 ESTIMATE_SLACK = 0.02
-
-
-def budget_value(value) -> float:
-    """The budget as a float in [0, 1); ``None``, ``"none"``, ``"off"`` and 0 mean off (0.0)."""
-    if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "off", "")):
-        return 0.0
-    return float(value)
 
 
 def shares(log_mass: Tensor) -> Tensor:
