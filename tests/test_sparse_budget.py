@@ -264,3 +264,32 @@ def test_skip_softmax_dropped_mass_bound_holds_per_row(factor):
     assert float(err.max()) <= 2 * bound * vmax + 1e-4, (float(err.max()), bound)
     assert skipped > 0.1 or factor < 1, skipped  # peaked rows: tiles are skipped
     assert dropped_mass_bound(factor_for_budget(0.05)) == pytest.approx(0.05)
+
+
+def test_a_layer_sent_dense_reuses_the_decision_and_checks_again_every_few_steps(inputs, monkeypatch):
+    """After the budget sent a call to the dense kernel, the layer's next steps call the dense kernel
+    directly (no probes, no tiling) and check again every RECHECK_EVERY steps; a sparse call is not reused."""
+    from ditattn.attention.sparse import budget as budget_mod
+
+    budget_mod.clear_memory()
+    checks = []
+    real = budget_mod.early_dense
+    monkeypatch.setattr(budget_mod, "early_dense", lambda *a, **kw: checks.append(1) or real(*a, **kw))
+    q, k, v, _ = inputs[128]["weak", 1]
+    dense = ditattn.attention(q, k, v, backend="torch_sdpa")
+    reasons = []
+    for step in range(10, 10 + budget_mod.RECHECK_EVERY + 1):
+        clear_stats()
+        out = ditattn.attention(q, k, v, backend="sparge_attn", video_shape=GRID, step=step, layer_idx=4)
+        st = dict(next(iter(last_stats.values())))
+        assert st["dense"] and torch.equal(out, dense)
+        reasons.append(st["reason"])
+    assert len(checks) == 2  # the first step and the step RECHECK_EVERY later
+    assert sum("earlier step" in r for r in reasons) == budget_mod.RECHECK_EVERY - 1
+    budget_mod.clear_memory()
+    q, k, v, _ = inputs[128]["original", 1]  # a call that stays sparse at this grid is checked every step
+    for step in (20, 21):
+        clear_stats()
+        ditattn.attention(q, k, v, backend="vmoba_attn", video_shape=GRID, step=step, layer_idx=2)
+        assert not dict(next(iter(last_stats.values())))["dense"]
+    assert len(checks) == 4

@@ -107,6 +107,31 @@ def _grid_or_line(name: str, q, k, v, call: AttnCall, block: int) -> tuple[tuple
     return vs, text_len, (1, 1, block)
 
 
+def _reused_dense(name: str, q, k, v, call: AttnCall, cfg: dict, backend: Optional[str] = None):
+    """The dense kernel's ``(out, lse)`` when this layer's error budget sent an earlier step of the run to
+    it and the decision is not due for a check (:func:`ditattn.attention.sparse.budget.reuse_dense`),
+    else None."""
+    from ditattn.attention.sparse import budget as eb
+
+    if cfg.get("error_budget", 0.0) <= 0:
+        return None
+    key = f"{_key(name, call)}@{threading.get_ident()}"
+    if not eb.reuse_dense(key, call.step):
+        return None
+    eb.remember_kept(key, call.step, 1.0, decided=False)
+    return _dense(name, q, k, v, call, f"error budget: dense at an earlier step (checked again every "
+                  f"{eb.RECHECK_EVERY} steps)", backend=backend, announce=True)
+
+
+def _remember(name: str, call: AttnCall, cfg: dict, plan) -> None:
+    """Record whether the budget sent this call to the dense kernel (for :func:`_reused_dense`)."""
+    if cfg.get("error_budget", 0.0) > 0:
+        from ditattn.attention.sparse import budget as eb
+
+        eb.remember_kept(f"{_key(name, call)}@{threading.get_ident()}", call.step,
+                         1.0 if plan.extra.get("dense_fallback") else 0.0)
+
+
 def _key(name: str, call: AttnCall) -> str:
     return stats_key(name, call.layer_key, call.layer_idx)
 
@@ -200,6 +225,9 @@ def sparge_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
         return _dense(name, q, k, v, call, f"dense SDPA: {why}", announce=True)
     vs, text_len, tile_1d = _grid_or_line(name, q, k, v, call, cfg.get("block_size", 64))
     k, v = expand_kv(k, v, q.shape[2])
+    again = _reused_dense(name, q, k, v, call, cfg)
+    if again is not None:
+        return again
     out, lse, plan = sparge_attention(q, k, v, video_shape=vs, topk=cfg["topk"], cdfthreshd=cfg.get("cdfthreshd"),
                                       tile_size=tile_1d,
                                       block_size=cfg.get("block_size", 64), text_len=text_len,
@@ -208,6 +236,7 @@ def sparge_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
                                       return_lse=call.return_lse, impl=cfg["block_sparse_impl"],
                                       edge_tiles=cfg["edge_tiles"], error_budget=cfg.get("error_budget", 0.0))
     _sparse_done(name, call, plan, quantized=plan.extra["quantized"], predictor=plan.extra["predictor"])
+    _remember(name, call, cfg, plan)
     return out, lse
 
 
@@ -226,6 +255,9 @@ def vmoba_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
         return _dense(name, q, k, v, call, f"layer {_layer(call)} < first_full_layer {cfg['first_full_layer']}")
     chunk = {"temporal": cfg.get("temporal_chunk_size"), "spatial": cfg.get("spatial_chunk_size"),
              "st": cfg.get("st_chunk_size")}[mode]
+    again = _reused_dense(name, q, k, v, call, cfg)
+    if again is not None:
+        return again
     topk = {"temporal": cfg.get("temporal_topk"), "spatial": cfg.get("spatial_topk"), "st": cfg.get("st_topk")}[mode]
     out, lse, plan = vmoba_attention(q, k, v, video_shape=vs, mode=mode, chunk=chunk, topk=topk,
                                      select_mode=cfg["moba_select_mode"], threshold=cfg["moba_threshold"],
@@ -233,6 +265,7 @@ def vmoba_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
                                      scale=call.scale, return_lse=call.return_lse, impl=cfg["block_sparse_impl"],
                                      error_budget=cfg.get("error_budget", 0.0))
     _sparse_done(name, call, plan, mode=mode, chunk=plan.extra["chunk"], topk=plan.extra["topk"])
+    _remember(name, call, cfg, plan)
     return out, lse
 
 
@@ -316,6 +349,9 @@ def sol_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
         return _dense(name, q, k, v, call, f"layer {layer} in dense_layers {cfg['dense_layers']} ({dense_backend})",
                       backend=dense_backend)
     k, v = expand_kv(k, v, q.shape[2])
+    again = _reused_dense(name, q, k, v, call, cfg, backend=dense_backend)
+    if again is not None:
+        return again
     out, lse, plan = sol_attention(q, k, v, video_shape=vs, text_len=text_len, tau=cfg["tau"],
                                    thresh_type=cfg["thresh_type"], sink_start=cfg["sink_start"],
                                    sink_tokens=cfg["sink_tokens"], predictor=cfg["predictor"],
@@ -324,4 +360,5 @@ def sol_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
                                    edge_tiles=cfg["edge_tiles"], error_budget=cfg.get("error_budget", 0.0),
                                    dense_backend=dense_backend, tile_size=tile_1d)
     _sparse_done(name, call, plan, approximate_fraction=1.0 - plan.kept_fraction_pending)
+    _remember(name, call, cfg, plan)
     return out, lse

@@ -259,14 +259,31 @@ def precheck_dense(q: Tensor, k: Tensor, video_shape, text_len: int, budget: flo
 
 
 
-#: ``{state key: (step, kept fraction)}`` of SVG2's last call per layer and thread (:func:`kept_last_step`)
+#: ``{state key: (step, kept fraction, step of the last decision)}`` of each budgeted layer's last call per
+#: thread (:func:`kept_last_step`, :func:`reuse_dense`)
 _last_kept: dict = {}
+#: a layer whose budget sent a call to the dense kernel runs the dense kernel directly (no probes, no
+#: tiling) at its next steps, and checks the budget again every this many steps
+RECHECK_EVERY = 5
 
 
-def remember_kept(key: str, step: Optional[int], kept) -> None:
-    """Record the kept fraction (float or device scalar) of layer ``key``'s call at ``step``."""
+def remember_kept(key: str, step: Optional[int], kept, decided: bool = True) -> None:
+    """Record the kept fraction (float or device scalar) of layer ``key``'s call at ``step``; ``decided``:
+    the budget was checked at this step (False: a reused decision)."""
     if step is not None:
-        _last_kept[key] = (int(step), kept)
+        prev = _last_kept.get(key)
+        since = int(step) if decided or prev is None else prev[2]
+        _last_kept[key] = (int(step), kept, since)
+
+
+def reuse_dense(key: str, step: Optional[int]) -> bool:
+    """Whether layer ``key`` runs dense at ``step`` without checking: its call at an earlier step of this
+    run ran dense under the budget (recorded kept fraction 1.0) and fewer than :data:`RECHECK_EVERY` steps
+    have passed since the budget was last checked.  Host values only (no sync)."""
+    prev = _last_kept.get(key)
+    if prev is None or step is None or int(step) <= prev[0] or not isinstance(prev[1], float) or prev[1] < 1.0:
+        return False
+    return int(step) - prev[2] < RECHECK_EVERY
 
 
 def kept_last_step(key: str, step: Optional[int]) -> Optional[float]:
@@ -276,3 +293,9 @@ def kept_last_step(key: str, step: Optional[int]) -> Optional[float]:
     if prev is None or step is None or int(step) <= prev[0]:
         return None
     return float(prev[1])
+
+
+def clear_memory() -> None:
+    """Forget every layer's recorded decisions (tests; a new run starts over by itself when its steps
+    do not advance)."""
+    _last_kept.clear()
