@@ -5,8 +5,8 @@ family of :data:`ditattn.evaluation.structured.FAMILIES`: ``original`` — per-h
 noise rotated by Wan's 3-D RoPE, spatial / temporal / global heads, sink tokens, v i.i.d.; ``weak`` —
 content norms 3-8; ``mixed`` — very local and near-global heads in one layer; ``smooth`` — spatially
 smooth values; ``weak_mixed_smooth`` — all three) structured q/k/v, bf16.  Every case (a backend and a
-config) runs through ``ditattn.attention`` exactly as a DiT layer calls it (``video_shape``, a step and a layer index past the dense phases,
-so the sparse path is what is measured); reported per case:
+config) runs through ``ditattn.attention`` exactly as a DiT layer calls it (``video_shape``, a step and a
+layer index past the dense phases, so the sparse path is what is measured); reported per case:
 
 * ``ms``: median time of one call (planning included), and ``x dense``: the dense kernel's time
   (``fa`` = FlashAttention-4 on the H200; ``torch_sdpa`` on CPU) divided by it, same run;
@@ -17,7 +17,8 @@ so the sparse path is what is measured); reported per case:
   budget's error estimate.
 
 ``--budget`` sets ``error_budget`` of every case of a backend that has one (Sparge, Sol, V-MoBA, SVG2):
-``default`` (each backend's default, on), ``off`` (0: the plain selection rules) or a number.
+``default`` (each backend's default, on), ``off`` (0: the plain selection rules) or a number; a comma list
+(``default,off``) runs each such case once per value.
 
 Stateful backends run as in a denoising loop: ``sparse_video_gen_2_attn`` is called with
 increasing steps (warm-started k-means), its time is the steady state and its error that of the
@@ -41,7 +42,8 @@ The frontier of the training-free defaults over every family (one call on the H2
 
     python bench/capture_qkv.py --prompt "a red circle moving right" --steps 10,-1 --layers 0,4,7 \
         --height 256 --width 256 --num-frames 33 --out $OUT/shapes_qkv.safetensors && \
-    python bench/fidelity.py --grids wan480 --heads 12,40 --families all --budget-s 360 --cases \
+    python bench/fidelity.py --grids wan480 --heads 12,40 --families all --budget default,off --budget-s 360 \
+        --cases \
         "sparge_attn (defaults),sol_attn (defaults),vmoba_attn (defaults),sparse_video_gen_2_attn (defaults),\
 sage_attn (defaults),skip_softmax factor=4" --activations $OUT/shapes_qkv.safetensors --out $OUT/fid
 """
@@ -281,24 +283,25 @@ def measure_input(rec, dl, args, name, q, k, v, grid, tmp, meta=None):
             rec.note(f"budget exhausted before {label} at {name}")
             return
 
-        def one(label=label, backend=backend, cfg=dict(cfg), layer=LAYER):
+        def one(label=label, backend=backend, cfg=dict(cfg), layer=LAYER, budget="default"):
             clear_stats()
             if backend == "sliding_tile_attn":
                 return sta_rows(ditattn.attention, q, k, v, grid, rows, exact, label, cfg["search"], tmp)
             if backend == SKIP_SOFTMAX:
                 return skip_softmax_row(q, k, v, grid, rows, exact, cfg["threshold_scale_factor"])
             stateful = backend == "sparse_video_gen_2_attn"
-            ms, out = run_case(ditattn.attention, q, k, v, grid, backend, budget_config(backend, cfg, args.budget),
+            ms, out = run_case(ditattn.attention, q, k, v, grid, backend, budget_config(backend, cfg, budget),
                                layer=layer, stateful=stateful)
             rel, cos = errors(out, exact, rows)
             return {"ms": ms, "rel_err": rel, "cosine": cos, "kept_fraction": kept_of(last_stats),
                     **budget_of(last_stats)}
 
         layers = VMOBA_MODES if backend == "vmoba_attn" else {LAYER: None}
-        for layer, mode in layers.items():
-            lab = label + (f" [{mode}]" if mode else "")
+        budgets = args.budget.split(",") if backend in BUDGETED else ["default"]
+        for (layer, mode), budget in ((lm, b) for lm in layers.items() for b in budgets):
+            lab = label + (f" [{mode}]" if mode else "") + (f" budget={budget}" if len(budgets) > 1 else "")
             try:
-                res = one(layer=layer)
+                res = one(layer=layer, budget=budget)
             except Exception as exc:  # report and go on
                 rec.note(f"{lab} at {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
                 continue
@@ -392,7 +395,8 @@ def main():
     ap.add_argument("--families", default="original",
                     help="comma list of structured families (ditattn.evaluation.structured.FAMILIES) or 'all'")
     ap.add_argument("--budget", default="default",
-                    help="error_budget of the backends that have one: default (theirs), off (0) or a number in [0, 1)")
+                    help="error_budget of the backends that have one: default (theirs), off (0) or a number in [0, 1); "
+                         "a comma list runs each case once per value (labels end in budget=...)")
     ap.add_argument("--out", default="fidelity_out", help="output directory")
     args = ap.parse_args()
     grids, heads_list = common.grid_args(ap, args)
@@ -405,12 +409,12 @@ def main():
     bad = [f for f in families if f not in FAMILIES]
     if bad:
         ap.error(f"--families takes names from {', '.join(FAMILIES)} or 'all', got {', '.join(bad)}")
-    if args.budget not in ("default", "off"):
+    for b in args.budget.split(","):
         try:
-            if not 0 <= float(args.budget) < 1:
+            if b not in ("default", "off") and not 0 <= float(b) < 1:
                 raise ValueError
         except ValueError:
-            ap.error(f"--budget takes default, off or a number in [0, 1), got {args.budget!r}")
+            ap.error(f"--budget takes a comma list of default, off or numbers in [0, 1), got {args.budget!r}")
 
     dl = Deadline(args.budget_s)
     rec = Recorder(args.out, "fidelity", {"env": env_info(), "argv": sys.argv[1:], "device": DEVICE})
