@@ -293,3 +293,18 @@ def test_a_layer_sent_dense_reuses_the_decision_and_checks_again_every_few_steps
         ditattn.attention(q, k, v, backend="vmoba_attn", video_shape=GRID, step=step, layer_idx=2)
         assert not dict(next(iter(last_stats.values())))["dense"]
     assert len(checks) == 4
+
+
+def test_fidelity_bench_runs_the_families_and_the_budget_list(tmp_path, run_bench):
+    import json
+
+    out = tmp_path / "fid"
+    run_bench("fidelity.py", "--grid", "5,8,12", "--heads", "2", "--families", "original,weak", "--cases",
+              "sparge_attn (defaults)", "--error-only", "--ref-rows", "64", "--budget", "default,off",
+              "--out", str(out), env={"BENCH_DEVICE": "cpu"})
+    rows = json.loads((out / "fidelity.json").read_text())["rows"]
+    got = {(r["input"], r["case"]): r for r in rows}
+    on = got["structured:weak", "sparge_attn (defaults) budget=default"]
+    off = got["structured:weak", "sparge_attn (defaults) budget=off"]
+    assert on["dense"] and on["rel_err"] < 0.01 and not off["dense"] and off["rel_err"] > 0.1
+    assert {r["family"] for r in rows} == {"original", "weak"}
