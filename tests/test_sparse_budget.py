@@ -308,3 +308,24 @@ def test_fidelity_bench_runs_the_families_and_the_budget_list(tmp_path, run_benc
     off = got["structured:weak", "sparge_attn (defaults) budget=off"]
     assert on["dense"] and on["rel_err"] < 0.01 and not off["dense"] and off["rel_err"] > 0.1
     assert {r["family"] for r in rows} == {"original", "weak"}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["sparge_attn", "sol_attn", "vmoba_attn", "sparse_video_gen_2_attn"])
+def test_budgeted_defaults_on_the_gpu(backend):
+    """The GPU paths (Triton probe scores and list builder, the dense early exit) at a mid grid: every
+    family within 5 %, and the probe masses equal the PyTorch ones."""
+    grid = (9, 16, 24)
+    for fam in FAMILIES:
+        q, k, v, _ = structured_qkv(family_spec(fam, grid, 4, seed=2), device="cuda", dtype=torch.bfloat16)
+        ref = _exact(q, k, v)
+        out = ditattn.attention(q, k, v, backend=backend, video_shape=grid, step=50, layer_idx=2)
+        rel, cos = _errors(out, ref)
+        assert rel <= 0.05 and cos >= 0.998, (fam, rel)
+    from ditattn.attention.sparse.tiling import make_tile_layout, tile
+
+    lay = make_tile_layout(grid, (4, 4, 4), 0)
+    qt, kt = tile(q, lay), tile(k, lay)
+    got = eb.probe_log_mass(qt, kt, lay, 128 ** -0.5)
+    want = eb.probe_log_mass(qt, kt, lay, 128 ** -0.5, impl="reference")
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=5e-2)

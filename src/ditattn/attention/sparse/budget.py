@@ -103,8 +103,7 @@ def probe_log_mass(q_tiled: Tensor, k_tiled: Tensor, layout, scale: float, impl:
 
     B, _, H, D = q_tiled.shape
     nv, bs = layout.n_video_blocks, layout.block_size
-    rows = probe_rows(layout)
-    rows = (rows[:, -1:] if centre_only else rows).to(q_tiled.device)  # [nv, R]
+    rows = _probe_rows_on(layout, q_tiled.device, centre_only)  # [nv, R]
     R = rows.shape[1]
     probes = q_tiled.index_select(1, rows.flatten())  # [B, nv*R, H, D]
     dt = torch.float64 if q_tiled.dtype == torch.float64 else torch.float32
@@ -119,6 +118,14 @@ def probe_log_mass(q_tiled: Tensor, k_tiled: Tensor, layout, scale: float, impl:
     else:
         lm = pooled_query_lse_torch(mean, None, keys, None if _full(layout) else valid, block_size=bs, scale=scale)
     return lm.float().view(B, H, nv, R, nv)
+
+
+@functools.lru_cache(maxsize=128)
+def _probe_rows_on(layout, device: torch.device, centre_only: bool) -> Tensor:
+    """:func:`probe_rows` (or its centre column) on ``device``, cached: no upload per call."""
+    rows = probe_rows(layout)
+    with torch.inference_mode(False):
+        return (rows[:, -1:] if centre_only else rows).contiguous().to(device)
 
 
 @functools.lru_cache(maxsize=64)
