@@ -82,8 +82,8 @@ def fa_call_limits(spec, req: LayerRequest, platform: Platform) -> list[str]:
 def substitute(backend: B, req: LayerRequest, platform: Platform) -> "tuple[B, str] | None":
     """The backend the platform runs instead of ``backend`` and why, or None (no substitution).
 
-    Only the seed's fallbacks substitute: every backend on MPS → ``torch_sdpa`` (the seed: MPS always
-    uses SDPA); ``fa`` without an installed FlashAttention runtime, for a CUDA call it cannot serve
+    Only the seed's fallbacks substitute: every backend on MPS → ``torch_sdpa`` (MPS always uses
+    SDPA); ``fa`` without an installed FlashAttention runtime, for a CUDA call it cannot serve
     whether or not it is installed (float32, below SM80: :func:`fa_call_limits`), or on a platform
     where this build has no FlashAttention kernel path (CPU, XPU, MUSA, NPU, ROCm without
     flash-attn) → ``torch_sdpa``; ``sage_attn`` on Hopper for a call the in-tree INT8
@@ -92,7 +92,7 @@ def substitute(backend: B, req: LayerRequest, platform: Platform) -> "tuple[B, s
     """
     spec = SPECS[backend]
     if platform.name == "mps" and backend is not B.TORCH_SDPA:
-        # the seed: MPS always uses SDPA; an explicit backend runs it too, recorded as a substitution
+        # MPS always uses SDPA; an explicit backend runs it too, recorded as a substitution
         return B.TORCH_SDPA, f"mps always runs torch_sdpa ({backend.value} has no MPS kernel in this build)"
     if backend is B.FA:
         if platform.name == "cpu":
