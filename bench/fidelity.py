@@ -40,7 +40,7 @@ last.  CPU smoke run: ``BENCH_DEVICE=cpu python bench/fidelity.py --grid 3,8,8 -
 
 The frontier of the training-free defaults over every family (one call on the H200, under 8 minutes)::
 
-    python bench/capture_qkv.py --prompt "a red circle moving right" --steps 10,-1 --layers 0,4,7 \
+    python bench/capture_qkv.py --prompt "a red circle moving right" --steps 10,-1 --layers 0,3,5 \
         --height 256 --width 256 --num-frames 33 --out $OUT/shapes_qkv.safetensors && \
     python bench/fidelity.py --grids wan480 --heads 12,40 --families all --budget default,off --budget-s 360 \
         --cases \
