@@ -1,4 +1,4 @@
-"""Dense attention benchmark (GPU): every runnable dense backend at the PERF.md shapes, side by side.
+"""Dense attention benchmark (GPU): every runnable dense backend at the Wan shapes, side by side.
 
     PYTHONPATH=src python bench/attention.py --out OUTDIR [--budget-s 330] [--no-tune] [--quick]
 
@@ -214,7 +214,7 @@ def run_dense(rec, dl, shapes, int8_cfg, int8_fp8_cfg, skip_cfg, inputs="random"
                         max_abs_err=float((lse[:, :, rows] - ref_lse).abs().max()))
         base = next((r["ms"] for n, r in res.items() if n == "torch default SDPA"), None)
         fastest = min((r["ms"] for n, r in res.items() if n.startswith(("fa", "torch_cudnn", "torch flash"))), default=None)
-        for name, r in res.items():
+        for r in res.values():
             r["speedup_vs_torch_default"] = base / r["ms"] if base else None
             summary.append(dict(r, shape=f"{b},{h},{s},{d}"))
         auto = res.get("ditattn auto")
@@ -332,7 +332,7 @@ def main(argv=None):
     ap.add_argument("--no-tune", action="store_true")
     ap.add_argument("--no-skip", action="store_true")
     ap.add_argument("--quick", action="store_true", help="two small shapes only")
-    ap.add_argument("--shapes", default="", help="B,H,S,D;B,H,S,D;... (default: the PERF.md shapes)")
+    ap.add_argument("--shapes", default="", help="B,H,S,D;B,H,S,D;... (default: the Wan 1.3B/14B shapes)")
     ap.add_argument("--tune-shape", default=",".join(map(str, TUNE_SHAPE)))
     ap.add_argument("--skip-shape", default="1,12,32760,128")
     ap.add_argument("--inputs", choices=("random", "structured"), default="random",

@@ -1,8 +1,8 @@
 """Check and time the SM90 Gluon block-sparse kernel (64-token tiles) against our Triton kernel, FA4's
 block-sparse kernel (if installed) and the ideal time (dense ``fa`` time x kept fraction).
 
-One device call: correctness at an odd padded length (GQA, an empty query block, padded keys, LSE)
-against a float32 reference with the same mask, then timing at the PERF.md shapes.  Prints a short
+One run: correctness at an odd padded length (GQA, an empty query block, padded keys, LSE)
+against a float32 reference with the same mask, then timing at the Wan shapes.  Prints a short
 table last; writes ``block_sparse_sm90.json`` under ``--out``.
 
     python3 bench/block_sparse_sm90.py --out $OUT/bs --budget-s 200
@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-from common import Deadline, Recorder, attn_flops, bench_ms, fmt_table, guarded, kernel_ms, make_qkv, rel_err  # noqa: E402
+from common import Deadline, Recorder, bench_ms, fmt_table, guarded, kernel_ms, make_qkv, rel_err  # noqa: E402
 from sage_sm90 import _variants  # noqa: E402
 from sparse import fa4_sparse_fn, random_lists  # noqa: E402
 
@@ -57,7 +57,7 @@ def check(rec, variants):
 
 def timing(rec, dl, seqs, sparsities, heads, variants, extra=None):
     """Per (S, sparsity) row: each candidate's time as a ratio to ideal.  ``extra(q, k, v, idx, cnt, s_real)``
-    may add candidates (name -> fn returning ``[B, S, H, D]``; bench/vsa_anchor.py's upstream kernel)."""
+    may add candidates (name -> fn returning ``[B, S, H, D]``, e.g. an upstream kernel at the same lists)."""
     from ditattn.attention.backends.base import AttnCall, get_impl
     from ditattn.attention.kernels.block_sparse_triton import block_sparse_attention_triton
     from ditattn.attention.names import AttentionBackendEnum as B

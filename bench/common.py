@@ -1,4 +1,4 @@
-"""Shared helpers of the GPU benchmarks (PERF.md method): timing, FLOPs, references, output.
+"""Shared helpers of the GPU benchmarks (method: docs/benchmarks.md): timing, FLOPs, references, output.
 
 Timing is the median of ``triton.testing.do_bench`` (CUDA events, L2 flushed between calls,
 warm-up first).  Accuracy is the relative L2 error ``|out - ref| / |ref|`` against a float32
@@ -83,7 +83,7 @@ def grid_args(ap, args) -> tuple[list[tuple[str, tuple[int, int, int]]], list[in
 
 
 def attn_flops(b: int, h: int, sq: int, skv: int, d: int) -> float:
-    """Dense attention forward FLOPs, ``4 * B * H * Sq * Skv * D`` (PERF.md)."""
+    """Dense attention forward FLOPs, ``4 * B * H * Sq * Skv * D``."""
     return 4.0 * b * h * sq * skv * d
 
 
@@ -115,7 +115,7 @@ def kernel_ms(fn: Callable[[], object], iters: int = 10) -> Optional[float]:
 #: kernel-name fragments -> category, first match wins (raw top kernels are recorded too)
 _CATEGORIES = [
     ("attention", ("flash", "fmha", "attn", "attention", "sdpa", "block_sparse", "int8_", "sage")),
-    ("quantize", ("_quantize_rows",)),  # the FP8 linears' activation quantizer (issue 25)
+    ("quantize", ("_quantize_rows",)),  # the FP8 linears' activation quantizer
     ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "matmul", "cublas", "splitk")),
     ("inductor-fused", ("triton_",)),
     ("norm", ("norm",)),
@@ -180,7 +180,8 @@ def _compare_dtype(out: torch.Tensor, ref: torch.Tensor) -> torch.dtype:
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """``|out - ref| / |ref|`` (L2 over everything) in float32, or float64 if either is; NaN if ``out`` is not finite."""
+    """``|out - ref| / |ref|`` (L2 over everything) in float32, or float64 if either is; NaN if ``out`` is
+    not finite."""
     dt = _compare_dtype(out, ref)
     out, ref = out.to(dt), ref.to(dt)
     if not torch.isfinite(out).all():
@@ -208,7 +209,7 @@ def make_qkv(b, s, h, d, *, hkv=None, dtype=torch.bfloat16, seed=0, device=None)
 
 def structured_qkv(b, grid, h, d, *, hkv=None, dtype=torch.bfloat16, seed=0, device=None,
                    norm_range=(10.0, 16.0)):
-    """Structured q, k, v ``[B, T*H*W, H, D]`` on a Wan latent token grid ``(T, H, W)`` (PERF.md):
+    """Structured q, k, v ``[B, T*H*W, H, D]`` on a Wan latent token grid ``(T, H, W)``:
     per head a content vector ``a`` (norm drawn in ``norm_range``) plus unit noise, for q and for k,
     each rotated by Wan's 3-D RoPE at its token's (t, h, w), so attention decays with 3-D distance
     as in trained video DiTs; v is i.i.d. normal."""

@@ -1,4 +1,4 @@
-"""A stock diffusers ``WanPipeline`` with ditattn's attention inside it (issue 21): the DiT step of
+"""A stock diffusers ``WanPipeline`` with ditattn's attention inside it: the DiT step of
 diffusers alone next to ``ditattn.integrations.diffusers.apply(pipe, attention_backend="fa")`` and
 ``apply(pipe, attention_backend="video_sparse_attn", attention_backend_config={"sparsity": 0.9})``.
 

@@ -205,8 +205,9 @@ def main():
     print("\nside      backend                variant    ms      vs diffusers default   rel err")
     for r in results["rows"]:
         if "ms" in r:
+            err = r.get("rel_err_vs_diffusers", r.get("rel_err", 0))
             print(f"{r['side']:<9} {r['backend']:<22} {r.get('variant', ''):<8} {r['ms']:8.1f} "
-                  f"{r.get('speedup_vs_diffusers_default', 1.0):8.2f}x {r.get('rel_err_vs_diffusers', r.get('rel_err', 0)):.2e}")
+                  f"{r.get('speedup_vs_diffusers_default', 1.0):8.2f}x {err:.2e}")
 
 
 if __name__ == "__main__":

@@ -32,9 +32,9 @@ PyTorch reference of the same tile rule elsewhere; its ``kept`` is the fraction 
 
 ``--activations FILE`` (repeatable) adds the entries of activation files (``bench/capture_qkv.py``, format
 ``ditattn-qkv-v1``) as inputs next to the structured ones; with them a second table gives each case's
-mean / median / max error over those inputs and its mean error per captured step and layer.  Writes ``fidelity.json`` and
-``fidelity.png`` (error against speed-up, log scale) into ``--out`` and prints the frontier table
-last.  CPU smoke run: ``BENCH_DEVICE=cpu python bench/fidelity.py --grid 3,8,8 --heads 2``.
+mean / median / max error over those inputs and its mean error per captured step and layer.  Writes
+``fidelity.json`` and ``fidelity.png`` (error against speed-up, log scale) into ``--out`` and prints the
+frontier table last.  CPU smoke run: ``BENCH_DEVICE=cpu python bench/fidelity.py --grid 3,8,8 --heads 2``.
 
     python bench/fidelity.py --grids wan480 --heads 12,40 --out $OUT/fid
 
@@ -84,7 +84,7 @@ CASES = [
     ("sparge_attn exact cdf=0.95 topk=0.25", "sparge_attn", {"cdfthreshd": 0.95, "topk": 0.25, "quantize": False}),
     ("sparge_attn exact cdf=0.92 topk=0.3", "sparge_attn", {"cdfthreshd": 0.92, "topk": 0.3, "quantize": False}),
     ("sparge_attn exact cdf=0.91 topk=0.3", "sparge_attn", {"cdfthreshd": 0.91, "topk": 0.3, "quantize": False}),
-    # 4x4x8-token tiles: the kernels' 128-row regime (docs/benchmarks.md §3), coarser selection
+    # 4x4x8-token tiles: the kernels' 128-row regime (docs/benchmarks.md, block-sparse kernels), coarser selection
     ("sparge_attn exact topk=0.4 block_size=128", "sparge_attn", {"topk": 0.4, "quantize": False, "block_size": 128}),
     ("sparge_attn exact cdf=0.93 topk=0.3 block_size=128", "sparge_attn",
      {"cdfthreshd": 0.93, "topk": 0.3, "quantize": False, "block_size": 128}),
@@ -283,7 +283,7 @@ def measure_input(rec, dl, args, name, q, k, v, grid, tmp, meta=None):
             rec.note(f"budget exhausted before {label} at {name}")
             return
 
-        def one(label=label, backend=backend, cfg=dict(cfg), layer=LAYER, budget="default"):
+        def one(label=label, backend=backend, cfg=dict(cfg), layer=LAYER, budget="default"):  # noqa: B006 (binds a copy per case)
             clear_stats()
             if backend == "sliding_tile_attn":
                 return sta_rows(ditattn.attention, q, k, v, grid, rows, exact, label, cfg["search"], tmp)

@@ -1,5 +1,5 @@
 """The fused FP8 activation quantizer alone (``quantize_rows``, src/ditattn/models/fp8_linear.py): the
-kernel as it was before issue 25 (copied below, for this comparison only) against the current one,
+previous one-row-per-program kernel (copied below, for this comparison only) against the current one,
 on the Wan DiT's activation shapes, one DiT step's worth of tokens (480p x 81 frames: 32,760).
 
 Shapes (``--shapes``): ``1.3b`` = 32760 x 1536 (the five quantizer calls per block on the model width:
@@ -50,8 +50,8 @@ EPS = 448.0 * 2.0 ** -126
 
 
 # ------------------------------------------------------------------------------------------------
-# the kernel before issue 25 (ditattn commit a4c3f6d), for this comparison only: one program per
-# row, an IEEE division per element, the GELU as x / (1 + exp(-2u)) computed in both passes of
+# the previous kernel (git history of src/ditattn/models/fp8_linear.py), for this comparison only: one
+# program per row, an IEEE division per element, the GELU as x / (1 + exp(-2u)) computed in both passes of
 # rows wider than 4096 (2048-wide chunks, read twice)
 
 _OLD_ONE_PASS_MAX, _OLD_LOOP_BLOCK = 4096, 2048
@@ -208,8 +208,8 @@ def main(argv=None):
                     outs["old"] = (q, scale)
                 ms_of.setdefault(kernel, []).append(ms)
                 print(f"{name:14s} {kernel} {row['config']:18s} {ms:8.4f} ms {row['gbps']:7.0f} GB/s  codes differ "
-                      f"{row['codes_differ']:.2e} (max {row['max_e4m3_steps']} step) scales differ {row['scales_differ']}",
-                      flush=True)
+                      f"{row['codes_differ']:.2e} (max {row['max_e4m3_steps']} step) "
+                      f"scales differ {row['scales_differ']}", flush=True)
                 rows_out.append(row)
             (qo, so_), (qn, sn) = outs["old"], outs["new"]
             agree = {"old_vs_new_codes_differ": float((qo.view(torch.uint8) != qn.view(torch.uint8)).float().mean()),

@@ -70,7 +70,7 @@ def gather_kv_reference(k, v, kv_indices, kv_counts, *, block_size: int) -> torc
     """PyTorch version of :func:`gather_kv` (float32)."""
     _, S, H, D = k.shape
     kt = (k[0].float() + v[0].float()).view(S // block_size, block_size, H, D).permute(2, 0, 1, 3)  # [H, nb, blk, D]
-    nq, width = kv_counts.shape[-1], kv_indices.shape[-1]
+    width = kv_indices.shape[-1]
     live = torch.arange(width, device=k.device) < kv_counts[0][..., None]  # [H, nq, width]
     idx = kv_indices[0].long().clamp_min(0)
     tiles = kt[torch.arange(H, device=k.device)[:, None, None], idx]  # [H, nq, width, blk, D]

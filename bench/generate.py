@@ -8,6 +8,8 @@ one full generation on each side (warm-up run first, same prompt, steps, size, C
 the per-stage split of ours (text, denoise, decode).
 
     python bench/generate.py --steps 4 --out $OUT/generate.json
+    python bench/generate.py --steps 50 --skip-diffusers --backends auto --out $OUT/generate50.json
+    python bench/generate.py --steps 4 --guidance 1 --sampling "scheduler=lcm;timesteps=1000/750/500/250;flow_shift=5"
 """
 from __future__ import annotations
 
@@ -47,8 +49,12 @@ def main():
     ap.add_argument("--guidance", type=float, default=5.0)
     ap.add_argument("--backends", default="auto,video_sparse_attn:sparsity=0.9", help="ours, comma list")
     ap.add_argument("--folder", default=None, help="reuse/write the model folder here (default: a temp dir)")
+    ap.add_argument("--skip-diffusers", action="store_true", help="time ditattn only (no diffusers baseline)")
+    ap.add_argument("--sampling", default="", help="extra generate() arguments of ours as k=v;k=v, e.g. "
+                    "scheduler=lcm;timesteps=1000/750/500/250;flow_shift=5;cfg_batching=sequential")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    sampling = parse_sampling(args.sampling)
     h, w = WAN_RES[args.res]
     folder = args.folder or os.path.join(tempfile.mkdtemp(), "wan-random")
     t0 = time.time()
@@ -66,7 +72,28 @@ def main():
                 json.dump({"arch": args.arch, "res": args.res, "frames": args.frames, "steps": args.steps,
                            "guidance": args.guidance, "rows": rows}, fh, indent=2)
 
-    # diffusers
+    if not args.skip_diffusers:
+        run_diffusers(folder, args, h, w, dev, sync, prompt, rows, dump)
+    run_ours(folder, args, h, w, dev, sync, prompt, rows, dump, sampling)
+    base = rows[0]["total_s"]
+    print(f"\n{args.arch} {args.res} x {args.frames} frames, {args.steps} steps, CFG {args.guidance} {args.sampling}")
+    print(f"{'side':<27} {'backend':<24} {'total s':>8} {'vs first':>8}  stages")
+    for r in rows:
+        st = " ".join(f"{k}={v:.2f}" for k, v in r.get("stages_s", {}).items())
+        print(f"{r['side']:<27} {r['backend']:<24} {r['total_s']:8.2f} {base / r['total_s']:8.2f}x  {st}")
+
+
+def parse_sampling(text: str) -> dict:
+    """``"scheduler=lcm;timesteps=1000/750/500/250"`` -> generate() keyword arguments."""
+    out: dict = {}
+    for item in [i for i in text.split(";") if i]:
+        key, _, value = item.partition("=")
+        out[key] = [float(v) for v in value.split("/")] if key == "timesteps" else (
+            float(value) if key == "flow_shift" else value)
+    return out
+
+
+def run_diffusers(folder, args, h, w, dev, sync, prompt, rows, dump):
     from diffusers import WanPipeline
 
     pipe = WanPipeline.from_pretrained(folder, torch_dtype=torch.bfloat16)
@@ -86,6 +113,8 @@ def main():
     del pipe
     torch.cuda.empty_cache() if dev == "cuda" else None
 
+
+def run_ours(folder, args, h, w, dev, sync, prompt, rows, dump, sampling):
     from ditattn.attention.config import parse_attention_backend_config
     from ditattn.attention.context import AttentionSettings
     from ditattn.attention.names import AttentionBackendEnum as B
@@ -98,7 +127,7 @@ def main():
         native = WanPipelineNative.from_pretrained(folder, settings, device=dev, dtype="bfloat16")
         gen = lambda n, out="uint8": native.generate(prompt, height=h, width=w, num_frames=args.frames,
                                                      num_inference_steps=n, guidance_scale=args.guidance,
-                                                     progress=False, output_type=out)
+                                                     progress=False, output_type=out, **sampling)
         gen(1, "latent")  # warm-up (no decode)
         sync()
         t0 = time.perf_counter()
@@ -110,13 +139,6 @@ def main():
         dump()
         del native
         torch.cuda.empty_cache() if dev == "cuda" else None
-
-    base = rows[0]["total_s"]
-    print(f"\n{args.arch} {args.res} x {args.frames} frames, {args.steps} steps, CFG {args.guidance}")
-    print(f"{'side':<27} {'backend':<24} {'total s':>8} {'speed-up':>8}  stages")
-    for r in rows:
-        st = " ".join(f"{k}={v:.2f}" for k, v in r.get("stages_s", {}).items())
-        print(f"{r['side']:<27} {r['backend']:<24} {r['total_s']:8.2f} {base / r['total_s']:8.2f}x  {st}")
 
 
 if __name__ == "__main__":

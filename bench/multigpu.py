@@ -1,4 +1,4 @@
-"""Sequence-parallel scaling of one Wan DiT step: 1..N GPUs with Ulysses, ring and USP (issue 10).
+"""Sequence-parallel scaling of one Wan DiT step: 1..N GPUs with Ulysses, ring and USP.
 
 Every rank builds the same random-weight Wan DiT directly on its GPU (same seed), runs one bf16
 forward under ``--ulysses-degree U --ring-degree R`` through ``ditattn.distributed`` (NCCL), and
@@ -100,7 +100,7 @@ def main():
                 continue
             for mode, u, r in _layouts(n, heads):
                 if r > 1 and not backend.startswith(("fa", "auto", "torch")):
-                    continue  # sparse backends refuse ring (DESIGN 2.5)
+                    continue  # sparse backends refuse ring attention
                 res = spawn_ranks(_step, n, args=(args.arch, args.res, args.frames, args.text_len, backend, args.repeats),
                                   ulysses_degree=u, ring_degree=r, device="cuda", timeout_s=600)[0]
                 if base is None:

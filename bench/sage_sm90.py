@@ -1,6 +1,6 @@
 """Check and time the SM90 Gluon kernel of ``sage_attn`` (ditattn.attention.kernels.sage_sm90).
 
-One device call: correctness first (random and structured inputs, V with channel offsets, odd lengths,
+One run: correctness first (random and structured inputs, V with channel offsets, odd lengths,
 GQA, head dims 64/128, fp16/bf16, LSE; against the PyTorch reference of the same quantization — FP8 P.V
 variants against its FP8 mode — and against float32 exact attention; plus a long sequence, S = 32,760,
 on sampled rows against float32, where direct FP8 accumulation would show), then the timing table
@@ -17,8 +17,6 @@ the timed call like the rest of the prologue.)
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import sys
 

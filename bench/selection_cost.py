@@ -1,4 +1,4 @@
-"""Cost of the block predictors of the training-free sparse backends against their whole call (issue 19).
+"""Cost of the block predictors of the training-free sparse backends against their whole call.
 
     python3 bench/selection_cost.py --out $OUT/selcost            # GPU: wan480, 12 and 40 heads
     BENCH_DEVICE=cpu python bench/selection_cost.py --grid 4,8,8 --heads 2   # smoke test
@@ -18,7 +18,7 @@ The last table prints each predictor's time as a share of the Sparge call with i
 below 10 %) and of dense attention, next to its FLOPs as a share of dense attention's ``4 N^2 D``.
 Full rows go to ``<out>/selection_cost.json``.
 
-``--cdf`` (issue 19) times instead sparge_attn's ``cdfthreshd`` selection, the list builder
+``--cdf`` times instead sparge_attn's ``cdfthreshd`` selection, the list builder
 (``mass_lists``: the rule's sort, then its Triton list kernel on CUDA — ``select cdf lists`` — or its
 PyTorch scatter — ``select cdf lists torch``) against the mask path it replaced (``mass_mask`` ->
 ``add_special_blocks`` -> ``block_mask_to_lists``: a dense ``[nb, nb]`` mask and a second sort), all

@@ -1,4 +1,4 @@
-"""Per-call cost of backend selection on the CPU (PERF.md target 7).
+"""Per-call cost of backend selection on the CPU.
 
 Times the same tiny attention call three ways: the backend implementation called directly, through a
 ``LocalAttention`` layer (backend resolved at construction; per call it reads the request override

@@ -8,6 +8,9 @@ Stages, each with assertions (the run stops at the first failed one, exit status
    1e308 seconds, huge sizes / n / steps / fps / seeds, wrong types, oversized and non-UTF-8 bodies,
    deep form keys, bad query parameters, path tricks, wrong methods and keys.  Asserts: no 5xx,
    every answer an OpenAI error body, no traceback in the server log, the server still serves.
+1b. **connections** — stalled connections (nothing sent, headers cut short, a body shorter than its
+   Content-Length) are closed within the read timeouts; a client that half-closes its socket after
+   a complete request gets its answer.
 2. **mixed storm** — valid image and video requests with and without overrides plus refusals, all
    at once against a small queue.  Asserts: no 5xx, every 429 carries Retry-After, every video job
    completes with a playable MP4.
@@ -32,6 +35,7 @@ Writes ``server_faults.json`` (every figure) and the server logs under OUTDIR an
 from __future__ import annotations
 
 import argparse
+import base64
 import concurrent.futures
 import hashlib
 import json
@@ -40,10 +44,13 @@ import random
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
 import time
+import zlib
+from typing import Optional
 
 import httpx
 
@@ -51,7 +58,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY = "faults-key"
 SERVE_FLAGS = ["--api-key", KEY, "--max-batch-size", "4", "--max-queue", "12", "--height", "32", "--width", "32",
                "--num-frames", "5", "--num-inference-steps", "2", "--guidance-scale", "1.0", "--max-steps", "400",
-               "--drain-timeout-s", "1", "--request-timeout-s", "60", "--max-body-bytes", "65536"]
+               "--drain-timeout-s", "1", "--request-timeout-s", "60", "--max-body-bytes", "65536",
+               "--header-timeout-s", str(2.0), "--body-timeout-s", str(2.0)]
+READ_TIMEOUT_S = 2.0  # the servers' --header-timeout-s and --body-timeout-s (the connections stage)
 RESTART_TIMEOUT_S = 8.0  # the restarted server's --request-timeout-s (the timeout stage runs there)
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
@@ -124,7 +133,7 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-            raise Failed(f"the server did not exit within {timeout} s")
+            raise Failed(f"the server did not exit within {timeout} s") from None
         finally:
             self._log.close()
         return rc, time.time() - t0
@@ -190,6 +199,15 @@ def sha(data: bytes) -> str:
 # stage 1: bad input
 
 
+def _png_header(w: int, h: int) -> bytes:
+    """A PNG whose header claims ``w`` x ``h`` pixels (a decompression bomb when large)."""
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"\x00" * 16)) + chunk(b"IEND", b""))
+
+
 def bad_requests() -> list[tuple[str, str, dict]]:
     """(method, path, httpx keyword arguments) of hostile requests; none may get a 5xx."""
     img, vid = "/v1/images/generations", "/v1/videos"
@@ -251,6 +269,8 @@ def bad_requests() -> list[tuple[str, str, dict]]:
         ("POST", img, {"json": {"prompt": "x"}}), ("POST", img, {"json": {"prompt": "x"},
                                                                   "headers": {"Authorization": "Bearer wrong"}}),
         ("GET", "/metrics", {"headers": {"Authorization": "Basic xyz"}}),
+        ("POST", vid, js({"prompt": "x", "input_reference": base64.b64encode(_png_header(60000, 60000)).decode()})),
+        ("POST", vid, js({"prompt": "x", "input_reference": base64.b64encode(_png_header(0, 0)).decode()})),
     ]
     return reqs
 
@@ -293,6 +313,65 @@ def stage_bad_input(srv: Server, repeat: int, workers: int) -> dict:
     check(counted >= len(reqs) + 1, f"metrics counted {counted} requests of {len(reqs) + 1}")
     return {"requests": len(reqs), "kinds": len(bad_requests()), "statuses": statuses, "seconds": round(dt, 2),
             "n_5xx": len(five), "tracebacks_in_log": 0, "metrics_counted": int(counted)}
+
+
+# ------------------------------------------------------------------------------------------------
+# stage 1b: stalled and half-closed connections
+
+
+def _closed_after(sock: socket.socket, limit: float) -> Optional[float]:
+    """Seconds until the server closed ``sock`` (None: still open after ``limit``)."""
+    t0 = time.time()
+    sock.settimeout(limit)
+    try:
+        while sock.recv(65536):
+            pass
+    except socket.timeout:
+        return None
+    except OSError:
+        pass
+    return time.time() - t0
+
+
+def stage_connections(srv: Server, n: int) -> dict:
+    """``n`` stalled connections of each kind (nothing sent, headers cut short, a body shorter than its
+    Content-Length): each closed within the read timeout (+ 2 s); then a client that half-closes its
+    socket after a complete image request gets its 200."""
+    head = f"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+    kinds = {"idle": b"", "headers": (head + "Content-Ty").encode(),
+             "body": (head + "Content-Type: application/json\r\nContent-Length: 500\r\n\r\n{\"prompt\": ").encode()}
+    socks = []
+    for kind, data in kinds.items():
+        for _ in range(n):
+            s = socket.create_connection(("127.0.0.1", srv.port))
+            if data:
+                s.sendall(data)
+            socks.append((kind, s))
+    closed: dict = {k: [] for k in kinds}
+    with concurrent.futures.ThreadPoolExecutor(len(socks)) as ex:
+        for (kind, s), dt in zip(socks, ex.map(lambda ks: _closed_after(ks[1], READ_TIMEOUT_S + 10), socks)):
+            closed[kind].append(dt)
+            s.close()
+    for kind, times in closed.items():
+        check(all(t is not None and t < READ_TIMEOUT_S + 2 for t in times),
+              f"stalled connections ({kind}) not closed within {READ_TIMEOUT_S + 2} s: {times}")
+    body = json.dumps({"prompt": "half-closed"}).encode()
+    s = socket.create_connection(("127.0.0.1", srv.port))
+    s.sendall((head + f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body)
+    s.shutdown(socket.SHUT_WR)
+    s.settimeout(120)
+    data = b""
+    while True:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    s.close()
+    final = data[data.rfind(b"HTTP/1.1 "):]
+    check(final.startswith(b"HTTP/1.1 200"), f"a half-closed client got {data[:200]!r}")
+    check("Traceback" not in srv.log(), "a traceback in the server log after the connections stage")
+    return {"stalled": len(socks), "max_close_s": {k: round(max(v), 2) for k, v in closed.items()},
+            "read_timeout_s": READ_TIMEOUT_S, "half_closed_status": 200}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -509,6 +588,7 @@ def run(out: str, quick: bool) -> dict:
     try:
         results["start_s"] = round(srv.start_s, 1)
         results["bad_input"] = stage_bad_input(srv, repeat=1 if quick else 4, workers=16 if quick else 32)
+        results["connections"] = stage_connections(srv, n=5 if quick else 50)
         results["mixed_storm"] = stage_mixed_storm(srv, n=24 if quick else 64, workers=24 if quick else 64)
         seen |= files(serve_dir)
         results["disconnects"] = stage_disconnects(srv, queued=4 if quick else 8)
@@ -542,6 +622,8 @@ def run(out: str, quick: bool) -> dict:
 ROWS = [  # (result key, table label, line: str.format over that stage's figures)
     ("bad_input", "bad input storm", "{requests} requests ({kinds} kinds) in {seconds} s: statuses {statuses}, "
                                      "5xx {n_5xx}, tracebacks {tracebacks_in_log}"),
+    ("connections", "connections", "{stalled} stalled connections closed after at most {max_close_s} s (read "
+                                   "timeouts {read_timeout_s} s); a half-closed client got {half_closed_status}"),
     ("mixed_storm", "mixed storm", "{requests} requests: {statuses}, {videos} videos completed, image p50 "
                                    "{image_p50_s} s / p95 {image_p95_s} s"),
     ("disconnects", "disconnects", "running one stopped {running_disconnect_stop_s} s after the client left; "

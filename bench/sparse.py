@@ -229,7 +229,7 @@ def main(argv=None):
     H, D = args.heads, 128
     summary = []
     # earlier runs (docs/benchmarks.md) swept kv_per_iter 1/2/4, warps 4/8, stages 2/3/4, TMA loads and
-    # Triton's warp specialisation (runs 12-13: 1.5-1.8x slower at 64, no gain at 128); the leaders remain,
+    # Triton's warp specialisation (measured: 1.5-1.8x slower at 64, no gain at 128); the leaders remain,
     # plus single-stage variants (more resident programs per SM instead of a deeper pipeline)
     tuned = {64: {"kv1 w4 s3": {"kv_per_iter": 1, "num_warps": 4, "num_stages": 3},
                   "kv1 w4 s2 tma": {"kv_per_iter": 1, "num_warps": 4, "num_stages": 2, "tma": True},

@@ -1,4 +1,4 @@
-"""VSA's selection stage against the whole sparse call, padded vs packed edge tiles (issue 18 item 3).
+"""VSA's selection stage against the whole sparse call, padded vs packed edge tiles.
 
     python3 bench/vsa_stages.py --out $OUT/vsa_stages              # GPU: counts, then timings
     python3 bench/vsa_stages.py --counts-only                      # any machine: block counts and pairs
@@ -81,7 +81,7 @@ COUNT_COLS = [("grid", "grid", ""), ("text_len", "text", ""), ("edge_tiles", "ed
 
 
 def torch_select(qt, kt, lay, kk: int, scale: float):
-    """The selection stage before the Triton kernels (session 18): PyTorch pooling of q and k, the
+    """The selection stage before the Triton kernels: PyTorch pooling of q and k, the
     score matmul, ``torch.topk`` (its own choice among ties), an int32 sort of the ids and the special
     columns concatenated.  Returns ``(kv_indices, scores)``."""
     from ditattn.attention.sparse.tiling import pooled_blocks

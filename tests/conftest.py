@@ -1,7 +1,7 @@
 import os
 
 # Must be set before triton or any kernel module is imported: Triton kernels run in the
-# interpreter on CPU-only machines (NOTES.md).
+# interpreter on CPU-only machines.
 try:
     import torch as _torch
 
@@ -23,7 +23,63 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+# Everything the suite writes goes under one temporary folder, removed at the end of the session: the
+# built-in models (DITATTN_CACHE, see _ditattn_model_cache), the Hugging Face cache, and the Triton /
+# TorchInductor compile caches.  Set here, at import, so that code run at collection time and every
+# subprocess inherit it.  DITATTN_TEST_CACHE=DIR keeps the built models across sessions instead.
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+SESSION_TMP = tempfile.mkdtemp(prefix="ditattn-tests-")
+os.environ["DITATTN_CACHE"] = os.environ.get("DITATTN_TEST_CACHE") or os.path.join(SESSION_TMP, "ditattn")
+os.environ["HF_HOME"] = os.path.join(SESSION_TMP, "huggingface")
+os.environ.pop("HF_HUB_CACHE", None)
+os.environ.pop("HUGGINGFACE_HUB_CACHE", None)
+os.environ["TRITON_CACHE_DIR"] = os.path.join(SESSION_TMP, "triton")
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(SESSION_TMP, "inductor")
+
 import pytest  # noqa: E402
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(SESSION_TMP, ignore_errors=True)
+
+
+#: test modules written for either kind of machine (their GPU cases skip without CUDA, their CPU cases
+#: pick the device themselves): the CPU-machine pinning below leaves them alone
+DEVICE_AWARE_MODULES = {"test_gpu_kernels", "test_sage_sm90", "test_block_sparse_sm90", "test_sage_balance",
+                        "test_triton_interp", "test_bench_fp8_quant_kernel", "test_bench_dit_quant",
+                        "test_bench_gather_floor"}
+_GPU_WORDS = ("cuda", "gpu", "sm90", "hopper")
+
+
+def _device_aware(item) -> bool:
+    module = getattr(getattr(item, "module", None), "__name__", "")
+    if item.get_closest_marker("gpu") is not None or module.rpartition(".")[2] in DEVICE_AWARE_MODULES:
+        return True
+    return any(any(w in str(m.kwargs.get("reason", "")).lower() for w in _GPU_WORDS)
+               for m in item.iter_markers("skipif"))
+
+
+@pytest.fixture(autouse=True)
+def _cpu_machine(request, monkeypatch):
+    """The suite's expectations are a CPU-only machine's (the automatic DiT backend torch_sdpa, fa running
+    torch_sdpa, --num-gpus refused, no CUDA peak memory).  On a machine with a GPU every test that is not
+    device-aware (marker ``gpu``, a module of :data:`DEVICE_AWARE_MODULES`, or a skipif naming CUDA /
+    a GPU) runs as on a CPU-only machine: PyTorch reports no CUDA device, the platform in force is the
+    CPU, and subprocesses start with ``CUDA_VISIBLE_DEVICES=""``.  Without a GPU this changes nothing."""
+    if not _HAS_CUDA or _device_aware(request.node):
+        yield
+        return
+    import torch
+
+    from ditattn.platforms import Platform, use_platform
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with use_platform(Platform("cpu", "cpu")):
+        yield
 
 
 @pytest.fixture(autouse=True)
@@ -37,23 +93,17 @@ def _no_force_leak():
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _ditattn_model_cache(tmp_path_factory):
+def _ditattn_model_cache():
     """The built-in tiny models (``ditattn:tiny-wan``, ``ditattn:tiny-wan2.2``) are built once per
-    test session into a temporary cache (never the user's ~/.cache); subprocesses inherit it.
-    ``DITATTN_TEST_CACHE=DIR`` reuses DIR across sessions (faster local iteration)."""
-    path = os.environ.get("DITATTN_TEST_CACHE") or str(tmp_path_factory.mktemp("ditattn-cache"))
-    old = os.environ.get("DITATTN_CACHE")
-    os.environ["DITATTN_CACHE"] = path
-    yield path
-    if old is None:
-        os.environ.pop("DITATTN_CACHE", None)
-    else:
-        os.environ["DITATTN_CACHE"] = old
+    test session into the session's temporary folder (never the user's ~/.cache); subprocesses inherit
+    it.  ``DITATTN_TEST_CACHE=DIR`` reuses DIR across sessions (faster local iteration)."""
+    yield os.environ["DITATTN_CACHE"]
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "sm90_census(kernel, variants): the test reads the offline SM90 census of "
                             "these kernel variants through the ``sm90_census`` fixture")
+    config.addinivalue_line("markers", "gpu: the test picks its device itself (not pinned to a CPU-only machine)")
 
 
 _CENSUS_DRIVER = r"""
@@ -68,7 +118,7 @@ for kernel, variants in json.loads(sys.argv[2]):
 @pytest.fixture(scope="session")
 def _sm90_census_all(request) -> dict:
     """Every census the session's ``sm90_census`` markers ask for, compiled in ONE fresh interpreter
-    without the Triton interpreter (bench/sm90_offline.py): ``{(kernel, variants): {variant:
+    without the Triton interpreter (tests/sm90_offline.py): ``{(kernel, variants): {variant:
     registers, spills, shared, loop census}}``.  ``DITATTN_SM90_TRITON_PATH`` (a site-packages dir
     holding the GPU machine's Triton, 3.6.0) compiles with that version instead of the installed one."""
     import json
@@ -81,7 +131,7 @@ def _sm90_census_all(request) -> dict:
     env["PYTHONPATH"] = os.path.join(root, "src") + os.pathsep + env.get("PYTHONPATH", "")
     triton_path = os.environ.get("DITATTN_SM90_TRITON_PATH")
     extra = ["--triton-path", triton_path] if triton_path else []
-    proc = subprocess.run([sys.executable, "-c", _CENSUS_DRIVER, os.path.join(root, "bench"), json.dumps(wanted),
+    proc = subprocess.run([sys.executable, "-c", _CENSUS_DRIVER, os.path.join(root, "tests"), json.dumps(wanted),
                            json.dumps(extra)], capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()[-len(wanted):]

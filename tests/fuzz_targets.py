@@ -1,4 +1,4 @@
-"""Fuzz targets (hypothesis) for the user-input surfaces of issue 23: config strings, config and
+"""Fuzz targets (hypothesis) for the user-input surfaces: config strings, config and
 strategy files, ``RunConfig`` mappings, the command line, and ``ditattn.attention()`` arguments.
 
 Each target feeds generated input to the real function and accepts exactly two outcomes: a result,
@@ -6,7 +6,7 @@ or :class:`~ditattn.errors.AttentionConfigError` (the user-input error every sur
 CLI: exit status 0 or 2 with one ``error:`` line).  Anything else — another exception, a traceback,
 a crashed interpreter — fails.  ``tests/test_fuzz.py`` runs them; the attention target runs in a
 child process (``python tests/fuzz_targets.py attention N``) so that a kernel that kills the
-interpreter (the SIGFPE of issue 23) fails the test instead of ending pytest.  The cases are
+interpreter (a SIGFPE, as once found) fails the test instead of ending pytest.  The cases are
 derandomized (the same every run); ``DITATTN_FUZZ_SCALE=N`` runs N times as many.
 """
 from __future__ import annotations

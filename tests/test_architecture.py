@@ -22,6 +22,7 @@ LAYERS = [
     ("errors", "settings", "extras", "lazy", "files"),
     ("attention", "platforms", "registry"),
     ("distributed",),
+    ("cache",),  # step caching: read by the DiT's forward (models), imports attention and distributed
     ("models",),
     ("runconfig",),
     ("integrations",),

@@ -1,4 +1,4 @@
-"""Autotune decision logic with injected timings (DESIGN 2.9)."""
+"""Autotune decision logic with injected timings."""
 import pytest
 import torch
 

@@ -1,4 +1,4 @@
-"""bench/common.py: the kernel-name categories of the profiled step (docs/benchmarks.md §6, §14)."""
+"""bench/common.py: the kernel-name categories of the profiled step (docs/benchmarks.md, DiT step)."""
 import os
 import sys
 
@@ -10,7 +10,7 @@ common = pytest.importorskip("common")
 
 @pytest.mark.parametrize("name,category", [
     ("kernel_cutlass_kernel_flash_attncuteflash_fwd_sm90FlashAttentionForwardSm90_object", "attention"),
-    ("_sage_fwd_sm90", "attention"),  # was 'elementwise/other' before session 24
+    ("_sage_fwd_sm90", "attention"),  # was 'elementwise/other' once
     ("_quant_int8_rows", "attention"),
     ("_block_sparse_fwd_sm90", "attention"),
     ("_quantize_rows_kernel", "quantize"),

@@ -1,4 +1,4 @@
-"""bench/vsa_stages.py: the block counts it prints (docs/benchmarks.md §12) and its stages on CPU."""
+"""bench/vsa_stages.py: the block counts it prints (docs/benchmarks.md, sparse frontier) and its stages on CPU."""
 import os
 import sys
 

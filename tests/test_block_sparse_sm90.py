@@ -4,7 +4,7 @@
   128 and 64, bf16 and fp16, with and without padding keys and LSE, one CTA per tile and persistent
   (2 and 3 stages), keeps its wgmma products asynchronous (no wait after every product: ptxas
   serialises a kernel whose in-flight operands are redefined), does not spill and fits its shared
-  memory estimate (every combination: ``bench/sm90_offline.py --kernel block_sparse --matrix``);
+  memory estimate (every combination: ``tests/sm90_offline.py --kernel block_sparse --matrix``);
   ``impl="sm90"`` takes the SM90 kernel's config keys, ``impl="triton"`` rejects them; the SM90
   keys' values are checked on any device.
 * GPU (SM90 only): numerics against float32 with the same block mask — odd padded lengths,

@@ -29,9 +29,49 @@ def test_backends_json_lists_every_backend_with_reasons(capsys):
 
 
 def test_backends_table(capsys):
-    assert main(["backends"]) == 0
+    assert main(["backends", "--verbose"]) == 0
     out = capsys.readouterr().out
     assert "fa (fa3, fa4)" in out and "needs an Ascend NPU" in out and "falls back here to torch_sdpa" in out and "param topk: float = 0.5" in out
+
+
+def test_backends_short_form_is_one_line_per_backend(capsys):
+    """Plain ``backends``: a header, one line per backend (name, kind, here, a short why-not), a hint."""
+    from ditattn.platforms import Platform, use_platform
+    from ditattn.registry import list_backends
+
+    with use_platform(Platform.simulate("cuda", (9, 0), ["triton"])):
+        assert main(["backends"]) == 0
+        infos = {i.name: i for i in list_backends()}
+    lines = capsys.readouterr().out.splitlines()
+    rows = lines[2:-1]
+    assert len(rows) == len(AttentionBackendEnum) and "NAME" in lines[-1]
+    for row in rows:
+        name = row.split()[0]
+        info = infos[name]
+        assert row[31:48].strip() == info.kind and len(row) <= 140, row
+        here = row[48:54].strip()
+        assert here == ("yes" if info.usable_here else "no"), row
+        assert "param " not in row
+    fa = next(r for r in rows if r.startswith("fa "))
+    assert "runs torch_sdpa instead" in fa  # the substitution, in a few words
+    s3 = next(r for r in rows if r.startswith("sage_attn_3 "))
+    assert "SM100" in s3  # the first reason
+
+
+def test_backends_name_shows_one_backend_in_full(capsys):
+    assert main(["backends", "sage-attn"]) == 0
+    out = capsys.readouterr().out
+    assert "param impl: str = 'auto'" in out and "param topk" not in out
+    assert out.count("quantized") == 1
+    assert main(["backends", "nope"]) == 2
+    assert capsys.readouterr().err.startswith("error: unknown attention backend 'nope'")
+
+
+def test_version():
+    from importlib.metadata import version
+
+    r = run("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"ditattn {version('ditattn')}"
 
 
 def test_cli_user_errors_are_one_line_exit_2():
@@ -51,7 +91,10 @@ def test_backends_validates_attention_flags_instead_of_ignoring_them(capsys):
     assert capsys.readouterr().err.startswith("error: unknown attention backend 'nope'")
     assert main(["backends", "--attention-backend-config", "foo=1"]) == 2
     assert "config key(s) 'foo' belong to no backend" in capsys.readouterr().err
-    assert main(["backends", "--attention-backend", "fa", "--attention-backend-config", "sparsity=0.5"]) == 0
+    assert main(["backends", "--attention-backend", "fa", "--attention-backend-config", "sparsity=0.5"]) == 2
+    assert "config key(s) 'sparsity' belong to no backend in use" in capsys.readouterr().err  # as plan says
+    assert main(["backends", "--attention-backend", "video_sparse_attn", "--attention-backend-config",
+                 "sparsity=0.5"]) == 0
     err = capsys.readouterr().err
     assert err.startswith("note: --attention-backend, --attention-backend-config checked") and err.count("\n") == 1
 
@@ -83,13 +126,13 @@ def test_backends_name_the_measured_operating_points_of_sparse_defaults(capsys):
         op = names[n]["operating_point"]
         assert op is not None and 0 <= op["rel_err"] < 2 and 0 < op["kept"] <= 1, n
         assert op["speedup"] is not None or "bench/fidelity.py" in op["speed_pending"]
-    # issue 19: every training-free default measured on the H200 at both head counts, none slower than dense
+    # every training-free default measured on the H200 at both head counts, none slower than dense
     for n in ("sparge_attn", "sparse_video_gen_2_attn", "sol_attn", "vmoba_attn", "sliding_tile_attn"):
         op = names[n]["operating_point"]
         assert op["speedup"] >= 1.0 and op["speedup_40"] >= 1.0, n
         assert op["rel_err_12"] is not None and op["rel_err_40"] is not None, n
     assert names["torch_sdpa"]["operating_point"] is None
-    assert main(["backends"]) == 0
+    assert main(["backends", "--verbose"]) == 0
     out = capsys.readouterr().out
     assert ("measured at defaults (topk 0.5, pooled-query predictor, INT8 Q.K in kept blocks, packed edge tiles) on "
             "structured 480p inputs") in out

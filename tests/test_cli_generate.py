@@ -223,6 +223,9 @@ def test_output_path_naming_a_file_and_no_overwrite(capsys, tmp_path):
     (["--output-path", "{tmp}/clip.mp4", "--output-file", "y.mp4"], "names a file and --output-file"),
     (["--output-path", "{tmp}/afile/clip.mp4"], "is a file, not a folder"),
     (["--output-path", "{tmp}/adir.mp4"], "is an existing folder"),
+    (["--output-path", "{tmp}/clip.gif"], "unsupported extension '.gif'; accepted: .mp4 (clips), .png (one frame)"),
+    (["--output-path", "/proc/clip.mp4"], "does not take new files"),
+    (["--output-path", "/sys/ditattn/out"], "does not take new files"),
 ])
 def test_output_refused_before_generation(capsys, tmp_path, monkeypatch, argv, message):
     (tmp_path / "afile").write_text("x")
@@ -232,6 +235,34 @@ def test_output_refused_before_generation(capsys, tmp_path, monkeypatch, argv, m
     monkeypatch.setattr(wan.WanPipelineNative, "from_config", classmethod(lambda cls, cfg: pytest.fail("loaded")))
     rc, err = _usage(capsys, "generate", "--prompt", "x", *[a.format(tmp=tmp_path) for a in argv], *SMALL)
     assert rc == 2 and err.startswith("error: ") and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "clip.gif").exists()  # no folder made for it
+
+
+def test_output_folder_with_a_dot_in_its_name_is_still_a_folder(tmp_path):
+    from ditattn.pipelines.output import split_output_target
+
+    (tmp_path / "run.v2").mkdir()
+    assert split_output_target(str(tmp_path / "run.v2"), None) == (str(tmp_path / "run.v2"), None)
+    assert split_output_target(str(tmp_path / "clip.MP4"), None) == (str(tmp_path), "clip.MP4")
+
+
+def test_read_only_output_folder_is_refused_by_a_write_probe(tmp_path, monkeypatch):
+    """The permission bits can say yes (root) where the file system says no: a file is created and
+    removed in the target folder first."""
+    import tempfile
+
+    from ditattn.errors import AttentionConfigError
+    from ditattn.pipelines.output import check_output_target
+
+    def read_only(*a, **k):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    with pytest.raises(AttentionConfigError, match="does not take new files .Read-only file system"):
+        check_output_target(str(tmp_path / "clip.mp4"))
+    monkeypatch.undo()
+    check_output_target(str(tmp_path / "clip.mp4"))
+    assert list(tmp_path.iterdir()) == []  # the probe file is gone
 
 
 def test_missing_video_writer_is_refused_before_generation(capsys, tmp_path, monkeypatch):

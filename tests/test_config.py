@@ -1,4 +1,4 @@
-"""--attention-backend-config parsing and every parameter of the seed's tables (valid and invalid)."""
+"""--attention-backend-config parsing and every parameter of upstream's tables (valid and invalid)."""
 import json
 
 import pytest

@@ -195,6 +195,41 @@ def test_cli_refusals_are_one_line(capsys):
             assert w in err, (argv, err)
 
 
+@pytest.fixture
+def h200_machine(monkeypatch):
+    """This process as on a machine with an SM90 GPU (PyTorch reports one; the detected platform is
+    CUDA SM90 with torchao), whatever the real machine has; ``--device cpu`` still means the CPU."""
+    import ditattn.platforms as P
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "simulated H200")
+    h200 = P.Platform("cuda", "cuda", (9, 0), "simulated H200", packages=frozenset({"torchao"}))
+    monkeypatch.setattr(P, "_detected", lambda: h200)
+    with P.use_platform(h200):
+        yield h200
+
+
+@pytest.mark.gpu  # simulates its machine: not pinned to a CPU-only one
+@pytest.mark.parametrize("argv", [
+    ["generate", "--prompt", "x", "--output-path", "never-written.png"],
+    ["plan"],
+    ["compare", "--prompt", "x", "--variant", "a=torch_sdpa", "--variant", "b=torch_sdpa+fp8"],
+])
+def test_fp8_on_the_cpu_of_a_gpu_machine_is_refused_in_one_line(capsys, h200_machine, tmp_path, argv):
+    """``--device cpu`` on a machine whose GPU could run FP8: the check looks at the chosen device (the
+    CPU), not at the machine, and refuses before loading, in one line."""
+    quant = [] if argv[0] == "compare" else ["--dit-quantization", "fp8"]
+    extra = ["--output-path", str(tmp_path)] if argv[0] == "compare" else []
+    err = _refused(capsys, [*argv, *quant, *extra, "--model-path", "ditattn:tiny-wan", "--device", "cpu",
+                            "--dtype", "bfloat16"])
+    assert "--dit-quantization fp8 needs an NVIDIA GPU with compute capability >= 8.9" in err
+    assert "this run is on cpu" in err
+    assert not list(tmp_path.iterdir())
+
+
 def test_plan_shows_the_rule(capsys):
     """``plan --platform cuda:90`` resolves what an H200 with torchao would quantize, without weights."""
     import json
@@ -450,7 +485,7 @@ def _ties(n_rows=12, seed=5):
                         + [(k + 0.5) * 2.0 ** -9 for k in range(8)], dtype=torch.float64)
     mids = mids[mids < 448]
     rows = []
-    for i in range(n_rows):
+    for _ in range(n_rows):
         s = float((torch.randint(128, 256, (1,), generator=g) // 32 * 32) * 2.0 ** (int(torch.randint(-40, 40, (1,), generator=g)) - 7))
         x = torch.cat([mids, -mids]) * s  # a 3-bit scale mantissa keeps (5-bit midpoint) * scale in bf16
         keep = x.to(torch.bfloat16).double() == x.double()
@@ -722,7 +757,7 @@ def test_server_runs_quantized_and_requests_cannot_change_it():
                                   "num_frames": 1, "batch_window_s": 0})
     runner = build_runner(cfg)
     assert runner.pipe.quantization_summary() == "int8 (16 of 26 linears)"
-    with TestClient(create_app(runner, cfg.server)) as client:
+    with TestClient(create_app(runner, cfg.server), base_url="http://localhost") as client:
         r = client.post("/v1/images/generations", json={"prompt": "a boat", "size": "32x32"})
         assert r.status_code == 200, r.text
         r = client.post("/v1/images/generations", json={"prompt": "a boat", "size": "32x32",
@@ -1026,7 +1061,7 @@ def test_sequence_parallel_int8_matches_one_process(tmp_path, capfd):
 
 
 # ------------------------------------------------------------------------------------------------
-# with LoRA and offload (issue 24's options)
+# with LoRA and offload
 
 
 def _write_lora(path, seed=0, rank=4):

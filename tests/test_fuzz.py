@@ -1,4 +1,4 @@
-"""The fuzz harness of issue 23 (hypothesis, derandomized: the same cases every run): at least 500
+"""The fuzz harness (hypothesis, derandomized: the same cases every run): at least 500
 generated cases over config strings, config / strategy files, RunConfig mappings, the command line
 and ``ditattn.attention()`` arguments, with no outcome but a result or a user-input error — no
 traceback, no crash.  The targets are in ``tests/fuzz_targets.py``."""

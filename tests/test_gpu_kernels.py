@@ -63,7 +63,7 @@ def test_dense_backend_numerics(backend, d, causal, gqa):
 
 
 def test_cudnn_precheck_agrees_with_dispatch():
-    """The per-call check behind the SM100 cuDNN -> FA fallback (issue 26): a call cuDNN serves
+    """The per-call check behind the SM100 cuDNN -> FA fallback: a call cuDNN serves
     passes; one it has no kernel for (fp32) raises NoKernelError instead of a raw RuntimeError."""
     from ditattn.attention.backends.base import NoKernelError
     from ditattn.attention.backends.sdpa import cudnn_no_kernel_reason

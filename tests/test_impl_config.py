@@ -78,7 +78,7 @@ def test_sage_keys_are_validated_and_listed():
 def test_backends_lists_the_implementation_keys(capsys):
     from ditattn.cli import main
 
-    assert main(["backends"]) == 0
+    assert main(["backends", "--verbose"]) == 0
     out = capsys.readouterr().out
     assert "param impl: str = 'auto'" in out and "param pv_dtype: str = 'fp16'" in out
     assert "param block_sparse_impl: str = 'auto'" in out
@@ -86,7 +86,7 @@ def test_backends_lists_the_implementation_keys(capsys):
 
 
 def test_sage_auto_rule_picks_the_sm90_kernel_on_hopper_only():
-    from ditattn.attention.specs import sage_cuda_runtime
+    from ditattn.attention.backends.sage import sage_cuda_runtime
     from ditattn.platforms import Platform
 
     hopper = Platform.simulate("cuda", capability=(9, 0), packages={"triton"})

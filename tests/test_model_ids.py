@@ -125,7 +125,7 @@ def test_python_pipeline_and_server_take_the_id(hf_home, hub_cache):
     cfg = RunConfig.from_mapping({"model_path": REPO, "num_inference_steps": 2, "height": 32, "width": 32,
                                   "num_frames": 1, "batch_window_s": 0})
     app = create_app(build_runner(cfg), cfg.server)
-    with TestClient(app) as client:
+    with TestClient(app, base_url="http://localhost") as client:
         models = client.get("/v1/models").json()
         assert [m["id"] for m in models["data"]] == [REPO]
         r = client.post("/v1/images/generations", json={"model": REPO, "prompt": "a boat", "size": "32x32"})

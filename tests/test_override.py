@@ -1,4 +1,4 @@
-"""Per-request override (DESIGN 2.7) and skip-softmax parameter validation (2.8), on a toy DiT."""
+"""Per-request override and skip-softmax parameter validation, on a toy DiT."""
 import pytest
 import torch
 from torch import nn
@@ -27,12 +27,14 @@ class ToyDiT(nn.Module):
         return self.attn2(self.attn1(x, x, x), ctx, ctx)
 
 
-def build(settings=AttentionSettings(), platform=CPU):
+def build(settings=None, platform=CPU):
+    settings = settings if settings is not None else AttentionSettings()
     with use_platform(platform), attention_settings(settings), component_scope("transformer"):
         return ToyDiT()
 
 
-def prep(model, name=None, settings=AttentionSettings(), platform=CPU, **kw):
+def prep(model, name=None, settings=None, platform=CPU, **kw):
+    settings = settings if settings is not None else AttentionSettings()
     with use_platform(platform):
         return prepare_request_override([model], name, settings, **kw)
 

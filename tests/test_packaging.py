@@ -104,3 +104,19 @@ def test_type_checkers_see_the_attention_function(tmp_path):
                           timeout=600, cwd=tmp_path)
     errors = [l for l in proc.stdout.splitlines() if ": error:" in l]
     assert len(errors) == 1 and 'Unexpected keyword argument "bakend" for "attention"' in errors[0], proc.stdout
+
+
+def test_import_prints_no_third_party_notices():
+    """``import ditattn`` and the imports it leads to (diffusers, torchao) print nothing: torchao's notice
+    that it skips its C++ extensions (unused here) is dropped, its other log records pass."""
+    probe = ("import logging, ditattn, diffusers\n"
+             "from diffusers import AutoencoderKLWan\n"
+             "import importlib.util\n"
+             "if importlib.util.find_spec('torchao'):\n"
+             "    import torchao.quantization\n"
+             "log = logging.getLogger('torchao')\n"
+             "log.warning('Skipping import of cpp extensions due to incompatible torch version')\n"
+             "log.warning('another torchao message')\n")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=ENV, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr.strip() == "another torchao message"

@@ -228,7 +228,7 @@ def test_role_overrides_reach_image_cross_attention():
 
 
 def test_sparse_backends_never_reach_image_cross_attention():
-    """A global sparse backend, or a sparse .cross_image key, runs dense on the image layers (the seed's
+    """A global sparse backend, or a sparse .cross_image key, runs dense on the image layers (the
     one exception to strict overrides); self-attention keeps the sparse backend."""
     p = WanPipelineNative.from_pretrained(I2V, AttentionSettings(backend=B.VIDEO_SPARSE_ATTN), load_weights=False)
     layers = next(c for c in p.plan()["components"] if c["name"] == "transformer")["layers"]

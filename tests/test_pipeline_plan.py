@@ -1,5 +1,5 @@
-"""Every component-override rule (DESIGN 2.3 / 2.4), observed through ``ditattn plan --json`` on the
-built-in tiny models, on this CPU and on simulated GPUs."""
+"""Every component-override rule (selection priority, component and role keys), observed through
+``ditattn plan --json`` on the built-in tiny models, on this CPU and on simulated GPUs."""
 import json
 
 import pytest
@@ -157,7 +157,7 @@ def test_sparse_component_override_on_cross_falls_back(capsys):
 
 def test_sparse_role_override_on_cross_is_swapped_for_dense(capsys, caplog):
     """The seed: an incompatible override fails except when a sparse backend for cross-attention is
-    swapped for a compatible dense one (issue 26 item 7: this used to exit with an error)."""
+    swapped for a compatible dense one (this used to exit with an error)."""
     import logging
 
     with caplog.at_level(logging.WARNING, logger="ditattn.attention"):
@@ -190,7 +190,7 @@ def test_transformer_2_inherits_unless_it_has_its_own(capsys):
     assert rc == 0
     assert summary(p, "transformer", "self") == {("video_sparse_attn", "component")}
     # transformer_2's own key decides its cross-attention; its self-attention still inherits
-    # transformer= (issue 26 item 8: a role key used to cancel inheritance for the other role)
+    # transformer= (a role key used to cancel inheritance for the other role)
     assert summary(p, "transformer_2", "cross") == {("sage_attn", "component_role")}
     assert summary(p, "transformer_2", "self") == {("video_sparse_attn", "component")}
     rc, p = plan(capsys, "--model-path", "ditattn:tiny-wan2.2", "--component-attention-backends",
@@ -275,5 +275,6 @@ def test_plan_checks_size_and_names_flags_that_do_not_change_it(capsys):
     # (the first build of the tiny model may print a progress bar before; the error is the last line)
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: height 65 is not supported")
     assert main(["plan", "--num-inference-steps", "3", "--seed", "5", "--height", "64", "--num-frames", "5"]) == 0
-    err = capsys.readouterr().err
-    assert "note: --num-inference-steps, --seed do not change the attention plan" in err
+    out = capsys.readouterr()
+    assert "note: --seed do not change the attention plan" in out.err
+    assert ", 3 steps (DiT timesteps" in out.out.strip().splitlines()[-1]  # the steps shape the sampling line

@@ -185,7 +185,7 @@ def test_sparse_backend_runs_end_to_end():
 
 
 def test_should_stop_ends_the_run_between_steps(pipe):
-    """The cancellation hook a server passes (issue 23): asked before the text encoder, each step and
+    """The cancellation hook a server passes: asked before the text encoder, each step and
     the decode; a reason stops the run there with GenerationCancelled and nothing is decoded."""
     from ditattn.distributed.relay import PipelineRelay
     from ditattn.errors import GenerationCancelled

@@ -1,17 +1,16 @@
-"""The seed's platform support matrix (every row) and each platform's automatic choice."""
+"""Upstream's (SGLang) platform support matrix (every row) and each platform's automatic choice."""
 import pytest
 import torch
 
 from ditattn.attention.names import AttentionBackendEnum as B
-from ditattn.attention.specs import SPECS, LayerRequest
+from ditattn.attention.specs import SPECS
 from ditattn.platforms import KNOWN_PACKAGES, Platform, detect_platform
-from ditattn.platforms.policy import auto_candidates
 from ditattn.attention.selector import LayerSpec, select_backend
 from ditattn.attention.context import AttentionSettings
 
 COLS = ("cuda", "rocm", "xpu", "musa", "mps", "npu")
-# Transcribed from the seed's "Platform support matrix" (002_..., 플랫폼 지원 매트릭스): Y = supported.
-SEED_MATRIX = {
+# Upstream's (SGLang) platform support matrix of the attention backends: Y = supported.
+UPSTREAM_MATRIX = {
     "fa": "YYYYNY",
     "torch_sdpa": "YYYYYY",
     "sliding_tile_attn": "YNNNNN",
@@ -43,18 +42,18 @@ def _platform_for(spec, name):
     return Platform.simulate(name, cap, KNOWN_PACKAGES)
 
 
-@pytest.mark.parametrize("backend", sorted(SEED_MATRIX))
-def test_seed_platform_matrix_row(backend):
+@pytest.mark.parametrize("backend", sorted(UPSTREAM_MATRIX))
+def test_upstream_platform_matrix_row(backend):
     spec = SPECS[B.from_name(backend)]
-    assert spec.seed_platforms == tuple(c for c, y in zip(COLS, SEED_MATRIX[backend]) if y == "Y")
-    for col, yes in zip(COLS, SEED_MATRIX[backend]):
+    assert spec.upstream_platforms == tuple(c for c, y in zip(COLS, UPSTREAM_MATRIX[backend]) if y == "Y")
+    for col, yes in zip(COLS, UPSTREAM_MATRIX[backend]):
         reasons = spec.platform_reasons(_platform_for(spec, col))
         if yes == "N":
             assert reasons and f"not supported on {col}" in reasons[0], (backend, col, reasons)
         elif spec.missing_kernel:
             assert reasons == [spec.missing_kernel]  # registered, refused with the reason
         elif any(rt.missing for rt in spec.runtimes[col]):
-            # the seed's runtime has no kernel path in this build: refused (or substituted) with the reason
+            # upstream's runtime has no kernel path in this build: refused (or substituted) with the reason
             assert reasons == [rt.missing for rt in spec.runtimes[col]], (backend, col, reasons)
         else:
             assert reasons == [], (backend, col, reasons)
@@ -89,7 +88,7 @@ def _auto(platform, dtype=torch.bfloat16, head_dim=128, ring=1, **kw):
 def test_auto_cuda_follows_measurement():
     assert _auto(Platform.simulate("cuda", (9, 0), {"flash_attn.cute"})) == B.FA
     assert _auto(Platform.simulate("cuda", (9, 0), {"flash_attn_interface"})) == B.FA
-    # FA2 only: cuDNN SDPA is faster than FA2 on Hopper (PERF.md)
+    # FA2 only: cuDNN SDPA is faster than FA2 on Hopper (measured on the H200)
     assert _auto(Platform.simulate("cuda", (9, 0), {"flash_attn"})) == B.TORCH_CUDNN_SDPA
     assert _auto(Platform.simulate("cuda", (9, 0), ())) == B.TORCH_CUDNN_SDPA
     assert _auto(Platform.simulate("cuda", (9, 0), {"flash_attn.cute"}), dtype=torch.float32) == B.TORCH_SDPA
@@ -136,3 +135,14 @@ def test_unknown_platform_name():
 
     with pytest.raises(AttentionConfigError, match="unknown platform"):
         Platform.simulate("tpu")
+
+
+def test_backend_info_names_upstream_platforms_and_keeps_the_old_name_deprecated():
+    from ditattn.registry import list_backends
+
+    info = next(i for i in list_backends(Platform.simulate("cpu", None, ())) if i.name == "sage_attn")
+    assert info.upstream_platforms == ("cuda", "musa")
+    data = info.to_json()
+    assert data["upstream_platforms"] == ("cuda", "musa") and "seed_platforms" not in data
+    with pytest.warns(DeprecationWarning, match="upstream_platforms"):
+        assert info.seed_platforms == info.upstream_platforms

@@ -35,7 +35,7 @@ def test_from_mapping_takes_flag_names_and_checks_values_like_the_flags():
         ({"dtype": "fp8"}, "src: dtype: expected one of float32, bfloat16, float16, got 'fp8'"),
         ({"port": 70000}, "src: port: expected a TCP port 1-65535, got 70000"),
         ({"prompt": 12}, "src: prompt: expected a string, got 12"),
-        ({"num-gpu": 2}, "src: unknown key 'num-gpu'; accepted: "),
+        ({"num-gpu": 2}, "src: unknown key 'num-gpu'; did you mean num-gpus? accepted: "),
     ):
         with pytest.raises(AttentionConfigError, match="^" + re.escape(message)):
             RunConfig.from_mapping(values, source="src")
@@ -127,12 +127,17 @@ def test_plan_and_backends_take_config_files(tmp_path, capsys):
     plan = json.loads(capsys.readouterr().out)
     assert {layer["backend"] for c in plan["components"] for layer in c["layers"]} <= {"torch_sdpa"}
     back = tmp_path / "backends.yml"
-    back.write_text("attention-backend-config:\n  impl: reference\n")
+    back.write_text("attention-backend: sage_attn\nattention-backend-config:\n  impl: reference\n")
     assert main(["backends", "--config", str(back), "--json"]) == 0
     captured = capsys.readouterr()
-    assert json.loads(captured.out)["backends"] and captured.err.startswith("note: --attention-backend-config checked")
-    back.write_text("attention-backend-config:\n  impl: cuda\n")
-    assert main(["backends", "--config", str(back)]) == 0  # backends checks key names only, as before
+    assert json.loads(captured.out)["backends"] and \
+        captured.err.startswith("note: --attention-backend, --attention-backend-config checked")
+    back.write_text("attention-backend: sage_attn\nattention-backend-config:\n  impl: cuda\n")
+    assert main(["backends", "--config", str(back)]) == 2  # values are checked as plan checks them
+    assert "sage_attn: invalid value 'cuda' for 'impl'" in capsys.readouterr().err
+    back.write_text("attention-backend-config:\n  impl: reference\n")  # no backend in use takes 'impl'
+    assert main(["backends", "--config", str(back)]) == 2
+    assert "config key(s) 'impl' belong to no backend in use" in capsys.readouterr().err
     back.write_text("num-frames: 5\n")
     assert main(["backends", "--config", str(back)]) == 2
     assert "key 'num-frames' does not apply here" in capsys.readouterr().err

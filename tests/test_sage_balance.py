@@ -1,4 +1,4 @@
-"""``qk_balance``: the per-channel Q/K balance of ``sage_attn``'s INT8 quantization (issue 17).
+"""``qk_balance``: the per-channel Q/K balance of ``sage_attn``'s INT8 quantization.
 
 * CPU: the balance factors (formula, normalisation, zero channels, the product unchanged in float64), the
   reference's balanced quantization against an independent computation (GQA: one c per K/V head, shared by the
@@ -338,22 +338,3 @@ def test_triton_kernel_with_balance_is_the_reference_on_gpu(shape, dtype, pv, ca
     got, _ = get_impl(B.SAGE_ATTN)(q, k, v, AttnCall(causal=causal), {"impl": "triton", "pv_dtype": pv,
                                                                         "qk_balance": alpha})
     assert torch.equal(got, int8_attention(q, k, v, causal=causal, pv=pv, qk_balance=alpha)[0])
-
-
-def test_session22_script_parses_and_its_variants_are_kernel_configs():
-    """bench/h200_session22.sh (it runs on the H200 only): bash -n, and its --variants are valid SM90 configs."""
-    import re
-    import subprocess
-
-    path = os.path.join(os.path.dirname(__file__), "..", "bench", "h200_session22.sh")
-    assert subprocess.run(["bash", "-n", path]).returncode == 0
-    pytest.importorskip("triton.experimental.gluon")
-    from sage_sm90 import _variants
-
-    from ditattn.attention.kernels.sage_sm90 import kernel_config
-
-    spec = re.search(r'--variants "([^"]+)"', open(path).read()).group(1)
-    variants = _variants(spec)
-    assert [c.get("qk_balance") for c in variants.values()] == [None, 0.5, None, 0.75]
-    for cfg in variants.values():
-        kernel_config(128, cfg)

@@ -412,7 +412,7 @@ def _qkv(b, sq, skv, h, hkv, d, dtype, seed, q_scale=1.0, v_offset=0.0):
     ((1, 300, 129, 2, 1, 128), torch.bfloat16, "block", 1.0),    # per-block K, one key past a tile
     ((1, 640, 700, 2, 2, 128), torch.bfloat16, "token", 12.0),   # logit bound > limit: online softmax
     ((1, 400, 500, 2, 2, 64), torch.float16, "token", 5.0),      # fp16 P, logits up to ~35 (bound ~92): online
-    # softmax (bf16's limit of 100 would round P = 2^35 to fp16 inf; found on the H200 in session 23 via qk_balance)
+    # softmax (bf16's limit of 100 would round P = 2^35 to fp16 inf; found on the H200 via qk_balance)
     ((1, 1, 64, 2, 2, 128), torch.bfloat16, "token", 1.0),       # one query, keys within one tile
 ])
 def test_sm90_kernel_numerics(shape, dtype, kgran, q_scale, schedule, monkeypatch):
@@ -431,7 +431,7 @@ def test_sm90_kernel_numerics(shape, dtype, kgran, q_scale, schedule, monkeypatc
     # LSE against the reference of the same quantization: a value within rounding of an INT8 boundary can land
     # one step away from the reference's (Triton's fp32 division is approximate; the K mean is subtracted in a
     # different order), which moves a logit by up to one Q step x max|K| x scale: 0.2 at q_scale 12, where the
-    # H200 measured 0.056 (session 20); 5e-2 holds at q_scale 1
+    # H200 measured 0.056; 5e-2 holds at q_scale 1
     q_step = float(q.float().abs().amax()) / 127 * float(k.float().abs().amax()) / d ** 0.5
     assert float((lse.double() - qref_lse.double()).abs().max()) < max(5e-2, q_step)
     # against float32: INT8 Q.K's own error, which grows with the logit scale (q_scale 12: the reference

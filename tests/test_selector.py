@@ -1,4 +1,4 @@
-"""Every selection rule of DESIGN 2.3, on simulated platforms (no hardware needed)."""
+"""Every selection rule (priority, strictness, substitutions), on simulated platforms (no hardware needed)."""
 import threading
 
 import pytest

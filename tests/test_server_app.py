@@ -3,6 +3,7 @@ runner: a toy DiT made of real ``LocalAttention`` layers, so attention validatio
 (``prepare_request_override``) and the request scope are the real ones; only the generation is fake.
 """
 import base64
+import dataclasses
 import contextlib
 import functools
 import io
@@ -22,6 +23,7 @@ from ditattn.attention.context import AttentionSettings, attention_settings, com
 from ditattn.attention.names import AttentionBackendEnum as B
 from ditattn.runconfig import ServerConfig
 from ditattn.server.app import create_app
+from ditattn.server.connection import uvicorn_config
 from ditattn.server.metrics import parse_text
 from ditattn.server.runner import BaseRunner, ModelDefaults
 from ditattn.server.scheduler import GenerationResult
@@ -50,7 +52,8 @@ class ToyRunner(BaseRunner):
     ``steps`` x ``step_s`` seconds of "denoising" ask ``batch_stop_reason`` before each step (as the
     pipeline asks its ``should_stop``); ``steps_run`` records how many steps each batch ran."""
 
-    def __init__(self, settings=AttentionSettings(), gate=None, fail_prompt=None, delay=0.0, steps=0, step_s=0.0):
+    def __init__(self, settings=None, gate=None, fail_prompt=None, delay=0.0, steps=0, step_s=0.0):
+        settings = settings if settings is not None else AttentionSettings()
         with attention_settings(settings), component_scope("transformer"):
             self.dit = ToyDiT()
         super().__init__("toy-dit", [self.dit], defaults=ModelDefaults(width=32, height=16, num_frames=5,
@@ -90,7 +93,8 @@ def serve(runner, **cfg):
     """Run the app on uvicorn in a thread; yield (base_url, app)."""
     app = create_app(runner, ServerConfig(**{"batch_window_s": 0.0, **cfg}))
     port = serving.free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="on"))
+    config = dataclasses.replace(app.state.server.config, port=port)
+    server = uvicorn.Server(uvicorn_config(app, config, log_level="error", lifespan="on"))  # as ditattn serve
     th = threading.Thread(target=server.run, daemon=True)
     th.start()
     t0 = time.time()

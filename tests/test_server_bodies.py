@@ -26,7 +26,8 @@ class FlatRunner(BaseRunner):
 @pytest.fixture
 def app_client():
     runner = FlatRunner()
-    with TestClient(create_app(runner, ServerConfig(batch_window_s=0.0, max_body_bytes=4096))) as c:
+    app = create_app(runner, ServerConfig(batch_window_s=0.0, max_body_bytes=4096))
+    with TestClient(app, base_url="http://localhost") as c:  # a Host name the server answers without a key
         yield c, runner
 
 

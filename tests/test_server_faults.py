@@ -1,7 +1,7 @@
 """``bench/server_faults.py --quick`` against a real ``ditattn serve`` process (tiny model, CPU): bad
 input and mixed request storms, disconnects, DELETE of a running job, SIGTERM with queued video
 jobs and a restart with the same --output-dir, a second SIGTERM, and no file removed without a log
-line (issue 23).  The script asserts each stage; this test requires its verdict and key figures."""
+line.  The script asserts each stage; this test requires its verdict and key figures."""
 import json
 
 

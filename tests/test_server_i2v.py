@@ -23,6 +23,7 @@ from serving import serve_process, wait_video
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the client marks the videos API deprecated
 
 KEY = "k-i2v"
+LOCAL = "http://localhost"  # a Host name the server answers without an API key
 
 
 def _png(w=40, h=24, fmt="PNG", seed=0, solid=False) -> bytes:
@@ -65,7 +66,7 @@ def app(lora_file):
                     sampling=SamplingConfig(num_inference_steps=1, num_frames=5))
     runner = build_runner(cfg)
     with TestClient(create_app(runner, ServerConfig(batch_window_s=0.0, max_image_bytes=20_000,
-                                                    max_image_pixels=200 * 200))) as c:
+                                                    max_image_pixels=200 * 200)), base_url=LOCAL) as c:
         yield c
 
 
@@ -191,7 +192,7 @@ def test_image_to_video_job_survives_a_restart(tmp_path, lora_file):
                     sampling=SamplingConfig(num_inference_steps=1, num_frames=5))
     runner = build_runner(cfg)
     body = {"prompt": "a boat", "size": "48x32", "seed": 3, "input_reference": base64.b64encode(_png(48, 32)).decode()}
-    with TestClient(create_app(runner, ServerConfig(batch_window_s=0.0, output_dir=str(out)))) as c:
+    with TestClient(create_app(runner, ServerConfig(batch_window_s=0.0, output_dir=str(out))), base_url=LOCAL) as c:
         vid = c.post("/v1/videos", json=body).json()["id"]
         done = _finished(c, vid)
         assert done["status"] == "completed", done
@@ -207,7 +208,7 @@ def test_image_to_video_job_survives_a_restart(tmp_path, lora_file):
     db.execute("UPDATE videos SET status = 'queued', record = ? WHERE id = ?", (json.dumps(record), vid))
     db.commit()
     db.close()
-    with TestClient(create_app(runner, ServerConfig(batch_window_s=0.0, output_dir=str(out)))) as c:
+    with TestClient(create_app(runner, ServerConfig(batch_window_s=0.0, output_dir=str(out))), base_url=LOCAL) as c:
         done = _finished(c, vid)
         assert done["status"] == "completed", done
         assert c.get(f"/v1/videos/{vid}/content").content == first  # same frame, seed and settings
@@ -218,6 +219,6 @@ def test_image_to_video_job_survives_a_restart(tmp_path, lora_file):
     db.execute("UPDATE videos SET status = 'queued', record = ? WHERE id = ?", (json.dumps(record), vid))
     db.commit()
     db.close()
-    with TestClient(create_app(runner, ServerConfig(batch_window_s=0.0, output_dir=str(out)))) as c:
+    with TestClient(create_app(runner, ServerConfig(batch_window_s=0.0, output_dir=str(out))), base_url=LOCAL) as c:
         err = c.get(f"/v1/videos/{vid}").json()
         assert err["status"] == "failed" and "first frame" in err["error"]["message"]

@@ -1,4 +1,4 @@
-"""The server against hostile or unlucky clients (issue 23), on a real uvicorn with the toy runner of
+"""The server against hostile or unlucky clients, on a real uvicorn with the toy runner of
 ``test_server_app``: disconnected clients are cancelled and not computed, DELETE stops a running
 video job, limits are 400s naming the flag, no input yields a 5xx, internal errors are fixed text
 counted and logged once, /health reports a stuck worker, 429 carries Retry-After, image URLs come
@@ -203,7 +203,7 @@ def test_health_reports_busy_then_degraded_past_the_timeout():
 def test_429_carries_retry_after_and_image_urls_use_the_public_url():
     gate = threading.Event()
     with serve(ToyRunner(gate=gate), max_batch_size=1, max_queue=1,
-               public_url="https://img.example.com/ditattn") as (base, app):
+               public_url="https://img.example.com/ditattn", allowed_hosts=("*",)) as (base, app):
         c = client(base)
         c.videos.create(prompt="running")
         _wait(lambda: app.state.server.scheduler.running == 1)

@@ -244,7 +244,7 @@ def test_running_job_past_its_deadline_is_stopped():
     assert runner.ran[-1][0] == ["j2"] and 10 <= runner.ran[-1][1] < 100 and cancels[-1] == ("timeout", "running")
     # a queued job past its deadline never runs
     runner.started.clear()
-    fb = sch.submit(job(3))
+    sch.submit(job(3))
     assert runner.started.wait(10)
     late = sch.submit(job(4, deadline=time.monotonic() + 0.01, run_timeout_s=10))
     (running_job,), _ = sch.running_jobs()

@@ -80,7 +80,7 @@ def test_builtin_registry():
     assert DEFAULT_MODEL in BUILTIN_MODELS
     with pytest.raises(AttentionConfigError, match="unknown built-in model 'ditattn:nope'.*ditattn:shapes"):
         resolve_model_path("ditattn:nope")
-    for name, m in BUILTIN_MODELS.items():
+    for m in BUILTIN_MODELS.values():
         d = m.defaults()
         assert set(d) == {"height", "width", "num_frames", "num_inference_steps", "guidance_scale"}
 

@@ -490,7 +490,7 @@ def test_sta_strategy_file_errors(tmp_path, strategy_file):
 
 
 # ------------------------------------------------------------------------------------------------
-# config: every parameter valid and invalid; defaults per the seed
+# config: every parameter valid and invalid; defaults as upstream (SGLang) documents them
 
 VALID = {
     B.SLIDING_TILE_ATTN: {"mask_strategy_file_path": "/x/s.json", "sta_mode": "STA_searching", "skip_time_steps": 0,

@@ -359,7 +359,8 @@ def test_mass_mask_keeps_the_fewest_blocks_reaching_the_share():
     peaked = torch.tensor([[-80.0, 0.0, -80.0, -200.0, float("-inf")]])
     assert mass_mask(peaked, 0.999999).tolist() == [[False, True, False, False, False]]
     assert mass_mask(peaked, 1.0).tolist() == (torch.softmax(peaked, -1) > 0).tolist() == [[True, True, True, False, False]]
-    # ties go to the lower index; invalid blocks have no share and are never kept; a row without valid blocks keeps none
+    # ties go to the lower index; invalid blocks have no share and are never kept; a row without valid
+    # blocks keeps none
     assert mass_mask(torch.zeros(1, 4), 0.5).tolist() == [[True, True, False, False]]
     # min_count: at least that many, the first ones in the same order (all valid ones if fewer)
     assert torch.nonzero(mass_mask(lm, 0.4, min_count=3)).flatten().tolist() == [1, 2, 3]
@@ -518,7 +519,7 @@ def vmoba_mask_independent(q, k, grid, text_len, mode, chunk, select_mode, topk,
             qblocks.append((c, toks[i:i + qblock]))
     kmean = group_means(k[:, :N], cid, nc)  # [B,H,nc,D]
     gate = torch.zeros(B, H, len(qblocks), nc, dtype=torch.float64)
-    for j, (c, toks) in enumerate(qblocks):
+    for j, (_, toks) in enumerate(qblocks):
         qm = q[:, toks].double().mean(1)  # [B,H,D]
         if gate_kind == "mean":
             gate[:, :, j] = torch.einsum("bhd,bhcd->bhc", qm, kmean)
@@ -548,7 +549,7 @@ def vmoba_mask_independent(q, k, grid, text_len, mode, chunk, select_mode, topk,
                 h, j, c = grp[idx]
                 sel[b, h, j, c] = True
     tok = torch.zeros(B, H, N, N, dtype=torch.bool)
-    for j, (c, toks) in enumerate(qblocks):
+    for j, (_, toks) in enumerate(qblocks):
         tok[:, :, toks] = sel[:, :, j][:, :, cid].unsqueeze(2).expand(-1, -1, len(toks), -1)
     return with_text(tok, text_len), sel
 
@@ -598,8 +599,8 @@ def test_vmoba_defaults_and_layer_cycle():
 def svg2_mask_independent(q, k, plan, text_len, top_p, scale, bs, predictor="pooled_query"):
     """The SVG2 token mask from the plan's cluster labels alone: cluster pairs by the top-p rule on
     centroid estimates (``centroids``: scale * cq_i . ck_j + log |K_j|; ``pooled_query``:
-    log sum_{t in K_j} exp(scale * cq_i . k_t)), tokens sorted by cluster (stable) then text, blocks of ``bs`` positions,
-    block a -> block b iff a selected pair lies in (clusters of a) x (clusters of b) or either block
+    log sum_{t in K_j} exp(scale * cq_i . k_t)), tokens sorted by cluster (stable) then text, blocks of
+    ``bs`` positions, block a -> block b iff a selected pair lies in (clusters of a) x (clusters of b) or either block
     holds text."""
     ql, kl = plan.extra["q_labels"], plan.extra["k_labels"]
     B, H, N = ql.shape
@@ -771,7 +772,6 @@ def quantize_independent(x, grid, tile, text_len, smooth, edge_tiles="padded"):
         x = x - x.mean(1, keepdim=True)
     ids, groups = block_ids(grid, tile, edge_tiles)
     bs = math.prod(tile)
-    N = ids.numel()
     nt = len(groups)
     block = torch.cat([ids, nt + torch.arange(text_len) // bs])
     out = torch.empty_like(x)

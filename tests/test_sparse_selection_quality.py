@@ -1,7 +1,7 @@
 """The block-selection defaults of the training-free sparse backends against their upstream rules, on a
 small structured case (q/k with Wan's 3-D RoPE, spatial / temporal / global heads, sink tokens:
 ``ditattn.evaluation.structured``), fp32 and exact kept blocks: the new default must be clearly more
-accurate at the same kept fraction (docs/benchmarks.md §11 has the 480p numbers)."""
+accurate at the same kept fraction."""
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -60,7 +60,7 @@ def test_vmoba_pooled_query_gate_beats_mean_gate(case):
 def test_svg2_pooled_query_beats_centroids():
     """A cold step of the defaults (64/128 clusters, top_p 0.9) on a 12x16x28 grid, where the key
     clusters are large enough for their spread to matter (measured 0.065 vs 0.133 at kept 0.58; on
-    smaller grids the two are closer, at 480p 0.134 vs 0.228: docs/benchmarks.md §11)."""
+    smaller grids the two are closer, at 480p 0.134 vs 0.228 on the CPU)."""
     grid = (12, 16, 28)
     q, k, v, _ = structured_qkv(StructuredSpec(video_shape=grid, heads=5, seed=0))
     q, k, v = (t.float() for t in (q, k, v))

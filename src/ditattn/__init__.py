@@ -16,7 +16,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ditattn.extras import quiet_third_party_import_notices
 from ditattn.lazy import lazy_getattr
+
+quiet_third_party_import_notices()
 
 __version__ = "0.1.0"
 

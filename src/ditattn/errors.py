@@ -21,6 +21,13 @@ def short_repr(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else f"{text[:limit - 20]}...{text[-12:]} ({len(text)} characters)"
 
 
+def short_text(text: Any, limit: int = 120) -> str:
+    """``str(text)`` cut to ``limit`` characters as :func:`short_repr` cuts (a path or a flag value
+    quoted in an error message without repr's quotes)."""
+    text = str(text)
+    return text if len(text) <= limit else f"{text[:limit - 20]}...{text[-12:]} ({len(text)} characters)"
+
+
 class AttentionConfigError(ValueError):
     """A user-input error: the message names what was wrong and what is accepted."""
 

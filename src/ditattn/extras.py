@@ -46,3 +46,22 @@ def require(extra: str, what: str) -> None:
             f"{what} needs {', '.join(gone)}, which {verb} not installed; install ditattn[{extra}] "
             f"(pip install 'ditattn[{extra}]', or from a checkout: pip install '.[{extra}]')"
         )
+
+
+class _DropTorchaoImportNotice:
+    """A logging filter: drops torchao's import-time notice that it skips its C++ extensions for this
+    torch build (ditattn does not use them: :mod:`ditattn.models.quantization`); torchao's other
+    messages pass."""
+
+    def filter(self, record) -> bool:
+        return not str(record.msg).startswith("Skipping import of cpp extensions")
+
+
+def quiet_third_party_import_notices() -> None:
+    """Keep ``import ditattn`` (and the diffusers / torchao imports it triggers later) free of
+    third-party notices that concern nothing ditattn runs.  Idempotent."""
+    import logging
+
+    log = logging.getLogger("torchao")
+    if not any(isinstance(f, _DropTorchaoImportNotice) for f in log.filters):
+        log.addFilter(_DropTorchaoImportNotice())

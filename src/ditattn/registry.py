@@ -20,7 +20,7 @@ class BackendInfo:
     kind: str
     summary: str
     platforms: tuple[str, ...]  # where ditattn runs it (in-tree CPU reference paths included)
-    seed_platforms: tuple[str, ...]  # the source document's support matrix
+    upstream_platforms: tuple[str, ...]  # where upstream (SGLang) supports it
     lossy: bool
     cross_attention: bool
     returns_lse: bool
@@ -38,6 +38,15 @@ class BackendInfo:
     missing_kernel: str = ""
     operating_point: Optional[dict] = None  # measured (error, speed) at the defaults, sparse backends
 
+    @property
+    def seed_platforms(self) -> tuple[str, ...]:
+        """Deprecated name of :attr:`upstream_platforms` (kept for readers of ``BackendInfo``)."""
+        import warnings
+
+        warnings.warn("BackendInfo.seed_platforms is deprecated; use upstream_platforms", DeprecationWarning,
+                      stacklevel=2)
+        return self.upstream_platforms
+
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -53,7 +62,7 @@ def list_backends(platform: Optional[Platform] = None) -> list[BackendInfo]:
         sub = substitute(b, LayerRequest(dtype=None), platform) if reasons else None
         out.append(BackendInfo(
             name=b.value, enum=b.name, aliases=tuple(aliases_of(b)), kind=s.kind, summary=s.summary,
-            platforms=s.platforms, seed_platforms=s.seed_platforms, lossy=s.lossy,
+            platforms=s.platforms, upstream_platforms=s.upstream_platforms, lossy=s.lossy,
             cross_attention=s.cross_attention, returns_lse=s.returns_lse, accepts_bias=s.accepts_bias,
             drop_in=s.drop_in,
             dtypes=tuple(sorted(DTYPE_NAMES[d] for d in (s.cpu_dtypes if platform.name == "cpu" and s.cpu_dtypes else s.dtypes))),

@@ -1,6 +1,6 @@
 """The attention backend layer: names, capability data, selection, configuration, layers.
 
-``ditattn.attention`` is both this package and the functional API of DESIGN 1.4: the package
+``ditattn.attention`` is both this package and the functional API: the package
 module is callable, so ``ditattn.attention(q, k, v, ...)`` runs :func:`functional.attention`
 while ``ditattn.attention.layer`` etc. stay importable submodules.  The names below load on first
 use, so importing one submodule (``ditattn.attention.names``) does not import the others.

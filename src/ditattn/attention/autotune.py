@@ -1,4 +1,4 @@
-"""Measured per-layer backend selection (``--enable-attention-backend-autotune true``, DESIGN 2.9).
+"""Measured per-layer backend selection (``--enable-attention-backend-autotune true``).
 
 A layer whose backend was chosen automatically tunes once, on its first call whose query holds at
 least ``MIN_QUERY_ELEMENTS`` elements: every compatible candidate of the platform's automatic list

@@ -1,6 +1,6 @@
 """``--attention-backend-config`` and ``--component-attention-backends``: parsing and validation.
 
-Config parsing order (DESIGN 2.6): an existing ``.json``/``.yaml``/``.yml`` file → a JSON object
+Config parsing order: an existing ``.json``/``.yaml``/``.yml`` file → a JSON object
 string → ``k=v`` pairs split on commas.  Each backend validates its own keys against its schema
 (:mod:`ditattn.attention.schemas`); unknown keys, wrong types and out-of-range values raise
 :class:`AttentionConfigError` naming the key and what is accepted.
@@ -11,11 +11,12 @@ import json
 import math
 import os
 import re
-from typing import Any, Iterable
+import stat
+from typing import Any, Iterable, Optional
 
 from ditattn.attention.names import ROLES, AttentionBackendEnum, role_chain
 from ditattn.attention.schemas import SCHEMAS, Param, parse_layer_list, schema_for  # noqa: F401  (re-exported)
-from ditattn.errors import AttentionConfigError
+from ditattn.errors import AttentionConfigError, short_repr, short_text
 
 # ------------------------------------------------------------------------------------------------
 # raw parsing
@@ -100,8 +101,7 @@ def _scalar(text: str) -> Any:
     except ValueError:
         pass
     if t[:1] in "[{":
-        shown = t if len(t) <= 60 else f"{t[:40]}... ({len(t)} characters)"
-        return loads_json(t, f"the value {shown!r} in the attention backend config")
+        return loads_json(t, f"the value {short_repr(t)} in the attention backend config")
     return t
 
 
@@ -132,28 +132,58 @@ def _split_pairs(text: str) -> list[str]:
     return merged
 
 
+def read_text_file(path: str, *, what: str, accepted: str, max_bytes: Optional[int] = MAX_FILE_BYTES) -> str:
+    """The UTF-8 text of the regular file ``path`` (at most ``max_bytes``; None: no limit).
+
+    The file is opened without blocking and checked before it is read, so a FIFO, a device or a
+    directory is refused at once ("... is not a regular file") instead of hanging on a read that
+    never ends.  A missing or unreadable file, a non-regular one, text that is not UTF-8 and a file
+    over the limit raise :class:`AttentionConfigError` naming ``what`` and ``accepted``."""
+    shown = short_text(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
+    except (OSError, ValueError) as exc:  # ValueError: an embedded NUL byte
+        raise AttentionConfigError(f"cannot read {what} {shown}: {getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else \
+                "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else \
+                "a special file"
+            raise AttentionConfigError(f"{what} {shown} is not a regular file (it is {kind}); accepted: a regular "
+                                       f"file holding {accepted}")
+    except BaseException:
+        os.close(fd)
+        raise
+    with os.fdopen(fd, "rb") as fh:
+        try:
+            raw = fh.read(-1 if max_bytes is None else max_bytes + 1)
+        except OSError as exc:
+            raise AttentionConfigError(f"cannot read {what} {shown}: {exc.strerror or exc}") from None
+    if max_bytes is not None and len(raw) > max_bytes:
+        raise AttentionConfigError(f"{what} {shown} is larger than {max_bytes // (1 << 20)} MiB; accepted: "
+                                   f"{accepted}")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise AttentionConfigError(f"cannot read {what} {shown}: not UTF-8 text (byte {exc.start}); accepted: "
+                                   f"{accepted}") from None
+
+
 def load_mapping_file(path: str, *, what: str = "config file", accepted: str = "a YAML or JSON mapping") -> dict:
     """The mapping in the ``.json`` / ``.yaml`` / ``.yml`` file ``path`` ({} for an empty file).
 
-    Unreadable files, parse errors (one line, with the position) and documents that are not a
-    mapping raise :class:`AttentionConfigError` naming ``what`` and ``accepted``.
+    Unreadable or non-regular files (:func:`read_text_file`), parse errors (one line, with the
+    position) and documents that are not a mapping raise :class:`AttentionConfigError` naming
+    ``what`` and ``accepted``.
     """
-    try:
-        with open(path, encoding="utf-8") as fh:
-            body = fh.read(MAX_FILE_BYTES + 1)
-    except UnicodeDecodeError as exc:
-        raise AttentionConfigError(f"cannot read {what} {path}: not UTF-8 text (byte {exc.start}); accepted: "
-                                   f"{accepted}") from None
-    except OSError as exc:
-        raise AttentionConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
-    if len(body) > MAX_FILE_BYTES:
-        raise AttentionConfigError(f"{what} {path} is larger than {MAX_FILE_BYTES // (1 << 20)} MiB; accepted: "
-                                   f"{accepted}")
+    body = read_text_file(path, what=what, accepted=accepted)
+    is_json, path = str(path).lower().endswith(".json"), short_text(path)
     if json_depth_exceeds(body, MAX_DEPTH):  # YAML flow style nests with the same brackets
         raise AttentionConfigError(f"cannot parse {what} {path}: nested too deeply (more than {MAX_DEPTH} levels); "
                                    f"accepted: {accepted}")
     try:
-        if path.lower().endswith(".json"):
+        if is_json:
             data = json.loads(body)
         else:
             import yaml
@@ -189,9 +219,9 @@ def parse_attention_backend_config(value: "str | dict | None") -> dict:
         return {}
     lower = text.lower()
     # a path ending in .json inside k=v pairs (mask_strategy_file_path=/x/m.json) is not a config file
-    if (lower.endswith((".json", ".yaml", ".yml")) and "=" not in text) or os.path.isfile(text):
-        if not os.path.isfile(text):
-            raise AttentionConfigError(f"attention backend config file not found: {text}")
+    if (lower.endswith((".json", ".yaml", ".yml")) and "=" not in text) or os.path.lexists(text):
+        if not os.path.lexists(text):
+            raise AttentionConfigError(f"attention backend config file not found: {short_text(text)}")
         return load_mapping_file(text, what="attention backend config file",
                                  accepted="a JSON object or YAML mapping of backend parameters")
     if text.startswith("{"):
@@ -202,20 +232,26 @@ def parse_attention_backend_config(value: "str | dict | None") -> dict:
     out: dict[str, Any] = {}
     pieces = _split_pairs(text)
     if not pieces:
-        raise AttentionConfigError(f"attention backend config {value!r} holds no key=value pair")
+        raise AttentionConfigError(f"attention backend config {short_repr(value)} holds no key=value pair")
     for piece in pieces:
         if "=" not in piece:
             raise AttentionConfigError(
-                f"cannot parse attention backend config {value!r}: expected a .json/.yaml file path, "
+                f"cannot parse attention backend config {short_repr(value)}: expected a .json/.yaml file path, "
                 "a JSON object, or key=value pairs separated by commas"
             )
         key, _, raw = piece.partition("=")
         key = key.strip()
         if not key:
-            raise AttentionConfigError(f"empty key in attention backend config {value!r}")
+            raise AttentionConfigError(f"empty key in attention backend config {short_repr(value)}")
         out[key] = _scalar(raw)
     return out
 
+
+
+def _keys(keys: list) -> str:
+    """Config keys quoted for an error message: each cut short, at most five named."""
+    shown = ", ".join(short_repr(k, 40) for k in keys[:5])
+    return shown + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
 
 
 def validate_backend_config(backend, raw: dict, *, strict_unknown: bool = True) -> dict:
@@ -232,7 +268,7 @@ def validate_backend_config(backend, raw: dict, *, strict_unknown: bool = True) 
         if unknown:
             acc = ", ".join(params) if params else "none (this backend takes no parameters)"
             raise AttentionConfigError(
-                f"{backend.value}: unknown config key(s) {', '.join(map(repr, unknown))}; accepted keys: {acc}"
+                f"{backend.value}: unknown config key(s) {_keys(unknown)}; accepted keys: {acc}"
             )
     out = {}
     for name, p in params.items():
@@ -268,9 +304,25 @@ def check_config_keys_used(raw: dict, backends: Iterable[AttentionBackendEnum]) 
         names = ", ".join(b.value for b in backends) or "none"
         acc = ", ".join(sorted(known)) or "none"
         raise AttentionConfigError(
-            f"config key(s) {', '.join(map(repr, unused))} belong to no backend in use "
+            f"config key(s) {_keys(unused)} belong to no backend in use "
             f"(backends in use: {names}; their keys: {acc})"
         )
+
+
+def check_backend_config(raw: dict, backends: Iterable, *, complete: bool = True) -> None:
+    """The run's backend config ``raw`` (parsed, :func:`parse_attention_backend_config`) checked
+    against ``backends``: each one's own keys through its schema (types, ranges, required keys:
+    :func:`validate_backend_config`), then, when ``complete`` (``backends`` are every backend the run
+    uses), that each key belongs to one of them (:func:`check_config_keys_used`).  Pipelines run it on
+    the backends the settings name before any layer is chosen (a bad value is reported before a dtype
+    or platform refusal) and on every backend in use once the layers are bound; ``ditattn backends``
+    runs it on the named backends and the platform's automatic choices.  Raises
+    :class:`AttentionConfigError`."""
+    backends = list(dict.fromkeys(AttentionBackendEnum.from_name(b) for b in backends))
+    for b in backends:
+        validate_backend_config(b, raw, strict_unknown=False)
+    if complete:
+        check_config_keys_used(raw, backends)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -301,7 +353,7 @@ def parse_component_overrides(value: "str | dict | None") -> dict[str, Attention
                     continue
                 if "=" not in piece:
                     raise AttentionConfigError(
-                        f"cannot parse component override {piece!r}: expected component=backend "
+                        f"cannot parse component override {short_repr(piece)}: expected component=backend "
                         "(e.g. text_encoder=torch_sdpa,transformer.cross=fa) or a JSON object"
                     )
                 k, _, v = piece.partition("=")
@@ -316,7 +368,7 @@ def parse_component_overrides(value: "str | dict | None") -> dict[str, Attention
         comp, dot, role = key.partition(".")
         if not comp or (dot and role not in ROLES):
             raise AttentionConfigError(
-                f"bad component override key {key!r}: use a model_index.json module name, optionally "
+                f"bad component override key {short_repr(key)}: use a model_index.json module name, optionally "
                 f"with a role suffix {', '.join('.' + r for r in ROLES)} (e.g. transformer.cross)"
             )
         out[key] = AttentionBackendEnum.from_name(name)

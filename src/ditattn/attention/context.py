@@ -22,7 +22,7 @@ _forced: list[Optional[AttentionBackendEnum]] = [None]
 
 def global_force_attn_backend(name: "str | AttentionBackendEnum | None") -> None:
     """Force every attention layer built (and every automatic ``attention()`` call) from now on to
-    use ``name``; ``None`` clears the force. Highest selection priority (DESIGN 2.3)."""
+    use ``name``; ``None`` clears the force. Highest selection priority after an explicit ``backend=``."""
     _forced[0] = None if name is None else AttentionBackendEnum.from_name(name)
 
 
@@ -58,6 +58,13 @@ class AttentionSettings:
     ulysses_degree: int = 1
     compiled: bool = False  # torch.compile in use
     cuda_graphs: bool = False  # captured CUDA graphs in use
+
+    def named_backends(self) -> list[AttentionBackendEnum]:
+        """The backends these settings name for layers, each once: the global backend, then the
+        component overrides' (the backends ``config`` configures; a request override runs with
+        its defaults)."""
+        named = ([self.backend] if self.backend is not None else []) + list(self.component_overrides.values())
+        return list(dict.fromkeys(named))
 
 
 _settings: contextvars.ContextVar[AttentionSettings] = contextvars.ContextVar(

@@ -13,7 +13,7 @@ from ditattn.attention.config import parse_attention_backend_config, validate_ba
 from ditattn.attention.context import get_forced_backend
 from ditattn.attention.names import AttentionBackendEnum as B
 from ditattn.attention.selector import Decision, LayerSpec, bind_impl, select_backend
-from ditattn.errors import AttentionConfigError
+from ditattn.errors import AttentionConfigError, short_repr
 from ditattn.platforms import platform_for_device
 
 Tensor = torch.Tensor
@@ -130,6 +130,57 @@ def auto_dense_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[flo
     return bind_impl(dec)(q, k, v, call, dict(_default_config(dec.backend)))
 
 
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _cause(exc: BaseException) -> str:
+    return short_repr(f"{type(exc).__name__}: {exc}".strip(), 160)[1:-1]
+
+
+def call_backend(dec: Decision, q: Tensor, k: Tensor, v: Tensor, call: AttnCall, cfg: dict):
+    """Run ``dec``'s implementation on one call and return ``(out, lse)``, so that the input classes
+    some backends cannot serve end as :class:`AttentionConfigError` naming the class and what is
+    accepted, never as a bare ``RuntimeError`` from inside a kernel:
+
+    * inputs that need autograd (grad mode on and q, k, v or the bias require grad): a backend that
+      fails on them where the same call succeeds under ``torch.no_grad()``, or that returns an output
+      cut off from the graph (its gradients would be silently zero), cannot serve them;
+    * meta tensors (shapes without values): a backend whose planning reads values fails on them.
+
+    A failure outside these classes (a bug) propagates unchanged; ``torch.OutOfMemoryError`` too."""
+    impl = bind_impl(dec)
+    name = dec.backend.value
+    grad = _needs_grad(q, k, v, call.attn_bias)
+    try:
+        out, lse = impl(q, k, v, call, cfg)
+    except (AttentionConfigError, torch.OutOfMemoryError):
+        raise
+    except Exception as exc:
+        if q.device.type == "meta":
+            raise AttentionConfigError(
+                f"attention backend '{name}' cannot run on meta tensors (they hold no values, and it reads them "
+                f"to plan the call: {_cause(exc)}); accepted: tensors on a real device, or a dense backend such "
+                "as torch_sdpa for shape-only runs") from exc
+        if grad:
+            try:
+                with torch.no_grad():
+                    impl(q, k, v, call, cfg)
+            except Exception:
+                raise exc from None  # fails without autograd too: not an autograd limitation
+            raise AttentionConfigError(
+                f"attention backend '{name}' does not support autograd (q, k, v or attn_bias require grad: "
+                f"{_cause(exc)}); accepted: call it under torch.no_grad() or torch.inference_mode(), or use "
+                "torch_sdpa for a differentiable call") from exc
+        raise
+    if grad and not out.requires_grad:
+        raise AttentionConfigError(
+            f"attention backend '{name}' does not support autograd: its output is not connected to q, k, v "
+            "(gradients would be silently zero); accepted: call it under torch.no_grad() or "
+            "torch.inference_mode(), or use torch_sdpa for a differentiable call")
+    return out, lse
+
+
 def attention(
     q: Tensor,
     k: Tensor,
@@ -159,7 +210,10 @@ def attention(
 
     Returns the output ``[batch, seq_q, heads, head_dim]`` in q's dtype, and with
     ``return_lse=True`` also the log-sum-exp ``[batch, heads, seq_q]`` (float32).
-    Raises :class:`AttentionConfigError` for bad inputs or a backend that cannot serve the call.
+    Raises :class:`AttentionConfigError` (or its subclass ``BackendUnavailableError``) for bad inputs
+    or a backend that cannot serve the call, including inputs that need autograd or meta tensors a
+    backend cannot serve (:func:`call_backend`); ``torch.OutOfMemoryError`` when the device runs out
+    of memory.  No other error type is expected.
     """
     check_qkv(q, k, v)
     check_call_args(q, k, causal=causal, scale=scale, attn_bias=attn_bias, text_len=text_len, step=step,
@@ -185,5 +239,5 @@ def attention(
         dec.backend, parse_attention_backend_config(config), strict_unknown=(dec.backend == b))
     call = AttnCall(causal=causal, scale=scale, attn_bias=attn_bias, video_shape=video_shape, text_len=text_len,
                     step=step, layer_idx=layer_idx, return_lse=return_lse, layer_key=None)
-    out, lse = bind_impl(dec)(q, k, v, call, cfg)
+    out, lse = call_backend(dec, q, k, v, call, cfg)
     return (out, lse) if return_lse else out

@@ -127,13 +127,18 @@ class LocalAttention(nn.Module):
             )
         self._ok_dtypes.add(dtype)
 
-    def forward(self, q, k, v, attn_bias=None, return_lse: bool = False):
-        backend, impl, config = self.backend, None, self.config
+    def _request_binding(self):
+        """``(backend, impl, config)`` this call runs: the current request's override entry for this
+        layer, else the layer's own backend and config with ``impl`` None (the bound one)."""
         req = current_request()
         if req is not None and req.override_table is not None:
             entry = req.override_table.get(id(self))
             if entry is not None:
-                backend, impl, config = entry
+                return entry
+        return self.backend, None, self.config
+
+    def forward(self, q, k, v, attn_bias=None, return_lse: bool = False):
+        backend, impl, config = self._request_binding()
         if impl is None:
             if self._autotune_pending and q.numel() >= _autotune().MIN_QUERY_ELEMENTS:
                 self._run_autotune(q, k, v, attn_bias)

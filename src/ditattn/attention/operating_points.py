@@ -1,4 +1,4 @@
-"""Measured operating points of the sparse backends at their defaults (issue 19, docs/benchmarks.md §11).
+"""Measured operating points of the sparse backends at their defaults (docs/benchmarks.md, sparse frontier).
 
 Each entry is what ``bench/fidelity.py`` measured for the backend's default configuration (its sparse
 path: dense phases such as ``dense_steps`` / ``first_full_step`` are not part of one call) on the
@@ -21,7 +21,7 @@ ERROR_SOURCE = ("bench/fidelity.py --grids wan480 --heads 5 --ref-rows 512 --err
                 "structured: 2 spatial, 2 temporal, 1 global head)")
 #: the H200 runs that measured the speed-ups (and the errors at 12 / 40 heads) of the defaults
 SPEED_SOURCE = ("H200: bench/fidelity.py --grids wan480 --heads 12|40 --gen-device cpu, FA4 'fa' dense = 1 "
-                "(docs/benchmarks.md §11, H200 runs 1-5)")
+                "(docs/benchmarks.md, \"Sparse attention frontier\")")
 #: what a default without an H200 timing would be timed with
 SPEED_COMMAND = "bench/fidelity.py --grids wan480 --heads 12,40 --gen-device cpu on the H200"
 
@@ -64,8 +64,8 @@ class OperatingPoint:
 
 
 #: sparge_attn, sol_attn, sparse_video_gen_2_attn and vmoba_attn: re-measured with the same command after their
-#: default block predictors became pooled_query (docs/benchmarks.md §11, CPU run 2); sla_attn after its default
-#: became edge_tiles=packed (§13)
+#: default block predictors became pooled_query (docs/benchmarks.md); sla_attn after its default
+#: became edge_tiles=packed
 OPERATING_POINTS: dict[str, OperatingPoint] = {
     "sparge_attn": OperatingPoint("topk 0.5, pooled-query predictor, INT8 Q.K in kept blocks, packed edge tiles",
                                   0.054, 0.9986, 0.501, speedup=1.25, speedup_40=1.28, rel_err_12=0.037,

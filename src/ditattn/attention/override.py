@@ -1,4 +1,4 @@
-"""Request-scoped attention: the per-request backend override (DESIGN 2.7) and skip softmax (2.8).
+"""Request-scoped attention: the per-request backend override and skip softmax.
 
 Both are validated against the whole DiT before anything switches, then installed as a table
 ``id(layer) -> (backend, impl, config)`` in a :class:`RequestState` that the caller activates with
@@ -39,7 +39,7 @@ def dit_layers(modules: Iterable[nn.Module]) -> list[LocalAttention]:
 
 def keeps_backend(layer: LocalAttention) -> bool:
     """A layer whose model declares its backend *required* for correctness keeps it under every
-    request-scoped switch (the seed: such layers keep it even when the surroundings change)."""
+    request-scoped switch (as upstream: such layers keep it even when the surroundings change)."""
     return layer.spec.required_backend is not None
 
 
@@ -63,7 +63,8 @@ def _refuse(msg: str):
 
 
 def validate_override(name, layers: list[LocalAttention], settings: AttentionSettings) -> Optional[B]:
-    """Check a per-request override against DESIGN 2.7; return the backend or raise with the reason."""
+    """Check a per-request override (a dense backend for every switchable DiT layer, all or nothing; layers
+    with a required backend keep it); return the backend or raise with the reason."""
     if name is None or name == "":
         return None
     try:
@@ -200,7 +201,7 @@ def _install_skip_softmax(layers, ss: SkipSoftmaxParams, settings, table, platfo
             )
         except AttentionConfigError as exc:
             _refuse(f"skip_softmax_params is refused for {layer.component}.{layer.prefix}: {exc}")
-        # the seed routes the layer to the FA path: dense FA before start_step (the platform's
+        # as upstream, the layer goes to the FA path: dense FA before start_step (the platform's
         # resolution of fa: torch_sdpa where no FlashAttention runs), skip softmax from start_step
         req = dataclasses.replace(layer.spec.request(), dtype=dtype or layer.spec.dtype)
         dense, why, reasons = resolve_on_platform(B.FA, req, platform)

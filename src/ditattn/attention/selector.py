@@ -1,4 +1,4 @@
-"""The attention backend selector (DESIGN 2.3).
+"""The attention backend selector.
 
 Priority, first that applies: explicit ``backend=`` argument > global force > the layer's required
 backend > component override (role key beats component key) > CLI ``--attention-backend`` > the
@@ -8,7 +8,7 @@ each rejected candidate, why (:class:`Decision`).
 Strictness: the DiT (and explicit, forced, required or component choices) fail closed with the
 reasons; auxiliary components fall back from the CLI global to their default or a platform
 backend, recorded in the plan; a sparse backend chosen for self-attention serves cross-attention
-through a compatible dense backend; the seed's platform substitutions (``fa`` without a runtime →
+through a compatible dense backend; upstream's (SGLang) platform substitutions (``fa`` without a runtime →
 ``torch_sdpa``, …) are allowed and recorded.
 """
 from __future__ import annotations
@@ -29,8 +29,8 @@ from ditattn.attention.context import (
     get_forced_backend,
 )
 from ditattn.attention.names import CROSS_ROLES, AttentionBackendEnum as B
-from ditattn.attention.specs import SPECS, LayerRequest, sage_cuda_runtime
-from ditattn.errors import AttentionConfigError, BackendUnavailableError
+from ditattn.attention.specs import SPECS, LayerRequest
+from ditattn.errors import AttentionConfigError, BackendUnavailableError, short_repr
 from ditattn.platforms import Platform, current_platform
 from ditattn.platforms.policy import auto_candidates, runtime_fallback, substitute
 
@@ -114,7 +114,7 @@ EXPLICIT_SOURCES = ("explicit", "forced", "required", "component_role", "compone
 
 def resolve_on_platform(backend: B, req: LayerRequest, platform: Platform, allow_substitute: bool = True):
     """How ``platform`` serves ``backend`` for ``req``: ``(backend_to_run, substitution_reason,
-    reasons)``; reasons empty when usable (possibly through the seed's platform substitution).
+    reasons)``; reasons empty when usable (possibly through a platform substitution).
 
     Substitutions chain (``sage_attn`` -> ``fa`` -> ``torch_sdpa`` on Hopper without a fixed
     sageattention and without FlashAttention); the reason names every hop."""
@@ -233,7 +233,7 @@ def select_backend(
     rejected.append((asked.value, reasons))
 
     # a sparse backend reaching a cross-attention layer (text or image; the global or component key,
-    # or a `.cross` role key) -> a compatible dense backend, the seed's one exception to strictness
+    # or a `.cross` role key) -> a compatible dense backend, the one exception to strictness
     if SPECS[asked].sparse and layer.role in CROSS_ROLES and source in ("forced", "component", "component_role", "cli"):
         b, how = _dense_for_cross(layer, req, platform, settings, rejected)
         why = f"{asked.value} is a sparse self-attention backend and cannot serve cross-attention; using {b.value} ({how})"
@@ -249,7 +249,7 @@ def select_backend(
         run2, sub2, reasons2 = resolve_on_platform(layer.default_backend, req, platform)
         if not reasons2:
             why = f"{asked.value} cannot serve this layer ({'; '.join(reasons)}); using the layer default {run2.value}"
-            _note(component, where, why, "layer_default")  # the seed's auxiliary-component rule: INFO
+            _note(component, where, why, "layer_default")  # an auxiliary component falls back to its default: INFO
             return Decision(layer.prefix, layer.role, run2, "layer_default", requested=asked,
                             fallback_reason=why, rejected=rejected, runtime=_runtime_label(run2, platform, req, settings.config))
         rejected.append((layer.default_backend.value, reasons2))
@@ -281,7 +281,7 @@ def bind_impl(decision: Decision):
             msg = f"{decision.backend.value} -> {fallback.value} for this call: {'; '.join(exc.reasons)}"
             if msg not in _fallback_logged:
                 _fallback_logged.add(msg)
-                log.warning("%s (automatic choice; the seed's per-call fallback)", msg)
+                log.warning("%s (automatic choice; per-call fallback)", msg)
             return fb_impl(q, k, v, call, {})
 
     return run
@@ -290,38 +290,24 @@ def bind_impl(decision: Decision):
 def _check_sage_impl(platform: Platform, config: Optional[dict]) -> None:
     """Refuse ``sage_attn`` with ``impl=package`` up front where the installed package cannot run
     (Hopper with a sageattention release that lacks the SM90 binding fix): its first call would fail."""
-    from ditattn.attention.specs import runtime_broken
-
     if (config or {}).get("impl") != "package":
         return
-    for rt in SPECS[B.SAGE_ATTN].runtimes.get(platform.name, ()):
-        why = runtime_broken(rt, platform)
+    spec = SPECS[B.SAGE_ATTN]
+    for rt in spec.runtimes.get(platform.name, ()):
+        why = spec.broken_reason(rt, platform)
         if why:
             raise AttentionConfigError(f"sage_attn: impl package cannot run here: {why}; use impl auto (the in-tree "
                                        "kernels)")
 
 
 def _runtime_label(b: B, platform: Platform, req: Optional[LayerRequest] = None, config: Optional[dict] = None) -> str:
-    """The runtime label of ``b`` in the plan; for ``sage_attn`` on CUDA the implementation that runs
-    for ``req`` under the backend config (``impl``, else the automatic rule)."""
-    if b is B.SAGE_ATTN and platform.name == "cuda" and req is not None:  # per head dim, as the backend runs it
-        cfg = config or {}
-        impl = cfg.get("impl", "auto")
-        if impl == "auto":
-            impl = sage_cuda_runtime(platform, req.head_dim, req.needs_lse, cfg.get("pv_dtype", "fp16"),
-                                     bool(cfg.get("qk_balance")))[0]
-        runtimes = SPECS[b].runtimes
-        module = {"triton": "triton", "package": "sageattention", "sm90": "triton.experimental.gluon"}.get(impl)
-        labels = {rt.modules[0]: rt.label for rt in runtimes["cuda"]}
-        label = labels.get(module) or (runtimes["cpu"][0].label if impl == "reference" else "")
-        if platform.sm == 90 and cfg.get("impl", "auto") == "auto" and label:
-            from ditattn.attention.backends.sage_crossover import DEFAULT_MIN_SEQ_LEN
-
-            limit = int(cfg.get("min_seq_len", DEFAULT_MIN_SEQ_LEN) or 0)
-            if limit > 0:  # the measured Hopper crossover (backends/sage_crossover.py)
-                label += f"; fa (exact dense) below {limit} tokens"
-        return label
-    rt = SPECS[b].runtime_on(platform)
+    """The runtime label of ``b`` in the plan: the backend's own rule when its row has one (``sage_attn``
+    names the implementation that runs for ``req`` under the backend config), else the first
+    installed runtime of ``platform``."""
+    spec = SPECS[b]
+    if spec.runtime_label is not None:
+        return spec.runtime_label(spec, platform, req, config)
+    rt = spec.runtime_on(platform)
     return rt.label if rt is not None else ""
 
 
@@ -333,7 +319,7 @@ def check_overrides_used(overrides: dict, scopes: dict[str, ComponentScope], kno
         comp = key.split(".")[0]
         if comp not in known:
             raise AttentionConfigError(
-                f"--component-attention-backends: unknown component '{comp}'; this model's components: "
+                f"--component-attention-backends: unknown component {short_repr(comp)}; this model's components: "
                 f"{', '.join(sorted(known))}"
             )
         scope = scopes.get(comp)

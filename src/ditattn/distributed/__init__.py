@@ -1,10 +1,13 @@
-"""Sequence parallelism on ``torch.distributed`` (DESIGN 2.5): Ulysses, ring and USP attention.
+"""Sequence parallelism on ``torch.distributed``: Ulysses, ring and USP attention.
 
 * :mod:`~ditattn.distributed.groups` — the rank grid (``U × R = N``) and its process groups;
 * :mod:`~ditattn.distributed.comm` — all-to-all between sequence and head shards, ring rotation,
   sharding and gathering a model's token sequence;
 * :mod:`~ditattn.distributed.ring` — ring attention with the LSE merge;
 * :mod:`~ditattn.distributed.attention` — ``UlyssesAttention`` / ``USPAttention`` modules;
+* :mod:`~ditattn.distributed.cfg` — CFG parallelism: the conditional and unconditional passes on two
+  halves of the ranks, predictions all-gathered;
+* :mod:`~ditattn.distributed.vae` — the VAE's tiled decode with its tiles spread over the ranks;
 * :mod:`~ditattn.distributed.launch` — run any callable on N ranks (spawn, or ``torchrun``);
 * :mod:`~ditattn.distributed.relay` — replay rank 0's pipeline calls on the other ranks (``serve``).
 

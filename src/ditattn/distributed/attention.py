@@ -1,4 +1,4 @@
-"""``UlyssesAttention`` and ``USPAttention``: sequence-parallel attention modules (DESIGN 2.5).
+"""``UlyssesAttention`` and ``USPAttention``: sequence-parallel attention modules.
 
 Both are :class:`~ditattn.attention.layer.LocalAttention` subclasses: the backend is resolved at
 construction by the same selector (so the plan, component overrides, the per-request override
@@ -37,7 +37,7 @@ from typing import Optional, Sequence
 import torch
 
 from ditattn.attention.backends.base import AttnCall
-from ditattn.attention.context import current_forward, current_request, current_settings
+from ditattn.attention.context import current_forward, current_settings
 from ditattn.attention.layer import LocalAttention
 from ditattn.attention.names import AttentionBackendEnum as B
 from ditattn.attention.specs import SPECS
@@ -185,12 +185,7 @@ class USPAttention(LocalAttention):
                 f"{self.prefix or type(self).__name__}: an attention bias/mask is not supported under sequence "
                 f"parallelism ({g.world_size} ranks); run this layer on one rank"
             )
-        backend, impl, config = self.backend, None, self.config
-        req = current_request()
-        if req is not None and req.override_table is not None:
-            entry = req.override_table.get(id(self))
-            if entry is not None:
-                backend, impl, config = entry
+        backend, impl, config = self._request_binding()
         if impl is None:
             impl = self.impl
         if g.ring_degree > 1 and backend is not self.backend:

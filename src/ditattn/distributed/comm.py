@@ -91,8 +91,8 @@ def gather_heads(x: Tensor, group, degree: Optional[int] = None) -> Tensor:
 
 class RingComm:
     """Rotates one tensor per step around a ring group: send to the next ring rank, receive from
-    the previous one, with plain ``isend``/``irecv`` (NOTES.md: ``batch_isend_irecv`` followed by
-    ``destroy_process_group`` aborted gloo ranks).
+    the previous one, with plain ``isend``/``irecv`` (``batch_isend_irecv`` followed by
+    ``destroy_process_group`` was seen to abort gloo ranks).
 
     Even ring ranks post the send first and odd ones the receive first, so that on NCCL, where the
     two directions between the same pair of ranks share one stream, a ring of two never waits on
@@ -167,13 +167,13 @@ def shard_sequence(x: Tensor, dim: int = 1, groups: Optional[SequenceParallelGro
 
 
 def gather_sequence(x: Tensor, seq_len: int, dim: int = 1, groups: Optional[SequenceParallelGroups] = None) -> Tensor:
-    """Inverse of :func:`shard_sequence`: all-gather every rank's chunk along ``dim`` (over all
-    ranks) and drop the padding, giving the first ``seq_len`` positions on every rank."""
+    """Inverse of :func:`shard_sequence`: all-gather every rank's chunk along ``dim`` (over the
+    sequence-parallel ranks) and drop the padding, giving the first ``seq_len`` positions on every rank."""
     groups = groups if groups is not None else get_sequence_parallel()
     if groups is None or groups.world_size == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(groups.world_size)]
-    dist.all_gather(parts, x.contiguous())
+    dist.all_gather(parts, x.contiguous(), group=groups.group)
     return torch.cat(parts, dim=dim).narrow(dim, 0, seq_len)
 
 

@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ditattn.distributed.cfg import CFGParallelGroups, destroy_cfg_parallel, get_cfg_parallel, init_cfg_parallel
 from ditattn.distributed.groups import (
     SequenceParallelGroups,
     destroy_sequence_parallel,
@@ -85,8 +86,8 @@ def check_devices(device: str, world_size: int) -> None:
 @contextlib.contextmanager
 def _rank_session(rank: int, world_size: int, device: str, *, init_method: Optional[str],
                   ulysses_degree: Optional[int], ring_degree: Optional[int], local_rank: int,
-                  timeout_s: Optional[float]):
-    """Initialise torch.distributed + the sequence-parallel groups for one rank; tear down after."""
+                  timeout_s: Optional[float], cfg_degree: int = 1):
+    """Initialise torch.distributed + the sequence-parallel (and CFG) groups for one rank; tear down after."""
     kind = torch.device(device).type
     if kind == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
@@ -104,14 +105,16 @@ def _rank_session(rank: int, world_size: int, device: str, *, init_method: Optio
         dist.init_process_group(**kw)
     ok = False
     try:
-        groups = init_sequence_parallel(ulysses_degree, ring_degree)
+        groups = init_sequence_parallel(ulysses_degree, ring_degree, cfg_degree=cfg_degree)
+        init_cfg_parallel(cfg_degree)
         yield groups
         ok = True
     finally:
+        destroy_cfg_parallel()
         destroy_sequence_parallel()
         if own_pg:
             if ok:
-                dist.barrier()  # NOTES.md: barrier before destroy
+                dist.barrier()  # a barrier before destroy: a rank that destroys early aborts its peers
             dist.destroy_process_group()
 
 
@@ -127,14 +130,15 @@ def _rank_device(device: str, local_rank: int) -> str:
 @dataclasses.dataclass(frozen=True)
 class RankInfo:
     """Where ``fn`` runs: its ``rank`` of ``world_size``, its ``local_rank`` on this host, its
-    ``device`` (``cuda:<local_rank>`` on GPUs, the launch device otherwise) and the sequence-parallel
-    ``groups``."""
+    ``device`` (``cuda:<local_rank>`` on GPUs, the launch device otherwise), the sequence-parallel
+    ``groups`` and, under CFG parallelism, the ``cfg`` groups (:mod:`ditattn.distributed.cfg`)."""
 
     rank: int
     world_size: int
     local_rank: int
     device: str
     groups: SequenceParallelGroups
+    cfg: Optional[CFGParallelGroups] = None
 
 
 @contextlib.contextmanager
@@ -153,19 +157,19 @@ def _quiet_unless_rank0(rank: int):
             sys.stdout = saved
 
 
-def _run_rank(fn, args, rank, world_size, device, u, r, *, init_method, local_rank, timeout_s, quiet):
+def _run_rank(fn, args, rank, world_size, device, u, r, *, init_method, local_rank, timeout_s, quiet, cfg=1):
     with _rank_session(rank, world_size, device, init_method=init_method, ulysses_degree=u, ring_degree=r,
-                       local_rank=local_rank, timeout_s=timeout_s) as groups:
-        info = RankInfo(rank, world_size, local_rank, _rank_device(device, local_rank), groups)
+                       local_rank=local_rank, timeout_s=timeout_s, cfg_degree=cfg) as groups:
+        info = RankInfo(rank, world_size, local_rank, _rank_device(device, local_rank), groups, get_cfg_parallel())
         with _quiet_unless_rank0(rank) if quiet else contextlib.nullcontext():
             return fn(info, *args)
 
 
-def _spawn_entry(rank, world_size, port, fn, args, device, u, r, result_dir, timeout_s, quiet):
+def _spawn_entry(rank, world_size, port, fn, args, device, u, r, result_dir, timeout_s, quiet, cfg=1):
     path = os.path.join(result_dir, f"rank{rank}.pt")
     try:
         result = _run_rank(fn, args, rank, world_size, device, u, r, init_method=f"tcp://127.0.0.1:{port}",
-                           local_rank=rank, timeout_s=timeout_s, quiet=quiet)
+                           local_rank=rank, timeout_s=timeout_s, quiet=quiet, cfg=cfg)
         torch.save({"ok": result}, path)
     except AttentionConfigError as exc:
         torch.save({"error": str(exc)}, path)
@@ -188,13 +192,14 @@ def _raise_first_user_error(results: list) -> None:
 
 def launch(fn: Callable[..., Any], world_size: int, *, args: Sequence = (), device: str = "cpu",
            ulysses_degree: Optional[int] = None, ring_degree: Optional[int] = None,
-           timeout_s: Optional[float] = 300.0, quiet_followers: bool = False) -> list:
+           timeout_s: Optional[float] = 300.0, quiet_followers: bool = False, cfg_degree: int = 1) -> list:
     """Run ``fn(rank, *args)`` on ``world_size`` ranks (``rank``: :class:`RankInfo`); return the
     results by rank.
 
     Every rank initialises ``torch.distributed`` (gloo on CPU, NCCL on CUDA; ``timeout_s`` bounds
     each collective) and the sequence-parallel groups of degrees ``ulysses_degree × ring_degree =
-    world_size`` (a missing degree takes the rest), then calls ``fn``.  Spawned ranks rendezvous on
+    world_size / cfg_degree`` (a missing degree takes the rest; ``cfg_degree`` 2: CFG parallelism,
+    :mod:`ditattn.distributed.cfg`, whose groups are created too), then calls ``fn``.  Spawned ranks rendezvous on
     a free 127.0.0.1 port; ``fn`` and ``args`` must be picklable (``fn`` defined at module level)
     and results come back through ``torch.save`` files, so tensors are fine.  Under ``torchrun``
     this process runs only its own rank (``RANK``, ``LOCAL_RANK``; ``WORLD_SIZE`` must equal
@@ -202,7 +207,9 @@ def launch(fn: Callable[..., Any], world_size: int, *, args: Sequence = (), devi
     print nothing to stdout and show no progress bar.  An :class:`AttentionConfigError` raised in a
     rank is raised here with its message; any other failure raises ``RuntimeError``.
     """
-    u, r = resolve_degrees(world_size, ulysses_degree, ring_degree)
+    if cfg_degree not in (1, 2) or world_size % cfg_degree:
+        raise AttentionConfigError(f"cfg_degree must be 1 or 2 and divide the {world_size} ranks, got {cfg_degree!r}")
+    u, r = resolve_degrees(world_size // cfg_degree, ulysses_degree, ring_degree)
     if in_worker():
         raise RuntimeError("launch() called inside a launched rank; call the function directly (see in_worker)")
     if under_torchrun():
@@ -215,7 +222,7 @@ def launch(fn: Callable[..., Any], world_size: int, *, args: Sequence = (), devi
         out: list = [None] * world_size
         out[rank] = _run_rank(fn, tuple(args), rank, world_size, device, u, r, init_method="env://",
                               local_rank=int(os.environ.get("LOCAL_RANK", rank)), timeout_s=timeout_s,
-                              quiet=quiet_followers)
+                              quiet=quiet_followers, cfg=cfg_degree)
         return out
     check_devices(device, world_size)
     import torch.multiprocessing as mp
@@ -223,7 +230,7 @@ def launch(fn: Callable[..., Any], world_size: int, *, args: Sequence = (), devi
     with tempfile.TemporaryDirectory(prefix="ditattn-sp-") as tmp:
         try:
             mp.start_processes(_spawn_entry, args=(world_size, free_port(), fn, tuple(args), device, u, r, tmp,
-                                                   timeout_s, quiet_followers),
+                                                   timeout_s, quiet_followers, cfg_degree),
                                nprocs=world_size, join=True, start_method="spawn")
         except ProcessException as exc:
             results = _collect(tmp, world_size)
@@ -245,8 +252,9 @@ def _call_with_groups(rank: RankInfo, fn, *args):
 
 
 def spawn_ranks(fn: Callable[..., Any], world_size: int, *, args: Sequence = (), ulysses_degree: Optional[int] = None,
-                ring_degree: Optional[int] = None, device: str = "cpu", timeout_s: Optional[float] = 300.0) -> list:
+                ring_degree: Optional[int] = None, device: str = "cpu", timeout_s: Optional[float] = 300.0,
+                cfg_degree: int = 1) -> list:
     """:func:`launch` for a function that takes the groups: ``fn(groups, *args)`` on each rank
     (``groups``: :class:`~ditattn.distributed.groups.SequenceParallelGroups`); returns each rank's result."""
     return launch(_call_with_groups, world_size, args=(fn, *args), device=device, ulysses_degree=ulysses_degree,
-                  ring_degree=ring_degree, timeout_s=timeout_s)
+                  ring_degree=ring_degree, timeout_s=timeout_s, cfg_degree=cfg_degree)

@@ -10,16 +10,18 @@ import argparse
 import dataclasses
 import importlib
 import logging
+import re
 import sys
 from typing import Callable, Optional, Sequence
 
 from ditattn.entrypoints import flags
-from ditattn.errors import AttentionConfigError
+from ditattn.errors import AttentionConfigError, short_repr
 from ditattn.runconfig import RunConfig
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2
+    def error(self, message: str):  # one line, exit 2, with the values argparse quotes cut short
+        message = re.sub(r"'([^']{100,})'|\"([^\"]{100,})\"", lambda m: short_repr(m.group(1) or m.group(2)), message)
         sys.stderr.write(f"error: {message} (see '{self.prog} --help')\n")
         raise SystemExit(2)
 
@@ -45,24 +47,33 @@ def _json(what: str):
 COMMANDS = (
     Command("generate", "run a pipeline and write the video (.mp4) or image (.png)",
             "Run the pipeline and write the result into --output-path.",
-            (lambda p: flags.model_flags(p, prompt=True), flags.output_flags, flags.attention_flags),
-            ("model", "sampling", "attention", "parallel", "output", "verbose"),
+            (lambda p: flags.model_flags(p, prompt=True), flags.output_flags, flags.attention_flags,
+             flags.cache_flags),
+            ("model", "sampling", "attention", "cache", "parallel", "output", "verbose"),
             "ditattn.entrypoints.generate:run"),
     Command("plan", "resolve every attention layer without denoising and print the plan",
             "Build the pipeline, resolve each attention layer, print which backend it got and why.",
-            (flags.model_flags, _json("the plan"), flags.attention_flags, flags.platform_flags),
-            ("model", "sampling", "attention", "parallel", "simulation", "verbose", "json"),
+            (flags.model_flags, _json("the plan"), flags.attention_flags, flags.cache_flags, flags.platform_flags),
+            ("model", "sampling", "attention", "cache", "parallel", "simulation", "verbose", "json"),
             "ditattn.entrypoints.plan:run"),
     Command("backends", "list every attention backend, whether it runs here and why not",
-            "List every attention backend, whether it runs here and why not, and its config keys.",
-            (_json("the list"), flags.attention_flags, flags.platform_flags),
-            ("attention", "simulation", "verbose", "json"),
+            "One line per attention backend: its name, kind, whether it runs here and, if not, why. "
+            "'ditattn backends NAME' or --verbose: parameters and every reason in full.",
+            (flags.backends_flags, _json("the list"), flags.attention_flags, flags.platform_flags),
+            ("attention", "simulation", "backends", "verbose", "json"),
             "ditattn.entrypoints.backends:run"),
     Command("serve", "OpenAI-compatible image/video server",
             "Serve the model over an OpenAI-compatible HTTP API (images, video jobs, models, health, metrics).",
-            (flags.model_flags, flags.server_flags, flags.attention_flags),
-            ("model", "sampling", "attention", "parallel", "server", "verbose"),
+            (flags.model_flags, flags.server_flags, flags.attention_flags, flags.cache_flags),
+            ("model", "sampling", "attention", "cache", "parallel", "server", "verbose"),
             "ditattn.entrypoints.serve:run"),
+    Command("calibrate-cache", "calibrate the step-cache methods (teacache, magcache) for a model",
+            "Run uncached generations of the given prompts, record per step how much the DiT's modulated input and "
+            "its block-stack residual change, and write a calibration JSON (the TeaCache polynomial and the MagCache "
+            "magnitude-ratio curve) that the methods take as calibration=PATH (docs/caching.md).",
+            (lambda p: flags.model_flags(p, seed=False), flags.calibrate_flags),
+            ("model", "sampling", "calibrate", "verbose"),
+            "ditattn.entrypoints.calibrate_cache:run"),
     Command("compare", "paired generations under several attention settings: time, PSNR/SSIM, per-layer error",
             "Run the same prompts and seeds under two or more attention settings (--variant; the first is the "
             "reference), pair the clips per prompt and seed, and report per variant: DiT and whole time, PSNR / "
@@ -77,10 +88,23 @@ COMMANDS = (
 )
 
 
+def _version() -> str:
+    """The installed distribution's version (importlib.metadata), else the package's own."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ditattn")
+    except PackageNotFoundError:
+        from ditattn import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="ditattn", description="Diffusion-transformer inference with pluggable attention backends.",
                 argument_default=argparse.SUPPRESS)
     p.add_argument("-v", "--verbose", action="store_true", help="log attention decisions and fallbacks")
+    p.add_argument("--version", action="version", version=f"ditattn {_version()}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     for cmd in COMMANDS:

@@ -22,9 +22,10 @@ def compare_config(cfg: RunConfig):
     if cfg.model.dit_quantization != "none":
         raise AttentionConfigError("compare takes the DiT quantization per variant, not --dit-quantization; accepted: "
                                    "--variant NAME=BACKEND+fp8 (or +int8)")
-    if cfg.model.backend != "native" or cfg.parallel.num_gpus != 1:
+    p = cfg.parallel
+    if cfg.model.backend != "native" or p.num_gpus != 1 or p.cfg_parallel or p.vae_parallel:
         raise AttentionConfigError("compare runs the native pipeline on one device; accepted: --backend native, "
-                                   "--num-gpus 1")
+                                   "--num-gpus 1 (no --cfg-parallel / --vae-parallel)")
     s, c, o = cfg.sampling, cfg.compare, cfg.output
     if s.prompt is not None or s.seed is not None:
         raise AttentionConfigError("compare takes 'prompts' and 'seeds' (flags --prompt, --seed, both repeatable), "
@@ -36,6 +37,8 @@ def compare_config(cfg: RunConfig):
         model_path=cfg.model.model_path, device=cfg.model.device, dtype=cfg.model.dtype,
         negative_prompt=s.negative_prompt, num_inference_steps=s.num_inference_steps,
         guidance_scale=s.guidance_scale, height=s.height, width=s.width, num_frames=s.num_frames,
+        sampling={k: getattr(s, k) for k in ("scheduler", "flow_shift", "timesteps", "cfg_interval", "cfg_batching")
+                  if getattr(s, k) is not None},
         capture_steps=c.capture_steps, capture_rows=c.capture_rows, in_context=c.in_context, warmup=c.warmup,
         output_dir=o.output_path, write_video=c.write_video, save_clips=c.save_clips, fps=o.fps or 16,
         base=dataclasses.replace(cfg.attention_settings(), backend=None), dit_weights=cfg.model.dit_weights)

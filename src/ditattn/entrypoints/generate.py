@@ -19,7 +19,7 @@ from typing import Optional
 
 from ditattn import settings
 from ditattn.distributed.launch import RankInfo
-from ditattn.entrypoints.ranks import needs_ranks, run_on_ranks
+from ditattn.entrypoints.ranks import check_cfg_guidance, needs_ranks, run_on_ranks
 from ditattn.errors import AttentionConfigError
 from ditattn.runconfig import RunConfig
 
@@ -42,7 +42,8 @@ def run(cfg: RunConfig) -> int:
         from ditattn.pipelines.diffusers_backend import reject_native_only_options
 
         reject_native_only_options(cfg)  # before any launch: sequence parallelism is native-only
-    cfg.parallel.degrees()  # U x R must equal --num-gpus
+    cfg.parallel.degrees()  # (2 with --cfg-parallel) x U x R must equal --num-gpus
+    check_cfg_guidance(cfg)  # --cfg-parallel with --guidance-scale <= 1 (the model's default: in the preflight)
     if needs_ranks(cfg):  # each rank runs run_rank below
         return run_on_ranks(run_rank, cfg)
     return generate_here(cfg, t_start)
@@ -125,9 +126,11 @@ def _write(cfg: RunConfig, frames, num_frames: int) -> Optional[str]:
 
 
 def _report(cfg: RunConfig, frames, *, t_start: float, load: float, steps: int, size: tuple, num_frames: int,
-            parts: dict, backends: str, stats: Optional[dict] = None, peak_memory: Optional[int] = None) -> None:
+            parts: dict, backends: str, stats: Optional[dict] = None, peak_memory: Optional[int] = None,
+            sampling: Optional[dict] = None, cache: Optional[dict] = None) -> None:
     """Write the output, print its path, the attention stats and the one-line timing summary (with
-    the peak CUDA memory of the generation when it ran on a GPU)."""
+    the sampler, the DiT forwards per clip and the CFG mode of ``sampling`` when given, and the peak
+    CUDA memory of the generation when it ran on a GPU)."""
     t0 = time.perf_counter()
     path = _write(cfg, frames, num_frames)
     parts = {**parts, "save": time.perf_counter() - t0}
@@ -142,8 +145,16 @@ def _report(cfg: RunConfig, frames, *, t_start: float, load: float, steps: int, 
     where = "" if path else " (not saved)"
     total = time.perf_counter() - t_start
     peak = f"; peak GPU memory {peak_memory / 2**30:.1f} GiB" if peak_memory is not None else ""
-    print(f"done in {total:.1f}s{where}: {w}x{h}, {num_frames} frame{'s' if num_frames != 1 else ''}, {steps} steps "
-          f"(load {load:.1f}s, {detail}); DiT attention: {backends}{peak}")
+    how = ""
+    if sampling:  # e.g. ", lcm shift 5, 4 DiT forwards, CFG off"
+        how = (f", {sampling['scheduler']} shift {sampling['flow_shift']:g}, {sampling['forwards']} DiT forwards, "
+               f"CFG {sampling['cfg']}")
+    step_cache = ""
+    if cache is not None:  # the step cache's count: DiT forwards computed / reused
+        step_cache = (f"; step cache {cache['backend']}: {cache['computed']} of {cache['forwards']} DiT forwards "
+                      f"computed, {cache['reused']} reused")
+    print(f"done in {total:.1f}s{where}: {w}x{h}, {num_frames} frame{'s' if num_frames != 1 else ''}, {steps} steps"
+          f"{how} (load {load:.1f}s, {detail}); DiT attention: {backends}{peak}{step_cache}")
     sys.stdout.flush()
 
 
@@ -155,9 +166,13 @@ def _generate_native(cfg: RunConfig, t_start: float) -> int:
     kw = cfg.generate_kwargs()
     _tune_cpu_threads(cfg.model.device)
     _output_path(cfg, cfg.sampling.num_frames)  # refuse an unwritable output before loading
+    from ditattn.pipelines.sampling import check_sampling_settings
+
+    check_sampling_settings(cfg)  # ... and sampler settings the checkpoint's scheduler cannot take
     t0 = time.perf_counter()
     pipe = WanPipelineNative.from_config(cfg, lora_fuse=True)  # one run: LoRAs fused unless --lora-fuse false
     _output_path(cfg, kw["num_frames"] or pipe.defaults["num_frames"])  # ... and with the frame count, before the work
+    _warn_if_slow(pipe, kw)
     state = pipe.prepare_request(kw.pop("override"), kw.pop("skip_softmax"))
     load = time.perf_counter() - t0 + (t0 - t_start)
     res = pipe.generate(**kw, request_state=state, progress=sequence_parallel_rank() == 0)  # one bar: rank 0's
@@ -165,8 +180,30 @@ def _generate_native(cfg: RunConfig, t_start: float) -> int:
     _report(cfg, res.frames[0], t_start=t_start, load=load, steps=res.num_inference_steps,
             size=(res.width, res.height), num_frames=res.num_frames, parts=parts,
             backends=",".join(res.attention_backends) + _linears_note(pipe), stats=res.stats,
-            peak_memory=res.peak_memory)
+            peak_memory=res.peak_memory, sampling=res.sampling, cache=res.cache)
     return 0
+
+
+def _warn_if_slow(pipe, kw: dict) -> None:
+    """On the CPU: a warning on stderr, with the estimate, when the request would take minutes
+    (:mod:`ditattn.pipelines.estimate`); the run goes on."""
+    from ditattn.pipelines.estimate import WARN_SECONDS, estimate, human_seconds
+
+    if pipe.device.type != "cpu":
+        return
+    dit = "transformer" if "transformer" in pipe.components else "transformer_2"
+    d, c = pipe.defaults, pipe.components[dit].config
+    h, w = kw["height"] or d["height"], kw["width"] or d["width"]
+    frames, steps = kw["num_frames"] or d["num_frames"], kw["num_inference_steps"] or d["num_inference_steps"]
+    guidance = (d["guidance_scale"] if kw["guidance_scale"] is None else kw["guidance_scale"]) > 1.0
+    est = estimate(height=h, width=w, num_frames=frames, steps=steps, guidance=guidance, layers=c.num_layers,
+                   heads=c.num_attention_heads, head_dim=c.attention_head_dim, ffn_dim=c.ffn_dim,
+                   patch_size=c.patch_size, vae_spatial=pipe.vae_scale_spatial, vae_temporal=pipe.vae_scale_temporal)
+    if est.seconds > WARN_SECONDS:
+        sys.stderr.write(f"warning: {w}x{h}, {frames} frames, {steps} steps on the CPU: {est.describe()}, roughly "
+                         f"{human_seconds(est.seconds)} here; a smaller --height/--width/--num-frames or fewer "
+                         "--num-inference-steps is faster, a GPU much faster\n")
+        sys.stderr.flush()
 
 
 def _diffusers_image(mi, path: Optional[str]):
@@ -192,6 +229,9 @@ def _linears_note(pipe) -> str:
 
 
 def _generate_diffusers(cfg: RunConfig, t_start: float) -> int:
+    from ditattn.cache.config import resolve_cache
+
+    resolve_cache(cfg.cache.cache_backend, cfg.cache.cache_backend_config, native=False)  # refused: native only
     import torch
 
     from ditattn.models.weights import read_json

@@ -1,5 +1,5 @@
 """``ditattn plan``: resolve every attention layer of the native pipeline without weights or
-denoising and print the plan (``--json``: the DESIGN 1.5 object), on the machine here or on the
+denoising and print the plan (``--json``: the plan as a JSON object), on the machine here or on the
 platform ``--platform`` simulates (``cfg.simulation``)."""
 from __future__ import annotations
 
@@ -27,8 +27,11 @@ def _plan(cfg: RunConfig) -> int:
     if any(v is not None for v in (s.height, s.width, s.num_frames)):  # a size the model cannot generate is an error
         d = pipe.defaults
         pipe.check_size(s.height or d["height"], s.width or d["width"], s.num_frames or d["num_frames"])
-    unused = [f"--{flag_name(k)}" for k in ("prompt", "negative_prompt", "num_inference_steps", "guidance_scale",
-                                             "guidance_scale_2", "image", "seed")
+    from ditattn.pipelines.sampling import format_sampling, sampling_plan
+
+    sampling = sampling_plan(pipe, s, steps=s.num_inference_steps, guidance=s.guidance_scale, height=s.height,
+                             width=s.width, num_frames=s.num_frames)
+    unused = [f"--{flag_name(k)}" for k in ("prompt", "negative_prompt", "guidance_scale_2", "image", "seed")
               if getattr(s, k) not in (None, 0)]
     m = cfg.model
     unused += [f"--{flag_name(k)}" for k in ("lora_path", "lora_fuse", "vae_tiling", "vae_slicing")
@@ -42,10 +45,15 @@ def _plan(cfg: RunConfig) -> int:
     if cfg.json:
         if override is not None:
             plan["request_override"] = override
+        plan["sampling"] = sampling
         print(json.dumps(plan, indent=2))
     else:
         dtype = str(pipe.dtype).replace("torch.", "")
         print(format_plan(plan, model=pipe.model_index.name, dtype=dtype, override=override))
+        print(format_sampling(sampling))
+        cache = pipe.cache_setting
+        print(f"step cache: {cache.describe() if cache is not None else 'none'}"
+              + (f" [reuses {cache.method.facts.reuses}; decided by {cache.method.facts.signal}]" if cache else ""))
     return 0
 
 
@@ -55,6 +63,9 @@ def _plan_diffusers(cfg: RunConfig) -> int:
     from ditattn.pipelines.plan import format_plan
 
     reject_native_only_options(cfg)
+    from ditattn.cache.config import resolve_cache
+
+    resolve_cache(cfg.cache.cache_backend, cfg.cache.cache_backend_config, native=False)  # refused: native only
     routing, name, dtype = plan_diffusers(cfg)
     plan = routing.plan()
     override = None

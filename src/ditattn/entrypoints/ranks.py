@@ -3,10 +3,11 @@ rank starts, then run the command's rank function on every rank through
 :func:`ditattn.distributed.launch.launch`."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 from ditattn import settings
 from ditattn.distributed.launch import RankInfo, check_devices, in_worker, launch, own_result, under_torchrun
+from ditattn.errors import AttentionConfigError
 from ditattn.runconfig import RunConfig
 
 
@@ -20,7 +21,8 @@ def preflight(cfg: RunConfig) -> None:
     times): the native pipeline is built as for ``ditattn plan`` — on the meta device, no weights —
     under the run's attention settings and degrees, so heads that do not divide by the Ulysses
     degree, ring with a backend without LSE (sparse included), bad overrides and a refused
-    ``--attention-backend-override`` raise :class:`AttentionConfigError` here.  Skipped for
+    ``--attention-backend-override`` raise :class:`AttentionConfigError` here, and so does
+    ``--cfg-parallel`` without guidance (:func:`check_cfg_guidance`).  Skipped for
     ``--backend diffusers``."""
     if cfg.model.backend != "native":
         return
@@ -28,6 +30,20 @@ def preflight(cfg: RunConfig) -> None:
 
     pipe = WanPipelineNative.from_config(cfg, load_weights=False)
     pipe.prepare_request(cfg.attention.attention_backend_override, cfg.attention.skip_softmax())
+    if cfg.parallel.cfg_parallel:
+        check_cfg_guidance(cfg, pipe.defaults["guidance_scale"])
+
+
+def check_cfg_guidance(cfg: RunConfig, default: Optional[float] = None) -> None:
+    """Refuse ``--cfg-parallel`` when the run has no unconditional pass to put on the second half of
+    the ranks: a guidance scale <= 1 (``--guidance-scale``, else ``default``, the model's)."""
+    g = cfg.sampling.guidance_scale if cfg.sampling.guidance_scale is not None else default
+    if cfg.parallel.cfg_parallel and g is not None and g <= 1.0:
+        where = "--guidance-scale" if cfg.sampling.guidance_scale is not None else "this model's default guidance scale"
+        raise AttentionConfigError(
+            f"--cfg-parallel runs the unconditional pass on half of the ranks, but {where} is {g:g} (<= 1: no "
+            f"unconditional pass); use --guidance-scale above 1, or drop --cfg-parallel"
+        )
 
 
 def run_on_ranks(rank_fn: Callable[[RankInfo, RunConfig], int], cfg: RunConfig) -> int:
@@ -44,5 +60,6 @@ def run_on_ranks(rank_fn: Callable[[RankInfo, RunConfig], int], cfg: RunConfig) 
         check_devices(device, n)
     preflight(cfg)
     results = launch(rank_fn, n, args=(cfg,), device=device, ulysses_degree=u, ring_degree=r,
-                     timeout_s=settings.dist_timeout_s(), quiet_followers=True)
+                     timeout_s=settings.dist_timeout_s(), quiet_followers=True,
+                     cfg_degree=cfg.parallel.cfg_degree())
     return int(own_result(results) or 0)

@@ -60,9 +60,8 @@ def run(cfg: RunConfig) -> int:
 def serve_here(cfg: RunConfig) -> int:
     """Load the pipeline and serve it on ``cfg.server.host:port`` until a signal ends it (the
     first SIGTERM / Ctrl-C drains: :mod:`ditattn.server.lifecycle`)."""
-    import uvicorn
-
     from ditattn.server.app import create_app
+    from ditattn.server.connection import uvicorn_config
     from ditattn.server.lifecycle import DrainingServer
     from ditattn.server.runner import build_runner
 
@@ -72,15 +71,18 @@ def serve_here(cfg: RunConfig) -> int:
     state = app.state.server
     host, port = cfg.server.host, cfg.server.port
     if host not in ("127.0.0.1", "localhost", "::1") and not cfg.server.api_key:
-        log.warning("serving on %s without --api-key: anyone who can reach this address can use the server", host)
+        log.warning("serving on %s without --api-key: anyone who can reach this address can use the server (web "
+                    "pages cannot: requests must name it by IP address, localhost, --public-url or --allowed-hosts)",
+                    host)
     where = (f"outputs and job store in {state.output_dir}" if cfg.server.output_dir else
              "no --output-dir: outputs in a temporary folder, video jobs are not kept across restarts")
     q = runner.pipe.quantization_summary()  # per process: every request runs these linears
     linears = f"; DiT linears: {q}" if q else ""
     print(f"ditattn serve: model {runner.model_id} on http://{host}:{port} "
           f"(DiT attention: {', '.join(runner.default_backends())}{linears}; {where})", flush=True)
-    server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level="info" if cfg.verbose else "warning",
-                                           timeout_graceful_shutdown=5), state)
+    config = uvicorn_config(app, cfg.server, log_level="info" if cfg.verbose else "warning",
+                            timeout_graceful_shutdown=5)
+    server = DrainingServer(config, state)  # h11 with read timeouts and half-close support (server.connection)
     server.run()
     return 0
 

@@ -49,9 +49,10 @@ from ditattn.models.quantization import MODES, check_mode
 log = logging.getLogger("ditattn.compare")
 
 _NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")
-VARIANT_SYNTAX = ("NAME=BACKEND[:k=v;k=v][@component=backend,...][+fp8|+int8] or NAME={json object with backend, "
-                  "config, components, dit_quantization}; BACKEND 'auto' = automatic choice; +fp8 / +int8: 8-bit DiT "
-                  "linears")
+VARIANT_SYNTAX = ("NAME=BACKEND[:k=v;k=v][@component=backend,...][+fp8|+int8][+cache:METHOD[:k=v;k=v]] or "
+                  "NAME={json object with backend, config, components, dit_quantization, cache}; BACKEND 'auto' = "
+                  "automatic choice; +fp8 / +int8: 8-bit DiT linears; +cache: a step cache (teacache, magcache, "
+                  "first_block_cache) and its keys")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +66,8 @@ class Variant:
     config: dict = dataclasses.field(default_factory=dict)
     components: dict = dataclasses.field(default_factory=dict)
     dit_quantization: str = "none"
+    #: the step cache: ``{"backend": method, "config": {keys given}}`` or None (no cache)
+    cache: Optional[dict] = None
 
     def settings(self, base: Optional[AttentionSettings] = None) -> AttentionSettings:
         """The run settings: ``base`` (autotune, parallel degrees, compile flags) with this
@@ -78,7 +81,12 @@ class Variant:
         cfg = ",".join(f"{k}={v}" for k, v in self.config.items())
         comps = ",".join(f"{k}={v}" for k, v in self.components.items())
         quant = f"+{self.dit_quantization}" if self.dit_quantization != "none" else ""
-        return f"{self.backend or 'auto'}" + (f":{cfg}" if cfg else "") + (f"@{comps}" if comps else "") + quant
+        cache = ""
+        if self.cache:
+            keys = ";".join(f"{k}={v}" for k, v in self.cache["config"].items())
+            cache = f"+cache:{self.cache['backend']}" + (f":{keys}" if keys else "")
+        head = f"{self.backend or 'auto'}" + (f":{cfg}" if cfg else "") + (f"@{comps}" if comps else "")
+        return head + quant + cache
 
 
 def parse_variant(text: str) -> Variant:
@@ -91,20 +99,24 @@ def parse_variant(text: str) -> Variant:
         raise AttentionConfigError(f"bad --variant {text!r}: expected {VARIANT_SYNTAX}")
     if not _NAME.match(name):
         raise AttentionConfigError(f"bad --variant name {name!r}: use letters, digits and _ . + - only")
+    cache = None
     if spec.startswith("{"):
         try:
             data = json.loads(spec)
         except json.JSONDecodeError as exc:
             raise AttentionConfigError(f"--variant {name}: not valid JSON ({exc}); expected {VARIANT_SYNTAX}") from None
-        unknown = set(data) - {"backend", "config", "components", "dit_quantization"}
+        unknown = set(data) - {"backend", "config", "components", "dit_quantization", "cache"}
         if unknown:
             raise AttentionConfigError(f"--variant {name}: unknown key(s) {sorted(unknown)}; accepted: backend, "
-                                       "config, components, dit_quantization")
+                                       "config, components, dit_quantization, cache")
+        cache = data.get("cache")
         backend, config, comps = data.get("backend"), data.get("config") or {}, data.get("components") or {}
         quant = data.get("dit_quantization") or "none"
         if not isinstance(config, dict) or not isinstance(comps, dict):
             raise AttentionConfigError(f"--variant {name}: 'config' and 'components' must be JSON objects")
     else:
+        spec, _, cache = spec.partition("+cache:")
+        cache = cache or None
         head, plus, tail = spec.rpartition("+")
         spec, quant = (head, tail.strip()) if plus and tail.strip() in MODES else (spec, "none")
         spec, at, comp_text = spec.partition("@")
@@ -126,7 +138,32 @@ def parse_variant(text: str) -> Variant:
         config = {k: full[k] for k in config}
     parse_component_overrides(comps or None)  # validates component keys and backend names
     return Variant(name, canon, config, {str(k).strip(): str(v).strip() for k, v in comps.items()},
-                   check_mode(quant))
+                   check_mode(quant), _variant_cache(name, cache))
+
+
+def _variant_cache(name: str, spec) -> Optional[dict]:
+    """A variant's step cache from ``METHOD[:k=v;k=v]`` or ``{"backend": ..., "config": {...}}`` (None / "none":
+    no cache), checked against the method's schema."""
+    from ditattn.cache.config import parse_cache_backend_config, validate_cache
+
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        method, _, keys = spec.strip().partition(":")
+        config: dict = {}
+        for piece in keys.split(";"):
+            if piece.strip():
+                config.update(parse_cache_backend_config(piece))
+    elif isinstance(spec, dict) and set(spec) <= {"backend", "config"} and isinstance(spec.get("config", {}), dict):
+        method, config = spec.get("backend"), dict(spec.get("config") or {})
+    else:
+        raise AttentionConfigError(f"--variant {name}: 'cache' must be METHOD[:k=v;k=v] or an object with backend "
+                                   "and config")
+    try:
+        found = validate_cache(method, config)
+    except AttentionConfigError as exc:
+        raise AttentionConfigError(f"--variant {name}: {exc}") from None
+    return None if found is None else {"backend": found[0].name, "config": config}
 
 
 @dataclasses.dataclass
@@ -158,6 +195,8 @@ class CompareConfig:
     height: Optional[int] = None
     width: Optional[int] = None
     num_frames: Optional[int] = None
+    #: sampler settings for every variant (scheduler, flow_shift, timesteps, cfg_interval, cfg_batching)
+    sampling: dict = dataclasses.field(default_factory=dict)
     capture_steps: tuple = (0, -1)
     capture_rows: int = 4096
     in_context: bool = True
@@ -203,6 +242,11 @@ def _reference_map(pipe) -> dict:
     return {layer.layer_key: (layer.backend, dict(layer.config)) for layer in self_attention_layers(pipe.dit_modules)}
 
 
+def _cache_args(var: Variant) -> tuple:
+    """``(cache_backend, cache_backend_config)`` of a variant's generate calls (``none``: no cache)."""
+    return ("none", None) if var.cache is None else (var.cache["backend"], var.cache["config"])
+
+
 def run_compare(cfg: CompareConfig) -> dict:
     """Run every variant over every prompt and seed and return the report (module docstring)."""
     from tqdm.auto import tqdm
@@ -211,9 +255,10 @@ def run_compare(cfg: CompareConfig) -> dict:
 
     cfg.validate()
     for var in cfg.variants:  # every variant refused before the first run, not after it (plans, no weights)
-        WanPipelineNative.from_pretrained(cfg.model_path, var.settings(cfg.base), device=cfg.device, dtype=cfg.dtype,
-                                          dit_quantization=var.dit_quantization, dit_weights=cfg.dit_weights,
-                                          load_weights=False)
+        plan = WanPipelineNative.from_pretrained(cfg.model_path, var.settings(cfg.base), device=cfg.device,
+                                                 dtype=cfg.dtype, dit_quantization=var.dit_quantization,
+                                                 dit_weights=cfg.dit_weights, load_weights=False)
+        plan.prepare_cache(*_cache_args(var))
     pairs = [(pi, p, int(s)) for pi, p in enumerate(cfg.prompts) for s in cfg.seeds]
     bar = tqdm(total=len(cfg.variants) * len(pairs), desc="compare", unit="run", file=sys.stderr,
                disable=not cfg.progress, dynamic_ncols=True)
@@ -230,9 +275,12 @@ def run_compare(cfg: CompareConfig) -> dict:
                                                      dit_weights=cfg.dit_weights)
             d = pipe.defaults
             steps = cfg.num_inference_steps or d["num_inference_steps"]
+            if cfg.sampling.get("timesteps"):
+                steps = len(cfg.sampling["timesteps"])  # an explicit schedule overrides the step count
             capture = resolve_steps(cfg.capture_steps, steps)
             gen_kw = dict(height=cfg.height, width=cfg.width, num_frames=cfg.num_frames, num_inference_steps=steps,
-                          guidance_scale=cfg.guidance_scale, progress=False)
+                          guidance_scale=cfg.guidance_scale, progress=False, **cfg.sampling)
+            gen_kw["cache_backend"], gen_kw["cache_backend_config"] = _cache_args(var)
             if vi == 0:
                 ref_map = _reference_map(pipe)
                 meta = {"model": pipe.model_index.name, "device": str(pipe.device),
@@ -259,7 +307,7 @@ def run_compare(cfg: CompareConfig) -> dict:
                        "attention_backends": res.attention_backends, "kept_fraction": rec.kept_fraction(),
                        "sparse_calls": rec.sparse_calls, "dense_phase_calls": rec.dense_calls,
                        "dense_fallback_calls": rec.fallback_calls,
-                       "sparse_layers": res.stats.get("sparse_layers", {})}
+                       "sparse_layers": res.stats.get("sparse_layers", {}), "cache": res.cache}
                 if vi == 0:
                     ref_recs[ji] = rec
                 else:
@@ -269,6 +317,7 @@ def run_compare(cfg: CompareConfig) -> dict:
                 runs.append(run)
                 bar.update(1)
             report_variants.append({"name": var.name, "backend": var.backend or "auto", "config": var.config,
+                                    "cache": var.cache,
                                     "components": var.components, "dit_quantization": var.dit_quantization,
                                     "label": var.label(),
                                     "dit_backends": pipe.dit_backends(), "runs": runs})

@@ -10,6 +10,15 @@ with ``use_rslora``), where ``alpha`` comes from the file's LoRA metadata (``lor
 ``scale`` is the user's (``path:scale``).  The native DiT keeps diffusers' module names, so the keys
 map one to one (``transformer.blocks.0.attn1.to_q.lora_A.weight`` -> ``blocks.0.attn1.to_q``).
 
+Full-weight deltas: files in the original Wan layout (``diffusion_model.blocks.0.self_attn.q.lora_down.weight``,
+``lora_up``, ``alpha``), as the step-distill LoRAs of LightX2V and Kijai's extractions ship, also carry
+``<param>.diff`` (a weight delta: norms, ``patch_embedding``, ``modulation``, ``head.head``) and
+``<module>.diff_b`` (a bias delta) tensors.  ditattn takes them out before diffusers' reader (which
+drops most of them), renames them with diffusers' Wan checkpoint converter
+(``blocks.0.norm3`` -> ``blocks.0.norm2``, ``head.modulation`` -> ``scale_shift_table``) and adds
+``scale * delta`` to the parameter at load time — also for unfused adapters, whose request scales then
+change the low-rank part only.
+
 Unfused adapters live in :class:`LoRALinear` (an ``nn.Linear`` sharing the base weight, so every
 reader of ``.weight`` still works); the scales in effect are a context variable
 (:func:`lora_scales`), so concurrent requests cannot see each other's.
@@ -30,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ditattn.attention.names import DIT_COMPONENTS
-from ditattn.errors import AttentionConfigError
+from ditattn.errors import AttentionConfigError, short_repr
 
 LORA_COMPONENTS = DIT_COMPONENTS
 
@@ -70,7 +79,7 @@ def parse_lora_spec(text: str) -> LoRASpec:
     if eq and head in LORA_COMPONENTS:
         component, text = head, rest
     elif eq and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", head) and not os.path.exists(text):
-        raise LoRAError(f"--lora-path {text!r}: component {head!r} takes no LoRA; accepted: "
+        raise LoRAError(f"--lora-path {short_repr(text)}: component {short_repr(head)} takes no LoRA; accepted: "
                         f"{', '.join(LORA_COMPONENTS)}")
     path, scale = text, 1.0
     stem, colon, tail = text.rpartition(":")
@@ -81,7 +90,8 @@ def parse_lora_spec(text: str) -> LoRASpec:
             pass
         else:
             if not math.isfinite(scale):
-                raise LoRAError(f"--lora-path {text!r}: the scale must be a finite number, got {tail!r}")
+                raise LoRAError(f"--lora-path {short_repr(text)}: the scale must be a finite number, "
+                                f"got {short_repr(tail)}")
             path = stem
     return LoRASpec(path, scale, component)
 
@@ -97,6 +107,47 @@ class LoRAWeights:
 
     name: str
     modules: dict
+    #: full-weight deltas: DiT parameter name (``blocks.0.norm2.weight``) -> tensor of its shape
+    deltas: dict = dataclasses.field(default_factory=dict)
+
+
+DELTA_SUFFIXES = (".diff", ".diff_b")
+
+
+def _split_deltas(path: str) -> Optional[tuple[dict, dict]]:
+    """``(the file's low-rank tensors, {DiT parameter name: delta})`` for an original-layout
+    ``.safetensors`` file with ``.diff`` / ``.diff_b`` or ``.alpha`` tensors (module docstring), else
+    None.  Each ``<m>.alpha`` is folded into ``<m>.lora_down.weight`` (times ``alpha / rank``), as
+    diffusers' converter does for the blocks, so it also holds for the embedders and ``time_projection``."""
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    if not (os.path.isfile(path) and path.endswith(".safetensors")):
+        return None
+    try:
+        with safe_open(path, "pt") as f:
+            keys = list(f.keys())
+            if not any(k.startswith("diffusion_model.") for k in keys) or not any(
+                    k.endswith((*DELTA_SUFFIXES, ".alpha")) for k in keys):
+                return None
+        state = load_file(path)
+    except Exception:  # noqa: BLE001 - an unreadable file (SafetensorError, OSError): diffusers' reader reports it
+        return None
+    for key in [k for k in state if k.endswith(".alpha")]:
+        down = next((key[: -len("alpha")] + d for d in ("lora_down.weight", "lora_A.weight")
+                     if key[: -len("alpha")] + d in state), None)
+        if down is not None:
+            alpha = state.pop(key)
+            state[down] = state[down] * (float(alpha) / state[down].shape[0])
+    deltas = {}
+    for key in [k for k in state if k.endswith(DELTA_SUFFIXES)]:
+        tensor = state.pop(key)
+        stem = key.removeprefix("diffusion_model.").rpartition(".")[0]
+        param = stem + (".bias" if key.endswith(".diff_b") else "" if stem.endswith("modulation") else ".weight")
+        (name,) = convert_wan_transformer_to_diffusers({param: tensor}).keys()  # one key in, one out
+        deltas[name] = tensor
+    return state, deltas
 
 
 def _alpha_for(module: str, rank: int, meta: Mapping) -> float:
@@ -131,12 +182,16 @@ def read_lora(spec: LoRASpec, name: Optional[str] = None) -> LoRAWeights:
     path = os.path.expanduser(spec.path)
     if not os.path.exists(path):
         raise LoRAError(f"--lora-path {spec.path}: no such file or folder")
-    kw = {}
-    if os.path.isfile(path):
+    split = _split_deltas(path)
+    kw, deltas, source = {}, {}, path
+    if split is not None:
+        source, deltas = split  # the rest as a state dict (original-layout files carry no LoRA metadata)
+    elif os.path.isfile(path):
         kw = {"weight_name": os.path.basename(path)}
-        path = os.path.dirname(path) or "."
+        source = os.path.dirname(path) or "."
     try:
-        state, meta = WanLoraLoaderMixin.lora_state_dict(path, local_files_only=True, return_lora_metadata=True, **kw)
+        state, meta = ({}, None) if split is not None and not source else WanLoraLoaderMixin.lora_state_dict(
+            source, local_files_only=True, return_lora_metadata=True, **kw)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         msg = " ".join(str(exc).split())[:300]
         raise LoRAError(f"--lora-path {spec.path}: cannot read a LoRA from it ({msg})") from None
@@ -156,15 +211,18 @@ def read_lora(spec: LoRASpec, name: Optional[str] = None) -> LoRAWeights:
         groups.setdefault(m.group(1), {})[f"{m.group(2)}.{m.group(3)}"] = tensor
     modules = {}
     for module, parts in sorted(groups.items()):
+        if set(parts) == {"lora_B.bias"}:  # a bias delta without a low-rank pair (e.g. diff_b of the text embedder)
+            deltas[f"{module}.bias"] = parts["lora_B.bias"]
+            continue
         a, b = parts.get("lora_A.weight"), parts.get("lora_B.weight")
         if a is None or b is None or a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
             raise LoRAError(f"--lora-path {spec.path}: module {module} lacks a matching lora_A / lora_B pair")
         rank = a.shape[0]
         alpha = _alpha_for(module, rank, meta)
         modules[module] = (a, b, parts.get("lora_B.bias"), alpha / (math.sqrt(rank) if rslora else rank))
-    if not modules:
+    if not modules and not deltas:
         raise LoRAError(f"--lora-path {spec.path}: the file holds no LoRA weights")
-    return LoRAWeights(name or spec.name, modules)
+    return LoRAWeights(name or spec.name, modules, deltas)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -237,8 +295,18 @@ def _linear(model: nn.Module, module: str, where: str) -> tuple[nn.Module, str, 
 def apply_lora(model: nn.Module, weights: LoRAWeights, *, scale: float = 1.0, fuse: bool = False,
                where: str = "LoRA") -> int:
     """Add ``weights`` to ``model``'s linear layers at ``scale``: fused (``W += scale * c * B A``,
-    ``b += scale * c * bias_B``) or as a :class:`LoRALinear` adapter named ``weights.name``.  Shapes
-    are checked first (nothing changes when any module does not fit).  Returns the layers touched."""
+    ``b += scale * c * bias_B``) or as a :class:`LoRALinear` adapter named ``weights.name``; its
+    full-weight deltas are added to their parameters (``P += scale * delta``) either way.  Shapes
+    are checked first (nothing changes when any module does not fit).  Returns the layers and
+    parameters touched."""
+    params = dict(model.named_parameters())
+    for pname, delta in weights.deltas.items():
+        if pname not in params:
+            raise LoRAError(f"{where}: the LoRA holds a delta for {pname}, which this transformer does not have "
+                            "(a LoRA for another model?)")
+        if tuple(delta.shape) != tuple(params[pname].shape):
+            raise LoRAError(f"{where}: {pname} is {tuple(params[pname].shape)} but the LoRA's delta is "
+                            f"{tuple(delta.shape)} (a LoRA for another model size?)")
     targets = []
     for module, (a, b, bias, scaling) in weights.modules.items():
         parent, attr, layer = _linear(model, module, where)
@@ -247,6 +315,9 @@ def apply_lora(model: nn.Module, weights: LoRAWeights, *, scale: float = 1.0, fu
                             f"{b.shape[0]}x{a.shape[1]} (a LoRA for another model size?)")
         targets.append((parent, attr, layer, a, b, bias, scaling))
     with torch.no_grad():
+        for pname, delta in weights.deltas.items():
+            p = params[pname]
+            p.copy_((p.float() + delta.float().to(p.device) * scale).to(p.dtype))
         for parent, attr, layer, a, b, bias, scaling in targets:
             if fuse:
                 c = scale * scaling
@@ -266,7 +337,7 @@ def apply_lora(model: nn.Module, weights: LoRAWeights, *, scale: float = 1.0, fu
                 raise LoRAError(f"{where}: an adapter named {weights.name!r} is already loaded; give the files "
                                 "different names")
             layer.add_adapter(weights.name, a, b, bias, scaling, scale)
-    return len(targets)
+    return len(targets) + len(weights.deltas)
 
 
 def adapter_names(model: nn.Module) -> list[str]:

@@ -24,6 +24,7 @@ import dataclasses
 import io
 import math
 import os
+import warnings
 from typing import Any, Optional, Sequence, Union
 
 import numpy as np
@@ -83,16 +84,43 @@ def decode_image_bytes(data: bytes, *, where: str = "image", max_pixels: int = D
     if not data:
         raise ImageInputError(f"{where}: empty image data")
     try:
-        img = Image.open(io.BytesIO(data))
-    except (UnidentifiedImageError, OSError):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the size is checked below
+            img = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)  # reads the header only
+    except Image.DecompressionBombError:  # Pillow's own limit, from the header: far beyond any max_pixels
+        raise ImageInputError(f"{where}: the image header claims more than {2 * Image.MAX_IMAGE_PIXELS} pixels; "
+                              f"at most {max_pixels} pixels accepted") from None
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
+        fmt = _sniff_format(data)
+        if fmt is not None and fmt not in IMAGE_FORMATS:
+            raise ImageInputError(f"{where}: image format {fmt} is not supported; accepted: "
+                                  f"{', '.join(f.lower() for f in IMAGE_FORMATS)}") from None
         raise ImageInputError(f"{where}: not a readable image; accepted formats: "
                               f"{', '.join(f.lower() for f in IMAGE_FORMATS)}") from None
     _check_pil(img, where, max_pixels)
     try:
-        img.load()
-    except (OSError, ValueError, Image.DecompressionBombError) as exc:
-        raise ImageInputError(f"{where}: the image data is damaged ({exc})") from None
-    return img.convert("RGB")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img.load()
+            return img.convert("RGB")
+    except Image.DecompressionBombError:
+        raise ImageInputError(f"{where}: the image is larger than {2 * Image.MAX_IMAGE_PIXELS} pixels; at most "
+                              f"{max_pixels} pixels accepted") from None
+    except (OSError, ValueError, SyntaxError, MemoryError) as exc:
+        raise ImageInputError(f"{where}: the image data is damaged ({str(exc)[:120]})") from None
+
+
+def _sniff_format(data: bytes):
+    """The format PIL identifies ``data`` as among all it knows (None when none), without decoding."""
+    from PIL import Image
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with Image.open(io.BytesIO(data)) as img:
+                return img.format
+    except Exception:  # noqa: BLE001 - any failure: not an image PIL knows
+        return None
 
 
 def load_image(value: ImageInput, *, where: str = "image", max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):

@@ -43,14 +43,19 @@ def reject_native_only_options(config) -> None:
         raise AttentionConfigError(
             f"--{given[0].replace('_', '-')} applies to the native pipeline only; not with --backend diffusers"
         )
+    s = config.sampling
+    sampler = [k for k in ("scheduler", "flow_shift", "timesteps", "cfg_interval") if getattr(s, k) is not None]
+    if sampler or s.cfg_batching != "auto":
+        flag = (sampler or ["cfg_batching"])[0].replace("_", "-")
+        raise AttentionConfigError(f"--{flag} applies to the native pipeline only; not with --backend diffusers")
     if m.offload == "text_encoder":
         raise AttentionConfigError("--offload text_encoder applies to the native pipeline only; with --backend "
                                    "diffusers use --offload model or group"
         )
-    if p.num_gpus > 1 or (p.ulysses_degree or 1) > 1 or (p.ring_degree or 1) > 1:
+    if p.num_gpus > 1 or (p.ulysses_degree or 1) > 1 or (p.ring_degree or 1) > 1 or p.cfg_parallel or p.vae_parallel:
         raise AttentionConfigError(
-            "sequence parallelism (--num-gpus/--ulysses-degree/--ring-degree) runs the native pipeline only; "
-            "not with --backend diffusers"
+            "sequence parallelism (--num-gpus/--ulysses-degree/--ring-degree, --cfg-parallel, --vae-parallel) "
+            "runs the native pipeline only; not with --backend diffusers"
         )
     attention_route(config)
 

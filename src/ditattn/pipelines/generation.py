@@ -93,7 +93,8 @@ class GenerationResult:
     the backends the DiT's attention ran in this call (the request override when one was given);
     timings: seconds per stage (``text``, ``image``, ``denoise``, ``decode``, ``total``); stats: request
     statistics reported by backends (e.g. skip-softmax tile fractions); peak_memory: the most bytes
-    allocated on the CUDA device during the call (None elsewhere).
+    allocated on the CUDA device during the call (None elsewhere); cache: the step cache's report
+    (:meth:`~ditattn.cache.runtime.CacheRun.stats`: forwards computed and reused, with the setting) or None.
     """
 
     frames: Any
@@ -107,6 +108,10 @@ class GenerationResult:
     num_frames: int
     num_inference_steps: int
     peak_memory: Optional[int] = None
+    #: the sampler and guidance that ran: scheduler, flow_shift, timesteps (explicit list or None),
+    #: forwards (DiT passes per clip: 2 per guided step, 1 otherwise), cfg (off / batched / sequential ...)
+    sampling: dict = dataclasses.field(default_factory=dict)
+    cache: Optional[dict] = None
 
 
 @dataclasses.dataclass

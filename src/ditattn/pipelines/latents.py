@@ -111,12 +111,40 @@ def normalize_latents(z: torch.Tensor, vae_config) -> torch.Tensor:
     return (z - mean) * inv_std
 
 
-def decode_latents(vae, latents: torch.Tensor, device: torch.device) -> np.ndarray:
+def decode_latents(vae, latents: torch.Tensor, device: torch.device, *, parallel: bool = False,
+                   progress: bool = False, check_stop=None) -> np.ndarray:
     """Normalised latents ``[N, z, T, h, w]`` -> float32 frames in [0, 1], ``np.ndarray [N, F, H, W, 3]``
-    (``vae``: diffusers' ``AutoencoderKLWan``, decoding on ``device`` in its own dtype)."""
+    (``vae``: diffusers' ``AutoencoderKLWan``, decoding on ``device`` in its own dtype).  ``parallel``:
+    every rank of the default process group calls this with the same latents and the VAE's tiled decode
+    is spread over them (:func:`ditattn.distributed.vae.parallel_tiled_decode`; the same frames).
+    ``progress``: a bar on stderr counting the decoder's calls (one per latent frame and sample, more
+    with tiling), shown on a terminal only.  ``check_stop``: optional callable called before each call
+    of the VAE's decoder (diffusers decodes one latent frame per call), so that it can stop a long
+    decode by raising; ignored with ``parallel`` (a stop on one rank alone would hang the collective)."""
+    from ditattn.pipelines.loading import progress_bar
+
     z = latents.to(device, vae.dtype)
     mean, inv_std = _latent_stats(vae.config, z)
     z = z / inv_std + mean
-    video = vae.decode(z, return_dict=False)[0]  # [N, 3, F, H, W] in [-1, 1]
+    tiled = parallel or getattr(vae, "use_tiling", False)
+    bar = progress_bar(total=None if tiled else z.shape[0] * z.shape[2], desc="decoding", unit="frame",
+                       enabled=progress)
+    decoder = getattr(vae, "decoder", None)
+    hooks = []
+    if isinstance(decoder, torch.nn.Module):
+        hooks.append(decoder.register_forward_hook(lambda *_: bar.update(1)))
+        if check_stop is not None and not parallel:
+            hooks.append(decoder.register_forward_pre_hook(lambda module, args: check_stop()))
+    try:
+        if parallel:
+            from ditattn.distributed.vae import parallel_tiled_decode
+
+            video = parallel_tiled_decode(vae, z)
+        else:
+            video = vae.decode(z, return_dict=False)[0]  # [N, 3, F, H, W] in [-1, 1]
+    finally:
+        for hook in hooks:
+            hook.remove()
+        bar.close()
     video = (video.float() / 2 + 0.5).clamp(0, 1)
     return video.permute(0, 2, 3, 4, 1).cpu().numpy()

@@ -135,7 +135,11 @@ def build_components(mi: ModelIndex, dev: torch.device, dt: torch.dtype, *, vari
         raise AttentionConfigError(f"{mi.path}: model_index.json lacks component(s) {', '.join(missing)}")
     components: dict[str, Any] = {}
     scopes: dict[str, ComponentScope] = {}
+    # a bar on stderr, like the denoising one, but only on a terminal (logs and pipes stay clean)
+    bar = progress_bar(total=len(mi.components), desc="loading", unit="component", enabled=load_weights)
     for comp in mi.components:
+        bar.set_postfix_str(comp, refresh=False)
+        bar.update(0)
         lib, klass = mi.components[comp]
         sub = mi.folder(comp)
         native = NATIVE_MODELS.get("transformer" if comp in DIT else comp)
@@ -161,7 +165,20 @@ def build_components(mi: ModelIndex, dev: torch.device, dt: torch.dtype, *, vari
             components[comp] = _scheduler_factory(sub, klass) if load_weights else None
         else:
             log.info("ignoring component %s (%s.%s)", comp, lib, klass)
+        bar.update(1)
+    bar.close()
     return components, scopes
+
+
+def progress_bar(*, total: Optional[int], desc: str, unit: str, enabled: bool = True):
+    """A tqdm bar on stderr for a slow stage (loading, decoding), shown only when ``enabled`` and
+    stderr is a terminal."""
+    import sys
+
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=None if enabled else True,
+                dynamic_ncols=True, leave=False)
 
 
 def _load_vae(folder: str, device: torch.device, variant: Optional[str]):

@@ -1,13 +1,23 @@
-"""Writing generated frames: MP4 (H.264, yuv420p, via imageio-ffmpeg) for clips, PNG for one frame."""
+"""Writing generated frames: MP4 (H.264, yuv420p, via imageio-ffmpeg) for clips, PNG for one frame.
+
+Every file is written all or nothing: to a temporary name in the same folder, checked (an MP4 must
+hold a video track with every encoded frame), flushed to disk and renamed; a full disk or a failing
+encoder raises OSError and leaves no partial file behind."""
 from __future__ import annotations
 
+import errno
+import io
 import os
 import re
+import tempfile
+import struct
+import uuid
 from typing import Optional
 
 import numpy as np
 
 from ditattn.errors import AttentionConfigError
+from ditattn.files import atomic_write
 
 EXTENSIONS = (".mp4", ".png")
 
@@ -47,7 +57,13 @@ def output_file_path(out_dir: str, file_name: Optional[str], prompt: str, seed: 
 
 def split_output_target(output_path: str, output_file: Optional[str]) -> tuple[str, Optional[str]]:
     """``(folder, file name)`` of ``--output-path`` / ``--output-file``: an output path ending in
-    ``.mp4`` / ``.png`` is the file itself (then ``--output-file`` must be left out)."""
+    ``.mp4`` / ``.png`` is the file itself (then ``--output-file`` must be left out); a path with
+    another extension (``clip.gif``) is an :class:`AttentionConfigError` unless it is an existing
+    folder."""
+    ext = os.path.splitext(output_path.rstrip("/\\"))[1].lower()
+    if ext and ext not in EXTENSIONS and not os.path.isdir(output_path):
+        raise AttentionConfigError(f"--output-path '{output_path}': unsupported extension '{ext}'; accepted: .mp4 "
+                                   "(clips), .png (one frame), or a folder")
     if os.path.splitext(output_path)[1].lower() in EXTENSIONS:
         if output_file:
             raise AttentionConfigError(
@@ -75,6 +91,13 @@ def check_output_target(path: str) -> None:
     if not os.access(probe, os.W_OK | os.X_OK):
         raise AttentionConfigError(f"cannot write {path}: no write permission in {probe}; choose another "
                                    "--output-path")
+    try:  # what the permission bits do not tell: read-only and pseudo file systems (/proc, /sys)
+        fd, probe_file = tempfile.mkstemp(dir=probe, prefix=".ditattn-write-check-")
+        os.close(fd)
+        os.remove(probe_file)
+    except OSError as exc:
+        raise AttentionConfigError(f"cannot write {path}: {probe} does not take new files ({exc.strerror or exc}); "
+                                   "choose another --output-path") from None
     if path.lower().endswith(".mp4"):
         try:
             import imageio_ffmpeg
@@ -105,30 +128,154 @@ def unused_path(path: str, overwrite: bool = False) -> str:
     return f"{stem}_{i}{ext}"
 
 
+class OutputCheckError(OSError):
+    """A written output file that is not what was encoded (empty, truncated, no video stream, wrong
+    frame count); ``strerror`` says what (no path)."""
+
+    def __init__(self, what: str):
+        super().__init__(errno.EIO, what)
+
+
+class WriteStopped(Exception):
+    """An encode stopped between frames because its ``should_stop`` asked (nothing was written)."""
+
+
+def _boxes(data: bytes, start: int, end: int):
+    """``(type, payload_start, box_end)`` of the ISO-BMFF boxes in ``data[start:end]``; raises
+    :class:`OutputCheckError` when a box runs past ``end`` (a truncated file)."""
+    pos = start
+    while pos < end:
+        if end - pos < 8:
+            raise OutputCheckError(f"the MP4 is truncated ({end - pos} stray bytes after the last box)")
+        size, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        head = 8
+        if size == 1:
+            if end - pos < 16:
+                raise OutputCheckError("the MP4 is truncated (in a box header)")
+            size, head = struct.unpack(">Q", data[pos + 8:pos + 16])[0], 16
+        elif size == 0:
+            size = end - pos
+        if size < head or pos + size > end:
+            name = kind.decode("latin-1")
+            raise OutputCheckError(f"the MP4 is truncated (box '{name}' runs past the end of the file)")
+        yield kind, pos + head, pos + size
+        pos += size
+
+
+def mp4_video_frames(path: str) -> int:
+    """The sample (frame) count of the first video track of the MP4 at ``path``, read from its
+    ``moov`` box (nothing is decoded); :class:`OutputCheckError` when the file is empty, truncated,
+    has no ``moov`` or no video track."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if not data:
+        raise OutputCheckError("the MP4 is empty")
+    top = {kind: (a, b) for kind, a, b in _boxes(data, 0, len(data))}
+    if b"moov" not in top:
+        raise OutputCheckError("the MP4 has no 'moov' box (the encoder did not finish it)")
+    if b"mdat" not in top:
+        raise OutputCheckError("the MP4 has no 'mdat' box (no encoded frames)")
+    for kind, a, b in _boxes(data, *top[b"moov"]):
+        if kind != b"trak":
+            continue
+        mdia = {k: (x, y) for k, x, y in _boxes(data, a, b)}.get(b"mdia")
+        if mdia is None:
+            continue
+        parts = {k: (x, y) for k, x, y in _boxes(data, *mdia)}
+        hdlr, minf = parts.get(b"hdlr"), parts.get(b"minf")
+        if hdlr is None or minf is None or data[hdlr[0] + 8:hdlr[0] + 12] != b"vide":
+            continue
+        stbl = {k: (x, y) for k, x, y in _boxes(data, *minf)}.get(b"stbl")
+        stsz = {k: (x, y) for k, x, y in _boxes(data, *stbl)}.get(b"stsz") if stbl else None
+        if stsz is None or stsz[1] - stsz[0] < 12:
+            raise OutputCheckError("the MP4's video track has no sample table")
+        return struct.unpack(">I", data[stsz[0] + 8:stsz[0] + 12])[0]
+    raise OutputCheckError("the MP4 has no video stream")
+
+
+def _fsync_dir(folder: str) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # pragma: no cover - not POSIX
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover - some file systems refuse a folder fsync
+        pass
+    finally:
+        os.close(fd)
+
+
+def _publish(tmp: str, path: str) -> None:
+    """Flush ``tmp`` to disk, rename it over ``path`` and flush the folder entry."""
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def write_mp4(path: str, frames: np.ndarray, fps: int, *, quality: Optional[float] = None,
+              macro_block_size: int = 16, should_stop=None) -> str:
+    """Encode uint8 ``[F, H, W, 3]`` frames as H.264 (yuv420p) MP4 at ``fps`` to ``path``,
+    all or nothing: written to a hidden temporary file in the same folder, checked (a video track
+    holding ``F`` frames: :func:`mp4_video_frames`), flushed to disk, then renamed over ``path``.
+
+    Raises OSError (the encoder's or the disk's error, e.g. ENOSPC; :class:`OutputCheckError` for a
+    file that does not hold the frames) and :class:`WriteStopped` when ``should_stop()`` (asked
+    before each frame) returns true; in every failure ``path`` is untouched and the temporary file
+    removed.  Returns ``path``."""
+    import imageio.v2 as imageio
+
+    folder = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(folder, f".{uuid.uuid4().hex}.tmp.mp4")
+    kw = {} if quality is None else {"quality": quality}
+    try:
+        writer = imageio.get_writer(tmp, format="FFMPEG", mode="I", fps=fps, codec="libx264", pixelformat="yuv420p",
+                                    macro_block_size=macro_block_size, ffmpeg_log_level="error", **kw)
+        try:
+            for fr in frames:
+                if should_stop is not None and should_stop():
+                    raise WriteStopped()
+                writer.append_data(np.ascontiguousarray(fr))
+        finally:
+            writer.close()
+        got = mp4_video_frames(tmp)
+        if got != len(frames):
+            raise OutputCheckError(f"the MP4 holds {got} frame(s), {len(frames)} were encoded")
+        _publish(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def write_png(path: str, frame: np.ndarray) -> str:
+    """Write uint8 ``[H, W, 3]`` ``frame`` as a PNG to ``path`` through a temporary file (checked:
+    its full size on disk, flushed, renamed); OSError on failure, ``path`` untouched.  Returns ``path``."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.ascontiguousarray(frame)).save(buf, format="PNG")
+    atomic_write(path, buf.getvalue())
+    return path
+
+
 def save_frames(frames: np.ndarray, path: str, fps: int = 16) -> str:
-    """Write ``frames`` (uint8 ``[F, H, W, 3]``) to ``path`` (.mp4 or .png); returns the path."""
+    """Write ``frames`` (uint8 ``[F, H, W, 3]``) to ``path`` (.mp4 or .png) atomically and checked
+    (:func:`write_mp4`, :func:`write_png`); returns the path.  OSError when it cannot be written."""
     if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
         raise ValueError(f"frames must be uint8 [F, H, W, 3], got {frames.dtype} {frames.shape}")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     if path.lower().endswith(".png"):
-        from PIL import Image
-
-        Image.fromarray(frames[0]).save(path)
-        return path
-    import imageio.v2 as imageio
-
+        return write_png(path, frames[0])
     h, w = frames.shape[1:3]
     block = 16 if h % 16 == 0 and w % 16 == 0 else 2
     if h % block or w % block:  # yuv420p needs even sizes
         frames = np.pad(frames, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)), mode="edge")
-    writer = imageio.get_writer(path, format="FFMPEG", mode="I", fps=fps, codec="libx264", quality=8,
-                                pixelformat="yuv420p", macro_block_size=block, ffmpeg_log_level="error")
-    try:
-        for f in frames:
-            writer.append_data(f)
-    finally:
-        writer.close()
-    return path
+    return write_mp4(path, frames, fps, quality=8, macro_block_size=block)
 
 
 def save_video(frames, path: str, *, fps: int = 16) -> str:

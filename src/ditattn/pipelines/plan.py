@@ -1,4 +1,4 @@
-"""The attention plan (DESIGN 1.5) of the native pipeline: its JSON object (:func:`build_plan`),
+"""The attention plan of the native pipeline: its JSON object (:func:`build_plan`),
 the DiT backends it names (:func:`dit_backends`) and its human-readable rendering
 (:func:`format_plan`)."""
 from __future__ import annotations

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from ditattn.errors import AttentionConfigError
-from ditattn.runconfig import AttentionOptions, ModelConfig, RunConfig, SamplingConfig
+from ditattn.runconfig import AttentionOptions, CacheOptions, ModelConfig, RunConfig, SamplingConfig
 
 Spec = Union[str, Mapping[str, Any], None]
 
@@ -55,6 +55,10 @@ class WanPipeline:
         enable_torch_compile: bool = False,
         dit_quantization: str = "none",
         dit_weights: Spec = None,
+        lora_path: Union[str, Sequence[str]] = (),
+        lora_fuse: Optional[bool] = None,
+        cache_backend: Optional[str] = None,
+        cache_backend_config: Spec = None,
     ) -> "WanPipeline":
         """Load ``model`` — a local diffusers-format Wan folder, a Hugging Face repo id ``org/name``
         (the local cache first, ``revision``, ``local_files_only``, ``cache_dir`` instead of
@@ -70,22 +74,28 @@ class WanPipeline:
         on CPU, bfloat16 on GPUs); dit_quantization: ``"none"``, ``"fp8"`` (NVIDIA GPU with compute
         capability >= 8.9, bfloat16) or ``"int8"`` — the DiT's linears in 8 bits through torchao
         (``ditattn[quant]``); dit_weights: a ``.safetensors`` file of DiT weights instead of the
-        checkpoint's (FP8/INT8 with scales too) or ``{"transformer": file, "transformer_2": file}``.
+        checkpoint's (FP8/INT8 with scales too) or ``{"transformer": file, "transformer_2": file}``;
+        lora_path: LoRA adapters, ``[COMPONENT=]PATH[:SCALE]`` each (a step-distill LoRA for both experts of
+        Wan 2.2: ``["transformer=high.safetensors", "transformer_2=low.safetensors"]``), fused unless
+        ``lora_fuse=False``.
+        cache_backend / cache_backend_config: the step cache of every call (``"teacache"``, ``"magcache"``,
+        ``"first_block_cache"`` and their keys as a dict, JSON, ``"k=v,k=v"`` or a file; docs/caching.md).
         Raises :class:`AttentionConfigError` for any bad value.
         """
         config = RunConfig(
             model=ModelConfig(model_path=model, revision=revision, local_files_only=local_files_only,
                               model_variant=variant, device=device, dtype=dtype,
                               enable_torch_compile=enable_torch_compile, dit_quantization=dit_quantization,
-                              dit_weights=dit_weights),
+                              dit_weights=dit_weights, lora_path=lora_path, lora_fuse=lora_fuse),
             attention=AttentionOptions(attention_backend=attention_backend,
                                        attention_backend_config=attention_backend_config,
                                        component_attention_backends=component_attention_backends,
                                        enable_attention_backend_autotune=enable_attention_backend_autotune),
+            cache=CacheOptions(cache_backend=cache_backend, cache_backend_config=cache_backend_config),
         )
         from ditattn.pipelines.wan import WanPipelineNative
 
-        return cls(WanPipelineNative.from_config(config, cache_dir=cache_dir), config)
+        return cls(WanPipelineNative.from_config(config, cache_dir=cache_dir, lora_fuse=True), config)
 
     # -- properties of the loaded model ---------------------------------------------------------
     @property
@@ -122,9 +132,16 @@ class WanPipeline:
         width: Optional[int] = None,
         num_frames: Optional[int] = None,
         seed: Union[int, Sequence[int], None] = None,
+        scheduler: Optional[str] = None,
+        flow_shift: Optional[float] = None,
+        timesteps: Union[str, Sequence[float], None] = None,
+        cfg_interval: Union[str, Sequence[float], None] = None,
+        cfg_batching: str = "auto",
         attention_backend_override: Any = None,
         skip_softmax_threshold_scale_factor: Optional[float] = None,
         skip_softmax_start_step: Optional[int] = None,
+        cache_backend: Optional[str] = None,
+        cache_backend_config: Spec = None,
         progress: bool = True,
     ):
         """Generate one clip per prompt and return the
@@ -134,9 +151,15 @@ class WanPipeline:
         prompt: a string or a list of N strings (one batch); negative_prompt: a string or N strings.
         None sampling values take the model's :attr:`defaults`; height / width: multiples of 16;
         num_frames: 1 + 4k (1 = an image); seed: an int (prompt i uses seed + i; None: 0) or N ints.
+        scheduler: ``flow_euler``, ``unipc``, ``dpmpp`` or ``lcm`` (None: the checkpoint's); flow_shift: the
+        timestep shift (None: the checkpoint's); timesteps: explicit descending timesteps such as
+        ``[1000, 750, 500, 250]`` (override num_inference_steps); cfg_interval: ``"START:END"`` or
+        ``(START, END)``, the fractions of the schedule that run guidance; cfg_batching: ``auto``,
+        ``batched`` or ``sequential`` (docs/steps.md).
         attention_backend_override: a dense drop-in backend for this call's DiT attention (``fa``,
         ``torch_sdpa``, ``sage_attn``, ``sage_attn_3``); skip_softmax_*: request-scoped skip softmax
-        (needs a threshold, calibrated per model).  Raises :class:`AttentionConfigError` with the
+        (needs a threshold, calibrated per model); cache_backend / cache_backend_config: this call's step
+        cache (None: the pipeline's; ``"none"``: off), reported in the result's ``cache``.  Raises :class:`AttentionConfigError` with the
         CLI's message for any bad value.
         """
         prompts = [prompt] if isinstance(prompt, str) else list(prompt) if isinstance(prompt, (list, tuple)) else None
@@ -145,19 +168,25 @@ class WanPipeline:
         negatives = negative_prompt if isinstance(negative_prompt, (list, tuple)) else [negative_prompt]
         seeds = seed if isinstance(seed, (list, tuple)) else [seed]
         for i, p in enumerate(prompts):  # each value through the CLI's checks
-            SamplingConfig(prompt=p, negative_prompt=negatives[min(i, len(negatives) - 1)],
-                           num_inference_steps=num_inference_steps, guidance_scale=guidance_scale, height=height,
-                           width=width, num_frames=num_frames, seed=seeds[min(i, len(seeds) - 1)])
+            sampling = SamplingConfig(prompt=p, negative_prompt=negatives[min(i, len(negatives) - 1)],
+                                      num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
+                                      height=height, width=width, num_frames=num_frames,
+                                      seed=seeds[min(i, len(seeds) - 1)], scheduler=scheduler, flow_shift=flow_shift,
+                                      timesteps=timesteps, cfg_interval=cfg_interval, cfg_batching=cfg_batching)
         if not all(p.strip() for p in prompts):
             raise AttentionConfigError("prompt must not be empty")
         attention = AttentionOptions(attention_backend_override=attention_backend_override,
                                      skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor,
                                      skip_softmax_start_step=skip_softmax_start_step)
+        CacheOptions(cache_backend=cache_backend, cache_backend_config=cache_backend_config)  # the CLI's checks
         return self.native.generate(
             prompts if len(prompts) > 1 else prompts[0], negative_prompt, height=height, width=width,
             num_frames=num_frames, num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
-            seed=0 if seed is None else seed, override=attention.attention_backend_override,
-            skip_softmax=attention.skip_softmax(), progress=progress,
+            seed=0 if seed is None else seed, scheduler=sampling.scheduler, flow_shift=sampling.flow_shift,
+            timesteps=sampling.timesteps, cfg_interval=sampling.cfg_interval, cfg_batching=sampling.cfg_batching,
+            override=attention.attention_backend_override,
+            skip_softmax=attention.skip_softmax(), cache_backend=cache_backend,
+            cache_backend_config=cache_backend_config, progress=progress,
         )
 
     def __repr__(self) -> str:

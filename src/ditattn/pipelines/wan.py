@@ -36,28 +36,27 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from ditattn.attention.config import check_config_keys_used
 from ditattn.attention.context import (
     AttentionSettings,
     ComponentScope,
     RequestState,
-    attention_settings,
 )
 from ditattn.attention.names import ROLES
-from ditattn.attention.selector import check_overrides_used
+from ditattn.attention.sparse import fallback as sparse_run
 from ditattn.errors import AttentionConfigError, GenerationCancelled
-from ditattn.models.lora import Adapter, load_loras, resolve_request_lora
+from ditattn.models.lora import Adapter, resolve_request_lora
 from ditattn.pipelines.conditioning import conditioning_mode, image_condition
 from ditattn.pipelines.denoise import denoise
 from ditattn.pipelines.generation import GenerationResult, generation_run, resolve_inputs
 from ditattn.pipelines.latents import VideoGeometry, decode_latents, prepare_latents
-from ditattn.pipelines.loading import (DIT, build_components, check_load_options, parse_device, parse_dit_weights,
-                                      parse_dtype)
-from ditattn.pipelines.model_index import ModelIndex, read_model_index, resolve_model_path
+from ditattn.pipelines.loading import (DIT)
+from ditattn.pipelines.model_index import ModelIndex
 from ditattn.pipelines.offload import ComponentPlacement
 from ditattn.pipelines.plan import build_plan, dit_backends
+from ditattn.pipelines.sampling import build_sampler, cfg_mode, forwards, guided_steps, resolve_cfg_batching
 from ditattn.pipelines.text import encode_prompts
-from ditattn.platforms import Platform, platform_for_device, use_platform
+from ditattn.platforms import Platform, use_platform
+from ditattn.runconfig import SamplingConfig
 
 log = logging.getLogger("ditattn.pipeline")
 
@@ -92,7 +91,10 @@ class WanPipelineNative:
         self.loaded = load_weights
         self.placement = placement or ComponentPlacement(components, device)
         self.adapters = list(adapters)
+        #: the default step cache of every call (a :class:`~ditattn.cache.runtime.CacheSetting`) or None
+        self.cache_setting = None
         self._offload_lock = threading.Lock()  # offloaded components move: one generation at a time
+        self.vae_parallel = False  # decode's tiles spread over the ranks (from_pretrained(vae_parallel=True))
         self.defaults = dict(model_index.builtin_defaults or CHECKPOINT_DEFAULTS)
         self.boundary_ratio = model_index.config.get("boundary_ratio")
         self.expand_timesteps = bool(model_index.config.get("expand_timesteps") or False)
@@ -137,6 +139,9 @@ class WanPipelineNative:
         lora_fuse: bool = False,
         dit_quantization: str = "none",
         dit_weights: "str | dict | None" = None,
+        vae_parallel: bool = False,
+        cache_backend: Optional[str] = None,
+        cache_backend_config: "str | dict | None" = None,
     ) -> "WanPipelineNative":
         """Load the pipeline at ``path`` (a local diffusers-format Wan folder, a Hugging Face repo id
         ``org/name`` at ``revision`` — see :func:`~ditattn.pipelines.model_index.resolve_model_path`
@@ -163,53 +168,26 @@ class WanPipelineNative:
         holding the DiT's weights instead of the folder's (diffusers or original Wan key names,
         bf16/fp16/fp32 or FP8/INT8 with scales: :mod:`ditattn.models.wan.checkpoint`), or
         ``{component: file}`` for a model with two DiTs.
+
+        vae_parallel: decode in the VAE's tiles spread over the ranks of the ``torch.distributed``
+        job this process is one rank of (every rank gets the frames one device gets with
+        ``vae_tiling``); refused outside such a job.
+        cache_backend / cache_backend_config: the step cache every call uses unless it asks for
+        another (``none``, ``teacache``, ``magcache``, ``first_block_cache`` and their keys:
+        :mod:`ditattn.cache`; refused with the reason when this model cannot take it).
         """
-        from ditattn.models.quantization import (check_mode, check_something_quantized, plan_linears,
-                                                 quantize_linears)
+        from ditattn.pipelines.construction import load_components
 
-        settings = settings or AttentionSettings()
-        dit_quantization = check_mode(dit_quantization)
-        folder, name = resolve_model_path(path, revision=revision, local_files_only=local_files_only,
-                                          cache_dir=cache_dir, variant=variant)
-        mi = read_model_index(folder, name)
-        dev = parse_device(device)
-        platform = platform_for_device(dev)
-        dt = parse_dtype(dtype, platform)
-        check_load_options(settings, offload=offload, lora=lora, lora_fuse=lora_fuse,
-                           dit_quantization=dit_quantization, platform=platform, dtype=dt)
-        weights = parse_dit_weights(dit_weights, mi)
-        home = torch.device("cpu") if offload != "none" and load_weights else dev
-        with use_platform(platform), attention_settings(settings):
-            components, scopes = build_components(mi, home, dt, variant=variant, load_weights=load_weights,
-                                                  dit_weights=weights)
-            check_overrides_used(settings.component_overrides, scopes, mi.components.keys())
-            used = [d.backend for s in scopes.values() for d in s.decisions]
-            check_config_keys_used(settings.config, used)
-        if settings.cuda_graphs and dev.type != "cuda":
-            raise AttentionConfigError(f"--enable-cuda-graph needs a CUDA device (this run is on {dev.type})")
-        adapters, placement = [], None
-        if load_weights:
-            adapters = load_loras(components, lora, fuse=lora_fuse)
-            placement = ComponentPlacement(components, dev, offload, offload_group_blocks)
-            vae = components.get("vae")
-            if vae is not None and vae_tiling:
-                vae.enable_tiling()  # diffusers' tiles: 256-pixel tiles, 192-pixel stride, blended seams
-            if vae is not None and vae_slicing:
-                vae.enable_slicing()  # one sample of the batch at a time
-        for comp in DIT:  # after LoRA fusion and placement (the DiT on its device), before compilation
-            if components.get(comp) is not None:
-                model = components[comp]
-                model.linear_quantization = (quantize_linears(model, dit_quantization) if load_weights
-                                             else plan_linears(model, dit_quantization))
-        check_something_quantized([components[c].linear_quantization for c in DIT if components.get(c) is not None])
-        if settings.compiled and load_weights:
-            from ditattn.models.wan.compile import compile_blocks
-
-            for comp in DIT:
-                if components.get(comp) is not None:
-                    compile_blocks(components[comp], mode="reduce-overhead" if settings.cuda_graphs else None)
-        return cls(mi, components, scopes, settings, platform, dev, dt, load_weights, placement=placement,
-                   adapters=adapters)
+        c = load_components(path, settings or AttentionSettings(), device, dtype, variant=variant,
+                            load_weights=load_weights, revision=revision, local_files_only=local_files_only,
+                            cache_dir=cache_dir, offload=offload, offload_group_blocks=offload_group_blocks,
+                            vae_tiling=vae_tiling, vae_slicing=vae_slicing, lora=lora, lora_fuse=lora_fuse,
+                            dit_quantization=dit_quantization, dit_weights=dit_weights, vae_parallel=vae_parallel)
+        pipe = cls(c.model_index, c.components, c.scopes, c.settings, c.platform, c.device, c.dtype, load_weights,
+                   placement=c.placement, adapters=c.adapters)
+        pipe.vae_parallel = bool(vae_parallel)
+        pipe.cache_setting = pipe.prepare_cache(cache_backend, cache_backend_config)
+        return pipe
 
     @classmethod
     def from_config(cls, config, *, load_weights: bool = True, cache_dir: Optional[str] = None,
@@ -226,20 +204,23 @@ class WanPipelineNative:
                                    local_files_only=m.local_files_only, cache_dir=cache_dir, offload=m.offload,
                                    offload_group_blocks=m.offload_group_blocks, vae_tiling=m.vae_tiling,
                                    vae_slicing=m.vae_slicing, lora=m.lora_path, lora_fuse=fuse,
-                                   dit_quantization=m.dit_quantization, dit_weights=m.dit_weights)
+                                   dit_quantization=m.dit_quantization, dit_weights=m.dit_weights,
+                                   vae_parallel=config.parallel.vae_parallel,
+                                   cache_backend=config.cache.cache_backend,
+                                   cache_backend_config=config.cache.cache_backend_config)
 
     # ------------------------------------------------------------------------------------------
     # plan
 
     def plan(self) -> dict:
-        """The attention plan (DESIGN 1.5): ``{"platform": {...}, "components": [{"name",
-        "selectable", "layers": [{"prefix", "role", "backend", "source", "fallback_reason"}]}]}``; after a
-        run, sparse layers also carry ``"sparse_run"`` (calls, mean kept fraction, dense fallbacks, heads
-        run dense by the error budget) and the plan the run's totals and ``"dense_notes"``."""
-        from ditattn.attention.sparse.fallback import annotate_plan
-
-        return annotate_plan(build_plan(self.platform, self.scopes, self.linear_quantization()),
-                             getattr(self, "_sparse_run", {}))
+        """The attention plan: ``{"platform": {...}, "components": [{"name",
+        "selectable", "layers": [{"prefix", "role", "backend", "source", "fallback_reason"}]}], "cache"}``;
+        after a run, sparse layers also carry ``"sparse_run"`` (calls, mean kept fraction, dense fallbacks,
+        heads run dense by the error budget) and the plan the run's totals and ``"dense_notes"``."""
+        plan = sparse_run.annotate_plan(build_plan(self.platform, self.scopes, self.linear_quantization()),
+                                        getattr(self, "_sparse_run", {}))
+        plan["cache"] = self.cache_setting.to_dict() if self.cache_setting is not None else None
+        return plan
 
     def linear_quantization(self) -> dict:
         """``{DiT component: QuantizationPlan}``: which linears ``--dit-quantization`` quantized (or,
@@ -267,7 +248,7 @@ class WanPipelineNative:
 
     def prepare_request(self, override=None, skip_softmax=None) -> Optional[RequestState]:
         """Validate a request's ``attention_backend_override`` / ``skip_softmax`` against the DiT
-        (DESIGN 2.7 / 2.8) and return the prepared state (None when neither is given). Raises
+        and return the prepared state (None when neither is given). Raises
         :class:`AttentionConfigError` with the reason; nothing changes on refusal."""
         if override in (None, "") and skip_softmax is None:
             return None
@@ -276,6 +257,16 @@ class WanPipelineNative:
         with use_platform(self.platform):
             return prepare_request_override(self.dit_modules, override, self.settings, skip_softmax=skip_softmax,
                                             dtype=self.dtype)
+
+    def prepare_cache(self, cache_backend=None, cache_backend_config=None):
+        """The :class:`~ditattn.cache.runtime.CacheSetting` of a call's ``cache_backend`` /
+        ``cache_backend_config`` (both None: the pipeline's default; ``"none"``: no cache), checked against
+        this model; raises :class:`AttentionConfigError` with the reason."""
+        from ditattn.cache.config import call_cache
+
+        ref = self.components.get("transformer") or self.components.get("transformer_2")
+        return call_cache(self.cache_setting, cache_backend, cache_backend_config, model=self.model_index.name,
+                          num_blocks=len(ref.blocks))
 
     def check_size(self, height: int, width: int, num_frames: int) -> None:
         """Raise :class:`AttentionConfigError` unless the size is one this model can generate."""
@@ -302,11 +293,19 @@ class WanPipelineNative:
         guidance_scale: Optional[float] = None,
         guidance_scale_2: Optional[float] = None,
         seed: Union[int, Sequence[int], None] = 0,
+        scheduler: Optional[str] = None,
+        flow_shift: Optional[float] = None,
+        timesteps: Optional[Sequence[float]] = None,
+        cfg_interval=None,
+        cfg_batching: Optional[str] = None,
         image=None,
         lora: Optional[dict] = None,
         override: Optional[str] = None,
         skip_softmax=None,
         request_state: Optional[RequestState] = None,
+        cache_backend: Optional[str] = None,
+        cache_backend_config=None,
+        cache_setting=None,
         max_sequence_length: int = MAX_SEQUENCE_LENGTH,
         latents: Optional[torch.Tensor] = None,
         output_type: str = "uint8",
@@ -323,18 +322,25 @@ class WanPipelineNative:
         (guidance_scale_2: the low-noise expert's scale of a two-expert checkpoint, default
         guidance_scale). seed: an int (prompt i uses seed + i) or N ints; each clip's initial noise
         comes from its own CPU generator, so a clip does not depend on what it is batched with.
+        scheduler (``flow_euler``, ``unipc``, ``dpmpp``, ``lcm``; None: the checkpoint's), flow_shift,
+        timesteps (explicit descending list; overrides num_inference_steps), cfg_interval (``(START, END)``
+        or ``"START:END"``), cfg_batching (``auto``, ``batched``, ``sequential``): the sampler and the
+        guidance, checked as the CLI's flags (:mod:`ditattn.pipelines.sampling`).
         image: the first frame of image-to-video / TI2V checkpoints (required by ``i2v`` ones,
         refused by text-to-video ones): a path, encoded bytes, a PIL image or a uint8 array ``[H, W,
         3]``, or a list of N of those (one per prompt). lora: the scales of the loaded unfused LoRA
         adapters for this call (name -> scale, adapters not named are off; None: their load-time
         scales). override: a per-request
-        dense drop-in backend for the DiT (DESIGN 2.7); skip_softmax: ``{threshold_scale_factor,
-        start_step}`` (2.8); request_state: an already prepared state (:meth:`prepare_request`)
-        instead of those two. latents: optional initial noise ``[N, C, T, H/8, W/8]`` float32.
+        dense drop-in backend for the DiT; skip_softmax: ``{threshold_scale_factor,
+        start_step}``; request_state: an already prepared state (:meth:`prepare_request`)
+        instead of those two. cache_backend / cache_backend_config: this call's step cache (None: the
+        pipeline's default, ``"none"``: off; :meth:`prepare_cache`), or cache_setting: an already prepared
+        one; the result's ``cache`` reports the forwards computed and reused. latents: optional initial
+        noise ``[N, C, T, H/8, W/8]`` float32.
         output_type: ``uint8`` (default), ``float`` ([0, 1] float32) or ``latent``.
         on_step: optional callable ``(steps_done, total_steps)`` called after each denoising step.
         should_stop: optional callable ``() -> reason or None`` asked before the text encoder, before
-        each denoising step and before decoding; a truthy reason stops the run there with
+        each denoising step, before decoding and between the latent frames the VAE decodes; a truthy reason stops the run there with
         :class:`~ditattn.errors.GenerationCancelled` (a server cancelling a request or enforcing its
         timeout; the pipeline knows nothing of servers).
         """
@@ -347,7 +353,11 @@ class WanPipelineNative:
                              defaults=self.defaults, geometry=self.geometry, mode=self.mode,
                              two_experts=self.boundary_ratio is not None)
         height, width, num_frames, steps = inp.height, inp.width, inp.num_frames, inp.steps
+        sampling = SamplingConfig(scheduler=scheduler, flow_shift=flow_shift, timesteps=timesteps,
+                                  cfg_interval=cfg_interval, cfg_batching=cfg_batching or "auto")
         state = request_state if request_state is not None else self.prepare_request(override, skip_softmax)
+        cache_setting = cache_setting or self.prepare_cache(cache_backend, cache_backend_config)
+        cache = cache_setting.new_run() if cache_setting is not None else None
 
         def check_stop() -> None:
             reason = should_stop() if should_stop is not None else None
@@ -383,19 +393,19 @@ class WanPipelineNative:
                 timings["image"] = time.perf_counter() - t0
 
             # 3. denoise
-            from ditattn.attention.sparse import fallback as sparse_run
-
             sparse_run.begin_run()  # the sparse backends' per-layer kept fractions and dense fallbacks
             t0 = time.perf_counter()
-            scheduler = self.components["scheduler"]()
-            scheduler.set_timesteps(steps, device=dev)
-            if hasattr(scheduler, "set_begin_index"):
-                scheduler.set_begin_index(0)
+            sampler = build_sampler(self.components["scheduler"], name=sampling.scheduler, shift=sampling.flow_shift,
+                                    steps=steps, timesteps=sampling.timesteps, device=dev, seeds=inp.seeds)
+            steps = sampler.num_steps
+            guided = guided_steps(steps, sampling.cfg_interval, do_cfg)
+            batching = resolve_cfg_batching(sampling.cfg_batching, device=dev, tokens=self.tokens(latents))
             latents, used_models = denoise(
-                latents, scheduler, dits, context=context, condition=condition, guidance=inp.guidance,
+                latents, sampler.scheduler, dits, context=context, condition=condition, guidance=inp.guidance,
                 guidance_2=inp.guidance_2, boundary_ratio=self.boundary_ratio, expand_timesteps=self.expand_timesteps,
-                placement=self.placement, dtype=dt, state=state, progress=progress, on_step=on_step,
-                check_stop=check_stop)
+                placement=self.placement, dtype=dt, state=state, cache=cache, progress=progress, on_step=on_step,
+                check_stop=check_stop, guided=guided, sequential_cfg=batching == "sequential",
+                step_kwargs=sampler.step_kwargs)
             timings["denoise"] = time.perf_counter() - t0
             if condition is not None:
                 latents = condition.finalize(latents)  # TI2V: the first latent frame is the image's
@@ -406,7 +416,8 @@ class WanPipelineNative:
             if output_type == "latent":
                 frames = latents
             else:
-                frames = self.decode(latents)
+                frames = self.decode(latents, progress=progress,
+                                     check_stop=check_stop if should_stop is not None else None)
                 if output_type == "uint8":
                     frames = (frames * 255.0).round().clip(0, 255).astype(np.uint8)
             timings["decode"] = time.perf_counter() - t0
@@ -417,14 +428,23 @@ class WanPipelineNative:
             layers = dit_layers(dits[c] for c in DIT if c in used_models)
             backends = request_backends([l for r in ROLES for l in layers if l.role == r], state)
             stats = dict(state.stats) if state is not None else {}
-            self._sparse_run = sparse_run.run_summary()
-            if self._sparse_run:  # the run summary: totals; per layer in stats["sparse_layers"] and plan()
-                stats["sparse"] = sparse_run.totals(self._sparse_run)
-                stats["sparse_layers"] = self._sparse_run
+            self._sparse_run = sparse_run.finish_run(stats)  # per sparse layer; also in plan()
+            info = dict(scheduler=sampler.name, flow_shift=sampler.shift, timesteps=sampler.timesteps,
+                        forwards=forwards(guided), cfg=cfg_mode(guided, batching))
             return GenerationResult(frames, backends, timings, stats, latents, inp.seeds, height, width, num_frames,
-                                    steps, run.peak_memory())
+                                    steps, run.peak_memory(), info, cache.stats() if cache is not None else None)
 
-    def decode(self, latents: torch.Tensor) -> np.ndarray:
-        """Latents ``[N, C, T, h, w]`` -> float32 frames in [0, 1], ``np.ndarray [N, F, H, W, 3]``."""
+    def tokens(self, latents: torch.Tensor) -> int:
+        """Latent tokens per clip after patching (the DiT's sequence length) for ``latents [N, C, T, h, w]``."""
+        ref = self.components.get("transformer") or self.components.get("transformer_2")
+        t, h, w = ref.latent_grid(*latents.shape[2:])
+        return t * h * w
+
+    def decode(self, latents: torch.Tensor, progress: bool = False, check_stop=None) -> np.ndarray:
+        """Latents ``[N, C, T, h, w]`` -> float32 frames in [0, 1], ``np.ndarray [N, F, H, W, 3]``
+        (``progress``: a bar on stderr when it is a terminal; ``check_stop`` (optional) is asked between
+        latent frames and may raise to stop the decode; not under ``--vae-parallel``, where every rank
+        must reach the collective decode)."""
         with self.placement.use("vae"):
-            return decode_latents(self.components["vae"], latents, self.device)
+            return decode_latents(self.components["vae"], latents, self.device, parallel=self.vae_parallel,
+                                  progress=progress, check_stop=check_stop)

@@ -117,10 +117,10 @@ class Platform:
         """A platform that does not need the hardware: for tests and for ``plan``/``backends
         --platform``. ``packages``: import names, each optionally pinned as ``name==version``."""
         if name not in PLATFORM_NAMES:
-            from ditattn.errors import AttentionConfigError
+            from ditattn.errors import AttentionConfigError, short_repr
 
             raise AttentionConfigError(
-                f"unknown platform '{name}'; known platforms: {', '.join(PLATFORM_NAMES)}"
+                f"unknown platform {short_repr(name)}; known platforms: {', '.join(PLATFORM_NAMES)}"
             )
         device_type = {"rocm": "cuda"}.get(name, name)
         if name in ("cuda", "rocm") and capability is None:
@@ -147,16 +147,17 @@ def parse_platform_spec(spec: str) -> tuple[str, "tuple[int, int] | None"]:
     """``"cuda:90"`` -> ``("cuda", (9, 0))``, ``"xpu"`` -> ``("xpu", None)``: a platform name of
     :data:`PLATFORM_NAMES`, with an SM (``90``, ``sm90``, ``sm_90``, ``9.0``) for cuda only.
     Raises :class:`AttentionConfigError` naming what is accepted."""
-    from ditattn.errors import AttentionConfigError
+    from ditattn.errors import AttentionConfigError, short_repr
 
     name, _, sm = str(spec).strip().lower().partition(":")
     if name not in PLATFORM_NAMES:
-        raise AttentionConfigError(f"unknown platform '{name}'; accepted: {', '.join(PLATFORM_NAMES)}, "
+        raise AttentionConfigError(f"unknown platform {short_repr(name)}; accepted: {', '.join(PLATFORM_NAMES)}, "
                                    "with ':SM' for cuda (e.g. cuda:90)")
     if not sm:
         return name, None
     if name != "cuda":
-        raise AttentionConfigError(f"{spec!r}: a compute capability applies to cuda only (e.g. cuda:90, cuda:100)")
+        raise AttentionConfigError(f"{short_repr(spec)}: a compute capability applies to cuda only "
+                                   "(e.g. cuda:90, cuda:100)")
     return name, _parse_sm(sm)
 
 
@@ -178,7 +179,7 @@ def parse_platform_packages(packages: "str | Iterable[str] | None") -> tuple[str
 
 def _parse_sm(sm: str) -> tuple[int, int]:
     """``"90"`` / ``"sm90"`` / ``"sm_90"`` / ``"9.0"`` / ``"120"`` -> ``(major, minor)``."""
-    from ditattn.errors import AttentionConfigError
+    from ditattn.errors import AttentionConfigError, short_repr
 
     text = sm.removeprefix("sm").lstrip("_")
     try:
@@ -189,8 +190,8 @@ def _parse_sm(sm: str) -> tuple[int, int]:
     except ValueError:
         major = minor = -1
     if not (1 <= major <= 20 and 0 <= minor <= 9):
-        raise AttentionConfigError(f"bad compute capability '{sm}'; accepted: e.g. cuda:80, cuda:90, cuda:100, "
-                                   "cuda:120 or cuda:8.6")
+        raise AttentionConfigError(f"bad compute capability {short_repr(sm)}; accepted: e.g. cuda:80, cuda:90, "
+                                   "cuda:100, cuda:120 or cuda:8.6")
     return major, minor
 
 

@@ -1,34 +1,34 @@
-"""Per-platform automatic choice and platform substitutions (DESIGN 2.2).
+"""Per-platform automatic choice and platform substitutions.
 
 ``auto_candidates(req, platform)`` lists dense backends in preference order; the selector takes
 the first one whose capability check passes.  ``substitute(backend, req, platform)`` says when the
-platform runs another backend for a requested one (the seed's fallbacks), with the reason.
+platform runs another backend for a requested one (upstream's (SGLang) fallbacks), with the reason.
 """
 from __future__ import annotations
 
 import torch
 
 from ditattn.attention.names import AttentionBackendEnum as B
-from ditattn.attention.specs import SPECS, LayerRequest, sage_cuda_runtime, sage_lacks_sm90_fix
+from ditattn.attention.specs import SPECS, LayerRequest
 from ditattn.platforms import Platform
 
 _HALF = (torch.float16, torch.bfloat16)
 
 
 def _fa_fast_runtime(platform: Platform) -> bool:
-    """FA4/FA3 are faster than cuDNN on Hopper/Blackwell; FA2 is slower than cuDNN (PERF.md)."""
+    """FA4/FA3 are faster than cuDNN on Hopper/Blackwell; FA2 is slower than cuDNN (measured on the H200)."""
     return platform.has_any(("flash_attn.cute", "flash_attn_interface")) is not None
 
 
 #: SM -> (evidence, yields to FA4/FA3): where the automatic CUDA order puts cuDNN SDPA ahead of
-#: FlashAttention for dense non-causal fp16/bf16 attention. Everywhere else the seed's rule applies:
+#: FlashAttention for dense non-causal fp16/bf16 attention. Everywhere else upstream's rule applies:
 #: FlashAttention when usable, else PyTorch SDPA (no unmeasured reordering).
 CUDNN_FIRST: dict[int, tuple[str, bool]] = {
-    90: ("measured on the H200 (PERF.md): cuDNN SDPA ~1.6x torch's flash path, faster than FlashAttention-2; "
+    90: ("measured on the H200: cuDNN SDPA ~1.6x torch's flash path, faster than FlashAttention-2; "
          "FlashAttention-4/-3 are faster still and stay first when installed", True),
-    100: ("the seed's SM100/B200 rule (cuDNN first, FA when cuDNN has no kernel for a call); "
+    100: ("upstream's SM100/B200 rule (cuDNN first, FA when cuDNN has no kernel for a call); "
           "not measured by ditattn", False),
-    103: ("the seed's SM100-family rule, as SM100; not measured by ditattn", False),
+    103: ("upstream's SM100-family rule, as SM100; not measured by ditattn", False),
 }
 
 
@@ -52,7 +52,7 @@ def auto_candidates(req: LayerRequest, platform: Platform) -> list[B]:
 
 def runtime_fallback(backend: B, req: LayerRequest, platform: Platform) -> "B | None":
     """The backend an automatic choice falls back to, per call, when ``backend`` has no kernel for
-    that call (the seed's SM100 rule: cuDNN SDPA first, FA when cuDNN cannot serve), or None."""
+    that call (upstream's SM100 rule: cuDNN SDPA first, FA when cuDNN cannot serve), or None."""
     if backend is not B.TORCH_CUDNN_SDPA or platform.name != "cuda" or platform.sm not in (100, 103):
         return None
     cands = auto_candidates(req, platform)
@@ -82,7 +82,7 @@ def fa_call_limits(spec, req: LayerRequest, platform: Platform) -> list[str]:
 def substitute(backend: B, req: LayerRequest, platform: Platform) -> "tuple[B, str] | None":
     """The backend the platform runs instead of ``backend`` and why, or None (no substitution).
 
-    Only the seed's fallbacks substitute: every backend on MPS → ``torch_sdpa`` (MPS always uses
+    Only upstream's fallbacks substitute: every backend on MPS → ``torch_sdpa`` (MPS always uses
     SDPA); ``fa`` without an installed FlashAttention runtime, for a CUDA call it cannot serve
     whether or not it is installed (float32, below SM80: :func:`fa_call_limits`), or on a platform
     where this build has no FlashAttention kernel path (CPU, XPU, MUSA, NPU, ROCm without
@@ -112,14 +112,16 @@ def substitute(backend: B, req: LayerRequest, platform: Platform) -> "tuple[B, s
             return B.TORCH_SDPA, f"{why}; fa runs torch_sdpa"
         return None
     if backend is B.SAGE_ATTN and platform.name == "cuda" and platform.sm == 90:
+        from ditattn.attention.backends.sage import sage_cuda_runtime, sage_lacks_sm90_fix
+
         impl, why = sage_cuda_runtime(platform, req.head_dim, req.needs_lse)
         if impl is None and platform.has_package("sageattention") and sage_lacks_sm90_fix(platform):
-            return B.FA, f"{why}; the seed falls back to fa on Hopper"
+            return B.FA, f"{why}; upstream falls back to fa on Hopper"
         return None
     if backend is B.FP8_FA_SM120 and platform.name == "cuda":
         if platform.sm != 120:
             return B.TORCH_CUDNN_SDPA, f"fp8_fa_sm120 runs on SM120 only (this GPU is SM{platform.sm})"
         call = [r for r in spec.reasons(req, platform) if r != spec.missing_kernel]
-        if call:  # the seed: calls the FP8 kernel does not serve use torch_cudnn_sdpa
+        if call:  # as upstream: calls the FP8 kernel does not serve use torch_cudnn_sdpa
             return B.TORCH_CUDNN_SDPA, "fp8_fa_sm120 cannot serve this call (" + "; ".join(call) + ")"
     return None

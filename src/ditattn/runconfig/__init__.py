@@ -6,7 +6,8 @@
 * :class:`SamplingConfig` — prompt and sampling (size, frames, steps, guidance, seed);
 * :class:`AttentionOptions` — the user's attention choices (become
   :class:`~ditattn.attention.context.AttentionSettings` through :meth:`RunConfig.attention_settings`);
-* :class:`ParallelConfig` — sequence parallelism (``num_gpus = ulysses_degree × ring_degree``);
+* :class:`CacheOptions` — the step cache (``--cache-backend``, ``--cache-backend-config``);
+* :class:`ParallelConfig` — sequence, CFG and VAE parallelism (``num_gpus = cfg × ulysses_degree × ring_degree``);
 * :class:`OutputConfig` — where ``generate`` writes;
 * :class:`ServerConfig` — ``serve``'s address, batching and request limits;
 * :class:`SimulationConfig` — ``plan`` / ``backends``: resolve on a simulated platform;
@@ -34,10 +35,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterable, Mapping, Optional, Union
 
-from ditattn.errors import AttentionConfigError
+from ditattn.errors import AttentionConfigError, short_repr, short_text
 from ditattn.runconfig.checks import (
     boolean,
     float_between,
+    fraction_interval,
     int_between,
     lora_specs,
     one_of,
@@ -46,11 +48,14 @@ from ditattn.runconfig.checks import (
     positive_int,
     text,
     text_or_mapping,
+    timestep_list,
 )
-from ditattn.runconfig.commands import CompareOptions, ServerConfig, SimulationConfig
+from ditattn.runconfig.commands import (BackendsOptions, CalibrateOptions, CompareOptions, ServerConfig,
+                                         SimulationConfig)
 from ditattn.runconfig.fields import MAX_FPS, MAX_FRAMES, MAX_GPUS, MAX_GUIDANCE, MAX_SEED, MAX_SIDE, MAX_STEPS
 from ditattn.runconfig.fields import Section as _Section  # the short names the sections below use
 from ditattn.runconfig.fields import setting as _field
+from ditattn.runconfig.sampling import CFG_BATCHING, SCHEDULERS, CacheOptions, SamplingConfig
 
 
 # ------------------------------------------------------------------------------------------------
@@ -66,54 +71,69 @@ DIT_QUANTIZATION = ("none", "fp8", "int8")  # ditattn.models.quantization.MODES
 class ModelConfig(_Section):
     """What to load and how to run it."""
 
-    model_path: Optional[str] = _field(None, optional(text), "local diffusers-format Wan folder, Hugging Face repo id "
-                                       "org/name, or a built-in model: ditattn:shapes, ditattn:tiny-wan, "
-                                       "ditattn:tiny-wan2.2 (None: the default, ditattn.models.builtin.DEFAULT_MODEL)")
-    revision: Optional[str] = _field(None, optional(text), "branch, tag or commit of a Hugging Face repo id")
-    local_files_only: bool = _field(False, boolean, "resolve a Hugging Face repo id from the local cache only")
-    model_variant: Optional[str] = _field(None, optional(text), "weights variant of checkpoints that have several")
-    device: Optional[str] = _field(None, optional(plain_name), "cpu, cuda, cuda:1, ... (None: cuda if available, else cpu)")
-    dtype: Optional[str] = _field(None, optional(one_of(*DTYPES)), "compute dtype (None: float32 on cpu, bfloat16 on "
-                                  "GPUs)")
-    backend: str = _field("native", one_of("native", "diffusers"), "native ditattn pipeline or stock diffusers")
-    enable_torch_compile: bool = _field(False, boolean, "torch.compile each DiT block")
-    enable_cuda_graph: bool = _field(False, boolean, "CUDA graphs for the DiT blocks (implies torch.compile)")
-    offload: str = _field("none", one_of(*OFFLOAD_MODES), "CPU offload: none, text_encoder (encoders visit the device "
-                          "only to encode), model (each component on the device only while it runs), group (model, "
-                          "and the DiT streamed block group by block group)")
-    offload_group_blocks: int = _field(1, positive_int, "DiT blocks per streamed group (--offload group)")
-    vae_tiling: bool = _field(False, boolean, "VAE encode/decode in overlapping spatial tiles (less memory)")
-    vae_slicing: bool = _field(False, boolean, "VAE encode/decode one sample of the batch at a time")
-    lora_path: tuple = _field((), lora_specs, "LoRA adapters: [COMPONENT=]PATH[:SCALE] each (COMPONENT transformer or "
-                              "transformer_2, default transformer; SCALE default 1.0)")
-    lora_fuse: Optional[bool] = _field(None, optional(boolean), "fuse the LoRAs into the weights (None: generate "
-                                       "fuses, serve keeps them apart so requests can set their scales)")
-    dit_quantization: str = _field("none", one_of(*DIT_QUANTIZATION), "8-bit DiT linears through torchao: fp8 "
-                                   "(CUDA SM >= 8.9, bfloat16) or int8; per process, not per request")
-    dit_weights: Union[str, dict, None] = _field(None, optional(text_or_mapping), "a .safetensors file of DiT weights "
-                                                 "instead of the checkpoint's (FP8/INT8 with scales too), or "
-                                                 "transformer=FILE,transformer_2=FILE")
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingConfig(_Section):
-    """Prompt and sampling; None takes the model's default (``serve``: the default of requests)."""
-
-    prompt: Optional[str] = _field(None, optional(text), "text prompt")
-    negative_prompt: Optional[str] = _field(None, optional(text), "negative prompt for classifier-free guidance")
-    num_inference_steps: Optional[int] = _field(None, optional(int_between(1, MAX_STEPS)), "denoising steps")
-    guidance_scale: Optional[float] = _field(None, optional(float_between(0.0, MAX_GUIDANCE)),
-                                             "classifier-free guidance scale (> 1 enables guidance)")
-    guidance_scale_2: Optional[float] = _field(None, optional(float_between(0.0, MAX_GUIDANCE)),
-                                               "guidance scale of the low-noise expert (two-expert Wan 2.2 "
-                                               "checkpoints; None: guidance_scale)")
-    image: Optional[str] = _field(None, optional(text), "first frame of an image-to-video / TI2V checkpoint (a PNG, "
-                                  "JPEG, WebP or BMP file)")
-    height: Optional[int] = _field(None, optional(int_between(1, MAX_SIDE)), "output height in pixels")
-    width: Optional[int] = _field(None, optional(int_between(1, MAX_SIDE)), "output width in pixels")
-    num_frames: Optional[int] = _field(None, optional(int_between(1, MAX_FRAMES)), "frames (1 = image)")
-    seed: Optional[int] = _field(None, optional(int_between(0, MAX_SEED)), "random seed (None: 0 for generate; serve "
-                                 "refuses it, requests carry their own)")
+    model_path: Optional[str] = _field(None, optional(text),
+                                       "local diffusers-format Wan checkpoint directory, a Hugging Face repo id "
+                                       "(org/name, e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers: the local cache first, "
+                                       "else a download; HF_HUB_OFFLINE=1 honoured), or a built-in model built "
+                                       "locally without downloading: ditattn:shapes (the default), ditattn:tiny-wan, "
+                                       "ditattn:tiny-wan2.2", metavar="PATH_OR_ID")
+    revision: Optional[str] = _field(None, optional(text),
+                                     "branch, tag or commit of a Hugging Face repo id (default main)", metavar="REV")
+    local_files_only: bool = _field(False, boolean,
+                                    "resolve a Hugging Face repo id from the local cache only (never download)")
+    model_variant: Optional[str] = _field(None, optional(text),
+                                          "weights variant, for checkpoints that have several", metavar="NAME")
+    device: Optional[str] = _field(None, optional(plain_name),
+                                   "cpu, cuda, cuda:1, ... (default: cuda if available, else cpu)", metavar="DEVICE")
+    dtype: Optional[str] = _field(None, optional(one_of(*DTYPES)),
+                                  "compute dtype (default float32 on cpu, bfloat16 on GPUs)")
+    backend: str = _field("native", one_of("native", "diffusers"),
+                          "native ditattn pipeline, or the stock diffusers pipeline")
+    enable_torch_compile: bool = _field(False, boolean,
+                                        "torch.compile each DiT block (attention stays eager, so backend selection "
+                                        "still applies); per-request overrides and skip softmax are then refused")
+    enable_cuda_graph: bool = _field(False, boolean,
+                                     "CUDA only: compile the DiT blocks with CUDA graphs (breakable at attention); "
+                                     "implies --enable-torch-compile; per-request overrides and skip softmax are "
+                                     "then refused")
+    offload: str = _field("none", one_of(*OFFLOAD_MODES),
+                          "CPU offload: text_encoder (the encoders visit the GPU only to encode), model (each "
+                          "component on the GPU only while it runs), group (model, and the DiT streamed to the GPU a "
+                          "group of blocks at a time, the next group copied while the current one computes)")
+    offload_group_blocks: int = _field(1, positive_int,
+                                       "DiT blocks per streamed group with --offload group", metavar="N")
+    vae_tiling: bool = _field(False, boolean,
+                              "VAE encode/decode in overlapping 256-pixel tiles (needed for 720p x 81 frames on most "
+                              "GPUs)")
+    vae_slicing: bool = _field(False, boolean,
+                               "VAE encode/decode one sample of a batch at a time")
+    lora_path: tuple = _field((), lora_specs,
+                              "load a diffusers / PEFT-format Wan LoRA (a .safetensors file, or a folder with "
+                              "pytorch_lora_weights.safetensors; also the original Wan layout of step-distill "
+                              "LoRAs, with their .diff / .diff_b deltas) into the DiT; repeat for several. COMPONENT: "
+                              "transformer (default) or transformer_2 (the low-noise expert of two-expert "
+                              "checkpoints); SCALE default 1.0. On serve, requests pick adapters by file name with a "
+                              "'lora' field", metavar="[COMPONENT=]PATH[:SCALE]")
+    lora_fuse: Optional[bool] = _field(None, optional(boolean),
+                                       "fuse the LoRAs into the weights (no per-step cost, fixed scales); default "
+                                       "true for generate, false for serve (requests may then change the scales)",
+                                       metavar="true|false")
+    dit_quantization: str = _field("none", one_of(*DIT_QUANTIZATION),
+                                   "8-bit linear layers for the DiT through torchao (pip install 'ditattn[quant]'), "
+                                   "quantized once at load time: fp8 = e4m3 weights per output channel and "
+                                   "activations per token (the chosen device must be an NVIDIA GPU with compute "
+                                   "capability >= 8.9, --dtype bfloat16); int8 = the same in int8 (CPU or NVIDIA "
+                                   "GPU). The self-attention, cross-attention query/output and feed-forward GEMMs "
+                                   "are quantized; the time and text embeddings, the cross-attention K/V and the "
+                                   "final projection stay in --dtype ('ditattn plan' lists them). Per process, not "
+                                   "per request")
+    dit_weights: Union[str, dict, None] = _field(None, optional(text_or_mapping),
+                                                 "take the DiT's weights from this single file instead of the "
+                                                 "checkpoint folder's: diffusers or original Wan key names, "
+                                                 "bf16/fp16/fp32 or 8-bit with scales (ComfyUI/Kijai *_fp8_scaled, "
+                                                 "*_fp8_e4m3fn, LightX2V FP8/INT8), dequantized when loaded; a model "
+                                                 "with two DiTs takes transformer=FILE,transformer_2=FILE",
+                                                 metavar="FILE.safetensors")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,17 +141,44 @@ class AttentionOptions(_Section):
     """The user's attention choices, as given (names and specs are parsed by
     :meth:`RunConfig.attention_settings`)."""
 
-    attention_backend: Optional[str] = _field(None, optional(plain_name), "global attention backend")
+    attention_backend: Optional[str] = _field(None, optional(plain_name),
+                                              "global attention backend (see 'ditattn backends'; fa3/fa4 -> fa, "
+                                              "cudnn_sdpa -> torch_cudnn_sdpa). For the DiT it is strict: a backend "
+                                              "that cannot serve a layer is an error, except where the platform "
+                                              "substitutes one ('ditattn backends' and the plan say so): fa runs "
+                                              "torch_sdpa without a FlashAttention runtime (on the CPU always), "
+                                              "sage_attn runs fa on Hopper for calls only an unfixed sageattention "
+                                              "package could serve, fp8_fa_sm120 runs torch_cudnn_sdpa off SM120, "
+                                              "and a sparse backend leaves cross-attention to a dense one. Auxiliary "
+                                              "components (text encoder, VAE) fall back when incompatible. With "
+                                              "--backend diffusers it is passed to diffusers' set_attention_backend",
+                                              metavar="NAME")
     component_attention_backends: Union[str, dict, None] = _field(None, optional(text_or_mapping),
-                                                                  "per-component overrides: a spec or a mapping")
+                                                                  "per-component overrides: "
+                                                                  "text_encoder=torch_sdpa,transformer.cross=fa or a "
+                                                                  "JSON object; keys are model_index.json module "
+                                                                  "names, optionally with .self/.cross",
+                                                                  metavar="SPEC")
     attention_backend_config: Union[str, dict, None] = _field(None, optional(text_or_mapping),
-                                                              "backend parameters: a file, JSON, k=v pairs or a mapping")
-    attention_backend_override: Optional[str] = _field(None, optional(plain_name), "request-scoped DiT backend")
-    enable_attention_backend_autotune: bool = _field(False, boolean, "time candidates per automatic layer")
+                                                              "backend parameters: a .json/.yaml file, a JSON "
+                                                              "object, or k=v,k=v pairs (kernel choices too, e.g. "
+                                                              "impl=triton,pv_dtype=fp8 for sage_attn; 'ditattn "
+                                                              "backends' lists every key)", metavar="CFG")
+    attention_backend_override: Optional[str] = _field(None, optional(plain_name),
+                                                       "request-scoped backend for the DiT denoise loop: fa, "
+                                                       "torch_sdpa, sage_attn, sage_attn_3", metavar="NAME")
+    enable_attention_backend_autotune: bool = _field(False, boolean,
+                                                     "time compatible candidates per automatically chosen layer on "
+                                                     "its first large input and switch when one is faster and agrees "
+                                                     "numerically")
     skip_softmax_threshold_scale_factor: Optional[float] = _field(None, optional(float_between(0.0, 1e6, lo_open=True)),
-                                                                  "request-scoped skip softmax threshold scale")
+                                                                  "request-scoped skip softmax (BLASST): tiles with "
+                                                                  "estimated mass below X/context_length are "
+                                                                  "skipped; no default, calibrate per model",
+                                                                  metavar="X")
     skip_softmax_start_step: Optional[int] = _field(None, optional(int_between(0, MAX_STEPS)),
-                                                    "first skip-softmax step (default 0)")
+                                                    "zero-based denoising step where skip softmax starts (default 0)",
+                                                    metavar="N")
 
     def skip_softmax(self) -> Optional[dict]:
         """``{threshold_scale_factor, start_step}`` or None; a start step without a threshold is an error."""
@@ -153,18 +200,32 @@ class AttentionOptions(_Section):
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig(_Section):
-    """Sequence parallelism: ``num_gpus`` ranks as a Ulysses × ring grid."""
+    """Parallelism: ``num_gpus`` ranks as a Ulysses × ring grid, or two of them (one per guidance half)
+    with ``cfg_parallel``; ``vae_parallel`` spreads the VAE decode's tiles over all ranks."""
 
-    num_gpus: int = _field(1, int_between(1, MAX_GPUS), "processes for sequence parallelism")
+    num_gpus: int = _field(1, int_between(1, MAX_GPUS),
+                           "processes for sequence parallelism", metavar="N")
     ulysses_degree: Optional[int] = _field(None, optional(int_between(1, MAX_GPUS)),
-                                           "Ulysses degree (None: the rest of num_gpus)")
-    ring_degree: Optional[int] = _field(None, optional(int_between(1, MAX_GPUS)), "ring-attention degree (None: the rest)")
+                                           "Ulysses degree (default: the rest of --num-gpus)", metavar="U")
+    ring_degree: Optional[int] = _field(None, optional(int_between(1, MAX_GPUS)),
+                                        "ring-attention degree (default: the rest of --num-gpus)", metavar="R")
+    cfg_parallel: bool = _field(False, boolean, "run the conditional and unconditional guidance passes on two halves "
+                                "of the ranks (num_gpus = 2 × ulysses × ring; needs guidance scale > 1)")
+    vae_parallel: bool = _field(False, boolean, "split the VAE decode into tiles spread over the ranks (the result "
+                                "equals --vae-tiling's one-device decode; needs num_gpus >= 2)")
 
     def degrees(self) -> tuple[int, int]:
-        """``(ulysses, ring)`` with ``ulysses × ring == num_gpus`` (AttentionConfigError otherwise)."""
-        from ditattn.distributed.groups import resolve_degrees
+        """``(ulysses, ring)`` of each sequence-parallel group, with ``cfg × ulysses × ring ==
+        num_gpus`` (``cfg``: :meth:`cfg_degree`); AttentionConfigError otherwise."""
+        from ditattn.distributed.cfg import resolve_parallel
 
-        return resolve_degrees(self.num_gpus, self.ulysses_degree, self.ring_degree)
+        _, u, r = resolve_parallel(self.num_gpus, self.ulysses_degree, self.ring_degree,
+                                   cfg_parallel=self.cfg_parallel, vae_parallel=self.vae_parallel)
+        return u, r
+
+    def cfg_degree(self) -> int:
+        """2 with ``cfg_parallel`` (the guidance halves on two groups of ranks), else 1."""
+        return 2 if self.cfg_parallel else 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,21 +235,41 @@ class OutputConfig(_Section):
     output_path: a folder, or a file path when it ends in ``.mp4`` / ``.png``; an existing file is
     never replaced unless ``overwrite`` (a ``_1``, ``_2``, ... suffix is added instead)."""
 
-    output_path: str = _field("outputs", text, "output directory, or a file path ending in .mp4 / .png")
-    output_file: Optional[str] = _field(None, optional(text), "output file name (None: derived from the prompt)")
-    save_output: bool = _field(True, boolean, "write the output file")
-    fps: Optional[int] = _field(None, optional(int_between(1, MAX_FPS)), "frames per second of the MP4 (None: 16)")
-    overwrite: bool = _field(False, boolean, "replace an existing output file (default: add a numeric suffix)")
+    output_path: str = _field("outputs", text,
+                              "output directory, or the output file itself when it ends in .mp4 (clips) / .png (one "
+                              "frame)", metavar="PATH")
+    output_file: Optional[str] = _field(None, optional(text),
+                                        "output file name (default derived from the prompt)", metavar="NAME")
+    save_output: bool = _field(True, boolean,
+                               "write the output file")
+    fps: Optional[int] = _field(None, optional(int_between(1, MAX_FPS)),
+                                "frames per second of the MP4 (default 16; videos only)", metavar="FPS")
+    overwrite: bool = _field(False, boolean,
+                             "replace an existing output file (default: keep it and add a numeric suffix, _1, _2, "
+                             "...)")
 
 
-SECTIONS = {"model": ModelConfig, "sampling": SamplingConfig, "attention": AttentionOptions,
+SECTIONS = {"model": ModelConfig, "sampling": SamplingConfig, "attention": AttentionOptions, "cache": CacheOptions,
             "parallel": ParallelConfig, "output": OutputConfig, "server": ServerConfig,
-            "simulation": SimulationConfig, "compare": CompareOptions}
+            "simulation": SimulationConfig, "compare": CompareOptions, "backends": BackendsOptions,
+            "calibrate": CalibrateOptions}
 TOP_LEVEL = ("verbose", "json")
 
 
 def _section(cls):
     return dataclasses.field(default_factory=cls)
+
+
+def _accepted(key: str, allowed, shown: str) -> str:
+    """What an unknown key's message says is accepted: every key when the list is short, else the
+    closest keys and where the whole list is (so a message stays a readable line)."""
+    import difflib
+
+    if len(shown) <= 600:
+        return f"accepted: {shown}"
+    close = difflib.get_close_matches(key, list(allowed), n=3)
+    hint = f"did you mean {', '.join(flag_name(c) for c in close)}? " if close else ""
+    return f"{hint}accepted: {len(allowed)} keys, the long flag names of the command's --help without the dashes"
 
 
 def flag_name(key: str) -> str:
@@ -203,18 +284,22 @@ class RunConfig:
     model: ModelConfig = _section(ModelConfig)
     sampling: SamplingConfig = _section(SamplingConfig)
     attention: AttentionOptions = _section(AttentionOptions)
+    cache: CacheOptions = _section(CacheOptions)
     parallel: ParallelConfig = _section(ParallelConfig)
     output: OutputConfig = _section(OutputConfig)
     server: ServerConfig = _section(ServerConfig)
     simulation: SimulationConfig = _section(SimulationConfig)
     compare: CompareOptions = _section(CompareOptions)
+    backends: BackendsOptions = _section(BackendsOptions)
+    calibrate: CalibrateOptions = _section(CalibrateOptions)
     verbose: bool = False
     json: bool = False
 
     def __post_init__(self):
         for name, cls in SECTIONS.items():
             if not isinstance(getattr(self, name), cls):
-                raise AttentionConfigError(f"RunConfig.{name} must be a {cls.__name__}, got {getattr(self, name)!r}")
+                raise AttentionConfigError(f"RunConfig.{name} must be a {cls.__name__}, "
+                                           f"got {short_repr(getattr(self, name))}")
         for name in TOP_LEVEL:
             try:
                 object.__setattr__(self, name, boolean(getattr(self, name)))
@@ -253,10 +338,11 @@ class RunConfig:
         for raw, value in values.items():
             key = str(raw).lstrip("-").replace("-", "_")
             if key not in known:
-                raise AttentionConfigError(f"{source}: unknown key {raw!r}; accepted: {shown}")
+                raise AttentionConfigError(f"{source}: unknown key {short_repr(raw)}; {_accepted(key, allowed, shown)}")
             if key not in allowed:
                 where = f"the {known[key]} settings" if known[key] else "other commands"
-                raise AttentionConfigError(f"{source}: key {raw!r} does not apply here (it belongs to {where}); "
+                raise AttentionConfigError(f"{source}: key {short_repr(raw)} does not apply here (it belongs to "
+                                           f"{where}); "
                                            f"accepted: {shown}")
             section = known[key]
             check = boolean if section is None else next(
@@ -264,7 +350,8 @@ class RunConfig:
             try:
                 changes.setdefault(section, {})[key] = check(value)
             except ValueError as exc:
-                raise AttentionConfigError(f"{source}: {flag_name(key)}: {exc}") from None
+                shown_key = ("--" if source == "command line" else "") + flag_name(key)
+                raise AttentionConfigError(f"{source}: {shown_key}: {exc}") from None
         base = base or cls()
         top = changes.pop(None, {})
         sections = {s: dataclasses.replace(getattr(base, s), **kw) for s, kw in changes.items()}
@@ -278,7 +365,7 @@ class RunConfig:
 
         data = load_mapping_file(path, what="config file",
                                  accepted="a YAML mapping of long flag names to values, e.g. 'num-inference-steps: 4'")
-        return cls.from_mapping(data, base=base, accept=accept, source=f"config file {path}")
+        return cls.from_mapping(data, base=base, accept=accept, source=f"config file {short_text(path)}")
 
     # -- what the layers below take ---------------------------------------------------------------
     def attention_settings(self):
@@ -308,7 +395,9 @@ class RunConfig:
         return dict(prompt=s.prompt, negative_prompt=s.negative_prompt, height=s.height, width=s.width,
                     num_frames=s.num_frames, num_inference_steps=s.num_inference_steps,
                     guidance_scale=s.guidance_scale, guidance_scale_2=s.guidance_scale_2, image=s.image, seed=s.seed or 0,
-                    override=self.attention.attention_backend_override, skip_softmax=self.attention.skip_softmax())
+                    scheduler=s.scheduler, flow_shift=s.flow_shift, timesteps=s.timesteps, cfg_interval=s.cfg_interval,
+                    cfg_batching=s.cfg_batching, override=self.attention.attention_backend_override,
+                    skip_softmax=self.attention.skip_softmax())
 
     def for_rank(self, rank: int, device: str) -> "RunConfig":
         """This run as rank ``rank`` of a sequence-parallel job runs it: on ``device``, with the

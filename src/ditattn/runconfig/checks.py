@@ -147,6 +147,7 @@ def one_of(*choices: str) -> Callable[[Any], str]:
             raise ValueError(f"expected one of {', '.join(choices)}, got {_short(value)}")
         return value
 
+    check.choices = choices  # the flag lists them (ditattn.entrypoints.flags.field_flags)
     return check
 
 
@@ -155,6 +156,8 @@ def optional(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
     def maybe(value: Any) -> Any:
         return None if value is None else check(value)
 
+    if hasattr(check, "choices"):
+        maybe.choices = check.choices
     return maybe
 
 
@@ -166,7 +169,7 @@ def lora_specs(value: Any) -> tuple:
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-        raise ValueError(f"expected [COMPONENT=]PATH[:SCALE] strings, got {value!r}")
+        raise ValueError(f"expected [COMPONENT=]PATH[:SCALE] strings, got {_short(value)}")
     for v in value:
         parse_lora_spec(v)  # AttentionConfigError is a ValueError: same one-line message
     return tuple(v.strip() for v in value)
@@ -215,7 +218,7 @@ def list_of(check: Callable[[Any], Any], what: str) -> Callable[[Any], tuple]:
         if isinstance(value, str):
             value = [v for v in value.split(",") if v.strip()]
         if not isinstance(value, (list, tuple)):
-            raise ValueError(f"expected a list of {what}, got {value!r}")
+            raise ValueError(f"expected a list of {what}, got {_short(value)}")
         return tuple(check(v) for v in value)
 
     return items
@@ -230,5 +233,41 @@ def text_items(value: Any) -> tuple:
     if isinstance(value, str):
         return (value,)
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-        raise ValueError(f"expected a list of strings, got {value!r}")
+        raise ValueError(f"expected a list of strings, got {_short(value)}")
     return tuple(value)
+
+
+def timestep_list(value: Any) -> tuple:
+    """An explicit denoising schedule: ``"1000,750,500,250"`` or a list of numbers, each in (0, 1e6],
+    strictly descending (so no duplicates), at most ``MAX_STEPS`` of them; returned as a tuple of floats.
+    The upper bound that matters, the checkpoint's ``num_train_timesteps``, is checked when the
+    scheduler is built (:func:`ditattn.pipelines.sampling.build_sampler`)."""
+    from ditattn.runconfig.fields import MAX_STEPS
+
+    expected = "descending timesteps such as 1000,750,500,250"
+    items = [v for v in value.split(",")] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not items or len(items) > MAX_STEPS:
+        raise ValueError(f"expected 1 to {MAX_STEPS} {expected}, got {_short(value)}")
+    what = f"timesteps above 0 ({expected})"
+    out = tuple(_number(v.strip() if isinstance(v, str) else v, lambda x: math.isfinite(x) and 0 < x <= 1e6, what,
+                        what) for v in items)
+    for a, b in zip(out, out[1:], strict=False):
+        if not b < a:
+            what = "a duplicate" if a == b else "not descending"
+            raise ValueError(f"expected {expected} (strictly descending, no duplicates), got {_short(value)} "
+                             f"({what}: {a:g} then {b:g})")
+    return out
+
+
+def fraction_interval(value: Any) -> tuple:
+    """A part of the denoising schedule ``START:END`` (text, or a pair of numbers), fractions with
+    ``0 <= START < END <= 1``; returned as ``(START, END)`` floats."""
+    expected = "START:END with 0 <= START < END <= 1, e.g. 0:0.5"
+    parts = value.split(":") if isinstance(value, str) else value
+    if not isinstance(parts, (list, tuple)) or len(parts) != 2:
+        raise ValueError(f"expected {expected}, got {_short(value)}")
+    start, end = (_number(p.strip() if isinstance(p, str) else p, lambda x: math.isfinite(x) and 0 <= x <= 1,
+                          expected, expected) for p in parts)
+    if not start < end:
+        raise ValueError(f"expected {expected}, got {_short(value)} (START must be below END)")
+    return (start, end)

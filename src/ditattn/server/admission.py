@@ -119,6 +119,21 @@ class RequestChecks:
         except AttentionConfigError as exc:
             raise RequestError(str(exc), param="lora", code="invalid_lora") from None
 
+    def check_cache(self, req) -> dict:
+        """A request's ``cache_backend`` / ``cache_backend_config`` checked against the model (400 naming the
+        field with the reason), as the JSON-safe params that build its job (absent: the server's default)."""
+        backend, config = req.cache_backend, req.cache_backend_config
+        if backend is None and config is None:
+            return {}
+        prepare = getattr(self.runner, "prepare_cache", None)
+        if prepare is None:
+            raise RequestError("cache_backend is not supported by this server", param="cache_backend")
+        try:
+            prepare(backend, config)
+        except AttentionConfigError as exc:
+            raise RequestError(str(exc), param=getattr(exc, "field", "cache_backend"), code="invalid_cache") from None
+        return {"cache_backend": backend, "cache_backend_config": config}
+
     def request_params(self, req, *, kind: str, width: int, height: int, num_frames: int, steps: int,
                        fps: int) -> dict:
         """The validated request as the JSON-safe fields that build its job (the server's defaults
@@ -134,6 +149,7 @@ class RequestChecks:
             raise RequestError("guidance_scale_2 applies to two-expert models (Wan 2.2 A14B); this model has one "
                                "transformer", param="guidance_scale_2")
         lora = self.check_lora(req.lora)
+        sampling = self.check_sampling(req.sampling())
         skip = req.skip_softmax_params.as_dict() if req.skip_softmax_params is not None else None
         self.check_skip_softmax(skip)
         return dict(prompt=req.prompt, width=width, height=height, num_frames=num_frames, num_inference_steps=steps,
@@ -142,4 +158,22 @@ class RequestChecks:
                     guidance_scale=d.guidance_scale if req.guidance_scale is None else req.guidance_scale,
                     guidance_scale_2=req.guidance_scale_2, lora=None if lora is None else [list(x) for x in lora],
                     seed=secrets.randbelow(2 ** 31) if req.seed is None else req.seed,
-                    override=req.attention_backend_override, skip_softmax=skip)
+                    override=req.attention_backend_override, skip_softmax=skip, **sampling,
+                    **self.check_cache(req))
+
+    def check_sampling(self, sampling: dict) -> dict:
+        """A request's checked sampler fields (:meth:`~ditattn.server.protocol._Extras.sampling`) against
+        the server's --max-steps and the model's scheduler (400 naming the field)."""
+        ts = sampling.get("timesteps")
+        if ts is not None and len(ts) > self.config.max_steps:
+            raise RequestError(f"timesteps has {len(ts)} entries; at most {self.config.max_steps} (the server's "
+                               f"--max-steps)", param="timesteps", code="limit_exceeded")
+        check = getattr(self.runner, "check_sampling", None)
+        if sampling and check is not None:
+            try:
+                check(sampling)
+            except AttentionConfigError as exc:
+                msg = str(exc)
+                field = next((f for f in ("timesteps", "flow-shift", "flow_shift") if f in msg), "scheduler")
+                raise RequestError(msg, param=field.replace("-", "_")) from None
+        return sampling

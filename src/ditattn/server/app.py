@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP server (DESIGN 1.6, 2.7, 2.8): app assembly.
+"""The OpenAI-compatible HTTP server: app assembly.
 
 Endpoints (one router per resource, :mod:`ditattn.server.routes`): ``POST /v1/images/generations``,
 ``GET /v1/images/{id}/content``, ``POST /v1/videos``, ``GET /v1/videos``, ``GET /v1/videos/{id}``,
@@ -7,7 +7,7 @@ Endpoints (one router per resource, :mod:`ditattn.server.routes`): ``POST /v1/im
 
 Every request is validated before it is queued: body fields, size / steps / frames / n limits, the
 model name, and the attention settings (``attention_backend_override`` and ``skip_softmax_params``
-through the runner's ``prepare``, which applies DESIGN 2.7 / 2.8 and logs each refusal). Refusals
+through the runner's ``prepare``, which applies the override and skip-softmax rules and logs each refusal). Refusals
 are 400s with an OpenAI error body. Valid requests go to the :class:`~ditattn.server.scheduler.Scheduler`
 (429 with ``Retry-After`` when its queue is full; 503 while the server drains for a shutdown).
 Outputs are written atomically under a server-owned folder with server-generated ids; no request

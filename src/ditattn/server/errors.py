@@ -1,4 +1,5 @@
-"""How the app answers what the routes do not: the API key check, request counting and internal
+"""How the app answers what the routes do not: the API key check (without a key: the ``Host`` /
+``Origin`` check that keeps web pages elsewhere from driving the server), request counting and internal
 errors (one ASGI middleware, :class:`ServerMiddleware`), and every error as an OpenAI error body
 (exception handlers).
 
@@ -67,7 +68,7 @@ class ServerMiddleware:
             await send(message)
 
         try:
-            refusal = self._auth(state, scope)
+            refusal = self._auth(state, scope) or origin_refusal(state.config, scope)
             if refusal is not None:
                 await refusal(scope, receive, send_counted)
             else:
@@ -100,6 +101,72 @@ class ServerMiddleware:
                else "invalid API key in the Authorization header")
         return JSONResponse(error_body(msg, type="authentication_error", code="invalid_api_key"), status_code=401,
                             headers={"WWW-Authenticate": "Bearer"})
+
+
+LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def _host_name(value: str) -> str:
+    """The host name of a ``Host`` header value or URL authority (port and IPv6 brackets dropped, lower case)."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[1:value.find("]")] if "]" in value else value
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+def _is_ip(name: str) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def _local_name(config, name: str) -> bool:
+    """A host name this server answers without an API key: an IP address (a page elsewhere cannot
+    rebind one), localhost, ``--host``, the ``--public-url`` host, or one of ``--allowed-hosts``."""
+    from urllib.parse import urlsplit
+
+    allowed = {*LOCAL_NAMES, _host_name(config.host), *(_host_name(h) for h in config.allowed_hosts)}
+    if config.public_url:
+        allowed.add((urlsplit(config.public_url).hostname or "").lower())
+    return "*" in config.allowed_hosts or name in allowed or name.endswith(".localhost") or _is_ip(name)
+
+
+def origin_refusal(config, scope):
+    """Without an API key, the 403 for a request a web page elsewhere could have sent: a ``Host``
+    header that is not one of this server's names (DNS rebinding), or an ``Origin`` header (a
+    browser's cross-site request) that is neither this server's own origin, a local one, nor one of
+    ``--allowed-origins``.  None to let the request through (always, with an API key)."""
+    if config.api_key is not None or scope.get("path") == "/health":
+        return None
+    headers = Request(scope).headers
+    host = headers.get("host")
+    if host is not None and not _local_name(config, _host_name(host)):
+        msg = (f"Host '{host[:100]}' is not a name of this server; without --api-key it answers localhost, IP "
+               "addresses, --host and the --public-url host (add names with --allowed-hosts)")
+        return JSONResponse(error_body(msg, type="permission_error", code="host_not_allowed"), status_code=403)
+    origin = headers.get("origin")
+    if origin is None or "*" in config.allowed_origins:
+        return None
+    from urllib.parse import urlsplit
+
+    o = origin.strip().lower().rstrip("/")
+    allowed = {a.strip().lower().rstrip("/") for a in config.allowed_origins}
+    try:
+        parts = urlsplit(o)
+        name = (parts.hostname or "").lower()
+    except ValueError:
+        parts, name = None, ""
+    own = host is not None and parts is not None and parts.netloc == host.strip().lower()
+    local = name in LOCAL_NAMES or name.endswith(".localhost")
+    if o in allowed or (parts is not None and parts.scheme in ("http", "https") and (own or local)):
+        return None
+    msg = (f"requests from the web page origin '{origin[:100]}' are refused: without --api-key this server only "
+           "answers its own and local pages (add origins with --allowed-origins, or set --api-key)")
+    return JSONResponse(error_body(msg, type="permission_error", code="origin_not_allowed"), status_code=403)
 
 
 def install_auth_and_metrics(app: FastAPI, routes: list) -> None:

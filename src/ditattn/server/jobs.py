@@ -61,6 +61,7 @@ class GenerationResult:
     attention_backends: list
     stats: dict = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
+    cache: Optional[dict] = None  # the step cache's report of the batch's run (None: no cache)
 
 
 @dataclasses.dataclass(eq=False)
@@ -76,7 +77,8 @@ class GenerationJob:
     queue and their run separately); stop_reason: set by :meth:`Scheduler.cancel`; image: the first
     frame of an image-to-video job (a PIL image) or None; lora: the LoRA scales ``((name, scale),
     ...)`` sorted by name, or None for the server's defaults; guidance_scale_2: the low-noise
-    expert's guidance scale (two-expert checkpoints) or None.
+    expert's guidance scale (two-expert checkpoints) or None; scheduler, flow_shift, timesteps,
+    cfg_interval: the request's sampler fields (None: the server's defaults).
     """
 
     kind: str
@@ -100,11 +102,17 @@ class GenerationJob:
     image: Any = None
     lora: Optional[tuple] = None
     guidance_scale_2: Optional[float] = None
+    scheduler: Optional[str] = None
+    flow_shift: Optional[float] = None
+    timesteps: Optional[tuple] = None
+    cfg_interval: Optional[tuple] = None
+    cache: Any = None  # the step cache (ditattn.cache.CacheSetting) or None: jobs batch only with the same one
     id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
     created: float = dataclasses.field(default_factory=time.time)
     future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
     on_start: Optional[Callable[["GenerationJob"], None]] = None
     on_progress: Optional[Callable[["GenerationJob", float], None]] = None
+    denoised: bool = False  # set by the runner once every denoising step ran (decoding: frames worth keeping)
 
     def should_stop(self, now: Optional[float] = None) -> Optional[str]:
         """Why this job must stop now (its cancel reason, or ``timeout`` past its deadline), else None."""
@@ -120,7 +128,9 @@ class GenerationJob:
                                                      self.skip_softmax.start_step)
         return (self.model, self.width, self.height, self.num_frames, self.num_inference_steps,
                 float(self.guidance_scale), self.negative_prompt or "", self.override, ss,
-                self.image is not None, self.lora, self.guidance_scale_2)
+                self.image is not None, self.lora, self.guidance_scale_2, self.scheduler, self.flow_shift,
+                self.timesteps, self.cfg_interval,
+                None if self.cache is None else (self.cache.name, repr(sorted(self.cache.config.items()))))
 
 
 def batch_stop_reason(jobs: Sequence[GenerationJob]) -> Optional[str]:

@@ -35,6 +35,7 @@ class JobStore:
         self.path = os.path.join(folder, DB_FILE)
         self._lock = threading.Lock()
         self.bad_rows: list[str] = []
+        self._rows: Optional[list] = None
         self._lock_fd = None
         self._lock_fd = _lock_folder(folder)
         try:
@@ -45,20 +46,36 @@ class JobStore:
                     f"--output-dir {folder}: {DB_FILE} has job store version {version}, this ditattn reads "
                     f"version {SCHEMA_VERSION}; use another --output-dir"
                 )
+            self._check_tables(version)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.execute("CREATE TABLE IF NOT EXISTS videos (id TEXT PRIMARY KEY, status TEXT NOT NULL, "
                              "record TEXT NOT NULL)")
-            self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            if version != SCHEMA_VERSION:
+                self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            # read every row now: a damaged file is refused here, with its reason, not at the restore
+            self._rows = self._db.execute("SELECT id, record FROM videos ORDER BY rowid").fetchall()
         except sqlite3.DatabaseError as exc:
             self.close()
-            raise AttentionConfigError(
-                f"--output-dir {folder}: {DB_FILE} is not a ditattn job store ({exc}); move it away or use "
-                "another --output-dir"
-            ) from None
+            raise AttentionConfigError(_open_error(folder, exc)) from None
+        except OSError as exc:
+            self.close()
+            raise AttentionConfigError(_open_error(folder, exc)) from None
         except AttentionConfigError:
             self.close()
             raise
+
+    def _check_tables(self, version: int) -> None:
+        """Refuse a database that holds tables of something else: a ``videos`` table without this
+        store's columns, or (a file not yet marked as a job store) any other table."""
+        tables = {r[0] for r in self._db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        foreign = sorted(t for t in tables if t != "videos" and not t.startswith("sqlite_"))
+        if "videos" in tables:
+            cols = {r[1] for r in self._db.execute("PRAGMA table_info(videos)")}
+            if not {"id", "status", "record"} <= cols:
+                foreign.insert(0, f"videos({', '.join(sorted(cols))[:120]})")
+        if foreign and (version == 0 or foreign[0].startswith("videos(")):
+            raise sqlite3.DatabaseError(f"it holds other tables: {', '.join(foreign)[:200]}")
 
     @property
     def closed(self) -> bool:
@@ -69,12 +86,14 @@ class JobStore:
         job goes after the existing ones (the load order).  RuntimeError once closed."""
         body = json.dumps(record, sort_keys=True)
         with self._lock:
+            self._rows = None  # the rows read at open are stale now
             self._live().execute("INSERT INTO videos (id, status, record) VALUES (?, ?, ?) ON CONFLICT(id) DO UPDATE "
                              "SET status = excluded.status, record = excluded.record",
                              (record["id"], record["status"], body))
 
     def delete(self, vid: str) -> None:
         with self._lock:
+            self._rows = None
             self._live().execute("DELETE FROM videos WHERE id = ?", (vid,))
 
     def _live(self) -> sqlite3.Connection:
@@ -86,7 +105,9 @@ class JobStore:
         """Every stored record, oldest first; a row that is not valid JSON is skipped (reported by
         ``bad_rows``)."""
         with self._lock:
-            rows = self._live().execute("SELECT id, record FROM videos ORDER BY rowid").fetchall()
+            rows, self._rows = self._rows, None
+            if rows is None:
+                rows = self._live().execute("SELECT id, record FROM videos ORDER BY rowid").fetchall()
         out, self.bad_rows = [], []
         for vid, body in rows:
             try:
@@ -109,6 +130,25 @@ class JobStore:
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
+
+
+def _open_error(folder: str, exc: BaseException) -> str:
+    """The refusal of a job store that cannot be opened: a full disk (or another I/O or permission
+    problem) says so and leaves the file alone; only a file that is not a job store is called one."""
+    import errno
+
+    text = str(exc)
+    if "disk is full" in text or isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (f"--output-dir {folder}: the disk is full, so the job store {DB_FILE} cannot be opened; free some "
+                "space and start again (the job store is intact: keep it, its jobs are restored then)")
+    if isinstance(exc, OSError) or isinstance(exc, sqlite3.OperationalError) and not text.startswith("it holds"):
+        return (f"--output-dir {folder}: cannot open the job store {DB_FILE} ({text[:200]}); check the folder's "
+                "permissions and free space (the file is left as it is)")
+    if "malformed" in text:
+        return (f"--output-dir {folder}: the job store {DB_FILE} is damaged ({text[:200]}); keep a copy and move it "
+                "away (its jobs cannot be restored), or use another --output-dir")
+    return (f"--output-dir {folder}: {DB_FILE} is not a ditattn job store ({text[:200]}); move it away or use "
+            "another --output-dir")
 
 
 def _lock_folder(folder: str) -> Optional[int]:

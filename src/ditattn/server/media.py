@@ -1,14 +1,13 @@
-"""Encoding the server's outputs: PNG images and H.264 MP4 videos, written atomically
-(:func:`ditattn.files.atomic_write`)."""
+"""Encoding the server's outputs: PNG images and H.264 MP4 videos, written all or nothing and checked
+(:func:`ditattn.pipelines.output.write_mp4`, :func:`ditattn.files.atomic_write`)."""
 from __future__ import annotations
 
 import io
-import os
-import uuid
 
 import numpy as np
 
 from ditattn.files import atomic_write  # noqa: F401 (re-export: the server's file writes)
+from ditattn.pipelines.output import OutputCheckError, WriteStopped  # noqa: F401 (re-export)
 
 
 def encode_png(frame: np.ndarray) -> bytes:
@@ -20,17 +19,23 @@ def encode_png(frame: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def write_mp4(path: str, frames: np.ndarray, fps: int) -> None:
-    """Encode uint8 ``[F, H, W, 3]`` frames as H.264 MP4 at ``fps``, written atomically to ``path``."""
-    import imageio.v2 as imageio
+def write_mp4(path: str, frames: np.ndarray, fps: int, should_stop=None) -> None:
+    """Encode uint8 ``[F, H, W, 3]`` frames as H.264 MP4 at ``fps`` to ``path``: a temporary file
+    checked to hold every frame, flushed, then renamed (OSError on a full disk or a bad encode,
+    :class:`WriteStopped` once ``should_stop()`` is true; ``path`` untouched either way)."""
+    from ditattn.pipelines.output import write_mp4 as _write
 
-    tmp = os.path.join(os.path.dirname(path), f".{uuid.uuid4().hex}.tmp.mp4")
-    try:
-        with imageio.get_writer(tmp, format="FFMPEG", fps=fps, codec="libx264", pixelformat="yuv420p",
-                                macro_block_size=1, ffmpeg_log_level="error") as w:
-            for fr in frames:
-                w.append_data(np.ascontiguousarray(fr))
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    _write(path, frames, fps, macro_block_size=1, should_stop=should_stop)
+
+
+def failure_reason(exc: BaseException) -> str:
+    """What a failed output write says to the client (no path): the disk's or encoder's reason."""
+    import errno
+
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "the output could not be written: no space left on the server's disk"
+    if isinstance(exc, OutputCheckError):
+        return f"the output could not be written: {exc.strerror}"
+    if isinstance(exc, OSError):
+        return f"the output could not be written: {exc.strerror or type(exc).__name__}"
+    return f"the output could not be encoded ({type(exc).__name__})"

@@ -1,10 +1,11 @@
-"""Request and response bodies of the OpenAI-compatible server (DESIGN 1.6).
+"""Request and response bodies of the OpenAI-compatible server.
 
 The field names and shapes follow OpenAI's images and videos APIs as the official ``openai``
 Python client sends and parses them (``client.images.generate``, ``client.videos.create /
-retrieve / list / download_content``), plus the extra body fields of DESIGN 1.6
+retrieve / list / download_content``), plus ditattn's extra body fields
 (``negative_prompt``, ``num_inference_steps``, ``guidance_scale``, ``seed``,
-``attention_backend_override``, ``skip_softmax_params``; videos also ``num_frames`` and ``fps``).
+``attention_backend_override``, ``skip_softmax_params``, the sampler fields ``scheduler``, ``flow_shift``,
+``timesteps``, ``cfg_interval``; videos also ``num_frames`` and ``fps``).
 
 The client posts images as JSON and videos as ``multipart/form-data`` whose values are strings and
 whose nested objects are flattened to ``key[sub]`` names; :func:`unflatten_form` turns such a form
@@ -162,7 +163,7 @@ def _finite(**kw):
 
 
 class SkipSoftmaxBody(BaseModel):
-    """``skip_softmax_params`` (DESIGN 2.8). Semantic checks (required, > 0) are the runtime's;
+    """``skip_softmax_params`` of a request. Semantic checks (required, > 0) are the runtime's;
     here only that the numbers are finite and bounded."""
 
     model_config = ConfigDict(extra="forbid")
@@ -199,7 +200,8 @@ class _Extras(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    @field_validator("num_inference_steps", "guidance_scale", "guidance_scale_2", "seed", "n", "num_frames", "fps", "seconds",
+    @field_validator("num_inference_steps", "guidance_scale", "guidance_scale_2", "flow_shift", "seed", "n", "num_frames",
+                     "fps", "seconds",
                      "output_compression", "partial_images", "frame_count", "frame_duration_ms", mode="before",
                      check_fields=False)
     @classmethod
@@ -214,10 +216,36 @@ class _Extras(BaseModel):
     seed: Optional[int] = None  # the range: check_numbers
     attention_backend_override: Optional[str] = Field(default=None, max_length=64)
     skip_softmax_params: Optional[SkipSoftmaxBody] = None
+    scheduler: Optional[str] = Field(default=None, max_length=32)
+    flow_shift: Optional[float] = _finite()
+    timesteps: Union[list[float], str, None] = None  # a list or "1000,750,500,250" (forms send text)
+    cfg_interval: Union[list[float], str, None] = None  # [START, END] or "START:END"
+    #: the request's step cache (none, teacache, magcache, first_block_cache) and its keys (k=v text or an object)
+    cache_backend: Optional[str] = Field(default=None, max_length=64)
+    cache_backend_config: Union[str, dict[str, Union[str, int, float, bool, None]], None] = Field(default=None,
+                                                                                                 max_length=64)
 
     @classmethod
     def accepted_fields(cls) -> list[str]:
         return list(cls.model_fields)
+
+    def sampling(self) -> dict:
+        """The sampler fields the request gives (``scheduler``, ``flow_shift``, ``timesteps`` as a list,
+        ``cfg_interval`` as ``[START, END]``), checked as the CLI's flags (400 naming the field)."""
+        from ditattn.errors import AttentionConfigError
+        from ditattn.runconfig import SamplingConfig
+
+        out = {}
+        for name in ("scheduler", "flow_shift", "timesteps", "cfg_interval"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            try:
+                checked = getattr(SamplingConfig(**{name: value}), name)
+            except AttentionConfigError as exc:
+                raise RequestError(str(exc), param=name) from None
+            out[name] = list(checked) if isinstance(checked, tuple) else checked
+        return out
 
     def check_numbers(self, n: int = 1) -> None:
         """Range checks no server setting decides: guidance scales in [0, 100]; seed in [0, 2^63 - 1]
@@ -238,7 +266,7 @@ class _Extras(BaseModel):
 
 
 class ImageGenerationRequest(_Extras):
-    """``POST /v1/images/generations`` body (OpenAI images API + DESIGN 1.6 extras).
+    """``POST /v1/images/generations`` body (OpenAI images API + ditattn's extra fields).
 
     OpenAI fields that change nothing for a diffusion model (quality, style, user, …) are accepted
     and ignored; ones whose requested behaviour the server cannot give (streaming, partial images,
@@ -300,6 +328,7 @@ class ImagesResponse(BaseModel):
     attention_backends: list[str]
     attention_backend_override: Optional[str] = None
     skip_softmax: Optional[dict] = None
+    cache: Optional[dict] = None  # the step cache's report: backend, forwards computed / reused, trace
 
 
 # ------------------------------------------------------------------------------------------------
@@ -307,7 +336,7 @@ class ImagesResponse(BaseModel):
 
 
 class VideoCreateRequest(_Extras):
-    """``POST /v1/videos`` body (OpenAI videos API + DESIGN 1.6 extras + ``num_frames``, ``fps``).
+    """``POST /v1/videos`` body (OpenAI videos API + ditattn's extra fields + ``num_frames``, ``fps``).
 
     ``seconds`` is the OpenAI clip duration (a string in the client; any positive number here);
     ``num_frames`` wins over it. ``input_reference`` is the first frame of an image-to-video job
@@ -368,6 +397,7 @@ class VideoObject(BaseModel):
     num_frames: int
     fps: int
     num_inference_steps: int
+    cache: Optional[dict] = None  # the step cache's report (completed jobs that ran one)
 
 
 class VideoList(BaseModel):

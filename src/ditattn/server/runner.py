@@ -163,6 +163,12 @@ class PipelineRunner(BaseRunner):
         self.pipe = pipe
         params = inspect.signature(pipe.generate).parameters
         self._on_step, self._should_stop = "on_step" in params, "should_stop" in params
+        self._cache = "cache_setting" in params
+
+    def prepare_cache(self, backend, config):
+        """A request's step cache (:class:`~ditattn.cache.CacheSetting` or None), checked against the model;
+        both None: the server's default (``serve --cache-backend``)."""
+        return self.pipe.prepare_cache(backend, config)
 
     def default_backends(self) -> list[str]:
         return list(self.pipe.dit_backends())
@@ -175,15 +181,37 @@ class PipelineRunner(BaseRunner):
         scales = resolve_request_lora(lora, self.pipe.adapters)
         return None if scales is None else tuple(sorted(scales.items()))
 
+    #: the server's sampler settings (serve --scheduler ...), the defaults of requests that leave them out
+    default_sampling: dict = {}
+
+    def sampling_for(self, job) -> dict:
+        """The sampler keyword arguments of ``job``'s pipeline call: its fields over the server's defaults."""
+        out = dict(self.default_sampling)
+        out.update({k: getattr(job, k) for k in ("scheduler", "flow_shift", "timesteps", "cfg_interval")
+                    if getattr(job, k, None) is not None})
+        return out
+
+    def check_sampling(self, sampling: dict) -> None:
+        """Raise :class:`AttentionConfigError` unless the sampler settings (over the server's defaults)
+        build on this model's scheduler (explicit timesteps within its training range, a scheduler
+        that takes them)."""
+        from ditattn.pipelines.sampling import build_sampler
+
+        s = {**self.default_sampling, **sampling}
+        build_sampler(self.pipe.components["scheduler"], name=s.get("scheduler"), shift=s.get("flow_shift"), steps=1,
+                      timesteps=s.get("timesteps"))
+
     def adapters(self) -> list[dict]:
         """The loaded LoRA adapters (name, component, default scale, fused)."""
         return [{"name": a.name, "component": a.component, "scale": a.scale, "fused": a.fused}
                 for a in self.pipe.adapters]
 
     def run_batch(self, jobs) -> list:
-        """One pipeline call for ``jobs``; it stops at the next denoising step once every job must
-        (cancelled, timed out, shutdown: :func:`~ditattn.server.jobs.batch_stop_reason`)."""
-        from ditattn.server.jobs import GenerationResult, batch_stop_reason
+        """One pipeline call for ``jobs``; it stops at the next denoising step, or between the frames
+        the VAE decodes, once every job must (cancelled, timed out, shutdown:
+        :func:`~ditattn.server.jobs.batch_stop_reason`); a shutdown that comes once every denoising
+        step ran lets the decode finish, so that the finished clip is kept."""
+        from ditattn.server.jobs import SHUTDOWN, GenerationResult, batch_stop_reason
 
         head = jobs[0]
         prompts, negatives, seeds = [], [], []
@@ -193,19 +221,28 @@ class PipelineRunner(BaseRunner):
                 negatives.append(j.negative_prompt or "")
                 seeds.append(j.seed + i)
         kw = {}
-        if self._on_step:
+        if self._on_step:  # once every step ran, a shutdown lets the decode finish (the frames are kept)
             def on_step(done: int, total: int) -> None:
+                for j in jobs:
+                    j.denoised = done >= total
                 for j in jobs:
                     if j.on_progress is not None:
                         j.on_progress(j, done / max(total, 1))
 
             kw["on_step"] = on_step
         if self._should_stop:
-            kw["should_stop"] = lambda: batch_stop_reason(jobs)
+            def should_stop():
+                reason = batch_stop_reason(jobs)
+                return None if reason == SHUTDOWN and all(j.denoised for j in jobs) else reason
+
+            kw["should_stop"] = should_stop
         if head.image is not None:  # one first frame per sample
             kw["image"] = [j.image for j in jobs for _ in range(j.n)]
         if head.lora is not None:
             kw["lora"] = dict(head.lora)
+        kw.update(self.sampling_for(head))
+        if self._cache:  # the job's own step cache (request-scoped state inside the call)
+            kw.update(cache_setting=head.cache) if head.cache is not None else kw.update(cache_backend="none")
         res = self.pipe.generate(
             prompts, negatives, height=head.height, width=head.width, num_frames=head.num_frames,
             num_inference_steps=head.num_inference_steps, guidance_scale=head.guidance_scale,
@@ -217,7 +254,8 @@ class PipelineRunner(BaseRunner):
         out, k = [], 0
         for j in jobs:
             out.append(GenerationResult(frames=frames[k:k + j.n], attention_backends=list(res.attention_backends),
-                                        stats=stats, seconds=float(res.timings.get("total", 0.0))))
+                                        stats=stats, seconds=float(res.timings.get("total", 0.0)),
+                                        cache=getattr(res, "cache", None)))
             k += j.n
         return out
 
@@ -234,9 +272,10 @@ def build_runner(config) -> PipelineRunner:
     if config.model.backend != "native":
         raise AttentionConfigError("ditattn serve runs the native pipeline only (per-request attention overrides "
                                    "need ditattn's attention layers); drop --backend diffusers")
-    u, r = config.parallel.degrees()
-    if u * r > 1 and not in_worker():  # ranks started by ditattn.distributed.launch relay rank 0's calls
-        raise AttentionConfigError(f"sequence parallelism (--num-gpus {u * r}) needs one process per rank: start "
+    config.parallel.degrees()
+    n = config.parallel.num_gpus
+    if n > 1 and not in_worker():  # ranks started by ditattn.distributed.launch relay rank 0's calls
+        raise AttentionConfigError(f"sequence parallelism (--num-gpus {n}) needs one process per rank: start "
                                    f"it with ditattn serve (ditattn.distributed.launch), or use --num-gpus 1")
     pipe = WanPipelineNative.from_config(config, lora_fuse=False)  # unfused: requests may set the scales
     name = pipe.model_index.name
@@ -252,5 +291,8 @@ def build_runner(config) -> PipelineRunner:
             setattr(d, field, getattr(s, field))
     pipe.check_size(d.height, d.width, d.num_frames)
     runner.default_negative_prompt = s.negative_prompt
+    runner.default_sampling = {k: getattr(s, k) for k in ("scheduler", "flow_shift", "timesteps", "cfg_interval",
+                                                          "cfg_batching") if getattr(s, k) is not None}
+    runner.check_sampling({})  # the server-wide sampler settings must themselves be valid
     runner.prepare(None, None)  # the server-wide attention defaults must themselves be valid
     return runner

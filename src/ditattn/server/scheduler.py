@@ -279,8 +279,9 @@ class Scheduler:
         return results, None
 
     def _deliver(self, job: GenerationJob, result: Any) -> None:
-        """The job's result, unless it was cancelled meanwhile (its batch ran on for others)."""
-        if job.stop_reason is not None:
+        """The job's result, unless it was cancelled meanwhile (its batch ran on for others).  A job
+        asked to stop by a shutdown keeps a result it finished (its frames are not thrown away)."""
+        if job.stop_reason is not None and job.stop_reason != SHUTDOWN:
             self._end(job, job.stop_reason, "running")
         elif not job.future.done():
             job.future.set_result(result)

@@ -30,6 +30,7 @@ from ditattn.server.store import ImageStore, VideoStore
 BACKEND_HEADER = "x-ditattn-attention-backend"
 DISCONNECTED = "client_disconnected"
 STOP_GRACE_S = 10.0  # after the drain time: how long a stopped job's current step may still take
+DECODE_GRACE_S = 300.0  # then, for a batch past its last step: how long its decode may take (its frames are kept)
 
 log = logging.getLogger("ditattn.server")
 
@@ -119,7 +120,8 @@ class ServerState(RequestChecks):
     def drain(self, timeout: float) -> bool:
         """:meth:`begin_drain`, then give the running batch ``timeout`` seconds to finish; past that
         it is stopped at its next denoising step (a video job goes back to ``queued``), waiting up to
-        ``STOP_GRACE_S`` more for that step; then wait for MP4 encodes.  True when nothing was left
+        ``STOP_GRACE_S`` more for that step (``DECODE_GRACE_S`` for a batch past its last step: its
+        decode finishes and its frames are kept); then wait for MP4 encodes.  True when nothing was left
         running."""
         self.begin_drain()
         t0 = time.monotonic()
@@ -129,6 +131,11 @@ class ServerState(RequestChecks):
             log.warning("drain: the running batch (%d request(s)) did not finish within %.0f s; stopping it at its "
                         "next denoising step", n, timeout)
             idle = self.scheduler.wait_idle(STOP_GRACE_S)
+            running, _ = self.scheduler.running_jobs()
+            if not idle and running and all(j.denoised for j in running):
+                log.warning("drain: the running batch is decoding finished frames; waiting up to %.0f s more so "
+                            "that they are kept", DECODE_GRACE_S)
+                idle = self.scheduler.wait_idle(DECODE_GRACE_S)
             if not idle:
                 log.error("drain: the running step did not end within %.0f s more; exiting without it (a video job "
                           "stays in_progress in the job store and is re-queued by the next start)", STOP_GRACE_S)
@@ -150,6 +157,10 @@ class ServerState(RequestChecks):
         self.scheduler.stop(timeout=STOP_GRACE_S)
         self.encoder.shutdown(wait=True)
         if self.videos.jobs is not None:
+            self.videos.retry_unsaved()
+            problem = self.videos.problem()
+            if problem is not None:
+                log.error("shutdown: %s", problem)
             self.videos.jobs.close()
         if self._own_dir:
             held = []
@@ -172,8 +183,9 @@ class ServerState(RequestChecks):
 
     def health(self) -> tuple[dict, int]:
         """``(body, HTTP status)`` of ``/health``: ``ok`` (idle), ``busy`` (a batch runs within its
-        time), ``degraded`` (the running batch is past its deadline: stuck in one step), ``draining``
-        (shutting down); 503 for the last two."""
+        time), ``degraded`` (the running batch is past its deadline: stuck in one step, or the job
+        store cannot be written: ``job_store_error`` says why), ``draining`` (shutting down); 503
+        for the last two."""
         jobs, since = self.scheduler.running_jobs()
         now = time.monotonic()
         body = {"model": self.runner.model_id, "queue_depth": self.scheduler.queue_depth,
@@ -183,8 +195,14 @@ class ServerState(RequestChecks):
             overdue = [now - j.deadline for j in jobs if j.deadline is not None and now > j.deadline]
             if overdue:
                 body["running_job_overdue_s"] = round(max(overdue), 3)
+        self.videos.retry_unsaved()
+        store_problem = self.videos.problem()
+        if store_problem is not None:
+            body["job_store_error"] = store_problem
         if self.draining:
             status = "draining"
+        elif store_problem is not None:
+            status = "degraded"
         elif since is None:
             status = "ok"
         else:
@@ -217,6 +235,12 @@ class ServerState(RequestChecks):
                                     "guidance_scale", "seed", "fps")}
         p["guidance_scale_2"] = params.get("guidance_scale_2")
         p["lora"] = tuple(tuple(x) for x in params["lora"]) if params.get("lora") else None
+        for key in ("scheduler", "flow_shift", "timesteps", "cfg_interval"):  # the request's sampler fields
+            value = params.get(key)
+            p[key] = tuple(value) if isinstance(value, list) else value
+        prepare_cache = getattr(self.runner, "prepare_cache", None)
+        if prepare_cache is not None:  # checked at admission; the default when the request leaves it out
+            kw.setdefault("cache", prepare_cache(params.get("cache_backend"), params.get("cache_backend_config")))
         return GenerationJob(
             kind=kind, model=model, n=n, **p, override=rstate.override.value if rstate.override is not None else None,
             skip_softmax=rstate.skip_softmax, state=rstate, deadline=time.monotonic() + timeout,

@@ -18,7 +18,7 @@ from ditattn.server.protocol import VideoError, VideoObject
 log = logging.getLogger("ditattn.server")
 
 FINISHED = ("completed", "failed")
-_PERSISTED = ("status", "path", "error", "completed_at", "attention_backends", "skip_softmax")
+_PERSISTED = ("status", "path", "error", "completed_at", "attention_backends", "skip_softmax", "cache")
 
 
 @dataclasses.dataclass
@@ -45,6 +45,7 @@ class VideoRecord:
     completed_at: Optional[int] = None
     error: Optional[dict] = None
     path: Optional[str] = None
+    cache: Optional[dict] = None  # the step cache's report once completed
     job: Any = None
 
     def to_object(self) -> VideoObject:
@@ -53,7 +54,7 @@ class VideoRecord:
             progress=self.progress, prompt=self.prompt, seconds=self.seconds, size=self.size, status=self.status,
             error=VideoError(**self.error) if self.error else None, attention_backends=list(self.attention_backends),
             attention_backend_override=self.override, skip_softmax=self.skip_softmax, num_frames=self.num_frames,
-            fps=self.fps, num_inference_steps=self.num_inference_steps,
+            fps=self.fps, num_inference_steps=self.num_inference_steps, cache=self.cache,
         )
 
     def to_json(self, folder: str) -> dict:
@@ -86,6 +87,9 @@ class VideoStore:
         self.folder = folder
         self._records: "OrderedDict[str, VideoRecord]" = OrderedDict()
         self._lock = threading.RLock()
+        self._unsaved: "OrderedDict[str, tuple]" = OrderedDict()  # id -> (write, what): writes that failed
+        self._reported: set = set()
+        self.error: Optional[str] = None  # the last job-store write failure, while writes are pending
 
     def add(self, rec: VideoRecord) -> None:
         drop = []
@@ -131,23 +135,70 @@ class VideoStore:
             return r
 
     def _persist(self, rec: VideoRecord) -> None:
-        self._write(lambda: self.jobs.save(rec.to_json(self.folder)), f"save video {rec.id} ({rec.status})")
+        self._write(rec.id, lambda: self.jobs.save(rec.to_json(self.folder)), f"save video {rec.id} ({rec.status})")
 
     def _forget(self, vid: str) -> None:
-        self._write(lambda: self.jobs.delete(vid), f"delete video {vid}")
+        self._write(vid, lambda: self.jobs.delete(vid), f"delete video {vid}")
 
-    def _write(self, op, what: str) -> None:
-        """One job-store write; a failure is logged (the in-memory record still serves, the next
-        change retries), once the store is closed without a traceback."""
+    def _write(self, vid: str, op, what: str) -> None:
+        """One job-store write.  A failure (a full disk, a read-only file) is logged as an error and
+        kept: the record stays in memory, its write is retried with every later write and every
+        ``/health`` (:meth:`retry_unsaved`), and :meth:`problem` reports it until one succeeds.
+        Once the store is closed (shutdown) a warning, no retry."""
         if self.jobs is None:
             return
         if self.jobs.closed:
             log.warning("job store closed: cannot %s", what)
             return
-        try:
-            op()
-        except Exception:
-            log.exception("job store: cannot %s", what)
+        with self._lock:
+            self._unsaved.pop(vid, None)
+            self._unsaved[vid] = (op, what)
+            self._flush()
+
+    def _flush(self) -> None:
+        for vid, (op, what) in list(self._unsaved.items()):
+            try:
+                op()
+            except Exception as exc:  # noqa: BLE001 - sqlite3 or OS errors: reported, retried
+                reason = store_error_text(exc)
+                if self.error != reason or vid not in self._reported:
+                    log.error("job store %s: cannot %s: %s; the job's state is kept in memory and written again "
+                              "once the store takes writes (GET /health reports it)", self.jobs.path, what, reason)
+                    self._reported.add(vid)
+                self.error = reason
+                return  # keep the order: the later ones wait for this one
+            self._unsaved.pop(vid, None)
+            self._reported.discard(vid)
+        if self.error is not None:
+            log.warning("job store %s takes writes again; every job's state is saved", self.jobs.path)
+            self.error = None
+
+    def retry_unsaved(self) -> None:
+        """Try the job-store writes that failed again (called by ``/health``)."""
+        if self.jobs is None or self.jobs.closed:
+            return
+        with self._lock:
+            if self._unsaved:
+                self._flush()
+
+    def problem(self) -> Optional[str]:
+        """Why the job store is behind the jobs served (None when every change is saved)."""
+        with self._lock:
+            if not self._unsaved:
+                return None
+            return (f"the job store cannot be written ({self.error}); {len(self._unsaved)} video job change(s) not "
+                    f"saved yet (a restart before it can write again sees their last saved state)")
+
+
+def store_error_text(exc: BaseException) -> str:
+    """A short reason for a failed job-store write: a full disk is called a full disk."""
+    import errno
+
+    text = str(exc)
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT) or "disk is full" in text \
+            or "database or disk is full" in text:
+        return "the disk is full"
+    return f"{type(exc).__name__}: {text[:200]}"
 
 
 def remove_file(path: Optional[str], why: str) -> None:

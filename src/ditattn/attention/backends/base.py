@@ -8,18 +8,27 @@ q: ``[batch, seq_q, heads, head_dim]``; k, v: ``[batch, seq_kv, kv_heads, head_d
 ``heads % kv_heads == 0`` (grouped-query attention). It returns the output ``[batch, seq_q, heads,
 head_dim]`` in q's dtype, and, when ``call.return_lse`` is true, the natural-log sum-exp of each
 query row's scaled scores, ``[batch, heads, seq_q]`` float32 (else None).  ``config`` is the
-backend's validated parameters (``config.validate_backend_config``).  Implementations register
-themselves with :func:`register`; modules are imported lazily on first use.
+backend's validated parameters (``config.validate_backend_config``).
+
+A backend is declared in one module: :func:`register` takes its capability row
+(:class:`~ditattn.attention.specs.BackendSpec`) and its parameter schema together with the
+implementation; :func:`declare` records a backend this build has no kernel for (its spec's
+``missing_kernel`` says why).  ``ditattn.attention.backends`` imports every backend module, so the
+tables (``specs.SPECS``, ``schemas.SCHEMAS``, the implementations) are complete once it is imported;
+they load it on first use.
 """
 from __future__ import annotations
 
 import dataclasses
-import importlib
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
+from ditattn.attention import schemas, specs
 from ditattn.attention.names import AttentionBackendEnum as B
+from ditattn.attention.reference import expand_kv, reference_attention  # noqa: F401  (re-exported)
+from ditattn.attention.schemas import Param
+from ditattn.attention.specs import BackendSpec
 from ditattn.errors import BackendUnavailableError
 
 Tensor = torch.Tensor
@@ -59,31 +68,33 @@ Impl = Callable[[Tensor, Tensor, Tensor, AttnCall, dict], "tuple[Tensor, Optiona
 
 _REGISTRY: dict[B, Impl] = {}
 
-# backend -> module that registers its implementation (imported on first use)
-_MODULES: dict[B, str] = {
-    B.TORCH_SDPA: "ditattn.attention.backends.sdpa",
-    B.TORCH_CUDNN_SDPA: "ditattn.attention.backends.sdpa",
-    B.FA: "ditattn.attention.backends.flash",
-    B.AITER: "ditattn.attention.backends.flash",
-    B.SAGE_ATTN: "ditattn.attention.backends.sage",
-    B.SAGE_ATTN_3: "ditattn.attention.backends.sage",
-    B.SLIDING_TILE_ATTN: "ditattn.attention.backends.sparse_video",
-    B.VIDEO_SPARSE_ATTN: "ditattn.attention.backends.sparse_video",
-    B.SPARGE_ATTN: "ditattn.attention.backends.sparse_video",
-    B.VMOBA_ATTN: "ditattn.attention.backends.sparse_video",
-    B.SPARSE_VIDEO_GEN_2_ATTN: "ditattn.attention.backends.sparse_video",
-    B.SLA_ATTN: "ditattn.attention.backends.sparse_video",
-    B.SAGE_SLA_ATTN: "ditattn.attention.backends.sparse_video",
-    B.SOL_ATTN: "ditattn.attention.backends.sparse_video",
-}
+
+def declare(backend: B, *, spec: BackendSpec, schema: Sequence[Param] = ()) -> BackendSpec:
+    """Record ``backend``'s capability row and parameter schema (``schema``: its
+    :class:`~ditattn.attention.schemas.Param` rows, stored under ``spec.config_schema`` or, when that
+    is unset, the backend's name).  Without :func:`register` the backend has no implementation in this
+    build, and ``spec.missing_kernel`` must say why."""
+    if spec.backend is not None and spec.backend is not backend:
+        raise ValueError(f"spec of {spec.backend.value} declared for {backend.value}")
+    key = spec.config_schema or (backend.value if schema else None)
+    spec = dataclasses.replace(spec, backend=backend, config_schema=key)
+    if backend in specs.TABLE:
+        raise ValueError(f"attention backend {backend.value} declared twice")
+    if schema:
+        known = schemas.TABLE.setdefault(key, tuple(schema))
+        if known != tuple(schema):
+            raise ValueError(f"schema '{key}' declared twice with different parameters")
+    specs.TABLE[backend] = spec
+    return spec
 
 
-def register(*backends: B):
-    """Decorator: register ``fn`` as the implementation of ``backends``."""
+def register(backend: B, *, spec: BackendSpec, schema: Sequence[Param] = ()):
+    """Decorator: ``fn`` implements ``backend``, whose capability row is ``spec`` and whose
+    parameters are ``schema`` (see :func:`declare`)."""
 
     def deco(fn: Impl) -> Impl:
-        for b in backends:
-            _REGISTRY[b] = fn
+        declare(backend, spec=spec, schema=schema)
+        _REGISTRY[backend] = fn
         return fn
 
     return deco
@@ -91,44 +102,14 @@ def register(*backends: B):
 
 def get_impl(backend: B) -> Impl:
     """The implementation of ``backend``; raises ``LookupError`` if this build has none."""
-    if backend not in _REGISTRY and backend in _MODULES:
-        importlib.import_module(_MODULES[backend])
+    specs.load_backends()
     try:
         return _REGISTRY[backend]
     except KeyError:
         raise LookupError(f"no implementation of attention backend '{backend.value}' in this build") from None
 
 
-def expand_kv(k: Tensor, v: Tensor, heads: int) -> tuple[Tensor, Tensor]:
-    """Repeat K/V heads for grouped-query attention: ``[B, S, Hkv, D] -> [B, S, heads, D]``."""
-    hkv = k.shape[2]
-    if hkv == heads:
-        return k, v
-    rep = heads // hkv
-    return k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-
-
-def reference_attention(q, k, v, *, causal=False, scale=None, attn_bias=None, mask=None,
-                        dtype=torch.float32) -> tuple[Tensor, Tensor]:
-    """Plain math attention in ``dtype`` (float32 or float64): the reference for every kernel.
-
-    ``mask``: optional boolean ``[B or 1, H or 1, Sq, Skv]``, True = attend. Rows with no allowed key
-    give zeros and LSE ``-inf``. Returns ``(out [B, Sq, H, D] in dtype, lse [B, H, Sq] in dtype)``.
-    """
-    heads = q.shape[2]
-    k, v = expand_kv(k, v, heads)
-    qf, kf, vf = (t.to(dtype).transpose(1, 2) for t in (q, k, v))
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    s = (qf @ kf.transpose(-1, -2)) * scale
-    if attn_bias is not None:
-        s = s + attn_bias.to(dtype)
-    if causal:
-        sq, skv = s.shape[-2:]
-        keep = torch.ones(sq, skv, dtype=torch.bool, device=s.device).tril()
-        s = s.masked_fill(~keep, float("-inf"))
-    if mask is not None:
-        s = s.masked_fill(~mask.to(torch.bool), float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    shift = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # fully masked rows: exp(-inf) = 0
-    out = torch.exp(s - shift.unsqueeze(-1)) @ vf
-    return out.transpose(1, 2), lse
+def has_impl(backend: B) -> bool:
+    """Whether this build has an implementation of ``backend``."""
+    specs.load_backends()
+    return backend in _REGISTRY

@@ -22,7 +22,9 @@ from typing import Callable, Optional
 import torch
 
 from ditattn.attention.backends.base import AttnCall, get_impl, register
+from ditattn.attention.kernels import last_dim_contiguous
 from ditattn.attention.names import AttentionBackendEnum as B
+from ditattn.attention.specs import BackendSpec, Runtime
 from ditattn.errors import AttentionConfigError, BackendUnavailableError
 
 log = logging.getLogger(__name__)
@@ -77,6 +79,15 @@ def fa_fallback_reason(device: "torch.device | str") -> Optional[str]:
     return None
 
 
+def _fa_check(spec, req, platform):
+    if platform.name == "xpu" and req.head_dim is not None and req.head_dim not in (64, 96, 128, 192, 256):
+        return [f"XPU flash attention supports head sizes 64/96/128/192/256, not {req.head_dim}"]
+    return []
+
+
+_NO_FA_KERNEL = "ditattn has no FlashAttention kernel for {p} ({what} is not integrated)"
+
+
 def _check_inputs(name: str, q, k, v, call: AttnCall) -> None:
     if call.attn_bias is not None:
         raise AttentionConfigError(
@@ -112,7 +123,24 @@ def _unpack(res, need_lse: bool, name: str):
     return out, (lse if need_lse else None)
 
 
-@register(B.FA)
+@register(B.FA, spec=BackendSpec(
+    kind="dense", summary="FlashAttention (FA4 CuTe DSL, FA3 or FA2, whichever is installed)",
+    runtimes={"cuda": (Runtime(("flash_attn.cute",), "FlashAttention-4"),
+                       Runtime(("flash_attn_interface",), "FlashAttention-3"),
+                       Runtime(("flash_attn",), "FlashAttention-2")),
+              "rocm": (Runtime(("flash_attn",), "FlashAttention (ROCm build of flash-attn)"),),
+              "xpu": (Runtime((), "XPU flash attention", missing=_NO_FA_KERNEL.format(
+                  p="XPU", what="the XPU flash attention of sgl-kernel-xpu")),),
+              "musa": (Runtime(("flash_attn",), "MUSA FlashAttention", missing=_NO_FA_KERNEL.format(
+                  p="MUSA", what="a MUSA build of flash-attn")),),
+              "npu": (Runtime((), "NPU fused attention", missing=_NO_FA_KERNEL.format(
+                  p="NPU", what="torch_npu's npu_fusion_attention")),)},
+    upstream_platforms=("cuda", "rocm", "xpu", "musa", "npu"),
+    cuda_sm_min=80, returns_lse=True, varlen=True, drop_in=True,
+    install_hint="pip install flash-attn-4 (SM90/SM100), or flash-attn (FA2; its ROCm build on ROCm)",
+    notes="falls back to torch_sdpa (logged, recorded in the plan) when no FlashAttention runtime "
+          "is installed or this build has no kernel path for the platform (CPU, MPS, XPU, MUSA, NPU)",
+    extra_check=_fa_check))
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttnCall, config: dict):
     """``fa``: FlashAttention through the installed runtime; ``torch_sdpa`` when there is none.
 
@@ -126,6 +154,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Att
             log.warning("fa: %s", reason)
         return get_impl(B.TORCH_SDPA)(q, k, v, call, config)
     _check_inputs("fa", q, k, v, call)
+    q, k, v = (last_dim_contiguous(t) for t in (q, k, v))  # the kernels index the head dim as packed
     rt = fa_runtime()
     key = next(x for x in FA_RUNTIMES if x[0] == rt)
     fn = _load(key[1], key[2])
@@ -145,7 +174,10 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Att
     return _unpack(res, call.return_lse, f"fa ({_LABELS[rt]})")
 
 
-@register(B.AITER)
+@register(B.AITER, spec=BackendSpec(
+    kind="dense", summary="AMD aiter flash attention (ROCm only)",
+    runtimes={"rocm": (Runtime(("aiter",), "aiter"),)}, upstream_platforms=("rocm",), returns_lse=True,
+    install_hint="pip install aiter (ROCm)"))
 def aiter_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttnCall, config: dict):
     """``aiter``: AMD aiter flash attention (ROCm GPUs), ``aiter.flash_attn_func`` in the
     ``[B, S, H, D]`` layout, with LSE.  Raises :class:`BackendUnavailableError` off ROCm or
@@ -160,5 +192,6 @@ def aiter_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Att
     if reasons:
         raise BackendUnavailableError("aiter", reasons)
     _check_inputs("aiter", q, k, v, call)
+    q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     res = fn(q, k, v, dropout_p=0.0, softmax_scale=call.scale, causal=call.causal, return_lse=call.return_lse)
     return _unpack(res, call.return_lse, "aiter")

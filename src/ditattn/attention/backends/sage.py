@@ -1,7 +1,7 @@
 """Quantized dense backends: ``sage_attn`` and ``sage_attn_3``.
 
 ``sage_attn`` (INT8 Q.K with smoothed K, FP16/BF16 or FP8 P.V; lossy) has several
-implementations, chosen by its config key ``impl`` (schema: :mod:`ditattn.attention.schemas`;
+implementations, chosen by its config key ``impl`` (schema: :data:`SAGE_ATTN_SCHEMA` below;
 ``ditattn backends`` lists it):
 
 * ``sm90``: our warp-specialised Gluon kernel for Hopper
@@ -18,14 +18,14 @@ implementations, chosen by its config key ``impl`` (schema: :mod:`ditattn.attent
   clone;
 * ``reference``: :func:`ditattn.attention.kernels.int8_reference.int8_attention_reference`, the same
   quantization in PyTorch (float32, float16 or bfloat16; any device);
-* ``auto`` (default): :func:`auto_impl`.  On CUDA that is
-  :func:`ditattn.attention.specs.sage_cuda_runtime`, the rule the selector applies too, so the
+* ``auto`` (default): :func:`auto_impl`.  On CUDA that is :func:`sage_cuda_runtime`, the rule
+  the capability row and the plan's runtime label (:func:`_runtime_label`) apply too, so the
   plan names what runs: on SM90 the sm90 kernel (head dims 64/128, fp16 P.V; a causal call falls
   back to the Triton kernel), else the Triton kernel on SM90 (measured faster than sageattention
   1.0.6 there, see docs/benchmarks.md), whenever the LSE or ``pv_dtype`` fp8 is needed and when the
   package is missing, else the package.  On Hopper a call the in-tree kernel cannot serve (head dims other
   than 32/64/128) needs the package with the SM90 fix; without it the selector has already put
-  ``fa`` on such layers (the seed's fallback, recorded in the plan).  MUSA: the package.  Other
+  ``fa`` on such layers (upstream (SGLang)'s fallback, recorded in the plan).  MUSA: the package.  Other
   devices: the reference.
 
 ``pv_dtype`` is the P.V precision (``fp16``, the default: about 1 % relative error on random
@@ -52,11 +52,14 @@ from typing import Callable, Optional
 
 import torch
 
-from ditattn.attention.backends.base import AttnCall, expand_kv, register
-from ditattn.attention.names import AttentionBackendEnum as B
+from ditattn.attention.backends.base import AttnCall, register
+from ditattn.attention.backends.sage_crossover import crossover_label, dense_below_crossover
 from ditattn.attention.config import complete_backend_config
-from ditattn.attention.schemas import SAGE_PV_DTYPES
-from ditattn.attention.specs import SAGE_SM90_FIX_INSTALL, sage_cuda_runtime, sage_lacks_sm90_fix
+from ditattn.attention.names import AttentionBackendEnum as B
+from ditattn.attention.reference import expand_kv
+from ditattn.attention.schemas import (SAGE_IMPLS as SAGE_IMPL_CHOICES, SAGE_K_GRANULARITIES, SAGE_PV_ACCUMS,
+                                       SAGE_PV_DTYPES, SAGE_QK_DTYPES, SAGE_QK_IMPLEMENTED, P, in_range, non_negative)
+from ditattn.attention.specs import ALL_FLOAT, BackendSpec, Runtime
 from ditattn.errors import AttentionConfigError, BackendUnavailableError
 from ditattn.platforms import Platform, current_platform, platform_for_device
 from ditattn.settings import check_retired
@@ -73,6 +76,122 @@ def _load(module: str, attr: str):
     except Exception as exc:
         log.debug("%s.%s not usable: %s", module, attr, exc)
         return None
+
+
+# ------------------------------------------------------------------------------------------------
+# which implementation: the one rule (capability row, plan label and impl=auto all read it)
+
+# Head dims of ditattn's in-tree INT8 sage kernel (kernels/int8_attention.py SUPPORTED_HEAD_DIMS).
+SAGE_INTREE_HEAD_DIMS = (32, 64, 128)
+SAGE_SM90_HEAD_DIMS = (64, 128)  # the warp-specialised Gluon kernel (impl sm90)
+SAGE_SM90_FIX_COMMIT = "d9704247a5139ab4c03bf7fc6b35cc0e2cbb5ea4"
+SAGE_SM90_FIX_INSTALL = (f"pip install --force-reinstall git+https://github.com/thu-ml/SageAttention.git@"
+                         f"{SAGE_SM90_FIX_COMMIT} --no-build-isolation")
+
+
+def sage_lacks_sm90_fix(platform: Platform) -> bool:
+    """True when the installed ``sageattention`` is a 2.x build up to 2.2.0 from a package index:
+    those lack the upstream SM90 binding fix (upstream notes: PyPI ``sageattention==2.2.0`` does not
+    work on Hopper). 1.x is Triton-only (no binding); a git install (``+git.<sha>``) or a later
+    release is taken as fixed; an unknown version counts as fixed."""
+    ver = platform.package_version("sageattention")
+    if not ver or "+git" in ver:
+        return False
+    parts = []
+    for x in ver.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in x if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    parts += [0] * (3 - len(parts))
+    return parts[0] == 2 and tuple(parts) <= (2, 2, 0)
+
+
+def sage_cuda_runtime(platform: Platform, head_dim: int | None, needs_lse: bool = False,
+                      pv_dtype: str = "fp16", qk_balance: bool = False) -> tuple[str | None, str]:
+    """Which CUDA implementation serves ``sage_attn`` for ``head_dim`` under ``impl=auto`` (the
+    automatic rule, shared by the selector and the backend so the plan names what runs):
+    ``("sm90", "")`` (the warp-specialised Gluon kernel: SM90, head dim 64/128, fp16 P.V),
+    ``("triton", "")`` (the in-tree INT8 kernel: on SM90, where it measured faster, when the LSE or
+    ``pv_dtype`` fp8 or ``qk_balance`` is needed, and without the package), ``("package", "")``
+    (sageattention) or ``(None, reason)``.  The names are keys of ``backends.sage.SAGE_IMPLS``."""
+    has_pkg = platform.has_package("sageattention")
+    if (platform.sm == 90 and platform.has_package("triton") and pv_dtype == "fp16"
+            and (head_dim is None or head_dim in SAGE_SM90_HEAD_DIMS)):
+        return "sm90", ""  # measured fastest on the H200 (docs/benchmarks.md section 2)
+    intree = platform.has_package("triton") and (head_dim is None or head_dim in SAGE_INTREE_HEAD_DIMS)
+    pkg_broken = has_pkg and platform.sm == 90 and sage_lacks_sm90_fix(platform)
+    # the package returns no LSE, picks its own P.V precision and quantizes Q / K its own way
+    pkg_fits = not needs_lse and pv_dtype == "fp16" and not qk_balance
+    if intree and (not pkg_fits or not has_pkg or platform.sm == 90):
+        return "triton", ""
+    if has_pkg and pkg_fits and not pkg_broken:
+        return "package", ""
+    why_intree = ("the in-tree INT8 kernel needs Triton" if not platform.has_package("triton") else
+                  f"the in-tree INT8 kernel supports head dims {'/'.join(map(str, SAGE_INTREE_HEAD_DIMS))}, "
+                  f"not {head_dim}")
+    if not has_pkg:
+        return None, f"{why_intree}, and package 'sageattention' is not installed; install: pip install sageattention"
+    if pkg_broken:
+        ver = platform.package_version("sageattention")
+        return None, (f"{why_intree}, and sageattention {ver} lacks the upstream SM90 binding fix on Hopper "
+                      f"(install: {SAGE_SM90_FIX_INSTALL})")
+    if needs_lse:
+        return None, f"{why_intree}, and the sageattention package returns no LSE (ring attention needs it)"
+    if qk_balance:
+        return None, f"{why_intree}, and the sageattention package has no qk_balance"
+    return None, f"{why_intree}, and the sageattention package has no pv_dtype {pv_dtype} (fp16 only)"
+
+
+def _runtime_broken(rt: Runtime, platform: Platform) -> Optional[str]:
+    """Why an installed ``sage_attn`` runtime does not work on ``platform`` (None: it does, or it is not
+    installed): the ``sageattention`` package of a 2.x release up to 2.2.0 on Hopper (no SM90 binding fix)."""
+    if ("sageattention" in rt.modules and platform.name == "cuda" and platform.sm == 90
+            and platform.has_package("sageattention") and sage_lacks_sm90_fix(platform)):
+        return (f"sageattention {platform.package_version('sageattention')} lacks the upstream SM90 binding fix "
+                f"on Hopper (install: {SAGE_SM90_FIX_INSTALL})")
+    return None
+
+
+def _sage_check(spec, req, platform):
+    if platform.name == "musa" and req.needs_lse:
+        return ["on MUSA sage_attn runs the sageattention package, which returns no LSE (ring attention needs it)"]
+    if platform.name != "cuda" or spec.runtime_on(platform) is None:
+        return []  # off CUDA, or no runtime at all: platform_reasons already says why
+    impl, why = sage_cuda_runtime(platform, req.head_dim, req.needs_lse)
+    return [] if impl else [why]
+
+
+def _runtime_label(spec, platform: Platform, req, config) -> str:
+    """The plan's runtime label of ``sage_attn`` for ``req`` under ``config``: the implementation
+    ``impl`` names, or under ``auto`` the one :func:`sage_cuda_runtime` picks (CUDA; on SM90 with the
+    Hopper crossover's dense range, :mod:`ditattn.attention.backends.sage_crossover`); elsewhere the
+    first installed runtime of the platform."""
+    if platform.name != "cuda" or req is None:
+        rt = spec.runtime_on(platform)
+        return rt.label if rt is not None else ""
+    cfg = config or {}
+    impl = cfg.get("impl", "auto")
+    if impl == "auto":
+        impl = sage_cuda_runtime(platform, req.head_dim, req.needs_lse, cfg.get("pv_dtype", "fp16"),
+                                 bool(cfg.get("qk_balance")))[0]
+    module = {"triton": "triton", "package": "sageattention", "sm90": "triton.experimental.gluon"}.get(impl)
+    labels = {rt.modules[0]: rt.label for rt in spec.runtimes["cuda"]}
+    label = labels.get(module) or (spec.runtimes["cpu"][0].label if impl == "reference" else "")
+    return label + crossover_label(platform, cfg) if label else label
+
+
+def _qk_implemented(v):
+    return None if v in SAGE_QK_IMPLEMENTED else f"no sage_attn kernel implements {v} Q.K yet"
+
+
+SAGE_ATTN_SCHEMA = (
+    P("impl", "str", "auto", "Implementation: auto (CUDA: the rule the plan reports — SM90: the warp-specialised Gluon kernel (sm90) for head dim 64/128 with fp16 P.V, else the in-tree Triton INT8 kernel; other GPUs: the sageattention package when it is installed and neither the LSE nor pv_dtype fp8 is needed, else the Triton kernel; MUSA: the package; CPU: reference), triton (in-tree INT8 kernel; CUDA, or CPU under TRITON_INTERPRET=1), package (sageattention; CUDA/MUSA, no LSE, fp16 P.V; on Hopper only a build with the SM90 fix), reference (PyTorch, any device), sm90 (Gluon kernel: SM90 only, head dim 64/128, fp16 or fp8 P.V, non-causal)", choices=SAGE_IMPL_CHOICES),
+    P("pv_dtype", "str", "fp16", "P.V precision: fp16 (about 1.3 % relative error on random inputs) or fp8 (P and V in e4m3: twice the tensor-core rate, about 3.7 % on random and structured inputs); impl package chooses its own and accepts fp16 only; impl auto runs fp8 on the Triton kernel (sm90 serves it with impl sm90)", choices=SAGE_PV_DTYPES),
+    P("pv_accum", "str", "two_level", "FP8 P.V accumulation (pv_dtype fp8 only): two_level (each key block's P.V in a fresh accumulator, added in FP32) or direct (one accumulator across all keys: fewer instructions, but the FP8 tensor cores add with fewer mantissa bits than FP32, so the error grows with the sequence length; impl sm90 or triton)", choices=SAGE_PV_ACCUMS),
+    P("qk_dtype", "str", "int8", "Q.K precision: int8 (per-token Q scales, smoothed K); fp8 is reserved for a kernel that implements it", choices=SAGE_QK_DTYPES, check=_qk_implemented, accepted="int8 (fp8: no kernel yet)"),
+    P("k_granularity", "str", "auto", "INT8 scale granularity of the smoothed K: token (one scale per key; 1.7 % error on structured inputs) or block (one per 128 keys; 2.3 %, about 10 % faster on the sm90 kernel); auto: token on sm90 and reference, block on the Triton kernel (the only one it has)", choices=SAGE_K_GRANULARITIES),
+    P("min_seq_len", "int", 16384, "Hopper crossover: with impl auto on an SM90 GPU a call shorter than this many query tokens runs fa (exact dense) instead, where it is faster (H200, vs FlashAttention-4: 0.70x at 4096 tokens head dim 64, 0.89x at 4096/128, 0.97-0.98x at 4.6k-8k, 1.02x at 16k x 40 heads, 1.09-1.13x at 32k); 0 keeps sage_attn at every length", check=non_negative, accepted="an integer >= 0 (0: off)"),
+    P("qk_balance", "float", None, "Per-channel Q/K balance before the INT8 rounding (SmoothQuant-style, per batch and K/V head: Q's channels times c, smoothed K's divided by c, c = amax|K~|^a / amax|Q|^(1-a) normalised to geometric mean 1, so Q.K is unchanged): unset = off; a in (0, 1]. CPU reference (docs/sage_kernel.md): token K scales with a = 0.5 bring the worst structured input from 2.09 % to 1.82 % error (every structured input <= 1.83 %), real DiT activations unchanged (<= 0.47 %); block K scales with a = 0.75 take 0.04-0.5 pp off but stay above 2 % on some inputs. Costs one more read of Q in the quantization prologue (impl sm90, triton, reference; not the package)", check=in_range(0.0, 1.0, lo_open=True), accepted="a number in (0, 1] (unset: off)"),
+)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -121,8 +240,6 @@ def _package_install_problem(q: torch.Tensor) -> Optional[str]:
 
 
 def _sm90_why_not(q: torch.Tensor, call: AttnCall, cfg: dict) -> Optional[str]:
-    from ditattn.attention.specs import SAGE_SM90_HEAD_DIMS
-
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
         where = q.device.type if q.device.type != "cuda" else "SM%d%d" % torch.cuda.get_device_capability(q.device)
         return f"the sm90 kernel needs an SM90 (Hopper) GPU, not {where}"
@@ -214,8 +331,8 @@ def auto_impl(device_type: str, head_dim: int, need_lse: bool = False, pv_dtype:
               platform: Optional[Platform] = None, qk_balance: bool = False) -> str:
     """The :data:`SAGE_IMPLS` key ``impl=auto`` runs for a call on ``device_type`` with ``head_dim``.
 
-    CUDA: :func:`ditattn.attention.specs.sage_cuda_runtime` on ``platform`` (default: the current
-    one), the rule the selector labels the plan with; MUSA: the sageattention package (the seed's
+    CUDA: :func:`sage_cuda_runtime` on ``platform`` (default: the current
+    one), the rule the selector labels the plan with; MUSA: the sageattention package (upstream's
     MUSA support); other devices: the PyTorch reference.  Raises :class:`BackendUnavailableError`
     with the reason when nothing may serve the call on CUDA."""
     if device_type == "cuda":
@@ -257,7 +374,20 @@ def sage_impl_for(q: torch.Tensor, call: AttnCall, cfg: Optional[dict] = None) -
                                f"{name}: {why or 'does not implement these precisions'}")
 
 
-@register(B.SAGE_ATTN)
+@register(B.SAGE_ATTN, schema=SAGE_ATTN_SCHEMA, spec=BackendSpec(
+    kind="quantized", summary="SageAttention: INT8 Q.K with smoothed K, FP16/FP8 P.V",
+    runtimes={"cuda": (Runtime(("triton",), "in-tree Triton INT8 kernel"),
+                       Runtime(("sageattention",), "sageattention package"),
+                       Runtime(("triton.experimental.gluon",), "in-tree Gluon SM90 kernel")),
+              "musa": (Runtime(("sageattention",), "sageattention package"),),
+              "cpu": (Runtime((), "in-tree PyTorch reference"),)},
+    upstream_platforms=("cuda", "musa"), cpu_dtypes=ALL_FLOAT,
+    cuda_sm=(80, 86, 89, 90, 120), lossy=True, returns_lse=True, drop_in=True, max_head_dim=128,
+    install_hint="pip install sageattention", config_schema="sage_attn",
+    notes="lossy (INT8 Q.K); upstream SM list SM80/86/89/90/120; on Hopper a call the in-tree kernel "
+          "cannot serve falls back to fa when the installed sageattention lacks the SM90 fix; "
+          "on MUSA it runs the sageattention package (no LSE)",
+    extra_check=_sage_check, runtime_label=_runtime_label, runtime_broken=_runtime_broken))
 def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttnCall, config: dict):
     """``sage_attn``: q ``[B, S_q, H, D]``, k/v ``[B, S_kv, H_kv, D]``; returns ``(out, lse|None)``.
 
@@ -273,14 +403,9 @@ def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Attn
             f"sage_attn: dtype {str(q.dtype).replace('torch.', '')} not supported on {q.device.type} "
             "(accepts float16, bfloat16)"
         )
-    from ditattn.attention.backends.sage_crossover import routes_to_dense, say_once
-
-    why = None if call.causal else routes_to_dense(q, cfg)
-    if why is not None:  # below the measured Hopper crossover: the exact dense kernel is faster
-        from ditattn.attention.sparse.block_sparse import dense_attention
-
-        say_once(why)
-        return dense_attention(q, k, v, scale=call.scale, return_lse=call.return_lse, backend="fa")
+    routed = dense_below_crossover(q, k, v, call, cfg)  # the measured Hopper crossover: fa is faster there
+    if routed is not None:
+        return routed
     return SAGE_IMPLS[sage_impl_for(q, call, cfg)].run(q, k, v, call, cfg)
 
 
@@ -299,7 +424,11 @@ def sage3_unavailable_reasons(device: torch.device) -> list[str]:
     return reasons
 
 
-@register(B.SAGE_ATTN_3)
+@register(B.SAGE_ATTN_3, spec=BackendSpec(
+    kind="quantized", summary="SageAttention3 (FP4 microscaling), Blackwell only",
+    runtimes={"cuda": (Runtime(("sageattn3",), "SageAttention3"),)}, upstream_platforms=("cuda",),
+    cuda_sm=(100, 103, 120, 121), lossy=True, drop_in=True,
+    install_hint="build SageAttention3 from its upstream repository (Blackwell GPUs only)"))
 def sage_attention_3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttnCall, config: dict):
     """``sage_attn_3``: SageAttention3 FP4 attention on Blackwell; no LSE, no bias.
 

@@ -12,6 +12,9 @@ from typing import Optional
 
 import torch
 
+from ditattn.attention.backends.base import AttnCall, get_impl
+from ditattn.attention.names import AttentionBackendEnum as B
+
 log = logging.getLogger("ditattn.attention.sage")
 
 #: measured speed of sage_attn (SM90 kernel) relative to fa on the H200: (tokens, head dim, heads, x fa)
@@ -45,3 +48,22 @@ def say_once(reason: str) -> None:
     if key not in _said:
         _said.add(key)
         log.info("sage_attn runs fa: %s; said once", reason)
+
+
+def dense_below_crossover(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttnCall, cfg: dict):
+    """``fa``'s ``(out, lse|None)`` for a non-causal call :func:`routes_to_dense` hands to it (said once),
+    else None (``sage_attn`` runs it).  q ``[B, S_q, H, D]``, k/v ``[B, S_kv, H_kv, D]`` fp16/bf16."""
+    why = None if call.causal else routes_to_dense(q, cfg)
+    if why is None:
+        return None
+    say_once(why)
+    return get_impl(B.FA)(q, k, v, call, {})
+
+
+def crossover_label(platform, cfg: dict) -> str:
+    """What the plan's runtime label of ``sage_attn`` adds on an SM90 ``platform`` under ``impl`` auto:
+    the query lengths that run ``fa`` instead ("" elsewhere, or with ``min_seq_len`` 0)."""
+    limit = int(cfg.get("min_seq_len", DEFAULT_MIN_SEQ_LEN) or 0)
+    if platform.sm != 90 or cfg.get("impl", "auto") != "auto" or limit <= 0:
+        return ""
+    return f"; fa (exact dense) below {limit} tokens"

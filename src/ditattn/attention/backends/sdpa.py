@@ -3,7 +3,9 @@
 Both take the ``[B, S, H, D]`` layout of the backend contract and transpose to SDPA's
 ``[B, H, S, D]``.  LSE comes from the aten ops that return it (CPU flash, CUDA flash / cuDNN /
 efficient); where none applies (an additive bias together with ``return_lse`` on CPU) the
-float32 math path computes it.
+float32 math path computes it.  Those ops index the head dim as packed, so q/k/v whose last
+dimension is strided (``x[..., ::2]``, a permuted buffer) are copied to stride 1 first: the public
+``F.scaled_dot_product_attention`` does this itself, the raw ops do not (they read wrong memory).
 """
 from __future__ import annotations
 
@@ -11,13 +13,21 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ditattn.attention.backends.base import AttnCall, NoKernelError, expand_kv, reference_attention, register
+from ditattn.attention.backends.base import AttnCall, NoKernelError, register
+from ditattn.attention.kernels import last_dim_contiguous
 from ditattn.attention.names import AttentionBackendEnum as B
+from ditattn.attention.reference import expand_kv, reference_attention
+from ditattn.attention.specs import ALL_FLOAT, NO_PACKAGE, BackendSpec
 from ditattn.errors import AttentionConfigError
 
 
 def _bhsd(t):
     return t.transpose(1, 2)
+
+
+def _packed(q, k, v):
+    """q, k, v with stride 1 in the head dim (a copy only where needed), for the raw aten LSE ops."""
+    return last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
 
 
 def _lse_cpu(q, k, v, call):
@@ -42,14 +52,19 @@ def _lse_cuda(q, k, v, call):
     return _bhsd(res[0]), res[1][..., : q.shape[1]].float()
 
 
-@register(B.TORCH_SDPA)
+@register(B.TORCH_SDPA, spec=BackendSpec(
+    kind="dense", summary="PyTorch scaled_dot_product_attention",
+    runtimes={p: NO_PACKAGE for p in ("cpu", "cuda", "rocm", "xpu", "musa", "mps", "npu")},
+    upstream_platforms=("cuda", "rocm", "xpu", "musa", "mps", "npu"),
+    dtypes=ALL_FLOAT, max_head_dim=None, returns_lse=True, accepts_bias=True, drop_in=True,
+    notes="the most portable option; LSE through the aten flash/efficient ops"))
 def torch_sdpa(q, k, v, call: AttnCall, config: dict):
     heads = q.shape[2]
     if call.return_lse:
         if 0 in (*q.shape, *k.shape):  # the aten LSE ops divide by these (SIGFPE on the CPU)
             raise AttentionConfigError(f"torch_sdpa: empty q {tuple(q.shape)} or k {tuple(k.shape)}; every dimension "
                                        "of [batch, seq, heads, head_dim] must be at least 1")
-        k2, v2 = expand_kv(k, v, heads)
+        q, k2, v2 = _packed(q, *expand_kv(k, v, heads))
         if call.attn_bias is None and q.device.type == "cpu":
             return _lse_cpu(q, k2, v2, call)
         if q.device.type == "cuda":
@@ -80,11 +95,14 @@ def cudnn_no_kernel_reason(q, k, v, call: AttnCall) -> "str | None":
     return None
 
 
-@register(B.TORCH_CUDNN_SDPA)
+@register(B.TORCH_CUDNN_SDPA, spec=BackendSpec(
+    kind="dense", summary="PyTorch SDPA pinned to the cuDNN kernel",
+    runtimes={"cuda": NO_PACKAGE}, upstream_platforms=("cuda",), cuda_sm_min=80, returns_lse=True,
+    notes="fastest SDPA kernel on Hopper (about 1.6x torch's flash path at head dim 128)"))
 def torch_cudnn_sdpa(q, k, v, call: AttnCall, config: dict):
     """``torch_cudnn_sdpa``: SDPA pinned to cuDNN. Raises :class:`NoKernelError` (with PyTorch's
     reason) when cuDNN has no kernel for the call, so an automatic choice can fall back per call."""
-    k, v = expand_kv(k, v, q.shape[2])
+    q, k, v = _packed(q, *expand_kv(k, v, q.shape[2]))
     why = cudnn_no_kernel_reason(q, k, v, call)
     if why is not None:
         raise NoKernelError("torch_cudnn_sdpa", [why])

@@ -2,13 +2,15 @@
 
 Registers ``sliding_tile_attn``, ``video_sparse_attn``, ``sparge_attn``, ``vmoba_attn``,
 ``sparse_video_gen_2_attn``, ``sla_attn``, ``sage_sla_attn`` and ``sol_attn`` (contract:
-:mod:`ditattn.attention.backends.base`).  Common rules:
+:mod:`ditattn.attention.backends.base`), each with its capability row and parameter schema, through
+:func:`.sparse_common.sparse_backend`, which runs the prologue they share.  Common rules:
 
 * self-attention over ``call.video_shape = (T, H, W)`` latent tokens (T-major) followed by
   ``call.text_len`` text tokens; ``video_shape`` None, a length that does not match, causal
   attention, an additive bias or cross-attention (different q/kv lengths) raise
   :class:`AttentionConfigError` (``sparge_attn`` instead runs dense SDPA on shapes it does not
-  sparsify, as the seed says);
+  sparsify, as upstream does; ``sparge_attn`` and ``sol_attn`` take a call without ``video_shape`` as
+  a plain sequence in 1-D tiles);
 * text tokens attend and are attended by everything; GQA K/V heads are expanded;
 * ``call.step`` None counts as a sparse step, ``call.layer_idx`` None as layer 0;
 * dense phases (``skip_time_steps``, ``first_full_step``, ``dense_steps``, ``dense_layers``, ...)
@@ -24,18 +26,20 @@ one block per tile.
 """
 from __future__ import annotations
 
-import dataclasses
 import threading
-from typing import Optional
 
 import torch
 
-from ditattn.attention.backends.base import AttnCall, expand_kv, register
-from ditattn.attention.config import complete_backend_config, parse_layer_list
+from ditattn.attention.backends.base import AttnCall
+from ditattn.attention.backends.sparse_common import (layer_index, layer_stats_key, line_tile, remember_budget,
+                                                      reused_dense, run_dense, sparse_backend, sparse_done)
+from ditattn.attention.config import parse_layer_list
 from ditattn.attention.names import AttentionBackendEnum as B
-from ditattn.attention.sparse import record_stats, stats_key
-from ditattn.attention.sparse.block_sparse import dense_attention
-from ditattn.attention.sparse.fallback import budget_stats, count_call, note_dense_once
+from ditattn.attention.schemas import (BLOCK_SPARSE_IMPL, EDGE_TILES, SOL_PREDICTORS, SPARGE_PREDICTORS,
+                                       SVG2_PREDICTORS, VMOBA_GATES, P, error_budget, in_range, layer_list_check,
+                                       list_len, non_negative, positive)
+from ditattn.attention.specs import ALL_FLOAT, BF16, FP16_BF16, IN_TREE_SPARSE, BackendSpec
+from ditattn.attention.sparse import record_stats
 from ditattn.attention.sparse.sla import sla_attention
 from ditattn.attention.sparse.sol import sol_attention
 from ditattn.attention.sparse.sparge import sparge_applies, sparge_attention
@@ -51,169 +55,158 @@ from ditattn.attention.sparse.svg2 import svg2_attention
 from ditattn.attention.sparse.vmoba import vmoba_attention, vmoba_layer_mode
 from ditattn.attention.sparse.vsa import video_sparse_attention
 from ditattn.errors import AttentionConfigError
-from ditattn.settings import check_retired
 
 Tensor = torch.Tensor
 
 SEARCH_MODES = ("STA_searching", "STA_tuning", "STA_tuning_cfg")
 
 
-def _config(backend: B, config: Optional[dict]) -> dict:
-    """The backend's full config (defaults filled in, validated unless the layer already did)."""
-    check_retired("DITATTN_BLOCK_SPARSE_IMPL")
-    return complete_backend_config(backend, config)
+# ------------------------------------------------------------------------------------------------
+# the parameter schemas
+
+def kv_splits_check(v):
+    if isinstance(v, str):
+        return None if v == "auto" else "must be 'auto' or a positive integer"
+    return None if v > 0 else "must be 'auto' or a positive integer"
 
 
-def _check_call(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall) -> tuple[tuple[int, int, int], int]:
-    if call.causal:
-        raise AttentionConfigError(f"{name}: sparse video attention is non-causal; causal attention is not supported")
-    if call.attn_bias is not None:
-        raise AttentionConfigError(f"{name}: does not accept an additive attention bias/mask")
-    if q.shape[1] != k.shape[1]:
-        raise AttentionConfigError(
-            f"{name}: sparse video attention needs self-attention (q has {q.shape[1]} tokens, k/v {k.shape[1]}); "
-            "cross-attention is served by a dense backend"
-        )
-    if call.video_shape is None:
-        raise AttentionConfigError(f"{name}: sparse video attention needs the latent grid video_shape=(T,H,W)")
-    try:
-        T, H, W = (int(x) for x in call.video_shape)
-    except (TypeError, ValueError):
-        raise AttentionConfigError(
-            f"{name}: video_shape must be three positive integers (T, H, W), got {call.video_shape!r}") from None
-    if min(T, H, W) <= 0:
-        raise AttentionConfigError(f"{name}: video_shape must be three positive integers (T, H, W), got {call.video_shape!r}")
-    text_len = int(call.text_len or 0)
-    if T * H * W + text_len != q.shape[1]:
-        raise AttentionConfigError(
-            f"{name}: sequence length {q.shape[1]} != T*H*W + text_len = {T}*{H}*{W} + {text_len} "
-            f"= {T * H * W + text_len} (video_shape={call.video_shape})"
-        )
-    return (T, H, W), text_len
+SLIDING_TILE_ATTN_SCHEMA = (
+    P("mask_strategy_file_path", "str", None, "Path to the mask strategy JSON ('t_l_h' -> [wt, wh, ww] in tiles); written by STA_searching/STA_tuning", required=True, accepted="a path to a JSON file"),
+    P("sta_mode", "str", "STA_inference", "STA mode", choices=("STA_inference", "STA_searching", "STA_tuning", "STA_tuning_cfg")),
+    P("skip_time_steps", "int", 15, "Steps of full attention before switching to sparse", check=non_negative, accepted="an integer >= 0"),
+    P("tile_size", "list[int]", [4, 4, 4], "Tile size (T, H, W) in latent tokens after patching", check=list_len(3), accepted="3 positive integers"),
+    P("window_candidates", "list[int]", [], "STA_searching: flattened list of candidate windows [wt,wh,ww,...] (empty = built-in set)", check=lambda v: None if len(v) % 3 == 0 else "length must be a multiple of 3", accepted="a multiple of 3 integers"),
+    BLOCK_SPARSE_IMPL,
+)
 
+VIDEO_SPARSE_ATTN_SCHEMA = (
+    P("sparsity", "float", 0.0, "Fraction of key tiles skipped per query tile (0.0 - 1.0)", check=in_range(0.0, 1.0), accepted="a number in [0, 1]"),
+    EDGE_TILES,
+    BLOCK_SPARSE_IMPL,
+)
 
-def _grid_or_line(name: str, q, k, v, call: AttnCall, block: int) -> tuple[tuple[int, int, int], int, Optional[tuple]]:
-    """``(grid, text_len, tile)`` of a call: the video grid and the backend's own tiles, or, for a
-    plain sequence (no ``video_shape``), the grid ``(1, 1, S - text_len)`` in 1-D tiles of ``block`` tokens."""
-    if call.video_shape is not None:
-        vs, text_len = _check_call(name, q, k, v, call)
-        return vs, text_len, None
-    text_len = int(call.text_len or 0)
-    n = q.shape[1] - text_len
-    if n <= 0:
-        raise AttentionConfigError(f"{name}: text_len {text_len} leaves no sequence tokens of {q.shape[1]}")
-    call_1d = dataclasses.replace(call, video_shape=(1, 1, n))
-    vs, text_len = _check_call(name, q, k, v, call_1d)
-    return vs, text_len, (1, 1, block)
+SPARGE_ATTN_SCHEMA = (
+    P("topk", "float", 0.5, "Fraction of predicted attention blocks kept per head (per query block the best ceil(topk * blocks)); with cdfthreshd the minimum kept", check=in_range(0.0, 1.0, lo_open=True), accepted="a number in (0, 1]"),
+    P("cdfthreshd", "float", None, "Adaptive selection (upstream's name): per query block the fewest key blocks, best first, whose predicted share of its attention mass (softmax of the predictor's block log-masses) reaches this value, but at least topk's count (upstream: no floor, topk or cdfthreshd; here a topk of one block). Unset: topk alone", check=in_range(0.0, 1.0, lo_open=True), accepted="a number in (0, 1]"),
+    P("block_size", "int", 64, "Block size in tokens for the block importance prediction", choices=(32, 64, 128)),
+    P("quantize", "bool", True, "Kept blocks with INT8 Q.K per block (SageAttention-style, as upstream); false: exact kept blocks"),
+    P("predictor", "str", "pooled_query", "Block predictor: pooled_query (each query block's mean against every key, log-sum-exp per key block: sees sink keys and fast RoPE channels; rel. error 5.4 % vs 10.2 % at topk 0.5 on the structured 480p inputs, for 1/128 of dense attention's FLOPs), pooled_query_var (plus the query variance term, twice that cost) or pooled (upstream: mean(q) . mean(k))", choices=SPARGE_PREDICTORS),
+    P("simthreshd1", "float", -0.1, "Self-similarity threshold (upstream name): a block whose mean pairwise cosine similarity is <= it is computed for every query / key block on top of the topk / cdfthreshd blocks; the similarity is in [0, 1], so negative values (upstream's top-k default -0.1) turn the rule off", check=in_range(-1.0, 1.0), accepted="a number in [-1, 1]"),
+    EDGE_TILES,
+    error_budget(0.005),
+    BLOCK_SPARSE_IMPL,
+)
 
+VMOBA_ATTN_SCHEMA = (
+    P("temporal_chunk_size", "int", None, "Chunk size along time (latent frames)", check=positive, accepted="an integer > 0"),
+    P("temporal_topk", "int", None, "Top-k chunks selected along time", check=positive, accepted="an integer > 0"),
+    P("spatial_chunk_size", "list[int]", None, "Chunk size along (H, W)", check=list_len(2), accepted="2 positive integers"),
+    P("spatial_topk", "int", None, "Top-k chunks selected along space", check=positive, accepted="an integer > 0"),
+    P("st_chunk_size", "list[int]", None, "Chunk size along (T, H, W)", check=list_len(3), accepted="3 positive integers"),
+    P("st_topk", "int", None, "Top-k chunks selected spatio-temporally", check=positive, accepted="an integer > 0"),
+    P("moba_select_mode", "str", "threshold", "Selection mode", choices=("threshold", "topk")),
+    P("moba_threshold", "float", 0.25, "Threshold for selection (cumulative gate mass)", check=in_range(0.0, 1.0, lo_open=True), accepted="a number in (0, 1]"),
+    P("moba_threshold_type", "str", "query_head", "How the threshold is applied", choices=("query_head", "head_global", "overall")),
+    P("gate", "str", "pooled_query", "Chunk gate: pooled_query (log-sum-exp over the chunk's keys of the query block's mean . each key: sees sink keys and peaks that a chunk mean hides) or mean (upstream: query block mean . chunk mean key; use it for checkpoints trained with V-MoBA's gate)", choices=VMOBA_GATES),
+    P("first_full_step", "int", 12, "Initial steps with full attention", check=non_negative, accepted="an integer >= 0"),
+    P("first_full_layer", "int", 0, "Initial layers with full attention", check=non_negative, accepted="an integer >= 0"),
+    P("temporal_layer", "int", 1, "Layers of temporal chunking per cycle", check=non_negative, accepted="an integer >= 0"),
+    P("spatial_layer", "int", 1, "Layers of spatial chunking per cycle", check=non_negative, accepted="an integer >= 0"),
+    P("st_layer", "int", 1, "Layers of spatio-temporal chunking per cycle", check=non_negative, accepted="an integer >= 0"),
+    error_budget(0.005),
+    BLOCK_SPARSE_IMPL,
+)
 
-def _reused_dense(name: str, q, k, v, call: AttnCall, cfg: dict, backend: Optional[str] = None):
-    """The dense kernel's ``(out, lse)`` when this layer's error budget sent an earlier step of the run to
-    it and the decision is not due for a check (:func:`ditattn.attention.sparse.budget.reuse_dense`),
-    else None."""
-    from ditattn.attention.sparse import budget as eb
+SOL_ATTN_SCHEMA = (
+    P("tau", "float", 1.0, "Routing threshold scale; higher keeps fewer exact KV blocks", check=positive, accepted="a number > 0"),
+    P("thresh_type", "str", "diag", "Threshold mode", choices=("diag", "exact")),
+    P("sink_tokens", "int", 0, "Length of the exact KV sink (prefix tokens such as text rows)", check=non_negative, accepted="an integer >= 0"),
+    P("sink_start", "int", 0, "Start index of the exact KV sink range", check=non_negative, accepted="an integer >= 0"),
+    P("dense_steps", "int", 10, "Dense attention for the first N denoising steps", check=non_negative, accepted="an integer >= 0"),
+    P("dense_layers", "str", "0,1", "Layer indices kept dense, e.g. 0,1 or 0-2", check=layer_list_check, accepted="comma-separated indices or ranges like 0,1 or 0-2"),
+    P("dense_backend", "str", "fa", "Backend for the dense prefix: fa or sage_attn (approximate)", choices=("fa", "sage_attn")),
+    P("kv_splits", "int|str", "auto", "KV split factor passed to the kernel; auto for long sequences", check=kv_splits_check, accepted="'auto' or a positive integer"),
+    P("predictor", "str", "pooled_query", "Which blocks are exact: pooled_query (tau's rule sets how many per query block, its tile neighbours then the best by each query block's mean against every key, log-sum-exp per block) or pooled (upstream: the rule's blocks by mean(q) . mean(k))", choices=SOL_PREDICTORS),
+    P("centroid_variance", "bool", True, "Approximate blocks' virtual keys add the blocks' key variance term 0.5 * scale^2 * q^2 . var(k) (the mass of a spread block, which its mean key underestimates); false: upstream's mean key and log size only"),
+    EDGE_TILES,
+    error_budget(0.01),
+    BLOCK_SPARSE_IMPL,
+)
 
-    if cfg.get("error_budget", 0.0) <= 0:
-        return None
-    key = f"{_key(name, call)}@{threading.get_ident()}"
-    if not eb.reuse_dense(key, call.step):
-        return None
-    eb.remember_kept(key, call.step, 1.0, decided=False)
-    return _dense(name, q, k, v, call, f"error budget: dense at an earlier step (checked again every "
-                  f"{eb.RECHECK_EVERY} steps)", backend=backend, announce=True)
+SLA_ATTN_SCHEMA = (
+    P("topk", "float", 0.2, "Fraction of key blocks per query block computed exactly (critical)", check=in_range(0.0, 1.0, lo_open=True), accepted="a number in (0, 1]"),
+    P("negligible_fraction", "float", 0.0, "Fraction of key blocks skipped outright (lowest mass); the rest go through the linear branch", check=in_range(0.0, 1.0, hi_open=True), accepted="a number in [0, 1)"),
+    P("block_size", "int", 64, "Block size in tokens", choices=(32, 64, 128)),
+    EDGE_TILES,
+    BLOCK_SPARSE_IMPL,
+)
 
-
-def _remember(name: str, call: AttnCall, cfg: dict, plan) -> None:
-    """Record whether the budget sent this call to the dense kernel (for :func:`_reused_dense`)."""
-    if cfg.get("error_budget", 0.0) > 0:
-        from ditattn.attention.sparse import budget as eb
-
-        eb.remember_kept(f"{_key(name, call)}@{threading.get_ident()}", call.step,
-                         1.0 if plan.extra.get("dense_fallback") else 0.0)
-
-
-def _key(name: str, call: AttnCall) -> str:
-    return stats_key(name, call.layer_key, call.layer_idx)
-
-
-def _dense(name: str, q, k, v, call: AttnCall, reason: str, backend: Optional[str] = None, announce: bool = False):
-    if announce:  # a size the backend never sparsifies, or the error budget: said once (log line, plan notes)
-        note_dense_once(name, call, reason)
-    record_stats(_key(name, call), backend=name, kept_fraction=1.0, dense=True, reason=reason,
-                 step=call.step, layer_idx=call.layer_idx, fallback=announce)
-    count_call(_key(name, call), kept=1.0, fallback=announce, dense=True)
-    return dense_attention(q, k, v, scale=call.scale, return_lse=call.return_lse, backend=backend)
-
-
-def _sparse_done(name: str, call: AttnCall, plan, **extra):
-    fallback = bool(plan.extra.get("dense_fallback"))
-    reason = "error budget: every head needs most blocks (dense kernel)" if fallback else ""
-    extra.update(budget_stats(plan))
-    record_stats(_key(name, call), backend=name, kept_fraction=plan.kept_fraction_pending, dense=fallback,
-                 reason=reason, step=call.step, layer_idx=call.layer_idx, fallback=fallback, **extra)
-    count_call(_key(name, call), kept=plan.kept_fraction_pending, fallback=fallback, dense=fallback,
-               dense_heads=extra.get("dense_heads"), heads=extra.get("heads", 0))
-    if fallback:
-        note_dense_once(name, call, reason)
-
-
-def _layer(call: AttnCall) -> int:
-    return 0 if call.layer_idx is None else int(call.layer_idx)
+SPARSE_VIDEO_GEN_2_ATTN_SCHEMA = (
+    P("num_q_clusters", "int", 64, "k-means clusters of queries per head", check=positive, accepted="an integer > 0"),
+    P("num_k_clusters", "int", 128, "k-means clusters of keys per head", check=positive, accepted="an integer > 0"),
+    P("kmeans_iters", "int", 5, "k-means iterations of a cold start (first step of a request)", check=positive, accepted="an integer > 0"),
+    P("warm_iters", "int", 1, "k-means iterations of later steps, started from the previous step's centroids of the layer", check=positive, accepted="an integer > 0"),
+    P("recluster_every", "int", 1, "cluster every N-th step; the steps between reuse the cached permutation and block lists", check=positive, accepted="an integer > 0"),
+    P("top_p", "float", 0.9, "Cumulative estimated attention mass kept per query cluster", check=in_range(0.0, 1.0, lo_open=True), accepted="a number in (0, 1]"),
+    P("predictor", "str", "pooled_query", "Mass estimate of a (query cluster, key cluster) pair: pooled_query (log-sum-exp over the key cluster's keys of the query centroid . each key: sees sink keys and spread clusters) or centroids (upstream: query centroid . key centroid + log cluster size)", choices=SVG2_PREDICTORS),
+    P("first_full_steps", "int", 0, "Dense attention for the first N denoising steps", check=non_negative, accepted="an integer >= 0"),
+    error_budget(0.005),
+    BLOCK_SPARSE_IMPL,
+)
 
 
 # ------------------------------------------------------------------------------------------------
 
 
-@register(B.SLIDING_TILE_ATTN)
-def sliding_tile_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
-    name = B.SLIDING_TILE_ATTN.value
-    cfg = _config(B.SLIDING_TILE_ATTN, config)
-    vs, text_len = _check_call(name, q, k, v, call)
-    k, v = expand_kv(k, v, q.shape[2])
+@sparse_backend(B.SLIDING_TILE_ATTN, schema=SLIDING_TILE_ATTN_SCHEMA, spec=BackendSpec(
+    kind="sparse", summary="Sliding Tile Attention (3-D tile windows per step/layer/head)",
+    runtimes=IN_TREE_SPARSE, upstream_platforms=("cuda",), dtypes=ALL_FLOAT, cross_attention=False,
+    causal=False, lossy=True, config_schema="sliding_tile_attn",
+    notes="in-tree block-sparse engine (any resolution; upstream st_attn not needed); "
+          "mask_strategy_file_path required"))
+def sliding_tile_attn(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall, cfg: dict, vs, text_len: int):
     mode = cfg["sta_mode"]
     path = cfg["mask_strategy_file_path"]
     tile_size = tuple(cfg.get("tile_size") or (4, 4, 4))
     strategy = load_mask_strategy(path) if mode == "STA_inference" else None
     if call.step is not None and call.step < cfg["skip_time_steps"]:
-        return _dense(name, q, k, v, call, f"step {call.step} < skip_time_steps {cfg['skip_time_steps']}")
+        return run_dense(name, q, k, v, call, f"step {call.step} < skip_time_steps {cfg['skip_time_steps']}")
     head_offset = int(getattr(call, "head_offset", 0) or 0)
     if mode in SEARCH_MODES:
         search = get_search(path, mode, parse_candidates(cfg.get("window_candidates")))
         out, lse = sta_search_attention(q, k, v, video_shape=vs, search=search,
-                                        step=0 if call.step is None else int(call.step), layer=_layer(call),
+                                        step=0 if call.step is None else int(call.step), layer=layer_index(call),
                                         head_offset=head_offset, tile_size=tile_size, text_len=text_len,
                                         scale=call.scale, return_lse=call.return_lse, impl=cfg["block_sparse_impl"])
-        record_stats(_key(name, call), backend=name, kept_fraction=1.0, dense=True,
+        record_stats(layer_stats_key(name, call), backend=name, kept_fraction=1.0, dense=True,
                      reason=f"{mode}: full attention returned, candidates measured", step=call.step,
                      layer_idx=call.layer_idx)
         return out, lse
-    windows = strategy.windows(call.step, _layer(call), q.shape[2], head_offset)
+    windows = strategy.windows(call.step, layer_index(call), q.shape[2], head_offset)
     out, lse, plan = sliding_tile_attention(q, k, v, video_shape=vs, windows=windows, tile_size=tile_size,
                                             text_len=text_len, scale=call.scale, return_lse=call.return_lse,
                                             impl=cfg["block_sparse_impl"])
-    _sparse_done(name, call, plan, windows=windows.tolist())
+    sparse_done(name, call, plan, windows=windows.tolist())
     return out, lse
 
 
-@register(B.VIDEO_SPARSE_ATTN)
-def video_sparse_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
-    name = B.VIDEO_SPARSE_ATTN.value
-    cfg = _config(B.VIDEO_SPARSE_ATTN, config)
-    vs, text_len = _check_call(name, q, k, v, call)
+@sparse_backend(B.VIDEO_SPARSE_ATTN, schema=VIDEO_SPARSE_ATTN_SCHEMA, spec=BackendSpec(
+    kind="sparse", summary="Video Sparse Attention: coarse top-k tiles + fine attention",
+    runtimes=IN_TREE_SPARSE, upstream_platforms=("cuda",), dtypes=ALL_FLOAT, lossy=True,
+    cross_attention=False, causal=False, config_schema="video_sparse_attn",
+    notes="4x4x4 tiles of 64 tokens; in-tree engine (upstream vsa not needed)"))
+def video_sparse_attn(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall, cfg: dict, vs, text_len: int):
     if cfg["sparsity"] == 0.0:  # k = every tile: the fine stage is exact full attention
-        return _dense(name, q, k, v, call, "sparsity 0.0 keeps every tile (exact dense attention)")
-    k, v = expand_kv(k, v, q.shape[2])
+        return run_dense(name, q, k, v, call, "sparsity 0.0 keeps every tile (exact dense attention)")
     out, lse, plan = video_sparse_attention(q, k, v, video_shape=vs, sparsity=cfg["sparsity"], text_len=text_len,
                                             scale=call.scale, return_lse=call.return_lse, impl=cfg["block_sparse_impl"],
                                             edge_tiles=cfg["edge_tiles"])
-    _sparse_done(name, call, plan, tiles_per_query=plan.extra["k"])
+    sparse_done(name, call, plan, tiles_per_query=plan.extra["k"])
     return out, lse
 
 
-@register(B.SPARGE_ATTN)
-def sparge_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
-    name = B.SPARGE_ATTN.value
-    cfg = _config(B.SPARGE_ATTN, config)
+def _sparge_precheck(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall, cfg: dict):
+    """sparge_attn takes fp16/bf16 only, and runs dense SDPA on shapes it does not sparsify."""
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise AttentionConfigError(
             f"{name}: needs float16 or bfloat16 q/k/v (got {str(q.dtype).replace('torch.', '')}): SpargeAttention "
@@ -222,12 +215,22 @@ def sparge_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
     if not ok:
         if call.causal or call.attn_bias is not None:
             raise AttentionConfigError(f"{name}: causal attention and additive biases are not supported")
-        return _dense(name, q, k, v, call, f"dense SDPA: {why}", announce=True)
-    vs, text_len, tile_1d = _grid_or_line(name, q, k, v, call, cfg.get("block_size", 64))
-    k, v = expand_kv(k, v, q.shape[2])
-    again = _reused_dense(name, q, k, v, call, cfg)
+        return run_dense(name, q, k, v, call, f"dense SDPA: {why}", announce=True)
+    return None
+
+
+@sparse_backend(B.SPARGE_ATTN, schema=SPARGE_ATTN_SCHEMA, precheck=_sparge_precheck, lines=True, spec=BackendSpec(
+    kind="sparse+quantized", summary="SpargeAttention: top-k blocks by pooled-query block scores, INT8 Q.K in kept blocks",
+    runtimes=IN_TREE_SPARSE, upstream_platforms=("cuda",), dtypes=FP16_BF16,
+    cuda_sm=(80, 86, 87, 89, 90), lossy=True, cross_attention=False, causal=False,
+    config_schema="sparge_attn",
+    notes="FP16/BF16; head dim 64/128, square self-attention of >=128 tokens; other shapes run dense SDPA; "
+          "kept blocks INT8 Q.K (quantize=false: exact)"))
+def sparge_attn(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall, cfg: dict, vs, text_len: int):
+    again = reused_dense(name, q, k, v, call, cfg)
     if again is not None:
         return again
+    tile_1d = line_tile(call, cfg.get("block_size", 64))
     out, lse, plan = sparge_attention(q, k, v, video_shape=vs, topk=cfg["topk"], cdfthreshd=cfg.get("cdfthreshd"),
                                       tile_size=tile_1d,
                                       block_size=cfg.get("block_size", 64), text_len=text_len,
@@ -235,27 +238,26 @@ def sparge_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
                                       predictor=cfg["predictor"], simthreshd1=cfg["simthreshd1"], scale=call.scale,
                                       return_lse=call.return_lse, impl=cfg["block_sparse_impl"],
                                       edge_tiles=cfg["edge_tiles"], error_budget=cfg.get("error_budget", 0.0))
-    _sparse_done(name, call, plan, quantized=plan.extra["quantized"], predictor=plan.extra["predictor"])
-    _remember(name, call, cfg, plan)
+    sparse_done(name, call, plan, quantized=plan.extra["quantized"], predictor=plan.extra["predictor"])
+    remember_budget(name, call, cfg, plan)
     return out, lse
 
 
-@register(B.VMOBA_ATTN)
-def vmoba_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
-    name = B.VMOBA_ATTN.value
-    cfg = _config(B.VMOBA_ATTN, config)
-    vs, text_len = _check_call(name, q, k, v, call)
-    k, v = expand_kv(k, v, q.shape[2])
+@sparse_backend(B.VMOBA_ATTN, schema=VMOBA_ATTN_SCHEMA, spec=BackendSpec(
+    kind="sparse", summary="V-MoBA: top-k temporal/spatial/spatio-temporal chunks",
+    runtimes=IN_TREE_SPARSE, upstream_platforms=("cuda",), dtypes=ALL_FLOAT, lossy=True,
+    cross_attention=False, causal=False, config_schema="vmoba_attn"))
+def vmoba_attn(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall, cfg: dict, vs, text_len: int):
     mode = vmoba_layer_mode(call.layer_idx, first_full_layer=cfg["first_full_layer"],
                             temporal_layer=cfg["temporal_layer"], spatial_layer=cfg["spatial_layer"],
                             st_layer=cfg["st_layer"])
     if call.step is not None and call.step < cfg["first_full_step"]:
-        return _dense(name, q, k, v, call, f"step {call.step} < first_full_step {cfg['first_full_step']}")
+        return run_dense(name, q, k, v, call, f"step {call.step} < first_full_step {cfg['first_full_step']}")
     if mode == "full":
-        return _dense(name, q, k, v, call, f"layer {_layer(call)} < first_full_layer {cfg['first_full_layer']}")
+        return run_dense(name, q, k, v, call, f"layer {layer_index(call)} < first_full_layer {cfg['first_full_layer']}")
     chunk = {"temporal": cfg.get("temporal_chunk_size"), "spatial": cfg.get("spatial_chunk_size"),
              "st": cfg.get("st_chunk_size")}[mode]
-    again = _reused_dense(name, q, k, v, call, cfg)
+    again = reused_dense(name, q, k, v, call, cfg)
     if again is not None:
         return again
     topk = {"temporal": cfg.get("temporal_topk"), "spatial": cfg.get("spatial_topk"), "st": cfg.get("st_topk")}[mode]
@@ -264,22 +266,21 @@ def vmoba_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
                                      threshold_type=cfg["moba_threshold_type"], gate=cfg["gate"], text_len=text_len,
                                      scale=call.scale, return_lse=call.return_lse, impl=cfg["block_sparse_impl"],
                                      error_budget=cfg.get("error_budget", 0.0))
-    _sparse_done(name, call, plan, mode=mode, chunk=plan.extra["chunk"], topk=plan.extra["topk"])
-    _remember(name, call, cfg, plan)
+    sparse_done(name, call, plan, mode=mode, chunk=plan.extra["chunk"], topk=plan.extra["topk"])
+    remember_budget(name, call, cfg, plan)
     return out, lse
 
 
-@register(B.SPARSE_VIDEO_GEN_2_ATTN)
-def sparse_video_gen_2_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
-    name = B.SPARSE_VIDEO_GEN_2_ATTN.value
-    cfg = _config(B.SPARSE_VIDEO_GEN_2_ATTN, config)
-    vs, text_len = _check_call(name, q, k, v, call)
-    k, v = expand_kv(k, v, q.shape[2])
+@sparse_backend(B.SPARSE_VIDEO_GEN_2_ATTN, schema=SPARSE_VIDEO_GEN_2_ATTN_SCHEMA, spec=BackendSpec(
+    kind="sparse", summary="Sparse-VideoGen2: k-means semantic permutation + block sparsity",
+    runtimes=IN_TREE_SPARSE, upstream_platforms=("cuda",), dtypes=ALL_FLOAT, lossy=True,
+    cross_attention=False, causal=False, config_schema="sparse_video_gen_2_attn"))
+def sparse_video_gen_2_attn(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall, cfg: dict, vs, text_len: int):
     if call.step is not None and call.step < cfg["first_full_steps"]:
-        return _dense(name, q, k, v, call, f"step {call.step} < first_full_steps {cfg['first_full_steps']}")
+        return run_dense(name, q, k, v, call, f"step {call.step} < first_full_steps {cfg['first_full_steps']}")
     budget = cfg.get("error_budget", 0.0)
     # warm start per layer and calling thread (one request runs its steps on one thread)
-    state_key = f"{_key(name, call)}@{threading.get_ident()}"
+    state_key = f"{layer_stats_key(name, call)}@{threading.get_ident()}"
     if budget > 0:  # decide before clustering: a layer that needs most blocks runs dense
         from ditattn.attention.sparse import budget as eb
         from ditattn.attention.sparse.budget import precheck_dense
@@ -287,11 +288,11 @@ def sparse_video_gen_2_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, con
         last = eb.kept_last_step(state_key, call.step)
         if last is not None and last > eb.DENSE_ABOVE:  # it kept most blocks last step: dense for the request
             eb.remember_kept(state_key, call.step, 1.0)
-            return _dense(name, q, k, v, call, "error budget: the layer kept most blocks at an earlier step "
+            return run_dense(name, q, k, v, call, "error budget: the layer kept most blocks at an earlier step "
                           "(dense kernel for the rest of the request)", announce=True)
         if precheck_dense(q, k, vs, text_len, budget, scale=call.scale, impl=cfg["block_sparse_impl"]):
             eb.remember_kept(state_key, call.step, 1.0)
-            return _dense(name, q, k, v, call, "error budget: every head needs most blocks (dense kernel)",
+            return run_dense(name, q, k, v, call, "error budget: every head needs most blocks (dense kernel)",
                           announce=True)
     out, lse, plan = svg2_attention(q, k, v, video_shape=vs, text_len=text_len, num_q_clusters=cfg["num_q_clusters"],
                                     num_k_clusters=cfg["num_k_clusters"], kmeans_iters=cfg["kmeans_iters"],
@@ -300,56 +301,64 @@ def sparse_video_gen_2_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, con
                                     recluster_every=cfg["recluster_every"], predictor=cfg["predictor"],
                                     state_key=state_key, step=call.step,
                                     scale=call.scale, return_lse=call.return_lse, impl=cfg["block_sparse_impl"])
-    _sparse_done(name, call, plan, mode=plan.extra["mode"])
+    sparse_done(name, call, plan, mode=plan.extra["mode"])
     if budget > 0:
         eb.remember_kept(state_key, call.step, plan.kept_fraction_pending)
     return out, lse
 
 
-def _sla(backend: B, q, k, v, call: AttnCall, config: dict):
-    name = backend.value
-    cfg = _config(backend, config)
-    vs, text_len = _check_call(name, q, k, v, call)
-    k, v = expand_kv(k, v, q.shape[2])
+def _sla(name: str, q, k, v, call: AttnCall, cfg: dict, vs, text_len: int):
     out, lse, plan = sla_attention(q, k, v, video_shape=vs, text_len=text_len, topk=cfg["topk"],
                                    negligible_fraction=cfg["negligible_fraction"], block_size=cfg["block_size"],
-                                   quantize=backend is B.SAGE_SLA_ATTN, scale=call.scale,
+                                   quantize=name == B.SAGE_SLA_ATTN.value, scale=call.scale,
                                    return_lse=call.return_lse, impl=cfg["block_sparse_impl"],
                                    edge_tiles=cfg["edge_tiles"])
-    _sparse_done(name, call, plan, marginal_fraction=plan.extra["marginal_fraction"], linear_branch="absent (zero)")
+    sparse_done(name, call, plan, marginal_fraction=plan.extra["marginal_fraction"], linear_branch="absent (zero)")
     return out, lse
 
 
-@register(B.SLA_ATTN)
-def sla_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
-    return _sla(B.SLA_ATTN, q, k, v, call, config)
+@sparse_backend(B.SLA_ATTN, schema=SLA_ATTN_SCHEMA, spec=BackendSpec(
+    kind="sparse+linear", summary="Sparse-Linear Attention: exact critical blocks + linear branch",
+    runtimes=IN_TREE_SPARSE, upstream_platforms=("cuda",), dtypes=ALL_FLOAT, lossy=True,
+    cross_attention=False, causal=False, config_schema="sla_attn",
+    notes="linear branch projection from the checkpoint; zero when absent (pure sparse)"))
+def sla_attn(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall, cfg: dict, vs, text_len: int):
+    return _sla(name, q, k, v, call, cfg, vs, text_len)
 
 
-@register(B.SAGE_SLA_ATTN)
-def sage_sla_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
-    return _sla(B.SAGE_SLA_ATTN, q, k, v, call, config)
+@sparse_backend(B.SAGE_SLA_ATTN, schema=SLA_ATTN_SCHEMA, spec=BackendSpec(
+    kind="sparse+linear", summary="SageAttention + Sparse-Linear Attention (quantized sparse branch)",
+    runtimes=IN_TREE_SPARSE, upstream_platforms=("cuda",), dtypes=ALL_FLOAT, lossy=True,
+    cross_attention=False, causal=False, config_schema="sla_attn"))
+def sage_sla_attn(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall, cfg: dict, vs, text_len: int):
+    return _sla(name, q, k, v, call, cfg, vs, text_len)
 
 
-@register(B.SOL_ATTN)
-def sol_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
-    name = B.SOL_ATTN.value
-    cfg = _config(B.SOL_ATTN, config)
+def _sol_precheck(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall, cfg: dict):
     if q.dtype != torch.bfloat16 or q.shape[3] != 128:
         raise AttentionConfigError(
             f"{name}: needs bfloat16 q/k/v with head dim 128 (got {str(q.dtype).replace('torch.', '')}, "
             f"head dim {q.shape[3]}); use --dtype bf16 with a head-dim-128 model, or another sparse backend"
         )
-    vs, text_len, tile_1d = _grid_or_line(name, q, k, v, call, 64)
+    return None
+
+
+@sparse_backend(B.SOL_ATTN, schema=SOL_ATTN_SCHEMA, precheck=_sol_precheck, lines=True, spec=BackendSpec(
+    kind="sparse", summary="Sol attention: threshold routing with exact KV sinks",
+    runtimes=IN_TREE_SPARSE, upstream_platforms=("cuda",), dtypes=BF16, head_dims=frozenset({128}),
+    lossy=True, cross_attention=False, causal=False, config_schema="sol_attn",
+    notes="BF16 and head dim 128 only; first dense_steps steps and dense_layers run dense_backend"))
+def sol_attn(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall, cfg: dict, vs, text_len: int):
+    tile_1d = line_tile(call, 64)
     dense_backend = cfg["dense_backend"]
     if call.step is not None and call.step < cfg["dense_steps"]:
-        return _dense(name, q, k, v, call, f"step {call.step} < dense_steps {cfg['dense_steps']} ({dense_backend})",
+        return run_dense(name, q, k, v, call, f"step {call.step} < dense_steps {cfg['dense_steps']} ({dense_backend})",
                       backend=dense_backend)
-    layer = _layer(call)
+    layer = layer_index(call)
     if layer in parse_layer_list(cfg["dense_layers"]):
-        return _dense(name, q, k, v, call, f"layer {layer} in dense_layers {cfg['dense_layers']} ({dense_backend})",
+        return run_dense(name, q, k, v, call, f"layer {layer} in dense_layers {cfg['dense_layers']} ({dense_backend})",
                       backend=dense_backend)
-    k, v = expand_kv(k, v, q.shape[2])
-    again = _reused_dense(name, q, k, v, call, cfg, backend=dense_backend)
+    again = reused_dense(name, q, k, v, call, cfg, backend=dense_backend)
     if again is not None:
         return again
     out, lse, plan = sol_attention(q, k, v, video_shape=vs, text_len=text_len, tau=cfg["tau"],
@@ -359,6 +368,6 @@ def sol_attn(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
                                    return_lse=call.return_lse, impl=cfg["block_sparse_impl"],
                                    edge_tiles=cfg["edge_tiles"], error_budget=cfg.get("error_budget", 0.0),
                                    dense_backend=dense_backend, tile_size=tile_1d)
-    _sparse_done(name, call, plan, approximate_fraction=1.0 - plan.kept_fraction_pending)
-    _remember(name, call, cfg, plan)
+    sparse_done(name, call, plan, approximate_fraction=1.0 - plan.kept_fraction_pending)
+    remember_budget(name, call, cfg, plan)
     return out, lse

@@ -7,7 +7,7 @@ Modules (import them lazily: importing one compiles nothing, but imports ``trito
 * :mod:`.int8_attention` -- quantized dense attention (SageAttention-style): INT8 Q.K with smoothed
   K and per-block scales, P.V in FP16/BF16 or FP8 e4m3, online softmax, LSE, GQA; plus the PyTorch
   reference of the same quantization (runs anywhere, used on CPU).
-* :mod:`.skip_softmax` -- BLASST skip-softmax flash kernel (DESIGN 2.8) and its dense path.
+* :mod:`.skip_softmax` -- BLASST skip-softmax flash kernel and its dense path.
 * :mod:`.block_centroid` -- Sol's block-centroid virtual keys, continuing a block-sparse pass's
   online softmax (fused LSE merge).
 * :mod:`.block_quant` -- one-pass per-block INT8 quantize-dequantize (SageSLA's emulated INT8 Q/K).

@@ -56,7 +56,8 @@ def default_config(head_dim: int) -> dict:
 #: dynamic shared memory of one SM90 CTA (H100/H200: 227 KiB)
 SMEM_LIMIT = 232448
 #: what the kernel allocates besides the Q / output / K / V tiles and the ones operand (mbarriers,
-#: layout-conversion scratch): at most 568 B in the 68 offline builds (bench/sm90_offline.py --matrix), 2 KiB kept
+#: layout-conversion scratch): at most 568 B in the 68 offline builds
+#: (tests/sm90_offline.py --kernel block_sparse --matrix), 2 KiB kept
 SMEM_SLACK = 2048
 
 

@@ -139,7 +139,7 @@ def default_config(block_size: int, head_dim: int) -> dict:
         cfg = {"kv_per_iter": 1, "num_warps": 8 if block_size >= 128 else 4, "num_stages": 1}
     elif block_size >= 128:
         cfg = {"kv_per_iter": 1, "num_warps": 8, "num_stages": 3}
-    elif block_size == 64:  # TMA, one stage: more programs resident per SM beat a deeper pipeline (runs 17-21)
+    elif block_size == 64:  # TMA, one stage: more programs resident per SM beat a deeper pipeline (H200)
         cfg = {"kv_per_iter": 1, "num_warps": 4, "num_stages": 1, "tma": True}
     else:
         cfg = {"kv_per_iter": 128 // block_size // 2, "num_warps": 4, "num_stages": 2}
@@ -148,12 +148,12 @@ def default_config(block_size: int, head_dim: int) -> dict:
     return cfg
 
 
-_POINTER_STAGES = 3  # pointer loads when a TMA default cannot run: one stage is slow there (run 20: 1.90 vs 1.70)
+_POINTER_STAGES = 3  # pointer loads when a TMA default cannot run: one stage is slow there (H200: 1.90 vs 1.70x)
 FA4_BLOCK_SIZES = (64, 128)  # what impl="fa4" accepts
 FA4_AUTO_BLOCK_SIZES = (128,)  # where impl="auto" prefers FA4 (measured; at 64 ours is 0-14 % faster)
 IMPLS = ("auto", "triton", "fa4", "sm90")
 #: impl="auto" takes the SM90 Gluon kernel at 64-token tiles from this many query tokens on (H200, docs/benchmarks.md
-#: §3 run 24: at 75,600 tokens it is 1.28-1.51x ideal against Triton's 1.49-1.56; at 32,760 it is no faster)
+#: measured: at 75,600 tokens it is 1.28-1.51x ideal against Triton's 1.49-1.56; at 32,760 it is no faster)
 SM90_AUTO_MIN_TOKENS = 60_000
 _PROBE_CACHE: dict = {}
 _FA4_LISTS_CACHE: dict = {}
@@ -299,11 +299,13 @@ def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     masked).  ``scale`` defaults to ``D ** -0.5``.  ``config`` overrides the launch configuration
     (keys of :func:`default_config`; with ``impl="sm90"`` those of ``block_sparse_sm90.default_config``,
     checked by ``block_sparse_sm90.kernel_config`` on any device).
-    Returns ``(out [B, S_q, H, D] in q.dtype, lse [B, H, S_q] float32 natural log, or None)``; a query row with no valid key gives zeros and LSE ``-inf``.
+    Returns ``(out [B, S_q, H, D] in q.dtype, lse [B, H, S_q] float32 natural log, or None)``; a query
+    row with no valid key gives zeros and LSE ``-inf``.
 
     ``impl``: ``"triton"`` runs the kernel of this module; ``"sm90"`` the warp-specialised Gluon kernel
-    of :mod:`.block_sparse_sm90` (SM90, block size 64, head dim 64/128); ``nonempty_rows``: the caller guarantees ``kv_counts >= 1`` for every query
-    block (the FA4 path then skips its emptiness check, a device sync for lists it has not seen); ``"fa4"`` runs FlashAttention-4's
+    of :mod:`.block_sparse_sm90` (SM90, block size 64, head dim 64/128); ``nonempty_rows``: the caller
+    guarantees ``kv_counts >= 1`` for every query block (the FA4 path then skips its emptiness check, a
+    device sync for lists it has not seen); ``"fa4"`` runs FlashAttention-4's
     block-sparse forward with the same lists (SM90/SM100, block size 64 or 128, head dim <= 128,
     ``kv_valid`` None or one valid prefix shared by the batch); ``"auto"`` (default) takes FA4 for
     block size 128 when installed and the call fits (measured 1.11-1.35x faster than the Triton

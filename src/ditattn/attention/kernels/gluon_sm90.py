@@ -30,7 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 #: log2 e) run the softmax without a running maximum (no max, no rescale): exp2 of the raw logit, rounded to
 #: P's dtype (V's), must stay finite — bf16 has fp32's exponent range (2^+-100 is safe, row sums of up to 2^20
 #: keys included); fp16 overflows past 65504 = 2^15.999 (a logit above 16 gave inf in the sage kernel while
-#: it shared bf16's 100, issue 17), hence 2^+-15
+#: it shared bf16's 100), hence 2^+-15
 LOGIT_LIMIT_BF16 = gl.constexpr(100.0)
 LOGIT_LIMIT_FP16 = gl.constexpr(15.0)
 LOGIT_LIMITS = {torch.bfloat16: LOGIT_LIMIT_BF16.value, torch.float16: LOGIT_LIMIT_FP16.value}

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from ditattn.attention.backends.base import expand_kv
+from ditattn.attention.reference import expand_kv
 from ditattn.attention.kernels import check_qkv
 from ditattn.errors import AttentionConfigError
 

@@ -22,12 +22,13 @@ directly or, with ``pv_accum`` "two_level", per key tile into a fresh FP32 accum
 main one (the FP8 tensor cores accumulate with fewer mantissa bits than FP32).  The FP8 path runs
 the online softmax (a static maximum would put P outside e4m3's range) with the row sums of P (before
 rounding) in FP32 on the CUDA cores, like the fp16 online softmax: an FP8 ``P x ones`` product on the
-tensor cores (m64n8k32) gave wrong row sums on the H200 (issue 17; docs/sage_sm90_notes.md).
+tensor cores (m64n8k32) gave wrong row sums on the H200 (docs/sage_kernel.md).
 
 Quantization prologue: the Triton passes of :mod:`.int8_quant` (one pass over Q, one mean and one
 pass over K; with config ``qk_balance`` a statistics pass over each of Q and K, K's mean from the
-second, and one small launch for the balance factors, before the same two quantization passes; V is read in place through a TMA descriptor (fp16) or quantized in two passes, channel
-statistics then the transposed FP8 copy (fp8)).  Head dims 64 and 128; any lengths
+second, and one small launch for the balance factors, before the same two quantization passes; V is
+read in place through a TMA descriptor (fp16) or quantized in two passes, channel statistics then the
+transposed FP8 copy (fp8)).  Head dims 64 and 128; any lengths
 (keys past the end are masked in the last tile; query rows past the end are not stored); GQA.
 Non-causal only (the DiT's attention); the Triton kernel serves ``causal=True``.
 """
@@ -594,9 +595,9 @@ def sage_attention_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sc
     "fp8" (P and V in e4m3, V per channel and, with ``v_smooth``, smoothed by its channel mean;
     ``pv_accum`` "two_level" or "direct"; online softmax only); ``qk_balance`` (alpha in (0, 1]) balances
     Q's and smoothed K's channels before the INT8 rounding (``int8_attention_reference``'s option of
-    the same name); ``persistent`` (bool, default False: on the H200 +2-3 % at S = 4096, -6-8 % at 32k) runs one CTA per SM,
-    each looping over the 128-row query tiles (see ``_sage_fwd_sm90``).  Returns ``(out [B, S_q, H, D] in q.dtype, lse [B, H, S_q] float32 natural log or
-    None)``.
+    the same name); ``persistent`` (bool, default False: on the H200 +2-3 % at S = 4096, -6-8 % at
+    32k) runs one CTA per SM, each looping over the 128-row query tiles (see ``_sage_fwd_sm90``).
+    Returns ``(out [B, S_q, H, D] in q.dtype, lse [B, H, S_q] float32 natural log or None)``.
     """
     from ditattn.attention.kernels.int8_quant import quantize_qk, quantize_v_fp8
 

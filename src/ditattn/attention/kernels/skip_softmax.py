@@ -1,4 +1,4 @@
-"""Skip-softmax flash attention (BLASST, DESIGN 2.8), Triton kernel and PyTorch reference.
+"""Skip-softmax flash attention (BLASST), Triton kernel and PyTorch reference.
 
 A flash-attention forward that always computes the Q.K tile, then estimates the tile's softmax
 mass from its row maxima: when, for every query row of the tile, ``exp(rowmax_tile - m_running)``
@@ -6,8 +6,8 @@ is below ``threshold = threshold_scale_factor / context_length``, the tile is sk
 exponentials, no softmax-state update, no P.V product, and (with ``prefetch_v=False``) no V load.
 The V load sits inside the taken branch by default (``prefetch_v=False``: measured faster on the
 H200 whenever tiles are skipped); ``prefetch_v=True`` issues it before the decision instead, so the
-software pipeline can prefetch it.  ``tma=True`` loads Q/K/V tiles through TMA descriptors.  The first tile of a row block
-is never skipped (its running maximum is -inf).  With ``threshold_scale_factor=None`` the same
+software pipeline can prefetch it.  ``tma=True`` loads Q/K/V tiles through TMA descriptors.  The first
+tile of a row block is never skipped (its running maximum is -inf).  With ``threshold_scale_factor=None`` the same
 kernel runs dense (the baseline the speed-up is measured against).
 
 Self-attention of fp16/bf16 with head dim 128 or 256, unmasked (no bias, not causal).  Requests

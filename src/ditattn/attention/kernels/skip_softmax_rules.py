@@ -1,4 +1,4 @@
-"""Skip softmax (BLASST, DESIGN 2.8) without Triton: which requests it serves
+"""Skip softmax (BLASST) without Triton: which requests it serves
 (:func:`check_skip_softmax_request`), its threshold, and the PyTorch reference of the kernel's
 tile-skipping rule (:func:`skip_softmax_reference`, the CPU path).  The Triton kernel is
 :mod:`.skip_softmax`."""
@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from ditattn.attention.backends.base import expand_kv
+from ditattn.attention.reference import expand_kv
 from ditattn.attention.kernels import LOG2E
 from ditattn.errors import AttentionConfigError
 
@@ -54,7 +54,7 @@ def check_skip_softmax_request(*, dtype: Optional[torch.dtype] = None, head_dim:
                                role: str = "self", has_mask: bool = False, causal: bool = False,
                                ring_degree: int = 1, threshold_scale_factor=None,
                                start_step: int = 0) -> None:
-    """Raise :class:`AttentionConfigError` when skip softmax cannot serve a request (DESIGN 2.8).
+    """Raise :class:`AttentionConfigError` when skip softmax cannot serve a request.
 
     Rejected: cross-attention, masks/biases, causal attention, ring attention (``ring_degree > 1``),
     running under torch.compile, during a CUDA-graph capture, dtypes other than fp16/bf16, head

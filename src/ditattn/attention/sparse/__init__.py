@@ -1,4 +1,4 @@
-"""Sparse video attention engine: 3-D tiling, planners and one block-sparse core (DESIGN §3).
+"""Sparse video attention engine: 3-D tiling, planners and one block-sparse core.
 
 Every sparse video backend is "choose which key blocks each query block attends to, then run exact
 attention over those blocks":

@@ -39,7 +39,7 @@ from typing import Optional
 
 import torch
 
-from ditattn.attention.backends.base import expand_kv
+from ditattn.attention.reference import expand_kv
 from ditattn.errors import AttentionConfigError
 
 Tensor = torch.Tensor

@@ -93,6 +93,16 @@ def run_summary() -> dict:
     return out
 
 
+def finish_run(stats: dict) -> dict:
+    """End a run's count: its :func:`run_summary`, also stored in ``stats`` (a run's statistics) as
+    ``"sparse_layers"`` with the :func:`totals` as ``"sparse"`` when a sparse backend ran."""
+    summary = run_summary()
+    if summary:
+        stats["sparse"] = totals(summary)
+        stats["sparse_layers"] = summary
+    return summary
+
+
 def totals(summary: dict) -> dict:
     """``{"sparse_layers", "calls", "dense_fallbacks", "dense_heads", "kept_fraction"}`` over a
     :func:`run_summary` (kept fraction: mean over the calls)."""

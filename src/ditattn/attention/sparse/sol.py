@@ -24,7 +24,7 @@ For every (batch, head, query block ``i``) and video key block ``j``, with block
   ``+ 0.5 * scale^2 * sum_d q_d^2 var_j(k_d)`` — the log of the block's mean ``exp`` score for
   keys spread normally around ``k_j`` rather than the ``exp`` of its mean score, which by Jensen's
   inequality is always lower (about 2x lower per block on the structured inputs of
-  docs/benchmarks.md §11).
+  docs/benchmarks.md).
 
 Output = softmax over (exact tokens) ∪ (virtual keys of approximate blocks), computed as the exact
 block-sparse part and the centroid part merged by their LSEs (on CUDA in bf16/fp16 the centroid
@@ -81,7 +81,7 @@ def sol_route(q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout, *, tau: floa
         return rule, s, thr, None
     if predictor != "pooled_query":
         raise AttentionConfigError(f"sol_attn: predictor must be one of {list(SOL_PREDICTORS)}, got {predictor!r}")
-    # the seed rule's count per query block; the neighbours first, then the best pooled-query scores
+    # upstream's count per query block; the neighbours first, then the best pooled-query scores
     route = pooled_query_block_scores(q_tiled, k_tiled, layout, scale,
                                       impl="reference" if impl in ("reference", "flex") else "auto")
     order = route.masked_fill(near, float("inf")).argsort(dim=-1, descending=True)

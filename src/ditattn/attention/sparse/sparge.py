@@ -19,7 +19,7 @@ same way, but takes *either* ``topk`` *or* ``cdfthreshd`` (two entry points, an 
 both) and keeps ``searchsorted(cdf, cdfthreshd, right=True)`` blocks: the longest prefix whose
 cumulative share does not exceed the threshold, one block fewer than here unless a prefix hits it
 exactly.  Its pure rule is ``cdfthreshd`` with a ``topk`` of at most ``1 / n_blocks`` here (floor:
-one block).  The floor is ours: on the structured 480p inputs at 40 heads (docs/benchmarks.md §11)
+one block).  The floor is ours: on the structured 480p inputs at 40 heads (docs/benchmarks.md)
 the pure rule is worse than ``topk`` at every kept fraction — the predicted shares are too peaked
 in the spatial and temporal heads — while the floor plus ``cdfthreshd`` beats ``topk`` (the broad
 heads get the blocks the fixed count denies them).
@@ -29,7 +29,7 @@ Predictors (:mod:`.block_scores`):
 * ``pooled`` — upstream SpargeAttn's ``scale * mean(q) . mean(k)`` (both sides mean-pooled);
 * ``pooled_query`` (default) — ``log sum_{j in block} exp(scale * mean(q) . k_j)``: the query
   block's mean against every key of the block.  It sees sink keys and the fast RoPE channels that
-  block means average away: on the structured 480p inputs of docs/benchmarks.md §11 it lowers the
+  block means average away: on the structured 480p inputs of docs/benchmarks.md it lowers the
   error at ``topk`` 0.5 from 10.2 % to 5.4 % (INT8, packed tiles), for 1/128 of dense attention's FLOPs;
 * ``pooled_query_var`` — ``pooled_query`` plus the query block's per-channel variance term
   (second order), twice its FLOPs.
@@ -48,7 +48,7 @@ come from the block mask.  Off the CPU the varying-length lists have a fixed wid
 (``n_blocks``).  No path synchronises with the device.
 
 Kept blocks are computed SageAttention-style, as upstream SpargeAttn does through SageAttention2
-(which is why the seed calls Sparge approximate even at ``topk=1``): Q and smoothed K are quantized
+(which is why upstream calls Sparge approximate even at ``topk=1``): Q and smoothed K are quantized
 to INT8 per (batch, block, head) and the scores come from the quantized values
 (:mod:`.quant`); P.V stays in the input precision (fp16/bf16).  ``quantize=False`` computes the
 kept blocks exactly (the plain block-sparse variant).

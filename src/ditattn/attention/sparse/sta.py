@@ -43,7 +43,7 @@ import torch
 from ditattn.attention.sparse.block_sparse import block_mask_to_lists, block_sparse_attention, full_lists
 from ditattn.attention.sparse.common import SparsePlan, add_special_blocks, run_block_mask
 from ditattn.attention.sparse.tiling import DEFAULT_TILE_SIZE, TileLayout, make_tile_layout, tile, untile
-from ditattn.errors import AttentionConfigError
+from ditattn.errors import AttentionConfigError, short_repr, short_text
 from ditattn.files import atomic_write
 
 Tensor = torch.Tensor
@@ -177,6 +177,7 @@ class MaskStrategy:
 
 def parse_mask_strategy(data, source: str = "<memory>") -> MaskStrategy:
     """Validate a strategy mapping ``{"t_l_h": [wt, wh, ww]}``; errors name the offending key."""
+    source = short_text(source)
     if not isinstance(data, dict):
         raise AttentionConfigError(
             f"sliding_tile_attn: mask strategy {source} must be a JSON object mapping 'step_layer_head' "
@@ -193,13 +194,14 @@ def parse_mask_strategy(data, source: str = "<memory>") -> MaskStrategy:
                 raise ValueError
         except ValueError:
             raise AttentionConfigError(
-                f"sliding_tile_attn: bad key {key!r} in mask strategy {source}; keys are "
+                f"sliding_tile_attn: bad key {short_repr(key)} in mask strategy {source}; keys are "
                 "'<step>_<layer>_<head>' with non-negative integers, e.g. '12_0_3'"
             ) from None
         if (not isinstance(val, (list, tuple)) or len(val) != 3
                 or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in val)):
             raise AttentionConfigError(
-                f"sliding_tile_attn: bad window {val!r} for key {key!r} in mask strategy {source}; "
+                f"sliding_tile_attn: bad window {short_repr(val)} for key {short_repr(key)} in mask strategy "
+                f"{source}; "
                 "a window is [wt, wh, ww], three positive integers (tiles)"
             )
         entries[(s, l, h)] = tuple(val)
@@ -220,7 +222,7 @@ def load_mask_strategy(path: str) -> MaskStrategy:
         st = os.stat(path)
     except OSError:
         raise AttentionConfigError(
-            f"sliding_tile_attn: mask strategy file not found: {path} (mask_strategy_file_path must point "
+            f"sliding_tile_attn: mask strategy file not found: {short_text(path)} (mask_strategy_file_path must point "
             "to a JSON file mapping 'step_layer_head' to [wt, wh, ww]; write one with sta_mode=STA_searching)"
         ) from None
     stamp = (st.st_mtime_ns, st.st_size)
@@ -228,15 +230,14 @@ def load_mask_strategy(path: str) -> MaskStrategy:
         got = _strategy_cache.get(path)
         if got is not None and got[0] == stamp:
             return got[1]
-    from ditattn.attention.config import loads_json
+    from ditattn.attention.config import loads_json, read_text_file
 
     try:
-        with open(path, encoding="utf-8") as fh:
-            body = fh.read()
-    except (OSError, UnicodeDecodeError) as exc:
-        why = f"not UTF-8 text (byte {exc.start})" if isinstance(exc, UnicodeDecodeError) else exc.strerror or exc
-        raise AttentionConfigError(f"sliding_tile_attn: cannot read mask strategy {path}: {why}") from None
-    data = loads_json(body, f"sliding_tile_attn: mask strategy {path}")
+        body = read_text_file(path, what="mask strategy", max_bytes=None,
+                              accepted="a JSON object mapping 'step_layer_head' to [wt, wh, ww]")
+    except AttentionConfigError as exc:
+        raise AttentionConfigError(f"sliding_tile_attn: {exc}") from None
+    data = loads_json(body, f"sliding_tile_attn: mask strategy {short_text(path)}")
     strat = parse_mask_strategy(data, path)
     with _strategy_lock:
         _strategy_cache[path] = (stamp, strat)

@@ -17,7 +17,9 @@ Per (batch, head):
    attention: 1/1000 at 480p) — or, with ``predictor="centroids"`` (upstream), from centroids,
    ``p_ij = softmax_j(scale * cq_i . ck_j + log |K_j|)`` (empty clusters excluded).  For each
    non-empty query cluster the key clusters are taken in descending ``p_ij`` until their cumulative
-   mass reaches ``top_p`` (the cluster that crosses it included, at least one).
+   mass reaches ``top_p`` (the cluster that crosses it included, at least one); ``top_p = 1`` takes
+   every non-empty key cluster (exact dense attention, however peaked the logits).  Non-finite
+   coordinates are clustered as 0, so one ``-inf`` or NaN token changes no other token's output.
 3. Tokens are permuted per head so that each cluster is contiguous (video tokens sorted by cluster,
    then the text tokens), and the permuted sequence is cut into blocks of ``block_size`` (default
    :func:`svg2_block_size`; the same padding at the end for every head, so the fused block-sparse
@@ -26,7 +28,7 @@ Per (batch, head):
    takes the union), when ``b`` holds a text token, or when ``a`` holds a text query.  The output is
    permuted back exactly.
 
-Cost of a warm step (``bench/svg2_stages.py`` counts it per stage): per k-means iteration one fused
+Cost of a warm step: per k-means iteration one fused
 float32 product ``|c|^2 - 2 x . c`` and its argmin (``2 N C D`` FLOPs per head), then the cluster
 sums as the product of the labels' one-hot ``[C, N]`` with the points — in bf16 for bf16 inputs
 (0/1 and bf16 operands are exact, the accumulation float32, the sums rounded to bf16) —; the
@@ -96,8 +98,10 @@ def _lloyd(x: Tensor, n_clusters: int, iters: int, init: Optional[Tensor]) -> tu
     """:func:`kmeans` plus ``(onehot [G, C, N] of the final labels, points in the compute dtype)``."""
     G, N, D = x.shape
     dt = torch.float64 if x.dtype == torch.float64 else torch.float32
-    xc = x.to(dt)
-    xp = x if x.dtype == _product_dtype(x) else xc
+    # a non-finite coordinate (one -inf or NaN token) is clustered as 0: left in, it turns every distance
+    # to its centroid into NaN and the argmin then sends the head's other tokens to that cluster too
+    xc = torch.nan_to_num(x.to(dt), nan=0.0, posinf=0.0, neginf=0.0)
+    xp = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0) if x.dtype == _product_dtype(x) else xc
     if init is None:
         C = max(1, min(int(n_clusters), N))
         cent = xc[:, torch.linspace(0, N - 1, C, device=x.device).round().long()].clone()
@@ -153,17 +157,20 @@ def cluster_pair_selection(cq: Tensor, ck: Tensor, k_sizes: Tensor, scale: float
     """Selected (query cluster, key cluster) pairs: bool ``[G, Cq, Ck]`` (see module docstring);
     rows of empty query clusters (``q_sizes`` 0) select nothing.  ``scores``: the pooled-query log
     masses of :func:`pooled_query_cluster_scores` instead of the centroid estimate."""
-    if scores is None:
-        logits = scale * (cq @ ck.transpose(1, 2))
-        logw = torch.where(k_sizes > 0, k_sizes.clamp(min=1).log(), torch.full_like(k_sizes, float("-inf")))
-        scores = logits + logw.unsqueeze(1)
-    p = torch.softmax(scores, dim=-1)
-    sv, si = p.sort(dim=-1, descending=True)
-    before = sv.cumsum(-1) - sv
-    take = before < float(top_p)
-    take[..., 0] = True
-    sel = torch.zeros_like(take)
-    sel.scatter_(-1, si, take)
+    if float(top_p) >= 1.0:  # all the mass: every key cluster, whatever the masses round to (dense-exact)
+        sel = torch.ones(cq.shape[0], cq.shape[1], ck.shape[1], dtype=torch.bool, device=cq.device)
+    else:
+        if scores is None:
+            logits = scale * (cq @ ck.transpose(1, 2))
+            logw = torch.where(k_sizes > 0, k_sizes.clamp(min=1).log(), torch.full_like(k_sizes, float("-inf")))
+            scores = logits + logw.unsqueeze(1)
+        p = torch.softmax(scores, dim=-1)
+        sv, si = p.sort(dim=-1, descending=True)
+        before = sv.cumsum(-1) - sv
+        take = before < float(top_p)
+        take[..., 0] = True
+        sel = torch.zeros_like(take)
+        sel.scatter_(-1, si, take)
     sel &= (k_sizes > 0).unsqueeze(1)
     if q_sizes is not None:
         sel &= (q_sizes > 0).unsqueeze(-1)
@@ -245,7 +252,8 @@ def _gather_tokens(x: Tensor, perm: Tensor, length: int) -> Tensor:
     out[:, S:].zero_()
     idx = perm.transpose(1, 2).unsqueeze(-1).expand(B, S, H, D)
     head = out[:, :S]
-    if head.is_contiguous():  # B == 1: gather straight into the padded buffer
+    # B == 1: gather straight into the padded buffer (out= is not differentiable: not under autograd)
+    if head.is_contiguous() and not (x.requires_grad and torch.is_grad_enabled()):
         torch.gather(x, 1, idx, out=head)
     else:
         head.copy_(x.gather(1, idx))
@@ -275,11 +283,11 @@ def _plan(q: Tensor, n_video: int, cq, ck, qs, ks, ql, kl, scale: float, top_p: 
     B, S, H, D = q.shape
     G, N = B * H, n_video
     scores = None
-    if predictor == "pooled_query":
-        scores = pooled_query_cluster_scores(cq, keys, kl, ck.shape[1], scale, onehot=k_onehot)
-    elif predictor != "centroids":
+    if predictor not in SVG2_PREDICTORS:
         raise AttentionConfigError(
             f"sparse_video_gen_2_attn: predictor must be one of {list(SVG2_PREDICTORS)}, got {predictor!r}")
+    if predictor == "pooled_query" and top_p < 1.0:  # top_p 1 takes every cluster: no estimate needed
+        scores = pooled_query_cluster_scores(cq, keys, kl, ck.shape[1], scale, onehot=k_onehot)
     sel = cluster_pair_selection(cq, ck, ks, scale, top_p, q_sizes=qs, scores=scores)
     nb = -(-S // bs)  # every block holds a real token
     dev = q.device

@@ -3,7 +3,7 @@
 Each ``WanBlock`` is compiled on its own (its norms, modulation, projections, QK-norm, RoPE and
 feed-forward fuse), while every ``LocalAttention`` call stays an eager graph break, so backend
 selection, per-request overrides and the forward context keep working as in eager mode.
-Under compilation the per-request override and skip softmax are refused (DESIGN 2.7/2.8): the
+Under compilation the per-request override and skip softmax are refused: the
 caller marks ``AttentionSettings.compiled = True``.
 """
 from __future__ import annotations

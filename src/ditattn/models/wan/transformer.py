@@ -33,6 +33,9 @@ GEMM.  The fused norm kernels read only norm weights, never a linear's, so they 
 quantization.
 ``WanTransformer.set_fused_ops(False)`` switches all of it back to the
 plain PyTorch ops (same numbers up to rounding; for comparisons).
+
+Step caching: when the request has a step cache (:func:`ditattn.cache.current_cache`), the block stack
+runs through it, which computes it, or part of it, or reuses the cached residual (:mod:`ditattn.cache`).
 """
 from __future__ import annotations
 
@@ -47,8 +50,10 @@ from torch import nn
 
 from ditattn.attention.context import forward_context
 from ditattn.attention.layer import LocalAttention
+from ditattn.cache.runtime import current_cache
 from ditattn.distributed.attention import USPAttention
 from ditattn.distributed.comm import gather_sequence, shard_sequence
+from ditattn.distributed.groups import get_sequence_parallel
 from ditattn.models.wan.config import WanTransformerConfig
 from ditattn.models.wan.embeddings import FP32LayerNorm, WanConditionEmbedder, rope_tables
 from ditattn.models.fused import apply_rope, qk_norm_rope, residual_norm
@@ -181,13 +186,20 @@ class WanBlock(nn.Module):
         #: "auto" (fused kernels where they run), "torch" (plain PyTorch ops): WanTransformer.set_fused_ops
         self.fused = "auto"
 
-    def forward(self, x, context, tproj, rotary, kv=None, image_kv=None, image=None):
+    def _mods(self, tproj):
         if tproj.ndim == 4:  # per-token timesteps (Wan 2.2 TI2V): [B, S, 6, D]
             mods = (self.scale_shift_table.unsqueeze(0) + tproj.float()).chunk(6, dim=2)
-            mods = [m.squeeze(2) for m in mods]
-        else:  # [B, 6, D]
-            mods = (self.scale_shift_table + tproj.float()).chunk(6, dim=1)
-        shift1, scale1, gate1, shift2, scale2, gate2 = mods
+            return [m.squeeze(2) for m in mods]
+        return (self.scale_shift_table + tproj.float()).chunk(6, dim=1)  # [B, 6, D]
+
+    def modulated_input(self, x, tproj):
+        """The timestep-modulated input of the self-attention, ``norm1(x) * (1 + scale1) + shift1``
+        ``[B, S, D]`` (what a step cache compares between steps)."""
+        shift1, scale1 = self._mods(tproj)[:2]
+        return residual_norm(x, scale=scale1, shift=shift1, eps=self.norm1.eps, impl=self.fused)[1]
+
+    def forward(self, x, context, tproj, rotary, kv=None, image_kv=None, image=None):
+        shift1, scale1, gate1, shift2, scale2, gate2 = self._mods(tproj)
         f, eps = self.fused, self.norm1.eps
         # x' = x + branch * gate and the next modulated norm of x', one pass each (models/fused.py)
         _, h = residual_norm(x, scale=scale1, shift=shift1, eps=eps, impl=f)
@@ -300,9 +312,21 @@ class WanTransformer(nn.Module):
             x, rotary = shard_sequence(x), tuple(shard_sequence(t) for t in rotary)
             tproj = shard_sequence(tproj) if tproj.ndim == 4 else tproj
             c = text_cache
-            for i, block in enumerate(self.blocks):
-                x = block(x, context, tproj, rotary, c.kv[i] if c.kv else None,
-                          c.image_kv[i] if c.image_kv else None, c.image)
+
+            def run(a: int, b: int, h: torch.Tensor) -> torch.Tensor:  # blocks [a, b) on h
+                for i in range(a, b):
+                    h = self.blocks[i](h, context, tproj, rotary, c.kv[i] if c.kv else None,
+                                       c.image_kv[i] if c.image_kv else None, c.image)
+                return h
+
+            cache = current_cache()  # the request's step cache (ditattn.cache), or None
+            if cache is None:
+                x = run(0, len(self.blocks), x)
+            else:
+                x0 = x
+                x = cache.forward_blocks(self, x0, run, len(self.blocks),
+                                         lambda: self.blocks[0].modulated_input(x0, tproj),
+                                         valid_rows(seq_len, x0.shape[1]))
             x = gather_sequence(x, seq_len)
 
         if temb.ndim == 3:
@@ -315,6 +339,15 @@ class WanTransformer(nn.Module):
         T, H, W = grid
         x = x.reshape(B, T, H, W, pt, ph, pw, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
         return x.flatten(6, 7).flatten(4, 5).flatten(2, 3)
+
+
+def valid_rows(seq_len: int, local: int) -> int:
+    """Rows of this rank's ``local``-row shard of a ``seq_len``-token sequence that are tokens (the rest
+    is the padding :func:`~ditattn.distributed.comm.shard_sequence` adds on the last ranks)."""
+    groups = get_sequence_parallel()
+    if groups is None or groups.world_size == 1:
+        return local
+    return max(0, min(local, seq_len - groups.rank * local))
 
 
 @dataclasses.dataclass

@@ -17,7 +17,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 
 from ditattn.server.bodies import read_body, validate
-from ditattn.server.media import encode_png
+from ditattn.server.media import encode_png, failure_reason
 from ditattn.server.protocol import ImageData, ImageGenerationRequest, ImagesResponse, RequestError
 from ditattn.server.state import BACKEND_HEADER, ClientGone, ServerState, failure, server_state, skip_report
 
@@ -64,13 +64,19 @@ async def images_generations(request: Request, state: ServerState = Depends(serv
         if (req.response_format or "b64_json") == "b64_json":
             items.append(ImageData(b64_json=base64.b64encode(png).decode("ascii")))
         else:
-            iid = state.images.add(png, backends)
+            try:
+                iid = state.images.add(png, backends)
+            except OSError as exc:  # a full disk: the request fails with the reason, the server serves on
+                state.count("image", "error", backends)
+                raise RequestError(f"{failure_reason(exc)}; retry later or use response_format 'b64_json'",
+                                   status=507, type="server_error", code="output_failed") from None
             items.append(ImageData(url=f"{config.public_url or ''}/v1/images/{iid}/content"))
     state.count("image", "ok", backends)
     state.metrics.images.inc(len(items))
     body = ImagesResponse(
         created=int(time.time()), data=items, size=f"{width}x{height}", attention_backends=backends,
         attention_backend_override=job.override, skip_softmax=skip_report(job, result),
+        cache=getattr(result, "cache", None),
     )
     return JSONResponse(body.model_dump(), headers={BACKEND_HEADER: ",".join(backends)})
 

@@ -26,7 +26,7 @@ from ditattn.errors import AttentionConfigError, short_repr
 from ditattn.files import atomic_write
 from ditattn.server.bodies import read_body, validate
 from ditattn.server.jobs import GenerationJob, GenerationResult, JobCancelled, JobTimeout, SchedulerStopped
-from ditattn.server.media import encode_png, write_mp4
+from ditattn.server.media import WriteStopped, encode_png, failure_reason, write_mp4
 from ditattn.server.protocol import RequestError, VideoCreateRequest, VideoList
 from ditattn.server.state import BACKEND_HEADER, ServerState, internal_message, server_state, skip_params, skip_report
 from ditattn.server.store import VideoRecord, remove_file
@@ -134,8 +134,12 @@ def _load_reference(state: ServerState, params: dict):
     path = _reference_path(state, name)
     if not os.path.isfile(path):
         raise RequestError(f"its stored first frame {name} is gone", param="input_reference")
-    with Image.open(path) as im:
-        return im.convert("RGB")
+    try:
+        with Image.open(path) as im:
+            return im.convert("RGB")
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:  # truncated, not an image
+        raise RequestError(f"its stored first frame {name} is damaged ({type(exc).__name__}: "
+                           f"{str(exc)[:120]})", param="input_reference") from None
 
 
 def _drop_reference(state: ServerState, rec: VideoRecord) -> None:
@@ -149,7 +153,9 @@ def restore_jobs(state: ServerState) -> None:
     """Load the job store of the output folder (at start): finished jobs are served again (a
     completed job whose file is gone becomes failed, logged), unfinished ones are queued again in
     their original order (one whose request this server cannot serve any more fails with the
-    reason, logged).  Files of a previous run that no job refers to are left alone."""
+    reason, logged).  A record that is malformed or whose stored first frame is damaged fails alone,
+    with the reason; the others are restored.  Files of a previous run that no job refers to are left
+    alone."""
     store = state.videos.jobs
     if store is None:
         return
@@ -159,20 +165,61 @@ def restore_jobs(state: ServerState) -> None:
     for data in store.load():
         try:
             rec = VideoRecord.from_json(data, state.output_dir)
-        except (TypeError, KeyError, ValueError):
-            log.error("job store: record %s is unreadable; left in %s", data.get("id"), store.path)
+            _check_record(rec)
+        except Exception as exc:  # noqa: BLE001 - one malformed record fails alone
+            why = f"its stored record is malformed ({type(exc).__name__}: {' '.join(str(exc).split())[:160]})"
+            log.error("job store: video %s cannot be restored: %s; marked failed", data.get("id"), why)
+            _fail_unreadable(state, data, why)
+            counts["failed"] += 1
             continue
         if rec.status == "completed" and not (rec.path and os.path.exists(rec.path)):
             log.warning("job store: video %s was completed but its file %s is gone; marked failed", rec.id, rec.path)
             rec.status, rec.error = "failed", {"code": "file_missing", "message": "the output file is gone"}
         state.videos.add(rec)
         if rec.status in ("queued", "in_progress"):
-            _requeue(state, rec)
-        counts["queued" if rec.status == "queued" else rec.status] += 1
+            try:
+                _requeue(state, rec)
+            except Exception as exc:  # noqa: BLE001 - whatever one job meets, the others are restored
+                why = f"it could not be queued again ({type(exc).__name__}: {' '.join(str(exc).split())[:160]})"
+                log.error("job store: video %s %s; marked failed", rec.id, why, exc_info=exc)
+                state.videos.update(rec.id, status="failed", completed_at=int(time.time()), job=None,
+                                    error={"code": "not_restorable", "message": why})
+        status = state.videos.get(rec.id).status if state.videos.get(rec.id) is not None else rec.status
+        counts["queued" if status in ("queued", "in_progress") else status] += 1
     for vid in store.bad_rows:
-        log.error("job store: record %s is not valid JSON; left in %s", vid, store.path)
+        log.error("job store: video %s cannot be restored: its stored record is not valid JSON; marked failed", vid)
+        _fail_unreadable(state, {"id": vid}, "its stored record is not valid JSON")
+        counts["failed"] += 1
     log.warning("job store %s: %d completed, %d failed, %d re-queued video job(s)", store.path, counts["completed"],
                 counts["failed"], counts["queued"])
+
+
+def _check_record(rec: VideoRecord) -> None:
+    """Raise ValueError / TypeError when a restored record's fields have the wrong types."""
+    if not isinstance(rec.id, str) or not _VIDEO_ID.match(rec.id):
+        raise ValueError(f"bad id {short_repr(rec.id)}")
+    if rec.status not in ("queued", "in_progress", "completed", "failed"):
+        raise ValueError(f"unknown status {short_repr(rec.status)}")
+    if not isinstance(rec.request, dict) or not isinstance(rec.attention_backends, list):
+        raise TypeError("request / attention_backends of the wrong type")
+    if rec.error is not None and not isinstance(rec.error, dict):
+        raise TypeError("error of the wrong type")
+    rec.to_object()  # every field the API reports must validate
+
+
+def _fail_unreadable(state: ServerState, data: dict, why: str) -> None:
+    """Replace a record that cannot be restored by a failed job saying ``why`` (so that its client
+    learns it), when its id is a video id; otherwise the row stays in the job store, logged."""
+    vid = data.get("id")
+    if not isinstance(vid, str) or not _VIDEO_ID.match(vid):
+        return
+    now = int(time.time())
+    created = data.get("created_at")
+    rec = VideoRecord(id=vid, model=state.runner.model_id, prompt="", size="", seconds="", num_frames=0, fps=0,
+                      num_inference_steps=0, override=None, skip_softmax=None, attention_backends=[],
+                      created_at=created if isinstance(created, int) and not isinstance(created, bool) else now,
+                      status="failed", completed_at=now, error={"code": "not_restorable", "message": why})
+    state.videos.add(rec)
 
 
 def _requeue(state: ServerState, rec: VideoRecord) -> None:
@@ -293,19 +340,24 @@ def _finish(state: ServerState, rec: VideoRecord, fut: concurrent.futures.Future
 
     def encode():
         path = os.path.join(state.output_dir, "videos", rec.id + ".mp4")
-        try:
-            write_mp4(path, result.frames[0], rec.fps)
-        except Exception as e:  # noqa: BLE001
-            log.error("encoding video %s failed (reference %s): %s: %s", rec.id, rec.id[:12], type(e).__name__, e,
-                      exc_info=e)
+        try:  # a job deleted meanwhile stops its encode between frames
+            write_mp4(path, result.frames[0], rec.fps, should_stop=lambda: state.videos.get(rec.id) is None)
+        except WriteStopped:
+            log.info("video %s was deleted while it was encoded; encoding stopped", rec.id)
+            return
+        except Exception as e:  # noqa: BLE001 - a full disk, an encoder error, a truncated file
+            reason = failure_reason(e)
+            log.error("writing video %s failed (reference %s): %s: %s", rec.id, rec.id[:12], type(e).__name__, e,
+                      exc_info=e if not isinstance(e, OSError) else None)
             state.videos.update(rec.id, status="failed", completed_at=int(time.time()), job=None,
-                                error={"code": "encoding_failed", "message": internal_message(rec.id[:12])})
+                                error={"code": "output_failed", "message": f"{reason} (reference {rec.id[:12]})"})
             state.count("video", "error", label)
             return
         backends = list(result.attention_backends)
         skip = skip_report(job, result) if job is not None else rec.skip_softmax
         if state.videos.update(rec.id, status="completed", progress=100, completed_at=int(time.time()), path=path,
-                               attention_backends=backends, skip_softmax=skip, job=None) is None:
+                               attention_backends=backends, skip_softmax=skip, job=None,
+                               cache=getattr(result, "cache", None)) is None:
             remove_file(path, f"video {rec.id} was deleted while it was encoded")
             return
         state.count("video", "ok", backends)

@@ -1,0 +1,156 @@
+"""The request's step cache at run time: the resolved setting (:class:`CacheSetting`), the run that
+owns the per-branch states and the counts (:class:`CacheRun`), the context variable that carries it
+to the DiT (:func:`cache_scope`, :func:`current_cache`) and the hook the DiT's forward calls
+(:meth:`CacheRun.forward_blocks`).
+
+State is request-scoped: each generate call makes its own :class:`CacheRun` and sets it in a context
+variable for its denoise loop, so concurrent requests (threads, asyncio tasks) with different settings
+cannot see each other's cache.  Inside a run, states are kept per classifier-free-guidance branch
+(``ForwardContext.branch``: one state when both halves run as one batch, one per half when they run
+as separate forwards) and are dropped when the denoise loop switches experts (two-expert Wan 2.2):
+nothing cached by one expert is reused by the other.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from ditattn.attention.context import current_forward
+from ditattn.cache.base import CacheMethod, StepView, new_state, start_step
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSetting:
+    """A validated cache choice: ``method`` and its full ``config`` (schema keys with defaults);
+    ``calibration``: the loaded calibration (:func:`~ditattn.cache.calibration.load_calibration`) or None."""
+
+    method: CacheMethod
+    config: dict
+    calibration: Optional[dict] = None
+
+    @property
+    def name(self) -> str:
+        return self.method.name
+
+    def runtime_config(self) -> dict:
+        cfg = dict(self.config)
+        cal = self.calibration or {}
+        cfg["_coefficients"] = cal.get("coefficients")
+        cfg["_mag_ratios"] = cal.get("mag_ratios")
+        cfg["_input_range"] = cal.get("input_range")
+        return cfg
+
+    def new_run(self) -> "CacheRun":
+        """A fresh request-scoped run of this setting."""
+        return CacheRun(self)
+
+    def describe(self) -> str:
+        """``teacache (threshold=0.1, start_step=1, ...; calibration ditattn_shapes.json)``."""
+        keys = ", ".join(f"{k}={v}" for k, v in self.config.items() if k != "calibration" and v is not None)
+        cal = self.calibration
+        where = f"; calibration {cal['path'].rsplit('/', 1)[-1]}" if cal else ""
+        return f"{self.name} ({keys}{where})"
+
+    def to_dict(self) -> dict:
+        """JSON form for ``plan --json`` and reports."""
+        cal = self.calibration
+        return {"backend": self.name, "config": {k: v for k, v in self.config.items()},
+                "calibration": cal["path"] if cal else None, "facts": dataclasses.asdict(self.method.facts)}
+
+
+class CacheRun:
+    """One request's step cache: the states per (branch), the expert they belong to, and what each
+    forward did.  :meth:`stats` is the report (``forwards``, ``computed``, ``reused``, ``blocks_computed``,
+    ``blocks_total``, ``trace``: one letter per forward, ``C`` computed / ``R`` reused)."""
+
+    def __init__(self, setting: CacheSetting):
+        self.setting = setting
+        self.method = setting.method
+        self.config = setting.runtime_config()
+        self.states: dict = {}
+        self.model_key: Optional[int] = None
+        self.expert_switches = 0
+        self.trace: list[str] = []
+        self.blocks_computed = 0
+        self.blocks_total = 0
+
+    def _forced(self, step: int, num_steps: int) -> bool:
+        end = self.config["end_step"]
+        end = end if end >= 0 else num_steps + end
+        return step < start_step(self.config, num_steps) or step >= end
+
+    def forward_blocks(self, model: torch.nn.Module, x: torch.Tensor, run: Callable, num_blocks: int,
+                       modulated: Callable[[], torch.Tensor], valid: int) -> torch.Tensor:
+        """The block stack of ``model`` on ``x [B, s, D]`` (this rank's shard; its first ``valid`` rows are
+        tokens, the rest padding) computed or partly reused; ``run(a, b, x)`` runs blocks ``[a, b)``,
+        ``modulated()`` gives the first block's modulated input.  Outside a denoise loop (no step in the
+        forward context) every block runs and nothing is cached."""
+        fwd = current_forward()
+        if fwd.step is None or fwd.num_steps is None:
+            return run(0, num_blocks, x)
+        if self.model_key != id(model):  # a new expert: nothing crosses the switch
+            if self.model_key is not None:
+                self.expert_switches += 1
+            self.states.clear()
+            self.model_key = id(model)
+        key = fwd.branch
+        state = self.states.get(key)
+        if state is None:
+            state = self.states[key] = new_state(self.config)
+        view = StepView(x=x, run=run, num_blocks=num_blocks, step=fwd.step, num_steps=fwd.num_steps,
+                        forced=self._forced(fwd.step, fwd.num_steps), modulated=modulated,
+                        rel_l1=lambda a, b: rel_l1(a, b, valid))
+        outcome = self.method.forward(view, state, self.config)
+        self.trace.append("R" if outcome.reused else "C")
+        self.blocks_computed += outcome.blocks
+        self.blocks_total += num_blocks
+        return outcome.out
+
+    def stats(self) -> dict:
+        n, r = len(self.trace), self.trace.count("R")
+        return {"backend": self.method.name, "forwards": n, "computed": n - r, "reused": r,
+                "blocks_computed": self.blocks_computed, "blocks_total": self.blocks_total,
+                "expert_switches": self.expert_switches, "trace": "".join(self.trace)}
+
+
+def rel_l1(a: torch.Tensor, b: torch.Tensor, valid: Optional[int] = None) -> float:
+    """``sum|a - b| / sum|b|`` over the first ``valid`` rows (dim 1) of ``a`` and ``b`` ``[B, s, D]``, summed
+    over every sequence-parallel rank (all-reduced in float64: the same number on every rank).  Each rank's
+    sums accumulate in float32 (float64 for float64 inputs) without a widened copy of the tensors: one pass
+    over them, a small share of a DiT forward."""
+    from ditattn.distributed.groups import get_sequence_parallel
+
+    if valid is not None and valid < a.shape[1]:
+        a, b = a[:, :valid], b[:, :valid]
+    acc = torch.float64 if a.dtype == torch.float64 else torch.float32
+    sums = torch.stack([torch.linalg.vector_norm(a - b, ord=1, dtype=acc),
+                        torch.linalg.vector_norm(b, ord=1, dtype=acc)]).double()
+    groups = get_sequence_parallel()
+    if groups is not None and groups.world_size > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(sums, group=groups.group)  # the ranks sharing this sequence (one CFG half)
+    num, den = sums.tolist()
+    return num / den if den > 0 else (0.0 if num == 0 else float("inf"))
+
+
+_current: contextvars.ContextVar[Optional[CacheRun]] = contextvars.ContextVar("ditattn_cache", default=None)
+
+
+def current_cache() -> Optional[CacheRun]:
+    """The step cache of the request running in this context, or None."""
+    return _current.get()
+
+
+@contextlib.contextmanager
+def cache_scope(run: Optional[CacheRun]) -> Iterator[Optional[CacheRun]]:
+    """Make ``run`` the step cache of the DiT forwards inside the block (None: no caching)."""
+    token = _current.set(run)
+    try:
+        yield run
+    finally:
+        _current.reset(token)

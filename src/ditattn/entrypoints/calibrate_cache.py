@@ -1,0 +1,46 @@
+"""``ditattn calibrate-cache``: uncached generations of the calibration prompts, their per-step signals
+recorded (:class:`~ditattn.cache.calibration.Recorder`) and fitted into a calibration JSON."""
+from __future__ import annotations
+
+import itertools
+import sys
+
+from ditattn.errors import AttentionConfigError
+from ditattn.runconfig import RunConfig
+
+
+def run(cfg: RunConfig) -> int:
+    """``ditattn calibrate-cache``; user errors raise :class:`AttentionConfigError`."""
+    from ditattn.cache.calibration import Recorder, fit, write_calibration
+    from ditattn.cache.runtime import CacheSetting
+    from ditattn.pipelines.wan import WanPipelineNative
+
+    c = cfg.calibrate
+    if not c.calibrate_prompts:
+        raise AttentionConfigError("calibrate-cache needs at least one --prompt")
+    if not c.calibrate_output or not c.calibrate_output.lower().endswith(".json"):
+        raise AttentionConfigError(f"calibrate-cache needs --output FILE.json, got {c.calibrate_output!r}")
+    if cfg.sampling.prompt is not None:
+        raise AttentionConfigError("calibrate-cache takes its prompts with --prompt (repeatable), not 'prompt'")
+    pipe = WanPipelineNative.from_config(cfg)
+    kw = cfg.generate_kwargs()
+    for key in ("prompt", "seed", "override", "skip_softmax"):
+        kw.pop(key)
+    runs = []
+    res = None
+    pairs = list(itertools.product(c.calibrate_prompts, c.calibrate_seeds))
+    for i, (prompt, seed) in enumerate(pairs):
+        rec = Recorder()
+        setting = CacheSetting(rec, {"start_step": 0, "end_step": -1, "taylorseer": False, "taylorseer_order": 1})
+        res = pipe.generate(prompt, seed=seed, cache_setting=setting, output_type="latent", progress=False, **kw)
+        runs.append(rec)
+        sys.stderr.write(f"calibrated {i + 1}/{len(pairs)}: {prompt!r} seed {seed}\n")
+    guidance = kw["guidance_scale"] if kw["guidance_scale"] is not None else pipe.defaults["guidance_scale"]
+    data = fit(runs, model=pipe.model_index.name, num_steps=res.num_inference_steps, guidance_scale=guidance,
+               size=(res.height, res.width, res.num_frames), prompts=c.calibrate_prompts)
+    write_calibration(data, c.calibrate_output)
+    mag = data["magcache"]["mag_ratios"]
+    print(f"wrote {c.calibrate_output}: {pipe.model_index.name}, {res.num_inference_steps} steps, {len(pairs)} runs; "
+          f"teacache polynomial {[round(v, 4) for v in data['teacache']['coefficients']]}; magcache ratios "
+          f"{min(mag[1:]):.3f}-{max(mag[1:]):.3f}")
+    return 0
