@@ -1,16 +1,24 @@
 """Fidelity of the sparse backends on structured inputs (and captured activations): the quality-vs-speed frontier.
 
-For each grid and head count: structured q/k/v (:mod:`ditattn.evaluation.structured`: per-head
-content vectors plus noise rotated by Wan's 3-D RoPE, spatial / temporal / global heads, sink
-tokens; v i.i.d.), bf16.  Every case (a backend and a config) runs through ``ditattn.attention``
-exactly as a DiT layer calls it (``video_shape``, a step and a layer index past the dense phases,
-so the sparse path is what is measured); reported per case:
+For each grid, head count and structured family (``--families``, default ``original``; ``all`` = every
+family of :data:`ditattn.evaluation.structured.FAMILIES`: ``original`` — per-head content vectors plus
+noise rotated by Wan's 3-D RoPE, spatial / temporal / global heads, sink tokens, v i.i.d.; ``weak`` —
+content norms 3-8; ``mixed`` — very local and near-global heads in one layer; ``smooth`` — spatially
+smooth values; ``weak_mixed_smooth`` — all three) structured q/k/v, bf16.  Every case (a backend and a
+config) runs through ``ditattn.attention`` exactly as a DiT layer calls it (``video_shape``, a step and a
+layer index past the dense phases, so the sparse path is what is measured); reported per case:
 
 * ``ms``: median time of one call (planning included), and ``x dense``: the dense kernel's time
   (``fa`` = FlashAttention-4 on the H200; ``torch_sdpa`` on CPU) divided by it, same run;
 * ``rel_err`` = |out - exact| / |exact| and ``cosine`` against float32 exact attention over all
   keys, on ``--ref-rows`` sampled query rows;
-* ``kept``: fraction of (query block, key block) pairs computed.
+* ``kept``: fraction of (query block, key block) pairs computed; ``dense``: the call ran dense (a size
+  rule or the error budget), ``dense heads``: heads the error budget ran dense, ``est err``: the
+  budget's error estimate.
+
+``--budget`` sets ``error_budget`` of every case of a backend that has one (Sparge, Sol, V-MoBA, SVG2):
+``default`` (each backend's default, on), ``off`` (0: the plain selection rules) or a number; a comma list
+(``default,off``) runs each such case once per value.
 
 Stateful backends run as in a denoising loop: ``sparse_video_gen_2_attn`` is called with
 increasing steps (warm-started k-means), its time is the steady state and its error that of the
@@ -29,6 +37,15 @@ mean / median / max error over those inputs and its mean error per captured step
 frontier table last.  CPU smoke run: ``BENCH_DEVICE=cpu python bench/fidelity.py --grid 3,8,8 --heads 2``.
 
     python bench/fidelity.py --grids wan480 --heads 12,40 --out $OUT/fid
+
+The frontier of the training-free defaults over every family (one call on the H200, under 8 minutes)::
+
+    python bench/capture_qkv.py --prompt "a red circle moving right" --steps 10,-1 --layers 0,3,5 \
+        --height 256 --width 256 --num-frames 33 --out $OUT/shapes_qkv.safetensors && \
+    python bench/fidelity.py --grids wan480 --heads 12,40 --families all --budget default,off --budget-s 360 \
+        --cases \
+        "sparge_attn (defaults),sol_attn (defaults),vmoba_attn (defaults),sparse_video_gen_2_attn (defaults),\
+sage_attn (defaults),skip_softmax factor=4" --activations $OUT/shapes_qkv.safetensors --out $OUT/fid
 """
 from __future__ import annotations
 
@@ -124,6 +141,8 @@ CASES = [
     ("skip_softmax factor=64", SKIP_SOFTMAX, {"threshold_scale_factor": 64.0}),
 ]
 VMOBA_MODES = {0: "temporal", 1: "spatial", 2: "st"}
+#: backends with an ``error_budget`` key (``--budget``)
+BUDGETED = ("sparge_attn", "sol_attn", "vmoba_attn", "sparse_video_gen_2_attn")
 
 
 def device_sync():
@@ -143,6 +162,25 @@ def kept_of(last_stats):
     """Mean kept fraction over the sparse engine's statistics entries (None: no sparse call)."""
     vals = [s["kept_fraction"] for s in last_stats.values()]
     return sum(vals) / len(vals) if vals else None
+
+
+def budget_of(last_stats) -> dict:
+    """``dense`` (some call ran dense), ``dense_heads`` (heads the error budget ran dense) and ``est_err``
+    (the budget's largest error estimate) over the statistics entries; {} without entries."""
+    entries = list(last_stats.values())
+    if not entries:
+        return {}
+    heads = [s.get("dense_heads") for s in entries if s.get("dense_heads") is not None]
+    est = [s.get("est_rel_err") for s in entries if s.get("est_rel_err") is not None]
+    return {"dense": any(bool(s.get("dense")) for s in entries), "dense_heads": int(sum(heads)) if heads else None,
+            "est_err": max(est) if est else None}
+
+
+def budget_config(backend, cfg, budget: str) -> dict:
+    """``cfg`` with ``--budget`` applied (``default``: unchanged; ``off``: 0; a number)."""
+    if budget == "default" or backend not in BUDGETED:
+        return cfg
+    return dict(cfg, error_budget=0.0 if budget == "off" else float(budget))
 
 
 #: --error-only: no timing; one call per case (stateful backends: three steps, the last measured)
@@ -245,22 +283,25 @@ def measure_input(rec, dl, args, name, q, k, v, grid, tmp, meta=None):
             rec.note(f"budget exhausted before {label} at {name}")
             return
 
-        def one(label=label, backend=backend, cfg=dict(cfg), layer=LAYER):  # noqa: B006 (binds a copy per case)
+        def one(label=label, backend=backend, cfg=dict(cfg), layer=LAYER, budget="default"):  # noqa: B006 (binds a copy per case)
             clear_stats()
             if backend == "sliding_tile_attn":
                 return sta_rows(ditattn.attention, q, k, v, grid, rows, exact, label, cfg["search"], tmp)
             if backend == SKIP_SOFTMAX:
                 return skip_softmax_row(q, k, v, grid, rows, exact, cfg["threshold_scale_factor"])
             stateful = backend == "sparse_video_gen_2_attn"
-            ms, out = run_case(ditattn.attention, q, k, v, grid, backend, cfg, layer=layer, stateful=stateful)
+            ms, out = run_case(ditattn.attention, q, k, v, grid, backend, budget_config(backend, cfg, budget),
+                               layer=layer, stateful=stateful)
             rel, cos = errors(out, exact, rows)
-            return {"ms": ms, "rel_err": rel, "cosine": cos, "kept_fraction": kept_of(last_stats)}
+            return {"ms": ms, "rel_err": rel, "cosine": cos, "kept_fraction": kept_of(last_stats),
+                    **budget_of(last_stats)}
 
         layers = VMOBA_MODES if backend == "vmoba_attn" else {LAYER: None}
-        for layer, mode in layers.items():
-            lab = label + (f" [{mode}]" if mode else "")
+        budgets = args.budget.split(",") if backend in BUDGETED else ["default"]
+        for (layer, mode), budget in ((lm, b) for lm in layers.items() for b in budgets):
+            lab = label + (f" [{mode}]" if mode else "") + (f" budget={budget}" if len(budgets) > 1 else "")
             try:
-                res = one(layer=layer)
+                res = one(layer=layer, budget=budget)
             except Exception as exc:  # report and go on
                 rec.note(f"{lab} at {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
                 continue
@@ -351,13 +392,29 @@ def main():
     ap.add_argument("--cases", default=None,
                     help="comma list: only these cases (an entry equal to a case label selects that case alone, "
                          "any other entry every case whose label contains it)")
+    ap.add_argument("--families", default="original",
+                    help="comma list of structured families (ditattn.evaluation.structured.FAMILIES) or 'all'")
+    ap.add_argument("--budget", default="default",
+                    help="error_budget of the backends that have one: default (theirs), off (0) or a number in [0, 1); "
+                         "a comma list runs each case once per value (labels end in budget=...)")
     ap.add_argument("--out", default="fidelity_out", help="output directory")
     args = ap.parse_args()
     grids, heads_list = common.grid_args(ap, args)
     global ERROR_ONLY
     ERROR_ONLY = args.error_only
 
-    from ditattn.evaluation.structured import StructuredSpec, structured_qkv
+    from ditattn.evaluation.structured import FAMILIES, family_spec, structured_qkv
+
+    families = list(FAMILIES) if args.families == "all" else args.families.split(",")
+    bad = [f for f in families if f not in FAMILIES]
+    if bad:
+        ap.error(f"--families takes names from {', '.join(FAMILIES)} or 'all', got {', '.join(bad)}")
+    for b in args.budget.split(","):
+        try:
+            if b not in ("default", "off") and not 0 <= float(b) < 1:
+                raise ValueError
+        except ValueError:
+            ap.error(f"--budget takes a comma list of default, off or numbers in [0, 1), got {args.budget!r}")
 
     dl = Deadline(args.budget_s)
     rec = Recorder(args.out, "fidelity", {"env": env_info(), "argv": sys.argv[1:], "device": DEVICE})
@@ -366,8 +423,11 @@ def main():
     if not args.no_structured:
         for _, grid in grids:
             for heads in heads_list:
-                name = "structured" if args.gen_device in (None, DEVICE) else f"structured ({args.gen_device} noise)"
-                inputs.append((name, grid, heads, None, None))
+                for fam in families:
+                    name = "structured" if fam == "original" else f"structured:{fam}"
+                    if args.gen_device not in (None, DEVICE):
+                        name += f" ({args.gen_device} noise)"
+                    inputs.append((name, grid, heads, None, {"family": fam}))
     if args.activations:
         from ditattn.evaluation.capture import load_qkv
 
@@ -380,7 +440,7 @@ def main():
             inputs.append((name, tuple(entry["video_shape"]), q.shape[2], (q, k, v), meta))
     for name, grid, heads, qkv, *meta in inputs:
         if qkv is None:
-            q, k, v, _ = structured_qkv(StructuredSpec(video_shape=grid, heads=heads, seed=args.seed),
+            q, k, v, _ = structured_qkv(family_spec(meta[0]["family"], grid, heads, seed=args.seed),
                                         device=args.gen_device or DEVICE)
             q, k, v = (t.to(DEVICE) for t in (q, k, v))
         else:
@@ -397,7 +457,8 @@ def main():
     print("\n## Quality-vs-speed frontier (structured inputs unless named; rel_err vs float32 exact)\n")
     cols = [("input", "input", ""), ("heads", "H", ""), ("case", "case", ""), ("ms", "ms", ".2f"),
             ("speedup", "x dense", ".2f"), ("kept_fraction", "kept", ".3f"), ("rel_err", "rel err", ".3e"),
-            ("cosine", "cosine", ".5f"), ("search_s", "search s", ".2f")]
+            ("cosine", "cosine", ".5f"), ("dense", "dense", ""), ("dense_heads", "dense heads", ""),
+            ("est_err", "est err", ".3f"), ("search_s", "search s", ".2f")]
     print(fmt_table(rows, cols))
     summary, scols = activation_summary(rows)
     if summary:

@@ -60,7 +60,7 @@ def test_retired_block_sparse_env_var_is_refused(monkeypatch):
 def test_sage_keys_are_validated_and_listed():
     cfg = validate_backend_config(B.SAGE_ATTN, {})
     assert cfg == {"impl": "auto", "pv_dtype": "fp16", "pv_accum": "two_level", "qk_dtype": "int8",
-                   "k_granularity": "auto", "qk_balance": None}
+                   "k_granularity": "auto", "min_seq_len": 16384, "qk_balance": None}
     with pytest.raises(AttentionConfigError, match="invalid value 'cuda' for 'impl'; accepted: one of"):
         validate_backend_config(B.SAGE_ATTN, {"impl": "cuda"})
     with pytest.raises(AttentionConfigError, match="'qk_dtype' .no sage_attn kernel implements fp8 Q.K yet.; "
@@ -68,7 +68,7 @@ def test_sage_keys_are_validated_and_listed():
         validate_backend_config(B.SAGE_ATTN, {"qk_dtype": "fp8"})
     info = {b.name: b for b in list_backends()}["sage_attn"]
     params = {p["name"]: p for p in info.params}
-    assert set(params) == {"impl", "pv_dtype", "pv_accum", "qk_dtype", "k_granularity", "qk_balance"}
+    assert set(params) == {"impl", "pv_dtype", "pv_accum", "qk_dtype", "k_granularity", "min_seq_len", "qk_balance"}
     assert params["impl"]["default"] == "auto" and params["pv_accum"]["choices"] == ["two_level", "direct"]
     assert "sm90" in params["impl"]["choices"]
     vsa = {p["name"] for p in {b.name: b for b in list_backends()}["video_sparse_attn"].params}

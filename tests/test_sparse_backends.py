@@ -25,6 +25,9 @@ from ditattn.attention.sparse.vmoba import vmoba_attention
 from ditattn.attention.sparse.vsa import video_sparse_attention
 from ditattn.errors import AttentionConfigError
 
+#: the training-free backends with an error budget: the planner tests below turn it off (error_budget 0) to
+#: compare the plain rules with the engine; tests/test_sparse_budget.py covers the budget
+BUDGETED = (B.SPARGE_ATTN, B.SOL_ATTN, B.VMOBA_ATTN, B.SPARSE_VIDEO_GEN_2_ATTN)
 SPARSE = [B.SLIDING_TILE_ATTN, B.VIDEO_SPARSE_ATTN, B.SPARGE_ATTN, B.VMOBA_ATTN, B.SPARSE_VIDEO_GEN_2_ATTN,
           B.SLA_ATTN, B.SAGE_SLA_ATTN, B.SOL_ATTN]
 GRID, TEXT = (3, 5, 7), 7  # 105 video + 7 text tokens
@@ -60,6 +63,8 @@ def config_for(backend, strategy_path="/nonexistent.json", **extra):
         raw.setdefault("tile_size", [1, 2, 2])
     if backend is B.VIDEO_SPARSE_ATTN:
         raw.setdefault("sparsity", 0.25)  # the default 0.0 keeps every tile and runs dense
+    if backend in BUDGETED:
+        raw.setdefault("error_budget", 0.0)
     return validate_backend_config(backend, raw)
 
 
@@ -82,8 +87,12 @@ def test_needs_video_shape_and_matching_length(backend, strategy_file):
     impl = get_impl(backend)
     cfg = config_for(backend, strategy_file)
     q, k, v = inputs_for(backend, grid=(3, 8, 9), text_len=0)
-    with pytest.raises(AttentionConfigError, match=r"needs the latent grid video_shape=\(T,H,W\)"):
-        impl(q, k, v, AttnCall(video_shape=None, step=30), cfg)
+    if backend in (B.SPARGE_ATTN, B.SOL_ATTN):  # plain sequences: 1-D blocks
+        out, _ = impl(q, k, v, AttnCall(video_shape=None, step=30, layer_idx=3), cfg)
+        assert out.shape == q.shape
+    else:
+        with pytest.raises(AttentionConfigError, match=r"needs the latent grid video_shape=\(T,H,W\)"):
+            impl(q, k, v, AttnCall(video_shape=None, step=30), cfg)
     with pytest.raises(AttentionConfigError, match="sequence length"):
         impl(q, k, v, AttnCall(video_shape=(3, 8, 8), step=30), cfg)
     with pytest.raises(AttentionConfigError, match="causal"):
@@ -127,6 +136,7 @@ def test_backend_outputs_match_engine_and_explicit_masks(strategy_file):
     c = AttnCall(video_shape=grid, text_len=TEXT, step=25, layer_idx=1)
 
     def check(backend, cfg, res, mask=None):
+        cfg = dict(cfg, error_budget=0.0) if backend in BUDGETED else cfg
         out, _ = get_impl(backend)(q, k, v, c, validate_backend_config(backend, cfg))
         torch.testing.assert_close(out, res[0], rtol=0, atol=0)
         m = plan_token_mask(res[2]) if mask is None else mask
@@ -144,7 +154,7 @@ def test_backend_outputs_match_engine_and_explicit_masks(strategy_file):
     qb, kb, vb = (t.bfloat16() for t in (q, k, v))
     for quant in (False, True):
         out, _ = get_impl(B.SPARGE_ATTN)(qb, kb, vb, c, validate_backend_config(
-            B.SPARGE_ATTN, {"topk": 0.3, "block_size": 32, "quantize": quant}))
+            B.SPARGE_ATTN, {"topk": 0.3, "block_size": 32, "quantize": quant, "error_budget": 0.0}))
         want = sparge_attention(qb, kb, vb, video_shape=grid, topk=0.3, block_size=32, text_len=TEXT, quantize=quant)
         torch.testing.assert_close(out, want[0], rtol=0, atol=0)
     # layer 1 with the default cycle is a spatial layer
@@ -237,7 +247,7 @@ def test_svg2_first_full_steps():
     q, k, v = qkv(seed=4)
     impl = get_impl(B.SPARSE_VIDEO_GEN_2_ATTN)
     cfg = validate_backend_config(B.SPARSE_VIDEO_GEN_2_ATTN, {"first_full_steps": 1, "num_q_clusters": 4,
-                                                             "num_k_clusters": 4, "top_p": 0.3})
+                                                             "num_k_clusters": 4, "top_p": 0.3, "error_budget": 0.0})
     last_stats.clear()
     out, _ = impl(q, k, v, call(step=0), cfg)
     assert last_stats["sparse_video_gen_2_attn/layer0"]["dense"]
@@ -248,7 +258,7 @@ def test_svg2_first_full_steps():
 
 def test_sparge_dense_sdpa_for_shapes_it_does_not_sparsify():
     impl = get_impl(B.SPARGE_ATTN)
-    cfg = validate_backend_config(B.SPARGE_ATTN, {"topk": 0.2})
+    cfg = validate_backend_config(B.SPARGE_ATTN, {"topk": 0.2, "error_budget": 0.0})
     bf = torch.bfloat16
     last_stats.clear()
     q, k, v = qkv(grid=(2, 5, 7), text_len=7, dtype=bf)  # 77 tokens < 128
@@ -292,8 +302,9 @@ def test_sparge_quantizes_kept_blocks_int8_like_sage():
     impl = get_impl(B.SPARGE_ATTN)
     c = AttnCall(video_shape=grid)
     exact = _dense_ref(q.float(), k.float(), v.float())
-    out_q, _ = impl(q, k, v, c, validate_backend_config(B.SPARGE_ATTN, {"topk": 1.0}))
-    out_x, _ = impl(q, k, v, c, validate_backend_config(B.SPARGE_ATTN, {"topk": 1.0, "quantize": False}))
+    out_q, _ = impl(q, k, v, c, validate_backend_config(B.SPARGE_ATTN, {"topk": 1.0, "error_budget": 0.0}))
+    out_x, _ = impl(q, k, v, c, validate_backend_config(B.SPARGE_ATTN, {"topk": 1.0, "quantize": False,
+                                                                         "error_budget": 0.0}))
     err_q = float((out_q.float() - exact).norm() / exact.norm())
     err_x = float((out_x.float() - exact).norm() / exact.norm())
     assert err_x < 5e-3 < err_q < 5e-2, (err_x, err_q)
@@ -323,7 +334,7 @@ def test_sparge_cdfthreshd_config():
     impl = get_impl(B.SPARGE_ATTN)
     c = AttnCall(video_shape=grid, text_len=TEXT, layer_idx=0)
     for quant, topk in ((False, 0.2), (True, 0.5)):
-        cfg = {"cdfthreshd": 0.9, "quantize": quant} | ({"topk": topk} if topk != 0.5 else {})
+        cfg = {"cdfthreshd": 0.9, "quantize": quant, "error_budget": 0.0} | ({"topk": topk} if topk != 0.5 else {})
         out, _ = impl(q, k, v, c, validate_backend_config(B.SPARGE_ATTN, cfg))
         want = sparge_attention(q, k, v, video_shape=grid, cdfthreshd=0.9, topk=topk, text_len=TEXT, quantize=quant)
         torch.testing.assert_close(out, want[0], rtol=0, atol=0)
@@ -344,7 +355,7 @@ def test_sol_dense_steps_layers_and_dense_backend(monkeypatch):
 
     monkeypatch.setattr(functional_mod, "attention", fake_functional)
     cfg = validate_backend_config(B.SOL_ATTN, {"dense_steps": 2, "dense_layers": "0-2,5",
-                                               "dense_backend": "sage_attn", "tau": 0.5})
+                                               "dense_backend": "sage_attn", "tau": 0.5, "error_budget": 0.0})
     last_stats.clear()
     for step, layer, dense in ((0, 7, True), (1, 7, True), (2, 0, True), (2, 2, True), (2, 5, True),
                                (2, 3, False), (None, 4, False), (5, None, True)):
@@ -587,7 +598,8 @@ def test_seed_defaults():
     sol = validate_backend_config(B.SOL_ATTN, {})
     assert sol == {"tau": 1.0, "thresh_type": "diag", "sink_tokens": 0, "sink_start": 0, "dense_steps": 10,
                    "dense_layers": "0,1", "dense_backend": "fa", "kv_splits": "auto", "predictor": "pooled_query",
-                   "centroid_variance": True, "edge_tiles": "packed", "block_sparse_impl": "auto"}
+                   "centroid_variance": True, "edge_tiles": "packed", "block_sparse_impl": "auto",
+                   "error_budget": 0.01}
     for backend in (B.VIDEO_SPARSE_ATTN, B.SPARGE_ATTN, B.SLA_ATTN, B.SAGE_SLA_ATTN):
         assert validate_backend_config(backend, {})["edge_tiles"] == "packed"
     for backend in (B.VMOBA_ATTN, B.SPARSE_VIDEO_GEN_2_ATTN):  # chunks / clusters are their unit: no packing

@@ -212,8 +212,9 @@ def test_svg2_and_sol_paths_have_no_host_reads(monkeypatch, name):
     q, k, v = (torch.randn(1, S, 2, 128, device="meta", dtype=torch.bfloat16) for _ in range(3))
     backend = {"svg2": B.SPARSE_VIDEO_GEN_2_ATTN, "sol": B.SOL_ATTN, "sparge_cdf": B.SPARGE_ATTN}[name]
     impl = get_impl(backend)
+    # the plain rules (error_budget 0): the budget's dense decision reads one flag per call
     cfg = {"svg2": {"num_q_clusters": 6, "num_k_clusters": 9}, "sol": {},
-           "sparge_cdf": {"cdfthreshd": 0.9, "topk": 0.2}}[name]
+           "sparge_cdf": {"cdfthreshd": 0.9, "topk": 0.2}}[name] | {"error_budget": 0.0}
     steps = (0, 1, 2) if name == "svg2" else (12,)
     reset_svg2_state()
     if name != "svg2":  # builds the cached tile layout's device constants first (once per layout)
@@ -257,7 +258,8 @@ def test_lazy_kept_fraction_reads_as_float():
     reset_svg2_state()
     clear_stats()
     kw = dict(num_q_clusters=8, num_k_clusters=16, top_p=0.5)
-    get_impl(B.SPARSE_VIDEO_GEN_2_ATTN)(q, k, v, AttnCall(video_shape=shape, text_len=text, step=None, layer_idx=1), kw)
+    get_impl(B.SPARSE_VIDEO_GEN_2_ATTN)(q, k, v, AttnCall(video_shape=shape, text_len=text, step=None, layer_idx=1),
+                                        dict(kw, error_budget=0.0))
     want = svg2_attention(q, k, v, video_shape=shape, text_len=text, **kw)[2].kept_fraction
     entry = last_stats["sparse_video_gen_2_attn/layer1"]
     assert isinstance(dict.__getitem__(entry, "kept_fraction"), torch.Tensor)

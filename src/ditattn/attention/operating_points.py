@@ -6,6 +6,10 @@ structured inputs at the Wan 480p grid: relative L2 error and cosine against flo
 kept block fraction, and the speed-up over FlashAttention-4 dense on the H200 at 12 and 40 heads with the
 errors of those runs, or None while that measurement is pending (``speed_pending`` then names the command
 that produces it).  ``ditattn backends`` prints them; nothing reads them to make decisions.
+
+The figures of Sparge, Sol, V-MoBA and SVG2 predate their ``error_budget`` key: they are the plain
+selection rules (``error_budget=0``).  With the budget on (their default now) the error is bounded and
+the kept fraction grows with it; ``bench/fidelity.py --families all`` measures both (``--budget off``).
 """
 from __future__ import annotations
 

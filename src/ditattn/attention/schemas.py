@@ -180,6 +180,18 @@ EDGE_TILES = P(
     "block, padded to full size)",
     choices=("packed", "padded"))
 
+
+def error_budget(default: float) -> Param:
+    """The ``error_budget`` key of a training-free sparse backend (:mod:`ditattn.attention.sparse.budget`)."""
+    return P(
+        "error_budget", "float", default,
+        "Largest predicted attention mass a query block may drop (0 turns the check off): the selection keeps "
+        "more blocks until its estimate meets it, a head that then keeps most blocks runs dense, and a call whose "
+        f"heads all do runs the dense kernel; default {default} keeps the output within 5 % relative error on "
+        "the structured families (docs/attention.md, error budget)",
+        check=in_range(0.0, 1.0, hi_open=True), accepted="a number in [0, 1) (0: off)")
+
+
 #: schema key -> the parameters of the backends declared with it (each backend module declares its
 #: own with ``backends.base.register(..., schema=...)``); loads the backend modules on first read
 TABLE: dict[str, tuple[Param, ...]] = {}

@@ -222,6 +222,8 @@ def select_backend(
                         runtime=_runtime_label(b, platform, req, settings.config), runtime_fallback=runtime_fallback(b, req, platform))
 
     run, sub_reason, reasons = resolve_on_platform(asked, req, platform)
+    if not reasons and run is B.SAGE_ATTN:
+        _check_sage_impl(platform, settings.config)
     if not reasons:
         if sub_reason:
             _note(component, where, f"{asked.value} requested, running {run.value}: {sub_reason}", source)
@@ -283,6 +285,19 @@ def bind_impl(decision: Decision):
             return fb_impl(q, k, v, call, {})
 
     return run
+
+
+def _check_sage_impl(platform: Platform, config: Optional[dict]) -> None:
+    """Refuse ``sage_attn`` with ``impl=package`` up front where the installed package cannot run
+    (Hopper with a sageattention release that lacks the SM90 binding fix): its first call would fail."""
+    if (config or {}).get("impl") != "package":
+        return
+    spec = SPECS[B.SAGE_ATTN]
+    for rt in spec.runtimes.get(platform.name, ()):
+        why = spec.broken_reason(rt, platform)
+        if why:
+            raise AttentionConfigError(f"sage_attn: impl package cannot run here: {why}; use impl auto (the in-tree "
+                                       "kernels)")
 
 
 def _runtime_label(b: B, platform: Platform, req: Optional[LayerRequest] = None, config: Optional[dict] = None) -> str:

@@ -67,7 +67,9 @@ class BackendSpec:
     """The capability row of one backend, declared in its module with ``backends.base.register``
     (which fills in ``backend`` and ``config_schema``).  ``extra_check(spec, req, platform)`` adds
     reasons of its own; ``runtime_label(spec, platform, req, config)`` names the runtime the plan
-    reports when it depends on the call (``sage_attn``: the implementation its rule picks)."""
+    reports when it depends on the call (``sage_attn``: the implementation its rule picks);
+    ``runtime_broken(runtime, platform)`` says why an installed runtime does not work on a platform
+    (``sage_attn``: a sageattention release without the SM90 fix on Hopper), so it does not count."""
 
     backend: B | None = None
     kind: str  # dense | quantized | sparse | sparse+quantized | sparse+linear
@@ -93,6 +95,7 @@ class BackendSpec:
     missing_kernel: str = ""  # non-empty: this build has no kernel for it (the reason)
     extra_check: Callable[["BackendSpec", LayerRequest, Platform], list[str]] | None = None
     runtime_label: Callable[["BackendSpec", Platform, "LayerRequest | None", "Mapping | None"], str] | None = None
+    runtime_broken: Callable[[Runtime, Platform], "str | None"] | None = None
 
     @property
     def name(self) -> str:
@@ -106,10 +109,16 @@ class BackendSpec:
     def platforms(self) -> tuple[str, ...]:
         return tuple(self.runtimes)
 
+    def broken_reason(self, rt: Runtime, platform: Platform) -> str | None:
+        """Why the installed runtime ``rt`` does not work on ``platform`` (None: it does, or it is not
+        installed), by the row's ``runtime_broken`` rule."""
+        return self.runtime_broken(rt, platform) if self.runtime_broken is not None else None
+
     def runtime_on(self, platform: Platform) -> Runtime | None:
-        """The first installed runtime on ``platform``, or None."""
+        """The first installed runtime on ``platform`` that works there, or None."""
         for rt in self.runtimes.get(platform.name, ()):
-            if not rt.missing and (not rt.modules or platform.has_any(rt.modules)):
+            if (not rt.missing and (not rt.modules or platform.has_any(rt.modules))
+                    and self.broken_reason(rt, platform) is None):
                 return rt
         return None
 
@@ -118,6 +127,9 @@ class BackendSpec:
         if self.runtime_on(platform) is not None:
             return None
         rts = self.runtimes.get(platform.name, ())
+        broken = [b for b in (self.broken_reason(rt, platform) for rt in rts) if b]
+        if broken:
+            return "; ".join(broken)
         if rts and all(rt.missing for rt in rts):
             return "; ".join(rt.missing for rt in rts)
         mods = [m for rt in rts if not rt.missing for m in rt.modules]

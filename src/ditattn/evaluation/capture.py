@@ -88,7 +88,8 @@ class AttentionRecorder:
 
     After the run: ``outputs[(layer_key, step)]`` (CPU tensors ``[B, rows, H, D]``),
     ``in_context[(layer_key, step)] = (rel_err, cosine)``, ``kept`` (kept fractions of the sparse
-    calls), ``dense_calls`` / ``sparse_calls``, ``hook_s``.  Use as a context manager.
+    calls), ``dense_calls`` (dense phases) / ``fallback_calls`` (run dense by a backend's size rule or
+    error budget) / ``sparse_calls``, ``hook_s``.  Use as a context manager.
     """
 
     def __init__(self, modules: Iterable[torch.nn.Module], *, steps: Iterable[int], rows: int = 4096,
@@ -102,6 +103,7 @@ class AttentionRecorder:
         self.in_context: dict[tuple[str, int], tuple[float, float]] = {}
         self.kept: list[float] = []
         self.dense_calls = 0
+        self.fallback_calls = 0
         self.sparse_calls = 0
         self.hook_s = 0.0
         self._handles: list = []
@@ -126,7 +128,9 @@ class AttentionRecorder:
         fwd = current_forward()
         st = last_stats.get(module.layer_key)
         if st is not None and st.get("step") == fwd.step:
-            if st.get("dense"):
+            if st.get("fallback"):  # the size rule or the error budget ran the call dense
+                self.fallback_calls += 1
+            elif st.get("dense"):
                 self.dense_calls += 1
             else:
                 self.sparse_calls += 1

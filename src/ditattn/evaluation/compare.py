@@ -13,7 +13,9 @@ and per variant:
   reference run's output of the same layer and step (``rel_err``/``cosine``: includes the drift of
   the trajectories), and against the reference backend run on the layer's own inputs
   (``in_context_*``: the approximation alone; :mod:`.capture`);
-* the mean kept fraction of blocks for sparse backends (dense phases count as 1).
+* the mean kept fraction of blocks for sparse backends (dense phases count as 1), the calls a sparse
+  backend ran dense by its size rule or error budget (``dense_fallback_calls``, column ``fallbk``) and
+  per layer ``sparse_layers`` (calls, kept fraction, dense fallbacks, heads run dense by the budget).
 
 The summaries, files and text table are :mod:`.report`'s.
 
@@ -303,7 +305,9 @@ def run_compare(cfg: CompareConfig) -> dict:
                 run = {"prompt": prompt, "prompt_index": pi, "seed": seed, "timings_s": t,
                        "dit_s": t["denoise"] - rec.hook_s, "total_s": t["total"] - rec.hook_s, "hook_s": rec.hook_s,
                        "attention_backends": res.attention_backends, "kept_fraction": rec.kept_fraction(),
-                       "sparse_calls": rec.sparse_calls, "dense_phase_calls": rec.dense_calls, "cache": res.cache}
+                       "sparse_calls": rec.sparse_calls, "dense_phase_calls": rec.dense_calls,
+                       "dense_fallback_calls": rec.fallback_calls,
+                       "sparse_layers": res.stats.get("sparse_layers", {}), "cache": res.cache}
                 if vi == 0:
                     ref_recs[ji] = rec
                 else:

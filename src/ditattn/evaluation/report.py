@@ -26,7 +26,8 @@ def summarise(runs: list[dict], ref_runs: Optional[list[dict]]) -> dict:
     layers = [row for r in runs for row in r.get("layers", [])]
     dit = _mean(r["dit_s"] for r in runs)
     tot = _mean(r["total_s"] for r in runs)
-    out = {"dit_s": dit, "total_s": tot, "kept_fraction": _mean(r["kept_fraction"] for r in runs)}
+    out = {"dit_s": dit, "total_s": tot, "kept_fraction": _mean(r["kept_fraction"] for r in runs),
+           "dense_fallback_calls": sum(r.get("dense_fallback_calls", 0) for r in runs)}
     caches = [r["cache"] for r in runs if r.get("cache")]
     if caches:  # step cache: DiT forwards per forward computed (and the same for block work)
         out["forwards_computed"] = sum(c["computed"] for c in caches)
@@ -192,12 +193,12 @@ def format_summary(report: dict) -> str:
         return format(v, fmt)
 
     lines = [f"{'variant':<16} {'DiT s':>8} {'x DiT':>6} {'total s':>8} {'PSNR':>6} {'SSIM':>6} {'MS-SSIM':>7} "
-             f"{'attn err':>9} {'in-ctx':>9} {'kept':>5} {'fwd x':>5}"]
+             f"{'attn err':>9} {'in-ctx':>9} {'kept':>5} {'fwd x':>5} {'fallbk':>6}"]
     for v in report["variants"]:
         s = v["summary"]
         lines.append(f"{v['name']:<16} {f(s['dit_s'], '8.2f')} {f(s.get('speedup_dit'), '6.2f')} "
                      f"{f(s['total_s'], '8.2f')} {f(s.get('psnr_mean'), '6.2f')} {f(s.get('ssim_mean'), '6.4f')} "
                      f"{f(s.get('ms_ssim_mean'), '7.4f')} {f(s.get('attn_rel_err_mean'), '9.2e')} "
                      f"{f(s.get('in_context_rel_err_mean'), '9.2e')} {f(s['kept_fraction'], '5.2f')} "
-                     f"{f(s.get('forward_ratio'), '5.2f')}")
+                     f"{f(s.get('forward_ratio'), '5.2f')} {f(s.get('dense_fallback_calls'), '6.0f')}")
     return "\n".join(lines)

@@ -21,10 +21,24 @@ from frequency 1 down to about 1e-4 rad per position):
 * ``global``: all energy in the slowest third of every axis (near-constant scores: broad attention
   shaped by the noise, the hard case for any sparse selection).
 
+* ``local``: all energy in the fastest third of every axis (very local: a few tokens around the
+  query carry the row);
+* ``near_global``: all energy in the slowest pairs of every axis at a third of the head's content
+  norm (almost flat scores: the broadest head).
+
 Every head also has a small fixed component along its slowest pair of each axis (norm
 ``sink_align``); ``sinks`` tokens (evenly spaced, plus token 0) add ``sink_gain * peak`` along it
 to their keys, so every query gives them a logit close to its own peak: attention sinks.  Heads
 cycle through ``types``.  Generation runs head by head on the target device (float32, then cast).
+
+Values: ``values="iid"`` draws ``v ~ N(0, I)``; ``values="smooth"`` gives a spatially smooth value
+field: Gaussian noise on the ``(T, H, W)`` grid low-pass filtered (a Gaussian of ``smooth_scale``
+grid cells per axis, in the Fourier domain), per channel normalised to unit variance, plus 0.1 of
+i.i.d. noise — neighbouring tokens carry nearly the same value, as in a real latent video.
+
+:data:`FAMILIES` names the families the benchmarks and tests use (``original``: the defaults above;
+``weak``: content norms 3-8; ``mixed``: very local and near-global heads in one layer; ``smooth``:
+smooth values; ``weak_mixed_smooth``: all three).
 """
 from __future__ import annotations
 
@@ -42,7 +56,12 @@ PROFILES = {
     "spatial": ((0.4, 0.3, 0.3), ("fast", "all", "all")),
     "temporal": ((0.2, 0.4, 0.4), ("slow", "fast", "fast")),
     "global": ((1 / 3, 1 / 3, 1 / 3), ("slow", "slow", "slow")),
+    "local": ((1 / 3, 1 / 3, 1 / 3), ("fast", "fast", "fast")),
+    "near_global": ((1 / 3, 1 / 3, 1 / 3), ("slow", "slow", "slow")),
 }
+#: content norm factor per head type (``near_global`` heads at a third of the drawn norm)
+NORM_FACTOR = {"near_global": 1 / 3}
+VALUE_KINDS = ("iid", "smooth")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +78,8 @@ class StructuredSpec:
     sink_align: float = 3.0
     sink_gain: float = 0.35
     seed: int = 0
+    values: str = "iid"
+    smooth_scale: float = 3.0
 
     def head_type(self, h: int) -> str:
         return self.types[h % len(self.types)]
@@ -101,6 +122,7 @@ def content_vector(spec: StructuredSpec, head: int, gen: torch.Generator) -> tup
     e /= e.norm()
     lo, hi = spec.content_norm
     norm = lo + (hi - lo) * float(torch.rand(1, generator=gen, dtype=torch.float64))
+    norm *= NORM_FACTOR.get(spec.head_type(head), 1.0)
     a = a / a.norm() * math.sqrt(max(norm ** 2 - spec.sink_align ** 2, 1.0)) + spec.sink_align * e
     return a, e
 
@@ -141,9 +163,54 @@ def structured_qkv(spec: StructuredSpec, *, device="cpu", dtype=torch.bfloat16,
             kh[:, sinks] += gain * e32
         q[:, :, h:h + 1] = apply_rope(qh, cos, sin).to(dtype)
         k[:, :, h:h + 1] = apply_rope(kh, cos, sin).to(dtype)
-        v[:, :, h:h + 1] = torch.randn(batch, S, 1, D, generator=dgen, device=dev).to(dtype)
+        if spec.values == "smooth":
+            v[:, :, h:h + 1] = smooth_field(batch, (T, H, W), D, spec.smooth_scale, dgen, dev).to(dtype)
+        elif spec.values == "iid":
+            v[:, :, h:h + 1] = torch.randn(batch, S, 1, D, generator=dgen, device=dev).to(dtype)
+        else:
+            raise ValueError(f"values must be one of {list(VALUE_KINDS)}, got {spec.values!r}")
     info = {"head_types": [spec.head_type(h) for h in range(spec.heads)], "sinks": sinks, "content_norms": norms}
     return q, k, v, info
+
+
+def smooth_field(batch: int, grid: Sequence[int], dim: int, scale: float, gen: torch.Generator,
+                 device) -> Tensor:
+    """A spatially smooth value field ``[batch, T*H*W, 1, dim]`` (float32, T-major tokens): Gaussian
+    noise low-pass filtered over the grid (Gaussian kernel of ``scale`` cells per axis, applied in
+    the Fourier domain), normalised per channel to unit variance, plus 0.1 of i.i.d. noise."""
+    T, H, W = (int(x) for x in grid)
+    x = torch.randn(batch, dim, T, H, W, generator=gen, device=device)
+    f = torch.fft.fftn(x, dim=(2, 3, 4))
+    freqs = [torch.fft.fftfreq(n, device=device) for n in (T, H, W)]
+    ft, fh, fw = torch.meshgrid(*freqs, indexing="ij")
+    f *= torch.exp(-2 * (math.pi * scale) ** 2 * (ft ** 2 + fh ** 2 + fw ** 2))
+    y = torch.fft.ifftn(f, dim=(2, 3, 4)).real
+    y = (y - y.mean((2, 3, 4), keepdim=True)) / y.std((2, 3, 4), keepdim=True).clamp(min=1e-6)
+    y = y + 0.1 * torch.randn(y.shape, generator=gen, device=device)
+    return y.flatten(2).transpose(1, 2).unsqueeze(2)
+
+
+#: named structured families: keyword arguments of :class:`StructuredSpec` on top of the grid,
+#: heads and seed
+FAMILIES = {
+    "original": {},
+    "weak": {"content_norm": (3.0, 8.0)},
+    "mixed": {"types": ("local", "near_global", "local", "spatial", "near_global", "temporal")},
+    "smooth": {"values": "smooth"},
+    "weak_mixed_smooth": {"content_norm": (3.0, 8.0), "values": "smooth",
+                          "types": ("local", "near_global", "spatial", "near_global", "temporal", "local")},
+}
+
+
+def family_spec(family: str, video_shape: Sequence[int], heads: int, *, head_dim: int = 128,
+                seed: int = 0) -> StructuredSpec:
+    """The :class:`StructuredSpec` of a named family (:data:`FAMILIES`)."""
+    try:
+        kw = FAMILIES[family]
+    except KeyError:
+        raise ValueError(f"unknown structured family {family!r}; known: {', '.join(FAMILIES)}") from None
+    return StructuredSpec(video_shape=tuple(int(x) for x in video_shape), heads=int(heads), head_dim=int(head_dim),
+                          seed=int(seed), **kw)
 
 
 def attention_profile(q: Tensor, k: Tensor, video_shape: Sequence[int], rows: Optional[Tensor] = None,

@@ -42,6 +42,7 @@ from ditattn.attention.context import (
     RequestState,
 )
 from ditattn.attention.names import ROLES
+from ditattn.attention.sparse import fallback as sparse_run
 from ditattn.errors import AttentionConfigError, GenerationCancelled
 from ditattn.models.lora import Adapter, resolve_request_lora
 from ditattn.pipelines.conditioning import conditioning_mode, image_condition
@@ -213,8 +214,11 @@ class WanPipelineNative:
 
     def plan(self) -> dict:
         """The attention plan: ``{"platform": {...}, "components": [{"name",
-        "selectable", "layers": [{"prefix", "role", "backend", "source", "fallback_reason"}]}]}``."""
-        plan = build_plan(self.platform, self.scopes, self.linear_quantization())
+        "selectable", "layers": [{"prefix", "role", "backend", "source", "fallback_reason"}]}], "cache"}``;
+        after a run, sparse layers also carry ``"sparse_run"`` (calls, mean kept fraction, dense fallbacks,
+        heads run dense by the error budget) and the plan the run's totals and ``"dense_notes"``."""
+        plan = sparse_run.annotate_plan(build_plan(self.platform, self.scopes, self.linear_quantization()),
+                                        getattr(self, "_sparse_run", {}))
         plan["cache"] = self.cache_setting.to_dict() if self.cache_setting is not None else None
         return plan
 
@@ -389,6 +393,7 @@ class WanPipelineNative:
                 timings["image"] = time.perf_counter() - t0
 
             # 3. denoise
+            sparse_run.begin_run()  # the sparse backends' per-layer kept fractions and dense fallbacks
             t0 = time.perf_counter()
             sampler = build_sampler(self.components["scheduler"], name=sampling.scheduler, shift=sampling.flow_shift,
                                     steps=steps, timesteps=sampling.timesteps, device=dev, seeds=inp.seeds)
@@ -423,6 +428,7 @@ class WanPipelineNative:
             layers = dit_layers(dits[c] for c in DIT if c in used_models)
             backends = request_backends([l for r in ROLES for l in layers if l.role == r], state)
             stats = dict(state.stats) if state is not None else {}
+            self._sparse_run = sparse_run.finish_run(stats)  # per sparse layer; also in plan()
             info = dict(scheduler=sampler.name, flow_shift=sampler.shift, timesteps=sampler.timesteps,
                         forwards=forwards(guided), cfg=cfg_mode(guided, batching))
             return GenerationResult(frames, backends, timings, stats, latents, inp.seeds, height, width, num_frames,

@@ -65,19 +65,41 @@ def runtime_fallback(backend: B, req: LayerRequest, platform: Platform) -> "B | 
     return None
 
 
+def fa_call_limits(spec, req: LayerRequest, platform: Platform) -> list[str]:
+    """What keeps FlashAttention from a CUDA call whatever is installed: a dtype it does not take
+    (float32) or a GPU below its lowest SM (SM80); empty elsewhere."""
+    if platform.name != "cuda":
+        return []
+    out = []
+    if req.dtype is not None and req.dtype not in spec.dtypes:
+        out.append(f"dtype {str(req.dtype).replace('torch.', '')} (accepts "
+                   f"{', '.join(sorted(str(d).replace('torch.', '') for d in spec.dtypes))})")
+    if platform.sm is not None and spec.cuda_sm_min is not None and platform.sm < spec.cuda_sm_min:
+        out.append(f"needs CUDA SM{spec.cuda_sm_min}+, this GPU is SM{platform.sm}")
+    return out
+
+
 def substitute(backend: B, req: LayerRequest, platform: Platform) -> "tuple[B, str] | None":
     """The backend the platform runs instead of ``backend`` and why, or None (no substitution).
 
-    Only upstream's fallbacks substitute: ``fa`` without an installed FlashAttention runtime, or on
-    a platform where this build has no FlashAttention kernel path (CPU, MPS, XPU, MUSA, NPU, ROCm
-    without flash-attn) → ``torch_sdpa``; ``sage_attn`` on Hopper for a call the in-tree INT8
+    Only upstream's fallbacks substitute: every backend on MPS → ``torch_sdpa`` (MPS always uses
+    SDPA); ``fa`` without an installed FlashAttention runtime, for a CUDA call it cannot serve
+    whether or not it is installed (float32, below SM80: :func:`fa_call_limits`), or on a platform
+    where this build has no FlashAttention kernel path (CPU, XPU, MUSA, NPU, ROCm without
+    flash-attn) → ``torch_sdpa``; ``sage_attn`` on Hopper for a call the in-tree INT8
     kernel cannot serve when the installed sageattention lacks the SM90 fix → ``fa``;
     ``fp8_fa_sm120`` off SM120 or on a call it cannot serve → ``torch_cudnn_sdpa``.
     """
     spec = SPECS[backend]
+    if platform.name == "mps" and backend is not B.TORCH_SDPA:
+        # MPS always uses SDPA; an explicit backend runs it too, recorded as a substitution
+        return B.TORCH_SDPA, f"mps always runs torch_sdpa ({backend.value} has no MPS kernel in this build)"
     if backend is B.FA:
-        if platform.name in ("cpu", "mps"):
+        if platform.name == "cpu":
             return B.TORCH_SDPA, f"no FlashAttention runtime on {platform.name}; {platform.name} uses torch_sdpa"
+        limits = fa_call_limits(spec, req, platform)
+        if limits:  # one rule whether or not FlashAttention is installed: the call goes to torch_sdpa
+            return B.TORCH_SDPA, f"FlashAttention cannot serve this call ({'; '.join(limits)}); fa runs torch_sdpa"
         rts = spec.runtimes.get(platform.name, ())
         why = None
         if rts and spec.runtime_on(platform) is None:

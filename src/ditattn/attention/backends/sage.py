@@ -53,11 +53,12 @@ from typing import Callable, Optional
 import torch
 
 from ditattn.attention.backends.base import AttnCall, register
+from ditattn.attention.backends.sage_crossover import crossover_label, dense_below_crossover
 from ditattn.attention.config import complete_backend_config
 from ditattn.attention.names import AttentionBackendEnum as B
 from ditattn.attention.reference import expand_kv
 from ditattn.attention.schemas import (SAGE_IMPLS as SAGE_IMPL_CHOICES, SAGE_K_GRANULARITIES, SAGE_PV_ACCUMS,
-                                       SAGE_PV_DTYPES, SAGE_QK_DTYPES, SAGE_QK_IMPLEMENTED, P, in_range)
+                                       SAGE_PV_DTYPES, SAGE_QK_DTYPES, SAGE_QK_IMPLEMENTED, P, in_range, non_negative)
 from ditattn.attention.specs import ALL_FLOAT, BackendSpec, Runtime
 from ditattn.errors import AttentionConfigError, BackendUnavailableError
 from ditattn.platforms import Platform, current_platform, platform_for_device
@@ -140,6 +141,16 @@ def sage_cuda_runtime(platform: Platform, head_dim: int | None, needs_lse: bool 
     return None, f"{why_intree}, and the sageattention package has no pv_dtype {pv_dtype} (fp16 only)"
 
 
+def _runtime_broken(rt: Runtime, platform: Platform) -> Optional[str]:
+    """Why an installed ``sage_attn`` runtime does not work on ``platform`` (None: it does, or it is not
+    installed): the ``sageattention`` package of a 2.x release up to 2.2.0 on Hopper (no SM90 binding fix)."""
+    if ("sageattention" in rt.modules and platform.name == "cuda" and platform.sm == 90
+            and platform.has_package("sageattention") and sage_lacks_sm90_fix(platform)):
+        return (f"sageattention {platform.package_version('sageattention')} lacks the upstream SM90 binding fix "
+                f"on Hopper (install: {SAGE_SM90_FIX_INSTALL})")
+    return None
+
+
 def _sage_check(spec, req, platform):
     if platform.name == "musa" and req.needs_lse:
         return ["on MUSA sage_attn runs the sageattention package, which returns no LSE (ring attention needs it)"]
@@ -151,7 +162,8 @@ def _sage_check(spec, req, platform):
 
 def _runtime_label(spec, platform: Platform, req, config) -> str:
     """The plan's runtime label of ``sage_attn`` for ``req`` under ``config``: the implementation
-    ``impl`` names, or under ``auto`` the one :func:`sage_cuda_runtime` picks (CUDA); elsewhere the
+    ``impl`` names, or under ``auto`` the one :func:`sage_cuda_runtime` picks (CUDA; on SM90 with the
+    Hopper crossover's dense range, :mod:`ditattn.attention.backends.sage_crossover`); elsewhere the
     first installed runtime of the platform."""
     if platform.name != "cuda" or req is None:
         rt = spec.runtime_on(platform)
@@ -163,7 +175,8 @@ def _runtime_label(spec, platform: Platform, req, config) -> str:
                                  bool(cfg.get("qk_balance")))[0]
     module = {"triton": "triton", "package": "sageattention", "sm90": "triton.experimental.gluon"}.get(impl)
     labels = {rt.modules[0]: rt.label for rt in spec.runtimes["cuda"]}
-    return labels.get(module) or (spec.runtimes["cpu"][0].label if impl == "reference" else "")
+    label = labels.get(module) or (spec.runtimes["cpu"][0].label if impl == "reference" else "")
+    return label + crossover_label(platform, cfg) if label else label
 
 
 def _qk_implemented(v):
@@ -176,6 +189,7 @@ SAGE_ATTN_SCHEMA = (
     P("pv_accum", "str", "two_level", "FP8 P.V accumulation (pv_dtype fp8 only): two_level (each key block's P.V in a fresh accumulator, added in FP32) or direct (one accumulator across all keys: fewer instructions, but the FP8 tensor cores add with fewer mantissa bits than FP32, so the error grows with the sequence length; impl sm90 or triton)", choices=SAGE_PV_ACCUMS),
     P("qk_dtype", "str", "int8", "Q.K precision: int8 (per-token Q scales, smoothed K); fp8 is reserved for a kernel that implements it", choices=SAGE_QK_DTYPES, check=_qk_implemented, accepted="int8 (fp8: no kernel yet)"),
     P("k_granularity", "str", "auto", "INT8 scale granularity of the smoothed K: token (one scale per key; 1.7 % error on structured inputs) or block (one per 128 keys; 2.3 %, about 10 % faster on the sm90 kernel); auto: token on sm90 and reference, block on the Triton kernel (the only one it has)", choices=SAGE_K_GRANULARITIES),
+    P("min_seq_len", "int", 16384, "Hopper crossover: with impl auto on an SM90 GPU a call shorter than this many query tokens runs fa (exact dense) instead, where it is faster (H200, vs FlashAttention-4: 0.70x at 4096 tokens head dim 64, 0.89x at 4096/128, 0.97-0.98x at 4.6k-8k, 1.02x at 16k x 40 heads, 1.09-1.13x at 32k); 0 keeps sage_attn at every length", check=non_negative, accepted="an integer >= 0 (0: off)"),
     P("qk_balance", "float", None, "Per-channel Q/K balance before the INT8 rounding (SmoothQuant-style, per batch and K/V head: Q's channels times c, smoothed K's divided by c, c = amax|K~|^a / amax|Q|^(1-a) normalised to geometric mean 1, so Q.K is unchanged): unset = off; a in (0, 1]. CPU reference (docs/sage_kernel.md): token K scales with a = 0.5 bring the worst structured input from 2.09 % to 1.82 % error (every structured input <= 1.83 %), real DiT activations unchanged (<= 0.47 %); block K scales with a = 0.75 take 0.04-0.5 pp off but stay above 2 % on some inputs. Costs one more read of Q in the quantization prologue (impl sm90, triton, reference; not the package)", check=in_range(0.0, 1.0, lo_open=True), accepted="a number in (0, 1] (unset: off)"),
 )
 
@@ -373,7 +387,7 @@ def sage_impl_for(q: torch.Tensor, call: AttnCall, cfg: Optional[dict] = None) -
     notes="lossy (INT8 Q.K); upstream SM list SM80/86/89/90/120; on Hopper a call the in-tree kernel "
           "cannot serve falls back to fa when the installed sageattention lacks the SM90 fix; "
           "on MUSA it runs the sageattention package (no LSE)",
-    extra_check=_sage_check, runtime_label=_runtime_label))
+    extra_check=_sage_check, runtime_label=_runtime_label, runtime_broken=_runtime_broken))
 def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttnCall, config: dict):
     """``sage_attn``: q ``[B, S_q, H, D]``, k/v ``[B, S_kv, H_kv, D]``; returns ``(out, lse|None)``.
 
@@ -389,6 +403,9 @@ def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Attn
             f"sage_attn: dtype {str(q.dtype).replace('torch.', '')} not supported on {q.device.type} "
             "(accepts float16, bfloat16)"
         )
+    routed = dense_below_crossover(q, k, v, call, cfg)  # the measured Hopper crossover: fa is faster there
+    if routed is not None:
+        return routed
     return SAGE_IMPLS[sage_impl_for(q, call, cfg)].run(q, k, v, call, cfg)
 
 

@@ -3,13 +3,14 @@
 Registers ``sliding_tile_attn``, ``video_sparse_attn``, ``sparge_attn``, ``vmoba_attn``,
 ``sparse_video_gen_2_attn``, ``sla_attn``, ``sage_sla_attn`` and ``sol_attn`` (contract:
 :mod:`ditattn.attention.backends.base`), each with its capability row and parameter schema, through
-:func:`sparse_backend`, which runs the prologue they share.  Common rules:
+:func:`.sparse_common.sparse_backend`, which runs the prologue they share.  Common rules:
 
 * self-attention over ``call.video_shape = (T, H, W)`` latent tokens (T-major) followed by
   ``call.text_len`` text tokens; ``video_shape`` None, a length that does not match, causal
   attention, an additive bias or cross-attention (different q/kv lengths) raise
   :class:`AttentionConfigError` (``sparge_attn`` instead runs dense SDPA on shapes it does not
-  sparsify, as upstream does);
+  sparsify, as upstream does; ``sparge_attn`` and ``sol_attn`` take a call without ``video_shape`` as
+  a plain sequence in 1-D tiles);
 * text tokens attend and are attended by everything; GQA K/V heads are expanded;
 * ``call.step`` None counts as a sparse step, ``call.layer_idx`` None as layer 0;
 * dense phases (``skip_time_steps``, ``first_full_step``, ``dense_steps``, ``dense_layers``, ...)
@@ -25,22 +26,20 @@ one block per tile.
 """
 from __future__ import annotations
 
-import functools
 import threading
-from typing import Optional
 
 import torch
 
-from ditattn.attention.backends.base import AttnCall, register
-from ditattn.attention.config import complete_backend_config, parse_layer_list
+from ditattn.attention.backends.base import AttnCall
+from ditattn.attention.backends.sparse_common import (layer_index, layer_stats_key, line_tile, remember_budget,
+                                                      reused_dense, run_dense, sparse_backend, sparse_done)
+from ditattn.attention.config import parse_layer_list
 from ditattn.attention.names import AttentionBackendEnum as B
-from ditattn.attention.reference import expand_kv
 from ditattn.attention.schemas import (BLOCK_SPARSE_IMPL, EDGE_TILES, SOL_PREDICTORS, SPARGE_PREDICTORS,
-                                       SVG2_PREDICTORS, VMOBA_GATES, P, in_range, layer_list_check, list_len,
-                                       non_negative, positive)
+                                       SVG2_PREDICTORS, VMOBA_GATES, P, error_budget, in_range, layer_list_check,
+                                       list_len, non_negative, positive)
 from ditattn.attention.specs import ALL_FLOAT, BF16, FP16_BF16, IN_TREE_SPARSE, BackendSpec
-from ditattn.attention.sparse import record_stats, stats_key
-from ditattn.attention.sparse.block_sparse import dense_attention
+from ditattn.attention.sparse import record_stats
 from ditattn.attention.sparse.sla import sla_attention
 from ditattn.attention.sparse.sol import sol_attention
 from ditattn.attention.sparse.sparge import sparge_applies, sparge_attention
@@ -56,90 +55,10 @@ from ditattn.attention.sparse.svg2 import svg2_attention
 from ditattn.attention.sparse.vmoba import vmoba_attention, vmoba_layer_mode
 from ditattn.attention.sparse.vsa import video_sparse_attention
 from ditattn.errors import AttentionConfigError
-from ditattn.settings import check_retired
 
 Tensor = torch.Tensor
 
 SEARCH_MODES = ("STA_searching", "STA_tuning", "STA_tuning_cfg")
-
-
-def _config(backend: B, config: Optional[dict]) -> dict:
-    """The backend's full config (defaults filled in, validated unless the layer already did)."""
-    check_retired("DITATTN_BLOCK_SPARSE_IMPL")
-    return complete_backend_config(backend, config)
-
-
-def _check_call(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall) -> tuple[tuple[int, int, int], int]:
-    if call.causal:
-        raise AttentionConfigError(f"{name}: sparse video attention is non-causal; causal attention is not supported")
-    if call.attn_bias is not None:
-        raise AttentionConfigError(f"{name}: does not accept an additive attention bias/mask")
-    if q.shape[1] != k.shape[1]:
-        raise AttentionConfigError(
-            f"{name}: sparse video attention needs self-attention (q has {q.shape[1]} tokens, k/v {k.shape[1]}); "
-            "cross-attention is served by a dense backend"
-        )
-    if call.video_shape is None:
-        raise AttentionConfigError(f"{name}: sparse video attention needs the latent grid video_shape=(T,H,W)")
-    try:
-        T, H, W = (int(x) for x in call.video_shape)
-    except (TypeError, ValueError):
-        raise AttentionConfigError(
-            f"{name}: video_shape must be three positive integers (T, H, W), got {call.video_shape!r}") from None
-    if min(T, H, W) <= 0:
-        raise AttentionConfigError(f"{name}: video_shape must be three positive integers (T, H, W), got {call.video_shape!r}")
-    text_len = int(call.text_len or 0)
-    if T * H * W + text_len != q.shape[1]:
-        raise AttentionConfigError(
-            f"{name}: sequence length {q.shape[1]} != T*H*W + text_len = {T}*{H}*{W} + {text_len} "
-            f"= {T * H * W + text_len} (video_shape={call.video_shape})"
-        )
-    return (T, H, W), text_len
-
-
-def _key(name: str, call: AttnCall) -> str:
-    return stats_key(name, call.layer_key, call.layer_idx)
-
-
-def _dense(name: str, q, k, v, call: AttnCall, reason: str, backend: Optional[str] = None):
-    record_stats(_key(name, call), backend=name, kept_fraction=1.0, dense=True, reason=reason,
-                 step=call.step, layer_idx=call.layer_idx)
-    return dense_attention(q, k, v, scale=call.scale, return_lse=call.return_lse, backend=backend)
-
-
-def _sparse_done(name: str, call: AttnCall, plan, **extra):
-    record_stats(_key(name, call), backend=name, kept_fraction=plan.kept_fraction_pending, dense=False, reason="",
-                 step=call.step, layer_idx=call.layer_idx, **extra)
-
-
-def _layer(call: AttnCall) -> int:
-    return 0 if call.layer_idx is None else int(call.layer_idx)
-
-
-def sparse_backend(backend: B, *, spec: BackendSpec, schema=(), precheck=None):
-    """Register ``body`` as the implementation of the sparse video ``backend`` (with its capability row
-    and schema, see ``backends.base.register``) behind the prologue every sparse backend shares:
-    the config completed and validated, then ``precheck(name, q, k, v, call, cfg)`` when given (a
-    result other than None is returned as is: a dense call on a shape the backend does not sparsify),
-    the call checked (:func:`_check_call`) and K/V expanded to q's heads.  ``body(name, q, k, v, call,
-    cfg, vs, text_len)`` gets q/k/v ``[B, S, H, D]``, the latent grid ``vs = (T, H, W)`` and the text length."""
-    name = backend.value
-
-    def deco(body):
-        @functools.wraps(body)
-        def impl(q: Tensor, k: Tensor, v: Tensor, call: AttnCall, config: dict):
-            cfg = _config(backend, config)
-            if precheck is not None:
-                early = precheck(name, q, k, v, call, cfg)
-                if early is not None:
-                    return early
-            vs, text_len = _check_call(name, q, k, v, call)
-            k, v = expand_kv(k, v, q.shape[2])
-            return body(name, q, k, v, call, cfg, vs, text_len)
-
-        return register(backend, spec=spec, schema=schema)(impl)
-
-    return deco
 
 
 # ------------------------------------------------------------------------------------------------
@@ -174,6 +93,7 @@ SPARGE_ATTN_SCHEMA = (
     P("predictor", "str", "pooled_query", "Block predictor: pooled_query (each query block's mean against every key, log-sum-exp per key block: sees sink keys and fast RoPE channels; rel. error 5.4 % vs 10.2 % at topk 0.5 on the structured 480p inputs, for 1/128 of dense attention's FLOPs), pooled_query_var (plus the query variance term, twice that cost) or pooled (upstream: mean(q) . mean(k))", choices=SPARGE_PREDICTORS),
     P("simthreshd1", "float", -0.1, "Self-similarity threshold (upstream name): a block whose mean pairwise cosine similarity is <= it is computed for every query / key block on top of the topk / cdfthreshd blocks; the similarity is in [0, 1], so negative values (upstream's top-k default -0.1) turn the rule off", check=in_range(-1.0, 1.0), accepted="a number in [-1, 1]"),
     EDGE_TILES,
+    error_budget(0.005),
     BLOCK_SPARSE_IMPL,
 )
 
@@ -193,6 +113,7 @@ VMOBA_ATTN_SCHEMA = (
     P("temporal_layer", "int", 1, "Layers of temporal chunking per cycle", check=non_negative, accepted="an integer >= 0"),
     P("spatial_layer", "int", 1, "Layers of spatial chunking per cycle", check=non_negative, accepted="an integer >= 0"),
     P("st_layer", "int", 1, "Layers of spatio-temporal chunking per cycle", check=non_negative, accepted="an integer >= 0"),
+    error_budget(0.005),
     BLOCK_SPARSE_IMPL,
 )
 
@@ -208,6 +129,7 @@ SOL_ATTN_SCHEMA = (
     P("predictor", "str", "pooled_query", "Which blocks are exact: pooled_query (tau's rule sets how many per query block, its tile neighbours then the best by each query block's mean against every key, log-sum-exp per block) or pooled (upstream: the rule's blocks by mean(q) . mean(k))", choices=SOL_PREDICTORS),
     P("centroid_variance", "bool", True, "Approximate blocks' virtual keys add the blocks' key variance term 0.5 * scale^2 * q^2 . var(k) (the mass of a spread block, which its mean key underestimates); false: upstream's mean key and log size only"),
     EDGE_TILES,
+    error_budget(0.01),
     BLOCK_SPARSE_IMPL,
 )
 
@@ -228,6 +150,7 @@ SPARSE_VIDEO_GEN_2_ATTN_SCHEMA = (
     P("top_p", "float", 0.9, "Cumulative estimated attention mass kept per query cluster", check=in_range(0.0, 1.0, lo_open=True), accepted="a number in (0, 1]"),
     P("predictor", "str", "pooled_query", "Mass estimate of a (query cluster, key cluster) pair: pooled_query (log-sum-exp over the key cluster's keys of the query centroid . each key: sees sink keys and spread clusters) or centroids (upstream: query centroid . key centroid + log cluster size)", choices=SVG2_PREDICTORS),
     P("first_full_steps", "int", 0, "Dense attention for the first N denoising steps", check=non_negative, accepted="an integer >= 0"),
+    error_budget(0.005),
     BLOCK_SPARSE_IMPL,
 )
 
@@ -247,23 +170,23 @@ def sliding_tile_attn(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall
     tile_size = tuple(cfg.get("tile_size") or (4, 4, 4))
     strategy = load_mask_strategy(path) if mode == "STA_inference" else None
     if call.step is not None and call.step < cfg["skip_time_steps"]:
-        return _dense(name, q, k, v, call, f"step {call.step} < skip_time_steps {cfg['skip_time_steps']}")
+        return run_dense(name, q, k, v, call, f"step {call.step} < skip_time_steps {cfg['skip_time_steps']}")
     head_offset = int(getattr(call, "head_offset", 0) or 0)
     if mode in SEARCH_MODES:
         search = get_search(path, mode, parse_candidates(cfg.get("window_candidates")))
         out, lse = sta_search_attention(q, k, v, video_shape=vs, search=search,
-                                        step=0 if call.step is None else int(call.step), layer=_layer(call),
+                                        step=0 if call.step is None else int(call.step), layer=layer_index(call),
                                         head_offset=head_offset, tile_size=tile_size, text_len=text_len,
                                         scale=call.scale, return_lse=call.return_lse, impl=cfg["block_sparse_impl"])
-        record_stats(_key(name, call), backend=name, kept_fraction=1.0, dense=True,
+        record_stats(layer_stats_key(name, call), backend=name, kept_fraction=1.0, dense=True,
                      reason=f"{mode}: full attention returned, candidates measured", step=call.step,
                      layer_idx=call.layer_idx)
         return out, lse
-    windows = strategy.windows(call.step, _layer(call), q.shape[2], head_offset)
+    windows = strategy.windows(call.step, layer_index(call), q.shape[2], head_offset)
     out, lse, plan = sliding_tile_attention(q, k, v, video_shape=vs, windows=windows, tile_size=tile_size,
                                             text_len=text_len, scale=call.scale, return_lse=call.return_lse,
                                             impl=cfg["block_sparse_impl"])
-    _sparse_done(name, call, plan, windows=windows.tolist())
+    sparse_done(name, call, plan, windows=windows.tolist())
     return out, lse
 
 
@@ -274,11 +197,11 @@ def sliding_tile_attn(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall
     notes="4x4x4 tiles of 64 tokens; in-tree engine (upstream vsa not needed)"))
 def video_sparse_attn(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall, cfg: dict, vs, text_len: int):
     if cfg["sparsity"] == 0.0:  # k = every tile: the fine stage is exact full attention
-        return _dense(name, q, k, v, call, "sparsity 0.0 keeps every tile (exact dense attention)")
+        return run_dense(name, q, k, v, call, "sparsity 0.0 keeps every tile (exact dense attention)")
     out, lse, plan = video_sparse_attention(q, k, v, video_shape=vs, sparsity=cfg["sparsity"], text_len=text_len,
                                             scale=call.scale, return_lse=call.return_lse, impl=cfg["block_sparse_impl"],
                                             edge_tiles=cfg["edge_tiles"])
-    _sparse_done(name, call, plan, tiles_per_query=plan.extra["k"])
+    sparse_done(name, call, plan, tiles_per_query=plan.extra["k"])
     return out, lse
 
 
@@ -292,11 +215,11 @@ def _sparge_precheck(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall,
     if not ok:
         if call.causal or call.attn_bias is not None:
             raise AttentionConfigError(f"{name}: causal attention and additive biases are not supported")
-        return _dense(name, q, k, v, call, f"dense SDPA: {why}")
+        return run_dense(name, q, k, v, call, f"dense SDPA: {why}", announce=True)
     return None
 
 
-@sparse_backend(B.SPARGE_ATTN, schema=SPARGE_ATTN_SCHEMA, precheck=_sparge_precheck, spec=BackendSpec(
+@sparse_backend(B.SPARGE_ATTN, schema=SPARGE_ATTN_SCHEMA, precheck=_sparge_precheck, lines=True, spec=BackendSpec(
     kind="sparse+quantized", summary="SpargeAttention: top-k blocks by pooled-query block scores, INT8 Q.K in kept blocks",
     runtimes=IN_TREE_SPARSE, upstream_platforms=("cuda",), dtypes=FP16_BF16,
     cuda_sm=(80, 86, 87, 89, 90), lossy=True, cross_attention=False, causal=False,
@@ -304,13 +227,19 @@ def _sparge_precheck(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall,
     notes="FP16/BF16; head dim 64/128, square self-attention of >=128 tokens; other shapes run dense SDPA; "
           "kept blocks INT8 Q.K (quantize=false: exact)"))
 def sparge_attn(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall, cfg: dict, vs, text_len: int):
+    again = reused_dense(name, q, k, v, call, cfg)
+    if again is not None:
+        return again
+    tile_1d = line_tile(call, cfg.get("block_size", 64))
     out, lse, plan = sparge_attention(q, k, v, video_shape=vs, topk=cfg["topk"], cdfthreshd=cfg.get("cdfthreshd"),
+                                      tile_size=tile_1d,
                                       block_size=cfg.get("block_size", 64), text_len=text_len,
                                       quantize=cfg.get("quantize", True),
                                       predictor=cfg["predictor"], simthreshd1=cfg["simthreshd1"], scale=call.scale,
                                       return_lse=call.return_lse, impl=cfg["block_sparse_impl"],
-                                      edge_tiles=cfg["edge_tiles"])
-    _sparse_done(name, call, plan, quantized=plan.extra["quantized"], predictor=plan.extra["predictor"])
+                                      edge_tiles=cfg["edge_tiles"], error_budget=cfg.get("error_budget", 0.0))
+    sparse_done(name, call, plan, quantized=plan.extra["quantized"], predictor=plan.extra["predictor"])
+    remember_budget(name, call, cfg, plan)
     return out, lse
 
 
@@ -323,18 +252,22 @@ def vmoba_attn(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall, cfg: 
                             temporal_layer=cfg["temporal_layer"], spatial_layer=cfg["spatial_layer"],
                             st_layer=cfg["st_layer"])
     if call.step is not None and call.step < cfg["first_full_step"]:
-        return _dense(name, q, k, v, call, f"step {call.step} < first_full_step {cfg['first_full_step']}")
+        return run_dense(name, q, k, v, call, f"step {call.step} < first_full_step {cfg['first_full_step']}")
     if mode == "full":
-        return _dense(name, q, k, v, call, f"layer {_layer(call)} < first_full_layer {cfg['first_full_layer']}")
+        return run_dense(name, q, k, v, call, f"layer {layer_index(call)} < first_full_layer {cfg['first_full_layer']}")
     chunk = {"temporal": cfg.get("temporal_chunk_size"), "spatial": cfg.get("spatial_chunk_size"),
              "st": cfg.get("st_chunk_size")}[mode]
+    again = reused_dense(name, q, k, v, call, cfg)
+    if again is not None:
+        return again
     topk = {"temporal": cfg.get("temporal_topk"), "spatial": cfg.get("spatial_topk"), "st": cfg.get("st_topk")}[mode]
     out, lse, plan = vmoba_attention(q, k, v, video_shape=vs, mode=mode, chunk=chunk, topk=topk,
                                      select_mode=cfg["moba_select_mode"], threshold=cfg["moba_threshold"],
                                      threshold_type=cfg["moba_threshold_type"], gate=cfg["gate"], text_len=text_len,
-                                     scale=call.scale,
-                                     return_lse=call.return_lse, impl=cfg["block_sparse_impl"])
-    _sparse_done(name, call, plan, mode=mode, chunk=plan.extra["chunk"], topk=plan.extra["topk"])
+                                     scale=call.scale, return_lse=call.return_lse, impl=cfg["block_sparse_impl"],
+                                     error_budget=cfg.get("error_budget", 0.0))
+    sparse_done(name, call, plan, mode=mode, chunk=plan.extra["chunk"], topk=plan.extra["topk"])
+    remember_budget(name, call, cfg, plan)
     return out, lse
 
 
@@ -344,16 +277,33 @@ def vmoba_attn(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall, cfg: 
     cross_attention=False, causal=False, config_schema="sparse_video_gen_2_attn"))
 def sparse_video_gen_2_attn(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall, cfg: dict, vs, text_len: int):
     if call.step is not None and call.step < cfg["first_full_steps"]:
-        return _dense(name, q, k, v, call, f"step {call.step} < first_full_steps {cfg['first_full_steps']}")
+        return run_dense(name, q, k, v, call, f"step {call.step} < first_full_steps {cfg['first_full_steps']}")
+    budget = cfg.get("error_budget", 0.0)
     # warm start per layer and calling thread (one request runs its steps on one thread)
-    state_key = f"{_key(name, call)}@{threading.get_ident()}"
+    state_key = f"{layer_stats_key(name, call)}@{threading.get_ident()}"
+    if budget > 0:  # decide before clustering: a layer that needs most blocks runs dense
+        from ditattn.attention.sparse import budget as eb
+        from ditattn.attention.sparse.budget import precheck_dense
+
+        last = eb.kept_last_step(state_key, call.step)
+        if last is not None and last > eb.DENSE_ABOVE:  # it kept most blocks last step: dense for the request
+            eb.remember_kept(state_key, call.step, 1.0)
+            return run_dense(name, q, k, v, call, "error budget: the layer kept most blocks at an earlier step "
+                          "(dense kernel for the rest of the request)", announce=True)
+        if precheck_dense(q, k, vs, text_len, budget, scale=call.scale, impl=cfg["block_sparse_impl"]):
+            eb.remember_kept(state_key, call.step, 1.0)
+            return run_dense(name, q, k, v, call, "error budget: every head needs most blocks (dense kernel)",
+                          announce=True)
     out, lse, plan = svg2_attention(q, k, v, video_shape=vs, text_len=text_len, num_q_clusters=cfg["num_q_clusters"],
                                     num_k_clusters=cfg["num_k_clusters"], kmeans_iters=cfg["kmeans_iters"],
-                                    top_p=cfg["top_p"], warm_iters=cfg["warm_iters"],
+                                    top_p=max(cfg["top_p"], 1.0 - budget) if budget > 0 else cfg["top_p"],
+                                    warm_iters=cfg["warm_iters"],
                                     recluster_every=cfg["recluster_every"], predictor=cfg["predictor"],
                                     state_key=state_key, step=call.step,
                                     scale=call.scale, return_lse=call.return_lse, impl=cfg["block_sparse_impl"])
-    _sparse_done(name, call, plan, mode=plan.extra["mode"])
+    sparse_done(name, call, plan, mode=plan.extra["mode"])
+    if budget > 0:
+        eb.remember_kept(state_key, call.step, plan.kept_fraction_pending)
     return out, lse
 
 
@@ -363,7 +313,7 @@ def _sla(name: str, q, k, v, call: AttnCall, cfg: dict, vs, text_len: int):
                                    quantize=name == B.SAGE_SLA_ATTN.value, scale=call.scale,
                                    return_lse=call.return_lse, impl=cfg["block_sparse_impl"],
                                    edge_tiles=cfg["edge_tiles"])
-    _sparse_done(name, call, plan, marginal_fraction=plan.extra["marginal_fraction"], linear_branch="absent (zero)")
+    sparse_done(name, call, plan, marginal_fraction=plan.extra["marginal_fraction"], linear_branch="absent (zero)")
     return out, lse
 
 
@@ -393,25 +343,31 @@ def _sol_precheck(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall, cf
     return None
 
 
-@sparse_backend(B.SOL_ATTN, schema=SOL_ATTN_SCHEMA, precheck=_sol_precheck, spec=BackendSpec(
+@sparse_backend(B.SOL_ATTN, schema=SOL_ATTN_SCHEMA, precheck=_sol_precheck, lines=True, spec=BackendSpec(
     kind="sparse", summary="Sol attention: threshold routing with exact KV sinks",
     runtimes=IN_TREE_SPARSE, upstream_platforms=("cuda",), dtypes=BF16, head_dims=frozenset({128}),
     lossy=True, cross_attention=False, causal=False, config_schema="sol_attn",
     notes="BF16 and head dim 128 only; first dense_steps steps and dense_layers run dense_backend"))
 def sol_attn(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall, cfg: dict, vs, text_len: int):
+    tile_1d = line_tile(call, 64)
     dense_backend = cfg["dense_backend"]
     if call.step is not None and call.step < cfg["dense_steps"]:
-        return _dense(name, q, k, v, call, f"step {call.step} < dense_steps {cfg['dense_steps']} ({dense_backend})",
+        return run_dense(name, q, k, v, call, f"step {call.step} < dense_steps {cfg['dense_steps']} ({dense_backend})",
                       backend=dense_backend)
-    layer = _layer(call)
+    layer = layer_index(call)
     if layer in parse_layer_list(cfg["dense_layers"]):
-        return _dense(name, q, k, v, call, f"layer {layer} in dense_layers {cfg['dense_layers']} ({dense_backend})",
+        return run_dense(name, q, k, v, call, f"layer {layer} in dense_layers {cfg['dense_layers']} ({dense_backend})",
                       backend=dense_backend)
+    again = reused_dense(name, q, k, v, call, cfg, backend=dense_backend)
+    if again is not None:
+        return again
     out, lse, plan = sol_attention(q, k, v, video_shape=vs, text_len=text_len, tau=cfg["tau"],
                                    thresh_type=cfg["thresh_type"], sink_start=cfg["sink_start"],
                                    sink_tokens=cfg["sink_tokens"], predictor=cfg["predictor"],
                                    centroid_variance=cfg["centroid_variance"], scale=call.scale,
                                    return_lse=call.return_lse, impl=cfg["block_sparse_impl"],
-                                   edge_tiles=cfg["edge_tiles"])
-    _sparse_done(name, call, plan, approximate_fraction=1.0 - plan.kept_fraction_pending)
+                                   edge_tiles=cfg["edge_tiles"], error_budget=cfg.get("error_budget", 0.0),
+                                   dense_backend=dense_backend, tile_size=tile_1d)
+    sparse_done(name, call, plan, approximate_fraction=1.0 - plan.kept_fraction_pending)
+    remember_budget(name, call, cfg, plan)
     return out, lse

@@ -21,6 +21,25 @@ def skip_threshold(threshold_scale_factor: float, context_length: int) -> float:
     return float(threshold_scale_factor) / float(context_length)
 
 
+def dropped_mass_bound(threshold_scale_factor: float) -> float:
+    """The most attention mass one query row can lose to the tile skipping at ``threshold_scale_factor``
+    ``λ``: ``λ / (1 + λ)``.  A tile is skipped only when each row's largest weight in it is below ``λ / L``
+    (``L`` keys) times the row's running maximum, so the skipped tiles hold at most ``λ`` times the row's
+    final maximum weight, which is itself kept.  With ``|o_skip - o| <= 2 m max|v|`` this bounds the output
+    error; :func:`factor_for_budget` inverts it."""
+    lam = float(threshold_scale_factor)
+    return lam / (1.0 + lam)
+
+
+def factor_for_budget(budget: float) -> float:
+    """The largest ``threshold_scale_factor`` whose :func:`dropped_mass_bound` is at most ``budget`` (in
+    (0, 1)): ``budget / (1 - budget)``."""
+    b = float(budget)
+    if not 0 < b < 1:
+        raise AttentionConfigError(f"skip softmax: an error budget must lie in (0, 1), got {budget!r}")
+    return b / (1.0 - b)
+
+
 def _validate_factor(threshold_scale_factor):
     if threshold_scale_factor is None:
         return
@@ -109,4 +128,5 @@ def skip_softmax_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     return out.transpose(1, 2).to(q.dtype), (lse if return_lse else None), frac
 
 
-__all__ = ["check_skip_softmax_request", "skip_softmax_reference", "skip_threshold", "SUPPORTED_HEAD_DIMS"]
+__all__ = ["check_skip_softmax_request", "dropped_mass_bound", "factor_for_budget", "skip_softmax_reference",
+           "skip_threshold", "SUPPORTED_HEAD_DIMS"]

@@ -42,7 +42,8 @@ from typing import Optional
 import torch
 
 from ditattn.attention.sparse.block_scores import pooled_query_block_scores, pooled_query_features
-from ditattn.attention.sparse.block_sparse import block_mask_to_lists, block_sparse_attention, list_width
+from ditattn.attention.sparse.block_sparse import (block_mask_to_lists, block_sparse_attention, dense_attention,
+                                                   list_width)
 from ditattn.attention.sparse.common import SparsePlan, add_special_blocks, triton_path
 from ditattn.attention.sparse.tiling import TileLayout, make_tile_layout, pooled_blocks, tile, untile
 from ditattn.errors import AttentionConfigError
@@ -160,21 +161,45 @@ def sol_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: int
                   thresh_type: str = "diag", sink_start: int = 0, sink_tokens: int = 0,
                   predictor: str = "pooled_query", centroid_variance: bool = True,
                   scale: Optional[float] = None, return_lse: bool = False, impl: str = "auto",
-                  edge_tiles: str = "packed") -> tuple[Tensor, Optional[Tensor], SparsePlan]:
+                  edge_tiles: str = "packed", error_budget: float = 0.0, tile_size: Optional[tuple] = None,
+                  dense_backend: Optional[str] = None) -> tuple[Tensor, Optional[Tensor], SparsePlan]:
     """Sol over ``[B, T*H*W + text_len, heads, D]`` q/k/v (k/v with q's head count); any float
     dtype / head dim (the backend enforces bf16 and 128).  ``predictor``, ``centroid_variance``
     and ``edge_tiles``: the module docstring.  Returns ``(out, lse or None, plan)`` with
     ``plan.extra``: ``exact`` video routes ``[B, H, nv, nv]``, ``scores`` (pooled),
-    ``thresholds``, ``route_scores`` (pooled-query scores, or None with ``predictor="pooled"``)."""
+    ``thresholds``, ``route_scores`` (pooled-query scores, or None with ``predictor="pooled"``).
+    ``error_budget`` > 0: more blocks become exact until the predicted mass of the approximate blocks
+    per query block is at most the budget (:mod:`.budget`); when every head then runs dense, the call
+    runs ``dense_backend`` instead (``plan.extra["dense_fallback"]``).  ``tile_size``: default
+    ``SOL_TILE_SIZE``; ``(1, 1, 64)`` for plain sequences given as a ``(1, 1, S)`` grid."""
     B, S, H, D = q.shape
     n_video = math.prod(int(x) for x in video_shape)
     sink = sol_sink_range(int(sink_start), int(sink_tokens), n_video + int(text_len))
-    layout = make_tile_layout(video_shape, SOL_TILE_SIZE, text_len, special_ranges=[sink] if sink[1] > sink[0] else [],
+    tiles = SOL_TILE_SIZE if tile_size is None else tuple(tile_size)
+    layout = make_tile_layout(video_shape, tiles, text_len, special_ranges=[sink] if sink[1] > sink[0] else [],
                               edge_tiles=edge_tiles)
     scale = D ** -0.5 if scale is None else float(scale)
     qt, kt, vt = tile(q, layout), tile(k, layout), tile(v, layout)
+    if error_budget > 0:
+        from ditattn.attention.sparse import budget as eb
+
+        if eb.early_dense(qt, kt, layout, error_budget, scale=scale, impl=impl):  # before any routing work
+            return eb.dense_budgeted(q, k, v, layout, error_budget, scale=scale, return_lse=return_lse,
+                                     dense_backend=dense_backend, extra={"predictor": predictor, "sink": sink})
     exact, scores, thr, route = sol_route(qt, kt, layout, tau=tau, thresh_type=thresh_type, scale=scale,
                                           predictor=predictor, impl=impl)
+    budget = None
+    if error_budget > 0:
+        from ditattn.attention.sparse import budget as eb
+
+        lm = eb.probe_log_mass(qt, kt, layout, scale, impl=impl)
+        selected = exact
+        exact, dense = eb.enforce_budget(lm, exact, error_budget)
+        budget = eb.budget_stats(lm, selected, exact, dense, error_budget)
+        if eb.all_dense(dense):
+            res = eb.Budgeted(layout, None, None, budget)
+            out, lse = dense_attention(q, k, v, scale=scale, return_lse=return_lse, backend=dense_backend)
+            return out, lse, res.plan({"predictor": predictor, "sink": sink})
     bm = add_special_blocks(layout, exact)
     idx, cnt = block_mask_to_lists(bm, width=list_width(q.device, layout.n_blocks))
     kvv = layout.kv_valid(B, q.device)
@@ -205,5 +230,5 @@ def sol_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: int
     lse_out = untile(lse.float(), layout, dim=2) if return_lse else None
     plan = SparsePlan(layout, idx, cnt, None,  # the kept fraction is counted when first read
                       {"exact": exact, "scores": scores, "thresholds": thr, "route_scores": route, "sink": sink,
-                       "predictor": predictor, "centroid_variance": bool(centroid_variance)})
+                       "predictor": predictor, "centroid_variance": bool(centroid_variance), "budget": budget})
     return out, lse_out, plan

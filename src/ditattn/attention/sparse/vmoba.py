@@ -42,7 +42,7 @@ from typing import Optional
 import torch
 
 from ditattn.attention.sparse.block_scores import pooled_query_block_scores
-from ditattn.attention.sparse.common import SparsePlan, add_special_blocks, run_block_mask
+from ditattn.attention.sparse.common import SparsePlan, add_special_blocks, run_block_lists, run_block_mask
 from ditattn.attention.sparse.tiling import TileLayout, make_tile_layout, tile
 from ditattn.errors import AttentionConfigError
 
@@ -212,9 +212,12 @@ def vmoba_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, mode: str, 
                     topk: Optional[int] = None, select_mode: str = "threshold", threshold: float = 0.25,
                     threshold_type: str = "query_head", gate: str = "pooled_query", text_len: int = 0,
                     scale: Optional[float] = None, return_lse: bool = False,
-                    impl: str = "auto") -> tuple[Tensor, Optional[Tensor], SparsePlan]:
+                    impl: str = "auto", error_budget: float = 0.0) -> tuple[Tensor, Optional[Tensor], SparsePlan]:
     """V-MoBA with chunking ``mode`` (``temporal``/``spatial``/``st``) over ``[B, T*H*W + text_len,
-    heads, D]`` q/k/v (k/v with q's head count).  ``chunk``/``topk`` None -> grid defaults."""
+    heads, D]`` q/k/v (k/v with q's head count).  ``chunk``/``topk`` None -> grid defaults.
+    ``error_budget`` > 0: the chunk selection is widened block by block until its predicted dropped
+    mass per query block is at most the budget (:mod:`.budget`; a call whose heads all need most
+    blocks runs the dense kernel, ``plan.extra["dense_fallback"]``)."""
     vs = tuple(int(x) for x in video_shape)
     if chunk is None:
         chunk = default_chunk_sizes(vs)[mode]
@@ -225,9 +228,27 @@ def vmoba_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, mode: str, 
     if topk is None:
         topk = max(1, math.ceil(n_chunks / 4))
     qt, kt = tile(q, layout), tile(k, layout)
+    if error_budget > 0:
+        from ditattn.attention.sparse.budget import dense_budgeted, early_dense
+
+        scale_ = q.shape[-1] ** -0.5 if scale is None else scale
+        if early_dense(qt, kt, layout, error_budget, scale=scale_, impl=impl):  # before the chunk gates
+            return dense_budgeted(q, k, v, layout, error_budget, scale=scale, return_lse=return_lse,
+                                  extra={"mode": mode, "chunk": chunk, "topk": topk, "gate": gate})
     bm, sel, cob = vmoba_block_mask(qt, kt, layout, select_mode=select_mode, topk=topk, threshold=threshold,
                                     threshold_type=threshold_type, gate=gate, scale=scale, impl=impl)
-    return run_block_mask(q, k, v, layout, bm, scale=scale, return_lse=return_lse, impl=impl,
-                          extra={"mode": mode, "chunk": chunk, "topk": topk, "gate": gate, "selection": sel,
-                                 "chunk_of_block": cob, "n_chunks": n_chunks},
+    extra = {"mode": mode, "chunk": chunk, "topk": topk, "gate": gate, "selection": sel,
+             "chunk_of_block": cob, "n_chunks": n_chunks}
+    if error_budget > 0:
+        from ditattn.attention.sparse.budget import budgeted_lists
+
+        nv = layout.n_video_blocks
+        scale_ = q.shape[-1] ** -0.5 if scale is None else scale
+        res = budgeted_lists(q, k, v, qt, kt, layout, bm[..., :nv, :nv], error_budget, scale=scale_,
+                             return_lse=return_lse, impl=impl)
+        if res.dense_out is not None:
+            return res.dense_out, res.dense_lse, res.plan(extra)
+        return run_block_lists(q, k, v, layout, res.idx, res.cnt, scale=scale, return_lse=return_lse, impl=impl,
+                               extra=dict(extra, budget=res.stats), q_tiled=qt, k_tiled=kt)
+    return run_block_mask(q, k, v, layout, bm, scale=scale, return_lse=return_lse, impl=impl, extra=extra,
                           q_tiled=qt, k_tiled=kt)

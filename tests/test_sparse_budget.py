@@ -1,0 +1,331 @@
+"""The error budget of the training-free sparse backends, the structured families, 1-D sparse calls and
+the once-said dense fallbacks (CPU, small grids; float64 exact attention as the reference)."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import ditattn
+from ditattn.attention.sparse import budget as eb
+from ditattn.attention.sparse import clear_stats, last_stats
+from ditattn.attention.sparse.fallback import clear_dense_notes, dense_notes
+from ditattn.evaluation.structured import FAMILIES, family_spec, structured_qkv
+
+GRID = (5, 8, 12)  # the 480p grid's aspect, scaled down for the CPU
+#: (backend, head dims it serves, layer indices: V-MoBA's temporal / spatial / spatio-temporal layers)
+DEFAULTS = [
+    ("sparge_attn", (64, 128), (2,)),
+    ("sol_attn", (128,), (2,)),
+    ("vmoba_attn", (64, 128), (1, 2, 3)),
+    ("sparse_video_gen_2_attn", (64, 128), (2,)),
+]
+CASES = [(b, d, layer) for b, dims, layers in DEFAULTS for d in dims for layer in layers]
+
+
+def _exact(q, k, v):
+    f = [t.double().transpose(1, 2) for t in (q, k, v)]
+    return torch.nn.functional.scaled_dot_product_attention(*f).transpose(1, 2)
+
+
+def _errors(out, ref):
+    o, r = out.double().flatten(), ref.flatten()
+    return float((o - r).norm() / r.norm()), float(o @ r / (o.norm() * r.norm()))
+
+
+def _run(backend, q, k, v, layer, **cfg):
+    clear_stats()
+    out = ditattn.attention(q, k, v, backend=backend, config=cfg or None, video_shape=GRID, step=50, layer_idx=layer)
+    return out, dict(next(iter(last_stats.values())))
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    """``{head_dim: {(family, seed): (q, k, v, exact float64 output)}}``, 3 heads, two seeds."""
+    out = {64: {}, 128: {}}
+    for fam in FAMILIES:
+        for d in (64, 128):
+            for seed in (0, 1):
+                q, k, v, _ = structured_qkv(family_spec(fam, GRID, 3, head_dim=d, seed=seed), dtype=torch.bfloat16)
+                out[d][fam, seed] = (q, k, v, _exact(q, k, v))
+    return out
+
+
+@pytest.mark.parametrize("backend,head_dim,layer", CASES)
+def test_every_default_with_the_budget_stays_within_5_percent_on_every_family(inputs, backend, head_dim, layer):
+    """Budget on (the default): <= 5 % relative error and cosine >= 0.998 on the original and the new
+    families; the estimate's documented bound holds where the call stayed sparse."""
+    for (fam, seed), (q, k, v, ref) in inputs[head_dim].items():
+        out, st = _run(backend, q, k, v, layer)
+        rel, cos = _errors(out, ref)
+        assert rel <= 0.05 and cos >= 0.998, (fam, seed, rel, cos, st)
+        if not st["dense"] and "est_rel_err" in st:
+            assert rel <= st["est_rel_err"] + eb.ESTIMATE_SLACK, (fam, seed, rel, st)
+            assert st["dropped_mass_max"] <= st["error_budget"] + 1e-4, st
+
+
+def test_without_the_budget_the_defaults_miss_5_percent_on_the_new_families(inputs):
+    """The case the budget exists for: error_budget=0 (the previous behaviour) leaves Sparge, Sol and
+    V-MoBA far outside 5 % on the weak / mixed families, and the estimate without the budget says so."""
+    for backend in ("sparge_attn", "sol_attn", "vmoba_attn"):
+        for fam in ("weak", "mixed", "weak_mixed_smooth"):
+            q, k, v, ref = inputs[128][fam, 1]
+            out, st = _run(backend, q, k, v, 2, error_budget=0.0)
+            rel, _ = _errors(out, ref)
+            assert rel > 0.1, (backend, fam, rel)
+            out, st = _run(backend, q, k, v, 2)  # the default budget: the estimate of the plain rule is large
+            assert st["dense"] or st["est_rel_err_unbudgeted"] > 0.05, st
+
+
+def test_weak_locality_runs_dense_through_the_dense_kernel_and_records_it(inputs):
+    """A call whose heads all need most blocks skips the sparse machinery: the output is the dense
+    kernel's (bit for bit), the stats say dense with the budget as the reason and count every head."""
+    q, k, v, _ = inputs[128]["weak", 1]
+    dense = ditattn.attention(q, k, v, backend="torch_sdpa")
+    for backend in ("sparge_attn", "vmoba_attn", "sparse_video_gen_2_attn"):
+        out, st = _run(backend, q, k, v, 2)
+        assert st["dense"] and st["kept_fraction"] == 1.0 and "error budget" in st["reason"], st
+        assert torch.equal(out, dense), backend
+    _, st = _run("sparge_attn", q, k, v, 2)
+    assert st["dense_heads"] == st["heads"] == 3
+
+
+def test_budget_widens_the_selection_until_the_predicted_dropped_mass_meets_it():
+    torch.manual_seed(0)
+    lm = torch.randn(2, 3, 7, 9) * 3
+    keep = torch.zeros(2, 3, 7, 9, dtype=torch.bool)
+    keep[..., 0] = True
+    for b in (0.3, 0.1, 0.01):
+        out, dense = eb.enforce_budget(lm, keep, b, dense_above=1.0)
+        assert (out >= keep).all() and not dense.any()
+        assert float(eb.dropped_mass(lm, out).max()) <= b + 1e-6
+        assert float(eb.dropped_mass(lm, keep).max()) > b  # the rule alone misses it: blocks were added
+    sub = torch.randn(2, 3, 7, 4, 9) * 3  # per sub-block: every sub-block meets the budget
+    out, _ = eb.enforce_budget(sub, keep, 0.05, dense_above=1.0)
+    per_sub = (eb.shares(sub) * (~out).unsqueeze(-2)).sum(-1)
+    assert float(per_sub.max()) <= 0.05 + 1e-6 and torch.allclose(eb.dropped_mass(sub, out), per_sub.amax(-1))
+    out, dense = eb.enforce_budget(lm, keep, 0.0)
+    assert torch.equal(out, keep) and not dense.any()
+    _, dense = eb.enforce_budget(lm, keep, 0.01, dense_above=0.3)
+    assert dense.all()
+
+
+def test_estimator_against_exact_float64_attention():
+    """``m (o_kept - o_drop)`` is the exact error of dropping mass ``m`` (the identity the bound rests
+    on), checked on one row in float64."""
+    torch.manual_seed(3)
+    s = torch.randn(37, dtype=torch.float64) * 2
+    vv = torch.randn(37, 5, dtype=torch.float64)
+    keep = torch.rand(37) < 0.6
+    p = torch.softmax(s, 0)
+    o = p @ vv
+    m = float(p[~keep].sum())
+    o_k = (p * keep) @ vv / (1 - m)
+    o_d = (p * ~keep) @ vv / m
+    sparse = torch.softmax(s.masked_fill(~keep, float("-inf")), 0) @ vv
+    assert torch.allclose(sparse - o, m * (o_k - o_d))
+    assert float((sparse - o).norm()) <= 2 * m * float(vv.norm(dim=-1).max())
+
+
+def test_captured_shapes_activations_stay_within_5_percent(tmp_path):
+    """Real q/k/v of the trained ditattn:shapes (captured here; 3x8x8 grid, 2 heads of dim 128) under
+    every training-free default with its budget."""
+    from ditattn.evaluation.capture import capture_qkv, load_qkv
+    from ditattn.pipelines.wan import WanPipelineNative
+
+    pipe = WanPipelineNative.from_pretrained(None, device="cpu")
+    path = str(tmp_path / "qkv.safetensors")
+    capture_qkv(pipe, "a red circle moving right", path, steps=(0, -1), layers=[0, 3], num_inference_steps=2,
+                height=128, width=128, num_frames=17)
+    for e, q, k, v in load_qkv(path):
+        grid = tuple(e["video_shape"])
+        q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+        ref = _exact(q, k, v)
+        for backend, _, layers in DEFAULTS:
+            for layer in layers:
+                clear_stats()
+                out = ditattn.attention(q, k, v, backend=backend, video_shape=grid, step=50, layer_idx=layer)
+                rel, cos = _errors(out, ref)
+                st = dict(next(iter(last_stats.values())))
+                assert rel <= 0.05 and cos >= 0.998, (e["name"], backend, layer, rel, st)
+
+
+@pytest.mark.parametrize("backend,head_dim", [("sparge_attn", 64), ("sol_attn", 128)])
+def test_sparge_and_sol_serve_plain_sequences(backend, head_dim):
+    """No video_shape: 1-D blocks; budget off the selection is sparse and close to exact on a sequence
+    with local attention."""
+    torch.manual_seed(0)
+    S = 700
+    pos = torch.arange(S, dtype=torch.float32)
+    freqs = torch.linspace(0.02, 0.3, head_dim // 2)
+    ang = pos[:, None] * freqs[None]
+    base = torch.cat([ang.cos(), ang.sin()], -1) * 3.0
+    q = (base + 0.1 * torch.randn(S, head_dim)).view(1, S, 1, head_dim).expand(1, S, 2, head_dim).bfloat16()
+    k = q.clone()
+    v = torch.randn(1, S, 2, head_dim).bfloat16()
+    clear_stats()
+    out = ditattn.attention(q, k, v, backend=backend, config={"error_budget": 0.01}, step=50, layer_idx=3)
+    st = dict(next(iter(last_stats.values())))
+    rel, _ = _errors(out, _exact(q, k, v))
+    assert out.shape == q.shape and rel < 0.15, (rel, st)
+    assert not st["dense"] and st["kept_fraction"] < 0.9, st
+
+
+def test_short_call_says_once_that_it_runs_dense(caplog):
+    clear_dense_notes()
+    q = torch.randn(1, 64, 2, 64).bfloat16()
+    with caplog.at_level(logging.INFO, logger="ditattn.attention.sparse"):
+        for _ in range(3):
+            ditattn.attention(q, q, q, backend="sparge_attn", video_shape=(1, 8, 8), step=50, layer_idx=2)
+    lines = [r for r in caplog.records if "runs dense attention" in r.getMessage()]
+    assert len(lines) == 1 and "64 tokens < 128" in lines[0].getMessage()
+    assert dense_notes["sparge_attn"] == ["dense SDPA: 64 tokens < 128"]
+
+
+def test_error_budget_is_a_documented_config_key():
+    from ditattn.attention.names import AttentionBackendEnum as B
+    from ditattn.attention.schemas import schema_for
+    from ditattn.errors import AttentionConfigError
+
+    for b in (B.SPARGE_ATTN, B.SOL_ATTN, B.VMOBA_ATTN, B.SPARSE_VIDEO_GEN_2_ATTN):
+        p = {x.name: x for x in schema_for(b)}["error_budget"]
+        assert 0 < p.default <= 0.05 and "5 %" in p.help
+    q = torch.randn(1, 256, 2, 64).bfloat16()
+    with pytest.raises(AttentionConfigError, match="error_budget"):
+        ditattn.attention(q, q, q, backend="sparge_attn", config={"error_budget": 1.5}, video_shape=(4, 8, 8))
+
+
+def test_structured_families_differ_as_documented():
+    """weak: content norms 3-8; mixed: very local and near-global heads in one layer (the local ones keep
+    their mass near the query, the near-global ones spread it); smooth: neighbouring values agree."""
+    from ditattn.evaluation.structured import attention_profile
+
+    grid = (4, 8, 12)
+    _, _, _, info = structured_qkv(family_spec("weak", grid, 3), dtype=torch.float32)
+    assert all(3 <= n <= 8 for n in info["content_norms"])
+    q, k, _, info = structured_qkv(family_spec("mixed", grid, 4), dtype=torch.float32)
+    assert info["head_types"] == ["local", "near_global", "local", "spatial"]
+    near = attention_profile(q, k, grid)["near"]
+    assert min(near[0], near[2]) > 0.4 > 0.1 > near[1], near
+    for values, lo, hi in (("smooth", 0.8, 1.0), ("iid", -0.1, 0.1)):
+        spec = family_spec("smooth" if values == "smooth" else "original", grid, 1)
+        _, _, v, _ = structured_qkv(spec, dtype=torch.float32)
+        x = v[0, :, 0].view(*grid, -1)
+        a, b = x[:, :, 1:].flatten(0, 2), x[:, :, :-1].flatten(0, 2)  # horizontal neighbours
+        corr = float(torch.nn.functional.cosine_similarity(a, b).mean())
+        assert lo < corr < hi, (values, corr)
+    with pytest.raises(ValueError, match="unknown structured family"):
+        family_spec("noisy", grid, 1)
+
+
+def test_svg2_layer_that_kept_most_blocks_runs_dense_for_the_rest_of_the_request(inputs, monkeypatch):
+    """After a step whose SVG2 plan kept more than DENSE_ABOVE of its blocks, the layer's later steps run the
+    dense kernel without clustering; a new request (the step does not advance) starts over."""
+    from ditattn.attention.sparse import budget as budget_mod
+    from ditattn.attention.sparse import svg2
+
+    q, k, v, _ = inputs[128]["mixed", 0]
+    calls = []
+    real = svg2.svg2_attention
+    monkeypatch.setattr("ditattn.attention.backends.sparse_video.svg2_attention",
+                        lambda *a, **kw: calls.append(kw["step"]) or real(*a, **kw))
+    monkeypatch.setattr(budget_mod, "DENSE_ABOVE", 0.5)  # the mixed family keeps more than half
+    monkeypatch.setattr(budget_mod, "precheck_dense", lambda *a, **kw: False)
+    kept = []
+    for step in (3, 4, 5, 0):
+        clear_stats()
+        ditattn.attention(q, k, v, backend="sparse_video_gen_2_attn", video_shape=GRID, step=step, layer_idx=7)
+        st = dict(next(iter(last_stats.values())))
+        kept.append((st["dense"], st["kept_fraction"]))
+    assert calls == [3, 0] and not kept[0][0] and kept[0][1] > 0.5, (calls, kept)
+    assert kept[1][0] and kept[2][0] and not kept[3][0], kept
+
+
+@pytest.mark.parametrize("factor", [0.05, 1.0, 16.0])
+def test_skip_softmax_dropped_mass_bound_holds_per_row(factor):
+    """Skip softmax's guarantee: each row loses at most λ / (1 + λ) of its mass, so its output moves by at
+    most 2 λ / (1 + λ) max|v| (float64 exact attention as the reference, 1030 tokens, a sharply local head)."""
+    from ditattn.attention.kernels.skip_softmax_rules import (dropped_mass_bound, factor_for_budget,
+                                                              skip_softmax_reference)
+
+    S, D = 1030, 128  # a sharply local head: q_i . k_j ~ mean_f cos(w_f (i - j)), 64 frequencies in (0, pi)
+    pos = torch.arange(S, dtype=torch.float64)[:, None] * torch.linspace(0.05, 3.1, D // 2, dtype=torch.float64)
+    x = torch.cat([pos.cos(), pos.sin()], -1) * (14.0 / (D // 2) ** 0.5)
+    g = torch.Generator().manual_seed(5)
+    q = (x + 0.3 * torch.randn(S, D, generator=g, dtype=torch.float64)).float().view(1, S, 1, D)
+    k = (x + 0.3 * torch.randn(S, D, generator=g, dtype=torch.float64)).float().view(1, S, 1, D)
+    v = torch.randn(1, S, 1, D, generator=g)
+    out, _, skipped = skip_softmax_reference(q, k, v, threshold_scale_factor=factor, block_m=64, block_n=64)
+    ref = _exact(q, k, v)
+    bound = dropped_mass_bound(factor)
+    vmax = float(v.double().norm(dim=-1).max())
+    err = (out.double() - ref).norm(dim=-1)  # [1, S, H]
+    assert float(err.max()) <= 2 * bound * vmax + 1e-4, (float(err.max()), bound)
+    assert skipped > 0.1 or factor < 1, skipped  # peaked rows: tiles are skipped
+    assert dropped_mass_bound(factor_for_budget(0.05)) == pytest.approx(0.05)
+
+
+def test_a_layer_sent_dense_reuses_the_decision_and_checks_again_every_few_steps(inputs, monkeypatch):
+    """After the budget sent a call to the dense kernel, the layer's next steps call the dense kernel
+    directly (no probes, no tiling) and check again every RECHECK_EVERY steps; a sparse call is not reused."""
+    from ditattn.attention.sparse import budget as budget_mod
+
+    budget_mod.clear_memory()
+    checks = []
+    real = budget_mod.early_dense
+    monkeypatch.setattr(budget_mod, "early_dense", lambda *a, **kw: checks.append(1) or real(*a, **kw))
+    q, k, v, _ = inputs[128]["weak", 1]
+    dense = ditattn.attention(q, k, v, backend="torch_sdpa")
+    reasons = []
+    for step in range(10, 10 + budget_mod.RECHECK_EVERY + 1):
+        clear_stats()
+        out = ditattn.attention(q, k, v, backend="sparge_attn", video_shape=GRID, step=step, layer_idx=4)
+        st = dict(next(iter(last_stats.values())))
+        assert st["dense"] and torch.equal(out, dense)
+        reasons.append(st["reason"])
+    assert len(checks) == 2  # the first step and the step RECHECK_EVERY later
+    assert sum("earlier step" in r for r in reasons) == budget_mod.RECHECK_EVERY - 1
+    budget_mod.clear_memory()
+    q, k, v, _ = inputs[128]["original", 1]  # a call that stays sparse at this grid is checked every step
+    for step in (20, 21):
+        clear_stats()
+        ditattn.attention(q, k, v, backend="vmoba_attn", video_shape=GRID, step=step, layer_idx=2)
+        assert not dict(next(iter(last_stats.values())))["dense"]
+    assert len(checks) == 4
+
+
+def test_fidelity_bench_runs_the_families_and_the_budget_list(tmp_path, run_bench):
+    import json
+
+    out = tmp_path / "fid"
+    run_bench("fidelity.py", "--grid", "5,8,12", "--heads", "2", "--families", "original,weak", "--cases",
+              "sparge_attn (defaults)", "--error-only", "--ref-rows", "64", "--budget", "default,off",
+              "--out", str(out), env={"BENCH_DEVICE": "cpu"})
+    rows = json.loads((out / "fidelity.json").read_text())["rows"]
+    got = {(r["input"], r["case"]): r for r in rows}
+    on = got["structured:weak", "sparge_attn (defaults) budget=default"]
+    off = got["structured:weak", "sparge_attn (defaults) budget=off"]
+    assert on["dense"] and on["rel_err"] < 0.01 and not off["dense"] and off["rel_err"] > 0.1
+    assert {r["family"] for r in rows} == {"original", "weak"}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["sparge_attn", "sol_attn", "vmoba_attn", "sparse_video_gen_2_attn"])
+def test_budgeted_defaults_on_the_gpu(backend):
+    """The GPU paths (Triton probe scores and list builder, the dense early exit) at a mid grid: every
+    family within 5 %, and the probe masses equal the PyTorch ones."""
+    grid = (9, 16, 24)
+    for fam in FAMILIES:
+        q, k, v, _ = structured_qkv(family_spec(fam, grid, 4, seed=2), device="cuda", dtype=torch.bfloat16)
+        ref = _exact(q, k, v)
+        out = ditattn.attention(q, k, v, backend=backend, video_shape=grid, step=50, layer_idx=2)
+        rel, cos = _errors(out, ref)
+        assert rel <= 0.05 and cos >= 0.998, (fam, rel)
+    from ditattn.attention.sparse.tiling import make_tile_layout, tile
+
+    lay = make_tile_layout(grid, (4, 4, 4), 0)
+    qt, kt = tile(q, lay), tile(k, lay)
+    got = eb.probe_log_mass(qt, kt, lay, 128 ** -0.5)
+    want = eb.probe_log_mass(qt, kt, lay, 128 ** -0.5, impl="reference")
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=5e-2)
