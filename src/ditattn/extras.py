@@ -17,6 +17,8 @@ from ditattn.errors import AttentionConfigError
 EXTRAS: dict[str, tuple[tuple[str, str], ...]] = {
     "server": (("fastapi", "fastapi"), ("uvicorn", "uvicorn"), ("pydantic", "pydantic"),
                ("python_multipart", "python-multipart"), ("prometheus_client", "prometheus-client")),
+    # serve --replicas (Ray Serve) / --job-store postgresql://
+    "scale": (("ray", "ray[serve]"), ("psycopg", "psycopg[binary]")),
 }
 
 

@@ -228,6 +228,8 @@ def server_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--drain-timeout-s", type=typed("drain_timeout_s"), metavar="S",
                    help="after SIGTERM: seconds the running job may take to finish before it is stopped at its next "
                         "step and kept queued for the next start (default 20); a second SIGTERM exits at once")
+    field_flags(p.add_argument_group("scale-out (Ray Serve replicas; docs/serving.md)"), "replicas", "ray_address",
+                "job_store", "job_lease_s", "job_max_attempts")
     lim = p.add_argument_group("request limits (a request over one gets HTTP 400 naming it)")
     lim.add_argument("--request-timeout-s", type=typed("request_timeout_s"), metavar="S",
                      help="a request is stopped at its next denoising step this long after it was accepted (image: "

@@ -73,6 +73,18 @@ class ServerConfig(_Section):
     max_videos_kept: int = _field(1000, int_between(1, 10 ** 6), "finished video jobs kept before the oldest are "
                                   "forgotten")
     batch_window_s: float = _field(0.01, float_between(0.0, 60.0), "seconds the scheduler waits to fill a batch")
+    # scale-out (docs/serving.md "Scale-out"): replicas on Ray Serve sharing a job store and an output folder
+    replicas: int = _field(1, int_between(1, 1024), "pipeline replicas behind one endpoint on Ray Serve (1: the "
+                           "single-process server)", metavar="N")
+    ray_address: Optional[str] = _field(None, optional(text), "join this Ray cluster (e.g. auto or HOST:6379; None: "
+                                        "start a local Ray instance)", metavar="ADDR")
+    job_store: Optional[str] = _field(None, optional(text), "video job store: sqlite (in --output-dir) or "
+                                      "postgresql://USER@HOST:PORT/DB, shared by replicas (None: sqlite)", metavar="URL")
+    job_lease_s: float = _field(30.0, float_between(1.0, 86400.0), "shared job store: seconds a replica's claim on "
+                                "a video job lasts without a heartbeat before another replica takes it over",
+                                metavar="S")
+    job_max_attempts: int = _field(3, int_between(1, 100), "shared job store: times a video job is started before "
+                                   "it fails with the reason", metavar="N")
 
 
 @dataclasses.dataclass(frozen=True)
