@@ -1,0 +1,144 @@
+"""Replicas sharing a PostgreSQL job store (a real server: tests/pg.py) and an output folder, in one
+process: two apps on uvicorn with the toy runner of test_server_app (real attention validation,
+fake generation).  A video job posted to one replica is run by a free one, polled and downloaded
+through the other; a replica that dies while running a job (its heartbeat stops) loses the job to
+the other one after the lease, and the file is there; a deleted job stops where it runs."""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import uuid
+
+import httpx
+import pytest
+import uvicorn
+
+import serving
+from test_server_app import ToyRunner, client
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+@contextlib.contextmanager
+def replica(runner, url, folder, name, **cfg):
+    """A :class:`ClusterState` replica on uvicorn in a thread; yields (base_url, state)."""
+    from ditattn.runconfig import ServerConfig
+    from ditattn.server.app import create_app
+    from ditattn.server.cluster import ClusterState
+
+    config = ServerConfig(**{"batch_window_s": 0.0, "job_store": url, "output_dir": str(folder), "replicas": 2,
+                             "job_lease_s": 1.0, **cfg})
+    state = ClusterState(runner, config, owner=name)
+    app = create_app(runner, config, state=state)
+    port = serving.free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="on"))
+    th = threading.Thread(target=server.run, daemon=True)
+    th.start()
+    t0 = time.time()
+    while not server.started:
+        assert th.is_alive() and time.time() - t0 < 20, "replica did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}", state
+    finally:
+        server.should_exit = True
+        th.join(20)
+
+
+@pytest.fixture
+def url(pg_server):
+    return pg_server.fresh_db("c" + uuid.uuid4().hex[:12])
+
+
+def _wait(pred, timeout=20.0, what="condition"):
+    t0 = time.time()
+    while not pred():
+        assert time.time() - t0 < timeout, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_job_posted_to_one_replica_runs_on_a_free_one_and_is_served_by_both(url, tmp_path):
+    ra, rb = ToyRunner(), ToyRunner()
+    with replica(ra, url, tmp_path, "a") as (a, sa), replica(rb, url, tmp_path, "b") as (b, sb):
+        ca, cb = client(a), client(b)
+        vids = [ca.videos.create(prompt=f"clip {i}", size="32x16", extra_body={"seed": 7 + i}).id for i in range(4)]
+        for vid in vids:
+            v = serving.wait_video(cb, vid, timeout=30, poll=0.05)
+            assert v.status == "completed", v
+            body = httpx.get(f"{a}/v1/videos/{vid}/content").content  # downloadable from either replica
+            assert body == httpx.get(f"{b}/v1/videos/{vid}/content").content and len(body) > 100
+            assert sa.storage.is_complete(str(tmp_path / "videos" / f"{vid}.mp4"))
+        ran = [p for batch in ra.batches + rb.batches for p, _ in batch]
+        assert sorted(ran) == sorted(f"clip {i}" for i in range(4))  # each job ran exactly once
+        listed = [v.id for v in cb.videos.list(limit=10, order="asc").data]
+        assert listed == vids
+        # images with response_format=url are served by any replica too
+        r = ca.images.generate(prompt="x", response_format="url", size="32x16", extra_body={"seed": 1})
+        got = httpx.get(b + r.data[0].url)
+        assert got.status_code == 200 and got.content[:4] == b"\x89PNG" and got.headers["x-ditattn-attention-backend"]
+        # delete through b: gone everywhere, file removed
+        assert httpx.delete(f"{b}/v1/videos/{vids[0]}").status_code == 200
+        assert httpx.get(f"{a}/v1/videos/{vids[0]}").status_code == 404
+        assert not (tmp_path / "videos" / f"{vids[0]}.mp4").exists()
+
+
+def test_replica_dies_mid_job_other_replica_finishes_it(url, tmp_path):
+    gate = threading.Event()
+    slow = ToyRunner(gate=gate)  # holds its batch: this replica "hangs" in the job, then dies
+    fast = ToyRunner()
+    with replica(slow, url, tmp_path, "a") as (a, sa):
+        vid = client(a).videos.create(prompt="survives", size="32x16", extra_body={"seed": 5}).id
+        _wait(lambda: sa.videos.jobs.owner_of(vid)[0] == "a", what="replica a to claim the job")
+        sa._stop_beat.set()  # replica a dies: no heartbeat, no hand-back
+        sa._wake.set()
+        with replica(fast, url, tmp_path, "b") as (b, sb):
+            v = serving.wait_video(client(b), vid, timeout=30, poll=0.05)
+            assert v.status == "completed", v
+            owner, attempts, status = sb.videos.jobs.owner_of(vid)
+            assert (owner, attempts, status) == (None, 2, "completed")
+            assert [p for batch in fast.batches for p, _ in batch] == ["survives"]
+            got = httpx.get(f"{b}/v1/videos/{vid}/content")
+            assert got.status_code == 200 and got.content[4:8] == b"ftyp"
+            gate.set()  # the dead replica's late result is not recorded over b's
+            _wait(lambda: slow.batches, what="replica a's late batch")
+            time.sleep(0.3)
+            assert sb.videos.jobs.get(vid)["status"] == "completed"
+            assert httpx.get(f"{a}/v1/videos/{vid}/content").status_code == 200
+
+
+def test_attempts_exhausted_fail_with_reason_and_video_queue_is_deployment_wide(url, tmp_path):
+    gate = threading.Event()
+    with replica(ToyRunner(gate=gate), url, tmp_path, "a", job_max_attempts=1, max_queue=1) as (a, sa):
+        c = client(a)
+        vid = c.videos.create(prompt="doomed", size="32x16").id
+        _wait(lambda: sa.videos.jobs.owner_of(vid)[0] == "a", what="the claim")
+        # the deployment's video queue holds replicas x max_queue = 2 waiting jobs; the next is a 429
+        more = [c.videos.create(prompt=f"w{i}", size="32x16").id for i in range(2)]
+        r = httpx.post(f"{a}/v1/videos", json={"prompt": "too many", "size": "32x16"})
+        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1, r.text
+        assert r.json()["error"]["code"] == "queue_full"
+        assert len(c.videos.list(limit=10).data) == 3  # the refused job was not kept
+        sa._stop_beat.set()
+        sa._wake.set()
+        time.sleep(1.3)  # the lease of a runs out; one attempt allowed: the next claimer fails it
+        from ditattn.server.pgstore import PgJobStore
+
+        other = PgJobStore(url, owner="b")
+        rec, failed = other.claim(60, 1)
+        assert [f["id"] for f in failed] == [vid] and rec["id"] == more[0]
+        v = c.videos.retrieve(vid)
+        assert v.status == "failed" and v.error.code == "lease_expired" and "on a" in v.error.message
+        other.close()
+        gate.set()
+
+
+def test_replica_refuses_without_shared_store(tmp_path):
+    from ditattn.errors import AttentionConfigError
+    from ditattn.runconfig import ServerConfig
+    from ditattn.server.cluster import ClusterState
+
+    with pytest.raises(AttentionConfigError, match="--job-store postgresql"):
+        ClusterState(ToyRunner(), ServerConfig(output_dir=str(tmp_path), replicas=2))
+    with pytest.raises(AttentionConfigError, match="--output-dir"):
+        ClusterState(ToyRunner(), ServerConfig(job_store="postgresql://u@127.0.0.1:1/x", replicas=2))
