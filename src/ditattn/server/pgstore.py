@@ -2,11 +2,12 @@
 
 One table ``ditattn_videos``: ``seq`` (submission order), ``id``, ``status``, ``record`` (the job's
 JSON, as the SQLite store keeps it), ``owner`` (the replica that holds the job, or NULL),
-``lease_until`` (database clock: no clock skew between hosts) and ``attempts`` (how many times it
-was claimed).  A replica takes a job with :meth:`PgJobStore.claim` (``SELECT ... FOR UPDATE SKIP
-LOCKED``: two replicas never take the same job) and renews its lease while it runs
-(:meth:`PgJobStore.renew`).  A job whose lease ran out (its replica died or hangs) is claimable
-again; past ``max_attempts`` claims it is marked failed with the reason instead.  Writes of a job's
+``lease_until`` (database clock: no clock skew between hosts), ``attempts`` (how many times it
+was claimed) and ``ran_on`` (the replica that claimed it last).  A replica takes a job with
+:meth:`PgJobStore.claim` (``SELECT ... FOR UPDATE SKIP LOCKED``: two replicas never take the same
+job) and renews its lease while it runs (:meth:`PgJobStore.renew`).  A job whose lease ran out (its
+replica died or hangs) is claimable again; past ``max_attempts`` claims it is marked failed with the
+reason instead.  Writes of a job's
 result are guarded by ownership (:meth:`PgJobStore.update`), so a replica that lost its lease
 cannot overwrite the result of the one that took the job over.
 """
@@ -33,7 +34,8 @@ CREATE TABLE IF NOT EXISTS {TABLE} (
     record JSONB NOT NULL,
     owner TEXT,
     lease_until TIMESTAMPTZ,
-    attempts INTEGER NOT NULL DEFAULT 0
+    attempts INTEGER NOT NULL DEFAULT 0,
+    ran_on TEXT
 );
 CREATE INDEX IF NOT EXISTS {TABLE}_claim ON {TABLE} (status, seq)
 """
@@ -190,8 +192,8 @@ class PgJobStore:
                     return rec, True
                 rec = dict(rec, status="queued", progress=0)
                 db.execute(f"UPDATE {TABLE} SET owner = %s, lease_until = now() + make_interval(secs => %s), "
-                           "attempts = attempts + 1, status = 'queued', record = %s::jsonb WHERE id = %s",
-                           (self.owner, float(lease_s), json.dumps(rec, sort_keys=True), vid))
+                           "attempts = attempts + 1, ran_on = %s, status = 'queued', record = %s::jsonb WHERE id = %s",
+                           (self.owner, float(lease_s), self.owner, json.dumps(rec, sort_keys=True), vid))
                 if last is not None:
                     log.warning("job store: video %s re-queued: the lease of %s ran out (attempt %d of %d)", vid,
                                 last, attempts + 1, max_attempts)
