@@ -28,7 +28,8 @@ def cluster(pg_server, tmp_path_factory):
     url = pg_server.fresh_db("ray" + uuid.uuid4().hex[:10])
     out = tmp_path_factory.mktemp("shared-out")
     log = tmp_path_factory.mktemp("ray-serve") / "serve.log"
-    args = ["--replicas", "2", "--job-store", url, "--output-dir", str(out), "--job-lease-s", "4",
+    args = ["--model-path", "ditattn:tiny-wan", "--replicas", "2", "--job-store", url, "--output-dir", str(out),
+            "--job-lease-s", "4",
             "--api-key", KEY, "--max-batch-size", "4", "--max-queue", "16", "--height", "16", "--width", "16",
             "--num-inference-steps", "2", "--guidance-scale", "1.0", "--num-frames", "5"]
     with serve_process(args, log, startup_s=400) as base:

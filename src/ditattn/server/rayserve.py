@@ -113,7 +113,7 @@ def deploy(cfg: RunConfig, *, cpus_per_replica: float = 1.0, ray_init: Optional[
     check_scale_options(cfg)
     s = cfg.server
     if not ray.is_initialized():
-        local = {} if s.ray_address else {"include_dashboard": False}  # `ray start --head` for a dashboard
+        local = {} if s.ray_address not in (None, "local") else {"include_dashboard": False}  # ray start: dashboard
         ray.init(address=s.ray_address, namespace="ditattn", **{**local, **(ray_init or {})})
     serve.start(http_options={"host": s.host, "port": s.port})
     app = build_app(cfg, cluster_gpus=ray.cluster_resources().get("GPU", 0.0), cpus_per_replica=cpus_per_replica)
