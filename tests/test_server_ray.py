@@ -144,3 +144,24 @@ def test_killing_the_replica_that_runs_a_video_job(cluster):
     else:
         assert v.status == "failed" and v.error.code == "lease_expired" and v.error.message, v
     assert vid in {x.id for x in c.videos.list(limit=100).data}  # no job lost
+
+
+def test_deployment_full_is_429_with_retry_after(pg_server, tmp_path):
+    """Small limits (1 replica slot of 2 x 1 + 2 requests, a deployment queue of 2 x 1): a burst of slow
+    image requests gets 429 with Retry-After for the excess, 200 for the rest, never a 5xx."""
+    url = pg_server.fresh_db("bp" + uuid.uuid4().hex[:10])
+    args = ["--model-path", "ditattn:tiny-wan", "--replicas", "2", "--job-store", url, "--output-dir",
+            str(tmp_path / "out"), "--api-key", KEY, "--max-batch-size", "1", "--max-queue", "1", "--height", "16",
+            "--width", "16", "--num-inference-steps", "2", "--guidance-scale", "1.0", "--num-frames", "5"]
+    with serve_process(args, tmp_path / "serve.log", startup_s=400) as base:
+        def one(i):
+            with httpx.Client(base_url=base, headers=H, timeout=300) as h:
+                return h.post("/v1/images/generations", json={"prompt": f"p{i}", "size": "16x16", "seed": i,
+                                                              "num_inference_steps": 40})
+
+        with ThreadPoolExecutor(24) as pool:
+            rs = list(pool.map(one, range(24)))
+    codes = [r.status_code for r in rs]
+    assert set(codes) <= {200, 429} and 429 in codes and 200 in codes, codes
+    assert codes.count(200) <= 2 * 4 + 2 + 4  # replicas x (2 x batch + 2) in flight + the queue (+ the ones done)
+    assert all(int(r.headers["retry-after"]) >= 1 for r in rs if r.status_code == 429)

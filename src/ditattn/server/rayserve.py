@@ -113,8 +113,9 @@ def deploy(cfg: RunConfig, *, cpus_per_replica: float = 1.0, ray_init: Optional[
     check_scale_options(cfg)
     s = cfg.server
     if not ray.is_initialized():
-        local = {} if s.ray_address not in (None, "local") else {"include_dashboard": False}  # ray start: dashboard
-        ray.init(address=s.ray_address, namespace="ditattn", **{**local, **(ray_init or {})})
+        address = s.ray_address or "local"  # never an instance that happens to run here: --ray-address auto
+        local = {"include_dashboard": False} if address == "local" else {}  # ray start --head has one
+        ray.init(address=address, namespace="ditattn", **{**local, **(ray_init or {})})
     serve.start(http_options={"host": s.host, "port": s.port})
     app = build_app(cfg, cluster_gpus=ray.cluster_resources().get("GPU", 0.0), cpus_per_replica=cpus_per_replica)
     serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
