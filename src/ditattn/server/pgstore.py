@@ -179,7 +179,7 @@ class PgJobStore:
                 row = db.execute(
                     f"SELECT id, record, attempts, owner FROM {TABLE} WHERE status IN ('queued', 'in_progress') "
                     "AND (owner IS NULL OR lease_until IS NULL OR lease_until < now()) "
-                    "ORDER BY seq LIMIT 1").fetchone()
+                    "ORDER BY seq LIMIT 1 FOR UPDATE SKIP LOCKED").fetchone()
                 if row is None:
                     return None, False
                 vid, rec, attempts, last = row
