@@ -142,3 +142,23 @@ def test_replica_refuses_without_shared_store(tmp_path):
         ClusterState(ToyRunner(), ServerConfig(output_dir=str(tmp_path), replicas=2))
     with pytest.raises(AttentionConfigError, match="--output-dir"):
         ClusterState(ToyRunner(), ServerConfig(job_store="postgresql://u@127.0.0.1:1/x", replicas=2))
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--replicas", "2"], "--replicas needs a job store the replicas share"),
+    (["--replicas", "2", "--job-store", "postgresql://u@127.0.0.1:1/x"], "--replicas needs an output folder"),
+    (["--replicas", "2", "--job-store", "mysql://x", "--output-dir", "OUT"], "--replicas needs a job store"),
+])
+def test_cli_refuses_replicas_without_shared_store(tmp_path, args, match):
+    """``serve --replicas`` checks its shared store and folder before Ray starts: exit 2, one line."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("ray", reason="ray is not installed")
+    args = [str(tmp_path) if a == "OUT" else a for a in args]
+    env = dict(os.environ, PYTHONPATH=os.path.join(serving.ROOT, "src"))
+    r = subprocess.run([sys.executable, "-m", "ditattn", "serve", "--port", str(serving.free_port()), *args],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("error: ") and match in r.stderr, r.stderr

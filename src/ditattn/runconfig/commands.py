@@ -41,7 +41,9 @@ class ServerConfig(_Section):
     (400 beyond them, naming the limit), ``max_output_pixels`` bounding width × height × frames ×
     n (None: 16 × the model's default output, at most a 720p 81-frame clip); max_videos_kept: the oldest finished video jobs (and files) are forgotten beyond this count;
     batch_window_s: how long the scheduler waits for more requests to batch; drain_timeout_s: after
-    SIGTERM, how long the running job may take to finish before it is stopped and kept queued.
+    SIGTERM, how long the running job may take to finish before it is stopped and kept queued;
+    replicas / ray_address / job_store / job_lease_s / job_max_attempts: scale-out on Ray Serve over a
+    shared PostgreSQL job store (``ditattn.server.rayserve``, ``ditattn.server.cluster``).
     """
 
     host: str = _field("127.0.0.1", text, "bind address")
