@@ -123,17 +123,21 @@ def test_50_concurrent_mixed_requests(cluster):
 def test_killing_the_replica_that_runs_a_video_job(cluster):
     base, url, out, log = cluster
     c = _client(base)
-    vid = c.videos.create(prompt="survive", size="16x16", extra_body={"num_inference_steps": 60, "seed": 9}).id
+    vid = c.videos.create(prompt="survive", size="32x32", extra_body={"num_inference_steps": 100, "seed": 9,
+                                                                      "num_frames": 9}).id
     t0 = time.time()
-    while True:
+    while True:  # until it is well under way (its progress reaches the store with the lease heartbeat)
         owner, attempts, status = _owner(url, vid)
-        if owner and status == "in_progress":
+        progress = c.videos.retrieve(vid).progress  # the replica that answers: its own or the stored progress
+        if owner and status == "in_progress" and progress >= 5:
             break
         assert status in ("queued", "in_progress") and time.time() - t0 < 120, (owner, status)
         time.sleep(0.1)
     pid = int(owner.split(":")[1])
     os.kill(pid, signal.SIGKILL)  # the replica dies mid-job
+    killed = time.time()
     v = wait_video(c, vid, timeout=300, poll=0.3)
+    print(f"(--job-lease-s 4) killed at {progress} %; the job ended {time.time() - killed:.1f} s later")
     _, attempts, status = _owner(url, vid)
     assert status == v.status
     print(f"killed replica pid {pid} running {vid}: the job ended {v.status} (attempts {attempts})")
