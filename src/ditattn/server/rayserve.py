@@ -5,7 +5,7 @@ Each replica is a Ray Serve deployment replica that loads the pipeline once and 
 FastAPI app as ``ditattn serve`` (same routes, auth, limits, metrics), with a
 :class:`~ditattn.server.cluster.ClusterState`: video jobs and outputs go through the shared
 PostgreSQL job store and the shared ``--output-dir``.  Ray's HTTP proxy is the one ingress; it sends
-each request to the replica with the fewest requests in flight.  A replica takes ``2 ×
+each request to the less busy of two sampled replicas (requests in flight).  A replica takes ``2 ×
 max_batch_size + 2`` requests at once (a batch running, the next one forming, and a poll or two);
 beyond that requests wait at the proxy, up to ``replicas × max_queue`` for the whole deployment,
 and the next one is answered 429 with ``Retry-After`` (Ray Serve's backpressure response).
