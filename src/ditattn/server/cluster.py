@@ -254,6 +254,8 @@ class ClusterState(ServerState):
         lost = store.renew([r.id for r in mine], self.lease_s, {r.id: r.progress for r in mine})
         for vid in lost:
             rec = self.videos.drop_local(vid)
+            if rec is not None and rec.request:  # its stored first frame is the new holder's (or the deleter's)
+                rec.request = {k: v for k, v in rec.request.items() if k != "input_reference_file"}
             if rec is not None and rec.job is not None:
                 self.scheduler.cancel(rec.job, LEASE_LOST)
                 log.warning("video %s is no longer held by this replica (deleted, or taken over after its lease ran "
