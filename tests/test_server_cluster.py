@@ -162,3 +162,47 @@ def test_cli_refuses_replicas_without_shared_store(tmp_path, args, match):
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.startswith("error: ") and match in r.stderr, r.stderr
+
+
+def test_complete_means_a_whole_mp4(tmp_path):
+    """The shared folder calls an MP4 complete only when its top-level boxes end at the file's size."""
+    import numpy as np
+
+    from ditattn.server.media import write_mp4
+    from ditattn.server.storage import SharedFolder
+
+    folder = SharedFolder(str(tmp_path))
+    path = folder.path("videos", "v.mp4")
+    write_mp4(path, np.random.default_rng(0).integers(0, 255, (5, 16, 16, 3), dtype=np.uint8), 8)
+    assert folder.is_complete(path)
+    data = open(path, "rb").read()
+    for cut in (len(data) - 1, len(data) // 2, 7, 0):
+        bad = folder.path("videos", f"cut{cut}.mp4")
+        open(bad, "wb").write(data[:cut])
+        assert not folder.is_complete(bad), cut
+    assert not folder.is_complete(folder.path("videos", "missing.mp4"))
+    with pytest.raises(ValueError):
+        folder.path("videos", "../x.mp4")
+
+
+def test_completed_without_a_complete_file_is_failed(url, tmp_path):
+    """A job whose MP4 is missing or cut short is stored failed (file_missing), never completed."""
+    from ditattn.server.cluster import SharedVideoStore
+    from ditattn.server.pgstore import PgJobStore
+    from ditattn.server.storage import SharedFolder
+    from ditattn.server.store import VideoRecord
+
+    jobs = PgJobStore(url, owner="a")
+    store = SharedVideoStore(10, jobs, str(tmp_path), SharedFolder(str(tmp_path)))
+    rec = VideoRecord(id="video_" + uuid.uuid4().hex, model="m", prompt="p", size="16x16", seconds="1", num_frames=5,
+                      fps=8, num_inference_steps=2, override=None, skip_softmax=None, attention_backends=[],
+                      created_at=0)
+    store.add(rec)
+    claimed, _ = jobs.claim(60, 3)
+    store.adopt(VideoRecord.from_json(claimed, str(tmp_path)))
+    path = str(tmp_path / "videos" / f"{rec.id}.mp4")
+    open(path, "wb").write(b"\x00\x00\x00\x18ftypisom")  # cut short
+    assert store.update(rec.id, status="completed", path=path) is not None
+    stored = jobs.get(rec.id)
+    assert stored["status"] == "failed" and stored["error"]["code"] == "file_missing" and stored["path"] is None
+    jobs.close()
