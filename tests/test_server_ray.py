@@ -169,3 +169,43 @@ def test_deployment_full_is_429_with_retry_after(pg_server, tmp_path):
     assert set(codes) <= {200, 429} and 429 in codes and 200 in codes, codes
     assert codes.count(200) <= 2 * 4 + 2 + 4  # replicas x (2 x batch + 2) in flight + the queue (+ the ones done)
     assert all(int(r.headers["retry-after"]) >= 1 for r in rs if r.status_code == 429)
+
+
+def test_sigterm_hands_the_running_job_back(pg_server, tmp_path):
+    """SIGTERM to ``serve --replicas 2`` while a video job runs: exit 0, the job back in the store as
+    queued with no owner (the next deployment, or another one sharing the store, runs it)."""
+    import subprocess
+    import sys
+
+    import psycopg
+
+    from serving import ROOT, free_port
+
+    url = pg_server.fresh_db("st" + uuid.uuid4().hex[:10])
+    port, log = free_port(), tmp_path / "serve.log"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.path.join(ROOT, "src"))
+    proc = subprocess.Popen([sys.executable, "-m", "ditattn", "serve", "--model-path", "ditattn:tiny-wan", "--replicas",
+                             "2", "--job-store", url, "--output-dir", str(tmp_path / "out"), "--port", str(port),
+                             "--height", "64", "--width", "64"], stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            env=env, cwd=ROOT)
+    try:
+        t0 = time.time()
+        while "Ctrl-C stops" not in log.read_text():
+            assert proc.poll() is None and time.time() - t0 < 400, log.read_text()
+            time.sleep(0.5)
+        base = f"http://127.0.0.1:{port}"
+        vid = httpx.post(base + "/v1/videos", json={"prompt": "long", "num_inference_steps": 100,
+                                                    "num_frames": 41}, timeout=60).json()["id"]
+        while httpx.get(f"{base}/v1/videos/{vid}", timeout=60).json()["status"] != "in_progress":
+            assert time.time() - t0 < 500
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(180) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    with psycopg.connect(url) as c:
+        row = c.execute("SELECT status, owner FROM ditattn_videos WHERE id = %s", (vid,)).fetchone()
+    assert row == ("queued", None), row
+    assert "stopping the replicas" in log.read_text()

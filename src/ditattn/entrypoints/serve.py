@@ -73,15 +73,22 @@ def serve_on_ray(cfg: RunConfig) -> int:
     from ditattn.server.rayserve import deploy, undeploy
 
     log.setLevel(logging.INFO)
+    done = threading.Event()
+
+    def on_signal(*_):
+        done.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
     url = deploy(cfg)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # again: ray.init installs handlers of its own
+        signal.signal(sig, on_signal)
     s = cfg.server
     print(f"ditattn serve: {s.replicas} replica(s) of {cfg.model.model_path or 'the model'} on {url} (Ray Serve"
           f"{' at ' + s.ray_address if s.ray_address else ', local Ray instance'}; job store "
           f"{redact(s.job_store)}; outputs in {s.output_dir}); Ctrl-C stops", flush=True)
-    done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
-    done.wait()
+    while not done.wait(1.0):  # a timed wait: the signal handlers run between waits
+        pass
     print("ditattn serve: stopping the replicas (unfinished video jobs go back to the shared store)", flush=True)
     undeploy(stop_ray=True)
     return 0
