@@ -104,6 +104,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "sm90_census(kernel, variants): the test reads the offline SM90 census of "
                             "these kernel variants through the ``sm90_census`` fixture")
     config.addinivalue_line("markers", "gpu: the test picks its device itself (not pinned to a CPU-only machine)")
+    config.addinivalue_line("markers", "ray: starts a local Ray instance (select with -m ray)")
 
 
 _CENSUS_DRIVER = r"""
@@ -177,3 +178,18 @@ def run_bench(monkeypatch, capsys):
         return capsys.readouterr().out
 
     return run
+
+
+@pytest.fixture(scope="session")
+def pg_server():
+    """A throwaway PostgreSQL server for the session (tests/pg.py); skips when PostgreSQL or psycopg
+    is not installed."""
+    pytest.importorskip("psycopg", reason="psycopg 3 is not installed (pip install 'psycopg[binary]')")
+    from pg import PgServer, find_bin
+
+    bindir = find_bin()
+    if bindir is None:
+        pytest.skip("PostgreSQL is not installed (initdb not found; Debian: apt-get install postgresql)")
+    server = PgServer(bindir).start()
+    yield server
+    server.stop()

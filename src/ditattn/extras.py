@@ -2,7 +2,8 @@
 one-line error when one is missing.
 
 The extras (``pyproject.toml``): ``server`` (``ditattn serve``: FastAPI, uvicorn, pydantic,
-python-multipart, prometheus-client; checked here), ``quant`` (torchao: ``--dit-quantization fp8|int8``,
+python-multipart, prometheus-client; checked here), ``scale`` (``serve --replicas``: Ray Serve and
+psycopg for the PostgreSQL job store; checked here), ``quant`` (torchao: ``--dit-quantization fp8|int8``,
 checked by :mod:`ditattn.models.quantization` with the platform), ``gpu`` (Triton and FlashAttention-4 for NVIDIA
 GPUs: a backend without its runtime is refused or substituted with the install hint that
 ``ditattn backends`` shows) and ``dev`` (the test tools).  Everything else is a hard dependency.
@@ -17,6 +18,8 @@ from ditattn.errors import AttentionConfigError
 EXTRAS: dict[str, tuple[tuple[str, str], ...]] = {
     "server": (("fastapi", "fastapi"), ("uvicorn", "uvicorn"), ("pydantic", "pydantic"),
                ("python_multipart", "python-multipart"), ("prometheus_client", "prometheus-client")),
+    # serve --replicas (Ray Serve) / --job-store postgresql://
+    "scale": (("ray", "ray[serve]"), ("psycopg", "psycopg[binary]")),
 }
 
 

@@ -171,6 +171,8 @@ def server_flags(p: argparse.ArgumentParser) -> None:
                 "request_timeout_s", "max_output_pixels", "max_steps", "max_n", "max_side", "max_pixels", "max_frames",
                 "max_fps", "max_body_bytes", "max_image_bytes", "max_image_pixels", "max_json_depth",
                 "max_videos_kept")
+    field_flags(p.add_argument_group("scale-out (Ray Serve replicas; docs/serving.md)"), "replicas", "ray_address",
+                "job_store", "job_lease_s", "job_max_attempts")
 
 
 def compare_flags(p: argparse.ArgumentParser) -> None:

@@ -52,9 +52,46 @@ def run(cfg: RunConfig) -> int:
     if cfg.model.backend != "native":
         raise AttentionConfigError("ditattn serve runs the native pipeline only (per-request attention overrides "
                                    "need ditattn's attention layers); drop --backend diffusers")
+    if cfg.server.replicas > 1 or cfg.server.ray_address:  # replicas on Ray Serve behind one endpoint
+        return serve_on_ray(cfg)
     if needs_ranks(cfg):  # one process per rank: rank 0 serves, the others follow
         return run_on_ranks(run_rank, cfg)
     return serve_here(cfg)
+
+
+def serve_on_ray(cfg: RunConfig) -> int:
+    """``serve --replicas N`` / ``--ray-address``: deploy on Ray Serve, then wait for SIGINT /
+    SIGTERM, which deletes the deployment (each replica hands its unfinished video jobs back to the
+    shared store) and stops the Ray instance this command started."""
+    import signal
+    import threading
+
+    from ditattn.extras import require
+
+    require("scale", "ditattn serve --replicas")
+    from ditattn.server.pgstore import redact
+    from ditattn.server.rayserve import deploy, undeploy
+
+    log.setLevel(logging.INFO)
+    done = threading.Event()
+
+    def on_signal(*_):
+        done.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    url = deploy(cfg)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # again: ray.init installs handlers of its own
+        signal.signal(sig, on_signal)
+    s = cfg.server
+    print(f"ditattn serve: {s.replicas} replica(s) of {cfg.model.model_path or 'the model'} on {url} (Ray Serve"
+          f"{' at ' + s.ray_address if s.ray_address else ', local Ray instance'}; job store "
+          f"{redact(s.job_store)}; outputs in {s.output_dir}); Ctrl-C stops", flush=True)
+    while not done.wait(1.0):  # a timed wait: the signal handlers run between waits
+        pass
+    print("ditattn serve: stopping the replicas (unfinished video jobs go back to the shared store)", flush=True)
+    undeploy(stop_ray=True)
+    return 0
 
 
 def serve_here(cfg: RunConfig) -> int:
@@ -67,7 +104,14 @@ def serve_here(cfg: RunConfig) -> int:
 
     log.setLevel(logging.INFO)  # a server's operational lines (job store, drain, removed files) are shown
     runner = build_runner(cfg)
-    app = create_app(runner, cfg.server)  # opens the job store of --output-dir (error: in use, foreign file)
+    state = None
+    from ditattn.server.jobstores import is_postgres
+
+    if is_postgres(cfg.server.job_store):  # a shared store: this process is one replica among others
+        from ditattn.server.cluster import ClusterState
+
+        state = ClusterState(runner, cfg.server)
+    app = create_app(runner, cfg.server, state=state)  # opens the job store (error: in use, foreign file)
     state = app.state.server
     host, port = cfg.server.host, cfg.server.port
     if host not in ("127.0.0.1", "localhost", "::1") and not cfg.server.api_key:

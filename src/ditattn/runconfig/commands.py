@@ -44,7 +44,9 @@ class ServerConfig(_Section):
     SIGTERM, how long the running job may take to finish before it is stopped and kept queued;
     allowed_hosts / allowed_origins: without an API key, the ``Host`` names and browser ``Origin``s
     answered besides the local ones (a web page elsewhere cannot drive the server); header_timeout_s /
-    body_timeout_s: a connection that stalls while sending a request is closed.
+    body_timeout_s: a connection that stalls while sending a request is closed;
+    replicas / ray_address / job_store / job_lease_s / job_max_attempts: scale-out on Ray Serve over a
+    shared PostgreSQL job store (``ditattn.server.rayserve``, ``ditattn.server.cluster``).
     """
 
     host: str = _field("127.0.0.1", text,
@@ -113,6 +115,18 @@ class ServerConfig(_Section):
                                      "to send a request's headers before it is closed")
     body_timeout_s: float = _field(30.0, float_between(0.0, 3600.0, lo_open=True), "seconds a request body may "
                                    "stall (no bytes received) before the connection is closed")
+    # scale-out (docs/serving.md "Scale-out"): replicas on Ray Serve sharing a job store and an output folder
+    replicas: int = _field(1, int_between(1, 1024), "pipeline replicas behind one endpoint on Ray Serve (1: the "
+                           "single-process server)", metavar="N")
+    ray_address: Optional[str] = _field(None, optional(text), "join this Ray cluster (e.g. auto or HOST:6379; None: "
+                                        "start a local Ray instance)", metavar="ADDR")
+    job_store: Optional[str] = _field(None, optional(text), "video job store: sqlite (in --output-dir) or "
+                                      "postgresql://USER@HOST:PORT/DB, shared by replicas (None: sqlite)", metavar="URL")
+    job_lease_s: float = _field(30.0, float_between(1.0, 86400.0), "shared job store: seconds a replica's claim on "
+                                "a video job lasts without a heartbeat before another replica takes it over",
+                                metavar="S")
+    job_max_attempts: int = _field(3, int_between(1, 100), "shared job store: times a video job is started before "
+                                   "it fails with the reason", metavar="N")
 
 
 @dataclasses.dataclass(frozen=True)

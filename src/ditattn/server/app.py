@@ -29,21 +29,24 @@ from ditattn.server.routes import health, images, models, videos
 from ditattn.server.state import ServerState
 
 
-def create_app(runner, config: Optional[ServerConfig] = None) -> FastAPI:
+def create_app(runner, config: Optional[ServerConfig] = None, *, state: Optional[ServerState] = None) -> FastAPI:
     """Build the FastAPI app serving ``runner`` (see :class:`ditattn.server.runner.BaseRunner`)
     under ``config`` (None: the defaults).
 
     The scheduler thread starts with the app's lifespan (uvicorn runs it), which also reloads the
     job store of ``config.output_dir``, and stops at shutdown.  ``app.state.server`` is the
     :class:`~ditattn.server.state.ServerState`.  Raises AttentionConfigError for an output folder
-    it cannot use (another server holds it, a foreign ``jobs.sqlite``).
+    it cannot use (another server holds it, a foreign ``jobs.sqlite``).  ``state``: a prepared
+    state to serve instead (a replica's :class:`~ditattn.server.cluster.ClusterState`, which
+    restores its jobs itself).
     """
-    state = ServerState(runner, config or ServerConfig())
+    state = state or ServerState(runner, config or ServerConfig())
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         state.start()
-        videos.restore_jobs(state)  # with an --output-dir: the jobs of the previous run
+        restore = getattr(state, "restore_jobs", None)  # a replica's own restore
+        restore() if restore is not None else videos.restore_jobs(state)  # --output-dir: the previous run's jobs
         try:
             yield
         finally:

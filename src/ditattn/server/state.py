@@ -62,17 +62,19 @@ class ServerState(RequestChecks):
             except OSError as exc:
                 raise AttentionConfigError(f"--output-dir {self.output_dir}: cannot create {sub}/ "
                                            f"({exc.strerror or exc})") from None
-        jobs = None
-        if not self._own_dir:
-            from ditattn.server.jobstore import JobStore
-
-            jobs = JobStore(self.output_dir)
+        jobs = None if self._own_dir else self.open_job_store()
         self.videos = VideoStore(config.max_videos_kept, jobs, self.output_dir)
         self.images = ImageStore(os.path.join(self.output_dir, "images"), config.max_videos_kept * 4)
         self.encoder = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="ditattn-encode")
         self._encodes: set = set()
         self._encodes_lock = threading.Lock()
         self.started = time.time()
+
+    def open_job_store(self):
+        """The job store of ``--output-dir`` (``--job-store``: SQLite there by default)."""
+        from ditattn.server.jobstores import open_job_store
+
+        return open_job_store(self.config.job_store, self.output_dir)
 
     def encode_later(self, fn) -> concurrent.futures.Future:
         """Run ``fn`` on the encoder pool; the drain waits for it (RuntimeError once shut down)."""

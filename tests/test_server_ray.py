@@ -1,0 +1,211 @@
+"""``ditattn serve --replicas 2`` on a local Ray instance (the real CLI in a subprocess, two CPU
+replicas of the tiny model, a real PostgreSQL job store and a shared output folder): one endpoint
+serves image requests and video jobs (submitted, polled, downloaded whichever replica ran them), 50
+concurrent mixed requests get no 5xx and no wrong backend, and killing the replica that runs a video
+job leaves the job finished by the other replica (or failed with a reason), its file downloadable.
+Select with ``-m ray``; skipped without ray or PostgreSQL."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from serving import serve_process, wait_video
+
+pytest.importorskip("ray", reason="ray is not installed (pip install 'ditattn[scale]')")
+pytestmark = [pytest.mark.ray, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+KEY = "ray-key"
+H = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def cluster(pg_server, tmp_path_factory):
+    url = pg_server.fresh_db("ray" + uuid.uuid4().hex[:10])
+    out = tmp_path_factory.mktemp("shared-out")
+    log = tmp_path_factory.mktemp("ray-serve") / "serve.log"
+    args = ["--model-path", "ditattn:tiny-wan", "--replicas", "2", "--job-store", url, "--output-dir", str(out),
+            "--job-lease-s", "4",
+            "--api-key", KEY, "--max-batch-size", "4", "--max-queue", "16", "--height", "16", "--width", "16",
+            "--num-inference-steps", "2", "--guidance-scale", "1.0", "--num-frames", "5"]
+    with serve_process(args, log, startup_s=400) as base:
+        yield base, url, out, log
+
+
+def _client(base):
+    import openai
+
+    return openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def _owner(url, vid):
+    import psycopg
+
+    with psycopg.connect(url) as c:
+        return c.execute("SELECT owner, attempts, status FROM ditattn_videos WHERE id = %s", (vid,)).fetchone()
+
+
+def _ran_on(url, vid):
+    """The replica that claimed job ``vid`` last."""
+    import psycopg
+
+    with psycopg.connect(url) as c:
+        return c.execute("SELECT ran_on FROM ditattn_videos WHERE id = %s", (vid,)).fetchone()[0]
+
+
+def test_images_and_video_jobs_through_one_endpoint(cluster):
+    base, url, out, _ = cluster
+    c = _client(base)
+    r = c.images.generate(prompt="a fox", n=2, size="16x16", extra_body={"seed": 3, "attention_backend_override":
+                                                                           "torch_sdpa"})
+    assert len(r.data) == 2 and r.attention_backends == ["torch_sdpa"] and r.size == "16x16"
+    u = c.images.generate(prompt="a cat", size="16x16", response_format="url").data[0].url
+    assert all(httpx.get(base + u, headers=H).status_code == 200 for _ in range(4))  # whichever replica answers
+    vids = [c.videos.create(prompt=f"clip {i}", size="16x16", extra_body={"seed": i}).id for i in range(3)]
+    for vid in vids:
+        v = wait_video(c, vid, timeout=240, poll=0.3)
+        assert v.status == "completed", v
+        got = httpx.get(f"{base}/v1/videos/{vid}/content", headers=H, timeout=60)
+        assert got.status_code == 200 and got.content[4:8] == b"ftyp"
+        assert (out / "videos" / f"{vid}.mp4").read_bytes() == got.content
+        assert _owner(url, vid) == (None, 1, "completed")
+    assert {v.id for v in c.videos.list(limit=50).data} >= set(vids)
+    assert httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+
+
+def test_50_concurrent_mixed_requests(cluster):
+    base, url, _, _ = cluster
+
+    def one(i):
+        kind = i % 5
+        with httpx.Client(base_url=base, headers=H, timeout=300) as h:
+            if kind == 0:
+                r = h.post("/v1/videos", json={"prompt": f"v{i}", "size": "16x16", "seed": i})
+                return kind, r.status_code, None, r
+            if kind == 1:
+                return kind, h.get("/v1/models").status_code, None, None
+            override = "torch_sdpa" if kind == 2 else None
+            body = {"prompt": f"p{i}", "size": "16x16", "seed": i, "n": 1 + i % 2}
+            if override:
+                body["attention_backend_override"] = override
+            r = h.post("/v1/images/generations", json=body)
+            r.sent_n = body["n"]
+            return kind, r.status_code, override, r
+
+    t0 = time.time()
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, range(50)))
+    assert time.time() - t0 < 400
+    codes = [code for _, code, _, _ in results]
+    assert not [code for code in codes if code >= 500], codes
+    assert set(codes) <= {200, 429}, codes
+    assert codes.count(200) >= 40, codes
+    for kind, code, override, r in results:
+        if kind in (2, 3, 4) and code == 200:
+            backends = r.json()["attention_backends"]
+            assert r.headers["x-ditattn-attention-backend"] == ",".join(backends)
+            if override:
+                assert backends == [override]
+            assert len(r.json()["data"]) == r.sent_n
+    c = _client(base)
+    owners = set()
+    for kind, code, _, r in results:
+        if kind == 0 and code == 200:
+            assert wait_video(c, r.json()["id"], timeout=300, poll=0.3).status == "completed"
+            owners.add(_ran_on(url, r.json()["id"]))
+    assert len(owners) == 2, owners  # the video jobs went to both replicas
+
+
+def test_killing_the_replica_that_runs_a_video_job(cluster):
+    base, url, out, log = cluster
+    c = _client(base)
+    vid = c.videos.create(prompt="survive", size="32x32", extra_body={"num_inference_steps": 100, "seed": 9,
+                                                                      "num_frames": 9}).id
+    t0 = time.time()
+    while True:  # until it is well under way (its progress reaches the store with the lease heartbeat)
+        owner, attempts, status = _owner(url, vid)
+        progress = c.videos.retrieve(vid).progress  # the replica that answers: its own or the stored progress
+        if owner and status == "in_progress" and progress >= 5:
+            break
+        assert status in ("queued", "in_progress") and time.time() - t0 < 120, (owner, status)
+        time.sleep(0.1)
+    pid = int(owner.split(":")[1])
+    os.kill(pid, signal.SIGKILL)  # the replica dies mid-job
+    killed = time.time()
+    v = wait_video(c, vid, timeout=300, poll=0.3)
+    print(f"(--job-lease-s 4) killed at {progress} %; the job ended {time.time() - killed:.1f} s later")
+    _, attempts, status = _owner(url, vid)
+    assert status == v.status
+    print(f"killed replica pid {pid} running {vid}: the job ended {v.status} (attempts {attempts})")
+    if v.status == "completed":
+        assert attempts == 2 and _ran_on(url, vid) != owner
+        got = httpx.get(f"{base}/v1/videos/{vid}/content", headers=H, timeout=60)
+        assert got.status_code == 200 and got.content[4:8] == b"ftyp"
+    else:
+        assert v.status == "failed" and v.error.code == "lease_expired" and v.error.message, v
+    assert vid in {x.id for x in c.videos.list(limit=100).data}  # no job lost
+
+
+def test_deployment_full_is_429_with_retry_after(pg_server, tmp_path):
+    """Small limits (1 replica slot of 2 x 1 + 2 requests, a deployment queue of 2 x 1): a burst of slow
+    image requests gets 429 with Retry-After for the excess, 200 for the rest, never a 5xx."""
+    url = pg_server.fresh_db("bp" + uuid.uuid4().hex[:10])
+    args = ["--model-path", "ditattn:tiny-wan", "--replicas", "2", "--job-store", url, "--output-dir",
+            str(tmp_path / "out"), "--api-key", KEY, "--max-batch-size", "1", "--max-queue", "1", "--height", "16",
+            "--width", "16", "--num-inference-steps", "2", "--guidance-scale", "1.0", "--num-frames", "5"]
+    with serve_process(args, tmp_path / "serve.log", startup_s=400) as base:
+        def one(i):
+            with httpx.Client(base_url=base, headers=H, timeout=300) as h:
+                return h.post("/v1/images/generations", json={"prompt": f"p{i}", "size": "16x16", "seed": i,
+                                                              "num_inference_steps": 40})
+
+        with ThreadPoolExecutor(24) as pool:
+            rs = list(pool.map(one, range(24)))
+    codes = [r.status_code for r in rs]
+    assert set(codes) <= {200, 429} and 429 in codes and 200 in codes, codes
+    assert codes.count(200) <= 2 * 4 + 2 + 4  # replicas x (2 x batch + 2) in flight + the queue (+ the ones done)
+    assert all(int(r.headers["retry-after"]) >= 1 for r in rs if r.status_code == 429)
+
+
+def test_sigterm_hands_the_running_job_back(pg_server, tmp_path):
+    """SIGTERM to ``serve --replicas 2`` while a video job runs: exit 0, the job back in the store as
+    queued with no owner (the next deployment, or another one sharing the store, runs it)."""
+    import subprocess
+    import sys
+
+    import psycopg
+
+    from serving import ROOT, free_port
+
+    url = pg_server.fresh_db("st" + uuid.uuid4().hex[:10])
+    port, log = free_port(), tmp_path / "serve.log"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.path.join(ROOT, "src"))
+    proc = subprocess.Popen([sys.executable, "-m", "ditattn", "serve", "--model-path", "ditattn:tiny-wan", "--replicas",
+                             "2", "--job-store", url, "--output-dir", str(tmp_path / "out"), "--port", str(port),
+                             "--height", "64", "--width", "64"], stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            env=env, cwd=ROOT)
+    try:
+        t0 = time.time()
+        while "Ctrl-C stops" not in log.read_text():
+            assert proc.poll() is None and time.time() - t0 < 400, log.read_text()
+            time.sleep(0.5)
+        base = f"http://127.0.0.1:{port}"
+        vid = httpx.post(base + "/v1/videos", json={"prompt": "long", "num_inference_steps": 100,
+                                                    "num_frames": 41}, timeout=60).json()["id"]
+        while httpx.get(f"{base}/v1/videos/{vid}", timeout=60).json()["status"] != "in_progress":
+            assert time.time() - t0 < 500
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(180) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    with psycopg.connect(url) as c:
+        row = c.execute("SELECT status, owner FROM ditattn_videos WHERE id = %s", (vid,)).fetchone()
+    assert row == ("queued", None), row
+    assert "stopping the replicas" in log.read_text()
