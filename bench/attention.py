@@ -25,8 +25,21 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import common  # noqa: E402
-from common import (Deadline, Recorder, attn_flops, bench_ms, cosine, empty_cache, env_info, fmt_table,  # noqa: E402
-                    guarded, make_qkv, reference_rows, rel_err, sample_rows)
+from common import (  # noqa: E402
+    Deadline,
+    Recorder,
+    attn_flops,
+    bench_ms,
+    cosine,
+    empty_cache,
+    env_info,
+    fmt_table,
+    guarded,
+    make_qkv,
+    reference_rows,
+    rel_err,
+    sample_rows,
+)
 
 SHAPES = [(1, 24, 4096, 128), (1, 12, 4096, 128), (1, 12, 16384, 128), (1, 12, 32760, 128),
           (1, 40, 32760, 128), (1, 40, 75600, 128), (1, 24, 4096, 64)]

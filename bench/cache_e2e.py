@@ -25,7 +25,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import WAN_ARCH as ARCH, WAN_COMMON, WAN_RES as RES, add_wan_args  # noqa: E402
+from common import WAN_ARCH as ARCH  # noqa: E402
+from common import WAN_COMMON, add_wan_args
+from common import WAN_RES as RES
 
 DEFAULT_CACHES = "none;teacache:threshold=1e6,max_consecutive_skips=1;teacache:threshold=1e6,max_consecutive_skips=2"
 

@@ -31,7 +31,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import WAN_ARCH as ARCH, WAN_COMMON, Deadline, Recorder, add_wan_args, env_info, profile_step, rel_err, cosine  # noqa: E402
+from common import WAN_ARCH as ARCH  # noqa: E402
+from common import WAN_COMMON, Deadline, Recorder, add_wan_args, cosine, env_info, profile_step, rel_err
 from e2e import median_ms, native_model, wan_inputs  # noqa: E402
 
 

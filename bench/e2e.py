@@ -23,7 +23,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import WAN_ARCH as ARCH, WAN_COMMON, WAN_RES as RES, add_wan_args, profile_step, rel_err  # noqa: E402
+from common import WAN_ARCH as ARCH  # noqa: E402
+from common import WAN_COMMON, add_wan_args, profile_step, rel_err
+from common import WAN_RES as RES
 
 
 def median_ms(fn, warmup=2, repeats=5):

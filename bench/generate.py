@@ -21,9 +21,9 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import WAN_ARCH, WAN_COMMON, WAN_RES, add_wan_args  # noqa: E402
-
 import torch  # noqa: E402
+
+from common import WAN_ARCH, WAN_COMMON, WAN_RES, add_wan_args  # noqa: E402
 
 
 def build_folder(path: str, arch: str) -> None:

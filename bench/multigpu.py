@@ -21,7 +21,10 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-from common import WAN_ARCH as ARCH, WAN_COMMON, WAN_RES as RES, add_wan_args  # noqa: E402
+
+from common import WAN_ARCH as ARCH  # noqa: E402
+from common import WAN_COMMON, add_wan_args
+from common import WAN_RES as RES
 
 
 def _layouts(n: int, heads: int) -> list[tuple[str, int, int]]:

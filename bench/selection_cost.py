@@ -46,7 +46,6 @@ import common  # noqa: E402
 from common import DEVICE, Recorder, bench_ms, env_info, fmt_table, guarded, kernel_ms  # noqa: E402
 
 
-
 def _dense(q, k, v):
     import ditattn
 

@@ -27,8 +27,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 import common  # noqa: E402
-from common import (Deadline, Recorder, attn_flops, bench_ms, empty_cache, env_info, fmt_table,  # noqa: E402
-                    guarded, kernel_ms, make_qkv, rel_err)
+from common import (  # noqa: E402
+    Deadline,
+    Recorder,
+    attn_flops,
+    bench_ms,
+    empty_cache,
+    env_info,
+    fmt_table,
+    guarded,
+    kernel_ms,
+    make_qkv,
+    rel_err,
+)
 
 
 def random_lists(b, h, nq, nk, keep, seed, device=common.DEVICE):

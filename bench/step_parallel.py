@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+
 from common import WAN_RES  # noqa: E402
 
 LAYOUT = re.compile(r"c([12])u(\d+)r(\d+)(\+vae)?$")

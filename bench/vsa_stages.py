@@ -107,8 +107,12 @@ def stages(q, k, v, grid, sparsity: float, edge_tiles: str) -> dict:
     from ditattn.attention.sparse.block_sparse import block_sparse_attention
     from ditattn.attention.sparse.common import run_block_lists, topk_lists
     from ditattn.attention.sparse.tiling import make_tile_layout, tile
-    from ditattn.attention.sparse.vsa import (pooled_video_blocks, pooled_video_scores, video_sparse_attention,
-                                              vsa_num_selected)
+    from ditattn.attention.sparse.vsa import (
+        pooled_video_blocks,
+        pooled_video_scores,
+        video_sparse_attention,
+        vsa_num_selected,
+    )
 
     lay = make_tile_layout(grid, (4, 4, 4), 0, edge_tiles=edge_tiles)
     scale = q.shape[-1] ** -0.5

@@ -85,8 +85,11 @@ CONFIG_TEXT = st.one_of(
                                                   "vmoba_attn", "sol_attn", "sliding_tile_attn", "sla_attn"]))
 @counted("config_strings")
 def fuzz_config_strings(text, backend):
-    from ditattn.attention.config import (parse_attention_backend_config, parse_component_overrides,
-                                          validate_backend_config)
+    from ditattn.attention.config import (
+        parse_attention_backend_config,
+        parse_component_overrides,
+        validate_backend_config,
+    )
 
     cfg = user_error_or_result(parse_attention_backend_config, text)
     if isinstance(cfg, dict):

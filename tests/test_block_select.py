@@ -10,8 +10,16 @@ import pytest
 import torch
 
 from ditattn.attention.sparse.block_sparse import block_mask_to_lists
-from ditattn.attention.sparse.common import (add_special_blocks, mass_lists, mass_lists_via_mask, mass_mask, topk_indices,
-                                            topk_lists, topk_mask, video_mask_lists)
+from ditattn.attention.sparse.common import (
+    add_special_blocks,
+    mass_lists,
+    mass_lists_via_mask,
+    mass_mask,
+    topk_indices,
+    topk_lists,
+    topk_mask,
+    video_mask_lists,
+)
 from ditattn.attention.sparse.tiling import make_tile_layout, pooled_blocks, tile
 from ditattn.attention.sparse.vsa import pooled_video_scores, video_sparse_attention, vsa_num_selected
 from ditattn.errors import AttentionConfigError

@@ -70,7 +70,7 @@ def test_block_sparse_sm90_config_keys_route_to_their_kernel():
 def test_block_sparse_sm90_config_validation():
     """kernel_config checks the SM90 kernel's keys and values on any device, and the public entry point
     runs it before anything that needs the GPU; the defaults stay one CTA per tile."""
-    from ditattn.attention.kernels.block_sparse_sm90 import SMEM_LIMIT, kernel_config, out_buffer, default_config
+    from ditattn.attention.kernels.block_sparse_sm90 import SMEM_LIMIT, default_config, kernel_config, out_buffer
     from ditattn.attention.kernels.block_sparse_triton import block_sparse_attention_triton
     from ditattn.errors import AttentionConfigError
 

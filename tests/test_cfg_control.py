@@ -2,14 +2,20 @@
 halves (``--cfg-batching``), its ``auto`` rule, and what the run summary reports."""
 import pytest
 import torch
-from test_schedulers import PLACEMENT, SHAPE, FakeDiT, assert_steps_match, contexts, factory, velocity  # noqa: F401
 
 from ditattn.cli import main
 from ditattn.errors import AttentionConfigError
 from ditattn.pipelines.denoise import denoise
-from ditattn.pipelines.sampling import (AUTO_SEQUENTIAL_MIN_TOKENS, build_sampler, cfg_mode, forwards, guided_steps,
-                                        resolve_cfg_batching)
+from ditattn.pipelines.sampling import (
+    AUTO_SEQUENTIAL_MIN_TOKENS,
+    build_sampler,
+    cfg_mode,
+    forwards,
+    guided_steps,
+    resolve_cfg_batching,
+)
 from ditattn.runconfig import SamplingConfig
+from test_schedulers import PLACEMENT, SHAPE, FakeDiT, assert_steps_match, contexts, factory, velocity  # noqa: F401
 
 
 @pytest.mark.parametrize("n, interval, expected", [

@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from ditattn.cli import main
 from ditattn.attention.names import AttentionBackendEnum
+from ditattn.cli import main
 
 
 def run(*args):

@@ -5,8 +5,8 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import OMP_THREADS_SET_HERE
 
+from conftest import OMP_THREADS_SET_HERE
 from ditattn.cli import main
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")

@@ -22,8 +22,8 @@ from ditattn.attention.context import (
 from ditattn.attention.names import AttentionBackendEnum as B
 from ditattn.attention.override import dit_layers, prepare_request_override, validate_override
 from ditattn.distributed import (
-    USPAttention,
     UlyssesAttention,
+    USPAttention,
     destroy_sequence_parallel,
     gather_sequence,
     init_sequence_parallel,

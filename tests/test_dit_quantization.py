@@ -502,7 +502,7 @@ def test_fp8_quantizer_kernel_in_the_interpreter(m, k):
     """The Triton kernel (Triton's CPU interpreter) against the reference and the float64 formula: bit
     for bit, on rows with a zero row, values near bf16's largest, 1e-30 values and an outlier; with
     a row stride, and with 1, 2, 8 rows per program (the last program partly outside)."""
-    from ditattn.models.fp8_linear import ONE_PASS_MAX, quantize_rows, _quantize_rows_triton
+    from ditattn.models.fp8_linear import ONE_PASS_MAX, _quantize_rows_triton, quantize_rows
 
     assert (k <= ONE_PASS_MAX) == (k != 20000)
     x = _activations(m, k, seed=k)

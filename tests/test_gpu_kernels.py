@@ -422,7 +422,6 @@ def test_sparge_cdfthreshd_on_cuda():
     from ditattn.attention.sparse.block_sparse import lists_to_block_mask
     from ditattn.attention.sparse.common import plan_token_mask
     from ditattn.attention.sparse.sparge import sparge_attention
-
     from ditattn.evaluation.structured import StructuredSpec, structured_qkv
 
     # structured inputs (3-D RoPE): on i.i.d. noise the pooled block scores are flat, so every row needs

@@ -8,8 +8,8 @@ import pytest
 import torch
 from PIL import Image
 
-from ditattn.attention.context import AttentionSettings, component_scope
 from ditattn.attention.config import parse_component_overrides
+from ditattn.attention.context import AttentionSettings, component_scope
 from ditattn.attention.names import AttentionBackendEnum as B
 from ditattn.errors import AttentionConfigError
 from ditattn.pipelines.conditioning import ImageInputError, load_image, size_for_image

@@ -2,11 +2,11 @@
 import pytest
 import torch
 
+from ditattn.attention.context import AttentionSettings
 from ditattn.attention.names import AttentionBackendEnum as B
+from ditattn.attention.selector import LayerSpec, select_backend
 from ditattn.attention.specs import SPECS
 from ditattn.platforms import KNOWN_PACKAGES, Platform, detect_platform
-from ditattn.attention.selector import LayerSpec, select_backend
-from ditattn.attention.context import AttentionSettings
 
 COLS = ("cuda", "rocm", "xpu", "musa", "mps", "npu")
 # Upstream's (SGLang) platform support matrix of the attention backends: Y = supported.

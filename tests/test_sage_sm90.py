@@ -21,7 +21,6 @@
 import os
 import sys
 
-
 import pytest
 import torch
 

@@ -3,8 +3,8 @@ runner: a toy DiT made of real ``LocalAttention`` layers, so attention validatio
 (``prepare_request_override``) and the request scope are the real ones; only the generation is fake.
 """
 import base64
-import dataclasses
 import contextlib
+import dataclasses
 import functools
 import io
 import threading
@@ -19,6 +19,7 @@ import torch
 import uvicorn
 from torch import nn
 
+import serving
 from ditattn.attention.context import AttentionSettings, attention_settings, component_scope, forward_context
 from ditattn.attention.names import AttentionBackendEnum as B
 from ditattn.runconfig import ServerConfig
@@ -28,7 +29,6 @@ from ditattn.server.metrics import parse_text
 from ditattn.server.runner import BaseRunner, ModelDefaults
 from ditattn.server.scheduler import GenerationResult
 from ditattn.server.state import BACKEND_HEADER
-import serving
 from test_server_scheduler import denoise_steps
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the client marks the videos API deprecated

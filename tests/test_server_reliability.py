@@ -24,7 +24,6 @@ import zlib
 import httpx
 import numpy as np
 import pytest
-from test_server_app import ToyRunner, client, serve, wait_video
 
 from ditattn.errors import AttentionConfigError
 from ditattn.pipelines import output
@@ -32,6 +31,7 @@ from ditattn.runconfig import ServerConfig
 from ditattn.server.app import create_app
 from ditattn.server.jobstore import JobStore
 from ditattn.server.runner import ModelDefaults
+from test_server_app import ToyRunner, client, serve, wait_video
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -161,8 +161,9 @@ def test_restore_fails_only_the_damaged_jobs(tmp_path, caplog):
     out = tmp_path / "serve"
     (out / "inputs").mkdir(parents=True)
     good, trunc, notimg, malformed, badtype = ("video_" + f"{i:032x}" for i in range(5))
-    from PIL import Image
     import io
+
+    from PIL import Image
 
     buf = io.BytesIO()
     Image.fromarray(np.full((24, 40, 3), 90, np.uint8)).save(buf, format="PNG")

@@ -7,6 +7,7 @@ import pytest
 
 from ditattn.attention.context import RequestState, SkipSoftmaxParams, current_request
 from ditattn.attention.names import AttentionBackendEnum as B
+from ditattn.errors import GenerationCancelled
 from ditattn.server.metrics import Metrics, parse_text
 from ditattn.server.protocol import (
     ImageGenerationRequest,
@@ -16,9 +17,16 @@ from ditattn.server.protocol import (
     unflatten_form,
     validation_error_to_request_error,
 )
-from ditattn.server.scheduler import (GenerationJob, GenerationResult, JobCancelled, JobTimeout, QueueFull, Scheduler,
-                                      SchedulerStopped, batch_stop_reason)
-from ditattn.errors import GenerationCancelled
+from ditattn.server.scheduler import (
+    GenerationJob,
+    GenerationResult,
+    JobCancelled,
+    JobTimeout,
+    QueueFull,
+    Scheduler,
+    SchedulerStopped,
+    batch_stop_reason,
+)
 
 
 class RecordingRunner:

@@ -246,8 +246,11 @@ def test_svg2_layer_that_kept_most_blocks_runs_dense_for_the_rest_of_the_request
 def test_skip_softmax_dropped_mass_bound_holds_per_row(factor):
     """Skip softmax's guarantee: each row loses at most λ / (1 + λ) of its mass, so its output moves by at
     most 2 λ / (1 + λ) max|v| (float64 exact attention as the reference, 1030 tokens, a sharply local head)."""
-    from ditattn.attention.kernels.skip_softmax_rules import (dropped_mass_bound, factor_for_budget,
-                                                              skip_softmax_reference)
+    from ditattn.attention.kernels.skip_softmax_rules import (
+        dropped_mass_bound,
+        factor_for_budget,
+        skip_softmax_reference,
+    )
 
     S, D = 1030, 128  # a sharply local head: q_i . k_j ~ mean_f cos(w_f (i - j)), 64 frequencies in (0, pi)
     pos = torch.arange(S, dtype=torch.float64)[:, None] * torch.linspace(0.05, 3.1, D // 2, dtype=torch.float64)

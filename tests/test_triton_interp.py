@@ -23,6 +23,7 @@ triton = pytest.importorskip("triton")
 from ditattn.attention.backends.base import reference_attention  # noqa: E402
 from ditattn.errors import AttentionConfigError  # noqa: E402
 
+
 def rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 

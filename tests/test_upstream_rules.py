@@ -11,13 +11,18 @@ import torch
 from torch import nn
 
 from ditattn import AttentionConfigError, LocalAttention
+from ditattn.attention.backends.sage import SAGE_INTREE_HEAD_DIMS, sage_lacks_sm90_fix
 from ditattn.attention.config import parse_attention_backend_config, parse_component_overrides
-from ditattn.attention.context import (AttentionSettings, attention_settings, component_scope, forward_context,
-                                       request_scope)
+from ditattn.attention.context import (
+    AttentionSettings,
+    attention_settings,
+    component_scope,
+    forward_context,
+    request_scope,
+)
 from ditattn.attention.names import AttentionBackendEnum as B
 from ditattn.attention.override import prepare_request_override, request_backends
 from ditattn.attention.selector import LayerSpec, select_backend
-from ditattn.attention.backends.sage import SAGE_INTREE_HEAD_DIMS, sage_lacks_sm90_fix
 from ditattn.cli import main
 from ditattn.platforms import Platform, use_platform
 from ditattn.registry import list_backends

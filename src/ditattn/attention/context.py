@@ -68,7 +68,7 @@ class AttentionSettings:
 
 
 _settings: contextvars.ContextVar[AttentionSettings] = contextvars.ContextVar(
-    "ditattn_attention_settings", default=AttentionSettings()
+    "ditattn_attention_settings", default=AttentionSettings()  # noqa: B039 (settings are replaced, never changed in place)
 )
 
 
@@ -162,7 +162,7 @@ class ForwardContext:
 
 _request: contextvars.ContextVar[Optional[RequestState]] = contextvars.ContextVar("ditattn_request", default=None)
 _forward: contextvars.ContextVar[ForwardContext] = contextvars.ContextVar(
-    "ditattn_forward", default=ForwardContext()
+    "ditattn_forward", default=ForwardContext()  # noqa: B039 (a frozen dataclass)
 )
 
 

@@ -15,9 +15,10 @@ from torch import nn
 from ditattn.attention.backends.base import AttnCall, get_impl
 from ditattn.attention.config import validate_backend_config
 from ditattn.attention.context import current_component, current_forward, current_request, current_settings
-from ditattn.attention.names import ROLES, AttentionBackendEnum as B
+from ditattn.attention.names import ROLES
+from ditattn.attention.names import AttentionBackendEnum as B
 from ditattn.attention.selector import Decision, LayerSpec, bind_impl, select_backend
-from ditattn.attention.specs import SPECS, DTYPE_NAMES
+from ditattn.attention.specs import DTYPE_NAMES, SPECS
 from ditattn.errors import AttentionConfigError
 from ditattn.platforms import current_platform
 

@@ -18,9 +18,9 @@ from ditattn.attention.config import validate_backend_config
 from ditattn.attention.context import AttentionSettings, RequestState, SkipSoftmaxParams
 from ditattn.attention.layer import LocalAttention
 from ditattn.attention.names import AttentionBackendEnum as B
-from ditattn.attention.specs import SPECS, DTYPE_NAMES
-from ditattn.errors import AttentionConfigError
 from ditattn.attention.selector import resolve_on_platform
+from ditattn.attention.specs import SPECS
+from ditattn.errors import AttentionConfigError
 from ditattn.platforms import current_platform
 from ditattn.platforms.policy import substitute
 

@@ -28,7 +28,8 @@ from ditattn.attention.context import (
     current_settings,
     get_forced_backend,
 )
-from ditattn.attention.names import CROSS_ROLES, AttentionBackendEnum as B
+from ditattn.attention.names import CROSS_ROLES
+from ditattn.attention.names import AttentionBackendEnum as B
 from ditattn.attention.specs import SPECS, LayerRequest
 from ditattn.errors import AttentionConfigError, BackendUnavailableError, short_repr
 from ditattn.platforms import Platform, current_platform

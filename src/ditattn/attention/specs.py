@@ -14,7 +14,8 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
-from ditattn.attention.names import CROSS_ROLES, AttentionBackendEnum as B
+from ditattn.attention.names import CROSS_ROLES
+from ditattn.attention.names import AttentionBackendEnum as B
 from ditattn.platforms import Platform
 
 FP16_BF16 = frozenset({torch.float16, torch.bfloat16})

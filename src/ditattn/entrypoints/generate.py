@@ -235,9 +235,14 @@ def _generate_diffusers(cfg: RunConfig, t_start: float) -> int:
     import torch
 
     from ditattn.models.weights import read_json
-    from ditattn.pipelines.diffusers_backend import (apply_ditattn, attention_route, check_size_static,
-                                                     load_diffusers_pipeline, reject_native_only_options,
-                                                     run_diffusers)
+    from ditattn.pipelines.diffusers_backend import (
+        apply_ditattn,
+        attention_route,
+        check_size_static,
+        load_diffusers_pipeline,
+        reject_native_only_options,
+        run_diffusers,
+    )
     from ditattn.pipelines.loading import parse_device, parse_dtype
     from ditattn.pipelines.model_index import read_model_index, resolve_model_path
     from ditattn.pipelines.wan import CHECKPOINT_DEFAULTS

@@ -36,14 +36,13 @@ from typing import Any, Optional
 
 import torch
 
-from ditattn.attention.config import (parse_attention_backend_config, parse_component_overrides,
-                                      validate_backend_config)
+from ditattn.attention.config import parse_attention_backend_config, parse_component_overrides, validate_backend_config
 from ditattn.attention.context import AttentionSettings
 from ditattn.attention.names import AttentionBackendEnum
 from ditattn.errors import AttentionConfigError
 from ditattn.evaluation.capture import AttentionRecorder, resolve_steps, self_attention_layers
-from ditattn.evaluation.report import format_summary, json_ready, summarise, write_outputs  # first two: re-exported
 from ditattn.evaluation.metrics import clip_metrics
+from ditattn.evaluation.report import format_summary, json_ready, summarise, write_outputs  # first two: re-exported
 from ditattn.models.quantization import MODES, check_mode
 
 log = logging.getLogger("ditattn.compare")

@@ -170,7 +170,7 @@ def contact_sheet(frames: dict, pairs: Sequence, names: Sequence[str], report: d
     label_h = 28
     sheet = Image.new("RGB", (cw * len(names), (ch + label_h) * len(pairs)), "white")
     draw = ImageDraw.Draw(sheet)
-    for ji, (pi, prompt, seed) in enumerate(pairs):
+    for ji, (_pi, prompt, seed) in enumerate(pairs):
         for vi, name in enumerate(names):
             x, y = vi * cw, ji * (ch + label_h)
             run = report["variants"][vi]["runs"][ji]

@@ -50,8 +50,13 @@ def i2v_model_path(name: str, root: Optional[str] = None) -> str:
 def build(name: str, out_dir: str) -> None:
     """Write the checkpoint ``name`` (one of :data:`I2V_MODELS`) into ``out_dir``."""
     import torch
-    from diffusers import (AutoencoderKLWan, UniPCMultistepScheduler, WanImageToVideoPipeline, WanPipeline,
-                           WanTransformer3DModel)
+    from diffusers import (
+        AutoencoderKLWan,
+        UniPCMultistepScheduler,
+        WanImageToVideoPipeline,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
     from transformers import CLIPVisionConfig, CLIPVisionModel, UMT5Config, UMT5EncoderModel
 
     from ditattn.models.clip_vision import image_processor_class

@@ -14,8 +14,14 @@ from ditattn.attention.context import AttentionSettings, ComponentScope, attenti
 from ditattn.attention.selector import check_overrides_used
 from ditattn.errors import AttentionConfigError
 from ditattn.models.lora import Adapter, load_loras
-from ditattn.pipelines.loading import (DIT, build_components, check_load_options, parse_device, parse_dit_weights,
-                                      parse_dtype)
+from ditattn.pipelines.loading import (
+    DIT,
+    build_components,
+    check_load_options,
+    parse_device,
+    parse_dit_weights,
+    parse_dtype,
+)
 from ditattn.pipelines.model_index import ModelIndex, read_model_index, resolve_model_path
 from ditattn.pipelines.offload import ComponentPlacement
 from ditattn.platforms import Platform, platform_for_device, use_platform
@@ -45,8 +51,7 @@ def load_components(path: Optional[str], settings: AttentionSettings, device, dt
     """The components of the pipeline at ``path`` with every option of
     :meth:`~ditattn.pipelines.wan.WanPipelineNative.from_pretrained` applied (AttentionConfigError for a
     bad option, path, checkpoint, refused backend or unused override)."""
-    from ditattn.models.quantization import (check_mode, check_something_quantized, plan_linears,
-                                             quantize_linears)
+    from ditattn.models.quantization import check_mode, check_something_quantized, plan_linears, quantize_linears
 
     check_backend_config(settings.config, settings.named_backends(), complete=False)  # before dtype checks
     dit_quantization = check_mode(dit_quantization)

@@ -94,7 +94,8 @@ def resolve_repo_id(repo_id: str, *, revision: Optional[str] = None, local_files
             f"({why}); download it once with network access (e.g. hf download {repo_id}), point HF_HOME at the "
             "cache that has it, or give a local diffusers-format folder"
         )
-    from huggingface_hub import constants, errors as hub_errors, model_info
+    from huggingface_hub import constants, model_info
+    from huggingface_hub import errors as hub_errors
 
     try:  # one metadata call first: a missing repo, revision or connection is reported as such
         model_info(repo_id, revision=revision)

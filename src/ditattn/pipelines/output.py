@@ -9,8 +9,8 @@ import errno
 import io
 import os
 import re
-import tempfile
 import struct
+import tempfile
 import uuid
 from typing import Optional
 

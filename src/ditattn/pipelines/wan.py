@@ -49,7 +49,7 @@ from ditattn.pipelines.conditioning import conditioning_mode, image_condition
 from ditattn.pipelines.denoise import denoise
 from ditattn.pipelines.generation import GenerationResult, generation_run, resolve_inputs
 from ditattn.pipelines.latents import VideoGeometry, decode_latents, prepare_latents
-from ditattn.pipelines.loading import (DIT)
+from ditattn.pipelines.loading import DIT
 from ditattn.pipelines.model_index import ModelIndex
 from ditattn.pipelines.offload import ComponentPlacement
 from ditattn.pipelines.plan import build_plan, dit_backends

@@ -50,13 +50,17 @@ from ditattn.runconfig.checks import (
     text_or_mapping,
     timestep_list,
 )
-from ditattn.runconfig.commands import (BackendsOptions, CalibrateOptions, CompareOptions, ServerConfig,
-                                         SimulationConfig)
+from ditattn.runconfig.commands import (
+    BackendsOptions,
+    CalibrateOptions,
+    CompareOptions,
+    ServerConfig,
+    SimulationConfig,
+)
 from ditattn.runconfig.fields import MAX_FPS, MAX_FRAMES, MAX_GPUS, MAX_GUIDANCE, MAX_SEED, MAX_SIDE, MAX_STEPS
 from ditattn.runconfig.fields import Section as _Section  # the short names the sections below use
 from ditattn.runconfig.fields import setting as _field
 from ditattn.runconfig.sampling import CFG_BATCHING, SCHEDULERS, CacheOptions, SamplingConfig
-
 
 # ------------------------------------------------------------------------------------------------
 # sections

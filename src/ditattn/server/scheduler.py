@@ -34,9 +34,21 @@ from typing import Any, Callable, Optional
 
 from ditattn.attention.context import request_scope
 from ditattn.errors import GenerationCancelled
+
 # the jobs this module queues (re-exported: importable from here as before)
-from ditattn.server.jobs import (SHUTDOWN, TIMEOUT, GenerationJob, GenerationResult, JobCancelled, JobTimeout,
-                                 QueueFull, Runner, SchedulerStopped, batch_stop_reason, stop_error)
+from ditattn.server.jobs import (
+    SHUTDOWN,
+    TIMEOUT,
+    GenerationJob,
+    GenerationResult,
+    JobCancelled,
+    JobTimeout,
+    QueueFull,
+    Runner,
+    SchedulerStopped,
+    batch_stop_reason,
+    stop_error,
+)
 
 log = logging.getLogger("ditattn.server")
 

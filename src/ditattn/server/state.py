@@ -20,8 +20,15 @@ from fastapi import Request
 from ditattn.errors import AttentionConfigError, GenerationCancelled
 from ditattn.runconfig import ServerConfig
 from ditattn.server.admission import RequestChecks
-from ditattn.server.jobs import (SHUTDOWN, GenerationJob, GenerationResult, JobCancelled, JobTimeout, QueueFull,
-                                 SchedulerStopped)
+from ditattn.server.jobs import (
+    SHUTDOWN,
+    GenerationJob,
+    GenerationResult,
+    JobCancelled,
+    JobTimeout,
+    QueueFull,
+    SchedulerStopped,
+)
 from ditattn.server.metrics import Metrics
 from ditattn.server.protocol import RequestError
 from ditattn.server.scheduler import Scheduler

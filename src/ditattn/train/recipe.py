@@ -15,6 +15,7 @@ stages' training settings.  Presets:
 from __future__ import annotations
 
 import dataclasses
+
 from ditattn.models.local import BYTE_VOCAB_SIZE
 
 SCHEDULER = dict(

@@ -32,7 +32,8 @@ from typing import Optional
 
 import torch
 
-from ditattn.train.recipe import PRESETS, Recipe, recipe as get_recipe
+from ditattn.train.recipe import PRESETS, Recipe
+from ditattn.train.recipe import recipe as get_recipe
 from ditattn.train.tracking import Budget, LossLog
 
 log = logging.getLogger("ditattn.train")

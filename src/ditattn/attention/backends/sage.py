@@ -57,8 +57,17 @@ from ditattn.attention.backends.sage_crossover import crossover_label, dense_bel
 from ditattn.attention.config import complete_backend_config
 from ditattn.attention.names import AttentionBackendEnum as B
 from ditattn.attention.reference import expand_kv
-from ditattn.attention.schemas import (SAGE_IMPLS as SAGE_IMPL_CHOICES, SAGE_K_GRANULARITIES, SAGE_PV_ACCUMS,
-                                       SAGE_PV_DTYPES, SAGE_QK_DTYPES, SAGE_QK_IMPLEMENTED, P, in_range, non_negative)
+from ditattn.attention.schemas import SAGE_IMPLS as SAGE_IMPL_CHOICES
+from ditattn.attention.schemas import (
+    SAGE_K_GRANULARITIES,
+    SAGE_PV_ACCUMS,
+    SAGE_PV_DTYPES,
+    SAGE_QK_DTYPES,
+    SAGE_QK_IMPLEMENTED,
+    P,
+    in_range,
+    non_negative,
+)
 from ditattn.attention.specs import ALL_FLOAT, BackendSpec, Runtime
 from ditattn.errors import AttentionConfigError, BackendUnavailableError
 from ditattn.platforms import Platform, current_platform, platform_for_device

@@ -16,10 +16,10 @@ from ditattn.attention.backends.base import AttnCall, register
 from ditattn.attention.config import complete_backend_config
 from ditattn.attention.names import AttentionBackendEnum as B
 from ditattn.attention.reference import expand_kv
-from ditattn.attention.specs import BackendSpec
 from ditattn.attention.sparse import record_stats, stats_key
 from ditattn.attention.sparse.block_sparse import dense_attention
 from ditattn.attention.sparse.fallback import budget_stats, count_call, note_dense_once
+from ditattn.attention.specs import BackendSpec
 from ditattn.errors import AttentionConfigError
 from ditattn.settings import check_retired
 

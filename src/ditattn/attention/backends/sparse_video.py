@@ -31,14 +31,33 @@ import threading
 import torch
 
 from ditattn.attention.backends.base import AttnCall
-from ditattn.attention.backends.sparse_common import (layer_index, layer_stats_key, line_tile, remember_budget,
-                                                      reused_dense, run_dense, sparse_backend, sparse_done)
+from ditattn.attention.backends.sparse_common import (
+    layer_index,
+    layer_stats_key,
+    line_tile,
+    remember_budget,
+    reused_dense,
+    run_dense,
+    sparse_backend,
+    sparse_done,
+)
 from ditattn.attention.config import parse_layer_list
 from ditattn.attention.names import AttentionBackendEnum as B
-from ditattn.attention.schemas import (BLOCK_SPARSE_IMPL, EDGE_TILES, SOL_PREDICTORS, SPARGE_PREDICTORS,
-                                       SVG2_PREDICTORS, VMOBA_GATES, P, error_budget, in_range, layer_list_check,
-                                       list_len, non_negative, positive)
-from ditattn.attention.specs import ALL_FLOAT, BF16, FP16_BF16, IN_TREE_SPARSE, BackendSpec
+from ditattn.attention.schemas import (
+    BLOCK_SPARSE_IMPL,
+    EDGE_TILES,
+    SOL_PREDICTORS,
+    SPARGE_PREDICTORS,
+    SVG2_PREDICTORS,
+    VMOBA_GATES,
+    P,
+    error_budget,
+    in_range,
+    layer_list_check,
+    list_len,
+    non_negative,
+    positive,
+)
 from ditattn.attention.sparse import record_stats
 from ditattn.attention.sparse.sla import sla_attention
 from ditattn.attention.sparse.sol import sol_attention
@@ -54,6 +73,7 @@ from ditattn.attention.sparse.sta import (
 from ditattn.attention.sparse.svg2 import svg2_attention
 from ditattn.attention.sparse.vmoba import vmoba_attention, vmoba_layer_mode
 from ditattn.attention.sparse.vsa import video_sparse_attention
+from ditattn.attention.specs import ALL_FLOAT, BF16, FP16_BF16, IN_TREE_SPARSE, BackendSpec
 from ditattn.errors import AttentionConfigError
 
 Tensor = torch.Tensor

@@ -29,12 +29,17 @@ from typing import Optional
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ditattn.attention.kernels.gluon_sm90 import LOGIT_LIMITS, finish_pv, ones_operand, ring_slot, smem_layout
 from ditattn.attention.kernels import LOG2E, launch_config, num_sms
+from ditattn.attention.kernels.gluon_sm90 import LOGIT_LIMITS, finish_pv, ones_operand, ring_slot, smem_layout
 from ditattn.errors import AttentionConfigError
 
 SUPPORTED_HEAD_DIMS = (64, 128)

@@ -23,8 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ditattn.attention.kernels import (LOG2E, check_device, check_qkv, interpreting, last_dim_contiguous,
-                                      launch_config)
+from ditattn.attention.kernels import LOG2E, check_device, check_qkv, interpreting, last_dim_contiguous, launch_config
 from ditattn.errors import AttentionConfigError
 
 SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)

@@ -25,7 +25,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-
 #: rows whose base-2 logits are bounded by this in magnitude (Cauchy-Schwarz: |q_i| * max_j |k_j| * scale *
 #: log2 e) run the softmax without a running maximum (no max, no rescale): exp2 of the raw logit, rounded to
 #: P's dtype (V's), must stay finite — bf16 has fp32's exponent range (2^+-100 is safe, row sums of up to 2^20

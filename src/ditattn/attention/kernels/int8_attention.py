@@ -27,8 +27,12 @@ import triton.language as tl
 
 from ditattn.attention.kernels import check_device, check_qkv, last_dim_contiguous, launch_config
 from ditattn.attention.kernels.int8_quant import qk_balance_prologue, quantize_qk, quantize_v_fp8
-from ditattn.attention.kernels.int8_reference import (PV_MODES, Q_GRANULARITIES, check_qk_balance,
-                                                       int8_attention_reference)
+from ditattn.attention.kernels.int8_reference import (
+    PV_MODES,
+    Q_GRANULARITIES,
+    check_qk_balance,
+    int8_attention_reference,
+)
 from ditattn.errors import AttentionConfigError
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128)

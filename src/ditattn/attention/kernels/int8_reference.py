@@ -6,8 +6,8 @@ from typing import Optional
 
 import torch
 
-from ditattn.attention.reference import expand_kv
 from ditattn.attention.kernels import check_qkv
+from ditattn.attention.reference import expand_kv
 from ditattn.errors import AttentionConfigError
 
 PV_MODES = ("fp16", "fp8")

@@ -39,13 +39,27 @@ from typing import Optional
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ditattn.attention.kernels.gluon_sm90 import (LOGIT_LIMIT_BF16, LOGIT_LIMIT_FP16, fp8_pack, issue_pv, ones_operand,
-                                                  rescale, retire_pv, ring_slot, smem_layout)
 from ditattn.attention.kernels import check_device, check_qkv, last_dim_contiguous, launch_config, num_sms
+from ditattn.attention.kernels.gluon_sm90 import (
+    LOGIT_LIMIT_BF16,
+    LOGIT_LIMIT_FP16,
+    fp8_pack,
+    issue_pv,
+    ones_operand,
+    rescale,
+    retire_pv,
+    ring_slot,
+    smem_layout,
+)
 from ditattn.attention.kernels.int8_reference import check_qk_balance
 from ditattn.errors import AttentionConfigError
 

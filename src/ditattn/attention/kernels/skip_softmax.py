@@ -24,9 +24,13 @@ import triton
 import triton.language as tl
 
 from ditattn.attention.kernels import LOG2E, check_device, check_qkv, last_dim_contiguous, launch_config
-from ditattn.attention.kernels.skip_softmax_rules import (SUPPORTED_HEAD_DIMS, _validate_factor,
-                                                          check_skip_softmax_request, skip_softmax_reference,
-                                                          skip_threshold)
+from ditattn.attention.kernels.skip_softmax_rules import (
+    SUPPORTED_HEAD_DIMS,
+    _validate_factor,
+    check_skip_softmax_request,
+    skip_softmax_reference,
+    skip_threshold,
+)
 from ditattn.errors import AttentionConfigError
 
 KERNEL_HEAD_DIMS = (64, 128, 256)  # what the kernel itself compiles for (64: tests / benches)

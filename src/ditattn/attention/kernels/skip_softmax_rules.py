@@ -9,8 +9,8 @@ from typing import Optional
 
 import torch
 
-from ditattn.attention.reference import expand_kv
 from ditattn.attention.kernels import LOG2E
+from ditattn.attention.reference import expand_kv
 from ditattn.errors import AttentionConfigError
 
 SUPPORTED_HEAD_DIMS = (128, 256)

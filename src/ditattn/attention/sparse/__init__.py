@@ -32,6 +32,7 @@ from ditattn.attention.sparse.block_sparse import (  # noqa: F401
 )
 from ditattn.attention.sparse.tiling import TileLayout, make_tile_layout, tile, untile  # noqa: F401
 
+
 class LayerStats(dict):
     """One ``last_stats`` entry: a dict whose 0-dim tensor values (a kept fraction still on the
     device) read as Python floats.  Every read path (``[]``, ``get``, ``items``, ``values``,

@@ -34,7 +34,6 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-import math
 from typing import Optional
 
 import torch

@@ -42,8 +42,12 @@ from typing import Optional
 import torch
 
 from ditattn.attention.sparse.block_scores import pooled_query_block_scores, pooled_query_features
-from ditattn.attention.sparse.block_sparse import (block_mask_to_lists, block_sparse_attention, dense_attention,
-                                                   list_width)
+from ditattn.attention.sparse.block_sparse import (
+    block_mask_to_lists,
+    block_sparse_attention,
+    dense_attention,
+    list_width,
+)
 from ditattn.attention.sparse.common import SparsePlan, add_special_blocks, triton_path
 from ditattn.attention.sparse.tiling import TileLayout, make_tile_layout, pooled_blocks, tile, untile
 from ditattn.errors import AttentionConfigError

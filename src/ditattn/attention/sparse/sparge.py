@@ -64,8 +64,17 @@ import torch
 
 from ditattn.attention.sparse.block_scores import block_self_similarity, pooled_query_block_scores
 from ditattn.attention.sparse.block_sparse import block_mask_to_lists, list_width
-from ditattn.attention.sparse.common import (SparsePlan, add_special_blocks, ceil_fraction, mass_lists, mass_mask,
-                                            run_block_lists, select_impl, topk_lists, topk_mask)
+from ditattn.attention.sparse.common import (
+    SparsePlan,
+    add_special_blocks,
+    ceil_fraction,
+    mass_lists,
+    mass_mask,
+    run_block_lists,
+    select_impl,
+    topk_lists,
+    topk_mask,
+)
 from ditattn.attention.sparse.quant import quantize_qk_blocks
 from ditattn.attention.sparse.tiling import TileLayout, make_tile_layout, tile
 from ditattn.attention.sparse.vsa import pooled_video_scores

@@ -54,11 +54,11 @@ from ditattn.cache.runtime import current_cache
 from ditattn.distributed.attention import USPAttention
 from ditattn.distributed.comm import gather_sequence, shard_sequence
 from ditattn.distributed.groups import get_sequence_parallel
+from ditattn.models.fp8_linear import fp8_linear, fp8_linears, takes_fused
+from ditattn.models.fused import apply_rope, qk_norm_rope, residual_norm
+from ditattn.models.quantization import plain_weight
 from ditattn.models.wan.config import WanTransformerConfig
 from ditattn.models.wan.embeddings import FP32LayerNorm, WanConditionEmbedder, rope_tables
-from ditattn.models.fused import apply_rope, qk_norm_rope, residual_norm
-from ditattn.models.fp8_linear import fp8_linear, fp8_linears, takes_fused
-from ditattn.models.quantization import plain_weight
 
 # parameters that stay float32 when the model runs in fp16/bf16 (diffusers' _keep_in_fp32_modules)
 KEEP_FP32 = ("time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")
@@ -396,9 +396,10 @@ def load_wan_transformer(folder: str, *, dtype: torch.dtype = torch.float32, dev
     :mod:`ditattn.models.wan.checkpoint`).  8-bit linears are applied afterwards
     (:func:`ditattn.models.quantization.quantize_linears`, after any LoRA is fused).
     """
+    import os
+
     from ditattn.models.wan.checkpoint import is_scale_key, load_weights_file, to_native_state
     from ditattn.models.weights import assign_state_dict, load_state_dict, read_json, target_dtype
-    import os
 
     cfg = WanTransformerConfig.from_dict(read_json(os.path.join(folder, "config.json")))
     with torch.device("meta"):
