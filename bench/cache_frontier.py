@@ -147,7 +147,7 @@ def main(argv=None) -> int:
                      f"{row['motion_ok']:>4}/{n:<2} {g('verdicts_lost', '5d')} {res['time_s_per_clip']:7.2f}")
     print("\n".join(lines))
     meta = {"model": pipe.model_index.name, "device": str(pipe.device), "size": args.size or "default",
-            "steps": args.steps or pipe.defaults["num_inference_steps"], "seed": args.seed, "prompts": prompts}
+            "steps": args.steps or pipe.defaults["num_inference_steps"], "seed": args.seed, "prompts": prompts[:done]}
     with open(args.output, "w") as fh:
         json.dump({"meta": meta, "rows": out}, fh, indent=1)
     print(f"wrote {args.output}")
