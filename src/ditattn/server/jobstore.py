@@ -108,17 +108,7 @@ class JobStore:
             rows, self._rows = self._rows, None
             if rows is None:
                 rows = self._live().execute("SELECT id, record FROM videos ORDER BY rowid").fetchall()
-        out, self.bad_rows = [], []
-        for vid, body in rows:
-            try:
-                rec = json.loads(body)
-            except ValueError:
-                self.bad_rows.append(vid)
-                continue
-            if isinstance(rec, dict) and rec.get("id") == vid:
-                out.append(rec)
-            else:
-                self.bad_rows.append(vid)
+        out, self.bad_rows = checked_records(rows)
         return out
 
     def close(self) -> None:
@@ -172,3 +162,19 @@ def _lock_folder(folder: str) -> Optional[int]:
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
     return fd
+
+
+def checked_records(rows) -> tuple[list[dict], list[str]]:
+    """``(records, bad ids)`` of stored ``(id, record)`` rows, a record being JSON text or a mapping: a
+    row whose record is not a JSON object carrying its own id is bad (reported, never restored)."""
+    out, bad = [], []
+    for vid, body in rows:
+        try:
+            rec = json.loads(body) if isinstance(body, (str, bytes)) else body
+        except ValueError:
+            rec = None
+        if isinstance(rec, dict) and rec.get("id") == vid:
+            out.append(rec)
+        else:
+            bad.append(vid)
+    return out, bad

@@ -21,6 +21,7 @@ import time
 from typing import Iterable, Optional
 
 from ditattn.errors import AttentionConfigError
+from ditattn.server.jobstore import checked_records
 
 log = logging.getLogger("ditattn.server")
 TABLE = "ditattn_videos"
@@ -110,12 +111,7 @@ class PgJobStore:
 
     def load(self) -> list[dict]:
         rows = self._run(lambda db: db.execute(f"SELECT id, record FROM {TABLE} ORDER BY seq").fetchall())
-        out, self.bad_rows = [], []
-        for vid, rec in rows:
-            if isinstance(rec, dict) and rec.get("id") == vid:
-                out.append(rec)
-            else:
-                self.bad_rows.append(vid)
+        out, self.bad_rows = checked_records(rows)
         return out
 
     def close(self) -> None:
