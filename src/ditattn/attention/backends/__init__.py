@@ -2,4 +2,13 @@
 so each declares its capability row, parameter schema and implementation (``base.register`` /
 ``base.declare``).  A new backend: a member of ``names.AttentionBackendEnum`` and a module here,
 imported below (docs/attention.md, "Adding a backend")."""
-from ditattn.attention.backends import flash, sage, sage_crossover, sdpa, sparse_common, sparse_video, unavailable  # noqa: F401  # noqa: F401  (their shared helpers)
+from ditattn.attention.backends import (  # noqa: F401  (imported for their declarations)
+    flash,
+    sage,
+    sage3,
+    sage_crossover,
+    sdpa,
+    sparse_common,
+    sparse_video,
+    unavailable,
+)
