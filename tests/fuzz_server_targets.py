@@ -2,7 +2,7 @@
 fields: input images (headers that claim any size, truncated or mutated files), the ``Host`` /
 ``Origin`` headers of a server without an API key, the MP4 check of written outputs (truncated and
 mutated files), and job-store records read back at a restart.  Each target accepts exactly the
-documented outcomes (a result, or the one error type of that surface); ``tests/test_fuzz_server.py``
+documented outcomes (a result, or the one error type of that surface); ``tests/server/test_fuzz_server.py``
 runs them.  ``DITATTN_FUZZ_SCALE=N`` runs N times as many cases."""
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ strategy files, ``RunConfig`` mappings, the command line, and ``ditattn.attentio
 Each target feeds generated input to the real function and accepts exactly two outcomes: a result,
 or :class:`~ditattn.errors.AttentionConfigError` (the user-input error every surface promises; the
 CLI: exit status 0 or 2 with one ``error:`` line).  Anything else — another exception, a traceback,
-a crashed interpreter — fails.  ``tests/test_fuzz.py`` runs them; the attention target runs in a
+a crashed interpreter — fails.  ``tests/cli/test_fuzz.py`` runs them; the attention target runs in a
 child process (``python tests/fuzz_targets.py attention N``) so that a kernel that kills the
 interpreter (a SIGFPE, as once found) fails the test instead of ending pytest.  The cases are
 derandomized (the same every run); ``DITATTN_FUZZ_SCALE=N`` runs N times as many.
@@ -77,7 +77,7 @@ CONFIG_TEXT = st.one_of(
 
 
 # ------------------------------------------------------------------------------------------------
-# targets (each a hypothesis test, run by tests/test_fuzz.py)
+# targets (each a hypothesis test, run by tests/cli/test_fuzz.py)
 
 
 @settings(max_examples=150 * SCALE, **SETTINGS)

@@ -13,7 +13,7 @@ Python as well as from the CLI:
 
 Dependencies point down: entry points → server → pipelines → runconfig → models → distributed →
 attention / platforms → settings, errors.  Nothing below this package imports it, ``argparse`` or
-an argparse ``Namespace`` (tests/test_architecture.py checks both).
+an argparse ``Namespace`` (tests/cli/test_architecture.py checks both).
 
 A new subcommand (e.g. ``compare``): a module here with ``run(cfg) -> int``; its settings as a
 section of :class:`~ditattn.runconfig.RunConfig` (a frozen dataclass of checked fields, named like

@@ -9,7 +9,7 @@ Two prompt sets:
 - :func:`evaluate`'s: every colour x motion in turn with random shapes (the figures logged since
   the first GPU run, comparable across runs);
 - :func:`tuning_prompts`: the same grid *minus* :data:`HELD_OUT`, the six prompts of the semantic
-  test in ``tests/test_shapes_model.py``.  Sampling defaults chosen on this set
+  test in ``tests/models/test_shapes_model.py``.  Sampling defaults chosen on this set
   (:func:`tune_guidance`) are not fitted to the test that judges them.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from ditattn.train.judge import judge
 from ditattn.train.recipe import Recipe
 from ditattn.train.scenes import COLORS, MOTIONS, SHAPES, parse_caption
 
-# the semantic test's prompts (tests/test_shapes_model.py::SEMANTIC, checked equal by a test): never tuned on
+# the semantic test's prompts (tests/models/test_shapes_model.py::SEMANTIC, checked equal by a test): never tuned on
 HELD_OUT = (("red", "circle", "moving right"), ("blue", "square", "moving up"), ("yellow", "triangle", "growing"),
             ("green", "circle", "moving down"), ("white", "square", "moving left"), ("red", "triangle", "shrinking"))
 TUNING_SEED = 100  # tuning prompt i gets seed TUNING_SEED + i (the semantic test uses 1..6)

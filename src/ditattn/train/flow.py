@@ -10,7 +10,7 @@ key and value, so attending to ``P`` of them equals attending to fewer zero rows
 raised by ``log(P / rows)``.  :func:`text_context` builds that short context (the longest prompt
 plus one zero row) and its additive bias, and :class:`PaddedTextAttnProcessor` applies the bias in
 the DiT's cross-attention: the same function as the 512-token context at a fraction of the cost
-(tested against it in ``tests/test_train_shapes.py``).
+(tested against it in ``tests/models/test_train_shapes.py``).
 """
 from __future__ import annotations
 

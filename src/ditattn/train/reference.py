@@ -1,4 +1,4 @@
-"""Write the golden reference clip of ``ditattn:shapes`` that ``tests/test_shapes_model.py`` reproduces.
+"""Write the golden reference clip of ``ditattn:shapes`` that ``tests/models/test_shapes_model.py`` reproduces.
 
     python -m ditattn.train.reference            # -> tests/data/shapes_golden.npz
 

@@ -72,7 +72,7 @@ def decode_unclamped(vae, z: torch.Tensor) -> torch.Tensor:
     of every pixel outside that range): latents ``[B, C, T, h, w]`` -> clip ``[B, 3, F, H, W]``.
 
     The same causal frame-by-frame loop over diffusers' decoder and its feature cache as
-    ``AutoencoderKLWan._decode`` (diffusers 0.42), so ``tests/test_train_shapes.py`` checks it
+    ``AutoencoderKLWan._decode`` (diffusers 0.42), so ``tests/models/test_train_shapes.py`` checks it
     against ``decode`` on in-range outputs.
     """
     vae.clear_cache()

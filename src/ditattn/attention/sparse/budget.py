@@ -19,7 +19,7 @@ softmax renormalised over the kept keys, so with ``m`` the row's dropped mass::
 of at most ``2 m max|v| / |o|``.  The reported estimate, ``est_rel_err = ESTIMATE_FACTOR * max_i m_i``
 (8x), holds empirically: on every structured family at the CPU test grid the measured relative error
 against float64 exact attention stays below ``est_rel_err + ESTIMATE_SLACK`` (0.02: the kernels' own
-error, Sparge's INT8 Q.K, Sol's centroids; ``tests/test_sparse_budget.py``).
+error, Sparge's INT8 Q.K, Sol's centroids; ``tests/attention/test_sparse_budget.py``).
 
 The rule (:func:`enforce_budget`): with ``error_budget = b`` every video query block keeps, on top
 of its own selection, the fewest blocks, largest share first, whose shares reach ``1 - b`` (so

@@ -149,7 +149,7 @@ def test_bench_cfg_batching_cpu_smoke(tmp_path):
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = tmp_path / "cfg.json"
     env = dict(os.environ, BENCH_DEVICE="cpu", PYTHONPATH=os.path.join(root, "src"))
     subprocess.run([sys.executable, os.path.join(root, "bench", "cfg_batching.py"), "--arch", "tiny", "--sizes",

@@ -51,7 +51,7 @@ def test_case_lists_in_the_docs_name_existing_cases():
     import os
     import re
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     spec = importlib.util.spec_from_file_location("fidelity_cases", os.path.join(root, "bench", "fidelity.py"))
     fidelity = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fidelity)

@@ -26,7 +26,7 @@ from ditattn.attention.sparse.vsa import video_sparse_attention
 from ditattn.errors import AttentionConfigError
 
 #: the training-free backends with an error budget: the planner tests below turn it off (error_budget 0) to
-#: compare the plain rules with the engine; tests/test_sparse_budget.py covers the budget
+#: compare the plain rules with the engine; tests/attention/test_sparse_budget.py covers the budget
 BUDGETED = (B.SPARGE_ATTN, B.SOL_ATTN, B.VMOBA_ATTN, B.SPARSE_VIDEO_GEN_2_ATTN)
 SPARSE = [B.SLIDING_TILE_ATTN, B.VIDEO_SPARSE_ATTN, B.SPARGE_ATTN, B.VMOBA_ATTN, B.SPARSE_VIDEO_GEN_2_ATTN,
           B.SLA_ATTN, B.SAGE_SLA_ATTN, B.SOL_ATTN]

@@ -12,7 +12,7 @@ import pytest
 
 from ditattn.errors import AttentionConfigError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REPO = "some-org/some-wan"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 SMALL = ["--height", "32", "--width", "48", "--num-frames", "1", "--num-inference-steps", "2"]

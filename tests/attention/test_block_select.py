@@ -1,7 +1,7 @@
 """The selection stage of the pooled planners (VSA, Sparge, SLA): the top-k rule (ties to the lower
 block id), the PyTorch path against the implementation it replaced, and the two Triton kernels of
 ``ditattn.attention.kernels.block_select`` against the PyTorch path in Triton's CPU interpreter
-(``tests/conftest.py`` sets ``TRITON_INTERPRET=1`` on CPU-only machines; tests/test_gpu_kernels.py
+(``tests/conftest.py`` sets ``TRITON_INTERPRET=1`` on CPU-only machines; tests/attention/test_gpu_kernels.py
 covers the compiled kernels)."""
 import math
 import os

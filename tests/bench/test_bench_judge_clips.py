@@ -50,7 +50,7 @@ def test_judge_clips_without_clips_says_how_to_get_them(tmp_path, capsys):
     import importlib.util
     import os
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     spec = importlib.util.spec_from_file_location("judge_clips", os.path.join(root, "bench", "judge_clips.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

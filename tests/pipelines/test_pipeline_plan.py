@@ -248,7 +248,7 @@ def test_human_plan_table(capsys):
 
 def test_plan_of_the_diffusers_backend(capsys):
     """--backend diffusers: the diffusers pipeline's layers as ditattn routes them
-    (tests/test_diffusers_integration.py has the details); diffusers' own names have no plan."""
+    (tests/pipelines/test_diffusers_integration.py has the details); diffusers' own names have no plan."""
     rc, err = plan(capsys, "--backend", "diffusers")
     assert rc == 0, err
     rc, err = plan(capsys, "--backend", "diffusers", "--attention-backend", "flash")

@@ -16,7 +16,7 @@ from ditattn.models import shapes
 from ditattn.models.builtin import BUILTIN_MODELS, DEFAULT_MODEL, builtin_model_path
 from ditattn.pipelines.model_index import read_model_index, resolve_model_path
 
-GOLDEN = os.path.join(os.path.dirname(__file__), "data", "shapes_golden.npz")
+GOLDEN = os.path.join(os.path.dirname(__file__), "..", "data", "shapes_golden.npz")
 # one prompt per motion, colours and shapes rotating (fixed before looking at any output)
 SEMANTIC = [("red", "circle", "moving right"), ("blue", "square", "moving up"), ("yellow", "triangle", "growing"),
             ("green", "circle", "moving down"), ("white", "square", "moving left"), ("red", "triangle", "shrinking")]

@@ -9,7 +9,7 @@ import pytest
 from conftest import OMP_THREADS_SET_HERE
 from ditattn.cli import main
 
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src")
 SMALL = ["--height", "32", "--width", "48", "--num-inference-steps", "2"]
 
 

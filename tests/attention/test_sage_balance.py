@@ -20,7 +20,7 @@ from ditattn.attention.kernels.int8_reference import int8_attention_reference, q
 from ditattn.errors import AttentionConfigError
 from test_sage_sm90 import _exact, _rel, _round_half_away  # the same helpers as the kernel's own tests
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 
 HAS_CUDA = torch.cuda.is_available()
 IS_SM90 = HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 gather_floor = pytest.importorskip("gather_floor")
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

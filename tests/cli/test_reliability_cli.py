@@ -16,7 +16,7 @@ import ditattn
 from ditattn.cli import main
 from ditattn.errors import AttentionConfigError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LONG = "A" * 100_000
 
 

@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PKG_DIR = os.path.join(ROOT, "src", "ditattn")
 
 # bottom to top; a module may import its own layer and the layers below it.  A new top-level
@@ -134,7 +134,7 @@ def _layer(name: str):
     for i, members in enumerate(LAYERS):
         if top in members:
             return i
-    raise AssertionError(f"ditattn.{top} is in no layer of tests/test_architecture.py LAYERS; add it where its "
+    raise AssertionError(f"ditattn.{top} is in no layer of tests/cli/test_architecture.py LAYERS; add it where its "
                          "imports put it")
 
 

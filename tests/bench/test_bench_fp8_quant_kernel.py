@@ -30,7 +30,7 @@ def test_fp8_quant_kernel_smoke(tmp_path, run_bench):
 
 
 def test_fp8_quant_kernel_refusals(monkeypatch, capsys):
-    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench"))
     for name in ("common", "fp8_quant_kernel"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     monkeypatch.delenv("BENCH_DEVICE", raising=False)

@@ -9,7 +9,7 @@ import sys
 
 import fuzz_targets as ft
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/
 ATTENTION_CASES = 300
 
 

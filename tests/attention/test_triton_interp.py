@@ -1,7 +1,7 @@
 """The in-tree Triton kernels, run in the Triton interpreter on CPU (tiny shapes).
 
 ``tests/conftest.py`` sets ``TRITON_INTERPRET=1`` before anything imports Triton when no GPU is
-present; on a CUDA machine these tests skip (tests/test_gpu_kernels.py covers the compiled kernels).
+present; on a CUDA machine these tests skip (tests/attention/test_gpu_kernels.py covers the compiled kernels).
 
 The interpreter of triton 3.7 mishandles conversions the kernels rely on (bf16 ``tl.dot`` on raw
 bits, float32 -> bf16 truncation, fp8 subnormals); ``ditattn.attention.kernels.interpreter_dtypes``
