@@ -5,6 +5,8 @@ gives what ditattn's native pipeline gives on the same checkpoint (the same late
 the backend); ``remove`` restores the processors; per-call overrides, skip softmax and the plan; the CLI
 (``--backend diffusers`` with ditattn flags, ``plan --backend diffusers``); a second family (Flux, a tiny
 random model built offline) with its text-first joint attention."""
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -267,3 +269,26 @@ def test_sparse_needs_a_family_with_a_grid(flux, monkeypatch):
         dd.apply(_Pipe(model), attention_backend="video_sparse_attn")
     record = dd.apply(_Pipe(model), attention_backend="torch_sdpa")  # dense backends serve any family
     assert {d.backend.value for d in record.components["transformer"].scope.decisions} == {"torch_sdpa"}
+
+
+def test_readme_example_runs(wan, monkeypatch):
+    """The README's diffusers example, as written, on the tiny model on the CPU (its model id, device and
+    frame count replaced): every line runs, the override call is lossy but close, and the pipeline is
+    left with ditattn's sparse backend applied."""
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    readme = open(os.path.join(root, "README.md"), encoding="utf-8").read()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "ditattn_diffusers.options" in b)
+    from diffusers import WanPipeline
+
+    monkeypatch.setattr(WanPipeline, "from_pretrained", classmethod(lambda cls, *a, **k: wan))
+    code = block.replace('.to("cuda")', "").replace("num_frames=33", "num_frames=1, height=32, width=48, "
+                                                    "num_inference_steps=2, output_type='np'")
+    scope: dict = {}
+    try:
+        exec(compile(code, "README.md", "exec"), scope)
+        assert scope["video"].shape == scope["video_fast"].shape
+        assert dd.plan(wan) is not None  # the sparse backend is applied at the end
+    finally:
+        dd.remove(wan)
