@@ -144,3 +144,21 @@ def test_backends_name_the_measured_operating_points_of_sparse_defaults(capsys):
             "structured 480p inputs") in out
     assert "H200 vs FA4 dense: 12 heads 1.75x at 4.7 % error, 40 heads 1.85x at 3.5 % error" in out  # sol_attn
     assert len(OPERATING_POINTS) >= 5
+
+
+def test_backends_leaves_the_sigpipe_handler_alone():
+    """``backends`` run in a process that also serves (or runs tests that write to closed sockets) must not
+    make a broken pipe fatal for that whole process: Python's handler stays in place."""
+    import signal
+
+    from ditattn.entrypoints.cli import main
+
+    before = signal.getsignal(signal.SIGPIPE)
+    assert main(["backends"]) == 0
+    assert signal.getsignal(signal.SIGPIPE) == before
+
+
+def test_backends_into_a_closed_pipe_is_quiet():
+    r = subprocess.run(f"{sys.executable} -m ditattn backends --verbose | head -1", shell=True, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("platform:") and "Traceback" not in r.stderr, r.stderr

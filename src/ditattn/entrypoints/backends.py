@@ -52,13 +52,23 @@ def short_reason(info) -> str:
 def run(cfg: RunConfig) -> int:
     """``ditattn backends``: one line per backend on this platform (or the one ``--platform``
     simulates): name, kind, whether it runs here and, if not, why in a few words; ``NAME`` or
-    ``--verbose``: in full; ``--json``: everything, as data."""
-    import signal
+    ``--verbose``: in full; ``--json``: everything, as data.  A reader that closes the pipe early
+    (``ditattn backends | head``) ends the listing quietly."""
+    try:
+        return _listing(cfg)
+    except BrokenPipeError:
+        # the process-wide SIGPIPE handler stays Python's (a server in the same process must survive a
+        # closed socket); point stdout at /dev/null so the interpreter's final flush stays quiet too
+        import os
 
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _listing(cfg: RunConfig) -> int:
     from ditattn.platforms import current_platform
     from ditattn.registry import list_backends
 
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `ditattn backends | head` exits quietly
     with cfg.simulation.scope():
         _check_attention_options(cfg)
         plat = current_platform()
