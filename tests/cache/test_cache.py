@@ -252,7 +252,7 @@ def test_public_pipeline_and_cli_take_the_cache(tmp_path, capsys):
               "32", "--width", "32", "--num-inference-steps", "6", "--output-path", str(tmp_path)]
     assert main(common + ["--cache-backend", "teacache", "--cache-backend-config", "threshold=1e6"]) == 0
     out = capsys.readouterr().out
-    assert "step cache teacache: 3 of 6 DiT forwards computed, 3 reused" in out
+    assert "step cache teacache: 3 of 6 DiT calls computed, 3 reused" in out
     yaml = tmp_path / "run.yaml"
     yaml.write_text("cache-backend: first_block_cache\ncache-backend-config: {threshold: 0, fn_blocks: 1}\n")
     assert main(common + ["--config", str(yaml), "--overwrite"]) == 0

@@ -150,8 +150,8 @@ def _report(cfg: RunConfig, frames, *, t_start: float, load: float, steps: int, 
         how = (f", {sampling['scheduler']} shift {sampling['flow_shift']:g}, {sampling['forwards']} DiT forwards, "
                f"CFG {sampling['cfg']}")
     step_cache = ""
-    if cache is not None:  # the step cache's count: DiT forwards computed / reused
-        step_cache = (f"; step cache {cache['backend']}: {cache['computed']} of {cache['forwards']} DiT forwards "
+    if cache is not None:  # the step cache counts DiT calls (a batched CFG call carries both halves)
+        step_cache = (f"; step cache {cache['backend']}: {cache['computed']} of {cache['forwards']} DiT calls "
                       f"computed, {cache['reused']} reused")
     print(f"done in {total:.1f}s{where}: {w}x{h}, {num_frames} frame{'s' if num_frames != 1 else ''}, {steps} steps"
           f"{how} (load {load:.1f}s, {detail}); DiT attention: {backends}{peak}{step_cache}")
