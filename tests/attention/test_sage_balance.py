@@ -15,10 +15,10 @@ import sys
 
 import pytest
 import torch
+from test_sage_sm90 import _exact, _rel, _round_half_away  # the same helpers as the kernel's own tests
 
 from ditattn.attention.kernels.int8_reference import int8_attention_reference, qk_balance_factors
 from ditattn.errors import AttentionConfigError
-from test_sage_sm90 import _exact, _rel, _round_half_away  # the same helpers as the kernel's own tests
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 

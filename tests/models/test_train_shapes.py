@@ -246,8 +246,9 @@ def test_learning_rate_schedule():
 
 
 def test_tuning_prompts_leave_the_semantic_test_out():
-    from ditattn.train.evaluation import HELD_OUT, tuning_prompts
     from test_shapes_model import SEMANTIC
+
+    from ditattn.train.evaluation import HELD_OUT, tuning_prompts
 
     assert set(HELD_OUT) == set(SEMANTIC)
     items = tuning_prompts(90)

@@ -2,6 +2,7 @@
 halves (``--cfg-batching``), its ``auto`` rule, and what the run summary reports."""
 import pytest
 import torch
+from test_schedulers import PLACEMENT, SHAPE, FakeDiT, assert_steps_match, contexts, factory, velocity  # noqa: F401
 
 from ditattn.cli import main
 from ditattn.errors import AttentionConfigError
@@ -15,7 +16,6 @@ from ditattn.pipelines.sampling import (
     resolve_cfg_batching,
 )
 from ditattn.runconfig import SamplingConfig
-from test_schedulers import PLACEMENT, SHAPE, FakeDiT, assert_steps_match, contexts, factory, velocity  # noqa: F401
 
 
 @pytest.mark.parametrize("n, interval, expected", [

@@ -5,10 +5,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from test_server_app import serve
 
 from ditattn.runconfig import CacheOptions, ModelConfig, RunConfig
 from ditattn.server.runner import build_runner
-from test_server_app import serve
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

@@ -17,6 +17,7 @@ import openai
 import pytest
 import torch
 import uvicorn
+from test_server_scheduler import denoise_steps
 from torch import nn
 
 import serving
@@ -29,7 +30,6 @@ from ditattn.server.metrics import parse_text
 from ditattn.server.runner import BaseRunner, ModelDefaults
 from ditattn.server.scheduler import GenerationResult
 from ditattn.server.state import BACKEND_HEADER
-from test_server_scheduler import denoise_steps
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the client marks the videos API deprecated
 

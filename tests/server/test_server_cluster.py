@@ -13,9 +13,9 @@ import uuid
 import httpx
 import pytest
 import uvicorn
+from test_server_app import ToyRunner, client
 
 import serving
-from test_server_app import ToyRunner, client
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

@@ -24,6 +24,7 @@ import zlib
 import httpx
 import numpy as np
 import pytest
+from test_server_app import ToyRunner, client, serve, wait_video
 
 from ditattn.errors import AttentionConfigError
 from ditattn.pipelines import output
@@ -31,7 +32,6 @@ from ditattn.runconfig import ServerConfig
 from ditattn.server.app import create_app
 from ditattn.server.jobstore import JobStore
 from ditattn.server.runner import ModelDefaults
-from test_server_app import ToyRunner, client, serve, wait_video
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

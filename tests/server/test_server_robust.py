@@ -14,12 +14,12 @@ import time
 import httpx
 import openai
 import pytest
+from test_server_app import ToyRunner, client, serve, wait_video
 
 from ditattn.errors import AttentionConfigError
 from ditattn.runconfig import ServerConfig
 from ditattn.server.app import create_app
 from ditattn.server.metrics import parse_text
-from test_server_app import ToyRunner, client, serve, wait_video
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
