@@ -136,7 +136,7 @@ def test_cli_refuses_bad_parallel_flags_before_spawning(capsys):
     assert err.strip().splitlines()[-1].startswith("error: ")  # one line, no traceback
     # ring with a sparse backend, or a ring-incapable request override: refused by the plan-only preflight
     assert main(["generate", "--prompt", "x", "--num-gpus", "2", "--ring-degree", "2",
-                 "--attention-backend", "sliding_tile_attn"]) == 2
+                 "--attention-backend", "video_sparse_attn"]) == 2
     assert "sparse backends run under Ulysses only" in capsys.readouterr().err
     assert main(["serve", "--num-gpus", "2", "--ring-degree", "2", "--attention-backend-override", "sage_attn_3"]) == 2
     assert "ring parallelism (ring degree 2) needs a backend that returns the softmax LSE" in capsys.readouterr().err

@@ -194,7 +194,8 @@ def test_server_request_fields(tmp_path):
                     sampling=SamplingConfig(num_inference_steps=2, num_frames=1, height=32, width=48,
                                             scheduler="flow_euler"))
     runner = build_runner(cfg)
-    with TestClient(create_app(runner, ServerConfig(batch_window_s=0.0, max_steps=8, max_output_pixels=10 ** 6))) as c:
+    with TestClient(create_app(runner, ServerConfig(batch_window_s=0.0, max_steps=8, max_output_pixels=10 ** 6)),
+                    base_url="http://localhost") as c:
         for body, field, words in [
             ({"timesteps": [500, 750]}, "timesteps", "not descending"),
             ({"timesteps": "1500,10"}, "timesteps", "above this checkpoint's num_train_timesteps (1000)"),

@@ -277,4 +277,5 @@ def test_plan_checks_size_and_names_flags_that_do_not_change_it(capsys):
     assert main(["plan", "--num-inference-steps", "3", "--seed", "5", "--height", "64", "--num-frames", "5"]) == 0
     out = capsys.readouterr()
     assert "note: --seed do not change the attention plan" in out.err
-    assert ", 3 steps (DiT timesteps" in out.out.strip().splitlines()[-1]  # the steps shape the sampling line
+    sampling = [line for line in out.out.splitlines() if line.startswith("sampling:")]
+    assert len(sampling) == 1 and ", 3 steps (DiT timesteps" in sampling[0]  # the steps shape the sampling line
