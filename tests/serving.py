@@ -1,10 +1,11 @@
-"""Test helpers: ``ditattn serve`` in a subprocess (the real CLI, the tiny models on the CPU) and polling
-a video job until it ends."""
+"""Test helpers: ``ditattn serve`` in a subprocess (the real CLI, the tiny models on the CPU), an app on
+uvicorn in a thread, waiting for a condition, and polling a video job until it ends."""
 import contextlib
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -17,6 +18,38 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_for(cond, timeout: float = 15, what: str = "condition", poll: float = 0.01) -> None:
+    """Return once ``cond()`` is true; fail the test after ``timeout`` seconds naming ``what``."""
+    t0 = time.time()
+    while not cond():
+        assert time.time() - t0 < timeout, f"timed out waiting for {what}"
+        time.sleep(poll)
+
+
+@contextlib.contextmanager
+def serve_app(app, config):
+    """Run ``app`` on uvicorn in a thread on 127.0.0.1 and a free port, set up as ``ditattn serve`` sets it
+    up (``uvicorn_config``: its read timeouts and protocol); yields the base URL, stops it on exit."""
+    import dataclasses
+
+    import uvicorn
+
+    from ditattn.server.connection import uvicorn_config
+
+    port = free_port()
+    config = dataclasses.replace(config, port=port)
+    server = uvicorn.Server(uvicorn_config(app, config, log_level="error", lifespan="on"))
+    th = threading.Thread(target=server.run, daemon=True)
+    th.start()
+    wait_for(lambda: server.started or not th.is_alive(), timeout=20, what="the server to start")
+    assert th.is_alive(), "the server did not start"
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        th.join(20)
 
 
 @contextlib.contextmanager

@@ -4,7 +4,6 @@ runner: a toy DiT made of real ``LocalAttention`` layers, so attention validatio
 """
 import base64
 import contextlib
-import dataclasses
 import functools
 import io
 import threading
@@ -16,7 +15,6 @@ import numpy as np
 import openai
 import pytest
 import torch
-import uvicorn
 from test_server_scheduler import denoise_steps
 from torch import nn
 
@@ -25,7 +23,6 @@ from ditattn.attention.context import AttentionSettings, attention_settings, com
 from ditattn.attention.names import AttentionBackendEnum as B
 from ditattn.runconfig import ServerConfig
 from ditattn.server.app import create_app
-from ditattn.server.connection import uvicorn_config
 from ditattn.server.metrics import parse_text
 from ditattn.server.runner import BaseRunner, ModelDefaults
 from ditattn.server.scheduler import GenerationResult
@@ -92,20 +89,8 @@ class ToyRunner(BaseRunner):
 def serve(runner, **cfg):
     """Run the app on uvicorn in a thread; yield (base_url, app)."""
     app = create_app(runner, ServerConfig(**{"batch_window_s": 0.0, **cfg}))
-    port = serving.free_port()
-    config = dataclasses.replace(app.state.server.config, port=port)
-    server = uvicorn.Server(uvicorn_config(app, config, log_level="error", lifespan="on"))  # as ditattn serve
-    th = threading.Thread(target=server.run, daemon=True)
-    th.start()
-    t0 = time.time()
-    while not server.started:
-        assert th.is_alive() and time.time() - t0 < 20, "server did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}", app
-    finally:
-        server.should_exit = True
-        th.join(20)
+    with serving.serve_app(app, app.state.server.config) as base:
+        yield base, app
 
 
 def client(base, key="none"):

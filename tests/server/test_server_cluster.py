@@ -12,7 +12,6 @@ import uuid
 
 import httpx
 import pytest
-import uvicorn
 from test_server_app import ToyRunner, client
 
 import serving
@@ -31,19 +30,8 @@ def replica(runner, url, folder, name, **cfg):
                              "job_lease_s": 1.0, **cfg})
     state = ClusterState(runner, config, owner=name)
     app = create_app(runner, config, state=state)
-    port = serving.free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="on"))
-    th = threading.Thread(target=server.run, daemon=True)
-    th.start()
-    t0 = time.time()
-    while not server.started:
-        assert th.is_alive() and time.time() - t0 < 20, "replica did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}", state
-    finally:
-        server.should_exit = True
-        th.join(20)
+    with serving.serve_app(app, config) as base:
+        yield base, state
 
 
 @pytest.fixture
@@ -52,10 +40,7 @@ def url(pg_server):
 
 
 def _wait(pred, timeout=20.0, what="condition"):
-    t0 = time.time()
-    while not pred():
-        assert time.time() - t0 < timeout, f"timed out waiting for {what}"
-        time.sleep(0.02)
+    serving.wait_for(pred, timeout, what, poll=0.02)
 
 
 def test_job_posted_to_one_replica_runs_on_a_free_one_and_is_served_by_both(url, tmp_path):

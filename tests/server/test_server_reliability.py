@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 from test_server_app import ToyRunner, client, serve, wait_video
 
+import serving
 from ditattn.errors import AttentionConfigError
 from ditattn.pipelines import output
 from ditattn.runconfig import ServerConfig
@@ -36,11 +37,7 @@ from ditattn.server.runner import ModelDefaults
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
-def _wait(cond, timeout=15, what="condition"):
-    t0 = time.time()
-    while not cond():
-        assert time.time() - t0 < timeout, f"timed out waiting for {what}"
-        time.sleep(0.01)
+_wait = serving.wait_for
 
 
 def _enospc(*a, **k):

@@ -16,6 +16,7 @@ import openai
 import pytest
 from test_server_app import ToyRunner, client, serve, wait_video
 
+import serving
 from ditattn.errors import AttentionConfigError
 from ditattn.runconfig import ServerConfig
 from ditattn.server.app import create_app
@@ -24,11 +25,7 @@ from ditattn.server.metrics import parse_text
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
-def _wait(cond, timeout=15, what="condition"):
-    t0 = time.time()
-    while not cond():
-        assert time.time() - t0 < timeout, f"timed out waiting for {what}"
-        time.sleep(0.01)
+_wait = serving.wait_for
 
 
 def _metrics(base, **headers):

@@ -5,6 +5,7 @@ import time
 import numpy as np
 import pytest
 
+import serving
 from ditattn.attention.context import RequestState, SkipSoftmaxParams, current_request
 from ditattn.attention.names import AttentionBackendEnum as B
 from ditattn.errors import GenerationCancelled
@@ -201,10 +202,7 @@ def denoise_steps(jobs, steps, step_s, stepping: threading.Event, record) -> Non
 
 
 def _wait(cond, timeout=10):
-    t0 = time.time()
-    while not cond():
-        assert time.time() - t0 < timeout
-        time.sleep(0.005)
+    serving.wait_for(cond, timeout, poll=0.005)
 
 
 def test_cancel_running_job_stops_at_next_step_and_reports_it():

@@ -26,8 +26,7 @@ import time
 import uuid
 from typing import Optional
 
-from ditattn.errors import AttentionConfigError
-from ditattn.server.jobstores import is_postgres, open_job_store
+from ditattn.server.jobstores import check_shared, open_job_store
 from ditattn.server.protocol import RequestError
 from ditattn.server.state import ServerState
 from ditattn.server.storage import SharedFolder
@@ -171,12 +170,7 @@ class ClusterState(ServerState):
     random suffix).  AttentionConfigError without a PostgreSQL store or an output folder."""
 
     def __init__(self, runner, config, *, replicas: Optional[int] = None, owner: Optional[str] = None):
-        if not is_postgres(config.job_store):
-            raise AttentionConfigError("replicas need a job store they share: --job-store "
-                                       "postgresql://USER@HOST:PORT/DB (SQLite serves one process)")
-        if not config.output_dir:
-            raise AttentionConfigError("replicas need an output folder they share: --output-dir DIR (on every "
-                                       "node, the same shared file system)")
+        check_shared(config, "a replica needs")
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.replicas = replicas or config.replicas
         super().__init__(runner, config)

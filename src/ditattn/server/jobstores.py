@@ -75,3 +75,15 @@ def open_job_store(url: Optional[str], folder: str, *, owner: Optional[str] = No
         return PgJobStore(url, owner=owner)
     raise AttentionConfigError(f"--job-store {url[:60]!r} is not supported; accepted: sqlite (the default, in "
                                "--output-dir) or postgresql://USER[:PASSWORD]@HOST[:PORT]/DBNAME")
+
+
+def check_shared(config, who: str = "--replicas needs") -> None:
+    """Replicas share two things, so ``config`` (a ServerConfig) must name both: a PostgreSQL job store
+    (``job_store``) and an output folder (``output_dir``); AttentionConfigError naming the one missing.
+    ``who``: how the message starts ("--replicas needs" from the command line)."""
+    if not is_postgres(config.job_store):
+        raise AttentionConfigError(f"{who} a job store the replicas share: --job-store postgresql://USER@HOST:PORT/DB "
+                                   "(SQLite serves one process; docs/serving.md, Scale-out)")
+    if not config.output_dir:
+        raise AttentionConfigError(f"{who} an output folder the replicas share: --output-dir DIR (the same path on "
+                                   "every node, a shared file system for several)")

@@ -32,15 +32,10 @@ BACKPRESSURE_RETRY_AFTER_S = 5
 def check_scale_options(cfg: RunConfig) -> None:
     """What a scaled-out server needs, checked before Ray starts: a PostgreSQL job store that
     answers, an output folder, one GPU (or the CPU) per replica."""
-    from ditattn.server.jobstores import is_postgres
+    from ditattn.server.jobstores import check_shared
 
     s = cfg.server
-    if not is_postgres(s.job_store):
-        raise AttentionConfigError("--replicas needs a job store the replicas share: --job-store "
-                                   "postgresql://USER@HOST:PORT/DB (docs/serving.md, Scale-out)")
-    if not s.output_dir:
-        raise AttentionConfigError("--replicas needs an output folder the replicas share: --output-dir DIR (the "
-                                   "same path on every node)")
+    check_shared(s)
     if cfg.parallel.num_gpus > 1:
         raise AttentionConfigError(f"--num-gpus {cfg.parallel.num_gpus} with --replicas: a replica runs on one GPU "
                                    "here; accepted: --num-gpus 1 (more replicas use more GPUs)")

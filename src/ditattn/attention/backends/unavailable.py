@@ -50,26 +50,27 @@ BLOCK_SPARSE_ATTN_SCHEMA = (
     P("sparsity", "float", 0.2, "Sparsity coefficient", check=in_range(0.0, 1.0, lo_open=True, hi_open=True), accepted="a number in (0, 1)"),
 )
 
+#: the MiniMax-H3 family's runtime row and reason (no kernels until an H3 checkpoint is supported)
+H3_KERNELS = dict(runtimes={"cuda": (Runtime((), "MiniMax-H3 kernels"),)},
+                  missing_kernel="not available yet: the MiniMax-H3 kernels follow once an H3 checkpoint is supported")
+
 declare(B.SUBBLOCK_SPARSE_ATTN, schema=SUBBLOCK_SPARSE_ATTN_SCHEMA, spec=BackendSpec(
     kind="sparse", summary="Training-free SubBlock sparsity for MiniMax-H3",
-    runtimes={"cuda": (Runtime((), "MiniMax-H3 kernels"),)},
-    missing_kernel="not available yet: the MiniMax-H3 kernels follow once an H3 checkpoint is supported",
+    **H3_KERNELS,
     upstream_platforms=("cuda",), cuda_sm=(90, 100, 120), lossy=True, cross_attention=False,
     config_schema="subblock_sparse_attn",
     install_hint="not available yet: needs a MiniMax-H3 checkpoint and its kernels",
     notes="compute_mode bf16, or sage_fp8 on SM90 (needs SpargeAttn)"))
 declare(B.VIDEO_SPARSE_ATTN_H3, schema=VIDEO_SPARSE_ATTN_H3_SCHEMA, spec=BackendSpec(
     kind="sparse", summary="VSA for MiniMax-H3 / FastH3 (gated compression branch)",
-    runtimes={"cuda": (Runtime((), "MiniMax-H3 kernels"),)},
-    missing_kernel="not available yet: the MiniMax-H3 kernels follow once an H3 checkpoint is supported",
+    **H3_KERNELS,
     upstream_platforms=("cuda",), cuda_sm=(90, 100, 103), lossy=True, cross_attention=False,
     config_schema="video_sparse_attn_h3",
     install_hint="not available yet: needs a MiniMax-H3 checkpoint",
     notes="rejects ring > 1, torch.compile, captured CUDA graphs; text encoder stays SDPA"))
 declare(B.HYBRID_WINDOW_ATTN_H3, schema=HYBRID_WINDOW_ATTN_H3_SCHEMA, spec=BackendSpec(
     kind="sparse+linear", summary="VDN-H3 hybrid window softmax + Video Delta linear branch",
-    runtimes={"cuda": (Runtime((), "MiniMax-H3 kernels"),)},
-    missing_kernel="not available yet: the MiniMax-H3 kernels follow once an H3 checkpoint is supported",
+    **H3_KERNELS,
     upstream_platforms=("cuda",), cuda_sm=(80, 86, 89, 90, 100, 103, 120), lossy=False,
     cross_attention=False, config_schema="hybrid_window_attn_h3",
     install_hint="not available yet: needs a VDN-H3 checkpoint",
