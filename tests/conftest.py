@@ -27,6 +27,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # built-in models (DITATTN_CACHE, see _ditattn_model_cache), the Hugging Face cache, and the Triton /
 # TorchInductor compile caches.  Set here, at import, so that code run at collection time and every
 # subprocess inherit it.  DITATTN_TEST_CACHE=DIR keeps the built models across sessions instead.
+import contextlib  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
@@ -61,24 +62,57 @@ def _device_aware(item) -> bool:
                for m in item.iter_markers("skipif"))
 
 
-@pytest.fixture(autouse=True)
-def _cpu_machine(request, monkeypatch):
-    """The suite's expectations are a CPU-only machine's (the automatic DiT backend torch_sdpa, fa running
-    torch_sdpa, --num-gpus refused, no CUDA peak memory).  On a machine with a GPU every test that is not
-    device-aware (marker ``gpu``, a module of :data:`DEVICE_AWARE_MODULES`, or a skipif naming CUDA /
-    a GPU) runs as on a CPU-only machine: PyTorch reports no CUDA device, the platform in force is the
-    CPU, and subprocesses start with ``CUDA_VISIBLE_DEVICES=""``.  Without a GPU this changes nothing."""
-    if not _HAS_CUDA or _device_aware(request.node):
-        yield
-        return
+@contextlib.contextmanager
+def _as_cpu_machine():
+    """PyTorch reports no CUDA device, the platform in force is the CPU, subprocesses start with
+    ``CUDA_VISIBLE_DEVICES=""``; on leaving, PyTorch's cached "is Triton usable" answers (computed while
+    CUDA looked absent) are dropped so that the next GPU test compiles."""
     import torch
 
     from ditattn.platforms import Platform, use_platform
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    with use_platform(Platform("cpu", "cpu")):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda, "is_available", lambda: False)
+        mp.setattr(torch.cuda, "device_count", lambda: 0)
+        mp.setenv("CUDA_VISIBLE_DEVICES", "")
+        try:
+            with use_platform(Platform("cpu", "cpu")):
+                yield
+        finally:
+            _forget_triton_probes()
+    _forget_triton_probes()
+
+
+def _forget_triton_probes():
+    import torch.utils._triton as triton_probes
+
+    for fn in vars(triton_probes).values():
+        if callable(getattr(fn, "cache_clear", None)):
+            fn.cache_clear()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cpu_machine_module(request):
+    """A module none of whose tests is device-aware runs as on a CPU-only machine for its whole life, so
+    that its module-scoped fixtures (a loaded pipeline, a running server) are built that way too."""
+    if not _HAS_CUDA or any(_device_aware(item) for item in request.session.items
+                            if getattr(item, "module", None) is request.module):
+        yield
+        return
+    with _as_cpu_machine():
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _cpu_machine(request):
+    """The suite's expectations are a CPU-only machine's (the automatic DiT backend torch_sdpa, fa running
+    torch_sdpa, --num-gpus refused, no CUDA peak memory).  On a machine with a GPU every test that is not
+    device-aware (marker ``gpu``, a module of :data:`DEVICE_AWARE_MODULES`, or a skipif naming CUDA /
+    a GPU) runs as on a CPU-only machine (:func:`_as_cpu_machine`).  Without a GPU this changes nothing."""
+    if not _HAS_CUDA or _device_aware(request.node):
+        yield
+        return
+    with _as_cpu_machine():
         yield
 
 

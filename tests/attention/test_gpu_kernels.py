@@ -491,8 +491,10 @@ def test_sparse_paths_do_not_synchronise():
     grid = (8, 16, 32)
     S = math.prod(grid)
     q, k, v = qkv(1, S, S, 4, 4, 128, seed=61)
-    cases = [(B.SPARSE_VIDEO_GEN_2_ATTN, {"num_q_clusters": 16, "num_k_clusters": 32}, (0, 1, 2, 3)),
-             (B.SOL_ATTN, {}, (12, 13)), (B.SPARGE_ATTN, {}, (0, 1))]
+    # the error budget off: on these i.i.d. inputs it would (rightly) run every head dense
+    off = {"error_budget": 0.0}
+    cases = [(B.SPARSE_VIDEO_GEN_2_ATTN, {"num_q_clusters": 16, "num_k_clusters": 32, **off}, (0, 1, 2, 3)),
+             (B.SOL_ATTN, off, (12, 13)), (B.SPARGE_ATTN, off, (0, 1))]
     reset_svg2_state()
     for backend, cfg, steps in cases:
         impl = get_impl(backend)
@@ -507,5 +509,6 @@ def test_sparse_paths_do_not_synchronise():
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert torch.isfinite(out.float()).all()
-        assert 0 < last_stats[f"{backend.value}/layer3"]["kept_fraction"] < 1
+        stats = last_stats[f"{backend.value}/layer3"]
+        assert 0 < stats["kept_fraction"] < 1, (backend.value, stats)
     reset_svg2_state()

@@ -107,7 +107,7 @@ def test_sage_auto_rule_picks_the_sm90_kernel_on_hopper_only():
     assert impl is None and "no qk_balance" in why, why
 
 
-def test_sage_k_granularity_reaches_the_implementations():
+def test_sage_k_granularity_reaches_the_implementations(monkeypatch):
     import torch
 
     from ditattn.attention.backends.base import AttnCall
@@ -123,6 +123,8 @@ def test_sage_k_granularity_reaches_the_implementations():
     out_blk, _ = int8_attention_reference(q, k, v, k_granularity="block")
     assert torch.equal(out_auto, out_tok) and not torch.equal(out_tok, out_blk)
     # the Triton kernel has per-block K scales only: an explicit token granularity is refused with the reason
+    # (asked as the CPU interpreter would be, so that a GPU machine's CPU run reaches the same check)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     why = SAGE_IMPLS["triton"].why_not(q.half(), call, {"k_granularity": "token"})
     assert why is not None and "per block" in why
     with pytest.raises(AttentionConfigError, match="sm90 kernel needs an SM90"):
