@@ -133,12 +133,12 @@ def _full(layout) -> bool:
 
 
 def enforce_budget(log_mass: Tensor, keep: Tensor, budget: float,
-                   dense_above: float = DENSE_ABOVE) -> tuple[Tensor, Tensor]:
+                   dense_above: Optional[float] = None) -> tuple[Tensor, Tensor]:
     """``(keep', dense_heads)``: ``keep`` (bool ``[B, H, nq, nk]``) plus, per row, the fewest blocks,
     largest predicted share first, whose shares reach ``1 - budget`` (``log_mass`` ``[B, H, nq, nk]``, or
     ``[B, H, nq, R, nk]`` per probe row: every probe row's blocks); a head (``[B, H]`` bool
-    ``dense_heads``) whose kept fraction then exceeds ``dense_above`` keeps every block.  ``budget``
-    <= 0 returns ``keep`` unchanged and no dense head."""
+    ``dense_heads``) whose kept fraction then exceeds ``dense_above`` (None: :data:`DENSE_ABOVE` as it is at
+    the call) keeps every block.  ``budget`` <= 0 returns ``keep`` unchanged and no dense head."""
     from ditattn.attention.sparse.common import mass_mask
 
     if budget <= 0:
@@ -147,7 +147,7 @@ def enforce_budget(log_mass: Tensor, keep: Tensor, budget: float,
     if log_mass.dim() == keep.dim() + 1:
         need = (need & torch.isfinite(log_mass).any(-1, keepdim=True)).any(-2)
     out = keep | need
-    dense = out.float().mean((-1, -2)) > float(dense_above)
+    dense = out.float().mean((-1, -2)) > float(DENSE_ABOVE if dense_above is None else dense_above)
     out = out | dense[:, :, None, None]
     return out, dense
 
