@@ -38,14 +38,12 @@ frontier table last.  CPU smoke run: ``BENCH_DEVICE=cpu python bench/fidelity.py
 
     python bench/fidelity.py --grids wan480 --heads 12,40 --out $OUT/fid
 
-The frontier of the training-free defaults over every family (one call on the H200, under 8 minutes)::
+The frontier of the training-free defaults over every family, the captured activations, the fallback cost, sage_attn
+against fa and the budget's GPU tests in one H200 call (under 7 minutes): ``python bench/frontier.py --out $OUT``.
+Its fidelity part is::
 
-    python bench/capture_qkv.py --prompt "a red circle moving right" --steps 10,-1 --layers 0,3,5 \
-        --height 256 --width 256 --num-frames 33 --out $OUT/shapes_qkv.safetensors && \
-    python bench/fidelity.py --grids wan480 --heads 12,40 --families all --budget default,off --budget-s 360 \
-        --cases \
-        "sparge_attn (defaults),sol_attn (defaults),vmoba_attn (defaults),sparse_video_gen_2_attn (defaults),\
-sage_attn (defaults),skip_softmax factor=4" --activations $OUT/shapes_qkv.safetensors --out $OUT/fid
+    python bench/fidelity.py --grids wan480 --heads 12,40 --families all --preset training-free \
+        --budget default,off --loop --overhead --activations-error-only --summary --activations FILE --out $OUT/fid
 """
 from __future__ import annotations
 
@@ -243,7 +241,7 @@ TIMING = {"warmup_ms": 100.0, "rep_ms": 400.0}
 
 def timed_ms(fn, mean: bool = False) -> float:
     """Milliseconds of ``fn()`` by common.bench_ms with ``TIMING`` (the median; ``mean`` on CUDA: the mean,
-    which counts a step that re-checks a reused decision at its share)."""
+    which counts a loop step that re-checks a reused decision at its share)."""
     if mean and DEVICE == "cuda":
         import triton.testing
 
@@ -254,9 +252,10 @@ def timed_ms(fn, mean: bool = False) -> float:
     return bench_ms(fn, warmup_ms=TIMING["warmup_ms"], rep_ms=TIMING["rep_ms"])
 
 
-def run_case(attention, q, k, v, grid, backend, cfg, *, layer=LAYER, stateful=False):
+def run_case(attention, q, k, v, grid, backend, cfg, *, layer=LAYER, stateful=False, mean=None):
     """``(ms, out)`` of one backend call pattern (a fresh step per call when ``stateful`` or under
-    ``--loop``, from :data:`LOOP_STEP0`); ``ms`` None under ``--error-only``."""
+    ``--loop``, from :data:`LOOP_STEP0`); ``ms`` None under ``--error-only``; ``mean``: time by the mean
+    (None: under ``--loop``), else the median."""
     stateful = stateful or (LOOP and backend not in (None, SKIP_SOFTMAX, "fa", "torch_sdpa"))
     state = {"step": LOOP_STEP0 if LOOP else 0}
     if stateful:
@@ -276,7 +275,7 @@ def run_case(attention, q, k, v, grid, backend, cfg, *, layer=LAYER, stateful=Fa
             call()
         return None, call()
     call()  # cold start (compilation, the first k-means)
-    ms = timed_ms(call, mean=LOOP and stateful)
+    ms = timed_ms(call, mean=LOOP if mean is None else mean)  # under --loop every case (dense too) by the mean
     return ms, call()
 
 
@@ -609,6 +608,8 @@ def main():
             meta = {"step": entry.get("step"), "layer_idx": entry.get("layer_idx"), "prompt": entry.get("prompt"),
                     "model": entry.get("model")}
             inputs.append((name, tuple(entry["video_shape"]), q.shape[2], (q, k, v), meta))
+    if args.activations_error_only:  # the cheap inputs first: a time limit then cuts structured ones
+        inputs.sort(key=lambda x: x[3] is None)
     for name, grid, heads, qkv, *meta in inputs:
         if qkv is None:
             q, k, v, _ = structured_qkv(family_spec(meta[0]["family"], grid, heads, seed=args.seed),
@@ -677,7 +678,7 @@ def measure_overhead(rec, q, k, v, grid, args):
                       speedup=dense_ms / ms if ms and dense_ms else None, **extra)
         print(f"  overhead {what:<48} {ms:9.3f} ms  x{row['speedup'] or float('nan'):6.3f}", flush=True)
 
-    dense_ms = timed_ms(lambda: ditattn.attention(q, k, v, backend=dense_backend))
+    dense_ms = timed_ms(lambda: ditattn.attention(q, k, v, backend=dense_backend), mean=True)
     add(f"dense {dense_backend}", dense_ms, dense_ms)
     only = set(args.backends.split(",")) if args.backends else None
     loop0 = LOOP
@@ -689,8 +690,8 @@ def measure_overhead(rec, q, k, v, grid, args):
                 LOOP = loop
                 clear_stats()
                 try:
-                    ms, _ = run_case(ditattn.attention, q, k, v, grid, backend, {"error_budget": 1e-6},
-                                     stateful=backend == "sparse_video_gen_2_attn")
+                    # per call: no step (the budget checks every call); loop: a fresh step per call
+                    ms, _ = run_case(ditattn.attention, q, k, v, grid, backend, {"error_budget": 1e-6}, mean=True)
                 except Exception as exc:  # report and go on
                     rec.note(f"overhead {backend}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
                     continue
@@ -709,7 +710,7 @@ def measure_overhead(rec, q, k, v, grid, args):
               "probe masses (9 rows per block)": lambda: eb.probe_log_mass(qt, kt, layout, scale),
               "widening to the budget (9 rows per block)": lambda: eb.enforce_budget(lm, none, 0.005)}
     for what, fn in pieces.items():
-        add(what, timed_ms(fn), dense_ms)
+        add(what, timed_ms(fn, mean=True), dense_ms)
 
 
 if __name__ == "__main__":

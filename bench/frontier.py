@@ -28,8 +28,9 @@ speed-up over FA4, dense calls, the other budgets' worst error and slowest speed
 every default <= 5 % error and cosine >= 0.998 on every family, >= 1.0x FA4 on every structured family, two
 backends >= 1.5x at <= 5 % on the original family, sage_attn >= 1.0x fa at every shape.
 
-Tuning in a later call: ``--budget default,0.01,0.02`` (or ``sol_attn:0.02``: one backend), ``--parts fidelity``,
-``--families``, ``--heads``, ``--backends`` and ``--dense-above`` (bench/fidelity.py's).  ``--smoke`` runs every
+Tuning in a later call: ``--budget default,0.02,0.05`` (or ``sol_attn:0.02``: one backend), ``--parts
+capture,fidelity``, ``--families``, ``--heads``, ``--backends``, ``--cases``, ``--dense-above`` (bench/fidelity.py's)
+and ``--no-overhead``.  ``--smoke`` runs every
 part on the CPU at tiny sizes (``BENCH_DEVICE=cpu``; the tests part is left out unless named), as the CI does.
 """
 from __future__ import annotations
@@ -82,13 +83,13 @@ def run_part(name: str, argv: list, out: str, limit: float, env: dict) -> dict:
 
 
 def checks(summary: list, sage_rows: list) -> dict:
-    """The criteria over the fidelity summary (first budget = the defaults) and the sage rows."""
-    defaults = [e for e in summary if e["case"].endswith("(defaults)") and e["budget"] == "default"]
+    """The criteria over the fidelity summary (under the first ``--budget`` value) and the sage rows."""
+    defaults = [e for e in summary if e["case"].endswith("(defaults)")]
     err_bad = [f"{e['case']} / {e['family']}: {e['worst_err'] * 100:.2f} %, cos {e['min_cos']:.5f}" for e in defaults
                if e["worst_err"] > 0.05 or e["min_cos"] < 0.998]
     slow = [f"{e['case']} / {e['family']}: x {e['x_min']:.3f}" for e in defaults
             if e["x_min"] is not None and e["x_min"] < 1.0]
-    fast = sorted({e["case"].split(" ")[0] for e in summary if e["family"] == "original" and e["budget"] == "default"
+    fast = sorted({e["case"].split(" ")[0] for e in summary if e["family"] == "original"
                    and e["x_min"] is not None and e["x_min"] >= 1.5 and e["worst_err"] <= 0.05})
     sage_slow = [f"{r['shape']}: x {r['x_fa']:.3f}" for r in sage_rows if r.get("x_fa") is not None and r["x_fa"] < 1.0]
     return {"defaults_within_5_percent": not err_bad and bool(defaults), "over_5_percent": err_bad,
@@ -116,6 +117,8 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", default="12,40", help="bench/fidelity.py --heads")
     ap.add_argument("--backends", default=None, help="bench/fidelity.py --backends")
     ap.add_argument("--dense-above", default=None, help="bench/fidelity.py --dense-above")
+    ap.add_argument("--cases", default=None, help="bench/fidelity.py --cases (instead of the training-free preset)")
+    ap.add_argument("--no-overhead", action="store_true", help="leave out the fallback cost (bench/fidelity.py --overhead)")
     ap.add_argument("--rep-ms", default="200", help="bench/fidelity.py --rep-ms (timing per case)")
     ap.add_argument("--sage-shapes", default=None, help="bench/attention.py --shapes (default: all of its shapes)")
     args = ap.parse_args(argv)
@@ -139,12 +142,14 @@ def main(argv=None) -> int:
                                                  "--out", act], args.out, min(90.0, left()), env)
     if "fidelity" in parts:
         reserve = sum(s for p, s in RESERVE.items() if p in parts) + TAIL_S
-        fid = [os.path.join(HERE, "fidelity.py"), "--preset", "training-free", "--families", args.families,
-               "--budget", args.budget, "--loop", "--overhead", "--summary", "--no-chart", "--activations-error-only",
+        fid = [os.path.join(HERE, "fidelity.py"), "--families", args.families,
+               "--budget", args.budget, "--loop", "--summary", "--no-chart", "--activations-error-only",
                "--warmup-ms", "1" if args.smoke else "50", "--rep-ms", "1" if args.smoke else args.rep_ms,
                "--budget-s", f"{max(10.0, left() - reserve):.0f}", "--out", os.path.join(args.out, "fidelity")]
         fid += ["--grid", "4,8,8", "--heads", "2", "--ref-rows", "32"] if args.smoke else [
             "--grids", "wan480", "--heads", args.heads]
+        fid += ["--cases", args.cases] if args.cases else ["--preset", "training-free"]
+        fid += [] if args.no_overhead else ["--overhead"]
         fid += ["--backends", args.backends] if args.backends else []
         fid += ["--dense-above", args.dense_above] if args.dense_above else []
         fid += ["--activations", act] if os.path.exists(act) else []
