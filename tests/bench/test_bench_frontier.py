@@ -40,8 +40,9 @@ def test_frontier_smoke_on_cpu(tmp_path, run_bench):
     assert set(data["checks"]) >= {"defaults_within_5_percent", "two_backends_1_5x", "sage_at_least_fa"}
     files = [os.path.relpath(os.path.join(d, f), out) for d, _, fs in os.walk(out) for f in fs]
     assert len(files) <= 8 and max(f.count(os.sep) for f in files) <= 1, files
-    last = stdout.strip().splitlines()[-1]
-    assert last.startswith("| skip_softmax (budget) | activations | default |"), last
+    table = stdout[stdout.rindex("| case | family | budget |"):].strip().splitlines()
+    assert len(table) == 2 + len(data["summary"]) == 2 + 5 * 3 + 2, table  # the table ends the output
+    assert table[-1].startswith("| skip_softmax (budget) | weak | default |"), table[-1]
 
 
 def test_budget_lists_per_backend():
