@@ -91,6 +91,25 @@ def test_weak_locality_runs_dense_through_the_dense_kernel_and_records_it(inputs
     assert st["dense_heads"] == st["heads"] == 3
 
 
+def test_the_early_dense_check_probes_a_bounded_sample_of_query_blocks(inputs, monkeypatch):
+    """The early check's cost does not grow with the number of query blocks past EARLY_BLOCKS: it probes the
+    centre rows of every s-th block (here 12 blocks, at most 4: every 3rd), and the sample still tells the weak
+    family (dense) from the original one (sparse at this budget)."""
+    from ditattn.attention.sparse.tiling import make_tile_layout, tile
+
+    lay = make_tile_layout(GRID, (4, 4, 4), 0)
+    monkeypatch.setattr(eb, "EARLY_BLOCKS", 4)
+    q, k, _, _ = inputs[128]["weak", 1]
+    qt, kt = tile(q, lay), tile(k, lay)
+    full = eb.probe_log_mass(qt, kt, lay, 128 ** -0.5, centre_only=True)
+    part = eb.probe_log_mass(qt, kt, lay, 128 ** -0.5, centre_only=True, sampled=True)
+    assert lay.n_video_blocks == 12 and full.shape[2:] == (12, 1, 12) and part.shape[2:] == (4, 1, 12)
+    torch.testing.assert_close(part, full[:, :, ::3])
+    assert eb.early_dense(qt, kt, lay, 0.005, scale=128 ** -0.5)
+    q, k, _, _ = inputs[128]["original", 1]
+    assert not eb.early_dense(tile(q, lay), tile(k, lay), lay, 0.05, scale=128 ** -0.5)
+
+
 def test_budget_widens_the_selection_until_the_predicted_dropped_mass_meets_it():
     torch.manual_seed(0)
     lm = torch.randn(2, 3, 7, 9) * 3
