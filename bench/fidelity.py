@@ -591,9 +591,9 @@ def main():
     tmp = tempfile.mkdtemp()
     inputs = []
     if not args.no_structured:
-        for _, grid in grids:
-            for heads in heads_list:
-                for fam in families:
+        for _, grid in grids:  # family by family, both head counts each (a time limit then cuts whole families)
+            for fam in families:
+                for heads in heads_list:
                     name = "structured" if fam == "original" else f"structured:{fam}"
                     if args.gen_device not in (None, DEVICE):
                         name += f" ({args.gen_device} noise)"
