@@ -708,7 +708,8 @@ def measure_overhead(rec, q, k, v, grid, args):
     pieces = {"tile q and k (64-token tiles)": lambda: (tile(q, layout), tile(k, layout)),
               "early check (centre rows, one sync)": lambda: eb.early_dense(qt, kt, layout, 0.005, scale=scale),
               "probe masses (9 rows per block)": lambda: eb.probe_log_mass(qt, kt, layout, scale),
-              "widening to the budget (9 rows per block)": lambda: eb.enforce_budget(lm, none, 0.005)}
+              "widening to the budget (9 rows per block)": lambda: eb.enforce_budget(lm, none, 0.005),
+              "widening, PyTorch path (sorted rows)": lambda: eb.enforce_budget(lm, none, 0.005, impl="reference")}
     for what, fn in pieces.items():
         add(what, timed_ms(fn, mean=True), dense_ms)
 

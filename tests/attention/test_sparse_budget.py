@@ -3,6 +3,7 @@ the once-said dense fallbacks (CPU, small grids; float64 exact attention as the 
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -108,6 +109,31 @@ def test_the_early_dense_check_probes_a_bounded_sample_of_query_blocks(inputs, m
     assert eb.early_dense(qt, kt, lay, 0.005, scale=128 ** -0.5)
     q, k, _, _ = inputs[128]["original", 1]
     assert not eb.early_dense(tile(q, lay), tile(k, lay), lay, 0.05, scale=128 ** -0.5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs CUDA or the Triton interpreter")
+def test_the_widening_kernel_keeps_the_blocks_of_the_sorted_rule():
+    """The Triton widening (CUDA; the interpreter on CPU) keeps the blocks of the sorted PyTorch rule on random
+    masses with dead probe rows and -inf blocks, every probe row then drops at most the budget, and an exact tie at
+    the cut is kept whole (the sorted rule keeps its lower-indexed part)."""
+    from ditattn.attention.kernels.budget_mask import budget_need
+    from ditattn.attention.sparse.common import mass_mask
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(3)
+    for shape, b in [((1, 2, 3, 9, 12), 0.005), ((2, 1, 4, 3, 37), 0.05), ((1, 2, 5, 9, 100), 0.01)]:
+        lm = torch.randn(*shape, generator=g) * 4
+        lm[0, 0, 0, 1] = float("-inf")  # a dead probe row
+        lm[0, 0, 1, :, 3] = float("-inf")  # a block no row sees
+        got = budget_need(lm.to(dev), b).cpu()
+        want = (mass_mask(lm, 1.0 - b) & torch.isfinite(lm).any(-1, keepdim=True)).any(-2)
+        assert (got != want).float().mean() <= (0 if dev == "cpu" else 1e-3), shape  # GPU: summation order
+        share = torch.softmax(lm.double(), -1).nan_to_num(0.0)
+        assert float((share * (~got).unsqueeze(-2)).sum(-1).max()) <= b + 1e-6
+        assert not bool(got[0, 0, 1, 3])
+    tie = torch.zeros(1, 1, 1, 1, 10, device=dev)
+    assert bool(budget_need(tie, 0.15).all()) and int(mass_mask(tie.cpu(), 0.85).sum()) == 9
 
 
 def test_budget_widens_the_selection_until_the_predicted_dropped_mass_meets_it():

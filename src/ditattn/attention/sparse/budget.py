@@ -140,23 +140,53 @@ def _full(layout) -> bool:
 
 
 def enforce_budget(log_mass: Tensor, keep: Tensor, budget: float,
-                   dense_above: Optional[float] = None) -> tuple[Tensor, Tensor]:
+                   dense_above: Optional[float] = None, impl: str = "auto") -> tuple[Tensor, Tensor]:
     """``(keep', dense_heads)``: ``keep`` (bool ``[B, H, nq, nk]``) plus, per row, the fewest blocks,
     largest predicted share first, whose shares reach ``1 - budget`` (``log_mass`` ``[B, H, nq, nk]``, or
     ``[B, H, nq, R, nk]`` per probe row: every probe row's blocks); a head (``[B, H]`` bool
     ``dense_heads``) whose kept fraction then exceeds ``dense_above`` (None: :data:`DENSE_ABOVE` as it is at
-    the call) keeps every block.  ``budget`` <= 0 returns ``keep`` unchanged and no dense head."""
-    from ditattn.attention.sparse.common import mass_mask
-
+    the call) keeps every block.  ``budget`` <= 0 returns ``keep`` unchanged and no dense head.  Per probe row
+    on CUDA (``impl`` other than ``"reference"``) one Triton kernel widens the selection
+    (:func:`ditattn.attention.kernels.budget_mask.budget_need`: the same blocks, and the whole of a tie at the
+    cut); elsewhere the PyTorch path sorts each row."""
     if budget <= 0:
         return keep, torch.zeros(keep.shape[:2], dtype=torch.bool, device=keep.device)
-    need = mass_mask(log_mass.float(), 1.0 - float(budget))
-    if log_mass.dim() == keep.dim() + 1:
-        need = (need & torch.isfinite(log_mass).any(-1, keepdim=True)).any(-2)
+    need = _need(log_mass, budget, impl) if log_mass.dim() == keep.dim() + 1 else None
+    if need is None:
+        from ditattn.attention.sparse.common import mass_mask
+
+        need = mass_mask(log_mass.float(), 1.0 - float(budget))
+        if log_mass.dim() == keep.dim() + 1:
+            need = (need & torch.isfinite(log_mass).any(-1, keepdim=True)).any(-2)
     out = keep | need
     dense = out.float().mean((-1, -2)) > float(DENSE_ABOVE if dense_above is None else dense_above)
     out = out | dense[:, :, None, None]
     return out, dense
+
+
+_kernel_failed: list = []
+
+
+def _need(log_mass: Tensor, budget: float, impl: str) -> Optional[Tensor]:
+    """The Triton kernel's union of the probe rows' blocks (``[B, H, nq, R, nk]`` masses on CUDA), or None:
+    the PyTorch path (elsewhere, ``impl="reference"``, rows wider than the kernel holds, or a kernel that failed
+    once in this process: said once)."""
+    if not log_mass.is_cuda or impl == "reference" or _kernel_failed:
+        return None
+    from ditattn.attention.kernels.budget_mask import MAX_BUDGET_BLOCKS, budget_need
+
+    if log_mass.shape[-1] > MAX_BUDGET_BLOCKS:
+        return None
+    try:
+        return budget_need(log_mass.float(), float(budget))
+    except Exception as exc:  # keep serving on the PyTorch path; the GPU tests call the kernel directly
+        import logging
+
+        _kernel_failed.append(repr(exc))
+        logging.getLogger("ditattn.attention.sparse").warning(
+            "error budget kernel failed (%s: %s); the budget runs its PyTorch path from now on", type(exc).__name__,
+            str(exc).splitlines()[0][:200] if str(exc) else "")
+        return None
 
 
 def all_dense(dense_heads: Tensor) -> bool:
@@ -219,7 +249,7 @@ def budgeted_lists(q: Tensor, k: Tensor, v: Tensor, q_tiled: Tensor, k_tiled: Te
     from ditattn.attention.sparse.common import select_impl, video_mask_lists
 
     log_mass = probe_log_mass(q_tiled, k_tiled, layout, scale, impl=impl)
-    keep, dense = enforce_budget(log_mass, video_keep, budget)  # video_keep: the planner's selection
+    keep, dense = enforce_budget(log_mass, video_keep, budget, impl=impl)  # video_keep: the planner's selection
     stats = budget_stats(log_mass, video_keep, keep, dense, budget)
     if all_dense(dense):
         out, lse = dense_attention(q, k, v, scale=scale, return_lse=return_lse, backend=dense_backend)
@@ -253,7 +283,8 @@ def early_dense(q_tiled: Tensor, k_tiled: Tensor, layout, budget: float, *, scal
         return False
     lm = probe_log_mass(q_tiled, k_tiled, layout, scale, impl=impl, centre_only=True, sampled=True)
     nv = layout.n_video_blocks
-    _, dense = enforce_budget(lm, torch.zeros(*lm.shape[:3], nv, dtype=torch.bool, device=lm.device), budget)
+    _, dense = enforce_budget(lm, torch.zeros(*lm.shape[:3], nv, dtype=torch.bool, device=lm.device), budget,
+                              impl=impl)
     return all_dense(dense)
 
 
@@ -271,7 +302,8 @@ def precheck_dense(q: Tensor, k: Tensor, video_shape, text_len: int, budget: flo
         return True
     lm = probe_log_mass(qt, kt, layout, scale, impl=impl)
     nv = layout.n_video_blocks
-    _, dense = enforce_budget(lm, torch.zeros(*lm.shape[:3], nv, dtype=torch.bool, device=lm.device), budget)
+    _, dense = enforce_budget(lm, torch.zeros(*lm.shape[:3], nv, dtype=torch.bool, device=lm.device), budget,
+                              impl=impl)
     return all_dense(dense)
 
 

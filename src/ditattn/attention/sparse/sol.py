@@ -199,7 +199,7 @@ def sol_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: int
 
         lm = eb.probe_log_mass(qt, kt, layout, scale, impl=impl)
         selected = exact
-        exact, dense = eb.enforce_budget(lm, exact, error_budget)
+        exact, dense = eb.enforce_budget(lm, exact, error_budget, impl=impl)
         budget = eb.budget_stats(lm, selected, exact, dense, error_budget)
         if eb.all_dense(dense):
             res = eb.Budgeted(layout, None, None, budget)
