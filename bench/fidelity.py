@@ -366,18 +366,18 @@ def measure_input(rec, dl, args, name, q, k, v, grid, tmp, meta=None):
                     **budget_of(last_stats)}
 
         layers = VMOBA_MODES if backend == "vmoba_attn" else {LAYER: None}
-        budgets = budgets_for(args.budget, backend)
-        tagged = ":" in args.budget or len(args.budget.split(",")) > 1
+        budgeted = backend in BUDGETED and (backend != SKIP_SOFTMAX or "error_budget" in cfg)  # not fixed factors
+        budgets = budgets_for(args.budget, backend) if budgeted else ["default"]
+        tagged = budgeted and (":" in args.budget or len(args.budget.split(",")) > 1)
         for (layer, mode), budget in ((lm, b) for lm in layers.items() for b in budgets):
-            lab = label + (f" [{mode}]" if mode else "") + (f" budget={budget}" if tagged and backend in BUDGETED
-                                                            else "")
+            lab = label + (f" [{mode}]" if mode else "") + (f" budget={budget}" if tagged else "")
             try:
                 res = one(layer=layer, budget=budget)
             except Exception as exc:  # report and go on
                 rec.note(f"{lab} at {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
                 continue
             row = rec.add(**base, case=lab, label=label, mode=mode,
-                          budget=budget if backend in BUDGETED else None, backend=backend, config=cfg,
+                          budget=budget if budgeted else None, backend=backend, config=cfg,
                           speedup=dense_ms / res["ms"] if res["ms"] else None, **res)
             print(f"  {lab:<44} {row['ms'] or float('nan'):9.2f} ms  x{row['speedup'] or float('nan'):5.2f}  kept "
                   f"{row['kept_fraction'] if row['kept_fraction'] is not None else float('nan'):.3f}  "
