@@ -313,6 +313,52 @@ def run_skip(rec, dl, skip_cfg, shape=(1, 12, 32760, 128)):
     return rows_out
 
 
+def run_sage_vs_fa(rec, dl, shapes, rounds=2):
+    """``sage_attn`` against ``fa`` at each shape, both through ``ditattn.attention`` in this process:
+    ``sage_attn`` at its defaults (on SM90, ``impl`` auto hands calls below ``min_seq_len`` to ``fa``) and with
+    ``min_seq_len=0`` (its own kernel at every length), timed alternately ``rounds`` times (best median each,
+    as clocks drift over a run).  Rows ``section="sage_vs_fa"``: ``x_fa`` (fa ms / sage_attn ms) of both,
+    ``routed`` (why the default ran fa, or None) and the errors against float32."""
+    import ditattn
+    from ditattn.attention.backends.sage_crossover import routes_to_dense
+
+    out_rows = []
+    for si, (b, h, s, d) in enumerate(shapes):
+        if dl.left() < 10:
+            rec.note(f"sage_vs_fa: stopped before shape {(b, h, s, d)} (time budget)")
+            break
+        q, k, v = make_qkv(b, s, h, d, seed=2000 + si)
+        rows = sample_rows(s, 256, seed=si)
+        ref, _ = reference_rows(q, k, v, rows)
+        cands = {"fa": lambda: ditattn.attention(q, k, v, backend="fa"),
+                 "sage_attn": lambda: ditattn.attention(q, k, v, backend="sage_attn"),
+                 "sage_attn min_seq_len=0": lambda: ditattn.attention(q, k, v, backend="sage_attn",
+                                                                      config={"min_seq_len": 0})}
+        errs, best = {}, {}
+        for name, fn in cands.items():
+            o = guarded(rec, f"sage_vs_fa {name} {(b, h, s, d)}", fn)
+            if o is not None:
+                errs[name] = rel_err(o[:, rows], ref)
+        for _ in range(rounds):
+            for name in errs:
+                ms = guarded(rec, f"time {name} {(b, h, s, d)}", lambda name=name: bench_ms(cands[name]))
+                if ms is not None:
+                    best[name] = min(best.get(name, ms), ms)
+        fa = best.get("fa")
+        row = rec.add(section="sage_vs_fa", shape=[b, h, s, d], ms=best, rel_err=errs,
+                      x_fa=fa / best["sage_attn"] if fa and best.get("sage_attn") else None,
+                      x_fa_own_kernel=fa / best["sage_attn min_seq_len=0"]
+                      if fa and best.get("sage_attn min_seq_len=0") else None,
+                      routed=routes_to_dense(q, {}))
+        out_rows.append(dict(row, shape=f"{b},{h},{s},{d}", fa_ms=fa, sage_ms=best.get("sage_attn"),
+                             err=errs.get("sage_attn"), runs="fa (exact dense)" if row["routed"] else "sage kernel"))
+        print(f"sage_vs_fa {(b, h, s, d)}: x fa {row['x_fa'] or float('nan'):.3f} (own kernel "
+              f"{row['x_fa_own_kernel'] or float('nan'):.3f}), {out_rows[-1]['runs']}", flush=True)
+        del q, k, v, ref
+        empty_cache()
+    return out_rows
+
+
 def plot(summary, path):
     try:
         import matplotlib
@@ -350,6 +396,9 @@ def main(argv=None):
     ap.add_argument("--skip-shape", default="1,12,32760,128")
     ap.add_argument("--inputs", choices=("random", "structured"), default="random",
                     help="i.i.d. normal q/k/v, or q/k rotated by Wan's 3-D RoPE on the shape's token grid")
+    ap.add_argument("--sage-vs-fa", action="store_true",
+                    help="only sage_attn (defaults, and its own kernel at every length) against fa at each shape, "
+                         "through ditattn.attention, timed alternately")
     args = ap.parse_args(argv)
     if common.DEVICE == "cuda" and not torch.cuda.is_available():
         print("bench/attention.py needs a CUDA GPU")
@@ -359,6 +408,16 @@ def main(argv=None):
     print(rec.data["meta"], flush=True)
     fa_ms = []
     parse = lambda t: tuple(int(x) for x in t.split(","))  # noqa: E731
+    if args.sage_vs_fa:
+        shapes = [parse(t) for t in args.shapes.split(";")] if args.shapes else SHAPES
+        rows = run_sage_vs_fa(rec, dl, shapes)
+        print("\n## sage_attn against fa (ditattn.attention, one process; x fa = fa ms / sage_attn ms)")
+        print(fmt_table(rows, [("shape", "B,H,S,D", ""), ("fa_ms", "fa ms", ".3f"), ("sage_ms", "sage_attn ms", ".3f"),
+                               ("x_fa", "x fa", ".3f"), ("runs", "sage_attn runs", ""),
+                               ("x_fa_own_kernel", "x fa, own kernel", ".3f"), ("err", "rel err", ".2e")]))
+        for n in rec.data["notes"]:
+            print("note:", n)
+        return 0
     cfgs = (None, None, None) if args.no_tune else tune(rec, dl, fa_ms, parse(args.tune_shape))
     shapes = [parse(t) for t in args.shapes.split(";")] if args.shapes else (SHAPES[:2] if args.quick else SHAPES)
     summary = run_dense(rec, dl, shapes, *cfgs, inputs=args.inputs)

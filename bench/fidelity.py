@@ -38,14 +38,12 @@ frontier table last.  CPU smoke run: ``BENCH_DEVICE=cpu python bench/fidelity.py
 
     python bench/fidelity.py --grids wan480 --heads 12,40 --out $OUT/fid
 
-The frontier of the training-free defaults over every family (one call on the H200, under 8 minutes)::
+The frontier of the training-free defaults over every family, the captured activations, the fallback cost, sage_attn
+against fa and the budget's GPU tests in one H200 call (under 7 minutes): ``python bench/frontier.py --out $OUT``.
+Its fidelity part is::
 
-    python bench/capture_qkv.py --prompt "a red circle moving right" --steps 10,-1 --layers 0,3,5 \
-        --height 256 --width 256 --num-frames 33 --out $OUT/shapes_qkv.safetensors && \
-    python bench/fidelity.py --grids wan480 --heads 12,40 --families all --budget default,off --budget-s 360 \
-        --cases \
-        "sparge_attn (defaults),sol_attn (defaults),vmoba_attn (defaults),sparse_video_gen_2_attn (defaults),\
-sage_attn (defaults),skip_softmax factor=4" --activations $OUT/shapes_qkv.safetensors --out $OUT/fid
+    python bench/fidelity.py --grids wan480 --heads 12,40 --families all --preset training-free \
+        --budget default,off --loop --overhead --activations-error-only --summary --activations FILE --out $OUT/fid
 """
 from __future__ import annotations
 
@@ -55,6 +53,7 @@ import os
 import sys
 import tempfile
 import time
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -139,10 +138,26 @@ CASES = [
     ("skip_softmax factor=4", SKIP_SOFTMAX, {"threshold_scale_factor": 4.0}),
     ("skip_softmax factor=16", SKIP_SOFTMAX, {"threshold_scale_factor": 16.0}),
     ("skip_softmax factor=64", SKIP_SOFTMAX, {"threshold_scale_factor": 64.0}),
+    # the factor whose guaranteed dropped mass is the error budget (--budget; default SKIP_BUDGET)
+    ("skip_softmax (budget)", SKIP_SOFTMAX, {"error_budget": None}),
 ]
+#: the error budget of the "skip_softmax (budget)" case under ``--budget default`` (the sparse defaults' 0.005)
+SKIP_BUDGET = 0.005
+#: ``--preset``: ``{name: [(case label, families it runs on or None for all), ...]}``.  ``training-free``: the
+#: training-free defaults (with the error budget) on every family, skip softmax at the same budget, and the
+#: settings documented to reach >= 1.5x dense at <= 5 % on the original family (there only)
+PRESETS = {
+    "training-free": [
+        ("sparge_attn (defaults)", None), ("sol_attn (defaults)", None), ("vmoba_attn (defaults)", None),
+        ("sparse_video_gen_2_attn (defaults)", None), ("skip_softmax (budget)", None),
+        ("sparge_attn exact cdf=0.93 topk=0.3", ("original",)), ("sparge_attn exact topk=0.4", ("original",)),
+    ],
+}
 VMOBA_MODES = {0: "temporal", 1: "spatial", 2: "st"}
-#: backends with an ``error_budget`` key (``--budget``)
-BUDGETED = ("sparge_attn", "sol_attn", "vmoba_attn", "sparse_video_gen_2_attn")
+#: backends with an ``error_budget`` key (``--budget``; skip softmax: its threshold factor from the budget)
+BUDGETED = ("sparge_attn", "sol_attn", "vmoba_attn", "sparse_video_gen_2_attn", SKIP_SOFTMAX)
+#: --loop: the first step of a denoising loop past every backend's dense steps (V-MoBA 12, Sol 10)
+LOOP_STEP0 = 20
 
 
 def device_sync():
@@ -177,20 +192,76 @@ def budget_of(last_stats) -> dict:
 
 
 def budget_config(backend, cfg, budget: str) -> dict:
-    """``cfg`` with ``--budget`` applied (``default``: unchanged; ``off``: 0; a number)."""
-    if budget == "default" or backend not in BUDGETED:
+    """``cfg`` with ``--budget`` applied (``default``: unchanged; ``off``: 0; a number).  Skip softmax:
+    ``threshold_scale_factor`` from the budget (``factor_for_budget``; default :data:`SKIP_BUDGET`, off: 0)."""
+    if backend == SKIP_SOFTMAX and "error_budget" in cfg:
+        from ditattn.attention.kernels.skip_softmax_rules import factor_for_budget
+
+        b = SKIP_BUDGET if budget == "default" else 0.0 if budget == "off" else float(budget)
+        return {"threshold_scale_factor": factor_for_budget(b) if b > 0 else None}
+    if budget == "default" or backend not in BUDGETED or backend == SKIP_SOFTMAX:
         return cfg
     return dict(cfg, error_budget=0.0 if budget == "off" else float(budget))
 
 
+def budgets_for(spec: str, backend: str) -> list[str]:
+    """The ``--budget`` values of ``backend``: the plain entries of ``spec`` (a comma list of ``default``,
+    ``off``, numbers) and those written ``backend:value`` for this backend, in order (``["default"]`` for a
+    backend without a budget)."""
+    if backend not in BUDGETED:
+        return ["default"]
+    out = []
+    for entry in spec.split(","):
+        name, _, value = entry.rpartition(":")
+        if not name or name == backend:
+            out.append(value)
+    return out or ["default"]
+
+
+def check_budget_spec(spec: str) -> Optional[str]:
+    """The first bad entry of a ``--budget`` list (None: every entry is ``[backend:]default|off|number in
+    [0, 1)`` with a backend of :data:`BUDGETED`)."""
+    for entry in spec.split(","):
+        name, _, value = entry.rpartition(":")
+        try:
+            if (name and name not in BUDGETED) or (value not in ("default", "off") and not 0 <= float(value) < 1):
+                return entry
+        except ValueError:
+            return entry
+    return None
+
+
 #: --error-only: no timing; one call per case (stateful backends: three steps, the last measured)
 ERROR_ONLY = False
+#: --loop: every sparse call gets a fresh step (a denoising loop past the dense steps), timed as the mean
+LOOP = False
+#: --warmup-ms / --rep-ms of the timing (common.bench_ms)
+TIMING = {"warmup_ms": 100.0, "rep_ms": 400.0}
 
 
-def run_case(attention, q, k, v, grid, backend, cfg, *, layer=LAYER, stateful=False):
-    """``(ms, out)`` of one backend call pattern (a fresh step per call when ``stateful``);
-    ``ms`` None under ``--error-only``."""
-    state = {"step": 0}
+def timed_ms(fn, mean: bool = False) -> float:
+    """Milliseconds of ``fn()`` by common.bench_ms with ``TIMING`` (the median; ``mean`` on CUDA: the mean,
+    which counts a loop step that re-checks a reused decision at its share)."""
+    if mean and DEVICE == "cuda":
+        import triton.testing
+
+        fn()
+        torch.cuda.synchronize()
+        return float(triton.testing.do_bench(fn, warmup=TIMING["warmup_ms"], rep=TIMING["rep_ms"],
+                                             return_mode="mean"))
+    return bench_ms(fn, warmup_ms=TIMING["warmup_ms"], rep_ms=TIMING["rep_ms"])
+
+
+def run_case(attention, q, k, v, grid, backend, cfg, *, layer=LAYER, stateful=False, mean=None):
+    """``(ms, out)`` of one backend call pattern (a fresh step per call when ``stateful`` or under
+    ``--loop``, from :data:`LOOP_STEP0`); ``ms`` None under ``--error-only``; ``mean``: time by the mean
+    (None: under ``--loop``), else the median."""
+    stateful = stateful or (LOOP and backend not in (None, SKIP_SOFTMAX, "fa", "torch_sdpa"))
+    state = {"step": LOOP_STEP0 if LOOP else 0}
+    if stateful:
+        from ditattn.attention.sparse.budget import clear_memory
+
+        clear_memory()  # a fresh run: no decision of an earlier case is reused
 
     def call():
         out = attention(q, k, v, backend=backend, config=cfg, video_shape=grid,
@@ -204,7 +275,7 @@ def run_case(attention, q, k, v, grid, backend, cfg, *, layer=LAYER, stateful=Fa
             call()
         return None, call()
     call()  # cold start (compilation, the first k-means)
-    ms = bench_ms(call)
+    ms = timed_ms(call, mean=LOOP if mean is None else mean)  # under --loop every case (dense too) by the mean
     return ms, call()
 
 
@@ -273,11 +344,8 @@ def measure_input(rec, dl, args, name, q, k, v, grid, tmp, meta=None):
     print(f"[{name}] grid {grid} S={S} heads={H}: dense {dense_backend} {dense_ms or float('nan'):.2f} ms, "
           f"err {rel:.2e}", flush=True)
     only = set(args.backends.split(",")) if args.backends else None
-    labels = {c[0] for c in CASES}
-    for label, backend, cfg in CASES:
+    for label, backend, cfg in selected_cases(args, (meta or {}).get("family")):
         if only is not None and backend not in only:
-            continue
-        if args.cases and not any(c == label or (c not in labels and c in label) for c in args.cases.split(",")):
             continue
         if dl.left() < 0:
             rec.note(f"budget exhausted before {label} at {name}")
@@ -288,7 +356,8 @@ def measure_input(rec, dl, args, name, q, k, v, grid, tmp, meta=None):
             if backend == "sliding_tile_attn":
                 return sta_rows(ditattn.attention, q, k, v, grid, rows, exact, label, cfg["search"], tmp)
             if backend == SKIP_SOFTMAX:
-                return skip_softmax_row(q, k, v, grid, rows, exact, cfg["threshold_scale_factor"])
+                return skip_softmax_row(q, k, v, grid, rows, exact,
+                                        budget_config(backend, cfg, budget)["threshold_scale_factor"])
             stateful = backend == "sparse_video_gen_2_attn"
             ms, out = run_case(ditattn.attention, q, k, v, grid, backend, budget_config(backend, cfg, budget),
                                layer=layer, stateful=stateful)
@@ -297,20 +366,36 @@ def measure_input(rec, dl, args, name, q, k, v, grid, tmp, meta=None):
                     **budget_of(last_stats)}
 
         layers = VMOBA_MODES if backend == "vmoba_attn" else {LAYER: None}
-        budgets = args.budget.split(",") if backend in BUDGETED else ["default"]
+        budgeted = backend in BUDGETED and (backend != SKIP_SOFTMAX or "error_budget" in cfg)  # not fixed factors
+        budgets = budgets_for(args.budget, backend) if budgeted else ["default"]
+        tagged = budgeted and (":" in args.budget or len(args.budget.split(",")) > 1)
         for (layer, mode), budget in ((lm, b) for lm in layers.items() for b in budgets):
-            lab = label + (f" [{mode}]" if mode else "") + (f" budget={budget}" if len(budgets) > 1 else "")
+            lab = label + (f" [{mode}]" if mode else "") + (f" budget={budget}" if tagged else "")
             try:
                 res = one(layer=layer, budget=budget)
             except Exception as exc:  # report and go on
                 rec.note(f"{lab} at {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
                 continue
-            row = rec.add(**base, case=lab, backend=backend, config=cfg,
+            row = rec.add(**base, case=lab, label=label, mode=mode,
+                          budget=budget if budgeted else None, backend=backend, config=cfg,
                           speedup=dense_ms / res["ms"] if res["ms"] else None, **res)
             print(f"  {lab:<44} {row['ms'] or float('nan'):9.2f} ms  x{row['speedup'] or float('nan'):5.2f}  kept "
                   f"{row['kept_fraction'] if row['kept_fraction'] is not None else float('nan'):.3f}  "
                   f"err {row['rel_err']:.3e}  cos {row['cosine']:.5f}"
                   + (f"  search {row['search_s']:.2f} s" if "search_s" in row else ""), flush=True)
+
+
+def selected_cases(args, family: Optional[str]) -> list:
+    """The ``(label, backend, config)`` cases of :data:`CASES` that ``--cases`` (or ``--preset``) selects for an
+    input of structured ``family`` (None: an activation input)."""
+    labels = {c[0] for c in CASES}
+    if args.cases:
+        wanted = args.cases.split(",")
+        return [c for c in CASES if any(w == c[0] or (w not in labels and w in c[0]) for w in wanted)]
+    if args.preset:
+        fams = dict(PRESETS[args.preset])
+        return [c for c in CASES if c[0] in fams and (fams[c[0]] is None or family in fams[c[0]])]
+    return list(CASES)
 
 
 def activation_summary(rows):
@@ -344,6 +429,65 @@ def activation_summary(rows):
     cols += [(f"err_step{s}", f"step {s}", ".4f") for s in steps]
     cols += [(f"err_layer{li}", f"layer {li}", ".4f") for li in layers]
     return out, cols
+
+
+def family_of(row) -> str:
+    """The family of a result row: its structured family, or ``activations``."""
+    return "activations" if str(row.get("input", "")).startswith("activations:") else row.get("family") or "original"
+
+
+def frontier_summary(rows, budgets: str = "default") -> list[dict]:
+    """One entry per (case label, family) over every head count, V-MoBA layer mode and input of the family:
+    ``worst_err`` (largest rel_err), ``min_cos``, ``kept_min`` / ``kept_max``, ``x_min`` / ``x_max`` (speed-up
+    over dense; structured inputs only), ``dense`` (calls that ran dense / rows) under the first budget of
+    ``budgets`` (the ``--budget`` list), ``ok`` (worst error <= 5 %, cosine >= 0.998 and, where timed, x_min >=
+    1.0), and per further budget value ``b`` ``at[b] = (worst_err, x_min)``."""
+    cases = [r for r in rows if r.get("label") and r.get("rel_err") is not None]
+    order = list(dict.fromkeys(b.rpartition(":")[2] for b in budgets.split(",")))
+    out = []
+    for label, fam in dict.fromkeys((r["label"], family_of(r)) for r in cases):
+        sel = [r for r in cases if r["label"] == label and family_of(r) == fam]
+        by = {}
+        for r in sel:
+            by.setdefault(r.get("budget") or "default", []).append(r)
+        first = next((b for b in order if b in by), next(iter(by)))
+        main = by[first]
+        xs = [r["speedup"] for r in main if r.get("speedup") and fam != "activations"]
+        kept = [r["kept_fraction"] for r in main if r.get("kept_fraction") is not None]
+        e = {"case": label, "family": fam, "budget": first, "n": len(main),
+             "worst_err": max(r["rel_err"] for r in main), "min_cos": min(r["cosine"] for r in main),
+             "kept_min": min(kept) if kept else None, "kept_max": max(kept) if kept else None,
+             "x_min": min(xs) if xs else None, "x_max": max(xs) if xs else None,
+             "dense": f"{sum(bool(r.get('dense')) for r in main)}/{len(main)}"}
+        e["ok"] = e["worst_err"] <= 0.05 and e["min_cos"] >= 0.998 and (not xs or e["x_min"] >= 1.0)
+        e["at"] = {}
+        for b, rs in by.items():
+            if b != first:
+                bx = [r["speedup"] for r in rs if r.get("speedup") and fam != "activations"]
+                e["at"][b] = (max(r["rel_err"] for r in rs), min(bx) if bx else None)
+        out.append(e)
+    return out
+
+
+def summary_table(summary) -> str:
+    """The short table of :func:`frontier_summary` (one line per case and family)."""
+    extra = list(dict.fromkeys(b for e in summary for b in e["at"]))
+    lines = ["| case | family | budget | n | worst err | min cos | kept | x FA4 min-max | dense | ok |"
+             + "".join(f" b={b}: err / x min |" for b in extra),
+             "|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(extra)]
+
+    def f(x, fmt):
+        return "-" if x is None else format(x, fmt)
+
+    for e in summary:
+        cells = [e["case"], e["family"], e["budget"], str(e["n"]), f(e["worst_err"] * 100, ".2f") + " %",
+                 f(e["min_cos"], ".5f"), f"{f(e['kept_min'], '.2f')}-{f(e['kept_max'], '.2f')}",
+                 f"{f(e['x_min'], '.2f')}-{f(e['x_max'], '.2f')}", e["dense"], "yes" if e["ok"] else "NO"]
+        for b in extra:
+            err, x = e["at"].get(b, (None, None))
+            cells.append("-" if err is None else f"{err * 100:.2f} % / {f(x, '.2f')}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def chart(rows, path):
@@ -396,12 +540,40 @@ def main():
                     help="comma list of structured families (ditattn.evaluation.structured.FAMILIES) or 'all'")
     ap.add_argument("--budget", default="default",
                     help="error_budget of the backends that have one: default (theirs), off (0) or a number in [0, 1); "
-                         "a comma list runs each case once per value (labels end in budget=...)")
+                         "a comma list runs each case once per value (labels end in budget=...); an entry "
+                         "BACKEND:VALUE (e.g. sol_attn:0.02) applies to that backend only")
+    ap.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                    help="the cases of a preset (training-free: the training-free defaults on every family, skip "
+                         "softmax at the budget, Sparge's fast settings on the original family); --cases overrides")
+    ap.add_argument("--loop", action="store_true",
+                    help=f"call the sparse backends as a denoising loop does (a fresh step per call from step "
+                         f"{LOOP_STEP0}; a layer the budget sent dense reuses that decision), timed as the mean")
+    ap.add_argument("--activations-error-only", action="store_true",
+                    help="time the structured inputs only (the activation inputs: errors and kept fractions)")
+    ap.add_argument("--overhead", action="store_true",
+                    help="on the original family, per head count: the cost of a dense fallback forced by the budget "
+                         "(per call and in a loop) and of the budget's pieces, against the dense kernel")
+    ap.add_argument("--dense-above", type=float, default=None,
+                    help="kept fraction above which the budget runs a head dense (default: the library's, "
+                         "ditattn.attention.sparse.budget.DENSE_ABOVE)")
+    ap.add_argument("--warmup-ms", type=float, default=TIMING["warmup_ms"], help="timing warm-up per case")
+    ap.add_argument("--rep-ms", type=float, default=TIMING["rep_ms"], help="timing repetitions per case (ms)")
+    ap.add_argument("--no-chart", action="store_true", help="no fidelity.png")
+    ap.add_argument("--summary", action="store_true",
+                    help="end with a short table: per case and family the worst error, lowest cosine, kept range, "
+                         "speed-up range and dense calls under the first --budget value (others: error / slowest)")
     ap.add_argument("--out", default="fidelity_out", help="output directory")
     args = ap.parse_args()
     grids, heads_list = common.grid_args(ap, args)
-    global ERROR_ONLY
-    ERROR_ONLY = args.error_only
+    global ERROR_ONLY, LOOP
+    ERROR_ONLY, LOOP = args.error_only, args.loop
+    TIMING.update(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
+    if args.dense_above is not None:
+        if not 0 < args.dense_above <= 1:
+            ap.error(f"--dense-above takes a fraction in (0, 1], got {args.dense_above}")
+        from ditattn.attention.sparse import budget as budget_mod
+
+        budget_mod.DENSE_ABOVE = args.dense_above
 
     from ditattn.evaluation.structured import FAMILIES, family_spec, structured_qkv
 
@@ -409,21 +581,19 @@ def main():
     bad = [f for f in families if f not in FAMILIES]
     if bad:
         ap.error(f"--families takes names from {', '.join(FAMILIES)} or 'all', got {', '.join(bad)}")
-    for b in args.budget.split(","):
-        try:
-            if b not in ("default", "off") and not 0 <= float(b) < 1:
-                raise ValueError
-        except ValueError:
-            ap.error(f"--budget takes a comma list of default, off or numbers in [0, 1), got {args.budget!r}")
+    bad_budget = check_budget_spec(args.budget)
+    if bad_budget is not None:
+        ap.error(f"--budget takes a comma list of default, off or numbers in [0, 1), each optionally after "
+                 f"BACKEND: ({', '.join(BUDGETED)}); got {bad_budget!r} in {args.budget!r}")
 
     dl = Deadline(args.budget_s)
     rec = Recorder(args.out, "fidelity", {"env": env_info(), "argv": sys.argv[1:], "device": DEVICE})
     tmp = tempfile.mkdtemp()
     inputs = []
     if not args.no_structured:
-        for _, grid in grids:
-            for heads in heads_list:
-                for fam in families:
+        for _, grid in grids:  # family by family, both head counts each (a time limit then cuts whole families)
+            for fam in families:
+                for heads in heads_list:
                     name = "structured" if fam == "original" else f"structured:{fam}"
                     if args.gen_device not in (None, DEVICE):
                         name += f" ({args.gen_device} noise)"
@@ -438,6 +608,8 @@ def main():
             meta = {"step": entry.get("step"), "layer_idx": entry.get("layer_idx"), "prompt": entry.get("prompt"),
                     "model": entry.get("model")}
             inputs.append((name, tuple(entry["video_shape"]), q.shape[2], (q, k, v), meta))
+    if args.activations_error_only:  # the cheap inputs first: a time limit then cuts structured ones
+        inputs.sort(key=lambda x: x[3] is None)
     for name, grid, heads, qkv, *meta in inputs:
         if qkv is None:
             q, k, v, _ = structured_qkv(family_spec(meta[0]["family"], grid, heads, seed=args.seed),
@@ -445,13 +617,17 @@ def main():
             q, k, v = (t.to(DEVICE) for t in (q, k, v))
         else:
             q, k, v = (t.to(DEVICE, torch.bfloat16) for t in qkv)
+        ERROR_ONLY = args.error_only or (qkv is not None and args.activations_error_only)
         measure_input(rec, dl, args, name, q, k, v, grid, tmp, meta[0] if meta else None)
+        if args.overhead and not ERROR_ONLY and qkv is None and meta[0]["family"] == "original" and dl.left() > 0:
+            measure_overhead(rec, q, k, v, grid, args)
         del q, k, v
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
-    rows = rec.data["rows"]
+    rows = [r for r in rec.data["rows"] if "section" not in r]
     try:
-        chart(rows, os.path.join(args.out, "fidelity.png"))
+        if not args.no_chart:
+            chart(rows, os.path.join(args.out, "fidelity.png"))
     except Exception as exc:  # the table and JSON still stand
         rec.note(f"chart not written: {type(exc).__name__}: {exc}")
     print("\n## Quality-vs-speed frontier (structured inputs unless named; rel_err vs float32 exact)\n")
@@ -467,8 +643,75 @@ def main():
         print(f"\n## Over the activation inputs (per case: {summary[0]['n']} inputs unless n says otherwise; "
               "err = rel_err vs float32 exact)\n")
         print(fmt_table(summary, scols))
+    over = [r for r in rec.data["rows"] if r.get("section") == "overhead"]
+    if over:
+        print("\n## Cost of the error budget against the dense kernel (original family; x dense = dense / this)\n")
+        print(fmt_table(over, [("heads", "H", ""), ("case", "what", ""), ("ms", "ms", ".3f"),
+                               ("speedup", "x dense", ".3f"), ("dense", "ran dense", "")]))
     for n in rec.data["notes"]:
         print("NOTE:", n)
+    if args.summary:
+        summary = frontier_summary(rows, args.budget)
+        rec.data["summary"] = summary
+        rec.flush()
+        print(f"\n## Summary per case and family (budget {args.budget.split(',')[0]}; worst over heads, modes and "
+              "inputs; x = speed-up over dense, structured inputs; ok: <= 5 %, cos >= 0.998, x >= 1)\n")
+        print(summary_table(summary))
+
+
+def measure_overhead(rec, q, k, v, grid, args):
+    """Rows (``section="overhead"``) of what the error budget costs on this input: every budgeted backend with a
+    budget so small that every call runs dense (per call: the early check each time; ``--loop``-style: the
+    decision reused at four steps in five), then the budget's pieces alone (tiling q and k, the centre-row check,
+    the full probes and the widening), each against the dense kernel of the same run."""
+    import ditattn
+    from ditattn.attention.sparse import budget as eb
+    from ditattn.attention.sparse import clear_stats, last_stats
+    from ditattn.attention.sparse.tiling import make_tile_layout, tile
+
+    global LOOP
+    H = q.shape[2]
+    dense_backend = "fa" if DEVICE == "cuda" else "torch_sdpa"
+
+    def add(what, ms, dense_ms, **extra):
+        row = rec.add(section="overhead", input="structured", grid=list(grid), heads=H, case=what, ms=ms,
+                      speedup=dense_ms / ms if ms and dense_ms else None, **extra)
+        print(f"  overhead {what:<48} {ms:9.3f} ms  x{row['speedup'] or float('nan'):6.3f}", flush=True)
+
+    dense_ms = timed_ms(lambda: ditattn.attention(q, k, v, backend=dense_backend), mean=True)
+    add(f"dense {dense_backend}", dense_ms, dense_ms)
+    only = set(args.backends.split(",")) if args.backends else None
+    loop0 = LOOP
+    try:
+        for backend in BUDGETED:
+            if backend == SKIP_SOFTMAX or (only is not None and backend not in only):
+                continue
+            for loop in (False, True):
+                LOOP = loop
+                clear_stats()
+                try:
+                    # per call: no step (the budget checks every call); loop: a fresh step per call
+                    ms, _ = run_case(ditattn.attention, q, k, v, grid, backend, {"error_budget": 1e-6}, mean=True)
+                except Exception as exc:  # report and go on
+                    rec.note(f"overhead {backend}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+                    continue
+                dense = all(bool(s.get("dense")) for s in last_stats.values())
+                add(f"{backend} forced dense, {'loop (mean)' if loop else 'per call'}", ms, dense_ms, dense=dense)
+    finally:
+        LOOP = loop0
+    layout = make_tile_layout(tuple(grid), (4, 4, 4), 0)
+    scale = q.shape[-1] ** -0.5
+    qt, kt = tile(q, layout), tile(k, layout)
+    nv = layout.n_video_blocks
+    lm = eb.probe_log_mass(qt, kt, layout, scale)
+    none = torch.zeros(*lm.shape[:3], nv, dtype=torch.bool, device=lm.device)
+    pieces = {"tile q and k (64-token tiles)": lambda: (tile(q, layout), tile(k, layout)),
+              "early check (centre rows, one sync)": lambda: eb.early_dense(qt, kt, layout, 0.005, scale=scale),
+              "probe masses (9 rows per block)": lambda: eb.probe_log_mass(qt, kt, layout, scale),
+              "widening to the budget (9 rows per block)": lambda: eb.enforce_budget(lm, none, 0.005),
+              "widening, PyTorch path (sorted rows)": lambda: eb.enforce_budget(lm, none, 0.005, impl="reference")}
+    for what, fn in pieces.items():
+        add(what, timed_ms(fn, mean=True), dense_ms)
 
 
 if __name__ == "__main__":

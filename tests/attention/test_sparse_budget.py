@@ -3,6 +3,7 @@ the once-said dense fallbacks (CPU, small grids; float64 exact attention as the 
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -89,6 +90,50 @@ def test_weak_locality_runs_dense_through_the_dense_kernel_and_records_it(inputs
         assert torch.equal(out, dense), backend
     _, st = _run("sparge_attn", q, k, v, 2)
     assert st["dense_heads"] == st["heads"] == 3
+
+
+def test_the_early_dense_check_probes_a_bounded_sample_of_query_blocks(inputs, monkeypatch):
+    """The early check's cost does not grow with the number of query blocks past EARLY_BLOCKS: it probes the
+    centre rows of every s-th block (here 12 blocks, at most 4: every 3rd), and the sample still tells the weak
+    family (dense) from the original one (sparse at this budget)."""
+    from ditattn.attention.sparse.tiling import make_tile_layout, tile
+
+    lay = make_tile_layout(GRID, (4, 4, 4), 0)
+    monkeypatch.setattr(eb, "EARLY_BLOCKS", 4)
+    q, k, _, _ = inputs[128]["weak", 1]
+    qt, kt = tile(q, lay), tile(k, lay)
+    full = eb.probe_log_mass(qt, kt, lay, 128 ** -0.5, centre_only=True)
+    part = eb.probe_log_mass(qt, kt, lay, 128 ** -0.5, centre_only=True, sampled=True)
+    assert lay.n_video_blocks == 12 and full.shape[2:] == (12, 1, 12) and part.shape[2:] == (4, 1, 12)
+    torch.testing.assert_close(part, full[:, :, ::3])
+    assert eb.early_dense(qt, kt, lay, 0.005, scale=128 ** -0.5)
+    q, k, _, _ = inputs[128]["original", 1]
+    assert not eb.early_dense(tile(q, lay), tile(k, lay), lay, 0.05, scale=128 ** -0.5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs CUDA or the Triton interpreter")
+def test_the_widening_kernel_keeps_the_blocks_of_the_sorted_rule():
+    """The Triton widening (CUDA; the interpreter on CPU) keeps the blocks of the sorted PyTorch rule on random
+    masses with dead probe rows and -inf blocks, every probe row then drops at most the budget, and an exact tie at
+    the cut is kept whole (the sorted rule keeps its lower-indexed part)."""
+    from ditattn.attention.kernels.budget_mask import budget_need
+    from ditattn.attention.sparse.common import mass_mask
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(3)
+    for shape, b in [((1, 2, 3, 9, 12), 0.005), ((2, 1, 4, 3, 37), 0.05), ((1, 2, 5, 9, 100), 0.01)]:
+        lm = torch.randn(*shape, generator=g) * 4
+        lm[0, 0, 0, 1] = float("-inf")  # a dead probe row
+        lm[0, 0, 1, :, 3] = float("-inf")  # a block no row sees
+        got = budget_need(lm.to(dev), b).cpu()
+        want = (mass_mask(lm, 1.0 - b) & torch.isfinite(lm).any(-1, keepdim=True)).any(-2)
+        assert (got != want).float().mean() <= (0 if dev == "cpu" else 1e-3), shape  # GPU: summation order
+        share = torch.softmax(lm.double(), -1).nan_to_num(0.0)
+        assert float((share * (~got).unsqueeze(-2)).sum(-1).max()) <= b + 1e-6
+        assert not bool(got[0, 0, 1, 3])
+    tie = torch.zeros(1, 1, 1, 1, 10, device=dev)
+    assert bool(budget_need(tie, 0.15).all()) and int(mass_mask(tie.cpu(), 0.85).sum()) == 9
 
 
 def test_budget_widens_the_selection_until_the_predicted_dropped_mass_meets_it():

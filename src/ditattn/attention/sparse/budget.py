@@ -26,8 +26,9 @@ of its own selection, the fewest blocks, largest share first, whose shares reach
 ``m_i <= b`` by the estimate); a head whose kept fraction then exceeds :data:`DENSE_ABOVE` runs
 dense (every block kept: the block-sparse engine costs more than a dense kernel there), and when
 every head of the call does, the backend skips the sparse kernel and calls the dense one
-(:func:`all_dense`).  The planners ask :func:`early_dense` first (the centre probe rows alone, before
-any selection work), so a call that ends dense costs the dense kernel plus 1 / block_size of its Q.K.  ``b = 0`` turns the budget off.  The default budget of each backend (its
+(:func:`all_dense`).  The planners ask :func:`early_dense` first (the centre probe rows of at most
+:data:`EARLY_BLOCKS` query blocks, before any selection work), so a call that ends dense costs the dense
+kernel plus at most 1 / block_size of its Q.K (far less at large sizes).  ``b = 0`` turns the budget off.  The default budget of each backend (its
 ``error_budget`` schema entry: 0.005 for Sparge, V-MoBA and SVG2, 0.01 for Sol, whose approximate
 blocks are not dropped but summarised by their centroids) was chosen on the structured families of
 :mod:`ditattn.evaluation.structured` so that the output stays within 5 % relative error
@@ -44,6 +45,9 @@ Tensor = torch.Tensor
 
 #: a head whose kept fraction (video blocks) exceeds this after the budget runs dense
 DENSE_ABOVE = 0.85
+#: :func:`early_dense` probes the centre rows of at most this many query blocks per head (evenly strided over
+#: the blocks): its cost stays below ``EARLY_BLOCKS / (2 * seq_len)`` of dense attention's FLOPs at any size
+EARLY_BLOCKS = 128
 #: ``est_rel_err = ESTIMATE_FACTOR * largest predicted dropped mass``; measured relative error <=
 #: ``est_rel_err + ESTIMATE_SLACK`` on the structured families and captured activations (tests)
 ESTIMATE_FACTOR = 8.0
@@ -91,18 +95,21 @@ def probe_rows(layout) -> Tensor:
 
 
 def probe_log_mass(q_tiled: Tensor, k_tiled: Tensor, layout, scale: float, impl: str = "auto",
-                   centre_only: bool = False) -> Tensor:
+                   centre_only: bool = False, sampled: bool = False) -> Tensor:
     """Exact block log-masses of every video block's probe rows (:func:`probe_rows`): float32
     ``[B, H, nv, R, nv]`` (``R = 9``), entry ``[.., i, r, j] = log sum_{t in j} exp(scale * q_r . k_t)`` for
     probe row ``r`` of query block ``i``; ``R / block_size`` of the Q.K products of dense attention
     (9/64 at 64-token blocks), no P.V.  q_tiled / k_tiled ``[B, padded_len, H, D]`` in ``layout``'s
     order (k with q's heads).  ``centre_only``: the centre row alone (``R = 1``, 1 / block_size of the
-    products), for :func:`early_dense`."""
+    products), for :func:`early_dense`; ``sampled`` (with ``centre_only``): only every ``s``-th query block,
+    ``s = ceil(nv / EARLY_BLOCKS)``, so the dim of the query blocks is ``ceil(nv / s)``."""
     from ditattn.attention.sparse.block_scores import pooled_query_lse_torch
 
     B, _, H, D = q_tiled.shape
     nv, bs = layout.n_video_blocks, layout.block_size
     rows = _probe_rows_on(layout, q_tiled.device, centre_only)  # [nv, R]
+    if sampled:
+        rows = rows[:: -(-nv // EARLY_BLOCKS)]
     R = rows.shape[1]
     probes = q_tiled.index_select(1, rows.flatten())  # [B, nv*R, H, D]
     dt = torch.float64 if q_tiled.dtype == torch.float64 else torch.float32
@@ -116,7 +123,7 @@ def probe_log_mass(q_tiled: Tensor, k_tiled: Tensor, layout, scale: float, impl:
         lm = pooled_query_lse(mean, None, keys, valid, block_size=bs, scale=scale)
     else:
         lm = pooled_query_lse_torch(mean, None, keys, None if _full(layout) else valid, block_size=bs, scale=scale)
-    return lm.float().view(B, H, nv, R, nv)
+    return lm.float().view(B, H, rows.shape[0], R, nv)
 
 
 @functools.lru_cache(maxsize=128)
@@ -133,23 +140,53 @@ def _full(layout) -> bool:
 
 
 def enforce_budget(log_mass: Tensor, keep: Tensor, budget: float,
-                   dense_above: float = DENSE_ABOVE) -> tuple[Tensor, Tensor]:
+                   dense_above: Optional[float] = None, impl: str = "auto") -> tuple[Tensor, Tensor]:
     """``(keep', dense_heads)``: ``keep`` (bool ``[B, H, nq, nk]``) plus, per row, the fewest blocks,
     largest predicted share first, whose shares reach ``1 - budget`` (``log_mass`` ``[B, H, nq, nk]``, or
     ``[B, H, nq, R, nk]`` per probe row: every probe row's blocks); a head (``[B, H]`` bool
-    ``dense_heads``) whose kept fraction then exceeds ``dense_above`` keeps every block.  ``budget``
-    <= 0 returns ``keep`` unchanged and no dense head."""
-    from ditattn.attention.sparse.common import mass_mask
-
+    ``dense_heads``) whose kept fraction then exceeds ``dense_above`` (None: :data:`DENSE_ABOVE` as it is at
+    the call) keeps every block.  ``budget`` <= 0 returns ``keep`` unchanged and no dense head.  Per probe row
+    on CUDA (``impl`` other than ``"reference"``) one Triton kernel widens the selection
+    (:func:`ditattn.attention.kernels.budget_mask.budget_need`: the same blocks, and the whole of a tie at the
+    cut); elsewhere the PyTorch path sorts each row."""
     if budget <= 0:
         return keep, torch.zeros(keep.shape[:2], dtype=torch.bool, device=keep.device)
-    need = mass_mask(log_mass.float(), 1.0 - float(budget))
-    if log_mass.dim() == keep.dim() + 1:
-        need = (need & torch.isfinite(log_mass).any(-1, keepdim=True)).any(-2)
+    need = _need(log_mass, budget, impl) if log_mass.dim() == keep.dim() + 1 else None
+    if need is None:
+        from ditattn.attention.sparse.common import mass_mask
+
+        need = mass_mask(log_mass.float(), 1.0 - float(budget))
+        if log_mass.dim() == keep.dim() + 1:
+            need = (need & torch.isfinite(log_mass).any(-1, keepdim=True)).any(-2)
     out = keep | need
-    dense = out.float().mean((-1, -2)) > float(dense_above)
+    dense = out.float().mean((-1, -2)) > float(DENSE_ABOVE if dense_above is None else dense_above)
     out = out | dense[:, :, None, None]
     return out, dense
+
+
+_kernel_failed: list = []
+
+
+def _need(log_mass: Tensor, budget: float, impl: str) -> Optional[Tensor]:
+    """The Triton kernel's union of the probe rows' blocks (``[B, H, nq, R, nk]`` masses on CUDA), or None:
+    the PyTorch path (elsewhere, ``impl="reference"``, rows wider than the kernel holds, or a kernel that failed
+    once in this process: said once)."""
+    if not log_mass.is_cuda or impl == "reference" or _kernel_failed:
+        return None
+    from ditattn.attention.kernels.budget_mask import MAX_BUDGET_BLOCKS, budget_need
+
+    if log_mass.shape[-1] > MAX_BUDGET_BLOCKS:
+        return None
+    try:
+        return budget_need(log_mass.float(), float(budget))
+    except Exception as exc:  # keep serving on the PyTorch path; the GPU tests call the kernel directly
+        import logging
+
+        _kernel_failed.append(repr(exc))
+        logging.getLogger("ditattn.attention.sparse").warning(
+            "error budget kernel failed (%s: %s); the budget runs its PyTorch path from now on", type(exc).__name__,
+            str(exc).splitlines()[0][:200] if str(exc) else "")
+        return None
 
 
 def all_dense(dense_heads: Tensor) -> bool:
@@ -212,7 +249,7 @@ def budgeted_lists(q: Tensor, k: Tensor, v: Tensor, q_tiled: Tensor, k_tiled: Te
     from ditattn.attention.sparse.common import select_impl, video_mask_lists
 
     log_mass = probe_log_mass(q_tiled, k_tiled, layout, scale, impl=impl)
-    keep, dense = enforce_budget(log_mass, video_keep, budget)  # video_keep: the planner's selection
+    keep, dense = enforce_budget(log_mass, video_keep, budget, impl=impl)  # video_keep: the planner's selection
     stats = budget_stats(log_mass, video_keep, keep, dense, budget)
     if all_dense(dense):
         out, lse = dense_attention(q, k, v, scale=scale, return_lse=return_lse, backend=dense_backend)
@@ -235,14 +272,19 @@ def budget_stats(log_mass: Tensor, selected: Tensor, keep: Tensor, dense: Tensor
 def early_dense(q_tiled: Tensor, k_tiled: Tensor, layout, budget: float, *, scale: float,
                 impl: str = "auto") -> bool:
     """Whether the budget already needs more than :data:`DENSE_ABOVE` of the blocks in every head from
-    the centre probe rows alone (a subset of the probe rows: the full check could only keep more), so
-    the call runs dense before any selection work: ``1 / block_size`` of dense attention's Q.K products
-    and one device sync.  q_tiled / k_tiled as in :func:`probe_log_mass`."""
+    the centre probe rows of at most :data:`EARLY_BLOCKS` query blocks per head (evenly strided), so the
+    call runs dense before any selection work.  A sample of the rows: "dense" from it is an estimate of the
+    full check (which could only keep more blocks per row, and whose kept fraction the sample's mean
+    estimates); a wrong "dense" costs speed, never accuracy.  Cost: the centre rows of at most
+    ``EARLY_BLOCKS`` blocks against every key (at most ``1 / block_size`` of dense attention's Q.K products;
+    ``EARLY_BLOCKS / seq_len`` at large sizes) and one device sync.  q_tiled / k_tiled as in
+    :func:`probe_log_mass`."""
     if budget <= 0:
         return False
-    lm = probe_log_mass(q_tiled, k_tiled, layout, scale, impl=impl, centre_only=True)
+    lm = probe_log_mass(q_tiled, k_tiled, layout, scale, impl=impl, centre_only=True, sampled=True)
     nv = layout.n_video_blocks
-    _, dense = enforce_budget(lm, torch.zeros(*lm.shape[:3], nv, dtype=torch.bool, device=lm.device), budget)
+    _, dense = enforce_budget(lm, torch.zeros(*lm.shape[:3], nv, dtype=torch.bool, device=lm.device), budget,
+                              impl=impl)
     return all_dense(dense)
 
 
@@ -260,7 +302,8 @@ def precheck_dense(q: Tensor, k: Tensor, video_shape, text_len: int, budget: flo
         return True
     lm = probe_log_mass(qt, kt, layout, scale, impl=impl)
     nv = layout.n_video_blocks
-    _, dense = enforce_budget(lm, torch.zeros(*lm.shape[:3], nv, dtype=torch.bool, device=lm.device), budget)
+    _, dense = enforce_budget(lm, torch.zeros(*lm.shape[:3], nv, dtype=torch.bool, device=lm.device), budget,
+                              impl=impl)
     return all_dense(dense)
 
 

@@ -183,13 +183,14 @@ def sol_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: int
     layout = make_tile_layout(video_shape, tiles, text_len, special_ranges=[sink] if sink[1] > sink[0] else [],
                               edge_tiles=edge_tiles)
     scale = D ** -0.5 if scale is None else float(scale)
-    qt, kt, vt = tile(q, layout), tile(k, layout), tile(v, layout)
+    qt, kt = tile(q, layout), tile(k, layout)
     if error_budget > 0:
         from ditattn.attention.sparse import budget as eb
 
-        if eb.early_dense(qt, kt, layout, error_budget, scale=scale, impl=impl):  # before any routing work
+        if eb.early_dense(qt, kt, layout, error_budget, scale=scale, impl=impl):  # before any routing work (or v)
             return eb.dense_budgeted(q, k, v, layout, error_budget, scale=scale, return_lse=return_lse,
                                      dense_backend=dense_backend, extra={"predictor": predictor, "sink": sink})
+    vt = tile(v, layout)
     exact, scores, thr, route = sol_route(qt, kt, layout, tau=tau, thresh_type=thresh_type, scale=scale,
                                           predictor=predictor, impl=impl)
     budget = None
@@ -198,7 +199,7 @@ def sol_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: int
 
         lm = eb.probe_log_mass(qt, kt, layout, scale, impl=impl)
         selected = exact
-        exact, dense = eb.enforce_budget(lm, exact, error_budget)
+        exact, dense = eb.enforce_budget(lm, exact, error_budget, impl=impl)
         budget = eb.budget_stats(lm, selected, exact, dense, error_budget)
         if eb.all_dense(dense):
             res = eb.Budgeted(layout, None, None, budget)

@@ -1,0 +1,79 @@
+"""bench/frontier.py --smoke runs every part of the H200 error-budget call on the CPU at tiny sizes (capture from
+ditattn:shapes, the training-free preset with the budget on and off, the fallback cost, sage_attn against fa), writes
+few files, and ends with the short table; bench/fidelity.py's budget list and summary rules."""
+import importlib.util
+import json
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _fidelity():
+    spec = importlib.util.spec_from_file_location("fidelity_rules", os.path.join(ROOT, "bench", "fidelity.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_frontier_smoke_on_cpu(tmp_path, run_bench):
+    out = tmp_path / "front"
+    stdout = run_bench("frontier.py", "--smoke", "--families", "original,weak", "--out", str(out))
+    data = json.loads((out / "summary.json").read_text())
+    assert set(data["parts"]) == {"capture", "fidelity", "sage"}
+    assert all(p["rc"] == 0 and not p["timed_out"] for p in data["parts"].values()), data["parts"]
+    got = {(e["case"], e["family"]): e for e in data["summary"]}
+    for case in ("sparge_attn (defaults)", "sol_attn (defaults)", "vmoba_attn (defaults)",
+                 "sparse_video_gen_2_attn (defaults)", "skip_softmax (budget)"):
+        for fam in ("original", "weak", "activations"):
+            e = got[case, fam]
+            assert e["budget"] == "default" and "off" in e["at"], e
+            assert 0 <= e["worst_err"] < 0.05 and e["min_cos"] > 0.998, e  # the budget holds at the smoke grid
+            assert (e["x_min"] is None) == (fam == "activations"), e  # activations: errors only
+    assert got["sparge_attn (defaults)", "weak"]["at"]["off"][0] > 0.1  # the plain rule does not
+    assert ("sparge_attn exact topk=0.4", "original") in got and ("sparge_attn exact topk=0.4", "weak") not in got
+    assert got["vmoba_attn (defaults)", "original"]["n"] == 3  # three layer modes, one head count
+    over = {r["case"]: r for r in data["overhead"]}
+    assert over["sparge_attn forced dense, loop (mean)"]["dense"] is True
+    assert {r["shape"] for r in data["sage_vs_fa"]} == {"1,2,256,128", "1,2,128,64"}
+    assert set(data["checks"]) >= {"defaults_within_5_percent", "two_backends_1_5x", "sage_at_least_fa"}
+    files = [os.path.relpath(os.path.join(d, f), out) for d, _, fs in os.walk(out) for f in fs]
+    assert len(files) <= 8 and max(f.count(os.sep) for f in files) <= 1, files
+    table = stdout[stdout.rindex("| case | family | budget |"):].strip().splitlines()
+    assert len(table) == 2 + len(data["summary"]) == 2 + 5 * 3 + 2, table  # the table ends the output
+    assert table[-1].startswith("| skip_softmax (budget) | weak | default |"), table[-1]
+
+
+def test_budget_lists_per_backend():
+    fid = _fidelity()
+    assert fid.budgets_for("default,off", "sol_attn") == ["default", "off"]
+    assert fid.budgets_for("default,sol_attn:0.02,sparge_attn:0.01", "sol_attn") == ["default", "0.02"]
+    assert fid.budgets_for("sol_attn:0.02", "sparge_attn") == ["default"]
+    assert fid.budgets_for("default,off", "sage_attn") == ["default"]
+    assert fid.check_budget_spec("default,off,0.03,sol_attn:0.02") is None
+    assert fid.check_budget_spec("default,sage_attn:0.1") == "sage_attn:0.1"
+    assert fid.check_budget_spec("default,1.5") == "1.5"
+    skip = fid.budget_config("skip_softmax", {"error_budget": None}, "0.5")
+    assert skip == {"threshold_scale_factor": pytest.approx(1.0)}  # dropped mass <= 1 / (1 + 1)
+    assert fid.budget_config("skip_softmax", {"error_budget": None}, "off") == {"threshold_scale_factor": None}
+    assert fid.budget_config("sol_attn", {"tau": 2.0}, "off") == {"tau": 2.0, "error_budget": 0.0}
+
+
+def test_summary_takes_the_worst_over_heads_and_judges_speed_on_structured_inputs():
+    fid = _fidelity()
+
+    def row(fam, heads, err, x, budget="default", inp=None):
+        return {"input": inp or f"structured:{fam}", "family": fam, "heads": heads, "label": "sol_attn (defaults)",
+                "budget": budget, "rel_err": err, "cosine": 1 - err / 10, "speedup": x, "kept_fraction": 0.5,
+                "dense": False}
+
+    rows = [row("mixed", 12, 0.01, 1.6), row("mixed", 40, 0.04, 0.98), row("mixed", 40, 0.2, 2.5, "off"),
+            row(None, 2, 0.01, 0.1, inp="activations:x")]
+    s = {e["family"]: e for e in fid.frontier_summary(rows, "default,off")}
+    assert s["mixed"]["worst_err"] == 0.04 and (s["mixed"]["x_min"], s["mixed"]["x_max"]) == (0.98, 1.6)
+    assert s["mixed"]["ok"] is False  # slower than dense at 40 heads
+    assert s["mixed"]["at"]["off"] == (0.2, 2.5)
+    assert s["activations"]["x_min"] is None and s["activations"]["ok"] is True
+    table = fid.summary_table(list(s.values()))
+    assert "| sol_attn (defaults) | mixed | default | 2 | 4.00 % |" in table and "20.00 % / 2.50" in table
