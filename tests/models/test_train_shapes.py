@@ -70,6 +70,94 @@ def test_judge_accepts_the_truth_and_rejects_wrong_prompts():
     assert not v.ok and v.dominant is None
 
 
+def _flood_labels(mask):
+    """Reference 8-connected pieces by breadth-first search: a list of sets of (y, x)."""
+    H, W = mask.shape
+    seen, out = np.zeros_like(mask), []
+    for y0, x0 in zip(*np.nonzero(mask)):
+        if seen[y0, x0]:
+            continue
+        piece, todo = set(), [(y0, x0)]
+        seen[y0, x0] = True
+        while todo:
+            y, x = todo.pop()
+            piece.add((y, x))
+            for yy in range(max(0, y - 1), min(H, y + 2)):
+                for xx in range(max(0, x - 1), min(W, x + 2)):
+                    if mask[yy, xx] and not seen[yy, xx]:
+                        seen[yy, xx] = True
+                        todo.append((yy, xx))
+        out.append(piece)
+    return out
+
+
+def test_pieces_match_a_flood_fill_on_random_masks():
+    from ditattn.train.judge import pieces
+
+    rng = np.random.default_rng(11)
+    masks = rng.random((3, 23, 37)) < np.array([0.2, 0.4, 0.55])[:, None, None]
+    labels = pieces(masks)
+    for mask, lab in zip(masks, labels):
+        assert ((lab > 0) == mask).all()
+        ref = _flood_labels(mask)
+        got = {}
+        for y, x in zip(*np.nonzero(mask)):
+            got.setdefault(int(lab[y, x]), set()).add((y, x))
+        assert sorted(map(sorted, got.values())) == sorted(map(sorted, ref))
+
+
+def test_rect_fill_of_ideal_shapes_at_any_rotation():
+    from ditattn.train.judge import classify_fill, rect_fill
+
+    yy, xx = np.mgrid[0:151, 0:163] + 0.5
+    cx, cy = 81.3, 74.9
+    disk = (xx - cx) ** 2 + (yy - cy) ** 2 < 50 ** 2
+    assert abs(rect_fill(disk) - np.pi / 4) < 0.02 and classify_fill(rect_fill(disk)) == "circle"
+    for angle in (0.0, 20.0, 45.0):
+        a = np.deg2rad(angle)
+        u, v = (xx - cx) * np.cos(a) + (yy - cy) * np.sin(a), -(xx - cx) * np.sin(a) + (yy - cy) * np.cos(a)
+        square = (np.abs(u) < 40) & (np.abs(v) < 40)
+        triangle = (v < 35) & (v > np.sqrt(3) * np.abs(u) - 70)  # equilateral, rotated
+        assert rect_fill(square) > 0.95 and classify_fill(rect_fill(square)) == "square", angle
+        assert abs(rect_fill(triangle) - 0.5) < 0.05 and classify_fill(rect_fill(triangle)) == "triangle", angle
+    assert np.isnan(rect_fill(np.zeros((5, 5), bool))) and classify_fill(float("nan")) is None
+
+
+@pytest.mark.parametrize("size", [(64, 64, 9), (96, 128, 17)])
+def test_judge_tells_the_rendered_shape(size):
+    """On clips rendered from the training grammar (every colour, motion and shape, sizes from the
+    smallest shrinking shape up), the judge reads the drawn shape and rejects the two others."""
+    h, w, f = size
+    clips, caps, _ = scene_batch(45 if h == 64 else 15, f, h, w, torch.Generator().manual_seed(h + f), p_two=0.0)
+    right = 0
+    for fr, cap in zip(_uint8(clips), caps):
+        (color, shape, motion), = parse_caption(cap)
+        v = judge(fr, color, motion, shape)
+        right += bool(v.shape_ok) and v.shape == shape and v.main_share == 1.0
+        for other in SHAPES:
+            if other != shape:
+                assert judge(fr, color, motion, other).shape_ok is False, cap
+    assert right >= 0.98 * len(caps), f"{right} / {len(caps)}"
+
+
+def test_judge_refuses_a_shape_in_two_pieces():
+    """Two squares of the prompted colour (a shape drawn twice) are not a square; an unknown shape is an error."""
+    from ditattn.train.scenes import Scenes
+
+    two = lambda v0, v1: torch.tensor([[v0, v1]])  # noqa: E731
+    red, square = list(COLORS).index("red"), SHAPES.index("square")
+    scenes = Scenes(kind=two(square, square), color=two(red, red), motion=two(4, 4), present=two(True, True),
+                    x0=two(0.3, 0.7), y0=two(0.5, 0.5), dx=two(0.0, 0.0), dy=two(0.0, 0.0), radius=two(0.12, 0.12),
+                    scale0=two(0.6, 0.6), scale1=two(1.4, 1.4))
+    frames = _uint8(render(scenes, 9, 64, 96))[0]
+    v = judge(frames, "red", "growing", "square")
+    assert v.color_ok and v.motion_ok and v.shape == "square" and v.shape_ok is False
+    assert abs(v.main_share - 0.5) < 0.05
+    assert judge(frames[:, :, :48], "red", "growing", "square").shape_ok  # one of them alone
+    with pytest.raises(ValueError, match="accepted"):
+        judge(frames, "red", "growing", "hexagon")
+
+
 def test_short_text_context_equals_the_pipelines_512_token_padding():
     """The training shortcut (few zero rows + log-count bias) is the same function as the zero padding
     to 512 tokens that ditattn's and diffusers' pipelines feed the DiT."""

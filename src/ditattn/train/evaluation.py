@@ -30,6 +30,8 @@ from ditattn.train.scenes import COLORS, MOTIONS, SHAPES, parse_caption
 HELD_OUT = (("red", "circle", "moving right"), ("blue", "square", "moving up"), ("yellow", "triangle", "growing"),
             ("green", "circle", "moving down"), ("white", "square", "moving left"), ("red", "triangle", "shrinking"))
 TUNING_SEED = 100  # tuning prompt i gets seed TUNING_SEED + i (the semantic test uses 1..6)
+TUNING_N = 24  # prompts the guidance scale is tuned on
+SHAPE_EVAL_SEED = 1000  # held-out prompt i gets seed SHAPE_EVAL_SEED + i; also seeds the prompt draw
 
 
 def tuning_prompts(n: int) -> list[tuple[str, str, str]]:
@@ -47,6 +49,22 @@ def tuning_prompts(n: int) -> list[tuple[str, str, str]]:
         if (c, s, m) not in HELD_OUT:
             out.append((c, s, m))
     raise AssertionError("unreachable")
+
+
+def held_out_prompts(n: int = 30, seed: int = SHAPE_EVAL_SEED) -> list[tuple[str, str, str]]:
+    """``n`` single-shape ``(colour, shape, motion)`` triples that neither the semantic test
+    (:data:`HELD_OUT`) nor guidance tuning (``tuning_prompts(TUNING_N)``) uses: shapes in turn, each
+    shape's colour x motion pairs in a seeded random order (deterministic; at most 60 exist)."""
+    used = set(HELD_OUT) | set(tuning_prompts(TUNING_N))
+    g = torch.Generator().manual_seed(seed)
+    pools = []
+    for s in SHAPES:
+        free = [(c, s, m) for c in COLORS for m in MOTIONS if (c, s, m) not in used]
+        pools.append([free[int(i)] for i in torch.randperm(len(free), generator=g)])
+    out = [p for row in itertools.zip_longest(*pools) for p in row if p is not None]
+    if not 0 <= n <= len(out):
+        raise ValueError(f"held_out_prompts: n must be in 0..{len(out)}, got {n}")
+    return out[:n]
 
 
 def _pipeline(package: str, cache: str, device: torch.device):
@@ -140,7 +158,7 @@ def evaluate(out: str, recipe: Recipe, device: torch.device, n: int, seed: int =
             "motion_accuracy": acc["motion_ok"], "results": results}
 
 
-def tune_guidance(out: str, recipe: Recipe, device: torch.device, grid: Sequence[float], n: int = 24,
+def tune_guidance(out: str, recipe: Recipe, device: torch.device, grid: Sequence[float], n: int = TUNING_N,
                   sampling: Optional[dict] = None) -> dict:
     """Prompt following on :func:`tuning_prompts` (``n`` of them) at the sampling default size for
     each guidance scale in ``grid``; picks the scale with the most clips right in colour *and*
