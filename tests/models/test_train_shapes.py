@@ -344,6 +344,35 @@ def test_tuning_prompts_leave_the_semantic_test_out():
     assert {c for c, _, _ in items[:24]} == set(COLORS) and {m for _, _, m in items[:24]} == set(MOTIONS)
 
 
+def test_held_out_prompts_are_neither_tuned_nor_tested_on():
+    from ditattn.train.evaluation import HELD_OUT, TUNING_N, held_out_prompts, tuning_prompts
+
+    items = held_out_prompts(60)
+    assert len(set(items)) == 60 and not set(items) & (set(HELD_OUT) | set(tuning_prompts(TUNING_N)))
+    assert held_out_prompts(30) == items[:30] and held_out_prompts(30, seed=7) != items[:30]
+    assert sorted(s for _, s, _ in items[:30]) == sorted(SHAPES * 10)  # shapes in turn
+    with pytest.raises(ValueError, match="0..60"):
+        held_out_prompts(61)
+
+
+def test_evaluation_cli_reports_shape_colour_and_motion(tiny_run, tmp_path, capsys):
+    from ditattn.train.evaluation import main
+
+    out = tmp_path / "eval.json"
+    assert main(["--package", str(tiny_run), "--sizes", "32x32x5,32x48x5", "--prompts", "2", "--steps", "1",
+                 "--device", "cpu", "--json", str(out)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2 and lines[1].startswith("held-out prompts (2 at 32x48x5, 1 steps, guidance 3): shape ")
+    evals = json.loads(out.read_text())["evaluations"]
+    assert [e["size"] for e in evals] == [[32, 32, 5], [32, 48, 5]]
+    for e in evals:
+        assert len(e["results"]) == 2 and 0 <= e["shape_accuracy"] <= 1
+        assert e["shape_accuracy"] == sum(r["shape_ok"] for r in e["results"]) / 2
+    assert main(["--package", str(tiny_run), "--sizes", "30x32x5"]) == 2
+    assert "multiples of 16" in capsys.readouterr().err
+    assert main(["--package", str(tmp_path), "--sizes", "32x32x5"]) == 2  # no package there
+
+
 def test_guidance_tuning_picks_a_scale_of_the_grid(tiny_run):
     from ditattn.train.evaluation import tune_guidance
     from ditattn.train.recipe import recipe
@@ -351,6 +380,7 @@ def test_guidance_tuning_picks_a_scale_of_the_grid(tiny_run):
     tuned = tune_guidance(str(tiny_run), recipe("tiny"), torch.device("cpu"), (2.0, 4.0), n=3)
     assert tuned["best"] in (2.0, 4.0) and [r["guidance"] for r in tuned["rows"]] == [2.0, 4.0]
     assert all(0 <= r["both"] <= r["color"] <= 3 for r in tuned["rows"]) and tuned["size"] == [32, 32, 5]
+    assert all(0 <= r["shape"] <= 3 for r in tuned["rows"])
 
 
 def test_training_is_deterministic_from_the_seed(tmp_path):
