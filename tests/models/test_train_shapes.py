@@ -158,6 +158,28 @@ def test_judge_refuses_a_shape_in_two_pieces():
         judge(frames, "red", "growing", "hexagon")
 
 
+def test_loss_weight_maps_follow_the_shapes():
+    """The DiT's shape weights sit on the latent cells (first frame alone, then groups of 4) that a
+    shape touches; the VAE's outline weights on the pixels next to an edge only."""
+    from ditattn.train.dit_stage import latent_foreground
+    from ditattn.train.vae_stage import outline
+
+    bg = 0.12 * 2 - 1
+    clips = torch.full((2, 3, 13, 48, 40), bg)
+    clips[0, 0, 6, 17:20, 26:31] = 0.8  # frame 6 -> latent frame 2 (frames 5-8); rows 2, columns 3
+    clips[1, :, 0, :, :] = 0.9  # everything in frame 0 only
+    fg = latent_foreground(clips)
+    assert fg.shape == (2, 1, 4, 6, 5)
+    assert fg[0].nonzero().tolist() == [[0, 2, 2, 3]]
+    assert fg[1, 0, 0].all() and not fg[1, 0, 1:].any()
+    edge = outline(clips[:1])
+    assert edge.shape == (1, 1, 13, 48, 40)
+    ys, xs = edge[0, 0, 6].nonzero().T.tolist()
+    assert (min(ys), max(ys), min(xs), max(xs)) == (16, 20, 25, 31)
+    assert not edge[0, 0, 6, 18, 28] and edge[0, 0, 6, 17, 28] and edge[0, 0, 6, 16, 28]  # inside / border / outside
+    assert int(edge.sum()) == (5 * 7 - 1 * 3) and not edge[0, 0, :6].any()
+
+
 def test_short_text_context_equals_the_pipelines_512_token_padding():
     """The training shortcut (few zero rows + log-count bias) is the same function as the zero padding
     to 512 tokens that ditattn's and diffusers' pipelines feed the DiT."""

@@ -66,6 +66,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "freezes T5)")
     p.add_argument("--buckets", default=None, metavar="HxWxF[:W],...",
                    help="DiT training sizes with optional weights, e.g. 64x64x9:2,128x128x17 (default: the preset's)")
+    p.add_argument("--dit-fg-weight", type=float, default=None, metavar="W",
+                   help="DiT loss: latent positions under a shape weigh 1 + W (normalised by the mean weight; "
+                        "default: the preset's, 0 = plain MSE)")
+    p.add_argument("--vae-edge-weight", type=float, default=None, metavar="W",
+                   help="VAE loss: pixels on a shape's outline weigh W more, so the decoder draws corners "
+                        "(default: the preset's, 0)")
     p.add_argument("--batch-tokens", type=int, default=None, help="DiT tokens per step (default: the preset's)")
     p.add_argument("--resume", default=None, metavar="DIR",
                    help="continue from the shapes.json + shapes.safetensors in DIR (a previous run's --out): stage "
@@ -81,8 +87,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "write the best into sampling_defaults (auto: 3,5,7,9,11 on CUDA, off on CPU)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     p.add_argument("--eval-prompts", type=int, default=None,
-                   help="single-shape prompts judged per evaluation size after the DiT stage (default 30; sizes "
-                        "64x64x9, 128x128x17 and 256x256x33 on CUDA, 64x64x9 on CPU; 0 = none)")
+                   help="single-shape prompts judged per evaluation size after the DiT stage (default 30, at most "
+                        "60; sizes 64x64x9, 128x128x17 and 256x256x33 on CUDA, 64x64x9 on CPU; the held-out shape "
+                        "evaluation at --eval-sizes judges as many; 0 = none)")
     p.add_argument("--eval-sizes", default=None, metavar="HxWxF,...",
                    help="sizes of the held-out shape evaluation after the DiT stage: --eval-prompts prompts that "
                         "neither the semantic test nor guidance tuning uses, judged for shape, colour and motion "
@@ -111,6 +118,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             args.eval_sizes = parse_sizes(args.eval_sizes)
         except ValueError as exc:
             p.error(f"--eval-sizes: {exc}")
+    for flag in ("dit_fg_weight", "vae_edge_weight"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 0:
+            p.error(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
     if args.eval_prompts is not None and not 0 <= args.eval_prompts <= 60:
         p.error(f"--eval-prompts must be in 0..60, got {args.eval_prompts}")
     if args.buckets is not None:
@@ -269,7 +279,9 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
         torch.backends.cudnn.allow_tf32 = True
         torch.backends.cudnn.benchmark = True  # few distinct conv shapes: the VAE's crops and buckets
     recipe = get_recipe(args.preset).with_overrides(text_lr=0.0 if args.text_encoder == "frozen" else None,
-                                                    buckets=args.buckets, batch_tokens=args.batch_tokens)
+                                                    buckets=args.buckets, batch_tokens=args.batch_tokens,
+                                                    fg_weight=args.dit_fg_weight,
+                                                    vae_edge_weight=args.vae_edge_weight)
     losses = LossLog(args.out)
     t_start = time.perf_counter()
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
@@ -344,7 +356,8 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
 def _judge(args, recipe: Recipe, device: torch.device, vae, te, dit, training: dict, losses: LossLog) -> int:
     """Tune the guidance scale (on prompts held out from the semantic test), then sample the recipe's
     prompts, measure prompt following at three sizes and shape / colour / motion accuracy on the
-    held-out prompts at ``--eval-sizes``; results go into ``training`` and the package is written again.  0, or 1 when sampling failed (the model files are written either way)."""
+    held-out prompts at ``--eval-sizes``; results go into ``training`` and the package is written
+    again.  0, or 1 when sampling failed (the model files are written either way)."""
     from ditattn.train.evaluation import (
         evaluate,
         evaluate_held_out,
