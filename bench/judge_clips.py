@@ -68,7 +68,8 @@ def judge_run(out_dir: str) -> dict:
         sel = [r for r in rows if r["variant"] == var["name"] and r.get("judged")]
         summary.append({"variant": var["name"], "judged": len(sel),
                         "color_ok": sum(r["color_ok"] for r in sel), "motion_ok": sum(r["motion_ok"] for r in sel),
-                        "ok": sum(r["ok"] for r in sel), "shape_ok": sum(r["shape_ok"] for r in sel), "same": sum(bool(r.get("same")) for r in sel),
+                        "ok": sum(r["ok"] for r in sel), "shape_ok": sum(r["shape_ok"] for r in sel),
+                        "same": sum(bool(r.get("same")) for r in sel),
                         "psnr_mean": var.get("summary", {}).get("psnr_mean"),
                         "ssim_mean": var.get("summary", {}).get("ssim_mean")})
     return {"reference": rep["reference"], "rows": rows, "summary": summary}
@@ -87,7 +88,8 @@ def main(argv=None) -> int:
         json.dump(res, fh, indent=1)
     cols = [("variant", "variant", ""), ("prompt", "prompt", ""), ("seed", "seed", ""), ("dominant", "dominant", ""),
             ("color_ok", "colour ok", ""), ("motion_ok", "motion ok", ""), ("dx", "dx", ".3f"), ("dy", "dy", ".3f"),
-            ("growth", "growth", ".2f"), ("shape", "shape seen", ""), ("shape_ok", "shape ok", ""), ("same", f"same as {res['reference']}", ""), ("psnr", "PSNR", ".2f"),
+            ("growth", "growth", ".2f"), ("shape", "shape seen", ""), ("shape_ok", "shape ok", ""),
+            ("same", f"same as {res['reference']}", ""), ("psnr", "PSNR", ".2f"),
             ("ssim", "SSIM", ".4f")]
     print(fmt_table(res["rows"], cols))
     print()

@@ -183,8 +183,8 @@ def evaluate_held_out(pipe, sizes: Sequence[tuple[int, int, int]], n: int = 30, 
 def format_held_out(ev: dict) -> str:
     """One line for an :func:`evaluate_held_out` entry."""
     return (f"held-out prompts ({ev['n']} at {'x'.join(map(str, ev['size']))}, {ev['steps']} steps, guidance "
-            f"{ev['guidance']:g}): shape {100 * ev['shape_accuracy']:.0f} %, colour {100 * ev['color_accuracy']:.0f} %, "
-            f"motion {100 * ev['motion_accuracy']:.0f} %")
+            f"{ev['guidance']:g}): shape {100 * ev['shape_accuracy']:.0f} %, "
+            f"colour {100 * ev['color_accuracy']:.0f} %, motion {100 * ev['motion_accuracy']:.0f} %")
 
 
 def tune_guidance(out: str, recipe: Recipe, device: torch.device, grid: Sequence[float], n: int = TUNING_N,
@@ -229,7 +229,7 @@ def parse_sizes(text: str) -> list[tuple[int, int, int]]:
 
 
 def main(argv=None) -> int:
-    """``python -m ditattn.train.evaluation``: shape / colour / motion accuracy of a package on the held-out prompts."""
+    """``python -m ditattn.train.evaluation``: a package's shape / colour / motion accuracy on held-out prompts."""
     import argparse
     import json
     import sys

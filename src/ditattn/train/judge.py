@@ -10,8 +10,8 @@ pieces; the largest piece's *fill* is its pixel area over the area of its smalle
 rectangle at any rotation (an ideal circle fills pi/4 = 0.785 of it, a square 1.0, a triangle
 0.5).  The median fill over those frames reads as a triangle below ``FILL_SPLITS[0]``, as a
 square above ``FILL_SPLITS[1]`` (:data:`FILL_SPLITS`, midway between the ideal fills), else as a
-circle; the shape is right when that is the prompted one *and* the largest piece holds at least :data:`MIN_MAIN_SHARE` of the colour's pixels
-(a shape split in two, or drawn twice, is wrong).
+circle; the shape is right when that is the prompted one *and* the largest piece holds at least
+:data:`MIN_MAIN_SHARE` of the colour's pixels (a shape split in two, or drawn twice, is wrong).
 """
 from __future__ import annotations
 

@@ -44,8 +44,9 @@ class VaeStage:
     rendered at one of ``render_sizes`` and cropped to ``crop x crop`` around a shape; ``batch``
     clips of ``frames[0]`` frames per step (longer clips: proportionally fewer, so every step holds
     about the same number of pixels); loss = L1 + MSE (shape pixels weigh ``1 + fg_weight``, pixels
-    on a shape's outline ``edge_weight`` more) + ``kl_weight`` * KL; AdamW at ``lr`` after ``warmup`` steps (``resume_warmup`` when continuing
-    from saved weights: the optimizer state is not saved)."""
+    on a shape's outline ``edge_weight`` more) + ``kl_weight`` * KL; AdamW at ``lr`` after
+    ``warmup`` steps (``resume_warmup`` when continuing from saved weights: the optimizer state is
+    not saved)."""
 
     batch: int
     frames: tuple = (9,)

@@ -154,7 +154,8 @@ def train_vae(recipe: Recipe, budget: Budget, device: torch.device, seed: int, l
     warmup = cfg.resume_warmup if init is not None else cfg.warmup
     g_data = torch.Generator().manual_seed(seed + 101)
     g_noise = torch.Generator(device).manual_seed(seed + 102)
-    losses.start("vae", batch=cfg.batch, edge_weight=cfg.edge_weight, frames=list(cfg.frames), crop=cfg.crop, render_sizes=list(cfg.render_sizes),
+    losses.start("vae", batch=cfg.batch, frames=list(cfg.frames), crop=cfg.crop, render_sizes=list(cfg.render_sizes),
+                 edge_weight=cfg.edge_weight,
                  params=sum(p.numel() for p in vae.parameters()), trained_params=sum(p.numel() for p in params),
                  train_encoder=train_encoder, resumed=init is not None)
     bar = progress(budget.steps, "vae")
