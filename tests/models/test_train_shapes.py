@@ -326,6 +326,10 @@ def test_decoder_only_vae_stage_keeps_the_latents_and_the_dit(tiny_run, tmp_path
     (["--stage", "dit", "--dit-steps", "1", "--resume", "/nonexistent"], "--resume /nonexistent: no shapes.json"),
     (["--stage", "dit", "--dit-steps", "1", "--tune-guidance", "1,5"], "every scale must be above 1"),
     (["--stage", "dit", "--dit-steps", "1", "--tune-guidance", "five"], "expected auto, off or scales"),
+    (["--stage", "dit", "--dit-steps", "1", "--dit-fg-weight", "-1"], "--dit-fg-weight must be >= 0"),
+    (["--stage", "vae", "--vae-steps", "1", "--vae-edge-weight", "-0.5"], "--vae-edge-weight must be >= 0"),
+    (["--stage", "dit", "--dit-steps", "1", "--eval-sizes", "64x64x8"], "frames 1 + 4k"),
+    (["--stage", "dit", "--dit-steps", "1", "--eval-prompts", "61"], "--eval-prompts must be in 0..60"),
 ])
 def test_resume_and_tuning_flags_are_checked(argv, message, tmp_path, capsys):
     from ditattn.train.shapes import main
@@ -333,6 +337,23 @@ def test_resume_and_tuning_flags_are_checked(argv, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--out", str(tmp_path), *argv])
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_shape_weighted_losses_train(tiny_run, tmp_path):
+    """--vae-edge-weight (decoder only) and --dit-fg-weight runs train, log their weights, and the
+    weighted DiT loss differs from the plain one on the same seed."""
+    assert _train(tmp_path / "vae", "--stage", "vae", "--vae-train", "decoder", "--resume", str(tiny_run),
+                  "--vae-steps", "2", "--vae-edge-weight", "3") == 0
+    log = json.loads((tmp_path / "vae" / "loss.json").read_text())
+    assert log["info"]["vae"]["edge_weight"] == 3.0 and all(np.isfinite(r[2]) for r in log["stages"]["vae"])
+    losses = {}
+    for w in ("0", "2"):
+        out = tmp_path / f"dit{w}"
+        assert _train(out, "--stage", "dit", "--init", str(tiny_run), "--dit-steps", "2", "--dit-fg-weight", w) == 0
+        log = json.loads((out / "loss.json").read_text())
+        assert log["info"]["dit"]["fg_weight"] == float(w)
+        losses[w] = [r[2] for r in log["stages"]["dit"]]
+    assert all(np.isfinite(losses["2"])) and losses["0"][0] != losses["2"][0]
 
 
 def test_resuming_under_another_preset_is_refused(tiny_run, tmp_path, capsys):
