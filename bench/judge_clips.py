@@ -5,10 +5,11 @@
     python bench/judge_clips.py DIR
 
 For every variant and clip (``DIR/clips.npz``, prompts and seeds from ``DIR/compare.json``) it runs
-``ditattn.train.judge.judge`` on the prompt's colour and motion (prompts in the training grammar with one
-shape; others are listed as not judged): the dominant palette colour, whether it is the prompted one,
-the centroid travel ``dx`` / ``dy`` (fractions of the frame, y down) or the area ratio ``growth``, and
-whether the motion is the prompted one.  ``same`` says whether the verdict (colour ok, motion ok) equals
+``ditattn.train.judge.judge`` on the prompt's colour, motion and shape (prompts in the training grammar with
+one shape; others are listed as not judged): the dominant palette colour, whether it is the prompted one,
+the centroid travel ``dx`` / ``dy`` (fractions of the frame, y down) or the area ratio ``growth``, whether
+the motion is the prompted one, the shape the last frames show and whether it is the prompted one.
+``same`` says whether the verdict (colour ok, motion ok, shape ok) equals
 the reference variant's on the same prompt and seed.  Prints a table per clip and one per variant and
 writes ``DIR/judge.json``.
 """
@@ -51,22 +52,24 @@ def judge_run(out_dir: str) -> dict:
                 if parsed is None or len(parsed) != 1:
                     row["judged"] = False
                 else:
-                    color, _shape, motion = parsed[0]
-                    v = judge(clips[key], color, motion)
+                    color, shape, motion = parsed[0]
+                    v = judge(clips[key], color, motion, shape)
                     row.update(judged=True, dominant=v.dominant, color_ok=v.color_ok, motion_ok=v.motion_ok, ok=v.ok,
-                               area=v.area, dx=v.dx, dy=v.dy, growth=v.growth)
+                               area=v.area, dx=v.dx, dy=v.dy, growth=v.growth, shape=v.shape, shape_ok=v.shape_ok)
                 rows.append(row)
     ref = {(r["prompt"], r["seed"]): r for r in rows if r["variant"] == rep["reference"]}
     for r in rows:
         base = ref.get((r["prompt"], r["seed"]))
         if r.get("judged") and base is not None and base.get("judged"):
-            r["same"] = (r["color_ok"], r["motion_ok"]) == (base["color_ok"], base["motion_ok"])
+            keys = ("color_ok", "motion_ok", "shape_ok")
+            r["same"] = all(r[k] == base[k] for k in keys)
     summary = []
     for var in rep["variants"]:
         sel = [r for r in rows if r["variant"] == var["name"] and r.get("judged")]
         summary.append({"variant": var["name"], "judged": len(sel),
                         "color_ok": sum(r["color_ok"] for r in sel), "motion_ok": sum(r["motion_ok"] for r in sel),
-                        "ok": sum(r["ok"] for r in sel), "same": sum(bool(r.get("same")) for r in sel),
+                        "ok": sum(r["ok"] for r in sel), "shape_ok": sum(r["shape_ok"] for r in sel),
+                        "same": sum(bool(r.get("same")) for r in sel),
                         "psnr_mean": var.get("summary", {}).get("psnr_mean"),
                         "ssim_mean": var.get("summary", {}).get("ssim_mean")})
     return {"reference": rep["reference"], "rows": rows, "summary": summary}
@@ -85,12 +88,14 @@ def main(argv=None) -> int:
         json.dump(res, fh, indent=1)
     cols = [("variant", "variant", ""), ("prompt", "prompt", ""), ("seed", "seed", ""), ("dominant", "dominant", ""),
             ("color_ok", "colour ok", ""), ("motion_ok", "motion ok", ""), ("dx", "dx", ".3f"), ("dy", "dy", ".3f"),
-            ("growth", "growth", ".2f"), ("same", f"same as {res['reference']}", ""), ("psnr", "PSNR", ".2f"),
+            ("growth", "growth", ".2f"), ("shape", "shape seen", ""), ("shape_ok", "shape ok", ""),
+            ("same", f"same as {res['reference']}", ""), ("psnr", "PSNR", ".2f"),
             ("ssim", "SSIM", ".4f")]
     print(fmt_table(res["rows"], cols))
     print()
     print(fmt_table(res["summary"], [("variant", "variant", ""), ("judged", "clips judged", ""),
                                      ("color_ok", "colour ok", ""), ("motion_ok", "motion ok", ""), ("ok", "both ok", ""),
+                                     ("shape_ok", "shape ok", ""),
                                      ("same", f"same verdict as {res['reference']}", "")]))
     return 0
 

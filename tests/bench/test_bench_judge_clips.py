@@ -43,6 +43,7 @@ def test_judge_clips_verdicts_and_agreement(tmp_path, run_bench):
     summary = {s["variant"]: s for s in res["summary"]}
     assert summary["dense"]["judged"] == 1 and summary["dense"]["ok"] == 1 and summary["dense"]["same"] == 1
     assert summary["vsa"]["ok"] == 0 and summary["vsa"]["color_ok"] == 1 and summary["vsa"]["same"] == 0
+    assert dense["shape"] == "square" and dense["shape_ok"] and summary["dense"]["shape_ok"] == 1  # a 12 x 16 block
     assert "| vsa | a red square moving right | 0 | red | True | False |" in out
 
 

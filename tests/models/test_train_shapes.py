@@ -70,6 +70,116 @@ def test_judge_accepts_the_truth_and_rejects_wrong_prompts():
     assert not v.ok and v.dominant is None
 
 
+def _flood_labels(mask):
+    """Reference 8-connected pieces by breadth-first search: a list of sets of (y, x)."""
+    H, W = mask.shape
+    seen, out = np.zeros_like(mask), []
+    for y0, x0 in zip(*np.nonzero(mask)):
+        if seen[y0, x0]:
+            continue
+        piece, todo = set(), [(y0, x0)]
+        seen[y0, x0] = True
+        while todo:
+            y, x = todo.pop()
+            piece.add((y, x))
+            for yy in range(max(0, y - 1), min(H, y + 2)):
+                for xx in range(max(0, x - 1), min(W, x + 2)):
+                    if mask[yy, xx] and not seen[yy, xx]:
+                        seen[yy, xx] = True
+                        todo.append((yy, xx))
+        out.append(piece)
+    return out
+
+
+def test_pieces_match_a_flood_fill_on_random_masks():
+    from ditattn.train.judge import pieces
+
+    rng = np.random.default_rng(11)
+    masks = rng.random((3, 23, 37)) < np.array([0.2, 0.4, 0.55])[:, None, None]
+    labels = pieces(masks)
+    for mask, lab in zip(masks, labels):
+        assert ((lab > 0) == mask).all()
+        ref = _flood_labels(mask)
+        got = {}
+        for y, x in zip(*np.nonzero(mask)):
+            got.setdefault(int(lab[y, x]), set()).add((y, x))
+        assert sorted(map(sorted, got.values())) == sorted(map(sorted, ref))
+
+
+def test_rect_fill_of_ideal_shapes_at_any_rotation():
+    from ditattn.train.judge import classify_fill, rect_fill
+
+    yy, xx = np.mgrid[0:151, 0:163] + 0.5
+    cx, cy = 81.3, 74.9
+    disk = (xx - cx) ** 2 + (yy - cy) ** 2 < 50 ** 2
+    assert abs(rect_fill(disk) - np.pi / 4) < 0.02 and classify_fill(rect_fill(disk)) == "circle"
+    for angle in (0.0, 20.0, 45.0):
+        a = np.deg2rad(angle)
+        u, v = (xx - cx) * np.cos(a) + (yy - cy) * np.sin(a), -(xx - cx) * np.sin(a) + (yy - cy) * np.cos(a)
+        square = (np.abs(u) < 40) & (np.abs(v) < 40)
+        triangle = (v < 35) & (v > np.sqrt(3) * np.abs(u) - 70)  # equilateral, rotated
+        assert rect_fill(square) > 0.95 and classify_fill(rect_fill(square)) == "square", angle
+        assert abs(rect_fill(triangle) - 0.5) < 0.05 and classify_fill(rect_fill(triangle)) == "triangle", angle
+    assert np.isnan(rect_fill(np.zeros((5, 5), bool))) and classify_fill(float("nan")) is None
+
+
+@pytest.mark.parametrize("size", [(64, 64, 9), (96, 128, 17)])
+def test_judge_tells_the_rendered_shape(size):
+    """On clips rendered from the training grammar (every colour, motion and shape, sizes from the
+    smallest shrinking shape up), the judge reads the drawn shape and rejects the two others."""
+    h, w, f = size
+    clips, caps, _ = scene_batch(45 if h == 64 else 15, f, h, w, torch.Generator().manual_seed(h + f), p_two=0.0)
+    right = 0
+    for fr, cap in zip(_uint8(clips), caps):
+        (color, shape, motion), = parse_caption(cap)
+        v = judge(fr, color, motion, shape)
+        right += bool(v.shape_ok) and v.shape == shape and v.main_share == 1.0
+        for other in SHAPES:
+            if other != shape:
+                assert judge(fr, color, motion, other).shape_ok is False, cap
+    assert right >= 0.98 * len(caps), f"{right} / {len(caps)}"
+
+
+def test_judge_refuses_a_shape_in_two_pieces():
+    """Two squares of the prompted colour (a shape drawn twice) are not a square; an unknown shape is an error."""
+    from ditattn.train.scenes import Scenes
+
+    two = lambda v0, v1: torch.tensor([[v0, v1]])  # noqa: E731
+    red, square = list(COLORS).index("red"), SHAPES.index("square")
+    scenes = Scenes(kind=two(square, square), color=two(red, red), motion=two(4, 4), present=two(True, True),
+                    x0=two(0.3, 0.7), y0=two(0.5, 0.5), dx=two(0.0, 0.0), dy=two(0.0, 0.0), radius=two(0.12, 0.12),
+                    scale0=two(0.6, 0.6), scale1=two(1.4, 1.4))
+    frames = _uint8(render(scenes, 9, 64, 96))[0]
+    v = judge(frames, "red", "growing", "square")
+    assert v.color_ok and v.motion_ok and v.shape == "square" and v.shape_ok is False
+    assert abs(v.main_share - 0.5) < 0.05
+    assert judge(frames[:, :, :48], "red", "growing", "square").shape_ok  # one of them alone
+    with pytest.raises(ValueError, match="accepted"):
+        judge(frames, "red", "growing", "hexagon")
+
+
+def test_loss_weight_maps_follow_the_shapes():
+    """The DiT's shape weights sit on the latent cells (first frame alone, then groups of 4) that a
+    shape touches; the VAE's outline weights on the pixels next to an edge only."""
+    from ditattn.train.dit_stage import latent_foreground
+    from ditattn.train.vae_stage import outline
+
+    bg = 0.12 * 2 - 1
+    clips = torch.full((2, 3, 13, 48, 40), bg)
+    clips[0, 0, 6, 17:20, 26:31] = 0.8  # frame 6 -> latent frame 2 (frames 5-8); rows 2, columns 3
+    clips[1, :, 0, :, :] = 0.9  # everything in frame 0 only
+    fg = latent_foreground(clips)
+    assert fg.shape == (2, 1, 4, 6, 5)
+    assert fg[0].nonzero().tolist() == [[0, 2, 2, 3]]
+    assert fg[1, 0, 0].all() and not fg[1, 0, 1:].any()
+    edge = outline(clips[:1])
+    assert edge.shape == (1, 1, 13, 48, 40)
+    ys, xs = edge[0, 0, 6].nonzero().T.tolist()
+    assert (min(ys), max(ys), min(xs), max(xs)) == (16, 20, 25, 31)
+    assert not edge[0, 0, 6, 18, 28] and edge[0, 0, 6, 17, 28] and edge[0, 0, 6, 16, 28]  # inside / border / outside
+    assert int(edge.sum()) == (5 * 7 - 1 * 3) and not edge[0, 0, :6].any()
+
+
 def test_short_text_context_equals_the_pipelines_512_token_padding():
     """The training shortcut (few zero rows + log-count bias) is the same function as the zero padding
     to 512 tokens that ditattn's and diffusers' pipelines feed the DiT."""
@@ -216,6 +326,10 @@ def test_decoder_only_vae_stage_keeps_the_latents_and_the_dit(tiny_run, tmp_path
     (["--stage", "dit", "--dit-steps", "1", "--resume", "/nonexistent"], "--resume /nonexistent: no shapes.json"),
     (["--stage", "dit", "--dit-steps", "1", "--tune-guidance", "1,5"], "every scale must be above 1"),
     (["--stage", "dit", "--dit-steps", "1", "--tune-guidance", "five"], "expected auto, off or scales"),
+    (["--stage", "dit", "--dit-steps", "1", "--dit-fg-weight", "-1"], "--dit-fg-weight must be >= 0"),
+    (["--stage", "vae", "--vae-steps", "1", "--vae-edge-weight", "-0.5"], "--vae-edge-weight must be >= 0"),
+    (["--stage", "dit", "--dit-steps", "1", "--eval-sizes", "64x64x8"], "frames 1 + 4k"),
+    (["--stage", "dit", "--dit-steps", "1", "--eval-prompts", "61"], "--eval-prompts must be in 0..60"),
 ])
 def test_resume_and_tuning_flags_are_checked(argv, message, tmp_path, capsys):
     from ditattn.train.shapes import main
@@ -223,6 +337,23 @@ def test_resume_and_tuning_flags_are_checked(argv, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--out", str(tmp_path), *argv])
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_shape_weighted_losses_train(tiny_run, tmp_path):
+    """--vae-edge-weight (decoder only) and --dit-fg-weight runs train, log their weights, and the
+    weighted DiT loss differs from the plain one on the same seed."""
+    assert _train(tmp_path / "vae", "--stage", "vae", "--vae-train", "decoder", "--resume", str(tiny_run),
+                  "--vae-steps", "2", "--vae-edge-weight", "3") == 0
+    log = json.loads((tmp_path / "vae" / "loss.json").read_text())
+    assert log["info"]["vae"]["edge_weight"] == 3.0 and all(np.isfinite(r[2]) for r in log["stages"]["vae"])
+    losses = {}
+    for w in ("0", "2"):
+        out = tmp_path / f"dit{w}"
+        assert _train(out, "--stage", "dit", "--init", str(tiny_run), "--dit-steps", "2", "--dit-fg-weight", w) == 0
+        log = json.loads((out / "loss.json").read_text())
+        assert log["info"]["dit"]["fg_weight"] == float(w)
+        losses[w] = [r[2] for r in log["stages"]["dit"]]
+    assert all(np.isfinite(losses["2"])) and losses["0"][0] != losses["2"][0]
 
 
 def test_resuming_under_another_preset_is_refused(tiny_run, tmp_path, capsys):
@@ -256,6 +387,35 @@ def test_tuning_prompts_leave_the_semantic_test_out():
     assert {c for c, _, _ in items[:24]} == set(COLORS) and {m for _, _, m in items[:24]} == set(MOTIONS)
 
 
+def test_held_out_prompts_are_neither_tuned_nor_tested_on():
+    from ditattn.train.evaluation import HELD_OUT, TUNING_N, held_out_prompts, tuning_prompts
+
+    items = held_out_prompts(60)
+    assert len(set(items)) == 60 and not set(items) & (set(HELD_OUT) | set(tuning_prompts(TUNING_N)))
+    assert held_out_prompts(30) == items[:30] and held_out_prompts(30, seed=7) != items[:30]
+    assert sorted(s for _, s, _ in items[:30]) == sorted(SHAPES * 10)  # shapes in turn
+    with pytest.raises(ValueError, match="0..60"):
+        held_out_prompts(61)
+
+
+def test_evaluation_cli_reports_shape_colour_and_motion(tiny_run, tmp_path, capsys):
+    from ditattn.train.evaluation import main
+
+    out = tmp_path / "eval.json"
+    assert main(["--package", str(tiny_run), "--sizes", "32x32x5,32x48x5", "--prompts", "2", "--steps", "1",
+                 "--device", "cpu", "--json", str(out)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2 and lines[1].startswith("held-out prompts (2 at 32x48x5, 1 steps, guidance 3): shape ")
+    evals = json.loads(out.read_text())["evaluations"]
+    assert [e["size"] for e in evals] == [[32, 32, 5], [32, 48, 5]]
+    for e in evals:
+        assert len(e["results"]) == 2 and 0 <= e["shape_accuracy"] <= 1
+        assert e["shape_accuracy"] == sum(r["shape_ok"] for r in e["results"]) / 2
+    assert main(["--package", str(tiny_run), "--sizes", "30x32x5"]) == 2
+    assert "multiples of 16" in capsys.readouterr().err
+    assert main(["--package", str(tmp_path), "--sizes", "32x32x5"]) == 2  # no package there
+
+
 def test_guidance_tuning_picks_a_scale_of_the_grid(tiny_run):
     from ditattn.train.evaluation import tune_guidance
     from ditattn.train.recipe import recipe
@@ -263,6 +423,7 @@ def test_guidance_tuning_picks_a_scale_of_the_grid(tiny_run):
     tuned = tune_guidance(str(tiny_run), recipe("tiny"), torch.device("cpu"), (2.0, 4.0), n=3)
     assert tuned["best"] in (2.0, 4.0) and [r["guidance"] for r in tuned["rows"]] == [2.0, 4.0]
     assert all(0 <= r["both"] <= r["color"] <= 3 for r in tuned["rows"]) and tuned["size"] == [32, 32, 5]
+    assert all(0 <= r["shape"] <= 3 for r in tuned["rows"])
 
 
 def test_training_is_deterministic_from_the_seed(tmp_path):

@@ -11,7 +11,8 @@ model runs fused kernels without a backward) on latents of the frozen stage-1 VA
 - text: captions are tokenised with the byte tokenizer, dropped to ``""`` with probability
   ``caption_dropout`` (classifier-free guidance), encoded, and given to the DiT as the pipelines
   do (zero padding to 512 tokens, computed through :func:`~ditattn.train.flow.text_context`);
-- loss: MSE between the DiT output and the velocity ``noise - x0`` at shifted-uniform sigmas;
+- loss: MSE between the DiT output and the velocity ``noise - x0`` at shifted-uniform sigmas
+  (optionally shape-weighted: latent positions under a shape count ``1 + fg_weight`` times);
 - AdamW with linear warm-up and a linear decay over the budget's last part
   (:meth:`~ditattn.train.recipe.DitStage.lr_factor`), gradient clipping, bf16 autocast on CUDA, an
   EMA of the weights (what ships);
@@ -58,30 +59,53 @@ def build_transformer(recipe: Recipe, seed: int):
 
 
 class LatentPool:
-    """A ring buffer of ``capacity`` normalised latents (``[N, C, T, h, w]``) and their captions."""
+    """A ring buffer of ``capacity`` normalised latents (``[N, C, T, h, w]``), their captions and
+    (optionally) per-position loss weights (``[N, 1, T, h, w]``)."""
 
     def __init__(self, capacity: int, storage: torch.device, dtype: torch.dtype):
         self.capacity, self.storage, self.dtype = capacity, storage, dtype
         self.latents: Optional[torch.Tensor] = None
+        self.weights: Optional[torch.Tensor] = None
         self.captions: list[str] = []
         self.filled = 0
         self.pos = 0
 
-    def add(self, latents: torch.Tensor, captions: list[str]) -> None:
+    def add(self, latents: torch.Tensor, captions: list[str], weights: Optional[torch.Tensor] = None) -> None:
         if self.latents is None:
             self.latents = torch.empty((self.capacity, *latents.shape[1:]), device=self.storage, dtype=self.dtype)
             self.captions = [""] * self.capacity
+            if weights is not None:
+                self.weights = torch.ones((self.capacity, *weights.shape[1:]), device=self.storage, dtype=self.dtype)
         n = min(latents.shape[0], self.capacity)
         idx = [(self.pos + i) % self.capacity for i in range(n)]
-        self.latents[torch.tensor(idx, device=self.storage)] = latents[:n].to(self.storage, self.dtype)
+        where = torch.tensor(idx, device=self.storage)
+        self.latents[where] = latents[:n].to(self.storage, self.dtype)
+        if self.weights is not None and weights is not None:
+            self.weights[where] = weights[:n].to(self.storage, self.dtype)
         for i, j in enumerate(idx):
             self.captions[j] = captions[i]
         self.pos = (self.pos + n) % self.capacity
         self.filled = min(self.capacity, self.filled + n)
 
-    def draw(self, n: int, g: torch.Generator) -> tuple[torch.Tensor, list[str]]:
+    def draw(self, n: int, g: torch.Generator) -> tuple[torch.Tensor, list[str], Optional[torch.Tensor]]:
+        """``(latents, captions, weights or None)`` of ``n`` entries drawn with replacement."""
         idx = torch.randint(0, self.filled, (n,), generator=g)
-        return self.latents[idx.to(self.storage)], [self.captions[int(i)] for i in idx]
+        at = idx.to(self.storage)
+        weights = None if self.weights is None else self.weights[at]
+        return self.latents[at], [self.captions[int(i)] for i in idx], weights
+
+
+def latent_foreground(clips: torch.Tensor, spatial: int = 8, temporal: int = 4) -> torch.Tensor:
+    """Float ``[B, 1, T, H / spatial, W / spatial]``: 1 on the latent positions whose pixels (any of
+    their frames: the first frame alone, then groups of ``temporal``, as the Wan VAE compresses
+    time) touch a shape of clips ``[B, 3, F, H, W]`` in [-1, 1]."""
+    from ditattn.train.vae_stage import foreground
+
+    m = foreground(clips)[:, 0]  # [B, F, H, W]
+    B, F_, H, W = m.shape
+    m = F.max_pool2d(m, spatial)  # [B, F, h, w]
+    rest = m[:, 1:].reshape(B, (F_ - 1) // temporal, temporal, *m.shape[-2:]).amax(dim=2)
+    return torch.cat([m[:, :1], rest], dim=1)[:, None]
 
 
 def bucket_batch(bucket: Bucket, recipe: Recipe) -> int:
@@ -142,7 +166,8 @@ def train_dit(recipe: Recipe, vae, budget: Budget, device: torch.device, seed: i
     losses.start("dit", buckets=[[b.height, b.width, b.frames, b.weight, bucket_batch(b, recipe)] for b in cfg.buckets],
                  batch_tokens=cfg.batch_tokens, text_encoder="trained" if train_text else "frozen",
                  params_dit=sum(p.numel() for p in dit.parameters()),
-                 params_text=sum(p.numel() for p in te.parameters()), reuse=cfg.reuse, resumed=init is not None)
+                 params_text=sum(p.numel() for p in te.parameters()), reuse=cfg.reuse, resumed=init is not None,
+                 fg_weight=cfg.fg_weight)
     bar = progress(budget.steps, "dit")
     step, last_ckpt, encode_s = 0, time.perf_counter(), 0.0
     while not budget.done(step):
@@ -155,11 +180,12 @@ def train_dit(recipe: Recipe, vae, budget: Budget, device: torch.device, seed: i
             with torch.no_grad(), autocast(device):
                 clips, caps, _ = scene_batch(chunk, bucket.frames, bucket.height, bucket.width, g_data, device=device)
                 z = vae.encode(clips).latent_dist.mode().float()
-                pool.add(normalize_latents(vae, z), caps)
+                fg = 1.0 + cfg.fg_weight * latent_foreground(clips) if cfg.fg_weight > 0 else None
+                pool.add(normalize_latents(vae, z), caps, fg)
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # so that encode_s measures the rendering + encoding
         encode_s += time.perf_counter() - t0
-        x0, caps = pool.draw(B, g_data)
+        x0, caps, weight = pool.draw(B, g_data)
         x0 = x0.float()
         drop = torch.rand(B, generator=g_data) < cfg.caption_dropout
         caps = ["" if d else c for c, d in zip(caps, drop.tolist())]
@@ -174,7 +200,11 @@ def train_dit(recipe: Recipe, vae, budget: Budget, device: torch.device, seed: i
                 context, bias = text(caps)
             proc.bias = bias
             pred = forward(xt, sigma * 1000.0, context).sample
-        loss = F.mse_loss(pred.float(), target)
+        if weight is None:
+            loss = F.mse_loss(pred.float(), target)
+        else:  # shape-weighted: positions under a shape count 1 + fg_weight times, normalised by the mean weight
+            w = weight.float()
+            loss = (w * (pred.float() - target) ** 2).mean() / w.mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trained, cfg.grad_clip)

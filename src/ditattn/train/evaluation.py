@@ -30,6 +30,8 @@ from ditattn.train.scenes import COLORS, MOTIONS, SHAPES, parse_caption
 HELD_OUT = (("red", "circle", "moving right"), ("blue", "square", "moving up"), ("yellow", "triangle", "growing"),
             ("green", "circle", "moving down"), ("white", "square", "moving left"), ("red", "triangle", "shrinking"))
 TUNING_SEED = 100  # tuning prompt i gets seed TUNING_SEED + i (the semantic test uses 1..6)
+TUNING_N = 24  # prompts the guidance scale is tuned on
+SHAPE_EVAL_SEED = 1000  # held-out prompt i gets seed SHAPE_EVAL_SEED + i; also seeds the prompt draw
 
 
 def tuning_prompts(n: int) -> list[tuple[str, str, str]]:
@@ -49,7 +51,24 @@ def tuning_prompts(n: int) -> list[tuple[str, str, str]]:
     raise AssertionError("unreachable")
 
 
-def _pipeline(package: str, cache: str, device: torch.device):
+def held_out_prompts(n: int = 30, seed: int = SHAPE_EVAL_SEED) -> list[tuple[str, str, str]]:
+    """``n`` single-shape ``(colour, shape, motion)`` triples that neither the semantic test
+    (:data:`HELD_OUT`) nor guidance tuning (``tuning_prompts(TUNING_N)``) uses: shapes in turn, each
+    shape's colour x motion pairs in a seeded random order (deterministic; at most 60 exist)."""
+    used = set(HELD_OUT) | set(tuning_prompts(TUNING_N))
+    g = torch.Generator().manual_seed(seed)
+    pools = []
+    for s in SHAPES:
+        free = [(c, s, m) for c in COLORS for m in MOTIONS if (c, s, m) not in used]
+        pools.append([free[int(i)] for i in torch.randperm(len(free), generator=g)])
+    out = [p for row in itertools.zip_longest(*pools) for p in row if p is not None]
+    if not 0 <= n <= len(out):
+        raise ValueError(f"held_out_prompts: n must be in 0..{len(out)}, got {n}")
+    return out[:n]
+
+
+def load_pipeline(package: str, cache: str, device: torch.device):
+    """ditattn's native pipeline for the package files in ``package`` (materialised under ``cache``)."""
     from ditattn.models.shapes import shapes_model_path
     from ditattn.pipelines.wan import WanPipelineNative
 
@@ -58,11 +77,14 @@ def _pipeline(package: str, cache: str, device: torch.device):
 
 def _verdict_row(prompt: str, frames: np.ndarray) -> dict:
     parsed = parse_caption(prompt) or []
-    v = judge(frames, parsed[0][0], parsed[0][2]) if len(parsed) == 1 else None
-    return {"prompt": prompt, "ok": None if v is None else v.ok, "color_ok": None if v is None else v.color_ok,
-            "motion_ok": None if v is None else v.motion_ok, "dominant": None if v is None else v.dominant,
-            "dx": None if v is None else round(v.dx, 3), "dy": None if v is None else round(v.dy, 3),
-            "growth": None if v is None else round(v.growth, 3)}
+    v = judge(frames, parsed[0][0], parsed[0][2], parsed[0][1]) if len(parsed) == 1 else None
+    row = {"prompt": prompt, "ok": None, "color_ok": None, "motion_ok": None, "dominant": None, "dx": None,
+           "dy": None, "growth": None, "shape_ok": None, "shape": None, "fill": None}
+    if v is not None:
+        row.update(ok=v.ok, color_ok=v.color_ok, motion_ok=v.motion_ok, dominant=v.dominant, dx=round(v.dx, 3),
+                   dy=round(v.dy, 3), growth=round(v.growth, 3), shape_ok=v.shape_ok, shape=v.shape,
+                   fill=None if np.isnan(v.fill) else round(v.fill, 3))
+    return row
 
 
 def sample_prompts_grid(out: str, recipe: Recipe, device: torch.device, prompts, seed: int = 0,
@@ -73,7 +95,7 @@ def sample_prompts_grid(out: str, recipe: Recipe, device: torch.device, prompts,
 
     d = dict(recipe.sampling_defaults, **(sampling or {}))
     with tempfile.TemporaryDirectory() as cache:
-        pipe = _pipeline(out, cache, device)
+        pipe = load_pipeline(out, cache, device)
         res = pipe.generate(list(prompts), seed=seed, height=d["height"], width=d["width"],
                             num_frames=d["num_frames"], num_inference_steps=d["num_inference_steps"],
                             guidance_scale=d["guidance_scale"], progress=False)
@@ -87,7 +109,7 @@ def sample_prompts_grid(out: str, recipe: Recipe, device: torch.device, prompts,
     verdicts = []
     for i, prompt in enumerate(prompts):
         row = _verdict_row(prompt, frames[i])
-        verdicts.append({k: row[k] for k in ("prompt", "ok", "dominant", "dx", "dy", "growth")})
+        verdicts.append({k: row[k] for k in ("prompt", "ok", "dominant", "dx", "dy", "growth", "shape_ok", "shape")})
         y = i * (H + label_h)
         mark = "" if row["ok"] is None else ("  [ok]" if row["ok"] else "  [wrong]")
         draw.text((2, y + 1), prompt + mark, fill=(0, 0, 0))
@@ -124,7 +146,7 @@ def evaluate(out: str, recipe: Recipe, device: torch.device, n: int, seed: int =
     d = recipe.sampling_defaults
     guidance = d["guidance_scale"] if guidance is None else guidance
     with tempfile.TemporaryDirectory() as cache:
-        pipe = _pipeline(out, cache, device)
+        pipe = load_pipeline(out, cache, device)
         # chunks of 8 with seed + start for the whole chunk, as since the first GPU run (comparable figures)
         results = []
         for start in range(0, n, 8):
@@ -133,19 +155,45 @@ def evaluate(out: str, recipe: Recipe, device: torch.device, n: int, seed: int =
                                 num_frames=frames, num_inference_steps=d["num_inference_steps"],
                                 guidance_scale=guidance, progress=False)
             for (c, s, m), fr in zip(chunk, res.frames):
-                v = judge(fr, c, m)
-                results.append({"prompt": f"a {c} {s} {m}", "color_ok": v.color_ok, "motion_ok": v.motion_ok})
-    acc = {k: sum(r[k] for r in results) / max(len(results), 1) for k in ("color_ok", "motion_ok")}
+                v = judge(fr, c, m, s)
+                results.append({"prompt": f"a {c} {s} {m}", "color_ok": v.color_ok, "motion_ok": v.motion_ok,
+                                "shape_ok": v.shape_ok, "shape": v.shape})
+    acc = {k: sum(bool(r[k]) for r in results) / max(len(results), 1) for k in ("color_ok", "motion_ok", "shape_ok")}
     return {"size": [size, size, frames], "n": n, "guidance": guidance, "color_accuracy": acc["color_ok"],
-            "motion_accuracy": acc["motion_ok"], "results": results}
+            "motion_accuracy": acc["motion_ok"], "shape_accuracy": acc["shape_ok"], "results": results}
 
 
-def tune_guidance(out: str, recipe: Recipe, device: torch.device, grid: Sequence[float], n: int = 24,
+def evaluate_held_out(pipe, sizes: Sequence[tuple[int, int, int]], n: int = 30, steps: int = 20,
+                      guidance: float = 7.0, seed: int = SHAPE_EVAL_SEED) -> list[dict]:
+    """Prompt following on :func:`held_out_prompts` (``n`` of them, prompt ``i`` with seed
+    ``seed + i``) at each ``(height, width, frames)`` of ``sizes``: per size ``{"size", "n",
+    "guidance", "steps", "shape_accuracy", "color_accuracy", "motion_accuracy", "results"}`` (the
+    judge's rows; shape judged as in :func:`ditattn.train.judge.judge_shape`)."""
+    items = held_out_prompts(n)
+    out = []
+    for size in sizes:
+        rows = generate_judged(pipe, items, seed, tuple(size), steps, guidance)
+        acc = {k: sum(bool(r[k]) for r in rows) / max(len(rows), 1) for k in ("shape_ok", "color_ok", "motion_ok")}
+        out.append({"size": list(size), "n": n, "guidance": guidance, "steps": steps,
+                    "shape_accuracy": acc["shape_ok"], "color_accuracy": acc["color_ok"],
+                    "motion_accuracy": acc["motion_ok"], "results": rows})
+    return out
+
+
+def format_held_out(ev: dict) -> str:
+    """One line for an :func:`evaluate_held_out` entry."""
+    return (f"held-out prompts ({ev['n']} at {'x'.join(map(str, ev['size']))}, {ev['steps']} steps, guidance "
+            f"{ev['guidance']:g}): shape {100 * ev['shape_accuracy']:.0f} %, "
+            f"colour {100 * ev['color_accuracy']:.0f} %, motion {100 * ev['motion_accuracy']:.0f} %")
+
+
+def tune_guidance(out: str, recipe: Recipe, device: torch.device, grid: Sequence[float], n: int = TUNING_N,
                   sampling: Optional[dict] = None) -> dict:
     """Prompt following on :func:`tuning_prompts` (``n`` of them) at the sampling default size for
     each guidance scale in ``grid``; picks the scale with the most clips right in colour *and*
-    motion (ties: the one nearest the recipe's default).  Returns ``{"best": scale, "n": n,
-    "rows": [{"guidance", "color", "motion", "both"}, ...], "size": [h, w, f]}``."""
+    motion (ties: the most with the right shape, then the one nearest the recipe's default).  Returns
+    ``{"best": scale, "n": n, "rows": [{"guidance", "color", "motion", "both", "shape"}, ...],
+    "size": [h, w, f]}``."""
     if not grid:
         raise ValueError("tune_guidance: the guidance grid is empty")
     d = dict(recipe.sampling_defaults, **(sampling or {}))
@@ -153,12 +201,80 @@ def tune_guidance(out: str, recipe: Recipe, device: torch.device, grid: Sequence
     size = (d["height"], d["width"], d["num_frames"])
     rows = []
     with tempfile.TemporaryDirectory() as cache:
-        pipe = _pipeline(out, cache, device)
+        pipe = load_pipeline(out, cache, device)
         for scale in grid:
             verdicts = generate_judged(pipe, items, TUNING_SEED, size, d["num_inference_steps"], float(scale))
             rows.append({"guidance": float(scale), "color": sum(bool(v["color_ok"]) for v in verdicts),
                          "motion": sum(bool(v["motion_ok"]) for v in verdicts),
-                         "both": sum(bool(v["ok"]) for v in verdicts)})
+                         "both": sum(bool(v["ok"]) for v in verdicts),
+                         "shape": sum(bool(v["shape_ok"]) for v in verdicts)})
     default = recipe.sampling_defaults["guidance_scale"]
-    best = max(rows, key=lambda r: (r["both"], -abs(r["guidance"] - default)))
+    best = max(rows, key=lambda r: (r["both"], r["shape"], -abs(r["guidance"] - default)))
     return {"best": best["guidance"], "n": n, "size": list(size), "rows": rows}
+
+
+def parse_sizes(text: str) -> list[tuple[int, int, int]]:
+    """``"128x128x17,256x256x33"`` -> ``[(128, 128, 17), (256, 256, 33)]`` (height, width: positive
+    multiples of 16; frames 1 + 4k)."""
+    out = []
+    for item in text.split(","):
+        try:
+            h, w, f = (int(v) for v in item.strip().split("x"))
+        except ValueError:
+            raise ValueError(f"bad size {item!r}; expected HxWxF, e.g. 128x128x17") from None
+        if h <= 0 or w <= 0 or h % 16 or w % 16 or f < 1 or (f - 1) % 4:
+            raise ValueError(f"size {item!r}: height/width must be positive multiples of 16, frames 1 + 4k")
+        out.append((h, w, f))
+    return out
+
+
+def main(argv=None) -> int:
+    """``python -m ditattn.train.evaluation``: a package's shape / colour / motion accuracy on held-out prompts."""
+    import argparse
+    import json
+    import sys
+
+    p = argparse.ArgumentParser(
+        prog="python -m ditattn.train.evaluation",
+        description="Judge a ditattn:shapes package on single-shape prompts that neither the semantic test nor "
+                    "guidance tuning uses: shape, colour and motion accuracy per size.")
+    p.add_argument("--package", default=None, metavar="DIR",
+                   help="folder with shapes.json + shapes.safetensors (default: the weights in the package)")
+    p.add_argument("--sizes", default="128x128x17,256x256x33", metavar="HxWxF,...",
+                   help="sizes to generate at (default 128x128x17,256x256x33)")
+    p.add_argument("--prompts", type=int, default=30, help="held-out prompts per size (1-60, default 30)")
+    p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the package's)")
+    p.add_argument("--guidance", type=float, default=None, help="guidance scale (default: the package's)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default cuda when available)")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the results (every prompt's verdict)")
+    args = p.parse_args(argv)
+    from ditattn.models.shapes import PACKAGED_DIR, read_meta
+    from ditattn.pipelines.loading import parse_device
+
+    package = args.package or PACKAGED_DIR
+    try:
+        sizes = parse_sizes(args.sizes)
+        if not 1 <= args.prompts <= 60:
+            raise ValueError(f"--prompts must be in 1..60, got {args.prompts}")
+        device = parse_device(args.device)
+        d = read_meta(package)["sampling_defaults"]
+    except ValueError as exc:  # AttentionConfigError included: says what was wrong and what is accepted
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    steps = args.steps or d["num_inference_steps"]
+    guidance = d["guidance_scale"] if args.guidance is None else args.guidance
+    with tempfile.TemporaryDirectory() as cache:
+        pipe = load_pipeline(package, cache, device)
+        evals = []
+        for size in sizes:
+            ev = evaluate_held_out(pipe, [size], args.prompts, steps, guidance)[0]
+            print(format_held_out(ev), flush=True)
+            evals.append(ev)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"package": package, "evaluations": evals}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -43,9 +43,10 @@ class VaeStage:
     """VAE training: clips of one of ``frames`` frames (two shapes with probability ``p_two``)
     rendered at one of ``render_sizes`` and cropped to ``crop x crop`` around a shape; ``batch``
     clips of ``frames[0]`` frames per step (longer clips: proportionally fewer, so every step holds
-    about the same number of pixels); loss = L1 + MSE (shape pixels weigh ``1 + fg_weight``) +
-    ``kl_weight`` * KL; AdamW at ``lr`` after ``warmup`` steps (``resume_warmup`` when continuing
-    from saved weights: the optimizer state is not saved)."""
+    about the same number of pixels); loss = L1 + MSE (shape pixels weigh ``1 + fg_weight``, pixels
+    on a shape's outline ``edge_weight`` more) + ``kl_weight`` * KL; AdamW at ``lr`` after
+    ``warmup`` steps (``resume_warmup`` when continuing from saved weights: the optimizer state is
+    not saved)."""
 
     batch: int
     frames: tuple = (9,)
@@ -55,6 +56,7 @@ class VaeStage:
     lr: float = 5e-4
     kl_weight: float = 1e-6
     fg_weight: float = 4.0
+    edge_weight: float = 0.0
     warmup: int = 100
     resume_warmup: int = 50
 
@@ -74,7 +76,8 @@ class DitStage:
     continuing from saved weights, whose optimizer state is not saved), then constant until the last
     ``decay_frac`` of the budget, over which it falls linearly to ``final_lr_frac`` x (a
     warm-up / stable / decay schedule: the stable phase can be continued, the decay anneals the
-    weights a run ships); EMA ``ema_decay``."""
+    weights a run ships); EMA ``ema_decay``; ``fg_weight > 0``: latent positions under a shape weigh
+    ``1 + fg_weight`` in the loss (normalised by the mean weight)."""
 
     buckets: tuple
     batch_tokens: int
@@ -91,6 +94,7 @@ class DitStage:
     final_lr_frac: float = 0.1
     ema_decay: float = 0.999
     grad_clip: float = 1.0
+    fg_weight: float = 0.0
 
     def lr_factor(self, step: int, progress: float, resumed: bool = False) -> float:
         """The learning-rate multiplier at ``step`` (0-based) when ``progress`` in [0, 1] of the
@@ -117,10 +121,13 @@ class Recipe:
         "a white circle moving left and a green square moving down",
     )
 
-    def with_overrides(self, **changes) -> "Recipe":
-        """A copy whose DiT stage takes the ``changes`` that are not None (``text_lr``, ``buckets``, ...)."""
+    def with_overrides(self, vae_edge_weight=None, **changes) -> "Recipe":
+        """A copy whose DiT stage takes the ``changes`` that are not None (``text_lr``, ``buckets``,
+        ``fg_weight``, ...) and whose VAE stage takes ``vae_edge_weight`` when not None."""
         changes = {k: v for k, v in changes.items() if v is not None}
-        return dataclasses.replace(self, dit_stage=dataclasses.replace(self.dit_stage, **changes))
+        vae = self.vae_stage if vae_edge_weight is None else dataclasses.replace(self.vae_stage,
+                                                                                 edge_weight=vae_edge_weight)
+        return dataclasses.replace(self, vae_stage=vae, dit_stage=dataclasses.replace(self.dit_stage, **changes))
 
 
 def _text_encoder(d_model: int, layers: int, heads: int, d_ff: int) -> dict:

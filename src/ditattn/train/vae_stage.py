@@ -86,10 +86,27 @@ def decode_unclamped(vae, z: torch.Tensor) -> torch.Tensor:
     return torch.cat(outs, dim=2)
 
 
+def foreground(x: torch.Tensor) -> torch.Tensor:
+    """Float ``[B, 1, F, H, W]``: 1 where clips ``x [B, 3, F, H, W]`` in [-1, 1] are off the background."""
+    bg = torch.tensor(BACKGROUND, device=x.device).view(1, 3, 1, 1, 1) * 2 - 1
+    return ((x.float() - bg).abs().amax(dim=1, keepdim=True) > 0.05).float()
+
+
+def outline(x: torch.Tensor) -> torch.Tensor:
+    """Float ``[B, 1, F, H, W]``: 1 on the pixels of clips ``x [B, 3, F, H, W]`` within one pixel of
+    an edge (the colour spans more than 0.1 over their 3 x 3 neighbourhood in some channel)."""
+    B, C, F_, H, W = x.shape
+    y = x.float().transpose(1, 2).reshape(B * F_, C, H, W)
+    span = torch.nn.functional.max_pool2d(y, 3, 1, 1) + torch.nn.functional.max_pool2d(-y, 3, 1, 1)
+    edge = (span.amax(dim=1, keepdim=True) > 0.1).float()
+    return edge.reshape(B, F_, 1, H, W).transpose(1, 2)
+
+
 def vae_loss(vae, x: torch.Tensor, kl_weight: float, generator: Optional[torch.Generator] = None,
-             fg_weight: float = 0.0, train_encoder: bool = True):
+             fg_weight: float = 0.0, train_encoder: bool = True, edge_weight: float = 0.0):
     """``(loss, reconstruction)`` for clips ``x [B, 3, F, H, W]`` in [-1, 1]: L1 + MSE per element
-    (pixels off the background weigh ``1 + fg_weight``) + ``kl_weight`` x the KL per element.
+    (pixels off the background weigh ``fg_weight`` more, pixels on a shape's outline
+    (:func:`outline`: where corners are drawn) ``edge_weight`` more) + ``kl_weight`` x the KL per element.
     ``train_encoder=False`` runs the encoder without gradients and leaves the KL out (it only
     shapes the encoder): the decoder learns to draw the latents the encoder already gives."""
     with torch.set_grad_enabled(train_encoder and torch.is_grad_enabled()):
@@ -101,8 +118,9 @@ def vae_loss(vae, x: torch.Tensor, kl_weight: float, generator: Optional[torch.G
     err = rec32 - x32
     w = 1.0
     if fg_weight:
-        bg = torch.tensor(BACKGROUND, device=x.device).view(1, 3, 1, 1, 1) * 2 - 1
-        w = 1.0 + fg_weight * ((x32 - bg).abs().amax(dim=1, keepdim=True) > 0.05).float()
+        w = w + fg_weight * foreground(x32)
+    if edge_weight:
+        w = w + edge_weight * outline(x32)
     loss = (w * (err.abs() + err * err)).mean()
     if train_encoder:
         kl = 0.5 * (post.mean.float() ** 2 + post.var.float() - 1.0 - post.logvar.float()).sum() / x.numel()
@@ -137,6 +155,7 @@ def train_vae(recipe: Recipe, budget: Budget, device: torch.device, seed: int, l
     g_data = torch.Generator().manual_seed(seed + 101)
     g_noise = torch.Generator(device).manual_seed(seed + 102)
     losses.start("vae", batch=cfg.batch, frames=list(cfg.frames), crop=cfg.crop, render_sizes=list(cfg.render_sizes),
+                 edge_weight=cfg.edge_weight,
                  params=sum(p.numel() for p in vae.parameters()), trained_params=sum(p.numel() for p in params),
                  train_encoder=train_encoder, resumed=init is not None)
     bar = progress(budget.steps, "vae")
@@ -150,7 +169,8 @@ def train_vae(recipe: Recipe, budget: Budget, device: torch.device, seed: int, l
         for group in opt.param_groups:
             group["lr"] = cfg.lr * min(1.0, (step + 1) / warmup)
         with autocast(device):
-            loss, _ = vae_loss(vae, x, cfg.kl_weight, g_noise, fg_weight=cfg.fg_weight, train_encoder=train_encoder)
+            loss, _ = vae_loss(vae, x, cfg.kl_weight, g_noise, fg_weight=cfg.fg_weight, train_encoder=train_encoder,
+                               edge_weight=cfg.edge_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
