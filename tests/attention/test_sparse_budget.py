@@ -165,7 +165,8 @@ def test_sparge_and_sol_serve_plain_sequences(backend, head_dim):
     k = q.clone()
     v = torch.randn(1, S, 2, head_dim).bfloat16()
     clear_stats()
-    out = ditattn.attention(q, k, v, backend=backend, config={"error_budget": 0.01}, step=50, layer_idx=3)
+    out = ditattn.attention(q, k, v, backend=backend, config={"error_budget": 0.01, "dense_above": 1.0}, step=50,
+                            layer_idx=3)
     st = dict(next(iter(last_stats.values())))
     rel, _ = _errors(out, _exact(q, k, v))
     assert out.shape == q.shape and rel < 0.15, (rel, st)
@@ -219,27 +220,47 @@ def test_structured_families_differ_as_documented():
         family_spec("noisy", grid, 1)
 
 
-def test_svg2_layer_that_kept_most_blocks_runs_dense_for_the_rest_of_the_request(inputs, monkeypatch):
-    """After a step whose SVG2 plan kept more than DENSE_ABOVE of its blocks, the layer's later steps run the
-    dense kernel without clustering; a new request (the step does not advance) starts over."""
+def test_svg2_layer_that_keeps_too_much_runs_dense_for_the_rest_of_the_request(inputs, monkeypatch):
+    """An SVG2 plan that keeps more than dense_above of its blocks is not run: the dense kernel computes the
+    call and the layer's later steps run it without clustering; a new request (the step does not advance)
+    starts over.  A sparse decision is reused too: no probe at the later steps."""
     from ditattn.attention.sparse import budget as budget_mod
     from ditattn.attention.sparse import svg2
 
-    q, k, v, _ = inputs[128]["mixed", 0]
-    calls = []
-    real = svg2.svg2_attention
+    budget_mod.clear_memory()
+    q, k, v, ref = inputs[128]["mixed", 0]
+    calls, prechecks = [], []
+    real, real_pre = svg2.svg2_attention, budget_mod.precheck_dense
     monkeypatch.setattr("ditattn.attention.backends.sparse_video.svg2_attention",
                         lambda *a, **kw: calls.append(kw["step"]) or real(*a, **kw))
-    monkeypatch.setattr(budget_mod, "DENSE_ABOVE", 0.5)  # the mixed family keeps more than half
-    monkeypatch.setattr(budget_mod, "precheck_dense", lambda *a, **kw: False)
-    kept = []
+    monkeypatch.setattr(budget_mod, "precheck_dense", lambda *a, **kw: prechecks.append(1) and False)
+    seen = []
     for step in (3, 4, 5, 0):
         clear_stats()
-        ditattn.attention(q, k, v, backend="sparse_video_gen_2_attn", video_shape=GRID, step=step, layer_idx=7)
+        out = ditattn.attention(q, k, v, backend="sparse_video_gen_2_attn", config={"dense_above": 0.3},
+                                video_shape=GRID, step=step, layer_idx=7)
         st = dict(next(iter(last_stats.values())))
-        kept.append((st["dense"], st["kept_fraction"]))
-    assert calls == [3, 0] and not kept[0][0] and kept[0][1] > 0.5, (calls, kept)
-    assert kept[1][0] and kept[2][0] and not kept[3][0], kept
+        seen.append((st["dense"], st["reason"]))
+        assert _errors(out, ref)[0] < 0.01
+    assert calls == [3, 0] and len(prechecks) == 2, (calls, prechecks)
+    assert all(d for d, _ in seen) and "dense_above" in seen[0][1], seen
+    assert "earlier step" in seen[1][1] and "earlier step" in seen[2][1] and "earlier step" not in seen[3][1]
+    monkeypatch.setattr(budget_mod, "precheck_dense", real_pre)
+    calls.clear()
+    for step in (3, 4, 5):  # kept below dense_above 1.0: sparse, decided once
+        clear_stats()
+        ditattn.attention(q, k, v, backend="sparse_video_gen_2_attn", config={"dense_above": 1.0},
+                          video_shape=GRID, step=step, layer_idx=8)
+        assert not dict(next(iter(last_stats.values())))["dense"]
+    assert calls == [3, 4, 5] and budget_mod.decided(f"{_layer_key('sparse_video_gen_2_attn', 8)}", 6) is False
+
+
+def _layer_key(backend, layer):
+    import threading
+
+    from ditattn.attention.sparse import stats_key
+
+    return f"{stats_key(backend, None, layer)}@{threading.get_ident()}"
 
 
 @pytest.mark.parametrize("factor", [0.05, 1.0, 16.0])
@@ -269,33 +290,87 @@ def test_skip_softmax_dropped_mass_bound_holds_per_row(factor):
     assert dropped_mass_bound(factor_for_budget(0.05)) == pytest.approx(0.05)
 
 
-def test_a_layer_sent_dense_reuses_the_decision_and_checks_again_every_few_steps(inputs, monkeypatch):
-    """After the budget sent a call to the dense kernel, the layer's next steps call the dense kernel
-    directly (no probes, no tiling) and check again every RECHECK_EVERY steps; a sparse call is not reused."""
+def test_the_call_level_decision_is_taken_once_per_layer_and_request(inputs, monkeypatch):
+    """The first step of a request decides; its later steps reuse the decision: a dense layer calls the dense
+    kernel directly (no probes, no tiling), a sparse layer skips the early probe and the call-level check
+    (no device sync), the budget still enforced per head.  A new request (the step does not advance)
+    decides again."""
     from ditattn.attention.sparse import budget as budget_mod
 
     budget_mod.clear_memory()
-    checks = []
-    real = budget_mod.early_dense
+    checks, calls = [], []
+    real, real_call = budget_mod.early_dense, budget_mod.call_dense
     monkeypatch.setattr(budget_mod, "early_dense", lambda *a, **kw: checks.append(1) or real(*a, **kw))
+    monkeypatch.setattr(budget_mod, "call_dense", lambda *a, **kw: calls.append(1) or real_call(*a, **kw))
     q, k, v, _ = inputs[128]["weak", 1]
     dense = ditattn.attention(q, k, v, backend="torch_sdpa")
     reasons = []
-    for step in range(10, 10 + budget_mod.RECHECK_EVERY + 1):
+    for step in (10, 11, 12, 13, 10, 11):
         clear_stats()
         out = ditattn.attention(q, k, v, backend="sparge_attn", video_shape=GRID, step=step, layer_idx=4)
         st = dict(next(iter(last_stats.values())))
         assert st["dense"] and torch.equal(out, dense)
         reasons.append(st["reason"])
-    assert len(checks) == 2  # the first step and the step RECHECK_EVERY later
-    assert sum("earlier step" in r for r in reasons) == budget_mod.RECHECK_EVERY - 1
+    assert len(checks) == 2  # step 10 of each request
+    assert ["earlier step" in r for r in reasons] == [False, True, True, True, False, True], reasons
     budget_mod.clear_memory()
-    q, k, v, _ = inputs[128]["original", 1]  # a call that stays sparse at this grid is checked every step
-    for step in (20, 21):
+    checks.clear()
+    q, k, v, _ = inputs[128]["original", 1]  # stays sparse under dense_above 1.0
+    for step in (20, 21, 22):
         clear_stats()
-        ditattn.attention(q, k, v, backend="vmoba_attn", video_shape=GRID, step=step, layer_idx=2)
-        assert not dict(next(iter(last_stats.values())))["dense"]
-    assert len(checks) == 4
+        ditattn.attention(q, k, v, backend="vmoba_attn", config={"dense_above": 1.0}, video_shape=GRID, step=step,
+                          layer_idx=2)
+        st = dict(next(iter(last_stats.values())))
+        assert not st["dense"] and st["dropped_mass_max"] <= st["error_budget"] + 1e-4, st
+    assert len(checks) == 1 and len(calls) == 1
+
+
+@pytest.mark.parametrize("backend", ["sparge_attn", "sol_attn", "vmoba_attn"])
+def test_a_call_that_keeps_more_than_dense_above_runs_the_dense_kernel(backend, monkeypatch):
+    """The break-even rule on the budgeted selection itself: a threshold just below the call's kept fraction
+    sends it to the dense kernel, one just above keeps it sparse (the early probe switched off to isolate
+    the rule)."""
+    from ditattn.attention.sparse import budget as budget_mod
+
+    monkeypatch.setattr(budget_mod, "early_dense", lambda *a, **kw: False)
+    grid = (9, 16, 20)  # the mixed family keeps 0.8-0.9 here
+    q, k, v, _ = structured_qkv(family_spec("mixed", grid, 3, head_dim=128, seed=0), dtype=torch.bfloat16)
+
+    def run(**cfg):
+        clear_stats()
+        ditattn.attention(q, k, v, backend=backend, config=cfg, video_shape=grid, step=50, layer_idx=2)
+        return dict(next(iter(last_stats.values())))
+
+    st = run(dense_above=1.0)
+    kept = float(st["kept_fraction"])
+    assert not st["dense"] and 0 < kept < 0.95, st
+    lo, hi = run(dense_above=kept - 0.01), run(dense_above=min(1.0, kept + 0.01))
+    assert lo["dense"] and lo["kept_fraction"] == 1.0 and "dense_above" in lo["reason"], lo
+    assert not hi["dense"] and abs(float(hi["kept_fraction"]) - kept) < 1e-6, hi
+
+
+def test_the_early_estimate_follows_the_full_probe():
+    """early_kept (nine probe rows of EARLY_BLOCKS sampled query blocks) against the same figure from every
+    query block, on a grid with more blocks than the sample: within 0.1 on every family; and the floor
+    combines as documented."""
+    from ditattn.attention.sparse.tiling import make_tile_layout, tile
+
+    grid = (9, 16, 20)
+    lay = make_tile_layout(grid, (4, 4, 4), 0)
+    assert lay.n_video_blocks > 3 * eb.EARLY_BLOCKS
+    for fam in FAMILIES:
+        q, k, _, _ = structured_qkv(family_spec(fam, grid, 3, head_dim=64, seed=4), dtype=torch.bfloat16)
+        kt = tile(k, lay)
+        scale = 64 ** -0.5
+        early = float(eb.early_kept(q, kt, lay, 0.005, scale=scale))
+        lm = eb.probe_log_mass(tile(q, lay), kt, lay, scale)
+        nv = lay.n_video_blocks
+        need, _ = eb.enforce_budget(lm, torch.zeros(*lm.shape[:3], nv, dtype=torch.bool), 0.005, dense_above=1.0)
+        head = need.float().mean((-1, -2))
+        full = float(torch.where(head > eb.DENSE_ABOVE, torch.ones_like(head), head).mean())
+        assert abs(early - full) < 0.1, (fam, early, full)
+        floored = float(eb.early_kept(q, kt, lay, 0.005, scale=scale, floor=0.5))
+        assert floored >= max(early, 0.5) - 1e-6, (fam, early, floored)
 
 
 def test_fidelity_bench_runs_the_families_and_the_budget_list(tmp_path, run_bench):
