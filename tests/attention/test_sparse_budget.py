@@ -407,3 +407,52 @@ def test_budgeted_defaults_on_the_gpu(backend):
     got = eb.probe_log_mass(qt, kt, lay, 128 ** -0.5)
     want = eb.probe_log_mass(qt, kt, lay, 128 ** -0.5, impl="reference")
     torch.testing.assert_close(got, want, rtol=2e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("backend", ["sparge_attn", "sol_attn", "vmoba_attn", "sparse_video_gen_2_attn"])
+def test_a_call_below_min_seq_len_runs_dense_before_any_tiling(inputs, backend, monkeypatch, caplog):
+    """min_seq_len: a shorter call runs the dense kernel at once (no tiling, no probe), is said once per
+    reason and counted as a dense fallback in the run summary; the unset default is the device's figure."""
+    from ditattn.attention.sparse import fallback
+
+    for planner in ("sparge_attention", "sol_attention", "vmoba_attention", "svg2_attention"):
+        monkeypatch.setattr(f"ditattn.attention.backends.sparse_video.{planner}",
+                            lambda *a, **kw: pytest.fail("planned a call below min_seq_len"))
+    monkeypatch.setattr(eb, "precheck_dense", lambda *a, **kw: pytest.fail("probed a call below min_seq_len"))
+    clear_dense_notes()
+    fallback.begin_run()
+    q, k, v, _ = inputs[128]["original", 0]
+    S = q.shape[1]
+    dense = ditattn.attention(q, k, v, backend="torch_sdpa")
+    with caplog.at_level(logging.INFO, logger="ditattn.attention.sparse"):
+        for step in (0, 1, 2):
+            clear_stats()
+            out = ditattn.attention(q, k, v, backend=backend, config={"min_seq_len": S + 1}, video_shape=GRID,
+                                    step=step, layer_idx=2)
+            st = dict(next(iter(last_stats.values())))
+            assert torch.equal(out, dense) and st["dense"] and f"{S} tokens < min_seq_len {S + 1}" in st["reason"]
+    lines = [r for r in caplog.records if "runs dense attention" in r.getMessage()]
+    assert len(lines) == 1 and dense_notes[backend] == [f"{S} tokens < min_seq_len {S + 1} (dense kernel)"]
+    summary = fallback.run_summary()
+    assert [e["dense_fallbacks"] for e in summary.values()] == [3], summary
+
+
+def test_min_seq_len_defaults_per_device_and_shows_in_the_plan_label():
+    from ditattn.attention.backends.sparse_common import sparse_runtime_label
+    from ditattn.attention.names import AttentionBackendEnum as B
+    from ditattn.attention.sparse.fallback import MIN_SEQ_LEN, min_seq_len, short_call
+    from ditattn.attention.specs import SPECS
+
+    assert MIN_SEQ_LEN["cuda"] == 16384
+    assert min_seq_len({}, torch.device("cuda")) == min_seq_len({"min_seq_len": None}, "cuda") == 16384
+    assert min_seq_len({}, torch.device("cpu")) == 0 and min_seq_len({"min_seq_len": 0}, "cuda") == 0
+    assert short_call(16383, {}, "cuda") == "16383 tokens < min_seq_len 16384"
+    assert short_call(16384, {}, "cuda") == "" and short_call(100, {}, "cpu") == ""
+
+    class Cuda:
+        name, sm = "cuda", 90
+
+    spec = SPECS[B.SPARGE_ATTN]
+    spec_rt = type("S", (), {"runtime_on": lambda self, p: spec.runtimes["cuda"][0]})()
+    assert sparse_runtime_label(spec_rt, Cuda(), None, None).endswith("; dense kernel below 16384 tokens")
+    assert "dense kernel below" not in sparse_runtime_label(spec_rt, Cuda(), None, {"min_seq_len": 0})
