@@ -24,10 +24,14 @@ error, Sparge's INT8 Q.K, Sol's centroids; ``tests/attention/test_sparse_budget.
 The rule (:func:`enforce_budget`): with ``error_budget = b`` every video query block keeps, on top
 of its own selection, the fewest blocks, largest share first, whose shares reach ``1 - b`` (so
 ``m_i <= b`` by the estimate); a head whose kept fraction then exceeds :data:`DENSE_ABOVE` runs
-dense (every block kept: the block-sparse engine costs more than a dense kernel there), and when
-every head of the call does, the backend skips the sparse kernel and calls the dense one
-(:func:`all_dense`).  The planners ask :func:`early_dense` first (the centre probe rows alone, before
-any selection work), so a call that ends dense costs the dense kernel plus 1 / block_size of its Q.K.  ``b = 0`` turns the budget off.  The default budget of each backend (its
+dense (every block kept).  A call predicted to keep more than :data:`DENSE_CALL_ABOVE` (config key
+``dense_above``) of its video blocks, mean over heads, runs the dense kernel instead: the block-sparse
+path is slower there (:data:`H200_KEPT_VS_FA`).  The planners ask :func:`early_kept` first (nine probe rows
+of :data:`EARLY_BLOCKS` sampled query blocks, before any selection work and without a tiled copy of q),
+then :func:`call_dense` on the budgeted selection.  The backends take that decision at the first step of
+a layer in a request and reuse it at its later steps (:func:`decided`): a dense layer calls the dense
+kernel directly, a sparse one enforces the budget on the device without a host read.  ``b = 0`` turns
+the budget off.  The default budget of each backend (its
 ``error_budget`` schema entry: 0.005 for Sparge, V-MoBA and SVG2, 0.01 for Sol, whose approximate
 blocks are not dropped but summarised by their centroids) was chosen on the structured families of
 :mod:`ditattn.evaluation.structured` so that the output stays within 5 % relative error
@@ -112,27 +116,26 @@ def probe_rows(layout) -> Tensor:
         return offs + torch.arange(nv).unsqueeze(1) * bs
 
 
-def probe_log_mass(q_tiled: Tensor, k_tiled: Tensor, layout, scale: float, impl: str = "auto",
-                   centre_only: bool = False) -> Tensor:
+def probe_log_mass(q_tiled: Tensor, k_tiled: Tensor, layout, scale: float, impl: str = "auto") -> Tensor:
     """Exact block log-masses of every video block's probe rows (:func:`probe_rows`): float32
     ``[B, H, nv, R, nv]`` (``R = 9``), entry ``[.., i, r, j] = log sum_{t in j} exp(scale * q_r . k_t)`` for
     probe row ``r`` of query block ``i``; ``R / block_size`` of the Q.K products of dense attention
     (9/64 at 64-token blocks), no P.V.  q_tiled / k_tiled ``[B, padded_len, H, D]`` in ``layout``'s
-    order (k with q's heads).  ``centre_only``: the centre row alone (``R = 1``)."""
+    order (k with q's heads)."""
     B, _, H, _ = q_tiled.shape
     nv = layout.n_video_blocks
-    rows = _probe_rows_on(layout, q_tiled.device, centre_only)  # [nv, R]
+    rows = _probe_rows_on(layout, q_tiled.device)  # [nv, R]
     R = rows.shape[1]
     lm = probe_masses(q_tiled.index_select(1, rows.flatten()), k_tiled, layout, scale, impl)
     return lm.view(B, H, nv, R, nv)
 
 
 @functools.lru_cache(maxsize=128)
-def _probe_rows_on(layout, device: torch.device, centre_only: bool) -> Tensor:
-    """:func:`probe_rows` (or its centre column) on ``device``, cached: no upload per call."""
+def _probe_rows_on(layout, device: torch.device) -> Tensor:
+    """:func:`probe_rows` on ``device``, cached: no upload per call."""
     rows = probe_rows(layout)
     with torch.inference_mode(False):
-        return (rows[:, -1:] if centre_only else rows).contiguous().to(device)
+        return rows.contiguous().to(device)
 
 
 @functools.lru_cache(maxsize=64)
@@ -158,12 +161,6 @@ def enforce_budget(log_mass: Tensor, keep: Tensor, budget: float,
     dense = out.float().mean((-1, -2)) > float(dense_above)
     out = out | dense[:, :, None, None]
     return out, dense
-
-
-def all_dense(dense_heads: Tensor) -> bool:
-    """Whether every head of the call runs dense (one device sync: the caller then skips the sparse
-    kernel and calls the dense one)."""
-    return bool(dense_heads.all()) if dense_heads.numel() else False
 
 
 def summary(log_mass: Tensor, keep: Tensor, dense_heads: Tensor, budget: float) -> dict:
@@ -259,8 +256,9 @@ def early_kept(q: Tensor, k_tiled: Tensor, layout, budget: float, *, scale: floa
     m = rows.shape[0]
     lm = probe_masses(q.index_select(1, rows.flatten()), k_tiled, layout, scale, impl).view(
         q.shape[0], q.shape[2], m, rows.shape[1], nv)
-    need, _ = enforce_budget(lm, torch.zeros(*lm.shape[:3], nv, dtype=torch.bool, device=lm.device), budget,
-                             dense_above=1.0)
+    from ditattn.attention.sparse.common import mass_mask
+
+    need = mass_mask(lm, 1.0 - float(budget)).any(-2)  # [B, H, m, nv]: every probe row's blocks (all real rows)
     head = need.float().mean((-1, -2))  # [B, H]
     head = 1.0 - (1.0 - float(floor)) * (1.0 - head)
     head = torch.where(head > DENSE_ABOVE, torch.ones_like(head), head)
