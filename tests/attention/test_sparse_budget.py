@@ -230,7 +230,7 @@ def test_svg2_layer_that_keeps_too_much_runs_dense_for_the_rest_of_the_request(i
     budget_mod.clear_memory()
     q, k, v, ref = inputs[128]["mixed", 0]
     calls, prechecks = [], []
-    real, real_pre = svg2.svg2_attention, budget_mod.precheck_dense
+    real = svg2.svg2_attention
     monkeypatch.setattr("ditattn.attention.backends.sparse_video.svg2_attention",
                         lambda *a, **kw: calls.append(kw["step"]) or real(*a, **kw))
     monkeypatch.setattr(budget_mod, "precheck_dense", lambda *a, **kw: prechecks.append(1) and False)
@@ -245,14 +245,15 @@ def test_svg2_layer_that_keeps_too_much_runs_dense_for_the_rest_of_the_request(i
     assert calls == [3, 0] and len(prechecks) == 2, (calls, prechecks)
     assert all(d for d, _ in seen) and "dense_above" in seen[0][1], seen
     assert "earlier step" in seen[1][1] and "earlier step" in seen[2][1] and "earlier step" not in seen[3][1]
-    monkeypatch.setattr(budget_mod, "precheck_dense", real_pre)
     calls.clear()
+    prechecks.clear()
     for step in (3, 4, 5):  # kept below dense_above 1.0: sparse, decided once
         clear_stats()
         ditattn.attention(q, k, v, backend="sparse_video_gen_2_attn", config={"dense_above": 1.0},
                           video_shape=GRID, step=step, layer_idx=8)
         assert not dict(next(iter(last_stats.values())))["dense"]
-    assert calls == [3, 4, 5] and budget_mod.decided(f"{_layer_key('sparse_video_gen_2_attn', 8)}", 6) is False
+    assert calls == [3, 4, 5] and len(prechecks) == 1
+    assert budget_mod.decided(f"{_layer_key('sparse_video_gen_2_attn', 8)}", 6) is False
 
 
 def _layer_key(backend, layer):

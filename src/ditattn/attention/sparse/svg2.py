@@ -332,7 +332,7 @@ def svg2_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: in
     position), ``kv_valid [B, P]``, ``block_size`` and ``mode`` (``cold``/``warm``/``reused``);
     ``plan.kept_fraction`` is counted on the device and read (one sync) when first asked for.
     On CUDA the call itself never synchronises with the host, unless ``dense_above`` is given: then a plan
-    that keeps more than that fraction of the blocks is not run (one sync) — the dense kernel computes the
+    that keeps more than that fraction of the blocks (1: every block) is not run (one sync) — the dense kernel computes the
     call and ``plan.extra`` says ``dense_fallback`` (``kept_planned``: the plan's fraction).
     """
     B, S, H, D = q.shape
@@ -369,7 +369,7 @@ def svg2_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: in
             cached = (q_perm, k_perm, idx, cnt, kept, extra) if recluster_every > 1 else ()
             with _states_lock:
                 _states[state_key] = _LayerState(sig, step, step, cq, ck, cached)
-    if dense_above is not None and float(kept) > float(dense_above):  # slower than dense: the dense kernel
+    if dense_above is not None and float(kept) > min(float(dense_above), 1 - 1e-6):  # slower than dense
         from ditattn.attention.sparse.block_sparse import dense_attention
 
         out, lse = dense_attention(q, k, v, scale=scale, return_lse=return_lse)
