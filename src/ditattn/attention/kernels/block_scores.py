@@ -61,8 +61,8 @@ def pooled_query_lse(mean: torch.Tensor, var: Optional[torch.Tensor], k: torch.T
     """``out[b, h, i, n] = log sum_{j in key block n, valid} exp(scale * mean_i . k_j
     (+ 0.5 scale^2 var_i . k_j^2))``.
 
-    mean / var: ``[B, H, M, D]`` (any float; cast to k's dtype for the tensor cores; var None: no
-    variance term); k: ``[B, n * block_size, H, D]`` fp16/bf16 with D a power of two 16..256;
+    mean / var: ``[B, H, M, D]`` (any float; cast to k's dtype for the tensor cores; any strides with a
+    contiguous last dim, e.g. a permuted ``[B, M, H, D]``: no copy; var None: no variance term); k: ``[B, n * block_size, H, D]`` fp16/bf16 with D a power of two 16..256;
     valid: bool ``[n * block_size]`` (False keys are masked).  Returns float32 ``[B, H, M, n]``
     (``-inf`` where a key block has no valid key).  CUDA, or CPU under ``TRITON_INTERPRET=1``.
     """
@@ -84,8 +84,10 @@ def pooled_query_lse(mean: torch.Tensor, var: Optional[torch.Tensor], k: torch.T
     if k.stride(-1) != 1:
         k = k.contiguous()
     has_var = var is not None
-    mean = mean.to(k.dtype).contiguous()
-    var = var.to(k.dtype).contiguous() if has_var else mean  # a placeholder pointer when unused
+    mean = _rows_last(mean.to(k.dtype))  # any [B, H, M] strides: a permuted view of gathered rows is not copied
+    var = _rows_last(var.to(k.dtype)) if has_var else mean  # a placeholder pointer when unused
+    if has_var and var.stride() != mean.stride():
+        mean, var = mean.contiguous(), var.contiguous()
     valid = valid.to(torch.int8).contiguous()
     n = N // block_size
     out = torch.empty(B, H, M, n, dtype=torch.float32, device=k.device)
@@ -100,6 +102,11 @@ def pooled_query_lse(mean: torch.Tensor, var: Optional[torch.Tensor], k: torch.T
         num_warps=num_warps,
     )
     return out
+
+
+def _rows_last(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself when its last dim is contiguous (the kernel takes the other strides as they are)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 __all__ = ["pooled_query_lse"]
