@@ -89,13 +89,17 @@ def shares(log_mass: Tensor) -> Tensor:
     return torch.softmax(log_mass.float(), dim=-1).nan_to_num_(0.0)
 
 
-def dropped_mass(log_mass: Tensor, keep: Tensor) -> Tensor:
+def dropped_mass(log_mass: Tensor, keep: Tensor, share: Optional[Tensor] = None) -> Tensor:
     """Predicted dropped mass per query block: float32 ``[B, H, nq]`` from ``log_mass`` (``[B, H, nq,
     nk]``, or per probe row ``[B, H, nq, R, nk]``: then the largest over the probe rows) and the bool
-    selection ``keep [B, H, nq, nk]`` (True = kept)."""
+    selection ``keep [B, H, nq, nk]`` (True = kept).  ``share``: :func:`shares` of ``log_mass`` when the
+    caller has it (one softmax pass less); per probe row the sum is one batched product (no temporary of
+    ``log_mass``'s size)."""
+    share = shares(log_mass) if share is None else share
     if log_mass.dim() == keep.dim() + 1:
-        return (shares(log_mass) * (~keep).unsqueeze(-2)).sum(-1).amax(-1)
-    return (shares(log_mass) * (~keep)).sum(-1)
+        drop = (~keep).to(share.dtype).unsqueeze(-1)  # [B, H, nq, nk, 1]
+        return (share @ drop).squeeze(-1).amax(-1)
+    return (share * (~keep)).sum(-1)
 
 
 @functools.lru_cache(maxsize=64)
@@ -170,11 +174,12 @@ def enforce_budget(log_mass: Tensor, keep: Tensor, budget: float,
     return out, dense
 
 
-def summary(log_mass: Tensor, keep: Tensor, dense_heads: Tensor, budget: float) -> dict:
+def summary(log_mass: Tensor, keep: Tensor, dense_heads: Tensor, budget: float,
+            share: Optional[Tensor] = None) -> dict:
     """Statistics of a budgeted selection for ``last_stats`` (device scalars, read later):
     ``dropped_mass_max`` / ``dropped_mass_mean`` (predicted, over the rows), ``dense_heads`` (how
-    many heads ran dense), ``heads`` and ``error_budget``."""
-    m = dropped_mass(log_mass, keep)
+    many heads ran dense), ``heads`` and ``error_budget``.  ``share`` as in :func:`dropped_mass`."""
+    m = dropped_mass(log_mass, keep, share)
     return {"dropped_mass_max": m.amax() if m.numel() else 0.0, "dropped_mass_mean": m.mean() if m.numel() else 0.0,
             "dense_heads": dense_heads.sum(), "heads": int(dense_heads.numel()), "error_budget": float(budget)}
 
@@ -240,9 +245,10 @@ def budget_stats(log_mass: Tensor, selected: Tensor, keep: Tensor, dense: Tensor
     """:func:`summary` of a budgeted selection plus ``est_rel_err`` (``ESTIMATE_FACTOR`` times the
     largest predicted dropped mass of ``keep``) and ``est_rel_err_unbudgeted`` (the same of the
     planner's own ``selected``)."""
-    stats = summary(log_mass, keep, dense, budget)
+    share = shares(log_mass)  # once for both
+    stats = summary(log_mass, keep, dense, budget, share)
     stats["est_rel_err"] = ESTIMATE_FACTOR * stats["dropped_mass_max"]
-    m0 = dropped_mass(log_mass, selected)
+    m0 = dropped_mass(log_mass, selected, share)
     stats["est_rel_err_unbudgeted"] = ESTIMATE_FACTOR * (m0.amax() if m0.numel() else 0.0)
     return stats
 
