@@ -476,3 +476,23 @@ def test_the_sparse_path_itself_stays_within_5_percent_at_a_mid_grid(backend):
         assert rel <= 0.05 and cos >= 0.998, (fam, rel, cos, st)
     assert eb.svg2_top_p(0.9, 0.005) == pytest.approx(1 - eb.SVG2_BUDGET_SCALE * 0.005)
     assert eb.svg2_top_p(0.9, 0.0) == 0.9
+
+
+def test_sequential_guidance_keeps_one_decision_per_branch(inputs, monkeypatch):
+    """Under sequential guidance each step runs the layer twice (cond, then uncond): each branch keeps its own
+    decision, so neither second forward of a step looks like a new request — one early check per branch."""
+    from ditattn.attention.context import forward_context
+    from ditattn.attention.sparse import budget as budget_mod
+
+    budget_mod.clear_memory()
+    checks = []
+    real = budget_mod.early_dense
+    monkeypatch.setattr(budget_mod, "early_dense", lambda *a, **kw: checks.append(1) or real(*a, **kw))
+    q, k, v, _ = inputs[128]["weak", 1]
+    for step in (10, 11, 12):
+        for branch in ("cond", "uncond"):
+            with forward_context(branch=branch):
+                clear_stats()
+                ditattn.attention(q, k, v, backend="sparge_attn", video_shape=GRID, step=step, layer_idx=6)
+                assert dict(next(iter(last_stats.values())))["dense"]
+    assert len(checks) == 2

@@ -82,9 +82,14 @@ def line_tile(call: AttnCall, block: int) -> Optional[tuple[int, int, int]]:
 
 
 def budget_key(name: str, call: AttnCall) -> str:
-    """The key of the call's layer and calling thread under which the error budget's call-level decision is
-    kept (one request runs its steps on one thread)."""
-    return f"{layer_stats_key(name, call)}@{threading.get_ident()}"
+    """The key of the call's layer, guidance branch and calling thread under which the error budget's
+    call-level decision (and SVG2's clusters) are kept: one request runs its steps on one thread, and under
+    sequential guidance the conditional and unconditional forwards of a step each keep their own (else the
+    second forward of a step would look like a new request)."""
+    from ditattn.attention.context import current_forward
+
+    branch = current_forward().branch
+    return f"{layer_stats_key(name, call)}{'' if branch is None else '/' + branch}@{threading.get_ident()}"
 
 
 def budget_decision(name: str, call: AttnCall, cfg: dict) -> Optional[bool]:
