@@ -363,14 +363,14 @@ def test_the_early_estimate_follows_the_full_probe():
         q, k, _, _ = structured_qkv(family_spec(fam, grid, 3, head_dim=64, seed=4), dtype=torch.bfloat16)
         kt = tile(k, lay)
         scale = 64 ** -0.5
-        early = float(eb.early_kept(q, kt, lay, 0.005, scale=scale))
+        early = float(eb.early_kept(q, k, lay, 0.005, scale=scale))
         lm = eb.probe_log_mass(tile(q, lay), kt, lay, scale)
         nv = lay.n_video_blocks
         need, _ = eb.enforce_budget(lm, torch.zeros(*lm.shape[:3], nv, dtype=torch.bool), 0.005, dense_above=1.0)
         head = need.float().mean((-1, -2))
         full = float(torch.where(head > eb.DENSE_ABOVE, torch.ones_like(head), head).mean())
         assert abs(early - full) < 0.1, (fam, early, full)
-        floored = float(eb.early_kept(q, kt, lay, 0.005, scale=scale, floor=0.5))
+        floored = float(eb.early_kept(q, k, lay, 0.005, scale=scale, floor=0.5))
         assert floored >= max(early, 0.5) - 1e-6, (fam, early, floored)
 
 
@@ -408,6 +408,8 @@ def test_budgeted_defaults_on_the_gpu(backend):
     got = eb.probe_log_mass(qt, kt, lay, 128 ** -0.5)
     want = eb.probe_log_mass(qt, kt, lay, 128 ** -0.5, impl="reference")
     torch.testing.assert_close(got, want, rtol=2e-2, atol=5e-2)
+    early = [float(eb.early_kept(q, k, lay, 0.005, scale=128 ** -0.5, impl=i)) for i in ("auto", "reference")]
+    assert abs(early[0] - early[1]) < 0.02, early  # k's blocks read through the layout's index on CUDA
 
 
 @pytest.mark.parametrize("backend", ["sparge_attn", "sol_attn", "vmoba_attn", "sparse_video_gen_2_attn"])

@@ -253,7 +253,7 @@ def budget_stats(log_mass: Tensor, selected: Tensor, keep: Tensor, dense: Tensor
     return stats
 
 
-def early_kept(q: Tensor, k_tiled: Tensor, layout, budget: float, *, scale: float, impl: str = "auto",
+def early_kept(q: Tensor, k: Tensor, layout, budget: float, *, scale: float, impl: str = "auto",
                floor: float = 0.0) -> Tensor:
     """The call's predicted kept fraction under ``budget`` before any selection work: a 0-d float32 device
     tensor (no sync).  The probe rows (:func:`probe_rows`, all nine) of at most :data:`EARLY_BLOCKS` video
@@ -261,13 +261,13 @@ def early_kept(q: Tensor, k_tiled: Tensor, layout, budget: float, *, scale: floa
     ``need_h``; with the planner's own known minimum ``floor`` (Sparge's ``topk``; 0: none) the head keeps
     about ``1 - (1 - floor) (1 - need_h)`` (the two selections taken as independent), a head above
     :data:`DENSE_ABOVE` counts as 1 (it would run dense) and the call's figure is the mean over heads.
-    ``q`` ``[B, S, H, D]`` in the original order (the probe rows are gathered from it: no tiled copy of q),
-    ``k_tiled`` ``[B, padded_len, H, D]`` in ``layout``'s order (k with q's heads).  Cost: ``9 *
-    EARLY_BLOCKS / n_video_tokens`` of dense attention's Q.K products (0.4 % at 32,760 tokens)."""
+    ``q`` / ``k`` ``[B, S, H, D]`` in the original order (k with q's heads): the probe rows are gathered from
+    q and, on CUDA, the kernel reads k's blocks through the layout's index (no tiled copy of either).
+    Cost: ``9 * EARLY_BLOCKS / n_video_tokens`` of dense attention's Q.K products (0.4 % at 32,760 tokens)."""
     nv = layout.n_video_blocks
     rows = _early_rows_on(layout, q.device)  # [m, 9] original token indices
     m = rows.shape[0]
-    lm = probe_masses(q.index_select(1, rows.flatten()), k_tiled, layout, scale, impl).view(
+    lm = probe_masses(q.index_select(1, rows.flatten()), k, layout, scale, impl, tiled=False).view(
         q.shape[0], q.shape[2], m, rows.shape[1], nv)
     from ditattn.attention.sparse.common import mass_mask
 
@@ -278,7 +278,7 @@ def early_kept(q: Tensor, k_tiled: Tensor, layout, budget: float, *, scale: floa
     return head.mean()
 
 
-def early_dense(q: Tensor, k_tiled: Tensor, layout, budget: float, *, scale: float, impl: str = "auto",
+def early_dense(q: Tensor, k: Tensor, layout, budget: float, *, scale: float, impl: str = "auto",
                 floor: float = 0.0, above: Optional[float] = None) -> bool:
     """Whether the call runs the dense kernel before any selection work: its :func:`early_kept` exceeds
     ``above - EARLY_MARGIN`` (``above`` None: :data:`DENSE_CALL_ABOVE`; ``above`` 1: only an estimate of 1),
@@ -288,7 +288,7 @@ def early_dense(q: Tensor, k_tiled: Tensor, layout, budget: float, *, scale: flo
         return False
     limit = DENSE_CALL_ABOVE if above is None else float(above)
     limit = limit - EARLY_MARGIN if limit < 1.0 else 1.0 - 1e-6
-    return bool(early_kept(q, k_tiled, layout, budget, scale=scale, impl=impl, floor=floor) > limit)
+    return bool(early_kept(q, k, layout, budget, scale=scale, impl=impl, floor=floor) > limit)
 
 
 def call_kept(keep: Tensor) -> Tensor:
@@ -317,25 +317,31 @@ def _early_rows_on(layout, device: torch.device) -> Tensor:
         return layout.source[rows].contiguous().to(device)
 
 
-def probe_masses(probes: Tensor, k_tiled: Tensor, layout, scale: float, impl: str = "auto") -> Tensor:
+def probe_masses(probes: Tensor, k: Tensor, layout, scale: float, impl: str = "auto", tiled: bool = True) -> Tensor:
     """``log sum_{t in j} exp(scale * p . k_t)`` of every probe row ``p`` (``probes [B, M, H, D]``, any
-    order) against every video key block ``j`` of ``layout`` (``k_tiled [B, padded_len, H, D]``):
-    float32 ``[B, H, M, nv]``.  The Triton kernel on CUDA for fp16/bf16 (the probes stay in the input
-    dtype: no float32 copy), PyTorch elsewhere."""
+    order) against every video key block ``j`` of ``layout``: float32 ``[B, H, M, nv]``.  ``k``: ``[B,
+    padded_len, H, D]`` in ``layout``'s order, or with ``tiled=False`` ``[B, S, H, D]`` in the original order
+    (the CUDA kernel then reads the blocks through the layout's index, no tiled copy).  The Triton kernel on
+    CUDA for fp16/bf16 (the probes stay in the input dtype: no float32 copy), PyTorch elsewhere."""
     from ditattn.attention.sparse.block_scores import pooled_query_lse_torch
 
     nv, bs = layout.n_video_blocks, layout.block_size
-    D = k_tiled.shape[-1]
-    keys = k_tiled[:, : nv * bs]
+    D = k.shape[-1]
     mean = probes.permute(0, 2, 1, 3)  # [B, H, M, D]
-    if (keys.is_cuda and keys.dtype in (torch.float16, torch.bfloat16) and D in (16, 32, 64, 128, 256)
+    dev = layout.on(k.device)
+    if (k.is_cuda and k.dtype in (torch.float16, torch.bfloat16) and D in (16, 32, 64, 128, 256)
             and impl not in ("reference", "flex")):
         from ditattn.attention.kernels.block_scores import pooled_query_lse
 
-        valid = layout.on(k_tiled.device).valid[: nv * bs]
-        return pooled_query_lse(mean, None, keys, valid, block_size=bs, scale=scale)
-    valid = None if _full(layout) else layout.on(k_tiled.device).valid[: nv * bs]
-    return pooled_query_lse_torch(mean, None, keys, valid, block_size=bs, scale=scale).float()
+        index = None if tiled else dev.source_clamped[: nv * bs]
+        return pooled_query_lse(mean, None, k if index is not None else k[:, : nv * bs], dev.valid[: nv * bs],
+                                block_size=bs, scale=scale, key_index=index)
+    if not tiled:
+        from ditattn.attention.sparse.tiling import tile
+
+        k = tile(k, layout)
+    valid = None if _full(layout) else dev.valid[: nv * bs]
+    return pooled_query_lse_torch(mean, None, k[:, : nv * bs], valid, block_size=bs, scale=scale).float()
 
 
 def precheck_dense(q: Tensor, k: Tensor, video_shape, text_len: int, budget: float, *, scale: Optional[float] = None,
@@ -343,11 +349,11 @@ def precheck_dense(q: Tensor, k: Tensor, video_shape, text_len: int, budget: flo
     """Before an expensive selection (SVG2's clustering): whether meeting ``budget`` on the 3-D tile blocks
     of ``tile_size`` is predicted to keep more than ``above`` (None: :data:`DENSE_CALL_ABOVE`) of the blocks
     (:func:`early_dense`).  q/k ``[B, S, H, D]`` (k with q's heads).  One device sync."""
-    from ditattn.attention.sparse.tiling import make_tile_layout, tile
+    from ditattn.attention.sparse.tiling import make_tile_layout
 
     layout = make_tile_layout(video_shape, tuple(tile_size), text_len)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return early_dense(q, tile(k, layout), layout, budget, scale=scale, impl=impl, above=above)
+    return early_dense(q, k, layout, budget, scale=scale, impl=impl, above=above)
 
 
 #: ``{state key: (step, runs dense)}``: each budgeted layer's call-level decision in the current request, per

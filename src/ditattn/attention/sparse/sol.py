@@ -185,15 +185,14 @@ def sol_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: int
     layout = make_tile_layout(video_shape, tiles, text_len, special_ranges=[sink] if sink[1] > sink[0] else [],
                               edge_tiles=edge_tiles)
     scale = D ** -0.5 if scale is None else float(scale)
-    kt = tile(k, layout)
     if error_budget > 0 and decide:
         from ditattn.attention.sparse import budget as eb
 
-        if eb.early_dense(q, kt, layout, error_budget, scale=scale, impl=impl,
-                          above=dense_above):  # before any routing work (and before tiling q and v)
+        if eb.early_dense(q, k, layout, error_budget, scale=scale, impl=impl,
+                          above=dense_above):  # before any routing work (and before tiling q, k and v)
             return eb.dense_budgeted(q, k, v, layout, error_budget, scale=scale, return_lse=return_lse,
                                      dense_backend=dense_backend, extra={"predictor": predictor, "sink": sink})
-    qt, vt = tile(q, layout), tile(v, layout)
+    qt, kt, vt = tile(q, layout), tile(k, layout), tile(v, layout)
     exact, scores, thr, route = sol_route(qt, kt, layout, tau=tau, thresh_type=thresh_type, scale=scale,
                                           predictor=predictor, impl=impl)
     budget = None

@@ -194,16 +194,15 @@ def sparge_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, topk: floa
     tile_size = sparge_tile_size(block_size) if tile_size is None else tuple(tile_size)
     layout = make_tile_layout(video_shape, tile_size, text_len, edge_tiles=edge_tiles)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    kt = tile(k, layout)
     kk = ceil_fraction(topk, layout.n_video_blocks)
     extra = {"k": kk, "cdfthreshd": cdfthreshd, "quantized": bool(quantize), "predictor": predictor}
     if error_budget > 0 and decide:
         from ditattn.attention.sparse.budget import dense_budgeted, early_dense
 
-        if early_dense(q, kt, layout, error_budget, scale=scale, impl=impl, floor=topk,
-                       above=dense_above):  # before any selection work (and before tiling q)
+        if early_dense(q, k, layout, error_budget, scale=scale, impl=impl, floor=topk,
+                       above=dense_above):  # before any selection work (and before tiling q and k)
             return dense_budgeted(q, k, v, layout, error_budget, scale=scale, return_lse=return_lse, extra=extra)
-    qt = tile(q, layout)
+    qt, kt = tile(q, layout), tile(k, layout)
     qs, ks = quantize_qk_blocks(qt, kt, layout, impl=impl) if quantize else (qt, kt)
     run = dict(scale=scale, return_lse=return_lse, impl=impl, q_tiled=qs, k_tiled=ks)
     if error_budget > 0:  # the budgeted selection: through the video mask

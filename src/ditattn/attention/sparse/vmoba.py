@@ -229,16 +229,15 @@ def vmoba_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, mode: str, 
     n_chunks = int((layout.tile_num_blocks > 0).sum())
     if topk is None:
         topk = max(1, math.ceil(n_chunks / 4))
-    kt = tile(k, layout)
     if error_budget > 0 and decide:
         from ditattn.attention.sparse.budget import dense_budgeted, early_dense
 
         scale_ = q.shape[-1] ** -0.5 if scale is None else scale
-        if early_dense(q, kt, layout, error_budget, scale=scale_, impl=impl,
-                       above=dense_above):  # before the chunk gates (and before tiling q)
+        if early_dense(q, k, layout, error_budget, scale=scale_, impl=impl,
+                       above=dense_above):  # before the chunk gates (and before tiling q and k)
             return dense_budgeted(q, k, v, layout, error_budget, scale=scale, return_lse=return_lse,
                                   extra={"mode": mode, "chunk": chunk, "topk": topk, "gate": gate})
-    qt = tile(q, layout)
+    qt, kt = tile(q, layout), tile(k, layout)
     bm, sel, cob = vmoba_block_mask(qt, kt, layout, select_mode=select_mode, topk=topk, threshold=threshold,
                                     threshold_type=threshold_type, gate=gate, scale=scale, impl=impl)
     extra = {"mode": mode, "chunk": chunk, "topk": topk, "gate": gate, "selection": sel,
