@@ -498,3 +498,18 @@ def test_sequential_guidance_keeps_one_decision_per_branch(inputs, monkeypatch):
                 ditattn.attention(q, k, v, backend="sparge_attn", video_shape=GRID, step=step, layer_idx=6)
                 assert dict(next(iter(last_stats.values())))["dense"]
     assert len(checks) == 2
+
+
+def test_the_break_even_is_the_measured_one_and_the_config_default():
+    """DENSE_CALL_ABOVE lies between the largest kept fraction measured faster than FA4 and the smallest measured
+    slower (H200_KEPT_VS_FA), and every budgeted backend's dense_above defaults to it."""
+    from ditattn.attention.names import AttentionBackendEnum as B
+    from ditattn.attention.schemas import schema_for
+
+    fast = max(kept for kept, x in eb.H200_KEPT_VS_FA if x >= 1.0)
+    slow = min(kept for kept, x in eb.H200_KEPT_VS_FA if x < 1.0)
+    assert fast < eb.DENSE_CALL_ABOVE < slow, (fast, slow)
+    assert 0 < eb.EARLY_MARGIN < eb.DENSE_CALL_ABOVE - fast
+    for b in (B.SPARGE_ATTN, B.SOL_ATTN, B.VMOBA_ATTN, B.SPARSE_VIDEO_GEN_2_ATTN):
+        keys = {p.name: p for p in schema_for(b)}
+        assert keys["dense_above"].default == eb.DENSE_CALL_ABOVE and keys["min_seq_len"].default is None
