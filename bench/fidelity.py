@@ -199,9 +199,15 @@ def budget_config(backend, cfg, budget: str) -> dict:
 
         b = SKIP_BUDGET if budget == "default" else 0.0 if budget == "off" else float(budget)
         return {"threshold_scale_factor": factor_for_budget(b) if b > 0 else None}
+    if backend in BUDGETED and backend != SKIP_SOFTMAX and DENSE_ABOVE_OVERRIDE is not None:
+        cfg = dict(cfg, dense_above=DENSE_ABOVE_OVERRIDE)
     if budget == "default" or backend not in BUDGETED or backend == SKIP_SOFTMAX:
         return cfg
     return dict(cfg, error_budget=0.0 if budget == "off" else float(budget))
+
+
+#: ``--dense-above``: the ``dense_above`` config key of every budgeted case (None: the backends' defaults)
+DENSE_ABOVE_OVERRIDE = None
 
 
 def budgets_for(spec: str, backend: str) -> list[str]:
@@ -554,8 +560,9 @@ def main():
                     help="on the original family, per head count: the cost of a dense fallback forced by the budget "
                          "(per call and in a loop) and of the budget's pieces, against the dense kernel")
     ap.add_argument("--dense-above", type=float, default=None,
-                    help="kept fraction above which the budget runs a head dense (default: the library's, "
-                         "ditattn.attention.sparse.budget.DENSE_ABOVE)")
+                    help="predicted kept fraction of a call above which the budgeted backends run the dense kernel "
+                         "(default: the library's, ditattn.attention.sparse.budget.DENSE_CALL_ABOVE; the backends' "
+                         "dense_above config key)")
     ap.add_argument("--warmup-ms", type=float, default=TIMING["warmup_ms"], help="timing warm-up per case")
     ap.add_argument("--rep-ms", type=float, default=TIMING["rep_ms"], help="timing repetitions per case (ms)")
     ap.add_argument("--no-chart", action="store_true", help="no fidelity.png")
@@ -565,15 +572,13 @@ def main():
     ap.add_argument("--out", default="fidelity_out", help="output directory")
     args = ap.parse_args()
     grids, heads_list = common.grid_args(ap, args)
-    global ERROR_ONLY, LOOP
+    global ERROR_ONLY, LOOP, DENSE_ABOVE_OVERRIDE
     ERROR_ONLY, LOOP = args.error_only, args.loop
     TIMING.update(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
     if args.dense_above is not None:
         if not 0 < args.dense_above <= 1:
             ap.error(f"--dense-above takes a fraction in (0, 1], got {args.dense_above}")
-        from ditattn.attention.sparse import budget as budget_mod
-
-        budget_mod.DENSE_ABOVE = args.dense_above
+        DENSE_ABOVE_OVERRIDE = args.dense_above
 
     from ditattn.evaluation.structured import FAMILIES, family_spec, structured_qkv
 
@@ -706,7 +711,7 @@ def measure_overhead(rec, q, k, v, grid, args):
     lm = eb.probe_log_mass(qt, kt, layout, scale)
     none = torch.zeros(*lm.shape[:3], nv, dtype=torch.bool, device=lm.device)
     pieces = {"tile q and k (64-token tiles)": lambda: (tile(q, layout), tile(k, layout)),
-              "early check (centre rows, one sync)": lambda: eb.early_dense(qt, kt, layout, 0.005, scale=scale),
+              "early check (sampled probe rows, one sync)": lambda: eb.early_dense(q, k, layout, 0.005, scale=scale),
               "probe masses (9 rows per block)": lambda: eb.probe_log_mass(qt, kt, layout, scale),
               "widening to the budget (9 rows per block)": lambda: eb.enforce_budget(lm, none, 0.005),
               "widening, PyTorch path (sorted rows)": lambda: eb.enforce_budget(lm, none, 0.005, impl="reference")}

@@ -483,16 +483,16 @@ def test_svg2_on_cuda_matches_its_token_mask(block):
 
 
 def test_sparse_paths_do_not_synchronise():
-    """The warm SVG2 step, Sol and Sparge (their backends, stats recorded) launch without one CUDA
-    synchronisation once compiled: torch's sync debug mode "error" raises on any."""
+    """The warm SVG2 step, Sol and Sparge (their backends, stats recorded; the error budget off, every length
+    sparsified) launch without one CUDA synchronisation once compiled: torch's sync debug mode "error" raises
+    on any."""
     from ditattn.attention.sparse import last_stats
     from ditattn.attention.sparse.svg2 import reset_svg2_state
 
     grid = (8, 16, 32)
     S = math.prod(grid)
     q, k, v = qkv(1, S, S, 4, 4, 128, seed=61)
-    # the error budget off: on these i.i.d. inputs it would (rightly) run every head dense
-    off = {"error_budget": 0.0}
+    off = {"error_budget": 0.0, "min_seq_len": 0}
     cases = [(B.SPARSE_VIDEO_GEN_2_ATTN, {"num_q_clusters": 16, "num_k_clusters": 32, **off}, (0, 1, 2, 3)),
              (B.SOL_ATTN, off, (12, 13)), (B.SPARGE_ATTN, off, (0, 1))]
     reset_svg2_state()
@@ -509,6 +509,35 @@ def test_sparse_paths_do_not_synchronise():
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert torch.isfinite(out.float()).all()
-        stats = last_stats[f"{backend.value}/layer3"]
-        assert 0 < stats["kept_fraction"] < 1, (backend.value, stats)
+        assert 0 < last_stats[f"{backend.value}/layer3"]["kept_fraction"] < 1
     reset_svg2_state()
+
+
+def test_budgeted_steps_that_reuse_a_sparse_decision_do_not_synchronise():
+    """With the error budget on, the first step of a request decides (its syncs allowed); the later steps of
+    a layer that stayed sparse enforce the budget on the device and launch without one synchronisation."""
+    from ditattn.attention.sparse import budget as eb
+    from ditattn.attention.sparse import last_stats
+    from ditattn.evaluation.structured import family_spec, structured_qkv
+
+    grid = (8, 16, 32)
+    q, k, v, _ = structured_qkv(family_spec("original", grid, 4, seed=3), device="cuda", dtype=torch.bfloat16)
+    on = {"dense_above": 1.0, "min_seq_len": 0}  # stays sparse unless every block is kept
+    cases = [(B.SPARGE_ATTN, on, (0, 1, 2)), (B.SOL_ATTN, on, (12, 13, 14)),
+             (B.VMOBA_ATTN, {**on, "first_full_step": 0}, (0, 1, 2))]
+    eb.clear_memory()
+    for backend, cfg, steps in cases:
+        impl = get_impl(backend)
+        call = lambda step: impl(q, k, v, AttnCall(video_shape=grid, step=step, layer_idx=3), cfg)  # noqa: E731
+        for step in steps[:2]:  # the deciding step, then a compiled reusing step
+            call(step)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = call(steps[2])[0]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        st = last_stats[f"{backend.value}/layer3"]
+        assert torch.isfinite(out.float()).all() and not st["dense"]
+        assert 0 < float(st["kept_fraction"]) < 1 and float(st["dropped_mass_max"]) <= st["error_budget"] + 1e-4
+    eb.clear_memory()

@@ -163,3 +163,55 @@ def test_skip_softmax_refusals_on_dtype_and_platform():
     with pytest.raises(AttentionConfigError, match="SM90"):
         prep(model, None, platform=Platform.simulate("cuda", (8, 0), {"triton"}),
              skip_softmax={"threshold_scale_factor": 10.0})
+
+
+def test_skip_softmax_route_runs_the_dense_kernel_where_it_is_faster(monkeypatch):
+    """ditattn.attention.skip_route: on an SM with a measured break-even, a layer whose first skip-softmax call
+    skipped fewer tiles runs the dense kernel for the rest of the request (decided from the first call only);
+    calls shorter than the device's min_seq_len run it at once."""
+    from ditattn.attention import skip_route
+    from ditattn.attention.sparse import fallback
+
+    q = torch.zeros(1, 300, 1, 8)
+    slow = skip_route.LayerRoute(sm=90)
+    assert slow.dense_reason(q) == ""  # the first call runs the kernel
+    slow.record(torch.tensor(0.1))
+    slow.record(torch.tensor(0.9))  # only the first call counts
+    assert "break-even 50%" in slow.dense_reason(q) and "break-even" in slow.dense_reason(q)
+    fast = skip_route.LayerRoute(sm=90)
+    fast.record(torch.tensor(0.7))
+    assert fast.dense_reason(q) == ""
+    unmeasured = skip_route.LayerRoute(sm=100)
+    unmeasured.record(0.0)
+    assert unmeasured.dense_reason(q) == ""
+    assert skip_route.SKIP_BREAK_EVEN[90] == 0.5 and fallback.MIN_SEQ_LEN["cuda"] == 16384
+    monkeypatch.setitem(fallback.MIN_SEQ_LEN, "cpu", 301)
+    assert fast.dense_reason(q) == "shorter than min_seq_len 301 tokens (dense kernel)"
+
+
+def test_skip_softmax_short_call_runs_the_dense_phase_kernel_and_says_so(monkeypatch, caplog):
+    import logging
+
+    from ditattn.attention.context import forward_context
+    from ditattn.attention.override import skipped_fraction
+    from ditattn.attention.sparse import fallback
+
+    fallback.clear_dense_notes()
+    monkeypatch.setitem(fallback.MIN_SEQ_LEN, "cpu", 1000)
+    with use_platform(CPU), attention_settings(AttentionSettings()), component_scope("transformer"):
+        layer = LocalAttention(2, 128, role="self", prefix="blocks.0.attn1", dtype=torch.bfloat16)
+    model = nn.ModuleList([layer])
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 300, 2, 128, generator=g).bfloat16() for _ in range(3))
+    k[:, :150] *= 4
+    state = prep(model, None, skip_softmax={"threshold_scale_factor": 5.0, "start_step": 0})
+    with caplog.at_level(logging.INFO, logger="ditattn.attention.sparse"), request_scope(state):
+        outs = []
+        for step in (0, 1):
+            with forward_context(step=step):
+                outs.append(layer(q, k, v))
+    assert torch.equal(outs[0], layer(q, k, v)) and torch.equal(outs[1], outs[0])  # the dense kernel's output
+    assert skipped_fraction(state) == 0.0
+    assert fallback.dense_notes["skip_softmax"] == ["shorter than min_seq_len 1000 tokens (dense kernel)"]
+    assert sum("skip_softmax runs dense" in r.getMessage() for r in caplog.records) == 1
+    fallback.clear_dense_notes()

@@ -504,7 +504,7 @@ VALID = {
                    "temporal_layer": 0, "spatial_layer": 2, "st_layer": 1, "gate": "mean"},
     B.SOL_ATTN: {"tau": 2.5, "thresh_type": "exact", "sink_tokens": 256, "sink_start": 10, "dense_steps": 0,
                  "dense_layers": "0-2", "dense_backend": "sage_attn", "kv_splits": 4, "edge_tiles": "padded",
-                 "predictor": "pooled", "centroid_variance": False},
+                 "predictor": "pooled", "centroid_variance": False, "dense_above": 0.75, "min_seq_len": 8192},
     B.SLA_ATTN: {"topk": 0.1, "negligible_fraction": 0.5, "block_size": 32, "edge_tiles": "packed"},
     B.SAGE_SLA_ATTN: {"topk": 1.0, "negligible_fraction": 0.0, "block_size": 128},
     B.SPARSE_VIDEO_GEN_2_ATTN: {"num_q_clusters": 8, "num_k_clusters": 16, "kmeans_iters": 1, "top_p": 1.0,
@@ -541,6 +541,8 @@ INVALID = [
     (B.SPARSE_VIDEO_GEN_2_ATTN, "kmeans_iters", 0), (B.SPARSE_VIDEO_GEN_2_ATTN, "top_p", 0.0),
     (B.SPARSE_VIDEO_GEN_2_ATTN, "top_p", 1.2), (B.SPARSE_VIDEO_GEN_2_ATTN, "first_full_steps", -1),
     (B.SPARSE_VIDEO_GEN_2_ATTN, "predictor", "pooled"),
+    (B.SPARGE_ATTN, "dense_above", 0.0), (B.SOL_ATTN, "dense_above", 1.5), (B.VMOBA_ATTN, "min_seq_len", -1),
+    (B.SPARSE_VIDEO_GEN_2_ATTN, "min_seq_len", "long"),
 ]
 
 
@@ -599,7 +601,7 @@ def test_seed_defaults():
     assert sol == {"tau": 1.0, "thresh_type": "diag", "sink_tokens": 0, "sink_start": 0, "dense_steps": 10,
                    "dense_layers": "0,1", "dense_backend": "fa", "kv_splits": "auto", "predictor": "pooled_query",
                    "centroid_variance": True, "edge_tiles": "packed", "block_sparse_impl": "auto",
-                   "error_budget": 0.01}
+                   "error_budget": 0.01, "dense_above": 0.6, "min_seq_len": None}
     for backend in (B.VIDEO_SPARSE_ATTN, B.SPARGE_ATTN, B.SLA_ATTN, B.SAGE_SLA_ATTN):
         assert validate_backend_config(backend, {})["edge_tiles"] == "packed"
     for backend in (B.VMOBA_ATTN, B.SPARSE_VIDEO_GEN_2_ATTN):  # chunks / clusters are their unit: no packing

@@ -138,3 +138,17 @@ def test_compare_summary_counts_dense_fallbacks():
     assert s["dense_fallback_calls"] == 7
     table = format_summary({"variants": [{"name": "sparge", "summary": s}]})
     assert "fallbk" in table.splitlines()[0] and table.splitlines()[1].split()[-1] == "7"
+
+
+@pytest.mark.parametrize("backend", ["sparge_attn", "sparse_video_gen_2_attn"])
+def test_plan_says_below_which_length_a_sparse_backend_runs_dense(capsys, backend):
+    """On CUDA the unset min_seq_len is 16384 tokens and the plan's runtime says so; min_seq_len=0 drops it;
+    on the CPU (no minimum) nothing is added."""
+    gpu = ("--platform", "cuda:90", "--platform-packages", "triton,flash_attn.cute", "--dtype", "bfloat16")
+    rc, plan, err = _plan(capsys, *gpu, "--attention-backend", backend)
+    assert rc == 0, err
+    assert all(l["runtime"].endswith("dense kernel below 16384 tokens") for l in _dit_layers(plan)), plan
+    rc, plan, err = _plan(capsys, *gpu, "--attention-backend", backend, "--attention-backend-config", "min_seq_len=0")
+    assert rc == 0 and not any("dense kernel below" in l["runtime"] for l in _dit_layers(plan)), err
+    rc, plan, err = _plan(capsys, "--attention-backend", backend, "--dtype", "bfloat16")
+    assert rc == 0 and not any("dense kernel below" in l["runtime"] for l in _dit_layers(plan)), err

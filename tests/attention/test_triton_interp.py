@@ -496,3 +496,41 @@ def test_interpreter_without_dtype_fixes_refuses_bf16(monkeypatch):
     with pytest.raises(AttentionConfigError, match="cannot compute in torch.bfloat16.*float16"):
         check_device(torch.zeros(2, dtype=torch.bfloat16), what="kernel")
     check_device(torch.zeros(2, dtype=torch.float16), what="kernel")
+
+
+def test_pooled_query_lse_reads_permuted_probe_rows_without_a_copy():
+    """The error budget's probe rows reach the kernel as a permuted view of gathered rows ([B, M, H, D] ->
+    [B, H, M, D]); the kernel reads them through their strides and gives what the contiguous copy gives."""
+    from ditattn.attention.kernels.block_scores import pooled_query_lse
+
+    g = torch.Generator().manual_seed(9)
+    k = _rand(1, 96, 2, 32, dtype=torch.bfloat16, gen=g, shift=0.3)
+    rows = _rand(1, 5, 2, 32, dtype=torch.bfloat16, gen=g, shift=0.3).permute(0, 2, 1, 3)  # [B, H, M, D] view
+    assert not rows.is_contiguous() and rows.stride(-1) == 1
+    valid = torch.ones(96, dtype=torch.bool)
+    valid[90:] = False
+    got = pooled_query_lse(rows, None, k, valid, block_size=32, scale=0.2)
+    want = pooled_query_lse(rows.contiguous(), None, k, valid, block_size=32, scale=0.2)
+    assert torch.equal(got, want)
+    ref = torch.logsumexp((0.2 * torch.einsum("bhmd,bnhd->bhmn", rows.double(), k.double()))
+                          .masked_fill(~valid, float("-inf")).view(1, 2, 5, 3, 32), -1)
+    assert (got.double() - ref).abs().max() < 3e-2
+
+
+def test_pooled_query_lse_gathers_key_blocks_through_an_index():
+    """The early budget check reads k's blocks in k's own order through the tile layout's index (partial edge
+    tiles: padding keys masked); the scores equal those of the tiled copy."""
+    from ditattn.attention.kernels.block_scores import pooled_query_lse
+    from ditattn.attention.sparse.tiling import make_tile_layout, tile
+
+    g = torch.Generator().manual_seed(10)
+    grid = (3, 8, 6)
+    lay = make_tile_layout(grid, (4, 4, 4))
+    nv, bs = lay.n_video_blocks, lay.block_size
+    k = _rand(1, 144, 2, 32, dtype=torch.bfloat16, gen=g, shift=0.3)
+    rows = _rand(1, 2, 5, 32, dtype=torch.bfloat16, gen=g, shift=0.3)
+    dev = lay.on(k.device)
+    got = pooled_query_lse(rows, None, k, dev.valid[: nv * bs], block_size=bs, scale=0.2,
+                           key_index=dev.source_clamped[: nv * bs])
+    want = pooled_query_lse(rows, None, tile(k, lay)[:, : nv * bs], dev.valid[: nv * bs], block_size=bs, scale=0.2)
+    assert torch.equal(got, want) and torch.isfinite(got).all()

@@ -108,13 +108,20 @@ def _decide(backend: Optional[B], forced: Optional[B], platform, role, head_dim,
 
 
 def _auto_dense_decision(q: Tensor, k: Tensor, causal: bool, return_lse: bool) -> Decision:
+    return _auto_dense_for("self" if q.shape[1] == k.shape[1] else "cross", q.shape[-1], q.dtype, q.shape[2],
+                           k.shape[2], causal, return_lse, platform_for_device(q.device))
+
+
+@lru_cache(maxsize=1024)
+def _auto_dense_for(role, head_dim, dtype, heads, kv_heads, causal, return_lse, platform) -> Decision:
+    """The dense phase's decision per call shape and platform, made once (a sparse backend's dense fallback
+    runs it at every call: the selection is not redone per call)."""
     from ditattn.attention.selector import _auto
     from ditattn.attention.specs import LayerRequest
     from ditattn.platforms.policy import runtime_fallback
 
-    req = LayerRequest(role="self" if q.shape[1] == k.shape[1] else "cross", head_dim=q.shape[-1], dtype=q.dtype,
-                       num_heads=q.shape[2], num_kv_heads=k.shape[2], causal=causal, needs_lse=return_lse)
-    platform = platform_for_device(q.device)
+    req = LayerRequest(role=role, head_dim=head_dim, dtype=dtype, num_heads=heads, num_kv_heads=kv_heads,
+                       causal=causal, needs_lse=return_lse)
     b = _auto(req, platform, None, [])
     return Decision("dense phase", req.role, b, "auto", runtime_fallback=runtime_fallback(b, req, platform))
 

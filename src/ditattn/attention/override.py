@@ -216,14 +216,27 @@ def _install_skip_softmax(layers, ss: SkipSoftmaxParams, settings, table, platfo
 
 def _skip_softmax_impl(kernel, ss: SkipSoftmaxParams, dense_impl, dense_cfg):
     """A backend impl that runs skip softmax from ``start_step`` on and ``dense_impl`` (the FA
-    path) before it; each sparse call appends its skipped-tile fraction to the request's stats."""
+    path) before it and where :mod:`ditattn.attention.skip_route` finds it faster (short calls; on SM90 a
+    layer whose first call skipped too few tiles); each call from ``start_step`` on appends its skipped-tile
+    fraction (0 when dense) to the request's stats."""
     from ditattn.attention.context import current_request
+    from ditattn.attention.skip_route import LayerRoute
+    from ditattn.attention.sparse.fallback import note_dense_once
+
+    route = LayerRoute()  # one impl per layer and request
 
     def impl(q, k, v, call: AttnCall, config):
         if call.step is not None and call.step < ss.start_step:
             return dense_impl(q, k, v, call, dense_cfg)
         if call.attn_bias is not None or call.causal:
             raise AttentionConfigError("skip softmax cannot run with an attention mask")
+        why = route.dense_reason(q)
+        if why:  # the dense kernel is faster here (ditattn.attention.skip_route)
+            note_dense_once("skip_softmax", call, why)
+            state = current_request()
+            if state is not None:
+                state.stats.setdefault("skip_softmax_fractions", []).append(0.0)
+            return dense_impl(q, k, v, call, dense_cfg)
         if q.is_cuda:
             from ditattn.attention.kernels.skip_softmax import skip_softmax_attention
 
@@ -234,6 +247,7 @@ def _skip_softmax_impl(kernel, ss: SkipSoftmaxParams, dense_impl, dense_cfg):
             out, lse, frac = kernel.skip_softmax_reference(
                 q, k, v, threshold_scale_factor=ss.threshold_scale_factor, scale=call.scale,
                 return_lse=call.return_lse)
+        route.record(frac)
         state = current_request()
         if state is not None:
             state.stats.setdefault("skip_softmax_fractions", []).append(frac)

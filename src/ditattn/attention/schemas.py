@@ -192,6 +192,29 @@ def error_budget(default: float) -> Param:
         check=in_range(0.0, 1.0, hi_open=True), accepted="a number in [0, 1) (0: off)")
 
 
+def dense_above(default: float) -> Param:
+    """The ``dense_above`` key of a budgeted sparse backend: the call-level break-even of the block-sparse path
+    (the backends pass :data:`ditattn.attention.sparse.budget.DENSE_CALL_ABOVE`)."""
+    return P(
+        "dense_above", "float", default,
+        "With the error budget on: a call predicted to keep more than this fraction of its blocks (mean over heads) "
+        "runs the dense kernel, decided once per layer and request (H200, Wan 480p: the block-sparse path runs "
+        "at 1.28x FlashAttention-4 keeping 0.50 and at 0.47-0.55x keeping 0.66-0.87); 1: only a call that keeps "
+        "every block",
+        check=in_range(0.0, 1.0, lo_open=True), accepted="a number in (0, 1]")
+
+
+def min_seq_len(cuda_default: int) -> Param:
+    """The ``min_seq_len`` key of a training-free sparse backend (unset: the device's figure,
+    :data:`ditattn.attention.sparse.fallback.MIN_SEQ_LEN`)."""
+    return P(
+        "min_seq_len", "int", None,
+        "A call shorter than this many query tokens runs the dense kernel at once (no tiling, no probes), said "
+        f"once; unset: {cuda_default} on CUDA, where the sparse path's fixed per-call cost makes it slower below that "
+        "(H200: 0.02-0.06x FlashAttention-4 at 2,304 tokens), 0 elsewhere; 0 turns it off",
+        check=non_negative, accepted="an integer >= 0 (0: off)")
+
+
 #: schema key -> the parameters of the backends declared with it (each backend module declares its
 #: own with ``backends.base.register(..., schema=...)``); loads the backend modules on first read
 TABLE: dict[str, tuple[Param, ...]] = {}

@@ -18,7 +18,7 @@ from ditattn.attention.names import AttentionBackendEnum as B
 from ditattn.attention.reference import expand_kv
 from ditattn.attention.sparse import record_stats, stats_key
 from ditattn.attention.sparse.block_sparse import dense_attention
-from ditattn.attention.sparse.fallback import budget_stats, count_call, note_dense_once
+from ditattn.attention.sparse.fallback import budget_stats, count_call, min_seq_len, note_dense_once, short_call
 from ditattn.attention.specs import BackendSpec
 from ditattn.errors import AttentionConfigError
 from ditattn.settings import check_retired
@@ -81,29 +81,46 @@ def line_tile(call: AttnCall, block: int) -> Optional[tuple[int, int, int]]:
     return (1, 1, block) if call.video_shape is None else None
 
 
-def reused_dense(name: str, q, k, v, call: AttnCall, cfg: dict, backend: Optional[str] = None):
-    """The dense kernel's ``(out, lse)`` when this layer's error budget sent an earlier step of the run to
-    it and the decision is not due for a check (:func:`ditattn.attention.sparse.budget.reuse_dense`),
-    else None."""
-    from ditattn.attention.sparse import budget as eb
+def budget_key(name: str, call: AttnCall) -> str:
+    """The key of the call's layer, guidance branch and calling thread under which the error budget's
+    call-level decision (and SVG2's clusters) are kept: one request runs its steps on one thread, and under
+    sequential guidance the conditional and unconditional forwards of a step each keep their own (else the
+    second forward of a step would look like a new request)."""
+    from ditattn.attention.context import current_forward
 
+    branch = current_forward().branch
+    return f"{layer_stats_key(name, call)}{'' if branch is None else '/' + branch}@{threading.get_ident()}"
+
+
+def budget_decision(name: str, call: AttnCall, cfg: dict) -> Optional[bool]:
+    """The error budget's call-level decision this layer took at an earlier step of the request (True:
+    dense, False: sparse), or None: decide at this call (:func:`ditattn.attention.sparse.budget.decided`;
+    None also without a budget)."""
     if cfg.get("error_budget", 0.0) <= 0:
         return None
-    key = f"{layer_stats_key(name, call)}@{threading.get_ident()}"
-    if not eb.reuse_dense(key, call.step):
+    from ditattn.attention.sparse import budget as eb
+
+    return eb.decided(budget_key(name, call), call.step)
+
+
+def reused_dense(name: str, q, k, v, call: AttnCall, cfg: dict, backend: Optional[str] = None):
+    """The dense kernel's ``(out, lse)`` when this layer's error budget sent an earlier step of the request
+    to it (:func:`budget_decision` True: no tiling, no probes), else None."""
+    if budget_decision(name, call, cfg) is not True:
         return None
-    eb.remember_kept(key, call.step, 1.0, decided=False)
-    return run_dense(name, q, k, v, call, f"error budget: dense at an earlier step (checked again every "
-                     f"{eb.RECHECK_EVERY} steps)", backend=backend, announce=True)
+    from ditattn.attention.sparse import budget as eb
+
+    eb.remember(budget_key(name, call), call.step, True)
+    return run_dense(name, q, k, v, call, "error budget: dense from an earlier step of the request",
+                     backend=backend, announce=True)
 
 
 def remember_budget(name: str, call: AttnCall, cfg: dict, plan) -> None:
-    """Record whether the budget sent this call to the dense kernel (for :func:`reused_dense`)."""
+    """Record whether the budget sent this call to the dense kernel (reused at the request's later steps)."""
     if cfg.get("error_budget", 0.0) > 0:
         from ditattn.attention.sparse import budget as eb
 
-        eb.remember_kept(f"{layer_stats_key(name, call)}@{threading.get_ident()}", call.step,
-                         1.0 if plan.extra.get("dense_fallback") else 0.0)
+        eb.remember(budget_key(name, call), call.step, bool(plan.extra.get("dense_fallback")))
 
 
 def layer_stats_key(name: str, call: AttnCall) -> str:
@@ -128,7 +145,7 @@ def run_dense(name: str, q, k, v, call: AttnCall, reason: str, backend: Optional
 def sparse_done(name: str, call: AttnCall, plan, **extra):
     """Record a sparse call's plan (kept fraction, the budget's statistics and dense fallback, ``extra``)."""
     fallback = bool(plan.extra.get("dense_fallback"))
-    reason = "error budget: every head needs most blocks (dense kernel)" if fallback else ""
+    reason = "error budget: predicted to keep more than dense_above of the blocks (dense kernel)" if fallback else ""
     extra.update(budget_stats(plan))
     record_stats(layer_stats_key(name, call), backend=name, kept_fraction=plan.kept_fraction_pending,
                  dense=fallback, reason=reason, step=call.step, layer_idx=call.layer_idx, fallback=fallback, **extra)
@@ -149,7 +166,9 @@ def sparse_backend(backend: B, *, spec: BackendSpec, schema=(), precheck=None, l
     the config completed and validated, then ``precheck(name, q, k, v, call, cfg)`` when given (a
     result other than None is returned as is: a dense call on a shape the backend does not sparsify),
     the call checked (:func:`check_call`; with ``lines`` a call without ``video_shape`` is a plain sequence,
-    the grid ``(1, 1, S - text_len)``, :func:`grid_or_line`) and K/V expanded to q's heads.  ``body(name, q,
+    the grid ``(1, 1, S - text_len)``, :func:`grid_or_line`), a call shorter than the config's ``min_seq_len``
+    (:func:`ditattn.attention.sparse.fallback.short_call`) sent to the dense kernel (said once), and K/V
+    expanded to q's heads.  ``body(name, q,
     k, v, call, cfg, vs, text_len)`` gets q/k/v ``[B, S, H, D]``, the latent grid ``vs = (T, H, W)`` and the
     text length."""
     name = backend.value
@@ -163,9 +182,23 @@ def sparse_backend(backend: B, *, spec: BackendSpec, schema=(), precheck=None, l
                 if early is not None:
                     return early
             vs, text_len = (grid_or_line if lines else check_call)(name, q, k, v, call)
+            if "min_seq_len" in cfg:  # too short to gain: dense at once, before any tiling or probe
+                why = short_call(q.shape[1], cfg, q.device)
+                if why:
+                    return run_dense(name, q, k, v, call, f"{why} (dense kernel)", announce=True)
             k, v = expand_kv(k, v, q.shape[2])
             return body(name, q, k, v, call, cfg, vs, text_len)
 
         return register(backend, spec=spec, schema=schema)(impl)
 
     return deco
+
+
+def sparse_runtime_label(spec: BackendSpec, platform, req, config) -> str:
+    """The plan's runtime label of a training-free sparse backend: its runtime on ``platform`` plus, where
+    its ``min_seq_len`` (:func:`ditattn.attention.sparse.fallback.min_seq_len`, the platform's figure when
+    unset) is positive, the lengths that run the dense kernel instead."""
+    rt = spec.runtime_on(platform)
+    label = rt.label if rt is not None else ""
+    limit = min_seq_len(config or {}, platform.name)
+    return f"{label}; dense kernel below {limit} tokens" if label and limit > 0 else label

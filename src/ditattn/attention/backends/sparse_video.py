@@ -26,12 +26,12 @@ one block per tile.
 """
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from ditattn.attention.backends.base import AttnCall
 from ditattn.attention.backends.sparse_common import (
+    budget_decision,
+    budget_key,
     layer_index,
     layer_stats_key,
     line_tile,
@@ -40,6 +40,7 @@ from ditattn.attention.backends.sparse_common import (
     run_dense,
     sparse_backend,
     sparse_done,
+    sparse_runtime_label,
 )
 from ditattn.attention.config import parse_layer_list
 from ditattn.attention.names import AttentionBackendEnum as B
@@ -51,14 +52,19 @@ from ditattn.attention.schemas import (
     SVG2_PREDICTORS,
     VMOBA_GATES,
     P,
+    dense_above,
     error_budget,
     in_range,
     layer_list_check,
     list_len,
+    min_seq_len,
     non_negative,
     positive,
 )
+from ditattn.attention.sparse import budget as eb
 from ditattn.attention.sparse import record_stats
+from ditattn.attention.sparse.budget import DENSE_CALL_ABOVE, svg2_top_p
+from ditattn.attention.sparse.fallback import MIN_SEQ_LEN
 from ditattn.attention.sparse.sla import sla_attention
 from ditattn.attention.sparse.sol import sol_attention
 from ditattn.attention.sparse.sparge import sparge_applies, sparge_attention
@@ -114,6 +120,8 @@ SPARGE_ATTN_SCHEMA = (
     P("simthreshd1", "float", -0.1, "Self-similarity threshold (upstream name): a block whose mean pairwise cosine similarity is <= it is computed for every query / key block on top of the topk / cdfthreshd blocks; the similarity is in [0, 1], so negative values (upstream's top-k default -0.1) turn the rule off", check=in_range(-1.0, 1.0), accepted="a number in [-1, 1]"),
     EDGE_TILES,
     error_budget(0.005),
+    dense_above(DENSE_CALL_ABOVE),
+    min_seq_len(MIN_SEQ_LEN["cuda"]),
     BLOCK_SPARSE_IMPL,
 )
 
@@ -134,6 +142,8 @@ VMOBA_ATTN_SCHEMA = (
     P("spatial_layer", "int", 1, "Layers of spatial chunking per cycle", check=non_negative, accepted="an integer >= 0"),
     P("st_layer", "int", 1, "Layers of spatio-temporal chunking per cycle", check=non_negative, accepted="an integer >= 0"),
     error_budget(0.005),
+    dense_above(DENSE_CALL_ABOVE),
+    min_seq_len(MIN_SEQ_LEN["cuda"]),
     BLOCK_SPARSE_IMPL,
 )
 
@@ -150,6 +160,8 @@ SOL_ATTN_SCHEMA = (
     P("centroid_variance", "bool", True, "Approximate blocks' virtual keys add the blocks' key variance term 0.5 * scale^2 * q^2 . var(k) (the mass of a spread block, which its mean key underestimates); false: upstream's mean key and log size only"),
     EDGE_TILES,
     error_budget(0.01),
+    dense_above(DENSE_CALL_ABOVE),
+    min_seq_len(MIN_SEQ_LEN["cuda"]),
     BLOCK_SPARSE_IMPL,
 )
 
@@ -171,6 +183,8 @@ SPARSE_VIDEO_GEN_2_ATTN_SCHEMA = (
     P("predictor", "str", "pooled_query", "Mass estimate of a (query cluster, key cluster) pair: pooled_query (log-sum-exp over the key cluster's keys of the query centroid . each key: sees sink keys and spread clusters) or centroids (upstream: query centroid . key centroid + log cluster size)", choices=SVG2_PREDICTORS),
     P("first_full_steps", "int", 0, "Dense attention for the first N denoising steps", check=non_negative, accepted="an integer >= 0"),
     error_budget(0.005),
+    dense_above(DENSE_CALL_ABOVE),
+    min_seq_len(MIN_SEQ_LEN["cuda"]),
     BLOCK_SPARSE_IMPL,
 )
 
@@ -240,6 +254,7 @@ def _sparge_precheck(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall,
 
 
 @sparse_backend(B.SPARGE_ATTN, schema=SPARGE_ATTN_SCHEMA, precheck=_sparge_precheck, lines=True, spec=BackendSpec(
+    runtime_label=sparse_runtime_label,
     kind="sparse+quantized", summary="SpargeAttention: top-k blocks by pooled-query block scores, INT8 Q.K in kept blocks",
     runtimes=IN_TREE_SPARSE, upstream_platforms=("cuda",), dtypes=FP16_BF16,
     cuda_sm=(80, 86, 87, 89, 90), lossy=True, cross_attention=False, causal=False,
@@ -257,13 +272,15 @@ def sparge_attn(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall, cfg:
                                       quantize=cfg.get("quantize", True),
                                       predictor=cfg["predictor"], simthreshd1=cfg["simthreshd1"], scale=call.scale,
                                       return_lse=call.return_lse, impl=cfg["block_sparse_impl"],
-                                      edge_tiles=cfg["edge_tiles"], error_budget=cfg.get("error_budget", 0.0))
+                                      edge_tiles=cfg["edge_tiles"], error_budget=cfg.get("error_budget", 0.0),
+                                      decide=budget_decision(name, call, cfg) is None, dense_above=cfg["dense_above"])
     sparse_done(name, call, plan, quantized=plan.extra["quantized"], predictor=plan.extra["predictor"])
     remember_budget(name, call, cfg, plan)
     return out, lse
 
 
 @sparse_backend(B.VMOBA_ATTN, schema=VMOBA_ATTN_SCHEMA, spec=BackendSpec(
+    runtime_label=sparse_runtime_label,
     kind="sparse", summary="V-MoBA: top-k temporal/spatial/spatio-temporal chunks",
     runtimes=IN_TREE_SPARSE, upstream_platforms=("cuda",), dtypes=ALL_FLOAT, lossy=True,
     cross_attention=False, causal=False, config_schema="vmoba_attn"))
@@ -285,13 +302,15 @@ def vmoba_attn(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall, cfg: 
                                      select_mode=cfg["moba_select_mode"], threshold=cfg["moba_threshold"],
                                      threshold_type=cfg["moba_threshold_type"], gate=cfg["gate"], text_len=text_len,
                                      scale=call.scale, return_lse=call.return_lse, impl=cfg["block_sparse_impl"],
-                                     error_budget=cfg.get("error_budget", 0.0))
+                                     error_budget=cfg.get("error_budget", 0.0),
+                                     decide=budget_decision(name, call, cfg) is None, dense_above=cfg["dense_above"])
     sparse_done(name, call, plan, mode=mode, chunk=plan.extra["chunk"], topk=plan.extra["topk"])
     remember_budget(name, call, cfg, plan)
     return out, lse
 
 
 @sparse_backend(B.SPARSE_VIDEO_GEN_2_ATTN, schema=SPARSE_VIDEO_GEN_2_ATTN_SCHEMA, spec=BackendSpec(
+    runtime_label=sparse_runtime_label,
     kind="sparse", summary="Sparse-VideoGen2: k-means semantic permutation + block sparsity",
     runtimes=IN_TREE_SPARSE, upstream_platforms=("cuda",), dtypes=ALL_FLOAT, lossy=True,
     cross_attention=False, causal=False, config_schema="sparse_video_gen_2_attn"))
@@ -299,31 +318,28 @@ def sparse_video_gen_2_attn(name: str, q: Tensor, k: Tensor, v: Tensor, call: At
     if call.step is not None and call.step < cfg["first_full_steps"]:
         return run_dense(name, q, k, v, call, f"step {call.step} < first_full_steps {cfg['first_full_steps']}")
     budget = cfg.get("error_budget", 0.0)
-    # warm start per layer and calling thread (one request runs its steps on one thread)
-    state_key = f"{layer_stats_key(name, call)}@{threading.get_ident()}"
-    if budget > 0:  # decide before clustering: a layer that needs most blocks runs dense
-        from ditattn.attention.sparse import budget as eb
-        from ditattn.attention.sparse.budget import precheck_dense
-
-        last = eb.kept_last_step(state_key, call.step)
-        if last is not None and last > eb.DENSE_ABOVE:  # it kept most blocks last step: dense for the request
-            eb.remember_kept(state_key, call.step, 1.0)
-            return run_dense(name, q, k, v, call, "error budget: the layer kept most blocks at an earlier step "
-                          "(dense kernel for the rest of the request)", announce=True)
-        if precheck_dense(q, k, vs, text_len, budget, scale=call.scale, impl=cfg["block_sparse_impl"]):
-            eb.remember_kept(state_key, call.step, 1.0)
-            return run_dense(name, q, k, v, call, "error budget: every head needs most blocks (dense kernel)",
-                          announce=True)
+    state_key = budget_key(name, call)  # warm start and budget decision per layer and calling thread
+    decision = budget_decision(name, call, cfg)  # None: decide at this call (or no budget)
+    if decision is True:  # the budget sent an earlier step of the request dense: no probe, no clustering
+        eb.remember(state_key, call.step, True)
+        return run_dense(name, q, k, v, call, "error budget: dense from an earlier step of the request",
+                         announce=True)
+    if budget > 0 and decision is None:  # before clustering: a layer predicted to keep most blocks runs dense
+        if eb.precheck_dense(q, k, vs, text_len, budget, scale=call.scale, impl=cfg["block_sparse_impl"],
+                             above=cfg["dense_above"]):
+            eb.remember(state_key, call.step, True)
+            return run_dense(name, q, k, v, call, "error budget: predicted to keep more than dense_above of the "
+                             "blocks (dense kernel)", announce=True)
     out, lse, plan = svg2_attention(q, k, v, video_shape=vs, text_len=text_len, num_q_clusters=cfg["num_q_clusters"],
                                     num_k_clusters=cfg["num_k_clusters"], kmeans_iters=cfg["kmeans_iters"],
-                                    top_p=max(cfg["top_p"], 1.0 - budget) if budget > 0 else cfg["top_p"],
-                                    warm_iters=cfg["warm_iters"],
+                                    top_p=svg2_top_p(cfg["top_p"], budget), warm_iters=cfg["warm_iters"],
                                     recluster_every=cfg["recluster_every"], predictor=cfg["predictor"],
                                     state_key=state_key, step=call.step,
-                                    scale=call.scale, return_lse=call.return_lse, impl=cfg["block_sparse_impl"])
+                                    scale=call.scale, return_lse=call.return_lse, impl=cfg["block_sparse_impl"],
+                                    dense_above=cfg["dense_above"] if budget > 0 and decision is None else None)
     sparse_done(name, call, plan, mode=plan.extra["mode"])
     if budget > 0:
-        eb.remember_kept(state_key, call.step, plan.kept_fraction_pending)
+        eb.remember(state_key, call.step, bool(plan.extra.get("dense_fallback")))
     return out, lse
 
 
@@ -364,6 +380,7 @@ def _sol_precheck(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall, cf
 
 
 @sparse_backend(B.SOL_ATTN, schema=SOL_ATTN_SCHEMA, precheck=_sol_precheck, lines=True, spec=BackendSpec(
+    runtime_label=sparse_runtime_label,
     kind="sparse", summary="Sol attention: threshold routing with exact KV sinks",
     runtimes=IN_TREE_SPARSE, upstream_platforms=("cuda",), dtypes=BF16, head_dims=frozenset({128}),
     lossy=True, cross_attention=False, causal=False, config_schema="sol_attn",
@@ -387,7 +404,8 @@ def sol_attn(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall, cfg: di
                                    centroid_variance=cfg["centroid_variance"], scale=call.scale,
                                    return_lse=call.return_lse, impl=cfg["block_sparse_impl"],
                                    edge_tiles=cfg["edge_tiles"], error_budget=cfg.get("error_budget", 0.0),
-                                   dense_backend=dense_backend, tile_size=tile_1d)
+                                   dense_backend=dense_backend, tile_size=tile_1d,
+                                   decide=budget_decision(name, call, cfg) is None, dense_above=cfg["dense_above"])
     sparse_done(name, call, plan, approximate_fraction=1.0 - plan.kept_fraction_pending)
     remember_budget(name, call, cfg, plan)
     return out, lse

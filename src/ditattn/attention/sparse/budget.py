@@ -24,11 +24,14 @@ error, Sparge's INT8 Q.K, Sol's centroids; ``tests/attention/test_sparse_budget.
 The rule (:func:`enforce_budget`): with ``error_budget = b`` every video query block keeps, on top
 of its own selection, the fewest blocks, largest share first, whose shares reach ``1 - b`` (so
 ``m_i <= b`` by the estimate); a head whose kept fraction then exceeds :data:`DENSE_ABOVE` runs
-dense (every block kept: the block-sparse engine costs more than a dense kernel there), and when
-every head of the call does, the backend skips the sparse kernel and calls the dense one
-(:func:`all_dense`).  The planners ask :func:`early_dense` first (the centre probe rows of at most
-:data:`EARLY_BLOCKS` query blocks, before any selection work), so a call that ends dense costs the dense
-kernel plus at most 1 / block_size of its Q.K (far less at large sizes).  ``b = 0`` turns the budget off.  The default budget of each backend (its
+dense (every block kept).  A call predicted to keep more than :data:`DENSE_CALL_ABOVE` (config key
+``dense_above``) of its video blocks, mean over heads, runs the dense kernel instead: the block-sparse
+path is slower there (:data:`H200_KEPT_VS_FA`).  The planners ask :func:`early_kept` first (nine probe rows
+of :data:`EARLY_BLOCKS` sampled query blocks, before any selection work and without a tiled copy of q),
+then :func:`call_dense` on the budgeted selection.  The backends take that decision at the first step of
+a layer in a request and reuse it at its later steps (:func:`decided`): a dense layer calls the dense
+kernel directly, a sparse one enforces the budget on the device without a host read.  ``b = 0`` turns
+the budget off.  The default budget of each backend (its
 ``error_budget`` schema entry: 0.005 for Sparge, V-MoBA and SVG2, 0.01 for Sol, whose approximate
 blocks are not dropped but summarised by their centroids) was chosen on the structured families of
 :mod:`ditattn.evaluation.structured` so that the output stays within 5 % relative error
@@ -45,13 +48,39 @@ Tensor = torch.Tensor
 
 #: a head whose kept fraction (video blocks) exceeds this after the budget runs dense
 DENSE_ABOVE = 0.85
-#: :func:`early_dense` probes the centre rows of at most this many query blocks per head (evenly strided over
-#: the blocks): its cost stays below ``EARLY_BLOCKS / (2 * seq_len)`` of dense attention's FLOPs at any size
-EARLY_BLOCKS = 128
+#: H200, bf16, Wan 480p grid 21x30x52 (32,760 tokens), head dim 128, 12 and 40 heads, side by side with
+#: FlashAttention-4 in one process: ``(kept block fraction, speed of the block-sparse path / dense)``.  Without
+#: the budget Sparge keeps 0.50 at 1.24-1.29x, SVG2 0.31-0.35 at 1.38-1.52x, Sol 0.21-0.22 at 1.74-1.82x;
+#: calls that kept 0.66-0.87 under the budget ran at 0.47-0.55x.
+H200_KEPT_VS_FA = ((0.21, 1.82), (0.22, 1.74), (0.31, 1.52), (0.35, 1.38), (0.50, 1.28), (0.66, 0.54),
+                   (0.72, 0.53), (0.74, 0.49), (0.82, 0.53), (0.87, 0.49))
+#: break-even of the block-sparse path: a call predicted to keep more than this fraction of the video blocks
+#: (mean over heads) runs the dense kernel instead (:data:`H200_KEPT_VS_FA`: the kernel's time grows with the
+#: kept fraction from 1.28x at 0.50, so it reaches dense speed near 0.6-0.65); the ``dense_above`` config key
+DENSE_CALL_ABOVE = 0.6
+#: query blocks :func:`early_kept` probes (spread evenly over the grid)
+EARLY_BLOCKS = 14
+#: :func:`early_dense` sends a call dense when its estimate exceeds ``dense_above - EARLY_MARGIN``: the estimate
+#: samples the grid and leaves out the planner's own blocks (Sol's routed ones, V-MoBA's chunks), and a call
+#: the full check sends dense afterwards costs its probes and selection on top of the dense kernel, while
+#: one kept sparse just below the break-even gains little
+EARLY_MARGIN = 0.05
+#: SVG2 under ``error_budget = b`` keeps, per query cluster, key clusters up to a predicted share of at least
+#: ``1 - SVG2_BUDGET_SCALE * b`` (:func:`svg2_top_p`): its cluster masses come from centroids, coarser than the
+#: probe rows, so it takes the budget tighter.  H200 at 480p with ``1 - b`` (0.995): 6.1 % / 7.4 % relative
+#: error on the structured / mixed families at 12 heads (kept 0.71 / 0.77); at the 480p grid on the CPU (mixed
+#: family, 2 heads) halving ``b`` cut the error from 0.65 % to 0.38 % for 0.85 -> 0.89 of the blocks kept
+SVG2_BUDGET_SCALE = 0.5
 #: ``est_rel_err = ESTIMATE_FACTOR * largest predicted dropped mass``; measured relative error <=
 #: ``est_rel_err + ESTIMATE_SLACK`` on the structured families and captured activations (tests)
 ESTIMATE_FACTOR = 8.0
 ESTIMATE_SLACK = 0.02
+
+
+def svg2_top_p(top_p: float, budget: float) -> float:
+    """SVG2's cumulative share per query cluster under ``budget`` (> 0): at least ``1 - SVG2_BUDGET_SCALE *
+    budget``; ``top_p`` unchanged without a budget."""
+    return max(float(top_p), 1.0 - SVG2_BUDGET_SCALE * float(budget)) if budget > 0 else float(top_p)
 
 
 def shares(log_mass: Tensor) -> Tensor:
@@ -60,13 +89,17 @@ def shares(log_mass: Tensor) -> Tensor:
     return torch.softmax(log_mass.float(), dim=-1).nan_to_num_(0.0)
 
 
-def dropped_mass(log_mass: Tensor, keep: Tensor) -> Tensor:
+def dropped_mass(log_mass: Tensor, keep: Tensor, share: Optional[Tensor] = None) -> Tensor:
     """Predicted dropped mass per query block: float32 ``[B, H, nq]`` from ``log_mass`` (``[B, H, nq,
     nk]``, or per probe row ``[B, H, nq, R, nk]``: then the largest over the probe rows) and the bool
-    selection ``keep [B, H, nq, nk]`` (True = kept)."""
+    selection ``keep [B, H, nq, nk]`` (True = kept).  ``share``: :func:`shares` of ``log_mass`` when the
+    caller has it (one softmax pass less); per probe row the sum is one batched product (no temporary of
+    ``log_mass``'s size)."""
+    share = shares(log_mass) if share is None else share
     if log_mass.dim() == keep.dim() + 1:
-        return (shares(log_mass) * (~keep).unsqueeze(-2)).sum(-1).amax(-1)
-    return (shares(log_mass) * (~keep)).sum(-1)
+        drop = (~keep).to(share.dtype).unsqueeze(-1)  # [B, H, nq, nk, 1]
+        return (share @ drop).squeeze(-1).amax(-1)
+    return (share * (~keep)).sum(-1)
 
 
 @functools.lru_cache(maxsize=64)
@@ -94,44 +127,26 @@ def probe_rows(layout) -> Tensor:
         return offs + torch.arange(nv).unsqueeze(1) * bs
 
 
-def probe_log_mass(q_tiled: Tensor, k_tiled: Tensor, layout, scale: float, impl: str = "auto",
-                   centre_only: bool = False, sampled: bool = False) -> Tensor:
+def probe_log_mass(q_tiled: Tensor, k_tiled: Tensor, layout, scale: float, impl: str = "auto") -> Tensor:
     """Exact block log-masses of every video block's probe rows (:func:`probe_rows`): float32
     ``[B, H, nv, R, nv]`` (``R = 9``), entry ``[.., i, r, j] = log sum_{t in j} exp(scale * q_r . k_t)`` for
     probe row ``r`` of query block ``i``; ``R / block_size`` of the Q.K products of dense attention
     (9/64 at 64-token blocks), no P.V.  q_tiled / k_tiled ``[B, padded_len, H, D]`` in ``layout``'s
-    order (k with q's heads).  ``centre_only``: the centre row alone (``R = 1``, 1 / block_size of the
-    products), for :func:`early_dense`; ``sampled`` (with ``centre_only``): only every ``s``-th query block,
-    ``s = ceil(nv / EARLY_BLOCKS)``, so the dim of the query blocks is ``ceil(nv / s)``."""
-    from ditattn.attention.sparse.block_scores import pooled_query_lse_torch
-
-    B, _, H, D = q_tiled.shape
-    nv, bs = layout.n_video_blocks, layout.block_size
-    rows = _probe_rows_on(layout, q_tiled.device, centre_only)  # [nv, R]
-    if sampled:
-        rows = rows[:: -(-nv // EARLY_BLOCKS)]
+    order (k with q's heads)."""
+    B, _, H, _ = q_tiled.shape
+    nv = layout.n_video_blocks
+    rows = _probe_rows_on(layout, q_tiled.device)  # [nv, R]
     R = rows.shape[1]
-    probes = q_tiled.index_select(1, rows.flatten())  # [B, nv*R, H, D]
-    dt = torch.float64 if q_tiled.dtype == torch.float64 else torch.float32
-    mean = probes.to(dt).permute(0, 2, 1, 3)  # [B, H, nv*R, D]
-    keys = k_tiled[:, : nv * bs]
-    valid = layout.on(q_tiled.device).valid[: nv * bs]
-    if (keys.is_cuda and keys.dtype in (torch.float16, torch.bfloat16) and D in (16, 32, 64, 128, 256)
-            and impl not in ("reference", "flex")):
-        from ditattn.attention.kernels.block_scores import pooled_query_lse
-
-        lm = pooled_query_lse(mean, None, keys, valid, block_size=bs, scale=scale)
-    else:
-        lm = pooled_query_lse_torch(mean, None, keys, None if _full(layout) else valid, block_size=bs, scale=scale)
-    return lm.float().view(B, H, rows.shape[0], R, nv)
+    lm = probe_masses(q_tiled.index_select(1, rows.flatten()), k_tiled, layout, scale, impl)
+    return lm.view(B, H, nv, R, nv)
 
 
 @functools.lru_cache(maxsize=128)
-def _probe_rows_on(layout, device: torch.device, centre_only: bool) -> Tensor:
-    """:func:`probe_rows` (or its centre column) on ``device``, cached: no upload per call."""
+def _probe_rows_on(layout, device: torch.device) -> Tensor:
+    """:func:`probe_rows` on ``device``, cached: no upload per call."""
     rows = probe_rows(layout)
     with torch.inference_mode(False):
-        return (rows[:, -1:] if centre_only else rows).contiguous().to(device)
+        return rows.contiguous().to(device)
 
 
 @functools.lru_cache(maxsize=64)
@@ -140,26 +155,24 @@ def _full(layout) -> bool:
 
 
 def enforce_budget(log_mass: Tensor, keep: Tensor, budget: float,
-                   dense_above: Optional[float] = None, impl: str = "auto") -> tuple[Tensor, Tensor]:
+                   dense_above: float = DENSE_ABOVE, impl: str = "auto") -> tuple[Tensor, Tensor]:
     """``(keep', dense_heads)``: ``keep`` (bool ``[B, H, nq, nk]``) plus, per row, the fewest blocks,
     largest predicted share first, whose shares reach ``1 - budget`` (``log_mass`` ``[B, H, nq, nk]``, or
     ``[B, H, nq, R, nk]`` per probe row: every probe row's blocks); a head (``[B, H]`` bool
-    ``dense_heads``) whose kept fraction then exceeds ``dense_above`` (None: :data:`DENSE_ABOVE` as it is at
-    the call) keeps every block.  ``budget`` <= 0 returns ``keep`` unchanged and no dense head.  Per probe row
-    on CUDA (``impl`` other than ``"reference"``) one Triton kernel widens the selection
-    (:func:`ditattn.attention.kernels.budget_mask.budget_need`: the same blocks, and the whole of a tie at the
-    cut); elsewhere the PyTorch path sorts each row."""
+    ``dense_heads``) whose kept fraction then exceeds ``dense_above`` keeps every block.  ``budget``
+    <= 0 returns ``keep`` unchanged and no dense head.  Per probe row on CUDA the union is one Triton kernel
+    (:func:`_need`; the same blocks as the sort of the PyTorch path)."""
+    from ditattn.attention.sparse.common import mass_mask
+
     if budget <= 0:
         return keep, torch.zeros(keep.shape[:2], dtype=torch.bool, device=keep.device)
     need = _need(log_mass, budget, impl) if log_mass.dim() == keep.dim() + 1 else None
     if need is None:
-        from ditattn.attention.sparse.common import mass_mask
-
         need = mass_mask(log_mass.float(), 1.0 - float(budget))
         if log_mass.dim() == keep.dim() + 1:
             need = (need & torch.isfinite(log_mass).any(-1, keepdim=True)).any(-2)
     out = keep | need
-    dense = out.float().mean((-1, -2)) > float(DENSE_ABOVE if dense_above is None else dense_above)
+    dense = out.float().mean((-1, -2)) > float(dense_above)
     out = out | dense[:, :, None, None]
     return out, dense
 
@@ -189,17 +202,12 @@ def _need(log_mass: Tensor, budget: float, impl: str) -> Optional[Tensor]:
         return None
 
 
-def all_dense(dense_heads: Tensor) -> bool:
-    """Whether every head of the call runs dense (one device sync: the caller then skips the sparse
-    kernel and calls the dense one)."""
-    return bool(dense_heads.all()) if dense_heads.numel() else False
-
-
-def summary(log_mass: Tensor, keep: Tensor, dense_heads: Tensor, budget: float) -> dict:
+def summary(log_mass: Tensor, keep: Tensor, dense_heads: Tensor, budget: float,
+            share: Optional[Tensor] = None) -> dict:
     """Statistics of a budgeted selection for ``last_stats`` (device scalars, read later):
     ``dropped_mass_max`` / ``dropped_mass_mean`` (predicted, over the rows), ``dense_heads`` (how
-    many heads ran dense), ``heads`` and ``error_budget``."""
-    m = dropped_mass(log_mass, keep)
+    many heads ran dense), ``heads`` and ``error_budget``.  ``share`` as in :func:`dropped_mass`."""
+    m = dropped_mass(log_mass, keep, share)
     return {"dropped_mass_max": m.amax() if m.numel() else 0.0, "dropped_mass_mean": m.mean() if m.numel() else 0.0,
             "dense_heads": dense_heads.sum(), "heads": int(dense_heads.numel()), "error_budget": float(budget)}
 
@@ -236,9 +244,12 @@ class Budgeted:
 
 def budgeted_lists(q: Tensor, k: Tensor, v: Tensor, q_tiled: Tensor, k_tiled: Tensor, layout, video_keep: Tensor,
                    budget: float, *, scale: float, return_lse: bool, impl: str = "auto",
-                   dense_backend: Optional[str] = None) -> Budgeted:
+                   dense_backend: Optional[str] = None, decide: bool = True,
+                   above: Optional[float] = None) -> Budgeted:
     """Apply the budget to a planner's video selection and build its block lists, or run the call
-    dense when every head needs it.
+    dense when the budgeted selection keeps more than ``above`` (None: :data:`DENSE_CALL_ABOVE`) of the
+    video blocks (:func:`call_dense`; one device sync, skipped with ``decide=False``: a decision reused
+    from an earlier step, the heads that need it still run dense through the lists).
 
     q/k/v ``[B, S, H, D]`` (original order, k/v with q's heads); ``q_tiled`` / ``k_tiled``: the same in
     ``layout``'s tile order (unquantized); ``video_keep``: bool ``[B, H, nv, nv]`` selection over the
@@ -249,9 +260,9 @@ def budgeted_lists(q: Tensor, k: Tensor, v: Tensor, q_tiled: Tensor, k_tiled: Te
     from ditattn.attention.sparse.common import select_impl, video_mask_lists
 
     log_mass = probe_log_mass(q_tiled, k_tiled, layout, scale, impl=impl)
-    keep, dense = enforce_budget(log_mass, video_keep, budget, impl=impl)  # video_keep: the planner's selection
+    keep, dense = enforce_budget(log_mass, video_keep, budget)  # video_keep: the planner's selection
     stats = budget_stats(log_mass, video_keep, keep, dense, budget)
-    if all_dense(dense):
+    if decide and call_dense(keep, above):
         out, lse = dense_attention(q, k, v, scale=scale, return_lse=return_lse, backend=dense_backend)
         return Budgeted(layout, None, None, stats, out, lse)
     idx, cnt = video_mask_lists(layout, keep, width=list_width(q.device, layout.n_blocks), impl=select_impl(impl))
@@ -262,89 +273,141 @@ def budget_stats(log_mass: Tensor, selected: Tensor, keep: Tensor, dense: Tensor
     """:func:`summary` of a budgeted selection plus ``est_rel_err`` (``ESTIMATE_FACTOR`` times the
     largest predicted dropped mass of ``keep``) and ``est_rel_err_unbudgeted`` (the same of the
     planner's own ``selected``)."""
-    stats = summary(log_mass, keep, dense, budget)
+    share = shares(log_mass)  # once for both
+    stats = summary(log_mass, keep, dense, budget, share)
     stats["est_rel_err"] = ESTIMATE_FACTOR * stats["dropped_mass_max"]
-    m0 = dropped_mass(log_mass, selected)
+    m0 = dropped_mass(log_mass, selected, share)
     stats["est_rel_err_unbudgeted"] = ESTIMATE_FACTOR * (m0.amax() if m0.numel() else 0.0)
     return stats
 
 
-def early_dense(q_tiled: Tensor, k_tiled: Tensor, layout, budget: float, *, scale: float,
-                impl: str = "auto") -> bool:
-    """Whether the budget already needs more than :data:`DENSE_ABOVE` of the blocks in every head from
-    the centre probe rows of at most :data:`EARLY_BLOCKS` query blocks per head (evenly strided), so the
-    call runs dense before any selection work.  A sample of the rows: "dense" from it is an estimate of the
-    full check (which could only keep more blocks per row, and whose kept fraction the sample's mean
-    estimates); a wrong "dense" costs speed, never accuracy.  Cost: the centre rows of at most
-    ``EARLY_BLOCKS`` blocks against every key (at most ``1 / block_size`` of dense attention's Q.K products;
-    ``EARLY_BLOCKS / seq_len`` at large sizes) and one device sync.  q_tiled / k_tiled as in
-    :func:`probe_log_mass`."""
+def early_kept(q: Tensor, k: Tensor, layout, budget: float, *, scale: float, impl: str = "auto",
+               floor: float = 0.0) -> Tensor:
+    """The call's predicted kept fraction under ``budget`` before any selection work: a 0-d float32 device
+    tensor (no sync).  The probe rows (:func:`probe_rows`, all nine) of at most :data:`EARLY_BLOCKS` video
+    query blocks spread evenly over the grid give each head's kept fraction of the budget alone,
+    ``need_h``; with the planner's own known minimum ``floor`` (Sparge's ``topk``; 0: none) the head keeps
+    about ``1 - (1 - floor) (1 - need_h)`` (the two selections taken as independent), a head above
+    :data:`DENSE_ABOVE` counts as 1 (it would run dense) and the call's figure is the mean over heads.
+    ``q`` / ``k`` ``[B, S, H, D]`` in the original order (k with q's heads): the probe rows are gathered from
+    q and, on CUDA, the kernel reads k's blocks through the layout's index (no tiled copy of either).
+    Cost: ``9 * EARLY_BLOCKS / n_video_tokens`` of dense attention's Q.K products (0.4 % at 32,760 tokens)."""
+    nv = layout.n_video_blocks
+    rows = _early_rows_on(layout, q.device)  # [m, 9] original token indices
+    m = rows.shape[0]
+    lm = probe_masses(q.index_select(1, rows.flatten()), k, layout, scale, impl, tiled=False).view(
+        q.shape[0], q.shape[2], m, rows.shape[1], nv)
+    from ditattn.attention.sparse.common import mass_mask
+
+    need = mass_mask(lm, 1.0 - float(budget)).any(-2)  # [B, H, m, nv]: every probe row's blocks (all real rows)
+    head = need.float().mean((-1, -2))  # [B, H]
+    head = 1.0 - (1.0 - float(floor)) * (1.0 - head)
+    head = torch.where(head > DENSE_ABOVE, torch.ones_like(head), head)
+    return head.mean()
+
+
+def early_dense(q: Tensor, k: Tensor, layout, budget: float, *, scale: float, impl: str = "auto",
+                floor: float = 0.0, above: Optional[float] = None) -> bool:
+    """Whether the call runs the dense kernel before any selection work: its :func:`early_kept` exceeds
+    ``above - EARLY_MARGIN`` (``above`` None: :data:`DENSE_CALL_ABOVE`; ``above`` 1: only an estimate of 1),
+    near or past the point where the block-sparse kernel is slower than the dense one.  One device sync.
+    ``budget`` <= 0: False (no probe)."""
     if budget <= 0:
         return False
-    lm = probe_log_mass(q_tiled, k_tiled, layout, scale, impl=impl, centre_only=True, sampled=True)
+    limit = DENSE_CALL_ABOVE if above is None else float(above)
+    limit = limit - EARLY_MARGIN if limit < 1.0 else 1.0 - 1e-6
+    return bool(early_kept(q, k, layout, budget, scale=scale, impl=impl, floor=floor) > limit)
+
+
+def call_kept(keep: Tensor) -> Tensor:
+    """The kept fraction of a budgeted video selection ``keep`` (bool ``[B, H, nq, nk]``, dense heads all
+    True): a 0-d float32 device tensor, the mean over every head and block pair."""
+    return keep.float().mean() if keep.numel() else torch.ones((), device=keep.device)
+
+
+def call_dense(keep: Tensor, above: Optional[float] = None) -> bool:
+    """Whether a budgeted selection keeps more than ``above`` (None: :data:`DENSE_CALL_ABOVE`) of the video
+    blocks over the whole call, so the dense kernel is faster than the block-sparse one, or keeps every block
+    (``above`` 1); one device sync."""
+    limit = min(DENSE_CALL_ABOVE if above is None else float(above), 1.0 - 1e-6)  # every block kept: dense
+    return bool(call_kept(keep) > limit)
+
+
+@functools.lru_cache(maxsize=128)
+def _early_rows_on(layout, device: torch.device) -> Tensor:
+    """Original token indices ``[m, 9]`` of the probe rows of :func:`early_kept`'s sampled query blocks
+    (``m = min(EARLY_BLOCKS, nv)``, evenly spaced block indices), on ``device``, cached."""
     nv = layout.n_video_blocks
-    _, dense = enforce_budget(lm, torch.zeros(*lm.shape[:3], nv, dtype=torch.bool, device=lm.device), budget,
-                              impl=impl)
-    return all_dense(dense)
+    m = min(EARLY_BLOCKS, nv)
+    pick = torch.linspace(0, nv - 1, m).round().long().unique()
+    rows = probe_rows(layout)[pick]  # tiled positions of real tokens
+    with torch.inference_mode(False):
+        return layout.source[rows].contiguous().to(device)
+
+
+def probe_masses(probes: Tensor, k: Tensor, layout, scale: float, impl: str = "auto", tiled: bool = True) -> Tensor:
+    """``log sum_{t in j} exp(scale * p . k_t)`` of every probe row ``p`` (``probes [B, M, H, D]``, any
+    order) against every video key block ``j`` of ``layout``: float32 ``[B, H, M, nv]``.  ``k``: ``[B,
+    padded_len, H, D]`` in ``layout``'s order, or with ``tiled=False`` ``[B, S, H, D]`` in the original order
+    (the CUDA kernel then reads the blocks through the layout's index, no tiled copy).  The Triton kernel on
+    CUDA for fp16/bf16 (the probes stay in the input dtype: no float32 copy), PyTorch elsewhere."""
+    from ditattn.attention.sparse.block_scores import pooled_query_lse_torch
+
+    nv, bs = layout.n_video_blocks, layout.block_size
+    D = k.shape[-1]
+    mean = probes.permute(0, 2, 1, 3)  # [B, H, M, D]
+    dev = layout.on(k.device)
+    if (k.is_cuda and k.dtype in (torch.float16, torch.bfloat16) and D in (16, 32, 64, 128, 256)
+            and impl not in ("reference", "flex")):
+        from ditattn.attention.kernels.block_scores import pooled_query_lse
+
+        index = None if tiled else dev.source_clamped[: nv * bs]
+        return pooled_query_lse(mean, None, k if index is not None else k[:, : nv * bs], dev.valid[: nv * bs],
+                                block_size=bs, scale=scale, key_index=index)
+    if not tiled:
+        from ditattn.attention.sparse.tiling import tile
+
+        k = tile(k, layout)
+    valid = None if _full(layout) else dev.valid[: nv * bs]
+    return pooled_query_lse_torch(mean, None, k[:, : nv * bs], valid, block_size=bs, scale=scale).float()
 
 
 def precheck_dense(q: Tensor, k: Tensor, video_shape, text_len: int, budget: float, *, scale: Optional[float] = None,
-                   impl: str = "auto", tile_size=(4, 4, 4)) -> bool:
+                   impl: str = "auto", tile_size=(4, 4, 4), above: Optional[float] = None) -> bool:
     """Before an expensive selection (SVG2's clustering): whether meeting ``budget`` on the 3-D tile blocks
-    of ``tile_size`` needs more than :data:`DENSE_ABOVE` of the blocks in every head — :func:`early_dense`
-    first, then every probe row.  q/k ``[B, S, H, D]`` (k with q's heads).  At most two device syncs."""
-    from ditattn.attention.sparse.tiling import make_tile_layout, tile
+    of ``tile_size`` is predicted to keep more than ``above`` (None: :data:`DENSE_CALL_ABOVE`) of the blocks
+    (:func:`early_dense`).  q/k ``[B, S, H, D]`` (k with q's heads).  One device sync."""
+    from ditattn.attention.sparse.tiling import make_tile_layout
 
     layout = make_tile_layout(video_shape, tuple(tile_size), text_len)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    qt, kt = tile(q, layout), tile(k, layout)
-    if early_dense(qt, kt, layout, budget, scale=scale, impl=impl):
-        return True
-    lm = probe_log_mass(qt, kt, layout, scale, impl=impl)
-    nv = layout.n_video_blocks
-    _, dense = enforce_budget(lm, torch.zeros(*lm.shape[:3], nv, dtype=torch.bool, device=lm.device), budget,
-                              impl=impl)
-    return all_dense(dense)
+    return early_dense(q, k, layout, budget, scale=scale, impl=impl, above=above)
 
 
-
-#: ``{state key: (step, kept fraction, step of the last decision)}`` of each budgeted layer's last call per
-#: thread (:func:`kept_last_step`, :func:`reuse_dense`)
-_last_kept: dict = {}
-#: a layer whose budget sent a call to the dense kernel runs the dense kernel directly (no probes, no
-#: tiling) at its next steps, and checks the budget again every this many steps
-RECHECK_EVERY = 5
+#: ``{state key: (step, runs dense)}``: each budgeted layer's call-level decision in the current request, per
+#: calling thread (:func:`decided`, :func:`remember`)
+_decisions: dict = {}
 
 
-def remember_kept(key: str, step: Optional[int], kept, decided: bool = True) -> None:
-    """Record the kept fraction (float or device scalar) of layer ``key``'s call at ``step``; ``decided``:
-    the budget was checked at this step (False: a reused decision)."""
-    if step is not None:
-        prev = _last_kept.get(key)
-        since = int(step) if decided or prev is None else prev[2]
-        _last_kept[key] = (int(step), kept, since)
-
-
-def reuse_dense(key: str, step: Optional[int]) -> bool:
-    """Whether layer ``key`` runs dense at ``step`` without checking: its call at an earlier step of this
-    run ran dense under the budget (recorded kept fraction 1.0) and fewer than :data:`RECHECK_EVERY` steps
-    have passed since the budget was last checked.  Host values only (no sync)."""
-    prev = _last_kept.get(key)
-    if prev is None or step is None or int(step) <= prev[0] or not isinstance(prev[1], float) or prev[1] < 1.0:
-        return False
-    return int(step) - prev[2] < RECHECK_EVERY
-
-
-def kept_last_step(key: str, step: Optional[int]) -> Optional[float]:
-    """The kept fraction layer ``key`` recorded at an earlier step of the same run (None: none, or the
-    step did not advance, i.e. a new request); reads a device scalar (one sync, on a finished value)."""
-    prev = _last_kept.get(key)
+def decided(key: str, step: Optional[int]) -> Optional[bool]:
+    """The call-level decision layer ``key`` took at an earlier step of the current request: True (the dense
+    kernel), False (the block-sparse path, the budget still enforced per head on the device, no sync), None
+    when there is none to reuse: no step, the step did not advance (a new request starts over) or no call
+    yet.  A decision holds for the rest of the request, so its probe and its syncs are paid once per layer
+    and request.  Host values only (no sync)."""
+    prev = _decisions.get(key)
     if prev is None or step is None or int(step) <= prev[0]:
         return None
-    return float(prev[1])
+    return prev[1]
+
+
+def remember(key: str, step: Optional[int], dense: bool) -> None:
+    """Record layer ``key``'s decision at ``step`` (also when reused: the step marks where the request is)."""
+    if step is not None:
+        _decisions[key] = (int(step), bool(dense))
 
 
 def clear_memory() -> None:
-    """Forget every layer's recorded decisions (tests; a new run starts over by itself when its steps
+    """Forget every layer's recorded decisions (tests; a new request starts over by itself when its steps
     do not advance)."""
-    _last_kept.clear()
+    _decisions.clear()

@@ -14,6 +14,14 @@ from typing import Any
 
 log = logging.getLogger("ditattn.attention.sparse")
 
+#: shortest query length a training-free sparse backend (and skip softmax) sparsifies when its ``min_seq_len``
+#: config key is unset, per device type (absent: 0, every length).  H200, bf16, head dim 128, one process with
+#: FlashAttention-4: at 2,304 tokens (the captured ``ditattn:shapes`` activations, 2 heads) dense takes
+#: 0.12-0.25 ms and the Sparge / Sol / V-MoBA paths 2.9-6.4 ms (0.02-0.06x: a fixed per-call cost of
+#: launches, probes and a device sync), skip softmax 0.66-0.97x; at 32,760 tokens the same paths without the
+#: budget run at 1.24-2.2x.  16384 is also ``sage_attn``'s measured Hopper crossover.
+MIN_SEQ_LEN = {"cuda": 16384}
+
 #: ``{backend: [reason, ...]}``: the distinct reasons for which a sparse backend ran a call dense
 dense_notes: dict[str, list[str]] = {}
 _lock = threading.Lock()
@@ -30,6 +38,20 @@ def note_dense_once(backend: str, call: Any, reason: str) -> bool:
     layer = getattr(call, "layer_key", None) or f"layer {getattr(call, 'layer_idx', None)}"
     log.info("%s runs dense attention (%s), first at %s; said once per reason", backend, reason, layer)
     return True
+
+
+def min_seq_len(cfg: dict, device: Any) -> int:
+    """The shortest query length a sparse backend sparsifies: its config's ``min_seq_len``, or when unset
+    (None) :data:`MIN_SEQ_LEN` of ``device``'s type (0 elsewhere)."""
+    value = cfg.get("min_seq_len")
+    return int(MIN_SEQ_LEN.get(getattr(device, "type", str(device)), 0) if value is None else value)
+
+
+def short_call(seq_len: int, cfg: dict, device: Any) -> str:
+    """Why a call of ``seq_len`` query tokens runs dense at once under :func:`min_seq_len` ("" when it does
+    not): host integers only, no device work."""
+    limit = min_seq_len(cfg, device)
+    return f"{seq_len} tokens < min_seq_len {limit}" if seq_len < limit else ""
 
 
 def clear_dense_notes() -> None:

@@ -166,15 +166,17 @@ def sol_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: int
                   predictor: str = "pooled_query", centroid_variance: bool = True,
                   scale: Optional[float] = None, return_lse: bool = False, impl: str = "auto",
                   edge_tiles: str = "packed", error_budget: float = 0.0, tile_size: Optional[tuple] = None,
-                  dense_backend: Optional[str] = None) -> tuple[Tensor, Optional[Tensor], SparsePlan]:
+                  dense_backend: Optional[str] = None, decide: bool = True,
+                  dense_above: Optional[float] = None) -> tuple[Tensor, Optional[Tensor], SparsePlan]:
     """Sol over ``[B, T*H*W + text_len, heads, D]`` q/k/v (k/v with q's head count); any float
     dtype / head dim (the backend enforces bf16 and 128).  ``predictor``, ``centroid_variance``
     and ``edge_tiles``: the module docstring.  Returns ``(out, lse or None, plan)`` with
     ``plan.extra``: ``exact`` video routes ``[B, H, nv, nv]``, ``scores`` (pooled),
     ``thresholds``, ``route_scores`` (pooled-query scores, or None with ``predictor="pooled"``).
     ``error_budget`` > 0: more blocks become exact until the predicted mass of the approximate blocks
-    per query block is at most the budget (:mod:`.budget`); when every head then runs dense, the call
-    runs ``dense_backend`` instead (``plan.extra["dense_fallback"]``).  ``tile_size``: default
+    per query block is at most the budget (:mod:`.budget`); ``decide`` and ``dense_above``: when the call
+    runs ``dense_backend`` instead (``plan.extra["dense_fallback"]``), as in :func:`.sparge.sparge_attention`
+    (no floor).  ``tile_size``: default
     ``SOL_TILE_SIZE``; ``(1, 1, 64)`` for plain sequences given as a ``(1, 1, S)`` grid."""
     B, S, H, D = q.shape
     n_video = math.prod(int(x) for x in video_shape)
@@ -183,14 +185,14 @@ def sol_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: int
     layout = make_tile_layout(video_shape, tiles, text_len, special_ranges=[sink] if sink[1] > sink[0] else [],
                               edge_tiles=edge_tiles)
     scale = D ** -0.5 if scale is None else float(scale)
-    qt, kt = tile(q, layout), tile(k, layout)
-    if error_budget > 0:
+    if error_budget > 0 and decide:
         from ditattn.attention.sparse import budget as eb
 
-        if eb.early_dense(qt, kt, layout, error_budget, scale=scale, impl=impl):  # before any routing work (or v)
+        if eb.early_dense(q, k, layout, error_budget, scale=scale, impl=impl,
+                          above=dense_above):  # before any routing work (and before tiling q, k and v)
             return eb.dense_budgeted(q, k, v, layout, error_budget, scale=scale, return_lse=return_lse,
                                      dense_backend=dense_backend, extra={"predictor": predictor, "sink": sink})
-    vt = tile(v, layout)
+    qt, kt, vt = tile(q, layout), tile(k, layout), tile(v, layout)
     exact, scores, thr, route = sol_route(qt, kt, layout, tau=tau, thresh_type=thresh_type, scale=scale,
                                           predictor=predictor, impl=impl)
     budget = None
@@ -199,9 +201,9 @@ def sol_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: int
 
         lm = eb.probe_log_mass(qt, kt, layout, scale, impl=impl)
         selected = exact
-        exact, dense = eb.enforce_budget(lm, exact, error_budget, impl=impl)
+        exact, dense = eb.enforce_budget(lm, exact, error_budget)
         budget = eb.budget_stats(lm, selected, exact, dense, error_budget)
-        if eb.all_dense(dense):
+        if decide and eb.call_dense(exact, dense_above):
             res = eb.Budgeted(layout, None, None, budget)
             out, lse = dense_attention(q, k, v, scale=scale, return_lse=return_lse, backend=dense_backend)
             return out, lse, res.plan({"predictor": predictor, "sink": sink})

@@ -170,7 +170,8 @@ def sparge_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, topk: floa
                      quantize: bool = False, predictor: str = "pooled_query", simthreshd1: float = -0.1,
                      scale: Optional[float] = None, return_lse: bool = False, impl: str = "auto",
                      edge_tiles: str = "packed", error_budget: float = 0.0,
-                     tile_size: Optional[tuple] = None) -> tuple[Tensor, Optional[Tensor], SparsePlan]:
+                     tile_size: Optional[tuple] = None, decide: bool = True,
+                     dense_above: Optional[float] = None) -> tuple[Tensor, Optional[Tensor], SparsePlan]:
     """Sparge over ``[B, T*H*W + text_len, heads, D]`` q/k/v (k/v with q's head count); no shape
     or dtype rule here (the backend applies :func:`sparge_applies` and FP16/BF16).  ``topk`` and
     ``cdfthreshd`` (None: off): the selection rule, each in (0, 1].  ``quantize``: INT8 Q.K in the
@@ -180,8 +181,12 @@ def sparge_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, topk: floa
     ``scores``, ``k`` (``topk``'s block count: every row's under ``topk`` alone, the floor under
     ``cdfthreshd``), ``cdfthreshd``, ``quantized``, ``predictor``; the kept fraction is counted
     when first read when row lengths vary.  ``error_budget`` > 0: the selection is widened until its
-    predicted dropped mass per query block is at most the budget (:mod:`.budget`); when every head
-    then runs dense the dense kernel runs instead (``plan.extra["dense_fallback"]``).  ``tile_size``:
+    predicted dropped mass per query block is at most the budget (:mod:`.budget`); with ``decide`` the call
+    runs the dense kernel instead (``plan.extra["dense_fallback"]``) when it is predicted to keep more than
+    ``dense_above`` of the blocks (None: :data:`.budget.DENSE_CALL_ABOVE`), first from a sample of probe rows
+    (:func:`.budget.early_kept`, ``topk`` as the floor) before any selection work, then from the budgeted
+    selection (one device sync each); ``decide=False`` (a sparse decision reused from an earlier step)
+    checks neither (no sync).  ``tile_size``:
     the tile in latent tokens (default: ``block_size``'s 3-D tile; ``(1, 1, block_size)`` for plain
     sequences given as a ``(1, 1, S)`` grid)."""
     topk = check_fraction("topk", topk)
@@ -189,14 +194,15 @@ def sparge_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, topk: floa
     tile_size = sparge_tile_size(block_size) if tile_size is None else tuple(tile_size)
     layout = make_tile_layout(video_shape, tile_size, text_len, edge_tiles=edge_tiles)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    qt, kt = tile(q, layout), tile(k, layout)
     kk = ceil_fraction(topk, layout.n_video_blocks)
     extra = {"k": kk, "cdfthreshd": cdfthreshd, "quantized": bool(quantize), "predictor": predictor}
-    if error_budget > 0:
+    if error_budget > 0 and decide:
         from ditattn.attention.sparse.budget import dense_budgeted, early_dense
 
-        if early_dense(qt, kt, layout, error_budget, scale=scale, impl=impl):  # before any selection work
+        if early_dense(q, k, layout, error_budget, scale=scale, impl=impl, floor=topk,
+                       above=dense_above):  # before any selection work (and before tiling q and k)
             return dense_budgeted(q, k, v, layout, error_budget, scale=scale, return_lse=return_lse, extra=extra)
+    qt, kt = tile(q, layout), tile(k, layout)
     qs, ks = quantize_qk_blocks(qt, kt, layout, impl=impl) if quantize else (qt, kt)
     run = dict(scale=scale, return_lse=return_lse, impl=impl, q_tiled=qs, k_tiled=ks)
     if error_budget > 0:  # the budgeted selection: through the video mask
@@ -205,7 +211,8 @@ def sparge_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, topk: floa
         mask, scores = sparge_block_mask(qt, kt, layout, topk, scale, predictor=predictor, simthreshd1=simthreshd1,
                                          cdfthreshd=cdfthreshd, impl=impl)
         res = budgeted_lists(q, k, v, qt, kt, layout, mask[..., :layout.n_video_blocks, :layout.n_video_blocks],
-                             error_budget, scale=scale, return_lse=return_lse, impl=impl)
+                             error_budget, scale=scale, return_lse=return_lse, impl=impl, decide=decide,
+                             above=dense_above)
         if res.dense_out is not None:
             return res.dense_out, res.dense_lse, res.plan(extra)
         return run_block_lists(q, k, v, layout, res.idx, res.cnt, extra=dict(extra, scores=scores, budget=res.stats),

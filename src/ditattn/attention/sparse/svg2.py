@@ -322,7 +322,7 @@ def svg2_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: in
                    warm_iters: int = 1, recluster_every: int = 1, state_key: Optional[str] = None,
                    step: Optional[int] = None, block_size: Optional[int] = None, predictor: str = "pooled_query",
                    scale: Optional[float] = None, return_lse: bool = False,
-                   impl: str = "auto") -> tuple[Tensor, Optional[Tensor], SparsePlan]:
+                   impl: str = "auto", dense_above: Optional[float] = None) -> tuple[Tensor, Optional[Tensor], SparsePlan]:
     """SVG2 over ``[B, T*H*W + text_len, heads, D]`` q/k/v (k/v with q's head count).
 
     ``state_key`` and ``step`` (both given) enable the warm start and ``recluster_every`` (module
@@ -331,7 +331,9 @@ def svg2_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: in
     [B, H, Cq, Ck]``, ``q_perm``/``k_perm`` ``[B, H, S]`` (original token at each permuted
     position), ``kv_valid [B, P]``, ``block_size`` and ``mode`` (``cold``/``warm``/``reused``);
     ``plan.kept_fraction`` is counted on the device and read (one sync) when first asked for.
-    On CUDA the call itself never synchronises with the host.
+    On CUDA the call itself never synchronises with the host, unless ``dense_above`` is given: then a plan
+    that keeps more than that fraction of the blocks (1: every block) is not run (one sync) — the dense kernel computes the
+    call and ``plan.extra`` says ``dense_fallback`` (``kept_planned``: the plan's fraction).
     """
     B, S, H, D = q.shape
     N = int(math.prod(video_shape))
@@ -367,6 +369,12 @@ def svg2_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: in
             cached = (q_perm, k_perm, idx, cnt, kept, extra) if recluster_every > 1 else ()
             with _states_lock:
                 _states[state_key] = _LayerState(sig, step, step, cq, ck, cached)
+    if dense_above is not None and float(kept) > min(float(dense_above), 1 - 1e-6):  # slower than dense
+        from ditattn.attention.sparse.block_sparse import dense_attention
+
+        out, lse = dense_attention(q, k, v, scale=scale, return_lse=return_lse)
+        return out, lse, SparsePlan(None, idx, cnt, 1.0, dict(extra, block_size=bs, mode=mode, dense_fallback=True,
+                                                              kept_planned=kept))
     nb = -(-S // bs)
     P = nb * bs
     kv_valid = _kv_valid(B, P, S, q.device)

@@ -212,12 +212,14 @@ def vmoba_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, mode: str, 
                     topk: Optional[int] = None, select_mode: str = "threshold", threshold: float = 0.25,
                     threshold_type: str = "query_head", gate: str = "pooled_query", text_len: int = 0,
                     scale: Optional[float] = None, return_lse: bool = False,
-                    impl: str = "auto", error_budget: float = 0.0) -> tuple[Tensor, Optional[Tensor], SparsePlan]:
+                    impl: str = "auto", error_budget: float = 0.0, decide: bool = True,
+                    dense_above: Optional[float] = None) -> tuple[Tensor, Optional[Tensor], SparsePlan]:
     """V-MoBA with chunking ``mode`` (``temporal``/``spatial``/``st``) over ``[B, T*H*W + text_len,
     heads, D]`` q/k/v (k/v with q's head count).  ``chunk``/``topk`` None -> grid defaults.
     ``error_budget`` > 0: the chunk selection is widened block by block until its predicted dropped
-    mass per query block is at most the budget (:mod:`.budget`; a call whose heads all need most
-    blocks runs the dense kernel, ``plan.extra["dense_fallback"]``)."""
+    mass per query block is at most the budget (:mod:`.budget`); ``decide`` and ``dense_above``: when the
+    call runs the dense kernel instead (``plan.extra["dense_fallback"]``), as in
+    :func:`.sparge.sparge_attention` (no floor)."""
     vs = tuple(int(x) for x in video_shape)
     if chunk is None:
         chunk = default_chunk_sizes(vs)[mode]
@@ -227,14 +229,15 @@ def vmoba_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, mode: str, 
     n_chunks = int((layout.tile_num_blocks > 0).sum())
     if topk is None:
         topk = max(1, math.ceil(n_chunks / 4))
-    qt, kt = tile(q, layout), tile(k, layout)
-    if error_budget > 0:
+    if error_budget > 0 and decide:
         from ditattn.attention.sparse.budget import dense_budgeted, early_dense
 
         scale_ = q.shape[-1] ** -0.5 if scale is None else scale
-        if early_dense(qt, kt, layout, error_budget, scale=scale_, impl=impl):  # before the chunk gates
+        if early_dense(q, k, layout, error_budget, scale=scale_, impl=impl,
+                       above=dense_above):  # before the chunk gates (and before tiling q and k)
             return dense_budgeted(q, k, v, layout, error_budget, scale=scale, return_lse=return_lse,
                                   extra={"mode": mode, "chunk": chunk, "topk": topk, "gate": gate})
+    qt, kt = tile(q, layout), tile(k, layout)
     bm, sel, cob = vmoba_block_mask(qt, kt, layout, select_mode=select_mode, topk=topk, threshold=threshold,
                                     threshold_type=threshold_type, gate=gate, scale=scale, impl=impl)
     extra = {"mode": mode, "chunk": chunk, "topk": topk, "gate": gate, "selection": sel,
@@ -245,7 +248,7 @@ def vmoba_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, mode: str, 
         nv = layout.n_video_blocks
         scale_ = q.shape[-1] ** -0.5 if scale is None else scale
         res = budgeted_lists(q, k, v, qt, kt, layout, bm[..., :nv, :nv], error_budget, scale=scale_,
-                             return_lse=return_lse, impl=impl)
+                             return_lse=return_lse, impl=impl, decide=decide, above=dense_above)
         if res.dense_out is not None:
             return res.dense_out, res.dense_lse, res.plan(extra)
         return run_block_lists(q, k, v, layout, res.idx, res.cnt, scale=scale, return_lse=return_lse, impl=impl,
