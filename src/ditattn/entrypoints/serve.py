@@ -73,6 +73,10 @@ def serve_on_ray(cfg: RunConfig) -> int:
     from ditattn.server.rayserve import deploy, undeploy
 
     log.setLevel(logging.INFO)
+    if cfg.parallel.num_gpus > 1:  # each replica's ranks: refuse bad degrees / overrides before any replica loads
+        from ditattn.entrypoints.ranks import preflight
+
+        preflight(cfg)
     done = threading.Event()
 
     def on_signal(*_):
