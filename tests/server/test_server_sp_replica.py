@@ -16,7 +16,7 @@ from test_server_app import serve
 
 from ditattn.errors import AttentionConfigError
 from ditattn.runconfig import ModelConfig, ParallelConfig, RunConfig
-from ditattn.server.rayserve import check_cluster_fits, open_runner, replica_resources
+from ditattn.server.rayserve import check_cluster_fits, cpus_per_replica_for, open_runner, replica_resources
 from ditattn.server.runner import build_runner
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -82,3 +82,9 @@ def test_bad_combinations_are_one_clear_error():
     check_cluster_fits(_cfg(num_gpus=2), [0.0])  # CPU ranks (gloo): nothing to place
     assert replica_resources(cfg, 8.0) == {"num_gpus": 2, "num_cpus": 1}
     assert replica_resources(_cfg(num_gpus=2), 0.0, 2.0) == {"num_cpus": 2.0}
+
+
+def test_cpu_replicas_share_the_cores():
+    assert [cpus_per_replica_for(n, [2.0]) for n in (1, 2, 3)] == [2, 1, 1]
+    assert cpus_per_replica_for(2, [16.0, 8.0]) == 12 and cpus_per_replica_for(1, [16.0, 8.0]) == 16
+    assert cpus_per_replica_for(4, [16.0, 8.0]) == 6

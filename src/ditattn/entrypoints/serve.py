@@ -88,9 +88,10 @@ def serve_on_ray(cfg: RunConfig) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):  # again: ray.init installs handlers of its own
         signal.signal(sig, on_signal)
     s = cfg.server
+    store = redact(s.job_store) if s.job_store else "sqlite (one replica)"
     print(f"ditattn serve: {s.replicas} replica(s) of {cfg.model.model_path or 'the model'} on {url} (Ray Serve"
           f"{' at ' + s.ray_address if s.ray_address else ', local Ray instance'}; job store "
-          f"{redact(s.job_store)}; outputs in {s.output_dir}); Ctrl-C stops", flush=True)
+          f"{store}; outputs in {s.output_dir or 'a temporary folder'}); Ctrl-C stops", flush=True)
     while not done.wait(1.0):  # a timed wait: the signal handlers run between waits
         pass
     print("ditattn serve: stopping the replicas (unfinished video jobs go back to the shared store)", flush=True)

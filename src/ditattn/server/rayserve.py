@@ -35,13 +35,15 @@ BACKPRESSURE_RETRY_AFTER_S = 5
 
 def check_scale_options(cfg: RunConfig) -> None:
     """What a scaled-out server needs, checked before Ray starts: a PostgreSQL job store that
-    answers, an output folder, sequence-parallel degrees that fit ``--num-gpus`` (the ranks of a
+    answers and an output folder (one replica alone may keep the SQLite store), sequence-parallel degrees that fit ``--num-gpus`` (the ranks of a
     replica)."""
-    from ditattn.server.jobstores import check_shared
+    from ditattn.server.jobstores import check_shared, is_postgres
 
     s = cfg.server
-    check_shared(s)
     cfg.parallel.degrees()  # --ulysses-degree x --ring-degree (x 2 with --cfg-parallel) must be --num-gpus
+    if s.replicas == 1 and not is_postgres(s.job_store):
+        return  # one replica behind Ray's proxy may keep the single server's SQLite store
+    check_shared(s)
     from ditattn.server.pgstore import PgJobStore
 
     PgJobStore(s.job_store, owner="ditattn-check").close()  # reachable, schema created (a clear error if not)
@@ -70,6 +72,14 @@ def replica_resources(cfg: RunConfig, cluster_gpus: float, cpus_per_replica: flo
     device = cfg.model.device
     on_gpu = device.startswith("cuda") if device else cluster_gpus > 0
     return {"num_gpus": cfg.parallel.num_gpus, "num_cpus": 1} if on_gpu else {"num_cpus": cpus_per_replica}
+
+
+def cpus_per_replica_for(replicas: int, node_cpus: list) -> int:
+    """The CPUs each CPU replica declares, and the torch threads it runs, when the caller names none:
+    the cluster's CPUs shared evenly among the replicas, at most one node's, at least one (on 2 cores:
+    one replica runs 2 threads, two replicas 1 each, so that they do not contend)."""
+    total, biggest = sum(node_cpus), max(node_cpus, default=1)
+    return max(1, min(int(biggest), int(total // max(1, replicas))))
 
 
 def _follow(rank, cfg: RunConfig) -> int:
@@ -132,8 +142,11 @@ def _replica_class():
         def __serve_build_asgi_app__(self):
             from ditattn.server.app import create_app
             from ditattn.server.cluster import ClusterState
+            from ditattn.server.jobstores import is_postgres
 
-            state = ClusterState(self.runner, self.cfg.server, replicas=self.replicas, owner=self.owner)
+            state = None  # one replica over SQLite: the single server's state
+            if is_postgres(self.cfg.server.job_store):
+                state = ClusterState(self.runner, self.cfg.server, replicas=self.replicas, owner=self.owner)
             return create_app(self.runner, self.cfg.server, state=state)
 
         def __del__(self):
@@ -158,9 +171,10 @@ def build_app(cfg: RunConfig, *, cluster_gpus: float = 0.0, cpus_per_replica: fl
     return deployment.bind(cfg, s.replicas, threads)
 
 
-def deploy(cfg: RunConfig, *, cpus_per_replica: float = 1.0, ray_init: Optional[dict] = None) -> str:
+def deploy(cfg: RunConfig, *, cpus_per_replica: Optional[float] = None, ray_init: Optional[dict] = None) -> str:
     """Start (or join: ``cfg.server.ray_address``) Ray, run the deployment on
     ``cfg.server.host:port`` and wait until every replica is up; returns the endpoint's base URL.
+    ``cpus_per_replica`` (CPU replicas; also their torch threads): default :func:`cpus_per_replica_for`.
     AttentionConfigError when the replicas do not fit the cluster (:func:`check_cluster_fits`).
     ``ray_init``: further ``ray.init`` arguments (e.g. ``num_cpus`` for a local instance)."""
     import ray
@@ -174,6 +188,9 @@ def deploy(cfg: RunConfig, *, cpus_per_replica: float = 1.0, ray_init: Optional[
         ray.init(address=address, namespace="ditattn", **{**local, **(ray_init or {})})
     check_cluster_fits(cfg, [n.get("Resources", {}).get("GPU", 0.0) for n in ray.nodes() if n.get("Alive")])
     serve.start(http_options={"host": s.host, "port": s.port})
+    if cpus_per_replica is None:
+        cpus_per_replica = cpus_per_replica_for(s.replicas, [n.get("Resources", {}).get("CPU", 0.0) for n in ray.nodes()
+                                                             if n.get("Alive")])
     app = build_app(cfg, cluster_gpus=ray.cluster_resources().get("GPU", 0.0), cpus_per_replica=cpus_per_replica)
     serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
     return f"http://{s.host}:{s.port}"
