@@ -167,7 +167,8 @@ def build_app(cfg: RunConfig, *, cluster_gpus: float = 0.0, cpus_per_replica: fl
         name="DitReplica", num_replicas=s.replicas, ray_actor_options=actor,
         max_ongoing_requests=2 * s.max_batch_size + 2, max_queued_requests=s.replicas * s.max_queue,
         backpressure_config=BackpressureConfig(status_code=429, retry_after_s=BACKPRESSURE_RETRY_AFTER_S),
-        graceful_shutdown_timeout_s=s.drain_timeout_s + 10, health_check_period_s=5, health_check_timeout_s=60)
+        graceful_shutdown_timeout_s=s.drain_timeout_s + 10, health_check_period_s=5, health_check_timeout_s=60,
+        logging_config={"enable_access_log": False})  # the server logs what matters; a line per request costs CPU
     return deployment.bind(cfg, s.replicas, threads)
 
 
@@ -187,7 +188,7 @@ def deploy(cfg: RunConfig, *, cpus_per_replica: Optional[float] = None, ray_init
         local = {"include_dashboard": False} if address == "local" else {}  # ray start --head has one
         ray.init(address=address, namespace="ditattn", **{**local, **(ray_init or {})})
     check_cluster_fits(cfg, [n.get("Resources", {}).get("GPU", 0.0) for n in ray.nodes() if n.get("Alive")])
-    serve.start(http_options={"host": s.host, "port": s.port})
+    serve.start(http_options={"host": s.host, "port": s.port}, logging_config={"enable_access_log": False})
     if cpus_per_replica is None:
         cpus_per_replica = cpus_per_replica_for(s.replicas, [n.get("Resources", {}).get("CPU", 0.0) for n in ray.nodes()
                                                              if n.get("Alive")])
