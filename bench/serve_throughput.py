@@ -44,12 +44,14 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def start(args: list, log: str, timeout: float = 600):
-    """``ditattn serve`` with ``args`` until its /health answers; (process, base URL)."""
+def start(args: list, log: str, timeout: float = 600, threads: int = 0):
+    """``ditattn serve`` with ``args`` until its /health answers; (process, base URL).  ``threads``:
+    its ``OMP_NUM_THREADS`` (0: left to the server; a GPU replica on Ray gets 1 from Ray)."""
     port = _port()
     path = os.pathsep.join(p for p in (os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=path)
-    # threads: the plain server takes torch's default (every core), each CPU replica its share of the cores
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "ditattn", "serve", "--port", str(port), *args], stdout=f,
                                 stderr=subprocess.STDOUT, env=env, cwd=ROOT)
@@ -178,9 +180,11 @@ def main() -> int:
         if a.overhead:
             procs = []
             try:
-                p, ray_base = start(["--ray-address", "local", *common], os.path.join(a.out, "ray1-overhead.log"))
+                # the same CPU threads for both (a GPU replica on Ray runs one; on the CPU it takes its cores)
+                p, ray_base = start(["--ray-address", "local", *common], os.path.join(a.out, "ray1-overhead.log"),
+                                    threads=1)
                 procs.append(p)
-                p, plain_base = start(common, os.path.join(a.out, "plain.log"))
+                p, plain_base = start(common, os.path.join(a.out, "plain.log"), threads=1)
                 procs.append(p)
                 res["overhead"] = {"requests": a.overhead, "warmup": a.warmup,
                                    **overhead({"ray": ray_base, "plain": plain_base}, a.overhead, a.warmup, a.size)}

@@ -66,9 +66,14 @@ def serve_on_ray(cfg: RunConfig) -> int:
     import signal
     import threading
 
-    from ditattn.extras import require
+    from ditattn.extras import MissingDependencyError, missing, require
+    from ditattn.server.jobstores import is_postgres
 
-    require("scale", "ditattn serve --replicas")
+    if cfg.server.replicas > 1 or is_postgres(cfg.server.job_store):
+        require("scale", "ditattn serve --replicas")
+    elif "ray[serve]" in missing("scale"):  # one replica over SQLite: Ray alone, no PostgreSQL client
+        raise MissingDependencyError("ditattn serve --ray-address needs ray[serve], which is not installed; install "
+                                     "ditattn[scale] (pip install 'ditattn[scale]')")
     from ditattn.server.pgstore import redact
     from ditattn.server.rayserve import deploy, undeploy
 

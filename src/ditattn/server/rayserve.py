@@ -162,7 +162,8 @@ def build_app(cfg: RunConfig, *, cluster_gpus: float = 0.0, cpus_per_replica: fl
 
     s = cfg.server
     actor = replica_resources(cfg, cluster_gpus, cpus_per_replica)
-    threads = None if actor.get("num_gpus") else max(1, int(cpus_per_replica))
+    # an OMP_NUM_THREADS set where Ray started wins (the replicas inherit it); else the replica's share of the cores
+    threads = None if actor.get("num_gpus") or os.environ.get("OMP_NUM_THREADS") else max(1, int(cpus_per_replica))
     deployment = serve.deployment(_replica_class()).options(
         name="DitReplica", num_replicas=s.replicas, ray_actor_options=actor,
         max_ongoing_requests=2 * s.max_batch_size + 2, max_queued_requests=s.replicas * s.max_queue,
