@@ -1,19 +1,23 @@
 """Throughput and per-request overhead of ``ditattn serve`` on Ray Serve against the plain server.
 
     PYTHONPATH=src python bench/serve_throughput.py --out OUTDIR [--job-store postgresql://...]
-        [--replicas 1 2] [--requests 48] [--concurrency 8] [--size 16] [--steps 2] [--overhead 20]
-        [-- SERVE_ARGS...]
+        [--replicas 1 2] [--requests 48] [--concurrency 8] [--size 16] [--steps 2] [--overhead K]
+        [--warmup 3] [-- SERVE_ARGS...]
 
-For each replica count it starts ``ditattn serve --replicas N --ray-address local`` (a fresh local
-Ray instance; N CPU replicas of the built-in tiny model, or one GPU each on a GPU machine) and sends
-``--requests`` image requests from ``--concurrency`` clients at once: images per minute.  With
-``--overhead K`` it also times K image requests one at a time against the plain ``ditattn serve``
-and against Ray with one replica: the median latency of each and the difference (what Ray's proxy
-and routing add per request).  Arguments after ``--`` go to every ``ditattn serve`` (e.g.
-``-- --model-path /models/Wan2.1-T2V-1.3B --device cuda``).
+Throughput (``--requests`` > 0): for each replica count it starts ``ditattn serve --replicas N
+--ray-address local`` (a fresh local Ray instance; N CPU replicas of the built-in tiny model, or one
+GPU each on a GPU machine) over a shared PostgreSQL job store and sends ``--requests`` image requests
+from ``--concurrency`` clients at once: images per minute.  Without ``--job-store`` a throwaway
+PostgreSQL server is started (tests/pg.py; needs ``initdb``).
 
-Without ``--job-store`` a throwaway PostgreSQL server is started (tests/pg.py; needs ``initdb``).
-Writes ``serve_throughput.json`` under OUTDIR and prints a table.
+Overhead (``--overhead K``): one Ray Serve replica (``--replicas 1 --ray-address local``, the
+single server's SQLite store: no PostgreSQL needed) and the plain ``ditattn serve`` run side by side;
+after ``--warmup`` requests each, K image requests go to each, one at a time, alternating between the
+two (drift hits both alike): median and p90 latency of each and what Ray's proxy and routing add.
+
+``--steps 0``: the model's own step count and guidance scale.  Arguments after ``--`` go to every
+``ditattn serve`` (e.g. ``-- --model-path ditattn:shapes --device cuda``).  Writes
+``serve_throughput.json`` under OUTDIR and prints a table.
 """
 from __future__ import annotations
 
@@ -40,11 +44,14 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def start(args: list, log: str, timeout: float = 600):
-    """``ditattn serve`` with ``args`` until its /health answers; (process, base URL)."""
+def start(args: list, log: str, timeout: float = 600, threads: int = 0):
+    """``ditattn serve`` with ``args`` until its /health answers; (process, base URL).  ``threads``:
+    its ``OMP_NUM_THREADS`` (0: left to the server; a GPU replica on Ray gets 1 from Ray)."""
     port = _port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.path.join(ROOT, "src"))
-    env.setdefault("OMP_NUM_THREADS", "1")  # one thread per server process and per CPU replica: comparable
+    path = os.pathsep.join(p for p in (os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=path)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "ditattn", "serve", "--port", str(port), *args], stdout=f,
                                 stderr=subprocess.STDOUT, env=env, cwd=ROOT)
@@ -92,10 +99,42 @@ def throughput(base: str, n: int, conc: int, size: int) -> dict:
             "latency_median_s": round(statistics.median(lat), 3)}
 
 
-def sequential(base: str, k: int, size: int) -> float:
-    for i in range(3):
-        image(base, size, 20_000 + i)
-    return statistics.median(image(base, size, i) for i in range(k))
+def _stats(lat: list) -> dict:
+    ms = [1000 * x for x in lat]
+    return {"median_ms": round(statistics.median(ms), 2),
+            "p90_ms": round(statistics.quantiles(ms, n=10, method="inclusive")[-1], 2),
+            "latencies_ms": [round(x, 2) for x in ms]}
+
+
+def overhead(bases: dict, k: int, warmup: int, size: int) -> dict:
+    """``k`` sequential requests to each server of ``bases`` (name -> URL), alternating, after
+    ``warmup`` each; latency statistics per server and Ray's overhead over the plain server."""
+    for base in bases.values():
+        for i in range(warmup):
+            image(base, size, 20_000 + i)
+    lat: dict = {name: [] for name in bases}
+    for i in range(k):
+        for name in (bases if i % 2 == 0 else list(bases)[::-1]):  # ABBA: neither always goes first
+            lat[name].append(image(bases[name], size, i))
+    out = {name: _stats(v) for name, v in lat.items()}
+    ray, plain = out["ray"], out["plain"]
+    for q in ("median", "p90"):
+        d = ray[f"{q}_ms"] - plain[f"{q}_ms"]
+        out[f"overhead_{q}_ms"] = round(d, 2)
+        out[f"overhead_{q}_pct"] = round(100 * d / plain[f"{q}_ms"], 2)
+    return out
+
+
+def table(res: dict) -> str:
+    o = res["overhead"]
+    lines = [f"per-request latency, {res['size']}x{res['size']} image, {o['requests']} sequential requests each "
+             f"(alternating, after {o['warmup']} warm-up):",
+             f"{'server':<26}{'median ms':>11}{'p90 ms':>10}"]
+    for name, label in (("plain", "ditattn serve"), ("ray", "Ray Serve, 1 replica")):
+        lines.append(f"{label:<26}{o[name]['median_ms']:>11.1f}{o[name]['p90_ms']:>10.1f}")
+    lines.append(f"{'Ray overhead':<26}{o['overhead_median_ms']:>+11.1f}{o['overhead_p90_ms']:>+10.1f}"
+                 f"   ({o['overhead_median_pct']:+.1f} % median, {o['overhead_p90_pct']:+.1f} % p90)")
+    return "\n".join(lines)
 
 
 def main() -> int:
@@ -108,11 +147,19 @@ def main() -> int:
     ap.add_argument("--size", type=int, default=16)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--overhead", type=int, default=0, metavar="K")
+    ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("serve_args", nargs="*")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
+    common = ["--height", str(a.size), "--width", str(a.size), "--max-batch-size", "4", "--max-queue", "256"]
+    if a.steps:
+        common += ["--num-inference-steps", str(a.steps), "--guidance-scale", "1.0"]
+    common += a.serve_args
+    res: dict = {"size": a.size, "steps": a.steps or "model default", "requests": a.requests,
+                 "concurrency": a.concurrency, "serve_args": common, "cpus": os.cpu_count(), "ray": {}}
+    t_start = time.perf_counter()
     pg = None
-    if a.job_store is None:
+    if a.requests and a.job_store is None:
         sys.path.insert(0, os.path.join(ROOT, "tests"))
         from pg import PgServer, find_bin
 
@@ -120,42 +167,45 @@ def main() -> int:
             raise SystemExit("no --job-store and PostgreSQL is not installed (initdb not found)")
         pg = PgServer(find_bin()).start()
         a.job_store = pg.url
-    common = ["--height", str(a.size), "--width", str(a.size), "--num-inference-steps", str(a.steps),
-              "--guidance-scale", "1.0", "--max-batch-size", "4", "--max-queue", "256", *a.serve_args]
-    res: dict = {"size": a.size, "steps": a.steps, "requests": a.requests, "concurrency": a.concurrency,
-                 "serve_args": common, "cpus": os.cpu_count(), "ray": {}}
     try:
-        for n in a.replicas:
+        for n in a.replicas if a.requests else []:
             outdir = tempfile.mkdtemp(prefix="ditattn-bench-out-")
             proc, base = start(["--replicas", str(n), "--ray-address", "local", "--job-store", a.job_store,
                                 "--output-dir", outdir, *common], os.path.join(a.out, f"ray{n}.log"))
             try:
                 res["ray"][n] = throughput(base, a.requests, a.concurrency, a.size)
-                if a.overhead and n == 1:
-                    res["ray_sequential_median_s"] = sequential(base, a.overhead, a.size)
             finally:
                 stop(proc)
             print(f"ray, {n} replica(s): {res['ray'][n]}", flush=True)
         if a.overhead:
-            proc, base = start(common, os.path.join(a.out, "plain.log"))
+            procs = []
             try:
-                res["plain_sequential_median_s"] = sequential(base, a.overhead, a.size)
-                res["plain"] = throughput(base, a.requests, a.concurrency, a.size)
+                # the same CPU threads for both (a GPU replica on Ray runs one; on the CPU it takes its cores)
+                p, ray_base = start(["--ray-address", "local", *common], os.path.join(a.out, "ray1-overhead.log"),
+                                    threads=1)
+                procs.append(p)
+                p, plain_base = start(common, os.path.join(a.out, "plain.log"), threads=1)
+                procs.append(p)
+                res["overhead"] = {"requests": a.overhead, "warmup": a.warmup,
+                                   **overhead({"ray": ray_base, "plain": plain_base}, a.overhead, a.warmup, a.size)}
             finally:
-                stop(proc)
-            if "ray_sequential_median_s" in res:
-                d = res["ray_sequential_median_s"] - res["plain_sequential_median_s"]
-                res["ray_overhead_s"] = round(d, 4)
-                res["ray_overhead_pct"] = round(100 * d / res["plain_sequential_median_s"], 2)
+                for p in procs:
+                    stop(p)
     finally:
         if pg is not None:
             pg.stop()
     if len(res["ray"]) >= 2:
         lo, hi = min(res["ray"]), max(res["ray"])
         res["scaling"] = round(res["ray"][hi]["images_per_min"] / res["ray"][lo]["images_per_min"], 2)
+    res["wall_s"] = round(time.perf_counter() - t_start, 1)
     with open(os.path.join(a.out, "serve_throughput.json"), "w") as f:
         json.dump(res, f, indent=1)
-    print(json.dumps(res, indent=1))
+    print(json.dumps({k: v for k, v in res.items() if k != "overhead"}, indent=1))
+    if "overhead" in res:
+        text = table(res)
+        with open(os.path.join(a.out, "serve_overhead.txt"), "w") as f:
+            f.write(text + "\n")
+        print(text)
     return 0
 
 

@@ -191,3 +191,30 @@ def test_completed_without_a_complete_file_is_failed(url, tmp_path):
     stored = jobs.get(rec.id)
     assert stored["status"] == "failed" and stored["error"]["code"] == "file_missing" and stored["path"] is None
     jobs.close()
+
+
+def test_metrics_of_any_replica_cover_the_deployment(url, tmp_path):
+    """``/metrics`` at either replica holds every live replica's samples, labelled by replica (3 images
+    made on a, 1 on b: both views say so, and their sum is the deployment's 4); a replica that stopped
+    leaves the view."""
+    from ditattn.server.metrics import samples
+
+    def images(base):
+        got = {}
+        for name, labels, value in samples(httpx.get(base + "/metrics").content):
+            if name == "ditattn_images_generated_total":
+                got[labels["replica"]] = value
+            if name == "ditattn_replicas_reporting":
+                got["reporting"] = value
+        return got
+
+    with replica(ToyRunner(), url, tmp_path, "a") as (a, _sa):
+        with replica(ToyRunner(), url, tmp_path, "b") as (b, _sb):
+            for base, n in ((a, 2), (a, 1), (b, 1)):
+                r = httpx.post(base + "/v1/images/generations", json={"prompt": "m", "size": "32x16", "n": n})
+                assert r.status_code == 200, r.text
+            _wait(lambda: images(a) == images(b) == {"a": 3.0, "b": 1.0, "reporting": 2.0}, what="both views")
+            reqs = {(lab["replica"], lab["status"]): v for name, lab, v in samples(httpx.get(b + "/metrics").content)
+                    if name == "ditattn_http_requests_total" and lab["endpoint"] == "/v1/images/generations"}
+            assert reqs == {("a", "200"): 2.0, ("b", "200"): 1.0}, reqs
+        assert images(a) == {"a": 3.0, "reporting": 1.0}  # b stopped: gone from the view at once

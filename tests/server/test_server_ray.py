@@ -209,3 +209,34 @@ def test_sigterm_hands_the_running_job_back(pg_server, tmp_path):
         row = c.execute("SELECT status, owner FROM ditattn_videos WHERE id = %s", (vid,)).fetchone()
     assert row == ("queued", None), row
     assert "stopping the replicas" in log.read_text()
+
+
+def test_replica_with_two_ranks_on_ray(pg_server, tmp_path):
+    """``serve --ray-address local --num-gpus 2 --ulysses-degree 2`` on the CPU: one replica whose
+    process leads a 2-rank gloo group answers an image request like the single-process pipeline."""
+    import base64
+    import io
+
+    import imageio.v3 as iio
+    import numpy as np
+    from test_server_app import serve
+
+    from ditattn.runconfig import ModelConfig, RunConfig
+    from ditattn.server.runner import build_runner
+
+    url = pg_server.fresh_db("sp" + uuid.uuid4().hex[:10])
+    body = {"prompt": "a red fox", "size": "32x48", "seed": 11, "num_inference_steps": 2,
+            "response_format": "b64_json"}
+    args = ["--model-path", "ditattn:tiny-wan", "--device", "cpu", "--dtype", "float32", "--ray-address", "local",
+            "--num-gpus", "2", "--ulysses-degree", "2", "--job-store", url, "--output-dir", str(tmp_path / "out")]
+    with serve_process(args, tmp_path / "serve.log", startup_s=400) as base:
+        r = httpx.post(base + "/v1/images/generations", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    got = iio.imread(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"]))).astype(int)
+    runner = build_runner(RunConfig(model=ModelConfig(model_path="ditattn:tiny-wan", device="cpu", dtype="float32")))
+    with serve(runner) as (plain, _app):  # the single-process server, same request
+        one = httpx.post(plain + "/v1/images/generations", json=body, timeout=300)
+    ref = iio.imread(io.BytesIO(base64.b64decode(one.json()["data"][0]["b64_json"]))).astype(int)
+    assert got.shape == ref.shape == (48, 32, 3) and ref.std() > 1
+    assert np.abs(got - ref).max() <= 1
+    assert r.json()["attention_backends"] == one.json()["attention_backends"]

@@ -22,6 +22,7 @@ import os
 import socket
 import sys
 import tempfile
+import time
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -239,6 +240,62 @@ def launch(fn: Callable[..., Any], world_size: int, *, args: Sequence = (), devi
         results = _collect(tmp, world_size)
     _raise_first_user_error(results)
     return [None if res is None else res["ok"] for res in results]
+
+
+def _follower_entry(i, world_size, port, fn, args, device, u, r, timeout_s, cfg, leader_pid):
+    """Rank ``i + 1`` of a :func:`lead_ranks` group: ends itself when the leader process is gone."""
+    import threading
+
+    def watch():
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != leader_pid:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="ditattn-leader-watch", daemon=True).start()
+    _run_rank(fn, args, i + 1, world_size, device, u, r, init_method=f"tcp://127.0.0.1:{port}", local_rank=i + 1,
+              timeout_s=timeout_s, quiet=True, cfg=cfg)
+
+
+@contextlib.contextmanager
+def lead_ranks(follower: Callable[..., Any], world_size: int, *, args: Sequence = (), device: str = "cpu",
+               ulysses_degree: Optional[int] = None, ring_degree: Optional[int] = None, cfg_degree: int = 1,
+               timeout_s: Optional[float] = 300.0):
+    """This process as rank 0 of ``world_size`` ranks: spawns ranks 1..N-1, which run
+    ``follower(rank, *args)`` (``rank``: :class:`RankInfo`; module-level, picklable), initialises
+    ``torch.distributed`` and the groups here as in :func:`launch`, and yields rank 0's
+    :class:`RankInfo`.  For a process that must stay the one doing the work (a server replica):
+    the followers typically replay its calls (:class:`~ditattn.distributed.relay.PipelineRelay`) and
+    must return once the block's work ends.  On exit the groups are torn down and the followers
+    joined; a follower whose leader process died exits by itself.  ``RuntimeError`` inside a
+    launched rank or when a follower fails."""
+    if cfg_degree not in (1, 2) or world_size % cfg_degree:
+        raise AttentionConfigError(f"cfg_degree must be 1 or 2 and divide the {world_size} ranks, got {cfg_degree!r}")
+    u, r = resolve_degrees(world_size // cfg_degree, ulysses_degree, ring_degree)
+    if in_worker() or dist.is_initialized():
+        raise RuntimeError("lead_ranks() in a process that already has a process group")
+    check_devices(device, world_size)
+    import torch.multiprocessing as mp
+
+    port = free_port()
+    ctx = mp.start_processes(_follower_entry, args=(world_size, port, follower, tuple(args), device, u, r, timeout_s,
+                                                    cfg_degree, os.getpid()),
+                             nprocs=world_size - 1, join=False, start_method="spawn")
+    try:
+        with _rank_session(0, world_size, device, init_method=f"tcp://127.0.0.1:{port}", ulysses_degree=u,
+                           ring_degree=r, local_rank=0, timeout_s=timeout_s, cfg_degree=cfg_degree) as groups:
+            yield RankInfo(0, world_size, 0, _rank_device(device, 0), groups, get_cfg_parallel())
+        deadline = time.monotonic() + (timeout_s or 300.0)
+        try:
+            while not ctx.join(max(0.1, deadline - time.monotonic())):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the followers of rank 0 did not stop within {timeout_s} s")
+        except ProcessException as exc:
+            raise RuntimeError(f"a sequence-parallel rank failed: {exc}") from None
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.terminate()
 
 
 def own_result(results: list):

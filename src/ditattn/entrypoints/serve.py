@@ -66,13 +66,22 @@ def serve_on_ray(cfg: RunConfig) -> int:
     import signal
     import threading
 
-    from ditattn.extras import require
+    from ditattn.extras import MissingDependencyError, missing, require
+    from ditattn.server.jobstores import is_postgres
 
-    require("scale", "ditattn serve --replicas")
+    if cfg.server.replicas > 1 or is_postgres(cfg.server.job_store):
+        require("scale", "ditattn serve --replicas")
+    elif "ray[serve]" in missing("scale"):  # one replica over SQLite: Ray alone, no PostgreSQL client
+        raise MissingDependencyError("ditattn serve --ray-address needs ray[serve], which is not installed; install "
+                                     "ditattn[scale] (pip install 'ditattn[scale]')")
     from ditattn.server.pgstore import redact
     from ditattn.server.rayserve import deploy, undeploy
 
     log.setLevel(logging.INFO)
+    if cfg.parallel.num_gpus > 1:  # each replica's ranks: refuse bad degrees / overrides before any replica loads
+        from ditattn.entrypoints.ranks import preflight
+
+        preflight(cfg)
     done = threading.Event()
 
     def on_signal(*_):
@@ -84,9 +93,10 @@ def serve_on_ray(cfg: RunConfig) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):  # again: ray.init installs handlers of its own
         signal.signal(sig, on_signal)
     s = cfg.server
+    store = redact(s.job_store) if s.job_store else "sqlite (one replica)"
     print(f"ditattn serve: {s.replicas} replica(s) of {cfg.model.model_path or 'the model'} on {url} (Ray Serve"
           f"{' at ' + s.ray_address if s.ray_address else ', local Ray instance'}; job store "
-          f"{redact(s.job_store)}; outputs in {s.output_dir}); Ctrl-C stops", flush=True)
+          f"{store}; outputs in {s.output_dir or 'a temporary folder'}); Ctrl-C stops", flush=True)
     while not done.wait(1.0):  # a timed wait: the signal handlers run between waits
         pass
     print("ditattn serve: stopping the replicas (unfinished video jobs go back to the shared store)", flush=True)

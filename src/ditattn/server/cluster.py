@@ -227,6 +227,27 @@ class ClusterState(ServerState):
         self._wake.set()
         return concurrent.futures.Future()
 
+    # -- metrics of the whole deployment -------------------------------------------------------
+    def publish_metrics(self) -> None:
+        """Store this replica's metrics in the shared store (each heartbeat and each scrape)."""
+        self.videos.jobs.publish_metrics(self.metrics.render().decode("utf-8"))
+
+    def render_metrics(self) -> bytes:
+        """``GET /metrics`` of any replica: every live replica's metrics (published within the lease
+        time) with a ``replica`` label, this one's fresh (:func:`~ditattn.server.metrics.deployment_view`).
+        This replica's own metrics alone when the shared store cannot be read."""
+        from ditattn.server.metrics import deployment_view
+
+        own = self.metrics.render()
+        try:
+            self.publish_metrics()
+            texts = self.videos.jobs.replica_metrics(max(self.lease_s, 3 * self.beat_s))
+        except Exception:
+            log.exception("replica %s: cannot read the other replicas' metrics; /metrics shows this one's", self.owner)
+            texts = {}
+        texts[self.owner] = own
+        return deployment_view(texts)
+
     # -- the heartbeat: leases and claims --------------------------------------------------------
     def _beat_loop(self) -> None:
         while not self._stop_beat.is_set():
@@ -244,6 +265,10 @@ class ClusterState(ServerState):
         from ditattn.server.routes.videos import _requeue
 
         store = self.videos.jobs
+        try:
+            self.publish_metrics()
+        except Exception:
+            log.exception("replica %s: cannot publish its metrics", self.owner)
         mine = self.videos.local()
         lost = store.renew([r.id for r in mine], self.lease_s, {r.id: r.progress for r in mine})
         for vid in lost:

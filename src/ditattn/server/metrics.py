@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -63,6 +64,34 @@ class Metrics:
     def render(self) -> bytes:
         """The registry in the Prometheus text exposition format."""
         return generate_latest(self.registry)
+
+
+class _Families:
+    """A collector that yields fixed metric families (for :func:`deployment_view`)."""
+
+    def __init__(self, families: list):
+        self.families = families
+
+    def collect(self):
+        return self.families
+
+
+def deployment_view(texts: dict, label: str = "replica") -> bytes:
+    """One exposition for a whole deployment: ``texts`` maps each replica's id to its own exposition
+    text; every sample gets a ``replica`` label (sum over it in queries for the deployment's totals),
+    families of the same name are merged, and ``ditattn_replicas_reporting`` counts the replicas."""
+    merged: dict = {}
+    for rid, text in texts.items():
+        for fam in text_string_to_metric_families(text.decode("utf-8") if isinstance(text, bytes) else text):
+            m = merged.get(fam.name)
+            if m is None:
+                m = merged[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+            m.samples.extend(s._replace(labels={label: str(rid), **s.labels}) for s in fam.samples)
+    up = Metric("ditattn_replicas_reporting", "Replicas whose metrics this view holds.", "gauge")
+    up.add_sample("ditattn_replicas_reporting", {}, float(len(texts)))
+    reg = CollectorRegistry(auto_describe=True)
+    reg.register(_Families([*merged.values(), up]))
+    return generate_latest(reg)
 
 
 def samples(text: "str | bytes") -> list[tuple[str, dict, float]]:

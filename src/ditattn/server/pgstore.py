@@ -25,6 +25,7 @@ from ditattn.server.jobstore import checked_records
 
 log = logging.getLogger("ditattn.server")
 TABLE = "ditattn_videos"
+METRICS = "ditattn_replica_metrics"  # each replica's latest /metrics text, for the deployment view
 UNFINISHED = ("queued", "in_progress")
 
 _SCHEMA = f"""
@@ -38,7 +39,12 @@ CREATE TABLE IF NOT EXISTS {TABLE} (
     attempts INTEGER NOT NULL DEFAULT 0,
     ran_on TEXT
 );
-CREATE INDEX IF NOT EXISTS {TABLE}_claim ON {TABLE} (status, seq)
+CREATE INDEX IF NOT EXISTS {TABLE}_claim ON {TABLE} (status, seq);
+CREATE TABLE IF NOT EXISTS {METRICS} (
+    owner TEXT PRIMARY KEY,
+    body TEXT NOT NULL,
+    updated TIMESTAMPTZ NOT NULL DEFAULT now()
+)
 """
 
 
@@ -125,6 +131,7 @@ class PgJobStore:
             return
         try:
             with self._lock:
+                db.execute(f"DELETE FROM {METRICS} WHERE owner = %s", (self.owner,))
                 db.execute(f"UPDATE {TABLE} SET owner = NULL, lease_until = NULL, status = 'queued', "
                            "record = jsonb_set(jsonb_set(record, '{status}', '\"queued\"'), '{progress}', '0') "
                            "WHERE owner = %s AND status IN ('queued', 'in_progress')", (self.owner,))
@@ -236,3 +243,21 @@ class PgJobStore:
             return [r[0] for r in rows]
 
         return self._run(op)
+
+    # -- metrics of the replicas -----------------------------------------------------------------
+    def publish_metrics(self, body: str) -> None:
+        """Store this owner's current metrics exposition text (its heartbeat does, and each scrape)."""
+        self._run(lambda db: db.execute(
+            f"INSERT INTO {METRICS} (owner, body, updated) VALUES (%s, %s, now()) ON CONFLICT (owner) DO UPDATE "
+            "SET body = excluded.body, updated = now()", (self.owner, body)))
+
+    def replica_metrics(self, max_age_s: float) -> dict:
+        """``{owner: exposition text}`` of the replicas that published within ``max_age_s`` seconds
+        (database clock); rows older than 100 × that (replicas long gone) are removed."""
+        def op(db):
+            db.execute(f"DELETE FROM {METRICS} WHERE updated < now() - make_interval(secs => %s)",
+                       (100.0 * max_age_s,))
+            return db.execute(f"SELECT owner, body FROM {METRICS} WHERE updated >= now() - make_interval(secs => %s) "
+                              "ORDER BY owner", (float(max_age_s),)).fetchall()
+
+        return dict(self._run(op))

@@ -11,11 +11,15 @@ beyond that requests wait at the proxy, up to ``replicas × max_queue`` for the 
 and the next one is answered 429 with ``Retry-After`` (Ray Serve's backpressure response).
 
 Python entry point: :func:`deploy` (``ray.init`` + ``serve.run``), or :func:`build_app` for a
-``serve.run`` of your own.  Resources: a replica declares ``num_gpus`` (its ``--num-gpus``, one) on
-a GPU cluster and ``num_cpus`` (``cpus_per_replica``) on the CPU.
+``serve.run`` of your own.  Resources: a replica declares ``num_gpus`` (its ``--num-gpus``) on a
+GPU cluster and ``num_cpus`` (``cpus_per_replica``) on the CPU.  A replica of ``--num-gpus N`` > 1
+keeps the single-host sequence parallelism inside it: it is rank 0 of its own group of N ranks
+(NCCL on its GPUs, gloo on the CPU) and relays each pipeline call to the others
+(:func:`open_runner`).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -31,25 +35,89 @@ BACKPRESSURE_RETRY_AFTER_S = 5
 
 def check_scale_options(cfg: RunConfig) -> None:
     """What a scaled-out server needs, checked before Ray starts: a PostgreSQL job store that
-    answers, an output folder, one GPU (or the CPU) per replica."""
-    from ditattn.server.jobstores import check_shared
+    answers and an output folder (one replica alone may keep the SQLite store), sequence-parallel degrees that fit ``--num-gpus`` (the ranks of a
+    replica)."""
+    from ditattn.server.jobstores import check_shared, is_postgres
 
     s = cfg.server
+    cfg.parallel.degrees()  # --ulysses-degree x --ring-degree (x 2 with --cfg-parallel) must be --num-gpus
+    if s.replicas == 1 and not is_postgres(s.job_store):
+        return  # one replica behind Ray's proxy may keep the single server's SQLite store
     check_shared(s)
-    if cfg.parallel.num_gpus > 1:
-        raise AttentionConfigError(f"--num-gpus {cfg.parallel.num_gpus} with --replicas: a replica runs on one GPU "
-                                   "here; accepted: --num-gpus 1 (more replicas use more GPUs)")
     from ditattn.server.pgstore import PgJobStore
 
     PgJobStore(s.job_store, owner="ditattn-check").close()  # reachable, schema created (a clear error if not)
 
 
+def check_cluster_fits(cfg: RunConfig, node_gpus: list) -> None:
+    """Refuse (AttentionConfigError) a GPU deployment whose replicas cannot all be placed: each
+    replica's ``--num-gpus`` ranks share one host, so ``node_gpus`` (the GPUs of each Ray node) must
+    hold ``--replicas`` groups of ``--num-gpus``.  Nothing to check when no node has a GPU."""
+    n, want = cfg.parallel.num_gpus, cfg.server.replicas
+    on_gpu = cfg.model.device.startswith("cuda") if cfg.model.device else any(node_gpus)
+    if not on_gpu:
+        return
+    fits = sum(int(g // n) for g in node_gpus)
+    if fits < want:
+        raise AttentionConfigError(
+            f"--replicas {want} x --num-gpus {n} does not fit this Ray cluster (GPUs per node: "
+            f"{', '.join(f'{g:g}' for g in node_gpus) or 'none'}): a replica's ranks share one node; accepted: "
+            f"at most {fits} replica(s) of --num-gpus {n}")
+
+
 def replica_resources(cfg: RunConfig, cluster_gpus: float, cpus_per_replica: float = 1.0) -> dict:
-    """Ray actor options of one replica: one GPU when the model runs on CUDA (``--device cuda...``,
-    or no ``--device`` on a cluster with GPUs), else ``cpus_per_replica`` CPUs."""
+    """Ray actor options of one replica: ``--num-gpus`` GPUs (its sequence-parallel ranks) when the
+    model runs on CUDA (``--device cuda...``, or no ``--device`` on a cluster with GPUs), else
+    ``cpus_per_replica`` CPUs (the ranks, if several, are gloo processes sharing them)."""
     device = cfg.model.device
     on_gpu = device.startswith("cuda") if device else cluster_gpus > 0
-    return {"num_gpus": 1, "num_cpus": 1} if on_gpu else {"num_cpus": cpus_per_replica}
+    return {"num_gpus": cfg.parallel.num_gpus, "num_cpus": 1} if on_gpu else {"num_cpus": cpus_per_replica}
+
+
+def cpus_per_replica_for(replicas: int, node_cpus: list) -> int:
+    """The CPUs each CPU replica declares, and the torch threads it runs, when the caller names none:
+    the cluster's CPUs shared evenly among the replicas, at most one node's, at least one (on 2 cores:
+    one replica runs 2 threads, two replicas 1 each, so that they do not contend)."""
+    total, biggest = sum(node_cpus), max(node_cpus, default=1)
+    return max(1, min(int(biggest), int(total // max(1, replicas))))
+
+
+def _follow(rank, cfg: RunConfig) -> int:
+    """Ranks 1..N-1 of a replica's sequence-parallel group: the same pipeline, replaying rank 0's
+    calls until the replica stops (as ``ditattn serve --num-gpus N`` does on one host)."""
+    from ditattn.distributed.relay import PipelineRelay
+    from ditattn.pipelines.wan import WanPipelineNative
+
+    relay = PipelineRelay()  # collective: created in the same order as on rank 0
+    relay.follow(WanPipelineNative.from_config(cfg.for_rank(rank.rank, rank.device)))
+    return 0
+
+
+def open_runner(cfg: RunConfig, stack: contextlib.ExitStack):
+    """The runner of one replica.  With ``--num-gpus N`` > 1 this process becomes rank 0 of the
+    replica's own sequence-parallel group: ranks 1..N-1 are spawned on the replica's other GPUs (gloo
+    processes on the CPU), every pipeline call is relayed to them, and ``stack`` (closed when the
+    replica stops) stops them.  Under Ray the replica's GPUs are the ones it was given
+    (``CUDA_VISIBLE_DEVICES``)."""
+    from ditattn.server.runner import build_runner
+
+    n = cfg.parallel.num_gpus
+    if n <= 1:
+        return build_runner(cfg)
+    import torch
+
+    from ditattn import settings
+    from ditattn.distributed.launch import lead_ranks
+    from ditattn.distributed.relay import PipelineRelay
+    from ditattn.pipelines.wan import WanPipelineNative
+
+    u, r = cfg.parallel.degrees()
+    device = cfg.model.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    rank = stack.enter_context(lead_ranks(_follow, n, args=(cfg,), device=device, ulysses_degree=u, ring_degree=r,
+                                          cfg_degree=cfg.parallel.cfg_degree(), timeout_s=settings.dist_timeout_s()))
+    relay = PipelineRelay()
+    stack.enter_context(relay.leading(WanPipelineNative))
+    return build_runner(cfg.for_rank(0, rank.device))
 
 
 def _replica_class():
@@ -62,22 +130,27 @@ def _replica_class():
         def __init__(self, cfg: RunConfig, replicas: int, cpu_threads: Optional[int] = None):
             import torch
 
-            from ditattn.server.runner import build_runner
-
             if cpu_threads:
                 torch.set_num_threads(cpu_threads)
             logging.getLogger("ditattn.server").setLevel(logging.INFO)
             self.cfg, self.replicas = cfg, replicas
-            self.runner = build_runner(cfg)
+            self._ranks = contextlib.ExitStack()  # the replica's sequence-parallel ranks, if any
+            self.runner = open_runner(cfg, self._ranks)
             tag = serve.get_replica_context().replica_id.unique_id
             self.owner = f"{socket.gethostname()}:{os.getpid()}:{tag}"
 
         def __serve_build_asgi_app__(self):
             from ditattn.server.app import create_app
             from ditattn.server.cluster import ClusterState
+            from ditattn.server.jobstores import is_postgres
 
-            state = ClusterState(self.runner, self.cfg.server, replicas=self.replicas, owner=self.owner)
+            state = None  # one replica over SQLite: the single server's state
+            if is_postgres(self.cfg.server.job_store):
+                state = ClusterState(self.runner, self.cfg.server, replicas=self.replicas, owner=self.owner)
             return create_app(self.runner, self.cfg.server, state=state)
+
+        def __del__(self):
+            self._ranks.close()
 
     return DitReplica
 
@@ -89,18 +162,22 @@ def build_app(cfg: RunConfig, *, cluster_gpus: float = 0.0, cpus_per_replica: fl
 
     s = cfg.server
     actor = replica_resources(cfg, cluster_gpus, cpus_per_replica)
-    threads = None if actor.get("num_gpus") else max(1, int(cpus_per_replica))
+    # an OMP_NUM_THREADS set where Ray started wins (the replicas inherit it); else the replica's share of the cores
+    threads = None if actor.get("num_gpus") or os.environ.get("OMP_NUM_THREADS") else max(1, int(cpus_per_replica))
     deployment = serve.deployment(_replica_class()).options(
         name="DitReplica", num_replicas=s.replicas, ray_actor_options=actor,
         max_ongoing_requests=2 * s.max_batch_size + 2, max_queued_requests=s.replicas * s.max_queue,
         backpressure_config=BackpressureConfig(status_code=429, retry_after_s=BACKPRESSURE_RETRY_AFTER_S),
-        graceful_shutdown_timeout_s=s.drain_timeout_s + 10, health_check_period_s=5, health_check_timeout_s=60)
+        graceful_shutdown_timeout_s=s.drain_timeout_s + 10, health_check_period_s=5, health_check_timeout_s=60,
+        logging_config={"enable_access_log": False})  # the server logs what matters; a line per request costs CPU
     return deployment.bind(cfg, s.replicas, threads)
 
 
-def deploy(cfg: RunConfig, *, cpus_per_replica: float = 1.0, ray_init: Optional[dict] = None) -> str:
+def deploy(cfg: RunConfig, *, cpus_per_replica: Optional[float] = None, ray_init: Optional[dict] = None) -> str:
     """Start (or join: ``cfg.server.ray_address``) Ray, run the deployment on
     ``cfg.server.host:port`` and wait until every replica is up; returns the endpoint's base URL.
+    ``cpus_per_replica`` (CPU replicas; also their torch threads): default :func:`cpus_per_replica_for`.
+    AttentionConfigError when the replicas do not fit the cluster (:func:`check_cluster_fits`).
     ``ray_init``: further ``ray.init`` arguments (e.g. ``num_cpus`` for a local instance)."""
     import ray
     from ray import serve
@@ -111,7 +188,11 @@ def deploy(cfg: RunConfig, *, cpus_per_replica: float = 1.0, ray_init: Optional[
         address = s.ray_address or "local"  # never an instance that happens to run here: --ray-address auto
         local = {"include_dashboard": False} if address == "local" else {}  # ray start --head has one
         ray.init(address=address, namespace="ditattn", **{**local, **(ray_init or {})})
-    serve.start(http_options={"host": s.host, "port": s.port})
+    check_cluster_fits(cfg, [n.get("Resources", {}).get("GPU", 0.0) for n in ray.nodes() if n.get("Alive")])
+    serve.start(http_options={"host": s.host, "port": s.port}, logging_config={"enable_access_log": False})
+    if cpus_per_replica is None:
+        cpus_per_replica = cpus_per_replica_for(s.replicas, [n.get("Resources", {}).get("CPU", 0.0) for n in ray.nodes()
+                                                             if n.get("Alive")])
     app = build_app(cfg, cluster_gpus=ray.cluster_resources().get("GPU", 0.0), cpus_per_replica=cpus_per_replica)
     serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
     return f"http://{s.host}:{s.port}"

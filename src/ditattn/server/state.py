@@ -157,6 +157,10 @@ class ServerState(RequestChecks):
                     f" in the job store {self.videos.jobs.path}" if self.videos.jobs is not None else "")
         return idle
 
+    def render_metrics(self) -> bytes:
+        """``GET /metrics``: this server's metrics in the Prometheus text format."""
+        return self.metrics.render()
+
     def stop(self) -> None:
         """Lifespan shutdown: stop the worker and the encoders, close the job store, and remove the
         private temporary output folder (logged, with what it held)."""

@@ -22,5 +22,5 @@ async def health(state: ServerState = Depends(server_state)):
 
 
 @router.get("/metrics")
-async def metrics(state: ServerState = Depends(server_state)):
-    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+def metrics(state: ServerState = Depends(server_state)):  # sync: a replica's view reads the shared store
+    return Response(state.render_metrics(), media_type=CONTENT_TYPE)
