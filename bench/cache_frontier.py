@@ -3,8 +3,10 @@
     python bench/cache_frontier.py --prompts 30                       # default size (128x128x17), CPU or GPU
     python bench/cache_frontier.py --prompts 30 --size 256x256x33 --device cuda --output frontier_256.json
 
-Held-out prompts ("a COLOUR SHAPE MOTION", in a fixed shuffled order) exclude every prompt of the
-shipped calibration.  Each prompt runs once uncached (the reference) and once per variant with the same
+Prompts are "a COLOUR SHAPE MOTION" captions of the embedded model's scenes, minus every prompt of the
+shipped calibration, in a fixed shuffled order, split in two disjoint sets (``--prompt-set``): ``tuning``
+(the first 54: choose thresholds and keys on these) and ``heldout`` (the last 30: report on these only,
+never tune on them).  Each prompt runs once uncached (the reference) and once per variant with the same
 seed; per variant the table gives the forward ratio (DiT forwards / forwards computed; ``blocks`` the
 same for block work, which differs for first_block_cache), mean and minimum paired PSNR, mean SSIM
 against the uncached clip, and the semantic judge's colour / motion verdicts (how many clips are judged
@@ -30,20 +32,35 @@ DEFAULT_VARIANTS = [
 ]
 
 
-def held_out_prompts(n: int, exclude) -> list[str]:
+#: prompts of the held-out set (the last ones of the shuffled order); the rest are the tuning set
+HELDOUT_SIZE = 30
+PROMPT_SETS = ("tuning", "heldout")
+
+
+def prompt_sets(exclude) -> dict[str, list[str]]:
+    """``{"tuning": [...], "heldout": [...]}``: every scene caption not in ``exclude`` (the calibration's
+    prompts), in a fixed shuffled order, split so the last :data:`HELDOUT_SIZE` are held out."""
     from ditattn.train.scenes import COLORS, MOTIONS, SHAPES
 
     every = [f"a {c} {s} {m}" for c in COLORS for s in SHAPES for m in MOTIONS if f"a {c} {s} {m}" not in exclude]
     random.Random(1234).shuffle(every)
-    if n > len(every):
-        raise SystemExit(f"only {len(every)} held-out prompts exist")
-    return every[:n]
+    return {"tuning": every[:-HELDOUT_SIZE], "heldout": every[-HELDOUT_SIZE:]}
+
+
+def select_prompts(name: str, n: int, exclude) -> list[str]:
+    """The first ``n`` prompts of set ``name`` (``tuning`` or ``heldout``)."""
+    chosen = prompt_sets(exclude)[name]
+    if n > len(chosen):
+        raise SystemExit(f"only {len(chosen)} {name} prompts exist")
+    return chosen[:n]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default="ditattn:shapes")
-    ap.add_argument("--prompts", type=int, default=30, help="held-out prompts (default 30)")
+    ap.add_argument("--prompts", type=int, default=30, help="prompts of the set (default 30)")
+    ap.add_argument("--prompt-set", choices=PROMPT_SETS, default="heldout",
+                    help="tuning: prompts to choose settings on; heldout (default): prompts to report on only")
     ap.add_argument("--size", default=None, help="HxWxF (default: the model's)")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
@@ -73,7 +90,7 @@ def main(argv=None) -> int:
     cal = packaged_calibration(pipe.model_index.name)
     exclude = set(json.load(open(cal))["prompts"]) if cal else set()
     load_calibration(cal) if cal else None
-    prompts = held_out_prompts(args.prompts, exclude)
+    prompts = select_prompts(args.prompt_set, args.prompts, exclude)
     kw = dict(progress=False, seed=args.seed, num_inference_steps=args.steps)
     if args.size:
         h, w, f = (int(v) for v in args.size.lower().split("x"))
@@ -147,7 +164,8 @@ def main(argv=None) -> int:
                      f"{row['motion_ok']:>4}/{n:<2} {g('verdicts_lost', '5d')} {res['time_s_per_clip']:7.2f}")
     print("\n".join(lines))
     meta = {"model": pipe.model_index.name, "device": str(pipe.device), "size": args.size or "default",
-            "steps": args.steps or pipe.defaults["num_inference_steps"], "seed": args.seed, "prompts": prompts[:done]}
+            "steps": args.steps or pipe.defaults["num_inference_steps"], "seed": args.seed,
+            "prompt_set": args.prompt_set, "prompts": prompts[:done]}
     with open(args.output, "w") as fh:
         json.dump({"meta": meta, "rows": out}, fh, indent=1)
     print(f"wrote {args.output}")
