@@ -134,6 +134,7 @@ def main(argv=None) -> int:
             row["computed"] += c["computed"]
             row["blocks"] += c["blocks_total"]
             row["blocks_done"] += c["blocks_computed"]
+            row.setdefault("trace", c["trace"])  # the first prompt's (C computed, R reused)
             got = verdict(res.frames[0], prompt)
             row["color_ok"] += got[0]
             row["motion_ok"] += got[1]
@@ -152,7 +153,7 @@ def main(argv=None) -> int:
             res.update(forward_ratio=row["forwards"] / max(row["computed"], 1),
                        block_ratio=row["blocks"] / max(row["blocks_done"], 1),
                        psnr_mean=float(np.mean(row["psnr"])), psnr_min=float(np.min(row["psnr"])),
-                       ssim_mean=float(np.mean(row["ssim"])), verdicts_lost=row["lost"])
+                       ssim_mean=float(np.mean(row["ssim"])), verdicts_lost=row["lost"], trace=row.get("trace"))
         out.append(res)
 
         def g(k, fmt):
