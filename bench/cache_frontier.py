@@ -47,12 +47,12 @@ def prompt_sets(exclude) -> dict[str, list[str]]:
     return {"tuning": every[:-HELDOUT_SIZE], "heldout": every[-HELDOUT_SIZE:]}
 
 
-def select_prompts(name: str, n: int, exclude) -> list[str]:
-    """The first ``n`` prompts of set ``name`` (``tuning`` or ``heldout``)."""
+def select_prompts(name: str, n: int, exclude, first: int = 0) -> list[str]:
+    """``n`` prompts of set ``name`` (``tuning`` or ``heldout``) from its ``first``-th on."""
     chosen = prompt_sets(exclude)[name]
-    if n > len(chosen):
+    if first + n > len(chosen):
         raise SystemExit(f"only {len(chosen)} {name} prompts exist")
-    return chosen[:n]
+    return chosen[first:first + n]
 
 
 def main(argv=None) -> int:
@@ -61,6 +61,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=30, help="prompts of the set (default 30)")
     ap.add_argument("--prompt-set", choices=PROMPT_SETS, default="heldout",
                     help="tuning: prompts to choose settings on; heldout (default): prompts to report on only")
+    ap.add_argument("--first-prompt", type=int, default=0, help="start at this index of the set (default 0)")
     ap.add_argument("--size", default=None, help="HxWxF (default: the model's)")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
@@ -90,7 +91,7 @@ def main(argv=None) -> int:
     cal = packaged_calibration(pipe.model_index.name)
     exclude = set(json.load(open(cal))["prompts"]) if cal else set()
     load_calibration(cal) if cal else None
-    prompts = select_prompts(args.prompt_set, args.prompts, exclude)
+    prompts = select_prompts(args.prompt_set, args.prompts, exclude, args.first_prompt)
     kw = dict(progress=False, seed=args.seed, num_inference_steps=args.steps)
     if args.size:
         h, w, f = (int(v) for v in args.size.lower().split("x"))
