@@ -2,6 +2,7 @@
 
     python bench/cache_frontier.py --prompts 30                       # default size (128x128x17), CPU or GPU
     python bench/cache_frontier.py --prompts 30 --size 256x256x33 --device cuda --output frontier_256.json
+    python bench/cache_frontier.py --prompt-set tuning --first-prompt 4 --prompts 6 --steps 50 --variant ...
 
 Prompts are "a COLOUR SHAPE MOTION" captions of the embedded model's scenes, minus every prompt of the
 shipped calibration, in a fixed shuffled order, split in two disjoint sets (``--prompt-set``): ``tuning``
@@ -24,11 +25,13 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "src"))
 
-#: method -> thresholds (with extra keys) measured by default
+#: variants measured by default: per method a quality setting (about 2x at 50 steps) and a fast one (3x or more:
+#: the first 20 % of the steps computed, long runs of reuse in the middle), chosen on the tuning prompts
 DEFAULT_VARIANTS = [
-    "teacache:threshold=0.3", "teacache:threshold=0.5",
-    "magcache:threshold=0.08", "magcache:threshold=0.16,max_consecutive_skips=3",
-    "first_block_cache:threshold=0.3", "first_block_cache:threshold=0.4,taylorseer=true",
+    "teacache:threshold=0.2", "magcache:threshold=0.16,max_consecutive_skips=3",
+    "first_block_cache:threshold=0.3,bn_blocks=1",
+    "teacache:threshold=0.5,max_consecutive_skips=8", "magcache:threshold=0.8,max_consecutive_skips=12",
+    "first_block_cache:threshold=0.5,bn_blocks=1,max_consecutive_skips=8",
 ]
 
 

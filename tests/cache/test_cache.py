@@ -215,8 +215,8 @@ def test_threshold_zero_is_the_uncached_output_bit_for_bit(tiny, backend, extra,
 
 
 def test_threshold_zero_with_back_blocks_is_the_uncached_output_bit_for_bit(shapes):
-    """first_block_cache with front and back blocks (the trained model has 6 blocks, tiny-wan 2) and the fast
-    preset's keys (reuse from step 2 on, up to 6 in a row): threshold 0 still computes every forward."""
+    """first_block_cache with front and back blocks (the trained model has 6 blocks, tiny-wan 2), reuse allowed
+    from step 2 on and up to 6 in a row: threshold 0 still computes every forward."""
     kw = dict(height=32, width=32, num_frames=5, num_inference_steps=8, seed=3, output_type="latent", progress=False)
     ref = shapes.generate("a red circle moving right", **kw)
     cfg = "threshold=0,fn_blocks=2,bn_blocks=2,start_step=2,max_consecutive_skips=6"
