@@ -186,9 +186,19 @@ def tiny():
 GEN = dict(height=32, width=48, num_frames=5, num_inference_steps=6, seed=5, output_type="latent", progress=False)
 
 
-@pytest.mark.parametrize("backend", ["teacache", "first_block_cache", "magcache"])
-def test_threshold_zero_is_the_uncached_output_bit_for_bit(tiny, backend, tmp_path):
-    cfg = {"threshold": 0.0, "start_step": 0, "end_step": 6}
+@pytest.fixture(scope="module")
+def shapes():
+    from ditattn.pipelines.wan import WanPipelineNative
+
+    return WanPipelineNative.from_pretrained("ditattn:shapes", device="cpu", dtype="float32")
+
+
+@pytest.mark.parametrize("backend,extra", [
+    ("teacache", {}), ("first_block_cache", {}), ("magcache", {}),
+    ("teacache", {"taylorseer": True, "taylorseer_order": 2}), ("first_block_cache", {"taylorseer": True}),
+    ("magcache", {"taylorseer": True, "max_consecutive_skips": 8})])
+def test_threshold_zero_is_the_uncached_output_bit_for_bit(tiny, backend, extra, tmp_path):
+    cfg = {"threshold": 0.0, "start_step": 0, "end_step": 6, **extra}
     if backend == "magcache":
         path = tmp_path / "cal.json"
         path.write_text(json.dumps({"format": "ditattn-cache-calibration", "version": 1, "model": "ditattn:tiny-wan",
@@ -201,6 +211,21 @@ def test_threshold_zero_is_the_uncached_output_bit_for_bit(tiny, backend, tmp_pa
     # a large threshold reuses forwards, and then the output differs (the comparison above can fail)
     cfg["threshold"] = 1e6 if backend != "magcache" else 1.0
     lossy = tiny.generate("a fox", guidance_scale=3.0, cache_backend=backend, cache_backend_config=cfg, **GEN)
+    assert lossy.cache["reused"] >= 3 and not torch.equal(ref.frames, lossy.frames)
+
+
+def test_threshold_zero_with_back_blocks_is_the_uncached_output_bit_for_bit(shapes):
+    """first_block_cache with front and back blocks (the trained model has 6 blocks, tiny-wan 2), reuse allowed
+    from step 2 on and up to 6 in a row: threshold 0 still computes every forward."""
+    kw = dict(height=32, width=32, num_frames=5, num_inference_steps=8, seed=3, output_type="latent", progress=False)
+    ref = shapes.generate("a red circle moving right", **kw)
+    cfg = "threshold=0,fn_blocks=2,bn_blocks=2,start_step=2,max_consecutive_skips=6"
+    res = shapes.generate("a red circle moving right", cache_backend="first_block_cache", cache_backend_config=cfg,
+                          **kw)
+    assert res.cache["reused"] == 0 and res.cache["blocks_computed"] == res.cache["blocks_total"] == 6 * 8
+    assert torch.equal(ref.frames, res.frames)
+    lossy = shapes.generate("a red circle moving right", cache_backend="first_block_cache",
+                            cache_backend_config=cfg.replace("threshold=0", "threshold=1e6"), **kw)
     assert lossy.cache["reused"] >= 3 and not torch.equal(ref.frames, lossy.frames)
 
 
