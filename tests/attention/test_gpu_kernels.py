@@ -522,7 +522,9 @@ def test_budgeted_steps_that_reuse_a_sparse_decision_do_not_synchronise():
 
     grid = (8, 16, 32)
     q, k, v, _ = structured_qkv(family_spec("original", grid, 4, seed=3), device="cuda", dtype=torch.bfloat16)
-    on = {"dense_above": 1.0, "min_seq_len": 0}  # stays sparse unless every block is kept
+    # stays sparse unless every block is kept; a budget that leaves Sparge sparse on this small grid (at its
+    # default budget it needs every block there and runs dense)
+    on = {"dense_above": 1.0, "min_seq_len": 0, "error_budget": 0.05}
     cases = [(B.SPARGE_ATTN, on, (0, 1, 2)), (B.SOL_ATTN, on, (12, 13, 14)),
              (B.VMOBA_ATTN, {**on, "first_full_step": 0}, (0, 1, 2))]
     eb.clear_memory()
@@ -538,6 +540,7 @@ def test_budgeted_steps_that_reuse_a_sparse_decision_do_not_synchronise():
         finally:
             torch.cuda.set_sync_debug_mode("default")
         st = last_stats[f"{backend.value}/layer3"]
-        assert torch.isfinite(out.float()).all() and not st["dense"]
-        assert 0 < float(st["kept_fraction"]) < 1 and float(st["dropped_mass_max"]) <= st["error_budget"] + 1e-4
+        assert torch.isfinite(out.float()).all() and not st["dense"], (backend.value, st)
+        assert 0 < float(st["kept_fraction"]) < 1 and float(st["dropped_mass_max"]) <= st["error_budget"] + 1e-4, (
+            backend.value, st)
     eb.clear_memory()
