@@ -137,6 +137,12 @@ def auto_dense_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[flo
     return bind_impl(dec)(q, k, v, call, dict(_default_config(dec.backend)))
 
 
+def auto_dense_backend(q: Tensor, k: Tensor, return_lse: bool = False) -> str:
+    """The name of the backend :func:`auto_dense_attention` runs for this call (its decision is cached per
+    call shape and platform)."""
+    return _auto_dense_decision(q, k, False, return_lse).backend.value
+
+
 def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 

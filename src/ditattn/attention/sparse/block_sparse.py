@@ -398,9 +398,11 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[float] =
     when None, the platform's automatic dense choice (FlashAttention-4 on the H200, SDPA on the
     CPU; a global force never turns this back into a sparse backend).
     Returns ``(out, lse [B, H, S] float32 or None)``."""
-    from ditattn.attention.functional import attention, auto_dense_attention
+    from ditattn.attention.functional import attention, auto_dense_attention, auto_dense_backend
 
-    if backend is None:
+    # the named backend when it is the automatic choice: the cached decision, not the public entry's per-call
+    # selection (on the H200 Sol's dense_backend "fa" through ditattn.attention ran at 0.93x of this path)
+    if backend is None or backend == auto_dense_backend(q, k, return_lse):
         return auto_dense_attention(q, k, v, scale=scale, return_lse=return_lse)
     res = attention(q, k, v, backend=backend, scale=scale, return_lse=return_lse)
     if isinstance(res, tuple):
