@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(ROOT, "src"))
 DEFAULT_VARIANTS = [
     "teacache:threshold=0.2", "magcache:threshold=0.16,max_consecutive_skips=3",
     "first_block_cache:threshold=0.3,bn_blocks=1",
-    "teacache:threshold=0.5,max_consecutive_skips=8", "magcache:threshold=2,max_consecutive_skips=6",
+    "teacache:threshold=0.5,max_consecutive_skips=8", "magcache:threshold=0.8,max_consecutive_skips=12",
     "first_block_cache:threshold=0.5,bn_blocks=1,max_consecutive_skips=8",
 ]
 
