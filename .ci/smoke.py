@@ -5,6 +5,7 @@ Python pipeline, the diffusers integration and one request to a real ``ditattn s
 Usage: ``HF_HUB_OFFLINE=1 python .ci/smoke.py`` from any directory but the source tree (so the
 installed package is what runs).  Prints one line per check; exits non-zero on the first failure.
 """
+
 import json
 import os
 import shutil
@@ -38,8 +39,12 @@ def cli(*argv, timeout=600):
 def main():
     import ditattn
 
-    check("ditattn imports from the install, not a checkout", "site-packages" in ditattn.__file__ or
-          os.environ.get("SMOKE_ALLOW_SOURCE") == "1", ditattn.__file__, ditattn.__file__)
+    check(
+        "ditattn imports from the install, not a checkout",
+        "site-packages" in ditattn.__file__ or os.environ.get("SMOKE_ALLOW_SOURCE") == "1",
+        ditattn.__file__,
+        ditattn.__file__,
+    )
     best = min(_timed(EXE, "--help") for _ in range(3))
     check("ditattn --help under 1 s", best < 1.0, f"{best:.2f} s", f"{best:.2f} s")
 
@@ -47,25 +52,75 @@ def main():
     check("ditattn backends", proc.returncode == 0 and "torch_sdpa" in proc.stdout, proc.stderr[-300:])
     proc = cli("plan", "--attention-backend", "video_sparse_attn")
     check("ditattn plan", proc.returncode == 0 and "video_sparse_attn" in proc.stdout, proc.stderr[-300:])
-    proc = cli("generate", "--prompt", "a red fox", "--num-frames", "5", "--output-path", OUT, "--output-file",
-               "fox.mp4", *SMALL)
-    check("ditattn generate (MP4)", proc.returncode == 0 and os.path.getsize(os.path.join(OUT, "fox.mp4")) > 0,
-          proc.stderr[-300:])
-    proc = cli("generate", "--prompt", "a red fox", "--num-frames", "1", "--backend", "diffusers",
-               "--attention-backend", "torch_sdpa", "--output-path", OUT, "--output-file", "stock.png", *SMALL)
-    check("ditattn generate --backend diffusers (ditattn attention)",
-          proc.returncode == 0 and "(ditattn in diffusers)" in proc.stdout, proc.stderr[-300:])
+    proc = cli(
+        "generate",
+        "--prompt",
+        "a red fox",
+        "--num-frames",
+        "5",
+        "--output-path",
+        OUT,
+        "--output-file",
+        "fox.mp4",
+        *SMALL,
+    )
+    check(
+        "ditattn generate (MP4)",
+        proc.returncode == 0 and os.path.getsize(os.path.join(OUT, "fox.mp4")) > 0,
+        proc.stderr[-300:],
+    )
+    proc = cli(
+        "generate",
+        "--prompt",
+        "a red fox",
+        "--num-frames",
+        "1",
+        "--backend",
+        "diffusers",
+        "--attention-backend",
+        "torch_sdpa",
+        "--output-path",
+        OUT,
+        "--output-file",
+        "stock.png",
+        *SMALL,
+    )
+    check(
+        "ditattn generate --backend diffusers (ditattn attention)",
+        proc.returncode == 0 and "(ditattn in diffusers)" in proc.stdout,
+        proc.stderr[-300:],
+    )
     proc = cli("plan", "--backend", "diffusers", "--attention-backend", "video_sparse_attn", "--json")
-    check("ditattn plan --backend diffusers", proc.returncode == 0 and json.loads(proc.stdout)["pipeline"] == "diffusers",
-          proc.stderr[-300:])
-    proc = cli("generate", "--prompt", "a red fox", "--num-frames", "1", "--attention-backend", "sage_attn",
-               "--attention-backend-config", "impl=reference,pv_dtype=fp8", "--dtype", "bfloat16",
-               "--skip-softmax-threshold-scale-factor", "0.5", "--output-path", OUT, *SMALL)
+    check(
+        "ditattn plan --backend diffusers",
+        proc.returncode == 0 and json.loads(proc.stdout)["pipeline"] == "diffusers",
+        proc.stderr[-300:],
+    )
+    proc = cli(
+        "generate",
+        "--prompt",
+        "a red fox",
+        "--num-frames",
+        "1",
+        "--attention-backend",
+        "sage_attn",
+        "--attention-backend-config",
+        "impl=reference,pv_dtype=fp8",
+        "--dtype",
+        "bfloat16",
+        "--skip-softmax-threshold-scale-factor",
+        "0.5",
+        "--output-path",
+        OUT,
+        *SMALL,
+    )
     check("CPU reference paths without Triton (sage_attn, skip softmax)", proc.returncode == 0, proc.stderr[-300:])
     proc = cli("generate", "--prompt", "x", "--attention-backend", "nope")
-    check("a bad flag is one error line, exit 2",
-          proc.returncode == 2 and proc.stderr.startswith("error: ") and proc.stderr.strip().count("\n") == 0,
-          proc.stderr[-300:])
+    check(
+        "a bad flag is one error line, exit 2",
+        proc.returncode == 2 and proc.stderr.startswith("error: ") and proc.stderr.strip().count("\n") == 0,
+        proc.stderr[-300:],
+    )
 
     pipe = ditattn.WanPipeline.from_pretrained("ditattn:tiny-wan", attention_backend="torch_sdpa", dtype="float32")
     frames = pipe("a red fox", num_frames=5, height=32, width=48, num_inference_steps=2, progress=False)
@@ -100,8 +155,9 @@ def _serve():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = open(os.path.join(OUT, "serve.log"), "w")
-    proc = subprocess.Popen([EXE, "serve", "--port", str(port), "--num-inference-steps", "2"], stdout=log,
-                            stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [EXE, "serve", "--port", str(port), "--num-inference-steps", "2"], stdout=log, stderr=subprocess.STDOUT
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         t0 = time.time()
@@ -119,12 +175,17 @@ def _serve():
             time.sleep(0.5)
         check("ditattn serve comes up", True, info=f"{time.time() - t0:.0f} s")
         body = json.dumps({"prompt": "a boat", "size": "32x32"}).encode()
-        req = urllib.request.Request(base + "/v1/images/generations", data=body,
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            base + "/v1/images/generations", data=body, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=300) as r:
             answer = json.loads(r.read())
-        check("ditattn serve answers an image request", len(answer["data"]) == 1 and answer["attention_backends"],
-              str(answer), str(answer.get("attention_backends")))
+        check(
+            "ditattn serve answers an image request",
+            len(answer["data"]) == 1 and answer["attention_backends"],
+            str(answer),
+            str(answer.get("attention_backends")),
+        )
     finally:
         proc.terminate()
         proc.wait(30)

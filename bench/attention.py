@@ -11,6 +11,7 @@ float32 reference on 256 random query rows, speed-up over torch's default SDPA. 
 picks the launch configuration of our kernels first; a skip-softmax pass sweeps the threshold on
 attention-sink inputs.  Writes ``attention.json``, ``attention.png`` and prints a table.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,15 @@ from common import (  # noqa: E402
     sample_rows,
 )
 
-SHAPES = [(1, 24, 4096, 128), (1, 12, 4096, 128), (1, 12, 16384, 128), (1, 12, 32760, 128),
-          (1, 40, 32760, 128), (1, 40, 75600, 128), (1, 24, 4096, 64)]
+SHAPES = [
+    (1, 24, 4096, 128),
+    (1, 12, 4096, 128),
+    (1, 12, 16384, 128),
+    (1, 12, 32760, 128),
+    (1, 40, 32760, 128),
+    (1, 40, 75600, 128),
+    (1, 24, 4096, 64),
+]
 #: latent token grids (T, H, W) of the structured inputs, per sequence length (Wan 480p / 720p x 81 frames)
 GRIDS = {4096: (4, 32, 32), 16384: (16, 32, 32), 32760: (21, 30, 52), 75600: (21, 45, 80)}
 
@@ -54,6 +62,8 @@ def make_inputs(kind, b, s, h, d, seed):
             raise SystemExit(f"no token grid for S={s} (structured inputs accept S in {sorted(GRIDS)})")
         return common.structured_qkv(b, GRIDS[s], h, d, seed=seed)
     return make_qkv(b, s, h, d, seed=seed)
+
+
 TUNE_SHAPE = (1, 12, 32760, 128)
 
 
@@ -82,6 +92,7 @@ def dense_candidates(q, k, v, int8_cfg=None, int8_fp8_cfg=None, skip_cfg=None, h
 
     c["torch flash (FA2)"] = flash
     if heavy:
+
         def meff():
             with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
                 return _t(F.scaled_dot_product_attention(qt, kt, vt))
@@ -110,7 +121,8 @@ def dense_candidates(q, k, v, int8_cfg=None, int8_fp8_cfg=None, skip_cfg=None, h
 
         c["ours sm90 int8 QK (token K) + bf16 PV"] = lambda: sage_attention_sm90(q, k, v)[0]
         c["ours sm90 int8 QK (block K) + bf16 PV"] = lambda: sage_attention_sm90(
-            q, k, v, config={"k_granularity": "block"})[0]
+            q, k, v, config={"k_granularity": "block"}
+        )[0]
     if q.shape[-1] in (128, 256):
         from ditattn.attention.kernels.skip_softmax import skip_softmax_attention
 
@@ -161,8 +173,9 @@ def tune(rec, dl, fa_ms_holder, shape=TUNE_SHAPE):
         ms = guarded(rec, f"time {key} {cfg}", lambda fn=fn: bench_ms(fn))
         if ms is None:
             continue
-        row = rec.add(section="tune", shape=list(shape), kernel=key, config=cfg, ms=ms, tflops=fl / ms / 1e9,
-                      rel_err=err)
+        row = rec.add(
+            section="tune", shape=list(shape), kernel=key, config=cfg, ms=ms, tflops=fl / ms / 1e9, rel_err=err
+        )
         print(f"tune {key:10s} {str(cfg):55s} {ms:8.3f} ms {row['tflops']:7.1f} TFLOP/s err {err:.4f}", flush=True)
         ok = math.isfinite(err) and err < (0.03 if pv != "fp8" else 0.08)
         if ok and (key not in best or ms < best[key][0]):
@@ -210,29 +223,47 @@ def run_dense(rec, dl, shapes, int8_cfg, int8_fp8_cfg, skip_cfg, inputs="random"
             ms = guarded(rec, f"time {name} {(b, h, s, d)}", lambda fn=fn: bench_ms(fn))
             if ms is None:
                 continue
-            res[name] = rec.add(section="dense", shape=[b, h, s, d], backend=name, ms=ms, tflops=fl / ms / 1e9,
-                                rel_err=err, cos=cos, inputs=inputs)
+            res[name] = rec.add(
+                section="dense",
+                shape=[b, h, s, d],
+                backend=name,
+                ms=ms,
+                tflops=fl / ms / 1e9,
+                rel_err=err,
+                cos=cos,
+                inputs=inputs,
+            )
         # LSE accuracy of the backends that return it
         from ditattn.attention.backends.base import AttnCall, get_impl
         from ditattn.attention.kernels.int8_attention import int8_attention
         from ditattn.attention.names import AttentionBackendEnum as B
 
-        lse_fns = {"fa": lambda: get_impl(B.FA)(q, k, v, AttnCall(return_lse=True), {})[1],
-                   "torch_cudnn_sdpa": lambda: get_impl(B.TORCH_CUDNN_SDPA)(q, k, v, AttnCall(return_lse=True), {})[1],
-                   "ours int8 fp16": lambda: int8_attention(q, k, v, return_lse=True, config=int8_cfg)[1]}
+        lse_fns = {
+            "fa": lambda: get_impl(B.FA)(q, k, v, AttnCall(return_lse=True), {})[1],
+            "torch_cudnn_sdpa": lambda: get_impl(B.TORCH_CUDNN_SDPA)(q, k, v, AttnCall(return_lse=True), {})[1],
+            "ours int8 fp16": lambda: int8_attention(q, k, v, return_lse=True, config=int8_cfg)[1],
+        }
         for name, fn in lse_fns.items():
             lse = guarded(rec, f"lse {name}", fn)
             if lse is not None:
-                rec.add(section="lse", shape=[b, h, s, d], backend=name,
-                        max_abs_err=float((lse[:, :, rows] - ref_lse).abs().max()))
+                rec.add(
+                    section="lse",
+                    shape=[b, h, s, d],
+                    backend=name,
+                    max_abs_err=float((lse[:, :, rows] - ref_lse).abs().max()),
+                )
         base = next((r["ms"] for n, r in res.items() if n == "torch default SDPA"), None)
-        fastest = min((r["ms"] for n, r in res.items() if n.startswith(("fa", "torch_cudnn", "torch flash"))), default=None)
+        fastest = min(
+            (r["ms"] for n, r in res.items() if n.startswith(("fa", "torch_cudnn", "torch flash"))), default=None
+        )
         for r in res.values():
             r["speedup_vs_torch_default"] = base / r["ms"] if base else None
             summary.append(dict(r, shape=f"{b},{h},{s},{d}"))
         auto = res.get("ditattn auto")
         if auto and fastest:
-            rec.note(f"auto/fastest-installed-dense at {(b, h, s, d)}: {fastest / auto['ms']:.3f} (>= 0.98 is the target)")
+            rec.note(
+                f"auto/fastest-installed-dense at {(b, h, s, d)}: {fastest / auto['ms']:.3f} (>= 0.98 is the target)"
+            )
         # paired re-measurement (alternating, best of 2 medians each) of auto against the dense kernels,
         # because clock drift between the first and the last backend of a shape is a few percent
         pair_names = [n for n in cands if n.startswith(("fa (", "torch_cudnn", "ditattn auto"))]
@@ -245,7 +276,9 @@ def run_dense(rec, dl, shapes, int8_cfg, int8_fp8_cfg, skip_cfg, inputs="random"
                         best[n] = min(best.get(n, ms), ms)
             if "ditattn auto" in best and len(best) > 1:
                 fastest_p = min(ms for n, ms in best.items() if n != "ditattn auto")
-                rec.add(section="paired", shape=[b, h, s, d], ms=best, auto_over_fastest=fastest_p / best["ditattn auto"])
+                rec.add(
+                    section="paired", shape=[b, h, s, d], ms=best, auto_over_fastest=fastest_p / best["ditattn auto"]
+                )
                 rec.note(f"paired auto/fastest at {(b, h, s, d)}: {fastest_p / best['ditattn auto']:.3f} {best}")
         rec.flush()
         del q, k, v, ref
@@ -280,36 +313,76 @@ def run_skip(rec, dl, skip_cfg, shape=(1, 12, 32760, 128)):
     rows = sample_rows(s, 256, seed=3)
     ref, _ = reference_rows(q, k, v, rows)
     fl = attn_flops(b, h, s, s, d)
-    dense_ms = guarded(rec, "skip dense", lambda: bench_ms(lambda: skip_softmax_attention(q, k, v, config=skip_cfg)[0]))
+    dense_ms = guarded(
+        rec, "skip dense", lambda: bench_ms(lambda: skip_softmax_attention(q, k, v, config=skip_cfg)[0])
+    )
     if dense_ms is None:
         return []
     out = skip_softmax_attention(q, k, v, config=skip_cfg)[0]
-    rows_out = [rec.add(section="skip", shape=list(shape), factor=None, skipped=0.0, ms=dense_ms,
-                        speedup_vs_own_dense=1.0, rel_err=rel_err(out[:, rows], ref), tflops=fl / dense_ms / 1e9)]
+    rows_out = [
+        rec.add(
+            section="skip",
+            shape=list(shape),
+            factor=None,
+            skipped=0.0,
+            ms=dense_ms,
+            speedup_vs_own_dense=1.0,
+            rel_err=rel_err(out[:, rows], ref),
+            tflops=fl / dense_ms / 1e9,
+        )
+    ]
     from ditattn.attention.backends.base import AttnCall, get_impl
     from ditattn.attention.names import AttentionBackendEnum as B
 
     fa_ms = guarded(rec, "skip fa", lambda: bench_ms(lambda: get_impl(B.FA)(q, k, v, AttnCall(), {})[0]))
     if fa_ms:
-        rows_out.append(rec.add(section="skip", shape=list(shape), factor="fa (dense FA4)", skipped=0.0, ms=fa_ms,
-                                speedup_vs_own_dense=dense_ms / fa_ms, tflops=fl / fa_ms / 1e9))
+        rows_out.append(
+            rec.add(
+                section="skip",
+                shape=list(shape),
+                factor="fa (dense FA4)",
+                skipped=0.0,
+                ms=fa_ms,
+                speedup_vs_own_dense=dense_ms / fa_ms,
+                tflops=fl / fa_ms / 1e9,
+            )
+        )
     for f in (0.25, 1.0, 4.0, 16.0, 64.0, 256.0):
         for pre in (True, False):
             if dl.left() < 15:
                 rec.note("skip sweep stopped early (time budget)")
                 return rows_out
             cfg = dict(skip_cfg or {}, prefetch_v=pre)
-            res = guarded(rec, f"skip f={f}", lambda f=f, cfg=cfg: skip_softmax_attention(
-                q, k, v, threshold_scale_factor=f, config=cfg))
+            res = guarded(
+                rec,
+                f"skip f={f}",
+                lambda f=f, cfg=cfg: skip_softmax_attention(q, k, v, threshold_scale_factor=f, config=cfg),
+            )
             if res is None:
                 continue
             o, _, frac = res
             err = rel_err(o[:, rows], ref)
-            ms = bench_ms(lambda f=f, cfg=cfg: skip_softmax_attention(q, k, v, threshold_scale_factor=f, config=cfg)[0])
-            rows_out.append(rec.add(section="skip", shape=list(shape), factor=f, prefetch_v=pre, skipped=float(frac),
-                                    ms=ms, speedup_vs_own_dense=dense_ms / ms, rel_err=err, tflops=fl / ms / 1e9))
-            print(f"skip f={f:7.2f} prefetch_v={pre} skipped {float(frac):.3f} {ms:8.3f} ms speed-up "
-                  f"{dense_ms / ms:.2f} err {err:.4f}", flush=True)
+            ms = bench_ms(
+                lambda f=f, cfg=cfg: skip_softmax_attention(q, k, v, threshold_scale_factor=f, config=cfg)[0]
+            )
+            rows_out.append(
+                rec.add(
+                    section="skip",
+                    shape=list(shape),
+                    factor=f,
+                    prefetch_v=pre,
+                    skipped=float(frac),
+                    ms=ms,
+                    speedup_vs_own_dense=dense_ms / ms,
+                    rel_err=err,
+                    tflops=fl / ms / 1e9,
+                )
+            )
+            print(
+                f"skip f={f:7.2f} prefetch_v={pre} skipped {float(frac):.3f} {ms:8.3f} ms speed-up "
+                f"{dense_ms / ms:.2f} err {err:.4f}",
+                flush=True,
+            )
     return rows_out
 
 
@@ -330,10 +403,13 @@ def run_sage_vs_fa(rec, dl, shapes, rounds=2):
         q, k, v = make_qkv(b, s, h, d, seed=2000 + si)
         rows = sample_rows(s, 256, seed=si)
         ref, _ = reference_rows(q, k, v, rows)
-        cands = {"fa": lambda: ditattn.attention(q, k, v, backend="fa"),
-                 "sage_attn": lambda: ditattn.attention(q, k, v, backend="sage_attn"),
-                 "sage_attn min_seq_len=0": lambda: ditattn.attention(q, k, v, backend="sage_attn",
-                                                                      config={"min_seq_len": 0})}
+        cands = {
+            "fa": lambda: ditattn.attention(q, k, v, backend="fa"),
+            "sage_attn": lambda: ditattn.attention(q, k, v, backend="sage_attn"),
+            "sage_attn min_seq_len=0": lambda: ditattn.attention(
+                q, k, v, backend="sage_attn", config={"min_seq_len": 0}
+            ),
+        }
         errs, best = {}, {}
         for name, fn in cands.items():
             o = guarded(rec, f"sage_vs_fa {name} {(b, h, s, d)}", fn)
@@ -345,15 +421,32 @@ def run_sage_vs_fa(rec, dl, shapes, rounds=2):
                 if ms is not None:
                     best[name] = min(best.get(name, ms), ms)
         fa = best.get("fa")
-        row = rec.add(section="sage_vs_fa", shape=[b, h, s, d], ms=best, rel_err=errs,
-                      x_fa=fa / best["sage_attn"] if fa and best.get("sage_attn") else None,
-                      x_fa_own_kernel=fa / best["sage_attn min_seq_len=0"]
-                      if fa and best.get("sage_attn min_seq_len=0") else None,
-                      routed=routes_to_dense(q, {}))
-        out_rows.append(dict(row, shape=f"{b},{h},{s},{d}", fa_ms=fa, sage_ms=best.get("sage_attn"),
-                             err=errs.get("sage_attn"), runs="fa (exact dense)" if row["routed"] else "sage kernel"))
-        print(f"sage_vs_fa {(b, h, s, d)}: x fa {row['x_fa'] or float('nan'):.3f} (own kernel "
-              f"{row['x_fa_own_kernel'] or float('nan'):.3f}), {out_rows[-1]['runs']}", flush=True)
+        row = rec.add(
+            section="sage_vs_fa",
+            shape=[b, h, s, d],
+            ms=best,
+            rel_err=errs,
+            x_fa=fa / best["sage_attn"] if fa and best.get("sage_attn") else None,
+            x_fa_own_kernel=fa / best["sage_attn min_seq_len=0"]
+            if fa and best.get("sage_attn min_seq_len=0")
+            else None,
+            routed=routes_to_dense(q, {}),
+        )
+        out_rows.append(
+            dict(
+                row,
+                shape=f"{b},{h},{s},{d}",
+                fa_ms=fa,
+                sage_ms=best.get("sage_attn"),
+                err=errs.get("sage_attn"),
+                runs="fa (exact dense)" if row["routed"] else "sage kernel",
+            )
+        )
+        print(
+            f"sage_vs_fa {(b, h, s, d)}: x fa {row['x_fa'] or float('nan'):.3f} (own kernel "
+            f"{row['x_fa_own_kernel'] or float('nan'):.3f}), {out_rows[-1]['runs']}",
+            flush=True,
+        )
         del q, k, v, ref
         empty_cache()
     return out_rows
@@ -394,11 +487,18 @@ def main(argv=None):
     ap.add_argument("--shapes", default="", help="B,H,S,D;B,H,S,D;... (default: the Wan 1.3B/14B shapes)")
     ap.add_argument("--tune-shape", default=",".join(map(str, TUNE_SHAPE)))
     ap.add_argument("--skip-shape", default="1,12,32760,128")
-    ap.add_argument("--inputs", choices=("random", "structured"), default="random",
-                    help="i.i.d. normal q/k/v, or q/k rotated by Wan's 3-D RoPE on the shape's token grid")
-    ap.add_argument("--sage-vs-fa", action="store_true",
-                    help="only sage_attn (defaults, and its own kernel at every length) against fa at each shape, "
-                         "through ditattn.attention, timed alternately")
+    ap.add_argument(
+        "--inputs",
+        choices=("random", "structured"),
+        default="random",
+        help="i.i.d. normal q/k/v, or q/k rotated by Wan's 3-D RoPE on the shape's token grid",
+    )
+    ap.add_argument(
+        "--sage-vs-fa",
+        action="store_true",
+        help="only sage_attn (defaults, and its own kernel at every length) against fa at each shape, "
+        "through ditattn.attention, timed alternately",
+    )
     args = ap.parse_args(argv)
     if common.DEVICE == "cuda" and not torch.cuda.is_available():
         print("bench/attention.py needs a CUDA GPU")
@@ -412,9 +512,20 @@ def main(argv=None):
         shapes = [parse(t) for t in args.shapes.split(";")] if args.shapes else SHAPES
         rows = run_sage_vs_fa(rec, dl, shapes)
         print("\n## sage_attn against fa (ditattn.attention, one process; x fa = fa ms / sage_attn ms)")
-        print(fmt_table(rows, [("shape", "B,H,S,D", ""), ("fa_ms", "fa ms", ".3f"), ("sage_ms", "sage_attn ms", ".3f"),
-                               ("x_fa", "x fa", ".3f"), ("runs", "sage_attn runs", ""),
-                               ("x_fa_own_kernel", "x fa, own kernel", ".3f"), ("err", "rel err", ".2e")]))
+        print(
+            fmt_table(
+                rows,
+                [
+                    ("shape", "B,H,S,D", ""),
+                    ("fa_ms", "fa ms", ".3f"),
+                    ("sage_ms", "sage_attn ms", ".3f"),
+                    ("x_fa", "x fa", ".3f"),
+                    ("runs", "sage_attn runs", ""),
+                    ("x_fa_own_kernel", "x fa, own kernel", ".3f"),
+                    ("err", "rel err", ".2e"),
+                ],
+            )
+        )
         for n in rec.data["notes"]:
             print("note:", n)
         return 0
@@ -424,15 +535,35 @@ def main(argv=None):
     skip_rows = [] if args.no_skip else run_skip(rec, dl, cfgs[2], parse(args.skip_shape))
     plot(summary, os.path.join(args.out, "attention.png"))
     print("\n## dense (bf16; err = rel. L2 vs float32 on 256 rows)")
-    print(fmt_table(summary, [("shape", "B,H,S,D", ""), ("backend", "backend", ""), ("ms", "ms", ".3f"),
-                              ("tflops", "TFLOP/s", ".0f"), ("rel_err", "rel err", ".2e"), ("cos", "cos", ".5f"),
-                              ("speedup_vs_torch_default", "x torch default", ".2f")]))
+    print(
+        fmt_table(
+            summary,
+            [
+                ("shape", "B,H,S,D", ""),
+                ("backend", "backend", ""),
+                ("ms", "ms", ".3f"),
+                ("tflops", "TFLOP/s", ".0f"),
+                ("rel_err", "rel err", ".2e"),
+                ("cos", "cos", ".5f"),
+                ("speedup_vs_torch_default", "x torch default", ".2f"),
+            ],
+        )
+    )
     if skip_rows:
         print("\n## skip softmax (attention-sink inputs)")
-        print(fmt_table(skip_rows, [("factor", "threshold factor", ""), ("prefetch_v", "prefetch V", ""),
-                                    ("skipped", "skipped", ".3f"),
-                                    ("ms", "ms", ".3f"), ("speedup_vs_own_dense", "x own dense", ".2f"),
-                                    ("rel_err", "rel err", ".2e")]))
+        print(
+            fmt_table(
+                skip_rows,
+                [
+                    ("factor", "threshold factor", ""),
+                    ("prefetch_v", "prefetch V", ""),
+                    ("skipped", "skipped", ".3f"),
+                    ("ms", "ms", ".3f"),
+                    ("speedup_vs_own_dense", "x own dense", ".2f"),
+                    ("rel_err", "rel err", ".2e"),
+                ],
+            )
+        )
     for n in rec.data["notes"]:
         print("note:", n)
     return 0

@@ -7,6 +7,7 @@ table last; writes ``block_sparse_sm90.json`` under ``--out``.
 
     python3 bench/block_sparse_sm90.py --out $OUT/bs --budget-s 200
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,15 +41,23 @@ def check(rec, variants):
         mask = block_lists_to_dense_mask(idx, cnt, block_size=bs, kv_valid=valid)
         ref, ref_lse = reference_attention(q, k, v, mask=mask)
         for name, cfg in variants.items():
+
             def run():
-                o, lse = block_sparse_attention_triton(q, k, v, idx, cnt, impl="sm90", block_size=bs,
-                                                       kv_valid=valid, return_lse=True, config=cfg)
+                o, lse = block_sparse_attention_triton(
+                    q, k, v, idx, cnt, impl="sm90", block_size=bs, kv_valid=valid, return_lse=True, config=cfg
+                )
                 torch.cuda.synchronize()
                 fin = torch.isfinite(ref_lse)
-                return rec.add(section="check", variant=name, shape=f"{B},{S},{H},{Hkv},{D}", rel_err=rel_err(o, ref),
-                               lse_max_err=float((lse[fin] - ref_lse[fin]).abs().max()),
-                               empty_rows=bool(torch.equal(torch.isfinite(lse), fin)) and bool(
-                                   (o[0, bs:2 * bs, 0] == 0).all()), finite=bool(torch.isfinite(o).all()))
+                return rec.add(
+                    section="check",
+                    variant=name,
+                    shape=f"{B},{S},{H},{Hkv},{D}",
+                    rel_err=rel_err(o, ref),
+                    lse_max_err=float((lse[fin] - ref_lse[fin]).abs().max()),
+                    empty_rows=bool(torch.equal(torch.isfinite(lse), fin)) and bool((o[0, bs : 2 * bs, 0] == 0).all()),
+                    finite=bool(torch.isfinite(o).all()),
+                )
+
             r = guarded(rec, f"check {name}", run)
             if r:
                 rows.append(r)
@@ -69,7 +78,9 @@ def timing(rec, dl, seqs, sparsities, heads, variants, extra=None):
         q, k, v = make_qkv(1, S, heads, D, seed=50)
         qr, kr, vr = q[:, :s_real], k[:, :s_real], v[:, :s_real]
         fa_ms = guarded(rec, "fa dense", lambda: bench_ms(lambda: get_impl(B.FA)(qr, kr, vr, AttnCall(), {})[0]))
-        fa_kms = guarded(rec, "fa dense kernel", lambda: kernel_ms(lambda: get_impl(B.FA)(qr, kr, vr, AttnCall(), {})[0], 3))
+        fa_kms = guarded(
+            rec, "fa dense kernel", lambda: kernel_ms(lambda: get_impl(B.FA)(qr, kr, vr, AttnCall(), {})[0], 3)
+        )
         valid = torch.arange(S, device="cuda")[None, :] < s_real
         nb = S // bs
         for sp in sparsities:
@@ -79,11 +90,15 @@ def timing(rec, dl, seqs, sparsities, heads, variants, extra=None):
             keep = max(1, round((1 - sp) * nb))
             idx, cnt = random_lists(1, heads, nb, nb, keep, seed=int(sp * 1000) + bs)
             kept = keep / nb
-            cands = {"triton (kv_valid)": lambda: block_sparse_attention_triton(
-                q, k, v, idx, cnt, impl="triton", block_size=bs, kv_valid=valid)[0]}
+            cands = {
+                "triton (kv_valid)": lambda: block_sparse_attention_triton(
+                    q, k, v, idx, cnt, impl="triton", block_size=bs, kv_valid=valid
+                )[0]
+            }
             for name, cfg in variants.items():
-                cands[f"sm90 {name}"] = (lambda cfg=cfg: block_sparse_attention_triton(
-                    q, k, v, idx, cnt, impl="sm90", block_size=bs, kv_valid=valid, config=cfg)[0])
+                cands[f"sm90 {name}"] = lambda cfg=cfg: block_sparse_attention_triton(
+                    q, k, v, idx, cnt, impl="sm90", block_size=bs, kv_valid=valid, config=cfg
+                )[0]
             if extra is not None:
                 cands.update(extra(q, k, v, idx, cnt, s_real))
             try:
@@ -128,11 +143,28 @@ def main(argv=None):
     rec = Recorder(args.out, "block_sparse_sm90", {"env": common.env_info(), "argv": sys.argv})
     variants = _variants(args.variants)
     checks = check(rec, variants)
-    times = timing(rec, dl, [int(x) for x in args.seqs.split(",")], [float(x) for x in args.sparsities.split(",")],
-                   args.heads, variants)
+    times = timing(
+        rec,
+        dl,
+        [int(x) for x in args.seqs.split(",")],
+        [float(x) for x in args.sparsities.split(",")],
+        args.heads,
+        variants,
+    )
     print()
-    print(fmt_table(checks, [("variant", "variant", ""), ("shape", "B,S,H,Hkv,D", ""), ("rel_err", "err vs fp32", ".2e"),
-                             ("lse_max_err", "lse max", ".1e"), ("empty_rows", "empty rows ok", ""), ("finite", "finite", "")]))
+    print(
+        fmt_table(
+            checks,
+            [
+                ("variant", "variant", ""),
+                ("shape", "B,S,H,Hkv,D", ""),
+                ("rel_err", "err vs fp32", ".2e"),
+                ("lse_max_err", "lse max", ".1e"),
+                ("empty_rows", "empty rows ok", ""),
+                ("finite", "finite", ""),
+            ],
+        )
+    )
     names = ["triton (kv_valid)"] + [f"sm90 {n}" for n in variants] + ["fa4 block-sparse"]
     cols = [("seq", "S", ""), ("sparsity", "sparsity", "")]
     for n in names:

@@ -14,6 +14,7 @@ its efficiency (speed-up / forward ratio: 1.0 when a reused forward costs nothin
 backend the speed-up of the stack against the uncached default backend and the product of the two
 separate speed-ups.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,10 @@ def build(cfg: dict, spec: str, dt, dev):
     from ditattn.models.wan.transformer import KEEP_FP32, WanTransformer, WanTransformerConfig, cast_model
 
     name, _, cfg_txt = spec.partition(":")
-    settings = AttentionSettings(backend=None if name == "auto" else B.from_name(name),
-                                 config=parse_attention_backend_config(cfg_txt.replace(";", ",")))
+    settings = AttentionSettings(
+        backend=None if name == "auto" else B.from_name(name),
+        config=parse_attention_backend_config(cfg_txt.replace(";", ",")),
+    )
     torch.manual_seed(0)
     with attention_settings(settings), component_scope("transformer"):
         model = WanTransformer(WanTransformerConfig.from_dict(cfg), dtype=dt)
@@ -64,8 +67,9 @@ def loop(model, settings, cache_spec: str, args, cfg, dev, dt) -> dict:
     g = torch.Generator(device="cpu").manual_seed(1)
     latents = torch.randn(1, cfg["in_channels"], (args.frames - 1) // 4 + 1, h // 8, w // 8, generator=g).to(dev)
     text = torch.randn(2, args.text_len, cfg["text_dim"], generator=g).to(dev, dt)  # conditional, unconditional
-    sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
-                                    num_train_timesteps=1000)
+    sched = UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0, num_train_timesteps=1000
+    )
     sched.set_timesteps(args.steps, device=dev)
     run = setting.new_run() if setting is not None else None
     placement = ComponentPlacement({"transformer": model}, dev)
@@ -73,9 +77,21 @@ def loop(model, settings, cache_spec: str, args, cfg, dev, dt) -> dict:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     with torch.inference_mode(), attention_settings(settings):
-        denoise(latents, sched, {"transformer": model, "transformer_2": None}, context=text, condition=None,
-                guidance=5.0, guidance_2=5.0, boundary_ratio=None, expand_timesteps=False, placement=placement,
-                dtype=dt, cache=run, progress=False)
+        denoise(
+            latents,
+            sched,
+            {"transformer": model, "transformer_2": None},
+            context=text,
+            condition=None,
+            guidance=5.0,
+            guidance_2=5.0,
+            boundary_ratio=None,
+            expand_timesteps=False,
+            placement=placement,
+            dtype=dt,
+            cache=run,
+            progress=False,
+        )
     if dev.type == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
@@ -124,22 +140,42 @@ def main() -> int:
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     att_speed = {r["attention"]: base / r["wall_s"] for r in rows if r["cache"] == "none" and base}
-    print(f"{'attention':<16} {'cache':<48} {'wall s':>8} {'fwd':>7} {'fwd x':>6} {'speed x':>7} {'eff':>5} "
-          f"{'reuse%':>6} {'vs base':>7} {'product':>7}")
+    print(
+        f"{'attention':<16} {'cache':<48} {'wall s':>8} {'fwd':>7} {'fwd x':>6} {'speed x':>7} {'eff':>5} "
+        f"{'reuse%':>6} {'vs base':>7} {'product':>7}"
+    )
     for r in rows:
-        cache_speed = next((x["speedup"] for x in rows if x["attention"] == rows[0]["attention"]
-                            and x["cache"] == r["cache"] and "speedup" in x), None)
+        cache_speed = next(
+            (
+                x["speedup"]
+                for x in rows
+                if x["attention"] == rows[0]["attention"] and x["cache"] == r["cache"] and "speedup" in x
+            ),
+            None,
+        )
         product = att_speed.get(r["attention"], 1.0) * cache_speed if cache_speed else None
         r["product_of_speedups"] = product
-        print(f"{r['attention']:<16} {r['cache']:<48} {r['wall_s']:8.2f} {r['computed']:>3}/{r['forwards']:<3} "
-              f"{r['forward_ratio']:6.2f} {r.get('speedup', 0):7.2f} {r.get('efficiency', 0):5.2f} "
-              f"{100 * r.get('reuse_cost_frac', 0):6.2f} {r.get('speedup_vs_base', 0):7.2f} "
-              f"{product if product else 0:7.2f}")
+        print(
+            f"{r['attention']:<16} {r['cache']:<48} {r['wall_s']:8.2f} {r['computed']:>3}/{r['forwards']:<3} "
+            f"{r['forward_ratio']:6.2f} {r.get('speedup', 0):7.2f} {r.get('efficiency', 0):5.2f} "
+            f"{100 * r.get('reuse_cost_frac', 0):6.2f} {r.get('speedup_vs_base', 0):7.2f} "
+            f"{product if product else 0:7.2f}"
+        )
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as fh:
-            json.dump({"arch": args.arch, "res": args.res, "frames": args.frames, "steps": args.steps,
-                       "device": str(dev), "rows": rows}, fh, indent=1)
+            json.dump(
+                {
+                    "arch": args.arch,
+                    "res": args.res,
+                    "frames": args.frames,
+                    "steps": args.steps,
+                    "device": str(dev),
+                    "rows": rows,
+                },
+                fh,
+                indent=1,
+            )
         print(f"wrote {args.out}")
     return 0
 

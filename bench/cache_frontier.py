@@ -13,6 +13,7 @@ same for block work, which differs for first_block_cache), mean and minimum pair
 against the uncached clip, and the semantic judge's colour / motion verdicts (how many clips are judged
 right, and how many verdicts differ from the uncached clip's).  Writes the rows as JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,9 +29,11 @@ sys.path.insert(0, os.path.join(ROOT, "src"))
 #: variants measured by default: per method a quality setting (about 2x at 50 steps) and a fast one (3x or more:
 #: the first 20 % of the steps computed, long runs of reuse in the middle), chosen on the tuning prompts
 DEFAULT_VARIANTS = [
-    "teacache:threshold=0.2", "magcache:threshold=0.16,max_consecutive_skips=3",
+    "teacache:threshold=0.2",
+    "magcache:threshold=0.16,max_consecutive_skips=3",
     "first_block_cache:threshold=0.3,bn_blocks=1",
-    "teacache:threshold=0.5,max_consecutive_skips=8", "magcache:threshold=0.8,max_consecutive_skips=12",
+    "teacache:threshold=0.5,max_consecutive_skips=8",
+    "magcache:threshold=0.8,max_consecutive_skips=12",
     "first_block_cache:threshold=0.5,bn_blocks=1,max_consecutive_skips=8",
 ]
 
@@ -55,15 +58,19 @@ def select_prompts(name: str, n: int, exclude, first: int = 0) -> list[str]:
     chosen = prompt_sets(exclude)[name]
     if first + n > len(chosen):
         raise SystemExit(f"only {len(chosen)} {name} prompts exist")
-    return chosen[first:first + n]
+    return chosen[first : first + n]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default="ditattn:shapes")
     ap.add_argument("--prompts", type=int, default=30, help="prompts of the set (default 30)")
-    ap.add_argument("--prompt-set", choices=PROMPT_SETS, default="heldout",
-                    help="tuning: prompts to choose settings on; heldout (default): prompts to report on only")
+    ap.add_argument(
+        "--prompt-set",
+        choices=PROMPT_SETS,
+        default="heldout",
+        help="tuning: prompts to choose settings on; heldout (default): prompts to report on only",
+    )
     ap.add_argument("--first-prompt", type=int, default=0, help="start at this index of the set (default 0)")
     ap.add_argument("--size", default=None, help="HxWxF (default: the model's)")
     ap.add_argument("--steps", type=int, default=None)
@@ -71,11 +78,16 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--attention-backend", default=None)
-    ap.add_argument("--variant", action="append", help="METHOD:k=v,... (repeat; default: every method at 2-3 "
-                                                        "thresholds)")
+    ap.add_argument(
+        "--variant", action="append", help="METHOD:k=v,... (repeat; default: every method at 2-3 thresholds)"
+    )
     ap.add_argument("--output", default="cache_frontier.json")
-    ap.add_argument("--time-budget-s", type=float, default=None,
-                    help="start no new prompt after this many seconds (the table then covers the prompts run)")
+    ap.add_argument(
+        "--time-budget-s",
+        type=float,
+        default=None,
+        help="start no new prompt after this many seconds (the table then covers the prompts run)",
+    )
     args = ap.parse_args(argv)
 
     import numpy as np
@@ -88,8 +100,9 @@ def main(argv=None) -> int:
     from ditattn.train.judge import judge
     from ditattn.train.scenes import parse_caption
 
-    settings = AttentionSettings(backend=AttentionBackendEnum.from_name(args.attention_backend)
-                                 if args.attention_backend else None)
+    settings = AttentionSettings(
+        backend=AttentionBackendEnum.from_name(args.attention_backend) if args.attention_backend else None
+    )
     pipe = WanPipelineNative.from_pretrained(args.model_path, settings, device=args.device, dtype=args.dtype)
     cal = packaged_calibration(pipe.model_index.name)
     exclude = set(json.load(open(cal))["prompts"]) if cal else set()
@@ -110,8 +123,22 @@ def main(argv=None) -> int:
         v = judge(clip, color, motion)
         return bool(v.color_ok), bool(v.motion_ok)
 
-    rows = {v: {"variant": v, "psnr": [], "ssim": [], "forwards": 0, "computed": 0, "blocks": 0, "blocks_done": 0,
-                "color_ok": 0, "motion_ok": 0, "lost": 0, "time_s": 0.0} for v in ["uncached"] + variants}
+    rows = {
+        v: {
+            "variant": v,
+            "psnr": [],
+            "ssim": [],
+            "forwards": 0,
+            "computed": 0,
+            "blocks": 0,
+            "blocks_done": 0,
+            "color_ok": 0,
+            "motion_ok": 0,
+            "lost": 0,
+            "time_s": 0.0,
+        }
+        for v in ["uncached"] + variants
+    }
     t_all = time.perf_counter()
     done = 0
     for i, prompt in enumerate(prompts):
@@ -147,29 +174,49 @@ def main(argv=None) -> int:
 
     out = []
     n = done
-    head = (f"{'variant':<52} {'fwd x':>6} {'blk x':>6} {'PSNR':>6} {'min':>6} {'SSIM':>6} {'colour':>7} "
-            f"{'motion':>7} {'lost':>5} {'s/clip':>7}")
+    head = (
+        f"{'variant':<52} {'fwd x':>6} {'blk x':>6} {'PSNR':>6} {'min':>6} {'SSIM':>6} {'colour':>7} "
+        f"{'motion':>7} {'lost':>5} {'s/clip':>7}"
+    )
     lines = [head]
     for v, row in rows.items():
-        res = {"variant": v, "prompts": n, "time_s_per_clip": row["time_s"] / n,
-               "color_ok": row["color_ok"], "motion_ok": row["motion_ok"]}
+        res = {
+            "variant": v,
+            "prompts": n,
+            "time_s_per_clip": row["time_s"] / n,
+            "color_ok": row["color_ok"],
+            "motion_ok": row["motion_ok"],
+        }
         if v != "uncached":
-            res.update(forward_ratio=row["forwards"] / max(row["computed"], 1),
-                       block_ratio=row["blocks"] / max(row["blocks_done"], 1),
-                       psnr_mean=float(np.mean(row["psnr"])), psnr_min=float(np.min(row["psnr"])),
-                       ssim_mean=float(np.mean(row["ssim"])), verdicts_lost=row["lost"], trace=row.get("trace"))
+            res.update(
+                forward_ratio=row["forwards"] / max(row["computed"], 1),
+                block_ratio=row["blocks"] / max(row["blocks_done"], 1),
+                psnr_mean=float(np.mean(row["psnr"])),
+                psnr_min=float(np.min(row["psnr"])),
+                ssim_mean=float(np.mean(row["ssim"])),
+                verdicts_lost=row["lost"],
+                trace=row.get("trace"),
+            )
         out.append(res)
 
         def g(k, fmt):
             return format(res[k], fmt) if k in res else "-".rjust(int(fmt.rstrip("dfe").split(".")[0]))
 
-        lines.append(f"{v:<52} {g('forward_ratio', '6.2f')} {g('block_ratio', '6.2f')} {g('psnr_mean', '6.2f')} "
-                     f"{g('psnr_min', '6.2f')} {g('ssim_mean', '6.4f')} {row['color_ok']:>4}/{n:<2} "
-                     f"{row['motion_ok']:>4}/{n:<2} {g('verdicts_lost', '5d')} {res['time_s_per_clip']:7.2f}")
+        lines.append(
+            f"{v:<52} {g('forward_ratio', '6.2f')} {g('block_ratio', '6.2f')} {g('psnr_mean', '6.2f')} "
+            f"{g('psnr_min', '6.2f')} {g('ssim_mean', '6.4f')} {row['color_ok']:>4}/{n:<2} "
+            f"{row['motion_ok']:>4}/{n:<2} {g('verdicts_lost', '5d')} {res['time_s_per_clip']:7.2f}"
+        )
     print("\n".join(lines))
-    meta = {"model": pipe.model_index.name, "device": str(pipe.device), "size": args.size or "default",
-            "steps": args.steps or pipe.defaults["num_inference_steps"], "seed": args.seed,
-            "prompt_set": args.prompt_set, "prompts": prompts[:done]}
+    meta = {
+        "model": pipe.model_index.name,
+        "device": str(pipe.device),
+        "size": args.size or "default",
+        "steps": args.steps or pipe.defaults["num_inference_steps"],
+        "seed": args.seed,
+        "prompt_set": args.prompt_set,
+        "prompts": prompts[:done],
+    }
     with open(args.output, "w") as fh:
         json.dump({"meta": meta, "rows": out}, fh, indent=1)
     print(f"wrote {args.output}")

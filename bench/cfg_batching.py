@@ -14,6 +14,7 @@ small size.  The ratio sequential / batched above 1 means batching is faster; th
 
 Prints a table last; writes every figure to --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -88,7 +89,7 @@ def measure(model, cfg: dict, size: tuple[int, int, int], *, text_len: int, repe
             torch.cuda.reset_peak_memory_stats(dev)
         outs[name] = fn()
         row[f"{name}_ms"] = median_ms(fn, repeats=repeats)
-        row[f"{name}_peak_gib"] = torch.cuda.max_memory_allocated(dev) / 2 ** 30 if dev.type == "cuda" else None
+        row[f"{name}_peak_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
     diff = (outs["sequential"].float() - outs["batched"].float()).norm() / outs["batched"].float().norm()
     row["rel_diff"] = float(diff)
     row["sequential_over_batched"] = row["sequential_ms"] / row["batched_ms"]
@@ -115,15 +116,32 @@ def main() -> None:
     with torch.inference_mode():
         for size in parse_sizes(args.sizes):
             rows.append(measure(model, cfg, size, text_len=args.text_len, repeats=args.repeats, dev=dev, dt=dt))
-    result = {"arch": args.arch, "dtype": str(dt).replace("torch.", ""), "device": str(dev), "env": env_info(),
-              "attention_backend": args.attention_backend, "rows": rows}
+    result = {
+        "arch": args.arch,
+        "dtype": str(dt).replace("torch.", ""),
+        "device": str(dev),
+        "env": env_info(),
+        "attention_backend": args.attention_backend,
+        "rows": rows,
+    }
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as fh:
             json.dump(result, fh, indent=2)
-    print(fmt_table(rows, [("size", "size", "s"), ("tokens", "tokens", "d"), ("batched_ms", "batched ms", ".1f"),
-                           ("sequential_ms", "sequential ms", ".1f"), ("sequential_over_batched", "seq/batched", ".3f"),
-                           ("faster", "faster", "s"), ("rel_diff", "rel diff", ".1e")]))
+    print(
+        fmt_table(
+            rows,
+            [
+                ("size", "size", "s"),
+                ("tokens", "tokens", "d"),
+                ("batched_ms", "batched ms", ".1f"),
+                ("sequential_ms", "sequential ms", ".1f"),
+                ("sequential_over_batched", "seq/batched", ".3f"),
+                ("faster", "faster", "s"),
+                ("rel_diff", "rel diff", ".1e"),
+            ],
+        )
+    )
 
 
 if __name__ == "__main__":

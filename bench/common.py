@@ -4,6 +4,7 @@ Timing is the median of ``triton.testing.do_bench`` (CUDA events, L2 flushed bet
 warm-up first).  Accuracy is the relative L2 error ``|out - ref| / |ref|`` against a float32
 reference computed on a random subset of query rows (full key set), TF32 disabled.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,17 @@ WAN_ARCH = {
     "14b": dict(num_attention_heads=40, attention_head_dim=128, ffn_dim=13824, num_layers=40),
     "tiny": dict(num_attention_heads=2, attention_head_dim=128, ffn_dim=256, num_layers=2),
 }
-WAN_COMMON = dict(patch_size=(1, 2, 2), in_channels=16, out_channels=16, text_dim=4096, freq_dim=256,
-                  cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+WAN_COMMON = dict(
+    patch_size=(1, 2, 2),
+    in_channels=16,
+    out_channels=16,
+    text_dim=4096,
+    freq_dim=256,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    eps=1e-6,
+    rope_max_seq_len=1024,
+)
 #: output resolutions (height, width) in pixels
 WAN_RES = {"480p": (480, 832), "720p": (720, 1280), "tiny": (64, 64)}
 
@@ -71,8 +81,10 @@ def grid_args(ap, args) -> tuple[list[tuple[str, tuple[int, int, int]]], list[in
         else:
             grids = [(g, WAN_GRIDS[g]) for g in args.grids.split(",")]
     except (ValueError, KeyError):
-        ap.error(f"--grid takes T,H,W (three positive integers), --grids names from {', '.join(WAN_GRIDS)}: "
-                 f"got --grid {args.grid!r} --grids {args.grids!r}")
+        ap.error(
+            f"--grid takes T,H,W (three positive integers), --grids names from {', '.join(WAN_GRIDS)}: "
+            f"got --grid {args.grid!r} --grids {args.grids!r}"
+        )
     try:
         heads = [int(h) for h in args.heads.split(",")]
         if min(heads) < 1:
@@ -155,8 +167,12 @@ def profile_step(fn, top: int = 25) -> dict:
         cats[_category(name)] = cats.get(_category(name), 0.0) + ms
     busy = sum(cats.values())
     tops = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
-    return {"wall_ms": wall, "busy_ms": busy, "categories_ms": dict(sorted(cats.items(), key=lambda kv: -kv[1])),
-            "top_kernels": [{"name": n[:160], "ms": ms, "calls": c, "category": _category(n)} for n, (ms, c) in tops]}
+    return {
+        "wall_ms": wall,
+        "busy_ms": busy,
+        "categories_ms": dict(sorted(cats.items(), key=lambda kv: -kv[1])),
+        "top_kernels": [{"name": n[:160], "ms": ms, "calls": c, "category": _category(n)} for n, (ms, c) in tops],
+    }
 
 
 def require_cuda(hint: str = "set BENCH_DEVICE=cpu with --grid for a smoke run, or use --counts-only") -> None:
@@ -206,9 +222,7 @@ def make_qkv(b, s, h, d, *, hkv=None, dtype=torch.bfloat16, seed=0, device=None)
     return q, k, v
 
 
-
-def structured_qkv(b, grid, h, d, *, hkv=None, dtype=torch.bfloat16, seed=0, device=None,
-                   norm_range=(10.0, 16.0)):
+def structured_qkv(b, grid, h, d, *, hkv=None, dtype=torch.bfloat16, seed=0, device=None, norm_range=(10.0, 16.0)):
     """Structured q, k, v ``[B, T*H*W, H, D]`` on a Wan latent token grid ``(T, H, W)``:
     per head a content vector ``a`` (norm drawn in ``norm_range``) plus unit noise, for q and for k,
     each rotated by Wan's 3-D RoPE at its token's (t, h, w), so attention decays with 3-D distance
@@ -238,6 +252,7 @@ def structured_qkv(b, grid, h, d, *, hkv=None, dtype=torch.bfloat16, seed=0, dev
     v = torch.randn(b, s, hkv, d, generator=g).to(device=device, dtype=dtype)
     return q, k, v
 
+
 def sample_rows(s: int, n: int, seed: int = 1, device=None) -> torch.Tensor:
     device = device or DEVICE
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -245,8 +260,9 @@ def sample_rows(s: int, n: int, seed: int = 1, device=None) -> torch.Tensor:
     return torch.randperm(s, generator=g)[:n].sort().values.to(device)
 
 
-def reference_rows(q, k, v, rows: torch.Tensor, *, scale: Optional[float] = None,
-                   mask_fn: Optional[Callable] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_rows(
+    q, k, v, rows: torch.Tensor, *, scale: Optional[float] = None, mask_fn: Optional[Callable] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Float32 attention of the query ``rows`` over all keys: ``(out [B, n, H, D], lse [B, H, n])``.
 
     ``mask_fn(rows, head_slice)`` may return a bool ``[B or 1, h, n, Skv]`` mask (True = attend).
@@ -260,12 +276,12 @@ def reference_rows(q, k, v, rows: torch.Tensor, *, scale: Optional[float] = None
         B, S, H, D = q.shape
         hkv = k.shape[2]
         rep = H // hkv
-        scale = D ** -0.5 if scale is None else scale
+        scale = D**-0.5 if scale is None else scale
         qs = q[:, rows].float()
         n = rows.numel()
         out = torch.empty(B, n, H, D, device=q.device)
         lse = torch.empty(B, H, n, device=q.device)
-        per = max(1, int(2 ** 30 // max(1, B * n * k.shape[1] * 4)))
+        per = max(1, int(2**30 // max(1, B * n * k.shape[1] * 4)))
         for h0 in range(0, H, per):
             h1 = min(H, h0 + per)
             hk = torch.arange(h0, h1, device=q.device) // rep

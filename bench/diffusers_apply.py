@@ -14,6 +14,7 @@ steps of the timed call after a warm-up call.  ``rel_err``: the final latents ag
 Prints a short table last; writes every figure to ``$OUT/diffusers_apply.json``.  CPU smoke run:
 ``python bench/diffusers_apply.py --arch tiny --res tiny --frames 5 --steps 2 --out /tmp/x``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,12 +39,29 @@ def build_pipeline(arch: str, device, dtype):
 
     torch.manual_seed(0)
     transformer = WanTransformer3DModel(**WAN_COMMON, **WAN_ARCH[arch]).to(device, dtype)
-    text = UMT5EncoderModel(UMT5Config(vocab_size=259, d_model=WAN_COMMON["text_dim"], d_kv=64, d_ff=256, num_layers=1,
-                                       num_decoder_layers=0, num_heads=8, pad_token_id=0, eos_token_id=1,
-                                       decoder_start_token_id=0, dropout_rate=0.0)).to(device, dtype)
+    text = UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=259,
+            d_model=WAN_COMMON["text_dim"],
+            d_kv=64,
+            d_ff=256,
+            num_layers=1,
+            num_decoder_layers=0,
+            num_heads=8,
+            pad_token_id=0,
+            eos_token_id=1,
+            decoder_start_token_id=0,
+            dropout_rate=0.0,
+        )
+    ).to(device, dtype)
     vae = AutoencoderKLWan(**VAE).to(device, torch.float32)
-    pipe = WanPipeline(tokenizer=build_byte_tokenizer(), text_encoder=text, transformer=transformer, vae=vae,
-                       scheduler=UniPCMultistepScheduler(**SCHEDULER))
+    pipe = WanPipeline(
+        tokenizer=build_byte_tokenizer(),
+        text_encoder=text,
+        transformer=transformer,
+        vae=vae,
+        scheduler=UniPCMultistepScheduler(**SCHEDULER),
+    )
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -54,8 +72,10 @@ class StepTimer:
     def __init__(self, model):
         self.rows: list[tuple[float, float]] = []  # (timestep, ms)
         self._open = []
-        self.handles = [model.register_forward_pre_hook(self._pre, with_kwargs=True),
-                        model.register_forward_hook(self._post, with_kwargs=True)]
+        self.handles = [
+            model.register_forward_pre_hook(self._pre, with_kwargs=True),
+            model.register_forward_hook(self._post, with_kwargs=True),
+        ]
 
     def _pre(self, module, args, kwargs):
         t = kwargs.get("timestep")
@@ -94,9 +114,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_wan_args(ap, text_len=False)
     ap.add_argument("--steps", type=int, default=3, help="denoising steps of each timed call")
-    ap.add_argument("--variants", default=",".join(VARIANTS),
-                    help="comma list: diffusers (alone), diffusers:NAME (its set_attention_backend), "
-                         "ditattn:BACKEND[:k=v;k=v] (apply)")
+    ap.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help="comma list: diffusers (alone), diffusers:NAME (its set_attention_backend), "
+        "ditattn:BACKEND[:k=v;k=v] (apply)",
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     if args.arch == "tiny":
@@ -110,12 +133,32 @@ def main():
     t0 = time.time()
     pipe = build_pipeline(args.arch, dev, dt)
     grid = ((args.frames - 1) // 4 + 1, h // 16, w // 16)
-    rec = Recorder(args.out, "diffusers_apply", {"arch": args.arch, "res": args.res, "frames": args.frames,
-                                                 "steps": args.steps, "grid": grid, "env": env_info()})
-    print(f"arch {args.arch} {h}x{w}x{args.frames} grid {grid} ({grid[0] * grid[1] * grid[2]} tokens), "
-          f"built in {time.time() - t0:.1f}s", flush=True)
-    call = dict(prompt="a red fox running through fresh snow", height=h, width=w, num_frames=args.frames,
-                num_inference_steps=args.steps, guidance_scale=5.0, output_type="latent")
+    rec = Recorder(
+        args.out,
+        "diffusers_apply",
+        {
+            "arch": args.arch,
+            "res": args.res,
+            "frames": args.frames,
+            "steps": args.steps,
+            "grid": grid,
+            "env": env_info(),
+        },
+    )
+    print(
+        f"arch {args.arch} {h}x{w}x{args.frames} grid {grid} ({grid[0] * grid[1] * grid[2]} tokens), "
+        f"built in {time.time() - t0:.1f}s",
+        flush=True,
+    )
+    call = dict(
+        prompt="a red fox running through fresh snow",
+        height=h,
+        width=w,
+        num_frames=args.frames,
+        num_inference_steps=args.steps,
+        guidance_scale=5.0,
+        output_type="latent",
+    )
     reference = None
     for spec in [s for s in args.variants.split(",") if s]:
         side, _, rest = spec.partition(":")
@@ -149,16 +192,34 @@ def main():
         latents, step_ms, total, backends = res
         if reference is None:
             reference, base = latents, step_ms
-        row = rec.add(variant=spec, backends=",".join(backends), step_ms=step_ms, speedup=base / step_ms,
-                      call_s=total, rel_err=rel_err(latents, reference))
-        print(f"{spec:<42} step {step_ms:9.1f} ms  {row['speedup']:5.2f}x  call {total:6.2f} s  "
-              f"err {row['rel_err']:.2e}  [{row['backends']}]", flush=True)
+        row = rec.add(
+            variant=spec,
+            backends=",".join(backends),
+            step_ms=step_ms,
+            speedup=base / step_ms,
+            call_s=total,
+            rel_err=rel_err(latents, reference),
+        )
+        print(
+            f"{spec:<42} step {step_ms:9.1f} ms  {row['speedup']:5.2f}x  call {total:6.2f} s  "
+            f"err {row['rel_err']:.2e}  [{row['backends']}]",
+            flush=True,
+        )
     dd.remove(pipe)
     print()
-    print(fmt_table(rec.data["rows"], [("variant", "pipeline", ""), ("backends", "DiT attention", ""),
-                                       ("step_ms", "DiT ms / step (CFG: 2 passes)", ".1f"),
-                                       ("speedup", "vs diffusers alone", ".2f"), ("call_s", "call s", ".2f"),
-                                       ("rel_err", "latents rel err", ".2e")]))
+    print(
+        fmt_table(
+            rec.data["rows"],
+            [
+                ("variant", "pipeline", ""),
+                ("backends", "DiT attention", ""),
+                ("step_ms", "DiT ms / step (CFG: 2 passes)", ".1f"),
+                ("speedup", "vs diffusers alone", ".2f"),
+                ("call_s", "call s", ".2f"),
+                ("rel_err", "latents rel err", ".2e"),
+            ],
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ Writes ``<out-dir>/dit_quant_<arch>.json`` after every row and prints a short ta
 machine without CUDA (``--arch tiny --res tiny``) it smoke-tests the code paths (fp8 rows are
 refused there with the reason; the timings mean nothing).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,13 +50,21 @@ def main():
     ap.add_argument("--variants", default="eager", help="comma list of eager, compiled (torch.compile per block)")
     ap.add_argument("--timesteps", default="900,500,100", help="timesteps of the accuracy check (the first is timed)")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--diffusers-backend", default="native", help="diffusers attention backend of the baseline "
-                                                                   "('native': its default SDPA)")
-    ap.add_argument("--min-features", type=int, default=None,
-                    help="override the rule's smallest quantized GEMM width (default: the library's; smoke tests "
-                         "of the tiny architecture need a smaller one)")
-    ap.add_argument("--profile", action="store_true", help="also profile one eager step per row (GPU time per "
-                                                           "kernel category)")
+    ap.add_argument(
+        "--diffusers-backend",
+        default="native",
+        help="diffusers attention backend of the baseline ('native': its default SDPA)",
+    )
+    ap.add_argument(
+        "--min-features",
+        type=int,
+        default=None,
+        help="override the rule's smallest quantized GEMM width (default: the library's; smoke tests "
+        "of the tiny architecture need a smaller one)",
+    )
+    ap.add_argument(
+        "--profile", action="store_true", help="also profile one eager step per row (GPU time per kernel category)"
+    )
     ap.add_argument("--budget-s", type=float, default=560.0, help="stop starting new rows after this many seconds")
     ap.add_argument("--out-dir", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -74,8 +83,11 @@ def main():
     if args.arch == "tiny":
         args.frames, args.text_len = 5, 16
     cfg = dict(**WAN_COMMON, **ARCH[args.arch])
-    rule = Q.DEFAULT_RULE if args.min_features is None else dataclasses.replace(Q.DEFAULT_RULE,
-                                                                                 min_features=args.min_features)
+    rule = (
+        Q.DEFAULT_RULE
+        if args.min_features is None
+        else dataclasses.replace(Q.DEFAULT_RULE, min_features=args.min_features)
+    )
     timesteps = [float(s) for s in args.timesteps.split(",") if s]
     modes = [m for m in args.quant.split(",") if m]
     variants = [v for v in ("eager", "compiled") if v in args.variants.split(",")]
@@ -87,11 +99,24 @@ def main():
     x, _, txt, _, grid = wan_inputs(args, cfg, dev, dt)
     ts = {t: torch.tensor([t], device=dev) for t in timesteps}
     seq = grid[0] * grid[1] * grid[2]
-    rec = Recorder(args.out_dir, f"dit_quant_{args.arch}",
-                   {"arch": args.arch, "res": args.res, "frames": args.frames, "grid": grid, "seq": seq,
-                    "timesteps": timesteps, "env": env_info(), "rule_min_features": rule.min_features})
-    print(f"arch {args.arch} res {args.res} frames {args.frames} grid {grid} S={seq} built in {time.time() - t0:.1f}s",
-          flush=True)
+    rec = Recorder(
+        args.out_dir,
+        f"dit_quant_{args.arch}",
+        {
+            "arch": args.arch,
+            "res": args.res,
+            "frames": args.frames,
+            "grid": grid,
+            "seq": seq,
+            "timesteps": timesteps,
+            "env": env_info(),
+            "rule_min_features": rule.min_features,
+        },
+    )
+    print(
+        f"arch {args.arch} res {args.res} frames {args.frames} grid {grid} S={seq} built in {time.time() - t0:.1f}s",
+        flush=True,
+    )
 
     with torch.no_grad():
         ref.set_attention_backend(args.diffusers_backend)
@@ -104,7 +129,10 @@ def main():
         del ref
         # the weights once on the device in their run dtypes; every model below assigns (shares) them,
         # and quantization replaces a linear's weight with a new tensor, leaving these untouched
-        sd = {k: v.to(dev, target_dtype(k, dt, lambda n: any(p in KEEP_FP32 for p in n.split(".")))) for k, v in sd.items()}
+        sd = {
+            k: v.to(dev, target_dtype(k, dt, lambda n: any(p in KEEP_FP32 for p in n.split("."))))
+            for k, v in sd.items()
+        }
         if dev.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -133,29 +161,49 @@ def main():
                         with forward_context(step=10**6, num_steps=10**6):  # past any dense warm-up steps
                             outs = {t: model(x, ts[t], txt).float() for t in timesteps}
                             ms = median_ms(lambda: model(x, ts[timesteps[0]], txt), repeats=args.repeats)
-                            prof = (profile_step(lambda: model(x, ts[timesteps[0]], txt))
-                                    if args.profile and dev.type == "cuda" and label == "eager" else None)
+                            prof = (
+                                profile_step(lambda: model(x, ts[timesteps[0]], txt))
+                                if args.profile and dev.type == "cuda" and label == "eager"
+                                else None
+                            )
                         if mode == "none" and bf16_out is None:
                             bf16_out = outs
                         steps = []
                         for t in timesteps:
                             row_t = {"t": t, "rel_err_vs_diffusers": rel_err(outs[t], diff_out[t])}
                             if bf16_out is not None:
-                                row_t.update(rel_err_vs_bf16=rel_err(outs[t], bf16_out[t]),
-                                             cos_vs_bf16=cosine(outs[t], bf16_out[t]))
+                                row_t.update(
+                                    rel_err_vs_bf16=rel_err(outs[t], bf16_out[t]),
+                                    cos_vs_bf16=cosine(outs[t], bf16_out[t]),
+                                )
                             steps.append(row_t)
-                        row = rec.add(side="ditattn", backend=spec, chosen=chosen, quant=mode, variant=label, ms=ms,
-                                      speedup_vs_diffusers=base_ms / ms, quantized_linears=len(plan.quantized),
-                                      linears=len(plan.decisions), activations=plan.activations(),
-                                      quantize_s=quant_s, per_step=steps,
-                                      max_rel_err_vs_bf16=max((s["rel_err_vs_bf16"] for s in steps), default=None)
-                                      if bf16_out is not None else None,
-                                      min_cos_vs_bf16=min((s["cos_vs_bf16"] for s in steps), default=None)
-                                      if bf16_out is not None else None,
-                                      profile=prof)
-                        print(f"ditattn  {spec:<12} {mode:<5} {label:<8} {ms:8.1f} ms {base_ms / ms:5.2f}x  "
-                              f"err vs bf16 {_num(row['max_rel_err_vs_bf16'], '.2e')} "
-                              f"cos {_num(row['min_cos_vs_bf16'], '.5f')}  {chosen}", flush=True)
+                        row = rec.add(
+                            side="ditattn",
+                            backend=spec,
+                            chosen=chosen,
+                            quant=mode,
+                            variant=label,
+                            ms=ms,
+                            speedup_vs_diffusers=base_ms / ms,
+                            quantized_linears=len(plan.quantized),
+                            linears=len(plan.decisions),
+                            activations=plan.activations(),
+                            quantize_s=quant_s,
+                            per_step=steps,
+                            max_rel_err_vs_bf16=max((s["rel_err_vs_bf16"] for s in steps), default=None)
+                            if bf16_out is not None
+                            else None,
+                            min_cos_vs_bf16=min((s["cos_vs_bf16"] for s in steps), default=None)
+                            if bf16_out is not None
+                            else None,
+                            profile=prof,
+                        )
+                        print(
+                            f"ditattn  {spec:<12} {mode:<5} {label:<8} {ms:8.1f} ms {base_ms / ms:5.2f}x  "
+                            f"err vs bf16 {_num(row['max_rel_err_vs_bf16'], '.2e')} "
+                            f"cos {_num(row['min_cos_vs_bf16'], '.5f')}  {chosen}",
+                            flush=True,
+                        )
                     del model
                 except Exception as exc:  # a failing row is recorded, the others still run
                     rec.add(side="ditattn", backend=spec, quant=mode, error=f"{type(exc).__name__}: {exc}"[:400])
@@ -164,13 +212,17 @@ def main():
                     torch.cuda.empty_cache()
 
     print(f"\nwrote {rec.path}")
-    print(f"{'side':<9} {'backend':<12} {'linears':<7} {'variant':<8} {'ms':>8} {'vs diffusers':>13} "
-          f"{'err vs bf16':>12} {'cos vs bf16':>12}")
+    print(
+        f"{'side':<9} {'backend':<12} {'linears':<7} {'variant':<8} {'ms':>8} {'vs diffusers':>13} "
+        f"{'err vs bf16':>12} {'cos vs bf16':>12}"
+    )
     for r in rec.data["rows"]:
         if "ms" in r:
-            print(f"{r['side']:<9} {r['backend']:<12} {r['quant']:<7} {r['variant']:<8} {r['ms']:8.1f} "
-                  f"{r.get('speedup_vs_diffusers', 1.0):12.2f}x {_num(r.get('max_rel_err_vs_bf16'), '12.2e')} "
-                  f"{_num(r.get('min_cos_vs_bf16'), '12.5f')}")
+            print(
+                f"{r['side']:<9} {r['backend']:<12} {r['quant']:<7} {r['variant']:<8} {r['ms']:8.1f} "
+                f"{r.get('speedup_vs_diffusers', 1.0):12.2f}x {_num(r.get('max_rel_err_vs_bf16'), '12.2e')} "
+                f"{_num(r.get('min_cos_vs_bf16'), '12.5f')}"
+            )
         else:
             print(f"{r['side']:<9} {r['backend']:<12} {r['quant']:<7} error: {r['error'][:90]}")
 

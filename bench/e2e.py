@@ -12,6 +12,7 @@ cross-attention; the text stays 512 tokens, which diffusers' I2V attention assum
 
 Prints a short table last; writes every figure to --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -95,17 +96,29 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_wan_args(ap)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--backends", default="auto,fa,torch_cudnn_sdpa,video_sparse_attn:sparsity=0.9",
-                    help="comma list of ours; name:k=v;k=v for a config")
+    ap.add_argument(
+        "--backends",
+        default="auto,fa,torch_cudnn_sdpa,video_sparse_attn:sparsity=0.9",
+        help="comma list of ours; name:k=v;k=v for a config",
+    )
     ap.add_argument("--diffusers-backends", default="native,_native_cudnn")
-    ap.add_argument("--variants", default="eager",
-                    help="comma list of: eager (fused kernels, the default model), unfused (plain PyTorch ops, "
-                         "set_fused_ops(False)), compiled (torch.compile of each block, attention eager; runs last)")
+    ap.add_argument(
+        "--variants",
+        default="eager",
+        help="comma list of: eager (fused kernels, the default model), unfused (plain PyTorch ops, "
+        "set_fused_ops(False)), compiled (torch.compile of each block, attention eager; runs last)",
+    )
     ap.add_argument("--compile", action="store_true", help="shorthand: add 'compiled' to --variants")
-    ap.add_argument("--i2v", action="store_true",
-                    help="the image-to-video DiT (Wan2.1-I2V layout: in_channels 36, image_dim 1280, image cross-attention)")
-    ap.add_argument("--profile", action="store_true",
-                    help="also profile one step per row (GPU time per kernel category, top kernels)")
+    ap.add_argument(
+        "--i2v",
+        action="store_true",
+        help="the image-to-video DiT (Wan2.1-I2V layout: in_channels 36, image_dim 1280, image cross-attention)",
+    )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile one step per row (GPU time per kernel category, top kernels)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -120,7 +133,9 @@ def main():
     if args.i2v:
         if args.text_len != 512:
             ap.error("--i2v needs --text-len 512 (diffusers' image cross-attention splits the context at 512 tokens)")
-        cfg.update(in_channels=36, image_dim=1280, added_kv_proj_dim=cfg["num_attention_heads"] * cfg["attention_head_dim"])
+        cfg.update(
+            in_channels=36, image_dim=1280, added_kv_proj_dim=cfg["num_attention_heads"] * cfg["attention_head_dim"]
+        )
     torch.manual_seed(0)
     t0 = time.time()
     ref = WanTransformer3DModel(**cfg)
@@ -131,23 +146,35 @@ def main():
     x, t, txt, img, grid = wan_inputs(args, cfg, dev, dt)
     ref_kw = {"encoder_hidden_states_image": img} if args.i2v else {}
     seq = grid[0] * grid[1] * grid[2]
-    print(f"arch {args.arch}{' i2v' if args.i2v else ''} res {args.res} frames {args.frames} grid {grid} S={seq} "
-          f"built in {time.time() - t0:.1f}s", flush=True)
+    print(
+        f"arch {args.arch}{' i2v' if args.i2v else ''} res {args.res} frames {args.frames} grid {grid} S={seq} "
+        f"built in {time.time() - t0:.1f}s",
+        flush=True,
+    )
+
     def dump(res):  # after every row, so a time limit keeps what was measured
         if args.out:
             with open(args.out, "w") as fh:
                 json.dump(res, fh, indent=2)
 
-    results = {"arch": args.arch, "i2v": args.i2v, "res": args.res, "frames": args.frames, "seq": seq, "grid": grid,
-               "rows": []}
+    results = {
+        "arch": args.arch,
+        "i2v": args.i2v,
+        "res": args.res,
+        "frames": args.frames,
+        "seq": seq,
+        "grid": grid,
+        "rows": [],
+    }
 
     with torch.no_grad():
         ref_out = None
         for name in [s for s in args.diffusers_backends.split(",") if s]:
             try:
                 ref.set_attention_backend(name)
-                fn = lambda: ref(hidden_states=x, timestep=t, encoder_hidden_states=txt, return_dict=False,
-                                 **ref_kw)[0]
+                fn = lambda: ref(hidden_states=x, timestep=t, encoder_hidden_states=txt, return_dict=False, **ref_kw)[
+                    0
+                ]
                 out = fn()
                 ms = median_ms(fn, repeats=args.repeats)
                 if ref_out is None:
@@ -185,22 +212,36 @@ def main():
                             torch.cuda.synchronize()
                         ms = median_ms(fn, repeats=args.repeats)
                     err = rel_err(out, ref_out)
-                    row = {"side": "ditattn", "backend": spec, "variant": label, "chosen": chosen, "ms": ms,
-                           "speedup_vs_diffusers_default": base_ms / ms, "rel_err_vs_diffusers": err}
+                    row = {
+                        "side": "ditattn",
+                        "backend": spec,
+                        "variant": label,
+                        "chosen": chosen,
+                        "ms": ms,
+                        "speedup_vs_diffusers_default": base_ms / ms,
+                        "rel_err_vs_diffusers": err,
+                    }
                     if args.profile and torch.cuda.is_available():
                         with forward_context(step=10**6, num_steps=10**6):
                             row["profile"] = profile_step(fn)
-                        print(f"  profile wall {row['profile']['wall_ms']:.1f} busy {row['profile']['busy_ms']:.1f} "
-                              f"{ {k: round(v, 1) for k, v in row['profile']['categories_ms'].items()} }", flush=True)
+                        print(
+                            f"  profile wall {row['profile']['wall_ms']:.1f} busy {row['profile']['busy_ms']:.1f} "
+                            f"{ {k: round(v, 1) for k, v in row['profile']['categories_ms'].items()} }",
+                            flush=True,
+                        )
                     results["rows"].append(row)
                     dump(results)
-                    print(f"ditattn  {spec:<22} {label:<8} {ms:8.1f} ms  {base_ms / ms:5.2f}x  err {err:.2e}  {chosen}",
-                          flush=True)
+                    print(
+                        f"ditattn  {spec:<22} {label:<8} {ms:8.1f} ms  {base_ms / ms:5.2f}x  err {err:.2e}  {chosen}",
+                        flush=True,
+                    )
                 del model
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
             except Exception as exc:
-                results["rows"].append({"side": "ditattn", "backend": spec, "error": f"{type(exc).__name__}: {exc}"[:400]})
+                results["rows"].append(
+                    {"side": "ditattn", "backend": spec, "error": f"{type(exc).__name__}: {exc}"[:400]}
+                )
                 print(f"ditattn  {spec}: {type(exc).__name__}: {exc}", flush=True)
 
     dump(results)
@@ -208,8 +249,10 @@ def main():
     for r in results["rows"]:
         if "ms" in r:
             err = r.get("rel_err_vs_diffusers", r.get("rel_err", 0))
-            print(f"{r['side']:<9} {r['backend']:<22} {r.get('variant', ''):<8} {r['ms']:8.1f} "
-                  f"{r.get('speedup_vs_diffusers_default', 1.0):8.2f}x {err:.2e}")
+            print(
+                f"{r['side']:<9} {r['backend']:<22} {r.get('variant', ''):<8} {r['ms']:8.1f} "
+                f"{r.get('speedup_vs_diffusers_default', 1.0):8.2f}x {err:.2e}"
+            )
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ Its fidelity part is::
     python bench/fidelity.py --grids wan480 --heads 12,40 --families all --preset training-free \
         --budget default,off --loop --overhead --activations-error-only --summary --activations FILE --out $OUT/fid
 """
+
 from __future__ import annotations
 
 import argparse
@@ -85,12 +86,21 @@ CASES = [
     ("sparge_attn exact cdf=0.91 topk=0.3", "sparge_attn", {"cdfthreshd": 0.91, "topk": 0.3, "quantize": False}),
     # 4x4x8-token tiles: the kernels' 128-row regime (docs/benchmarks.md, block-sparse kernels), coarser selection
     ("sparge_attn exact topk=0.4 block_size=128", "sparge_attn", {"topk": 0.4, "quantize": False, "block_size": 128}),
-    ("sparge_attn exact cdf=0.93 topk=0.3 block_size=128", "sparge_attn",
-     {"cdfthreshd": 0.93, "topk": 0.3, "quantize": False, "block_size": 128}),
-    ("sparge_attn exact cdf=0.95 topk=0.3 block_size=128", "sparge_attn",
-     {"cdfthreshd": 0.95, "topk": 0.3, "quantize": False, "block_size": 128}),
-    ("sparge_attn exact cdf=0.97 topk=0.3 block_size=128", "sparge_attn",
-     {"cdfthreshd": 0.97, "topk": 0.3, "quantize": False, "block_size": 128}),
+    (
+        "sparge_attn exact cdf=0.93 topk=0.3 block_size=128",
+        "sparge_attn",
+        {"cdfthreshd": 0.93, "topk": 0.3, "quantize": False, "block_size": 128},
+    ),
+    (
+        "sparge_attn exact cdf=0.95 topk=0.3 block_size=128",
+        "sparge_attn",
+        {"cdfthreshd": 0.95, "topk": 0.3, "quantize": False, "block_size": 128},
+    ),
+    (
+        "sparge_attn exact cdf=0.97 topk=0.3 block_size=128",
+        "sparge_attn",
+        {"cdfthreshd": 0.97, "topk": 0.3, "quantize": False, "block_size": 128},
+    ),
     ("sparge_attn exact cdf=0.95 topk=0.3", "sparge_attn", {"cdfthreshd": 0.95, "topk": 0.3, "quantize": False}),
     ("sparge_attn cdf=0.95 topk=0.3", "sparge_attn", {"cdfthreshd": 0.95, "topk": 0.3}),
     ("sparge_attn exact cdf=0.95 no floor", "sparge_attn", {"cdfthreshd": 0.95, "topk": 0.001, "quantize": False}),
@@ -102,10 +112,17 @@ CASES = [
     ("sparse_video_gen_2_attn top_p=0.95", "sparse_video_gen_2_attn", {"top_p": 0.95}),
     ("sparse_video_gen_2_attn top_p=0.8", "sparse_video_gen_2_attn", {"top_p": 0.8}),
     ("sparse_video_gen_2_attn recluster_every=4", "sparse_video_gen_2_attn", {"recluster_every": 4}),
-    ("sparse_video_gen_2_attn top_p=0.95 recluster_every=4", "sparse_video_gen_2_attn",
-     {"top_p": 0.95, "recluster_every": 4}),
+    (
+        "sparse_video_gen_2_attn top_p=0.95 recluster_every=4",
+        "sparse_video_gen_2_attn",
+        {"top_p": 0.95, "recluster_every": 4},
+    ),
     ("sparse_video_gen_2_attn warm_iters=2", "sparse_video_gen_2_attn", {"warm_iters": 2}),
-    ("sparse_video_gen_2_attn 32/64 clusters", "sparse_video_gen_2_attn", {"num_q_clusters": 32, "num_k_clusters": 64}),
+    (
+        "sparse_video_gen_2_attn 32/64 clusters",
+        "sparse_video_gen_2_attn",
+        {"num_q_clusters": 32, "num_k_clusters": 64},
+    ),
     ("sparse_video_gen_2_attn upstream predictor=centroids", "sparse_video_gen_2_attn", {"predictor": "centroids"}),
     ("sol_attn (defaults)", "sol_attn", {}),
     ("sol_attn tau=0.5", "sol_attn", {"tau": 0.5}),
@@ -114,15 +131,22 @@ CASES = [
     ("sol_attn tau=0.75", "sol_attn", {"tau": 0.75}),
     ("sol_attn tau=1.25", "sol_attn", {"tau": 1.25}),
     ("sol_attn thresh_type=exact", "sol_attn", {"thresh_type": "exact"}),
-    ("sol_attn upstream predictor=pooled centroid_variance=false", "sol_attn",
-     {"predictor": "pooled", "centroid_variance": False}),
+    (
+        "sol_attn upstream predictor=pooled centroid_variance=false",
+        "sol_attn",
+        {"predictor": "pooled", "centroid_variance": False},
+    ),
     ("vmoba_attn (defaults)", "vmoba_attn", {}),
     ("vmoba_attn threshold=0.5", "vmoba_attn", {"moba_threshold": 0.5}),
     ("vmoba_attn upstream gate=mean", "vmoba_attn", {"gate": "mean"}),
     ("video_sparse_attn (defaults)", "video_sparse_attn", {}),
     ("video_sparse_attn sparsity=0.9", "video_sparse_attn", {"sparsity": 0.9}),
     ("video_sparse_attn sparsity=0.75", "video_sparse_attn", {"sparsity": 0.75}),
-    ("video_sparse_attn sparsity=0.9 edge_tiles=padded", "video_sparse_attn", {"sparsity": 0.9, "edge_tiles": "padded"}),
+    (
+        "video_sparse_attn sparsity=0.9 edge_tiles=padded",
+        "video_sparse_attn",
+        {"sparsity": 0.9, "edge_tiles": "padded"},
+    ),
     ("sla_attn (defaults)", "sla_attn", {}),
     ("sla_attn edge_tiles=padded", "sla_attn", {"edge_tiles": "padded"}),
     ("sol_attn edge_tiles=padded", "sol_attn", {"edge_tiles": "padded"}),
@@ -148,9 +172,13 @@ SKIP_BUDGET = 0.005
 #: settings documented to reach >= 1.5x dense at <= 5 % on the original family (there only)
 PRESETS = {
     "training-free": [
-        ("sparge_attn (defaults)", None), ("sol_attn (defaults)", None), ("vmoba_attn (defaults)", None),
-        ("sparse_video_gen_2_attn (defaults)", None), ("skip_softmax (budget)", None),
-        ("sparge_attn exact cdf=0.93 topk=0.3", ("original",)), ("sparge_attn exact topk=0.4", ("original",)),
+        ("sparge_attn (defaults)", None),
+        ("sol_attn (defaults)", None),
+        ("vmoba_attn (defaults)", None),
+        ("sparse_video_gen_2_attn (defaults)", None),
+        ("skip_softmax (budget)", None),
+        ("sparge_attn exact cdf=0.93 topk=0.3", ("original",)),
+        ("sparge_attn exact topk=0.4", ("original",)),
     ],
 }
 VMOBA_MODES = {0: "temporal", 1: "spatial", 2: "st"}
@@ -187,8 +215,11 @@ def budget_of(last_stats) -> dict:
         return {}
     heads = [s.get("dense_heads") for s in entries if s.get("dense_heads") is not None]
     est = [s.get("est_rel_err") for s in entries if s.get("est_rel_err") is not None]
-    return {"dense": any(bool(s.get("dense")) for s in entries), "dense_heads": int(sum(heads)) if heads else None,
-            "est_err": max(est) if est else None}
+    return {
+        "dense": any(bool(s.get("dense")) for s in entries),
+        "dense_heads": int(sum(heads)) if heads else None,
+        "est_err": max(est) if est else None,
+    }
 
 
 def budget_config(backend, cfg, budget: str) -> dict:
@@ -253,8 +284,7 @@ def timed_ms(fn, mean: bool = False) -> float:
 
         fn()
         torch.cuda.synchronize()
-        return float(triton.testing.do_bench(fn, warmup=TIMING["warmup_ms"], rep=TIMING["rep_ms"],
-                                             return_mode="mean"))
+        return float(triton.testing.do_bench(fn, warmup=TIMING["warmup_ms"], rep=TIMING["rep_ms"], return_mode="mean"))
     return bench_ms(fn, warmup_ms=TIMING["warmup_ms"], rep_ms=TIMING["rep_ms"])
 
 
@@ -270,8 +300,16 @@ def run_case(attention, q, k, v, grid, backend, cfg, *, layer=LAYER, stateful=Fa
         clear_memory()  # a fresh run: no decision of an earlier case is reused
 
     def call():
-        out = attention(q, k, v, backend=backend, config=cfg, video_shape=grid,
-                        step=state["step"] if stateful else None, layer_idx=layer)
+        out = attention(
+            q,
+            k,
+            v,
+            backend=backend,
+            config=cfg,
+            video_shape=grid,
+            step=state["step"] if stateful else None,
+            layer_idx=layer,
+        )
         if stateful:
             state["step"] += 1
         return out
@@ -329,8 +367,14 @@ def sta_rows(attention, q, k, v, grid, rows, exact, label, candidates, tmp):
     clear_stats()
     ms, out = run_case(attention, q, k, v, grid, "sliding_tile_attn", cfg)
     rel, cos = errors(out, exact, rows)
-    return {"ms": ms, "rel_err": rel, "cosine": cos, "kept_fraction": kept_of(last_stats), "search_s": search_s,
-            "windows": sorted({tuple(w) for w in windows.values()})}
+    return {
+        "ms": ms,
+        "rel_err": rel,
+        "cosine": cos,
+        "kept_fraction": kept_of(last_stats),
+        "search_s": search_s,
+        "windows": sorted({tuple(w) for w in windows.values()}),
+    }
 
 
 def measure_input(rec, dl, args, name, q, k, v, grid, tmp, meta=None):
@@ -344,11 +388,21 @@ def measure_input(rec, dl, args, name, q, k, v, grid, tmp, meta=None):
     dense_ms, dense_out = run_case(ditattn.attention, q, k, v, None, dense_backend, None)
     rel, cos = errors(dense_out, exact, rows)
     base = {"input": name, "grid": list(grid), "seq": S, "heads": H, **(meta or {})}
-    rec.add(**base, case=f"dense {dense_backend}", backend=dense_backend, ms=dense_ms,
-            speedup=1.0 if dense_ms else None, rel_err=rel,
-            cosine=cos, kept_fraction=1.0)
-    print(f"[{name}] grid {grid} S={S} heads={H}: dense {dense_backend} {dense_ms or float('nan'):.2f} ms, "
-          f"err {rel:.2e}", flush=True)
+    rec.add(
+        **base,
+        case=f"dense {dense_backend}",
+        backend=dense_backend,
+        ms=dense_ms,
+        speedup=1.0 if dense_ms else None,
+        rel_err=rel,
+        cosine=cos,
+        kept_fraction=1.0,
+    )
+    print(
+        f"[{name}] grid {grid} S={S} heads={H}: dense {dense_backend} {dense_ms or float('nan'):.2f} ms, "
+        f"err {rel:.2e}",
+        flush=True,
+    )
     only = set(args.backends.split(",")) if args.backends else None
     for label, backend, cfg in selected_cases(args, (meta or {}).get("family")):
         if only is not None and backend not in only:
@@ -362,14 +416,29 @@ def measure_input(rec, dl, args, name, q, k, v, grid, tmp, meta=None):
             if backend == "sliding_tile_attn":
                 return sta_rows(ditattn.attention, q, k, v, grid, rows, exact, label, cfg["search"], tmp)
             if backend == SKIP_SOFTMAX:
-                return skip_softmax_row(q, k, v, grid, rows, exact,
-                                        budget_config(backend, cfg, budget)["threshold_scale_factor"])
+                return skip_softmax_row(
+                    q, k, v, grid, rows, exact, budget_config(backend, cfg, budget)["threshold_scale_factor"]
+                )
             stateful = backend == "sparse_video_gen_2_attn"
-            ms, out = run_case(ditattn.attention, q, k, v, grid, backend, budget_config(backend, cfg, budget),
-                               layer=layer, stateful=stateful)
+            ms, out = run_case(
+                ditattn.attention,
+                q,
+                k,
+                v,
+                grid,
+                backend,
+                budget_config(backend, cfg, budget),
+                layer=layer,
+                stateful=stateful,
+            )
             rel, cos = errors(out, exact, rows)
-            return {"ms": ms, "rel_err": rel, "cosine": cos, "kept_fraction": kept_of(last_stats),
-                    **budget_of(last_stats)}
+            return {
+                "ms": ms,
+                "rel_err": rel,
+                "cosine": cos,
+                "kept_fraction": kept_of(last_stats),
+                **budget_of(last_stats),
+            }
 
         layers = VMOBA_MODES if backend == "vmoba_attn" else {LAYER: None}
         budgeted = backend in BUDGETED and (backend != SKIP_SOFTMAX or "error_budget" in cfg)  # not fixed factors
@@ -380,15 +449,28 @@ def measure_input(rec, dl, args, name, q, k, v, grid, tmp, meta=None):
             try:
                 res = one(layer=layer, budget=budget)
             except Exception as exc:  # report and go on
-                rec.note(f"{lab} at {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
+                rec.note(
+                    f"{lab} at {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+                )
                 continue
-            row = rec.add(**base, case=lab, label=label, mode=mode,
-                          budget=budget if budgeted else None, backend=backend, config=cfg,
-                          speedup=dense_ms / res["ms"] if res["ms"] else None, **res)
-            print(f"  {lab:<44} {row['ms'] or float('nan'):9.2f} ms  x{row['speedup'] or float('nan'):5.2f}  kept "
-                  f"{row['kept_fraction'] if row['kept_fraction'] is not None else float('nan'):.3f}  "
-                  f"err {row['rel_err']:.3e}  cos {row['cosine']:.5f}"
-                  + (f"  search {row['search_s']:.2f} s" if "search_s" in row else ""), flush=True)
+            row = rec.add(
+                **base,
+                case=lab,
+                label=label,
+                mode=mode,
+                budget=budget if budgeted else None,
+                backend=backend,
+                config=cfg,
+                speedup=dense_ms / res["ms"] if res["ms"] else None,
+                **res,
+            )
+            print(
+                f"  {lab:<44} {row['ms'] or float('nan'):9.2f} ms  x{row['speedup'] or float('nan'):5.2f}  kept "
+                f"{row['kept_fraction'] if row['kept_fraction'] is not None else float('nan'):.3f}  "
+                f"err {row['rel_err']:.3e}  cos {row['cosine']:.5f}"
+                + (f"  search {row['search_s']:.2f} s" if "search_s" in row else ""),
+                flush=True,
+            )
 
 
 def selected_cases(args, family: Optional[str]) -> list:
@@ -420,9 +502,15 @@ def activation_summary(rows):
         sel = [r for r in act if r["case"] == case]
         errs = [r["rel_err"] for r in sel]
         kept = [r["kept_fraction"] for r in sel if r.get("kept_fraction") is not None]
-        row = {"case": case, "n": len(sel), "kept": sum(kept) / len(kept) if kept else None,
-               "err_mean": sum(errs) / len(errs), "err_median": statistics.median(errs), "err_max": max(errs),
-               "cos_min": min(r["cosine"] for r in sel)}
+        row = {
+            "case": case,
+            "n": len(sel),
+            "kept": sum(kept) / len(kept) if kept else None,
+            "err_mean": sum(errs) / len(errs),
+            "err_median": statistics.median(errs),
+            "err_max": max(errs),
+            "cos_min": min(r["cosine"] for r in sel),
+        }
         for s in steps:
             e = [r["rel_err"] for r in sel if r.get("step") == s]
             row[f"err_step{s}"] = sum(e) / len(e) if e else None
@@ -430,8 +518,15 @@ def activation_summary(rows):
             e = [r["rel_err"] for r in sel if r.get("layer_idx") == li]
             row[f"err_layer{li}"] = sum(e) / len(e) if e else None
         out.append(row)
-    cols = [("case", "case", ""), ("n", "n", ""), ("kept", "kept", ".3f"), ("err_mean", "err mean", ".4f"),
-            ("err_median", "median", ".4f"), ("err_max", "max", ".4f"), ("cos_min", "cos min", ".5f")]
+    cols = [
+        ("case", "case", ""),
+        ("n", "n", ""),
+        ("kept", "kept", ".3f"),
+        ("err_mean", "err mean", ".4f"),
+        ("err_median", "median", ".4f"),
+        ("err_max", "max", ".4f"),
+        ("cos_min", "cos min", ".5f"),
+    ]
     cols += [(f"err_step{s}", f"step {s}", ".4f") for s in steps]
     cols += [(f"err_layer{li}", f"layer {li}", ".4f") for li in layers]
     return out, cols
@@ -460,11 +555,19 @@ def frontier_summary(rows, budgets: str = "default") -> list[dict]:
         main = by[first]
         xs = [r["speedup"] for r in main if r.get("speedup") and fam != "activations"]
         kept = [r["kept_fraction"] for r in main if r.get("kept_fraction") is not None]
-        e = {"case": label, "family": fam, "budget": first, "n": len(main),
-             "worst_err": max(r["rel_err"] for r in main), "min_cos": min(r["cosine"] for r in main),
-             "kept_min": min(kept) if kept else None, "kept_max": max(kept) if kept else None,
-             "x_min": min(xs) if xs else None, "x_max": max(xs) if xs else None,
-             "dense": f"{sum(bool(r.get('dense')) for r in main)}/{len(main)}"}
+        e = {
+            "case": label,
+            "family": fam,
+            "budget": first,
+            "n": len(main),
+            "worst_err": max(r["rel_err"] for r in main),
+            "min_cos": min(r["cosine"] for r in main),
+            "kept_min": min(kept) if kept else None,
+            "kept_max": max(kept) if kept else None,
+            "x_min": min(xs) if xs else None,
+            "x_max": max(xs) if xs else None,
+            "dense": f"{sum(bool(r.get('dense')) for r in main)}/{len(main)}",
+        }
         e["ok"] = e["worst_err"] <= 0.05 and e["min_cos"] >= 0.998 and (not xs or e["x_min"] >= 1.0)
         e["at"] = {}
         for b, rs in by.items():
@@ -478,17 +581,28 @@ def frontier_summary(rows, budgets: str = "default") -> list[dict]:
 def summary_table(summary) -> str:
     """The short table of :func:`frontier_summary` (one line per case and family)."""
     extra = list(dict.fromkeys(b for e in summary for b in e["at"]))
-    lines = ["| case | family | budget | n | worst err | min cos | kept | x FA4 min-max | dense | ok |"
-             + "".join(f" b={b}: err / x min |" for b in extra),
-             "|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(extra)]
+    lines = [
+        "| case | family | budget | n | worst err | min cos | kept | x FA4 min-max | dense | ok |"
+        + "".join(f" b={b}: err / x min |" for b in extra),
+        "|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(extra),
+    ]
 
     def f(x, fmt):
         return "-" if x is None else format(x, fmt)
 
     for e in summary:
-        cells = [e["case"], e["family"], e["budget"], str(e["n"]), f(e["worst_err"] * 100, ".2f") + " %",
-                 f(e["min_cos"], ".5f"), f"{f(e['kept_min'], '.2f')}-{f(e['kept_max'], '.2f')}",
-                 f"{f(e['x_min'], '.2f')}-{f(e['x_max'], '.2f')}", e["dense"], "yes" if e["ok"] else "NO"]
+        cells = [
+            e["case"],
+            e["family"],
+            e["budget"],
+            str(e["n"]),
+            f(e["worst_err"] * 100, ".2f") + " %",
+            f(e["min_cos"], ".5f"),
+            f"{f(e['kept_min'], '.2f')}-{f(e['kept_max'], '.2f')}",
+            f"{f(e['x_min'], '.2f')}-{f(e['x_max'], '.2f')}",
+            e["dense"],
+            "yes" if e["ok"] else "NO",
+        ]
         for b in extra:
             err, x = e["at"].get(b, (None, None))
             cells.append("-" if err is None else f"{err * 100:.2f} % / {f(x, '.2f')}")
@@ -512,8 +626,13 @@ def chart(rows, path):
         ax.axvline(1.0, color="grey", lw=0.6, ls="--")
         ax.axvline(1.5, color="grey", lw=0.6, ls=":")
         ax.axhline(0.05, color="grey", lw=0.6, ls=":")
-        ax.set(xscale="log", yscale="log", xlabel="speed-up over dense (same run)", ylabel="relative L2 error",
-               title=f"{inp}, {heads} heads")
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="speed-up over dense (same run)",
+            ylabel="relative L2 error",
+            title=f"{inp}, {heads} heads",
+        )
         ax.grid(alpha=0.3)
         if sel:  # --error-only rows have no speed-up to plot
             ax.legend(fontsize=7)
@@ -527,48 +646,89 @@ def main():
     common.add_grid_args(ap, grids="wan480", heads="12,40")
     ap.add_argument("--ref-rows", type=int, default=1024, help="query rows checked against the float32 reference")
     ap.add_argument("--backends", default=None, help="comma list: only these backends")
-    ap.add_argument("--activations", action="append", default=None, metavar="FILE",
-                    help="also measure on the q/k/v of an activation file (bench/capture_qkv.py); repeat for several "
-                         "files (inputs are then named with their prompt when the files' prompts differ)")
+    ap.add_argument(
+        "--activations",
+        action="append",
+        default=None,
+        metavar="FILE",
+        help="also measure on the q/k/v of an activation file (bench/capture_qkv.py); repeat for several "
+        "files (inputs are then named with their prompt when the files' prompts differ)",
+    )
     ap.add_argument("--no-structured", action="store_true", help="only the --activations inputs")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new cases after this many seconds")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--gen-device", default=None, choices=("cpu", "cuda"),
-                    help="device whose random generator draws the structured inputs' noise (default: the benchmark "
-                         "device); 'cpu' on the GPU measures the very inputs of a CPU --error-only run (the two "
-                         "generators draw different samples, whose errors differ by up to ~20 %%)")
-    ap.add_argument("--error-only", action="store_true",
-                    help="measure errors and kept fractions only (one call per case, no timing): CPU runs at full grids")
-    ap.add_argument("--cases", default=None,
-                    help="comma list: only these cases (an entry equal to a case label selects that case alone, "
-                         "any other entry every case whose label contains it)")
-    ap.add_argument("--families", default="original",
-                    help="comma list of structured families (ditattn.evaluation.structured.FAMILIES) or 'all'")
-    ap.add_argument("--budget", default="default",
-                    help="error_budget of the backends that have one: default (theirs), off (0) or a number in [0, 1); "
-                         "a comma list runs each case once per value (labels end in budget=...); an entry "
-                         "BACKEND:VALUE (e.g. sol_attn:0.02) applies to that backend only")
-    ap.add_argument("--preset", default=None, choices=sorted(PRESETS),
-                    help="the cases of a preset (training-free: the training-free defaults on every family, skip "
-                         "softmax at the budget, Sparge's fast settings on the original family); --cases overrides")
-    ap.add_argument("--loop", action="store_true",
-                    help=f"call the sparse backends as a denoising loop does (a fresh step per call from step "
-                         f"{LOOP_STEP0}; a layer the budget sent dense reuses that decision), timed as the mean")
-    ap.add_argument("--activations-error-only", action="store_true",
-                    help="time the structured inputs only (the activation inputs: errors and kept fractions)")
-    ap.add_argument("--overhead", action="store_true",
-                    help="on the original family, per head count: the cost of a dense fallback forced by the budget "
-                         "(per call and in a loop) and of the budget's pieces, against the dense kernel")
-    ap.add_argument("--dense-above", type=float, default=None,
-                    help="predicted kept fraction of a call above which the budgeted backends run the dense kernel "
-                         "(default: the library's, ditattn.attention.sparse.budget.DENSE_CALL_ABOVE; the backends' "
-                         "dense_above config key)")
+    ap.add_argument(
+        "--gen-device",
+        default=None,
+        choices=("cpu", "cuda"),
+        help="device whose random generator draws the structured inputs' noise (default: the benchmark "
+        "device); 'cpu' on the GPU measures the very inputs of a CPU --error-only run (the two "
+        "generators draw different samples, whose errors differ by up to ~20 %%)",
+    )
+    ap.add_argument(
+        "--error-only",
+        action="store_true",
+        help="measure errors and kept fractions only (one call per case, no timing): CPU runs at full grids",
+    )
+    ap.add_argument(
+        "--cases",
+        default=None,
+        help="comma list: only these cases (an entry equal to a case label selects that case alone, "
+        "any other entry every case whose label contains it)",
+    )
+    ap.add_argument(
+        "--families",
+        default="original",
+        help="comma list of structured families (ditattn.evaluation.structured.FAMILIES) or 'all'",
+    )
+    ap.add_argument(
+        "--budget",
+        default="default",
+        help="error_budget of the backends that have one: default (theirs), off (0) or a number in [0, 1); "
+        "a comma list runs each case once per value (labels end in budget=...); an entry "
+        "BACKEND:VALUE (e.g. sol_attn:0.02) applies to that backend only",
+    )
+    ap.add_argument(
+        "--preset",
+        default=None,
+        choices=sorted(PRESETS),
+        help="the cases of a preset (training-free: the training-free defaults on every family, skip "
+        "softmax at the budget, Sparge's fast settings on the original family); --cases overrides",
+    )
+    ap.add_argument(
+        "--loop",
+        action="store_true",
+        help=f"call the sparse backends as a denoising loop does (a fresh step per call from step "
+        f"{LOOP_STEP0}; a layer the budget sent dense reuses that decision), timed as the mean",
+    )
+    ap.add_argument(
+        "--activations-error-only",
+        action="store_true",
+        help="time the structured inputs only (the activation inputs: errors and kept fractions)",
+    )
+    ap.add_argument(
+        "--overhead",
+        action="store_true",
+        help="on the original family, per head count: the cost of a dense fallback forced by the budget "
+        "(per call and in a loop) and of the budget's pieces, against the dense kernel",
+    )
+    ap.add_argument(
+        "--dense-above",
+        type=float,
+        default=None,
+        help="predicted kept fraction of a call above which the budgeted backends run the dense kernel "
+        "(default: the library's, ditattn.attention.sparse.budget.DENSE_CALL_ABOVE; the backends' "
+        "dense_above config key)",
+    )
     ap.add_argument("--warmup-ms", type=float, default=TIMING["warmup_ms"], help="timing warm-up per case")
     ap.add_argument("--rep-ms", type=float, default=TIMING["rep_ms"], help="timing repetitions per case (ms)")
     ap.add_argument("--no-chart", action="store_true", help="no fidelity.png")
-    ap.add_argument("--summary", action="store_true",
-                    help="end with a short table: per case and family the worst error, lowest cosine, kept range, "
-                         "speed-up range and dense calls under the first --budget value (others: error / slowest)")
+    ap.add_argument(
+        "--summary",
+        action="store_true",
+        help="end with a short table: per case and family the worst error, lowest cosine, kept range, "
+        "speed-up range and dense calls under the first --budget value (others: error / slowest)",
+    )
     ap.add_argument("--out", default="fidelity_out", help="output directory")
     args = ap.parse_args()
     grids, heads_list = common.grid_args(ap, args)
@@ -588,8 +748,10 @@ def main():
         ap.error(f"--families takes names from {', '.join(FAMILIES)} or 'all', got {', '.join(bad)}")
     bad_budget = check_budget_spec(args.budget)
     if bad_budget is not None:
-        ap.error(f"--budget takes a comma list of default, off or numbers in [0, 1), each optionally after "
-                 f"BACKEND: ({', '.join(BUDGETED)}); got {bad_budget!r} in {args.budget!r}")
+        ap.error(
+            f"--budget takes a comma list of default, off or numbers in [0, 1), each optionally after "
+            f"BACKEND: ({', '.join(BUDGETED)}); got {bad_budget!r} in {args.budget!r}"
+        )
 
     dl = Deadline(args.budget_s)
     rec = Recorder(args.out, "fidelity", {"env": env_info(), "argv": sys.argv[1:], "device": DEVICE})
@@ -610,15 +772,20 @@ def main():
         several = len({e.get("prompt") for e, *_ in loaded}) > 1
         for entry, q, k, v in loaded:
             name = f"activations:{entry['name']}" + (f" ({entry.get('prompt')})" if several else "")
-            meta = {"step": entry.get("step"), "layer_idx": entry.get("layer_idx"), "prompt": entry.get("prompt"),
-                    "model": entry.get("model")}
+            meta = {
+                "step": entry.get("step"),
+                "layer_idx": entry.get("layer_idx"),
+                "prompt": entry.get("prompt"),
+                "model": entry.get("model"),
+            }
             inputs.append((name, tuple(entry["video_shape"]), q.shape[2], (q, k, v), meta))
     if args.activations_error_only:  # the cheap inputs first: a time limit then cuts structured ones
         inputs.sort(key=lambda x: x[3] is None)
     for name, grid, heads, qkv, *meta in inputs:
         if qkv is None:
-            q, k, v, _ = structured_qkv(family_spec(meta[0]["family"], grid, heads, seed=args.seed),
-                                        device=args.gen_device or DEVICE)
+            q, k, v, _ = structured_qkv(
+                family_spec(meta[0]["family"], grid, heads, seed=args.seed), device=args.gen_device or DEVICE
+            )
             q, k, v = (t.to(DEVICE) for t in (q, k, v))
         else:
             q, k, v = (t.to(DEVICE, torch.bfloat16) for t in qkv)
@@ -636,31 +803,55 @@ def main():
     except Exception as exc:  # the table and JSON still stand
         rec.note(f"chart not written: {type(exc).__name__}: {exc}")
     print("\n## Quality-vs-speed frontier (structured inputs unless named; rel_err vs float32 exact)\n")
-    cols = [("input", "input", ""), ("heads", "H", ""), ("case", "case", ""), ("ms", "ms", ".2f"),
-            ("speedup", "x dense", ".2f"), ("kept_fraction", "kept", ".3f"), ("rel_err", "rel err", ".3e"),
-            ("cosine", "cosine", ".5f"), ("dense", "dense", ""), ("dense_heads", "dense heads", ""),
-            ("est_err", "est err", ".3f"), ("search_s", "search s", ".2f")]
+    cols = [
+        ("input", "input", ""),
+        ("heads", "H", ""),
+        ("case", "case", ""),
+        ("ms", "ms", ".2f"),
+        ("speedup", "x dense", ".2f"),
+        ("kept_fraction", "kept", ".3f"),
+        ("rel_err", "rel err", ".3e"),
+        ("cosine", "cosine", ".5f"),
+        ("dense", "dense", ""),
+        ("dense_heads", "dense heads", ""),
+        ("est_err", "est err", ".3f"),
+        ("search_s", "search s", ".2f"),
+    ]
     print(fmt_table(rows, cols))
     summary, scols = activation_summary(rows)
     if summary:
         rec.data["activation_summary"] = summary
         rec.flush()
-        print(f"\n## Over the activation inputs (per case: {summary[0]['n']} inputs unless n says otherwise; "
-              "err = rel_err vs float32 exact)\n")
+        print(
+            f"\n## Over the activation inputs (per case: {summary[0]['n']} inputs unless n says otherwise; "
+            "err = rel_err vs float32 exact)\n"
+        )
         print(fmt_table(summary, scols))
     over = [r for r in rec.data["rows"] if r.get("section") == "overhead"]
     if over:
         print("\n## Cost of the error budget against the dense kernel (original family; x dense = dense / this)\n")
-        print(fmt_table(over, [("heads", "H", ""), ("case", "what", ""), ("ms", "ms", ".3f"),
-                               ("speedup", "x dense", ".3f"), ("dense", "ran dense", "")]))
+        print(
+            fmt_table(
+                over,
+                [
+                    ("heads", "H", ""),
+                    ("case", "what", ""),
+                    ("ms", "ms", ".3f"),
+                    ("speedup", "x dense", ".3f"),
+                    ("dense", "ran dense", ""),
+                ],
+            )
+        )
     for n in rec.data["notes"]:
         print("NOTE:", n)
     if args.summary:
         summary = frontier_summary(rows, args.budget)
         rec.data["summary"] = summary
         rec.flush()
-        print(f"\n## Summary per case and family (budget {args.budget.split(',')[0]}; worst over heads, modes and "
-              "inputs; x = speed-up over dense, structured inputs; ok: <= 5 %, cos >= 0.998, x >= 1)\n")
+        print(
+            f"\n## Summary per case and family (budget {args.budget.split(',')[0]}; worst over heads, modes and "
+            "inputs; x = speed-up over dense, structured inputs; ok: <= 5 %, cos >= 0.998, x >= 1)\n"
+        )
         print(summary_table(summary))
 
 
@@ -679,8 +870,16 @@ def measure_overhead(rec, q, k, v, grid, args):
     dense_backend = "fa" if DEVICE == "cuda" else "torch_sdpa"
 
     def add(what, ms, dense_ms, **extra):
-        row = rec.add(section="overhead", input="structured", grid=list(grid), heads=H, case=what, ms=ms,
-                      speedup=dense_ms / ms if ms and dense_ms else None, **extra)
+        row = rec.add(
+            section="overhead",
+            input="structured",
+            grid=list(grid),
+            heads=H,
+            case=what,
+            ms=ms,
+            speedup=dense_ms / ms if ms and dense_ms else None,
+            **extra,
+        )
         print(f"  overhead {what:<48} {ms:9.3f} ms  x{row['speedup'] or float('nan'):6.3f}", flush=True)
 
     dense_ms = timed_ms(lambda: ditattn.attention(q, k, v, backend=dense_backend), mean=True)
@@ -710,11 +909,13 @@ def measure_overhead(rec, q, k, v, grid, args):
     nv = layout.n_video_blocks
     lm = eb.probe_log_mass(qt, kt, layout, scale)
     none = torch.zeros(*lm.shape[:3], nv, dtype=torch.bool, device=lm.device)
-    pieces = {"tile q and k (64-token tiles)": lambda: (tile(q, layout), tile(k, layout)),
-              "early check (sampled probe rows, one sync)": lambda: eb.early_dense(q, k, layout, 0.005, scale=scale),
-              "probe masses (9 rows per block)": lambda: eb.probe_log_mass(qt, kt, layout, scale),
-              "widening to the budget (9 rows per block)": lambda: eb.enforce_budget(lm, none, 0.005),
-              "widening, PyTorch path (sorted rows)": lambda: eb.enforce_budget(lm, none, 0.005, impl="reference")}
+    pieces = {
+        "tile q and k (64-token tiles)": lambda: (tile(q, layout), tile(k, layout)),
+        "early check (sampled probe rows, one sync)": lambda: eb.early_dense(q, k, layout, 0.005, scale=scale),
+        "probe masses (9 rows per block)": lambda: eb.probe_log_mass(qt, kt, layout, scale),
+        "widening to the budget (9 rows per block)": lambda: eb.enforce_budget(lm, none, 0.005),
+        "widening, PyTorch path (sorted rows)": lambda: eb.enforce_budget(lm, none, 0.005, impl="reference"),
+    }
     for what, fn in pieces.items():
         add(what, timed_ms(fn, mean=True), dense_ms)
 

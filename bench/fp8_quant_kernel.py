@@ -24,6 +24,7 @@ Writes ``<out>/fp8_quant_kernel.json`` after every row (``--out``) and prints a 
 Without a CUDA device (and without ``BENCH_DEVICE=cpu``) it stops with one line.  On the CPU the
 kernels run in Triton's interpreter (tiny ``--tokens``; the timings mean nothing).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,9 +45,11 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 #: (name, width K, GELU) per architecture, and the DiT's block count
-SHAPES = {"1.3b": ([("x1536", 1536, False), ("ffn8960_gelu", 8960, True)], 30),
-          "14b": ([("x5120", 5120, False), ("ffn13824_gelu", 13824, True)], 40)}
-EPS = 448.0 * 2.0 ** -126
+SHAPES = {
+    "1.3b": ([("x1536", 1536, False), ("ffn8960_gelu", 8960, True)], 30),
+    "14b": ([("x5120", 5120, False), ("ffn13824_gelu", 13824, True)], 40),
+}
+EPS = 448.0 * 2.0**-126
 
 
 # ------------------------------------------------------------------------------------------------
@@ -74,8 +77,9 @@ def _old_store_q(Q, offs, K, xf, scale):
 
 
 @triton.jit
-def _old_quantize_rows_kernel(X, Q, S, K, stride_x, eps, GELU: tl.constexpr, BLOCK: tl.constexpr,
-                              ONE_PASS: tl.constexpr):
+def _old_quantize_rows_kernel(
+    X, Q, S, K, stride_x, eps, GELU: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     X += row * stride_x
     Q += row * K
@@ -106,8 +110,18 @@ def old_quantize_rows(x: torch.Tensor, gelu: bool) -> tuple[torch.Tensor, torch.
     scale = torch.empty(M, 1, dtype=torch.float32, device=x.device)
     one_pass = K <= _OLD_ONE_PASS_MAX
     block = triton.next_power_of_2(K) if one_pass else _OLD_LOOP_BLOCK
-    _old_quantize_rows_kernel[(M,)](x, q, scale, K, x.stride(0), EPS, GELU=gelu, BLOCK=block, ONE_PASS=one_pass,
-                                    num_warps=4 if block <= 2048 else 8)
+    _old_quantize_rows_kernel[(M,)](
+        x,
+        q,
+        scale,
+        K,
+        x.stride(0),
+        EPS,
+        GELU=gelu,
+        BLOCK=block,
+        ONE_PASS=one_pass,
+        num_warps=4 if block <= 2048 else 8,
+    )
     return q, scale
 
 
@@ -118,7 +132,7 @@ def old_quantize_rows(x: torch.Tensor, gelu: bool) -> tuple[torch.Tensor, torch.
 def gelu64(x: torch.Tensor) -> torch.Tensor:
     """tanh-GELU in float64, as x * sigmoid(2u) (no cancellation on the negative tail)."""
     x64 = x.double()
-    return x64 / (1 + torch.exp(-2 * 0.7978845608028654 * (x64 + 0.044715 * x64 ** 3)))
+    return x64 / (1 + torch.exp(-2 * 0.7978845608028654 * (x64 + 0.044715 * x64**3)))
 
 
 def formula64(x: torch.Tensor, gelu: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,8 +150,11 @@ def _order(codes: torch.Tensor) -> torch.Tensor:
 
 def code_errors(q: torch.Tensor, scale: torch.Tensor, q64: torch.Tensor, s64: torch.Tensor) -> dict:
     steps = (_order(q) - _order(q64)).abs()
-    return {"codes_differ": float((steps > 0).float().mean()), "max_e4m3_steps": int(steps.max()),
-            "scales_differ": int((scale != s64).sum())}
+    return {
+        "codes_differ": float((steps > 0).float().mean()),
+        "max_e4m3_steps": int(steps.max()),
+        "scales_differ": int((scale != s64).sum()),
+    }
 
 
 def activations(m: int, k: int, seed: int) -> torch.Tensor:
@@ -146,7 +163,9 @@ def activations(m: int, k: int, seed: int) -> torch.Tensor:
     spread = torch.logspace(-2, 2, m, device=DEVICE)[torch.randperm(m, generator=g, device=DEVICE)]
     x = torch.randn(m, k, generator=g, device=DEVICE).mul_(spread[:, None])
     n = max(1, m // 100)
-    x[torch.randint(0, m, (n,), generator=g, device=DEVICE), torch.randint(0, k, (n,), generator=g, device=DEVICE)] = 80.0
+    x[torch.randint(0, m, (n,), generator=g, device=DEVICE), torch.randint(0, k, (n,), generator=g, device=DEVICE)] = (
+        80.0
+    )
     return x.to(torch.bfloat16)
 
 
@@ -155,8 +174,12 @@ def candidates(m: int, k: int) -> list[dict]:
     from ditattn.models.fp8_linear import ONE_PASS_MAX, row_tiles
 
     width = sum(row_tiles(k)) if k <= ONE_PASS_MAX else k
-    return [{"rows": r, "num_warps": w} for r in (1, 2, 4, 8, 16) for w in (4, 8, 16)
-            if r * width <= 32768 and (r == 1 or r < m) and not (k > ONE_PASS_MAX and r > 1)]
+    return [
+        {"rows": r, "num_warps": w}
+        for r in (1, 2, 4, 8, 16)
+        for w in (4, 8, 16)
+        if r * width <= 32768 and (r == 1 or r < m) and not (k > ONE_PASS_MAX and r > 1)
+    ]
 
 
 def main(argv=None):
@@ -185,45 +208,69 @@ def main(argv=None):
             m = args.tokens
             x = activations(m, k, seed=k)
             moved = m * k * 3 + m * 4  # one bf16 read, one e4m3 write, the float32 scales
-            sample = torch.randperm(m, generator=torch.Generator().manual_seed(1))[:args.check_rows].sort().values
+            sample = torch.randperm(m, generator=torch.Generator().manual_seed(1))[: args.check_rows].sort().values
             sample = sample.to(x.device)
             q64, s64 = formula64(x[sample], gelu)
             default = launch_config(m, k)
-            runs = [("old", {}, lambda x=x, gelu=gelu: old_quantize_rows(x, gelu)),
-                    ("new", default, lambda x=x, gelu=gelu: _quantize_rows_triton(x, gelu, EPS))]
+            runs = [
+                ("old", {}, lambda x=x, gelu=gelu: old_quantize_rows(x, gelu)),
+                ("new", default, lambda x=x, gelu=gelu: _quantize_rows_triton(x, gelu, EPS)),
+            ]
             if args.sweep:
-                runs += [("new", c, lambda x=x, gelu=gelu, c=c: _quantize_rows_triton(x, gelu, EPS, **c))
-                         for c in candidates(m, k) if c != default]
+                runs += [
+                    ("new", c, lambda x=x, gelu=gelu, c=c: _quantize_rows_triton(x, gelu, EPS, **c))
+                    for c in candidates(m, k)
+                    if c != default
+                ]
             outs, ms_of = {}, {}
             for kernel, cfg, fn in runs:
                 ms = bench_ms(fn)
                 q, scale = fn()
-                row = {"arch": arch, "shape": name, "m": m, "k": k, "gelu": gelu, "kernel": kernel,
-                       "config": "-" if kernel == "old" else f"rows={cfg['rows']} warps={cfg['num_warps']}",
-                       "default": kernel == "old" or cfg == default, "ms": ms, "gbps": moved / ms / 1e6,
-                       **code_errors(q.view(torch.uint8)[sample], scale[sample], q64.view(torch.uint8), s64)}
+                row = {
+                    "arch": arch,
+                    "shape": name,
+                    "m": m,
+                    "k": k,
+                    "gelu": gelu,
+                    "kernel": kernel,
+                    "config": "-" if kernel == "old" else f"rows={cfg['rows']} warps={cfg['num_warps']}",
+                    "default": kernel == "old" or cfg == default,
+                    "ms": ms,
+                    "gbps": moved / ms / 1e6,
+                    **code_errors(q.view(torch.uint8)[sample], scale[sample], q64.view(torch.uint8), s64),
+                }
                 if kernel == "new" and row["default"]:
                     outs["new"] = (q, scale)
                 elif kernel == "old":
                     outs["old"] = (q, scale)
                 ms_of.setdefault(kernel, []).append(ms)
-                print(f"{name:14s} {kernel} {row['config']:18s} {ms:8.4f} ms {row['gbps']:7.0f} GB/s  codes differ "
-                      f"{row['codes_differ']:.2e} (max {row['max_e4m3_steps']} step) "
-                      f"scales differ {row['scales_differ']}", flush=True)
+                print(
+                    f"{name:14s} {kernel} {row['config']:18s} {ms:8.4f} ms {row['gbps']:7.0f} GB/s  codes differ "
+                    f"{row['codes_differ']:.2e} (max {row['max_e4m3_steps']} step) "
+                    f"scales differ {row['scales_differ']}",
+                    flush=True,
+                )
                 rows_out.append(row)
             (qo, so_), (qn, sn) = outs["old"], outs["new"]
-            agree = {"old_vs_new_codes_differ": float((qo.view(torch.uint8) != qn.view(torch.uint8)).float().mean()),
-                     "old_vs_new_scales_differ": int((so_ != sn).sum())}
-            print(f"{name:14s} old vs new: codes differ {agree['old_vs_new_codes_differ']:.2e}, scales differ "
-                  f"{agree['old_vs_new_scales_differ']}", flush=True)
+            agree = {
+                "old_vs_new_codes_differ": float((qo.view(torch.uint8) != qn.view(torch.uint8)).float().mean()),
+                "old_vs_new_scales_differ": int((so_ != sn).sum()),
+            }
+            print(
+                f"{name:14s} old vs new: codes differ {agree['old_vs_new_codes_differ']:.2e}, scales differ "
+                f"{agree['old_vs_new_scales_differ']}",
+                flush=True,
+            )
             best = min((r for r in rows_out if r["shape"] == name and r["kernel"] == "new"), key=lambda r: r["ms"])
             for r in rows_out:
                 if r["shape"] == name:
                     r.update(agree, speedup_vs_old=min(ms_of["old"]) / r["ms"])
             if rec:
                 rec.data["rows"] = rows_out
-                rec.note(f"{name}: fastest new config {best['config']} {best['ms']:.4f} ms (default "
-                         f"{default['rows']} rows, {default['num_warps']} warps)")
+                rec.note(
+                    f"{name}: fastest new config {best['config']} {best['ms']:.4f} ms (default "
+                    f"{default['rows']} rows, {default['num_warps']} warps)"
+                )
             calls = 5 if not gelu else 1
             for kernel in ("old", "new"):
                 dflt = next(r["ms"] for r in rows_out if r["shape"] == name and r["kernel"] == kernel and r["default"])
@@ -234,14 +281,28 @@ def main(argv=None):
         rec.data["per_step_ms"] = {f"{a}/{k}": v for (a, k), v in per_step.items()}
         rec.flush()
     print()
-    print(fmt_table(rows_out, [("shape", "shape", ""), ("kernel", "kernel", ""), ("config", "config", ""),
-                               ("ms", "ms", ".4f"), ("gbps", "GB/s", ".0f"), ("speedup_vs_old", "x old", ".2f"),
-                               ("codes_differ", "codes != f64", ".1e"), ("max_e4m3_steps", "max steps", "d"),
-                               ("scales_differ", "scales != f64", "d")]))
+    print(
+        fmt_table(
+            rows_out,
+            [
+                ("shape", "shape", ""),
+                ("kernel", "kernel", ""),
+                ("config", "config", ""),
+                ("ms", "ms", ".4f"),
+                ("gbps", "GB/s", ".0f"),
+                ("speedup_vs_old", "x old", ".2f"),
+                ("codes_differ", "codes != f64", ".1e"),
+                ("max_e4m3_steps", "max steps", "d"),
+                ("scales_differ", "scales != f64", "d"),
+            ],
+        )
+    )
     for arch in arches:
         old, new = per_step[(arch, "old")], per_step[(arch, "new")]
-        print(f"{arch}: quantizer per DiT step (6 calls x {SHAPES[arch][1]} blocks, default configs): old {old:.2f} ms, "
-              f"new {new:.2f} ms ({old / new:.2f}x)")
+        print(
+            f"{arch}: quantizer per DiT step (6 calls x {SHAPES[arch][1]} blocks, default configs): old {old:.2f} ms, "
+            f"new {new:.2f} ms ({old / new:.2f}x)"
+        )
 
 
 if __name__ == "__main__":

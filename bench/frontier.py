@@ -33,6 +33,7 @@ capture,fidelity``, ``--families``, ``--heads``, ``--backends``, ``--cases``, ``
 and ``--no-overhead``.  ``--smoke`` runs every
 part on the CPU at tiny sizes (``BENCH_DEVICE=cpu``; the tests part is left out unless named), as the CI does.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,9 +54,23 @@ RESERVE = {"sage": 70.0, "tests": 75.0}
 TAIL_S = 40.0
 #: the captured prompt and the activation file's layout
 PROMPT = "a red circle moving right"
-CAPTURE = {"gpu": ["--steps", "10,-1", "--layers", "0,3,5", "--height", "256", "--width", "256", "--num-frames", "33"],
-           "smoke": ["--steps", "0,-1", "--layers", "0", "--num-inference-steps", "2", "--height", "128", "--width",
-                     "128", "--num-frames", "9"]}
+CAPTURE = {
+    "gpu": ["--steps", "10,-1", "--layers", "0,3,5", "--height", "256", "--width", "256", "--num-frames", "33"],
+    "smoke": [
+        "--steps",
+        "0,-1",
+        "--layers",
+        "0",
+        "--num-inference-steps",
+        "2",
+        "--height",
+        "128",
+        "--width",
+        "128",
+        "--num-frames",
+        "9",
+    ],
+}
 TESTS = ["tests/attention/test_sparse_budget.py", "tests/attention/test_sparse_fallbacks.py"]
 
 
@@ -66,16 +81,19 @@ def run_part(name: str, argv: list, out: str, limit: float, env: dict) -> dict:
     log = os.path.join(out, f"{name}.log")
     t0 = time.time()
     with open(log, "w") as fh:
-        proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, *argv], cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         try:
             rc, timed_out = proc.wait(timeout=max(1.0, limit)), False
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)  # the part's own process group (started above)
             rc, timed_out = proc.wait(), True
     res = {"rc": rc, "seconds": round(time.time() - t0, 1), "timed_out": timed_out}
-    print(f"[{name}] rc {rc}{' (time limit)' if timed_out else ''} in {res['seconds']} s (limit {limit:.0f} s)",
-          flush=True)
+    print(
+        f"[{name}] rc {rc}{' (time limit)' if timed_out else ''} in {res['seconds']} s (limit {limit:.0f} s)",
+        flush=True,
+    )
     if rc != 0:
         with open(log) as fh:
             print("".join(fh.readlines()[-12:]), flush=True)
@@ -85,17 +103,36 @@ def run_part(name: str, argv: list, out: str, limit: float, env: dict) -> dict:
 def checks(summary: list, sage_rows: list) -> dict:
     """The criteria over the fidelity summary (under the first ``--budget`` value) and the sage rows."""
     defaults = [e for e in summary if e["case"].endswith("(defaults)")]
-    err_bad = [f"{e['case']} / {e['family']}: {e['worst_err'] * 100:.2f} %, cos {e['min_cos']:.5f}" for e in defaults
-               if e["worst_err"] > 0.05 or e["min_cos"] < 0.998]
-    slow = [f"{e['case']} / {e['family']}: x {e['x_min']:.3f}" for e in defaults
-            if e["x_min"] is not None and e["x_min"] < 1.0]
-    fast = sorted({e["case"].split(" ")[0] for e in summary if e["family"] == "original"
-                   and e["x_min"] is not None and e["x_min"] >= 1.5 and e["worst_err"] <= 0.05})
-    sage_slow = [f"{r['shape']}: x {r['x_fa']:.3f}" for r in sage_rows if r.get("x_fa") is not None and r["x_fa"] < 1.0]
-    return {"defaults_within_5_percent": not err_bad and bool(defaults), "over_5_percent": err_bad,
-            "defaults_at_least_dense_speed": not slow and bool(defaults), "slower_than_dense": slow,
-            "backends_1_5x_at_5_percent_original": fast, "two_backends_1_5x": len(fast) >= 2,
-            "sage_at_least_fa": not sage_slow and bool(sage_rows), "sage_slower": sage_slow}
+    err_bad = [
+        f"{e['case']} / {e['family']}: {e['worst_err'] * 100:.2f} %, cos {e['min_cos']:.5f}"
+        for e in defaults
+        if e["worst_err"] > 0.05 or e["min_cos"] < 0.998
+    ]
+    slow = [
+        f"{e['case']} / {e['family']}: x {e['x_min']:.3f}"
+        for e in defaults
+        if e["x_min"] is not None and e["x_min"] < 1.0
+    ]
+    fast = sorted(
+        {
+            e["case"].split(" ")[0]
+            for e in summary
+            if e["family"] == "original" and e["x_min"] is not None and e["x_min"] >= 1.5 and e["worst_err"] <= 0.05
+        }
+    )
+    sage_slow = [
+        f"{r['shape']}: x {r['x_fa']:.3f}" for r in sage_rows if r.get("x_fa") is not None and r["x_fa"] < 1.0
+    ]
+    return {
+        "defaults_within_5_percent": not err_bad and bool(defaults),
+        "over_5_percent": err_bad,
+        "defaults_at_least_dense_speed": not slow and bool(defaults),
+        "slower_than_dense": slow,
+        "backends_1_5x_at_5_percent_original": fast,
+        "two_backends_1_5x": len(fast) >= 2,
+        "sage_at_least_fa": not sage_slow and bool(sage_rows),
+        "sage_slower": sage_slow,
+    }
 
 
 def read_json(path: str) -> dict:
@@ -110,7 +147,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "frontier_out"), help="output directory")
     ap.add_argument("--budget-s", type=float, default=400.0, help="wall-clock budget of the whole call (seconds)")
-    ap.add_argument("--parts", default=None, help=f"comma list of {', '.join(PARTS)} (default: all; --smoke: no tests)")
+    ap.add_argument(
+        "--parts", default=None, help=f"comma list of {', '.join(PARTS)} (default: all; --smoke: no tests)"
+    )
     ap.add_argument("--smoke", action="store_true", help="every part on the CPU at tiny sizes (CI)")
     ap.add_argument("--budget", default="default,off", help="bench/fidelity.py --budget (first: the judged one)")
     ap.add_argument("--families", default="all", help="bench/fidelity.py --families")
@@ -118,7 +157,9 @@ def main(argv=None) -> int:
     ap.add_argument("--backends", default=None, help="bench/fidelity.py --backends")
     ap.add_argument("--dense-above", default=None, help="bench/fidelity.py --dense-above")
     ap.add_argument("--cases", default=None, help="bench/fidelity.py --cases (instead of the training-free preset)")
-    ap.add_argument("--no-overhead", action="store_true", help="leave out the fallback cost (bench/fidelity.py --overhead)")
+    ap.add_argument(
+        "--no-overhead", action="store_true", help="leave out the fallback cost (bench/fidelity.py --overhead)"
+    )
     ap.add_argument("--rep-ms", default="200", help="bench/fidelity.py --rep-ms (timing per case)")
     ap.add_argument("--sage-shapes", default=None, help="bench/attention.py --shapes (default: all of its shapes)")
     args = ap.parse_args(argv)
@@ -129,25 +170,57 @@ def main(argv=None) -> int:
     t0 = time.time()
     left = lambda: args.budget_s - (time.time() - t0)  # noqa: E731
     os.makedirs(args.out, exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.join(ROOT, "src"),
-                                                                     os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH")]))
+    )
     if args.smoke:
         env["BENCH_DEVICE"] = "cpu"
     status = {}
     tmp = tempfile.mkdtemp(prefix="frontier_")
     act = os.path.join(tmp, "shapes_qkv.safetensors")
     if "capture" in parts:
-        status["capture"] = run_part("capture", [os.path.join(HERE, "capture_qkv.py"), "--model-path", "ditattn:shapes",
-                                                 "--prompt", PROMPT, *CAPTURE["smoke" if args.smoke else "gpu"],
-                                                 "--out", act], args.out, min(90.0, left()), env)
+        status["capture"] = run_part(
+            "capture",
+            [
+                os.path.join(HERE, "capture_qkv.py"),
+                "--model-path",
+                "ditattn:shapes",
+                "--prompt",
+                PROMPT,
+                *CAPTURE["smoke" if args.smoke else "gpu"],
+                "--out",
+                act,
+            ],
+            args.out,
+            min(90.0, left()),
+            env,
+        )
     if "fidelity" in parts:
         reserve = sum(s for p, s in RESERVE.items() if p in parts) + TAIL_S
-        fid = [os.path.join(HERE, "fidelity.py"), "--families", args.families,
-               "--budget", args.budget, "--loop", "--summary", "--no-chart", "--activations-error-only",
-               "--warmup-ms", "1" if args.smoke else "50", "--rep-ms", "1" if args.smoke else args.rep_ms,
-               "--budget-s", f"{max(10.0, left() - reserve):.0f}", "--out", os.path.join(args.out, "fidelity")]
-        fid += ["--grid", "4,8,8", "--heads", "2", "--ref-rows", "32"] if args.smoke else [
-            "--grids", "wan480", "--heads", args.heads]
+        fid = [
+            os.path.join(HERE, "fidelity.py"),
+            "--families",
+            args.families,
+            "--budget",
+            args.budget,
+            "--loop",
+            "--summary",
+            "--no-chart",
+            "--activations-error-only",
+            "--warmup-ms",
+            "1" if args.smoke else "50",
+            "--rep-ms",
+            "1" if args.smoke else args.rep_ms,
+            "--budget-s",
+            f"{max(10.0, left() - reserve):.0f}",
+            "--out",
+            os.path.join(args.out, "fidelity"),
+        ]
+        fid += (
+            ["--grid", "4,8,8", "--heads", "2", "--ref-rows", "32"]
+            if args.smoke
+            else ["--grids", "wan480", "--heads", args.heads]
+        )
         fid += ["--cases", args.cases] if args.cases else ["--preset", "training-free"]
         fid += [] if args.no_overhead else ["--overhead"]
         fid += ["--backends", args.backends] if args.backends else []
@@ -157,12 +230,25 @@ def main(argv=None) -> int:
     if "sage" in parts:
         shapes = "1,2,256,128;1,2,128,64" if args.smoke and not args.sage_shapes else args.sage_shapes
         limit = max(15.0, left() - (RESERVE["tests"] if "tests" in parts else 0.0))
-        status["sage"] = run_part("sage", [os.path.join(HERE, "attention.py"), "--sage-vs-fa", "--budget-s",
-                                           f"{max(5.0, limit - 15):.0f}", "--out", os.path.join(args.out, "sage")]
-                                  + (["--shapes", shapes] if shapes else []), args.out, limit, env)
+        status["sage"] = run_part(
+            "sage",
+            [
+                os.path.join(HERE, "attention.py"),
+                "--sage-vs-fa",
+                "--budget-s",
+                f"{max(5.0, limit - 15):.0f}",
+                "--out",
+                os.path.join(args.out, "sage"),
+            ]
+            + (["--shapes", shapes] if shapes else []),
+            args.out,
+            limit,
+            env,
+        )
     if "tests" in parts:
-        status["tests"] = run_part("tests", ["-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS], args.out,
-                                   max(15.0, left()), env)
+        status["tests"] = run_part(
+            "tests", ["-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS], args.out, max(15.0, left()), env
+        )
         with open(os.path.join(args.out, "tests.log")) as fh:
             tail = [ln.strip() for ln in fh.read().splitlines() if re.search(r"\d+ (passed|failed|error)", ln)]
         status["tests"]["result"] = tail[-1] if tail else None
@@ -172,31 +258,56 @@ def main(argv=None) -> int:
     fdata = read_json(os.path.join(args.out, "fidelity", "fidelity.json"))
     # from the rows (a fidelity run stopped by its time limit wrote them, not its summary)
     summary = fidelity.frontier_summary([r for r in fdata.get("rows", []) if "section" not in r], args.budget)
-    sage_rows = [r for r in read_json(os.path.join(args.out, "sage", "attention.json")).get("rows", [])
-                 if r.get("section") == "sage_vs_fa"]
+    sage_rows = [
+        r
+        for r in read_json(os.path.join(args.out, "sage", "attention.json")).get("rows", [])
+        if r.get("section") == "sage_vs_fa"
+    ]
     for r in sage_rows:
         r["shape"] = ",".join(map(str, r["shape"]))
     overhead = [r for r in fdata.get("rows", []) if r.get("section") == "overhead"]
-    result = {"argv": sys.argv[1:], "seconds": round(time.time() - t0, 1), "parts": status,
-              "checks": checks(summary, sage_rows), "summary": summary, "sage_vs_fa": sage_rows,
-              "overhead": overhead, "notes": fdata.get("notes", [])}
+    result = {
+        "argv": sys.argv[1:],
+        "seconds": round(time.time() - t0, 1),
+        "parts": status,
+        "checks": checks(summary, sage_rows),
+        "summary": summary,
+        "sage_vs_fa": sage_rows,
+        "overhead": overhead,
+        "notes": fdata.get("notes", []),
+    }
     with open(os.path.join(args.out, "summary.json"), "w") as fh:
         json.dump(result, fh, indent=1, default=str)
 
     print(f"\n## Error budget frontier ({result['seconds']} s; files in {args.out})\n")
     if overhead:
-        print("fallback cost (x dense): " + "; ".join(f"H{r['heads']} {r['case']} {r['speedup']:.3f}"
-                                                     for r in overhead if r.get("speedup") and "forced" in r["case"]))
+        print(
+            "fallback cost (x dense): "
+            + "; ".join(
+                f"H{r['heads']} {r['case']} {r['speedup']:.3f}"
+                for r in overhead
+                if r.get("speedup") and "forced" in r["case"]
+            )
+        )
     if sage_rows:
-        print("sage_attn / fa: " + "; ".join(f"{r['shape']} {r['x_fa'] or float('nan'):.3f}"
-                                             f" (own {r.get('x_fa_own_kernel') or float('nan'):.3f})" for r in sage_rows))
+        print(
+            "sage_attn / fa: "
+            + "; ".join(
+                f"{r['shape']} {r['x_fa'] or float('nan'):.3f} (own {r.get('x_fa_own_kernel') or float('nan'):.3f})"
+                for r in sage_rows
+            )
+        )
     for name, st in status.items():
-        print(f"part {name}: rc {st['rc']}{' TIME LIMIT' if st['timed_out'] else ''} {st['seconds']} s"
-              + (f" ({st['result']})" if st.get("result") else ""))
+        print(
+            f"part {name}: rc {st['rc']}{' TIME LIMIT' if st['timed_out'] else ''} {st['seconds']} s"
+            + (f" ({st['result']})" if st.get("result") else "")
+        )
     c = result["checks"]
-    print(f"checks: defaults <= 5 %: {c['defaults_within_5_percent']}; >= 1.0x FA4: "
-          f"{c['defaults_at_least_dense_speed']}; >= 1.5x at <= 5 % (original): "
-          f"{','.join(c['backends_1_5x_at_5_percent_original']) or '-'}; sage >= fa: {c['sage_at_least_fa']}")
+    print(
+        f"checks: defaults <= 5 %: {c['defaults_within_5_percent']}; >= 1.0x FA4: "
+        f"{c['defaults_at_least_dense_speed']}; >= 1.5x at <= 5 % (original): "
+        f"{','.join(c['backends_1_5x_at_5_percent_original']) or '-'}; sage >= fa: {c['sage_at_least_fa']}"
+    )
     if summary:
         print()
         print(fidelity.summary_table(summary))

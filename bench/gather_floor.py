@@ -15,6 +15,7 @@ Shapes: k, v ``[1, S, H, D]`` (bf16/fp16, contiguous); kv_indices int32 ``[1, H,
 kv_counts int32 ``[1, H, S/block]``.  Returns float32 ``[H, S/block, block]``: per query block, the
 row sums of the sum of its gathered K and V tiles (checked against PyTorch in the tests).
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,8 +27,23 @@ from ditattn.attention.kernels.block_sparse_triton import softmax_finish, softma
 
 
 @triton.jit
-def _gather_kv(K, V, Out, KvIdx, KvCnt, stride_s, stride_h, stride_ih, stride_im, stride_ch,
-               HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, USE_TMA: tl.constexpr, KD, VD):
+def _gather_kv(
+    K,
+    V,
+    Out,
+    KvIdx,
+    KvCnt,
+    stride_s,
+    stride_h,
+    stride_ih,
+    stride_im,
+    stride_ch,
+    HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    KD,
+    VD,
+):
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     offs_r = tl.arange(0, BLOCK)
@@ -47,8 +63,16 @@ def _gather_kv(K, V, Out, KvIdx, KvCnt, stride_s, stride_h, stride_ih, stride_im
     tl.store(Out + (h * tl.num_programs(0) + pid_m) * BLOCK + offs_r, tl.sum(acc, 1))
 
 
-def gather_kv(k: torch.Tensor, v: torch.Tensor, kv_indices: torch.Tensor, kv_counts: torch.Tensor, *,
-              block_size: int, num_warps: int = 4, tma: bool = False) -> torch.Tensor:
+def gather_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_counts: torch.Tensor,
+    *,
+    block_size: int,
+    num_warps: int = 4,
+    tma: bool = False,
+) -> torch.Tensor:
     """Gather every listed K/V tile once per query block (see the module docstring)."""
     check_device(k, v, kv_indices, kv_counts, what="gather_kv")  # CPU: the interpreter's bf16 fixes
     _, S, H, D = k.shape
@@ -61,8 +85,24 @@ def gather_kv(k: torch.Tensor, v: torch.Tensor, kv_indices: torch.Tensor, kv_cou
         descs = tuple(TensorDescriptor(t, [S, H * D], [H * D, 1], [block_size, D]) for t in (k, v))
     else:
         descs = (k, v)  # unused placeholders
-    _gather_kv[(nq, H)](k, v, out, idx, cnt, k.stride(1), k.stride(2), idx.stride(0), idx.stride(1), cnt.stride(0),
-                        HEAD_DIM=D, BLOCK=block_size, USE_TMA=tma, KD=descs[0], VD=descs[1], num_warps=num_warps)
+    _gather_kv[(nq, H)](
+        k,
+        v,
+        out,
+        idx,
+        cnt,
+        k.stride(1),
+        k.stride(2),
+        idx.stride(0),
+        idx.stride(1),
+        cnt.stride(0),
+        HEAD_DIM=D,
+        BLOCK=block_size,
+        USE_TMA=tma,
+        KD=descs[0],
+        VD=descs[1],
+        num_warps=num_warps,
+    )
     return out
 
 
@@ -83,8 +123,9 @@ def bytes_moved(k: torch.Tensor, kv_counts: torch.Tensor, block_size: int) -> in
 
 
 @triton.jit
-def _math_only(Q, K, V, Out, KvCnt, stride_s, stride_h, stride_ch, qk_scale,
-               HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+def _math_only(
+    Q, K, V, Out, KvCnt, stride_s, stride_h, stride_ch, qk_scale, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr
+):
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     offs_r = tl.arange(0, BLOCK)
@@ -107,8 +148,16 @@ def _math_only(Q, K, V, Out, KvCnt, stride_s, stride_h, stride_ch, qk_scale,
     tl.store(Out + rows, out.to(Out.dtype.element_ty))
 
 
-def math_only(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_counts: torch.Tensor, *, block_size: int,
-              num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+def math_only(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_counts: torch.Tensor,
+    *,
+    block_size: int,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
     """``kv_counts[0, h, i]`` flash steps of query block i against its own (diagonal) K/V tile, which is
     read once: the attention math of a block-sparse call without its data movement.  q/k/v
     ``[1, S, H, D]`` contiguous; returns ``[1, S, H, D]`` — equal to attention of each query block
@@ -118,7 +167,19 @@ def math_only(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_counts: torc
     _, S, H, D = q.shape
     out = torch.empty_like(q)
     cnt = kv_counts[0].contiguous()
-    _math_only[(S // block_size, H)](q, k, v, out, cnt, q.stride(1), q.stride(2), cnt.stride(0),
-                                     D ** -0.5 * LOG2E, HEAD_DIM=D, BLOCK=block_size,
-                                     num_warps=num_warps, num_stages=num_stages)
+    _math_only[(S // block_size, H)](
+        q,
+        k,
+        v,
+        out,
+        cnt,
+        q.stride(1),
+        q.stride(2),
+        cnt.stride(0),
+        D**-0.5 * LOG2E,
+        HEAD_DIM=D,
+        BLOCK=block_size,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     return out

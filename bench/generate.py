@@ -11,6 +11,7 @@ the per-stage split of ours (text, denoise, decode).
     python bench/generate.py --steps 50 --skip-diffusers --backends auto --out $OUT/generate50.json
     python bench/generate.py --steps 4 --guidance 1 --sampling "scheduler=lcm;timesteps=1000/750/500/250;flow_shift=5"
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,13 @@ def build_folder(path: str, arch: str) -> None:
     text_encoder = UMT5EncoderModel(UMT5Config(**te)).eval()
     transformer = WanTransformer3DModel(**WAN_COMMON, **WAN_ARCH[arch]).to(torch.bfloat16).eval()
     vae = AutoencoderKLWan().eval()
-    pipe = WanPipeline(tokenizer=build_byte_tokenizer(), text_encoder=text_encoder, vae=vae,
-                       scheduler=UniPCMultistepScheduler(**SCHEDULER), transformer=transformer)
+    pipe = WanPipeline(
+        tokenizer=build_byte_tokenizer(),
+        text_encoder=text_encoder,
+        vae=vae,
+        scheduler=UniPCMultistepScheduler(**SCHEDULER),
+        transformer=transformer,
+    )
     pipe.save_pretrained(path, safe_serialization=True)
 
 
@@ -50,8 +56,12 @@ def main():
     ap.add_argument("--backends", default="auto,video_sparse_attn:sparsity=0.9", help="ours, comma list")
     ap.add_argument("--folder", default=None, help="reuse/write the model folder here (default: a temp dir)")
     ap.add_argument("--skip-diffusers", action="store_true", help="time ditattn only (no diffusers baseline)")
-    ap.add_argument("--sampling", default="", help="extra generate() arguments of ours as k=v;k=v, e.g. "
-                    "scheduler=lcm;timesteps=1000/750/500/250;flow_shift=5;cfg_batching=sequential")
+    ap.add_argument(
+        "--sampling",
+        default="",
+        help="extra generate() arguments of ours as k=v;k=v, e.g. "
+        "scheduler=lcm;timesteps=1000/750/500/250;flow_shift=5;cfg_batching=sequential",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     sampling = parse_sampling(args.sampling)
@@ -69,8 +79,18 @@ def main():
     def dump():
         if args.out:
             with open(args.out, "w") as fh:
-                json.dump({"arch": args.arch, "res": args.res, "frames": args.frames, "steps": args.steps,
-                           "guidance": args.guidance, "rows": rows}, fh, indent=2)
+                json.dump(
+                    {
+                        "arch": args.arch,
+                        "res": args.res,
+                        "frames": args.frames,
+                        "steps": args.steps,
+                        "guidance": args.guidance,
+                        "rows": rows,
+                    },
+                    fh,
+                    indent=2,
+                )
 
     if not args.skip_diffusers:
         run_diffusers(folder, args, h, w, dev, sync, prompt, rows, dump)
@@ -88,8 +108,11 @@ def parse_sampling(text: str) -> dict:
     out: dict = {}
     for item in [i for i in text.split(";") if i]:
         key, _, value = item.partition("=")
-        out[key] = [float(v) for v in value.split("/")] if key == "timesteps" else (
-            float(value) if key == "flow_shift" else value)
+        out[key] = (
+            [float(v) for v in value.split("/")]
+            if key == "timesteps"
+            else (float(value) if key == "flow_shift" else value)
+        )
     return out
 
 
@@ -99,9 +122,16 @@ def run_diffusers(folder, args, h, w, dev, sync, prompt, rows, dump):
     pipe = WanPipeline.from_pretrained(folder, torch_dtype=torch.bfloat16)
     pipe.vae.to(torch.float32)
     pipe.to(dev)
-    run = lambda n, out="np": pipe(prompt=prompt, height=h, width=w, num_frames=args.frames, num_inference_steps=n,
-                                   guidance_scale=args.guidance, output_type=out,
-                                   generator=torch.Generator(dev).manual_seed(0))
+    run = lambda n, out="np": pipe(
+        prompt=prompt,
+        height=h,
+        width=w,
+        num_frames=args.frames,
+        num_inference_steps=n,
+        guidance_scale=args.guidance,
+        output_type=out,
+        generator=torch.Generator(dev).manual_seed(0),
+    )
     run(1, "latent")  # warm-up (no decode)
     sync()
     t0 = time.perf_counter()
@@ -122,19 +152,36 @@ def run_ours(folder, args, h, w, dev, sync, prompt, rows, dump, sampling):
 
     for spec in [s for s in args.backends.split(",") if s]:
         name, _, cfg = spec.partition(":")
-        settings = AttentionSettings(backend=None if name == "auto" else B.from_name(name),
-                                     config=parse_attention_backend_config(cfg.replace(";", ",")))
+        settings = AttentionSettings(
+            backend=None if name == "auto" else B.from_name(name),
+            config=parse_attention_backend_config(cfg.replace(";", ",")),
+        )
         native = WanPipelineNative.from_pretrained(folder, settings, device=dev, dtype="bfloat16")
-        gen = lambda n, out="uint8": native.generate(prompt, height=h, width=w, num_frames=args.frames,
-                                                     num_inference_steps=n, guidance_scale=args.guidance,
-                                                     progress=False, output_type=out, **sampling)
+        gen = lambda n, out="uint8": native.generate(
+            prompt,
+            height=h,
+            width=w,
+            num_frames=args.frames,
+            num_inference_steps=n,
+            guidance_scale=args.guidance,
+            progress=False,
+            output_type=out,
+            **sampling,
+        )
         gen(1, "latent")  # warm-up (no decode)
         sync()
         t0 = time.perf_counter()
         res = gen(args.steps)
         sync()
-        rows.append({"side": "ditattn WanPipelineNative", "backend": spec, "chosen": res.attention_backends,
-                     "total_s": time.perf_counter() - t0, "stages_s": res.timings})
+        rows.append(
+            {
+                "side": "ditattn WanPipelineNative",
+                "backend": spec,
+                "chosen": res.attention_backends,
+                "total_s": time.perf_counter() - t0,
+                "stages_s": res.timings,
+            }
+        )
         print(rows[-1], flush=True)
         dump()
         del native

@@ -13,6 +13,7 @@ the motion is the prompted one, the shape the last frames show and whether it is
 the reference variant's on the same prompt and seed.  Prints a table per clip and one per variant and
 writes ``DIR/judge.json``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,7 +36,9 @@ def judge_run(out_dir: str) -> dict:
     rep_path, clips_path = os.path.join(out_dir, "compare.json"), os.path.join(out_dir, "clips.npz")
     for path in (rep_path, clips_path):
         if not os.path.exists(path):
-            raise FileNotFoundError(f"{path} not found (run ditattn compare with --save-clips --output-path {out_dir})")
+            raise FileNotFoundError(
+                f"{path} not found (run ditattn compare with --save-clips --output-path {out_dir})"
+            )
     with open(rep_path) as fh:
         rep = json.load(fh)
     rows = []
@@ -47,15 +50,31 @@ def judge_run(out_dir: str) -> dict:
                     raise KeyError(f"{clips_path} has no clip {key!r}")
                 parsed = parse_caption(run["prompt"])
                 psnr = run.get("psnr")
-                row = {"variant": var["name"], "prompt": run["prompt"], "seed": run["seed"],
-                       "psnr": float(psnr) if isinstance(psnr, str) else psnr, "ssim": run.get("ssim")}
+                row = {
+                    "variant": var["name"],
+                    "prompt": run["prompt"],
+                    "seed": run["seed"],
+                    "psnr": float(psnr) if isinstance(psnr, str) else psnr,
+                    "ssim": run.get("ssim"),
+                }
                 if parsed is None or len(parsed) != 1:
                     row["judged"] = False
                 else:
                     color, shape, motion = parsed[0]
                     v = judge(clips[key], color, motion, shape)
-                    row.update(judged=True, dominant=v.dominant, color_ok=v.color_ok, motion_ok=v.motion_ok, ok=v.ok,
-                               area=v.area, dx=v.dx, dy=v.dy, growth=v.growth, shape=v.shape, shape_ok=v.shape_ok)
+                    row.update(
+                        judged=True,
+                        dominant=v.dominant,
+                        color_ok=v.color_ok,
+                        motion_ok=v.motion_ok,
+                        ok=v.ok,
+                        area=v.area,
+                        dx=v.dx,
+                        dy=v.dy,
+                        growth=v.growth,
+                        shape=v.shape,
+                        shape_ok=v.shape_ok,
+                    )
                 rows.append(row)
     ref = {(r["prompt"], r["seed"]): r for r in rows if r["variant"] == rep["reference"]}
     for r in rows:
@@ -66,12 +85,19 @@ def judge_run(out_dir: str) -> dict:
     summary = []
     for var in rep["variants"]:
         sel = [r for r in rows if r["variant"] == var["name"] and r.get("judged")]
-        summary.append({"variant": var["name"], "judged": len(sel),
-                        "color_ok": sum(r["color_ok"] for r in sel), "motion_ok": sum(r["motion_ok"] for r in sel),
-                        "ok": sum(r["ok"] for r in sel), "shape_ok": sum(r["shape_ok"] for r in sel),
-                        "same": sum(bool(r.get("same")) for r in sel),
-                        "psnr_mean": var.get("summary", {}).get("psnr_mean"),
-                        "ssim_mean": var.get("summary", {}).get("ssim_mean")})
+        summary.append(
+            {
+                "variant": var["name"],
+                "judged": len(sel),
+                "color_ok": sum(r["color_ok"] for r in sel),
+                "motion_ok": sum(r["motion_ok"] for r in sel),
+                "ok": sum(r["ok"] for r in sel),
+                "shape_ok": sum(r["shape_ok"] for r in sel),
+                "same": sum(bool(r.get("same")) for r in sel),
+                "psnr_mean": var.get("summary", {}).get("psnr_mean"),
+                "ssim_mean": var.get("summary", {}).get("ssim_mean"),
+            }
+        )
     return {"reference": rep["reference"], "rows": rows, "summary": summary}
 
 
@@ -86,17 +112,38 @@ def main(argv=None) -> int:
         return 2
     with open(os.path.join(args.out_dir, "judge.json"), "w") as fh:
         json.dump(res, fh, indent=1)
-    cols = [("variant", "variant", ""), ("prompt", "prompt", ""), ("seed", "seed", ""), ("dominant", "dominant", ""),
-            ("color_ok", "colour ok", ""), ("motion_ok", "motion ok", ""), ("dx", "dx", ".3f"), ("dy", "dy", ".3f"),
-            ("growth", "growth", ".2f"), ("shape", "shape seen", ""), ("shape_ok", "shape ok", ""),
-            ("same", f"same as {res['reference']}", ""), ("psnr", "PSNR", ".2f"),
-            ("ssim", "SSIM", ".4f")]
+    cols = [
+        ("variant", "variant", ""),
+        ("prompt", "prompt", ""),
+        ("seed", "seed", ""),
+        ("dominant", "dominant", ""),
+        ("color_ok", "colour ok", ""),
+        ("motion_ok", "motion ok", ""),
+        ("dx", "dx", ".3f"),
+        ("dy", "dy", ".3f"),
+        ("growth", "growth", ".2f"),
+        ("shape", "shape seen", ""),
+        ("shape_ok", "shape ok", ""),
+        ("same", f"same as {res['reference']}", ""),
+        ("psnr", "PSNR", ".2f"),
+        ("ssim", "SSIM", ".4f"),
+    ]
     print(fmt_table(res["rows"], cols))
     print()
-    print(fmt_table(res["summary"], [("variant", "variant", ""), ("judged", "clips judged", ""),
-                                     ("color_ok", "colour ok", ""), ("motion_ok", "motion ok", ""), ("ok", "both ok", ""),
-                                     ("shape_ok", "shape ok", ""),
-                                     ("same", f"same verdict as {res['reference']}", "")]))
+    print(
+        fmt_table(
+            res["summary"],
+            [
+                ("variant", "variant", ""),
+                ("judged", "clips judged", ""),
+                ("color_ok", "colour ok", ""),
+                ("motion_ok", "motion ok", ""),
+                ("ok", "both ok", ""),
+                ("shape_ok", "shape ok", ""),
+                ("same", f"same verdict as {res['reference']}", ""),
+            ],
+        )
+    )
     return 0
 
 

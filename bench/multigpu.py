@@ -9,6 +9,7 @@ rank 0 returns the step time and the output; each configuration is compared with
 
 NVLink multicast stays off (NCCL_NVLS_ENABLE=0 etc. are set below if the environment lacks them).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,9 +50,12 @@ def _step(groups, arch: str, res: str, frames: int, text_len: int, backend: str,
     from ditattn.models.wan.transformer import WanTransformer, WanTransformerConfig
 
     name, _, cfg_txt = backend.partition(":")
-    settings = AttentionSettings(backend=None if name == "auto" else B.from_name(name),
-                                 config=parse_attention_backend_config(cfg_txt.replace(";", ",")),
-                                 ulysses_degree=groups.ulysses_degree, ring_degree=groups.ring_degree)
+    settings = AttentionSettings(
+        backend=None if name == "auto" else B.from_name(name),
+        config=parse_attention_backend_config(cfg_txt.replace(";", ",")),
+        ulysses_degree=groups.ulysses_degree,
+        ring_degree=groups.ring_degree,
+    )
     cfg = WanTransformerConfig.from_dict({**WAN_COMMON, **ARCH[arch]})
     dev = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(0)
@@ -104,22 +108,42 @@ def main():
             for mode, u, r in _layouts(n, heads):
                 if r > 1 and not backend.startswith(("fa", "auto", "torch")):
                     continue  # sparse backends refuse ring attention
-                res = spawn_ranks(_step, n, args=(args.arch, args.res, args.frames, args.text_len, backend, args.repeats),
-                                  ulysses_degree=u, ring_degree=r, device="cuda", timeout_s=600)[0]
+                res = spawn_ranks(
+                    _step,
+                    n,
+                    args=(args.arch, args.res, args.frames, args.text_len, backend, args.repeats),
+                    ulysses_degree=u,
+                    ring_degree=r,
+                    device="cuda",
+                    timeout_s=600,
+                )[0]
                 if base is None:
                     base = res
                 err = ((res["out"] - base["out"]).norm() / base["out"].norm()).item()
-                row = {"backend": backend, "gpus": n, "mode": mode, "ulysses": u, "ring": r, "ms": res["ms"],
-                       "speedup": base["ms"] / res["ms"], "efficiency": base["ms"] / res["ms"] / n, "rel_err_vs_1gpu": err}
+                row = {
+                    "backend": backend,
+                    "gpus": n,
+                    "mode": mode,
+                    "ulysses": u,
+                    "ring": r,
+                    "ms": res["ms"],
+                    "speedup": base["ms"] / res["ms"],
+                    "efficiency": base["ms"] / res["ms"] / n,
+                    "rel_err_vs_1gpu": err,
+                }
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump({"arch": args.arch, "res": args.res, "frames": args.frames, "rows": rows}, fh, indent=2)
-    print(f"\n{'backend':<28} {'gpus':>4} {'mode':<8} {'U':>2} {'R':>2} {'ms':>9} {'speedup':>8} {'eff':>6} {'err':>9}")
+    print(
+        f"\n{'backend':<28} {'gpus':>4} {'mode':<8} {'U':>2} {'R':>2} {'ms':>9} {'speedup':>8} {'eff':>6} {'err':>9}"
+    )
     for r in rows:
-        print(f"{r['backend']:<28} {r['gpus']:>4} {r['mode']:<8} {r['ulysses']:>2} {r['ring']:>2} {r['ms']:9.1f} "
-              f"{r['speedup']:8.2f} {r['efficiency']:6.2f} {r['rel_err_vs_1gpu']:9.2e}")
+        print(
+            f"{r['backend']:<28} {r['gpus']:>4} {r['mode']:<8} {r['ulysses']:>2} {r['ring']:>2} {r['ms']:9.1f} "
+            f"{r['speedup']:8.2f} {r['efficiency']:6.2f} {r['rel_err_vs_1gpu']:9.2e}"
+        )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Stacked bar chart of one DiT step per side/variant from ``bench/e2e.py --profile`` JSON.
 
-    python bench/plot_e2e.py $OUT/e2e480.json docs/img/e2e_step_h200.png
+python bench/plot_e2e.py $OUT/e2e480.json docs/img/e2e_step_h200.png
 """
+
 import json
 import sys
 

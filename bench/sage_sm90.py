@@ -14,6 +14,7 @@ kernel config in ``--variants``.  Prints a short table last; writes ``sage_sm90.
 (``qk_balance:0.5``: the per-channel Q/K balance, a prologue option; its statistics passes are inside
 the timed call like the rest of the prologue.)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -76,8 +77,11 @@ def _inputs(b, sq, skv, h, hkv, d, dtype, kind, seed):
 
 def quant_reference_kwargs(cfg: dict) -> dict:
     """``int8_attention_reference`` keywords computing what the SM90 kernel computes under ``cfg``."""
-    kw = {"block_n": int(cfg.get("block_n", 128)), "k_granularity": cfg.get("k_granularity", "token"),
-          "qk_balance": cfg.get("qk_balance")}
+    kw = {
+        "block_n": int(cfg.get("block_n", 128)),
+        "k_granularity": cfg.get("k_granularity", "token"),
+        "qk_balance": cfg.get("qk_balance"),
+    }
     if cfg.get("pv_dtype", "fp16") == "fp8":
         kw.update(pv="fp8", p_rowsum="fp32", v_smooth=bool(cfg.get("v_smooth", False)))
     return kw
@@ -99,8 +103,10 @@ def check(rec, variants):
         ref_o, ref_l = _exact(q, k, v)
         qrefs = {}
         sdpa = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(h // hkv, 1),
-            v.transpose(1, 2).repeat_interleave(h // hkv, 1)).transpose(1, 2)
+            q.transpose(1, 2),
+            k.transpose(1, 2).repeat_interleave(h // hkv, 1),
+            v.transpose(1, 2).repeat_interleave(h // hkv, 1),
+        ).transpose(1, 2)
         for name, cfg in variants.items():
             if cfg.get("ablate"):
                 continue  # ablations leave a stage out: their output is wrong by design
@@ -114,11 +120,20 @@ def check(rec, variants):
                 out, lse = sage_attention_sm90(q, k, v, return_lse=True, config=cfg)
                 torch.cuda.synchronize()
                 cos = cosine(out, ref_o)
-                return rec.add(section="check", variant=name, shape=f"{b},{sq},{skv},{h},{hkv},{d}",
-                               dtype=str(dtype).replace("torch.", ""), kind=kind,
-                               finite=bool(torch.isfinite(out).all()), err=rel_err(out, ref_o), cos=cos,
-                               err_vs_quant_ref=rel_err(out, qref), sdpa_err=rel_err(sdpa, ref_o),
-                               lse_max_abs=float((lse - ref_l).abs().max()))
+                return rec.add(
+                    section="check",
+                    variant=name,
+                    shape=f"{b},{sq},{skv},{h},{hkv},{d}",
+                    dtype=str(dtype).replace("torch.", ""),
+                    kind=kind,
+                    finite=bool(torch.isfinite(out).all()),
+                    err=rel_err(out, ref_o),
+                    cos=cos,
+                    err_vs_quant_ref=rel_err(out, qref),
+                    sdpa_err=rel_err(sdpa, ref_o),
+                    lse_max_abs=float((lse - ref_l).abs().max()),
+                )
+
             r = guarded(rec, f"check {name} {b},{sq},{skv},{h},{hkv},{d}", run)
             if r:
                 rows.append(r)
@@ -143,9 +158,17 @@ def check_long(rec, variants):
         def run():
             out = sage_attention_sm90(q, k, v, config=cfg)[0][:, idx]
             cos = cosine(out, ref_o)
-            return rec.add(section="check", variant=name, shape=f"{b},{s},{s},{h},{h},{d}", dtype="bfloat16",
-                           kind=f"random, {n} rows", finite=bool(torch.isfinite(out).all()),
-                           err=rel_err(out, ref_o), cos=cos)
+            return rec.add(
+                section="check",
+                variant=name,
+                shape=f"{b},{s},{s},{h},{h},{d}",
+                dtype="bfloat16",
+                kind=f"random, {n} rows",
+                finite=bool(torch.isfinite(out).all()),
+                err=rel_err(out, ref_o),
+                cos=cos,
+            )
+
         r = guarded(rec, f"check long {name}", run)
         if r:
             rows.append(r)
@@ -177,6 +200,7 @@ def timing(rec, dl, shapes, variants):
         def cudnn():
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt)
+
         ms = guarded(rec, "cudnn", lambda: bench_ms(cudnn))
         row["cudnn"] = fl / ms / 1e9 if ms else None
         if flash_attn_func is not None:
@@ -208,9 +232,11 @@ def main(argv=None):
     ap.add_argument("--out", default="outputs/sage")
     ap.add_argument("--budget-s", type=float, default=400)
     ap.add_argument("--shapes", default=SHAPES, help="'B,H,S,D;...' timed shapes")
-    ap.add_argument("--variants", default="fp16=;fp8=pv_dtype:fp8;fp8_direct=pv_dtype:fp8/pv_accum:direct",
-                    help="'name=key:val/key:val;...' kernel configs (keys of sage_sm90.default_config; empty = "
-                         "defaults)")
+    ap.add_argument(
+        "--variants",
+        default="fp16=;fp8=pv_dtype:fp8;fp8_direct=pv_dtype:fp8/pv_accum:direct",
+        help="'name=key:val/key:val;...' kernel configs (keys of sage_sm90.default_config; empty = defaults)",
+    )
     ap.add_argument("--no-check", action="store_true")
     args = ap.parse_args(argv)
     dl = Deadline(args.budget_s)
@@ -220,13 +246,31 @@ def main(argv=None):
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";") if s]
     times = timing(rec, dl, shapes, variants)
     print()
-    print(fmt_table(checks, [("variant", "variant", ""), ("shape", "B,Sq,Skv,H,Hkv,D", ""), ("dtype", "dtype", ""),
-                             ("kind", "input", ""), ("err", "err vs fp32", ".2e"), ("cos", "cos", ".6f"),
-                             ("err_vs_quant_ref", "err vs quant ref", ".2e"), ("sdpa_err", "sdpa err", ".2e"),
-                             ("lse_max_abs", "lse max abs", ".1e"), ("finite", "finite", "")]))
+    print(
+        fmt_table(
+            checks,
+            [
+                ("variant", "variant", ""),
+                ("shape", "B,Sq,Skv,H,Hkv,D", ""),
+                ("dtype", "dtype", ""),
+                ("kind", "input", ""),
+                ("err", "err vs fp32", ".2e"),
+                ("cos", "cos", ".6f"),
+                ("err_vs_quant_ref", "err vs quant ref", ".2e"),
+                ("sdpa_err", "sdpa err", ".2e"),
+                ("lse_max_abs", "lse max abs", ".1e"),
+                ("finite", "finite", ""),
+            ],
+        )
+    )
     print()
-    cols = [("shape", "B,H,S,D", ""), ("cudnn", "cuDNN", ".0f"), ("fa4", "FA4", ".0f"),
-            ("triton_int8", "triton int8", ".0f"), ("triton_fp8", "triton fp8 PV", ".0f")]
+    cols = [
+        ("shape", "B,H,S,D", ""),
+        ("cudnn", "cuDNN", ".0f"),
+        ("fa4", "FA4", ".0f"),
+        ("triton_int8", "triton int8", ".0f"),
+        ("triton_fp8", "triton fp8 PV", ".0f"),
+    ]
     cols += [(n, n, ".0f") for n in variants] + [("best_vs_base", "best / (FA4 or cuDNN)", ".3f")]
     print(fmt_table(times, cols))
     print("TFLOP/s (dense-equivalent 4*B*H*S^2*D / time; quantization prologue included)")

@@ -32,6 +32,7 @@ from the same log masses, and the top-k lists, then the whole Sparge call each w
 identical on the device and that the list path runs under ``torch.cuda.set_sync_debug_mode("error")``
 (a NOTE otherwise).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,7 +64,7 @@ def measure(rec, grid, heads):
 
     q, k, v, _ = structured_qkv(StructuredSpec(video_shape=grid, heads=heads), device=DEVICE)
     S, D = q.shape[1], q.shape[-1]
-    scale = D ** -0.5
+    scale = D**-0.5
     lay = make_tile_layout(grid, sparge_tile_size(64), 0, edge_tiles="packed")
     qt, kt = tile(q, lay), tile(k, lay)
     nv = lay.n_video_blocks
@@ -75,13 +76,19 @@ def measure(rec, grid, heads):
     cases = {
         "pooled": (lambda: pooled_video_scores(qt, kt, lay, scale), 2.0 * heads * nv * nv * D),
         "pooled_query": (lambda: pooled_query_block_scores(qt, kt, lay, scale), 2.0 * heads * nv * nv * 64 * D),
-        "pooled_query_var": (lambda: pooled_query_block_scores(qt, kt, lay, scale, variance=True),
-                             4.0 * heads * nv * nv * 64 * D),
+        "pooled_query_var": (
+            lambda: pooled_query_block_scores(qt, kt, lay, scale, variance=True),
+            4.0 * heads * nv * nv * 64 * D,
+        ),
         "svg2_clusters": (lambda: pooled_query_cluster_scores(cq, keys, labels, 128, scale), 2.0 * heads * 64 * S * D),
-        "sparge_call pooled": (lambda: sparge_attention(q, k, v, video_shape=grid, topk=0.5, quantize=True,
-                                                        predictor="pooled"), None),
-        "sparge_call pooled_query": (lambda: sparge_attention(q, k, v, video_shape=grid, topk=0.5, quantize=True),
-                                     None),
+        "sparge_call pooled": (
+            lambda: sparge_attention(q, k, v, video_shape=grid, topk=0.5, quantize=True, predictor="pooled"),
+            None,
+        ),
+        "sparge_call pooled_query": (
+            lambda: sparge_attention(q, k, v, video_shape=grid, topk=0.5, quantize=True),
+            None,
+        ),
         "dense_fa": (lambda: _dense(q, k, v), dense_flops),
     }
     out = {}
@@ -89,19 +96,39 @@ def measure(rec, grid, heads):
         ms = guarded(rec, f"{name} H={heads}", lambda fn=fn: bench_ms(fn))
         kms = guarded(rec, f"{name} H={heads} (kernels)", lambda fn=fn: kernel_ms(fn))
         out[name] = (ms, kms)
-        rec.add(grid="x".join(map(str, grid)), heads=heads, case=name, ms=ms, kernel_ms=kms,
-                flops_share=None if flops is None else flops / dense_flops)
-        print(f"  H={heads} {name:<26} {ms if ms is not None else float('nan'):9.3f} ms  kernels "
-              f"{kms if kms is not None else float('nan'):9.3f} ms", flush=True)
+        rec.add(
+            grid="x".join(map(str, grid)),
+            heads=heads,
+            case=name,
+            ms=ms,
+            kernel_ms=kms,
+            flops_share=None if flops is None else flops / dense_flops,
+        )
+        print(
+            f"  H={heads} {name:<26} {ms if ms is not None else float('nan'):9.3f} ms  kernels "
+            f"{kms if kms is not None else float('nan'):9.3f} ms",
+            flush=True,
+        )
     summary = []
-    for name, call in (("pooled", "sparge_call pooled"), ("pooled_query", "sparge_call pooled_query"),
-                       ("pooled_query_var", "sparge_call pooled_query"), ("svg2_clusters", None)):
+    for name, call in (
+        ("pooled", "sparge_call pooled"),
+        ("pooled_query", "sparge_call pooled_query"),
+        ("pooled_query_var", "sparge_call pooled_query"),
+        ("svg2_clusters", None),
+    ):
         ms, kms = out[name]
         cms = out[call][0] if call else None
         dms = out["dense_fa"][0]
-        summary.append({"heads": heads, "predictor": name, "ms": ms,
-                        "of_call": ms / cms if ms and cms else None, "of_dense": ms / dms if ms and dms else None,
-                        "flops_of_dense": cases[name][1] / dense_flops})
+        summary.append(
+            {
+                "heads": heads,
+                "predictor": name,
+                "ms": ms,
+                "of_call": ms / cms if ms and cms else None,
+                "of_dense": ms / dms if ms and dms else None,
+                "flops_of_dense": cases[name][1] / dense_flops,
+            }
+        )
     return summary
 
 
@@ -131,8 +158,11 @@ def measure_cdf(rec, grid, heads, args):
         mode = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            guarded(rec, f"H={heads}: mass_lists under sync debug mode 'error'",
-                    lambda: mass_lists(lay, lm, thr, floor, width=width))
+            guarded(
+                rec,
+                f"H={heads}: mass_lists under sync debug mode 'error'",
+                lambda: mass_lists(lay, lm, thr, floor, width=width),
+            )
         finally:
             torch.cuda.set_sync_debug_mode(mode)
     kept_cdf = float(lists[1].sum()) / (lists[1].numel() * nb)
@@ -154,21 +184,40 @@ def measure_cdf(rec, grid, heads, args):
         f"select topk {args.topk:g}": (lambda: topk_lists(lay, scores, kt), kept_topk),
     }
     if not args.select_only:
-        cases.update({
-            "sparge cdf mask path": (via_mask, kept_cdf),
-            "sparge cdf lists": (lambda: sp.sparge_attention(q, k, v, **cdf_kw), kept_cdf),
-            f"sparge topk {args.topk:g}": (lambda: sp.sparge_attention(q, k, v, topk=args.topk, **call), kept_topk),
-            "dense_fa": (lambda: _dense(q, k, v), 1.0),
-        })
+        cases.update(
+            {
+                "sparge cdf mask path": (via_mask, kept_cdf),
+                "sparge cdf lists": (lambda: sp.sparge_attention(q, k, v, **cdf_kw), kept_cdf),
+                f"sparge topk {args.topk:g}": (
+                    lambda: sp.sparge_attention(q, k, v, topk=args.topk, **call),
+                    kept_topk,
+                ),
+                "dense_fa": (lambda: _dense(q, k, v), 1.0),
+            }
+        )
     out = []
     for name, (fn, kept) in cases.items():
         ms = guarded(rec, f"{name} H={heads}", lambda fn=fn: bench_ms(fn))
         kms = guarded(rec, f"{name} H={heads} (kernels)", lambda fn=fn: kernel_ms(fn))
-        row = rec.add(grid="x".join(map(str, grid)), heads=heads, nv=nv, case=name, ms=ms, kernel_ms=kms, kept=kept,
-                      cdfthreshd=thr, floor=args.floor, topk=args.topk, quantize=not args.exact)
+        row = rec.add(
+            grid="x".join(map(str, grid)),
+            heads=heads,
+            nv=nv,
+            case=name,
+            ms=ms,
+            kernel_ms=kms,
+            kept=kept,
+            cdfthreshd=thr,
+            floor=args.floor,
+            topk=args.topk,
+            quantize=not args.exact,
+        )
         out.append(row)
-        print(f"  H={heads} nv={nv} {name:<24} {ms if ms is not None else float('nan'):9.3f} ms  kernels "
-              f"{kms if kms is not None else float('nan'):9.3f} ms  kept {kept:.4f}", flush=True)
+        print(
+            f"  H={heads} nv={nv} {name:<24} {ms if ms is not None else float('nan'):9.3f} ms  kernels "
+            f"{kms if kms is not None else float('nan'):9.3f} ms  kept {kept:.4f}",
+            flush=True,
+        )
     dense = next((r["ms"] for r in out if r["case"] == "dense_fa"), None)
     for r in out:
         r["x_dense"] = dense / r["ms"] if dense and r["ms"] and r["case"].startswith("sparge") else None
@@ -205,14 +254,37 @@ def main():
     ap.add_argument("--select-only", action="store_true", help="--cdf: the selection stages only")
     args = ap.parse_args()
     if args.cdf:
-        return run(ap, args, lambda rec, grid, heads: measure_cdf(rec, grid, heads, args),
-                   f", cdfthreshd {args.cdfthreshd} floor {args.floor}",
-                   "cdfthreshd selection: list builder vs mask path (x dense: dense ms / call ms)",
-                   [("heads", "H", ""), ("nv", "nv", ""), ("case", "case", ""), ("ms", "ms", ".3f"),
-                    ("kernel_ms", "kernel ms", ".3f"), ("kept", "kept", ".4f"), ("x_dense", "x dense", ".3f")])
-    return run(ap, args, measure, "", "Predictor cost (share of the Sparge call at topk 0.5 with it, and of dense attention)",
-               [("heads", "H", ""), ("predictor", "predictor", ""), ("ms", "ms", ".3f"), ("of_call", "of call", ".3f"),
-                ("of_dense", "of dense", ".3f"), ("flops_of_dense", "FLOPs of dense", ".4f")])
+        return run(
+            ap,
+            args,
+            lambda rec, grid, heads: measure_cdf(rec, grid, heads, args),
+            f", cdfthreshd {args.cdfthreshd} floor {args.floor}",
+            "cdfthreshd selection: list builder vs mask path (x dense: dense ms / call ms)",
+            [
+                ("heads", "H", ""),
+                ("nv", "nv", ""),
+                ("case", "case", ""),
+                ("ms", "ms", ".3f"),
+                ("kernel_ms", "kernel ms", ".3f"),
+                ("kept", "kept", ".4f"),
+                ("x_dense", "x dense", ".3f"),
+            ],
+        )
+    return run(
+        ap,
+        args,
+        measure,
+        "",
+        "Predictor cost (share of the Sparge call at topk 0.5 with it, and of dense attention)",
+        [
+            ("heads", "H", ""),
+            ("predictor", "predictor", ""),
+            ("ms", "ms", ".3f"),
+            ("of_call", "of call", ".3f"),
+            ("of_dense", "of dense", ".3f"),
+            ("flops_of_dense", "FLOPs of dense", ".4f"),
+        ],
+    )
 
 
 if __name__ == "__main__":

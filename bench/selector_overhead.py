@@ -7,6 +7,7 @@ signature).  The differences are the per-call overhead of ditattn's dispatch.
 
     python bench/selector_overhead.py
 """
+
 from __future__ import annotations
 
 import os
@@ -48,8 +49,11 @@ def main():
         via_layer = per_call_us(lambda: layer(q, q, q))
         via_fn = per_call_us(lambda: ditattn.attention(q, q, q))
     print(f"{'path':<36} {'us/call':>8} {'overhead':>9}")
-    for name, t in (("backend impl directly", direct), ("LocalAttention (resolved at build)", via_layer),
-                    ("ditattn.attention() (cached)", via_fn)):
+    for name, t in (
+        ("backend impl directly", direct),
+        ("LocalAttention (resolved at build)", via_layer),
+        ("ditattn.attention() (cached)", via_fn),
+    ):
         print(f"{name:<36} {t:8.2f} {t - direct:8.2f}")
 
 

@@ -19,6 +19,7 @@ two (drift hits both alike): median and p90 latency of each and what Ray's proxy
 ``ditattn serve`` (e.g. ``-- --model-path ditattn:shapes --device cuda``).  Writes
 ``serve_throughput.json`` under OUTDIR and prints a table.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,13 @@ def start(args: list, log: str, timeout: float = 600, threads: int = 0):
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "ditattn", "serve", "--port", str(port), *args], stdout=f,
-                                stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ditattn", "serve", "--port", str(port), *args],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=ROOT,
+        )
     base, t0 = f"http://127.0.0.1:{port}", time.time()
     while True:
         if proc.poll() is not None:
@@ -81,8 +87,11 @@ def stop(proc) -> None:
 
 def image(base: str, size: int, seed: int) -> float:
     t0 = time.perf_counter()
-    r = httpx.post(base + "/v1/images/generations", json={"prompt": f"bench {seed}", "size": f"{size}x{size}",
-                                                          "seed": seed}, timeout=600)
+    r = httpx.post(
+        base + "/v1/images/generations",
+        json={"prompt": f"bench {seed}", "size": f"{size}x{size}", "seed": seed},
+        timeout=600,
+    )
     if r.status_code != 200:
         raise RuntimeError(f"image request: HTTP {r.status_code}: {r.text[:200]}")
     return time.perf_counter() - t0
@@ -95,15 +104,21 @@ def throughput(base: str, n: int, conc: int, size: int) -> dict:
     with concurrent.futures.ThreadPoolExecutor(conc) as pool:
         lat = list(pool.map(lambda i: image(base, size, i), range(n)))
     wall = time.perf_counter() - t0
-    return {"images": n, "wall_s": round(wall, 2), "images_per_min": round(60 * n / wall, 1),
-            "latency_median_s": round(statistics.median(lat), 3)}
+    return {
+        "images": n,
+        "wall_s": round(wall, 2),
+        "images_per_min": round(60 * n / wall, 1),
+        "latency_median_s": round(statistics.median(lat), 3),
+    }
 
 
 def _stats(lat: list) -> dict:
     ms = [1000 * x for x in lat]
-    return {"median_ms": round(statistics.median(ms), 2),
-            "p90_ms": round(statistics.quantiles(ms, n=10, method="inclusive")[-1], 2),
-            "latencies_ms": [round(x, 2) for x in ms]}
+    return {
+        "median_ms": round(statistics.median(ms), 2),
+        "p90_ms": round(statistics.quantiles(ms, n=10, method="inclusive")[-1], 2),
+        "latencies_ms": [round(x, 2) for x in ms],
+    }
 
 
 def overhead(bases: dict, k: int, warmup: int, size: int) -> dict:
@@ -114,7 +129,7 @@ def overhead(bases: dict, k: int, warmup: int, size: int) -> dict:
             image(base, size, 20_000 + i)
     lat: dict = {name: [] for name in bases}
     for i in range(k):
-        for name in (bases if i % 2 == 0 else list(bases)[::-1]):  # ABBA: neither always goes first
+        for name in bases if i % 2 == 0 else list(bases)[::-1]:  # ABBA: neither always goes first
             lat[name].append(image(bases[name], size, i))
     out = {name: _stats(v) for name, v in lat.items()}
     ray, plain = out["ray"], out["plain"]
@@ -127,13 +142,17 @@ def overhead(bases: dict, k: int, warmup: int, size: int) -> dict:
 
 def table(res: dict) -> str:
     o = res["overhead"]
-    lines = [f"per-request latency, {res['size']}x{res['size']} image, {o['requests']} sequential requests each "
-             f"(alternating, after {o['warmup']} warm-up):",
-             f"{'server':<26}{'median ms':>11}{'p90 ms':>10}"]
+    lines = [
+        f"per-request latency, {res['size']}x{res['size']} image, {o['requests']} sequential requests each "
+        f"(alternating, after {o['warmup']} warm-up):",
+        f"{'server':<26}{'median ms':>11}{'p90 ms':>10}",
+    ]
     for name, label in (("plain", "ditattn serve"), ("ray", "Ray Serve, 1 replica")):
         lines.append(f"{label:<26}{o[name]['median_ms']:>11.1f}{o[name]['p90_ms']:>10.1f}")
-    lines.append(f"{'Ray overhead':<26}{o['overhead_median_ms']:>+11.1f}{o['overhead_p90_ms']:>+10.1f}"
-                 f"   ({o['overhead_median_pct']:+.1f} % median, {o['overhead_p90_pct']:+.1f} % p90)")
+    lines.append(
+        f"{'Ray overhead':<26}{o['overhead_median_ms']:>+11.1f}{o['overhead_p90_ms']:>+10.1f}"
+        f"   ({o['overhead_median_pct']:+.1f} % median, {o['overhead_p90_pct']:+.1f} % p90)"
+    )
     return "\n".join(lines)
 
 
@@ -155,8 +174,15 @@ def main() -> int:
     if a.steps:
         common += ["--num-inference-steps", str(a.steps), "--guidance-scale", "1.0"]
     common += a.serve_args
-    res: dict = {"size": a.size, "steps": a.steps or "model default", "requests": a.requests,
-                 "concurrency": a.concurrency, "serve_args": common, "cpus": os.cpu_count(), "ray": {}}
+    res: dict = {
+        "size": a.size,
+        "steps": a.steps or "model default",
+        "requests": a.requests,
+        "concurrency": a.concurrency,
+        "serve_args": common,
+        "cpus": os.cpu_count(),
+        "ray": {},
+    }
     t_start = time.perf_counter()
     pg = None
     if a.requests and a.job_store is None:
@@ -170,8 +196,20 @@ def main() -> int:
     try:
         for n in a.replicas if a.requests else []:
             outdir = tempfile.mkdtemp(prefix="ditattn-bench-out-")
-            proc, base = start(["--replicas", str(n), "--ray-address", "local", "--job-store", a.job_store,
-                                "--output-dir", outdir, *common], os.path.join(a.out, f"ray{n}.log"))
+            proc, base = start(
+                [
+                    "--replicas",
+                    str(n),
+                    "--ray-address",
+                    "local",
+                    "--job-store",
+                    a.job_store,
+                    "--output-dir",
+                    outdir,
+                    *common,
+                ],
+                os.path.join(a.out, f"ray{n}.log"),
+            )
             try:
                 res["ray"][n] = throughput(base, a.requests, a.concurrency, a.size)
             finally:
@@ -181,13 +219,17 @@ def main() -> int:
             procs = []
             try:
                 # the same CPU threads for both (a GPU replica on Ray runs one; on the CPU it takes its cores)
-                p, ray_base = start(["--ray-address", "local", *common], os.path.join(a.out, "ray1-overhead.log"),
-                                    threads=1)
+                p, ray_base = start(
+                    ["--ray-address", "local", *common], os.path.join(a.out, "ray1-overhead.log"), threads=1
+                )
                 procs.append(p)
                 p, plain_base = start(common, os.path.join(a.out, "plain.log"), threads=1)
                 procs.append(p)
-                res["overhead"] = {"requests": a.overhead, "warmup": a.warmup,
-                                   **overhead({"ray": ray_base, "plain": plain_base}, a.overhead, a.warmup, a.size)}
+                res["overhead"] = {
+                    "requests": a.overhead,
+                    "warmup": a.warmup,
+                    **overhead({"ray": ray_base, "plain": plain_base}, a.overhead, a.warmup, a.size),
+                }
             finally:
                 for p in procs:
                     stop(p)

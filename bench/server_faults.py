@@ -32,6 +32,7 @@ Stages, each with assertions (the run stops at the first failed one, exit status
 
 Writes ``server_faults.json`` (every figure) and the server logs under OUTDIR and prints a table.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,10 +57,36 @@ import httpx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY = "faults-key"
-SERVE_FLAGS = ["--api-key", KEY, "--max-batch-size", "4", "--max-queue", "12", "--height", "32", "--width", "32",
-               "--num-frames", "5", "--num-inference-steps", "2", "--guidance-scale", "1.0", "--max-steps", "400",
-               "--drain-timeout-s", "1", "--request-timeout-s", "60", "--max-body-bytes", "65536",
-               "--header-timeout-s", str(2.0), "--body-timeout-s", str(2.0)]
+SERVE_FLAGS = [
+    "--api-key",
+    KEY,
+    "--max-batch-size",
+    "4",
+    "--max-queue",
+    "12",
+    "--height",
+    "32",
+    "--width",
+    "32",
+    "--num-frames",
+    "5",
+    "--num-inference-steps",
+    "2",
+    "--guidance-scale",
+    "1.0",
+    "--max-steps",
+    "400",
+    "--drain-timeout-s",
+    "1",
+    "--request-timeout-s",
+    "60",
+    "--max-body-bytes",
+    "65536",
+    "--header-timeout-s",
+    str(2.0),
+    "--body-timeout-s",
+    str(2.0),
+]
 READ_TIMEOUT_S = 2.0  # the servers' --header-timeout-s and --body-timeout-s (the connections stage)
 RESTART_TIMEOUT_S = 8.0  # the restarted server's --request-timeout-s (the timeout stage runs there)
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -91,10 +118,24 @@ class Server:
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                   PYTHONPATH=os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        cmd = [sys.executable, "-m", "ditattn", "serve", "--port", str(self.port), "--output-dir", out_dir,
-               *SERVE_FLAGS, *extra]
+        env = dict(
+            os.environ,
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            PYTHONPATH=os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "ditattn",
+            "serve",
+            "--port",
+            str(self.port),
+            "--output-dir",
+            out_dir,
+            *SERVE_FLAGS,
+            *extra,
+        ]
         self._log = open(log_path, "w")
         t0 = time.time()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
@@ -161,13 +202,18 @@ def video(srv: Server, vid: str) -> dict:
 
 
 def wait_video(srv: Server, vid: str, timeout: float = 300) -> dict:
-    return wait_for(lambda: (lambda v: v if v.get("status") in ("completed", "failed") else None)(video(srv, vid)),
-                    timeout, f"video {vid} to finish", poll=0.2)
+    return wait_for(
+        lambda: (lambda v: v if v.get("status") in ("completed", "failed") else None)(video(srv, vid)),
+        timeout,
+        f"video {vid} to finish",
+        poll=0.2,
+    )
 
 
 def create_video(srv: Server, **body) -> dict:
-    r = httpx.post(srv.base + "/v1/videos", json={"prompt": "a red circle moving right", **body}, headers=AUTH,
-                   timeout=60)
+    r = httpx.post(
+        srv.base + "/v1/videos", json={"prompt": "a red circle moving right", **body}, headers=AUTH, timeout=60
+    )
     check(r.status_code == 200, f"video create: {r.status_code} {r.text[:300]}")
     return r.json()
 
@@ -176,8 +222,11 @@ def raw_post(srv: Server, path: str, body: dict) -> socket.socket:
     """A JSON POST on a raw socket, left unread (close it to play a client that went away)."""
     data = json.dumps(body).encode()
     s = socket.create_connection(("127.0.0.1", srv.port))
-    s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
-              f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    s.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
     return s
 
 
@@ -201,11 +250,16 @@ def sha(data: bytes) -> str:
 
 def _png_header(w: int, h: int) -> bytes:
     """A PNG whose header claims ``w`` x ``h`` pixels (a decompression bomb when large)."""
+
     def chunk(kind, data):
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(b"\x00" * 16)) + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+        + chunk(b"IDAT", zlib.compress(b"\x00" * 16))
+        + chunk(b"IEND", b"")
+    )
 
 
 def bad_requests() -> list[tuple[str, str, dict]]:
@@ -220,28 +274,40 @@ def bad_requests() -> list[tuple[str, str, dict]]:
 
     deep = b"[" * 50000 + b"]" * 50000
     reqs = [
-        ("POST", img, raw(deep)), ("POST", img, raw(b'{"prompt": "x", "user": ' + b"[" * 5000 + b"]" * 5000 + b"}")),
+        ("POST", img, raw(deep)),
+        ("POST", img, raw(b'{"prompt": "x", "user": ' + b"[" * 5000 + b"]" * 5000 + b"}")),
         ("POST", img, raw(b'{"prompt": "x", "n": ' + b"9" * 5000 + b"}")),
         ("POST", img, raw(b'{"prompt": "x", "seed": ' + b"9" * 400 + b"}")),
         ("POST", img, raw(b'{"prompt": "x", "guidance_scale": NaN}')),
         ("POST", img, raw(b'{"prompt": "x", "guidance_scale": -Infinity}')),
         ("POST", img, raw(b'{"prompt": "x", "guidance_scale": 1e999}')),
         ("POST", img, js({"prompt": "x", "guidance_scale": 1e300})),
-        ("POST", vid, js({"prompt": "x", "seconds": 1e308})), ("POST", vid, js({"prompt": "x", "seconds": "1e308"})),
-        ("POST", vid, js({"prompt": "x", "seconds": "-3"})), ("POST", vid, js({"prompt": "x", "seconds": [1]})),
+        ("POST", vid, js({"prompt": "x", "seconds": 1e308})),
+        ("POST", vid, js({"prompt": "x", "seconds": "1e308"})),
+        ("POST", vid, js({"prompt": "x", "seconds": "-3"})),
+        ("POST", vid, js({"prompt": "x", "seconds": [1]})),
         ("POST", vid, js({"prompt": "x", "seconds": "inf"})),
-        ("POST", img, js({"prompt": "x", "size": "99999x99999"})), ("POST", img, js({"prompt": "x", "size": "0x0"})),
-        ("POST", img, js({"prompt": "x", "size": "-16x16"})), ("POST", img, js({"prompt": "x", "size": 1e9})),
+        ("POST", img, js({"prompt": "x", "size": "99999x99999"})),
+        ("POST", img, js({"prompt": "x", "size": "0x0"})),
+        ("POST", img, js({"prompt": "x", "size": "-16x16"})),
+        ("POST", img, js({"prompt": "x", "size": 1e9})),
         ("POST", img, js({"prompt": "x", "size": "2048x1008", "n": 10})),
-        ("POST", img, js({"prompt": "x", "n": -1})), ("POST", img, js({"prompt": "x", "n": "abc"})),
-        ("POST", img, js({"prompt": "x", "n": 2.5})), ("POST", img, js({"prompt": "x", "n": True})),
-        ("POST", img, js({"prompt": "x", "n": 10 ** 30})), ("POST", img, js({"prompt": 123})),
-        ("POST", img, js({"prompt": ""})), ("POST", img, js({"prompt": "x" * 30000})),
-        ("POST", img, js({"prompt": "x", "seed": -5})), ("POST", img, js({"prompt": "x", "seed": 2 ** 64})),
+        ("POST", img, js({"prompt": "x", "n": -1})),
+        ("POST", img, js({"prompt": "x", "n": "abc"})),
+        ("POST", img, js({"prompt": "x", "n": 2.5})),
+        ("POST", img, js({"prompt": "x", "n": True})),
+        ("POST", img, js({"prompt": "x", "n": 10**30})),
+        ("POST", img, js({"prompt": 123})),
+        ("POST", img, js({"prompt": ""})),
+        ("POST", img, js({"prompt": "x" * 30000})),
+        ("POST", img, js({"prompt": "x", "seed": -5})),
+        ("POST", img, js({"prompt": "x", "seed": 2**64})),
         ("POST", img, js({"prompt": "x", "num_inference_steps": 0})),
-        ("POST", img, js({"prompt": "x", "num_inference_steps": 10 ** 20})),
-        ("POST", vid, js({"prompt": "x", "fps": 0})), ("POST", vid, js({"prompt": "x", "fps": 10 ** 9})),
-        ("POST", vid, js({"prompt": "x", "num_frames": 4})), ("POST", vid, js({"prompt": "x", "num_frames": 10 ** 12})),
+        ("POST", img, js({"prompt": "x", "num_inference_steps": 10**20})),
+        ("POST", vid, js({"prompt": "x", "fps": 0})),
+        ("POST", vid, js({"prompt": "x", "fps": 10**9})),
+        ("POST", vid, js({"prompt": "x", "num_frames": 4})),
+        ("POST", vid, js({"prompt": "x", "num_frames": 10**12})),
         ("POST", img, js({"prompt": "x", "skip_softmax_params": {"threshold_scale_factor": "nan"}})),
         ("POST", img, js({"prompt": "x", "skip_softmax_params": {"threshold_scale_factor": 1e308}})),
         ("POST", img, js({"prompt": "x", "skip_softmax_params": [1, 2]})),
@@ -249,25 +315,36 @@ def bad_requests() -> list[tuple[str, str, dict]]:
         ("POST", img, js({"prompt": "x", "attention_backend_override": "a" * 500})),
         ("POST", img, js({"prompt": "x", "attention_backend_override": "sliding_tile_attn"})),
         ("POST", img, js({"prompt": "x", "attention_backend_overide": "fa"})),
-        ("POST", img, js({"prompt": "x", "output_compression": 10 ** 6})),
-        ("POST", img, js({"prompt": "x", "stream": True})), ("POST", img, js({"prompt": "x", "model": "sora-2"})),
-        ("POST", img, js(["x"])), ("POST", img, js("x")), ("POST", img, js(None)), ("POST", img, raw(b"")),
-        ("POST", img, raw(b"{not json")), ("POST", img, raw(b"\xff\xfe\x00{}")),
-        ("POST", img, raw(b"x" * 70000)), ("POST", img, raw(b"prompt=x", "text/plain")),
+        ("POST", img, js({"prompt": "x", "output_compression": 10**6})),
+        ("POST", img, js({"prompt": "x", "stream": True})),
+        ("POST", img, js({"prompt": "x", "model": "sora-2"})),
+        ("POST", img, js(["x"])),
+        ("POST", img, js("x")),
+        ("POST", img, js(None)),
+        ("POST", img, raw(b"")),
+        ("POST", img, raw(b"{not json")),
+        ("POST", img, raw(b"\xff\xfe\x00{}")),
+        ("POST", img, raw(b"x" * 70000)),
+        ("POST", img, raw(b"prompt=x", "text/plain")),
         ("POST", vid, raw(b"--zz\r\nbroken", "multipart/form-data; boundary=zz")),
         ("POST", vid, raw(b"prompt=%ff%fe&n=%zz", "application/x-www-form-urlencoded")),
         ("POST", vid, {"data": {"prompt": "x", "p" + "[a]" * 40: "1"}, "headers": AUTH}),
         ("POST", vid, {"data": {f"f{i}": "1" for i in range(300)} | {"prompt": "x"}, "headers": AUTH}),
-        ("GET", "/v1/videos?limit=-1", {"headers": AUTH}), ("GET", "/v1/videos?limit=abc", {"headers": AUTH}),
-        ("GET", "/v1/videos?limit=" + "9" * 5000, {"headers": AUTH}), ("GET", "/v1/videos?order=up", {"headers": AUTH}),
+        ("GET", "/v1/videos?limit=-1", {"headers": AUTH}),
+        ("GET", "/v1/videos?limit=abc", {"headers": AUTH}),
+        ("GET", "/v1/videos?limit=" + "9" * 5000, {"headers": AUTH}),
+        ("GET", "/v1/videos?order=up", {"headers": AUTH}),
         ("GET", "/v1/videos?after=video_zz", {"headers": AUTH}),
         ("GET", "/v1/videos/../../etc/passwd", {"headers": AUTH}),
         ("GET", "/v1/videos/video_" + "0" * 10000, {"headers": AUTH}),
         ("GET", "/v1/videos/video_" + "0" * 32 + "/content?variant=zzz", {"headers": AUTH}),
-        ("GET", "/v1/images/img_x/content", {"headers": AUTH}), ("DELETE", "/v1/videos/nope", {"headers": AUTH}),
-        ("PUT", vid, {"headers": AUTH}), ("DELETE", img, {"headers": AUTH}), ("GET", "/nothing", {"headers": AUTH}),
-        ("POST", img, {"json": {"prompt": "x"}}), ("POST", img, {"json": {"prompt": "x"},
-                                                                  "headers": {"Authorization": "Bearer wrong"}}),
+        ("GET", "/v1/images/img_x/content", {"headers": AUTH}),
+        ("DELETE", "/v1/videos/nope", {"headers": AUTH}),
+        ("PUT", vid, {"headers": AUTH}),
+        ("DELETE", img, {"headers": AUTH}),
+        ("GET", "/nothing", {"headers": AUTH}),
+        ("POST", img, {"json": {"prompt": "x"}}),
+        ("POST", img, {"json": {"prompt": "x"}, "headers": {"Authorization": "Bearer wrong"}}),
         ("GET", "/metrics", {"headers": {"Authorization": "Basic xyz"}}),
         ("POST", vid, js({"prompt": "x", "input_reference": base64.b64encode(_png_header(60000, 60000)).decode()})),
         ("POST", vid, js({"prompt": "x", "input_reference": base64.b64encode(_png_header(0, 0)).decode()})),
@@ -304,15 +381,23 @@ def stage_bad_input(srv: Server, repeat: int, workers: int) -> dict:
     check(all(ok for _, ok, _ in results), "an error answer without an OpenAI error body")
     check(all(400 <= c < 500 for c, _, _ in results), f"bad input not refused: {statuses}")
     log = srv.log()
-    check("Traceback" not in log, "a traceback in the server log:\n" + log[log.find("Traceback"):][:2000])
+    check("Traceback" not in log, "a traceback in the server log:\n" + log[log.find("Traceback") :][:2000])
     r = httpx.post(srv.base + "/v1/images/generations", json={"prompt": "still alive"}, headers=AUTH, timeout=120)
     check(r.status_code == 200, f"the server stopped serving after the storm: {r.status_code}")
     after = srv.metrics()
-    counted = sum(v for k, v in after.items() if k.startswith("ditattn_http_requests_total")) - \
-        sum(v for k, v in before.items() if k.startswith("ditattn_http_requests_total"))
+    counted = sum(v for k, v in after.items() if k.startswith("ditattn_http_requests_total")) - sum(
+        v for k, v in before.items() if k.startswith("ditattn_http_requests_total")
+    )
     check(counted >= len(reqs) + 1, f"metrics counted {counted} requests of {len(reqs) + 1}")
-    return {"requests": len(reqs), "kinds": len(bad_requests()), "statuses": statuses, "seconds": round(dt, 2),
-            "n_5xx": len(five), "tracebacks_in_log": 0, "metrics_counted": int(counted)}
+    return {
+        "requests": len(reqs),
+        "kinds": len(bad_requests()),
+        "statuses": statuses,
+        "seconds": round(dt, 2),
+        "n_5xx": len(five),
+        "tracebacks_in_log": 0,
+        "metrics_counted": int(counted),
+    }
 
 
 # ------------------------------------------------------------------------------------------------
@@ -338,8 +423,11 @@ def stage_connections(srv: Server, n: int) -> dict:
     Content-Length): each closed within the read timeout (+ 2 s); then a client that half-closes its
     socket after a complete image request gets its 200."""
     head = f"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
-    kinds = {"idle": b"", "headers": (head + "Content-Ty").encode(),
-             "body": (head + "Content-Type: application/json\r\nContent-Length: 500\r\n\r\n{\"prompt\": ").encode()}
+    kinds = {
+        "idle": b"",
+        "headers": (head + "Content-Ty").encode(),
+        "body": (head + 'Content-Type: application/json\r\nContent-Length: 500\r\n\r\n{"prompt": ').encode(),
+    }
     socks = []
     for kind, data in kinds.items():
         for _ in range(n):
@@ -353,8 +441,10 @@ def stage_connections(srv: Server, n: int) -> dict:
             closed[kind].append(dt)
             s.close()
     for kind, times in closed.items():
-        check(all(t is not None and t < READ_TIMEOUT_S + 2 for t in times),
-              f"stalled connections ({kind}) not closed within {READ_TIMEOUT_S + 2} s: {times}")
+        check(
+            all(t is not None and t < READ_TIMEOUT_S + 2 for t in times),
+            f"stalled connections ({kind}) not closed within {READ_TIMEOUT_S + 2} s: {times}",
+        )
     body = json.dumps({"prompt": "half-closed"}).encode()
     s = socket.create_connection(("127.0.0.1", srv.port))
     s.sendall((head + f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body)
@@ -367,11 +457,15 @@ def stage_connections(srv: Server, n: int) -> dict:
             break
         data += chunk
     s.close()
-    final = data[data.rfind(b"HTTP/1.1 "):]
+    final = data[data.rfind(b"HTTP/1.1 ") :]
     check(final.startswith(b"HTTP/1.1 200"), f"a half-closed client got {data[:200]!r}")
     check("Traceback" not in srv.log(), "a traceback in the server log after the connections stage")
-    return {"stalled": len(socks), "max_close_s": {k: round(max(v), 2) for k, v in closed.items()},
-            "read_timeout_s": READ_TIMEOUT_S, "half_closed_status": 200}
+    return {
+        "stalled": len(socks),
+        "max_close_s": {k: round(max(v), 2) for k, v in closed.items()},
+        "read_timeout_s": READ_TIMEOUT_S,
+        "half_closed_status": 200,
+    }
 
 
 # ------------------------------------------------------------------------------------------------
@@ -384,8 +478,13 @@ def stage_mixed_storm(srv: Server, n: int, workers: int) -> dict:
     for i in range(n):
         x = rng.random()
         if x < 0.55:
-            body = {"prompt": f"a blue square {i}", "n": rng.choice([1, 1, 2, 3]), "size": rng.choice(["16x16", "32x32"]),
-                    "seed": i, "response_format": rng.choice(["b64_json", "url"])}
+            body = {
+                "prompt": f"a blue square {i}",
+                "n": rng.choice([1, 1, 2, 3]),
+                "size": rng.choice(["16x16", "32x32"]),
+                "seed": i,
+                "response_format": rng.choice(["b64_json", "url"]),
+            }
             if rng.random() < 0.5:
                 body["attention_backend_override"] = "torch_sdpa"
             plan.append(("/v1/images/generations", body, False))
@@ -398,8 +497,14 @@ def stage_mixed_storm(srv: Server, n: int, workers: int) -> dict:
         path, body, refusal = item
         t0 = time.time()
         r = httpx.post(srv.base + path, json=body, headers=AUTH, timeout=300)
-        return path, refusal, r.status_code, r.headers.get("retry-after"), time.time() - t0, \
-            (r.json().get("id") if path == "/v1/videos" and r.status_code == 200 else None)
+        return (
+            path,
+            refusal,
+            r.status_code,
+            r.headers.get("retry-after"),
+            time.time() - t0,
+            (r.json().get("id") if path == "/v1/videos" and r.status_code == 200 else None),
+        )
 
     t0 = time.time()
     with concurrent.futures.ThreadPoolExecutor(workers) as ex:
@@ -420,9 +525,15 @@ def stage_mixed_storm(srv: Server, n: int, workers: int) -> dict:
         check(data[4:8] == b"ftyp", f"video {vid} is not an MP4")
         digests[vid] = sha(data)
     lat = sorted(t for path, _, code, _, t, _ in results if code == 200 and path.endswith("generations"))
-    return {"requests": n, "statuses": statuses, "videos": len(vids), "seconds": round(time.time() - t0, 2),
-            "image_p50_s": round(lat[len(lat) // 2], 2) if lat else None,
-            "image_p95_s": round(lat[int(len(lat) * 0.95) - 1], 2) if lat else None, "digests": digests}
+    return {
+        "requests": n,
+        "statuses": statuses,
+        "videos": len(vids),
+        "seconds": round(time.time() - t0, 2),
+        "image_p50_s": round(lat[len(lat) // 2], 2) if lat else None,
+        "image_p95_s": round(lat[int(len(lat) * 0.95) - 1], 2) if lat else None,
+        "digests": digests,
+    }
 
 
 # ------------------------------------------------------------------------------------------------
@@ -455,10 +566,15 @@ def stage_disconnects(srv: Server, queued: int) -> dict:
     check(r.status_code == 200 and r.json()["deleted"], f"DELETE of the running job: {r.status_code}")
     wait_for(lambda: srv.health()["status"] == "ok", 60, "the deleted job to stop")
     delete_stop_s = time.time() - t0
-    wait_for(lambda: srv.metrics().get(
-        'ditattn_http_requests_total{endpoint="/v1/images/generations",status="499"}', 0)
-        - m0.get('ditattn_http_requests_total{endpoint="/v1/images/generations",status="499"}', 0) == queued + 1,
-        30, "the 499s to be counted")
+    wait_for(
+        lambda: (
+            srv.metrics().get('ditattn_http_requests_total{endpoint="/v1/images/generations",status="499"}', 0)
+            - m0.get('ditattn_http_requests_total{endpoint="/v1/images/generations",status="499"}', 0)
+            == queued + 1
+        ),
+        30,
+        "the 499s to be counted",
+    )
     m2 = srv.metrics()
 
     def delta(key, a=m0, b=m2):
@@ -472,9 +588,13 @@ def stage_disconnects(srv: Server, queued: int) -> dict:
     check(delta('ditattn_batches_total{outcome="ok"}', m1, m2) == 0, "a batch ran for abandoned queued requests")
     check(delta('ditattn_batches_total{outcome="cancelled"}') == 2, "the two stopped batches are not counted")
     check(running_stop_s < 30 and delete_stop_s < 30, "a cancelled job did not stop at its next step")
-    return {"running_disconnect_stop_s": round(running_stop_s, 2), "queued_disconnects": queued,
-            "queued_computed": 0, "delete_running_stop_s": round(delete_stop_s, 2),
-            "counted_499": queued + 1}
+    return {
+        "running_disconnect_stop_s": round(running_stop_s, 2),
+        "queued_disconnects": queued,
+        "queued_computed": 0,
+        "delete_running_stop_s": round(delete_stop_s, 2),
+        "counted_499": queued + 1,
+    }
 
 
 # ------------------------------------------------------------------------------------------------
@@ -488,7 +608,9 @@ def stage_timeout(srv: Server, timeout_s: float) -> dict:
     check(r.status_code == 504, f"a request past the timeout got {r.status_code}")
     wait_for(lambda: srv.health()["status"] == "ok", 60, "the timed-out job to stop")
     freed = time.time() - t0
-    check(answered < timeout_s + 10 and freed < timeout_s + 30, f"504 after {answered:.1f} s, free after {freed:.1f} s")
+    check(
+        answered < timeout_s + 10 and freed < timeout_s + 30, f"504 after {answered:.1f} s, free after {freed:.1f} s"
+    )
     return {"timeout_s": timeout_s, "answered_504_s": round(answered, 2), "worker_free_s": round(freed, 2)}
 
 
@@ -498,8 +620,9 @@ def stage_timeout(srv: Server, timeout_s: float) -> dict:
 
 def stage_sigterm(srv: Server, out_dir: str, log_dir: str, storm_digests: dict) -> tuple[dict, Server]:
     # long enough never to finish before the signal, on any machine; after the restart it is deleted
-    running = create_video(srv, prompt="running at shutdown", size="256x256", num_frames=1, num_inference_steps=400,
-                           seed=7)
+    running = create_video(
+        srv, prompt="running at shutdown", size="256x256", num_frames=1, num_inference_steps=400, seed=7
+    )
     wait_for(lambda: video(srv, running["id"])["status"] == "in_progress", 60, "the job to run")
     queued = [create_video(srv, prompt=f"queued at shutdown {i}", num_frames=5, seed=20 + i)["id"] for i in range(4)]
     check(all(video(srv, v)["status"] == "queued" for v in queued), "jobs not queued behind the running one")
@@ -522,23 +645,36 @@ def stage_sigterm(srv: Server, out_dir: str, log_dir: str, storm_digests: dict) 
     check(refused is not None and refused[1], "no 503 with Retry-After while draining")
     log = srv.log()
     check("draining" in log, "no drain line in the log")
-    restart = Server(out_dir, os.path.join(log_dir, "serve_restart.log"),
-                     extra=["--request-timeout-s", f"{RESTART_TIMEOUT_S:g}"])
+    restart = Server(
+        out_dir, os.path.join(log_dir, "serve_restart.log"), extra=["--request-timeout-s", f"{RESTART_TIMEOUT_S:g}"]
+    )
     ids = {v["id"] for v in httpx.get(restart.base + "/v1/videos?limit=100", headers=AUTH).json()["data"]}
     check(set(storm_digests) | {running["id"], *queued} <= ids, "a job is missing after the restart")
     found = {vid: video(restart, vid)["status"] for vid in [running["id"], *queued]}
     check(all(s in ("queued", "in_progress", "completed") for s in found.values()), f"restart statuses: {found}")
-    same = all(sha(httpx.get(f"{restart.base}/v1/videos/{vid}/content", headers=AUTH).content) == d
-               for vid, d in storm_digests.items())
+    same = all(
+        sha(httpx.get(f"{restart.base}/v1/videos/{vid}/content", headers=AUTH).content) == d
+        for vid, d in storm_digests.items()
+    )
     check(same, "a finished video changed or vanished across the restart")
     r = httpx.delete(f"{restart.base}/v1/videos/{running['id']}", headers=AUTH, timeout=30)  # the long one: enough
     check(r.status_code == 200, f"DELETE after the restart: {r.status_code}")
     for vid in queued:
         v = wait_video(restart, vid)
         check(v["status"] == "completed", f"re-queued video {vid} ended {v['status']}: {v.get('error')}")
-    return ({"drain_timeout_s": 1.0, "exit_s": round(exit_s, 2), "exit_status": rc, "refused_while_draining": refused,
-             "jobs_kept": 1 + len(queued), "statuses_after_restart": sorted(found.values()),
-             "finished_videos_kept": len(storm_digests), "restart_start_s": round(restart.start_s, 1)}, restart)
+    return (
+        {
+            "drain_timeout_s": 1.0,
+            "exit_s": round(exit_s, 2),
+            "exit_status": rc,
+            "refused_while_draining": refused,
+            "jobs_kept": 1 + len(queued),
+            "statuses_after_restart": sorted(found.values()),
+            "finished_videos_kept": len(storm_digests),
+            "restart_start_s": round(restart.start_s, 1),
+        },
+        restart,
+    )
 
 
 def stage_second_sigterm(srv: Server, out_dir: str, log_dir: str) -> dict:
@@ -560,8 +696,13 @@ def stage_second_sigterm(srv: Server, out_dir: str, log_dir: str) -> dict:
     t0 = time.time()
     again.signal(signal.SIGTERM)
     rc2, _ = again.wait_exit(60)
-    return {"second_signal_exit_s": round(exit_s, 2), "exit_status": rc, "job_after_restart": status,
-            "idle_sigterm_exit_s": round(time.time() - t0, 2), "idle_exit_status": rc2}
+    return {
+        "second_signal_exit_s": round(exit_s, 2),
+        "exit_status": rc,
+        "job_after_restart": status,
+        "idle_sigterm_exit_s": round(time.time() - t0, 2),
+        "idle_exit_status": rc2,
+    }
 
 
 def stage_files(seen: set, out_dir: str, logs: list[str]) -> dict:
@@ -601,8 +742,9 @@ def run(out: str, quick: bool) -> dict:
         seen |= files(serve_dir)
         results["second_sigterm"] = stage_second_sigterm(srv, serve_dir, out)
         seen |= files(serve_dir)
-        logs = [open(os.path.join(out, n), errors="replace").read() for n in sorted(os.listdir(out))
-                if n.endswith(".log")]
+        logs = [
+            open(os.path.join(out, n), errors="replace").read() for n in sorted(os.listdir(out)) if n.endswith(".log")
+        ]
         results["files"] = stage_files(seen, serve_dir, logs)
         results["ok"] = True
     except Failed as exc:
@@ -620,23 +762,49 @@ def run(out: str, quick: bool) -> dict:
 
 
 ROWS = [  # (result key, table label, line: str.format over that stage's figures)
-    ("bad_input", "bad input storm", "{requests} requests ({kinds} kinds) in {seconds} s: statuses {statuses}, "
-                                     "5xx {n_5xx}, tracebacks {tracebacks_in_log}"),
-    ("connections", "connections", "{stalled} stalled connections closed after at most {max_close_s} s (read "
-                                   "timeouts {read_timeout_s} s); a half-closed client got {half_closed_status}"),
-    ("mixed_storm", "mixed storm", "{requests} requests: {statuses}, {videos} videos completed, image p50 "
-                                   "{image_p50_s} s / p95 {image_p95_s} s"),
-    ("disconnects", "disconnects", "running one stopped {running_disconnect_stop_s} s after the client left; "
-                                   "{queued_disconnects} queued, {queued_computed} computed; DELETE of a running job "
-                                   "stopped in {delete_running_stop_s} s; 499s {counted_499}"),
-    ("sigterm", "SIGTERM", "exit {exit_status} in {exit_s} s (drain {drain_timeout_s} s), 503 while draining "
-                           "{refused_while_draining}, {jobs_kept} jobs kept -> {statuses_after_restart}, "
-                           "{finished_videos_kept} finished videos identical"),
-    ("timeout", "request timeout", "504 after {answered_504_s} s (limit {timeout_s} s), worker free after "
-                                   "{worker_free_s} s"),
-    ("second_sigterm", "second SIGTERM", "exit {exit_status} in {second_signal_exit_s} s; job after restart: "
-                                         "{job_after_restart}; idle SIGTERM exit {idle_exit_status} in "
-                                         "{idle_sigterm_exit_s} s"),
+    (
+        "bad_input",
+        "bad input storm",
+        "{requests} requests ({kinds} kinds) in {seconds} s: statuses {statuses}, "
+        "5xx {n_5xx}, tracebacks {tracebacks_in_log}",
+    ),
+    (
+        "connections",
+        "connections",
+        "{stalled} stalled connections closed after at most {max_close_s} s (read "
+        "timeouts {read_timeout_s} s); a half-closed client got {half_closed_status}",
+    ),
+    (
+        "mixed_storm",
+        "mixed storm",
+        "{requests} requests: {statuses}, {videos} videos completed, image p50 {image_p50_s} s / p95 {image_p95_s} s",
+    ),
+    (
+        "disconnects",
+        "disconnects",
+        "running one stopped {running_disconnect_stop_s} s after the client left; "
+        "{queued_disconnects} queued, {queued_computed} computed; DELETE of a running job "
+        "stopped in {delete_running_stop_s} s; 499s {counted_499}",
+    ),
+    (
+        "sigterm",
+        "SIGTERM",
+        "exit {exit_status} in {exit_s} s (drain {drain_timeout_s} s), 503 while draining "
+        "{refused_while_draining}, {jobs_kept} jobs kept -> {statuses_after_restart}, "
+        "{finished_videos_kept} finished videos identical",
+    ),
+    (
+        "timeout",
+        "request timeout",
+        "504 after {answered_504_s} s (limit {timeout_s} s), worker free after {worker_free_s} s",
+    ),
+    (
+        "second_sigterm",
+        "second SIGTERM",
+        "exit {exit_status} in {second_signal_exit_s} s; job after restart: "
+        "{job_after_restart}; idle SIGTERM exit {idle_exit_status} in "
+        "{idle_sigterm_exit_s} s",
+    ),
     ("files", "files", "{files_seen} seen, {removed} removed, {removed_without_log_line} without a log line"),
 ]
 

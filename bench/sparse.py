@@ -15,6 +15,7 @@ the kernel's math alone over one K/V tile read once.
 A correctness pass first compares every implementation with the float32 reference at an odd small
 shape.  Writes ``sparse.json``, ``sparse.png`` (speed-up vs sparsity) and prints a table.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,8 +61,9 @@ def flex_fn(q, k, v, idx, cnt, bs, nk):
     full = torch.zeros(*idx.shape[:3], nk, dtype=torch.int32, device=q.device)
     full[..., : idx.shape[-1]] = idx
     zeros_cnt = torch.zeros_like(cnt)
-    bm = BlockMask.from_kv_blocks(zeros_cnt, torch.zeros_like(full), full_kv_num_blocks=cnt, full_kv_indices=full,
-                                  BLOCK_SIZE=bs)
+    bm = BlockMask.from_kv_blocks(
+        zeros_cnt, torch.zeros_like(full), full_kv_num_blocks=cnt, full_kv_indices=full, BLOCK_SIZE=bs
+    )
     compiled = flex_fn.cache.get("fn")
     if compiled is None:
         import torch._dynamo.config as dynamo_config
@@ -83,8 +85,13 @@ def fa4_sparse_fn(q, k, v, idx, cnt, bs):
     from flash_attn.cute import flash_attn_func
     from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
 
-    t = BlockSparseTensorsTorch(mask_block_cnt=torch.zeros_like(cnt), mask_block_idx=torch.zeros_like(idx),
-                                full_block_cnt=cnt, full_block_idx=idx, block_size=(bs, bs))
+    t = BlockSparseTensorsTorch(
+        mask_block_cnt=torch.zeros_like(cnt),
+        mask_block_idx=torch.zeros_like(idx),
+        full_block_cnt=cnt,
+        full_block_idx=idx,
+        block_size=(bs, bs),
+    )
     return lambda: flash_attn_func(q, k, v, block_sparse_tensors=t)[0]
 
 
@@ -93,17 +100,20 @@ def impls(q, k, v, idx, cnt, bs, nk, triton_cfgs, valid=None):
 
     out = {}
     for label, cfg in triton_cfgs.items():
-        out[f"ours triton {label}"] = (lambda cfg=cfg: block_sparse_attention_triton(
-            q, k, v, idx, cnt, block_size=bs, config=cfg, impl="triton")[0])
+        out[f"ours triton {label}"] = lambda cfg=cfg: block_sparse_attention_triton(
+            q, k, v, idx, cnt, block_size=bs, config=cfg, impl="triton"
+        )[0]
     if bs == 64 and q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0):
         from ditattn.attention.kernels.block_sparse_triton import block_sparse_attention_triton
 
         out["ours sm90 (Gluon, warp-specialised)"] = lambda: block_sparse_attention_triton(
-            q, k, v, idx, cnt, impl="sm90", block_size=bs, kv_valid=valid)[0]
+            q, k, v, idx, cnt, impl="sm90", block_size=bs, kv_valid=valid
+        )[0]
     if valid is not None:
         # the entry point as the sparse engine calls it: padded keys marked, impl chosen automatically
-        out["ours auto (kv_valid)"] = lambda: block_sparse_attention_triton(q, k, v, idx, cnt, block_size=bs,
-                                                                            kv_valid=valid)[0]
+        out["ours auto (kv_valid)"] = lambda: block_sparse_attention_triton(
+            q, k, v, idx, cnt, block_size=bs, kv_valid=valid
+        )[0]
     try:
         import flash_attn.cute  # noqa: F401
 
@@ -120,11 +130,23 @@ def floor_rows(rec, q, k, v, idx, cnt, bs, ideal_ms, ideal_kernel_ms):
     once per query tile needs; its L2-to-SM bandwidth) and the math without the gather."""
     from gather_floor import bytes_moved, gather_kv, math_only
 
-    halves = (("floor: K/V gather only", lambda kw: gather_kv(k, v, idx, cnt, block_size=bs, **kw),
-               (("w4", {"num_warps": 4}), ("w8", {"num_warps": 8}), ("w4 tma", {"num_warps": 4, "tma": True}),
-                ("w8 tma", {"num_warps": 8, "tma": True}))),
-              ("floor: math only", lambda kw: math_only(q, k, v, cnt, block_size=bs, **kw),
-               (("w4", {"num_warps": 4}), ("w8", {"num_warps": 8}))))
+    halves = (
+        (
+            "floor: K/V gather only",
+            lambda kw: gather_kv(k, v, idx, cnt, block_size=bs, **kw),
+            (
+                ("w4", {"num_warps": 4}),
+                ("w8", {"num_warps": 8}),
+                ("w4 tma", {"num_warps": 4, "tma": True}),
+                ("w8 tma", {"num_warps": 8, "tma": True}),
+            ),
+        ),
+        (
+            "floor: math only",
+            lambda kw: math_only(q, k, v, cnt, block_size=bs, **kw),
+            (("w4", {"num_warps": 4}), ("w8", {"num_warps": 8})),
+        ),
+    )
     rows = []
     for impl, run, variants in halves:
         best = None
@@ -136,9 +158,15 @@ def floor_rows(rec, q, k, v, idx, cnt, bs, ideal_ms, ideal_kernel_ms):
             continue
         label, ms, kw = best
         kms = guarded(rec, f"kernel time {impl}", lambda kw=kw: kernel_ms(lambda: run(kw)))
-        row = dict(section="sparse", impl=impl, variant=label, ms=ms, kernel_ms=kms,
-                   ratio_to_ideal=ms / ideal_ms if ideal_ms else None,
-                   kernel_ratio=kms / ideal_kernel_ms if kms and ideal_kernel_ms else None)
+        row = dict(
+            section="sparse",
+            impl=impl,
+            variant=label,
+            ms=ms,
+            kernel_ms=kms,
+            ratio_to_ideal=ms / ideal_ms if ideal_ms else None,
+            kernel_ratio=kms / ideal_kernel_ms if kms and ideal_kernel_ms else None,
+        )
         if "gather" in impl:
             nbytes = bytes_moved(k, cnt, bs)
             row.update(gbytes=nbytes / 1e9, l2_to_sm_tbps=nbytes / (kms or ms) / 1e9)
@@ -163,46 +191,85 @@ def correctness(rec, base=1000):
         mask = block_lists_to_dense_mask(idx, cnt, block_size=bs, kv_valid=valid)
         ref, ref_lse = reference_attention(q, k, v, mask=mask)
         sd = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), k.repeat_interleave(2, 2).transpose(1, 2), v.repeat_interleave(2, 2).transpose(1, 2))
+            q.transpose(1, 2), k.repeat_interleave(2, 2).transpose(1, 2), v.repeat_interleave(2, 2).transpose(1, 2)
+        )
         ref_dense, _ = reference_attention(q, k, v)
         sdpa_err = rel_err(sd.transpose(1, 2), ref_dense)
-        for kvpi in ((1, 2) if bs == 64 else (1,)):
-            res = guarded(rec, f"correctness triton bs={bs} kv_per_iter={kvpi}",
-                          lambda: block_sparse_attention_triton(q, k, v, idx, cnt, block_size=bs, kv_valid=valid,
-                                                                return_lse=True, config={"kv_per_iter": kvpi},
-                                                                impl="triton"))
+        for kvpi in (1, 2) if bs == 64 else (1,):
+            res = guarded(
+                rec,
+                f"correctness triton bs={bs} kv_per_iter={kvpi}",
+                lambda: block_sparse_attention_triton(
+                    q,
+                    k,
+                    v,
+                    idx,
+                    cnt,
+                    block_size=bs,
+                    kv_valid=valid,
+                    return_lse=True,
+                    config={"kv_per_iter": kvpi},
+                    impl="triton",
+                ),
+            )
             if res is None:
                 continue
             o, lse = res
             fin = torch.isfinite(ref_lse)
-            rec.add(section="correctness", impl=f"triton kv_per_iter={kvpi}", block_size=bs, rel_err=rel_err(o, ref),
-                    sdpa_bf16_err=sdpa_err, lse_max_err=float((lse[fin] - ref_lse[fin]).abs().max()),
-                    empty_rows_ok=bool(torch.equal(torch.isfinite(lse), fin)))
+            rec.add(
+                section="correctness",
+                impl=f"triton kv_per_iter={kvpi}",
+                block_size=bs,
+                rel_err=rel_err(o, ref),
+                sdpa_bf16_err=sdpa_err,
+                lse_max_err=float((lse[fin] - ref_lse[fin]).abs().max()),
+                empty_rows_ok=bool(torch.equal(torch.isfinite(lse), fin)),
+            )
         if bs == 64 and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
             from ditattn.attention.kernels.block_sparse_triton import block_sparse_attention_triton
 
-            res = guarded(rec, "correctness sm90 bs=64", lambda: block_sparse_attention_triton(
-                q, k, v, idx, cnt, impl="sm90", block_size=bs, kv_valid=valid, return_lse=True))
+            res = guarded(
+                rec,
+                "correctness sm90 bs=64",
+                lambda: block_sparse_attention_triton(
+                    q, k, v, idx, cnt, impl="sm90", block_size=bs, kv_valid=valid, return_lse=True
+                ),
+            )
             if res is not None:
                 o, lse = res
                 fin = torch.isfinite(ref_lse)
-                rec.add(section="correctness", impl="sm90 (Gluon)", block_size=bs, rel_err=rel_err(o, ref),
-                        sdpa_bf16_err=sdpa_err, lse_max_err=float((lse[fin] - ref_lse[fin]).abs().max()),
-                        empty_rows_ok=bool(torch.equal(torch.isfinite(lse), fin)),
-                        empty_rows_zero=bool((o[0, bs:2 * bs, 0] == 0).all()))
+                rec.add(
+                    section="correctness",
+                    impl="sm90 (Gluon)",
+                    block_size=bs,
+                    rel_err=rel_err(o, ref),
+                    sdpa_bf16_err=sdpa_err,
+                    lse_max_err=float((lse[fin] - ref_lse[fin]).abs().max()),
+                    empty_rows_ok=bool(torch.equal(torch.isfinite(lse), fin)),
+                    empty_rows_zero=bool((o[0, bs : 2 * bs, 0] == 0).all()),
+                )
         # the automatic entry (FA4 when it fits) with a shared valid prefix and an empty query block
         valid_p = torch.arange(S, device=common.DEVICE)[None, :].expand(B, S) < S_real
         mask_p = block_lists_to_dense_mask(idx, cnt, block_size=bs, kv_valid=valid_p)
         ref_p, ref_lse_p = reference_attention(q, k, v, mask=mask_p)
-        res = guarded(rec, f"correctness auto bs={bs}", lambda: block_sparse_attention_triton(
-            q, k, v, idx, cnt, block_size=bs, kv_valid=valid_p, return_lse=True))
+        res = guarded(
+            rec,
+            f"correctness auto bs={bs}",
+            lambda: block_sparse_attention_triton(q, k, v, idx, cnt, block_size=bs, kv_valid=valid_p, return_lse=True),
+        )
         if res is not None:
             o, lse = res
             fin = torch.isfinite(ref_lse_p)
-            rec.add(section="correctness", impl="auto (kv_valid prefix)", block_size=bs, rel_err=rel_err(o, ref_p),
-                    sdpa_bf16_err=sdpa_err, lse_max_err=float((lse[fin] - ref_lse_p[fin]).abs().max()),
-                    empty_rows_ok=bool(torch.equal(torch.isfinite(lse), fin)),
-                    empty_rows_zero=bool((o[0, bs:2 * bs, 0] == 0).all()))
+            rec.add(
+                section="correctness",
+                impl="auto (kv_valid prefix)",
+                block_size=bs,
+                rel_err=rel_err(o, ref_p),
+                sdpa_bf16_err=sdpa_err,
+                lse_max_err=float((lse[fin] - ref_lse_p[fin]).abs().max()),
+                empty_rows_ok=bool(torch.equal(torch.isfinite(lse), fin)),
+                empty_rows_zero=bool((o[0, bs : 2 * bs, 0] == 0).all()),
+            )
         # FA4 block sparse without kv_valid (all keys valid)
         mask2 = block_lists_to_dense_mask(idx, cnt, block_size=bs)
         ref2, _ = reference_attention(q, k, v, mask=mask2)
@@ -211,8 +278,13 @@ def correctness(rec, base=1000):
             o = guarded(rec, f"correctness run {name} bs={bs}", fn) if fn else None
             if o is not None:
                 live = cnt.repeat_interleave(bs, dim=2).transpose(1, 2)[..., None] > 0  # rows with keys
-                rec.add(section="correctness", impl=name, block_size=bs,
-                        rel_err=rel_err(torch.where(live, o.float(), 0), ref2), sdpa_bf16_err=sdpa_err)
+                rec.add(
+                    section="correctness",
+                    impl=name,
+                    block_size=bs,
+                    rel_err=rel_err(torch.where(live, o.float(), 0), ref2),
+                    sdpa_bf16_err=sdpa_err,
+                )
     for r in rec.data["rows"]:
         if r.get("section") == "correctness":
             print("correctness", r, flush=True)
@@ -242,13 +314,19 @@ def main(argv=None):
     # earlier runs (docs/benchmarks.md) swept kv_per_iter 1/2/4, warps 4/8, stages 2/3/4, TMA loads and
     # Triton's warp specialisation (measured: 1.5-1.8x slower at 64, no gain at 128); the leaders remain,
     # plus single-stage variants (more resident programs per SM instead of a deeper pipeline)
-    tuned = {64: {"kv1 w4 s3": {"kv_per_iter": 1, "num_warps": 4, "num_stages": 3},
-                  "kv1 w4 s2 tma": {"kv_per_iter": 1, "num_warps": 4, "num_stages": 2, "tma": True},
-                  "kv1 w4 s3 tma": {"kv_per_iter": 1, "num_warps": 4, "num_stages": 3, "tma": True},
-                  "kv1 w4 s1": {"kv_per_iter": 1, "num_warps": 4, "num_stages": 1},
-                  "kv1 w4 s1 tma": {"kv_per_iter": 1, "num_warps": 4, "num_stages": 1, "tma": True}},
-             128: {"w8 s3": {"kv_per_iter": 1, "num_warps": 8, "num_stages": 3},
-                   "w8 s2 tma": {"kv_per_iter": 1, "num_warps": 8, "num_stages": 2, "tma": True}}}
+    tuned = {
+        64: {
+            "kv1 w4 s3": {"kv_per_iter": 1, "num_warps": 4, "num_stages": 3},
+            "kv1 w4 s2 tma": {"kv_per_iter": 1, "num_warps": 4, "num_stages": 2, "tma": True},
+            "kv1 w4 s3 tma": {"kv_per_iter": 1, "num_warps": 4, "num_stages": 3, "tma": True},
+            "kv1 w4 s1": {"kv_per_iter": 1, "num_warps": 4, "num_stages": 1},
+            "kv1 w4 s1 tma": {"kv_per_iter": 1, "num_warps": 4, "num_stages": 1, "tma": True},
+        },
+        128: {
+            "w8 s3": {"kv_per_iter": 1, "num_warps": 8, "num_stages": 3},
+            "w8 s2 tma": {"kv_per_iter": 1, "num_warps": 8, "num_stages": 2, "tma": True},
+        },
+    }
     for si, s_real in enumerate(int(x) for x in args.seqs.split(",")):
         if dl.left() < 30:
             rec.note(f"stopped before S={s_real} (time budget)")
@@ -256,14 +334,28 @@ def main(argv=None):
         S = math.ceil(s_real / 128) * 128
         q, k, v = make_qkv(1, S, H, D, seed=50 + si)
         qr, kr, vr = q[:, :s_real], k[:, :s_real], v[:, :s_real]
-        fa_ms = guarded(rec, f"fa dense S={s_real}", lambda: bench_ms(lambda: get_impl(B.FA)(qr, kr, vr, AttnCall(), {})[0]))
-        cud_ms = guarded(rec, f"cudnn dense S={s_real}",
-                         lambda: bench_ms(lambda: get_impl(B.TORCH_CUDNN_SDPA)(qr, kr, vr, AttnCall(), {})[0]))
+        fa_ms = guarded(
+            rec, f"fa dense S={s_real}", lambda: bench_ms(lambda: get_impl(B.FA)(qr, kr, vr, AttnCall(), {})[0])
+        )
+        cud_ms = guarded(
+            rec,
+            f"cudnn dense S={s_real}",
+            lambda: bench_ms(lambda: get_impl(B.TORCH_CUDNN_SDPA)(qr, kr, vr, AttnCall(), {})[0]),
+        )
         fl = attn_flops(1, H, s_real, s_real, D)
-        fa_kms = guarded(rec, f"fa dense kernel time S={s_real}",
-                         lambda: kernel_ms(lambda: get_impl(B.FA)(qr, kr, vr, AttnCall(), {})[0], iters=3))
-        rec.add(section="dense", seq=s_real, fa_ms=fa_ms, fa_kernel_ms=fa_kms, cudnn_ms=cud_ms,
-                fa_tflops=fl / fa_ms / 1e9 if fa_ms else None)
+        fa_kms = guarded(
+            rec,
+            f"fa dense kernel time S={s_real}",
+            lambda: kernel_ms(lambda: get_impl(B.FA)(qr, kr, vr, AttnCall(), {})[0], iters=3),
+        )
+        rec.add(
+            section="dense",
+            seq=s_real,
+            fa_ms=fa_ms,
+            fa_kernel_ms=fa_kms,
+            cudnn_ms=cud_ms,
+            fa_tflops=fl / fa_ms / 1e9 if fa_ms else None,
+        )
         for bs in (int(x) for x in args.block_sizes.split(",")):
             nb = S // bs
             for sp in (float(x) for x in args.sparsities.split(",")):
@@ -295,15 +387,32 @@ def main(argv=None):
                     ideal = fa_ms * kept if fa_ms else None
                     kms = guarded(rec, f"kernel time {name}", lambda fn=fn: kernel_ms(fn))
                     results[name] = rec.add(
-                        section="sparse", seq=s_real, padded=S, block_size=bs, sparsity=sp, kept=kept, impl=name, ms=ms,
-                        dense_equiv_tflops=fl / ms / 1e9, ratio_to_ideal=ms / ideal if ideal else None,
-                        kernel_ms=kms, kernel_ratio=kms / (fa_kms * kept) if kms and fa_kms else None,
+                        section="sparse",
+                        seq=s_real,
+                        padded=S,
+                        block_size=bs,
+                        sparsity=sp,
+                        kept=kept,
+                        impl=name,
+                        ms=ms,
+                        dense_equiv_tflops=fl / ms / 1e9,
+                        ratio_to_ideal=ms / ideal if ideal else None,
+                        kernel_ms=kms,
+                        kernel_ratio=kms / (fa_kms * kept) if kms and fa_kms else None,
                         speedup_vs_fa4_dense=fa_ms / ms if fa_ms else None,
-                        speedup_vs_cudnn_dense=cud_ms / ms if cud_ms else None)
-                for floor in floor_rows(rec, q, k, v, idx, cnt, bs, fa_ms * kept if fa_ms else None,
-                                        fa_kms * kept if fa_kms else None):
-                    floor.update(seq=s_real, padded=S, block_size=bs, sparsity=sp, kept=kept,
-                                 speedup_vs_fa4_dense=fa_ms / floor["ms"] if fa_ms else None)
+                        speedup_vs_cudnn_dense=cud_ms / ms if cud_ms else None,
+                    )
+                for floor in floor_rows(
+                    rec, q, k, v, idx, cnt, bs, fa_ms * kept if fa_ms else None, fa_kms * kept if fa_kms else None
+                ):
+                    floor.update(
+                        seq=s_real,
+                        padded=S,
+                        block_size=bs,
+                        sparsity=sp,
+                        kept=kept,
+                        speedup_vs_fa4_dense=fa_ms / floor["ms"] if fa_ms else None,
+                    )
                     summary.append(floor)
                 ref_name = next((n for n in outs if n.startswith("ours triton")), None)
                 for n, o in outs.items():
@@ -326,10 +435,15 @@ def main(argv=None):
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(8, 5))
-        for key in dict.fromkeys((r["impl"].split(" w")[0].split(" kv")[0], r["block_size"], r["seq"]) for r in summary):
-            pts = sorted((r["sparsity"], r["speedup_vs_fa4_dense"]) for r in summary
-                         if (r["impl"].split(" w")[0].split(" kv")[0], r["block_size"], r["seq"]) == key
-                         and r.get("speedup_vs_fa4_dense"))
+        for key in dict.fromkeys(
+            (r["impl"].split(" w")[0].split(" kv")[0], r["block_size"], r["seq"]) for r in summary
+        ):
+            pts = sorted(
+                (r["sparsity"], r["speedup_vs_fa4_dense"])
+                for r in summary
+                if (r["impl"].split(" w")[0].split(" kv")[0], r["block_size"], r["seq"]) == key
+                and r.get("speedup_vs_fa4_dense")
+            )
             best = {}
             for sp, su in pts:
                 best[sp] = max(best.get(sp, 0), su)
@@ -347,11 +461,25 @@ def main(argv=None):
     except Exception as exc:
         print("no chart:", exc)
     print("\n## block-sparse (bf16, 40 heads x 128; ratio = time / (FA4 dense time x kept), target <= 1.18)")
-    print(fmt_table(summary, [("seq", "S", ""), ("block_size", "block", ""), ("sparsity", "sparsity", ".2f"),
-                              ("impl", "impl", ""), ("ms", "ms", ".2f"), ("dense_equiv_tflops", "dense-eq TFLOP/s", ".0f"),
-                              ("ratio_to_ideal", "ratio", ".2f"), ("kernel_ms", "kernel ms", ".2f"),
-                              ("kernel_ratio", "kernel ratio", ".2f"), ("speedup_vs_fa4_dense", "x FA4 dense", ".2f"),
-                              ("diff_vs_ours", "diff", ".1e"), ("l2_to_sm_tbps", "gather TB/s", ".2f")]))
+    print(
+        fmt_table(
+            summary,
+            [
+                ("seq", "S", ""),
+                ("block_size", "block", ""),
+                ("sparsity", "sparsity", ".2f"),
+                ("impl", "impl", ""),
+                ("ms", "ms", ".2f"),
+                ("dense_equiv_tflops", "dense-eq TFLOP/s", ".0f"),
+                ("ratio_to_ideal", "ratio", ".2f"),
+                ("kernel_ms", "kernel ms", ".2f"),
+                ("kernel_ratio", "kernel ratio", ".2f"),
+                ("speedup_vs_fa4_dense", "x FA4 dense", ".2f"),
+                ("diff_vs_ours", "diff", ".1e"),
+                ("l2_to_sm_tbps", "gather TB/s", ".2f"),
+            ],
+        )
+    )
     for r in rec.data["rows"]:
         if r.get("section") == "dense":
             print("dense", r)

@@ -31,6 +31,7 @@ replaced selection's (they differ only where two scores are within float32 round
 True).  The last table prints ``select / call`` (target below 10 %) for both timings, before and
 after.  Full rows go to ``<out>/vsa_stages.json``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,9 +60,17 @@ def block_counts(grid, text_len: int, sparsity: float, edge_tiles: str) -> dict:
     nv, nb = lay.n_video_blocks, lay.n_blocks
     k = vsa_num_selected(sparsity, nv)
     kept = rows_kept_fraction(lay, k)
-    return {"grid": "x".join(map(str, grid)), "text_len": text_len, "edge_tiles": edge_tiles,
-            "video_blocks": nv, "blocks": nb, "min_blocks": -(-math.prod(grid) // 64) + -(-text_len // 64),
-            "k": k, "pairs_per_head": round(kept * nb * nb), "kept_fraction": kept}
+    return {
+        "grid": "x".join(map(str, grid)),
+        "text_len": text_len,
+        "edge_tiles": edge_tiles,
+        "video_blocks": nv,
+        "blocks": nb,
+        "min_blocks": -(-math.prod(grid) // 64) + -(-text_len // 64),
+        "k": k,
+        "pairs_per_head": round(kept * nb * nb),
+        "kept_fraction": kept,
+    }
 
 
 def count_table(sparsity: float) -> list[dict]:
@@ -74,10 +83,17 @@ def count_table(sparsity: float) -> list[dict]:
     return rows
 
 
-COUNT_COLS = [("grid", "grid", ""), ("text_len", "text", ""), ("edge_tiles", "edge tiles", ""),
-              ("video_blocks", "video blocks", ""), ("blocks", "blocks", ""), ("min_blocks", "ceil(S/64)", ""),
-              ("k", "k", ""), ("pairs_per_head", "block pairs / head", ""),
-              ("pairs_vs_padded", "pairs vs padded", ".3f")]
+COUNT_COLS = [
+    ("grid", "grid", ""),
+    ("text_len", "text", ""),
+    ("edge_tiles", "edge tiles", ""),
+    ("video_blocks", "video blocks", ""),
+    ("blocks", "blocks", ""),
+    ("min_blocks", "ceil(S/64)", ""),
+    ("k", "k", ""),
+    ("pairs_per_head", "block pairs / head", ""),
+    ("pairs_vs_padded", "pairs vs padded", ".3f"),
+]
 
 
 def torch_select(qt, kt, lay, kk: int, scale: float):
@@ -167,7 +183,7 @@ def gpu_launches(fn, iters: int = 5) -> Optional[float]:
     if common.DEVICE != "cuda":
         return None
     fn()
-    prof = common.profile_step(lambda: [fn() for _ in range(iters)], top=10 ** 6)
+    prof = common.profile_step(lambda: [fn() for _ in range(iters)], top=10**6)
     return sum(k["calls"] for k in prof["top_kernels"]) / iters
 
 
@@ -187,30 +203,46 @@ def main():
     if args.counts_only:
         return
     common.require_cuda()
-    rec = Recorder(args.out or os.path.join("/tmp", "vsa_stages"), "vsa_stages",
-                   {"env": env_info(), "sparsity": args.sparsity, "counts": counts})
+    rec = Recorder(
+        args.out or os.path.join("/tmp", "vsa_stages"),
+        "vsa_stages",
+        {"env": env_info(), "sparsity": args.sparsity, "counts": counts},
+    )
     summary = []
     for _, grid in grids:
         for heads in heads_list:
             S = math.prod(grid)
             q, k, v = make_qkv(1, S, heads, 128, seed=S + heads)
             for edge_tiles in args.layouts.split(","):
-                fns = guarded(rec, f"{grid} H{heads} {edge_tiles} setup",
-                              lambda: stages(q, k, v, grid, args.sparsity, edge_tiles))
+                fns = guarded(
+                    rec,
+                    f"{grid} H{heads} {edge_tiles} setup",
+                    lambda: stages(q, k, v, grid, args.sparsity, edge_tiles),
+                )
                 if fns is None:
                     continue
                 row = {"grid": "x".join(map(str, grid)), "heads": heads, "edge_tiles": edge_tiles}
-                row.update(guarded(rec, f"{grid} H{heads} {edge_tiles} agreement",
-                                   lambda: agreement(fns, grid, args.sparsity, edge_tiles)) or {})
+                row.update(
+                    guarded(
+                        rec,
+                        f"{grid} H{heads} {edge_tiles} agreement",
+                        lambda: agreement(fns, grid, args.sparsity, edge_tiles),
+                    )
+                    or {}
+                )
                 for name, fn in fns.items():
                     row[f"{name}_ms"] = guarded(rec, f"{grid} H{heads} {edge_tiles} {name}", lambda: bench_ms(fn))
-                    row[f"{name}_gpu_ms"] = guarded(rec, f"{grid} H{heads} {edge_tiles} {name} (kernel time)",
-                                                    lambda: kernel_ms(fn))
-                    row[f"{name}_launches"] = guarded(rec, f"{grid} H{heads} {edge_tiles} {name} (launches)",
-                                                      lambda: gpu_launches(fn))
+                    row[f"{name}_gpu_ms"] = guarded(
+                        rec, f"{grid} H{heads} {edge_tiles} {name} (kernel time)", lambda: kernel_ms(fn)
+                    )
+                    row[f"{name}_launches"] = guarded(
+                        rec, f"{grid} H{heads} {edge_tiles} {name} (launches)", lambda: gpu_launches(fn)
+                    )
                 for t in ("", "_gpu"):
-                    for sel, call, key in (("select", "call", "select_share"),
-                                           ("select_torch", "call_torchsel", "select_share_torch")):
+                    for sel, call, key in (
+                        ("select", "call", "select_share"),
+                        ("select_torch", "call_torchsel", "select_share_torch"),
+                    ):
                         a, b = row.get(f"{sel}{t}_ms"), row.get(f"{call}{t}_ms")
                         row[f"{key}{t}"] = a / b if a and b else None
                 rec.add(**row)
@@ -220,22 +252,45 @@ def main():
                 common.empty_cache()
             del q, k, v
             common.empty_cache()
-    cols = [("grid", "grid", ""), ("heads", "H", ""), ("edge_tiles", "edge tiles", ""),
-            ("call_ms", "call ms", ".3f"), ("tile_qk_ms", "tile q,k", ".3f"), ("select_ms", "select", ".3f"),
-            ("pool_ms", "pool", ".3f"), ("scores_ms", "scores", ".3f"), ("topk_ms", "top-k+lists", ".3f"),
-            ("kernel_ms", "kernel", ".3f"), ("rest_ms", "tile v+kernel+untile", ".3f"),
-            ("select_share", "select/call", ".1%"), ("call_gpu_ms", "call GPU ms", ".3f"),
-            ("select_gpu_ms", "select GPU ms", ".3f"), ("select_share_gpu", "select/call GPU", ".1%")]
+    cols = [
+        ("grid", "grid", ""),
+        ("heads", "H", ""),
+        ("edge_tiles", "edge tiles", ""),
+        ("call_ms", "call ms", ".3f"),
+        ("tile_qk_ms", "tile q,k", ".3f"),
+        ("select_ms", "select", ".3f"),
+        ("pool_ms", "pool", ".3f"),
+        ("scores_ms", "scores", ".3f"),
+        ("topk_ms", "top-k+lists", ".3f"),
+        ("kernel_ms", "kernel", ".3f"),
+        ("rest_ms", "tile v+kernel+untile", ".3f"),
+        ("select_share", "select/call", ".1%"),
+        ("call_gpu_ms", "call GPU ms", ".3f"),
+        ("select_gpu_ms", "select GPU ms", ".3f"),
+        ("select_share_gpu", "select/call GPU", ".1%"),
+    ]
     print(fmt_table(summary, cols))
-    before = [("grid", "grid", ""), ("heads", "H", ""), ("edge_tiles", "edge tiles", ""),
-              ("call_torchsel_ms", "call ms before", ".3f"), ("call_ms", "after", ".3f"),
-              ("call_torchsel_gpu_ms", "call GPU ms before", ".3f"), ("call_gpu_ms", "after", ".3f"),
-              ("select_torch_gpu_ms", "select GPU ms before", ".3f"), ("select_gpu_ms", "after", ".3f"),
-              ("topk_torch_gpu_ms", "top-k GPU ms before", ".3f"), ("topk_gpu_ms", "after", ".3f"),
-              ("select_share_torch_gpu", "select/call GPU before", ".1%"), ("select_share_gpu", "after", ".1%"),
-              ("call_torchsel_launches", "call launches before", ".0f"), ("call_launches", "after", ".0f"),
-              ("select_torch_launches", "select launches before", ".0f"), ("select_launches", "after", ".0f"),
-              ("same_rows", "same rows", ".4f"), ("exact", "top-k exact", "")]
+    before = [
+        ("grid", "grid", ""),
+        ("heads", "H", ""),
+        ("edge_tiles", "edge tiles", ""),
+        ("call_torchsel_ms", "call ms before", ".3f"),
+        ("call_ms", "after", ".3f"),
+        ("call_torchsel_gpu_ms", "call GPU ms before", ".3f"),
+        ("call_gpu_ms", "after", ".3f"),
+        ("select_torch_gpu_ms", "select GPU ms before", ".3f"),
+        ("select_gpu_ms", "after", ".3f"),
+        ("topk_torch_gpu_ms", "top-k GPU ms before", ".3f"),
+        ("topk_gpu_ms", "after", ".3f"),
+        ("select_share_torch_gpu", "select/call GPU before", ".1%"),
+        ("select_share_gpu", "after", ".1%"),
+        ("call_torchsel_launches", "call launches before", ".0f"),
+        ("call_launches", "after", ".0f"),
+        ("select_torch_launches", "select launches before", ".0f"),
+        ("select_launches", "after", ".0f"),
+        ("same_rows", "same rows", ".4f"),
+        ("exact", "top-k exact", ""),
+    ]
     print("\nbefore (PyTorch selection) / after (Triton selection)")
     print(fmt_table(summary, before))
 

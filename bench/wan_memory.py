@@ -13,6 +13,7 @@ vae_tiling=...)`` then ``generate(...)``.
 Variants: an offload mode (``none``, ``text_encoder``, ``model``, ``group``) with optional ``+tiling``
 and ``+slicing``.  Prints a table last; writes every figure to --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,15 +27,37 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import WAN_ARCH, WAN_COMMON, WAN_RES  # noqa: E402
 
-UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_decoder_layers=24,
-                num_heads=64, relative_attention_num_buckets=32, relative_attention_max_distance=128,
-                feed_forward_proj="gated-gelu", dropout_rate=0.0, pad_token_id=0, eos_token_id=1,
-                model_type="umt5", architectures=["UMT5EncoderModel"])
+UMT5_XXL = dict(
+    vocab_size=256384,
+    d_model=4096,
+    d_kv=64,
+    d_ff=10240,
+    num_layers=24,
+    num_decoder_layers=24,
+    num_heads=64,
+    relative_attention_num_buckets=32,
+    relative_attention_max_distance=128,
+    feed_forward_proj="gated-gelu",
+    dropout_rate=0.0,
+    pad_token_id=0,
+    eos_token_id=1,
+    model_type="umt5",
+    architectures=["UMT5EncoderModel"],
+)
 # arch "tiny" (CPU smoke runs): a one-layer encoder of the same width over the byte tokenizer's 259 ids
 UMT5_TINY = dict(UMT5_XXL, vocab_size=259, d_ff=512, num_layers=1, num_decoder_layers=1, num_heads=8)
-SCHEDULER = dict(_class_name="UniPCMultistepScheduler", num_train_timesteps=1000, prediction_type="flow_prediction",
-                 use_flow_sigmas=True, flow_shift=5.0, solver_order=2, solver_type="bh2", predict_x0=True,
-                 lower_order_final=True, final_sigmas_type="zero")
+SCHEDULER = dict(
+    _class_name="UniPCMultistepScheduler",
+    num_train_timesteps=1000,
+    prediction_type="flow_prediction",
+    use_flow_sigmas=True,
+    flow_shift=5.0,
+    solver_order=2,
+    solver_type="bh2",
+    predict_x0=True,
+    lower_order_final=True,
+    final_sigmas_type="zero",
+)
 
 
 def build_skeleton(folder: str, arch: str) -> None:
@@ -50,14 +73,23 @@ def build_skeleton(folder: str, arch: str) -> None:
         with open(path, "w") as fh:
             json.dump(data, fh)
 
-    dump(os.path.join(folder, "model_index.json"), {
-        "_class_name": "WanPipeline", "_diffusers_version": "0.42.1",
-        "text_encoder": ["transformers", "UMT5EncoderModel"], "tokenizer": ["transformers", "T5TokenizerFast"],
-        "transformer": ["diffusers", "WanTransformer3DModel"], "vae": ["diffusers", "AutoencoderKLWan"],
-        "scheduler": ["diffusers", "UniPCMultistepScheduler"]})
+    dump(
+        os.path.join(folder, "model_index.json"),
+        {
+            "_class_name": "WanPipeline",
+            "_diffusers_version": "0.42.1",
+            "text_encoder": ["transformers", "UMT5EncoderModel"],
+            "tokenizer": ["transformers", "T5TokenizerFast"],
+            "transformer": ["diffusers", "WanTransformer3DModel"],
+            "vae": ["diffusers", "AutoencoderKLWan"],
+            "scheduler": ["diffusers", "UniPCMultistepScheduler"],
+        },
+    )
     dump(os.path.join(folder, "text_encoder", "config.json"), UMT5_TINY if arch == "tiny" else UMT5_XXL)
-    dump(os.path.join(folder, "transformer", "config.json"),
-         {"_class_name": "WanTransformer3DModel", **WAN_COMMON, **WAN_ARCH[arch]})
+    dump(
+        os.path.join(folder, "transformer", "config.json"),
+        {"_class_name": "WanTransformer3DModel", **WAN_COMMON, **WAN_ARCH[arch]},
+    )
     dump(os.path.join(folder, "scheduler", "scheduler_config.json"), SCHEDULER)
     build_byte_tokenizer().save_pretrained(os.path.join(folder, "tokenizer"))
     torch.manual_seed(0)
@@ -89,7 +121,7 @@ def _random_weights(load, keep):
                 flat = t.view(-1)
                 for i in range(0, flat.numel(), block.numel()):
                     n = min(block.numel(), flat.numel() - i)
-                    flat[i:i + n].copy_(block[:n])
+                    flat[i : i + n].copy_(block[:n])
                 mod._parameters[name] = nn.Parameter(t, requires_grad=False)
         return model.eval()
 
@@ -104,29 +136,53 @@ def worker(args) -> dict:
     from ditattn.pipelines.wan import WanPipelineNative
 
     mode, *flags = args.worker.split("+")
-    for comp, keep in (("text_encoder", lambda n: n.split(".")[-2:-1] == ["wo"]),
-                       ("transformer", lambda n: any(part in KEEP_FP32 for part in n.split(".")))):
+    for comp, keep in (
+        ("text_encoder", lambda n: n.split(".")[-2:-1] == ["wo"]),
+        ("transformer", lambda n: any(part in KEEP_FP32 for part in n.split("."))),
+    ):
         cls, what, load = loading.NATIVE_MODELS[comp]
         loading.NATIVE_MODELS[comp] = (cls, what, _random_weights(load, keep))
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     t0 = time.perf_counter()
-    pipe = WanPipelineNative.from_pretrained(args.folder, device=dev, dtype="bfloat16", offload=mode,
-                                             offload_group_blocks=args.group_blocks, vae_tiling="tiling" in flags,
-                                             vae_slicing="slicing" in flags)
+    pipe = WanPipelineNative.from_pretrained(
+        args.folder,
+        device=dev,
+        dtype="bfloat16",
+        offload=mode,
+        offload_group_blocks=args.group_blocks,
+        vae_tiling="tiling" in flags,
+        vae_slicing="slicing" in flags,
+    )
     if dev.type == "cuda":
         torch.cuda.synchronize()
     load_s = time.perf_counter() - t0
     resident = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
     h, w = WAN_RES[args.res]
-    res = pipe.generate("a red fox running through fresh snow", height=h, width=w, num_frames=args.frames,
-                        num_inference_steps=args.steps, guidance_scale=5.0, seed=0, progress=False)
+    res = pipe.generate(
+        "a red fox running through fresh snow",
+        height=h,
+        width=w,
+        num_frames=args.frames,
+        num_inference_steps=args.steps,
+        guidance_scale=5.0,
+        seed=0,
+        progress=False,
+    )
     frames = res.frames
-    return {"variant": args.worker, "offload": mode, "vae_tiling": "tiling" in flags, "load_s": load_s,
-            "resident_after_load_gib": resident / 2**30,
-            "peak_gib": None if res.peak_memory is None else res.peak_memory / 2**30,
-            "timings_s": res.timings, "denoise_s_per_step": res.timings["denoise"] / args.steps,
-            "frames_shape": list(frames.shape), "frames_std": float(frames.std()),
-            "offloaded": pipe.placement.offloaded, "backends": res.attention_backends}
+    return {
+        "variant": args.worker,
+        "offload": mode,
+        "vae_tiling": "tiling" in flags,
+        "load_s": load_s,
+        "resident_after_load_gib": resident / 2**30,
+        "peak_gib": None if res.peak_memory is None else res.peak_memory / 2**30,
+        "timings_s": res.timings,
+        "denoise_s_per_step": res.timings["denoise"] / args.steps,
+        "frames_shape": list(frames.shape),
+        "frames_std": float(frames.std()),
+        "offloaded": pipe.placement.offloaded,
+        "backends": res.attention_backends,
+    }
 
 
 def main():
@@ -152,9 +208,24 @@ def main():
         build_skeleton(folder, args.arch)
         print(f"skeleton checkpoint in {time.perf_counter() - t0:.1f}s", flush=True)
         for variant in [v for v in args.variants.split(",") if v]:
-            cmd = [sys.executable, os.path.abspath(__file__), "--worker", variant, "--folder", folder,
-                   "--arch", args.arch, "--res", args.res, "--frames", str(args.frames), "--steps", str(args.steps),
-                   "--group-blocks", str(args.group_blocks)]
+            cmd = [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--worker",
+                variant,
+                "--folder",
+                folder,
+                "--arch",
+                args.arch,
+                "--res",
+                args.res,
+                "--frames",
+                str(args.frames),
+                "--steps",
+                str(args.steps),
+                "--group-blocks",
+                str(args.group_blocks),
+            ]
             t0 = time.perf_counter()
             try:
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
@@ -170,16 +241,22 @@ def main():
                     json.dump(results, fh, indent=2)
 
     print(f"\nWan {args.arch} {args.res} x {args.frames} frames, {args.steps} steps, CFG, bf16")
-    print(f"{'variant':<22}{'peak GiB':>10}{'resident':>10}{'load s':>8}{'text s':>8}{'s/step':>8}{'decode s':>10}"
-          f"{'total s':>9}")
+    print(
+        f"{'variant':<22}{'peak GiB':>10}{'resident':>10}{'load s':>8}{'text s':>8}{'s/step':>8}{'decode s':>10}"
+        f"{'total s':>9}"
+    )
     for r in results["rows"]:
         if "error" in r:
-            print(f"{r['variant']:<22} error: {r['error'].strip().splitlines()[-1][:90] if r['error'].strip() else '?'}")
+            print(
+                f"{r['variant']:<22} error: {r['error'].strip().splitlines()[-1][:90] if r['error'].strip() else '?'}"
+            )
             continue
         t = r["timings_s"]
         peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
-        print(f"{r['variant']:<22}{peak:>10}{r['resident_after_load_gib']:>10.1f}{r['load_s']:>8.1f}{t['text']:>8.1f}"
-              f"{r['denoise_s_per_step']:>8.1f}{t['decode']:>10.1f}{t['total']:>9.1f}")
+        print(
+            f"{r['variant']:<22}{peak:>10}{r['resident_after_load_gib']:>10.1f}{r['load_s']:>8.1f}{t['text']:>8.1f}"
+            f"{r['denoise_s_per_step']:>8.1f}{t['decode']:>10.1f}{t['total']:>9.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -48,9 +48,16 @@ def pytest_unconfigure(config):
 
 #: test modules written for either kind of machine (their GPU cases skip without CUDA, their CPU cases
 #: pick the device themselves): the CPU-machine pinning below leaves them alone
-DEVICE_AWARE_MODULES = {"test_gpu_kernels", "test_sage_sm90", "test_block_sparse_sm90", "test_sage_balance",
-                        "test_triton_interp", "test_bench_fp8_quant_kernel", "test_bench_dit_quant",
-                        "test_bench_gather_floor"}
+DEVICE_AWARE_MODULES = {
+    "test_gpu_kernels",
+    "test_sage_sm90",
+    "test_block_sparse_sm90",
+    "test_sage_balance",
+    "test_triton_interp",
+    "test_bench_fp8_quant_kernel",
+    "test_bench_dit_quant",
+    "test_bench_gather_floor",
+}
 _GPU_WORDS = ("cuda", "gpu", "sm90", "hopper")
 
 
@@ -58,8 +65,9 @@ def _device_aware(item) -> bool:
     module = getattr(getattr(item, "module", None), "__name__", "")
     if item.get_closest_marker("gpu") is not None or module.rpartition(".")[2] in DEVICE_AWARE_MODULES:
         return True
-    return any(any(w in str(m.kwargs.get("reason", "")).lower() for w in _GPU_WORDS)
-               for m in item.iter_markers("skipif"))
+    return any(
+        any(w in str(m.kwargs.get("reason", "")).lower() for w in _GPU_WORDS) for m in item.iter_markers("skipif")
+    )
 
 
 @contextlib.contextmanager
@@ -95,8 +103,9 @@ def _forget_triton_probes():
 def _cpu_machine_module(request):
     """A module none of whose tests is device-aware runs as on a CPU-only machine for its whole life, so
     that its module-scoped fixtures (a loaded pipeline, a running server) are built that way too."""
-    if not _HAS_CUDA or any(_device_aware(item) for item in request.session.items
-                            if getattr(item, "module", None) is request.module):
+    if not _HAS_CUDA or any(
+        _device_aware(item) for item in request.session.items if getattr(item, "module", None) is request.module
+    ):
         yield
         return
     with _as_cpu_machine():
@@ -135,8 +144,11 @@ def _ditattn_model_cache():
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "sm90_census(kernel, variants): the test reads the offline SM90 census of "
-                            "these kernel variants through the ``sm90_census`` fixture")
+    config.addinivalue_line(
+        "markers",
+        "sm90_census(kernel, variants): the test reads the offline SM90 census of "
+        "these kernel variants through the ``sm90_census`` fixture",
+    )
     config.addinivalue_line("markers", "gpu: the test picks its device itself (not pinned to a CPU-only machine)")
     config.addinivalue_line("markers", "ray: starts a local Ray instance (select with -m ray)")
 
@@ -166,10 +178,15 @@ def _sm90_census_all(request) -> dict:
     env["PYTHONPATH"] = os.path.join(root, "src") + os.pathsep + env.get("PYTHONPATH", "")
     triton_path = os.environ.get("DITATTN_SM90_TRITON_PATH")
     extra = ["--triton-path", triton_path] if triton_path else []
-    proc = subprocess.run([sys.executable, "-c", _CENSUS_DRIVER, os.path.join(root, "tests"), json.dumps(wanted),
-                           json.dumps(extra)], capture_output=True, text=True, env=env, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-c", _CENSUS_DRIVER, os.path.join(root, "tests"), json.dumps(wanted), json.dumps(extra)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()[-len(wanted):]
+    lines = proc.stdout.strip().splitlines()[-len(wanted) :]
     return {pair: json.loads(line) for pair, line in zip(wanted, lines)}
 
 

@@ -2,6 +2,7 @@
 free port of 127.0.0.1, stopped at the end.  PostgreSQL refuses to run as root: as root the server
 runs as the user ``nobody`` (``runuser``).  :func:`find_bin` is None when PostgreSQL is not installed
 (the tests then skip, saying so)."""
+
 from __future__ import annotations
 
 import glob
@@ -47,14 +48,19 @@ class PgServer:
             self._as = ["runuser", "-u", "nobody", "--"]
 
     def _pg(self, *args: str) -> None:
-        subprocess.run(self._as + [os.path.join(self.bindir, args[0]), *args[1:]], check=True,
-                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=self.tmp, timeout=120)
+        subprocess.run(
+            self._as + [os.path.join(self.bindir, args[0]), *args[1:]],
+            check=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            cwd=self.tmp,
+            timeout=120,
+        )
 
     def start(self) -> "PgServer":
         self._pg("initdb", "-D", self.data, "-A", "trust", "-U", "ditattn", "--no-sync")
         opts = f"-p {self.port} -k {self.tmp} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=60"
-        self._pg("pg_ctl", "-D", self.data, "-o", opts, "-l", os.path.join(self.tmp, "log"), "-w", "-t", "60",
-                 "start")
+        self._pg("pg_ctl", "-D", self.data, "-o", opts, "-l", os.path.join(self.tmp, "log"), "-w", "-t", "60", "start")
         return self
 
     def stop(self) -> None:

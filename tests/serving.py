@@ -1,5 +1,6 @@
 """Test helpers: ``ditattn serve`` in a subprocess (the real CLI, the tiny models on the CPU), an app on
 uvicorn in a thread, waiting for a condition, and polling a video job until it ends."""
+
 import contextlib
 import os
 import socket
@@ -57,8 +58,12 @@ def serve_process(args, log_path, *, startup_s: float = 180):
     """Run ``python -m ditattn serve --port P *args`` (output to ``log_path``) until it answers
     ``/health``; yields its base URL and stops it on exit."""
     port = free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               PYTHONPATH=os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        PYTHONPATH=os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     cmd = [sys.executable, "-m", "ditattn", "serve", "--port", str(port), *args]
     with open(log_path, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)

@@ -26,6 +26,7 @@ triton==3.6.0>`` or pass ``--triton-path DIR``; the tool prints the version it u
 mismatch.  Run it with ``TRITON_INTERPRET`` unset.  The SASS is disassembled with the ``cuobjdump``
 that ships in Triton's wheel.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -109,14 +110,40 @@ def compile_kernel(config: dict, *, head_dim: int = 128, dtype=None):
     od = TensorDescriptor(o, [b, sq, h * d], [sq * h * d, h * d, 1], [1, 64, d], nvmma([1, 64, d], gdt))
     ksd = TensorDescriptor(ks, [ks.numel()], [1], [bn], nvmma([bn], gl.float32))
     return m._sage_fwd_sm90.warmup(
-        qd, kd, vd, od, ksd, f, f, f, f, f, f, f, o, f, sq, skv, sq_pad, skv_pad, h, hkv,
-        o.stride(0), o.stride(1), o.stride(2), sq_pad // 128 * b * h,
+        qd,
+        kd,
+        vd,
+        od,
+        ksd,
+        f,
+        f,
+        f,
+        f,
+        f,
+        f,
+        f,
+        o,
+        f,
+        sq,
+        skv,
+        sq_pad,
+        skv_pad,
+        h,
+        hkv,
+        o.stride(0),
+        o.stride(1),
+        o.stride(2),
+        sq_pad // 128 * b * h,
         **m.kernel_constexprs(cfg, d, return_lse=True, tma_store=bool(cfg["tma_store"])),
-        num_warps=4, maxnreg=168, grid=(1,))
+        num_warps=4,
+        maxnreg=168,
+        grid=(1,),
+    )
 
 
-def compile_block_sparse(config: dict, *, head_dim: int = 128, has_valid: bool = True, return_lse: bool = True,
-                         dtype=None):
+def compile_block_sparse(
+    config: dict, *, head_dim: int = 128, has_valid: bool = True, return_lse: bool = True, dtype=None
+):
     """Build ``_bs_fwd_sm90`` (block-sparse, 64-token blocks) for ``config`` on CPU stand-in tensors,
     with the constexprs ``launch`` derives from the same call (GQA and lengths are run-time values)."""
     import torch
@@ -137,10 +164,36 @@ def compile_block_sparse(config: dict, *, head_dim: int = 128, has_valid: bool =
     cnt = torch.zeros(b, h, nq, dtype=torch.int32)
     f = torch.zeros(4096)
     return m._bs_fwd_sm90.warmup(
-        desc, desc, desc, desc, idx, cnt, f, f, f, f, f, h, h // hkv, nq, s, s, 0.1,
-        idx.stride(0), idx.stride(1), idx.stride(2), cnt.stride(0), cnt.stride(1), 0, 0, (nq + 1) // 2 * b * h,
+        desc,
+        desc,
+        desc,
+        desc,
+        idx,
+        cnt,
+        f,
+        f,
+        f,
+        f,
+        f,
+        h,
+        h // hkv,
+        nq,
+        s,
+        s,
+        0.1,
+        idx.stride(0),
+        idx.stride(1),
+        idx.stride(2),
+        cnt.stride(0),
+        cnt.stride(1),
+        0,
+        0,
+        (nq + 1) // 2 * b * h,
         **m.kernel_constexprs(cfg, d, dtype, has_valid=has_valid, return_lse=return_lse),
-        num_warps=4, maxnreg=168, grid=(1,))
+        num_warps=4,
+        maxnreg=168,
+        grid=(1,),
+    )
 
 
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)(?:\.[A-Z0-9_x.]+)?\s*([^;]*);")
@@ -158,10 +211,14 @@ def ptxas_warnings(ptx: str, path: str) -> list[str]:
     in-flight product reads is redefined before its wait)."""
     with open(path, "w") as fh:
         fh.write(ptx)
-    proc = subprocess.run([_tool("ptxas"), "-arch=sm_90a", "-v", path, "-o", path + ".cubin"], capture_output=True,
-                          text=True)
-    return [ln.strip() for ln in (proc.stdout + proc.stderr).splitlines()
-            if re.search(r"warning|\(C\d{4}\)|Performance Loss", ln, re.IGNORECASE)]
+    proc = subprocess.run(
+        [_tool("ptxas"), "-arch=sm_90a", "-v", path, "-o", path + ".cubin"], capture_output=True, text=True
+    )
+    return [
+        ln.strip()
+        for ln in (proc.stdout + proc.stderr).splitlines()
+        if re.search(r"warning|\(C\d{4}\)|Performance Loss", ln, re.IGNORECASE)
+    ]
 
 
 def analyse(sass: str) -> dict:
@@ -182,8 +239,12 @@ def analyse(sass: str) -> dict:
             if qk and pv and (best is None or len(body) < len(best)):
                 best = body
     census = collections.Counter(best or [])
-    return {"registers": regs, "spills": spills, "loop_instructions": sum(census.values()),
-            "loop_census": dict(census.most_common())}
+    return {
+        "registers": regs,
+        "spills": spills,
+        "loop_instructions": sum(census.values()),
+        "loop_census": dict(census.most_common()),
+    }
 
 
 def block_sparse_matrix() -> dict:
@@ -192,17 +253,25 @@ def block_sparse_matrix() -> dict:
     schedule with 3 stages, whose head dim 128 stages the output in Q's buffer (head dim 64: in its own
     tiles, as with 2 stages), with both softmax paths (4)."""
     out = {}
-    for d, dt, valid, lse, static, pers in itertools.product((128, 64), ("bf16", "fp16"), (True, False), (True, False),
-                                                             (True, False), (False, True)):
-        name = (f"d{d}_{dt}_{'valid' if valid else 'novalid'}_{'lse' if lse else 'nolse'}_"
-                f"{'static' if static else 'online'}{'_persist' if pers else ''}")
+    for d, dt, valid, lse, static, pers in itertools.product(
+        (128, 64), ("bf16", "fp16"), (True, False), (True, False), (True, False), (False, True)
+    ):
+        name = (
+            f"d{d}_{dt}_{'valid' if valid else 'novalid'}_{'lse' if lse else 'nolse'}_"
+            f"{'static' if static else 'online'}{'_persist' if pers else ''}"
+        )
         out[name] = {"head_dim": d, "dtype": dt, "has_valid": valid, "return_lse": lse, "static_max": static}
         if pers:
             out[name]["persistent"] = True
     for d, static in itertools.product((128, 64), (True, False)):
         out[f"d{d}_bf16_valid_lse_{'static' if static else 'online'}_persist_s3"] = {
-            "head_dim": d, "has_valid": True, "return_lse": True, "static_max": static, "persistent": True,
-            "num_stages": 3}
+            "head_dim": d,
+            "has_valid": True,
+            "return_lse": True,
+            "static_max": static,
+            "persistent": True,
+            "num_stages": 3,
+        }
     return out
 
 
@@ -251,13 +320,17 @@ def _variants(spec: str) -> dict[str, dict]:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", default="default=", help="'name=key:val/key:val;...' (empty = defaults)")
-    ap.add_argument("--matrix", action="store_true",
-                    help="block_sparse: compile every constexpr combination (replaces --variants)")
+    ap.add_argument(
+        "--matrix", action="store_true", help="block_sparse: compile every constexpr combination (replaces --variants)"
+    )
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--sass-dir", default=None, help="also write each variant's SASS here")
     ap.add_argument("--kernel", choices=("sage", "block_sparse"), default="sage")
-    ap.add_argument("--triton-path", default=None,
-                    help=f"a site-packages dir holding the GPU's Triton ({GPU_TRITON}), searched first")
+    ap.add_argument(
+        "--triton-path",
+        default=None,
+        help=f"a site-packages dir holding the GPU's Triton ({GPU_TRITON}), searched first",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object {variant: analysis} instead")
     args = ap.parse_args(argv)
     if args.matrix and args.kernel != "block_sparse":
@@ -267,8 +340,11 @@ def main(argv=None):
     import triton
 
     if triton.__version__ != GPU_TRITON:
-        print(f"warning: compiling with Triton {triton.__version__}, the GPU machine runs {GPU_TRITON}: what compiles "
-              "here may not compile there (pass --triton-path)", file=sys.stderr)
+        print(
+            f"warning: compiling with Triton {triton.__version__}, the GPU machine runs {GPU_TRITON}: what compiles "
+            "here may not compile there (pass --triton-path)",
+            file=sys.stderr,
+        )
     install_offline_driver()
     import tempfile
 
@@ -295,8 +371,10 @@ def main(argv=None):
         if args.json:
             continue
         top = " ".join(f"{k}:{v}" for k, v in list(a["loop_census"].items())[:14])
-        print(f"{name}: regs {a['registers']}, spills {a['spills']}, smem {kern.metadata.shared} B, "
-              f"loop {a['loop_instructions']} instr/iteration [{top}]")
+        print(
+            f"{name}: regs {a['registers']}, spills {a['spills']}, smem {kern.metadata.shared} B, "
+            f"loop {a['loop_instructions']} instr/iteration [{top}]"
+        )
         for w in a["ptxas_warnings"]:
             print(f"  ptxas: {w}")
     if args.json:

@@ -12,6 +12,7 @@ import torch or diffusers::
 checkers; at run time it is the ``ditattn.attention`` package, which is callable with the same
 signature, so its submodules (``ditattn.attention.layer``, …) stay importable.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

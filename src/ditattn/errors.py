@@ -18,14 +18,14 @@ def short_repr(value: Any, limit: int = 60) -> str:
         if isinstance(value, int):
             return f"an integer of about {int(value.bit_length() * 0.30103)} digits"
         return f"a {type(value).__name__} holding an integer too long to show"
-    return text if len(text) <= limit else f"{text[:limit - 20]}...{text[-12:]} ({len(text)} characters)"
+    return text if len(text) <= limit else f"{text[: limit - 20]}...{text[-12:]} ({len(text)} characters)"
 
 
 def short_text(text: Any, limit: int = 120) -> str:
     """``str(text)`` cut to ``limit`` characters as :func:`short_repr` cuts (a path or a flag value
     quoted in an error message without repr's quotes)."""
     text = str(text)
-    return text if len(text) <= limit else f"{text[:limit - 20]}...{text[-12:]} ({len(text)} characters)"
+    return text if len(text) <= limit else f"{text[: limit - 20]}...{text[-12:]} ({len(text)} characters)"
 
 
 class AttentionConfigError(ValueError):
@@ -38,9 +38,7 @@ class BackendUnavailableError(AttentionConfigError):
     def __init__(self, backend: str, reasons: list[str], what: str = "this call"):
         self.backend = backend
         self.reasons = list(reasons)
-        super().__init__(
-            f"attention backend '{backend}' cannot serve {what}: " + "; ".join(self.reasons)
-        )
+        super().__init__(f"attention backend '{backend}' cannot serve {what}: " + "; ".join(self.reasons))
 
 
 class GenerationCancelled(Exception):

@@ -8,6 +8,7 @@ checked by :mod:`ditattn.models.quantization` with the platform), ``gpu`` (Trito
 GPUs: a backend without its runtime is refused or substituted with the install hint that
 ``ditattn backends`` shows) and ``dev`` (the test tools).  Everything else is a hard dependency.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -16,8 +17,13 @@ from ditattn.errors import AttentionConfigError
 
 # extra -> ((import name, distribution name), ...)
 EXTRAS: dict[str, tuple[tuple[str, str], ...]] = {
-    "server": (("fastapi", "fastapi"), ("uvicorn", "uvicorn"), ("pydantic", "pydantic"),
-               ("python_multipart", "python-multipart"), ("prometheus_client", "prometheus-client")),
+    "server": (
+        ("fastapi", "fastapi"),
+        ("uvicorn", "uvicorn"),
+        ("pydantic", "pydantic"),
+        ("python_multipart", "python-multipart"),
+        ("prometheus_client", "prometheus-client"),
+    ),
     # serve --replicas (Ray Serve) / --job-store postgresql://
     "scale": (("ray", "ray[serve]"), ("psycopg", "psycopg[binary]")),
 }

@@ -1,4 +1,5 @@
 """Writing files so that a reader (another process, a restart after a crash) never sees a partial one."""
+
 from __future__ import annotations
 
 import errno

@@ -1,5 +1,6 @@
 """Public names that load on first use (PEP 562 module ``__getattr__``), so importing a package does
 not import torch or diffusers before something needs them."""
+
 from __future__ import annotations
 
 import importlib

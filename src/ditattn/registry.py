@@ -1,4 +1,5 @@
 """``list_backends()``: what exists, what runs here and why not — the data of ``ditattn backends``."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,8 +44,9 @@ class BackendInfo:
         """Deprecated name of :attr:`upstream_platforms` (kept for readers of ``BackendInfo``)."""
         import warnings
 
-        warnings.warn("BackendInfo.seed_platforms is deprecated; use upstream_platforms", DeprecationWarning,
-                      stacklevel=2)
+        warnings.warn(
+            "BackendInfo.seed_platforms is deprecated; use upstream_platforms", DeprecationWarning, stacklevel=2
+        )
         return self.upstream_platforms
 
     def to_json(self) -> dict:
@@ -60,22 +62,45 @@ def list_backends(platform: Optional[Platform] = None) -> list[BackendInfo]:
         reasons = s.platform_reasons(platform)
         rt = s.runtime_on(platform)
         sub = substitute(b, LayerRequest(dtype=None), platform) if reasons else None
-        out.append(BackendInfo(
-            name=b.value, enum=b.name, aliases=tuple(aliases_of(b)), kind=s.kind, summary=s.summary,
-            platforms=s.platforms, upstream_platforms=s.upstream_platforms, lossy=s.lossy,
-            cross_attention=s.cross_attention, returns_lse=s.returns_lse, accepts_bias=s.accepts_bias,
-            drop_in=s.drop_in,
-            dtypes=tuple(sorted(DTYPE_NAMES[d] for d in (s.cpu_dtypes if platform.name == "cpu" and s.cpu_dtypes else s.dtypes))),
-            head_dims=tuple(sorted(s.head_dims)) if s.head_dims else None,
-            usable_here=not reasons, reasons=tuple(reasons), runtime=rt.label if rt and not reasons else "",
-            install_hint=s.install_hint, notes=s.notes,
-            params=tuple(
-                {"name": p.name, "type": p.type, "default": p.default, "required": p.required,
-                 "choices": list(p.choices) if p.choices else None, "help": p.help}
-                for p in schema_for(b)
-            ),
-            substitute_here=f"{sub[0].value}: {sub[1]}" if sub else None,
-            missing_kernel=s.missing_kernel,
-            operating_point=OPERATING_POINTS[b.value].to_json() if b.value in OPERATING_POINTS else None,
-        ))
+        out.append(
+            BackendInfo(
+                name=b.value,
+                enum=b.name,
+                aliases=tuple(aliases_of(b)),
+                kind=s.kind,
+                summary=s.summary,
+                platforms=s.platforms,
+                upstream_platforms=s.upstream_platforms,
+                lossy=s.lossy,
+                cross_attention=s.cross_attention,
+                returns_lse=s.returns_lse,
+                accepts_bias=s.accepts_bias,
+                drop_in=s.drop_in,
+                dtypes=tuple(
+                    sorted(
+                        DTYPE_NAMES[d] for d in (s.cpu_dtypes if platform.name == "cpu" and s.cpu_dtypes else s.dtypes)
+                    )
+                ),
+                head_dims=tuple(sorted(s.head_dims)) if s.head_dims else None,
+                usable_here=not reasons,
+                reasons=tuple(reasons),
+                runtime=rt.label if rt and not reasons else "",
+                install_hint=s.install_hint,
+                notes=s.notes,
+                params=tuple(
+                    {
+                        "name": p.name,
+                        "type": p.type,
+                        "default": p.default,
+                        "required": p.required,
+                        "choices": list(p.choices) if p.choices else None,
+                        "help": p.help,
+                    }
+                    for p in schema_for(b)
+                ),
+                substitute_here=f"{sub[0].value}: {sub[1]}" if sub else None,
+                missing_kernel=s.missing_kernel,
+                operating_point=OPERATING_POINTS[b.value].to_json() if b.value in OPERATING_POINTS else None,
+            )
+        )
     return out

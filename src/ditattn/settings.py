@@ -20,6 +20,7 @@ ignored.  Variables of other projects that ditattn honours: ``TRITON_INTERPRET=1
 kernels in Triton's CPU interpreter), ``HF_HOME`` / ``HF_HUB_CACHE`` and ``HF_HUB_OFFLINE`` (repo
 ids given to ``--model-path``), ``OMP_NUM_THREADS``, ``TQDM_DISABLE``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -48,7 +49,7 @@ RETIRED = {
     "DITATTN_SAGE_IMPL": "the sage_attn config key 'impl' (--attention-backend-config impl=triton)",
     "DITATTN_SAGE_PV": "the sage_attn config key 'pv_dtype' (--attention-backend-config pv_dtype=fp8)",
     "DITATTN_BLOCK_SPARSE_IMPL": "the sparse backends' config key 'block_sparse_impl' "
-                                 "(--attention-backend-config block_sparse_impl=flex)",
+    "(--attention-backend-config block_sparse_impl=flex)",
 }
 
 

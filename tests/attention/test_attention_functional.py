@@ -1,4 +1,5 @@
 """ditattn.attention() against a float64 reference at odd sizes (fp32 and bf16, GQA, LSE, bias)."""
+
 import pytest
 import torch
 
@@ -15,7 +16,9 @@ def _sdpa_err(q, k, v, ref, **kw):
     """Error of plain PyTorch SDPA in the same dtype (the yardstick for low-precision kernels)."""
     rep = q.shape[2] // k.shape[2]
     kk, vv = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
-    o = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2), **kw)
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2), **kw
+    )
     return _rel(o.transpose(1, 2), ref)
 
 
@@ -63,7 +66,10 @@ def test_fa_on_cpu_is_substituted_and_correct():
         (dict(q=torch.randn(1, 5, 3, 8), k=torch.randn(1, 5, 2, 8), v=torch.randn(1, 5, 2, 8)), "multiple"),
         (dict(q=torch.randn(1, 5, 2, 8), k=torch.randn(1, 5, 2, 16), v=torch.randn(1, 5, 2, 16)), "head dims"),
         (dict(q=torch.randn(1, 5, 2, 8), k=torch.randn(1, 5, 2, 8), v=torch.randn(1, 6, 2, 8)), "same shape"),
-        (dict(q=torch.randn(1, 5, 2, 8), k=torch.randn(1, 5, 2, 8).half(), v=torch.randn(1, 5, 2, 8).half()), "dtypes"),
+        (
+            dict(q=torch.randn(1, 5, 2, 8), k=torch.randn(1, 5, 2, 8).half(), v=torch.randn(1, 5, 2, 8).half()),
+            "dtypes",
+        ),
     ],
 )
 def test_bad_inputs_raise_clear_errors(kwargs, match):
@@ -94,11 +100,11 @@ def test_force_applies_to_automatic_calls():
 
 
 EMPTY_SHAPES = [
-    ((1, 4, 2, 32), (1, 0, 2, 32)),   # empty key sequence (was SIGFPE with return_lse)
-    ((1, 4, 0, 32), (1, 4, 0, 32)),   # zero heads
-    ((1, 0, 2, 32), (1, 4, 2, 32)),   # empty query sequence
-    ((0, 4, 2, 32), (0, 4, 2, 32)),   # empty batch
-    ((1, 4, 2, 0), (1, 4, 2, 0)),     # empty head dim
+    ((1, 4, 2, 32), (1, 0, 2, 32)),  # empty key sequence (was SIGFPE with return_lse)
+    ((1, 4, 0, 32), (1, 4, 0, 32)),  # zero heads
+    ((1, 0, 2, 32), (1, 4, 2, 32)),  # empty query sequence
+    ((0, 4, 2, 32), (0, 4, 2, 32)),  # empty batch
+    ((1, 4, 2, 0), (1, 4, 2, 0)),  # empty head dim
 ]
 
 
@@ -110,11 +116,13 @@ def empty_dimension_calls():
     import subprocess
     import sys
 
-    code = ("import sys, torch, ditattn\n"
-            f"for i, (qs, ks) in enumerate({EMPTY_SHAPES!r}):\n"
-            "    q, k = torch.randn(qs), torch.randn(ks)\n"
-            "    try:\n        ditattn.attention(q, k, k, return_lse=True)\n        print(i, 'returned', flush=True)\n"
-            "    except ditattn.AttentionConfigError as e:\n        print(i, 'refused:', e, flush=True)\n")
+    code = (
+        "import sys, torch, ditattn\n"
+        f"for i, (qs, ks) in enumerate({EMPTY_SHAPES!r}):\n"
+        "    q, k = torch.randn(qs), torch.randn(ks)\n"
+        "    try:\n        ditattn.attention(q, k, k, return_lse=True)\n        print(i, 'returned', flush=True)\n"
+        "    except ditattn.AttentionConfigError as e:\n        print(i, 'refused:', e, flush=True)\n"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     lines = {int(ln.split(" ", 1)[0]): ln for ln in r.stdout.splitlines() if ln.split(" ", 1)[0].isdigit()}
     return lines, f"exit status {r.returncode}\n{r.stderr[-3000:]}"
@@ -127,28 +135,31 @@ def test_empty_dimensions_are_refused_not_crashed(case, empty_dimension_calls):
     assert "refused:" in lines[case] and "empty" in lines[case], lines[case]
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(scale=float("nan")), "scale must be None"),
-    (dict(scale=float("inf")), "scale must be None"),
-    (dict(scale=0.0), "finite number > 0"),
-    (dict(scale=-1), "finite number > 0"),
-    (dict(scale="0.1"), "scale must be None"),
-    (dict(scale=True), "scale must be None"),
-    (dict(causal="yes"), "causal must be True or False"),
-    (dict(causal=1), "causal must be True or False"),
-    (dict(return_lse=None), "return_lse must be True or False"),
-    (dict(attn_bias=5), "attn_bias must be None or a torch.Tensor"),
-    (dict(attn_bias=torch.zeros(1, 2, 8, 8, dtype=torch.int64)), "floating-point bias or a bool mask"),
-    (dict(attn_bias=torch.zeros(3, 3)), "does not broadcast"),
-    (dict(attn_bias=torch.zeros(1, 1, 1, 2, 8, 8)), "does not broadcast"),
-    (dict(attn_bias=torch.zeros(2, 1, 8, 8)), "does not broadcast"),
-    (dict(text_len=-1), "text_len must be an integer >= 0"),
-    (dict(text_len=1.5), "text_len must be an integer >= 0"),
-    (dict(step=-2), "step must be None or an integer >= 0"),
-    (dict(layer_idx="0"), "layer_idx must be None"),
-    (dict(video_shape=(1, 2, 4.0)), "video_shape must be three positive integers"),
-    (dict(video_shape="124"), "video_shape must be three positive integers"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(scale=float("nan")), "scale must be None"),
+        (dict(scale=float("inf")), "scale must be None"),
+        (dict(scale=0.0), "finite number > 0"),
+        (dict(scale=-1), "finite number > 0"),
+        (dict(scale="0.1"), "scale must be None"),
+        (dict(scale=True), "scale must be None"),
+        (dict(causal="yes"), "causal must be True or False"),
+        (dict(causal=1), "causal must be True or False"),
+        (dict(return_lse=None), "return_lse must be True or False"),
+        (dict(attn_bias=5), "attn_bias must be None or a torch.Tensor"),
+        (dict(attn_bias=torch.zeros(1, 2, 8, 8, dtype=torch.int64)), "floating-point bias or a bool mask"),
+        (dict(attn_bias=torch.zeros(3, 3)), "does not broadcast"),
+        (dict(attn_bias=torch.zeros(1, 1, 1, 2, 8, 8)), "does not broadcast"),
+        (dict(attn_bias=torch.zeros(2, 1, 8, 8)), "does not broadcast"),
+        (dict(text_len=-1), "text_len must be an integer >= 0"),
+        (dict(text_len=1.5), "text_len must be an integer >= 0"),
+        (dict(step=-2), "step must be None or an integer >= 0"),
+        (dict(layer_idx="0"), "layer_idx must be None"),
+        (dict(video_shape=(1, 2, 4.0)), "video_shape must be three positive integers"),
+        (dict(video_shape="124"), "video_shape must be three positive integers"),
+    ],
+)
 def test_call_arguments_are_validated(kwargs, match):
     q = torch.randn(1, 8, 2, 16)
     with pytest.raises(AttentionConfigError, match=match):

@@ -1,4 +1,5 @@
 """Autotune decision logic with injected timings."""
+
 import pytest
 import torch
 
@@ -56,8 +57,16 @@ def _qkv():
 
 def test_switches_to_faster_candidate_that_agrees(fake_backends):
     q, k, v = _qkv()
-    res = autotune.tune(B.TORCH_SDPA, LayerRequest(dtype=torch.float32), CPU, q, k, v, AttnCall(),
-                        timer=_timer({"torch_sdpa": 1.0, "exact": 0.5, "wrong": 0.1}))
+    res = autotune.tune(
+        B.TORCH_SDPA,
+        LayerRequest(dtype=torch.float32),
+        CPU,
+        q,
+        k,
+        v,
+        AttnCall(),
+        timer=_timer({"torch_sdpa": 1.0, "exact": 0.5, "wrong": 0.1}),
+    )
     assert res.chosen == B.TORCH_CUDNN_SDPA
     assert "output differs" in res.rejected["sage_attn"]
     assert "2.00x" in res.reason
@@ -65,8 +74,16 @@ def test_switches_to_faster_candidate_that_agrees(fake_backends):
 
 def test_keeps_incumbent_within_noise_margin(fake_backends):
     q, k, v = _qkv()
-    res = autotune.tune(B.TORCH_SDPA, LayerRequest(dtype=torch.float32), CPU, q, k, v, AttnCall(),
-                        timer=_timer({"torch_sdpa": 1.0, "exact": 0.99, "wrong": 0.1}))
+    res = autotune.tune(
+        B.TORCH_SDPA,
+        LayerRequest(dtype=torch.float32),
+        CPU,
+        q,
+        k,
+        v,
+        AttnCall(),
+        timer=_timer({"torch_sdpa": 1.0, "exact": 0.99, "wrong": 0.1}),
+    )
     assert res.chosen == B.TORCH_SDPA and "kept" in res.reason
 
 

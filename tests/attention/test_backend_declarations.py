@@ -1,5 +1,6 @@
 """Every backend is declared in one module: its capability row, its parameter schema and its
 implementation, or a row that says why this build has no implementation."""
+
 import importlib
 import pkgutil
 

@@ -3,6 +3,7 @@ block id), the PyTorch path against the implementation it replaced, and the two 
 ``ditattn.attention.kernels.block_select`` against the PyTorch path in Triton's CPU interpreter
 (``tests/conftest.py`` sets ``TRITON_INTERPRET=1`` on CPU-only machines; tests/attention/test_gpu_kernels.py
 covers the compiled kernels)."""
+
 import math
 import os
 
@@ -24,15 +25,18 @@ from ditattn.attention.sparse.tiling import make_tile_layout, pooled_blocks, til
 from ditattn.attention.sparse.vsa import pooled_video_scores, video_sparse_attention, vsa_num_selected
 from ditattn.errors import AttentionConfigError
 
-interp = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                            reason="Triton interpreter tests run on CPU-only machines")
+interp = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="Triton interpreter tests run on CPU-only machines"
+)
 
 
 def rule_topk(row: list, k: int) -> set:
     """The documented rule, spelled out: higher first, NaN above everything, -0.0 == +0.0, then the lower index."""
+
     def key(j):
         x = row[j]
         return (0, 0.0, j) if math.isnan(x) else (1, -(x + 0.0), j)
+
     return set(sorted(range(len(row)), key=key)[:k])
 
 
@@ -47,7 +51,7 @@ def structured_scores(B, H, nv, seed):
     r[3, ::5] = float("inf")
     r[3, 1::7] = float("nan")
     r[4, : nv // 2] = -0.0
-    r[4, nv // 2:] = 0.0
+    r[4, nv // 2 :] = 0.0
     r[4, ::4] = -1.0
     r[5] = -torch.rand(nv, generator=g) * 1e-38  # subnormals
     r[6] = torch.randint(0, 3, (nv,), generator=g).float() * 1e30
@@ -104,8 +108,13 @@ def test_topk_lists_rejects_unknown_impl():
 # ------------------------------------------------------------------------------------------------
 # the cdfthreshd rule's lists (mass_lists) against the mask path
 
-CDF_LAYOUTS = [((5, 6, 7), 0, "packed"), ((5, 6, 7), 0, "padded"), ((9, 13, 17), 70, "packed"),
-               ((3, 9, 10), 7, "padded"), ((4, 9, 30), 1, "packed")]
+CDF_LAYOUTS = [
+    ((5, 6, 7), 0, "packed"),
+    ((5, 6, 7), 0, "padded"),
+    ((9, 13, 17), 70, "packed"),
+    ((3, 9, 10), 7, "padded"),
+    ((4, 9, 30), 1, "packed"),
+]
 
 
 def assert_same_lists(got, want, what=""):
@@ -138,8 +147,9 @@ def test_mass_lists_equal_the_mask_path(shape, text, edge):
     for s in inputs:
         for thr, floor, width in cdf_cases(lay):
             what = (tuple(s.shape), thr, floor, width)
-            assert_same_lists(mass_lists(lay, s, thr, floor, width=width),
-                              mass_lists_via_mask(lay, s, thr, floor, width=width), what)
+            assert_same_lists(
+                mass_lists(lay, s, thr, floor, width=width), mass_lists_via_mask(lay, s, thr, floor, width=width), what
+            )
 
 
 def test_mass_lists_on_structured_scores():
@@ -157,12 +167,12 @@ def test_mass_lists_on_structured_scores():
             q2, k2 = torch.cat([q, pad], 1), torch.cat([k, pad], 1)
         else:
             q2, k2 = q, k
-        lm = pooled_query_block_scores(tile(q2, lay), tile(k2, lay), lay, 128 ** -0.5, impl="reference")
+        lm = pooled_query_block_scores(tile(q2, lay), tile(k2, lay), lay, 128**-0.5, impl="reference")
         counts = set()
         for thr, floor, width in cdf_cases(lay):
             got = mass_lists(lay, lm, thr, floor, width=width)
             assert_same_lists(got, mass_lists_via_mask(lay, lm, thr, floor, width=width), (text, thr, floor, width))
-            counts |= set(got[1][0, :, :lay.n_video_blocks].flatten().tolist())
+            counts |= set(got[1][0, :, : lay.n_video_blocks].flatten().tolist())
         assert len(counts) > 5  # row lengths vary
 
 
@@ -185,7 +195,7 @@ def test_mass_lists_with_valid_blocks():
     assert cnt[0, 0, 0] == ns and idx[0, 0, 0, :ns].tolist() == list(range(nv, lay.n_blocks))
     assert cnt[0, 0, 1] == 2 + ns and idx[0, 0, 1, :2].tolist() == [0, 1]
     # broadcast valid (one key-block set per head, as the self-similarity fallback passes it)
-    kv = (torch.rand(2, 3, 1, nv, generator=g) < 0.7)
+    kv = torch.rand(2, 3, 1, nv, generator=g) < 0.7
     assert_same_lists(mass_lists(lay, s, 0.8, 3, valid=kv), mass_lists_via_mask(lay, s, 0.8, 3, valid=kv))
 
 
@@ -200,7 +210,9 @@ def test_video_mask_lists_equal_block_mask_to_lists(shape, text, edge):
     m[0, 0, 1] = True
     m[1, 2] = False  # a whole head empty
     for width in (None, nb, 1, max(1, nb // 2)):
-        assert_same_lists(video_mask_lists(lay, m, width), block_mask_to_lists(add_special_blocks(lay, m), width), width)
+        assert_same_lists(
+            video_mask_lists(lay, m, width), block_mask_to_lists(add_special_blocks(lay, m), width), width
+        )
     with pytest.raises(ValueError, match="width must be in"):
         video_mask_lists(lay, m, nb + 1)
     with pytest.raises(ValueError, match="bool tensor"):
@@ -240,8 +252,9 @@ def test_mass_mask_suffix_sum_unchanged():
 
 
 @pytest.mark.parametrize("impl", ["reference", "auto"])
-@pytest.mark.parametrize("text,quantize,predictor", [(0, False, "pooled_query"), (7, True, "pooled_query"),
-                                                     (7, False, "pooled")])
+@pytest.mark.parametrize(
+    "text,quantize,predictor", [(0, False, "pooled_query"), (7, True, "pooled_query"), (7, False, "pooled")]
+)
 def test_sparge_cdfthreshd_lists_path_equals_the_mask_path(monkeypatch, impl, text, quantize, predictor):
     """sparge_attention with cdfthreshd and no self-similarity fallback (the list builder) gives the output,
     LSE and plan of the mask path it replaced (swapped back in through the module attribute)."""
@@ -253,8 +266,16 @@ def test_sparge_cdfthreshd_lists_path_equals_the_mask_path(monkeypatch, impl, te
     if text:
         t = torch.randn(3, 1, text, 3, 128, generator=torch.Generator().manual_seed(6))
         q, k, v = (torch.cat([a, b], 1) for a, b in zip((q, k, v), t))
-    kw = dict(video_shape=grid, text_len=text, cdfthreshd=0.9, topk=0.2, quantize=quantize, predictor=predictor,
-              return_lse=True, impl=impl)
+    kw = dict(
+        video_shape=grid,
+        text_len=text,
+        cdfthreshd=0.9,
+        topk=0.2,
+        quantize=quantize,
+        predictor=predictor,
+        return_lse=True,
+        impl=impl,
+    )
     calls = []
     monkeypatch.setattr(sp, "mass_lists", lambda *a, **k: calls.append(1) or mass_lists(*a, **k))
     out, lse, plan = sp.sparge_attention(q, k, v, **kw)
@@ -265,14 +286,15 @@ def test_sparge_cdfthreshd_lists_path_equals_the_mask_path(monkeypatch, impl, te
     assert torch.equal(out, rout) and torch.equal(lse, rlse)
     assert plan.kept_fraction == rplan.kept_fraction and 0 < plan.kept_fraction < 1
     assert plan.extra.keys() == rplan.extra.keys() and torch.equal(plan.extra["scores"], rplan.extra["scores"])
-    counts = plan.kv_counts[0, :, :plan.layout.n_video_blocks]
+    counts = plan.kv_counts[0, :, : plan.layout.n_video_blocks]
     assert int(counts.min()) < int(counts.max())  # rows of varying length
     # and both are the mask of sparge_block_mask (the documented rule)
     from ditattn.attention.sparse.sparge import sparge_block_mask
 
     lay = plan.layout
-    mask, _ = sparge_block_mask(tile(q, lay), tile(k, lay), lay, 0.2, 128 ** -0.5, predictor=predictor,
-                                cdfthreshd=0.9, impl=impl)
+    mask, _ = sparge_block_mask(
+        tile(q, lay), tile(k, lay), lay, 0.2, 128**-0.5, predictor=predictor, cdfthreshd=0.9, impl=impl
+    )
     assert_same_lists((plan.kv_indices, plan.kv_counts), block_mask_to_lists(mask))
 
 
@@ -312,14 +334,20 @@ def test_mask_list_kernel_equals_reference(shape, text, edge):
     m[1, 2] = False
     s = torch.randn(2, 3, nv, nv, generator=g) * 3
     for width in (None, nb, 1, max(1, nb // 3)):
-        assert_same_lists(video_mask_lists(lay, m, width, "triton"), video_mask_lists(lay, m, width, "reference"),
-                          width)
-        assert_same_lists(mass_lists(lay, s, 0.9, 2, width=width, impl="triton"),
-                          mass_lists_via_mask(lay, s, 0.9, 2, width=width), width)
+        assert_same_lists(
+            video_mask_lists(lay, m, width, "triton"), video_mask_lists(lay, m, width, "reference"), width
+        )
+        assert_same_lists(
+            mass_lists(lay, s, 0.9, 2, width=width, impl="triton"),
+            mass_lists_via_mask(lay, s, 0.9, 2, width=width),
+            width,
+        )
     # strided mask rows (a view of a wider mask)
     wide = torch.rand(1, 2, nv, nv + 5, generator=g) < 0.5
-    assert_same_lists(video_mask_lists(lay, wide[..., :nv], nb, "triton"),
-                      video_mask_lists(lay, wide[..., :nv].contiguous(), nb, "reference"))
+    assert_same_lists(
+        video_mask_lists(lay, wide[..., :nv], nb, "triton"),
+        video_mask_lists(lay, wide[..., :nv].contiguous(), nb, "reference"),
+    )
 
 
 @interp
@@ -338,7 +366,7 @@ def test_sparge_cdfthreshd_triton_lists_equal_reference():
     rout, _, rplan = sp.sparge_attention(q, k, v, impl="reference", **kw)
     assert torch.equal(plan.extra["scores"], rplan.extra["scores"])
     assert torch.equal(plan.kv_indices, rplan.kv_indices) and torch.equal(plan.kv_counts, rplan.kv_counts)
-    counts = plan.kv_counts[0, :, :plan.layout.n_video_blocks]
+    counts = plan.kv_counts[0, :, : plan.layout.n_video_blocks]
     assert int(counts.min()) < int(counts.max())
     assert (out.float() - rout.float()).abs().max() < 2e-3
 
@@ -372,8 +400,14 @@ def test_pool_kernel_equals_pooled_blocks(dtype):
     count = lay.on("cpu").count_as(torch.float32).view(-1)
     g = torch.Generator().manual_seed(2)
     for integer in (True, False):
-        q, k = ((torch.randint(-8, 9, (2, lay.seq_len, 3, 32), generator=g).float() if integer
-                 else torch.randn(2, lay.seq_len, 3, 32, generator=g)).to(dtype) for _ in range(2))
+        q, k = (
+            (
+                torch.randint(-8, 9, (2, lay.seq_len, 3, 32), generator=g).float()
+                if integer
+                else torch.randn(2, lay.seq_len, 3, 32, generator=g)
+            ).to(dtype)
+            for _ in range(2)
+        )
         qt, kt = tile(q, lay), tile(k, lay)
         pq, pk = pool_qk_blocks(qt, kt, count, n_blocks=nv, block_size=64, scale=0.3)
         rq, rk = pooled_blocks(qt, lay, nv, scale=0.3), pooled_blocks(kt, lay, nv)
@@ -425,7 +459,7 @@ def test_triton_selection_is_three_launches():
             return self.kernel[grid]
 
     def select():
-        return topk_lists(lay, pooled_video_scores(qt, kt, lay, 32 ** -0.5, "triton"), kk, "triton")
+        return topk_lists(lay, pooled_video_scores(qt, kt, lay, 32**-0.5, "triton"), kk, "triton")
 
     with pytest.MonkeyPatch.context() as m:
         for name in ("_pool_qk", "_topk_lists"):
@@ -434,12 +468,31 @@ def test_triton_selection_is_three_launches():
         launches.clear()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             select()
-    top = [e.name for e in prof.events() if e.name.startswith("aten::")
-           and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
+    top = [
+        e.name
+        for e in prof.events()
+        if e.name.startswith("aten::") and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+    ]
     # the interpreter's own host copies (new_empty / set_ / copy_) do not exist on a GPU
-    computing = [n for n in top if n not in {"aten::new_empty", "aten::set_", "aten::copy_", "aten::empty",
-                                             "aten::empty_like", "aten::view", "aten::transpose", "aten::expand",
-                                             "aten::reshape", "aten::alias", "aten::slice", "aten::permute"}]
+    computing = [
+        n
+        for n in top
+        if n
+        not in {
+            "aten::new_empty",
+            "aten::set_",
+            "aten::copy_",
+            "aten::empty",
+            "aten::empty_like",
+            "aten::view",
+            "aten::transpose",
+            "aten::expand",
+            "aten::reshape",
+            "aten::alias",
+            "aten::slice",
+            "aten::permute",
+        }
+    ]
     assert launches == ["_pool_qk", "_topk_lists"] and computing == ["aten::matmul"], (launches, computing)
 
 

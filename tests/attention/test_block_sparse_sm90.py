@@ -14,6 +14,7 @@
   tiles per CTA: the rings' running counts and Q's phase carry across tiles), 2 and 3 stages (3 at
   head dim 128: the output staged in Q's buffer).
 """
+
 import math
 
 import pytest
@@ -22,13 +23,16 @@ import torch
 IS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-@pytest.mark.sm90_census("block_sparse", "static=;online=static_max:false;"
-                         "d64_fp16_static=head_dim:64/dtype:fp16/has_valid:false/return_lse:false;"
-                         "d64_fp16_online=head_dim:64/dtype:fp16/has_valid:false/return_lse:false/static_max:false;"
-                         "persist_static=persistent:true;persist_online=persistent:true/static_max:false;"
-                         "persist_s3_static=persistent:true/num_stages:3;"
-                         "d64_fp16_persist_s3_online=head_dim:64/dtype:fp16/has_valid:false/return_lse:false/"
-                         "persistent:true/num_stages:3/static_max:false")
+@pytest.mark.sm90_census(
+    "block_sparse",
+    "static=;online=static_max:false;"
+    "d64_fp16_static=head_dim:64/dtype:fp16/has_valid:false/return_lse:false;"
+    "d64_fp16_online=head_dim:64/dtype:fp16/has_valid:false/return_lse:false/static_max:false;"
+    "persist_static=persistent:true;persist_online=persistent:true/static_max:false;"
+    "persist_s3_static=persistent:true/num_stages:3;"
+    "d64_fp16_persist_s3_online=head_dim:64/dtype:fp16/has_valid:false/return_lse:false/"
+    "persistent:true/num_stages:3/static_max:false",
+)
 def test_block_sparse_kernel_compiles_for_sm90_with_async_wgmma(sm90_census):
     from ditattn.attention.kernels.block_sparse_sm90 import SMEM_LIMIT, SMEM_SLACK, smem_bytes
 
@@ -81,15 +85,16 @@ def test_block_sparse_sm90_config_validation():
     assert out_buffer(cfg, 128) and out_buffer(kernel_config(64, {"persistent": True, "num_stages": 3}), 64)
     assert not out_buffer(kernel_config(128, {"persistent": True, "num_stages": 3}), 128)
     assert not out_buffer(kernel_config(128, None), 128)  # one CTA per tile: the output goes through Q's buffer
-    for bad, msg in (({"persistent": 1}, "persistent must be True or False, got 1"),
-                     ({"persistent": "true"}, "persistent must be True or False, got 'true'"),
-                     ({"static_max": None}, "static_max must be True or False"),
-                     ({"persistant": True}, r"unknown config keys \['persistant'\]; accepted: .*'persistent'"),
-                     ({"num_stages": 0}, "num_stages must be >= 1, got 0"),
-                     ({"num_stages": 2.0}, "num_stages must be an int, got 2.0"),
-                     ({"num_stages": 4, "persistent": True},
-                      f"num_stages 4 at head dim 128 needs .* over the {SMEM_LIMIT:,} B"),
-                     ({"consumer_regs": 230}, "consumer_regs must be a multiple of 8 in \\[24, 256\\], got 230")):
+    for bad, msg in (
+        ({"persistent": 1}, "persistent must be True or False, got 1"),
+        ({"persistent": "true"}, "persistent must be True or False, got 'true'"),
+        ({"static_max": None}, "static_max must be True or False"),
+        ({"persistant": True}, r"unknown config keys \['persistant'\]; accepted: .*'persistent'"),
+        ({"num_stages": 0}, "num_stages must be >= 1, got 0"),
+        ({"num_stages": 2.0}, "num_stages must be an int, got 2.0"),
+        ({"num_stages": 4, "persistent": True}, f"num_stages 4 at head dim 128 needs .* over the {SMEM_LIMIT:,} B"),
+        ({"consumer_regs": 230}, "consumer_regs must be a multiple of 8 in \\[24, 256\\], got 230"),
+    ):
         with pytest.raises(AttentionConfigError, match=msg):
             kernel_config(128, bad)
     assert kernel_config(64, {"num_stages": 4})["num_stages"] == 4  # head dim 64: 4 stages fit
@@ -106,10 +111,10 @@ def test_block_sparse_sm90_static_bound_fits_p_dtype():
     from ditattn.attention.kernels.block_sparse_sm90 import LOGIT_LIMITS
 
     for dt, lim in LOGIT_LIMITS.items():
-        assert torch.isfinite(torch.tensor(2.0 ** lim).to(dt)), dt
-        assert torch.tensor(2.0 ** -lim).to(dt) > 0, dt
-        assert torch.isfinite(torch.tensor(2.0 ** lim) * 2 ** 20)
-    assert not torch.isfinite(torch.tensor(2.0 ** 16).to(torch.float16))  # the old shared bound (100) overflowed
+        assert torch.isfinite(torch.tensor(2.0**lim).to(dt)), dt
+        assert torch.tensor(2.0**-lim).to(dt) > 0, dt
+        assert torch.isfinite(torch.tensor(2.0**lim) * 2**20)
+    assert not torch.isfinite(torch.tensor(2.0**16).to(torch.float16))  # the old shared bound (100) overflowed
 
 
 def _lists(b, h, nq, keep, seed):
@@ -121,22 +126,28 @@ def _lists(b, h, nq, keep, seed):
 
 
 #: schedules the GPU numerics run: (config, CTAs of the persistent grid — None: one per SM)
-SCHEDULES = {"tile": ({}, None), "persistent": ({"persistent": True}, None),
-             "persistent_3ctas": ({"persistent": True}, 3),
-             "persistent_s3_3ctas": ({"persistent": True, "num_stages": 3}, 3)}
+SCHEDULES = {
+    "tile": ({}, None),
+    "persistent": ({"persistent": True}, None),
+    "persistent_3ctas": ({"persistent": True}, 3),
+    "persistent_s3_3ctas": ({"persistent": True, "num_stages": 3}, 3),
+}
 
 
 @pytest.mark.skipif(not IS_SM90, reason="needs an SM90 (Hopper) GPU")
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
-@pytest.mark.parametrize("b,h,hkv,d,s_real,q_scale,static,dtype,padded", [
-    (2, 6, 3, 128, 1064, 1.0, True, torch.bfloat16, True),   # GQA, padding, even number of query blocks
-    (1, 4, 4, 64, 777, 1.0, True, torch.bfloat16, True),     # head dim 64, odd number of query blocks
-    (1, 2, 2, 128, 700, 12.0, True, torch.bfloat16, True),   # logit bound > limit: the online path runs
-    (1, 2, 1, 128, 333, 1.0, False, torch.bfloat16, True),   # online softmax forced
-    (1, 2, 2, 128, 700, 0.5, True, torch.float16, True),     # fp16, bound < 15: the static path in fp16
-    (1, 2, 2, 128, 700, 4.0, True, torch.float16, True),     # fp16, logits past 2^16 (bound < 100): online
-    (2, 4, 2, 64, 640, 1.0, True, torch.bfloat16, False),    # no padding mask, no LSE (the bench's timing call)
-])
+@pytest.mark.parametrize(
+    "b,h,hkv,d,s_real,q_scale,static,dtype,padded",
+    [
+        (2, 6, 3, 128, 1064, 1.0, True, torch.bfloat16, True),  # GQA, padding, even number of query blocks
+        (1, 4, 4, 64, 777, 1.0, True, torch.bfloat16, True),  # head dim 64, odd number of query blocks
+        (1, 2, 2, 128, 700, 12.0, True, torch.bfloat16, True),  # logit bound > limit: the online path runs
+        (1, 2, 1, 128, 333, 1.0, False, torch.bfloat16, True),  # online softmax forced
+        (1, 2, 2, 128, 700, 0.5, True, torch.float16, True),  # fp16, bound < 15: the static path in fp16
+        (1, 2, 2, 128, 700, 4.0, True, torch.float16, True),  # fp16, logits past 2^16 (bound < 100): online
+        (2, 4, 2, 64, 640, 1.0, True, torch.bfloat16, False),  # no padding mask, no LSE (the bench's timing call)
+    ],
+)
 def test_block_sparse_sm90_numerics(b, h, hkv, d, s_real, q_scale, static, dtype, padded, schedule, monkeypatch):
     from ditattn.attention.backends.base import reference_attention
     from ditattn.attention.kernels import block_sparse_sm90
@@ -157,14 +168,24 @@ def test_block_sparse_sm90_numerics(b, h, hkv, d, s_real, q_scale, static, dtype
     idx, cnt = _lists(b, h, nq, max(1, nq // 3), seed=s_real)
     cnt[0, 0, 1] = 0  # an empty query block
     valid = torch.arange(s, device="cuda")[None, :].expand(b, s) < s_real if padded else None
-    out, lse = block_sparse_attention_triton(q, k, v, idx, cnt, impl="sm90", block_size=bs, kv_valid=valid,
-                                             return_lse=padded, config={"static_max": static, **sched_cfg})
+    out, lse = block_sparse_attention_triton(
+        q,
+        k,
+        v,
+        idx,
+        cnt,
+        impl="sm90",
+        block_size=bs,
+        kv_valid=valid,
+        return_lse=padded,
+        config={"static_max": static, **sched_cfg},
+    )
     mask = block_lists_to_dense_mask(idx, cnt, block_size=bs, kv_valid=valid)
     ref, ref_lse = reference_attention(q, k, v, mask=mask)
     assert torch.isfinite(out).all()
     err = float((out.float() - ref.float()).norm() / ref.float().norm())
     assert err < 6e-3  # bf16/fp16 rounding of P and of the output
-    assert (out[0, bs:2 * bs, 0] == 0).all()
+    assert (out[0, bs : 2 * bs, 0] == 0).all()
     if not padded:
         assert lse is None
         return

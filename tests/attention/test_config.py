@@ -1,4 +1,5 @@
 """--attention-backend-config parsing and every parameter of upstream's tables (valid and invalid)."""
+
 import json
 
 import pytest
@@ -38,13 +39,16 @@ def test_parse_json_string_and_files(tmp_path):
     assert parse_attention_backend_config(str(yml)) == {"tau": 2}
 
 
-@pytest.mark.parametrize("bad,match", [
-    ("/no/such/file.json", "not found"),
-    ("{not json", "not valid JSON"),
-    ("[1, 2]", "expected a .json/.yaml file path"),
-    ("justaword", "expected a .json/.yaml file path"),
-    ("=3", "empty key"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        ("/no/such/file.json", "not found"),
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "expected a .json/.yaml file path"),
+        ("justaword", "expected a .json/.yaml file path"),
+        ("=3", "empty key"),
+    ],
+)
 def test_parse_errors(bad, match):
     with pytest.raises(AttentionConfigError, match=match):
         parse_attention_backend_config(bad)

@@ -1,4 +1,5 @@
 """CPU behaviour of the FlashAttention / Sage / aiter backends and the quantized reference."""
+
 import logging
 
 import pytest
@@ -15,8 +16,11 @@ def rel(a, b):
 
 def qkv(sq=77, skv=91, h=4, hkv=2, d=64, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(2, sq, h, d, generator=g).to(dtype), (torch.randn(2, skv, hkv, d, generator=g) + 0.5).to(dtype),
-            torch.randn(2, skv, hkv, d, generator=g).to(dtype))
+    return (
+        torch.randn(2, sq, h, d, generator=g).to(dtype),
+        (torch.randn(2, skv, hkv, d, generator=g) + 0.5).to(dtype),
+        torch.randn(2, skv, hkv, d, generator=g).to(dtype),
+    )
 
 
 def test_fa_on_cpu_runs_torch_sdpa_and_logs(caplog):
@@ -78,7 +82,9 @@ def test_sage_rejects_bias_bad_config_and_retired_env(monkeypatch):
     with pytest.raises(AttentionConfigError, match="no sage_attn kernel implements fp8 Q.K yet"):
         get_impl(B.SAGE_ATTN)(q, k, v, AttnCall(), {"qk_dtype": "fp8"})
     monkeypatch.setenv("DITATTN_SAGE_PV", "fp8")  # retired: an error naming the config key, never ignored
-    with pytest.raises(AttentionConfigError, match="DITATTN_SAGE_PV is no longer read; use the sage_attn config key 'pv_dtype'"):
+    with pytest.raises(
+        AttentionConfigError, match="DITATTN_SAGE_PV is no longer read; use the sage_attn config key 'pv_dtype'"
+    ):
         get_impl(B.SAGE_ATTN)(q, k, v, AttnCall(), {})
 
 
@@ -116,8 +122,9 @@ def test_skip_softmax_reference_dense_equals_attention():
     from ditattn.attention.kernels.skip_softmax import skip_softmax_reference
 
     q, k, v = qkv(sq=130, skv=130, h=2, hkv=1, d=32, seed=4)
-    out, lse, frac = skip_softmax_reference(q, k, v, threshold_scale_factor=None, block_m=64, block_n=64,
-                                            return_lse=True)
+    out, lse, frac = skip_softmax_reference(
+        q, k, v, threshold_scale_factor=None, block_m=64, block_n=64, return_lse=True
+    )
     ref, ref_lse = reference_attention(q, k, v)
     assert frac == 0.0 and rel(out, ref) < 1e-5 and (lse - ref_lse).abs().max() < 1e-4
 

@@ -4,6 +4,7 @@ Every kernel is compared with a float32 reference on fresh random inputs of odd 
 kernels must stay within about 2x the error of plain PyTorch SDPA in the same dtype; quantized ones
 within their documented bounds.  Speed is never asserted here (bench/ measures it).
 """
+
 import math
 
 import pytest
@@ -26,15 +27,19 @@ def rand(*shape, dtype=torch.bfloat16, seed=0, shift=0.0):
 
 
 def qkv(b, sq, skv, h, hkv, d, dtype=torch.bfloat16, seed=0):
-    return (rand(b, sq, h, d, dtype=dtype, seed=seed), rand(b, skv, hkv, d, dtype=dtype, seed=seed + 1, shift=0.3),
-            rand(b, skv, hkv, d, dtype=dtype, seed=seed + 2))
+    return (
+        rand(b, sq, h, d, dtype=dtype, seed=seed),
+        rand(b, skv, hkv, d, dtype=dtype, seed=seed + 1, shift=0.3),
+        rand(b, skv, hkv, d, dtype=dtype, seed=seed + 2),
+    )
 
 
 def sdpa_err(q, k, v, causal=False):
     rep = q.shape[2] // k.shape[2]
     k2, v2 = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
-    out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k2.transpose(1, 2), v2.transpose(1, 2),
-                                                           is_causal=causal).transpose(1, 2)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k2.transpose(1, 2), v2.transpose(1, 2), is_causal=causal
+    ).transpose(1, 2)
     ref, _ = reference_attention(q, k2, v2, causal=causal)
     return rel(out, ref)
 
@@ -120,26 +125,50 @@ def test_sage_attn_3_refused_off_blackwell():
 # kernels
 
 
-@pytest.mark.parametrize("pv,gran,causal,d", [("fp16", "token", False, 128), ("fp16", "block", True, 64),
-                                              ("fp8", "token", False, 128), ("fp8", "token", True, 64)])
+@pytest.mark.parametrize(
+    "pv,gran,causal,d",
+    [
+        ("fp16", "token", False, 128),
+        ("fp16", "block", True, 64),
+        ("fp8", "token", False, 128),
+        ("fp8", "token", True, 64),
+    ],
+)
 def test_int8_kernel(pv, gran, causal, d):
     from ditattn.attention.kernels.int8_attention import default_config, int8_attention, int8_attention_reference
 
     q, k, v = qkv(1, 1000, 1000 if causal else 1234, 6, 3, d, seed=3)
     o, lse = int8_attention(q, k, v, causal=causal, return_lse=True, pv=pv, q_granularity=gran)
     cfg = default_config(d, pv)  # same scale blocks as the kernel
-    qo, ql = int8_attention_reference(q, k, v, causal=causal, return_lse=True, pv=pv, q_granularity=gran,
-                                      block_m=cfg["block_m"], block_n=cfg["block_n"])
+    qo, ql = int8_attention_reference(
+        q,
+        k,
+        v,
+        causal=causal,
+        return_lse=True,
+        pv=pv,
+        q_granularity=gran,
+        block_m=cfg["block_m"],
+        block_n=cfg["block_n"],
+    )
     ref, rl = reference_attention(q, k, v, causal=causal)
     assert rel(o, ref) < (0.02 if pv == "fp16" else 0.06)
     assert rel(o, qo) < (3e-3 if pv == "fp16" else 0.03)
     assert (lse - rl).abs().max() < 0.05 and (lse - ql).abs().max() < 5e-3
 
 
-@pytest.mark.parametrize("bs,kvpi,dtype,impl", [(64, 1, torch.bfloat16, "triton"), (64, 2, torch.float16, "triton"),
-                                                  (128, 1, torch.bfloat16, "triton"), (64, 1, torch.bfloat16, "fa4"),
-                                                  (128, 1, torch.float16, "fa4"), (64, 1, torch.bfloat16, "triton-tma"),
-                                                  (128, 1, torch.float16, "triton-tma")])
+@pytest.mark.parametrize(
+    "bs,kvpi,dtype,impl",
+    [
+        (64, 1, torch.bfloat16, "triton"),
+        (64, 2, torch.float16, "triton"),
+        (128, 1, torch.bfloat16, "triton"),
+        (64, 1, torch.bfloat16, "fa4"),
+        (128, 1, torch.float16, "fa4"),
+        (64, 1, torch.bfloat16, "triton-tma"),
+        (128, 1, torch.float16, "triton-tma"),
+    ],
+)
 def test_block_sparse_kernel(bs, kvpi, dtype, impl):
     tma = impl == "triton-tma"
     impl = "triton" if tma else impl
@@ -161,16 +190,26 @@ def test_block_sparse_kernel(bs, kvpi, dtype, impl):
             pytest.skip(fa4_fits(q, bs, valid))
     else:
         valid[0, -11:] = False
-        valid[1, bs + 3:bs + 9] = False  # padding inside a key block (tile layouts pad many blocks)
-        valid[1, 5 * bs:6 * bs] = False  # a key block that is all padding
-    o, lse = block_sparse_attention_triton(q, k, v, idx, cnt, block_size=bs, kv_valid=valid, return_lse=True,
-                                           config={"kv_per_iter": kvpi, "tma": tma}, impl=impl)
+        valid[1, bs + 3 : bs + 9] = False  # padding inside a key block (tile layouts pad many blocks)
+        valid[1, 5 * bs : 6 * bs] = False  # a key block that is all padding
+    o, lse = block_sparse_attention_triton(
+        q,
+        k,
+        v,
+        idx,
+        cnt,
+        block_size=bs,
+        kv_valid=valid,
+        return_lse=True,
+        config={"kv_per_iter": kvpi, "tma": tma},
+        impl=impl,
+    )
     mask = block_lists_to_dense_mask(idx, cnt, block_size=bs, kv_valid=valid)
     ref, rl = reference_attention(q, k, v, mask=mask)
     assert rel(o, ref) <= 2 * sdpa_err(q, k, v) + 1e-4
     fin = torch.isfinite(rl)
     assert torch.equal(fin, torch.isfinite(lse)) and (lse[fin] - rl[fin]).abs().max() < 1e-2
-    assert (o[1, 4 * bs:5 * bs, 2] == 0).all()
+    assert (o[1, 4 * bs : 5 * bs, 2] == 0).all()
 
 
 def test_skip_softmax_kernel():
@@ -230,8 +269,17 @@ def test_fused_dit_kernels(dtype):
     q, k = rand(B, S, N, dtype=dtype, seed=6, shift=0.5), rand(B, S, N, dtype=dtype, seed=7)
     wq, wk = rand(N, dtype=dtype, seed=8), rand(N, dtype=dtype, seed=9)
     ang = 3 * torch.rand(1, S, 1, D // 2, device="cuda")
-    ref64 = qk_norm_rope(q.double(), k.double(), wq.double(), wk.double(), ang.cos().double(), ang.sin().double(),
-                         eps=1e-6, head_dim=D, impl="torch")
+    ref64 = qk_norm_rope(
+        q.double(),
+        k.double(),
+        wq.double(),
+        wk.double(),
+        ang.cos().double(),
+        ang.sin().double(),
+        eps=1e-6,
+        head_dim=D,
+        impl="torch",
+    )
     ref = qk_norm_rope(q, k, wq, wk, ang.cos(), ang.sin(), eps=1e-6, head_dim=D, impl="torch")
     out = qk_norm_rope(q, k, wq, wk, ang.cos(), ang.sin(), eps=1e-6, head_dim=D, impl="triton")
     for o, r, e in zip(out, ref, ref64):
@@ -243,8 +291,9 @@ def test_wan_transformer_fused_matches_plain_on_cuda():
     from ditattn.attention.context import component_scope
     from ditattn.models.wan.transformer import KEEP_FP32, WanTransformer, WanTransformerConfig, cast_model
 
-    cfg = WanTransformerConfig(num_attention_heads=4, attention_head_dim=128, ffn_dim=1000, num_layers=3, text_dim=96,
-                               freq_dim=64)
+    cfg = WanTransformerConfig(
+        num_attention_heads=4, attention_head_dim=128, ffn_dim=1000, num_layers=3, text_dim=96, freq_dim=64
+    )
     torch.manual_seed(0)
     with component_scope("transformer"):
         model32 = WanTransformer(cfg, dtype=torch.float32).cuda().eval()
@@ -271,8 +320,16 @@ def test_sol_fused_centroid_kernel(centroid_variance):
     grid, text_len = (7, 10, 13), 33
     S = grid[0] * grid[1] * grid[2] + text_len
     q, k, v = qkv(1, S, S, 4, 4, 128, seed=21)
-    kw = dict(video_shape=grid, text_len=text_len, tau=0.8, sink_start=0, sink_tokens=64, return_lse=True,
-              predictor="pooled", centroid_variance=centroid_variance)
+    kw = dict(
+        video_shape=grid,
+        text_len=text_len,
+        tau=0.8,
+        sink_start=0,
+        sink_tokens=64,
+        return_lse=True,
+        predictor="pooled",
+        centroid_variance=centroid_variance,
+    )
     out, lse, plan = sol_attention(q, k, v, **kw)
     ro, rl, rplan = sol_attention(q.double(), k.double(), v.double(), impl="reference", **kw)
     assert torch.equal(plan.extra["exact"], rplan.extra["exact"])
@@ -293,9 +350,8 @@ def test_pooled_query_block_scores_kernel(block_size, variance):
     lay = make_tile_layout(grid, sparge_tile_size(block_size))
     q, k, _ = qkv(1, 910, 910, 3, 3, 128, seed=31)
     qt, kt = tile(q, lay), tile(k, lay)
-    got = pooled_query_block_scores(qt, kt, lay, 128 ** -0.5, variance=variance)  # auto: the Triton kernel
-    want = pooled_query_block_scores(qt.double(), kt.double(), lay, 128 ** -0.5, variance=variance,
-                                     impl="reference")
+    got = pooled_query_block_scores(qt, kt, lay, 128**-0.5, variance=variance)  # auto: the Triton kernel
+    want = pooled_query_block_scores(qt.double(), kt.double(), lay, 128**-0.5, variance=variance, impl="reference")
     assert got.is_cuda and got.dtype == torch.float32
     assert (got.double() - want).abs().max() < 5e-2
     half = max(1, want.shape[-1] // 2)
@@ -303,8 +359,10 @@ def test_pooled_query_block_scores_kernel(block_size, variance):
     assert float((top(got.double()) == top(want)).float().mean()) > 0.97
 
 
-@pytest.mark.parametrize("grid,text,heads,k", [((21, 30, 52), 0, 4, 52), ((21, 30, 52), 512, 2, 52),
-                                                ((21, 45, 80), 0, 2, 119), ((5, 8, 12), 7, 3, 1)])
+@pytest.mark.parametrize(
+    "grid,text,heads,k",
+    [((21, 30, 52), 0, 4, 52), ((21, 30, 52), 512, 2, 52), ((21, 45, 80), 0, 2, 119), ((5, 8, 12), 7, 3, 1)],
+)
 def test_vsa_topk_lists_kernel(grid, text, heads, k):
     """The compiled top-k list kernel (VSA's selection at the Wan grids: 513 and 1182 packed blocks,
     with and without text blocks) gives exactly the PyTorch path's lists on the same scores: random
@@ -345,8 +403,8 @@ def test_vsa_pool_kernel(dtype):
         if integer:
             q, k = (q * 4).round(), (k * 4).round()
         qt, kt = tile(q, lay), tile(k, lay)
-        pq, pk = pool_qk_blocks(qt, kt, count, n_blocks=nv, block_size=64, scale=128 ** -0.5)
-        rq, rk = pooled_blocks(qt, lay, nv, scale=128 ** -0.5), pooled_blocks(kt, lay, nv)
+        pq, pk = pool_qk_blocks(qt, kt, count, n_blocks=nv, block_size=64, scale=128**-0.5)
+        rq, rk = pooled_blocks(qt, lay, nv, scale=128**-0.5), pooled_blocks(kt, lay, nv)
         if integer:
             assert torch.equal(pq, rq) and torch.equal(pk, rk)
         else:
@@ -368,7 +426,7 @@ def test_vsa_selection_on_cuda():
     out, _, plan = video_sparse_attention(q, k, v, video_shape=grid, sparsity=0.9)
     lay = plan.layout
     nv, kk = lay.n_video_blocks, vsa_num_selected(0.9, lay.n_video_blocks)
-    old = pooled_blocks(tile(q, lay), lay, nv, scale=128 ** -0.5) @ pooled_blocks(tile(k, lay), lay, nv).mT
+    old = pooled_blocks(tile(q, lay), lay, nv, scale=128**-0.5) @ pooled_blocks(tile(k, lay), lay, nv).mT
     new = plan.extra["scores"]
     assert (new - old).abs().max() <= 1e-5 * old.abs().max()
     m_old = torch.zeros_like(old, dtype=torch.bool).scatter_(-1, old.topk(kk, -1).indices, True)
@@ -439,7 +497,7 @@ def test_sparge_cdfthreshd_on_cuda():
     finally:
         torch.cuda.set_sync_debug_mode(mode)
     assert rel(out, reference_attention(q, k, v, mask=plan_token_mask(plan))[0]) <= 2 * sdpa_err(q, k, v) + 1e-4
-    counts = plan.kv_counts[0, :, :plan.layout.n_video_blocks]
+    counts = plan.kv_counts[0, :, : plan.layout.n_video_blocks]
     assert int(counts.min()) < int(counts.max())
     _, _, rplan = sparge_attention(q, k, v, impl="reference", **kw)
     nb = plan.layout.n_blocks
@@ -471,9 +529,19 @@ def test_svg2_on_cuda_matches_its_token_mask(block):
     q, k, v = qkv(1, S, S, 4, 4, 128, seed=51)
     reset_svg2_state("cuda-test")
     for step in (0, 1):
-        out, lse, plan = svg2_attention(q, k, v, video_shape=grid, text_len=7, num_q_clusters=clusters[0],
-                                        num_k_clusters=clusters[1], top_p=0.7, state_key="cuda-test", step=step,
-                                        return_lse=True)
+        out, lse, plan = svg2_attention(
+            q,
+            k,
+            v,
+            video_shape=grid,
+            text_len=7,
+            num_q_clusters=clusters[0],
+            num_k_clusters=clusters[1],
+            top_p=0.7,
+            state_key="cuda-test",
+            step=step,
+            return_lse=True,
+        )
         assert plan.extra["block_size"] == block and plan.kv_indices.shape[-1] == plan.kv_counts.shape[-1]
         assert (plan.kv_counts > 0).all() and 0 < plan.kept_fraction < 1
         ref, rl = reference_attention(q, k, v, mask=svg2_token_mask(plan))
@@ -493,8 +561,11 @@ def test_sparse_paths_do_not_synchronise():
     S = math.prod(grid)
     q, k, v = qkv(1, S, S, 4, 4, 128, seed=61)
     off = {"error_budget": 0.0, "min_seq_len": 0}
-    cases = [(B.SPARSE_VIDEO_GEN_2_ATTN, {"num_q_clusters": 16, "num_k_clusters": 32, **off}, (0, 1, 2, 3)),
-             (B.SOL_ATTN, off, (12, 13)), (B.SPARGE_ATTN, off, (0, 1))]
+    cases = [
+        (B.SPARSE_VIDEO_GEN_2_ATTN, {"num_q_clusters": 16, "num_k_clusters": 32, **off}, (0, 1, 2, 3)),
+        (B.SOL_ATTN, off, (12, 13)),
+        (B.SPARGE_ATTN, off, (0, 1)),
+    ]
     reset_svg2_state()
     for backend, cfg, steps in cases:
         impl = get_impl(backend)
@@ -525,8 +596,11 @@ def test_budgeted_steps_that_reuse_a_sparse_decision_do_not_synchronise():
     # stays sparse unless every block is kept; a budget that leaves Sparge sparse on this small grid (at its
     # default budget it needs every block there and runs dense)
     on = {"dense_above": 1.0, "min_seq_len": 0, "error_budget": 0.05}
-    cases = [(B.SPARGE_ATTN, on, (0, 1, 2)), (B.SOL_ATTN, on, (12, 13, 14)),
-             (B.VMOBA_ATTN, {**on, "first_full_step": 0}, (0, 1, 2))]
+    cases = [
+        (B.SPARGE_ATTN, on, (0, 1, 2)),
+        (B.SOL_ATTN, on, (12, 13, 14)),
+        (B.VMOBA_ATTN, {**on, "first_full_step": 0}, (0, 1, 2)),
+    ]
     eb.clear_memory()
     for backend, cfg, steps in cases:
         impl = get_impl(backend)
@@ -542,5 +616,7 @@ def test_budgeted_steps_that_reuse_a_sparse_decision_do_not_synchronise():
         st = last_stats[f"{backend.value}/layer3"]
         assert torch.isfinite(out.float()).all() and not st["dense"], (backend.value, st)
         assert 0 < float(st["kept_fraction"]) < 1 and float(st["dropped_mass_max"]) <= st["error_budget"] + 1e-4, (
-            backend.value, st)
+            backend.value,
+            st,
+        )
     eb.clear_memory()

@@ -1,6 +1,7 @@
 """Kernel choices are backend config keys (``sage_attn``: ``impl``/``pv_dtype``/``qk_dtype``; the sparse
 backends: ``block_sparse_impl``), validated like every other key, listed by ``ditattn backends``, and the
 environment variables they replace are refused with the key to use instead."""
+
 import math
 
 import pytest
@@ -27,8 +28,15 @@ def test_block_sparse_impl_choices_match_the_engine():
 
     assert BLOCK_SPARSE_IMPLS == IMPLS
     engine = {k for k, params in SCHEMAS.items() if any(p.name == "block_sparse_impl" for p in params)}
-    assert engine == {"sliding_tile_attn", "video_sparse_attn", "sparge_attn", "vmoba_attn", "sol_attn", "sla_attn",
-                      "sparse_video_gen_2_attn"}
+    assert engine == {
+        "sliding_tile_attn",
+        "video_sparse_attn",
+        "sparge_attn",
+        "vmoba_attn",
+        "sol_attn",
+        "sla_attn",
+        "sparse_video_gen_2_attn",
+    }
 
 
 def test_block_sparse_impl_selects_the_kernel(monkeypatch):
@@ -59,12 +67,20 @@ def test_retired_block_sparse_env_var_is_refused(monkeypatch):
 
 def test_sage_keys_are_validated_and_listed():
     cfg = validate_backend_config(B.SAGE_ATTN, {})
-    assert cfg == {"impl": "auto", "pv_dtype": "fp16", "pv_accum": "two_level", "qk_dtype": "int8",
-                   "k_granularity": "auto", "min_seq_len": 16384, "qk_balance": None}
+    assert cfg == {
+        "impl": "auto",
+        "pv_dtype": "fp16",
+        "pv_accum": "two_level",
+        "qk_dtype": "int8",
+        "k_granularity": "auto",
+        "min_seq_len": 16384,
+        "qk_balance": None,
+    }
     with pytest.raises(AttentionConfigError, match="invalid value 'cuda' for 'impl'; accepted: one of"):
         validate_backend_config(B.SAGE_ATTN, {"impl": "cuda"})
-    with pytest.raises(AttentionConfigError, match="'qk_dtype' .no sage_attn kernel implements fp8 Q.K yet.; "
-                                                   "accepted: int8"):
+    with pytest.raises(
+        AttentionConfigError, match="'qk_dtype' .no sage_attn kernel implements fp8 Q.K yet.; accepted: int8"
+    ):
         validate_backend_config(B.SAGE_ATTN, {"qk_dtype": "fp8"})
     info = {b.name: b for b in list_backends()}["sage_attn"]
     params = {p["name"]: p for p in info.params}

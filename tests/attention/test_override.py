@@ -1,4 +1,5 @@
 """Per-request override and skip-softmax parameter validation, on a toy DiT."""
+
 import pytest
 import torch
 from torch import nn
@@ -62,13 +63,16 @@ def test_override_applies_to_request_only_and_default_returns():
     assert seen == [] and model.attn1.backend == B.TORCH_SDPA
 
 
-@pytest.mark.parametrize("name,match", [
-    ("nope", "unknown attention backend 'nope'"),
-    ("sliding_tile_attn", "not a per-request drop-in"),
-    ("torch_cudnn_sdpa", "not a per-request drop-in"),
-    ("fa", "would run torch_sdpa instead"),
-    ("sage_attn_3", "cannot serve"),
-])
+@pytest.mark.parametrize(
+    "name,match",
+    [
+        ("nope", "unknown attention backend 'nope'"),
+        ("sliding_tile_attn", "not a per-request drop-in"),
+        ("torch_cudnn_sdpa", "not a per-request drop-in"),
+        ("fa", "would run torch_sdpa instead"),
+        ("sage_attn_3", "cannot serve"),
+    ],
+)
 def test_override_refusals(name, match):
     with pytest.raises(AttentionConfigError, match=match):
         prep(build(), name)
@@ -99,16 +103,19 @@ def test_all_or_nothing():
     assert (model.attn1.backend, model.attn2.backend) == before
 
 
-@pytest.mark.parametrize("value,match", [
-    ({}, "threshold_scale_factor is required"),
-    ({"threshold_scale_factor": 0}, "positive number"),
-    ({"threshold_scale_factor": -1.0}, "positive number"),
-    ({"threshold_scale_factor": "big"}, "positive number"),
-    ({"threshold_scale_factor": 10, "start_step": -1}, "start_step must be an integer >= 0"),
-    ({"threshold_scale_factor": 10, "start_step": 1.5}, "start_step must be an integer >= 0"),
-    ({"threshold_scale_factor": 10, "foo": 1}, "unknown key"),
-    ([1, 2], "must be an object"),
-])
+@pytest.mark.parametrize(
+    "value,match",
+    [
+        ({}, "threshold_scale_factor is required"),
+        ({"threshold_scale_factor": 0}, "positive number"),
+        ({"threshold_scale_factor": -1.0}, "positive number"),
+        ({"threshold_scale_factor": "big"}, "positive number"),
+        ({"threshold_scale_factor": 10, "start_step": -1}, "start_step must be an integer >= 0"),
+        ({"threshold_scale_factor": 10, "start_step": 1.5}, "start_step must be an integer >= 0"),
+        ({"threshold_scale_factor": 10, "foo": 1}, "unknown key"),
+        ([1, 2], "must be an object"),
+    ],
+)
 def test_skip_softmax_param_validation(value, match):
     with pytest.raises(AttentionConfigError, match=match):
         parse_skip_softmax(value)
@@ -122,9 +129,11 @@ def test_skip_softmax_defaults():
 
 def test_skip_softmax_refused_under_ring_and_compile():
     model = build()
-    for settings, match in ((AttentionSettings(ring_degree=2), "ring attention"),
-                            (AttentionSettings(compiled=True), "torch.compile"),
-                            (AttentionSettings(cuda_graphs=True), "CUDA graphs")):
+    for settings, match in (
+        (AttentionSettings(ring_degree=2), "ring attention"),
+        (AttentionSettings(compiled=True), "torch.compile"),
+        (AttentionSettings(cuda_graphs=True), "CUDA graphs"),
+    ):
         with pytest.raises(AttentionConfigError, match=match):
             prep(model, None, settings, skip_softmax={"threshold_scale_factor": 10.0})
 
@@ -161,8 +170,12 @@ def test_skip_softmax_refusals_on_dtype_and_platform():
     with pytest.raises(AttentionConfigError, match="SM90"):
         prep(model, None, platform=Platform.simulate("mps"), skip_softmax={"threshold_scale_factor": 10.0})
     with pytest.raises(AttentionConfigError, match="SM90"):
-        prep(model, None, platform=Platform.simulate("cuda", (8, 0), {"triton"}),
-             skip_softmax={"threshold_scale_factor": 10.0})
+        prep(
+            model,
+            None,
+            platform=Platform.simulate("cuda", (8, 0), {"triton"}),
+            skip_softmax={"threshold_scale_factor": 10.0},
+        )
 
 
 def test_skip_softmax_route_runs_the_dense_kernel_where_it_is_faster(monkeypatch):

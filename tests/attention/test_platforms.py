@@ -1,4 +1,5 @@
 """Upstream's (SGLang) platform support matrix (every row) and each platform's automatic choice."""
+
 import pytest
 import torch
 
@@ -82,7 +83,9 @@ def test_fa_needs_sm80():
 
 def _auto(platform, dtype=torch.bfloat16, head_dim=128, ring=1, **kw):
     layer = LayerSpec(role="self", head_dim=head_dim, dtype=dtype, **kw)
-    return select_backend(layer, component=None, settings=AttentionSettings(ring_degree=ring), platform=platform).backend
+    return select_backend(
+        layer, component=None, settings=AttentionSettings(ring_degree=ring), platform=platform
+    ).backend
 
 
 def test_auto_cuda_follows_measurement():

@@ -1,6 +1,7 @@
 """Reliability of ``ditattn.attention()`` on inputs a caller may legitimately pass: q/k/v views whose
 head dim is strided (the LSE path), SVG2 at its exact setting and with a non-finite query, and the
 error types that may leave the call (only ``AttentionConfigError`` and its subclasses)."""
+
 import logging
 import zlib
 
@@ -87,8 +88,9 @@ def test_lse_path_with_a_strided_head_dim_matches_float64(backend, layout, dtype
     assert _rel(out, ref_out) < tol_out
     assert (lse.double() - ref_lse).abs().max().item() < tol_lse
     # the same call on packed copies gives the same result
-    out_c, lse_c = ditattn.attention(q.contiguous(), k.contiguous(), v.contiguous(), backend=backend,
-                                     return_lse=True, causal=causal)
+    out_c, lse_c = ditattn.attention(
+        q.contiguous(), k.contiguous(), v.contiguous(), backend=backend, return_lse=True, causal=causal
+    )
     torch.testing.assert_close(out, out_c)
     torch.testing.assert_close(lse, lse_c)
 
@@ -283,8 +285,22 @@ def test_failures_outside_the_known_input_classes_are_not_relabelled(fake_sdpa, 
         assert not isinstance(info.value, AttentionConfigError)
 
 
-ODD_INPUTS = ["plain", "every_other", "head_dim_outermost", "broadcast_batch", "requires_grad", "meta", "neg_inf",
-              "nan", "float64", "float16", "bfloat16", "gqa_batch2", "one_token", "no_text"]
+ODD_INPUTS = [
+    "plain",
+    "every_other",
+    "head_dim_outermost",
+    "broadcast_batch",
+    "requires_grad",
+    "meta",
+    "neg_inf",
+    "nan",
+    "float64",
+    "float16",
+    "bfloat16",
+    "gqa_batch2",
+    "one_token",
+    "no_text",
+]
 
 
 def _odd_call(kind: str, gen: torch.Generator):
@@ -299,8 +315,11 @@ def _odd_call(kind: str, gen: torch.Generator):
     def make(h):
         if kind == "broadcast_batch":
             return torch.randn(1, s, h, 16, generator=gen).expand(3, s, h, 16)
-        t = _view((b, s, h, 16), layout, dtype, gen=gen) if layout != "plain" else \
-            torch.randn(b, s, h, 16, generator=gen).to(dtype)
+        t = (
+            _view((b, s, h, 16), layout, dtype, gen=gen)
+            if layout != "plain"
+            else torch.randn(b, s, h, 16, generator=gen).to(dtype)
+        )
         if kind in ("neg_inf", "nan"):
             t[0, s // 2, 0, 3] = float("-inf") if kind == "neg_inf" else float("nan")
         if kind == "meta":

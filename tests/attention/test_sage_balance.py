@@ -10,6 +10,7 @@
 * GPU: the SM90 kernel (SM90 only) and the Triton kernel (any CUDA GPU) with the balance against the reference
   of the same quantization and against float64, through the kernels and through the ``sage_attn`` backend.
 """
+
 import os
 import sys
 
@@ -26,10 +27,12 @@ HAS_CUDA = torch.cuda.is_available()
 IS_SM90 = HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
 #: the Triton prologue runs on the GPU, or on the CPU in the interpreter (tests/conftest.py sets it without a GPU)
 TRITON_DEV = "cuda" if HAS_CUDA else "cpu"
-needs_triton = pytest.mark.skipif(not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1",
-                                  reason="needs a CUDA GPU or TRITON_INTERPRET=1")
-interpreter_only = pytest.mark.skipif(HAS_CUDA or os.environ.get("TRITON_INTERPRET") != "1",
-                                      reason="interpreter test (CPU, TRITON_INTERPRET=1)")
+needs_triton = pytest.mark.skipif(
+    not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1", reason="needs a CUDA GPU or TRITON_INTERPRET=1"
+)
+interpreter_only = pytest.mark.skipif(
+    HAS_CUDA or os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter test (CPU, TRITON_INTERPRET=1)"
+)
 
 
 def _exact_out(q, k, v):
@@ -57,7 +60,7 @@ def test_balance_factors_formula_and_product_invariance(alpha):
     qa, ka = (q * cq[:, None]).abs().amax(1).double(), (k * ck[:, None]).abs().amax(1).double()
     prod = aq.double() * ak.double()
     for got, e in ((qa, alpha), (ka, 1 - alpha)):
-        r = got / prod ** e
+        r = got / prod**e
         assert torch.allclose(r, r[:, :1].expand_as(r), rtol=1e-5)
 
 
@@ -82,7 +85,7 @@ def _independent_balanced(q, k, v, alpha, k_granularity, block_n=128):
         for g in range(Hkv):
             kf = k[b, :, g].float()
             ks = kf - kf.mean(0)
-            qg = q[b, :, g * G:(g + 1) * G].float()  # [Sq, G, D]
+            qg = q[b, :, g * G : (g + 1) * G].float()  # [Sq, G, D]
             cq, ck = qk_balance_factors(qg.abs().amax(dim=(0, 1)), ks.abs().amax(0), alpha)
             kb = ks * ck
             if k_granularity == "token":
@@ -96,18 +99,21 @@ def _independent_balanced(q, k, v, alpha, k_granularity, block_n=128):
                 qb = qg[:, j] * cq
                 qsc = qb.abs().amax(-1) / 127
                 q8 = _round_half_away(qb / qsc[:, None])
-                s = (q8 @ k8.T) * qsc[:, None] * ksc[None, :] * D ** -0.5
+                s = (q8 @ k8.T) * qsc[:, None] * ksc[None, :] * D**-0.5
                 p = torch.exp(s - s.amax(-1, keepdim=True))
                 vv = v[b, :, g].to(v.dtype).float()
                 out[b, :, g * G + j] = ((p.to(v.dtype).float() @ vv) / p.sum(-1, keepdim=True)).double()
     return out
 
 
-@pytest.mark.parametrize("shape,dtype,kgran,alpha", [
-    ((1, 70, 150, 4, 2, 64), torch.bfloat16, "block", 0.75),   # GQA: c shared by the 2 query heads of a group
-    ((2, 33, 257, 3, 1, 128), torch.float16, "token", 0.5),
-    ((1, 50, 130, 2, 2, 64), torch.bfloat16, "block", 1.0),
-])
+@pytest.mark.parametrize(
+    "shape,dtype,kgran,alpha",
+    [
+        ((1, 70, 150, 4, 2, 64), torch.bfloat16, "block", 0.75),  # GQA: c shared by the 2 query heads of a group
+        ((2, 33, 257, 3, 1, 128), torch.float16, "token", 0.5),
+        ((1, 50, 130, 2, 2, 64), torch.bfloat16, "block", 1.0),
+    ],
+)
 def test_reference_balanced_quantization_is_the_independent_one(shape, dtype, kgran, alpha):
     b, sq, skv, h, hkv, d = shape
     g = torch.Generator().manual_seed(sq + skv)
@@ -182,11 +188,14 @@ def _assert_int8_close(got, want, what):
 
 
 @needs_triton
-@pytest.mark.parametrize("shape,dtype,alpha,k_per_token", [
-    ((1, 70, 150, 4, 2, 64), torch.bfloat16, 0.75, True),    # GQA 2, odd lengths
-    ((2, 33, 257, 3, 1, 128), torch.float16, 0.5, False),    # GQA 3, per-block K
-    ((1, 45, 600, 2, 2, 128), torch.bfloat16, 1.0, True),    # K over several statistics chunks (rows 512)
-])
+@pytest.mark.parametrize(
+    "shape,dtype,alpha,k_per_token",
+    [
+        ((1, 70, 150, 4, 2, 64), torch.bfloat16, 0.75, True),  # GQA 2, odd lengths
+        ((2, 33, 257, 3, 1, 128), torch.float16, 0.5, False),  # GQA 3, per-block K
+        ((1, 45, 600, 2, 2, 128), torch.bfloat16, 1.0, True),  # K over several statistics chunks (rows 512)
+    ],
+)
 def test_prologue_balance_matches_the_reference(shape, dtype, alpha, k_per_token):
     from ditattn.attention.kernels.int8_attention import qk_balance_prologue, quantize_qk
 
@@ -200,10 +209,21 @@ def test_prologue_balance_matches_the_reference(shape, dtype, alpha, k_per_token
     assert torch.allclose(km, kmean, rtol=tol, atol=10 * tol)
     assert torch.allclose(gq, cq, rtol=tol) and torch.allclose(gk, ck, rtol=tol)
     assert torch.equal(gq == 0, cq == 0)
-    scale = d ** -0.5
-    q8, qs, qkm, k8, ks, sq_pad, skv_pad, qn, kn = (t.cpu() if torch.is_tensor(t) else t for t in quantize_qk(
-        q, k, scale=scale, block_m=128, block_n=bn, need_qkm=True, k_per_token=k_per_token, norms=True,
-        qk_balance=alpha))
+    scale = d**-0.5
+    q8, qs, qkm, k8, ks, sq_pad, skv_pad, qn, kn = (
+        t.cpu() if torch.is_tensor(t) else t
+        for t in quantize_qk(
+            q,
+            k,
+            scale=scale,
+            block_m=128,
+            block_n=bn,
+            need_qkm=True,
+            k_per_token=k_per_token,
+            norms=True,
+            qk_balance=alpha,
+        )
+    )
     want_q8, qsc = _int8_rows(qb)
     _assert_int8_close(q8[:, :, :sq], want_q8, "q8")
     assert torch.allclose(qs[:, :, :sq], qsc[..., 0] * scale * 1.4426950408889634, rtol=1e-5)
@@ -231,25 +251,30 @@ def test_prologue_balance_matches_the_reference(shape, dtype, alpha, k_per_token
     # off (None / 0): the unbalanced prologue, bit for bit
     plain = quantize_qk(q, k, scale=scale, block_m=128, block_n=bn, need_qkm=True, k_per_token=k_per_token)
     for off in (None, 0.0):
-        again = quantize_qk(q, k, scale=scale, block_m=128, block_n=bn, need_qkm=True, k_per_token=k_per_token,
-                            qk_balance=off)
+        again = quantize_qk(
+            q, k, scale=scale, block_m=128, block_n=bn, need_qkm=True, k_per_token=k_per_token, qk_balance=off
+        )
         assert all(torch.equal(x, y) for x, y in zip(plain[:5], again[:5]))
 
 
 @interpreter_only
-@pytest.mark.parametrize("shape,dtype,alpha,pv", [
-    ((1, 70, 130, 4, 2, 64), torch.bfloat16, 0.75, "fp16"),
-    ((1, 33, 100, 3, 1, 128), torch.float16, 0.5, "fp16"),
-    ((1, 40, 90, 2, 2, 64), torch.bfloat16, 0.5, "fp8"),
-])
+@pytest.mark.parametrize(
+    "shape,dtype,alpha,pv",
+    [
+        ((1, 70, 130, 4, 2, 64), torch.bfloat16, 0.75, "fp16"),
+        ((1, 33, 100, 3, 1, 128), torch.float16, 0.5, "fp16"),
+        ((1, 40, 90, 2, 2, 64), torch.bfloat16, 0.5, "fp8"),
+    ],
+)
 def test_triton_kernel_with_balance_is_the_reference(shape, dtype, alpha, pv):
     from ditattn.attention.kernels.int8_attention import int8_attention
 
     b, sq, skv, h, hkv, d = shape
     q, k, v = _channel_spread_qkv(b, sq, skv, h, hkv, d, dtype, seed=sq * skv)
     o, lse = int8_attention(q, k, v, return_lse=True, pv=pv, config={"block_m": 64, "block_n": 64}, qk_balance=alpha)
-    qo, ql = int8_attention_reference(q, k, v, return_lse=True, pv=pv, block_m=64, block_n=64,
-                                      k_granularity="block", qk_balance=alpha)
+    qo, ql = int8_attention_reference(
+        q, k, v, return_lse=True, pv=pv, block_m=64, block_n=64, k_granularity="block", qk_balance=alpha
+    )
     plain = int8_attention_reference(q, k, v, pv=pv, block_m=64, block_n=64, k_granularity="block")[0]
     assert _rel(o, qo) < 2e-3 < _rel(o, plain)  # the balanced quantization, not the plain one
     assert float((lse - ql).abs().max()) < 2e-3
@@ -267,9 +292,12 @@ def test_sage_attn_parameter_cpu_path_is_the_reference():
         with pytest.raises(AttentionConfigError, match="'qk_balance'.*accepted: a number in \\(0, 1\\]"):
             validate_backend_config(B.SAGE_ATTN, {"qk_balance": bad})
     for kgran in ("auto", "block"):
-        out, lse = get_impl(B.SAGE_ATTN)(q, k, v, AttnCall(return_lse=True), {"qk_balance": 0.5, "k_granularity": kgran})
-        want, wlse = int8_attention_reference(q, k, v, return_lse=True, qk_balance=0.5,
-                                              k_granularity="token" if kgran == "auto" else kgran)
+        out, lse = get_impl(B.SAGE_ATTN)(
+            q, k, v, AttnCall(return_lse=True), {"qk_balance": 0.5, "k_granularity": kgran}
+        )
+        want, wlse = int8_attention_reference(
+            q, k, v, return_lse=True, qk_balance=0.5, k_granularity="token" if kgran == "auto" else kgran
+        )
         assert torch.equal(out, want) and torch.equal(lse, wlse)
     assert not torch.equal(get_impl(B.SAGE_ATTN)(q, k, v, AttnCall(), {})[0], out)
 
@@ -278,7 +306,9 @@ def test_sm90_config_validates_qk_balance():
     pytest.importorskip("triton.experimental.gluon")
     from ditattn.attention.kernels.sage_sm90 import kernel_config
 
-    assert kernel_config(128, None)["qk_balance"] is None and kernel_config(128, {"qk_balance": 0.5})["qk_balance"] == 0.5
+    assert (
+        kernel_config(128, None)["qk_balance"] is None and kernel_config(128, {"qk_balance": 0.5})["qk_balance"] == 0.5
+    )
     with pytest.raises(AttentionConfigError, match="qk_balance 2"):
         kernel_config(128, {"qk_balance": 2})
 
@@ -291,11 +321,14 @@ def _lse_step_bound(q, k, alpha):
 
 
 @pytest.mark.skipif(not IS_SM90, reason="needs an SM90 (Hopper) GPU")
-@pytest.mark.parametrize("shape,dtype,kgran,alpha", [
-    ((2, 1000, 777, 6, 3, 128), torch.bfloat16, "token", 0.5),   # GQA, odd lengths
-    ((1, 555, 1333, 4, 4, 64), torch.float16, "token", 0.75),    # head dim 64
-    ((1, 300, 129, 2, 1, 128), torch.bfloat16, "block", 0.75),   # per-block K, one key past a tile
-])
+@pytest.mark.parametrize(
+    "shape,dtype,kgran,alpha",
+    [
+        ((2, 1000, 777, 6, 3, 128), torch.bfloat16, "token", 0.5),  # GQA, odd lengths
+        ((1, 555, 1333, 4, 4, 64), torch.float16, "token", 0.75),  # head dim 64
+        ((1, 300, 129, 2, 1, 128), torch.bfloat16, "block", 0.75),  # per-block K, one key past a tile
+    ],
+)
 def test_sm90_kernel_with_balance_is_the_reference(shape, dtype, kgran, alpha):
     from ditattn.attention.backends.base import AttnCall, get_impl
     from ditattn.attention.kernels.sage_sm90 import sage_attention_sm90
@@ -317,11 +350,14 @@ def test_sm90_kernel_with_balance_is_the_reference(shape, dtype, kgran, alpha):
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("shape,dtype,pv,causal,alpha", [
-    ((1, 1000, 1234, 6, 3, 128), torch.bfloat16, "fp16", False, 0.5),
-    ((1, 1000, 1000, 6, 3, 64), torch.float16, "fp16", True, 0.75),
-    ((1, 777, 1001, 4, 2, 128), torch.bfloat16, "fp8", False, 0.75),
-])
+@pytest.mark.parametrize(
+    "shape,dtype,pv,causal,alpha",
+    [
+        ((1, 1000, 1234, 6, 3, 128), torch.bfloat16, "fp16", False, 0.5),
+        ((1, 1000, 1000, 6, 3, 64), torch.float16, "fp16", True, 0.75),
+        ((1, 777, 1001, 4, 2, 128), torch.bfloat16, "fp8", False, 0.75),
+    ],
+)
 def test_triton_kernel_with_balance_is_the_reference_on_gpu(shape, dtype, pv, causal, alpha):
     from ditattn.attention.backends.base import AttnCall, get_impl
     from ditattn.attention.kernels.int8_attention import default_config, int8_attention
@@ -331,10 +367,21 @@ def test_triton_kernel_with_balance_is_the_reference_on_gpu(shape, dtype, pv, ca
     q, k, v = _channel_spread_qkv(b, sq, skv, h, hkv, d, dtype, seed=sq + skv + d, device="cuda")
     o, lse = int8_attention(q, k, v, causal=causal, return_lse=True, pv=pv, qk_balance=alpha)
     cfg = default_config(d, pv)  # the kernel's K blocks (contiguous V: the TMA path's block_n)
-    qo, ql = int8_attention_reference(q, k, v, causal=causal, return_lse=True, pv=pv, block_m=cfg["block_m"],
-                                      block_n=cfg["block_n"], k_granularity="block", qk_balance=alpha)
+    qo, ql = int8_attention_reference(
+        q,
+        k,
+        v,
+        causal=causal,
+        return_lse=True,
+        pv=pv,
+        block_m=cfg["block_m"],
+        block_n=cfg["block_n"],
+        k_granularity="block",
+        qk_balance=alpha,
+    )
     assert _rel(o, qo) < (3e-3 if pv == "fp16" else 0.03)
     assert float((lse - ql).abs().max()) < 1e-2  # test_gpu_kernels' 5e-3, with room for channels of unequal size
-    got, _ = get_impl(B.SAGE_ATTN)(q, k, v, AttnCall(causal=causal), {"impl": "triton", "pv_dtype": pv,
-                                                                        "qk_balance": alpha})
+    got, _ = get_impl(B.SAGE_ATTN)(
+        q, k, v, AttnCall(causal=causal), {"impl": "triton", "pv_dtype": pv, "qk_balance": alpha}
+    )
     assert torch.equal(got, int8_attention(q, k, v, causal=causal, pv=pv, qk_balance=alpha)[0])

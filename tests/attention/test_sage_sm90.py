@@ -18,6 +18,7 @@
   of 3 CTAs (many tiles per CTA: the ring's running count, the ping-pong turns and Q's phase carry
   across tiles).
 """
+
 import os
 import sys
 
@@ -44,9 +45,10 @@ def test_prologue_scales_and_logit_bound(k_per_token):
     B, Sq, Skv, H, Hkv, D, bn = 1, 70, 150, 2, 1, 64, 64
     q = torch.randn(B, Sq, H, D).half()
     k = (torch.randn(B, Skv, Hkv, D) + 0.7).half()  # a channel mean for the smoothing to remove
-    scale = D ** -0.5
+    scale = D**-0.5
     q8, qs, qkm, k8, ks, sq_pad, skv_pad, qn, kn = quantize_qk(
-        q, k, scale=scale, block_m=128, block_n=bn, need_qkm=True, k_per_token=k_per_token, norms=True)
+        q, k, scale=scale, block_m=128, block_n=bn, need_qkm=True, k_per_token=k_per_token, norms=True
+    )
     assert (sq_pad, skv_pad) == (128, 192)
     qf, kf = q.float().transpose(1, 2), k.float().transpose(1, 2)  # [B, H, S, D]
     kmean = kf.mean(dim=2, keepdim=True)
@@ -74,7 +76,6 @@ def test_prologue_scales_and_logit_bound(k_per_token):
     bound = qn[:, :, :Sq, None] * kn[:, :, None, None]
     assert (logits.abs() <= bound * (1 + 1e-5)).all()
     assert (logits.abs().amax(-1) >= 0.2 * bound[..., 0]).all()  # a bound, not a blanket constant
-
 
 
 @pytest.mark.sm90_census("sage", "token=;block=k_granularity:block")
@@ -109,7 +110,9 @@ def test_fp8_pv_kernel_compiles_for_sm90_with_async_wgmma(sm90_census):
         assert c.get("MUFU", 0) == 66, (name, c)  # an exp2 per score, one per row for the rescale
 
 
-@pytest.mark.sm90_census("sage", "persist=persistent:true;fp8_kblk_persist=pv_dtype:fp8/k_granularity:block/persistent:true")
+@pytest.mark.sm90_census(
+    "sage", "persist=persistent:true;fp8_kblk_persist=pv_dtype:fp8/k_granularity:block/persistent:true"
+)
 def test_persistent_kernel_compiles_for_sm90_with_the_same_main_loop(sm90_census):
     """The persistent schedule wraps the same key loop in a loop over query tiles: the loop's products,
     exp2 count and asynchrony stay; what the tile loop carries may spill (per query tile, outside the key
@@ -182,7 +185,7 @@ def _fp8_kernel_emulation(q, k, v, block_n, v_smooth, k_granularity):
     assert k_granularity == "token"
     ka = kf.abs().amax(-1, keepdim=True) / 127
     k8 = torch.trunc(kf / ka + torch.where(kf >= 0, 0.5, -0.5))
-    t = (q8 @ k8.transpose(-1, -2)) * qa * ka.transpose(-1, -2) * D ** -0.5 * LOG2E
+    t = (q8 @ k8.transpose(-1, -2)) * qa * ka.transpose(-1, -2) * D**-0.5 * LOG2E
     vf = vr.float().transpose(1, 2)
     vm = vf.mean(dim=2, keepdim=True) if v_smooth else torch.zeros_like(vf[:, :, :1])
     vs = (vf - vm).abs().amax(dim=2, keepdim=True) / 448
@@ -191,11 +194,11 @@ def _fp8_kernel_emulation(q, k, v, block_n, v_smooth, k_granularity):
     acc = torch.zeros(B, H, Sq, D)
     l_ = torch.zeros(B, H, Sq, 1)
     for j0 in range(0, Skv, block_n):
-        tj = t[..., j0:j0 + block_n]
+        tj = t[..., j0 : j0 + block_n]
         m_new = torch.maximum(m, tj.amax(-1, keepdim=True))
         alpha = torch.exp2(m - m_new)
         p = torch.exp2(tj - m_new + 8)
-        acc = acc * alpha + p.to(torch.float8_e4m3fn).float() @ vq[:, :, j0:j0 + block_n]
+        acc = acc * alpha + p.to(torch.float8_e4m3fn).float() @ vq[:, :, j0 : j0 + block_n]
         l_ = l_ * alpha + p.sum(-1, keepdim=True)
         m = m_new
     return (acc / l_ * vs + vm).transpose(1, 2)
@@ -222,8 +225,9 @@ def test_fp8_reference_is_the_kernel_loop(shape, v_smooth):
     q = torch.randn(b, sq, h, d, generator=g).bfloat16()
     k = (torch.randn(b, skv, hkv, d, generator=g) + 0.4).bfloat16()
     v = (torch.randn(b, skv, hkv, d, generator=g) + torch.randn(d, generator=g)).bfloat16()
-    out, lse = int8_attention_reference(q, k, v, return_lse=True, pv="fp8", p_rowsum="fp32", v_smooth=v_smooth,
-                                        k_granularity="token", block_n=64)
+    out, lse = int8_attention_reference(
+        q, k, v, return_lse=True, pv="fp8", p_rowsum="fp32", v_smooth=v_smooth, k_granularity="token", block_n=64
+    )
     emu = _fp8_kernel_emulation(q, k, v, 64, v_smooth, "token")
     assert _rel(out.float(), emu) < 4e-3  # bf16 output rounding apart
     ref, ref_lse = _exact(q, k, v)
@@ -337,7 +341,7 @@ def test_reference_k_granularity_thread_end_to_end():
     k8 = _round_half_away(ks / ksc[..., None])
     qsc = qf.abs().amax(-1, keepdim=True) / 127
     q8 = _round_half_away(qf / qsc)
-    s = (q8 @ k8.transpose(-1, -2)) * qsc * ksc[:, :, None, :] * D ** -0.5
+    s = (q8 @ k8.transpose(-1, -2)) * qsc * ksc[:, :, None, :] * D**-0.5
     p = torch.exp(s - s.amax(-1, keepdim=True))
     want = (p.bfloat16().float() @ vr.bfloat16().float()) / p.sum(-1, keepdim=True)
     assert _rel(out.float().transpose(1, 2), want) < 4e-3  # the output's bf16 rounding
@@ -356,15 +360,17 @@ def test_kernel_config_validation():
     cfg = kernel_config(128, {"pv_dtype": "fp8"})
     assert cfg["static_max"] is False and cfg["pv_accum"] == "two_level" and cfg["pv_overlap"] is False
     assert kernel_config(128, None)["static_max"] is True and kernel_config(128, None)["pv_dtype"] == "fp16"
-    for bad, msg in (({"pv_dtype": "fp4"}, "pv_dtype 'fp4' not supported"),
-                     ({"pv_dtype": "fp8", "static_max": True}, "static_max needs pv_dtype fp16"),
-                     ({"pv_accum": "direct"}, "apply to pv_dtype fp8 only"),
-                     ({"v_smooth": True}, "apply to pv_dtype fp8 only"),
-                     ({"pv_dtype": "fp8", "pv_accum": "fp22"}, "pv_accum 'fp22' not supported"),
-                     ({"k_granularity": "row"}, "k_granularity 'row' not supported"),
-                     ({"persistent": 1}, "persistent must be True or False, got 1"),
-                     ({"persistent": "true"}, "persistent must be True or False, got 'true'"),
-                     ({"persistant": True}, r"unknown config keys \['persistant'\]; accepted: .*'persistent'")):
+    for bad, msg in (
+        ({"pv_dtype": "fp4"}, "pv_dtype 'fp4' not supported"),
+        ({"pv_dtype": "fp8", "static_max": True}, "static_max needs pv_dtype fp16"),
+        ({"pv_accum": "direct"}, "apply to pv_dtype fp8 only"),
+        ({"v_smooth": True}, "apply to pv_dtype fp8 only"),
+        ({"pv_dtype": "fp8", "pv_accum": "fp22"}, "pv_accum 'fp22' not supported"),
+        ({"k_granularity": "row"}, "k_granularity 'row' not supported"),
+        ({"persistent": 1}, "persistent must be True or False, got 1"),
+        ({"persistent": "true"}, "persistent must be True or False, got 'true'"),
+        ({"persistant": True}, r"unknown config keys \['persistant'\]; accepted: .*'persistent'"),
+    ):
         with pytest.raises(AttentionConfigError, match=msg):
             kernel_config(128, bad)
     assert kernel_config(128, None)["persistent"] is False
@@ -380,8 +386,11 @@ def test_kernel_constexprs_persistent():
 
 
 #: schedules the GPU numerics run: (config, CTAs of the persistent grid — None: one per SM)
-SCHEDULES = {"tile": ({}, None), "persistent": ({"persistent": True}, None),
-             "persistent_3ctas": ({"persistent": True}, 3)}
+SCHEDULES = {
+    "tile": ({}, None),
+    "persistent": ({"persistent": True}, None),
+    "persistent_3ctas": ({"persistent": True}, 3),
+}
 
 
 def _schedule(name, monkeypatch):
@@ -398,22 +407,26 @@ def _qkv(b, sq, skv, h, hkv, d, dtype, seed, q_scale=1.0, v_offset=0.0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = (torch.randn(b, sq, h, d, generator=g, device="cuda") * q_scale).to(dtype)
     k = (torch.randn(b, skv, hkv, d, generator=g, device="cuda") + 0.3).to(dtype)
-    v = (torch.randn(b, skv, hkv, d, generator=g, device="cuda")
-         + v_offset * torch.randn(d, generator=g, device="cuda")).to(dtype)
+    v = (
+        torch.randn(b, skv, hkv, d, generator=g, device="cuda") + v_offset * torch.randn(d, generator=g, device="cuda")
+    ).to(dtype)
     return q, k, v
 
 
 @pytest.mark.skipif(not IS_SM90, reason="needs an SM90 (Hopper) GPU")
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
-@pytest.mark.parametrize("shape,dtype,kgran,q_scale", [
-    ((2, 1000, 777, 6, 3, 128), torch.bfloat16, "token", 1.0),   # static max, GQA, odd lengths
-    ((1, 555, 1333, 4, 4, 64), torch.float16, "token", 1.0),     # head dim 64
-    ((1, 300, 129, 2, 1, 128), torch.bfloat16, "block", 1.0),    # per-block K, one key past a tile
-    ((1, 640, 700, 2, 2, 128), torch.bfloat16, "token", 12.0),   # logit bound > limit: online softmax
-    ((1, 400, 500, 2, 2, 64), torch.float16, "token", 5.0),      # fp16 P, logits up to ~35 (bound ~92): online
-    # softmax (bf16's limit of 100 would round P = 2^35 to fp16 inf; found on the H200 via qk_balance)
-    ((1, 1, 64, 2, 2, 128), torch.bfloat16, "token", 1.0),       # one query, keys within one tile
-])
+@pytest.mark.parametrize(
+    "shape,dtype,kgran,q_scale",
+    [
+        ((2, 1000, 777, 6, 3, 128), torch.bfloat16, "token", 1.0),  # static max, GQA, odd lengths
+        ((1, 555, 1333, 4, 4, 64), torch.float16, "token", 1.0),  # head dim 64
+        ((1, 300, 129, 2, 1, 128), torch.bfloat16, "block", 1.0),  # per-block K, one key past a tile
+        ((1, 640, 700, 2, 2, 128), torch.bfloat16, "token", 12.0),  # logit bound > limit: online softmax
+        ((1, 400, 500, 2, 2, 64), torch.float16, "token", 5.0),  # fp16 P, logits up to ~35 (bound ~92): online
+        # softmax (bf16's limit of 100 would round P = 2^35 to fp16 inf; found on the H200 via qk_balance)
+        ((1, 1, 64, 2, 2, 128), torch.bfloat16, "token", 1.0),  # one query, keys within one tile
+    ],
+)
 def test_sm90_kernel_numerics(shape, dtype, kgran, q_scale, schedule, monkeypatch):
     from ditattn.attention.kernels.sage_sm90 import sage_attention_sm90
 
@@ -431,7 +444,7 @@ def test_sm90_kernel_numerics(shape, dtype, kgran, q_scale, schedule, monkeypatc
     # one step away from the reference's (Triton's fp32 division is approximate; the K mean is subtracted in a
     # different order), which moves a logit by up to one Q step x max|K| x scale: 0.2 at q_scale 12, where the
     # H200 measured 0.056; 5e-2 holds at q_scale 1
-    q_step = float(q.float().abs().amax()) / 127 * float(k.float().abs().amax()) / d ** 0.5
+    q_step = float(q.float().abs().amax()) / 127 * float(k.float().abs().amax()) / d**0.5
     assert float((lse.double() - qref_lse.double()).abs().max()) < max(5e-2, q_step)
     # against float32: INT8 Q.K's own error, which grows with the logit scale (q_scale 12: the reference
     # of the same quantization is 3.4 % off float32, measured on CPU, and its LSE 0.40 off on the H200 at
@@ -443,13 +456,16 @@ def test_sm90_kernel_numerics(shape, dtype, kgran, q_scale, schedule, monkeypatc
 
 @pytest.mark.skipif(not IS_SM90, reason="needs an SM90 (Hopper) GPU")
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
-@pytest.mark.parametrize("shape,dtype,cfg,v_offset", [
-    ((2, 1000, 777, 6, 3, 128), torch.bfloat16, {}, 0.0),                           # two-level, GQA, odd lengths
-    ((1, 555, 1333, 4, 4, 64), torch.float16, {"pv_accum": "direct"}, 0.0),         # head dim 64, direct
-    ((1, 300, 129, 2, 1, 128), torch.bfloat16, {"k_granularity": "block", "pv_overlap": True}, 0.0),
-    ((1, 640, 700, 2, 2, 128), torch.bfloat16, {"v_smooth": True}, 3.0),            # V with channel offsets
-    ((1, 1, 64, 2, 2, 128), torch.bfloat16, {}, 0.0),                               # one query, one partial tile
-])
+@pytest.mark.parametrize(
+    "shape,dtype,cfg,v_offset",
+    [
+        ((2, 1000, 777, 6, 3, 128), torch.bfloat16, {}, 0.0),  # two-level, GQA, odd lengths
+        ((1, 555, 1333, 4, 4, 64), torch.float16, {"pv_accum": "direct"}, 0.0),  # head dim 64, direct
+        ((1, 300, 129, 2, 1, 128), torch.bfloat16, {"k_granularity": "block", "pv_overlap": True}, 0.0),
+        ((1, 640, 700, 2, 2, 128), torch.bfloat16, {"v_smooth": True}, 3.0),  # V with channel offsets
+        ((1, 1, 64, 2, 2, 128), torch.bfloat16, {}, 0.0),  # one query, one partial tile
+    ],
+)
 def test_sm90_fp8_pv_numerics(shape, dtype, cfg, v_offset, schedule, monkeypatch):
     """FP8 P.V: the kernel against the reference's FP8 mode (same key blocks, e4m3 P and V, FP32 row
     sums of P before rounding) and against float32 (e4m3's ~3.7 %)."""
@@ -462,9 +478,17 @@ def test_sm90_fp8_pv_numerics(shape, dtype, cfg, v_offset, schedule, monkeypatch
     assert out.shape == q.shape and out.dtype == dtype and lse.shape == (b, h, sq)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     ref, ref_lse = _exact(q, k, v)
-    qref, qlse = int8_attention_reference(q, k, v, return_lse=True, pv="fp8", p_rowsum="fp32", block_n=128,
-                                          k_granularity=cfg.get("k_granularity", "token"),
-                                          v_smooth=cfg.get("v_smooth", False))
+    qref, qlse = int8_attention_reference(
+        q,
+        k,
+        v,
+        return_lse=True,
+        pv="fp8",
+        p_rowsum="fp32",
+        block_n=128,
+        k_granularity=cfg.get("k_granularity", "token"),
+        v_smooth=cfg.get("v_smooth", False),
+    )
     # the same quantization (the output's bf16/fp16 rounding, exp2.approx flipping a rare e4m3 rounding
     # and, with direct accumulation, the tensor cores' shorter accumulator apart)
     bound = 8e-3 if dtype == torch.bfloat16 else 3e-3

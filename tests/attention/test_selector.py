@@ -1,4 +1,5 @@
 """Every selection rule (priority, strictness, substitutions), on simulated platforms (no hardware needed)."""
+
 import threading
 
 import pytest
@@ -27,17 +28,31 @@ CPU = Platform.simulate("cpu")
 BF16 = torch.bfloat16
 
 
-def sel(layer=None, *, comp="transformer", backend=None, overrides=None, platform=H200, ring=1, explicit=None,
-        dtype=BF16, **kw):
+def sel(
+    layer=None,
+    *,
+    comp="transformer",
+    backend=None,
+    overrides=None,
+    platform=H200,
+    ring=1,
+    explicit=None,
+    dtype=BF16,
+    **kw,
+):
     layer = layer or LayerSpec(prefix="blocks.0.attn1", role="self", head_dim=128, dtype=dtype, **kw)
-    settings = AttentionSettings(backend=B.from_name(backend) if backend else None,
-                                 component_overrides=parse_component_overrides(overrides), ring_degree=ring)
+    settings = AttentionSettings(
+        backend=B.from_name(backend) if backend else None,
+        component_overrides=parse_component_overrides(overrides),
+        ring_degree=ring,
+    )
     with use_platform(platform), component_scope(comp) as scope:
         d = select_backend(layer, explicit=B.from_name(explicit) if explicit else None, settings=settings)
     return d, scope
 
 
 # ---- priority ---------------------------------------------------------------------------------
+
 
 def test_priority_forced_beats_component_and_cli():
     with global_force_attn_backend_context_manager("torch_sdpa"):
@@ -100,14 +115,21 @@ def test_explicit_argument_sits_above_force():
 
 # ---- strictness -------------------------------------------------------------------------------
 
+
 def test_dit_global_backend_fails_closed():
     with pytest.raises(AttentionConfigError, match="sage_attn_3.*transformer.blocks.0.attn1.*SM100"):
         sel(backend="sage_attn_3")
 
 
 def test_auxiliary_component_falls_back_to_default_with_reason():
-    enc = LayerSpec(prefix="encoder.block.0.layer.0.SelfAttention", role="self", head_dim=64, dtype=BF16,
-                    needs_bias=True, default_backend=B.TORCH_SDPA)
+    enc = LayerSpec(
+        prefix="encoder.block.0.layer.0.SelfAttention",
+        role="self",
+        head_dim=64,
+        dtype=BF16,
+        needs_bias=True,
+        default_backend=B.TORCH_SDPA,
+    )
     d, _ = sel(enc, comp="text_encoder", backend="fa")
     assert d.backend == B.TORCH_SDPA and d.source == "layer_default"
     assert "additive attention bias" in d.fallback_reason
@@ -121,8 +143,7 @@ def test_auxiliary_without_default_falls_back_to_platform_choice():
 
 
 def test_explicit_component_override_is_strict():
-    enc = LayerSpec(prefix="attn", role="self", head_dim=64, dtype=BF16, needs_bias=True,
-                    default_backend=B.TORCH_SDPA)
+    enc = LayerSpec(prefix="attn", role="self", head_dim=64, dtype=BF16, needs_bias=True, default_backend=B.TORCH_SDPA)
     with pytest.raises(AttentionConfigError, match="fa.*additive attention bias"):
         sel(enc, comp="text_encoder", overrides="text_encoder=fa")
 
@@ -130,8 +151,11 @@ def test_explicit_component_override_is_strict():
 @pytest.mark.parametrize("how", ["cli", "component", "forced"])
 def test_sparse_self_backend_serves_cross_attention_through_dense(how):
     cross = LayerSpec(prefix="blocks.0.attn2", role="cross", head_dim=128, dtype=BF16)
-    kw = {"cli": dict(backend="video_sparse_attn"), "component": dict(overrides="transformer=video_sparse_attn"),
-          "forced": {}}[how]
+    kw = {
+        "cli": dict(backend="video_sparse_attn"),
+        "component": dict(overrides="transformer=video_sparse_attn"),
+        "forced": {},
+    }[how]
     if how == "forced":
         with global_force_attn_backend_context_manager("video_sparse_attn"):
             d, _ = sel(cross)
@@ -187,6 +211,7 @@ def test_fail_closed_on_missing_operations():
 
 # ---- platform substitutions ---------------------------------------------------------------------
 
+
 def test_fa_without_runtime_substitutes_sdpa_and_records_it():
     d, _ = sel(backend="fa", platform=H200_NO_FA)
     assert d.backend == B.TORCH_SDPA and d.requested == B.FA and d.source == "cli"
@@ -207,6 +232,7 @@ def test_substitution_never_overrides_semantics():
 
 
 # ---- override bookkeeping ----------------------------------------------------------------------
+
 
 def test_unused_unknown_and_fixed_overrides_are_errors():
     ov = parse_component_overrides("transformer.cross=fa")
@@ -229,8 +255,13 @@ def test_local_attention_records_decision_in_component():
         with component_scope("transformer") as scope:
             layer = LocalAttention(2, 32, prefix="blocks.0.attn1", dtype=torch.float32)
     assert scope.decisions[0].to_json() == {
-        "prefix": "blocks.0.attn1", "role": "self", "backend": "torch_sdpa", "source": "cli",
-        "fallback_reason": scope.decisions[0].fallback_reason, "requested": "fa", "runtime": "in-tree",
+        "prefix": "blocks.0.attn1",
+        "role": "self",
+        "backend": "torch_sdpa",
+        "source": "cli",
+        "fallback_reason": scope.decisions[0].fallback_reason,
+        "requested": "fa",
+        "runtime": "in-tree",
     }
     q = torch.randn(1, 5, 2, 32)
     assert layer(q, q, q).shape == q.shape

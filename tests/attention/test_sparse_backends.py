@@ -1,6 +1,7 @@
 """The registered sparse video backends: call contract, dense-step/dense-layer rules through the step
 metadata, STA search -> strategy file -> inference, statistics, and config validation of every
 parameter (valid and invalid)."""
+
 import json
 import math
 import os
@@ -28,8 +29,16 @@ from ditattn.errors import AttentionConfigError
 #: the training-free backends with an error budget: the planner tests below turn it off (error_budget 0) to
 #: compare the plain rules with the engine; tests/attention/test_sparse_budget.py covers the budget
 BUDGETED = (B.SPARGE_ATTN, B.SOL_ATTN, B.VMOBA_ATTN, B.SPARSE_VIDEO_GEN_2_ATTN)
-SPARSE = [B.SLIDING_TILE_ATTN, B.VIDEO_SPARSE_ATTN, B.SPARGE_ATTN, B.VMOBA_ATTN, B.SPARSE_VIDEO_GEN_2_ATTN,
-          B.SLA_ATTN, B.SAGE_SLA_ATTN, B.SOL_ATTN]
+SPARSE = [
+    B.SLIDING_TILE_ATTN,
+    B.VIDEO_SPARSE_ATTN,
+    B.SPARGE_ATTN,
+    B.VMOBA_ATTN,
+    B.SPARSE_VIDEO_GEN_2_ATTN,
+    B.SLA_ATTN,
+    B.SAGE_SLA_ATTN,
+    B.SOL_ATTN,
+]
 GRID, TEXT = (3, 5, 7), 7  # 105 video + 7 text tokens
 
 
@@ -112,8 +121,9 @@ def test_gqa_equals_expanded_heads_and_stats(backend, strategy_file):
     cfg = config_for(backend, strategy_file)
     q, k, v = inputs_for(backend, kv_heads=1, grid=(3, 8, 9), text_len=TEXT)
     rep = q.shape[2]
-    c = AttnCall(video_shape=(3, 8, 9), text_len=TEXT, step=30, layer_idx=3, layer_key="blocks.3.attn1",
-                 return_lse=True)
+    c = AttnCall(
+        video_shape=(3, 8, 9), text_len=TEXT, step=30, layer_idx=3, layer_key="blocks.3.attn1", return_lse=True
+    )
     last_stats.clear()
     o1, l1 = impl(q, k, v, c, cfg)
     o2, l2 = impl(q, k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2), c, cfg)
@@ -142,31 +152,58 @@ def test_backend_outputs_match_engine_and_explicit_masks(strategy_file):
         m = plan_token_mask(res[2]) if mask is None else mask
         torch.testing.assert_close(out, reference_attention(q, k, v, mask=m)[0], rtol=0, atol=3e-6)
 
-    check(B.VIDEO_SPARSE_ATTN, {"sparsity": 0.6},
-          video_sparse_attention(q, k, v, video_shape=grid, sparsity=0.6, text_len=TEXT))
+    check(
+        B.VIDEO_SPARSE_ATTN,
+        {"sparsity": 0.6},
+        video_sparse_attention(q, k, v, video_shape=grid, sparsity=0.6, text_len=TEXT),
+    )
     padded = video_sparse_attention(q, k, v, video_shape=grid, sparsity=0.6, text_len=TEXT, edge_tiles="padded")
     check(B.VIDEO_SPARSE_ATTN, {"sparsity": 0.6, "edge_tiles": "padded"}, padded)
-    assert padded[2].layout.n_video_blocks > video_sparse_attention(
-        q, k, v, video_shape=grid, sparsity=0.6, text_len=TEXT)[2].layout.n_video_blocks
+    assert (
+        padded[2].layout.n_video_blocks
+        > video_sparse_attention(q, k, v, video_shape=grid, sparsity=0.6, text_len=TEXT)[2].layout.n_video_blocks
+    )
     # sparge (fp16/bf16 only): the planner in float32 against its explicit mask; the backend in bf16 equals it
     res = sparge_attention(q, k, v, video_shape=grid, topk=0.3, block_size=32, text_len=TEXT)
-    torch.testing.assert_close(res[0], reference_attention(q, k, v, mask=plan_token_mask(res[2]))[0], rtol=0, atol=3e-6)
+    torch.testing.assert_close(
+        res[0], reference_attention(q, k, v, mask=plan_token_mask(res[2]))[0], rtol=0, atol=3e-6
+    )
     qb, kb, vb = (t.bfloat16() for t in (q, k, v))
     for quant in (False, True):
-        out, _ = get_impl(B.SPARGE_ATTN)(qb, kb, vb, c, validate_backend_config(
-            B.SPARGE_ATTN, {"topk": 0.3, "block_size": 32, "quantize": quant, "error_budget": 0.0}))
+        out, _ = get_impl(B.SPARGE_ATTN)(
+            qb,
+            kb,
+            vb,
+            c,
+            validate_backend_config(
+                B.SPARGE_ATTN, {"topk": 0.3, "block_size": 32, "quantize": quant, "error_budget": 0.0}
+            ),
+        )
         want = sparge_attention(qb, kb, vb, video_shape=grid, topk=0.3, block_size=32, text_len=TEXT, quantize=quant)
         torch.testing.assert_close(out, want[0], rtol=0, atol=0)
     # layer 1 with the default cycle is a spatial layer
-    check(B.VMOBA_ATTN, {"spatial_chunk_size": [4, 3], "spatial_topk": 3, "moba_select_mode": "topk"},
-          vmoba_attention(q, k, v, video_shape=grid, mode="spatial", chunk=(4, 3), topk=3, select_mode="topk",
-                          text_len=TEXT))
+    check(
+        B.VMOBA_ATTN,
+        {"spatial_chunk_size": [4, 3], "spatial_topk": 3, "moba_select_mode": "topk"},
+        vmoba_attention(
+            q, k, v, video_shape=grid, mode="spatial", chunk=(4, 3), topk=3, select_mode="topk", text_len=TEXT
+        ),
+    )
     svg = svg2_attention(q, k, v, video_shape=grid, text_len=TEXT, num_q_clusters=4, num_k_clusters=6, top_p=0.5)
-    check(B.SPARSE_VIDEO_GEN_2_ATTN, {"num_q_clusters": 4, "num_k_clusters": 6, "top_p": 0.5}, svg,
-          svg2_token_mask(svg[2]))
-    check(B.SLA_ATTN, {"topk": 0.4, "block_size": 32},
-          sla_attention(q, k, v, video_shape=grid, text_len=TEXT, topk=0.4, block_size=32))
-    out, _ = get_impl(B.SAGE_SLA_ATTN)(q, k, v, c, validate_backend_config(B.SAGE_SLA_ATTN, {"topk": 0.4, "block_size": 32}))
+    check(
+        B.SPARSE_VIDEO_GEN_2_ATTN,
+        {"num_q_clusters": 4, "num_k_clusters": 6, "top_p": 0.5},
+        svg,
+        svg2_token_mask(svg[2]),
+    )
+    check(
+        B.SLA_ATTN,
+        {"topk": 0.4, "block_size": 32},
+        sla_attention(q, k, v, video_shape=grid, text_len=TEXT, topk=0.4, block_size=32),
+    )
+    out, _ = get_impl(B.SAGE_SLA_ATTN)(
+        q, k, v, c, validate_backend_config(B.SAGE_SLA_ATTN, {"topk": 0.4, "block_size": 32})
+    )
     ref = sla_attention(q, k, v, video_shape=grid, text_len=TEXT, topk=0.4, block_size=32, quantize=True)[0]
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
     # STA with the strategy file: windows for layer 1, step 20 (<= 25): head h -> [1, 1 + 2*(h%2), 3]
@@ -223,8 +260,10 @@ def test_sta_skip_time_steps(strategy_file):
 def test_vmoba_first_full_step_and_layer_cycle():
     q, k, v = qkv(seed=3)
     impl = get_impl(B.VMOBA_ATTN)
-    cfg = validate_backend_config(B.VMOBA_ATTN, {"first_full_step": 2, "first_full_layer": 1, "temporal_layer": 1,
-                                                 "spatial_layer": 1, "st_layer": 2})
+    cfg = validate_backend_config(
+        B.VMOBA_ATTN,
+        {"first_full_step": 2, "first_full_layer": 1, "temporal_layer": 1, "spatial_layer": 1, "st_layer": 2},
+    )
     last_stats.clear()
     out, _ = impl(q, k, v, call(step=1, layer_idx=4), cfg)
     assert last_stats["vmoba_attn/layer4"]["dense"] and "first_full_step" in last_stats["vmoba_attn/layer4"]["reason"]
@@ -239,15 +278,22 @@ def test_vmoba_first_full_step_and_layer_cycle():
     assert modes == ["temporal", "spatial", "st", "st", "temporal", "spatial"]
     assert validate_backend_config(B.VMOBA_ATTN, {})["first_full_step"] == 12
     with pytest.raises(AttentionConfigError, match="must be > 0"):
-        impl(q, k, v, call(step=20, layer_idx=0),
-             validate_backend_config(B.VMOBA_ATTN, {"temporal_layer": 0, "spatial_layer": 0, "st_layer": 0}))
+        impl(
+            q,
+            k,
+            v,
+            call(step=20, layer_idx=0),
+            validate_backend_config(B.VMOBA_ATTN, {"temporal_layer": 0, "spatial_layer": 0, "st_layer": 0}),
+        )
 
 
 def test_svg2_first_full_steps():
     q, k, v = qkv(seed=4)
     impl = get_impl(B.SPARSE_VIDEO_GEN_2_ATTN)
-    cfg = validate_backend_config(B.SPARSE_VIDEO_GEN_2_ATTN, {"first_full_steps": 1, "num_q_clusters": 4,
-                                                             "num_k_clusters": 4, "top_p": 0.3, "error_budget": 0.0})
+    cfg = validate_backend_config(
+        B.SPARSE_VIDEO_GEN_2_ATTN,
+        {"first_full_steps": 1, "num_q_clusters": 4, "num_k_clusters": 4, "top_p": 0.3, "error_budget": 0.0},
+    )
     last_stats.clear()
     out, _ = impl(q, k, v, call(step=0), cfg)
     assert last_stats["sparse_video_gen_2_attn/layer0"]["dense"]
@@ -272,8 +318,9 @@ def test_sparge_dense_sdpa_for_shapes_it_does_not_sparsify():
     q, k, v = qkv(grid=(3, 8, 9), text_len=0, dtype=bf)
     out, _ = impl(q, k[:, :150], v[:, :150], AttnCall(video_shape=(3, 8, 9)), cfg)  # cross-attention shape
     assert "not square" in last_stats["sparge_attn/layer0"]["reason"]
-    torch.testing.assert_close(out.float(), _dense_ref(q.float(), k[:, :150].float(), v[:, :150].float()),
-                               rtol=0, atol=2e-2)
+    torch.testing.assert_close(
+        out.float(), _dense_ref(q.float(), k[:, :150].float(), v[:, :150].float()), rtol=0, atol=2e-2
+    )
     impl(q, k, v, AttnCall(video_shape=(3, 8, 9)), cfg)
     assert not last_stats["sparge_attn/layer0"]["dense"]
 
@@ -303,8 +350,9 @@ def test_sparge_quantizes_kept_blocks_int8_like_sage():
     c = AttnCall(video_shape=grid)
     exact = _dense_ref(q.float(), k.float(), v.float())
     out_q, _ = impl(q, k, v, c, validate_backend_config(B.SPARGE_ATTN, {"topk": 1.0, "error_budget": 0.0}))
-    out_x, _ = impl(q, k, v, c, validate_backend_config(B.SPARGE_ATTN, {"topk": 1.0, "quantize": False,
-                                                                         "error_budget": 0.0}))
+    out_x, _ = impl(
+        q, k, v, c, validate_backend_config(B.SPARGE_ATTN, {"topk": 1.0, "quantize": False, "error_budget": 0.0})
+    )
     err_q = float((out_q.float() - exact).norm() / exact.norm())
     err_x = float((out_x.float() - exact).norm() / exact.norm())
     assert err_x < 5e-3 < err_q < 5e-2, (err_x, err_q)
@@ -354,11 +402,21 @@ def test_sol_dense_steps_layers_and_dense_backend(monkeypatch):
     import ditattn.attention.functional as functional_mod
 
     monkeypatch.setattr(functional_mod, "attention", fake_functional)
-    cfg = validate_backend_config(B.SOL_ATTN, {"dense_steps": 2, "dense_layers": "0-2,5",
-                                               "dense_backend": "sage_attn", "tau": 0.5, "error_budget": 0.0})
+    cfg = validate_backend_config(
+        B.SOL_ATTN,
+        {"dense_steps": 2, "dense_layers": "0-2,5", "dense_backend": "sage_attn", "tau": 0.5, "error_budget": 0.0},
+    )
     last_stats.clear()
-    for step, layer, dense in ((0, 7, True), (1, 7, True), (2, 0, True), (2, 2, True), (2, 5, True),
-                               (2, 3, False), (None, 4, False), (5, None, True)):
+    for step, layer, dense in (
+        (0, 7, True),
+        (1, 7, True),
+        (2, 0, True),
+        (2, 2, True),
+        (2, 5, True),
+        (2, 3, False),
+        (None, 4, False),
+        (5, None, True),
+    ):
         out, _ = impl(q, k, v, AttnCall(step=step, layer_idx=layer, **c), cfg)
         key = f"sol_attn/layer{layer if layer is not None else 0}"
         assert last_stats[key]["dense"] is dense, (step, layer)
@@ -382,8 +440,13 @@ def test_sol_requires_bf16_and_head_dim_128():
         impl(q, k, v, call(step=20, layer_idx=5), cfg)
     q, k, v = qkv(grid=(4, 8, 8), heads=2, dim=128, dtype=torch.bfloat16)
     with pytest.raises(AttentionConfigError, match="exact KV sink"):
-        impl(q, k, v, AttnCall(video_shape=(4, 8, 8), text_len=TEXT, step=20, layer_idx=5),
-             validate_backend_config(B.SOL_ATTN, {"sink_start": 250, "sink_tokens": 100}))
+        impl(
+            q,
+            k,
+            v,
+            AttnCall(video_shape=(4, 8, 8), text_len=TEXT, step=20, layer_idx=5),
+            validate_backend_config(B.SOL_ATTN, {"sink_start": 250, "sink_tokens": 100}),
+        )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -397,7 +460,7 @@ def _sq_errors(q, k, v, cands, tile):
     for cnd in cands:
         o = sliding_tile_attention(q, k, v, video_shape=GRID, windows=cnd, tile_size=tile, text_len=TEXT)[0].double()
         errs.append(((o - full) ** 2).sum(dim=(0, 1, 3)))
-    return torch.stack(errs, 1), (full ** 2).sum(dim=(0, 1, 3))
+    return torch.stack(errs, 1), (full**2).sum(dim=(0, 1, 3))
 
 
 @pytest.mark.parametrize("mode", ["STA_searching", "STA_tuning"])
@@ -408,9 +471,16 @@ def test_sta_search_writes_strategy_that_inference_loads(tmp_path, mode):
     flat = [x for c in cands for x in c]
     tile = (1, 2, 2)
     impl = get_impl(B.SLIDING_TILE_ATTN)
-    cfg = validate_backend_config(B.SLIDING_TILE_ATTN, {"mask_strategy_file_path": path, "sta_mode": mode,
-                                                        "skip_time_steps": 1, "window_candidates": flat,
-                                                        "tile_size": list(tile)})
+    cfg = validate_backend_config(
+        B.SLIDING_TILE_ATTN,
+        {
+            "mask_strategy_file_path": path,
+            "sta_mode": mode,
+            "skip_time_steps": 1,
+            "window_candidates": flat,
+            "tile_size": list(tile),
+        },
+    )
     inputs = {}
     last_stats.clear()
     for step in (0, 1, 2):
@@ -431,8 +501,12 @@ def test_sta_search_writes_strategy_that_inference_loads(tmp_path, mode):
         for h in range(3):
             for s in (1, 2):
                 rel = (sq[s][0][h] / sq[s][1][h]).sqrt()
-                torch.testing.assert_close(torch.tensor(errors["relative_l2_error"][f"{s}_{layer}_{h}"],
-                                                        dtype=torch.float64), rel, rtol=1e-4, atol=1e-7)
+                torch.testing.assert_close(
+                    torch.tensor(errors["relative_l2_error"][f"{s}_{layer}_{h}"], dtype=torch.float64),
+                    rel,
+                    rtol=1e-4,
+                    atol=1e-7,
+                )
                 if mode == "STA_searching":
                     expect = cands[int(rel.argmin())]
                 else:  # one window per (layer, head): lowest error pooled over the calibrated steps
@@ -442,13 +516,15 @@ def test_sta_search_writes_strategy_that_inference_loads(tmp_path, mode):
                 chosen.add(tuple(expect))
     assert len(chosen) > 1  # the calibration actually discriminates between candidates
     # inference loads the file
-    inf = validate_backend_config(B.SLIDING_TILE_ATTN, {"mask_strategy_file_path": path, "skip_time_steps": 1,
-                                                        "tile_size": list(tile)})
+    inf = validate_backend_config(
+        B.SLIDING_TILE_ATTN, {"mask_strategy_file_path": path, "skip_time_steps": 1, "tile_size": list(tile)}
+    )
     q, k, v = qkv(heads=3, dim=16, seed=99)
     out, _ = impl(q, k, v, call(step=2, layer_idx=1), inf)
     windows = [data[f"2_1_{h}"] for h in range(3)]
-    torch.testing.assert_close(out, reference_attention(q, k, v, mask=sta_mask(GRID, tile, windows, TEXT))[0],
-                               rtol=0, atol=3e-6)
+    torch.testing.assert_close(
+        out, reference_attention(q, k, v, mask=sta_mask(GRID, tile, windows, TEXT))[0], rtol=0, atol=3e-6
+    )
     assert last_stats["sliding_tile_attn/layer1"]["windows"] == windows
     reset_sta_search()
 
@@ -493,55 +569,131 @@ def test_sta_strategy_file_errors(tmp_path, strategy_file):
 # config: every parameter valid and invalid; defaults as upstream (SGLang) documents them
 
 VALID = {
-    B.SLIDING_TILE_ATTN: {"mask_strategy_file_path": "/x/s.json", "sta_mode": "STA_searching", "skip_time_steps": 0,
-                          "tile_size": [2, 4, 4], "window_candidates": [1, 3, 3, 3, 3, 3]},
+    B.SLIDING_TILE_ATTN: {
+        "mask_strategy_file_path": "/x/s.json",
+        "sta_mode": "STA_searching",
+        "skip_time_steps": 0,
+        "tile_size": [2, 4, 4],
+        "window_candidates": [1, 3, 3, 3, 3, 3],
+    },
     B.VIDEO_SPARSE_ATTN: {"sparsity": 0.9, "edge_tiles": "padded"},
-    B.SPARGE_ATTN: {"topk": 1.0, "block_size": 128, "edge_tiles": "padded", "predictor": "pooled_query_var",
-                    "simthreshd1": 0.6},
-    B.VMOBA_ATTN: {"temporal_chunk_size": 2, "temporal_topk": 3, "spatial_chunk_size": [3, 4], "spatial_topk": 20,
-                   "st_chunk_size": [4, 6, 4], "st_topk": 15, "moba_select_mode": "topk", "moba_threshold": 1.0,
-                   "moba_threshold_type": "head_global", "first_full_step": 0, "first_full_layer": 2,
-                   "temporal_layer": 0, "spatial_layer": 2, "st_layer": 1, "gate": "mean"},
-    B.SOL_ATTN: {"tau": 2.5, "thresh_type": "exact", "sink_tokens": 256, "sink_start": 10, "dense_steps": 0,
-                 "dense_layers": "0-2", "dense_backend": "sage_attn", "kv_splits": 4, "edge_tiles": "padded",
-                 "predictor": "pooled", "centroid_variance": False, "dense_above": 0.75, "min_seq_len": 8192},
+    B.SPARGE_ATTN: {
+        "topk": 1.0,
+        "block_size": 128,
+        "edge_tiles": "padded",
+        "predictor": "pooled_query_var",
+        "simthreshd1": 0.6,
+    },
+    B.VMOBA_ATTN: {
+        "temporal_chunk_size": 2,
+        "temporal_topk": 3,
+        "spatial_chunk_size": [3, 4],
+        "spatial_topk": 20,
+        "st_chunk_size": [4, 6, 4],
+        "st_topk": 15,
+        "moba_select_mode": "topk",
+        "moba_threshold": 1.0,
+        "moba_threshold_type": "head_global",
+        "first_full_step": 0,
+        "first_full_layer": 2,
+        "temporal_layer": 0,
+        "spatial_layer": 2,
+        "st_layer": 1,
+        "gate": "mean",
+    },
+    B.SOL_ATTN: {
+        "tau": 2.5,
+        "thresh_type": "exact",
+        "sink_tokens": 256,
+        "sink_start": 10,
+        "dense_steps": 0,
+        "dense_layers": "0-2",
+        "dense_backend": "sage_attn",
+        "kv_splits": 4,
+        "edge_tiles": "padded",
+        "predictor": "pooled",
+        "centroid_variance": False,
+        "dense_above": 0.75,
+        "min_seq_len": 8192,
+    },
     B.SLA_ATTN: {"topk": 0.1, "negligible_fraction": 0.5, "block_size": 32, "edge_tiles": "packed"},
     B.SAGE_SLA_ATTN: {"topk": 1.0, "negligible_fraction": 0.0, "block_size": 128},
-    B.SPARSE_VIDEO_GEN_2_ATTN: {"num_q_clusters": 8, "num_k_clusters": 16, "kmeans_iters": 1, "top_p": 1.0,
-                                "first_full_steps": 3, "predictor": "centroids"},
+    B.SPARSE_VIDEO_GEN_2_ATTN: {
+        "num_q_clusters": 8,
+        "num_k_clusters": 16,
+        "kmeans_iters": 1,
+        "top_p": 1.0,
+        "first_full_steps": 3,
+        "predictor": "centroids",
+    },
 }
 
 INVALID = [
-    (B.SLIDING_TILE_ATTN, "mask_strategy_file_path", ["a.json"]), (B.SLIDING_TILE_ATTN, "sta_mode", "STA_fast"),
-    (B.SLIDING_TILE_ATTN, "skip_time_steps", -1), (B.SLIDING_TILE_ATTN, "skip_time_steps", 1.5),
-    (B.SLIDING_TILE_ATTN, "tile_size", [4, 4]), (B.SLIDING_TILE_ATTN, "tile_size", [0, 4, 4]),
+    (B.SLIDING_TILE_ATTN, "mask_strategy_file_path", ["a.json"]),
+    (B.SLIDING_TILE_ATTN, "sta_mode", "STA_fast"),
+    (B.SLIDING_TILE_ATTN, "skip_time_steps", -1),
+    (B.SLIDING_TILE_ATTN, "skip_time_steps", 1.5),
+    (B.SLIDING_TILE_ATTN, "tile_size", [4, 4]),
+    (B.SLIDING_TILE_ATTN, "tile_size", [0, 4, 4]),
     (B.SLIDING_TILE_ATTN, "window_candidates", [1, 3]),
-    (B.VIDEO_SPARSE_ATTN, "sparsity", -0.1), (B.VIDEO_SPARSE_ATTN, "sparsity", 1.5),
-    (B.VIDEO_SPARSE_ATTN, "sparsity", "high"), (B.VIDEO_SPARSE_ATTN, "edge_tiles", "merged"),
-    (B.SPARGE_ATTN, "edge_tiles", True), (B.SOL_ATTN, "edge_tiles", "pad"), (B.SAGE_SLA_ATTN, "edge_tiles", ""),
-    (B.SPARGE_ATTN, "topk", 0.0), (B.SPARGE_ATTN, "topk", 1.01), (B.SPARGE_ATTN, "block_size", 48),
-    (B.SPARGE_ATTN, "predictor", "antidiagonal"), (B.SPARGE_ATTN, "simthreshd1", 1.5),
+    (B.VIDEO_SPARSE_ATTN, "sparsity", -0.1),
+    (B.VIDEO_SPARSE_ATTN, "sparsity", 1.5),
+    (B.VIDEO_SPARSE_ATTN, "sparsity", "high"),
+    (B.VIDEO_SPARSE_ATTN, "edge_tiles", "merged"),
+    (B.SPARGE_ATTN, "edge_tiles", True),
+    (B.SOL_ATTN, "edge_tiles", "pad"),
+    (B.SAGE_SLA_ATTN, "edge_tiles", ""),
+    (B.SPARGE_ATTN, "topk", 0.0),
+    (B.SPARGE_ATTN, "topk", 1.01),
+    (B.SPARGE_ATTN, "block_size", 48),
+    (B.SPARGE_ATTN, "predictor", "antidiagonal"),
+    (B.SPARGE_ATTN, "simthreshd1", 1.5),
     (B.SPARGE_ATTN, "simthreshd1", "high"),
-    (B.VMOBA_ATTN, "temporal_chunk_size", 0), (B.VMOBA_ATTN, "temporal_topk", -2),
-    (B.VMOBA_ATTN, "spatial_chunk_size", [3]), (B.VMOBA_ATTN, "spatial_topk", 0),
-    (B.VMOBA_ATTN, "st_chunk_size", [4, 6]), (B.VMOBA_ATTN, "st_chunk_size", [4, 0, 4]),
-    (B.VMOBA_ATTN, "st_topk", "many"), (B.VMOBA_ATTN, "moba_select_mode", "random"),
-    (B.VMOBA_ATTN, "moba_threshold", 0.0), (B.VMOBA_ATTN, "moba_threshold", 1.5),
-    (B.VMOBA_ATTN, "moba_threshold_type", "per_token"), (B.VMOBA_ATTN, "gate", "max"), (B.VMOBA_ATTN, "first_full_step", -1),
-    (B.VMOBA_ATTN, "first_full_layer", -1), (B.VMOBA_ATTN, "temporal_layer", -1),
-    (B.VMOBA_ATTN, "spatial_layer", 1.5), (B.VMOBA_ATTN, "st_layer", -3),
-    (B.SOL_ATTN, "tau", 0.0), (B.SOL_ATTN, "tau", -1.0), (B.SOL_ATTN, "thresh_type", "approx"),
-    (B.SOL_ATTN, "sink_tokens", -1), (B.SOL_ATTN, "sink_start", -5), (B.SOL_ATTN, "dense_steps", -1),
-    (B.SOL_ATTN, "dense_layers", "a,b"), (B.SOL_ATTN, "dense_layers", "3-1"),
-    (B.SOL_ATTN, "dense_backend", "torch_sdpa"), (B.SOL_ATTN, "kv_splits", 0), (B.SOL_ATTN, "kv_splits", "many"),
-    (B.SOL_ATTN, "predictor", "pooled_query_var"), (B.SOL_ATTN, "centroid_variance", "yes"),
-    (B.SLA_ATTN, "topk", 0.0), (B.SLA_ATTN, "negligible_fraction", 1.0), (B.SLA_ATTN, "negligible_fraction", -0.1),
-    (B.SLA_ATTN, "block_size", 100), (B.SAGE_SLA_ATTN, "topk", 2.0),
-    (B.SPARSE_VIDEO_GEN_2_ATTN, "num_q_clusters", 0), (B.SPARSE_VIDEO_GEN_2_ATTN, "num_k_clusters", -1),
-    (B.SPARSE_VIDEO_GEN_2_ATTN, "kmeans_iters", 0), (B.SPARSE_VIDEO_GEN_2_ATTN, "top_p", 0.0),
-    (B.SPARSE_VIDEO_GEN_2_ATTN, "top_p", 1.2), (B.SPARSE_VIDEO_GEN_2_ATTN, "first_full_steps", -1),
+    (B.VMOBA_ATTN, "temporal_chunk_size", 0),
+    (B.VMOBA_ATTN, "temporal_topk", -2),
+    (B.VMOBA_ATTN, "spatial_chunk_size", [3]),
+    (B.VMOBA_ATTN, "spatial_topk", 0),
+    (B.VMOBA_ATTN, "st_chunk_size", [4, 6]),
+    (B.VMOBA_ATTN, "st_chunk_size", [4, 0, 4]),
+    (B.VMOBA_ATTN, "st_topk", "many"),
+    (B.VMOBA_ATTN, "moba_select_mode", "random"),
+    (B.VMOBA_ATTN, "moba_threshold", 0.0),
+    (B.VMOBA_ATTN, "moba_threshold", 1.5),
+    (B.VMOBA_ATTN, "moba_threshold_type", "per_token"),
+    (B.VMOBA_ATTN, "gate", "max"),
+    (B.VMOBA_ATTN, "first_full_step", -1),
+    (B.VMOBA_ATTN, "first_full_layer", -1),
+    (B.VMOBA_ATTN, "temporal_layer", -1),
+    (B.VMOBA_ATTN, "spatial_layer", 1.5),
+    (B.VMOBA_ATTN, "st_layer", -3),
+    (B.SOL_ATTN, "tau", 0.0),
+    (B.SOL_ATTN, "tau", -1.0),
+    (B.SOL_ATTN, "thresh_type", "approx"),
+    (B.SOL_ATTN, "sink_tokens", -1),
+    (B.SOL_ATTN, "sink_start", -5),
+    (B.SOL_ATTN, "dense_steps", -1),
+    (B.SOL_ATTN, "dense_layers", "a,b"),
+    (B.SOL_ATTN, "dense_layers", "3-1"),
+    (B.SOL_ATTN, "dense_backend", "torch_sdpa"),
+    (B.SOL_ATTN, "kv_splits", 0),
+    (B.SOL_ATTN, "kv_splits", "many"),
+    (B.SOL_ATTN, "predictor", "pooled_query_var"),
+    (B.SOL_ATTN, "centroid_variance", "yes"),
+    (B.SLA_ATTN, "topk", 0.0),
+    (B.SLA_ATTN, "negligible_fraction", 1.0),
+    (B.SLA_ATTN, "negligible_fraction", -0.1),
+    (B.SLA_ATTN, "block_size", 100),
+    (B.SAGE_SLA_ATTN, "topk", 2.0),
+    (B.SPARSE_VIDEO_GEN_2_ATTN, "num_q_clusters", 0),
+    (B.SPARSE_VIDEO_GEN_2_ATTN, "num_k_clusters", -1),
+    (B.SPARSE_VIDEO_GEN_2_ATTN, "kmeans_iters", 0),
+    (B.SPARSE_VIDEO_GEN_2_ATTN, "top_p", 0.0),
+    (B.SPARSE_VIDEO_GEN_2_ATTN, "top_p", 1.2),
+    (B.SPARSE_VIDEO_GEN_2_ATTN, "first_full_steps", -1),
     (B.SPARSE_VIDEO_GEN_2_ATTN, "predictor", "pooled"),
-    (B.SPARGE_ATTN, "dense_above", 0.0), (B.SOL_ATTN, "dense_above", 1.5), (B.VMOBA_ATTN, "min_seq_len", -1),
+    (B.SPARGE_ATTN, "dense_above", 0.0),
+    (B.SOL_ATTN, "dense_above", 1.5),
+    (B.VMOBA_ATTN, "min_seq_len", -1),
     (B.SPARSE_VIDEO_GEN_2_ATTN, "min_seq_len", "long"),
 ]
 
@@ -591,17 +743,57 @@ def test_seed_defaults():
     assert validate_backend_config(B.VIDEO_SPARSE_ATTN, {})["sparsity"] == 0.0
     assert validate_backend_config(B.SPARGE_ATTN, {})["topk"] == 0.5
     vm = validate_backend_config(B.VMOBA_ATTN, {})
-    assert {k_: vm[k_] for k_ in ("moba_select_mode", "moba_threshold", "moba_threshold_type", "first_full_step",
-                                  "first_full_layer", "temporal_layer", "spatial_layer", "st_layer")} == {
-        "moba_select_mode": "threshold", "moba_threshold": 0.25, "moba_threshold_type": "query_head",
-        "first_full_step": 12, "first_full_layer": 0, "temporal_layer": 1, "spatial_layer": 1, "st_layer": 1}
-    assert all(vm[k_] is None for k_ in ("temporal_chunk_size", "temporal_topk", "spatial_chunk_size",
-                                         "spatial_topk", "st_chunk_size", "st_topk"))
+    assert {
+        k_: vm[k_]
+        for k_ in (
+            "moba_select_mode",
+            "moba_threshold",
+            "moba_threshold_type",
+            "first_full_step",
+            "first_full_layer",
+            "temporal_layer",
+            "spatial_layer",
+            "st_layer",
+        )
+    } == {
+        "moba_select_mode": "threshold",
+        "moba_threshold": 0.25,
+        "moba_threshold_type": "query_head",
+        "first_full_step": 12,
+        "first_full_layer": 0,
+        "temporal_layer": 1,
+        "spatial_layer": 1,
+        "st_layer": 1,
+    }
+    assert all(
+        vm[k_] is None
+        for k_ in (
+            "temporal_chunk_size",
+            "temporal_topk",
+            "spatial_chunk_size",
+            "spatial_topk",
+            "st_chunk_size",
+            "st_topk",
+        )
+    )
     sol = validate_backend_config(B.SOL_ATTN, {})
-    assert sol == {"tau": 1.0, "thresh_type": "diag", "sink_tokens": 0, "sink_start": 0, "dense_steps": 10,
-                   "dense_layers": "0,1", "dense_backend": "fa", "kv_splits": "auto", "predictor": "pooled_query",
-                   "centroid_variance": True, "edge_tiles": "packed", "block_sparse_impl": "auto",
-                   "error_budget": 0.01, "dense_above": 0.6, "min_seq_len": None}
+    assert sol == {
+        "tau": 1.0,
+        "thresh_type": "diag",
+        "sink_tokens": 0,
+        "sink_start": 0,
+        "dense_steps": 10,
+        "dense_layers": "0,1",
+        "dense_backend": "fa",
+        "kv_splits": "auto",
+        "predictor": "pooled_query",
+        "centroid_variance": True,
+        "edge_tiles": "packed",
+        "block_sparse_impl": "auto",
+        "error_budget": 0.01,
+        "dense_above": 0.6,
+        "min_seq_len": None,
+    }
     for backend in (B.VIDEO_SPARSE_ATTN, B.SPARGE_ATTN, B.SLA_ATTN, B.SAGE_SLA_ATTN):
         assert validate_backend_config(backend, {})["edge_tiles"] == "packed"
     for backend in (B.VMOBA_ATTN, B.SPARSE_VIDEO_GEN_2_ATTN):  # chunks / clusters are their unit: no packing

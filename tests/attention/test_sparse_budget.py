@@ -1,5 +1,6 @@
 """The error budget of the training-free sparse backends, the structured families, 1-D sparse calls and
 the once-said dense fallbacks (CPU, small grids; float64 exact attention as the reference)."""
+
 from __future__ import annotations
 
 import logging
@@ -92,8 +93,10 @@ def test_weak_locality_runs_dense_through_the_dense_kernel_and_records_it(inputs
     assert st["dense_heads"] == st["heads"] == 3
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="needs CUDA or the Triton interpreter")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs CUDA or the Triton interpreter",
+)
 def test_the_widening_kernel_keeps_the_blocks_of_the_sorted_rule():
     """The Triton widening (CUDA; the interpreter on CPU) keeps the blocks of the sorted PyTorch rule on random
     masses with dead probe rows and -inf blocks, every probe row then drops at most the budget, and an exact tie at
@@ -162,8 +165,17 @@ def test_captured_shapes_activations_stay_within_5_percent(tmp_path):
 
     pipe = WanPipelineNative.from_pretrained(None, device="cpu")
     path = str(tmp_path / "qkv.safetensors")
-    capture_qkv(pipe, "a red circle moving right", path, steps=(0, -1), layers=[0, 3], num_inference_steps=2,
-                height=128, width=128, num_frames=17)
+    capture_qkv(
+        pipe,
+        "a red circle moving right",
+        path,
+        steps=(0, -1),
+        layers=[0, 3],
+        num_inference_steps=2,
+        height=128,
+        width=128,
+        num_frames=17,
+    )
     for e, q, k, v in load_qkv(path):
         grid = tuple(e["video_shape"])
         q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
@@ -191,8 +203,9 @@ def test_sparge_and_sol_serve_plain_sequences(backend, head_dim):
     k = q.clone()
     v = torch.randn(1, S, 2, head_dim).bfloat16()
     clear_stats()
-    out = ditattn.attention(q, k, v, backend=backend, config={"error_budget": 0.01, "dense_above": 1.0}, step=50,
-                            layer_idx=3)
+    out = ditattn.attention(
+        q, k, v, backend=backend, config={"error_budget": 0.01, "dense_above": 1.0}, step=50, layer_idx=3
+    )
     st = dict(next(iter(last_stats.values())))
     rel, _ = _errors(out, _exact(q, k, v))
     assert out.shape == q.shape and rel < 0.15, (rel, st)
@@ -257,14 +270,24 @@ def test_svg2_layer_that_keeps_too_much_runs_dense_for_the_rest_of_the_request(i
     q, k, v, ref = inputs[128]["mixed", 0]
     calls, prechecks = [], []
     real = svg2.svg2_attention
-    monkeypatch.setattr("ditattn.attention.backends.sparse_video.svg2_attention",
-                        lambda *a, **kw: calls.append(kw["step"]) or real(*a, **kw))
+    monkeypatch.setattr(
+        "ditattn.attention.backends.svg2.svg2_attention",
+        lambda *a, **kw: calls.append(kw["step"]) or real(*a, **kw),
+    )
     monkeypatch.setattr(budget_mod, "precheck_dense", lambda *a, **kw: prechecks.append(1) and False)
     seen = []
     for step in (3, 4, 5, 0):
         clear_stats()
-        out = ditattn.attention(q, k, v, backend="sparse_video_gen_2_attn", config={"dense_above": 0.3},
-                                video_shape=GRID, step=step, layer_idx=7)
+        out = ditattn.attention(
+            q,
+            k,
+            v,
+            backend="sparse_video_gen_2_attn",
+            config={"dense_above": 0.3},
+            video_shape=GRID,
+            step=step,
+            layer_idx=7,
+        )
         st = dict(next(iter(last_stats.values())))
         seen.append((st["dense"], st["reason"]))
         assert _errors(out, ref)[0] < 0.01
@@ -275,8 +298,16 @@ def test_svg2_layer_that_keeps_too_much_runs_dense_for_the_rest_of_the_request(i
     prechecks.clear()
     for step in (3, 4, 5):  # kept below dense_above 1.0: sparse, decided once
         clear_stats()
-        ditattn.attention(q, k, v, backend="sparse_video_gen_2_attn", config={"dense_above": 1.0},
-                          video_shape=GRID, step=step, layer_idx=8)
+        ditattn.attention(
+            q,
+            k,
+            v,
+            backend="sparse_video_gen_2_attn",
+            config={"dense_above": 1.0},
+            video_shape=GRID,
+            step=step,
+            layer_idx=8,
+        )
         assert not dict(next(iter(last_stats.values())))["dense"]
     assert calls == [3, 4, 5] and len(prechecks) == 1
     assert budget_mod.decided(f"{_layer_key('sparse_video_gen_2_attn', 8)}", 6) is False
@@ -345,8 +376,9 @@ def test_the_call_level_decision_is_taken_once_per_layer_and_request(inputs, mon
     q, k, v, _ = inputs[128]["original", 1]  # stays sparse under dense_above 1.0
     for step in (20, 21, 22):
         clear_stats()
-        ditattn.attention(q, k, v, backend="vmoba_attn", config={"dense_above": 1.0}, video_shape=GRID, step=step,
-                          layer_idx=2)
+        ditattn.attention(
+            q, k, v, backend="vmoba_attn", config={"dense_above": 1.0}, video_shape=GRID, step=step, layer_idx=2
+        )
         st = dict(next(iter(last_stats.values())))
         assert not st["dense"] and st["dropped_mass_max"] <= st["error_budget"] + 1e-4, st
     assert len(checks) == 1 and len(calls) == 1
@@ -388,7 +420,7 @@ def test_the_early_estimate_follows_the_full_probe():
     for fam in FAMILIES:
         q, k, _, _ = structured_qkv(family_spec(fam, grid, 3, head_dim=64, seed=4), dtype=torch.bfloat16)
         kt = tile(k, lay)
-        scale = 64 ** -0.5
+        scale = 64**-0.5
         early = float(eb.early_kept(q, k, lay, 0.005, scale=scale))
         lm = eb.probe_log_mass(tile(q, lay), kt, lay, scale)
         nv = lay.n_video_blocks
@@ -404,9 +436,25 @@ def test_fidelity_bench_runs_the_families_and_the_budget_list(tmp_path, run_benc
     import json
 
     out = tmp_path / "fid"
-    run_bench("fidelity.py", "--grid", "5,8,12", "--heads", "2", "--families", "original,weak", "--cases",
-              "sparge_attn (defaults)", "--error-only", "--ref-rows", "64", "--budget", "default,off",
-              "--out", str(out), env={"BENCH_DEVICE": "cpu"})
+    run_bench(
+        "fidelity.py",
+        "--grid",
+        "5,8,12",
+        "--heads",
+        "2",
+        "--families",
+        "original,weak",
+        "--cases",
+        "sparge_attn (defaults)",
+        "--error-only",
+        "--ref-rows",
+        "64",
+        "--budget",
+        "default,off",
+        "--out",
+        str(out),
+        env={"BENCH_DEVICE": "cpu"},
+    )
     rows = json.loads((out / "fidelity.json").read_text())["rows"]
     got = {(r["input"], r["case"]): r for r in rows}
     on = got["structured:weak", "sparge_attn (defaults) budget=default"]
@@ -431,10 +479,10 @@ def test_budgeted_defaults_on_the_gpu(backend):
 
     lay = make_tile_layout(grid, (4, 4, 4), 0)
     qt, kt = tile(q, lay), tile(k, lay)
-    got = eb.probe_log_mass(qt, kt, lay, 128 ** -0.5)
-    want = eb.probe_log_mass(qt, kt, lay, 128 ** -0.5, impl="reference")
+    got = eb.probe_log_mass(qt, kt, lay, 128**-0.5)
+    want = eb.probe_log_mass(qt, kt, lay, 128**-0.5, impl="reference")
     torch.testing.assert_close(got, want, rtol=2e-2, atol=5e-2)
-    early = [float(eb.early_kept(q, k, lay, 0.005, scale=128 ** -0.5, impl=i)) for i in ("auto", "reference")]
+    early = [float(eb.early_kept(q, k, lay, 0.005, scale=128**-0.5, impl=i)) for i in ("auto", "reference")]
     assert abs(early[0] - early[1]) < 0.02, early  # k's blocks read through the layout's index on CUDA
 
 
@@ -444,9 +492,16 @@ def test_a_call_below_min_seq_len_runs_dense_before_any_tiling(inputs, backend, 
     reason and counted as a dense fallback in the run summary; the unset default is the device's figure."""
     from ditattn.attention.sparse import fallback
 
-    for planner in ("sparge_attention", "sol_attention", "vmoba_attention", "svg2_attention"):
-        monkeypatch.setattr(f"ditattn.attention.backends.sparse_video.{planner}",
-                            lambda *a, **kw: pytest.fail("planned a call below min_seq_len"))
+    for module, planner in (
+        ("sparge", "sparge_attention"),
+        ("sol", "sol_attention"),
+        ("vmoba", "vmoba_attention"),
+        ("svg2", "svg2_attention"),
+    ):
+        monkeypatch.setattr(
+            f"ditattn.attention.backends.{module}.{planner}",
+            lambda *a, **kw: pytest.fail("planned a call below min_seq_len"),
+        )
     monkeypatch.setattr(eb, "precheck_dense", lambda *a, **kw: pytest.fail("probed a call below min_seq_len"))
     clear_dense_notes()
     fallback.begin_run()
@@ -456,8 +511,9 @@ def test_a_call_below_min_seq_len_runs_dense_before_any_tiling(inputs, backend, 
     with caplog.at_level(logging.INFO, logger="ditattn.attention.sparse"):
         for step in (0, 1, 2):
             clear_stats()
-            out = ditattn.attention(q, k, v, backend=backend, config={"min_seq_len": S + 1}, video_shape=GRID,
-                                    step=step, layer_idx=2)
+            out = ditattn.attention(
+                q, k, v, backend=backend, config={"min_seq_len": S + 1}, video_shape=GRID, step=step, layer_idx=2
+            )
             st = dict(next(iter(last_stats.values())))
             assert torch.equal(out, dense) and st["dense"] and f"{S} tokens < min_seq_len {S + 1}" in st["reason"]
     lines = [r for r in caplog.records if "runs dense attention" in r.getMessage()]
@@ -497,8 +553,9 @@ def test_the_sparse_path_itself_stays_within_5_percent_at_a_mid_grid(backend):
         q, k, v, _ = structured_qkv(family_spec(fam, grid, 3, head_dim=128, seed=5), dtype=torch.bfloat16)
         ref = _exact(q, k, v)
         clear_stats()
-        out = ditattn.attention(q, k, v, backend=backend, config={"dense_above": 1.0}, video_shape=grid, step=50,
-                                layer_idx=2)
+        out = ditattn.attention(
+            q, k, v, backend=backend, config={"dense_above": 1.0}, video_shape=grid, step=50, layer_idx=2
+        )
         st = dict(next(iter(last_stats.values())))
         rel, cos = _errors(out, ref)
         assert rel <= 0.05 and cos >= 0.998, (fam, rel, cos, st)

@@ -1,4 +1,5 @@
 """Sparse engine core: 3-D tiling and the block-sparse attention kernel (CPU reference + FlexAttention)."""
+
 import math
 import os
 import warnings
@@ -58,16 +59,21 @@ def test_tiling_round_trip_and_tile_contents(grid, text_len, tile_size):
     src = tile(ids, lay)[0, :, 0, 0]
     seen = set()
     for b in range(lay.n_video_blocks):
-        blk = src[b * lay.block_size:(b + 1) * lay.block_size]
-        real = [int(t) for t, ok in zip(blk.tolist(), lay.valid[b * lay.block_size:(b + 1) * lay.block_size]) if ok]
+        blk = src[b * lay.block_size : (b + 1) * lay.block_size]
+        real = [int(t) for t, ok in zip(blk.tolist(), lay.valid[b * lay.block_size : (b + 1) * lay.block_size]) if ok]
         tc = tuple(lay.block_coords[b].tolist())
         expect = [i for i in range(n) if tuple(tcoord[i].tolist()) == tc]
         assert real == expect, (b, tc)
         seen.update(real)
     assert seen == set(range(n))
     # text tokens follow in order in the trailing blocks
-    tail = [int(t) for t, ok in zip(src[lay.n_video_blocks * lay.block_size:].tolist(),
-                                    lay.valid[lay.n_video_blocks * lay.block_size:]) if ok]
+    tail = [
+        int(t)
+        for t, ok in zip(
+            src[lay.n_video_blocks * lay.block_size :].tolist(), lay.valid[lay.n_video_blocks * lay.block_size :]
+        )
+        if ok
+    ]
     assert tail == list(range(n, S))
     assert lay.n_special_blocks == -(-text_len // lay.block_size)
     assert lay.n_video_blocks == lay.n_tiles == len(lay.block_coords)
@@ -114,13 +120,13 @@ def test_pooled_blocks_means_real_tokens_only():
 # packed edge tiles
 
 PACKED_CASES = [  # (grid, tile, text_len, special ranges)
-    ((5, 8, 12), (4, 4, 4), 0, ()),      # a 1-frame last slab: 16-token tiles, four to a block
-    ((6, 10, 9), (4, 4, 4), 7, ()),      # cut on every axis: 32-, 16-, 8-token ... tiles
+    ((5, 8, 12), (4, 4, 4), 0, ()),  # a 1-frame last slab: 16-token tiles, four to a block
+    ((6, 10, 9), (4, 4, 4), 7, ()),  # cut on every axis: 32-, 16-, 8-token ... tiles
     ((9, 7, 13), (4, 4, 4), 3, ()),
     ((3, 5, 7), (1, 2, 3), 0, ()),
     ((7, 9, 11), (2, 4, 4), 5, ((20, 45),)),  # special tokens make some edge tiles smaller
     ((1, 1, 1), (4, 4, 4), 2, ()),
-    ((2, 2, 2), (4, 4, 4), 0, ((0, 8),)),     # every video token special: no video block
+    ((2, 2, 2), (4, 4, 4), 0, ((0, 8),)),  # every video token special: no video block
 ]
 
 
@@ -130,8 +136,14 @@ def _block_tiles(lay):
     ids = tile(torch.arange(lay.seq_len, dtype=torch.float64).view(1, -1, 1, 1), lay)[0, :, 0, 0].long()
     out = []
     for b in range(lay.n_video_blocks):
-        toks = [t for t, ok in zip(ids[b * lay.block_size:(b + 1) * lay.block_size].tolist(),
-                                   lay.valid[b * lay.block_size:(b + 1) * lay.block_size].tolist()) if ok]
+        toks = [
+            t
+            for t, ok in zip(
+                ids[b * lay.block_size : (b + 1) * lay.block_size].tolist(),
+                lay.valid[b * lay.block_size : (b + 1) * lay.block_size].tolist(),
+            )
+            if ok
+        ]
         assert all(t < n for t in toks)
         out.append((sorted({int(lay.token_tile[t]) for t in toks}), toks))
     return out
@@ -154,7 +166,7 @@ def test_packed_layout_round_trip_and_blocks(grid, tile_size, text_len, special)
     n = math.prod(grid)
     is_special = torch.zeros(n, dtype=torch.bool)
     for a, b in special:
-        is_special[a:min(b, n)] = True
+        is_special[a : min(b, n)] = True
     groups, counts = tile_groups(grid, tile_size, "packed", is_special)
     blocks = _block_tiles(lay)
     assert [tiles for tiles, _ in blocks] == [sorted(g) for g in groups]
@@ -166,13 +178,14 @@ def test_packed_layout_round_trip_and_blocks(grid, tile_size, text_len, special)
     assert lay.n_packed_blocks == sum(len(g) > 1 for g in groups)
     # text (and other special tokens) follow in order, as in the padded layout
     ids = tile(torch.arange(S, dtype=torch.float64).view(1, S, 1, 1), lay)[0, :, 0, 0]
-    assert ids[lay.n_video_blocks * lay.block_size:][lay.valid[lay.n_video_blocks * lay.block_size:]].tolist() == \
-        ids_pad_tail(pad)
+    assert ids[lay.n_video_blocks * lay.block_size :][
+        lay.valid[lay.n_video_blocks * lay.block_size :]
+    ].tolist() == ids_pad_tail(pad)
 
 
 def ids_pad_tail(lay):
     ids = tile(torch.arange(lay.seq_len, dtype=torch.float64).view(1, -1, 1, 1), lay)[0, :, 0, 0]
-    return ids[lay.n_video_blocks * lay.block_size:][lay.valid[lay.n_video_blocks * lay.block_size:]].tolist()
+    return ids[lay.n_video_blocks * lay.block_size :][lay.valid[lay.n_video_blocks * lay.block_size :]].tolist()
 
 
 def test_packed_runs_are_chains_of_neighbour_tiles_of_one_shape():
@@ -181,28 +194,31 @@ def test_packed_runs_are_chains_of_neighbour_tiles_of_one_shape():
     grid = torch.tensor(lay.grid)
     packed = 0
     for b in range(lay.n_video_blocks):
-        toks = ids[b * 64:(b + 1) * 64][lay.valid[b * 64:(b + 1) * 64]]
+        toks = ids[b * 64 : (b + 1) * 64][lay.valid[b * 64 : (b + 1) * 64]]
         walk = list(dict.fromkeys(lay.token_tile[toks].tolist()))  # tiles in layout order
         if len(walk) == 1:
             continue
         packed += 1
-        coords = torch.stack([torch.tensor([t // (grid[1] * grid[2]), (t // grid[2]) % grid[1], t % grid[2]])
-                              for t in walk])
+        coords = torch.stack(
+            [torch.tensor([t // (grid[1] * grid[2]), (t // grid[2]) % grid[1], t % grid[2]]) for t in walk]
+        )
         ext = torch.minimum(torch.tensor([4, 4, 4]), torch.tensor([6, 10, 9]) - coords * 4)
         assert (ext == ext[0]).all() and ext[0].prod() < 64  # edge tiles of one shape
         assert ((coords[1:] - coords[:-1]).abs().sum(1) == 1).all()  # each step a face neighbour
     assert packed == lay.n_packed_blocks > 0
 
 
-@pytest.mark.parametrize("grid,text,blocks", [((21, 30, 52), 0, 513), ((21, 30, 52), 512, 521),
-                                              ((21, 45, 80), 0, 1182), ((21, 45, 80), 512, 1190)])
+@pytest.mark.parametrize(
+    "grid,text,blocks",
+    [((21, 30, 52), 0, 513), ((21, 30, 52), 512, 521), ((21, 45, 80), 0, 1182), ((21, 45, 80), 512, 1190)],
+)
 def test_packed_layout_at_wan_grids(grid, text, blocks):
     lay = make_tile_layout(grid, (4, 4, 4), text, edge_tiles="packed")
     pad = make_tile_layout(grid, (4, 4, 4), text)
     assert lay.n_blocks == blocks
     assert lay.n_video_blocks <= -(-math.prod(grid) // 64) + 1  # within one block of the minimum
     assert pad.n_video_blocks == math.prod(pad.grid)  # 624 / 1440: one padded block per tile
-    assert int(lay.block_count[:lay.n_video_blocks].sum()) == math.prod(grid)
+    assert int(lay.block_count[: lay.n_video_blocks].sum()) == math.prod(grid)
 
 
 def test_pooled_blocks_of_packed_layout_are_real_token_means():
@@ -235,7 +251,7 @@ def test_sol_neighbour_blocks_padded_is_tile_distance():
     from ditattn.attention.sparse.sol import neighbour_blocks
 
     lay = make_tile_layout((7, 9, 11), (4, 4, 4), 3, special_ranges=[(0, 64)])  # specials leave holes
-    bt = lay.block_tile[:lay.n_video_blocks]
+    bt = lay.block_tile[: lay.n_video_blocks]
     assert torch.equal(neighbour_blocks(lay, torch.device("cpu")), (bt.view(-1, 1) - bt.view(1, -1)).abs() <= 1)
 
 
@@ -276,7 +292,7 @@ def test_fixed_width_lists_same_plan_and_output():
     nk = bm.shape[-1]
     wide, wcnt = block_mask_to_lists(bm, width=nk)
     assert wide.shape[-1] == nk > idx.shape[-1] and torch.equal(wcnt, cnt)
-    assert torch.equal(wide[..., :idx.shape[-1]], idx) and not wide[..., idx.shape[-1]:].any()
+    assert torch.equal(wide[..., : idx.shape[-1]], idx) and not wide[..., idx.shape[-1] :].any()
     tight = block_sparse_attention(q, k, v, idx, cnt, block_size=bs, kv_valid=valid, return_lse=True)
     padded = block_sparse_attention(q, k, v, wide, wcnt, block_size=bs, kv_valid=valid, return_lse=True)
     assert torch.equal(tight[0], padded[0]) and torch.equal(tight[1], padded[1])
@@ -323,8 +339,9 @@ def _check_against_reference(out, lse, q, k, v, idx, cnt, bs, valid, scale=None,
 @pytest.mark.parametrize("hkv", [4, 2, 1])
 def test_reference_kernel_matches_masked_dense(kv_valid, hkv):
     q, k, v, idx, cnt, bs, valid = _case(1, Hkv=hkv, kv_valid=kv_valid)
-    out, lse = block_sparse_attention(q, k, v, idx, cnt, block_size=bs, kv_valid=valid, return_lse=True,
-                                      impl="reference")
+    out, lse = block_sparse_attention(
+        q, k, v, idx, cnt, block_size=bs, kv_valid=valid, return_lse=True, impl="reference"
+    )
     assert out.shape == q.shape and out.dtype == q.dtype
     assert lse.shape == (2, 4, 96) and lse.dtype == torch.float32
     assert (out[0, 16:32, 0] == 0).all() and torch.isinf(lse[0, 0, 16:32]).all()
@@ -349,8 +366,13 @@ def test_reference_kernel_options():
     # float64 and bf16 inputs keep their dtype
     out64, _ = block_sparse_attention(q.double(), k.double(), v.double(), idx, cnt, block_size=bs)
     assert out64.dtype == torch.float64
-    ref64 = reference_attention(q.double(), k.double(), v.double(),
-                                mask=block_lists_to_dense_mask(idx, cnt, block_size=bs), dtype=torch.float64)[0]
+    ref64 = reference_attention(
+        q.double(),
+        k.double(),
+        v.double(),
+        mask=block_lists_to_dense_mask(idx, cnt, block_size=bs),
+        dtype=torch.float64,
+    )[0]
     torch.testing.assert_close(out64, ref64, rtol=0, atol=1e-12)
     outb, _ = block_sparse_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), idx, cnt, block_size=bs)
     assert outb.dtype == torch.bfloat16
@@ -372,8 +394,9 @@ def test_flex_matches_reference(kv_valid):
     q, k, v, idx, cnt, bs, valid = _case(5, B=1, S=64, H=2, Hkv=1, kv_valid=kv_valid)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out, lse = block_sparse_attention(q, k, v, idx, cnt, block_size=bs, kv_valid=valid, return_lse=True,
-                                          impl="flex")
+        out, lse = block_sparse_attention(
+            q, k, v, idx, cnt, block_size=bs, kv_valid=valid, return_lse=True, impl="flex"
+        )
         out2, none = block_sparse_attention(q, k, v, idx, cnt, block_size=bs, kv_valid=valid, impl="flex")
     assert none is None
     _check_against_reference(out, lse, q, k, v, idx, cnt, bs, valid, atol=1e-5)

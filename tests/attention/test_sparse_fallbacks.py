@@ -2,6 +2,7 @@
 backend, one rule for explicit ``fa`` on a call FlashAttention cannot serve, the unfixed sageattention
 refused up front on Hopper, the sage_attn Hopper crossover, and the per-layer accounting of a run
 (run summary, plan after a run, compare)."""
+
 from __future__ import annotations
 
 import json
@@ -30,14 +31,20 @@ def test_mps_runs_sdpa_for_an_explicit_backend_and_records_it(capsys, backend):
     layers = _dit_layers(plan)
     assert {l["backend"] for l in layers} == {"torch_sdpa"}
     assert {l.get("requested") for l in layers} == {backend}
-    assert all(l["fallback_reason"] and ("MPS" in l["fallback_reason"] or "mps" in l["fallback_reason"])
-               for l in layers)
+    assert all(
+        l["fallback_reason"] and ("MPS" in l["fallback_reason"] or "mps" in l["fallback_reason"]) for l in layers
+    )
 
 
-@pytest.mark.parametrize("platform,dtype,installed", [
-    ("cuda:90", "float32", "flash_attn.cute"), ("cuda:90", "float32", ""),
-    ("cuda:75", "bfloat16", "flash_attn"), ("cuda:75", "bfloat16", ""),
-])
+@pytest.mark.parametrize(
+    "platform,dtype,installed",
+    [
+        ("cuda:90", "float32", "flash_attn.cute"),
+        ("cuda:90", "float32", ""),
+        ("cuda:75", "bfloat16", "flash_attn"),
+        ("cuda:75", "bfloat16", ""),
+    ],
+)
 def test_explicit_fa_on_a_call_it_cannot_serve_is_one_rule(capsys, platform, dtype, installed):
     """float32 or below SM80: torch_sdpa with the reason, whether FlashAttention is installed or not."""
     argv = ["--platform", platform, "--dtype", dtype, "--attention-backend", "fa"]
@@ -53,14 +60,33 @@ def test_explicit_fa_on_a_call_it_cannot_serve_is_one_rule(capsys, platform, dty
 
 
 def test_unfixed_sageattention_on_hopper_is_refused_up_front(capsys):
-    rc = main(["plan", "--platform", "cuda:90", "--platform-packages", "sageattention==2.2.0,triton",
-               "--attention-backend", "sage_attn", "--attention-backend-config", "impl=package"])
+    rc = main(
+        [
+            "plan",
+            "--platform",
+            "cuda:90",
+            "--platform-packages",
+            "sageattention==2.2.0,triton",
+            "--attention-backend",
+            "sage_attn",
+            "--attention-backend-config",
+            "impl=package",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and "impl package cannot run here" in err and "SM90 binding fix" in err and "Traceback" not in err
     # the fixed build is accepted
-    rc, _, err = _plan(capsys, "--platform", "cuda:90", "--platform-packages",
-                       "sageattention==2.2.0+git.d9704247a513,triton", "--attention-backend", "sage_attn",
-                       "--attention-backend-config", "impl=package")
+    rc, _, err = _plan(
+        capsys,
+        "--platform",
+        "cuda:90",
+        "--platform-packages",
+        "sageattention==2.2.0+git.d9704247a513,triton",
+        "--attention-backend",
+        "sage_attn",
+        "--attention-backend-config",
+        "impl=package",
+    )
     assert rc == 0, err
     # `backends` no longer says the unfixed package runs sage_attn here (no Triton: nothing else does)
     assert main(["backends", "--json", "--platform", "cuda:90", "--platform-packages", "sageattention==2.2.0"]) == 0
@@ -88,14 +114,22 @@ def test_sage_crossover_routes_short_hopper_calls_to_fa(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert sc.routes_to_dense(FakeQ(4096), {"impl": "auto"}) is None  # measured on Hopper only
     monkeypatch.undo()
-    rc, plan, err = _plan(capsys, "--platform", "cuda:90", "--platform-packages", "triton,flash_attn.cute",
-                          "--attention-backend", "sage_attn")
+    rc, plan, err = _plan(
+        capsys,
+        "--platform",
+        "cuda:90",
+        "--platform-packages",
+        "triton,flash_attn.cute",
+        "--attention-backend",
+        "sage_attn",
+    )
     assert rc == 0, err
     assert all("fa (exact dense) below 16384 tokens" in l["runtime"] for l in _dit_layers(plan))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                    reason="needs an SM90 GPU")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="needs an SM90 GPU"
+)
 def test_sage_short_call_on_hopper_equals_fa():
     import ditattn
 
@@ -113,16 +147,19 @@ def test_run_summary_and_plan_after_a_run_count_dense_fallbacks(caplog):
     from ditattn.pipelines.wan import WanPipelineNative
 
     clear_dense_notes()
-    pipe = WanPipelineNative.from_pretrained("ditattn:tiny-wan", AttentionSettings(backend=B.SPARGE_ATTN),
-                                             device="cpu", dtype=torch.bfloat16)
+    pipe = WanPipelineNative.from_pretrained(
+        "ditattn:tiny-wan", AttentionSettings(backend=B.SPARGE_ATTN), device="cpu", dtype=torch.bfloat16
+    )
     with caplog.at_level(logging.INFO, logger="ditattn.attention.sparse"):
-        res = pipe.generate("a cat", num_inference_steps=2, height=32, width=32, num_frames=1, output_type="latent",
-                            progress=False)
+        res = pipe.generate(
+            "a cat", num_inference_steps=2, height=32, width=32, num_frames=1, output_type="latent", progress=False
+        )
     said = [r for r in caplog.records if "runs dense attention" in r.getMessage()]
     assert len(said) == 1 and "tokens < 128" in said[0].getMessage()
     layers = res.stats["sparse_layers"]
-    assert layers and all(e["dense_fallbacks"] == e["calls"] == 2 and e["kept_fraction"] == 1.0
-                          for e in layers.values())
+    assert layers and all(
+        e["dense_fallbacks"] == e["calls"] == 2 and e["kept_fraction"] == 1.0 for e in layers.values()
+    )
     assert res.stats["sparse"]["dense_fallbacks"] == 2 * len(layers)
     plan = pipe.plan()
     rows = [f"{c['name']}.{l['prefix']}" for c in plan["components"] for l in c["layers"] if "sparse_run" in l]

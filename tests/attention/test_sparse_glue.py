@@ -1,5 +1,6 @@
 """The per-layer glue of the sparse video path (tiling, lists from top-k, lazy plan statistics):
 exact equality with the mask-based path and no host synchronisation on the VSA call path."""
+
 import pytest
 import torch
 
@@ -115,11 +116,12 @@ def test_vsa_equals_mask_path(shape, text, sparsity, edge_tiles):
     S = shape[0] * shape[1] * shape[2] + text
     g = torch.Generator().manual_seed(S)
     q, k, v = (torch.randn(2, S, 2, 16, generator=g) for _ in range(3))
-    out, lse, plan = video_sparse_attention(q, k, v, video_shape=shape, sparsity=sparsity, text_len=text,
-                                            return_lse=True, edge_tiles=edge_tiles)
+    out, lse, plan = video_sparse_attention(
+        q, k, v, video_shape=shape, sparsity=sparsity, text_len=text, return_lse=True, edge_tiles=edge_tiles
+    )
     lay = make_tile_layout(shape, (4, 4, 4), text, edge_tiles=edge_tiles)
     assert plan.layout is lay
-    scale = 16 ** -0.5
+    scale = 16**-0.5
     bm, scores = vsa_block_mask(tile(q, lay), tile(k, lay), lay, sparsity, scale)
     ref_out, ref_lse, ref_plan = run_block_mask(q, k, v, lay, bm, scale=scale, return_lse=True)
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
@@ -147,6 +149,7 @@ def test_sparse_plan_kept_fraction_lazy():
 
 def _forbid_host_reads(monkeypatch):
     """Make every Python-level tensor -> host conversion raise (what syncs a CUDA stream)."""
+
     def boom(*_a, **_k):
         raise AssertionError("host synchronisation on the VSA path")
 
@@ -213,8 +216,11 @@ def test_svg2_and_sol_paths_have_no_host_reads(monkeypatch, name):
     backend = {"svg2": B.SPARSE_VIDEO_GEN_2_ATTN, "sol": B.SOL_ATTN, "sparge_cdf": B.SPARGE_ATTN}[name]
     impl = get_impl(backend)
     # the plain rules (error_budget 0): the budget's dense decision reads one flag per call
-    cfg = {"svg2": {"num_q_clusters": 6, "num_k_clusters": 9}, "sol": {},
-           "sparge_cdf": {"cdfthreshd": 0.9, "topk": 0.2}}[name] | {"error_budget": 0.0}
+    cfg = {
+        "svg2": {"num_q_clusters": 6, "num_k_clusters": 9},
+        "sol": {},
+        "sparge_cdf": {"cdfthreshd": 0.9, "topk": 0.2},
+    }[name] | {"error_budget": 0.0}
     steps = (0, 1, 2) if name == "svg2" else (12,)
     reset_svg2_state()
     if name != "svg2":  # builds the cached tile layout's device constants first (once per layout)
@@ -232,8 +238,9 @@ def test_svg2_and_sol_paths_have_no_host_reads(monkeypatch, name):
         _forbid_host_reads(m)
         m.setattr(torch.Tensor, "to", to_without_upload)
         for step in steps:
-            out, lse = impl(q, k, v, AttnCall(video_shape=shape, text_len=text, step=step, layer_idx=2,
-                                              return_lse=True), cfg)
+            out, lse = impl(
+                q, k, v, AttnCall(video_shape=shape, text_len=text, step=step, layer_idx=2, return_lse=True), cfg
+            )
             assert out.shape == q.shape and lse.shape == (1, 2, S)
     entry = last_stats[f"{backend.value}/layer2"]
     assert isinstance(entry, LayerStats) and not entry["dense"]
@@ -258,8 +265,9 @@ def test_lazy_kept_fraction_reads_as_float():
     reset_svg2_state()
     clear_stats()
     kw = dict(num_q_clusters=8, num_k_clusters=16, top_p=0.5)
-    get_impl(B.SPARSE_VIDEO_GEN_2_ATTN)(q, k, v, AttnCall(video_shape=shape, text_len=text, step=None, layer_idx=1),
-                                        dict(kw, error_budget=0.0))
+    get_impl(B.SPARSE_VIDEO_GEN_2_ATTN)(
+        q, k, v, AttnCall(video_shape=shape, text_len=text, step=None, layer_idx=1), dict(kw, error_budget=0.0)
+    )
     want = svg2_attention(q, k, v, video_shape=shape, text_len=text, **kw)[2].kept_fraction
     entry = last_stats["sparse_video_gen_2_attn/layer1"]
     assert isinstance(dict.__getitem__(entry, "kept_fraction"), torch.Tensor)

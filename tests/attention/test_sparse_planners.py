@@ -1,5 +1,6 @@
 """Each sparse planner against an explicit token mask built independently here (original token order),
 and each planner's output against dense attention with that mask (fp32, tight)."""
+
 import math
 import os
 import warnings
@@ -72,7 +73,7 @@ def tile_groups(grid, tile, edge_tiles="padded", special=None):
             axes = [sorted({c[a] for c in cells}) for a in range(3)]
             walk, flip_mid, flip_last = [], False, False
             for a in axes[0]:
-                for b in (axes[1][::-1] if flip_mid else axes[1]):
+                for b in axes[1][::-1] if flip_mid else axes[1]:
                     walk += [cells[(a, b, c)] for c in (axes[2][::-1] if flip_last else axes[2]) if (a, b, c) in cells]
                     flip_last = not flip_last
                 flip_mid = not flip_mid
@@ -147,8 +148,9 @@ def sta_mask_independent(grid, tile, windows, text_len):
 def test_sta_matches_tile_distance_mask(grid, text_len, tile):
     q, k, v = qkv(grid, text_len)
     windows = [[1, 1, 3], [3, 3, 1], [2, 4, 5]]  # even sizes and windows larger than the grid too
-    res = sliding_tile_attention(q, k, v, video_shape=grid, windows=windows, tile_size=tile, text_len=text_len,
-                                 return_lse=True)
+    res = sliding_tile_attention(
+        q, k, v, video_shape=grid, windows=windows, tile_size=tile, text_len=text_len, return_lse=True
+    )
     mask = sta_mask_independent(grid, tile, windows, text_len)
     assert torch.equal(plan_token_mask(res[2]), mask)
     check_output(res, q, k, v, mask)
@@ -169,12 +171,30 @@ def test_sta_window_clamps_at_edges_keeps_full_size():
 def test_sta_flex_path_equals_reference():
     grid, text_len = (3, 5, 7), 7
     q, k, v = qkv(grid, text_len, batch=1)
-    a = sliding_tile_attention(q, k, v, video_shape=grid, windows=[1, 3, 3], tile_size=(2, 2, 4), text_len=text_len,
-                               return_lse=True, impl="reference")
+    a = sliding_tile_attention(
+        q,
+        k,
+        v,
+        video_shape=grid,
+        windows=[1, 3, 3],
+        tile_size=(2, 2, 4),
+        text_len=text_len,
+        return_lse=True,
+        impl="reference",
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        b = sliding_tile_attention(q, k, v, video_shape=grid, windows=[1, 3, 3], tile_size=(2, 2, 4),
-                                   text_len=text_len, return_lse=True, impl="flex")
+        b = sliding_tile_attention(
+            q,
+            k,
+            v,
+            video_shape=grid,
+            windows=[1, 3, 3],
+            tile_size=(2, 2, 4),
+            text_len=text_len,
+            return_lse=True,
+            impl="flex",
+        )
     torch.testing.assert_close(a[0], b[0], rtol=0, atol=1e-5)
     torch.testing.assert_close(a[1], b[1], rtol=0, atol=1e-5)
 
@@ -204,9 +224,18 @@ def test_vsa_topk_tiles(grid, text_len, sparsity, edge_tiles):
     tile = (1, 2, 3)
     nt = len(tile_groups(grid, tile, edge_tiles)[0])
     kk = max(1, math.ceil((1 - Fraction(str(sparsity))) * nt))
-    res = video_sparse_attention(q, k, v, video_shape=grid, sparsity=sparsity, text_len=text_len, tile_size=tile,
-                                 return_lse=True, edge_tiles=edge_tiles)
-    mask, _, _ = pooled_topk_mask(q, k, grid, tile, text_len, kk, 16 ** -0.5, edge_tiles)
+    res = video_sparse_attention(
+        q,
+        k,
+        v,
+        video_shape=grid,
+        sparsity=sparsity,
+        text_len=text_len,
+        tile_size=tile,
+        return_lse=True,
+        edge_tiles=edge_tiles,
+    )
+    mask, _, _ = pooled_topk_mask(q, k, grid, tile, text_len, kk, 16**-0.5, edge_tiles)
     assert res[2].extra["k"] == kk and res[2].layout.n_video_blocks == nt
     assert torch.equal(plan_token_mask(res[2]), mask)
     check_output(res, q, k, v, mask)
@@ -220,7 +249,7 @@ def test_vsa_default_tiles_are_4x4x4_and_edge_tiles_packed():
     assert lay.tile_size == (4, 4, 4) and lay.block_size == 64 and lay.edge_tiles == "packed"
     nb = len(tile_groups(grid, (4, 4, 4), "packed")[0])
     assert lay.n_video_blocks == nb < 12
-    mask, _, _ = pooled_topk_mask(q, k, grid, (4, 4, 4), 0, math.ceil(0.5 * nb), 16 ** -0.5, "packed")
+    mask, _, _ = pooled_topk_mask(q, k, grid, (4, 4, 4), 0, math.ceil(0.5 * nb), 16**-0.5, "packed")
     assert torch.equal(plan_token_mask(res[2]), mask)
     check_output(res, q, k, v, mask)
 
@@ -277,16 +306,27 @@ SPARGE_TILES = [(32, (2, 4, 4)), (64, (4, 4, 4)), (128, (4, 4, 8))]
 def test_sparge_topk_fraction(block_size, tile, topk, edge_tiles, predictor):
     grid, text_len = (3, 9, 10), 7  # partial tiles on every axis (128: 4x4x8 tiles of a 3x9x10 grid)
     q, k, v = qkv(grid, text_len, heads=2, dim=64, seed=3)
-    res = sparge_attention(q, k, v, video_shape=grid, topk=topk, block_size=block_size, text_len=text_len,
-                           predictor=predictor, return_lse=True, edge_tiles=edge_tiles)
+    res = sparge_attention(
+        q,
+        k,
+        v,
+        video_shape=grid,
+        topk=topk,
+        block_size=block_size,
+        text_len=text_len,
+        predictor=predictor,
+        return_lse=True,
+        edge_tiles=edge_tiles,
+    )
     nt = len(tile_groups(grid, tile, edge_tiles)[0])
     kk = max(1, math.ceil(Fraction(str(topk)) * nt))
     assert res[2].extra["k"] == kk
     if predictor == "pooled":
-        mask, _, _ = pooled_topk_mask(q, k, grid, tile, text_len, kk, 64 ** -0.5, edge_tiles)
+        mask, _, _ = pooled_topk_mask(q, k, grid, tile, text_len, kk, 64**-0.5, edge_tiles)
     else:
-        s = pooled_query_scores(q, k, grid, tile, 64 ** -0.5, variance=predictor == "pooled_query_var",
-                                edge_tiles=edge_tiles)
+        s = pooled_query_scores(
+            q, k, grid, tile, 64**-0.5, variance=predictor == "pooled_query_var", edge_tiles=edge_tiles
+        )
         mask = topk_token_mask(s, kk, block_ids(grid, tile, edge_tiles)[0], text_len)
     assert torch.equal(plan_token_mask(res[2]), mask)
     check_output(res, q, k, v, mask)
@@ -306,20 +346,31 @@ def test_sparge_self_similarity_fallback(grid, text_len, edge_tiles):
     mid = vals.numel() // 2
     thr = float(vals[mid - 1] + vals[mid]) / 2  # about half the blocks fall back; no block at the threshold
     kk = math.ceil(0.25 * nt)
-    s = pooled_query_scores(q, k, grid, tile, 64 ** -0.5, edge_tiles=edge_tiles)
+    s = pooled_query_scores(q, k, grid, tile, 64**-0.5, edge_tiles=edge_tiles)
     k_odd = (sk <= thr).unsqueeze(2).expand(-1, -1, nt, -1)
     forced = k_odd | (sq <= thr).unsqueeze(3).expand(-1, -1, -1, nt)
     mask = topk_token_mask(s.masked_fill(k_odd, float("-inf")), kk, ids, text_len, forced)
-    res = sparge_attention(q, k, v, video_shape=grid, topk=0.25, text_len=text_len, simthreshd1=thr,
-                           return_lse=True, edge_tiles=edge_tiles)
+    res = sparge_attention(
+        q,
+        k,
+        v,
+        video_shape=grid,
+        topk=0.25,
+        text_len=text_len,
+        simthreshd1=thr,
+        return_lse=True,
+        edge_tiles=edge_tiles,
+    )
     assert torch.equal(plan_token_mask(res[2]), mask)
     check_output(res, q, k, v, mask)
     assert res[2].kept_fraction > 0.25 + 0.2  # the fallback adds blocks on top of the top-k
     # the similarity lies in [0, 1]: upstream's top-k default -0.1 (ours) changes nothing
-    off = sparge_attention(q, k, v, video_shape=grid, topk=0.25, text_len=text_len, simthreshd1=-0.1,
-                           edge_tiles=edge_tiles)
-    plain = sparge_attention(q, k, v, video_shape=grid, topk=0.25, text_len=text_len, simthreshd1=0.0,
-                             edge_tiles=edge_tiles)
+    off = sparge_attention(
+        q, k, v, video_shape=grid, topk=0.25, text_len=text_len, simthreshd1=-0.1, edge_tiles=edge_tiles
+    )
+    plain = sparge_attention(
+        q, k, v, video_shape=grid, topk=0.25, text_len=text_len, simthreshd1=0.0, edge_tiles=edge_tiles
+    )
     assert torch.equal(plan_token_mask(off[2]), plan_token_mask(plain[2]))
     assert bool((sq >= 0).all() and (sq <= 1 + 1e-12).all())
 
@@ -358,7 +409,11 @@ def test_mass_mask_keeps_the_fewest_blocks_reaching_the_share():
     # a peaked row keeps one block at any threshold < 1; threshold 1 keeps exactly the blocks with a nonzero share
     peaked = torch.tensor([[-80.0, 0.0, -80.0, -200.0, float("-inf")]])
     assert mass_mask(peaked, 0.999999).tolist() == [[False, True, False, False, False]]
-    assert mass_mask(peaked, 1.0).tolist() == (torch.softmax(peaked, -1) > 0).tolist() == [[True, True, True, False, False]]
+    assert (
+        mass_mask(peaked, 1.0).tolist()
+        == (torch.softmax(peaked, -1) > 0).tolist()
+        == [[True, True, True, False, False]]
+    )
     # ties go to the lower index; invalid blocks have no share and are never kept; a row without valid
     # blocks keeps none
     assert mass_mask(torch.zeros(1, 4), 0.5).tolist() == [[True, True, False, False]]
@@ -388,15 +443,25 @@ def test_sparge_cdfthreshd(predictor, cdf, topk, edge_tiles):
     ids, groups = block_ids(grid, tile, edge_tiles)
     nt = len(groups)
     if predictor == "pooled":
-        pq, pk = (group_means(x[:, :ids.numel()], ids, nt) for x in (q, k))
+        pq, pk = (group_means(x[:, : ids.numel()], ids, nt) for x in (q, k))
         size = torch.bincount(ids, minlength=nt).double()
-        s = pq @ pk.transpose(-1, -2) * 64 ** -0.5 + size.log()
+        s = pq @ pk.transpose(-1, -2) * 64**-0.5 + size.log()
     else:
-        s = pooled_query_scores(q, k, grid, tile, 64 ** -0.5, edge_tiles=edge_tiles)
+        s = pooled_query_scores(q, k, grid, tile, 64**-0.5, edge_tiles=edge_tiles)
     floor = math.ceil(topk * nt)
     sel = cdf_select(s, cdf, floor=floor)
-    res = sparge_attention(q, k, v, video_shape=grid, cdfthreshd=cdf, topk=topk, text_len=text_len,
-                           predictor=predictor, return_lse=True, edge_tiles=edge_tiles)
+    res = sparge_attention(
+        q,
+        k,
+        v,
+        video_shape=grid,
+        cdfthreshd=cdf,
+        topk=topk,
+        text_len=text_len,
+        predictor=predictor,
+        return_lse=True,
+        edge_tiles=edge_tiles,
+    )
     mask = with_text(sel[:, :, ids][:, :, :, ids], text_len)
     assert torch.equal(plan_token_mask(res[2]), mask)
     check_output(res, q, k, v, mask, atol=1e-5)  # sharper softmax than the other tests: float32 rounding ~4e-6
@@ -442,10 +507,11 @@ def test_sparge_cdfthreshd_with_the_self_similarity_fallback():
     thr = float(vals[vals.numel() // 4 - 1] + vals[vals.numel() // 4]) / 2  # about a quarter fall back
     k_odd = (sk <= thr).unsqueeze(2).expand(-1, -1, nt, -1)
     forced = k_odd | (sq <= thr).unsqueeze(3).expand(-1, -1, -1, nt)
-    s = pooled_query_scores(q, k, grid, tile, 64 ** -0.5, edge_tiles=edge_tiles)
+    s = pooled_query_scores(q, k, grid, tile, 64**-0.5, edge_tiles=edge_tiles)
     sel = cdf_select(s, 0.6, valid=~k_odd, floor=math.ceil(0.2 * nt)) | forced
-    res = sparge_attention(q, k, v, video_shape=grid, cdfthreshd=0.6, topk=0.2, text_len=text_len, simthreshd1=thr,
-                           edge_tiles=edge_tiles)
+    res = sparge_attention(
+        q, k, v, video_shape=grid, cdfthreshd=0.6, topk=0.2, text_len=text_len, simthreshd1=thr, edge_tiles=edge_tiles
+    )
     mask = with_text(sel[:, :, ids][:, :, :, ids], text_len)
     assert torch.equal(plan_token_mask(res[2]), mask)
     check_output(res, q, k, v, mask)
@@ -455,9 +521,12 @@ def test_sparge_selection_rule_is_checked():
     from ditattn.errors import AttentionConfigError
 
     q, k, v = qkv((3, 5, 7), 0, heads=1, dim=64, batch=1)
-    for kw, frag in [({"cdfthreshd": 0.0}, r"cdfthreshd must be a number in \(0, 1\], got 0.0"),
-                     ({"cdfthreshd": 1.5}, "cdfthreshd must"), ({"cdfthreshd": True}, "cdfthreshd must"),
-                     ({"topk": 0}, "topk must")]:
+    for kw, frag in [
+        ({"cdfthreshd": 0.0}, r"cdfthreshd must be a number in \(0, 1\], got 0.0"),
+        ({"cdfthreshd": 1.5}, "cdfthreshd must"),
+        ({"cdfthreshd": True}, "cdfthreshd must"),
+        ({"topk": 0}, "topk must"),
+    ]:
         with pytest.raises(AttentionConfigError, match=frag):
             sparge_attention(q, k, v, video_shape=(3, 5, 7), **kw)
     plan = sparge_attention(q, k, v, video_shape=(3, 5, 7))[2]
@@ -503,7 +572,9 @@ def select_independent(gates, own, mode, k, thr):
     return chosen
 
 
-def vmoba_mask_independent(q, k, grid, text_len, mode, chunk, select_mode, topk, thr, ttype, qblock=64, gate_kind="mean"):
+def vmoba_mask_independent(
+    q, k, grid, text_len, mode, chunk, select_mode, topk, thr, ttype, qblock=64, gate_kind="mean"
+):
     B, S, H, D = q.shape
     N = S - text_len
     cid = vmoba_chunk_ids(grid, mode, chunk)
@@ -516,7 +587,7 @@ def vmoba_mask_independent(q, k, grid, text_len, mode, chunk, select_mode, topk,
     for c in range(nc):
         toks = torch.nonzero(cid == c).flatten().tolist()
         for i in range(0, len(toks), qblock):
-            qblocks.append((c, toks[i:i + qblock]))
+            qblocks.append((c, toks[i : i + qblock]))
     kmean = group_means(k[:, :N], cid, nc)  # [B,H,nc,D]
     gate = torch.zeros(B, H, len(qblocks), nc, dtype=torch.float64)
     for j, (_, toks) in enumerate(qblocks):
@@ -554,8 +625,11 @@ def vmoba_mask_independent(q, k, grid, text_len, mode, chunk, select_mode, topk,
     return with_text(tok, text_len), sel
 
 
-VMOBA_CASES = [(m, c, s, "query_head") for m, c in [("temporal", 2), ("spatial", (3, 4)), ("st", (1, 3, 4))]
-               for s in ("topk", "threshold")]
+VMOBA_CASES = [
+    (m, c, s, "query_head")
+    for m, c in [("temporal", 2), ("spatial", (3, 4)), ("st", (1, 3, 4))]
+    for s in ("topk", "threshold")
+]
 VMOBA_CASES += [("temporal", 2, s, t) for s in ("topk", "threshold") for t in ("head_global", "overall")]
 VMOBA_CASES += [("spatial", (3, 4), "threshold", "overall")]
 
@@ -565,8 +639,21 @@ VMOBA_CASES += [("spatial", (3, 4), "threshold", "overall")]
 def test_vmoba_selection(mode, chunk, select_mode, ttype, gate):
     grid, text_len = (4, 6, 9), 7
     q, k, v = qkv(grid, text_len, heads=2, seed=4)
-    res = vmoba_attention(q, k, v, video_shape=grid, mode=mode, chunk=chunk, topk=2, select_mode=select_mode,
-                          threshold=0.4, threshold_type=ttype, gate=gate, text_len=text_len, return_lse=True)
+    res = vmoba_attention(
+        q,
+        k,
+        v,
+        video_shape=grid,
+        mode=mode,
+        chunk=chunk,
+        topk=2,
+        select_mode=select_mode,
+        threshold=0.4,
+        threshold_type=ttype,
+        gate=gate,
+        text_len=text_len,
+        return_lse=True,
+    )
     vol = {"temporal": 2 * 6 * 9, "spatial": 4 * 3 * 4, "st": 1 * 3 * 4}[mode]
     qblock = 64 if vol >= 64 else max(16, 2 ** math.ceil(math.log2(vol)))  # small chunks: smaller blocks
     assert res[2].layout.block_size == qblock
@@ -583,8 +670,9 @@ def test_vmoba_defaults_and_layer_cycle():
     assert res[2].extra["chunk"] == (2, 3)  # ceil(6/4), ceil(9/4)
     assert res[2].extra["topk"] == math.ceil(res[2].extra["n_chunks"] / 4)
     assert res[2].extra["gate"] == "pooled_query"
-    mask, _ = vmoba_mask_independent(q, k, grid, 0, "spatial", (2, 3), "threshold", 1, 0.25, "query_head",
-                                     gate_kind="pooled_query")
+    mask, _ = vmoba_mask_independent(
+        q, k, grid, 0, "spatial", (2, 3), "threshold", 1, 0.25, "query_head", gate_kind="pooled_query"
+    )
     assert torch.equal(plan_token_mask(res[2]), mask)
     check_output(res, q, k, v, mask)
     modes = [vmoba_layer_mode(i, first_full_layer=2, temporal_layer=1, spatial_layer=2, st_layer=1) for i in range(9)]
@@ -610,8 +698,8 @@ def svg2_mask_independent(q, k, plan, text_len, top_p, scale, bs, predictor="poo
     sels = torch.zeros(B, H, Cq, Ck, dtype=torch.bool)
     for b in range(B):
         for h in range(H):
-            cq = group_means(q[b:b + 1, :N, h:h + 1], ql[b, h], Cq)[0, 0]
-            ck = group_means(k[b:b + 1, :N, h:h + 1], kl[b, h], Ck)[0, 0]
+            cq = group_means(q[b : b + 1, :N, h : h + 1], ql[b, h], Cq)[0, 0]
+            ck = group_means(k[b : b + 1, :N, h : h + 1], kl[b, h], Ck)[0, 0]
             size = torch.bincount(kl[b, h], minlength=Ck).double()
             qsize = torch.bincount(ql[b, h], minlength=Cq)
             for i in range(Cq):
@@ -636,7 +724,7 @@ def svg2_mask_independent(q, k, plan, text_len, top_p, scale, bs, predictor="poo
             def blocks(order, labels):
                 out = []
                 for a in range(0, S, bs):
-                    toks = order[a:a + bs]
+                    toks = order[a : a + bs]
                     out.append(({int(labels[t]) for t in toks if t < N}, any(t >= N for t in toks), toks))
                 return out
 
@@ -653,10 +741,22 @@ def svg2_mask_independent(q, k, plan, text_len, top_p, scale, bs, predictor="poo
 @pytest.mark.parametrize("predictor", ["pooled_query", "centroids"])
 def test_svg2_cluster_pairs(grid, text_len, predictor):
     q, k, v = qkv(grid, text_len, heads=2, seed=6)
-    res = svg2_attention(q, k, v, video_shape=grid, text_len=text_len, num_q_clusters=6, num_k_clusters=9,
-                         kmeans_iters=4, top_p=0.6, block_size=8, predictor=predictor, return_lse=True)
+    res = svg2_attention(
+        q,
+        k,
+        v,
+        video_shape=grid,
+        text_len=text_len,
+        num_q_clusters=6,
+        num_k_clusters=9,
+        kmeans_iters=4,
+        top_p=0.6,
+        block_size=8,
+        predictor=predictor,
+        return_lse=True,
+    )
     plan = res[2]
-    mask, sels = svg2_mask_independent(q, k, plan, text_len, 0.6, 16 ** -0.5, 8, predictor)
+    mask, sels = svg2_mask_independent(q, k, plan, text_len, 0.6, 16**-0.5, 8, predictor)
     assert torch.equal(plan.extra["selection"], sels)
     assert torch.equal(svg2_token_mask(plan), mask)
     check_output(res, q, k, v, mask)
@@ -668,8 +768,16 @@ def test_svg2_warm_start_reuse_and_reset():
 
     grid = (3, 6, 8)
     q, k, v = qkv(grid, 0, heads=2, seed=8)
-    kw = dict(video_shape=grid, num_q_clusters=5, num_k_clusters=7, kmeans_iters=6, top_p=0.7, block_size=16,
-              state_key="t", warm_iters=1)
+    kw = dict(
+        video_shape=grid,
+        num_q_clusters=5,
+        num_k_clusters=7,
+        kmeans_iters=6,
+        top_p=0.7,
+        block_size=16,
+        state_key="t",
+        warm_iters=1,
+    )
     reset_svg2_state()
     modes = []
     for step in (0, 1, 2):
@@ -730,7 +838,7 @@ def sla_masks_independent(q, k, grid, tile, text_len, topk, negl, scale, edge_ti
     crit = torch.zeros_like(s, dtype=torch.bool).scatter_(-1, order[..., :n_crit], True)
     negl_m = torch.zeros_like(crit)
     if n_negl:
-        negl_m.scatter_(-1, order[..., nt - n_negl:], True)
+        negl_m.scatter_(-1, order[..., nt - n_negl :], True)
     marg = ~crit & ~negl_m
     tok = lambda m: m[:, :, ids][:, :, :, ids]  # noqa: E731
     crit_tok = with_text(tok(crit), text_len)
@@ -743,9 +851,19 @@ def sla_masks_independent(q, k, grid, tile, text_len, topk, negl, scale, edge_ti
 @pytest.mark.parametrize("edge_tiles", ["padded", "packed"])
 def test_sla_sparse_branch_and_linear_branch(grid, text_len, edge_tiles):
     q, k, v = qkv(grid, text_len, heads=2, dim=16, seed=8)
-    scale = 16 ** -0.5
-    res = sla_attention(q, k, v, video_shape=grid, text_len=text_len, topk=0.3, negligible_fraction=0.3,
-                        block_size=32, return_lse=True, edge_tiles=edge_tiles)
+    scale = 16**-0.5
+    res = sla_attention(
+        q,
+        k,
+        v,
+        video_shape=grid,
+        text_len=text_len,
+        topk=0.3,
+        negligible_fraction=0.3,
+        block_size=32,
+        return_lse=True,
+        edge_tiles=edge_tiles,
+    )
     crit, marg = sla_masks_independent(q, k, grid, (2, 4, 4), text_len, 0.3, 0.3, scale, edge_tiles)
     assert torch.equal(plan_token_mask(res[2]), crit)
     check_output(res, q, k, v, crit)  # no projection in the checkpoint: the sparse branch alone
@@ -753,14 +871,27 @@ def test_sla_sparse_branch_and_linear_branch(grid, text_len, edge_tiles):
     g = torch.Generator().manual_seed(9)
     W = torch.randn(16, 16, generator=g) * 0.1
     bias = torch.randn(16, generator=g) * 0.1
-    out, _, _ = sla_attention(q, k, v, video_shape=grid, text_len=text_len, topk=0.3, negligible_fraction=0.3,
-                              block_size=32, proj_weight=W, proj_bias=bias, edge_tiles=edge_tiles)
+    out, _, _ = sla_attention(
+        q,
+        k,
+        v,
+        video_shape=grid,
+        text_len=text_len,
+        topk=0.3,
+        negligible_fraction=0.3,
+        block_size=32,
+        proj_weight=W,
+        proj_bias=bias,
+        edge_tiles=edge_tiles,
+    )
     fq = torch.softmax(q.double(), -1).transpose(1, 2)
     fk = torch.softmax(k.double(), -1).transpose(1, 2)
     a = (fq @ fk.transpose(-1, -2)) * marg
     den = a.sum(-1, keepdim=True)
     ol = torch.where(den > 0, (a @ v.double().transpose(1, 2)) / den.clamp(min=1e-300), torch.zeros(1).double())
-    expect = reference_attention(q, k, v, mask=crit)[0].double() + (ol.transpose(1, 2) @ W.double().t() + bias.double())
+    expect = reference_attention(q, k, v, mask=crit)[0].double() + (
+        ol.transpose(1, 2) @ W.double().t() + bias.double()
+    )
     torch.testing.assert_close(out.double(), expect, rtol=0, atol=1e-5)
 
 
@@ -787,16 +918,27 @@ def quantize_independent(x, grid, tile, text_len, smooth, edge_tiles="padded"):
 @pytest.mark.parametrize("edge_tiles", ["padded", "packed"])
 def test_sage_sla_quantized_sparse_branch(grid, text_len, edge_tiles):
     q, k, v = qkv(grid, text_len, heads=2, seed=10)
-    res = sla_attention(q, k, v, video_shape=grid, text_len=text_len, topk=0.4, block_size=32, quantize=True,
-                        return_lse=True, edge_tiles=edge_tiles)
-    crit, _ = sla_masks_independent(q, k, grid, (2, 4, 4), text_len, 0.4, 0.0, 16 ** -0.5, edge_tiles)
+    res = sla_attention(
+        q,
+        k,
+        v,
+        video_shape=grid,
+        text_len=text_len,
+        topk=0.4,
+        block_size=32,
+        quantize=True,
+        return_lse=True,
+        edge_tiles=edge_tiles,
+    )
+    crit, _ = sla_masks_independent(q, k, grid, (2, 4, 4), text_len, 0.4, 0.0, 16**-0.5, edge_tiles)
     assert torch.equal(plan_token_mask(res[2]), crit)
     qd = quantize_independent(q, grid, (2, 4, 4), text_len, smooth=False, edge_tiles=edge_tiles)
     kd = quantize_independent(k, grid, (2, 4, 4), text_len, smooth=True, edge_tiles=edge_tiles)
     ro, _ = reference_attention(qd, kd, v.double(), mask=crit, dtype=torch.float64)
     torch.testing.assert_close(res[0].double(), ro, rtol=0, atol=2e-5)
-    exact = sla_attention(q, k, v, video_shape=grid, text_len=text_len, topk=0.4, block_size=32,
-                          edge_tiles=edge_tiles)[0]
+    exact = sla_attention(
+        q, k, v, video_shape=grid, text_len=text_len, topk=0.4, block_size=32, edge_tiles=edge_tiles
+    )[0]
     assert 0 < (res[0] - exact).abs().max() < 0.05  # quantization is lossy but close
 
 
@@ -804,8 +946,20 @@ def test_sage_sla_quantized_sparse_branch(grid, text_len, edge_tiles):
 # Sol
 
 
-def sol_reference(q, k, v, grid, text_len, tau, thresh_type, sink, scale, edge_tiles="padded", predictor="pooled",
-                  centroid_variance=False):
+def sol_reference(
+    q,
+    k,
+    v,
+    grid,
+    text_len,
+    tau,
+    thresh_type,
+    sink,
+    scale,
+    edge_tiles="padded",
+    predictor="pooled",
+    centroid_variance=False,
+):
     """Independent Sol: exact tokens of routed blocks + centroid virtual keys of the other blocks.
     ``pooled_query``: the rule's count per query block, filled with its neighbours, then the best
     log sum_{t in block j} exp(scale * mean_i(q) . k_t); ``centroid_variance``: virtual key j's
@@ -814,7 +968,7 @@ def sol_reference(q, k, v, grid, text_len, tau, thresh_type, sink, scale, edge_t
     N = S - text_len
     special = torch.zeros(S, dtype=torch.bool)
     special[N:] = True
-    special[sink[0]:sink[1]] = True
+    special[sink[0] : sink[1]] = True
     tid, groups = block_ids(grid, (4, 4, 4), edge_tiles, special[:N])
     tiles = range(len(groups))
     nv = len(groups)
@@ -825,18 +979,23 @@ def sol_reference(q, k, v, grid, text_len, tau, thresh_type, sink, scale, edge_t
     s = cq @ ck.transpose(-1, -2) * scale
     if thresh_type == "diag":
         mu = ck.mean(2, keepdim=True)
-        var_k = (ck ** 2).mean(2, keepdim=True) - mu ** 2
+        var_k = (ck**2).mean(2, keepdim=True) - mu**2
         m = (cq * mu).sum(-1) * scale
-        var = (cq ** 2 * var_k.clamp(min=0)).sum(-1) * scale ** 2
+        var = (cq**2 * var_k.clamp(min=0)).sum(-1) * scale**2
     else:
         m = s.mean(-1)
-        var = (s ** 2).mean(-1) - m ** 2
+        var = (s**2).mean(-1) - m**2
     thr = m + tau * torch.sqrt(var.clamp(min=0) + 1e-6)
     near = torch.tensor([[any(abs(a - b) <= 1 for a in gi for b in gj) for gj in groups] for gi in groups])
     exact = (s > thr.unsqueeze(-1)) | near
     if predictor == "pooled_query":
-        lse = torch.stack([torch.logsumexp(torch.einsum("bhid,bthd->bhit", cq, k[:, :N][:, tid == t].double()) * scale,
-                                           -1) for t in tiles], -1)  # [B,H,nv,nv]
+        lse = torch.stack(
+            [
+                torch.logsumexp(torch.einsum("bhid,bthd->bhit", cq, k[:, :N][:, tid == t].double()) * scale, -1)
+                for t in tiles
+            ],
+            -1,
+        )  # [B,H,nv,nv]
         count = exact.sum(-1)
         routed = torch.zeros_like(exact)
         for b, h, i in torch.cartesian_prod(*(torch.arange(x) for x in exact.shape[:3])).tolist():
@@ -856,7 +1015,7 @@ def sol_reference(q, k, v, grid, text_len, tau, thresh_type, sink, scale, edge_t
     bias = torch.cat([torch.zeros(S), cnt.log()]).view(1, 1, 1, -1).expand(B, H, S, -1)
     if centroid_variance:
         kvar = torch.stack([k[:, :N][:, tid == t].double().var(1, unbiased=False) for t in tiles], 2)  # [B,H,nv,D]
-        jensen = 0.5 * scale ** 2 * torch.einsum("bshd,bhjd->bhsj", q.double() ** 2, kvar)
+        jensen = 0.5 * scale**2 * torch.einsum("bshd,bhjd->bhsj", q.double() ** 2, kvar)
         bias = bias + torch.cat([torch.zeros(B, H, S, S, dtype=torch.float64), jensen], -1)
     return reference_attention(q.double(), kx, vx, mask=mask, attn_bias=bias, scale=scale, dtype=torch.float64), exact
 
@@ -866,15 +1025,29 @@ def sol_reference(q, k, v, grid, text_len, tau, thresh_type, sink, scale, edge_t
 @pytest.mark.parametrize("tau,sink", [(0.5, (0, 0)), (1.5, (10, 30))])
 @pytest.mark.parametrize("edge_tiles", ["padded", "packed"])
 @pytest.mark.parametrize("predictor,centroid_variance", [("pooled", False), ("pooled_query", True)])
-def test_sol_routing_and_centroid_branch(grid, text_len, thresh_type, tau, sink, edge_tiles, predictor,
-                                         centroid_variance):
+def test_sol_routing_and_centroid_branch(
+    grid, text_len, thresh_type, tau, sink, edge_tiles, predictor, centroid_variance
+):
     q, k, v = qkv(grid, text_len, heads=2, dim=16, batch=1, seed=11)
-    scale = 16 ** -0.5
-    out, lse, plan = sol_attention(q, k, v, video_shape=grid, text_len=text_len, tau=tau, thresh_type=thresh_type,
-                                   sink_start=sink[0], sink_tokens=sink[1] - sink[0], return_lse=True,
-                                   edge_tiles=edge_tiles, predictor=predictor, centroid_variance=centroid_variance)
-    (ro, rl), exact = sol_reference(q, k, v, grid, text_len, tau, thresh_type, sink, scale, edge_tiles, predictor,
-                                    centroid_variance)
+    scale = 16**-0.5
+    out, lse, plan = sol_attention(
+        q,
+        k,
+        v,
+        video_shape=grid,
+        text_len=text_len,
+        tau=tau,
+        thresh_type=thresh_type,
+        sink_start=sink[0],
+        sink_tokens=sink[1] - sink[0],
+        return_lse=True,
+        edge_tiles=edge_tiles,
+        predictor=predictor,
+        centroid_variance=centroid_variance,
+    )
+    (ro, rl), exact = sol_reference(
+        q, k, v, grid, text_len, tau, thresh_type, sink, scale, edge_tiles, predictor, centroid_variance
+    )
     assert plan.layout.n_video_blocks == exact.shape[-1]
     assert torch.equal(plan.extra["exact"], exact)
     assert 0 < float(exact.float().mean()) < 1

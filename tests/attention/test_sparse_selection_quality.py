@@ -2,6 +2,7 @@
 small structured case (q/k with Wan's 3-D RoPE, spatial / temporal / global heads, sink tokens:
 ``ditattn.evaluation.structured``), fp32 and exact kept blocks: the new default must be clearly more
 accurate at the same kept fraction."""
+
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -8,6 +8,7 @@ bits, float32 -> bf16 truncation, fp8 subnormals); ``ditattn.attention.kernels.i
 fixes them for the product's CPU path, enabled by the kernels' device check — these tests run
 without any patch of their own, so they also check that it is enabled.
 """
+
 import math
 import os
 
@@ -45,10 +46,15 @@ def _rand(*shape, dtype, gen, shift=0.0):
 # block-sparse
 
 
-@pytest.mark.parametrize("dtype,kv_per_iter,gqa,tma,ws", [(torch.float16, 1, False, False, False),
-                                                          (torch.bfloat16, 2, True, False, False),
-                                                          (torch.bfloat16, 1, True, True, False),
-                                                          (torch.bfloat16, 1, False, True, True)])
+@pytest.mark.parametrize(
+    "dtype,kv_per_iter,gqa,tma,ws",
+    [
+        (torch.float16, 1, False, False, False),
+        (torch.bfloat16, 2, True, False, False),
+        (torch.bfloat16, 1, True, True, False),
+        (torch.bfloat16, 1, False, True, True),
+    ],
+)
 def test_block_sparse_matches_reference(dtype, kv_per_iter, gqa, tma, ws):
     from ditattn.attention.kernels.block_sparse_triton import block_sparse_attention_triton
     from ditattn.attention.sparse.block_sparse import block_mask_to_lists, block_sparse_attention
@@ -64,18 +70,28 @@ def test_block_sparse_matches_reference(dtype, kv_per_iter, gqa, tma, ws):
     idx, cnt = block_mask_to_lists(bm)
     valid = torch.ones(B, S, dtype=torch.bool)
     valid[1, -7:] = False
-    valid[0, bs + 3:bs + 9] = False  # padding inside a key block (tile layouts pad many blocks)
-    valid[1, 2 * bs:3 * bs] = False  # a key block that is all padding
-    o, lse = block_sparse_attention_triton(q, k, v, idx, cnt, block_size=bs, kv_valid=valid, return_lse=True,
-                                           config={"kv_per_iter": kv_per_iter, "tma": tma, "warp_specialize": ws})
-    ro, rl = block_sparse_attention(q.double(), k.double(), v.double(), idx, cnt, block_size=bs, kv_valid=valid,
-                                    return_lse=True, impl="reference")
+    valid[0, bs + 3 : bs + 9] = False  # padding inside a key block (tile layouts pad many blocks)
+    valid[1, 2 * bs : 3 * bs] = False  # a key block that is all padding
+    o, lse = block_sparse_attention_triton(
+        q,
+        k,
+        v,
+        idx,
+        cnt,
+        block_size=bs,
+        kv_valid=valid,
+        return_lse=True,
+        config={"kv_per_iter": kv_per_iter, "tma": tma, "warp_specialize": ws},
+    )
+    ro, rl = block_sparse_attention(
+        q.double(), k.double(), v.double(), idx, cnt, block_size=bs, kv_valid=valid, return_lse=True, impl="reference"
+    )
     assert torch.isfinite(o.float()).all()
     assert rel(o, ro) <= 2 * _sdpa_error(q, k, v) + 1e-4
     fin = torch.isfinite(rl)
     assert torch.equal(fin, torch.isfinite(lse))
     assert (lse[fin] - rl[fin]).abs().max() < 1e-2
-    assert (o[0, 2 * bs:3 * bs, 1] == 0).all()
+    assert (o[0, 2 * bs : 3 * bs, 1] == 0).all()
 
 
 @pytest.mark.parametrize("has_var", [False, True])
@@ -93,9 +109,8 @@ def test_block_centroid_kernel_matches_torch(has_var):
     approx = torch.rand(B, H, nb, NV, generator=g) < 0.6
     approx[0, 1, 2] = False
     kvar = torch.rand(B, H, NV, D, generator=g) * 2 if has_var else None
-    out, lse = block_centroid_attention(q, kc, vc, logw, approx, block_size=bs, scale=D ** -0.5, block_n=16,
-                                        kvar=kvar)
-    s = torch.einsum("bphd,bhnd->bhpn", q.double(), kc.double()) * D ** -0.5 + logw.double()
+    out, lse = block_centroid_attention(q, kc, vc, logw, approx, block_size=bs, scale=D**-0.5, block_n=16, kvar=kvar)
+    s = torch.einsum("bphd,bhnd->bhpn", q.double(), kc.double()) * D**-0.5 + logw.double()
     if has_var:
         s = s + 0.5 / D * torch.einsum("bphd,bhnd->bhpn", q.double() ** 2, kvar.bfloat16().double())
     s = s.masked_fill(~approx.repeat_interleave(bs, dim=2), float("-inf"))
@@ -103,8 +118,8 @@ def test_block_centroid_kernel_matches_torch(has_var):
     p = torch.nan_to_num(torch.exp(s - ref_lse[..., None]))
     ref = torch.einsum("bhpn,bhnd->bphd", p, vc.double())
     fin = torch.isfinite(ref_lse)
-    assert torch.equal(fin, torch.isfinite(lse)) and not fin[0, 1, 2 * bs:3 * bs].any()
-    assert (out[0, 2 * bs:3 * bs, 1] == 0).all()
+    assert torch.equal(fin, torch.isfinite(lse)) and not fin[0, 1, 2 * bs : 3 * bs].any()
+    assert (out[0, 2 * bs : 3 * bs, 1] == 0).all()
     assert rel(out, ref) < 1e-2 and (lse[fin] - ref_lse[fin]).abs().max() < 1e-2
 
 
@@ -121,16 +136,16 @@ def test_pooled_query_block_scores_kernel_matches_torch(variance):
     lay = make_tile_layout(grid, (4, 4, 4))
     q, k = (_rand(1, 144, 2, 32, dtype=torch.bfloat16, gen=g, shift=0.3) for _ in range(2))
     qt, kt = tile(q, lay), tile(k, lay)
-    got = pooled_query_block_scores(qt, kt, lay, 32 ** -0.5, variance=variance, impl="triton")
-    want = pooled_query_block_scores(qt.double(), kt.double(), lay, 32 ** -0.5, variance=variance,
-                                     impl="reference")
+    got = pooled_query_block_scores(qt, kt, lay, 32**-0.5, variance=variance, impl="triton")
+    want = pooled_query_block_scores(qt.double(), kt.double(), lay, 32**-0.5, variance=variance, impl="reference")
     assert got.dtype == torch.float32 and got.shape == want.shape == (1, 2, 4, 4)
     assert (got.double() - want).abs().max() < 3e-2
     from ditattn.attention.kernels.block_scores import pooled_query_lse
 
     with pytest.raises(AttentionConfigError, match="block_size"):
-        pooled_query_lse(torch.zeros(1, 2, 4, 32), None, kt[:, :96], torch.ones(96, dtype=torch.bool), block_size=48,
-                         scale=1.0)
+        pooled_query_lse(
+            torch.zeros(1, 2, 4, 32), None, kt[:, :96], torch.ones(96, dtype=torch.bool), block_size=48, scale=1.0
+        )
 
 
 def test_sage_sla_triton_path_matches_reference_path():
@@ -163,9 +178,11 @@ def test_sparse_triton_paths_under_inference_mode():
     grid = (3, 5, 11)  # a grid no other test uses: its tile layout (cached) is first built in inference mode
     g = torch.Generator().manual_seed(4)
     q, k, v = (_rand(1, 165, 2, 32, dtype=torch.bfloat16, gen=g) for _ in range(3))
-    runs = [lambda: video_sparse_attention(q, k, v, video_shape=grid, sparsity=0.5, impl="triton")[0],
-            lambda: sla_attention(q, k, v, video_shape=grid, topk=0.4, block_size=32, quantize=True, impl="triton")[0],
-            lambda: sol_attention(q, k, v, video_shape=grid, tau=0.5, impl="triton")[0]]
+    runs = [
+        lambda: video_sparse_attention(q, k, v, video_shape=grid, sparsity=0.5, impl="triton")[0],
+        lambda: sla_attention(q, k, v, video_shape=grid, topk=0.4, block_size=32, quantize=True, impl="triton")[0],
+        lambda: sol_attention(q, k, v, video_shape=grid, tau=0.5, impl="triton")[0],
+    ]
     for run in runs:
         with torch.inference_mode():
             inside = run()
@@ -194,11 +211,27 @@ def test_packed_edge_tiles_on_the_triton_kernels(backend):
     S = grid[0] * grid[1] * grid[2] + text_len
     q, k, v = (_rand(1, S, 2, 32, dtype=torch.bfloat16, gen=g) for _ in range(3))
     if backend == "vsa":
-        run = lambda impl: video_sparse_attention(q, k, v, video_shape=grid, sparsity=0.5, text_len=text_len,  # noqa: E731
-                                                  return_lse=True, impl=impl)
+        run = lambda impl: video_sparse_attention(
+            q,
+            k,
+            v,
+            video_shape=grid,
+            sparsity=0.5,
+            text_len=text_len,  # noqa: E731
+            return_lse=True,
+            impl=impl,
+        )
     else:
-        run = lambda impl: sol_attention(q, k, v, video_shape=grid, text_len=text_len, tau=0.5,  # noqa: E731
-                                         return_lse=True, impl=impl)
+        run = lambda impl: sol_attention(
+            q,
+            k,
+            v,
+            video_shape=grid,
+            text_len=text_len,
+            tau=0.5,  # noqa: E731
+            return_lse=True,
+            impl=impl,
+        )
     out, lse, plan = run("triton")
     ro, rl, rplan = run("reference")
     lay = plan.layout
@@ -220,8 +253,16 @@ def test_sol_fused_centroids_match_float32_path(predictor, centroid_variance):
     g = torch.Generator().manual_seed(3)
     S = grid[0] * grid[1] * grid[2] + text_len
     q, k, v = (_rand(1, S, H, D, dtype=torch.bfloat16, gen=g) for _ in range(3))
-    kw = dict(video_shape=grid, text_len=text_len, tau=0.5, sink_start=3, sink_tokens=20, return_lse=True,
-              predictor=predictor, centroid_variance=centroid_variance)
+    kw = dict(
+        video_shape=grid,
+        text_len=text_len,
+        tau=0.5,
+        sink_start=3,
+        sink_tokens=20,
+        return_lse=True,
+        predictor=predictor,
+        centroid_variance=centroid_variance,
+    )
     out, lse, plan = sol_attention(q, k, v, impl="triton", **kw)
     ro, rl, rplan = sol_attention(q.double(), k.double(), v.double(), impl="reference", **kw)
     assert torch.equal(plan.extra["exact"], rplan.extra["exact"])
@@ -287,7 +328,9 @@ def test_block_sparse_rejects_bad_input():
 # int8 attention
 
 
-@pytest.mark.parametrize("pv,gran,causal", [("fp16", "token", False), ("fp16", "block", True), ("fp8", "token", False)])
+@pytest.mark.parametrize(
+    "pv,gran,causal", [("fp16", "token", False), ("fp16", "block", True), ("fp8", "token", False)]
+)
 def test_int8_attention_kernel(pv, gran, causal):
     from ditattn.attention.kernels.int8_attention import int8_attention, int8_attention_reference
 
@@ -297,11 +340,13 @@ def test_int8_attention_kernel(pv, gran, causal):
     k = _rand(B, Skv, Hkv, D, dtype=torch.bfloat16, gen=g, shift=0.7)  # a key mean for smoothing to remove
     v = _rand(B, Skv, Hkv, D, dtype=torch.bfloat16, gen=g)
     k_before = k.clone()
-    o, lse = int8_attention(q, k, v, causal=causal, return_lse=True, pv=pv, q_granularity=gran,
-                            config={"block_m": 64, "block_n": 64})
+    o, lse = int8_attention(
+        q, k, v, causal=causal, return_lse=True, pv=pv, q_granularity=gran, config={"block_m": 64, "block_n": 64}
+    )
     assert torch.equal(k, k_before)  # inputs untouched
-    qo, ql = int8_attention_reference(q, k, v, causal=causal, return_lse=True, pv=pv, q_granularity=gran,
-                                      block_m=64, block_n=64)
+    qo, ql = int8_attention_reference(
+        q, k, v, causal=causal, return_lse=True, pv=pv, q_granularity=gran, block_m=64, block_n=64
+    )
     ro, rl = reference_attention(q, k, v, causal=causal)
     bound = 0.025 if pv == "fp16" else 0.06
     assert rel(o, ro) < bound
@@ -317,8 +362,11 @@ def test_int8_attention_rejects_bad_input():
     with pytest.raises(AttentionConfigError, match="pv"):
         int8_attention(q, q, q, pv="int4")
     with pytest.raises(AttentionConfigError, match="head dim 48"):
-        int8_attention(torch.randn(1, 64, 2, 48, dtype=torch.float16), torch.randn(1, 64, 2, 48, dtype=torch.float16),
-                       torch.randn(1, 64, 2, 48, dtype=torch.float16))
+        int8_attention(
+            torch.randn(1, 64, 2, 48, dtype=torch.float16),
+            torch.randn(1, 64, 2, 48, dtype=torch.float16),
+            torch.randn(1, 64, 2, 48, dtype=torch.float16),
+        )
     with pytest.raises(AttentionConfigError, match="multiple of key/value heads"):
         int8_attention(torch.randn(1, 64, 3, 32, dtype=torch.float16), q, q)
 
@@ -351,9 +399,12 @@ def test_skip_softmax_dense_path_and_skipping():
     ro, rl = reference_attention(q, k, v)
     assert float(frac) == 0.0 and rel(o, ro) < 3e-3 and (lse - rl).abs().max() < 1e-2
 
-    o2, lse2, frac2 = skip_softmax_attention(q, k, v, threshold_scale_factor=16.0, return_lse=True,
-                                             allow_any_head_dim=True, config=cfg)
-    so, sl, sfrac = skip_softmax_reference(q, k, v, threshold_scale_factor=16.0, block_m=64, block_n=64, return_lse=True)
+    o2, lse2, frac2 = skip_softmax_attention(
+        q, k, v, threshold_scale_factor=16.0, return_lse=True, allow_any_head_dim=True, config=cfg
+    )
+    so, sl, sfrac = skip_softmax_reference(
+        q, k, v, threshold_scale_factor=16.0, block_m=64, block_n=64, return_lse=True
+    )
     assert 0.5 < sfrac < 1.0
     assert abs(float(frac2) - sfrac) <= 1.0 / 32 + 1e-6  # at most one of 32 tile decisions differs
     assert rel(o2, so) < 1e-2
@@ -371,10 +422,16 @@ def test_skip_softmax_rejects():
         skip_softmax_attention(q, q, q, threshold_scale_factor=0.0, allow_any_head_dim=True)
     with pytest.raises(AttentionConfigError, match="dtype"):
         skip_softmax_attention(q.float(), q.float(), q.float(), threshold_scale_factor=1.0, allow_any_head_dim=True)
-    for kw, pat in [({"has_mask": True}, "mask"), ({"causal": True}, "causal"), ({"ring_degree": 2}, "ring"),
-                    ({"role": "cross"}, "self-attention"), ({"dtype": torch.float32}, "float16"),
-                    ({"head_dim": 64}, "head dim"), ({"threshold_scale_factor": -1}, "> 0"),
-                    ({"start_step": -1}, "start_step")]:
+    for kw, pat in [
+        ({"has_mask": True}, "mask"),
+        ({"causal": True}, "causal"),
+        ({"ring_degree": 2}, "ring"),
+        ({"role": "cross"}, "self-attention"),
+        ({"dtype": torch.float32}, "float16"),
+        ({"head_dim": 64}, "head dim"),
+        ({"threshold_scale_factor": -1}, "> 0"),
+        ({"start_step": -1}, "start_step"),
+    ]:
         with pytest.raises(AttentionConfigError, match=pat):
             check_skip_softmax_request(**kw)
     check_skip_softmax_request(dtype=torch.bfloat16, head_dim=128, threshold_scale_factor=math.pi)
@@ -406,7 +463,7 @@ def test_tma_descriptor_paths_match_pointer_paths():
 
 def _ulp_close(a, b, dtype):
     """Within one rounding step of the dtype (sum order differs between Triton and PyTorch)."""
-    tol = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10, torch.float32: 1e-6}[dtype]
+    tol = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 1e-6}[dtype]
     return bool(((a.float() - b.float()).abs() <= tol * b.float().abs() + tol).all())
 
 
@@ -457,8 +514,17 @@ def test_qk_norm_rope_kernel_matches_reference(dtype):
         assert o.dtype == dtype and o.shape == (B, S, H * D)
         assert rel(o, r) < (1e-6 if dtype == torch.float32 else 5e-3)
     # against a float64 computation: the kernel is as accurate as the PyTorch ops in the same dtype
-    ref64 = qk_norm_rope(q.double(), k.double(), wq.double(), wk.double(), ang.cos().double(), ang.sin().double(),
-                         eps=1e-6, head_dim=D, impl="torch")
+    ref64 = qk_norm_rope(
+        q.double(),
+        k.double(),
+        wq.double(),
+        wk.double(),
+        ang.cos().double(),
+        ang.sin().double(),
+        eps=1e-6,
+        head_dim=D,
+        impl="torch",
+    )
     for o, r, e in zip(out, ref, ref64):
         assert rel(o, e) <= 2 * rel(r, e) + 1e-7
 
@@ -468,8 +534,9 @@ def test_wan_transformer_fused_kernels_match_plain_ops():
     from ditattn.attention.context import component_scope
     from ditattn.models.wan.transformer import WanTransformer, WanTransformerConfig
 
-    cfg = WanTransformerConfig(num_attention_heads=2, attention_head_dim=16, ffn_dim=48, num_layers=2, text_dim=24,
-                               freq_dim=32)
+    cfg = WanTransformerConfig(
+        num_attention_heads=2, attention_head_dim=16, ffn_dim=48, num_layers=2, text_dim=24, freq_dim=32
+    )
     torch.manual_seed(0)
     with component_scope("transformer"):
         model = WanTransformer(cfg, dtype=torch.bfloat16)
@@ -512,8 +579,12 @@ def test_pooled_query_lse_reads_permuted_probe_rows_without_a_copy():
     got = pooled_query_lse(rows, None, k, valid, block_size=32, scale=0.2)
     want = pooled_query_lse(rows.contiguous(), None, k, valid, block_size=32, scale=0.2)
     assert torch.equal(got, want)
-    ref = torch.logsumexp((0.2 * torch.einsum("bhmd,bnhd->bhmn", rows.double(), k.double()))
-                          .masked_fill(~valid, float("-inf")).view(1, 2, 5, 3, 32), -1)
+    ref = torch.logsumexp(
+        (0.2 * torch.einsum("bhmd,bnhd->bhmn", rows.double(), k.double()))
+        .masked_fill(~valid, float("-inf"))
+        .view(1, 2, 5, 3, 32),
+        -1,
+    )
     assert (got.double() - ref).abs().max() < 3e-2
 
 
@@ -530,7 +601,8 @@ def test_pooled_query_lse_gathers_key_blocks_through_an_index():
     k = _rand(1, 144, 2, 32, dtype=torch.bfloat16, gen=g, shift=0.3)
     rows = _rand(1, 2, 5, 32, dtype=torch.bfloat16, gen=g, shift=0.3)
     dev = lay.on(k.device)
-    got = pooled_query_lse(rows, None, k, dev.valid[: nv * bs], block_size=bs, scale=0.2,
-                           key_index=dev.source_clamped[: nv * bs])
+    got = pooled_query_lse(
+        rows, None, k, dev.valid[: nv * bs], block_size=bs, scale=0.2, key_index=dev.source_clamped[: nv * bs]
+    )
     want = pooled_query_lse(rows, None, tile(k, lay)[:, : nv * bs], dev.valid[: nv * bs], block_size=bs, scale=0.2)
     assert torch.equal(got, want) and torch.isfinite(got).all()

@@ -3,6 +3,7 @@
 One block per item of the issue, each on simulated platforms (no hardware needed). Items 7 and
 8e also have tests in test_pipeline_plan.py / test_selector.py, through ``ditattn plan``.
 """
+
 import json
 import logging
 
@@ -33,8 +34,9 @@ CPU = Platform.simulate("cpu")
 
 def decide(platform, *, backend=None, overrides=None, comp="transformer", head_dim=128, dtype=BF16, **kw):
     layer = LayerSpec(prefix="blocks.0.attn1", role=kw.pop("role", "self"), head_dim=head_dim, dtype=dtype, **kw)
-    settings = AttentionSettings(backend=B.from_name(backend) if backend else None,
-                                 component_overrides=parse_component_overrides(overrides))
+    settings = AttentionSettings(
+        backend=B.from_name(backend) if backend else None, component_overrides=parse_component_overrides(overrides)
+    )
     with use_platform(platform), component_scope(comp):
         return select_backend(layer, settings=settings)
 
@@ -44,7 +46,9 @@ class ToyDiT(nn.Module):
 
     def __init__(self, dim=128, dtype=BF16, required=None):
         super().__init__()
-        self.attn1 = LocalAttention(2, dim, role="self", prefix="blocks.0.attn1", dtype=dtype, required_backend=required)
+        self.attn1 = LocalAttention(
+            2, dim, role="self", prefix="blocks.0.attn1", dtype=dtype, required_backend=required
+        )
         self.attn2 = LocalAttention(2, dim, role="self", prefix="blocks.1.attn1", dtype=dtype)
         self.attn3 = LocalAttention(2, dim, role="cross", prefix="blocks.1.attn2", dtype=dtype)
 
@@ -130,6 +134,7 @@ def test_musa_sage_attn_runs_the_package(monkeypatch):
 
 # ---- item 2: skip softmax ---------------------------------------------------------------------
 
+
 def _qkv(seed=0, s=256, d=128):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(1, s, 2, d, generator=g).to(BF16) for _ in range(3)]
@@ -164,6 +169,7 @@ def test_skip_softmax_with_a_non_fa_override_is_refused():
 
 # ---- item 3: SM100 cuDNN first, FA per call when cuDNN has no kernel ---------------------------
 
+
 def test_sm100_cudnn_choice_falls_back_to_fa_per_call(caplog, monkeypatch):
     from ditattn.attention import selector
 
@@ -179,8 +185,10 @@ def test_sm100_cudnn_choice_falls_back_to_fa_per_call(caplog, monkeypatch):
         out = layer(q, k, v)  # CPU tensors: cuDNN has no kernel, so the call runs fa (torch_sdpa on CPU)
     expect = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
     assert torch.allclose(out.float(), expect.float(), atol=1e-2)
-    assert any("torch_cudnn_sdpa -> fa for this call" in r.getMessage() and r.levelno == logging.WARNING
-               for r in caplog.records)
+    assert any(
+        "torch_cudnn_sdpa -> fa for this call" in r.getMessage() and r.levelno == logging.WARNING
+        for r in caplog.records
+    )
     assert d.runtime_fallback_used and request_backends([layer], None) == ["torch_cudnn_sdpa", "fa"]
 
 
@@ -195,8 +203,18 @@ def test_explicit_cudnn_without_a_kernel_is_a_clear_error():
 
 # ---- item 4: Hopper sage_attn -> fa when the package lacks the SM90 fix -------------------------
 
-@pytest.mark.parametrize("version,lacks", [("2.2.0", True), ("2.1.1", True), ("1.0.6", False),
-                                           ("2.2.0+git.d9704247a513", False), ("2.2.1", False), (None, False)])
+
+@pytest.mark.parametrize(
+    "version,lacks",
+    [
+        ("2.2.0", True),
+        ("2.1.1", True),
+        ("1.0.6", False),
+        ("2.2.0+git.d9704247a513", False),
+        ("2.2.1", False),
+        (None, False),
+    ],
+)
 def test_sm90_fix_detection(version, lacks):
     pkgs = {"sageattention" + (f"=={version}" if version else "")}
     assert sage_lacks_sm90_fix(Platform.simulate("cuda", (9, 0), pkgs)) is lacks
@@ -238,6 +256,7 @@ def test_in_tree_head_dims_match_the_kernel():
 
 # ---- item 5: required backends survive request-scoped switches --------------------------------
 
+
 def test_required_layers_keep_their_backend_under_override_and_skip_softmax():
     model = build(required="torch_sdpa")
     assert model.attn1.decision.source == "required"
@@ -255,6 +274,7 @@ def test_a_required_sparse_layer_does_not_block_a_dense_override():
 
 
 # ---- item 8 ----------------------------------------------------------------------------------
+
 
 def test_fp8_fa_sm120_explicit_on_sm120_is_refused_not_swapped():
     rtx = Platform.simulate("cuda", (12, 0), {"flash_attn.cute"})
@@ -277,30 +297,42 @@ def test_pinning_component_override_substitution_is_a_warning(caplog):
 
 def test_auxiliary_fallback_from_the_global_backend_stays_info(caplog):
     with caplog.at_level(logging.INFO, logger="ditattn.attention"):
-        dec = decide(CPU, backend="sage_attn", comp="text_encoder", dtype=torch.float32, needs_bias=True,
-                     default_backend=B.TORCH_SDPA)
+        dec = decide(
+            CPU,
+            backend="sage_attn",
+            comp="text_encoder",
+            dtype=torch.float32,
+            needs_bias=True,
+            default_backend=B.TORCH_SDPA,
+        )
     assert dec.backend == B.TORCH_SDPA and dec.source == "layer_default"
     assert [r.levelno for r in caplog.records] == [logging.INFO]
 
 
-@pytest.mark.parametrize("sm,packages,expect", [
-    ((8, 0), {"flash_attn"}, B.FA),  # was torch_cudnn_sdpa: cuDNN-first is measured on SM90 only
-    ((8, 6), (), B.TORCH_SDPA),
-    ((8, 9), (), B.TORCH_SDPA),
-    ((12, 0), {"flash_attn"}, B.FA),
-    ((9, 0), {"flash_attn"}, B.TORCH_CUDNN_SDPA),  # measured on the H200
-    ((9, 0), {"flash_attn.cute"}, B.FA),
-    ((10, 0), {"flash_attn.cute"}, B.TORCH_CUDNN_SDPA),  # upstream's SM100 rule
-])
+@pytest.mark.parametrize(
+    "sm,packages,expect",
+    [
+        ((8, 0), {"flash_attn"}, B.FA),  # was torch_cudnn_sdpa: cuDNN-first is measured on SM90 only
+        ((8, 6), (), B.TORCH_SDPA),
+        ((8, 9), (), B.TORCH_SDPA),
+        ((12, 0), {"flash_attn"}, B.FA),
+        ((9, 0), {"flash_attn"}, B.TORCH_CUDNN_SDPA),  # measured on the H200
+        ((9, 0), {"flash_attn.cute"}, B.FA),
+        ((10, 0), {"flash_attn.cute"}, B.TORCH_CUDNN_SDPA),  # upstream's SM100 rule
+    ],
+)
 def test_cudnn_first_only_where_measured_or_upstream_says(sm, packages, expect):
     assert decide(Platform.simulate("cuda", sm, packages)).backend == expect
 
 
-@pytest.mark.parametrize("text,expect", [
-    ("topk=0.5,", {"topk": 0.5}),
-    ("dense_layers=0,1,", {"dense_layers": "0,1"}),
-    ("sparsity=0.5,,enable_x=true", {"sparsity": 0.5, "enable_x": True}),
-])
+@pytest.mark.parametrize(
+    "text,expect",
+    [
+        ("topk=0.5,", {"topk": 0.5}),
+        ("dense_layers=0,1,", {"dense_layers": "0,1"}),
+        ("sparsity=0.5,,enable_x=true", {"sparsity": 0.5, "enable_x": True}),
+    ],
+)
 def test_trailing_and_empty_commas_never_end_up_in_a_value(text, expect):
     assert parse_attention_backend_config(text) == expect
 
@@ -319,11 +351,17 @@ def test_transformer_2_role_key_keeps_inheritance_for_the_other_role():
 
 # ---- item 9: simulate a platform from the CLI -------------------------------------------------
 
+
 def test_plan_platform_flag_simulates_a_gpu(capsys):
     assert main(["plan", "--json", "--platform", "cuda:90", "--platform-packages", "flash_attn.cute,triton"]) == 0
     p = json.loads(capsys.readouterr().out)
-    assert p["platform"] == {"name": "cuda", "device": "cuda", "capability": [9, 0], "simulated": True,
-                             "packages": ["flash_attn.cute", "triton"]}
+    assert p["platform"] == {
+        "name": "cuda",
+        "device": "cuda",
+        "capability": [9, 0],
+        "simulated": True,
+        "packages": ["flash_attn.cute", "triton"],
+    }
     dit = [l for c in p["components"] if c["name"] == "transformer" for l in c["layers"]]
     assert {l["backend"] for l in dit} == {"fa"}
     assert main(["plan", "--platform", "cuda:100"]) == 0
@@ -341,13 +379,16 @@ def test_backends_platform_flag(capsys):
     assert "platform: cuda SM120 [simulated" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv,match", [
-    (["--platform", "tpu"], "unknown platform 'tpu'"),
-    (["--platform", "cuda:9x"], "bad compute capability"),
-    (["--platform", "xpu:90"], "cuda only"),
-    (["--platform", "cuda:90", "--platform-packages", "flash-attn"], "unknown package"),
-    (["--platform-packages", "triton"], "needs --platform"),
-])
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--platform", "tpu"], "unknown platform 'tpu'"),
+        (["--platform", "cuda:9x"], "bad compute capability"),
+        (["--platform", "xpu:90"], "cuda only"),
+        (["--platform", "cuda:90", "--platform-packages", "flash-attn"], "unknown package"),
+        (["--platform-packages", "triton"], "needs --platform"),
+    ],
+)
 def test_platform_flag_errors_are_one_line(capsys, argv, match):
     assert main(["plan", *argv]) == 2
     err = capsys.readouterr().err
@@ -377,20 +418,24 @@ def test_server_reports_what_runs_for_required_layers_and_skip_softmax():
     assert runner.backends_for(state) == ["torch_sdpa"]
 
 
-@pytest.mark.parametrize("sm,packages,head_dim,label", [
-    # measured fastest on SM90 from 16k tokens; shorter calls run fa (the measured crossover)
-    ((9, 0), {"triton", "sageattention"}, 128, "in-tree Gluon SM90 kernel; fa (exact dense) below 16384 tokens"),
-    # a head dim the Gluon kernel lacks
-    ((9, 0), {"triton", "sageattention"}, 32, "in-tree Triton INT8 kernel; fa (exact dense) below 16384 tokens"),
-    ((8, 0), {"triton", "sageattention"}, 128, "sageattention package"),
-    ((8, 0), {"triton"}, 64, "in-tree Triton INT8 kernel"),
-    ((8, 0), {"triton", "sageattention"}, 96, "sageattention package"),
-])
+@pytest.mark.parametrize(
+    "sm,packages,head_dim,label",
+    [
+        # measured fastest on SM90 from 16k tokens; shorter calls run fa (the measured crossover)
+        ((9, 0), {"triton", "sageattention"}, 128, "in-tree Gluon SM90 kernel; fa (exact dense) below 16384 tokens"),
+        # a head dim the Gluon kernel lacks
+        ((9, 0), {"triton", "sageattention"}, 32, "in-tree Triton INT8 kernel; fa (exact dense) below 16384 tokens"),
+        ((8, 0), {"triton", "sageattention"}, 128, "sageattention package"),
+        ((8, 0), {"triton"}, 64, "in-tree Triton INT8 kernel"),
+        ((8, 0), {"triton", "sageattention"}, 96, "sageattention package"),
+    ],
+)
 def test_plan_runtime_label_is_the_sage_implementation_that_runs(sm, packages, head_dim, label):
     assert decide(Platform.simulate("cuda", sm, packages), backend="sage_attn", head_dim=head_dim).runtime == label
 
 
 # ---- merged with the arch branch: the sage dispatch table and the typed config ---------------
+
 
 def test_sage_auto_on_cuda_is_the_plan_rule_including_the_config():
     """``impl=auto`` (backend) and the plan's runtime label (selector) use one rule, including
@@ -403,8 +448,11 @@ def test_sage_auto_on_cuda_is_the_plan_rule_including_the_config():
     with pytest.raises(AttentionConfigError, match="no pv_dtype fp8"):
         sage.auto_impl("cuda", 96, False, "fp8", a100)
     layer = LayerSpec(prefix="blocks.0.attn1", role="self", head_dim=128, dtype=BF16)
-    for config, label in (({}, "sageattention package"), ({"pv_dtype": "fp8"}, "in-tree Triton INT8 kernel"),
-                          ({"impl": "triton"}, "in-tree Triton INT8 kernel")):
+    for config, label in (
+        ({}, "sageattention package"),
+        ({"pv_dtype": "fp8"}, "in-tree Triton INT8 kernel"),
+        ({"impl": "triton"}, "in-tree Triton INT8 kernel"),
+    ):
         settings = AttentionSettings(backend=B.SAGE_ATTN, config=config)
         with use_platform(a100), component_scope("transformer"):
             assert select_backend(layer, settings=settings).runtime == label
@@ -431,9 +479,11 @@ def test_simulated_platform_is_a_typed_config_section(tmp_path, capsys):
 
     sim = SimulationConfig(platform=" CUDA:90 ", platform_packages="flash_attn.cute, triton")
     assert (sim.platform, sim.platform_packages) == ("cuda:90", ("flash_attn.cute", "triton"))
-    for bad, match in (({"platform": "tpu"}, "platform: unknown platform 'tpu'"),
-                       ({"platform_packages": ["triton"]}, "needs --platform"),
-                       ({"platform": "cuda", "platform_packages": 3}, "platform_packages: expected")):
+    for bad, match in (
+        ({"platform": "tpu"}, "platform: unknown platform 'tpu'"),
+        ({"platform_packages": ["triton"]}, "needs --platform"),
+        ({"platform": "cuda", "platform_packages": 3}, "platform_packages: expected"),
+    ):
         with pytest.raises(AttentionConfigError, match=match):
             SimulationConfig(**bad)
     assert plan.run(RunConfig(simulation=sim, json=True)) == 0

@@ -1,5 +1,6 @@
 """bench/cache_frontier.py: its tuning and held-out prompt sets are disjoint from each other and from the
 shipped calibration's prompts, and a small run reports a threshold-0 variant as the uncached clip."""
+
 import importlib.util
 import json
 import os
@@ -28,9 +29,27 @@ def test_prompt_sets_are_disjoint_from_each_other_and_from_the_calibration():
 
 def test_small_run_reports_threshold_zero_as_uncached(tmp_path, run_bench):
     out = tmp_path / "f.json"
-    run_bench("cache_frontier.py", "--prompt-set", "heldout", "--prompts", "1", "--size", "32x32x5", "--steps", "4",
-              "--device", "cpu", "--dtype", "float32", "--variant", "teacache:threshold=0,start_step=0",
-              "--variant", "magcache:threshold=1,start_step=0,max_consecutive_skips=2", "--output", str(out))
+    run_bench(
+        "cache_frontier.py",
+        "--prompt-set",
+        "heldout",
+        "--prompts",
+        "1",
+        "--size",
+        "32x32x5",
+        "--steps",
+        "4",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--variant",
+        "teacache:threshold=0,start_step=0",
+        "--variant",
+        "magcache:threshold=1,start_step=0,max_consecutive_skips=2",
+        "--output",
+        str(out),
+    )
     rep = json.loads(out.read_text())
     mod = _bench()
     assert rep["meta"]["prompt_set"] == "heldout"

@@ -1,5 +1,6 @@
 """bench/dit_quant.py on the tiny architecture (CPU smoke of the H200 benchmark's code paths): the
 diffusers baseline, bf16 and INT8 rows with errors against bf16, FP8 refused with its reason here."""
+
 import json
 
 import pytest
@@ -10,8 +11,23 @@ pytest.importorskip("torchao")
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke run; on a GPU run the benchmark itself")
 def test_dit_quant_smoke(tmp_path, run_bench):
-    stdout = run_bench("dit_quant.py", "--arch", "tiny", "--res", "tiny", "--backends", "torch_sdpa", "--min-features",
-                       "128", "--repeats", "1", "--timesteps", "900,100", "--out-dir", str(tmp_path))
+    stdout = run_bench(
+        "dit_quant.py",
+        "--arch",
+        "tiny",
+        "--res",
+        "tiny",
+        "--backends",
+        "torch_sdpa",
+        "--min-features",
+        "128",
+        "--repeats",
+        "1",
+        "--timesteps",
+        "900,100",
+        "--out-dir",
+        str(tmp_path),
+    )
     rows = {(r["side"], r["quant"]): r for r in json.load(open(tmp_path / "dit_quant_tiny.json"))["rows"]}
     assert rows[("diffusers", "none")]["ms"] > 0
     bf16, int8 = rows[("ditattn", "none")], rows[("ditattn", "int8")]

@@ -1,5 +1,6 @@
 """bench/fidelity.py runs end to end on CPU (tiny grid, BENCH_DEVICE=cpu): structured inputs and an
 activation file, the STA search workflow, the table printed last, JSON and chart written."""
+
 import json
 
 import torch
@@ -14,8 +15,20 @@ def _write_activations(path, grid=(2, 8, 8), heads=2):
     S = grid[0] * grid[1] * grid[2]
     name = "transformer.blocks.3.attn1@step7"
     tensors = {f"{name}.{t}": torch.randn(1, S, heads, 128, generator=g).to(torch.bfloat16) for t in "qkv"}
-    entries = [{"name": name, "layer": "transformer.blocks.3.attn1", "layer_idx": 3, "step": 7,
-                "video_shape": list(grid), "text_len": 0, "scale": None, "prompt": "p", "seed": 0, "model": "m"}]
+    entries = [
+        {
+            "name": name,
+            "layer": "transformer.blocks.3.attn1",
+            "layer_idx": 3,
+            "step": 7,
+            "video_shape": list(grid),
+            "text_len": 0,
+            "scale": None,
+            "prompt": "p",
+            "seed": 0,
+            "model": "m",
+        }
+    ]
     save_file(tensors, path, metadata={"format": QKV_FORMAT, "entries": json.dumps(entries)})
 
 
@@ -23,10 +36,23 @@ def test_fidelity_smoke_on_cpu(tmp_path, run_bench):
     act = str(tmp_path / "act.safetensors")
     _write_activations(act)
     out = tmp_path / "fid"
-    stdout = run_bench("fidelity.py", "--grid", "4,8,8", "--heads", "2", "--cases",
-                       "sparge_attn (defaults),sparse_video_gen_2_attn (defaults),STA searched (default",
-                       "--activations", act, "--ref-rows", "64", "--out", str(out), env={"BENCH_DEVICE": "cpu"})
-    table = stdout[stdout.index("## Quality-vs-speed frontier"):]
+    stdout = run_bench(
+        "fidelity.py",
+        "--grid",
+        "4,8,8",
+        "--heads",
+        "2",
+        "--cases",
+        "sparge_attn (defaults),sparse_video_gen_2_attn (defaults),STA searched (default",
+        "--activations",
+        act,
+        "--ref-rows",
+        "64",
+        "--out",
+        str(out),
+        env={"BENCH_DEVICE": "cpu"},
+    )
+    table = stdout[stdout.index("## Quality-vs-speed frontier") :]
     assert "| structured | 2 | sparge_attn (defaults) |" in table
     assert "activations:transformer.blocks.3.attn1@step7" in table
     data = json.loads((out / "fidelity.json").read_text())
@@ -77,18 +103,67 @@ def test_fidelity_on_activations_captured_from_the_shapes_model(tmp_path, run_be
     the dense backend's error is the bf16 rounding floor, the quantized dense reference is close, a sparse
     backend is not, and the per-case summary over the activation inputs is printed and stored."""
     act = str(tmp_path / "shapes_qkv.safetensors")
-    out = run_bench("capture_qkv.py", "--model-path", "ditattn:shapes", "--prompt", "a red circle moving right",
-                    "--steps", "0,-1", "--layers", "0,5", "--num-inference-steps", "2", "--height", "128", "--width",
-                    "128", "--num-frames", "9", "--out", act)
+    out = run_bench(
+        "capture_qkv.py",
+        "--model-path",
+        "ditattn:shapes",
+        "--prompt",
+        "a red circle moving right",
+        "--steps",
+        "0,-1",
+        "--layers",
+        "0,5",
+        "--num-inference-steps",
+        "2",
+        "--height",
+        "128",
+        "--width",
+        "128",
+        "--num-frames",
+        "9",
+        "--out",
+        act,
+    )
     assert "wrote" in out and "(4 entries)" in out
     act2 = str(tmp_path / "shapes_qkv2.safetensors")
-    run_bench("capture_qkv.py", "--model-path", "ditattn:shapes", "--prompt", "a blue square moving up", "--steps",
-              "-1", "--layers", "2", "--num-inference-steps", "2", "--height", "128", "--width", "128", "--num-frames", "9",
-              "--out", act2)
+    run_bench(
+        "capture_qkv.py",
+        "--model-path",
+        "ditattn:shapes",
+        "--prompt",
+        "a blue square moving up",
+        "--steps",
+        "-1",
+        "--layers",
+        "2",
+        "--num-inference-steps",
+        "2",
+        "--height",
+        "128",
+        "--width",
+        "128",
+        "--num-frames",
+        "9",
+        "--out",
+        act2,
+    )
     fid = tmp_path / "fid"
-    stdout = run_bench("fidelity.py", "--no-structured", "--activations", act, "--activations", act2, "--error-only",
-                       "--ref-rows", "64", "--cases", "sage_attn (defaults),video_sparse_attn sparsity=0.75",
-                       "--out", str(fid), env={"BENCH_DEVICE": "cpu"})
+    stdout = run_bench(
+        "fidelity.py",
+        "--no-structured",
+        "--activations",
+        act,
+        "--activations",
+        act2,
+        "--error-only",
+        "--ref-rows",
+        "64",
+        "--cases",
+        "sage_attn (defaults),video_sparse_attn sparsity=0.75",
+        "--out",
+        str(fid),
+        env={"BENCH_DEVICE": "cpu"},
+    )
     data = json.loads((fid / "fidelity.json").read_text())
     rows = data["rows"]
     inputs = {r["input"] for r in rows}

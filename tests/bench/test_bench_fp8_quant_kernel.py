@@ -1,6 +1,7 @@
 """bench/fp8_quant_kernel.py (the FP8 activation quantizer, old kernel against new) on CPU: its code paths
 through Triton's interpreter on a few rows, the JSON and the table; bad arguments and a missing GPU
 are one line."""
+
 import json
 import os
 import sys
@@ -8,15 +9,30 @@ import sys
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke run; on a GPU run the benchmark itself")
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the CPU smoke run; on a GPU run the benchmark itself"
+)
 
 
 def test_fp8_quant_kernel_smoke(tmp_path, run_bench):
-    stdout = run_bench("fp8_quant_kernel.py", "--tokens", "6", "--check-rows", "4", "--shapes", "1.3b", "--sweep",
-                       "--out", str(tmp_path), env={"BENCH_DEVICE": "cpu"})
+    stdout = run_bench(
+        "fp8_quant_kernel.py",
+        "--tokens",
+        "6",
+        "--check-rows",
+        "4",
+        "--shapes",
+        "1.3b",
+        "--sweep",
+        "--out",
+        str(tmp_path),
+        env={"BENCH_DEVICE": "cpu"},
+    )
     data = json.loads((tmp_path / "fp8_quant_kernel.json").read_text())
     rows = data["rows"]
-    assert {(r["shape"], r["kernel"]) for r in rows} == {(s, k) for s in ("x1536", "ffn8960_gelu") for k in ("old", "new")}
+    assert {(r["shape"], r["kernel"]) for r in rows} == {
+        (s, k) for s in ("x1536", "ffn8960_gelu") for k in ("old", "new")
+    }
     assert sum(r["kernel"] == "new" and r["shape"] == "x1536" for r in rows) > 1  # the sweep
     for r in rows:
         assert r["ms"] > 0 and r["old_vs_new_codes_differ"] == 0 and r["old_vs_new_scales_differ"] == 0
@@ -30,7 +46,9 @@ def test_fp8_quant_kernel_smoke(tmp_path, run_bench):
 
 
 def test_fp8_quant_kernel_refusals(monkeypatch, capsys):
-    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench"))
+    monkeypatch.syspath_prepend(
+        os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench")
+    )
     for name in ("common", "fp8_quant_kernel"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     monkeypatch.delenv("BENCH_DEVICE", raising=False)

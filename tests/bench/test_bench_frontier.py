@@ -1,6 +1,7 @@
 """bench/frontier.py --smoke runs every part of the H200 error-budget call on the CPU at tiny sizes (capture from
 ditattn:shapes, the training-free preset with the budget on and off, the fallback cost, sage_attn against fa), writes
 few files, and ends with the short table; bench/fidelity.py's budget list and summary rules."""
+
 import importlib.util
 import json
 import os
@@ -24,8 +25,13 @@ def test_frontier_smoke_on_cpu(tmp_path, run_bench):
     assert set(data["parts"]) == {"capture", "fidelity", "sage"}
     assert all(p["rc"] == 0 and not p["timed_out"] for p in data["parts"].values()), data["parts"]
     got = {(e["case"], e["family"]): e for e in data["summary"]}
-    for case in ("sparge_attn (defaults)", "sol_attn (defaults)", "vmoba_attn (defaults)",
-                 "sparse_video_gen_2_attn (defaults)", "skip_softmax (budget)"):
+    for case in (
+        "sparge_attn (defaults)",
+        "sol_attn (defaults)",
+        "vmoba_attn (defaults)",
+        "sparse_video_gen_2_attn (defaults)",
+        "skip_softmax (budget)",
+    ):
         for fam in ("original", "weak", "activations"):
             e = got[case, fam]
             assert e["budget"] == "default" and "off" in e["at"], e
@@ -40,7 +46,7 @@ def test_frontier_smoke_on_cpu(tmp_path, run_bench):
     assert set(data["checks"]) >= {"defaults_within_5_percent", "two_backends_1_5x", "sage_at_least_fa"}
     files = [os.path.relpath(os.path.join(d, f), out) for d, _, fs in os.walk(out) for f in fs]
     assert len(files) <= 8 and max(f.count(os.sep) for f in files) <= 1, files
-    table = stdout[stdout.rindex("| case | family | budget |"):].strip().splitlines()
+    table = stdout[stdout.rindex("| case | family | budget |") :].strip().splitlines()
     assert len(table) == 2 + len(data["summary"]) == 2 + 5 * 3 + 2, table  # the table ends the output
     assert table[-1].startswith("| skip_softmax (budget) | weak | default |"), table[-1]
 
@@ -64,12 +70,25 @@ def test_summary_takes_the_worst_over_heads_and_judges_speed_on_structured_input
     fid = _fidelity()
 
     def row(fam, heads, err, x, budget="default", inp=None):
-        return {"input": inp or f"structured:{fam}", "family": fam, "heads": heads, "label": "sol_attn (defaults)",
-                "budget": budget, "rel_err": err, "cosine": 1 - err / 10, "speedup": x, "kept_fraction": 0.5,
-                "dense": False}
+        return {
+            "input": inp or f"structured:{fam}",
+            "family": fam,
+            "heads": heads,
+            "label": "sol_attn (defaults)",
+            "budget": budget,
+            "rel_err": err,
+            "cosine": 1 - err / 10,
+            "speedup": x,
+            "kept_fraction": 0.5,
+            "dense": False,
+        }
 
-    rows = [row("mixed", 12, 0.01, 1.6), row("mixed", 40, 0.04, 0.98), row("mixed", 40, 0.2, 2.5, "off"),
-            row(None, 2, 0.01, 0.1, inp="activations:x")]
+    rows = [
+        row("mixed", 12, 0.01, 1.6),
+        row("mixed", 40, 0.04, 0.98),
+        row("mixed", 40, 0.2, 2.5, "off"),
+        row(None, 2, 0.01, 0.1, inp="activations:x"),
+    ]
     s = {e["family"]: e for e in fid.frontier_summary(rows, "default,off")}
     assert s["mixed"]["worst_err"] == 0.04 and (s["mixed"]["x_min"], s["mixed"]["x_max"]) == (0.98, 1.6)
     assert s["mixed"]["ok"] is False  # slower than dense at 40 heads

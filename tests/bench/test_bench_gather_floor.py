@@ -1,6 +1,7 @@
 """The data-movement floor of bench/sparse.py (bench/gather_floor.py) reads exactly the listed tiles.
 
 Runs in the Triton interpreter on CPU (conftest) and natively on a GPU."""
+
 import os
 import sys
 
@@ -40,5 +41,5 @@ def test_math_only_equals_diagonal_block_attention():
     cnt = torch.randint(1, 4, (1, H, S // bs), generator=g).to(torch.int32).to(DEV)
     out = gather_floor.math_only(q, k, v, cnt, block_size=bs)
     qb, kb, vb = (t[0].float().view(S // bs, bs, H, D).permute(2, 0, 1, 3) for t in (q, k, v))  # [H, nb, bs, D]
-    ref = torch.softmax(qb @ kb.transpose(-1, -2) * D ** -0.5, -1) @ vb
+    ref = torch.softmax(qb @ kb.transpose(-1, -2) * D**-0.5, -1) @ vb
     torch.testing.assert_close(out[0].float(), ref.permute(1, 2, 0, 3).reshape(S, H, D), atol=2e-2, rtol=2e-2)

@@ -1,5 +1,6 @@
 """bench/judge_clips.py judges the clips of a ``ditattn compare --save-clips`` run (hand-made clips here: a
 red square that moves right under the reference variant and stays put under the other)."""
+
 import json
 
 import numpy as np
@@ -13,7 +14,7 @@ def _clip(moving: bool, frames=9, size=64):
     red = np.round(np.array(COLORS["red"]) * 255).astype(np.uint8)
     for f in range(frames):
         x0 = 8 + (f * 4 if moving else 0)  # 32 px = half the frame over the clip
-        clip[f, 24:40, x0:x0 + 12] = red
+        clip[f, 24:40, x0 : x0 + 12] = red
     return clip
 
 
@@ -21,13 +22,24 @@ def _write_run(tmp_path):
     from ditattn.evaluation.report import clip_key
 
     prompts = ["a red square moving right", "a cat"]
-    runs = lambda psnr: [{"prompt": p, "prompt_index": i, "seed": 0, "psnr": psnr, "ssim": 0.9}  # noqa: E731
-                         for i, p in enumerate(prompts)]
-    rep = {"reference": "dense", "variants": [{"name": "dense", "runs": runs(None), "summary": {}},
-                                              {"name": "vsa", "runs": runs("inf"), "summary": {"psnr_mean": 20.0}}]}
+    runs = lambda psnr: [
+        {"prompt": p, "prompt_index": i, "seed": 0, "psnr": psnr, "ssim": 0.9}  # noqa: E731
+        for i, p in enumerate(prompts)
+    ]
+    rep = {
+        "reference": "dense",
+        "variants": [
+            {"name": "dense", "runs": runs(None), "summary": {}},
+            {"name": "vsa", "runs": runs("inf"), "summary": {"psnr_mean": 20.0}},
+        ],
+    }
     (tmp_path / "compare.json").write_text(json.dumps(rep))
-    clips = {clip_key("dense", 0, 0): _clip(True), clip_key("vsa", 0, 0): _clip(False),
-             clip_key("dense", 1, 0): _clip(True), clip_key("vsa", 1, 0): _clip(True)}
+    clips = {
+        clip_key("dense", 0, 0): _clip(True),
+        clip_key("vsa", 0, 0): _clip(False),
+        clip_key("dense", 1, 0): _clip(True),
+        clip_key("vsa", 1, 0): _clip(True),
+    }
     np.savez_compressed(tmp_path / "clips.npz", **clips)
 
 

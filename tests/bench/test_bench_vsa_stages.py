@@ -1,4 +1,5 @@
 """bench/vsa_stages.py: the block counts it prints (docs/benchmarks.md, sparse frontier) and its stages on CPU."""
+
 import os
 import sys
 

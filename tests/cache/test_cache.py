@@ -1,6 +1,7 @@
 """Step caching (ditattn.cache): each method's decisions against hand-computed traces, the Taylor
 extrapolation, configs and refusals, threshold 0 against the uncached pipeline (bit for bit), CFG
 branches, the expert switch, and the quality of the shipped defaults on the trained model."""
+
 import json
 
 import numpy as np
@@ -35,8 +36,14 @@ class Stack:
     def forward(self, cache, x, step, num_steps, model="m", branch=None):
         self.step = step
         with forward_context(step=step, num_steps=num_steps, branch=branch):
-            return cache.forward_blocks(model, x, self.run, self.num_blocks,
-                                        lambda: torch.full((1, 3, D), self.signal[step], dtype=torch.float64), 3)
+            return cache.forward_blocks(
+                model,
+                x,
+                self.run,
+                self.num_blocks,
+                lambda: torch.full((1, 3, D), self.signal[step], dtype=torch.float64),
+                3,
+            )
 
 
 def _run(backend, config, signal, *, num_blocks=4, front=None):
@@ -67,10 +74,19 @@ def test_teacache_trace_matches_hand_computation():
 
 def test_teacache_rescales_with_the_calibration_polynomial(tmp_path):
     path = tmp_path / "cal.json"
-    path.write_text(json.dumps({"format": "ditattn-cache-calibration", "version": 1, "model": None, "num_steps": 4,
-                                "teacache": {"coefficients": [3.0, 0.0]}}))
+    path.write_text(
+        json.dumps(
+            {
+                "format": "ditattn-cache-calibration",
+                "version": 1,
+                "model": None,
+                "num_steps": 4,
+                "teacache": {"coefficients": [3.0, 0.0]},
+            }
+        )
+    )
     # change 0.06 per step: every other step reused; tripled (0.18 > 0.1) never
-    signal = [1.06 ** k for k in range(6)]
+    signal = [1.06**k for k in range(6)]
     plain, _, _ = _run("teacache", "threshold=0.1,start_step=1", signal)
     scaled, _, _ = _run("teacache", {"threshold": 0.1, "start_step": 1, "calibration": str(path)}, signal)
     assert plain.stats()["trace"] == "CRCRCC"
@@ -80,8 +96,17 @@ def test_teacache_rescales_with_the_calibration_polynomial(tmp_path):
 def test_magcache_trace_matches_hand_computation(tmp_path):
     ratios = [1.0, 0.99, 0.98, 0.97, 0.9, 0.99, 0.99, 0.99, 0.8, 0.7]
     path = tmp_path / "cal.json"
-    path.write_text(json.dumps({"format": "ditattn-cache-calibration", "version": 1, "model": "m", "num_steps": 10,
-                                "magcache": {"mag_ratios": ratios}}))
+    path.write_text(
+        json.dumps(
+            {
+                "format": "ditattn-cache-calibration",
+                "version": 1,
+                "model": "m",
+                "num_steps": 10,
+                "magcache": {"mag_ratios": ratios},
+            }
+        )
+    )
     setting = resolve_cache("magcache", f"calibration={path},start_step=2", model="m", num_blocks=4)
     cache, stack = CacheRun(setting), Stack(4, [0.0] * 10)
     for step in range(10):
@@ -93,8 +118,17 @@ def test_magcache_trace_matches_hand_computation(tmp_path):
     with pytest.raises(AttentionConfigError, match="made for model 'm'"):
         resolve_cache("magcache", f"calibration={path}", model="other", num_blocks=4)
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"format": "ditattn-cache-calibration", "version": 1, "model": "m", "num_steps": 10,
-                               "magcache": {"mag_ratios": ratios[:7]}}))
+    bad.write_text(
+        json.dumps(
+            {
+                "format": "ditattn-cache-calibration",
+                "version": 1,
+                "model": "m",
+                "num_steps": 10,
+                "magcache": {"mag_ratios": ratios[:7]},
+            }
+        )
+    )
     with pytest.raises(AttentionConfigError, match="has 7 values for num_steps=10"):
         resolve_cache("magcache", f"calibration={bad}", model="m", num_blocks=4)
 
@@ -109,8 +143,9 @@ def test_magcache_curve_read_at_the_same_schedule_position():
 def test_first_block_cache_trace_and_back_blocks():
     # front block residual per step; change against the last computed: .02, .05 -> R R; .2 -> C; .0083, .0167 -> R R
     front = [1, 1.02, 1.05, 1.2, 1.21, 1.22, 1.5]
-    cache, stack, outs = _run("first_block_cache", "threshold=0.1,fn_blocks=1,bn_blocks=1,start_step=1", [0.0] * 7,
-                              front=front)
+    cache, stack, outs = _run(
+        "first_block_cache", "threshold=0.1,fn_blocks=1,bn_blocks=1,start_step=1", [0.0] * 7, front=front
+    )
     s = cache.stats()
     assert s["trace"] == "CRRCRRC"
     assert s["blocks_computed"] == 3 * 4 + 4 * 2 and s["blocks_total"] == 7 * 4
@@ -130,9 +165,12 @@ def test_taylorseer_extrapolates_the_residual():
     assert quad.predict(3).item() == pytest.approx(9.0)  # parabola through the three points
     assert ResidualStore(0).__class__(0).order == 0
     # in a method: the reused residual follows the trend of the computed ones
-    cache, stack, outs = _run("first_block_cache",
-                              "threshold=0.1,taylorseer=true,max_consecutive_skips=1,start_step=1",
-                              [0.0] * 6, front=[1, 1, 1.01, 1.01, 1.02, 1.02])
+    cache, stack, outs = _run(
+        "first_block_cache",
+        "threshold=0.1,taylorseer=true,max_consecutive_skips=1,start_step=1",
+        [0.0] * 6,
+        front=[1, 1, 1.01, 1.01, 1.02, 1.02],
+    )
     assert cache.stats()["trace"] == "CRCRCC"
     # step 3 reuses blocks 1-3 (residual 9 * (1 + 0.1 s)) extrapolated from steps 0 and 2: exact for a line
     assert torch.allclose(outs[3], torch.full_like(outs[3], 3.0 + 1.01 + 9 * 1.3))
@@ -163,13 +201,17 @@ def test_expert_switch_drops_the_state():
 
 
 def test_bad_configs_name_the_key():
-    cases = [("teacache", "threshold=-1", "'threshold'"), ("teacache", "treshold=1", "'treshold'"),
-             ("first_block_cache", "fn_blocks=0", "'fn_blocks'"),
-             ("teacache", "taylorseer_order=3", "taylorseer_order"),
-             ("first_block_cache", "max_consecutive_skips=x", "'max_consecutive_skips'"),
-             ("nope", None, "unknown cache backend 'nope'"), ("none", "threshold=1", "without a cache backend"),
-             ("first_block_cache", "fn_blocks=3,bn_blocks=1", "fn_blocks + bn_blocks < 4"),
-             ("magcache", None, "needs a calibration")]
+    cases = [
+        ("teacache", "threshold=-1", "'threshold'"),
+        ("teacache", "treshold=1", "'treshold'"),
+        ("first_block_cache", "fn_blocks=0", "'fn_blocks'"),
+        ("teacache", "taylorseer_order=3", "taylorseer_order"),
+        ("first_block_cache", "max_consecutive_skips=x", "'max_consecutive_skips'"),
+        ("nope", None, "unknown cache backend 'nope'"),
+        ("none", "threshold=1", "without a cache backend"),
+        ("first_block_cache", "fn_blocks=3,bn_blocks=1", "fn_blocks + bn_blocks < 4"),
+        ("magcache", None, "needs a calibration"),
+    ]
     for backend, cfg, words in cases:
         with pytest.raises(AttentionConfigError, match=words.replace("+", r"\+")):
             resolve_cache(backend, cfg, model="ditattn:tiny-wan", num_blocks=4)
@@ -193,16 +235,32 @@ def shapes():
     return WanPipelineNative.from_pretrained("ditattn:shapes", device="cpu", dtype="float32")
 
 
-@pytest.mark.parametrize("backend,extra", [
-    ("teacache", {}), ("first_block_cache", {}), ("magcache", {}),
-    ("teacache", {"taylorseer": True, "taylorseer_order": 2}), ("first_block_cache", {"taylorseer": True}),
-    ("magcache", {"taylorseer": True, "max_consecutive_skips": 8})])
+@pytest.mark.parametrize(
+    "backend,extra",
+    [
+        ("teacache", {}),
+        ("first_block_cache", {}),
+        ("magcache", {}),
+        ("teacache", {"taylorseer": True, "taylorseer_order": 2}),
+        ("first_block_cache", {"taylorseer": True}),
+        ("magcache", {"taylorseer": True, "max_consecutive_skips": 8}),
+    ],
+)
 def test_threshold_zero_is_the_uncached_output_bit_for_bit(tiny, backend, extra, tmp_path):
     cfg = {"threshold": 0.0, "start_step": 0, "end_step": 6, **extra}
     if backend == "magcache":
         path = tmp_path / "cal.json"
-        path.write_text(json.dumps({"format": "ditattn-cache-calibration", "version": 1, "model": "ditattn:tiny-wan",
-                                    "num_steps": 6, "magcache": {"mag_ratios": [1.0] * 6}}))
+        path.write_text(
+            json.dumps(
+                {
+                    "format": "ditattn-cache-calibration",
+                    "version": 1,
+                    "model": "ditattn:tiny-wan",
+                    "num_steps": 6,
+                    "magcache": {"mag_ratios": [1.0] * 6},
+                }
+            )
+        )
         cfg["calibration"] = str(path)
     ref = tiny.generate("a fox", guidance_scale=3.0, **GEN)
     res = tiny.generate("a fox", guidance_scale=3.0, cache_backend=backend, cache_backend_config=cfg, **GEN)
@@ -220,20 +278,30 @@ def test_threshold_zero_with_back_blocks_is_the_uncached_output_bit_for_bit(shap
     kw = dict(height=32, width=32, num_frames=5, num_inference_steps=8, seed=3, output_type="latent", progress=False)
     ref = shapes.generate("a red circle moving right", **kw)
     cfg = "threshold=0,fn_blocks=2,bn_blocks=2,start_step=2,max_consecutive_skips=6"
-    res = shapes.generate("a red circle moving right", cache_backend="first_block_cache", cache_backend_config=cfg,
-                          **kw)
+    res = shapes.generate(
+        "a red circle moving right", cache_backend="first_block_cache", cache_backend_config=cfg, **kw
+    )
     assert res.cache["reused"] == 0 and res.cache["blocks_computed"] == res.cache["blocks_total"] == 6 * 8
     assert torch.equal(ref.frames, res.frames)
-    lossy = shapes.generate("a red circle moving right", cache_backend="first_block_cache",
-                            cache_backend_config=cfg.replace("threshold=0", "threshold=1e6"), **kw)
+    lossy = shapes.generate(
+        "a red circle moving right",
+        cache_backend="first_block_cache",
+        cache_backend_config=cfg.replace("threshold=0", "threshold=1e6"),
+        **kw,
+    )
     assert lossy.cache["reused"] >= 3 and not torch.equal(ref.frames, lossy.frames)
 
 
 def test_pipeline_default_and_per_call_cache(tiny):
     from ditattn.pipelines.wan import WanPipelineNative
 
-    pipe = WanPipelineNative.from_pretrained("ditattn:tiny-wan", device="cpu", dtype="float32",
-                                             cache_backend="teacache", cache_backend_config="threshold=1e6")
+    pipe = WanPipelineNative.from_pretrained(
+        "ditattn:tiny-wan",
+        device="cpu",
+        dtype="float32",
+        cache_backend="teacache",
+        cache_backend_config="threshold=1e6",
+    )
     assert pipe.plan()["cache"]["backend"] == "teacache"
     assert pipe.generate("a fox", **GEN).cache["reused"] == 3  # max_consecutive_skips 3 of steps 1-4
     assert pipe.generate("a fox", cache_backend="none", **GEN).cache is None
@@ -247,9 +315,9 @@ def test_two_expert_model_resets_at_the_switch():
     from ditattn.pipelines.wan import WanPipelineNative
 
     pipe = WanPipelineNative.from_pretrained("ditattn:tiny-wan2.2", device="cpu", dtype="float32")
-    res = pipe.generate("a fox", cache_backend="teacache",
-                        cache_backend_config="threshold=1e6,max_consecutive_skips=9",
-                        **GEN)
+    res = pipe.generate(
+        "a fox", cache_backend="teacache", cache_backend_config="threshold=1e6,max_consecutive_skips=9", **GEN
+    )
     s = res.cache
     assert s["expert_switches"] == 1 and s["forwards"] == 6
     # every step after the first of each expert is reusable: exactly the first forward of each expert computed
@@ -262,19 +330,39 @@ def test_public_pipeline_and_cli_take_the_cache(tmp_path, capsys):
     import ditattn
     from ditattn.cli import main
 
-    pipe = ditattn.WanPipeline.from_pretrained("ditattn:tiny-wan", cache_backend="teacache",
-                                               cache_backend_config={"threshold": 1e6})
+    pipe = ditattn.WanPipeline.from_pretrained(
+        "ditattn:tiny-wan", cache_backend="teacache", cache_backend_config={"threshold": 1e6}
+    )
     res = pipe.generate("a fox", num_inference_steps=6, height=32, width=48, num_frames=5, progress=False)
     assert res.cache["reused"] == 3
-    assert pipe.generate("a fox", num_inference_steps=6, height=32, width=48, num_frames=5, progress=False,
-                         cache_backend="none").cache is None
+    assert (
+        pipe.generate(
+            "a fox", num_inference_steps=6, height=32, width=48, num_frames=5, progress=False, cache_backend="none"
+        ).cache
+        is None
+    )
     with pytest.raises(AttentionConfigError, match="'threshold'"):
         pipe.generate("a fox", cache_backend="teacache", cache_backend_config="threshold=x")
     with pytest.raises(AttentionConfigError, match="cache_backend: expected one of none, teacache"):
         ditattn.WanPipeline.from_pretrained("ditattn:tiny-wan", cache_backend="tea")
     # CLI: the summary line counts the forwards; bad settings are one error line, exit status 2
-    common = ["generate", "--model-path", "ditattn:tiny-wan", "--prompt", "a fox", "--num-frames", "1", "--height",
-              "32", "--width", "32", "--num-inference-steps", "6", "--output-path", str(tmp_path)]
+    common = [
+        "generate",
+        "--model-path",
+        "ditattn:tiny-wan",
+        "--prompt",
+        "a fox",
+        "--num-frames",
+        "1",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--num-inference-steps",
+        "6",
+        "--output-path",
+        str(tmp_path),
+    ]
     assert main(common + ["--cache-backend", "teacache", "--cache-backend-config", "threshold=1e6"]) == 0
     out = capsys.readouterr().out
     assert "step cache teacache: 3 of 6 DiT calls computed, 3 reused" in out
@@ -282,13 +370,17 @@ def test_public_pipeline_and_cli_take_the_cache(tmp_path, capsys):
     yaml.write_text("cache-backend: first_block_cache\ncache-backend-config: {threshold: 0, fn_blocks: 1}\n")
     assert main(common + ["--config", str(yaml), "--overwrite"]) == 0
     assert "step cache first_block_cache: 6 of 6" in capsys.readouterr().out
-    for bad, words in ((["--cache-backend", "tea"], "--cache-backend"),
-                       (["--cache-backend", "teacache", "--cache-backend-config", "threshold=-1"], "'threshold'"),
-                       (["--cache-backend-config", "threshold=1"], "without a cache backend"),
-                       (["--cache-backend", "first_block_cache", "--cache-backend-config", "fn_blocks=6"],
-                        "fn_blocks + bn_blocks < 2"),
-                       (["--cache-backend", "magcache"], "needs a calibration"),
-                       (["--cache-backend", "teacache", "--backend", "diffusers"], "native")):
+    for bad, words in (
+        (["--cache-backend", "tea"], "--cache-backend"),
+        (["--cache-backend", "teacache", "--cache-backend-config", "threshold=-1"], "'threshold'"),
+        (["--cache-backend-config", "threshold=1"], "without a cache backend"),
+        (
+            ["--cache-backend", "first_block_cache", "--cache-backend-config", "fn_blocks=6"],
+            "fn_blocks + bn_blocks < 2",
+        ),
+        (["--cache-backend", "magcache"], "needs a calibration"),
+        (["--cache-backend", "teacache", "--backend", "diffusers"], "native"),
+    ):
         try:
             rc = main(common + bad)
         except SystemExit as exc:  # argparse's own refusal (a bad choice), also one line
@@ -301,15 +393,21 @@ def test_compare_variants_take_a_cache():
     from ditattn.evaluation.compare import parse_variant
 
     v = parse_variant("tc=auto+fp8+cache:teacache:threshold=0.3;start_step=2")
-    assert v.dit_quantization == "fp8" and v.cache == {"backend": "teacache",
-                                                       "config": {"threshold": 0.3, "start_step": 2}}
+    assert v.dit_quantization == "fp8" and v.cache == {
+        "backend": "teacache",
+        "config": {"threshold": 0.3, "start_step": 2},
+    }
     assert v.label() == "auto+fp8+cache:teacache:threshold=0.3;start_step=2"
-    j = parse_variant('fb={"backend": "torch_sdpa", "cache": {"backend": "first_block_cache", '
-                      '"config": {"fn_blocks": 2}}}')
+    j = parse_variant(
+        'fb={"backend": "torch_sdpa", "cache": {"backend": "first_block_cache", "config": {"fn_blocks": 2}}}'
+    )
     assert j.backend == "torch_sdpa" and j.cache["config"] == {"fn_blocks": 2}
     assert parse_variant("plain=auto").cache is None and parse_variant("n=auto+cache:none").cache is None
-    for bad, words in (("x=auto+cache:teacache:thresh=1", "'thresh'"), ("x=auto+cache:tea", "unknown cache backend"),
-                       ('x={"cache": 3}', "'cache' must be")):
+    for bad, words in (
+        ("x=auto+cache:teacache:thresh=1", "'thresh'"),
+        ("x=auto+cache:tea", "unknown cache backend"),
+        ('x={"cache": 3}', "'cache' must be"),
+    ):
         with pytest.raises(AttentionConfigError, match=words):
             parse_variant(bad)
 
@@ -319,17 +417,37 @@ def test_calibrate_cache_writes_a_calibration_the_methods_take(tmp_path, capsys)
     from ditattn.pipelines.wan import WanPipelineNative
 
     out = tmp_path / "cal.json"
-    args = ["calibrate-cache", "--model-path", "ditattn:tiny-wan", "--prompt", "a fox", "--prompt", "a cat",
-            "--seed", "0", "1", "--num-inference-steps", "6", "--height", "32", "--width", "32", "--num-frames", "5",
-            "--output", str(out)]
+    args = [
+        "calibrate-cache",
+        "--model-path",
+        "ditattn:tiny-wan",
+        "--prompt",
+        "a fox",
+        "--prompt",
+        "a cat",
+        "--seed",
+        "0",
+        "1",
+        "--num-inference-steps",
+        "6",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--num-frames",
+        "5",
+        "--output",
+        str(out),
+    ]
     assert main(args) == 0
     data = json.loads(out.read_text())
     assert data["model"] == "ditattn:tiny-wan" and data["num_steps"] == 6 and len(data["samples"]["mag_ratio"]) == 4
     assert len(data["magcache"]["mag_ratios"]) == 6 and data["magcache"]["mag_ratios"][0] == 1.0
     assert 0 < data["teacache"]["input_range"][0] <= data["teacache"]["input_range"][1]
     pipe = WanPipelineNative.from_pretrained("ditattn:tiny-wan", device="cpu", dtype="float32")
-    res = pipe.generate("a fox", cache_backend="magcache", cache_backend_config=f"calibration={out},threshold=1",
-                        **GEN)
+    res = pipe.generate(
+        "a fox", cache_backend="magcache", cache_backend_config=f"calibration={out},threshold=1", **GEN
+    )
     assert res.cache["reused"] > 0
     assert main(args[:-1] + [str(tmp_path / "x.txt")]) == 2
     assert "--output FILE.json" in capsys.readouterr().err

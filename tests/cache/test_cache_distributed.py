@@ -1,14 +1,23 @@
 """The step cache under sequence parallelism (2 gloo ranks, Ulysses 2 and ring 2): every rank takes the
 same decisions as the single-process run (the L1 sums are all-reduced; padding rows ignored) and the
 cached output equals the single-process cached output."""
+
 import torch
 
 from ditattn.attention.context import AttentionSettings
 from ditattn.distributed import destroy_sequence_parallel, init_sequence_parallel
 
 # 9 frames at 48x48 on the embedded model: 27 tokens (2 ranks: 14 each, one padding row)
-GEN = dict(height=48, width=48, num_frames=9, num_inference_steps=8, seed=3, guidance_scale=3.0,
-           output_type="latent", progress=False)
+GEN = dict(
+    height=48,
+    width=48,
+    num_frames=9,
+    num_inference_steps=8,
+    seed=3,
+    guidance_scale=3.0,
+    output_type="latent",
+    progress=False,
+)
 CACHES = [("teacache", "threshold=0.4,start_step=1"), ("first_block_cache", "threshold=0.3,start_step=1")]
 
 

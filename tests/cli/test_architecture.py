@@ -8,6 +8,7 @@
 * no module is longer than :data:`MAX_MODULE_LINES` unless it is one kernel or one cohesive
   algorithm, named in :data:`LONG_MODULES` with the reason.
 """
+
 import ast
 import os
 import subprocess
@@ -34,14 +35,15 @@ LAYERS = [
 ENTRY_LAYER = LAYERS[-1]
 
 # A module longer than this is split along its seams, unless it is one kernel or one cohesive
-# algorithm: then it is named here with the reason (keep this short).
-MAX_MODULE_LINES = 450
+# algorithm: then it is named here with the reason (keep this short).  Counted in ruff format's layout
+# (one argument per line once a call does not fit in 119 columns), about 1.3x the hand-packed lines.
+MAX_MODULE_LINES = 600
 LONG_MODULES = {
     "ditattn.attention.kernels.sage_sm90": "one kernel: the warp-specialised SM90 Gluon attention kernel "
-                                           "(INT8 Q.K, FP16 / FP8 P.V) with its launch",
+    "(INT8 Q.K, FP16 / FP8 P.V) with its launch",
     "ditattn.attention.kernels.block_sparse_sm90": "one kernel: the warp-specialised SM90 Gluon block-sparse "
-                                                   "forward, its one-CTA-per-tile and persistent schedules sharing "
-                                                   "the jitted K/V loop, with its config and launch",
+    "forward, its one-CTA-per-tile and persistent schedules sharing "
+    "the jitted K/V loop, with its config and launch",
 }
 
 
@@ -134,13 +136,20 @@ def _layer(name: str):
     for i, members in enumerate(LAYERS):
         if top in members:
             return i
-    raise AssertionError(f"ditattn.{top} is in no layer of tests/cli/test_architecture.py LAYERS; add it where its "
-                         "imports put it")
+    raise AssertionError(
+        f"ditattn.{top} is in no layer of tests/cli/test_architecture.py LAYERS; add it where its imports put it"
+    )
 
 
 def test_cycle_checker_finds_cycles():
-    graph = {"ditattn.a": {"ditattn.b"}, "ditattn.b": {"ditattn.c"}, "ditattn.c": {"ditattn.a"},
-             "ditattn.p": {"ditattn.p.x"}, "ditattn.p.x": {"ditattn.p"}, "ditattn.d": set()}
+    graph = {
+        "ditattn.a": {"ditattn.b"},
+        "ditattn.b": {"ditattn.c"},
+        "ditattn.c": {"ditattn.a"},
+        "ditattn.p": {"ditattn.p.x"},
+        "ditattn.p.x": {"ditattn.p"},
+        "ditattn.d": set(),
+    }
     assert _cycles(graph) == [["ditattn.a", "ditattn.b", "ditattn.c"]]
 
 
@@ -160,10 +169,18 @@ def test_imports_point_down_the_layers():
                 bad.append(f"{name} -> {t}")
     assert bad == [], "imports that point up the layers: " + "; ".join(sorted(bad))
     # the rules the layers encode, spelled out
-    assert not any(t.startswith(("ditattn.pipelines", "ditattn.server", "ditattn.entrypoints", "ditattn.models"))
-                   for n, ts in GRAPH.items() if n.startswith("ditattn.distributed") for t in ts)
-    assert not any(t.startswith(("ditattn.server", "ditattn.entrypoints"))
-                   for n, ts in GRAPH.items() if n.startswith("ditattn.pipelines") for t in ts)
+    assert not any(
+        t.startswith(("ditattn.pipelines", "ditattn.server", "ditattn.entrypoints", "ditattn.models"))
+        for n, ts in GRAPH.items()
+        if n.startswith("ditattn.distributed")
+        for t in ts
+    )
+    assert not any(
+        t.startswith(("ditattn.server", "ditattn.entrypoints"))
+        for n, ts in GRAPH.items()
+        if n.startswith("ditattn.pipelines")
+        for t in ts
+    )
 
 
 def test_nothing_below_the_entry_points_reads_argparse():
@@ -214,8 +231,9 @@ sys.exit(1 if failed else 0)
 def test_every_module_imports_first_in_a_fresh_interpreter():
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     names = sorted(n for n in MODULES if n != "ditattn.__main__")  # a script: importing it runs the CLI
-    proc = subprocess.run([sys.executable, "-c", _IMPORT_EACH, *names], capture_output=True, text=True,
-                          env=env, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-c", _IMPORT_EACH, *names], capture_output=True, text=True, env=env, timeout=900
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     assert proc.stdout.strip() == "FAILED:"
 
@@ -231,7 +249,9 @@ def test_size_check_finds_long_modules():
     lines = {"ditattn.a": 451, "ditattn.b": 450, "ditattn.k": 900, "ditattn.c": 10}
     assert _too_long(lines, {"ditattn.k": "kernel"}, 450) == (["ditattn.a (451 lines)"], [])
     assert _too_long(lines, {"ditattn.k": "kernel", "ditattn.c": "x", "ditattn.gone": "y"}, 450) == (
-        ["ditattn.a (451 lines)"], ["ditattn.c", "ditattn.gone"])
+        ["ditattn.a (451 lines)"],
+        ["ditattn.c", "ditattn.gone"],
+    )
 
 
 def test_modules_stay_short():
@@ -240,7 +260,9 @@ def test_modules_stay_short():
         with open(path, encoding="utf-8") as fh:
             lines[name] = sum(1 for _ in fh)
     over, stale = _too_long(lines, LONG_MODULES, MAX_MODULE_LINES)
-    assert over == [], (f"modules over {MAX_MODULE_LINES} lines: {', '.join(over)}; split them along their seams "
-                        "(or, for one kernel / one cohesive algorithm, add them to LONG_MODULES with the reason)")
+    assert over == [], (
+        f"modules over {MAX_MODULE_LINES} lines: {', '.join(over)}; split them along their seams "
+        "(or, for one kernel / one cohesive algorithm, add them to LONG_MODULES with the reason)"
+    )
     assert stale == [], f"LONG_MODULES entries that are gone or short again (remove them): {', '.join(stale)}"
     assert all(reason.strip() for reason in LONG_MODULES.values())

@@ -1,4 +1,5 @@
 """`ditattn backends` and the CLI's error contract (one `error:` line, exit 2, no traceback)."""
+
 import json
 import subprocess
 import sys
@@ -31,7 +32,12 @@ def test_backends_json_lists_every_backend_with_reasons(capsys):
 def test_backends_table(capsys):
     assert main(["backends", "--verbose"]) == 0
     out = capsys.readouterr().out
-    assert "fa (fa3, fa4)" in out and "needs an Ascend NPU" in out and "falls back here to torch_sdpa" in out and "param topk: float = 0.5" in out
+    assert (
+        "fa (fa3, fa4)" in out
+        and "needs an Ascend NPU" in out
+        and "falls back here to torch_sdpa" in out
+        and "param topk: float = 0.5" in out
+    )
 
 
 def test_backends_short_form_is_one_line_per_backend(capsys):
@@ -99,8 +105,10 @@ def test_backends_validates_attention_flags_instead_of_ignoring_them(capsys):
     assert "config key(s) 'foo' belong to no backend" in capsys.readouterr().err
     assert main(["backends", "--attention-backend", "fa", "--attention-backend-config", "sparsity=0.5"]) == 2
     assert "config key(s) 'sparsity' belong to no backend in use" in capsys.readouterr().err  # as plan says
-    assert main(["backends", "--attention-backend", "video_sparse_attn", "--attention-backend-config",
-                 "sparsity=0.5"]) == 0
+    assert (
+        main(["backends", "--attention-backend", "video_sparse_attn", "--attention-backend-config", "sparsity=0.5"])
+        == 0
+    )
     err = capsys.readouterr().err
     assert err.startswith("note: --attention-backend, --attention-backend-config checked") and err.count("\n") == 1
 
@@ -140,8 +148,10 @@ def test_backends_name_the_measured_operating_points_of_sparse_defaults(capsys):
     assert names["torch_sdpa"]["operating_point"] is None
     assert main(["backends", "--verbose"]) == 0
     out = capsys.readouterr().out
-    assert ("measured at defaults (topk 0.5, pooled-query predictor, INT8 Q.K in kept blocks, packed edge tiles) on "
-            "structured 480p inputs") in out
+    assert (
+        "measured at defaults (topk 0.5, pooled-query predictor, INT8 Q.K in kept blocks, packed edge tiles) on "
+        "structured 480p inputs"
+    ) in out
     assert "H200 vs FA4 dense: 12 heads 1.75x at 4.7 % error, 40 heads 1.85x at 3.5 % error" in out  # sol_attn
     assert len(OPERATING_POINTS) >= 5
 
@@ -159,6 +169,11 @@ def test_backends_leaves_the_sigpipe_handler_alone():
 
 
 def test_backends_into_a_closed_pipe_is_quiet():
-    r = subprocess.run(f"{sys.executable} -m ditattn backends --verbose | head -1", shell=True, capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run(
+        f"{sys.executable} -m ditattn backends --verbose | head -1",
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0 and r.stdout.startswith("platform:") and "Traceback" not in r.stderr, r.stderr

@@ -1,4 +1,5 @@
 """The command-line flags of RunConfig fields are generated from the fields: one description each."""
+
 import argparse
 import dataclasses
 
@@ -52,24 +53,31 @@ def test_field_help_is_the_field_metadata_with_the_default():
     assert flags.field_help("device") == f.metadata["help"]
 
 
-@pytest.mark.parametrize("argv,key,value", [
-    (["--vae-tiling"], "vae_tiling", True),
-    (["--vae-tiling", "false"], "vae_tiling", False),
-    (["--local-files-only"], "local_files_only", True),
-    (["--enable-torch-compile", "true"], "enable_torch_compile", True),
-    (["--no-save-output"], "save_output", False),
-    (["--lora-path", "a.safetensors", "--lora-path", "transformer_2=b.safetensors:0.5"], "lora_path",
-     ["a.safetensors", "transformer_2=b.safetensors:0.5"]),
-    (["--dtype", "bfloat16"], "dtype", "bfloat16"),
-    (["--num-inference-steps", "3"], "num_inference_steps", 3),
-])
+@pytest.mark.parametrize(
+    "argv,key,value",
+    [
+        (["--vae-tiling"], "vae_tiling", True),
+        (["--vae-tiling", "false"], "vae_tiling", False),
+        (["--local-files-only"], "local_files_only", True),
+        (["--enable-torch-compile", "true"], "enable_torch_compile", True),
+        (["--no-save-output"], "save_output", False),
+        (
+            ["--lora-path", "a.safetensors", "--lora-path", "transformer_2=b.safetensors:0.5"],
+            "lora_path",
+            ["a.safetensors", "transformer_2=b.safetensors:0.5"],
+        ),
+        (["--dtype", "bfloat16"], "dtype", "bfloat16"),
+        (["--num-inference-steps", "3"], "num_inference_steps", 3),
+    ],
+)
 def test_converted_flags_parse_as_before(argv, key, value):
     ns = build_parser().parse_args(["generate", *argv])
     assert getattr(ns, key) == value
 
 
-@pytest.mark.parametrize("argv", [["--dtype", "float64"], ["--offload", "all"], ["--num-inference-steps", "0"],
-                                  ["--vae-tiling", "maybe"]])
+@pytest.mark.parametrize(
+    "argv", [["--dtype", "float64"], ["--offload", "all"], ["--num-inference-steps", "0"], ["--vae-tiling", "maybe"]]
+)
 def test_bad_values_are_refused_by_the_parser(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["generate", *argv])
@@ -90,13 +98,23 @@ def test_attention_backend_help_says_what_happens(capsys):
     assert "strict" in text and "fa runs torch_sdpa" in text and "cross-attention" in text
     plan = ["plan", "--model-path", "ditattn:tiny-wan", "--device", "cpu", "--json"]
     assert main([*plan, "--attention-backend", "fa"]) == 0
-    dit = [row for c in json.loads(capsys.readouterr().out)["components"] if c["name"] == "transformer"
-           for row in c["layers"]]
-    assert dit and all(row["backend"] == "torch_sdpa" and row["source"] == "cli" and "fa -> torch_sdpa" in
-                       row["fallback_reason"] for row in dit)
+    dit = [
+        row
+        for c in json.loads(capsys.readouterr().out)["components"]
+        if c["name"] == "transformer"
+        for row in c["layers"]
+    ]
+    assert dit and all(
+        row["backend"] == "torch_sdpa" and row["source"] == "cli" and "fa -> torch_sdpa" in row["fallback_reason"]
+        for row in dit
+    )
     assert main([*plan, "--attention-backend", "torch_cudnn_sdpa"]) == 2
     assert "cannot serve transformer" in capsys.readouterr().err
     assert main([*plan, "--attention-backend", "video_sparse_attn"]) == 0
-    dit = [row for c in json.loads(capsys.readouterr().out)["components"] if c["name"] == "transformer"
-           for row in c["layers"]]
+    dit = [
+        row
+        for c in json.loads(capsys.readouterr().out)["components"]
+        if c["name"] == "transformer"
+        for row in c["layers"]
+    ]
     assert {row["role"]: row["backend"] for row in dit} == {"self": "video_sparse_attn", "cross": "torch_sdpa"}

@@ -1,4 +1,5 @@
 """``ditattn generate`` end to end: MP4 / PNG output, the timing line, errors, the diffusers passthrough."""
+
 import os
 import subprocess
 import sys
@@ -39,8 +40,18 @@ def read_mp4(path):
 
 
 def test_generate_writes_a_playable_mp4(capsys, tmp_path):
-    rc, out, err = run(capsys, "--prompt", "a red fox in the snow", "--num-frames", "5", "--seed", "4",
-                       "--output-path", str(tmp_path), *SMALL)
+    rc, out, err = run(
+        capsys,
+        "--prompt",
+        "a red fox in the snow",
+        "--num-frames",
+        "5",
+        "--seed",
+        "4",
+        "--output-path",
+        str(tmp_path),
+        *SMALL,
+    )
     assert rc == 0, err
     lines = out.strip().splitlines()
     path = str(tmp_path / "a_red_fox_in_the_snow_s4.mp4")
@@ -57,8 +68,18 @@ def test_generate_writes_a_playable_mp4(capsys, tmp_path):
 def test_generate_single_frame_writes_png(capsys, tmp_path):
     from PIL import Image
 
-    rc, out, err = run(capsys, "--prompt", "sunset", "--num-frames", "1", "--output-path", str(tmp_path),
-                       "--output-file", "still", *SMALL)
+    rc, out, err = run(
+        capsys,
+        "--prompt",
+        "sunset",
+        "--num-frames",
+        "1",
+        "--output-path",
+        str(tmp_path),
+        "--output-file",
+        "still",
+        *SMALL,
+    )
     assert rc == 0, err
     path = tmp_path / "still.png"
     assert out.strip().splitlines()[0] == f"saved: {path}"
@@ -67,32 +88,49 @@ def test_generate_single_frame_writes_png(capsys, tmp_path):
 
 
 def test_generate_request_override_and_no_save(capsys, tmp_path):
-    rc, out, err = run(capsys, "--prompt", "x", "--num-frames", "1", "--attention-backend-override", "torch_sdpa",
-                       "--no-save-output", "--output-path", str(tmp_path), *SMALL)
+    rc, out, err = run(
+        capsys,
+        "--prompt",
+        "x",
+        "--num-frames",
+        "1",
+        "--attention-backend-override",
+        "torch_sdpa",
+        "--no-save-output",
+        "--output-path",
+        str(tmp_path),
+        *SMALL,
+    )
     assert rc == 0, err
     assert os.listdir(tmp_path) == []
     last = out.strip().splitlines()[-1]
     assert "(not saved)" in last and "DiT attention: torch_sdpa" in last
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--output-file", "clip.png", "--num-frames", "5"], "cannot be a .png"),
-    (["--output-file", "clip.gif"], "unsupported extension"),
-    (["--height", "40"], "multiples of 16"),
-    (["--num-frames", "6"], "1 + 4k"),
-    (["--attention-backend-override", "video_sparse_attn"], "not a per-request drop-in"),
-    (["--component-attention-backends", "vae=torch_sdpa"], "fixed attention"),
-    (["--model-path", "/nonexistent/wan"], "not a local directory"),
-    (["--num-gpus", "2", "--ulysses-degree", "4"], "does not divide --num-gpus 2"),
-    (["--num-gpus", "2", "--ulysses-degree", "1", "--ring-degree", "1"], "1 × --ring-degree 1 = 1 does not equal --num-gpus 2"),
-    (["--num-gpus", "3", "--model-path", "ditattn:tiny-wan"], "accepted Ulysses degrees for this model: 1, 2, 4"),
-    (["--num-gpus", "3"], "accepted Ulysses degrees for this model: 1, 2 "),  # ditattn:shapes has 2 heads
-    (["--skip-softmax-start-step", "2"], "needs --skip-softmax-threshold-scale-factor"),
-    (["--enable-cuda-graph"], "--enable-cuda-graph needs a CUDA device"),
-    (["--num-frames", "1", "--fps", "8"], "--fps applies to videos only"),
-    (["--enable-torch-compile", "--attention-backend-override", "torch_sdpa"], "torch.compile"),
-    (["--attention-backend", "sol_attn"], "accepts bfloat16) (the compute dtype is chosen with --dtype)"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--output-file", "clip.png", "--num-frames", "5"], "cannot be a .png"),
+        (["--output-file", "clip.gif"], "unsupported extension"),
+        (["--height", "40"], "multiples of 16"),
+        (["--num-frames", "6"], "1 + 4k"),
+        (["--attention-backend-override", "video_sparse_attn"], "not a per-request drop-in"),
+        (["--component-attention-backends", "vae=torch_sdpa"], "fixed attention"),
+        (["--model-path", "/nonexistent/wan"], "not a local directory"),
+        (["--num-gpus", "2", "--ulysses-degree", "4"], "does not divide --num-gpus 2"),
+        (
+            ["--num-gpus", "2", "--ulysses-degree", "1", "--ring-degree", "1"],
+            "1 × --ring-degree 1 = 1 does not equal --num-gpus 2",
+        ),
+        (["--num-gpus", "3", "--model-path", "ditattn:tiny-wan"], "accepted Ulysses degrees for this model: 1, 2, 4"),
+        (["--num-gpus", "3"], "accepted Ulysses degrees for this model: 1, 2 "),  # ditattn:shapes has 2 heads
+        (["--skip-softmax-start-step", "2"], "needs --skip-softmax-threshold-scale-factor"),
+        (["--enable-cuda-graph"], "--enable-cuda-graph needs a CUDA device"),
+        (["--num-frames", "1", "--fps", "8"], "--fps applies to videos only"),
+        (["--enable-torch-compile", "--attention-backend-override", "torch_sdpa"], "torch.compile"),
+        (["--attention-backend", "sol_attn"], "accepts bfloat16) (the compute dtype is chosen with --dtype)"),
+    ],
+)
 def test_generate_user_errors(capsys, tmp_path, argv, message):
     rc, out, err = run(capsys, "--prompt", "x", "--output-path", str(tmp_path), *argv)
     assert rc == 2
@@ -106,8 +144,9 @@ def test_diffusers_passthrough_matches_native(capsys, tmp_path):
     common = ["--prompt", "a lighthouse", "--num-frames", "1", "--seed", "2", "--output-path", str(tmp_path), *SMALL]
     rc, out, err = run(capsys, *common, "--output-file", "native.png")
     assert rc == 0, err
-    rc, out, err = run(capsys, *common, "--output-file", "stock.png", "--backend", "diffusers",
-                       "--attention-backend", "native")
+    rc, out, err = run(
+        capsys, *common, "--output-file", "stock.png", "--backend", "diffusers", "--attention-backend", "native"
+    )
     assert rc == 0, err
     assert out.strip().splitlines()[-1].endswith("DiT attention: diffusers:native")
     a = np.asarray(Image.open(tmp_path / "native.png"), dtype=np.int16)
@@ -116,23 +155,47 @@ def test_diffusers_passthrough_matches_native(capsys, tmp_path):
 
 
 def test_diffusers_passthrough_rejections(capsys, tmp_path):
-    for argv, flag in ((["--enable-torch-compile"], "--enable-torch-compile"),
-                       (["--num-gpus", "2"], "sequence parallelism")):
+    for argv, flag in (
+        (["--enable-torch-compile"], "--enable-torch-compile"),
+        (["--num-gpus", "2"], "sequence parallelism"),
+    ):
         rc, out, err = run(capsys, "--prompt", "x", "--backend", "diffusers", *argv)
         assert rc == 2 and err.startswith(f"error: {flag}") and "native pipeline only" in err
-    rc, out, err = run(capsys, "--prompt", "x", "--backend", "diffusers", "--attention-backend", "not_a_backend",
-                       "--output-path", str(tmp_path), *SMALL)
+    rc, out, err = run(
+        capsys,
+        "--prompt",
+        "x",
+        "--backend",
+        "diffusers",
+        "--attention-backend",
+        "not_a_backend",
+        "--output-path",
+        str(tmp_path),
+        *SMALL,
+    )
     assert rc == 2 and "neither a ditattn backend nor one of diffusers'" in err and "flash" in err
     assert "torch_sdpa" in err  # ditattn's names too
-    rc, out, err = run(capsys, "--prompt", "x", "--backend", "diffusers", "--attention-backend", "native",
-                       "--component-attention-backends", "transformer=torch_sdpa")
+    rc, out, err = run(
+        capsys,
+        "--prompt",
+        "x",
+        "--backend",
+        "diffusers",
+        "--attention-backend",
+        "native",
+        "--component-attention-backends",
+        "transformer=torch_sdpa",
+    )
     assert rc == 2 and "needs a ditattn --attention-backend; 'native' is diffusers' own" in err
 
 
 def test_cli_error_exit_code_in_a_subprocess():
     proc = subprocess.run(
         [sys.executable, "-m", "ditattn", "plan", "--component-attention-backends", "text_encoder=fa"],
-        capture_output=True, text=True, env=_env(), timeout=300,
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
     )
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "bias" in proc.stderr
     assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
@@ -144,8 +207,14 @@ def test_default_command_as_a_new_user(tmp_path):
     env = _env()
     if OMP_THREADS_SET_HERE:  # not conftest's one-thread setting: a new user's run picks its CPU threads itself
         del env["OMP_NUM_THREADS"]
-    proc = subprocess.run([sys.executable, "-m", "ditattn", "generate", "--prompt", "a blue square moving up"],
-                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ditattn", "generate", "--prompt", "a blue square moving up"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert lines[0] == "saved: outputs/a_blue_square_moving_up_s0.mp4"
@@ -166,8 +235,9 @@ def test_generate_rejects_non_finite_guidance_and_reports_refusal_once(capsys, c
     import logging
 
     with caplog.at_level(logging.WARNING):
-        rc, out, err = run(capsys, "--prompt", "x", "--output-path", str(tmp_path), *SMALL,
-                           "--attention-backend-override", "nope")
+        rc, out, err = run(
+            capsys, "--prompt", "x", "--output-path", str(tmp_path), *SMALL, "--attention-backend-override", "nope"
+        )
     assert rc == 2 and err.startswith("error: attention_backend_override: unknown attention backend 'nope'")
     assert not any("request refused" in r.getMessage() for r in caplog.records)  # the error line says it once
     from ditattn.entrypoints.cli import _drop_refusal_log
@@ -207,7 +277,11 @@ def test_output_path_naming_a_file_and_no_overwrite(capsys, tmp_path):
     common = ["--prompt", "a lighthouse", "--num-frames", "1", *SMALL]
     rc, out, err = run(capsys, *common, "--output-path", str(target))
     assert rc == 0, err
-    assert out.splitlines()[0] == f"saved: {target}" and target.is_file() and not (tmp_path / "sub" / "still.png").is_dir()
+    assert (
+        out.splitlines()[0] == f"saved: {target}"
+        and target.is_file()
+        and not (tmp_path / "sub" / "still.png").is_dir()
+    )
     first = target.read_bytes()
     rc, out, err = run(capsys, *common, "--output-path", str(target), "--seed", "5")  # same name: kept, suffix added
     assert rc == 0 and out.splitlines()[0] == f"saved: {tmp_path / 'sub' / 'still_1.png'}"
@@ -218,15 +292,21 @@ def test_output_path_naming_a_file_and_no_overwrite(capsys, tmp_path):
     assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == ["still.png", "still_1.png"]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--num-frames", "1", "--output-file", "x.mp4"], "one frame is written as a .png image"),
-    (["--output-path", "{tmp}/clip.mp4", "--output-file", "y.mp4"], "names a file and --output-file"),
-    (["--output-path", "{tmp}/afile/clip.mp4"], "is a file, not a folder"),
-    (["--output-path", "{tmp}/adir.mp4"], "is an existing folder"),
-    (["--output-path", "{tmp}/clip.gif"], "unsupported extension '.gif'; accepted: .mp4 (clips), .png (one frame)"),
-    (["--output-path", "/proc/clip.mp4"], "does not take new files"),
-    (["--output-path", "/sys/ditattn/out"], "does not take new files"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--num-frames", "1", "--output-file", "x.mp4"], "one frame is written as a .png image"),
+        (["--output-path", "{tmp}/clip.mp4", "--output-file", "y.mp4"], "names a file and --output-file"),
+        (["--output-path", "{tmp}/afile/clip.mp4"], "is a file, not a folder"),
+        (["--output-path", "{tmp}/adir.mp4"], "is an existing folder"),
+        (
+            ["--output-path", "{tmp}/clip.gif"],
+            "unsupported extension '.gif'; accepted: .mp4 (clips), .png (one frame)",
+        ),
+        (["--output-path", "/proc/clip.mp4"], "does not take new files"),
+        (["--output-path", "/sys/ditattn/out"], "does not take new files"),
+    ],
+)
 def test_output_refused_before_generation(capsys, tmp_path, monkeypatch, argv, message):
     (tmp_path / "afile").write_text("x")
     (tmp_path / "adir.mp4").mkdir()
@@ -279,14 +359,17 @@ def test_missing_video_writer_is_refused_before_generation(capsys, tmp_path, mon
     assert rc == 2 and err.startswith("error: cannot write MP4 video: no ffmpeg") and "imageio-ffmpeg" in err
 
 
-@pytest.mark.parametrize("content, message", [
-    (b"num-inference-steps: \xff\xfe\n", "not UTF-8 text"),
-    (b"num-inference-steps: " + b"9" * 5000 + b"\n", "a number has too many digits"),
-    (b"guidance-scale: " + b"9" * 400 + b"\n", "guidance-scale: expected a finite number from 0 to 100"),
-    (b"attention-backend-config: " + b"[" * 3000 + b"]" * 3000 + b"\n", "nested too deeply"),
-    (b"seed: " + b"9" * 30 + b"\n", "seed: expected an integer from 0 to"),
-    (b"attention-backend-config: '{\"sparsity\": " + b"9" * 5000 + b"}'\n", "a number has too many digits"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"num-inference-steps: \xff\xfe\n", "not UTF-8 text"),
+        (b"num-inference-steps: " + b"9" * 5000 + b"\n", "a number has too many digits"),
+        (b"guidance-scale: " + b"9" * 400 + b"\n", "guidance-scale: expected a finite number from 0 to 100"),
+        (b"attention-backend-config: " + b"[" * 3000 + b"]" * 3000 + b"\n", "nested too deeply"),
+        (b"seed: " + b"9" * 30 + b"\n", "seed: expected an integer from 0 to"),
+        (b'attention-backend-config: \'{"sparsity": ' + b"9" * 5000 + b"}'\n", "a number has too many digits"),
+    ],
+)
 def test_config_file_read_errors_are_one_line(capsys, tmp_path, content, message):
     path = tmp_path / "run.yaml"
     path.write_bytes(content)
@@ -296,13 +379,27 @@ def test_config_file_read_errors_are_one_line(capsys, tmp_path, content, message
 
 
 def test_mask_strategy_file_errors_are_one_line(capsys, tmp_path):
-    for body, message in ((b"\xff\xfe{}", "not UTF-8 text"), (b"[" * 5000, "nested too deeply"),
-                          (b'{"0_0_0": [' + b"9" * 5000 + b", 1, 1]}", "too many digits")):
+    for body, message in (
+        (b"\xff\xfe{}", "not UTF-8 text"),
+        (b"[" * 5000, "nested too deeply"),
+        (b'{"0_0_0": [' + b"9" * 5000 + b", 1, 1]}", "too many digits"),
+    ):
         strat = tmp_path / "mask.json"
         strat.write_bytes(body)
-        rc, err = _usage(capsys, "generate", "--prompt", "x", "--no-save-output", *SMALL, "--num-frames", "5",
-                         "--attention-backend", "sliding_tile_attn",
-                         "--attention-backend-config", f"mask_strategy_file_path={strat}")
+        rc, err = _usage(
+            capsys,
+            "generate",
+            "--prompt",
+            "x",
+            "--no-save-output",
+            *SMALL,
+            "--num-frames",
+            "5",
+            "--attention-backend",
+            "sliding_tile_attn",
+            "--attention-backend-config",
+            f"mask_strategy_file_path={strat}",
+        )
         last = err.strip().splitlines()[-1]  # read at the first denoising step: after the progress bar
         assert rc == 2 and last.startswith("error: sliding_tile_attn: ") and message in last, err
         assert "Traceback" not in err

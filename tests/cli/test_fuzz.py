@@ -2,6 +2,7 @@
 generated cases over config strings, config / strategy files, RunConfig mappings, the command line
 and ``ditattn.attention()`` arguments, with no outcome but a result or a user-input error — no
 traceback, no crash.  The targets are in ``tests/fuzz_targets.py``."""
+
 import json
 import os
 import subprocess
@@ -37,7 +38,12 @@ def test_fuzz_attention_arguments_in_a_child_process():
     """A crashed interpreter (signal) fails here with the child's output; so does any exception other
     than AttentionConfigError (hypothesis prints the falsifying call)."""
     env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(HERE), "src") + os.pathsep + HERE)
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "fuzz_targets.py"), "attention", str(ATTENTION_CASES)],
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "fuzz_targets.py"), "attention", str(ATTENTION_CASES)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     assert json.loads(proc.stdout.strip().splitlines()[-1])["attention"] >= ATTENTION_CASES

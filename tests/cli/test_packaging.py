@@ -1,6 +1,7 @@
 """Packaging: the console script starts without torch (``ditattn --help`` under a second), the public
 names load on first use, a missing optional dependency is one line naming its extra, every declared
 dependency has a floor (``.ci/floors`` installs exactly those), ``py.typed`` ships."""
+
 import os
 import re
 import subprocess
@@ -15,26 +16,35 @@ HEAVY = ("torch", "diffusers", "transformers", "numpy", "fastapi")
 
 
 def test_help_imports_nothing_heavy_and_is_fast():
-    probe = ("import sys, runpy; sys.argv = ['ditattn', '--help']\n"
-             "try:\n    runpy.run_module('ditattn', run_name='__main__')\nexcept SystemExit:\n    pass\n"
-             f"print('HEAVY', sorted(m for m in {HEAVY!r} if m in sys.modules))")
+    probe = (
+        "import sys, runpy; sys.argv = ['ditattn', '--help']\n"
+        "try:\n    runpy.run_module('ditattn', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+        f"print('HEAVY', sorted(m for m in {HEAVY!r} if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=ENV, timeout=60).stdout
     assert "generate" in out and out.strip().splitlines()[-1] == "HEAVY []"
     best = float("inf")
     for _ in range(3):
         t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "ditattn", "generate", "--help"], capture_output=True, env=ENV,
-                       check=True, timeout=60)
+        subprocess.run(
+            [sys.executable, "-m", "ditattn", "generate", "--help"],
+            capture_output=True,
+            env=ENV,
+            check=True,
+            timeout=60,
+        )
         best = min(best, time.perf_counter() - t0)
     assert best < 1.0, f"ditattn generate --help took {best:.2f} s"
 
 
 def test_public_names_load_on_first_use():
-    probe = ("import sys, ditattn; assert 'torch' not in sys.modules\n"
-             "assert callable(ditattn.attention) and ditattn.WanPipeline.__name__ == 'WanPipeline'\n"
-             "assert ditattn.AttentionBackendEnum.from_name('fa4').value == 'fa'\n"
-             "assert set(ditattn.__all__) <= set(dir(ditattn))\n"
-             "import ditattn.attention.selector as s; print(s.__name__)")
+    probe = (
+        "import sys, ditattn; assert 'torch' not in sys.modules\n"
+        "assert callable(ditattn.attention) and ditattn.WanPipeline.__name__ == 'WanPipeline'\n"
+        "assert ditattn.AttentionBackendEnum.from_name('fa4').value == 'fa'\n"
+        "assert set(ditattn.__all__) <= set(dir(ditattn))\n"
+        "import ditattn.attention.selector as s; print(s.__name__)"
+    )
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=ENV, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
@@ -55,8 +65,10 @@ def test_missing_server_extra_is_one_line(monkeypatch, capsys):
     capsys.readouterr()
     assert main(["serve", "--port", "1"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ditattn serve needs fastapi, uvicorn, which are not installed; install "
-                          "ditattn[server]") and err.count("\n") == 1
+    assert (
+        err.startswith("error: ditattn serve needs fastapi, uvicorn, which are not installed; install ditattn[server]")
+        and err.count("\n") == 1
+    )
 
 
 def test_every_dependency_has_a_floor_and_py_typed_ships():
@@ -71,8 +83,11 @@ def test_every_dependency_has_a_floor_and_py_typed_ships():
     assert meta["tool"]["setuptools"]["package-data"]["ditattn"] == ["py.typed"]
     assert os.path.isfile(os.path.join(ROOT, "src", "ditattn", "py.typed"))
     # the CI pins satisfy the floors
-    pins = dict(line.split("==") for line in open(os.path.join(ROOT, "requirements-ci.txt"))
-                if "==" in line and not line.startswith("#"))
+    pins = dict(
+        line.split("==")
+        for line in open(os.path.join(ROOT, "requirements-ci.txt"))
+        if "==" in line and not line.startswith("#")
+    )
     pins = {k.lower().replace("_", "-"): v.strip() for k, v in pins.items()}
     for req in project["dependencies"]:
         name, floor = req.split(";")[0].replace(" ", "").split(">=")
@@ -92,16 +107,32 @@ def test_type_checkers_see_the_attention_function(tmp_path):
     unannotated and the call passes tensors where tensors are expected)."""
     pytest.importorskip("mypy")
     snippet = tmp_path / "use.py"
-    snippet.write_text("import torch\nimport ditattn\n\nq = torch.randn(1, 8, 2, 16)\n"
-                       "out: torch.Tensor = ditattn.attention(q, q, q, backend='torch_sdpa')\n"
-                       "ditattn.attention(q, q, q, bakend='torch_sdpa')\n"
-                       "pipe = ditattn.WanPipeline.from_pretrained('ditattn:tiny-wan', attention_backend='fa')\n")
+    snippet.write_text(
+        "import torch\nimport ditattn\n\nq = torch.randn(1, 8, 2, 16)\n"
+        "out: torch.Tensor = ditattn.attention(q, q, q, backend='torch_sdpa')\n"
+        "ditattn.attention(q, q, q, bakend='torch_sdpa')\n"
+        "pipe = ditattn.WanPipeline.from_pretrained('ditattn:tiny-wan', attention_backend='fa')\n"
+    )
     config = tmp_path / "mypy.ini"
     config.write_text("[mypy]\nfollow_imports = silent\n\n[mypy-torch.*]\nfollow_imports = skip\n")
     env = dict(os.environ, MYPYPATH=os.path.join(ROOT, "src"))
-    proc = subprocess.run([sys.executable, "-m", "mypy", "--config-file", str(config), "--cache-dir",
-                           str(tmp_path / "cache"), str(snippet)], capture_output=True, text=True, env=env,
-                          timeout=600, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--config-file",
+            str(config),
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            str(snippet),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=tmp_path,
+    )
     errors = [l for l in proc.stdout.splitlines() if ": error:" in l]
     assert len(errors) == 1 and 'Unexpected keyword argument "bakend" for "attention"' in errors[0], proc.stdout
 
@@ -109,14 +140,16 @@ def test_type_checkers_see_the_attention_function(tmp_path):
 def test_import_prints_no_third_party_notices():
     """``import ditattn`` and the imports it leads to (diffusers, torchao) print nothing: torchao's notice
     that it skips its C++ extensions (unused here) is dropped, its other log records pass."""
-    probe = ("import logging, ditattn, diffusers\n"
-             "from diffusers import AutoencoderKLWan\n"
-             "import importlib.util\n"
-             "if importlib.util.find_spec('torchao'):\n"
-             "    import torchao.quantization\n"
-             "log = logging.getLogger('torchao')\n"
-             "log.warning('Skipping import of cpp extensions due to incompatible torch version')\n"
-             "log.warning('another torchao message')\n")
+    probe = (
+        "import logging, ditattn, diffusers\n"
+        "from diffusers import AutoencoderKLWan\n"
+        "import importlib.util\n"
+        "if importlib.util.find_spec('torchao'):\n"
+        "    import torchao.quantization\n"
+        "log = logging.getLogger('torchao')\n"
+        "log.warning('Skipping import of cpp extensions due to incompatible torch version')\n"
+        "log.warning('another torchao message')\n"
+    )
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=ENV, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stderr.strip() == "another torchao message"

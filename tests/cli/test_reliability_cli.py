@@ -2,6 +2,7 @@
 does, a bad backend config value is reported before a dtype refusal, error lines stay short
 whatever the input's length, and configs that are not regular files (a FIFO, a directory) are
 refused at once instead of hanging."""
+
 import json
 import os
 import re
@@ -41,12 +42,19 @@ def _error(capsys, argv) -> str:
 # backends validates exactly as plan does
 
 
-@pytest.mark.parametrize("backend, config, expect", [
-    ("sage_attn", "sparsity=1.5", "config key(s) 'sparsity' belong to no backend in use"),
-    ("sparge_attn", "topk=2", "sparge_attn: invalid value 2.0 for 'topk' (out of range); accepted: a number in (0, 1]"),
-    ("sparge_attn", "topk=1.5", "sparge_attn: invalid value 1.5 for 'topk' (out of range)"),
-    ("video_sparse_attn", "sparsity=-0.5", "video_sparse_attn: invalid value -0.5 for 'sparsity'"),
-])
+@pytest.mark.parametrize(
+    "backend, config, expect",
+    [
+        ("sage_attn", "sparsity=1.5", "config key(s) 'sparsity' belong to no backend in use"),
+        (
+            "sparge_attn",
+            "topk=2",
+            "sparge_attn: invalid value 2.0 for 'topk' (out of range); accepted: a number in (0, 1]",
+        ),
+        ("sparge_attn", "topk=1.5", "sparge_attn: invalid value 1.5 for 'topk' (out of range)"),
+        ("video_sparse_attn", "sparsity=-0.5", "video_sparse_attn: invalid value -0.5 for 'sparsity'"),
+    ],
+)
 def test_backends_refuses_what_plan_refuses_with_the_same_reason(capsys, backend, config, expect):
     argv = ["--attention-backend", backend, "--attention-backend-config", config]
     from_backends = _error(capsys, ["backends", *argv])
@@ -76,28 +84,44 @@ def test_the_config_is_validated_before_the_dtype(capsys):
 # error lines echo a bounded part of the input
 
 
-@pytest.mark.parametrize("argv", [
-    ["backends", "--attention-backend-config", LONG],
-    ["backends", "--attention-backend", "sparge_attn", "--attention-backend-config", LONG],
-    ["backends", "--attention-backend", "sparge_attn", "--attention-backend-config", "topk=" + LONG],
-    ["backends", "--attention-backend", "sparge_attn", "--attention-backend-config", LONG + "=1"],
-    ["backends", "--attention-backend", "sparge_attn", "--attention-backend-config", "a=1," + "b" * 100_000 + "=2"],
-    ["backends", "--attention-backend-config", LONG + ".json"],
-    ["plan", "--attention-backend", "sparge_attn", "--attention-backend-config", LONG],
-    ["plan", "--component-attention-backends", LONG],
-    ["plan", "--component-attention-backends", LONG + "=fa"],
-    ["plan", "--config", LONG + ".yaml"],
-    ["plan", "--platform", LONG],
-    ["plan", "--dtype", LONG],
-    ["plan", "--dtype", "a'" * 50_000],  # argparse quotes a value holding ' with "
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["backends", "--attention-backend-config", LONG],
+        ["backends", "--attention-backend", "sparge_attn", "--attention-backend-config", LONG],
+        ["backends", "--attention-backend", "sparge_attn", "--attention-backend-config", "topk=" + LONG],
+        ["backends", "--attention-backend", "sparge_attn", "--attention-backend-config", LONG + "=1"],
+        [
+            "backends",
+            "--attention-backend",
+            "sparge_attn",
+            "--attention-backend-config",
+            "a=1," + "b" * 100_000 + "=2",
+        ],
+        ["backends", "--attention-backend-config", LONG + ".json"],
+        ["plan", "--attention-backend", "sparge_attn", "--attention-backend-config", LONG],
+        ["plan", "--component-attention-backends", LONG],
+        ["plan", "--component-attention-backends", LONG + "=fa"],
+        ["plan", "--config", LONG + ".yaml"],
+        ["plan", "--platform", LONG],
+        ["plan", "--dtype", LONG],
+        ["plan", "--dtype", "a'" * 50_000],  # argparse quotes a value holding ' with "
+    ],
+)
 def test_an_error_line_stays_short_for_a_100000_character_value(capsys, argv):
     line = _error(capsys, argv)
     assert len(line) < 300, line[:400]
 
 
-@pytest.mark.parametrize("body", [f"attention-backend-config: {LONG}\n", f"{LONG}: 1\n",
-                                  f"attention-backend-config: 'topk={LONG}'\n", f"seed: {LONG}\n"])
+@pytest.mark.parametrize(
+    "body",
+    [
+        f"attention-backend-config: {LONG}\n",
+        f"{LONG}: 1\n",
+        f"attention-backend-config: 'topk={LONG}'\n",
+        f"seed: {LONG}\n",
+    ],
+)
 def test_a_config_file_with_a_100000_character_value_gives_a_short_error(capsys, tmp_path, body):
     path = tmp_path / "run.yaml"
     path.write_text(body)
@@ -105,14 +129,17 @@ def test_a_config_file_with_a_100000_character_value_gives_a_short_error(capsys,
     assert len(line) < 300, line[:400]
 
 
-@pytest.mark.parametrize("call", [
-    lambda: ditattn.attention(*[torch.randn(1, 4, 1, 8)] * 3, backend="sparge_attn", config=LONG),
-    lambda: ditattn.attention(*[torch.randn(1, 4, 1, 8)] * 3, backend="torch_sdpa", config={LONG: 1}),
-    lambda: ditattn.attention(*[torch.randn(1, 4, 1, 8)] * 3, backend="sparge_attn", config={"topk": LONG}),
-    lambda: ditattn.attention(*[torch.randn(1, 4, 1, 8)] * 3, config=LONG + ".yaml"),
-    lambda: __import__("ditattn.runconfig", fromlist=["RunConfig"]).RunConfig.from_mapping({LONG: 1}),
-    lambda: __import__("ditattn.runconfig", fromlist=["RunConfig"]).RunConfig.from_mapping({"lora": [[LONG]]}),
-])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: ditattn.attention(*[torch.randn(1, 4, 1, 8)] * 3, backend="sparge_attn", config=LONG),
+        lambda: ditattn.attention(*[torch.randn(1, 4, 1, 8)] * 3, backend="torch_sdpa", config={LONG: 1}),
+        lambda: ditattn.attention(*[torch.randn(1, 4, 1, 8)] * 3, backend="sparge_attn", config={"topk": LONG}),
+        lambda: ditattn.attention(*[torch.randn(1, 4, 1, 8)] * 3, config=LONG + ".yaml"),
+        lambda: __import__("ditattn.runconfig", fromlist=["RunConfig"]).RunConfig.from_mapping({LONG: 1}),
+        lambda: __import__("ditattn.runconfig", fromlist=["RunConfig"]).RunConfig.from_mapping({"lora": [[LONG]]}),
+    ],
+)
 def test_python_api_errors_stay_short_for_a_100000_character_value(call):
     with pytest.raises(AttentionConfigError) as info:
         call()
@@ -144,15 +171,18 @@ def test_a_fifo_or_a_directory_as_a_config_is_refused_at_once(tmp_path):
     'is not a regular file' -- in a child process under a timeout, so a blocking open fails the test."""
     for name in ("run.yaml", "plain", "backend.json"):
         os.mkfifo(tmp_path / name)
-    runs = [["backends", "--config", str(tmp_path / "run.yaml")],
-            ["backends", "--config", str(tmp_path / "plain")],
-            ["backends", "--attention-backend-config", str(tmp_path / "backend.json")],
-            ["backends", "--attention-backend-config", str(tmp_path / "plain")],
-            ["backends", "--config", str(tmp_path)],
-            ["backends", "--attention-backend-config", str(tmp_path)]]
+    runs = [
+        ["backends", "--config", str(tmp_path / "run.yaml")],
+        ["backends", "--config", str(tmp_path / "plain")],
+        ["backends", "--attention-backend-config", str(tmp_path / "backend.json")],
+        ["backends", "--attention-backend-config", str(tmp_path / "plain")],
+        ["backends", "--config", str(tmp_path)],
+        ["backends", "--attention-backend-config", str(tmp_path)],
+    ]
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"), DITATTN_CACHE=str(tmp_path / "cache"))
-    proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(runs)], capture_output=True, text=True, env=env,
-                          timeout=180)
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, json.dumps(runs)], capture_output=True, text=True, env=env, timeout=180
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     for argv, (rc, err) in zip(runs, json.loads(proc.stdout.strip().splitlines()[-1])):
         kind = "a directory" if argv[-1] == str(tmp_path) else "a FIFO"

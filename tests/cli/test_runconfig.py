@@ -1,6 +1,7 @@
 """The typed run configuration: built from a mapping / YAML / Python with the flags' checks,
 ``ditattn <command> --config FILE.yaml`` with command-line flags overriding the file, and the same
 object driving the native pipeline from Python."""
+
 import json
 import re
 
@@ -14,10 +15,18 @@ from ditattn.runconfig import AttentionOptions, ParallelConfig, RunConfig, Sampl
 
 
 def test_from_mapping_takes_flag_names_and_checks_values_like_the_flags():
-    cfg = RunConfig.from_mapping({"num-inference-steps": "4", "--seed": 3, "guidance_scale": 2,
-                                  "component-attention-backends": {"transformer.cross": "torch_sdpa"},
-                                  "attention-backend-config": {"sparsity": 0.5}, "enable-torch-compile": "true",
-                                  "max-queue": 9, "verbose": True})
+    cfg = RunConfig.from_mapping(
+        {
+            "num-inference-steps": "4",
+            "--seed": 3,
+            "guidance_scale": 2,
+            "component-attention-backends": {"transformer.cross": "torch_sdpa"},
+            "attention-backend-config": {"sparsity": 0.5},
+            "enable-torch-compile": "true",
+            "max-queue": 9,
+            "verbose": True,
+        }
+    )
     assert cfg.sampling.num_inference_steps == 4 and cfg.sampling.seed == 3 and cfg.sampling.guidance_scale == 2.0
     assert cfg.model.enable_torch_compile is True and cfg.server.max_queue == 9 and cfg.verbose is True
     settings = cfg.attention_settings()
@@ -28,8 +37,10 @@ def test_from_mapping_takes_flag_names_and_checks_values_like_the_flags():
         ({"seed": "-1"}, "src: seed: expected an integer from 0 to 9223372036854775807, got -1"),
         ({"guidance-scale": float("nan")}, "src: guidance-scale: expected a finite number from 0 to 100, got nan"),
         ({"guidance-scale": 1e300}, "src: guidance-scale: expected a finite number from 0 to 100, got 1e+300"),
-        ({"num-inference-steps": 10 ** 30}, "src: num-inference-steps: expected a positive integer up to 1000, got "
-                                            "1000000000000000000000000000000"),
+        (
+            {"num-inference-steps": 10**30},
+            "src: num-inference-steps: expected a positive integer up to 1000, got 1000000000000000000000000000000",
+        ),
         ({"seed": "9" * 5000}, "src: seed: expected an integer from 0 to 9223372036854775807, got '9999"),
         ({"request-timeout-s": 1e300}, "src: request-timeout-s: expected a positive number up to 604800"),
         ({"dtype": "fp8"}, "src: dtype: expected one of float32, bfloat16, float16, got 'fp8'"),
@@ -39,8 +50,11 @@ def test_from_mapping_takes_flag_names_and_checks_values_like_the_flags():
     ):
         with pytest.raises(AttentionConfigError, match="^" + re.escape(message)):
             RunConfig.from_mapping(values, source="src")
-    with pytest.raises(AttentionConfigError, match="key 'max-queue' does not apply here .it belongs to the server "
-                                                   "settings.; accepted: .*num-inference-steps"):
+    with pytest.raises(
+        AttentionConfigError,
+        match="key 'max-queue' does not apply here .it belongs to the server "
+        "settings.; accepted: .*num-inference-steps",
+    ):
         RunConfig.from_mapping({"max-queue": 3}, accept=("sampling",))
 
 
@@ -56,14 +70,18 @@ def test_sections_validate_when_built_in_python():
     with pytest.raises(AttentionConfigError, match="needs --skip-softmax-threshold-scale-factor"):
         AttentionOptions(skip_softmax_start_step=2).skip_softmax()
     assert AttentionOptions(skip_softmax_threshold_scale_factor=5).skip_softmax() == {
-        "threshold_scale_factor": 5.0, "start_step": 0}
+        "threshold_scale_factor": 5.0,
+        "start_step": 0,
+    }
 
 
 def test_config_file_errors_are_one_line(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("prompt: [unclosed\n")
-    for path, message in ((tmp_path / "missing.yaml", "error: cannot read config file"),
-                          (bad, "error: cannot parse config file"),):
+    for path, message in (
+        (tmp_path / "missing.yaml", "error: cannot read config file"),
+        (bad, "error: cannot parse config file"),
+    ):
         assert main(["generate", "--config", str(path)]) == 2
         err = capsys.readouterr().err
         assert err.startswith(message) and err.count("\n") == 1, err
@@ -74,8 +92,9 @@ def test_config_file_errors_are_one_line(tmp_path, capsys):
     wrong = tmp_path / "serve.yaml"
     wrong.write_text("output-path: /tmp/x\n")
     assert main(["serve", "--config", str(wrong)]) == 2
-    assert capsys.readouterr().err.startswith(f"error: config file {wrong}: key 'output-path' does not apply here "
-                                              "(it belongs to the output settings)")
+    assert capsys.readouterr().err.startswith(
+        f"error: config file {wrong}: key 'output-path' does not apply here (it belongs to the output settings)"
+    )
     assert main(["generate", "--num-frames", "1"]) == 2
     assert capsys.readouterr().err.startswith("error: --prompt is required")
 
@@ -130,8 +149,9 @@ def test_plan_and_backends_take_config_files(tmp_path, capsys):
     back.write_text("attention-backend: sage_attn\nattention-backend-config:\n  impl: reference\n")
     assert main(["backends", "--config", str(back), "--json"]) == 0
     captured = capsys.readouterr()
-    assert json.loads(captured.out)["backends"] and \
-        captured.err.startswith("note: --attention-backend, --attention-backend-config checked")
+    assert json.loads(captured.out)["backends"] and captured.err.startswith(
+        "note: --attention-backend, --attention-backend-config checked"
+    )
     back.write_text("attention-backend: sage_attn\nattention-backend-config:\n  impl: cuda\n")
     assert main(["backends", "--config", str(back)]) == 2  # values are checked as plan checks them
     assert "sage_attn: invalid value 'cuda' for 'impl'" in capsys.readouterr().err

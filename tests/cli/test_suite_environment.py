@@ -1,5 +1,6 @@
 """The suite writes only under its session's temporary folder (never ~/.cache), and on a machine with a
 GPU the tests that assume a CPU-only machine run as on one."""
+
 import os
 import tempfile
 

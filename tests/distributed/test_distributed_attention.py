@@ -3,6 +3,7 @@
 Two spawns (2 and 4 gloo ranks on 127.0.0.1) run every multi-rank check inside their workers; the
 capability rules and the LSE merge run in this process.
 """
+
 import math
 
 import pytest
@@ -52,7 +53,10 @@ def test_resolve_degrees():
     assert resolve_degrees(4, None, 4) == (1, 4)
     assert resolve_degrees(4, 2, 2) == (2, 2)
     assert resolve_degrees(1) == (1, 1)
-    with pytest.raises(AttentionConfigError, match=r"--ulysses-degree 2 × --ring-degree 3 = 6 does not equal --num-gpus 4.*1x4, 2x2, 4x1"):
+    with pytest.raises(
+        AttentionConfigError,
+        match=r"--ulysses-degree 2 × --ring-degree 3 = 6 does not equal --num-gpus 4.*1x4, 2x2, 4x1",
+    ):
         resolve_degrees(4, 2, 3)
     with pytest.raises(AttentionConfigError, match="--ulysses-degree 3 does not divide --num-gpus 4"):
         resolve_degrees(4, 3)
@@ -66,7 +70,9 @@ def test_resolve_degrees():
 
 def test_heads_must_divide_by_ulysses_degree():
     with attention_settings(AttentionSettings(ulysses_degree=3)):
-        with pytest.raises(AttentionConfigError, match=r"4 attention heads do not divide by the Ulysses degree 3.*1, 2, 4"):
+        with pytest.raises(
+            AttentionConfigError, match=r"4 attention heads do not divide by the Ulysses degree 3.*1, 2, 4"
+        ):
             USPAttention(4, 16, prefix="blocks.0.attn1")
         USPAttention(6, 16)  # divides
         USPAttention(4, 16, role="cross")  # cross-attention is local: no head split
@@ -96,15 +102,21 @@ def test_ring_refuses_platform_substitute_without_lse(monkeypatch):
     """fa requested, the platform substitutes a backend: the ring rule applies to what actually runs."""
     import ditattn.attention.selector as selector
 
-    monkeypatch.setattr(selector, "substitute", lambda b, req, p: (B.SAGE_ATTN_3, "test substitution")
-                        if b is B.FA else None)
+    monkeypatch.setattr(
+        selector, "substitute", lambda b, req, p: (B.SAGE_ATTN_3, "test substitution") if b is B.FA else None
+    )
     kw = dict(dtype=torch.bfloat16, prefix="blocks.0.attn1")
     with use_platform(BLACKWELL), global_force_attn_backend_context_manager("fa"):
         layer = USPAttention(4, 128, **kw)
         assert layer.backend is B.SAGE_ATTN_3 and "test substitution" in layer.decision.fallback_reason
-        with attention_settings(AttentionSettings(ring_degree=2)), pytest.raises(
-                AttentionConfigError, match=r"the platform would run sage_attn_3 instead \(test substitution\), which "
-                                            r"does not return the LSE; ring attention"):
+        with (
+            attention_settings(AttentionSettings(ring_degree=2)),
+            pytest.raises(
+                AttentionConfigError,
+                match=r"the platform would run sage_attn_3 instead \(test substitution\), which "
+                r"does not return the LSE; ring attention",
+            ),
+        ):
             USPAttention(4, 128, **kw)
 
 
@@ -118,8 +130,11 @@ def test_ring_refuses_sparse_backends_ulysses_accepts_them():
             # the sparse-on-cross rule still gives cross-attention a dense backend
             assert USPAttention(4, 64, role="cross").backend is B.TORCH_SDPA
     # the CLI global, strict for the DiT, fails closed too
-    with attention_settings(AttentionSettings(backend=B.SLIDING_TILE_ATTN, ring_degree=2)), \
-            component_scope("transformer"), pytest.raises(AttentionConfigError, match="Ulysses only"):
+    with (
+        attention_settings(AttentionSettings(backend=B.SLIDING_TILE_ATTN, ring_degree=2)),
+        component_scope("transformer"),
+        pytest.raises(AttentionConfigError, match="Ulysses only"),
+    ):
         USPAttention(4, 64)
 
 
@@ -208,7 +223,7 @@ def test_merge_partials_is_stable():
     k = torch.randn(1, 24, 2, 8, generator=g) * 60
     v = torch.randn(1, 24, 2, 8, generator=g)
     ref, ref_lse = reference_attention(q, k, v, dtype=torch.float64)
-    parts = [reference_attention(q, k[:, i:i + 8], v[:, i:i + 8]) for i in (0, 8, 16)]
+    parts = [reference_attention(q, k[:, i : i + 8], v[:, i : i + 8]) for i in (0, 8, 16)]
     out, lse = merge_all(parts)
     assert torch.isfinite(out).all() and _rel(out, ref) < 1e-5
     assert ((lse.double() - ref_lse).abs() / ref_lse.abs()).max().item() < 1e-6
@@ -226,8 +241,11 @@ def test_merge_partials_is_stable():
 
 def _data(seed, s, h, hkv, d=16, b=2):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(b, s, h, d, generator=g), torch.randn(b, s, hkv, d, generator=g),
-            torch.randn(b, s, hkv, d, generator=g))
+    return (
+        torch.randn(b, s, h, d, generator=g),
+        torch.randn(b, s, hkv, d, generator=g),
+        torch.randn(b, s, hkv, d, generator=g),
+    )
 
 
 def _cmp(res, name, out, ref, lse=None, ref_lse=None):
@@ -248,8 +266,14 @@ def _run_config(groups, res):
             layer = USPAttention(4, 16, num_kv_heads=hkv, prefix="attn1")
             out, lse = layer(*(shard_sequence(t) for t in (q, k, v)), return_lse=True, seq_len=s_len)
             assert out.shape[1] == math.ceil(s_len / n) and lse.shape[2] == out.shape[1]
-            _cmp(res, f"{tag}:dense:S{s_len}:kv{hkv}", gather_sequence(out, s_len), ref,
-                 gather_sequence(lse, s_len, dim=2), ref_lse)
+            _cmp(
+                res,
+                f"{tag}:dense:S{s_len}:kv{hkv}",
+                gather_sequence(out, s_len),
+                ref,
+                gather_sequence(lse, s_len, dim=2),
+                ref_lse,
+            )
     # 2. replicated tokens (text appended to the video tokens, joint attention), GQA
     q, k, v = _data(7, 37 + 7, 4, 2)
     ref, ref_lse = ditattn.attention(q, k, v, backend="torch_sdpa", return_lse=True)
@@ -257,8 +281,14 @@ def _run_config(groups, res):
     with forward_context(video_shape=(1, 1, 37), text_len=7):
         out, lse = USPAttention(4, 16, num_kv_heads=2)(*loc, return_lse=True)
     s = out.shape[1] - 7
-    _cmp(res, f"{tag}:joint:video", gather_sequence(out[:, :s], 37), ref[:, :37],
-         gather_sequence(lse[:, :, :s], 37, dim=2), ref_lse[:, :, :37])
+    _cmp(
+        res,
+        f"{tag}:joint:video",
+        gather_sequence(out[:, :s], 37),
+        ref[:, :37],
+        gather_sequence(lse[:, :, :s], 37, dim=2),
+        ref_lse[:, :, :37],
+    )
     _cmp(res, f"{tag}:joint:text", out[:, s:], ref[:, 37:], lse[:, :, s:], ref_lse[:, :, 37:])
     # 3. cross-attention to replicated K/V: local only
     q, _, _ = _data(8, 37, 4, 4)
@@ -294,8 +324,10 @@ def _run_config(groups, res):
         q, k, v = _data(12, 128 + 5, 4, 2)
         cfg = {"sparsity": 0.5}
         ref = ditattn.attention(q, k, v, backend="video_sparse_attn", config=cfg, video_shape=(4, 4, 8), text_len=5)
-        with global_force_attn_backend_context_manager("video_sparse_attn"), \
-                attention_settings(AttentionSettings(config=cfg)):
+        with (
+            global_force_attn_backend_context_manager("video_sparse_attn"),
+            attention_settings(AttentionSettings(config=cfg)),
+        ):
             layer = USPAttention(4, 16, num_kv_heads=2, prefix="blocks.0.attn1")
         assert layer.backend is B.VIDEO_SPARSE_ATTN
         loc = [torch.cat([shard_sequence(t[:, :128]), t[:, 128:]], dim=1) for t in (q, k, v)]

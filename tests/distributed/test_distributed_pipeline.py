@@ -4,6 +4,7 @@
 * Ulysses 2 and ring 2 pipelines in one spawn, on a token count that needs padding (27 tokens);
 * ``serve``'s relay: concurrent ``generate`` calls on rank 0 replayed in order on rank 1.
 """
+
 import os
 import threading
 import time
@@ -45,8 +46,10 @@ def _worker(groups, configs):
 
         with relay.leading(type(pipe)):
             time.sleep(0.4)  # idle: heartbeats flow
-            threads = [threading.Thread(target=call, args=("plain",)),
-                       threading.Thread(target=call, args=("override",), kwargs={"override": "torch_sdpa"})]
+            threads = [
+                threading.Thread(target=call, args=("plain",)),
+                threading.Thread(target=call, args=("override",), kwargs={"override": "torch_sdpa"}),
+            ]
             for t in threads:
                 t.start()
             for t in threads:
@@ -81,11 +84,26 @@ def test_generate_two_ranks_ulysses_and_ring_match_single_process(tmp_path, capf
 
     out_dir, res_dir = tmp_path / "out", tmp_path / "res"
     res_dir.mkdir()
-    common = ["generate", "--prompt", "a red fox", "--num-frames", "1", "--height", "48", "--width", "48",
-              "--num-inference-steps", "2", "--output-path", str(out_dir)]
+    common = [
+        "generate",
+        "--prompt",
+        "a red fox",
+        "--num-frames",
+        "1",
+        "--height",
+        "48",
+        "--width",
+        "48",
+        "--num-inference-steps",
+        "2",
+        "--output-path",
+        str(out_dir),
+    ]
     assert main(common + ["--output-file", "single.png"]) == 0
     pipe = _pipe(AttentionSettings())
-    single = {p: pipe.generate(p, output_type="float", progress=False, **GEN).frames for p in ("a red fox", "a blue bird")}
+    single = {
+        p: pipe.generate(p, output_type="float", progress=False, **GEN).frames for p in ("a red fox", "a blue bird")
+    }
 
     monkeypatch.setenv("DITATTN_TEST_RESULTS", str(res_dir))
     monkeypatch.setattr(generate_mod, "run_rank", _rank_target)  # what `generate --num-gpus 2` runs per rank
@@ -125,8 +143,22 @@ def test_cli_refuses_bad_parallel_flags_before_spawning(capsys):
     assert main(["generate", "--prompt", "x", "--num-gpus", "4", "--ulysses-degree", "3"]) == 2
     assert "--ulysses-degree 3 does not divide --num-gpus 4" in capsys.readouterr().err
     # tiny-wan's DiT has 4 heads: Ulysses 3 is refused from its config, before any rank starts
-    assert main(["generate", "--prompt", "x", "--num-gpus", "3", "--ulysses-degree", "3",
-                 "--model-path", "ditattn:tiny-wan"]) == 2
+    assert (
+        main(
+            [
+                "generate",
+                "--prompt",
+                "x",
+                "--num-gpus",
+                "3",
+                "--ulysses-degree",
+                "3",
+                "--model-path",
+                "ditattn:tiny-wan",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "4 attention heads do not divide" in err and "1, 2, 4" in err
     # the default model, ditattn:shapes, has 2 heads
@@ -135,8 +167,22 @@ def test_cli_refuses_bad_parallel_flags_before_spawning(capsys):
     assert "2 attention heads do not divide" in err and "1, 2 " in err
     assert err.strip().splitlines()[-1].startswith("error: ")  # one line, no traceback
     # ring with a sparse backend, or a ring-incapable request override: refused by the plan-only preflight
-    assert main(["generate", "--prompt", "x", "--num-gpus", "2", "--ring-degree", "2",
-                 "--attention-backend", "video_sparse_attn"]) == 2
+    assert (
+        main(
+            [
+                "generate",
+                "--prompt",
+                "x",
+                "--num-gpus",
+                "2",
+                "--ring-degree",
+                "2",
+                "--attention-backend",
+                "video_sparse_attn",
+            ]
+        )
+        == 2
+    )
     assert "sparse backends run under Ulysses only" in capsys.readouterr().err
     assert main(["serve", "--num-gpus", "2", "--ring-degree", "2", "--attention-backend-override", "sage_attn_3"]) == 2
     assert "ring parallelism (ring degree 2) needs a backend that returns the softmax LSE" in capsys.readouterr().err

@@ -10,6 +10,7 @@
 * bad combinations refused with one ``error:`` line before any rank starts;
 * on a machine with 4 CUDA GPUs, CFG 2 × Ulysses 2 with the parallel decode on NCCL against one GPU.
 """
+
 import os
 import subprocess
 import sys
@@ -25,8 +26,9 @@ from ditattn.distributed.groups import destroy_sequence_parallel, init_sequence_
 
 # 9 frames at 48x64: latents 3x6x8 (36 DiT tokens); 32-pixel tiles every 24 pixels: 2 x 3 = 6 tiles
 GEN = dict(height=48, width=64, num_frames=9, num_inference_steps=2, seed=3)
-TILES = dict(tile_sample_min_height=32, tile_sample_min_width=32, tile_sample_stride_height=24,
-             tile_sample_stride_width=24)
+TILES = dict(
+    tile_sample_min_height=32, tile_sample_min_width=32, tile_sample_stride_height=24, tile_sample_stride_width=24
+)
 
 
 def _pipe(model, settings, device="cpu", **kw):
@@ -41,8 +43,9 @@ def _generate(pipe, model):
     kw = {"guidance_scale_2": 3.0} if model.endswith("2.2") else {}
     if model.endswith("i2v"):  # the first frame: latents concatenated to the input, CLIP tokens split by half
         kw["image"] = np.random.default_rng(0).integers(0, 256, (48, 64, 3), dtype=np.uint8)
-    return pipe.generate("a red fox", negative_prompt="blurry", output_type="float", progress=False, **GEN,
-                         **kw).frames
+    return pipe.generate(
+        "a red fox", negative_prompt="blurry", output_type="float", progress=False, **GEN, **kw
+    ).frames
 
 
 def _worker(configs):
@@ -73,8 +76,9 @@ def _vae22():
 
     torch.manual_seed(0)
     vae = AutoencoderKLWan(**VAE22).eval()
-    vae.enable_tiling(tile_sample_min_height=64, tile_sample_min_width=64, tile_sample_stride_height=48,
-                      tile_sample_stride_width=48)
+    vae.enable_tiling(
+        tile_sample_min_height=64, tile_sample_min_width=64, tile_sample_stride_height=48, tile_sample_stride_width=48
+    )
     return vae
 
 
@@ -96,10 +100,16 @@ def _rank_target(rank, cfg):
 
 
 CONFIGS = {
-    2: [("ditattn:tiny-wan", 2, 1, 1, True), ("ditattn:tiny-wan", 1, 2, 1, True),
-        ("ditattn:tiny-wan-i2v", 2, 1, 1, False)],
-    4: [("ditattn:tiny-wan2.2", 2, 2, 1, True), ("ditattn:tiny-wan", 1, 2, 2, True),
-        ("ditattn:tiny-wan", 2, 1, 2, False)],
+    2: [
+        ("ditattn:tiny-wan", 2, 1, 1, True),
+        ("ditattn:tiny-wan", 1, 2, 1, True),
+        ("ditattn:tiny-wan-i2v", 2, 1, 1, False),
+    ],
+    4: [
+        ("ditattn:tiny-wan2.2", 2, 2, 1, True),
+        ("ditattn:tiny-wan", 1, 2, 2, True),
+        ("ditattn:tiny-wan", 2, 1, 2, False),
+    ],
 }
 CLI = {2: ["--cfg-parallel"], 4: ["--cfg-parallel", "--ulysses-degree", "2", "--vae-parallel"]}
 
@@ -113,12 +123,28 @@ def test_cfg_and_vae_parallel_match_one_process(world, tmp_path, capfd, monkeypa
 
     out_dir, res_dir = tmp_path / "out", tmp_path / "res"
     res_dir.mkdir()
-    common = ["generate", "--model-path", "ditattn:tiny-wan", "--prompt", "a red fox", "--num-frames", "1",
-              "--height", "48", "--width", "64", "--num-inference-steps", "2", "--output-path", str(out_dir)]
+    common = [
+        "generate",
+        "--model-path",
+        "ditattn:tiny-wan",
+        "--prompt",
+        "a red fox",
+        "--num-frames",
+        "1",
+        "--height",
+        "48",
+        "--width",
+        "64",
+        "--num-inference-steps",
+        "2",
+        "--output-path",
+        str(out_dir),
+    ]
     assert main(common + ["--output-file", "single.png"]) == 0
     with torch.inference_mode():
-        single = {m: _generate(_pipe(m, AttentionSettings(), vae_tiling=True), m)
-                  for m in {c[0] for c in CONFIGS[world]}}
+        single = {
+            m: _generate(_pipe(m, AttentionSettings(), vae_tiling=True), m) for m in {c[0] for c in CONFIGS[world]}
+        }
         vae22 = _vae22()
         ref22 = vae22.decode(_vae22_latents()).sample
 
@@ -166,17 +192,27 @@ def test_parallel_flags_in_config_and_rank_arithmetic(tmp_path):
         ParallelConfig(num_gpus=8, cfg_parallel=True, ulysses_degree=2, ring_degree=4).degrees()
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--cfg-parallel", "--num-gpus", "3"], "--cfg-parallel needs an even --num-gpus"),
-    (["--cfg-parallel"], "--cfg-parallel needs an even --num-gpus"),
-    (["--cfg-parallel", "--num-gpus", "4", "--ulysses-degree", "4"],
-     "--ulysses-degree 4 does not divide --num-gpus 4 / 2 (--cfg-parallel)"),
-    (["--cfg-parallel", "--num-gpus", "4", "--ulysses-degree", "2", "--ring-degree", "2"],
-     "--ulysses-degree 2 × --ring-degree 2 = 4 does not equal --num-gpus 4 / 2 (--cfg-parallel)"),
-    (["--cfg-parallel", "--num-gpus", "2", "--guidance-scale", "1"], "--guidance-scale is 1 (<= 1: no unconditional"),
-    (["--vae-parallel"], "--vae-parallel splits the VAE decode over the ranks and needs --num-gpus 2"),
-    (["--cfg-parallel", "--num-gpus", "2", "--backend", "diffusers"], "runs the native pipeline only"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--cfg-parallel", "--num-gpus", "3"], "--cfg-parallel needs an even --num-gpus"),
+        (["--cfg-parallel"], "--cfg-parallel needs an even --num-gpus"),
+        (
+            ["--cfg-parallel", "--num-gpus", "4", "--ulysses-degree", "4"],
+            "--ulysses-degree 4 does not divide --num-gpus 4 / 2 (--cfg-parallel)",
+        ),
+        (
+            ["--cfg-parallel", "--num-gpus", "4", "--ulysses-degree", "2", "--ring-degree", "2"],
+            "--ulysses-degree 2 × --ring-degree 2 = 4 does not equal --num-gpus 4 / 2 (--cfg-parallel)",
+        ),
+        (
+            ["--cfg-parallel", "--num-gpus", "2", "--guidance-scale", "1"],
+            "--guidance-scale is 1 (<= 1: no unconditional",
+        ),
+        (["--vae-parallel"], "--vae-parallel splits the VAE decode over the ranks and needs --num-gpus 2"),
+        (["--cfg-parallel", "--num-gpus", "2", "--backend", "diffusers"], "runs the native pipeline only"),
+    ],
+)
 def test_bad_combinations_are_one_error_line(flags, message, capsys):
     from ditattn.cli import main
 
@@ -199,20 +235,41 @@ def test_cli_module_refuses_odd_ranks_before_loading(tmp_path):
     """``python -m ditattn generate --cfg-parallel --num-gpus 3``: exit 2, one ``error:`` line, no
     model built in the (empty) model cache."""
     env = dict(os.environ, DITATTN_CACHE=str(tmp_path / "cache"), PYTHONPATH=os.pathsep.join(sys.path))
-    proc = subprocess.run([sys.executable, "-m", "ditattn", "generate", "--prompt", "x", "--model-path",
-                           "ditattn:tiny-wan", "--cfg-parallel", "--num-gpus", "3"],
-                          capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ditattn",
+            "generate",
+            "--prompt",
+            "x",
+            "--model-path",
+            "ditattn:tiny-wan",
+            "--cfg-parallel",
+            "--num-gpus",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: --cfg-parallel needs an even --num-gpus (the conditional and unconditional passes each run on half "
-        "of the ranks), got --num-gpus 3; use --num-gpus 4 or 2"]
+        "of the ranks), got --num-gpus 3; use --num-gpus 4 or 2"
+    ]
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.safetensors"))
 
 
 def _nccl_rank(rank):
     g = rank.groups
-    pipe = _pipe("ditattn:tiny-wan", AttentionSettings(ulysses_degree=g.ulysses_degree, ring_degree=g.ring_degree),
-                 vae_parallel=True, device=rank.device)
+    pipe = _pipe(
+        "ditattn:tiny-wan",
+        AttentionSettings(ulysses_degree=g.ulysses_degree, ring_degree=g.ring_degree),
+        vae_parallel=True,
+        device=rank.device,
+    )
     return _generate(pipe, "ditattn:tiny-wan")
 
 
@@ -222,8 +279,9 @@ def test_nccl_cfg_ulysses_and_vae_parallel_match_one_gpu():
     from ditattn.distributed.launch import launch
 
     with torch.inference_mode():
-        ref = _generate(_pipe("ditattn:tiny-wan", AttentionSettings(), vae_tiling=True, device="cuda"),
-                        "ditattn:tiny-wan")
+        ref = _generate(
+            _pipe("ditattn:tiny-wan", AttentionSettings(), vae_tiling=True, device="cuda"), "ditattn:tiny-wan"
+        )
     out = launch(_nccl_rank, 4, cfg_degree=2, ulysses_degree=2, device="cuda", timeout_s=300)
     for frames in out:
         assert np.abs(frames - ref).max() <= 1e-4

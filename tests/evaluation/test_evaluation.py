@@ -1,5 +1,6 @@
 """ditattn.evaluation: clip metrics against known cases, variant parsing, attention capture, and
 ``ditattn compare`` end to end on the embedded tiny model (CPU)."""
+
 import json
 import math
 import time
@@ -93,23 +94,28 @@ def test_parse_variant_short_and_json_forms():
     v = parse_variant("m=vmoba_attn:first_full_step=0;moba_threshold=0.5@text_encoder=torch_sdpa")
     assert v.config == {"first_full_step": 0, "moba_threshold": 0.5}
     assert v.components == {"text_encoder": "torch_sdpa"}
-    v = parse_variant('s={"backend": "sol_attn", "config": {"tau": 2}, "components": {"transformer.cross": "torch_sdpa"}}')
+    v = parse_variant(
+        's={"backend": "sol_attn", "config": {"tau": 2}, "components": {"transformer.cross": "torch_sdpa"}}'
+    )
     assert v.backend == "sol_attn" and v.config == {"tau": 2.0} and v.components == {"transformer.cross": "torch_sdpa"}
     assert parse_variant("a=auto").backend is None
     assert parse_variant("vsa=video_sparse_attn:sparsity=0.9").label() == "video_sparse_attn:sparsity=0.9"
 
 
-@pytest.mark.parametrize("text, match", [
-    ("novalue", "expected NAME="),
-    ("bad name=fa", "letters, digits"),
-    ("x=not_a_backend", "not_a_backend"),
-    ("x=video_sparse_attn:sparsity=2", "sparsity"),
-    ("x=video_sparse_attn:bogus=1", "bogus"),
-    ("x=auto:sparsity=0.5", "needs a backend"),
-    ("x={bad json", "not valid JSON"),
-    ('x={"backend": "fa", "extra": 1}', "unknown key"),
-    ("x=fa@vae.middle=fa", "role suffix"),
-])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("novalue", "expected NAME="),
+        ("bad name=fa", "letters, digits"),
+        ("x=not_a_backend", "not_a_backend"),
+        ("x=video_sparse_attn:sparsity=2", "sparsity"),
+        ("x=video_sparse_attn:bogus=1", "bogus"),
+        ("x=auto:sparsity=0.5", "needs a backend"),
+        ("x={bad json", "not valid JSON"),
+        ('x={"backend": "fa", "extra": 1}', "unknown key"),
+        ("x=fa@vae.middle=fa", "role suffix"),
+    ],
+)
 def test_parse_variant_errors(text, match):
     with pytest.raises(AttentionConfigError, match=match):
         parse_variant(text)
@@ -146,9 +152,23 @@ SMALL = ["--num-inference-steps", "2", "--num-frames", "9", "--height", "64", "-
 def compare_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("compare")
     t0 = time.perf_counter()
-    rc = main(["compare", "--prompt", "a red circle moving right", "--prompt", "a blue square", *SMALL,
-               "--variant", "dense=torch_sdpa", "--variant", "vsa=video_sparse_attn:sparsity=0.5",
-               "--output-path", str(out), "--no-video"])
+    rc = main(
+        [
+            "compare",
+            "--prompt",
+            "a red circle moving right",
+            "--prompt",
+            "a blue square",
+            *SMALL,
+            "--variant",
+            "dense=torch_sdpa",
+            "--variant",
+            "vsa=video_sparse_attn:sparsity=0.5",
+            "--output-path",
+            str(out),
+            "--no-video",
+        ]
+    )
     secs = time.perf_counter() - t0
     assert rc == 0
     return out, json.loads((out / "compare.json").read_text()), secs
@@ -168,24 +188,55 @@ def test_compare_two_variants_two_prompts_on_cpu(compare_run):
         assert run["attention_backends"][0] == "video_sparse_attn"
         layers = run["layers"]
         assert {(x["layer"], x["step"]) for x in layers} == {
-            (f"transformer.blocks.{i}.attn1", s) for i in range(6) for s in (0, 1)}  # ditattn:shapes: 6 blocks
+            (f"transformer.blocks.{i}.attn1", s) for i in range(6) for s in (0, 1)
+        }  # ditattn:shapes: 6 blocks
         for x in layers:
             assert x["rel_err"] > 0 and x["cosine"] < 1 and x["in_context_rel_err"] > 0
         # step 0, block 0 sees identical inputs in both runs: drift-free, so both errors agree
         first = next(x for x in layers if x["step"] == 0 and x["layer"].endswith("blocks.0.attn1"))
         assert first["rel_err"] == pytest.approx(first["in_context_rel_err"], rel=1e-6)
     s = vsa["summary"]
-    for key in ("dit_s", "total_s", "speedup_dit", "speedup_total", "psnr_mean", "ssim_mean", "ms_ssim_mean",
-                "attn_rel_err_mean", "in_context_rel_err_mean", "kept_fraction"):
+    for key in (
+        "dit_s",
+        "total_s",
+        "speedup_dit",
+        "speedup_total",
+        "psnr_mean",
+        "ssim_mean",
+        "ms_ssim_mean",
+        "attn_rel_err_mean",
+        "in_context_rel_err_mean",
+        "kept_fraction",
+    ):
         assert s[key] is not None, key
     assert dense["summary"]["kept_fraction"] is None  # dense: no sparse-engine calls
     assert (out / "compare.png").stat().st_size > 1000 and (out / "contact_sheet.png").stat().st_size > 1000
 
 
 def test_compare_identical_variants_are_exact(tmp_path, capsys):
-    rc = main(["compare", "--prompt", "a cat", *SMALL, "--num-inference-steps", "1", "--variant", "a=torch_sdpa",
-               "--variant", "b=torch_sdpa", "--output-path", str(tmp_path), "--no-video", "--seed", "3", "4",
-               "--warmup", "0", "--save-clips"])
+    rc = main(
+        [
+            "compare",
+            "--prompt",
+            "a cat",
+            *SMALL,
+            "--num-inference-steps",
+            "1",
+            "--variant",
+            "a=torch_sdpa",
+            "--variant",
+            "b=torch_sdpa",
+            "--output-path",
+            str(tmp_path),
+            "--no-video",
+            "--seed",
+            "3",
+            "4",
+            "--warmup",
+            "0",
+            "--save-clips",
+        ]
+    )
     assert rc == 0
     text = capsys.readouterr().out
     assert "inf" in text.splitlines()[-1]
@@ -205,16 +256,35 @@ def test_compare_identical_variants_are_exact(tmp_path, capsys):
     assert rep["variants"][1]["summary"]["psnr_mean"] == "inf"
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["--variant", "a=torch_sdpa"], "at least two"),
-    (["--variant", "a=torch_sdpa", "--variant", "b=nope"], "nope"),
-    (["--variant", "a=torch_sdpa", "--variant", "b=fa", "--attention-backend", "fa"], "per variant"),
-    (["--variant", "a=torch_sdpa", "--variant", "b=fa", "--capture-steps", "x"], "capture-steps"),
-    (["--variant", "a=torch_sdpa", "--variant", "b=fa", "--capture-steps", "9"], "outside"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--variant", "a=torch_sdpa"], "at least two"),
+        (["--variant", "a=torch_sdpa", "--variant", "b=nope"], "nope"),
+        (["--variant", "a=torch_sdpa", "--variant", "b=fa", "--attention-backend", "fa"], "per variant"),
+        (["--variant", "a=torch_sdpa", "--variant", "b=fa", "--capture-steps", "x"], "capture-steps"),
+        (["--variant", "a=torch_sdpa", "--variant", "b=fa", "--capture-steps", "9"], "outside"),
+    ],
+)
 def test_compare_cli_errors(argv, match, capsys, tmp_path):
-    rc = main(["compare", "--prompt", "p", "--num-inference-steps", "2", "--height", "32", "--width", "32",
-               "--num-frames", "1", "--output-path", str(tmp_path), *argv])
+    rc = main(
+        [
+            "compare",
+            "--prompt",
+            "p",
+            "--num-inference-steps",
+            "2",
+            "--height",
+            "32",
+            "--width",
+            "32",
+            "--num-frames",
+            "1",
+            "--output-path",
+            str(tmp_path),
+            *argv,
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("error: ") and match in err and "Traceback" not in err
 
@@ -224,10 +294,11 @@ def test_capture_qkv_roundtrip(tmp_path):
 
     pipe = WanPipelineNative.from_pretrained(None, device="cpu")
     path = str(tmp_path / "qkv.safetensors")
-    entries = capture_qkv(pipe, "a dog", path, steps=(-1,), layers=[1], num_inference_steps=2, height=64, width=64,
-                          num_frames=5)
+    entries = capture_qkv(
+        pipe, "a dog", path, steps=(-1,), layers=[1], num_inference_steps=2, height=64, width=64, num_frames=5
+    )
     assert [e["name"] for e in entries] == ["transformer.blocks.1.attn1@step1"]
-    (e, q, k, v), = load_qkv(path)
+    ((e, q, k, v),) = load_qkv(path)
     T, H, W = e["video_shape"]
     assert q.shape == (1, T * H * W, 2, 128) and k.shape == q.shape and v.shape == q.shape  # ditattn:shapes
     assert e["step"] == 1 and e["layer_idx"] == 1 and e["model"] == "ditattn:shapes"
@@ -271,7 +342,7 @@ def test_structured_sinks_draw_attention():
     without = structured_qkv(StructuredSpec(video_shape=grid, heads=2, sinks=0), dtype=torch.float32)
 
     def sink_mass(q, k, sinks):
-        p = torch.softmax(q[0, :, 0] @ k[0, :, 0].T * 128 ** -0.5, dim=-1)
+        p = torch.softmax(q[0, :, 0] @ k[0, :, 0].T * 128**-0.5, dim=-1)
         return float(p[:, sinks].sum(-1).mean())
 
     sinks = with_s[3]["sinks"]

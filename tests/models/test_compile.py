@@ -1,4 +1,5 @@
 """Compiled DiT blocks keep attention eager: same output, backend selection and overrides still apply."""
+
 import torch
 
 from ditattn.attention.context import AttentionSettings, attention_settings, component_scope
@@ -8,8 +9,16 @@ from ditattn.models.wan.transformer import WanTransformer, WanTransformerConfig
 
 
 def test_compiled_blocks_match_eager_and_attention_stays_eager(monkeypatch):
-    cfg = WanTransformerConfig(num_attention_heads=2, attention_head_dim=32, in_channels=4, out_channels=4,
-                               text_dim=16, freq_dim=32, ffn_dim=64, num_layers=2)
+    cfg = WanTransformerConfig(
+        num_attention_heads=2,
+        attention_head_dim=32,
+        in_channels=4,
+        out_channels=4,
+        text_dim=16,
+        freq_dim=32,
+        ffn_dim=64,
+        num_layers=2,
+    )
     torch.manual_seed(0)
     with attention_settings(AttentionSettings()), component_scope("transformer"):
         model = WanTransformer(cfg, dtype=torch.float32).eval()

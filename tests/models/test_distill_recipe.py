@@ -1,6 +1,7 @@
 """The step-distilled recipe: step-distill LoRAs in their published key layouts load onto both experts
 of ``ditattn:tiny-wan2.2`` (synthetic tensors with the real key names, shapes scaled to the tiny model),
 and the recipe (lcm, explicit timesteps, shift 5, guidance 1) runs end to end through ``ditattn generate``."""
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -31,8 +32,11 @@ def linear_pairs():
 
 def full_deltas():
     """Original-layout parameters that distill LoRAs patch with full ``.diff`` tensors -> (native name, shape)."""
-    out = {"head.head": ("proj_out.weight", (OUT, DIM)), "head.modulation": ("scale_shift_table", (1, 2, DIM)),
-           "patch_embedding": ("patch_embedding.weight", PATCH)}
+    out = {
+        "head.head": ("proj_out.weight", (OUT, DIM)),
+        "head.modulation": ("scale_shift_table", (1, 2, DIM)),
+        "patch_embedding": ("patch_embedding.weight", PATCH),
+    }
     for i in range(LAYERS):
         out[f"blocks.{i}.norm3"] = (f"blocks.{i}.norm2.weight", (DIM,))
         out[f"blocks.{i}.modulation"] = (f"blocks.{i}.scale_shift_table", (1, 6, DIM))
@@ -93,8 +97,10 @@ def base():
     from ditattn.pipelines.wan import WanPipelineNative
 
     pipe = WanPipelineNative.from_pretrained("ditattn:tiny-wan2.2", device="cpu", dtype="float32")
-    return {c: {k: v.detach().clone() for k, v in pipe.components[c].state_dict().items()}
-            for c in ("transformer", "transformer_2")}
+    return {
+        c: {k: v.detach().clone() for k, v in pipe.components[c].state_dict().items()}
+        for c in ("transformer", "transformer_2")
+    }
 
 
 def check_changes(model, before, expected, scale):
@@ -117,10 +123,17 @@ def test_layouts_load_onto_both_experts(tmp_path, base, layout):
     make = distill_lora if layout == "distill" else peft_lora
     hi, lo = tmp_path / "high_noise.safetensors", tmp_path / "low_noise.safetensors"
     exp_hi, exp_lo = make(hi, 1), make(lo, 2)
-    pipe = WanPipelineNative.from_pretrained("ditattn:tiny-wan2.2", device="cpu", dtype="float32", lora_fuse=True,
-                                             lora=[f"transformer={hi}:0.5", f"transformer_2={lo}"])
-    assert [(a.component, a.layers) for a in pipe.adapters] == [("transformer", len(exp_hi)),
-                                                                ("transformer_2", len(exp_lo))]
+    pipe = WanPipelineNative.from_pretrained(
+        "ditattn:tiny-wan2.2",
+        device="cpu",
+        dtype="float32",
+        lora_fuse=True,
+        lora=[f"transformer={hi}:0.5", f"transformer_2={lo}"],
+    )
+    assert [(a.component, a.layers) for a in pipe.adapters] == [
+        ("transformer", len(exp_hi)),
+        ("transformer_2", len(exp_lo)),
+    ]
     check_changes(pipe.components["transformer"], base["transformer"], exp_hi, 0.5)
     check_changes(pipe.components["transformer_2"], base["transformer_2"], exp_lo, 1.0)
 
@@ -132,8 +145,9 @@ def test_unfused_distill_lora_keeps_deltas_and_request_scales(tmp_path, base):
 
     f = tmp_path / "distill.safetensors"
     expected = distill_lora(f, 3)
-    pipe = WanPipelineNative.from_pretrained("ditattn:tiny-wan2.2", device="cpu", dtype="float32",
-                                             lora=[f"transformer_2={f}"], lora_fuse=False)
+    pipe = WanPipelineNative.from_pretrained(
+        "ditattn:tiny-wan2.2", device="cpu", dtype="float32", lora=[f"transformer_2={f}"], lora_fuse=False
+    )
     model = pipe.components["transformer_2"]
     norm = model.get_parameter("blocks.1.norm2.weight").double() - base["transformer_2"]["blocks.1.norm2.weight"]
     torch.testing.assert_close(norm, expected["blocks.1.norm2.weight"], rtol=1e-5, atol=1e-7)
@@ -153,13 +167,22 @@ def test_delta_for_another_model_is_refused(tmp_path):
     from ditattn.pipelines.wan import WanPipelineNative
 
     f = tmp_path / "wide.safetensors"
-    save_file({"diffusion_model.blocks.0.norm3.diff": torch.zeros(1024),
-               "diffusion_model.blocks.0.self_attn.q.lora_down.weight": torch.zeros(RANK, DIM),
-               "diffusion_model.blocks.0.self_attn.q.lora_up.weight": torch.zeros(DIM, RANK)}, str(f))
-    with pytest.raises(AttentionConfigError, match=r"blocks\.0\.norm2\.weight is \(512,\) but the LoRA's delta is "
-                                                   r"\(1024,\)"):
-        WanPipelineNative.from_pretrained("ditattn:tiny-wan2.2", device="cpu", dtype="float32",
-                                          lora=[str(f)], lora_fuse=True)
+    save_file(
+        {
+            "diffusion_model.blocks.0.norm3.diff": torch.zeros(1024),
+            "diffusion_model.blocks.0.self_attn.q.lora_down.weight": torch.zeros(RANK, DIM),
+            "diffusion_model.blocks.0.self_attn.q.lora_up.weight": torch.zeros(DIM, RANK),
+        },
+        str(f),
+    )
+    with pytest.raises(
+        AttentionConfigError,
+        match=r"blocks\.0\.norm2\.weight is \(512,\) but the LoRA's delta is "
+        r"\(1024,\)",
+    ):
+        WanPipelineNative.from_pretrained(
+            "ditattn:tiny-wan2.2", device="cpu", dtype="float32", lora=[str(f)], lora_fuse=True
+        )
 
 
 def test_recipe_end_to_end(tmp_path, capsys):
@@ -170,10 +193,35 @@ def test_recipe_end_to_end(tmp_path, capsys):
     distill_lora(lo, 5)
     out = tmp_path / "clip.mp4"
     capsys.readouterr()
-    rc = main(["generate", "--model-path", "ditattn:tiny-wan2.2", "--prompt", "a fox", "--height", "32", "--width",
-               "48", "--num-frames", "5", "--lora-path", f"transformer={hi}", "--lora-path", f"transformer_2={lo}",
-               "--scheduler", "lcm", "--flow-shift", "5", "--timesteps", "1000,750,500,250", "--guidance-scale", "1",
-               "--output-path", str(out)])
+    rc = main(
+        [
+            "generate",
+            "--model-path",
+            "ditattn:tiny-wan2.2",
+            "--prompt",
+            "a fox",
+            "--height",
+            "32",
+            "--width",
+            "48",
+            "--num-frames",
+            "5",
+            "--lora-path",
+            f"transformer={hi}",
+            "--lora-path",
+            f"transformer_2={lo}",
+            "--scheduler",
+            "lcm",
+            "--flow-shift",
+            "5",
+            "--timesteps",
+            "1000,750,500,250",
+            "--guidance-scale",
+            "1",
+            "--output-path",
+            str(out),
+        ]
+    )
     lines = capsys.readouterr().out.strip().splitlines()
     assert rc == 0 and lines[0] == f"saved: {out}" and out.stat().st_size > 0
     assert "4 steps, lcm shift 5, 4 DiT forwards, CFG off (load" in lines[-1]
@@ -190,12 +238,15 @@ def test_server_request_fields(tmp_path):
     from ditattn.server.app import create_app
     from ditattn.server.runner import build_runner
 
-    cfg = RunConfig(model=ModelConfig(model_path="ditattn:tiny-wan"),
-                    sampling=SamplingConfig(num_inference_steps=2, num_frames=1, height=32, width=48,
-                                            scheduler="flow_euler"))
+    cfg = RunConfig(
+        model=ModelConfig(model_path="ditattn:tiny-wan"),
+        sampling=SamplingConfig(num_inference_steps=2, num_frames=1, height=32, width=48, scheduler="flow_euler"),
+    )
     runner = build_runner(cfg)
-    with TestClient(create_app(runner, ServerConfig(batch_window_s=0.0, max_steps=8, max_output_pixels=10 ** 6)),
-                    base_url="http://localhost") as c:
+    with TestClient(
+        create_app(runner, ServerConfig(batch_window_s=0.0, max_steps=8, max_output_pixels=10**6)),
+        base_url="http://localhost",
+    ) as c:
         for body, field, words in [
             ({"timesteps": [500, 750]}, "timesteps", "not descending"),
             ({"timesteps": "1500,10"}, "timesteps", "above this checkpoint's num_train_timesteps (1000)"),
@@ -209,21 +260,41 @@ def test_server_request_fields(tmp_path):
             assert r.status_code == 400, (body, r.text)
             err = r.json()["error"]
             assert err["param"] == field and words in err["message"], (body, err)
-        r = c.post("/v1/images/generations", json={"prompt": "x", "size": "48x32", "scheduler": "lcm",
-                                                   "flow_shift": 5, "timesteps": [1000, 750, 500, 250],
-                                                   "guidance_scale": 1, "response_format": "b64_json"})
+        r = c.post(
+            "/v1/images/generations",
+            json={
+                "prompt": "x",
+                "size": "48x32",
+                "scheduler": "lcm",
+                "flow_shift": 5,
+                "timesteps": [1000, 750, 500, 250],
+                "guidance_scale": 1,
+                "response_format": "b64_json",
+            },
+        )
         assert r.status_code == 200, r.text
         assert base64.b64decode(r.json()["data"][0]["b64_json"])[:4] == b"\x89PNG"
         # the fields reach the pipeline: same seed, another sampler, another image; the same fields, the same image
         images = []
         for body in ({"scheduler": "lcm", "timesteps": "1000,500"}, {}, {"scheduler": "lcm", "timesteps": "1000,500"}):
-            r = c.post("/v1/images/generations", json={"prompt": "x", "size": "48x32", "seed": 4,
-                                                       "response_format": "b64_json", **body})
+            r = c.post(
+                "/v1/images/generations",
+                json={"prompt": "x", "size": "48x32", "seed": 4, "response_format": "b64_json", **body},
+            )
             images.append(r.json()["data"][0]["b64_json"])
         assert images[0] != images[1] and images[0] == images[2]
         # multipart form values are text: "1000,500" and "0:0.5"
-        v = c.post("/v1/videos", data={"prompt": "x", "size": "48x32", "seconds": "1", "timesteps": "1000,500",
-                                       "cfg_interval": "0:0.5", "scheduler": "unipc"})
+        v = c.post(
+            "/v1/videos",
+            data={
+                "prompt": "x",
+                "size": "48x32",
+                "seconds": "1",
+                "timesteps": "1000,500",
+                "cfg_interval": "0:0.5",
+                "scheduler": "unipc",
+            },
+        )
         assert v.status_code == 200, v.text
         for _ in range(600):
             done = c.get(f"/v1/videos/{v.json()['id']}").json()

@@ -11,6 +11,7 @@ and the FP8 linears / tiny DiT on torchao's FP8 weights (its hardware gate lifte
 ``torch._scaled_mm`` on the CPU.  FP8 on the GPU needs compute capability >= 8.9: those tests
 (``-k gpu``) skip elsewhere.
 """
+
 import copy
 import importlib.util
 import os
@@ -27,8 +28,9 @@ from ditattn.platforms import Platform
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
 needs_torchao = pytest.mark.skipif(not HAS_TORCHAO, reason="torchao is not installed (pip install 'ditattn[quant]')")
 HAS_FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
-needs_fp8_gpu = pytest.mark.skipif(not (HAS_FP8_GPU and HAS_TORCHAO),
-                                   reason="FP8 linears need torchao and a CUDA GPU of compute capability >= 8.9")
+needs_fp8_gpu = pytest.mark.skipif(
+    not (HAS_FP8_GPU and HAS_TORCHAO), reason="FP8 linears need torchao and a CUDA GPU of compute capability >= 8.9"
+)
 SMALL = dict(height=48, width=48, num_frames=5, num_inference_steps=2, seed=3)
 
 
@@ -87,13 +89,23 @@ def test_rule_on_the_14b_architecture():
     assert groups["final projection (the prediction itself)"] == ["proj_out"]
     assert len(groups["cross-attention K/V of the text (once per generation, cached)"]) == 80
     assert sorted(groups["time embedding (one row per sample, float32)"]) == [
-        "condition_embedder.time_embedder.linear_1", "condition_embedder.time_embedder.linear_2",
-        "condition_embedder.time_proj"]
+        "condition_embedder.time_embedder.linear_1",
+        "condition_embedder.time_embedder.linear_2",
+        "condition_embedder.time_proj",
+    ]
     assert len(groups["text embedding (once per generation)"]) == 2
     quantized = set(plan.quantized)
     for i in (0, 39):
-        for name in ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "attn2.to_out.0",
-                     "ffn.net.0.proj", "ffn.net.2"):
+        for name in (
+            "attn1.to_q",
+            "attn1.to_k",
+            "attn1.to_v",
+            "attn1.to_out.0",
+            "attn2.to_q",
+            "attn2.to_out.0",
+            "ffn.net.0.proj",
+            "ffn.net.2",
+        ):
             assert f"blocks.{i}.{name}" in quantized
     assert plan.describe().startswith("fp8: 320 of 406 linears quantized (160 self-attention projection, ")
     js = plan.to_json()
@@ -118,19 +130,36 @@ def test_rule_size_limits_are_declared_reasons():
 # what each mode needs: one line naming everything missing
 
 
-@pytest.mark.parametrize("mode, platform, dtype, expect", [
-    ("none", Platform.simulate("cpu"), torch.float32, None),
-    ("int8", Platform.simulate("cpu", packages=["torchao"]), torch.float32, None),
-    ("int8", Platform.simulate("cuda", (8, 0), packages=["torchao"]), torch.bfloat16, None),
-    ("fp8", Platform.simulate("cuda", (9, 0), packages=["torchao"]), torch.bfloat16, None),
-    ("fp8", Platform.simulate("cuda", (8, 9), packages=["torchao"]), torch.bfloat16, None),
-    ("int8", Platform.simulate("cpu"), torch.float32, ["torchao (not installed: pip install 'ditattn[quant]')"]),
-    ("fp8", Platform.simulate("cuda", (8, 0), packages=["torchao"]), torch.bfloat16,
-     ["compute capability >= 8.9", "cuda SM80"]),
-    ("fp8", Platform.simulate("cpu"), torch.float32, ["torchao", "NVIDIA GPU", "this run is on cpu", "--dtype bfloat16"]),
-    ("fp8", Platform.simulate("cuda", (9, 0), packages=["torchao"]), torch.float16, ["--dtype bfloat16", "float16"]),
-    ("int8", Platform.simulate("xpu", packages=["torchao"]), torch.bfloat16, ["a CPU or an NVIDIA GPU", "xpu"]),
-])
+@pytest.mark.parametrize(
+    "mode, platform, dtype, expect",
+    [
+        ("none", Platform.simulate("cpu"), torch.float32, None),
+        ("int8", Platform.simulate("cpu", packages=["torchao"]), torch.float32, None),
+        ("int8", Platform.simulate("cuda", (8, 0), packages=["torchao"]), torch.bfloat16, None),
+        ("fp8", Platform.simulate("cuda", (9, 0), packages=["torchao"]), torch.bfloat16, None),
+        ("fp8", Platform.simulate("cuda", (8, 9), packages=["torchao"]), torch.bfloat16, None),
+        ("int8", Platform.simulate("cpu"), torch.float32, ["torchao (not installed: pip install 'ditattn[quant]')"]),
+        (
+            "fp8",
+            Platform.simulate("cuda", (8, 0), packages=["torchao"]),
+            torch.bfloat16,
+            ["compute capability >= 8.9", "cuda SM80"],
+        ),
+        (
+            "fp8",
+            Platform.simulate("cpu"),
+            torch.float32,
+            ["torchao", "NVIDIA GPU", "this run is on cpu", "--dtype bfloat16"],
+        ),
+        (
+            "fp8",
+            Platform.simulate("cuda", (9, 0), packages=["torchao"]),
+            torch.float16,
+            ["--dtype bfloat16", "float16"],
+        ),
+        ("int8", Platform.simulate("xpu", packages=["torchao"]), torch.bfloat16, ["a CPU or an NVIDIA GPU", "xpu"]),
+    ],
+)
 def test_why_not(mode, platform, dtype, expect):
     reason = Q.why_not(mode, platform, dtype)
     if expect is None:
@@ -173,21 +202,41 @@ def test_cli_refusals_are_one_line(capsys):
     """fp8 here (CPU, float32) and on a simulated A100 / H200 without torchao; a bad value; --backend
     diffusers; sequence parallelism refuses it before any rank starts."""
     cases = [
-        (["generate", "--prompt", "x", "--dit-quantization", "fp8"],
-         ["needs", "compute capability >= 8.9", "this run is on cpu", "--dtype bfloat16"]),
-        (["plan", "--dit-quantization", "fp8", "--platform", "cuda:80", "--platform-packages", "torchao"],
-         ["compute capability >= 8.9", "SM80"]),
+        (
+            ["generate", "--prompt", "x", "--dit-quantization", "fp8"],
+            ["needs", "compute capability >= 8.9", "this run is on cpu", "--dtype bfloat16"],
+        ),
+        (
+            ["plan", "--dit-quantization", "fp8", "--platform", "cuda:80", "--platform-packages", "torchao"],
+            ["compute capability >= 8.9", "SM80"],
+        ),
         (["plan", "--dit-quantization", "fp8", "--platform", "cuda:90"], ["needs torchao", "ditattn[quant]"]),
         (["plan", "--dit-quantization", "fp4"], ["invalid choice", "fp8"]),
-        (["generate", "--prompt", "x", "--backend", "diffusers", "--dit-quantization", "int8"],
-         ["--dit-quantization applies to the native pipeline only"]),
+        (
+            ["generate", "--prompt", "x", "--backend", "diffusers", "--dit-quantization", "int8"],
+            ["--dit-quantization applies to the native pipeline only"],
+        ),
         (["generate", "--prompt", "x", "--num-gpus", "2", "--dit-quantization", "fp8"], ["compute capability"]),
         (["serve", "--dit-quantization", "fp8", "--port", "1"], ["compute capability"]),
         # ditattn:shapes' GEMMs are all narrower than the rule's 512 features: int8 would change nothing
-        (["plan", "--model-path", "ditattn:shapes", "--dit-quantization", "int8"],
-         ["selects none of this model's 66 linears", "small GEMM", "--dit-quantization none"]),
-        (["compare", "--model-path", "ditattn:shapes", "--prompt", "x", "--variant", "a=torch_sdpa",
-          "--variant", "b=torch_sdpa+int8"], ["selects none of this model's 66 linears"]),
+        (
+            ["plan", "--model-path", "ditattn:shapes", "--dit-quantization", "int8"],
+            ["selects none of this model's 66 linears", "small GEMM", "--dit-quantization none"],
+        ),
+        (
+            [
+                "compare",
+                "--model-path",
+                "ditattn:shapes",
+                "--prompt",
+                "x",
+                "--variant",
+                "a=torch_sdpa",
+                "--variant",
+                "b=torch_sdpa+int8",
+            ],
+            ["selects none of this model's 66 linears"],
+        ),
     ]
     for argv, words in cases:
         err = _refused(capsys, argv)
@@ -213,18 +262,22 @@ def h200_machine(monkeypatch):
 
 
 @pytest.mark.gpu  # simulates its machine: not pinned to a CPU-only one
-@pytest.mark.parametrize("argv", [
-    ["generate", "--prompt", "x", "--output-path", "never-written.png"],
-    ["plan"],
-    ["compare", "--prompt", "x", "--variant", "a=torch_sdpa", "--variant", "b=torch_sdpa+fp8"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--prompt", "x", "--output-path", "never-written.png"],
+        ["plan"],
+        ["compare", "--prompt", "x", "--variant", "a=torch_sdpa", "--variant", "b=torch_sdpa+fp8"],
+    ],
+)
 def test_fp8_on_the_cpu_of_a_gpu_machine_is_refused_in_one_line(capsys, h200_machine, tmp_path, argv):
     """``--device cpu`` on a machine whose GPU could run FP8: the check looks at the chosen device (the
     CPU), not at the machine, and refuses before loading, in one line."""
     quant = [] if argv[0] == "compare" else ["--dit-quantization", "fp8"]
     extra = ["--output-path", str(tmp_path)] if argv[0] == "compare" else []
-    err = _refused(capsys, [*argv, *quant, *extra, "--model-path", "ditattn:tiny-wan", "--device", "cpu",
-                            "--dtype", "bfloat16"])
+    err = _refused(
+        capsys, [*argv, *quant, *extra, "--model-path", "ditattn:tiny-wan", "--device", "cpu", "--dtype", "bfloat16"]
+    )
     assert "--dit-quantization fp8 needs an NVIDIA GPU with compute capability >= 8.9" in err
     assert "this run is on cpu" in err
     assert not list(tmp_path.iterdir())
@@ -236,8 +289,19 @@ def test_plan_shows_the_rule(capsys):
 
     from ditattn.cli import main
 
-    args = ["plan", "--model-path", "ditattn:tiny-wan", "--dit-quantization", "fp8", "--platform", "cuda:90", "--platform-packages", "torchao",
-            "--dtype", "bfloat16"]
+    args = [
+        "plan",
+        "--model-path",
+        "ditattn:tiny-wan",
+        "--dit-quantization",
+        "fp8",
+        "--platform",
+        "cuda:90",
+        "--platform-packages",
+        "torchao",
+        "--dtype",
+        "bfloat16",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "transformer linears: fp8, 16 of 26 quantized (8 self-attention projection, " in out
@@ -248,7 +312,9 @@ def test_plan_shows_the_rule(capsys):
     comp = next(c for c in json.loads(capsys.readouterr().out)["components"] if c["name"] == "transformer")
     assert comp["linear_quantization"]["quantized"] == 16 and comp["linear_quantization"]["mode"] == "fp8"
     assert comp["linear_quantization"]["activations"] == {
-        "summary": "fused per-row quantizer for 16 of 16 linears", "torchao": []}
+        "summary": "fused per-row quantizer for 16 of 16 linears",
+        "torchao": [],
+    }
     assert main(["plan", "--json"]) == 0  # without the flag the plan is unchanged
     assert all("linear_quantization" not in c for c in json.loads(capsys.readouterr().out)["components"])
 
@@ -266,7 +332,8 @@ def test_int8_tiny_dit_against_float32_and_bfloat16():
     ref16 = _run(_dit(dtype=torch.bfloat16), torch.bfloat16)
     q32_model = _dit("int8")
     assert sorted(n for n, m in Q.linears(q32_model) if not Q.plain_weight(m)) == sorted(
-        q32_model.linear_quantization.quantized)
+        q32_model.linear_quantization.quantized
+    )
     assert len(q32_model.linear_quantization.quantized) == 16
     q32 = _run(q32_model, torch.float32)
     q16 = _run(_dit("int8", torch.bfloat16), torch.bfloat16)
@@ -325,8 +392,10 @@ def test_fused_and_plain_ops_agree_under_int8():
 # weights are the GPU's), and torch._scaled_mm runs on the CPU, so the whole fused path runs here.
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
-needs_interpreter = pytest.mark.skipif(not INTERPRETER, reason="the Triton kernel runs on CPU under TRITON_INTERPRET=1 "
-                                                               "(tests/conftest.py sets it without a GPU)")
+needs_interpreter = pytest.mark.skipif(
+    not INTERPRETER,
+    reason="the Triton kernel runs on CPU under TRITON_INTERPRET=1 (tests/conftest.py sets it without a GPU)",
+)
 
 
 def _cpu_rowwise_scaled_mm() -> bool:
@@ -372,9 +441,9 @@ def _formula64(x, gelu=False):
     """The quantizer's formula in float64, rounded once where the kernel rounds (bf16 scale, e4m3)."""
     x64 = x.double()
     if gelu:
-        u = 0.7978845608028654 * (x64 + 0.044715 * x64 ** 3)
+        u = 0.7978845608028654 * (x64 + 0.044715 * x64**3)
         x64 = (0.5 * x64 * (1 + torch.tanh(u))).to(torch.bfloat16).double()
-    scale = (x64.abs().amax(-1, keepdim=True).clamp(min=448 * 2.0 ** -126) / 448).to(torch.bfloat16).double()
+    scale = (x64.abs().amax(-1, keepdim=True).clamp(min=448 * 2.0**-126) / 448).to(torch.bfloat16).double()
     return (x64 / scale).clamp(-448, 448).to(torch.float8_e4m3fn), scale.float()
 
 
@@ -391,13 +460,15 @@ def test_fp8_quantizer_reference_is_the_formula_and_torchao(m, k):
 
     x = _activations(m, k)
     q, scale = quantize_rows(x, impl="torch")
-    assert q.shape == (m, k) and q.dtype == torch.float8_e4m3fn and scale.shape == (m, 1) and scale.dtype == torch.float32
+    assert (
+        q.shape == (m, k) and q.dtype == torch.float8_e4m3fn and scale.shape == (m, 1) and scale.dtype == torch.float32
+    )
     q64, s64 = _formula64(x)
     assert torch.equal(_codes(q), _codes(q64)) and torch.equal(scale, s64)
     assert torch.equal(q[1].float(), torch.zeros(k)) and scale[1].item() > 0  # the zero row: zeros, finite
     assert q.float().abs().max() == 448  # each row's absmax lands on e4m3's largest value
     deq = q.float() * scale
-    assert ((deq - x.float()).abs() <= x.float().abs() / 16 + scale * 2 ** -9 + 1e-37).all()  # e4m3: 3 mantissa bits
+    assert ((deq - x.float()).abs() <= x.float().abs() / 16 + scale * 2**-9 + 1e-37).all()  # e4m3: 3 mantissa bits
     if HAS_TORCHAO:
         from torchao.quantization import PerRow
         from torchao.quantization.quantize_.workflows import Float8Tensor
@@ -437,9 +508,11 @@ def test_fp8_quantizer_gelu_reference_is_gelu_then_quantize():
 
 def _bf16_steps(a, b):
     """``|a - b|`` in bf16 steps (``a``, ``b`` bf16; +0 and -0 are the same point)."""
+
     def key(t):
         i = t.contiguous().view(torch.int16).to(torch.int32)
         return torch.where(i < 0, -(i & 0x7FFF), i)
+
     return (key(a) - key(b)).abs()
 
 
@@ -453,7 +526,7 @@ def _gelu64(x):
     """The tanh-GELU in float64 as ``x * sigmoid(2u)``: ``F.gelu(approximate="tanh")``'s function without its
     ``1 + tanh(u)`` cancellation (which leaves float64 no correct digit below x = -7)."""
     x64 = x.double()
-    return x64 / (1 + torch.exp(-2 * 0.7978845608028654 * (x64 + 0.044715 * x64 ** 3)))
+    return x64 / (1 + torch.exp(-2 * 0.7978845608028654 * (x64 + 0.044715 * x64**3)))
 
 
 def _all_bf16():
@@ -468,7 +541,9 @@ def _snapped_quotient_codes(x, inv):
     from ditattn.models.fp8_linear import SNAP_HALF, SNAP_MASK
 
     q = x * inv
-    return ((q.view(torch.int32) + SNAP_HALF) & SNAP_MASK).view(torch.float32).to(torch.float8_e4m3fn).view(torch.uint8)
+    return (
+        ((q.view(torch.int32) + SNAP_HALF) & SNAP_MASK).view(torch.float32).to(torch.float8_e4m3fn).view(torch.uint8)
+    )
 
 
 def test_fp8_quantizer_reciprocal_rounds_like_the_division():
@@ -482,13 +557,15 @@ def test_fp8_quantizer_reciprocal_rounds_like_the_division():
     x = _all_bf16().float()
     plain_differs = compared = 0
     for e in (-126, -125, -64, -8, -1, 0, 1, 8, 64, 118, 119):
-        s = ((128 + torch.arange(128, dtype=torch.float64)) / 128 * 2.0 ** e).float()[:, None]
+        s = ((128 + torch.arange(128, dtype=torch.float64)) / 128 * 2.0**e).float()[:, None]
         assert torch.equal(s.to(torch.bfloat16).float(), s)
         inv = 1.0 / s
         row = (x / s).abs() < 449
         ref = (x / s).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
         assert ((_snapped_quotient_codes(x, inv) == ref) | ~row).all(), e
-        plain_differs += int(((x * inv).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8) != ref).logical_and_(row).sum())
+        plain_differs += int(
+            ((x * inv).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8) != ref).logical_and_(row).sum()
+        )
         compared += int(row.sum())
     assert plain_differs > 0 and compared > 20_000_000
 
@@ -497,12 +574,18 @@ def _ties(n_rows=12, seed=5):
     """Rows full of exact ties: x = (e4m3 midpoint) * scale for scales whose product stays in bf16,
     plus the element that sets the scale (the absmax 448 * scale)."""
     g = torch.Generator().manual_seed(seed)
-    mids = torch.tensor([m for k in range(-9, 6) for m in ((torch.arange(8) + 8.5) * 2.0 ** k).tolist()]
-                        + [(k + 0.5) * 2.0 ** -9 for k in range(8)], dtype=torch.float64)
+    mids = torch.tensor(
+        [m for k in range(-9, 6) for m in ((torch.arange(8) + 8.5) * 2.0**k).tolist()]
+        + [(k + 0.5) * 2.0**-9 for k in range(8)],
+        dtype=torch.float64,
+    )
     mids = mids[mids < 448]
     rows = []
     for _ in range(n_rows):
-        s = float((torch.randint(128, 256, (1,), generator=g) // 32 * 32) * 2.0 ** (int(torch.randint(-40, 40, (1,), generator=g)) - 7))
+        s = float(
+            (torch.randint(128, 256, (1,), generator=g) // 32 * 32)
+            * 2.0 ** (int(torch.randint(-40, 40, (1,), generator=g)) - 7)
+        )
         x = torch.cat([mids, -mids]) * s  # a 3-bit scale mantissa keeps (5-bit midpoint) * scale in bf16
         keep = x.to(torch.bfloat16).double() == x.double()
         row = torch.cat([torch.tensor([448 * s]), x[keep]])
@@ -512,8 +595,9 @@ def _ties(n_rows=12, seed=5):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("m, k", [(7, 1536), (3, 8960), (2, 13824), (5, 5120), (37, 33), (9, 4500), (6, 7),
-                                  (2, 20000)])  # one pass (up to 16384 wide, 1-3 tiles), and the chunked loop
+@pytest.mark.parametrize(
+    "m, k", [(7, 1536), (3, 8960), (2, 13824), (5, 5120), (37, 33), (9, 4500), (6, 7), (2, 20000)]
+)  # one pass (up to 16384 wide, 1-3 tiles), and the chunked loop
 def test_fp8_quantizer_kernel_in_the_interpreter(m, k):
     """The Triton kernel (Triton's CPU interpreter) against the reference and the float64 formula: bit
     for bit, on rows with a zero row, values near bf16's largest, 1e-30 values and an outlier; with
@@ -530,7 +614,7 @@ def test_fp8_quantizer_kernel_in_the_interpreter(m, k):
     q, scale = quantize_rows(torch.cat([x, x], -1)[:, :k], impl="triton")  # rows with a stride
     assert torch.equal(_codes(q), _codes(q0)) and torch.equal(scale, s0)
     for rows in (1, 2, 8):
-        q, scale = _quantize_rows_triton(x, False, 448 * 2.0 ** -126, rows=rows, num_warps=4)
+        q, scale = _quantize_rows_triton(x, False, 448 * 2.0**-126, rows=rows, num_warps=4)
         assert torch.equal(_codes(q), _codes(q0)) and torch.equal(scale, s0), rows
 
 
@@ -578,9 +662,9 @@ def _check_gelu_bound(x):
     g = _kernel_gelu(x).cpu()
     ref = _gelu64(x.cpu()).to(torch.bfloat16)
     steps = _bf16_steps(g, ref)
-    tiny = (g.double() - ref.double()).abs() <= 2.0 ** -124
+    tiny = (g.double() - ref.double()).abs() <= 2.0**-124
     assert ((steps <= 1) | tiny).all(), x.cpu()[(steps > 1) & ~tiny][:8]
-    return int(((steps > 0) & (ref.double().abs() >= 2.0 ** -124)).sum())
+    return int(((steps > 0) & (ref.double().abs() >= 2.0**-124)).sum())
 
 
 @needs_interpreter
@@ -610,7 +694,9 @@ def test_fp8_quantizer_gelu_in_the_interpreter(m, k):
     x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3).to(torch.bfloat16)
     x[0, :7] = torch.tensor([-12.0, -10.0, -6.0, 0.0, 3e38, -3e38, 1e-30])
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # numpy's exp2 overflow for the negative tail (-> 0, as on GPUs)
+        warnings.simplefilter(
+            "ignore", RuntimeWarning
+        )  # numpy's exp2 overflow for the negative tail (-> 0, as on GPUs)
         q, scale = quantize_rows(x, gelu=True, impl="triton")
         g = _kernel_gelu(x)
     q0, s0 = quantize_rows(g, impl="torch")
@@ -634,7 +720,11 @@ def test_fp8_quantizer_row_tiles():
         assert all(b & (b - 1) == 0 for b in tiles) and sum(tiles) >= k and sum(tiles[:-1]) < k, k
         assert sum(tiles) - k < max(512, k / 4), k
     assert {k: row_tiles(k) for k in (1536, 5120, 8960, 13824)} == {
-        1536: (1024, 512, 0), 5120: (4096, 1024, 0), 8960: (8192, 512, 512), 13824: (8192, 4096, 2048)}
+        1536: (1024, 512, 0),
+        5120: (4096, 1024, 0),
+        8960: (8192, 512, 512),
+        13824: (8192, 4096, 2048),
+    }
     assert launch_config(32760, 1536) == {"rows": 4, "num_warps": 8}
     assert launch_config(3, 33)["rows"] == 4 and launch_config(32760, 8960) == {"rows": 1, "num_warps": 8}
 
@@ -665,7 +755,7 @@ def test_fp8_linear_against_dequantized_reference_and_torchao(fp8_on_cpu):
     w = lin.weight
     ref = (q.double() * scale.double()) @ (w.qdata.double() * w.scale.double()).t() + lin.bias.double()
     ref = ref.view(13, 1, 384)
-    assert ((y.double() - ref).abs() <= ref.abs() * 2 ** -8 + ref.abs().amax(-1, keepdim=True) * 1e-5).all()
+    assert ((y.double() - ref).abs() <= ref.abs() * 2**-8 + ref.abs().amax(-1, keepdim=True) * 1e-5).all()
     assert torch.equal(y, lin(x))  # torchao's path on the same operands
     rel = ((y.float() - plain(x).float()).norm() / plain(x).float().norm()).item()
     assert 1e-3 < rel < 5e-2, rel
@@ -731,15 +821,37 @@ def test_pipeline_generate_and_summary(capsys):
     from ditattn.pipelines.wan import WanPipelineNative
 
     ref = WanPipelineNative.from_pretrained("ditattn:tiny-wan", device="cpu", dtype="float32")
-    pipe = WanPipelineNative.from_pretrained("ditattn:tiny-wan", device="cpu", dtype="float32",
-                                             dit_quantization="int8")
+    pipe = WanPipelineNative.from_pretrained(
+        "ditattn:tiny-wan", device="cpu", dtype="float32", dit_quantization="int8"
+    )
     assert pipe.quantization_summary() == "int8 (16 of 26 linears)" and ref.quantization_summary() is None
     a = ref.generate("a red fox", output_type="latent", progress=False, **SMALL).frames
     b = pipe.generate("a red fox", output_type="latent", progress=False, **SMALL).frames
     rel = ((a - b).norm() / a.norm()).item()
     assert 0 < rel < 2e-2, rel
-    assert main(["generate", "--model-path", "ditattn:tiny-wan", "--prompt", "a fox", "--dit-quantization", "int8", "--no-save-output",
-                 "--height", "32", "--width", "32", "--num-frames", "1", "--num-inference-steps", "1"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model-path",
+                "ditattn:tiny-wan",
+                "--prompt",
+                "a fox",
+                "--dit-quantization",
+                "int8",
+                "--no-save-output",
+                "--height",
+                "32",
+                "--width",
+                "32",
+                "--num-frames",
+                "1",
+                "--num-inference-steps",
+                "1",
+            ]
+        )
+        == 0
+    )
     assert "DiT linears: int8 (16 of 26 linears)" in capsys.readouterr().out.strip().splitlines()[-1]
 
 
@@ -753,8 +865,12 @@ def test_int8_with_every_dense_backend_on_cpu():
 
     for backend in ("torch_sdpa", "sage_attn", "sparge_attn"):
         pipe = WanPipelineNative.from_pretrained(
-            "ditattn:tiny-wan", AttentionSettings(backend=AttentionBackendEnum.from_name(backend)), device="cpu",
-            dtype="bfloat16", dit_quantization="int8")
+            "ditattn:tiny-wan",
+            AttentionSettings(backend=AttentionBackendEnum.from_name(backend)),
+            device="cpu",
+            dtype="bfloat16",
+            dit_quantization="int8",
+        )
         res = pipe.generate("a fox", output_type="latent", progress=False, **SMALL)
         assert torch.isfinite(res.frames).all(), backend
 
@@ -769,15 +885,25 @@ def test_server_runs_quantized_and_requests_cannot_change_it():
     from ditattn.server.app import create_app
     from ditattn.server.runner import build_runner
 
-    cfg = RunConfig.from_mapping({"model_path": "ditattn:tiny-wan", "dit_quantization": "int8", "num_inference_steps": 1, "height": 32, "width": 32,
-                                  "num_frames": 1, "batch_window_s": 0})
+    cfg = RunConfig.from_mapping(
+        {
+            "model_path": "ditattn:tiny-wan",
+            "dit_quantization": "int8",
+            "num_inference_steps": 1,
+            "height": 32,
+            "width": 32,
+            "num_frames": 1,
+            "batch_window_s": 0,
+        }
+    )
     runner = build_runner(cfg)
     assert runner.pipe.quantization_summary() == "int8 (16 of 26 linears)"
     with TestClient(create_app(runner, cfg.server), base_url="http://localhost") as client:
         r = client.post("/v1/images/generations", json={"prompt": "a boat", "size": "32x32"})
         assert r.status_code == 200, r.text
-        r = client.post("/v1/images/generations", json={"prompt": "a boat", "size": "32x32",
-                                                        "dit_quantization": "none"})
+        r = client.post(
+            "/v1/images/generations", json={"prompt": "a boat", "size": "32x32", "dit_quantization": "none"}
+        )
         assert r.status_code == 400 and "dit_quantization" in r.text
 
 
@@ -797,14 +923,23 @@ def test_compare_variants_carry_the_quantization():
 # 8-bit checkpoints: ComfyUI/Kijai and LightX2V layouts, built here from the tiny DiT's weights
 
 # diffusers -> original Wan names (the inverse of diffusers' convert_wan_transformer_to_diffusers)
-TO_WAN = [("condition_embedder.time_embedder.linear_1", "time_embedding.0"),
-          ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
-          ("condition_embedder.text_embedder.linear_1", "text_embedding.0"),
-          ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
-          ("condition_embedder.time_proj", "time_projection.1"), (".attn1.", ".self_attn."),
-          (".attn2.", ".cross_attn."), (".to_q.", ".q."), (".to_k.", ".k."), (".to_v.", ".v."),
-          (".to_out.0.", ".o."), (".norm2.", ".norm3."), ("ffn.net.0.proj", "ffn.0"), ("ffn.net.2", "ffn.2"),
-          ("proj_out", "head.head")]
+TO_WAN = [
+    ("condition_embedder.time_embedder.linear_1", "time_embedding.0"),
+    ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
+    ("condition_embedder.text_embedder.linear_1", "text_embedding.0"),
+    ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
+    ("condition_embedder.time_proj", "time_projection.1"),
+    (".attn1.", ".self_attn."),
+    (".attn2.", ".cross_attn."),
+    (".to_q.", ".q."),
+    (".to_k.", ".k."),
+    (".to_v.", ".v."),
+    (".to_out.0.", ".o."),
+    (".norm2.", ".norm3."),
+    ("ffn.net.0.proj", "ffn.0"),
+    ("ffn.net.2", "ffn.2"),
+    ("proj_out", "head.head"),
+]
 
 
 def _wan_name(key: str) -> str:
@@ -861,9 +996,16 @@ def _write(tmp_path, name, layout):
     return str(path), sd
 
 
-@pytest.mark.parametrize("layout, scales, tol", [
-    ("comfy", {"per-tensor"}, 0.07), ("kijai", {"none"}, 0.07), ("lightx2v-fp8", {"per-channel"}, 0.07),
-    ("lightx2v-int8", {"per-channel"}, 0.01), ("diffusers-fp8", {"per-channel"}, 0.07)])
+@pytest.mark.parametrize(
+    "layout, scales, tol",
+    [
+        ("comfy", {"per-tensor"}, 0.07),
+        ("kijai", {"none"}, 0.07),
+        ("lightx2v-fp8", {"per-channel"}, 0.07),
+        ("lightx2v-int8", {"per-channel"}, 0.01),
+        ("diffusers-fp8", {"per-channel"}, 0.07),
+    ],
+)
 def test_eight_bit_checkpoint_layouts(tmp_path, layout, scales, tol):
     """Each layout loads into the native DiT: weights within the format's rounding of the originals
     (e4m3: 2^-4 relative, int8 per channel: half a step), the DiT output close to the original's."""
@@ -890,15 +1032,38 @@ def test_fp8_checkpoint_then_int8_linears(tmp_path):
     from ditattn.pipelines.wan import WanPipelineNative
 
     path, _ = _write(tmp_path, "dit_fp8", "lightx2v-fp8")
-    pipe = WanPipelineNative.from_pretrained("ditattn:tiny-wan", device="cpu", dtype="float32",
-                                             dit_quantization="int8", dit_weights=path)
+    pipe = WanPipelineNative.from_pretrained(
+        "ditattn:tiny-wan", device="cpu", dtype="float32", dit_quantization="int8", dit_weights=path
+    )
     ref = WanPipelineNative.from_pretrained("ditattn:tiny-wan", device="cpu", dtype="float32")
     a = ref.generate("a red fox", output_type="latent", progress=False, **SMALL).frames
     b = pipe.generate("a red fox", output_type="latent", progress=False, **SMALL).frames
     assert 0 < ((a - b).norm() / a.norm()).item() < 0.1
-    assert main(["generate", "--model-path", "ditattn:tiny-wan", "--prompt", "a fox", "--dit-weights", path, "--dit-quantization", "int8",
-                 "--no-save-output", "--height", "32", "--width", "32", "--num-frames", "1",
-                 "--num-inference-steps", "1"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model-path",
+                "ditattn:tiny-wan",
+                "--prompt",
+                "a fox",
+                "--dit-weights",
+                path,
+                "--dit-quantization",
+                "int8",
+                "--no-save-output",
+                "--height",
+                "32",
+                "--width",
+                "32",
+                "--num-frames",
+                "1",
+                "--num-inference-steps",
+                "1",
+            ]
+        )
+        == 0
+    )
 
 
 def test_bad_checkpoints_are_one_line(tmp_path, capsys):
@@ -925,8 +1090,10 @@ def test_bad_checkpoints_are_one_line(tmp_path, capsys):
         (["--dit-weights", str(tmp_path / "x.bin")], "accepted: a .safetensors file"),
         (["--dit-weights", str(two)], "checkpoint does not match the model configuration"),
         (["--dit-weights", path, "--model-path", "ditattn:tiny-wan2.2"], "transformer=PATH,transformer_2=PATH"),
-        (["--dit-weights", f"transformer_3={path}", "--model-path", "ditattn:tiny-wan2.2"],
-         "unknown DiT component 'transformer_3'"),
+        (
+            ["--dit-weights", f"transformer_3={path}", "--model-path", "ditattn:tiny-wan2.2"],
+            "unknown DiT component 'transformer_3'",
+        ),
     ]:
         assert words in _refused(capsys, ["generate", "--prompt", "x", "--no-save-output", *argv])
 
@@ -1049,8 +1216,9 @@ def test_quantized_pipeline_on_the_gpu(mode):
     from ditattn.pipelines.wan import WanPipelineNative
 
     ref = WanPipelineNative.from_pretrained("ditattn:tiny-wan", device="cuda", dtype="bfloat16")
-    pipe = WanPipelineNative.from_pretrained("ditattn:tiny-wan", device="cuda", dtype="bfloat16",
-                                             dit_quantization=mode)
+    pipe = WanPipelineNative.from_pretrained(
+        "ditattn:tiny-wan", device="cuda", dtype="bfloat16", dit_quantization=mode
+    )
     a = ref.generate("a red fox", output_type="latent", progress=False, **SMALL).frames
     b = pipe.generate("a red fox", output_type="latent", progress=False, **SMALL).frames
     assert 0 < ((a - b).norm() / a.norm()).item() < 5e-2
@@ -1066,8 +1234,25 @@ def test_sequence_parallel_int8_matches_one_process(tmp_path, capfd):
 
     from ditattn.cli import main
 
-    common = ["generate", "--model-path", "ditattn:tiny-wan", "--prompt", "a red fox", "--num-frames", "1", "--height", "48", "--width", "48",
-              "--num-inference-steps", "2", "--dit-quantization", "int8", "--output-path", str(tmp_path)]
+    common = [
+        "generate",
+        "--model-path",
+        "ditattn:tiny-wan",
+        "--prompt",
+        "a red fox",
+        "--num-frames",
+        "1",
+        "--height",
+        "48",
+        "--width",
+        "48",
+        "--num-inference-steps",
+        "2",
+        "--dit-quantization",
+        "int8",
+        "--output-path",
+        str(tmp_path),
+    ]
     assert main(common + ["--output-file", "one.png"]) == 0
     assert main(common + ["--output-file", "two.png", "--num-gpus", "2", "--ulysses-degree", "2"]) == 0
     out = capfd.readouterr().out
@@ -1104,8 +1289,9 @@ def test_lora_with_int8_linears(tmp_path, fuse):
     path = _write_lora(tmp_path / "style.safetensors")
     kw = dict(device="cpu", dtype="float32", lora=[path], lora_fuse=fuse)
     lat = lambda p, **g: p.generate("a fox", output_type="latent", progress=False, **SMALL, **g).frames  # noqa: E731
-    plain_q = WanPipelineNative.from_pretrained("ditattn:tiny-wan", device="cpu", dtype="float32",
-                                                dit_quantization="int8")
+    plain_q = WanPipelineNative.from_pretrained(
+        "ditattn:tiny-wan", device="cpu", dtype="float32", dit_quantization="int8"
+    )
     ref = lat(WanPipelineNative.from_pretrained("ditattn:tiny-wan", **kw))
     pipe = WanPipelineNative.from_pretrained("ditattn:tiny-wan", dit_quantization="int8", **kw)
     layer = pipe.components["transformer"].blocks[0].attn1.to_q
@@ -1123,8 +1309,9 @@ def test_offload_with_quantization(capsys):
     move plain CPU master tensors by their data, which quantized weights do not support: refused."""
     from ditattn.pipelines.wan import WanPipelineNative
 
-    pipe = WanPipelineNative.from_pretrained("ditattn:tiny-wan", device="cpu", dtype="float32",
-                                             dit_quantization="int8", offload="text_encoder")
+    pipe = WanPipelineNative.from_pretrained(
+        "ditattn:tiny-wan", device="cpu", dtype="float32", dit_quantization="int8", offload="text_encoder"
+    )
     assert pipe.quantization_summary() == "int8 (16 of 26 linears)"
     assert torch.isfinite(pipe.generate("a fox", output_type="latent", progress=False, **SMALL).frames).all()
     for mode in ("model", "group"):

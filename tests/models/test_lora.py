@@ -1,6 +1,7 @@
 """LoRA: adapters built with PEFT on the tiny models change the native pipeline's output exactly as
 diffusers' ``load_lora_weights`` changes diffusers' (fused or unfused, with the file's alpha metadata,
 without metadata, with lora_B biases, into the low-noise expert), per-call scales, and refusals."""
+
 import os
 import warnings
 
@@ -36,8 +37,14 @@ def _make_lora(folder, model_name, *, seed, metadata=True, lora_bias=False, alph
     from peft import LoraConfig, get_peft_model_state_dict
 
     transformer = _diffusers(model_name).transformer
-    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False, lora_bias=lora_bias,
-                     alpha_pattern=alpha_pattern or {})
+    cfg = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=TARGETS,
+        init_lora_weights=False,
+        lora_bias=lora_bias,
+        alpha_pattern=alpha_pattern or {},
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         transformer.add_adapter(cfg, adapter_name="a")
@@ -125,8 +132,13 @@ def test_lora_refusals(tmp_path):
     save_file(bad_shape, str(tmp_path / "shape.safetensors"))
     with pytest.raises(LoRAError, match="to_q is 512x512 but the LoRA is 512x8"):
         WanPipelineNative.from_pretrained("ditattn:tiny-wan", lora=[str(tmp_path / "shape.safetensors")])
-    save_file({"transformer.blocks.0.attn9.to_q.lora_A.weight": torch.zeros(4, 512),
-               "transformer.blocks.0.attn9.to_q.lora_B.weight": torch.zeros(512, 4)}, str(tmp_path / "other.safetensors"))
+    save_file(
+        {
+            "transformer.blocks.0.attn9.to_q.lora_A.weight": torch.zeros(4, 512),
+            "transformer.blocks.0.attn9.to_q.lora_B.weight": torch.zeros(512, 4),
+        },
+        str(tmp_path / "other.safetensors"),
+    )
     with pytest.raises(LoRAError, match="not a linear layer of this transformer"):
         WanPipelineNative.from_pretrained("ditattn:tiny-wan", lora=[str(tmp_path / "other.safetensors")])
     save_file({"transformer.blocks.0.attn1.to_q.weight": torch.zeros(4, 4)}, str(tmp_path / "full.safetensors"))

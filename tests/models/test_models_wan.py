@@ -1,4 +1,5 @@
 """Native Wan DiT and UMT5 encoder against diffusers / transformers on the same weights (fp32)."""
+
 import os
 
 import pytest
@@ -57,8 +58,9 @@ def test_transformer_per_token_timesteps_match_diffusers(native_transformer, ref
     t = torch.randint(0, 1000, (1, 2 * 2 * 2), generator=g)
     ctx = torch.randn(1, 8, 64, generator=g)
     with torch.no_grad():
-        torch.testing.assert_close(native_transformer(x, t, ctx), ref_transformer(x, t, ctx, return_dict=False)[0],
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            native_transformer(x, t, ctx), ref_transformer(x, t, ctx, return_dict=False)[0], rtol=1e-5, atol=1e-5
+        )
 
 
 def test_transformer_attention_layers_and_roles(native_transformer):
@@ -75,8 +77,10 @@ def test_transformer_sets_video_shape_for_backends(native_transformer):
     from ditattn.attention.context import current_forward
 
     seen = []
-    hooks = [b.attn1.attn.register_forward_pre_hook(lambda m, a: seen.append((m.prefix, current_forward().video_shape)))
-             for b in native_transformer.blocks]
+    hooks = [
+        b.attn1.attn.register_forward_pre_hook(lambda m, a: seen.append((m.prefix, current_forward().video_shape)))
+        for b in native_transformer.blocks
+    ]
     try:
         with torch.no_grad():
             native_transformer(torch.zeros(1, 16, 3, 8, 12), torch.tensor([5]), torch.zeros(1, 4, 64))
@@ -115,8 +119,9 @@ def test_relative_buckets_match_transformers(tiny):
     from transformers import UMT5Config
     from transformers.models.umt5.modeling_umt5 import UMT5Attention
 
-    cfg = UMT5Config(num_heads=2, d_model=8, d_kv=4, relative_attention_num_buckets=32,
-                     relative_attention_max_distance=128)
+    cfg = UMT5Config(
+        num_heads=2, d_model=8, d_kv=4, relative_attention_num_buckets=32, relative_attention_max_distance=128
+    )
     attn = UMT5Attention(cfg, has_relative_attention_bias=True)
     rel = torch.arange(300)[None, :] - torch.arange(250)[:, None]
     assert torch.equal(relative_position_buckets(250, 300, 32, 128, "cpu"), attn._relative_position_bucket(rel))
@@ -166,11 +171,16 @@ def test_bfloat16_keeps_fp32_modules(tiny, native_transformer):
     assert m.condition_embedder.time_embedder.linear_1.weight.dtype == torch.float32
     # kept modules load straight from the float32 checkpoint (no round trip through bfloat16)
     assert torch.equal(m.blocks[1].scale_shift_table, native_transformer.blocks[1].scale_shift_table)
-    assert torch.equal(m.condition_embedder.time_embedder.linear_2.weight,
-                       native_transformer.condition_embedder.time_embedder.linear_2.weight)
+    assert torch.equal(
+        m.condition_embedder.time_embedder.linear_2.weight,
+        native_transformer.condition_embedder.time_embedder.linear_2.weight,
+    )
     with torch.no_grad():
-        out = m(torch.randn(1, 16, 1, 4, 4, dtype=torch.bfloat16), torch.tensor([500]),
-                torch.randn(1, 6, 64, dtype=torch.bfloat16))
+        out = m(
+            torch.randn(1, 16, 1, 4, 4, dtype=torch.bfloat16),
+            torch.tensor([500]),
+            torch.randn(1, 6, 64, dtype=torch.bfloat16),
+        )
     assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
 
 
@@ -182,14 +192,22 @@ def test_tiny_model_is_built_deterministically(tiny, tmp_path):
     again = tiny_model_path("ditattn:tiny-wan", root=str(tmp_path))
     assert again != tiny and again.startswith(str(tmp_path))
     assert tiny_model_path("ditattn:tiny-wan", root=str(tmp_path)) == again  # reused, not rebuilt
-    for comp, fn in (("transformer", "diffusion_pytorch_model.safetensors"), ("text_encoder", "model.safetensors"),
-                     ("vae", "diffusion_pytorch_model.safetensors")):
+    for comp, fn in (
+        ("transformer", "diffusion_pytorch_model.safetensors"),
+        ("text_encoder", "model.safetensors"),
+        ("vae", "diffusion_pytorch_model.safetensors"),
+    ):
         a, b = load_file(os.path.join(tiny, comp, fn)), load_file(os.path.join(again, comp, fn))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     index = json.load(open(os.path.join(again, "model_index.json")))
     assert index["_class_name"] == "WanPipeline"
     assert {k for k, v in index.items() if isinstance(v, list) and v[0]} == {
-        "scheduler", "text_encoder", "tokenizer", "transformer", "vae"}
+        "scheduler",
+        "text_encoder",
+        "tokenizer",
+        "transformer",
+        "vae",
+    }
     cfg = json.load(open(os.path.join(again, "transformer", "config.json")))
     assert (cfg["num_attention_heads"], cfg["attention_head_dim"], cfg["num_layers"]) == (4, 128, 2)
 
@@ -200,7 +218,7 @@ def test_byte_tokenizer_round_trip(tiny):
     tok = PromptTokenizer(os.path.join(tiny, "tokenizer"))
     ids, mask = tok(["héllo  wörld", ""], max_length=20)
     text = "héllo wörld".encode()  # whitespace runs are collapsed, as diffusers' prompt_clean does
-    assert ids[0, :len(text)].tolist() == [3 + b for b in text]
+    assert ids[0, : len(text)].tolist() == [3 + b for b in text]
     assert ids[0, len(text)] == 1 and mask[0].sum() == len(text) + 1  # eos appended
     assert ids[1, 0] == 1 and mask[1].sum() == 1 and ids[1, 1:].eq(0).all()  # empty prompt: eos, then padding
     ids, mask = tok(["x" * 50], max_length=8)

@@ -4,6 +4,7 @@ The golden test regenerates ``tests/data/shapes_golden.npz`` (written by ``pytho
 ditattn.train.reference``) on the CPU in float32 from the shipped weights; the semantic test
 generates one prompt per motion and judges the clip (dominant colour, centroid travel / growth).
 """
+
 import json
 import os
 
@@ -18,8 +19,14 @@ from ditattn.pipelines.model_index import read_model_index, resolve_model_path
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "..", "data", "shapes_golden.npz")
 # one prompt per motion, colours and shapes rotating (fixed before looking at any output)
-SEMANTIC = [("red", "circle", "moving right"), ("blue", "square", "moving up"), ("yellow", "triangle", "growing"),
-            ("green", "circle", "moving down"), ("white", "square", "moving left"), ("red", "triangle", "shrinking")]
+SEMANTIC = [
+    ("red", "circle", "moving right"),
+    ("blue", "square", "moving up"),
+    ("yellow", "triangle", "growing"),
+    ("green", "circle", "moving down"),
+    ("white", "square", "moving left"),
+    ("red", "triangle", "shrinking"),
+]
 
 
 def _tiny_package(folder):
@@ -57,7 +64,7 @@ def test_package_round_trip_through_a_diffusers_folder(tmp_path):
         state = getattr(ref, comp).state_dict()
         for k, v in packed.items():
             if k.startswith(comp + "."):
-                torch.testing.assert_close(state[k[len(comp) + 1:]], v.float(), rtol=0, atol=0)
+                torch.testing.assert_close(state[k[len(comp) + 1 :]], v.float(), rtol=0, atol=0)
 
 
 def test_package_errors_are_clear(tmp_path):
@@ -75,8 +82,14 @@ def test_package_errors_are_clear(tmp_path):
 
 
 def test_builtin_registry():
-    assert list(BUILTIN_MODELS) == ["ditattn:shapes", "ditattn:tiny-wan", "ditattn:tiny-wan2.2", "ditattn:tiny-wan-i2v",
-                                    "ditattn:tiny-wan2.2-ti2v", "ditattn:tiny-wan2.2-i2v"]
+    assert list(BUILTIN_MODELS) == [
+        "ditattn:shapes",
+        "ditattn:tiny-wan",
+        "ditattn:tiny-wan2.2",
+        "ditattn:tiny-wan-i2v",
+        "ditattn:tiny-wan2.2-ti2v",
+        "ditattn:tiny-wan2.2-i2v",
+    ]
     assert DEFAULT_MODEL in BUILTIN_MODELS
     with pytest.raises(AttentionConfigError, match="unknown built-in model 'ditattn:nope'.*ditattn:shapes"):
         resolve_model_path("ditattn:nope")
@@ -88,7 +101,7 @@ def test_builtin_registry():
 def test_shapes_ships_with_the_package():
     """The packaged weights are float16 safetensors of a few MB and the model resolves by name."""
     meta_path, weights_path = shapes.package_files()
-    assert os.path.getsize(weights_path) < 16 * 2 ** 20
+    assert os.path.getsize(weights_path) < 16 * 2**20
     from safetensors import safe_open
 
     with safe_open(weights_path, "pt") as f:
@@ -108,7 +121,7 @@ def shapes_pipe():
 
 def _psnr(a: np.ndarray, b: np.ndarray) -> float:
     mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
-    return float("inf") if mse == 0 else 10 * np.log10(255.0 ** 2 / mse)
+    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
 
 
 def test_golden_clip_is_reproduced(shapes_pipe):
@@ -116,12 +129,20 @@ def test_golden_clip_is_reproduced(shapes_pipe):
     ref = np.load(GOLDEN)
     digest = shapes.package_digest()
     if str(ref["digest"]) != digest:
-        pytest.fail(f"{GOLDEN} was made from weights {ref['digest']}, the package holds {digest}: regenerate it "
-                    "with python -m ditattn.train.reference")
+        pytest.fail(
+            f"{GOLDEN} was made from weights {ref['digest']}, the package holds {digest}: regenerate it "
+            "with python -m ditattn.train.reference"
+        )
     res = shapes_pipe.generate(
-        str(ref["prompt"]), seed=int(ref["seed"]), height=int(ref["height"]), width=int(ref["width"]),
-        num_frames=int(ref["num_frames"]), num_inference_steps=int(ref["num_inference_steps"]),
-        guidance_scale=float(ref["guidance_scale"]), progress=False)
+        str(ref["prompt"]),
+        seed=int(ref["seed"]),
+        height=int(ref["height"]),
+        width=int(ref["width"]),
+        num_frames=int(ref["num_frames"]),
+        num_inference_steps=int(ref["num_inference_steps"]),
+        guidance_scale=float(ref["guidance_scale"]),
+        progress=False,
+    )
     frames = res.frames[0]
     assert frames.shape == ref["frames"].shape
     assert _psnr(frames, ref["frames"]) >= 40.0
@@ -132,8 +153,10 @@ def semantic_clips(shapes_pipe):
     """All semantic prompts in one batch at the default size (prompt i gets seed 1 + i)."""
     preset = shapes.read_meta().get("training", {}).get("preset")
     if preset != "full":
-        pytest.skip(f"the packaged ditattn:shapes weights are a placeholder (training preset {preset!r}, not 'full'); "
-                    "prompt following is tested on the GPU-trained weights (docs/shapes.md)")
+        pytest.skip(
+            f"the packaged ditattn:shapes weights are a placeholder (training preset {preset!r}, not 'full'); "
+            "prompt following is tested on the GPU-trained weights (docs/shapes.md)"
+        )
     res = shapes_pipe.generate([f"a {c} {s} {m}" for c, s, m in SEMANTIC], seed=1, progress=False)
     return res.frames
 

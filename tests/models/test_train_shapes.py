@@ -1,5 +1,6 @@
 """Training code of ``ditattn:shapes``: procedural scenes, the judge, flow-matching pieces, and a
 smoke run of both stages on toy sizes (CPU, a few seconds)."""
+
 import json
 import os
 
@@ -56,11 +57,17 @@ def test_judge_accepts_the_truth_and_rejects_wrong_prompts():
     g = torch.Generator().manual_seed(5)
     clips, caps, scenes = scene_batch(60, 9, 64, 64, g, p_two=0.0)
     frames = _uint8(clips)
-    opposite = {"moving left": "moving right", "moving right": "moving left", "moving up": "moving down",
-                "moving down": "moving up", "growing": "shrinking", "shrinking": "growing"}
+    opposite = {
+        "moving left": "moving right",
+        "moving right": "moving left",
+        "moving up": "moving down",
+        "moving down": "moving up",
+        "growing": "shrinking",
+        "shrinking": "growing",
+    }
     colors = list(COLORS)
     for fr, cap in zip(frames, caps):
-        (color, _, motion), = parse_caption(cap)
+        ((color, _, motion),) = parse_caption(cap)
         assert judge(fr, color, motion).ok, cap
         assert not judge(fr, color, opposite[motion]).motion_ok, cap
         other = colors[(colors.index(color) + 1) % len(colors)]
@@ -111,7 +118,7 @@ def test_rect_fill_of_ideal_shapes_at_any_rotation():
 
     yy, xx = np.mgrid[0:151, 0:163] + 0.5
     cx, cy = 81.3, 74.9
-    disk = (xx - cx) ** 2 + (yy - cy) ** 2 < 50 ** 2
+    disk = (xx - cx) ** 2 + (yy - cy) ** 2 < 50**2
     assert abs(rect_fill(disk) - np.pi / 4) < 0.02 and classify_fill(rect_fill(disk)) == "circle"
     for angle in (0.0, 20.0, 45.0):
         a = np.deg2rad(angle)
@@ -131,7 +138,7 @@ def test_judge_tells_the_rendered_shape(size):
     clips, caps, _ = scene_batch(45 if h == 64 else 15, f, h, w, torch.Generator().manual_seed(h + f), p_two=0.0)
     right = 0
     for fr, cap in zip(_uint8(clips), caps):
-        (color, shape, motion), = parse_caption(cap)
+        ((color, shape, motion),) = parse_caption(cap)
         v = judge(fr, color, motion, shape)
         right += bool(v.shape_ok) and v.shape == shape and v.main_share == 1.0
         for other in SHAPES:
@@ -146,9 +153,19 @@ def test_judge_refuses_a_shape_in_two_pieces():
 
     two = lambda v0, v1: torch.tensor([[v0, v1]])  # noqa: E731
     red, square = list(COLORS).index("red"), SHAPES.index("square")
-    scenes = Scenes(kind=two(square, square), color=two(red, red), motion=two(4, 4), present=two(True, True),
-                    x0=two(0.3, 0.7), y0=two(0.5, 0.5), dx=two(0.0, 0.0), dy=two(0.0, 0.0), radius=two(0.12, 0.12),
-                    scale0=two(0.6, 0.6), scale1=two(1.4, 1.4))
+    scenes = Scenes(
+        kind=two(square, square),
+        color=two(red, red),
+        motion=two(4, 4),
+        present=two(True, True),
+        x0=two(0.3, 0.7),
+        y0=two(0.5, 0.5),
+        dx=two(0.0, 0.0),
+        dy=two(0.0, 0.0),
+        radius=two(0.12, 0.12),
+        scale0=two(0.6, 0.6),
+        scale1=two(1.4, 1.4),
+    )
     frames = _uint8(render(scenes, 9, 64, 96))[0]
     v = judge(frames, "red", "growing", "square")
     assert v.color_ok and v.motion_ok and v.shape == "square" and v.shape_ok is False
@@ -188,9 +205,20 @@ def test_short_text_context_equals_the_pipelines_512_token_padding():
     from ditattn.train.flow import install_text_bias, text_context
 
     torch.manual_seed(0)
-    m = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=16,
-                              out_channels=16, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2,
-                              cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6).eval()
+    m = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=16,
+        in_channels=16,
+        out_channels=16,
+        text_dim=32,
+        freq_dim=32,
+        ffn_dim=64,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        eps=1e-6,
+    ).eval()
     x, t = torch.randn(2, 16, 2, 4, 4), torch.tensor([300.0, 700.0])
     hidden = torch.randn(2, 7, 32)
     mask = torch.tensor([[1] * 7, [1] * 3 + [0] * 4])
@@ -215,8 +243,9 @@ def test_shifted_sigmas_match_the_scheduler_shift():
     sched = UniPCMultistepScheduler(**SCHEDULER)
     sched.set_timesteps(10)
     u = torch.linspace(1, 0, 11)[:-1]  # the sampler's unshifted sigmas
-    torch.testing.assert_close(shift_sigmas(u, SCHEDULER["flow_shift"]) * 1000, sched.timesteps.float(),
-                               rtol=0, atol=1.0)
+    torch.testing.assert_close(
+        shift_sigmas(u, SCHEDULER["flow_shift"]) * 1000, sched.timesteps.float(), rtol=0, atol=1.0
+    )
     x0, noise = torch.randn(3, 4), torch.randn(3, 4)
     xt, v = flow_pair(x0, noise, torch.tensor([0.0, 0.5, 1.0]))
     torch.testing.assert_close(xt[0], x0[0])
@@ -227,8 +256,9 @@ def test_shifted_sigmas_match_the_scheduler_shift():
 def _train(out, *extra):
     from ditattn.train.shapes import main
 
-    return main(["--preset", "tiny", "--out", str(out), "--device", "cpu", "--threads", "1", "--eval-prompts", "0",
-                 *extra])
+    return main(
+        ["--preset", "tiny", "--out", str(out), "--device", "cpu", "--threads", "1", "--eval-prompts", "0", *extra]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -249,8 +279,15 @@ def test_training_smoke_run_writes_a_loadable_model(tiny_run, tmp_path):
     """3 VAE steps + 3 DiT steps on toy sizes: loss log, curve, samples and package files that the
     native pipeline loads and runs."""
     names = set(os.listdir(tiny_run))
-    assert {"shapes.json", "shapes.safetensors", "loss.json", "loss.png", "vae_recon.png", "samples.png",
-            "train.log"} <= names
+    assert {
+        "shapes.json",
+        "shapes.safetensors",
+        "loss.json",
+        "loss.png",
+        "vae_recon.png",
+        "samples.png",
+        "train.log",
+    } <= names
     log = json.loads((tiny_run / "loss.json").read_text())
     assert [len(log["stages"][s]) for s in ("vae", "dit")] == [3, 3]
     assert all(np.isfinite(r[2]) for s in ("vae", "dit") for r in log["stages"][s])
@@ -266,8 +303,9 @@ def test_training_smoke_run_writes_a_loadable_model(tiny_run, tmp_path):
 
     folder = shapes_model_path(root=str(tmp_path / "cache"), package=str(tiny_run))
     pipe = WanPipelineNative.from_pretrained(folder, device="cpu")
-    res = pipe.generate("a red circle moving right", height=32, width=32, num_frames=5, num_inference_steps=2,
-                        progress=False)
+    res = pipe.generate(
+        "a red circle moving right", height=32, width=32, num_frames=5, num_inference_steps=2, progress=False
+    )
     assert res.frames.shape == (1, 5, 32, 32, 3)
 
     # stage dit alone takes the VAE from the previous run's package, bit for bit
@@ -287,8 +325,12 @@ def test_dit_stage_resumes_from_a_package(tiny_run, tmp_path):
     assert ref.keys() == zero.keys() and all(torch.equal(ref[k], zero[k]) for k in ref)
 
     # another seed than the package's: a fresh start is then far from it, a resumed one near
-    assert _train(tmp_path / "two", "--stage", "dit", "--dit-steps", "2", "--seed", "5", "--resume", str(tiny_run)) == 0
-    assert _train(tmp_path / "fresh", "--stage", "dit", "--dit-steps", "2", "--seed", "5", "--init", str(tiny_run)) == 0
+    assert (
+        _train(tmp_path / "two", "--stage", "dit", "--dit-steps", "2", "--seed", "5", "--resume", str(tiny_run)) == 0
+    )
+    assert (
+        _train(tmp_path / "fresh", "--stage", "dit", "--dit-steps", "2", "--seed", "5", "--init", str(tiny_run)) == 0
+    )
     two, fresh = _tensors(tmp_path / "two"), _tensors(tmp_path / "fresh")
     keys = [k for k in ref if k.startswith(("transformer.", "text_encoder."))]
 
@@ -321,16 +363,22 @@ def test_decoder_only_vae_stage_keeps_the_latents_and_the_dit(tiny_run, tmp_path
     assert "samples" in meta["training"]["stages"]["dit"] and (out / "samples.png").is_file()
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--stage", "vae", "--vae-steps", "1", "--vae-train", "decoder"], "--vae-train decoder continues a trained VAE"),
-    (["--stage", "dit", "--dit-steps", "1", "--resume", "/nonexistent"], "--resume /nonexistent: no shapes.json"),
-    (["--stage", "dit", "--dit-steps", "1", "--tune-guidance", "1,5"], "every scale must be above 1"),
-    (["--stage", "dit", "--dit-steps", "1", "--tune-guidance", "five"], "expected auto, off or scales"),
-    (["--stage", "dit", "--dit-steps", "1", "--dit-fg-weight", "-1"], "--dit-fg-weight must be >= 0"),
-    (["--stage", "vae", "--vae-steps", "1", "--vae-edge-weight", "-0.5"], "--vae-edge-weight must be >= 0"),
-    (["--stage", "dit", "--dit-steps", "1", "--eval-sizes", "64x64x8"], "frames 1 + 4k"),
-    (["--stage", "dit", "--dit-steps", "1", "--eval-prompts", "61"], "--eval-prompts must be in 0..60"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--stage", "vae", "--vae-steps", "1", "--vae-train", "decoder"],
+            "--vae-train decoder continues a trained VAE",
+        ),
+        (["--stage", "dit", "--dit-steps", "1", "--resume", "/nonexistent"], "--resume /nonexistent: no shapes.json"),
+        (["--stage", "dit", "--dit-steps", "1", "--tune-guidance", "1,5"], "every scale must be above 1"),
+        (["--stage", "dit", "--dit-steps", "1", "--tune-guidance", "five"], "expected auto, off or scales"),
+        (["--stage", "dit", "--dit-steps", "1", "--dit-fg-weight", "-1"], "--dit-fg-weight must be >= 0"),
+        (["--stage", "vae", "--vae-steps", "1", "--vae-edge-weight", "-0.5"], "--vae-edge-weight must be >= 0"),
+        (["--stage", "dit", "--dit-steps", "1", "--eval-sizes", "64x64x8"], "frames 1 + 4k"),
+        (["--stage", "dit", "--dit-steps", "1", "--eval-prompts", "61"], "--eval-prompts must be in 0..60"),
+    ],
+)
 def test_resume_and_tuning_flags_are_checked(argv, message, tmp_path, capsys):
     from ditattn.train.shapes import main
 
@@ -342,8 +390,22 @@ def test_resume_and_tuning_flags_are_checked(argv, message, tmp_path, capsys):
 def test_shape_weighted_losses_train(tiny_run, tmp_path):
     """--vae-edge-weight (decoder only) and --dit-fg-weight runs train, log their weights, and the
     weighted DiT loss differs from the plain one on the same seed."""
-    assert _train(tmp_path / "vae", "--stage", "vae", "--vae-train", "decoder", "--resume", str(tiny_run),
-                  "--vae-steps", "2", "--vae-edge-weight", "3") == 0
+    assert (
+        _train(
+            tmp_path / "vae",
+            "--stage",
+            "vae",
+            "--vae-train",
+            "decoder",
+            "--resume",
+            str(tiny_run),
+            "--vae-steps",
+            "2",
+            "--vae-edge-weight",
+            "3",
+        )
+        == 0
+    )
     log = json.loads((tmp_path / "vae" / "loss.json").read_text())
     assert log["info"]["vae"]["edge_weight"] == 3.0 and all(np.isfinite(r[2]) for r in log["stages"]["vae"])
     losses = {}
@@ -359,8 +421,22 @@ def test_shape_weighted_losses_train(tiny_run, tmp_path):
 def test_resuming_under_another_preset_is_refused(tiny_run, tmp_path, capsys):
     from ditattn.train.shapes import main
 
-    rc = main(["--preset", "cpu", "--stage", "dit", "--dit-steps", "1", "--resume", str(tiny_run), "--out",
-               str(tmp_path), "--device", "cpu"])
+    rc = main(
+        [
+            "--preset",
+            "cpu",
+            "--stage",
+            "dit",
+            "--dit-steps",
+            "1",
+            "--resume",
+            str(tiny_run),
+            "--out",
+            str(tmp_path),
+            "--device",
+            "cpu",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and "is not preset 'cpu'" in err and "resume with the preset it was trained with" in err
 
@@ -402,8 +478,25 @@ def test_evaluation_cli_reports_shape_colour_and_motion(tiny_run, tmp_path, caps
     from ditattn.train.evaluation import main
 
     out = tmp_path / "eval.json"
-    assert main(["--package", str(tiny_run), "--sizes", "32x32x5,32x48x5", "--prompts", "2", "--steps", "1",
-                 "--device", "cpu", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--package",
+                str(tiny_run),
+                "--sizes",
+                "32x32x5,32x48x5",
+                "--prompts",
+                "2",
+                "--steps",
+                "1",
+                "--device",
+                "cpu",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 2 and lines[1].startswith("held-out prompts (2 at 32x48x5, 1 steps, guidance 3): shape ")
     evals = json.loads(out.read_text())["evaluations"]

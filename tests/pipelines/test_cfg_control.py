@@ -1,5 +1,6 @@
 """Classifier-free guidance control: the guidance interval (``--cfg-interval``), batched vs sequential
 halves (``--cfg-batching``), its ``auto`` rule, and what the run summary reports."""
+
 import pytest
 import torch
 from test_schedulers import PLACEMENT, SHAPE, FakeDiT, assert_steps_match, contexts, factory, velocity  # noqa: F401
@@ -18,14 +19,17 @@ from ditattn.pipelines.sampling import (
 from ditattn.runconfig import SamplingConfig
 
 
-@pytest.mark.parametrize("n, interval, expected", [
-    (4, None, [True] * 4),
-    (4, (0.0, 0.5), [True, True, False, False]),        # i/n = 0, .25 guided; .5 is END: not guided
-    (4, (0.25, 1.0), [False, True, True, True]),        # START is inclusive
-    (5, (0.2, 0.6), [False, True, True, False, False]),
-    (3, (0.5, 0.6), [False, False, False]),             # no i/3 in [0.5, 0.6)
-    (50, (0.0, 0.4), [True] * 20 + [False] * 30),
-])
+@pytest.mark.parametrize(
+    "n, interval, expected",
+    [
+        (4, None, [True] * 4),
+        (4, (0.0, 0.5), [True, True, False, False]),  # i/n = 0, .25 guided; .5 is END: not guided
+        (4, (0.25, 1.0), [False, True, True, True]),  # START is inclusive
+        (5, (0.2, 0.6), [False, True, True, False, False]),
+        (3, (0.5, 0.6), [False, False, False]),  # no i/3 in [0.5, 0.6)
+        (50, (0.0, 0.4), [True] * 20 + [False] * 30),
+    ],
+)
 def test_guided_steps_definition(n, interval, expected):
     assert guided_steps(n, interval) == expected
     assert guided_steps(n, interval, enabled=False) == [False] * n
@@ -47,10 +51,22 @@ def run_loop(factory, *, guidance, interval=None, sequential=False, steps=5):  #
     sampler = build_sampler(factory, name="flow_euler", shift=3.0, steps=steps, seeds=[1, 2])
     guided = guided_steps(steps, interval, guidance > 1)
     dit = FakeDiT()
-    out, _ = denoise(x, sampler.scheduler, {"transformer": dit, "transformer_2": None},
-                     context=torch.cat([cond, uncond]) if guidance > 1 else cond, condition=None, guidance=guidance,
-                     guidance_2=guidance, boundary_ratio=None, expand_timesteps=False, placement=PLACEMENT,
-                     dtype=torch.float32, progress=False, guided=guided, sequential_cfg=sequential)
+    out, _ = denoise(
+        x,
+        sampler.scheduler,
+        {"transformer": dit, "transformer_2": None},
+        context=torch.cat([cond, uncond]) if guidance > 1 else cond,
+        condition=None,
+        guidance=guidance,
+        guidance_2=guidance,
+        boundary_ratio=None,
+        expand_timesteps=False,
+        placement=PLACEMENT,
+        dtype=torch.float32,
+        progress=False,
+        guided=guided,
+        sequential_cfg=sequential,
+    )
     return out, dit.calls, guided
 
 
@@ -100,10 +116,10 @@ def test_guidance_one_is_one_forward_per_step(factory):  # noqa: F811
 
 def test_auto_rule():
     cpu, gpu = torch.device("cpu"), torch.device("cuda")  # a device object needs no GPU
-    assert resolve_cfg_batching("auto", device=cpu, tokens=10 ** 6) == "batched"
+    assert resolve_cfg_batching("auto", device=cpu, tokens=10**6) == "batched"
     assert resolve_cfg_batching("auto", device=gpu, tokens=AUTO_SEQUENTIAL_MIN_TOKENS - 1) == "batched"
     assert resolve_cfg_batching(None, device=gpu, tokens=AUTO_SEQUENTIAL_MIN_TOKENS) == "sequential"
-    assert resolve_cfg_batching("batched", device=gpu, tokens=10 ** 6) == "batched"
+    assert resolve_cfg_batching("batched", device=gpu, tokens=10**6) == "batched"
     assert resolve_cfg_batching("sequential", device=cpu, tokens=1) == "sequential"
     assert cfg_mode([True, True], "batched") == "batched"
     assert cfg_mode([True, False, False], "sequential") == "sequential, on 1 of 3 steps"
@@ -120,8 +136,16 @@ def tiny():
 
 def test_tiny_model_sequential_matches_batched(tiny):
     """The real DiT: sequential halves (separate text caches per half) give the batched result."""
-    kw = dict(height=32, width=48, num_frames=5, num_inference_steps=3, guidance_scale=4.0, seed=3,
-              output_type="latent", progress=False)
+    kw = dict(
+        height=32,
+        width=48,
+        num_frames=5,
+        num_inference_steps=3,
+        guidance_scale=4.0,
+        seed=3,
+        output_type="latent",
+        progress=False,
+    )
     a = tiny.generate(["a cat", "a dog"], cfg_batching="batched", **kw)
     b = tiny.generate(["a cat", "a dog"], cfg_batching="sequential", **kw)
     c = tiny.generate(["a cat", "a dog"], cfg_interval="0:0.5", **kw)
@@ -133,10 +157,35 @@ def test_tiny_model_sequential_matches_batched(tiny):
 
 def test_summary_line_reports_sampler_and_forwards(capsys, tmp_path):
     capsys.readouterr()
-    rc = main(["generate", "--model-path", "ditattn:tiny-wan", "--prompt", "a cat", "--height", "32", "--width", "48",
-               "--num-frames", "1", "--num-inference-steps", "4", "--guidance-scale", "3", "--cfg-interval", "0:0.5",
-               "--cfg-batching", "sequential", "--scheduler", "flow_euler", "--flow-shift", "5",
-               "--output-path", str(tmp_path)])
+    rc = main(
+        [
+            "generate",
+            "--model-path",
+            "ditattn:tiny-wan",
+            "--prompt",
+            "a cat",
+            "--height",
+            "32",
+            "--width",
+            "48",
+            "--num-frames",
+            "1",
+            "--num-inference-steps",
+            "4",
+            "--guidance-scale",
+            "3",
+            "--cfg-interval",
+            "0:0.5",
+            "--cfg-batching",
+            "sequential",
+            "--scheduler",
+            "flow_euler",
+            "--flow-shift",
+            "5",
+            "--output-path",
+            str(tmp_path),
+        ]
+    )
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert rc == 0
     assert "4 steps, flow_euler shift 5, 6 DiT forwards, CFG sequential, on 2 of 4 steps (load" in last
@@ -152,8 +201,25 @@ def test_bench_cfg_batching_cpu_smoke(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = tmp_path / "cfg.json"
     env = dict(os.environ, BENCH_DEVICE="cpu", PYTHONPATH=os.path.join(root, "src"))
-    subprocess.run([sys.executable, os.path.join(root, "bench", "cfg_batching.py"), "--arch", "tiny", "--sizes",
-                    "32x48x5", "--text-len", "16", "--repeats", "1", "--out", str(out)], check=True, env=env,
-                   capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            os.path.join(root, "bench", "cfg_batching.py"),
+            "--arch",
+            "tiny",
+            "--sizes",
+            "32x48x5",
+            "--text-len",
+            "16",
+            "--repeats",
+            "1",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        env=env,
+        capture_output=True,
+        timeout=300,
+    )
     (row,) = json.loads(out.read_text())["rows"]
     assert row["tokens"] == 2 * 2 * 3 and row["rel_diff"] < 1e-5 and row["batched_ms"] > 0

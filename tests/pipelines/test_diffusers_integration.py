@@ -5,6 +5,7 @@ gives what ditattn's native pipeline gives on the same checkpoint (the same late
 the backend); ``remove`` restores the processors; per-call overrides, skip softmax and the plan; the CLI
 (``--backend diffusers`` with ditattn flags, ``plan --backend diffusers``); a second family (Flux, a tiny
 random model built offline) with its text-first joint attention."""
+
 import os
 
 import numpy as np
@@ -31,8 +32,14 @@ def wan():
 
 
 def _latents(pipe, steps=2, guidance=1.0, **size):
-    return pipe(prompt="a red fox", generator=torch.Generator("cpu").manual_seed(0), num_inference_steps=steps,
-                guidance_scale=guidance, output_type="latent", **(size or SIZE)).frames
+    return pipe(
+        prompt="a red fox",
+        generator=torch.Generator("cpu").manual_seed(0),
+        num_inference_steps=steps,
+        guidance_scale=guidance,
+        output_type="latent",
+        **(size or SIZE),
+    ).frames
 
 
 def _native(backend, config=None, steps=2):
@@ -40,8 +47,15 @@ def _native(backend, config=None, steps=2):
     from ditattn.runconfig import RunConfig
 
     cfg = RunConfig.from_mapping({"attention_backend": backend, "attention_backend_config": config})
-    res = WanPipelineNative.from_config(cfg).generate("a red fox", seed=0, num_inference_steps=steps,
-                                                      guidance_scale=1.0, output_type="latent", progress=False, **SIZE)
+    res = WanPipelineNative.from_config(cfg).generate(
+        "a red fox",
+        seed=0,
+        num_inference_steps=steps,
+        guidance_scale=1.0,
+        output_type="latent",
+        progress=False,
+        **SIZE,
+    )
     return res.frames, res.attention_backends
 
 
@@ -79,8 +93,10 @@ def test_layers_see_the_grid_and_the_denoising_step(wan):
     record = dd.apply(wan, attention_backend="torch_sdpa")
     seen = []
     layers = record.components["transformer"].layers
-    hooks = [layers[0].register_forward_pre_hook(lambda m, a: seen.append(("self", current_forward()))),
-             layers[1].register_forward_pre_hook(lambda m, a: seen.append(("cross", current_forward())))]
+    hooks = [
+        layers[0].register_forward_pre_hook(lambda m, a: seen.append(("self", current_forward()))),
+        layers[1].register_forward_pre_hook(lambda m, a: seen.append(("cross", current_forward()))),
+    ]
     try:
         _latents(wan, steps=3, guidance=5.0)  # classifier-free guidance: two transformer calls per step
     finally:
@@ -137,13 +153,16 @@ def test_skip_softmax_reports_its_tiles():
     assert dd.applied(pipe) is record  # a refused apply leaves the previous selection in place
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(attention_backend="nope"), "unknown attention backend 'nope'"),
-    (dict(component_attention_backends={"text_encoder": "torch_sdpa"}), "text_encoder keeps its library's own"),
-    (dict(component_attention_backends="transformer_2=torch_sdpa"), "unknown component 'transformer_2'"),
-    (dict(attention_backend="video_sparse_attn", attention_backend_config="sparsity=2"), "sparsity"),
-    (dict(attention_backend_config="topk=0.5"), "topk"),  # a key no layer's backend uses
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(attention_backend="nope"), "unknown attention backend 'nope'"),
+        (dict(component_attention_backends={"text_encoder": "torch_sdpa"}), "text_encoder keeps its library's own"),
+        (dict(component_attention_backends="transformer_2=torch_sdpa"), "unknown component 'transformer_2'"),
+        (dict(attention_backend="video_sparse_attn", attention_backend_config="sparsity=2"), "sparsity"),
+        (dict(attention_backend_config="topk=0.5"), "topk"),  # a key no layer's backend uses
+    ],
+)
 def test_apply_refuses_like_the_cli(wan, kwargs, message):
     before = {n: m.processor for n, m in wan.transformer.named_modules() if hasattr(m, "set_processor")}
     with pytest.raises(AttentionConfigError, match=message):
@@ -157,15 +176,46 @@ def test_cli_backend_diffusers_with_ditattn_flags(capsys, tmp_path):
 
     from ditattn.cli import main
 
-    common = ["generate", "--prompt", "a lighthouse", "--num-frames", "1", "--seed", "2", "--height", "32",
-              "--width", "48", "--num-inference-steps", "2", "--backend", "diffusers", "--output-path", str(tmp_path)]
+    common = [
+        "generate",
+        "--prompt",
+        "a lighthouse",
+        "--num-frames",
+        "1",
+        "--seed",
+        "2",
+        "--height",
+        "32",
+        "--width",
+        "48",
+        "--num-inference-steps",
+        "2",
+        "--backend",
+        "diffusers",
+        "--output-path",
+        str(tmp_path),
+    ]
     assert main([*common, "--output-file", "stock.png", "--attention-backend", "native"]) == 0
     capsys.readouterr()
-    assert main([*common, "--output-file", "ours.png", "--attention-backend", "torch_sdpa",
-                 "--component-attention-backends", "transformer.cross=torch_sdpa"]) == 0
+    assert (
+        main(
+            [
+                *common,
+                "--output-file",
+                "ours.png",
+                "--attention-backend",
+                "torch_sdpa",
+                "--component-attention-backends",
+                "transformer.cross=torch_sdpa",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert out.strip().splitlines()[-1].endswith("DiT attention: torch_sdpa (ditattn in diffusers)")
-    assert np.array_equal(np.asarray(Image.open(tmp_path / "stock.png")), np.asarray(Image.open(tmp_path / "ours.png")))
+    assert np.array_equal(
+        np.asarray(Image.open(tmp_path / "stock.png")), np.asarray(Image.open(tmp_path / "ours.png"))
+    )
     rc = main([*common, "--attention-backend", "flash", "--attention-backend-config", "sparsity=0.5"])
     err = capsys.readouterr().err
     assert rc == 2 and "needs a ditattn --attention-backend; 'flash' is diffusers' own" in err
@@ -177,9 +227,23 @@ def test_plan_explains_the_diffusers_pipeline(capsys):
     from ditattn.cli import main
 
     capsys.readouterr()
-    assert main(["plan", "--backend", "diffusers", "--model-path", "ditattn:tiny-wan2.2", "--json",
-                 "--attention-backend", "video_sparse_attn", "--component-attention-backends",
-                 "transformer_2=torch_sdpa"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--backend",
+                "diffusers",
+                "--model-path",
+                "ditattn:tiny-wan2.2",
+                "--json",
+                "--attention-backend",
+                "video_sparse_attn",
+                "--component-attention-backends",
+                "transformer_2=torch_sdpa",
+            ]
+        )
+        == 0
+    )
     plan = json.loads(capsys.readouterr().out)
     comps = {c["name"]: c for c in plan["components"]}
     assert plan["pipeline"] == "diffusers" and set(comps) == {"transformer", "transformer_2", "text_encoder", "vae"}
@@ -202,14 +266,28 @@ def flux():
     from diffusers import FluxTransformer2DModel
 
     torch.manual_seed(0)
-    model = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
-                                   attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
-                                   pooled_projection_dim=32, axes_dims_rope=(4, 6, 6)).eval()
+    model = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        axes_dims_rope=(4, 6, 6),
+    ).eval()
     ids = torch.zeros(H * W, 3)
     ids[:, 1], ids[:, 2] = torch.arange(H * W) // W, torch.arange(H * W) % W
-    inputs = dict(hidden_states=torch.randn(1, H * W, 16), encoder_hidden_states=torch.randn(1, TEXT, 32),
-                  pooled_projections=torch.randn(1, 32), timestep=torch.tensor([0.5]), img_ids=ids,
-                  txt_ids=torch.zeros(TEXT, 3), return_dict=False)
+    inputs = dict(
+        hidden_states=torch.randn(1, H * W, 16),
+        encoder_hidden_states=torch.randn(1, TEXT, 32),
+        pooled_projections=torch.randn(1, 32),
+        timestep=torch.tensor([0.5]),
+        img_ids=ids,
+        txt_ids=torch.zeros(TEXT, 3),
+        return_dict=False,
+    )
     return model, inputs
 
 
@@ -251,8 +329,15 @@ def test_text_first_tokens_move_after_the_grid_for_sparse_backends(flux):
         with forward_context(video_shape=(1, H, W), text_len=TEXT):
             out = dispatch(q, k, v)
         move = lambda t: torch.cat([t[:, TEXT:], t[:, :TEXT]], dim=1)  # noqa: E731
-        ref = ditattn.attention(move(q), move(k), move(v), backend="video_sparse_attn", config={"sparsity": 0.5},
-                                video_shape=(1, H, W), text_len=TEXT)
+        ref = ditattn.attention(
+            move(q),
+            move(k),
+            move(v),
+            backend="video_sparse_attn",
+            config={"sparsity": 0.5},
+            video_shape=(1, H, W),
+            text_len=TEXT,
+        )
         assert torch.equal(out, torch.cat([ref[:, -TEXT:], ref[:, :-TEXT]], dim=1))
         with pytest.raises(AttentionConfigError, match="chosen for cpu but the pipeline now runs on meta"):
             dispatch(*(t.to("meta") for t in (q, k, v)))
@@ -283,8 +368,9 @@ def test_readme_example_runs(wan, monkeypatch):
     from diffusers import WanPipeline
 
     monkeypatch.setattr(WanPipeline, "from_pretrained", classmethod(lambda cls, *a, **k: wan))
-    code = block.replace('.to("cuda")', "").replace("num_frames=33", "num_frames=1, height=32, width=48, "
-                                                    "num_inference_steps=2, output_type='np'")
+    code = block.replace('.to("cuda")', "").replace(
+        "num_frames=33", "num_frames=1, height=32, width=48, num_inference_steps=2, output_type='np'"
+    )
     scope: dict = {}
     try:
         exec(compile(code, "README.md", "exec"), scope)

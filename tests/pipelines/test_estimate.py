@@ -1,4 +1,5 @@
 """A CPU request that would take minutes is warned about, with the estimate, before denoising (not refused)."""
+
 import pytest
 
 from ditattn.pipelines.estimate import WARN_SECONDS, estimate
@@ -28,8 +29,25 @@ def test_generate_warns_before_denoising_and_goes_on(capsys, monkeypatch, tmp_pa
         raise KeyboardInterrupt  # the warning must come before any step
 
     monkeypatch.setattr(WanPipelineNative, "generate", stop)
-    rc = main(["generate", "--model-path", "ditattn:tiny-wan", "--device", "cpu", "--prompt", "x", "--height", "2048",
-               "--width", "2048", "--num-frames", "33", "--output-path", str(tmp_path)])
+    rc = main(
+        [
+            "generate",
+            "--model-path",
+            "ditattn:tiny-wan",
+            "--device",
+            "cpu",
+            "--prompt",
+            "x",
+            "--height",
+            "2048",
+            "--width",
+            "2048",
+            "--num-frames",
+            "33",
+            "--output-path",
+            str(tmp_path),
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 130  # not refused: it went on to generate
     (line,) = [x for x in err.splitlines() if x.startswith("warning:")]
@@ -40,6 +58,23 @@ def test_generate_warns_before_denoising_and_goes_on(capsys, monkeypatch, tmp_pa
 def test_small_requests_get_no_warning(capsys, tmp_path, argv):
     from ditattn.cli import main
 
-    assert main(["generate", "--model-path", "ditattn:tiny-wan", "--device", "cpu", "--prompt", "x",
-                 "--num-inference-steps", "1", "--output-path", str(tmp_path), *argv]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model-path",
+                "ditattn:tiny-wan",
+                "--device",
+                "cpu",
+                "--prompt",
+                "x",
+                "--num-inference-steps",
+                "1",
+                "--output-path",
+                str(tmp_path),
+                *argv,
+            ]
+        )
+        == 0
+    )
     assert "warning:" not in capsys.readouterr().err

@@ -2,6 +2,7 @@
 written cache (the layout ``hf download`` leaves: ``models--org--name/{refs,snapshots}``), never the
 network — in ``generate`` (the real CLI, offline), ``plan``, ``serve`` and ``WanPipeline.from_pretrained``;
 the errors when an id is neither cached nor reachable."""
+
 import os
 import shutil
 import subprocess
@@ -38,13 +39,25 @@ def _cli(hf_home, *argv, offline="1", **env):
     full = dict(os.environ, HF_HOME=str(hf_home), HF_HUB_OFFLINE=offline, **env)
     full.pop("HF_HUB_CACHE", None)
     full["PYTHONPATH"] = os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-m", "ditattn", *argv], capture_output=True, text=True, env=full,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "ditattn", *argv], capture_output=True, text=True, env=full, timeout=300
+    )
 
 
 def test_generate_from_a_cached_repo_id_offline(hf_home, tmp_path):
-    proc = _cli(hf_home, "generate", "--model-path", REPO, "--prompt", "a lighthouse", "--output-path",
-                str(tmp_path), "--output-file", "hub.png", *SMALL)
+    proc = _cli(
+        hf_home,
+        "generate",
+        "--model-path",
+        REPO,
+        "--prompt",
+        "a lighthouse",
+        "--output-path",
+        str(tmp_path),
+        "--output-file",
+        "hub.png",
+        *SMALL,
+    )
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "hub.png").is_file()
     assert proc.stdout.strip().splitlines()[-1].startswith("done in ")
@@ -77,13 +90,18 @@ def test_revision_and_plan(hub_cache, capsys):
     assert '"transformer_2"' not in out
 
 
-@pytest.mark.parametrize("argv,words", [
-    (["--model-path", "other-org/missing"], ["'other-org/missing'", "not in the local Hugging Face cache",
-                                            "HF_HUB_OFFLINE is set"]),
-    (["--model-path", REPO, "--revision", "v9"], ["(revision v9)", "not in the local Hugging Face cache"]),
-    (["--model-path", "ditattn:tiny-wan", "--revision", "main"], ["--revision applies to Hugging Face"]),
-    (["--model-path", "./no/such/folder"], ["is not a local directory", "Hugging Face repo id"]),
-])
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (
+            ["--model-path", "other-org/missing"],
+            ["'other-org/missing'", "not in the local Hugging Face cache", "HF_HUB_OFFLINE is set"],
+        ),
+        (["--model-path", REPO, "--revision", "v9"], ["(revision v9)", "not in the local Hugging Face cache"]),
+        (["--model-path", "ditattn:tiny-wan", "--revision", "main"], ["--revision applies to Hugging Face"]),
+        (["--model-path", "./no/such/folder"], ["is not a local directory", "Hugging Face repo id"]),
+    ],
+)
 def test_model_id_errors(hub_cache, capsys, argv, words):
     rc, out, err = _plan(capsys, *argv)
     assert rc == 2 and err.startswith("error: ") and err.strip().count("\n") == 0
@@ -91,14 +109,18 @@ def test_model_id_errors(hub_cache, capsys, argv, words):
         assert w in err
 
 
-@pytest.mark.parametrize("argv,words", [
-    (["--local-files-only"], ["'other-org/missing'", "--local-files-only"]),
-    # online, but nothing answers (a closed local port stands in for the hub): the id and the endpoint
-    ([], ["'other-org/missing'", "cannot be reached", "127.0.0.1:9"]),
-])
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["--local-files-only"], ["'other-org/missing'", "--local-files-only"]),
+        # online, but nothing answers (a closed local port stands in for the hub): the id and the endpoint
+        ([], ["'other-org/missing'", "cannot be reached", "127.0.0.1:9"]),
+    ],
+)
 def test_model_id_errors_online(hf_home, argv, words):
-    proc = _cli(hf_home, "plan", "--model-path", "other-org/missing", *argv, offline="0",
-                HF_ENDPOINT="http://127.0.0.1:9")
+    proc = _cli(
+        hf_home, "plan", "--model-path", "other-org/missing", *argv, offline="0", HF_ENDPOINT="http://127.0.0.1:9"
+    )
     assert proc.returncode == 2, proc.stderr
     err = proc.stderr.strip()
     assert err.startswith("error: ") and err.count("\n") == 0 and "Traceback" not in err
@@ -122,8 +144,9 @@ def test_python_pipeline_and_server_take_the_id(hf_home, hub_cache):
     with pytest.raises(AttentionConfigError, match="not in the local Hugging Face cache"):
         ditattn.WanPipeline.from_pretrained("other-org/missing", cache_dir=cache)
 
-    cfg = RunConfig.from_mapping({"model_path": REPO, "num_inference_steps": 2, "height": 32, "width": 32,
-                                  "num_frames": 1, "batch_window_s": 0})
+    cfg = RunConfig.from_mapping(
+        {"model_path": REPO, "num_inference_steps": 2, "height": 32, "width": 32, "num_frames": 1, "batch_window_s": 0}
+    )
     app = create_app(build_runner(cfg), cfg.server)
     with TestClient(app, base_url="http://localhost") as client:
         models = client.get("/v1/models").json()

@@ -1,6 +1,7 @@
 """Memory options: CPU offload (which components and DiT blocks are on the device while each one runs,
 checked from forward hooks; same output as without offload), VAE tiling / slicing, and refusals.
 On a CUDA machine the same checks run on the real devices."""
+
 import shutil
 
 import numpy as np
@@ -13,8 +14,9 @@ from ditattn.models.tiny import tiny_model_path
 from ditattn.pipelines.offload import ComponentPlacement
 from ditattn.pipelines.wan import WanPipelineNative
 
-KW = dict(height=32, width=32, num_frames=5, num_inference_steps=2, guidance_scale=3.0, progress=False,
-          output_type="float")
+KW = dict(
+    height=32, width=32, num_frames=5, num_inference_steps=2, guidance_scale=3.0, progress=False, output_type="float"
+)
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +39,11 @@ def _watch(pipe, targets):
     seen, hooks = [], []
     pl = pipe.placement
     for what, module in targets:
-        hooks.append(module.register_forward_pre_hook(
-            lambda m, a, what=what: seen.append((what, pl.resident(), pl.resident_blocks("transformer")))))
+        hooks.append(
+            module.register_forward_pre_hook(
+                lambda m, a, what=what: seen.append((what, pl.resident(), pl.resident_blocks("transformer")))
+            )
+        )
     return seen, hooks
 
 
@@ -54,9 +59,11 @@ def test_model_offload_moves_each_component_only_while_it_runs():
     finally:
         for h in hooks:
             h.remove()
-    assert {(w, frozenset(r)) for w, r, _ in seen} == {("text", frozenset({"text_encoder"})),
-                                                       ("dit", frozenset({"transformer"})),
-                                                       ("vae", frozenset({"vae"}))}
+    assert {(w, frozenset(r)) for w, r, _ in seen} == {
+        ("text", frozenset({"text_encoder"})),
+        ("dit", frozenset({"transformer"})),
+        ("vae", frozenset({"vae"})),
+    }
     assert [w for w, _, _ in seen].count("dit") == 2
     assert pipe.placement.resident() == set()  # everything back home after the call
     np.testing.assert_allclose(res.frames, base.frames, atol=1e-6)
@@ -138,8 +145,17 @@ def test_vae_tiling_and_slicing(monkeypatch):
 
     monkeypatch.setattr(vae, "tiled_decode", tiled)
     monkeypatch.setattr(vae, "_decode", decode)
-    res = pipe.generate(["a", "b"], seed=1, height=288, width=288, num_frames=1, num_inference_steps=1,
-                        guidance_scale=1.0, progress=False, output_type="float")
+    res = pipe.generate(
+        ["a", "b"],
+        seed=1,
+        height=288,
+        width=288,
+        num_frames=1,
+        num_inference_steps=1,
+        guidance_scale=1.0,
+        progress=False,
+        output_type="float",
+    )
     assert res.frames.shape == (2, 1, 288, 288, 3) and np.isfinite(res.frames).all()
     assert calls["tiled"] == 2  # one sample at a time (slicing), each larger than a 256-pixel tile
     assert not WanPipelineNative.from_pretrained("ditattn:tiny-wan").components["vae"].use_tiling
@@ -162,8 +178,12 @@ def test_offload_on_cuda_moves_weights(four_blocks):
     pipe = WanPipelineNative.from_pretrained(four_blocks, device="cuda", dtype="bfloat16", offload="group")
     tr = pipe.components["transformer"]
     devices = []
-    hooks = [b.register_forward_pre_hook(lambda m, a, i=i: devices.append(
-        [blk.attn1.to_q.weight.device.type for blk in tr.blocks])) for i, b in enumerate(tr.blocks)]
+    hooks = [
+        b.register_forward_pre_hook(
+            lambda m, a, i=i: devices.append([blk.attn1.to_q.weight.device.type for blk in tr.blocks])
+        )
+        for i, b in enumerate(tr.blocks)
+    ]
     try:
         res = pipe.generate("a fox", seed=1, **{**KW, "num_inference_steps": 1})
     finally:

@@ -1,6 +1,7 @@
 """Outputs are written all or nothing: a full disk (ENOSPC from the encoder, the write or the fsync)
 or an encoder that leaves a truncated MP4 raises OSError, leaves no file (and no temporary file)
 behind, and an existing file is untouched; the CLI reports it as one ``error:`` line."""
+
 import errno
 import os
 

@@ -1,6 +1,7 @@
 """Image-to-video: the native CLIP image encoder and I2V DiT against transformers / diffusers, the three
 image-conditioned layouts (Wan 2.1 I2V, Wan 2.2 TI2V-5B, Wan 2.2 I2V-A14B) against diffusers' pipelines
 frame for frame, the image cross-attention role in plans and overrides, and input image checks."""
+
 import json
 
 import numpy as np
@@ -60,13 +61,22 @@ def test_clip_vision_encoder_matches_transformers(tmp_path):
     from ditattn.models.clip_vision import load_clip_vision_encoder
 
     torch.manual_seed(0)
-    cfg = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                           image_size=32, patch_size=8, hidden_act="quick_gelu")
+    cfg = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        image_size=32,
+        patch_size=8,
+        hidden_act="quick_gelu",
+    )
     ref = CLIPVisionModel(cfg).eval()
     ref.save_pretrained(tmp_path / "plain")
     (tmp_path / "prefixed").mkdir()
-    save_file({f"vision_model.{k}": v.contiguous() for k, v in ref.state_dict().items()},
-              str(tmp_path / "prefixed" / "model.safetensors"))
+    save_file(
+        {f"vision_model.{k}": v.contiguous() for k, v in ref.state_dict().items()},
+        str(tmp_path / "prefixed" / "model.safetensors"),
+    )
     (tmp_path / "prefixed" / "config.json").write_text(json.dumps(cfg.to_dict()))
     px = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
@@ -87,9 +97,19 @@ def test_i2v_transformer_matches_diffusers(tmp_path):
     from ditattn.models.wan.transformer import load_wan_transformer
 
     torch.manual_seed(0)
-    ref = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=32, in_channels=36,
-                                out_channels=16, text_dim=64, freq_dim=64, ffn_dim=128, num_layers=2,
-                                image_dim=48, added_kv_proj_dim=128).eval()
+    ref = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=4,
+        attention_head_dim=32,
+        in_channels=36,
+        out_channels=16,
+        text_dim=64,
+        freq_dim=64,
+        ffn_dim=128,
+        num_layers=2,
+        image_dim=48,
+        added_kv_proj_dim=128,
+    ).eval()
     ref.save_pretrained(tmp_path)
     with component_scope("transformer") as scope:
         ours = load_wan_transformer(str(tmp_path))
@@ -116,8 +136,9 @@ def test_wan21_i2v_matches_diffusers(pipes, image):
     assert pipe.mode == "i2v" and pipe.image_embeds
     kw = dict(height=32, width=48, num_frames=5, num_inference_steps=3, guidance_scale=4.0)
     ours = pipe.generate("a red fox", "blurry", seed=3, image=image, output_type="float", progress=False, **kw)
-    want = _run_ref(_diffusers_i2v(pipe.model_index.path), image=image, prompt="a red fox", negative_prompt="blurry",
-                    seed=3, **kw)
+    want = _run_ref(
+        _diffusers_i2v(pipe.model_index.path), image=image, prompt="a red fox", negative_prompt="blurry", seed=3, **kw
+    )
     assert ours.frames.shape == want.shape == (1, 5, 32, 48, 3)
     np.testing.assert_allclose(ours.frames, want, rtol=0, atol=2e-5)
     assert ours.attention_backends == ["torch_sdpa"] and "image" in ours.timings
@@ -147,8 +168,10 @@ def test_wan22_i2v_a14b_matches_diffusers(pipes, image):
     pipe = pipes(A14B)
     assert pipe.boundary_ratio == 0.9 and not pipe.image_embeds
     calls = []
-    hooks = [pipe.components[n].register_forward_pre_hook(lambda m, a, n=n: calls.append(n))
-             for n in ("transformer", "transformer_2")]
+    hooks = [
+        pipe.components[n].register_forward_pre_hook(lambda m, a, n=n: calls.append(n))
+        for n in ("transformer", "transformer_2")
+    ]
     kw = dict(height=32, width=48, num_frames=5, num_inference_steps=4, guidance_scale=4.0, guidance_scale_2=2.0)
     try:
         ours = pipe.generate("a cat", "dark", seed=7, image=image, output_type="float", progress=False, **kw)
@@ -156,11 +179,13 @@ def test_wan22_i2v_a14b_matches_diffusers(pipes, image):
         for h in hooks:
             h.remove()
     assert set(calls) == {"transformer", "transformer_2"}
-    want = _run_ref(_diffusers_i2v(pipe.model_index.path), image=image, prompt="a cat", negative_prompt="dark",
-                    seed=7, **kw)
+    want = _run_ref(
+        _diffusers_i2v(pipe.model_index.path), image=image, prompt="a cat", negative_prompt="dark", seed=7, **kw
+    )
     np.testing.assert_allclose(ours.frames, want, rtol=0, atol=2e-5)
-    same = pipe.generate("a cat", "dark", seed=7, image=image, output_type="float", progress=False,
-                         **{**kw, "guidance_scale_2": 4.0})
+    same = pipe.generate(
+        "a cat", "dark", seed=7, image=image, output_type="float", progress=False, **{**kw, "guidance_scale_2": 4.0}
+    )
     assert not np.allclose(same.frames, ours.frames, atol=1e-4)  # guidance_scale_2 reaches the low-noise expert
 
 
@@ -183,8 +208,15 @@ def test_image_rules_per_layout(pipes, image):
 
 def test_batch_with_one_image_per_prompt(pipes, image):
     other = Image.fromarray((np.random.RandomState(1).rand(32, 32, 3) * 255).astype(np.uint8))
-    kw = dict(height=32, width=32, num_frames=5, num_inference_steps=2, guidance_scale=3.0, progress=False,
-              output_type="float")
+    kw = dict(
+        height=32,
+        width=32,
+        num_frames=5,
+        num_inference_steps=2,
+        guidance_scale=3.0,
+        progress=False,
+        output_type="float",
+    )
     pipe = pipes(I2V)
     both = pipe.generate(["a", "b"], seed=[1, 2], image=[image, other], **kw)
     alone = pipe.generate("b", seed=2, image=other, **kw)
@@ -221,8 +253,9 @@ def test_role_overrides_reach_image_cross_attention():
     # a text-to-video checkpoint has no image cross-attention: the override is refused, not ignored
     ov = parse_component_overrides("transformer.cross_image=torch_sdpa")
     with pytest.raises(AttentionConfigError, match="no image cross-attention layer"):
-        WanPipelineNative.from_pretrained("ditattn:tiny-wan", AttentionSettings(component_overrides=ov),
-                                          load_weights=False)
+        WanPipelineNative.from_pretrained(
+            "ditattn:tiny-wan", AttentionSettings(component_overrides=ov), load_weights=False
+        )
     with pytest.raises(AttentionConfigError, match=r"\.cross_image"):
         parse_component_overrides("transformer.image=torch_sdpa")
 
@@ -293,8 +326,18 @@ def _sp_i2v_worker(groups, image_bytes):
     from ditattn.attention.context import AttentionSettings
 
     pipe = WanPipelineNative.from_pretrained(I2V, AttentionSettings(ulysses_degree=2), device="cpu", dtype="float32")
-    return pipe.generate("a fox", seed=2, image=image_bytes, height=48, width=48, num_frames=9, num_inference_steps=2,
-                         guidance_scale=3.0, output_type="float", progress=False).frames
+    return pipe.generate(
+        "a fox",
+        seed=2,
+        image=image_bytes,
+        height=48,
+        width=48,
+        num_frames=9,
+        num_inference_steps=2,
+        guidance_scale=3.0,
+        output_type="float",
+        progress=False,
+    ).frames
 
 
 def test_image_to_video_under_ulysses_matches_single_process(pipes):
@@ -306,7 +349,21 @@ def test_image_to_video_under_ulysses_matches_single_process(pipes):
 
     buf = io.BytesIO()
     Image.fromarray((np.random.RandomState(2).rand(48, 48, 3) * 255).astype(np.uint8)).save(buf, format="PNG")
-    want = pipes(I2V).generate("a fox", seed=2, image=buf.getvalue(), height=48, width=48, num_frames=9,
-                               num_inference_steps=2, guidance_scale=3.0, output_type="float", progress=False).frames
+    want = (
+        pipes(I2V)
+        .generate(
+            "a fox",
+            seed=2,
+            image=buf.getvalue(),
+            height=48,
+            width=48,
+            num_frames=9,
+            num_inference_steps=2,
+            guidance_scale=3.0,
+            output_type="float",
+            progress=False,
+        )
+        .frames
+    )
     for frames in spawn_ranks(_sp_i2v_worker, 2, args=(buf.getvalue(),), ulysses_degree=2, timeout_s=300):
         np.testing.assert_allclose(frames, want, atol=1e-4)

@@ -1,5 +1,6 @@
 """Every component-override rule (selection priority, component and role keys), observed through
 ``ditattn plan --json`` on the built-in tiny models, on this CPU and on simulated GPUs."""
+
 import json
 
 import pytest
@@ -47,7 +48,8 @@ def test_default_plan_shape(capsys):
     assert layers(p, "vae") == []
     tr = layers(p, "transformer")
     assert [(l["prefix"], l["role"]) for l in tr] == [  # the default model, ditattn:shapes: 6 blocks
-        (f"blocks.{i}.attn{j}", role) for i in range(6) for j, role in ((1, "self"), (2, "cross"))]
+        (f"blocks.{i}.attn{j}", role) for i in range(6) for j, role in ((1, "self"), (2, "cross"))
+    ]
     for l in tr + layers(p, "text_encoder"):
         assert set(l) >= {"prefix", "role", "backend", "source", "fallback_reason"}
         assert l["backend"] == "torch_sdpa" and l["fallback_reason"] is None
@@ -146,8 +148,9 @@ def test_role_keys(capsys):
 
 
 def test_sparse_component_override_on_cross_falls_back(capsys):
-    rc, p = plan(capsys, "--component-attention-backends", "transformer=video_sparse_attn",
-                 "--attention-backend", "sage_attn")
+    rc, p = plan(
+        capsys, "--component-attention-backends", "transformer=video_sparse_attn", "--attention-backend", "sage_attn"
+    )
     assert rc == 0
     assert summary(p, "transformer", "self") == {("video_sparse_attn", "component")}
     cross = layers(p, "transformer", "cross")
@@ -165,7 +168,8 @@ def test_sparse_role_override_on_cross_is_swapped_for_dense(capsys, caplog):
     assert rc == 0
     cross = layers(p, "transformer", "cross")
     assert {(l["backend"], l["source"], l["requested"]) for l in cross} == {
-        ("torch_sdpa", "component_role", "video_sparse_attn")}
+        ("torch_sdpa", "component_role", "video_sparse_attn")
+    }
     assert all("cannot serve cross-attention" in l["fallback_reason"] for l in cross)
     assert summary(p, "transformer", "self") == {("torch_sdpa", "auto")}
     warned = [r for r in caplog.records if r.levelno == logging.WARNING and "video_sparse_attn" in r.getMessage()]
@@ -178,23 +182,38 @@ def test_explicit_role_override_is_strict(capsys):
 
 
 def test_transformer_2_inherits_unless_it_has_its_own(capsys):
-    rc, p = plan(capsys, "--model-path", "ditattn:tiny-wan2.2", "--component-attention-backends",
-                 "transformer=video_sparse_attn")
+    rc, p = plan(
+        capsys,
+        "--model-path",
+        "ditattn:tiny-wan2.2",
+        "--component-attention-backends",
+        "transformer=video_sparse_attn",
+    )
     assert rc == 0
     assert [c["name"] for c in p["components"]] == ["text_encoder", "transformer", "transformer_2", "vae"]
     for comp in ("transformer", "transformer_2"):
         assert summary(p, comp, "self") == {("video_sparse_attn", "component")}
         assert {l["backend"] for l in layers(p, comp, "cross")} == {"torch_sdpa"}
-    rc, p = plan(capsys, "--model-path", "ditattn:tiny-wan2.2", "--component-attention-backends",
-                 "transformer=video_sparse_attn,transformer_2.cross=sage_attn")
+    rc, p = plan(
+        capsys,
+        "--model-path",
+        "ditattn:tiny-wan2.2",
+        "--component-attention-backends",
+        "transformer=video_sparse_attn,transformer_2.cross=sage_attn",
+    )
     assert rc == 0
     assert summary(p, "transformer", "self") == {("video_sparse_attn", "component")}
     # transformer_2's own key decides its cross-attention; its self-attention still inherits
     # transformer= (a role key used to cancel inheritance for the other role)
     assert summary(p, "transformer_2", "cross") == {("sage_attn", "component_role")}
     assert summary(p, "transformer_2", "self") == {("video_sparse_attn", "component")}
-    rc, p = plan(capsys, "--model-path", "ditattn:tiny-wan2.2", "--component-attention-backends",
-                 "transformer=video_sparse_attn,transformer_2=sage_attn")
+    rc, p = plan(
+        capsys,
+        "--model-path",
+        "ditattn:tiny-wan2.2",
+        "--component-attention-backends",
+        "transformer=video_sparse_attn,transformer_2=sage_attn",
+    )
     assert summary(p, "transformer_2", "self") == {("sage_attn", "component")}  # its own key beats inheritance
 
 

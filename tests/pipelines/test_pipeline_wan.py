@@ -1,4 +1,5 @@
 """The native Wan pipeline: parity with diffusers' WanPipeline, the denoise loop, batching, overrides."""
+
 import numpy as np
 import pytest
 import torch
@@ -44,8 +45,9 @@ def test_full_pipeline_matches_diffusers(pipe):
     ref = _diffusers(pipe.model_index.path)
     kw = dict(height=32, width=48, num_frames=5, num_inference_steps=3, guidance_scale=4.0)
     ours = pipe.generate("a red fox in the snow", "blurry", seed=3, output_type="float", progress=False, **kw)
-    frames, latents = _diffusers_run(ref, "a red fox in the snow", "blurry", generator=torch.Generator().manual_seed(3),
-                                     **kw)
+    frames, latents = _diffusers_run(
+        ref, "a red fox in the snow", "blurry", generator=torch.Generator().manual_seed(3), **kw
+    )
     assert ours.frames.shape == frames.shape == (1, 5, 32, 48, 3)
     torch.testing.assert_close(ours.latents, latents, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(ours.frames, frames, rtol=0, atol=2e-5)
@@ -67,12 +69,25 @@ def test_wan22_pipeline_matches_diffusers(pipe22):
 
 def test_wan22_switches_expert_at_boundary(pipe22):
     calls = []
-    hooks = [pipe22.components[name].register_forward_pre_hook(
-        lambda m, args, name=name: calls.append((name, float(args[1].flatten()[0]))))
-        for name in ("transformer", "transformer_2")]
+    hooks = [
+        pipe22.components[name].register_forward_pre_hook(
+            lambda m, args, name=name: calls.append((name, float(args[1].flatten()[0])))
+        )
+        for name in ("transformer", "transformer_2")
+    ]
     try:
-        pipe22.generate("x", seed=0, progress=False, output_type="latent", height=16, width=16, num_frames=1,
-                        num_inference_steps=8, guidance_scale=3.0, max_sequence_length=32)
+        pipe22.generate(
+            "x",
+            seed=0,
+            progress=False,
+            output_type="latent",
+            height=16,
+            width=16,
+            num_frames=1,
+            num_inference_steps=8,
+            guidance_scale=3.0,
+            max_sequence_length=32,
+        )
     finally:
         for h in hooks:
             h.remove()
@@ -95,8 +110,9 @@ def test_forward_context_per_step(pipe):
     layer_cross = pipe.components["transformer"].blocks[1].attn2.attn
     hooks = [layer_self.register_forward_pre_hook(spy), layer_cross.register_forward_pre_hook(spy)]
     try:
-        pipe.generate("x", height=32, width=64, num_frames=5, num_inference_steps=3, progress=False,
-                      output_type="latent")
+        pipe.generate(
+            "x", height=32, width=64, num_frames=5, num_inference_steps=3, progress=False, output_type="latent"
+        )
     finally:
         for h in hooks:
             h.remove()
@@ -106,8 +122,15 @@ def test_forward_context_per_step(pipe):
 
 
 def test_batch_of_prompts_is_independent_of_batching(pipe):
-    kw = dict(height=32, width=32, num_frames=1, num_inference_steps=2, guidance_scale=5.0, progress=False,
-              output_type="float")
+    kw = dict(
+        height=32,
+        width=32,
+        num_frames=1,
+        num_inference_steps=2,
+        guidance_scale=5.0,
+        progress=False,
+        output_type="float",
+    )
     both = pipe.generate(["a cat", "a dog"], ["", "dark"], seed=[5, 7], **kw)
     alone = pipe.generate("a dog", "dark", seed=7, **kw)
     assert both.frames.shape == (2, 1, 32, 32, 3)
@@ -142,8 +165,11 @@ def test_request_override_switches_every_dit_layer(pipe, monkeypatch):
     np.testing.assert_allclose(res.frames, base.frames, atol=1e-6)
     # 4 DiT layers x 2 steps, all through the request table; the text encoder is not switched
     assert len(calls) == 8 and {k for _, k in calls} == {
-        "transformer.blocks.0.attn1", "transformer.blocks.0.attn2", "transformer.blocks.1.attn1",
-        "transformer.blocks.1.attn2"}
+        "transformer.blocks.0.attn1",
+        "transformer.blocks.0.attn2",
+        "transformer.blocks.1.attn1",
+        "transformer.blocks.1.attn2",
+    }
     calls.clear()
     pipe.generate("x", **kw)  # the next request without an override runs the default
     assert calls == []
@@ -176,10 +202,12 @@ def test_sparse_backend_runs_end_to_end():
     """A global sparse backend serves the DiT self-attention (with the step/grid metadata) and
     cross-attention falls back to dense, through a whole generation."""
     p = WanPipelineNative.from_pretrained(
-        "ditattn:tiny-wan", AttentionSettings(backend=B.VIDEO_SPARSE_ATTN, config={"sparsity": 0.5}))
+        "ditattn:tiny-wan", AttentionSettings(backend=B.VIDEO_SPARSE_ATTN, config={"sparsity": 0.5})
+    )
     assert p.dit_backends() == ["video_sparse_attn", "torch_sdpa"]
-    res = p.generate("x", height=64, width=64, num_frames=5, num_inference_steps=2, progress=False,
-                     output_type="latent")
+    res = p.generate(
+        "x", height=64, width=64, num_frames=5, num_inference_steps=2, progress=False, output_type="latent"
+    )
     assert res.attention_backends == ["video_sparse_attn", "torch_sdpa"]
     assert res.frames.shape == (1, 16, 2, 8, 8) and torch.isfinite(res.frames).all()
 
@@ -197,14 +225,30 @@ def test_should_stop_ends_the_run_between_steps(pipe):
         return "deleted" if len(steps_done) >= 2 else None
 
     with pytest.raises(GenerationCancelled, match="generation stopped: deleted") as ei:
-        pipe.generate("x", height=32, width=32, num_frames=1, num_inference_steps=6, progress=False,
-                      on_step=lambda done, total: steps_done.append(done), should_stop=stop_after_two)
+        pipe.generate(
+            "x",
+            height=32,
+            width=32,
+            num_frames=1,
+            num_inference_steps=6,
+            progress=False,
+            on_step=lambda done, total: steps_done.append(done),
+            should_stop=stop_after_two,
+        )
     assert ei.value.reason == "deleted" and steps_done == [1, 2] and asked[-1] == 2
     with pytest.raises(GenerationCancelled):  # stopped before the text encoder already
-        pipe.generate("x", height=32, width=32, num_frames=1, num_inference_steps=2, progress=False,
-                      should_stop=lambda: "timeout")
-    res = pipe.generate("x", height=32, width=32, num_frames=1, num_inference_steps=2, progress=False,
-                        should_stop=lambda: None)
+        pipe.generate(
+            "x",
+            height=32,
+            width=32,
+            num_frames=1,
+            num_inference_steps=2,
+            progress=False,
+            should_stop=lambda: "timeout",
+        )
+    res = pipe.generate(
+        "x", height=32, width=32, num_frames=1, num_inference_steps=2, progress=False, should_stop=lambda: None
+    )
     assert res.frames.shape == (1, 1, 32, 32, 3)
     # sequence parallelism relays calls to other ranks: the callable is never sent
     msg = PipelineRelay.describe_call(("x",), {"should_stop": stop_after_two, "on_step": print, "seed": 1})

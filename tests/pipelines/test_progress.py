@@ -1,5 +1,6 @@
 """Loading and decoding show a progress bar on stderr, like denoising, when stderr is a terminal;
 a pipe or a log file stays clean."""
+
 import io
 import sys
 
@@ -20,7 +21,7 @@ def test_load_and_decode_bars_on_a_terminal_only(monkeypatch, tty):
     pipe = WanPipelineNative.from_pretrained("ditattn:tiny-wan", device="cpu")
     loaded = err.getvalue()
     res = pipe.generate("a red square", height=32, width=32, num_frames=5, num_inference_steps=1, seed=0)
-    decoded = err.getvalue()[len(loaded):]
+    decoded = err.getvalue()[len(loaded) :]
     assert res.frames.shape[1] == 5
     if tty:
         assert "loading" in loaded and "component" in loaded

@@ -3,6 +3,7 @@
 (:func:`ditattn.pipelines.denoise.denoise`); the reference is a diffusers scheduler configured
 independently (as diffusers' Wan docs do, or from the distilled checkpoints' sigma formula) and stepped
 by hand on the same model outputs.  Every step's latents must agree to 1e-5 (relative)."""
+
 import types
 
 import numpy as np
@@ -74,13 +75,25 @@ def run_ditattn(factory, guidance=1.0, **flags):
     ctx = torch.cat([cond, uncond]) if guidance > 1 else cond
     steps = flags.pop("steps", 6)
     cfg = SamplingConfig(**flags)  # the flags' own checks and types ("1000,750" -> floats)
-    sampler = build_sampler(factory, name=cfg.scheduler, shift=cfg.flow_shift, timesteps=cfg.timesteps, steps=steps,
-                            seeds=SEEDS)
+    sampler = build_sampler(
+        factory, name=cfg.scheduler, shift=cfg.flow_shift, timesteps=cfg.timesteps, steps=steps, seeds=SEEDS
+    )
     dit = FakeDiT()
-    out, used = denoise(x0, sampler.scheduler, {"transformer": dit, "transformer_2": None}, context=ctx,
-                        condition=None, guidance=guidance, guidance_2=guidance, boundary_ratio=None,
-                        expand_timesteps=False, placement=PLACEMENT, dtype=torch.float32, progress=False,
-                        step_kwargs=sampler.step_kwargs)
+    out, used = denoise(
+        x0,
+        sampler.scheduler,
+        {"transformer": dit, "transformer_2": None},
+        context=ctx,
+        condition=None,
+        guidance=guidance,
+        guidance_2=guidance,
+        boundary_ratio=None,
+        expand_timesteps=False,
+        placement=PLACEMENT,
+        dtype=torch.float32,
+        progress=False,
+        step_kwargs=sampler.step_kwargs,
+    )
     seen = [c[0][: SHAPE[0]] for c in dit.calls if c[2] != "uncond"]
     return seen + [out], sampler
 
@@ -156,8 +169,13 @@ def test_dpmpp_matches_diffusers(factory, shift):
     from diffusers import DPMSolverMultistepScheduler
 
     ours, _ = run_ditattn(factory, guidance=2.5, scheduler="dpmpp", flow_shift=shift, steps=6)
-    ref = DPMSolverMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=shift,
-                                      algorithm_type="dpmsolver++", solver_order=2)
+    ref = DPMSolverMultistepScheduler(
+        prediction_type="flow_prediction",
+        use_flow_sigmas=True,
+        flow_shift=shift,
+        algorithm_type="dpmsolver++",
+        solver_order=2,
+    )
     ref.set_timesteps(6)
     assert_steps_match(ours, run_reference(ref, guidance=2.5))
 
@@ -208,8 +226,9 @@ def test_lcm_default_steps_match_diffusers(factory):
     ref = FlowMatchLCMScheduler(shift=2.0)
     ref.set_timesteps(5)
     gens = [torch.Generator().manual_seed(renoise_seed(s)) for s in SEEDS]
-    assert_steps_match(ours, run_reference(ref, step=lambda v, t, x: ref.step(v, t, x, generator=gens,
-                                                                              return_dict=False)[0]))
+    assert_steps_match(
+        ours, run_reference(ref, step=lambda v, t, x: ref.step(v, t, x, generator=gens, return_dict=False)[0])
+    )
 
 
 def test_lcm_clip_independent_of_batch(factory):
@@ -219,19 +238,39 @@ def test_lcm_clip_independent_of_batch(factory):
     x = torch.randn(SHAPE, generator=torch.Generator().manual_seed(11))[1:]
     cond, _ = contexts(SHAPE[0])
     dit = FakeDiT()
-    out, _ = denoise(x, sampler.scheduler, {"transformer": dit, "transformer_2": None}, context=cond[1:],
-                     condition=None, guidance=1.0, guidance_2=1.0, boundary_ratio=None, expand_timesteps=False,
-                     placement=PLACEMENT, dtype=torch.float32, progress=False, step_kwargs=sampler.step_kwargs)
+    out, _ = denoise(
+        x,
+        sampler.scheduler,
+        {"transformer": dit, "transformer_2": None},
+        context=cond[1:],
+        condition=None,
+        guidance=1.0,
+        guidance_2=1.0,
+        boundary_ratio=None,
+        expand_timesteps=False,
+        placement=PLACEMENT,
+        dtype=torch.float32,
+        progress=False,
+        step_kwargs=sampler.step_kwargs,
+    )
     assert torch.allclose(out, full[-1][1:], rtol=1e-6, atol=1e-6)
 
 
 # -- validation ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("value, words", [
-    ("1000,750,750", "a duplicate"), ("250,500", "not descending"), ("1000,0", "timesteps above 0"),
-    ("1000,abc", "timesteps above 0"), ("", "timesteps above 0"), ([], "descending timesteps"),
-    (",".join(str(1000 - i * 0.5) for i in range(1001)), "1 to 1000"),
-])
+
+@pytest.mark.parametrize(
+    "value, words",
+    [
+        ("1000,750,750", "a duplicate"),
+        ("250,500", "not descending"),
+        ("1000,0", "timesteps above 0"),
+        ("1000,abc", "timesteps above 0"),
+        ("", "timesteps above 0"),
+        ([], "descending timesteps"),
+        (",".join(str(1000 - i * 0.5) for i in range(1001)), "1 to 1000"),
+    ],
+)
 def test_bad_timesteps_are_one_line_errors(value, words):
     with pytest.raises(AttentionConfigError) as err:
         SamplingConfig(timesteps=value)
@@ -242,12 +281,15 @@ def test_bad_timesteps_are_one_line_errors(value, words):
 def test_timesteps_above_training_range_or_with_dpmpp(factory):
     with pytest.raises(AttentionConfigError, match=r"above this checkpoint's num_train_timesteps \(1000\)"):
         build_sampler(factory, steps=4, timesteps=(1200.0, 500.0))
-    with pytest.raises(AttentionConfigError, match="timesteps: an explicit list works with scheduler flow_euler, unipc or lcm"):
+    with pytest.raises(
+        AttentionConfigError, match="timesteps: an explicit list works with scheduler flow_euler, unipc or lcm"
+    ):
         build_sampler(factory, name="dpmpp", steps=4, timesteps=(1000.0, 500.0))
 
 
-@pytest.mark.parametrize("key, value", [("scheduler", "euler"), ("flow_shift", 0), ("flow_shift", "nan"),
-                                        ("flow_shift", 1000.0)])
+@pytest.mark.parametrize(
+    "key, value", [("scheduler", "euler"), ("flow_shift", 0), ("flow_shift", "nan"), ("flow_shift", 1000.0)]
+)
 def test_bad_scheduler_or_shift(key, value):
     with pytest.raises(AttentionConfigError, match=rf"^{key}: expected"):
         SamplingConfig(**{key: value})
@@ -262,12 +304,35 @@ def test_cli_flags_and_config_file(tmp_path):
     f.write_text("scheduler: lcm\nflow-shift: 5\ntimesteps: [1000, 750, 500, 250]\ncfg-interval: '0:0.5'\n")
     cfg = RunConfig.from_file(str(f))
     assert (cfg.sampling.scheduler, cfg.sampling.flow_shift, cfg.sampling.timesteps, cfg.sampling.cfg_interval) == (
-        "lcm", 5.0, (1000.0, 750.0, 500.0, 250.0), (0.0, 0.5))
-    args = build_parser().parse_args(["generate", "--prompt", "x", "--scheduler", "unipc", "--flow-shift", "2",
-                                      "--timesteps", "999,500", "--cfg-interval", "0.1:0.9",
-                                      "--cfg-batching", "sequential"])
+        "lcm",
+        5.0,
+        (1000.0, 750.0, 500.0, 250.0),
+        (0.0, 0.5),
+    )
+    args = build_parser().parse_args(
+        [
+            "generate",
+            "--prompt",
+            "x",
+            "--scheduler",
+            "unipc",
+            "--flow-shift",
+            "2",
+            "--timesteps",
+            "999,500",
+            "--cfg-interval",
+            "0.1:0.9",
+            "--cfg-batching",
+            "sequential",
+        ]
+    )
     given = dict(vars(args))
     command = next(c for c in COMMANDS if c.name == given.pop("command"))
     s = build_config(command, given).sampling
     assert (s.scheduler, s.flow_shift, s.timesteps, s.cfg_interval, s.cfg_batching) == (
-        "unipc", 2.0, (999.0, 500.0), (0.1, 0.9), "sequential")
+        "unipc",
+        2.0,
+        (999.0, 500.0),
+        (0.1, 0.9),
+        "sequential",
+    )

@@ -1,6 +1,7 @@
 """The step cache per request in the server: concurrent requests with different cache settings each get
 their own (they never share a batch or a state), the response reports it, bad settings are a 400 naming
 the field, and the server's default applies to requests that leave the fields out."""
+
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -14,18 +15,24 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 BODY = {"size": "48x32", "num_inference_steps": 6, "guidance_scale": 3.0}
 # what each setting decides on any input (6 steps: step 0 and the last computed; at most 3 reuses in a row)
-CASES = [({"cache_backend": "teacache", "cache_backend_config": "threshold=1e6"}, "teacache", "CRRRCC"),
-         ({"cache_backend": "first_block_cache", "cache_backend_config": {"threshold": 0}}, "first_block_cache",
-          "CCCCCC"),
-         ({"cache_backend": "none"}, None, None),
-         ({"cache_backend": "teacache", "cache_backend_config": "threshold=1e6,max_consecutive_skips=1"}, "teacache",
-          "CRCRCC")]
+CASES = [
+    ({"cache_backend": "teacache", "cache_backend_config": "threshold=1e6"}, "teacache", "CRRRCC"),
+    ({"cache_backend": "first_block_cache", "cache_backend_config": {"threshold": 0}}, "first_block_cache", "CCCCCC"),
+    ({"cache_backend": "none"}, None, None),
+    (
+        {"cache_backend": "teacache", "cache_backend_config": "threshold=1e6,max_consecutive_skips=1"},
+        "teacache",
+        "CRCRCC",
+    ),
+]
 
 
 @pytest.fixture(scope="module")
 def server():
-    cfg = RunConfig(model=ModelConfig(model_path="ditattn:tiny-wan", device="cpu", dtype="float32"),
-                    cache=CacheOptions(cache_backend="first_block_cache", cache_backend_config="threshold=1e6"))
+    cfg = RunConfig(
+        model=ModelConfig(model_path="ditattn:tiny-wan", device="cpu", dtype="float32"),
+        cache=CacheOptions(cache_backend="first_block_cache", cache_backend_config="threshold=1e6"),
+    )
     with serve(build_runner(cfg), max_batch_size=4, batch_window_s=0.05) as (base, _app):
         yield base
 
@@ -50,14 +57,20 @@ def test_concurrent_requests_keep_their_own_cache(server):
     assert status == 200 and res["cache"]["backend"] == "first_block_cache" and res["cache"]["trace"] == "CRRRCC"
 
 
-@pytest.mark.parametrize("extra, field, words", [
-    ({"cache_backend": "nope"}, "cache_backend", "unknown cache backend"),
-    ({"cache_backend": "teacache", "cache_backend_config": "threshold=-1"}, "cache_backend_config", "threshold"),
-    ({"cache_backend": "teacache", "cache_backend_config": {"thresh": 1}}, "cache_backend_config", "thresh"),
-    ({"cache_backend": "first_block_cache", "cache_backend_config": "fn_blocks=99"}, "cache_backend_config",
-     "fn_blocks"),
-    ({"cache_backend": "magcache"}, "cache_backend_config", "needs a calibration"),
-])
+@pytest.mark.parametrize(
+    "extra, field, words",
+    [
+        ({"cache_backend": "nope"}, "cache_backend", "unknown cache backend"),
+        ({"cache_backend": "teacache", "cache_backend_config": "threshold=-1"}, "cache_backend_config", "threshold"),
+        ({"cache_backend": "teacache", "cache_backend_config": {"thresh": 1}}, "cache_backend_config", "thresh"),
+        (
+            {"cache_backend": "first_block_cache", "cache_backend_config": "fn_blocks=99"},
+            "cache_backend_config",
+            "fn_blocks",
+        ),
+        ({"cache_backend": "magcache"}, "cache_backend_config", "needs a calibration"),
+    ],
+)
 def test_bad_cache_settings_are_400_naming_the_field(server, extra, field, words):
     status, res = _post(server, extra)
     assert status == 400, res
@@ -69,8 +82,15 @@ def test_bad_cache_settings_are_400_naming_the_field(server, extra, field, words
 def test_video_job_reports_its_cache(server):
     import time
 
-    body = {"prompt": "a fox", "size": "48x32", "seconds": "1", "num_inference_steps": 6, "fps": 4,
-            "cache_backend": "teacache", "cache_backend_config": "threshold=1e6"}
+    body = {
+        "prompt": "a fox",
+        "size": "48x32",
+        "seconds": "1",
+        "num_inference_steps": 6,
+        "fps": 4,
+        "cache_backend": "teacache",
+        "cache_backend_config": "threshold=1e6",
+    }
     r = httpx.post(server + "/v1/videos", json=body, timeout=60)
     assert r.status_code == 200, r.text
     vid = r.json()["id"]
@@ -80,6 +100,7 @@ def test_video_job_reports_its_cache(server):
         time.sleep(0.1)
     assert v["status"] == "completed", v
     assert v["cache"]["backend"] == "teacache" and v["cache"]["trace"] == "CRRRCC"
-    bad = httpx.post(server + "/v1/videos", json={**body, "cache_backend_config": "max_consecutive_skips=0"},
-                     timeout=60)
+    bad = httpx.post(
+        server + "/v1/videos", json={**body, "cache_backend_config": "max_consecutive_skips=0"}, timeout=60
+    )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_backend_config"

@@ -1,6 +1,7 @@
 """The server's fuzz targets (``tests/fuzz_server_targets.py``; hypothesis, derandomized): input image
 headers and files, Host / Origin headers, the MP4 check of outputs and job-store records at a
 restart — no outcome but a result or the surface's documented error."""
+
 import fuzz_server_targets as ft
 
 

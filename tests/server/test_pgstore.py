@@ -2,6 +2,7 @@
 queued job is claimed by exactly one of several concurrent claimers, a job whose lease ran out is
 claimed again (and fails with the reason once its attempts are used up), and results are written
 only by the lease holder."""
+
 from __future__ import annotations
 
 import threading

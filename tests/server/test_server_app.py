@@ -2,6 +2,7 @@
 runner: a toy DiT made of real ``LocalAttention`` layers, so attention validation
 (``prepare_request_override``) and the request scope are the real ones; only the generation is fake.
 """
+
 import base64
 import contextlib
 import functools
@@ -53,9 +54,14 @@ class ToyRunner(BaseRunner):
         settings = settings if settings is not None else AttentionSettings()
         with attention_settings(settings), component_scope("transformer"):
             self.dit = ToyDiT()
-        super().__init__("toy-dit", [self.dit], defaults=ModelDefaults(width=32, height=16, num_frames=5,
-                                                                       num_inference_steps=2),
-                         settings=settings, dtype=torch.float32, aliases=("toy",))
+        super().__init__(
+            "toy-dit",
+            [self.dit],
+            defaults=ModelDefaults(width=32, height=16, num_frames=5, num_inference_steps=2),
+            settings=settings,
+            dtype=torch.float32,
+            aliases=("toy",),
+        )
         self.gate, self.fail_prompt, self.delay = gate, fail_prompt, delay
         self.steps, self.step_s = steps, step_s
         self.batches = []
@@ -67,8 +73,13 @@ class ToyRunner(BaseRunner):
             assert self.gate.wait(30)
         if self.delay:
             time.sleep(self.delay)
-        denoise_steps(jobs, self.steps, self.step_s, self.stepping,
-                      lambda done: self.steps_run.append(([j.prompt for j in jobs], done)))
+        denoise_steps(
+            jobs,
+            self.steps,
+            self.step_s,
+            self.stepping,
+            lambda done: self.steps_run.append(([j.prompt for j in jobs], done)),
+        )
         if self.fail_prompt and any(j.prompt == self.fail_prompt for j in jobs):
             raise RuntimeError("the toy model cannot draw that")
         self.batches.append([(j.prompt, j.override) for j in jobs])
@@ -113,8 +124,9 @@ def toy():
 def test_images_b64_and_url(toy):
     base, app, _ = toy
     c = client(base)
-    raw = c.images.with_raw_response.generate(prompt="a red fox", n=2, size="32x16",
-                                              extra_body={"seed": 10, "attention_backend_override": "torch_sdpa"})
+    raw = c.images.with_raw_response.generate(
+        prompt="a red fox", n=2, size="32x16", extra_body={"seed": 10, "attention_backend_override": "torch_sdpa"}
+    )
     assert raw.headers[BACKEND_HEADER] == "torch_sdpa"
     r = raw.parse()
     assert r.attention_backends == ["torch_sdpa"] and r.size == "32x16" and len(r.data) == 2
@@ -137,8 +149,12 @@ def test_video_lifecycle_list_content_delete():
     runner = ToyRunner(gate=gate)
     with serve(runner, max_batch_size=2) as (base, _):
         c = client(base)
-        v = c.videos.create(prompt="a dog surfing", size="32x16", seconds="1",
-                            extra_body={"fps": 8, "seed": 4, "attention_backend_override": "torch_sdpa"})
+        v = c.videos.create(
+            prompt="a dog surfing",
+            size="32x16",
+            seconds="1",
+            extra_body={"fps": 8, "seed": 4, "attention_backend_override": "torch_sdpa"},
+        )
         assert v.status in ("queued", "in_progress") and v.object == "video"
         assert v.seconds == "1.125" and v.num_frames == 9 and v.size == "32x16"  # 1 s at 8 fps -> 1 + 4*2 frames
         with pytest.raises(openai.ConflictError, match="has no content"):
@@ -180,28 +196,41 @@ def test_refusals_are_400_with_reason(toy):
         ({"attention_backend_override": "sliding_tile_attn"}, "not a per-request drop-in"),
         ({"attention_backend_override": "fa"}, "would run torch_sdpa instead"),
         ({"attention_backend_override": "sage_attn_3"}, "cannot serve"),
-        ({"skip_softmax_params": {"threshold_scale_factor": 500.0, "start_step": 2}}, "skip_softmax_params is refused"),
+        (
+            {"skip_softmax_params": {"threshold_scale_factor": 500.0, "start_step": 2}},
+            "skip_softmax_params is refused",
+        ),
         ({"skip_softmax_params": {"start_step": 2}}, "threshold_scale_factor is required"),
         ({"skip_softmax_params": {"threshold_scale_factor": -1}}, "positive number"),
         ({"num_inference_steps": 0}, "num_inference_steps must be between 1 and"),
         ({"attention_backend_overide": "torch_sdpa"}, "unknown field 'attention_backend_overide'"),
     ]
     for extra, match in cases:
-        for call in (lambda: c.images.generate(prompt="x", extra_body=extra),
-                     lambda: c.videos.create(prompt="x", extra_body=extra)):
+        for call in (
+            lambda: c.images.generate(prompt="x", extra_body=extra),
+            lambda: c.videos.create(prompt="x", extra_body=extra),
+        ):
             with pytest.raises(openai.BadRequestError) as ei:
                 call()
             assert ei.value.status_code == 400
             err = ei.value.body
             assert match in err["message"], (extra, err)
             assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
-    for kw, match in [(dict(size="33x16"), "multiples of 16"), (dict(size="16"), "WIDTHxHEIGHT"),
-                      (dict(size="4096x16"), "at most"), (dict(n=0), "n must be between 1 and 10"),
-                      (dict(n=11), "n must be between"), (dict(output_format="jpeg"), "accepted: png")]:
+    for kw, match in [
+        (dict(size="33x16"), "multiples of 16"),
+        (dict(size="16"), "WIDTHxHEIGHT"),
+        (dict(size="4096x16"), "at most"),
+        (dict(n=0), "n must be between 1 and 10"),
+        (dict(n=11), "n must be between"),
+        (dict(output_format="jpeg"), "accepted: png"),
+    ]:
         with pytest.raises(openai.BadRequestError, match=match):
             c.images.generate(prompt="x", **kw)
-    for extra, match in [({"num_frames": 4}, "1 \\+ 4\\*k"), ({"num_frames": 1000}, "between 1 and"),
-                         ({"fps": 0}, "fps must be between")]:
+    for extra, match in [
+        ({"num_frames": 4}, "1 \\+ 4\\*k"),
+        ({"num_frames": 1000}, "between 1 and"),
+        ({"fps": 0}, "fps must be between"),
+    ]:
         with pytest.raises(openai.BadRequestError, match=match):
             c.videos.create(prompt="x", extra_body=extra)
     with pytest.raises(openai.BadRequestError, match="input_reference"):
@@ -218,12 +247,15 @@ def test_refusals_are_400_with_reason(toy):
     assert c.images.generate(prompt="still serving").attention_backends == ["torch_sdpa"]
 
 
-@pytest.mark.parametrize("settings,override,match", [
-    (AttentionSettings(compiled=True), "torch_sdpa", "torch.compile"),
-    (AttentionSettings(cuda_graphs=True), "torch_sdpa", "captured CUDA graphs"),
-    (AttentionSettings(backend=B.VIDEO_SPARSE_ATTN), "torch_sdpa", "sparse backend video_sparse_attn"),
-    (AttentionSettings(ring_degree=2), "sage_attn_3", "ring parallelism"),
-])
+@pytest.mark.parametrize(
+    "settings,override,match",
+    [
+        (AttentionSettings(compiled=True), "torch_sdpa", "torch.compile"),
+        (AttentionSettings(cuda_graphs=True), "torch_sdpa", "captured CUDA graphs"),
+        (AttentionSettings(backend=B.VIDEO_SPARSE_ATTN), "torch_sdpa", "sparse backend video_sparse_attn"),
+        (AttentionSettings(ring_degree=2), "sage_attn_3", "ring parallelism"),
+    ],
+)
 def test_server_setting_refusals(settings, override, match):
     runner = ToyRunner(settings)
     with serve(runner) as (base, _):

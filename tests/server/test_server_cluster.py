@@ -3,6 +3,7 @@ process: two apps on uvicorn with the toy runner of test_server_app (real attent
 fake generation).  A video job posted to one replica is run by a free one, polled and downloaded
 through the other; a replica that dies while running a job (its heartbeat stops) loses the job to
 the other one after the lease, and the file is there; a deleted job stops where it runs."""
+
 from __future__ import annotations
 
 import contextlib
@@ -26,8 +27,16 @@ def replica(runner, url, folder, name, **cfg):
     from ditattn.server.app import create_app
     from ditattn.server.cluster import ClusterState
 
-    config = ServerConfig(**{"batch_window_s": 0.0, "job_store": url, "output_dir": str(folder), "replicas": 2,
-                             "job_lease_s": 1.0, **cfg})
+    config = ServerConfig(
+        **{
+            "batch_window_s": 0.0,
+            "job_store": url,
+            "output_dir": str(folder),
+            "replicas": 2,
+            "job_lease_s": 1.0,
+            **cfg,
+        }
+    )
     state = ClusterState(runner, config, owner=name)
     app = create_app(runner, config, state=state)
     with serving.serve_app(app, config) as base:
@@ -129,11 +138,14 @@ def test_replica_refuses_without_shared_store(tmp_path):
         ClusterState(ToyRunner(), ServerConfig(job_store="postgresql://u@127.0.0.1:1/x", replicas=2))
 
 
-@pytest.mark.parametrize("args, match", [
-    (["--replicas", "2"], "--replicas needs a job store the replicas share"),
-    (["--replicas", "2", "--job-store", "postgresql://u@127.0.0.1:1/x"], "--replicas needs an output folder"),
-    (["--replicas", "2", "--job-store", "mysql://x", "--output-dir", "OUT"], "--replicas needs a job store"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--replicas", "2"], "--replicas needs a job store the replicas share"),
+        (["--replicas", "2", "--job-store", "postgresql://u@127.0.0.1:1/x"], "--replicas needs an output folder"),
+        (["--replicas", "2", "--job-store", "mysql://x", "--output-dir", "OUT"], "--replicas needs a job store"),
+    ],
+)
 def test_cli_refuses_replicas_without_shared_store(tmp_path, args, match):
     """``serve --replicas`` checks its shared store and folder before Ray starts: exit 2, one line."""
     import os
@@ -143,8 +155,13 @@ def test_cli_refuses_replicas_without_shared_store(tmp_path, args, match):
     pytest.importorskip("ray", reason="ray is not installed")
     args = [str(tmp_path) if a == "OUT" else a for a in args]
     env = dict(os.environ, PYTHONPATH=os.path.join(serving.ROOT, "src"))
-    r = subprocess.run([sys.executable, "-m", "ditattn", "serve", "--port", str(serving.free_port()), *args],
-                       capture_output=True, text=True, env=env, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "ditattn", "serve", "--port", str(serving.free_port()), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.startswith("error: ") and match in r.stderr, r.stderr
 
@@ -179,9 +196,20 @@ def test_completed_without_a_complete_file_is_failed(url, tmp_path):
 
     jobs = PgJobStore(url, owner="a")
     store = SharedVideoStore(10, jobs, str(tmp_path), SharedFolder(str(tmp_path)))
-    rec = VideoRecord(id="video_" + uuid.uuid4().hex, model="m", prompt="p", size="16x16", seconds="1", num_frames=5,
-                      fps=8, num_inference_steps=2, override=None, skip_softmax=None, attention_backends=[],
-                      created_at=0)
+    rec = VideoRecord(
+        id="video_" + uuid.uuid4().hex,
+        model="m",
+        prompt="p",
+        size="16x16",
+        seconds="1",
+        num_frames=5,
+        fps=8,
+        num_inference_steps=2,
+        override=None,
+        skip_softmax=None,
+        attention_backends=[],
+        created_at=0,
+    )
     store.add(rec)
     claimed, _ = jobs.claim(60, 3)
     store.adopt(VideoRecord.from_json(claimed, str(tmp_path)))
@@ -214,7 +242,10 @@ def test_metrics_of_any_replica_cover_the_deployment(url, tmp_path):
                 r = httpx.post(base + "/v1/images/generations", json={"prompt": "m", "size": "32x16", "n": n})
                 assert r.status_code == 200, r.text
             _wait(lambda: images(a) == images(b) == {"a": 3.0, "b": 1.0, "reporting": 2.0}, what="both views")
-            reqs = {(lab["replica"], lab["status"]): v for name, lab, v in samples(httpx.get(b + "/metrics").content)
-                    if name == "ditattn_http_requests_total" and lab["endpoint"] == "/v1/images/generations"}
+            reqs = {
+                (lab["replica"], lab["status"]): v
+                for name, lab, v in samples(httpx.get(b + "/metrics").content)
+                if name == "ditattn_http_requests_total" and lab["endpoint"] == "/v1/images/generations"
+            }
             assert reqs == {("a", "200"): 2.0, ("b", "200"): 1.0}, reqs
         assert images(a) == {"a": 3.0, "reporting": 1.0}  # b stopped: gone from the view at once

@@ -1,6 +1,7 @@
 """``ditattn serve`` end to end: the real CLI in a subprocess, the default built-in model (ditattn:shapes) on the CPU,
 driven by the official ``openai`` client (images, video jobs, refusals, a concurrent mixed load,
 429, 401, /metrics)."""
+
 import base64
 import importlib.util
 import io
@@ -25,8 +26,24 @@ SAGE_BUILT = importlib.util.find_spec("ditattn.attention.backends.sage") is not 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    args = ["--api-key", KEY, "--max-batch-size", "8", "--max-queue", "8", "--height", "16", "--width", "16",
-            "--num-inference-steps", "2", "--guidance-scale", "1.0", "--num-frames", "5"]
+    args = [
+        "--api-key",
+        KEY,
+        "--max-batch-size",
+        "8",
+        "--max-queue",
+        "8",
+        "--height",
+        "16",
+        "--width",
+        "16",
+        "--num-inference-steps",
+        "2",
+        "--guidance-scale",
+        "1.0",
+        "--num-frames",
+        "5",
+    ]
     with serve_process(args, log) as base:
         yield base, log
 
@@ -46,20 +63,29 @@ def test_images_and_video_end_to_end(server):
     c = client(base)
     assert [m.id for m in c.models.list()] == ["ditattn:shapes"]
     raw = c.images.with_raw_response.generate(
-        model="ditattn:shapes", prompt="a red fox in the snow", n=2, size="32x16",
-        extra_body={"seed": 7, "attention_backend_override": "torch_sdpa", "negative_prompt": "blurry"})
+        model="ditattn:shapes",
+        prompt="a red fox in the snow",
+        n=2,
+        size="32x16",
+        extra_body={"seed": 7, "attention_backend_override": "torch_sdpa", "negative_prompt": "blurry"},
+    )
     r = raw.parse()
     assert raw.headers["x-ditattn-attention-backend"] == "torch_sdpa"
     assert r.attention_backends == ["torch_sdpa"] and r.size == "32x16" and len(r.data) == 2
     a, b = png(r.data[0].b64_json), png(r.data[1].b64_json)
     assert a.shape == b.shape == (16, 32, 3) and a.dtype == np.uint8
     assert not np.array_equal(a, b)  # seeds 7 and 8
-    again = c.images.generate(prompt="a red fox in the snow", size="32x16",
-                              extra_body={"seed": 7, "negative_prompt": "blurry"})
+    again = c.images.generate(
+        prompt="a red fox in the snow", size="32x16", extra_body={"seed": 7, "negative_prompt": "blurry"}
+    )
     assert again.attention_backends == ["torch_sdpa"]  # the server default on this CPU
 
-    v = c.videos.create(model="ditattn:shapes", prompt="waves at dusk", size="32x32",
-                        extra_body={"num_frames": 5, "fps": 8, "seed": 1, "attention_backend_override": "torch_sdpa"})
+    v = c.videos.create(
+        model="ditattn:shapes",
+        prompt="waves at dusk",
+        size="32x32",
+        extra_body={"num_frames": 5, "fps": 8, "seed": 1, "attention_backend_override": "torch_sdpa"},
+    )
     assert v.status in ("queued", "in_progress") and v.seconds == "0.625"
     v = wait_video(c, v.id)
     assert v.status == "completed" and v.progress == 100 and v.attention_backends == ["torch_sdpa"]
@@ -72,19 +98,27 @@ def test_images_and_video_end_to_end(server):
     assert v.id in [x.id for x in c.videos.list()]
 
 
-@pytest.mark.parametrize("extra,match", [
-    ({"attention_backend_override": "no_such_kernel"}, "unknown attention backend 'no_such_kernel'"),
-    ({"attention_backend_override": "sliding_tile_attn"}, "not a per-request drop-in"),
-    ({"attention_backend_override": "video_sparse_attn"}, "not a per-request drop-in"),
-    ({"attention_backend_override": "fa"}, "would run torch_sdpa instead"),
-    ({"skip_softmax_params": {"threshold_scale_factor": 500.0, "start_step": 1}}, "skip_softmax_params is refused"),
-    ({"num_inference_steps": 10_000}, "num_inference_steps must be between"),
-])
+@pytest.mark.parametrize(
+    "extra,match",
+    [
+        ({"attention_backend_override": "no_such_kernel"}, "unknown attention backend 'no_such_kernel'"),
+        ({"attention_backend_override": "sliding_tile_attn"}, "not a per-request drop-in"),
+        ({"attention_backend_override": "video_sparse_attn"}, "not a per-request drop-in"),
+        ({"attention_backend_override": "fa"}, "would run torch_sdpa instead"),
+        (
+            {"skip_softmax_params": {"threshold_scale_factor": 500.0, "start_step": 1}},
+            "skip_softmax_params is refused",
+        ),
+        ({"num_inference_steps": 10_000}, "num_inference_steps must be between"),
+    ],
+)
 def test_refusals(server, extra, match):
     base, log = server
     c = client(base)
-    for call in (lambda: c.images.generate(prompt="x", extra_body=extra),
-                 lambda: c.videos.create(prompt="x", extra_body=extra)):
+    for call in (
+        lambda: c.images.generate(prompt="x", extra_body=extra),
+        lambda: c.videos.create(prompt="x", extra_body=extra),
+    ):
         with pytest.raises(openai.BadRequestError) as ei:
             call()
         assert match in ei.value.body["message"] and ei.value.status_code == 400
@@ -94,7 +128,11 @@ def test_refusals(server, extra, match):
 def test_bad_sizes(server):
     base, _ = server
     c = client(base)
-    for size, match in (("20x16", "multiples of 16"), ("big", "WIDTHxHEIGHT"), ("16x4096", "at most 2048 pixels per side")):
+    for size, match in (
+        ("20x16", "multiples of 16"),
+        ("big", "WIDTHxHEIGHT"),
+        ("16x4096", "at most 2048 pixels per side"),
+    ):
         with pytest.raises(openai.BadRequestError, match=match):
             c.images.generate(prompt="x", size=size)
         with pytest.raises(openai.BadRequestError, match=match):
@@ -122,9 +160,13 @@ def test_concurrent_mixed_load(server):
             return ["sage_attn"]
         return None
 
-    reasons = {"fa": "would run torch_sdpa instead", "sliding_tile_attn": "not a per-request drop-in",
-               "bogus": "unknown attention backend", "sage_attn_3": "cannot serve",
-               "sage_attn": "no implementation of attention backend 'sage_attn'"}
+    reasons = {
+        "fa": "would run torch_sdpa instead",
+        "sliding_tile_attn": "not a per-request drop-in",
+        "bogus": "unknown attention backend",
+        "sage_attn_3": "cannot serve",
+        "sage_attn": "no implementation of attention backend 'sage_attn'",
+    }
 
     def one(i):
         name = picks[i]
@@ -169,13 +211,15 @@ def test_concurrent_mixed_load(server):
         return total(after) - total(before)
 
     assert delta("ditattn_attention_refusals_total") == n_bad
-    assert delta("ditattn_generations_total", kind="image", outcome="ok") + \
-        delta("ditattn_generations_total", kind="video", outcome="ok") == n_ok
+    assert (
+        delta("ditattn_generations_total", kind="image", outcome="ok")
+        + delta("ditattn_generations_total", kind="video", outcome="ok")
+        == n_ok
+    )
     assert delta("ditattn_generations_total", kind="image", outcome="error") == 0
     assert delta("ditattn_batch_size_sum") == n_ok  # every valid request ran in exactly one batch
     assert delta("ditattn_batch_size_count") <= n_ok
-    print(f"mixed load: {n_ok} ok, {n_bad} refused in {elapsed:.1f}s, "
-          f"{delta('ditattn_batch_size_count'):.0f} batches")
+    print(f"mixed load: {n_ok} ok, {n_bad} refused in {elapsed:.1f}s, {delta('ditattn_batch_size_count'):.0f} batches")
 
 
 def test_queue_full_429_and_auth_401(server):
@@ -183,8 +227,9 @@ def test_queue_full_429_and_auth_401(server):
     c = client(base)
     auth = {"Authorization": f"Bearer {KEY}"}
     # a slow job occupies the worker, so the burst below meets a full queue (8 waiting)
-    blocker = c.videos.create(prompt="slow", size="32x32",
-                              extra_body={"num_frames": 9, "num_inference_steps": 4, "guidance_scale": 5.0})
+    blocker = c.videos.create(
+        prompt="slow", size="32x32", extra_body={"num_frames": 9, "num_inference_steps": 4, "guidance_scale": 5.0}
+    )
     t0 = time.time()
     while parse_text(httpx.get(base + "/metrics", headers=auth).text)["ditattn_running_samples"] == 0:
         assert time.time() - t0 < 60

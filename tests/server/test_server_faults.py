@@ -2,6 +2,7 @@
 input and mixed request storms, disconnects, DELETE of a running job, SIGTERM with queued video
 jobs and a restart with the same --output-dir, a second SIGTERM, and no file removed without a log
 line.  The script asserts each stage; this test requires its verdict and key figures."""
+
 import json
 
 

@@ -1,6 +1,7 @@
 """Image-to-video and LoRA through the server: ``ditattn serve`` of the tiny Wan 2.1 I2V model end to end
 (the official ``openai`` client uploading ``input_reference``, a plain HTTP multipart request, a JSON body
 with a base64 data URL, per-request ``lora``), and every refusal of a bad reference image or LoRA."""
+
 import base64
 import io
 import time
@@ -62,11 +63,15 @@ def lora_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def app(lora_file):
-    cfg = RunConfig(model=ModelConfig(model_path="ditattn:tiny-wan-i2v", lora_path=(lora_file,)),
-                    sampling=SamplingConfig(num_inference_steps=1, num_frames=5))
+    cfg = RunConfig(
+        model=ModelConfig(model_path="ditattn:tiny-wan-i2v", lora_path=(lora_file,)),
+        sampling=SamplingConfig(num_inference_steps=1, num_frames=5),
+    )
     runner = build_runner(cfg)
-    with TestClient(create_app(runner, ServerConfig(batch_window_s=0.0, max_image_bytes=20_000,
-                                                    max_image_pixels=200 * 200)), base_url=LOCAL) as c:
+    with TestClient(
+        create_app(runner, ServerConfig(batch_window_s=0.0, max_image_bytes=20_000, max_image_pixels=200 * 200)),
+        base_url=LOCAL,
+    ) as c:
         yield c
 
 
@@ -75,18 +80,21 @@ def _error(r, status=400):
     return r.json()["error"]
 
 
-@pytest.mark.parametrize("ref,words", [
-    ({"image_url": "https://example.com/a.png"}, "remote URLs are not fetched"),
-    ({"file_id": "file_123"}, "file_id references are not supported"),
-    ("data:image/png,abc", "must be base64-encoded"),
-    ("!!!notbase64!!!", "not valid base64"),
-    (base64.b64encode(b"hello there").decode(), "not a readable image; accepted formats: png, jpeg, webp, bmp"),
-    (base64.b64encode(_png(fmt="GIF")).decode(), "format GIF is not supported"),
-    (base64.b64encode(_png(8, 8)).decode(), "at least 16 pixels"),
-    (base64.b64encode(_png(300, 200, solid=True)).decode(), "at most 40000 pixels"),
-    (base64.b64encode(_png(100, 100, fmt="BMP")).decode(), "at most 20000 accepted"),
-    (12, "expected a file upload"),
-])
+@pytest.mark.parametrize(
+    "ref,words",
+    [
+        ({"image_url": "https://example.com/a.png"}, "remote URLs are not fetched"),
+        ({"file_id": "file_123"}, "file_id references are not supported"),
+        ("data:image/png,abc", "must be base64-encoded"),
+        ("!!!notbase64!!!", "not valid base64"),
+        (base64.b64encode(b"hello there").decode(), "not a readable image; accepted formats: png, jpeg, webp, bmp"),
+        (base64.b64encode(_png(fmt="GIF")).decode(), "format GIF is not supported"),
+        (base64.b64encode(_png(8, 8)).decode(), "at least 16 pixels"),
+        (base64.b64encode(_png(300, 200, solid=True)).decode(), "at most 40000 pixels"),
+        (base64.b64encode(_png(100, 100, fmt="BMP")).decode(), "at most 20000 accepted"),
+        (12, "expected a file upload"),
+    ],
+)
 def test_bad_input_reference_is_one_clear_400(app, ref, words):
     err = _error(app.post("/v1/videos", json={"prompt": "x", "input_reference": ref}))
     assert words in err["message"] and err["param"] == "input_reference"
@@ -129,8 +137,20 @@ def test_batching_signature_keeps_image_and_lora_apart():
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, lora_file):
     log = tmp_path_factory.mktemp("serve-i2v") / "server.log"
-    args = ["--model-path", "ditattn:tiny-wan-i2v", "--api-key", KEY, "--num-inference-steps", "2",
-            "--guidance-scale", "3.0", "--num-frames", "5", "--lora-path", f"{lora_file}:0.5"]
+    args = [
+        "--model-path",
+        "ditattn:tiny-wan-i2v",
+        "--api-key",
+        KEY,
+        "--num-inference-steps",
+        "2",
+        "--guidance-scale",
+        "3.0",
+        "--num-frames",
+        "5",
+        "--lora-path",
+        f"{lora_file}:0.5",
+    ]
     with serve_process(args, log) as base:
         yield base
 
@@ -154,24 +174,46 @@ def test_image_to_video_end_to_end(server, tmp_path):
     assert by_client.shape == (5, 32, 48, 3)
     # the same job as a plain HTTP multipart request, and as JSON with a base64 data URL
     with open(path, "rb") as fh:
-        r = httpx.post(server + "/v1/videos", headers={"Authorization": f"Bearer {KEY}"},
-                       data={"prompt": "a boat", "size": "48x32", "seed": "4", "num_frames": "5", "fps": "8"},
-                       files={"input_reference": ("first.png", fh, "image/png")}, timeout=60)
+        r = httpx.post(
+            server + "/v1/videos",
+            headers={"Authorization": f"Bearer {KEY}"},
+            data={"prompt": "a boat", "size": "48x32", "seed": "4", "num_frames": "5", "fps": "8"},
+            files={"input_reference": ("first.png", fh, "image/png")},
+            timeout=60,
+        )
     assert r.status_code == 200, r.text
     by_form = _frames(c, r.json()["id"])
     url = "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
-    r = httpx.post(server + "/v1/videos", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
-                   json={"prompt": "a boat", "size": "48x32", "input_reference": {"image_url": url}, **extra})
+    r = httpx.post(
+        server + "/v1/videos",
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=60,
+        json={"prompt": "a boat", "size": "48x32", "input_reference": {"image_url": url}, **extra},
+    )
     assert r.status_code == 200, r.text
     by_json = _frames(c, r.json()["id"])
     np.testing.assert_array_equal(by_client, by_form)
     np.testing.assert_array_equal(by_client, by_json)
     # per-request LoRA scales: the load-time scale (0.5) is the default; another scale changes the clip
-    same = _frames(c, c.videos.create(prompt="a boat", input_reference=path.read_bytes(), size="48x32",
-                                      extra_body={**extra, "lora": {"style": 0.5}}).id)
+    same = _frames(
+        c,
+        c.videos.create(
+            prompt="a boat",
+            input_reference=path.read_bytes(),
+            size="48x32",
+            extra_body={**extra, "lora": {"style": 0.5}},
+        ).id,
+    )
     np.testing.assert_array_equal(same, by_client)
-    other = _frames(c, c.videos.create(prompt="a boat", input_reference=path.read_bytes(), size="48x32",
-                                       extra_body={**extra, "lora": {"style": 4.0}}).id)
+    other = _frames(
+        c,
+        c.videos.create(
+            prompt="a boat",
+            input_reference=path.read_bytes(),
+            size="48x32",
+            extra_body={**extra, "lora": {"style": 4.0}},
+        ).id,
+    )
     assert not np.array_equal(other, by_client)
     with pytest.raises(openai.BadRequestError) as ei:
         c.videos.create(prompt="a boat", input_reference=b"not an image", size="48x32")
@@ -188,8 +230,10 @@ def test_image_to_video_job_survives_a_restart(tmp_path, lora_file):
     from ditattn.server.jobstore import DB_FILE
 
     out = tmp_path / "serve"
-    cfg = RunConfig(model=ModelConfig(model_path="ditattn:tiny-wan-i2v", lora_path=(lora_file,)),
-                    sampling=SamplingConfig(num_inference_steps=1, num_frames=5))
+    cfg = RunConfig(
+        model=ModelConfig(model_path="ditattn:tiny-wan-i2v", lora_path=(lora_file,)),
+        sampling=SamplingConfig(num_inference_steps=1, num_frames=5),
+    )
     runner = build_runner(cfg)
     body = {"prompt": "a boat", "size": "48x32", "seed": 3, "input_reference": base64.b64encode(_png(48, 32)).decode()}
     with TestClient(create_app(runner, ServerConfig(batch_window_s=0.0, output_dir=str(out))), base_url=LOCAL) as c:

@@ -4,6 +4,7 @@ serves image requests and video jobs (submitted, polled, downloaded whichever re
 concurrent mixed requests get no 5xx and no wrong backend, and killing the replica that runs a video
 job leaves the job finished by the other replica (or failed with a reason), its file downloadable.
 Select with ``-m ray``; skipped without ray or PostgreSQL."""
+
 from __future__ import annotations
 
 import os
@@ -28,10 +29,34 @@ def cluster(pg_server, tmp_path_factory):
     url = pg_server.fresh_db("ray" + uuid.uuid4().hex[:10])
     out = tmp_path_factory.mktemp("shared-out")
     log = tmp_path_factory.mktemp("ray-serve") / "serve.log"
-    args = ["--model-path", "ditattn:tiny-wan", "--replicas", "2", "--job-store", url, "--output-dir", str(out),
-            "--job-lease-s", "4",
-            "--api-key", KEY, "--max-batch-size", "4", "--max-queue", "16", "--height", "16", "--width", "16",
-            "--num-inference-steps", "2", "--guidance-scale", "1.0", "--num-frames", "5"]
+    args = [
+        "--model-path",
+        "ditattn:tiny-wan",
+        "--replicas",
+        "2",
+        "--job-store",
+        url,
+        "--output-dir",
+        str(out),
+        "--job-lease-s",
+        "4",
+        "--api-key",
+        KEY,
+        "--max-batch-size",
+        "4",
+        "--max-queue",
+        "16",
+        "--height",
+        "16",
+        "--width",
+        "16",
+        "--num-inference-steps",
+        "2",
+        "--guidance-scale",
+        "1.0",
+        "--num-frames",
+        "5",
+    ]
     with serve_process(args, log, startup_s=400) as base:
         yield base, url, out, log
 
@@ -60,8 +85,9 @@ def _ran_on(url, vid):
 def test_images_and_video_jobs_through_one_endpoint(cluster):
     base, url, out, _ = cluster
     c = _client(base)
-    r = c.images.generate(prompt="a fox", n=2, size="16x16", extra_body={"seed": 3, "attention_backend_override":
-                                                                           "torch_sdpa"})
+    r = c.images.generate(
+        prompt="a fox", n=2, size="16x16", extra_body={"seed": 3, "attention_backend_override": "torch_sdpa"}
+    )
     assert len(r.data) == 2 and r.attention_backends == ["torch_sdpa"] and r.size == "16x16"
     u = c.images.generate(prompt="a cat", size="16x16", response_format="url").data[0].url
     assert all(httpx.get(base + u, headers=H).status_code == 200 for _ in range(4))  # whichever replica answers
@@ -123,8 +149,9 @@ def test_50_concurrent_mixed_requests(cluster):
 def test_killing_the_replica_that_runs_a_video_job(cluster):
     base, url, out, log = cluster
     c = _client(base)
-    vid = c.videos.create(prompt="survive", size="32x32", extra_body={"num_inference_steps": 100, "seed": 9,
-                                                                      "num_frames": 9}).id
+    vid = c.videos.create(
+        prompt="survive", size="32x32", extra_body={"num_inference_steps": 100, "seed": 9, "num_frames": 9}
+    ).id
     t0 = time.time()
     while True:  # until it is well under way (its progress reaches the store with the lease heartbeat)
         owner, attempts, status = _owner(url, vid)
@@ -154,14 +181,40 @@ def test_deployment_full_is_429_with_retry_after(pg_server, tmp_path):
     """Small limits (1 replica slot of 2 x 1 + 2 requests, a deployment queue of 2 x 1): a burst of slow
     image requests gets 429 with Retry-After for the excess, 200 for the rest, never a 5xx."""
     url = pg_server.fresh_db("bp" + uuid.uuid4().hex[:10])
-    args = ["--model-path", "ditattn:tiny-wan", "--replicas", "2", "--job-store", url, "--output-dir",
-            str(tmp_path / "out"), "--api-key", KEY, "--max-batch-size", "1", "--max-queue", "1", "--height", "16",
-            "--width", "16", "--num-inference-steps", "2", "--guidance-scale", "1.0", "--num-frames", "5"]
+    args = [
+        "--model-path",
+        "ditattn:tiny-wan",
+        "--replicas",
+        "2",
+        "--job-store",
+        url,
+        "--output-dir",
+        str(tmp_path / "out"),
+        "--api-key",
+        KEY,
+        "--max-batch-size",
+        "1",
+        "--max-queue",
+        "1",
+        "--height",
+        "16",
+        "--width",
+        "16",
+        "--num-inference-steps",
+        "2",
+        "--guidance-scale",
+        "1.0",
+        "--num-frames",
+        "5",
+    ]
     with serve_process(args, tmp_path / "serve.log", startup_s=400) as base:
+
         def one(i):
             with httpx.Client(base_url=base, headers=H, timeout=300) as h:
-                return h.post("/v1/images/generations", json={"prompt": f"p{i}", "size": "16x16", "seed": i,
-                                                              "num_inference_steps": 40})
+                return h.post(
+                    "/v1/images/generations",
+                    json={"prompt": f"p{i}", "size": "16x16", "seed": i, "num_inference_steps": 40},
+                )
 
         with ThreadPoolExecutor(24) as pool:
             rs = list(pool.map(one, range(24)))
@@ -184,18 +237,41 @@ def test_sigterm_hands_the_running_job_back(pg_server, tmp_path):
     url = pg_server.fresh_db("st" + uuid.uuid4().hex[:10])
     port, log = free_port(), tmp_path / "serve.log"
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.path.join(ROOT, "src"))
-    proc = subprocess.Popen([sys.executable, "-m", "ditattn", "serve", "--model-path", "ditattn:tiny-wan", "--replicas",
-                             "2", "--job-store", url, "--output-dir", str(tmp_path / "out"), "--port", str(port),
-                             "--height", "64", "--width", "64"], stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                            env=env, cwd=ROOT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ditattn",
+            "serve",
+            "--model-path",
+            "ditattn:tiny-wan",
+            "--replicas",
+            "2",
+            "--job-store",
+            url,
+            "--output-dir",
+            str(tmp_path / "out"),
+            "--port",
+            str(port),
+            "--height",
+            "64",
+            "--width",
+            "64",
+        ],
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=ROOT,
+    )
     try:
         t0 = time.time()
         while "Ctrl-C stops" not in log.read_text():
             assert proc.poll() is None and time.time() - t0 < 400, log.read_text()
             time.sleep(0.5)
         base = f"http://127.0.0.1:{port}"
-        vid = httpx.post(base + "/v1/videos", json={"prompt": "long", "num_inference_steps": 100,
-                                                    "num_frames": 41}, timeout=60).json()["id"]
+        vid = httpx.post(
+            base + "/v1/videos", json={"prompt": "long", "num_inference_steps": 100, "num_frames": 41}, timeout=60
+        ).json()["id"]
         while httpx.get(f"{base}/v1/videos/{vid}", timeout=60).json()["status"] != "in_progress":
             assert time.time() - t0 < 500
             time.sleep(0.2)
@@ -225,10 +301,31 @@ def test_replica_with_two_ranks_on_ray(pg_server, tmp_path):
     from ditattn.server.runner import build_runner
 
     url = pg_server.fresh_db("sp" + uuid.uuid4().hex[:10])
-    body = {"prompt": "a red fox", "size": "32x48", "seed": 11, "num_inference_steps": 2,
-            "response_format": "b64_json"}
-    args = ["--model-path", "ditattn:tiny-wan", "--device", "cpu", "--dtype", "float32", "--ray-address", "local",
-            "--num-gpus", "2", "--ulysses-degree", "2", "--job-store", url, "--output-dir", str(tmp_path / "out")]
+    body = {
+        "prompt": "a red fox",
+        "size": "32x48",
+        "seed": 11,
+        "num_inference_steps": 2,
+        "response_format": "b64_json",
+    }
+    args = [
+        "--model-path",
+        "ditattn:tiny-wan",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--ray-address",
+        "local",
+        "--num-gpus",
+        "2",
+        "--ulysses-degree",
+        "2",
+        "--job-store",
+        url,
+        "--output-dir",
+        str(tmp_path / "out"),
+    ]
     with serve_process(args, tmp_path / "serve.log", startup_s=400) as base:
         r = httpx.post(base + "/v1/images/generations", json=body, timeout=300)
     assert r.status_code == 200, r.text

@@ -10,6 +10,7 @@ uvicorn (the connection handling of ``ditattn serve``) with the toy runner of ``
 * Stalled headers / bodies are closed; a half-closed client still gets its answer.
 * DELETE stops an encode between frames; a shutdown keeps a batch that finished.
 """
+
 import errno
 import json
 import logging
@@ -145,11 +146,38 @@ def test_image_url_on_a_full_disk_is_507_with_the_reason(tmp_path, monkeypatch):
 
 
 def _record(vid, **kw):
-    request = dict(prompt=vid, width=32, height=16, num_frames=5, num_inference_steps=2, fps=16, negative_prompt=None,
-                   guidance_scale=5.0, guidance_scale_2=None, lora=None, seed=1, override=None, skip_softmax=None)
-    rec = dict(id=vid, model="toy-dit", prompt=vid, size="32x16", seconds="0.3125", num_frames=5, fps=16,
-               num_inference_steps=2, override=None, skip_softmax=None, attention_backends=["torch_sdpa"],
-               created_at=1, request=request, status="queued", progress=0)
+    request = dict(
+        prompt=vid,
+        width=32,
+        height=16,
+        num_frames=5,
+        num_inference_steps=2,
+        fps=16,
+        negative_prompt=None,
+        guidance_scale=5.0,
+        guidance_scale_2=None,
+        lora=None,
+        seed=1,
+        override=None,
+        skip_softmax=None,
+    )
+    rec = dict(
+        id=vid,
+        model="toy-dit",
+        prompt=vid,
+        size="32x16",
+        seconds="0.3125",
+        num_frames=5,
+        fps=16,
+        num_inference_steps=2,
+        override=None,
+        skip_softmax=None,
+        attention_backends=["torch_sdpa"],
+        created_at=1,
+        request=request,
+        status="queued",
+        progress=0,
+    )
     rec.update(kw)
     return rec
 
@@ -184,8 +212,13 @@ def test_restore_fails_only_the_damaged_jobs(tmp_path, caplog):
         with serve(ToyRunner(), output_dir=str(out)) as (base, app):
             c = client(base)
             assert wait_video(c, good).status == "completed"
-            for vid, words in [(trunc, "damaged"), (notimg, "damaged"), (malformed, "malformed"),
-                               (badtype, "malformed"), (notjson, "not valid JSON")]:
+            for vid, words in [
+                (trunc, "damaged"),
+                (notimg, "damaged"),
+                (malformed, "malformed"),
+                (badtype, "malformed"),
+                (notjson, "not valid JSON"),
+            ]:
                 v = c.videos.retrieve(vid)
                 assert v.status == "failed" and words in v.error.message, (vid, v)
                 assert _stored(str(out), vid)["status"] == "failed"
@@ -220,8 +253,10 @@ def test_full_disk_at_start_is_called_a_full_disk(tmp_path, monkeypatch):
 
 
 def test_foreign_databases_are_refused_without_a_traceback(tmp_path):
-    for name, sql in [("videos", "CREATE TABLE videos (title TEXT, year INT)"),
-                      ("other", "CREATE TABLE customers (id INT)")]:
+    for name, sql in [
+        ("videos", "CREATE TABLE videos (title TEXT, year INT)"),
+        ("other", "CREATE TABLE customers (id INT)"),
+    ]:
         d = tmp_path / name
         d.mkdir()
         db = sqlite3.connect(str(d / "jobs.sqlite"))
@@ -241,11 +276,16 @@ def test_foreign_databases_are_refused_without_a_traceback(tmp_path):
 
 def _png_header(w, h) -> bytes:
     """A PNG whose header claims ``w`` x ``h`` pixels (its data is a few bytes)."""
+
     def chunk(kind, data):
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(b"\x00" * 16)) + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+        + chunk(b"IDAT", zlib.compress(b"\x00" * 16))
+        + chunk(b"IEND", b"")
+    )
 
 
 @pytest.mark.parametrize("w,h", [(20000, 20000), (12000, 9000), (5000, 5000)])
@@ -290,23 +330,34 @@ def test_without_a_key_foreign_hosts_and_origins_are_refused(toy_open):
     r = post(Host="evil.example")  # DNS rebinding: the page's name, our address
     assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed"
     assert post(Origin="null").status_code == 403
-    for ok in ({}, {"Origin": "http://localhost:5173"}, {"Origin": base}, {"Host": "localhost"},
-               {"Origin": "https://app.example"}):  # the last one: --allowed-origins
+    for ok in (
+        {},
+        {"Origin": "http://localhost:5173"},
+        {"Origin": base},
+        {"Host": "localhost"},
+        {"Origin": "https://app.example"},
+    ):  # the last one: --allowed-origins
         assert post(**ok).status_code == 200, ok
     assert httpx.get(base + "/health", headers={"Host": "evil.example"}).status_code == 200
 
 
 def test_with_a_key_the_key_decides():
     with serve(ToyRunner(), api_key="k") as (base, app):
-        r = httpx.post(base + "/v1/images/generations", json={"prompt": "x"}, timeout=30,
-                       headers={"Origin": "https://evil.example", "Authorization": "Bearer k"})
+        r = httpx.post(
+            base + "/v1/images/generations",
+            json={"prompt": "x"},
+            timeout=30,
+            headers={"Origin": "https://evil.example", "Authorization": "Bearer k"},
+        )
         assert r.status_code == 200
 
 
 @pytest.fixture(scope="module")
 def toy_open():
-    with serve(ToyRunner(), allowed_origins=("https://app.example",), header_timeout_s=0.5,
-               body_timeout_s=0.5) as (base, app):
+    with serve(ToyRunner(), allowed_origins=("https://app.example",), header_timeout_s=0.5, body_timeout_s=0.5) as (
+        base,
+        app,
+    ):
         yield base, app
 
 
@@ -333,8 +384,10 @@ def test_stalled_headers_and_bodies_are_closed(toy_open):
     partial = _connect(base)
     partial.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Le")
     short = _connect(base)
-    short.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+    short.sendall(
+        b"POST /v1/images/generations HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 100\r\n\r\n{"prompt": '
+    )
     for s in (idle, partial, short):
         assert _closed_within(s, 5)
         s.close()
@@ -357,8 +410,10 @@ def test_half_closed_client_gets_its_answer(toy_open):
     base, _ = toy_open
     body = json.dumps({"prompt": "half-closed"}).encode()
     s = _connect(base)
-    s.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-              b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    s.sendall(
+        b"POST /v1/images/generations HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body) + body
+    )
     s.shutdown(socket.SHUT_WR)
     data = b""
     while True:
@@ -367,7 +422,7 @@ def test_half_closed_client_gets_its_answer(toy_open):
             break
         data += chunk
     s.close()
-    final = data[data.rfind(b"HTTP/1.1 "):]
+    final = data[data.rfind(b"HTTP/1.1 ") :]
     assert final.startswith(b"HTTP/1.1 200"), data[:300]
     assert json.loads(final.split(b"\r\n\r\n", 1)[1])["data"][0]["b64_json"]
 
@@ -396,8 +451,7 @@ def test_delete_stops_an_encode_between_frames(tmp_path, monkeypatch):
 
     monkeypatch.setattr(imageio, "get_writer", slow)
     runner = ToyRunner()
-    with serve(runner, output_dir=str(tmp_path / "serve"), max_frames=401,
-               max_output_pixels=10 ** 7) as (base, app):
+    with serve(runner, output_dir=str(tmp_path / "serve"), max_frames=401, max_output_pixels=10**7) as (base, app):
         state = app.state.server
         c = client(base)
         v = c.videos.create(prompt="long", extra_body={"num_frames": 401})
@@ -420,8 +474,19 @@ def test_shutdown_keeps_a_batch_that_finished():
 
     sched = Scheduler(Finisher(), batch_window_s=0.0).start()
     try:
-        job = GenerationJob(kind="video", model="m", prompt="p", width=2, height=2, num_frames=1,
-                            num_inference_steps=1, negative_prompt=None, guidance_scale=1.0, seed=0, fps=1)
+        job = GenerationJob(
+            kind="video",
+            model="m",
+            prompt="p",
+            width=2,
+            height=2,
+            num_frames=1,
+            num_inference_steps=1,
+            negative_prompt=None,
+            guidance_scale=1.0,
+            seed=0,
+            fps=1,
+        )
         assert sched.submit(job).result(10).frames.shape == (1, 1, 2, 2, 3)
     finally:
         sched.stop()
@@ -449,7 +514,7 @@ def test_vae_decode_stops_between_latent_frames():
             frames = []
             for i in range(z.shape[2]):
                 self.calls += 1
-                frames.append(self.decoder(z[:, :1, i:i + 1].expand(-1, 3, -1, -1, -1)))
+                frames.append(self.decoder(z[:, :1, i : i + 1].expand(-1, 3, -1, -1, -1)))
             return (torch.cat(frames, 2),)
 
     vae, asked = VAE(), []
@@ -511,9 +576,16 @@ def test_tiny_pipeline_decode_stops_between_latent_frames():
 
     try:
         with pytest.raises(GenerationCancelled, match="deleted"):
-            pipe.generate("x", height=32, width=32, num_frames=13, num_inference_steps=1, progress=False,
-                          on_step=lambda done, total: state.update(denoised=done >= total),
-                          should_stop=stop_once_decoding)
+            pipe.generate(
+                "x",
+                height=32,
+                width=32,
+                num_frames=13,
+                num_inference_steps=1,
+                progress=False,
+                on_step=lambda done, total: state.update(denoised=done >= total),
+                should_stop=stop_once_decoding,
+            )
         stopped_after = len(calls)
         calls.clear()
         with torch.no_grad():

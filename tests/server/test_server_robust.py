@@ -4,6 +4,7 @@ video job, limits are 400s naming the flag, no input yields a 5xx, internal erro
 counted and logged once, /health reports a stuck worker, 429 carries Retry-After, image URLs come
 from --public-url, and a drain keeps queued video jobs for the next start with the same
 --output-dir."""
+
 import json
 import logging
 import os
@@ -38,8 +39,11 @@ def _raw_post(base, path, body: dict) -> socket.socket:
     host, port = base.removeprefix("http://").split(":")
     data = json.dumps(body).encode()
     s = socket.create_connection((host, int(port)))
-    s.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-              f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    s.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
     return s
 
 
@@ -61,8 +65,12 @@ def test_disconnected_clients_are_cancelled_and_not_computed():
         m = _metrics(base)
         key = 'ditattn_requests_cancelled_total{kind="image",reason="client_disconnected",stage="%s"}'
         assert m[key % "queued"] == 3 and m[key % "running"] == 1
-        _wait(lambda: _metrics(base).get(
-            'ditattn_http_requests_total{endpoint="/v1/images/generations",status="499"}') == 4, what="499s counted")
+        _wait(
+            lambda: (
+                _metrics(base).get('ditattn_http_requests_total{endpoint="/v1/images/generations",status="499"}') == 4
+            ),
+            what="499s counted",
+        )
         prompts = [p for batch, _ in runner.steps_run for p in batch]
         assert prompts == ["running-gone"] and runner.steps_run[0][1] < 100  # the queued ones never ran
         runner.steps = 0
@@ -99,10 +107,10 @@ def test_limits_and_hostile_numbers_are_400s_naming_the_limit(caplog):
         cases = [
             (img, {"prompt": "x", "n": 3}, "--max-n"),
             (img, {"prompt": "x", "num_inference_steps": 5}, "--max-steps"),
-            (img, {"prompt": "x", "num_inference_steps": 10 ** 30}, "--max-steps"),
+            (img, {"prompt": "x", "num_inference_steps": 10**30}, "--max-steps"),
             (vid, {"prompt": "x", "num_frames": 9}, "--max-output-pixels"),
-            (vid, {"prompt": "x", "num_frames": 10 ** 30}, "--max-frames"),
-            (vid, {"prompt": "x", "fps": 10 ** 30}, "--max-fps"),
+            (vid, {"prompt": "x", "num_frames": 10**30}, "--max-frames"),
+            (vid, {"prompt": "x", "fps": 10**30}, "--max-fps"),
             (vid, {"prompt": "x", "seconds": 1e308}, "at most 3600"),
             (vid, {"prompt": "x", "seconds": "1e999"}, "at most 3600"),
             (vid, {"prompt": "x", "seconds": "nan"}, "at most 3600"),
@@ -110,11 +118,14 @@ def test_limits_and_hostile_numbers_are_400s_naming_the_limit(caplog):
             (img, {"prompt": "x", "guidance_scale": 1e300}, "guidance_scale must be a number from 0 to 100"),
             (img, {"prompt": "x", "guidance_scale": -1}, "guidance_scale must be a number from 0 to 100"),
             (img, {"prompt": "x", "seed": -1}, "seed must be an integer from 0 to"),
-            (img, {"prompt": "x", "seed": 2 ** 63}, "seed must be an integer from 0 to"),
-            (img, {"prompt": "x", "seed": 2 ** 63 - 1, "n": 2}, "image i of n=2 uses seed + i"),
+            (img, {"prompt": "x", "seed": 2**63}, "seed must be an integer from 0 to"),
+            (img, {"prompt": "x", "seed": 2**63 - 1, "n": 2}, "image i of n=2 uses seed + i"),
             (img, {"prompt": "x", "skip_softmax_params": {"threshold_scale_factor": 1e308}}, "less than or equal"),
-            (img, {"prompt": "x", "skip_softmax_params": {"threshold_scale_factor": 1, "start_step": 10 ** 20}},
-             "less than or equal"),
+            (
+                img,
+                {"prompt": "x", "skip_softmax_params": {"threshold_scale_factor": 1, "start_step": 10**20}},
+                "less than or equal",
+            ),
             (img, {"prompt": "x", "output_compression": 1000}, "less than or equal to 100"),
             (img, {"prompt": "x", "size": "99999x99999"}, "--max-side"),
             (img, {"prompt": "x", "model": "m" * 100000}, "at most 512 characters"),
@@ -128,8 +139,12 @@ def test_limits_and_hostile_numbers_are_400s_naming_the_limit(caplog):
             assert words in r.json()["error"]["message"], (body, r.json())
             lines = [rec for rec in caplog.records if rec.name == "ditattn.server"]
             assert len(lines) == (r.status_code == 400), (body, [rec.getMessage() for rec in lines])  # one per refusal
-        for raw in (b'{"prompt": "x", "guidance_scale": NaN}', b'{"prompt": "x", "guidance_scale": Infinity}',
-                    b'{"prompt": "x", "n": ' + b"9" * 5000 + b"}", b'{"prompt": "x", "seed": 1e999}'):
+        for raw in (
+            b'{"prompt": "x", "guidance_scale": NaN}',
+            b'{"prompt": "x", "guidance_scale": Infinity}',
+            b'{"prompt": "x", "n": ' + b"9" * 5000 + b"}",
+            b'{"prompt": "x", "seed": 1e999}',
+        ):
             r = httpx.post(img, content=raw, headers={"content-type": "application/json"})
             assert r.status_code == 400, (raw[:60], r.text[:300])
         m = _metrics(base)
@@ -151,8 +166,11 @@ def test_bodies_are_bounded_before_parsing(caplog):
         key = "p" + "[a]" * 20
         r = httpx.post(base + "/v1/videos", data={"prompt": "x", key: "1"})
         assert r.status_code == 400 and "deeper than 8 levels" in r.json()["error"]["message"]
-        r = httpx.post(base + "/v1/videos", content=b"prompt=%ff%fe&x=1",
-                       headers={"content-type": "application/x-www-form-urlencoded"})
+        r = httpx.post(
+            base + "/v1/videos",
+            content=b"prompt=%ff%fe&x=1",
+            headers={"content-type": "application/x-www-form-urlencoded"},
+        )
         assert r.status_code == 400
         m = _metrics(base)
         assert not any('status="5' in k for k in m if k.startswith("ditattn_http_requests_total"))
@@ -199,8 +217,13 @@ def test_health_reports_busy_then_degraded_past_the_timeout():
 
 def test_429_carries_retry_after_and_image_urls_use_the_public_url():
     gate = threading.Event()
-    with serve(ToyRunner(gate=gate), max_batch_size=1, max_queue=1,
-               public_url="https://img.example.com/ditattn", allowed_hosts=("*",)) as (base, app):
+    with serve(
+        ToyRunner(gate=gate),
+        max_batch_size=1,
+        max_queue=1,
+        public_url="https://img.example.com/ditattn",
+        allowed_hosts=("*",),
+    ) as (base, app):
         c = client(base)
         c.videos.create(prompt="running")
         _wait(lambda: app.state.server.scheduler.running == 1)
@@ -209,8 +232,11 @@ def test_429_carries_retry_after_and_image_urls_use_the_public_url():
         assert r.status_code == 429 and 1 <= int(r.headers["retry-after"]) <= 600
         gate.set()
         _wait(lambda: app.state.server.scheduler.queue_depth == 0 and app.state.server.scheduler.running == 0)
-        r = httpx.post(base + "/v1/images/generations", json={"prompt": "x", "response_format": "url"},
-                       headers={"Host": "evil.example.org"})
+        r = httpx.post(
+            base + "/v1/images/generations",
+            json={"prompt": "x", "response_format": "url"},
+            headers={"Host": "evil.example.org"},
+        )
         url = r.json()["data"][0]["url"]
         assert url.startswith("https://img.example.com/ditattn/v1/images/img_") and "evil" not in url
         assert httpx.get(base + url.removeprefix("https://img.example.com/ditattn")).status_code == 200
@@ -227,8 +253,9 @@ def test_drain_keeps_queued_video_jobs_and_a_restart_finishes_them(tmp_path, cap
         runner.stepping.clear()
         running = c.videos.create(prompt="running", extra_body={"num_frames": 1, "seed": 2})
         assert runner.stepping.wait(10)
-        queued = [c.videos.create(prompt=f"queued {i}", extra_body={"num_frames": 1, "seed": 10 + i})
-                  for i in range(3)]
+        queued = [
+            c.videos.create(prompt=f"queued {i}", extra_body={"num_frames": 1, "seed": 10 + i}) for i in range(3)
+        ]
         state = app.state.server
         drain = threading.Thread(target=state.drain, args=(10.0,))
         drain.start()

@@ -1,4 +1,5 @@
 """Dynamic batching scheduler, request parsing and metrics of the server (no HTTP, no model)."""
+
 import threading
 import time
 
@@ -58,9 +59,21 @@ class RecordingRunner:
 
 def job(i, override=None, size=16, steps=2, ss=None, prompt=None, **kw):
     state = RequestState(override=B.from_name(override) if override else None, skip_softmax=ss)
-    return GenerationJob(kind="image", prompt=prompt or f"p{i}", width=size, height=size, num_frames=1,
-                         num_inference_steps=steps, guidance_scale=5.0, seed=i, id=f"j{i}",
-                         override=override, skip_softmax=ss, state=state, **kw)
+    return GenerationJob(
+        kind="image",
+        prompt=prompt or f"p{i}",
+        width=size,
+        height=size,
+        num_frames=1,
+        num_inference_steps=steps,
+        guidance_scale=5.0,
+        seed=i,
+        id=f"j{i}",
+        override=override,
+        skip_softmax=ss,
+        state=state,
+        **kw,
+    )
 
 
 def test_batches_group_by_signature_up_to_max_batch_size():
@@ -72,20 +85,34 @@ def test_batches_group_by_signature_up_to_max_batch_size():
     sch.start()
     while runner.calls == 0:  # the blocker is running; queue the rest behind it
         time.sleep(0.005)
-    jobs = [job(1), job(2, "torch_sdpa"), job(3), job(4, "sage_attn"), job(5, "torch_sdpa"), job(6), job(7),
-            job(8, size=32), job(9, steps=3), job(10, ss=SkipSoftmaxParams(5.0, 1)),
-            job(11, ss=SkipSoftmaxParams(5.0, 2)), job(12)]
+    jobs = [
+        job(1),
+        job(2, "torch_sdpa"),
+        job(3),
+        job(4, "sage_attn"),
+        job(5, "torch_sdpa"),
+        job(6),
+        job(7),
+        job(8, size=32),
+        job(9, steps=3),
+        job(10, ss=SkipSoftmaxParams(5.0, 1)),
+        job(11, ss=SkipSoftmaxParams(5.0, 2)),
+        job(12),
+    ]
     futs = [sch.submit(j) for j in jobs]
     gate.set()
     results = [f.result(10) for f in futs]
     sch.stop()
     assert runner.batches == [
         ["j0"],
-        ["j1", "j3", "j6"],          # oldest first, same signature, max 3
-        ["j2", "j5"],                # torch_sdpa override never mixes with the default
-        ["j4"],                      # sage_attn alone, served when it is the oldest
+        ["j1", "j3", "j6"],  # oldest first, same signature, max 3
+        ["j2", "j5"],  # torch_sdpa override never mixes with the default
+        ["j4"],  # sage_attn alone, served when it is the oldest
         ["j7", "j12"],
-        ["j8"], ["j9"], ["j10"], ["j11"],  # size / steps / skip-softmax params split batches
+        ["j8"],
+        ["j9"],
+        ["j10"],
+        ["j11"],  # size / steps / skip-softmax params split batches
     ]
     by_id = {j.id: r for j, r in zip(jobs, results)}
     assert by_id["j2"].attention_backends == ["torch_sdpa"] and by_id["j4"].attention_backends == ["sage_attn"]
@@ -99,8 +126,13 @@ def test_batches_group_by_signature_up_to_max_batch_size():
 def test_signature_covers_every_batching_field():
     base = job(1)
     assert base.signature() == job(2).signature()  # prompt and seed may differ within a batch
-    variants = [job(1, size=32), job(1, steps=3), job(1, "torch_sdpa"), job(1, ss=SkipSoftmaxParams(1.0, 0)),
-                job(1, model="other")]
+    variants = [
+        job(1, size=32),
+        job(1, steps=3),
+        job(1, "torch_sdpa"),
+        job(1, ss=SkipSoftmaxParams(1.0, 0)),
+        job(1, model="other"),
+    ]
     other_guidance = job(1)
     other_guidance.guidance_scale = 1.0
     other_frames = job(1)
@@ -179,8 +211,9 @@ class SteppingRunner:
         self.started = threading.Event()
 
     def run_batch(self, jobs):
-        denoise_steps(jobs, self.steps, self.step_s, self.started, lambda done: self.ran.append(([j.id for j in jobs],
-                                                                                                  done)))
+        denoise_steps(
+            jobs, self.steps, self.step_s, self.started, lambda done: self.ran.append(([j.id for j in jobs], done))
+        )
         return [GenerationResult(np.zeros((j.n, 1, 2, 2, 3), np.uint8), ["x"]) for j in jobs]
 
 
@@ -208,8 +241,12 @@ def _wait(cond, timeout=10):
 def test_cancel_running_job_stops_at_next_step_and_reports_it():
     runner = SteppingRunner()
     cancels = []
-    sch = Scheduler(runner, max_batch_size=2, batch_window_s=0.0,
-                    on_cancel=lambda job, reason, stage: cancels.append((job.id, reason, stage))).start()
+    sch = Scheduler(
+        runner,
+        max_batch_size=2,
+        batch_window_s=0.0,
+        on_cancel=lambda job, reason, stage: cancels.append((job.id, reason, stage)),
+    ).start()
     a = job(1)
     fa = sch.submit(a)
     assert runner.started.wait(10)
@@ -237,8 +274,12 @@ def test_cancel_running_job_stops_at_next_step_and_reports_it():
 def test_running_job_past_its_deadline_is_stopped():
     runner = SteppingRunner(steps=500)
     cancels = []
-    sch = Scheduler(runner, max_batch_size=1, batch_window_s=0.0,
-                    on_cancel=lambda job, reason, stage: cancels.append((reason, stage))).start()
+    sch = Scheduler(
+        runner,
+        max_batch_size=1,
+        batch_window_s=0.0,
+        on_cancel=lambda job, reason, stage: cancels.append((reason, stage)),
+    ).start()
     t0 = time.time()
     with pytest.raises(JobTimeout, match="request timeout"):
         sch.submit(job(1, deadline=time.monotonic() + 0.2)).result(10)
@@ -326,15 +367,26 @@ def test_unflatten_form_matches_openai_client_encoding():
     import openai
 
     client = openai.OpenAI(api_key="x", base_url="http://127.0.0.1:1/v1")
-    body = {"prompt": "a fox", "seconds": "4", "skip_softmax_params": {"threshold_scale_factor": 500.0,
-                                                                       "start_step": 14}, "tags": [1, 2],
-            "seed": 7, "flag": True}
+    body = {
+        "prompt": "a fox",
+        "seconds": "4",
+        "skip_softmax_params": {"threshold_scale_factor": 500.0, "start_step": 14},
+        "tags": [1, 2],
+        "seed": 7,
+        "flag": True,
+    }
     items = []
     for k, v in client._serialize_multipartform(body).items():
         items += [(k, x) for x in v] if isinstance(v, list) else [(k, v)]
     out = unflatten_form(items)
-    assert out == {"prompt": "a fox", "seconds": "4", "seed": "7", "flag": "true", "tags": ["1", "2"],
-                   "skip_softmax_params": {"threshold_scale_factor": "500.0", "start_step": "14"}}
+    assert out == {
+        "prompt": "a fox",
+        "seconds": "4",
+        "seed": "7",
+        "flag": "true",
+        "tags": ["1", "2"],
+        "skip_softmax_params": {"threshold_scale_factor": "500.0", "start_step": "14"},
+    }
     req = VideoCreateRequest.model_validate({k: v for k, v in out.items() if k not in ("tags", "flag")})
     assert req.skip_softmax_params.as_dict() == {"threshold_scale_factor": 500.0, "start_step": 14}
     assert req.seed == 7 and req.seconds_value() == 4.0
@@ -356,7 +408,10 @@ def test_request_models_reject_unknown_and_bad_fields():
     assert "'n'" in validation_error_to_request_error(ei.value, ImageGenerationRequest).message
     with pytest.raises(ValidationError) as ei:
         ImageGenerationRequest.model_validate({"n": 1})
-    assert "missing required field 'prompt'" in validation_error_to_request_error(ei.value, ImageGenerationRequest).message
+    assert (
+        "missing required field 'prompt'"
+        in validation_error_to_request_error(ei.value, ImageGenerationRequest).message
+    )
     with pytest.raises(ValidationError):
         ImageGenerationRequest.model_validate({"prompt": "x", "skip_softmax_params": {"threshold": 1}})
     r = ImageGenerationRequest.model_validate({"prompt": "x", "stream": True})

@@ -2,6 +2,7 @@
 process is rank 0 of its own group (here 2 gloo ranks on the CPU, Ulysses 2 or ring 2), it relays
 each pipeline call to the spawned rank, answers image requests through the server app, and its output
 equals the single-process run.  Bad degree / cluster combinations are one clear error."""
+
 from __future__ import annotations
 
 import base64
@@ -26,8 +27,10 @@ BODY = {"prompt": "a red fox", "size": "32x48", "seed": 11, "num_inference_steps
 
 
 def _cfg(**parallel) -> RunConfig:
-    return RunConfig(model=ModelConfig(model_path="ditattn:tiny-wan", device="cpu", dtype="float32"),
-                     parallel=ParallelConfig(**parallel))
+    return RunConfig(
+        model=ModelConfig(model_path="ditattn:tiny-wan", device="cpu", dtype="float32"),
+        parallel=ParallelConfig(**parallel),
+    )
 
 
 def _answer(runner):

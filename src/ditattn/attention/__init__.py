@@ -5,6 +5,7 @@ module is callable, so ``ditattn.attention(q, k, v, ...)`` runs :func:`functiona
 while ``ditattn.attention.layer`` etc. stay importable submodules.  The names below load on first
 use, so importing one submodule (``ditattn.attention.names``) does not import the others.
 """
+
 from __future__ import annotations
 
 import sys

@@ -7,6 +7,7 @@ incumbent's by more than the numerical guard is rejected; the layer switches onl
 candidate is faster than the incumbent by more than the noise margin.  Explicit, forced, required
 and component/CLI choices are never replaced.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -68,7 +69,9 @@ def tune(
     incumbent: B,
     request,
     platform: Platform,
-    q, k, v,
+    q,
+    k,
+    v,
     call: AttnCall,
     *,
     timer: Callable = time_call,
@@ -105,8 +108,10 @@ def tune(
     inc_t = timings[incumbent.value]
     if best != incumbent.value and timings[best] < inc_t * (1 - noise_margin):
         chosen = B(best)
-        reason = (f"autotune: {best} {timings[best] * 1e3:.3f} ms vs {incumbent.value} {inc_t * 1e3:.3f} ms "
-                  f"({inc_t / timings[best]:.2f}x)")
+        reason = (
+            f"autotune: {best} {timings[best] * 1e3:.3f} ms vs {incumbent.value} {inc_t * 1e3:.3f} ms "
+            f"({inc_t / timings[best]:.2f}x)"
+        )
     else:
         chosen = incumbent
         reason = f"autotune kept {incumbent.value} ({inc_t * 1e3:.3f} ms; no candidate faster by > {noise_margin:.0%})"

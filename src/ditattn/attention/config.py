@@ -5,6 +5,7 @@ string → ``k=v`` pairs split on commas.  Each backend validates its own keys a
 (:mod:`ditattn.attention.schemas`); unknown keys, wrong types and out-of-range values raise
 :class:`AttentionConfigError` naming the key and what is accepted.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,11 +33,14 @@ def json_depth_exceeds(text: "str | bytes", max_depth: int) -> bool:
     """Whether JSON ``text`` nests arrays / objects deeper than ``max_depth`` (brackets inside
     strings do not count).  Linear, without recursion: run before a parser whose recursion a deep
     document would exhaust."""
-    if text.count("[" if isinstance(text, str) else b"[") + text.count("{" if isinstance(text, str) else b"{") \
-            <= max_depth:  # the common case, at C speed
+    if (
+        text.count("[" if isinstance(text, str) else b"[") + text.count("{" if isinstance(text, str) else b"{")
+        <= max_depth
+    ):  # the common case, at C speed
         return False
-    opens, closes, quote, backslash = ("[{", "]}", '"', "\\") if isinstance(text, str) else \
-        ((b"[", b"{"), (b"]", b"}"), b'"', b"\\")
+    opens, closes, quote, backslash = (
+        ("[{", "]}", '"', "\\") if isinstance(text, str) else ((b"[", b"{"), (b"]", b"}"), b'"', b"\\")
+    )
     depth, in_string, escaped = 0, False, False
     for m in _JSON_TOKENS[type(text)].finditer(text):
         ch = m.group()
@@ -147,11 +151,20 @@ def read_text_file(path: str, *, what: str, accepted: str, max_bytes: Optional[i
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else \
-                "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else \
-                "a special file"
-            raise AttentionConfigError(f"{what} {shown} is not a regular file (it is {kind}); accepted: a regular "
-                                       f"file holding {accepted}")
+            kind = (
+                "a directory"
+                if stat.S_ISDIR(mode)
+                else "a FIFO"
+                if stat.S_ISFIFO(mode)
+                else "a device"
+                if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                else "a socket"
+                if stat.S_ISSOCK(mode)
+                else "a special file"
+            )
+            raise AttentionConfigError(
+                f"{what} {shown} is not a regular file (it is {kind}); accepted: a regular file holding {accepted}"
+            )
     except BaseException:
         os.close(fd)
         raise
@@ -161,13 +174,13 @@ def read_text_file(path: str, *, what: str, accepted: str, max_bytes: Optional[i
         except OSError as exc:
             raise AttentionConfigError(f"cannot read {what} {shown}: {exc.strerror or exc}") from None
     if max_bytes is not None and len(raw) > max_bytes:
-        raise AttentionConfigError(f"{what} {shown} is larger than {max_bytes // (1 << 20)} MiB; accepted: "
-                                   f"{accepted}")
+        raise AttentionConfigError(f"{what} {shown} is larger than {max_bytes // (1 << 20)} MiB; accepted: {accepted}")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise AttentionConfigError(f"cannot read {what} {shown}: not UTF-8 text (byte {exc.start}); accepted: "
-                                   f"{accepted}") from None
+        raise AttentionConfigError(
+            f"cannot read {what} {shown}: not UTF-8 text (byte {exc.start}); accepted: {accepted}"
+        ) from None
 
 
 def load_mapping_file(path: str, *, what: str = "config file", accepted: str = "a YAML or JSON mapping") -> dict:
@@ -180,8 +193,9 @@ def load_mapping_file(path: str, *, what: str = "config file", accepted: str = "
     body = read_text_file(path, what=what, accepted=accepted)
     is_json, path = str(path).lower().endswith(".json"), short_text(path)
     if json_depth_exceeds(body, MAX_DEPTH):  # YAML flow style nests with the same brackets
-        raise AttentionConfigError(f"cannot parse {what} {path}: nested too deeply (more than {MAX_DEPTH} levels); "
-                                   f"accepted: {accepted}")
+        raise AttentionConfigError(
+            f"cannot parse {what} {path}: nested too deeply (more than {MAX_DEPTH} levels); accepted: {accepted}"
+        )
     try:
         if is_json:
             data = json.loads(body)
@@ -191,7 +205,9 @@ def load_mapping_file(path: str, *, what: str = "config file", accepted: str = "
             # libyaml's loader when the wheel has it: fast, and it refuses deep nesting at once
             data = yaml.load(body, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     except Exception as exc:  # json.JSONDecodeError, yaml.YAMLError, RecursionError, int digit limit
-        raise AttentionConfigError(f"cannot parse {what} {path}: {parse_error_reason(exc)}; accepted: {accepted}") from None
+        raise AttentionConfigError(
+            f"cannot parse {what} {path}: {parse_error_reason(exc)}; accepted: {accepted}"
+        ) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -211,9 +227,7 @@ def parse_attention_backend_config(value: "str | dict | None") -> dict:
     if isinstance(value, dict):
         return dict(value)
     if not isinstance(value, str):
-        raise AttentionConfigError(
-            f"attention backend config must be a string or a dict, got {type(value).__name__}"
-        )
+        raise AttentionConfigError(f"attention backend config must be a string or a dict, got {type(value).__name__}")
     text = value.strip()
     if not text:
         return {}
@@ -222,8 +236,9 @@ def parse_attention_backend_config(value: "str | dict | None") -> dict:
     if (lower.endswith((".json", ".yaml", ".yml")) and "=" not in text) or os.path.lexists(text):
         if not os.path.lexists(text):
             raise AttentionConfigError(f"attention backend config file not found: {short_text(text)}")
-        return load_mapping_file(text, what="attention backend config file",
-                                 accepted="a JSON object or YAML mapping of backend parameters")
+        return load_mapping_file(
+            text, what="attention backend config file", accepted="a JSON object or YAML mapping of backend parameters"
+        )
     if text.startswith("{"):
         data = loads_json(text, "attention backend config")
         if not isinstance(data, dict):
@@ -245,7 +260,6 @@ def parse_attention_backend_config(value: "str | dict | None") -> dict:
             raise AttentionConfigError(f"empty key in attention backend config {short_repr(value)}")
         out[key] = _scalar(raw)
     return out
-
 
 
 def _keys(keys: list) -> str:
@@ -304,8 +318,7 @@ def check_config_keys_used(raw: dict, backends: Iterable[AttentionBackendEnum]) 
         names = ", ".join(b.value for b in backends) or "none"
         acc = ", ".join(sorted(known)) or "none"
         raise AttentionConfigError(
-            f"config key(s) {_keys(unused)} belong to no backend in use "
-            f"(backends in use: {names}; their keys: {acc})"
+            f"config key(s) {_keys(unused)} belong to no backend in use (backends in use: {names}; their keys: {acc})"
         )
 
 

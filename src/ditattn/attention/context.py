@@ -5,6 +5,7 @@ The force is process-wide (like a debugger switch).  Everything request-scoped â
 backend override, skip-softmax parameters, the denoising step and the latent grid â€” lives in
 context variables, so concurrent requests (threads or asyncio tasks) cannot leak into each other.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -68,7 +69,8 @@ class AttentionSettings:
 
 
 _settings: contextvars.ContextVar[AttentionSettings] = contextvars.ContextVar(
-    "ditattn_attention_settings", default=AttentionSettings()  # noqa: B039 (settings are replaced, never changed in place)
+    "ditattn_attention_settings",
+    default=AttentionSettings(),  # noqa: B039 (settings are replaced, never changed in place)
 )
 
 
@@ -162,7 +164,8 @@ class ForwardContext:
 
 _request: contextvars.ContextVar[Optional[RequestState]] = contextvars.ContextVar("ditattn_request", default=None)
 _forward: contextvars.ContextVar[ForwardContext] = contextvars.ContextVar(
-    "ditattn_forward", default=ForwardContext()  # noqa: B039 (a frozen dataclass)
+    "ditattn_forward",
+    default=ForwardContext(),  # noqa: B039 (a frozen dataclass)
 )
 
 

@@ -1,4 +1,5 @@
 """``ditattn.attention``: one attention call through a named (or automatically chosen) backend."""
+
 from __future__ import annotations
 
 import math
@@ -25,9 +26,7 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
         if not isinstance(t, torch.Tensor):
             raise AttentionConfigError(f"{n} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
-            raise AttentionConfigError(
-                f"{n} must be 4-D [batch, seq, heads, head_dim], got shape {tuple(t.shape)}"
-            )
+            raise AttentionConfigError(f"{n} must be 4-D [batch, seq, heads, head_dim], got shape {tuple(t.shape)}")
         if not t.is_floating_point():
             raise AttentionConfigError(f"{n} must be a floating-point tensor, got {t.dtype}")
     for n, t in (("q", q), ("k", k)):
@@ -45,7 +44,8 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise AttentionConfigError(f"q and k head dims differ: {q.shape[3]} vs {k.shape[3]}")
     if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
         raise AttentionConfigError(
-            f"query heads ({q.shape[2]}) must be a multiple of key/value heads ({k.shape[2]}) for grouped-query attention"
+            f"query heads ({q.shape[2]}) must be a multiple of key/value heads ({k.shape[2]}) for grouped-query "
+            f"attention"
         )
     if not (q.dtype == k.dtype == v.dtype):
         raise AttentionConfigError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
@@ -57,8 +57,7 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def check_call_args(q: Tensor, k: Tensor, *, causal, scale, attn_bias, text_len, step, layer_idx,
-                    return_lse) -> None:
+def check_call_args(q: Tensor, k: Tensor, *, causal, scale, attn_bias, text_len, step, layer_idx, return_lse) -> None:
     """Validate :func:`attention`'s per-call arguments (q/k already checked by :func:`check_qkv`):
     ``causal`` and ``return_lse`` are bools; ``scale`` None or a finite number > 0; ``attn_bias``
     None or a bool / floating tensor on q's device broadcastable to ``[batch, heads, seq_q,
@@ -98,18 +97,46 @@ def _default_config(backend: B) -> dict:
 
 
 @lru_cache(maxsize=4096)
-def _decide(backend: Optional[B], forced: Optional[B], platform, role, head_dim, dtype, heads, kv_heads,
-            causal, needs_bias, needs_lse) -> Decision:
-    layer = LayerSpec(prefix="attention()", role=role, head_dim=head_dim, dtype=dtype, num_heads=heads,
-                      num_kv_heads=kv_heads, causal=causal, needs_bias=needs_bias, needs_lse=needs_lse)
+def _decide(
+    backend: Optional[B],
+    forced: Optional[B],
+    platform,
+    role,
+    head_dim,
+    dtype,
+    heads,
+    kv_heads,
+    causal,
+    needs_bias,
+    needs_lse,
+) -> Decision:
+    layer = LayerSpec(
+        prefix="attention()",
+        role=role,
+        head_dim=head_dim,
+        dtype=dtype,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        causal=causal,
+        needs_bias=needs_bias,
+        needs_lse=needs_lse,
+    )
     from ditattn.attention.context import AttentionSettings
 
     return select_backend(layer, explicit=backend, component=None, settings=AttentionSettings(), platform=platform)
 
 
 def _auto_dense_decision(q: Tensor, k: Tensor, causal: bool, return_lse: bool) -> Decision:
-    return _auto_dense_for("self" if q.shape[1] == k.shape[1] else "cross", q.shape[-1], q.dtype, q.shape[2],
-                           k.shape[2], causal, return_lse, platform_for_device(q.device))
+    return _auto_dense_for(
+        "self" if q.shape[1] == k.shape[1] else "cross",
+        q.shape[-1],
+        q.dtype,
+        q.shape[2],
+        k.shape[2],
+        causal,
+        return_lse,
+        platform_for_device(q.device),
+    )
 
 
 @lru_cache(maxsize=1024)
@@ -120,14 +147,22 @@ def _auto_dense_for(role, head_dim, dtype, heads, kv_heads, causal, return_lse, 
     from ditattn.attention.specs import LayerRequest
     from ditattn.platforms.policy import runtime_fallback
 
-    req = LayerRequest(role=role, head_dim=head_dim, dtype=dtype, num_heads=heads, num_kv_heads=kv_heads,
-                       causal=causal, needs_lse=return_lse)
+    req = LayerRequest(
+        role=role,
+        head_dim=head_dim,
+        dtype=dtype,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        causal=causal,
+        needs_lse=return_lse,
+    )
     b = _auto(req, platform, None, [])
     return Decision("dense phase", req.role, b, "auto", runtime_fallback=runtime_fallback(b, req, platform))
 
 
-def auto_dense_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[float] = None,
-                         return_lse: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+def auto_dense_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[float] = None, return_lse: bool = False
+) -> tuple[Tensor, Optional[Tensor]]:
     """Dense non-causal attention through the platform's automatic choice, ignoring any global force
     and with the automatic choice's per-call fallback (SM100: cuDNN, then FA). ``[B, S, H, D]`` in
     and out; returns ``(out, lse [B, H, S] float32 or None)``."""
@@ -174,7 +209,8 @@ def call_backend(dec: Decision, q: Tensor, k: Tensor, v: Tensor, call: AttnCall,
             raise AttentionConfigError(
                 f"attention backend '{name}' cannot run on meta tensors (they hold no values, and it reads them "
                 f"to plan the call: {_cause(exc)}); accepted: tensors on a real device, or a dense backend such "
-                "as torch_sdpa for shape-only runs") from exc
+                "as torch_sdpa for shape-only runs"
+            ) from exc
         if grad:
             try:
                 with torch.no_grad():
@@ -184,13 +220,15 @@ def call_backend(dec: Decision, q: Tensor, k: Tensor, v: Tensor, call: AttnCall,
             raise AttentionConfigError(
                 f"attention backend '{name}' does not support autograd (q, k, v or attn_bias require grad: "
                 f"{_cause(exc)}); accepted: call it under torch.no_grad() or torch.inference_mode(), or use "
-                "torch_sdpa for a differentiable call") from exc
+                "torch_sdpa for a differentiable call"
+            ) from exc
         raise
     if grad and not out.requires_grad:
         raise AttentionConfigError(
             f"attention backend '{name}' does not support autograd: its output is not connected to q, k, v "
             "(gradients would be silently zero); accepted: call it under torch.no_grad() or "
-            "torch.inference_mode(), or use torch_sdpa for a differentiable call")
+            "torch.inference_mode(), or use torch_sdpa for a differentiable call"
+        )
     return out, lse
 
 
@@ -229,14 +267,26 @@ def attention(
     of memory.  No other error type is expected.
     """
     check_qkv(q, k, v)
-    check_call_args(q, k, causal=causal, scale=scale, attn_bias=attn_bias, text_len=text_len, step=step,
-                    layer_idx=layer_idx, return_lse=return_lse)
+    check_call_args(
+        q,
+        k,
+        causal=causal,
+        scale=scale,
+        attn_bias=attn_bias,
+        text_len=text_len,
+        step=step,
+        layer_idx=layer_idx,
+        return_lse=return_lse,
+    )
     scale = None if scale is None else float(scale)
     if attn_bias is not None and attn_bias.dim() < 4:  # backends take a 4-D [batch, heads, seq_q, seq_kv] bias
         attn_bias = attn_bias.reshape((1,) * (4 - attn_bias.dim()) + tuple(attn_bias.shape))
     if video_shape is not None:
-        if not isinstance(video_shape, (tuple, list)) or len(video_shape) != 3 or \
-                any(not _is_int(x) or x <= 0 for x in video_shape):
+        if (
+            not isinstance(video_shape, (tuple, list))
+            or len(video_shape) != 3
+            or any(not _is_int(x) or x <= 0 for x in video_shape)
+        ):
             raise AttentionConfigError(f"video_shape must be three positive integers (T, H, W), got {video_shape!r}")
         if video_shape[0] * video_shape[1] * video_shape[2] + text_len != q.shape[1]:
             raise AttentionConfigError(
@@ -246,11 +296,36 @@ def attention(
     b = None if backend is None else B.from_name(backend)
     platform = platform_for_device(q.device)
     role = "self" if q.shape[1] == k.shape[1] else "cross"
-    dec = _decide(b, get_forced_backend(), platform, role, q.shape[-1], q.dtype, q.shape[2], k.shape[2],
-                  causal, attn_bias is not None, return_lse)
-    cfg = dict(_default_config(dec.backend)) if config is None else validate_backend_config(
-        dec.backend, parse_attention_backend_config(config), strict_unknown=(dec.backend == b))
-    call = AttnCall(causal=causal, scale=scale, attn_bias=attn_bias, video_shape=video_shape, text_len=text_len,
-                    step=step, layer_idx=layer_idx, return_lse=return_lse, layer_key=None)
+    dec = _decide(
+        b,
+        get_forced_backend(),
+        platform,
+        role,
+        q.shape[-1],
+        q.dtype,
+        q.shape[2],
+        k.shape[2],
+        causal,
+        attn_bias is not None,
+        return_lse,
+    )
+    cfg = (
+        dict(_default_config(dec.backend))
+        if config is None
+        else validate_backend_config(
+            dec.backend, parse_attention_backend_config(config), strict_unknown=(dec.backend == b)
+        )
+    )
+    call = AttnCall(
+        causal=causal,
+        scale=scale,
+        attn_bias=attn_bias,
+        video_shape=video_shape,
+        text_len=text_len,
+        step=step,
+        layer_idx=layer_idx,
+        return_lse=return_lse,
+        layer_key=None,
+    )
     out, lse = call_backend(dec, q, k, v, call, cfg)
     return (out, lse) if return_lse else out

@@ -4,6 +4,7 @@ The backend is resolved once, at construction, through the selector (so the sele
 nothing per call); the decision is recorded in the component being built (the plan).  Per call
 the layer only reads the request override table and the forward context (step, latent grid).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,7 +40,8 @@ class LocalAttention(nn.Module):
     Args:
         num_heads, head_dim: query heads and head size; num_kv_heads: K/V heads (GQA), default
             num_heads.
-        role: ``"self"``, ``"cross"`` (to text) or ``"cross_image"`` (to image tokens); causal: causal mask; scale: softmax scale (default
+        role: ``"self"``, ``"cross"`` (to text) or ``"cross_image"`` (to image tokens); causal: causal mask; scale:
+        softmax scale (default
             head_dim ** -0.5).
         prefix: the module path inside its component (for the plan), layer_idx: DiT block index.
         needs_bias: the layer passes an additive bias (only bias-capable backends qualify).
@@ -77,9 +79,17 @@ class LocalAttention(nn.Module):
         self.role, self.causal, self.scale = role, causal, scale
         self.prefix, self.layer_idx = prefix, layer_idx
         self.spec = LayerSpec(
-            prefix=prefix, role=role, head_dim=head_dim, num_heads=num_heads, num_kv_heads=self.num_kv_heads,
-            dtype=dtype or torch.get_default_dtype(), causal=causal, needs_bias=needs_bias, needs_lse=needs_lse,
-            default_backend=_as_backend(default_backend), required_backend=_as_backend(required_backend),
+            prefix=prefix,
+            role=role,
+            head_dim=head_dim,
+            num_heads=num_heads,
+            num_kv_heads=self.num_kv_heads,
+            dtype=dtype or torch.get_default_dtype(),
+            causal=causal,
+            needs_bias=needs_bias,
+            needs_lse=needs_lse,
+            default_backend=_as_backend(default_backend),
+            required_backend=_as_backend(required_backend),
             supported_backends=tuple(B.from_name(b) for b in supported_backends) if supported_backends else None,
         )
         component = current_component()
@@ -148,10 +158,15 @@ class LocalAttention(nn.Module):
             self._check_dtype(q.dtype, backend)
         fwd = current_forward()
         call = AttnCall(
-            causal=self.causal, scale=self.scale, attn_bias=attn_bias,
+            causal=self.causal,
+            scale=self.scale,
+            attn_bias=attn_bias,
             video_shape=fwd.video_shape if self.role == "self" else None,
             text_len=fwd.text_len if self.role == "self" else 0,
-            step=fwd.step, num_steps=fwd.num_steps, layer_idx=self.layer_idx, return_lse=return_lse,
+            step=fwd.step,
+            num_steps=fwd.num_steps,
+            layer_idx=self.layer_idx,
+            return_lse=return_lse,
             layer_key=self.layer_key,
         )
         out, lse = impl(q, k, v, call, config)

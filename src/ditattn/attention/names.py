@@ -1,4 +1,5 @@
 """Backend names: the enum, CLI aliases and case-folding."""
+
 from __future__ import annotations
 
 import enum
@@ -51,7 +52,8 @@ class AttentionBackendEnum(enum.Enum):
             return cls(key)
         except ValueError:
             raise AttentionConfigError(
-                f"unknown attention backend '{name if len(name) <= 64 else name[:40] + '...'}'; valid names: {', '.join(valid_names())} "
+                f"unknown attention backend '{name if len(name) <= 64 else name[:40] + '...'}'; "
+                f"valid names: {', '.join(valid_names())} "
                 f"(aliases: {', '.join(f'{a}->{t}' for a, t in ALIASES.items())})"
             ) from None
 

@@ -11,17 +11,22 @@ The figures of Sparge, Sol, V-MoBA and SVG2 predate their ``error_budget`` key: 
 selection rules (``error_budget=0``).  With the budget on (their default now) the error is bounded and
 the kept fraction grows with it; ``bench/fidelity.py --families all`` measures both (``--budget off``).
 """
+
 from __future__ import annotations
 
 import dataclasses
 from typing import Optional
 
 #: the run that produced the error figures below
-ERROR_SOURCE = ("bench/fidelity.py --grids wan480 --heads 5 --ref-rows 512 --error-only (CPU, bf16 inputs, "
-                "structured: 2 spatial, 2 temporal, 1 global head)")
+ERROR_SOURCE = (
+    "bench/fidelity.py --grids wan480 --heads 5 --ref-rows 512 --error-only (CPU, bf16 inputs, "
+    "structured: 2 spatial, 2 temporal, 1 global head)"
+)
 #: the H200 runs that measured the speed-ups (and the errors at 12 / 40 heads) of the defaults
-SPEED_SOURCE = ("H200: bench/fidelity.py --grids wan480 --heads 12|40 --gen-device cpu, FA4 'fa' dense = 1 "
-                "(docs/benchmarks.md, \"Sparse attention frontier\")")
+SPEED_SOURCE = (
+    "H200: bench/fidelity.py --grids wan480 --heads 12|40 --gen-device cpu, FA4 'fa' dense = 1 "
+    '(docs/benchmarks.md, "Sparse attention frontier")'
+)
 #: what a default without an H200 timing would be timed with
 SPEED_COMMAND = "bench/fidelity.py --grids wan480 --heads 12,40 --gen-device cpu on the H200"
 
@@ -51,13 +56,17 @@ class OperatingPoint:
         if self.speedup is None:
             speed = f"speed vs FA4 pending ({self.speed_pending})"
         else:
-            parts = [f"{h} heads {x:.2f}x at {e * 100:.1f} % error"
-                     for h, x, e in ((12, self.speedup, self.rel_err_12), (40, self.speedup_40, self.rel_err_40))
-                     if x is not None and e is not None]
+            parts = [
+                f"{h} heads {x:.2f}x at {e * 100:.1f} % error"
+                for h, x, e in ((12, self.speedup, self.rel_err_12), (40, self.speedup_40, self.rel_err_40))
+                if x is not None and e is not None
+            ]
             speed = "H200 vs FA4 dense: " + ", ".join(parts)
         fast = f"; faster setting: {self.fast_setting}" if self.fast_setting else ""
-        return (f"at defaults ({self.config}) on structured 480p inputs: rel. error {self.rel_err:.3f}, cosine "
-                f"{self.cosine:.4f}, kept {self.kept:.2f}; {speed}{fast}")
+        return (
+            f"at defaults ({self.config}) on structured 480p inputs: rel. error {self.rel_err:.3f}, cosine "
+            f"{self.cosine:.4f}, kept {self.kept:.2f}; {speed}{fast}"
+        )
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -67,26 +76,75 @@ class OperatingPoint:
 #: default block predictors became pooled_query (docs/benchmarks.md); sla_attn after its default
 #: became edge_tiles=packed
 OPERATING_POINTS: dict[str, OperatingPoint] = {
-    "sparge_attn": OperatingPoint("topk 0.5, pooled-query predictor, INT8 Q.K in kept blocks, packed edge tiles",
-                                  0.054, 0.9986, 0.501, speedup=1.25, speedup_40=1.28, rel_err_12=0.037,
-                                  rel_err_40=0.080,
-                                  fast_setting="quantize=false cdfthreshd=0.93 topk=0.3: 40 heads 1.52x at 4.9 % "
-                                               "error; quantize=false topk=0.4: 12 heads 1.64x at 3.9 %"),
-    "sparse_video_gen_2_attn": OperatingPoint("64/128 clusters, top_p 0.9, pooled-query cluster mass, warm-started "
-                                              "step", 0.135, 0.9921, 0.417, speedup=1.43, speedup_40=1.64,
-                                              rel_err_12=0.358, rel_err_40=0.309),
-    "sol_attn": OperatingPoint("tau 1.0, diag, pooled-query choice of the exact blocks, centroid variance, packed edge "
-                               "tiles; sparse layers and steps", 0.070, 0.9977, 0.224, speedup=1.75, speedup_40=1.85,
-                               rel_err_12=0.047, rel_err_40=0.035),
-    "vmoba_attn": OperatingPoint("threshold 0.25, pooled-query gate; mean of its temporal/spatial/st layers",
-                                 0.606, 0.860, 0.179, speedup=1.79, speedup_40=2.68, rel_err_12=0.532,
-                                 rel_err_40=0.649),
-    "video_sparse_attn": OperatingPoint("sparsity 0.0: every tile kept, runs exact dense attention", 0.0017, 1.0, 1.0,
-                                        speed_pending="bench/fidelity.py --grids wan480 --heads 12,40 --gen-device cpu "
-                                                      "--cases 'video_sparse_attn (defaults)' on the H200"),
-    "sliding_tile_attn": OperatingPoint("after STA_searching with the default candidate windows (about 27 tiles)",
-                                        0.924, 0.5834, 0.042, speedup=4.33, speedup_40=5.50, rel_err_12=0.857,
-                                        rel_err_40=0.915),
-    "sla_attn": OperatingPoint("topk 0.2, packed edge tiles; no linear branch in any checkpoint", 0.422, 0.9123, 0.201,
-                               speedup=2.96, speedup_40=3.12, rel_err_12=0.388, rel_err_40=0.534),
+    "sparge_attn": OperatingPoint(
+        "topk 0.5, pooled-query predictor, INT8 Q.K in kept blocks, packed edge tiles",
+        0.054,
+        0.9986,
+        0.501,
+        speedup=1.25,
+        speedup_40=1.28,
+        rel_err_12=0.037,
+        rel_err_40=0.080,
+        fast_setting="quantize=false cdfthreshd=0.93 topk=0.3: 40 heads 1.52x at 4.9 % "
+        "error; quantize=false topk=0.4: 12 heads 1.64x at 3.9 %",
+    ),
+    "sparse_video_gen_2_attn": OperatingPoint(
+        "64/128 clusters, top_p 0.9, pooled-query cluster mass, warm-started step",
+        0.135,
+        0.9921,
+        0.417,
+        speedup=1.43,
+        speedup_40=1.64,
+        rel_err_12=0.358,
+        rel_err_40=0.309,
+    ),
+    "sol_attn": OperatingPoint(
+        "tau 1.0, diag, pooled-query choice of the exact blocks, centroid variance, packed edge "
+        "tiles; sparse layers and steps",
+        0.070,
+        0.9977,
+        0.224,
+        speedup=1.75,
+        speedup_40=1.85,
+        rel_err_12=0.047,
+        rel_err_40=0.035,
+    ),
+    "vmoba_attn": OperatingPoint(
+        "threshold 0.25, pooled-query gate; mean of its temporal/spatial/st layers",
+        0.606,
+        0.860,
+        0.179,
+        speedup=1.79,
+        speedup_40=2.68,
+        rel_err_12=0.532,
+        rel_err_40=0.649,
+    ),
+    "video_sparse_attn": OperatingPoint(
+        "sparsity 0.0: every tile kept, runs exact dense attention",
+        0.0017,
+        1.0,
+        1.0,
+        speed_pending="bench/fidelity.py --grids wan480 --heads 12,40 --gen-device cpu "
+        "--cases 'video_sparse_attn (defaults)' on the H200",
+    ),
+    "sliding_tile_attn": OperatingPoint(
+        "after STA_searching with the default candidate windows (about 27 tiles)",
+        0.924,
+        0.5834,
+        0.042,
+        speedup=4.33,
+        speedup_40=5.50,
+        rel_err_12=0.857,
+        rel_err_40=0.915,
+    ),
+    "sla_attn": OperatingPoint(
+        "topk 0.2, packed edge tiles; no linear branch in any checkpoint",
+        0.422,
+        0.9123,
+        0.201,
+        speedup=2.96,
+        speedup_40=3.12,
+        rel_err_12=0.388,
+        rel_err_40=0.534,
+    ),
 }

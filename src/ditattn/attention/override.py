@@ -5,6 +5,7 @@ Both are validated against the whole DiT before anything switches, then installe
 ``request_scope(state)`` around the denoise loop.  Layers consult the table per call; the server
 default is untouched, so the next request without an override runs the default.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -77,18 +78,26 @@ def validate_override(name, layers: list[LocalAttention], settings: AttentionSet
             f"accepted: {', '.join(b.value for b in DROP_IN)}"
         )
     if settings.compiled:
-        _refuse("attention_backend_override is refused: the DiT runs under torch.compile, which bakes "
-                "the attention kernel into the traced graph")
+        _refuse(
+            "attention_backend_override is refused: the DiT runs under torch.compile, which bakes "
+            "the attention kernel into the traced graph"
+        )
     if settings.cuda_graphs:
-        _refuse("attention_backend_override is refused: the DiT runs captured CUDA graphs, which bake "
-                "the attention kernel into the graph")
+        _refuse(
+            "attention_backend_override is refused: the DiT runs captured CUDA graphs, which bake "
+            "the attention kernel into the graph"
+        )
     sparse = sorted({l.backend.value for l in layers if SPECS[l.backend].sparse and not keeps_backend(l)})
     if sparse:
-        _refuse(f"attention_backend_override is refused: the DiT runs the sparse backend "
-                f"{', '.join(sparse)}, which cannot be mixed with a per-request dense switch")
+        _refuse(
+            f"attention_backend_override is refused: the DiT runs the sparse backend "
+            f"{', '.join(sparse)}, which cannot be mixed with a per-request dense switch"
+        )
     if settings.ring_degree > 1 and not SPECS[backend].returns_lse:
-        _refuse(f"attention_backend_override '{backend.value}' is refused: ring parallelism "
-                f"(ring degree {settings.ring_degree}) needs a backend that returns the softmax LSE")
+        _refuse(
+            f"attention_backend_override '{backend.value}' is refused: ring parallelism "
+            f"(ring degree {settings.ring_degree}) needs a backend that returns the softmax LSE"
+        )
     return backend
 
 
@@ -125,15 +134,21 @@ def prepare_request_override(
             if reasons:
                 sub = substitute(backend, req, platform)
                 if sub is not None:
-                    _refuse(f"attention_backend_override '{backend.value}' is refused: this platform would run "
-                            f"{sub[0].value} instead ({sub[1]}); a per-request override is never substituted")
-                _refuse(f"attention_backend_override '{backend.value}' cannot serve "
-                        f"{layer.component}.{layer.prefix} ({layer.role}): {'; '.join(reasons)}")
+                    _refuse(
+                        f"attention_backend_override '{backend.value}' is refused: this platform would run "
+                        f"{sub[0].value} instead ({sub[1]}); a per-request override is never substituted"
+                    )
+                _refuse(
+                    f"attention_backend_override '{backend.value}' cannot serve "
+                    f"{layer.component}.{layer.prefix} ({layer.role}): {'; '.join(reasons)}"
+                )
             table[id(layer)] = (backend, get_impl(backend), validate_backend_config(backend, {}))
     if ss is not None:
         if backend is not None and backend is not B.FA:
-            _refuse(f"skip_softmax_params cannot be combined with attention_backend_override '{backend.value}': "
-                    "skip softmax runs on the FA path (dense FA before start_step); accepted: no override, or fa")
+            _refuse(
+                f"skip_softmax_params cannot be combined with attention_backend_override '{backend.value}': "
+                "skip softmax runs on the FA path (dense FA before start_step); accepted: no override, or fa"
+            )
         _install_skip_softmax(layers, ss, settings, table, platform, dtype)
     return RequestState(override=backend, override_table=table or None, skip_softmax=ss)
 
@@ -173,16 +188,20 @@ def skip_softmax_platform_reasons(platform) -> list[str]:
     if platform.name == "cuda" and platform.sm in SKIP_SOFTMAX_SM and platform.has_package("triton"):
         return []
     where = f"{platform.name}" + (f" SM{platform.sm}" if platform.sm else "")
-    return [f"skip softmax needs Hopper SM90 or Blackwell SM100/SM103/SM107 with Triton (this is {where}); "
-            "the CPU runs its reference path"]
+    return [
+        f"skip softmax needs Hopper SM90 or Blackwell SM100/SM103/SM107 with Triton (this is {where}); "
+        "the CPU runs its reference path"
+    ]
 
 
 def _install_skip_softmax(layers, ss: SkipSoftmaxParams, settings, table, platform, dtype) -> None:
     from ditattn.attention.kernels import skip_softmax_rules as kernel  # no Triton needed to validate
 
     if settings.compiled:
-        _refuse("skip_softmax_params is refused: the DiT runs under torch.compile, which bakes the "
-                "attention kernel into the traced graph")
+        _refuse(
+            "skip_softmax_params is refused: the DiT runs under torch.compile, which bakes the "
+            "attention kernel into the traced graph"
+        )
     if settings.cuda_graphs:
         _refuse("skip_softmax_params is refused: the DiT runs captured CUDA graphs")
     reasons = skip_softmax_platform_reasons(platform)
@@ -190,14 +209,21 @@ def _install_skip_softmax(layers, ss: SkipSoftmaxParams, settings, table, platfo
         _refuse("skip_softmax_params is refused: " + "; ".join(reasons))
     self_layers = [l for l in layers if l.role == "self" and not keeps_backend(l)]
     if not self_layers:
-        _refuse("skip_softmax_params is refused: the model has no DiT self-attention layer that may switch "
-                "(layers with a required backend keep it)")
+        _refuse(
+            "skip_softmax_params is refused: the model has no DiT self-attention layer that may switch "
+            "(layers with a required backend keep it)"
+        )
     for layer in self_layers:
         try:
             kernel.check_skip_softmax_request(
-                dtype=dtype or layer.spec.dtype, head_dim=layer.head_dim, role=layer.role,
-                has_mask=layer.spec.needs_bias, causal=layer.causal, ring_degree=settings.ring_degree,
-                threshold_scale_factor=ss.threshold_scale_factor, start_step=ss.start_step,
+                dtype=dtype or layer.spec.dtype,
+                head_dim=layer.head_dim,
+                role=layer.role,
+                has_mask=layer.spec.needs_bias,
+                causal=layer.causal,
+                ring_degree=settings.ring_degree,
+                threshold_scale_factor=ss.threshold_scale_factor,
+                start_step=ss.start_step,
             )
         except AttentionConfigError as exc:
             _refuse(f"skip_softmax_params is refused for {layer.component}.{layer.prefix}: {exc}")
@@ -206,11 +232,14 @@ def _install_skip_softmax(layers, ss: SkipSoftmaxParams, settings, table, platfo
         req = dataclasses.replace(layer.spec.request(), dtype=dtype or layer.spec.dtype)
         dense, why, reasons = resolve_on_platform(B.FA, req, platform)
         if reasons:
-            _refuse(f"skip_softmax_params is refused for {layer.component}.{layer.prefix}: its dense phase "
-                    f"runs fa, which cannot serve it: {'; '.join(reasons)}")
+            _refuse(
+                f"skip_softmax_params is refused for {layer.component}.{layer.prefix}: its dense phase "
+                f"runs fa, which cannot serve it: {'; '.join(reasons)}"
+            )
         if why:
-            log.info("skip softmax on %s.%s: dense phase fa -> %s: %s", layer.component, layer.prefix,
-                     dense.value, why)
+            log.info(
+                "skip softmax on %s.%s: dense phase fa -> %s: %s", layer.component, layer.prefix, dense.value, why
+            )
         table[id(layer)] = (dense, _skip_softmax_impl(kernel, ss, get_impl(dense), {}), {})
 
 
@@ -241,12 +270,12 @@ def _skip_softmax_impl(kernel, ss: SkipSoftmaxParams, dense_impl, dense_cfg):
             from ditattn.attention.kernels.skip_softmax import skip_softmax_attention
 
             out, lse, frac = skip_softmax_attention(
-                q, k, v, threshold_scale_factor=ss.threshold_scale_factor, scale=call.scale,
-                return_lse=call.return_lse)
+                q, k, v, threshold_scale_factor=ss.threshold_scale_factor, scale=call.scale, return_lse=call.return_lse
+            )
         else:
             out, lse, frac = kernel.skip_softmax_reference(
-                q, k, v, threshold_scale_factor=ss.threshold_scale_factor, scale=call.scale,
-                return_lse=call.return_lse)
+                q, k, v, threshold_scale_factor=ss.threshold_scale_factor, scale=call.scale, return_lse=call.return_lse
+            )
         route.record(frac)
         state = current_request()
         if state is not None:

@@ -1,5 +1,6 @@
 """Plain PyTorch attention math shared below the backends: GQA K/V expansion and the float32 /
 float64 reference every kernel is checked against (q ``[B, Sq, H, D]``, k/v ``[B, Skv, Hkv, D]``)."""
+
 from __future__ import annotations
 
 import torch
@@ -16,8 +17,9 @@ def expand_kv(k: Tensor, v: Tensor, heads: int) -> tuple[Tensor, Tensor]:
     return k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
 
 
-def reference_attention(q, k, v, *, causal=False, scale=None, attn_bias=None, mask=None,
-                        dtype=torch.float32) -> tuple[Tensor, Tensor]:
+def reference_attention(
+    q, k, v, *, causal=False, scale=None, attn_bias=None, mask=None, dtype=torch.float32
+) -> tuple[Tensor, Tensor]:
     """Plain math attention in ``dtype`` (float32 or float64): the reference for every kernel.
 
     ``mask``: optional boolean ``[B or 1, H or 1, Sq, Skv]``, True = attend. Rows with no allowed key

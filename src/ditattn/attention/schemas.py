@@ -8,6 +8,7 @@ the implementation choices several backends or the kernels check against (``sage
 Parsing and validation against the schemas: :mod:`ditattn.attention.config`.  ``ditattn backends``
 prints them.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -167,52 +168,70 @@ SVG2_PREDICTORS = ("pooled_query", "centroids")
 
 # one key shared by every backend on the block-sparse engine (same meaning for all of them)
 BLOCK_SPARSE_IMPL = P(
-    "block_sparse_impl", "str", "auto",
+    "block_sparse_impl",
+    "str",
+    "auto",
     "Kernel of the block-sparse engine: auto (CUDA: our Triton kernel when the call fits it, else FlexAttention; "
     "CPU: the blocked PyTorch reference), triton (CUDA, or CPU under TRITON_INTERPRET=1), flex or reference",
-    choices=BLOCK_SPARSE_IMPLS)
+    choices=BLOCK_SPARSE_IMPLS,
+)
 
 # the pooled top-k / routing backends on the block-sparse engine: how tiles cut by the grid edge are laid out
 EDGE_TILES = P(
-    "edge_tiles", "str", "packed",
+    "edge_tiles",
+    "str",
+    "packed",
     "Tiles cut by the grid edge: packed (several such tiles share one block, so the block count approaches "
     "tokens / block size: 513 instead of 624 blocks at 21x30x52 in 4x4x4 tiles) or padded (every tile its own "
     "block, padded to full size)",
-    choices=("packed", "padded"))
+    choices=("packed", "padded"),
+)
 
 
 def error_budget(default: float) -> Param:
     """The ``error_budget`` key of a training-free sparse backend (:mod:`ditattn.attention.sparse.budget`)."""
     return P(
-        "error_budget", "float", default,
+        "error_budget",
+        "float",
+        default,
         "Largest predicted attention mass a query block may drop (0 turns the check off): the selection keeps "
         "more blocks until its estimate meets it, a head that then keeps most blocks runs dense, and a call whose "
         f"heads all do runs the dense kernel; default {default} keeps the output within 5 % relative error on "
         "the structured families (docs/attention.md, error budget)",
-        check=in_range(0.0, 1.0, hi_open=True), accepted="a number in [0, 1) (0: off)")
+        check=in_range(0.0, 1.0, hi_open=True),
+        accepted="a number in [0, 1) (0: off)",
+    )
 
 
 def dense_above(default: float) -> Param:
     """The ``dense_above`` key of a budgeted sparse backend: the call-level break-even of the block-sparse path
     (the backends pass :data:`ditattn.attention.sparse.budget.DENSE_CALL_ABOVE`)."""
     return P(
-        "dense_above", "float", default,
+        "dense_above",
+        "float",
+        default,
         "With the error budget on: a call predicted to keep more than this fraction of its blocks (mean over heads) "
         "runs the dense kernel, decided once per layer and request (H200, Wan 480p: the block-sparse path runs "
         "at 1.28x FlashAttention-4 keeping 0.50 and at 0.47-0.55x keeping 0.66-0.87); 1: only a call that keeps "
         "every block",
-        check=in_range(0.0, 1.0, lo_open=True), accepted="a number in (0, 1]")
+        check=in_range(0.0, 1.0, lo_open=True),
+        accepted="a number in (0, 1]",
+    )
 
 
 def min_seq_len(cuda_default: int) -> Param:
     """The ``min_seq_len`` key of a training-free sparse backend (unset: the device's figure,
     :data:`ditattn.attention.sparse.fallback.MIN_SEQ_LEN`)."""
     return P(
-        "min_seq_len", "int", None,
+        "min_seq_len",
+        "int",
+        None,
         "A call shorter than this many query tokens runs the dense kernel at once (no tiling, no probes), said "
         f"once; unset: {cuda_default} on CUDA, where the sparse path's fixed per-call cost makes it slower below that "
         "(H200: 0.02-0.06x FlashAttention-4 at 2,304 tokens), 0 elsewhere; 0 turns it off",
-        check=non_negative, accepted="an integer >= 0 (0: off)")
+        check=non_negative,
+        accepted="an integer >= 0 (0: off)",
+    )
 
 
 #: schema key -> the parameters of the backends declared with it (each backend module declares its
@@ -225,4 +244,3 @@ def schema_for(backend: AttentionBackendEnum) -> tuple[Param, ...]:
     """The parameters ``backend`` accepts (empty: none)."""
     key = SPECS[backend].config_schema
     return SCHEMAS.get(key, ()) if key else ()
-

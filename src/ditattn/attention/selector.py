@@ -11,6 +11,7 @@ backend, recorded in the plan; a sparse backend chosen for self-attention serves
 through a compatible dense backend; upstream's (SGLang) platform substitutions (``fa`` without a runtime →
 ``torch_sdpa``, …) are allowed and recorded.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -65,9 +66,15 @@ class LayerSpec:
 
     def request(self) -> LayerRequest:
         return LayerRequest(
-            role=self.role, head_dim=self.head_dim, dtype=self.dtype, num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads, causal=self.causal, needs_bias=self.needs_bias,
-            needs_lse=self.needs_lse, varlen=self.varlen,
+            role=self.role,
+            head_dim=self.head_dim,
+            dtype=self.dtype,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            causal=self.causal,
+            needs_bias=self.needs_bias,
+            needs_lse=self.needs_lse,
+            varlen=self.varlen,
         )
 
 
@@ -126,7 +133,9 @@ def resolve_on_platform(backend: B, req: LayerRequest, platform: Platform, allow
         sub = substitute(backend, req, platform)
         if sub is not None:
             target, why = sub
-            run, why2, reasons2 = resolve_on_platform(target, req, platform) if target != backend else (target, None, reasons)
+            run, why2, reasons2 = (
+                resolve_on_platform(target, req, platform) if target != backend else (target, None, reasons)
+            )
             if not reasons2:
                 return run, (f"{why}; then {target.value} -> {run.value}: {why2}" if why2 else why), []
     return backend, None, reasons
@@ -219,8 +228,15 @@ def select_backend(
 
     if asked is None:
         b = _auto(req, platform, layer.supported_backends, rejected)
-        return Decision(layer.prefix, layer.role, b, "auto", rejected=rejected,
-                        runtime=_runtime_label(b, platform, req, settings.config), runtime_fallback=runtime_fallback(b, req, platform))
+        return Decision(
+            layer.prefix,
+            layer.role,
+            b,
+            "auto",
+            rejected=rejected,
+            runtime=_runtime_label(b, platform, req, settings.config),
+            runtime_fallback=runtime_fallback(b, req, platform),
+        )
 
     run, sub_reason, reasons = resolve_on_platform(asked, req, platform)
     if not reasons and run is B.SAGE_ATTN:
@@ -228,19 +244,42 @@ def select_backend(
     if not reasons:
         if sub_reason:
             _note(component, where, f"{asked.value} requested, running {run.value}: {sub_reason}", source)
-        return Decision(layer.prefix, layer.role, run, source, requested=asked,
-                        fallback_reason=(f"{asked.value} -> {run.value}: {sub_reason}" if sub_reason else None),
-                        runtime=_runtime_label(run, platform, req, settings.config), override_key=override_key)
+        return Decision(
+            layer.prefix,
+            layer.role,
+            run,
+            source,
+            requested=asked,
+            fallback_reason=(f"{asked.value} -> {run.value}: {sub_reason}" if sub_reason else None),
+            runtime=_runtime_label(run, platform, req, settings.config),
+            override_key=override_key,
+        )
     rejected.append((asked.value, reasons))
 
     # a sparse backend reaching a cross-attention layer (text or image; the global or component key,
     # or a `.cross` role key) -> a compatible dense backend, the one exception to strictness
-    if SPECS[asked].sparse and layer.role in CROSS_ROLES and source in ("forced", "component", "component_role", "cli"):
+    if (
+        SPECS[asked].sparse
+        and layer.role in CROSS_ROLES
+        and source in ("forced", "component", "component_role", "cli")
+    ):
         b, how = _dense_for_cross(layer, req, platform, settings, rejected)
-        why = f"{asked.value} is a sparse self-attention backend and cannot serve cross-attention; using {b.value} ({how})"
+        why = (
+            f"{asked.value} is a sparse self-attention backend and cannot serve cross-attention; "
+            f"using {b.value} ({how})"
+        )
         _note(component, where, why, source)
-        return Decision(layer.prefix, layer.role, b, source, requested=asked, fallback_reason=why,
-                        rejected=rejected, runtime=_runtime_label(b, platform, req, settings.config), override_key=override_key)
+        return Decision(
+            layer.prefix,
+            layer.role,
+            b,
+            source,
+            requested=asked,
+            fallback_reason=why,
+            rejected=rejected,
+            runtime=_runtime_label(b, platform, req, settings.config),
+            override_key=override_key,
+        )
 
     if strict:
         raise BackendUnavailableError(asked.value, reasons, what=where)
@@ -251,14 +290,30 @@ def select_backend(
         if not reasons2:
             why = f"{asked.value} cannot serve this layer ({'; '.join(reasons)}); using the layer default {run2.value}"
             _note(component, where, why, "layer_default")  # an auxiliary component falls back to its default: INFO
-            return Decision(layer.prefix, layer.role, run2, "layer_default", requested=asked,
-                            fallback_reason=why, rejected=rejected, runtime=_runtime_label(run2, platform, req, settings.config))
+            return Decision(
+                layer.prefix,
+                layer.role,
+                run2,
+                "layer_default",
+                requested=asked,
+                fallback_reason=why,
+                rejected=rejected,
+                runtime=_runtime_label(run2, platform, req, settings.config),
+            )
         rejected.append((layer.default_backend.value, reasons2))
     b = _auto(req, platform, layer.supported_backends, rejected)
     why = f"{asked.value} cannot serve this layer ({'; '.join(reasons)}); using the platform choice {b.value}"
     _note(component, where, why, "auto")
-    return Decision(layer.prefix, layer.role, b, "auto", requested=asked, fallback_reason=why,
-                    rejected=rejected, runtime=_runtime_label(b, platform, req, settings.config))
+    return Decision(
+        layer.prefix,
+        layer.role,
+        b,
+        "auto",
+        requested=asked,
+        fallback_reason=why,
+        rejected=rejected,
+        runtime=_runtime_label(b, platform, req, settings.config),
+    )
 
 
 _fallback_logged: set = set()
@@ -297,8 +352,9 @@ def _check_sage_impl(platform: Platform, config: Optional[dict]) -> None:
     for rt in spec.runtimes.get(platform.name, ()):
         why = spec.broken_reason(rt, platform)
         if why:
-            raise AttentionConfigError(f"sage_attn: impl package cannot run here: {why}; use impl auto (the in-tree "
-                                       "kernels)")
+            raise AttentionConfigError(
+                f"sage_attn: impl package cannot run here: {why}; use impl auto (the in-tree kernels)"
+            )
 
 
 def _runtime_label(b: B, platform: Platform, req: Optional[LayerRequest] = None, config: Optional[dict] = None) -> str:
@@ -332,8 +388,10 @@ def check_overrides_used(overrides: dict, scopes: dict[str, ComponentScope], kno
         used = any(key in s.used_override_keys for s in scopes.values())
         if not used:
             role = key.partition(".")[2]
-            what = {"": "no attention layer", "cross_image": "no image cross-attention layer (not an image-to-video "
-                    "checkpoint with image_dim)"}.get(role, f"no {role}-attention layer")
+            what = {
+                "": "no attention layer",
+                "cross_image": "no image cross-attention layer (not an image-to-video checkpoint with image_dim)",
+            }.get(role, f"no {role}-attention layer")
             raise AttentionConfigError(
                 f"--component-attention-backends: override '{key}' was not used: component '{comp}' has "
                 f"{what} that takes it"

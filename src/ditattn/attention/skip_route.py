@@ -12,6 +12,7 @@ device read per layer and request, of a finished value).  Calls shorter than the
 ``min_seq_len`` default (:data:`ditattn.attention.sparse.fallback.MIN_SEQ_LEN`) run the dense kernel at once
 (H200: 0.66-0.97x FA4 at 2,304 tokens).  Each reason is said once (log line, the plan's dense notes).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -22,14 +23,21 @@ from ditattn.attention.sparse.fallback import MIN_SEQ_LEN
 
 #: H200 measurements of the skip-softmax Triton kernel: ``(tokens, heads, threshold_scale_factor, skipped
 #: fraction of tiles, speed / FlashAttention-4)``
-H200_SKIP_VS_FA = ((32760, 12, 4.0, 0.005, 0.49), (32760, 12, 4.0, 0.0, 0.47), (32760, 40, 4.0, 0.004, 0.50),
-                   (2304, 2, 4.0, 0.065, 0.66), (2304, 2, 4.0, 0.0, 0.96))
+H200_SKIP_VS_FA = (
+    (32760, 12, 4.0, 0.005, 0.49),
+    (32760, 12, 4.0, 0.0, 0.47),
+    (32760, 40, 4.0, 0.004, 0.50),
+    (2304, 2, 4.0, 0.065, 0.66),
+    (2304, 2, 4.0, 0.0, 0.96),
+)
 #: per CUDA SM: the skipped tile fraction below which the kernel is slower than the dense kernel (absent: the
 #: kernel always runs; Blackwell is not measured)
 SKIP_BREAK_EVEN = {90: 0.5}
 SHORT_REASON = "shorter than min_seq_len {limit} tokens (dense kernel)"
-SLOW_REASON = ("skipped fewer tiles than the SM{sm} break-even {be:.0%} at the layer's first call "
-               "(dense kernel for the rest of the request)")
+SLOW_REASON = (
+    "skipped fewer tiles than the SM{sm} break-even {be:.0%} at the layer's first call "
+    "(dense kernel for the rest of the request)"
+)
 
 
 class LayerRoute:

@@ -6,6 +6,7 @@ backend cannot serve ``request`` on ``platform`` (empty list = usable).  The sel
 other module hard-codes what a backend can do.  Each row is declared next to its implementation
 (``ditattn.attention.backends.<module>``); :data:`SPECS` loads them all on first use.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,8 +22,12 @@ from ditattn.platforms import Platform
 FP16_BF16 = frozenset({torch.float16, torch.bfloat16})
 ALL_FLOAT = frozenset({torch.float32, torch.float16, torch.bfloat16})
 BF16 = frozenset({torch.bfloat16})
-DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
-               torch.float64: "float64"}
+DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float64: "float64",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,8 +123,11 @@ class BackendSpec:
     def runtime_on(self, platform: Platform) -> Runtime | None:
         """The first installed runtime on ``platform`` that works there, or None."""
         for rt in self.runtimes.get(platform.name, ()):
-            if (not rt.missing and (not rt.modules or platform.has_any(rt.modules))
-                    and self.broken_reason(rt, platform) is None):
+            if (
+                not rt.missing
+                and (not rt.modules or platform.has_any(rt.modules))
+                and self.broken_reason(rt, platform) is None
+            ):
                 return rt
         return None
 
@@ -148,8 +156,7 @@ class BackendSpec:
         if platform.name == "cuda" and platform.sm is not None:
             if self.cuda_sm is not None and platform.sm not in self.cuda_sm:
                 reasons.append(
-                    f"needs CUDA compute capability SM{'/'.join(map(str, self.cuda_sm))}, "
-                    f"this GPU is SM{platform.sm}"
+                    f"needs CUDA compute capability SM{'/'.join(map(str, self.cuda_sm))}, this GPU is SM{platform.sm}"
                 )
             if self.cuda_sm_min is not None and platform.sm < self.cuda_sm_min:
                 reasons.append(f"needs CUDA SM{self.cuda_sm_min}+, this GPU is SM{platform.sm}")
@@ -169,9 +176,7 @@ class BackendSpec:
             )
         if req.head_dim is not None:
             if self.head_dims is not None and req.head_dim not in self.head_dims:
-                reasons.append(
-                    f"head dim {req.head_dim} not supported (accepts {sorted(self.head_dims)})"
-                )
+                reasons.append(f"head dim {req.head_dim} not supported (accepts {sorted(self.head_dims)})")
             elif self.max_head_dim is not None and req.head_dim > self.max_head_dim:
                 reasons.append(f"head dim {req.head_dim} > {self.max_head_dim}")
         reasons.extend(self.semantic_reasons(req))
@@ -199,8 +204,10 @@ class BackendSpec:
 #: runtimes of the in-tree backends: no package needed on any platform (``torch_sdpa``) / the
 #: in-tree sparse engine (Triton or FlexAttention on CUDA, the PyTorch reference on the CPU)
 NO_PACKAGE = (Runtime(),)
-IN_TREE_SPARSE = {"cuda": (Runtime((), "in-tree Triton/FlexAttention"),),
-                  "cpu": (Runtime((), "in-tree PyTorch reference"),)}
+IN_TREE_SPARSE = {
+    "cuda": (Runtime((), "in-tree Triton/FlexAttention"),),
+    "cpu": (Runtime((), "in-tree PyTorch reference"),),
+}
 
 #: the rows declared so far (``backends.base.declare`` fills it); read it through :data:`SPECS`
 TABLE: dict[B, BackendSpec] = {}

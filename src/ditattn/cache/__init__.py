@@ -7,9 +7,20 @@ them, :mod:`~ditattn.cache.config` parses and resolves ``--cache-backend`` / ``-
 :mod:`~ditattn.cache.calibration` reads and writes per-model calibrations and
 :mod:`~ditattn.cache.runtime` carries the request's cache to the DiT (``docs/caching.md``).
 """
+
 from ditattn.cache.config import parse_cache_backend_config, resolve_cache, validate_cache
 from ditattn.cache.registry import CACHE_BACKENDS, CACHE_METHODS, cache_method
 from ditattn.cache.runtime import CacheRun, CacheSetting, cache_scope, current_cache
 
-__all__ = ["CACHE_BACKENDS", "CACHE_METHODS", "CacheRun", "CacheSetting", "cache_method", "cache_scope",
-           "current_cache", "parse_cache_backend_config", "resolve_cache", "validate_cache"]
+__all__ = [
+    "CACHE_BACKENDS",
+    "CACHE_METHODS",
+    "CacheRun",
+    "CacheSetting",
+    "cache_method",
+    "cache_scope",
+    "current_cache",
+    "parse_cache_backend_config",
+    "resolve_cache",
+    "validate_cache",
+]

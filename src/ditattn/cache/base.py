@@ -9,6 +9,7 @@ the DiT block stack through a :class:`StepView` and either computes it or reuses
 Per-request, per-branch state lives in a :class:`BranchState`; the request's run
 (:class:`~ditattn.cache.runtime.CacheRun`) owns those states and the counts.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,19 +43,55 @@ def _end_step_check(v):
 
 #: keys every method takes (their defaults are overridden per method through ``CacheMethod.defaults``)
 COMMON_PARAMS: tuple[Param, ...] = (
-    P("threshold", "float", 0.1, "Skip budget: a forward is reused while the method's accumulated change estimate "
-      "stays below it; 0 never skips (the output is then the uncached one, bit for bit)",
-      check=_nonneg, accepted="a number >= 0"),
-    P("start_step", "int", None, "Steps before this index are always computed (unset: the first 20 % of the "
-      "steps, at least one: the early steps lay out the picture)", check=_nonneg, accepted="an integer >= 0"),
-    P("end_step", "int", -1, "Steps from this index on are always computed; negative counts from the end "
-      "(-1: the last step is computed)", check=_end_step_check, accepted="an integer"),
-    P("max_consecutive_skips", "int", 3, "Most forwards reused in a row before one is computed", check=_positive,
-      accepted="an integer > 0"),
-    P("taylorseer", "bool", False, "Reused forwards extrapolate the cached residual from the last computed ones "
-      "(Taylor expansion in the step index, TaylorSeer) instead of repeating the last one"),
-    P("taylorseer_order", "int", 1, "Order of the Taylor extrapolation (1: linear, 2: quadratic; needs that many "
-      "computed steps, fewer use a lower order)", choices=(1, 2)),
+    P(
+        "threshold",
+        "float",
+        0.1,
+        "Skip budget: a forward is reused while the method's accumulated change estimate "
+        "stays below it; 0 never skips (the output is then the uncached one, bit for bit)",
+        check=_nonneg,
+        accepted="a number >= 0",
+    ),
+    P(
+        "start_step",
+        "int",
+        None,
+        "Steps before this index are always computed (unset: the first 20 % of the "
+        "steps, at least one: the early steps lay out the picture)",
+        check=_nonneg,
+        accepted="an integer >= 0",
+    ),
+    P(
+        "end_step",
+        "int",
+        -1,
+        "Steps from this index on are always computed; negative counts from the end (-1: the last step is computed)",
+        check=_end_step_check,
+        accepted="an integer",
+    ),
+    P(
+        "max_consecutive_skips",
+        "int",
+        3,
+        "Most forwards reused in a row before one is computed",
+        check=_positive,
+        accepted="an integer > 0",
+    ),
+    P(
+        "taylorseer",
+        "bool",
+        False,
+        "Reused forwards extrapolate the cached residual from the last computed ones "
+        "(Taylor expansion in the step index, TaylorSeer) instead of repeating the last one",
+    ),
+    P(
+        "taylorseer_order",
+        "int",
+        1,
+        "Order of the Taylor extrapolation (1: linear, 2: quadratic; needs that many "
+        "computed steps, fewer use a lower order)",
+        choices=(1, 2),
+    ),
 )
 
 
@@ -170,8 +207,10 @@ class CacheMethod:
 
     def schema(self) -> tuple[Param, ...]:
         """Every key this method takes, with this method's defaults."""
-        common = tuple(dataclasses.replace(p, default=self.defaults[p.name]) if p.name in self.defaults else p
-                       for p in COMMON_PARAMS)
+        common = tuple(
+            dataclasses.replace(p, default=self.defaults[p.name]) if p.name in self.defaults else p
+            for p in COMMON_PARAMS
+        )
         return common + self.params
 
     def validate(self, raw: dict) -> dict:
@@ -180,8 +219,10 @@ class CacheMethod:
         params = {p.name: p for p in self.schema()}
         unknown = [k for k in raw if k not in params]
         if unknown:
-            raise AttentionConfigError(f"cache backend {self.name}: unknown config key(s) "
-                                       f"{', '.join(map(repr, unknown))}; accepted keys: {', '.join(params)}")
+            raise AttentionConfigError(
+                f"cache backend {self.name}: unknown config key(s) "
+                f"{', '.join(map(repr, unknown))}; accepted keys: {', '.join(params)}"
+            )
         out: dict[str, Any] = {}
         for name, p in params.items():
             out[name] = p.coerce(f"cache backend {self.name}", raw[name]) if raw.get(name) is not None else p.default
@@ -214,5 +255,16 @@ def new_state(config: dict) -> BranchState:
     return BranchState(ResidualStore(config["taylorseer_order"] if config.get("taylorseer") else 0))
 
 
-__all__ = ["COMMON_PARAMS", "CacheFacts", "CacheMethod", "StepView", "ResidualStore", "BranchState", "Outcome",
-           "new_state", "_in", "_nonneg", "_positive"]
+__all__ = [
+    "COMMON_PARAMS",
+    "CacheFacts",
+    "CacheMethod",
+    "StepView",
+    "ResidualStore",
+    "BranchState",
+    "Outcome",
+    "new_state",
+    "_in",
+    "_nonneg",
+    "_positive",
+]

@@ -14,6 +14,7 @@ A calibration file is a small JSON object::
 computes); :func:`fit` turns them into the file's content.  Built-in models ship theirs under
 ``ditattn/cache/data`` (:func:`packaged_calibration`).
 """
+
 from __future__ import annotations
 
 import json
@@ -41,12 +42,17 @@ def packaged_calibration(model: Optional[str]) -> Optional[str]:
 
 
 def _numbers(v, what: str, path: str, length: Optional[int] = None) -> list[float]:
-    if not isinstance(v, list) or not v or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
-                                                   and np.isfinite(x) for x in v):
+    if (
+        not isinstance(v, list)
+        or not v
+        or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and np.isfinite(x) for x in v)
+    ):
         raise AttentionConfigError(f"calibration file {path}: {what} must be a non-empty list of finite numbers")
     if length is not None and len(v) != length:
-        raise AttentionConfigError(f"calibration file {path}: {what} has {len(v)} values for num_steps={length}; "
-                                   "accepted: one per step (re-run ditattn calibrate-cache)")
+        raise AttentionConfigError(
+            f"calibration file {path}: {what} has {len(v)} values for num_steps={length}; "
+            "accepted: one per step (re-run ditattn calibrate-cache)"
+        )
     return [float(x) for x in v]
 
 
@@ -60,30 +66,42 @@ def load_calibration(path: str, *, model: Optional[str] = None) -> dict:
 
     data = load_mapping_file(path, what="calibration file", accepted="a JSON file written by ditattn calibrate-cache")
     if data.get("format") != FORMAT:
-        raise AttentionConfigError(f"calibration file {path} is not a ditattn cache calibration (format "
-                                   f"{data.get('format')!r}); accepted: a JSON file written by ditattn "
-                                   "calibrate-cache")
+        raise AttentionConfigError(
+            f"calibration file {path} is not a ditattn cache calibration (format "
+            f"{data.get('format')!r}); accepted: a JSON file written by ditattn "
+            "calibrate-cache"
+        )
     if data.get("version") != VERSION:
         raise AttentionConfigError(f"calibration file {path}: version {data.get('version')!r}; accepted: {VERSION}")
     steps = data.get("num_steps")
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 2:
         raise AttentionConfigError(f"calibration file {path}: num_steps must be an integer >= 2, got {steps!r}")
     if model is not None and data.get("model") != model:
-        raise AttentionConfigError(f"calibration file {path} was made for model {data.get('model')!r}, not {model!r}; "
-                                   f"accepted: a calibration of {model} (ditattn calibrate-cache --model-path "
-                                   f"{model})")
+        raise AttentionConfigError(
+            f"calibration file {path} was made for model {data.get('model')!r}, not {model!r}; "
+            f"accepted: a calibration of {model} (ditattn calibrate-cache --model-path "
+            f"{model})"
+        )
     coefficients = mag = span = None
     if "teacache" in data:
         coefficients = _numbers((data["teacache"] or {}).get("coefficients"), "teacache.coefficients", path)
         if (data["teacache"] or {}).get("input_range") is not None:
             span = _numbers(data["teacache"]["input_range"], "teacache.input_range", path, 2)
         if len(coefficients) > 8:
-            raise AttentionConfigError(f"calibration file {path}: teacache.coefficients has {len(coefficients)} "
-                                       "values; accepted: at most 8 (a polynomial of degree <= 7)")
+            raise AttentionConfigError(
+                f"calibration file {path}: teacache.coefficients has {len(coefficients)} "
+                "values; accepted: at most 8 (a polynomial of degree <= 7)"
+            )
     if "magcache" in data:
         mag = _numbers((data["magcache"] or {}).get("mag_ratios"), "magcache.mag_ratios", path, steps)
-    return {"model": data.get("model"), "num_steps": steps, "coefficients": coefficients, "input_range": span,
-            "mag_ratios": mag, "path": path}
+    return {
+        "model": data.get("model"),
+        "num_steps": steps,
+        "coefficients": coefficients,
+        "input_range": span,
+        "mag_ratios": mag,
+        "path": path,
+    }
 
 
 class Recorder(CacheMethod):
@@ -124,25 +142,37 @@ def fit(runs: list[Recorder], *, model: str, num_steps: int, guidance_scale: flo
     MagCache curve (the mean magnitude ratio per step)."""
     for r in runs:
         if len(r.mag_ratio) != num_steps:
-            raise AttentionConfigError(f"calibration recorded {len(r.mag_ratio)} forwards for {num_steps} steps "
-                                       "(two-expert models and split guidance are calibrated per forward: not "
-                                       "supported)")
+            raise AttentionConfigError(
+                f"calibration recorded {len(r.mag_ratio)} forwards for {num_steps} steps "
+                "(two-expert models and split guidance are calibrated per forward: not "
+                "supported)"
+            )
     x = np.array([v for r in runs for v in r.input_change[1:]], dtype=np.float64)
     y = np.array([v for r in runs for v in r.output_change[1:]], dtype=np.float64)
     degree = min(POLY_DEGREE, max(len(x) // 10, 1))  # ten samples per coefficient: no wild fits of few points
     coefficients = np.polyfit(x, y, degree).tolist()
     mag = np.mean(np.array([r.mag_ratio for r in runs], dtype=np.float64), axis=0).tolist()
-    return {"format": FORMAT, "version": VERSION, "model": model, "num_steps": num_steps,
-            "guidance_scale": guidance_scale, "size": list(size), "prompts": list(prompts),
-            "teacache": {"coefficients": coefficients, "input_range": [float(x.min()), float(x.max())]},
-            "magcache": {"mag_ratios": mag},
-            "samples": {"input_change": [r.input_change for r in runs],
-                        "output_change": [r.output_change for r in runs],
-                        "mag_ratio": [r.mag_ratio for r in runs]}}
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "model": model,
+        "num_steps": num_steps,
+        "guidance_scale": guidance_scale,
+        "size": list(size),
+        "prompts": list(prompts),
+        "teacache": {"coefficients": coefficients, "input_range": [float(x.min()), float(x.max())]},
+        "magcache": {"mag_ratios": mag},
+        "samples": {
+            "input_change": [r.input_change for r in runs],
+            "output_change": [r.output_change for r in runs],
+            "mag_ratio": [r.mag_ratio for r in runs],
+        },
+    }
 
 
 def write_calibration(data: dict, path: str) -> None:
     """Write ``data`` (:func:`fit`) as JSON (NaN, the first step's missing changes, as null)."""
+
     def clean(v):
         if isinstance(v, float) and not np.isfinite(v):
             return None

@@ -4,6 +4,7 @@ the model's refusals and the calibration lookup, giving a :class:`~ditattn.cache
 The config text is parsed like ``--attention-backend-config`` (an existing ``.json`` / ``.yaml`` file,
 a JSON object, or ``k=v`` pairs split on commas; :func:`ditattn.attention.config.parse_attention_backend_config`).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -55,14 +56,22 @@ def validate_cache(backend, config: "str | dict | None" = None) -> Optional[tupl
 def _validated(method, raw: dict):
     if method is None:
         if raw:
-            raise AttentionConfigError("cache backend config given without a cache backend; accepted: "
-                                       "--cache-backend teacache|magcache|first_block_cache with it")
+            raise AttentionConfigError(
+                "cache backend config given without a cache backend; accepted: "
+                "--cache-backend teacache|magcache|first_block_cache with it"
+            )
         return None
     return method, method.validate(raw)
 
 
-def resolve_cache(backend, config: "str | dict | None" = None, *, model: Optional[str] = None,
-                  num_blocks: Optional[int] = None, native: bool = True) -> Optional[CacheSetting]:
+def resolve_cache(
+    backend,
+    config: "str | dict | None" = None,
+    *,
+    model: Optional[str] = None,
+    num_blocks: Optional[int] = None,
+    native: bool = True,
+) -> Optional[CacheSetting]:
     """The :class:`CacheSetting` of ``backend`` / ``config`` for the model called ``model`` with
     ``num_blocks`` DiT blocks (None when no cache is asked for).
 
@@ -79,8 +88,10 @@ def resolve_cache(backend, config: "str | dict | None" = None, *, model: Optiona
 
 def _for_model(method, cfg: dict, model: Optional[str], num_blocks: Optional[int], native: bool) -> CacheSetting:
     if not native:
-        raise AttentionConfigError(f"cache backend {method.name} runs in ditattn's native Wan transformer; "
-                                   "accepted: --backend native (the diffusers pipeline has no step cache here)")
+        raise AttentionConfigError(
+            f"cache backend {method.name} runs in ditattn's native Wan transformer; "
+            "accepted: --backend native (the diffusers pipeline has no step cache here)"
+        )
     calibration = None
     if "calibration" in cfg:
         path = cfg["calibration"] or packaged_calibration(model)
@@ -90,21 +101,25 @@ def _for_model(method, cfg: dict, model: Optional[str], num_blocks: Optional[int
         if method.facts.calibration == "required" and (calibration is None or calibration.get(key) is None):
             raise AttentionConfigError(
                 f"cache backend {method.name} needs a calibration for model {model or '(unknown)'} and none ships "
-                f"with it; accepted: calibration=FILE.json (write one with ditattn calibrate-cache)")
+                f"with it; accepted: calibration=FILE.json (write one with ditattn calibrate-cache)"
+            )
     if num_blocks is not None:
         method.check_model(cfg, num_blocks)
     return CacheSetting(method, cfg, calibration)
 
 
-def call_cache(default: Optional[CacheSetting], backend, config, *, model: Optional[str],
-               num_blocks: int) -> Optional[CacheSetting]:
+def call_cache(
+    default: Optional[CacheSetting], backend, config, *, model: Optional[str], num_blocks: int
+) -> Optional[CacheSetting]:
     """A call's cache: ``default`` (the pipeline's) when neither ``backend`` nor ``config`` is given,
     ``default``'s method with new keys when only ``config`` is, else :func:`resolve_cache`."""
     if backend is None and config in (None, "", {}):
         return default
     if backend is None:
         if default is None:
-            raise AttentionConfigError("cache_backend_config given without a cache backend; accepted: "
-                                       "cache_backend teacache|magcache|first_block_cache with it")
+            raise AttentionConfigError(
+                "cache_backend_config given without a cache backend; accepted: "
+                "cache_backend teacache|magcache|first_block_cache with it"
+            )
         backend = default.name
     return resolve_cache(backend, config, model=model, num_blocks=num_blocks)

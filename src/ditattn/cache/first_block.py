@@ -10,6 +10,7 @@ blocks ``[fn_blocks, num_blocks - bn_blocks)`` are replaced by their cached resi
 or with ``taylorseer=true`` its Taylor extrapolation from the last computed ones — and the back
 blocks run on the result, correcting part of the error.
 """
+
 from __future__ import annotations
 
 from ditattn.attention.schemas import Param
@@ -21,21 +22,38 @@ class FirstBlockCache(CacheMethod):
     name = "first_block_cache"
     summary = "compute the first N blocks; while their residual barely changed, reuse the middle blocks' residual"
     params = (
-        Param("fn_blocks", "int", 1, "Front blocks always computed; their residual is the signal", check=_positive,
-              accepted="an integer > 0"),
-        Param("bn_blocks", "int", 0, "Back blocks always computed (on the reused middle's result)", check=_nonneg,
-              accepted="an integer >= 0"),
+        Param(
+            "fn_blocks",
+            "int",
+            1,
+            "Front blocks always computed; their residual is the signal",
+            check=_positive,
+            accepted="an integer > 0",
+        ),
+        Param(
+            "bn_blocks",
+            "int",
+            0,
+            "Back blocks always computed (on the reused middle's result)",
+            check=_nonneg,
+            accepted="an integer >= 0",
+        ),
     )
     defaults = {"threshold": 0.08, "end_step": -1, "max_consecutive_skips": 3}
-    facts = CacheFacts(reuses="middle blocks", signal="relative L1 change of the front blocks' residual",
-                       calibration=None, sequence_parallel="the L1 sums are all-reduced over the ranks")
+    facts = CacheFacts(
+        reuses="middle blocks",
+        signal="relative L1 change of the front blocks' residual",
+        calibration=None,
+        sequence_parallel="the L1 sums are all-reduced over the ranks",
+    )
 
     def check_model(self, config: dict, num_blocks: int) -> None:
         fn, bn = config["fn_blocks"], config["bn_blocks"]
         if fn + bn >= num_blocks:
             raise AttentionConfigError(
                 f"cache backend first_block_cache: fn_blocks={fn} + bn_blocks={bn} leave no middle block to reuse in "
-                f"this model's {num_blocks} blocks; accepted: fn_blocks + bn_blocks < {num_blocks}")
+                f"this model's {num_blocks} blocks; accepted: fn_blocks + bn_blocks < {num_blocks}"
+            )
 
     def forward(self, view: StepView, state: BranchState, config: dict) -> Outcome:
         L, fn, bn = view.num_blocks, config["fn_blocks"], config["bn_blocks"]

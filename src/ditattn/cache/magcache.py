@@ -10,6 +10,7 @@ and counts the step; while the error stays below ``threshold`` and the count at 
 the accumulators reset.  The decision reads only the calibration curve and the step index: every
 sequence-parallel rank and every request decides the same, and it costs no reduction.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -22,12 +23,22 @@ class MagCache(CacheMethod):
     name = "magcache"
     summary = "reuse the whole block stack while the calibrated residual-magnitude ratios accumulate little error"
     params = (
-        Param("calibration", "str", None, "Calibration JSON (ditattn calibrate-cache) with the magnitude-ratio curve; "
-              "unset: the file shipped for the model (required otherwise)", accepted="a path to a JSON file"),
+        Param(
+            "calibration",
+            "str",
+            None,
+            "Calibration JSON (ditattn calibrate-cache) with the magnitude-ratio curve; "
+            "unset: the file shipped for the model (required otherwise)",
+            accepted="a path to a JSON file",
+        ),
     )
     defaults = {"threshold": 0.06, "end_step": -1, "max_consecutive_skips": 2}
-    facts = CacheFacts(reuses="blocks", signal="accumulated error of the calibrated residual-magnitude ratios",
-                       calibration="required", sequence_parallel="decided from replicated values (curve and step)")
+    facts = CacheFacts(
+        reuses="blocks",
+        signal="accumulated error of the calibrated residual-magnitude ratios",
+        calibration="required",
+        sequence_parallel="decided from replicated values (curve and step)",
+    )
 
     def forward(self, view: StepView, state: BranchState, config: dict) -> Outcome:
         if view.forced or not state.store:

@@ -1,5 +1,6 @@
 """The step-cache methods by name: :data:`CACHE_METHODS` (derived from the method modules) and
 :data:`CACHE_BACKENDS`, the names ``--cache-backend`` accepts (``none`` first)."""
+
 from __future__ import annotations
 
 from ditattn.cache import first_block, magcache, teacache

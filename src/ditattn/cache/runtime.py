@@ -10,6 +10,7 @@ cannot see each other's cache.  Inside a run, states are kept per classifier-fre
 as separate forwards) and are dropped when the denoise loop switches experts (two-expert Wan 2.2):
 nothing cached by one expert is reused by the other.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -58,8 +59,12 @@ class CacheSetting:
     def to_dict(self) -> dict:
         """JSON form for ``plan --json`` and reports."""
         cal = self.calibration
-        return {"backend": self.name, "config": {k: v for k, v in self.config.items()},
-                "calibration": cal["path"] if cal else None, "facts": dataclasses.asdict(self.method.facts)}
+        return {
+            "backend": self.name,
+            "config": {k: v for k, v in self.config.items()},
+            "calibration": cal["path"] if cal else None,
+            "facts": dataclasses.asdict(self.method.facts),
+        }
 
 
 class CacheRun:
@@ -83,8 +88,15 @@ class CacheRun:
         end = end if end >= 0 else num_steps + end
         return step < start_step(self.config, num_steps) or step >= end
 
-    def forward_blocks(self, model: torch.nn.Module, x: torch.Tensor, run: Callable, num_blocks: int,
-                       modulated: Callable[[], torch.Tensor], valid: int) -> torch.Tensor:
+    def forward_blocks(
+        self,
+        model: torch.nn.Module,
+        x: torch.Tensor,
+        run: Callable,
+        num_blocks: int,
+        modulated: Callable[[], torch.Tensor],
+        valid: int,
+    ) -> torch.Tensor:
         """The block stack of ``model`` on ``x [B, s, D]`` (this rank's shard; its first ``valid`` rows are
         tokens, the rest padding) computed or partly reused; ``run(a, b, x)`` runs blocks ``[a, b)``,
         ``modulated()`` gives the first block's modulated input.  Outside a denoise loop (no step in the
@@ -101,9 +113,16 @@ class CacheRun:
         state = self.states.get(key)
         if state is None:
             state = self.states[key] = new_state(self.config)
-        view = StepView(x=x, run=run, num_blocks=num_blocks, step=fwd.step, num_steps=fwd.num_steps,
-                        forced=self._forced(fwd.step, fwd.num_steps), modulated=modulated,
-                        rel_l1=lambda a, b: rel_l1(a, b, valid))
+        view = StepView(
+            x=x,
+            run=run,
+            num_blocks=num_blocks,
+            step=fwd.step,
+            num_steps=fwd.num_steps,
+            forced=self._forced(fwd.step, fwd.num_steps),
+            modulated=modulated,
+            rel_l1=lambda a, b: rel_l1(a, b, valid),
+        )
         outcome = self.method.forward(view, state, self.config)
         self.trace.append("R" if outcome.reused else "C")
         self.blocks_computed += outcome.blocks
@@ -112,9 +131,16 @@ class CacheRun:
 
     def stats(self) -> dict:
         n, r = len(self.trace), self.trace.count("R")
-        return {"backend": self.method.name, "forwards": n, "computed": n - r, "reused": r,
-                "blocks_computed": self.blocks_computed, "blocks_total": self.blocks_total,
-                "expert_switches": self.expert_switches, "trace": "".join(self.trace)}
+        return {
+            "backend": self.method.name,
+            "forwards": n,
+            "computed": n - r,
+            "reused": r,
+            "blocks_computed": self.blocks_computed,
+            "blocks_total": self.blocks_total,
+            "expert_switches": self.expert_switches,
+            "trace": "".join(self.trace),
+        }
 
 
 def rel_l1(a: torch.Tensor, b: torch.Tensor, valid: Optional[int] = None) -> float:
@@ -127,8 +153,9 @@ def rel_l1(a: torch.Tensor, b: torch.Tensor, valid: Optional[int] = None) -> flo
     if valid is not None and valid < a.shape[1]:
         a, b = a[:, :valid], b[:, :valid]
     acc = torch.float64 if a.dtype == torch.float64 else torch.float32
-    sums = torch.stack([torch.linalg.vector_norm(a - b, ord=1, dtype=acc),
-                        torch.linalg.vector_norm(b, ord=1, dtype=acc)]).double()
+    sums = torch.stack(
+        [torch.linalg.vector_norm(a - b, ord=1, dtype=acc), torch.linalg.vector_norm(b, ord=1, dtype=acc)]
+    ).double()
     groups = get_sequence_parallel()
     if groups is not None and groups.world_size > 1:
         import torch.distributed as dist

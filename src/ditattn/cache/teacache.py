@@ -9,6 +9,7 @@ accumulated estimate stays below ``threshold`` (and ``max_consecutive_skips`` is
 forward is reused: the input plus the cached residual (blocks' output minus input) of the last
 computed forward.  A computed forward resets the accumulator.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -19,16 +20,26 @@ from ditattn.cache.base import BranchState, CacheFacts, CacheMethod, Outcome, St
 
 class TeaCache(CacheMethod):
     name = "teacache"
-    summary = ("reuse the whole block stack while the rescaled change of the modulated input accumulates below a "
-               "threshold")
+    summary = (
+        "reuse the whole block stack while the rescaled change of the modulated input accumulates below a threshold"
+    )
     params = (
-        Param("calibration", "str", None, "Calibration JSON (ditattn calibrate-cache) whose polynomial rescales the "
-              "input change; unset: the file shipped for the model, else no rescaling",
-              accepted="a path to a JSON file"),
+        Param(
+            "calibration",
+            "str",
+            None,
+            "Calibration JSON (ditattn calibrate-cache) whose polynomial rescales the "
+            "input change; unset: the file shipped for the model, else no rescaling",
+            accepted="a path to a JSON file",
+        ),
     )
     defaults = {"threshold": 0.1, "end_step": -1, "max_consecutive_skips": 3}
-    facts = CacheFacts(reuses="blocks", signal="rescaled relative L1 change of the first block's modulated input",
-                       calibration="optional", sequence_parallel="the L1 sums are all-reduced over the ranks")
+    facts = CacheFacts(
+        reuses="blocks",
+        signal="rescaled relative L1 change of the first block's modulated input",
+        calibration="optional",
+        sequence_parallel="the L1 sums are all-reduced over the ranks",
+    )
 
     def forward(self, view: StepView, state: BranchState, config: dict) -> Outcome:
         m = view.modulated()

@@ -15,6 +15,7 @@ A model supports sequence parallelism by building ``USPAttention`` for self-atte
 its token sequence with :func:`shard_sequence` before the blocks and gathering it with
 :func:`gather_sequence` after them; with one rank all of this is the identity.
 """
+
 from ditattn.distributed.comm import gather_sequence, shard_length, shard_sequence
 from ditattn.distributed.groups import (
     SequenceParallelGroups,

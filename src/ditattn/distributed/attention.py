@@ -29,6 +29,7 @@ query chunk; no communication.
 :func:`ditattn.distributed.comm.shard_sequence`); the layer drops padded keys so they are never
 attended (their output rows are zero and are cropped by ``gather_sequence``).
 """
+
 from __future__ import annotations
 
 import math
@@ -93,8 +94,16 @@ class USPAttention(LocalAttention):
 
     _ring_allowed = True
 
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: Optional[int] = None, *, role: str = "self",
-                 needs_lse: bool = False, **kw):
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        num_kv_heads: Optional[int] = None,
+        *,
+        role: str = "self",
+        needs_lse: bool = False,
+        **kw,
+    ):
         groups = get_sequence_parallel()
         u, r = _effective_degrees(groups)
         prefix = kw.get("prefix", "")
@@ -136,12 +145,15 @@ class USPAttention(LocalAttention):
             except Exception:  # the explanation must never mask the refusal itself
                 sub = None
             if sub is not None and not SPECS[sub[0]].returns_lse:
-                notes.append(f"the platform would run {sub[0].value} instead ({sub[1]}), which does not return "
-                             f"the LSE")
+                notes.append(
+                    f"the platform would run {sub[0].value} instead ({sub[1]}), which does not return the LSE"
+                )
         if notes or "LSE" in str(exc):
-            notes.append(f"ring attention (ring degree {r}) merges partial outputs by their LSE, so it needs a "
-                         f"backend that returns it: {', '.join(lse_backends())}; sparse backends run under "
-                         f"Ulysses only (--ulysses-degree)")
+            notes.append(
+                f"ring attention (ring degree {r}) merges partial outputs by their LSE, so it needs a "
+                f"backend that returns it: {', '.join(lse_backends())}; sparse backends run under "
+                f"Ulysses only (--ulysses-degree)"
+            )
             if isinstance(getattr(exc, "reasons", None), list):
                 exc.reasons.extend(notes)
             exc.args = (f"{exc}; " + "; ".join(notes),)
@@ -175,8 +187,17 @@ class USPAttention(LocalAttention):
         return g
 
     # -- forward ----------------------------------------------------------------------------------
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor] = None, return_lse: bool = False,
-                *, replicated_len: Optional[int] = None, seq_len: Optional[int] = None):
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        attn_bias: Optional[Tensor] = None,
+        return_lse: bool = False,
+        *,
+        replicated_len: Optional[int] = None,
+        seq_len: Optional[int] = None,
+    ):
         g = self._active_groups()
         if g is None:  # one rank, or cross-attention to replicated K/V: purely local
             return super().forward(q, k, v, attn_bias=attn_bias, return_lse=return_lse)
@@ -194,8 +215,9 @@ class USPAttention(LocalAttention):
             self._check_dtype(q.dtype, backend)
         return self._sp_forward(g, backend, impl, config, q, k, v, return_lse, replicated_len, seq_len)
 
-    def _sp_forward(self, g: SequenceParallelGroups, backend: B, impl, config, q, k, v, return_lse,
-                    replicated_len, seq_len):
+    def _sp_forward(
+        self, g: SequenceParallelGroups, backend: B, impl, config, q, k, v, return_lse, replicated_len, seq_len
+    ):
         fwd = current_forward()
         n_ranks, U, R = g.world_size, g.ulysses_degree, g.ring_degree
         rep = fwd.text_len if replicated_len is None else int(replicated_len)
@@ -241,15 +263,26 @@ class USPAttention(LocalAttention):
                 kv = seq_to_head(torch.cat([ks, vs], dim=0), g.ulysses_group, U)
                 ks, vs = kv.split(bsz, dim=0)
             h, hk = heads // U, hkv // U
-            qr, kr, vr = qr[:, :, j * h:(j + 1) * h], kr[:, :, j * hk:(j + 1) * hk], vr[:, :, j * hk:(j + 1) * hk]
+            qr, kr, vr = (
+                qr[:, :, j * h : (j + 1) * h],
+                kr[:, :, j * hk : (j + 1) * hk],
+                vr[:, :, j * hk : (j + 1) * hk],
+            )
         block = qs.shape[1]  # U * s tokens: this Ulysses group's contiguous block
         valid = [max(0, min(block, seq_len - b * block)) for b in range(R)]
         mine = valid[g.ring_rank]
 
         def call(causal: bool, lse: bool, vshape, tlen) -> AttnCall:
             return AttnCall(
-                causal=causal, scale=self.scale, attn_bias=None, video_shape=vshape, text_len=tlen,
-                step=fwd.step, num_steps=fwd.num_steps, layer_idx=self.layer_idx, return_lse=lse,
+                causal=causal,
+                scale=self.scale,
+                attn_bias=None,
+                video_shape=vshape,
+                text_len=tlen,
+                step=fwd.step,
+                num_steps=fwd.num_steps,
+                layer_idx=self.layer_idx,
+                return_lse=lse,
                 layer_key=f"{self.component}.{self.prefix}" if self.component else self.prefix,
                 head_offset=(g.ulysses_rank * (heads // U)) if U > 1 else 0,
             )
@@ -276,8 +309,17 @@ class USPAttention(LocalAttention):
 
             comm = RingComm(g.ring_group, g.ring_ranks, g.ring_rank)
             qa = torch.cat([qs[:, :mine], qr], dim=1) if rep else qs[:, :mine]
-            out, lse = ring_attention(qa, ks, vs, attend, comm, block_valid=valid, q_valid=mine,
-                                      extra_kv=(kr, vr) if rep else None, causal=self.causal)
+            out, lse = ring_attention(
+                qa,
+                ks,
+                vs,
+                attend,
+                comm,
+                block_valid=valid,
+                q_valid=mine,
+                extra_kv=(kr, vr) if rep else None,
+                causal=self.causal,
+            )
 
         # 3. back: head shards -> sequence chunks (replicated rows: all-gather the heads)
         out_s = pad_seq(out[:, :mine], block)

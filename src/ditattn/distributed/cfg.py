@@ -15,6 +15,7 @@ front; :func:`init_cfg_parallel` creates the CFG groups after the sequence-paral
 (:func:`~ditattn.distributed.groups.init_sequence_parallel` with the same ``cfg_degree``);
 :func:`get_cfg_parallel` reads this process's state (None when CFG parallelism is off).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,8 +31,14 @@ from ditattn.errors import AttentionConfigError
 BRANCHES = ("cond", "uncond")
 
 
-def resolve_parallel(num_gpus: int, ulysses_degree: Optional[int] = None, ring_degree: Optional[int] = None, *,
-                     cfg_parallel: bool = False, vae_parallel: bool = False) -> tuple[int, int, int]:
+def resolve_parallel(
+    num_gpus: int,
+    ulysses_degree: Optional[int] = None,
+    ring_degree: Optional[int] = None,
+    *,
+    cfg_parallel: bool = False,
+    vae_parallel: bool = False,
+) -> tuple[int, int, int]:
     """``(cfg, ulysses, ring)`` of a run on ``num_gpus`` ranks: ``cfg`` is 2 with ``cfg_parallel``
     (else 1) and ``cfg × ulysses × ring == num_gpus``; the sequence degrees left None take the rest
     (:func:`~ditattn.distributed.groups.resolve_degrees`).  ``vae_parallel`` needs two ranks or
@@ -44,13 +51,16 @@ def resolve_parallel(num_gpus: int, ulysses_degree: Optional[int] = None, ring_d
             + (f" or {num_gpus - 1}" if num_gpus > 1 else "")
         )
     if vae_parallel and isinstance(num_gpus, int) and num_gpus < 2:
-        raise AttentionConfigError("--vae-parallel splits the VAE decode over the ranks and needs --num-gpus 2 or "
-                                   f"more, got --num-gpus {num_gpus}")
+        raise AttentionConfigError(
+            "--vae-parallel splits the VAE decode over the ranks and needs --num-gpus 2 or "
+            f"more, got --num-gpus {num_gpus}"
+        )
     if cfg == 1:
         u, r = resolve_degrees(num_gpus, ulysses_degree, ring_degree)
     else:
-        u, r = resolve_degrees(num_gpus // cfg, ulysses_degree, ring_degree,
-                               ranks_name=f"--num-gpus {num_gpus} / 2 (--cfg-parallel)")
+        u, r = resolve_degrees(
+            num_gpus // cfg, ulysses_degree, ring_degree, ranks_name=f"--num-gpus {num_gpus} / 2 (--cfg-parallel)"
+        )
     return cfg, u, r
 
 

@@ -9,6 +9,7 @@
 Tensors use the attention layout ``[batch, seq, heads, head_dim]`` unless stated otherwise.
 Every function is a no-op passthrough when its group has one member.
 """
+
 from __future__ import annotations
 
 import math
@@ -120,9 +121,15 @@ class RingComm:
         send = send.contiguous()
         recv = torch.empty_like(send) if recv is None else recv
         if self.ring_rank % 2 == 0:
-            ops = [dist.isend(send, dst=self.next, group=self.group), dist.irecv(recv, src=self.prev, group=self.group)]
+            ops = [
+                dist.isend(send, dst=self.next, group=self.group),
+                dist.irecv(recv, src=self.prev, group=self.group),
+            ]
         else:
-            ops = [dist.irecv(recv, src=self.prev, group=self.group), dist.isend(send, dst=self.next, group=self.group)]
+            ops = [
+                dist.irecv(recv, src=self.prev, group=self.group),
+                dist.isend(send, dst=self.next, group=self.group),
+            ]
         self._pending = [op for op in ops if op is not None]
         self._recv = recv
 

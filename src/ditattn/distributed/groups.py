@@ -23,6 +23,7 @@ The state is per process (one process per rank): :func:`init_sequence_parallel` 
 ``torch.distributed`` is initialised, :func:`get_sequence_parallel` reads it (None when sequence
 parallelism is off), :func:`destroy_sequence_parallel` clears it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,8 +38,13 @@ def _pairs(n: int) -> str:
     return ", ".join(f"{u}x{n // u}" for u in range(1, n + 1) if n % u == 0)
 
 
-def resolve_degrees(num_gpus: int, ulysses_degree: Optional[int] = None,
-                    ring_degree: Optional[int] = None, *, ranks_name: Optional[str] = None) -> tuple[int, int]:
+def resolve_degrees(
+    num_gpus: int,
+    ulysses_degree: Optional[int] = None,
+    ring_degree: Optional[int] = None,
+    *,
+    ranks_name: Optional[str] = None,
+) -> tuple[int, int]:
     """The ``(ulysses_degree, ring_degree)`` of a run on ``num_gpus`` ranks.
 
     A degree left as None takes the rest of ``num_gpus`` (both None: all Ulysses, ring 1).
@@ -88,8 +94,9 @@ def check_heads_divisible(num_heads: int, ulysses_degree: int, where: str = "att
         )
 
 
-def rank_layout(world_size: int, ulysses_degree: int, ring_degree: int,
-                offset: int = 0) -> tuple[list[list[int]], list[list[int]]]:
+def rank_layout(
+    world_size: int, ulysses_degree: int, ring_degree: int, offset: int = 0
+) -> tuple[list[list[int]], list[list[int]]]:
     """``(ulysses_groups, ring_groups)`` as lists of global ranks for the grid layout above.
 
     ``ulysses_groups[g]`` are the ranks of ring position ``g`` (ordered by Ulysses rank);
@@ -136,8 +143,10 @@ class SequenceParallelGroups:
         return self.rank // self.ulysses_degree
 
     def describe(self) -> str:
-        return (f"rank {self.rank}/{self.world_size} (ulysses {self.ulysses_rank}/{self.ulysses_degree}, "
-                f"ring {self.ring_rank}/{self.ring_degree}, {self.backend})")
+        return (
+            f"rank {self.rank}/{self.world_size} (ulysses {self.ulysses_rank}/{self.ulysses_degree}, "
+            f"ring {self.ring_rank}/{self.ring_degree}, {self.backend})"
+        )
 
 
 _state: list[Optional[SequenceParallelGroups]] = [None]
@@ -158,8 +167,9 @@ def _create_groups(all_groups, mine, degree: int, world: int):
     return handle
 
 
-def init_sequence_parallel(ulysses_degree: Optional[int] = None, ring_degree: Optional[int] = None, *,
-                           cfg_degree: int = 1) -> SequenceParallelGroups:
+def init_sequence_parallel(
+    ulysses_degree: Optional[int] = None, ring_degree: Optional[int] = None, *, cfg_degree: int = 1
+) -> SequenceParallelGroups:
     """Create the Ulysses and ring process groups of this run and make them current.
 
     ``torch.distributed`` must be initialised (every rank calls this, in the same order: group
@@ -179,8 +189,12 @@ def init_sequence_parallel(ulysses_degree: Optional[int] = None, ring_degree: Op
         raise AttentionConfigError(f"cfg_degree {cfg_degree!r} must be a positive divisor of the world size {world}")
     sp = world // cfg_degree
     half, rank = divmod(global_rank, sp)
-    u, r = resolve_degrees(sp, ulysses_degree, ring_degree,
-                           ranks_name=None if cfg_degree == 1 else f"--num-gpus {world} / {cfg_degree} (--cfg-parallel)")
+    u, r = resolve_degrees(
+        sp,
+        ulysses_degree,
+        ring_degree,
+        ranks_name=None if cfg_degree == 1 else f"--num-gpus {world} / {cfg_degree} (--cfg-parallel)",
+    )
     layouts = [rank_layout(sp, u, r, offset=c * sp) for c in range(cfg_degree)]
     # group creation is collective: every rank creates every group, in the same order
     mine_u = layouts[half][0][rank // u]
@@ -192,9 +206,16 @@ def init_sequence_parallel(ulysses_degree: Optional[int] = None, ring_degree: Op
         halves = [list(range(c * sp, (c + 1) * sp)) for c in range(cfg_degree)]
         sp_handle = _create_groups(halves, halves[half], sp, world)
     state = SequenceParallelGroups(
-        world_size=sp, rank=rank, ulysses_degree=u, ring_degree=r, ulysses_group=u_handle,
-        ring_group=r_handle, ulysses_ranks=tuple(mine_u), ring_ranks=tuple(mine_r),
-        backend=str(dist.get_backend()), group=sp_handle,
+        world_size=sp,
+        rank=rank,
+        ulysses_degree=u,
+        ring_degree=r,
+        ulysses_group=u_handle,
+        ring_group=r_handle,
+        ulysses_ranks=tuple(mine_u),
+        ring_ranks=tuple(mine_r),
+        backend=str(dist.get_backend()),
+        group=sp_handle,
     )
     _state[0] = state
     return state

@@ -13,6 +13,7 @@ per-rank results.  It either
 benchmarks).  This module knows nothing of what runs: the commands built on it (``ditattn generate
 / serve --num-gpus N``) live in :mod:`ditattn.entrypoints`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -85,9 +86,18 @@ def check_devices(device: str, world_size: int) -> None:
 
 
 @contextlib.contextmanager
-def _rank_session(rank: int, world_size: int, device: str, *, init_method: Optional[str],
-                  ulysses_degree: Optional[int], ring_degree: Optional[int], local_rank: int,
-                  timeout_s: Optional[float], cfg_degree: int = 1):
+def _rank_session(
+    rank: int,
+    world_size: int,
+    device: str,
+    *,
+    init_method: Optional[str],
+    ulysses_degree: Optional[int],
+    ring_degree: Optional[int],
+    local_rank: int,
+    timeout_s: Optional[float],
+    cfg_degree: int = 1,
+):
     """Initialise torch.distributed + the sequence-parallel (and CFG) groups for one rank; tear down after."""
     kind = torch.device(device).type
     if kind == "cpu":
@@ -159,8 +169,17 @@ def _quiet_unless_rank0(rank: int):
 
 
 def _run_rank(fn, args, rank, world_size, device, u, r, *, init_method, local_rank, timeout_s, quiet, cfg=1):
-    with _rank_session(rank, world_size, device, init_method=init_method, ulysses_degree=u, ring_degree=r,
-                       local_rank=local_rank, timeout_s=timeout_s, cfg_degree=cfg) as groups:
+    with _rank_session(
+        rank,
+        world_size,
+        device,
+        init_method=init_method,
+        ulysses_degree=u,
+        ring_degree=r,
+        local_rank=local_rank,
+        timeout_s=timeout_s,
+        cfg_degree=cfg,
+    ) as groups:
         info = RankInfo(rank, world_size, local_rank, _rank_device(device, local_rank), groups, get_cfg_parallel())
         with _quiet_unless_rank0(rank) if quiet else contextlib.nullcontext():
             return fn(info, *args)
@@ -169,8 +188,20 @@ def _run_rank(fn, args, rank, world_size, device, u, r, *, init_method, local_ra
 def _spawn_entry(rank, world_size, port, fn, args, device, u, r, result_dir, timeout_s, quiet, cfg=1):
     path = os.path.join(result_dir, f"rank{rank}.pt")
     try:
-        result = _run_rank(fn, args, rank, world_size, device, u, r, init_method=f"tcp://127.0.0.1:{port}",
-                           local_rank=rank, timeout_s=timeout_s, quiet=quiet, cfg=cfg)
+        result = _run_rank(
+            fn,
+            args,
+            rank,
+            world_size,
+            device,
+            u,
+            r,
+            init_method=f"tcp://127.0.0.1:{port}",
+            local_rank=rank,
+            timeout_s=timeout_s,
+            quiet=quiet,
+            cfg=cfg,
+        )
         torch.save({"ok": result}, path)
     except AttentionConfigError as exc:
         torch.save({"error": str(exc)}, path)
@@ -191,9 +222,18 @@ def _raise_first_user_error(results: list) -> None:
             raise AttentionConfigError(res["error"])
 
 
-def launch(fn: Callable[..., Any], world_size: int, *, args: Sequence = (), device: str = "cpu",
-           ulysses_degree: Optional[int] = None, ring_degree: Optional[int] = None,
-           timeout_s: Optional[float] = 300.0, quiet_followers: bool = False, cfg_degree: int = 1) -> list:
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    args: Sequence = (),
+    device: str = "cpu",
+    ulysses_degree: Optional[int] = None,
+    ring_degree: Optional[int] = None,
+    timeout_s: Optional[float] = 300.0,
+    quiet_followers: bool = False,
+    cfg_degree: int = 1,
+) -> list:
     """Run ``fn(rank, *args)`` on ``world_size`` ranks (``rank``: :class:`RankInfo`); return the
     results by rank.
 
@@ -221,18 +261,45 @@ def launch(fn: Callable[..., Any], world_size: int, *, args: Sequence = (), devi
             )
         rank = int(os.environ["RANK"])
         out: list = [None] * world_size
-        out[rank] = _run_rank(fn, tuple(args), rank, world_size, device, u, r, init_method="env://",
-                              local_rank=int(os.environ.get("LOCAL_RANK", rank)), timeout_s=timeout_s,
-                              quiet=quiet_followers, cfg=cfg_degree)
+        out[rank] = _run_rank(
+            fn,
+            tuple(args),
+            rank,
+            world_size,
+            device,
+            u,
+            r,
+            init_method="env://",
+            local_rank=int(os.environ.get("LOCAL_RANK", rank)),
+            timeout_s=timeout_s,
+            quiet=quiet_followers,
+            cfg=cfg_degree,
+        )
         return out
     check_devices(device, world_size)
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="ditattn-sp-") as tmp:
         try:
-            mp.start_processes(_spawn_entry, args=(world_size, free_port(), fn, tuple(args), device, u, r, tmp,
-                                                   timeout_s, quiet_followers, cfg_degree),
-                               nprocs=world_size, join=True, start_method="spawn")
+            mp.start_processes(
+                _spawn_entry,
+                args=(
+                    world_size,
+                    free_port(),
+                    fn,
+                    tuple(args),
+                    device,
+                    u,
+                    r,
+                    tmp,
+                    timeout_s,
+                    quiet_followers,
+                    cfg_degree,
+                ),
+                nprocs=world_size,
+                join=True,
+                start_method="spawn",
+            )
         except ProcessException as exc:
             results = _collect(tmp, world_size)
             _raise_first_user_error(results)
@@ -253,14 +320,34 @@ def _follower_entry(i, world_size, port, fn, args, device, u, r, timeout_s, cfg,
                 os._exit(1)
 
     threading.Thread(target=watch, name="ditattn-leader-watch", daemon=True).start()
-    _run_rank(fn, args, i + 1, world_size, device, u, r, init_method=f"tcp://127.0.0.1:{port}", local_rank=i + 1,
-              timeout_s=timeout_s, quiet=True, cfg=cfg)
+    _run_rank(
+        fn,
+        args,
+        i + 1,
+        world_size,
+        device,
+        u,
+        r,
+        init_method=f"tcp://127.0.0.1:{port}",
+        local_rank=i + 1,
+        timeout_s=timeout_s,
+        quiet=True,
+        cfg=cfg,
+    )
 
 
 @contextlib.contextmanager
-def lead_ranks(follower: Callable[..., Any], world_size: int, *, args: Sequence = (), device: str = "cpu",
-               ulysses_degree: Optional[int] = None, ring_degree: Optional[int] = None, cfg_degree: int = 1,
-               timeout_s: Optional[float] = 300.0):
+def lead_ranks(
+    follower: Callable[..., Any],
+    world_size: int,
+    *,
+    args: Sequence = (),
+    device: str = "cpu",
+    ulysses_degree: Optional[int] = None,
+    ring_degree: Optional[int] = None,
+    cfg_degree: int = 1,
+    timeout_s: Optional[float] = 300.0,
+):
     """This process as rank 0 of ``world_size`` ranks: spawns ranks 1..N-1, which run
     ``follower(rank, *args)`` (``rank``: :class:`RankInfo`; module-level, picklable), initialises
     ``torch.distributed`` and the groups here as in :func:`launch`, and yields rank 0's
@@ -278,12 +365,25 @@ def lead_ranks(follower: Callable[..., Any], world_size: int, *, args: Sequence 
     import torch.multiprocessing as mp
 
     port = free_port()
-    ctx = mp.start_processes(_follower_entry, args=(world_size, port, follower, tuple(args), device, u, r, timeout_s,
-                                                    cfg_degree, os.getpid()),
-                             nprocs=world_size - 1, join=False, start_method="spawn")
+    ctx = mp.start_processes(
+        _follower_entry,
+        args=(world_size, port, follower, tuple(args), device, u, r, timeout_s, cfg_degree, os.getpid()),
+        nprocs=world_size - 1,
+        join=False,
+        start_method="spawn",
+    )
     try:
-        with _rank_session(0, world_size, device, init_method=f"tcp://127.0.0.1:{port}", ulysses_degree=u,
-                           ring_degree=r, local_rank=0, timeout_s=timeout_s, cfg_degree=cfg_degree) as groups:
+        with _rank_session(
+            0,
+            world_size,
+            device,
+            init_method=f"tcp://127.0.0.1:{port}",
+            ulysses_degree=u,
+            ring_degree=r,
+            local_rank=0,
+            timeout_s=timeout_s,
+            cfg_degree=cfg_degree,
+        ) as groups:
             yield RankInfo(0, world_size, 0, _rank_device(device, 0), groups, get_cfg_parallel())
         deadline = time.monotonic() + (timeout_s or 300.0)
         try:
@@ -308,10 +408,26 @@ def _call_with_groups(rank: RankInfo, fn, *args):
     return fn(rank.groups, *args)
 
 
-def spawn_ranks(fn: Callable[..., Any], world_size: int, *, args: Sequence = (), ulysses_degree: Optional[int] = None,
-                ring_degree: Optional[int] = None, device: str = "cpu", timeout_s: Optional[float] = 300.0,
-                cfg_degree: int = 1) -> list:
+def spawn_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    args: Sequence = (),
+    ulysses_degree: Optional[int] = None,
+    ring_degree: Optional[int] = None,
+    device: str = "cpu",
+    timeout_s: Optional[float] = 300.0,
+    cfg_degree: int = 1,
+) -> list:
     """:func:`launch` for a function that takes the groups: ``fn(groups, *args)`` on each rank
     (``groups``: :class:`~ditattn.distributed.groups.SequenceParallelGroups`); returns each rank's result."""
-    return launch(_call_with_groups, world_size, args=(fn, *args), device=device, ulysses_degree=ulysses_degree,
-                  ring_degree=ring_degree, timeout_s=timeout_s, cfg_degree=cfg_degree)
+    return launch(
+        _call_with_groups,
+        world_size,
+        args=(fn, *args),
+        device=device,
+        ulysses_degree=ulysses_degree,
+        ring_degree=ring_degree,
+        timeout_s=timeout_s,
+        cfg_degree=cfg_degree,
+    )

@@ -4,6 +4,7 @@ A sequence-parallel pipeline call is collective: every rank must make it, with t
 in the same order.  When only rank 0 receives the work (an HTTP server), :class:`PipelineRelay`
 broadcasts each call it makes and the other ranks replay it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -59,8 +60,11 @@ class PipelineRelay:
         if state is not None:
             msg["override"] = state.override.value if state.override is not None else None
             ss = state.skip_softmax
-            msg["skip_softmax"] = None if ss is None else {"threshold_scale_factor": ss.threshold_scale_factor,
-                                                           "start_step": ss.start_step}
+            msg["skip_softmax"] = (
+                None
+                if ss is None
+                else {"threshold_scale_factor": ss.threshold_scale_factor, "start_step": ss.start_step}
+            )
         return msg
 
     @contextlib.contextmanager

@@ -10,6 +10,7 @@ results ``(o_i, l_i)`` (``o_i`` normalised over block ``i``, ``l_i`` its LSE)::
 Both weights lie in ``[0, 1]``, so the merge is stable in float32 whatever the score scale.  A row
 that attends nothing has ``l = -inf`` and output 0; merging two such rows keeps ``-inf`` and 0.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
@@ -24,7 +25,9 @@ Tensor = torch.Tensor
 AttendFn = Callable[[Tensor, Tensor, Tensor, bool], "tuple[Tensor, Tensor]"]
 
 
-def merge_partials(out: Optional[Tensor], lse: Optional[Tensor], out_i: Tensor, lse_i: Tensor) -> tuple[Tensor, Tensor]:
+def merge_partials(
+    out: Optional[Tensor], lse: Optional[Tensor], out_i: Tensor, lse_i: Tensor
+) -> tuple[Tensor, Tensor]:
     """Merge the partial attention ``(out_i, lse_i)`` of one key block into the running
     ``(out, lse)`` (None = nothing merged yet).
 

@@ -12,6 +12,7 @@ the one-device tiled decode's (up to float rounding of the all-gather, i.e. none
 The decoder's cost grows with the tile area, so ``R`` ranks decode ``ceil(tiles / R)`` tiles each;
 the all-gather carries every decoded tile (``[B, C, F, tile, tile]`` each) to every rank.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,8 +46,10 @@ class TileGrid:
     def size(self, index: int) -> tuple[int, int]:
         """Decoder-output ``(h, w)`` of tile ``index`` (tiles at the bottom and right edges are cut)."""
         i, j = self.origins[index]
-        return ((min(i + self.tile[0], self.latent[0]) - i) * self.up,
-                (min(j + self.tile[1], self.latent[1]) - j) * self.up)
+        return (
+            (min(i + self.tile[0], self.latent[0]) - i) * self.up,
+            (min(j + self.tile[1], self.latent[1]) - j) * self.up,
+        )
 
 
 def tile_grid(vae, height: int, width: int) -> TileGrid:
@@ -60,9 +63,17 @@ def tile_grid(vae, height: int, width: int) -> TileGrid:
     stride = (vae.tile_sample_stride_height // patch, vae.tile_sample_stride_width // patch)
     blend = (vae.tile_sample_min_height // patch - stride[0], vae.tile_sample_min_width // patch - stride[1])
     rows, cols = range(0, height, step[0]), range(0, width, step[1])
-    return TileGrid(origins=tuple((i, j) for i in rows for j in cols), rows=len(rows), cols=len(cols), tile=tile,
-                    up=ratio // patch, stride=stride, blend=blend,
-                    out=(height * ratio // patch, width * ratio // patch), latent=(height, width))
+    return TileGrid(
+        origins=tuple((i, j) for i in rows for j in cols),
+        rows=len(rows),
+        cols=len(cols),
+        tile=tile,
+        up=ratio // patch,
+        stride=stride,
+        blend=blend,
+        out=(height * ratio // patch, width * ratio // patch),
+        latent=(height, width),
+    )
 
 
 def needs_tiles(vae, z: torch.Tensor) -> bool:
@@ -80,14 +91,15 @@ def decode_tile(vae, z: torch.Tensor) -> torch.Tensor:
     frames = []
     for k in range(z.shape[2]):
         vae._conv_idx = [0]
-        x = vae.post_quant_conv(z[:, :, k:k + 1])
+        x = vae.post_quant_conv(z[:, :, k : k + 1])
         frames.append(vae.decoder(x, feat_cache=vae._feat_map, feat_idx=vae._conv_idx, first_chunk=k == 0))
     vae.clear_cache()
     return torch.cat(frames, dim=2)
 
 
-def _gather_tiles(mine: list[torch.Tensor], grid: TileGrid, world: int, group,
-                  like: torch.Tensor) -> list[torch.Tensor]:
+def _gather_tiles(
+    mine: list[torch.Tensor], grid: TileGrid, world: int, group, like: torch.Tensor
+) -> list[torch.Tensor]:
     """Every tile of ``grid``, decoded, on every rank: rank ``r`` holds tiles ``r, r + world, ...``
     (``mine``, in that order); they travel padded to the largest tile in one all-gather (``like``:
     a tensor of the decoder's dtype and device)."""
@@ -100,7 +112,7 @@ def _gather_tiles(mine: list[torch.Tensor], grid: TileGrid, world: int, group,
     th, tw = grid.tile[0] * grid.up, grid.tile[1] * grid.up
     send = like.new_zeros((per_rank, b, c, f, th, tw))
     for k, t in enumerate(mine):
-        send[k, ..., :t.shape[-2], :t.shape[-1]] = t
+        send[k, ..., : t.shape[-2], : t.shape[-1]] = t
     recv = [torch.empty_like(send) for _ in range(world)]
     dist.all_gather(recv, send, group=group)
     tiles = []
@@ -127,9 +139,9 @@ def parallel_tiled_decode(vae, z: torch.Tensor, group: Optional[object] = None) 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     grid = tile_grid(vae, z.shape[-2], z.shape[-1])
     th, tw = grid.tile
-    mine = [decode_tile(vae, z[:, :, :, i:i + th, j:j + tw]) for i, j in grid.origins[rank::world]]
+    mine = [decode_tile(vae, z[:, :, :, i : i + th, j : j + tw]) for i, j in grid.origins[rank::world]]
     flat = _gather_tiles(mine, grid, world, group, z)
-    rows = [flat[r * grid.cols:(r + 1) * grid.cols] for r in range(grid.rows)]
+    rows = [flat[r * grid.cols : (r + 1) * grid.cols] for r in range(grid.rows)]
     # blend each tile's top edge into the tile above and its left edge into the left one, in the
     # one-device order (the VAE's blend functions update the lower / right tile in place)
     stitched = []
@@ -142,9 +154,9 @@ def parallel_tiled_decode(vae, z: torch.Tensor, group: Optional[object] = None) 
             if c > 0:
                 tile = vae.blend_h(row[c - 1], tile, grid.blend[1])
             row[c] = tile
-            parts.append(tile[:, :, :, :grid.stride[0], :grid.stride[1]])
+            parts.append(tile[:, :, :, : grid.stride[0], : grid.stride[1]])
         stitched.append(torch.cat(parts, dim=-1))
-    dec = torch.cat(stitched, dim=3)[:, :, :, :grid.out[0], :grid.out[1]]
+    dec = torch.cat(stitched, dim=3)[:, :, :, : grid.out[0], : grid.out[1]]
     if vae.config.patch_size is not None:
         dec = unpatchify(dec, patch_size=vae.config.patch_size)
     return dec.clamp(-1.0, 1.0)

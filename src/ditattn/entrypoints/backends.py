@@ -1,4 +1,5 @@
 """``ditattn backends``: every attention backend, whether it runs here and why not, and its config keys."""
+
 from __future__ import annotations
 
 import json
@@ -29,12 +30,18 @@ def _check_attention_options(cfg: RunConfig) -> None:
         AttentionBackendEnum.from_name(a.attention_backend_override)
     settings = cfg.attention_settings()  # parses names, component overrides and the config as plan does
     plat = current_platform()
-    auto = [b for role in ("self", "cross") for dt in (torch.bfloat16, torch.float32)
-            for b in auto_candidates(LayerRequest(role=role, head_dim=128, dtype=dt), plat)]
+    auto = [
+        b
+        for role in ("self", "cross")
+        for dt in (torch.bfloat16, torch.float32)
+        for b in auto_candidates(LayerRequest(role=role, head_dim=128, dtype=dt), plat)
+    ]
     check_backend_config(settings.config, settings.named_backends() + auto)
     a.skip_softmax()
-    sys.stderr.write(f"note: {', '.join('--' + flag_name(k) for k in given)} checked; the backend list does not "
-                     "depend on them (use 'ditattn plan' to see their effect)\n")
+    sys.stderr.write(
+        f"note: {', '.join('--' + flag_name(k) for k in given)} checked; the backend list does not "
+        "depend on them (use 'ditattn plan' to see their effect)\n"
+    )
 
 
 def short_reason(info) -> str:
@@ -80,7 +87,9 @@ def _listing(cfg: RunConfig) -> int:
         wanted = AttentionBackendEnum.from_name(name).value
         infos = [i for i in infos if i.name == wanted]
     if cfg.json:
-        print(json.dumps({"platform": plat.to_json(), "backends": [i.to_json() for i in infos]}, indent=2, default=str))
+        print(
+            json.dumps({"platform": plat.to_json(), "backends": [i.to_json() for i in infos]}, indent=2, default=str)
+        )
         return 0
     sim = f" [simulated, packages: {', '.join(sorted(plat.packages or ())) or 'none'}]" if plat.simulated else ""
     print(f"platform: {plat.describe()}{sim}")
@@ -88,8 +97,10 @@ def _listing(cfg: RunConfig) -> int:
         print(f"{'backend':<30} {'kind':<17} {'here':<5} why not")
         for i in infos:
             names = i.name + (f" ({', '.join(i.aliases)})" if i.aliases else "")
-            print(f"{names:<30} {i.kind:<17} {'yes' if i.usable_here else 'no':<5} "
-                  f"{'' if i.usable_here else short_reason(i)}".rstrip())
+            print(
+                f"{names:<30} {i.kind:<17} {'yes' if i.usable_here else 'no':<5} "
+                f"{'' if i.usable_here else short_reason(i)}".rstrip()
+            )
         print("'ditattn backends NAME' shows one backend in full (parameters, every reason); --verbose all of them")
         return 0
     print(f"{'backend':<24} {'kind':<17} {'here':<5} platforms / why not")
@@ -101,8 +112,17 @@ def _listing(cfg: RunConfig) -> int:
 def _print_full(i) -> None:
     names = i.name + (f" ({', '.join(i.aliases)})" if i.aliases else "")
     here = "yes" if i.usable_here else "no"
-    flags = [f for f, on in (("lossy", i.lossy), ("LSE", i.returns_lse), ("bias", i.accepts_bias),
-                             ("drop-in", i.drop_in), ("self-only", not i.cross_attention)) if on]
+    flags = [
+        f
+        for f, on in (
+            ("lossy", i.lossy),
+            ("LSE", i.returns_lse),
+            ("bias", i.accepts_bias),
+            ("drop-in", i.drop_in),
+            ("self-only", not i.cross_attention),
+        )
+        if on
+    ]
     print(f"{names:<24} {i.kind:<17} {here:<5} {','.join(i.platforms)}  [{' '.join(flags)}]")
     print(f"{'':<24} {i.summary}")
     if i.usable_here and i.runtime:

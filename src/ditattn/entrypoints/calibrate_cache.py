@@ -1,5 +1,6 @@
 """``ditattn calibrate-cache``: uncached generations of the calibration prompts, their per-step signals
 recorded (:class:`~ditattn.cache.calibration.Recorder`) and fitted into a calibration JSON."""
+
 from __future__ import annotations
 
 import itertools
@@ -36,11 +37,19 @@ def run(cfg: RunConfig) -> int:
         runs.append(rec)
         sys.stderr.write(f"calibrated {i + 1}/{len(pairs)}: {prompt!r} seed {seed}\n")
     guidance = kw["guidance_scale"] if kw["guidance_scale"] is not None else pipe.defaults["guidance_scale"]
-    data = fit(runs, model=pipe.model_index.name, num_steps=res.num_inference_steps, guidance_scale=guidance,
-               size=(res.height, res.width, res.num_frames), prompts=c.calibrate_prompts)
+    data = fit(
+        runs,
+        model=pipe.model_index.name,
+        num_steps=res.num_inference_steps,
+        guidance_scale=guidance,
+        size=(res.height, res.width, res.num_frames),
+        prompts=c.calibrate_prompts,
+    )
     write_calibration(data, c.calibrate_output)
     mag = data["magcache"]["mag_ratios"]
-    print(f"wrote {c.calibrate_output}: {pipe.model_index.name}, {res.num_inference_steps} steps, {len(pairs)} runs; "
-          f"teacache polynomial {[round(v, 4) for v in data['teacache']['coefficients']]}; magcache ratios "
-          f"{min(mag[1:]):.3f}-{max(mag[1:]):.3f}")
+    print(
+        f"wrote {c.calibrate_output}: {pipe.model_index.name}, {res.num_inference_steps} steps, {len(pairs)} runs; "
+        f"teacache polynomial {[round(v, 4) for v in data['teacache']['coefficients']]}; magcache ratios "
+        f"{min(mag[1:]):.3f}-{max(mag[1:]):.3f}"
+    )
     return 0

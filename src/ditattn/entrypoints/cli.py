@@ -4,6 +4,7 @@
 User-input errors print one line ``error: <what was wrong; what is accepted>`` to stderr and exit
 with status 2 (no traceback).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,46 +46,62 @@ def _json(what: str):
 
 
 COMMANDS = (
-    Command("generate", "run a pipeline and write the video (.mp4) or image (.png)",
-            "Run the pipeline and write the result into --output-path.",
-            (lambda p: flags.model_flags(p, prompt=True), flags.output_flags, flags.attention_flags,
-             flags.cache_flags),
-            ("model", "sampling", "attention", "cache", "parallel", "output", "verbose"),
-            "ditattn.entrypoints.generate:run"),
-    Command("plan", "resolve every attention layer without denoising and print the plan",
-            "Build the pipeline, resolve each attention layer, print which backend it got and why.",
-            (flags.model_flags, _json("the plan"), flags.attention_flags, flags.cache_flags, flags.platform_flags),
-            ("model", "sampling", "attention", "cache", "parallel", "simulation", "verbose", "json"),
-            "ditattn.entrypoints.plan:run"),
-    Command("backends", "list every attention backend, whether it runs here and why not",
-            "One line per attention backend: its name, kind, whether it runs here and, if not, why. "
-            "'ditattn backends NAME' or --verbose: parameters and every reason in full.",
-            (flags.backends_flags, _json("the list"), flags.attention_flags, flags.platform_flags),
-            ("attention", "simulation", "backends", "verbose", "json"),
-            "ditattn.entrypoints.backends:run"),
-    Command("serve", "OpenAI-compatible image/video server",
-            "Serve the model over an OpenAI-compatible HTTP API (images, video jobs, models, health, metrics).",
-            (flags.model_flags, flags.server_flags, flags.attention_flags, flags.cache_flags),
-            ("model", "sampling", "attention", "cache", "parallel", "server", "verbose"),
-            "ditattn.entrypoints.serve:run"),
-    Command("calibrate-cache", "calibrate the step-cache methods (teacache, magcache) for a model",
-            "Run uncached generations of the given prompts, record per step how much the DiT's modulated input and "
-            "its block-stack residual change, and write a calibration JSON (the TeaCache polynomial and the MagCache "
-            "magnitude-ratio curve) that the methods take as calibration=PATH (docs/caching.md).",
-            (lambda p: flags.model_flags(p, seed=False), flags.calibrate_flags),
-            ("model", "sampling", "calibrate", "verbose"),
-            "ditattn.entrypoints.calibrate_cache:run"),
-    Command("compare", "paired generations under several attention settings: time, PSNR/SSIM, per-layer error",
-            "Run the same prompts and seeds under two or more attention settings (--variant; the first is the "
-            "reference), pair the clips per prompt and seed, and report per variant: DiT and whole time, PSNR / "
-            "SSIM / MS-SSIM against the reference, the per-layer attention-output error and cosine at the capture "
-            "steps (against the reference run, and against the reference backend on the layer's own inputs), and "
-            "the kept fraction of sparse backends. Writes compare.json, compare.png, contact_sheet.png and "
-            "side-by-side MP4s into --output-path (docs/evaluation.md).",
-            (lambda p: flags.model_flags(p, seed=False), flags.compare_flags, _json("the report"),
-             flags.attention_flags),
-            ("model", "sampling", "attention", "parallel", "output", "compare", "verbose", "json"),
-            "ditattn.entrypoints.compare:run"),
+    Command(
+        "generate",
+        "run a pipeline and write the video (.mp4) or image (.png)",
+        "Run the pipeline and write the result into --output-path.",
+        (lambda p: flags.model_flags(p, prompt=True), flags.output_flags, flags.attention_flags, flags.cache_flags),
+        ("model", "sampling", "attention", "cache", "parallel", "output", "verbose"),
+        "ditattn.entrypoints.generate:run",
+    ),
+    Command(
+        "plan",
+        "resolve every attention layer without denoising and print the plan",
+        "Build the pipeline, resolve each attention layer, print which backend it got and why.",
+        (flags.model_flags, _json("the plan"), flags.attention_flags, flags.cache_flags, flags.platform_flags),
+        ("model", "sampling", "attention", "cache", "parallel", "simulation", "verbose", "json"),
+        "ditattn.entrypoints.plan:run",
+    ),
+    Command(
+        "backends",
+        "list every attention backend, whether it runs here and why not",
+        "One line per attention backend: its name, kind, whether it runs here and, if not, why. "
+        "'ditattn backends NAME' or --verbose: parameters and every reason in full.",
+        (flags.backends_flags, _json("the list"), flags.attention_flags, flags.platform_flags),
+        ("attention", "simulation", "backends", "verbose", "json"),
+        "ditattn.entrypoints.backends:run",
+    ),
+    Command(
+        "serve",
+        "OpenAI-compatible image/video server",
+        "Serve the model over an OpenAI-compatible HTTP API (images, video jobs, models, health, metrics).",
+        (flags.model_flags, flags.server_flags, flags.attention_flags, flags.cache_flags),
+        ("model", "sampling", "attention", "cache", "parallel", "server", "verbose"),
+        "ditattn.entrypoints.serve:run",
+    ),
+    Command(
+        "calibrate-cache",
+        "calibrate the step-cache methods (teacache, magcache) for a model",
+        "Run uncached generations of the given prompts, record per step how much the DiT's modulated input and "
+        "its block-stack residual change, and write a calibration JSON (the TeaCache polynomial and the MagCache "
+        "magnitude-ratio curve) that the methods take as calibration=PATH (docs/caching.md).",
+        (lambda p: flags.model_flags(p, seed=False), flags.calibrate_flags),
+        ("model", "sampling", "calibrate", "verbose"),
+        "ditattn.entrypoints.calibrate_cache:run",
+    ),
+    Command(
+        "compare",
+        "paired generations under several attention settings: time, PSNR/SSIM, per-layer error",
+        "Run the same prompts and seeds under two or more attention settings (--variant; the first is the "
+        "reference), pair the clips per prompt and seed, and report per variant: DiT and whole time, PSNR / "
+        "SSIM / MS-SSIM against the reference, the per-layer attention-output error and cosine at the capture "
+        "steps (against the reference run, and against the reference backend on the layer's own inputs), and "
+        "the kept fraction of sparse backends. Writes compare.json, compare.png, contact_sheet.png and "
+        "side-by-side MP4s into --output-path (docs/evaluation.md).",
+        (lambda p: flags.model_flags(p, seed=False), flags.compare_flags, _json("the report"), flags.attention_flags),
+        ("model", "sampling", "attention", "parallel", "output", "compare", "verbose", "json"),
+        "ditattn.entrypoints.compare:run",
+    ),
 )
 
 
@@ -101,8 +118,11 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="ditattn", description="Diffusion-transformer inference with pluggable attention backends.",
-                argument_default=argparse.SUPPRESS)
+    p = _Parser(
+        prog="ditattn",
+        description="Diffusion-transformer inference with pluggable attention backends.",
+        argument_default=argparse.SUPPRESS,
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="log attention decisions and fallbacks")
     p.add_argument("--version", action="version", version=f"ditattn {_version()}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -132,8 +152,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     given = vars(ns)
     name = given.pop("command")
     command = next(c for c in COMMANDS if c.name == name)
-    logging.basicConfig(level=logging.INFO if given.get("verbose") else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if given.get("verbose") else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     # torchao (imported by diffusers when it is installed) warns on import that it skips its C++ extensions
     # for this torch: ditattn does not use them (ditattn.models.quantization), so the line is only noise
     logging.getLogger("torchao").setLevel(logging.ERROR)
@@ -151,8 +172,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return int(getattr(importlib.import_module(module), func)(cfg) or 0)
     except AttentionConfigError as exc:
         msg = " ".join(str(exc).split())  # one line, even for multi-line parser errors
-        if command.name in ("generate", "plan") and "dtype" in msg and "not supported" in msg \
-                and (cfg is None or cfg.model.dtype is None):
+        if (
+            command.name in ("generate", "plan")
+            and "dtype" in msg
+            and "not supported" in msg
+            and (cfg is None or cfg.model.dtype is None)
+        ):
             msg += " (the compute dtype is chosen with --dtype)"
         sys.stderr.write(f"error: {msg}\n")
         return 2

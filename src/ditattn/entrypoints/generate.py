@@ -5,10 +5,12 @@ clips, PNG for one frame) and prints the file path and, as the last line, a one-
 summary; ``--num-gpus N`` runs it on N ranks (rank 0 prints and writes).
 
 Default settings: each built-in model has its own (:mod:`ditattn.models.builtin`; the default
-``ditattn:tiny-wan``: 128x128, 9 frames, 8 steps, guidance 5.0), seed 0, float32 on CPU (about 2 s of compute on 2 idle cores; most of a cold run is importing torch
+``ditattn:tiny-wan``: 128x128, 9 frames, 8 steps, guidance 5.0), seed 0, float32 on CPU (about 2 s of compute on 2 idle
+cores; most of a cold run is importing torch
 and diffusers, ~12 s end to end).  Real checkpoints default to 832x480, 81 frames, 50 steps.  On a
 CPU run the number of torch threads follows the idle cores (see :func:`_tune_cpu_threads`).
 """
+
 from __future__ import annotations
 
 import json
@@ -94,7 +96,8 @@ def _tune_cpu_threads(device) -> None:
     want = max(1, min(torch.get_num_threads(), int(cores - busy + 0.5)))
     if want < torch.get_num_threads():
         logging.getLogger("ditattn.pipeline").info(
-            "load average %.1f on %d cores: using %d CPU thread(s)", busy, cores, want)
+            "load average %.1f on %d cores: using %d CPU thread(s)", busy, cores, want
+        )
         torch.set_num_threads(want)
 
 
@@ -122,12 +125,27 @@ def _write(cfg: RunConfig, frames, num_frames: int) -> Optional[str]:
     try:
         return save_frames(frames, path, fps=cfg.output.fps or 16)
     except OSError as exc:
-        raise AttentionConfigError(f"cannot write {path}: {exc.strerror or exc}; choose another --output-path") from None
+        raise AttentionConfigError(
+            f"cannot write {path}: {exc.strerror or exc}; choose another --output-path"
+        ) from None
 
 
-def _report(cfg: RunConfig, frames, *, t_start: float, load: float, steps: int, size: tuple, num_frames: int,
-            parts: dict, backends: str, stats: Optional[dict] = None, peak_memory: Optional[int] = None,
-            sampling: Optional[dict] = None, cache: Optional[dict] = None) -> None:
+def _report(
+    cfg: RunConfig,
+    frames,
+    *,
+    t_start: float,
+    load: float,
+    steps: int,
+    size: tuple,
+    num_frames: int,
+    parts: dict,
+    backends: str,
+    stats: Optional[dict] = None,
+    peak_memory: Optional[int] = None,
+    sampling: Optional[dict] = None,
+    cache: Optional[dict] = None,
+) -> None:
     """Write the output, print its path, the attention stats and the one-line timing summary (with
     the sampler, the DiT forwards per clip and the CFG mode of ``sampling`` when given, and the peak
     CUDA memory of the generation when it ran on a GPU)."""
@@ -147,14 +165,20 @@ def _report(cfg: RunConfig, frames, *, t_start: float, load: float, steps: int, 
     peak = f"; peak GPU memory {peak_memory / 2**30:.1f} GiB" if peak_memory is not None else ""
     how = ""
     if sampling:  # e.g. ", lcm shift 5, 4 DiT forwards, CFG off"
-        how = (f", {sampling['scheduler']} shift {sampling['flow_shift']:g}, {sampling['forwards']} DiT forwards, "
-               f"CFG {sampling['cfg']}")
+        how = (
+            f", {sampling['scheduler']} shift {sampling['flow_shift']:g}, {sampling['forwards']} DiT forwards, "
+            f"CFG {sampling['cfg']}"
+        )
     step_cache = ""
     if cache is not None:  # the step cache counts DiT calls (a batched CFG call carries both halves)
-        step_cache = (f"; step cache {cache['backend']}: {cache['computed']} of {cache['forwards']} DiT calls "
-                      f"computed, {cache['reused']} reused")
-    print(f"done in {total:.1f}s{where}: {w}x{h}, {num_frames} frame{'s' if num_frames != 1 else ''}, {steps} steps"
-          f"{how} (load {load:.1f}s, {detail}); DiT attention: {backends}{peak}{step_cache}")
+        step_cache = (
+            f"; step cache {cache['backend']}: {cache['computed']} of {cache['forwards']} DiT calls "
+            f"computed, {cache['reused']} reused"
+        )
+    print(
+        f"done in {total:.1f}s{where}: {w}x{h}, {num_frames} frame{'s' if num_frames != 1 else ''}, {steps} steps"
+        f"{how} (load {load:.1f}s, {detail}); DiT attention: {backends}{peak}{step_cache}"
+    )
     sys.stdout.flush()
 
 
@@ -177,10 +201,21 @@ def _generate_native(cfg: RunConfig, t_start: float) -> int:
     load = time.perf_counter() - t0 + (t0 - t_start)
     res = pipe.generate(**kw, request_state=state, progress=sequence_parallel_rank() == 0)  # one bar: rank 0's
     parts = {k: res.timings[k] for k in ("text", "image", "denoise", "decode") if k in res.timings}
-    _report(cfg, res.frames[0], t_start=t_start, load=load, steps=res.num_inference_steps,
-            size=(res.width, res.height), num_frames=res.num_frames, parts=parts,
-            backends=",".join(res.attention_backends) + _linears_note(pipe), stats=res.stats,
-            peak_memory=res.peak_memory, sampling=res.sampling, cache=res.cache)
+    _report(
+        cfg,
+        res.frames[0],
+        t_start=t_start,
+        load=load,
+        steps=res.num_inference_steps,
+        size=(res.width, res.height),
+        num_frames=res.num_frames,
+        parts=parts,
+        backends=",".join(res.attention_backends) + _linears_note(pipe),
+        stats=res.stats,
+        peak_memory=res.peak_memory,
+        sampling=res.sampling,
+        cache=res.cache,
+    )
     return 0
 
 
@@ -196,13 +231,26 @@ def _warn_if_slow(pipe, kw: dict) -> None:
     h, w = kw["height"] or d["height"], kw["width"] or d["width"]
     frames, steps = kw["num_frames"] or d["num_frames"], kw["num_inference_steps"] or d["num_inference_steps"]
     guidance = (d["guidance_scale"] if kw["guidance_scale"] is None else kw["guidance_scale"]) > 1.0
-    est = estimate(height=h, width=w, num_frames=frames, steps=steps, guidance=guidance, layers=c.num_layers,
-                   heads=c.num_attention_heads, head_dim=c.attention_head_dim, ffn_dim=c.ffn_dim,
-                   patch_size=c.patch_size, vae_spatial=pipe.vae_scale_spatial, vae_temporal=pipe.vae_scale_temporal)
+    est = estimate(
+        height=h,
+        width=w,
+        num_frames=frames,
+        steps=steps,
+        guidance=guidance,
+        layers=c.num_layers,
+        heads=c.num_attention_heads,
+        head_dim=c.attention_head_dim,
+        ffn_dim=c.ffn_dim,
+        patch_size=c.patch_size,
+        vae_spatial=pipe.vae_scale_spatial,
+        vae_temporal=pipe.vae_scale_temporal,
+    )
     if est.seconds > WARN_SECONDS:
-        sys.stderr.write(f"warning: {w}x{h}, {frames} frames, {steps} steps on the CPU: {est.describe()}, roughly "
-                         f"{human_seconds(est.seconds)} here; a smaller --height/--width/--num-frames or fewer "
-                         "--num-inference-steps is faster, a GPU much faster\n")
+        sys.stderr.write(
+            f"warning: {w}x{h}, {frames} frames, {steps} steps on the CPU: {est.describe()}, roughly "
+            f"{human_seconds(est.seconds)} here; a smaller --height/--width/--num-frames or fewer "
+            "--num-inference-steps is faster, a GPU much faster\n"
+        )
         sys.stderr.flush()
 
 
@@ -217,8 +265,10 @@ def _diffusers_image(mi, path: Optional[str]):
             raise AttentionConfigError("this checkpoint is image-to-video: give the first frame with --image PATH")
         return None
     if mode == "t2v":
-        raise AttentionConfigError("this checkpoint is text-to-video and takes no --image; image conditioning needs "
-                                   "an image-to-video checkpoint (Wan 2.1 I2V, Wan 2.2 I2V-A14B or TI2V-5B)")
+        raise AttentionConfigError(
+            "this checkpoint is text-to-video and takes no --image; image conditioning needs "
+            "an image-to-video checkpoint (Wan 2.1 I2V, Wan 2.2 I2V-A14B or TI2V-5B)"
+        )
     return load_image(path, where="--image")
 
 
@@ -253,8 +303,9 @@ def _generate_diffusers(cfg: RunConfig, t_start: float) -> int:
     if route == "ditattn":
         cfg.attention_settings()  # refuse bad attention flags before loading
     m, s = cfg.model, cfg.sampling
-    folder, name = resolve_model_path(m.model_path, revision=m.revision, local_files_only=m.local_files_only,
-                                      variant=m.model_variant)
+    folder, name = resolve_model_path(
+        m.model_path, revision=m.revision, local_files_only=m.local_files_only, variant=m.model_variant
+    )
     mi = read_model_index(folder, name)
     dev = parse_device(m.device)
     dt = parse_dtype(m.dtype, platform_for_device(dev))
@@ -265,8 +316,11 @@ def _generate_diffusers(cfg: RunConfig, t_start: float) -> int:
     if image is not None and s.height is None and s.width is None:
         from ditattn.pipelines.conditioning import size_for_image
 
-        patch = read_json(os.path.join(mi.folder("transformer" if "transformer" in mi.components else "transformer_2"),
-                                       "config.json")).get("patch_size", (1, 2, 2))
+        patch = read_json(
+            os.path.join(
+                mi.folder("transformer" if "transformer" in mi.components else "transformer_2"), "config.json"
+            )
+        ).get("patch_size", (1, 2, 2))
         spatial = int(read_json(os.path.join(mi.folder("vae"), "config.json")).get("scale_factor_spatial") or 8)
         height, width = size_for_image(image.width, image.height, d["height"] * d["width"], spatial * int(patch[1]))
     num_frames = s.num_frames or d["num_frames"]
@@ -275,18 +329,32 @@ def _generate_diffusers(cfg: RunConfig, t_start: float) -> int:
     check_size_static(mi, height, width, num_frames)
     _output_path(cfg, num_frames)
     t0 = time.perf_counter()
-    pipe = load_diffusers_pipeline(folder, device=dev, dtype=dt, variant=m.model_variant,
-                                   attention_backend=cfg.attention.attention_backend if route == "diffusers" else None,
-                                   image_to_video=image is not None, model=m)
+    pipe = load_diffusers_pipeline(
+        folder,
+        device=dev,
+        dtype=dt,
+        variant=m.model_variant,
+        attention_backend=cfg.attention.attention_backend if route == "diffusers" else None,
+        image_to_video=image is not None,
+        model=m,
+    )
     routing = apply_ditattn(pipe, cfg) if route == "ditattn" else None
     load = time.perf_counter() - t0 + (t0 - t_start)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     with torch.inference_mode():
         frames, secs = run_diffusers(
-            pipe, prompt=s.prompt, negative_prompt=s.negative_prompt, height=height, width=width,
-            num_frames=num_frames, num_inference_steps=steps, guidance_scale=guidance, seed=s.seed or 0,
-            image=image, guidance_scale_2=s.guidance_scale_2,
+            pipe,
+            prompt=s.prompt,
+            negative_prompt=s.negative_prompt,
+            height=height,
+            width=width,
+            num_frames=num_frames,
+            num_inference_steps=steps,
+            guidance_scale=guidance,
+            seed=s.seed or 0,
+            image=image,
+            guidance_scale_2=s.guidance_scale_2,
         )
     peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
     backends, stats = f"diffusers:{cfg.attention.attention_backend or 'default'}", {}
@@ -295,6 +363,17 @@ def _generate_diffusers(cfg: RunConfig, t_start: float) -> int:
 
         backends = f"{','.join(call_backends(pipe))} (ditattn in diffusers)"
         stats = dict(routing.last_state.stats) if routing.last_state is not None else {}
-    _report(cfg, frames[0], t_start=t_start, load=load, steps=steps, size=(width, height), num_frames=num_frames,
-            parts={"generate": secs}, backends=backends, stats=stats, peak_memory=peak)
+    _report(
+        cfg,
+        frames[0],
+        t_start=t_start,
+        load=load,
+        steps=steps,
+        size=(width, height),
+        num_frames=num_frames,
+        parts={"generate": secs},
+        backends=backends,
+        stats=stats,
+        peak_memory=peak,
+    )
     return 0

@@ -1,6 +1,7 @@
 """``ditattn plan``: resolve every attention layer of the native pipeline without weights or
 denoising and print the plan (``--json``: the plan as a JSON object), on the machine here or on the
 platform ``--platform`` simulates (``cfg.simulation``)."""
+
 from __future__ import annotations
 
 import json
@@ -29,17 +30,31 @@ def _plan(cfg: RunConfig) -> int:
         pipe.check_size(s.height or d["height"], s.width or d["width"], s.num_frames or d["num_frames"])
     from ditattn.pipelines.sampling import format_sampling, sampling_plan
 
-    sampling = sampling_plan(pipe, s, steps=s.num_inference_steps, guidance=s.guidance_scale, height=s.height,
-                             width=s.width, num_frames=s.num_frames)
-    unused = [f"--{flag_name(k)}" for k in ("prompt", "negative_prompt", "guidance_scale_2", "image", "seed")
-              if getattr(s, k) not in (None, 0)]
+    sampling = sampling_plan(
+        pipe,
+        s,
+        steps=s.num_inference_steps,
+        guidance=s.guidance_scale,
+        height=s.height,
+        width=s.width,
+        num_frames=s.num_frames,
+    )
+    unused = [
+        f"--{flag_name(k)}"
+        for k in ("prompt", "negative_prompt", "guidance_scale_2", "image", "seed")
+        if getattr(s, k) not in (None, 0)
+    ]
     m = cfg.model
-    unused += [f"--{flag_name(k)}" for k in ("lora_path", "lora_fuse", "vae_tiling", "vae_slicing")
-               if getattr(m, k) not in (None, False, ())]
+    unused += [
+        f"--{flag_name(k)}"
+        for k in ("lora_path", "lora_fuse", "vae_tiling", "vae_slicing")
+        if getattr(m, k) not in (None, False, ())
+    ]
     unused += ["--offload"] if m.offload != "none" else []
     if unused:  # accepted for symmetry with generate; say so rather than ignore them silently
-        sys.stderr.write(f"note: {', '.join(unused)} do not change the attention plan (sampling, weights and memory "
-                         "only)\n")
+        sys.stderr.write(
+            f"note: {', '.join(unused)} do not change the attention plan (sampling, weights and memory only)\n"
+        )
     plan = pipe.plan()
     override = state.override.value if state is not None and state.override is not None else None
     if cfg.json:
@@ -52,8 +67,10 @@ def _plan(cfg: RunConfig) -> int:
         print(format_plan(plan, model=pipe.model_index.name, dtype=dtype, override=override))
         print(format_sampling(sampling))
         cache = pipe.cache_setting
-        print(f"step cache: {cache.describe() if cache is not None else 'none'}"
-              + (f" [reuses {cache.method.facts.reuses}; decided by {cache.method.facts.signal}]" if cache else ""))
+        print(
+            f"step cache: {cache.describe() if cache is not None else 'none'}"
+            + (f" [reuses {cache.method.facts.reuses}; decided by {cache.method.facts.signal}]" if cache else "")
+        )
     return 0
 
 
@@ -80,6 +97,12 @@ def _plan_diffusers(cfg: RunConfig) -> int:
             plan["request_override"] = override
         print(json.dumps(plan, indent=2))
     else:
-        print(format_plan(plan, model=f"{name} (diffusers pipeline, ditattn attention)",
-                          dtype=str(dtype).replace("torch.", ""), override=override))
+        print(
+            format_plan(
+                plan,
+                model=f"{name} (diffusers pipeline, ditattn attention)",
+                dtype=str(dtype).replace("torch.", ""),
+                override=override,
+            )
+        )
     return 0

@@ -1,6 +1,7 @@
 """Sequence-parallel runs of a command (``--num-gpus N``): refuse what can be refused before any
 rank starts, then run the command's rank function on every rank through
 :func:`ditattn.distributed.launch.launch`."""
+
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -39,7 +40,9 @@ def check_cfg_guidance(cfg: RunConfig, default: Optional[float] = None) -> None:
     the ranks: a guidance scale <= 1 (``--guidance-scale``, else ``default``, the model's)."""
     g = cfg.sampling.guidance_scale if cfg.sampling.guidance_scale is not None else default
     if cfg.parallel.cfg_parallel and g is not None and g <= 1.0:
-        where = "--guidance-scale" if cfg.sampling.guidance_scale is not None else "this model's default guidance scale"
+        where = (
+            "--guidance-scale" if cfg.sampling.guidance_scale is not None else "this model's default guidance scale"
+        )
         raise AttentionConfigError(
             f"--cfg-parallel runs the unconditional pass on half of the ranks, but {where} is {g:g} (<= 1: no "
             f"unconditional pass); use --guidance-scale above 1, or drop --cfg-parallel"
@@ -59,7 +62,15 @@ def run_on_ranks(rank_fn: Callable[[RankInfo, RunConfig], int], cfg: RunConfig) 
     if not under_torchrun():
         check_devices(device, n)
     preflight(cfg)
-    results = launch(rank_fn, n, args=(cfg,), device=device, ulysses_degree=u, ring_degree=r,
-                     timeout_s=settings.dist_timeout_s(), quiet_followers=True,
-                     cfg_degree=cfg.parallel.cfg_degree())
+    results = launch(
+        rank_fn,
+        n,
+        args=(cfg,),
+        device=device,
+        ulysses_degree=u,
+        ring_degree=r,
+        timeout_s=settings.dist_timeout_s(),
+        quiet_followers=True,
+        cfg_degree=cfg.parallel.cfg_degree(),
+    )
     return int(own_result(results) or 0)

@@ -3,6 +3,7 @@
 With ``--num-gpus N`` every rank loads the pipeline; rank 0 runs the HTTP server and relays each
 pipeline call (:class:`~ditattn.distributed.relay.PipelineRelay`), the other ranks replay them.
 """
+
 from __future__ import annotations
 
 import logging
@@ -20,27 +21,34 @@ def check_serve_options(cfg: RunConfig) -> None:
     """Before loading the model: refuse a seed or prompt (each request carries its own, so they
     would be ignored) and an address the server cannot bind (bad host, port in use)."""
     if cfg.sampling.seed is not None:
-        raise AttentionConfigError("--seed does not apply to serve; accepted: a 'seed' field in each request "
-                                   "(requests without one get a random seed)")
+        raise AttentionConfigError(
+            "--seed does not apply to serve; accepted: a 'seed' field in each request "
+            "(requests without one get a random seed)"
+        )
     if cfg.sampling.prompt is not None:
         raise AttentionConfigError("prompt does not apply to serve; accepted: a 'prompt' field in each request")
     if cfg.sampling.image is not None:
-        raise AttentionConfigError("--image does not apply to serve; accepted: an 'input_reference' image in each "
-                                   "POST /v1/videos request")
+        raise AttentionConfigError(
+            "--image does not apply to serve; accepted: an 'input_reference' image in each POST /v1/videos request"
+        )
     host, port = cfg.server.host, cfg.server.port
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as exc:
-        raise AttentionConfigError(f"--host {host!r} cannot be resolved ({exc}); accepted: an IP address or "
-                                   "host name of this machine, e.g. 127.0.0.1 or 0.0.0.0") from None
+        raise AttentionConfigError(
+            f"--host {host!r} cannot be resolved ({exc}); accepted: an IP address or "
+            "host name of this machine, e.g. 127.0.0.1 or 0.0.0.0"
+        ) from None
     family, _, _, _, addr = infos[0]
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(addr)
         except OSError as exc:
-            raise AttentionConfigError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); accepted: "
-                                       "a free port and an address of this machine") from None
+            raise AttentionConfigError(
+                f"cannot listen on {host}:{port} ({exc.strerror or exc}); accepted: "
+                "a free port and an address of this machine"
+            ) from None
 
 
 def run(cfg: RunConfig) -> int:
@@ -50,8 +58,10 @@ def run(cfg: RunConfig) -> int:
     require("server", "ditattn serve")
     check_serve_options(cfg)
     if cfg.model.backend != "native":
-        raise AttentionConfigError("ditattn serve runs the native pipeline only (per-request attention overrides "
-                                   "need ditattn's attention layers); drop --backend diffusers")
+        raise AttentionConfigError(
+            "ditattn serve runs the native pipeline only (per-request attention overrides "
+            "need ditattn's attention layers); drop --backend diffusers"
+        )
     if cfg.server.replicas > 1 or cfg.server.ray_address:  # replicas on Ray Serve behind one endpoint
         return serve_on_ray(cfg)
     if needs_ranks(cfg):  # one process per rank: rank 0 serves, the others follow
@@ -72,8 +82,10 @@ def serve_on_ray(cfg: RunConfig) -> int:
     if cfg.server.replicas > 1 or is_postgres(cfg.server.job_store):
         require("scale", "ditattn serve --replicas")
     elif "ray[serve]" in missing("scale"):  # one replica over SQLite: Ray alone, no PostgreSQL client
-        raise MissingDependencyError("ditattn serve --ray-address needs ray[serve], which is not installed; install "
-                                     "ditattn[scale] (pip install 'ditattn[scale]')")
+        raise MissingDependencyError(
+            "ditattn serve --ray-address needs ray[serve], which is not installed; install "
+            "ditattn[scale] (pip install 'ditattn[scale]')"
+        )
     from ditattn.server.pgstore import redact
     from ditattn.server.rayserve import deploy, undeploy
 
@@ -94,9 +106,12 @@ def serve_on_ray(cfg: RunConfig) -> int:
         signal.signal(sig, on_signal)
     s = cfg.server
     store = redact(s.job_store) if s.job_store else "sqlite (one replica)"
-    print(f"ditattn serve: {s.replicas} replica(s) of {cfg.model.model_path or 'the model'} on {url} (Ray Serve"
-          f"{' at ' + s.ray_address if s.ray_address else ', local Ray instance'}; job store "
-          f"{store}; outputs in {s.output_dir or 'a temporary folder'}); Ctrl-C stops", flush=True)
+    print(
+        f"ditattn serve: {s.replicas} replica(s) of {cfg.model.model_path or 'the model'} on {url} (Ray Serve"
+        f"{' at ' + s.ray_address if s.ray_address else ', local Ray instance'}; job store "
+        f"{store}; outputs in {s.output_dir or 'a temporary folder'}); Ctrl-C stops",
+        flush=True,
+    )
     while not done.wait(1.0):  # a timed wait: the signal handlers run between waits
         pass
     print("ditattn serve: stopping the replicas (unfinished video jobs go back to the shared store)", flush=True)
@@ -125,17 +140,26 @@ def serve_here(cfg: RunConfig) -> int:
     state = app.state.server
     host, port = cfg.server.host, cfg.server.port
     if host not in ("127.0.0.1", "localhost", "::1") and not cfg.server.api_key:
-        log.warning("serving on %s without --api-key: anyone who can reach this address can use the server (web "
-                    "pages cannot: requests must name it by IP address, localhost, --public-url or --allowed-hosts)",
-                    host)
-    where = (f"outputs and job store in {state.output_dir}" if cfg.server.output_dir else
-             "no --output-dir: outputs in a temporary folder, video jobs are not kept across restarts")
+        log.warning(
+            "serving on %s without --api-key: anyone who can reach this address can use the server (web "
+            "pages cannot: requests must name it by IP address, localhost, --public-url or --allowed-hosts)",
+            host,
+        )
+    where = (
+        f"outputs and job store in {state.output_dir}"
+        if cfg.server.output_dir
+        else "no --output-dir: outputs in a temporary folder, video jobs are not kept across restarts"
+    )
     q = runner.pipe.quantization_summary()  # per process: every request runs these linears
     linears = f"; DiT linears: {q}" if q else ""
-    print(f"ditattn serve: model {runner.model_id} on http://{host}:{port} "
-          f"(DiT attention: {', '.join(runner.default_backends())}{linears}; {where})", flush=True)
-    config = uvicorn_config(app, cfg.server, log_level="info" if cfg.verbose else "warning",
-                            timeout_graceful_shutdown=5)
+    print(
+        f"ditattn serve: model {runner.model_id} on http://{host}:{port} "
+        f"(DiT attention: {', '.join(runner.default_backends())}{linears}; {where})",
+        flush=True,
+    )
+    config = uvicorn_config(
+        app, cfg.server, log_level="info" if cfg.verbose else "warning", timeout_graceful_shutdown=5
+    )
     server = DrainingServer(config, state)  # h11 with read timeouts and half-close support (server.connection)
     server.run()
     return 0

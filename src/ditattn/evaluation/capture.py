@@ -18,6 +18,7 @@
 :func:`capture_qkv` records q/k/v of chosen layers and steps instead and writes them in the
 activation file format that ``bench/fidelity.py --activations`` reads (:data:`QKV_FORMAT`).
 """
+
 from __future__ import annotations
 
 import json
@@ -59,8 +60,10 @@ def resolve_steps(steps: Sequence[int], num_steps: int) -> set[int]:
     for s in steps:
         r = s + num_steps if s < 0 else s
         if not 0 <= r < num_steps:
-            raise AttentionConfigError(f"capture step {s} is outside the run's {num_steps} steps (0..{num_steps - 1}, or "
-                             f"-1..-{num_steps} from the end)")
+            raise AttentionConfigError(
+                f"capture step {s} is outside the run's {num_steps} steps (0..{num_steps - 1}, or "
+                f"-1..-{num_steps} from the end)"
+            )
         out.add(r)
     return out
 
@@ -92,8 +95,15 @@ class AttentionRecorder:
     error budget) / ``sparse_calls``, ``hook_s``.  Use as a context manager.
     """
 
-    def __init__(self, modules: Iterable[torch.nn.Module], *, steps: Iterable[int], rows: int = 4096,
-                 reference: Optional[dict] = None, keep_outputs: bool = True):
+    def __init__(
+        self,
+        modules: Iterable[torch.nn.Module],
+        *,
+        steps: Iterable[int],
+        rows: int = 4096,
+        reference: Optional[dict] = None,
+        keep_outputs: bool = True,
+    ):
         self.layers = self_attention_layers(modules)
         self.steps = set(steps)
         self.rows = int(rows)
@@ -158,11 +168,22 @@ class AttentionRecorder:
         backend, config = self.reference[module.layer_key]
         dense = SPECS[backend].kind in ("dense", "quantized")
         if dense and rows is not None:  # only the sampled query rows
-            return attention(q[:, rows.to(q.device)], k, v, backend=backend, config=config, causal=module.causal,
-                             scale=module.scale)
-        out = attention(q, k, v, backend=backend, config=config, causal=module.causal, scale=module.scale,
-                        video_shape=fwd.video_shape, text_len=fwd.text_len, step=fwd.step,
-                        layer_idx=module.layer_idx)
+            return attention(
+                q[:, rows.to(q.device)], k, v, backend=backend, config=config, causal=module.causal, scale=module.scale
+            )
+        out = attention(
+            q,
+            k,
+            v,
+            backend=backend,
+            config=config,
+            causal=module.causal,
+            scale=module.scale,
+            video_shape=fwd.video_shape,
+            text_len=fwd.text_len,
+            step=fwd.step,
+            layer_idx=module.layer_idx,
+        )
         return out if rows is None else out[:, rows.to(out.device)]
 
     def compare_to(self, ref: "AttentionRecorder") -> list[dict]:
@@ -174,8 +195,16 @@ class AttentionRecorder:
                 continue
             rel, cos = tensor_errors(self.outputs[key], ref.outputs[key])
             ic = self.in_context.get(key)
-            rows.append({"layer": key[0], "step": key[1], "rel_err": rel, "cosine": cos,
-                         "in_context_rel_err": ic[0] if ic else None, "in_context_cosine": ic[1] if ic else None})
+            rows.append(
+                {
+                    "layer": key[0],
+                    "step": key[1],
+                    "rel_err": rel,
+                    "cosine": cos,
+                    "in_context_rel_err": ic[0] if ic else None,
+                    "in_context_cosine": ic[1] if ic else None,
+                }
+            )
         return rows
 
     def kept_fraction(self) -> Optional[float]:
@@ -188,8 +217,17 @@ class AttentionRecorder:
 # Q/K/V capture for the fidelity benchmark
 
 
-def capture_qkv(pipe, prompt: str, path: str, *, steps: Sequence[int] = (-1,), layers: Optional[Sequence[int]] = None,
-                seed: int = 0, batch_index: int = 0, **generate_kw) -> list[dict]:
+def capture_qkv(
+    pipe,
+    prompt: str,
+    path: str,
+    *,
+    steps: Sequence[int] = (-1,),
+    layers: Optional[Sequence[int]] = None,
+    seed: int = 0,
+    batch_index: int = 0,
+    **generate_kw,
+) -> list[dict]:
     """Generate once with ``pipe`` (a :class:`~ditattn.pipelines.wan.WanPipelineNative`) and write
     the q/k/v that the DiT's self-attention layers saw at ``steps`` to a safetensors file.
 
@@ -217,10 +255,21 @@ def capture_qkv(pipe, prompt: str, path: str, *, steps: Sequence[int] = (-1,), l
             return
         name = f"{module.layer_key}@step{fwd.step}"
         for tag, t in zip("qkv", args[:3]):
-            tensors[f"{name}.{tag}"] = t[batch_index:batch_index + 1].detach().to("cpu").contiguous()
-        entries.append({"name": name, "layer": module.layer_key, "layer_idx": module.layer_idx, "step": int(fwd.step),
-                        "video_shape": list(fwd.video_shape), "text_len": int(fwd.text_len), "scale": module.scale,
-                        "prompt": prompt, "seed": int(seed), "model": pipe.model_index.name})
+            tensors[f"{name}.{tag}"] = t[batch_index : batch_index + 1].detach().to("cpu").contiguous()
+        entries.append(
+            {
+                "name": name,
+                "layer": module.layer_key,
+                "layer_idx": module.layer_idx,
+                "step": int(fwd.step),
+                "video_shape": list(fwd.video_shape),
+                "text_len": int(fwd.text_len),
+                "scale": module.scale,
+                "prompt": prompt,
+                "seed": int(seed),
+                "model": pipe.model_index.name,
+            }
+        )
 
     handles = [m.register_forward_hook(hook, with_kwargs=True) for m in self_attention_layers(pipe.dit_modules)]
     try:
@@ -243,8 +292,10 @@ def load_qkv(path: str) -> list[tuple[dict, Tensor, Tensor, Tensor]]:
         with safe_open(path, framework="pt") as fh:
             meta = fh.metadata() or {}
             if meta.get("format") != QKV_FORMAT:
-                raise ActivationFileError(f"{path}: not a ditattn activation file (metadata format {meta.get('format')!r}, "
-                                 f"expected {QKV_FORMAT!r}; write one with bench/capture_qkv.py)")
+                raise ActivationFileError(
+                    f"{path}: not a ditattn activation file (metadata format {meta.get('format')!r}, "
+                    f"expected {QKV_FORMAT!r}; write one with bench/capture_qkv.py)"
+                )
             entries = json.loads(meta["entries"])
             out = []
             for e in entries:

@@ -24,6 +24,7 @@ infinite PSNR is the string ``"inf"`` in the JSON file); with ``output_dir`` it 
 ``compare.json``, ``compare.png`` (quality against speed), ``contact_sheet.png`` (first, middle and
 last frame of every clip side by side) and one side-by-side MP4 per prompt and seed.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -48,10 +49,12 @@ from ditattn.models.quantization import MODES, check_mode
 log = logging.getLogger("ditattn.compare")
 
 _NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")
-VARIANT_SYNTAX = ("NAME=BACKEND[:k=v;k=v][@component=backend,...][+fp8|+int8][+cache:METHOD[:k=v;k=v]] or "
-                  "NAME={json object with backend, config, components, dit_quantization, cache}; BACKEND 'auto' = "
-                  "automatic choice; +fp8 / +int8: 8-bit DiT linears; +cache: a step cache (teacache, magcache, "
-                  "first_block_cache) and its keys")
+VARIANT_SYNTAX = (
+    "NAME=BACKEND[:k=v;k=v][@component=backend,...][+fp8|+int8][+cache:METHOD[:k=v;k=v]] or "
+    "NAME={json object with backend, config, components, dit_quantization, cache}; BACKEND 'auto' = "
+    "automatic choice; +fp8 / +int8: 8-bit DiT linears; +cache: a step cache (teacache, magcache, "
+    "first_block_cache) and its keys"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +76,11 @@ class Variant:
         variant's backend, config and component overrides."""
         base = base or AttentionSettings()
         return dataclasses.replace(
-            base, backend=AttentionBackendEnum.from_name(self.backend) if self.backend else None,
-            config=dict(self.config), component_overrides=parse_component_overrides(self.components or None))
+            base,
+            backend=AttentionBackendEnum.from_name(self.backend) if self.backend else None,
+            config=dict(self.config),
+            component_overrides=parse_component_overrides(self.components or None),
+        )
 
     def label(self) -> str:
         cfg = ",".join(f"{k}={v}" for k, v in self.config.items())
@@ -103,11 +109,15 @@ def parse_variant(text: str) -> Variant:
         try:
             data = json.loads(spec)
         except json.JSONDecodeError as exc:
-            raise AttentionConfigError(f"--variant {name}: not valid JSON ({exc}); expected {VARIANT_SYNTAX}") from None
+            raise AttentionConfigError(
+                f"--variant {name}: not valid JSON ({exc}); expected {VARIANT_SYNTAX}"
+            ) from None
         unknown = set(data) - {"backend", "config", "components", "dit_quantization", "cache"}
         if unknown:
-            raise AttentionConfigError(f"--variant {name}: unknown key(s) {sorted(unknown)}; accepted: backend, "
-                                       "config, components, dit_quantization, cache")
+            raise AttentionConfigError(
+                f"--variant {name}: unknown key(s) {sorted(unknown)}; accepted: backend, "
+                "config, components, dit_quantization, cache"
+            )
         cache = data.get("cache")
         backend, config, comps = data.get("backend"), data.get("config") or {}, data.get("components") or {}
         quant = data.get("dit_quantization") or "none"
@@ -128,16 +138,23 @@ def parse_variant(text: str) -> Variant:
     backend = str(backend or "").strip()
     if backend.lower() in ("", "auto"):
         if config:
-            raise AttentionConfigError(f"--variant {name}: a config needs a backend (got 'auto' with keys "
-                                       f"{sorted(config)})")
+            raise AttentionConfigError(
+                f"--variant {name}: a config needs a backend (got 'auto' with keys {sorted(config)})"
+            )
         canon = None
     else:
         canon = AttentionBackendEnum.from_name(backend).value
         full = validate_backend_config(canon, config)
         config = {k: full[k] for k in config}
     parse_component_overrides(comps or None)  # validates component keys and backend names
-    return Variant(name, canon, config, {str(k).strip(): str(v).strip() for k, v in comps.items()},
-                   check_mode(quant), _variant_cache(name, cache))
+    return Variant(
+        name,
+        canon,
+        config,
+        {str(k).strip(): str(v).strip() for k, v in comps.items()},
+        check_mode(quant),
+        _variant_cache(name, cache),
+    )
 
 
 def _variant_cache(name: str, spec) -> Optional[dict]:
@@ -156,8 +173,9 @@ def _variant_cache(name: str, spec) -> Optional[dict]:
     elif isinstance(spec, dict) and set(spec) <= {"backend", "config"} and isinstance(spec.get("config", {}), dict):
         method, config = spec.get("backend"), dict(spec.get("config") or {})
     else:
-        raise AttentionConfigError(f"--variant {name}: 'cache' must be METHOD[:k=v;k=v] or an object with backend "
-                                   "and config")
+        raise AttentionConfigError(
+            f"--variant {name}: 'cache' must be METHOD[:k=v;k=v] or an object with backend and config"
+        )
     try:
         found = validate_cache(method, config)
     except AttentionConfigError as exc:
@@ -210,8 +228,9 @@ class CompareConfig:
 
     def validate(self) -> None:
         if len(self.variants) < 2:
-            raise AttentionConfigError(f"compare needs at least two --variant (got {len(self.variants)}); the first "
-                                       "is the reference")
+            raise AttentionConfigError(
+                f"compare needs at least two --variant (got {len(self.variants)}); the first is the reference"
+            )
         names = [v.name for v in self.variants]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
@@ -254,13 +273,25 @@ def run_compare(cfg: CompareConfig) -> dict:
 
     cfg.validate()
     for var in cfg.variants:  # every variant refused before the first run, not after it (plans, no weights)
-        plan = WanPipelineNative.from_pretrained(cfg.model_path, var.settings(cfg.base), device=cfg.device,
-                                                 dtype=cfg.dtype, dit_quantization=var.dit_quantization,
-                                                 dit_weights=cfg.dit_weights, load_weights=False)
+        plan = WanPipelineNative.from_pretrained(
+            cfg.model_path,
+            var.settings(cfg.base),
+            device=cfg.device,
+            dtype=cfg.dtype,
+            dit_quantization=var.dit_quantization,
+            dit_weights=cfg.dit_weights,
+            load_weights=False,
+        )
         plan.prepare_cache(*_cache_args(var))
     pairs = [(pi, p, int(s)) for pi, p in enumerate(cfg.prompts) for s in cfg.seeds]
-    bar = tqdm(total=len(cfg.variants) * len(pairs), desc="compare", unit="run", file=sys.stderr,
-               disable=not cfg.progress, dynamic_ncols=True)
+    bar = tqdm(
+        total=len(cfg.variants) * len(pairs),
+        desc="compare",
+        unit="run",
+        file=sys.stderr,
+        disable=not cfg.progress,
+        dynamic_ncols=True,
+    )
     ref_map: Optional[dict] = None
     ref_recs: dict = {}
     frames: dict = {}  # (variant index, pair index) -> uint8 [F, H, W, 3]
@@ -269,22 +300,38 @@ def run_compare(cfg: CompareConfig) -> dict:
     try:
         for vi, var in enumerate(cfg.variants):
             bar.set_postfix_str(var.name)
-            pipe = WanPipelineNative.from_pretrained(cfg.model_path, var.settings(cfg.base), device=cfg.device,
-                                                     dtype=cfg.dtype, dit_quantization=var.dit_quantization,
-                                                     dit_weights=cfg.dit_weights)
+            pipe = WanPipelineNative.from_pretrained(
+                cfg.model_path,
+                var.settings(cfg.base),
+                device=cfg.device,
+                dtype=cfg.dtype,
+                dit_quantization=var.dit_quantization,
+                dit_weights=cfg.dit_weights,
+            )
             d = pipe.defaults
             steps = cfg.num_inference_steps or d["num_inference_steps"]
             if cfg.sampling.get("timesteps"):
                 steps = len(cfg.sampling["timesteps"])  # an explicit schedule overrides the step count
             capture = resolve_steps(cfg.capture_steps, steps)
-            gen_kw = dict(height=cfg.height, width=cfg.width, num_frames=cfg.num_frames, num_inference_steps=steps,
-                          guidance_scale=cfg.guidance_scale, progress=False, **cfg.sampling)
+            gen_kw = dict(
+                height=cfg.height,
+                width=cfg.width,
+                num_frames=cfg.num_frames,
+                num_inference_steps=steps,
+                guidance_scale=cfg.guidance_scale,
+                progress=False,
+                **cfg.sampling,
+            )
             gen_kw["cache_backend"], gen_kw["cache_backend_config"] = _cache_args(var)
             if vi == 0:
                 ref_map = _reference_map(pipe)
-                meta = {"model": pipe.model_index.name, "device": str(pipe.device),
-                        "dtype": str(pipe.dtype).replace("torch.", ""), "num_inference_steps": steps,
-                        "capture_steps": sorted(capture)}
+                meta = {
+                    "model": pipe.model_index.name,
+                    "device": str(pipe.device),
+                    "dtype": str(pipe.dtype).replace("torch.", ""),
+                    "num_inference_steps": steps,
+                    "capture_steps": sorted(capture),
+                }
             for _ in range(cfg.warmup):
                 pipe.generate(cfg.prompts[0], cfg.negative_prompt, seed=int(cfg.seeds[0]), **gen_kw)
 
@@ -295,18 +342,29 @@ def run_compare(cfg: CompareConfig) -> dict:
             runs = []
             for ji, (pi, prompt, seed) in enumerate(pairs):
                 reference = ref_map if (vi > 0 and cfg.in_context) else None
-                with AttentionRecorder(pipe.dit_modules, steps=capture, rows=cfg.capture_rows,
-                                       reference=reference) as rec:
+                with AttentionRecorder(
+                    pipe.dit_modules, steps=capture, rows=cfg.capture_rows, reference=reference
+                ) as rec:
                     res = pipe.generate(prompt, cfg.negative_prompt, seed=seed, on_step=on_step, **gen_kw)
                 clip = res.frames[0]
                 frames[(vi, ji)] = clip
                 t = dict(res.timings)
-                run = {"prompt": prompt, "prompt_index": pi, "seed": seed, "timings_s": t,
-                       "dit_s": t["denoise"] - rec.hook_s, "total_s": t["total"] - rec.hook_s, "hook_s": rec.hook_s,
-                       "attention_backends": res.attention_backends, "kept_fraction": rec.kept_fraction(),
-                       "sparse_calls": rec.sparse_calls, "dense_phase_calls": rec.dense_calls,
-                       "dense_fallback_calls": rec.fallback_calls,
-                       "sparse_layers": res.stats.get("sparse_layers", {}), "cache": res.cache}
+                run = {
+                    "prompt": prompt,
+                    "prompt_index": pi,
+                    "seed": seed,
+                    "timings_s": t,
+                    "dit_s": t["denoise"] - rec.hook_s,
+                    "total_s": t["total"] - rec.hook_s,
+                    "hook_s": rec.hook_s,
+                    "attention_backends": res.attention_backends,
+                    "kept_fraction": rec.kept_fraction(),
+                    "sparse_calls": rec.sparse_calls,
+                    "dense_phase_calls": rec.dense_calls,
+                    "dense_fallback_calls": rec.fallback_calls,
+                    "sparse_layers": res.stats.get("sparse_layers", {}),
+                    "cache": res.cache,
+                }
                 if vi == 0:
                     ref_recs[ji] = rec
                 else:
@@ -315,11 +373,19 @@ def run_compare(cfg: CompareConfig) -> dict:
                     rec.outputs.clear()
                 runs.append(run)
                 bar.update(1)
-            report_variants.append({"name": var.name, "backend": var.backend or "auto", "config": var.config,
-                                    "cache": var.cache,
-                                    "components": var.components, "dit_quantization": var.dit_quantization,
-                                    "label": var.label(),
-                                    "dit_backends": pipe.dit_backends(), "runs": runs})
+            report_variants.append(
+                {
+                    "name": var.name,
+                    "backend": var.backend or "auto",
+                    "config": var.config,
+                    "cache": var.cache,
+                    "components": var.components,
+                    "dit_quantization": var.dit_quantization,
+                    "label": var.label(),
+                    "dit_backends": pipe.dit_backends(),
+                    "runs": runs,
+                }
+            )
             del pipe
             gc.collect()
             if torch.cuda.is_available():
@@ -329,9 +395,14 @@ def run_compare(cfg: CompareConfig) -> dict:
     ref_runs = report_variants[0]["runs"]
     for i, rv in enumerate(report_variants):
         rv["summary"] = summarise(rv["runs"], None if i == 0 else ref_runs)
-    report = {"reference": cfg.variants[0].name, "meta": meta,
-              "prompts": list(cfg.prompts), "seeds": [int(s) for s in cfg.seeds], "variants": report_variants,
-              "files": {}}
+    report = {
+        "reference": cfg.variants[0].name,
+        "meta": meta,
+        "prompts": list(cfg.prompts),
+        "seeds": [int(s) for s in cfg.seeds],
+        "variants": report_variants,
+        "files": {},
+    }
     if cfg.output_dir:
         write_outputs(report, frames, pairs, cfg)
     return report

@@ -13,6 +13,7 @@ Clips are uint8 ``[F, H, W, 3]`` arrays (what the pipelines return per prompt) o
 Tensor metrics (attention outputs): relative L2 error ``|x - ref| / |ref|`` and cosine similarity
 of the flattened tensors, both in float64.
 """
+
 from __future__ import annotations
 
 import math
@@ -69,7 +70,7 @@ def ms_ssim_scales(height: int, width: int) -> int:
     rule: ``side // (n - 1) ** 2 > 10`` and ``side >= 2 ** n``); 0 when not even 2 fit."""
     side = min(height, width)
     for n in range(len(MS_SSIM_BETAS), 1, -1):
-        if side >= 2 ** n and side // max(1, n - 1) ** 2 > SSIM_KERNEL - 1:
+        if side >= 2**n and side // max(1, n - 1) ** 2 > SSIM_KERNEL - 1:
             return n
     return 0
 

@@ -5,6 +5,7 @@ speed chart, the contact sheet, side-by-side videos) and the text table printed 
 ``frames`` maps ``(variant index, pair index)`` to a clip, uint8 ``[F, H, W, 3]``; ``pairs`` lists
 ``(prompt index, prompt, seed)`` in run order.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,12 @@ def summarise(runs: list[dict], ref_runs: Optional[list[dict]]) -> dict:
     layers = [row for r in runs for row in r.get("layers", [])]
     dit = _mean(r["dit_s"] for r in runs)
     tot = _mean(r["total_s"] for r in runs)
-    out = {"dit_s": dit, "total_s": tot, "kept_fraction": _mean(r["kept_fraction"] for r in runs),
-           "dense_fallback_calls": sum(r.get("dense_fallback_calls", 0) for r in runs)}
+    out = {
+        "dit_s": dit,
+        "total_s": tot,
+        "kept_fraction": _mean(r["kept_fraction"] for r in runs),
+        "dense_fallback_calls": sum(r.get("dense_fallback_calls", 0) for r in runs),
+    }
     caches = [r["cache"] for r in runs if r.get("cache")]
     if caches:  # step cache: DiT forwards per forward computed (and the same for block work)
         out["forwards_computed"] = sum(c["computed"] for c in caches)
@@ -74,15 +79,17 @@ def clip_key(variant: str, prompt_index: int, seed: int) -> str:
 
 def write_outputs(report: dict, frames: dict, pairs: Sequence, cfg) -> None:
     """Write ``compare.json``, ``compare.png``, ``contact_sheet.png``, the side-by-side videos and (with
-    ``cfg.save_clips``) ``clips.npz`` into ``cfg.output_dir`` (``cfg``: the run's :class:`~ditattn.evaluation.compare.CompareConfig`);
+    ``cfg.save_clips``) ``clips.npz`` into ``cfg.output_dir`` (``cfg``: the run's
+    :class:`~ditattn.evaluation.compare.CompareConfig`);
     their paths go into ``report["files"]`` (a file that could not be written is listed in
     ``report["notes"]`` with the reason)."""
     os.makedirs(cfg.output_dir, exist_ok=True)
     files, notes = report["files"], report.setdefault("notes", [])
     names = [v.name for v in cfg.variants]
     files["chart"] = quality_speed_chart(report, os.path.join(cfg.output_dir, "compare.png"))
-    files["contact_sheet"] = contact_sheet(frames, pairs, names, report,
-                                           os.path.join(cfg.output_dir, "contact_sheet.png"))
+    files["contact_sheet"] = contact_sheet(
+        frames, pairs, names, report, os.path.join(cfg.output_dir, "contact_sheet.png")
+    )
     if cfg.write_video:
         from ditattn.pipelines.output import save_frames
 
@@ -95,13 +102,20 @@ def write_outputs(report: dict, frames: dict, pairs: Sequence, cfg) -> None:
             try:
                 files["videos"].append(save_frames(np.concatenate(clips, axis=2), path, fps=cfg.fps))
             except (ImportError, OSError, RuntimeError, ValueError) as exc:
-                notes.append(f"side-by-side video not written ({type(exc).__name__}: {exc}); the contact sheet has "
-                             "the frames")
+                notes.append(
+                    f"side-by-side video not written ({type(exc).__name__}: {exc}); the contact sheet has the frames"
+                )
                 break
     if getattr(cfg, "save_clips", False):
         path = os.path.join(cfg.output_dir, "clips.npz")
-        np.savez_compressed(path, **{clip_key(names[vi], pi, seed): frames[(vi, ji)]
-                                     for vi in range(len(names)) for ji, (pi, _p, seed) in enumerate(pairs)})
+        np.savez_compressed(
+            path,
+            **{
+                clip_key(names[vi], pi, seed): frames[(vi, ji)]
+                for vi in range(len(names))
+                for ji, (pi, _p, seed) in enumerate(pairs)
+            },
+        )
         files["clips"] = path
     path = os.path.join(cfg.output_dir, "compare.json")
     files["json"] = path
@@ -127,8 +141,13 @@ def quality_speed_chart(report: dict, path: str) -> str:
         p = s["psnr_mean"]
         y = top if p == math.inf else p
         ax1.scatter([x], [y])
-        ax1.annotate(v["name"] + (" (identical)" if p == math.inf else ""), (x, y), fontsize=8,
-                     xytext=(4, 4), textcoords="offset points")
+        ax1.annotate(
+            v["name"] + (" (identical)" if p == math.inf else ""),
+            (x, y),
+            fontsize=8,
+            xytext=(4, 4),
+            textcoords="offset points",
+        )
         err = s.get("in_context_rel_err_mean")
         if err is None:
             err = s.get("attn_rel_err_mean")
@@ -137,21 +156,29 @@ def quality_speed_chart(report: dict, path: str) -> str:
             ax2.annotate(v["name"], (x, err), fontsize=8, xytext=(4, 4), textcoords="offset points")
     ref = report["reference"]
     ax1.set(xlabel=f"DiT speed-up over {ref}", ylabel=f"PSNR vs {ref} (dB)", title="whole clip")
-    ax2.set(xlabel=f"DiT speed-up over {ref}", ylabel="attention rel. L2 error (in context)", title="per layer, mean",
-            yscale="log")
+    ax2.set(
+        xlabel=f"DiT speed-up over {ref}",
+        ylabel="attention rel. L2 error (in context)",
+        title="per layer, mean",
+        yscale="log",
+    )
     for ax in (ax1, ax2):
         ax.axvline(1.0, color="grey", lw=0.6, ls="--")
         ax.grid(alpha=0.3)
-    fig.suptitle(f"{report['meta'].get('model', '')}: quality vs speed ({len(report['prompts'])} prompts x "
-                 f"{len(report['seeds'])} seeds)", fontsize=10)
+    fig.suptitle(
+        f"{report['meta'].get('model', '')}: quality vs speed ({len(report['prompts'])} prompts x "
+        f"{len(report['seeds'])} seeds)",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
-def contact_sheet(frames: dict, pairs: Sequence, names: Sequence[str], report: dict, path: str,
-                  max_width: int = 256) -> str:
+def contact_sheet(
+    frames: dict, pairs: Sequence, names: Sequence[str], report: dict, path: str, max_width: int = 256
+) -> str:
     """PNG grid: one row per (prompt, seed), one column per variant, each cell the first, middle and
     last frame (scaled to at most ``max_width`` pixels wide), labelled with the variant and PSNR."""
     from PIL import Image, ImageDraw
@@ -184,6 +211,7 @@ def contact_sheet(frames: dict, pairs: Sequence, names: Sequence[str], report: d
 
 def format_summary(report: dict) -> str:
     """A short text table of the per-variant summaries (printed last by ``ditattn compare``)."""
+
     def f(v, fmt):
         width = int(fmt.split(".")[0])
         if v is None:
@@ -192,13 +220,17 @@ def format_summary(report: dict) -> str:
             return "inf".rjust(width)
         return format(v, fmt)
 
-    lines = [f"{'variant':<16} {'DiT s':>8} {'x DiT':>6} {'total s':>8} {'PSNR':>6} {'SSIM':>6} {'MS-SSIM':>7} "
-             f"{'attn err':>9} {'in-ctx':>9} {'kept':>5} {'fwd x':>5} {'fallbk':>6}"]
+    lines = [
+        f"{'variant':<16} {'DiT s':>8} {'x DiT':>6} {'total s':>8} {'PSNR':>6} {'SSIM':>6} {'MS-SSIM':>7} "
+        f"{'attn err':>9} {'in-ctx':>9} {'kept':>5} {'fwd x':>5} {'fallbk':>6}"
+    ]
     for v in report["variants"]:
         s = v["summary"]
-        lines.append(f"{v['name']:<16} {f(s['dit_s'], '8.2f')} {f(s.get('speedup_dit'), '6.2f')} "
-                     f"{f(s['total_s'], '8.2f')} {f(s.get('psnr_mean'), '6.2f')} {f(s.get('ssim_mean'), '6.4f')} "
-                     f"{f(s.get('ms_ssim_mean'), '7.4f')} {f(s.get('attn_rel_err_mean'), '9.2e')} "
-                     f"{f(s.get('in_context_rel_err_mean'), '9.2e')} {f(s['kept_fraction'], '5.2f')} "
-                     f"{f(s.get('forward_ratio'), '5.2f')} {f(s.get('dense_fallback_calls'), '6.0f')}")
+        lines.append(
+            f"{v['name']:<16} {f(s['dit_s'], '8.2f')} {f(s.get('speedup_dit'), '6.2f')} "
+            f"{f(s['total_s'], '8.2f')} {f(s.get('psnr_mean'), '6.2f')} {f(s.get('ssim_mean'), '6.4f')} "
+            f"{f(s.get('ms_ssim_mean'), '7.4f')} {f(s.get('attn_rel_err_mean'), '9.2e')} "
+            f"{f(s.get('in_context_rel_err_mean'), '9.2e')} {f(s['kept_fraction'], '5.2f')} "
+            f"{f(s.get('forward_ratio'), '5.2f')} {f(s.get('dense_fallback_calls'), '6.0f')}"
+        )
     return "\n".join(lines)

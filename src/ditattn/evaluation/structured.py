@@ -40,6 +40,7 @@ i.i.d. noise — neighbouring tokens carry nearly the same value, as in a real l
 ``weak``: content norms 3-8; ``mixed``: very local and near-global heads in one layer; ``smooth``:
 smooth values; ``weak_mixed_smooth``: all three).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -123,7 +124,7 @@ def content_vector(spec: StructuredSpec, head: int, gen: torch.Generator) -> tup
     lo, hi = spec.content_norm
     norm = lo + (hi - lo) * float(torch.rand(1, generator=gen, dtype=torch.float64))
     norm *= NORM_FACTOR.get(spec.head_type(head), 1.0)
-    a = a / a.norm() * math.sqrt(max(norm ** 2 - spec.sink_align ** 2, 1.0)) + spec.sink_align * e
+    a = a / a.norm() * math.sqrt(max(norm**2 - spec.sink_align**2, 1.0)) + spec.sink_align * e
     return a, e
 
 
@@ -134,8 +135,9 @@ def sink_positions(seq_len: int, n: int) -> list[int]:
     return sorted({0, *(int(round(i * seq_len / n)) for i in range(1, n))} - {seq_len})
 
 
-def structured_qkv(spec: StructuredSpec, *, device="cpu", dtype=torch.bfloat16,
-                   batch: int = 1) -> tuple[Tensor, Tensor, Tensor, dict]:
+def structured_qkv(
+    spec: StructuredSpec, *, device="cpu", dtype=torch.bfloat16, batch: int = 1
+) -> tuple[Tensor, Tensor, Tensor, dict]:
     """Structured q, k, v ``[batch, T*H*W, heads, head_dim]`` in ``dtype`` on ``device`` (video
     tokens in T-major order, as the Wan DiT lays them out) and an info dict (``head_types``,
     ``sinks``, ``content_norms``).  Deterministic in ``spec.seed``."""
@@ -161,20 +163,19 @@ def structured_qkv(spec: StructuredSpec, *, device="cpu", dtype=torch.bfloat16,
         if sinks:
             gain = spec.sink_gain * float(a.norm()) ** 2 / spec.sink_align
             kh[:, sinks] += gain * e32
-        q[:, :, h:h + 1] = apply_rope(qh, cos, sin).to(dtype)
-        k[:, :, h:h + 1] = apply_rope(kh, cos, sin).to(dtype)
+        q[:, :, h : h + 1] = apply_rope(qh, cos, sin).to(dtype)
+        k[:, :, h : h + 1] = apply_rope(kh, cos, sin).to(dtype)
         if spec.values == "smooth":
-            v[:, :, h:h + 1] = smooth_field(batch, (T, H, W), D, spec.smooth_scale, dgen, dev).to(dtype)
+            v[:, :, h : h + 1] = smooth_field(batch, (T, H, W), D, spec.smooth_scale, dgen, dev).to(dtype)
         elif spec.values == "iid":
-            v[:, :, h:h + 1] = torch.randn(batch, S, 1, D, generator=dgen, device=dev).to(dtype)
+            v[:, :, h : h + 1] = torch.randn(batch, S, 1, D, generator=dgen, device=dev).to(dtype)
         else:
             raise ValueError(f"values must be one of {list(VALUE_KINDS)}, got {spec.values!r}")
     info = {"head_types": [spec.head_type(h) for h in range(spec.heads)], "sinks": sinks, "content_norms": norms}
     return q, k, v, info
 
 
-def smooth_field(batch: int, grid: Sequence[int], dim: int, scale: float, gen: torch.Generator,
-                 device) -> Tensor:
+def smooth_field(batch: int, grid: Sequence[int], dim: int, scale: float, gen: torch.Generator, device) -> Tensor:
     """A spatially smooth value field ``[batch, T*H*W, 1, dim]`` (float32, T-major tokens): Gaussian
     noise low-pass filtered over the grid (Gaussian kernel of ``scale`` cells per axis, applied in
     the Fourier domain), normalised per channel to unit variance, plus 0.1 of i.i.d. noise."""
@@ -183,7 +184,7 @@ def smooth_field(batch: int, grid: Sequence[int], dim: int, scale: float, gen: t
     f = torch.fft.fftn(x, dim=(2, 3, 4))
     freqs = [torch.fft.fftfreq(n, device=device) for n in (T, H, W)]
     ft, fh, fw = torch.meshgrid(*freqs, indexing="ij")
-    f *= torch.exp(-2 * (math.pi * scale) ** 2 * (ft ** 2 + fh ** 2 + fw ** 2))
+    f *= torch.exp(-2 * (math.pi * scale) ** 2 * (ft**2 + fh**2 + fw**2))
     y = torch.fft.ifftn(f, dim=(2, 3, 4)).real
     y = (y - y.mean((2, 3, 4), keepdim=True)) / y.std((2, 3, 4), keepdim=True).clamp(min=1e-6)
     y = y + 0.1 * torch.randn(y.shape, generator=gen, device=device)
@@ -197,38 +198,47 @@ FAMILIES = {
     "weak": {"content_norm": (3.0, 8.0)},
     "mixed": {"types": ("local", "near_global", "local", "spatial", "near_global", "temporal")},
     "smooth": {"values": "smooth"},
-    "weak_mixed_smooth": {"content_norm": (3.0, 8.0), "values": "smooth",
-                          "types": ("local", "near_global", "spatial", "near_global", "temporal", "local")},
+    "weak_mixed_smooth": {
+        "content_norm": (3.0, 8.0),
+        "values": "smooth",
+        "types": ("local", "near_global", "spatial", "near_global", "temporal", "local"),
+    },
 }
 
 
-def family_spec(family: str, video_shape: Sequence[int], heads: int, *, head_dim: int = 128,
-                seed: int = 0) -> StructuredSpec:
+def family_spec(
+    family: str, video_shape: Sequence[int], heads: int, *, head_dim: int = 128, seed: int = 0
+) -> StructuredSpec:
     """The :class:`StructuredSpec` of a named family (:data:`FAMILIES`)."""
     try:
         kw = FAMILIES[family]
     except KeyError:
         raise ValueError(f"unknown structured family {family!r}; known: {', '.join(FAMILIES)}") from None
-    return StructuredSpec(video_shape=tuple(int(x) for x in video_shape), heads=int(heads), head_dim=int(head_dim),
-                          seed=int(seed), **kw)
+    return StructuredSpec(
+        video_shape=tuple(int(x) for x in video_shape), heads=int(heads), head_dim=int(head_dim), seed=int(seed), **kw
+    )
 
 
-def attention_profile(q: Tensor, k: Tensor, video_shape: Sequence[int], rows: Optional[Tensor] = None,
-                      scale: Optional[float] = None) -> dict:
+def attention_profile(
+    q: Tensor, k: Tensor, video_shape: Sequence[int], rows: Optional[Tensor] = None, scale: Optional[float] = None
+) -> dict:
     """Where the attention of ``rows`` (default: 64 evenly spaced queries) goes, per head (float32
     exact): ``same_frame`` (mass on keys in the query's frame), ``near`` (keys within Chebyshev
     distance 1 in (t, h, w)), ``same_place`` (keys at the query's (h, w) in any frame) and
     ``top1_percent`` (mass of the 1 % largest weights of the row).  Each ``[heads]`` float."""
     T, H, W = (int(x) for x in video_shape)
     S, D = q.shape[1], q.shape[-1]
-    scale = D ** -0.5 if scale is None else scale
+    scale = D**-0.5 if scale is None else scale
     rows = torch.linspace(0, S - 1, min(64, S)).round().long() if rows is None else rows
     idx = torch.arange(S)
     t, hh, ww = idx // (H * W), (idx // W) % H, idx % W
     qt, qh, qw = t[rows], hh[rows], ww[rows]
-    same_frame = (t[None, :] == qt[:, None])
-    near = ((t[None] - qt[:, None]).abs() <= 1) & ((hh[None] - qh[:, None]).abs() <= 1) & \
-           ((ww[None] - qw[:, None]).abs() <= 1)
+    same_frame = t[None, :] == qt[:, None]
+    near = (
+        ((t[None] - qt[:, None]).abs() <= 1)
+        & ((hh[None] - qh[:, None]).abs() <= 1)
+        & ((ww[None] - qw[:, None]).abs() <= 1)
+    )
     same_place = (hh[None] == qh[:, None]) & (ww[None] == qw[:, None])
     out = {"same_frame": [], "near": [], "same_place": [], "top1_percent": []}
     top = max(1, S // 100)

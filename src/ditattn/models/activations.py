@@ -1,4 +1,5 @@
 """Activation functions by their transformers ``hidden_act`` names (the native encoders' MLPs)."""
+
 from __future__ import annotations
 
 import math

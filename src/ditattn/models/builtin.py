@@ -6,6 +6,7 @@ layouts ``ditattn:tiny-wan-i2v`` / ``ditattn:tiny-wan2.2-ti2v`` / ``ditattn:tiny
 random weights and exist for fast tests.  Each resolves to a diffusers-format folder built locally on first use;
 nothing is downloaded.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,27 +33,47 @@ TINY_DEFAULTS = dict(height=128, width=128, num_frames=9, num_inference_steps=8,
 def _tiny(name: str) -> BuiltinModel:
     from ditattn.models import tiny
 
-    return BuiltinModel(name, "random weights, its video is noise; for fast tests",
-                        lambda root: tiny.tiny_model_path(name, root), lambda: dict(TINY_DEFAULTS))
+    return BuiltinModel(
+        name,
+        "random weights, its video is noise; for fast tests",
+        lambda root: tiny.tiny_model_path(name, root),
+        lambda: dict(TINY_DEFAULTS),
+    )
 
 
 def _tiny_i2v(name: str) -> BuiltinModel:
     from ditattn.models import tiny_i2v
 
-    return BuiltinModel(name, "random weights, image-to-video layout; for fast tests",
-                        lambda root: tiny_i2v.i2v_model_path(name, root), lambda: dict(TINY_DEFAULTS))
+    return BuiltinModel(
+        name,
+        "random weights, image-to-video layout; for fast tests",
+        lambda root: tiny_i2v.i2v_model_path(name, root),
+        lambda: dict(TINY_DEFAULTS),
+    )
 
 
 def _shapes() -> BuiltinModel:
     from ditattn.models import shapes
 
-    return BuiltinModel(shapes.NAME, "trained: coloured shapes moving on a plain background",
-                        lambda root: shapes.shapes_model_path(root), shapes.sampling_defaults)
+    return BuiltinModel(
+        shapes.NAME,
+        "trained: coloured shapes moving on a plain background",
+        lambda root: shapes.shapes_model_path(root),
+        shapes.sampling_defaults,
+    )
 
 
-BUILTIN_MODELS: dict[str, BuiltinModel] = {m.name: m for m in (
-    _shapes(), _tiny("ditattn:tiny-wan"), _tiny("ditattn:tiny-wan2.2"), _tiny_i2v("ditattn:tiny-wan-i2v"),
-    _tiny_i2v("ditattn:tiny-wan2.2-ti2v"), _tiny_i2v("ditattn:tiny-wan2.2-i2v"))}
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    m.name: m
+    for m in (
+        _shapes(),
+        _tiny("ditattn:tiny-wan"),
+        _tiny("ditattn:tiny-wan2.2"),
+        _tiny_i2v("ditattn:tiny-wan-i2v"),
+        _tiny_i2v("ditattn:tiny-wan2.2-ti2v"),
+        _tiny_i2v("ditattn:tiny-wan2.2-i2v"),
+    )
+}
 DEFAULT_MODEL = "ditattn:shapes"
 
 

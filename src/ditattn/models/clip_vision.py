@@ -12,6 +12,7 @@ post-norm's weights.  Each layer's self-attention is a
 Tensor layout: ``pixel_values [B, 3, image_size, image_size]`` (normalised by the checkpoint's
 ``CLIPImageProcessor``) -> ``[B, 1 + (image_size // patch_size) ** 2, hidden_size]``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -47,11 +48,15 @@ class CLIPVisionConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         cfg = cls(**{k: v for k, v in data.items() if k in names})
         if cfg.hidden_size % cfg.num_attention_heads:
-            raise AttentionConfigError(f"CLIP vision config: hidden_size {cfg.hidden_size} is not divisible by "
-                                       f"num_attention_heads {cfg.num_attention_heads}")
+            raise AttentionConfigError(
+                f"CLIP vision config: hidden_size {cfg.hidden_size} is not divisible by "
+                f"num_attention_heads {cfg.num_attention_heads}"
+            )
         if cfg.num_hidden_layers < 2:
-            raise AttentionConfigError("CLIP vision config: Wan uses the penultimate layer, so the encoder needs "
-                                       f"at least 2 layers (has {cfg.num_hidden_layers})")
+            raise AttentionConfigError(
+                "CLIP vision config: Wan uses the penultimate layer, so the encoder needs "
+                f"at least 2 layers (has {cfg.num_hidden_layers})"
+            )
         return cfg
 
     @property
@@ -65,8 +70,9 @@ class CLIPVisionEmbeddings(nn.Module):
     def __init__(self, cfg: CLIPVisionConfig):
         super().__init__()
         self.class_embedding = nn.Parameter(torch.zeros(cfg.hidden_size))
-        self.patch_embedding = nn.Conv2d(cfg.num_channels, cfg.hidden_size, kernel_size=cfg.patch_size,
-                                         stride=cfg.patch_size, bias=False)
+        self.patch_embedding = nn.Conv2d(
+            cfg.num_channels, cfg.hidden_size, kernel_size=cfg.patch_size, stride=cfg.patch_size, bias=False
+        )
         self.position_embedding = nn.Embedding(cfg.num_positions, cfg.hidden_size)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -82,8 +88,14 @@ class CLIPSelfAttention(nn.Module):
         d, self.heads = cfg.hidden_size, cfg.num_attention_heads
         self.q_proj, self.k_proj, self.v_proj = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
         self.out_proj = nn.Linear(d, d)
-        self.attn = LocalAttention(self.heads, d // self.heads, role="self", prefix=f"encoder.layers.{idx}.self_attn",
-                                   layer_idx=idx, dtype=dtype)
+        self.attn = LocalAttention(
+            self.heads,
+            d // self.heads,
+            role="self",
+            prefix=f"encoder.layers.{idx}.self_attn",
+            layer_idx=idx,
+            dtype=dtype,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = (p(x).unflatten(2, (self.heads, -1)) for p in (self.q_proj, self.k_proj, self.v_proj))
@@ -168,8 +180,14 @@ def load_image_processor(folder: str):
         raise AttentionConfigError(f"cannot load the image processor from {folder}: {exc}") from None
 
 
-def load_clip_vision_encoder(folder: str, *, dtype: torch.dtype = torch.float32, device="cpu",
-                             variant: Optional[str] = None, load_weights: bool = True) -> CLIPVisionEncoder:
+def load_clip_vision_encoder(
+    folder: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device="cpu",
+    variant: Optional[str] = None,
+    load_weights: bool = True,
+) -> CLIPVisionEncoder:
     """Build a :class:`CLIPVisionEncoder` from a transformers ``CLIPVisionModel`` folder in ``dtype``
     on ``device`` (eval, no gradients); ``load_weights=False`` builds it on the meta device."""
     from ditattn.models.weights import assign_state_dict, load_state_dict, read_json

@@ -54,6 +54,7 @@ How the Triton kernel gets there (the contract is :func:`quantize_rows`'):
   program, up to three power-of-two column tiles per row: :func:`row_tiles`); wider rows are read
   twice (absmax, then quantize).
 """
+
 from __future__ import annotations
 
 import functools
@@ -80,7 +81,7 @@ E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 #: floor of a row's absmax: 448 x the smallest normal float32, so the scale is at least that normal
 #: number (an all-zero row quantizes to zeros instead of torchao's NaN; any row whose torchao scale
 #: is a normal number quantizes exactly as torchao's)
-EPS = 448.0 * 2.0 ** -126
+EPS = 448.0 * 2.0**-126
 #: the module attribute :func:`mark_fused` sets on a linear whose activations take the fused path
 FUSED_ATTR = "fp8_fused_activation"
 
@@ -196,12 +197,28 @@ if _HAVE_TRITON:
         the cast saturates anyway)."""
         q = x.to(tl.float32) * inv[:, None]
         q = ((q.to(tl.int32, bitcast=True) + _SNAP_HALF) & _SNAP_MASK).to(tl.float32, bitcast=True)
-        tl.store(Qr + cols[None, :], q.to(tl.float8e4nv, fp_downcast_rounding="rtne"),
-                 mask=row_ok[:, None] & (cols[None, :] < K))
+        tl.store(
+            Qr + cols[None, :],
+            q.to(tl.float8e4nv, fp_downcast_rounding="rtne"),
+            mask=row_ok[:, None] & (cols[None, :] < K),
+        )
 
     @triton.jit
-    def _quantize_rows_kernel(X, Q, S, M, K, stride_x, eps, GELU: tl.constexpr, ROWS: tl.constexpr,
-                              B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, LOOP: tl.constexpr):
+    def _quantize_rows_kernel(
+        X,
+        Q,
+        S,
+        M,
+        K,
+        stride_x,
+        eps,
+        GELU: tl.constexpr,
+        ROWS: tl.constexpr,
+        B0: tl.constexpr,
+        B1: tl.constexpr,
+        B2: tl.constexpr,
+        LOOP: tl.constexpr,
+    ):
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         row_ok = rows < M
         Xr = X + rows[:, None] * stride_x
@@ -243,8 +260,9 @@ if _HAVE_TRITON:
         tl.store(S + rows, scale, mask=row_ok)
 
 
-def _quantize_rows_triton(x: Tensor, gelu: bool, eps: float, *, rows: Optional[int] = None,
-                          num_warps: Optional[int] = None) -> tuple[Tensor, Tensor]:
+def _quantize_rows_triton(
+    x: Tensor, gelu: bool, eps: float, *, rows: Optional[int] = None, num_warps: Optional[int] = None
+) -> tuple[Tensor, Tensor]:
     """The kernel's launch; ``rows`` / ``num_warps`` override :func:`launch_config` (benchmarks)."""
     from ditattn.attention.kernels import check_device
 
@@ -258,8 +276,21 @@ def _quantize_rows_triton(x: Tensor, gelu: bool, eps: float, *, rows: Optional[i
         loop = K > ONE_PASS_MAX
         b0, b1, b2 = (LOOP_BLOCK, 0, 0) if loop else row_tiles(K)
         _quantize_rows_kernel[(triton.cdiv(M, rows),)](
-            x, q, scale, M, K, x.stride(0), eps, GELU=gelu, ROWS=rows, B0=b0, B1=b1, B2=b2, LOOP=loop,
-            num_warps=num_warps or cfg["num_warps"])
+            x,
+            q,
+            scale,
+            M,
+            K,
+            x.stride(0),
+            eps,
+            GELU=gelu,
+            ROWS=rows,
+            B0=b0,
+            B1=b1,
+            B2=b2,
+            LOOP=loop,
+            num_warps=num_warps or cfg["num_warps"],
+        )
     return q, scale
 
 
@@ -310,8 +341,10 @@ def quantize_rows(x: Tensor, *, gelu: bool = False, eps: float = EPS, impl: str 
     Non-finite inputs give unspecified codes.
     """
     if x.dtype != torch.bfloat16:
-        raise AttentionConfigError(f"fp8 activation quantizer: expects bfloat16 activations, got {x.dtype} "
-                                   "(--dit-quantization fp8 runs with --dtype bfloat16)")
+        raise AttentionConfigError(
+            f"fp8 activation quantizer: expects bfloat16 activations, got {x.dtype} "
+            "(--dit-quantization fp8 runs with --dtype bfloat16)"
+        )
     if x.dim() < 1 or x.shape[-1] == 0:
         raise AttentionConfigError(f"fp8 activation quantizer: empty rows (shape {tuple(x.shape)})")
     x2 = x.reshape(-1, x.shape[-1])
@@ -350,8 +383,14 @@ def why_not_fused(linear: nn.Module) -> Optional[str]:
     if w.qdata.dtype != E4M3 or tuple(w.qdata.shape) != (n, k) or tuple(w.scale.shape) != (n, 1):
         return "weight is not per-row float8_e4m3fn"
     act = w.act_quant_kwargs
-    if not (isinstance(act, ActKwargs) and act.float8_dtype == E4M3 and isinstance(act.granularity, PerRow)
-            and act.granularity.dim in (-1, 1) and act.hp_value_lb is None and act.hp_value_ub is None):
+    if not (
+        isinstance(act, ActKwargs)
+        and act.float8_dtype == E4M3
+        and isinstance(act.granularity, PerRow)
+        and act.granularity.dim in (-1, 1)
+        and act.hp_value_lb is None
+        and act.hp_value_ub is None
+    ):
         return "activations are not per-row float8_e4m3fn without bounds"
     if w.mm_config is None or w.mm_config.pad_inner_dim or w.mm_config.emulate:
         return "torchao GEMM config (padding / emulation) not supported"
@@ -376,12 +415,21 @@ def scaled_linear(q: Tensor, scale: Tensor, linear: nn.Linear, lead: Sequence[in
     """``torch._scaled_mm`` of a quantized activation ``(q [M, K], scale [M, 1])`` with ``linear``'s
     torchao per-row weight, plus its bias, in bfloat16 -> ``[*lead, out_features]``."""
     w = linear.weight
-    y = torch._scaled_mm(q, w.qdata.t(), scale_a=scale, scale_b=w.scale.t(), bias=linear.bias,
-                         out_dtype=torch.bfloat16, use_fast_accum=w.mm_config.use_fast_accum)
+    y = torch._scaled_mm(
+        q,
+        w.qdata.t(),
+        scale_a=scale,
+        scale_b=w.scale.t(),
+        bias=linear.bias,
+        out_dtype=torch.bfloat16,
+        use_fast_accum=w.mm_config.use_fast_accum,
+    )
     return y.view(*lead, linear.out_features)
 
 
-def fp8_linears(x: Tensor, layers: Sequence[nn.Module], fused: str = "auto", *, gelu: bool = False) -> tuple[Tensor, ...]:
+def fp8_linears(
+    x: Tensor, layers: Sequence[nn.Module], fused: str = "auto", *, gelu: bool = False
+) -> tuple[Tensor, ...]:
     """``layer(x)`` for each of ``layers`` (``layer(gelu_tanh(x))`` with ``gelu``), quantizing ``x``
     once for every marked linear (self-attention q/k/v share it); unmarked layers run their module."""
     use = [takes_fused(m, fused) for m in layers]

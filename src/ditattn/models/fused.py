@@ -17,6 +17,7 @@ tensors (and on CPU tensors under ``TRITON_INTERPRET=1`` for tests); every other
 reference.  Both are registered as ``torch.library`` custom ops, so ``torch.compile`` keeps each
 as one opaque call.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -75,18 +76,31 @@ def _rows(t: Optional[Tensor], B: int, S: int, N: int, what: str) -> tuple[Tenso
 # residual add + layer norm (+ adaLN modulation)
 
 
-def residual_norm_reference(x: Tensor, y: Optional[Tensor], gate: Optional[Tensor], *,
-                            scale: Optional[Tensor] = None, shift: Optional[Tensor] = None,
-                            weight: Optional[Tensor] = None, bias: Optional[Tensor] = None,
-                            eps: float = 1e-6, norm: bool = True) -> tuple[Tensor, Optional[Tensor]]:
+def residual_norm_reference(
+    x: Tensor,
+    y: Optional[Tensor],
+    gate: Optional[Tensor],
+    *,
+    scale: Optional[Tensor] = None,
+    shift: Optional[Tensor] = None,
+    weight: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None,
+    eps: float = 1e-6,
+    norm: bool = True,
+) -> tuple[Tensor, Optional[Tensor]]:
     """PyTorch reference of :func:`residual_norm` (same contract)."""
     if y is not None:
         x = (x.float() + (y.float() * gate if gate is not None else y.float())).to(x.dtype)
     if not norm:
         return x, None
     n = x.shape[-1]
-    h = F.layer_norm(x.float(), (n,), weight.float() if weight is not None else None,
-                     bias.float() if bias is not None else None, eps)
+    h = F.layer_norm(
+        x.float(),
+        (n,),
+        weight.float() if weight is not None else None,
+        bias.float() if bias is not None else None,
+        eps,
+    )
     if scale is not None:
         h = h * (1 + scale.float())
     if shift is not None:
@@ -97,11 +111,34 @@ def residual_norm_reference(x: Tensor, y: Optional[Tensor], gate: Optional[Tenso
 if _HAVE_TRITON:
 
     @triton.jit
-    def _residual_norm_kernel(X, Y, G, SC, SH, W, Bi, XO, HO, S, N, eps,
-                              sgb, sgs, scb, scs, shb, shs,
-                              HAS_Y: tl.constexpr, HAS_G: tl.constexpr, NORM: tl.constexpr,
-                              HAS_SC: tl.constexpr, HAS_SH: tl.constexpr, HAS_W: tl.constexpr,
-                              HAS_B: tl.constexpr, BLOCK: tl.constexpr):
+    def _residual_norm_kernel(
+        X,
+        Y,
+        G,
+        SC,
+        SH,
+        W,
+        Bi,
+        XO,
+        HO,
+        S,
+        N,
+        eps,
+        sgb,
+        sgs,
+        scb,
+        scs,
+        shb,
+        shs,
+        HAS_Y: tl.constexpr,
+        HAS_G: tl.constexpr,
+        NORM: tl.constexpr,
+        HAS_SC: tl.constexpr,
+        HAS_SH: tl.constexpr,
+        HAS_W: tl.constexpr,
+        HAS_B: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64)
         b = row // S
         s = row % S
@@ -145,37 +182,80 @@ def _residual_norm_triton(x, y, gate, scale, shift, weight, bias, eps, norm):
     block = triton.next_power_of_2(N)
     dummy = x
     _residual_norm_kernel[(B * S,)](
-        x, y if y is not None else dummy, g if g is not None else dummy, sc if sc is not None else dummy,
-        sh if sh is not None else dummy, w if w is not None else dummy, bi if bi is not None else dummy,
-        xo, ho, S, N, eps, sgb, sgs, scb, scs, shb, shs,
-        HAS_Y=y is not None, HAS_G=g is not None, NORM=norm, HAS_SC=sc is not None, HAS_SH=sh is not None,
-        HAS_W=w is not None, HAS_B=bi is not None, BLOCK=block, num_warps=8 if block >= 4096 else 4,
+        x,
+        y if y is not None else dummy,
+        g if g is not None else dummy,
+        sc if sc is not None else dummy,
+        sh if sh is not None else dummy,
+        w if w is not None else dummy,
+        bi if bi is not None else dummy,
+        xo,
+        ho,
+        S,
+        N,
+        eps,
+        sgb,
+        sgs,
+        scb,
+        scs,
+        shb,
+        shs,
+        HAS_Y=y is not None,
+        HAS_G=g is not None,
+        NORM=norm,
+        HAS_SC=sc is not None,
+        HAS_SH=sh is not None,
+        HAS_W=w is not None,
+        HAS_B=bi is not None,
+        BLOCK=block,
+        num_warps=8 if block >= 4096 else 4,
     )
     return xo, (ho if norm else None)
 
 
 @torch.library.custom_op("ditattn::residual_norm", mutates_args=())
-def _residual_norm_op(x: Tensor, y: Optional[Tensor], gate: Optional[Tensor], scale: Optional[Tensor],
-                      shift: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
-                      norm: bool, use_triton: bool) -> tuple[Tensor, Tensor]:
+def _residual_norm_op(
+    x: Tensor,
+    y: Optional[Tensor],
+    gate: Optional[Tensor],
+    scale: Optional[Tensor],
+    shift: Optional[Tensor],
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    eps: float,
+    norm: bool,
+    use_triton: bool,
+) -> tuple[Tensor, Tensor]:
     if use_triton:
         xo, ho = _residual_norm_triton(x, y, gate, scale, shift, weight, bias, eps, norm)
     else:
-        xo, ho = residual_norm_reference(x, y, gate, scale=scale, shift=shift, weight=weight, bias=bias,
-                                         eps=eps, norm=norm)
+        xo, ho = residual_norm_reference(
+            x, y, gate, scale=scale, shift=shift, weight=weight, bias=bias, eps=eps, norm=norm
+        )
     # a custom op may not return an input or None: an empty tensor stands for "x unchanged" / "no norm"
     return (xo if y is not None else x.new_empty(0)), (ho if norm else x.new_empty(0))
 
 
 @_residual_norm_op.register_fake
 def _(x, y, gate, scale, shift, weight, bias, eps, norm, use_triton):
-    return (torch.empty_like(x) if y is not None else x.new_empty(0)), (torch.empty_like(x) if norm else x.new_empty(0))
+    return (torch.empty_like(x) if y is not None else x.new_empty(0)), (
+        torch.empty_like(x) if norm else x.new_empty(0)
+    )
 
 
-def residual_norm(x: Tensor, y: Optional[Tensor] = None, gate: Optional[Tensor] = None, *,
-                  scale: Optional[Tensor] = None, shift: Optional[Tensor] = None,
-                  weight: Optional[Tensor] = None, bias: Optional[Tensor] = None, eps: float = 1e-6,
-                  norm: bool = True, impl: str = "auto") -> tuple[Tensor, Optional[Tensor]]:
+def residual_norm(
+    x: Tensor,
+    y: Optional[Tensor] = None,
+    gate: Optional[Tensor] = None,
+    *,
+    scale: Optional[Tensor] = None,
+    shift: Optional[Tensor] = None,
+    weight: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None,
+    eps: float = 1e-6,
+    norm: bool = True,
+    impl: str = "auto",
+) -> tuple[Tensor, Optional[Tensor]]:
     """Gated residual add then layer norm with adaLN modulation, in one pass over the rows.
 
     Args:
@@ -200,8 +280,9 @@ def residual_norm(x: Tensor, y: Optional[Tensor] = None, gate: Optional[Tensor] 
         )
     if not norm and y is None:
         return x, None
-    xo, ho = _residual_norm_op(x, y, gate, scale, shift, weight, bias, float(eps), bool(norm),
-                               _use_triton(x, impl=impl))
+    xo, ho = _residual_norm_op(
+        x, y, gate, scale, shift, weight, bias, float(eps), bool(norm), _use_triton(x, impl=impl)
+    )
     return (xo if y is not None else x), (ho if norm else None)
 
 
@@ -209,8 +290,16 @@ def residual_norm(x: Tensor, y: Optional[Tensor] = None, gate: Optional[Tensor] 
 # q/k RMSNorm (across heads) + RoPE
 
 
-def qk_norm_rope_reference(q: Tensor, k: Tensor, wq: Optional[Tensor], wk: Optional[Tensor], cos: Tensor,
-                           sin: Tensor, eps: float, head_dim: int) -> tuple[Tensor, Tensor]:
+def qk_norm_rope_reference(
+    q: Tensor,
+    k: Tensor,
+    wq: Optional[Tensor],
+    wk: Optional[Tensor],
+    cos: Tensor,
+    sin: Tensor,
+    eps: float,
+    head_dim: int,
+) -> tuple[Tensor, Tensor]:
     """PyTorch reference of :func:`qk_norm_rope` (same contract)."""
     n = q.shape[-1]
 
@@ -232,8 +321,9 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 if _HAVE_TRITON:
 
     @triton.jit
-    def _qk_norm_rope_kernel(Q, K, WQ, WK, COS, SIN, QO, KO, S, N, eps,
-                             HALF_D: tl.constexpr, HAS_W: tl.constexpr, BLOCK_P: tl.constexpr):
+    def _qk_norm_rope_kernel(
+        Q, K, WQ, WK, COS, SIN, QO, KO, S, N, eps, HALF_D: tl.constexpr, HAS_W: tl.constexpr, BLOCK_P: tl.constexpr
+    ):
         row = tl.program_id(0).to(tl.int64)
         which = tl.program_id(1)
         s = row % S
@@ -266,15 +356,37 @@ def _qk_norm_rope_triton(q, k, wq, wk, cos, sin, eps, head_dim):
     qo, ko = torch.empty_like(q), torch.empty_like(k)
     has_w = wq is not None
     _qk_norm_rope_kernel[(B * S, 2)](
-        q, k, wq.contiguous() if has_w else q, wk.contiguous() if has_w else k, cos, sin, qo, ko, S, N, eps,
-        HALF_D=head_dim // 2, HAS_W=has_w, BLOCK_P=triton.next_power_of_2(N // 2), num_warps=4,
+        q,
+        k,
+        wq.contiguous() if has_w else q,
+        wk.contiguous() if has_w else k,
+        cos,
+        sin,
+        qo,
+        ko,
+        S,
+        N,
+        eps,
+        HALF_D=head_dim // 2,
+        HAS_W=has_w,
+        BLOCK_P=triton.next_power_of_2(N // 2),
+        num_warps=4,
     )
     return qo, ko
 
 
 @torch.library.custom_op("ditattn::qk_norm_rope", mutates_args=())
-def _qk_norm_rope_op(q: Tensor, k: Tensor, wq: Optional[Tensor], wk: Optional[Tensor], cos: Tensor, sin: Tensor,
-                     eps: float, head_dim: int, use_triton: bool) -> tuple[Tensor, Tensor]:
+def _qk_norm_rope_op(
+    q: Tensor,
+    k: Tensor,
+    wq: Optional[Tensor],
+    wk: Optional[Tensor],
+    cos: Tensor,
+    sin: Tensor,
+    eps: float,
+    head_dim: int,
+    use_triton: bool,
+) -> tuple[Tensor, Tensor]:
     if use_triton:
         return _qk_norm_rope_triton(q, k, wq, wk, cos, sin, eps, head_dim)
     return qk_norm_rope_reference(q, k, wq, wk, cos, sin, eps, head_dim)
@@ -285,8 +397,18 @@ def _(q, k, wq, wk, cos, sin, eps, head_dim, use_triton):
     return torch.empty_like(q), torch.empty_like(k)
 
 
-def qk_norm_rope(q: Tensor, k: Tensor, wq: Optional[Tensor], wk: Optional[Tensor], cos: Tensor, sin: Tensor, *,
-                 eps: float, head_dim: int, impl: str = "auto") -> tuple[Tensor, Tensor]:
+def qk_norm_rope(
+    q: Tensor,
+    k: Tensor,
+    wq: Optional[Tensor],
+    wk: Optional[Tensor],
+    cos: Tensor,
+    sin: Tensor,
+    *,
+    eps: float,
+    head_dim: int,
+    impl: str = "auto",
+) -> tuple[Tensor, Tensor]:
     """RMSNorm over the whole width of q and of k, then rotary embedding, in one pass.
 
     Args:
@@ -306,7 +428,9 @@ def qk_norm_rope(q: Tensor, k: Tensor, wq: Optional[Tensor], wk: Optional[Tensor
             f"{tuple(q.shape)} {q.dtype} and {tuple(k.shape)} {k.dtype}"
         )
     if head_dim % 2 or q.shape[-1] % head_dim:
-        raise AttentionConfigError(f"qk_norm_rope: width {q.shape[-1]} is not a multiple of the even head_dim {head_dim}")
+        raise AttentionConfigError(
+            f"qk_norm_rope: width {q.shape[-1]} is not a multiple of the even head_dim {head_dim}"
+        )
     if cos.numel() != q.shape[1] * head_dim // 2 or sin.numel() != cos.numel():
         raise AttentionConfigError(
             f"qk_norm_rope: rotary tables must hold tokens * head_dim/2 = {q.shape[1] * head_dim // 2} angles, "

@@ -4,6 +4,7 @@ A built-in model is an ordinary diffusers-format folder (``model_index.json`` + 
 component) written once with diffusers/transformers ``save_pretrained`` into the user cache
 (``$DITATTN_CACHE`` or ``~/.cache/ditattn``) and reused afterwards; nothing is downloaded.
 """
+
 from __future__ import annotations
 
 import os
@@ -41,7 +42,9 @@ def cached_folder(folder_name: str, build: Callable[[str], None], root: Optional
 
 def _bytes_to_unicode() -> dict[int, str]:
     """The byte -> printable character map of byte-level BPE (each of the 256 bytes one character)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    keep = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     mapping, extra = {}, 0
     for b in range(256):
         if b in keep:
@@ -71,20 +74,40 @@ def build_byte_tokenizer(model_max_length: int = 512):
     )
     tok.add_special_tokens(["<pad>", "</s>", "<unk>"])
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
-        model_max_length=model_max_length, padding_side="right",
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        model_max_length=model_max_length,
+        padding_side="right",
     )
 
 
-def save_wan_pipeline(out_dir: str, *, text_encoder, transformer, vae, scheduler, transformer_2=None,
-                      boundary_ratio: Optional[float] = None) -> None:
+def save_wan_pipeline(
+    out_dir: str,
+    *,
+    text_encoder,
+    transformer,
+    vae,
+    scheduler,
+    transformer_2=None,
+    boundary_ratio: Optional[float] = None,
+) -> None:
     """Write a diffusers ``WanPipeline`` folder (byte tokenizer) from built components, quietly."""
     from diffusers import WanPipeline
 
-    save_quietly(WanPipeline(
-        tokenizer=build_byte_tokenizer(), text_encoder=text_encoder, vae=vae, scheduler=scheduler,
-        transformer=transformer, transformer_2=transformer_2, boundary_ratio=boundary_ratio,
-    ), out_dir)
+    save_quietly(
+        WanPipeline(
+            tokenizer=build_byte_tokenizer(),
+            text_encoder=text_encoder,
+            vae=vae,
+            scheduler=scheduler,
+            transformer=transformer,
+            transformer_2=transformer_2,
+            boundary_ratio=boundary_ratio,
+        ),
+        out_dir,
+    )
 
 
 def save_quietly(pipe, out_dir: str) -> None:

@@ -23,6 +23,7 @@ Unfused adapters live in :class:`LoRALinear` (an ``nn.Linear`` sharing the base 
 reader of ``.weight`` still works); the scales in effect are a context variable
 (:func:`lora_scales`), so concurrent requests cannot see each other's.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -79,8 +80,10 @@ def parse_lora_spec(text: str) -> LoRASpec:
     if eq and head in LORA_COMPONENTS:
         component, text = head, rest
     elif eq and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", head) and not os.path.exists(text):
-        raise LoRAError(f"--lora-path {short_repr(text)}: component {short_repr(head)} takes no LoRA; accepted: "
-                        f"{', '.join(LORA_COMPONENTS)}")
+        raise LoRAError(
+            f"--lora-path {short_repr(text)}: component {short_repr(head)} takes no LoRA; accepted: "
+            f"{', '.join(LORA_COMPONENTS)}"
+        )
     path, scale = text, 1.0
     stem, colon, tail = text.rpartition(":")
     if colon and stem:
@@ -90,8 +93,9 @@ def parse_lora_spec(text: str) -> LoRASpec:
             pass
         else:
             if not math.isfinite(scale):
-                raise LoRAError(f"--lora-path {short_repr(text)}: the scale must be a finite number, "
-                                f"got {short_repr(tail)}")
+                raise LoRAError(
+                    f"--lora-path {short_repr(text)}: the scale must be a finite number, got {short_repr(tail)}"
+                )
             path = stem
     return LoRASpec(path, scale, component)
 
@@ -129,14 +133,21 @@ def _split_deltas(path: str) -> Optional[tuple[dict, dict]]:
         with safe_open(path, "pt") as f:
             keys = list(f.keys())
             if not any(k.startswith("diffusion_model.") for k in keys) or not any(
-                    k.endswith((*DELTA_SUFFIXES, ".alpha")) for k in keys):
+                k.endswith((*DELTA_SUFFIXES, ".alpha")) for k in keys
+            ):
                 return None
         state = load_file(path)
     except Exception:  # noqa: BLE001 - an unreadable file (SafetensorError, OSError): diffusers' reader reports it
         return None
     for key in [k for k in state if k.endswith(".alpha")]:
-        down = next((key[: -len("alpha")] + d for d in ("lora_down.weight", "lora_A.weight")
-                     if key[: -len("alpha")] + d in state), None)
+        down = next(
+            (
+                key[: -len("alpha")] + d
+                for d in ("lora_down.weight", "lora_A.weight")
+                if key[: -len("alpha")] + d in state
+            ),
+            None,
+        )
         if down is not None:
             alpha = state.pop(key)
             state[down] = state[down] * (float(alpha) / state[down].shape[0])
@@ -190,8 +201,11 @@ def read_lora(spec: LoRASpec, name: Optional[str] = None) -> LoRAWeights:
         kw = {"weight_name": os.path.basename(path)}
         source = os.path.dirname(path) or "."
     try:
-        state, meta = ({}, None) if split is not None and not source else WanLoraLoaderMixin.lora_state_dict(
-            source, local_files_only=True, return_lora_metadata=True, **kw)
+        state, meta = (
+            ({}, None)
+            if split is not None and not source
+            else WanLoraLoaderMixin.lora_state_dict(source, local_files_only=True, return_lora_metadata=True, **kw)
+        )
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         msg = " ".join(str(exc).split())[:300]
         raise LoRAError(f"--lora-path {spec.path}: cannot read a LoRA from it ({msg})") from None
@@ -206,8 +220,10 @@ def read_lora(spec: LoRASpec, name: Optional[str] = None) -> LoRAWeights:
     for key, tensor in state.items():
         m = re.fullmatch(r"(?:transformer\.)?(.+)\.(lora_A|lora_B)\.(weight|bias)", key)
         if m is None:
-            raise LoRAError(f"--lora-path {spec.path}: unexpected tensor {key!r} (accepted: "
-                            "<module>.lora_A.weight, <module>.lora_B.weight, <module>.lora_B.bias)")
+            raise LoRAError(
+                f"--lora-path {spec.path}: unexpected tensor {key!r} (accepted: "
+                "<module>.lora_A.weight, <module>.lora_B.weight, <module>.lora_B.bias)"
+            )
         groups.setdefault(m.group(1), {})[f"{m.group(2)}.{m.group(3)}"] = tensor
     modules = {}
     for module, parts in sorted(groups.items()):
@@ -258,8 +274,9 @@ class LoRALinear(nn.Linear):
         self.lora_scaling: dict[str, float] = {}
         self.lora_default: dict[str, float] = {}
 
-    def add_adapter(self, name: str, a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], scaling: float,
-                    scale: float) -> None:
+    def add_adapter(
+        self, name: str, a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], scaling: float, scale: float
+    ) -> None:
         dev, dt = self.weight.device, self.weight.dtype
         self.lora_A[name] = nn.Parameter(a.to(dev, dt), requires_grad=False)
         self.lora_B[name] = nn.Parameter(b.to(dev, dt), requires_grad=False)
@@ -287,13 +304,16 @@ def _linear(model: nn.Module, module: str, where: str) -> tuple[nn.Module, str, 
     except AttributeError:
         layer = None
     if not isinstance(layer, nn.Linear):
-        raise LoRAError(f"{where}: the LoRA targets {module}, which is not a linear layer of this transformer "
-                        "(a LoRA for another model?)")
+        raise LoRAError(
+            f"{where}: the LoRA targets {module}, which is not a linear layer of this transformer "
+            "(a LoRA for another model?)"
+        )
     return parent, attr, layer
 
 
-def apply_lora(model: nn.Module, weights: LoRAWeights, *, scale: float = 1.0, fuse: bool = False,
-               where: str = "LoRA") -> int:
+def apply_lora(
+    model: nn.Module, weights: LoRAWeights, *, scale: float = 1.0, fuse: bool = False, where: str = "LoRA"
+) -> int:
     """Add ``weights`` to ``model``'s linear layers at ``scale``: fused (``W += scale * c * B A``,
     ``b += scale * c * bias_B``) or as a :class:`LoRALinear` adapter named ``weights.name``; its
     full-weight deltas are added to their parameters (``P += scale * delta``) either way.  Shapes
@@ -302,17 +322,23 @@ def apply_lora(model: nn.Module, weights: LoRAWeights, *, scale: float = 1.0, fu
     params = dict(model.named_parameters())
     for pname, delta in weights.deltas.items():
         if pname not in params:
-            raise LoRAError(f"{where}: the LoRA holds a delta for {pname}, which this transformer does not have "
-                            "(a LoRA for another model?)")
+            raise LoRAError(
+                f"{where}: the LoRA holds a delta for {pname}, which this transformer does not have "
+                "(a LoRA for another model?)"
+            )
         if tuple(delta.shape) != tuple(params[pname].shape):
-            raise LoRAError(f"{where}: {pname} is {tuple(params[pname].shape)} but the LoRA's delta is "
-                            f"{tuple(delta.shape)} (a LoRA for another model size?)")
+            raise LoRAError(
+                f"{where}: {pname} is {tuple(params[pname].shape)} but the LoRA's delta is "
+                f"{tuple(delta.shape)} (a LoRA for another model size?)"
+            )
     targets = []
     for module, (a, b, bias, scaling) in weights.modules.items():
         parent, attr, layer = _linear(model, module, where)
         if a.shape[1] != layer.in_features or b.shape[0] != layer.out_features:
-            raise LoRAError(f"{where}: {module} is {layer.out_features}x{layer.in_features} but the LoRA is "
-                            f"{b.shape[0]}x{a.shape[1]} (a LoRA for another model size?)")
+            raise LoRAError(
+                f"{where}: {module} is {layer.out_features}x{layer.in_features} but the LoRA is "
+                f"{b.shape[0]}x{a.shape[1]} (a LoRA for another model size?)"
+            )
         targets.append((parent, attr, layer, a, b, bias, scaling))
     with torch.no_grad():
         for pname, delta in weights.deltas.items():
@@ -326,16 +352,18 @@ def apply_lora(model: nn.Module, weights: LoRAWeights, *, scale: float = 1.0, fu
                 if bias is not None:
                     if layer.bias is None:
                         raise LoRAError(f"{where}: {module} has no bias to fuse the LoRA's lora_B.bias into")
-                    layer.bias.copy_((layer.bias.float() + bias.float().to(layer.bias.device) * c)
-                                     .to(layer.bias.dtype))
+                    layer.bias.copy_(
+                        (layer.bias.float() + bias.float().to(layer.bias.device) * c).to(layer.bias.dtype)
+                    )
                 continue
             if not isinstance(layer, LoRALinear):
                 wrapped = LoRALinear(layer)
                 setattr(parent, attr, wrapped)
                 layer = wrapped
             if weights.name in layer.lora_A:
-                raise LoRAError(f"{where}: an adapter named {weights.name!r} is already loaded; give the files "
-                                "different names")
+                raise LoRAError(
+                    f"{where}: an adapter named {weights.name!r} is already loaded; give the files different names"
+                )
             layer.add_adapter(weights.name, a, b, bias, scaling, scale)
     return len(targets) + len(weights.deltas)
 
@@ -372,8 +400,9 @@ def load_loras(components: Mapping[str, nn.Module], specs, *, fuse: bool = False
         model = components.get(spec.component)
         if model is None:
             have = ", ".join(c for c in LORA_COMPONENTS if components.get(c) is not None)
-            raise LoRAError(f"--lora-path {spec.path}: this checkpoint has no {spec.component} (LoRA targets here: "
-                            f"{have})")
+            raise LoRAError(
+                f"--lora-path {spec.path}: this checkpoint has no {spec.component} (LoRA targets here: {have})"
+            )
         name, k = spec.name, 2
         while any(a.name == name for a in out):
             name, k = f"{spec.name}_{k}", k + 1
@@ -389,13 +418,14 @@ def resolve_request_lora(request: Optional[Mapping[str, float]], adapters: list[
     if request is None:
         return None
     if not isinstance(request, Mapping):
-        raise LoRAError("lora must be a mapping of adapter name to scale, e.g. {\"style\": 0.8}")
+        raise LoRAError('lora must be a mapping of adapter name to scale, e.g. {"style": 0.8}')
     names = [a.name for a in adapters]
     if request and not adapters:
         raise LoRAError("lora: this pipeline has no LoRA adapters loaded (start it with --lora-path PATH[:SCALE])")
     if request and all(a.fused for a in adapters):
-        raise LoRAError("lora: the adapters are fused into the weights (--lora-fuse); per-request scales need "
-                        "unfused adapters")
+        raise LoRAError(
+            "lora: the adapters are fused into the weights (--lora-fuse); per-request scales need unfused adapters"
+        )
     out = {}
     for name, scale in request.items():
         if name not in names:

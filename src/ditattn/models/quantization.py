@@ -29,6 +29,7 @@ Only torchao's Python code is used: FP8 goes through ``torch._scaled_mm`` and IN
 ``torch._int_mm`` (both PyTorch ops), so torchao's C++ extensions — which torchao skips when its
 build does not match the installed torch — are not needed.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -149,12 +150,19 @@ class QuantizationPlan:
     def to_json(self) -> dict:
         """``{"mode", "quantized": N, "total": N, "groups": [{"quantized", "reason", "count", "layers"}]}``
         (fp8 adds ``"activations": {"summary", "torchao": [{"layer", "reason"}]}``)."""
-        out = {"mode": self.mode, "quantized": len(self.quantized), "total": len(self.decisions),
-               "groups": [{"quantized": q, "reason": r, "count": len(names), "layers": names}
-                          for q, r, names in self.groups()]}
+        out = {
+            "mode": self.mode,
+            "quantized": len(self.quantized),
+            "total": len(self.decisions),
+            "groups": [
+                {"quantized": q, "reason": r, "count": len(names), "layers": names} for q, r, names in self.groups()
+            ],
+        }
         if self.activations() is not None:
-            out["activations"] = {"summary": self.activations(),
-                                  "torchao": [{"layer": n, "reason": r} for n, r in self.torchao_activations]}
+            out["activations"] = {
+                "summary": self.activations(),
+                "torchao": [{"layer": n, "reason": r} for n, r in self.torchao_activations],
+            }
         return out
 
     def describe(self) -> str:
@@ -184,7 +192,8 @@ def check_something_quantized(plans: list[QuantizationPlan]) -> None:
         f"--dit-quantization {plans[0].mode}: the rule selects none of this model's {total} linears "
         f"(kept: {'; '.join(kept)}), so the run would not be quantized at all; use --dit-quantization none "
         f"(the rule quantizes per-token GEMMs with at least {DEFAULT_RULE.min_features} input and output "
-        "features: docs/quantization.md)")
+        "features: docs/quantization.md)"
+    )
 
 
 def summary(plans: Iterable[QuantizationPlan]) -> Optional[str]:
@@ -217,11 +226,15 @@ def why_not(mode: str, platform, dtype: torch.dtype) -> Optional[str]:
         missing.append(f"torchao (not installed: {INSTALL_HINT})")
     if mode == "fp8":
         if platform.name != "cuda" or (platform.sm or 0) < FP8_MIN_SM:
-            missing.append(f"an NVIDIA GPU with compute capability >= {FP8_MIN_SM // 10}.{FP8_MIN_SM % 10} "
-                           f"(FP8 tensor cores; this run is on {platform.describe()})")
+            missing.append(
+                f"an NVIDIA GPU with compute capability >= {FP8_MIN_SM // 10}.{FP8_MIN_SM % 10} "
+                f"(FP8 tensor cores; this run is on {platform.describe()})"
+            )
         if dtype != torch.bfloat16:
-            missing.append(f"--dtype bfloat16 (row-wise scaled FP8 GEMMs write bfloat16; this run is "
-                           f"{str(dtype).replace('torch.', '')})")
+            missing.append(
+                f"--dtype bfloat16 (row-wise scaled FP8 GEMMs write bfloat16; this run is "
+                f"{str(dtype).replace('torch.', '')})"
+            )
     elif platform.name not in INT8_PLATFORMS:
         missing.append(f"a CPU or an NVIDIA GPU (torchao's INT8 GEMM; this run is on {platform.describe()})")
     if not missing:
@@ -248,8 +261,11 @@ def plan_linears(model: nn.Module, mode: str, rule: LinearQuantRule = DEFAULT_RU
     plan = QuantizationPlan(check_mode(mode), tuple(rule.decide(name, m) for name, m in linears(model)))
     if plan.mode != "fp8":
         return plan
-    other = tuple((n, f"{type(model.get_submodule(n)).__name__} runs its own forward") for n in plan.quantized
-                  if type(model.get_submodule(n)) is not nn.Linear)
+    other = tuple(
+        (n, f"{type(model.get_submodule(n)).__name__} runs its own forward")
+        for n in plan.quantized
+        if type(model.get_submodule(n)) is not nn.Linear
+    )
     return dataclasses.replace(plan, torchao_activations=other)
 
 
@@ -269,8 +285,9 @@ def _torchao_quantization():
     try:
         import torchao.quantization as q
     except ImportError as exc:
-        raise AttentionConfigError(f"--dit-quantization needs torchao, which cannot be imported ({exc}); "
-                                   f"{INSTALL_HINT}") from None
+        raise AttentionConfigError(
+            f"--dit-quantization needs torchao, which cannot be imported ({exc}); {INSTALL_HINT}"
+        ) from None
     finally:
         ao_log.setLevel(level)
     return q
@@ -287,8 +304,10 @@ def torchao_config(mode: str):
         if mode == "int8":
             return q.Int8DynamicActivationInt8WeightConfig(set_inductor_config=False)
     except (AttributeError, TypeError) as exc:  # a torchao older than the floor
-        raise AttentionConfigError(f"--dit-quantization {mode}: this torchao lacks what it needs ({exc}); "
-                                   "install torchao>=0.16 (pip install 'ditattn[quant]')") from None
+        raise AttentionConfigError(
+            f"--dit-quantization {mode}: this torchao lacks what it needs ({exc}); "
+            "install torchao>=0.16 (pip install 'ditattn[quant]')"
+        ) from None
     raise AttentionConfigError(f"no torchao config for DiT quantization {mode!r}; accepted: fp8, int8")
 
 

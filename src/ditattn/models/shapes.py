@@ -14,6 +14,7 @@ up"): a UMT5 text encoder over the byte tokenizer, a ``WanTransformer3DModel`` a
 :func:`shapes_model_path` materialises them once as a diffusers-format folder in the user cache
 (named after the files' digest, so new weights never reuse a stale folder); nothing is downloaded.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -106,12 +107,13 @@ def build_components(meta: dict, tensors: dict) -> dict:
     }
     for comp, module in modules.items():
         prefix = comp + "."
-        state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+        state = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
         try:
             module.load_state_dict(state, strict=True)
         except RuntimeError as exc:
-            raise AttentionConfigError(f"{NAME}: the packaged {comp} weights do not match its config: "
-                                       f"{str(exc).splitlines()[0]}") from None
+            raise AttentionConfigError(
+                f"{NAME}: the packaged {comp} weights do not match its config: {str(exc).splitlines()[0]}"
+            ) from None
         module.eval().requires_grad_(False)
     modules["scheduler"] = UniPCMultistepScheduler(**meta["scheduler"])
     return modules

@@ -11,6 +11,7 @@ channels) and ``scheduler`` (UniPC flow-matching, shift 3.0, as the Wan 2.1 chec
 ``boundary_ratio = 0.875`` like Wan2.2-T2V-A14B.  The image-to-video layouts are in
 :mod:`ditattn.models.tiny_i2v`.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -22,19 +23,47 @@ TINY_MODELS = ("ditattn:tiny-wan", "ditattn:tiny-wan2.2")
 _VERSION = "v1"  # bump when the recipe changes so stale caches are not reused
 
 TEXT_ENCODER = dict(
-    vocab_size=259, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=0, num_heads=4,
-    relative_attention_num_buckets=32, relative_attention_max_distance=128, feed_forward_proj="gated-gelu",
-    pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, dropout_rate=0.0,
+    vocab_size=259,
+    d_model=64,
+    d_kv=16,
+    d_ff=128,
+    num_layers=2,
+    num_decoder_layers=0,
+    num_heads=4,
+    relative_attention_num_buckets=32,
+    relative_attention_max_distance=128,
+    feed_forward_proj="gated-gelu",
+    pad_token_id=0,
+    eos_token_id=1,
+    decoder_start_token_id=0,
+    dropout_rate=0.0,
 )
 TRANSFORMER = dict(
-    patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=128, in_channels=16, out_channels=16,
-    text_dim=64, freq_dim=64, ffn_dim=512, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-    eps=1e-6, rope_max_seq_len=1024,
+    patch_size=(1, 2, 2),
+    num_attention_heads=4,
+    attention_head_dim=128,
+    in_channels=16,
+    out_channels=16,
+    text_dim=64,
+    freq_dim=64,
+    ffn_dim=512,
+    num_layers=2,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    eps=1e-6,
+    rope_max_seq_len=1024,
 )
 VAE = dict(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True])
 SCHEDULER = dict(
-    num_train_timesteps=1000, prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
-    solver_order=2, solver_type="bh2", predict_x0=True, lower_order_final=True, final_sigmas_type="zero",
+    num_train_timesteps=1000,
+    prediction_type="flow_prediction",
+    use_flow_sigmas=True,
+    flow_shift=3.0,
+    solver_order=2,
+    solver_type="bh2",
+    predict_x0=True,
+    lower_order_final=True,
+    final_sigmas_type="zero",
 )
 BOUNDARY_RATIO = 0.875
 
@@ -56,7 +85,11 @@ def _build(name: str, out_dir: str) -> None:
             torch.manual_seed(4)
             transformer_2 = WanTransformer3DModel(**TRANSFORMER).eval()
     save_wan_pipeline(
-        out_dir, text_encoder=text_encoder, transformer=transformer, transformer_2=transformer_2, vae=vae,
+        out_dir,
+        text_encoder=text_encoder,
+        transformer=transformer,
+        transformer_2=transformer_2,
+        vae=vae,
         scheduler=UniPCMultistepScheduler(**SCHEDULER),
         boundary_ratio=BOUNDARY_RATIO if transformer_2 is not None else None,
     )

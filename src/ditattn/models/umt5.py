@@ -6,6 +6,7 @@ so each attention layer is a :class:`~ditattn.attention.layer.LocalAttention` wi
 accept an additive bias can serve it, and an explicit request for one that cannot (``fa``) is
 refused by the selector with that reason.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -79,9 +80,7 @@ def relative_position_buckets(q_len: int, k_len: int, num_buckets: int, max_dist
     out = (rel > 0).long() * half
     dist = rel.abs()
     exact = half // 2
-    far = exact + (
-        torch.log(dist.float() / exact) / math.log(max_distance / exact) * (half - exact)
-    ).long()
+    far = exact + (torch.log(dist.float() / exact) / math.log(max_distance / exact) * (half - exact)).long()
     far = torch.clamp(far, max=half - 1)
     return out + torch.where(dist < exact, dist, far)
 
@@ -99,8 +98,15 @@ class UMT5SelfAttention(nn.Module):
         self.o = nn.Linear(inner, cfg.d_model, bias=False)
         self.relative_attention_bias = nn.Embedding(cfg.relative_attention_num_buckets, cfg.num_heads)
         self.attn = LocalAttention(
-            cfg.num_heads, cfg.d_kv, role="self", scale=1.0, prefix=f"encoder.block.{idx}.layer.0.SelfAttention",
-            layer_idx=idx, needs_bias=True, default_backend="torch_sdpa", dtype=dtype,
+            cfg.num_heads,
+            cfg.d_kv,
+            role="self",
+            scale=1.0,
+            prefix=f"encoder.block.{idx}.layer.0.SelfAttention",
+            layer_idx=idx,
+            needs_bias=True,
+            default_backend="torch_sdpa",
+            dtype=dtype,
         )
 
     def forward(self, x: torch.Tensor, buckets: torch.Tensor, keep: Optional[torch.Tensor]) -> torch.Tensor:
@@ -194,7 +200,10 @@ class UMT5Encoder(nn.Module):
         x = self.shared(input_ids)
         S = input_ids.shape[1]
         buckets = relative_position_buckets(
-            S, S, self.config.relative_attention_num_buckets, self.config.relative_attention_max_distance,
+            S,
+            S,
+            self.config.relative_attention_num_buckets,
+            self.config.relative_attention_max_distance,
             input_ids.device,
         )
         keep = None
@@ -205,8 +214,14 @@ class UMT5Encoder(nn.Module):
         return self.encoder.final_layer_norm(x)
 
 
-def load_umt5_encoder(folder: str, *, dtype: torch.dtype = torch.float32, device="cpu",
-                      variant: Optional[str] = None, load_weights: bool = True) -> UMT5Encoder:
+def load_umt5_encoder(
+    folder: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device="cpu",
+    variant: Optional[str] = None,
+    load_weights: bool = True,
+) -> UMT5Encoder:
     """Build a :class:`UMT5Encoder` from a transformers ``UMT5EncoderModel`` folder in ``dtype``
     on ``device`` (eval, no gradients); ``load_weights=False`` builds it on the meta device."""
     import os
@@ -226,7 +241,9 @@ def load_umt5_encoder(folder: str, *, dtype: torch.dtype = torch.float32, device
 
         state = load_state_dict(folder, variant, dtype=dtype, keep_fp32=keep)
         assign_state_dict(
-            model, state, where=folder,
+            model,
+            state,
+            where=folder,
             aliases={"encoder.embed_tokens.weight": "shared.weight"},
         )
         for name, p in model.named_parameters():  # tensors the checkpoint stored in another dtype

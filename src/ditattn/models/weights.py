@@ -4,6 +4,7 @@ A component folder holds a ``config.json`` and either one weight file or an inde
 (``*.safetensors.index.json``) naming shards.  Variants follow the diffusers/transformers naming:
 ``diffusion_pytorch_model.fp16.safetensors`` and ``diffusion_pytorch_model.safetensors.index.fp16.json``.
 """
+
 from __future__ import annotations
 
 import json
@@ -68,12 +69,19 @@ def _cast(tensors: dict, dtype, keep_fp32) -> dict:
     weights are dequantized with their scales by the model's loader)."""
     if dtype is None:
         return tensors
-    return {k: (v.to(target_dtype(k, dtype, keep_fp32)) if v.is_floating_point() and v.element_size() > 1 else v)
-            for k, v in tensors.items()}
+    return {
+        k: (v.to(target_dtype(k, dtype, keep_fp32)) if v.is_floating_point() and v.element_size() > 1 else v)
+        for k, v in tensors.items()
+    }
 
 
-def load_state_dict(folder: str, variant: Optional[str] = None, *, dtype: Optional[torch.dtype] = None,
-                    keep_fp32: Optional[Callable[[str], bool]] = None) -> dict[str, torch.Tensor]:
+def load_state_dict(
+    folder: str,
+    variant: Optional[str] = None,
+    *,
+    dtype: Optional[torch.dtype] = None,
+    keep_fp32: Optional[Callable[[str], bool]] = None,
+) -> dict[str, torch.Tensor]:
     """All tensors of the component checkpoint in ``folder`` (CPU).
 
     With ``dtype`` each shard's floating tensors are cast as soon as the shard is read (so a float32
@@ -97,9 +105,7 @@ def load_state_dict(folder: str, variant: Optional[str] = None, *, dtype: Option
             out.update(_cast(_load_file(os.path.join(folder, shard)), dtype, keep_fp32))
         return out
     what = f" for variant '{variant}'" if variant else ""
-    raise AttentionConfigError(
-        f"no weights{what} in {folder}; looked for: {', '.join(tried[:6])}, ..."
-    )
+    raise AttentionConfigError(f"no weights{what} in {folder}; looked for: {', '.join(tried[:6])}, ...")
 
 
 def assign_state_dict(
@@ -134,7 +140,5 @@ def assign_state_dict(
             parts.append(f"missing {len(missing)} tensor(s) e.g. {', '.join(missing[:4])}")
         if unexpected:
             parts.append(f"unexpected {len(unexpected)} tensor(s) e.g. {', '.join(sorted(unexpected)[:4])}")
-        raise AttentionConfigError(
-            f"{where}: checkpoint does not match the model configuration ({'; '.join(parts)})"
-        )
+        raise AttentionConfigError(f"{where}: checkpoint does not match the model configuration ({'; '.join(parts)})")
     model.load_state_dict(state, strict=True, assign=True)

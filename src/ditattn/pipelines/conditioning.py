@@ -18,6 +18,7 @@ with the VAE's temporal and spatial compression), images as float ``[N, 3, H, W]
 The numbers follow diffusers' ``WanImageToVideoPipeline`` (image resized to the output size with
 Lanczos, latents normalised by the VAE's ``latents_mean`` / ``latents_std``, the posterior mode).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -65,8 +66,9 @@ def conditioning_mode(in_channels: int, z_dim: int, expand_timesteps: bool, temp
 def _check_pil(img, where: str, max_pixels: int):
     fmt = getattr(img, "format", None)
     if fmt is not None and fmt not in IMAGE_FORMATS:
-        raise ImageInputError(f"{where}: image format {fmt} is not supported; accepted: "
-                              f"{', '.join(f.lower() for f in IMAGE_FORMATS)}")
+        raise ImageInputError(
+            f"{where}: image format {fmt} is not supported; accepted: {', '.join(f.lower() for f in IMAGE_FORMATS)}"
+        )
     w, h = img.size
     if min(w, h) < MIN_IMAGE_SIDE:
         raise ImageInputError(f"{where}: image is {w}x{h}; each side must be at least {MIN_IMAGE_SIDE} pixels")
@@ -88,15 +90,20 @@ def decode_image_bytes(data: bytes, *, where: str = "image", max_pixels: int = D
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the size is checked below
             img = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)  # reads the header only
     except Image.DecompressionBombError:  # Pillow's own limit, from the header: far beyond any max_pixels
-        raise ImageInputError(f"{where}: the image header claims more than {2 * Image.MAX_IMAGE_PIXELS} pixels; "
-                              f"at most {max_pixels} pixels accepted") from None
+        raise ImageInputError(
+            f"{where}: the image header claims more than {2 * Image.MAX_IMAGE_PIXELS} pixels; "
+            f"at most {max_pixels} pixels accepted"
+        ) from None
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
         fmt = _sniff_format(data)
         if fmt is not None and fmt not in IMAGE_FORMATS:
-            raise ImageInputError(f"{where}: image format {fmt} is not supported; accepted: "
-                                  f"{', '.join(f.lower() for f in IMAGE_FORMATS)}") from None
-        raise ImageInputError(f"{where}: not a readable image; accepted formats: "
-                              f"{', '.join(f.lower() for f in IMAGE_FORMATS)}") from None
+            raise ImageInputError(
+                f"{where}: image format {fmt} is not supported; accepted: "
+                f"{', '.join(f.lower() for f in IMAGE_FORMATS)}"
+            ) from None
+        raise ImageInputError(
+            f"{where}: not a readable image; accepted formats: {', '.join(f.lower() for f in IMAGE_FORMATS)}"
+        ) from None
     _check_pil(img, where, max_pixels)
     try:
         with warnings.catch_warnings():
@@ -104,8 +111,10 @@ def decode_image_bytes(data: bytes, *, where: str = "image", max_pixels: int = D
             img.load()
             return img.convert("RGB")
     except Image.DecompressionBombError:
-        raise ImageInputError(f"{where}: the image is larger than {2 * Image.MAX_IMAGE_PIXELS} pixels; at most "
-                              f"{max_pixels} pixels accepted") from None
+        raise ImageInputError(
+            f"{where}: the image is larger than {2 * Image.MAX_IMAGE_PIXELS} pixels; at most "
+            f"{max_pixels} pixels accepted"
+        ) from None
     except (OSError, ValueError, SyntaxError, MemoryError) as exc:
         raise ImageInputError(f"{where}: the image data is damaged ({str(exc)[:120]})") from None
 
@@ -144,11 +153,14 @@ def load_image(value: ImageInput, *, where: str = "image", max_pixels: int = DEF
         return _check_pil(value, where, max_pixels).convert("RGB")
     if isinstance(value, np.ndarray):
         if value.dtype != np.uint8 or value.ndim not in (2, 3) or (value.ndim == 3 and value.shape[2] not in (3, 4)):
-            raise ImageInputError(f"{where}: an array image must be uint8 [H, W, 3], [H, W, 4] or [H, W]; got "
-                                  f"{value.dtype} {list(value.shape)}")
+            raise ImageInputError(
+                f"{where}: an array image must be uint8 [H, W, 3], [H, W, 4] or [H, W]; got "
+                f"{value.dtype} {list(value.shape)}"
+            )
         return _check_pil(Image.fromarray(value), where, max_pixels).convert("RGB")
-    raise ImageInputError(f"{where}: expected a file path, image bytes, a PIL image or a uint8 array, "
-                          f"got {type(value).__name__}")
+    raise ImageInputError(
+        f"{where}: expected a file path, image bytes, a PIL image or a uint8 array, got {type(value).__name__}"
+    )
 
 
 def batch_images(image, n: int, mode: str) -> Optional[list]:
@@ -160,12 +172,14 @@ def batch_images(image, n: int, mode: str) -> Optional[list]:
         if mode == "i2v":
             raise AttentionConfigError(
                 "this checkpoint is image-to-video: give the first frame (--image PATH; input_reference on the "
-                "server; image= in Python)")
+                "server; image= in Python)"
+            )
         return None
     if mode == "t2v":
         raise AttentionConfigError(
             "this checkpoint is text-to-video and takes no image; image conditioning needs an image-to-video "
-            "checkpoint (Wan 2.1 I2V, Wan 2.2 I2V-A14B or TI2V-5B)")
+            "checkpoint (Wan 2.1 I2V, Wan 2.2 I2V-A14B or TI2V-5B)"
+        )
     items = list(image) if isinstance(image, (list, tuple)) else [image]
     if len(items) not in (1, n):
         raise AttentionConfigError(f"image has {len(items)} entries for {n} prompts (give 1 or {n})")
@@ -231,17 +245,28 @@ def vae_pixels(images: list, height: int, width: int, spatial: int) -> torch.Ten
     return VideoProcessor(vae_scale_factor=spatial).preprocess(images, height=height, width=width).float()
 
 
-def clip_image_embeds(images: list, image_encoder, image_processor, device: torch.device,
-                      dtype: torch.dtype) -> torch.Tensor:
+def clip_image_embeds(
+    images: list, image_encoder, image_processor, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
     """CLIP image tokens ``[N, tokens, image_dim]`` in ``dtype`` of RGB PIL ``images`` (the
     checkpoint's image processor, then the encoder's penultimate hidden states)."""
     px = image_processor(images=images, return_tensors="pt")["pixel_values"].to(device)
     return image_encoder(px.to(image_encoder.dtype)).to(dtype)
 
 
-def encode_image_condition(images: list, *, mode: str, vae, height: int, width: int, num_frames: int,
-                           temporal: int, spatial: int, device: torch.device,
-                           image_embeds: Optional[torch.Tensor] = None) -> ImageCondition:
+def encode_image_condition(
+    images: list,
+    *,
+    mode: str,
+    vae,
+    height: int,
+    width: int,
+    num_frames: int,
+    temporal: int,
+    spatial: int,
+    device: torch.device,
+    image_embeds: Optional[torch.Tensor] = None,
+) -> ImageCondition:
     """The :class:`ImageCondition` of ``images`` (one RGB PIL image per sample) for an output of
     ``num_frames`` frames of ``height x width``: ``vae`` encodes (its posterior mode, normalised);
     ``image_embeds`` (:func:`clip_image_embeds`) are carried along for transformers that take them."""
@@ -265,9 +290,21 @@ def encode_image_condition(images: list, *, mode: str, vae, height: int, width: 
     return ImageCondition(mode, torch.cat([mask, z], dim=1), None, image_embeds)
 
 
-def image_condition(images: list, *, mode: str, components: dict, placement, height: int, width: int,
-                    num_frames: int, temporal: int, spatial: int, device: torch.device, dtype: torch.dtype,
-                    clip: bool) -> ImageCondition:
+def image_condition(
+    images: list,
+    *,
+    mode: str,
+    components: dict,
+    placement,
+    height: int,
+    width: int,
+    num_frames: int,
+    temporal: int,
+    spatial: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    clip: bool,
+) -> ImageCondition:
     """The batch's :class:`ImageCondition` from a pipeline's ``components``: the CLIP tokens of the
     ``image_encoder`` / ``image_processor`` when the DiT takes them (``clip``), then the ``vae``
     latents (:func:`encode_image_condition`), each component on the device while it runs
@@ -275,9 +312,19 @@ def image_condition(images: list, *, mode: str, components: dict, placement, hei
     embeds = None
     if clip:
         with placement.use("image_encoder"):
-            embeds = clip_image_embeds(images, components["image_encoder"], components["image_processor"], device,
-                                       dtype)
+            embeds = clip_image_embeds(
+                images, components["image_encoder"], components["image_processor"], device, dtype
+            )
     with placement.use("vae"):
-        return encode_image_condition(images, mode=mode, vae=components["vae"], height=height, width=width,
-                                      num_frames=num_frames, temporal=temporal, spatial=spatial, device=device,
-                                      image_embeds=embeds)
+        return encode_image_condition(
+            images,
+            mode=mode,
+            vae=components["vae"],
+            height=height,
+            width=width,
+            num_frames=num_frames,
+            temporal=temporal,
+            spatial=spatial,
+            device=device,
+            image_embeds=embeds,
+        )

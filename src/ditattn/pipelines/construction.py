@@ -2,6 +2,7 @@
 component inside its attention scope, then LoRA, placement (offload), VAE tiling, 8-bit linears and
 compilation, in that order.  :meth:`ditattn.pipelines.wan.WanPipelineNative.from_pretrained` is the
 public entry point and documents every option; this module holds its steps."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -44,10 +45,27 @@ class LoadedComponents:
     placement: Optional[ComponentPlacement]
 
 
-def load_components(path: Optional[str], settings: AttentionSettings, device, dtype, *, variant: Optional[str],
-                    load_weights: bool, revision: Optional[str], local_files_only: bool, cache_dir: Optional[str],
-                    offload: str, offload_group_blocks: int, vae_tiling: bool, vae_slicing: bool, lora: Sequence,
-                    lora_fuse: bool, dit_quantization: str, dit_weights, vae_parallel: bool) -> LoadedComponents:
+def load_components(
+    path: Optional[str],
+    settings: AttentionSettings,
+    device,
+    dtype,
+    *,
+    variant: Optional[str],
+    load_weights: bool,
+    revision: Optional[str],
+    local_files_only: bool,
+    cache_dir: Optional[str],
+    offload: str,
+    offload_group_blocks: int,
+    vae_tiling: bool,
+    vae_slicing: bool,
+    lora: Sequence,
+    lora_fuse: bool,
+    dit_quantization: str,
+    dit_weights,
+    vae_parallel: bool,
+) -> LoadedComponents:
     """The components of the pipeline at ``path`` with every option of
     :meth:`~ditattn.pipelines.wan.WanPipelineNative.from_pretrained` applied (AttentionConfigError for a
     bad option, path, checkpoint, refused backend or unused override)."""
@@ -55,19 +73,28 @@ def load_components(path: Optional[str], settings: AttentionSettings, device, dt
 
     check_backend_config(settings.config, settings.named_backends(), complete=False)  # before dtype checks
     dit_quantization = check_mode(dit_quantization)
-    folder, name = resolve_model_path(path, revision=revision, local_files_only=local_files_only,
-                                      cache_dir=cache_dir, variant=variant)
+    folder, name = resolve_model_path(
+        path, revision=revision, local_files_only=local_files_only, cache_dir=cache_dir, variant=variant
+    )
     mi = read_model_index(folder, name)
     dev = parse_device(device)
     platform = platform_for_device(dev)
     dt = parse_dtype(dtype, platform)
-    check_load_options(settings, offload=offload, lora=lora, lora_fuse=lora_fuse,
-                       dit_quantization=dit_quantization, platform=platform, dtype=dt)
+    check_load_options(
+        settings,
+        offload=offload,
+        lora=lora,
+        lora_fuse=lora_fuse,
+        dit_quantization=dit_quantization,
+        platform=platform,
+        dtype=dt,
+    )
     weights = parse_dit_weights(dit_weights, mi)
     home = torch.device("cpu") if offload != "none" and load_weights else dev
     with use_platform(platform), attention_settings(settings):
-        components, scopes = build_components(mi, home, dt, variant=variant, load_weights=load_weights,
-                                              dit_weights=weights)
+        components, scopes = build_components(
+            mi, home, dt, variant=variant, load_weights=load_weights, dit_weights=weights
+        )
         check_overrides_used(settings.component_overrides, scopes, mi.components.keys())
         used = [d.backend for s in scopes.values() for d in s.decisions]
         check_backend_config(settings.config, used)
@@ -78,8 +105,10 @@ def load_components(path: Optional[str], settings: AttentionSettings, device, dt
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
-            raise AttentionConfigError("vae_parallel spreads the VAE decode over the ranks of a torch.distributed "
-                                       "job; run it on several ranks (--num-gpus N) or leave it off")
+            raise AttentionConfigError(
+                "vae_parallel spreads the VAE decode over the ranks of a torch.distributed "
+                "job; run it on several ranks (--num-gpus N) or leave it off"
+            )
     if load_weights:
         adapters = load_loras(components, lora, fuse=lora_fuse)
         placement = ComponentPlacement(components, dev, offload, offload_group_blocks)
@@ -91,8 +120,9 @@ def load_components(path: Optional[str], settings: AttentionSettings, device, dt
     for comp in DIT:  # after LoRA fusion and placement (the DiT on its device), before compilation
         if components.get(comp) is not None:
             model = components[comp]
-            model.linear_quantization = (quantize_linears(model, dit_quantization) if load_weights
-                                         else plan_linears(model, dit_quantization))
+            model.linear_quantization = (
+                quantize_linears(model, dit_quantization) if load_weights else plan_linears(model, dit_quantization)
+            )
     check_something_quantized([components[c].linear_quantization for c in DIT if components.get(c) is not None])
     if settings.compiled and load_weights:
         from ditattn.models.wan.compile import compile_blocks

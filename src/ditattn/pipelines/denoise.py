@@ -9,6 +9,7 @@ scale and lets the scheduler step.  The text side of each expert
 (projected text and cross-attention K/V, :meth:`~ditattn.models.wan.transformer.WanTransformer.encode_text`)
 is computed once per loop.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,13 +24,28 @@ from ditattn.distributed.cfg import get_cfg_parallel
 from ditattn.pipelines.conditioning import ImageCondition
 
 
-def denoise(latents: torch.Tensor, scheduler, dits: Mapping[str, Optional[torch.nn.Module]], *,
-            context: torch.Tensor, condition: Optional[ImageCondition], guidance: float, guidance_2: float,
-            boundary_ratio: Optional[float], expand_timesteps: bool, placement, dtype: torch.dtype,
-            state: Optional[RequestState] = None, cache=None, progress: bool = True,
-            on_step: Optional[Callable[[int, int], None]] = None,
-            check_stop: Optional[Callable[[], None]] = None, guided: Optional[Sequence[bool]] = None,
-            sequential_cfg: bool = False, step_kwargs: Optional[dict] = None) -> tuple[torch.Tensor, set[str]]:
+def denoise(
+    latents: torch.Tensor,
+    scheduler,
+    dits: Mapping[str, Optional[torch.nn.Module]],
+    *,
+    context: torch.Tensor,
+    condition: Optional[ImageCondition],
+    guidance: float,
+    guidance_2: float,
+    boundary_ratio: Optional[float],
+    expand_timesteps: bool,
+    placement,
+    dtype: torch.dtype,
+    state: Optional[RequestState] = None,
+    cache=None,
+    progress: bool = True,
+    on_step: Optional[Callable[[int, int], None]] = None,
+    check_stop: Optional[Callable[[], None]] = None,
+    guided: Optional[Sequence[bool]] = None,
+    sequential_cfg: bool = False,
+    step_kwargs: Optional[dict] = None,
+) -> tuple[torch.Tensor, set[str]]:
     """Run ``scheduler`` (its timesteps set) over ``latents [N, z, T, h, w]`` (float32, on the
     DiTs' device) and return the final latents (float32) and the names of the experts that ran.
 
@@ -91,8 +107,15 @@ def denoise(latents: torch.Tensor, scheduler, dits: Mapping[str, Optional[torch.
         with forward_context(step=i, num_steps=len(timesteps), video_shape=grid, text_len=0, branch=branch):
             return model(xb, ts, text_cache=text_cache(name, model, part)).float()
 
-    bar = tqdm(total=len(timesteps), desc="denoising", unit="step", file=sys.stderr, disable=not progress,
-               dynamic_ncols=True, leave=True)
+    bar = tqdm(
+        total=len(timesteps),
+        desc="denoising",
+        unit="step",
+        file=sys.stderr,
+        disable=not progress,
+        dynamic_ncols=True,
+        leave=True,
+    )
     try:
         with request_scope(state) if state is not None else contextlib.nullcontext(), cache_scope(cache):
             for i, t in enumerate(timesteps):

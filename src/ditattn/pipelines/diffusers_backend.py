@@ -14,6 +14,7 @@ diffusers' ``set_attention_backend``; with none of these flags diffusers runs it
 name both know (``aiter``) is ditattn's.  Sequence parallelism and torch.compile run the native
 pipeline only.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,8 +27,14 @@ import torch
 from ditattn.attention.names import DIT_COMPONENTS
 from ditattn.errors import AttentionConfigError
 
-DITATTN_ONLY = ("component_attention_backends", "attention_backend_config", "attention_backend_override",
-                "skip_softmax_threshold_scale_factor", "skip_softmax_start_step", "enable_attention_backend_autotune")
+DITATTN_ONLY = (
+    "component_attention_backends",
+    "attention_backend_config",
+    "attention_backend_override",
+    "skip_softmax_threshold_scale_factor",
+    "skip_softmax_start_step",
+    "enable_attention_backend_autotune",
+)
 
 
 def reject_native_only_options(config) -> None:
@@ -49,8 +56,9 @@ def reject_native_only_options(config) -> None:
         flag = (sampler or ["cfg_batching"])[0].replace("_", "-")
         raise AttentionConfigError(f"--{flag} applies to the native pipeline only; not with --backend diffusers")
     if m.offload == "text_encoder":
-        raise AttentionConfigError("--offload text_encoder applies to the native pipeline only; with --backend "
-                                   "diffusers use --offload model or group"
+        raise AttentionConfigError(
+            "--offload text_encoder applies to the native pipeline only; with --backend "
+            "diffusers use --offload model or group"
         )
     if p.num_gpus > 1 or (p.ulysses_degree or 1) > 1 or (p.ring_degree or 1) > 1 or p.cfg_parallel or p.vae_parallel:
         raise AttentionConfigError(
@@ -79,11 +87,13 @@ def attention_route(config) -> Optional[str]:
     if name not in diffusers_backend_names():
         raise AttentionConfigError(
             f"--attention-backend '{name}' (with --backend diffusers) is neither a ditattn backend nor one of "
-            f"diffusers' ({', '.join(diffusers_backend_names())}); {ditattn_error.split('; ', 1)[-1]}")
+            f"diffusers' ({', '.join(diffusers_backend_names())}); {ditattn_error.split('; ', 1)[-1]}"
+        )
     if ours:
         raise AttentionConfigError(
             f"--{ours[0].replace('_', '-')} needs a ditattn --attention-backend; '{name}' is diffusers' own backend "
-            "name (ditattn's dense ones: fa, torch_sdpa, torch_cudnn_sdpa, sage_attn)")
+            "name (ditattn's dense ones: fa, torch_sdpa, torch_cudnn_sdpa, sage_attn)"
+        )
     return "diffusers"
 
 
@@ -114,9 +124,16 @@ def diffusers_backend_names() -> list[str]:
         return []
 
 
-def load_diffusers_pipeline(folder: str, *, device: torch.device, dtype: torch.dtype,
-                            variant: Optional[str] = None, attention_backend: Optional[str] = None,
-                            image_to_video: bool = False, model=None):
+def load_diffusers_pipeline(
+    folder: str,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    variant: Optional[str] = None,
+    attention_backend: Optional[str] = None,
+    image_to_video: bool = False,
+    model=None,
+):
     """``diffusers.WanPipeline`` (``WanImageToVideoPipeline`` with ``image_to_video``) from ``folder`` on
     ``device`` (VAE in float32), with diffusers' ``set_attention_backend(attention_backend)`` applied to
     its transformer(s) when given, and ``model`` (a :class:`~ditattn.runconfig.ModelConfig`)'s offload,
@@ -156,10 +173,15 @@ def apply_ditattn(pipe, config):
     from ditattn.integrations.diffusers import apply
 
     a = config.attention
-    return apply(pipe, attention_backend=a.attention_backend, attention_backend_config=a.attention_backend_config,
-                 component_attention_backends=a.component_attention_backends,
-                 attention_backend_override=a.attention_backend_override, skip_softmax=a.skip_softmax(),
-                 enable_attention_backend_autotune=a.enable_attention_backend_autotune)
+    return apply(
+        pipe,
+        attention_backend=a.attention_backend,
+        attention_backend_config=a.attention_backend_config,
+        component_attention_backends=a.component_attention_backends,
+        attention_backend_override=a.attention_backend_override,
+        skip_softmax=a.skip_softmax(),
+        enable_attention_backend_autotune=a.enable_attention_backend_autotune,
+    )
 
 
 def plan_diffusers(config):
@@ -174,11 +196,14 @@ def plan_diffusers(config):
     from ditattn.platforms import platform_for_device
 
     if attention_route(config) == "diffusers":
-        raise AttentionConfigError(f"plan explains ditattn's backends; '{config.attention.attention_backend}' is "
-                                   "diffusers' own backend name (ditattn's: see ditattn backends)")
+        raise AttentionConfigError(
+            f"plan explains ditattn's backends; '{config.attention.attention_backend}' is "
+            "diffusers' own backend name (ditattn's: see ditattn backends)"
+        )
     m = config.model
-    folder, name = resolve_model_path(m.model_path, revision=m.revision, local_files_only=m.local_files_only,
-                                      variant=m.model_variant)
+    folder, name = resolve_model_path(
+        m.model_path, revision=m.revision, local_files_only=m.local_files_only, variant=m.model_variant
+    )
     mi = read_model_index(folder, name)
     dev = parse_device(m.device)
     platform = platform_for_device(dev)
@@ -188,13 +213,15 @@ def plan_diffusers(config):
         if comp in mi.components:
             cls = getattr(diffusers, mi.components[comp][1], None)
             if cls is None:
-                raise AttentionConfigError(f"{folder}: {comp} class '{mi.components[comp][1]}' is not in diffusers "
-                                           f"{diffusers.__version__}")
+                raise AttentionConfigError(
+                    f"{folder}: {comp} class '{mi.components[comp][1]}' is not in diffusers {diffusers.__version__}"
+                )
             with torch.device("meta"):
                 dits[comp] = cls.from_config(cls.load_config(os.path.join(folder, comp)))
     fixed = tuple(c for c, (lib, klass) in mi.components.items() if c not in dits and _is_model(lib, klass))
-    routing = route_models(dits, config.attention_settings(), fixed=fixed, known=tuple(mi.components),
-                           platform=platform, dtype=dt)
+    routing = route_models(
+        dits, config.attention_settings(), fixed=fixed, known=tuple(mi.components), platform=platform, dtype=dt
+    )
     return routing, name, dt
 
 
@@ -224,11 +251,13 @@ def _apply_model_options(pipe, model, device: torch.device) -> None:
         folder = os.path.dirname(path) or "." if os.path.isfile(path) else path
         name = spec.name if spec.name not in names else f"{spec.name}_{len(names) + 1}"
         try:
-            pipe.load_lora_weights(folder, adapter_name=name, load_into_transformer_2=spec.component == "transformer_2",
-                                   **kw)
+            pipe.load_lora_weights(
+                folder, adapter_name=name, load_into_transformer_2=spec.component == "transformer_2", **kw
+            )
         except (OSError, ValueError, KeyError, RuntimeError) as exc:
-            raise LoRAError(f"--lora-path {spec.path}: diffusers cannot load it ({' '.join(str(exc).split())[:300]})") \
-                from None
+            raise LoRAError(
+                f"--lora-path {spec.path}: diffusers cannot load it ({' '.join(str(exc).split())[:300]})"
+            ) from None
         names.append(name)
         scales.append(spec.scale)
     if names:
@@ -242,16 +271,32 @@ def _apply_model_options(pipe, model, device: torch.device) -> None:
     if model.offload == "model":
         pipe.enable_model_cpu_offload(device=device)
     elif model.offload == "group":
-        pipe.enable_group_offload(onload_device=device, offload_type="block_level",
-                                  num_blocks_per_group=model.offload_group_blocks, use_stream=device.type == "cuda")
+        pipe.enable_group_offload(
+            onload_device=device,
+            offload_type="block_level",
+            num_blocks_per_group=model.offload_group_blocks,
+            use_stream=device.type == "cuda",
+        )
     else:
         pipe.to(device)
 
 
-def run_diffusers(pipe, *, prompt: str, negative_prompt: Optional[str], height: int, width: int, num_frames: int,
-                  num_inference_steps: int, guidance_scale: float, seed: int, max_sequence_length: int = 512,
-                  progress: bool = True, image=None, guidance_scale_2: Optional[float] = None
-                  ) -> tuple[np.ndarray, float]:
+def run_diffusers(
+    pipe,
+    *,
+    prompt: str,
+    negative_prompt: Optional[str],
+    height: int,
+    width: int,
+    num_frames: int,
+    num_inference_steps: int,
+    guidance_scale: float,
+    seed: int,
+    max_sequence_length: int = 512,
+    progress: bool = True,
+    image=None,
+    guidance_scale_2: Optional[float] = None,
+) -> tuple[np.ndarray, float]:
     """Run the diffusers pipeline (``image``: the first frame of an image-to-video pipeline); returns
     (uint8 frames ``[1, F, H, W, 3]``, seconds)."""
     pipe.set_progress_bar_config(disable=not progress)
@@ -260,9 +305,16 @@ def run_diffusers(pipe, *, prompt: str, negative_prompt: Optional[str], height: 
         extra["guidance_scale_2"] = guidance_scale_2
     t0 = time.perf_counter()
     out = pipe(
-        prompt=prompt, negative_prompt=negative_prompt, height=height, width=width, num_frames=num_frames,
-        num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
-        generator=torch.Generator("cpu").manual_seed(seed), output_type="np", max_sequence_length=max_sequence_length,
+        prompt=prompt,
+        negative_prompt=negative_prompt,
+        height=height,
+        width=width,
+        num_frames=num_frames,
+        num_inference_steps=num_inference_steps,
+        guidance_scale=guidance_scale,
+        generator=torch.Generator("cpu").manual_seed(seed),
+        output_type="np",
+        max_sequence_length=max_sequence_length,
         **extra,
     ).frames
     frames = np.asarray(out, dtype=np.float32)

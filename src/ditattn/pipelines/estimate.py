@@ -11,6 +11,7 @@ guidance.  The VAE decoder is counted per output pixel.  The rates are what the 
 DiT and 14 microseconds per decoded pixel; a faster machine finishes sooner, so the figure is an
 order of magnitude, not a promise.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,8 +37,9 @@ class Estimate:
     seconds: float
 
     def describe(self) -> str:
-        return (f"{self.tokens} tokens x {self.forwards} DiT forwards x {self.layers} layers "
-                f"(~{_si(self.dit_flops)}FLOP)")
+        return (
+            f"{self.tokens} tokens x {self.forwards} DiT forwards x {self.layers} layers (~{_si(self.dit_flops)}FLOP)"
+        )
 
 
 def _si(x: float) -> str:
@@ -47,9 +49,21 @@ def _si(x: float) -> str:
     return f"{x:.0f} "
 
 
-def estimate(*, height: int, width: int, num_frames: int, steps: int, guidance: bool, layers: int, heads: int,
-             head_dim: int, ffn_dim: int, patch_size=(1, 2, 2), vae_spatial: int = 8, vae_temporal: int = 4
-             ) -> Estimate:
+def estimate(
+    *,
+    height: int,
+    width: int,
+    num_frames: int,
+    steps: int,
+    guidance: bool,
+    layers: int,
+    heads: int,
+    head_dim: int,
+    ffn_dim: int,
+    patch_size=(1, 2, 2),
+    vae_spatial: int = 8,
+    vae_temporal: int = 4,
+) -> Estimate:
     """The :class:`Estimate` of a ``height x width x num_frames`` generation of ``steps`` steps
     (``guidance``: classifier-free guidance doubles the DiT forwards)."""
     t = (num_frames - 1) // vae_temporal + 1

@@ -2,6 +2,7 @@
 defaults (:func:`resolve_inputs`), the scope it runs in (:func:`generation_run`: LoRA scales,
 offload, peak memory) and what it returns (:class:`GenerationResult`).  The pipeline itself:
 :class:`ditattn.pipelines.wan.WanPipelineNative`."""
+
 from __future__ import annotations
 
 import contextlib
@@ -37,11 +38,24 @@ class GenerationInputs:
     guidance_2: float
 
 
-def resolve_inputs(prompt: Union[str, Sequence[str]], negative_prompt: Union[str, Sequence[str], None] = None, *,
-                   seed: Union[int, Sequence[int], None], image, height: Optional[int], width: Optional[int],
-                   num_frames: Optional[int], num_inference_steps: Optional[int], guidance_scale: Optional[float],
-                   guidance_scale_2: Optional[float], output_type: str, defaults: dict, geometry: VideoGeometry,
-                   mode: str, two_experts: bool) -> GenerationInputs:
+def resolve_inputs(
+    prompt: Union[str, Sequence[str]],
+    negative_prompt: Union[str, Sequence[str], None] = None,
+    *,
+    seed: Union[int, Sequence[int], None],
+    image,
+    height: Optional[int],
+    width: Optional[int],
+    num_frames: Optional[int],
+    num_inference_steps: Optional[int],
+    guidance_scale: Optional[float],
+    guidance_scale_2: Optional[float],
+    output_type: str,
+    defaults: dict,
+    geometry: VideoGeometry,
+    mode: str,
+    two_experts: bool,
+) -> GenerationInputs:
     """The arguments of :meth:`~ditattn.pipelines.wan.WanPipelineNative.generate` (same meanings),
     checked, with None filled from ``defaults`` (with an image and neither height nor width: the
     default area at the image's aspect ratio).  ``geometry`` / ``mode`` / ``two_experts``: the
@@ -65,16 +79,19 @@ def resolve_inputs(prompt: Union[str, Sequence[str]], negative_prompt: Union[str
     images = batch_images(image, n, mode)
     d = defaults
     if images is not None and height is None and width is None:
-        height, width = size_for_image(images[0].width, images[0].height, d["height"] * d["width"],
-                                       geometry.size_multiple)
+        height, width = size_for_image(
+            images[0].width, images[0].height, d["height"] * d["width"], geometry.size_multiple
+        )
     height = d["height"] if height is None else height
     width = d["width"] if width is None else width
     num_frames = d["num_frames"] if num_frames is None else num_frames
     steps = d["num_inference_steps"] if num_inference_steps is None else num_inference_steps
     guidance = d["guidance_scale"] if guidance_scale is None else float(guidance_scale)
     if guidance_scale_2 is not None and not two_experts:
-        raise AttentionConfigError("guidance_scale_2 applies to two-expert checkpoints (Wan 2.2 A14B, with "
-                                   "boundary_ratio); this one has a single transformer")
+        raise AttentionConfigError(
+            "guidance_scale_2 applies to two-expert checkpoints (Wan 2.2 A14B, with "
+            "boundary_ratio); this one has a single transformer"
+        )
     guidance_2 = guidance if guidance_scale_2 is None else float(guidance_scale_2)
     geometry.check_size(height, width, num_frames)
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:

@@ -8,6 +8,7 @@ the hub's progress bars through diffusers' ``DiffusionPipeline.download`` (which
 diffusers pipeline needs: safetensors over pickles, the requested weights variant).  Every failure
 is one :class:`~ditattn.errors.AttentionConfigError` naming the id and what to do.
 """
+
 from __future__ import annotations
 
 import logging
@@ -56,8 +57,15 @@ def missing_components(folder: str) -> Optional[list[str]]:
             data = json.load(f)
     except (OSError, ValueError):
         return None
-    return [k for k, v in data.items() if not k.startswith("_") and isinstance(v, list) and len(v) == 2
-            and v[0] is not None and not os.path.isdir(os.path.join(folder, k))]
+    return [
+        k
+        for k, v in data.items()
+        if not k.startswith("_")
+        and isinstance(v, list)
+        and len(v) == 2
+        and v[0] is not None
+        and not os.path.isdir(os.path.join(folder, k))
+    ]
 
 
 def cached_snapshot(repo_id: str, revision: Optional[str] = None, cache_dir: Optional[str] = None) -> Optional[str]:
@@ -77,8 +85,14 @@ def _short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
 
 
-def resolve_repo_id(repo_id: str, *, revision: Optional[str] = None, local_files_only: bool = False,
-                    cache_dir: Optional[str] = None, variant: Optional[str] = None) -> str:
+def resolve_repo_id(
+    repo_id: str,
+    *,
+    revision: Optional[str] = None,
+    local_files_only: bool = False,
+    cache_dir: Optional[str] = None,
+    variant: Optional[str] = None,
+) -> str:
     """The local snapshot folder of the diffusers pipeline ``repo_id`` (see the module docstring);
     raises :class:`AttentionConfigError` naming the id when it is neither cached nor downloadable."""
     at = f" (revision {revision})" if revision else ""
@@ -100,15 +114,21 @@ def resolve_repo_id(repo_id: str, *, revision: Optional[str] = None, local_files
     try:  # one metadata call first: a missing repo, revision or connection is reported as such
         model_info(repo_id, revision=revision)
     except hub_errors.GatedRepoError:
-        raise AttentionConfigError(f"--model-path '{repo_id}' is gated on the Hugging Face Hub: accept its terms on "
-                                   "huggingface.co and log in (hf auth login)") from None
+        raise AttentionConfigError(
+            f"--model-path '{repo_id}' is gated on the Hugging Face Hub: accept its terms on "
+            "huggingface.co and log in (hf auth login)"
+        ) from None
     except hub_errors.RepositoryNotFoundError:
-        raise AttentionConfigError(f"--model-path '{repo_id}': no such Hugging Face repository (or it is private: "
-                                   "log in with hf auth login); give org/name of a diffusers-format Wan pipeline, "
-                                   "e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers") from None
+        raise AttentionConfigError(
+            f"--model-path '{repo_id}': no such Hugging Face repository (or it is private: "
+            "log in with hf auth login); give org/name of a diffusers-format Wan pipeline, "
+            "e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+        ) from None
     except hub_errors.RevisionNotFoundError:
-        raise AttentionConfigError(f"--model-path '{repo_id}': revision '{revision}' does not exist; accepted: a "
-                                   "branch, tag or commit of the repository") from None
+        raise AttentionConfigError(
+            f"--model-path '{repo_id}': revision '{revision}' does not exist; accepted: a "
+            "branch, tag or commit of the repository"
+        ) from None
     except Exception as exc:  # connection failures come as several types across huggingface_hub/httpx versions
         raise AttentionConfigError(
             f"--model-path '{repo_id}'{at} is not in the local Hugging Face cache ({where}) and the Hugging Face Hub "
@@ -123,9 +143,12 @@ def resolve_repo_id(repo_id: str, *, revision: Optional[str] = None, local_files
         raise AttentionConfigError(f"--model-path '{repo_id}'{at}: the download failed: {_short(exc)}") from None
     gone = missing_components(str(folder))
     if gone is None:
-        raise AttentionConfigError(f"--model-path '{repo_id}' is not a diffusers-format pipeline (no model_index.json "
-                                   "in the repository); use the -Diffusers repository of the model")
+        raise AttentionConfigError(
+            f"--model-path '{repo_id}' is not a diffusers-format pipeline (no model_index.json "
+            "in the repository); use the -Diffusers repository of the model"
+        )
     if gone:
-        raise AttentionConfigError(f"--model-path '{repo_id}': the download lacks component folder(s) "
-                                   f"{', '.join(gone)}; run it again")
+        raise AttentionConfigError(
+            f"--model-path '{repo_id}': the download lacks component folder(s) {', '.join(gone)}; run it again"
+        )
     return str(folder)

@@ -7,10 +7,12 @@ loaded components; the diffusers backend from the checkpoint's configs alone, be
 (:meth:`VideoGeometry.from_model_index`).
 
 The initial noise of a generation: :func:`prepare_latents`.  Latents are normalised by the VAE's
-``latents_mean`` / ``latents_std`` (as diffusers' Wan pipelines do): :func:`normalize_latents` after encoding, :func:`decode_latents` undoes it before
+``latents_mean`` / ``latents_std`` (as diffusers' Wan pipelines do): :func:`normalize_latents` after encoding,
+:func:`decode_latents` undoes it before
 decoding.  Layouts: video ``[N, F, H, W, 3]``; latents ``[N, z, T, h, w]`` with
 ``T = (F - 1) / temporal + 1``, ``h = H / spatial``, ``w = W / spatial``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,11 +45,14 @@ class VideoGeometry:
         """From the VAE's ``config.json`` (empty: Wan 2.1's VAE factors, the DiT's output channels)
         and the transformer's (``in_channels``, ``out_channels``, ``patch_size``)."""
         in_channels = int(transformer.get("in_channels") or 16)
-        return cls(z_dim=int(vae.get("z_dim") or transformer.get("out_channels") or in_channels),
-                   temporal=int(vae.get("scale_factor_temporal") or 4),
-                   spatial=int(vae.get("scale_factor_spatial") or 8),
-                   patch=tuple(int(p) for p in transformer.get("patch_size") or (1, 2, 2)),
-                   in_channels=in_channels, expand_timesteps=bool(expand_timesteps))
+        return cls(
+            z_dim=int(vae.get("z_dim") or transformer.get("out_channels") or in_channels),
+            temporal=int(vae.get("scale_factor_temporal") or 4),
+            spatial=int(vae.get("scale_factor_spatial") or 8),
+            patch=tuple(int(p) for p in transformer.get("patch_size") or (1, 2, 2)),
+            in_channels=in_channels,
+            expand_timesteps=bool(expand_timesteps),
+        )
 
     @classmethod
     def from_model_index(cls, mi) -> "VideoGeometry":
@@ -84,15 +89,16 @@ class VideoGeometry:
             )
 
 
-def prepare_latents(shape: tuple[int, int, int, int], seeds: list[int], device: torch.device,
-                    latents: Optional[torch.Tensor] = None) -> torch.Tensor:
+def prepare_latents(
+    shape: tuple[int, int, int, int], seeds: list[int], device: torch.device, latents: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """The initial noise ``[len(seeds), *shape]`` float32 on ``device``: one standard normal sample
     per seed, each from its own CPU generator (a clip does not depend on what it is batched with),
     or the given ``latents`` (their shape checked: :class:`AttentionConfigError` otherwise)."""
     if latents is None:
-        latents = torch.stack([
-            torch.randn(shape, generator=torch.Generator("cpu").manual_seed(s), dtype=torch.float32) for s in seeds
-        ])
+        latents = torch.stack(
+            [torch.randn(shape, generator=torch.Generator("cpu").manual_seed(s), dtype=torch.float32) for s in seeds]
+        )
     elif tuple(latents.shape) != (len(seeds), *shape):
         raise AttentionConfigError(f"latents must have shape {(len(seeds), *shape)}, got {tuple(latents.shape)}")
     return latents.to(device, torch.float32)
@@ -111,8 +117,15 @@ def normalize_latents(z: torch.Tensor, vae_config) -> torch.Tensor:
     return (z - mean) * inv_std
 
 
-def decode_latents(vae, latents: torch.Tensor, device: torch.device, *, parallel: bool = False,
-                   progress: bool = False, check_stop=None) -> np.ndarray:
+def decode_latents(
+    vae,
+    latents: torch.Tensor,
+    device: torch.device,
+    *,
+    parallel: bool = False,
+    progress: bool = False,
+    check_stop=None,
+) -> np.ndarray:
     """Normalised latents ``[N, z, T, h, w]`` -> float32 frames in [0, 1], ``np.ndarray [N, F, H, W, 3]``
     (``vae``: diffusers' ``AutoencoderKLWan``, decoding on ``device`` in its own dtype).  ``parallel``:
     every rank of the default process group calls this with the same latents and the VAE's tiled decode
@@ -127,8 +140,9 @@ def decode_latents(vae, latents: torch.Tensor, device: torch.device, *, parallel
     mean, inv_std = _latent_stats(vae.config, z)
     z = z / inv_std + mean
     tiled = parallel or getattr(vae, "use_tiling", False)
-    bar = progress_bar(total=None if tiled else z.shape[0] * z.shape[2], desc="decoding", unit="frame",
-                       enabled=progress)
+    bar = progress_bar(
+        total=None if tiled else z.shape[0] * z.shape[2], desc="decoding", unit="frame", enabled=progress
+    )
     decoder = getattr(vae, "decoder", None)
     hooks = []
     if isinstance(decoder, torch.nn.Module):

@@ -5,6 +5,7 @@ attention scope, the VAE and a fresh-scheduler factory.
 settings active in the caller's context (:func:`ditattn.attention.context.attention_settings`),
 so that every attention layer resolves its backend once, in its component's scope.
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,12 +28,20 @@ log = logging.getLogger("ditattn.pipeline")
 
 DIT = DIT_COMPONENTS
 # component -> (the diffusers class it must be, what it is, its native loader)
-NATIVE_MODELS = {"text_encoder": ("UMT5EncoderModel", "text encoder", load_umt5_encoder),
-                 "image_encoder": ("CLIPVisionModel", "image encoder", load_clip_vision_encoder),
-                 "transformer": ("WanTransformer3DModel", "transformer", load_wan_transformer)}
+NATIVE_MODELS = {
+    "text_encoder": ("UMT5EncoderModel", "text encoder", load_umt5_encoder),
+    "image_encoder": ("CLIPVisionModel", "image encoder", load_clip_vision_encoder),
+    "transformer": ("WanTransformer3DModel", "transformer", load_wan_transformer),
+}
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
 
 
 def parse_dtype(value: "str | torch.dtype | None", platform: Platform) -> torch.dtype:
@@ -71,8 +80,9 @@ def parse_device(value: "str | torch.device | None") -> torch.device:
     return dev
 
 
-def check_load_options(settings, *, offload: str, lora, lora_fuse: bool, dit_quantization: str, platform: Platform,
-                       dtype: torch.dtype) -> None:
+def check_load_options(
+    settings, *, offload: str, lora, lora_fuse: bool, dit_quantization: str, platform: Platform, dtype: torch.dtype
+) -> None:
     """Refuse, before any weights are read, the load options that cannot run together: an unknown
     ``offload`` mode, block streaming (``group``) or unfused LoRAs under torch.compile (``settings``:
     the run's :class:`~ditattn.attention.context.AttentionSettings`), a ``dit_quantization`` mode that
@@ -83,17 +93,22 @@ def check_load_options(settings, *, offload: str, lora, lora_fuse: bool, dit_qua
 
     check_offload_mode(offload)
     if offload == "group" and settings.compiled:
-        raise AttentionConfigError("--offload group streams the DiT's weights during the forward, which compiled "
-                                   "blocks cannot follow; use --offload model, or drop --enable-torch-compile")
+        raise AttentionConfigError(
+            "--offload group streams the DiT's weights during the forward, which compiled "
+            "blocks cannot follow; use --offload model, or drop --enable-torch-compile"
+        )
     if lora and not lora_fuse and settings.compiled:
-        raise AttentionConfigError("unfused LoRA adapters (switchable per request) cannot run inside compiled "
-                                   "blocks; add --lora-fuse, or drop --enable-torch-compile")
+        raise AttentionConfigError(
+            "unfused LoRA adapters (switchable per request) cannot run inside compiled "
+            "blocks; add --lora-fuse, or drop --enable-torch-compile"
+        )
     check_supported(dit_quantization, platform, dtype)
     if dit_quantization != "none" and offload in ("model", "group"):
         raise AttentionConfigError(
             f"--dit-quantization {dit_quantization} with --offload {offload}: the offload keeps plain CPU master "
             "copies of the weights and moves them by tensor data, which torchao's quantized weights do not "
-            "support; use --offload text_encoder (an 8-bit DiT is half the size of a bf16 one) or no offload")
+            "support; use --offload text_encoder (an 8-bit DiT is half the size of a bf16 one) or no offload"
+        )
 
 
 def parse_dit_weights(spec: "str | Mapping[str, str] | None", mi: ModelIndex) -> dict[str, str]:
@@ -108,21 +123,33 @@ def parse_dit_weights(spec: "str | Mapping[str, str] | None", mi: ModelIndex) ->
     dits = [c for c in DIT if c in mi.components]
     if isinstance(spec, str) and (os.path.exists(spec) or "=" not in spec):
         if len(dits) != 1:
-            raise AttentionConfigError(f"--dit-weights {spec!r}: this model has {len(dits)} DiTs ({', '.join(dits)}); "
-                                       "accepted: transformer=PATH,transformer_2=PATH")
+            raise AttentionConfigError(
+                f"--dit-weights {spec!r}: this model has {len(dits)} DiTs ({', '.join(dits)}); "
+                "accepted: transformer=PATH,transformer_2=PATH"
+            )
         return {dits[0]: check_weights_file(spec)}
-    pairs = spec.items() if isinstance(spec, Mapping) else (p.partition("=")[::2] for p in spec.split(",") if p.strip())
+    pairs = (
+        spec.items() if isinstance(spec, Mapping) else (p.partition("=")[::2] for p in spec.split(",") if p.strip())
+    )
     out = {str(k).strip(): str(v).strip() for k, v in pairs}
     bad = [k for k in out if k not in dits]
     if bad or not all(out.values()):
-        raise AttentionConfigError(f"--dit-weights: unknown DiT component {bad[0] if bad else ''!r} or empty path; "
-                                   f"accepted: {', '.join(f'{c}=PATH' for c in dits)}")
+        raise AttentionConfigError(
+            f"--dit-weights: unknown DiT component {bad[0] if bad else ''!r} or empty path; "
+            f"accepted: {', '.join(f'{c}=PATH' for c in dits)}"
+        )
     return {k: check_weights_file(v) for k, v in out.items()}
 
 
-def build_components(mi: ModelIndex, dev: torch.device, dt: torch.dtype, *, variant: Optional[str] = None,
-                     load_weights: bool = True,
-                     dit_weights: Optional[Mapping[str, str]] = None) -> tuple[dict[str, Any], dict[str, ComponentScope]]:
+def build_components(
+    mi: ModelIndex,
+    dev: torch.device,
+    dt: torch.dtype,
+    *,
+    variant: Optional[str] = None,
+    load_weights: bool = True,
+    dit_weights: Optional[Mapping[str, str]] = None,
+) -> tuple[dict[str, Any], dict[str, ComponentScope]]:
     """The components of ``mi`` on ``dev`` in compute dtype ``dt`` (the VAE in float32) and the
     attention scope of each selectable / fixed one.  ``load_weights=False``: models on the meta
     device, no VAE, tokenizer or scheduler (enough for the attention plan).  The DiTs take their
@@ -146,8 +173,9 @@ def build_components(mi: ModelIndex, dev: torch.device, dt: torch.dtype, *, vari
         if native is not None:  # a selectable native model: built inside its attention scope
             expected, what, load = native
             if klass != expected:
-                raise AttentionConfigError(f"{sub}: {what} class '{klass}' is not supported; the native Wan pipeline "
-                                           f"runs {expected}")
+                raise AttentionConfigError(
+                    f"{sub}: {what} class '{klass}' is not supported; the native Wan pipeline runs {expected}"
+                )
             weights_file = (dit_weights or {}).get(comp) if comp in DIT else None
             dit = {"weights_file": weights_file} if weights_file else {}
             with component_scope(comp, selectable=True) as scope:
@@ -177,8 +205,15 @@ def progress_bar(*, total: Optional[int], desc: str, unit: str, enabled: bool = 
 
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=None if enabled else True,
-                dynamic_ncols=True, leave=False)
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit=unit,
+        file=sys.stderr,
+        disable=None if enabled else True,
+        dynamic_ncols=True,
+        leave=False,
+    )
 
 
 def _load_vae(folder: str, device: torch.device, variant: Optional[str]):
@@ -200,7 +235,9 @@ def _scheduler_factory(folder: str, klass: str):
 
     cls = getattr(diffusers, klass, None)
     if cls is None:
-        raise AttentionConfigError(f"{folder}: unknown scheduler class '{klass}' (not in diffusers {diffusers.__version__})")
+        raise AttentionConfigError(
+            f"{folder}: unknown scheduler class '{klass}' (not in diffusers {diffusers.__version__})"
+        )
     config = read_json(os.path.join(folder, "scheduler_config.json"))
     template = cls.from_config(config)
     frozen = template.config

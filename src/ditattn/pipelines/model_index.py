@@ -1,5 +1,6 @@
 """Resolving ``--model-path`` (built-in name, local folder or Hugging Face repo id) and reading a
 diffusers ``model_index.json``."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,13 +43,20 @@ class ModelIndex:
         return builtin_model(self.name).defaults() if self.is_builtin else None
 
 
-def resolve_model_path(model_path: Optional[str], *, revision: Optional[str] = None, local_files_only: bool = False,
-                       cache_dir: Optional[str] = None, variant: Optional[str] = None) -> tuple[str, str]:
+def resolve_model_path(
+    model_path: Optional[str],
+    *,
+    revision: Optional[str] = None,
+    local_files_only: bool = False,
+    cache_dir: Optional[str] = None,
+    variant: Optional[str] = None,
+) -> tuple[str, str]:
     """``(folder, name)`` for ``--model-path`` (None = the built-in default :data:`DEFAULT_MODEL`).
 
     Accepts, in this order: a built-in name (``ditattn:shapes``, ``ditattn:tiny-wan``,
     ``ditattn:tiny-wan2.2``: built locally on first use); a local diffusers-format folder
-    containing ``model_index.json``; a Hugging Face repo id ``org/name``, resolved by :func:`ditattn.pipelines.hub.resolve_repo_id` (the local cache
+    containing ``model_index.json``; a Hugging Face repo id ``org/name``, resolved by
+    :func:`ditattn.pipelines.hub.resolve_repo_id` (the local cache
     first, a download unless ``local_files_only`` or ``HF_HUB_OFFLINE``; ``revision``: branch, tag
     or commit; ``cache_dir``: instead of ``HF_HOME``'s hub cache; ``variant``: the weights variant
     to download).  ``name`` is what the user passed.  Raises :class:`AttentionConfigError`.
@@ -61,15 +69,20 @@ def resolve_model_path(model_path: Optional[str], *, revision: Optional[str] = N
     local = os.path.expanduser(name)
     is_repo = not os.path.isdir(local) and looks_like_repo_id(name)
     if revision is not None and not is_repo:
-        raise AttentionConfigError(f"--revision applies to Hugging Face repo ids (org/name) only; '{name}' is "
-                                   f"{'a built-in model' if name.startswith('ditattn:') else 'a local folder'}")
+        raise AttentionConfigError(
+            f"--revision applies to Hugging Face repo ids (org/name) only; '{name}' is "
+            f"{'a built-in model' if name.startswith('ditattn:') else 'a local folder'}"
+        )
     if name.startswith("ditattn:"):
         return builtin_model_path(name), name
     if is_repo:
-        return resolve_repo_id(name, revision=revision, local_files_only=local_files_only, cache_dir=cache_dir,
-                               variant=variant), name
-    accepted = (f"a diffusers-format Wan checkpoint folder (with model_index.json), a Hugging Face repo id "
-                f"(org/name, e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers) or a built-in model: {', '.join(BUILTIN_MODELS)}")
+        return resolve_repo_id(
+            name, revision=revision, local_files_only=local_files_only, cache_dir=cache_dir, variant=variant
+        ), name
+    accepted = (
+        f"a diffusers-format Wan checkpoint folder (with model_index.json), a Hugging Face repo id "
+        f"(org/name, e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers) or a built-in model: {', '.join(BUILTIN_MODELS)}"
+    )
     if not os.path.isdir(local):
         raise AttentionConfigError(f"--model-path '{name}' is not a local directory; accepted: {accepted}")
     if not os.path.isfile(os.path.join(local, "model_index.json")):

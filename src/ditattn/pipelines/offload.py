@@ -18,6 +18,7 @@ component to the device copies its tensors there, moving it back only drops the 
 (inference never changes weights).  Stages of the pipeline ask for a component with
 :meth:`ComponentPlacement.use`; the DiT's blocks move through forward hooks.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -93,8 +94,9 @@ class _BlockStreamer:
 
     def __init__(self, blocks: nn.ModuleList, device: torch.device, group: int, pin: bool):
         self.device, self.blocks = device, list(blocks)
-        self.groups = [_Weights(self.blocks[i:i + group], recurse=True, pin=pin)
-                       for i in range(0, len(self.blocks), group)]
+        self.groups = [
+            _Weights(self.blocks[i : i + group], recurse=True, pin=pin) for i in range(0, len(self.blocks), group)
+        ]
         self.group_of = {id(b): i // group for i, b in enumerate(self.blocks)}
         self.last_of = {g: min((g + 1) * group, len(self.blocks)) - 1 for g in range(len(self.groups))}
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -176,9 +178,13 @@ class ComponentPlacement:
                 self.weights[name] = _Weights(shell, recurse=False, pin=pin)
             else:
                 self.weights[name] = _Weights([module], recurse=True, pin=pin)
-        log.info("offload %s: %s on the CPU (%.1f GB)", mode, ", ".join(self.offloaded),
-                 sum(w.nbytes for w in self.weights.values()) / 1e9
-                 + sum(g.nbytes for s in self.streamers.values() for g in s.groups) / 1e9)
+        log.info(
+            "offload %s: %s on the CPU (%.1f GB)",
+            mode,
+            ", ".join(self.offloaded),
+            sum(w.nbytes for w in self.weights.values()) / 1e9
+            + sum(g.nbytes for s in self.streamers.values() for g in s.groups) / 1e9,
+        )
 
     @property
     def offloaded(self) -> list[str]:

@@ -3,6 +3,7 @@
 Every file is written all or nothing: to a temporary name in the same folder, checked (an MP4 must
 hold a video track with every encoded frame), flushed to disk and renamed; a full disk or a failing
 encoder raises OSError and leaves no partial file behind."""
+
 from __future__ import annotations
 
 import errno
@@ -28,8 +29,7 @@ def default_file_name(prompt: str, seed: int, num_frames: Optional[int]) -> str:
     return f"{slug}_s{seed}{'.png' if num_frames == 1 else '.mp4'}"
 
 
-def output_file_path(out_dir: str, file_name: Optional[str], prompt: str, seed: int,
-                     num_frames: Optional[int]) -> str:
+def output_file_path(out_dir: str, file_name: Optional[str], prompt: str, seed: int, num_frames: Optional[int]) -> str:
     """Where to write: ``out_dir/file_name`` (extension added when missing); a ``.png`` name for a
     multi-frame clip, an ``.mp4`` for one frame or another extension is an
     :class:`AttentionConfigError` (``num_frames`` None: not known yet, the frame checks wait)."""
@@ -62,8 +62,10 @@ def split_output_target(output_path: str, output_file: Optional[str]) -> tuple[s
     folder."""
     ext = os.path.splitext(output_path.rstrip("/\\"))[1].lower()
     if ext and ext not in EXTENSIONS and not os.path.isdir(output_path):
-        raise AttentionConfigError(f"--output-path '{output_path}': unsupported extension '{ext}'; accepted: .mp4 "
-                                   "(clips), .png (one frame), or a folder")
+        raise AttentionConfigError(
+            f"--output-path '{output_path}': unsupported extension '{ext}'; accepted: .mp4 "
+            "(clips), .png (one frame), or a folder"
+        )
     if os.path.splitext(output_path)[1].lower() in EXTENSIONS:
         if output_file:
             raise AttentionConfigError(
@@ -86,18 +88,22 @@ def check_output_target(path: str) -> None:
     while not os.path.exists(probe):  # the nearest existing ancestor decides whether it can be created
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe):
-        raise AttentionConfigError(f"cannot write {path}: {probe} is a file, not a folder; choose another "
-                                   "--output-path")
+        raise AttentionConfigError(
+            f"cannot write {path}: {probe} is a file, not a folder; choose another --output-path"
+        )
     if not os.access(probe, os.W_OK | os.X_OK):
-        raise AttentionConfigError(f"cannot write {path}: no write permission in {probe}; choose another "
-                                   "--output-path")
+        raise AttentionConfigError(
+            f"cannot write {path}: no write permission in {probe}; choose another --output-path"
+        )
     try:  # what the permission bits do not tell: read-only and pseudo file systems (/proc, /sys)
         fd, probe_file = tempfile.mkstemp(dir=probe, prefix=".ditattn-write-check-")
         os.close(fd)
         os.remove(probe_file)
     except OSError as exc:
-        raise AttentionConfigError(f"cannot write {path}: {probe} does not take new files ({exc.strerror or exc}); "
-                                   "choose another --output-path") from None
+        raise AttentionConfigError(
+            f"cannot write {path}: {probe} does not take new files ({exc.strerror or exc}); "
+            "choose another --output-path"
+        ) from None
     if path.lower().endswith(".mp4"):
         try:
             import imageio_ffmpeg
@@ -113,7 +119,9 @@ def check_output_target(path: str) -> None:
         try:
             import PIL.Image  # noqa: F401
         except ImportError:
-            raise AttentionConfigError("cannot write PNG images: Pillow is not installed (pip install pillow)") from None
+            raise AttentionConfigError(
+                "cannot write PNG images: Pillow is not installed (pip install pillow)"
+            ) from None
 
 
 def unused_path(path: str, overwrite: bool = False) -> str:
@@ -147,12 +155,12 @@ def _boxes(data: bytes, start: int, end: int):
     while pos < end:
         if end - pos < 8:
             raise OutputCheckError(f"the MP4 is truncated ({end - pos} stray bytes after the last box)")
-        size, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        size, kind = struct.unpack(">I4s", data[pos : pos + 8])
         head = 8
         if size == 1:
             if end - pos < 16:
                 raise OutputCheckError("the MP4 is truncated (in a box header)")
-            size, head = struct.unpack(">Q", data[pos + 8:pos + 16])[0], 16
+            size, head = struct.unpack(">Q", data[pos + 8 : pos + 16])[0], 16
         elif size == 0:
             size = end - pos
         if size < head or pos + size > end:
@@ -183,13 +191,13 @@ def mp4_video_frames(path: str) -> int:
             continue
         parts = {k: (x, y) for k, x, y in _boxes(data, *mdia)}
         hdlr, minf = parts.get(b"hdlr"), parts.get(b"minf")
-        if hdlr is None or minf is None or data[hdlr[0] + 8:hdlr[0] + 12] != b"vide":
+        if hdlr is None or minf is None or data[hdlr[0] + 8 : hdlr[0] + 12] != b"vide":
             continue
         stbl = {k: (x, y) for k, x, y in _boxes(data, *minf)}.get(b"stbl")
         stsz = {k: (x, y) for k, x, y in _boxes(data, *stbl)}.get(b"stsz") if stbl else None
         if stsz is None or stsz[1] - stsz[0] < 12:
             raise OutputCheckError("the MP4's video track has no sample table")
-        return struct.unpack(">I", data[stsz[0] + 8:stsz[0] + 12])[0]
+        return struct.unpack(">I", data[stsz[0] + 8 : stsz[0] + 12])[0]
     raise OutputCheckError("the MP4 has no video stream")
 
 
@@ -217,8 +225,15 @@ def _publish(tmp: str, path: str) -> None:
     _fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
-def write_mp4(path: str, frames: np.ndarray, fps: int, *, quality: Optional[float] = None,
-              macro_block_size: int = 16, should_stop=None) -> str:
+def write_mp4(
+    path: str,
+    frames: np.ndarray,
+    fps: int,
+    *,
+    quality: Optional[float] = None,
+    macro_block_size: int = 16,
+    should_stop=None,
+) -> str:
     """Encode uint8 ``[F, H, W, 3]`` frames as H.264 (yuv420p) MP4 at ``fps`` to ``path``,
     all or nothing: written to a hidden temporary file in the same folder, checked (a video track
     holding ``F`` frames: :func:`mp4_video_frames`), flushed to disk, then renamed over ``path``.
@@ -233,8 +248,17 @@ def write_mp4(path: str, frames: np.ndarray, fps: int, *, quality: Optional[floa
     tmp = os.path.join(folder, f".{uuid.uuid4().hex}.tmp.mp4")
     kw = {} if quality is None else {"quality": quality}
     try:
-        writer = imageio.get_writer(tmp, format="FFMPEG", mode="I", fps=fps, codec="libx264", pixelformat="yuv420p",
-                                    macro_block_size=macro_block_size, ffmpeg_log_level="error", **kw)
+        writer = imageio.get_writer(
+            tmp,
+            format="FFMPEG",
+            mode="I",
+            fps=fps,
+            codec="libx264",
+            pixelformat="yuv420p",
+            macro_block_size=macro_block_size,
+            ffmpeg_log_level="error",
+            **kw,
+        )
         try:
             for fr in frames:
                 if should_stop is not None and should_stop():
@@ -292,12 +316,14 @@ def save_video(frames, path: str, *, fps: int = 16) -> str:
     frames = np.asarray(frames)
     if frames.ndim == 5:
         if frames.shape[0] != 1:
-            raise AttentionConfigError(f"save_video writes one clip; got a batch of {frames.shape[0]} "
-                                       "(pass frames[i] for clip i)")
+            raise AttentionConfigError(
+                f"save_video writes one clip; got a batch of {frames.shape[0]} (pass frames[i] for clip i)"
+            )
         frames = frames[0]
     if frames.ndim != 4 or frames.shape[-1] != 3:
-        raise AttentionConfigError(f"save_video expects frames [F, H, W, 3] (or [1, F, H, W, 3]), got shape "
-                                   f"{tuple(frames.shape)}")
+        raise AttentionConfigError(
+            f"save_video expects frames [F, H, W, 3] (or [1, F, H, W, 3]), got shape {tuple(frames.shape)}"
+        )
     if frames.dtype != np.uint8:
         if not np.issubdtype(frames.dtype, np.floating):
             raise AttentionConfigError(f"save_video expects uint8 or float frames in [0, 1], got {frames.dtype}")

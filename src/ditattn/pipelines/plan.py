@@ -1,6 +1,7 @@
 """The attention plan of the native pipeline: its JSON object (:func:`build_plan`),
 the DiT backends it names (:func:`dit_backends`) and its human-readable rendering
 (:func:`format_plan`)."""
+
 from __future__ import annotations
 
 from typing import Mapping, Optional
@@ -73,7 +74,7 @@ def compact_names(names: list[str]) -> str:
         if i is None:
             groups.setdefault(name, [])
         else:
-            groups.setdefault(".".join(parts[:i] + ["{}"] + parts[i + 1:]), []).append(int(parts[i]))
+            groups.setdefault(".".join(parts[:i] + ["{}"] + parts[i + 1 :]), []).append(int(parts[i]))
     return ", ".join(t.replace("{}", "{" + _ranges(idx) + "}") if idx else t for t, idx in groups.items())
 
 
@@ -83,8 +84,10 @@ def _quantization_lines(comp: dict) -> list[str]:
     if not lq:
         return []
     done = ", ".join(f"{g['count']} {g['reason']}" for g in lq["groups"] if g["quantized"])
-    lines = [f"{comp['name']} linears: {lq['mode']}, {lq['quantized']} of {lq['total']} quantized"
-             + (f" ({done})" if done else "")]
+    lines = [
+        f"{comp['name']} linears: {lq['mode']}, {lq['quantized']} of {lq['total']} quantized"
+        + (f" ({done})" if done else "")
+    ]
     lines += [f"  kept {compact_names(g['layers'])}: {g['reason']}" for g in lq["groups"] if not g["quantized"]]
     if lq.get("activations"):  # fp8: the fused activation quantizer, torchao's path where it does not apply
         lines.append(f"  activations: {lq['activations']['summary']}")
@@ -111,8 +114,13 @@ def format_plan(plan: dict, *, model: str = "", dtype: str = "", override: Optio
             continue
         groups: dict[tuple, list] = {}
         for layer in comp["layers"]:
-            key = (layer["role"], layer["backend"], layer["source"], layer.get("fallback_reason"),
-                   layer.get("runtime_fallback"))
+            key = (
+                layer["role"],
+                layer["backend"],
+                layer["source"],
+                layer.get("fallback_reason"),
+                layer.get("runtime_fallback"),
+            )
             groups.setdefault(key, []).append(layer["prefix"])
         for (role, backend, source, reason, per_call), prefixes in groups.items():
             idx = [i for i in (_layer_index(p) for p in prefixes) if i is not None]

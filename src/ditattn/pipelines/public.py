@@ -13,6 +13,7 @@ and ``torch.device`` objects — and checks them exactly as the CLI does (the fi
     frames = pipe("a red fox running through fresh snow", num_frames=33, seed=1)   # uint8 [1, 33, H, W, 3]
     ditattn.save_video(frames, "fox.mp4")
 """
+
 from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Sequence, Union
@@ -83,14 +84,25 @@ class WanPipeline:
         Raises :class:`AttentionConfigError` for any bad value.
         """
         config = RunConfig(
-            model=ModelConfig(model_path=model, revision=revision, local_files_only=local_files_only,
-                              model_variant=variant, device=device, dtype=dtype,
-                              enable_torch_compile=enable_torch_compile, dit_quantization=dit_quantization,
-                              dit_weights=dit_weights, lora_path=lora_path, lora_fuse=lora_fuse),
-            attention=AttentionOptions(attention_backend=attention_backend,
-                                       attention_backend_config=attention_backend_config,
-                                       component_attention_backends=component_attention_backends,
-                                       enable_attention_backend_autotune=enable_attention_backend_autotune),
+            model=ModelConfig(
+                model_path=model,
+                revision=revision,
+                local_files_only=local_files_only,
+                model_variant=variant,
+                device=device,
+                dtype=dtype,
+                enable_torch_compile=enable_torch_compile,
+                dit_quantization=dit_quantization,
+                dit_weights=dit_weights,
+                lora_path=lora_path,
+                lora_fuse=lora_fuse,
+            ),
+            attention=AttentionOptions(
+                attention_backend=attention_backend,
+                attention_backend_config=attention_backend_config,
+                component_attention_backends=component_attention_backends,
+                enable_attention_backend_autotune=enable_attention_backend_autotune,
+            ),
             cache=CacheOptions(cache_backend=cache_backend, cache_backend_config=cache_backend_config),
         )
         from ditattn.pipelines.wan import WanPipelineNative
@@ -159,7 +171,8 @@ class WanPipeline:
         attention_backend_override: a dense drop-in backend for this call's DiT attention (``fa``,
         ``torch_sdpa``, ``sage_attn``, ``sage_attn_3``); skip_softmax_*: request-scoped skip softmax
         (needs a threshold, calibrated per model); cache_backend / cache_backend_config: this call's step
-        cache (None: the pipeline's; ``"none"``: off), reported in the result's ``cache``.  Raises :class:`AttentionConfigError` with the
+        cache (None: the pipeline's; ``"none"``: off), reported in the result's ``cache``.  Raises
+        :class:`AttentionConfigError` with the
         CLI's message for any bad value.
         """
         prompts = [prompt] if isinstance(prompt, str) else list(prompt) if isinstance(prompt, (list, tuple)) else None
@@ -168,33 +181,58 @@ class WanPipeline:
         negatives = negative_prompt if isinstance(negative_prompt, (list, tuple)) else [negative_prompt]
         seeds = seed if isinstance(seed, (list, tuple)) else [seed]
         for i, p in enumerate(prompts):  # each value through the CLI's checks
-            sampling = SamplingConfig(prompt=p, negative_prompt=negatives[min(i, len(negatives) - 1)],
-                                      num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
-                                      height=height, width=width, num_frames=num_frames,
-                                      seed=seeds[min(i, len(seeds) - 1)], scheduler=scheduler, flow_shift=flow_shift,
-                                      timesteps=timesteps, cfg_interval=cfg_interval, cfg_batching=cfg_batching)
+            sampling = SamplingConfig(
+                prompt=p,
+                negative_prompt=negatives[min(i, len(negatives) - 1)],
+                num_inference_steps=num_inference_steps,
+                guidance_scale=guidance_scale,
+                height=height,
+                width=width,
+                num_frames=num_frames,
+                seed=seeds[min(i, len(seeds) - 1)],
+                scheduler=scheduler,
+                flow_shift=flow_shift,
+                timesteps=timesteps,
+                cfg_interval=cfg_interval,
+                cfg_batching=cfg_batching,
+            )
         if not all(p.strip() for p in prompts):
             raise AttentionConfigError("prompt must not be empty")
-        attention = AttentionOptions(attention_backend_override=attention_backend_override,
-                                     skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor,
-                                     skip_softmax_start_step=skip_softmax_start_step)
+        attention = AttentionOptions(
+            attention_backend_override=attention_backend_override,
+            skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor,
+            skip_softmax_start_step=skip_softmax_start_step,
+        )
         CacheOptions(cache_backend=cache_backend, cache_backend_config=cache_backend_config)  # the CLI's checks
         return self.native.generate(
-            prompts if len(prompts) > 1 else prompts[0], negative_prompt, height=height, width=width,
-            num_frames=num_frames, num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
-            seed=0 if seed is None else seed, scheduler=sampling.scheduler, flow_shift=sampling.flow_shift,
-            timesteps=sampling.timesteps, cfg_interval=sampling.cfg_interval, cfg_batching=sampling.cfg_batching,
+            prompts if len(prompts) > 1 else prompts[0],
+            negative_prompt,
+            height=height,
+            width=width,
+            num_frames=num_frames,
+            num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale,
+            seed=0 if seed is None else seed,
+            scheduler=sampling.scheduler,
+            flow_shift=sampling.flow_shift,
+            timesteps=sampling.timesteps,
+            cfg_interval=sampling.cfg_interval,
+            cfg_batching=sampling.cfg_batching,
             override=attention.attention_backend_override,
-            skip_softmax=attention.skip_softmax(), cache_backend=cache_backend,
-            cache_backend_config=cache_backend_config, progress=progress,
+            skip_softmax=attention.skip_softmax(),
+            cache_backend=cache_backend,
+            cache_backend_config=cache_backend_config,
+            progress=progress,
         )
 
     def __repr__(self) -> str:
         dit = ", ".join(self.native.dit_backends())
         q = self.native.quantization_summary()
-        return (f"WanPipeline(model={self.native.model_index.name!r}, device={self.device}, "
-                f"dtype={str(self.dtype).replace('torch.', '')}, DiT attention: {dit}"
-                + (f", DiT linears: {q})" if q else ")"))
+        return (
+            f"WanPipeline(model={self.native.model_index.name!r}, device={self.device}, "
+            f"dtype={str(self.dtype).replace('torch.', '')}, DiT attention: {dit}"
+            + (f", DiT linears: {q})" if q else ")")
+        )
 
 
 __all__ = ["WanPipeline"]

@@ -28,6 +28,7 @@ itself; ``dpmpp`` has no such entry in diffusers in its flow form and refuses ex
 
 CFG: :func:`guided_steps` (the ``--cfg-interval``) and :func:`resolve_cfg_batching` (``--cfg-batching``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,8 +40,12 @@ import torch
 from ditattn.errors import AttentionConfigError
 
 #: diffusers class -> ``--scheduler`` name
-CLASS_NAMES = {"FlowMatchEulerDiscreteScheduler": "flow_euler", "UniPCMultistepScheduler": "unipc",
-               "DPMSolverMultistepScheduler": "dpmpp", "FlowMatchLCMScheduler": "lcm"}
+CLASS_NAMES = {
+    "FlowMatchEulerDiscreteScheduler": "flow_euler",
+    "UniPCMultistepScheduler": "unipc",
+    "DPMSolverMultistepScheduler": "dpmpp",
+    "FlowMatchLCMScheduler": "lcm",
+}
 NAME_CLASSES = {v: k for k, v in CLASS_NAMES.items()}
 #: the config key that holds the flow shift, per class
 SHIFT_KEY = {"flow_euler": "shift", "lcm": "shift", "unipc": "flow_shift", "dpmpp": "flow_shift"}
@@ -98,8 +103,10 @@ def make_scheduler(factory: Callable[[], Any], name: Optional[str], shift: Optio
         if own is None:
             if name is None and shift == own_shift:
                 return factory(), factory.cls.__name__, shift
-            raise AttentionConfigError(f"flow_shift: this checkpoint's scheduler {factory.cls.__name__} takes no "
-                                       f"shift; choose a scheduler: {', '.join(NAME_CLASSES)}")
+            raise AttentionConfigError(
+                f"flow_shift: this checkpoint's scheduler {factory.cls.__name__} takes no "
+                f"shift; choose a scheduler: {', '.join(NAME_CLASSES)}"
+            )
         # None: the checkpoint's scheduler as it is (only a new shift); named: in its flow form
         overrides = dict(FLOW_FORM.get(own, {})) if name is not None else {}
         if name is not None or shift != own_shift:
@@ -115,8 +122,10 @@ def check_timesteps(timesteps: Sequence[float], num_train_timesteps: int, max_st
     (one-line :class:`AttentionConfigError`; descending order and no duplicates: the config check)."""
     if timesteps[0] > num_train_timesteps:
         n = num_train_timesteps
-        raise AttentionConfigError(f"timesteps: {timesteps[0]:g} is above this checkpoint's num_train_timesteps "
-                                   f"({n}); accepted: descending values in (0, {n}]")
+        raise AttentionConfigError(
+            f"timesteps: {timesteps[0]:g} is above this checkpoint's num_train_timesteps "
+            f"({n}); accepted: descending values in (0, {n}]"
+        )
     if max_steps is not None and len(timesteps) > max_steps:
         raise AttentionConfigError(f"timesteps: {len(timesteps)} steps, at most {max_steps} accepted")
 
@@ -124,12 +133,19 @@ def check_timesteps(timesteps: Sequence[float], num_train_timesteps: int, max_st
 def renoise_seed(seed: int) -> int:
     """The seed of clip ``seed``'s re-noising generator (``lcm``): not its initial noise's seed, nor
     a neighbour clip's (``seed + 1``)."""
-    return (int(seed) ^ RENOISE_SEED_XOR) % (2 ** 63)
+    return (int(seed) ^ RENOISE_SEED_XOR) % (2**63)
 
 
-def build_sampler(factory: Callable[[], Any], *, name: Optional[str] = None, shift: Optional[float] = None,
-                  steps: int, timesteps: Optional[Sequence[float]] = None, device=None,
-                  seeds: Sequence[int] = (0,)) -> Sampler:
+def build_sampler(
+    factory: Callable[[], Any],
+    *,
+    name: Optional[str] = None,
+    shift: Optional[float] = None,
+    steps: int,
+    timesteps: Optional[Sequence[float]] = None,
+    device=None,
+    seeds: Sequence[int] = (0,),
+) -> Sampler:
     """The :class:`Sampler` of one generation: :func:`make_scheduler`, then its timesteps — ``steps``
     evenly spaced by the class's own rule, or the explicit ``timesteps`` (module docstring; they
     override ``steps``) — on ``device``, stepped from index 0; ``seeds``: the clips' seeds (``lcm``'s
@@ -140,8 +156,10 @@ def build_sampler(factory: Callable[[], Any], *, name: Optional[str] = None, shi
         timesteps = tuple(float(t) for t in timesteps)
         check_timesteps(timesteps, train_steps)
         if resolved not in ("flow_euler", "unipc", "lcm"):
-            raise AttentionConfigError(f"timesteps: an explicit list works with scheduler flow_euler, unipc or lcm "
-                                       f"(diffusers' {type(sched).__name__} takes no explicit flow sigmas)")
+            raise AttentionConfigError(
+                f"timesteps: an explicit list works with scheduler flow_euler, unipc or lcm "
+                f"(diffusers' {type(sched).__name__} takes no explicit flow sigmas)"
+            )
         sched.set_timesteps(sigmas=np.array(timesteps, dtype=np.float64) / train_steps, device=device)
     else:
         sched.set_timesteps(steps, device=device)
@@ -192,9 +210,16 @@ def forwards(guided: Sequence[bool]) -> int:
     return sum(2 if g else 1 for g in guided)
 
 
-def sampling_plan(pipe, sampling, *, steps: Optional[int] = None, guidance: Optional[float] = None,
-                  height: Optional[int] = None, width: Optional[int] = None,
-                  num_frames: Optional[int] = None) -> dict:
+def sampling_plan(
+    pipe,
+    sampling,
+    *,
+    steps: Optional[int] = None,
+    guidance: Optional[float] = None,
+    height: Optional[int] = None,
+    width: Optional[int] = None,
+    num_frames: Optional[int] = None,
+) -> dict:
     """What a generation of ``pipe`` (a :class:`~ditattn.pipelines.wan.WanPipelineNative`, weights
     loaded or not) would sample with the :class:`~ditattn.runconfig.SamplingConfig` ``sampling`` and
     the size / steps / guidance given (None: the model's defaults), for ``ditattn plan``:
@@ -206,18 +231,30 @@ def sampling_plan(pipe, sampling, *, steps: Optional[int] = None, guidance: Opti
     factory = pipe.components.get("scheduler")
     if factory is None:  # built without weights: the checkpoint's scheduler config is still on disk
         factory = _scheduler_factory(pipe.model_index.folder("scheduler"), pipe.model_index.components["scheduler"][1])
-    sampler = build_sampler(factory, name=sampling.scheduler, shift=sampling.flow_shift,
-                            steps=steps or d["num_inference_steps"], timesteps=sampling.timesteps)
+    sampler = build_sampler(
+        factory,
+        name=sampling.scheduler,
+        shift=sampling.flow_shift,
+        steps=steps or d["num_inference_steps"],
+        timesteps=sampling.timesteps,
+    )
     guidance = d["guidance_scale"] if guidance is None else guidance
     guided = guided_steps(sampler.num_steps, sampling.cfg_interval, guidance > 1.0)
     shape = pipe.geometry.latent_shape(num_frames or d["num_frames"], height or d["height"], width or d["width"])
     ref = pipe.components.get("transformer") or pipe.components.get("transformer_2")
     t, h, w = ref.latent_grid(*shape[1:])
     batching = resolve_cfg_batching(sampling.cfg_batching, device=pipe.device, tokens=t * h * w)
-    return {"scheduler": sampler.name, "flow_shift": sampler.shift, "steps": sampler.num_steps,
-            "timesteps": [round(float(x), 3) for x in sampler.scheduler.timesteps],
-            "cfg": cfg_mode(guided, batching), "cfg_batching": batching,
-            "cfg_batching_requested": sampling.cfg_batching, "tokens": t * h * w, "forwards": forwards(guided)}
+    return {
+        "scheduler": sampler.name,
+        "flow_shift": sampler.shift,
+        "steps": sampler.num_steps,
+        "timesteps": [round(float(x), 3) for x in sampler.scheduler.timesteps],
+        "cfg": cfg_mode(guided, batching),
+        "cfg_batching": batching,
+        "cfg_batching_requested": sampling.cfg_batching,
+        "tokens": t * h * w,
+        "forwards": forwards(guided),
+    }
 
 
 def format_sampling(info: dict) -> str:
@@ -225,8 +262,10 @@ def format_sampling(info: dict) -> str:
     ts = info["timesteps"]
     shown = ", ".join(f"{x:g}" for x in ts) if len(ts) <= 8 else f"{ts[0]:g} ... {ts[-1]:g}"
     auto = f" (auto at {info['tokens']} tokens per clip)" if info["cfg_batching_requested"] == "auto" else ""
-    return (f"sampling: {info['scheduler']} shift {info['flow_shift']:g}, {info['steps']} steps (DiT timesteps "
-            f"{shown}), CFG {info['cfg']}{auto}, {info['forwards']} DiT forwards per clip")
+    return (
+        f"sampling: {info['scheduler']} shift {info['flow_shift']:g}, {info['steps']} steps (DiT timesteps "
+        f"{shown}), CFG {info['cfg']}{auto}, {info['forwards']} DiT forwards per clip"
+    )
 
 
 def check_sampling_settings(config) -> None:
@@ -239,8 +278,9 @@ def check_sampling_settings(config) -> None:
     from ditattn.pipelines.loading import _scheduler_factory
     from ditattn.pipelines.model_index import read_model_index, resolve_model_path
 
-    folder, name = resolve_model_path(m.model_path, revision=m.revision, local_files_only=m.local_files_only,
-                                      variant=m.model_variant)
+    folder, name = resolve_model_path(
+        m.model_path, revision=m.revision, local_files_only=m.local_files_only, variant=m.model_variant
+    )
     mi = read_model_index(folder, name)
     factory = _scheduler_factory(mi.folder("scheduler"), mi.components["scheduler"][1])
     build_sampler(factory, name=s.scheduler, shift=s.flow_shift, steps=1, timesteps=s.timesteps)

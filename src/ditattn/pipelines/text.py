@@ -5,6 +5,7 @@ Tokenization uses the ``tokenizers`` library directly on ``tokenizer/tokenizer.j
 identical to transformers' fast tokenizer built from the same file); folders without
 ``tokenizer.json`` fall back to ``transformers.AutoTokenizer``.
 """
+
 from __future__ import annotations
 
 import html
@@ -68,8 +69,15 @@ class PromptTokenizer:
     def __call__(self, texts: Sequence[str], max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
         texts = [clean_prompt(t) for t in texts]
         if self._hf is not None:
-            enc = self._hf(list(texts), padding="max_length", max_length=max_length, truncation=True,
-                           add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
+            enc = self._hf(
+                list(texts),
+                padding="max_length",
+                max_length=max_length,
+                truncation=True,
+                add_special_tokens=True,
+                return_attention_mask=True,
+                return_tensors="pt",
+            )
             return enc.input_ids.long(), enc.attention_mask.long()
         tok = self._fast
         with self._lock:  # truncation/padding settings live on the shared tokenizer
@@ -81,8 +89,9 @@ class PromptTokenizer:
         return ids, mask
 
 
-def encode_prompts(tokenizer, text_encoder, texts: Sequence[str], max_length: int,
-                   device: torch.device) -> torch.Tensor:
+def encode_prompts(
+    tokenizer, text_encoder, texts: Sequence[str], max_length: int, device: torch.device
+) -> torch.Tensor:
     """Text features ``[len(texts), max_length, dim]`` of ``texts``: tokenized (truncated, padded to
     ``max_length``) and encoded on ``device`` by ``text_encoder(ids, mask)``.  Padding keys are masked
     out, so the encoder runs only up to the longest prompt (same features for the real tokens) and

@@ -24,6 +24,7 @@ Python use (one object serves many requests; calls may run concurrently from sev
     frames = pipe(["a cat", "a dog"], seed=[1, 2])        # uint8 [2, F, H, W, 3]
     res = pipe.generate("a cat", override="torch_sdpa")   # GenerationResult (frames, backends, timings)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -68,6 +69,7 @@ MAX_SEQUENCE_LENGTH = 512  # text tokens the DiT cross-attends to (Wan's context
 SELECTABLE = ("text_encoder", "image_encoder", "transformer", "transformer_2")
 FIXED = ("vae",)
 
+
 class WanPipelineNative:
     """Native Wan text-to-video pipeline; build it with :meth:`from_pretrained`.
 
@@ -77,10 +79,20 @@ class WanPipelineNative:
     (the loaded LoRAs), ``placement`` (where components live between uses: offload).
     """
 
-    def __init__(self, model_index: ModelIndex, components: dict[str, Any], scopes: dict[str, ComponentScope],
-                 settings: AttentionSettings, platform: Platform, device: torch.device, dtype: torch.dtype,
-                 load_weights: bool, *, placement: Optional[ComponentPlacement] = None,
-                 adapters: Sequence[Adapter] = ()):
+    def __init__(
+        self,
+        model_index: ModelIndex,
+        components: dict[str, Any],
+        scopes: dict[str, ComponentScope],
+        settings: AttentionSettings,
+        platform: Platform,
+        device: torch.device,
+        dtype: torch.dtype,
+        load_weights: bool,
+        *,
+        placement: Optional[ComponentPlacement] = None,
+        adapters: Sequence[Adapter] = (),
+    ):
         self.model_index = model_index
         self.components = components
         self.scopes = scopes
@@ -112,8 +124,10 @@ class WanPipelineNative:
         self.mode = conditioning_mode(g.in_channels, g.z_dim, self.expand_timesteps, g.temporal)
         self.image_embeds = ref.config.has_image_input  # Wan 2.1 I2V: CLIP image tokens
         if self.image_embeds and not {"image_encoder", "image_processor"} <= set(model_index.components):
-            raise AttentionConfigError(f"{model_index.path}: the transformer takes CLIP image tokens (image_dim) but "
-                                       "model_index.json lacks image_encoder / image_processor")
+            raise AttentionConfigError(
+                f"{model_index.path}: the transformer takes CLIP image tokens (image_dim) but "
+                "model_index.json lacks image_encoder / image_processor"
+            )
 
     # ------------------------------------------------------------------------------------------
     # construction
@@ -178,20 +192,46 @@ class WanPipelineNative:
         """
         from ditattn.pipelines.construction import load_components
 
-        c = load_components(path, settings or AttentionSettings(), device, dtype, variant=variant,
-                            load_weights=load_weights, revision=revision, local_files_only=local_files_only,
-                            cache_dir=cache_dir, offload=offload, offload_group_blocks=offload_group_blocks,
-                            vae_tiling=vae_tiling, vae_slicing=vae_slicing, lora=lora, lora_fuse=lora_fuse,
-                            dit_quantization=dit_quantization, dit_weights=dit_weights, vae_parallel=vae_parallel)
-        pipe = cls(c.model_index, c.components, c.scopes, c.settings, c.platform, c.device, c.dtype, load_weights,
-                   placement=c.placement, adapters=c.adapters)
+        c = load_components(
+            path,
+            settings or AttentionSettings(),
+            device,
+            dtype,
+            variant=variant,
+            load_weights=load_weights,
+            revision=revision,
+            local_files_only=local_files_only,
+            cache_dir=cache_dir,
+            offload=offload,
+            offload_group_blocks=offload_group_blocks,
+            vae_tiling=vae_tiling,
+            vae_slicing=vae_slicing,
+            lora=lora,
+            lora_fuse=lora_fuse,
+            dit_quantization=dit_quantization,
+            dit_weights=dit_weights,
+            vae_parallel=vae_parallel,
+        )
+        pipe = cls(
+            c.model_index,
+            c.components,
+            c.scopes,
+            c.settings,
+            c.platform,
+            c.device,
+            c.dtype,
+            load_weights,
+            placement=c.placement,
+            adapters=c.adapters,
+        )
         pipe.vae_parallel = bool(vae_parallel)
         pipe.cache_setting = pipe.prepare_cache(cache_backend, cache_backend_config)
         return pipe
 
     @classmethod
-    def from_config(cls, config, *, load_weights: bool = True, cache_dir: Optional[str] = None,
-                    lora_fuse: Optional[bool] = None) -> "WanPipelineNative":
+    def from_config(
+        cls, config, *, load_weights: bool = True, cache_dir: Optional[str] = None, lora_fuse: Optional[bool] = None
+    ) -> "WanPipelineNative":
         """The pipeline of a :class:`~ditattn.runconfig.RunConfig` (the object ``ditattn generate``
         builds from its flags and ``--config``): its model section (path, device, dtype, variant,
         revision, compile, offload, VAE tiling / slicing and LoRA settings) and its attention settings
@@ -199,15 +239,28 @@ class WanPipelineNative:
         default when the config leaves it unset).  Sample with ``generate(**config.generate_kwargs())``."""
         m = config.model
         fuse = m.lora_fuse if m.lora_fuse is not None else bool(lora_fuse)
-        return cls.from_pretrained(m.model_path, config.attention_settings(), device=m.device, dtype=m.dtype,
-                                   variant=m.model_variant, load_weights=load_weights, revision=m.revision,
-                                   local_files_only=m.local_files_only, cache_dir=cache_dir, offload=m.offload,
-                                   offload_group_blocks=m.offload_group_blocks, vae_tiling=m.vae_tiling,
-                                   vae_slicing=m.vae_slicing, lora=m.lora_path, lora_fuse=fuse,
-                                   dit_quantization=m.dit_quantization, dit_weights=m.dit_weights,
-                                   vae_parallel=config.parallel.vae_parallel,
-                                   cache_backend=config.cache.cache_backend,
-                                   cache_backend_config=config.cache.cache_backend_config)
+        return cls.from_pretrained(
+            m.model_path,
+            config.attention_settings(),
+            device=m.device,
+            dtype=m.dtype,
+            variant=m.model_variant,
+            load_weights=load_weights,
+            revision=m.revision,
+            local_files_only=m.local_files_only,
+            cache_dir=cache_dir,
+            offload=m.offload,
+            offload_group_blocks=m.offload_group_blocks,
+            vae_tiling=m.vae_tiling,
+            vae_slicing=m.vae_slicing,
+            lora=m.lora_path,
+            lora_fuse=fuse,
+            dit_quantization=m.dit_quantization,
+            dit_weights=m.dit_weights,
+            vae_parallel=config.parallel.vae_parallel,
+            cache_backend=config.cache.cache_backend,
+            cache_backend_config=config.cache.cache_backend_config,
+        )
 
     # ------------------------------------------------------------------------------------------
     # plan
@@ -217,16 +270,20 @@ class WanPipelineNative:
         "selectable", "layers": [{"prefix", "role", "backend", "source", "fallback_reason"}]}], "cache"}``;
         after a run, sparse layers also carry ``"sparse_run"`` (calls, mean kept fraction, dense fallbacks,
         heads run dense by the error budget) and the plan the run's totals and ``"dense_notes"``."""
-        plan = sparse_run.annotate_plan(build_plan(self.platform, self.scopes, self.linear_quantization()),
-                                        getattr(self, "_sparse_run", {}))
+        plan = sparse_run.annotate_plan(
+            build_plan(self.platform, self.scopes, self.linear_quantization()), getattr(self, "_sparse_run", {})
+        )
         plan["cache"] = self.cache_setting.to_dict() if self.cache_setting is not None else None
         return plan
 
     def linear_quantization(self) -> dict:
         """``{DiT component: QuantizationPlan}``: which linears ``--dit-quantization`` quantized (or,
         built without weights, would quantize) and why the others stay."""
-        return {c: self.components[c].linear_quantization for c in DIT
-                if getattr(self.components.get(c), "linear_quantization", None) is not None}
+        return {
+            c: self.components[c].linear_quantization
+            for c in DIT
+            if getattr(self.components.get(c), "linear_quantization", None) is not None
+        }
 
     def quantization_summary(self) -> Optional[str]:
         """``"fp8 (240 of 306 linears)"`` (Wan2.1-1.3B) for a quantized DiT (several DiTs: summed), else None."""
@@ -255,8 +312,9 @@ class WanPipelineNative:
         from ditattn.attention.override import prepare_request_override
 
         with use_platform(self.platform):
-            return prepare_request_override(self.dit_modules, override, self.settings, skip_softmax=skip_softmax,
-                                            dtype=self.dtype)
+            return prepare_request_override(
+                self.dit_modules, override, self.settings, skip_softmax=skip_softmax, dtype=self.dtype
+            )
 
     def prepare_cache(self, cache_backend=None, cache_backend_config=None):
         """The :class:`~ditattn.cache.runtime.CacheSetting` of a call's ``cache_backend`` /
@@ -265,8 +323,13 @@ class WanPipelineNative:
         from ditattn.cache.config import call_cache
 
         ref = self.components.get("transformer") or self.components.get("transformer_2")
-        return call_cache(self.cache_setting, cache_backend, cache_backend_config, model=self.model_index.name,
-                          num_blocks=len(ref.blocks))
+        return call_cache(
+            self.cache_setting,
+            cache_backend,
+            cache_backend_config,
+            model=self.model_index.name,
+            num_blocks=len(ref.blocks),
+        )
 
     def check_size(self, height: int, width: int, num_frames: int) -> None:
         """Raise :class:`AttentionConfigError` unless the size is one this model can generate."""
@@ -340,21 +403,41 @@ class WanPipelineNative:
         output_type: ``uint8`` (default), ``float`` ([0, 1] float32) or ``latent``.
         on_step: optional callable ``(steps_done, total_steps)`` called after each denoising step.
         should_stop: optional callable ``() -> reason or None`` asked before the text encoder, before
-        each denoising step, before decoding and between the latent frames the VAE decodes; a truthy reason stops the run there with
+        each denoising step, before decoding and between the latent frames the VAE decodes; a truthy reason stops the
+        run there with
         :class:`~ditattn.errors.GenerationCancelled` (a server cancelling a request or enforcing its
         timeout; the pipeline knows nothing of servers).
         """
         if not self.loaded:
-            raise AttentionConfigError("this pipeline was built with load_weights=False (plan only); it cannot generate")
+            raise AttentionConfigError(
+                "this pipeline was built with load_weights=False (plan only); it cannot generate"
+            )
         t_start = time.perf_counter()
-        inp = resolve_inputs(prompt, negative_prompt, seed=seed, image=image, height=height, width=width,
-                             num_frames=num_frames, num_inference_steps=num_inference_steps,
-                             guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2, output_type=output_type,
-                             defaults=self.defaults, geometry=self.geometry, mode=self.mode,
-                             two_experts=self.boundary_ratio is not None)
+        inp = resolve_inputs(
+            prompt,
+            negative_prompt,
+            seed=seed,
+            image=image,
+            height=height,
+            width=width,
+            num_frames=num_frames,
+            num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale,
+            guidance_scale_2=guidance_scale_2,
+            output_type=output_type,
+            defaults=self.defaults,
+            geometry=self.geometry,
+            mode=self.mode,
+            two_experts=self.boundary_ratio is not None,
+        )
         height, width, num_frames, steps = inp.height, inp.width, inp.num_frames, inp.steps
-        sampling = SamplingConfig(scheduler=scheduler, flow_shift=flow_shift, timesteps=timesteps,
-                                  cfg_interval=cfg_interval, cfg_batching=cfg_batching or "auto")
+        sampling = SamplingConfig(
+            scheduler=scheduler,
+            flow_shift=flow_shift,
+            timesteps=timesteps,
+            cfg_interval=cfg_interval,
+            cfg_batching=cfg_batching or "auto",
+        )
         state = request_state if request_state is not None else self.prepare_request(override, skip_softmax)
         cache_setting = cache_setting or self.prepare_cache(cache_backend, cache_backend_config)
         cache = cache_setting.new_run() if cache_setting is not None else None
@@ -374,9 +457,13 @@ class WanPipelineNative:
             # 1. text
             t0 = time.perf_counter()
             with self.placement.use("text_encoder"):
-                context = encode_prompts(self.components["tokenizer"], self.components["text_encoder"],
-                                         inp.prompts + inp.negatives if do_cfg else inp.prompts, max_sequence_length,
-                                         dev)
+                context = encode_prompts(
+                    self.components["tokenizer"],
+                    self.components["text_encoder"],
+                    inp.prompts + inp.negatives if do_cfg else inp.prompts,
+                    max_sequence_length,
+                    dev,
+                )
             dits = {c: self.components.get(c) for c in DIT}
             context = context.to(dt)
             timings["text"] = time.perf_counter() - t0
@@ -387,25 +474,57 @@ class WanPipelineNative:
             if inp.images is not None:
                 t0 = time.perf_counter()
                 condition = image_condition(
-                    inp.images, mode=self.mode, components=self.components, placement=self.placement, height=height,
-                    width=width, num_frames=num_frames, temporal=self.vae_scale_temporal,
-                    spatial=self.vae_scale_spatial, device=dev, dtype=dt, clip=self.image_embeds)
+                    inp.images,
+                    mode=self.mode,
+                    components=self.components,
+                    placement=self.placement,
+                    height=height,
+                    width=width,
+                    num_frames=num_frames,
+                    temporal=self.vae_scale_temporal,
+                    spatial=self.vae_scale_spatial,
+                    device=dev,
+                    dtype=dt,
+                    clip=self.image_embeds,
+                )
                 timings["image"] = time.perf_counter() - t0
 
             # 3. denoise
             sparse_run.begin_run()  # the sparse backends' per-layer kept fractions and dense fallbacks
             t0 = time.perf_counter()
-            sampler = build_sampler(self.components["scheduler"], name=sampling.scheduler, shift=sampling.flow_shift,
-                                    steps=steps, timesteps=sampling.timesteps, device=dev, seeds=inp.seeds)
+            sampler = build_sampler(
+                self.components["scheduler"],
+                name=sampling.scheduler,
+                shift=sampling.flow_shift,
+                steps=steps,
+                timesteps=sampling.timesteps,
+                device=dev,
+                seeds=inp.seeds,
+            )
             steps = sampler.num_steps
             guided = guided_steps(steps, sampling.cfg_interval, do_cfg)
             batching = resolve_cfg_batching(sampling.cfg_batching, device=dev, tokens=self.tokens(latents))
             latents, used_models = denoise(
-                latents, sampler.scheduler, dits, context=context, condition=condition, guidance=inp.guidance,
-                guidance_2=inp.guidance_2, boundary_ratio=self.boundary_ratio, expand_timesteps=self.expand_timesteps,
-                placement=self.placement, dtype=dt, state=state, cache=cache, progress=progress, on_step=on_step,
-                check_stop=check_stop, guided=guided, sequential_cfg=batching == "sequential",
-                step_kwargs=sampler.step_kwargs)
+                latents,
+                sampler.scheduler,
+                dits,
+                context=context,
+                condition=condition,
+                guidance=inp.guidance,
+                guidance_2=inp.guidance_2,
+                boundary_ratio=self.boundary_ratio,
+                expand_timesteps=self.expand_timesteps,
+                placement=self.placement,
+                dtype=dt,
+                state=state,
+                cache=cache,
+                progress=progress,
+                on_step=on_step,
+                check_stop=check_stop,
+                guided=guided,
+                sequential_cfg=batching == "sequential",
+                step_kwargs=sampler.step_kwargs,
+            )
             timings["denoise"] = time.perf_counter() - t0
             if condition is not None:
                 latents = condition.finalize(latents)  # TI2V: the first latent frame is the image's
@@ -416,8 +535,9 @@ class WanPipelineNative:
             if output_type == "latent":
                 frames = latents
             else:
-                frames = self.decode(latents, progress=progress,
-                                     check_stop=check_stop if should_stop is not None else None)
+                frames = self.decode(
+                    latents, progress=progress, check_stop=check_stop if should_stop is not None else None
+                )
                 if output_type == "uint8":
                     frames = (frames * 255.0).round().clip(0, 255).astype(np.uint8)
             timings["decode"] = time.perf_counter() - t0
@@ -429,10 +549,28 @@ class WanPipelineNative:
             backends = request_backends([l for r in ROLES for l in layers if l.role == r], state)
             stats = dict(state.stats) if state is not None else {}
             self._sparse_run = sparse_run.finish_run(stats)  # per sparse layer; also in plan()
-            info = dict(scheduler=sampler.name, flow_shift=sampler.shift, timesteps=sampler.timesteps,
-                        forwards=forwards(guided), cfg=cfg_mode(guided, batching))
-            return GenerationResult(frames, backends, timings, stats, latents, inp.seeds, height, width, num_frames,
-                                    steps, run.peak_memory(), info, cache.stats() if cache is not None else None)
+            info = dict(
+                scheduler=sampler.name,
+                flow_shift=sampler.shift,
+                timesteps=sampler.timesteps,
+                forwards=forwards(guided),
+                cfg=cfg_mode(guided, batching),
+            )
+            return GenerationResult(
+                frames,
+                backends,
+                timings,
+                stats,
+                latents,
+                inp.seeds,
+                height,
+                width,
+                num_frames,
+                steps,
+                run.peak_memory(),
+                info,
+                cache.stats() if cache is not None else None,
+            )
 
     def tokens(self, latents: torch.Tensor) -> int:
         """Latent tokens per clip after patching (the DiT's sequence length) for ``latents [N, C, T, h, w]``."""
@@ -446,5 +584,11 @@ class WanPipelineNative:
         latent frames and may raise to stop the decode; not under ``--vae-parallel``, where every rank
         must reach the collective decode)."""
         with self.placement.use("vae"):
-            return decode_latents(self.components["vae"], latents, self.device, parallel=self.vae_parallel,
-                                  progress=progress, check_stop=check_stop)
+            return decode_latents(
+                self.components["vae"],
+                latents,
+                self.device,
+                parallel=self.vae_parallel,
+                progress=progress,
+                check_stop=check_stop,
+            )

@@ -7,6 +7,7 @@ tests can build any platform with any capability and package set without the har
 
 :func:`current_platform` detects the real one once per process (``set_platform`` overrides it).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -151,13 +152,16 @@ def parse_platform_spec(spec: str) -> tuple[str, "tuple[int, int] | None"]:
 
     name, _, sm = str(spec).strip().lower().partition(":")
     if name not in PLATFORM_NAMES:
-        raise AttentionConfigError(f"unknown platform {short_repr(name)}; accepted: {', '.join(PLATFORM_NAMES)}, "
-                                   "with ':SM' for cuda (e.g. cuda:90)")
+        raise AttentionConfigError(
+            f"unknown platform {short_repr(name)}; accepted: {', '.join(PLATFORM_NAMES)}, "
+            "with ':SM' for cuda (e.g. cuda:90)"
+        )
     if not sm:
         return name, None
     if name != "cuda":
-        raise AttentionConfigError(f"{short_repr(spec)}: a compute capability applies to cuda only "
-                                   "(e.g. cuda:90, cuda:100)")
+        raise AttentionConfigError(
+            f"{short_repr(spec)}: a compute capability applies to cuda only (e.g. cuda:90, cuda:100)"
+        )
     return name, _parse_sm(sm)
 
 
@@ -172,8 +176,10 @@ def parse_platform_packages(packages: "str | Iterable[str] | None") -> tuple[str
     out = tuple(str(p).strip() for p in packages or () if str(p).strip())
     unknown = [p for p in out if p.partition("==")[0] not in KNOWN_PACKAGES]
     if unknown:
-        raise AttentionConfigError(f"unknown package(s) {', '.join(unknown)}; accepted: {', '.join(KNOWN_PACKAGES)} "
-                                   "(import names, optionally name==version)")
+        raise AttentionConfigError(
+            f"unknown package(s) {', '.join(unknown)}; accepted: {', '.join(KNOWN_PACKAGES)} "
+            "(import names, optionally name==version)"
+        )
     return out
 
 
@@ -190,8 +196,9 @@ def _parse_sm(sm: str) -> tuple[int, int]:
     except ValueError:
         major = minor = -1
     if not (1 <= major <= 20 and 0 <= minor <= 9):
-        raise AttentionConfigError(f"bad compute capability {short_repr(sm)}; accepted: e.g. cuda:80, cuda:90, "
-                                   "cuda:100, cuda:120 or cuda:8.6")
+        raise AttentionConfigError(
+            f"bad compute capability {short_repr(sm)}; accepted: e.g. cuda:80, cuda:90, cuda:100, cuda:120 or cuda:8.6"
+        )
     return major, minor
 
 

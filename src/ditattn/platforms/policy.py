@@ -4,6 +4,7 @@
 the first one whose capability check passes.  ``substitute(backend, req, platform)`` says when the
 platform runs another backend for a requested one (upstream's (SGLang) fallbacks), with the reason.
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,10 +25,15 @@ def _fa_fast_runtime(platform: Platform) -> bool:
 #: FlashAttention for dense non-causal fp16/bf16 attention. Everywhere else upstream's rule applies:
 #: FlashAttention when usable, else PyTorch SDPA (no unmeasured reordering).
 CUDNN_FIRST: dict[int, tuple[str, bool]] = {
-    90: ("measured on the H200: cuDNN SDPA ~1.6x torch's flash path, faster than FlashAttention-2; "
-         "FlashAttention-4/-3 are faster still and stay first when installed", True),
-    100: ("upstream's SM100/B200 rule (cuDNN first, FA when cuDNN has no kernel for a call); "
-          "not measured by ditattn", False),
+    90: (
+        "measured on the H200: cuDNN SDPA ~1.6x torch's flash path, faster than FlashAttention-2; "
+        "FlashAttention-4/-3 are faster still and stay first when installed",
+        True,
+    ),
+    100: (
+        "upstream's SM100/B200 rule (cuDNN first, FA when cuDNN has no kernel for a call); not measured by ditattn",
+        False,
+    ),
     103: ("upstream's SM100-family rule, as SM100; not measured by ditattn", False),
 }
 
@@ -56,7 +62,7 @@ def runtime_fallback(backend: B, req: LayerRequest, platform: Platform) -> "B | 
     if backend is not B.TORCH_CUDNN_SDPA or platform.name != "cuda" or platform.sm not in (100, 103):
         return None
     cands = auto_candidates(req, platform)
-    for b in cands[cands.index(backend) + 1:] if backend in cands else ():
+    for b in cands[cands.index(backend) + 1 :] if backend in cands else ():
         if not SPECS[b].reasons(req, platform):
             return b
         sub = substitute(b, req, platform)
@@ -72,8 +78,10 @@ def fa_call_limits(spec, req: LayerRequest, platform: Platform) -> list[str]:
         return []
     out = []
     if req.dtype is not None and req.dtype not in spec.dtypes:
-        out.append(f"dtype {str(req.dtype).replace('torch.', '')} (accepts "
-                   f"{', '.join(sorted(str(d).replace('torch.', '') for d in spec.dtypes))})")
+        out.append(
+            f"dtype {str(req.dtype).replace('torch.', '')} (accepts "
+            f"{', '.join(sorted(str(d).replace('torch.', '') for d in spec.dtypes))})"
+        )
     if platform.sm is not None and spec.cuda_sm_min is not None and platform.sm < spec.cuda_sm_min:
         out.append(f"needs CUDA SM{spec.cuda_sm_min}+, this GPU is SM{platform.sm}")
     return out
@@ -104,8 +112,12 @@ def substitute(backend: B, req: LayerRequest, platform: Platform) -> "tuple[B, s
         why = None
         if rts and spec.runtime_on(platform) is None:
             mods = [m for rt in rts if not rt.missing for m in rt.modules]
-            why = (spec.runtime_reason(platform) if not mods else
-                   f"no FlashAttention runtime installed ({' / '.join(mods)} not found); install: {spec.install_hint}")
+            why = (
+                spec.runtime_reason(platform)
+                if not mods
+                else f"no FlashAttention runtime installed ({' / '.join(mods)} not found); "
+                f"install: {spec.install_hint}"
+            )
         if why is not None:
             if platform.name == "rocm" and platform.has_package("aiter"):
                 why += "; aiter is installed: select it with --attention-backend aiter"

@@ -30,6 +30,7 @@ through :mod:`ditattn.runconfig.fields`; :class:`AttentionConfigError` naming th
 accepted); rules across fields live in :meth:`ParallelConfig.degrees`,
 :meth:`AttentionOptions.skip_softmax` and the commands.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -75,69 +76,101 @@ DIT_QUANTIZATION = ("none", "fp8", "int8")  # ditattn.models.quantization.MODES
 class ModelConfig(_Section):
     """What to load and how to run it."""
 
-    model_path: Optional[str] = _field(None, optional(text),
-                                       "local diffusers-format Wan checkpoint directory, a Hugging Face repo id "
-                                       "(org/name, e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers: the local cache first, "
-                                       "else a download; HF_HUB_OFFLINE=1 honoured), or a built-in model built "
-                                       "locally without downloading: ditattn:shapes (the default), ditattn:tiny-wan, "
-                                       "ditattn:tiny-wan2.2", metavar="PATH_OR_ID")
-    revision: Optional[str] = _field(None, optional(text),
-                                     "branch, tag or commit of a Hugging Face repo id (default main)", metavar="REV")
-    local_files_only: bool = _field(False, boolean,
-                                    "resolve a Hugging Face repo id from the local cache only (never download)")
-    model_variant: Optional[str] = _field(None, optional(text),
-                                          "weights variant, for checkpoints that have several", metavar="NAME")
-    device: Optional[str] = _field(None, optional(plain_name),
-                                   "cpu, cuda, cuda:1, ... (default: cuda if available, else cpu)", metavar="DEVICE")
-    dtype: Optional[str] = _field(None, optional(one_of(*DTYPES)),
-                                  "compute dtype (default float32 on cpu, bfloat16 on GPUs)")
-    backend: str = _field("native", one_of("native", "diffusers"),
-                          "native ditattn pipeline, or the stock diffusers pipeline")
-    enable_torch_compile: bool = _field(False, boolean,
-                                        "torch.compile each DiT block (attention stays eager, so backend selection "
-                                        "still applies); per-request overrides and skip softmax are then refused")
-    enable_cuda_graph: bool = _field(False, boolean,
-                                     "CUDA only: compile the DiT blocks with CUDA graphs (breakable at attention); "
-                                     "implies --enable-torch-compile; per-request overrides and skip softmax are "
-                                     "then refused")
-    offload: str = _field("none", one_of(*OFFLOAD_MODES),
-                          "CPU offload: text_encoder (the encoders visit the GPU only to encode), model (each "
-                          "component on the GPU only while it runs), group (model, and the DiT streamed to the GPU a "
-                          "group of blocks at a time, the next group copied while the current one computes)")
-    offload_group_blocks: int = _field(1, positive_int,
-                                       "DiT blocks per streamed group with --offload group", metavar="N")
-    vae_tiling: bool = _field(False, boolean,
-                              "VAE encode/decode in overlapping 256-pixel tiles (needed for 720p x 81 frames on most "
-                              "GPUs)")
-    vae_slicing: bool = _field(False, boolean,
-                               "VAE encode/decode one sample of a batch at a time")
-    lora_path: tuple = _field((), lora_specs,
-                              "load a diffusers / PEFT-format Wan LoRA (a .safetensors file, or a folder with "
-                              "pytorch_lora_weights.safetensors; also the original Wan layout of step-distill "
-                              "LoRAs, with their .diff / .diff_b deltas) into the DiT; repeat for several. COMPONENT: "
-                              "transformer (default) or transformer_2 (the low-noise expert of two-expert "
-                              "checkpoints); SCALE default 1.0. On serve, requests pick adapters by file name with a "
-                              "'lora' field", metavar="[COMPONENT=]PATH[:SCALE]")
-    lora_fuse: Optional[bool] = _field(None, optional(boolean),
-                                       "fuse the LoRAs into the weights (no per-step cost, fixed scales); default "
-                                       "true for generate, false for serve (requests may then change the scales)",
-                                       metavar="true|false")
-    dit_quantization: str = _field("none", one_of(*DIT_QUANTIZATION),
-                                   "8-bit linear layers for the DiT through torchao (pip install 'ditattn[quant]'), "
-                                   "quantized once at load time: fp8 = e4m3 weights per output channel and "
-                                   "activations per token (the chosen device must be an NVIDIA GPU with compute "
-                                   "capability >= 8.9, --dtype bfloat16); int8 = the same in int8 (CPU or NVIDIA "
-                                   "GPU). The self-attention, cross-attention query/output and feed-forward GEMMs "
-                                   "are quantized; the time and text embeddings, the cross-attention K/V and the "
-                                   "final projection stay in --dtype ('ditattn plan' lists them). Per process, not "
-                                   "per request")
-    dit_weights: Union[str, dict, None] = _field(None, optional(text_or_mapping),
-                                                 "take the DiT's weights from this single file instead of the "
-                                                 "checkpoint folder's: diffusers or original Wan key names, "
-                                                 "bf16/fp16/fp32 or 8-bit with scales (ComfyUI/Kijai *_fp8_scaled, "
-                                                 "*_fp8_e4m3fn, LightX2V FP8/INT8), dequantized when loaded; a model "
-                                                 "with two DiTs takes transformer=FILE,transformer_2=FILE",
-                                                 metavar="FILE.safetensors")
+    model_path: Optional[str] = _field(
+        None,
+        optional(text),
+        "local diffusers-format Wan checkpoint directory, a Hugging Face repo id "
+        "(org/name, e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers: the local cache first, "
+        "else a download; HF_HUB_OFFLINE=1 honoured), or a built-in model built "
+        "locally without downloading: ditattn:shapes (the default), ditattn:tiny-wan, "
+        "ditattn:tiny-wan2.2",
+        metavar="PATH_OR_ID",
+    )
+    revision: Optional[str] = _field(
+        None, optional(text), "branch, tag or commit of a Hugging Face repo id (default main)", metavar="REV"
+    )
+    local_files_only: bool = _field(
+        False, boolean, "resolve a Hugging Face repo id from the local cache only (never download)"
+    )
+    model_variant: Optional[str] = _field(
+        None, optional(text), "weights variant, for checkpoints that have several", metavar="NAME"
+    )
+    device: Optional[str] = _field(
+        None, optional(plain_name), "cpu, cuda, cuda:1, ... (default: cuda if available, else cpu)", metavar="DEVICE"
+    )
+    dtype: Optional[str] = _field(
+        None, optional(one_of(*DTYPES)), "compute dtype (default float32 on cpu, bfloat16 on GPUs)"
+    )
+    backend: str = _field(
+        "native", one_of("native", "diffusers"), "native ditattn pipeline, or the stock diffusers pipeline"
+    )
+    enable_torch_compile: bool = _field(
+        False,
+        boolean,
+        "torch.compile each DiT block (attention stays eager, so backend selection "
+        "still applies); per-request overrides and skip softmax are then refused",
+    )
+    enable_cuda_graph: bool = _field(
+        False,
+        boolean,
+        "CUDA only: compile the DiT blocks with CUDA graphs (breakable at attention); "
+        "implies --enable-torch-compile; per-request overrides and skip softmax are "
+        "then refused",
+    )
+    offload: str = _field(
+        "none",
+        one_of(*OFFLOAD_MODES),
+        "CPU offload: text_encoder (the encoders visit the GPU only to encode), model (each "
+        "component on the GPU only while it runs), group (model, and the DiT streamed to the GPU a "
+        "group of blocks at a time, the next group copied while the current one computes)",
+    )
+    offload_group_blocks: int = _field(
+        1, positive_int, "DiT blocks per streamed group with --offload group", metavar="N"
+    )
+    vae_tiling: bool = _field(
+        False, boolean, "VAE encode/decode in overlapping 256-pixel tiles (needed for 720p x 81 frames on most GPUs)"
+    )
+    vae_slicing: bool = _field(False, boolean, "VAE encode/decode one sample of a batch at a time")
+    lora_path: tuple = _field(
+        (),
+        lora_specs,
+        "load a diffusers / PEFT-format Wan LoRA (a .safetensors file, or a folder with "
+        "pytorch_lora_weights.safetensors; also the original Wan layout of step-distill "
+        "LoRAs, with their .diff / .diff_b deltas) into the DiT; repeat for several. COMPONENT: "
+        "transformer (default) or transformer_2 (the low-noise expert of two-expert "
+        "checkpoints); SCALE default 1.0. On serve, requests pick adapters by file name with a "
+        "'lora' field",
+        metavar="[COMPONENT=]PATH[:SCALE]",
+    )
+    lora_fuse: Optional[bool] = _field(
+        None,
+        optional(boolean),
+        "fuse the LoRAs into the weights (no per-step cost, fixed scales); default "
+        "true for generate, false for serve (requests may then change the scales)",
+        metavar="true|false",
+    )
+    dit_quantization: str = _field(
+        "none",
+        one_of(*DIT_QUANTIZATION),
+        "8-bit linear layers for the DiT through torchao (pip install 'ditattn[quant]'), "
+        "quantized once at load time: fp8 = e4m3 weights per output channel and "
+        "activations per token (the chosen device must be an NVIDIA GPU with compute "
+        "capability >= 8.9, --dtype bfloat16); int8 = the same in int8 (CPU or NVIDIA "
+        "GPU). The self-attention, cross-attention query/output and feed-forward GEMMs "
+        "are quantized; the time and text embeddings, the cross-attention K/V and the "
+        "final projection stay in --dtype ('ditattn plan' lists them). Per process, not "
+        "per request",
+    )
+    dit_weights: Union[str, dict, None] = _field(
+        None,
+        optional(text_or_mapping),
+        "take the DiT's weights from this single file instead of the "
+        "checkpoint folder's: diffusers or original Wan key names, "
+        "bf16/fp16/fp32 or 8-bit with scales (ComfyUI/Kijai *_fp8_scaled, "
+        "*_fp8_e4m3fn, LightX2V FP8/INT8), dequantized when loaded; a model "
+        "with two DiTs takes transformer=FILE,transformer_2=FILE",
+        metavar="FILE.safetensors",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,44 +178,66 @@ class AttentionOptions(_Section):
     """The user's attention choices, as given (names and specs are parsed by
     :meth:`RunConfig.attention_settings`)."""
 
-    attention_backend: Optional[str] = _field(None, optional(plain_name),
-                                              "global attention backend (see 'ditattn backends'; fa3/fa4 -> fa, "
-                                              "cudnn_sdpa -> torch_cudnn_sdpa). For the DiT it is strict: a backend "
-                                              "that cannot serve a layer is an error, except where the platform "
-                                              "substitutes one ('ditattn backends' and the plan say so): fa runs "
-                                              "torch_sdpa without a FlashAttention runtime (on the CPU always), "
-                                              "sage_attn runs fa on Hopper for calls only an unfixed sageattention "
-                                              "package could serve, fp8_fa_sm120 runs torch_cudnn_sdpa off SM120, "
-                                              "and a sparse backend leaves cross-attention to a dense one. Auxiliary "
-                                              "components (text encoder, VAE) fall back when incompatible. With "
-                                              "--backend diffusers it is passed to diffusers' set_attention_backend",
-                                              metavar="NAME")
-    component_attention_backends: Union[str, dict, None] = _field(None, optional(text_or_mapping),
-                                                                  "per-component overrides: "
-                                                                  "text_encoder=torch_sdpa,transformer.cross=fa or a "
-                                                                  "JSON object; keys are model_index.json module "
-                                                                  "names, optionally with .self/.cross",
-                                                                  metavar="SPEC")
-    attention_backend_config: Union[str, dict, None] = _field(None, optional(text_or_mapping),
-                                                              "backend parameters: a .json/.yaml file, a JSON "
-                                                              "object, or k=v,k=v pairs (kernel choices too, e.g. "
-                                                              "impl=triton,pv_dtype=fp8 for sage_attn; 'ditattn "
-                                                              "backends' lists every key)", metavar="CFG")
-    attention_backend_override: Optional[str] = _field(None, optional(plain_name),
-                                                       "request-scoped backend for the DiT denoise loop: fa, "
-                                                       "torch_sdpa, sage_attn, sage_attn_3", metavar="NAME")
-    enable_attention_backend_autotune: bool = _field(False, boolean,
-                                                     "time compatible candidates per automatically chosen layer on "
-                                                     "its first large input and switch when one is faster and agrees "
-                                                     "numerically")
-    skip_softmax_threshold_scale_factor: Optional[float] = _field(None, optional(float_between(0.0, 1e6, lo_open=True)),
-                                                                  "request-scoped skip softmax (BLASST): tiles with "
-                                                                  "estimated mass below X/context_length are "
-                                                                  "skipped; no default, calibrate per model",
-                                                                  metavar="X")
-    skip_softmax_start_step: Optional[int] = _field(None, optional(int_between(0, MAX_STEPS)),
-                                                    "zero-based denoising step where skip softmax starts (default 0)",
-                                                    metavar="N")
+    attention_backend: Optional[str] = _field(
+        None,
+        optional(plain_name),
+        "global attention backend (see 'ditattn backends'; fa3/fa4 -> fa, "
+        "cudnn_sdpa -> torch_cudnn_sdpa). For the DiT it is strict: a backend "
+        "that cannot serve a layer is an error, except where the platform "
+        "substitutes one ('ditattn backends' and the plan say so): fa runs "
+        "torch_sdpa without a FlashAttention runtime (on the CPU always), "
+        "sage_attn runs fa on Hopper for calls only an unfixed sageattention "
+        "package could serve, fp8_fa_sm120 runs torch_cudnn_sdpa off SM120, "
+        "and a sparse backend leaves cross-attention to a dense one. Auxiliary "
+        "components (text encoder, VAE) fall back when incompatible. With "
+        "--backend diffusers it is passed to diffusers' set_attention_backend",
+        metavar="NAME",
+    )
+    component_attention_backends: Union[str, dict, None] = _field(
+        None,
+        optional(text_or_mapping),
+        "per-component overrides: "
+        "text_encoder=torch_sdpa,transformer.cross=fa or a "
+        "JSON object; keys are model_index.json module "
+        "names, optionally with .self/.cross",
+        metavar="SPEC",
+    )
+    attention_backend_config: Union[str, dict, None] = _field(
+        None,
+        optional(text_or_mapping),
+        "backend parameters: a .json/.yaml file, a JSON "
+        "object, or k=v,k=v pairs (kernel choices too, e.g. "
+        "impl=triton,pv_dtype=fp8 for sage_attn; 'ditattn "
+        "backends' lists every key)",
+        metavar="CFG",
+    )
+    attention_backend_override: Optional[str] = _field(
+        None,
+        optional(plain_name),
+        "request-scoped backend for the DiT denoise loop: fa, torch_sdpa, sage_attn, sage_attn_3",
+        metavar="NAME",
+    )
+    enable_attention_backend_autotune: bool = _field(
+        False,
+        boolean,
+        "time compatible candidates per automatically chosen layer on "
+        "its first large input and switch when one is faster and agrees "
+        "numerically",
+    )
+    skip_softmax_threshold_scale_factor: Optional[float] = _field(
+        None,
+        optional(float_between(0.0, 1e6, lo_open=True)),
+        "request-scoped skip softmax (BLASST): tiles with "
+        "estimated mass below X/context_length are "
+        "skipped; no default, calibrate per model",
+        metavar="X",
+    )
+    skip_softmax_start_step: Optional[int] = _field(
+        None,
+        optional(int_between(0, MAX_STEPS)),
+        "zero-based denoising step where skip softmax starts (default 0)",
+        metavar="N",
+    )
 
     def skip_softmax(self) -> Optional[dict]:
         """``{threshold_scale_factor, start_step}`` or None; a start step without a threshold is an error."""
@@ -194,8 +249,10 @@ class AttentionOptions(_Section):
                 )
             return None
         start = self.skip_softmax_start_step
-        return {"threshold_scale_factor": self.skip_softmax_threshold_scale_factor,
-                "start_step": 0 if start is None else start}
+        return {
+            "threshold_scale_factor": self.skip_softmax_threshold_scale_factor,
+            "start_step": 0 if start is None else start,
+        }
 
     def given(self) -> list[str]:
         """The names of the options that were set (not None / False)."""
@@ -207,24 +264,41 @@ class ParallelConfig(_Section):
     """Parallelism: ``num_gpus`` ranks as a Ulysses × ring grid, or two of them (one per guidance half)
     with ``cfg_parallel``; ``vae_parallel`` spreads the VAE decode's tiles over all ranks."""
 
-    num_gpus: int = _field(1, int_between(1, MAX_GPUS),
-                           "processes for sequence parallelism", metavar="N")
-    ulysses_degree: Optional[int] = _field(None, optional(int_between(1, MAX_GPUS)),
-                                           "Ulysses degree (default: the rest of --num-gpus)", metavar="U")
-    ring_degree: Optional[int] = _field(None, optional(int_between(1, MAX_GPUS)),
-                                        "ring-attention degree (default: the rest of --num-gpus)", metavar="R")
-    cfg_parallel: bool = _field(False, boolean, "run the conditional and unconditional guidance passes on two halves "
-                                "of the ranks (num_gpus = 2 × ulysses × ring; needs guidance scale > 1)")
-    vae_parallel: bool = _field(False, boolean, "split the VAE decode into tiles spread over the ranks (the result "
-                                "equals --vae-tiling's one-device decode; needs num_gpus >= 2)")
+    num_gpus: int = _field(1, int_between(1, MAX_GPUS), "processes for sequence parallelism", metavar="N")
+    ulysses_degree: Optional[int] = _field(
+        None, optional(int_between(1, MAX_GPUS)), "Ulysses degree (default: the rest of --num-gpus)", metavar="U"
+    )
+    ring_degree: Optional[int] = _field(
+        None,
+        optional(int_between(1, MAX_GPUS)),
+        "ring-attention degree (default: the rest of --num-gpus)",
+        metavar="R",
+    )
+    cfg_parallel: bool = _field(
+        False,
+        boolean,
+        "run the conditional and unconditional guidance passes on two halves "
+        "of the ranks (num_gpus = 2 × ulysses × ring; needs guidance scale > 1)",
+    )
+    vae_parallel: bool = _field(
+        False,
+        boolean,
+        "split the VAE decode into tiles spread over the ranks (the result "
+        "equals --vae-tiling's one-device decode; needs num_gpus >= 2)",
+    )
 
     def degrees(self) -> tuple[int, int]:
         """``(ulysses, ring)`` of each sequence-parallel group, with ``cfg × ulysses × ring ==
         num_gpus`` (``cfg``: :meth:`cfg_degree`); AttentionConfigError otherwise."""
         from ditattn.distributed.cfg import resolve_parallel
 
-        _, u, r = resolve_parallel(self.num_gpus, self.ulysses_degree, self.ring_degree,
-                                   cfg_parallel=self.cfg_parallel, vae_parallel=self.vae_parallel)
+        _, u, r = resolve_parallel(
+            self.num_gpus,
+            self.ulysses_degree,
+            self.ring_degree,
+            cfg_parallel=self.cfg_parallel,
+            vae_parallel=self.vae_parallel,
+        )
         return u, r
 
     def cfg_degree(self) -> int:
@@ -239,24 +313,40 @@ class OutputConfig(_Section):
     output_path: a folder, or a file path when it ends in ``.mp4`` / ``.png``; an existing file is
     never replaced unless ``overwrite`` (a ``_1``, ``_2``, ... suffix is added instead)."""
 
-    output_path: str = _field("outputs", text,
-                              "output directory, or the output file itself when it ends in .mp4 (clips) / .png (one "
-                              "frame)", metavar="PATH")
-    output_file: Optional[str] = _field(None, optional(text),
-                                        "output file name (default derived from the prompt)", metavar="NAME")
-    save_output: bool = _field(True, boolean,
-                               "write the output file")
-    fps: Optional[int] = _field(None, optional(int_between(1, MAX_FPS)),
-                                "frames per second of the MP4 (default 16; videos only)", metavar="FPS")
-    overwrite: bool = _field(False, boolean,
-                             "replace an existing output file (default: keep it and add a numeric suffix, _1, _2, "
-                             "...)")
+    output_path: str = _field(
+        "outputs",
+        text,
+        "output directory, or the output file itself when it ends in .mp4 (clips) / .png (one frame)",
+        metavar="PATH",
+    )
+    output_file: Optional[str] = _field(
+        None, optional(text), "output file name (default derived from the prompt)", metavar="NAME"
+    )
+    save_output: bool = _field(True, boolean, "write the output file")
+    fps: Optional[int] = _field(
+        None,
+        optional(int_between(1, MAX_FPS)),
+        "frames per second of the MP4 (default 16; videos only)",
+        metavar="FPS",
+    )
+    overwrite: bool = _field(
+        False, boolean, "replace an existing output file (default: keep it and add a numeric suffix, _1, _2, ...)"
+    )
 
 
-SECTIONS = {"model": ModelConfig, "sampling": SamplingConfig, "attention": AttentionOptions, "cache": CacheOptions,
-            "parallel": ParallelConfig, "output": OutputConfig, "server": ServerConfig,
-            "simulation": SimulationConfig, "compare": CompareOptions, "backends": BackendsOptions,
-            "calibrate": CalibrateOptions}
+SECTIONS = {
+    "model": ModelConfig,
+    "sampling": SamplingConfig,
+    "attention": AttentionOptions,
+    "cache": CacheOptions,
+    "parallel": ParallelConfig,
+    "output": OutputConfig,
+    "server": ServerConfig,
+    "simulation": SimulationConfig,
+    "compare": CompareOptions,
+    "backends": BackendsOptions,
+    "calibrate": CalibrateOptions,
+}
 TOP_LEVEL = ("verbose", "json")
 
 
@@ -302,8 +392,9 @@ class RunConfig:
     def __post_init__(self):
         for name, cls in SECTIONS.items():
             if not isinstance(getattr(self, name), cls):
-                raise AttentionConfigError(f"RunConfig.{name} must be a {cls.__name__}, "
-                                           f"got {short_repr(getattr(self, name))}")
+                raise AttentionConfigError(
+                    f"RunConfig.{name} must be a {cls.__name__}, got {short_repr(getattr(self, name))}"
+                )
         for name in TOP_LEVEL:
             try:
                 object.__setattr__(self, name, boolean(getattr(self, name)))
@@ -324,8 +415,14 @@ class RunConfig:
         return out
 
     @classmethod
-    def from_mapping(cls, values: Mapping[str, Any], *, base: Optional["RunConfig"] = None,
-                     accept: Optional[Iterable[str]] = None, source: str = "config") -> "RunConfig":
+    def from_mapping(
+        cls,
+        values: Mapping[str, Any],
+        *,
+        base: Optional["RunConfig"] = None,
+        accept: Optional[Iterable[str]] = None,
+        source: str = "config",
+    ) -> "RunConfig":
         """``base`` (default: all defaults) with the flat ``values`` applied on top.
 
         Keys are field names or long flag names (``num_inference_steps``, ``num-inference-steps``,
@@ -342,15 +439,20 @@ class RunConfig:
         for raw, value in values.items():
             key = str(raw).lstrip("-").replace("-", "_")
             if key not in known:
-                raise AttentionConfigError(f"{source}: unknown key {short_repr(raw)}; {_accepted(key, allowed, shown)}")
+                raise AttentionConfigError(
+                    f"{source}: unknown key {short_repr(raw)}; {_accepted(key, allowed, shown)}"
+                )
             if key not in allowed:
                 where = f"the {known[key]} settings" if known[key] else "other commands"
-                raise AttentionConfigError(f"{source}: key {short_repr(raw)} does not apply here (it belongs to "
-                                           f"{where}); "
-                                           f"accepted: {shown}")
+                raise AttentionConfigError(
+                    f"{source}: key {short_repr(raw)} does not apply here (it belongs to {where}); accepted: {shown}"
+                )
             section = known[key]
-            check = boolean if section is None else next(
-                f.metadata["check"] for f in dataclasses.fields(SECTIONS[section]) if f.name == key)
+            check = (
+                boolean
+                if section is None
+                else next(f.metadata["check"] for f in dataclasses.fields(SECTIONS[section]) if f.name == key)
+            )
             try:
                 changes.setdefault(section, {})[key] = check(value)
             except ValueError as exc:
@@ -362,13 +464,17 @@ class RunConfig:
         return dataclasses.replace(base, **sections, **top)
 
     @classmethod
-    def from_file(cls, path: str, *, base: Optional["RunConfig"] = None,
-                  accept: Optional[Iterable[str]] = None) -> "RunConfig":
+    def from_file(
+        cls, path: str, *, base: Optional["RunConfig"] = None, accept: Optional[Iterable[str]] = None
+    ) -> "RunConfig":
         """:meth:`from_mapping` of the YAML / JSON mapping in ``path``."""
         from ditattn.attention.config import load_mapping_file
 
-        data = load_mapping_file(path, what="config file",
-                                 accepted="a YAML mapping of long flag names to values, e.g. 'num-inference-steps: 4'")
+        data = load_mapping_file(
+            path,
+            what="config file",
+            accepted="a YAML mapping of long flag names to values, e.g. 'num-inference-steps: 4'",
+        )
         return cls.from_mapping(data, base=base, accept=accept, source=f"config file {short_text(path)}")
 
     # -- what the layers below take ---------------------------------------------------------------
@@ -396,18 +502,33 @@ class RunConfig:
         """Keyword arguments of ``WanPipelineNative.generate`` for this run: the sampling fields
         (None = the model's default; seed None = 0), the request override and skip softmax."""
         s = self.sampling
-        return dict(prompt=s.prompt, negative_prompt=s.negative_prompt, height=s.height, width=s.width,
-                    num_frames=s.num_frames, num_inference_steps=s.num_inference_steps,
-                    guidance_scale=s.guidance_scale, guidance_scale_2=s.guidance_scale_2, image=s.image, seed=s.seed or 0,
-                    scheduler=s.scheduler, flow_shift=s.flow_shift, timesteps=s.timesteps, cfg_interval=s.cfg_interval,
-                    cfg_batching=s.cfg_batching, override=self.attention.attention_backend_override,
-                    skip_softmax=self.attention.skip_softmax())
+        return dict(
+            prompt=s.prompt,
+            negative_prompt=s.negative_prompt,
+            height=s.height,
+            width=s.width,
+            num_frames=s.num_frames,
+            num_inference_steps=s.num_inference_steps,
+            guidance_scale=s.guidance_scale,
+            guidance_scale_2=s.guidance_scale_2,
+            image=s.image,
+            seed=s.seed or 0,
+            scheduler=s.scheduler,
+            flow_shift=s.flow_shift,
+            timesteps=s.timesteps,
+            cfg_interval=s.cfg_interval,
+            cfg_batching=s.cfg_batching,
+            override=self.attention.attention_backend_override,
+            skip_softmax=self.attention.skip_softmax(),
+        )
 
     def for_rank(self, rank: int, device: str) -> "RunConfig":
         """This run as rank ``rank`` of a sequence-parallel job runs it: on ``device``, with the
         degrees resolved, and only rank 0 writing output."""
         u, r = self.parallel.degrees()
         return dataclasses.replace(
-            self, model=dataclasses.replace(self.model, device=device),
+            self,
+            model=dataclasses.replace(self.model, device=device),
             parallel=dataclasses.replace(self.parallel, ulysses_degree=u, ring_degree=r),
-            output=self.output if rank == 0 else dataclasses.replace(self.output, save_output=False))
+            output=self.output if rank == 0 else dataclasses.replace(self.output, save_output=False),
+        )

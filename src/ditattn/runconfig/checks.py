@@ -4,6 +4,7 @@ Each takes a value, or its text as the command line and YAML give it, and return
 raises ``ValueError("expected ..., got ...")`` (the flags turn that into argparse's one-line error,
 the config into :class:`~ditattn.errors.AttentionConfigError` naming the key).
 """
+
 from __future__ import annotations
 
 import enum
@@ -46,7 +47,7 @@ def tcp_port(value: Any) -> int:
 def int_between(lo: int, hi: int) -> Callable[[Any], int]:
     """An integer in ``[lo, hi]`` (text accepted); the bound keeps absurd values (a 30-digit step
     count or seed) from reaching code that would overflow on them."""
-    expected = (f"a positive integer up to {hi}" if lo == 1 else f"an integer from {lo} to {hi}")
+    expected = f"a positive integer up to {hi}" if lo == 1 else f"an integer from {lo} to {hi}"
 
     def check(value: Any) -> int:
         return _integer(value, lambda v: lo <= v <= hi, expected)
@@ -87,12 +88,18 @@ def nonneg_float(value: Any) -> float:
 
 def float_between(lo: float, hi: float, *, lo_open: bool = False) -> Callable[[Any], float]:
     """A finite number in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``); text accepted."""
-    expected = (f"a positive number up to {hi:g}" if lo_open and lo == 0 else
-                f"a finite number from {lo:g} to {hi:g}" if not lo_open else f"a number above {lo:g} up to {hi:g}")
+    expected = (
+        f"a positive number up to {hi:g}"
+        if lo_open and lo == 0
+        else f"a finite number from {lo:g} to {hi:g}"
+        if not lo_open
+        else f"a number above {lo:g} up to {hi:g}"
+    )
 
     def check(value: Any) -> float:
-        return _number(value, lambda v: math.isfinite(v) and (v > lo if lo_open else v >= lo) and v <= hi, expected,
-                       expected)
+        return _number(
+            value, lambda v: math.isfinite(v) and (v > lo if lo_open else v >= lo) and v <= hi, expected, expected
+        )
 
     check.__name__ = "number"
     return check
@@ -153,6 +160,7 @@ def one_of(*choices: str) -> Callable[[Any], str]:
 
 def optional(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """``check`` for a field whose value may also be None (unset)."""
+
     def maybe(value: Any) -> Any:
         return None if value is None else check(value)
 
@@ -206,14 +214,16 @@ def public_url(value: Any) -> str:
     except ValueError:
         parts = None
     if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
-        raise ValueError(f"expected an absolute http(s) URL such as https://images.example.com/ditattn, got "
-                         f"{_short(value)}")
+        raise ValueError(
+            f"expected an absolute http(s) URL such as https://images.example.com/ditattn, got {_short(value)}"
+        )
     return url.rstrip("/")
 
 
 def list_of(check: Callable[[Any], Any], what: str) -> Callable[[Any], tuple]:
     """A tuple of values each passing ``check``: from a list/tuple, or from one comma-separated
     string (``"0,-1"``); ``what`` names the items in messages."""
+
     def items(value: Any) -> tuple:
         if isinstance(value, str):
             value = [v for v in value.split(",") if v.strip()]
@@ -249,13 +259,17 @@ def timestep_list(value: Any) -> tuple:
     if not isinstance(items, (list, tuple)) or not items or len(items) > MAX_STEPS:
         raise ValueError(f"expected 1 to {MAX_STEPS} {expected}, got {_short(value)}")
     what = f"timesteps above 0 ({expected})"
-    out = tuple(_number(v.strip() if isinstance(v, str) else v, lambda x: math.isfinite(x) and 0 < x <= 1e6, what,
-                        what) for v in items)
+    out = tuple(
+        _number(v.strip() if isinstance(v, str) else v, lambda x: math.isfinite(x) and 0 < x <= 1e6, what, what)
+        for v in items
+    )
     for a, b in zip(out, out[1:], strict=False):
         if not b < a:
             what = "a duplicate" if a == b else "not descending"
-            raise ValueError(f"expected {expected} (strictly descending, no duplicates), got {_short(value)} "
-                             f"({what}: {a:g} then {b:g})")
+            raise ValueError(
+                f"expected {expected} (strictly descending, no duplicates), got {_short(value)} "
+                f"({what}: {a:g} then {b:g})"
+            )
     return out
 
 
@@ -266,8 +280,10 @@ def fraction_interval(value: Any) -> tuple:
     parts = value.split(":") if isinstance(value, str) else value
     if not isinstance(parts, (list, tuple)) or len(parts) != 2:
         raise ValueError(f"expected {expected}, got {_short(value)}")
-    start, end = (_number(p.strip() if isinstance(p, str) else p, lambda x: math.isfinite(x) and 0 <= x <= 1,
-                          expected, expected) for p in parts)
+    start, end = (
+        _number(p.strip() if isinstance(p, str) else p, lambda x: math.isfinite(x) and 0 <= x <= 1, expected, expected)
+        for p in parts
+    )
     if not start < end:
         raise ValueError(f"expected {expected}, got {_short(value)} (START must be below END)")
     return (start, end)

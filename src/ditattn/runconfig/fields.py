@@ -1,6 +1,7 @@
 """The building blocks of the run configuration's sections: a field with its check and help
 (:func:`setting`), the base that checks every field on construction (:class:`Section`) and the
 bounds of the numeric settings."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,7 +33,7 @@ class Section:
 MAX_STEPS = 1000
 MAX_SIDE = 16384
 MAX_FRAMES = 1025
-MAX_SEED = 2 ** 63 - 1
+MAX_SEED = 2**63 - 1
 MAX_GUIDANCE = 100.0
 MAX_FPS = 240
 MAX_GPUS = 1024

@@ -9,6 +9,7 @@ uvicorn are imported only when the app is built; ``ditattn serve`` is :mod:`dita
 Without the ``server`` extra, importing this package raises the one-line
 :class:`~ditattn.extras.MissingDependencyError` naming ``ditattn[server]``.
 """
+
 from ditattn.extras import require
 
 require("server", "the ditattn server")

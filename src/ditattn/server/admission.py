@@ -7,6 +7,7 @@ image-to-video request and LoRA scales; :meth:`RequestChecks.request_params` tur
 into the JSON-safe fields its job is built from.  Every refusal is a
 :class:`~ditattn.server.protocol.RequestError` (400 naming the field, 404 for an unknown model).
 """
+
 from __future__ import annotations
 
 import secrets
@@ -31,8 +32,12 @@ class RequestChecks:
         if model is None or model == "":
             return self.runner.model_id
         if model not in self.runner.aliases:
-            raise RequestError(f"The model '{model[:200]}' does not exist on this server; available: "
-                               f"{self.runner.model_id}", status=404, param="model", code="model_not_found")
+            raise RequestError(
+                f"The model '{model[:200]}' does not exist on this server; available: {self.runner.model_id}",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
         return self.runner.model_id
 
     def check_size(self, size: Optional[str], image=None) -> tuple[int, int]:
@@ -49,21 +54,31 @@ class RequestChecks:
             return d.width, d.height
         w, h = wh
         if w > c.max_side or h > c.max_side or w * h > c.max_pixels:
-            raise RequestError(f"invalid size '{w}x{h}': at most {c.max_side} pixels per side (the server's "
-                               f"--max-side) and {c.max_pixels} pixels in total (--max-pixels)", param="size",
-                               code="limit_exceeded")
+            raise RequestError(
+                f"invalid size '{w}x{h}': at most {c.max_side} pixels per side (the server's "
+                f"--max-side) and {c.max_pixels} pixels in total (--max-pixels)",
+                param="size",
+                code="limit_exceeded",
+            )
         m = d.size_multiple
         if w % m or h % m:
-            raise RequestError(f"invalid size '{w}x{h}': width and height must be multiples of {m} for this model",
-                               param="size", code="invalid_size")
+            raise RequestError(
+                f"invalid size '{w}x{h}': width and height must be multiples of {m} for this model",
+                param="size",
+                code="invalid_size",
+            )
         return w, h
 
     def check_steps(self, steps: Optional[int]) -> int:
         if steps is None:
             steps = self.runner.defaults.num_inference_steps
         if not 1 <= steps <= self.config.max_steps:
-            raise RequestError(f"num_inference_steps must be between 1 and {self.config.max_steps} (the server's "
-                               f"--max-steps), got {steps}", param="num_inference_steps", code="limit_exceeded")
+            raise RequestError(
+                f"num_inference_steps must be between 1 and {self.config.max_steps} (the server's "
+                f"--max-steps), got {steps}",
+                param="num_inference_steps",
+                code="limit_exceeded",
+            )
         return steps
 
     @property
@@ -79,14 +94,20 @@ class RequestChecks:
         """width × height × frames × n within ``--max-output-pixels`` (400 naming it)."""
         total, limit = width * height * frames * n, self.max_output_pixels
         if total > limit:
-            raise RequestError(f"this request asks for {width}x{height} x {frames} frame(s) x n={n} = {total} output "
-                               f"pixels; the server's limit (--max-output-pixels) is {limit}", param="size",
-                               code="limit_exceeded")
+            raise RequestError(
+                f"this request asks for {width}x{height} x {frames} frame(s) x n={n} = {total} output "
+                f"pixels; the server's limit (--max-output-pixels) is {limit}",
+                param="size",
+                code="limit_exceeded",
+            )
 
     def check_skip_softmax(self, skip: Optional[dict]) -> None:
         if skip and skip.get("start_step") is not None and skip["start_step"] > self.config.max_steps:
-            raise RequestError(f"skip_softmax_params.start_step must be at most {self.config.max_steps} (the "
-                               f"server's --max-steps), got {skip['start_step']}", param="skip_softmax_params")
+            raise RequestError(
+                f"skip_softmax_params.start_step must be at most {self.config.max_steps} (the "
+                f"server's --max-steps), got {skip['start_step']}",
+                param="skip_softmax_params",
+            )
 
     def check_image(self, input_reference) -> Optional[object]:
         """The first frame of a request (a PIL image) or None; 400 when the model takes no image, needs
@@ -94,17 +115,23 @@ class RequestChecks:
         mode = getattr(self.runner.defaults, "image_input", "none")
         if input_reference is None:
             if mode == "required":
-                raise RequestError("this model is image-to-video: input_reference (the first frame) is required; "
-                                   "send it with POST /v1/videos", param="input_reference",
-                                   code="missing_input_reference")
+                raise RequestError(
+                    "this model is image-to-video: input_reference (the first frame) is required; "
+                    "send it with POST /v1/videos",
+                    param="input_reference",
+                    code="missing_input_reference",
+                )
             return None
         if mode == "none":
-            raise RequestError("input_reference (image-to-video) is not supported: this server runs a text-to-video "
-                               "model", param="input_reference")
+            raise RequestError(
+                "input_reference (image-to-video) is not supported: this server runs a text-to-video model",
+                param="input_reference",
+            )
         from ditattn.server.references import reference_image
 
-        return reference_image(input_reference, max_bytes=self.config.max_image_bytes,
-                               max_pixels=self.config.max_image_pixels)
+        return reference_image(
+            input_reference, max_bytes=self.config.max_image_bytes, max_pixels=self.config.max_image_pixels
+        )
 
     def check_lora(self, lora) -> Optional[tuple]:
         """A request's ``lora`` scales as the job's sorted tuple (None: the server's defaults); 400 with
@@ -134,8 +161,9 @@ class RequestChecks:
             raise RequestError(str(exc), param=getattr(exc, "field", "cache_backend"), code="invalid_cache") from None
         return {"cache_backend": backend, "cache_backend_config": config}
 
-    def request_params(self, req, *, kind: str, width: int, height: int, num_frames: int, steps: int,
-                       fps: int) -> dict:
+    def request_params(
+        self, req, *, kind: str, width: int, height: int, num_frames: int, steps: int, fps: int
+    ) -> dict:
         """The validated request as the JSON-safe fields that build its job (the server's defaults
         for those it leaves out, a random seed when it has none); 400 when an image request reaches
         an image-to-video model, ``guidance_scale_2`` a one-expert model, or ``lora`` an unknown or
@@ -143,31 +171,49 @@ class RequestChecks:
         :meth:`~ditattn.server.state.ServerState.make_job`)."""
         d = self.runner.defaults
         if kind == "image" and getattr(d, "image_input", "none") == "required":
-            raise RequestError("this model is image-to-video: images need a first frame; use POST /v1/videos with "
-                               "input_reference", param="model")
+            raise RequestError(
+                "this model is image-to-video: images need a first frame; use POST /v1/videos with input_reference",
+                param="model",
+            )
         if req.guidance_scale_2 is not None and not getattr(d, "two_experts", False):
-            raise RequestError("guidance_scale_2 applies to two-expert models (Wan 2.2 A14B); this model has one "
-                               "transformer", param="guidance_scale_2")
+            raise RequestError(
+                "guidance_scale_2 applies to two-expert models (Wan 2.2 A14B); this model has one transformer",
+                param="guidance_scale_2",
+            )
         lora = self.check_lora(req.lora)
         sampling = self.check_sampling(req.sampling())
         skip = req.skip_softmax_params.as_dict() if req.skip_softmax_params is not None else None
         self.check_skip_softmax(skip)
-        return dict(prompt=req.prompt, width=width, height=height, num_frames=num_frames, num_inference_steps=steps,
-                    fps=fps, negative_prompt=req.negative_prompt if req.negative_prompt is not None else
-                    getattr(self.runner, "default_negative_prompt", None),
-                    guidance_scale=d.guidance_scale if req.guidance_scale is None else req.guidance_scale,
-                    guidance_scale_2=req.guidance_scale_2, lora=None if lora is None else [list(x) for x in lora],
-                    seed=secrets.randbelow(2 ** 31) if req.seed is None else req.seed,
-                    override=req.attention_backend_override, skip_softmax=skip, **sampling,
-                    **self.check_cache(req))
+        return dict(
+            prompt=req.prompt,
+            width=width,
+            height=height,
+            num_frames=num_frames,
+            num_inference_steps=steps,
+            fps=fps,
+            negative_prompt=req.negative_prompt
+            if req.negative_prompt is not None
+            else getattr(self.runner, "default_negative_prompt", None),
+            guidance_scale=d.guidance_scale if req.guidance_scale is None else req.guidance_scale,
+            guidance_scale_2=req.guidance_scale_2,
+            lora=None if lora is None else [list(x) for x in lora],
+            seed=secrets.randbelow(2**31) if req.seed is None else req.seed,
+            override=req.attention_backend_override,
+            skip_softmax=skip,
+            **sampling,
+            **self.check_cache(req),
+        )
 
     def check_sampling(self, sampling: dict) -> dict:
         """A request's checked sampler fields (:meth:`~ditattn.server.protocol._Extras.sampling`) against
         the server's --max-steps and the model's scheduler (400 naming the field)."""
         ts = sampling.get("timesteps")
         if ts is not None and len(ts) > self.config.max_steps:
-            raise RequestError(f"timesteps has {len(ts)} entries; at most {self.config.max_steps} (the server's "
-                               f"--max-steps)", param="timesteps", code="limit_exceeded")
+            raise RequestError(
+                f"timesteps has {len(ts)} entries; at most {self.config.max_steps} (the server's --max-steps)",
+                param="timesteps",
+                code="limit_exceeded",
+            )
         check = getattr(self.runner, "check_sampling", None)
         if sampling and check is not None:
             try:

@@ -16,6 +16,7 @@ graceful drain: :mod:`~ditattn.server.state`, :mod:`~ditattn.server.scheduler`,
 :mod:`~ditattn.server.jobstore`, :mod:`~ditattn.server.lifecycle`.  ``ditattn serve`` itself:
 :mod:`ditattn.entrypoints.serve`.
 """
+
 from __future__ import annotations
 
 import contextlib

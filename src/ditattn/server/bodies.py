@@ -8,6 +8,7 @@ stored) except ``input_reference``, whose bytes the image-to-video endpoint deco
 (``{"filename", "content_type", "data"}``); nested form keys (``p[x]``) are unflattened by
 :func:`~ditattn.server.protocol.unflatten_form`.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,17 +30,26 @@ FILE_FIELDS = ("input_reference",)  # uploads whose content a request may use
 async def _read_limited(request: Request, max_bytes: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and len(declared) < 20 and int(declared) > max_bytes:
-        raise RequestError(f"request body too large ({declared} bytes; limit {max_bytes}, the server's "
-                           "--max-body-bytes)", status=413, code="body_too_large")
+        raise RequestError(
+            f"request body too large ({declared} bytes; limit {max_bytes}, the server's --max-body-bytes)",
+            status=413,
+            code="body_too_large",
+        )
     if declared is not None and declared.isdigit() and len(declared) >= 20:
-        raise RequestError(f"request body too large (limit {max_bytes} bytes, the server's --max-body-bytes)",
-                           status=413, code="body_too_large")
+        raise RequestError(
+            f"request body too large (limit {max_bytes} bytes, the server's --max-body-bytes)",
+            status=413,
+            code="body_too_large",
+        )
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
         if len(body) > max_bytes:
-            raise RequestError(f"request body too large (limit {max_bytes} bytes, the server's --max-body-bytes)",
-                               status=413, code="body_too_large")
+            raise RequestError(
+                f"request body too large (limit {max_bytes} bytes, the server's --max-body-bytes)",
+                status=413,
+                code="body_too_large",
+            )
     return bytes(body)
 
 
@@ -50,8 +60,9 @@ async def _parse_form(headers: Headers, body: bytes, multipart: bool) -> list:
 
     try:
         if multipart:
-            form = await MultiPartParser(headers, stream(), max_files=MAX_FORM_FILES, max_fields=MAX_FORM_FIELDS,
-                                         max_part_size=len(body) + 1).parse()
+            form = await MultiPartParser(
+                headers, stream(), max_files=MAX_FORM_FILES, max_fields=MAX_FORM_FIELDS, max_part_size=len(body) + 1
+            ).parse()
         else:
             form = await FormParser(headers, stream()).parse()
     except MultiPartException as exc:
@@ -83,8 +94,9 @@ async def read_body(request: Request, max_bytes: int, max_depth: int = 32) -> di
     if not body.strip():
         raise RequestError("empty request body; send a JSON object")
     if json_depth_exceeds(body, max_depth):
-        raise RequestError(f"request body nests deeper than {max_depth} levels (the server's --max-json-depth)",
-                           code="body_too_deep")
+        raise RequestError(
+            f"request body nests deeper than {max_depth} levels (the server's --max-json-depth)", code="body_too_deep"
+        )
     try:
         data = json.loads(body)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, int digit limit

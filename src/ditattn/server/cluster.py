@@ -14,6 +14,7 @@ serve`` processes behind any load balancer) share one PostgreSQL job store and o
 * a job is marked completed only when its MP4 is complete in the shared folder
   (:class:`~ditattn.server.storage.SharedFolder`), else it fails with ``file_missing``.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -106,8 +107,9 @@ class SharedVideoStore(VideoStore):
             if not any(k in ("status", "path", "error", "completed_at") for k in kw):
                 return r
             if r.status == "completed" and not self.storage.is_complete(r.path):
-                log.error("video %s: its output %s is missing or incomplete in the shared folder; marked failed",
-                          vid, r.path)
+                log.error(
+                    "video %s: its output %s is missing or incomplete in the shared folder; marked failed", vid, r.path
+                )
                 r.status, r.path = "failed", None
                 r.error = {"code": "file_missing", "message": "the output file is missing or incomplete"}
             try:
@@ -121,8 +123,12 @@ class SharedVideoStore(VideoStore):
             log.info("video %s was deleted while it ran here", vid)
             return None
         if outcome == "taken":
-            log.warning("video %s: another replica took it over (this replica's lease ran out); its %s result "
-                        "here is not recorded", vid, r.status)
+            log.warning(
+                "video %s: another replica took it over (this replica's lease ran out); its %s result "
+                "here is not recorded",
+                vid,
+                r.status,
+            )
         elif r.status in FINISHED:
             self._trim()
         return r
@@ -130,9 +136,11 @@ class SharedVideoStore(VideoStore):
     def _trim(self) -> None:
         for data in self.jobs.finished_beyond(self.max_kept):
             path = data.get("path")
-            remove_file(os.path.join(self.folder, path) if path else None,
-                        f"video {data['id']} forgotten: more than {self.max_kept} finished video jobs are kept "
-                        "(--max-videos-kept)")
+            remove_file(
+                os.path.join(self.folder, path) if path else None,
+                f"video {data['id']} forgotten: more than {self.max_kept} finished video jobs are kept "
+                "(--max-videos-kept)",
+            )
 
 
 class SharedImageStore(ImageStore):
@@ -189,8 +197,12 @@ class ClusterState(ServerState):
     def restore_jobs(self) -> None:
         """Nothing to reload at start: the jobs stay in the shared store, and this replica's
         heartbeat claims queued ones and ones whose replica died."""
-        log.info("replica %s: video jobs from the shared store %s, outputs in %s", self.owner,
-                 self.videos.jobs.path, self.output_dir)
+        log.info(
+            "replica %s: video jobs from the shared store %s, outputs in %s",
+            self.owner,
+            self.videos.jobs.path,
+            self.output_dir,
+        )
 
     def start(self) -> None:
         super().start()
@@ -219,11 +231,21 @@ class ClusterState(ServerState):
         if waiting > limit:
             self.metrics.queue_full.inc()
             wait = self.retry_after()
-            log.warning("video job refused (429): %d jobs queued for %d replica(s) (--max-queue %d each); "
-                        "Retry-After %d s", waiting - 1, self.replicas, self.config.max_queue, wait)
-            raise RequestError(f"the video queue is full ({limit} jobs for {self.replicas} replica(s)); retry later",
-                               status=429, type="rate_limit_error", code="queue_full",
-                               headers={"Retry-After": str(wait)}, logged=True)
+            log.warning(
+                "video job refused (429): %d jobs queued for %d replica(s) (--max-queue %d each); Retry-After %d s",
+                waiting - 1,
+                self.replicas,
+                self.config.max_queue,
+                wait,
+            )
+            raise RequestError(
+                f"the video queue is full ({limit} jobs for {self.replicas} replica(s)); retry later",
+                status=429,
+                type="rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": str(wait)},
+                logged=True,
+            )
         self._wake.set()
         return concurrent.futures.Future()
 
@@ -277,8 +299,11 @@ class ClusterState(ServerState):
                 rec.request = {k: v for k, v in rec.request.items() if k != "input_reference_file"}
             if rec is not None and rec.job is not None:
                 self.scheduler.cancel(rec.job, LEASE_LOST)
-                log.warning("video %s is no longer held by this replica (deleted, or taken over after its lease ran "
-                            "out); stopping it here", vid)
+                log.warning(
+                    "video %s is no longer held by this replica (deleted, or taken over after its lease ran "
+                    "out); stopping it here",
+                    vid,
+                )
         if self.draining or self._stop_beat.is_set() or len(mine) > len(lost):
             return None
         data, _failed = store.claim(self.lease_s, self.config.job_max_attempts)
@@ -287,8 +312,14 @@ class ClusterState(ServerState):
         try:
             rec = VideoRecord.from_json(data, self.output_dir)
         except (TypeError, KeyError, ValueError) as exc:
-            store.update(dict(data, status="failed", completed_at=int(time.time()),
-                              error={"code": "not_restorable", "message": f"its stored record is unreadable ({exc})"}))
+            store.update(
+                dict(
+                    data,
+                    status="failed",
+                    completed_at=int(time.time()),
+                    error={"code": "not_restorable", "message": f"its stored record is unreadable ({exc})"},
+                )
+            )
             return None
         rec.status, rec.progress = "queued", 0
         self.videos.adopt(rec)

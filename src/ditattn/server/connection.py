@@ -13,6 +13,7 @@ and half-close support (:class:`GuardedH11Protocol`), and the uvicorn configurat
   and checks the socket shortly after: a client that has closed its socket answers it with a reset,
   and that one counts as disconnected.
 """
+
 from __future__ import annotations
 
 import logging
@@ -131,8 +132,11 @@ def _peer(client) -> str:
 
 def protocol_class(header_timeout_s: float, body_timeout_s: float) -> type:
     """A :class:`GuardedH11Protocol` subclass with these timeouts (uvicorn instantiates the class)."""
-    return type("GuardedH11Protocol", (GuardedH11Protocol,),
-                {"header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s})
+    return type(
+        "GuardedH11Protocol",
+        (GuardedH11Protocol,),
+        {"header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s},
+    )
 
 
 def uvicorn_config(app, config, **kw):
@@ -141,5 +145,10 @@ def uvicorn_config(app, config, **kw):
     settings (log level, ...)."""
     import uvicorn
 
-    return uvicorn.Config(app, host=config.host, port=config.port,
-                          http=protocol_class(config.header_timeout_s, config.body_timeout_s), **kw)
+    return uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        http=protocol_class(config.header_timeout_s, config.body_timeout_s),
+        **kw,
+    )

@@ -9,6 +9,7 @@ is logged once, with its traceback and a reference, and answered with a fixed me
 reference (never the exception's text or a path); it does not propagate to uvicorn, which would log
 it a second time.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -77,16 +78,25 @@ class ServerMiddleware:
             status["code"] = status["code"] or CLIENT_CLOSED
         except Exception as exc:  # noqa: BLE001 - the one place that answers what nothing else caught
             ref = uuid.uuid4().hex[:12]
-            log.error("internal error on %s %s (reference %s): %s: %s", scope.get("method"),
-                      scope.get("path", "")[:200], ref, type(exc).__name__, exc, exc_info=exc)
+            log.error(
+                "internal error on %s %s (reference %s): %s: %s",
+                scope.get("method"),
+                scope.get("path", "")[:200],
+                ref,
+                type(exc).__name__,
+                exc,
+                exc_info=exc,
+            )
             if status["code"] is None:
-                await JSONResponse(error_body(internal_message(ref), type="server_error"),
-                                   status_code=500)(scope, receive, send_counted)
+                await JSONResponse(error_body(internal_message(ref), type="server_error"), status_code=500)(
+                    scope, receive, send_counted
+                )
             else:  # the response had started: it cannot become a 500 any more
                 status["code"] = 500
         finally:
-            state.metrics.requests.labels(endpoint=_endpoint_label(self.routes, scope),
-                                          status=str(status["code"] or 500)).inc()
+            state.metrics.requests.labels(
+                endpoint=_endpoint_label(self.routes, scope), status=str(status["code"] or 500)
+            ).inc()
 
     @staticmethod
     def _auth(state, scope):
@@ -97,10 +107,16 @@ class ServerMiddleware:
         scheme, _, token = auth.partition(" ")
         if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode()):
             return None
-        msg = ("missing API key: send 'Authorization: Bearer <key>'" if not auth
-               else "invalid API key in the Authorization header")
-        return JSONResponse(error_body(msg, type="authentication_error", code="invalid_api_key"), status_code=401,
-                            headers={"WWW-Authenticate": "Bearer"})
+        msg = (
+            "missing API key: send 'Authorization: Bearer <key>'"
+            if not auth
+            else "invalid API key in the Authorization header"
+        )
+        return JSONResponse(
+            error_body(msg, type="authentication_error", code="invalid_api_key"),
+            status_code=401,
+            headers={"WWW-Authenticate": "Bearer"},
+        )
 
 
 LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -110,7 +126,7 @@ def _host_name(value: str) -> str:
     """The host name of a ``Host`` header value or URL authority (port and IPv6 brackets dropped, lower case)."""
     value = value.strip().lower()
     if value.startswith("["):
-        return value[1:value.find("]")] if "]" in value else value
+        return value[1 : value.find("]")] if "]" in value else value
     return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
 
 
@@ -145,8 +161,10 @@ def origin_refusal(config, scope):
     headers = Request(scope).headers
     host = headers.get("host")
     if host is not None and not _local_name(config, _host_name(host)):
-        msg = (f"Host '{host[:100]}' is not a name of this server; without --api-key it answers localhost, IP "
-               "addresses, --host and the --public-url host (add names with --allowed-hosts)")
+        msg = (
+            f"Host '{host[:100]}' is not a name of this server; without --api-key it answers localhost, IP "
+            "addresses, --host and the --public-url host (add names with --allowed-hosts)"
+        )
         return JSONResponse(error_body(msg, type="permission_error", code="host_not_allowed"), status_code=403)
     origin = headers.get("origin")
     if origin is None or "*" in config.allowed_origins:
@@ -164,8 +182,10 @@ def origin_refusal(config, scope):
     local = name in LOCAL_NAMES or name.endswith(".localhost")
     if o in allowed or (parts is not None and parts.scheme in ("http", "https") and (own or local)):
         return None
-    msg = (f"requests from the web page origin '{origin[:100]}' are refused: without --api-key this server only "
-           "answers its own and local pages (add origins with --allowed-origins, or set --api-key)")
+    msg = (
+        f"requests from the web page origin '{origin[:100]}' are refused: without --api-key this server only "
+        "answers its own and local pages (add origins with --allowed-origins, or set --api-key)"
+    )
     return JSONResponse(error_body(msg, type="permission_error", code="origin_not_allowed"), status_code=403)
 
 
@@ -199,5 +219,6 @@ def install_error_handlers(app: FastAPI) -> None:
         errs = exc.errors()
         first = errs[0] if errs else {}
         loc = ".".join(str(p) for p in first.get("loc", ())[1:])[:100] or None
-        return JSONResponse(error_body(f"invalid value for '{loc}': {first.get('msg', 'invalid')}", param=loc),
-                            status_code=400)
+        return JSONResponse(
+            error_body(f"invalid value for '{loc}': {first.get('msg', 'invalid')}", param=loc), status_code=400
+        )

@@ -13,6 +13,7 @@ A job stops early for a reason: its cancel reason (``client_disconnected``, ``de
 the ``should_stop`` callable a runner hands to the pipeline: a running batch stops once every job in
 it must.  :class:`QueueFull` is the refusal of a full queue.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -124,13 +125,30 @@ class GenerationJob:
 
     def signature(self) -> tuple:
         """The dynamic-batching key: jobs share a batch only if these are all equal."""
-        ss = None if self.skip_softmax is None else (self.skip_softmax.threshold_scale_factor,
-                                                     self.skip_softmax.start_step)
-        return (self.model, self.width, self.height, self.num_frames, self.num_inference_steps,
-                float(self.guidance_scale), self.negative_prompt or "", self.override, ss,
-                self.image is not None, self.lora, self.guidance_scale_2, self.scheduler, self.flow_shift,
-                self.timesteps, self.cfg_interval,
-                None if self.cache is None else (self.cache.name, repr(sorted(self.cache.config.items()))))
+        ss = (
+            None
+            if self.skip_softmax is None
+            else (self.skip_softmax.threshold_scale_factor, self.skip_softmax.start_step)
+        )
+        return (
+            self.model,
+            self.width,
+            self.height,
+            self.num_frames,
+            self.num_inference_steps,
+            float(self.guidance_scale),
+            self.negative_prompt or "",
+            self.override,
+            ss,
+            self.image is not None,
+            self.lora,
+            self.guidance_scale_2,
+            self.scheduler,
+            self.flow_shift,
+            self.timesteps,
+            self.cfg_interval,
+            None if self.cache is None else (self.cache.name, repr(sorted(self.cache.config.items()))),
+        )
 
 
 def batch_stop_reason(jobs: Sequence[GenerationJob]) -> Optional[str]:

@@ -7,6 +7,7 @@ written through at once (WAL journal, ``synchronous=FULL``), so even a hard exit
 job that was running is found ``in_progress`` and re-queued by the next start.  One server at a
 time owns a folder (an exclusive ``flock`` on ``serve.lock``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -49,8 +50,9 @@ class JobStore:
             self._check_tables(version)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
-            self._db.execute("CREATE TABLE IF NOT EXISTS videos (id TEXT PRIMARY KEY, status TEXT NOT NULL, "
-                             "record TEXT NOT NULL)")
+            self._db.execute(
+                "CREATE TABLE IF NOT EXISTS videos (id TEXT PRIMARY KEY, status TEXT NOT NULL, record TEXT NOT NULL)"
+            )
             if version != SCHEMA_VERSION:
                 self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             # read every row now: a damaged file is refused here, with its reason, not at the restore
@@ -87,9 +89,11 @@ class JobStore:
         body = json.dumps(record, sort_keys=True)
         with self._lock:
             self._rows = None  # the rows read at open are stale now
-            self._live().execute("INSERT INTO videos (id, status, record) VALUES (?, ?, ?) ON CONFLICT(id) DO UPDATE "
-                             "SET status = excluded.status, record = excluded.record",
-                             (record["id"], record["status"], body))
+            self._live().execute(
+                "INSERT INTO videos (id, status, record) VALUES (?, ?, ?) ON CONFLICT(id) DO UPDATE "
+                "SET status = excluded.status, record = excluded.record",
+                (record["id"], record["status"], body),
+            )
 
     def delete(self, vid: str) -> None:
         with self._lock:
@@ -129,16 +133,24 @@ def _open_error(folder: str, exc: BaseException) -> str:
 
     text = str(exc)
     if "disk is full" in text or isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return (f"--output-dir {folder}: the disk is full, so the job store {DB_FILE} cannot be opened; free some "
-                "space and start again (the job store is intact: keep it, its jobs are restored then)")
+        return (
+            f"--output-dir {folder}: the disk is full, so the job store {DB_FILE} cannot be opened; free some "
+            "space and start again (the job store is intact: keep it, its jobs are restored then)"
+        )
     if isinstance(exc, OSError) or isinstance(exc, sqlite3.OperationalError) and not text.startswith("it holds"):
-        return (f"--output-dir {folder}: cannot open the job store {DB_FILE} ({text[:200]}); check the folder's "
-                "permissions and free space (the file is left as it is)")
+        return (
+            f"--output-dir {folder}: cannot open the job store {DB_FILE} ({text[:200]}); check the folder's "
+            "permissions and free space (the file is left as it is)"
+        )
     if "malformed" in text:
-        return (f"--output-dir {folder}: the job store {DB_FILE} is damaged ({text[:200]}); keep a copy and move it "
-                "away (its jobs cannot be restored), or use another --output-dir")
-    return (f"--output-dir {folder}: {DB_FILE} is not a ditattn job store ({text[:200]}); move it away or use "
-            "another --output-dir")
+        return (
+            f"--output-dir {folder}: the job store {DB_FILE} is damaged ({text[:200]}); keep a copy and move it "
+            "away (its jobs cannot be restored), or use another --output-dir"
+        )
+    return (
+        f"--output-dir {folder}: {DB_FILE} is not a ditattn job store ({text[:200]}); move it away or use "
+        "another --output-dir"
+    )
 
 
 def _lock_folder(folder: str) -> Optional[int]:
@@ -156,8 +168,9 @@ def _lock_folder(folder: str) -> Optional[int]:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         os.close(fd)
-        raise AttentionConfigError(f"--output-dir {folder} is in use by another ditattn serve; stop it or choose "
-                                   "another folder") from None
+        raise AttentionConfigError(
+            f"--output-dir {folder} is in use by another ditattn serve; stop it or choose another folder"
+        ) from None
     with contextlib.suppress(OSError):
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())

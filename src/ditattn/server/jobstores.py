@@ -6,6 +6,7 @@ default) implements it, and so does :class:`~ditattn.server.pgstore.PgJobStore` 
 postgresql://...``), which adds what replicas sharing one store need: claiming a queued job for
 exactly one replica under a lease (:class:`SharedJobStoreAPI`).
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Optional, Protocol
@@ -73,8 +74,10 @@ def open_job_store(url: Optional[str], folder: str, *, owner: Optional[str] = No
         from ditattn.server.pgstore import PgJobStore
 
         return PgJobStore(url, owner=owner)
-    raise AttentionConfigError(f"--job-store {url[:60]!r} is not supported; accepted: sqlite (the default, in "
-                               "--output-dir) or postgresql://USER[:PASSWORD]@HOST[:PORT]/DBNAME")
+    raise AttentionConfigError(
+        f"--job-store {url[:60]!r} is not supported; accepted: sqlite (the default, in "
+        "--output-dir) or postgresql://USER[:PASSWORD]@HOST[:PORT]/DBNAME"
+    )
 
 
 def check_shared(config, who: str = "--replicas needs") -> None:
@@ -82,8 +85,12 @@ def check_shared(config, who: str = "--replicas needs") -> None:
     (``job_store``) and an output folder (``output_dir``); AttentionConfigError naming the one missing.
     ``who``: how the message starts ("--replicas needs" from the command line)."""
     if not is_postgres(config.job_store):
-        raise AttentionConfigError(f"{who} a job store the replicas share: --job-store postgresql://USER@HOST:PORT/DB "
-                                   "(SQLite serves one process; docs/serving.md, Scale-out)")
+        raise AttentionConfigError(
+            f"{who} a job store the replicas share: --job-store postgresql://USER@HOST:PORT/DB "
+            "(SQLite serves one process; docs/serving.md, Scale-out)"
+        )
     if not config.output_dir:
-        raise AttentionConfigError(f"{who} an output folder the replicas share: --output-dir DIR (the same path on "
-                                   "every node, a shared file system for several)")
+        raise AttentionConfigError(
+            f"{who} an output folder the replicas share: --output-dir DIR (the same path on "
+            "every node, a shared file system for several)"
+        )

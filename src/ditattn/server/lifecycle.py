@@ -9,6 +9,7 @@ port and the process exits with status 0.  A second signal exits at once (status
 the job store is written through on every change, so even then no job is lost — one that was
 running is re-queued by the next start.
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,14 +38,21 @@ class DrainingServer(uvicorn.Server):
         except ValueError:
             name = f"signal {sig}"
         if self.signals == 1:
-            log.warning("%s: draining (new work gets 503; the running job has %g s to finish; queued video jobs "
-                        "are kept%s); send it again to exit at once", name, self.state.config.drain_timeout_s,
-                        "" if self.state.videos.jobs is not None else " only with --output-dir, which this server "
-                        "was not given")
+            log.warning(
+                "%s: draining (new work gets 503; the running job has %g s to finish; queued video jobs "
+                "are kept%s); send it again to exit at once",
+                name,
+                self.state.config.drain_timeout_s,
+                ""
+                if self.state.videos.jobs is not None
+                else " only with --output-dir, which this server was not given",
+            )
             threading.Thread(target=self._drain_then_exit, name="ditattn-drain", daemon=True).start()
             return
-        log.warning("second %s: exiting at once (the job store holds every job; a running one is re-queued by "
-                    "the next start)", name)
+        log.warning(
+            "second %s: exiting at once (the job store holds every job; a running one is re-queued by the next start)",
+            name,
+        )
         for handler in logging.getLogger().handlers:
             try:
                 handler.flush()

@@ -1,5 +1,6 @@
 """Encoding the server's outputs: PNG images and H.264 MP4 videos, written all or nothing and checked
 (:func:`ditattn.pipelines.output.write_mp4`, :func:`ditattn.files.atomic_write`)."""
+
 from __future__ import annotations
 
 import io

@@ -4,6 +4,7 @@ Each :class:`Metrics` owns its own registry (several apps may live in one proces
 ``GET /metrics`` returns :meth:`Metrics.render` in the text exposition format.  Counters and
 histograms are thread-safe (the HTTP handlers and the scheduler's worker update them).
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -27,36 +28,62 @@ class Metrics:
     each batch run; queue_depth / running / running_age / draining: gauges read at scrape time.
     """
 
-    def __init__(self, queue_depth: Callable[[], float] = lambda: 0, running: Callable[[], float] = lambda: 0,
-                 running_age: Callable[[], float] = lambda: 0, draining: Callable[[], float] = lambda: 0):
+    def __init__(
+        self,
+        queue_depth: Callable[[], float] = lambda: 0,
+        running: Callable[[], float] = lambda: 0,
+        running_age: Callable[[], float] = lambda: 0,
+        draining: Callable[[], float] = lambda: 0,
+    ):
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("ditattn_http_requests", "HTTP requests by endpoint and status code.",
-                                ("endpoint", "status"), registry=r)
-        self.generations = Counter("ditattn_generations",
-                                   "Finished generation requests by kind, outcome and DiT attention backend.",
-                                   ("kind", "outcome", "attention_backend"), registry=r)
+        self.requests = Counter(
+            "ditattn_http_requests", "HTTP requests by endpoint and status code.", ("endpoint", "status"), registry=r
+        )
+        self.generations = Counter(
+            "ditattn_generations",
+            "Finished generation requests by kind, outcome and DiT attention backend.",
+            ("kind", "outcome", "attention_backend"),
+            registry=r,
+        )
         self.images = Counter("ditattn_images_generated", "Images produced.", registry=r)
         self.videos = Counter("ditattn_videos_generated", "Videos produced.", registry=r)
-        self.refusals = Counter("ditattn_attention_refusals",
-                                "Requests refused (400) because of their attention settings, by field.", ("field",),
-                                registry=r)
-        self.queue_full = Counter("ditattn_queue_full", "Requests refused with 429 because the queue was full.",
-                                  registry=r)
-        self.cancelled = Counter("ditattn_requests_cancelled",
-                                 "Requests stopped before they finished, by kind, reason and stage.",
-                                 ("kind", "reason", "stage"), registry=r)
-        self.batches = Counter("ditattn_batches", "Batches run by the scheduler, by outcome (ok, error, cancelled).",
-                               ("outcome",), registry=r)
-        self.batch_size = Histogram("ditattn_batch_size", "Requests per scheduler batch.",
-                                    buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
-        self.generation_seconds = Histogram("ditattn_batch_seconds", "Wall time of one batch run in seconds.",
-                                            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300), registry=r)
+        self.refusals = Counter(
+            "ditattn_attention_refusals",
+            "Requests refused (400) because of their attention settings, by field.",
+            ("field",),
+            registry=r,
+        )
+        self.queue_full = Counter(
+            "ditattn_queue_full", "Requests refused with 429 because the queue was full.", registry=r
+        )
+        self.cancelled = Counter(
+            "ditattn_requests_cancelled",
+            "Requests stopped before they finished, by kind, reason and stage.",
+            ("kind", "reason", "stage"),
+            registry=r,
+        )
+        self.batches = Counter(
+            "ditattn_batches",
+            "Batches run by the scheduler, by outcome (ok, error, cancelled).",
+            ("outcome",),
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "ditattn_batch_size", "Requests per scheduler batch.", buckets=(1, 2, 4, 8, 16, 32, 64), registry=r
+        )
+        self.generation_seconds = Histogram(
+            "ditattn_batch_seconds",
+            "Wall time of one batch run in seconds.",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+            registry=r,
+        )
         self.queue_depth = Gauge("ditattn_queue_depth", "Requests waiting in the queue.", registry=r)
         self.queue_depth.set_function(queue_depth)
         self.running = Gauge("ditattn_running_samples", "Samples in the batch now running.", registry=r)
         self.running.set_function(running)
-        self.running_age = Gauge("ditattn_running_batch_age_seconds", "Seconds the running batch has run (0: idle).",
-                                 registry=r)
+        self.running_age = Gauge(
+            "ditattn_running_batch_age_seconds", "Seconds the running batch has run (0: idle).", registry=r
+        )
         self.running_age.set_function(running_age)
         self.draining = Gauge("ditattn_draining", "1 while the server drains for a shutdown.", registry=r)
         self.draining.set_function(draining)

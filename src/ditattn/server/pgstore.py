@@ -11,6 +11,7 @@ reason instead.  Writes of a job's
 result are guarded by ownership (:meth:`PgJobStore.update`), so a replica that lost its lease
 cannot overwrite the result of the one that took the job over.
 """
+
 from __future__ import annotations
 
 import json
@@ -62,8 +63,9 @@ class PgJobStore:
         try:
             import psycopg
         except ImportError:
-            raise AttentionConfigError("--job-store postgresql://... needs psycopg 3: pip install "
-                                       "'ditattn[scale]' (or 'psycopg[binary]')") from None
+            raise AttentionConfigError(
+                "--job-store postgresql://... needs psycopg 3: pip install 'ditattn[scale]' (or 'psycopg[binary]')"
+            ) from None
         self._psycopg = psycopg
         self.url, self.path = url, redact(url)
         self.owner = owner or "ditattn"
@@ -80,8 +82,10 @@ class PgJobStore:
             self._ready = True
         except psycopg.Error as exc:
             self.close()
-            raise AttentionConfigError(f"--job-store {self.path}: cannot use the database "
-                                       f"({str(exc).strip().splitlines()[0] if str(exc).strip() else exc})") from None
+            raise AttentionConfigError(
+                f"--job-store {self.path}: cannot use the database "
+                f"({str(exc).strip().splitlines()[0] if str(exc).strip() else exc})"
+            ) from None
 
     def _connect(self):
         return self._psycopg.connect(self.url, autocommit=True, connect_timeout=max(1, int(self._timeout)))
@@ -108,9 +112,13 @@ class PgJobStore:
     def save(self, record: dict) -> None:
         """Insert or update ``record`` (its ownership and attempts are kept)."""
         body = json.dumps(record, sort_keys=True)
-        self._run(lambda db: db.execute(
-            f"INSERT INTO {TABLE} (id, status, record) VALUES (%s, %s, %s::jsonb) ON CONFLICT (id) DO UPDATE "
-            "SET status = excluded.status, record = excluded.record", (record["id"], record["status"], body)))
+        self._run(
+            lambda db: db.execute(
+                f"INSERT INTO {TABLE} (id, status, record) VALUES (%s, %s, %s::jsonb) ON CONFLICT (id) DO UPDATE "
+                "SET status = excluded.status, record = excluded.record",
+                (record["id"], record["status"], body),
+            )
+        )
 
     def delete(self, vid: str) -> None:
         self._run(lambda db: db.execute(f"DELETE FROM {TABLE} WHERE id = %s", (vid,)))
@@ -132,9 +140,12 @@ class PgJobStore:
         try:
             with self._lock:
                 db.execute(f"DELETE FROM {METRICS} WHERE owner = %s", (self.owner,))
-                db.execute(f"UPDATE {TABLE} SET owner = NULL, lease_until = NULL, status = 'queued', "
-                           "record = jsonb_set(jsonb_set(record, '{status}', '\"queued\"'), '{progress}', '0') "
-                           "WHERE owner = %s AND status IN ('queued', 'in_progress')", (self.owner,))
+                db.execute(
+                    f"UPDATE {TABLE} SET owner = NULL, lease_until = NULL, status = 'queued', "
+                    "record = jsonb_set(jsonb_set(record, '{status}', '\"queued\"'), '{progress}', '0') "
+                    "WHERE owner = %s AND status IN ('queued', 'in_progress')",
+                    (self.owner,),
+                )
         except self._psycopg.Error as exc:
             log.warning("job store %s: could not hand back the jobs of %s: %s", self.path, self.owner, exc)
         finally:
@@ -147,8 +158,9 @@ class PgJobStore:
 
     def owner_of(self, vid: str) -> Optional[tuple]:
         """``(owner, attempts, status)`` of job ``vid`` (None if absent)."""
-        return self._run(lambda db: db.execute(f"SELECT owner, attempts, status FROM {TABLE} WHERE id = %s",
-                                               (vid,)).fetchone())
+        return self._run(
+            lambda db: db.execute(f"SELECT owner, attempts, status FROM {TABLE} WHERE id = %s", (vid,)).fetchone()
+        )
 
     def update(self, record: dict) -> str:
         """Write ``record`` over the stored one if this owner holds it or nobody does; a finished
@@ -162,7 +174,8 @@ class PgJobStore:
                 "owner = CASE WHEN %s THEN NULL ELSE owner END, "
                 "lease_until = CASE WHEN %s THEN NULL ELSE lease_until END "
                 "WHERE id = %s AND (owner = %s OR owner IS NULL)",
-                (record["status"], body, finished, finished, record["id"], self.owner))
+                (record["status"], body, finished, finished, record["id"], self.owner),
+            )
             if cur.rowcount:
                 return "ok"
             row = db.execute(f"SELECT owner FROM {TABLE} WHERE id = %s", (record["id"],)).fetchone()
@@ -182,24 +195,42 @@ class PgJobStore:
                 row = db.execute(
                     f"SELECT id, record, attempts, owner FROM {TABLE} WHERE status IN ('queued', 'in_progress') "
                     "AND (owner IS NULL OR lease_until IS NULL OR lease_until < now()) "
-                    "ORDER BY seq LIMIT 1 FOR UPDATE SKIP LOCKED").fetchone()
+                    "ORDER BY seq LIMIT 1 FOR UPDATE SKIP LOCKED"
+                ).fetchone()
                 if row is None:
                     return None, False
                 vid, rec, attempts, last = row
                 if attempts >= max_attempts:
-                    rec = dict(rec, status="failed", completed_at=int(time.time()), error={
-                        "code": "lease_expired", "message": f"the replica running it stopped ({attempts} attempt(s); "
-                                                            f"the last on {last or 'an unknown replica'})"})
-                    db.execute(f"UPDATE {TABLE} SET status = 'failed', record = %s::jsonb, owner = NULL, "
-                               "lease_until = NULL WHERE id = %s", (json.dumps(rec, sort_keys=True), vid))
+                    rec = dict(
+                        rec,
+                        status="failed",
+                        completed_at=int(time.time()),
+                        error={
+                            "code": "lease_expired",
+                            "message": f"the replica running it stopped ({attempts} attempt(s); "
+                            f"the last on {last or 'an unknown replica'})",
+                        },
+                    )
+                    db.execute(
+                        f"UPDATE {TABLE} SET status = 'failed', record = %s::jsonb, owner = NULL, "
+                        "lease_until = NULL WHERE id = %s",
+                        (json.dumps(rec, sort_keys=True), vid),
+                    )
                     return rec, True
                 rec = dict(rec, status="queued", progress=0)
-                db.execute(f"UPDATE {TABLE} SET owner = %s, lease_until = now() + make_interval(secs => %s), "
-                           "attempts = attempts + 1, ran_on = %s, status = 'queued', record = %s::jsonb WHERE id = %s",
-                           (self.owner, float(lease_s), self.owner, json.dumps(rec, sort_keys=True), vid))
+                db.execute(
+                    f"UPDATE {TABLE} SET owner = %s, lease_until = now() + make_interval(secs => %s), "
+                    "attempts = attempts + 1, ran_on = %s, status = 'queued', record = %s::jsonb WHERE id = %s",
+                    (self.owner, float(lease_s), self.owner, json.dumps(rec, sort_keys=True), vid),
+                )
                 if last is not None:
-                    log.warning("job store: video %s re-queued: the lease of %s ran out (attempt %d of %d)", vid,
-                                last, attempts + 1, max_attempts)
+                    log.warning(
+                        "job store: video %s re-queued: the lease of %s ran out (attempt %d of %d)",
+                        vid,
+                        last,
+                        attempts + 1,
+                        max_attempts,
+                    )
                 return rec, False
 
         while True:
@@ -222,7 +253,9 @@ class PgJobStore:
                 cur = db.execute(
                     f"UPDATE {TABLE} SET lease_until = now() + make_interval(secs => %s), "
                     "record = jsonb_set(record, '{progress}', to_jsonb(%s::int)) WHERE id = %s AND owner = %s "
-                    "RETURNING id", (float(lease_s), int(progress.get(vid, 0)), vid, self.owner))
+                    "RETURNING id",
+                    (float(lease_s), int(progress.get(vid, 0)), vid, self.owner),
+                )
                 if cur.fetchone():
                     held.add(vid)
             return set(ids) - held
@@ -230,16 +263,18 @@ class PgJobStore:
         return self._run(op)
 
     def waiting(self) -> int:
-        return self._run(lambda db: db.execute(
-            f"SELECT count(*) FROM {TABLE} WHERE status = 'queued'").fetchone()[0])
+        return self._run(lambda db: db.execute(f"SELECT count(*) FROM {TABLE} WHERE status = 'queued'").fetchone()[0])
 
     def finished_beyond(self, keep: int) -> list[dict]:
         """Remove the oldest finished records beyond the newest ``keep`` finished ones; returns them
         (their files are the caller's to remove)."""
+
         def op(db):
             rows = db.execute(
                 f"DELETE FROM {TABLE} WHERE id IN (SELECT id FROM {TABLE} WHERE status NOT IN ('queued', "
-                "'in_progress') ORDER BY seq DESC OFFSET %s) RETURNING record", (int(keep),)).fetchall()
+                "'in_progress') ORDER BY seq DESC OFFSET %s) RETURNING record",
+                (int(keep),),
+            ).fetchall()
             return [r[0] for r in rows]
 
         return self._run(op)
@@ -247,17 +282,25 @@ class PgJobStore:
     # -- metrics of the replicas -----------------------------------------------------------------
     def publish_metrics(self, body: str) -> None:
         """Store this owner's current metrics exposition text (its heartbeat does, and each scrape)."""
-        self._run(lambda db: db.execute(
-            f"INSERT INTO {METRICS} (owner, body, updated) VALUES (%s, %s, now()) ON CONFLICT (owner) DO UPDATE "
-            "SET body = excluded.body, updated = now()", (self.owner, body)))
+        self._run(
+            lambda db: db.execute(
+                f"INSERT INTO {METRICS} (owner, body, updated) VALUES (%s, %s, now()) ON CONFLICT (owner) DO UPDATE "
+                "SET body = excluded.body, updated = now()",
+                (self.owner, body),
+            )
+        )
 
     def replica_metrics(self, max_age_s: float) -> dict:
         """``{owner: exposition text}`` of the replicas that published within ``max_age_s`` seconds
         (database clock); rows older than 100 × that (replicas long gone) are removed."""
+
         def op(db):
-            db.execute(f"DELETE FROM {METRICS} WHERE updated < now() - make_interval(secs => %s)",
-                       (100.0 * max_age_s,))
-            return db.execute(f"SELECT owner, body FROM {METRICS} WHERE updated >= now() - make_interval(secs => %s) "
-                              "ORDER BY owner", (float(max_age_s),)).fetchall()
+            db.execute(
+                f"DELETE FROM {METRICS} WHERE updated < now() - make_interval(secs => %s)", (100.0 * max_age_s,)
+            )
+            return db.execute(
+                f"SELECT owner, body FROM {METRICS} WHERE updated >= now() - make_interval(secs => %s) ORDER BY owner",
+                (float(max_age_s),),
+            ).fetchall()
 
         return dict(self._run(op))

@@ -13,6 +13,7 @@ back into the JSON-shaped dict these models validate (pydantic's lax mode conver
 Every user-input error surfaces as :class:`RequestError`, which the app renders as an OpenAI error
 body ``{"error": {"message", "type", "param", "code"}}``.
 """
+
 from __future__ import annotations
 
 import math
@@ -38,9 +39,17 @@ class RequestError(Exception):
     reason was already logged where it was found (the handler does not log it again).
     """
 
-    def __init__(self, message: str, *, status: int = 400, type: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[str] = None, headers: Optional[dict] = None,
-                 logged: bool = False):
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        param: Optional[str] = None,
+        code: Optional[str] = None,
+        headers: Optional[dict] = None,
+        logged: bool = False,
+    ):
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
         self.headers, self.logged = dict(headers or {}), logged
@@ -49,8 +58,9 @@ class RequestError(Exception):
         return error_body(self.message, type=self.type, param=self.param, code=self.code)
 
 
-def error_body(message: str, *, type: str = "invalid_request_error", param: Optional[str] = None,
-               code: Optional[str] = None) -> dict:
+def error_body(
+    message: str, *, type: str = "invalid_request_error", param: Optional[str] = None, code: Optional[str] = None
+) -> dict:
     """The OpenAI error object: ``{"error": {"message", "type", "param", "code"}}``."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
@@ -142,18 +152,22 @@ def parse_size(value: Optional[str], *, param: str = "size") -> Optional[tuple[i
         return None
     m = _SIZE.match(text)
     if not m:
-        raise RequestError(f"invalid size {value!r}: expected 'WIDTHxHEIGHT' in pixels, e.g. '832x480', or 'auto'",
-                           param=param, code="invalid_size")
+        raise RequestError(
+            f"invalid size {value!r}: expected 'WIDTHxHEIGHT' in pixels, e.g. '832x480', or 'auto'",
+            param=param,
+            code="invalid_size",
+        )
     w, h = int(m.group(1)), int(m.group(2))
     if w <= 0 or h <= 0:
-        raise RequestError(f"invalid size {value!r}: width and height must be positive", param=param,
-                           code="invalid_size")
+        raise RequestError(
+            f"invalid size {value!r}: width and height must be positive", param=param, code="invalid_size"
+        )
     return w, h
 
 
 # Bounds of the numeric request fields that no server setting bounds: far beyond any real request,
 # tight enough that no value reaches code that would overflow on it.
-MAX_SEED = 2 ** 63 - 1
+MAX_SEED = 2**63 - 1
 MAX_GUIDANCE = 100.0
 MAX_SECONDS = 3600.0
 
@@ -200,10 +214,23 @@ class _Extras(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    @field_validator("num_inference_steps", "guidance_scale", "guidance_scale_2", "flow_shift", "seed", "n", "num_frames",
-                     "fps", "seconds",
-                     "output_compression", "partial_images", "frame_count", "frame_duration_ms", mode="before",
-                     check_fields=False)
+    @field_validator(
+        "num_inference_steps",
+        "guidance_scale",
+        "guidance_scale_2",
+        "flow_shift",
+        "seed",
+        "n",
+        "num_frames",
+        "fps",
+        "seconds",
+        "output_compression",
+        "partial_images",
+        "frame_count",
+        "frame_duration_ms",
+        mode="before",
+        check_fields=False,
+    )
     @classmethod
     def _numbers_are_not_bools(cls, value):
         return _not_bool(value)
@@ -222,8 +249,9 @@ class _Extras(BaseModel):
     cfg_interval: Union[list[float], str, None] = None  # [START, END] or "START:END"
     #: the request's step cache (none, teacache, magcache, first_block_cache) and its keys (k=v text or an object)
     cache_backend: Optional[str] = Field(default=None, max_length=64)
-    cache_backend_config: Union[str, dict[str, Union[str, int, float, bool, None]], None] = Field(default=None,
-                                                                                                 max_length=64)
+    cache_backend_config: Union[str, dict[str, Union[str, int, float, bool, None]], None] = Field(
+        default=None, max_length=64
+    )
 
     @classmethod
     def accepted_fields(cls) -> list[str]:
@@ -253,12 +281,18 @@ class _Extras(BaseModel):
         for name in ("guidance_scale", "guidance_scale_2"):
             g = getattr(self, name)
             if g is not None and not (math.isfinite(g) and 0.0 <= g <= MAX_GUIDANCE):
-                raise RequestError(f"{name} must be a number from 0 to {MAX_GUIDANCE:g}, got {g!r} (above 1 "
-                                   f"enables classifier-free guidance; typical values are 3-8)", param=name)
+                raise RequestError(
+                    f"{name} must be a number from 0 to {MAX_GUIDANCE:g}, got {g!r} (above 1 "
+                    f"enables classifier-free guidance; typical values are 3-8)",
+                    param=name,
+                )
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED - (n - 1):
-            raise RequestError(f"seed must be an integer from 0 to {MAX_SEED - (n - 1)}"
-                               + (f" (image i of n={n} uses seed + i)" if n > 1 else "") + f", got {self.seed}",
-                               param="seed")
+            raise RequestError(
+                f"seed must be an integer from 0 to {MAX_SEED - (n - 1)}"
+                + (f" (image i of n={n} uses seed + i)" if n > 1 else "")
+                + f", got {self.seed}",
+                param="seed",
+            )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -293,7 +327,7 @@ class ImageGenerationRequest(_Extras):
     partial_images: Optional[int] = Field(default=None, ge=0, le=3)
     svg: Optional[Any] = None
     frame_count: Optional[int] = Field(default=None, ge=0, le=100000)
-    frame_duration_ms: Optional[int] = Field(default=None, ge=0, le=10 ** 7)
+    frame_duration_ms: Optional[int] = Field(default=None, ge=0, le=10**7)
 
     def check_unsupported(self) -> None:
         if self.stream:
@@ -301,11 +335,13 @@ class ImageGenerationRequest(_Extras):
         if self.partial_images:
             raise RequestError("partial_images is not supported by this server (no streaming)", param="partial_images")
         if self.output_format not in (None, "png"):
-            raise RequestError(f"output_format {self.output_format!r} is not supported; accepted: png",
-                               param="output_format")
+            raise RequestError(
+                f"output_format {self.output_format!r} is not supported; accepted: png", param="output_format"
+            )
         if self.background not in (None, "auto", "opaque"):
-            raise RequestError(f"background {self.background!r} is not supported; accepted: auto, opaque",
-                               param="background")
+            raise RequestError(
+                f"background {self.background!r} is not supported; accepted: auto, opaque", param="background"
+            )
         if self.svg is not None:
             raise RequestError("svg output is not supported by this server", param="svg")
         if self.frame_count not in (None, 1) or self.frame_duration_ms is not None:
@@ -360,11 +396,13 @@ class VideoCreateRequest(_Extras):
         try:
             s = float(self.seconds)
         except (TypeError, ValueError, OverflowError):
-            raise RequestError(f"invalid seconds {shown}: expected a positive number such as '4'",
-                               param="seconds") from None
+            raise RequestError(
+                f"invalid seconds {shown}: expected a positive number such as '4'", param="seconds"
+            ) from None
         if not (math.isfinite(s) and 0 < s <= MAX_SECONDS):
-            raise RequestError(f"invalid seconds {shown}: expected a number above 0 and at most {MAX_SECONDS:g}",
-                               param="seconds")
+            raise RequestError(
+                f"invalid seconds {shown}: expected a number above 0 and at most {MAX_SECONDS:g}", param="seconds"
+            )
         return s
 
 

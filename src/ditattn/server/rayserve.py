@@ -17,6 +17,7 @@ keeps the single-host sequence parallelism inside it: it is rank 0 of its own gr
 (NCCL on its GPUs, gloo on the CPU) and relays each pipeline call to the others
 (:func:`open_runner`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,7 +36,8 @@ BACKPRESSURE_RETRY_AFTER_S = 5
 
 def check_scale_options(cfg: RunConfig) -> None:
     """What a scaled-out server needs, checked before Ray starts: a PostgreSQL job store that
-    answers and an output folder (one replica alone may keep the SQLite store), sequence-parallel degrees that fit ``--num-gpus`` (the ranks of a
+    answers and an output folder (one replica alone may keep the SQLite store), sequence-parallel degrees that fit
+    ``--num-gpus`` (the ranks of a
     replica)."""
     from ditattn.server.jobstores import check_shared, is_postgres
 
@@ -62,7 +64,8 @@ def check_cluster_fits(cfg: RunConfig, node_gpus: list) -> None:
         raise AttentionConfigError(
             f"--replicas {want} x --num-gpus {n} does not fit this Ray cluster (GPUs per node: "
             f"{', '.join(f'{g:g}' for g in node_gpus) or 'none'}): a replica's ranks share one node; accepted: "
-            f"at most {fits} replica(s) of --num-gpus {n}")
+            f"at most {fits} replica(s) of --num-gpus {n}"
+        )
 
 
 def replica_resources(cfg: RunConfig, cluster_gpus: float, cpus_per_replica: float = 1.0) -> dict:
@@ -113,8 +116,18 @@ def open_runner(cfg: RunConfig, stack: contextlib.ExitStack):
 
     u, r = cfg.parallel.degrees()
     device = cfg.model.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    rank = stack.enter_context(lead_ranks(_follow, n, args=(cfg,), device=device, ulysses_degree=u, ring_degree=r,
-                                          cfg_degree=cfg.parallel.cfg_degree(), timeout_s=settings.dist_timeout_s()))
+    rank = stack.enter_context(
+        lead_ranks(
+            _follow,
+            n,
+            args=(cfg,),
+            device=device,
+            ulysses_degree=u,
+            ring_degree=r,
+            cfg_degree=cfg.parallel.cfg_degree(),
+            timeout_s=settings.dist_timeout_s(),
+        )
+    )
     relay = PipelineRelay()
     stack.enter_context(relay.leading(WanPipelineNative))
     return build_runner(cfg.for_rank(0, rank.device))
@@ -165,11 +178,17 @@ def build_app(cfg: RunConfig, *, cluster_gpus: float = 0.0, cpus_per_replica: fl
     # an OMP_NUM_THREADS set where Ray started wins (the replicas inherit it); else the replica's share of the cores
     threads = None if actor.get("num_gpus") or os.environ.get("OMP_NUM_THREADS") else max(1, int(cpus_per_replica))
     deployment = serve.deployment(_replica_class()).options(
-        name="DitReplica", num_replicas=s.replicas, ray_actor_options=actor,
-        max_ongoing_requests=2 * s.max_batch_size + 2, max_queued_requests=s.replicas * s.max_queue,
+        name="DitReplica",
+        num_replicas=s.replicas,
+        ray_actor_options=actor,
+        max_ongoing_requests=2 * s.max_batch_size + 2,
+        max_queued_requests=s.replicas * s.max_queue,
         backpressure_config=BackpressureConfig(status_code=429, retry_after_s=BACKPRESSURE_RETRY_AFTER_S),
-        graceful_shutdown_timeout_s=s.drain_timeout_s + 10, health_check_period_s=5, health_check_timeout_s=60,
-        logging_config={"enable_access_log": False})  # the server logs what matters; a line per request costs CPU
+        graceful_shutdown_timeout_s=s.drain_timeout_s + 10,
+        health_check_period_s=5,
+        health_check_timeout_s=60,
+        logging_config={"enable_access_log": False},
+    )  # the server logs what matters; a line per request costs CPU
     return deployment.bind(cfg, s.replicas, threads)
 
 
@@ -191,8 +210,9 @@ def deploy(cfg: RunConfig, *, cpus_per_replica: Optional[float] = None, ray_init
     check_cluster_fits(cfg, [n.get("Resources", {}).get("GPU", 0.0) for n in ray.nodes() if n.get("Alive")])
     serve.start(http_options={"host": s.host, "port": s.port}, logging_config={"enable_access_log": False})
     if cpus_per_replica is None:
-        cpus_per_replica = cpus_per_replica_for(s.replicas, [n.get("Resources", {}).get("CPU", 0.0) for n in ray.nodes()
-                                                             if n.get("Alive")])
+        cpus_per_replica = cpus_per_replica_for(
+            s.replicas, [n.get("Resources", {}).get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")]
+        )
     app = build_app(cfg, cluster_gpus=ray.cluster_resources().get("GPU", 0.0), cpus_per_replica=cpus_per_replica)
     serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
     return f"http://{s.host}:{s.port}"

@@ -11,6 +11,7 @@ Accepted forms (nothing is fetched from the network, no files API):
 The image must be PNG, JPEG, WebP or BMP, at most ``max_image_bytes`` encoded and ``max_pixels`` decoded,
 at least 16 pixels a side; anything else is a 400 naming ``input_reference`` and what is accepted.
 """
+
 from __future__ import annotations
 
 import base64
@@ -20,10 +21,13 @@ import re
 from ditattn.pipelines.conditioning import ImageInputError, decode_image_bytes
 from ditattn.server.protocol import RequestError
 
-ACCEPTED = ("a file upload (multipart/form-data), {\"image_url\": \"data:image/...;base64,...\"} or a base64 "
-            "string; PNG, JPEG, WebP or BMP")
-_DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[\w.+-]+)*)(?P<b64>;base64)?,",
-                       re.IGNORECASE)
+ACCEPTED = (
+    'a file upload (multipart/form-data), {"image_url": "data:image/...;base64,..."} or a base64 '
+    "string; PNG, JPEG, WebP or BMP"
+)
+_DATA_URL = re.compile(
+    r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[\w.+-]+)*)(?P<b64>;base64)?,", re.IGNORECASE
+)
 
 
 def _refuse(msg: str, code: str = "invalid_input_reference", status: int = 400):
@@ -38,7 +42,7 @@ def _from_text(text: str) -> bytes:
     if text.lower().startswith("data:"):
         if m is None or not m.group("b64"):
             _refuse("a data URL must be base64-encoded (data:image/png;base64,...)")
-        text = text[m.end():]
+        text = text[m.end() :]
     try:
         return base64.b64decode(re.sub(r"\s+", "", text), validate=True)
     except (binascii.Error, ValueError):
@@ -65,8 +69,10 @@ def reference_image(value, *, max_bytes: int, max_pixels: int):
     """The RGB PIL image of ``input_reference``, checked (encoded size, format, pixel count); 400 otherwise."""
     data = reference_bytes(value)
     if len(data) > max_bytes:
-        _refuse(f"the image is {len(data)} bytes; at most {max_bytes} accepted (--max-image-bytes)",
-                code="input_reference_too_large")
+        _refuse(
+            f"the image is {len(data)} bytes; at most {max_bytes} accepted (--max-image-bytes)",
+            code="input_reference_too_large",
+        )
     try:
         return decode_image_bytes(data, where="input_reference", max_pixels=max_pixels)
     except ImageInputError as exc:

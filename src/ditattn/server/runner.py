@@ -5,6 +5,7 @@ limits, the per-request attention validation (``prepare_request_override`` over 
 and the report of which backend each DiT layer runs under the active request scope.
 :class:`PipelineRunner` drives the native Wan pipeline (``ditattn.pipelines.wan``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -56,9 +57,19 @@ class BaseRunner:
     fields out gets (``ditattn serve --attention-backend-override`` / ``--skip-softmax-*``).
     """
 
-    def __init__(self, model_id: str, dit_modules: Sequence[nn.Module], *, defaults: Optional[ModelDefaults] = None,
-                 settings: Optional[AttentionSettings] = None, dtype=None, aliases: Iterable[str] = (),
-                 platform=None, default_override: Optional[str] = None, default_skip_softmax: Optional[dict] = None):
+    def __init__(
+        self,
+        model_id: str,
+        dit_modules: Sequence[nn.Module],
+        *,
+        defaults: Optional[ModelDefaults] = None,
+        settings: Optional[AttentionSettings] = None,
+        dtype=None,
+        aliases: Iterable[str] = (),
+        platform=None,
+        default_override: Optional[str] = None,
+        default_skip_softmax: Optional[dict] = None,
+    ):
         self.model_id = model_id
         self.aliases = {model_id, *aliases}
         self.dit_modules = list(dit_modules)
@@ -147,19 +158,32 @@ class PipelineRunner(BaseRunner):
     so a sample does not depend on what it was batched with.
     """
 
-    def __init__(self, pipe, model_id: str, *, aliases: Iterable[str] = (), default_override=None,
-                 default_skip_softmax=None):
+    def __init__(
+        self, pipe, model_id: str, *, aliases: Iterable[str] = (), default_override=None, default_skip_softmax=None
+    ):
         d = pipe.defaults
         defaults = ModelDefaults(
-            width=d["width"], height=d["height"], num_frames=d["num_frames"],
-            num_inference_steps=d["num_inference_steps"], guidance_scale=d["guidance_scale"],
-            size_multiple=pipe.size_multiple(), frame_step=pipe.vae_scale_temporal,
+            width=d["width"],
+            height=d["height"],
+            num_frames=d["num_frames"],
+            num_inference_steps=d["num_inference_steps"],
+            guidance_scale=d["guidance_scale"],
+            size_multiple=pipe.size_multiple(),
+            frame_step=pipe.vae_scale_temporal,
             image_input={"t2v": "none", "ti2v": "optional", "i2v": "required"}[pipe.mode],
             two_experts=pipe.boundary_ratio is not None,
         )
-        super().__init__(model_id, pipe.dit_modules, defaults=defaults, settings=pipe.settings, dtype=pipe.dtype,
-                         aliases=aliases, platform=pipe.platform, default_override=default_override,
-                         default_skip_softmax=default_skip_softmax)
+        super().__init__(
+            model_id,
+            pipe.dit_modules,
+            defaults=defaults,
+            settings=pipe.settings,
+            dtype=pipe.dtype,
+            aliases=aliases,
+            platform=pipe.platform,
+            default_override=default_override,
+            default_skip_softmax=default_skip_softmax,
+        )
         self.pipe = pipe
         params = inspect.signature(pipe.generate).parameters
         self._on_step, self._should_stop = "on_step" in params, "should_stop" in params
@@ -187,8 +211,13 @@ class PipelineRunner(BaseRunner):
     def sampling_for(self, job) -> dict:
         """The sampler keyword arguments of ``job``'s pipeline call: its fields over the server's defaults."""
         out = dict(self.default_sampling)
-        out.update({k: getattr(job, k) for k in ("scheduler", "flow_shift", "timesteps", "cfg_interval")
-                    if getattr(job, k, None) is not None})
+        out.update(
+            {
+                k: getattr(job, k)
+                for k in ("scheduler", "flow_shift", "timesteps", "cfg_interval")
+                if getattr(job, k, None) is not None
+            }
+        )
         return out
 
     def check_sampling(self, sampling: dict) -> None:
@@ -198,13 +227,19 @@ class PipelineRunner(BaseRunner):
         from ditattn.pipelines.sampling import build_sampler
 
         s = {**self.default_sampling, **sampling}
-        build_sampler(self.pipe.components["scheduler"], name=s.get("scheduler"), shift=s.get("flow_shift"), steps=1,
-                      timesteps=s.get("timesteps"))
+        build_sampler(
+            self.pipe.components["scheduler"],
+            name=s.get("scheduler"),
+            shift=s.get("flow_shift"),
+            steps=1,
+            timesteps=s.get("timesteps"),
+        )
 
     def adapters(self) -> list[dict]:
         """The loaded LoRA adapters (name, component, default scale, fused)."""
-        return [{"name": a.name, "component": a.component, "scale": a.scale, "fused": a.fused}
-                for a in self.pipe.adapters]
+        return [
+            {"name": a.name, "component": a.component, "scale": a.scale, "fused": a.fused} for a in self.pipe.adapters
+        ]
 
     def run_batch(self, jobs) -> list:
         """One pipeline call for ``jobs``; it stops at the next denoising step, or between the frames
@@ -222,6 +257,7 @@ class PipelineRunner(BaseRunner):
                 seeds.append(j.seed + i)
         kw = {}
         if self._on_step:  # once every step ran, a shutdown lets the decode finish (the frames are kept)
+
             def on_step(done: int, total: int) -> None:
                 for j in jobs:
                     j.denoised = done >= total
@@ -231,6 +267,7 @@ class PipelineRunner(BaseRunner):
 
             kw["on_step"] = on_step
         if self._should_stop:
+
             def should_stop():
                 reason = batch_stop_reason(jobs)
                 return None if reason == SHUTDOWN and all(j.denoised for j in jobs) else reason
@@ -244,18 +281,32 @@ class PipelineRunner(BaseRunner):
         if self._cache:  # the job's own step cache (request-scoped state inside the call)
             kw.update(cache_setting=head.cache) if head.cache is not None else kw.update(cache_backend="none")
         res = self.pipe.generate(
-            prompts, negatives, height=head.height, width=head.width, num_frames=head.num_frames,
-            num_inference_steps=head.num_inference_steps, guidance_scale=head.guidance_scale,
-            guidance_scale_2=head.guidance_scale_2, seed=seeds, request_state=current_request() or head.state,
-            progress=False, **kw,
+            prompts,
+            negatives,
+            height=head.height,
+            width=head.width,
+            num_frames=head.num_frames,
+            num_inference_steps=head.num_inference_steps,
+            guidance_scale=head.guidance_scale,
+            guidance_scale_2=head.guidance_scale_2,
+            seed=seeds,
+            request_state=current_request() or head.state,
+            progress=False,
+            **kw,
         )
         frames = np.asarray(res.frames)
         stats = _json_safe(res.stats) if res.stats else {}
         out, k = [], 0
         for j in jobs:
-            out.append(GenerationResult(frames=frames[k:k + j.n], attention_backends=list(res.attention_backends),
-                                        stats=stats, seconds=float(res.timings.get("total", 0.0)),
-                                        cache=getattr(res, "cache", None)))
+            out.append(
+                GenerationResult(
+                    frames=frames[k : k + j.n],
+                    attention_backends=list(res.attention_backends),
+                    stats=stats,
+                    seconds=float(res.timings.get("total", 0.0)),
+                    cache=getattr(res, "cache", None),
+                )
+            )
             k += j.n
         return out
 
@@ -270,20 +321,29 @@ def build_runner(config) -> PipelineRunner:
     from ditattn.pipelines.wan import WanPipelineNative
 
     if config.model.backend != "native":
-        raise AttentionConfigError("ditattn serve runs the native pipeline only (per-request attention overrides "
-                                   "need ditattn's attention layers); drop --backend diffusers")
+        raise AttentionConfigError(
+            "ditattn serve runs the native pipeline only (per-request attention overrides "
+            "need ditattn's attention layers); drop --backend diffusers"
+        )
     config.parallel.degrees()
     n = config.parallel.num_gpus
     if n > 1 and not in_worker():  # ranks started by ditattn.distributed.launch relay rank 0's calls
-        raise AttentionConfigError(f"sequence parallelism (--num-gpus {n}) needs one process per rank: start "
-                                   f"it with ditattn serve (ditattn.distributed.launch), or use --num-gpus 1")
+        raise AttentionConfigError(
+            f"sequence parallelism (--num-gpus {n}) needs one process per rank: start "
+            f"it with ditattn serve (ditattn.distributed.launch), or use --num-gpus 1"
+        )
     pipe = WanPipelineNative.from_config(config, lora_fuse=False)  # unfused: requests may set the scales
     name = pipe.model_index.name
     aliases = {name, config.model.model_path or name}
     if not name.startswith("ditattn:"):
         aliases.add(os.path.basename(os.path.normpath(name)))
-    runner = PipelineRunner(pipe, name, aliases=aliases, default_override=config.attention.attention_backend_override,
-                            default_skip_softmax=config.attention.skip_softmax())
+    runner = PipelineRunner(
+        pipe,
+        name,
+        aliases=aliases,
+        default_override=config.attention.attention_backend_override,
+        default_skip_softmax=config.attention.skip_softmax(),
+    )
     # sampling settings given to `serve` become the defaults of requests that leave those fields out
     d, s = runner.defaults, config.sampling
     for field in ("height", "width", "num_frames", "num_inference_steps", "guidance_scale"):
@@ -291,8 +351,11 @@ def build_runner(config) -> PipelineRunner:
             setattr(d, field, getattr(s, field))
     pipe.check_size(d.height, d.width, d.num_frames)
     runner.default_negative_prompt = s.negative_prompt
-    runner.default_sampling = {k: getattr(s, k) for k in ("scheduler", "flow_shift", "timesteps", "cfg_interval",
-                                                          "cfg_batching") if getattr(s, k) is not None}
+    runner.default_sampling = {
+        k: getattr(s, k)
+        for k in ("scheduler", "flow_shift", "timesteps", "cfg_interval", "cfg_batching")
+        if getattr(s, k) is not None
+    }
     runner.check_sampling({})  # the server-wide sampler settings must themselves be valid
     runner.prepare(None, None)  # the server-wide attention defaults must themselves be valid
     return runner

@@ -24,6 +24,7 @@ stage)`` reports it.  :meth:`Scheduler.pause` (graceful shutdown) takes no new b
 one finishes or is stopped (:meth:`Scheduler.stop_running`), queued jobs stay queued
 (:meth:`Scheduler.pending`) unless the caller drops them.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -52,8 +53,20 @@ from ditattn.server.jobs import (
 
 log = logging.getLogger("ditattn.server")
 
-__all__ = ["Scheduler", "SHUTDOWN", "TIMEOUT", "GenerationJob", "GenerationResult", "JobCancelled", "JobTimeout",
-           "QueueFull", "Runner", "SchedulerStopped", "batch_stop_reason", "stop_error"]
+__all__ = [
+    "Scheduler",
+    "SHUTDOWN",
+    "TIMEOUT",
+    "GenerationJob",
+    "GenerationResult",
+    "JobCancelled",
+    "JobTimeout",
+    "QueueFull",
+    "Runner",
+    "SchedulerStopped",
+    "batch_stop_reason",
+    "stop_error",
+]
 
 
 class Scheduler:
@@ -67,9 +80,16 @@ class Scheduler:
     ``queued`` or ``running``.
     """
 
-    def __init__(self, runner, *, max_batch_size: int = 4, max_queue: int = 64, batch_window_s: float = 0.01,
-                 on_batch: Optional[Callable[[list, float, Optional[BaseException]], None]] = None,
-                 on_cancel: Optional[Callable[[GenerationJob, str, str], None]] = None):
+    def __init__(
+        self,
+        runner,
+        *,
+        max_batch_size: int = 4,
+        max_queue: int = 64,
+        batch_window_s: float = 0.01,
+        on_batch: Optional[Callable[[list, float, Optional[BaseException]], None]] = None,
+        on_cancel: Optional[Callable[[GenerationJob, str, str], None]] = None,
+    ):
         if max_batch_size < 1 or max_queue < 1:
             raise ValueError("max_batch_size and max_queue must be >= 1")
         self.runner = runner
@@ -261,8 +281,9 @@ class Scheduler:
         if len(batch) == 1:
             self._failed(batch[0], error)
             return
-        log.warning("batch of %d failed (%s: %s); re-running its requests one by one", len(batch),
-                    type(error).__name__, error)
+        log.warning(
+            "batch of %d failed (%s: %s); re-running its requests one by one", len(batch), type(error).__name__, error
+        )
         for job in batch:  # outside the except block: a failure's traceback is its own, not chained
             if job.should_stop():
                 self._end(job, job.should_stop(), "running")
@@ -305,8 +326,9 @@ class Scheduler:
         if isinstance(exc, AttentionConfigError):
             log.warning("request %s refused while running: %s", job.id, exc)
         else:
-            log.error("request %s failed (reference %s): %s: %s", job.id, job.id[:12], type(exc).__name__, exc,
-                      exc_info=exc)
+            log.error(
+                "request %s failed (reference %s): %s: %s", job.id, job.id[:12], type(exc).__name__, exc, exc_info=exc
+            )
         _fail(job, exc)
 
     def _end(self, job: GenerationJob, reason: str, stage: str) -> None:
@@ -328,8 +350,10 @@ class Scheduler:
             with request_scope(state):
                 results = self.runner.run_batch(batch)
         if not isinstance(results, (list, tuple)) or len(results) != len(batch):
-            raise RuntimeError(f"runner returned {len(results) if isinstance(results, (list, tuple)) else results!r} "
-                               f"results for a batch of {len(batch)}")
+            raise RuntimeError(
+                f"runner returned {len(results) if isinstance(results, (list, tuple)) else results!r} "
+                f"results for a batch of {len(batch)}"
+            )
         return list(results)
 
     def _notify(self, batch, seconds, error) -> None:

@@ -3,6 +3,7 @@ scheduler, the metrics, the video and image stores, the encoder pool and the out
 the request checks (:mod:`ditattn.server.admission`), the job building and submission every
 generating endpoint uses, the wait for a result (timeout, client disconnect), the health report and
 the graceful drain."""
+
 from __future__ import annotations
 
 import asyncio
@@ -55,20 +56,31 @@ class ServerState(RequestChecks):
         self.draining = False
         self._drain_lock = threading.Lock()
         self._batch_seconds = 0.0  # running mean of a batch's wall time, for Retry-After
-        self.scheduler = Scheduler(runner, max_batch_size=config.max_batch_size, max_queue=config.max_queue,
-                                   batch_window_s=config.batch_window_s, on_batch=self._on_batch,
-                                   on_cancel=self._on_cancel)
-        self.metrics = Metrics(queue_depth=lambda: self.scheduler.queue_depth, running=lambda: self.scheduler.running,
-                               running_age=lambda: self.running_age() or 0.0, draining=lambda: float(self.draining))
+        self.scheduler = Scheduler(
+            runner,
+            max_batch_size=config.max_batch_size,
+            max_queue=config.max_queue,
+            batch_window_s=config.batch_window_s,
+            on_batch=self._on_batch,
+            on_cancel=self._on_cancel,
+        )
+        self.metrics = Metrics(
+            queue_depth=lambda: self.scheduler.queue_depth,
+            running=lambda: self.scheduler.running,
+            running_age=lambda: self.running_age() or 0.0,
+            draining=lambda: float(self.draining),
+        )
         self._own_dir = config.output_dir is None
-        self.output_dir = os.path.abspath(config.output_dir) if config.output_dir else \
-            tempfile.mkdtemp(prefix="ditattn-serve-")
+        self.output_dir = (
+            os.path.abspath(config.output_dir) if config.output_dir else tempfile.mkdtemp(prefix="ditattn-serve-")
+        )
         for sub in ("videos", "images"):
             try:
                 os.makedirs(os.path.join(self.output_dir, sub), exist_ok=True)
             except OSError as exc:
-                raise AttentionConfigError(f"--output-dir {self.output_dir}: cannot create {sub}/ "
-                                           f"({exc.strerror or exc})") from None
+                raise AttentionConfigError(
+                    f"--output-dir {self.output_dir}: cannot create {sub}/ ({exc.strerror or exc})"
+                ) from None
         jobs = None if self._own_dir else self.open_job_store()
         self.videos = VideoStore(config.max_videos_kept, jobs, self.output_dir)
         self.images = ImageStore(os.path.join(self.output_dir, "images"), config.max_videos_kept * 4)
@@ -108,9 +120,14 @@ class ServerState(RequestChecks):
         self.metrics.cancelled.labels(kind=job.kind, reason=reason, stage=stage).inc()
         if reason == SHUTDOWN and job.kind == "video" and self.videos.jobs is not None:
             return  # its one line: "stays queued for the next start" (routes.videos)
-        log.log(logging.WARNING if reason == "timeout" else logging.INFO, "request %s (%s) %s while %s", job.id,
-                job.kind, "reached the request timeout" if reason == "timeout" else
-                f"stopped: {reason.replace('_', ' ')}", stage)
+        log.log(
+            logging.WARNING if reason == "timeout" else logging.INFO,
+            "request %s (%s) %s while %s",
+            job.id,
+            job.kind,
+            "reached the request timeout" if reason == "timeout" else f"stopped: {reason.replace('_', ' ')}",
+            stage,
+        )
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -137,24 +154,38 @@ class ServerState(RequestChecks):
         idle = self.scheduler.wait_idle(timeout)
         if not idle:
             n = self.scheduler.stop_running(SHUTDOWN)
-            log.warning("drain: the running batch (%d request(s)) did not finish within %.0f s; stopping it at its "
-                        "next denoising step", n, timeout)
+            log.warning(
+                "drain: the running batch (%d request(s)) did not finish within %.0f s; stopping it at its "
+                "next denoising step",
+                n,
+                timeout,
+            )
             idle = self.scheduler.wait_idle(STOP_GRACE_S)
             running, _ = self.scheduler.running_jobs()
             if not idle and running and all(j.denoised for j in running):
-                log.warning("drain: the running batch is decoding finished frames; waiting up to %.0f s more so "
-                            "that they are kept", DECODE_GRACE_S)
+                log.warning(
+                    "drain: the running batch is decoding finished frames; waiting up to %.0f s more so "
+                    "that they are kept",
+                    DECODE_GRACE_S,
+                )
                 idle = self.scheduler.wait_idle(DECODE_GRACE_S)
             if not idle:
-                log.error("drain: the running step did not end within %.0f s more; exiting without it (a video job "
-                          "stays in_progress in the job store and is re-queued by the next start)", STOP_GRACE_S)
+                log.error(
+                    "drain: the running step did not end within %.0f s more; exiting without it (a video job "
+                    "stays in_progress in the job store and is re-queued by the next start)",
+                    STOP_GRACE_S,
+                )
         with self._encodes_lock:
             encodes = list(self._encodes)
         concurrent.futures.wait(encodes)  # MP4s of jobs that finished are written before the exit
         left = [j.id for j in self.scheduler.pending()]
-        log.warning("drained in %.1f s: %s; %d video job(s) stay queued%s", time.monotonic() - t0,
-                    "nothing running" if idle else "a step still running", len(left),
-                    f" in the job store {self.videos.jobs.path}" if self.videos.jobs is not None else "")
+        log.warning(
+            "drained in %.1f s: %s; %d video job(s) stay queued%s",
+            time.monotonic() - t0,
+            "nothing running" if idle else "a step still running",
+            len(left),
+            f" in the job store {self.videos.jobs.path}" if self.videos.jobs is not None else "",
+        )
         return idle
 
     def render_metrics(self) -> bytes:
@@ -182,10 +213,13 @@ class ServerState(RequestChecks):
                     held += sorted(os.listdir(os.path.join(self.output_dir, sub)))
                 except OSError:
                     pass
-            log.log(logging.WARNING if held else logging.INFO,
-                    "removing the temporary output folder %s%s (start serve with --output-dir to keep outputs and "
-                    "video jobs across restarts)", self.output_dir,
-                    f" with {len(held)} file(s): {', '.join(held)}" if held else "")
+            log.log(
+                logging.WARNING if held else logging.INFO,
+                "removing the temporary output folder %s%s (start serve with --output-dir to keep outputs and "
+                "video jobs across restarts)",
+                self.output_dir,
+                f" with {len(held)} file(s): {', '.join(held)}" if held else "",
+            )
             shutil.rmtree(self.output_dir, ignore_errors=True)
 
     # -- health --------------------------------------------------------------------------------------
@@ -201,8 +235,12 @@ class ServerState(RequestChecks):
         for the last two."""
         jobs, since = self.scheduler.running_jobs()
         now = time.monotonic()
-        body = {"model": self.runner.model_id, "queue_depth": self.scheduler.queue_depth,
-                "running": sum(j.n for j in jobs), "attention_backends": self.runner.default_backends()}
+        body = {
+            "model": self.runner.model_id,
+            "queue_depth": self.scheduler.queue_depth,
+            "running": sum(j.n for j in jobs),
+            "attention_backends": self.runner.default_backends(),
+        }
         if since is not None:
             body["running_job_age_s"] = round(now - since, 3)
             overdue = [now - j.deadline for j in jobs if j.deadline is not None and now > j.deadline]
@@ -232,9 +270,13 @@ class ServerState(RequestChecks):
     # -- checks (the request's own: admission.RequestChecks) ------------------------------------
     def check_accepting(self) -> None:
         if self.draining:
-            raise RequestError("the server is shutting down and takes no new work; retry on another instance or "
-                               "after the restart", status=503, type="server_error", code="shutting_down",
-                               headers={"Retry-After": "30"})
+            raise RequestError(
+                "the server is shutting down and takes no new work; retry on another instance or after the restart",
+                status=503,
+                type="server_error",
+                code="shutting_down",
+                headers={"Retry-After": "30"},
+            )
 
     # -- jobs -----------------------------------------------------------------------------------
     def make_job(self, kind: str, params: dict, *, model: str, n: int = 1, **kw) -> GenerationJob:
@@ -244,8 +286,20 @@ class ServerState(RequestChecks):
         ``image`` of an image-to-video job, callbacks)."""
         rstate = self.attention_state(params["override"], params["skip_softmax"])
         timeout = self.config.request_timeout_s
-        p = {k: params[k] for k in ("prompt", "width", "height", "num_frames", "num_inference_steps", "negative_prompt",
-                                    "guidance_scale", "seed", "fps")}
+        p = {
+            k: params[k]
+            for k in (
+                "prompt",
+                "width",
+                "height",
+                "num_frames",
+                "num_inference_steps",
+                "negative_prompt",
+                "guidance_scale",
+                "seed",
+                "fps",
+            )
+        }
         p["guidance_scale_2"] = params.get("guidance_scale_2")
         p["lora"] = tuple(tuple(x) for x in params["lora"]) if params.get("lora") else None
         for key in ("scheduler", "flow_shift", "timesteps", "cfg_interval"):  # the request's sampler fields
@@ -255,9 +309,17 @@ class ServerState(RequestChecks):
         if prepare_cache is not None:  # checked at admission; the default when the request leaves it out
             kw.setdefault("cache", prepare_cache(params.get("cache_backend"), params.get("cache_backend_config")))
         return GenerationJob(
-            kind=kind, model=model, n=n, **p, override=rstate.override.value if rstate.override is not None else None,
-            skip_softmax=rstate.skip_softmax, state=rstate, deadline=time.monotonic() + timeout,
-            run_timeout_s=timeout if kind == "video" else None, **kw)
+            kind=kind,
+            model=model,
+            n=n,
+            **p,
+            override=rstate.override.value if rstate.override is not None else None,
+            skip_softmax=rstate.skip_softmax,
+            state=rstate,
+            deadline=time.monotonic() + timeout,
+            run_timeout_s=timeout if kind == "video" else None,
+            **kw,
+        )
 
     def attention_state(self, override: Optional[str], skip: Optional[dict]):
         try:
@@ -288,14 +350,21 @@ class ServerState(RequestChecks):
             self.metrics.queue_full.inc()
             wait = self.retry_after()
             log.warning("request refused (429): %s; Retry-After %d s", exc, wait)
-            raise RequestError(str(exc), status=429, type="rate_limit_error", code="queue_full",
-                               headers={"Retry-After": str(wait)}, logged=True) from None
+            raise RequestError(
+                str(exc),
+                status=429,
+                type="rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": str(wait)},
+                logged=True,
+            ) from None
         except SchedulerStopped:
             self.check_accepting()
             raise
 
-    async def wait_result(self, request: Request, job: GenerationJob,
-                          fut: concurrent.futures.Future) -> GenerationResult:
+    async def wait_result(
+        self, request: Request, job: GenerationJob, fut: concurrent.futures.Future
+    ) -> GenerationResult:
         """The result of ``job`` for a client waiting on ``request``.  A client that disconnects
         cancels it (removed from the queue, or stopped at its next step: :class:`ClientGone`); past
         the request timeout it is stopped too (504)."""
@@ -313,9 +382,14 @@ class ServerState(RequestChecks):
             self.scheduler.cancel(job, DISCONNECTED)
             raise ClientGone(job.id)
         self.scheduler.cancel(job, "timeout")  # logged by _on_cancel
-        raise RequestError(f"the request did not finish within {self.config.request_timeout_s:g} s (the server's "
-                           "--request-timeout-s); it was stopped", status=504, type="timeout_error", code="timeout",
-                           logged=True)
+        raise RequestError(
+            f"the request did not finish within {self.config.request_timeout_s:g} s (the server's "
+            "--request-timeout-s); it was stopped",
+            status=504,
+            type="timeout_error",
+            code="timeout",
+            logged=True,
+        )
 
     def count(self, kind: str, outcome: str, backends: list) -> None:
         self.metrics.generations.labels(kind=kind, outcome=outcome, attention_backend=",".join(backends)).inc()
@@ -340,28 +414,40 @@ def failure(exc: BaseException, reference: Optional[str] = None) -> RequestError
     if isinstance(exc, JobTimeout):
         return RequestError(str(exc), status=504, type="timeout_error", code="timeout", logged=True)
     if isinstance(exc, SchedulerStopped):
-        return RequestError("the server is shutting down; retry after the restart", status=503, type="server_error",
-                            code="shutting_down", headers={"Retry-After": "30"}, logged=True)
+        return RequestError(
+            "the server is shutting down; retry after the restart",
+            status=503,
+            type="server_error",
+            code="shutting_down",
+            headers={"Retry-After": "30"},
+            logged=True,
+        )
     if isinstance(exc, JobCancelled):
         return RequestError(str(exc), status=409, code="cancelled", logged=True)
     if isinstance(exc, AttentionConfigError):
         return RequestError(str(exc), status=400, code="attention_refused", logged=True)
-    return RequestError(internal_message(reference), status=500, type="server_error", code="generation_failed",
-                        logged=True)
+    return RequestError(
+        internal_message(reference), status=500, type="server_error", code="generation_failed", logged=True
+    )
 
 
 def internal_message(reference: Optional[str]) -> str:
     """The fixed text of an internal error (no exception text, no paths)."""
-    return "internal server error" + (f" (reference {reference}; the server log has the details)" if reference
-                                      else "; the server log has the details")
+    return "internal server error" + (
+        f" (reference {reference}; the server log has the details)"
+        if reference
+        else "; the server log has the details"
+    )
 
 
 def skip_params(job: GenerationJob) -> Optional[dict]:
     """The job's skip-softmax parameters as reported in responses (None when off)."""
     if job.skip_softmax is None:
         return None
-    return {"threshold_scale_factor": job.skip_softmax.threshold_scale_factor,
-            "start_step": job.skip_softmax.start_step}
+    return {
+        "threshold_scale_factor": job.skip_softmax.threshold_scale_factor,
+        "start_step": job.skip_softmax.start_step,
+    }
 
 
 def skip_report(job: GenerationJob, result: GenerationResult) -> Optional[dict]:

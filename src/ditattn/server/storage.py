@@ -2,6 +2,7 @@
 path to write a finished file to, whether a file is complete, removal), :class:`SharedFolder` the
 implementation over a folder every replica mounts (local disk for one host, NFS / a cluster file
 system for several).  An object store can implement the same three methods later."""
+
 from __future__ import annotations
 
 import logging
@@ -12,8 +13,24 @@ from typing import Optional, Protocol
 log = logging.getLogger("ditattn.server")
 
 # top-level ISO base media (MP4) boxes; a complete file is a run of these ending exactly at its size
-_MP4_TOP = {b"ftyp", b"moov", b"mdat", b"free", b"skip", b"wide", b"uuid", b"meta", b"pdin", b"moof", b"mfra",
-            b"styp", b"sidx", b"ssix", b"prft", b"emsg"}
+_MP4_TOP = {
+    b"ftyp",
+    b"moov",
+    b"mdat",
+    b"free",
+    b"skip",
+    b"wide",
+    b"uuid",
+    b"meta",
+    b"pdin",
+    b"moof",
+    b"mfra",
+    b"styp",
+    b"sidx",
+    b"ssix",
+    b"prft",
+    b"emsg",
+}
 
 
 class OutputStorage(Protocol):

@@ -1,6 +1,7 @@
 """What the server keeps between requests: video job records (written through to the on-disk
 :class:`~ditattn.server.jobstore.JobStore` when the server has an ``--output-dir``) and stored
 images, both bounded.  Every file removed here is logged with its reason."""
+
 from __future__ import annotations
 
 import contextlib
@@ -50,11 +51,23 @@ class VideoRecord:
 
     def to_object(self) -> VideoObject:
         return VideoObject(
-            id=self.id, created_at=self.created_at, completed_at=self.completed_at, model=self.model,
-            progress=self.progress, prompt=self.prompt, seconds=self.seconds, size=self.size, status=self.status,
-            error=VideoError(**self.error) if self.error else None, attention_backends=list(self.attention_backends),
-            attention_backend_override=self.override, skip_softmax=self.skip_softmax, num_frames=self.num_frames,
-            fps=self.fps, num_inference_steps=self.num_inference_steps, cache=self.cache,
+            id=self.id,
+            created_at=self.created_at,
+            completed_at=self.completed_at,
+            model=self.model,
+            progress=self.progress,
+            prompt=self.prompt,
+            seconds=self.seconds,
+            size=self.size,
+            status=self.status,
+            error=VideoError(**self.error) if self.error else None,
+            attention_backends=list(self.attention_backends),
+            attention_backend_override=self.override,
+            skip_softmax=self.skip_softmax,
+            num_frames=self.num_frames,
+            fps=self.fps,
+            num_inference_steps=self.num_inference_steps,
+            cache=self.cache,
         )
 
     def to_json(self, folder: str) -> dict:
@@ -104,8 +117,10 @@ class VideoStore:
                         drop.append(self._records.pop(vid))
                         self._forget(vid)
         for r in drop:
-            remove_file(r.path, f"video {r.id} forgotten: more than {self.max_kept} finished video jobs are kept "
-                                f"(--max-videos-kept)")
+            remove_file(
+                r.path,
+                f"video {r.id} forgotten: more than {self.max_kept} finished video jobs are kept (--max-videos-kept)",
+            )
 
     def get(self, vid: str) -> Optional[VideoRecord]:
         with self._lock:
@@ -162,8 +177,13 @@ class VideoStore:
             except Exception as exc:  # noqa: BLE001 - sqlite3 or OS errors: reported, retried
                 reason = store_error_text(exc)
                 if self.error != reason or vid not in self._reported:
-                    log.error("job store %s: cannot %s: %s; the job's state is kept in memory and written again "
-                              "once the store takes writes (GET /health reports it)", self.jobs.path, what, reason)
+                    log.error(
+                        "job store %s: cannot %s: %s; the job's state is kept in memory and written again "
+                        "once the store takes writes (GET /health reports it)",
+                        self.jobs.path,
+                        what,
+                        reason,
+                    )
                     self._reported.add(vid)
                 self.error = reason
                 return  # keep the order: the later ones wait for this one
@@ -186,8 +206,10 @@ class VideoStore:
         with self._lock:
             if not self._unsaved:
                 return None
-            return (f"the job store cannot be written ({self.error}); {len(self._unsaved)} video job change(s) not "
-                    f"saved yet (a restart before it can write again sees their last saved state)")
+            return (
+                f"the job store cannot be written ({self.error}); {len(self._unsaved)} video job change(s) not "
+                f"saved yet (a restart before it can write again sees their last saved state)"
+            )
 
 
 def store_error_text(exc: BaseException) -> str:
@@ -195,8 +217,12 @@ def store_error_text(exc: BaseException) -> str:
     import errno
 
     text = str(exc)
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT) or "disk is full" in text \
-            or "database or disk is full" in text:
+    if (
+        isinstance(exc, OSError)
+        and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        or "disk is full" in text
+        or "database or disk is full" in text
+    ):
         return "the disk is full"
     return f"{type(exc).__name__}: {text[:200]}"
 
@@ -253,6 +279,10 @@ class ImageStore:
                 os.unlink(os.path.join(self.folder, name))
                 removed += 1
         if names:
-            log.info("removed %d image(s) of a previous run from %s (image URLs do not survive a restart): %s",
-                     removed, self.folder, ", ".join(names))
+            log.info(
+                "removed %d image(s) of a previous run from %s (image URLs do not survive a restart): %s",
+                removed,
+                self.folder,
+                ", ".join(names),
+            )
         return removed

@@ -19,6 +19,7 @@ model runs fused kernels without a backward) on latents of the frozen stage-1 VA
 - a stage can continue from a saved package's text encoder + DiT (``init``; the optimizer and the
   EMA start afresh, with a short warm-up).
 """
+
 from __future__ import annotations
 
 import logging
@@ -129,9 +130,18 @@ class TextEncoder:
         return text_context(hidden, mask)
 
 
-def train_dit(recipe: Recipe, vae, budget: Budget, device: torch.device, seed: int, losses: LossLog,
-              checkpoint: Optional[Callable[[object, object, int], None]] = None, checkpoint_every_s: float = 120.0,
-              compile_model: bool = False, init: Optional[tuple] = None):
+def train_dit(
+    recipe: Recipe,
+    vae,
+    budget: Budget,
+    device: torch.device,
+    seed: int,
+    losses: LossLog,
+    checkpoint: Optional[Callable[[object, object, int], None]] = None,
+    checkpoint_every_s: float = 120.0,
+    compile_model: bool = False,
+    init: Optional[tuple] = None,
+):
     """Train the text encoder + DiT on ``vae``'s latents for ``budget``.
 
     init: ``(text_encoder, transformer)`` to continue from (a saved package's, see
@@ -163,11 +173,17 @@ def train_dit(recipe: Recipe, vae, budget: Budget, device: torch.device, seed: i
     storage_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     pools = {b: LatentPool(cfg.pool_batches * bucket_batch(b, recipe), device, storage_dtype) for b in cfg.buckets}
     weights = torch.tensor([b.weight for b in cfg.buckets], dtype=torch.float64)
-    losses.start("dit", buckets=[[b.height, b.width, b.frames, b.weight, bucket_batch(b, recipe)] for b in cfg.buckets],
-                 batch_tokens=cfg.batch_tokens, text_encoder="trained" if train_text else "frozen",
-                 params_dit=sum(p.numel() for p in dit.parameters()),
-                 params_text=sum(p.numel() for p in te.parameters()), reuse=cfg.reuse, resumed=init is not None,
-                 fg_weight=cfg.fg_weight)
+    losses.start(
+        "dit",
+        buckets=[[b.height, b.width, b.frames, b.weight, bucket_batch(b, recipe)] for b in cfg.buckets],
+        batch_tokens=cfg.batch_tokens,
+        text_encoder="trained" if train_text else "frozen",
+        params_dit=sum(p.numel() for p in dit.parameters()),
+        params_text=sum(p.numel() for p in te.parameters()),
+        reuse=cfg.reuse,
+        resumed=init is not None,
+        fg_weight=cfg.fg_weight,
+    )
     bar = progress(budget.steps, "dit")
     step, last_ckpt, encode_s = 0, time.perf_counter(), 0.0
     while not budget.done(step):
@@ -221,8 +237,13 @@ def train_dit(recipe: Recipe, vae, budget: Budget, device: torch.device, seed: i
     bar.close()
     proc.bias = None
     losses.info["dit"].update(steps=step, seconds=round(budget.elapsed, 1), encode_seconds=round(encode_s, 1))
-    log.info("dit: %d steps in %.0f s (%.0f s rendering + encoding), last loss %.4f", step, budget.elapsed, encode_s,
-             losses.stages["dit"][-1][2] if losses.stages["dit"] else float("nan"))
+    log.info(
+        "dit: %d steps in %.0f s (%.0f s rendering + encoding), last loss %.4f",
+        step,
+        budget.elapsed,
+        encode_s,
+        losses.stages["dit"][-1][2] if losses.stages["dit"] else float("nan"),
+    )
     ema.swap()  # keep the averages
     _restore_processors(dit)
     return te.eval().requires_grad_(False), dit.eval().requires_grad_(False), step

@@ -12,6 +12,7 @@ Two prompt sets:
   test in ``tests/models/test_shapes_model.py``.  Sampling defaults chosen on this set
   (:func:`tune_guidance`) are not fitted to the test that judges them.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -27,8 +28,14 @@ from ditattn.train.recipe import Recipe
 from ditattn.train.scenes import COLORS, MOTIONS, SHAPES, parse_caption
 
 # the semantic test's prompts (tests/models/test_shapes_model.py::SEMANTIC, checked equal by a test): never tuned on
-HELD_OUT = (("red", "circle", "moving right"), ("blue", "square", "moving up"), ("yellow", "triangle", "growing"),
-            ("green", "circle", "moving down"), ("white", "square", "moving left"), ("red", "triangle", "shrinking"))
+HELD_OUT = (
+    ("red", "circle", "moving right"),
+    ("blue", "square", "moving up"),
+    ("yellow", "triangle", "growing"),
+    ("green", "circle", "moving down"),
+    ("white", "square", "moving left"),
+    ("red", "triangle", "shrinking"),
+)
 TUNING_SEED = 100  # tuning prompt i gets seed TUNING_SEED + i (the semantic test uses 1..6)
 TUNING_N = 24  # prompts the guidance scale is tuned on
 SHAPE_EVAL_SEED = 1000  # held-out prompt i gets seed SHAPE_EVAL_SEED + i; also seeds the prompt draw
@@ -78,17 +85,44 @@ def load_pipeline(package: str, cache: str, device: torch.device):
 def _verdict_row(prompt: str, frames: np.ndarray) -> dict:
     parsed = parse_caption(prompt) or []
     v = judge(frames, parsed[0][0], parsed[0][2], parsed[0][1]) if len(parsed) == 1 else None
-    row = {"prompt": prompt, "ok": None, "color_ok": None, "motion_ok": None, "dominant": None, "dx": None,
-           "dy": None, "growth": None, "shape_ok": None, "shape": None, "fill": None}
+    row = {
+        "prompt": prompt,
+        "ok": None,
+        "color_ok": None,
+        "motion_ok": None,
+        "dominant": None,
+        "dx": None,
+        "dy": None,
+        "growth": None,
+        "shape_ok": None,
+        "shape": None,
+        "fill": None,
+    }
     if v is not None:
-        row.update(ok=v.ok, color_ok=v.color_ok, motion_ok=v.motion_ok, dominant=v.dominant, dx=round(v.dx, 3),
-                   dy=round(v.dy, 3), growth=round(v.growth, 3), shape_ok=v.shape_ok, shape=v.shape,
-                   fill=None if np.isnan(v.fill) else round(v.fill, 3))
+        row.update(
+            ok=v.ok,
+            color_ok=v.color_ok,
+            motion_ok=v.motion_ok,
+            dominant=v.dominant,
+            dx=round(v.dx, 3),
+            dy=round(v.dy, 3),
+            growth=round(v.growth, 3),
+            shape_ok=v.shape_ok,
+            shape=v.shape,
+            fill=None if np.isnan(v.fill) else round(v.fill, 3),
+        )
     return row
 
 
-def sample_prompts_grid(out: str, recipe: Recipe, device: torch.device, prompts, seed: int = 0,
-                        frames_shown: int = 5, sampling: Optional[dict] = None) -> list[dict]:
+def sample_prompts_grid(
+    out: str,
+    recipe: Recipe,
+    device: torch.device,
+    prompts,
+    seed: int = 0,
+    frames_shown: int = 5,
+    sampling: Optional[dict] = None,
+) -> list[dict]:
     """Generate ``prompts`` from the package files in ``out`` at the sampling defaults (``sampling``
     overrides the recipe's); save ``samples.png`` (one row per prompt) and return the judge's verdicts."""
     from PIL import Image, ImageDraw
@@ -96,9 +130,16 @@ def sample_prompts_grid(out: str, recipe: Recipe, device: torch.device, prompts,
     d = dict(recipe.sampling_defaults, **(sampling or {}))
     with tempfile.TemporaryDirectory() as cache:
         pipe = load_pipeline(out, cache, device)
-        res = pipe.generate(list(prompts), seed=seed, height=d["height"], width=d["width"],
-                            num_frames=d["num_frames"], num_inference_steps=d["num_inference_steps"],
-                            guidance_scale=d["guidance_scale"], progress=False)
+        res = pipe.generate(
+            list(prompts),
+            seed=seed,
+            height=d["height"],
+            width=d["width"],
+            num_frames=d["num_frames"],
+            num_inference_steps=d["num_inference_steps"],
+            guidance_scale=d["guidance_scale"],
+            progress=False,
+        )
     frames = res.frames  # [N, F, H, W, 3]
     F_ = frames.shape[1]
     picks = sorted({round(i * (F_ - 1) / max(frames_shown - 1, 1)) for i in range(frames_shown)})
@@ -119,22 +160,45 @@ def sample_prompts_grid(out: str, recipe: Recipe, device: torch.device, prompts,
     return verdicts
 
 
-def generate_judged(pipe, items: Sequence[tuple[str, str, str]], seed: int, size: tuple[int, int, int], steps: int,
-                    guidance: float, chunk: int = 8) -> list[dict]:
+def generate_judged(
+    pipe,
+    items: Sequence[tuple[str, str, str]],
+    seed: int,
+    size: tuple[int, int, int],
+    steps: int,
+    guidance: float,
+    chunk: int = 8,
+) -> list[dict]:
     """Generate ``"a {colour} {shape} {motion}"`` for each item (item ``i`` with seed ``seed + i``,
     whatever the chunking) at ``size = (height, width, frames)``; the judge's verdict rows."""
     h, w, f = size
     rows = []
     for start in range(0, len(items), chunk):
-        part = [f"a {c} {s} {m}" for c, s, m in items[start:start + chunk]]
-        res = pipe.generate(part, seed=[seed + start + i for i in range(len(part))], height=h, width=w, num_frames=f,
-                            num_inference_steps=steps, guidance_scale=guidance, progress=False)
+        part = [f"a {c} {s} {m}" for c, s, m in items[start : start + chunk]]
+        res = pipe.generate(
+            part,
+            seed=[seed + start + i for i in range(len(part))],
+            height=h,
+            width=w,
+            num_frames=f,
+            num_inference_steps=steps,
+            guidance_scale=guidance,
+            progress=False,
+        )
         rows += [_verdict_row(p, fr) for p, fr in zip(part, res.frames)]
     return rows
 
 
-def evaluate(out: str, recipe: Recipe, device: torch.device, n: int, seed: int = 1234, size: int = 64,
-             frames: int = 9, guidance: Optional[float] = None) -> dict:
+def evaluate(
+    out: str,
+    recipe: Recipe,
+    device: torch.device,
+    n: int,
+    seed: int = 1234,
+    size: int = 64,
+    frames: int = 9,
+    guidance: Optional[float] = None,
+) -> dict:
     """Prompt-following of the exported model: ``n`` single-shape prompts (every colour and motion
     in turn, random shapes), judged for colour and motion. Returns accuracies and the details."""
     g = torch.Generator().manual_seed(seed)
@@ -150,21 +214,48 @@ def evaluate(out: str, recipe: Recipe, device: torch.device, n: int, seed: int =
         # chunks of 8 with seed + start for the whole chunk, as since the first GPU run (comparable figures)
         results = []
         for start in range(0, n, 8):
-            chunk = items[start:start + 8]
-            res = pipe.generate([f"a {c} {s} {m}" for c, s, m in chunk], seed=seed + start, height=size, width=size,
-                                num_frames=frames, num_inference_steps=d["num_inference_steps"],
-                                guidance_scale=guidance, progress=False)
+            chunk = items[start : start + 8]
+            res = pipe.generate(
+                [f"a {c} {s} {m}" for c, s, m in chunk],
+                seed=seed + start,
+                height=size,
+                width=size,
+                num_frames=frames,
+                num_inference_steps=d["num_inference_steps"],
+                guidance_scale=guidance,
+                progress=False,
+            )
             for (c, s, m), fr in zip(chunk, res.frames):
                 v = judge(fr, c, m, s)
-                results.append({"prompt": f"a {c} {s} {m}", "color_ok": v.color_ok, "motion_ok": v.motion_ok,
-                                "shape_ok": v.shape_ok, "shape": v.shape})
+                results.append(
+                    {
+                        "prompt": f"a {c} {s} {m}",
+                        "color_ok": v.color_ok,
+                        "motion_ok": v.motion_ok,
+                        "shape_ok": v.shape_ok,
+                        "shape": v.shape,
+                    }
+                )
     acc = {k: sum(bool(r[k]) for r in results) / max(len(results), 1) for k in ("color_ok", "motion_ok", "shape_ok")}
-    return {"size": [size, size, frames], "n": n, "guidance": guidance, "color_accuracy": acc["color_ok"],
-            "motion_accuracy": acc["motion_ok"], "shape_accuracy": acc["shape_ok"], "results": results}
+    return {
+        "size": [size, size, frames],
+        "n": n,
+        "guidance": guidance,
+        "color_accuracy": acc["color_ok"],
+        "motion_accuracy": acc["motion_ok"],
+        "shape_accuracy": acc["shape_ok"],
+        "results": results,
+    }
 
 
-def evaluate_held_out(pipe, sizes: Sequence[tuple[int, int, int]], n: int = 30, steps: int = 20,
-                      guidance: float = 7.0, seed: int = SHAPE_EVAL_SEED) -> list[dict]:
+def evaluate_held_out(
+    pipe,
+    sizes: Sequence[tuple[int, int, int]],
+    n: int = 30,
+    steps: int = 20,
+    guidance: float = 7.0,
+    seed: int = SHAPE_EVAL_SEED,
+) -> list[dict]:
     """Prompt following on :func:`held_out_prompts` (``n`` of them, prompt ``i`` with seed
     ``seed + i``) at each ``(height, width, frames)`` of ``sizes``: per size ``{"size", "n",
     "guidance", "steps", "shape_accuracy", "color_accuracy", "motion_accuracy", "results"}`` (the
@@ -174,21 +265,38 @@ def evaluate_held_out(pipe, sizes: Sequence[tuple[int, int, int]], n: int = 30, 
     for size in sizes:
         rows = generate_judged(pipe, items, seed, tuple(size), steps, guidance)
         acc = {k: sum(bool(r[k]) for r in rows) / max(len(rows), 1) for k in ("shape_ok", "color_ok", "motion_ok")}
-        out.append({"size": list(size), "n": n, "guidance": guidance, "steps": steps,
-                    "shape_accuracy": acc["shape_ok"], "color_accuracy": acc["color_ok"],
-                    "motion_accuracy": acc["motion_ok"], "results": rows})
+        out.append(
+            {
+                "size": list(size),
+                "n": n,
+                "guidance": guidance,
+                "steps": steps,
+                "shape_accuracy": acc["shape_ok"],
+                "color_accuracy": acc["color_ok"],
+                "motion_accuracy": acc["motion_ok"],
+                "results": rows,
+            }
+        )
     return out
 
 
 def format_held_out(ev: dict) -> str:
     """One line for an :func:`evaluate_held_out` entry."""
-    return (f"held-out prompts ({ev['n']} at {'x'.join(map(str, ev['size']))}, {ev['steps']} steps, guidance "
-            f"{ev['guidance']:g}): shape {100 * ev['shape_accuracy']:.0f} %, "
-            f"colour {100 * ev['color_accuracy']:.0f} %, motion {100 * ev['motion_accuracy']:.0f} %")
+    return (
+        f"held-out prompts ({ev['n']} at {'x'.join(map(str, ev['size']))}, {ev['steps']} steps, guidance "
+        f"{ev['guidance']:g}): shape {100 * ev['shape_accuracy']:.0f} %, "
+        f"colour {100 * ev['color_accuracy']:.0f} %, motion {100 * ev['motion_accuracy']:.0f} %"
+    )
 
 
-def tune_guidance(out: str, recipe: Recipe, device: torch.device, grid: Sequence[float], n: int = TUNING_N,
-                  sampling: Optional[dict] = None) -> dict:
+def tune_guidance(
+    out: str,
+    recipe: Recipe,
+    device: torch.device,
+    grid: Sequence[float],
+    n: int = TUNING_N,
+    sampling: Optional[dict] = None,
+) -> dict:
     """Prompt following on :func:`tuning_prompts` (``n`` of them) at the sampling default size for
     each guidance scale in ``grid``; picks the scale with the most clips right in colour *and*
     motion (ties: the most with the right shape, then the one nearest the recipe's default).  Returns
@@ -204,10 +312,15 @@ def tune_guidance(out: str, recipe: Recipe, device: torch.device, grid: Sequence
         pipe = load_pipeline(out, cache, device)
         for scale in grid:
             verdicts = generate_judged(pipe, items, TUNING_SEED, size, d["num_inference_steps"], float(scale))
-            rows.append({"guidance": float(scale), "color": sum(bool(v["color_ok"]) for v in verdicts),
-                         "motion": sum(bool(v["motion_ok"]) for v in verdicts),
-                         "both": sum(bool(v["ok"]) for v in verdicts),
-                         "shape": sum(bool(v["shape_ok"]) for v in verdicts)})
+            rows.append(
+                {
+                    "guidance": float(scale),
+                    "color": sum(bool(v["color_ok"]) for v in verdicts),
+                    "motion": sum(bool(v["motion_ok"]) for v in verdicts),
+                    "both": sum(bool(v["ok"]) for v in verdicts),
+                    "shape": sum(bool(v["shape_ok"]) for v in verdicts),
+                }
+            )
     default = recipe.sampling_defaults["guidance_scale"]
     best = max(rows, key=lambda r: (r["both"], r["shape"], -abs(r["guidance"] - default)))
     return {"best": best["guidance"], "n": n, "size": list(size), "rows": rows}
@@ -237,11 +350,20 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m ditattn.train.evaluation",
         description="Judge a ditattn:shapes package on single-shape prompts that neither the semantic test nor "
-                    "guidance tuning uses: shape, colour and motion accuracy per size.")
-    p.add_argument("--package", default=None, metavar="DIR",
-                   help="folder with shapes.json + shapes.safetensors (default: the weights in the package)")
-    p.add_argument("--sizes", default="128x128x17,256x256x33", metavar="HxWxF,...",
-                   help="sizes to generate at (default 128x128x17,256x256x33)")
+        "guidance tuning uses: shape, colour and motion accuracy per size.",
+    )
+    p.add_argument(
+        "--package",
+        default=None,
+        metavar="DIR",
+        help="folder with shapes.json + shapes.safetensors (default: the weights in the package)",
+    )
+    p.add_argument(
+        "--sizes",
+        default="128x128x17,256x256x33",
+        metavar="HxWxF,...",
+        help="sizes to generate at (default 128x128x17,256x256x33)",
+    )
     p.add_argument("--prompts", type=int, default=30, help="held-out prompts per size (1-60, default 30)")
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the package's)")
     p.add_argument("--guidance", type=float, default=None, help="guidance scale (default: the package's)")

@@ -12,6 +12,7 @@ plus one zero row) and its additive bias, and :class:`PaddedTextAttnProcessor` a
 the DiT's cross-attention: the same function as the 512-token context at a fraction of the cost
 (tested against it in ``tests/models/test_train_shapes.py``).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -33,8 +34,9 @@ def flow_pair(x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> tup
     return (1 - s) * x0 + s * noise, noise - x0
 
 
-def text_context(hidden: torch.Tensor, mask: torch.Tensor, max_tokens: int = MAX_TEXT_TOKENS
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def text_context(
+    hidden: torch.Tensor, mask: torch.Tensor, max_tokens: int = MAX_TEXT_TOKENS
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The DiT's text context and its cross-attention bias.
 
     hidden: encoder output ``[B, L, D]``; mask: ``[B, L]`` (1 = real token, the EOS included).
@@ -82,4 +84,3 @@ def install_text_bias(transformer) -> PaddedTextAttnProcessor:
     for block in transformer.blocks:
         block.attn2.set_processor(proc)
     return proc
-

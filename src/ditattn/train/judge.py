@@ -13,6 +13,7 @@ square above ``FILL_SPLITS[1]`` (:data:`FILL_SPLITS`, midway between the ideal f
 circle; the shape is right when that is the prompted one *and* the largest piece holds at least
 :data:`MIN_MAIN_SHARE` of the colour's pixels (a shape split in two, or drawn twice, is wrong).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -172,5 +173,6 @@ def judge(frames: np.ndarray, color: str, motion: str, shape: Optional[str] = No
         motion_ok = along > MIN_TRAVEL and across < along
     seen, fill, share = judge_shape(m)
     shape_ok = None if shape is None else bool(seen == shape and share >= MIN_MAIN_SHARE)
-    return Verdict(dominant == color, bool(motion_ok), dominant, areas[color], dx, dy, growth, shape_ok, seen, fill,
-                   share)
+    return Verdict(
+        dominant == color, bool(motion_ok), dominant, areas[color], dx, dy, growth, shape_ok, seen, fill, share
+    )

@@ -12,6 +12,7 @@ stages' training settings.  Presets:
 - ``cpu``: the same model, trained on one CPU thread at small sizes (64-128 px, 9-17 frames).
 - ``tiny``: a toy of every component for smoke tests (a few seconds on a CPU).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,8 +20,15 @@ import dataclasses
 from ditattn.models.local import BYTE_VOCAB_SIZE
 
 SCHEDULER = dict(
-    num_train_timesteps=1000, prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
-    solver_order=2, solver_type="bh2", predict_x0=True, lower_order_final=True, final_sigmas_type="zero",
+    num_train_timesteps=1000,
+    prediction_type="flow_prediction",
+    use_flow_sigmas=True,
+    flow_shift=3.0,
+    solver_order=2,
+    solver_type="bh2",
+    predict_x0=True,
+    lower_order_final=True,
+    final_sigmas_type="zero",
 )
 
 
@@ -35,7 +43,9 @@ class Bucket:
 
     def tokens(self, spatial: int = 8, temporal: int = 4, patch: int = 2) -> int:
         """DiT tokens of one clip (latent grid / patch)."""
-        return ((self.frames - 1) // temporal + 1) * (self.height // spatial // patch) * (self.width // spatial // patch)
+        return (
+            ((self.frames - 1) // temporal + 1) * (self.height // spatial // patch) * (self.width // spatial // patch)
+        )
 
 
 @dataclasses.dataclass
@@ -117,7 +127,9 @@ class Recipe:
     dit_stage: DitStage
     scheduler: dict = dataclasses.field(default_factory=lambda: dict(SCHEDULER))
     sample_prompts: tuple = (
-        "a red circle moving right", "a blue square moving up", "a yellow triangle growing",
+        "a red circle moving right",
+        "a blue square moving up",
+        "a yellow triangle growing",
         "a white circle moving left and a green square moving down",
     )
 
@@ -125,22 +137,49 @@ class Recipe:
         """A copy whose DiT stage takes the ``changes`` that are not None (``text_lr``, ``buckets``,
         ``fg_weight``, ...) and whose VAE stage takes ``vae_edge_weight`` when not None."""
         changes = {k: v for k, v in changes.items() if v is not None}
-        vae = self.vae_stage if vae_edge_weight is None else dataclasses.replace(self.vae_stage,
-                                                                                 edge_weight=vae_edge_weight)
+        vae = (
+            self.vae_stage
+            if vae_edge_weight is None
+            else dataclasses.replace(self.vae_stage, edge_weight=vae_edge_weight)
+        )
         return dataclasses.replace(self, vae_stage=vae, dit_stage=dataclasses.replace(self.dit_stage, **changes))
 
 
 def _text_encoder(d_model: int, layers: int, heads: int, d_ff: int) -> dict:
-    return dict(vocab_size=BYTE_VOCAB_SIZE, d_model=d_model, d_kv=d_model // heads, d_ff=d_ff, num_layers=layers,
-                num_decoder_layers=0, num_heads=heads, relative_attention_num_buckets=32,
-                relative_attention_max_distance=128, feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1,
-                decoder_start_token_id=0, dropout_rate=0.0)
+    return dict(
+        vocab_size=BYTE_VOCAB_SIZE,
+        d_model=d_model,
+        d_kv=d_model // heads,
+        d_ff=d_ff,
+        num_layers=layers,
+        num_decoder_layers=0,
+        num_heads=heads,
+        relative_attention_num_buckets=32,
+        relative_attention_max_distance=128,
+        feed_forward_proj="gated-gelu",
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+        dropout_rate=0.0,
+    )
 
 
 def _transformer(heads: int, head_dim: int, layers: int, ffn: int, text_dim: int, freq_dim: int) -> dict:
-    return dict(patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=head_dim, in_channels=16,
-                out_channels=16, text_dim=text_dim, freq_dim=freq_dim, ffn_dim=ffn, num_layers=layers,
-                cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+    return dict(
+        patch_size=(1, 2, 2),
+        num_attention_heads=heads,
+        attention_head_dim=head_dim,
+        in_channels=16,
+        out_channels=16,
+        text_dim=text_dim,
+        freq_dim=freq_dim,
+        ffn_dim=ffn,
+        num_layers=layers,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        eps=1e-6,
+        rope_max_seq_len=1024,
+    )
 
 
 def _vae(base: int, mult: list) -> dict:
@@ -148,32 +187,68 @@ def _vae(base: int, mult: list) -> dict:
 
 
 FULL_BUCKETS = (
-    Bucket(64, 64, 9, 1.0), Bucket(128, 128, 17, 4.0), Bucket(128, 128, 33, 1.0), Bucket(192, 192, 17, 1.0),
-    Bucket(128, 256, 17, 0.5), Bucket(256, 128, 17, 0.5), Bucket(256, 256, 33, 2.0),
+    Bucket(64, 64, 9, 1.0),
+    Bucket(128, 128, 17, 4.0),
+    Bucket(128, 128, 33, 1.0),
+    Bucket(192, 192, 17, 1.0),
+    Bucket(128, 256, 17, 0.5),
+    Bucket(256, 128, 17, 0.5),
+    Bucket(256, 256, 33, 2.0),
 )
 DEFAULTS = dict(height=128, width=128, num_frames=17, num_inference_steps=20, guidance_scale=7.0)
 
 PRESETS = {
     "full": Recipe(
-        "full", _text_encoder(128, 2, 4, 256), _transformer(2, 128, 6, 512, 128, 256), _vae(16, [1, 2, 2, 2]),
+        "full",
+        _text_encoder(128, 2, 4, 256),
+        _transformer(2, 128, 6, 512, 128, 256),
+        _vae(16, [1, 2, 2, 2]),
         dict(DEFAULTS),
         VaeStage(batch=48, frames=(9, 17), render_sizes=(64, 128, 256), crop=128, lr=5e-4),
-        DitStage(buckets=FULL_BUCKETS, batch_tokens=65536, max_batch=512, reuse=8, pool_batches=16, ema_decay=0.998,
-                 decay_frac=0.2),
+        DitStage(
+            buckets=FULL_BUCKETS,
+            batch_tokens=65536,
+            max_batch=512,
+            reuse=8,
+            pool_batches=16,
+            ema_decay=0.998,
+            decay_frac=0.2,
+        ),
     ),
     "cpu": Recipe(
-        "cpu", _text_encoder(128, 2, 4, 256), _transformer(2, 128, 6, 512, 128, 256), _vae(16, [1, 2, 2, 2]),
+        "cpu",
+        _text_encoder(128, 2, 4, 256),
+        _transformer(2, 128, 6, 512, 128, 256),
+        _vae(16, [1, 2, 2, 2]),
         dict(DEFAULTS),
         VaeStage(batch=8, frames=(9,), render_sizes=(32, 64, 128), crop=32, lr=1e-3, warmup=50),
-        DitStage(buckets=(Bucket(64, 64, 9, 2.0), Bucket(128, 128, 9, 1.0), Bucket(128, 128, 17, 1.0)),
-                 batch_tokens=1024, max_batch=16, reuse=4, pool_batches=64, warmup=50, ema_decay=0.998),
+        DitStage(
+            buckets=(Bucket(64, 64, 9, 2.0), Bucket(128, 128, 9, 1.0), Bucket(128, 128, 17, 1.0)),
+            batch_tokens=1024,
+            max_batch=16,
+            reuse=4,
+            pool_batches=64,
+            warmup=50,
+            ema_decay=0.998,
+        ),
     ),
     "tiny": Recipe(
-        "tiny", _text_encoder(32, 1, 2, 64), _transformer(2, 16, 1, 64, 32, 32), _vae(4, [1, 1, 1, 1]),
+        "tiny",
+        _text_encoder(32, 1, 2, 64),
+        _transformer(2, 16, 1, 64, 32, 32),
+        _vae(4, [1, 1, 1, 1]),
         dict(height=32, width=32, num_frames=5, num_inference_steps=2, guidance_scale=3.0),
         VaeStage(batch=2, frames=(5,), render_sizes=(32,), crop=32, lr=1e-3, warmup=1, resume_warmup=1),
-        DitStage(buckets=(Bucket(32, 32, 5), Bucket(32, 64, 5)), batch_tokens=64, max_batch=4, reuse=2,
-                 pool_batches=2, warmup=1, resume_warmup=1, ema_decay=0.9),
+        DitStage(
+            buckets=(Bucket(32, 32, 5), Bucket(32, 64, 5)),
+            batch_tokens=64,
+            max_batch=4,
+            reuse=2,
+            pool_batches=2,
+            warmup=1,
+            resume_warmup=1,
+            ema_decay=0.9,
+        ),
         sample_prompts=("a red circle moving right",),
     ),
 }

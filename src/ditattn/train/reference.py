@@ -6,6 +6,7 @@ Generates :data:`GOLDEN` (prompt, seed, and the model's sampling defaults) with 
 pipeline on the CPU in float32 from the installed package weights, and stores the uint8 frames
 with the settings and the digest of the weights.  Run it again whenever the shipped weights change.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,10 @@ def main(argv=None) -> int:
     ref = generate_golden()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     np.savez_compressed(args.out, **{k: np.asarray(v) for k, v in ref.items()})
-    print(f"wrote {args.out}: {ref['prompt']!r} seed {ref['seed']}, {ref['width']}x{ref['height']}x"
-          f"{ref['num_frames']}, {ref['num_inference_steps']} steps, weights {ref['digest']}")
+    print(
+        f"wrote {args.out}: {ref['prompt']!r} seed {ref['seed']}, {ref['width']}x{ref['height']}x"
+        f"{ref['num_frames']}, {ref['num_inference_steps']} steps, weights {ref['digest']}"
+    )
     return 0
 
 

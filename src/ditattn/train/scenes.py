@@ -11,6 +11,7 @@ the number of frames; every shape stays inside the frame (a margin of 2 % or 1.5
 :func:`render` draws them on any device as clips ``[B, 3, F, H, W]`` in ``[-1, 1]`` (the VAE's
 range), with one pixel of anti-aliasing from signed distance functions.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,8 +30,14 @@ COLORS: dict[str, tuple[float, float, float]] = {
 SHAPES = ("circle", "square", "triangle")
 MOTIONS = ("moving left", "moving right", "moving up", "moving down", "growing", "shrinking")
 # unit displacement (x right, y down) of each motion over a clip; growing/shrinking stay in place
-MOTION_DIRECTION = {"moving left": (-1, 0), "moving right": (1, 0), "moving up": (0, -1), "moving down": (0, 1),
-                    "growing": (0, 0), "shrinking": (0, 0)}
+MOTION_DIRECTION = {
+    "moving left": (-1, 0),
+    "moving right": (1, 0),
+    "moving up": (0, -1),
+    "moving down": (0, 1),
+    "growing": (0, 0),
+    "shrinking": (0, 0),
+}
 BACKGROUND = (0.12, 0.12, 0.12)
 TRAVEL = 0.4  # fraction of the frame a moving shape crosses over the clip
 SCALE_RANGE = (0.6, 1.4)  # growing: radius x0.6 -> x1.4 over the clip
@@ -70,8 +77,11 @@ class Scenes:
         names = list(COLORS)
         out = []
         for b in range(len(self)):
-            parts = [f"a {names[int(self.color[b, k])]} {SHAPES[int(self.kind[b, k])]} {MOTIONS[int(self.motion[b, k])]}"
-                     for k in range(self.kind.shape[1]) if bool(self.present[b, k])]
+            parts = [
+                f"a {names[int(self.color[b, k])]} {SHAPES[int(self.kind[b, k])]} {MOTIONS[int(self.motion[b, k])]}"
+                for k in range(self.kind.shape[1])
+                if bool(self.present[b, k])
+            ]
             out.append(" and ".join(parts))
         return out
 
@@ -105,10 +115,16 @@ def sample_scenes(n: int, height: int, width: int, generator: torch.Generator, p
     growing = motion == MOTIONS.index("growing")
     shrinking = motion == MOTIONS.index("shrinking")
     lo, hi = SCALE_RANGE
-    scale0 = torch.where(growing, torch.full_like(radius, lo), torch.where(shrinking, torch.full_like(radius, hi),
-                                                                             torch.ones_like(radius)))
-    scale1 = torch.where(growing, torch.full_like(radius, hi), torch.where(shrinking, torch.full_like(radius, lo),
-                                                                             torch.ones_like(radius)))
+    scale0 = torch.where(
+        growing,
+        torch.full_like(radius, lo),
+        torch.where(shrinking, torch.full_like(radius, hi), torch.ones_like(radius)),
+    )
+    scale1 = torch.where(
+        growing,
+        torch.full_like(radius, hi),
+        torch.where(shrinking, torch.full_like(radius, lo), torch.ones_like(radius)),
+    )
     direction = torch.tensor([MOTION_DIRECTION[m] for m in MOTIONS], dtype=torch.float32)[motion]  # [n, K, 2]
     dx, dy = direction[..., 0] * TRAVEL, direction[..., 1] * TRAVEL
     extent = torch.tensor([_EXTENT[s] for s in SHAPES])[kind] * radius * torch.maximum(scale0, scale1)
@@ -143,8 +159,14 @@ def _sdf(kind: torch.Tensor, px: torch.Tensor, py: torch.Tensor, R: torch.Tensor
     return torch.where(kind == 0, circle, torch.where(kind == 1, square, triangle))
 
 
-def render(scenes: Scenes, num_frames: int, height: int, width: int, device: "torch.device | str | None" = None,
-           dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def render(
+    scenes: Scenes,
+    num_frames: int,
+    height: int,
+    width: int,
+    device: "torch.device | str | None" = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """Draw ``scenes`` as clips ``[B, 3, num_frames, height, width]`` in ``[-1, 1]`` on ``device``.
 
     Frame ``f`` shows the scene at time ``f / (num_frames - 1)`` (a single frame: time 0); slots are
@@ -159,6 +181,7 @@ def render(scenes: Scenes, num_frames: int, height: int, width: int, device: "to
     palette = torch.tensor(list(COLORS.values()), device=dev)
     img = torch.tensor(BACKGROUND, device=dev).view(1, 3, 1, 1, 1).expand(B, 3, num_frames, height, width).clone()
     for k in range(scenes.kind.shape[1]):
+
         def at(v):
             return v[:, k].to(dev).view(B, 1)
 
@@ -174,9 +197,16 @@ def render(scenes: Scenes, num_frames: int, height: int, width: int, device: "to
     return (img * 2 - 1).to(dtype)
 
 
-def scene_batch(n: int, num_frames: int, height: int, width: int, generator: torch.Generator,
-                device=None, dtype: torch.dtype = torch.float32, p_two: float = 0.35
-                ) -> tuple[torch.Tensor, list[str], Scenes]:
+def scene_batch(
+    n: int,
+    num_frames: int,
+    height: int,
+    width: int,
+    generator: torch.Generator,
+    device=None,
+    dtype: torch.dtype = torch.float32,
+    p_two: float = 0.35,
+) -> tuple[torch.Tensor, list[str], Scenes]:
     """``(clips [n, 3, F, H, W] in [-1, 1], captions, scenes)`` drawn from ``generator``."""
     scenes = sample_scenes(n, height, width, generator, p_two=p_two)
     return render(scenes, num_frames, height, width, device=device, dtype=dtype), scenes.captions(), scenes

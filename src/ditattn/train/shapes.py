@@ -21,6 +21,7 @@ After each stage the output folder holds:
 Runs are deterministic from ``--seed`` for a given number of steps (``--*-steps``); with a time
 budget (``--*-budget-s``) the step count follows the machine's speed and is recorded.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,57 +46,110 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m ditattn.train.shapes",
         description="Train the embedded ditattn:shapes model (VAE, then text encoder + Wan DiT with flow matching) "
-                    "on procedural clips of coloured shapes. Writes the package files, loss curves and samples "
-                    "to --out.")
+        "on procedural clips of coloured shapes. Writes the package files, loss curves and samples "
+        "to --out.",
+    )
     p.add_argument("--stage", choices=("vae", "dit", "all"), default="all", help="what to train (default all)")
     p.add_argument("--out", required=True, help="output folder (created; a previous stage's files there are used)")
-    p.add_argument("--preset", choices=tuple(PRESETS), default="full",
-                   help="model and schedule: full (the shipped model, GPU), cpu (same model, small sizes), "
-                        "tiny (smoke test)")
+    p.add_argument(
+        "--preset",
+        choices=tuple(PRESETS),
+        default="full",
+        help="model and schedule: full (the shipped model, GPU), cpu (same model, small sizes), tiny (smoke test)",
+    )
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default cuda when available)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--budget-s", type=float, default=None,
-                   help="wall-time budget of the training loops in seconds; with --stage all split 40/60 between "
-                        "the VAE and the DiT (per-stage flags below win)")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="wall-time budget of the training loops in seconds; with --stage all split 40/60 between "
+        "the VAE and the DiT (per-stage flags below win)",
+    )
     p.add_argument("--vae-budget-s", type=float, default=None)
     p.add_argument("--dit-budget-s", type=float, default=None)
     p.add_argument("--vae-steps", type=int, default=None, help="stop the VAE after this many steps")
     p.add_argument("--dit-steps", type=int, default=None, help="stop the DiT after this many steps")
-    p.add_argument("--text-encoder", choices=("trained", "frozen"), default="trained",
-                   help="train the UMT5 encoder with the DiT (default) or keep its random init frozen (as Wan "
-                        "freezes T5)")
-    p.add_argument("--buckets", default=None, metavar="HxWxF[:W],...",
-                   help="DiT training sizes with optional weights, e.g. 64x64x9:2,128x128x17 (default: the preset's)")
-    p.add_argument("--dit-fg-weight", type=float, default=None, metavar="W",
-                   help="DiT loss: latent positions under a shape weigh 1 + W (normalised by the mean weight; "
-                        "default: the preset's, 0 = plain MSE)")
-    p.add_argument("--vae-edge-weight", type=float, default=None, metavar="W",
-                   help="VAE loss: pixels on a shape's outline weigh W more, so the decoder draws corners "
-                        "(default: the preset's, 0)")
+    p.add_argument(
+        "--text-encoder",
+        choices=("trained", "frozen"),
+        default="trained",
+        help="train the UMT5 encoder with the DiT (default) or keep its random init frozen (as Wan freezes T5)",
+    )
+    p.add_argument(
+        "--buckets",
+        default=None,
+        metavar="HxWxF[:W],...",
+        help="DiT training sizes with optional weights, e.g. 64x64x9:2,128x128x17 (default: the preset's)",
+    )
+    p.add_argument(
+        "--dit-fg-weight",
+        type=float,
+        default=None,
+        metavar="W",
+        help="DiT loss: latent positions under a shape weigh 1 + W (normalised by the mean weight; "
+        "default: the preset's, 0 = plain MSE)",
+    )
+    p.add_argument(
+        "--vae-edge-weight",
+        type=float,
+        default=None,
+        metavar="W",
+        help="VAE loss: pixels on a shape's outline weigh W more, so the decoder draws corners "
+        "(default: the preset's, 0)",
+    )
     p.add_argument("--batch-tokens", type=int, default=None, help="DiT tokens per step (default: the preset's)")
-    p.add_argument("--resume", default=None, metavar="DIR",
-                   help="continue from the shapes.json + shapes.safetensors in DIR (a previous run's --out): stage "
-                        "vae starts from its VAE, stage dit from its text encoder + DiT (and its VAE unless --init); "
-                        "the optimizers start afresh with a short warm-up")
-    p.add_argument("--init", default=None, metavar="DIR",
-                   help="stage dit: the package folder to take the frozen VAE from (default --resume, else --out)")
-    p.add_argument("--vae-train", choices=("all", "decoder"), default="all",
-                   help="stage vae: train encoder and decoder (default), or only the decoder (needs --resume; the "
-                        "latents, and so the resumed DiT, stay valid)")
-    p.add_argument("--tune-guidance", default="auto", metavar="G1,G2,...|auto|off",
-                   help="after training, judge prompts held out from the semantic test at each guidance scale and "
-                        "write the best into sampling_defaults (auto: 3,5,7,9,11 on CUDA, off on CPU)")
+    p.add_argument(
+        "--resume",
+        default=None,
+        metavar="DIR",
+        help="continue from the shapes.json + shapes.safetensors in DIR (a previous run's --out): stage "
+        "vae starts from its VAE, stage dit from its text encoder + DiT (and its VAE unless --init); "
+        "the optimizers start afresh with a short warm-up",
+    )
+    p.add_argument(
+        "--init",
+        default=None,
+        metavar="DIR",
+        help="stage dit: the package folder to take the frozen VAE from (default --resume, else --out)",
+    )
+    p.add_argument(
+        "--vae-train",
+        choices=("all", "decoder"),
+        default="all",
+        help="stage vae: train encoder and decoder (default), or only the decoder (needs --resume; the "
+        "latents, and so the resumed DiT, stay valid)",
+    )
+    p.add_argument(
+        "--tune-guidance",
+        default="auto",
+        metavar="G1,G2,...|auto|off",
+        help="after training, judge prompts held out from the semantic test at each guidance scale and "
+        "write the best into sampling_defaults (auto: 3,5,7,9,11 on CUDA, off on CPU)",
+    )
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
-    p.add_argument("--eval-prompts", type=int, default=None,
-                   help="single-shape prompts judged per evaluation size after the DiT stage (default 30, at most "
-                        "60; sizes 64x64x9, 128x128x17 and 256x256x33 on CUDA, 64x64x9 on CPU; the held-out shape "
-                        "evaluation at --eval-sizes judges as many; 0 = none)")
-    p.add_argument("--eval-sizes", default=None, metavar="HxWxF,...",
-                   help="sizes of the held-out shape evaluation after the DiT stage: --eval-prompts prompts that "
-                        "neither the semantic test nor guidance tuning uses, judged for shape, colour and motion "
-                        "(default 128x128x17,256x256x33 on CUDA, 64x64x9 on CPU)")
-    p.add_argument("--checkpoint-every-s", type=float, default=120.0,
-                   help="write the package files every N seconds of DiT training (default 120)")
+    p.add_argument(
+        "--eval-prompts",
+        type=int,
+        default=None,
+        help="single-shape prompts judged per evaluation size after the DiT stage (default 30, at most "
+        "60; sizes 64x64x9, 128x128x17 and 256x256x33 on CUDA, 64x64x9 on CPU; the held-out shape "
+        "evaluation at --eval-sizes judges as many; 0 = none)",
+    )
+    p.add_argument(
+        "--eval-sizes",
+        default=None,
+        metavar="HxWxF,...",
+        help="sizes of the held-out shape evaluation after the DiT stage: --eval-prompts prompts that "
+        "neither the semantic test nor guidance tuning uses, judged for shape, colour and motion "
+        "(default 128x128x17,256x256x33 on CUDA, 64x64x9 on CPU)",
+    )
+    p.add_argument(
+        "--checkpoint-every-s",
+        type=float,
+        default=120.0,
+        help="write the package files every N seconds of DiT training (default 120)",
+    )
     p.add_argument("--compile", action="store_true", help="torch.compile the DiT (pays off only for long runs)")
     args = p.parse_args(argv)
     if args.vae_train == "decoder" and not args.resume:
@@ -105,8 +159,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         if folder is not None:
             missing = [f for f in ("shapes.json", "shapes.safetensors") if not os.path.isfile(os.path.join(folder, f))]
             if missing:
-                p.error(f"--{flag} {folder}: no {' or '.join(missing)} there (give the folder a training run "
-                        "wrote with --out)")
+                p.error(
+                    f"--{flag} {folder}: no {' or '.join(missing)} there (give the folder a training run "
+                    "wrote with --out)"
+                )
     try:
         args.tune_guidance = parse_guidance_grid(args.tune_guidance)
     except ValueError as exc:
@@ -165,8 +221,9 @@ def parse_buckets(text: str) -> tuple:
         except ValueError:
             raise ValueError(f"--buckets: bad entry {item!r}; expected HxWxF or HxWxF:weight") from None
         if h <= 0 or w <= 0 or h % 16 or w % 16 or f < 1 or (f - 1) % 4 or wt <= 0:
-            raise ValueError(f"--buckets: {item!r}: height/width must be positive multiples of 16, frames 1 + 4k, "
-                             "weight positive")
+            raise ValueError(
+                f"--buckets: {item!r}: height/width must be positive multiples of 16, frames 1 + 4k, weight positive"
+            )
         out.append(Bucket(h, w, f, wt))
     return tuple(out)
 
@@ -188,8 +245,12 @@ def _git_commit() -> Optional[str]:
 
     try:
         here = os.path.dirname(os.path.abspath(__file__))
-        return subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=5).stdout.strip() or None
+        return (
+            subprocess.run(
+                ["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         return None
 
@@ -202,14 +263,18 @@ def export(out: str, recipe: Recipe, vae, te, dit, training: dict, sampling: Opt
     vae_cfg = dict(recipe.vae, latents_mean=list(vae.config.latents_mean), latents_std=list(vae.config.latents_std))
     meta = {
         "name": "ditattn:shapes",
-        "components": {"text_encoder": dict(recipe.text_encoder), "transformer": _transformer_config(recipe),
-                       "vae": vae_cfg},
+        "components": {
+            "text_encoder": dict(recipe.text_encoder),
+            "transformer": _transformer_config(recipe),
+            "vae": vae_cfg,
+        },
         "scheduler": dict(recipe.scheduler),
         "sampling_defaults": dict(recipe.sampling_defaults, **(sampling or {})),
         "training": training,
     }
-    write_package(out, meta, {"text_encoder": te.state_dict(), "transformer": dit.state_dict(),
-                              "vae": vae.state_dict()})
+    write_package(
+        out, meta, {"text_encoder": te.state_dict(), "transformer": dit.state_dict(), "vae": vae.state_dict()}
+    )
 
 
 def _transformer_config(recipe: Recipe) -> dict:
@@ -230,15 +295,20 @@ def load_package(folder: str, recipe: Optional[Recipe] = None) -> tuple[dict, di
 
     meta = read_meta(folder)
     if recipe is not None:
-        wanted = {"text_encoder": dict(recipe.text_encoder), "transformer": _transformer_config(recipe),
-                  "vae": dict(recipe.vae)}
+        wanted = {
+            "text_encoder": dict(recipe.text_encoder),
+            "transformer": _transformer_config(recipe),
+            "vae": dict(recipe.vae),
+        }
         for comp, cfg in wanted.items():
             have = meta["components"][comp]
             diff = sorted(k for k in cfg if have.get(k) != cfg[k])
             if diff:
-                raise PackageMismatch(f"{folder}: its {comp} is not preset {recipe.name!r}'s ("
-                                 + ", ".join(f"{k} {have.get(k)!r} vs {cfg[k]!r}" for k in diff[:4])
-                                 + "); resume with the preset it was trained with")
+                raise PackageMismatch(
+                    f"{folder}: its {comp} is not preset {recipe.name!r}'s ("
+                    + ", ".join(f"{k} {have.get(k)!r} vs {cfg[k]!r}" for k in diff[:4])
+                    + "); resume with the preset it was trained with"
+                )
     return meta, build_components(meta, load_file(package_files(folder)[1]))
 
 
@@ -278,17 +348,35 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
         torch.backends.cudnn.benchmark = True  # few distinct conv shapes: the VAE's crops and buckets
-    recipe = get_recipe(args.preset).with_overrides(text_lr=0.0 if args.text_encoder == "frozen" else None,
-                                                    buckets=args.buckets, batch_tokens=args.batch_tokens,
-                                                    fg_weight=args.dit_fg_weight,
-                                                    vae_edge_weight=args.vae_edge_weight)
+    recipe = get_recipe(args.preset).with_overrides(
+        text_lr=0.0 if args.text_encoder == "frozen" else None,
+        buckets=args.buckets,
+        batch_tokens=args.batch_tokens,
+        fg_weight=args.dit_fg_weight,
+        vae_edge_weight=args.vae_edge_weight,
+    )
     losses = LossLog(args.out)
     t_start = time.perf_counter()
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    log.info("ditattn:shapes training: preset %s, stage %s, device %s (%s), seed %d, torch %s, %d CPU threads",
-             recipe.name, args.stage, device, gpu, args.seed, torch.__version__, torch.get_num_threads())
-    training = {"preset": recipe.name, "seed": args.seed, "device": gpu, "torch": torch.__version__,
-                "commit": _git_commit(), "text_encoder": args.text_encoder, "stages": {}}
+    log.info(
+        "ditattn:shapes training: preset %s, stage %s, device %s (%s), seed %d, torch %s, %d CPU threads",
+        recipe.name,
+        args.stage,
+        device,
+        gpu,
+        args.seed,
+        torch.__version__,
+        torch.get_num_threads(),
+    )
+    training = {
+        "preset": recipe.name,
+        "seed": args.seed,
+        "device": gpu,
+        "torch": torch.__version__,
+        "commit": _git_commit(),
+        "text_encoder": args.text_encoder,
+        "stages": {},
+    }
 
     from ditattn.models.shapes import package_digest
     from ditattn.train.dit_stage import build_text_encoder, build_transformer, train_dit
@@ -300,18 +388,35 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
         prev = resume_meta.get("training", {})
         training["resumed_from"] = {"folder": args.resume, "digest": package_digest(args.resume)}
         training["history"] = list(prev.get("history", [])) + [{k: v for k, v in prev.items() if k != "history"}]
-        log.info("resuming from %s (weights %s, trained %s)", args.resume, training["resumed_from"]["digest"],
-                 ", ".join(f"{k} {v.get('steps')} steps" for k, v in prev.get("stages", {}).items()) or "?")
+        log.info(
+            "resuming from %s (weights %s, trained %s)",
+            args.resume,
+            training["resumed_from"]["digest"],
+            ", ".join(f"{k} {v.get('steps')} steps" for k, v in prev.get("stages", {}).items()) or "?",
+        )
 
     if args.stage in ("vae", "all"):
-        vae = train_vae(recipe, Budget(args.vae_budget_s, args.vae_steps), device, args.seed, losses,
-                        init=resumed["vae"] if resumed else None, train_encoder=args.vae_train == "all")
+        vae = train_vae(
+            recipe,
+            Budget(args.vae_budget_s, args.vae_steps),
+            device,
+            args.seed,
+            losses,
+            init=resumed["vae"] if resumed else None,
+            train_encoder=args.vae_train == "all",
+        )
         d = recipe.sampling_defaults
-        psnr = reconstruction_grid(vae, device, args.seed, os.path.join(args.out, "vae_recon.png"),
-                                   size=d["height"], frames=d["num_frames"])
+        psnr = reconstruction_grid(
+            vae, device, args.seed, os.path.join(args.out, "vae_recon.png"), size=d["height"], frames=d["num_frames"]
+        )
         training["stages"]["vae"] = dict(losses.info["vae"], recon_psnr_db=round(psnr, 2))
-        log.info("vae: reconstruction PSNR %.1f dB at %dx%dx%d (vae_recon.png)", psnr, d["height"], d["height"],
-                 d["num_frames"])
+        log.info(
+            "vae: reconstruction PSNR %.1f dB at %dx%dx%d (vae_recon.png)",
+            psnr,
+            d["height"],
+            d["height"],
+            d["num_frames"],
+        )
         losses.write()
         if resumed:  # the resumed DiT goes with the new VAE: still valid when only the decoder changed (judged
             te, dit = resumed["text_encoder"], resumed["transformer"]  # below), a start for stage dit otherwise
@@ -333,23 +438,37 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
         log.info("dit: VAE from %s", src)
 
     if args.stage in ("dit", "all"):
+
         def checkpoint(te, dit, step):
             export(args.out, recipe, vae, te, dit, dict(training, partial_dit_steps=step))
             losses.write()
             log.info("dit: checkpoint at step %d written to %s", step, args.out)
 
         init = (resumed["text_encoder"], resumed["transformer"]) if resumed else None
-        te, dit, steps = train_dit(recipe, vae, Budget(args.dit_budget_s, args.dit_steps), device, args.seed,
-                                   losses, checkpoint=checkpoint, checkpoint_every_s=args.checkpoint_every_s,
-                                   compile_model=args.compile, init=init)
+        te, dit, steps = train_dit(
+            recipe,
+            vae,
+            Budget(args.dit_budget_s, args.dit_steps),
+            device,
+            args.seed,
+            losses,
+            checkpoint=checkpoint,
+            checkpoint_every_s=args.checkpoint_every_s,
+            compile_model=args.compile,
+            init=init,
+        )
         training["stages"]["dit"] = dict(losses.info["dit"])
         export(args.out, recipe, vae, te, dit, training)
         losses.write()
     status = 0
     if "dit" in training["stages"]:  # the package holds a trained DiT: sample, tune, evaluate
         status = _judge(args, recipe, device, vae, te, dit, training, losses)
-    log.info("done in %.0f s; files in %s: %s", time.perf_counter() - t_start, args.out,
-             ", ".join(sorted(f for f in os.listdir(args.out) if not f.startswith("."))))
+    log.info(
+        "done in %.0f s; files in %s: %s",
+        time.perf_counter() - t_start,
+        args.out,
+        ", ".join(sorted(f for f in os.listdir(args.out) if not f.startswith("."))),
+    )
     return status
 
 
@@ -376,28 +495,46 @@ def _judge(args, recipe: Recipe, device: torch.device, vae, te, dit, training: d
         if grid:
             tuned = tune_guidance(args.out, recipe, device, grid)
             for r in tuned["rows"]:
-                log.info("guidance %-4g on %d tuning prompts at %s: colour %d, motion %d, both %d, shape %d",
-                         r["guidance"], tuned["n"], "x".join(map(str, tuned["size"])), r["color"], r["motion"],
-                         r["both"], r["shape"])
+                log.info(
+                    "guidance %-4g on %d tuning prompts at %s: colour %d, motion %d, both %d, shape %d",
+                    r["guidance"],
+                    tuned["n"],
+                    "x".join(map(str, tuned["size"])),
+                    r["color"],
+                    r["motion"],
+                    r["both"],
+                    r["shape"],
+                )
             log.info("guidance: %g becomes the sampling default", tuned["best"])
             sampling["guidance_scale"] = tuned["best"]
             stage["guidance_tuning"] = tuned
             export(args.out, recipe, vae, te, dit, training, sampling)
-        verdicts = sample_prompts_grid(args.out, recipe, device, recipe.sample_prompts, seed=args.seed,
-                                       sampling=sampling)
+        verdicts = sample_prompts_grid(
+            args.out, recipe, device, recipe.sample_prompts, seed=args.seed, sampling=sampling
+        )
         for v in verdicts:
-            log.info("sample %-60s %s", v["prompt"],
-                     {k: v[k] for k in ("ok", "dominant", "dx", "dy", "growth", "shape_ok", "shape")})
+            log.info(
+                "sample %-60s %s",
+                v["prompt"],
+                {k: v[k] for k in ("ok", "dominant", "dx", "dy", "growth", "shape_ok", "shape")},
+            )
         stage["samples"] = verdicts
         n_eval = 30 if args.eval_prompts is None else args.eval_prompts
         sizes = [(64, 9), (128, 17), (256, 33)] if device.type == "cuda" else [(64, 9)]
         evals = []
         for size, frames in sizes if n_eval else []:
-            ev = evaluate(args.out, recipe, device, n_eval, size=size, frames=frames,
-                          guidance=sampling.get("guidance_scale"))
-            log.info("prompt following (%d prompts at %s, guidance %g): colour %.0f %%, motion %.0f %%, shape %.0f %%",
-                     ev["n"], "x".join(map(str, ev["size"])), ev["guidance"], 100 * ev["color_accuracy"],
-                     100 * ev["motion_accuracy"], 100 * ev["shape_accuracy"])
+            ev = evaluate(
+                args.out, recipe, device, n_eval, size=size, frames=frames, guidance=sampling.get("guidance_scale")
+            )
+            log.info(
+                "prompt following (%d prompts at %s, guidance %g): colour %.0f %%, motion %.0f %%, shape %.0f %%",
+                ev["n"],
+                "x".join(map(str, ev["size"])),
+                ev["guidance"],
+                100 * ev["color_accuracy"],
+                100 * ev["motion_accuracy"],
+                100 * ev["shape_accuracy"],
+            )
             evals.append(ev)
         keys = ("size", "n", "guidance", "color_accuracy", "motion_accuracy", "shape_accuracy")
         stage["eval"] = [{k: ev[k] for k in keys} for ev in evals]

@@ -3,6 +3,7 @@
 The loss curve is drawn with Pillow (a hard dependency of ditattn), so a training machine needs
 nothing else to write it.
 """
+
 from __future__ import annotations
 
 import json
@@ -82,8 +83,7 @@ def plot_losses(stages: dict[str, list], path: str, size: tuple[int, int] = (560
         s0, s1 = min(steps), max(max(steps), min(steps) + 1)
 
         def xy(s, v):
-            return (left + (right - left) * (s - s0) / (s1 - s0),
-                    y1 - (y1 - y0) * (math.log10(v) - lo) / (hi - lo))
+            return (left + (right - left) * (s - s0) / (s1 - s0), y1 - (y1 - y0) * (math.log10(v) - lo) / (hi - lo))
 
         draw.rectangle([left, y0, right, y1], outline=(0, 0, 0))
         for frac in (0.0, 0.5, 1.0):
@@ -117,7 +117,8 @@ class Budget:
 
     def done(self, step: int) -> bool:
         return (self.steps is not None and step >= self.steps) or (
-            self.seconds is not None and self.elapsed >= self.seconds)
+            self.seconds is not None and self.elapsed >= self.seconds
+        )
 
     def fraction(self, step: int) -> float:
         """How far along the budget is, in [0, 1]."""
@@ -159,5 +160,12 @@ def progress(total_steps: Optional[int], desc: str):
     from tqdm.auto import tqdm
 
     tty = sys.stderr.isatty()
-    return tqdm(total=total_steps, desc=desc, unit="step", file=sys.stderr, dynamic_ncols=True,
-                mininterval=0.5 if tty else 20.0, leave=True)
+    return tqdm(
+        total=total_steps,
+        desc=desc,
+        unit="step",
+        file=sys.stderr,
+        dynamic_ncols=True,
+        mininterval=0.5 if tty else 20.0,
+        leave=True,
+    )

@@ -10,6 +10,7 @@ ships) and the per-channel mean / std of the latents (posterior means over clips
 go into the VAE config (``latents_mean`` / ``latents_std``), which the pipelines use to normalise
 latents for the DiT.
 """
+
 from __future__ import annotations
 
 import logging
@@ -45,7 +46,7 @@ def build_vae(recipe: Recipe, seed: int):
         torch.manual_seed(seed)
         vae = AutoencoderKLWan(**recipe.vae)
     with torch.no_grad():
-        vae.quant_conv.bias[vae.config.z_dim:] = LOGVAR_INIT
+        vae.quant_conv.bias[vae.config.z_dim :] = LOGVAR_INIT
     return vae
 
 
@@ -63,7 +64,7 @@ def _crop_on_shapes(x: torch.Tensor, scenes, size: int, g: torch.Generator) -> t
         jx, jy = ((torch.rand(2, generator=g) - 0.5) * size / 2).tolist()
         left = int(min(max(cx + jx - size / 2, 0), W - size))
         top = int(min(max(cy + jy - size / 2, 0), H - size))
-        out.append(x[i, :, :, top:top + size, left:left + size])
+        out.append(x[i, :, :, top : top + size, left : left + size])
     return torch.stack(out)
 
 
@@ -80,8 +81,9 @@ def decode_unclamped(vae, z: torch.Tensor) -> torch.Tensor:
     outs = []
     for i in range(z.shape[2]):
         vae._conv_idx = [0]
-        outs.append(vae.decoder(x[:, :, i:i + 1], feat_cache=vae._feat_map, feat_idx=vae._conv_idx,
-                                first_chunk=i == 0))
+        outs.append(
+            vae.decoder(x[:, :, i : i + 1], feat_cache=vae._feat_map, feat_idx=vae._conv_idx, first_chunk=i == 0)
+        )
     vae.clear_cache()
     return torch.cat(outs, dim=2)
 
@@ -102,8 +104,15 @@ def outline(x: torch.Tensor) -> torch.Tensor:
     return edge.reshape(B, F_, 1, H, W).transpose(1, 2)
 
 
-def vae_loss(vae, x: torch.Tensor, kl_weight: float, generator: Optional[torch.Generator] = None,
-             fg_weight: float = 0.0, train_encoder: bool = True, edge_weight: float = 0.0):
+def vae_loss(
+    vae,
+    x: torch.Tensor,
+    kl_weight: float,
+    generator: Optional[torch.Generator] = None,
+    fg_weight: float = 0.0,
+    train_encoder: bool = True,
+    edge_weight: float = 0.0,
+):
     """``(loss, reconstruction)`` for clips ``x [B, 3, F, H, W]`` in [-1, 1]: L1 + MSE per element
     (pixels off the background weigh ``fg_weight`` more, pixels on a shape's outline
     (:func:`outline`: where corners are drawn) ``edge_weight`` more) + ``kl_weight`` x the KL per element.
@@ -111,8 +120,9 @@ def vae_loss(vae, x: torch.Tensor, kl_weight: float, generator: Optional[torch.G
     shapes the encoder): the decoder learns to draw the latents the encoder already gives."""
     with torch.set_grad_enabled(train_encoder and torch.is_grad_enabled()):
         post = vae.encode(x).latent_dist
-    z = post.mean + post.std * torch.randn(post.mean.shape, generator=generator, device=x.device,
-                                           dtype=post.mean.dtype)
+    z = post.mean + post.std * torch.randn(
+        post.mean.shape, generator=generator, device=x.device, dtype=post.mean.dtype
+    )
     rec = decode_unclamped(vae, z)
     rec32, x32 = rec.float(), x.float()
     err = rec32 - x32
@@ -133,8 +143,15 @@ def encoder_modules(vae) -> list:
     return [vae.encoder, vae.quant_conv]
 
 
-def train_vae(recipe: Recipe, budget: Budget, device: torch.device, seed: int, losses: LossLog, init=None,
-              train_encoder: bool = True):
+def train_vae(
+    recipe: Recipe,
+    budget: Budget,
+    device: torch.device,
+    seed: int,
+    losses: LossLog,
+    init=None,
+    train_encoder: bool = True,
+):
     """Train the VAE for ``budget``; returns it (eval, float32, weights rounded to float16).
 
     init: an ``AutoencoderKLWan`` to continue from (a saved package's, see :func:`load_package_vae`;
@@ -154,23 +171,39 @@ def train_vae(recipe: Recipe, budget: Budget, device: torch.device, seed: int, l
     warmup = cfg.resume_warmup if init is not None else cfg.warmup
     g_data = torch.Generator().manual_seed(seed + 101)
     g_noise = torch.Generator(device).manual_seed(seed + 102)
-    losses.start("vae", batch=cfg.batch, frames=list(cfg.frames), crop=cfg.crop, render_sizes=list(cfg.render_sizes),
-                 edge_weight=cfg.edge_weight,
-                 params=sum(p.numel() for p in vae.parameters()), trained_params=sum(p.numel() for p in params),
-                 train_encoder=train_encoder, resumed=init is not None)
+    losses.start(
+        "vae",
+        batch=cfg.batch,
+        frames=list(cfg.frames),
+        crop=cfg.crop,
+        render_sizes=list(cfg.render_sizes),
+        edge_weight=cfg.edge_weight,
+        params=sum(p.numel() for p in vae.parameters()),
+        trained_params=sum(p.numel() for p in params),
+        train_encoder=train_encoder,
+        resumed=init is not None,
+    )
     bar = progress(budget.steps, "vae")
     step = 0
     while not budget.done(step):
         size = cfg.render_sizes[int(torch.randint(0, len(cfg.render_sizes), (1,), generator=g_data))]
         frames = cfg.frames[int(torch.randint(0, len(cfg.frames), (1,), generator=g_data))]
-        clips, _, scenes = scene_batch(cfg.batch_for(frames), frames, size, size, g_data, device=device,
-                                       p_two=cfg.p_two)
+        clips, _, scenes = scene_batch(
+            cfg.batch_for(frames), frames, size, size, g_data, device=device, p_two=cfg.p_two
+        )
         x = _crop_on_shapes(clips, scenes, cfg.crop, g_data)
         for group in opt.param_groups:
             group["lr"] = cfg.lr * min(1.0, (step + 1) / warmup)
         with autocast(device):
-            loss, _ = vae_loss(vae, x, cfg.kl_weight, g_noise, fg_weight=cfg.fg_weight, train_encoder=train_encoder,
-                               edge_weight=cfg.edge_weight)
+            loss, _ = vae_loss(
+                vae,
+                x,
+                cfg.kl_weight,
+                g_noise,
+                fg_weight=cfg.fg_weight,
+                train_encoder=train_encoder,
+                edge_weight=cfg.edge_weight,
+            )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -182,9 +215,13 @@ def train_vae(recipe: Recipe, budget: Budget, device: torch.device, seed: int, l
         bar.set_postfix(loss=f"{value:.4f}", refresh=False)
     bar.close()
     losses.info["vae"].update(steps=step, seconds=round(budget.elapsed, 1))
-    log.info("vae: %d steps in %.0f s (%s), last loss %.4f", step, budget.elapsed,
-             "encoder and decoder" if train_encoder else "decoder only", losses.stages["vae"][-1][2]
-             if losses.stages["vae"] else float("nan"))
+    log.info(
+        "vae: %d steps in %.0f s (%s), last loss %.4f",
+        step,
+        budget.elapsed,
+        "encoder and decoder" if train_encoder else "decoder only",
+        losses.stages["vae"][-1][2] if losses.stages["vae"] else float("nan"),
+    )
     vae.eval().requires_grad_(False)
     with torch.no_grad():  # what ships is float16: train the DiT on exactly those latents
         for p in vae.parameters():
@@ -208,8 +245,9 @@ def set_latent_stats(vae, recipe: Recipe, device: torch.device, seed: int, clips
             zs.append(z.transpose(0, 1).reshape(z.shape[1], -1))
     z = torch.cat(zs, dim=1)
     mean, std = z.mean(dim=1), z.std(dim=1).clamp(min=1e-3)
-    vae.register_to_config(latents_mean=[round(float(v), 5) for v in mean],
-                           latents_std=[round(float(v), 5) for v in std])
+    vae.register_to_config(
+        latents_mean=[round(float(v), 5) for v in mean], latents_std=[round(float(v), 5) for v in std]
+    )
 
 
 def normalize_latents(vae, z: torch.Tensor) -> torch.Tensor:

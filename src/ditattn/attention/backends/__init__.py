@@ -2,13 +2,20 @@
 so each declares its capability row, parameter schema and implementation (``base.register`` /
 ``base.declare``).  A new backend: a member of ``names.AttentionBackendEnum`` and a module here,
 imported below (docs/attention.md, "Adding a backend")."""
+
 from ditattn.attention.backends import (  # noqa: F401  (imported for their declarations)
     flash,
     sage,
     sage3,
     sage_crossover,
     sdpa,
+    sla,
+    sliding_tile,
+    sol,
+    sparge,
     sparse_common,
-    sparse_video,
+    svg2,
     unavailable,
+    video_sparse,
+    vmoba,
 )

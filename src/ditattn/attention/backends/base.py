@@ -17,6 +17,7 @@ implementation; :func:`declare` records a backend this build has no kernel for (
 tables (``specs.SPECS``, ``schemas.SCHEMAS``, the implementations) are complete once it is imported;
 they load it on first use.
 """
+
 from __future__ import annotations
 
 import dataclasses

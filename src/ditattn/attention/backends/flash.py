@@ -12,6 +12,7 @@ natively and return the LSE ``[B, H, S_q]`` float32.  Without a runtime (or off 
 ``torch_sdpa`` instead, logged once; the selector records the substitution in the plan
 (:func:`fa_fallback_reason`) and refuses it where a rule forbids substitution.
 """
+
 from __future__ import annotations
 
 import functools
@@ -74,8 +75,10 @@ def fa_fallback_reason(device: "torch.device | str") -> Optional[str]:
             return None
         return "no FlashAttention runtime for ROCm installed (flash-attn); fa runs torch_sdpa"
     if fa_runtime() is None:
-        return ("no FlashAttention runtime installed (flash-attn-4, FlashAttention-3 flash_attn_interface, "
-                "or flash-attn); fa runs torch_sdpa")
+        return (
+            "no FlashAttention runtime installed (flash-attn-4, FlashAttention-3 flash_attn_interface, "
+            "or flash-attn); fa runs torch_sdpa"
+        )
     return None
 
 
@@ -103,7 +106,9 @@ def _check_inputs(name: str, q, k, v, call: AttnCall) -> None:
     if d % 8 or d > 256:
         raise AttentionConfigError(f"{name}: head dim {d} not supported (accepts multiples of 8 up to 256)")
     if q.shape[2] % k.shape[2]:
-        raise AttentionConfigError(f"{name}: query heads {q.shape[2]} must be a multiple of key/value heads {k.shape[2]}")
+        raise AttentionConfigError(
+            f"{name}: query heads {q.shape[2]} must be a multiple of key/value heads {k.shape[2]}"
+        )
 
 
 def _sm100_head_dim_ok(d: int) -> bool:
@@ -123,24 +128,51 @@ def _unpack(res, need_lse: bool, name: str):
     return out, (lse if need_lse else None)
 
 
-@register(B.FA, spec=BackendSpec(
-    kind="dense", summary="FlashAttention (FA4 CuTe DSL, FA3 or FA2, whichever is installed)",
-    runtimes={"cuda": (Runtime(("flash_attn.cute",), "FlashAttention-4"),
-                       Runtime(("flash_attn_interface",), "FlashAttention-3"),
-                       Runtime(("flash_attn",), "FlashAttention-2")),
-              "rocm": (Runtime(("flash_attn",), "FlashAttention (ROCm build of flash-attn)"),),
-              "xpu": (Runtime((), "XPU flash attention", missing=_NO_FA_KERNEL.format(
-                  p="XPU", what="the XPU flash attention of sgl-kernel-xpu")),),
-              "musa": (Runtime(("flash_attn",), "MUSA FlashAttention", missing=_NO_FA_KERNEL.format(
-                  p="MUSA", what="a MUSA build of flash-attn")),),
-              "npu": (Runtime((), "NPU fused attention", missing=_NO_FA_KERNEL.format(
-                  p="NPU", what="torch_npu's npu_fusion_attention")),)},
-    upstream_platforms=("cuda", "rocm", "xpu", "musa", "npu"),
-    cuda_sm_min=80, returns_lse=True, varlen=True, drop_in=True,
-    install_hint="pip install flash-attn-4 (SM90/SM100), or flash-attn (FA2; its ROCm build on ROCm)",
-    notes="falls back to torch_sdpa (logged, recorded in the plan) when no FlashAttention runtime "
-          "is installed or this build has no kernel path for the platform (CPU, MPS, XPU, MUSA, NPU)",
-    extra_check=_fa_check))
+@register(
+    B.FA,
+    spec=BackendSpec(
+        kind="dense",
+        summary="FlashAttention (FA4 CuTe DSL, FA3 or FA2, whichever is installed)",
+        runtimes={
+            "cuda": (
+                Runtime(("flash_attn.cute",), "FlashAttention-4"),
+                Runtime(("flash_attn_interface",), "FlashAttention-3"),
+                Runtime(("flash_attn",), "FlashAttention-2"),
+            ),
+            "rocm": (Runtime(("flash_attn",), "FlashAttention (ROCm build of flash-attn)"),),
+            "xpu": (
+                Runtime(
+                    (),
+                    "XPU flash attention",
+                    missing=_NO_FA_KERNEL.format(p="XPU", what="the XPU flash attention of sgl-kernel-xpu"),
+                ),
+            ),
+            "musa": (
+                Runtime(
+                    ("flash_attn",),
+                    "MUSA FlashAttention",
+                    missing=_NO_FA_KERNEL.format(p="MUSA", what="a MUSA build of flash-attn"),
+                ),
+            ),
+            "npu": (
+                Runtime(
+                    (),
+                    "NPU fused attention",
+                    missing=_NO_FA_KERNEL.format(p="NPU", what="torch_npu's npu_fusion_attention"),
+                ),
+            ),
+        },
+        upstream_platforms=("cuda", "rocm", "xpu", "musa", "npu"),
+        cuda_sm_min=80,
+        returns_lse=True,
+        varlen=True,
+        drop_in=True,
+        install_hint="pip install flash-attn-4 (SM90/SM100), or flash-attn (FA2; its ROCm build on ROCm)",
+        notes="falls back to torch_sdpa (logged, recorded in the plan) when no FlashAttention runtime "
+        "is installed or this build has no kernel path for the platform (CPU, MPS, XPU, MUSA, NPU)",
+        extra_check=_fa_check,
+    ),
+)
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttnCall, config: dict):
     """``fa``: FlashAttention through the installed runtime; ``torch_sdpa`` when there is none.
 
@@ -161,7 +193,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Att
     if rt == "fa4":
         major = torch.cuda.get_device_capability(q.device)[0]
         if major in (10, 11) and not _sm100_head_dim_ok(q.shape[-1]):
-            raise AttentionConfigError(f"fa: FlashAttention-4 on SM100 supports head dim <= 128 or 256, not {q.shape[-1]}")
+            raise AttentionConfigError(
+                f"fa: FlashAttention-4 on SM100 supports head dim <= 128 or 256, not {q.shape[-1]}"
+            )
         res = fn(q, k, v, softmax_scale=call.scale, causal=call.causal, return_lse=call.return_lse)
     elif rt == "fa3":
         try:
@@ -169,23 +203,33 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Att
         except TypeError:  # builds without the return_attn_probs keyword return (out, lse)
             res = fn(q, k, v, softmax_scale=call.scale, causal=call.causal)
     else:
-        res = fn(q, k, v, dropout_p=0.0, softmax_scale=call.scale, causal=call.causal,
-                 return_attn_probs=call.return_lse)
+        res = fn(
+            q, k, v, dropout_p=0.0, softmax_scale=call.scale, causal=call.causal, return_attn_probs=call.return_lse
+        )
     return _unpack(res, call.return_lse, f"fa ({_LABELS[rt]})")
 
 
-@register(B.AITER, spec=BackendSpec(
-    kind="dense", summary="AMD aiter flash attention (ROCm only)",
-    runtimes={"rocm": (Runtime(("aiter",), "aiter"),)}, upstream_platforms=("rocm",), returns_lse=True,
-    install_hint="pip install aiter (ROCm)"))
+@register(
+    B.AITER,
+    spec=BackendSpec(
+        kind="dense",
+        summary="AMD aiter flash attention (ROCm only)",
+        runtimes={"rocm": (Runtime(("aiter",), "aiter"),)},
+        upstream_platforms=("rocm",),
+        returns_lse=True,
+        install_hint="pip install aiter (ROCm)",
+    ),
+)
 def aiter_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttnCall, config: dict):
     """``aiter``: AMD aiter flash attention (ROCm GPUs), ``aiter.flash_attn_func`` in the
     ``[B, S, H, D]`` layout, with LSE.  Raises :class:`BackendUnavailableError` off ROCm or
     without the package."""
     reasons = []
     if q.device.type != "cuda" or not getattr(torch.version, "hip", None):
-        reasons.append(f"needs a ROCm GPU (tensors are on {q.device.type}"
-                       f"{'' if getattr(torch.version, 'hip', None) else ', this PyTorch has no ROCm'})")
+        reasons.append(
+            f"needs a ROCm GPU (tensors are on {q.device.type}"
+            f"{'' if getattr(torch.version, 'hip', None) else ', this PyTorch has no ROCm'})"
+        )
     fn = _load("aiter", "flash_attn_func")
     if fn is None:
         reasons.append("needs package 'aiter' (not installed); install: pip install aiter (ROCm)")

@@ -42,6 +42,7 @@ it).
 
 ``sage_attn_3`` (SageAttention3, FP4 microscaling, Blackwell only) is :mod:`ditattn.attention.backends.sage3`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -75,7 +76,6 @@ from ditattn.settings import check_retired
 log = logging.getLogger(__name__)
 
 
-
 @functools.lru_cache(maxsize=None)
 def _load(module: str, attr: str):
     try:
@@ -92,8 +92,10 @@ def _load(module: str, attr: str):
 SAGE_INTREE_HEAD_DIMS = (32, 64, 128)
 SAGE_SM90_HEAD_DIMS = (64, 128)  # the warp-specialised Gluon kernel (impl sm90)
 SAGE_SM90_FIX_COMMIT = "d9704247a5139ab4c03bf7fc6b35cc0e2cbb5ea4"
-SAGE_SM90_FIX_INSTALL = (f"pip install --force-reinstall git+https://github.com/thu-ml/SageAttention.git@"
-                         f"{SAGE_SM90_FIX_COMMIT} --no-build-isolation")
+SAGE_SM90_FIX_INSTALL = (
+    f"pip install --force-reinstall git+https://github.com/thu-ml/SageAttention.git@"
+    f"{SAGE_SM90_FIX_COMMIT} --no-build-isolation"
+)
 
 
 def sage_lacks_sm90_fix(platform: Platform) -> bool:
@@ -112,8 +114,9 @@ def sage_lacks_sm90_fix(platform: Platform) -> bool:
     return parts[0] == 2 and tuple(parts) <= (2, 2, 0)
 
 
-def sage_cuda_runtime(platform: Platform, head_dim: int | None, needs_lse: bool = False,
-                      pv_dtype: str = "fp16", qk_balance: bool = False) -> tuple[str | None, str]:
+def sage_cuda_runtime(
+    platform: Platform, head_dim: int | None, needs_lse: bool = False, pv_dtype: str = "fp16", qk_balance: bool = False
+) -> tuple[str | None, str]:
     """Which CUDA implementation serves ``sage_attn`` for ``head_dim`` under ``impl=auto`` (the
     automatic rule, shared by the selector and the backend so the plan names what runs):
     ``("sm90", "")`` (the warp-specialised Gluon kernel: SM90, head dim 64/128, fp16 P.V),
@@ -121,8 +124,12 @@ def sage_cuda_runtime(platform: Platform, head_dim: int | None, needs_lse: bool 
     ``pv_dtype`` fp8 or ``qk_balance`` is needed, and without the package), ``("package", "")``
     (sageattention) or ``(None, reason)``.  The names are keys of ``backends.sage.SAGE_IMPLS``."""
     has_pkg = platform.has_package("sageattention")
-    if (platform.sm == 90 and platform.has_package("triton") and pv_dtype == "fp16"
-            and (head_dim is None or head_dim in SAGE_SM90_HEAD_DIMS)):
+    if (
+        platform.sm == 90
+        and platform.has_package("triton")
+        and pv_dtype == "fp16"
+        and (head_dim is None or head_dim in SAGE_SM90_HEAD_DIMS)
+    ):
         return "sm90", ""  # measured fastest on the H200 (docs/benchmarks.md section 2)
     intree = platform.has_package("triton") and (head_dim is None or head_dim in SAGE_INTREE_HEAD_DIMS)
     pkg_broken = has_pkg and platform.sm == 90 and sage_lacks_sm90_fix(platform)
@@ -132,15 +139,19 @@ def sage_cuda_runtime(platform: Platform, head_dim: int | None, needs_lse: bool 
         return "triton", ""
     if has_pkg and pkg_fits and not pkg_broken:
         return "package", ""
-    why_intree = ("the in-tree INT8 kernel needs Triton" if not platform.has_package("triton") else
-                  f"the in-tree INT8 kernel supports head dims {'/'.join(map(str, SAGE_INTREE_HEAD_DIMS))}, "
-                  f"not {head_dim}")
+    why_intree = (
+        "the in-tree INT8 kernel needs Triton"
+        if not platform.has_package("triton")
+        else f"the in-tree INT8 kernel supports head dims {'/'.join(map(str, SAGE_INTREE_HEAD_DIMS))}, not {head_dim}"
+    )
     if not has_pkg:
         return None, f"{why_intree}, and package 'sageattention' is not installed; install: pip install sageattention"
     if pkg_broken:
         ver = platform.package_version("sageattention")
-        return None, (f"{why_intree}, and sageattention {ver} lacks the upstream SM90 binding fix on Hopper "
-                      f"(install: {SAGE_SM90_FIX_INSTALL})")
+        return None, (
+            f"{why_intree}, and sageattention {ver} lacks the upstream SM90 binding fix on Hopper "
+            f"(install: {SAGE_SM90_FIX_INSTALL})"
+        )
     if needs_lse:
         return None, f"{why_intree}, and the sageattention package returns no LSE (ring attention needs it)"
     if qk_balance:
@@ -151,10 +162,17 @@ def sage_cuda_runtime(platform: Platform, head_dim: int | None, needs_lse: bool 
 def _runtime_broken(rt: Runtime, platform: Platform) -> Optional[str]:
     """Why an installed ``sage_attn`` runtime does not work on ``platform`` (None: it does, or it is not
     installed): the ``sageattention`` package of a 2.x release up to 2.2.0 on Hopper (no SM90 binding fix)."""
-    if ("sageattention" in rt.modules and platform.name == "cuda" and platform.sm == 90
-            and platform.has_package("sageattention") and sage_lacks_sm90_fix(platform)):
-        return (f"sageattention {platform.package_version('sageattention')} lacks the upstream SM90 binding fix "
-                f"on Hopper (install: {SAGE_SM90_FIX_INSTALL})")
+    if (
+        "sageattention" in rt.modules
+        and platform.name == "cuda"
+        and platform.sm == 90
+        and platform.has_package("sageattention")
+        and sage_lacks_sm90_fix(platform)
+    ):
+        return (
+            f"sageattention {platform.package_version('sageattention')} lacks the upstream SM90 binding fix "
+            f"on Hopper (install: {SAGE_SM90_FIX_INSTALL})"
+        )
     return None
 
 
@@ -178,8 +196,9 @@ def _runtime_label(spec, platform: Platform, req, config) -> str:
     cfg = config or {}
     impl = cfg.get("impl", "auto")
     if impl == "auto":
-        impl = sage_cuda_runtime(platform, req.head_dim, req.needs_lse, cfg.get("pv_dtype", "fp16"),
-                                 bool(cfg.get("qk_balance")))[0]
+        impl = sage_cuda_runtime(
+            platform, req.head_dim, req.needs_lse, cfg.get("pv_dtype", "fp16"), bool(cfg.get("qk_balance"))
+        )[0]
     module = {"triton": "triton", "package": "sageattention", "sm90": "triton.experimental.gluon"}.get(impl)
     labels = {rt.modules[0]: rt.label for rt in spec.runtimes["cuda"]}
     label = labels.get(module) or (spec.runtimes["cpu"][0].label if impl == "reference" else "")
@@ -191,13 +210,79 @@ def _qk_implemented(v):
 
 
 SAGE_ATTN_SCHEMA = (
-    P("impl", "str", "auto", "Implementation: auto (CUDA: the rule the plan reports — SM90: the warp-specialised Gluon kernel (sm90) for head dim 64/128 with fp16 P.V, else the in-tree Triton INT8 kernel; other GPUs: the sageattention package when it is installed and neither the LSE nor pv_dtype fp8 is needed, else the Triton kernel; MUSA: the package; CPU: reference), triton (in-tree INT8 kernel; CUDA, or CPU under TRITON_INTERPRET=1), package (sageattention; CUDA/MUSA, no LSE, fp16 P.V; on Hopper only a build with the SM90 fix), reference (PyTorch, any device), sm90 (Gluon kernel: SM90 only, head dim 64/128, fp16 or fp8 P.V, non-causal)", choices=SAGE_IMPL_CHOICES),
-    P("pv_dtype", "str", "fp16", "P.V precision: fp16 (about 1.3 % relative error on random inputs) or fp8 (P and V in e4m3: twice the tensor-core rate, about 3.7 % on random and structured inputs); impl package chooses its own and accepts fp16 only; impl auto runs fp8 on the Triton kernel (sm90 serves it with impl sm90)", choices=SAGE_PV_DTYPES),
-    P("pv_accum", "str", "two_level", "FP8 P.V accumulation (pv_dtype fp8 only): two_level (each key block's P.V in a fresh accumulator, added in FP32) or direct (one accumulator across all keys: fewer instructions, but the FP8 tensor cores add with fewer mantissa bits than FP32, so the error grows with the sequence length; impl sm90 or triton)", choices=SAGE_PV_ACCUMS),
-    P("qk_dtype", "str", "int8", "Q.K precision: int8 (per-token Q scales, smoothed K); fp8 is reserved for a kernel that implements it", choices=SAGE_QK_DTYPES, check=_qk_implemented, accepted="int8 (fp8: no kernel yet)"),
-    P("k_granularity", "str", "auto", "INT8 scale granularity of the smoothed K: token (one scale per key; 1.7 % error on structured inputs) or block (one per 128 keys; 2.3 %, about 10 % faster on the sm90 kernel); auto: token on sm90 and reference, block on the Triton kernel (the only one it has)", choices=SAGE_K_GRANULARITIES),
-    P("min_seq_len", "int", 16384, "Hopper crossover: with impl auto on an SM90 GPU a call shorter than this many query tokens runs fa (exact dense) instead, where it is faster (H200, vs FlashAttention-4: 0.70x at 4096 tokens head dim 64, 0.89x at 4096/128, 0.97-0.98x at 4.6k-8k, 1.02x at 16k x 40 heads, 1.09-1.13x at 32k); 0 keeps sage_attn at every length", check=non_negative, accepted="an integer >= 0 (0: off)"),
-    P("qk_balance", "float", None, "Per-channel Q/K balance before the INT8 rounding (SmoothQuant-style, per batch and K/V head: Q's channels times c, smoothed K's divided by c, c = amax|K~|^a / amax|Q|^(1-a) normalised to geometric mean 1, so Q.K is unchanged): unset = off; a in (0, 1]. CPU reference (docs/sage_kernel.md): token K scales with a = 0.5 bring the worst structured input from 2.09 % to 1.82 % error (every structured input <= 1.83 %), real DiT activations unchanged (<= 0.47 %); block K scales with a = 0.75 take 0.04-0.5 pp off but stay above 2 % on some inputs. Costs one more read of Q in the quantization prologue (impl sm90, triton, reference; not the package)", check=in_range(0.0, 1.0, lo_open=True), accepted="a number in (0, 1] (unset: off)"),
+    P(
+        "impl",
+        "str",
+        "auto",
+        "Implementation: auto (CUDA: the rule the plan reports — SM90: the warp-specialised Gluon kernel (sm90) for "
+        "head dim 64/128 with fp16 P.V, else the in-tree Triton INT8 kernel; other GPUs: the sageattention package "
+        "when it is installed and neither the LSE nor pv_dtype fp8 is needed, else the Triton kernel; MUSA: the "
+        "package; CPU: reference), triton (in-tree INT8 kernel; CUDA, or CPU under TRITON_INTERPRET=1), package "
+        "(sageattention; CUDA/MUSA, no LSE, fp16 P.V; on Hopper only a build with the SM90 fix), reference (PyTorch, "
+        "any device), sm90 (Gluon kernel: SM90 only, head dim 64/128, fp16 or fp8 P.V, non-causal)",
+        choices=SAGE_IMPL_CHOICES,
+    ),
+    P(
+        "pv_dtype",
+        "str",
+        "fp16",
+        "P.V precision: fp16 (about 1.3 % relative error on random inputs) or fp8 (P and V in e4m3: twice the "
+        "tensor-core rate, about 3.7 % on random and structured inputs); impl package chooses its own and accepts "
+        "fp16 only; impl auto runs fp8 on the Triton kernel (sm90 serves it with impl sm90)",
+        choices=SAGE_PV_DTYPES,
+    ),
+    P(
+        "pv_accum",
+        "str",
+        "two_level",
+        "FP8 P.V accumulation (pv_dtype fp8 only): two_level (each key block's P.V in a fresh accumulator, added in "
+        "FP32) or direct (one accumulator across all keys: fewer instructions, but the FP8 tensor cores add with "
+        "fewer mantissa bits than FP32, so the error grows with the sequence length; impl sm90 or triton)",
+        choices=SAGE_PV_ACCUMS,
+    ),
+    P(
+        "qk_dtype",
+        "str",
+        "int8",
+        "Q.K precision: int8 (per-token Q scales, smoothed K); fp8 is reserved for a kernel that implements it",
+        choices=SAGE_QK_DTYPES,
+        check=_qk_implemented,
+        accepted="int8 (fp8: no kernel yet)",
+    ),
+    P(
+        "k_granularity",
+        "str",
+        "auto",
+        "INT8 scale granularity of the smoothed K: token (one scale per key; 1.7 % error on structured inputs) or "
+        "block (one per 128 keys; 2.3 %, about 10 % faster on the sm90 kernel); auto: token on sm90 and reference, "
+        "block on the Triton kernel (the only one it has)",
+        choices=SAGE_K_GRANULARITIES,
+    ),
+    P(
+        "min_seq_len",
+        "int",
+        16384,
+        "Hopper crossover: with impl auto on an SM90 GPU a call shorter than this many query tokens runs fa (exact "
+        "dense) instead, where it is faster (H200, vs FlashAttention-4: 0.70x at 4096 tokens head dim 64, 0.89x at "
+        "4096/128, 0.97-0.98x at 4.6k-8k, 1.02x at 16k x 40 heads, 1.09-1.13x at 32k); 0 keeps sage_attn at every "
+        "length",
+        check=non_negative,
+        accepted="an integer >= 0 (0: off)",
+    ),
+    P(
+        "qk_balance",
+        "float",
+        None,
+        "Per-channel Q/K balance before the INT8 rounding (SmoothQuant-style, per batch and K/V head: Q's channels "
+        "times c, smoothed K's divided by c, c = amax|K~|^a / amax|Q|^(1-a) normalised to geometric mean 1, so Q.K "
+        "is unchanged): unset = off; a in (0, 1]. CPU reference (docs/sage_kernel.md): token K scales with a = 0.5 "
+        "bring the worst structured input from 2.09 % to 1.82 % error (every structured input <= 1.83 %), real DiT "
+        "activations unchanged (<= 0.47 %); block K scales with a = 0.75 take 0.04-0.5 pp off but stay above 2 % on "
+        "some inputs. Costs one more read of Q in the quantization prologue (impl sm90, triton, reference; not the "
+        "package)",
+        check=in_range(0.0, 1.0, lo_open=True),
+        accepted="a number in (0, 1] (unset: off)",
+    ),
 )
 
 
@@ -229,9 +314,17 @@ def _triton_run(q, k, v, call: AttnCall, cfg: dict):
     from ditattn.attention.kernels.int8_attention import int8_attention
 
     fp8_direct = cfg["pv_dtype"] == "fp8" and cfg.get("pv_accum") == "direct"
-    return int8_attention(q, k, v, scale=call.scale, causal=call.causal, return_lse=call.return_lse,
-                          pv=cfg["pv_dtype"], config={"fp8_acc": 0} if fp8_direct else None,
-                          qk_balance=cfg.get("qk_balance"))
+    return int8_attention(
+        q,
+        k,
+        v,
+        scale=call.scale,
+        causal=call.causal,
+        return_lse=call.return_lse,
+        pv=cfg["pv_dtype"],
+        config={"fp8_acc": 0} if fp8_direct else None,
+        qk_balance=cfg.get("qk_balance"),
+    )
 
 
 def _package_install_problem(q: torch.Tensor) -> Optional[str]:
@@ -241,8 +334,10 @@ def _package_install_problem(q: torch.Tensor) -> Optional[str]:
         return "package 'sageattention' is not installed (pip install sageattention)"
     platform = platform_for_device(q.device)
     if platform.name == "cuda" and platform.sm == 90 and sage_lacks_sm90_fix(platform):
-        return (f"sageattention {platform.package_version('sageattention')} lacks the upstream SM90 binding fix "
-                f"on Hopper; install: {SAGE_SM90_FIX_INSTALL}")
+        return (
+            f"sageattention {platform.package_version('sageattention')} lacks the upstream SM90 binding fix "
+            f"on Hopper; install: {SAGE_SM90_FIX_INSTALL}"
+        )
     return None
 
 
@@ -268,8 +363,11 @@ def _k_granularity(cfg: dict, auto: str) -> str:
 def _sm90_run(q, k, v, call: AttnCall, cfg: dict):
     from ditattn.attention.kernels.sage_sm90 import sage_attention_sm90
 
-    config = {"k_granularity": _k_granularity(cfg, "token"), "pv_dtype": cfg["pv_dtype"],
-              "qk_balance": cfg.get("qk_balance")}
+    config = {
+        "k_granularity": _k_granularity(cfg, "token"),
+        "pv_dtype": cfg["pv_dtype"],
+        "qk_balance": cfg.get("qk_balance"),
+    }
     if cfg["pv_dtype"] == "fp8":
         config["pv_accum"] = cfg["pv_accum"]
     return sage_attention_sm90(q, k, v, scale=call.scale, return_lse=call.return_lse, config=config)
@@ -284,10 +382,14 @@ def _package_why_not(q: torch.Tensor, call: AttnCall, cfg: dict) -> Optional[str
     if call.return_lse:
         return "the sageattention package returns no LSE (needed here)"
     if cfg["pv_dtype"] != "fp16":
-        return f"the sageattention package chooses its own P.V precision (pv_dtype {cfg['pv_dtype']} needs impl " \
-               "triton or reference)"
+        return (
+            f"the sageattention package chooses its own P.V precision (pv_dtype {cfg['pv_dtype']} needs impl "
+            "triton or reference)"
+        )
     if cfg.get("qk_balance"):
-        return "the sageattention package quantizes Q and K its own way (qk_balance needs impl sm90, triton or reference)"
+        return (
+            "the sageattention package quantizes Q and K its own way (qk_balance needs impl sm90, triton or reference)"
+        )
     return None
 
 
@@ -301,17 +403,27 @@ def _reference_why_not(q: torch.Tensor, call: AttnCall, cfg: dict) -> Optional[s
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return f"the reference takes float32/float16/bfloat16, not {str(q.dtype).replace('torch.', '')}"
     if cfg.get("pv_dtype") == "fp8" and cfg.get("pv_accum") == "direct":
-        return ("the reference adds each key block's FP8 P.V in float32 (pv_accum two_level); direct "
-                "accumulation is a property of the FP8 tensor cores (impl sm90 or triton)")
+        return (
+            "the reference adds each key block's FP8 P.V in float32 (pv_accum two_level); direct "
+            "accumulation is a property of the FP8 tensor cores (impl sm90 or triton)"
+        )
     return None
 
 
 def _reference_run(q, k, v, call: AttnCall, cfg: dict):
     from ditattn.attention.kernels.int8_reference import int8_attention_reference
 
-    return int8_attention_reference(q, k, v, scale=call.scale, causal=call.causal, return_lse=call.return_lse,
-                                    pv=cfg["pv_dtype"], k_granularity=_k_granularity(cfg, "token"),
-                                    qk_balance=cfg.get("qk_balance"))
+    return int8_attention_reference(
+        q,
+        k,
+        v,
+        scale=call.scale,
+        causal=call.causal,
+        return_lse=call.return_lse,
+        pv=cfg["pv_dtype"],
+        k_granularity=_k_granularity(cfg, "token"),
+        qk_balance=cfg.get("qk_balance"),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,8 +446,14 @@ SAGE_IMPLS: dict[str, SageImpl] = {
 }
 
 
-def auto_impl(device_type: str, head_dim: int, need_lse: bool = False, pv_dtype: str = "fp16",
-              platform: Optional[Platform] = None, qk_balance: bool = False) -> str:
+def auto_impl(
+    device_type: str,
+    head_dim: int,
+    need_lse: bool = False,
+    pv_dtype: str = "fp16",
+    platform: Optional[Platform] = None,
+    qk_balance: bool = False,
+) -> str:
     """The :data:`SAGE_IMPLS` key ``impl=auto`` runs for a call on ``device_type`` with ``head_dim``.
 
     CUDA: :func:`sage_cuda_runtime` on ``platform`` (default: the current
@@ -358,11 +476,19 @@ def sage_impl_for(q: torch.Tensor, call: AttnCall, cfg: Optional[dict] = None) -
     lacks the SM90 fix; and when ``auto`` has nothing on CUDA, see :func:`auto_impl`)."""
     cfg = complete_backend_config(B.SAGE_ATTN, cfg)
     if cfg["pv_dtype"] != "fp8" and cfg["pv_accum"] != "two_level":
-        raise AttentionConfigError(f"sage_attn: pv_accum {cfg['pv_accum']} applies to pv_dtype fp8 only (fp16 P.V "
-                                   "accumulates in FP32); accepted with pv_dtype fp16: two_level (the default)")
+        raise AttentionConfigError(
+            f"sage_attn: pv_accum {cfg['pv_accum']} applies to pv_dtype fp8 only (fp16 P.V "
+            "accumulates in FP32); accepted with pv_dtype fp16: two_level (the default)"
+        )
     if cfg["impl"] == "auto":
-        name = auto_impl(q.device.type, q.shape[-1], call.return_lse, cfg["pv_dtype"], platform_for_device(q.device),
-                         bool(cfg.get("qk_balance")))
+        name = auto_impl(
+            q.device.type,
+            q.shape[-1],
+            call.return_lse,
+            cfg["pv_dtype"],
+            platform_for_device(q.device),
+            bool(cfg.get("qk_balance")),
+        )
     else:
         name = cfg["impl"]
     impl = SAGE_IMPLS[name]
@@ -377,24 +503,44 @@ def sage_impl_for(q: torch.Tensor, call: AttnCall, cfg: Optional[dict] = None) -
         why = f"{why}; triton: {alt}"
     if cfg["impl"] == "package" and why is not None and why == _package_install_problem(q):
         raise BackendUnavailableError("sage_attn", [f"impl package: {why}"])
-    raise AttentionConfigError(f"sage_attn: no implementation can serve this call (impl {cfg['impl']}): "
-                               f"{name}: {why or 'does not implement these precisions'}")
+    raise AttentionConfigError(
+        f"sage_attn: no implementation can serve this call (impl {cfg['impl']}): "
+        f"{name}: {why or 'does not implement these precisions'}"
+    )
 
 
-@register(B.SAGE_ATTN, schema=SAGE_ATTN_SCHEMA, spec=BackendSpec(
-    kind="quantized", summary="SageAttention: INT8 Q.K with smoothed K, FP16/FP8 P.V",
-    runtimes={"cuda": (Runtime(("triton",), "in-tree Triton INT8 kernel"),
-                       Runtime(("sageattention",), "sageattention package"),
-                       Runtime(("triton.experimental.gluon",), "in-tree Gluon SM90 kernel")),
-              "musa": (Runtime(("sageattention",), "sageattention package"),),
-              "cpu": (Runtime((), "in-tree PyTorch reference"),)},
-    upstream_platforms=("cuda", "musa"), cpu_dtypes=ALL_FLOAT,
-    cuda_sm=(80, 86, 89, 90, 120), lossy=True, returns_lse=True, drop_in=True, max_head_dim=128,
-    install_hint="pip install sageattention", config_schema="sage_attn",
-    notes="lossy (INT8 Q.K); upstream SM list SM80/86/89/90/120; on Hopper a call the in-tree kernel "
-          "cannot serve falls back to fa when the installed sageattention lacks the SM90 fix; "
-          "on MUSA it runs the sageattention package (no LSE)",
-    extra_check=_sage_check, runtime_label=_runtime_label, runtime_broken=_runtime_broken))
+@register(
+    B.SAGE_ATTN,
+    schema=SAGE_ATTN_SCHEMA,
+    spec=BackendSpec(
+        kind="quantized",
+        summary="SageAttention: INT8 Q.K with smoothed K, FP16/FP8 P.V",
+        runtimes={
+            "cuda": (
+                Runtime(("triton",), "in-tree Triton INT8 kernel"),
+                Runtime(("sageattention",), "sageattention package"),
+                Runtime(("triton.experimental.gluon",), "in-tree Gluon SM90 kernel"),
+            ),
+            "musa": (Runtime(("sageattention",), "sageattention package"),),
+            "cpu": (Runtime((), "in-tree PyTorch reference"),),
+        },
+        upstream_platforms=("cuda", "musa"),
+        cpu_dtypes=ALL_FLOAT,
+        cuda_sm=(80, 86, 89, 90, 120),
+        lossy=True,
+        returns_lse=True,
+        drop_in=True,
+        max_head_dim=128,
+        install_hint="pip install sageattention",
+        config_schema="sage_attn",
+        notes="lossy (INT8 Q.K); upstream SM list SM80/86/89/90/120; on Hopper a call the in-tree kernel "
+        "cannot serve falls back to fa when the installed sageattention lacks the SM90 fix; "
+        "on MUSA it runs the sageattention package (no LSE)",
+        extra_check=_sage_check,
+        runtime_label=_runtime_label,
+        runtime_broken=_runtime_broken,
+    ),
+)
 def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttnCall, config: dict):
     """``sage_attn``: q ``[B, S_q, H, D]``, k/v ``[B, S_kv, H_kv, D]``; returns ``(out, lse|None)``.
 

@@ -1,5 +1,6 @@
 """``sage_attn_3``: SageAttention3 (``sageattn3.sageattn3_blackwell``, FP4 microscaling) on NVIDIA
 Blackwell GPUs only; no LSE, no bias, fp16/bf16."""
+
 from __future__ import annotations
 
 import torch
@@ -18,22 +19,34 @@ def sage3_unavailable_reasons(device: torch.device) -> list[str]:
     """Why ``sage_attn_3`` cannot run on ``device`` (empty: it can)."""
     reasons = []
     if device.type != "cuda" or getattr(torch.version, "hip", None):
-        reasons.append(f"needs an NVIDIA Blackwell GPU (SM{'/'.join(map(str, BLACKWELL_SMS))}); tensors are on {device.type}")
+        reasons.append(
+            f"needs an NVIDIA Blackwell GPU (SM{'/'.join(map(str, BLACKWELL_SMS))}); tensors are on {device.type}"
+        )
     else:
         major, minor = torch.cuda.get_device_capability(device)
         sm = major * 10 + minor
         if sm not in BLACKWELL_SMS:
-            reasons.append(f"needs an NVIDIA Blackwell GPU (SM{'/'.join(map(str, BLACKWELL_SMS))}); this GPU is SM{sm}")
+            reasons.append(
+                f"needs an NVIDIA Blackwell GPU (SM{'/'.join(map(str, BLACKWELL_SMS))}); this GPU is SM{sm}"
+            )
     if _load("sageattn3", "sageattn3_blackwell") is None:
         reasons.append("needs package 'sageattn3' (not installed); build SageAttention3 from its upstream repository")
     return reasons
 
 
-@register(B.SAGE_ATTN_3, spec=BackendSpec(
-    kind="quantized", summary="SageAttention3 (FP4 microscaling), Blackwell only",
-    runtimes={"cuda": (Runtime(("sageattn3",), "SageAttention3"),)}, upstream_platforms=("cuda",),
-    cuda_sm=(100, 103, 120, 121), lossy=True, drop_in=True,
-    install_hint="build SageAttention3 from its upstream repository (Blackwell GPUs only)"))
+@register(
+    B.SAGE_ATTN_3,
+    spec=BackendSpec(
+        kind="quantized",
+        summary="SageAttention3 (FP4 microscaling), Blackwell only",
+        runtimes={"cuda": (Runtime(("sageattn3",), "SageAttention3"),)},
+        upstream_platforms=("cuda",),
+        cuda_sm=(100, 103, 120, 121),
+        lossy=True,
+        drop_in=True,
+        install_hint="build SageAttention3 from its upstream repository (Blackwell GPUs only)",
+    ),
+)
 def sage_attention_3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttnCall, config: dict):
     """``sage_attn_3``: SageAttention3 FP4 attention on Blackwell; no LSE, no bias.
 
@@ -52,4 +65,3 @@ def sage_attention_3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: At
     k, v = expand_kv(k, v, q.shape[2])
     out = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=call.causal)
     return out.transpose(1, 2), None
-

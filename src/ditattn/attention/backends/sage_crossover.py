@@ -5,6 +5,7 @@ than ``fa`` below about 16k tokens (:data:`H200_SAGE_VS_FA`).  With ``impl=auto`
 call whose query length is below the config key ``min_seq_len`` (default :data:`DEFAULT_MIN_SEQ_LEN`;
 0 turns the routing off) therefore runs ``fa`` — exact dense attention — and says so once.
 """
+
 from __future__ import annotations
 
 import logging

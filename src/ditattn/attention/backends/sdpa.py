@@ -7,6 +7,7 @@ float32 math path computes it.  Those ops index the head dim as packed, so q/k/v
 dimension is strided (``x[..., ::2]``, a permuted buffer) are copied to stride 1 first: the public
 ``F.scaled_dot_product_attention`` does this itself, the raw ops do not (they read wrong memory).
 """
+
 from __future__ import annotations
 
 import torch
@@ -52,18 +53,29 @@ def _lse_cuda(q, k, v, call):
     return _bhsd(res[0]), res[1][..., : q.shape[1]].float()
 
 
-@register(B.TORCH_SDPA, spec=BackendSpec(
-    kind="dense", summary="PyTorch scaled_dot_product_attention",
-    runtimes={p: NO_PACKAGE for p in ("cpu", "cuda", "rocm", "xpu", "musa", "mps", "npu")},
-    upstream_platforms=("cuda", "rocm", "xpu", "musa", "mps", "npu"),
-    dtypes=ALL_FLOAT, max_head_dim=None, returns_lse=True, accepts_bias=True, drop_in=True,
-    notes="the most portable option; LSE through the aten flash/efficient ops"))
+@register(
+    B.TORCH_SDPA,
+    spec=BackendSpec(
+        kind="dense",
+        summary="PyTorch scaled_dot_product_attention",
+        runtimes={p: NO_PACKAGE for p in ("cpu", "cuda", "rocm", "xpu", "musa", "mps", "npu")},
+        upstream_platforms=("cuda", "rocm", "xpu", "musa", "mps", "npu"),
+        dtypes=ALL_FLOAT,
+        max_head_dim=None,
+        returns_lse=True,
+        accepts_bias=True,
+        drop_in=True,
+        notes="the most portable option; LSE through the aten flash/efficient ops",
+    ),
+)
 def torch_sdpa(q, k, v, call: AttnCall, config: dict):
     heads = q.shape[2]
     if call.return_lse:
         if 0 in (*q.shape, *k.shape):  # the aten LSE ops divide by these (SIGFPE on the CPU)
-            raise AttentionConfigError(f"torch_sdpa: empty q {tuple(q.shape)} or k {tuple(k.shape)}; every dimension "
-                                       "of [batch, seq, heads, head_dim] must be at least 1")
+            raise AttentionConfigError(
+                f"torch_sdpa: empty q {tuple(q.shape)} or k {tuple(k.shape)}; every dimension "
+                "of [batch, seq, heads, head_dim] must be at least 1"
+            )
         q, k2, v2 = _packed(q, *expand_kv(k, v, heads))
         if call.attn_bias is None and q.device.type == "cpu":
             return _lse_cpu(q, k2, v2, call)
@@ -90,15 +102,25 @@ def cudnn_no_kernel_reason(q, k, v, call: AttnCall) -> "str | None":
         return "torch_cudnn_sdpa does not take an additive attention bias"
     params = torch.backends.cuda.SDPAParams(_bhsd(q), _bhsd(k), _bhsd(v), None, 0.0, call.causal, False)
     if not torch.backends.cuda.can_use_cudnn_attention(params, False):
-        return (f"cuDNN has no kernel for this call (dtype {str(q.dtype).replace('torch.', '')}, head dim "
-                f"{q.shape[-1]}, seq {q.shape[1]}x{k.shape[1]}, causal {call.causal})")
+        return (
+            f"cuDNN has no kernel for this call (dtype {str(q.dtype).replace('torch.', '')}, head dim "
+            f"{q.shape[-1]}, seq {q.shape[1]}x{k.shape[1]}, causal {call.causal})"
+        )
     return None
 
 
-@register(B.TORCH_CUDNN_SDPA, spec=BackendSpec(
-    kind="dense", summary="PyTorch SDPA pinned to the cuDNN kernel",
-    runtimes={"cuda": NO_PACKAGE}, upstream_platforms=("cuda",), cuda_sm_min=80, returns_lse=True,
-    notes="fastest SDPA kernel on Hopper (about 1.6x torch's flash path at head dim 128)"))
+@register(
+    B.TORCH_CUDNN_SDPA,
+    spec=BackendSpec(
+        kind="dense",
+        summary="PyTorch SDPA pinned to the cuDNN kernel",
+        runtimes={"cuda": NO_PACKAGE},
+        upstream_platforms=("cuda",),
+        cuda_sm_min=80,
+        returns_lse=True,
+        notes="fastest SDPA kernel on Hopper (about 1.6x torch's flash path at head dim 128)",
+    ),
+)
 def torch_cudnn_sdpa(q, k, v, call: AttnCall, config: dict):
     """``torch_cudnn_sdpa``: SDPA pinned to cuDNN. Raises :class:`NoKernelError` (with PyTorch's
     reason) when cuDNN has no kernel for the call, so an automatic choice can fall back per call."""

@@ -1,8 +1,35 @@
-"""What the sparse video backends (:mod:`.sparse_video`) share: the prologue that completes the config
+"""What the sparse video backends share (one module each: :mod:`.sliding_tile`, :mod:`.video_sparse`,
+:mod:`.sparge`, :mod:`.vmoba`, :mod:`.svg2`, :mod:`.sla`, :mod:`.sol`): the prologue that completes the config
 and checks the call (:func:`sparse_backend`), the dense runs of their dense phases and fallbacks, the
 statistics each call records (``ditattn.attention.sparse.last_stats`` and the run's per-layer counts,
 :mod:`ditattn.attention.sparse.fallback`) and the error budget's reuse of an earlier step's dense
-decision (:mod:`ditattn.attention.sparse.budget`)."""
+decision (:mod:`ditattn.attention.sparse.budget`).
+
+Together they register ``sliding_tile_attn``, ``video_sparse_attn``, ``sparge_attn``, ``vmoba_attn``,
+``sparse_video_gen_2_attn``, ``sla_attn``, ``sage_sla_attn`` and ``sol_attn`` (contract:
+:mod:`ditattn.attention.backends.base`), each with its capability row and parameter schema, through
+:func:`.sparse_common.sparse_backend`, which runs the prologue they share.  Common rules:
+
+* self-attention over ``call.video_shape = (T, H, W)`` latent tokens (T-major) followed by
+  ``call.text_len`` text tokens; ``video_shape`` None, a length that does not match, causal
+  attention, an additive bias or cross-attention (different q/kv lengths) raise
+  :class:`AttentionConfigError` (``sparge_attn`` instead runs dense SDPA on shapes it does not
+  sparsify, as upstream does; ``sparge_attn`` and ``sol_attn`` take a call without ``video_shape`` as
+  a plain sequence in 1-D tiles);
+* text tokens attend and are attended by everything; GQA K/V heads are expanded;
+* ``call.step`` None counts as a sparse step, ``call.layer_idx`` None as layer 0;
+* dense phases (``skip_time_steps``, ``first_full_step``, ``dense_steps``, ``dense_layers``, ...)
+  run PyTorch SDPA (``sol_attn``: its ``dense_backend``);
+* each call records its kept block fraction in ``ditattn.attention.sparse.last_stats``.
+
+The config key ``block_sparse_impl`` (``auto``/``reference``/``flex``/``triton``) picks the
+engine's kernel (:func:`ditattn.attention.sparse.block_sparse.block_sparse_attention`).  The
+pooled backends (``video_sparse_attn``, ``sparge_attn``, ``sla_attn``/``sage_sla_attn``,
+``sol_attn``) take ``edge_tiles`` (``packed``, the default, or ``padded``; :mod:`ditattn.attention.sparse.tiling`);
+``sliding_tile_attn`` (windows on tile coordinates) and ``vmoba_attn`` (chunks are its unit) keep
+one block per tile.
+"""
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,9 +78,12 @@ def check_call(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall) -> tu
         T, H, W = (int(x) for x in call.video_shape)
     except (TypeError, ValueError):
         raise AttentionConfigError(
-            f"{name}: video_shape must be three positive integers (T, H, W), got {call.video_shape!r}") from None
+            f"{name}: video_shape must be three positive integers (T, H, W), got {call.video_shape!r}"
+        ) from None
     if min(T, H, W) <= 0:
-        raise AttentionConfigError(f"{name}: video_shape must be three positive integers (T, H, W), got {call.video_shape!r}")
+        raise AttentionConfigError(
+            f"{name}: video_shape must be three positive integers (T, H, W), got {call.video_shape!r}"
+        )
     text_len = int(call.text_len or 0)
     if T * H * W + text_len != q.shape[1]:
         raise AttentionConfigError(
@@ -111,8 +141,9 @@ def reused_dense(name: str, q, k, v, call: AttnCall, cfg: dict, backend: Optiona
     from ditattn.attention.sparse import budget as eb
 
     eb.remember(budget_key(name, call), call.step, True)
-    return run_dense(name, q, k, v, call, "error budget: dense from an earlier step of the request",
-                     backend=backend, announce=True)
+    return run_dense(
+        name, q, k, v, call, "error budget: dense from an earlier step of the request", backend=backend, announce=True
+    )
 
 
 def remember_budget(name: str, call: AttnCall, cfg: dict, plan) -> None:
@@ -128,16 +159,23 @@ def layer_stats_key(name: str, call: AttnCall) -> str:
     return stats_key(name, call.layer_key, call.layer_idx)
 
 
-def run_dense(name: str, q, k, v, call: AttnCall, reason: str, backend: Optional[str] = None,
-              announce: bool = False):
+def run_dense(name: str, q, k, v, call: AttnCall, reason: str, backend: Optional[str] = None, announce: bool = False):
     """Dense attention for the whole call (``backend``: a dense backend name, None: the platform's
     automatic dense choice), recorded with ``reason``; ``announce``: a fallback (a shape the backend never
     sparsifies, or the error budget), said once and counted as such, else a dense phase.  q/k/v
     ``[B, S, H, D]``; returns ``(out, lse|None)``."""
     if announce:  # a size the backend never sparsifies, or the error budget: said once (log line, plan notes)
         note_dense_once(name, call, reason)
-    record_stats(layer_stats_key(name, call), backend=name, kept_fraction=1.0, dense=True, reason=reason,
-                 step=call.step, layer_idx=call.layer_idx, fallback=announce)
+    record_stats(
+        layer_stats_key(name, call),
+        backend=name,
+        kept_fraction=1.0,
+        dense=True,
+        reason=reason,
+        step=call.step,
+        layer_idx=call.layer_idx,
+        fallback=announce,
+    )
     count_call(layer_stats_key(name, call), kept=1.0, fallback=announce, dense=True)
     return dense_attention(q, k, v, scale=call.scale, return_lse=call.return_lse, backend=backend)
 
@@ -147,10 +185,25 @@ def sparse_done(name: str, call: AttnCall, plan, **extra):
     fallback = bool(plan.extra.get("dense_fallback"))
     reason = "error budget: predicted to keep more than dense_above of the blocks (dense kernel)" if fallback else ""
     extra.update(budget_stats(plan))
-    record_stats(layer_stats_key(name, call), backend=name, kept_fraction=plan.kept_fraction_pending,
-                 dense=fallback, reason=reason, step=call.step, layer_idx=call.layer_idx, fallback=fallback, **extra)
-    count_call(layer_stats_key(name, call), kept=plan.kept_fraction_pending, fallback=fallback, dense=fallback,
-               dense_heads=extra.get("dense_heads"), heads=extra.get("heads", 0))
+    record_stats(
+        layer_stats_key(name, call),
+        backend=name,
+        kept_fraction=plan.kept_fraction_pending,
+        dense=fallback,
+        reason=reason,
+        step=call.step,
+        layer_idx=call.layer_idx,
+        fallback=fallback,
+        **extra,
+    )
+    count_call(
+        layer_stats_key(name, call),
+        kept=plan.kept_fraction_pending,
+        fallback=fallback,
+        dense=fallback,
+        dense_heads=extra.get("dense_heads"),
+        heads=extra.get("heads", 0),
+    )
     if fallback:
         note_dense_once(name, call, reason)
 

@@ -19,6 +19,7 @@ Every public kernel takes q/k/v in the backend layout ``[batch, seq, heads, head
 have fewer heads: grouped-query attention) and returns ``(out, lse | None)`` with ``lse``
 ``[batch, heads, seq_q]`` float32 natural log.
 """
+
 from __future__ import annotations
 
 import os
@@ -52,15 +53,23 @@ def check_device(*tensors: torch.Tensor, what: str) -> None:
         if not enable() and any(t.dtype in narrow for t in tensors):
             raise AttentionConfigError(
                 f"{what}: this Triton's CPU interpreter cannot compute in {tensors[0].dtype} (bit-level bf16/fp8 "
-                "arithmetic); use float16, or the PyTorch path (the default on CPU)")
+                "arithmetic); use float16, or the PyTorch path (the default on CPU)"
+            )
         return
     raise AttentionConfigError(
         f"{what}: needs CUDA tensors (got {dev.type}); CPU tensors run only under TRITON_INTERPRET=1"
     )
 
 
-def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, what: str,
-              dtypes=(torch.float16, torch.bfloat16), head_dims=None) -> tuple[int, int, int, int, int, int]:
+def check_qkv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    what: str,
+    dtypes=(torch.float16, torch.bfloat16),
+    head_dims=None,
+) -> tuple[int, int, int, int, int, int]:
     """Validate ``[B, S, H, D]`` q/k/v for a kernel; returns ``(B, Sq, Skv, H, Hkv, D)``.
 
     Raises :class:`AttentionConfigError` naming what was wrong and what is accepted.

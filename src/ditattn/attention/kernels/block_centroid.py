@@ -12,6 +12,7 @@ keys in chunks of ``BLOCK_N``, masks the chunk with the query block's route row 
 i, j]``), and continues ``m, l, acc`` in base 2.  With the blocks' key variance ``kvar`` (Sol's
 ``centroid_variance``) a second product ``q^2 . kvar_j`` adds ``0.5 * scale^2`` times it to the score.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -27,12 +28,33 @@ from ditattn.errors import AttentionConfigError
 
 @triton.jit
 def _centroid_fwd(
-    Q, Kc, Vc, Kvar, LogW, Approx, O1, L1, Out, Lse,
-    stride_qb, stride_qs, stride_qh,
-    stride_kb, stride_kh, stride_kn,
-    stride_ab, stride_ah, stride_ai,
-    H, NV, qk_scale, var_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_INIT: tl.constexpr,
+    Q,
+    Kc,
+    Vc,
+    Kvar,
+    LogW,
+    Approx,
+    O1,
+    L1,
+    Out,
+    Lse,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_ab,
+    stride_ah,
+    stride_ai,
+    H,
+    NV,
+    qk_scale,
+    var_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_INIT: tl.constexpr,
     HAS_VAR: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -69,8 +91,11 @@ def _centroid_fwd(
             w = tl.load(LogW + offs_n, mask=in_range, other=0.0) * 1.4426950408889634
             s = tl.dot(q, k) * qk_scale + w[None, :]
             if HAS_VAR:
-                kv = tl.load(Kvar + b * stride_kb + h * stride_kh + offs_n[None, :] * stride_kn + offs_d[:, None],
-                             mask=in_range[None, :], other=0.0)
+                kv = tl.load(
+                    Kvar + b * stride_kb + h * stride_kh + offs_n[None, :] * stride_kn + offs_d[:, None],
+                    mask=in_range[None, :],
+                    other=0.0,
+                )
                 s += tl.dot(q2, kv) * var_scale
             s = tl.where(routed[None, :], s, float("-inf"))
             p, alpha, m_new, l_i = softmax_step(s, m_i, l_i)
@@ -82,11 +107,22 @@ def _centroid_fwd(
     tl.store(Lse + pid_bh * (tl.num_programs(0) * BLOCK_M) + offs_m, lse)
 
 
-def block_centroid_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, logw: torch.Tensor,
-                             approx: torch.Tensor, *, block_size: int, scale: float,
-                             o_init: Optional[torch.Tensor] = None, lse_init: Optional[torch.Tensor] = None,
-                             kvar: Optional[torch.Tensor] = None, block_n: int = 64, num_warps: int = 4,
-                             num_stages: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+def block_centroid_attention(
+    q: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    logw: torch.Tensor,
+    approx: torch.Tensor,
+    *,
+    block_size: int,
+    scale: float,
+    o_init: Optional[torch.Tensor] = None,
+    lse_init: Optional[torch.Tensor] = None,
+    kvar: Optional[torch.Tensor] = None,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over (the state ``o_init``/``lse_init``) ∪ (each query block's routed virtual keys).
 
     q ``[B, P, H, D]`` fp16/bf16 (P a multiple of ``block_size``; D a power of two 16..256);
@@ -94,26 +130,31 @@ def block_centroid_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor
     approx bool ``[B, H, P / block_size, NV]`` (True: the query block sees virtual key j);
     o_init ``[B, P, H, D]`` q.dtype and lse_init float32 ``[B, H, P]`` (natural log; ``-inf`` = no
     exact key) — both or neither; kvar ``[B, H, NV, D]`` or None: per-channel key variance of each
-    block (adds ``0.5 * scale^2 * q^2 . kvar_j`` to the score of virtual key j).  Returns ``(out [B, P, H, D] q.dtype, lse [B, H, P] float32)``;
+    block (adds ``0.5 * scale^2 * q^2 . kvar_j`` to the score of virtual key j).  Returns ``(out [B, P, H, D] q.dtype,
+    lse [B, H, P] float32)``;
     a row with neither exact nor virtual keys gives zeros and LSE ``-inf``.  Runs on CUDA, or on CPU
     under ``TRITON_INTERPRET=1``.
     """
     what = "block-centroid Triton kernel"
     check_device(q, kc, vc, logw, approx, what=what)
     if q.dim() != 4 or kc.dim() != 4 or kc.shape != vc.shape:
-        raise AttentionConfigError(f"{what}: q must be [B, P, H, D] and kc/vc [B, H, NV, D]; got "
-                                   f"{tuple(q.shape)}, {tuple(kc.shape)}, {tuple(vc.shape)}")
+        raise AttentionConfigError(
+            f"{what}: q must be [B, P, H, D] and kc/vc [B, H, NV, D]; got "
+            f"{tuple(q.shape)}, {tuple(kc.shape)}, {tuple(vc.shape)}"
+        )
     B, P, H, D = q.shape
     NV = kc.shape[2]
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise AttentionConfigError(f"{what}: q must be float16 or bfloat16, got {q.dtype}")
     if tuple(kc.shape) != (B, H, NV, D) or D not in (16, 32, 64, 128, 256):
-        raise AttentionConfigError(f"{what}: kc/vc must be [{B}, {H}, NV, {D}] with D in 16..256 (power of two); "
-                                   f"got {tuple(kc.shape)}")
+        raise AttentionConfigError(
+            f"{what}: kc/vc must be [{B}, {H}, NV, {D}] with D in 16..256 (power of two); got {tuple(kc.shape)}"
+        )
     if P % block_size or tuple(approx.shape) != (B, H, P // block_size, NV) or tuple(logw.shape) != (NV,):
         raise AttentionConfigError(
             f"{what}: expects approx [{B}, {H}, {P // block_size if block_size else '?'}, {NV}] and logw [{NV}] "
-            f"with P={P} a multiple of block_size={block_size}; got {tuple(approx.shape)}, {tuple(logw.shape)}")
+            f"with P={P} a multiple of block_size={block_size}; got {tuple(approx.shape)}, {tuple(logw.shape)}"
+        )
     if (o_init is None) != (lse_init is None):
         raise AttentionConfigError(f"{what}: pass both o_init and lse_init, or neither")
     q = q.contiguous()
@@ -134,14 +175,36 @@ def block_centroid_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor
             raise AttentionConfigError(f"{what}: o_init must be {tuple(q.shape)} and lse_init [{B}, {H}, {P}]")
     grid = (P // block_size, B * H)
     _centroid_fwd[grid](
-        q, kc, vc, kvar, logw, approx, o_init if o_init is not None else q, lse_init if lse_init is not None else lse,
-        out, lse,
-        q.stride(0), q.stride(1), q.stride(2),
-        kc.stride(0), kc.stride(1), kc.stride(2),
-        approx.stride(0), approx.stride(1), approx.stride(2),
-        H, NV, float(scale) * LOG2E, 0.5 * float(scale) ** 2 * LOG2E,
-        HEAD_DIM=D, BLOCK_M=block_size, BLOCK_N=block_n, HAS_INIT=o_init is not None, HAS_VAR=has_var,
-        num_warps=num_warps, num_stages=num_stages,
+        q,
+        kc,
+        vc,
+        kvar,
+        logw,
+        approx,
+        o_init if o_init is not None else q,
+        lse_init if lse_init is not None else lse,
+        out,
+        lse,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        kc.stride(0),
+        kc.stride(1),
+        kc.stride(2),
+        approx.stride(0),
+        approx.stride(1),
+        approx.stride(2),
+        H,
+        NV,
+        float(scale) * LOG2E,
+        0.5 * float(scale) ** 2 * LOG2E,
+        HEAD_DIM=D,
+        BLOCK_M=block_size,
+        BLOCK_N=block_n,
+        HAS_INIT=o_init is not None,
+        HAS_VAR=has_var,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out, lse
 

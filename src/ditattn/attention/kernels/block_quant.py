@@ -9,6 +9,7 @@ optionally subtracts the per-(batch, head) channel mean from the real tokens, ta
 Rounding is half away from zero (``torch.round`` in the PyTorch reference rounds half to even: the
 two differ only when ``x / s`` is exactly ``k + 0.5``).
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,10 +31,17 @@ def block_head_program(H, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
 
 @triton.jit
 def _fake_quant_blocks(
-    X, Valid, Mean, Out,
-    stride_xb, stride_xs, stride_xh,
+    X,
+    Valid,
+    Mean,
+    Out,
+    stride_xb,
+    stride_xs,
+    stride_xh,
     H,
-    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, SMOOTH: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SMOOTH: tl.constexpr,
 ):
     _, bh, b, h, offs_s, offs_d = block_head_program(H, BLOCK, HEAD_DIM)
     ptr = b * stride_xb + h * stride_xh + offs_s[:, None] * stride_xs + offs_d[None, :]
@@ -49,8 +57,9 @@ def _fake_quant_blocks(
     tl.store(Out + ptr, (xq * sc).to(Out.dtype.element_ty))
 
 
-def fake_quant_int8_blocks(x_tiled: torch.Tensor, valid: torch.Tensor, *, block_size: int,
-                           smooth: bool = False) -> torch.Tensor:
+def fake_quant_int8_blocks(
+    x_tiled: torch.Tensor, valid: torch.Tensor, *, block_size: int, smooth: bool = False
+) -> torch.Tensor:
     """De-quantized per-block INT8 values of ``x_tiled``.
 
     x_tiled ``[B, P, H, D]`` fp16/bf16/fp32 in tile order (P a multiple of ``block_size``; padding
@@ -65,8 +74,10 @@ def fake_quant_int8_blocks(x_tiled: torch.Tensor, valid: torch.Tensor, *, block_
         raise AttentionConfigError(f"{what}: x must be [B, P, H, D], got {tuple(x_tiled.shape)}")
     B, P, H, D = x_tiled.shape
     if P % block_size or tuple(valid.shape) != (P,) or D not in (16, 32, 64, 128, 256):
-        raise AttentionConfigError(f"{what}: expects P={P} a multiple of block_size={block_size}, valid [{P}] "
-                                   f"and D in 16..256 (power of two); got valid {tuple(valid.shape)}, D={D}")
+        raise AttentionConfigError(
+            f"{what}: expects P={P} a multiple of block_size={block_size}, valid [{P}] "
+            f"and D in 16..256 (power of two); got valid {tuple(valid.shape)}, D={D}"
+        )
     if x_tiled.stride(-1) != 1:
         x_tiled = x_tiled.contiguous()
     validb = valid.to(torch.int8).contiguous()
@@ -77,8 +88,19 @@ def fake_quant_int8_blocks(x_tiled: torch.Tensor, valid: torch.Tensor, *, block_
         mean = validb  # unused placeholder
     out = torch.empty_like(x_tiled)
     _fake_quant_blocks[(P // block_size, B * H)](
-        x_tiled, validb, mean, out, x_tiled.stride(0), x_tiled.stride(1), x_tiled.stride(2), H,
-        HEAD_DIM=D, BLOCK=block_size, SMOOTH=bool(smooth), num_warps=4)
+        x_tiled,
+        validb,
+        mean,
+        out,
+        x_tiled.stride(0),
+        x_tiled.stride(1),
+        x_tiled.stride(2),
+        H,
+        HEAD_DIM=D,
+        BLOCK=block_size,
+        SMOOTH=bool(smooth),
+        num_warps=4,
+    )
     return out
 
 

@@ -8,6 +8,7 @@ One program takes ``BLOCK_M`` pooled queries and one key block of ``BLOCK_N`` ke
 query variance against ``k^2`` when ``HAS_VAR``), the padding keys masked, a row log-sum-exp in
 base 2, and ``BLOCK_M`` floats written.  The ``[M, N]`` logits never leave registers.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -22,12 +23,29 @@ from ditattn.errors import AttentionConfigError
 
 @triton.jit
 def _pooled_query_lse_fwd(
-    Mean, Var, K, Valid, KIdx, Out,
-    stride_mb, stride_mh, stride_mm,
-    stride_kb, stride_ks, stride_kh,
-    stride_ob, stride_oh, stride_om,
-    H, M, qk_scale, var_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_VAR: tl.constexpr,
+    Mean,
+    Var,
+    K,
+    Valid,
+    KIdx,
+    Out,
+    stride_mb,
+    stride_mh,
+    stride_mm,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    H,
+    M,
+    qk_scale,
+    var_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_VAR: tl.constexpr,
     HAS_KIDX: tl.constexpr,
 ):
     pid_n = tl.program_id(0)  # key block
@@ -48,8 +66,11 @@ def _pooled_query_lse_fwd(
     k = tl.load(K + b * stride_kb + h * stride_kh + rows[None, :] * stride_ks + offs_d[:, None])  # [D, BLOCK_N]
     s = tl.dot(qm, k) * qk_scale
     if HAS_VAR:
-        qv = tl.load(Var + b * stride_mb + h * stride_mh + offs_m[:, None] * stride_mm + offs_d[None, :],
-                     mask=row_ok[:, None], other=0.0)
+        qv = tl.load(
+            Var + b * stride_mb + h * stride_mh + offs_m[:, None] * stride_mm + offs_d[None, :],
+            mask=row_ok[:, None],
+            other=0.0,
+        )
         kf = k.to(tl.float32)
         s += tl.dot(qv, (kf * kf).to(qv.dtype)) * var_scale
     valid = tl.load(Valid + offs_n) != 0
@@ -61,9 +82,18 @@ def _pooled_query_lse_fwd(
     tl.store(Out + b * stride_ob + h * stride_oh + offs_m * stride_om + pid_n, lse, mask=row_ok)
 
 
-def pooled_query_lse(mean: torch.Tensor, var: Optional[torch.Tensor], k: torch.Tensor, valid: torch.Tensor, *,
-                     block_size: int, scale: float, block_m: int = 64, num_warps: int = 4,
-                     key_index: Optional[torch.Tensor] = None) -> torch.Tensor:
+def pooled_query_lse(
+    mean: torch.Tensor,
+    var: Optional[torch.Tensor],
+    k: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    block_size: int,
+    scale: float,
+    block_m: int = 64,
+    num_warps: int = 4,
+    key_index: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """``out[b, h, i, n] = log sum_{j in key block n, valid} exp(scale * mean_i . k_j
     (+ 0.5 scale^2 var_i . k_j^2))``.
 
@@ -78,15 +108,17 @@ def pooled_query_lse(mean: torch.Tensor, var: Optional[torch.Tensor], k: torch.T
     what = "pooled-query block-score Triton kernel"
     check_device(mean, k, valid, *(() if var is None else (var,)), what=what)
     if k.dim() != 4 or mean.dim() != 4:
-        raise AttentionConfigError(f"{what}: mean must be [B, H, M, D] and k [B, N, H, D]; got "
-                                   f"{tuple(mean.shape)}, {tuple(k.shape)}")
+        raise AttentionConfigError(
+            f"{what}: mean must be [B, H, M, D] and k [B, N, H, D]; got {tuple(mean.shape)}, {tuple(k.shape)}"
+        )
     B, N, H, D = k.shape
     if key_index is not None:
         N = key_index.numel()
     M = mean.shape[2]
     if k.dtype not in (torch.float16, torch.bfloat16) or D not in (16, 32, 64, 128, 256):
-        raise AttentionConfigError(f"{what}: k must be float16/bfloat16 with head dim 16..256 (power of two); got "
-                                   f"{k.dtype}, {D}")
+        raise AttentionConfigError(
+            f"{what}: k must be float16/bfloat16 with head dim 16..256 (power of two); got {k.dtype}, {D}"
+        )
     if tuple(mean.shape) != (B, H, M, D) or (var is not None and var.shape != mean.shape):
         raise AttentionConfigError(f"{what}: mean/var must be [{B}, {H}, M, {D}]; got {tuple(mean.shape)}")
     if key_index is not None and (key_index.dim() != 1 or key_index.device != k.device):
@@ -94,8 +126,10 @@ def pooled_query_lse(mean: torch.Tensor, var: Optional[torch.Tensor], k: torch.T
     if key_index is not None:
         key_index = key_index.contiguous()
     if block_size not in (16, 32, 64, 128) or N % block_size or tuple(valid.shape) != (N,):
-        raise AttentionConfigError(f"{what}: needs block_size in 16..128 dividing N={N} and valid [{N}]; got "
-                                   f"{block_size}, {tuple(valid.shape)}")
+        raise AttentionConfigError(
+            f"{what}: needs block_size in 16..128 dividing N={N} and valid [{N}]; got "
+            f"{block_size}, {tuple(valid.shape)}"
+        )
     if k.stride(-1) != 1:
         k = k.contiguous()
     has_var = var is not None
@@ -108,12 +142,30 @@ def pooled_query_lse(mean: torch.Tensor, var: Optional[torch.Tensor], k: torch.T
     out = torch.empty(B, H, M, n, dtype=torch.float32, device=k.device)
     grid = (n, triton.cdiv(M, block_m), B * H)
     _pooled_query_lse_fwd[grid](
-        mean, var, k, valid, key_index if key_index is not None else valid, out,
-        mean.stride(0), mean.stride(1), mean.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        H, M, float(scale) * LOG2E, 0.5 * float(scale) ** 2 * LOG2E,
-        HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_size, HAS_VAR=has_var, HAS_KIDX=key_index is not None,
+        mean,
+        var,
+        k,
+        valid,
+        key_index if key_index is not None else valid,
+        out,
+        mean.stride(0),
+        mean.stride(1),
+        mean.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        H,
+        M,
+        float(scale) * LOG2E,
+        0.5 * float(scale) ** 2 * LOG2E,
+        HEAD_DIM=D,
+        BLOCK_M=block_m,
+        BLOCK_N=block_size,
+        HAS_VAR=has_var,
+        HAS_KIDX=key_index is not None,
         num_warps=num_warps,
     )
     return out

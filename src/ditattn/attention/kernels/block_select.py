@@ -30,6 +30,7 @@ PyTorch path bit for bit.
 :func:`ditattn.attention.sparse.tiling.pooled_blocks` are the PyTorch paths of the same
 contracts. On identical inputs the paths give identical blocks.
 """
+
 from __future__ import annotations
 
 import torch
@@ -48,11 +49,22 @@ POOL_BLOCK_SIZES = (16, 32, 64, 128)
 
 @triton.jit
 def _pool_qk(
-    Q, K, Count, PQ, PK,
-    stride_qb, stride_qs, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    H, NV, scale,
-    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+    Q,
+    K,
+    Count,
+    PQ,
+    PK,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    H,
+    NV,
+    scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     blk, bh, b, h, offs_s, offs_d = block_head_program(H, BLOCK, HEAD_DIM)
     cnt = tl.load(Count + blk)  # float32, clamped to >= 1
@@ -81,10 +93,18 @@ def _store_tail(out_row, offs, count, NV, NB, W):
 
 @triton.jit
 def _topk_lists(
-    S, Out,
-    stride_sb, stride_sh, stride_si,
-    H, NV, NB, K, W,
-    BLOCK_N: tl.constexpr, HAS_TAIL: tl.constexpr,
+    S,
+    Out,
+    stride_sb,
+    stride_sh,
+    stride_si,
+    H,
+    NV,
+    NB,
+    K,
+    W,
+    BLOCK_N: tl.constexpr,
+    HAS_TAIL: tl.constexpr,
 ):
     i, b, h, bh, out_row = _list_program(Out, H, NB, W)
     offs = tl.arange(0, BLOCK_N)
@@ -122,9 +142,16 @@ def _topk_lists(
 
 @triton.jit
 def _mask_lists(
-    M, Out, Cnt,
-    stride_mb, stride_mh, stride_mi,
-    H, NV, NB, W,
+    M,
+    Out,
+    Cnt,
+    stride_mb,
+    stride_mh,
+    stride_mi,
+    H,
+    NV,
+    NB,
+    W,
     BLOCK_N: tl.constexpr,
 ):
     i, b, h, bh, out_row = _list_program(Out, H, NB, W)
@@ -142,8 +169,9 @@ def _mask_lists(
         tl.store(Cnt + bh * NB + i, NB)
 
 
-def pool_qk_blocks(q_tiled: torch.Tensor, k_tiled: torch.Tensor, count: torch.Tensor, *, n_blocks: int,
-                   block_size: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def pool_qk_blocks(
+    q_tiled: torch.Tensor, k_tiled: torch.Tensor, count: torch.Tensor, *, n_blocks: int, block_size: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scale * mean(q), mean(k))`` per block: float32 ``[B, H, n_blocks, D]`` each.
 
     q_tiled / k_tiled: ``[B, P, H, D]`` fp16/bf16/fp32 in tile order (same shape, ``P >= n_blocks *
@@ -154,15 +182,19 @@ def pool_qk_blocks(q_tiled: torch.Tensor, k_tiled: torch.Tensor, count: torch.Te
     what = "block pooling kernel"
     check_device(q_tiled, k_tiled, count, what=what)
     if q_tiled.dim() != 4 or q_tiled.shape != k_tiled.shape:
-        raise AttentionConfigError(f"{what}: q and k must be one shape [B, P, H, D]; got {tuple(q_tiled.shape)}, "
-                                   f"{tuple(k_tiled.shape)}")
+        raise AttentionConfigError(
+            f"{what}: q and k must be one shape [B, P, H, D]; got {tuple(q_tiled.shape)}, {tuple(k_tiled.shape)}"
+        )
     B, P, H, D = q_tiled.shape
     if q_tiled.dtype not in (torch.float16, torch.bfloat16, torch.float32) or k_tiled.dtype != q_tiled.dtype:
-        raise AttentionConfigError(f"{what}: q/k must share float16, bfloat16 or float32; got {q_tiled.dtype}, "
-                                   f"{k_tiled.dtype}")
+        raise AttentionConfigError(
+            f"{what}: q/k must share float16, bfloat16 or float32; got {q_tiled.dtype}, {k_tiled.dtype}"
+        )
     if D not in POOL_HEAD_DIMS or block_size not in POOL_BLOCK_SIZES or n_blocks * block_size > P:
-        raise AttentionConfigError(f"{what}: needs head dim in {list(POOL_HEAD_DIMS)}, block_size in 16..128 (power "
-                                   f"of two) and {n_blocks} blocks within {P} rows; got D={D}, block_size={block_size}")
+        raise AttentionConfigError(
+            f"{what}: needs head dim in {list(POOL_HEAD_DIMS)}, block_size in 16..128 (power "
+            f"of two) and {n_blocks} blocks within {P} rows; got D={D}, block_size={block_size}"
+        )
     if count.dtype != torch.float32 or count.dim() != 1 or count.numel() < n_blocks:
         raise AttentionConfigError(f"{what}: count must be float32 [>= {n_blocks}]")
     q_tiled, k_tiled = (t if t.stride(-1) == 1 else t.contiguous() for t in (q_tiled, k_tiled))
@@ -170,11 +202,23 @@ def pool_qk_blocks(q_tiled: torch.Tensor, k_tiled: torch.Tensor, count: torch.Te
     pk = torch.empty_like(pq)
     if pq.numel():
         _pool_qk[(n_blocks, B * H)](
-            q_tiled, k_tiled, count, pq, pk,
-            q_tiled.stride(0), q_tiled.stride(1), q_tiled.stride(2),
-            k_tiled.stride(0), k_tiled.stride(1), k_tiled.stride(2),
-            H, n_blocks, float(scale),
-            HEAD_DIM=D, BLOCK=block_size, num_warps=4,
+            q_tiled,
+            k_tiled,
+            count,
+            pq,
+            pk,
+            q_tiled.stride(0),
+            q_tiled.stride(1),
+            q_tiled.stride(2),
+            k_tiled.stride(0),
+            k_tiled.stride(1),
+            k_tiled.stride(2),
+            H,
+            n_blocks,
+            float(scale),
+            HEAD_DIM=D,
+            BLOCK=block_size,
+            num_warps=4,
         )
     return pq, pk
 
@@ -192,12 +236,15 @@ def topk_block_lists(scores: torch.Tensor, k: int, *, n_blocks: int) -> torch.Te
     what = "top-k block selection kernel"
     check_device(scores, what=what)
     if scores.dim() != 4 or scores.dtype != torch.float32 or scores.shape[2] != scores.shape[3]:
-        raise AttentionConfigError(f"{what}: scores must be float32 [B, H, nv, nv]; got {scores.dtype} "
-                                   f"{tuple(scores.shape)}")
+        raise AttentionConfigError(
+            f"{what}: scores must be float32 [B, H, nv, nv]; got {scores.dtype} {tuple(scores.shape)}"
+        )
     B, H, nv, _ = scores.shape
     if not 1 <= nv <= MAX_TOPK_BLOCKS or not 1 <= k <= nv or n_blocks < nv:
-        raise AttentionConfigError(f"{what}: needs 1 <= k <= nv <= {MAX_TOPK_BLOCKS} and n_blocks >= nv; got k={k}, "
-                                   f"nv={nv}, n_blocks={n_blocks}")
+        raise AttentionConfigError(
+            f"{what}: needs 1 <= k <= nv <= {MAX_TOPK_BLOCKS} and n_blocks >= nv; got k={k}, "
+            f"nv={nv}, n_blocks={n_blocks}"
+        )
     if scores.stride(-1) != 1:
         scores = scores.contiguous()
     width = k if n_blocks == nv else n_blocks
@@ -205,10 +252,19 @@ def topk_block_lists(scores: torch.Tensor, k: int, *, n_blocks: int) -> torch.Te
     block_n = triton.next_power_of_2(max(n_blocks, 16))
     if out.numel():
         _topk_lists[(n_blocks, B * H)](
-            scores, out,
-            scores.stride(0), scores.stride(1), scores.stride(2),
-            H, nv, n_blocks, int(k), width,
-            BLOCK_N=block_n, HAS_TAIL=width > k, num_warps=max(1, min(16, block_n // 256)),
+            scores,
+            out,
+            scores.stride(0),
+            scores.stride(1),
+            scores.stride(2),
+            H,
+            nv,
+            n_blocks,
+            int(k),
+            width,
+            BLOCK_N=block_n,
+            HAS_TAIL=width > k,
+            num_warps=max(1, min(16, block_n // 256)),
         )
     return out
 
@@ -225,12 +281,15 @@ def mask_block_lists(video_mask: torch.Tensor, *, n_blocks: int, width: int) -> 
     what = "block-mask list kernel"
     check_device(video_mask, what=what)
     if video_mask.dim() != 4 or video_mask.dtype != torch.bool or video_mask.shape[2] != video_mask.shape[3]:
-        raise AttentionConfigError(f"{what}: video_mask must be bool [B, H, nv, nv]; got {video_mask.dtype} "
-                                   f"{tuple(video_mask.shape)}")
+        raise AttentionConfigError(
+            f"{what}: video_mask must be bool [B, H, nv, nv]; got {video_mask.dtype} {tuple(video_mask.shape)}"
+        )
     B, H, nv, _ = video_mask.shape
     if not 1 <= nv <= n_blocks <= MAX_TOPK_BLOCKS or not 1 <= width <= n_blocks:
-        raise AttentionConfigError(f"{what}: needs 1 <= nv <= n_blocks <= {MAX_TOPK_BLOCKS} and 1 <= width <= "
-                                   f"n_blocks; got nv={nv}, n_blocks={n_blocks}, width={width}")
+        raise AttentionConfigError(
+            f"{what}: needs 1 <= nv <= n_blocks <= {MAX_TOPK_BLOCKS} and 1 <= width <= "
+            f"n_blocks; got nv={nv}, n_blocks={n_blocks}, width={width}"
+        )
     if video_mask.stride(-1) != 1:
         video_mask = video_mask.contiguous()
     m = video_mask.view(torch.uint8)
@@ -239,12 +298,27 @@ def mask_block_lists(video_mask: torch.Tensor, *, n_blocks: int, width: int) -> 
     block_n = triton.next_power_of_2(max(n_blocks, 16))
     if out.numel():
         _mask_lists[(n_blocks, B * H)](
-            m, out, cnt,
-            m.stride(0), m.stride(1), m.stride(2),
-            H, nv, n_blocks, int(width),
-            BLOCK_N=block_n, num_warps=max(1, min(16, block_n // 256)),
+            m,
+            out,
+            cnt,
+            m.stride(0),
+            m.stride(1),
+            m.stride(2),
+            H,
+            nv,
+            n_blocks,
+            int(width),
+            BLOCK_N=block_n,
+            num_warps=max(1, min(16, block_n // 256)),
         )
     return out, cnt
 
 
-__all__ = ["pool_qk_blocks", "topk_block_lists", "mask_block_lists", "MAX_TOPK_BLOCKS", "POOL_HEAD_DIMS", "POOL_BLOCK_SIZES"]
+__all__ = [
+    "pool_qk_blocks",
+    "topk_block_lists",
+    "mask_block_lists",
+    "MAX_TOPK_BLOCKS",
+    "POOL_HEAD_DIMS",
+    "POOL_BLOCK_SIZES",
+]

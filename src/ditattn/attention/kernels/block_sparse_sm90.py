@@ -22,6 +22,7 @@ the two warpgroups' tile sequences run independently (see :func:`_bs_fwd_sm90`).
 bf16/fp16, head dim 64/128, block size 64.  Padding keys (``kv_valid``) are masked only in key
 blocks flagged as holding padding.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -91,8 +92,10 @@ def kernel_config(head_dim: int, config: Optional[dict], *, what: str = "block-s
         raise AttentionConfigError(f"{what}: num_stages must be >= 1, got {cfg['num_stages']}")
     need = smem_bytes(head_dim, cfg["num_stages"], static_max=cfg["static_max"], out_buffer=False) + SMEM_SLACK
     if head_dim in SUPPORTED_HEAD_DIMS and need > SMEM_LIMIT:  # (other head dims: why_not says why)
-        raise AttentionConfigError(f"{what}: num_stages {cfg['num_stages']} at head dim {head_dim} needs ~{need:,} B "
-                                   f"of shared memory, over the {SMEM_LIMIT:,} B of an SM90 CTA")
+        raise AttentionConfigError(
+            f"{what}: num_stages {cfg['num_stages']} at head dim {head_dim} needs ~{need:,} B "
+            f"of shared memory, over the {SMEM_LIMIT:,} B of an SM90 CTA"
+        )
     return cfg
 
 
@@ -101,8 +104,12 @@ def out_buffer(cfg: dict, head_dim: int) -> bool:
     head dim 128 with 2 stages, head dim 64 up to 6), so that Q's buffer is free for the next query
     tile as soon as the last Q.K is done; else the output goes through Q's buffer, which is released
     only once its TMA store has read it."""
-    return bool(cfg["persistent"]) and smem_bytes(head_dim, int(cfg["num_stages"]), static_max=bool(cfg["static_max"]),
-                                                  out_buffer=True) + SMEM_SLACK <= SMEM_LIMIT
+    return (
+        bool(cfg["persistent"])
+        and smem_bytes(head_dim, int(cfg["num_stages"]), static_max=bool(cfg["static_max"]), out_buffer=True)
+        + SMEM_SLACK
+        <= SMEM_LIMIT
+    )
 
 
 @gluon.jit
@@ -116,8 +123,29 @@ def _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-              idx0_ptr, idx1_ptr, n0, n1, has1, q_row, q_col, kv_row, kv_col, NUM_STAGES: gl.constexpr):
+def _producer(
+    q_desc,
+    k_desc,
+    v_desc,
+    q_smem,
+    k_smem,
+    v_smem,
+    q_bar,
+    k_ready,
+    k_empty,
+    v_ready,
+    v_empty,
+    idx0_ptr,
+    idx1_ptr,
+    n0,
+    n1,
+    has1,
+    q_row,
+    q_col,
+    kv_row,
+    kv_col,
+    NUM_STAGES: gl.constexpr,
+):
     """Q tiles of the CTA's query blocks, then the listed K/V tiles of both lists, interleaved, into
     their rings (ring w, stage st is slot ``w * NUM_STAGES + st``)."""
     mbarrier.expect(q_bar.index(0), q_desc.block_type.nbytes)
@@ -130,12 +158,25 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_
         ph = (i // NUM_STAGES) & 1
         if i < n0:
             kb = gl.load(idx0_ptr + i)
-            _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, st, ph,
-                     kv_row + kb * BLOCK, kv_col)
+            _load_kv(
+                k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, st, ph, kv_row + kb * BLOCK, kv_col
+            )
         if i < n1:
             kb = gl.load(idx1_ptr + i)
-            _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, NUM_STAGES + st, ph,
-                     kv_row + kb * BLOCK, kv_col)
+            _load_kv(
+                k_desc,
+                v_desc,
+                k_smem,
+                v_smem,
+                k_ready,
+                k_empty,
+                v_ready,
+                v_empty,
+                NUM_STAGES + st,
+                ph,
+                kv_row + kb * BLOCK,
+                kv_col,
+            )
 
 
 @gluon.jit
@@ -149,15 +190,20 @@ def _scores(s, idx_ptr, valid_ptr, partial_ptr, i, HAS_VALID: gl.constexpr, s_la
     return s
 
 
-
-
 def kernel_constexprs(cfg: dict, head_dim: int, dtype: torch.dtype, *, has_valid: bool, return_lse: bool) -> dict:
     """The compile-time arguments of ``_bs_fwd_sm90`` for one call (``cfg``: a :func:`kernel_config` result)."""
-    return dict(HEAD_DIM=head_dim, NUM_STAGES=int(cfg["num_stages"]), HAS_VALID=bool(has_valid),
-                RETURN_LSE=bool(return_lse), CONSUMER_REGS=int(cfg["consumer_regs"]),
-                PRODUCER_REGS=int(cfg["producer_regs"]), STATIC_MAX=bool(cfg["static_max"]),
-                LOGIT_LIMIT=LOGIT_LIMITS[dtype], PERSISTENT=bool(cfg["persistent"]),
-                OUT_BUFFER=out_buffer(cfg, head_dim))
+    return dict(
+        HEAD_DIM=head_dim,
+        NUM_STAGES=int(cfg["num_stages"]),
+        HAS_VALID=bool(has_valid),
+        RETURN_LSE=bool(return_lse),
+        CONSUMER_REGS=int(cfg["consumer_regs"]),
+        PRODUCER_REGS=int(cfg["producer_regs"]),
+        STATIC_MAX=bool(cfg["static_max"]),
+        LOGIT_LIMIT=LOGIT_LIMITS[dtype],
+        PERSISTENT=bool(cfg["persistent"]),
+        OUT_BUFFER=out_buffer(cfg, head_dim),
+    )
 
 
 @gluon.jit
@@ -178,9 +224,30 @@ def _probs(s, m_i, l_i, qk_scale, STATIC_MAX: gl.constexpr):
 
 
 @gluon.jit
-def _kv_loop(WG: gl.constexpr, q, n, c0, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready, v_empty, q_free,
-             idx_ptr, valid_ptr, partial_ptr, qk_scale, STATIC_MAX: gl.constexpr, HEAD_DIM: gl.constexpr,
-             NUM_STAGES: gl.constexpr, HAS_VALID: gl.constexpr, RUNNING: gl.constexpr, RELEASE_Q: gl.constexpr):
+def _kv_loop(
+    WG: gl.constexpr,
+    q,
+    n,
+    c0,
+    k_smem,
+    v_smem,
+    ones_smem,
+    k_ready,
+    k_empty,
+    v_ready,
+    v_empty,
+    q_free,
+    idx_ptr,
+    valid_ptr,
+    partial_ptr,
+    qk_scale,
+    STATIC_MAX: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    HAS_VALID: gl.constexpr,
+    RUNNING: gl.constexpr,
+    RELEASE_Q: gl.constexpr,
+):
     """The ``n >= 1`` listed key blocks of one query block: ``(acc [64, D], l [64], m [64])``.
 
     Q.K(i) is issued before P(i-1).V(i-1) (and, with the static max, P(i-1) x ones for the row sums),
@@ -194,8 +261,12 @@ def _kv_loop(WG: gl.constexpr, q, n, c0, k_smem, v_smem, ones_smem, k_ready, k_e
     the top of the next iteration: carried as 16-bit halves inside the persistent tile loop, ptxas
     packs them swapped and adds 16 byte permutes (PRMT) per key block (offline SASS, Triton 3.6)."""
     P_F32: gl.constexpr = RUNNING and STATIC_MAX
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
     l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     pl_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=2)
@@ -269,15 +340,45 @@ def _kv_loop(WG: gl.constexpr, q, n, c0, k_smem, v_smem, ones_smem, k_ready, k_e
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, ones_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-              o_desc, idx_ptr, n, live, valid_ptr, partial_ptr, lse_ptr, qn_ptr, kn, o_row, o_col, qk_scale,
-              HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_VALID: gl.constexpr, RETURN_LSE: gl.constexpr,
-              STATIC_MAX: gl.constexpr, LOGIT_LIMIT: gl.constexpr):
+def _consumer(
+    WG: gl.constexpr,
+    q_smem,
+    k_smem,
+    v_smem,
+    ones_smem,
+    q_bar,
+    k_ready,
+    k_empty,
+    v_ready,
+    v_empty,
+    o_desc,
+    idx_ptr,
+    n,
+    live,
+    valid_ptr,
+    partial_ptr,
+    lse_ptr,
+    qn_ptr,
+    kn,
+    o_row,
+    o_col,
+    qk_scale,
+    HEAD_DIM: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    HAS_VALID: gl.constexpr,
+    RETURN_LSE: gl.constexpr,
+    STATIC_MAX: gl.constexpr,
+    LOGIT_LIMIT: gl.constexpr,
+):
     """One query block (64 rows) over its ``n`` listed key blocks, then the epilogue.  With
     ``STATIC_MAX`` the rows' logit bound (``qn_i * kn``) decides once whether the loop runs without a
     running maximum (bound <= ``LOGIT_LIMIT``, see :data:`LOGIT_LIMITS`)."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
@@ -291,17 +392,80 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, ones_smem, q_bar, k_read
     if n > 0:
         if STATIC_MAX:
             if gl.max(gl.load(qn_ptr + rows), 0) * kn <= LOGIT_LIMIT:
-                acc, l_i, m_i = _kv_loop(WG, q, n, 0, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready, v_empty,
-                                         q_bar.index(WG), idx_ptr, valid_ptr, partial_ptr, qk_scale, True, HEAD_DIM,
-                                         NUM_STAGES, HAS_VALID, False, False)
+                acc, l_i, m_i = _kv_loop(
+                    WG,
+                    q,
+                    n,
+                    0,
+                    k_smem,
+                    v_smem,
+                    ones_smem,
+                    k_ready,
+                    k_empty,
+                    v_ready,
+                    v_empty,
+                    q_bar.index(WG),
+                    idx_ptr,
+                    valid_ptr,
+                    partial_ptr,
+                    qk_scale,
+                    True,
+                    HEAD_DIM,
+                    NUM_STAGES,
+                    HAS_VALID,
+                    False,
+                    False,
+                )
             else:
-                acc, l_i, m_i = _kv_loop(WG, q, n, 0, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready, v_empty,
-                                         q_bar.index(WG), idx_ptr, valid_ptr, partial_ptr, qk_scale, False, HEAD_DIM,
-                                         NUM_STAGES, HAS_VALID, False, False)
+                acc, l_i, m_i = _kv_loop(
+                    WG,
+                    q,
+                    n,
+                    0,
+                    k_smem,
+                    v_smem,
+                    ones_smem,
+                    k_ready,
+                    k_empty,
+                    v_ready,
+                    v_empty,
+                    q_bar.index(WG),
+                    idx_ptr,
+                    valid_ptr,
+                    partial_ptr,
+                    qk_scale,
+                    False,
+                    HEAD_DIM,
+                    NUM_STAGES,
+                    HAS_VALID,
+                    False,
+                    False,
+                )
         else:
-            acc, l_i, m_i = _kv_loop(WG, q, n, 0, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready, v_empty,
-                                     q_bar.index(WG), idx_ptr, valid_ptr, partial_ptr, qk_scale, False, HEAD_DIM,
-                                     NUM_STAGES, HAS_VALID, False, False)
+            acc, l_i, m_i = _kv_loop(
+                WG,
+                q,
+                n,
+                0,
+                k_smem,
+                v_smem,
+                ones_smem,
+                k_ready,
+                k_empty,
+                v_ready,
+                v_empty,
+                q_bar.index(WG),
+                idx_ptr,
+                valid_ptr,
+                partial_ptr,
+                qk_scale,
+                False,
+                HEAD_DIM,
+                NUM_STAGES,
+                HAS_VALID,
+                False,
+                False,
+            )
     if live:
         l_o = gl.convert_layout(l_i, row_o)
         out = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
@@ -334,10 +498,37 @@ def _load_q(q_desc, q_smem, q_ready, q_empty, WG: gl.constexpr, tq, row, col):
 
 
 @gluon.jit
-def _producer_persistent(WG: gl.constexpr, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                         k_empty, v_ready, v_empty, idx_ptr, cnt_ptr, num_tiles, H, GROUP, nq, Sq, Skv, stride_ib,
-                         stride_ih, stride_im, stride_cb, stride_ch, HEAD_DIM: gl.constexpr,
-                         NUM_STAGES: gl.constexpr, OUT_BUFFER: gl.constexpr):
+def _producer_persistent(
+    WG: gl.constexpr,
+    q_desc,
+    k_desc,
+    v_desc,
+    q_smem,
+    k_smem,
+    v_smem,
+    q_ready,
+    q_empty,
+    k_ready,
+    k_empty,
+    v_ready,
+    v_empty,
+    idx_ptr,
+    cnt_ptr,
+    num_tiles,
+    H,
+    GROUP,
+    nq,
+    Sq,
+    Skv,
+    stride_ib,
+    stride_ih,
+    stride_im,
+    stride_cb,
+    stride_ch,
+    HEAD_DIM: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    OUT_BUFFER: gl.constexpr,
+):
     """Warpgroup ``WG``'s loads over the CTA's tiles: per tile its query block's Q (once the consumer has
     released Q's buffer) and its listed K/V tiles.  The ring's running count ``c`` carries over from
     tile to tile, so the loads of the next tile start as soon as ring stages free up — during the
@@ -363,8 +554,20 @@ def _producer_persistent(WG: gl.constexpr, q_desc, k_desc, v_desc, q_smem, k_sme
                 if i == q_at:
                     _load_q(q_desc, q_smem, q_ready, q_empty, WG, tq, b * Sq + qb * BLOCK, h * HEAD_DIM)
                 kb = gl.load(idx + i)
-                _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
-                         base + c % NUM_STAGES, (c // NUM_STAGES) & 1, b * Skv + kb * BLOCK, hk * HEAD_DIM)
+                _load_kv(
+                    k_desc,
+                    v_desc,
+                    k_smem,
+                    v_smem,
+                    k_ready,
+                    k_empty,
+                    v_ready,
+                    v_empty,
+                    base + c % NUM_STAGES,
+                    (c // NUM_STAGES) & 1,
+                    b * Skv + kb * BLOCK,
+                    hk * HEAD_DIM,
+                )
                 c += 1
             if q_at == n:
                 _load_q(q_desc, q_smem, q_ready, q_empty, WG, tq, b * Sq + qb * BLOCK, h * HEAD_DIM)
@@ -372,19 +575,59 @@ def _producer_persistent(WG: gl.constexpr, q_desc, k_desc, v_desc, q_smem, k_sme
 
 
 @gluon.jit
-def _consumer_persistent(WG: gl.constexpr, q_smem, o_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, k_ready,
-                         k_empty, v_ready, v_empty, o_desc, idx_ptr, cnt_ptr, valid_ptr, partial_ptr, lse_ptr, qn_ptr,
-                         kn_ptr, num_tiles, H, GROUP, nq, Sq, qk_scale, stride_ib, stride_ih, stride_im, stride_cb,
-                         stride_ch, stride_vb, stride_pb, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-                         HAS_VALID: gl.constexpr, RETURN_LSE: gl.constexpr, STATIC_MAX: gl.constexpr,
-                         LOGIT_LIMIT: gl.constexpr, OUT_BUFFER: gl.constexpr):
+def _consumer_persistent(
+    WG: gl.constexpr,
+    q_smem,
+    o_smem,
+    k_smem,
+    v_smem,
+    ones_smem,
+    q_ready,
+    q_empty,
+    k_ready,
+    k_empty,
+    v_ready,
+    v_empty,
+    o_desc,
+    idx_ptr,
+    cnt_ptr,
+    valid_ptr,
+    partial_ptr,
+    lse_ptr,
+    qn_ptr,
+    kn_ptr,
+    num_tiles,
+    H,
+    GROUP,
+    nq,
+    Sq,
+    qk_scale,
+    stride_ib,
+    stride_ih,
+    stride_im,
+    stride_cb,
+    stride_ch,
+    stride_vb,
+    stride_pb,
+    HEAD_DIM: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    HAS_VALID: gl.constexpr,
+    RETURN_LSE: gl.constexpr,
+    STATIC_MAX: gl.constexpr,
+    LOGIT_LIMIT: gl.constexpr,
+    OUT_BUFFER: gl.constexpr,
+):
     """Warpgroup ``WG``'s query block of each of the CTA's tiles (the same sequence as its producer's):
     what :func:`_consumer` does for one, with the ring's running count ``c`` and Q's phase carried
     across tiles.  ``OUT_BUFFER``: the output is staged in ``o_smem`` (Q's buffer is released after the
     last Q.K, the TMA store is waited for only before the buffer's next use, one tile later); else in
     Q's buffer, released to the producer once the store has read it."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     npairs = (nq + 1) // 2
@@ -419,17 +662,80 @@ def _consumer_persistent(WG: gl.constexpr, q_smem, o_smem, k_smem, v_smem, ones_
             if n > 0:
                 if STATIC_MAX:
                     if bound <= LOGIT_LIMIT:
-                        acc, l_i, m_i = _kv_loop(WG, q, n, c, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready,
-                                                 v_empty, q_empty.index(WG), idx, valid_b, partial_b, qk_scale, True,
-                                                 HEAD_DIM, NUM_STAGES, HAS_VALID, True, OUT_BUFFER)
+                        acc, l_i, m_i = _kv_loop(
+                            WG,
+                            q,
+                            n,
+                            c,
+                            k_smem,
+                            v_smem,
+                            ones_smem,
+                            k_ready,
+                            k_empty,
+                            v_ready,
+                            v_empty,
+                            q_empty.index(WG),
+                            idx,
+                            valid_b,
+                            partial_b,
+                            qk_scale,
+                            True,
+                            HEAD_DIM,
+                            NUM_STAGES,
+                            HAS_VALID,
+                            True,
+                            OUT_BUFFER,
+                        )
                     else:
-                        acc, l_i, m_i = _kv_loop(WG, q, n, c, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready,
-                                                 v_empty, q_empty.index(WG), idx, valid_b, partial_b, qk_scale, False,
-                                                 HEAD_DIM, NUM_STAGES, HAS_VALID, True, OUT_BUFFER)
+                        acc, l_i, m_i = _kv_loop(
+                            WG,
+                            q,
+                            n,
+                            c,
+                            k_smem,
+                            v_smem,
+                            ones_smem,
+                            k_ready,
+                            k_empty,
+                            v_ready,
+                            v_empty,
+                            q_empty.index(WG),
+                            idx,
+                            valid_b,
+                            partial_b,
+                            qk_scale,
+                            False,
+                            HEAD_DIM,
+                            NUM_STAGES,
+                            HAS_VALID,
+                            True,
+                            OUT_BUFFER,
+                        )
                 else:
-                    acc, l_i, m_i = _kv_loop(WG, q, n, c, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready,
-                                             v_empty, q_empty.index(WG), idx, valid_b, partial_b, qk_scale, False,
-                                             HEAD_DIM, NUM_STAGES, HAS_VALID, True, OUT_BUFFER)
+                    acc, l_i, m_i = _kv_loop(
+                        WG,
+                        q,
+                        n,
+                        c,
+                        k_smem,
+                        v_smem,
+                        ones_smem,
+                        k_ready,
+                        k_empty,
+                        v_ready,
+                        v_empty,
+                        q_empty.index(WG),
+                        idx,
+                        valid_b,
+                        partial_b,
+                        qk_scale,
+                        False,
+                        HEAD_DIM,
+                        NUM_STAGES,
+                        HAS_VALID,
+                        True,
+                        OUT_BUFFER,
+                    )
                 c += n
             l_o = gl.convert_layout(l_i, row_o)
             out = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
@@ -449,13 +755,43 @@ def _consumer_persistent(WG: gl.constexpr, q_smem, o_smem, k_smem, v_smem, ones_
 
 
 @gluon.jit
-def _bs_fwd_sm90(q_desc, k_desc, v_desc, o_desc, idx_ptr, cnt_ptr, valid_ptr, partial_ptr, lse_ptr, qn_ptr, kn_ptr,
-                 H, GROUP, nq, Sq, Skv, qk_scale, stride_ib, stride_ih, stride_im, stride_cb, stride_ch,
-                 stride_vb, stride_pb, num_tiles,
-                 HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_VALID: gl.constexpr,
-                 RETURN_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                 STATIC_MAX: gl.constexpr, LOGIT_LIMIT: gl.constexpr, PERSISTENT: gl.constexpr,
-                 OUT_BUFFER: gl.constexpr):
+def _bs_fwd_sm90(
+    q_desc,
+    k_desc,
+    v_desc,
+    o_desc,
+    idx_ptr,
+    cnt_ptr,
+    valid_ptr,
+    partial_ptr,
+    lse_ptr,
+    qn_ptr,
+    kn_ptr,
+    H,
+    GROUP,
+    nq,
+    Sq,
+    Skv,
+    qk_scale,
+    stride_ib,
+    stride_ih,
+    stride_im,
+    stride_cb,
+    stride_ch,
+    stride_vb,
+    stride_pb,
+    num_tiles,
+    HEAD_DIM: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    HAS_VALID: gl.constexpr,
+    RETURN_LSE: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
+    STATIC_MAX: gl.constexpr,
+    LOGIT_LIMIT: gl.constexpr,
+    PERSISTENT: gl.constexpr,
+    OUT_BUFFER: gl.constexpr,
+):
     """Grid ``(ceil(nq / 2), B * H)``: one CTA per (batch, head, query-block pair) tile; or, with
     ``PERSISTENT``, ``(min(num_tiles, SMs),)``: each CTA loops over tiles ``pid, pid + grid, ...``.
 
@@ -469,15 +805,77 @@ def _bs_fwd_sm90(q_desc, k_desc, v_desc, o_desc, idx_ptr, cnt_ptr, valid_ptr, pa
     order would keep all 40 heads' K/V in flight (670 MB at 480p) and every query block would read
     its K/V from HBM."""
     if PERSISTENT:
-        _bs_fwd_persistent(q_desc, k_desc, v_desc, o_desc, idx_ptr, cnt_ptr, valid_ptr, partial_ptr, lse_ptr, qn_ptr,
-                           kn_ptr, H, GROUP, nq, Sq, Skv, qk_scale, stride_ib, stride_ih, stride_im, stride_cb,
-                           stride_ch, stride_vb, stride_pb, num_tiles, HEAD_DIM, NUM_STAGES, HAS_VALID, RETURN_LSE,
-                           CONSUMER_REGS, PRODUCER_REGS, STATIC_MAX, LOGIT_LIMIT, OUT_BUFFER)
+        _bs_fwd_persistent(
+            q_desc,
+            k_desc,
+            v_desc,
+            o_desc,
+            idx_ptr,
+            cnt_ptr,
+            valid_ptr,
+            partial_ptr,
+            lse_ptr,
+            qn_ptr,
+            kn_ptr,
+            H,
+            GROUP,
+            nq,
+            Sq,
+            Skv,
+            qk_scale,
+            stride_ib,
+            stride_ih,
+            stride_im,
+            stride_cb,
+            stride_ch,
+            stride_vb,
+            stride_pb,
+            num_tiles,
+            HEAD_DIM,
+            NUM_STAGES,
+            HAS_VALID,
+            RETURN_LSE,
+            CONSUMER_REGS,
+            PRODUCER_REGS,
+            STATIC_MAX,
+            LOGIT_LIMIT,
+            OUT_BUFFER,
+        )
     else:
-        _bs_fwd_tile(q_desc, k_desc, v_desc, o_desc, idx_ptr, cnt_ptr, valid_ptr, partial_ptr, lse_ptr, qn_ptr, kn_ptr,
-                     H, GROUP, nq, Sq, Skv, qk_scale, stride_ib, stride_ih, stride_im, stride_cb, stride_ch,
-                     stride_vb, stride_pb, HEAD_DIM, NUM_STAGES, HAS_VALID, RETURN_LSE, CONSUMER_REGS,
-                     PRODUCER_REGS, STATIC_MAX, LOGIT_LIMIT)
+        _bs_fwd_tile(
+            q_desc,
+            k_desc,
+            v_desc,
+            o_desc,
+            idx_ptr,
+            cnt_ptr,
+            valid_ptr,
+            partial_ptr,
+            lse_ptr,
+            qn_ptr,
+            kn_ptr,
+            H,
+            GROUP,
+            nq,
+            Sq,
+            Skv,
+            qk_scale,
+            stride_ib,
+            stride_ih,
+            stride_im,
+            stride_cb,
+            stride_ch,
+            stride_vb,
+            stride_pb,
+            HEAD_DIM,
+            NUM_STAGES,
+            HAS_VALID,
+            RETURN_LSE,
+            CONSUMER_REGS,
+            PRODUCER_REGS,
+            STATIC_MAX,
+            LOGIT_LIMIT,
+        )
 
 
 @gluon.jit
@@ -504,12 +902,42 @@ def _kv_rings(k_desc, v_desc, NUM_STAGES: gl.constexpr, STATIC_MAX: gl.constexpr
 
 
 @gluon.jit
-def _bs_fwd_persistent(q_desc, k_desc, v_desc, o_desc, idx_ptr, cnt_ptr, valid_ptr, partial_ptr, lse_ptr, qn_ptr,
-                       kn_ptr, H, GROUP, nq, Sq, Skv, qk_scale, stride_ib, stride_ih, stride_im, stride_cb, stride_ch,
-                       stride_vb, stride_pb, num_tiles, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-                       HAS_VALID: gl.constexpr, RETURN_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                       PRODUCER_REGS: gl.constexpr, STATIC_MAX: gl.constexpr, LOGIT_LIMIT: gl.constexpr,
-                       OUT_BUFFER: gl.constexpr):
+def _bs_fwd_persistent(
+    q_desc,
+    k_desc,
+    v_desc,
+    o_desc,
+    idx_ptr,
+    cnt_ptr,
+    valid_ptr,
+    partial_ptr,
+    lse_ptr,
+    qn_ptr,
+    kn_ptr,
+    H,
+    GROUP,
+    nq,
+    Sq,
+    Skv,
+    qk_scale,
+    stride_ib,
+    stride_ih,
+    stride_im,
+    stride_cb,
+    stride_ch,
+    stride_vb,
+    stride_pb,
+    num_tiles,
+    HEAD_DIM: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    HAS_VALID: gl.constexpr,
+    RETURN_LSE: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
+    STATIC_MAX: gl.constexpr,
+    LOGIT_LIMIT: gl.constexpr,
+    OUT_BUFFER: gl.constexpr,
+):
     """The persistent schedule: two consumer warpgroups and two producer warps (one per ring)."""
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     o_smem = q_smem  # placeholder: the output goes through Q's buffer
@@ -521,32 +949,207 @@ def _bs_fwd_persistent(q_desc, k_desc, v_desc, o_desc, idx_ptr, cnt_ptr, valid_p
     for w in gl.static_range(2):
         mbarrier.init(q_ready.index(w), count=1)
         mbarrier.init(q_empty.index(w), count=1)
-    gl.warp_specialize([
-        (_consumer_persistent, (0, q_smem, o_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, k_ready, k_empty,
-                                v_ready, v_empty, o_desc, idx_ptr, cnt_ptr, valid_ptr, partial_ptr, lse_ptr, qn_ptr,
-                                kn_ptr, num_tiles, H, GROUP, nq, Sq, qk_scale, stride_ib, stride_ih, stride_im,
-                                stride_cb, stride_ch, stride_vb, stride_pb, HEAD_DIM, NUM_STAGES, HAS_VALID,
-                                RETURN_LSE, STATIC_MAX, LOGIT_LIMIT, OUT_BUFFER)),
-        (_consumer_persistent, (1, q_smem, o_smem, k_smem, v_smem, ones_smem, q_ready, q_empty, k_ready, k_empty,
-                                v_ready, v_empty, o_desc, idx_ptr, cnt_ptr, valid_ptr, partial_ptr, lse_ptr, qn_ptr,
-                                kn_ptr, num_tiles, H, GROUP, nq, Sq, qk_scale, stride_ib, stride_ih, stride_im,
-                                stride_cb, stride_ch, stride_vb, stride_pb, HEAD_DIM, NUM_STAGES, HAS_VALID,
-                                RETURN_LSE, STATIC_MAX, LOGIT_LIMIT, OUT_BUFFER)),
-        (_producer_persistent, (0, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-                                v_ready, v_empty, idx_ptr, cnt_ptr, num_tiles, H, GROUP, nq, Sq, Skv, stride_ib,
-                                stride_ih, stride_im, stride_cb, stride_ch, HEAD_DIM, NUM_STAGES, OUT_BUFFER)),
-        (_producer_persistent, (1, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-                                v_ready, v_empty, idx_ptr, cnt_ptr, num_tiles, H, GROUP, nq, Sq, Skv, stride_ib,
-                                stride_ih, stride_im, stride_cb, stride_ch, HEAD_DIM, NUM_STAGES, OUT_BUFFER)),
-    ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
+    gl.warp_specialize(
+        [
+            (
+                _consumer_persistent,
+                (
+                    0,
+                    q_smem,
+                    o_smem,
+                    k_smem,
+                    v_smem,
+                    ones_smem,
+                    q_ready,
+                    q_empty,
+                    k_ready,
+                    k_empty,
+                    v_ready,
+                    v_empty,
+                    o_desc,
+                    idx_ptr,
+                    cnt_ptr,
+                    valid_ptr,
+                    partial_ptr,
+                    lse_ptr,
+                    qn_ptr,
+                    kn_ptr,
+                    num_tiles,
+                    H,
+                    GROUP,
+                    nq,
+                    Sq,
+                    qk_scale,
+                    stride_ib,
+                    stride_ih,
+                    stride_im,
+                    stride_cb,
+                    stride_ch,
+                    stride_vb,
+                    stride_pb,
+                    HEAD_DIM,
+                    NUM_STAGES,
+                    HAS_VALID,
+                    RETURN_LSE,
+                    STATIC_MAX,
+                    LOGIT_LIMIT,
+                    OUT_BUFFER,
+                ),
+            ),
+            (
+                _consumer_persistent,
+                (
+                    1,
+                    q_smem,
+                    o_smem,
+                    k_smem,
+                    v_smem,
+                    ones_smem,
+                    q_ready,
+                    q_empty,
+                    k_ready,
+                    k_empty,
+                    v_ready,
+                    v_empty,
+                    o_desc,
+                    idx_ptr,
+                    cnt_ptr,
+                    valid_ptr,
+                    partial_ptr,
+                    lse_ptr,
+                    qn_ptr,
+                    kn_ptr,
+                    num_tiles,
+                    H,
+                    GROUP,
+                    nq,
+                    Sq,
+                    qk_scale,
+                    stride_ib,
+                    stride_ih,
+                    stride_im,
+                    stride_cb,
+                    stride_ch,
+                    stride_vb,
+                    stride_pb,
+                    HEAD_DIM,
+                    NUM_STAGES,
+                    HAS_VALID,
+                    RETURN_LSE,
+                    STATIC_MAX,
+                    LOGIT_LIMIT,
+                    OUT_BUFFER,
+                ),
+            ),
+            (
+                _producer_persistent,
+                (
+                    0,
+                    q_desc,
+                    k_desc,
+                    v_desc,
+                    q_smem,
+                    k_smem,
+                    v_smem,
+                    q_ready,
+                    q_empty,
+                    k_ready,
+                    k_empty,
+                    v_ready,
+                    v_empty,
+                    idx_ptr,
+                    cnt_ptr,
+                    num_tiles,
+                    H,
+                    GROUP,
+                    nq,
+                    Sq,
+                    Skv,
+                    stride_ib,
+                    stride_ih,
+                    stride_im,
+                    stride_cb,
+                    stride_ch,
+                    HEAD_DIM,
+                    NUM_STAGES,
+                    OUT_BUFFER,
+                ),
+            ),
+            (
+                _producer_persistent,
+                (
+                    1,
+                    q_desc,
+                    k_desc,
+                    v_desc,
+                    q_smem,
+                    k_smem,
+                    v_smem,
+                    q_ready,
+                    q_empty,
+                    k_ready,
+                    k_empty,
+                    v_ready,
+                    v_empty,
+                    idx_ptr,
+                    cnt_ptr,
+                    num_tiles,
+                    H,
+                    GROUP,
+                    nq,
+                    Sq,
+                    Skv,
+                    stride_ib,
+                    stride_ih,
+                    stride_im,
+                    stride_cb,
+                    stride_ch,
+                    HEAD_DIM,
+                    NUM_STAGES,
+                    OUT_BUFFER,
+                ),
+            ),
+        ],
+        [4, 1, 1],
+        [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS],
+    )
 
 
 @gluon.jit
-def _bs_fwd_tile(q_desc, k_desc, v_desc, o_desc, idx_ptr, cnt_ptr, valid_ptr, partial_ptr, lse_ptr, qn_ptr, kn_ptr,
-                 H, GROUP, nq, Sq, Skv, qk_scale, stride_ib, stride_ih, stride_im, stride_cb, stride_ch,
-                 stride_vb, stride_pb, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_VALID: gl.constexpr,
-                 RETURN_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                 STATIC_MAX: gl.constexpr, LOGIT_LIMIT: gl.constexpr):
+def _bs_fwd_tile(
+    q_desc,
+    k_desc,
+    v_desc,
+    o_desc,
+    idx_ptr,
+    cnt_ptr,
+    valid_ptr,
+    partial_ptr,
+    lse_ptr,
+    qn_ptr,
+    kn_ptr,
+    H,
+    GROUP,
+    nq,
+    Sq,
+    Skv,
+    qk_scale,
+    stride_ib,
+    stride_ih,
+    stride_im,
+    stride_cb,
+    stride_ch,
+    stride_vb,
+    stride_pb,
+    HEAD_DIM: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    HAS_VALID: gl.constexpr,
+    RETURN_LSE: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
+    STATIC_MAX: gl.constexpr,
+    LOGIT_LIMIT: gl.constexpr,
+):
     """One CTA per tile (the default schedule)."""
     pid = gl.program_id(0)
     pid_bh = gl.program_id(1)
@@ -575,16 +1178,104 @@ def _bs_fwd_tile(q_desc, k_desc, v_desc, o_desc, idx_ptr, cnt_ptr, valid_ptr, pa
     kn = 0.0
     if STATIC_MAX:
         kn = gl.load(kn_ptr + b * (H // GROUP) + hk)
-    gl.warp_specialize([
-        (_consumer, (0, q_smem, k_smem, v_smem, ones_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, idx0,
-                     n0, True, valid_b, partial_b, lse_row, qn_row, kn, q_row, h * HEAD_DIM, qk_scale, HEAD_DIM,
-                     NUM_STAGES, HAS_VALID, RETURN_LSE, STATIC_MAX, LOGIT_LIMIT)),
-        (_consumer, (1, q_smem, k_smem, v_smem, ones_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, idx1,
-                     n1, has1, valid_b, partial_b, lse_row + BLOCK, qn_row + BLOCK, kn, q_row + BLOCK,
-                     h * HEAD_DIM, qk_scale, HEAD_DIM, NUM_STAGES, HAS_VALID, RETURN_LSE, STATIC_MAX, LOGIT_LIMIT)),
-        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                     idx0, idx1, n0, n1, has1, q_row, h * HEAD_DIM, b * Skv, hk * HEAD_DIM, NUM_STAGES)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    gl.warp_specialize(
+        [
+            (
+                _consumer,
+                (
+                    0,
+                    q_smem,
+                    k_smem,
+                    v_smem,
+                    ones_smem,
+                    q_bar,
+                    k_ready,
+                    k_empty,
+                    v_ready,
+                    v_empty,
+                    o_desc,
+                    idx0,
+                    n0,
+                    True,
+                    valid_b,
+                    partial_b,
+                    lse_row,
+                    qn_row,
+                    kn,
+                    q_row,
+                    h * HEAD_DIM,
+                    qk_scale,
+                    HEAD_DIM,
+                    NUM_STAGES,
+                    HAS_VALID,
+                    RETURN_LSE,
+                    STATIC_MAX,
+                    LOGIT_LIMIT,
+                ),
+            ),
+            (
+                _consumer,
+                (
+                    1,
+                    q_smem,
+                    k_smem,
+                    v_smem,
+                    ones_smem,
+                    q_bar,
+                    k_ready,
+                    k_empty,
+                    v_ready,
+                    v_empty,
+                    o_desc,
+                    idx1,
+                    n1,
+                    has1,
+                    valid_b,
+                    partial_b,
+                    lse_row + BLOCK,
+                    qn_row + BLOCK,
+                    kn,
+                    q_row + BLOCK,
+                    h * HEAD_DIM,
+                    qk_scale,
+                    HEAD_DIM,
+                    NUM_STAGES,
+                    HAS_VALID,
+                    RETURN_LSE,
+                    STATIC_MAX,
+                    LOGIT_LIMIT,
+                ),
+            ),
+            (
+                _producer,
+                (
+                    q_desc,
+                    k_desc,
+                    v_desc,
+                    q_smem,
+                    k_smem,
+                    v_smem,
+                    q_bar,
+                    k_ready,
+                    k_empty,
+                    v_ready,
+                    v_empty,
+                    idx0,
+                    idx1,
+                    n0,
+                    n1,
+                    has1,
+                    q_row,
+                    h * HEAD_DIM,
+                    b * Skv,
+                    hk * HEAD_DIM,
+                    NUM_STAGES,
+                ),
+            ),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, PRODUCER_REGS],
+    )
 
 
 def why_not(q: torch.Tensor, block_size: int) -> Optional[str]:
@@ -598,8 +1289,9 @@ def why_not(q: torch.Tensor, block_size: int) -> Optional[str]:
     return None
 
 
-def launch(q, k, v, kv_indices, kv_counts, valid, partial, *, scale: float, return_lse: bool,
-           config: Optional[dict] = None):
+def launch(
+    q, k, v, kv_indices, kv_counts, valid, partial, *, scale: float, return_lse: bool, config: Optional[dict] = None
+):
     """Launch on validated inputs: q/k/v ``[B, S, H|H_kv, D]`` (last dim contiguous), lists expanded to
     ``[B, H, ...]`` int32 with unit last stride, ``valid`` int8 ``[B, S_kv]`` and ``partial`` int8
     ``[B, S_kv / 64]`` (or both None without padding keys).  Returns ``(out, lse | None)``."""
@@ -633,14 +1325,50 @@ def launch(q, k, v, kv_indices, kv_counts, valid, partial, *, scale: float, retu
     else:
         grid = ((nq + 1) // 2, B * H)
     _bs_fwd_sm90[grid](
-        qd, kd, vd, od, kv_indices, kv_counts, valid, partial, lse, qn, kn,
-        H, H // Hkv, nq, Sq, Skv, scale * LOG2E,
-        kv_indices.stride(0), kv_indices.stride(1), kv_indices.stride(2), kv_counts.stride(0), kv_counts.stride(1),
-        valid.stride(0) if has_valid else 0, partial.stride(0) if has_valid else 0, num_tiles,
-        **kernel_constexprs(cfg, D, q.dtype, has_valid=has_valid, return_lse=return_lse), num_warps=4, maxnreg=168,
+        qd,
+        kd,
+        vd,
+        od,
+        kv_indices,
+        kv_counts,
+        valid,
+        partial,
+        lse,
+        qn,
+        kn,
+        H,
+        H // Hkv,
+        nq,
+        Sq,
+        Skv,
+        scale * LOG2E,
+        kv_indices.stride(0),
+        kv_indices.stride(1),
+        kv_indices.stride(2),
+        kv_counts.stride(0),
+        kv_counts.stride(1),
+        valid.stride(0) if has_valid else 0,
+        partial.stride(0) if has_valid else 0,
+        num_tiles,
+        **kernel_constexprs(cfg, D, q.dtype, has_valid=has_valid, return_lse=return_lse),
+        num_warps=4,
+        maxnreg=168,
     )
     return out, (lse if return_lse else None)
 
 
-__all__ = ["launch", "why_not", "default_config", "kernel_config", "kernel_constexprs", "smem_bytes", "out_buffer",
-           "num_sms", "LOGIT_LIMITS", "SMEM_LIMIT", "SMEM_SLACK", "SUPPORTED_BLOCK_SIZES", "SUPPORTED_HEAD_DIMS"]
+__all__ = [
+    "launch",
+    "why_not",
+    "default_config",
+    "kernel_config",
+    "kernel_constexprs",
+    "smem_bytes",
+    "out_buffer",
+    "num_sms",
+    "LOGIT_LIMITS",
+    "SMEM_LIMIT",
+    "SMEM_SLACK",
+    "SUPPORTED_BLOCK_SIZES",
+    "SUPPORTED_HEAD_DIMS",
+]

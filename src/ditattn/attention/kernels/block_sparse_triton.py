@@ -13,6 +13,7 @@ Block-list format: ``kv_indices`` int32 ``[B, H, n_q_blocks, max_kv_blocks]``, `
 ``[B, H, n_q_blocks]`` (B and H may be 1: broadcast); the first ``kv_counts`` entries of a row are
 the key blocks that query block attends (distinct, in ``[0, S_kv / block_size)``).
 """
+
 from __future__ import annotations
 
 import functools
@@ -52,17 +53,49 @@ def softmax_finish(acc, m_i, l_i):
 
 @triton.jit
 def _bs_attn_fwd(
-    Q, K, V, Out, Lse, KvIdx, KvCnt, KvValid, KvPartial, QD, KD, VD,
-    stride_qb, stride_qs, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    stride_ob, stride_os, stride_oh,
-    stride_ib, stride_ih, stride_im,
-    stride_cb, stride_ch,
-    stride_valid_b, stride_partial_b,
-    H, GROUP, qk_scale, Sq, Skv,
-    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, KV_PER_ITER: tl.constexpr,
-    HAS_VALID: tl.constexpr, RETURN_LSE: tl.constexpr, USE_TMA: tl.constexpr, WS: tl.constexpr,
+    Q,
+    K,
+    V,
+    Out,
+    Lse,
+    KvIdx,
+    KvCnt,
+    KvValid,
+    KvPartial,
+    QD,
+    KD,
+    VD,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    stride_ib,
+    stride_ih,
+    stride_im,
+    stride_cb,
+    stride_ch,
+    stride_valid_b,
+    stride_partial_b,
+    H,
+    GROUP,
+    qk_scale,
+    Sq,
+    Skv,
+    HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    KV_PER_ITER: tl.constexpr,
+    HAS_VALID: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    WS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -122,8 +155,10 @@ def _bs_attn_fwd(
         m_i = m_new
 
     out, lse = softmax_finish(acc, m_i, l_i)
-    tl.store(Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],
-             out.to(Out.dtype.element_ty))
+    tl.store(
+        Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+    )
     if RETURN_LSE:
         tl.store(Lse + pid_bh * (tl.num_programs(0) * BLOCK) + offs_m, lse)
 
@@ -210,8 +245,10 @@ def _identity_cached(cache: dict, tensors: tuple, extra: tuple, compute):
     hit = cache.get(key)
     if hit is not None:
         refs, result = hit
-        if all((r is None and t is None) or (r is not None and t is not None and r[0]() is t and r[1] == t._version)
-               for r, t in zip(refs, tensors)):
+        if all(
+            (r is None and t is None) or (r is not None and t is not None and r[0]() is t and r[1] == t._version)
+            for r, t in zip(refs, tensors)
+        ):
             return result
     result = compute()
     if len(cache) >= 64:  # drop entries whose tensors are gone (their results may hold device memory)
@@ -223,7 +260,9 @@ def _identity_cached(cache: dict, tensors: tuple, extra: tuple, compute):
     return result
 
 
-def _probe(kv_valid: Optional[torch.Tensor], kv_counts: Optional[torch.Tensor], skv: int) -> tuple[Optional[int], bool]:
+def _probe(
+    kv_valid: Optional[torch.Tensor], kv_counts: Optional[torch.Tensor], skv: int
+) -> tuple[Optional[int], bool]:
     """``(valid prefix length or None, any empty query block)``; ``kv_counts`` None: the caller
     guarantees that every query block lists a key block (then only ``kv_valid`` is probed).
 
@@ -235,12 +274,14 @@ def _probe(kv_valid: Optional[torch.Tensor], kv_counts: Optional[torch.Tensor], 
     """
     if kv_valid is None and kv_counts is None:
         return skv, False
-    return _identity_cached(_PROBE_CACHE, (kv_valid, kv_counts), (skv,),
-                            lambda: _probe_uncached(kv_valid, kv_counts, skv))
+    return _identity_cached(
+        _PROBE_CACHE, (kv_valid, kv_counts), (skv,), lambda: _probe_uncached(kv_valid, kv_counts, skv)
+    )
 
 
-def fa4_fits(q: torch.Tensor, block_size: int, kv_valid: Optional[torch.Tensor],
-             valid_len: Optional[int] = -1) -> Optional[str]:
+def fa4_fits(
+    q: torch.Tensor, block_size: int, kv_valid: Optional[torch.Tensor], valid_len: Optional[int] = -1
+) -> Optional[str]:
     """Why the FlashAttention-4 block-sparse path cannot take this call (None: it can).
     ``valid_len``: the valid key prefix length if already known (-1: compute it)."""
     if _fa4_block_sparse() is None:
@@ -270,8 +311,13 @@ def _fa4_call(q, k, v, kv_indices, kv_counts, block_size, scale, n, any_empty, r
     def build():  # FA4's list format, once per plan (cached: no per-call copies on the host path)
         idx = kv_indices.expand(B, H, -1, -1).contiguous()
         cnt = kv_counts.expand(B, H, -1).contiguous()
-        return cnt, BST(mask_block_cnt=torch.zeros_like(cnt), mask_block_idx=torch.zeros_like(idx),
-                        full_block_cnt=cnt, full_block_idx=idx, block_size=(block_size, block_size))
+        return cnt, BST(
+            mask_block_cnt=torch.zeros_like(cnt),
+            mask_block_idx=torch.zeros_like(idx),
+            full_block_cnt=cnt,
+            full_block_idx=idx,
+            block_size=(block_size, block_size),
+        )
 
     cnt, tensors = _identity_cached(_FA4_LISTS_CACHE, (kv_indices, kv_counts), (B, H, block_size), build)
     out, lse = flash_attn_func(q, k, v, softmax_scale=scale, block_sparse_tensors=tensors, return_lse=return_lse)
@@ -283,11 +329,21 @@ def _fa4_call(q, k, v, kv_indices, kv_counts, block_size, scale, n, any_empty, r
     return out, (lse.float() if return_lse else None)
 
 
-def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                  kv_indices: torch.Tensor, kv_counts: torch.Tensor, *,
-                                  block_size: int = 64, scale: Optional[float] = None,
-                                  kv_valid: Optional[torch.Tensor] = None, return_lse: bool = False,
-                                  config: Optional[dict] = None, impl: str = "auto", nonempty_rows: bool = False):
+def block_sparse_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_counts: torch.Tensor,
+    *,
+    block_size: int = 64,
+    scale: Optional[float] = None,
+    kv_valid: Optional[torch.Tensor] = None,
+    return_lse: bool = False,
+    config: Optional[dict] = None,
+    impl: str = "auto",
+    nonempty_rows: bool = False,
+):
     """Exact attention of each query block over its listed key blocks, fused in one kernel.
 
     q ``[B, S_q, H, D]``, k/v ``[B, S_kv, H_kv, D]`` (fp16/bf16; ``H % H_kv == 0``; ``S_q`` and
@@ -317,7 +373,9 @@ def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         raise AttentionConfigError(f"{what}: impl {impl!r} not supported (accepts {list(IMPLS)})")
     B, Sq, Skv, H, Hkv, D = check_qkv(q, k, v, what=what, head_dims=SUPPORTED_HEAD_DIMS)
     if block_size not in SUPPORTED_BLOCK_SIZES:
-        raise AttentionConfigError(f"{what}: block_size {block_size} not supported (accepts {list(SUPPORTED_BLOCK_SIZES)})")
+        raise AttentionConfigError(
+            f"{what}: block_size {block_size} not supported (accepts {list(SUPPORTED_BLOCK_SIZES)})"
+        )
     if impl == "sm90":  # config errors first, whatever the device: the SM90 kernel's own keys and values
         from ditattn.attention.kernels import block_sparse_sm90
 
@@ -343,9 +401,13 @@ def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         if t.dtype != torch.int32:
             raise AttentionConfigError(f"{what}: {name} must be int32, got {t.dtype}")
         if t.shape[0] not in (1, B) or t.shape[1] not in (1, H):
-            raise AttentionConfigError(f"{what}: {name} batch/head dims {tuple(t.shape[:2])} must be ({B} or 1, {H} or 1)")
+            raise AttentionConfigError(
+                f"{what}: {name} batch/head dims {tuple(t.shape[:2])} must be ({B} or 1, {H} or 1)"
+            )
     if kv_valid is not None and (kv_valid.dtype != torch.bool or tuple(kv_valid.shape) != (B, Skv)):
-        raise AttentionConfigError(f"{what}: kv_valid must be bool [{B}, {Skv}], got {kv_valid.dtype} {tuple(kv_valid.shape)}")
+        raise AttentionConfigError(
+            f"{what}: kv_valid must be bool [{B}, {Skv}], got {kv_valid.dtype} {tuple(kv_valid.shape)}"
+        )
     if kv_indices.shape[3] == 0:
         kv_indices = torch.zeros(*kv_indices.shape[:3], 1, dtype=torch.int32, device=q.device)
     if impl == "auto" and config is None and _sm90_auto(q, block_size):
@@ -356,7 +418,7 @@ def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
             raise AttentionConfigError(f"{what}: impl 'sm90' cannot take this call: {why}")
 
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
-    scale = D ** -0.5 if scale is None else float(scale)
+    scale = D**-0.5 if scale is None else float(scale)
     if impl == "fa4" or (impl == "auto" and q.is_cuda and block_size in FA4_AUTO_BLOCK_SIZES):
         why = fa4_fits(q, block_size, None)
         if why is None:
@@ -374,44 +436,87 @@ def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     if kv_counts.stride(-1) != 1:
         kv_counts = kv_counts.contiguous()
     if kv_valid is not None:  # int8 key mask + per key block "holds padding" flags, once per plan
-        valid, partial = _identity_cached(_VALID_CACHE, (kv_valid,), (block_size,), lambda: (
-            kv_valid.to(torch.int8).contiguous(), (~kv_valid.view(B, -1, block_size).all(-1)).to(torch.int8)))
+        valid, partial = _identity_cached(
+            _VALID_CACHE,
+            (kv_valid,),
+            (block_size,),
+            lambda: (kv_valid.to(torch.int8).contiguous(), (~kv_valid.view(B, -1, block_size).all(-1)).to(torch.int8)),
+        )
     else:
         valid = partial = None
     if impl == "sm90":
         from ditattn.attention.kernels import block_sparse_sm90
 
-        return block_sparse_sm90.launch(q, k, v, kv_indices, kv_counts, valid, partial, scale=scale,
-                                        return_lse=return_lse, config=config)
+        return block_sparse_sm90.launch(
+            q, k, v, kv_indices, kv_counts, valid, partial, scale=scale, return_lse=return_lse, config=config
+        )
     if valid is None:
         valid = partial = kv_counts  # unused placeholders
     out = torch.empty_like(q)
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device) if return_lse else out
-    use_tma = bool(cfg["tma"]) and kvpi == 1 and all(t.is_contiguous() for t in (q, k, v)) and (
-        interpreting() or torch.cuda.get_device_capability(q.device)[0] >= 9)
+    use_tma = (
+        bool(cfg["tma"])
+        and kvpi == 1
+        and all(t.is_contiguous() for t in (q, k, v))
+        and (interpreting() or torch.cuda.get_device_capability(q.device)[0] >= 9)
+    )
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        descs = (TensorDescriptor(q, [B * Sq, H * D], [H * D, 1], [block_size, D]),
-                 TensorDescriptor(k, [B * Skv, Hkv * D], [Hkv * D, 1], [block_size, D]),
-                 TensorDescriptor(v, [B * Skv, Hkv * D], [Hkv * D, 1], [block_size, D]))
+        descs = (
+            TensorDescriptor(q, [B * Sq, H * D], [H * D, 1], [block_size, D]),
+            TensorDescriptor(k, [B * Skv, Hkv * D], [Hkv * D, 1], [block_size, D]),
+            TensorDescriptor(v, [B * Skv, Hkv * D], [Hkv * D, 1], [block_size, D]),
+        )
     else:
         descs = (q, k, v)  # unused placeholders
     grid = (nq, B * H)
     args = (
-        q, k, v, out, lse, kv_indices, kv_counts, valid, partial, *descs,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        kv_indices.stride(0), kv_indices.stride(1), kv_indices.stride(2),
-        kv_counts.stride(0), kv_counts.stride(1),
-        valid.stride(0) if kv_valid is not None else 0, partial.stride(0) if kv_valid is not None else 0,
-        H, H // Hkv, scale * LOG2E, Sq, Skv,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        kv_indices,
+        kv_counts,
+        valid,
+        partial,
+        *descs,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        kv_indices.stride(0),
+        kv_indices.stride(1),
+        kv_indices.stride(2),
+        kv_counts.stride(0),
+        kv_counts.stride(1),
+        valid.stride(0) if kv_valid is not None else 0,
+        partial.stride(0) if kv_valid is not None else 0,
+        H,
+        H // Hkv,
+        scale * LOG2E,
+        Sq,
+        Skv,
     )
-    meta = dict(HEAD_DIM=D, BLOCK=block_size, KV_PER_ITER=kvpi, HAS_VALID=kv_valid is not None,
-                RETURN_LSE=bool(return_lse), USE_TMA=use_tma, WS=bool(cfg["warp_specialize"]),
-                num_warps=int(cfg["num_warps"]))
+    meta = dict(
+        HEAD_DIM=D,
+        BLOCK=block_size,
+        KV_PER_ITER=kvpi,
+        HAS_VALID=kv_valid is not None,
+        RETURN_LSE=bool(return_lse),
+        USE_TMA=use_tma,
+        WS=bool(cfg["warp_specialize"]),
+        num_warps=int(cfg["num_warps"]),
+    )
     stages = int(cfg["num_stages"])
     if cfg["tma"] and not use_tma and "num_stages" not in (config or {}):
         stages = _POINTER_STAGES
@@ -422,5 +527,11 @@ def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     return out, (lse if return_lse else None)
 
 
-__all__ = ["block_sparse_attention_triton", "default_config", "fa4_fits", "SUPPORTED_BLOCK_SIZES",
-           "SUPPORTED_HEAD_DIMS", "IMPLS"]
+__all__ = [
+    "block_sparse_attention_triton",
+    "default_config",
+    "fa4_fits",
+    "SUPPORTED_BLOCK_SIZES",
+    "SUPPORTED_HEAD_DIMS",
+    "IMPLS",
+]

@@ -11,6 +11,7 @@ rows in registers: the shares (``softmax`` of the row), each share's float bits 
 that tie (the sorted rule keeps the lower-indexed ones only).  It reads the masses once and writes the bool
 union ``[B, H, nq, nk]``.  A row of ``-inf`` (no share) keeps nothing, as in the PyTorch path.
 """
+
 from __future__ import annotations
 
 import torch
@@ -59,18 +60,27 @@ def budget_need(log_mass: torch.Tensor, budget: float) -> torch.Tensor:
     what = "error budget kernel"
     check_device(log_mass, what=what)
     if log_mass.dim() not in (4, 5) or log_mass.dtype != torch.float32:
-        raise AttentionConfigError(f"{what}: log_mass must be float32 [B, H, nq, (R,) nk]; got {log_mass.dtype} "
-                                   f"{tuple(log_mass.shape)}")
+        raise AttentionConfigError(
+            f"{what}: log_mass must be float32 [B, H, nq, (R,) nk]; got {log_mass.dtype} {tuple(log_mass.shape)}"
+        )
     lm = (log_mass if log_mass.dim() == 5 else log_mass.unsqueeze(-2)).contiguous()
     B, H, nq, R, nk = lm.shape
     if not 1 <= nk <= MAX_BUDGET_BLOCKS or not 0 < budget < 1:
-        raise AttentionConfigError(f"{what}: needs 1 <= nk <= {MAX_BUDGET_BLOCKS} and 0 < budget < 1; got nk={nk}, "
-                                   f"budget={budget}")
+        raise AttentionConfigError(
+            f"{what}: needs 1 <= nk <= {MAX_BUDGET_BLOCKS} and 0 < budget < 1; got nk={nk}, budget={budget}"
+        )
     out = torch.empty(B, H, nq, nk, dtype=torch.int8, device=lm.device)
     if out.numel() and R:
         # the PyTorch path's comparison: a sorted suffix is dropped while its sum is <= 1 - (1 - budget)
-        _budget_need[(B * H * nq,)](lm, out, R, nk, 1.0 - (1.0 - float(budget)),
-                                    BLOCK_N=triton.next_power_of_2(nk), num_warps=4 if nk <= 2048 else 8)
+        _budget_need[(B * H * nq,)](
+            lm,
+            out,
+            R,
+            nk,
+            1.0 - (1.0 - float(budget)),
+            BLOCK_N=triton.next_power_of_2(nk),
+            num_warps=4 if nk <= 2048 else 8,
+        )
     elif out.numel():
         out.zero_()
     return out.view(torch.bool)

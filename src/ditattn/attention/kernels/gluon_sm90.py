@@ -16,6 +16,7 @@
 * :func:`smem_layout` (host side): the default NVMMA shared layout of a TMA block, cached (building one
   costs ~10 us of Python, and a call builds five or six: at S = 4096 the sage call is host-bound).
 """
+
 from __future__ import annotations
 
 import functools
@@ -64,8 +65,13 @@ def fp8_a_layout3(N):
     is the FP8 A-operand layout (``DotOperandLayout`` k_width 4): the last dim spans the 4 bytes of
     one register; sliced along it, one int32 per register."""
     regs = [[0, 0, 1], [0, 0, 2], [8, 0, 0]] + [[0, 1 << b, 0] for b in range(2, (N // 4).bit_length() - 1)]
-    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-                                      warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, N // 4, 4])
+    return gl.DistributedLinearLayout(
+        reg_bases=regs,
+        lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=[[16, 0, 0], [32, 0, 0]],
+        block_bases=[],
+        shape=[64, N // 4, 4],
+    )
 
 
 @gluon.jit
@@ -85,7 +91,13 @@ def fp8_pack(p, N: gl.constexpr):
     b0, b1 = gl.split(b)
     x = gl.inline_asm_elementwise(
         "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
-        "mov.b32 $0, {lo, hi}; }", "=r,r,r,r,r", [a0, b0, a1, b1], dtype=gl.int32, is_pure=True, pack=1)
+        "mov.b32 $0, {lo, hi}; }",
+        "=r,r,r,r,r",
+        [a0, b0, a1, b1],
+        dtype=gl.int32,
+        is_pure=True,
+        pack=1,
+    )
     return gl.convert_layout(x, gl.SliceLayout(2, fp8_a_layout3(N)), assert_trivial=True)
 
 
@@ -95,14 +107,27 @@ def fp8_operand(px, N: gl.constexpr, a_layout: gl.constexpr):
     an FP8 ``wgmma``), with no instructions: each int32 is broadcast to its 4 elements and an identity
     ``mov`` hands the register over as 4 packed bytes."""
     xb = gl.broadcast(gl.expand_dims(px, 2), gl.full([64, N // 4, 4], 0, gl.int32, fp8_a_layout3(N)))[0]
-    y = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r,r,r", [xb.reshape([64, N])], dtype=gl.int8,
-                                  is_pure=True, pack=4)
+    y = gl.inline_asm_elementwise(
+        "mov.b32 $0, $1;", "=r,r,r,r,r", [xb.reshape([64, N])], dtype=gl.int8, is_pure=True, pack=4
+    )
     return gl.convert_layout(y.to(gl.float8e4nv, bitcast=True), a_layout, assert_trivial=True)
 
 
 @gluon.jit
-def issue_pv(p, v_buf, acc, l_acc, zero_o, zero_l, ones, ROW_SUMS: gl.constexpr, PV_FP8: gl.constexpr,
-             TWO_LEVEL: gl.constexpr, p_layout: gl.constexpr, pl_layout: gl.constexpr):
+def issue_pv(
+    p,
+    v_buf,
+    acc,
+    l_acc,
+    zero_o,
+    zero_l,
+    ones,
+    ROW_SUMS: gl.constexpr,
+    PV_FP8: gl.constexpr,
+    TWO_LEVEL: gl.constexpr,
+    p_layout: gl.constexpr,
+    pl_layout: gl.constexpr,
+):
     """Issue ``p @ v_buf`` (asynchronous) and, with ``ROW_SUMS``, ``p @ ones`` (the row sums of P on
     the tensor cores).  16-bit: ``p`` in ``p_layout``, ``v_buf`` ``[N, D]``; ``PV_FP8``: ``p`` packed
     by :func:`fp8_pack`, ``v_buf`` V^T ``[D, N]`` (the FP8 ``wgmma`` reads B K-major).  ``TWO_LEVEL``:
@@ -139,8 +164,21 @@ def rescale(acc, l_acc, alpha, ROW_SUMS: gl.constexpr):
 
 
 @gluon.jit
-def retire_pv(o_tok, l_tok, p, pl, acc, l_acc, alpha, a_prev, ROW_SUMS: gl.constexpr, RESCALE: gl.constexpr,
-              PENDING: gl.constexpr, PV_FP8: gl.constexpr, TWO_LEVEL: gl.constexpr):
+def retire_pv(
+    o_tok,
+    l_tok,
+    p,
+    pl,
+    acc,
+    l_acc,
+    alpha,
+    a_prev,
+    ROW_SUMS: gl.constexpr,
+    RESCALE: gl.constexpr,
+    PENDING: gl.constexpr,
+    PV_FP8: gl.constexpr,
+    TWO_LEVEL: gl.constexpr,
+):
     """Wait for the products of :func:`issue_pv` (``PENDING`` later products may stay in flight) with
     P kept alive, then accumulate: ``TWO_LEVEL``: ``acc = acc * a_prev + o`` (``a_prev``: the rescale
     owed since the previous tile; the returned ``a_prev`` is ``alpha``), else ``acc = o``, times
@@ -168,8 +206,9 @@ def retire_pv(o_tok, l_tok, p, pl, acc, l_acc, alpha, a_prev, ROW_SUMS: gl.const
 
 
 @gluon.jit
-def finish_pv(p, v_buf, acc, l_acc, l_i, ones, ROW_SUMS: gl.constexpr, pl_layout: gl.constexpr,
-              row_layout: gl.constexpr):
+def finish_pv(
+    p, v_buf, acc, l_acc, l_i, ones, ROW_SUMS: gl.constexpr, pl_layout: gl.constexpr, row_layout: gl.constexpr
+):
     """``acc += p @ v_buf`` and, with ``ROW_SUMS``, ``l = rowsum(l_acc + p @ ones)`` (the 8 columns of
     the ones product are equal); returns ``(acc, l)`` (``l_i`` unchanged without ``ROW_SUMS``)."""
     # a layout read off a tensor is a plain Python object: bind it as a constexpr before passing it on

@@ -17,6 +17,7 @@ Math (per batch b, query head h, key/value head g = h // (H / H_kv)):
 Accuracy on random normal inputs (relative L2 error against float32): about 1.2-1.4 % with
 ``pv="fp16"``; about 4 % with ``pv="fp8"`` (3 mantissa bits on P and V), so ``fp8`` is opt-in.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -39,15 +40,37 @@ SUPPORTED_HEAD_DIMS = (32, 64, 128)
 P_SHIFT_FP8 = 8.0  # P is computed as exp2(s - m + 8) = 256 * softmax numerator on the FP8 path
 
 
-
-
 @triton.jit
 def _int8_attn_inner(
-    acc, l_i, m_i, q, rs, k_base, ks_base, v_base, stride_vs, start, end, offs_m, Skv, Skv_pad,
-    KD, VD, k_row, v_row, v_col,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-    PV_FP8: tl.constexpr, FP8_ACC: tl.constexpr, INT_TRICK: tl.constexpr, PSHIFT: tl.constexpr,
-    WS: tl.constexpr, USE_TMA: tl.constexpr,
+    acc,
+    l_i,
+    m_i,
+    q,
+    rs,
+    k_base,
+    ks_base,
+    v_base,
+    stride_vs,
+    start,
+    end,
+    offs_m,
+    Skv,
+    Skv_pad,
+    KD,
+    VD,
+    k_row,
+    v_row,
+    v_col,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    PV_FP8: tl.constexpr,
+    FP8_ACC: tl.constexpr,
+    INT_TRICK: tl.constexpr,
+    PSHIFT: tl.constexpr,
+    WS: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     offs_nb = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -87,15 +110,18 @@ def _int8_attn_inner(
             else:
                 vt = tl.load(v_base + offs_d[:, None] * Skv_pad + offs_n[None, :])
             if FP8_ACC > 0:
-                acc = tl.dot(p.to(tl.float8e4nv, fp_downcast_rounding="rtne"), tl.trans(vt), acc, max_num_imprecise_acc=FP8_ACC)
+                acc = tl.dot(
+                    p.to(tl.float8e4nv, fp_downcast_rounding="rtne"), tl.trans(vt), acc, max_num_imprecise_acc=FP8_ACC
+                )
             else:
                 acc = tl.dot(p.to(tl.float8e4nv, fp_downcast_rounding="rtne"), tl.trans(vt), acc)
         else:
             if USE_TMA:
                 v = VD.load([v_row + start_n, v_col])
             elif MASK:
-                v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :],
-                            mask=offs_n[:, None] < Skv, other=0.0)
+                v = tl.load(
+                    v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=offs_n[:, None] < Skv, other=0.0
+                )
             else:
                 v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :])
             acc = tl.dot(p.to(v.dtype), v, acc)
@@ -105,13 +131,41 @@ def _int8_attn_inner(
 
 @triton.jit
 def _int8_attn_fwd(
-    Q8, QS, Qkm, K8, KS, V, VS, Out, Lse, QD, KD, VD,
-    stride_vb, stride_vs, stride_vh,
-    stride_ob, stride_os, stride_oh,
-    Sq, Skv, Sq_pad, Skv_pad, H, HKV,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    Q_PER_TOKEN: tl.constexpr, PV_FP8: tl.constexpr, FP8_ACC: tl.constexpr, INT_TRICK: tl.constexpr,
-    CAUSAL: tl.constexpr, RETURN_LSE: tl.constexpr, PSHIFT: tl.constexpr, WS: tl.constexpr,
+    Q8,
+    QS,
+    Qkm,
+    K8,
+    KS,
+    V,
+    VS,
+    Out,
+    Lse,
+    QD,
+    KD,
+    VD,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    Sq,
+    Skv,
+    Sq_pad,
+    Skv_pad,
+    H,
+    HKV,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    Q_PER_TOKEN: tl.constexpr,
+    PV_FP8: tl.constexpr,
+    FP8_ACC: tl.constexpr,
+    INT_TRICK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
+    PSHIFT: tl.constexpr,
+    WS: tl.constexpr,
     USE_TMA: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -150,27 +204,142 @@ def _int8_attn_fwd(
     if CAUSAL:
         hi = tl.minimum(Skv, (pid_m + 1) * BLOCK_M)
         lo_diag = tl.minimum(full_end, ((pid_m * BLOCK_M) // BLOCK_N) * BLOCK_N)
-        acc, l_i, m_i = _int8_attn_inner(acc, l_i, m_i, q, rs, k_base, ks_base, v_base, stride_vs,
-                                         0, lo_diag, offs_m, Skv, Skv_pad, KD, VD, k_row, v_row, v_col, BLOCK_N, HEAD_DIM, False, True,
-                                         PV_FP8, FP8_ACC, INT_TRICK, PSHIFT, WS, USE_TMA)
-        acc, l_i, m_i = _int8_attn_inner(acc, l_i, m_i, q, rs, k_base, ks_base, v_base, stride_vs,
-                                         lo_diag, hi, offs_m, Skv, Skv_pad, KD, VD, k_row, v_row, v_col, BLOCK_N, HEAD_DIM, True, True,
-                                         PV_FP8, FP8_ACC, INT_TRICK, PSHIFT, WS, USE_TMA)
+        acc, l_i, m_i = _int8_attn_inner(
+            acc,
+            l_i,
+            m_i,
+            q,
+            rs,
+            k_base,
+            ks_base,
+            v_base,
+            stride_vs,
+            0,
+            lo_diag,
+            offs_m,
+            Skv,
+            Skv_pad,
+            KD,
+            VD,
+            k_row,
+            v_row,
+            v_col,
+            BLOCK_N,
+            HEAD_DIM,
+            False,
+            True,
+            PV_FP8,
+            FP8_ACC,
+            INT_TRICK,
+            PSHIFT,
+            WS,
+            USE_TMA,
+        )
+        acc, l_i, m_i = _int8_attn_inner(
+            acc,
+            l_i,
+            m_i,
+            q,
+            rs,
+            k_base,
+            ks_base,
+            v_base,
+            stride_vs,
+            lo_diag,
+            hi,
+            offs_m,
+            Skv,
+            Skv_pad,
+            KD,
+            VD,
+            k_row,
+            v_row,
+            v_col,
+            BLOCK_N,
+            HEAD_DIM,
+            True,
+            True,
+            PV_FP8,
+            FP8_ACC,
+            INT_TRICK,
+            PSHIFT,
+            WS,
+            USE_TMA,
+        )
     else:
-        acc, l_i, m_i = _int8_attn_inner(acc, l_i, m_i, q, rs, k_base, ks_base, v_base, stride_vs,
-                                         0, full_end, offs_m, Skv, Skv_pad, KD, VD, k_row, v_row, v_col, BLOCK_N, HEAD_DIM, False, False,
-                                         PV_FP8, FP8_ACC, INT_TRICK, PSHIFT, WS, USE_TMA)
-        acc, l_i, m_i = _int8_attn_inner(acc, l_i, m_i, q, rs, k_base, ks_base, v_base, stride_vs,
-                                         full_end, Skv, offs_m, Skv, Skv_pad, KD, VD, k_row, v_row, v_col, BLOCK_N, HEAD_DIM, True, False,
-                                         PV_FP8, FP8_ACC, INT_TRICK, PSHIFT, WS, USE_TMA)
+        acc, l_i, m_i = _int8_attn_inner(
+            acc,
+            l_i,
+            m_i,
+            q,
+            rs,
+            k_base,
+            ks_base,
+            v_base,
+            stride_vs,
+            0,
+            full_end,
+            offs_m,
+            Skv,
+            Skv_pad,
+            KD,
+            VD,
+            k_row,
+            v_row,
+            v_col,
+            BLOCK_N,
+            HEAD_DIM,
+            False,
+            False,
+            PV_FP8,
+            FP8_ACC,
+            INT_TRICK,
+            PSHIFT,
+            WS,
+            USE_TMA,
+        )
+        acc, l_i, m_i = _int8_attn_inner(
+            acc,
+            l_i,
+            m_i,
+            q,
+            rs,
+            k_base,
+            ks_base,
+            v_base,
+            stride_vs,
+            full_end,
+            Skv,
+            offs_m,
+            Skv,
+            Skv_pad,
+            KD,
+            VD,
+            k_row,
+            v_row,
+            v_col,
+            BLOCK_N,
+            HEAD_DIM,
+            True,
+            False,
+            PV_FP8,
+            FP8_ACC,
+            INT_TRICK,
+            PSHIFT,
+            WS,
+            USE_TMA,
+        )
 
     l_div = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_div[:, None]
     if PV_FP8:
         out = out * tl.load(VS + bhk * HEAD_DIM + offs_d)[None, :]
     row_ok = offs_m < Sq
-    tl.store(Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],
-             out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(
+        Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
     if RETURN_LSE:
         lse = (m_i + tl.math.log2(l_div) - PSHIFT) * 0.6931471805599453 + tl.load(Qkm + pid_bh * Sq_pad + offs_m)
         lse = tl.where(l_i == 0.0, float("-inf"), lse)
@@ -187,10 +356,26 @@ def default_config(head_dim: int, pv: str = "fp16") -> dict:
     otherwise the pointer path runs, with ``block_n`` 64 unless the caller set it);
     ``warp_specialize`` asks Triton to warp-specialize the key loop (no gain measured)."""
     if pv == "fp8":
-        return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "int_trick": True,
-                "fp8_acc": 128, "warp_specialize": False, "tma": False}
-    return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "int_trick": True,
-            "fp8_acc": 0, "warp_specialize": False, "tma": True}
+        return {
+            "block_m": 128,
+            "block_n": 128,
+            "num_warps": 8,
+            "num_stages": 3,
+            "int_trick": True,
+            "fp8_acc": 128,
+            "warp_specialize": False,
+            "tma": False,
+        }
+    return {
+        "block_m": 128,
+        "block_n": 128,
+        "num_warps": 8,
+        "num_stages": 3,
+        "int_trick": True,
+        "fp8_acc": 0,
+        "warp_specialize": False,
+        "tma": True,
+    }
 
 
 def _check_common(q, k, v, pv, q_granularity, what):
@@ -198,14 +383,25 @@ def _check_common(q, k, v, pv, q_granularity, what):
     if pv not in PV_MODES:
         raise AttentionConfigError(f"{what}: pv {pv!r} not supported (accepts {list(PV_MODES)})")
     if q_granularity not in Q_GRANULARITIES:
-        raise AttentionConfigError(f"{what}: q_granularity {q_granularity!r} not supported (accepts {list(Q_GRANULARITIES)})")
+        raise AttentionConfigError(
+            f"{what}: q_granularity {q_granularity!r} not supported (accepts {list(Q_GRANULARITIES)})"
+        )
     return dims
 
 
-def int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float] = None,
-                   causal: bool = False, return_lse: bool = False, pv: str = "fp16",
-                   q_granularity: str = "token", config: Optional[dict] = None,
-                   qk_balance: Optional[float] = None):
+def int8_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: Optional[float] = None,
+    causal: bool = False,
+    return_lse: bool = False,
+    pv: str = "fp16",
+    q_granularity: str = "token",
+    config: Optional[dict] = None,
+    qk_balance: Optional[float] = None,
+):
     """Quantized attention on the GPU (Triton): INT8 Q.K with smoothed K, FP16/BF16 or FP8 P.V.
 
     q ``[B, S_q, H, D]``, k/v ``[B, S_kv, H_kv, D]`` fp16/bf16, ``H % H_kv == 0``, D in 32/64/128;
@@ -227,13 +423,20 @@ def int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: 
     if cfg["tma"] and not use_tma and not (config and "block_n" in config):
         cfg["block_n"] = 64  # the pointer path's tuned tile
     bm, bn = int(cfg["block_m"]), int(cfg["block_n"])
-    scale = D ** -0.5 if scale is None else float(scale)
+    scale = D**-0.5 if scale is None else float(scale)
     dev = q.device
     per_token = q_granularity == "token"
 
-    q8, qs, qkm, k8, ks, sq_pad, skv_pad = quantize_qk(q, k, scale=scale, block_m=bm, block_n=bn,
-                                                        need_qkm=bool(return_lse), per_token=per_token,
-                                                        qk_balance=qk_balance)
+    q8, qs, qkm, k8, ks, sq_pad, skv_pad = quantize_qk(
+        q,
+        k,
+        scale=scale,
+        block_m=bm,
+        block_n=bn,
+        need_qkm=bool(return_lse),
+        per_token=per_token,
+        qk_balance=qk_balance,
+    )
     if pv == "fp8":
         vk, vs, _ = quantize_v_fp8(v, s_pad=skv_pad)
         sv = (0, 0, 0)
@@ -254,16 +457,55 @@ def int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: 
     else:
         qd = kd = vd = None
     _int8_attn_fwd[(sq_pad // bm, B * H)](
-        q8, qs, qkm, k8, ks, vk, vs, out, lse, qd, kd, vd,
-        sv[0], sv[1], sv[2], out.stride(0), out.stride(1), out.stride(2),
-        Sq, Skv, sq_pad, skv_pad, H, Hkv,
-        BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=D, Q_PER_TOKEN=per_token, PV_FP8=pv == "fp8",
-        FP8_ACC=min(int(cfg["fp8_acc"]), bn) if pv == "fp8" else 0, INT_TRICK=bool(cfg["int_trick"]),
-        CAUSAL=bool(causal), RETURN_LSE=bool(return_lse), PSHIFT=P_SHIFT_FP8 if pv == "fp8" else 0.0,
-        WS=bool(cfg["warp_specialize"]), USE_TMA=use_tma,
-        num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
+        q8,
+        qs,
+        qkm,
+        k8,
+        ks,
+        vk,
+        vs,
+        out,
+        lse,
+        qd,
+        kd,
+        vd,
+        sv[0],
+        sv[1],
+        sv[2],
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        Sq,
+        Skv,
+        sq_pad,
+        skv_pad,
+        H,
+        Hkv,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        HEAD_DIM=D,
+        Q_PER_TOKEN=per_token,
+        PV_FP8=pv == "fp8",
+        FP8_ACC=min(int(cfg["fp8_acc"]), bn) if pv == "fp8" else 0,
+        INT_TRICK=bool(cfg["int_trick"]),
+        CAUSAL=bool(causal),
+        RETURN_LSE=bool(return_lse),
+        PSHIFT=P_SHIFT_FP8 if pv == "fp8" else 0.0,
+        WS=bool(cfg["warp_specialize"]),
+        USE_TMA=use_tma,
+        num_warps=int(cfg["num_warps"]),
+        num_stages=int(cfg["num_stages"]),
     )
     return out, (lse if return_lse else None)
 
 
-__all__ = ["int8_attention", "quantize_qk", "qk_balance_prologue", "quantize_v_fp8", "int8_attention_reference", "default_config", "SUPPORTED_HEAD_DIMS", "PV_MODES"]
+__all__ = [
+    "int8_attention",
+    "quantize_qk",
+    "qk_balance_prologue",
+    "quantize_v_fp8",
+    "int8_attention_reference",
+    "default_config",
+    "SUPPORTED_HEAD_DIMS",
+    "PV_MODES",
+]

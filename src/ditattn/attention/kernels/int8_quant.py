@@ -4,6 +4,7 @@ FP8 e4m3 per channel (the FP8 P.V path).  Used by :mod:`.int8_attention` (the po
 :mod:`.sage_sm90` (the Hopper kernel); the math is that of
 :func:`~ditattn.attention.kernels.int8_reference.int8_attention_reference`.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -25,19 +26,38 @@ def _load_row_block(X, stride_xb, stride_xs, stride_xh, S, HEAD_DIM: tl.constexp
     offs_s = pid_blk * BLK + tl.arange(0, BLK)
     offs_d = tl.arange(0, HEAD_DIM)
     ok = offs_s < S
-    x = tl.load(X + b * stride_xb + h * stride_xh + offs_s[:, None] * stride_xs + offs_d[None, :],
-                mask=ok[:, None], other=0.0).to(tl.float32)
+    x = tl.load(
+        X + b * stride_xb + h * stride_xh + offs_s[:, None] * stride_xs + offs_d[None, :], mask=ok[:, None], other=0.0
+    ).to(tl.float32)
     return pid_blk, h, b, offs_s, offs_d, ok, x
 
 
 @triton.jit
 def _quant_int8_rows(
-    X, KMean, Out, Scale, Qkm, Norm, Bal,
-    stride_xb, stride_xs, stride_xh,
-    stride_mb, stride_mh,
-    S, S_pad, H, GROUP, mult, qkm_mult,
-    HEAD_DIM: tl.constexpr, BLK: tl.constexpr,
-    SUB_MEAN: tl.constexpr, PER_TOKEN: tl.constexpr, WRITE_QKM: tl.constexpr, NORM: tl.constexpr,
+    X,
+    KMean,
+    Out,
+    Scale,
+    Qkm,
+    Norm,
+    Bal,
+    stride_xb,
+    stride_xs,
+    stride_xh,
+    stride_mb,
+    stride_mh,
+    S,
+    S_pad,
+    H,
+    GROUP,
+    mult,
+    qkm_mult,
+    HEAD_DIM: tl.constexpr,
+    BLK: tl.constexpr,
+    SUB_MEAN: tl.constexpr,
+    PER_TOKEN: tl.constexpr,
+    WRITE_QKM: tl.constexpr,
+    NORM: tl.constexpr,
     BALANCE: tl.constexpr,
 ):
     # NORM 1: per row |x8|_2 * scale (Q's logit bound factor); NORM 2: per program max of that (K's).
@@ -77,10 +97,20 @@ def _quant_int8_rows(
 
 @triton.jit
 def _qk_channel_stats(
-    X, Sum, Max, Min,
-    stride_xb, stride_xs, stride_xh,
-    S, H, NCH, ROWS,
-    HEAD_DIM: tl.constexpr, BLK: tl.constexpr, ABS: tl.constexpr,
+    X,
+    Sum,
+    Max,
+    Min,
+    stride_xb,
+    stride_xs,
+    stride_xh,
+    S,
+    H,
+    NCH,
+    ROWS,
+    HEAD_DIM: tl.constexpr,
+    BLK: tl.constexpr,
+    ABS: tl.constexpr,
 ):
     # per (chunk of ROWS tokens, head, batch): the channel maxima of |X| (ABS: Q) or the channel sums,
     # maxima and minima (K: its mean and, with it, the maxima of |K - mean|), [B, H, NCH, D]
@@ -111,8 +141,21 @@ def _qk_channel_stats(
 
 @triton.jit
 def _qk_balance_factors(
-    QMax, KSum, KMax, KMin, KMean, Cq, Ck,
-    Skv, HKV, GROUP, NCQ, NCK, alpha, one_minus_alpha, log2_limit,
+    QMax,
+    KSum,
+    KMax,
+    KMin,
+    KMean,
+    Cq,
+    Ck,
+    Skv,
+    HKV,
+    GROUP,
+    NCQ,
+    NCK,
+    alpha,
+    one_minus_alpha,
+    log2_limit,
     HEAD_DIM: tl.constexpr,
 ):
     # per (K/V head, batch): K's channel mean (stored: the smoothing and Q's LSE term use it), the channel
@@ -167,23 +210,78 @@ def qk_balance_prologue(q: torch.Tensor, k: torch.Tensor, alpha: float, *, rows:
     blk = 64
     ncq, nck = triton.cdiv(Sq, rows), triton.cdiv(Skv, rows)
     qmax = torch.empty((B, H, ncq, D), dtype=torch.float32, device=dev)
-    _qk_channel_stats[(ncq, H, B)](q, qmax, qmax, qmax, q.stride(0), q.stride(1), q.stride(2), Sq, H, ncq, rows,
-                                   HEAD_DIM=D, BLK=blk, ABS=True, num_warps=4)
+    _qk_channel_stats[(ncq, H, B)](
+        q,
+        qmax,
+        qmax,
+        qmax,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        Sq,
+        H,
+        ncq,
+        rows,
+        HEAD_DIM=D,
+        BLK=blk,
+        ABS=True,
+        num_warps=4,
+    )
     ksum, kmax, kmin = (torch.empty((B, Hkv, nck, D), dtype=torch.float32, device=dev) for _ in range(3))
-    _qk_channel_stats[(nck, Hkv, B)](k, ksum, kmax, kmin, k.stride(0), k.stride(1), k.stride(2), Skv, Hkv, nck,
-                                     rows, HEAD_DIM=D, BLK=blk, ABS=False, num_warps=4)
+    _qk_channel_stats[(nck, Hkv, B)](
+        k,
+        ksum,
+        kmax,
+        kmin,
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        Skv,
+        Hkv,
+        nck,
+        rows,
+        HEAD_DIM=D,
+        BLK=blk,
+        ABS=False,
+        num_warps=4,
+    )
     kmean, cq, ck = (torch.empty((B, Hkv, D), dtype=torch.float32, device=dev) for _ in range(3))
-    _qk_balance_factors[(Hkv, B)](qmax, ksum, kmax, kmin, kmean, cq, ck, Skv, Hkv, H // Hkv, ncq, nck,
-                                  float(alpha), 1.0 - float(alpha), QK_BALANCE_LOG2_LIMIT, HEAD_DIM=D, num_warps=4)
+    _qk_balance_factors[(Hkv, B)](
+        qmax,
+        ksum,
+        kmax,
+        kmin,
+        kmean,
+        cq,
+        ck,
+        Skv,
+        Hkv,
+        H // Hkv,
+        ncq,
+        nck,
+        float(alpha),
+        1.0 - float(alpha),
+        QK_BALANCE_LOG2_LIMIT,
+        HEAD_DIM=D,
+        num_warps=4,
+    )
     return kmean, cq, ck
 
 
 @triton.jit
 def _v_channel_stats(
-    V, Sum, Max, Min,
-    stride_vb, stride_vs, stride_vh,
-    S, HKV, NCH,
-    HEAD_DIM: tl.constexpr, BLK: tl.constexpr,
+    V,
+    Sum,
+    Max,
+    Min,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    S,
+    HKV,
+    NCH,
+    HEAD_DIM: tl.constexpr,
+    BLK: tl.constexpr,
 ):
     # per (chunk of BLK tokens, head, batch): the channel sums, maxima and minima of V
     pid = tl.program_id(0)
@@ -192,8 +290,9 @@ def _v_channel_stats(
     offs_s = pid * BLK + tl.arange(0, BLK)
     offs_d = tl.arange(0, HEAD_DIM)
     ok = (offs_s < S)[:, None]
-    x = tl.load(V + b * stride_vb + h * stride_vh + offs_s[:, None] * stride_vs + offs_d[None, :],
-                mask=ok, other=0.0).to(tl.float32)
+    x = tl.load(
+        V + b * stride_vb + h * stride_vh + offs_s[:, None] * stride_vs + offs_d[None, :], mask=ok, other=0.0
+    ).to(tl.float32)
     out = ((b * HKV + h) * NCH + pid) * HEAD_DIM + offs_d
     tl.store(Sum + out, tl.sum(x, 0))
     tl.store(Max + out, tl.max(tl.where(ok, x, float("-inf")), 0))
@@ -202,10 +301,20 @@ def _v_channel_stats(
 
 @triton.jit
 def _quant_v_fp8_t(
-    V, VScale, VMean, Out,
-    stride_vb, stride_vs, stride_vh,
-    S, S_pad, HKV,
-    HEAD_DIM: tl.constexpr, BLK: tl.constexpr, SUB_MEAN: tl.constexpr, PERMUTE: tl.constexpr,
+    V,
+    VScale,
+    VMean,
+    Out,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    S,
+    S_pad,
+    HKV,
+    HEAD_DIM: tl.constexpr,
+    BLK: tl.constexpr,
+    SUB_MEAN: tl.constexpr,
+    PERMUTE: tl.constexpr,
 ):
     pid_blk, h, b, offs_s, offs_d, ok, x = _load_row_block(V, stride_vb, stride_vs, stride_vh, S, HEAD_DIM, BLK)
     if SUB_MEAN:
@@ -216,8 +325,11 @@ def _quant_v_fp8_t(
     if PERMUTE:  # token c of each 16 at k = (c0, c3, c1, c2) in bits: the FP8 P operand's order
         pos = (offs_s & ~15) | (offs_s & 1) | ((offs_s >> 2) & 2) | ((offs_s << 1) & 12)
     base = Out + (b * HKV + h) * HEAD_DIM * S_pad
-    tl.store(base + offs_d[None, :] * S_pad + pos[:, None], xq.to(tl.float8e4nv, fp_downcast_rounding="rtne"),
-             mask=(offs_s < S_pad)[:, None])
+    tl.store(
+        base + offs_d[None, :] * S_pad + pos[:, None],
+        xq.to(tl.float8e4nv, fp_downcast_rounding="rtne"),
+        mask=(offs_s < S_pad)[:, None],
+    )
 
 
 def quantize_v_fp8(v: torch.Tensor, *, s_pad: int, smooth: bool = False, permute: bool = False):
@@ -235,8 +347,9 @@ def quantize_v_fp8(v: torch.Tensor, *, s_pad: int, smooth: bool = False, permute
     blk = 64
     nch = triton.cdiv(S, blk)
     sums, maxs, mins = (torch.empty((B, Hkv, nch, D), dtype=torch.float32, device=v.device) for _ in range(3))
-    _v_channel_stats[(nch, Hkv, B)](v, sums, maxs, mins, v.stride(0), v.stride(1), v.stride(2), S, Hkv, nch,
-                                    HEAD_DIM=D, BLK=blk, num_warps=4)
+    _v_channel_stats[(nch, Hkv, B)](
+        v, sums, maxs, mins, v.stride(0), v.stride(1), v.stride(2), S, Hkv, nch, HEAD_DIM=D, BLK=blk, num_warps=4
+    )
     vmax, vmin = maxs.amax(dim=2), mins.amin(dim=2)
     if smooth:
         vm = sums.sum(dim=2) / S
@@ -247,15 +360,38 @@ def quantize_v_fp8(v: torch.Tensor, *, s_pad: int, smooth: bool = False, permute
     vs = (amax / FP8_MAX).clamp_min(1e-30).contiguous()
     vt = torch.empty((B, Hkv, D, s_pad), dtype=torch.float8_e4m3fn, device=v.device)
     _quant_v_fp8_t[(triton.cdiv(s_pad, blk), Hkv, B)](
-        v, vs, vm, vt, v.stride(0), v.stride(1), v.stride(2), S, s_pad, Hkv,
-        HEAD_DIM=D, BLK=blk, SUB_MEAN=bool(smooth), PERMUTE=bool(permute), num_warps=4,
+        v,
+        vs,
+        vm,
+        vt,
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        S,
+        s_pad,
+        Hkv,
+        HEAD_DIM=D,
+        BLK=blk,
+        SUB_MEAN=bool(smooth),
+        PERMUTE=bool(permute),
+        num_warps=4,
     )
     return vt, vs, vm.contiguous()
 
 
-def quantize_qk(q: torch.Tensor, k: torch.Tensor, *, scale: float, block_m: int, block_n: int,
-                need_qkm: bool, per_token: bool = True, k_per_token: bool = False, norms: bool = False,
-                qk_balance: Optional[float] = None):
+def quantize_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    scale: float,
+    block_m: int,
+    block_n: int,
+    need_qkm: bool,
+    per_token: bool = True,
+    k_per_token: bool = False,
+    norms: bool = False,
+    qk_balance: Optional[float] = None,
+):
     """The INT8 prologue of the quantized kernels (two Triton passes and one mean over K).
 
     q ``[B, S_q, H, D]``, k ``[B, S_kv, H_kv, D]`` fp16/bf16 (last dim contiguous).  Returns
@@ -294,20 +430,64 @@ def quantize_qk(q: torch.Tensor, k: torch.Tensor, *, scale: float, block_m: int,
     qblk = 64 if per_token else bm
     qn = torch.empty((B, H, sq_pad), dtype=torch.float32, device=dev) if norms else qs
     _quant_int8_rows[(sq_pad // qblk, H, B)](
-        q, kmean, q8, qs, qkm, qn, cq, q.stride(0), q.stride(1), q.stride(2), kmean.stride(0), kmean.stride(1),
-        Sq, sq_pad, H, H // Hkv, scale * LOG2E, scale,
-        HEAD_DIM=D, BLK=qblk, SUB_MEAN=False, PER_TOKEN=per_token, WRITE_QKM=bool(need_qkm),
-        NORM=1 if norms else 0, BALANCE=alpha > 0, num_warps=4,
+        q,
+        kmean,
+        q8,
+        qs,
+        qkm,
+        qn,
+        cq,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        kmean.stride(0),
+        kmean.stride(1),
+        Sq,
+        sq_pad,
+        H,
+        H // Hkv,
+        scale * LOG2E,
+        scale,
+        HEAD_DIM=D,
+        BLK=qblk,
+        SUB_MEAN=False,
+        PER_TOKEN=per_token,
+        WRITE_QKM=bool(need_qkm),
+        NORM=1 if norms else 0,
+        BALANCE=alpha > 0,
+        num_warps=4,
     )
     k8 = torch.empty((B, Hkv, skv_pad, D), dtype=torch.int8, device=dev)
     ks = torch.empty((B, Hkv, skv_pad if k_per_token else skv_pad // bn), dtype=torch.float32, device=dev)
     kblk = 64 if k_per_token else bn
     knp = torch.empty((B, Hkv, skv_pad // kblk), dtype=torch.float32, device=dev) if norms else ks
     _quant_int8_rows[(skv_pad // kblk, Hkv, B)](
-        k, kmean, k8, ks, ks, knp, ck, k.stride(0), k.stride(1), k.stride(2), kmean.stride(0), kmean.stride(1),
-        Skv, skv_pad, Hkv, 1, 1.0, 1.0,
-        HEAD_DIM=D, BLK=kblk, SUB_MEAN=True, PER_TOKEN=k_per_token, WRITE_QKM=False,
-        NORM=2 if norms else 0, BALANCE=alpha > 0, num_warps=4,
+        k,
+        kmean,
+        k8,
+        ks,
+        ks,
+        knp,
+        ck,
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        kmean.stride(0),
+        kmean.stride(1),
+        Skv,
+        skv_pad,
+        Hkv,
+        1,
+        1.0,
+        1.0,
+        HEAD_DIM=D,
+        BLK=kblk,
+        SUB_MEAN=True,
+        PER_TOKEN=k_per_token,
+        WRITE_QKM=False,
+        NORM=2 if norms else 0,
+        BALANCE=alpha > 0,
+        num_warps=4,
     )
     if norms:
         return q8, qs, qkm, k8, ks, sq_pad, skv_pad, qn, knp.amax(dim=-1).contiguous()

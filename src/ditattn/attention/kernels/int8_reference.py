@@ -1,5 +1,6 @@
 """The PyTorch reference of the INT8 attention kernel (:mod:`.int8_attention`): the same
 quantization on any device, without Triton — the CPU path of ``sage_attn`` (``impl=reference``)."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -31,8 +32,9 @@ def check_qk_balance(alpha, what: str) -> float:
     if alpha is None:
         return 0.0
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (0.0 <= float(alpha) <= 1.0):
-        raise AttentionConfigError(f"{what}: qk_balance {alpha!r} not supported (accepts None or a number in [0, 1]; "
-                                   "0 / None = off)")
+        raise AttentionConfigError(
+            f"{what}: qk_balance {alpha!r} not supported (accepts None or a number in [0, 1]; 0 / None = off)"
+        )
     return float(alpha)
 
 
@@ -51,7 +53,9 @@ def qk_balance_factors(amax_q: torch.Tensor, amax_k: torch.Tensor, alpha: float)
     ``Q . (K - mean)`` up to the float32 rounding of ``c`` and ``1 / c`` (relative 1e-7)."""
     live = (amax_q > 0) & (amax_k > 0)
     one = torch.ones_like(amax_q)
-    lc = alpha * torch.log2(torch.where(live, amax_k, one)) - (1.0 - alpha) * torch.log2(torch.where(live, amax_q, one))
+    lc = alpha * torch.log2(torch.where(live, amax_k, one)) - (1.0 - alpha) * torch.log2(
+        torch.where(live, amax_q, one)
+    )
     n = live.sum(dim=-1, keepdim=True).clamp_min(1)
     lc = lc - torch.where(live, lc, torch.zeros_like(lc)).sum(dim=-1, keepdim=True) / n
     lc = lc.clamp(-QK_BALANCE_LOG2_LIMIT, QK_BALANCE_LOG2_LIMIT)
@@ -68,11 +72,23 @@ def _quant_sym(x: torch.Tensor, dim) -> tuple[torch.Tensor, torch.Tensor]:
     return xq, sc
 
 
-def int8_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float] = None,
-                             causal: bool = False, return_lse: bool = False, pv: str = "fp16",
-                             q_granularity: str = "token", block_m: int = 128, block_n: int = 128,
-                             k_granularity: str = "block", v_smooth: bool = False, p_rowsum: str = "fp32",
-                             qk_balance: Optional[float] = None):
+def int8_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: Optional[float] = None,
+    causal: bool = False,
+    return_lse: bool = False,
+    pv: str = "fp16",
+    q_granularity: str = "token",
+    block_m: int = 128,
+    block_n: int = 128,
+    k_granularity: str = "block",
+    v_smooth: bool = False,
+    p_rowsum: str = "fp32",
+    qk_balance: Optional[float] = None,
+):
     """The same quantization as :func:`int8_attention`, in PyTorch (any device; the CPU path).
 
     q ``[B, S_q, H, D]``, k/v ``[B, S_kv, H_kv, D]`` in float32, float16 or bfloat16 (any head dim).
@@ -100,12 +116,16 @@ def int8_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if pv not in PV_MODES:
         raise AttentionConfigError(f"{what}: pv {pv!r} not supported (accepts {list(PV_MODES)})")
     if q_granularity not in Q_GRANULARITIES:
-        raise AttentionConfigError(f"{what}: q_granularity {q_granularity!r} not supported (accepts {list(Q_GRANULARITIES)})")
+        raise AttentionConfigError(
+            f"{what}: q_granularity {q_granularity!r} not supported (accepts {list(Q_GRANULARITIES)})"
+        )
     if p_rowsum not in P_ROWSUMS:
         raise AttentionConfigError(f"{what}: p_rowsum {p_rowsum!r} not supported (accepts {list(P_ROWSUMS)})")
-    scale = D ** -0.5 if scale is None else float(scale)
+    scale = D**-0.5 if scale is None else float(scale)
     if k_granularity not in K_GRANULARITIES:
-        raise AttentionConfigError(f"{what}: k_granularity {k_granularity!r} not supported (accepts {list(K_GRANULARITIES)})")
+        raise AttentionConfigError(
+            f"{what}: k_granularity {k_granularity!r} not supported (accepts {list(K_GRANULARITIES)})"
+        )
     alpha = check_qk_balance(qk_balance, what)
     k, v = expand_kv(k, v, H)
     f32 = torch.float32
@@ -223,5 +243,15 @@ def _fp8_pv_blocks(t: torch.Tensor, vq: torch.Tensor, block_n: int, p_rowsum: st
     return o, l_, m[..., -1:]
 
 
-__all__ = ["int8_attention_reference", "k_thread_groups", "qk_balance_factors", "check_qk_balance", "PV_MODES", "Q_GRANULARITIES", "K_GRANULARITIES",
-           "K_THREAD_GROUPS", "P_ROWSUMS", "FP8_MAX"]
+__all__ = [
+    "int8_attention_reference",
+    "k_thread_groups",
+    "qk_balance_factors",
+    "check_qk_balance",
+    "PV_MODES",
+    "Q_GRANULARITIES",
+    "K_GRANULARITIES",
+    "K_THREAD_GROUPS",
+    "P_ROWSUMS",
+    "FP8_MAX",
+]

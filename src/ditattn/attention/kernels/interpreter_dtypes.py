@@ -9,13 +9,19 @@ wrongly.  :func:`enable` routes these three through PyTorch's own conversions; e
 interpreter operation is untouched.  :func:`~ditattn.attention.kernels.check_device` calls it the
 first time a kernel is launched on CPU tensors, so nothing changes on a GPU.
 """
+
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-_TORCH_FP = {"fp8e4nv": torch.float8_e4m3fn, "fp8e5": torch.float8_e5m2, "bf16": torch.bfloat16,
-             "fp16": torch.float16, "fp32": torch.float32}
+_TORCH_FP = {
+    "fp8e4nv": torch.float8_e4m3fn,
+    "fp8e5": torch.float8_e5m2,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+}
 _ENABLED = False
 
 

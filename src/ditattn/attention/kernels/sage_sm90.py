@@ -32,6 +32,7 @@ transposed FP8 copy (fp8)).  Head dims 64 and 128; any lengths
 (keys past the end are masked in the last tile; query rows past the end are not stored); GQA.
 Non-causal only (the DiT's attention); the Triton kernel serves ``causal=True``.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -80,10 +81,23 @@ def default_config(head_dim: int, pv_dtype: str = "fp16") -> dict:
     is the per-channel Q/K balance of the INT8 prologue (:func:`.int8_quant.quantize_qk`); the
     kernel itself is the same.  ``persistent``: one CTA per SM looping over the query tiles (the next
     tile's loads under the current tile's last products and epilogue) instead of one CTA per tile."""
-    return {"block_n": 128, "num_stages": 2, "consumer_regs": 240, "producer_regs": 24, "k_granularity": "token",
-            "pingpong": True, "tma_store": True, "static_max": pv_dtype == "fp16", "q_regs": False,
-            "pv_dtype": pv_dtype, "pv_accum": "two_level", "v_smooth": False, "pv_overlap": pv_dtype == "fp16",
-            "qk_balance": None, "persistent": False}
+    return {
+        "block_n": 128,
+        "num_stages": 2,
+        "consumer_regs": 240,
+        "producer_regs": 24,
+        "k_granularity": "token",
+        "pingpong": True,
+        "tma_store": True,
+        "static_max": pv_dtype == "fp16",
+        "q_regs": False,
+        "pv_dtype": pv_dtype,
+        "pv_accum": "two_level",
+        "v_smooth": False,
+        "pv_overlap": pv_dtype == "fp16",
+        "qk_balance": None,
+        "persistent": False,
+    }
 
 
 @gluon.constexpr_function
@@ -99,9 +113,34 @@ def _a_k_width(PV_FP8):
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, ks_desc, q_smem, k_smem, v_smem, ks_smem, q_bar, k_ready, k_empty, v_ready,
-              v_empty, q_row, k_row, v_row, v_col, n_blocks, c0, tq, q_empty, BLOCK_N: gl.constexpr,
-              NUM_STAGES: gl.constexpr, K_PER_TOKEN: gl.constexpr, PV_FP8: gl.constexpr, RUNNING: gl.constexpr):
+def _producer(
+    q_desc,
+    k_desc,
+    v_desc,
+    ks_desc,
+    q_smem,
+    k_smem,
+    v_smem,
+    ks_smem,
+    q_bar,
+    k_ready,
+    k_empty,
+    v_ready,
+    v_empty,
+    q_row,
+    k_row,
+    v_row,
+    v_col,
+    n_blocks,
+    c0,
+    tq,
+    q_empty,
+    BLOCK_N: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    K_PER_TOKEN: gl.constexpr,
+    PV_FP8: gl.constexpr,
+    RUNNING: gl.constexpr,
+):
     """Both consumers' Q tiles, then K (with its per-token scales) and V tiles through the ring (V^T
     tiles [D, BLOCK_N] with fp8 P.V).  ``RUNNING`` (the persistent schedule): the CTA's ``tq``-th
     query tile, each Q buffer loaded once its consumer has released it (``q_empty``), the ring's
@@ -129,8 +168,18 @@ def _producer(q_desc, k_desc, v_desc, ks_desc, q_smem, k_smem, v_smem, ks_smem, 
 
 
 @gluon.jit
-def _logits(s_i, rs, kblk, ks_buf, col0, Skv, MASK: gl.constexpr, K_PER_TOKEN: gl.constexpr,
-            s_layout: gl.constexpr, BLOCK_N: gl.constexpr):
+def _logits(
+    s_i,
+    rs,
+    kblk,
+    ks_buf,
+    col0,
+    Skv,
+    MASK: gl.constexpr,
+    K_PER_TOKEN: gl.constexpr,
+    s_layout: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+):
     """Base-2 logits of one tile of INT32 scores, factored per row as ``t = u * f + g`` (``f`` and
     ``g`` per row, ``f > 0``) so that the softmax needs one FMA per score: returns ``(u, f, g)``.
 
@@ -204,11 +253,44 @@ def _p_operand(p, pdt: gl.constexpr, p_layout: gl.constexpr, PV_FP8: gl.constexp
 
 
 @gluon.jit
-def _step(WG: gl.constexpr, j, c0, q, acc, l_acc, l_i, p_prev, m_i, a_prev, rs, zero_s, zero_o, zero_l, kblk_ptr,
-          k_smem, v_smem, ks_smem, ones_smem, k_ready, k_empty, v_ready, v_empty, turn, Skv, MASK: gl.constexpr,
-          STATIC_MAX: gl.constexpr, K_PER_TOKEN: gl.constexpr, PINGPONG: gl.constexpr, NUM_STAGES: gl.constexpr,
-          BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, PV_FP8: gl.constexpr, TWO_LEVEL: gl.constexpr,
-          PV_OVERLAP: gl.constexpr, RUNNING: gl.constexpr):
+def _step(
+    WG: gl.constexpr,
+    j,
+    c0,
+    q,
+    acc,
+    l_acc,
+    l_i,
+    p_prev,
+    m_i,
+    a_prev,
+    rs,
+    zero_s,
+    zero_o,
+    zero_l,
+    kblk_ptr,
+    k_smem,
+    v_smem,
+    ks_smem,
+    ones_smem,
+    k_ready,
+    k_empty,
+    v_ready,
+    v_empty,
+    turn,
+    Skv,
+    MASK: gl.constexpr,
+    STATIC_MAX: gl.constexpr,
+    K_PER_TOKEN: gl.constexpr,
+    PINGPONG: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    PV_FP8: gl.constexpr,
+    TWO_LEVEL: gl.constexpr,
+    PV_OVERLAP: gl.constexpr,
+    RUNNING: gl.constexpr,
+):
     """Key tile ``j >= 1``: returns ``(acc, l_acc, l, P(j) as the next A operand, m, alpha owed to acc)``.
     ``c0``: the K/V tiles the ring delivered before this query tile (0, or with ``RUNNING`` the
     persistent schedule's running count): tile j sits in ring slot ``c0 + j``, and the ping-pong turn
@@ -234,8 +316,20 @@ def _step(WG: gl.constexpr, j, c0, q, acc, l_acc, l_i, p_prev, m_i, a_prev, rs, 
         mbarrier.wait(turn.index(WG), ((c0 + j) & 1) ^ (1 - WG))
     if PV_OVERLAP:
         s_tok = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    o_tok, l_tok, pl = issue_pv(p_prev, v_smem.index(sp), acc, l_acc, zero_o, zero_l, ones_smem, ROW_SUMS, PV_FP8,
-                                TWO_LEVEL, p_layout, pl_layout)
+    o_tok, l_tok, pl = issue_pv(
+        p_prev,
+        v_smem.index(sp),
+        acc,
+        l_acc,
+        zero_o,
+        zero_l,
+        ones_smem,
+        ROW_SUMS,
+        PV_FP8,
+        TWO_LEVEL,
+        p_layout,
+        pl_layout,
+    )
     if not PV_OVERLAP:
         s_tok = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     if PINGPONG:
@@ -246,8 +340,9 @@ def _step(WG: gl.constexpr, j, c0, q, acc, l_acc, l_i, p_prev, m_i, a_prev, rs, 
         else:
             s_i = warpgroup_mma_wait(1, deps=(s_tok,))
     else:  # P(j-1).V retired first (Q.K(j) still in flight); the online rescale waits for the softmax
-        acc, l_acc, a_prev = retire_pv(o_tok, l_tok, p_prev, pl, acc, l_acc, a_prev, a_prev, ROW_SUMS, False, 1,
-                                       PV_FP8, TWO_LEVEL)
+        acc, l_acc, a_prev = retire_pv(
+            o_tok, l_tok, p_prev, pl, acc, l_acc, a_prev, a_prev, ROW_SUMS, False, 1, PV_FP8, TWO_LEVEL
+        )
         mbarrier.arrive(v_empty.index(sp), count=1)
         s_i = warpgroup_mma_wait(0, deps=(s_tok,))
     u, f, g = _logits(s_i, rs, kblk, ks_smem.index(st), j * BLOCK_N, Skv, MASK, K_PER_TOKEN, s_layout, BLOCK_N)
@@ -255,8 +350,9 @@ def _step(WG: gl.constexpr, j, c0, q, acc, l_acc, l_i, p_prev, m_i, a_prev, rs, 
     p, alpha, m_i, l_i = _probs(u, f, g, m_i, l_i, STATIC_MAX, PV_FP8, K_PER_TOKEN)
     p_next = _p_operand(p, v_smem.dtype, p_layout, PV_FP8, BLOCK_N)
     if PV_OVERLAP:
-        acc, l_acc, a_prev = retire_pv(o_tok, l_tok, p_prev, pl, acc, l_acc, alpha, a_prev, ROW_SUMS,
-                                       not STATIC_MAX, 0, PV_FP8, TWO_LEVEL)
+        acc, l_acc, a_prev = retire_pv(
+            o_tok, l_tok, p_prev, pl, acc, l_acc, alpha, a_prev, ROW_SUMS, not STATIC_MAX, 0, PV_FP8, TWO_LEVEL
+        )
         mbarrier.arrive(v_empty.index(sp), count=1)
     elif TWO_LEVEL:
         a_prev = alpha
@@ -266,10 +362,36 @@ def _step(WG: gl.constexpr, j, c0, q, acc, l_acc, l_i, p_prev, m_i, a_prev, rs, 
 
 
 @gluon.jit
-def _mainloop(WG: gl.constexpr, q, rs, kblk_ptr, k_smem, v_smem, ks_smem, ones_smem, k_ready, k_empty, v_ready,
-              v_empty, turn, Skv, n_full, n_blocks, c0, q_free, STATIC_MAX: gl.constexpr, K_PER_TOKEN: gl.constexpr,
-              PINGPONG: gl.constexpr, NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-              PV_FP8: gl.constexpr, TWO_LEVEL: gl.constexpr, PV_OVERLAP: gl.constexpr, RUNNING: gl.constexpr):
+def _mainloop(
+    WG: gl.constexpr,
+    q,
+    rs,
+    kblk_ptr,
+    k_smem,
+    v_smem,
+    ks_smem,
+    ones_smem,
+    k_ready,
+    k_empty,
+    v_ready,
+    v_empty,
+    turn,
+    Skv,
+    n_full,
+    n_blocks,
+    c0,
+    q_free,
+    STATIC_MAX: gl.constexpr,
+    K_PER_TOKEN: gl.constexpr,
+    PINGPONG: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    PV_FP8: gl.constexpr,
+    TWO_LEVEL: gl.constexpr,
+    PV_OVERLAP: gl.constexpr,
+    RUNNING: gl.constexpr,
+):
     """All key tiles of one consumer: returns ``(acc [64, D], l [64], m [64])`` (base-2 max).
 
     The next tile's Q.K product is issued before this tile's P.V (and the row sums, a P x ones
@@ -319,22 +441,103 @@ def _mainloop(WG: gl.constexpr, q, rs, kblk_ptr, k_smem, v_smem, ks_smem, ones_s
 
     for j in range(1, n_full):
         acc, l_acc, l_i, p_prev, m_i, a_prev = _step(
-            WG, j, c0, q, acc, l_acc, l_i, p_prev, m_i, a_prev, rs, zero_s, zero_o, zero_l, kblk_ptr, k_smem, v_smem,
-            ks_smem, ones_smem, k_ready, k_empty, v_ready, v_empty, turn, Skv, False, STATIC_MAX, K_PER_TOKEN,
-            PINGPONG, NUM_STAGES, BLOCK_N, HEAD_DIM, PV_FP8, TWO_LEVEL, PV_OVERLAP, RUNNING)
+            WG,
+            j,
+            c0,
+            q,
+            acc,
+            l_acc,
+            l_i,
+            p_prev,
+            m_i,
+            a_prev,
+            rs,
+            zero_s,
+            zero_o,
+            zero_l,
+            kblk_ptr,
+            k_smem,
+            v_smem,
+            ks_smem,
+            ones_smem,
+            k_ready,
+            k_empty,
+            v_ready,
+            v_empty,
+            turn,
+            Skv,
+            False,
+            STATIC_MAX,
+            K_PER_TOKEN,
+            PINGPONG,
+            NUM_STAGES,
+            BLOCK_N,
+            HEAD_DIM,
+            PV_FP8,
+            TWO_LEVEL,
+            PV_OVERLAP,
+            RUNNING,
+        )
     if n_full < n_blocks and n_full > 0:
         acc, l_acc, l_i, p_prev, m_i, a_prev = _step(
-            WG, n_full, c0, q, acc, l_acc, l_i, p_prev, m_i, a_prev, rs, zero_s, zero_o, zero_l, kblk_ptr, k_smem,
-            v_smem, ks_smem, ones_smem, k_ready, k_empty, v_ready, v_empty, turn, Skv, True, STATIC_MAX, K_PER_TOKEN,
-            PINGPONG, NUM_STAGES, BLOCK_N, HEAD_DIM, PV_FP8, TWO_LEVEL, PV_OVERLAP, RUNNING)
+            WG,
+            n_full,
+            c0,
+            q,
+            acc,
+            l_acc,
+            l_i,
+            p_prev,
+            m_i,
+            a_prev,
+            rs,
+            zero_s,
+            zero_o,
+            zero_l,
+            kblk_ptr,
+            k_smem,
+            v_smem,
+            ks_smem,
+            ones_smem,
+            k_ready,
+            k_empty,
+            v_ready,
+            v_empty,
+            turn,
+            Skv,
+            True,
+            STATIC_MAX,
+            K_PER_TOKEN,
+            PINGPONG,
+            NUM_STAGES,
+            BLOCK_N,
+            HEAD_DIM,
+            PV_FP8,
+            TWO_LEVEL,
+            PV_OVERLAP,
+            RUNNING,
+        )
     if RUNNING:  # the last Q.K has been waited for: Q's buffer is free for the next query tile
         mbarrier.arrive(q_free, count=1)
     sp, php = ring_slot(c0 + n_blocks - 1, NUM_STAGES, RUNNING)
     mbarrier.wait(v_ready.index(sp), php)
-    o_tok, l_tok, pl = issue_pv(p_prev, v_smem.index(sp), acc, l_acc, zero_o, zero_l, ones_smem, ROW_SUMS, PV_FP8,
-                                TWO_LEVEL, p_layout, pl_layout)
-    acc, l_acc, a_prev = retire_pv(o_tok, l_tok, p_prev, pl, acc, l_acc, a_prev, a_prev, ROW_SUMS, False, 0,
-                                   PV_FP8, TWO_LEVEL)
+    o_tok, l_tok, pl = issue_pv(
+        p_prev,
+        v_smem.index(sp),
+        acc,
+        l_acc,
+        zero_o,
+        zero_l,
+        ones_smem,
+        ROW_SUMS,
+        PV_FP8,
+        TWO_LEVEL,
+        p_layout,
+        pl_layout,
+    )
+    acc, l_acc, a_prev = retire_pv(
+        o_tok, l_tok, p_prev, pl, acc, l_acc, a_prev, a_prev, ROW_SUMS, False, 0, PV_FP8, TWO_LEVEL
+    )
     mbarrier.arrive(v_empty.index(sp), count=1)
     if ROW_SUMS:  # the 8 columns of the ones product are equal
         l_i = gl.convert_layout(gl.max(l_acc, 1), row_s)
@@ -342,13 +545,56 @@ def _mainloop(WG: gl.constexpr, q, rs, kblk_ptr, k_smem, v_smem, ks_smem, ones_s
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, ks_smem, o_smem, ones_smem, q_bar, k_ready, k_empty, v_ready,
-              v_empty, turn, o_desc, qs_ptr, qn_ptr, kn_ptr, ks_ptr, qkm_ptr, vs_ptr, vm_ptr, o_ptr, lse_ptr, m0, o_b,
-              o_col, Sq, Skv, stride_os, n_full, n_blocks, c0, tq, q_free,
-              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-              RETURN_LSE: gl.constexpr, K_PER_TOKEN: gl.constexpr, PINGPONG: gl.constexpr,
-              TMA_STORE: gl.constexpr, STATIC_MAX: gl.constexpr, Q_REGS: gl.constexpr, PV_FP8: gl.constexpr,
-              TWO_LEVEL: gl.constexpr, V_SMOOTH: gl.constexpr, PV_OVERLAP: gl.constexpr, RUNNING: gl.constexpr):
+def _consumer(
+    WG: gl.constexpr,
+    q_smem,
+    k_smem,
+    v_smem,
+    ks_smem,
+    o_smem,
+    ones_smem,
+    q_bar,
+    k_ready,
+    k_empty,
+    v_ready,
+    v_empty,
+    turn,
+    o_desc,
+    qs_ptr,
+    qn_ptr,
+    kn_ptr,
+    ks_ptr,
+    qkm_ptr,
+    vs_ptr,
+    vm_ptr,
+    o_ptr,
+    lse_ptr,
+    m0,
+    o_b,
+    o_col,
+    Sq,
+    Skv,
+    stride_os,
+    n_full,
+    n_blocks,
+    c0,
+    tq,
+    q_free,
+    BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    RETURN_LSE: gl.constexpr,
+    K_PER_TOKEN: gl.constexpr,
+    PINGPONG: gl.constexpr,
+    TMA_STORE: gl.constexpr,
+    STATIC_MAX: gl.constexpr,
+    Q_REGS: gl.constexpr,
+    PV_FP8: gl.constexpr,
+    TWO_LEVEL: gl.constexpr,
+    V_SMOOTH: gl.constexpr,
+    PV_OVERLAP: gl.constexpr,
+    RUNNING: gl.constexpr,
+):
     """One consumer warpgroup: 64 query rows over all keys, then the epilogue.  ``RUNNING`` (the
     persistent schedule, :func:`_consumer_persistent`): the CTA's ``tq``-th query tile, the ring's
     running count ``c0``, Q's buffer released to ``q_free`` after the last Q.K.
@@ -374,21 +620,122 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, ks_smem, o_smem, ones_sm
         else:
             static = bound <= LOGIT_LIMIT_BF16
     if static:
-        acc, l_i, m_i = _mainloop(WG, q, rs, ks_ptr, k_smem, v_smem, ks_smem, ones_smem, k_ready, k_empty,
-                                  v_ready, v_empty, turn, Skv, n_full, n_blocks, c0, q_free, True, K_PER_TOKEN,
-                                  PINGPONG, NUM_STAGES, BLOCK_N, HEAD_DIM, PV_FP8, TWO_LEVEL, PV_OVERLAP, RUNNING)
+        acc, l_i, m_i = _mainloop(
+            WG,
+            q,
+            rs,
+            ks_ptr,
+            k_smem,
+            v_smem,
+            ks_smem,
+            ones_smem,
+            k_ready,
+            k_empty,
+            v_ready,
+            v_empty,
+            turn,
+            Skv,
+            n_full,
+            n_blocks,
+            c0,
+            q_free,
+            True,
+            K_PER_TOKEN,
+            PINGPONG,
+            NUM_STAGES,
+            BLOCK_N,
+            HEAD_DIM,
+            PV_FP8,
+            TWO_LEVEL,
+            PV_OVERLAP,
+            RUNNING,
+        )
     else:
-        acc, l_i, m_i = _mainloop(WG, q, rs, ks_ptr, k_smem, v_smem, ks_smem, ones_smem, k_ready, k_empty,
-                                  v_ready, v_empty, turn, Skv, n_full, n_blocks, c0, q_free, False, K_PER_TOKEN,
-                                  PINGPONG, NUM_STAGES, BLOCK_N, HEAD_DIM, PV_FP8, TWO_LEVEL, PV_OVERLAP, RUNNING)
-    _epilogue(WG, acc, l_i, m_i, rows, o_smem, o_desc, o_ptr, lse_ptr, qkm_ptr, vs_ptr, vm_ptr, m_start, o_b, o_col,
-              Sq, stride_os, BLOCK_N, HEAD_DIM, RETURN_LSE, TMA_STORE, PV_FP8, V_SMOOTH, RUNNING)
+        acc, l_i, m_i = _mainloop(
+            WG,
+            q,
+            rs,
+            ks_ptr,
+            k_smem,
+            v_smem,
+            ks_smem,
+            ones_smem,
+            k_ready,
+            k_empty,
+            v_ready,
+            v_empty,
+            turn,
+            Skv,
+            n_full,
+            n_blocks,
+            c0,
+            q_free,
+            False,
+            K_PER_TOKEN,
+            PINGPONG,
+            NUM_STAGES,
+            BLOCK_N,
+            HEAD_DIM,
+            PV_FP8,
+            TWO_LEVEL,
+            PV_OVERLAP,
+            RUNNING,
+        )
+    _epilogue(
+        WG,
+        acc,
+        l_i,
+        m_i,
+        rows,
+        o_smem,
+        o_desc,
+        o_ptr,
+        lse_ptr,
+        qkm_ptr,
+        vs_ptr,
+        vm_ptr,
+        m_start,
+        o_b,
+        o_col,
+        Sq,
+        stride_os,
+        BLOCK_N,
+        HEAD_DIM,
+        RETURN_LSE,
+        TMA_STORE,
+        PV_FP8,
+        V_SMOOTH,
+        RUNNING,
+    )
 
 
 @gluon.jit
-def _epilogue(WG: gl.constexpr, acc, l_i, m_i, rows, o_smem, o_desc, o_ptr, lse_ptr, qkm_ptr, vs_ptr, vm_ptr, m_start,
-              o_b, o_col, Sq, stride_os, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, RETURN_LSE: gl.constexpr,
-              TMA_STORE: gl.constexpr, PV_FP8: gl.constexpr, V_SMOOTH: gl.constexpr, RUNNING: gl.constexpr):
+def _epilogue(
+    WG: gl.constexpr,
+    acc,
+    l_i,
+    m_i,
+    rows,
+    o_smem,
+    o_desc,
+    o_ptr,
+    lse_ptr,
+    qkm_ptr,
+    vs_ptr,
+    vm_ptr,
+    m_start,
+    o_b,
+    o_col,
+    Sq,
+    stride_os,
+    BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    RETURN_LSE: gl.constexpr,
+    TMA_STORE: gl.constexpr,
+    PV_FP8: gl.constexpr,
+    V_SMOOTH: gl.constexpr,
+    RUNNING: gl.constexpr,
+):
     """Normalise and store one consumer's 64 output rows (rows past ``Sq`` are not written) and
     their LSE (natural log, the K smoothing undone by ``qkm``).  FP8 P.V: times V's channel scales
     (``vs_ptr``) plus, with ``V_SMOOTH``, its channel means (``vm_ptr``); the LSE less ``P_SHIFT``.
@@ -415,8 +762,11 @@ def _epilogue(WG: gl.constexpr, acc, l_i, m_i, rows, o_smem, o_desc, o_ptr, lse_
     else:
         rows_o = m_start + gl.arange(0, WG_M, layout=row_o)
         cols_o = gl.arange(0, HEAD_DIM, layout=col_o)
-        gl.store(o_ptr + rows_o[:, None] * stride_os + cols_o[None, :], out.to(o_ptr.dtype.element_ty),
-                 mask=(rows_o < Sq)[:, None])
+        gl.store(
+            o_ptr + rows_o[:, None] * stride_os + cols_o[None, :],
+            out.to(o_ptr.dtype.element_ty),
+            mask=(rows_o < Sq)[:, None],
+        )
     if RETURN_LSE:
         lse = (m_i + gl.log2(l_i)) * 0.6931471805599453 + gl.load(qkm_ptr + rows)
         gl.store(lse_ptr + rows, lse, mask=rows < Sq)
@@ -425,9 +775,30 @@ def _epilogue(WG: gl.constexpr, acc, l_i, m_i, rows, o_smem, o_desc, o_ptr, lse_
 
 
 @gluon.jit
-def _head(bh, H, HKV, qs_ptr, qn_ptr, kn_ptr, ks_ptr, qkm_ptr, vs_ptr, vm_ptr, o_ptr, lse_ptr, Sq, Skv, Sq_pad,
-          Skv_pad, stride_ob, stride_oh, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, K_PER_TOKEN: gl.constexpr,
-          PV_FP8: gl.constexpr):
+def _head(
+    bh,
+    H,
+    HKV,
+    qs_ptr,
+    qn_ptr,
+    kn_ptr,
+    ks_ptr,
+    qkm_ptr,
+    vs_ptr,
+    vm_ptr,
+    o_ptr,
+    lse_ptr,
+    Sq,
+    Skv,
+    Sq_pad,
+    Skv_pad,
+    stride_ob,
+    stride_oh,
+    BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    K_PER_TOKEN: gl.constexpr,
+    PV_FP8: gl.constexpr,
+):
     """What one (batch, head) ``bh = b * H + h`` reads and writes: ``(b, h, b * HKV + kv head, Q scale,
     Q norm, K norm, K scale, LSE correction, V channel scale and mean, output and LSE bases, V's row
     and column in its descriptor)``."""
@@ -441,18 +812,65 @@ def _head(bh, H, HKV, qs_ptr, qn_ptr, kn_ptr, ks_ptr, qkm_ptr, vs_ptr, vm_ptr, o
     else:  # V in place, [B * Skv, H_kv * D]
         v_row = b * Skv
         v_col = hk * HEAD_DIM
-    return (b, h, bhk, qs_ptr + bh * Sq_pad, qn_ptr + bh * Sq_pad, kn_ptr + bhk,
-            ks_ptr + bhk * (Skv_pad if K_PER_TOKEN else Skv_pad // BLOCK_N), qkm_ptr + bh * Sq_pad,
-            vs_ptr + bhk * HEAD_DIM, vm_ptr + bhk * HEAD_DIM, o_ptr + b * stride_ob + h * stride_oh, lse_ptr + bh * Sq,
-            v_row, v_col)
+    return (
+        b,
+        h,
+        bhk,
+        qs_ptr + bh * Sq_pad,
+        qn_ptr + bh * Sq_pad,
+        kn_ptr + bhk,
+        ks_ptr + bhk * (Skv_pad if K_PER_TOKEN else Skv_pad // BLOCK_N),
+        qkm_ptr + bh * Sq_pad,
+        vs_ptr + bhk * HEAD_DIM,
+        vm_ptr + bhk * HEAD_DIM,
+        o_ptr + b * stride_ob + h * stride_oh,
+        lse_ptr + bh * Sq,
+        v_row,
+        v_col,
+    )
 
 
 @gluon.jit
-def _producer_persistent(q_desc, k_desc, v_desc, ks_desc, q_smem, k_smem, v_smem, ks_smem, q_bar, q_empty, k_ready,
-                         k_empty, v_ready, v_empty, qs_ptr, qn_ptr, kn_ptr, ks_ptr, qkm_ptr, vs_ptr, vm_ptr, o_ptr,
-                         lse_ptr, Sq, Skv, Sq_pad, Skv_pad, H, HKV, stride_ob, stride_oh, num_tiles, n_blocks,
-                         BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-                         K_PER_TOKEN: gl.constexpr, PV_FP8: gl.constexpr):
+def _producer_persistent(
+    q_desc,
+    k_desc,
+    v_desc,
+    ks_desc,
+    q_smem,
+    k_smem,
+    v_smem,
+    ks_smem,
+    q_bar,
+    q_empty,
+    k_ready,
+    k_empty,
+    v_ready,
+    v_empty,
+    qs_ptr,
+    qn_ptr,
+    kn_ptr,
+    ks_ptr,
+    qkm_ptr,
+    vs_ptr,
+    vm_ptr,
+    o_ptr,
+    lse_ptr,
+    Sq,
+    Skv,
+    Sq_pad,
+    Skv_pad,
+    H,
+    HKV,
+    stride_ob,
+    stride_oh,
+    num_tiles,
+    n_blocks,
+    BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    K_PER_TOKEN: gl.constexpr,
+    PV_FP8: gl.constexpr,
+):
     """The loads of the CTA's tiles ``pid, pid + grid, ...`` (tile ``t = (b * H + h) * m_tiles + m``, the
     query tile fastest): :func:`_producer` per tile with the ring's running count and Q's phase
     carried over, so the next tile's Q and first K/V tiles load while the consumers finish the
@@ -463,24 +881,113 @@ def _producer_persistent(q_desc, k_desc, v_desc, ks_desc, q_smem, k_smem, v_smem
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         bh = t // m_tiles
         b, h, bhk, qs_row, qn_row, kn_h, ks_row, qkm_row, vs_h, vm_h, o_base, lse_row, v_row, v_col = _head(
-            bh, H, HKV, qs_ptr, qn_ptr, kn_ptr, ks_ptr, qkm_ptr, vs_ptr, vm_ptr, o_ptr, lse_ptr, Sq, Skv, Sq_pad,
-            Skv_pad, stride_ob, stride_oh, BLOCK_N, HEAD_DIM, K_PER_TOKEN, PV_FP8)
-        _producer(q_desc, k_desc, v_desc, ks_desc, q_smem, k_smem, v_smem, ks_smem, q_bar, k_ready, k_empty, v_ready,
-                  v_empty, bh * Sq_pad + (t - bh * m_tiles) * BLOCK_M, bhk * Skv_pad, v_row, v_col, n_blocks, c,
-                  tq, q_empty, BLOCK_N, NUM_STAGES, K_PER_TOKEN, PV_FP8, True)
+            bh,
+            H,
+            HKV,
+            qs_ptr,
+            qn_ptr,
+            kn_ptr,
+            ks_ptr,
+            qkm_ptr,
+            vs_ptr,
+            vm_ptr,
+            o_ptr,
+            lse_ptr,
+            Sq,
+            Skv,
+            Sq_pad,
+            Skv_pad,
+            stride_ob,
+            stride_oh,
+            BLOCK_N,
+            HEAD_DIM,
+            K_PER_TOKEN,
+            PV_FP8,
+        )
+        _producer(
+            q_desc,
+            k_desc,
+            v_desc,
+            ks_desc,
+            q_smem,
+            k_smem,
+            v_smem,
+            ks_smem,
+            q_bar,
+            k_ready,
+            k_empty,
+            v_ready,
+            v_empty,
+            bh * Sq_pad + (t - bh * m_tiles) * BLOCK_M,
+            bhk * Skv_pad,
+            v_row,
+            v_col,
+            n_blocks,
+            c,
+            tq,
+            q_empty,
+            BLOCK_N,
+            NUM_STAGES,
+            K_PER_TOKEN,
+            PV_FP8,
+            True,
+        )
         c += n_blocks
         tq += 1
 
 
 @gluon.jit
-def _consumer_persistent(WG: gl.constexpr, q_smem, k_smem, v_smem, ks_smem, o_smem, ones_smem, q_bar, q_empty, k_ready,
-                         k_empty, v_ready, v_empty, turn, o_desc, qs_ptr, qn_ptr, kn_ptr, ks_ptr, qkm_ptr, vs_ptr,
-                         vm_ptr, o_ptr, lse_ptr, Sq, Skv, Sq_pad, Skv_pad, H, HKV, stride_ob, stride_os, stride_oh,
-                         num_tiles, n_full, n_blocks, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                         NUM_STAGES: gl.constexpr, RETURN_LSE: gl.constexpr, K_PER_TOKEN: gl.constexpr,
-                         PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr, STATIC_MAX: gl.constexpr,
-                         Q_REGS: gl.constexpr, PV_FP8: gl.constexpr, TWO_LEVEL: gl.constexpr, V_SMOOTH: gl.constexpr,
-                         PV_OVERLAP: gl.constexpr):
+def _consumer_persistent(
+    WG: gl.constexpr,
+    q_smem,
+    k_smem,
+    v_smem,
+    ks_smem,
+    o_smem,
+    ones_smem,
+    q_bar,
+    q_empty,
+    k_ready,
+    k_empty,
+    v_ready,
+    v_empty,
+    turn,
+    o_desc,
+    qs_ptr,
+    qn_ptr,
+    kn_ptr,
+    ks_ptr,
+    qkm_ptr,
+    vs_ptr,
+    vm_ptr,
+    o_ptr,
+    lse_ptr,
+    Sq,
+    Skv,
+    Sq_pad,
+    Skv_pad,
+    H,
+    HKV,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    num_tiles,
+    n_full,
+    n_blocks,
+    BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    RETURN_LSE: gl.constexpr,
+    K_PER_TOKEN: gl.constexpr,
+    PINGPONG: gl.constexpr,
+    TMA_STORE: gl.constexpr,
+    STATIC_MAX: gl.constexpr,
+    Q_REGS: gl.constexpr,
+    PV_FP8: gl.constexpr,
+    TWO_LEVEL: gl.constexpr,
+    V_SMOOTH: gl.constexpr,
+    PV_OVERLAP: gl.constexpr,
+):
     """One consumer warpgroup over the CTA's tiles (the producer's sequence): :func:`_consumer` per tile
     with the ring's running count and Q's phase carried over; its output staging buffer is waited
     for only before its next use, and once at the end."""
@@ -490,13 +997,79 @@ def _consumer_persistent(WG: gl.constexpr, q_smem, k_smem, v_smem, ks_smem, o_sm
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         bh = t // m_tiles
         b, h, bhk, qs_row, qn_row, kn_h, ks_row, qkm_row, vs_h, vm_h, o_base, lse_row, v_row, v_col = _head(
-            bh, H, HKV, qs_ptr, qn_ptr, kn_ptr, ks_ptr, qkm_ptr, vs_ptr, vm_ptr, o_ptr, lse_ptr, Sq, Skv, Sq_pad,
-            Skv_pad, stride_ob, stride_oh, BLOCK_N, HEAD_DIM, K_PER_TOKEN, PV_FP8)
-        _consumer(WG, q_smem, k_smem, v_smem, ks_smem, o_smem, ones_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                  turn, o_desc, qs_row, qn_row, kn_h, ks_row, qkm_row, vs_h, vm_h, o_base, lse_row,
-                  (t - bh * m_tiles) * BLOCK_M, b, h * HEAD_DIM, Sq, Skv, stride_os, n_full, n_blocks, c, tq,
-                  q_empty.index(WG), BLOCK_N, HEAD_DIM, NUM_STAGES, RETURN_LSE, K_PER_TOKEN, PINGPONG, TMA_STORE,
-                  STATIC_MAX, Q_REGS, PV_FP8, TWO_LEVEL, V_SMOOTH, PV_OVERLAP, True)
+            bh,
+            H,
+            HKV,
+            qs_ptr,
+            qn_ptr,
+            kn_ptr,
+            ks_ptr,
+            qkm_ptr,
+            vs_ptr,
+            vm_ptr,
+            o_ptr,
+            lse_ptr,
+            Sq,
+            Skv,
+            Sq_pad,
+            Skv_pad,
+            stride_ob,
+            stride_oh,
+            BLOCK_N,
+            HEAD_DIM,
+            K_PER_TOKEN,
+            PV_FP8,
+        )
+        _consumer(
+            WG,
+            q_smem,
+            k_smem,
+            v_smem,
+            ks_smem,
+            o_smem,
+            ones_smem,
+            q_bar,
+            k_ready,
+            k_empty,
+            v_ready,
+            v_empty,
+            turn,
+            o_desc,
+            qs_row,
+            qn_row,
+            kn_h,
+            ks_row,
+            qkm_row,
+            vs_h,
+            vm_h,
+            o_base,
+            lse_row,
+            (t - bh * m_tiles) * BLOCK_M,
+            b,
+            h * HEAD_DIM,
+            Sq,
+            Skv,
+            stride_os,
+            n_full,
+            n_blocks,
+            c,
+            tq,
+            q_empty.index(WG),
+            BLOCK_N,
+            HEAD_DIM,
+            NUM_STAGES,
+            RETURN_LSE,
+            K_PER_TOKEN,
+            PINGPONG,
+            TMA_STORE,
+            STATIC_MAX,
+            Q_REGS,
+            PV_FP8,
+            TWO_LEVEL,
+            V_SMOOTH,
+            PV_OVERLAP,
+            True,
+        )
         c += n_blocks
         tq += 1
     if TMA_STORE:
@@ -504,13 +1077,48 @@ def _consumer_persistent(WG: gl.constexpr, q_smem, k_smem, v_smem, ks_smem, o_sm
 
 
 @gluon.jit
-def _sage_fwd_sm90(q_desc, k_desc, v_desc, o_desc, ks_desc, qs_ptr, qn_ptr, kn_ptr, ks_ptr, qkm_ptr, vs_ptr, vm_ptr,
-                   o_ptr, lse_ptr, Sq, Skv, Sq_pad, Skv_pad, H, HKV, stride_ob, stride_os, stride_oh, num_tiles,
-                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-                   RETURN_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                   K_PER_TOKEN: gl.constexpr, PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr,
-                   STATIC_MAX: gl.constexpr, Q_REGS: gl.constexpr, PV_FP8: gl.constexpr, TWO_LEVEL: gl.constexpr,
-                   V_SMOOTH: gl.constexpr, PV_OVERLAP: gl.constexpr, PERSISTENT: gl.constexpr):
+def _sage_fwd_sm90(
+    q_desc,
+    k_desc,
+    v_desc,
+    o_desc,
+    ks_desc,
+    qs_ptr,
+    qn_ptr,
+    kn_ptr,
+    ks_ptr,
+    qkm_ptr,
+    vs_ptr,
+    vm_ptr,
+    o_ptr,
+    lse_ptr,
+    Sq,
+    Skv,
+    Sq_pad,
+    Skv_pad,
+    H,
+    HKV,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    num_tiles,
+    BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    RETURN_LSE: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
+    K_PER_TOKEN: gl.constexpr,
+    PINGPONG: gl.constexpr,
+    TMA_STORE: gl.constexpr,
+    STATIC_MAX: gl.constexpr,
+    Q_REGS: gl.constexpr,
+    PV_FP8: gl.constexpr,
+    TWO_LEVEL: gl.constexpr,
+    V_SMOOTH: gl.constexpr,
+    PV_OVERLAP: gl.constexpr,
+    PERSISTENT: gl.constexpr,
+):
     """Grid ``(Sq_pad / 128, B * H)``: one CTA per 128-row query tile of one (batch, head); or, with
     ``PERSISTENT``, ``(min(num_tiles, SMs),)``: each CTA loops over tiles ``pid, pid + grid, ...`` in
     the order ``t = (b * H + h) * (Sq_pad / 128) + m`` — the query tile fastest, the one-CTA-per-tile
@@ -523,8 +1131,29 @@ def _sage_fwd_sm90(q_desc, k_desc, v_desc, o_desc, ks_desc, qs_ptr, qn_ptr, kn_p
     pid_bh = gl.program_id(1)
     # (one CTA per tile; unused by the persistent schedule)
     b, h, bhk, qs_row, qn_row, kn_h, ks_row, qkm_row, vs_h, vm_h, o_base, lse_row, v_row, v_col = _head(
-        pid_bh, H, HKV, qs_ptr, qn_ptr, kn_ptr, ks_ptr, qkm_ptr, vs_ptr, vm_ptr, o_ptr, lse_ptr, Sq, Skv, Sq_pad,
-        Skv_pad, stride_ob, stride_oh, BLOCK_N, HEAD_DIM, K_PER_TOKEN, PV_FP8)
+        pid_bh,
+        H,
+        HKV,
+        qs_ptr,
+        qn_ptr,
+        kn_ptr,
+        ks_ptr,
+        qkm_ptr,
+        vs_ptr,
+        vm_ptr,
+        o_ptr,
+        lse_ptr,
+        Sq,
+        Skv,
+        Sq_pad,
+        Skv_pad,
+        stride_ob,
+        stride_oh,
+        BLOCK_N,
+        HEAD_DIM,
+        K_PER_TOKEN,
+        PV_FP8,
+    )
     m0 = pid_m * BLOCK_M
     n_blocks = gl.cdiv(Skv, BLOCK_N)
     n_full = Skv // BLOCK_N
@@ -560,46 +1189,319 @@ def _sage_fwd_sm90(q_desc, k_desc, v_desc, o_desc, ks_desc, qs_ptr, qn_ptr, kn_p
         q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for w in gl.static_range(2):
             mbarrier.init(q_empty.index(w), count=1)
-        gl.warp_specialize([
-            (_consumer_persistent, (0, q_smem, k_smem, v_smem, ks_smem, o_smem, ones_smem, q_bar, q_empty, k_ready,
-                                    k_empty, v_ready, v_empty, turn, o_desc, qs_ptr, qn_ptr, kn_ptr, ks_ptr, qkm_ptr,
-                                    vs_ptr, vm_ptr, o_ptr, lse_ptr, Sq, Skv, Sq_pad, Skv_pad, H, HKV, stride_ob,
-                                    stride_os, stride_oh, num_tiles, n_full, n_blocks, BLOCK_N, HEAD_DIM, NUM_STAGES,
-                                    RETURN_LSE, K_PER_TOKEN, PINGPONG, TMA_STORE, STATIC_MAX, Q_REGS, PV_FP8,
-                                    TWO_LEVEL, V_SMOOTH, PV_OVERLAP)),
-            (_consumer_persistent, (1, q_smem, k_smem, v_smem, ks_smem, o_smem, ones_smem, q_bar, q_empty, k_ready,
-                                    k_empty, v_ready, v_empty, turn, o_desc, qs_ptr, qn_ptr, kn_ptr, ks_ptr, qkm_ptr,
-                                    vs_ptr, vm_ptr, o_ptr, lse_ptr, Sq, Skv, Sq_pad, Skv_pad, H, HKV, stride_ob,
-                                    stride_os, stride_oh, num_tiles, n_full, n_blocks, BLOCK_N, HEAD_DIM, NUM_STAGES,
-                                    RETURN_LSE, K_PER_TOKEN, PINGPONG, TMA_STORE, STATIC_MAX, Q_REGS, PV_FP8,
-                                    TWO_LEVEL, V_SMOOTH, PV_OVERLAP)),
-            (_producer_persistent, (q_desc, k_desc, v_desc, ks_desc, q_smem, k_smem, v_smem, ks_smem, q_bar, q_empty,
-                                    k_ready, k_empty, v_ready, v_empty, qs_ptr, qn_ptr, kn_ptr, ks_ptr, qkm_ptr,
-                                    vs_ptr, vm_ptr, o_ptr, lse_ptr, Sq, Skv, Sq_pad, Skv_pad, H, HKV, stride_ob,
-                                    stride_oh, num_tiles, n_blocks, BLOCK_N, HEAD_DIM, NUM_STAGES, K_PER_TOKEN,
-                                    PV_FP8)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        gl.warp_specialize(
+            [
+                (
+                    _consumer_persistent,
+                    (
+                        0,
+                        q_smem,
+                        k_smem,
+                        v_smem,
+                        ks_smem,
+                        o_smem,
+                        ones_smem,
+                        q_bar,
+                        q_empty,
+                        k_ready,
+                        k_empty,
+                        v_ready,
+                        v_empty,
+                        turn,
+                        o_desc,
+                        qs_ptr,
+                        qn_ptr,
+                        kn_ptr,
+                        ks_ptr,
+                        qkm_ptr,
+                        vs_ptr,
+                        vm_ptr,
+                        o_ptr,
+                        lse_ptr,
+                        Sq,
+                        Skv,
+                        Sq_pad,
+                        Skv_pad,
+                        H,
+                        HKV,
+                        stride_ob,
+                        stride_os,
+                        stride_oh,
+                        num_tiles,
+                        n_full,
+                        n_blocks,
+                        BLOCK_N,
+                        HEAD_DIM,
+                        NUM_STAGES,
+                        RETURN_LSE,
+                        K_PER_TOKEN,
+                        PINGPONG,
+                        TMA_STORE,
+                        STATIC_MAX,
+                        Q_REGS,
+                        PV_FP8,
+                        TWO_LEVEL,
+                        V_SMOOTH,
+                        PV_OVERLAP,
+                    ),
+                ),
+                (
+                    _consumer_persistent,
+                    (
+                        1,
+                        q_smem,
+                        k_smem,
+                        v_smem,
+                        ks_smem,
+                        o_smem,
+                        ones_smem,
+                        q_bar,
+                        q_empty,
+                        k_ready,
+                        k_empty,
+                        v_ready,
+                        v_empty,
+                        turn,
+                        o_desc,
+                        qs_ptr,
+                        qn_ptr,
+                        kn_ptr,
+                        ks_ptr,
+                        qkm_ptr,
+                        vs_ptr,
+                        vm_ptr,
+                        o_ptr,
+                        lse_ptr,
+                        Sq,
+                        Skv,
+                        Sq_pad,
+                        Skv_pad,
+                        H,
+                        HKV,
+                        stride_ob,
+                        stride_os,
+                        stride_oh,
+                        num_tiles,
+                        n_full,
+                        n_blocks,
+                        BLOCK_N,
+                        HEAD_DIM,
+                        NUM_STAGES,
+                        RETURN_LSE,
+                        K_PER_TOKEN,
+                        PINGPONG,
+                        TMA_STORE,
+                        STATIC_MAX,
+                        Q_REGS,
+                        PV_FP8,
+                        TWO_LEVEL,
+                        V_SMOOTH,
+                        PV_OVERLAP,
+                    ),
+                ),
+                (
+                    _producer_persistent,
+                    (
+                        q_desc,
+                        k_desc,
+                        v_desc,
+                        ks_desc,
+                        q_smem,
+                        k_smem,
+                        v_smem,
+                        ks_smem,
+                        q_bar,
+                        q_empty,
+                        k_ready,
+                        k_empty,
+                        v_ready,
+                        v_empty,
+                        qs_ptr,
+                        qn_ptr,
+                        kn_ptr,
+                        ks_ptr,
+                        qkm_ptr,
+                        vs_ptr,
+                        vm_ptr,
+                        o_ptr,
+                        lse_ptr,
+                        Sq,
+                        Skv,
+                        Sq_pad,
+                        Skv_pad,
+                        H,
+                        HKV,
+                        stride_ob,
+                        stride_oh,
+                        num_tiles,
+                        n_blocks,
+                        BLOCK_N,
+                        HEAD_DIM,
+                        NUM_STAGES,
+                        K_PER_TOKEN,
+                        PV_FP8,
+                    ),
+                ),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )
     else:
         # constexpr arguments must be written into each partition's tuple (a tuple variable drops them)
-        gl.warp_specialize([
-            (_consumer, (0, q_smem, k_smem, v_smem, ks_smem, o_smem, ones_smem, q_bar, k_ready, k_empty, v_ready,
-                         v_empty, turn, o_desc, qs_row, qn_row, kn_h, ks_row, qkm_row, vs_h, vm_h, o_base, lse_row, m0,
-                         b, h * HEAD_DIM, Sq, Skv, stride_os, n_full, n_blocks, 0, 0, q_bar, BLOCK_N, HEAD_DIM,
-                         NUM_STAGES, RETURN_LSE, K_PER_TOKEN, PINGPONG, TMA_STORE, STATIC_MAX, Q_REGS, PV_FP8,
-                         TWO_LEVEL, V_SMOOTH, PV_OVERLAP, False)),
-            (_consumer, (1, q_smem, k_smem, v_smem, ks_smem, o_smem, ones_smem, q_bar, k_ready, k_empty, v_ready,
-                         v_empty, turn, o_desc, qs_row, qn_row, kn_h, ks_row, qkm_row, vs_h, vm_h, o_base, lse_row, m0,
-                         b, h * HEAD_DIM, Sq, Skv, stride_os, n_full, n_blocks, 0, 0, q_bar, BLOCK_N, HEAD_DIM,
-                         NUM_STAGES, RETURN_LSE, K_PER_TOKEN, PINGPONG, TMA_STORE, STATIC_MAX, Q_REGS, PV_FP8,
-                         TWO_LEVEL, V_SMOOTH, PV_OVERLAP, False)),
-            (_producer, (q_desc, k_desc, v_desc, ks_desc, q_smem, k_smem, v_smem, ks_smem, q_bar, k_ready, k_empty,
-                         v_ready, v_empty, pid_bh * Sq_pad + m0, bhk * Skv_pad, v_row, v_col, n_blocks, 0, 0, q_bar,
-                         BLOCK_N, NUM_STAGES, K_PER_TOKEN, PV_FP8, False)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        gl.warp_specialize(
+            [
+                (
+                    _consumer,
+                    (
+                        0,
+                        q_smem,
+                        k_smem,
+                        v_smem,
+                        ks_smem,
+                        o_smem,
+                        ones_smem,
+                        q_bar,
+                        k_ready,
+                        k_empty,
+                        v_ready,
+                        v_empty,
+                        turn,
+                        o_desc,
+                        qs_row,
+                        qn_row,
+                        kn_h,
+                        ks_row,
+                        qkm_row,
+                        vs_h,
+                        vm_h,
+                        o_base,
+                        lse_row,
+                        m0,
+                        b,
+                        h * HEAD_DIM,
+                        Sq,
+                        Skv,
+                        stride_os,
+                        n_full,
+                        n_blocks,
+                        0,
+                        0,
+                        q_bar,
+                        BLOCK_N,
+                        HEAD_DIM,
+                        NUM_STAGES,
+                        RETURN_LSE,
+                        K_PER_TOKEN,
+                        PINGPONG,
+                        TMA_STORE,
+                        STATIC_MAX,
+                        Q_REGS,
+                        PV_FP8,
+                        TWO_LEVEL,
+                        V_SMOOTH,
+                        PV_OVERLAP,
+                        False,
+                    ),
+                ),
+                (
+                    _consumer,
+                    (
+                        1,
+                        q_smem,
+                        k_smem,
+                        v_smem,
+                        ks_smem,
+                        o_smem,
+                        ones_smem,
+                        q_bar,
+                        k_ready,
+                        k_empty,
+                        v_ready,
+                        v_empty,
+                        turn,
+                        o_desc,
+                        qs_row,
+                        qn_row,
+                        kn_h,
+                        ks_row,
+                        qkm_row,
+                        vs_h,
+                        vm_h,
+                        o_base,
+                        lse_row,
+                        m0,
+                        b,
+                        h * HEAD_DIM,
+                        Sq,
+                        Skv,
+                        stride_os,
+                        n_full,
+                        n_blocks,
+                        0,
+                        0,
+                        q_bar,
+                        BLOCK_N,
+                        HEAD_DIM,
+                        NUM_STAGES,
+                        RETURN_LSE,
+                        K_PER_TOKEN,
+                        PINGPONG,
+                        TMA_STORE,
+                        STATIC_MAX,
+                        Q_REGS,
+                        PV_FP8,
+                        TWO_LEVEL,
+                        V_SMOOTH,
+                        PV_OVERLAP,
+                        False,
+                    ),
+                ),
+                (
+                    _producer,
+                    (
+                        q_desc,
+                        k_desc,
+                        v_desc,
+                        ks_desc,
+                        q_smem,
+                        k_smem,
+                        v_smem,
+                        ks_smem,
+                        q_bar,
+                        k_ready,
+                        k_empty,
+                        v_ready,
+                        v_empty,
+                        pid_bh * Sq_pad + m0,
+                        bhk * Skv_pad,
+                        v_row,
+                        v_col,
+                        n_blocks,
+                        0,
+                        0,
+                        q_bar,
+                        BLOCK_N,
+                        NUM_STAGES,
+                        K_PER_TOKEN,
+                        PV_FP8,
+                        False,
+                    ),
+                ),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )
 
 
-def sage_attention_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float] = None,
-                        return_lse: bool = False, config: Optional[dict] = None):
+def sage_attention_sm90(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+    config: Optional[dict] = None,
+):
     """INT8 Q.K / FP16-BF16 or FP8 P.V attention on SM90 (Gluon, warp-specialised).
 
     q ``[B, S_q, H, D]``, k/v ``[B, S_kv, H_kv, D]`` fp16/bf16 on one CUDA device, ``H % H_kv == 0``,
@@ -624,11 +1526,19 @@ def sage_attention_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sc
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     if not v.is_contiguous():
         v = v.contiguous()
-    scale = D ** -0.5 if scale is None else float(scale)
+    scale = D**-0.5 if scale is None else float(scale)
     k_tok = cfg["k_granularity"] == "token"
     q8, qs, qkm, k8, ks, sq_pad, skv_pad, qn, kn = quantize_qk(
-        q, k, scale=scale, block_m=BLOCK_M.value, block_n=bn, need_qkm=return_lse, k_per_token=k_tok, norms=True,
-        qk_balance=cfg["qk_balance"])
+        q,
+        k,
+        scale=scale,
+        block_m=BLOCK_M.value,
+        block_n=bn,
+        need_qkm=return_lse,
+        k_per_token=k_tok,
+        norms=True,
+        qk_balance=cfg["qk_balance"],
+    )
     out = torch.empty_like(q)
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device) if return_lse else out
     gdt = gl.float16 if v.dtype == torch.float16 else gl.bfloat16
@@ -638,8 +1548,7 @@ def sage_attention_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sc
     kd = TensorDescriptor(k8, [B * Hkv * skv_pad, D], [D, 1], [bn, D], k_layout)
     if pv_fp8:
         vt, vs, vm = quantize_v_fp8(v, s_pad=skv_pad, smooth=bool(cfg["v_smooth"]), permute=True)
-        vd = TensorDescriptor(vt, [B * Hkv * D, skv_pad], [skv_pad, 1], [D, bn],
-                              smem_layout((D, bn), gl.float8e4nv))
+        vd = TensorDescriptor(vt, [B * Hkv * D, skv_pad], [skv_pad, 1], [D, bn], smem_layout((D, bn), gl.float8e4nv))
     else:
         vs = vm = qs
         vd = TensorDescriptor(v, [B * Skv, Hkv * D], [Hkv * D, 1], [bn, D], smem_layout((bn, D), gdt))
@@ -654,10 +1563,33 @@ def sage_attention_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sc
     else:
         grid = (sq_pad // BLOCK_M.value, B * H)
     _sage_fwd_sm90[grid](
-        qd, kd, vd, od, ksd, qs, qn, kn, ks, qkm, vs, vm, out, lse, Sq, Skv, sq_pad, skv_pad, H, Hkv,
-        out.stride(0), out.stride(1), out.stride(2), num_tiles, **kernel_constexprs(cfg, D, return_lse=bool(return_lse),
-                                                                         tma_store=tma_store),
-        num_warps=4, maxnreg=168,
+        qd,
+        kd,
+        vd,
+        od,
+        ksd,
+        qs,
+        qn,
+        kn,
+        ks,
+        qkm,
+        vs,
+        vm,
+        out,
+        lse,
+        Sq,
+        Skv,
+        sq_pad,
+        skv_pad,
+        H,
+        Hkv,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        num_tiles,
+        **kernel_constexprs(cfg, D, return_lse=bool(return_lse), tma_store=tma_store),
+        num_warps=4,
+        maxnreg=168,
     )
     return out, (lse if return_lse else None)
 
@@ -670,32 +1602,48 @@ def kernel_config(head_dim: int, config: Optional[dict], *, what: str = "sage_at
         raise AttentionConfigError(f"{what}: pv_dtype {pv!r} not supported (accepts {list(PV_DTYPES)})")
     cfg = launch_config(default_config(head_dim, pv), config, what=what)
     if cfg["k_granularity"] not in ("token", "block"):
-        raise AttentionConfigError(f"{what}: k_granularity {cfg['k_granularity']!r} not supported "
-                                   "(accepts 'token', 'block')")
+        raise AttentionConfigError(
+            f"{what}: k_granularity {cfg['k_granularity']!r} not supported (accepts 'token', 'block')"
+        )
     check_qk_balance(cfg["qk_balance"], what)
     if not isinstance(cfg["persistent"], bool):
         raise AttentionConfigError(f"{what}: persistent must be True or False, got {cfg['persistent']!r}")
     if cfg["pv_accum"] not in PV_ACCUMS:
         raise AttentionConfigError(f"{what}: pv_accum {cfg['pv_accum']!r} not supported (accepts {list(PV_ACCUMS)})")
     if pv == "fp8" and cfg["static_max"]:
-        raise AttentionConfigError(f"{what}: static_max needs pv_dtype fp16 (exp2 of the raw logits spans "
-                                   "2^-100..2^100, beyond FP8 e4m3; fp8 P.V runs the online softmax)")
+        raise AttentionConfigError(
+            f"{what}: static_max needs pv_dtype fp16 (exp2 of the raw logits spans "
+            "2^-100..2^100, beyond FP8 e4m3; fp8 P.V runs the online softmax)"
+        )
     if pv == "fp16" and (cfg["pv_accum"] != "two_level" or cfg["v_smooth"]):
-        raise AttentionConfigError(f"{what}: pv_accum and v_smooth apply to pv_dtype fp8 only "
-                                   "(fp16 P.V accumulates in FP32 and reads V as it is)")
+        raise AttentionConfigError(
+            f"{what}: pv_accum and v_smooth apply to pv_dtype fp8 only "
+            "(fp16 P.V accumulates in FP32 and reads V as it is)"
+        )
     return cfg
 
 
 def kernel_constexprs(cfg: dict, head_dim: int, *, return_lse: bool, tma_store: bool) -> dict:
     """The compile-time arguments of ``_sage_fwd_sm90`` for a :func:`kernel_config` result."""
     pv_fp8 = cfg["pv_dtype"] == "fp8"
-    return dict(BLOCK_N=int(cfg["block_n"]), HEAD_DIM=head_dim, NUM_STAGES=int(cfg["num_stages"]),
-                RETURN_LSE=return_lse, CONSUMER_REGS=int(cfg["consumer_regs"]),
-                PRODUCER_REGS=int(cfg["producer_regs"]), K_PER_TOKEN=cfg["k_granularity"] == "token",
-                PINGPONG=bool(cfg["pingpong"]), TMA_STORE=tma_store, STATIC_MAX=bool(cfg["static_max"]),
-                Q_REGS=bool(cfg["q_regs"]), PV_FP8=pv_fp8, TWO_LEVEL=pv_fp8 and cfg["pv_accum"] == "two_level",
-                V_SMOOTH=pv_fp8 and bool(cfg["v_smooth"]), PV_OVERLAP=bool(cfg["pv_overlap"]),
-                PERSISTENT=cfg["persistent"])
+    return dict(
+        BLOCK_N=int(cfg["block_n"]),
+        HEAD_DIM=head_dim,
+        NUM_STAGES=int(cfg["num_stages"]),
+        RETURN_LSE=return_lse,
+        CONSUMER_REGS=int(cfg["consumer_regs"]),
+        PRODUCER_REGS=int(cfg["producer_regs"]),
+        K_PER_TOKEN=cfg["k_granularity"] == "token",
+        PINGPONG=bool(cfg["pingpong"]),
+        TMA_STORE=tma_store,
+        STATIC_MAX=bool(cfg["static_max"]),
+        Q_REGS=bool(cfg["q_regs"]),
+        PV_FP8=pv_fp8,
+        TWO_LEVEL=pv_fp8 and cfg["pv_accum"] == "two_level",
+        V_SMOOTH=pv_fp8 and bool(cfg["v_smooth"]),
+        PV_OVERLAP=bool(cfg["pv_overlap"]),
+        PERSISTENT=cfg["persistent"],
+    )
 
 
 __all__ = ["sage_attention_sm90", "default_config", "kernel_config", "SUPPORTED_HEAD_DIMS", "PV_DTYPES", "PV_ACCUMS"]

@@ -14,6 +14,7 @@ Self-attention of fp16/bf16 with head dim 128 or 256, unmasked (no bias, not cau
 with a mask, ring attention, torch.compile or a CUDA-graph capture are rejected by
 :func:`check_skip_softmax_request` instead of silently running dense.
 """
+
 from __future__ import annotations
 
 import math
@@ -38,14 +39,40 @@ KERNEL_HEAD_DIMS = (64, 128, 256)  # what the kernel itself compiles for (64: te
 
 @triton.jit
 def _skip_softmax_fwd(
-    Q, K, V, Out, Lse, Stats, QD, KD, VD,
-    stride_qb, stride_qs, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    stride_ob, stride_os, stride_oh,
-    Sq, Skv, H, HKV, qk_scale, log2_thr,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SKIP: tl.constexpr, RETURN_LSE: tl.constexpr, PREFETCH_V: tl.constexpr, USE_TMA: tl.constexpr,
+    Q,
+    K,
+    V,
+    Out,
+    Lse,
+    Stats,
+    QD,
+    KD,
+    VD,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    Sq,
+    Skv,
+    H,
+    HKV,
+    qk_scale,
+    log2_thr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SKIP: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
+    PREFETCH_V: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -61,8 +88,11 @@ def _skip_softmax_fwd(
         # are zero-filled); their scores are masked and their V rows meet p = 0
         q = QD.load([b * Sq + pid_m * BLOCK_M, h * HEAD_DIM])
     else:
-        q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
-                    mask=row_ok[:, None], other=0.0)
+        q = tl.load(
+            Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
+            mask=row_ok[:, None],
+            other=0.0,
+        )
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
     kv_row = b * Skv
@@ -89,8 +119,9 @@ def _skip_softmax_fwd(
                 if USE_TMA:
                     v = VD.load([kv_row + start_n, hk * HEAD_DIM])
                 else:
-                    v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=col_ok[:, None],
-                                other=0.0)
+                    v = tl.load(
+                        v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=col_ok[:, None], other=0.0
+                    )
             if gain >= log2_thr:
                 m_new = tl.maximum(m_i, m_tile)
                 alpha = tl.math.exp2(m_i - m_new)
@@ -101,8 +132,9 @@ def _skip_softmax_fwd(
                     if USE_TMA:
                         v = VD.load([kv_row + start_n, hk * HEAD_DIM])
                     else:
-                        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=col_ok[:, None],
-                                    other=0.0)
+                        v = tl.load(
+                            v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=col_ok[:, None], other=0.0
+                        )
                 acc = tl.dot(p.to(v.dtype), v, acc)
                 m_i = m_new
             else:
@@ -122,8 +154,11 @@ def _skip_softmax_fwd(
 
     l_div = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_div[:, None]
-    tl.store(Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],
-             out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(
+        Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
     if RETURN_LSE:
         lse = (m_i + tl.math.log2(l_div)) * 0.6931471805599453
         tl.store(Lse + pid_bh * Sq + offs_m, lse, mask=row_ok)
@@ -141,14 +176,27 @@ def default_config(head_dim: int) -> dict:
     """
     if head_dim >= 256:
         return {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2, "prefetch_v": False, "tma": False}
-    return {"block_m": 128, "block_n": 128 if head_dim >= 128 else 64, "num_warps": 8, "num_stages": 3,
-            "prefetch_v": False, "tma": True}
+    return {
+        "block_m": 128,
+        "block_n": 128 if head_dim >= 128 else 64,
+        "num_warps": 8,
+        "num_stages": 3,
+        "prefetch_v": False,
+        "tma": True,
+    }
 
 
-def skip_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                           threshold_scale_factor: Optional[float] = None, scale: Optional[float] = None,
-                           return_lse: bool = False, config: Optional[dict] = None,
-                           allow_any_head_dim: bool = False):
+def skip_softmax_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    threshold_scale_factor: Optional[float] = None,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+    config: Optional[dict] = None,
+    allow_any_head_dim: bool = False,
+):
     """Flash attention with BLASST tile skipping (Triton).
 
     q ``[B, S_q, H, D]``, k/v ``[B, S_kv, H_kv, D]`` fp16/bf16, ``H % H_kv == 0``, D 128 or 256
@@ -169,7 +217,7 @@ def skip_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         raise AttentionConfigError("skip softmax cannot run inside a captured CUDA graph")
     cfg = launch_config(default_config(D), config, what=what)
     bm, bn = int(cfg["block_m"]), int(cfg["block_n"])
-    scale = D ** -0.5 if scale is None else float(scale)
+    scale = D**-0.5 if scale is None else float(scale)
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     skip = threshold_scale_factor is not None
     log2_thr = math.log2(skip_threshold(threshold_scale_factor, Skv)) if skip else 0.0
@@ -187,15 +235,42 @@ def skip_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     else:
         qd = kd = vd = None
     _skip_softmax_fwd[(nqb, B * H)](
-        q, k, v, out, lse, stats, qd, kd, vd,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        Sq, Skv, H, Hkv, scale * LOG2E, log2_thr,
-        HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, SKIP=skip, RETURN_LSE=bool(return_lse),
-        PREFETCH_V=bool(cfg["prefetch_v"]), USE_TMA=use_tma,
-        num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
+        q,
+        k,
+        v,
+        out,
+        lse,
+        stats,
+        qd,
+        kd,
+        vd,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        Sq,
+        Skv,
+        H,
+        Hkv,
+        scale * LOG2E,
+        log2_thr,
+        HEAD_DIM=D,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        SKIP=skip,
+        RETURN_LSE=bool(return_lse),
+        PREFETCH_V=bool(cfg["prefetch_v"]),
+        USE_TMA=use_tma,
+        num_warps=int(cfg["num_warps"]),
+        num_stages=int(cfg["num_stages"]),
     )
     if skip:
         frac = stats.sum(dtype=torch.float32) / float(stats.numel() * triton.cdiv(Skv, bn))
@@ -204,5 +279,11 @@ def skip_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     return out, (lse if return_lse else None), frac
 
 
-__all__ = ["skip_softmax_attention", "skip_softmax_reference", "check_skip_softmax_request", "skip_threshold",
-           "default_config", "SUPPORTED_HEAD_DIMS"]
+__all__ = [
+    "skip_softmax_attention",
+    "skip_softmax_reference",
+    "check_skip_softmax_request",
+    "skip_threshold",
+    "default_config",
+    "SUPPORTED_HEAD_DIMS",
+]

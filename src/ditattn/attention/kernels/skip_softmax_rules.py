@@ -2,6 +2,7 @@
 (:func:`check_skip_softmax_request`), its threshold, and the PyTorch reference of the kernel's
 tile-skipping rule (:func:`skip_softmax_reference`, the CPU path).  The Triton kernel is
 :mod:`.skip_softmax`."""
+
 from __future__ import annotations
 
 import math
@@ -43,17 +44,28 @@ def factor_for_budget(budget: float) -> float:
 def _validate_factor(threshold_scale_factor):
     if threshold_scale_factor is None:
         return
-    if isinstance(threshold_scale_factor, bool) or not isinstance(threshold_scale_factor, (int, float)) \
-            or not math.isfinite(threshold_scale_factor) or threshold_scale_factor <= 0:
+    if (
+        isinstance(threshold_scale_factor, bool)
+        or not isinstance(threshold_scale_factor, (int, float))
+        or not math.isfinite(threshold_scale_factor)
+        or threshold_scale_factor <= 0
+    ):
         raise AttentionConfigError(
             f"skip softmax: threshold_scale_factor must be a number > 0, got {threshold_scale_factor!r}"
         )
 
 
-def check_skip_softmax_request(*, dtype: Optional[torch.dtype] = None, head_dim: Optional[int] = None,
-                               role: str = "self", has_mask: bool = False, causal: bool = False,
-                               ring_degree: int = 1, threshold_scale_factor=None,
-                               start_step: int = 0) -> None:
+def check_skip_softmax_request(
+    *,
+    dtype: Optional[torch.dtype] = None,
+    head_dim: Optional[int] = None,
+    role: str = "self",
+    has_mask: bool = False,
+    causal: bool = False,
+    ring_degree: int = 1,
+    threshold_scale_factor=None,
+    start_step: int = 0,
+) -> None:
     """Raise :class:`AttentionConfigError` when skip softmax cannot serve a request.
 
     Rejected: cross-attention, masks/biases, causal attention, ring attention (``ring_degree > 1``),
@@ -74,7 +86,9 @@ def check_skip_softmax_request(*, dtype: Optional[torch.dtype] = None, head_dim:
             f"skip softmax cannot run with ring attention (ring degree {ring_degree}); use ring degree 1"
         )
     if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
-        raise AttentionConfigError(f"skip softmax needs float16 or bfloat16 inputs, got {str(dtype).replace('torch.', '')}")
+        raise AttentionConfigError(
+            f"skip softmax needs float16 or bfloat16 inputs, got {str(dtype).replace('torch.', '')}"
+        )
     if head_dim is not None and head_dim not in SUPPORTED_HEAD_DIMS:
         raise AttentionConfigError(f"skip softmax supports head dim 128 or 256, got {head_dim}")
     if torch.compiler.is_compiling():
@@ -83,9 +97,17 @@ def check_skip_softmax_request(*, dtype: Optional[torch.dtype] = None, head_dim:
         raise AttentionConfigError("skip softmax cannot run inside a captured CUDA graph")
 
 
-def skip_softmax_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                           threshold_scale_factor: Optional[float], scale: Optional[float] = None,
-                           block_m: int = 128, block_n: int = 128, return_lse: bool = False):
+def skip_softmax_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    threshold_scale_factor: Optional[float],
+    scale: Optional[float] = None,
+    block_m: int = 128,
+    block_n: int = 128,
+    return_lse: bool = False,
+):
     """The kernel's tile-skipping rule in PyTorch float32 (any device, any float dtype).
 
     Walks each ``block_m``-row query block over ``block_n``-key tiles in order with an online
@@ -95,7 +117,7 @@ def skip_softmax_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     _validate_factor(threshold_scale_factor)
     B, Sq, H, D = q.shape
     Skv = k.shape[1]
-    scale = D ** -0.5 if scale is None else float(scale)
+    scale = D**-0.5 if scale is None else float(scale)
     k, v = expand_kv(k, v, H)
     qf, kf, vf = (t.float().transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
     log2_thr = math.log2(skip_threshold(threshold_scale_factor, Skv)) if threshold_scale_factor else None
@@ -105,12 +127,12 @@ def skip_softmax_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     for b in range(B):
         for h in range(H):
             for i0 in range(0, Sq, block_m):
-                qb = qf[b, h, i0:i0 + block_m]
+                qb = qf[b, h, i0 : i0 + block_m]
                 m = torch.full((qb.shape[0],), float("-inf"), device=q.device)
                 l_ = torch.zeros(qb.shape[0], device=q.device)
                 acc = torch.zeros(qb.shape[0], D, device=q.device)
                 for j0 in range(0, Skv, block_n):
-                    s = (qb @ kf[b, h, j0:j0 + block_n].T) * (scale * LOG2E)
+                    s = (qb @ kf[b, h, j0 : j0 + block_n].T) * (scale * LOG2E)
                     mt = s.amax(dim=1)
                     visited += 1
                     if log2_thr is not None and float((mt - m).max()) < log2_thr:
@@ -120,13 +142,19 @@ def skip_softmax_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                     alpha = torch.exp2(m - mn)
                     p = torch.exp2(s - mn[:, None])
                     l_ = l_ * alpha + p.sum(1)
-                    acc = acc * alpha[:, None] + p @ vf[b, h, j0:j0 + block_n]
+                    acc = acc * alpha[:, None] + p @ vf[b, h, j0 : j0 + block_n]
                     m = mn
-                out[b, h, i0:i0 + block_m] = acc / l_[:, None]
-                lse[b, h, i0:i0 + block_m] = (m + torch.log2(l_)) / LOG2E
+                out[b, h, i0 : i0 + block_m] = acc / l_[:, None]
+                lse[b, h, i0 : i0 + block_m] = (m + torch.log2(l_)) / LOG2E
     frac = skipped / visited if visited else 0.0
     return out.transpose(1, 2).to(q.dtype), (lse if return_lse else None), frac
 
 
-__all__ = ["check_skip_softmax_request", "dropped_mass_bound", "factor_for_budget", "skip_softmax_reference",
-           "skip_threshold", "SUPPORTED_HEAD_DIMS"]
+__all__ = [
+    "check_skip_softmax_request",
+    "dropped_mass_bound",
+    "factor_for_budget",
+    "skip_softmax_reference",
+    "skip_threshold",
+    "SUPPORTED_HEAD_DIMS",
+]

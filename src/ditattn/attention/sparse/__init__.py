@@ -14,6 +14,7 @@ of blocks, whether it ran dense and why) for benchmarks and the plan.  A planner
 fraction is only known on the device records it as a 0-dim tensor; the entry turns it into a
 float when it is first read (:class:`LayerStats`), so recording costs no device sync.
 """
+
 from __future__ import annotations
 
 import threading

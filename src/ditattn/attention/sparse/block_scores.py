@@ -23,6 +23,7 @@ one Triton program per (query chunk, key block) keeps its logits in registers
 (:mod:`ditattn.attention.kernels.block_scores`); the PyTorch path (CPU, other dtypes) works in
 chunks of at most ``_CHUNK_ELEMS`` logits.
 """
+
 from __future__ import annotations
 
 import functools
@@ -37,8 +38,9 @@ Tensor = torch.Tensor
 _CHUNK_ELEMS = 1 << 24
 
 
-def pooled_query_features(q_tiled: Tensor, layout: TileLayout, n_blocks: int, *,
-                          variance: bool) -> tuple[Tensor, Optional[Tensor]]:
+def pooled_query_features(
+    q_tiled: Tensor, layout: TileLayout, n_blocks: int, *, variance: bool
+) -> tuple[Tensor, Optional[Tensor]]:
     """``(mean [B, H, n, D], per-channel variance [B, H, n, D] or None)`` over the real tokens of the
     first ``n_blocks`` blocks of a tiled ``[B, padded_len, H, D]`` tensor (float32; float64 input:
     float64)."""
@@ -51,8 +53,9 @@ def pooled_query_features(q_tiled: Tensor, layout: TileLayout, n_blocks: int, *,
     return mean, (sq / cnt - mean.pow(2)).clamp(min=0)  # padding is zero: sums over real tokens
 
 
-def pooled_query_block_scores(q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout, scale: float, *,
-                              variance: bool = False, impl: str = "auto") -> Tensor:
+def pooled_query_block_scores(
+    q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout, scale: float, *, variance: bool = False, impl: str = "auto"
+) -> Tensor:
     """Pooled-query log-mass of every (video query block, video key block) pair (module docstring).
 
     q_tiled / k_tiled: ``[B, padded_len, H, D]`` in the layout's tile order (k with q's head count).
@@ -68,8 +71,9 @@ def pooled_query_block_scores(q_tiled: Tensor, k_tiled: Tensor, layout: TileLayo
         from ditattn.attention.kernels.block_scores import pooled_query_lse
 
         return pooled_query_lse(mean, var, k_tiled[:, : nv * bs], valid, block_size=bs, scale=scale)
-    return pooled_query_lse_torch(mean, var, k_tiled[:, : nv * bs], valid if _video_padding(layout) else None,
-                                  block_size=bs, scale=scale)
+    return pooled_query_lse_torch(
+        mean, var, k_tiled[:, : nv * bs], valid if _video_padding(layout) else None, block_size=bs, scale=scale
+    )
 
 
 @functools.lru_cache(maxsize=256)
@@ -86,8 +90,9 @@ def _use_triton(k: Tensor, impl: str) -> bool:
     return k.shape[-1] in (16, 32, 64, 128, 256)
 
 
-def pooled_query_lse_torch(mean: Tensor, var: Optional[Tensor], k: Tensor, valid: Optional[Tensor], *,
-                           block_size: int, scale: float) -> Tensor:
+def pooled_query_lse_torch(
+    mean: Tensor, var: Optional[Tensor], k: Tensor, valid: Optional[Tensor], *, block_size: int, scale: float
+) -> Tensor:
     """PyTorch path of the pooled-query scores: ``mean``/``var`` ``[B, H, M, D]`` float, ``k``
     ``[B, n * block_size, H, D]``, ``valid`` bool ``[n * block_size]`` (None: every key is real) ->
     float32 ``[B, H, M, n]`` (float64 for float64 keys), computed in chunks of at most
@@ -135,6 +140,6 @@ def _head_chunks(x_tiled: Tensor, layout: TileLayout, n_blocks: int):
     block_size, h, D]`` over consecutive head ranges of at most ``_CHUNK_ELEMS`` elements each."""
     B, _, H, D = x_tiled.shape
     bs = layout.block_size
-    x = x_tiled[:, :n_blocks * bs].reshape(B, n_blocks, bs, H, D)
+    x = x_tiled[:, : n_blocks * bs].reshape(B, n_blocks, bs, H, D)
     step = max(1, min(H, _CHUNK_ELEMS // max(1, B * n_blocks * bs * D)))
-    return [x[:, :, :, h0:h0 + step] for h0 in range(0, H, step)]
+    return [x[:, :, :, h0 : h0 + step] for h0 in range(0, H, step)]

@@ -29,6 +29,7 @@ Implementations (``impl``):
   ``SUPPORTED_BLOCK_SIZES`` / ``SUPPORTED_HEAD_DIMS``, no per-head ``kv_valid``), else flex on
   CUDA; reference on CPU.
 """
+
 from __future__ import annotations
 
 import functools
@@ -97,8 +98,14 @@ def lists_to_block_mask(kv_indices: Tensor, kv_counts: Tensor, n_kv_blocks: int)
     return out[..., :n_kv_blocks]
 
 
-def block_lists_to_dense_mask(kv_indices: Tensor, kv_counts: Tensor, *, block_size: int,
-                              seq_len_kv: Optional[int] = None, kv_valid: Optional[Tensor] = None) -> Tensor:
+def block_lists_to_dense_mask(
+    kv_indices: Tensor,
+    kv_counts: Tensor,
+    *,
+    block_size: int,
+    seq_len_kv: Optional[int] = None,
+    kv_valid: Optional[Tensor] = None,
+) -> Tensor:
     """Explicit token mask of a block list, for tests: bool ``[B, H, S_q, S_kv]`` (True = attend)
     with ``S_q = n_q_blocks * block_size`` and ``S_kv = seq_len_kv`` (default ``S_q``); ``kv_valid``
     (``[B, S_kv]`` or ``[B, H, S_kv]``) additionally masks padding keys."""
@@ -154,40 +161,64 @@ def _check(q, k, v, kv_indices, kv_counts, block_size, kv_valid):
             raise ValueError("kv_valid must be bool [B, S_kv] or [B, H, S_kv]")
 
 
-def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, kv_indices: Tensor, kv_counts: Tensor, *,
-                           block_size: int = 64, scale: Optional[float] = None,
-                           kv_valid: Optional[Tensor] = None, return_lse: bool = False,
-                           impl: str = "auto", nonempty_rows: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+def block_sparse_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kv_indices: Tensor,
+    kv_counts: Tensor,
+    *,
+    block_size: int = 64,
+    scale: Optional[float] = None,
+    kv_valid: Optional[Tensor] = None,
+    return_lse: bool = False,
+    impl: str = "auto",
+    nonempty_rows: bool = False,
+) -> tuple[Tensor, Optional[Tensor]]:
     """Exact softmax attention of each query block over its listed key blocks.
 
     q ``[B, S_q, H, D]``, k/v ``[B, S_kv, H_kv, D]`` (``H % H_kv == 0``), both lengths multiples of
     ``block_size``; block lists and ``kv_valid`` as in the module docstring.  ``scale`` defaults to
     ``D ** -0.5``.  ``nonempty_rows``: the caller guarantees that every query block lists at least
-    one key block (lets the CUDA kernels skip a check that costs a device sync).  Returns ``(out [B, S_q, H, D] in q.dtype, lse [B, H, S_q] float32 natural log
+    one key block (lets the CUDA kernels skip a check that costs a device sync).  Returns ``(out [B, S_q, H, D] in
+    q.dtype, lse [B, H, S_q] float32 natural log
     or None)``; rows with no valid key give zeros and LSE ``-inf``.
     """
     if impl not in IMPLS:
         raise AttentionConfigError(f"block-sparse impl must be one of {list(IMPLS)}, got {impl!r}")
     _check(q, k, v, kv_indices, kv_counts, block_size, kv_valid)
     B, Sq, H, D = q.shape
-    scale = D ** -0.5 if scale is None else float(scale)
+    scale = D**-0.5 if scale is None else float(scale)
     if impl == "auto":
         impl = _auto_impl(q, block_size, kv_valid)
     if impl == "triton":
         from ditattn.attention.kernels import interpreting
 
         if not q.is_cuda and not interpreting():
-            raise AttentionConfigError("the Triton block-sparse kernel needs CUDA tensors (or TRITON_INTERPRET=1 on "
-                                       "CPU); use impl='reference' on CPU")
+            raise AttentionConfigError(
+                "the Triton block-sparse kernel needs CUDA tensors (or TRITON_INTERPRET=1 on "
+                "CPU); use impl='reference' on CPU"
+            )
         fn = _load_triton()
         if fn is None:
-            raise AttentionConfigError(f"the Triton block-sparse kernel ({_TRITON_MODULE}) is not available in this build")
+            raise AttentionConfigError(
+                f"the Triton block-sparse kernel ({_TRITON_MODULE}) is not available in this build"
+            )
         if kv_valid is not None and kv_valid.dim() == 3:
             raise AttentionConfigError("the Triton block-sparse kernel takes kv_valid [B, S_kv] only; use impl='flex'")
         # the kernel serves grouped-query attention and broadcast (B or H = 1) lists itself
-        return fn(q, k, v, kv_indices.to(torch.int32), kv_counts.to(torch.int32),
-                  block_size=block_size, scale=scale, kv_valid=kv_valid, return_lse=return_lse,
-                  nonempty_rows=nonempty_rows)
+        return fn(
+            q,
+            k,
+            v,
+            kv_indices.to(torch.int32),
+            kv_counts.to(torch.int32),
+            block_size=block_size,
+            scale=scale,
+            kv_valid=kv_valid,
+            return_lse=return_lse,
+            nonempty_rows=nonempty_rows,
+        )
     kv_indices = kv_indices.expand(B, H, -1, -1)
     kv_counts = kv_counts.expand(B, H, -1)
     k, v = expand_kv(k, v, H)
@@ -234,8 +265,10 @@ def _triton_fits(q: Tensor, block_size: int, kv_valid) -> bool:
 def _triton_limits() -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The kernel module's (block sizes, head dims), read once."""
     mod = importlib.import_module(_TRITON_MODULE)
-    return (tuple(getattr(mod, "SUPPORTED_BLOCK_SIZES", (16, 32, 64, 128))),
-            tuple(getattr(mod, "SUPPORTED_HEAD_DIMS", (16, 32, 64, 128, 256))))
+    return (
+        tuple(getattr(mod, "SUPPORTED_BLOCK_SIZES", (16, 32, 64, 128))),
+        tuple(getattr(mod, "SUPPORTED_HEAD_DIMS", (16, 32, 64, 128, 256))),
+    )
 
 
 def _auto_impl(q: Tensor, block_size: int, kv_valid) -> str:
@@ -314,8 +347,16 @@ def _flex_fn(device: torch.device):
     return _compiled_flex
 
 
-def build_flex_block_mask(kv_indices: Tensor, kv_counts: Tensor, *, block_size: int, seq_len_q: int,
-                          seq_len_kv: int, kv_valid: Optional[Tensor] = None, device=None):
+def build_flex_block_mask(
+    kv_indices: Tensor,
+    kv_counts: Tensor,
+    *,
+    block_size: int,
+    seq_len_q: int,
+    seq_len_kv: int,
+    kv_valid: Optional[Tensor] = None,
+    device=None,
+):
     """A FlexAttention ``BlockMask`` equal to the block lists (and ``kv_valid`` padding).
 
     Key blocks whose keys are all valid go into the "full" lists (no mask evaluation in the fused
@@ -341,29 +382,47 @@ def build_flex_block_mask(kv_indices: Tensor, kv_counts: Tensor, *, block_size: 
     def pad_lists(mask):
         idx, cnt = block_mask_to_lists(mask)
         ind = torch.zeros(*idx.shape[:3], nk, dtype=torch.int32, device=device)
-        ind[..., :idx.shape[-1]] = idx
+        ind[..., : idx.shape[-1]] = idx
         return cnt, ind
 
     full_cnt, full_ind = pad_lists(full_bm)
     part_cnt, part_ind = pad_lists(part_bm)
     if valid is None:
+
         def mask_mod(b, h, q_idx, kv_idx):
             return bm[b, h, q_idx // block_size, kv_idx // block_size]
     elif valid.dim() == 2:
+
         def mask_mod(b, h, q_idx, kv_idx):
             return bm[b, h, q_idx // block_size, kv_idx // block_size] & valid[b, kv_idx]
     else:
+
         def mask_mod(b, h, q_idx, kv_idx):
             return bm[b, h, q_idx // block_size, kv_idx // block_size] & valid[b, h, kv_idx]
-    return BlockMask.from_kv_blocks(part_cnt, part_ind, full_cnt, full_ind, BLOCK_SIZE=block_size,
-                                    mask_mod=mask_mod, seq_lengths=(seq_len_q, seq_len_kv))
+
+    return BlockMask.from_kv_blocks(
+        part_cnt,
+        part_ind,
+        full_cnt,
+        full_ind,
+        BLOCK_SIZE=block_size,
+        mask_mod=mask_mod,
+        seq_lengths=(seq_len_q, seq_len_kv),
+    )
 
 
 def _flex(q, k, v, kv_indices, kv_counts, bs, scale, kv_valid, return_lse):
     B, Sq, H, D = q.shape
     Skv = k.shape[1]
-    bm = build_flex_block_mask(kv_indices.contiguous(), kv_counts.contiguous(), block_size=bs,
-                               seq_len_q=Sq, seq_len_kv=Skv, kv_valid=kv_valid, device=q.device)
+    bm = build_flex_block_mask(
+        kv_indices.contiguous(),
+        kv_counts.contiguous(),
+        block_size=bs,
+        seq_len_q=Sq,
+        seq_len_kv=Skv,
+        kv_valid=kv_valid,
+        device=q.device,
+    )
     fn = _flex_fn(q.device)
     qh, kh, vh = (t.transpose(1, 2).contiguous() for t in (q, k, v))
     # the fused kernel's tiles must divide the mask's blocks (its defaults are 128 x 64)
@@ -372,8 +431,7 @@ def _flex(q, k, v, kv_indices, kv_counts, bs, scale, kv_valid, return_lse):
         try:
             from torch.nn.attention.flex_attention import AuxRequest
 
-            out, aux = fn(qh, kh, vh, block_mask=bm, scale=scale, kernel_options=kopt,
-                          return_aux=AuxRequest(lse=True))
+            out, aux = fn(qh, kh, vh, block_mask=bm, scale=scale, kernel_options=kopt, return_aux=AuxRequest(lse=True))
             lse = aux.lse
         except ImportError:  # older torch
             out, lse = fn(qh, kh, vh, block_mask=bm, scale=scale, kernel_options=kopt, return_lse=True)
@@ -391,8 +449,15 @@ def _pick_block(n: int) -> int:
     return 1
 
 
-def dense_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[float] = None,
-                    return_lse: bool = False, backend: Optional[str] = None) -> tuple[Tensor, Optional[Tensor]]:
+def dense_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+    backend: Optional[str] = None,
+) -> tuple[Tensor, Optional[Tensor]]:
     """Dense non-causal attention for the dense phases of sparse backends (``[B, S, H, D]`` in and
     out, GQA allowed), through ``ditattn.attention`` with ``backend`` (a dense backend name) or,
     when None, the platform's automatic dense choice (FlashAttention-4 on the H200, SDPA on the

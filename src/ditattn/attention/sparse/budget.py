@@ -37,6 +37,7 @@ blocks are not dropped but summarised by their centroids) was chosen on the stru
 :mod:`ditattn.evaluation.structured` so that the output stays within 5 % relative error
 (cosine >= 0.998); docs/attention.md gives the figures.
 """
+
 from __future__ import annotations
 
 import functools
@@ -52,8 +53,18 @@ DENSE_ABOVE = 0.85
 #: FlashAttention-4 in one process: ``(kept block fraction, speed of the block-sparse path / dense)``.  Without
 #: the budget Sparge keeps 0.50 at 1.24-1.29x, SVG2 0.31-0.35 at 1.38-1.52x, Sol 0.21-0.22 at 1.74-1.82x;
 #: calls that kept 0.66-0.87 under the budget ran at 0.47-0.55x.
-H200_KEPT_VS_FA = ((0.21, 1.82), (0.22, 1.74), (0.31, 1.52), (0.35, 1.38), (0.50, 1.28), (0.66, 0.54),
-                   (0.72, 0.53), (0.74, 0.49), (0.82, 0.53), (0.87, 0.49))
+H200_KEPT_VS_FA = (
+    (0.21, 1.82),
+    (0.22, 1.74),
+    (0.31, 1.52),
+    (0.35, 1.38),
+    (0.50, 1.28),
+    (0.66, 0.54),
+    (0.72, 0.53),
+    (0.74, 0.49),
+    (0.82, 0.53),
+    (0.87, 0.49),
+)
 #: break-even of the block-sparse path: a call predicted to keep more than this fraction of the video blocks
 #: (mean over heads) runs the dense kernel instead (:data:`H200_KEPT_VS_FA`: the kernel's time grows with the
 #: kept fraction from 1.28x at 0.50, so it reaches dense speed near 0.6-0.65); the ``dense_above`` config key
@@ -154,8 +165,9 @@ def _full(layout) -> bool:
     return bool(layout.valid[: layout.n_video_blocks * layout.block_size].all())
 
 
-def enforce_budget(log_mass: Tensor, keep: Tensor, budget: float,
-                   dense_above: float = DENSE_ABOVE, impl: str = "auto") -> tuple[Tensor, Tensor]:
+def enforce_budget(
+    log_mass: Tensor, keep: Tensor, budget: float, dense_above: float = DENSE_ABOVE, impl: str = "auto"
+) -> tuple[Tensor, Tensor]:
     """``(keep', dense_heads)``: ``keep`` (bool ``[B, H, nq, nk]``) plus, per row, the fewest blocks,
     largest predicted share first, whose shares reach ``1 - budget`` (``log_mass`` ``[B, H, nq, nk]``, or
     ``[B, H, nq, R, nk]`` per probe row: every probe row's blocks); a head (``[B, H]`` bool
@@ -197,31 +209,56 @@ def _need(log_mass: Tensor, budget: float, impl: str) -> Optional[Tensor]:
 
         _kernel_failed.append(repr(exc))
         logging.getLogger("ditattn.attention.sparse").warning(
-            "error budget kernel failed (%s: %s); the budget runs its PyTorch path from now on", type(exc).__name__,
-            str(exc).splitlines()[0][:200] if str(exc) else "")
+            "error budget kernel failed (%s: %s); the budget runs its PyTorch path from now on",
+            type(exc).__name__,
+            str(exc).splitlines()[0][:200] if str(exc) else "",
+        )
         return None
 
 
-def summary(log_mass: Tensor, keep: Tensor, dense_heads: Tensor, budget: float,
-            share: Optional[Tensor] = None) -> dict:
+def summary(
+    log_mass: Tensor, keep: Tensor, dense_heads: Tensor, budget: float, share: Optional[Tensor] = None
+) -> dict:
     """Statistics of a budgeted selection for ``last_stats`` (device scalars, read later):
     ``dropped_mass_max`` / ``dropped_mass_mean`` (predicted, over the rows), ``dense_heads`` (how
     many heads ran dense), ``heads`` and ``error_budget``.  ``share`` as in :func:`dropped_mass`."""
     m = dropped_mass(log_mass, keep, share)
-    return {"dropped_mass_max": m.amax() if m.numel() else 0.0, "dropped_mass_mean": m.mean() if m.numel() else 0.0,
-            "dense_heads": dense_heads.sum(), "heads": int(dense_heads.numel()), "error_budget": float(budget)}
+    return {
+        "dropped_mass_max": m.amax() if m.numel() else 0.0,
+        "dropped_mass_mean": m.mean() if m.numel() else 0.0,
+        "dense_heads": dense_heads.sum(),
+        "heads": int(dense_heads.numel()),
+        "error_budget": float(budget),
+    }
 
 
-def dense_budgeted(q: Tensor, k: Tensor, v: Tensor, layout, budget: float, *, scale: Optional[float],
-                   return_lse: bool, dense_backend: Optional[str] = None, extra: Optional[dict] = None):
+def dense_budgeted(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    layout,
+    budget: float,
+    *,
+    scale: Optional[float],
+    return_lse: bool,
+    dense_backend: Optional[str] = None,
+    extra: Optional[dict] = None,
+):
     """``(out, lse, plan)`` of a call :func:`early_dense` sent to the dense kernel (``dense_backend``, None:
     the platform's automatic one); the plan records the fallback with every head dense."""
     from ditattn.attention.sparse.block_sparse import dense_attention
 
     out, lse = dense_attention(q, k, v, scale=scale, return_lse=return_lse, backend=dense_backend)
     heads = q.shape[0] * q.shape[2]
-    stats = {"dropped_mass_max": 0.0, "dropped_mass_mean": 0.0, "est_rel_err": 0.0, "dense_heads": float(heads),
-             "heads": heads, "error_budget": float(budget), "early": True}
+    stats = {
+        "dropped_mass_max": 0.0,
+        "dropped_mass_mean": 0.0,
+        "est_rel_err": 0.0,
+        "dense_heads": float(heads),
+        "heads": heads,
+        "error_budget": float(budget),
+        "early": True,
+    }
     return out, lse, Budgeted(layout, None, None, stats).plan(extra)
 
 
@@ -238,14 +275,32 @@ class Budgeted:
         from ditattn.attention.sparse.common import SparsePlan
 
         empty = torch.zeros(0, dtype=torch.int32)
-        return SparsePlan(self.layout, empty.view(1, 1, 0, 0), empty.view(1, 1, 0), 1.0,
-                          dict(extra or {}, dense_fallback=True, budget=self.stats))
+        return SparsePlan(
+            self.layout,
+            empty.view(1, 1, 0, 0),
+            empty.view(1, 1, 0),
+            1.0,
+            dict(extra or {}, dense_fallback=True, budget=self.stats),
+        )
 
 
-def budgeted_lists(q: Tensor, k: Tensor, v: Tensor, q_tiled: Tensor, k_tiled: Tensor, layout, video_keep: Tensor,
-                   budget: float, *, scale: float, return_lse: bool, impl: str = "auto",
-                   dense_backend: Optional[str] = None, decide: bool = True,
-                   above: Optional[float] = None) -> Budgeted:
+def budgeted_lists(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_tiled: Tensor,
+    k_tiled: Tensor,
+    layout,
+    video_keep: Tensor,
+    budget: float,
+    *,
+    scale: float,
+    return_lse: bool,
+    impl: str = "auto",
+    dense_backend: Optional[str] = None,
+    decide: bool = True,
+    above: Optional[float] = None,
+) -> Budgeted:
     """Apply the budget to a planner's video selection and build its block lists, or run the call
     dense when the budgeted selection keeps more than ``above`` (None: :data:`DENSE_CALL_ABOVE`) of the
     video blocks (:func:`call_dense`; one device sync, skipped with ``decide=False``: a decision reused
@@ -281,8 +336,9 @@ def budget_stats(log_mass: Tensor, selected: Tensor, keep: Tensor, dense: Tensor
     return stats
 
 
-def early_kept(q: Tensor, k: Tensor, layout, budget: float, *, scale: float, impl: str = "auto",
-               floor: float = 0.0) -> Tensor:
+def early_kept(
+    q: Tensor, k: Tensor, layout, budget: float, *, scale: float, impl: str = "auto", floor: float = 0.0
+) -> Tensor:
     """The call's predicted kept fraction under ``budget`` before any selection work: a 0-d float32 device
     tensor (no sync).  The probe rows (:func:`probe_rows`, all nine) of at most :data:`EARLY_BLOCKS` video
     query blocks spread evenly over the grid give each head's kept fraction of the budget alone,
@@ -296,7 +352,8 @@ def early_kept(q: Tensor, k: Tensor, layout, budget: float, *, scale: float, imp
     rows = _early_rows_on(layout, q.device)  # [m, 9] original token indices
     m = rows.shape[0]
     lm = probe_masses(q.index_select(1, rows.flatten()), k, layout, scale, impl, tiled=False).view(
-        q.shape[0], q.shape[2], m, rows.shape[1], nv)
+        q.shape[0], q.shape[2], m, rows.shape[1], nv
+    )
     from ditattn.attention.sparse.common import mass_mask
 
     need = mass_mask(lm, 1.0 - float(budget)).any(-2)  # [B, H, m, nv]: every probe row's blocks (all real rows)
@@ -306,8 +363,17 @@ def early_kept(q: Tensor, k: Tensor, layout, budget: float, *, scale: float, imp
     return head.mean()
 
 
-def early_dense(q: Tensor, k: Tensor, layout, budget: float, *, scale: float, impl: str = "auto",
-                floor: float = 0.0, above: Optional[float] = None) -> bool:
+def early_dense(
+    q: Tensor,
+    k: Tensor,
+    layout,
+    budget: float,
+    *,
+    scale: float,
+    impl: str = "auto",
+    floor: float = 0.0,
+    above: Optional[float] = None,
+) -> bool:
     """Whether the call runs the dense kernel before any selection work: its :func:`early_kept` exceeds
     ``above - EARLY_MARGIN`` (``above`` None: :data:`DENSE_CALL_ABOVE`; ``above`` 1: only an estimate of 1),
     near or past the point where the block-sparse kernel is slower than the dense one.  One device sync.
@@ -357,13 +423,24 @@ def probe_masses(probes: Tensor, k: Tensor, layout, scale: float, impl: str = "a
     D = k.shape[-1]
     mean = probes.permute(0, 2, 1, 3)  # [B, H, M, D]
     dev = layout.on(k.device)
-    if (k.is_cuda and k.dtype in (torch.float16, torch.bfloat16) and D in (16, 32, 64, 128, 256)
-            and impl not in ("reference", "flex")):
+    if (
+        k.is_cuda
+        and k.dtype in (torch.float16, torch.bfloat16)
+        and D in (16, 32, 64, 128, 256)
+        and impl not in ("reference", "flex")
+    ):
         from ditattn.attention.kernels.block_scores import pooled_query_lse
 
         index = None if tiled else dev.source_clamped[: nv * bs]
-        return pooled_query_lse(mean, None, k if index is not None else k[:, : nv * bs], dev.valid[: nv * bs],
-                                block_size=bs, scale=scale, key_index=index)
+        return pooled_query_lse(
+            mean,
+            None,
+            k if index is not None else k[:, : nv * bs],
+            dev.valid[: nv * bs],
+            block_size=bs,
+            scale=scale,
+            key_index=index,
+        )
     if not tiled:
         from ditattn.attention.sparse.tiling import tile
 
@@ -372,8 +449,18 @@ def probe_masses(probes: Tensor, k: Tensor, layout, scale: float, impl: str = "a
     return pooled_query_lse_torch(mean, None, k[:, : nv * bs], valid, block_size=bs, scale=scale).float()
 
 
-def precheck_dense(q: Tensor, k: Tensor, video_shape, text_len: int, budget: float, *, scale: Optional[float] = None,
-                   impl: str = "auto", tile_size=(4, 4, 4), above: Optional[float] = None) -> bool:
+def precheck_dense(
+    q: Tensor,
+    k: Tensor,
+    video_shape,
+    text_len: int,
+    budget: float,
+    *,
+    scale: Optional[float] = None,
+    impl: str = "auto",
+    tile_size=(4, 4, 4),
+    above: Optional[float] = None,
+) -> bool:
     """Before an expensive selection (SVG2's clustering): whether meeting ``budget`` on the 3-D tile blocks
     of ``tile_size`` is predicted to keep more than ``above`` (None: :data:`DENSE_CALL_ABOVE`) of the blocks
     (:func:`early_dense`).  q/k ``[B, S, H, D]`` (k with q's heads).  One device sync."""

@@ -1,4 +1,5 @@
 """Pieces shared by the planners: special (text/sink) blocks, running a plan, plan masks."""
+
 from __future__ import annotations
 
 import functools
@@ -32,8 +33,14 @@ class SparsePlan:
     read of :attr:`kept_fraction`, so a caller that never reads it never waits for the device.
     """
 
-    def __init__(self, layout: Optional[TileLayout], kv_indices: Tensor, kv_counts: Tensor,
-                 kept_fraction: Union[float, Tensor, None] = None, extra: Optional[dict] = None):
+    def __init__(
+        self,
+        layout: Optional[TileLayout],
+        kv_indices: Tensor,
+        kv_counts: Tensor,
+        kept_fraction: Union[float, Tensor, None] = None,
+        extra: Optional[dict] = None,
+    ):
         if kept_fraction is None and layout is None:
             raise ValueError("SparsePlan needs kept_fraction when it has no layout")
         self.layout = layout
@@ -62,8 +69,10 @@ class SparsePlan:
 
     def __repr__(self) -> str:
         kept = "pending" if isinstance(self._kept, (Tensor, type(None))) else f"{self._kept:.4f}"
-        return (f"SparsePlan(layout={self.layout!r}, kv_indices={tuple(self.kv_indices.shape)}, "
-                f"kept_fraction={kept}, extra={sorted(self.extra)})")
+        return (
+            f"SparsePlan(layout={self.layout!r}, kv_indices={tuple(self.kv_indices.shape)}, "
+            f"kept_fraction={kept}, extra={sorted(self.extra)})"
+        )
 
 
 def add_special_blocks(layout: TileLayout, video_mask: Tensor) -> Tensor:
@@ -124,15 +133,16 @@ def mass_mask(log_mass: Tensor, threshold: float, valid: Optional[Tensor] = None
     # share from each sorted position on (a suffix sum), compared before flipping back: the same bits as
     # flipping the float sums back first, one float copy fewer
     take = (p.flip(-1).cumsum(-1) > 1.0 - float(threshold)).flip(-1)
-    take[..., :max(1, int(min_count))] = True
+    take[..., : max(1, int(min_count))] = True
     out = torch.zeros_like(take).scatter_(-1, si, take)
     if valid is not None:
         out &= valid
     return out
 
 
-def video_mask_lists(layout: TileLayout, video_mask: Tensor, width: Optional[int] = None,
-                     impl: str = "auto") -> tuple[Tensor, Tensor]:
+def video_mask_lists(
+    layout: TileLayout, video_mask: Tensor, width: Optional[int] = None, impl: str = "auto"
+) -> tuple[Tensor, Tensor]:
     """Block lists of a video-block mask plus the special blocks, without the dense mask or a sort:
     equal (``torch.equal``) to ``block_mask_to_lists(add_special_blocks(layout, video_mask), width)``.
 
@@ -214,9 +224,15 @@ def _list_kernel(what: str, name: str, impl: str, auto_eligible: bool, n_cols: i
     return getattr(mod, name)
 
 
-def mass_lists(layout: TileLayout, log_mass: Tensor, threshold: float, min_count: int = 1,
-               valid: Optional[Tensor] = None, width: Optional[int] = None,
-               impl: str = "auto") -> tuple[Tensor, Tensor]:
+def mass_lists(
+    layout: TileLayout,
+    log_mass: Tensor,
+    threshold: float,
+    min_count: int = 1,
+    valid: Optional[Tensor] = None,
+    width: Optional[int] = None,
+    impl: str = "auto",
+) -> tuple[Tensor, Tensor]:
     """Block lists of the :func:`mass_mask` rule over the video blocks plus every special block (each
     special query block keeps everything), without the dense ``[nb, nb]`` mask and with one sort (the
     rule's own): equal (``torch.equal``) to :func:`mass_lists_via_mask`, i.e.
@@ -234,9 +250,15 @@ def mass_lists(layout: TileLayout, log_mass: Tensor, threshold: float, min_count
     return video_mask_lists(layout, mask, width, impl)
 
 
-def mass_lists_via_mask(layout: TileLayout, log_mass: Tensor, threshold: float, min_count: int = 1,
-                        valid: Optional[Tensor] = None, width: Optional[int] = None,
-                        impl: str = "auto") -> tuple[Tensor, Tensor]:
+def mass_lists_via_mask(
+    layout: TileLayout,
+    log_mass: Tensor,
+    threshold: float,
+    min_count: int = 1,
+    valid: Optional[Tensor] = None,
+    width: Optional[int] = None,
+    impl: str = "auto",
+) -> tuple[Tensor, Tensor]:
     """:func:`mass_lists` through the dense block mask (``[B, H, nb, nb]`` bool, then an argsort per
     row in :func:`.block_mask_to_lists`; ``impl`` ignored): the definition the list builder must
     equal, for tests and ``bench/selection_cost.py --cdf``."""
@@ -263,8 +285,12 @@ def triton_path(q: Tensor, impl: str) -> bool:
     on CUDA in fp16/bf16 with a head dim of 16..256 (power of two); otherwise the PyTorch path."""
     if impl == "triton":
         return True
-    return (impl == "auto" and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
-            and q.shape[-1] in (16, 32, 64, 128, 256))
+    return (
+        impl == "auto"
+        and q.is_cuda
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and q.shape[-1] in (16, 32, 64, 128, 256)
+    )
 
 
 def select_impl(impl: str) -> str:
@@ -309,8 +335,9 @@ def topk_lists(layout: TileLayout, scores: Tensor, k: int, impl: str = "auto") -
 
 def _topk_kernel(scores: Tensor, impl: str):
     """The Triton top-k list builder for this call, or None for the PyTorch path (see :func:`topk_lists`)."""
-    return _list_kernel("top-k selection", "topk_block_lists", impl,
-                        scores.is_cuda and scores.dtype == torch.float32, scores.shape[-1])
+    return _list_kernel(
+        "top-k selection", "topk_block_lists", impl, scores.is_cuda and scores.dtype == torch.float32, scores.shape[-1]
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -345,25 +372,59 @@ def _build_topk_constants(layout: TileLayout, device: torch.device, k: int, B: i
     return tail, special_rows, counts.to(device).expand(B, H, -1)
 
 
-def run_block_mask(q: Tensor, k: Tensor, v: Tensor, layout: TileLayout, block_mask: Tensor, *,
-                   scale: Optional[float], return_lse: bool, impl: str = "auto",
-                   kept_fraction: Union[float, Tensor, None] = None,
-                   extra: Optional[dict] = None, q_tiled: Optional[Tensor] = None,
-                   k_tiled: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor], SparsePlan]:
+def run_block_mask(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    layout: TileLayout,
+    block_mask: Tensor,
+    *,
+    scale: Optional[float],
+    return_lse: bool,
+    impl: str = "auto",
+    kept_fraction: Union[float, Tensor, None] = None,
+    extra: Optional[dict] = None,
+    q_tiled: Optional[Tensor] = None,
+    k_tiled: Optional[Tensor] = None,
+) -> tuple[Tensor, Optional[Tensor], SparsePlan]:
     """Tile q/k/v (original order ``[B, S, H, D]``, k/v already expanded to q's heads), run the
     block-sparse core with ``block_mask`` (bool ``[B or 1, H or 1, n_blocks, n_blocks]``) and
     untile.  ``kept_fraction`` as in :func:`run_block_lists`.  Returns ``(out [B, S, H, D],
     lse [B, H, S] or None, plan)``."""
     idx, cnt = block_mask_to_lists(block_mask.to(q.device))
-    return run_block_lists(q, k, v, layout, idx, cnt, scale=scale, return_lse=return_lse, impl=impl,
-                           kept_fraction=kept_fraction, extra=extra, q_tiled=q_tiled, k_tiled=k_tiled)
+    return run_block_lists(
+        q,
+        k,
+        v,
+        layout,
+        idx,
+        cnt,
+        scale=scale,
+        return_lse=return_lse,
+        impl=impl,
+        kept_fraction=kept_fraction,
+        extra=extra,
+        q_tiled=q_tiled,
+        k_tiled=k_tiled,
+    )
 
 
-def run_block_lists(q: Tensor, k: Tensor, v: Tensor, layout: TileLayout, kv_indices: Tensor, kv_counts: Tensor, *,
-                    scale: Optional[float], return_lse: bool, impl: str = "auto",
-                    kept_fraction: Union[float, Tensor, None] = None, extra: Optional[dict] = None,
-                    q_tiled: Optional[Tensor] = None,
-                    k_tiled: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor], SparsePlan]:
+def run_block_lists(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    layout: TileLayout,
+    kv_indices: Tensor,
+    kv_counts: Tensor,
+    *,
+    scale: Optional[float],
+    return_lse: bool,
+    impl: str = "auto",
+    kept_fraction: Union[float, Tensor, None] = None,
+    extra: Optional[dict] = None,
+    q_tiled: Optional[Tensor] = None,
+    k_tiled: Optional[Tensor] = None,
+) -> tuple[Tensor, Optional[Tensor], SparsePlan]:
     """:func:`run_block_mask` with block lists (int32 ``[B or 1, H or 1, n_blocks, m]`` /
     ``[B or 1, H or 1, n_blocks]`` on q's device) instead of a mask; ``kept_fraction`` as in
     :class:`SparsePlan` (None: counted from the lists when read).  Adds no device sync of its own."""
@@ -371,8 +432,18 @@ def run_block_lists(q: Tensor, k: Tensor, v: Tensor, layout: TileLayout, kv_indi
     kt = tile(k, layout) if k_tiled is None else k_tiled
     vt = tile(v, layout)
     kv_valid = layout.kv_valid(q.shape[0], q.device)
-    out_t, lse_t = block_sparse_attention(qt, kt, vt, kv_indices, kv_counts, block_size=layout.block_size,
-                                          scale=scale, kv_valid=kv_valid, return_lse=return_lse, impl=impl)
+    out_t, lse_t = block_sparse_attention(
+        qt,
+        kt,
+        vt,
+        kv_indices,
+        kv_counts,
+        block_size=layout.block_size,
+        scale=scale,
+        kv_valid=kv_valid,
+        return_lse=return_lse,
+        impl=impl,
+    )
     out = untile(out_t, layout).to(q.dtype)
     lse = untile(lse_t, layout, dim=2) if lse_t is not None else None
     return out, lse, SparsePlan(layout, kv_indices, kv_counts, kept_fraction, extra or {})

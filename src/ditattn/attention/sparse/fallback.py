@@ -6,6 +6,7 @@ head (:mod:`.budget`).  :func:`note_dense_once` logs the first such call of each
 at INFO (``-v`` shows it) and keeps it in :data:`dense_notes` for the plan and the run summary;
 :func:`budget_stats` turns a plan's budget statistics into ``last_stats`` fields.
 """
+
 from __future__ import annotations
 
 import logging
@@ -59,8 +60,15 @@ def clear_dense_notes() -> None:
         dense_notes.clear()
 
 
-BUDGET_FIELDS = ("error_budget", "dense_heads", "heads", "dropped_mass_max", "dropped_mass_mean", "est_rel_err",
-                 "est_rel_err_unbudgeted")
+BUDGET_FIELDS = (
+    "error_budget",
+    "dense_heads",
+    "heads",
+    "dropped_mass_max",
+    "dropped_mass_mean",
+    "est_rel_err",
+    "est_rel_err_unbudgeted",
+)
 
 
 def budget_stats(plan) -> dict:
@@ -88,8 +96,9 @@ def count_call(key: str, *, kept, fallback: bool, dense: bool, dense_heads=None,
     dense as a fallback (size rule or error budget) or as a dense phase (steps / layers the backend
     keeps dense), and how many of its ``heads`` the error budget ran dense."""
     with _lock:
-        e = _run_layers.setdefault(key, {"calls": 0, "dense_fallbacks": 0, "dense_phases": 0, "dense_heads": [],
-                                         "heads": 0, "kept": []})
+        e = _run_layers.setdefault(
+            key, {"calls": 0, "dense_fallbacks": 0, "dense_phases": 0, "dense_heads": [], "heads": 0, "kept": []}
+        )
         e["calls"] += 1
         e["dense_fallbacks"] += int(fallback)
         e["dense_phases"] += int(dense and not fallback)
@@ -109,9 +118,14 @@ def run_summary() -> dict:
     out = {}
     for key, e in items:
         kept = [float(x) for x in e["kept"]]
-        out[key] = {"calls": e["calls"], "kept_fraction": sum(kept) / len(kept) if kept else None,
-                    "dense_fallbacks": e["dense_fallbacks"], "dense_phases": e["dense_phases"],
-                    "dense_heads": int(sum(float(x) for x in e["dense_heads"])), "heads": e["heads"]}
+        out[key] = {
+            "calls": e["calls"],
+            "kept_fraction": sum(kept) / len(kept) if kept else None,
+            "dense_fallbacks": e["dense_fallbacks"],
+            "dense_phases": e["dense_phases"],
+            "dense_heads": int(sum(float(x) for x in e["dense_heads"])),
+            "heads": e["heads"],
+        }
     return out
 
 
@@ -130,10 +144,13 @@ def totals(summary: dict) -> dict:
     :func:`run_summary` (kept fraction: mean over the calls)."""
     calls = sum(e["calls"] for e in summary.values())
     kept = sum((e["kept_fraction"] or 0.0) * e["calls"] for e in summary.values())
-    return {"sparse_layers": len(summary), "calls": calls,
-            "dense_fallbacks": sum(e["dense_fallbacks"] for e in summary.values()),
-            "dense_heads": sum(e["dense_heads"] for e in summary.values()),
-            "kept_fraction": kept / calls if calls else None}
+    return {
+        "sparse_layers": len(summary),
+        "calls": calls,
+        "dense_fallbacks": sum(e["dense_fallbacks"] for e in summary.values()),
+        "dense_heads": sum(e["dense_heads"] for e in summary.values()),
+        "kept_fraction": kept / calls if calls else None,
+    }
 
 
 def annotate_plan(plan: dict, summary: dict) -> dict:

@@ -10,6 +10,7 @@ quantization step 1/127).  On CUDA (and under ``TRITON_INTERPRET=1``) one Triton
 (:mod:`ditattn.attention.kernels.block_quant`), elsewhere PyTorch; the two round a value exactly
 half-way between two levels differently (away from zero / to even), nothing else.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,8 +21,9 @@ from ditattn.attention.sparse.tiling import TileLayout
 Tensor = torch.Tensor
 
 
-def quantize_blocks_int8(x_tiled: Tensor, layout: TileLayout, *, smooth: bool = False
-                         ) -> tuple[Tensor, Tensor, Tensor]:
+def quantize_blocks_int8(
+    x_tiled: Tensor, layout: TileLayout, *, smooth: bool = False
+) -> tuple[Tensor, Tensor, Tensor]:
     """Symmetric INT8 per (batch, block, head): ``x [B, P, H, D]`` -> ``(int8 values [B, P, H, D],
     scales [B, n_blocks, H] float32, de-quantized float32 [B, P, H, D])``.  ``smooth`` first
     subtracts the mean over the real tokens of the sequence per (batch, head, channel)."""
@@ -39,15 +41,20 @@ def quantize_blocks_int8(x_tiled: Tensor, layout: TileLayout, *, smooth: bool = 
     return qi.to(torch.int8).view(B, P, H, D), sc, deq
 
 
-def quantize_qk_blocks(q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout, *, impl: str = "auto"
-                       ) -> tuple[Tensor, Tensor]:
+def quantize_qk_blocks(
+    q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout, *, impl: str = "auto"
+) -> tuple[Tensor, Tensor]:
     """De-quantized INT8 Q and smoothed K (module docstring), tiled ``[B, P, H, D]`` in q's dtype
     (so the block-sparse core keeps its fused fp16/bf16 kernel)."""
     if triton_path(q_tiled, impl):
         from ditattn.attention.kernels.block_quant import fake_quant_int8_blocks
 
         valid = layout.on(q_tiled.device).valid
-        return (fake_quant_int8_blocks(q_tiled, valid, block_size=layout.block_size),
-                fake_quant_int8_blocks(k_tiled, valid, block_size=layout.block_size, smooth=True))
-    return (quantize_blocks_int8(q_tiled, layout)[2].to(q_tiled.dtype),
-            quantize_blocks_int8(k_tiled, layout, smooth=True)[2].to(q_tiled.dtype))
+        return (
+            fake_quant_int8_blocks(q_tiled, valid, block_size=layout.block_size),
+            fake_quant_int8_blocks(k_tiled, valid, block_size=layout.block_size, smooth=True),
+        )
+    return (
+        quantize_blocks_int8(q_tiled, layout)[2].to(q_tiled.dtype),
+        quantize_blocks_int8(k_tiled, layout, smooth=True)[2].to(q_tiled.dtype),
+    )

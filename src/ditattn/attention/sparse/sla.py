@@ -8,7 +8,8 @@ per block (over its real tokens).
 Classification (per batch, head, query block): the block-pooled attention ``softmax_j(scale *
 mean(q_i) . mean(k_j))`` over video key blocks ranks the key blocks; the top ``ceil(topk * n)``
 are *critical*, the bottom ``floor(negligible_fraction * n)`` of the rest are *negligible*, the
-others *marginal* (ties at a boundary go to whichever block ``torch.topk`` returns).  Text blocks are always critical (and text queries attend everything).
+others *marginal* (ties at a boundary go to whichever block ``torch.topk`` returns).  Text blocks are always critical
+(and text queries attend everything).
 
 * Sparse branch: exact softmax attention over the critical blocks (block-sparse core).  For
   ``sage_sla_attn`` Q and K enter the sparse branch INT8-quantized (K first smoothed by subtracting
@@ -22,6 +23,7 @@ others *marginal* (ties at a boundary go to whichever block ``torch.topk`` retur
   is the sparse branch's.
 * Negligible blocks are skipped.
 """
+
 from __future__ import annotations
 
 import math
@@ -44,8 +46,9 @@ def sla_counts(n_video_blocks: int, topk: float, negligible_fraction: float) -> 
     return n_crit, min(int(math.floor(float(negligible_fraction) * n_video_blocks + 1e-9)), n_video_blocks - n_crit)
 
 
-def sla_classify(q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout, *, topk: float, negligible_fraction: float,
-                 scale: float) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, Tensor, float]]:
+def sla_classify(
+    q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout, *, topk: float, negligible_fraction: float, scale: float
+) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, Tensor, float]]:
     """``(critical, marginal, pooled probabilities, lists)``: the masks and probabilities are
     ``[B, H, nv, nv]`` over video blocks; ``lists`` are the sparse branch's block lists
     ``(kv_indices, kv_counts, kept_fraction)`` (critical blocks plus every special block), built
@@ -64,8 +67,7 @@ def sla_classify(q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout, *, topk: 
     return critical, marginal, probs, (idx, cnt, kept)
 
 
-def linear_branch(q_tiled: Tensor, k_tiled: Tensor, v_tiled: Tensor, layout: TileLayout,
-                  marginal: Tensor) -> Tensor:
+def linear_branch(q_tiled: Tensor, k_tiled: Tensor, v_tiled: Tensor, layout: TileLayout, marginal: Tensor) -> Tensor:
     """Linear attention of each query over its marginal key blocks (``phi = softmax`` over the head
     dim): ``marginal`` bool ``[B, H, n_blocks, n_blocks]`` -> float32 ``[B, P, H, D]`` (rows with
     no marginal block are zero)."""
@@ -88,29 +90,61 @@ def linear_branch(q_tiled: Tensor, k_tiled: Tensor, v_tiled: Tensor, layout: Til
     return out.reshape(B, P, H, D)
 
 
-def sla_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: int = 0, topk: float = 0.2,
-                  negligible_fraction: float = 0.0, block_size: int = 64, quantize: bool = False,
-                  proj_weight: Optional[Tensor] = None, proj_bias: Optional[Tensor] = None,
-                  scale: Optional[float] = None, return_lse: bool = False, impl: str = "auto",
-                  edge_tiles: str = "packed") -> tuple[Tensor, Optional[Tensor], SparsePlan]:
+def sla_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    video_shape,
+    text_len: int = 0,
+    topk: float = 0.2,
+    negligible_fraction: float = 0.0,
+    block_size: int = 64,
+    quantize: bool = False,
+    proj_weight: Optional[Tensor] = None,
+    proj_bias: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+    impl: str = "auto",
+    edge_tiles: str = "packed",
+) -> tuple[Tensor, Optional[Tensor], SparsePlan]:
     """SLA (``quantize=True``: SAGE_SLA) over ``[B, T*H*W + text_len, heads, D]`` q/k/v (k/v with
-    q's head count); ``edge_tiles`` as in the module docstring.  Returns ``(out, sparse-branch lse or None, plan)``; ``plan.extra`` holds the
+    q's head count); ``edge_tiles`` as in the module docstring.  Returns ``(out, sparse-branch lse or None, plan)``;
+    ``plan.extra`` holds the
     ``critical``/``marginal`` video-block masks and the pooled ``probs``."""
     layout = make_tile_layout(video_shape, sparge_tile_size(block_size), text_len, edge_tiles=edge_tiles)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     qt, kt = tile(q, layout), tile(k, layout)
-    critical, marginal, probs, (idx, cnt, kept) = sla_classify(qt, kt, layout, topk=topk,
-                                                               negligible_fraction=negligible_fraction, scale=scale)
+    critical, marginal, probs, (idx, cnt, kept) = sla_classify(
+        qt, kt, layout, topk=topk, negligible_fraction=negligible_fraction, scale=scale
+    )
     nv, nb = layout.n_video_blocks, layout.n_blocks
     n_crit, n_negl = sla_counts(nv, topk, negligible_fraction)
     # both fractions follow from the per-row counts of sla_classify (host arithmetic, no device sync)
-    extra = {"critical": critical, "marginal": marginal, "probs": probs,
-             "marginal_fraction": nv * (nv - n_crit - n_negl) / (nb * nb)}
+    extra = {
+        "critical": critical,
+        "marginal": marginal,
+        "probs": probs,
+        "marginal_fraction": nv * (nv - n_crit - n_negl) / (nb * nb),
+    }
     # the de-quantized values go into the block-sparse kernel in q's dtype (the fused bf16/fp16
     # kernel on GPU; a float32 operand would force the slow reference path)
     qs, ks = quantize_qk_blocks(qt, kt, layout, impl=impl) if quantize else (qt, kt)
-    out, lse, plan = run_block_lists(q, k, v, layout, idx, cnt, scale=scale, return_lse=return_lse, impl=impl,
-                                     kept_fraction=kept, extra=extra, q_tiled=qs, k_tiled=ks)
+    out, lse, plan = run_block_lists(
+        q,
+        k,
+        v,
+        layout,
+        idx,
+        cnt,
+        scale=scale,
+        return_lse=return_lse,
+        impl=impl,
+        kept_fraction=kept,
+        extra=extra,
+        q_tiled=qs,
+        k_tiled=ks,
+    )
     if proj_weight is not None:
         marg_full = torch.zeros(*marginal.shape[:2], nb, nb, dtype=torch.bool, device=q.device)
         marg_full[..., :nv, :nv] = marginal

@@ -33,6 +33,7 @@ part continues the exact part's softmax state in one Triton kernel,
 blocks exactly.  ``kv_splits`` is a kernel tuning argument of the upstream CUDA kernel; the
 in-tree engine splits work itself and ignores it (it is validated).
 """
+
 from __future__ import annotations
 
 import functools
@@ -59,9 +60,17 @@ SOL_PREDICTORS = ("pooled_query", "pooled")
 _CHUNK_ELEMS = 1 << 25
 
 
-def sol_route(q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout, *, tau: float, thresh_type: str,
-              scale: float, predictor: str = "pooled_query",
-              impl: str = "auto") -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+def sol_route(
+    q_tiled: Tensor,
+    k_tiled: Tensor,
+    layout: TileLayout,
+    *,
+    tau: float,
+    thresh_type: str,
+    scale: float,
+    predictor: str = "pooled_query",
+    impl: str = "auto",
+) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     """``(exact video-block routes [B, H, nv, nv] bool, pooled scores [B, H, nv, nv], thresholds
     [B, H, nv], pooled-query scores [B, H, nv, nv] or None)`` (module docstring)."""
     nv = layout.n_video_blocks
@@ -86,8 +95,9 @@ def sol_route(q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout, *, tau: floa
     if predictor != "pooled_query":
         raise AttentionConfigError(f"sol_attn: predictor must be one of {list(SOL_PREDICTORS)}, got {predictor!r}")
     # upstream's count per query block; the neighbours first, then the best pooled-query scores
-    route = pooled_query_block_scores(q_tiled, k_tiled, layout, scale,
-                                      impl="reference" if impl in ("reference", "flex") else "auto")
+    route = pooled_query_block_scores(
+        q_tiled, k_tiled, layout, scale, impl="reference" if impl in ("reference", "flex") else "auto"
+    )
     order = route.masked_fill(near, float("inf")).argsort(dim=-1, descending=True)
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(nv, device=order.device).expand_as(order))
     return rank < rule.sum(-1, keepdim=True), s, thr, route
@@ -124,8 +134,16 @@ def sol_sink_range(sink_start: int, sink_tokens: int, seq_len: int) -> tuple[int
     return (sink_start, stop)
 
 
-def _centroid_part(q_tiled: Tensor, kc: Tensor, vc: Tensor, logw: Tensor, approx_rows: Tensor,
-                   bs: int, scale: float, kvar: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+def _centroid_part(
+    q_tiled: Tensor,
+    kc: Tensor,
+    vc: Tensor,
+    logw: Tensor,
+    approx_rows: Tensor,
+    bs: int,
+    scale: float,
+    kvar: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor]:
     """Attention of every query over the virtual keys of its approximate blocks.
 
     q_tiled ``[B, P, H, D]``; kc/vc ``[B, H, nv, D]``; logw ``[nv]``; approx_rows ``[B, H, nb, nv]``
@@ -143,11 +161,18 @@ def _centroid_part(q_tiled: Tensor, kc: Tensor, vc: Tensor, logw: Tensor, approx
     hc = max(1, min(H, _CHUNK_ELEMS // max(1, B * P * nv)))
     for h0 in range(0, H, hc):
         h1 = min(H, h0 + hc)
-        s = torch.baddbmm(logw.view(1, 1, -1).to(dt), qh[:, h0:h1].flatten(0, 1), kc[:, h0:h1].flatten(0, 1).transpose(1, 2),
-                          alpha=scale)
+        s = torch.baddbmm(
+            logw.view(1, 1, -1).to(dt),
+            qh[:, h0:h1].flatten(0, 1),
+            kc[:, h0:h1].flatten(0, 1).transpose(1, 2),
+            alpha=scale,
+        )
         if kvar is not None:
-            s.baddbmm_(qh[:, h0:h1].flatten(0, 1).pow(2), kvar[:, h0:h1].flatten(0, 1).to(dt).transpose(1, 2),
-                       alpha=0.5 * scale * scale)
+            s.baddbmm_(
+                qh[:, h0:h1].flatten(0, 1).pow(2),
+                kvar[:, h0:h1].flatten(0, 1).to(dt).transpose(1, 2),
+                alpha=0.5 * scale * scale,
+            )
         s = s.view(B, h1 - h0, nb, bs, nv)
         # the route is per query BLOCK: broadcast it over the block's rows instead of materialising it per row
         s.masked_fill_(~approx_rows[:, h0:h1, :, None, :], float("-inf"))
@@ -161,13 +186,29 @@ def _centroid_part(q_tiled: Tensor, kc: Tensor, vc: Tensor, logw: Tensor, approx
     return out, lse
 
 
-def sol_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: int = 0, tau: float = 1.0,
-                  thresh_type: str = "diag", sink_start: int = 0, sink_tokens: int = 0,
-                  predictor: str = "pooled_query", centroid_variance: bool = True,
-                  scale: Optional[float] = None, return_lse: bool = False, impl: str = "auto",
-                  edge_tiles: str = "packed", error_budget: float = 0.0, tile_size: Optional[tuple] = None,
-                  dense_backend: Optional[str] = None, decide: bool = True,
-                  dense_above: Optional[float] = None) -> tuple[Tensor, Optional[Tensor], SparsePlan]:
+def sol_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    video_shape,
+    text_len: int = 0,
+    tau: float = 1.0,
+    thresh_type: str = "diag",
+    sink_start: int = 0,
+    sink_tokens: int = 0,
+    predictor: str = "pooled_query",
+    centroid_variance: bool = True,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+    impl: str = "auto",
+    edge_tiles: str = "packed",
+    error_budget: float = 0.0,
+    tile_size: Optional[tuple] = None,
+    dense_backend: Optional[str] = None,
+    decide: bool = True,
+    dense_above: Optional[float] = None,
+) -> tuple[Tensor, Optional[Tensor], SparsePlan]:
     """Sol over ``[B, T*H*W + text_len, heads, D]`` q/k/v (k/v with q's head count); any float
     dtype / head dim (the backend enforces bf16 and 128).  ``predictor``, ``centroid_variance``
     and ``edge_tiles``: the module docstring.  Returns ``(out, lse or None, plan)`` with
@@ -182,19 +223,31 @@ def sol_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: int
     n_video = math.prod(int(x) for x in video_shape)
     sink = sol_sink_range(int(sink_start), int(sink_tokens), n_video + int(text_len))
     tiles = SOL_TILE_SIZE if tile_size is None else tuple(tile_size)
-    layout = make_tile_layout(video_shape, tiles, text_len, special_ranges=[sink] if sink[1] > sink[0] else [],
-                              edge_tiles=edge_tiles)
-    scale = D ** -0.5 if scale is None else float(scale)
+    layout = make_tile_layout(
+        video_shape, tiles, text_len, special_ranges=[sink] if sink[1] > sink[0] else [], edge_tiles=edge_tiles
+    )
+    scale = D**-0.5 if scale is None else float(scale)
     if error_budget > 0 and decide:
         from ditattn.attention.sparse import budget as eb
 
-        if eb.early_dense(q, k, layout, error_budget, scale=scale, impl=impl,
-                          above=dense_above):  # before any routing work (and before tiling q, k and v)
-            return eb.dense_budgeted(q, k, v, layout, error_budget, scale=scale, return_lse=return_lse,
-                                     dense_backend=dense_backend, extra={"predictor": predictor, "sink": sink})
+        if eb.early_dense(
+            q, k, layout, error_budget, scale=scale, impl=impl, above=dense_above
+        ):  # before any routing work (and before tiling q, k and v)
+            return eb.dense_budgeted(
+                q,
+                k,
+                v,
+                layout,
+                error_budget,
+                scale=scale,
+                return_lse=return_lse,
+                dense_backend=dense_backend,
+                extra={"predictor": predictor, "sink": sink},
+            )
     qt, kt, vt = tile(q, layout), tile(k, layout), tile(v, layout)
-    exact, scores, thr, route = sol_route(qt, kt, layout, tau=tau, thresh_type=thresh_type, scale=scale,
-                                          predictor=predictor, impl=impl)
+    exact, scores, thr, route = sol_route(
+        qt, kt, layout, tau=tau, thresh_type=thresh_type, scale=scale, predictor=predictor, impl=impl
+    )
     budget = None
     if error_budget > 0:
         from ditattn.attention.sparse import budget as eb
@@ -210,8 +263,9 @@ def sol_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: int
     bm = add_special_blocks(layout, exact)
     idx, cnt = block_mask_to_lists(bm, width=list_width(q.device, layout.n_blocks))
     kvv = layout.kv_valid(B, q.device)
-    o1, l1 = block_sparse_attention(qt, kt, vt, idx, cnt, block_size=layout.block_size, scale=scale,
-                                    kv_valid=kvv, return_lse=True, impl=impl)
+    o1, l1 = block_sparse_attention(
+        qt, kt, vt, idx, cnt, block_size=layout.block_size, scale=scale, kv_valid=kvv, return_lse=True, impl=impl
+    )
     nv, nb, bs = layout.n_video_blocks, layout.n_blocks, layout.block_size
     kc, kvar = pooled_query_features(kt, layout, nv, variance=bool(centroid_variance))
     vc = pooled_blocks(vt, layout, nv)
@@ -222,8 +276,9 @@ def sol_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: int
         # the virtual keys continue the exact part's online softmax inside one Triton kernel
         from ditattn.attention.kernels.block_centroid import block_centroid_attention
 
-        o_t, lse = block_centroid_attention(qt, kc, vc, logw, approx, block_size=bs, scale=scale, o_init=o1,
-                                            lse_init=l1, kvar=kvar)
+        o_t, lse = block_centroid_attention(
+            qt, kc, vc, logw, approx, block_size=bs, scale=scale, o_init=o1, lse_init=l1, kvar=kvar
+        )
         out = untile(o_t, layout).to(q.dtype)
     else:
         o2, l2 = _centroid_part(qt, kc, vc, logw, approx, bs, scale, kvar)
@@ -235,7 +290,20 @@ def sol_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: int
         o = o1.transpose(1, 2).to(l2.dtype) * w1 + o2 * w2  # [B,H,P,D]
         out = untile(o.transpose(1, 2), layout).to(q.dtype)
     lse_out = untile(lse.float(), layout, dim=2) if return_lse else None
-    plan = SparsePlan(layout, idx, cnt, None,  # the kept fraction is counted when first read
-                      {"exact": exact, "scores": scores, "thresholds": thr, "route_scores": route, "sink": sink,
-                       "predictor": predictor, "centroid_variance": bool(centroid_variance), "budget": budget})
+    plan = SparsePlan(
+        layout,
+        idx,
+        cnt,
+        None,  # the kept fraction is counted when first read
+        {
+            "exact": exact,
+            "scores": scores,
+            "thresholds": thr,
+            "route_scores": route,
+            "sink": sink,
+            "predictor": predictor,
+            "centroid_variance": bool(centroid_variance),
+            "budget": budget,
+        },
+    )
     return out, lse_out, plan

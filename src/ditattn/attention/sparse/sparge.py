@@ -56,6 +56,7 @@ kept blocks exactly (the plain block-sparse variant).
 Shape rule (seed): only square self-attention of at least 128 tokens with head dim 64 or 128 is
 sparsified; any other call runs dense SDPA (:func:`sparge_applies`).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -108,14 +109,21 @@ def sparge_applies(seq_q: int, seq_kv: int, head_dim: int) -> tuple[bool, str]:
     return True, ""
 
 
-def sparge_scores(q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout, scale: float, predictor: str,
-                  impl: str = "auto") -> Tensor:
+def sparge_scores(
+    q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout, scale: float, predictor: str, impl: str = "auto"
+) -> Tensor:
     """Block scores of ``predictor`` (module docstring): float32 ``[B, H, nv, nv]``, higher = keep."""
     if predictor == "pooled":
         return pooled_video_scores(q_tiled, k_tiled, layout, scale, impl)
     if predictor in ("pooled_query", "pooled_query_var"):
-        return pooled_query_block_scores(q_tiled, k_tiled, layout, scale, variance=predictor == "pooled_query_var",
-                                         impl="reference" if impl in ("reference", "flex") else "auto")
+        return pooled_query_block_scores(
+            q_tiled,
+            k_tiled,
+            layout,
+            scale,
+            variance=predictor == "pooled_query_var",
+            impl="reference" if impl in ("reference", "flex") else "auto",
+        )
     raise AttentionConfigError(f"sparge_attn: predictor must be one of {list(SPARGE_PREDICTORS)}, got {predictor!r}")
 
 
@@ -138,8 +146,15 @@ def check_fraction(name: str, value) -> float:
     return float(value)
 
 
-def sparge_select(scores: Tensor, layout: TileLayout, *, topk: float, cdfthreshd: Optional[float], predictor: str,
-                  valid: Optional[Tensor] = None) -> Tensor:
+def sparge_select(
+    scores: Tensor,
+    layout: TileLayout,
+    *,
+    topk: float,
+    cdfthreshd: Optional[float],
+    predictor: str,
+    valid: Optional[Tensor] = None,
+) -> Tensor:
     """Video block mask ``[B, H, nv, nv]`` of the rule in use (module docstring) over ``scores``;
     ``valid`` False blocks are never chosen (``cdfthreshd``: nor counted in the shares)."""
     kk = ceil_fraction(float(topk), layout.n_video_blocks)
@@ -148,9 +163,18 @@ def sparge_select(scores: Tensor, layout: TileLayout, *, topk: float, cdfthreshd
     return mass_mask(sparge_log_mass(scores, layout, predictor), float(cdfthreshd), valid=valid, min_count=kk)
 
 
-def sparge_block_mask(q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout, topk: float, scale: float, *,
-                      predictor: str = "pooled_query", simthreshd1: float = -0.1, cdfthreshd: Optional[float] = None,
-                      impl: str = "auto") -> tuple[Tensor, Tensor]:
+def sparge_block_mask(
+    q_tiled: Tensor,
+    k_tiled: Tensor,
+    layout: TileLayout,
+    topk: float,
+    scale: float,
+    *,
+    predictor: str = "pooled_query",
+    simthreshd1: float = -0.1,
+    cdfthreshd: Optional[float] = None,
+    impl: str = "auto",
+) -> tuple[Tensor, Tensor]:
     """``(block mask [B, H, n_blocks, n_blocks], scores [B, H, nv, nv])`` of the module docstring's
     rule (``topk``, ``cdfthreshd`` if not None, plus the self-similarity fallback)."""
     nv = layout.n_video_blocks
@@ -165,13 +189,28 @@ def sparge_block_mask(q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout, topk
     return add_special_blocks(layout, mask), scores
 
 
-def sparge_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, topk: float = 0.5,
-                     cdfthreshd: Optional[float] = None, block_size: int = 64, text_len: int = 0,
-                     quantize: bool = False, predictor: str = "pooled_query", simthreshd1: float = -0.1,
-                     scale: Optional[float] = None, return_lse: bool = False, impl: str = "auto",
-                     edge_tiles: str = "packed", error_budget: float = 0.0,
-                     tile_size: Optional[tuple] = None, decide: bool = True,
-                     dense_above: Optional[float] = None) -> tuple[Tensor, Optional[Tensor], SparsePlan]:
+def sparge_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    video_shape,
+    topk: float = 0.5,
+    cdfthreshd: Optional[float] = None,
+    block_size: int = 64,
+    text_len: int = 0,
+    quantize: bool = False,
+    predictor: str = "pooled_query",
+    simthreshd1: float = -0.1,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+    impl: str = "auto",
+    edge_tiles: str = "packed",
+    error_budget: float = 0.0,
+    tile_size: Optional[tuple] = None,
+    decide: bool = True,
+    dense_above: Optional[float] = None,
+) -> tuple[Tensor, Optional[Tensor], SparsePlan]:
     """Sparge over ``[B, T*H*W + text_len, heads, D]`` q/k/v (k/v with q's head count); no shape
     or dtype rule here (the backend applies :func:`sparge_applies` and FP16/BF16).  ``topk`` and
     ``cdfthreshd`` (None: off): the selection rule, each in (0, 1].  ``quantize``: INT8 Q.K in the
@@ -199,8 +238,9 @@ def sparge_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, topk: floa
     if error_budget > 0 and decide:
         from ditattn.attention.sparse.budget import dense_budgeted, early_dense
 
-        if early_dense(q, k, layout, error_budget, scale=scale, impl=impl, floor=topk,
-                       above=dense_above):  # before any selection work (and before tiling q and k)
+        if early_dense(
+            q, k, layout, error_budget, scale=scale, impl=impl, floor=topk, above=dense_above
+        ):  # before any selection work (and before tiling q and k)
             return dense_budgeted(q, k, v, layout, error_budget, scale=scale, return_lse=return_lse, extra=extra)
     qt, kt = tile(q, layout), tile(k, layout)
     qs, ks = quantize_qk_blocks(qt, kt, layout, impl=impl) if quantize else (qt, kt)
@@ -208,24 +248,44 @@ def sparge_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, topk: floa
     if error_budget > 0:  # the budgeted selection: through the video mask
         from ditattn.attention.sparse.budget import budgeted_lists
 
-        mask, scores = sparge_block_mask(qt, kt, layout, topk, scale, predictor=predictor, simthreshd1=simthreshd1,
-                                         cdfthreshd=cdfthreshd, impl=impl)
-        res = budgeted_lists(q, k, v, qt, kt, layout, mask[..., :layout.n_video_blocks, :layout.n_video_blocks],
-                             error_budget, scale=scale, return_lse=return_lse, impl=impl, decide=decide,
-                             above=dense_above)
+        mask, scores = sparge_block_mask(
+            qt, kt, layout, topk, scale, predictor=predictor, simthreshd1=simthreshd1, cdfthreshd=cdfthreshd, impl=impl
+        )
+        res = budgeted_lists(
+            q,
+            k,
+            v,
+            qt,
+            kt,
+            layout,
+            mask[..., : layout.n_video_blocks, : layout.n_video_blocks],
+            error_budget,
+            scale=scale,
+            return_lse=return_lse,
+            impl=impl,
+            decide=decide,
+            above=dense_above,
+        )
         if res.dense_out is not None:
             return res.dense_out, res.dense_lse, res.plan(extra)
-        return run_block_lists(q, k, v, layout, res.idx, res.cnt, extra=dict(extra, scores=scores, budget=res.stats),
-                               **run)
+        return run_block_lists(
+            q, k, v, layout, res.idx, res.cnt, extra=dict(extra, scores=scores, budget=res.stats), **run
+        )
     if simthreshd1 < 0 and cdfthreshd is not None:  # varying row lengths, no fallback: lists without the mask
         scores = sparge_scores(qt, kt, layout, scale, predictor, impl)
-        idx, cnt = mass_lists(layout, sparge_log_mass(scores, layout, predictor), cdfthreshd, kk,
-                              width=list_width(q.device, layout.n_blocks),
-                              impl=select_impl(impl))  # the lists of sparge_block_mask's mask
+        idx, cnt = mass_lists(
+            layout,
+            sparge_log_mass(scores, layout, predictor),
+            cdfthreshd,
+            kk,
+            width=list_width(q.device, layout.n_blocks),
+            impl=select_impl(impl),
+        )  # the lists of sparge_block_mask's mask
         return run_block_lists(q, k, v, layout, idx, cnt, extra=dict(extra, scores=scores), **run)
     if simthreshd1 >= 0:  # the self-similarity fallback: through the mask
-        mask, scores = sparge_block_mask(qt, kt, layout, topk, scale, predictor=predictor, simthreshd1=simthreshd1,
-                                         cdfthreshd=cdfthreshd, impl=impl)
+        mask, scores = sparge_block_mask(
+            qt, kt, layout, topk, scale, predictor=predictor, simthreshd1=simthreshd1, cdfthreshd=cdfthreshd, impl=impl
+        )
         idx, cnt = block_mask_to_lists(mask, width=list_width(q.device, layout.n_blocks))
         return run_block_lists(q, k, v, layout, idx, cnt, extra=dict(extra, scores=scores), **run)
     scores = sparge_scores(qt, kt, layout, scale, predictor, impl)

@@ -29,6 +29,7 @@ per-candidate errors are written next to the strategy as ``<path>.errors.json``.
 the ``window_candidates`` config (flat ``[wt, wh, ww, ...]``) or :data:`DEFAULT_WINDOW_CANDIDATES`
 (shapes of about 27 tiles that trade time extent for space extent).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -50,7 +51,14 @@ Tensor = torch.Tensor
 log = logging.getLogger(__name__)
 
 DEFAULT_WINDOW_CANDIDATES: tuple[tuple[int, int, int], ...] = (
-    (3, 3, 3), (1, 5, 5), (5, 1, 5), (5, 5, 1), (3, 1, 9), (3, 9, 1), (1, 3, 9), (1, 9, 3),
+    (3, 3, 3),
+    (1, 5, 5),
+    (5, 1, 5),
+    (5, 5, 1),
+    (3, 1, 9),
+    (3, 9, 1),
+    (1, 3, 9),
+    (1, 9, 3),
 )
 
 
@@ -91,7 +99,8 @@ def sta_video_mask(layout: TileLayout, windows, device=None) -> Tensor:
     if layout.n_packed_blocks:
         raise AttentionConfigError(
             "sliding_tile_attn: STA windows are defined on tile coordinates and need one block per tile; "
-            "build the layout with edge_tiles='padded'")
+            "build the layout with edge_tiles='padded'"
+        )
     w = _windows_tensor(windows)
     device = w.device if device is None else torch.device(device)
     w = w.to(device)
@@ -115,10 +124,19 @@ def kept_tiles(window, grid) -> int:
     return out
 
 
-def sliding_tile_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, windows,
-                           tile_size=DEFAULT_TILE_SIZE, text_len: int = 0, scale: Optional[float] = None,
-                           return_lse: bool = False, impl: str = "auto"
-                           ) -> tuple[Tensor, Optional[Tensor], SparsePlan]:
+def sliding_tile_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    video_shape,
+    windows,
+    tile_size=DEFAULT_TILE_SIZE,
+    text_len: int = 0,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+    impl: str = "auto",
+) -> tuple[Tensor, Optional[Tensor], SparsePlan]:
     """STA over ``[B, T*H*W + text_len, heads, D]`` q/k/v (k/v with the same head count as q).
 
     ``windows``: ``[wt, wh, ww]`` for every head or one per head ``[heads, 3]`` (in tiles).
@@ -127,8 +145,9 @@ def sliding_tile_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, wind
     layout = make_tile_layout(video_shape, tile_size, text_len)
     w = _windows_tensor(windows, q.shape[2]).to(q.device)
     bm = sta_block_mask(layout, w, q.device)
-    return run_block_mask(q, k, v, layout, bm, scale=scale, return_lse=return_lse, impl=impl,
-                          extra={"windows": w.cpu()})
+    return run_block_mask(
+        q, k, v, layout, bm, scale=scale, return_lse=return_lse, impl=impl, extra={"windows": w.cpu()}
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -197,8 +216,11 @@ def parse_mask_strategy(data, source: str = "<memory>") -> MaskStrategy:
                 f"sliding_tile_attn: bad key {short_repr(key)} in mask strategy {source}; keys are "
                 "'<step>_<layer>_<head>' with non-negative integers, e.g. '12_0_3'"
             ) from None
-        if (not isinstance(val, (list, tuple)) or len(val) != 3
-                or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in val)):
+        if (
+            not isinstance(val, (list, tuple))
+            or len(val) != 3
+            or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in val)
+        ):
             raise AttentionConfigError(
                 f"sliding_tile_attn: bad window {short_repr(val)} for key {short_repr(key)} in mask strategy "
                 f"{source}; "
@@ -233,8 +255,12 @@ def load_mask_strategy(path: str) -> MaskStrategy:
     from ditattn.attention.config import loads_json, read_text_file
 
     try:
-        body = read_text_file(path, what="mask strategy", max_bytes=None,
-                              accepted="a JSON object mapping 'step_layer_head' to [wt, wh, ww]")
+        body = read_text_file(
+            path,
+            what="mask strategy",
+            max_bytes=None,
+            accepted="a JSON object mapping 'step_layer_head' to [wt, wh, ww]",
+        )
     except AttentionConfigError as exc:
         raise AttentionConfigError(f"sliding_tile_attn: {exc}") from None
     data = loads_json(body, f"sliding_tile_attn: mask strategy {short_text(path)}")
@@ -273,7 +299,7 @@ def parse_candidates(flat: Iterable[int] | None) -> tuple[tuple[int, int, int], 
             f"sliding_tile_attn: window_candidates must be a flat list of positive integers, three per "
             f"window ([wt, wh, ww, ...]), got {flat}"
         )
-    return tuple(tuple(int(x) for x in flat[i:i + 3]) for i in range(0, len(flat), 3))  # type: ignore[misc]
+    return tuple(tuple(int(x) for x in flat[i : i + 3]) for i in range(0, len(flat), 3))  # type: ignore[misc]
 
 
 class StaSearch:
@@ -344,7 +370,9 @@ class StaSearch:
         save_mask_strategy(self.path, self.strategy())
         _write_json(self.path + ".errors.json", self.errors_json())
         self.dirty = False
-        log.info("sliding_tile_attn: wrote mask strategy %s (%d entries, mode %s)", self.path, len(self.err), self.mode)
+        log.info(
+            "sliding_tile_attn: wrote mask strategy %s (%d entries, mode %s)", self.path, len(self.err), self.mode
+        )
 
     def flush(self) -> None:
         with self.lock:
@@ -373,8 +401,11 @@ def get_search(path: str, mode: str, candidates) -> StaSearch:
 def flush_sta_search(path: Optional[str] = None) -> list[str]:
     """Write pending search results (all paths, or one); returns the paths written/up to date."""
     with _searches_lock:
-        items = list(_searches.values()) if path is None else [
-            s for p, s in _searches.items() if p == os.path.abspath(os.fspath(path))]
+        items = (
+            list(_searches.values())
+            if path is None
+            else [s for p, s in _searches.items() if p == os.path.abspath(os.fspath(path))]
+        )
     for s in items:
         s.flush()
     return [s.path for s in items]
@@ -392,10 +423,22 @@ def reset_sta_search(path: Optional[str] = None) -> None:
 atexit.register(lambda: flush_sta_search())
 
 
-def sta_search_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, search: StaSearch, step: int,
-                         layer: int, head_offset: int = 0, tile_size=DEFAULT_TILE_SIZE, text_len: int = 0,
-                         scale: Optional[float] = None, return_lse: bool = False, impl: str = "auto"
-                         ) -> tuple[Tensor, Optional[Tensor]]:
+def sta_search_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    video_shape,
+    search: StaSearch,
+    step: int,
+    layer: int,
+    head_offset: int = 0,
+    tile_size=DEFAULT_TILE_SIZE,
+    text_len: int = 0,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+    impl: str = "auto",
+) -> tuple[Tensor, Optional[Tensor]]:
     """One calibration call: returns exact full attention and records every candidate's per-head
     squared L2 error into ``search`` (q/k/v ``[B, S, heads, D]``, k/v expanded)."""
     layout = make_tile_layout(video_shape, tile_size, text_len)
@@ -404,16 +447,18 @@ def sta_search_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, search
     kvv = layout.kv_valid(B, q.device)
     nb = layout.n_blocks
     fi, fc = full_lists(1, 1, nb, nb, device=q.device)
-    full_t, lse_t = block_sparse_attention(qt, kt, vt, fi, fc, block_size=layout.block_size, scale=scale,
-                                           kv_valid=kvv, return_lse=return_lse, impl=impl)
+    full_t, lse_t = block_sparse_attention(
+        qt, kt, vt, fi, fc, block_size=layout.block_size, scale=scale, kv_valid=kvv, return_lse=return_lse, impl=impl
+    )
     full = untile(full_t, layout)
     ref2 = full.float().pow(2).sum(dim=(0, 1, 3))
     err2 = torch.zeros(H, len(search.candidates), dtype=torch.float64, device=q.device)
     for ci, cand in enumerate(search.candidates):
         bm = sta_block_mask(layout, torch.tensor(cand), q.device)
         idx, cnt = block_mask_to_lists(bm)
-        o_t, _ = block_sparse_attention(qt, kt, vt, idx, cnt, block_size=layout.block_size, scale=scale,
-                                        kv_valid=kvv, impl=impl)
+        o_t, _ = block_sparse_attention(
+            qt, kt, vt, idx, cnt, block_size=layout.block_size, scale=scale, kv_valid=kvv, impl=impl
+        )
         o = untile(o_t, layout)
         err2[:, ci] = (o.float() - full.float()).pow(2).sum(dim=(0, 1, 3)).double()
     kept = [kept_tiles(c, layout.grid) for c in search.candidates]

@@ -42,6 +42,7 @@ thread) and restarted cold at step 0, whenever the step does not advance (a new 
 the shapes change.  With ``recluster_every = n > 1`` only every n-th step after a cold start
 clusters again; the steps between reuse the cached permutation and block lists as they are.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -72,7 +73,9 @@ def _product_dtype(x: Tensor) -> torch.dtype:
     """dtype of the products with 0/1 (one-hot) matrices: bfloat16 for bfloat16 points (exact operands,
     float32 accumulation, the result rounded to bfloat16: 2^-9 relative), else the float32/float64
     compute dtype (fp16 sums could overflow)."""
-    return torch.bfloat16 if x.dtype == torch.bfloat16 else (torch.float64 if x.dtype == torch.float64 else torch.float32)
+    return (
+        torch.bfloat16 if x.dtype == torch.bfloat16 else (torch.float64 if x.dtype == torch.float64 else torch.float32)
+    )
 
 
 def _assign(x: Tensor, cent: Tensor) -> Tensor:
@@ -94,7 +97,9 @@ def _update(xp: Tensor, labels: Tensor, cent: Tensor) -> tuple[Tensor, Tensor, T
     return cent, sizes, onehot
 
 
-def _lloyd(x: Tensor, n_clusters: int, iters: int, init: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _lloyd(
+    x: Tensor, n_clusters: int, iters: int, init: Optional[Tensor]
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """:func:`kmeans` plus ``(onehot [G, C, N] of the final labels, points in the compute dtype)``."""
     G, N, D = x.shape
     dt = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -126,8 +131,9 @@ def kmeans(x: Tensor, n_clusters: int, iters: int, init: Optional[Tensor] = None
     return labels, cent, sizes
 
 
-def pooled_query_cluster_scores(cq: Tensor, keys: Tensor, k_labels: Tensor, n_k_clusters: int, scale: float,
-                                onehot: Optional[Tensor] = None) -> Tensor:
+def pooled_query_cluster_scores(
+    cq: Tensor, keys: Tensor, k_labels: Tensor, n_k_clusters: int, scale: float, onehot: Optional[Tensor] = None
+) -> Tensor:
     """``log sum_{t in key cluster j} exp(scale * cq_i . k_t)``: float ``[G, Cq, Ck]`` from query
     centroids ``cq [G, Cq, D]``, keys ``[G, N, D]`` and their labels ``[G, N]`` (``-inf`` for an empty
     key cluster).  ``onehot``: the labels' one-hot ``[G, Ck, N]`` (as :func:`kmeans` builds it;
@@ -140,7 +146,8 @@ def pooled_query_cluster_scores(cq: Tensor, keys: Tensor, k_labels: Tensor, n_k_
     N = keys.shape[1]
     if onehot is None:
         onehot = torch.zeros(G, n_k_clusters, N, dtype=_product_dtype(keys), device=keys.device).scatter_(
-            1, k_labels.unsqueeze(1), 1.0)
+            1, k_labels.unsqueeze(1), 1.0
+        )
     out = torch.empty(G, Cq, n_k_clusters, dtype=cq.dtype, device=cq.device)
     step = max(1, _CHUNK_ELEMS // max(1, Cq * N))
     for g0 in range(0, G, step):
@@ -152,8 +159,15 @@ def pooled_query_cluster_scores(cq: Tensor, keys: Tensor, k_labels: Tensor, n_k_
     return out
 
 
-def cluster_pair_selection(cq: Tensor, ck: Tensor, k_sizes: Tensor, scale: float, top_p: float,
-                           q_sizes: Optional[Tensor] = None, scores: Optional[Tensor] = None) -> Tensor:
+def cluster_pair_selection(
+    cq: Tensor,
+    ck: Tensor,
+    k_sizes: Tensor,
+    scale: float,
+    top_p: float,
+    q_sizes: Optional[Tensor] = None,
+    scores: Optional[Tensor] = None,
+) -> Tensor:
     """Selected (query cluster, key cluster) pairs: bool ``[G, Cq, Ck]`` (see module docstring);
     rows of empty query clusters (``q_sizes`` 0) select nothing.  ``scores``: the pooled-query log
     masses of :func:`pooled_query_cluster_scores` instead of the centroid estimate."""
@@ -238,7 +252,8 @@ def _pair_block_mask(sel: Tensor, q_range, k_range, q_special: Tensor, k_special
     ka, kb = k_range
     nb = qa.shape[1]
     rows = cs.gather(1, (qb + 1).unsqueeze(-1).expand(G, nb, Ck + 1)) - cs.gather(
-        1, qa.unsqueeze(-1).expand(G, nb, Ck + 1))  # [G, nb, Ck+1]
+        1, qa.unsqueeze(-1).expand(G, nb, Ck + 1)
+    )  # [G, nb, Ck+1]
     nk = ka.shape[1]
     cnt = rows.gather(2, (kb + 1).unsqueeze(1).expand(G, nb, nk)) - rows.gather(2, ka.unsqueeze(1).expand(G, nb, nk))
     return (cnt > 0) | q_special.view(1, -1, 1) | k_special.view(1, 1, -1)
@@ -275,8 +290,22 @@ def _video_rows(x: Tensor, n_video: int) -> Tensor:
     return x[:, :n_video].transpose(1, 2).reshape(B * H, n_video, D)
 
 
-def _plan(q: Tensor, n_video: int, cq, ck, qs, ks, ql, kl, scale: float, top_p: float, bs: int,
-          predictor: str = "pooled_query", keys: Optional[Tensor] = None, k_onehot: Optional[Tensor] = None) -> tuple:
+def _plan(
+    q: Tensor,
+    n_video: int,
+    cq,
+    ck,
+    qs,
+    ks,
+    ql,
+    kl,
+    scale: float,
+    top_p: float,
+    bs: int,
+    predictor: str = "pooled_query",
+    keys: Optional[Tensor] = None,
+    k_onehot: Optional[Tensor] = None,
+) -> tuple:
     """Permutations, block lists and kept fraction (a 0-dim tensor) of one clustering (module
     docstring); ``keys [G, N, D]`` (float) and ``k_onehot`` (of ``kl``) for ``predictor="pooled_query"``.
     No device synchronisation off the CPU (lists of a fixed width: one slot per key block)."""
@@ -285,7 +314,8 @@ def _plan(q: Tensor, n_video: int, cq, ck, qs, ks, ql, kl, scale: float, top_p: 
     scores = None
     if predictor not in SVG2_PREDICTORS:
         raise AttentionConfigError(
-            f"sparse_video_gen_2_attn: predictor must be one of {list(SVG2_PREDICTORS)}, got {predictor!r}")
+            f"sparse_video_gen_2_attn: predictor must be one of {list(SVG2_PREDICTORS)}, got {predictor!r}"
+        )
     if predictor == "pooled_query" and top_p < 1.0:  # top_p 1 takes every cluster: no estimate needed
         scores = pooled_query_cluster_scores(cq, keys, kl, ck.shape[1], scale, onehot=k_onehot)
     sel = cluster_pair_selection(cq, ck, ks, scale, top_p, q_sizes=qs, scores=scores)
@@ -301,8 +331,9 @@ def _plan(q: Tensor, n_video: int, cq, ck, qs, ks, ql, kl, scale: float, top_p: 
         q_perm, k_perm = qord.indices.view(B, H, S), kord.indices.view(B, H, S)
     pos = torch.arange(nb, device=dev) * bs
     special = (pos + bs > N) & (S > N)  # blocks holding a text token
-    mask = _pair_block_mask(sel, _block_ranges(qord.values, N, nb, bs), _block_ranges(kord.values, N, nb, bs),
-                            special, special)
+    mask = _pair_block_mask(
+        sel, _block_ranges(qord.values, N, nb, bs), _block_ranges(kord.values, N, nb, bs), special, special
+    )
     idx, cnt = block_mask_to_lists(mask.view(B, H, nb, nb), width=list_width(dev, nb))
     kept = mask.sum(dtype=torch.float32) / float(G * nb * nb)  # a 0-dim tensor: read lazily
     extra = {"q_labels": ql.view(B, H, N), "k_labels": kl.view(B, H, N), "selection": sel.view(B, H, *sel.shape[1:])}
@@ -317,12 +348,28 @@ def _kv_valid(B: int, P: int, S: int, device: torch.device) -> Tensor:
         return (torch.arange(P, device=device) < S).expand(B, P)
 
 
-def svg2_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: int = 0,
-                   num_q_clusters: int = 64, num_k_clusters: int = 128, kmeans_iters: int = 5, top_p: float = 0.9,
-                   warm_iters: int = 1, recluster_every: int = 1, state_key: Optional[str] = None,
-                   step: Optional[int] = None, block_size: Optional[int] = None, predictor: str = "pooled_query",
-                   scale: Optional[float] = None, return_lse: bool = False,
-                   impl: str = "auto", dense_above: Optional[float] = None) -> tuple[Tensor, Optional[Tensor], SparsePlan]:
+def svg2_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    video_shape,
+    text_len: int = 0,
+    num_q_clusters: int = 64,
+    num_k_clusters: int = 128,
+    kmeans_iters: int = 5,
+    top_p: float = 0.9,
+    warm_iters: int = 1,
+    recluster_every: int = 1,
+    state_key: Optional[str] = None,
+    step: Optional[int] = None,
+    block_size: Optional[int] = None,
+    predictor: str = "pooled_query",
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+    impl: str = "auto",
+    dense_above: Optional[float] = None,
+) -> tuple[Tensor, Optional[Tensor], SparsePlan]:
     """SVG2 over ``[B, T*H*W + text_len, heads, D]`` q/k/v (k/v with q's head count).
 
     ``state_key`` and ``step`` (both given) enable the warm start and ``recluster_every`` (module
@@ -332,7 +379,8 @@ def svg2_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: in
     position), ``kv_valid [B, P]``, ``block_size`` and ``mode`` (``cold``/``warm``/``reused``);
     ``plan.kept_fraction`` is counted on the device and read (one sync) when first asked for.
     On CUDA the call itself never synchronises with the host, unless ``dense_above`` is given: then a plan
-    that keeps more than that fraction of the blocks (1: every block) is not run (one sync) — the dense kernel computes the
+    that keeps more than that fraction of the blocks (1: every block) is not run (one sync) — the dense kernel computes
+    the
     call and ``plan.extra`` says ``dense_fallback`` (``kept_planned``: the plan's fraction).
     """
     B, S, H, D = q.shape
@@ -341,8 +389,9 @@ def svg2_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: in
         raise ValueError(f"sequence {S} != video tokens {N} + text_len {text_len}")
     if predictor not in SVG2_PREDICTORS:
         raise AttentionConfigError(
-            f"sparse_video_gen_2_attn: predictor must be one of {list(SVG2_PREDICTORS)}, got {predictor!r}")
-    scale = D ** -0.5 if scale is None else float(scale)
+            f"sparse_video_gen_2_attn: predictor must be one of {list(SVG2_PREDICTORS)}, got {predictor!r}"
+        )
+    scale = D**-0.5 if scale is None else float(scale)
     bs = svg2_block_size(N, max(num_q_clusters, num_k_clusters)) if block_size is None else int(block_size)
     sig = (B, S, H, D, N, int(num_q_clusters), int(num_k_clusters), float(top_p), bs, predictor, q.device)
     st = None
@@ -359,10 +408,12 @@ def svg2_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: in
         mode = "cold" if st is None else "warm"
         iters = kmeans_iters if st is None else warm_iters
         ql, cq, qs, _, _ = _lloyd(_video_rows(q, N), num_q_clusters, iters, None if st is None else st.q_cent)
-        kl, ck, ks, k_onehot, keys = _lloyd(_video_rows(k, N), num_k_clusters, iters,
-                                            None if st is None else st.k_cent)
-        q_perm, k_perm, idx, cnt, kept, extra = _plan(q, N, cq, ck, qs, ks, ql, kl, scale, top_p, bs, predictor,
-                                                      keys=keys, k_onehot=k_onehot)
+        kl, ck, ks, k_onehot, keys = _lloyd(
+            _video_rows(k, N), num_k_clusters, iters, None if st is None else st.k_cent
+        )
+        q_perm, k_perm, idx, cnt, kept, extra = _plan(
+            q, N, cq, ck, qs, ks, ql, kl, scale, top_p, bs, predictor, keys=keys, k_onehot=k_onehot
+        )
         del k_onehot, keys
         if state_key is not None and step is not None:
             # the plan is kept only when later steps reuse it (it is ~50 MB per layer at 480p x 40 heads)
@@ -373,21 +424,38 @@ def svg2_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, text_len: in
         from ditattn.attention.sparse.block_sparse import dense_attention
 
         out, lse = dense_attention(q, k, v, scale=scale, return_lse=return_lse)
-        return out, lse, SparsePlan(None, idx, cnt, 1.0, dict(extra, block_size=bs, mode=mode, dense_fallback=True,
-                                                              kept_planned=kept))
+        return (
+            out,
+            lse,
+            SparsePlan(
+                None, idx, cnt, 1.0, dict(extra, block_size=bs, mode=mode, dense_fallback=True, kept_planned=kept)
+            ),
+        )
     nb = -(-S // bs)
     P = nb * bs
     kv_valid = _kv_valid(B, P, S, q.device)
     qp, kp, vp = _gather_tokens(q, q_perm, P), _gather_tokens(k, k_perm, P), _gather_tokens(v, k_perm, P)
     # every query cluster selects a key cluster and text rows attend everything: no query block is empty
-    out_p, lse_p = block_sparse_attention(qp, kp, vp, idx, cnt, block_size=bs, scale=scale, kv_valid=kv_valid,
-                                          return_lse=return_lse, impl=impl, nonempty_rows=True)
+    out_p, lse_p = block_sparse_attention(
+        qp,
+        kp,
+        vp,
+        idx,
+        cnt,
+        block_size=bs,
+        scale=scale,
+        kv_valid=kv_valid,
+        return_lse=return_lse,
+        impl=impl,
+        nonempty_rows=True,
+    )
     out = _scatter_tokens(out_p, q_perm)
     lse = None
     if lse_p is not None:
         lse = torch.empty(B, H, S, dtype=lse_p.dtype, device=lse_p.device).scatter_(2, q_perm, lse_p[:, :, :S])
-    plan = SparsePlan(None, idx, cnt, kept, dict(extra, q_perm=q_perm, k_perm=k_perm, kv_valid=kv_valid,
-                                                   block_size=bs, mode=mode))
+    plan = SparsePlan(
+        None, idx, cnt, kept, dict(extra, q_perm=q_perm, k_perm=k_perm, kv_valid=kv_valid, block_size=bs, mode=mode)
+    )
     return out, lse, plan
 
 
@@ -398,8 +466,13 @@ def svg2_token_mask(plan: SparsePlan) -> Tensor:
     q_perm, k_perm = plan.extra["q_perm"], plan.extra["k_perm"]
     B, H, S = q_perm.shape
     P = kv_valid.shape[-1]
-    dense = block_lists_to_dense_mask(plan.kv_indices.expand(B, H, -1, -1), plan.kv_counts.expand(B, H, -1),
-                                      block_size=bs, seq_len_kv=P, kv_valid=kv_valid)[:, :, :S, :S]
+    dense = block_lists_to_dense_mask(
+        plan.kv_indices.expand(B, H, -1, -1),
+        plan.kv_counts.expand(B, H, -1),
+        block_size=bs,
+        seq_len_kv=P,
+        kv_valid=kv_valid,
+    )[:, :, :S, :S]
     inv_q = torch.empty_like(q_perm).scatter_(2, q_perm, torch.arange(S, device=q_perm.device).expand(B, H, S))
     inv_k = torch.empty_like(k_perm).scatter_(2, k_perm, torch.arange(S, device=k_perm.device).expand(B, H, S))
     rows = dense.gather(2, inv_q.unsqueeze(-1).expand(B, H, S, S))

@@ -39,6 +39,7 @@ With ``block_size == prod(tile_size)`` (the usual case, e.g. 4x4x4 tiles of 64 t
 packing every tile is exactly one block, and ``block_coords[i]`` is the tile coordinate of video
 block ``i``.
 """
+
 from __future__ import annotations
 
 import math
@@ -88,8 +89,9 @@ def serpentine_order(coords: Tensor) -> Tensor:
     return torch.argsort(row * dims[2] + last)
 
 
-def _pack_edge_tiles(tile_coords: Tensor, extent: Tensor, tile_count: Tensor, vol: int,
-                     block_size: int) -> tuple[Tensor, Tensor]:
+def _pack_edge_tiles(
+    tile_coords: Tensor, extent: Tensor, tile_count: Tensor, vol: int, block_size: int
+) -> tuple[Tensor, Tensor]:
     """``(unit_key [n_tiles], member_rank [n_tiles])``: each packed run of edge tiles (module
     docstring) gets the smallest flat index of its tiles as key and its tiles their rank in the
     walk; every other tile is its own unit (key = its index, rank 0)."""
@@ -140,9 +142,15 @@ class TileLayout:
     token_tile ``[T*H*W]`` int64: flat tile index of every video token (original order).
     """
 
-    def __init__(self, video_shape, tile_size=DEFAULT_TILE_SIZE, text_len: int = 0,
-                 block_size: Optional[int] = None, special_ranges: Iterable[tuple[int, int]] = (),
-                 edge_tiles: str = "padded"):
+    def __init__(
+        self,
+        video_shape,
+        tile_size=DEFAULT_TILE_SIZE,
+        text_len: int = 0,
+        block_size: Optional[int] = None,
+        special_ranges: Iterable[tuple[int, int]] = (),
+        edge_tiles: str = "padded",
+    ):
         T, H, W = _as_triple("video_shape", video_shape)
         tt, th, tw = _as_triple("tile_size", tile_size)
         if isinstance(text_len, bool) or int(text_len) != text_len or text_len < 0:
@@ -193,7 +201,9 @@ class TileLayout:
 
         # units: a tile, or (packed) a run of edge tiles; ordered by their smallest tile index
         if self.edge_tiles == "packed":
-            extent = torch.minimum(torch.tensor([tt, th, tw]), torch.tensor([T, H, W]) - tile_coords * torch.tensor([tt, th, tw]))
+            extent = torch.minimum(
+                torch.tensor([tt, th, tw]), torch.tensor([T, H, W]) - tile_coords * torch.tensor([tt, th, tw])
+            )
             unit_key, member_rank = _pack_edge_tiles(tile_coords, extent, tile_count, vol, block_size)
         else:
             unit_key, member_rank = tid, torch.zeros(n_tiles, dtype=torch.int64)
@@ -234,12 +244,16 @@ class TileLayout:
         coords = torch.stack([vt // (nH * nW), (vt // nW) % nH, vt % nW], dim=1)
         tok_block = position[order] // block_size
         centroid = torch.zeros(n_video_blocks, 3, dtype=torch.float64).index_add_(
-            0, tok_block, tile_coords[tile[order]].to(torch.float64))
+            0, tok_block, tile_coords[tile[order]].to(torch.float64)
+        )
         centroid /= torch.bincount(tok_block, minlength=n_video_blocks).clamp(min=1).unsqueeze(1)
         unit_first_ext = torch.cat([unit_first, torch.tensor([n_video_blocks])])
         tile_first = unit_first_ext[unit_of_tile]
-        tile_blocks = torch.where(present, torch.cat([unit_blocks, torch.zeros(1, dtype=torch.int64)])[unit_of_tile],
-                                  torch.zeros_like(tile_first))
+        tile_blocks = torch.where(
+            present,
+            torch.cat([unit_blocks, torch.zeros(1, dtype=torch.int64)])[unit_of_tile],
+            torch.zeros_like(tile_first),
+        )
 
         self.n_video_blocks = n_video_blocks
         self.n_special_blocks = n_special_blocks
@@ -310,10 +324,12 @@ class TileLayout:
         return got
 
     def __repr__(self) -> str:
-        return (f"TileLayout(video_shape={self.video_shape}, tile_size={self.tile_size}, "
-                f"text_len={self.text_len}, block_size={self.block_size}, grid={self.grid}, "
-                f"edge_tiles={self.edge_tiles!r}, video_blocks={self.n_video_blocks}, "
-                f"special_blocks={self.n_special_blocks})")
+        return (
+            f"TileLayout(video_shape={self.video_shape}, tile_size={self.tile_size}, "
+            f"text_len={self.text_len}, block_size={self.block_size}, grid={self.grid}, "
+            f"edge_tiles={self.edge_tiles!r}, video_blocks={self.n_video_blocks}, "
+            f"special_blocks={self.n_special_blocks})"
+        )
 
 
 class _DeviceIndex:
@@ -350,9 +366,14 @@ def _cached_layout(video_shape, tile_size, text_len, block_size, special_ranges,
         return TileLayout(video_shape, tile_size, text_len, block_size, special_ranges, edge_tiles)
 
 
-def make_tile_layout(video_shape, tile_size=DEFAULT_TILE_SIZE, text_len: int = 0,
-                     block_size: Optional[int] = None,
-                     special_ranges: Iterable[tuple[int, int]] = (), edge_tiles: str = "padded") -> TileLayout:
+def make_tile_layout(
+    video_shape,
+    tile_size=DEFAULT_TILE_SIZE,
+    text_len: int = 0,
+    block_size: Optional[int] = None,
+    special_ranges: Iterable[tuple[int, int]] = (),
+    edge_tiles: str = "padded",
+) -> TileLayout:
     """The (cached) :class:`TileLayout` of a latent grid ``video_shape=(T, H, W)`` with
     ``text_len`` trailing text tokens, tiles of ``tile_size=(tt, th, tw)`` and blocks of
     ``block_size`` tokens (default: the tile volume).  ``special_ranges``: extra half-open ranges
@@ -365,8 +386,14 @@ def make_tile_layout(video_shape, tile_size=DEFAULT_TILE_SIZE, text_len: int = 0
     """
     vs = _as_triple("video_shape", video_shape)
     ts = _as_triple("tile_size", tile_size)
-    return _cached_layout(vs, ts, int(text_len), None if block_size is None else int(block_size),
-                          tuple((int(a), int(b)) for a, b in special_ranges), check_edge_tiles(edge_tiles))
+    return _cached_layout(
+        vs,
+        ts,
+        int(text_len),
+        None if block_size is None else int(block_size),
+        tuple((int(a), int(b)) for a, b in special_ranges),
+        check_edge_tiles(edge_tiles),
+    )
 
 
 def tile(x: Tensor, layout: TileLayout, dim: int = 1) -> Tensor:
@@ -401,9 +428,9 @@ def gather_rows(x: Tensor, dim: int, index: Tensor, zero: Optional[Tensor] = Non
     """
     dim = dim % x.dim()
     wide = None
-    if x.is_cuda and dim < x.dim() - 1 and (math.prod(x.shape[dim + 1:]) * x.element_size()) % 16 == 0:
+    if x.is_cuda and dim < x.dim() - 1 and (math.prod(x.shape[dim + 1 :]) * x.element_size()) % 16 == 0:
         try:  # fails (no copy made) when the row is not contiguous or not 16-byte aligned
-            wide = x.view(*x.shape[:dim + 1], -1).view(torch.complex128)
+            wide = x.view(*x.shape[: dim + 1], -1).view(torch.complex128)
         except RuntimeError:
             wide = None
     src = x if wide is None else wide
@@ -411,19 +438,20 @@ def gather_rows(x: Tensor, dim: int, index: Tensor, zero: Optional[Tensor] = Non
     if zero is not None and zero.numel():
         out.index_fill_(dim, zero, 0)
     if wide is not None:
-        out = out.view(x.dtype).view(*out.shape[:dim + 1], *x.shape[dim + 1:])
+        out = out.view(x.dtype).view(*out.shape[: dim + 1], *x.shape[dim + 1 :])
     return out
 
 
-def pooled_blocks(x_tiled: Tensor, layout: TileLayout, n_blocks: Optional[int] = None, *,
-                  scale: Optional[float] = None) -> Tensor:
+def pooled_blocks(
+    x_tiled: Tensor, layout: TileLayout, n_blocks: Optional[int] = None, *, scale: Optional[float] = None
+) -> Tensor:
     """Mean of the real tokens of each of the first ``n_blocks`` blocks (default: all), times
     ``scale`` when given: ``[B, padded_len, H, D]`` -> ``[B, H, n_blocks, D]`` (float32, or float64
     for float64 input; an all-padding block gives zeros)."""
     B, P, H, D = x_tiled.shape
     n = layout.n_blocks if n_blocks is None else int(n_blocks)
     dt = torch.float64 if x_tiled.dtype == torch.float64 else torch.float32
-    xb = x_tiled[:, :n * layout.block_size].reshape(B, n, layout.block_size, H, D)
+    xb = x_tiled[:, : n * layout.block_size].reshape(B, n, layout.block_size, H, D)
     s = xb.sum(2, dtype=dt)  # padding is zero; reads the input dtype, accumulates in dt (no dt copy)
     s.div_(layout.on(x_tiled.device).count_as(dt)[:, :n])
     if scale is not None:

@@ -34,6 +34,7 @@ Defaults when the config leaves chunk sizes out (derived from the grid ``(T, H, 
 ``st_chunk_size = (ceil(T / 3), ceil(H / 3), ceil(W / 3))`` — about 8, 16 and 27 chunks; a missing
 top-k is ``ceil(n_chunks / 4)``.
 """
+
 from __future__ import annotations
 
 import math
@@ -53,8 +54,14 @@ MODES = ("temporal", "spatial", "st")
 VMOBA_GATES = ("pooled_query", "mean")
 
 
-def vmoba_layer_mode(layer_idx: Optional[int], *, first_full_layer: int = 0, temporal_layer: int = 1,
-                     spatial_layer: int = 1, st_layer: int = 1) -> str:
+def vmoba_layer_mode(
+    layer_idx: Optional[int],
+    *,
+    first_full_layer: int = 0,
+    temporal_layer: int = 1,
+    spatial_layer: int = 1,
+    st_layer: int = 1,
+) -> str:
     """``"full"``, ``"temporal"``, ``"spatial"`` or ``"st"`` for DiT block ``layer_idx`` (None = 0)."""
     layer = 0 if layer_idx is None else int(layer_idx)
     if layer < first_full_layer:
@@ -104,8 +111,14 @@ def vmoba_block_size(chunk_volume: int) -> int:
     return max(16, 1 << (int(chunk_volume) - 1).bit_length())
 
 
-def chunk_gates(q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout, predictor: str = "mean",
-                scale: Optional[float] = None, impl: str = "auto") -> tuple[Tensor, Tensor]:
+def chunk_gates(
+    q_tiled: Tensor,
+    k_tiled: Tensor,
+    layout: TileLayout,
+    predictor: str = "mean",
+    scale: Optional[float] = None,
+    impl: str = "auto",
+) -> tuple[Tensor, Tensor]:
     """``(gate [B, H, nv, n_chunks] float32, chunk_of_block [nv] int64)``; chunks are the layout's
     non-empty tiles in tile order.  ``predictor="mean"``: pooled query block . chunk mean key;
     ``"pooled_query"``: ``log sum_{t in chunk} exp(scale * pooled query block . k_t)`` (``scale``
@@ -120,8 +133,13 @@ def chunk_gates(q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout, predictor:
     chunk_of_block = remap[layout.block_tile[:nv]].to(dev)
     nc = present.numel()
     if predictor == "pooled_query":
-        blocks = pooled_query_block_scores(q_tiled, k_tiled, layout, D ** -0.5 if scale is None else float(scale),
-                                           impl="reference" if impl in ("reference", "flex") else "auto")
+        blocks = pooled_query_block_scores(
+            q_tiled,
+            k_tiled,
+            layout,
+            D**-0.5 if scale is None else float(scale),
+            impl="reference" if impl in ("reference", "flex") else "auto",
+        )
         return _segment_logsumexp(blocks, chunk_of_block, nc), chunk_of_block
     if predictor != "mean":
         raise AttentionConfigError(f"vmoba_attn: gate must be one of {list(VMOBA_GATES)}, got {predictor!r}")
@@ -174,8 +192,9 @@ def _select_groups(g: Tensor, own: Tensor, mode: str, k: int, threshold: float) 
     return sel | own
 
 
-def vmoba_select(gate: Tensor, chunk_of_block: Tensor, *, select_mode: str, topk: int, threshold: float,
-                 threshold_type: str) -> Tensor:
+def vmoba_select(
+    gate: Tensor, chunk_of_block: Tensor, *, select_mode: str, topk: int, threshold: float, threshold_type: str
+) -> Tensor:
     """Selected chunks per query block: bool ``[B, H, nv, n_chunks]`` (see module docstring)."""
     B, H, nq, nc = gate.shape
     own = torch.zeros(nq, nc, dtype=torch.bool, device=gate.device)
@@ -191,29 +210,56 @@ def vmoba_select(gate: Tensor, chunk_of_block: Tensor, *, select_mode: str, topk
         g, o, per = gate.reshape(B, H * nq * nc), own.reshape(B, H * nq * nc), H * nq
     else:
         raise AttentionConfigError(
-            f"vmoba_attn: moba_threshold_type must be one of ['query_head', 'head_global', 'overall'], got {threshold_type!r}"
+            f"vmoba_attn: moba_threshold_type must be one of ['query_head', 'head_global', 'overall'], got "
+            f"{threshold_type!r}"
         )
     sel = _select_groups(g, o.contiguous(), select_mode, int(topk) * per, float(threshold))
     return sel.reshape(B, H, nq, nc)
 
 
-def vmoba_block_mask(q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout, *, select_mode: str, topk: int,
-                     threshold: float, threshold_type: str, gate: str = "mean", scale: Optional[float] = None,
-                     impl: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
+def vmoba_block_mask(
+    q_tiled: Tensor,
+    k_tiled: Tensor,
+    layout: TileLayout,
+    *,
+    select_mode: str,
+    topk: int,
+    threshold: float,
+    threshold_type: str,
+    gate: str = "mean",
+    scale: Optional[float] = None,
+    impl: str = "auto",
+) -> tuple[Tensor, Tensor, Tensor]:
     """``(block mask [B, H, n_blocks, n_blocks], chunk selection [B, H, nv, n_chunks], chunk_of_block)``."""
     gates, cob = chunk_gates(q_tiled, k_tiled, layout, gate, scale, impl)
-    sel = vmoba_select(gates, cob, select_mode=select_mode, topk=topk, threshold=threshold,
-                       threshold_type=threshold_type)
+    sel = vmoba_select(
+        gates, cob, select_mode=select_mode, topk=topk, threshold=threshold, threshold_type=threshold_type
+    )
     video = sel[..., cob]  # key block j selected iff its chunk is
     return add_special_blocks(layout, video), sel, cob
 
 
-def vmoba_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, mode: str, chunk=None,
-                    topk: Optional[int] = None, select_mode: str = "threshold", threshold: float = 0.25,
-                    threshold_type: str = "query_head", gate: str = "pooled_query", text_len: int = 0,
-                    scale: Optional[float] = None, return_lse: bool = False,
-                    impl: str = "auto", error_budget: float = 0.0, decide: bool = True,
-                    dense_above: Optional[float] = None) -> tuple[Tensor, Optional[Tensor], SparsePlan]:
+def vmoba_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    video_shape,
+    mode: str,
+    chunk=None,
+    topk: Optional[int] = None,
+    select_mode: str = "threshold",
+    threshold: float = 0.25,
+    threshold_type: str = "query_head",
+    gate: str = "pooled_query",
+    text_len: int = 0,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+    impl: str = "auto",
+    error_budget: float = 0.0,
+    decide: bool = True,
+    dense_above: Optional[float] = None,
+) -> tuple[Tensor, Optional[Tensor], SparsePlan]:
     """V-MoBA with chunking ``mode`` (``temporal``/``spatial``/``st``) over ``[B, T*H*W + text_len,
     heads, D]`` q/k/v (k/v with q's head count).  ``chunk``/``topk`` None -> grid defaults.
     ``error_budget`` > 0: the chunk selection is widened block by block until its predicted dropped
@@ -233,25 +279,77 @@ def vmoba_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, mode: str, 
         from ditattn.attention.sparse.budget import dense_budgeted, early_dense
 
         scale_ = q.shape[-1] ** -0.5 if scale is None else scale
-        if early_dense(q, k, layout, error_budget, scale=scale_, impl=impl,
-                       above=dense_above):  # before the chunk gates (and before tiling q and k)
-            return dense_budgeted(q, k, v, layout, error_budget, scale=scale, return_lse=return_lse,
-                                  extra={"mode": mode, "chunk": chunk, "topk": topk, "gate": gate})
+        if early_dense(
+            q, k, layout, error_budget, scale=scale_, impl=impl, above=dense_above
+        ):  # before the chunk gates (and before tiling q and k)
+            return dense_budgeted(
+                q,
+                k,
+                v,
+                layout,
+                error_budget,
+                scale=scale,
+                return_lse=return_lse,
+                extra={"mode": mode, "chunk": chunk, "topk": topk, "gate": gate},
+            )
     qt, kt = tile(q, layout), tile(k, layout)
-    bm, sel, cob = vmoba_block_mask(qt, kt, layout, select_mode=select_mode, topk=topk, threshold=threshold,
-                                    threshold_type=threshold_type, gate=gate, scale=scale, impl=impl)
-    extra = {"mode": mode, "chunk": chunk, "topk": topk, "gate": gate, "selection": sel,
-             "chunk_of_block": cob, "n_chunks": n_chunks}
+    bm, sel, cob = vmoba_block_mask(
+        qt,
+        kt,
+        layout,
+        select_mode=select_mode,
+        topk=topk,
+        threshold=threshold,
+        threshold_type=threshold_type,
+        gate=gate,
+        scale=scale,
+        impl=impl,
+    )
+    extra = {
+        "mode": mode,
+        "chunk": chunk,
+        "topk": topk,
+        "gate": gate,
+        "selection": sel,
+        "chunk_of_block": cob,
+        "n_chunks": n_chunks,
+    }
     if error_budget > 0:
         from ditattn.attention.sparse.budget import budgeted_lists
 
         nv = layout.n_video_blocks
         scale_ = q.shape[-1] ** -0.5 if scale is None else scale
-        res = budgeted_lists(q, k, v, qt, kt, layout, bm[..., :nv, :nv], error_budget, scale=scale_,
-                             return_lse=return_lse, impl=impl, decide=decide, above=dense_above)
+        res = budgeted_lists(
+            q,
+            k,
+            v,
+            qt,
+            kt,
+            layout,
+            bm[..., :nv, :nv],
+            error_budget,
+            scale=scale_,
+            return_lse=return_lse,
+            impl=impl,
+            decide=decide,
+            above=dense_above,
+        )
         if res.dense_out is not None:
             return res.dense_out, res.dense_lse, res.plan(extra)
-        return run_block_lists(q, k, v, layout, res.idx, res.cnt, scale=scale, return_lse=return_lse, impl=impl,
-                               extra=dict(extra, budget=res.stats), q_tiled=qt, k_tiled=kt)
-    return run_block_mask(q, k, v, layout, bm, scale=scale, return_lse=return_lse, impl=impl, extra=extra,
-                          q_tiled=qt, k_tiled=kt)
+        return run_block_lists(
+            q,
+            k,
+            v,
+            layout,
+            res.idx,
+            res.cnt,
+            scale=scale,
+            return_lse=return_lse,
+            impl=impl,
+            extra=dict(extra, budget=res.stats),
+            q_tiled=qt,
+            k_tiled=kt,
+        )
+    return run_block_mask(
+        q, k, v, layout, bm, scale=scale, return_lse=return_lse, impl=impl, extra=extra, q_tiled=qt, k_tiled=kt
+    )

@@ -20,6 +20,7 @@ Upstream VSA also has a trained gate-compress branch whose coarse (tile-level) a
 gated into the result.  None of our checkpoints carries that branch, so the fine output stands
 alone (equivalently: the gate is zero).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -45,8 +46,9 @@ Tensor = torch.Tensor
 VSA_TILE_SIZE = (4, 4, 4)
 
 
-def pooled_video_blocks(q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout, scale: float,
-                        impl: str = "auto") -> tuple[Tensor, Tensor]:
+def pooled_video_blocks(
+    q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout, scale: float, impl: str = "auto"
+) -> tuple[Tensor, Tensor]:
     """``(scale * mean(q), mean(k))`` over the real tokens of each video block: float32 ``[B, H,
     nv, D]`` each, from tiled ``[B, padded_len, H, D]`` q/k.
 
@@ -66,8 +68,9 @@ def pooled_video_blocks(q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout, sc
     return pooled_blocks(q_tiled, layout, nv, scale=scale), pooled_blocks(k_tiled, layout, nv)
 
 
-def pooled_video_scores(q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout, scale: float,
-                        impl: str = "auto") -> Tensor:
+def pooled_video_scores(
+    q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout, scale: float, impl: str = "auto"
+) -> Tensor:
     """``scale * mean(q) . mean(k)`` between video blocks: float32 ``[B, H, nv, nv]`` from tiled
     ``[B, padded_len, H, D]`` q/k (:func:`pooled_video_blocks`, then one matmul; the scale is applied
     to the pooled queries, not to the ``nv x nv`` product)."""
@@ -80,17 +83,29 @@ def vsa_num_selected(sparsity: float, n_tiles: int) -> int:
     return ceil_fraction(1.0 - float(sparsity), n_tiles)
 
 
-def vsa_block_mask(q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout, sparsity: float,
-                   scale: float) -> tuple[Tensor, Tensor]:
+def vsa_block_mask(
+    q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout, sparsity: float, scale: float
+) -> tuple[Tensor, Tensor]:
     """``(block mask [B, H, n_blocks, n_blocks], coarse scores [B, H, nv, nv])``."""
     scores = pooled_video_scores(q_tiled, k_tiled, layout, scale)
     k = vsa_num_selected(sparsity, layout.n_video_blocks)
     return add_special_blocks(layout, topk_mask(scores, k)), scores
 
 
-def video_sparse_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, sparsity: float, text_len: int = 0,
-                           scale: Optional[float] = None, tile_size=VSA_TILE_SIZE, return_lse: bool = False,
-                           impl: str = "auto", edge_tiles: str = "packed") -> tuple[Tensor, Optional[Tensor], SparsePlan]:
+def video_sparse_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    video_shape,
+    sparsity: float,
+    text_len: int = 0,
+    scale: Optional[float] = None,
+    tile_size=VSA_TILE_SIZE,
+    return_lse: bool = False,
+    impl: str = "auto",
+    edge_tiles: str = "packed",
+) -> tuple[Tensor, Optional[Tensor], SparsePlan]:
     """VSA over ``[B, T*H*W + text_len, heads, D]`` q/k/v (k/v with q's head count).
 
     ``edge_tiles``: ``"packed"`` or ``"padded"`` (module docstring).  ``impl``: the block-sparse
@@ -107,5 +122,18 @@ def video_sparse_attention(q: Tensor, k: Tensor, v: Tensor, *, video_shape, spar
     kk = vsa_num_selected(sparsity, layout.n_video_blocks)
     # the lists of vsa_block_mask's mask, built from the top-k (no mask, no device sync)
     idx, cnt, kept = topk_lists(layout, scores, kk, select_impl(impl))
-    return run_block_lists(q, k, v, layout, idx, cnt, scale=scale, return_lse=return_lse, impl=impl,
-                           kept_fraction=kept, extra={"scores": scores, "k": kk}, q_tiled=qt, k_tiled=kt)
+    return run_block_lists(
+        q,
+        k,
+        v,
+        layout,
+        idx,
+        cnt,
+        scale=scale,
+        return_lse=return_lse,
+        impl=impl,
+        kept_fraction=kept,
+        extra={"scores": scores, "k": kk},
+        q_tiled=qt,
+        k_tiled=kt,
+    )

@@ -26,7 +26,8 @@ tokens of joint attention, and the denoising step (from the pipeline's scheduler
 (transformers models) and VAEs keep their own attention: overrides for them are refused.
 
 Modules: :mod:`.families` (what ditattn knows per transformer class), :mod:`.routing` (layers,
-processors, hooks).  Families (:data:`~.families.FAMILIES`): Wan 2.1 / 2.2 (``WanTransformer3DModel``: self-attention over video
+processors, hooks).  Families (:data:`~.families.FAMILIES`): Wan 2.1 / 2.2 (``WanTransformer3DModel``: self-attention
+over video
 tokens, separate cross-attention) and Flux (``FluxTransformer2DModel``: joint attention, text tokens
 first — ditattn moves them after the image tokens for sparse backends and back) get every backend,
 sparse included.  HunyuanVideo and Qwen-Image pass a text-padding mask, so they get the backends
@@ -34,6 +35,7 @@ that take an additive mask (dense).  Any other transformer whose processors call
 ``dispatch_attention_fn`` gets the dense backends; a sparse backend there is refused (no latent
 grid).  Not supported: diffusers context parallelism, attention dropout, processors with weights.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -49,13 +51,21 @@ from ditattn.platforms import use_platform
 from ditattn.runconfig import AttentionOptions, RunConfig
 
 
-def _settings(attention_backend=None, attention_backend_config=None, component_attention_backends=None,
-              enable_attention_backend_autotune=False) -> AttentionSettings:
+def _settings(
+    attention_backend=None,
+    attention_backend_config=None,
+    component_attention_backends=None,
+    enable_attention_backend_autotune=False,
+) -> AttentionSettings:
     """The :class:`AttentionSettings` of apply's arguments, checked like the CLI's flags."""
-    cfg = RunConfig(attention=AttentionOptions(attention_backend=attention_backend,
-                                               attention_backend_config=attention_backend_config,
-                                               component_attention_backends=component_attention_backends,
-                                               enable_attention_backend_autotune=enable_attention_backend_autotune))
+    cfg = RunConfig(
+        attention=AttentionOptions(
+            attention_backend=attention_backend,
+            attention_backend_config=attention_backend_config,
+            component_attention_backends=component_attention_backends,
+            enable_attention_backend_autotune=enable_attention_backend_autotune,
+        )
+    )
     return cfg.attention_settings()
 
 
@@ -97,8 +107,9 @@ def apply(
     selection.  Raises :class:`AttentionConfigError` for anything the CLI refuses, and then
     changes nothing.
     """
-    settings = _settings(attention_backend, attention_backend_config, component_attention_backends,
-                         enable_attention_backend_autotune)
+    settings = _settings(
+        attention_backend, attention_backend_config, component_attention_backends, enable_attention_backend_autotune
+    )
     dits, fixed, known = _components(pipe)
     routing = route_models(dits, settings, fixed=fixed, known=known)
     if attention_backend_override not in (None, "") or skip_softmax is not None:
@@ -120,8 +131,9 @@ def remove(pipe) -> None:
 def _require(pipe) -> Routing:
     routing = applied(pipe)
     if routing is None:
-        raise AttentionConfigError("ditattn is not applied to this pipeline; call "
-                                   "ditattn.integrations.diffusers.apply(pipe, ...) first")
+        raise AttentionConfigError(
+            "ditattn is not applied to this pipeline; call ditattn.integrations.diffusers.apply(pipe, ...) first"
+        )
     return routing
 
 
@@ -132,13 +144,15 @@ def prepare_request(routing: Routing, override: Any, skip_softmax: Optional[Mapp
 
     override = getattr(override, "value", override)  # an AttentionBackendEnum member
     with use_platform(routing.platform):
-        return prepare_request_override(routing.dit_modules, override, routing.settings, skip_softmax=skip_softmax,
-                                        dtype=routing.dtype)
+        return prepare_request_override(
+            routing.dit_modules, override, routing.settings, skip_softmax=skip_softmax, dtype=routing.dtype
+        )
 
 
 @contextlib.contextmanager
-def options(pipe, *, attention_backend_override: Any = None,
-            skip_softmax: Optional[Mapping[str, Any]] = None) -> Iterator[RequestState]:
+def options(
+    pipe, *, attention_backend_override: Any = None, skip_softmax: Optional[Mapping[str, Any]] = None
+) -> Iterator[RequestState]:
     """Request-scoped attention for the pipeline calls inside the block: a dense drop-in backend for
     the DiT (``fa``, ``torch_sdpa``, ``sage_attn``, ``sage_attn_3``) and/or skip softmax.  Validated
     against every DiT layer first (refused with the reason, nothing switched); yields the request
@@ -156,8 +170,9 @@ def call_backends(pipe, state: Optional[RequestState] = None) -> list[str]:
     from ditattn.attention.override import request_backends
 
     routing = _require(pipe)
-    return request_backends(routing.layers(), state if state is not None else routing.last_state or
-                            routing.default_state)
+    return request_backends(
+        routing.layers(), state if state is not None else routing.last_state or routing.default_state
+    )
 
 
 def plan(pipe) -> dict:
@@ -166,5 +181,19 @@ def plan(pipe) -> dict:
     return _require(pipe).plan()
 
 
-__all__ = ["FAMILIES", "GENERIC", "Family", "Routing", "applied", "apply", "call_backends", "family_of",
-           "make_dispatch", "options", "plan", "prepare_request", "remove", "route_models"]
+__all__ = [
+    "FAMILIES",
+    "GENERIC",
+    "Family",
+    "Routing",
+    "applied",
+    "apply",
+    "call_backends",
+    "family_of",
+    "make_dispatch",
+    "options",
+    "plan",
+    "prepare_request",
+    "remove",
+    "route_models",
+]

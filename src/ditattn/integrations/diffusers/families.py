@@ -1,6 +1,7 @@
 """What ditattn knows about diffusers transformer families: how to read the latent grid and the
 text tokens of joint attention from a transformer's forward arguments, where the text sits, and
 whether the processors pass an attention mask (:data:`FAMILIES`)."""
+
 from __future__ import annotations
 
 import dataclasses

@@ -8,6 +8,7 @@ the component's attention scope, and a processor of the module's processor class
 grid, text tokens, denoising step and request state of each transformer call;
 :meth:`Routing.uninstall` undoes both.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,8 +45,9 @@ from ditattn.platforms import Platform, platform_for_device, use_platform
 DIT = DIT_COMPONENTS
 
 # the request state of the pipeline calls inside ``options(pipe, ...)``
-call_state: contextvars.ContextVar[Optional[RequestState]] = contextvars.ContextVar("ditattn_diffusers_call",
-                                                                                    default=None)
+call_state: contextvars.ContextVar[Optional[RequestState]] = contextvars.ContextVar(
+    "ditattn_diffusers_call", default=None
+)
 
 
 def _rotate(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -73,28 +75,53 @@ def make_dispatch(layer: "RoutedLayer", family: Family) -> Callable[..., torch.T
     where = f"{layer.component}.{layer.prefix}" if layer.component else layer.prefix
     platform = layer.platform
 
-    def dispatch_attention_fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                              enable_gqa=False, attention_kwargs=None, *, backend=None, parallel_config=None):
+    def dispatch_attention_fn(
+        query,
+        key,
+        value,
+        attn_mask=None,
+        dropout_p=0.0,
+        is_causal=False,
+        scale=None,
+        enable_gqa=False,
+        attention_kwargs=None,
+        *,
+        backend=None,
+        parallel_config=None,
+    ):
         if dropout_p:
-            raise AttentionConfigError(f"{where}: attention dropout ({dropout_p}) is not run by ditattn backends "
-                                       "(inference only); call remove(pipe) to train")
+            raise AttentionConfigError(
+                f"{where}: attention dropout ({dropout_p}) is not run by ditattn backends "
+                "(inference only); call remove(pipe) to train"
+            )
         if parallel_config is not None:
-            raise AttentionConfigError(f"{where}: diffusers context parallelism is not supported with ditattn "
-                                       "backends; disable it or call remove(pipe)")
+            raise AttentionConfigError(
+                f"{where}: diffusers context parallelism is not supported with ditattn "
+                "backends; disable it or call remove(pipe)"
+            )
         if bool(is_causal) != layer.causal:
             raise AttentionConfigError(f"{where}: a causal attention call reached a non-causal ditattn layer")
         if attention_kwargs:
-            raise AttentionConfigError(f"{where}: backend-specific attention kwargs {sorted(attention_kwargs)} "
-                                       "are diffusers' own; ditattn backends take --attention-backend-config")
+            raise AttentionConfigError(
+                f"{where}: backend-specific attention kwargs {sorted(attention_kwargs)} "
+                "are diffusers' own; ditattn backends take --attention-backend-config"
+            )
         if query.device.type != platform.device_type and not platform.simulated:
-            raise AttentionConfigError(f"{where}: the backends were chosen for {platform.device_type} but the "
-                                       f"pipeline now runs on {query.device.type}; call apply(pipe, ...) again after "
-                                       "pipe.to(...)")
+            raise AttentionConfigError(
+                f"{where}: the backends were chosen for {platform.device_type} but the "
+                f"pipeline now runs on {query.device.type}; call apply(pipe, ...) again after "
+                "pipe.to(...)"
+            )
         if scale is not None:
             layer.scale = float(scale)
         text_len = layer.text_len_hint()
-        rotate = (family.text_first and layer.role == "self" and text_len and attn_mask is None
-                  and SPECS[_effective_backend(layer)].sparse)
+        rotate = (
+            family.text_first
+            and layer.role == "self"
+            and text_len
+            and attn_mask is None
+            and SPECS[_effective_backend(layer)].sparse
+        )
         if rotate:
             query, key, value = (_rotate(t, text_len) for t in (query, key, value))
         out = layer(query, key, value, attn_bias=attn_mask)
@@ -120,21 +147,33 @@ def _routed_processor(processor: Any, layer: RoutedLayer, family: Family, where:
     signature and ``isinstance``) whose ``dispatch_attention_fn`` is ``layer``."""
     cls = type(processor)
     if isinstance(processor, nn.Module):
-        raise AttentionConfigError(f"{where}: its attention processor {cls.__name__} carries weights (an adapter); "
-                                   "ditattn routes processors without weights only")
+        raise AttentionConfigError(
+            f"{where}: its attention processor {cls.__name__} carries weights (an adapter); "
+            "ditattn routes processors without weights only"
+        )
     fn = getattr(cls.__call__, "__func__", cls.__call__)
     code = getattr(fn, "__code__", None)
     if code is None or "dispatch_attention_fn" not in code.co_names:
         raise AttentionConfigError(
             f"{where}: its attention processor {cls.__name__} does not call diffusers' dispatch_attention_fn, so "
-            "ditattn cannot route it (supported: processors of the attention-dispatch API, diffusers >= 0.35)")
+            "ditattn cannot route it (supported: processors of the attention-dispatch API, diffusers >= 0.35)"
+        )
     scope = dict(fn.__globals__)
     scope["dispatch_attention_fn"] = make_dispatch(layer, family)
     call = types.FunctionType(code, scope, fn.__name__, fn.__defaults__, fn.__closure__)
     call.__kwdefaults__, call.__qualname__ = fn.__kwdefaults__, fn.__qualname__
     call.__annotations__ = dict(getattr(fn, "__annotations__", {}))
-    routed_cls = type(cls.__name__, (cls,), {"__call__": call, "__module__": cls.__module__, "__doc__": cls.__doc__,
-                                             "_ditattn_layer": layer, "_ditattn_original": processor})
+    routed_cls = type(
+        cls.__name__,
+        (cls,),
+        {
+            "__call__": call,
+            "__module__": cls.__module__,
+            "__doc__": cls.__doc__,
+            "_ditattn_layer": layer,
+            "_ditattn_original": processor,
+        },
+    )
     routed = object.__new__(routed_cls)
     routed.__dict__.update(processor.__dict__)
     return routed
@@ -144,8 +183,11 @@ _BLOCK = re.compile(r"\.(\d+)\.")
 
 
 def _attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(n, m) for n, m in model.named_modules()
-            if n and callable(getattr(m, "set_processor", None)) and getattr(m, "processor", None) is not None]
+    return [
+        (n, m)
+        for n, m in model.named_modules()
+        if n and callable(getattr(m, "set_processor", None)) and getattr(m, "processor", None) is not None
+    ]
 
 
 def _compute_dtype(model: nn.Module) -> torch.dtype:
@@ -192,8 +234,16 @@ def _route_component(name: str, model: nn.Module, dtype: torch.dtype) -> RoutedC
             heads, head_dim, kv = _shape(mod)
             role = "cross" if getattr(mod, "is_cross_attention", False) else "self"
             m = _BLOCK.search(f".{prefix}.")
-            layer = RoutedLayer(heads, head_dim, kv, role=role, prefix=prefix, layer_idx=int(m.group(1)) if m else None,
-                                needs_bias=family.needs_bias, dtype=dtype)
+            layer = RoutedLayer(
+                heads,
+                head_dim,
+                kv,
+                role=role,
+                prefix=prefix,
+                layer_idx=int(m.group(1)) if m else None,
+                needs_bias=family.needs_bias,
+                dtype=dtype,
+            )
             original = getattr(mod.processor, "_ditattn_original", mod.processor)  # routed before: its original
             built.append((mod, original, _routed_processor(original, layer, family, f"{name}.{prefix}")))
     if not built:
@@ -204,7 +254,8 @@ def _route_component(name: str, model: nn.Module, dtype: torch.dtype) -> RoutedC
         if sparse:
             raise AttentionConfigError(
                 f"{name} ({type(model).__name__}): sparse backend {', '.join(sparse)} needs the latent grid, which "
-                f"ditattn reads for {', '.join(f.name for f in FAMILIES if f.geometry)} only; choose a dense backend")
+                f"ditattn reads for {', '.join(f.name for f in FAMILIES if f.geometry)} only; choose a dense backend"
+            )
     return RoutedComponent(name, model, family, layers, built, scope)
 
 
@@ -227,8 +278,6 @@ def _step(pipe, args: tuple, kwargs: dict) -> tuple[Optional[int], Optional[int]
             return int(hit[0, 0]), ts.numel()
     idx = getattr(sched, "step_index", None)
     return (int(idx) if isinstance(idx, int) else None), ts.numel()
-
-
 
 
 @dataclasses.dataclass
@@ -271,8 +320,10 @@ class Routing:
                 mod.processor = routed  # (set_processor would log about dropping module processors)
             if ref is not None:
                 pre, post = self._hooks(comp, ref)
-                comp.hooks = [comp.model.register_forward_pre_hook(pre, with_kwargs=True),
-                              comp.model.register_forward_hook(post, with_kwargs=True, always_call=True)]
+                comp.hooks = [
+                    comp.model.register_forward_pre_hook(pre, with_kwargs=True),
+                    comp.model.register_forward_hook(post, with_kwargs=True, always_call=True),
+                ]
 
     def uninstall(self) -> None:
         """The original processors back, the hooks removed."""
@@ -315,29 +366,39 @@ class Routing:
 
     def plan(self) -> dict:
         """The attention plan (``ditattn plan --json``'s object)."""
-        comps = [{"name": n, "selectable": True, "layers": [d.to_json() for d in c.scope.decisions]}
-                 for n, c in self.components.items()]
+        comps = [
+            {"name": n, "selectable": True, "layers": [d.to_json() for d in c.scope.decisions]}
+            for n, c in self.components.items()
+        ]
         comps += [{"name": n, "selectable": False, "layers": []} for n in self.fixed]
         return {"platform": self.platform.to_json(), "components": comps}
 
 
-def route_models(dits: Mapping[str, nn.Module], settings: AttentionSettings, *, fixed: tuple = (),
-                 known: tuple = (), platform: Optional[Platform] = None,
-                 dtype: Optional[torch.dtype] = None) -> Routing:
+def route_models(
+    dits: Mapping[str, nn.Module],
+    settings: AttentionSettings,
+    *,
+    fixed: tuple = (),
+    known: tuple = (),
+    platform: Optional[Platform] = None,
+    dtype: Optional[torch.dtype] = None,
+) -> Routing:
     """The :class:`Routing` of the DiT components ``dits`` (``transformer`` / ``transformer_2`` ->
     model) under ``settings`` on ``platform`` (None: the platform of the transformer's device), for
     compute ``dtype`` (None: the attention projections'); ``fixed``: the pipeline's other models,
     ``known``: all its component names.  Validates the component overrides and backend config keys
     as the native pipeline does; nothing is installed (see :meth:`Routing.install`)."""
     if not dits:
-        raise AttentionConfigError(f"this pipeline has no transformer component to route (components: "
-                                   f"{', '.join(sorted(known)) or 'none'})")
+        raise AttentionConfigError(
+            f"this pipeline has no transformer component to route (components: {', '.join(sorted(known)) or 'none'})"
+        )
     for key in settings.component_overrides:
         comp = key.split(".")[0]
         if comp in fixed:
             raise AttentionConfigError(
                 f"--component-attention-backends: '{key}': in a diffusers pipeline ditattn selects the attention of "
-                f"the transformer(s) only; {comp} keeps its library's own attention")
+                f"the transformer(s) only; {comp} keeps its library's own attention"
+            )
     model = next(iter(dits.values()))
     first = next(iter(model.parameters()), None)
     if platform is None:

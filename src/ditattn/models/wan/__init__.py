@@ -1,4 +1,5 @@
 """Native Wan models: the video DiT (:mod:`.transformer`) and its checkpoint loader."""
+
 from ditattn.models.wan.config import WanTransformerConfig
 from ditattn.models.wan.transformer import WanTransformer, load_wan_transformer
 

@@ -23,6 +23,7 @@ output channel, once (:mod:`ditattn.models.quantization`), so an FP8 checkpoint 
 bf16 checkpoint quantized at load time run the same kernels.  Static activation scales
 (``input_scale``) are not used: activations are quantized per token on every call.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -59,8 +60,10 @@ class CheckpointReport:
     def describe(self) -> str:
         if not self.eight_bit:
             return f"{self.layout} key names"
-        return (f"{self.layout} key names, {self.eight_bit} 8-bit weights dequantized "
-                f"({', '.join(sorted(self.scales))} scales)")
+        return (
+            f"{self.layout} key names, {self.eight_bit} 8-bit weights dequantized "
+            f"({', '.join(sorted(self.scales))} scales)"
+        )
 
 
 def is_scale_key(name: str) -> bool:
@@ -83,8 +86,10 @@ def _scale_kind(scale: torch.Tensor, out_features: int, key: str) -> tuple[str, 
         return "per-tensor", s.reshape(())
     if s.numel() == out_features and (s.dim() == 1 or (s.dim() == 2 and s.shape[1] == 1)):
         return "per-channel", s.reshape(out_features, 1)
-    raise AttentionConfigError(f"{key}: scale of shape {tuple(scale.shape)} for a weight with {out_features} output "
-                               "channels; accepted: one scale per tensor or per output channel")
+    raise AttentionConfigError(
+        f"{key}: scale of shape {tuple(scale.shape)} for a weight with {out_features} output "
+        "channels; accepted: one scale per tensor or per output channel"
+    )
 
 
 def dequantize_8bit(state: dict, dtype_of: Callable[[str], torch.dtype], report: CheckpointReport) -> dict:
@@ -99,16 +104,20 @@ def dequantize_8bit(state: dict, dtype_of: Callable[[str], torch.dtype], report:
         if is_scale_key(key):
             continue
         if t.dtype == torch.uint8 and key.endswith(".weight"):
-            raise AttentionConfigError(f"{key} is a packed 4-bit weight (uint8, NVFP4/MXFP4 checkpoints); accepted: "
-                                       "bf16/fp16/fp32 weights or 8-bit weights (float8_e4m3fn, int8) with scales")
+            raise AttentionConfigError(
+                f"{key} is a packed 4-bit weight (uint8, NVFP4/MXFP4 checkpoints); accepted: "
+                "bf16/fp16/fp32 weights or 8-bit weights (float8_e4m3fn, int8) with scales"
+            )
         if t.dtype not in EIGHT_BIT:
             out[key] = t
             continue
         base = key[: -len("weight")] if key.endswith(".weight") else None
         scale = next((state[base + s] for s in SCALE_KEYS if base is not None and base + s in state), None)
         if scale is None and t.dtype == torch.int8:
-            raise AttentionConfigError(f"{key} is an int8 weight without a scale ({base or key}.weight_scale); "
-                                       "an int8 checkpoint needs its scales")
+            raise AttentionConfigError(
+                f"{key} is an int8 weight without a scale ({base or key}.weight_scale); "
+                "an int8 checkpoint needs its scales"
+            )
         kind, s = ("none", None) if scale is None else _scale_kind(scale, t.shape[0], key)
         w = t.float() if s is None else t.float() * s
         out[key] = w.to(dtype_of(key))
@@ -131,8 +140,12 @@ def to_native_state(state: dict, dtype_of: Callable[[str], torch.dtype]) -> tupl
         state = convert_wan_transformer_to_diffusers(dict(state))
     state = dequantize_8bit(dict(state), dtype_of, report)
     if report.dropped:
-        log.info("DiT checkpoint: %d tensor(s) not used (format markers, static activation scales: activations are "
-                 "quantized per token): e.g. %s", len(report.dropped), report.dropped[0])
+        log.info(
+            "DiT checkpoint: %d tensor(s) not used (format markers, static activation scales: activations are "
+            "quantized per token): e.g. %s",
+            len(report.dropped),
+            report.dropped[0],
+        )
     return state, report
 
 
@@ -156,4 +169,3 @@ def load_weights_file(path: str) -> dict:
         return load_file(path)
     except Exception as exc:  # a truncated or foreign file
         raise AttentionConfigError(f"cannot read DiT weights file {path}: {exc}") from None
-

@@ -6,6 +6,7 @@ selection, per-request overrides and the forward context keep working as in eage
 Under compilation the per-request override and skip softmax are refused: the
 caller marks ``AttentionSettings.compiled = True``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,8 +27,9 @@ def _keep_attention_eager() -> None:
         _PATCHED = True
 
 
-def compile_blocks(model: nn.Module, *, mode: str | None = None, dynamic: bool = False,
-                   backend: str = "inductor") -> nn.Module:
+def compile_blocks(
+    model: nn.Module, *, mode: str | None = None, dynamic: bool = False, backend: str = "inductor"
+) -> nn.Module:
     """Compile each transformer block of ``model`` in place (attention stays eager); returns model."""
     _keep_attention_eager()
     for block in model.blocks:

@@ -1,5 +1,6 @@
 """The configuration of the native Wan DiT (:class:`WanTransformerConfig`): a diffusers
 ``WanTransformer3DModel`` ``config.json`` with the same field names and defaults, checked on load."""
+
 from __future__ import annotations
 
 import dataclasses

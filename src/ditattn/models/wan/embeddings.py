@@ -3,6 +3,7 @@ diffusers' parameter names: sinusoidal timestep features and their MLP into the 
 the text projection, the CLIP image-token embedding of image-to-video checkpoints
 (:class:`WanConditionEmbedder`), and the 3-D rotary tables of the video tokens (:func:`rope_tables`).
 :class:`FP32LayerNorm` is the float32 layer norm these and the DiT blocks use."""
+
 from __future__ import annotations
 
 import math
@@ -96,8 +97,9 @@ class WanConditionEmbedder(nn.Module):
         self.act_fn = nn.SiLU()
         self.time_proj = nn.Linear(d, 6 * d)
         self.text_embedder = _MLP2(cfg.text_dim, d, d, nn.GELU(approximate="tanh"))
-        self.image_embedder = (WanImageEmbedding(cfg.image_dim, d, cfg.pos_embed_seq_len)
-                               if cfg.image_dim is not None else None)
+        self.image_embedder = (
+            WanImageEmbedding(cfg.image_dim, d, cfg.pos_embed_seq_len) if cfg.image_dim is not None else None
+        )
 
     def time(self, timestep: torch.Tensor, dtype: torch.dtype, timestep_seq_len: Optional[int] = None):
         """``(temb, modulation)``: timestep features cast to ``dtype`` and their 6-way projection."""

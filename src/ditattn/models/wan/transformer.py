@@ -37,6 +37,7 @@ plain PyTorch ops (same numbers up to rounding; for comparisons).
 Step caching: when the request has a step cache (:func:`ditattn.cache.current_cache`), the block stack
 runs through it, which computes it, or part of it, or reuses the cached residual (:mod:`ditattn.cache`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -70,8 +71,9 @@ class WanAttention(nn.Module):
     (``add_k_proj``, ``add_v_proj``, ``norm_added_k``) and a second layer, ``image_attn`` (role
     ``cross_image``)."""
 
-    def __init__(self, cfg: WanTransformerConfig, *, role: str, prefix: str, layer_idx: int, dtype,
-                 image: bool = False):
+    def __init__(
+        self, cfg: WanTransformerConfig, *, role: str, prefix: str, layer_idx: int, dtype, image: bool = False
+    ):
         super().__init__()
         d = cfg.inner_dim
         self.heads = cfg.num_attention_heads
@@ -84,7 +86,11 @@ class WanAttention(nn.Module):
         # self-attention is sequence-parallel (USPAttention == LocalAttention on one rank); cross-attention
         # attends each rank's query shard to the replicated text K/V locally
         self.attn = (USPAttention if role == "self" else LocalAttention)(
-            cfg.num_attention_heads, cfg.attention_head_dim, role=role, prefix=prefix, layer_idx=layer_idx,
+            cfg.num_attention_heads,
+            cfg.attention_head_dim,
+            role=role,
+            prefix=prefix,
+            layer_idx=layer_idx,
             dtype=dtype,
         )
         self.image_attn = None
@@ -92,8 +98,14 @@ class WanAttention(nn.Module):
             self.add_k_proj = nn.Linear(cfg.added_kv_proj_dim, d)
             self.add_v_proj = nn.Linear(cfg.added_kv_proj_dim, d)
             self.norm_added_k = nn.RMSNorm(d, eps=cfg.eps, elementwise_affine=True)
-            self.image_attn = LocalAttention(cfg.num_attention_heads, cfg.attention_head_dim, role="cross_image",
-                                             prefix=f"{prefix}.image", layer_idx=layer_idx, dtype=dtype)
+            self.image_attn = LocalAttention(
+                cfg.num_attention_heads,
+                cfg.attention_head_dim,
+                role="cross_image",
+                prefix=f"{prefix}.image",
+                layer_idx=layer_idx,
+                dtype=dtype,
+            )
 
     def project_kv(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K (normed) and V of ``src [B, L, D]`` as ``[B, L, heads, head_dim]``."""
@@ -105,18 +117,36 @@ class WanAttention(nn.Module):
         k = self.norm_added_k(self.add_k_proj(image)).unflatten(2, (self.heads, -1))
         return k, self.add_v_proj(image).unflatten(2, (self.heads, -1))
 
-    def forward(self, x: torch.Tensor, context: Optional[torch.Tensor] = None, rotary=None,
-                kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None, fused: str = "auto",
-                image_kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                image: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        context: Optional[torch.Tensor] = None,
+        rotary=None,
+        kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        fused: str = "auto",
+        image_kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        image: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """``x [B, S, D]`` -> ``[B, S, D]``; cross-attention takes ``context`` or its projected ``kv``,
         and (image-to-video) the embedded image tokens ``image`` or their projected ``image_kv``."""
         if rotary is not None and kv is None and context is None:  # self-attention: one pass for norms + RoPE
             # FP8 linears: x quantized once for the three projections (models/fp8_linear.py)
             q, k, v = fp8_linears(x, (self.to_q, self.to_k, self.to_v), fused)
-            q, k = qk_norm_rope(q, k, self.norm_q.weight, self.norm_k.weight, *rotary,
-                                eps=self.norm_q.eps, head_dim=x.shape[-1] // self.heads, impl=fused)
-            q, k, v = q.unflatten(2, (self.heads, -1)), k.unflatten(2, (self.heads, -1)), v.unflatten(2, (self.heads, -1))
+            q, k = qk_norm_rope(
+                q,
+                k,
+                self.norm_q.weight,
+                self.norm_k.weight,
+                *rotary,
+                eps=self.norm_q.eps,
+                head_dim=x.shape[-1] // self.heads,
+                impl=fused,
+            )
+            q, k, v = (
+                q.unflatten(2, (self.heads, -1)),
+                k.unflatten(2, (self.heads, -1)),
+                v.unflatten(2, (self.heads, -1)),
+            )
         else:
             q = self.norm_q(fp8_linear(x, self.to_q, fused)).unflatten(2, (self.heads, -1))
             k, v = kv if kv is not None else self.project_kv(x if context is None else context)
@@ -126,8 +156,9 @@ class WanAttention(nn.Module):
         if self.image_attn is not None:
             if image_kv is None:
                 if image is None:
-                    raise ValueError("this image-to-video transformer needs the image tokens "
-                                     "(encoder_hidden_states_image)")
+                    raise ValueError(
+                        "this image-to-video transformer needs the image tokens (encoder_hidden_states_image)"
+                    )
                 image_kv = self.project_image_kv(image)
             out = out + self.image_attn(q, *image_kv).flatten(2, 3).type_as(q)
         return fp8_linear(out, self.to_out[0], fused)
@@ -147,8 +178,9 @@ class _GeluProj(nn.Module):
     def forward(self, x, fused: str = "auto"):
         if self.gelu_epilogue(x.is_cuda, fused):
             # GEMM + bias + tanh-GELU in one cuBLASLt call (the activation in the GEMM epilogue)
-            y = torch._addmm_activation(self.proj.bias, x.reshape(-1, x.shape[-1]), self.proj.weight.t(),
-                                        use_gelu=True)
+            y = torch._addmm_activation(
+                self.proj.bias, x.reshape(-1, x.shape[-1]), self.proj.weight.t(), use_gelu=True
+            )
             return y.view(*x.shape[:-1], -1)
         return F.gelu(self.proj(x), approximate="tanh")
 
@@ -177,8 +209,9 @@ class WanBlock(nn.Module):
         d = cfg.inner_dim
         self.norm1 = FP32LayerNorm(d, cfg.eps, elementwise_affine=False)
         self.attn1 = WanAttention(cfg, role="self", prefix=f"blocks.{idx}.attn1", layer_idx=idx, dtype=dtype)
-        self.attn2 = WanAttention(cfg, role="cross", prefix=f"blocks.{idx}.attn2", layer_idx=idx, dtype=dtype,
-                                  image=cfg.has_image_input)
+        self.attn2 = WanAttention(
+            cfg, role="cross", prefix=f"blocks.{idx}.attn2", layer_idx=idx, dtype=dtype, image=cfg.has_image_input
+        )
         self.norm2 = FP32LayerNorm(d, cfg.eps, elementwise_affine=True) if cfg.cross_attn_norm else nn.Identity()
         self.ffn = WanFeedForward(d, cfg.ffn_dim)
         self.norm3 = FP32LayerNorm(d, cfg.eps, elementwise_affine=False)
@@ -205,12 +238,21 @@ class WanBlock(nn.Module):
         _, h = residual_norm(x, scale=scale1, shift=shift1, eps=eps, impl=f)
         y = self.attn1(h, None, rotary, fused=f)
         if isinstance(self.norm2, nn.LayerNorm):
-            x, h = residual_norm(x, y, gate1, weight=self.norm2.weight, bias=self.norm2.bias, eps=self.norm2.eps, impl=f)
+            x, h = residual_norm(
+                x, y, gate1, weight=self.norm2.weight, bias=self.norm2.bias, eps=self.norm2.eps, impl=f
+            )
         else:  # no cross-attention norm
             x, _ = residual_norm(x, y, gate1, norm=False, impl=f)
             h = x
-        x, h = residual_norm(x, self.attn2(h, context, kv=kv, fused=f, image_kv=image_kv, image=image), None,
-                             scale=scale2, shift=shift2, eps=self.norm3.eps, impl=f)
+        x, h = residual_norm(
+            x,
+            self.attn2(h, context, kv=kv, fused=f, image_kv=image_kv, image=image),
+            None,
+            scale=scale2,
+            shift=shift2,
+            eps=self.norm3.eps,
+            impl=f,
+        )
         x, _ = residual_norm(x, self.ffn(h, f), gate2, norm=False, impl=f)
         return x
 
@@ -228,7 +270,9 @@ class WanTransformer(nn.Module):
         super().__init__()
         self.config = config
         d = config.inner_dim
-        self.patch_embedding = nn.Conv3d(config.in_channels, d, kernel_size=config.patch_size, stride=config.patch_size)
+        self.patch_embedding = nn.Conv3d(
+            config.in_channels, d, kernel_size=config.patch_size, stride=config.patch_size
+        )
         self.condition_embedder = WanConditionEmbedder(config)
         self.blocks = nn.ModuleList([WanBlock(config, i, dtype) for i in range(config.num_layers)])
         self.norm_out = FP32LayerNorm(d, config.eps, elementwise_affine=False)
@@ -259,9 +303,13 @@ class WanTransformer(nn.Module):
             self._rope_cache[key] = tab
         return tab
 
-    def encode_text(self, encoder_hidden_states: torch.Tensor,
-                    encoder_hidden_states_image: Optional[torch.Tensor] = None, *,
-                    per_block: bool = True) -> "WanTextCache":
+    def encode_text(
+        self,
+        encoder_hidden_states: torch.Tensor,
+        encoder_hidden_states_image: Optional[torch.Tensor] = None,
+        *,
+        per_block: bool = True,
+    ) -> "WanTextCache":
         """Precompute the conditioning side of every step: the projected text ``[B, L, D]`` (and, for
         image-to-video checkpoints, the embedded CLIP image tokens ``[B, N, image_dim] -> [B, N, D]``)
         and, with ``per_block``, each block's cross-attention K/V.  They do not depend on the latents
@@ -281,10 +329,15 @@ class WanTransformer(nn.Module):
                 image_kv = [block.attn2.project_image_kv(image) for block in self.blocks]
         return WanTextCache(context, kv, encoder_hidden_states.dtype, image, image_kv)
 
-    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor,
-                encoder_hidden_states: Optional[torch.Tensor] = None,
-                encoder_hidden_states_image: Optional[torch.Tensor] = None, *,
-                text_cache: "Optional[WanTextCache]" = None):
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        timestep: torch.Tensor,
+        encoder_hidden_states: Optional[torch.Tensor] = None,
+        encoder_hidden_states_image: Optional[torch.Tensor] = None,
+        *,
+        text_cache: "Optional[WanTextCache]" = None,
+    ):
         """latents ``[B, C, F, H, W]``, timestep ``[B]`` (or ``[B, S]`` per token), text
         ``[B, L, text_dim]`` and, for image-to-video checkpoints, CLIP image tokens
         ``[B, N, image_dim]`` (or a :meth:`encode_text` cache of both) -> ``[B, out_channels, F, H, W]``."""
@@ -315,8 +368,15 @@ class WanTransformer(nn.Module):
 
             def run(a: int, b: int, h: torch.Tensor) -> torch.Tensor:  # blocks [a, b) on h
                 for i in range(a, b):
-                    h = self.blocks[i](h, context, tproj, rotary, c.kv[i] if c.kv else None,
-                                       c.image_kv[i] if c.image_kv else None, c.image)
+                    h = self.blocks[i](
+                        h,
+                        context,
+                        tproj,
+                        rotary,
+                        c.kv[i] if c.kv else None,
+                        c.image_kv[i] if c.image_kv else None,
+                        c.image,
+                    )
                 return h
 
             cache = current_cache()  # the request's step cache (ditattn.cache), or None
@@ -324,9 +384,14 @@ class WanTransformer(nn.Module):
                 x = run(0, len(self.blocks), x)
             else:
                 x0 = x
-                x = cache.forward_blocks(self, x0, run, len(self.blocks),
-                                         lambda: self.blocks[0].modulated_input(x0, tproj),
-                                         valid_rows(seq_len, x0.shape[1]))
+                x = cache.forward_blocks(
+                    self,
+                    x0,
+                    run,
+                    len(self.blocks),
+                    lambda: self.blocks[0].modulated_input(x0, tproj),
+                    valid_rows(seq_len, x0.shape[1]),
+                )
             x = gather_sequence(x, seq_len)
 
         if temb.ndim == 3:
@@ -383,9 +448,15 @@ def _keep_fn(keep_fp32: tuple[str, ...]):
     return lambda name: any(part in keep_fp32 for part in name.split("."))
 
 
-def load_wan_transformer(folder: str, *, dtype: torch.dtype = torch.float32, device="cpu",
-                         variant: Optional[str] = None, load_weights: bool = True,
-                         weights_file: Optional[str] = None) -> WanTransformer:
+def load_wan_transformer(
+    folder: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device="cpu",
+    variant: Optional[str] = None,
+    load_weights: bool = True,
+    weights_file: Optional[str] = None,
+) -> WanTransformer:
     """Build a :class:`WanTransformer` from a diffusers ``WanTransformer3DModel`` folder
     (``config.json`` + weights) in ``dtype`` on ``device``, in eval mode without gradients.
 
@@ -413,8 +484,9 @@ def load_wan_transformer(folder: str, *, dtype: torch.dtype = torch.float32, dev
             state = load_weights_file(weights_file)
         state, report = to_native_state(state, lambda name: target_dtype(name, dtype, keep))
         if weights_file is not None or report.eight_bit:
-            logging.getLogger("ditattn.pipeline").info("DiT weights from %s: %s", weights_file or folder,
-                                                        report.describe())
+            logging.getLogger("ditattn.pipeline").info(
+                "DiT weights from %s: %s", weights_file or folder, report.describe()
+            )
         assign_state_dict(model, state, where=weights_file or folder, ignore_unexpected=("norm_added_q",))
         cast_model(model, dtype, KEEP_FP32).to(device)
     return model

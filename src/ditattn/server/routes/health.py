@@ -4,6 +4,7 @@
 batch is past its request timeout: stuck inside one step) or ``draining`` (shutting down), with the
 running batch's age; the last two answer 503 so that a load balancer stops sending work.
 """
+
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends

@@ -5,6 +5,7 @@ the queue, or stopped at its next denoising step) and is answered 499 (counted, 
 Image URLs are ``--public-url`` + ``/v1/images/{id}/content``, or that path alone (relative) when no
 public URL is configured; the request's ``Host`` header is never used.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,15 +35,17 @@ async def images_generations(request: Request, state: ServerState = Depends(serv
     req.check_unsupported()
     n = 1 if req.n is None else req.n
     if not 1 <= n <= config.max_n:
-        raise RequestError(f"n must be between 1 and {config.max_n} (the server's --max-n), got {n}", param="n",
-                           code="limit_exceeded")
+        raise RequestError(
+            f"n must be between 1 and {config.max_n} (the server's --max-n), got {n}", param="n", code="limit_exceeded"
+        )
     req.check_numbers(n)
     model = state.check_model(req.model)
     width, height = state.check_size(req.size)
     steps = state.check_steps(req.num_inference_steps)
     state.check_output_size(width, height, 1, n)
-    params = state.request_params(req, kind="image", width=width, height=height, num_frames=1, steps=steps,
-                                  fps=state.runner.defaults.fps)
+    params = state.request_params(
+        req, kind="image", width=width, height=height, num_frames=1, steps=steps, fps=state.runner.defaults.fps
+    )
     job = state.make_job("image", params, model=model, n=n)
     fut = state.submit(job)
     try:
@@ -58,7 +61,8 @@ async def images_generations(request: Request, state: ServerState = Depends(serv
     backends = list(result.attention_backends)
     frames = result.frames
     pngs = await asyncio.get_running_loop().run_in_executor(
-        state.encoder, lambda: [encode_png(frames[i, 0]) for i in range(frames.shape[0])])
+        state.encoder, lambda: [encode_png(frames[i, 0]) for i in range(frames.shape[0])]
+    )
     items = []
     for png in pngs:
         if (req.response_format or "b64_json") == "b64_json":
@@ -68,14 +72,22 @@ async def images_generations(request: Request, state: ServerState = Depends(serv
                 iid = state.images.add(png, backends)
             except OSError as exc:  # a full disk: the request fails with the reason, the server serves on
                 state.count("image", "error", backends)
-                raise RequestError(f"{failure_reason(exc)}; retry later or use response_format 'b64_json'",
-                                   status=507, type="server_error", code="output_failed") from None
+                raise RequestError(
+                    f"{failure_reason(exc)}; retry later or use response_format 'b64_json'",
+                    status=507,
+                    type="server_error",
+                    code="output_failed",
+                ) from None
             items.append(ImageData(url=f"{config.public_url or ''}/v1/images/{iid}/content"))
     state.count("image", "ok", backends)
     state.metrics.images.inc(len(items))
     body = ImagesResponse(
-        created=int(time.time()), data=items, size=f"{width}x{height}", attention_backends=backends,
-        attention_backend_override=job.override, skip_softmax=skip_report(job, result),
+        created=int(time.time()),
+        data=items,
+        size=f"{width}x{height}",
+        attention_backends=backends,
+        attention_backend_override=job.override,
+        skip_softmax=skip_report(job, result),
         cache=getattr(result, "cache", None),
     )
     return JSONResponse(body.model_dump(), headers={BACKEND_HEADER: ",".join(backends)})
@@ -85,6 +97,5 @@ async def images_generations(request: Request, state: ServerState = Depends(serv
 async def image_content(image_id: str, state: ServerState = Depends(server_state)):
     entry = state.images.get(image_id) if _IMAGE_ID.match(image_id) else None
     if entry is None or not os.path.exists(entry[0]):
-        raise RequestError(f"no image with id '{image_id[:80]}'", status=404, type="not_found_error",
-                           param="image_id")
+        raise RequestError(f"no image with id '{image_id[:80]}'", status=404, type="not_found_error", param="image_id")
     return FileResponse(entry[0], media_type="image/png", headers={BACKEND_HEADER: ",".join(entry[1])})

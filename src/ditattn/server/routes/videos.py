@@ -8,6 +8,7 @@ output.  With an ``--output-dir`` every job is in the job store: :func:`restore_
 unfinished ones and serves the finished ones after a restart; a job stopped by a shutdown goes back
 to ``queued``.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -45,8 +46,11 @@ def _frames(state: ServerState, req: VideoCreateRequest, fps: int) -> int:
         frames = req.num_frames
     elif seconds is not None:
         if seconds * fps > limit:
-            raise RequestError(f"seconds={seconds:g} at {fps} fps is more than {limit} frames (the server's "
-                               f"--max-frames)", param="seconds", code="limit_exceeded")
+            raise RequestError(
+                f"seconds={seconds:g} at {fps} fps is more than {limit} frames (the server's --max-frames)",
+                param="seconds",
+                code="limit_exceeded",
+            )
         frames = 1 + d.frame_step * max(0, round(seconds * fps / d.frame_step))
     else:
         frames = d.num_frames
@@ -58,7 +62,9 @@ def _frames(state: ServerState, req: VideoCreateRequest, fps: int) -> int:
         raise RequestError(
             f"invalid frame count {short_repr(frames)}: this model needs 1 + {step}*k frames, between 1 and {limit} "
             f"(the server's --max-frames) (e.g. {' or '.join(map(str, near))})",
-            param="num_frames" if req.num_frames is not None else "seconds", code="invalid_frames")
+            param="num_frames" if req.num_frames is not None else "seconds",
+            code="invalid_frames",
+        )
     return frames
 
 
@@ -77,21 +83,36 @@ async def create_video(request: Request, state: ServerState = Depends(server_sta
     width, height = state.check_size(req.size, image)
     fps = state.runner.defaults.fps if req.fps is None else req.fps
     if not 1 <= fps <= config.max_fps:
-        raise RequestError(f"fps must be between 1 and {config.max_fps} (the server's --max-fps), got {fps}",
-                           param="fps", code="limit_exceeded")
+        raise RequestError(
+            f"fps must be between 1 and {config.max_fps} (the server's --max-fps), got {fps}",
+            param="fps",
+            code="limit_exceeded",
+        )
     frames = _frames(state, req, fps)
     steps = state.check_steps(req.num_inference_steps)
     state.check_output_size(width, height, frames, 1)
-    params = state.request_params(req, kind="video", width=width, height=height, num_frames=frames, steps=steps,
-                                  fps=fps)
+    params = state.request_params(
+        req, kind="video", width=width, height=height, num_frames=frames, steps=steps, fps=fps
+    )
     vid = "video_" + uuid.uuid4().hex
     if image is not None and state.videos.jobs is not None:  # kept for a restart, with the job
         params["input_reference_file"] = _save_reference(state, vid, image)
     job = _video_job(state, vid, params, model, image)
     rec = VideoRecord(
-        id=vid, model=model, prompt=req.prompt, size=f"{width}x{height}", seconds=f"{frames / fps:g}",
-        num_frames=frames, fps=fps, num_inference_steps=steps, override=job.override, skip_softmax=skip_params(job),
-        attention_backends=state.job_backends(job), created_at=int(time.time()), request=params, job=job,
+        id=vid,
+        model=model,
+        prompt=req.prompt,
+        size=f"{width}x{height}",
+        seconds=f"{frames / fps:g}",
+        num_frames=frames,
+        fps=fps,
+        num_inference_steps=steps,
+        override=job.override,
+        skip_softmax=skip_params(job),
+        attention_backends=state.job_backends(job),
+        created_at=int(time.time()),
+        request=params,
+        job=job,
     )
     state.videos.add(rec)
     try:
@@ -105,9 +126,14 @@ async def create_video(request: Request, state: ServerState = Depends(server_sta
 
 def _video_job(state: ServerState, vid: str, params: dict, model: str, image=None) -> GenerationJob:
     return state.make_job(
-        "video", params, model=model, id=vid, image=image,
+        "video",
+        params,
+        model=model,
+        id=vid,
+        image=image,
         on_start=lambda j: state.videos.update(j.id, status="in_progress"),
-        on_progress=lambda j, frac: state.videos.update(j.id, progress=max(0, min(99, int(frac * 100)))))
+        on_progress=lambda j, frac: state.videos.update(j.id, progress=max(0, min(99, int(frac * 100)))),
+    )
 
 
 def _reference_path(state: ServerState, name: str) -> str:
@@ -138,8 +164,10 @@ def _load_reference(state: ServerState, params: dict):
         with Image.open(path) as im:
             return im.convert("RGB")
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:  # truncated, not an image
-        raise RequestError(f"its stored first frame {name} is damaged ({type(exc).__name__}: "
-                           f"{str(exc)[:120]})", param="input_reference") from None
+        raise RequestError(
+            f"its stored first frame {name} is damaged ({type(exc).__name__}: {str(exc)[:120]})",
+            param="input_reference",
+        ) from None
 
 
 def _drop_reference(state: ServerState, rec: VideoRecord) -> None:
@@ -182,16 +210,26 @@ def restore_jobs(state: ServerState) -> None:
             except Exception as exc:  # noqa: BLE001 - whatever one job meets, the others are restored
                 why = f"it could not be queued again ({type(exc).__name__}: {' '.join(str(exc).split())[:160]})"
                 log.error("job store: video %s %s; marked failed", rec.id, why, exc_info=exc)
-                state.videos.update(rec.id, status="failed", completed_at=int(time.time()), job=None,
-                                    error={"code": "not_restorable", "message": why})
+                state.videos.update(
+                    rec.id,
+                    status="failed",
+                    completed_at=int(time.time()),
+                    job=None,
+                    error={"code": "not_restorable", "message": why},
+                )
         status = state.videos.get(rec.id).status if state.videos.get(rec.id) is not None else rec.status
         counts["queued" if status in ("queued", "in_progress") else status] += 1
     for vid in store.bad_rows:
         log.error("job store: video %s cannot be restored: its stored record is not valid JSON; marked failed", vid)
         _fail_unreadable(state, {"id": vid}, "its stored record is not valid JSON")
         counts["failed"] += 1
-    log.warning("job store %s: %d completed, %d failed, %d re-queued video job(s)", store.path, counts["completed"],
-                counts["failed"], counts["queued"])
+    log.warning(
+        "job store %s: %d completed, %d failed, %d re-queued video job(s)",
+        store.path,
+        counts["completed"],
+        counts["failed"],
+        counts["queued"],
+    )
 
 
 def _check_record(rec: VideoRecord) -> None:
@@ -215,10 +253,23 @@ def _fail_unreadable(state: ServerState, data: dict, why: str) -> None:
         return
     now = int(time.time())
     created = data.get("created_at")
-    rec = VideoRecord(id=vid, model=state.runner.model_id, prompt="", size="", seconds="", num_frames=0, fps=0,
-                      num_inference_steps=0, override=None, skip_softmax=None, attention_backends=[],
-                      created_at=created if isinstance(created, int) and not isinstance(created, bool) else now,
-                      status="failed", completed_at=now, error={"code": "not_restorable", "message": why})
+    rec = VideoRecord(
+        id=vid,
+        model=state.runner.model_id,
+        prompt="",
+        size="",
+        seconds="",
+        num_frames=0,
+        fps=0,
+        num_inference_steps=0,
+        override=None,
+        skip_softmax=None,
+        attention_backends=[],
+        created_at=created if isinstance(created, int) and not isinstance(created, bool) else now,
+        status="failed",
+        completed_at=now,
+        error={"code": "not_restorable", "message": why},
+    )
     state.videos.add(rec)
 
 
@@ -232,8 +283,9 @@ def _requeue(state: ServerState, rec: VideoRecord) -> None:
     except (RequestError, KeyError, TypeError, AttentionConfigError) as exc:
         why = exc.message if isinstance(exc, RequestError) else f"its stored request is incomplete ({exc})"
         log.warning("job store: video %s cannot run on this server: %s; marked failed", rec.id, why)
-        state.videos.update(rec.id, status="failed", completed_at=int(time.time()),
-                            error={"code": "not_restorable", "message": why})
+        state.videos.update(
+            rec.id, status="failed", completed_at=int(time.time()), error={"code": "not_restorable", "message": why}
+        )
         return
     state.videos.update(rec.id, status="queued", progress=0, job=job)
     fut.add_done_callback(lambda f: _finish(state, rec, f))
@@ -251,14 +303,20 @@ def _remove_partial_encodes(folder: str) -> None:
 def _record(state: ServerState, video_id: str) -> VideoRecord:
     rec = state.videos.get(video_id) if _VIDEO_ID.match(video_id) else None
     if rec is None:
-        raise RequestError(f"no video with id '{video_id[:80]}'", status=404, type="not_found_error",
-                           param="video_id", code="video_not_found")
+        raise RequestError(
+            f"no video with id '{video_id[:80]}'",
+            status=404,
+            type="not_found_error",
+            param="video_id",
+            code="video_not_found",
+        )
     return rec
 
 
 @router.get("/v1/videos")
-async def list_videos(after: Optional[str] = None, limit: int = 20, order: str = "desc",
-                      state: ServerState = Depends(server_state)):
+async def list_videos(
+    after: Optional[str] = None, limit: int = 20, order: str = "desc", state: ServerState = Depends(server_state)
+):
     if not 1 <= limit <= 100:
         raise RequestError(f"limit must be between 1 and 100, got {limit}", param="limit")
     if order not in ("asc", "desc"):
@@ -269,12 +327,20 @@ async def list_videos(after: Optional[str] = None, limit: int = 20, order: str =
     if after:
         ids = [r.id for r in recs]
         if after not in ids:
-            raise RequestError(f"no video with id '{after[:80]}' (the 'after' cursor)", status=404, param="after",
-                               type="not_found_error")
-        recs = recs[ids.index(after) + 1:]
+            raise RequestError(
+                f"no video with id '{after[:80]}' (the 'after' cursor)",
+                status=404,
+                param="after",
+                type="not_found_error",
+            )
+        recs = recs[ids.index(after) + 1 :]
     page = recs[:limit]
-    body = VideoList(data=[r.to_object() for r in page], has_more=len(recs) > limit,
-                     first_id=page[0].id if page else None, last_id=page[-1].id if page else None)
+    body = VideoList(
+        data=[r.to_object() for r in page],
+        has_more=len(recs) > limit,
+        first_id=page[0].id if page else None,
+        last_id=page[-1].id if page else None,
+    )
     return JSONResponse(body.model_dump())
 
 
@@ -292,8 +358,12 @@ async def delete_video(video_id: str, state: ServerState = Depends(server_state)
     stage = state.scheduler.cancel(rec.job, "deleted") if rec.job is not None else None
     state.videos.pop(video_id)
     _drop_reference(state, rec)
-    log.info("video %s deleted by request (it was %s%s)", video_id, rec.status,
-             "; stopping it at its next denoising step" if stage == "running" else "")
+    log.info(
+        "video %s deleted by request (it was %s%s)",
+        video_id,
+        rec.status,
+        "; stopping it at its next denoising step" if stage == "running" else "",
+    )
     remove_file(rec.path, f"video {video_id} deleted by request")
     return JSONResponse({"id": video_id, "object": "video.deleted", "deleted": True})
 
@@ -306,8 +376,12 @@ async def video_content(video_id: str, variant: str = "video", state: ServerStat
     if rec.status != "completed" or not rec.path or not os.path.exists(rec.path):
         why = rec.error["message"] if rec.status == "failed" and rec.error else f"its status is {rec.status}"
         raise RequestError(f"video '{video_id}' has no content: {why}", status=409, code="video_not_ready")
-    return FileResponse(rec.path, media_type="video/mp4", filename=f"{video_id}.mp4",
-                        headers={BACKEND_HEADER: ",".join(rec.attention_backends)})
+    return FileResponse(
+        rec.path,
+        media_type="video/mp4",
+        filename=f"{video_id}.mp4",
+        headers={BACKEND_HEADER: ",".join(rec.attention_backends)},
+    )
 
 
 def _finish(state: ServerState, rec: VideoRecord, fut: concurrent.futures.Future) -> None:
@@ -327,8 +401,10 @@ def _finish(state: ServerState, rec: VideoRecord, fut: concurrent.futures.Future
         if isinstance(exc, JobTimeout):
             error = {"code": "timeout", "message": str(exc)}
         elif isinstance(exc, SchedulerStopped):
-            error = {"code": "shutting_down", "message": "the server shut down before the job finished (no "
-                                                         "--output-dir: the job could not be kept)"}
+            error = {
+                "code": "shutting_down",
+                "message": "the server shut down before the job finished (no --output-dir: the job could not be kept)",
+            }
         elif isinstance(exc, AttentionConfigError):
             error = {"code": "attention_refused", "message": str(exc)}
         state.videos.update(rec.id, status="failed", error=error, completed_at=int(time.time()), job=None)
@@ -347,17 +423,39 @@ def _finish(state: ServerState, rec: VideoRecord, fut: concurrent.futures.Future
             return
         except Exception as e:  # noqa: BLE001 - a full disk, an encoder error, a truncated file
             reason = failure_reason(e)
-            log.error("writing video %s failed (reference %s): %s: %s", rec.id, rec.id[:12], type(e).__name__, e,
-                      exc_info=e if not isinstance(e, OSError) else None)
-            state.videos.update(rec.id, status="failed", completed_at=int(time.time()), job=None,
-                                error={"code": "output_failed", "message": f"{reason} (reference {rec.id[:12]})"})
+            log.error(
+                "writing video %s failed (reference %s): %s: %s",
+                rec.id,
+                rec.id[:12],
+                type(e).__name__,
+                e,
+                exc_info=e if not isinstance(e, OSError) else None,
+            )
+            state.videos.update(
+                rec.id,
+                status="failed",
+                completed_at=int(time.time()),
+                job=None,
+                error={"code": "output_failed", "message": f"{reason} (reference {rec.id[:12]})"},
+            )
             state.count("video", "error", label)
             return
         backends = list(result.attention_backends)
         skip = skip_report(job, result) if job is not None else rec.skip_softmax
-        if state.videos.update(rec.id, status="completed", progress=100, completed_at=int(time.time()), path=path,
-                               attention_backends=backends, skip_softmax=skip, job=None,
-                               cache=getattr(result, "cache", None)) is None:
+        if (
+            state.videos.update(
+                rec.id,
+                status="completed",
+                progress=100,
+                completed_at=int(time.time()),
+                path=path,
+                attention_backends=backends,
+                skip_softmax=skip,
+                job=None,
+                cache=getattr(result, "cache", None),
+            )
+            is None
+        ):
             remove_file(path, f"video {rec.id} was deleted while it was encoded")
             return
         state.count("video", "ok", backends)
@@ -367,5 +465,10 @@ def _finish(state: ServerState, rec: VideoRecord, fut: concurrent.futures.Future
         state.encode_later(encode)
     except RuntimeError:  # the encoder pool is shut down: the server is past its drain
         log.error("video %s finished after the encoders stopped; its frames are lost", rec.id)
-        state.videos.update(rec.id, status="failed", completed_at=int(time.time()), job=None,
-                            error={"code": "shutting_down", "message": "the server shut down while the job finished"})
+        state.videos.update(
+            rec.id,
+            status="failed",
+            completed_at=int(time.time()),
+            job=None,
+            error={"code": "shutting_down", "message": "the server shut down while the job finished"},
+        )
