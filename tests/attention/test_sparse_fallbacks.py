@@ -189,3 +189,28 @@ def test_plan_says_below_which_length_a_sparse_backend_runs_dense(capsys, backen
     assert rc == 0 and not any("dense kernel below" in l["runtime"] for l in _dit_layers(plan)), err
     rc, plan, err = _plan(capsys, "--attention-backend", backend, "--dtype", "bfloat16")
     assert rc == 0 and not any("dense kernel below" in l["runtime"] for l in _dit_layers(plan)), err
+
+
+def test_a_named_dense_phase_that_is_the_automatic_choice_takes_the_cached_path(monkeypatch):
+    """A sparse backend's dense phase that names the backend the platform would pick anyway (Sol's
+    ``dense_backend``) runs through the cached automatic decision, with the same output as the public entry;
+    another named backend still goes through the public entry."""
+    import ditattn
+    from ditattn.attention import functional
+    from ditattn.attention.sparse.block_sparse import dense_attention
+
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 37, 3, 32, generator=g) for _ in range(3))
+    auto = functional.auto_dense_backend(q, k)
+    seen = []
+    real = functional.auto_dense_attention
+    monkeypatch.setattr(functional, "auto_dense_attention", lambda *a, **kw: seen.append(1) or real(*a, **kw))
+    out, lse = dense_attention(q, k, v, backend=auto, return_lse=True)
+    ref, ref_lse = ditattn.attention(q, k, v, backend=auto, return_lse=True)
+    assert seen == [1]
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(lse, ref_lse)
+    other = "fa" if auto != "fa" else "torch_sdpa"
+    out2, _ = dense_attention(q, k, v, backend=other)
+    assert seen == [1]  # the public entry, not the cached automatic path
+    torch.testing.assert_close(out2, ref, atol=2e-3, rtol=2e-3)
