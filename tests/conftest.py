@@ -79,16 +79,15 @@ def _as_cpu_machine():
 
     from ditattn.platforms import Platform, use_platform
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch.cuda, "is_available", lambda: False)
-        mp.setattr(torch.cuda, "device_count", lambda: 0)
-        mp.setenv("CUDA_VISIBLE_DEVICES", "")
-        try:
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(torch.cuda, "is_available", lambda: False)
+            mp.setattr(torch.cuda, "device_count", lambda: 0)
+            mp.setenv("CUDA_VISIBLE_DEVICES", "")
             with use_platform(Platform("cpu", "cpu")):
                 yield
-        finally:
-            _forget_triton_probes()
-    _forget_triton_probes()
+    finally:
+        _forget_triton_probes()  # once the patches are undone
 
 
 def _forget_triton_probes():
@@ -103,13 +102,21 @@ def _forget_triton_probes():
 def _cpu_machine_module(request):
     """A module none of whose tests is device-aware runs as on a CPU-only machine for its whole life, so
     that its module-scoped fixtures (a loaded pipeline, a running server) are built that way too."""
-    if not _HAS_CUDA or any(
-        _device_aware(item) for item in request.session.items if getattr(item, "module", None) is request.module
-    ):
+    if not _HAS_CUDA or request.module.__name__ in _MODULES_WITH_DEVICE_AWARE_TESTS:
         yield
         return
     with _as_cpu_machine():
         yield
+
+
+#: the modules that hold at least one device-aware test (filled once the session's tests are collected)
+_MODULES_WITH_DEVICE_AWARE_TESTS: set = set()
+
+
+def pytest_collection_modifyitems(config, items):
+    _MODULES_WITH_DEVICE_AWARE_TESTS.update(
+        item.module.__name__ for item in items if getattr(item, "module", None) is not None and _device_aware(item)
+    )
 
 
 @pytest.fixture(autouse=True)

@@ -13,6 +13,7 @@ and the FP8 linears / tiny DiT on torchao's FP8 weights (its hardware gate lifte
 """
 
 import copy
+import functools
 import importlib.util
 import os
 
@@ -398,6 +399,7 @@ needs_interpreter = pytest.mark.skipif(
 )
 
 
+@functools.cache
 def _cpu_rowwise_scaled_mm() -> bool:
     """Whether this PyTorch's CPU ``torch._scaled_mm`` takes per-row scales (older builds take one
     per-tensor scale only and stop at an internal assertion)."""

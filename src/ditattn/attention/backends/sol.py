@@ -9,6 +9,7 @@ import torch
 from ditattn.attention.backends.base import AttnCall
 from ditattn.attention.backends.sparse_common import (
     budget_decision,
+    budget_keys,
     layer_index,
     line_tile,
     remember_budget,
@@ -25,15 +26,10 @@ from ditattn.attention.schemas import (
     EDGE_TILES,
     SOL_PREDICTORS,
     P,
-    dense_above,
-    error_budget,
     layer_list_check,
-    min_seq_len,
     non_negative,
     positive,
 )
-from ditattn.attention.sparse.budget import DENSE_CALL_ABOVE
-from ditattn.attention.sparse.fallback import MIN_SEQ_LEN
 from ditattn.attention.sparse.sol import sol_attention
 from ditattn.attention.sparse.sta import (
     flush_sta_search,  # noqa: F401  (re-exported for callers that end a calibration run)
@@ -124,9 +120,7 @@ SOL_ATTN_SCHEMA = (
         "of a spread block, which its mean key underestimates); false: upstream's mean key and log size only",
     ),
     EDGE_TILES,
-    error_budget(0.01),
-    dense_above(DENSE_CALL_ABOVE),
-    min_seq_len(MIN_SEQ_LEN["cuda"]),
+    *budget_keys(0.01),
     BLOCK_SPARSE_IMPL,
 )
 

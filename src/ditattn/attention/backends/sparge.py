@@ -9,6 +9,7 @@ import torch
 from ditattn.attention.backends.base import AttnCall
 from ditattn.attention.backends.sparse_common import (
     budget_decision,
+    budget_keys,
     line_tile,
     remember_budget,
     reused_dense,
@@ -23,13 +24,8 @@ from ditattn.attention.schemas import (
     EDGE_TILES,
     SPARGE_PREDICTORS,
     P,
-    dense_above,
-    error_budget,
     in_range,
-    min_seq_len,
 )
-from ditattn.attention.sparse.budget import DENSE_CALL_ABOVE
-from ditattn.attention.sparse.fallback import MIN_SEQ_LEN
 from ditattn.attention.sparse.sparge import sparge_applies, sparge_attention
 from ditattn.attention.sparse.sta import (
     flush_sta_search,  # noqa: F401  (re-exported for callers that end a calibration run)
@@ -88,9 +84,7 @@ SPARGE_ATTN_SCHEMA = (
         accepted="a number in [-1, 1]",
     ),
     EDGE_TILES,
-    error_budget(0.005),
-    dense_above(DENSE_CALL_ABOVE),
-    min_seq_len(MIN_SEQ_LEN["cuda"]),
+    *budget_keys(0.005),
     BLOCK_SPARSE_IMPL,
 )
 

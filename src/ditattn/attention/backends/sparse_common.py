@@ -39,13 +39,22 @@ from typing import Optional
 
 import torch
 
+from ditattn.attention import schemas
 from ditattn.attention.backends.base import AttnCall, register
 from ditattn.attention.config import complete_backend_config
 from ditattn.attention.names import AttentionBackendEnum as B
 from ditattn.attention.reference import expand_kv
 from ditattn.attention.sparse import record_stats, stats_key
 from ditattn.attention.sparse.block_sparse import dense_attention
-from ditattn.attention.sparse.fallback import budget_stats, count_call, min_seq_len, note_dense_once, short_call
+from ditattn.attention.sparse.budget import DENSE_CALL_ABOVE
+from ditattn.attention.sparse.fallback import (
+    MIN_SEQ_LEN,
+    budget_stats,
+    count_call,
+    min_seq_len,
+    note_dense_once,
+    short_call,
+)
 from ditattn.attention.specs import BackendSpec
 from ditattn.errors import AttentionConfigError
 from ditattn.settings import check_retired
@@ -206,6 +215,17 @@ def sparse_done(name: str, call: AttnCall, plan, **extra):
     )
     if fallback:
         note_dense_once(name, call, reason)
+
+
+def budget_keys(default_budget: float) -> tuple:
+    """The schema keys of a backend under the error budget: ``error_budget`` (``default_budget``),
+    ``dense_above`` (:data:`~ditattn.attention.sparse.budget.DENSE_CALL_ABOVE`) and ``min_seq_len`` (unset:
+    the device's figure, :data:`~ditattn.attention.sparse.fallback.MIN_SEQ_LEN`)."""
+    return (
+        schemas.error_budget(default_budget),
+        schemas.dense_above(DENSE_CALL_ABOVE),
+        schemas.min_seq_len(MIN_SEQ_LEN["cuda"]),
+    )
 
 
 def layer_index(call: AttnCall) -> int:

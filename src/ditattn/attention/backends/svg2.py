@@ -10,6 +10,7 @@ from ditattn.attention.backends.base import AttnCall
 from ditattn.attention.backends.sparse_common import (
     budget_decision,
     budget_key,
+    budget_keys,
     run_dense,
     sparse_backend,
     sparse_done,
@@ -20,16 +21,12 @@ from ditattn.attention.schemas import (
     BLOCK_SPARSE_IMPL,
     SVG2_PREDICTORS,
     P,
-    dense_above,
-    error_budget,
     in_range,
-    min_seq_len,
     non_negative,
     positive,
 )
 from ditattn.attention.sparse import budget as eb
-from ditattn.attention.sparse.budget import DENSE_CALL_ABOVE, svg2_top_p
-from ditattn.attention.sparse.fallback import MIN_SEQ_LEN
+from ditattn.attention.sparse.budget import svg2_top_p
 from ditattn.attention.sparse.sta import (
     flush_sta_search,  # noqa: F401  (re-exported for callers that end a calibration run)
 )
@@ -91,9 +88,7 @@ SPARSE_VIDEO_GEN_2_ATTN_SCHEMA = (
         check=non_negative,
         accepted="an integer >= 0",
     ),
-    error_budget(0.005),
-    dense_above(DENSE_CALL_ABOVE),
-    min_seq_len(MIN_SEQ_LEN["cuda"]),
+    *budget_keys(0.005),
     BLOCK_SPARSE_IMPL,
 )
 

@@ -9,6 +9,7 @@ import torch
 from ditattn.attention.backends.base import AttnCall
 from ditattn.attention.backends.sparse_common import (
     budget_decision,
+    budget_keys,
     layer_index,
     remember_budget,
     reused_dense,
@@ -22,16 +23,11 @@ from ditattn.attention.schemas import (
     BLOCK_SPARSE_IMPL,
     VMOBA_GATES,
     P,
-    dense_above,
-    error_budget,
     in_range,
     list_len,
-    min_seq_len,
     non_negative,
     positive,
 )
-from ditattn.attention.sparse.budget import DENSE_CALL_ABOVE
-from ditattn.attention.sparse.fallback import MIN_SEQ_LEN
 from ditattn.attention.sparse.sta import (
     flush_sta_search,  # noqa: F401  (re-exported for callers that end a calibration run)
 )
@@ -134,9 +130,7 @@ VMOBA_ATTN_SCHEMA = (
         check=non_negative,
         accepted="an integer >= 0",
     ),
-    error_budget(0.005),
-    dense_above(DENSE_CALL_ABOVE),
-    min_seq_len(MIN_SEQ_LEN["cuda"]),
+    *budget_keys(0.005),
     BLOCK_SPARSE_IMPL,
 )
 
