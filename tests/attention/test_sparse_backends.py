@@ -342,7 +342,7 @@ def _int8_blocks(x, block):
 
 
 def test_sparge_quantizes_kept_blocks_int8_like_sage():
-    """Issue 26 item 6: at topk=1 every block is kept, and the output is attention over INT8
+    """At topk=1 every block is kept, and the output is attention over INT8
     Q / INT8 smoothed K per 64-token tile (not exact SDPA); quantize=false is exact."""
     grid = (4, 8, 8)  # whole 4x4x4 tiles: tile order only permutes tokens
     q, k, v = qkv(grid=grid, text_len=0, heads=2, dim=64, dtype=torch.bfloat16, seed=3)

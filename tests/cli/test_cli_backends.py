@@ -131,7 +131,7 @@ def test_serve_flag_errors_before_loading_the_model(capsys):
 
 
 def test_backends_name_the_measured_operating_points_of_sparse_defaults(capsys):
-    """Issue 19: every sparse backend's defaults carry their measured (error, speed) operating point."""
+    """Every sparse backend's defaults carry their measured (error, speed) operating point."""
     from ditattn.attention.operating_points import OPERATING_POINTS
 
     assert main(["backends", "--json"]) == 0
