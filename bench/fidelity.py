@@ -274,6 +274,32 @@ ERROR_ONLY = False
 LOOP = False
 #: --warmup-ms / --rep-ms of the timing (common.bench_ms)
 TIMING = {"warmup_ms": 100.0, "rep_ms": 400.0}
+#: --paired N: each case's speed-up from N pairs of calls alternating with the dense kernel (0: the case and
+#: the dense kernel timed apart, the dense kernel once per input)
+PAIRED = 0
+
+
+def paired_ms(case, dense, pairs: int) -> tuple[float, float]:
+    """``(case ms, dense ms)``: the means over ``pairs`` rounds of one ``case()`` call then one ``dense()``
+    call, each timed alone (device synchronised before and after, host clock).  Adjacent calls see the same
+    clocks and temperature, so the ratio of the two means is the case's speed-up with the drift between
+    separately timed runs cancelled; the mean counts a loop step that decides at its share."""
+
+    def one(fn) -> float:
+        device_sync()
+        t0 = time.perf_counter()
+        fn()
+        device_sync()
+        return time.perf_counter() - t0
+
+    for _ in range(2):  # warm-up: both paths compiled and their caches hot
+        case()
+        dense()
+    c = d = 0.0
+    for _ in range(pairs):
+        c += one(case)
+        d += one(dense)
+    return c / pairs * 1e3, d / pairs * 1e3
 
 
 def timed_ms(fn, mean: bool = False) -> float:
@@ -288,10 +314,11 @@ def timed_ms(fn, mean: bool = False) -> float:
     return bench_ms(fn, warmup_ms=TIMING["warmup_ms"], rep_ms=TIMING["rep_ms"])
 
 
-def run_case(attention, q, k, v, grid, backend, cfg, *, layer=LAYER, stateful=False, mean=None):
+def run_case(attention, q, k, v, grid, backend, cfg, *, layer=LAYER, stateful=False, mean=None, pair_with=None):
     """``(ms, out)`` of one backend call pattern (a fresh step per call when ``stateful`` or under
     ``--loop``, from :data:`LOOP_STEP0`); ``ms`` None under ``--error-only``; ``mean``: time by the mean
-    (None: under ``--loop``), else the median."""
+    (None: under ``--loop``), else the median.  ``pair_with`` (the dense call) under ``--paired``: ``ms`` is
+    ``(case ms, dense ms)`` from :func:`paired_ms`."""
     stateful = stateful or (LOOP and backend not in (None, SKIP_SOFTMAX, "fa", "torch_sdpa"))
     state = {"step": LOOP_STEP0 if LOOP else 0}
     if stateful:
@@ -319,6 +346,8 @@ def run_case(attention, q, k, v, grid, backend, cfg, *, layer=LAYER, stateful=Fa
             call()
         return None, call()
     call()  # cold start (compilation, the first k-means)
+    if pair_with is not None and PAIRED > 0:
+        return paired_ms(call, pair_with, PAIRED), call()
     ms = timed_ms(call, mean=LOOP if mean is None else mean)  # under --loop every case (dense too) by the mean
     return ms, call()
 
@@ -430,10 +459,13 @@ def measure_input(rec, dl, args, name, q, k, v, grid, tmp, meta=None):
                 budget_config(backend, cfg, budget),
                 layer=layer,
                 stateful=stateful,
+                pair_with=lambda: ditattn.attention(q, k, v, backend=dense_backend),
             )
             rel, cos = errors(out, exact, rows)
+            paired = isinstance(ms, tuple)
             return {
-                "ms": ms,
+                "ms": ms[0] if paired else ms,
+                **({"paired_dense_ms": ms[1], "pairs": PAIRED} if paired else {}),
                 "rel_err": rel,
                 "cosine": cos,
                 "kept_fraction": kept_of(last_stats),
@@ -461,7 +493,7 @@ def measure_input(rec, dl, args, name, q, k, v, grid, tmp, meta=None):
                 budget=budget if budgeted else None,
                 backend=backend,
                 config=cfg,
-                speedup=dense_ms / res["ms"] if res["ms"] else None,
+                speedup=(res.get("paired_dense_ms") or dense_ms) / res["ms"] if res["ms"] else None,
                 **res,
             )
             print(
@@ -722,6 +754,15 @@ def main():
     )
     ap.add_argument("--warmup-ms", type=float, default=TIMING["warmup_ms"], help="timing warm-up per case")
     ap.add_argument("--rep-ms", type=float, default=TIMING["rep_ms"], help="timing repetitions per case (ms)")
+    ap.add_argument(
+        "--paired",
+        type=int,
+        default=0,
+        metavar="N",
+        help="time each case in N rounds alternating with the dense kernel (one call each, device synchronised "
+        "around each call) and take its speed-up from the two means: drift between separately timed runs "
+        "cancels (0, the default: case and dense kernel timed apart, by --warmup-ms / --rep-ms)",
+    )
     ap.add_argument("--no-chart", action="store_true", help="no fidelity.png")
     ap.add_argument(
         "--summary",
@@ -732,8 +773,8 @@ def main():
     ap.add_argument("--out", default="fidelity_out", help="output directory")
     args = ap.parse_args()
     grids, heads_list = common.grid_args(ap, args)
-    global ERROR_ONLY, LOOP, DENSE_ABOVE_OVERRIDE
-    ERROR_ONLY, LOOP = args.error_only, args.loop
+    global ERROR_ONLY, LOOP, DENSE_ABOVE_OVERRIDE, PAIRED
+    ERROR_ONLY, LOOP, PAIRED = args.error_only, args.loop, max(0, args.paired)
     TIMING.update(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
     if args.dense_above is not None:
         if not 0 < args.dense_above <= 1:

@@ -161,6 +161,12 @@ def main(argv=None) -> int:
         "--no-overhead", action="store_true", help="leave out the fallback cost (bench/fidelity.py --overhead)"
     )
     ap.add_argument("--rep-ms", default="200", help="bench/fidelity.py --rep-ms (timing per case)")
+    ap.add_argument(
+        "--paired",
+        default="10",
+        help="bench/fidelity.py --paired: each case's speed-up from this many rounds alternating with FA4 "
+        "(0: timed apart, FA4 once per input)",
+    )
     ap.add_argument("--sage-shapes", default=None, help="bench/attention.py --shapes (default: all of its shapes)")
     args = ap.parse_args(argv)
     parts = args.parts.split(",") if args.parts else [p for p in PARTS if not (args.smoke and p == "tests")]
@@ -211,6 +217,8 @@ def main(argv=None) -> int:
             "1" if args.smoke else "50",
             "--rep-ms",
             "1" if args.smoke else args.rep_ms,
+            "--paired",
+            "2" if args.smoke else args.paired,
             "--budget-s",
             f"{max(10.0, left() - reserve):.0f}",
             "--out",

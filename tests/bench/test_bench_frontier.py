@@ -44,11 +44,37 @@ def test_frontier_smoke_on_cpu(tmp_path, run_bench):
     assert over["sparge_attn forced dense, loop (mean)"]["dense"] is True
     assert {r["shape"] for r in data["sage_vs_fa"]} == {"1,2,256,128", "1,2,128,64"}
     assert set(data["checks"]) >= {"defaults_within_5_percent", "two_backends_1_5x", "sage_at_least_fa"}
+    # structured cases are timed in pairs with the dense kernel (--paired 2 in the smoke run), the speed-up from them
+    rows = json.loads((out / "fidelity" / "fidelity.json").read_text())["rows"]
+    sparse = {"sparge_attn", "sol_attn", "vmoba_attn", "sparse_video_gen_2_attn"}
+    timed = [r for r in rows if r.get("backend") in sparse and r.get("ms")]
+    assert timed and all(r.get("pairs") == 2 and r["paired_dense_ms"] > 0 for r in timed), timed[:2]
+    assert all(r["speedup"] == pytest.approx(r["paired_dense_ms"] / r["ms"]) for r in timed)
     files = [os.path.relpath(os.path.join(d, f), out) for d, _, fs in os.walk(out) for f in fs]
     assert len(files) <= 8 and max(f.count(os.sep) for f in files) <= 1, files
     table = stdout[stdout.rindex("| case | family | budget |") :].strip().splitlines()
     assert len(table) == 2 + len(data["summary"]) == 2 + 5 * 3 + 2, table  # the table ends the output
     assert table[-1].startswith("| skip_softmax (budget) | weak | default |"), table[-1]
+
+
+def test_paired_timing_alternates_and_returns_both_means(monkeypatch):
+    import time
+
+    fid = _fidelity()
+    monkeypatch.setattr(fid, "DEVICE", "cpu")  # the host clock alone (no device to synchronise)
+    calls = []
+
+    def case():
+        calls.append("c")
+        time.sleep(0.002)
+
+    def dense():
+        calls.append("d")
+        time.sleep(0.006)
+
+    c_ms, d_ms = fid.paired_ms(case, dense, 5)
+    assert calls == ["c", "d"] * 7  # two warm-up rounds, then five timed ones, alternating
+    assert c_ms >= 2.0 and d_ms >= 6.0 and d_ms - c_ms > 2.0, (c_ms, d_ms)  # sleeps only overshoot
 
 
 def test_budget_lists_per_backend():
