@@ -59,8 +59,8 @@ def test_merge_takes_the_dit_of_one_run_and_the_decoder_of_the_other(runs, capsy
 
 
 def test_merge_refuses_packages_whose_latents_differ(runs, capsys):
-    """A VAE run that also trained the encoder (other latent statistics), an encoder changed by one
-    value under the same statistics, and a missing package: one error line each, nothing written."""
+    """A VAE run that also trained the encoder, the two folders swapped, an encoder changed by one value
+    under the same statistics, and a missing package: one error line each, nothing written."""
     import shutil
 
     from safetensors.torch import save_file
@@ -74,7 +74,16 @@ def test_merge_refuses_packages_whose_latents_differ(runs, capsys):
         return err
 
     err = merge("vae_all")
-    assert "the VAE configs differ (latents_mean, latents_std)" in err and "--vae-train decoder" in err
+    assert "is not a decoder-only run" in err and "--vae-train decoder" in err
+    rc = main(["--dit", str(runs / "dec"), "--decoder", str(runs / "dit"), "--out", str(runs / "bad")])  # swapped
+    assert rc == 2 and "dit is not a decoder-only run" in capsys.readouterr().err and not (runs / "bad").exists()
+
+    shutil.copytree(runs / "dec", runs / "dec_stats")  # decoder-only, but other latent statistics
+    meta = json.loads((runs / "dec_stats" / "shapes.json").read_text())
+    meta["components"]["vae"]["latents_mean"][0] += 1.0
+    (runs / "dec_stats" / "shapes.json").write_text(json.dumps(meta))
+    err = merge("dec_stats")
+    assert "the VAE configs differ (latents_mean)" in err and "--vae-train decoder" in err
 
     shutil.copytree(runs / "dec", runs / "dec_edit")
     tensors = _tensors(runs / "dec_edit")

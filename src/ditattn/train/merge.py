@@ -35,12 +35,16 @@ def _load(folder: str) -> tuple[dict, dict]:
 
 def merge_packages(dit_dir: str, decoder_dir: str) -> tuple[dict, dict]:
     """``(meta, state_dicts)`` of the merged package: ``dit_dir``'s text encoder and transformer with
-    ``decoder_dir``'s VAE.  Raises :class:`MergeError` when the encoders (``vae.encoder.*``,
-    ``vae.quant_conv.*``), the latent statistics or any component's architecture differ."""
+    ``decoder_dir``'s VAE.  Raises :class:`MergeError` when ``decoder_dir`` is not a decoder-only run, or
+    the encoders (``vae.encoder.*``, ``vae.quant_conv.*``), the latent statistics or any component's
+    architecture differ."""
     import torch
 
     dit_meta, dit_t = _load(dit_dir)
     dec_meta, dec_t = _load(decoder_dir)
+    vae_stage = dec_meta.get("training", {}).get("stages", {}).get("vae") or {}
+    if vae_stage.get("train_encoder") is not False:  # e.g. the two folders swapped: the merge would change nothing
+        raise MergeError(f"{decoder_dir} is not a decoder-only run (its VAE stage trained the encoder too); {HINT}")
     for comp in ("text_encoder", "transformer"):
         if dit_meta["components"][comp] != dec_meta["components"][comp]:
             raise MergeError(f"the {comp} architectures differ between {dit_dir} and {decoder_dir}")
@@ -62,7 +66,7 @@ def merge_packages(dit_dir: str, decoder_dir: str) -> tuple[dict, dict]:
     meta = copy.deepcopy(dit_meta)
     meta.pop("format", None)
     training = meta.setdefault("training", {})
-    training.setdefault("stages", {})["vae"] = dec_meta.get("training", {}).get("stages", {}).get("vae")
+    training.setdefault("stages", {})["vae"] = vae_stage
     training["merged"] = {
         "dit_from": dit_meta.get("training", {}).get("commit"),
         "vae_from": dec_meta.get("training", {}).get("commit"),
