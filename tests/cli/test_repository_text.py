@@ -58,3 +58,10 @@ def test_no_file_cites_the_working_documents():
             for n, line in enumerate(fh, 1):
                 hits += [f"{os.path.relpath(path, ROOT)}:{n}: {c}" for c in find_citations(line)]
     assert hits == [], "cite the repository's own docs instead:\n" + "\n".join(hits[:40])
+
+
+def test_the_results_page_stays_a_results_page():
+    """docs/benchmarks.md holds current tables with their commands, not a history: at most 300 lines."""
+    with open(os.path.join(ROOT, "docs", "benchmarks.md"), encoding="utf-8") as f:
+        n = len(f.read().splitlines())
+    assert n <= 300, f"docs/benchmarks.md has {n} lines; keep current figures only (at most 300)"

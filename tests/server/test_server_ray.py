@@ -103,6 +103,28 @@ def test_images_and_video_jobs_through_one_endpoint(cluster):
     assert httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
 
 
+def _ray_worker_niceness(title: str) -> dict:
+    """``{pid: [niceness of each thread]}`` of the processes whose title starts with ``ray::`` + ``title``."""
+    out = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if not f.read().startswith(b"ray::" + title.encode()):
+                    continue
+            out[int(pid)] = [os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir(f"/proc/{pid}/task")]
+        except (OSError, ProcessLookupError):
+            continue  # a process or thread that ended meanwhile
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
+def test_replicas_and_proxy_run_at_niceness_0(cluster):
+    """Ray's default would start them at 15, behind every other process of the node."""
+    replicas, proxy = _ray_worker_niceness("ServeReplica:ditattn:DitReplica"), _ray_worker_niceness("ProxyActor")
+    assert len(replicas) == 2 and len(proxy) == 1, (replicas, proxy)
+    assert {n for threads in [*replicas.values(), *proxy.values()] for n in threads} == {0}
+
+
 def test_50_concurrent_mixed_requests(cluster):
     base, url, _, _ = cluster
 

@@ -107,16 +107,19 @@ def prepare_request_override(
     settings: Optional[AttentionSettings] = None,
     skip_softmax: "SkipSoftmaxParams | dict | None" = None,
     dtype=None,
+    layers: Optional[list[LocalAttention]] = None,
 ) -> RequestState:
     """Validate and prepare a request's attention state for every DiT layer, all or nothing.
 
     dit_modules: the DiT components; name: ``attention_backend_override`` (None = server default);
     skip_softmax: ``{threshold_scale_factor > 0, start_step >= 0}`` or None; dtype: the run's
-    compute dtype (defaults to each layer's construction dtype). Raises AttentionConfigError with
-    the reason (and logs it) if any layer cannot switch; on success nothing global changed.
+    compute dtype (defaults to each layer's construction dtype); layers: ``dit_layers(dit_modules)``
+    computed once by a caller that serves many requests (the module walk is skipped). Raises
+    AttentionConfigError with the reason (and logs it) if any layer cannot switch; on success nothing
+    global changed.
     """
     settings = settings or AttentionSettings()
-    layers = dit_layers(dit_modules)
+    layers = dit_layers(dit_modules) if layers is None else layers
     backend = validate_override(name, layers, settings)
     ss = parse_skip_softmax(skip_softmax)
     platform = current_platform()

@@ -95,7 +95,9 @@ class BaseRunner:
         plat = use_platform(self.platform) if self.platform is not None else contextlib.nullcontext()
         try:
             with plat:
-                return prepare_request_override(self.dit_modules, override, self.settings, skip_softmax, self.dtype)
+                return prepare_request_override(
+                    self.dit_modules, override, self.settings, skip_softmax, self.dtype, layers=self._layers
+                )
         except LookupError as exc:  # get_impl: backend known but not built
             msg = f"attention_backend_override '{override}' is refused: {exc}"
             log.warning("request refused: %s", msg)
