@@ -6,6 +6,7 @@ import base64
 import importlib.util
 import io
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -23,28 +24,47 @@ KEY = "test-key-123"
 SAGE_BUILT = importlib.util.find_spec("ditattn.attention.backends.sage") is not None
 
 
+ARGS = [
+    "--api-key",
+    KEY,
+    "--max-batch-size",
+    "8",
+    "--max-queue",
+    "8",
+    "--height",
+    "16",
+    "--width",
+    "16",
+    "--num-inference-steps",
+    "2",
+    "--guidance-scale",
+    "1.0",
+    "--num-frames",
+    "5",
+]
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def plain_server(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    args = [
-        "--api-key",
-        KEY,
-        "--max-batch-size",
-        "8",
-        "--max-queue",
-        "8",
-        "--height",
-        "16",
-        "--width",
-        "16",
-        "--num-inference-steps",
-        "2",
-        "--guidance-scale",
-        "1.0",
-        "--num-frames",
-        "5",
-    ]
-    with serve_process(args, log) as base:
+    with serve_process(ARGS, log) as base:
+        yield base, log
+
+
+@pytest.fixture(scope="module", params=["one process", pytest.param("two Ray replicas", marks=pytest.mark.ray)])
+def server(request, tmp_path_factory):
+    """The same requests against ``ditattn serve`` and against two CPU replicas on Ray Serve behind one endpoint
+    (a PostgreSQL job store and a shared output folder)."""
+    if request.param == "one process":
+        yield request.getfixturevalue("plain_server")
+        return
+    pytest.importorskip("ray", reason="ray is not installed (pip install 'ditattn[scale]')")
+    pg = request.getfixturevalue("pg_server")
+    url = pg.fresh_db("e2e" + uuid.uuid4().hex[:10])
+    out = tmp_path_factory.mktemp("ray-out")
+    log = tmp_path_factory.mktemp("ray-serve") / "server.log"
+    args = [*ARGS, "--replicas", "2", "--job-store", url, "--output-dir", str(out), "--ray-address", "local"]
+    with serve_process(args, log, startup_s=400) as base:
         yield base, log
 
 
@@ -122,7 +142,10 @@ def test_refusals(server, extra, match):
         with pytest.raises(openai.BadRequestError) as ei:
             call()
         assert match in ei.value.body["message"] and ei.value.status_code == 400
-    assert match in log.read_text()  # the server logs the same reason
+    t0 = time.time()  # the server logs the same reason (Ray forwards a replica's lines to its driver within ~1 s)
+    while match not in log.read_text():
+        assert time.time() - t0 < 20, f"{match!r} not in the server log"
+        time.sleep(0.2)
 
 
 def test_bad_sizes(server):
@@ -141,11 +164,13 @@ def test_bad_sizes(server):
         c.videos.create(prompt="x", extra_body={"num_frames": 6})
 
 
-def test_concurrent_mixed_load(server):
+def test_concurrent_mixed_load(server, request):
     """64 requests, 8 at a time, random valid and invalid overrides: no crash, each valid response
-    reports exactly the backend it asked for, each invalid one is a 400 naming the reason."""
+    reports exactly the backend it asked for, each invalid one is a 400 naming the reason; on Ray both
+    replicas ran some of them."""
     base, _ = server
     c = client(base)
+    time.sleep(1.5)  # Ray replicas publish their metrics at each heartbeat (at most 1 s apart): earlier tests' too
     before = samples(httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text)
     rng = np.random.default_rng(1234)
     choices = [None, "torch_sdpa", "sage_attn", "TORCH_SDPA", "fa", "sliding_tile_attn", "bogus", "sage_attn_3"]
@@ -202,13 +227,22 @@ def test_concurrent_mixed_load(server):
             assert kind == "ok" and detail == want, (name, kind, detail)
             n_ok += 1
     assert n_ok > 10 and n_bad > 10
-    after = samples(httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text)
 
     def delta(name, **labels):
         def total(rows):
             return sum(v for n, lab, v in rows if n == name and all(lab.get(k) == x for k, x in labels.items()))
 
         return total(after) - total(before)
+
+    t0 = time.time()  # replicas publish their metrics at each heartbeat (at most 1 s apart): wait for the last ones
+    while True:
+        after = samples(httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text)
+        ok = delta("ditattn_generations_total", kind="image", outcome="ok") + delta(
+            "ditattn_generations_total", kind="video", outcome="ok"
+        )
+        if ok >= n_ok or time.time() - t0 > 15:
+            break
+        time.sleep(0.5)
 
     assert delta("ditattn_attention_refusals_total") == n_bad
     assert (
@@ -219,11 +253,15 @@ def test_concurrent_mixed_load(server):
     assert delta("ditattn_generations_total", kind="image", outcome="error") == 0
     assert delta("ditattn_batch_size_sum") == n_ok  # every valid request ran in exactly one batch
     assert delta("ditattn_batch_size_count") <= n_ok
+    if request.node.callspec.params["server"] == "two Ray replicas":
+        ran = {lab.get("replica") for n, lab, v in after if n == "ditattn_generations_total" and v > 0}
+        assert len(ran) == 2 and None not in ran, ran
     print(f"mixed load: {n_ok} ok, {n_bad} refused in {elapsed:.1f}s, {delta('ditattn_batch_size_count'):.0f} batches")
 
 
-def test_queue_full_429_and_auth_401(server):
-    base, _ = server
+def test_queue_full_429_and_auth_401(plain_server):
+    """The single process's queue (the deployment's, at Ray's proxy: test_server_ray.py)."""
+    base, _ = plain_server
     c = client(base)
     auth = {"Authorization": f"Bearer {KEY}"}
     # a slow job occupies the worker, so the burst below meets a full queue (8 waiting)
