@@ -13,7 +13,9 @@ PostgreSQL server is started (tests/pg.py; needs ``initdb``).
 Overhead (``--overhead K``): one Ray Serve replica (``--replicas 1 --ray-address local``, the
 single server's SQLite store: no PostgreSQL needed) and the plain ``ditattn serve`` run side by side;
 after ``--warmup`` requests each, K image requests go to each, one at a time, alternating between the
-two (drift hits both alike): median and p90 latency of each and what Ray's proxy and routing add.
+two (drift hits both alike): median and p90 latency of each and what Ray's proxy and routing add, split
+by the servers' ``Server-Timing`` headers into time inside the image route (the pipeline's ``generate``
+among it) and time outside it (HTTP, Ray's proxy and its call to the replica).
 
 ``--steps 0``: the model's own step count and guidance scale.  Arguments after ``--`` go to every
 ``ditattn serve`` (e.g. ``-- --model-path ditattn:shapes --device cuda``).  Writes
@@ -85,16 +87,33 @@ def stop(proc) -> None:
         proc.wait()
 
 
-def image(base: str, size: int, seed: int) -> float:
+def image_timed(base: str, size: int, seed: int) -> tuple:
+    """One image request: ``(latency s, the answer's Server-Timing as {name: ms})``."""
     t0 = time.perf_counter()
     r = httpx.post(
         base + "/v1/images/generations",
         json={"prompt": f"bench {seed}", "size": f"{size}x{size}", "seed": seed},
         timeout=600,
     )
+    lat = time.perf_counter() - t0
     if r.status_code != 200:
         raise RuntimeError(f"image request: HTTP {r.status_code}: {r.text[:200]}")
-    return time.perf_counter() - t0
+    return lat, parse_server_timing(r.headers.get("server-timing", ""))
+
+
+def image(base: str, size: int, seed: int) -> float:
+    return image_timed(base, size, seed)[0]
+
+
+def parse_server_timing(value: str) -> dict:
+    """``"queue;dur=1.5, total;dur=3"`` -> ``{"queue": 1.5, "total": 3.0}`` (entries without a duration skipped)."""
+    out = {}
+    for part in filter(None, (p.strip() for p in value.split(","))):
+        name, *params = (x.strip() for x in part.split(";"))
+        for param in params:
+            if param.startswith("dur="):
+                out[name] = float(param[4:])
+    return out
 
 
 def throughput(base: str, n: int, conc: int, size: int) -> dict:
@@ -122,37 +141,58 @@ def _stats(lat: list) -> dict:
 
 
 def overhead(bases: dict, k: int, warmup: int, size: int) -> dict:
-    """``k`` sequential requests to each server of ``bases`` (name -> URL), alternating, after
-    ``warmup`` each; latency statistics per server and Ray's overhead over the plain server."""
+    """``k`` sequential requests to each server of ``bases`` (name -> URL; ``"ray"`` and ``"plain"``),
+    alternating, after ``warmup`` each; latency statistics per server, where the time went by the servers'
+    ``Server-Timing`` (median ms of ``generate``, of the route's ``total`` and of the latency outside it),
+    and Ray's overhead over the plain server, in all and split into inside and outside the route."""
     for base in bases.values():
         for i in range(warmup):
             image(base, size, 20_000 + i)
     lat: dict = {name: [] for name in bases}
+    timing: dict = {name: [] for name in bases}
     for i in range(k):
         for name in bases if i % 2 == 0 else list(bases)[::-1]:  # ABBA: neither always goes first
-            lat[name].append(image(bases[name], size, i))
+            latency, t = image_timed(bases[name], size, i)
+            lat[name].append(latency)
+            timing[name].append({**t, "latency": 1e3 * latency})
     out = {name: _stats(v) for name, v in lat.items()}
+    for name, rows in timing.items():
+        if rows and all("total" in r for r in rows):
+            out[name]["generate_ms"] = round(statistics.median(r.get("generate", 0.0) for r in rows), 2)
+            out[name]["route_ms"] = round(statistics.median(r["total"] for r in rows), 2)
+            out[name]["outside_ms"] = round(statistics.median(r["latency"] - r["total"] for r in rows), 2)
     ray, plain = out["ray"], out["plain"]
     for q in ("median", "p90"):
         d = ray[f"{q}_ms"] - plain[f"{q}_ms"]
         out[f"overhead_{q}_ms"] = round(d, 2)
         out[f"overhead_{q}_pct"] = round(100 * d / plain[f"{q}_ms"], 2)
+    for part in ("route", "outside"):
+        if f"{part}_ms" in ray and f"{part}_ms" in plain:
+            out[f"overhead_{part}_ms"] = round(ray[f"{part}_ms"] - plain[f"{part}_ms"], 2)
     return out
 
 
 def table(res: dict) -> str:
     o = res["overhead"]
+    split = all("route_ms" in o[n] for n in ("plain", "ray"))
     lines = [
         f"per-request latency, {res['size']}x{res['size']} image, {o['requests']} sequential requests each "
         f"(alternating, after {o['warmup']} warm-up):",
-        f"{'server':<26}{'median ms':>11}{'p90 ms':>10}",
+        f"{'server':<26}{'median ms':>11}{'p90 ms':>10}"
+        + (f"{'generate':>10}{'in route':>10}{'outside':>10}" if split else ""),
     ]
     for name, label in (("plain", "ditattn serve"), ("ray", "Ray Serve, 1 replica")):
-        lines.append(f"{label:<26}{o[name]['median_ms']:>11.1f}{o[name]['p90_ms']:>10.1f}")
-    lines.append(
+        row = f"{label:<26}{o[name]['median_ms']:>11.1f}{o[name]['p90_ms']:>10.1f}"
+        if split:
+            row += f"{o[name]['generate_ms']:>10.1f}{o[name]['route_ms']:>10.1f}{o[name]['outside_ms']:>10.1f}"
+        lines.append(row)
+    last = (
         f"{'Ray overhead':<26}{o['overhead_median_ms']:>+11.1f}{o['overhead_p90_ms']:>+10.1f}"
         f"   ({o['overhead_median_pct']:+.1f} % median, {o['overhead_p90_pct']:+.1f} % p90)"
     )
+    if split:
+        last += f"; in the route {o['overhead_route_ms']:+.1f}, outside it {o['overhead_outside_ms']:+.1f} (medians)"
+    lines.append(last)
     return "\n".join(lines)
 
 

@@ -5,6 +5,7 @@ runner: a toy DiT made of real ``LocalAttention`` layers, so attention validatio
 
 import base64
 import contextlib
+import dataclasses
 import functools
 import io
 import threading
@@ -142,6 +143,42 @@ def test_images_b64_and_url(toy):
     assert got.status_code == 200 and got.headers["content-type"] == "image/png"
     assert got.headers[BACKEND_HEADER] == "torch_sdpa"
     assert np.asarray(Image.open(io.BytesIO(got.content))).shape == (16, 32, 3)  # default size 32x16
+
+
+class TimedRunner(ToyRunner):
+    """A toy whose batch takes ``delay`` seconds, of which its pipeline reports ``pipeline_s``."""
+
+    def __init__(self, pipeline_s: float, **kw):
+        super().__init__(**kw)
+        self.pipeline_s = pipeline_s
+
+    def run_batch(self, jobs):
+        return [dataclasses.replace(r, seconds=self.pipeline_s) for r in super().run_batch(jobs)]
+
+
+def _timings(header: str) -> dict:
+    out = {}
+    for part in header.split(","):
+        name, dur = part.strip().split(";")
+        assert dur.startswith("dur=")
+        out[name] = float(dur[4:])
+    return out
+
+
+def test_image_answers_say_where_their_time_went():
+    """Server-Timing (ms): the pipeline's own time, the rest of the wait for the result, the PNG encoding and
+    the whole route; a client can subtract ``total`` from its latency to see what lay outside the server."""
+    with serve(TimedRunner(pipeline_s=0.15, delay=0.25)) as (base, _):
+        t0 = time.perf_counter()
+        r = httpx.post(base + "/v1/images/generations", json={"prompt": "x", "n": 2}, timeout=30)
+        latency_ms = 1e3 * (time.perf_counter() - t0)
+    assert r.status_code == 200
+    t = _timings(r.headers["server-timing"])
+    assert list(t) == ["queue", "generate", "encode", "total"]
+    assert t["generate"] == 150.0
+    assert 100.0 - 10 <= t["queue"] < latency_ms  # the 0.25 s batch less the 0.15 s the pipeline reported
+    assert 0.0 <= t["encode"] < t["total"] <= latency_ms
+    assert t["total"] >= t["queue"] + t["generate"] + t["encode"] - 0.5  # rounding of each to 0.1 ms
 
 
 def test_video_lifecycle_list_content_delete():

@@ -39,9 +39,8 @@ NICENESS_ENV = "RAY_worker_niceness"
 
 def local_system_config() -> dict:
     """Ray system settings of a local instance that :func:`deploy` starts: workers at niceness 0, so that
-    a replica and the proxy in front of it are not the node's lowest-priority processes (on the 2-core
-    machine Ray's default of 15 added ~4 ms to a 130 ms request).  ``{}`` when ``RAY_worker_niceness`` is
-    set: the user's choice stands."""
+    a replica and the proxy in front of it are not the node's lowest-priority processes (docs/serving.md,
+    "Niceness").  ``{}`` when ``RAY_worker_niceness`` is set: the user's choice stands."""
     return {} if NICENESS_ENV in os.environ else {"worker_niceness": 0}
 
 

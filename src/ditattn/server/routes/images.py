@@ -4,6 +4,12 @@ An image request waits for its result: a client that disconnects meanwhile cance
 the queue, or stopped at its next denoising step) and is answered 499 (counted, never sent).
 Image URLs are ``--public-url`` + ``/v1/images/{id}/content``, or that path alone (relative) when no
 public URL is configured; the request's ``Host`` header is never used.
+
+A generation's answer carries a ``Server-Timing`` header (ms): ``queue`` (from submission to the result,
+less the pipeline's own time: the wait in the queue and the batch around it), ``generate`` (the pipeline's
+run, decode included), ``encode`` (PNG and base64) and ``total`` (the route, from reading the body to the
+answer; the HTTP parsing and middleware around it are not counted): a client's latency less ``total`` is
+what lies outside the route (the network, the HTTP layer, a proxy such as Ray Serve's).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ CLIENT_CLOSED = 499  # nginx's "client closed request": counted in /metrics, nev
 
 @router.post("/v1/images/generations")
 async def images_generations(request: Request, state: ServerState = Depends(server_state)):
+    t_in = time.perf_counter()
     config = state.config
     state.check_accepting()
     req = validate(ImageGenerationRequest, await read_body(request, config.max_body_bytes, config.max_json_depth))
@@ -48,6 +55,7 @@ async def images_generations(request: Request, state: ServerState = Depends(serv
     )
     job = state.make_job("image", params, model=model, n=n)
     fut = state.submit(job)
+    t_sub = time.perf_counter()
     try:
         result = await state.wait_result(request, job, fut)
     except ClientGone:
@@ -60,6 +68,7 @@ async def images_generations(request: Request, state: ServerState = Depends(serv
         raise failure(exc, job.id[:12]) from None
     backends = list(result.attention_backends)
     frames = result.frames
+    t_res = time.perf_counter()
     pngs = await asyncio.get_running_loop().run_in_executor(
         state.encoder, lambda: [encode_png(frames[i, 0]) for i in range(frames.shape[0])]
     )
@@ -90,7 +99,18 @@ async def images_generations(request: Request, state: ServerState = Depends(serv
         skip_softmax=skip_report(job, result),
         cache=getattr(result, "cache", None),
     )
-    return JSONResponse(body.model_dump(), headers={BACKEND_HEADER: ",".join(backends)})
+    content = body.model_dump()
+    t_out = time.perf_counter()
+    generate = max(0.0, float(getattr(result, "seconds", 0.0) or 0.0))
+    timing = server_timing(
+        queue=max(0.0, t_res - t_sub - generate), generate=generate, encode=t_out - t_res, total=t_out - t_in
+    )
+    return JSONResponse(content, headers={BACKEND_HEADER: ",".join(backends), "Server-Timing": timing})
+
+
+def server_timing(**seconds: float) -> str:
+    """A ``Server-Timing`` header value of ``name=seconds`` pairs, in ms (``queue;dur=1.2, total;dur=3.4``)."""
+    return ", ".join(f"{name};dur={1e3 * s:.1f}" for name, s in seconds.items())
 
 
 @router.get("/v1/images/{image_id}/content")
