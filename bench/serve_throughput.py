@@ -34,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import httpx
@@ -103,10 +104,6 @@ def image_timed(base: str, size: int, seed: int, client: "httpx.Client | None" =
     return lat, parse_server_timing(r.headers.get("server-timing", ""))
 
 
-def image(base: str, size: int, seed: int) -> float:
-    return image_timed(base, size, seed)[0]
-
-
 def parse_server_timing(value: str) -> dict:
     """``"queue;dur=1.5, total;dur=3"`` -> ``{"queue": 1.5, "total": 3.0}`` (entries without a duration skipped)."""
     out = {}
@@ -119,12 +116,25 @@ def parse_server_timing(value: str) -> dict:
 
 
 def throughput(base: str, n: int, conc: int, size: int) -> dict:
-    for i in range(conc):  # warm every replica (first-call costs) before the clock starts
-        image(base, size, 10_000 + i)
-    t0 = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(conc) as pool:
-        lat = list(pool.map(lambda i: image(base, size, i), range(n)))
-    wall = time.perf_counter() - t0
+    """``n`` image requests from ``conc`` clients at once (each a kept-alive connection): images per minute."""
+    local = threading.local()
+
+    def one(i: int) -> float:
+        if not hasattr(local, "client"):
+            local.client = httpx.Client(timeout=600)
+            clients.append(local.client)
+        return image_timed(base, size, i, local.client)[0]
+
+    clients: list = []
+    try:
+        with concurrent.futures.ThreadPoolExecutor(conc) as pool:
+            list(pool.map(lambda i: one(10_000 + i), range(conc)))  # warm every replica before the clock starts
+            t0 = time.perf_counter()
+            lat = list(pool.map(one, range(n)))
+            wall = time.perf_counter() - t0
+    finally:
+        for c in clients:
+            c.close()
     return {
         "images": n,
         "wall_s": round(wall, 2),
