@@ -117,7 +117,7 @@ def parse_server_timing(value: str) -> dict:
 
 def throughput(base: str, n: int, conc: int, size: int) -> dict:
     """``n`` image requests from ``conc`` clients at once (each a kept-alive connection): images per minute."""
-    local = threading.local()
+    local, clients = threading.local(), []
 
     def one(i: int) -> float:
         if not hasattr(local, "client"):
@@ -125,7 +125,6 @@ def throughput(base: str, n: int, conc: int, size: int) -> dict:
             clients.append(local.client)
         return image_timed(base, size, i, local.client)[0]
 
-    clients: list = []
     try:
         with concurrent.futures.ThreadPoolExecutor(conc) as pool:
             list(pool.map(lambda i: one(10_000 + i), range(conc)))  # warm every replica before the clock starts

@@ -21,6 +21,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def serve_flags(**flags) -> list:
+    """``ditattn serve`` arguments from keywords: ``max_batch_size=8`` -> ``["--max-batch-size", "8"]``."""
+    return [x for name, value in flags.items() for x in (f"--{name.replace('_', '-')}", str(value))]
+
+
 def wait_for(cond, timeout: float = 15, what: str = "condition", poll: float = 0.01) -> None:
     """Return once ``cond()`` is true; fail the test after ``timeout`` seconds naming ``what``."""
     t0 = time.time()

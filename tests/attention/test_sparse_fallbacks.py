@@ -203,8 +203,8 @@ def test_a_named_dense_phase_that_is_the_automatic_choice_takes_the_cached_path(
     q, k, v = (torch.randn(1, 37, 3, 32, generator=g) for _ in range(3))
     auto = functional.auto_dense_backend(q, k)
     seen = []
-    real = functional.run_auto_dense
-    monkeypatch.setattr(functional, "run_auto_dense", lambda *a, **kw: seen.append(1) or real(*a, **kw))
+    real = functional.auto_dense_attention
+    monkeypatch.setattr(functional, "auto_dense_attention", lambda *a, **kw: seen.append(1) or real(*a, **kw))
     out, lse = dense_attention(q, k, v, backend=auto, return_lse=True)
     ref, ref_lse = ditattn.attention(q, k, v, backend=auto, return_lse=True)
     assert seen == [1]

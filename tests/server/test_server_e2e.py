@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from ditattn.server.metrics import parse_text, samples
-from serving import serve_process, wait_video
+from serving import serve_flags, serve_process, wait_for, wait_video
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the client marks the videos API deprecated
 
@@ -24,24 +24,16 @@ KEY = "test-key-123"
 SAGE_BUILT = importlib.util.find_spec("ditattn.attention.backends.sage") is not None
 
 
-ARGS = [
-    "--api-key",
-    KEY,
-    "--max-batch-size",
-    "8",
-    "--max-queue",
-    "8",
-    "--height",
-    "16",
-    "--width",
-    "16",
-    "--num-inference-steps",
-    "2",
-    "--guidance-scale",
-    "1.0",
-    "--num-frames",
-    "5",
-]
+ARGS = serve_flags(
+    api_key=KEY,
+    max_batch_size=8,
+    max_queue=8,
+    height=16,
+    width=16,
+    num_inference_steps=2,
+    guidance_scale=1.0,
+    num_frames=5,
+)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +55,7 @@ def server(request, tmp_path_factory):
     url = pg.fresh_db("e2e" + uuid.uuid4().hex[:10])
     out = tmp_path_factory.mktemp("ray-out")
     log = tmp_path_factory.mktemp("ray-serve") / "server.log"
-    args = [*ARGS, "--replicas", "2", "--job-store", url, "--output-dir", str(out), "--ray-address", "local"]
+    args = [*ARGS, *serve_flags(replicas=2, job_store=url, output_dir=out, ray_address="local")]
     with serve_process(args, log, startup_s=400) as base:
         yield base, log
 
@@ -142,10 +134,8 @@ def test_refusals(server, extra, match):
         with pytest.raises(openai.BadRequestError) as ei:
             call()
         assert match in ei.value.body["message"] and ei.value.status_code == 400
-    t0 = time.time()  # the server logs the same reason (Ray forwards a replica's lines to its driver within ~1 s)
-    while match not in log.read_text():
-        assert time.time() - t0 < 20, f"{match!r} not in the server log"
-        time.sleep(0.2)
+    # the server logs the same reason (Ray forwards a replica's lines to its driver within ~1 s)
+    wait_for(lambda: match in log.read_text(), timeout=20, what=f"{match!r} in the server log", poll=0.2)
 
 
 def test_bad_sizes(server):
@@ -170,7 +160,9 @@ def test_concurrent_mixed_load(server, request):
     replicas ran some of them."""
     base, _ = server
     c = client(base)
-    time.sleep(1.5)  # Ray replicas publish their metrics at each heartbeat (at most 1 s apart): earlier tests' too
+    on_ray = request.node.callspec.params["server"] == "two Ray replicas"
+    if on_ray:
+        time.sleep(1.5)  # replicas publish their metrics at each heartbeat (at most 1 s apart): earlier tests' too
     before = samples(httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text)
     rng = np.random.default_rng(1234)
     choices = [None, "torch_sdpa", "sage_attn", "TORCH_SDPA", "fa", "sliding_tile_attn", "bogus", "sage_attn_3"]
@@ -234,15 +226,14 @@ def test_concurrent_mixed_load(server, request):
 
         return total(after) - total(before)
 
-    t0 = time.time()  # replicas publish their metrics at each heartbeat (at most 1 s apart): wait for the last ones
-    while True:
+    def published() -> bool:  # Ray replicas publish their metrics at each heartbeat: wait for the last ones
+        nonlocal after
         after = samples(httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text)
-        ok = delta("ditattn_generations_total", kind="image", outcome="ok") + delta(
-            "ditattn_generations_total", kind="video", outcome="ok"
-        )
-        if ok >= n_ok or time.time() - t0 > 15:
-            break
-        time.sleep(0.5)
+        ok = delta("ditattn_generations_total", kind="image", outcome="ok")
+        return ok + delta("ditattn_generations_total", kind="video", outcome="ok") >= n_ok
+
+    after: list = []
+    wait_for(published, timeout=15, what="the generations in /metrics", poll=0.5)
 
     assert delta("ditattn_attention_refusals_total") == n_bad
     assert (
@@ -253,7 +244,7 @@ def test_concurrent_mixed_load(server, request):
     assert delta("ditattn_generations_total", kind="image", outcome="error") == 0
     assert delta("ditattn_batch_size_sum") == n_ok  # every valid request ran in exactly one batch
     assert delta("ditattn_batch_size_count") <= n_ok
-    if request.node.callspec.params["server"] == "two Ray replicas":
+    if on_ray:
         ran = {lab.get("replica") for n, lab, v in after if n == "ditattn_generations_total" and v > 0}
         assert len(ran) == 2 and None not in ran, ran
     print(f"mixed load: {n_ok} ok, {n_bad} refused in {elapsed:.1f}s, {delta('ditattn_batch_size_count'):.0f} batches")

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from serving import serve_process, wait_video
+from serving import serve_flags, serve_process, wait_video
 
 pytest.importorskip("ray", reason="ray is not installed (pip install 'ditattn[scale]')")
 pytestmark = [pytest.mark.ray, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -29,34 +29,21 @@ def cluster(pg_server, tmp_path_factory):
     url = pg_server.fresh_db("ray" + uuid.uuid4().hex[:10])
     out = tmp_path_factory.mktemp("shared-out")
     log = tmp_path_factory.mktemp("ray-serve") / "serve.log"
-    args = [
-        "--model-path",
-        "ditattn:tiny-wan",
-        "--replicas",
-        "2",
-        "--job-store",
-        url,
-        "--output-dir",
-        str(out),
-        "--job-lease-s",
-        "4",
-        "--api-key",
-        KEY,
-        "--max-batch-size",
-        "4",
-        "--max-queue",
-        "16",
-        "--height",
-        "16",
-        "--width",
-        "16",
-        "--num-inference-steps",
-        "2",
-        "--guidance-scale",
-        "1.0",
-        "--num-frames",
-        "5",
-    ]
+    args = serve_flags(
+        model_path="ditattn:tiny-wan",
+        replicas=2,
+        job_store=url,
+        output_dir=out,
+        job_lease_s=4,
+        api_key=KEY,
+        max_batch_size=4,
+        max_queue=16,
+        height=16,
+        width=16,
+        num_inference_steps=2,
+        guidance_scale=1.0,
+        num_frames=5,
+    )
     with serve_process(args, log, startup_s=400) as base:
         yield base, url, out, log
 

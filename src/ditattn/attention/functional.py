@@ -167,15 +167,7 @@ def auto_dense_attention(
     and with the automatic choice's per-call fallback (SM100: cuDNN, then FA). ``[B, S, H, D]`` in
     and out; returns ``(out, lse [B, H, S] float32 or None)``."""
     check_qkv(q, k, v)
-    return run_auto_dense(_auto_dense_decision(q, k, False, return_lse), q, k, v, scale=scale, return_lse=return_lse)
-
-
-def run_auto_dense(
-    dec: Decision, q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[float] = None, return_lse: bool = False
-) -> tuple[Tensor, Optional[Tensor]]:
-    """:func:`auto_dense_attention` on q/k/v its caller already checked (``check_qkv``), with the decision
-    ``auto_dense_decision(q, k, return_lse)`` it already holds: the sparse backends' dense fallbacks, which
-    run at every call of a layer sent dense, skip both.  ``[B, S, H, D]`` in and out."""
+    dec = _auto_dense_decision(q, k, False, return_lse)
     call = AttnCall(scale=scale, return_lse=return_lse)
     return bind_impl(dec)(q, k, v, call, dict(_default_config(dec.backend)))
 
@@ -183,12 +175,7 @@ def run_auto_dense(
 def auto_dense_backend(q: Tensor, k: Tensor, return_lse: bool = False) -> str:
     """The name of the backend :func:`auto_dense_attention` runs for this call (its decision is cached per
     call shape and platform)."""
-    return auto_dense_decision(q, k, return_lse).backend.value
-
-
-def auto_dense_decision(q: Tensor, k: Tensor, return_lse: bool = False) -> Decision:
-    """The decision :func:`auto_dense_attention` runs for this call (cached per call shape and platform)."""
-    return _auto_dense_decision(q, k, False, return_lse)
+    return _auto_dense_decision(q, k, False, return_lse).backend.value
 
 
 def _needs_grad(*tensors) -> bool:

@@ -463,14 +463,12 @@ def dense_attention(
     when None, the platform's automatic dense choice (FlashAttention-4 on the H200, SDPA on the
     CPU; a global force never turns this back into a sparse backend).
     Returns ``(out, lse [B, H, S] float32 or None)``."""
-    from ditattn.attention.functional import attention, auto_dense_decision, run_auto_dense
+    from ditattn.attention.functional import attention, auto_dense_attention, auto_dense_backend
 
     # the named backend when it is the automatic choice: the cached decision, not the public entry's per-call
-    # selection (on the H200 Sol's dense_backend "fa" through ditattn.attention ran at 0.93x of this path);
-    # q/k/v were checked by the sparse backend's caller
-    dec = auto_dense_decision(q, k, return_lse)
-    if backend is None or backend == dec.backend.value:
-        return run_auto_dense(dec, q, k, v, scale=scale, return_lse=return_lse)
+    # selection (on the H200 Sol's dense_backend "fa" through ditattn.attention ran at 0.93x of this path)
+    if backend is None or backend == auto_dense_backend(q, k, return_lse):
+        return auto_dense_attention(q, k, v, scale=scale, return_lse=return_lse)
     res = attention(q, k, v, backend=backend, scale=scale, return_lse=return_lse)
     if isinstance(res, tuple):
         return res[0], (res[1] if return_lse else None)

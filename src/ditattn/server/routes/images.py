@@ -101,7 +101,7 @@ async def images_generations(request: Request, state: ServerState = Depends(serv
     )
     content = body.model_dump()
     t_out = time.perf_counter()
-    generate = max(0.0, float(getattr(result, "seconds", 0.0) or 0.0))
+    generate = max(0.0, result.seconds)
     timing = server_timing(
         queue=max(0.0, t_res - t_sub - generate), generate=generate, encode=t_out - t_res, total=t_out - t_in
     )
