@@ -179,6 +179,7 @@ def overhead(bases: dict, k: int, warmup: int, size: int) -> dict:
             out[name]["generate_ms"] = round(statistics.median(r.get("generate", 0.0) for r in rows), 2)
             out[name]["route_ms"] = round(statistics.median(r["total"] for r in rows), 2)
             out[name]["outside_ms"] = round(statistics.median(r["latency"] - r["total"] for r in rows), 2)
+            out[name]["server_timing_ms"] = [{key: round(val, 2) for key, val in r.items()} for r in rows]
     ray, plain = out["ray"], out["plain"]
     for q in ("median", "p90"):
         d = ray[f"{q}_ms"] - plain[f"{q}_ms"]
@@ -187,6 +188,32 @@ def overhead(bases: dict, k: int, warmup: int, size: int) -> dict:
     for part in ("route", "outside"):
         if f"{part}_ms" in ray and f"{part}_ms" in plain:
             out[f"overhead_{part}_ms"] = round(ray[f"{part}_ms"] - plain[f"{part}_ms"], 2)
+    out.update(_paired(lat, timing))
+    return out
+
+
+def _paired(lat: dict, timing: dict) -> dict:
+    """Ray's overhead from the pairs (the i-th request to each server, sent one after the other): the mean
+    difference and its standard error, in ms and % of the plain server's mean, and the mean differences inside
+    and outside the route.  A GPU request's latency can be bimodal (here 270 or 450 ms), and then a difference
+    of two medians jumps with where each median falls; the paired mean does not."""
+    diffs = [1e3 * (r - p) for r, p in zip(lat["ray"], lat["plain"])]
+    if len(diffs) < 2:
+        return {}
+    mean, base = statistics.fmean(diffs), 1e3 * statistics.fmean(lat["plain"])
+    se = statistics.stdev(diffs) / len(diffs) ** 0.5
+    out = {
+        "overhead_paired_mean_ms": round(mean, 2),
+        "overhead_paired_se_ms": round(se, 2),
+        "overhead_paired_mean_pct": round(100 * mean / base, 2),
+        "overhead_paired_se_pct": round(100 * se / base, 2),
+    }
+    rows = list(zip(timing["ray"], timing["plain"]))
+    if rows and all("total" in r and "total" in p for r, p in rows):
+        out["overhead_paired_route_ms"] = round(statistics.fmean(r["total"] - p["total"] for r, p in rows), 2)
+        out["overhead_paired_outside_ms"] = round(
+            statistics.fmean((r["latency"] - r["total"]) - (p["latency"] - p["total"]) for r, p in rows), 2
+        )
     return out
 
 
@@ -211,6 +238,17 @@ def table(res: dict) -> str:
     if split:
         last += f"; in the route {o['overhead_route_ms']:+.1f}, outside it {o['overhead_outside_ms']:+.1f} (medians)"
     lines.append(last)
+    if "overhead_paired_mean_ms" in o:
+        paired = (
+            f"{'paired mean':<26}{o['overhead_paired_mean_ms']:>+11.1f} ms +- {o['overhead_paired_se_ms']:.1f} (s.e.)"
+            f"   ({o['overhead_paired_mean_pct']:+.1f} +- {o['overhead_paired_se_pct']:.1f} % of the plain mean)"
+        )
+        if "overhead_paired_route_ms" in o:
+            paired += (
+                f"; in the route {o['overhead_paired_route_ms']:+.1f}, outside it "
+                f"{o['overhead_paired_outside_ms']:+.1f} (means)"
+            )
+        lines.append(paired)
     return "\n".join(lines)
 
 

@@ -58,17 +58,19 @@ def serve_app(app, config):
         th.join(20)
 
 
+def subprocess_env(**extra) -> dict:
+    """This environment for a ``python -m ditattn`` child: the checkout's ``src`` first on ``PYTHONPATH``, the
+    caller's entries kept (a machine whose packages come from ``PYTHONPATH`` still finds them), plus ``extra``."""
+    path = os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", "")
+    return dict(os.environ, PYTHONPATH=path, **extra)
+
+
 @contextlib.contextmanager
 def serve_process(args, log_path, *, startup_s: float = 180):
     """Run ``python -m ditattn serve --port P *args`` (output to ``log_path``) until it answers
     ``/health``; yields its base URL and stops it on exit."""
     port = free_port()
-    env = dict(
-        os.environ,
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        PYTHONPATH=os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    )
+    env = subprocess_env(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     cmd = [sys.executable, "-m", "ditattn", "serve", "--port", str(port), *args]
     with open(log_path, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)

@@ -64,5 +64,23 @@ def test_overhead_is_split_into_route_and_outside():
     assert o["plain"]["route_ms"] == o["ray"]["route_ms"] == 10.0
     assert o["overhead_route_ms"] == 0.0
     assert 25.0 <= o["overhead_outside_ms"] <= o["overhead_median_ms"] + 1.0 and o["overhead_median_ms"] >= 25.0
+    assert o["overhead_paired_route_ms"] == 0.0 and o["overhead_paired_outside_ms"] >= 25.0
     table = bench.table({"size": 16, "overhead": {"requests": 6, "warmup": 1, **o}})
     assert "in route" in table and f"outside it {o['overhead_outside_ms']:+.1f}" in table
+    assert f"outside it {o['overhead_paired_outside_ms']:+.1f} (means)" in table
+
+
+def test_paired_overhead_is_the_mean_difference_of_request_pairs():
+    """The paired overhead is the mean of (ray_i - plain_i) with its standard error, and it does not jump where a
+    bimodal latency moves the medians: here the medians differ by 180 ms, the pairs by 10 ms each."""
+    paired = _bench()._paired
+    plain = [0.27] * 6 + [0.45] * 5
+    ray = [0.28] * 5 + [0.46] * 6  # every request 10 ms slower, but one more request in the slow mode...
+    ray[5] = 0.28 + 0.18  # ...because its plain partner (0.27) was slow on the Ray side
+    o = paired({"ray": ray, "plain": plain}, {"ray": [], "plain": []})
+    diffs = [1e3 * (r - p) for r, p in zip(ray, plain)]
+    assert o["overhead_paired_mean_ms"] == round(sum(diffs) / len(diffs), 2)
+    assert 0 < o["overhead_paired_se_ms"] < o["overhead_paired_mean_ms"]
+    assert abs(o["overhead_paired_mean_pct"] - 100 * o["overhead_paired_mean_ms"] / (1e3 * sum(plain) / 11)) < 0.01
+    assert "overhead_paired_route_ms" not in o  # no Server-Timing rows: no split
+    assert paired({"ray": [0.3], "plain": [0.2]}, {"ray": [], "plain": []}) == {}  # one pair: no error estimate

@@ -148,13 +148,11 @@ def test_replica_refuses_without_shared_store(tmp_path):
 )
 def test_cli_refuses_replicas_without_shared_store(tmp_path, args, match):
     """``serve --replicas`` checks its shared store and folder before Ray starts: exit 2, one line."""
-    import os
     import subprocess
     import sys
 
-    pytest.importorskip("ray", reason="ray is not installed")
     args = [str(tmp_path) if a == "OUT" else a for a in args]
-    env = dict(os.environ, PYTHONPATH=os.path.join(serving.ROOT, "src"))
+    env = serving.subprocess_env()
     r = subprocess.run(
         [sys.executable, "-m", "ditattn", "serve", "--port", str(serving.free_port()), *args],
         capture_output=True,
@@ -164,6 +162,29 @@ def test_cli_refuses_replicas_without_shared_store(tmp_path, args, match):
     )
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.startswith("error: ") and match in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize(
+    "server, match",
+    [
+        ({"replicas": 2}, "a job store the replicas share"),
+        ({"replicas": 2, "job_store": "postgresql://u@127.0.0.1:1/x"}, "an output folder"),
+    ],
+)
+def test_missing_arguments_are_named_before_missing_packages(monkeypatch, server, match):
+    """Without Ray or psycopg installed, ``serve --replicas`` still names the argument that is missing first
+    (what to pass comes before what to install)."""
+    from ditattn import extras
+    from ditattn.entrypoints.serve import serve_on_ray
+    from ditattn.errors import AttentionConfigError
+    from ditattn.runconfig import RunConfig, ServerConfig
+
+    def nothing_installed(extra, what):
+        raise extras.MissingDependencyError(f"{what} needs the {extra} extra")
+
+    monkeypatch.setattr(extras, "require", nothing_installed)
+    with pytest.raises(AttentionConfigError, match=match):
+        serve_on_ray(RunConfig(server=ServerConfig(**server)))
 
 
 def test_complete_means_a_whole_mp4(tmp_path):

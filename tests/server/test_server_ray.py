@@ -241,11 +241,11 @@ def test_sigterm_hands_the_running_job_back(pg_server, tmp_path):
 
     import psycopg
 
-    from serving import ROOT, free_port
+    from serving import ROOT, free_port, subprocess_env
 
     url = pg_server.fresh_db("st" + uuid.uuid4().hex[:10])
     port, log = free_port(), tmp_path / "serve.log"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.path.join(ROOT, "src"))
+    env = subprocess_env(HF_HUB_OFFLINE="1")
     proc = subprocess.Popen(
         [
             sys.executable,

@@ -77,9 +77,10 @@ def serve_on_ray(cfg: RunConfig) -> int:
     import threading
 
     from ditattn.extras import MissingDependencyError, missing, require
-    from ditattn.server.jobstores import is_postgres
+    from ditattn.server.jobstores import check_shared, is_postgres
 
     if cfg.server.replicas > 1 or is_postgres(cfg.server.job_store):
+        check_shared(cfg.server)  # the arguments first: what to pass is said before what to install
         require("scale", "ditattn serve --replicas")
     elif "ray[serve]" in missing("scale"):  # one replica over SQLite: Ray alone, no PostgreSQL client
         raise MissingDependencyError(

@@ -336,12 +336,13 @@ class _DeviceIndex:
     """A layout's index tensors on one device, built once (see :meth:`TileLayout.on`).
 
     position ``[seq_len]``, source_clamped ``[padded_len]`` (padding -> 0), pad ``[n_pad]`` (the
-    padding positions), valid ``[padded_len]``, block_count ``[n_blocks]``; kv_valid: batch ->
+    padding positions), valid ``[padded_len]``, block_count ``[n_blocks]``, chunk_of_block ``[n_video_blocks]``
+    (each video block's tile renumbered over the non-empty tiles in tile order); kv_valid: batch ->
     ``[batch, padded_len]`` view; counts: dtype -> ``block_count`` clamped to >= 1 as
     ``[1, n_blocks, 1, 1]`` of that dtype.
     """
 
-    __slots__ = ("position", "source_clamped", "pad", "valid", "block_count", "kv_valid", "counts")
+    __slots__ = ("position", "source_clamped", "pad", "valid", "block_count", "chunk_of_block", "kv_valid", "counts")
 
     def __init__(self, layout: TileLayout, device):
         self.position = layout.position.to(device)
@@ -349,6 +350,10 @@ class _DeviceIndex:
         self.pad = torch.nonzero(layout.source < 0).flatten().to(device)
         self.valid = layout.valid.to(device)
         self.block_count = layout.block_count.to(device)
+        present = torch.nonzero(layout.tile_num_blocks > 0, as_tuple=False).flatten()
+        remap = torch.full((layout.n_tiles,), -1, dtype=torch.int64)
+        remap[present] = torch.arange(present.numel())
+        self.chunk_of_block = remap[layout.block_tile[: layout.n_video_blocks]].to(device)
         self.kv_valid: dict = {}
         self.counts: dict = {}
 

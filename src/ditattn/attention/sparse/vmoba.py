@@ -127,11 +127,9 @@ def chunk_gates(
     nv, bs = layout.n_video_blocks, layout.block_size
     dev = q_tiled.device
     dt = torch.float64 if q_tiled.dtype == torch.float64 else torch.float32
-    present = torch.nonzero(layout.tile_num_blocks > 0, as_tuple=False).flatten()
-    remap = torch.full((layout.n_tiles,), -1, dtype=torch.int64)
-    remap[present] = torch.arange(present.numel())
-    chunk_of_block = remap[layout.block_tile[:nv]].to(dev)
-    nc = present.numel()
+    index = layout.on(dev)  # built once per layout and device: no host-to-device copy per call
+    chunk_of_block = index.chunk_of_block
+    nc = int((layout.tile_num_blocks > 0).sum())
     if predictor == "pooled_query":
         blocks = pooled_query_block_scores(
             q_tiled,
@@ -143,7 +141,7 @@ def chunk_gates(
         return _segment_logsumexp(blocks, chunk_of_block, nc), chunk_of_block
     if predictor != "mean":
         raise AttentionConfigError(f"vmoba_attn: gate must be one of {list(VMOBA_GATES)}, got {predictor!r}")
-    cnt = layout.block_count[:nv].to(dev, dt)
+    cnt = index.count_as(dt).flatten()[:nv]
     qsum = q_tiled[:, : nv * bs].to(dt).view(B, nv, bs, H, D).sum(2)  # [B,nv,H,D]
     ksum = k_tiled[:, : nv * bs].to(dt).view(B, nv, bs, H, D).sum(2)
     qmean = qsum / cnt.view(1, -1, 1, 1)
@@ -197,8 +195,9 @@ def vmoba_select(
 ) -> Tensor:
     """Selected chunks per query block: bool ``[B, H, nv, n_chunks]`` (see module docstring)."""
     B, H, nq, nc = gate.shape
-    own = torch.zeros(nq, nc, dtype=torch.bool, device=gate.device)
-    own[torch.arange(nq, device=gate.device), chunk_of_block] = True
+    # each query block's own chunk, by comparison (an index-put of a Python True would copy it to the device and
+    # synchronise every call)
+    own = chunk_of_block.to(gate.device).view(nq, 1) == torch.arange(nc, device=gate.device)
     own = own.expand(B, H, nq, nc)
     if select_mode not in ("topk", "threshold"):
         raise AttentionConfigError(f"vmoba_attn: moba_select_mode must be 'topk' or 'threshold', got {select_mode!r}")
