@@ -663,6 +663,18 @@ def test_vmoba_selection(mode, chunk, select_mode, ttype, gate):
     check_output(res, q, k, v, mask)
 
 
+def test_vmoba_chunk_ids_are_built_once_per_layout_and_device():
+    """The chunk of each block comes from the layout's per-device index: the same tensor on every call (no
+    host-to-device copy per call, which on CUDA synchronises a step that should only launch)."""
+    grid = (4, 6, 9)
+    q, k, v = qkv(grid, 0, heads=2, seed=6)
+    plans = [vmoba_attention(q, k, v, video_shape=grid, mode="spatial", chunk=(3, 4))[2] for _ in range(2)]
+    first, second = (p.extra["chunk_of_block"] for p in plans)
+    assert first is second is plans[0].layout.on(q.device).chunk_of_block
+    tiles = plans[0].layout.block_tile[: plans[0].layout.n_video_blocks]
+    assert torch.equal(first, torch.unique(tiles, return_inverse=True)[1])  # tiles renumbered in tile order
+
+
 def test_vmoba_defaults_and_layer_cycle():
     grid = (5, 6, 9)
     q, k, v = qkv(grid, 0, heads=2, seed=5)
