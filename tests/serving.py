@@ -1,5 +1,6 @@
-"""Test helpers: ``ditattn serve`` in a subprocess (the real CLI, the tiny models on the CPU), an app on
-uvicorn in a thread, waiting for a condition, and polling a video job until it ends."""
+"""Test helpers: the environment of a ``python -m ditattn`` child process, ``ditattn serve`` in a subprocess (the
+real CLI, the tiny models on the CPU), an app on uvicorn in a thread, waiting for a condition, and polling a video
+job until it ends."""
 
 import contextlib
 import os

@@ -14,6 +14,8 @@ import os
 import subprocess
 import sys
 
+import serving
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PKG_DIR = os.path.join(ROOT, "src", "ditattn")
 
@@ -229,7 +231,7 @@ sys.exit(1 if failed else 0)
 
 
 def test_every_module_imports_first_in_a_fresh_interpreter():
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = serving.subprocess_env()
     names = sorted(n for n in MODULES if n != "ditattn.__main__")  # a script: importing it runs the CLI
     proc = subprocess.run(
         [sys.executable, "-c", _IMPORT_EACH, *names], capture_output=True, text=True, env=env, timeout=900

@@ -7,10 +7,10 @@ import sys
 import numpy as np
 import pytest
 
+import serving
 from conftest import OMP_THREADS_SET_HERE
 from ditattn.cli import main
 
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src")
 SMALL = ["--height", "32", "--width", "48", "--num-inference-steps", "2"]
 
 
@@ -22,9 +22,7 @@ def run(capsys, *argv):
 
 
 def _env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
-    return env
+    return serving.subprocess_env()
 
 
 def read_mp4(path):

@@ -10,8 +10,10 @@ import time
 
 import pytest
 
+import serving
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ENV = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+ENV = serving.subprocess_env()
 HEAVY = ("torch", "diffusers", "transformers", "numpy", "fastapi")
 
 

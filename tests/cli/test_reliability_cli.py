@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import ditattn
+import serving
 from ditattn.cli import main
 from ditattn.errors import AttentionConfigError
 
@@ -179,7 +180,7 @@ def test_a_fifo_or_a_directory_as_a_config_is_refused_at_once(tmp_path):
         ["backends", "--config", str(tmp_path)],
         ["backends", "--attention-backend-config", str(tmp_path)],
     ]
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"), DITATTN_CACHE=str(tmp_path / "cache"))
+    env = serving.subprocess_env(DITATTN_CACHE=str(tmp_path / "cache"))
     proc = subprocess.run(
         [sys.executable, "-c", _CHILD, json.dumps(runs)], capture_output=True, text=True, env=env, timeout=180
     )

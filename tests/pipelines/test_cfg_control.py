@@ -5,6 +5,7 @@ import pytest
 import torch
 from test_schedulers import PLACEMENT, SHAPE, FakeDiT, assert_steps_match, contexts, factory, velocity  # noqa: F401
 
+import serving
 from ditattn.cli import main
 from ditattn.errors import AttentionConfigError
 from ditattn.pipelines.denoise import denoise
@@ -200,7 +201,7 @@ def test_bench_cfg_batching_cpu_smoke(tmp_path):
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = tmp_path / "cfg.json"
-    env = dict(os.environ, BENCH_DEVICE="cpu", PYTHONPATH=os.path.join(root, "src"))
+    env = serving.subprocess_env(BENCH_DEVICE="cpu")
     subprocess.run(
         [
             sys.executable,

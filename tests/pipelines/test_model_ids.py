@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 
+import serving
 from ditattn.errors import AttentionConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -36,9 +37,8 @@ def hf_home(tmp_path_factory):
 
 
 def _cli(hf_home, *argv, offline="1", **env):
-    full = dict(os.environ, HF_HOME=str(hf_home), HF_HUB_OFFLINE=offline, **env)
+    full = serving.subprocess_env(HF_HOME=str(hf_home), HF_HUB_OFFLINE=offline, **env)
     full.pop("HF_HUB_CACHE", None)
-    full["PYTHONPATH"] = os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", "")
     return subprocess.run(
         [sys.executable, "-m", "ditattn", *argv], capture_output=True, text=True, env=full, timeout=300
     )
