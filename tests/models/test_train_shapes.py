@@ -519,6 +519,19 @@ def test_guidance_tuning_picks_a_scale_of_the_grid(tiny_run):
     assert all(0 <= r["shape"] <= 3 for r in tuned["rows"])
 
 
+def test_a_tuned_scale_at_the_edge_of_the_grid_is_flagged_with_the_scales_beyond_it():
+    from ditattn.train.shapes import grid_edge_note
+
+    low = grid_edge_note(3.0, (3.0, 5.0, 7.0, 9.0, 11.0))
+    assert "smallest" in low and "--tune-guidance 2,2.5,3,5,7,9,11" in low
+    high = grid_edge_note(11.0, (11.0, 3.0, 7.0))
+    assert "largest" in high and "--tune-guidance 3,7,11,13,15" in high
+    assert grid_edge_note(5.0, (3.0, 5.0, 7.0)) is None  # inside the grid
+    assert grid_edge_note(3.0, (3.0,)) is None  # one scale: no direction to look in
+    assert grid_edge_note(1.5, (1.5, 2.0)) is None  # nothing above 1 is left below it
+    assert "--tune-guidance 1.5,2,3" in grid_edge_note(2.0, (2.0, 3.0))
+
+
 def test_training_is_deterministic_from_the_seed(tmp_path):
     for name in ("a", "b"):
         assert _train(tmp_path / name, "--stage", "vae", "--vae-steps", "2") == 0

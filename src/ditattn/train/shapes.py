@@ -208,6 +208,23 @@ def parse_guidance_grid(text: str):
     return grid
 
 
+def grid_edge_note(best: float, grid) -> Optional[str]:
+    """A warning when the tuned guidance scale is the smallest or largest of a grid of several: the best
+    scale may lie beyond what was tried.  None when it is inside the grid (or the grid has one scale)."""
+    grid = sorted(set(grid))
+    if len(grid) < 2 or grid[0] < best < grid[-1]:
+        return None
+    side, beyond = ("smallest", {best - 1.0, best - 0.5}) if best == grid[0] else ("largest", {best + 2.0, best + 4.0})
+    beyond = {g for g in beyond if g > 1.0} - set(grid)  # classifier-free guidance needs a scale above 1
+    if not beyond:
+        return None
+    hint = ",".join(f"{g:g}" for g in sorted({*grid, *beyond}))
+    return (
+        f"guidance {best:g} is the {side} scale tried ({grid[0]:g}-{grid[-1]:g}); a scale beyond it may do "
+        f"better: tune again with --tune-guidance {hint}"
+    )
+
+
 def parse_buckets(text: str) -> tuple:
     """``"64x64x9:2,128x128x17"`` -> Buckets; sizes must be multiples of 16, frames 1 + 4k."""
     from ditattn.train.recipe import Bucket
@@ -506,6 +523,9 @@ def _judge(args, recipe: Recipe, device: torch.device, vae, te, dit, training: d
                     r["shape"],
                 )
             log.info("guidance: %g becomes the sampling default", tuned["best"])
+            edge = grid_edge_note(tuned["best"], grid)
+            if edge:
+                log.warning("%s", edge)
             sampling["guidance_scale"] = tuned["best"]
             stage["guidance_tuning"] = tuned
             export(args.out, recipe, vae, te, dit, training, sampling)
