@@ -673,6 +673,7 @@ def test_vmoba_chunk_ids_are_built_once_per_layout_and_device():
     assert first is second is plans[0].layout.on(q.device).chunk_of_block
     tiles = plans[0].layout.block_tile[: plans[0].layout.n_video_blocks]
     assert torch.equal(first, torch.unique(tiles, return_inverse=True)[1])  # tiles renumbered in tile order
+    assert plans[0].layout.on(q.device).n_chunks == torch.unique(tiles).numel()
 
 
 def test_vmoba_defaults_and_layer_cycle():

@@ -19,7 +19,7 @@ from ditattn.runconfig import ModelConfig, RunConfig, SamplingConfig, ServerConf
 from ditattn.server.app import create_app
 from ditattn.server.runner import build_runner
 from ditattn.server.scheduler import GenerationJob
-from serving import serve_process, wait_video
+from serving import serve_flags, serve_process, wait_video
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the client marks the videos API deprecated
 
@@ -137,20 +137,14 @@ def test_batching_signature_keeps_image_and_lora_apart():
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, lora_file):
     log = tmp_path_factory.mktemp("serve-i2v") / "server.log"
-    args = [
-        "--model-path",
-        "ditattn:tiny-wan-i2v",
-        "--api-key",
-        KEY,
-        "--num-inference-steps",
-        "2",
-        "--guidance-scale",
-        "3.0",
-        "--num-frames",
-        "5",
-        "--lora-path",
-        f"{lora_file}:0.5",
-    ]
+    args = serve_flags(
+        model_path="ditattn:tiny-wan-i2v",
+        api_key=KEY,
+        num_inference_steps=2,
+        guidance_scale=3.0,
+        num_frames=5,
+        lora_path=f"{lora_file}:0.5",
+    )
     with serve_process(args, log) as base:
         yield base
 

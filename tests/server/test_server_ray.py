@@ -190,32 +190,20 @@ def test_deployment_full_is_429_with_retry_after(pg_server, tmp_path):
     """Small limits (1 replica slot of 2 x 1 + 2 requests, a deployment queue of 2 x 1): a burst of slow
     image requests gets 429 with Retry-After for the excess, 200 for the rest, never a 5xx."""
     url = pg_server.fresh_db("bp" + uuid.uuid4().hex[:10])
-    args = [
-        "--model-path",
-        "ditattn:tiny-wan",
-        "--replicas",
-        "2",
-        "--job-store",
-        url,
-        "--output-dir",
-        str(tmp_path / "out"),
-        "--api-key",
-        KEY,
-        "--max-batch-size",
-        "1",
-        "--max-queue",
-        "1",
-        "--height",
-        "16",
-        "--width",
-        "16",
-        "--num-inference-steps",
-        "2",
-        "--guidance-scale",
-        "1.0",
-        "--num-frames",
-        "5",
-    ]
+    args = serve_flags(
+        model_path="ditattn:tiny-wan",
+        replicas=2,
+        job_store=url,
+        output_dir=tmp_path / "out",
+        api_key=KEY,
+        max_batch_size=1,
+        max_queue=1,
+        height=16,
+        width=16,
+        num_inference_steps=2,
+        guidance_scale=1.0,
+        num_frames=5,
+    )
     with serve_process(args, tmp_path / "serve.log", startup_s=400) as base:
 
         def one(i):

@@ -337,12 +337,23 @@ class _DeviceIndex:
 
     position ``[seq_len]``, source_clamped ``[padded_len]`` (padding -> 0), pad ``[n_pad]`` (the
     padding positions), valid ``[padded_len]``, block_count ``[n_blocks]``, chunk_of_block ``[n_video_blocks]``
-    (each video block's tile renumbered over the non-empty tiles in tile order); kv_valid: batch ->
+    (each video block's tile renumbered over the non-empty tiles in tile order) and n_chunks (the number of
+    non-empty tiles, a Python int); kv_valid: batch ->
     ``[batch, padded_len]`` view; counts: dtype -> ``block_count`` clamped to >= 1 as
     ``[1, n_blocks, 1, 1]`` of that dtype.
     """
 
-    __slots__ = ("position", "source_clamped", "pad", "valid", "block_count", "chunk_of_block", "kv_valid", "counts")
+    __slots__ = (
+        "position",
+        "source_clamped",
+        "pad",
+        "valid",
+        "block_count",
+        "chunk_of_block",
+        "n_chunks",
+        "kv_valid",
+        "counts",
+    )
 
     def __init__(self, layout: TileLayout, device):
         self.position = layout.position.to(device)
@@ -354,6 +365,7 @@ class _DeviceIndex:
         remap = torch.full((layout.n_tiles,), -1, dtype=torch.int64)
         remap[present] = torch.arange(present.numel())
         self.chunk_of_block = remap[layout.block_tile[: layout.n_video_blocks]].to(device)
+        self.n_chunks = int(present.numel())
         self.kv_valid: dict = {}
         self.counts: dict = {}
 

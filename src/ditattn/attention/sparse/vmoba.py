@@ -128,8 +128,7 @@ def chunk_gates(
     dev = q_tiled.device
     dt = torch.float64 if q_tiled.dtype == torch.float64 else torch.float32
     index = layout.on(dev)  # built once per layout and device: no host-to-device copy per call
-    chunk_of_block = index.chunk_of_block
-    nc = int((layout.tile_num_blocks > 0).sum())
+    chunk_of_block, nc = index.chunk_of_block, index.n_chunks
     if predictor == "pooled_query":
         blocks = pooled_query_block_scores(
             q_tiled,
