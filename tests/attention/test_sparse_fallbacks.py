@@ -107,13 +107,16 @@ def test_sage_crossover_routes_short_hopper_calls_to_fa(monkeypatch, capsys):
             self.shape = (1, s, 12, 128)
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    sc._is_sm90.cache_clear()  # the capability is asked once per device
     assert "4096 tokens < min_seq_len 16384" in sc.routes_to_dense(FakeQ(4096), {"impl": "auto"})
     assert sc.routes_to_dense(FakeQ(16384), {"impl": "auto"}) is None
     assert sc.routes_to_dense(FakeQ(4096), {"impl": "sm90"}) is None  # an explicit kernel runs as asked
     assert sc.routes_to_dense(FakeQ(4096), {"impl": "auto", "min_seq_len": 0}) is None
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    sc._is_sm90.cache_clear()
     assert sc.routes_to_dense(FakeQ(4096), {"impl": "auto"}) is None  # measured on Hopper only
     monkeypatch.undo()
+    sc._is_sm90.cache_clear()
     rc, plan, err = _plan(
         capsys,
         "--platform",

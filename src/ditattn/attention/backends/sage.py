@@ -550,13 +550,15 @@ def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Attn
     if call.attn_bias is not None:
         raise AttentionConfigError("sage_attn: does not accept an additive attention bias/mask; accepted: no bias")
     check_retired("DITATTN_SAGE_IMPL", "DITATTN_SAGE_PV")
-    cfg = complete_backend_config(B.SAGE_ATTN, config)
     if q.device.type != "cpu" and q.dtype not in (torch.float16, torch.bfloat16):
         raise AttentionConfigError(
             f"sage_attn: dtype {str(q.dtype).replace('torch.', '')} not supported on {q.device.type} "
             "(accepts float16, bfloat16)"
         )
-    routed = dense_below_crossover(q, k, v, call, cfg)  # the measured Hopper crossover: fa is faster there
+    # the measured Hopper crossover (fa is faster there), checked before the config is completed: these
+    # calls are host-bound, so the routed path adds as little Python as it can to fa's own
+    routed = dense_below_crossover(q, k, v, call, config)
     if routed is not None:
         return routed
+    cfg = complete_backend_config(B.SAGE_ATTN, config)
     return SAGE_IMPLS[sage_impl_for(q, call, cfg)].run(q, k, v, call, cfg)

@@ -8,6 +8,7 @@ call whose query length is below the config key ``min_seq_len`` (default :data:`
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Optional
 
@@ -33,15 +34,26 @@ DEFAULT_MIN_SEQ_LEN = min(s for s, _, _, x in H200_SAGE_VS_FA if x >= 1.0)
 _said: set = set()
 
 
+@functools.lru_cache(maxsize=None)
+def _is_sm90(device: torch.device) -> bool:
+    """Whether CUDA ``device`` is an SM90 GPU (asked once per device: a routed call pays no query)."""
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def _routing_limit(q: torch.Tensor, cfg: dict) -> int:
+    """``min_seq_len`` when this call runs ``fa`` instead, else 0.  The per-call check is a few
+    comparisons: a routed call costs within a microsecond or two of calling ``fa`` directly."""
+    limit = cfg.get("min_seq_len", DEFAULT_MIN_SEQ_LEN)
+    if not limit or q.shape[1] >= limit or cfg.get("impl", "auto") != "auto" or q.device.type != "cuda":
+        return 0
+    return int(limit) if _is_sm90(q.device) else 0
+
+
 def routes_to_dense(q: torch.Tensor, cfg: dict) -> Optional[str]:
     """Why this call runs ``fa`` instead (None: sage_attn runs it): ``impl`` auto, a CUDA SM90 device,
     and a query length below ``min_seq_len``.  q ``[B, S, H, D]``."""
-    limit = int(cfg.get("min_seq_len", DEFAULT_MIN_SEQ_LEN) or 0)
-    if limit <= 0 or cfg.get("impl", "auto") != "auto" or q.device.type != "cuda":
-        return None
-    if torch.cuda.get_device_capability(q.device) != (9, 0) or q.shape[1] >= limit:
-        return None
-    return f"{q.shape[1]} tokens < min_seq_len {limit}: fa (exact dense) is faster on SM90"
+    limit = _routing_limit(q, cfg)
+    return f"{q.shape[1]} tokens < min_seq_len {limit}: fa (exact dense) is faster on SM90" if limit else None
 
 
 def say_once(reason: str) -> None:
@@ -53,11 +65,12 @@ def say_once(reason: str) -> None:
 
 def dense_below_crossover(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttnCall, cfg: dict):
     """``fa``'s ``(out, lse|None)`` for a non-causal call :func:`routes_to_dense` hands to it (said once),
-    else None (``sage_attn`` runs it).  q ``[B, S_q, H, D]``, k/v ``[B, S_kv, H_kv, D]`` fp16/bf16."""
-    why = None if call.causal else routes_to_dense(q, cfg)
-    if why is None:
+    else None (``sage_attn`` runs it).  q ``[B, S_q, H, D]``, k/v ``[B, S_kv, H_kv, D]`` fp16/bf16.
+    ``cfg`` may omit keys (their defaults apply), so that the check runs before the config is completed."""
+    if call.causal or not _routing_limit(q, cfg):
         return None
-    say_once(why)
+    if not _said:
+        say_once(routes_to_dense(q, cfg))
     return get_impl(B.FA)(q, k, v, call, {})
 
 
