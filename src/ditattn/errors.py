@@ -18,7 +18,10 @@ def short_repr(value: Any, limit: int = 60) -> str:
         if isinstance(value, int):
             return f"an integer of about {int(value.bit_length() * 0.30103)} digits"
         return f"a {type(value).__name__} holding an integer too long to show"
-    return text if len(text) <= limit else f"{text[: limit - 20]}...{text[-12:]} ({len(text)} characters)"
+    if len(text) <= limit:
+        return text
+    n = len(value) if isinstance(value, (str, bytes)) else len(text)  # a string's own length, not its repr's
+    return f"{text[: limit - 20]}...{text[-12:]} ({n} {'bytes' if isinstance(value, bytes) else 'characters'})"
 
 
 def short_text(text: Any, limit: int = 120) -> str:

@@ -215,12 +215,20 @@ def load_mapping_file(path: str, *, what: str = "config file", accepted: str = "
     return data
 
 
-def parse_attention_backend_config(value: "str | dict | None") -> dict:
+def parse_scalar(text: str) -> Any:
+    """One ``k=v`` value as the config parsers read it: ``true`` / ``false`` -> bool, ``none`` / ``null`` ->
+    None, integers and finite decimals -> numbers, ``[..]`` / ``{..}`` -> JSON, anything else the text."""
+    return _scalar(text)
+
+
+def parse_attention_backend_config(value: "str | dict | None", *, files: bool = True) -> dict:
     """Parse ``--attention-backend-config`` into a dict (no schema validation).
 
     Accepts None/'' (→ {}), a dict (copied), a path to a ``.json``/``.yaml``/``.yml`` file, a JSON
     object string, or ``k=v[,k=v...]`` pairs where ``true``/``false`` become bools, integers and
     decimals become numbers, ``[..]`` is parsed as JSON, and anything else stays a string.
+    ``files=False`` (text from a network request): the file system is never looked at, and text
+    that names a config file is refused.
     """
     if value is None:
         return {}
@@ -232,8 +240,15 @@ def parse_attention_backend_config(value: "str | dict | None") -> dict:
     if not text:
         return {}
     lower = text.lower()
+    names_file = lower.endswith((".json", ".yaml", ".yml")) and "=" not in text
+    if not files:
+        if names_file or ("=" not in text and not text.startswith("{") and ("/" in text or "\\" in text)):
+            raise AttentionConfigError(
+                f"attention backend config {short_repr(value)} is not inline: config files are not read here; "
+                "accepted: a JSON object or key=value pairs separated by commas"
+            )
     # a path ending in .json inside k=v pairs (mask_strategy_file_path=/x/m.json) is not a config file
-    if (lower.endswith((".json", ".yaml", ".yml")) and "=" not in text) or os.path.lexists(text):
+    elif names_file or os.path.lexists(text):
         if not os.path.lexists(text):
             raise AttentionConfigError(f"attention backend config file not found: {short_text(text)}")
         return load_mapping_file(

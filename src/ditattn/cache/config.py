@@ -15,13 +15,14 @@ from ditattn.cache.runtime import CacheSetting
 from ditattn.errors import AttentionConfigError
 
 
-def parse_cache_backend_config(value: "str | dict | None") -> dict:
+def parse_cache_backend_config(value: "str | dict | None", *, files: bool = True) -> dict:
     """``--cache-backend-config`` as a dict (no schema check): None / '' -> {}, a dict, a JSON / YAML
-    file, a JSON object or ``k=v,k=v``; unparsable text raises :class:`AttentionConfigError`."""
+    file, a JSON object or ``k=v,k=v``; unparsable text raises :class:`AttentionConfigError`.
+    ``files=False``: inline text only (no file is read; text naming one is refused)."""
     from ditattn.attention.config import parse_attention_backend_config
 
     try:
-        return parse_attention_backend_config(value)
+        return parse_attention_backend_config(value, files=files)
     except AttentionConfigError as exc:
         raise AttentionConfigError(str(exc).replace("attention backend config", "cache backend config")) from None
 

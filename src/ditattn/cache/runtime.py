@@ -22,6 +22,7 @@ import torch
 
 from ditattn.attention.context import current_forward
 from ditattn.cache.base import CacheMethod, StepView, new_state, start_step
+from ditattn.errors import AttentionConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +45,27 @@ class CacheSetting:
         cfg["_mag_ratios"] = cal.get("mag_ratios")
         cfg["_input_range"] = cal.get("input_range")
         return cfg
+
+    def check_steps(self, num_steps: int) -> None:
+        """Refuse (:class:`AttentionConfigError`, ``field`` cache_backend_config) a ``start_step`` /
+        ``end_step`` the user set that leaves no step of a ``num_steps``-step run that may be reused: the
+        cache would silently do nothing.  (With the defaults a run of very few steps may have no such step
+        either; the run summary then shows no reuse.)"""
+        cfg = self.config
+        explicit = cfg.get("start_step") is not None or cfg.get("end_step") != self.method.defaults.get("end_step", -1)
+        if not explicit or num_steps <= 0:
+            return
+        first = start_step(cfg, num_steps)
+        end = cfg["end_step"] if cfg["end_step"] >= 0 else num_steps + cfg["end_step"]
+        if first >= min(end, num_steps):
+            err = AttentionConfigError(
+                f"cache backend {self.name}: start_step {cfg.get('start_step')} and end_step {cfg['end_step']} "
+                f"leave no step of this run's {num_steps} that may be reused (steps from {first} on are reusable, "
+                f"steps from {max(end, 0)} on are computed); accepted: start_step below the end step, with end_step "
+                "an index or negative from the end (-1: every step but the last may be reused)"
+            )
+            err.field = "cache_backend_config"
+            raise err
 
     def new_run(self) -> "CacheRun":
         """A fresh request-scoped run of this setting."""

@@ -440,6 +440,8 @@ class WanPipelineNative:
         )
         state = request_state if request_state is not None else self.prepare_request(override, skip_softmax)
         cache_setting = cache_setting or self.prepare_cache(cache_backend, cache_backend_config)
+        if cache_setting is not None:
+            cache_setting.check_steps(len(sampling.timesteps) if sampling.timesteps else steps)
         cache = cache_setting.new_run() if cache_setting is not None else None
 
         def check_stop() -> None:

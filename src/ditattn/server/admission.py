@@ -20,6 +20,35 @@ from ditattn.server.protocol import RequestError, parse_size
 DEFAULT_OUTPUT_CAP = 1280 * 720 * 81  # the largest output of a Wan 2.x checkpoint (720p, 81 frames)
 
 
+def inline_cache_config(value) -> Optional[dict]:
+    """A request's ``cache_backend_config`` (``k=v`` text or an object) as a dict; None when absent.  Inline
+    only: no file is read on a request's word (text naming one, and a non-empty ``calibration``, are 400s).
+    String values of an object are read as ``k=v`` values are (``"0.1"`` -> 0.1, ``"true"`` -> True), so a
+    form's nested fields and a JSON object mean the same."""
+    from ditattn.attention.config import parse_scalar
+    from ditattn.cache.config import parse_cache_backend_config
+
+    if value is None:
+        return None
+    param = "cache_backend_config"
+    if isinstance(value, dict):
+        raw = {k: parse_scalar(v) if isinstance(v, str) else v for k, v in value.items()}
+    else:
+        try:
+            raw = parse_cache_backend_config(value, files=False)
+        except AttentionConfigError as exc:
+            raise RequestError(f"{param}: {exc}", param=param, code="invalid_cache") from None
+    if raw.get("calibration"):
+        raise RequestError(
+            f"{param}: calibration files are not read from requests (got calibration={raw['calibration']!r:.80}); "
+            "a request uses the calibration the server was started with (ditattn serve --cache-backend-config "
+            "calibration=FILE) or the one shipped with the model; accepted: leave calibration out",
+            param=param,
+            code="invalid_cache",
+        )
+    return raw
+
+
 class RequestChecks:
     """The request checks of :class:`~ditattn.server.state.ServerState`, which provides ``runner``
     (the served model) and ``config`` (the server's limits)."""
@@ -146,17 +175,19 @@ class RequestChecks:
         except AttentionConfigError as exc:
             raise RequestError(str(exc), param="lora", code="invalid_lora") from None
 
-    def check_cache(self, req) -> dict:
+    def check_cache(self, req, steps: Optional[int] = None) -> dict:
         """A request's ``cache_backend`` / ``cache_backend_config`` checked against the model (400 naming the
         field with the reason), as the JSON-safe params that build its job (absent: the server's default)."""
-        backend, config = req.cache_backend, req.cache_backend_config
+        backend, config = req.cache_backend, inline_cache_config(req.cache_backend_config)
         if backend is None and config is None:
             return {}
         prepare = getattr(self.runner, "prepare_cache", None)
         if prepare is None:
             raise RequestError("cache_backend is not supported by this server", param="cache_backend")
         try:
-            prepare(backend, config)
+            setting = prepare(backend, config)
+            if setting is not None and steps is not None:
+                setting.check_steps(steps)
         except AttentionConfigError as exc:
             raise RequestError(str(exc), param=getattr(exc, "field", "cache_backend"), code="invalid_cache") from None
         return {"cache_backend": backend, "cache_backend_config": config}
@@ -201,7 +232,7 @@ class RequestChecks:
             override=req.attention_backend_override,
             skip_softmax=skip,
             **sampling,
-            **self.check_cache(req),
+            **self.check_cache(req, len(sampling["timesteps"]) if sampling.get("timesteps") else steps),
         )
 
     def check_sampling(self, sampling: dict) -> dict:

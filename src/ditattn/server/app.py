@@ -59,5 +59,9 @@ def create_app(runner, config: Optional[ServerConfig] = None, *, state: Optional
     install_auth_and_metrics(app, [route for router in routers for route in router.routes])
     install_error_handlers(app)
     for router in routers:
+        for route in router.routes:  # HTTP: HEAD wherever GET is served (the headers alone; probes use it)
+            methods = getattr(route, "methods", None)
+            if methods is not None and "GET" in methods:
+                methods.add("HEAD")
         app.include_router(router)
     return app

@@ -12,6 +12,7 @@ stored) except ``input_reference``, whose bytes the image-to-video endpoint deco
 from __future__ import annotations
 
 import json
+from urllib.parse import unquote_to_bytes
 
 import python_multipart  # noqa: F401  (the form parsers below need it: fail at import, not per request)
 from fastapi import Request
@@ -20,6 +21,7 @@ from starlette.datastructures import Headers, UploadFile
 from starlette.formparsers import FormParser, MultiPartException, MultiPartParser
 
 from ditattn.attention.config import json_depth_exceeds, parse_error_reason
+from ditattn.errors import short_repr
 from ditattn.server.protocol import RequestError, unflatten_form, validation_error_to_request_error
 
 MAX_FORM_FIELDS = 100
@@ -53,6 +55,53 @@ async def _read_limited(request: Request, max_bytes: int) -> bytes:
     return bytes(body)
 
 
+#: the Content-Types a request body may have (none given: JSON)
+ACCEPTED_TYPES = "application/json, multipart/form-data or application/x-www-form-urlencoded (UTF-8)"
+
+
+class _Utf8MultiPartParser(MultiPartParser):
+    """Starlette's multipart parser, but a text field must be UTF-8: Starlette would read other bytes as
+    Latin-1 and a garbled prompt would be generated."""
+
+    def on_part_end(self) -> None:
+        part = self._current_part
+        if part.file is None:
+            try:
+                bytes(part.data).decode("utf-8")
+            except UnicodeDecodeError:
+                raise MultiPartException(
+                    f"form field {short_repr(part.field_name)} is not UTF-8 text; send text fields in UTF-8"
+                ) from None
+        super().on_part_end()
+
+
+def _check_urlencoded(body: bytes) -> None:
+    """400 unless every name and value of a url-encoded body is UTF-8 once percent-decoded (Starlette
+    would put U+FFFD in place of other bytes)."""
+    for piece in body.split(b"&"):
+        name, _, value = piece.partition(b"=")
+        for part in (name, value):
+            try:
+                unquote_to_bytes(part.replace(b"+", b" ")).decode("utf-8")
+            except UnicodeDecodeError:
+                shown = short_repr(unquote_to_bytes(name.replace(b"+", b" ")).decode("utf-8", "replace"))
+                raise RequestError(
+                    f"malformed form body: field {shown} is not UTF-8 once percent-decoded; percent-encode UTF-8 text"
+                ) from None
+
+
+def _check_charset(ctype: str) -> None:
+    """415 for a ``charset`` parameter other than UTF-8 (the body would be read as UTF-8 anyway)."""
+    for param in ctype.split(";")[1:]:
+        key, _, value = param.partition("=")
+        if key.strip() == "charset" and value.strip().strip('"').lower() not in ("utf-8", "utf8"):
+            raise RequestError(
+                f"unsupported charset {short_repr(value.strip())} in Content-Type; accepted: {ACCEPTED_TYPES}",
+                status=415,
+                code="unsupported_media_type",
+            )
+
+
 async def _parse_form(headers: Headers, body: bytes, multipart: bool) -> list:
     async def stream():
         yield body
@@ -60,10 +109,17 @@ async def _parse_form(headers: Headers, body: bytes, multipart: bool) -> list:
 
     try:
         if multipart:
-            form = await MultiPartParser(
+            parser = _Utf8MultiPartParser(
                 headers, stream(), max_files=MAX_FORM_FILES, max_fields=MAX_FORM_FIELDS, max_part_size=len(body) + 1
-            ).parse()
+            )
+            form = await parser.parse()
+            boundary = _boundary(headers.get("content-type", ""))
+            if boundary and b"--" + boundary + b"--" not in body:
+                raise RequestError(
+                    "malformed form body: the multipart body ends before its closing boundary (truncated?)"
+                )
         else:
+            _check_urlencoded(body)
             form = await FormParser(headers, stream()).parse()
     except MultiPartException as exc:
         raise RequestError(f"malformed form body: {exc.message}") from None
@@ -88,9 +144,24 @@ async def read_body(request: Request, max_bytes: int, max_depth: int = 32) -> di
     bodies raise :class:`RequestError` (400)."""
     body = await _read_limited(request, max_bytes)
     ctype = request.headers.get("content-type", "").lower()
-    if ctype.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
-        items = await _parse_form(request.headers, body, ctype.startswith("multipart/"))
+    mime = ctype.split(";", 1)[0].strip()
+    _check_charset(ctype)
+    if mime == "application/x-www-form-urlencoded" and body.lstrip()[:1] in (b"{", b"["):
+        raise RequestError(
+            "the body looks like JSON but its Content-Type is application/x-www-form-urlencoded (what curl -d "
+            "sends unless told otherwise); send it with Content-Type: application/json",
+            status=415,
+            code="unsupported_media_type",
+        )
+    if mime in ("multipart/form-data", "application/x-www-form-urlencoded"):
+        items = await _parse_form(request.headers, body, mime == "multipart/form-data")
         return unflatten_form(items, max_depth=max_depth)
+    if mime and mime != "application/json" and not mime.endswith("+json"):
+        raise RequestError(
+            f"unsupported Content-Type {short_repr(mime)}; accepted: {ACCEPTED_TYPES}",
+            status=415,
+            code="unsupported_media_type",
+        )
     if not body.strip():
         raise RequestError("empty request body; send a JSON object")
     if json_depth_exceeds(body, max_depth):
@@ -104,6 +175,15 @@ async def read_body(request: Request, max_bytes: int, max_depth: int = 32) -> di
     if not isinstance(data, dict):
         raise RequestError("request body must be a JSON object")
     return data
+
+
+def _boundary(ctype: str) -> bytes:
+    """The ``boundary`` parameter of a multipart Content-Type (b"" when absent)."""
+    for param in ctype.split(";")[1:]:
+        key, _, value = param.partition("=")
+        if key.strip().lower() == "boundary":
+            return value.strip().strip('"').encode("latin-1", "replace")
+    return b""
 
 
 def validate(model_cls, data: dict):

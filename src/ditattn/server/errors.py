@@ -211,8 +211,12 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
-        msg = f"{request.method} {request.url.path[:200]}: {exc.detail}"
-        return JSONResponse(error_body(msg, type=kind), status_code=exc.status_code)
+        headers = dict(getattr(exc, "headers", None) or {})
+        allow = headers.get("Allow") or headers.get("allow")
+        msg = f"{request.method[:20]} {request.url.path[:200]}: {exc.detail}"
+        if exc.status_code == 405 and allow:
+            msg += f"; allowed methods: {allow}"
+        return JSONResponse(error_body(msg, type=kind), status_code=exc.status_code, headers=headers or None)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):

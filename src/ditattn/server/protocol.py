@@ -29,6 +29,10 @@ from ditattn.errors import short_repr
 # errors
 
 
+#: longest error message a response (and the log line) carries
+MAX_MESSAGE = 1000
+
+
 class RequestError(Exception):
     """A request the server cannot serve as asked; rendered as an OpenAI-style error body.
 
@@ -50,6 +54,8 @@ class RequestError(Exception):
         headers: Optional[dict] = None,
         logged: bool = False,
     ):
+        if len(message) > MAX_MESSAGE:  # messages quote the request: a huge key or id must not come back whole
+            message = f"{message[: MAX_MESSAGE - 40]}... (message cut: {len(message)} characters)"
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
         self.headers, self.logged = dict(headers or {}), logged
@@ -69,7 +75,7 @@ def validation_error_to_request_error(exc: ValidationError, model: type) -> Requ
     """Turn a pydantic ValidationError into one readable 400 naming the first bad field."""
     errs = exc.errors()
     first = errs[0] if errs else {"loc": (), "msg": str(exc), "type": ""}
-    loc = [str(p) for p in first.get("loc", ())]
+    loc = field_path(first.get("loc", ()))
     param = ".".join(loc)[:100] if loc else None
     if first.get("type") == "extra_forbidden":
         accepted = ", ".join(sorted(model.accepted_fields())) if hasattr(model, "accepted_fields") else ""
@@ -79,8 +85,43 @@ def validation_error_to_request_error(exc: ValidationError, model: type) -> Requ
         return RequestError(f"missing required field '{param}'", param=param, code="missing_required_parameter")
     value = first.get("input")
     shown = short_repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
-    msg = f"invalid value for '{param}': {first.get('msg', 'invalid')} (got {shown})"
+    # a field of several accepted types fails once per type: name them all, not the first alone
+    same = [e for e in errs if field_path(e.get("loc", ())) == loc and e.get("input") is value]
+    reasons = list(dict.fromkeys(_reason(e) for e in same)) or [_reason(first)]
+    why = reasons[0] if len(reasons) == 1 else "expected " + " or ".join(r.removeprefix("expected ") for r in reasons)
+    msg = f"invalid value for '{param}': {why} (got {shown})"
     return RequestError(msg, param=param, code="invalid_value")
+
+
+#: pydantic's tags of a union member or validator in an error location (``seconds.str``,
+#: ``timesteps.list[float].0``): not field names, left out of the names a client sees
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|tuple\[.*\]|[a-z_-]+\[.*\])$")
+
+
+def field_path(loc) -> list[str]:
+    """The request field names of a pydantic error location, union and validator tags left out."""
+    return [str(p) for p in loc if not (isinstance(p, str) and _TYPE_TAG.match(p))]
+
+
+_EXPECTED = {
+    "string_type": "expected a string",
+    "int_type": "expected an integer",
+    "int_parsing": "expected an integer",
+    "int_from_float": "expected an integer",
+    "float_type": "expected a number",
+    "float_parsing": "expected a number",
+    "bool_type": "expected true or false",
+    "bool_parsing": "expected true or false",
+    "list_type": "expected a list",
+    "dict_type": "expected an object",
+    "model_type": "expected an object",
+    "model_attributes_type": "expected an object",
+}
+
+
+def _reason(err: dict) -> str:
+    """One pydantic error as a short reason (``expected a number``, ``Input should be ...``)."""
+    return _EXPECTED.get(err.get("type", ""), str(err.get("msg", "invalid")).removeprefix("Value error, "))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -172,6 +213,11 @@ MAX_GUIDANCE = 100.0
 MAX_SECONDS = 3600.0
 
 
+#: limits of a request's ``cache_backend_config``: text length, object keys
+MAX_CONFIG_TEXT = 2000
+MAX_CONFIG_KEYS = 64
+
+
 def _finite(**kw):
     return Field(default=None, allow_inf_nan=False, **kw)
 
@@ -249,9 +295,22 @@ class _Extras(BaseModel):
     cfg_interval: Union[list[float], str, None] = None  # [START, END] or "START:END"
     #: the request's step cache (none, teacache, magcache, first_block_cache) and its keys (k=v text or an object)
     cache_backend: Optional[str] = Field(default=None, max_length=64)
-    cache_backend_config: Union[str, dict[str, Union[str, int, float, bool, None]], None] = Field(
-        default=None, max_length=64
-    )
+    cache_backend_config: Union[str, dict[str, Union[str, int, float, bool, None]], None] = None
+
+    @field_validator("cache_backend_config", mode="after")
+    @classmethod
+    def _config_size(cls, value):
+        """Text of at most :data:`MAX_CONFIG_TEXT` characters, or an object of at most
+        :data:`MAX_CONFIG_KEYS` keys of at most 64 characters each."""
+        if isinstance(value, str) and len(value) > MAX_CONFIG_TEXT:
+            raise ValueError(f"at most {MAX_CONFIG_TEXT} characters of key=value text, got {len(value)}")
+        if isinstance(value, dict):
+            if len(value) > MAX_CONFIG_KEYS:
+                raise ValueError(f"at most {MAX_CONFIG_KEYS} keys, got {len(value)}")
+            long = next((k for k in value if len(k) > 64), None)
+            if long is not None:
+                raise ValueError(f"key {short_repr(long)} is longer than 64 characters")
+        return value
 
     @classmethod
     def accepted_fields(cls) -> list[str]:

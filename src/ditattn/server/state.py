@@ -47,6 +47,14 @@ class ClientGone(Exception):
     """The client of a waiting request disconnected; its job was cancelled."""
 
 
+def job_work(job) -> float:
+    """A job's work for the queue's time estimate: samples × pixels × frames × denoising steps."""
+    try:
+        return float(job.n * job.width * job.height * max(1, job.num_frames) * max(1, job.num_inference_steps))
+    except (AttributeError, TypeError):
+        return 0.0
+
+
 class ServerState(RequestChecks):
     """Everything the handlers share; built by :func:`ditattn.server.app.create_app`."""
 
@@ -56,6 +64,7 @@ class ServerState(RequestChecks):
         self.draining = False
         self._drain_lock = threading.Lock()
         self._batch_seconds = 0.0  # running mean of a batch's wall time, for Retry-After
+        self._seconds_per_work = 0.0  # running mean of a batch's seconds per unit of job_work, for Retry-After
         self.scheduler = Scheduler(
             runner,
             max_batch_size=config.max_batch_size,
@@ -115,6 +124,10 @@ class ServerState(RequestChecks):
         m.batch_size.observe(len(jobs))
         m.generation_seconds.observe(seconds)
         self._batch_seconds = seconds if self._batch_seconds == 0 else 0.8 * self._batch_seconds + 0.2 * seconds
+        work = sum(job_work(j) for j in jobs)
+        if error is None and work > 0:  # seconds per unit of work: a queue of videos is not one of images
+            rate = seconds / work
+            self._seconds_per_work = rate if not self._seconds_per_work else 0.8 * self._seconds_per_work + 0.2 * rate
 
     def _on_cancel(self, job: GenerationJob, reason: str, stage: str) -> None:
         self.metrics.cancelled.labels(kind=job.kind, reason=reason, stage=stage).inc()
@@ -262,10 +275,18 @@ class ServerState(RequestChecks):
         return body, 503 if status in ("degraded", "draining") else 200
 
     def retry_after(self) -> int:
-        """Seconds a refused client should wait: the queue ahead of it in batches × the mean batch
-        time, within [1, 600]."""
-        batches = self.scheduler.queue_depth / max(1, self.config.max_batch_size) + 1
-        return int(min(600, max(1, round(batches * (self._batch_seconds or 1.0)))))
+        """Seconds a refused client should wait, within [1, 600]: the work queued and running
+        (:func:`job_work`: samples × pixels × frames × steps) times the measured seconds per unit of work,
+        less what the running batch has done; before any batch finished, the queue in batches × the mean
+        batch time (1 s when unknown)."""
+        if self._seconds_per_work:
+            running, since = self.scheduler.running_jobs()
+            done = time.monotonic() - since if since is not None else 0.0
+            left = sum(job_work(j) for j in running) * self._seconds_per_work - done
+            wait = sum(job_work(j) for j in self.scheduler.pending()) * self._seconds_per_work + max(0.0, left)
+        else:
+            wait = (self.scheduler.queue_depth / max(1, self.config.max_batch_size) + 1) * (self._batch_seconds or 1.0)
+        return int(min(600, max(1, round(wait))))
 
     # -- checks (the request's own: admission.RequestChecks) ------------------------------------
     def check_accepting(self) -> None:
