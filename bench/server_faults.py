@@ -92,6 +92,21 @@ RESTART_TIMEOUT_S = 8.0  # the restarted server's --request-timeout-s (the timeo
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
+def _without(flags: list, extra) -> list:
+    """``flags`` less the ``--flag VALUE`` pairs that ``extra`` sets again (ditattn refuses a flag given twice)."""
+    again = {x for x in extra if str(x).startswith("--")}
+    out, skip = [], False
+    for i, x in enumerate(flags):
+        if skip:
+            skip = False
+            continue
+        if x in again:
+            skip = i + 1 < len(flags) and not str(flags[i + 1]).startswith("--")
+            continue
+        out.append(x)
+    return out
+
+
 class Failed(AssertionError):
     pass
 
@@ -133,7 +148,7 @@ class Server:
             str(self.port),
             "--output-dir",
             out_dir,
-            *SERVE_FLAGS,
+            *_without(SERVE_FLAGS, extra),
             *extra,
         ]
         self._log = open(log_path, "w")

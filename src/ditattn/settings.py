@@ -59,8 +59,22 @@ def _get(var: EnvVar) -> Optional[str]:
 
 
 def cache_dir() -> str:
-    """``$DITATTN_CACHE`` or ``~/.cache/ditattn``."""
-    return _get(CACHE) or os.path.join(os.path.expanduser("~"), ".cache", "ditattn")
+    """``$DITATTN_CACHE`` or ``~/.cache/ditattn``; :class:`AttentionConfigError` naming the variable when
+    that is not a folder ditattn can create and write into."""
+    given = _get(CACHE)
+    path = given or os.path.join(os.path.expanduser("~"), ".cache", "ditattn")
+    where = f"{CACHE.name}={path!r}" if given else f"the cache folder {path} (set {CACHE.name} to move it)"
+    if os.path.isdir(path):
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise AttentionConfigError(f"{where} is not writable; accepted: a folder you can write into")
+        return path
+    probe = path
+    while probe and not os.path.exists(probe):
+        probe = os.path.dirname(probe.rstrip(os.sep)) or os.sep
+    if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK) or probe.startswith(("/proc", "/sys")):
+        why = "not a folder" if not os.path.isdir(probe) else "not writable"
+        raise AttentionConfigError(f"{where} cannot be created ({probe} is {why}); accepted: a writable folder")
+    return path
 
 
 def num_threads() -> Optional[int]:
@@ -74,6 +88,12 @@ def num_threads() -> Optional[int]:
         value = 0
     if value < 1:
         raise AttentionConfigError(f"{NUM_THREADS.name} must be a positive integer, got {text!r}")
+    most = 4 * (os.cpu_count() or 1)  # more threads than that only contend (and very many crash the process)
+    if value > most:
+        raise AttentionConfigError(
+            f"{NUM_THREADS.name}={value} is more than 4 threads per core of this machine "
+            f"({os.cpu_count()} cores); accepted: 1 to {most}"
+        )
     return value
 
 
@@ -87,6 +107,16 @@ def dist_timeout_s() -> float:
     if not 0 < value < float("inf"):
         raise AttentionConfigError(f"{DIST_TIMEOUT_S.name} must be a positive number of seconds, got {text!r}")
     return value
+
+
+def check_environment() -> None:
+    """Every ``DITATTN_`` variable of this table that is set, checked at a command's start (a bad value
+    is an :class:`AttentionConfigError` before any work, also where the setting would not be used), and
+    no retired variable set (:func:`check_retired`)."""
+    check_retired()
+    num_threads()
+    if _get(DIST_TIMEOUT_S) is not None:
+        dist_timeout_s()
 
 
 def check_retired(*names: str) -> None:

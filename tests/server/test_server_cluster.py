@@ -143,7 +143,7 @@ def test_replica_refuses_without_shared_store(tmp_path):
     [
         (["--replicas", "2"], "--replicas needs a job store the replicas share"),
         (["--replicas", "2", "--job-store", "postgresql://u@127.0.0.1:1/x"], "--replicas needs an output folder"),
-        (["--replicas", "2", "--job-store", "mysql://x", "--output-dir", "OUT"], "--replicas needs a job store"),
+        (["--replicas", "2", "--job-store", "mysql://x", "--output-dir", "OUT"], "expected sqlite or a postgresql://"),
     ],
 )
 def test_cli_refuses_replicas_without_shared_store(tmp_path, args, match):

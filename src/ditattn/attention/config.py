@@ -8,6 +8,7 @@ string → ``k=v`` pairs split on commas.  Each backend validates its own keys a
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -104,7 +105,7 @@ def _scalar(text: str) -> Any:
             return f
     except ValueError:
         pass
-    if t[:1] in "[{":
+    if t and t[0] in "[{":
         return loads_json(t, f"the value {short_repr(t)} in the attention backend config")
     return t
 
@@ -183,6 +184,37 @@ def read_text_file(path: str, *, what: str, accepted: str, max_bytes: Optional[i
         ) from None
 
 
+def _unique_keys_loader():
+    """PyYAML's safe loader (libyaml's when the wheel has it) refusing a key given twice in one mapping
+    (YAML itself forbids it; PyYAML keeps the last value silently)."""
+    import yaml
+
+    return _loader_class(getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+
+
+@functools.lru_cache(maxsize=None)
+def _loader_class(base):
+    import yaml
+
+    class UniqueKeyLoader(base):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    dup = key in seen
+                except TypeError:  # an unhashable key: construct_mapping's own error says so
+                    break
+                if dup:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r:.60} appears twice in one mapping", key_node.start_mark
+                    )
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
+
+
 def load_mapping_file(path: str, *, what: str = "config file", accepted: str = "a YAML or JSON mapping") -> dict:
     """The mapping in the ``.json`` / ``.yaml`` / ``.yml`` file ``path`` ({} for an empty file).
 
@@ -203,7 +235,7 @@ def load_mapping_file(path: str, *, what: str = "config file", accepted: str = "
             import yaml
 
             # libyaml's loader when the wheel has it: fast, and it refuses deep nesting at once
-            data = yaml.load(body, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+            data = yaml.load(body, Loader=_unique_keys_loader())
     except Exception as exc:  # json.JSONDecodeError, yaml.YAMLError, RecursionError, int digit limit
         raise AttentionConfigError(
             f"cannot parse {what} {path}: {parse_error_reason(exc)}; accepted: {accepted}"
@@ -273,6 +305,10 @@ def parse_attention_backend_config(value: "str | dict | None", *, files: bool = 
         key = key.strip()
         if not key:
             raise AttentionConfigError(f"empty key in attention backend config {short_repr(value)}")
+        if key in out:
+            raise AttentionConfigError(
+                f"key {short_repr(key)} is given twice in attention backend config {short_repr(value)}; give it once"
+            )
         out[key] = _scalar(raw)
     return out
 

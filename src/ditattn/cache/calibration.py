@@ -182,11 +182,11 @@ def write_calibration(data: dict, path: str) -> None:
             return {k: clean(x) for k, x in v.items()}
         return v
 
+    from ditattn.files import atomic_write
+
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(clean(data), fh, indent=1)
-        fh.write("\n")
+    atomic_write(path, json.dumps(clean(data), indent=1) + "\n")  # a full disk leaves the old file, not a cut one
 
 
 __all__ = ["load_calibration", "packaged_calibration", "Recorder", "fit", "write_calibration"]

@@ -53,7 +53,7 @@ class CacheSetting:
         either; the run summary then shows no reuse.)"""
         cfg = self.config
         explicit = cfg.get("start_step") is not None or cfg.get("end_step") != self.method.defaults.get("end_step", -1)
-        if not explicit or num_steps <= 0:
+        if not explicit or num_steps <= 0 or self.method.facts.reuses == "nothing":
             return
         first = start_step(cfg, num_steps)
         end = cfg["end_step"] if cfg["end_step"] >= 0 else num_steps + cfg["end_step"]

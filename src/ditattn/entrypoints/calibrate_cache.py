@@ -4,6 +4,7 @@ recorded (:class:`~ditattn.cache.calibration.Recorder`) and fitted into a calibr
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 
 from ditattn.errors import AttentionConfigError
@@ -23,6 +24,18 @@ def run(cfg: RunConfig) -> int:
         raise AttentionConfigError(f"calibrate-cache needs --output FILE.json, got {c.calibrate_output!r}")
     if cfg.sampling.prompt is not None:
         raise AttentionConfigError("calibrate-cache takes its prompts with --prompt (repeatable), not 'prompt'")
+    if any(not p.strip() for p in c.calibrate_prompts):
+        raise AttentionConfigError("calibrate-cache: a --prompt is empty; accepted: prompts with text")
+    steps = len(cfg.sampling.timesteps) if cfg.sampling.timesteps else cfg.sampling.num_inference_steps
+    if steps is not None and steps < 2:
+        raise AttentionConfigError(
+            f"calibrate-cache needs at least 2 denoising steps (a calibration relates each step to the one before), "
+            f"got {steps}"
+        )
+    from ditattn.pipelines.output import check_output_target
+
+    check_output_target(c.calibrate_output, flag="--output", writer=False)  # before any work
+    replaced = os.path.exists(c.calibrate_output)
     pipe = WanPipelineNative.from_config(cfg)
     kw = cfg.generate_kwargs()
     for key in ("prompt", "seed", "override", "skip_softmax"):
@@ -48,7 +61,8 @@ def run(cfg: RunConfig) -> int:
     write_calibration(data, c.calibrate_output)
     mag = data["magcache"]["mag_ratios"]
     print(
-        f"wrote {c.calibrate_output}: {pipe.model_index.name}, {res.num_inference_steps} steps, {len(pairs)} runs; "
+        f"wrote {c.calibrate_output}{' (replacing the file that was there)' if replaced else ''}: "
+        f"{pipe.model_index.name}, {res.num_inference_steps} steps, {len(pairs)} runs; "
         f"teacache polynomial {[round(v, 4) for v in data['teacache']['coefficients']]}; magcache ratios "
         f"{min(mag[1:]):.3f}-{max(mag[1:]):.3f}"
     )

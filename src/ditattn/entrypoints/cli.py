@@ -23,6 +23,9 @@ from ditattn.runconfig import RunConfig
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2, with the values argparse quotes cut short
         message = re.sub(r"'([^']{100,})'|\"([^\"]{100,})\"", lambda m: short_repr(m.group(1) or m.group(2)), message)
+        m = re.match(r"argument (--[\w-]+)(/[\w-]+)*: expected (one|at least one) argument", message)
+        if m:  # a value that starts with '-' (--cfg-interval -1:1) reads as a flag to argparse
+            message += f" (a value starting with '-' is given as {m.group(1)}=VALUE)"
         sys.stderr.write(f"error: {message} (see '{self.prog} --help')\n")
         raise SystemExit(2)
 
@@ -147,8 +150,52 @@ def _drop_refusal_log(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith("request refused")
 
 
+def _out_of_memory(exc: BaseException) -> bool:
+    """A failed allocation: Python's MemoryError, PyTorch's OutOfMemoryError (CUDA) or its CPU allocator's
+    RuntimeError."""
+    text = str(exc)
+    return (
+        isinstance(exc, MemoryError)
+        or "OutOfMemoryError" in type(exc).__name__
+        or ("can't allocate memory" in text or "not enough memory" in text)
+    )
+
+
+def check_flags_once(parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
+    """``parser.error`` (exit 2) when one setting is given twice on the command line (``--seed 1 --seed 2``,
+    ``--no-save-output --save-output true``): argparse keeps the last silently.  Repeatable flags
+    (``--prompt`` of calibrate-cache, ``--lora-path``, ``--variant``...) are exempt."""
+    tokens = list(argv)
+    sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    name = next((t for t in tokens if sub is not None and t in sub.choices), None)
+    if name is None:
+        return
+    sp = sub.choices[name]
+    options = sp._option_string_actions
+    seen: dict[str, list[str]] = {}
+    for tok in tokens[tokens.index(name) + 1 :]:
+        if tok == "--":
+            break
+        if not tok.startswith("--"):
+            continue
+        opt = tok.split("=", 1)[0]
+        action = options.get(opt)
+        if action is None:  # argparse's unique-prefix abbreviations
+            hits = {a for o, a in options.items() if o.startswith(opt)}
+            action = hits.pop() if len(hits) == 1 else None
+        if action is None or isinstance(action, (argparse._AppendAction, argparse._ExtendAction)):
+            continue
+        seen.setdefault(action.dest, []).append(opt)
+    twice = {d: opts for d, opts in seen.items() if len(opts) > 1}
+    if twice:
+        dest, opts = next(iter(twice.items()))
+        sp.error(f"{' and '.join(dict.fromkeys(opts))} set one setting ({dest}) {len(opts)} times; give it once")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    check_flags_once(parser, sys.argv[1:] if argv is None else argv)
     given = vars(ns)
     name = given.pop("command")
     command = next(c for c in COMMANDS if c.name == name)
@@ -165,9 +212,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         attn_log.addFilter(_drop_refusal_log)
     cfg = None
     try:
+        from ditattn import settings
+
+        settings.check_environment()
         cfg = build_config(command, given)
         if cfg.verbose:
             logging.getLogger().setLevel(logging.INFO)
+        for note in cfg.ignored_settings():  # given, but it would do nothing: said, not dropped silently
+            sys.stderr.write(f"warning: {note}\n")
         module, _, func = command.run.partition(":")
         return int(getattr(importlib.import_module(module), func)(cfg) or 0)
     except AttentionConfigError as exc:
@@ -184,5 +236,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
         return 130
+    except OSError as exc:  # the machine's refusal (a full disk, a read-only or vanished folder), not a bug
+        if exc.errno is None:
+            raise
+        where = f" ({exc.filename})" if exc.filename else ""
+        sys.stderr.write(f"error: {exc.strerror or exc}{where}; nothing more was written\n")
+        return 1
+    except (MemoryError, RuntimeError) as exc:
+        if not _out_of_memory(exc):
+            raise
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        sys.stderr.write(
+            f"error: out of memory ({first}); try a smaller --height / --width / --num-frames, --offload model, "
+            "or a lower precision (--dtype bfloat16)\n"
+        )
+        return 1
     finally:
         attn_log.removeFilter(_drop_refusal_log)

@@ -80,6 +80,9 @@ def run(cfg: RunConfig) -> int:
     from ditattn.evaluation.compare import format_summary, json_ready, run_compare
 
     ccfg = compare_config(cfg)
+    from ditattn.pipelines.output import check_output_folder
+
+    check_output_folder(ccfg.output_dir, flag="--output-path")  # before any run, not after all of them
     threads = torch.get_num_threads()
     _tune_cpu_threads(cfg.model.device)  # on a busy CPU, fewer threads run much faster (see its docstring)
     try:

@@ -111,7 +111,8 @@ def _output_path(cfg: RunConfig, num_frames: Optional[int]) -> Optional[str]:
     if not o.save_output:
         return None
     folder, name = split_output_target(o.output_path, o.output_file)
-    path = output_file_path(folder, name, s.prompt, s.seed or 0, num_frames)
+    flag = "--output-file" if o.output_file else "--output-path"
+    path = output_file_path(folder, name, s.prompt, s.seed or 0, num_frames, flag=flag)
     check_output_target(path)
     return unused_path(path, o.overwrite)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from typing import Optional, Sequence
 
 import numpy as np
@@ -86,6 +87,13 @@ def write_outputs(report: dict, frames: dict, pairs: Sequence, cfg) -> None:
     os.makedirs(cfg.output_dir, exist_ok=True)
     files, notes = report["files"], report.setdefault("notes", [])
     names = [v.name for v in cfg.variants]
+    # an earlier compare's clips and videos in this folder would pass for this run's: they go
+    ours = re.compile(r"^(clips\.npz|side_by_side_p\d+_s\d+\.mp4)$")
+    stale = [f for f in sorted(os.listdir(cfg.output_dir)) if ours.match(f)]
+    for f in stale:
+        os.remove(os.path.join(cfg.output_dir, f))
+    if stale:
+        notes.append(f"removed {len(stale)} file(s) of an earlier compare in {cfg.output_dir}: {', '.join(stale[:6])}")
     files["chart"] = quality_speed_chart(report, os.path.join(cfg.output_dir, "compare.png"))
     files["contact_sheet"] = contact_sheet(
         frames, pairs, names, report, os.path.join(cfg.output_dir, "contact_sheet.png")
@@ -119,8 +127,9 @@ def write_outputs(report: dict, frames: dict, pairs: Sequence, cfg) -> None:
         files["clips"] = path
     path = os.path.join(cfg.output_dir, "compare.json")
     files["json"] = path
-    with open(path, "w") as fh:
-        json.dump(json_ready(report), fh, indent=1)
+    from ditattn.files import atomic_write
+
+    atomic_write(path, json.dumps(json_ready(report), indent=1))
 
 
 def quality_speed_chart(report: dict, path: str) -> str:

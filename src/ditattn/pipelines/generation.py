@@ -93,6 +93,12 @@ def resolve_inputs(
             "boundary_ratio); this one has a single transformer"
         )
     guidance_2 = guidance if guidance_scale_2 is None else float(guidance_scale_2)
+    if guidance_scale_2 is not None and guidance <= 1.0 < guidance_2:
+        raise AttentionConfigError(
+            f"guidance_scale_2 {guidance_2:g} would have no effect: classifier-free guidance is on only when "
+            f"guidance_scale (the high-noise expert's, {guidance:g}) is above 1, which decides whether the negative "
+            "prompt is encoded at all; accepted: guidance_scale above 1 with it, or leave guidance_scale_2 out"
+        )
     geometry.check_size(height, width, num_frames)
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise AttentionConfigError(f"num_inference_steps must be a positive integer, got {steps!r}")

@@ -29,27 +29,35 @@ def default_file_name(prompt: str, seed: int, num_frames: Optional[int]) -> str:
     return f"{slug}_s{seed}{'.png' if num_frames == 1 else '.mp4'}"
 
 
-def output_file_path(out_dir: str, file_name: Optional[str], prompt: str, seed: int, num_frames: Optional[int]) -> str:
+def output_file_path(
+    out_dir: str,
+    file_name: Optional[str],
+    prompt: str,
+    seed: int,
+    num_frames: Optional[int],
+    flag: str = "--output-file",
+) -> str:
     """Where to write: ``out_dir/file_name`` (extension added when missing); a ``.png`` name for a
     multi-frame clip, an ``.mp4`` for one frame or another extension is an
-    :class:`AttentionConfigError` (``num_frames`` None: not known yet, the frame checks wait)."""
+    :class:`AttentionConfigError` naming ``flag``, the setting the name came from (``num_frames``
+    None: not known yet, the frame checks wait)."""
     if not file_name:
         file_name = default_file_name(prompt, seed, num_frames)
     if os.sep in file_name or (os.altsep and os.altsep in file_name):
-        raise AttentionConfigError(f"--output-file '{file_name}' must be a file name; put the folder in --output-path")
+        raise AttentionConfigError(f"{flag} '{file_name}' must be a file name; put the folder in --output-path")
     stem, ext = os.path.splitext(file_name)
     ext = ext.lower()
     if not ext:
         file_name = f"{file_name}{'.png' if num_frames == 1 else '.mp4'}"
     elif ext not in EXTENSIONS:
-        raise AttentionConfigError(f"--output-file '{file_name}': unsupported extension '{ext}'; accepted: .mp4, .png")
+        raise AttentionConfigError(f"{flag} '{file_name}': unsupported extension '{ext}'; accepted: .mp4, .png")
     elif ext == ".png" and num_frames not in (1, None):
         raise AttentionConfigError(
-            f"--output-file '{file_name}': a {num_frames}-frame video cannot be a .png; use .mp4 or --num-frames 1"
+            f"{flag} '{file_name}': a {num_frames}-frame video cannot be a .png; use .mp4 or --num-frames 1"
         )
     elif ext == ".mp4" and num_frames == 1:
         raise AttentionConfigError(
-            f"--output-file '{file_name}': one frame is written as a .png image, not an .mp4; use "
+            f"{flag} '{file_name}': one frame is written as a .png image, not an .mp4; use "
             f"'{stem}.png' (or no extension), or more frames (--num-frames 5)"
         )
     return os.path.join(out_dir, file_name)
@@ -77,33 +85,44 @@ def split_output_target(output_path: str, output_file: Optional[str]) -> tuple[s
     return output_path, output_file
 
 
-def check_output_target(path: str) -> None:
+def check_output_target(path: str, *, flag: str = "--output-path", writer: bool = True) -> None:
     """Before any work: ``path``'s folder exists or can be created and is writable, ``path`` is not
-    a folder, and the writer of its kind is installed (imageio-ffmpeg's ffmpeg for ``.mp4``,
-    Pillow for ``.png``).  Raises :class:`AttentionConfigError` with what to change."""
+    a folder, and (``writer``) the writer of its kind is installed (imageio-ffmpeg's ffmpeg for ``.mp4``,
+    Pillow for ``.png``).  Raises :class:`AttentionConfigError` with what to change (naming ``flag``)."""
     if os.path.isdir(path):
         raise AttentionConfigError(f"the output file {path} is an existing folder; choose another name")
-    folder = os.path.dirname(os.path.abspath(path))
+    check_output_folder(os.path.dirname(os.path.abspath(path)), flag=flag, what=path)
+    if writer:
+        _check_writer(path)
+
+
+def check_output_folder(folder: str, *, flag: str = "--output-path", what: Optional[str] = None) -> None:
+    """Before any work: ``folder`` is a folder that exists or can be created, and takes new files
+    (permission bits, read-only and pseudo file systems such as /proc and /sys).  Raises
+    :class:`AttentionConfigError` naming ``flag``; ``what``: the file to be written there, for the message."""
+    folder = os.path.abspath(folder)  # the walk up to an existing ancestor ends at the root
+    path = what or folder
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise AttentionConfigError(f"cannot write {path}: {folder} is a file, not a folder; choose another {flag}")
     probe = folder
     while not os.path.exists(probe):  # the nearest existing ancestor decides whether it can be created
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe):
-        raise AttentionConfigError(
-            f"cannot write {path}: {probe} is a file, not a folder; choose another --output-path"
-        )
+        raise AttentionConfigError(f"cannot write {path}: {probe} is a file, not a folder; choose another {flag}")
     if not os.access(probe, os.W_OK | os.X_OK):
-        raise AttentionConfigError(
-            f"cannot write {path}: no write permission in {probe}; choose another --output-path"
-        )
+        raise AttentionConfigError(f"cannot write {path}: no write permission in {probe}; choose another {flag}")
     try:  # what the permission bits do not tell: read-only and pseudo file systems (/proc, /sys)
         fd, probe_file = tempfile.mkstemp(dir=probe, prefix=".ditattn-write-check-")
         os.close(fd)
         os.remove(probe_file)
     except OSError as exc:
         raise AttentionConfigError(
-            f"cannot write {path}: {probe} does not take new files ({exc.strerror or exc}); "
-            "choose another --output-path"
+            f"cannot write {path}: {probe} does not take new files ({exc.strerror or exc}); choose another {flag}"
         ) from None
+
+
+def _check_writer(path: str) -> None:
+    """The writer of ``path``'s kind is installed (imageio-ffmpeg's ffmpeg for ``.mp4``, else Pillow)."""
     if path.lower().endswith(".mp4"):
         try:
             import imageio_ffmpeg

@@ -9,6 +9,7 @@ identical to transformers' fast tokenizer built from the same file); folders wit
 from __future__ import annotations
 
 import html
+import logging
 import os
 import re
 import threading
@@ -16,7 +17,10 @@ from typing import Sequence
 
 import torch
 
+from ditattn.errors import short_repr
 from ditattn.models.weights import read_json
+
+log = logging.getLogger("ditattn.pipelines")
 
 
 def clean_prompt(text: str) -> str:
@@ -98,6 +102,14 @@ def encode_prompts(
     the padding rows are zeros, as diffusers pads them."""
     ids, mask = tokenizer(texts, max_length)
     lens = mask.sum(dim=1).tolist()
+    for text, n in zip(texts, lens):
+        if n >= max_length:  # every position used: the tokenizer cut the rest
+            log.warning(
+                "a prompt of %d characters fills the text encoder's %d tokens: the rest of it is cut (%s)",
+                len(text),
+                max_length,
+                short_repr(text, 50),
+            )
     L_max = max(1, int(max(lens)))
     emb = text_encoder(ids[:, :L_max].to(device), mask[:, :L_max].to(device))
     context = emb.new_zeros(emb.shape[0], ids.shape[1], emb.shape[2])

@@ -43,6 +43,7 @@ from ditattn.runconfig.checks import (
     fraction_interval,
     int_between,
     lora_specs,
+    nonempty_text,
     one_of,
     optional,
     plain_name,
@@ -78,7 +79,7 @@ class ModelConfig(_Section):
 
     model_path: Optional[str] = _field(
         None,
-        optional(text),
+        optional(nonempty_text),
         "local diffusers-format Wan checkpoint directory, a Hugging Face repo id "
         "(org/name, e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers: the local cache first, "
         "else a download; HF_HUB_OFFLINE=1 honoured), or a built-in model built "
@@ -315,12 +316,12 @@ class OutputConfig(_Section):
 
     output_path: str = _field(
         "outputs",
-        text,
+        nonempty_text,
         "output directory, or the output file itself when it ends in .mp4 (clips) / .png (one frame)",
         metavar="PATH",
     )
     output_file: Optional[str] = _field(
-        None, optional(text), "output file name (default derived from the prompt)", metavar="NAME"
+        None, optional(nonempty_text), "output file name (default derived from the prompt)", metavar="NAME"
     )
     save_output: bool = _field(True, boolean, "write the output file")
     fps: Optional[int] = _field(
@@ -453,6 +454,11 @@ class RunConfig:
                 if section is None
                 else next(f.metadata["check"] for f in dataclasses.fields(SECTIONS[section]) if f.name == key)
             )
+            if key in changes.get(section, {}):
+                raise AttentionConfigError(
+                    f"{source}: {flag_name(key)} is given twice ({short_repr(raw)} repeats an earlier spelling of "
+                    "it); give it once"
+                )
             try:
                 changes.setdefault(section, {})[key] = check(value)
             except ValueError as exc:
@@ -497,6 +503,42 @@ class RunConfig:
             compiled=m.enable_torch_compile or m.enable_cuda_graph,
             cuda_graphs=m.enable_cuda_graph,
         )
+
+    def ignored_settings(self) -> list[str]:
+        """Settings this run was given that would have no effect, one sentence each (the commands print them
+        as ``warning:`` lines, so that nothing given is silently ignored): guidance-only settings without
+        classifier-free guidance, ``offload_group_blocks`` without ``offload group``, ``lora_fuse``
+        without a LoRA, skip softmax starting after the last step, a shared-store setting without one."""
+        out = []
+        s, m = self.sampling, self.model
+        if s.guidance_scale is not None and s.guidance_scale <= 1.0:
+            given = [f for f, on in (("negative-prompt", s.negative_prompt is not None),
+                                     ("cfg-interval", s.cfg_interval is not None),
+                                     ("cfg-batching", s.cfg_batching != "auto")) if on]  # fmt: skip
+            if given:
+                out.append(
+                    f"--{', --'.join(given)} only act(s) with classifier-free guidance, which "
+                    f"--guidance-scale {s.guidance_scale:g} (<= 1) turns off"
+                )
+        if m.offload_group_blocks != 1 and m.offload != "group":
+            out.append(f"--offload-group-blocks {m.offload_group_blocks} acts only with --offload group")
+        if m.lora_fuse is not None and not m.lora_path:
+            out.append("--lora-fuse acts only with --lora-path")
+        a = self.attention
+        steps = len(s.timesteps) if s.timesteps else s.num_inference_steps
+        if a.skip_softmax_start_step is not None and steps is not None and a.skip_softmax_start_step >= steps:
+            out.append(
+                f"--skip-softmax-start-step {a.skip_softmax_start_step} is past the last of the run's {steps} steps: "
+                "nothing is skipped"
+            )
+        sv = self.server
+        shared = bool(sv.job_store) and sv.job_store != "sqlite"
+        defaults = ServerConfig()
+        if not shared:
+            for name in ("job_lease_s", "job_max_attempts"):
+                if getattr(sv, name) != getattr(defaults, name):
+                    out.append(f"--{name.replace('_', '-')} acts only with a shared --job-store postgresql://...")
+        return out
 
     def generate_kwargs(self) -> dict:
         """Keyword arguments of ``WanPipelineNative.generate`` for this run: the sampling fields

@@ -133,9 +133,29 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def nonempty_text(value: Any) -> str:
+    """Text with something in it: an empty value is refused rather than read as "not given"."""
+    value = text(value)
+    if not value.strip():
+        raise ValueError("expected a non-empty value (leave the setting out for its default)")
+    return value
+
+
+#: what a job store URL may start with (PostgreSQL), besides ``sqlite``
+JOB_STORE_SCHEMES = ("postgresql://", "postgres://")
+
+
+def job_store_url(value: Any) -> str:
+    """``sqlite`` or a ``postgresql://`` / ``postgres://`` URL."""
+    value = nonempty_text(value)
+    if value != "sqlite" and not value.startswith(JOB_STORE_SCHEMES):
+        raise ValueError(f"expected sqlite or a postgresql://USER@HOST:PORT/DB URL, got {_short(value)}")
+    return value
+
+
 def plain_name(value: Any) -> str:
-    """A name as text, or an enum member / torch dtype / torch device (see :func:`_plain`)."""
-    return text(_plain(value))
+    """A name as text (not empty), or an enum member / torch dtype / torch device (see :func:`_plain`)."""
+    return nonempty_text(_plain(value))
 
 
 def text_or_mapping(value: Any) -> Union[str, dict]:

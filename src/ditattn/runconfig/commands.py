@@ -14,7 +14,9 @@ from ditattn.runconfig.checks import (
     float_between,
     int_between,
     integer,
+    job_store_url,
     list_of,
+    nonempty_text,
     nonneg_int,
     optional,
     package_list,
@@ -53,7 +55,7 @@ class ServerConfig(_Section):
 
     host: str = _field("127.0.0.1", text, "bind address", metavar="HOST")
     port: int = _field(30000, tcp_port, "TCP port", metavar="PORT")
-    api_key: Optional[str] = _field(None, optional(text), "require Authorization: Bearer KEY", metavar="KEY")
+    api_key: Optional[str] = _field(None, optional(nonempty_text), "require Authorization: Bearer KEY", metavar="KEY")
     public_url: Optional[str] = _field(
         None,
         optional(public_url),
@@ -159,13 +161,13 @@ class ServerConfig(_Section):
     )
     ray_address: Optional[str] = _field(
         None,
-        optional(text),
+        optional(nonempty_text),
         "join this Ray cluster (e.g. auto or HOST:6379; None: start a local Ray instance)",
         metavar="ADDR",
     )
     job_store: Optional[str] = _field(
         None,
-        optional(text),
+        optional(job_store_url),
         "video job store: sqlite (in --output-dir) or "
         "postgresql://USER@HOST:PORT/DB, shared by replicas (None: sqlite)",
         metavar="URL",
@@ -282,7 +284,7 @@ class CalibrateOptions(_Section):
     calibrate_seeds: tuple = _field((0,), list_of(nonneg_int, "integers >= 0"), "calibration seeds", metavar="S")
     calibrate_output: Optional[str] = _field(
         None,
-        optional(text),
+        optional(nonempty_text),
         "where the calibration JSON is written (a path ending in .json); the methods take it as calibration=PATH",
         metavar="FILE.json",
     )

@@ -211,6 +211,13 @@ class RequestChecks:
                 "guidance_scale_2 applies to two-expert models (Wan 2.2 A14B); this model has one transformer",
                 param="guidance_scale_2",
             )
+        g1 = d.guidance_scale if req.guidance_scale is None else req.guidance_scale
+        if req.guidance_scale_2 is not None and g1 <= 1.0 < req.guidance_scale_2:
+            raise RequestError(
+                f"guidance_scale_2 {req.guidance_scale_2:g} would have no effect: classifier-free guidance is on only "
+                f"when guidance_scale (here {g1:g}) is above 1; send guidance_scale above 1 with it",
+                param="guidance_scale_2",
+            )
         lora = self.check_lora(req.lora)
         sampling = self.check_sampling(req.sampling())
         skip = req.skip_softmax_params.as_dict() if req.skip_softmax_params is not None else None

@@ -12,8 +12,7 @@ from __future__ import annotations
 from typing import Iterable, Optional, Protocol
 
 from ditattn.errors import AttentionConfigError
-
-PG_SCHEMES = ("postgresql://", "postgres://")
+from ditattn.runconfig.checks import JOB_STORE_SCHEMES as PG_SCHEMES  # one list: the --job-store check
 
 
 class JobStoreAPI(Protocol):

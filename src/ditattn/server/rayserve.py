@@ -253,7 +253,14 @@ def deploy(cfg: RunConfig, *, cpus_per_replica: Optional[float] = None, ray_init
         local = {}
         if address == "local":  # ray start --head has a dashboard; its workers' niceness is set there
             local = {"include_dashboard": False, "_system_config": local_system_config()}
-        ray.init(address=address, namespace="ditattn", **{**local, **(ray_init or {})})
+        try:
+            ray.init(address=address, namespace="ditattn", **{**local, **(ray_init or {})})
+        except ConnectionError as exc:  # --ray-address names no running cluster
+            raise AttentionConfigError(
+                f"--ray-address {address}: no Ray cluster answers there ({' '.join(str(exc).split())[:160]}); "
+                "start one with 'ray start --head' (or pass the head's HOST:6379), or leave --ray-address out "
+                "for a local instance"
+            ) from None
     check_cluster_fits(cfg, [n.get("Resources", {}).get("GPU", 0.0) for n in ray.nodes() if n.get("Alive")])
     serve.start(http_options={"host": s.host, "port": s.port}, logging_config={"enable_access_log": False})
     if cpus_per_replica is None:
