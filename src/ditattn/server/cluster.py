@@ -29,7 +29,7 @@ from typing import Optional
 
 from ditattn.server.jobstores import check_shared, open_job_store
 from ditattn.server.protocol import RequestError
-from ditattn.server.state import ServerState
+from ditattn.server.state import ServerState, job_work
 from ditattn.server.storage import SharedFolder
 from ditattn.server.store import FINISHED, ImageStore, VideoRecord, VideoStore, remove_file
 
@@ -231,6 +231,9 @@ class ClusterState(ServerState):
         if waiting > limit:
             self.metrics.queue_full.inc()
             wait = self.retry_after()
+            if self._seconds_per_work:  # the shared queue is not in this replica's scheduler: its jobs, this size
+                ahead = (waiting - 1) / max(1, self.replicas) * job_work(job) * self._seconds_per_work
+                wait = int(min(600, max(wait, round(ahead))))
             log.warning(
                 "video job refused (429): %d jobs queued for %d replica(s) (--max-queue %d each); Retry-After %d s",
                 waiting - 1,
