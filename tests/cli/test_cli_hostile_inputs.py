@@ -240,3 +240,21 @@ def test_a_prompt_cut_by_the_text_encoder_is_said(caplog):
         encode_prompts(tokenizer, encoder, ["short prompt", "word " * 600], 512, torch.device("cpu"))
     cut = [r.getMessage() for r in caplog.records if "is cut" in r.getMessage()]
     assert len(cut) == 1 and "3000 characters fills the text encoder's 512 tokens" in cut[0], cut
+
+
+def test_more_settings_that_would_do_nothing_or_are_malformed(capsys):
+    from ditattn.pipelines.output import default_file_name
+    from ditattn.runconfig import ModelConfig, OutputConfig, RunConfig, SimulationConfig
+
+    notes = RunConfig(
+        model=ModelConfig(model_path="ditattn:shapes", local_files_only=True, device="cpu"),
+        output=OutputConfig(save_output=False, overwrite=True),
+        simulation=SimulationConfig(platform="cuda:90"),
+    ).ignored_settings()
+    joined = "\n".join(notes)
+    assert "--overwrite acts only when the output is saved" in joined, joined
+    assert "--local-files-only acts only for Hugging Face repo ids" in joined, joined
+    assert "--device cpu is not used with --platform cuda:90" in joined, joined
+    line = _error(capsys, ["serve", "--allowed-origins", "notanorigin"])
+    assert "--allowed-origins: expected an origin" in line, line
+    assert default_file_name("日本語 🦊 café", 0, 5) == "日本語_café_s0.mp4"

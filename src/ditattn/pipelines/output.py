@@ -25,7 +25,7 @@ EXTENSIONS = (".mp4", ".png")
 
 def default_file_name(prompt: str, seed: int, num_frames: Optional[int]) -> str:
     """``<prompt slug>_s<seed>.mp4`` (or ``.png`` for one frame; None: not known yet, a video)."""
-    slug = re.sub(r"[^A-Za-z0-9]+", "_", prompt).strip("_")[:48].rstrip("_") or "output"
+    slug = re.sub(r"\W+", "_", prompt).strip("_")[:48].rstrip("_") or "output"  # letters of any script kept
     return f"{slug}_s{seed}{'.png' if num_frames == 1 else '.mp4'}"
 
 

@@ -531,6 +531,17 @@ class RunConfig:
                 f"--skip-softmax-start-step {a.skip_softmax_start_step} is past the last of the run's {steps} steps: "
                 "nothing is skipped"
             )
+        o = self.output
+        if o.overwrite and not o.save_output:
+            out.append("--overwrite acts only when the output is saved (--no-save-output is given)")
+        if m.local_files_only and (m.model_path or "ditattn:").startswith("ditattn:"):
+            out.append("--local-files-only acts only for Hugging Face repo ids; built-in ditattn: models are local")
+        sim = self.simulation
+        if sim.platform and m.device and not str(sim.platform).split(":")[0] == str(m.device).split(":")[0]:
+            out.append(
+                f"--device {m.device} is not used with --platform {sim.platform}: the simulated platform decides the "
+                "device the plan shows"
+            )
         sv = self.server
         shared = bool(sv.job_store) and sv.job_store != "sqlite"
         defaults = ServerConfig()

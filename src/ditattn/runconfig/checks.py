@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 from typing import Any, Callable, Mapping, Union
 
 from ditattn.errors import short_repr as _short
@@ -150,6 +151,14 @@ def job_store_url(value: Any) -> str:
     value = nonempty_text(value)
     if value != "sqlite" and not value.startswith(JOB_STORE_SCHEMES):
         raise ValueError(f"expected sqlite or a postgresql://USER@HOST:PORT/DB URL, got {_short(value)}")
+    return value
+
+
+def web_origin(value: Any) -> str:
+    """A browser Origin, ``scheme://host[:port]`` with scheme http or https, or ``*`` (any)."""
+    value = nonempty_text(value).strip()
+    if value != "*" and not re.fullmatch(r"https?://[^/\s:]+(:\d{1,5})?/?", value, re.IGNORECASE):
+        raise ValueError(f"expected an origin (https://example.com, http://host:8080 or *), got {_short(value)}")
     return value
 
 

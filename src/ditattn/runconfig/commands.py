@@ -25,6 +25,7 @@ from ditattn.runconfig.checks import (
     tcp_port,
     text,
     text_items,
+    web_origin,
 )
 from ditattn.runconfig.fields import MAX_FPS, MAX_FRAMES, MAX_SIDE, MAX_STEPS
 from ditattn.runconfig.fields import Section as _Section
@@ -137,7 +138,7 @@ class ServerConfig(_Section):
     )
     allowed_origins: tuple = _field(
         (),
-        list_of(text, "origins"),
+        list_of(web_origin, "origins"),
         "without --api-key: browser Origins (scheme://host"
         "[:port]) accepted besides the server's own and localhost ('*': any)",
         metavar="ORIGIN[,ORIGIN...]",
