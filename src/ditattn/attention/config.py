@@ -82,9 +82,18 @@ def loads_json(text: str, what: str) -> Any:
     raise :class:`AttentionConfigError` naming ``what``."""
     if json_depth_exceeds(text, MAX_DEPTH):
         raise AttentionConfigError(f"{what} is not valid JSON: nested too deeply (more than {MAX_DEPTH} levels)")
+    def unique(pairs):
+        keys = [k for k, _ in pairs]
+        dup = next((k for k in keys if keys.count(k) > 1), None)
+        if dup is not None:
+            raise AttentionConfigError(f"{what}: key {short_repr(dup)} is given twice; give it once")
+        return dict(pairs)
+
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=unique)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+        if isinstance(exc, AttentionConfigError):
+            raise
         raise AttentionConfigError(f"{what} is not valid JSON: {parse_error_reason(exc)}") from None
 
 

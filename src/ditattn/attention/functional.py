@@ -13,6 +13,7 @@ from ditattn.attention.backends.base import AttnCall
 from ditattn.attention.config import parse_attention_backend_config, validate_backend_config
 from ditattn.attention.context import get_forced_backend
 from ditattn.attention.names import AttentionBackendEnum as B
+from ditattn.attention.schemas import schema_for
 from ditattn.attention.selector import Decision, LayerSpec, bind_impl, select_backend
 from ditattn.errors import AttentionConfigError, short_repr
 from ditattn.platforms import platform_for_device
@@ -54,7 +55,8 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
 
 
 def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    """An integer: Python's or NumPy's (``np.int64``), not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def check_call_args(q: Tensor, k: Tensor, *, causal, scale, attn_bias, text_len, step, layer_idx, return_lse) -> None:
@@ -71,6 +73,8 @@ def check_call_args(q: Tensor, k: Tensor, *, causal, scale, attn_bias, text_len,
             raise AttentionConfigError(f"scale must be None (1/sqrt(head_dim)) or a finite number > 0, got {scale!r}")
     if not _is_int(text_len) or text_len < 0:
         raise AttentionConfigError(f"text_len must be an integer >= 0, got {text_len!r}")
+    if text_len > q.shape[1]:
+        raise AttentionConfigError(f"text_len {text_len} is longer than the sequence ({q.shape[1]} tokens)")
     for name, val in (("step", step), ("layer_idx", layer_idx)):
         if val is not None and (not _is_int(val) or val < 0):
             raise AttentionConfigError(f"{name} must be None or an integer >= 0, got {val!r}")
@@ -253,8 +257,11 @@ def attention(
     q: ``[batch, seq_q, heads, head_dim]``; k, v: ``[batch, seq_kv, kv_heads, head_dim]`` with
     ``heads % kv_heads == 0`` (GQA). backend: a name of ``AttentionBackendEnum`` (aliases allowed)
     or None for the platform's automatic choice (a global force applies). config: backend
-    parameters (dict, JSON, ``k=v`` pairs or a file path). attn_bias: additive float bias (or
-    boolean mask, True = keep) broadcastable to ``[batch, heads, seq_q, seq_kv]``.
+    parameters (dict, JSON, ``k=v`` pairs or a file path); with ``backend`` None (or a global force) keys of
+    other backends may be present, but each must belong to some backend. attn_bias: additive float bias (or
+    boolean mask, True = keep; a query row with no key kept gives zeros and LSE ``-inf``) broadcastable to
+    ``[batch, heads, seq_q, seq_kv]``. causal: query ``i`` attends keys ``0..i`` (top-left aligned, as
+    PyTorch's SDPA, also when ``seq_q != seq_kv``).
     video_shape: latent grid ``(T, H, W)`` of the video tokens, which come first in the sequence;
     text_len: text tokens that follow them (joint attention); step / layer_idx: denoising step and
     DiT block index (sparse schedules use them).
@@ -309,13 +316,19 @@ def attention(
         attn_bias is not None,
         return_lse,
     )
-    cfg = (
-        dict(_default_config(dec.backend))
-        if config is None
-        else validate_backend_config(
-            dec.backend, parse_attention_backend_config(config), strict_unknown=(dec.backend == b)
-        )
-    )
+    if config is None:
+        cfg = dict(_default_config(dec.backend))
+    else:
+        raw = parse_attention_backend_config(config)
+        if dec.backend != b:  # chosen for the caller: keys of other backends may be there, but each of some backend
+            known = {p.name for x in B for p in schema_for(x)}
+            unknown = [key for key in raw if key not in known]
+            if unknown:
+                raise AttentionConfigError(
+                    f"config key(s) {', '.join(map(repr, unknown[:5]))} belong to no attention backend; "
+                    "'ditattn backends NAME' lists a backend's keys"
+                )
+        cfg = validate_backend_config(dec.backend, raw, strict_unknown=(dec.backend == b))
     call = AttnCall(
         causal=causal,
         scale=scale,

@@ -22,15 +22,18 @@ def reference_attention(
 ) -> tuple[Tensor, Tensor]:
     """Plain math attention in ``dtype`` (float32 or float64): the reference for every kernel.
 
-    ``mask``: optional boolean ``[B or 1, H or 1, Sq, Skv]``, True = attend. Rows with no allowed key
-    give zeros and LSE ``-inf``. Returns ``(out [B, Sq, H, D] in dtype, lse [B, H, Sq] in dtype)``.
+    ``mask``: optional boolean ``[B or 1, H or 1, Sq, Skv]``, True = attend (a boolean ``attn_bias`` is
+    such a mask, as SDPA reads it; a float one is added to the scores). Rows with no allowed key give
+    zeros and LSE ``-inf``. Returns ``(out [B, Sq, H, D] in dtype, lse [B, H, Sq] in dtype)``.
     """
     heads = q.shape[2]
     k, v = expand_kv(k, v, heads)
     qf, kf, vf = (t.to(dtype).transpose(1, 2) for t in (q, k, v))
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     s = (qf @ kf.transpose(-1, -2)) * scale
-    if attn_bias is not None:
+    if attn_bias is not None and attn_bias.dtype == torch.bool:  # a boolean mask (True = attend), as SDPA reads it
+        mask = attn_bias if mask is None else (mask.to(torch.bool) & attn_bias)
+    elif attn_bias is not None:
         s = s + attn_bias.to(dtype)
     if causal:
         sq, skv = s.shape[-2:]

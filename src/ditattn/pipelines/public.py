@@ -63,7 +63,8 @@ class WanPipeline:
     ) -> "WanPipeline":
         """Load ``model`` — a local diffusers-format Wan folder, a Hugging Face repo id ``org/name``
         (the local cache first, ``revision``, ``local_files_only``, ``cache_dir`` instead of
-        ``HF_HOME``) or ``ditattn:tiny-wan`` / ``ditattn:tiny-wan2.2`` (None: ``ditattn:tiny-wan``).
+        ``HF_HOME``; ignored for the built-in models, which are local) or a built-in model, ``ditattn:shapes``
+        (the trained one), ``ditattn:tiny-wan`` / ``ditattn:tiny-wan2.2`` (random weights; None: ``ditattn:shapes``).
 
         attention_backend: the global backend (``"fa"``, ``"torch_sdpa"``, ``"video_sparse_attn"``,
         an ``AttentionBackendEnum`` member, …; None: automatic per platform);
@@ -180,6 +181,9 @@ class WanPipeline:
             raise AttentionConfigError(f"prompt must be a string or a non-empty list of strings, got {prompt!r}")
         negatives = negative_prompt if isinstance(negative_prompt, (list, tuple)) else [negative_prompt]
         seeds = seed if isinstance(seed, (list, tuple)) else [seed]
+        for name, given in (("negative_prompt", negatives), ("seed", seeds)):
+            if len(given) not in (1, len(prompts)):
+                raise AttentionConfigError(f"{name} has {len(given)} entries for {len(prompts)} prompts")
         for i, p in enumerate(prompts):  # each value through the CLI's checks
             sampling = SamplingConfig(
                 prompt=p,

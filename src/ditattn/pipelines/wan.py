@@ -106,6 +106,9 @@ class WanPipelineNative:
         #: the default step cache of every call (a :class:`~ditattn.cache.runtime.CacheSetting`) or None
         self.cache_setting = None
         self._offload_lock = threading.Lock()  # offloaded components move: one generation at a time
+        # diffusers' AutoencoderKLWan keeps its causal-conv feature cache on the module: one encode or decode
+        # at a time, or concurrent calls (threads of a server or a user) corrupt each other's frames
+        self._vae_lock = threading.Lock()
         self.vae_parallel = False  # decode's tiles spread over the ranks (from_pretrained(vae_parallel=True))
         self.defaults = dict(model_index.builtin_defaults or CHECKPOINT_DEFAULTS)
         self.boundary_ratio = model_index.config.get("boundary_ratio")
@@ -475,20 +478,21 @@ class WanPipelineNative:
             condition = None
             if inp.images is not None:
                 t0 = time.perf_counter()
-                condition = image_condition(
-                    inp.images,
-                    mode=self.mode,
-                    components=self.components,
-                    placement=self.placement,
-                    height=height,
-                    width=width,
-                    num_frames=num_frames,
-                    temporal=self.vae_scale_temporal,
-                    spatial=self.vae_scale_spatial,
-                    device=dev,
-                    dtype=dt,
-                    clip=self.image_embeds,
-                )
+                with self._vae_lock:
+                    condition = image_condition(
+                        inp.images,
+                        mode=self.mode,
+                        components=self.components,
+                        placement=self.placement,
+                        height=height,
+                        width=width,
+                        num_frames=num_frames,
+                        temporal=self.vae_scale_temporal,
+                        spatial=self.vae_scale_spatial,
+                        device=dev,
+                        dtype=dt,
+                        clip=self.image_embeds,
+                    )
                 timings["image"] = time.perf_counter() - t0
 
             # 3. denoise
@@ -585,7 +589,7 @@ class WanPipelineNative:
         (``progress``: a bar on stderr when it is a terminal; ``check_stop`` (optional) is asked between
         latent frames and may raise to stop the decode; not under ``--vae-parallel``, where every rank
         must reach the collective decode)."""
-        with self.placement.use("vae"):
+        with self._vae_lock, self.placement.use("vae"):
             return decode_latents(
                 self.components["vae"],
                 latents,

@@ -550,6 +550,12 @@ def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Attn
     if call.attn_bias is not None:
         raise AttentionConfigError("sage_attn: does not accept an additive attention bias/mask; accepted: no bias")
     check_retired("DITATTN_SAGE_IMPL", "DITATTN_SAGE_PV")
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise AttentionConfigError(
+            "sage_attn does not support autograd: its INT8 Q.K has no gradient, so the gradients through it would "
+            "be wrong, not merely approximate; accepted: call it under torch.no_grad() or torch.inference_mode(), "
+            "or use torch_sdpa for a differentiable call"
+        )
     if q.device.type != "cpu" and q.dtype not in (torch.float16, torch.bfloat16):
         raise AttentionConfigError(
             f"sage_attn: dtype {str(q.dtype).replace('torch.', '')} not supported on {q.device.type} "

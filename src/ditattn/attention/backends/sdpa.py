@@ -44,13 +44,20 @@ def _lse_cuda(q, k, v, call):
             _bhsd(q), _bhsd(k), _bhsd(v), 0.0, call.causal, False, scale=call.scale
         )
         return _bhsd(res[0]), res[1].float()
-    bias = call.attn_bias
+    bias, empty = call.attn_bias, None
+    if bias is not None and bias.dtype == torch.bool:  # True = attend; a row with no key: zeros, LSE -inf
+        empty = ~bias.expand(q.shape[0], q.shape[2], q.shape[1], k.shape[1]).any(-1)  # [B, H, Sq]
+        bias = torch.zeros(bias.shape, dtype=q.dtype, device=q.device).masked_fill(~bias, float("-inf"))
     if bias is not None:
         bias = bias.to(q.dtype).expand(q.shape[0], q.shape[2], q.shape[1], k.shape[1])
     res = torch.ops.aten._scaled_dot_product_efficient_attention(
         _bhsd(q), _bhsd(k), _bhsd(v), bias, True, 0.0, call.causal, scale=call.scale
     )
-    return _bhsd(res[0]), res[1][..., : q.shape[1]].float()
+    out, lse = _bhsd(res[0]), res[1][..., : q.shape[1]].float()
+    if empty is not None and bool(empty.any()):
+        out = out.masked_fill(empty.transpose(1, 2).unsqueeze(-1), 0.0)
+        lse = lse.masked_fill(empty, float("-inf"))
+    return out, lse
 
 
 @register(

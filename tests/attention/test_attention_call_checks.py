@@ -1,0 +1,62 @@
+"""``ditattn.attention`` on inputs a user gets wrong or rarely uses: a boolean mask with the LSE matches a
+float64 reference (it was added as a 0/1 bias), sage_attn refuses autograd (its INT8 Q.K has no gradient),
+config keys that belong to no backend are refused also when the backend is chosen automatically, a JSON
+config with a key twice is refused, NumPy integers are integers, and text_len cannot exceed the sequence."""
+
+import numpy as np
+import pytest
+import torch
+
+import ditattn
+from ditattn.attention.reference import reference_attention
+from ditattn.errors import AttentionConfigError
+
+
+@pytest.mark.parametrize("shape", [(1, 7, 3, 8), (2, 13, 1, 16)])
+def test_a_boolean_mask_with_the_lse_matches_a_float64_reference(shape):
+    g = torch.Generator().manual_seed(sum(shape))
+    b, s, h, d = shape
+    q, k, v = (torch.randn(*shape, generator=g) for _ in range(3))
+    mask = torch.rand(b, h, s, s, generator=g) > 0.5
+    mask[..., 0, :] = False  # one query row attends nothing
+    out, lse = ditattn.attention(q, k, v, attn_bias=mask, return_lse=True, backend="torch_sdpa")
+    plain = ditattn.attention(q, k, v, attn_bias=mask, backend="torch_sdpa")
+    # float64 truth: scores with -inf where the mask is False
+    qd, kd, vd = (t.double().transpose(1, 2) for t in (q, k, v))
+    sc = (qd @ kd.transpose(-1, -2)) * d**-0.5
+    sc = sc.masked_fill(~mask, float("-inf"))
+    ref_lse = torch.logsumexp(sc, -1)
+    w = torch.exp(sc - torch.where(torch.isfinite(ref_lse), ref_lse, 0).unsqueeze(-1))
+    ref = (w @ vd).transpose(1, 2)
+    assert torch.allclose(out.double(), ref, atol=1e-5) and torch.allclose(plain.double(), ref, atol=1e-5)
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    fin = torch.isfinite(ref_lse)
+    assert torch.allclose(lse.double()[fin], ref_lse[fin], atol=1e-5)
+    assert out[:, 0].abs().max() == 0  # the empty row: zeros
+    r_out, r_lse = reference_attention(q, k, v, attn_bias=mask, dtype=torch.float64)
+    assert torch.allclose(r_out, ref, atol=1e-10)
+
+
+def test_sage_attn_refuses_autograd_rather_than_give_wrong_gradients():
+    q, k, v = (torch.randn(1, 12, 2, 16, requires_grad=True) for _ in range(3))
+    with pytest.raises(AttentionConfigError, match="sage_attn does not support autograd"):
+        ditattn.attention(q, k, v, backend="sage_attn", config={"impl": "reference"})
+    with torch.no_grad():
+        assert ditattn.attention(q, k, v, backend="sage_attn", config={"impl": "reference"}).shape == q.shape
+
+
+def test_config_keys_of_no_backend_are_refused_also_under_the_automatic_choice():
+    q = torch.randn(1, 6, 2, 8)
+    with pytest.raises(AttentionConfigError, match="'foo'.* belong to no attention backend"):
+        ditattn.attention(q, q, q, config={"foo": 1})
+    assert ditattn.attention(q, q, q, config={"sparsity": 0.5}).shape == q.shape  # another backend's key: kept
+    with pytest.raises(AttentionConfigError, match="key 'topk' is given twice"):
+        ditattn.attention(q, q, q, backend="torch_sdpa", config='{"topk": 0.5, "topk": 0.4}')
+
+
+def test_numpy_integers_are_integers_and_text_len_is_bounded():
+    q = torch.randn(1, 6, 2, 8)
+    ref = ditattn.attention(q, q, q, text_len=1)
+    assert torch.equal(ditattn.attention(q, q, q, text_len=np.int64(1), step=np.int32(0)), ref)
+    with pytest.raises(AttentionConfigError, match="text_len 100 is longer than the sequence"):
+        ditattn.attention(q, q, q, text_len=100)
