@@ -82,6 +82,7 @@ def loads_json(text: str, what: str) -> Any:
     raise :class:`AttentionConfigError` naming ``what``."""
     if json_depth_exceeds(text, MAX_DEPTH):
         raise AttentionConfigError(f"{what} is not valid JSON: nested too deeply (more than {MAX_DEPTH} levels)")
+
     def unique(pairs):
         keys = [k for k, _ in pairs]
         dup = next((k for k in keys if keys.count(k) > 1), None)
