@@ -60,3 +60,11 @@ def test_numpy_integers_are_integers_and_text_len_is_bounded():
     assert torch.equal(ditattn.attention(q, q, q, text_len=np.int64(1), step=np.int32(0)), ref)
     with pytest.raises(AttentionConfigError, match="text_len 100 is longer than the sequence"):
         ditattn.attention(q, q, q, text_len=100)
+
+
+def test_sols_default_dense_kernel_is_not_reported_as_a_request_for_fa(caplog):
+    q = torch.randn(1, 256, 2, 128, dtype=torch.bfloat16)
+    with caplog.at_level("INFO", logger="ditattn.attention"):
+        out = ditattn.attention(q, q, q, backend="sol_attn", video_shape=(1, 16, 16))
+    assert out.shape == q.shape
+    assert not [r for r in caplog.records if "fa requested" in r.getMessage()], caplog.text[-500:]

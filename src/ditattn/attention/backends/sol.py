@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ditattn.attention.backends.base import AttnCall
+from ditattn.attention.backends.flash import fa_fallback_reason
 from ditattn.attention.backends.sparse_common import (
     budget_decision,
     budget_keys,
@@ -157,6 +158,9 @@ def _sol_precheck(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall, cf
 def sol_attn(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall, cfg: dict, vs, text_len: int):
     tile_1d = line_tile(call, 64)
     dense_backend = cfg["dense_backend"]
+    if dense_backend == "fa" and fa_fallback_reason(q.device) is not None:
+        dense_backend = None  # no FlashAttention here: the platform's dense kernel, without an "fa requested" note
+    dense_label = dense_backend or "the platform's dense kernel"
     if call.step is not None and call.step < cfg["dense_steps"]:
         return run_dense(
             name,
@@ -164,7 +168,7 @@ def sol_attn(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall, cfg: di
             k,
             v,
             call,
-            f"step {call.step} < dense_steps {cfg['dense_steps']} ({dense_backend})",
+            f"step {call.step} < dense_steps {cfg['dense_steps']} ({dense_label})",
             backend=dense_backend,
         )
     layer = layer_index(call)
@@ -175,7 +179,7 @@ def sol_attn(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall, cfg: di
             k,
             v,
             call,
-            f"layer {layer} in dense_layers {cfg['dense_layers']} ({dense_backend})",
+            f"layer {layer} in dense_layers {cfg['dense_layers']} ({dense_label})",
             backend=dense_backend,
         )
     again = reused_dense(name, q, k, v, call, cfg, backend=dense_backend)
