@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import errno
 import os
+import tempfile
 import uuid
-from typing import Union
+from typing import Optional, Union
 
 
 def atomic_write(path: str, data: Union[bytes, str]) -> None:
@@ -28,3 +29,24 @@ def atomic_write(path: str, data: Union[bytes, str]) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def folder_problem(folder: str) -> Optional[str]:
+    """Why files cannot be written into ``folder`` (None: they can): it, or the nearest ancestor that exists
+    (which decides whether it can be created), is a file, lacks write permission, or takes no new file
+    (what the permission bits do not tell: read-only and pseudo file systems such as /proc and /sys;
+    checked by creating and removing an empty file there)."""
+    probe = os.path.abspath(folder)  # the walk up to an existing ancestor ends at the root
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        return f"{probe} is a file, not a folder"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"no write permission in {probe}"
+    try:
+        fd, probe_file = tempfile.mkstemp(dir=probe, prefix=".ditattn-write-check-")
+        os.close(fd)
+        os.remove(probe_file)
+    except OSError as exc:
+        return f"{probe} does not take new files ({exc.strerror or exc})"
+    return None

@@ -28,6 +28,7 @@ import os
 from typing import Optional
 
 from ditattn.errors import AttentionConfigError
+from ditattn.files import folder_problem
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,16 +65,9 @@ def cache_dir() -> str:
     given = _get(CACHE)
     path = given or os.path.join(os.path.expanduser("~"), ".cache", "ditattn")
     where = f"{CACHE.name}={path!r}" if given else f"the cache folder {path} (set {CACHE.name} to move it)"
-    if os.path.isdir(path):
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise AttentionConfigError(f"{where} is not writable; accepted: a folder you can write into")
-        return path
-    probe = path
-    while probe and not os.path.exists(probe):
-        probe = os.path.dirname(probe.rstrip(os.sep)) or os.sep
-    if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK) or probe.startswith(("/proc", "/sys")):
-        why = "not a folder" if not os.path.isdir(probe) else "not writable"
-        raise AttentionConfigError(f"{where} cannot be created ({probe} is {why}); accepted: a writable folder")
+    why = folder_problem(path)
+    if why is not None:
+        raise AttentionConfigError(f"{where} cannot be created or written ({why}); accepted: a writable folder")
     return path
 
 

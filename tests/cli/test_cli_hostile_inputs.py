@@ -11,6 +11,7 @@ import os
 import time
 
 import pytest
+from test_reliability_cli import _error  # the one error-line check of ditattn ARGV
 
 from ditattn.cli import main
 from ditattn.errors import AttentionConfigError
@@ -21,17 +22,6 @@ TINY = ["--model-path", "ditattn:tiny-wan", "--height", "32", "--width", "48", "
 @pytest.fixture(autouse=True)
 def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("DITATTN_CACHE", str(tmp_path / "cache"))
-
-
-def _error(capsys, argv, rc_expected=2) -> str:
-    try:
-        rc = main(argv)
-    except SystemExit as exc:  # argparse-level errors
-        rc = exc.code
-    err = capsys.readouterr().err
-    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
-    assert rc == rc_expected and len(lines) == 1 and "Traceback" not in err, (argv[:4], rc, err[-500:])
-    return lines[0]
 
 
 def test_an_unusable_cache_folder_or_thread_count_is_one_line_naming_the_variable(capsys, tmp_path, monkeypatch):

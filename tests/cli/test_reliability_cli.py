@@ -27,15 +27,15 @@ def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("DITATTN_CACHE", str(tmp_path / "cache"))
 
 
-def _error(capsys, argv) -> str:
-    """The one ``error:`` line of ``ditattn ARGV`` (exit status 2, nothing else on stderr but notes)."""
+def _error(capsys, argv, rc_expected=2) -> str:
+    """The one ``error:`` line of ``ditattn ARGV`` (exit status ``rc_expected``, no traceback)."""
     try:
         rc = main(argv)
     except SystemExit as exc:  # argparse-level errors
         rc = exc.code
     err = capsys.readouterr().err
     lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
-    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, (argv[:4], rc, err[-500:])
+    assert rc == rc_expected and len(lines) == 1 and "Traceback" not in err, (argv[:4], rc, err[-500:])
     return lines[0]
 
 

@@ -84,11 +84,12 @@ def loads_json(text: str, what: str) -> Any:
         raise AttentionConfigError(f"{what} is not valid JSON: nested too deeply (more than {MAX_DEPTH} levels)")
 
     def unique(pairs):
-        keys = [k for k, _ in pairs]
-        dup = next((k for k in keys if keys.count(k) > 1), None)
-        if dup is not None:
+        out = dict(pairs)
+        if len(out) < len(pairs):  # a key given twice: find it (one pass)
+            seen = set()
+            dup = next(k for k, _ in pairs if k in seen or seen.add(k))
             raise AttentionConfigError(f"{what}: key {short_repr(dup)} is given twice; give it once")
-        return dict(pairs)
+        return out
 
     try:
         return json.loads(text, object_pairs_hook=unique)
@@ -98,7 +99,9 @@ def loads_json(text: str, what: str) -> Any:
         raise AttentionConfigError(f"{what} is not valid JSON: {parse_error_reason(exc)}") from None
 
 
-def _scalar(text: str) -> Any:
+def parse_scalar(text: str) -> Any:
+    """One ``k=v`` value as the config parsers read it: ``true`` / ``false`` -> bool, ``none`` / ``null`` ->
+    None, integers and finite decimals -> numbers, ``[..]`` / ``{..}`` -> JSON, anything else the text."""
     t = text.strip()
     low = t.lower()
     if low in ("true", "false"):
@@ -194,19 +197,13 @@ def read_text_file(path: str, *, what: str, accepted: str, max_bytes: Optional[i
         ) from None
 
 
+@functools.lru_cache(maxsize=1)
 def _unique_keys_loader():
     """PyYAML's safe loader (libyaml's when the wheel has it) refusing a key given twice in one mapping
-    (YAML itself forbids it; PyYAML keeps the last value silently)."""
+    (YAML itself forbids it; PyYAML keeps the last value silently).  Built once."""
     import yaml
 
-    return _loader_class(getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-
-
-@functools.lru_cache(maxsize=None)
-def _loader_class(base):
-    import yaml
-
-    class UniqueKeyLoader(base):
+    class UniqueKeyLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
         def construct_mapping(self, node, deep=False):
             seen = set()
             for key_node, _ in node.value:
@@ -255,12 +252,6 @@ def load_mapping_file(path: str, *, what: str = "config file", accepted: str = "
     if not isinstance(data, dict):
         raise AttentionConfigError(f"{what} {path} must hold a mapping of parameters, got {type(data).__name__}")
     return data
-
-
-def parse_scalar(text: str) -> Any:
-    """One ``k=v`` value as the config parsers read it: ``true`` / ``false`` -> bool, ``none`` / ``null`` ->
-    None, integers and finite decimals -> numbers, ``[..]`` / ``{..}`` -> JSON, anything else the text."""
-    return _scalar(text)
 
 
 def parse_attention_backend_config(value: "str | dict | None", *, files: bool = True) -> dict:
@@ -319,7 +310,7 @@ def parse_attention_backend_config(value: "str | dict | None", *, files: bool = 
             raise AttentionConfigError(
                 f"key {short_repr(key)} is given twice in attention backend config {short_repr(value)}; give it once"
             )
-        out[key] = _scalar(raw)
+        out[key] = parse_scalar(raw)
     return out
 
 

@@ -94,6 +94,12 @@ def check_call_args(q: Tensor, k: Tensor, *, causal, scale, attn_bias, text_len,
         )
 
 
+@lru_cache(maxsize=1)
+def _any_backend_keys() -> frozenset:
+    """Every config key of some backend's schema (built once)."""
+    return frozenset(p.name for x in B for p in schema_for(x))
+
+
 @lru_cache(maxsize=None)
 def _default_config(backend: B) -> dict:
     """Validated defaults of ``backend`` (raises, uncached, when a parameter is required)."""
@@ -321,8 +327,7 @@ def attention(
     else:
         raw = parse_attention_backend_config(config)
         if dec.backend != b:  # chosen for the caller: keys of other backends may be there, but each of some backend
-            known = {p.name for x in B for p in schema_for(x)}
-            unknown = [key for key in raw if key not in known]
+            unknown = [key for key in raw if key not in _any_backend_keys()]
             if unknown:
                 raise AttentionConfigError(
                     f"config key(s) {', '.join(map(repr, unknown[:5]))} belong to no attention backend; "

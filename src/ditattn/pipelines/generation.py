@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from typing import Any, Iterator, Optional, Sequence, Union
 
 import numpy as np
@@ -17,7 +16,19 @@ from ditattn.errors import AttentionConfigError
 from ditattn.models.lora import lora_scales
 from ditattn.pipelines.conditioning import batch_images, size_for_image
 from ditattn.pipelines.latents import VideoGeometry
+from ditattn.runconfig.checks import float_between, int_between
 from ditattn.runconfig.fields import MAX_GUIDANCE, MAX_SEED
+
+SEED, GUIDANCE = int_between(0, MAX_SEED), float_between(0.0, MAX_GUIDANCE)  # the flags' checks
+
+
+def _checked(name: str, check, value):
+    """``check(value)``, its ValueError as an :class:`AttentionConfigError` naming ``name``."""
+    try:
+        return check(value)
+    except ValueError as exc:
+        raise AttentionConfigError(f"{name}: {exc}") from None
+
 
 OUTPUT_TYPES = ("uint8", "float", "latent")
 
@@ -78,9 +89,8 @@ def resolve_inputs(
     seeds = [int(seed) + i for i in range(n)] if isinstance(seed, (int, np.integer)) else [int(s) for s in seed]
     if len(seeds) != n:
         raise AttentionConfigError(f"seed has {len(seeds)} entries for {n} prompts")
-    if any(not 0 <= s <= MAX_SEED for s in seeds):
-        bad = next(s for s in seeds if not 0 <= s <= MAX_SEED)
-        raise AttentionConfigError(f"seed must be an integer from 0 to {MAX_SEED} (seed + i for prompt i), got {bad}")
+    for s in seeds:  # the CLI's and RunConfig's own check (seed + i for prompt i)
+        _checked("seed", SEED, s)
     images = batch_images(image, n, mode)
     d = defaults
     if images is not None and height is None and width is None:
@@ -93,8 +103,8 @@ def resolve_inputs(
     steps = d["num_inference_steps"] if num_inference_steps is None else num_inference_steps
     guidance = d["guidance_scale"] if guidance_scale is None else float(guidance_scale)
     for name, g in (("guidance_scale", guidance), ("guidance_scale_2", guidance_scale_2)):
-        if g is not None and not (math.isfinite(float(g)) and 0.0 <= float(g) <= MAX_GUIDANCE):
-            raise AttentionConfigError(f"{name} must be a number from 0 to {MAX_GUIDANCE:g}, got {g!r}")
+        if g is not None:
+            _checked(name, GUIDANCE, g)
     if guidance_scale_2 is not None and not two_experts:
         raise AttentionConfigError(
             "guidance_scale_2 applies to two-expert checkpoints (Wan 2.2 A14B, with "

@@ -11,7 +11,6 @@ import io
 import os
 import re
 import struct
-import tempfile
 import uuid
 from typing import Optional
 
@@ -100,25 +99,11 @@ def check_output_folder(folder: str, *, flag: str = "--output-path", what: Optio
     """Before any work: ``folder`` is a folder that exists or can be created, and takes new files
     (permission bits, read-only and pseudo file systems such as /proc and /sys).  Raises
     :class:`AttentionConfigError` naming ``flag``; ``what``: the file to be written there, for the message."""
-    folder = os.path.abspath(folder)  # the walk up to an existing ancestor ends at the root
-    path = what or folder
-    if os.path.exists(folder) and not os.path.isdir(folder):
-        raise AttentionConfigError(f"cannot write {path}: {folder} is a file, not a folder; choose another {flag}")
-    probe = folder
-    while not os.path.exists(probe):  # the nearest existing ancestor decides whether it can be created
-        probe = os.path.dirname(probe)
-    if not os.path.isdir(probe):
-        raise AttentionConfigError(f"cannot write {path}: {probe} is a file, not a folder; choose another {flag}")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise AttentionConfigError(f"cannot write {path}: no write permission in {probe}; choose another {flag}")
-    try:  # what the permission bits do not tell: read-only and pseudo file systems (/proc, /sys)
-        fd, probe_file = tempfile.mkstemp(dir=probe, prefix=".ditattn-write-check-")
-        os.close(fd)
-        os.remove(probe_file)
-    except OSError as exc:
-        raise AttentionConfigError(
-            f"cannot write {path}: {probe} does not take new files ({exc.strerror or exc}); choose another {flag}"
-        ) from None
+    from ditattn.files import folder_problem
+
+    why = folder_problem(folder)
+    if why is not None:
+        raise AttentionConfigError(f"cannot write {what or os.path.abspath(folder)}: {why}; choose another {flag}")
 
 
 def _check_writer(path: str) -> None:

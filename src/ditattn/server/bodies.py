@@ -17,6 +17,7 @@ from urllib.parse import unquote_to_bytes
 import python_multipart  # noqa: F401  (the form parsers below need it: fail at import, not per request)
 from fastapi import Request
 from pydantic import ValidationError
+from python_multipart.multipart import parse_options_header
 from starlette.datastructures import Headers, UploadFile
 from starlette.formparsers import FormParser, MultiPartException, MultiPartParser
 
@@ -90,16 +91,20 @@ def _check_urlencoded(body: bytes) -> None:
                 ) from None
 
 
-def _check_charset(ctype: str) -> None:
-    """415 for a ``charset`` parameter other than UTF-8 (the body would be read as UTF-8 anyway)."""
-    for param in ctype.split(";")[1:]:
-        key, _, value = param.partition("=")
-        if key.strip() == "charset" and value.strip().strip('"').lower() not in ("utf-8", "utf8"):
-            raise RequestError(
-                f"unsupported charset {short_repr(value.strip())} in Content-Type; accepted: {ACCEPTED_TYPES}",
-                status=415,
-                code="unsupported_media_type",
-            )
+def _content_type(header: str) -> tuple[str, dict]:
+    """``(mime type in lower case, {parameter: value})`` of a Content-Type header, by python-multipart's
+    parser (what Starlette's form parsers use); a ``charset`` other than UTF-8 is a 415 (the body would
+    be read as UTF-8 anyway)."""
+    mime, params = parse_options_header(header)
+    params = {k.decode("latin-1").lower(): v for k, v in params.items()}
+    charset = params.get("charset")
+    if charset is not None and charset.decode("latin-1").lower() not in ("utf-8", "utf8"):
+        raise RequestError(
+            f"unsupported charset {short_repr(charset.decode('latin-1'))} in Content-Type; accepted: {ACCEPTED_TYPES}",
+            status=415,
+            code="unsupported_media_type",
+        )
+    return mime.decode("latin-1").lower(), params
 
 
 async def _parse_form(headers: Headers, body: bytes, multipart: bool) -> list:
@@ -113,7 +118,7 @@ async def _parse_form(headers: Headers, body: bytes, multipart: bool) -> list:
                 headers, stream(), max_files=MAX_FORM_FILES, max_fields=MAX_FORM_FIELDS, max_part_size=len(body) + 1
             )
             form = await parser.parse()
-            boundary = _boundary(headers.get("content-type", ""))
+            boundary = _content_type(headers.get("content-type", ""))[1].get("boundary")
             if boundary and b"--" + boundary + b"--" not in body:
                 raise RequestError(
                     "malformed form body: the multipart body ends before its closing boundary (truncated?)"
@@ -143,9 +148,7 @@ async def read_body(request: Request, max_bytes: int, max_depth: int = 32) -> di
     ``max_depth`` deep, checked before parsing), or a multipart / url-encoded form.  Malformed
     bodies raise :class:`RequestError` (400)."""
     body = await _read_limited(request, max_bytes)
-    ctype = request.headers.get("content-type", "").lower()
-    mime = ctype.split(";", 1)[0].strip()
-    _check_charset(ctype)
+    mime = _content_type(request.headers.get("content-type", ""))[0]
     if mime == "application/x-www-form-urlencoded" and body.lstrip()[:1] in (b"{", b"["):
         raise RequestError(
             "the body looks like JSON but its Content-Type is application/x-www-form-urlencoded (what curl -d "
@@ -175,15 +178,6 @@ async def read_body(request: Request, max_bytes: int, max_depth: int = 32) -> di
     if not isinstance(data, dict):
         raise RequestError("request body must be a JSON object")
     return data
-
-
-def _boundary(ctype: str) -> bytes:
-    """The ``boundary`` parameter of a multipart Content-Type (b"" when absent)."""
-    for param in ctype.split(";")[1:]:
-        key, _, value = param.partition("=")
-        if key.strip().lower() == "boundary":
-            return value.strip().strip('"').encode("latin-1", "replace")
-    return b""
 
 
 def validate(model_cls, data: dict):
