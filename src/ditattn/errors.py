@@ -6,7 +6,20 @@ what is accepted.  The CLI prints it as ``error: <message>`` and exits with stat
 answers HTTP 400 with it.
 """
 
-from typing import Any
+import operator
+from typing import Any, Optional
+
+
+def as_integer(value: Any) -> Optional[int]:
+    """``value`` as a plain ``int`` when it is an integer: Python's, NumPy's (``np.int64``) or anything
+    else ``operator.index`` takes (a one-element integer tensor); None for anything else, bools of every
+    kind (``True``, ``np.bool_``, a bool tensor) included, so that a flag is never read as a count."""
+    if isinstance(value, bool) or "bool" in str(getattr(value, "dtype", "")):
+        return None
+    try:
+        return operator.index(value)
+    except (TypeError, ValueError, RuntimeError):  # RuntimeError: a meta tensor has no value to read
+        return None
 
 
 def short_repr(value: Any, limit: int = 60) -> str:

@@ -1,7 +1,8 @@
 """``ditattn.attention`` on inputs a user gets wrong or rarely uses: a boolean mask with the LSE matches a
 float64 reference (it was added as a 0/1 bias), sage_attn refuses autograd (its INT8 Q.K has no gradient),
 config keys that belong to no backend are refused also when the backend is chosen automatically, a JSON
-config with a key twice is refused, NumPy integers are integers, and text_len cannot exceed the sequence."""
+config with a key twice is refused, NumPy integers are integers, text_len cannot exceed the sequence, and a
+scale must fit the inputs' dtype."""
 
 import numpy as np
 import pytest
@@ -58,8 +59,42 @@ def test_numpy_integers_are_integers_and_text_len_is_bounded():
     q = torch.randn(1, 6, 2, 8)
     ref = ditattn.attention(q, q, q, text_len=1)
     assert torch.equal(ditattn.attention(q, q, q, text_len=np.int64(1), step=np.int32(0)), ref)
+    assert torch.equal(ditattn.attention(q, q, q, text_len=torch.tensor(1), layer_idx=np.uint8(2)), ref)
+    for flag in (True, np.True_, torch.tensor(True)):  # a bool is not a count (ditattn.errors.as_integer)
+        with pytest.raises(AttentionConfigError, match="text_len must be an integer >= 0"):
+            ditattn.attention(q, q, q, text_len=flag)
     with pytest.raises(AttentionConfigError, match="text_len 100 is longer than the sequence"):
         ditattn.attention(q, q, q, text_len=100)
+
+
+@pytest.mark.parametrize("backend", ["torch_sdpa", "sage_attn", "video_sparse_attn", "sparge_attn"])
+def test_a_scale_the_inputs_dtype_cannot_hold_is_refused_not_a_nan_output(backend):
+    """scale=1e300 gave NaN (the scores were inf): a finite scale must also fit the inputs' dtype,
+    checked before any backend runs; nan / inf, 0 and negative scales stay refused."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 64, 2, 64, generator=g, dtype=torch.bfloat16) for _ in range(3))
+    kw = dict(backend=backend, video_shape=(1, 8, 8))
+    for scale in (1e300, 1e39, 10**400):
+        with pytest.raises(
+            AttentionConfigError,
+            match=r"^scale must be None .* > 0 that bfloat16 inputs can hold .at most 3.38953e\+38., got ",
+        ):
+            ditattn.attention(q, k, v, scale=scale, **kw)
+    for scale in (float("nan"), float("inf"), -float("inf"), np.float32("inf"), 0.0, -0.5):
+        with pytest.raises(
+            AttentionConfigError, match=r"^scale must be None \(1/sqrt\(head_dim\)\) or a finite number > 0, got "
+        ):
+            ditattn.attention(q, k, v, scale=scale, **kw)
+    out = ditattn.attention(q, k, v, scale=np.float64(0.125), **kw)
+    assert torch.isfinite(out).all()
+
+
+def test_the_scale_limit_is_the_inputs_dtypes():
+    q = torch.randn(1, 8, 2, 16)
+    with pytest.raises(AttentionConfigError, match=r"float16 inputs can hold \(at most 65504\), got 100000.0$"):
+        ditattn.attention(q.half(), q.half(), q.half(), scale=1e5)
+    out = ditattn.attention(q, q, q, scale=1e5)  # float32 holds it: a sharp but finite softmax
+    assert torch.isfinite(out).all()
 
 
 def test_sols_default_dense_kernel_is_not_reported_as_a_request_for_fa(caplog):

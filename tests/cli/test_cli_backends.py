@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from ditattn.attention.names import AttentionBackendEnum
 from ditattn.cli import main
@@ -40,6 +41,17 @@ def test_backends_table(capsys):
     )
 
 
+def _here(info) -> str:
+    """The listing's "here" statement, from the capability data: a backend that runs here in only some
+    of --dtype's choices says which."""
+    if not info.usable_here:
+        return "no"
+    if {"float32", "bfloat16", "float16"} <= set(info.dtypes):
+        return "yes"
+    short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+    return f"yes, {'/'.join(short[d] for d in sorted(info.dtypes))} only"
+
+
 def test_backends_short_form_is_one_line_per_backend(capsys):
     """Plain ``backends``: a header, one line per backend (name, kind, here, a short why-not), a hint."""
     from ditattn.platforms import Platform, use_platform
@@ -55,13 +67,50 @@ def test_backends_short_form_is_one_line_per_backend(capsys):
         name = row.split()[0]
         info = infos[name]
         assert row[31:48].strip() == info.kind and len(row) <= 140, row
-        here = row[48:54].strip()
-        assert here == ("yes" if info.usable_here else "no"), row
+        here = row[49:].split("  ")[0]
+        assert here == _here(info), row
         assert "param " not in row
     fa = next(r for r in rows if r.startswith("fa "))
     assert "runs torch_sdpa instead" in fa  # the substitution, in a few words
     s3 = next(r for r in rows if r.startswith("sage_attn_3 "))
     assert "SM100" in s3  # the first reason
+
+
+def test_backends_here_names_a_dtype_restriction_consistently(capsys):
+    """On the CPU sparge_attn and sol_attn refuse float32: "yes" alone would claim more than is true.
+    The short listing, ``backends NAME`` and ``--verbose`` say the same, and what they say is what the
+    backend's capability check accepts."""
+    from ditattn.attention.names import AttentionBackendEnum as B
+    from ditattn.attention.specs import SPECS, LayerRequest
+    from ditattn.platforms import Platform, use_platform
+    from ditattn.registry import list_backends
+
+    with use_platform(Platform.simulate("cpu")):
+        assert main(["backends"]) == 0
+        short = {ln.split()[0]: ln for ln in capsys.readouterr().out.splitlines()[2:-1]}
+        assert main(["backends", "--verbose"]) == 0
+        verbose = capsys.readouterr().out.splitlines()
+        infos = list_backends()
+        plat = Platform.simulate("cpu")
+    assert short["sparge_attn"].endswith("  yes, bf16/fp16 only"), short["sparge_attn"]
+    assert short["sol_attn"].endswith("  yes, bf16 only"), short["sol_attn"]
+    assert short["torch_sdpa"].endswith("  yes"), short["torch_sdpa"]
+    header, sparge = verbose[1], next(ln for ln in verbose if ln.startswith("sparge_attn "))
+    col = header.index("here")  # the column holds the longest statement, the platforms stay aligned
+    assert sparge[col:].startswith("yes, bf16/fp16 only ") and sparge.index("cuda,cpu") == header.index("platforms")
+    for info in infos:
+        row = next(ln for ln in verbose if ln.split()[:1] == [info.name])
+        after_kind = row.split(f" {info.kind} ", 1)[1].lstrip()
+        assert after_kind.startswith(_here(info) + " "), row  # the same statement, the platforms after it
+        assert short[info.name][49:].startswith(_here(info)), short[info.name]
+        if info.usable_here:  # every dtype the statement leaves out is one the capability check refuses
+            for dt, name in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16"), (torch.float16, "float16")):
+                refused = any("dtype" in r for r in SPECS[B(info.name)].reasons(LayerRequest(dtype=dt), plat))
+                assert refused == (name not in info.dtypes), (info.name, name)
+    with use_platform(Platform.simulate("cpu")):
+        assert main(["backends", "sparge_attn"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].split("  ")[0] == "sparge_attn" and "  yes, bf16/fp16 only  cuda,cpu  [" in lines[2], lines[2]
 
 
 def test_backends_name_shows_one_backend_in_full(capsys):

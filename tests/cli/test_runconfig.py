@@ -75,6 +75,29 @@ def test_sections_validate_when_built_in_python():
     }
 
 
+def test_numpy_integers_are_integers_and_bools_and_floats_are_not():
+    """Integer fields take NumPy integers (anything ``operator.index`` takes) and store a plain int, as
+    ``ditattn.attention`` does (``ditattn.errors.as_integer``); bools and floats stay refused."""
+    import torch
+
+    from ditattn.runconfig import CompareOptions
+
+    s = SamplingConfig(
+        num_frames=np.int64(17), height=np.int32(64), seed=np.uint64(3), num_inference_steps=torch.tensor(4)
+    )
+    assert (s.num_frames, s.height, s.seed, s.num_inference_steps) == (17, 64, 3, 4)
+    assert all(type(v) is int for v in (s.num_frames, s.height, s.seed, s.num_inference_steps))
+    cfg = RunConfig.from_mapping({"num-gpus": np.int8(1), "port": np.int16(8080), "seeds": [np.int64(1), 2]})
+    assert cfg.parallel.num_gpus == 1 and cfg.server.port == 8080 and cfg.compare.seeds == (1, 2)
+    assert type(cfg.server.port) is int and all(type(v) is int for v in cfg.compare.seeds)
+    assert type(CompareOptions(seeds=(np.int64(5),)).seeds[0]) is int
+    with pytest.raises(AttentionConfigError, match="^num_frames: expected a positive integer up to 1025, got 2000$"):
+        SamplingConfig(num_frames=np.int64(2000))  # still bounded
+    for bad in (True, np.True_, torch.tensor(True), 17.0, np.float64(17.0), np.array([17]), "17.5"):
+        with pytest.raises(AttentionConfigError, match="^num_frames: expected a positive integer up to 1025, got "):
+            SamplingConfig(num_frames=bad)
+
+
 def test_config_file_errors_are_one_line(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("prompt: [unclosed\n")

@@ -128,6 +128,32 @@ def test_model_id_errors_online(hf_home, argv, words):
         assert w in err
 
 
+def test_cache_dir_for_a_built_in_model_is_a_warning_not_silently_ignored(hub_cache, tmp_path, caplog):
+    """A built-in model is built locally (under DITATTN_CACHE), so cache_dir does nothing for it: one
+    warning says so, in the words ``--local-files-only`` gets on the command line; a repo id uses it quietly."""
+    import ditattn
+    from ditattn.pipelines.model_index import resolve_model_path
+    from ditattn.pipelines.wan import WanPipelineNative
+
+    unused = tmp_path / "hf-cache"
+    with caplog.at_level("WARNING", logger="ditattn.pipeline"):
+        ditattn.WanPipeline.from_pretrained("ditattn:tiny-wan", cache_dir=str(unused), attention_backend="torch_sdpa")
+    said = [r for r in caplog.records if "cache_dir" in r.getMessage()]
+    assert [(r.levelname, r.getMessage()) for r in said] == [
+        (
+            "WARNING",
+            "cache_dir acts only for Hugging Face repo ids; built-in ditattn: models are local (ditattn:tiny-wan "
+            "is built under DITATTN_CACHE, default ~/.cache/ditattn)",
+        )
+    ]
+    assert not unused.exists()  # and nothing went there
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ditattn.pipeline"):
+        WanPipelineNative.from_pretrained("ditattn:tiny-wan", load_weights=False)  # no cache_dir: nothing to say
+        assert resolve_model_path(REPO, cache_dir=hub_cache)[0].startswith(hub_cache)  # used: nothing to say
+    assert not [r for r in caplog.records if "cache_dir" in r.getMessage()]
+
+
 def test_python_pipeline_and_server_take_the_id(hf_home, hub_cache):
     from fastapi.testclient import TestClient
 

@@ -15,7 +15,8 @@ from ditattn.attention.context import get_forced_backend
 from ditattn.attention.names import AttentionBackendEnum as B
 from ditattn.attention.schemas import schema_for
 from ditattn.attention.selector import Decision, LayerSpec, bind_impl, select_backend
-from ditattn.errors import AttentionConfigError, short_repr
+from ditattn.attention.specs import DTYPE_NAMES
+from ditattn.errors import AttentionConfigError, as_integer, short_repr
 from ditattn.platforms import platform_for_device
 
 Tensor = torch.Tensor
@@ -55,22 +56,45 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
 
 
 def _is_int(x) -> bool:
-    """An integer: Python's or NumPy's (``np.int64``), not a bool."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+    """An integer: Python's, NumPy's (``np.int64``) or another ``operator.index`` type, not a bool
+    (:func:`~ditattn.errors.as_integer`, the run configuration's rule too)."""
+    return as_integer(x) is not None
+
+
+def _check_scale(scale, dtype: torch.dtype) -> None:
+    """``scale`` None, or a real number with ``0 < scale <= torch.finfo(dtype).max`` (see :func:`attention`)."""
+    if scale is None:
+        return
+    what = "scale must be None (1/sqrt(head_dim)) or a finite number > 0"
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise AttentionConfigError(f"{what}, got {short_repr(scale)}")
+    try:
+        value = float(scale)
+    except OverflowError:  # an integer past any float (10**400): finite, but too large for every dtype
+        value = math.inf if scale > 0 else -math.inf
+    else:
+        if not math.isfinite(value):
+            raise AttentionConfigError(f"{what}, got {short_repr(scale)}")
+    if value <= 0:
+        raise AttentionConfigError(f"{what}, got {short_repr(scale)}")
+    top = torch.finfo(dtype).max
+    if value > top:  # the scores would be inf, the output NaN
+        raise AttentionConfigError(
+            f"{what} that {DTYPE_NAMES.get(dtype, dtype)} inputs can hold (at most {top:.6g}), got {short_repr(scale)}"
+        )
 
 
 def check_call_args(q: Tensor, k: Tensor, *, causal, scale, attn_bias, text_len, step, layer_idx, return_lse) -> None:
     """Validate :func:`attention`'s per-call arguments (q/k already checked by :func:`check_qkv`):
-    ``causal`` and ``return_lse`` are bools; ``scale`` None or a finite number > 0; ``attn_bias``
-    None or a bool / floating tensor on q's device broadcastable to ``[batch, heads, seq_q,
-    seq_kv]``; ``text_len`` an int >= 0; ``step`` / ``layer_idx`` None or ints >= 0.  Raises
-    :class:`AttentionConfigError` naming the argument and what is accepted."""
+    ``causal`` and ``return_lse`` are bools; ``scale`` None or a finite number ``0 < scale <=
+    torch.finfo(q.dtype).max``; ``attn_bias`` None or a bool / floating tensor on q's device
+    broadcastable to ``[batch, heads, seq_q, seq_kv]``; ``text_len`` an int >= 0; ``step`` /
+    ``layer_idx`` None or ints >= 0 (NumPy integers too).  Raises :class:`AttentionConfigError`
+    naming the argument and what is accepted."""
     for name, flag in (("causal", causal), ("return_lse", return_lse)):
         if not isinstance(flag, bool):
             raise AttentionConfigError(f"{name} must be True or False, got {flag!r}")
-    if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
-            raise AttentionConfigError(f"scale must be None (1/sqrt(head_dim)) or a finite number > 0, got {scale!r}")
+    _check_scale(scale, q.dtype)
     if not _is_int(text_len) or text_len < 0:
         raise AttentionConfigError(f"text_len must be an integer >= 0, got {text_len!r}")
     if text_len > q.shape[1]:
@@ -268,6 +292,13 @@ def attention(
     boolean mask, True = keep; a query row with no key kept gives zeros and LSE ``-inf``) broadcastable to
     ``[batch, heads, seq_q, seq_kv]``. causal: query ``i`` attends keys ``0..i`` (top-left aligned, as
     PyTorch's SDPA, also when ``seq_q != seq_kv``).
+    scale: the factor of ``q @ k^T`` before the softmax; None: ``1/sqrt(head_dim)``. Otherwise a finite
+    real number with ``0 < scale <= torch.finfo(q.dtype).max`` (65504 for float16, about 3.4e38 for
+    float32 / bfloat16): a larger one turns the scores into ``inf`` and the output into NaN, so it is
+    refused. 0 and negative scales are refused too: SDPA and the reference would compute them (0 gives
+    every key the same weight, the plain mean of v), but neither is attention, and the sparse backends
+    rank blocks by the scaled scores. Scores that overflow although the scale fits (a scale near the
+    dtype's maximum with ``|q . k| > 1``) still give NaN: choose a scale for the data.
     video_shape: latent grid ``(T, H, W)`` of the video tokens, which come first in the sequence;
     text_len: text tokens that follow them (joint attention); step / layer_idx: denoising step and
     DiT block index (sparse schedules use them).
@@ -292,6 +323,7 @@ def attention(
         return_lse=return_lse,
     )
     scale = None if scale is None else float(scale)
+    text_len, step, layer_idx = (None if x is None else as_integer(x) for x in (text_len, step, layer_idx))
     if attn_bias is not None and attn_bias.dim() < 4:  # backends take a 4-D [batch, heads, seq_q, seq_kv] bias
         attn_bias = attn_bias.reshape((1,) * (4 - attn_bias.dim()) + tuple(attn_bias.shape))
     if video_shape is not None:
@@ -301,6 +333,7 @@ def attention(
             or any(not _is_int(x) or x <= 0 for x in video_shape)
         ):
             raise AttentionConfigError(f"video_shape must be three positive integers (T, H, W), got {video_shape!r}")
+        video_shape = tuple(as_integer(x) for x in video_shape)
         if video_shape[0] * video_shape[1] * video_shape[2] + text_len != q.shape[1]:
             raise AttentionConfigError(
                 f"video_shape {tuple(video_shape)} ({video_shape[0] * video_shape[1] * video_shape[2]} tokens) "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from ditattn.runconfig import RunConfig, flag_name
+from ditattn.runconfig import DTYPES, RunConfig, flag_name
 
 
 def _check_attention_options(cfg: RunConfig) -> None:
@@ -42,6 +42,21 @@ def _check_attention_options(cfg: RunConfig) -> None:
         f"note: {', '.join('--' + flag_name(k) for k in given)} checked; the backend list does not "
         "depend on them (use 'ditattn plan' to see their effect)\n"
     )
+
+
+#: how a "runs here" statement names the dtypes of a restricted backend
+_SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
+
+
+def here_statement(info) -> str:
+    """Whether ``info``'s backend runs here: ``no``, ``yes``, or, when it runs in only some of the
+    compute dtypes a run may choose (``--dtype``; its declared dtypes on this platform, e.g.
+    sparge_attn's CPU path), ``yes, bf16/fp16 only``."""
+    if not info.usable_here:
+        return "no"
+    if set(DTYPES) <= set(info.dtypes):
+        return "yes"
+    return f"yes, {'/'.join(_SHORT_DTYPE.get(d, d) for d in sorted(info.dtypes))} only"
 
 
 def short_reason(info) -> str:
@@ -98,20 +113,20 @@ def _listing(cfg: RunConfig) -> int:
         for i in infos:
             names = i.name + (f" ({', '.join(i.aliases)})" if i.aliases else "")
             print(
-                f"{names:<30} {i.kind:<17} {'yes' if i.usable_here else 'no':<5} "
-                f"{'' if i.usable_here else short_reason(i)}".rstrip()
+                f"{names:<30} {i.kind:<17} {here_statement(i):<5} {'' if i.usable_here else short_reason(i)}".rstrip()
             )
         print("'ditattn backends NAME' shows one backend in full (parameters, every reason); --verbose all of them")
         return 0
-    print(f"{'backend':<24} {'kind':<17} {'here':<5} platforms / why not")
+    width = max([5] + [len(here_statement(i)) + 1 for i in infos])  # "yes, bf16/fp16 only" keeps the columns
+    print(f"{'backend':<24} {'kind':<17} {'here':<{width}} platforms / why not")
     for i in infos:
-        _print_full(i)
+        _print_full(i, width)
     return 0
 
 
-def _print_full(i) -> None:
+def _print_full(i, width: int = 5) -> None:
     names = i.name + (f" ({', '.join(i.aliases)})" if i.aliases else "")
-    here = "yes" if i.usable_here else "no"
+    here = here_statement(i)
     flags = [
         f
         for f, on in (
@@ -123,7 +138,7 @@ def _print_full(i) -> None:
         )
         if on
     ]
-    print(f"{names:<24} {i.kind:<17} {here:<5} {','.join(i.platforms)}  [{' '.join(flags)}]")
+    print(f"{names:<24} {i.kind:<17} {here:<{width}} {','.join(i.platforms)}  [{' '.join(flags)}]")
     print(f"{'':<24} {i.summary}")
     if i.usable_here and i.runtime:
         print(f"{'':<24} runs here via: {i.runtime}")

@@ -4,14 +4,17 @@ diffusers ``model_index.json``."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Any, Optional
 
 from ditattn.errors import AttentionConfigError
 from ditattn.models.builtin import BUILTIN_MODELS, DEFAULT_MODEL, builtin_model, builtin_model_path
 from ditattn.models.weights import read_json
+from ditattn.settings import CACHE
 
 SUPPORTED_PIPELINES = ("WanPipeline", "WanImageToVideoPipeline")
+log = logging.getLogger("ditattn.pipeline")
 
 
 @dataclasses.dataclass
@@ -58,8 +61,9 @@ def resolve_model_path(
     containing ``model_index.json``; a Hugging Face repo id ``org/name``, resolved by
     :func:`ditattn.pipelines.hub.resolve_repo_id` (the local cache
     first, a download unless ``local_files_only`` or ``HF_HUB_OFFLINE``; ``revision``: branch, tag
-    or commit; ``cache_dir``: instead of ``HF_HOME``'s hub cache; ``variant``: the weights variant
-    to download).  ``name`` is what the user passed.  Raises :class:`AttentionConfigError`.
+    or commit; ``cache_dir``: instead of ``HF_HOME``'s hub cache, a warning for a built-in model, which
+    it does not move; ``variant``: the weights variant to download).  ``name`` is what the user passed.
+    Raises :class:`AttentionConfigError`.
     """
     from ditattn.pipelines.hub import looks_like_repo_id, resolve_repo_id
 
@@ -74,6 +78,13 @@ def resolve_model_path(
             f"{'a built-in model' if name.startswith('ditattn:') else 'a local folder'}"
         )
     if name.startswith("ditattn:"):
+        if cache_dir is not None:  # given, but it would do nothing: said, not dropped silently
+            log.warning(
+                "cache_dir acts only for Hugging Face repo ids; built-in ditattn: models are local (%s is built "
+                "under %s, default ~/.cache/ditattn)",
+                name,
+                CACHE.name,
+            )
         return builtin_model_path(name), name
     if is_repo:
         return resolve_repo_id(

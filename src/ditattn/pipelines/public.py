@@ -63,7 +63,8 @@ class WanPipeline:
     ) -> "WanPipeline":
         """Load ``model`` — a local diffusers-format Wan folder, a Hugging Face repo id ``org/name``
         (the local cache first, ``revision``, ``local_files_only``, ``cache_dir`` instead of
-        ``HF_HOME``; ignored for the built-in models, which are local) or a built-in model, ``ditattn:shapes``
+        ``HF_HOME``; the last two do nothing for the built-in models, which are local: ``cache_dir`` logs a
+        warning saying so) or a built-in model, ``ditattn:shapes``
         (the trained one), ``ditattn:tiny-wan`` / ``ditattn:tiny-wan2.2`` (random weights; None: ``ditattn:shapes``).
 
         attention_backend: the global backend (``"fa"``, ``"torch_sdpa"``, ``"video_sparse_attn"``,

@@ -12,6 +12,7 @@ import math
 import re
 from typing import Any, Callable, Mapping, Union
 
+from ditattn.errors import as_integer
 from ditattn.errors import short_repr as _short
 
 
@@ -24,10 +25,10 @@ def _integer(value: Any, ok: Callable[[int], bool], expected: str) -> int:
             number = int(text)
         except ValueError:
             raise ValueError(f"expected {expected}, got {_short(value)}") from None
-    elif isinstance(value, int) and not isinstance(value, bool):
-        number = value
     else:
-        raise ValueError(f"expected {expected}, got {_short(value)}")
+        number = as_integer(value)  # Python's or NumPy's integers (np.int64) as a plain int; never a bool
+        if number is None:
+            raise ValueError(f"expected {expected}, got {_short(value)}")
     if not ok(number):
         raise ValueError(f"expected {expected}, got {_short(number)}")
     return number
