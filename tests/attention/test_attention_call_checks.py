@@ -1,8 +1,9 @@
 """``ditattn.attention`` on inputs a user gets wrong or rarely uses: a boolean mask with the LSE matches a
 float64 reference (it was added as a 0/1 bias), sage_attn refuses autograd (its INT8 Q.K has no gradient),
 config keys that belong to no backend are refused also when the backend is chosen automatically, a JSON
-config with a key twice is refused, NumPy integers are integers, text_len cannot exceed the sequence, and a
-scale must fit the inputs' dtype."""
+config with a key twice is refused, NumPy integers are integers, text_len cannot exceed the sequence, a
+scale must fit the inputs' dtype, and the model-building layer (LocalAttention) checks what it is built with and
+called with (a NaN scale ran, and q with other heads than declared ran on a backend chosen for the declared ones)."""
 
 import numpy as np
 import pytest
@@ -103,3 +104,43 @@ def test_sols_default_dense_kernel_is_not_reported_as_a_request_for_fa(caplog):
         out = ditattn.attention(q, q, q, backend="sol_attn", video_shape=(1, 16, 16))
     assert out.shape == q.shape
     assert not [r for r in caplog.records if "fa requested" in r.getMessage()], caplog.text[-500:]
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"scale": float("nan")}, "scale"),
+        ({"scale": -1.0}, "scale"),
+        ({"num_heads": 0}, "num_heads must be a positive integer"),
+        ({"num_heads": 2.5}, "num_heads must be a positive integer"),
+        ({"num_kv_heads": 3}, "must divide num_heads"),
+        ({"causal": "yes"}, "causal must be True or False"),
+    ],
+)
+def test_local_attention_refuses_what_it_cannot_be_built_with(kwargs, words):
+    from ditattn.attention.layer import LocalAttention
+
+    args = {"num_heads": 2, "head_dim": 8, **kwargs}
+    with pytest.raises(AttentionConfigError, match=words):
+        LocalAttention(**args)
+
+
+def test_local_attention_checks_q_k_v_against_the_heads_it_was_built_for():
+    from ditattn.attention.layer import LocalAttention
+
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 7, 2, 8, generator=g) for _ in range(3))
+    with pytest.raises(AttentionConfigError, match="q has 2 heads of size 8.*built for 4 heads of size 16"):
+        LocalAttention(num_heads=4, head_dim=16)(q, k, v)
+    with pytest.raises(AttentionConfigError, match="k has 2 heads.*built for 1 heads"):
+        LocalAttention(num_heads=2, head_dim=8, num_kv_heads=1)(q, k, v)
+    with pytest.raises(AttentionConfigError, match="k and v must have the same shape"):
+        LocalAttention(num_heads=2, head_dim=8)(q, k, v[:, :5])
+    # grouped-query and NumPy sizes still work, and the output matches a float64 reference
+    layer = LocalAttention(num_heads=np.int64(2), head_dim=8, num_kv_heads=1)
+    assert isinstance(layer.num_heads, int)
+    out = layer(q, k[:, :, :1], v[:, :, :1])
+    ref, _ = reference_attention(
+        q, k[:, :, :1].expand(-1, -1, 2, -1), v[:, :, :1].expand(-1, -1, 2, -1), dtype=torch.float64
+    )
+    assert torch.allclose(out.double(), ref, atol=1e-5)

@@ -98,6 +98,16 @@ def test_numpy_integers_are_integers_and_bools_and_floats_are_not():
             SamplingConfig(num_frames=bad)
 
 
+def test_numpy_numbers_are_numbers_and_bools_are_not():
+    """Decimal fields (guidance_scale, shift, ...) take NumPy's floats and integers as Python's (np.float32
+    was refused as 'expected a number'); bools and non-finite values stay refused."""
+    s = SamplingConfig(guidance_scale=np.float32(5.5), flow_shift=np.int64(3))
+    assert (s.guidance_scale, s.flow_shift) == (5.5, 3.0) and type(s.guidance_scale) is float
+    for bad in (True, np.True_, np.float32("nan"), np.float64("inf")):
+        with pytest.raises(AttentionConfigError, match="^guidance_scale: expected "):
+            SamplingConfig(guidance_scale=bad)
+
+
 def test_config_file_errors_are_one_line(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("prompt: [unclosed\n")

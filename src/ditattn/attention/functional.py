@@ -61,7 +61,7 @@ def _is_int(x) -> bool:
     return as_integer(x) is not None
 
 
-def _check_scale(scale, dtype: torch.dtype) -> None:
+def check_scale(scale, dtype: torch.dtype) -> None:
     """``scale`` None, or a real number with ``0 < scale <= torch.finfo(dtype).max`` (see :func:`attention`)."""
     if scale is None:
         return
@@ -94,7 +94,7 @@ def check_call_args(q: Tensor, k: Tensor, *, causal, scale, attn_bias, text_len,
     for name, flag in (("causal", causal), ("return_lse", return_lse)):
         if not isinstance(flag, bool):
             raise AttentionConfigError(f"{name} must be True or False, got {flag!r}")
-    _check_scale(scale, q.dtype)
+    check_scale(scale, q.dtype)
     if not _is_int(text_len) or text_len < 0:
         raise AttentionConfigError(f"text_len must be an integer >= 0, got {text_len!r}")
     if text_len > q.shape[1]:

@@ -20,7 +20,7 @@ from ditattn.attention.names import ROLES
 from ditattn.attention.names import AttentionBackendEnum as B
 from ditattn.attention.selector import Decision, LayerSpec, bind_impl, select_backend
 from ditattn.attention.specs import DTYPE_NAMES, SPECS
-from ditattn.errors import AttentionConfigError
+from ditattn.errors import AttentionConfigError, as_integer, short_repr
 from ditattn.platforms import current_platform
 
 
@@ -28,6 +28,34 @@ def _autotune():
     from ditattn.attention import autotune
 
     return autotune
+
+
+def _check_layer_args(num_heads, head_dim, num_kv_heads, causal, scale, dtype) -> tuple:
+    """``(num_heads, head_dim, num_kv_heads)`` as plain ints, checked: positive integers, ``num_kv_heads``
+    (None: ``num_heads``) dividing ``num_heads``; ``causal`` a bool; ``scale`` None or a finite number > 0
+    that ``dtype`` (None: torch's default dtype) can hold.  Raises AttentionConfigError."""
+    from ditattn.attention.functional import check_scale
+
+    sizes = []
+    for name, value in (("num_heads", num_heads), ("head_dim", head_dim), ("num_kv_heads", num_kv_heads)):
+        if value is None and name == "num_kv_heads":
+            sizes.append(sizes[0])
+            continue
+        n = as_integer(value)
+        if n is None or n < 1:
+            raise AttentionConfigError(f"LocalAttention {name} must be a positive integer, got {short_repr(value)}")
+        sizes.append(n)
+    if sizes[0] % sizes[2]:
+        raise AttentionConfigError(
+            f"LocalAttention num_kv_heads ({sizes[2]}) must divide num_heads ({sizes[0]}) for grouped-query attention"
+        )
+    if not isinstance(causal, bool):
+        raise AttentionConfigError(f"LocalAttention causal must be True or False, got {short_repr(causal)}")
+    try:
+        check_scale(scale, dtype or torch.get_default_dtype())
+    except AttentionConfigError as exc:
+        raise AttentionConfigError(f"LocalAttention {exc}") from None
+    return tuple(sizes)
 
 
 def _as_backend(x):
@@ -74,8 +102,10 @@ class LocalAttention(nn.Module):
         super().__init__()
         if role not in ROLES:
             raise AttentionConfigError(f"attention role must be one of {', '.join(ROLES)}, got {role!r}")
+        num_heads, head_dim, num_kv_heads = _check_layer_args(num_heads, head_dim, num_kv_heads, causal, scale, dtype)
         self.num_heads, self.head_dim = num_heads, head_dim
-        self.num_kv_heads = num_kv_heads or num_heads
+        self.num_kv_heads = num_kv_heads
+        self._tails = ((num_heads, head_dim), (num_kv_heads, head_dim))  # forward's shape check: q's, k/v's
         self.role, self.causal, self.scale = role, causal, scale
         self.prefix, self.layer_idx = prefix, layer_idx
         self.spec = LayerSpec(
@@ -149,6 +179,8 @@ class LocalAttention(nn.Module):
         return self.backend, None, self.config
 
     def forward(self, q, k, v, attn_bias=None, return_lse: bool = False):
+        if q.shape[2:] != self._tails[0] or k.shape[2:] != self._tails[1] or v.shape != k.shape:
+            self._check_shapes(q, k, v)
         backend, impl, config = self._request_binding()
         if impl is None:
             if self._autotune_pending and q.numel() >= _autotune().MIN_QUERY_ELEMENTS:
@@ -171,6 +203,22 @@ class LocalAttention(nn.Module):
         )
         out, lse = impl(q, k, v, call, config)
         return (out, lse) if return_lse else out
+
+    def _check_shapes(self, q, k, v) -> None:
+        """Why q/k/v do not fit this layer (raises AttentionConfigError): 4-D ``[batch, seq, heads, head_dim]``
+        tensors with the layer's ``num_heads`` (q) and ``num_kv_heads`` (k, v) of ``head_dim``, k and v alike
+        (the rest as :func:`ditattn.attention.check_qkv`)."""
+        from ditattn.attention.functional import check_qkv
+
+        check_qkv(q, k, v)
+        (h, d), (hkv, _) = self._tails
+        for name, t, heads in (("q", q, h), ("k", k, hkv), ("v", v, hkv)):
+            if tuple(t.shape[2:]) != (heads, d):
+                raise AttentionConfigError(
+                    f"{self.layer_key or type(self).__name__}: {name} has {t.shape[2]} heads of size {t.shape[3]} "
+                    f"(shape {tuple(t.shape)}), but the layer was built for {heads} heads of size {d} "
+                    "([batch, seq, heads, head_dim])"
+                )
 
     def _run_autotune(self, q, k, v, attn_bias) -> None:
         self._autotune_pending = False

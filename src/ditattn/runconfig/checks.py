@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 import re
 from typing import Any, Callable, Mapping, Union
 
@@ -58,13 +59,20 @@ def int_between(lo: int, hi: int) -> Callable[[Any], int]:
     return check
 
 
+def _is_real(value: Any) -> bool:
+    """A real number that is not a bool: Python's int / float or NumPy's (``np.float32``, ``np.int64``)."""
+    if isinstance(value, bool) or "bool" in str(getattr(value, "dtype", "")):
+        return False
+    return isinstance(value, numbers.Real)
+
+
 def _number(value: Any, ok: Callable[[float], bool], expected: str, unparsable: str = "a number") -> float:
     if isinstance(value, str):
         try:
             number = float(value)
         except ValueError:
             raise ValueError(f"expected {unparsable}, got {_short(value)}") from None
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+    elif _is_real(value):
         try:
             number = float(value)
         except OverflowError:
