@@ -153,7 +153,9 @@ def test_cfg_and_vae_parallel_match_one_process(world, tmp_path, capfd, monkeypa
     assert main(common + ["--output-file", "par.png", "--num-gpus", str(world)] + CLI[world]) == 0
 
     # the CLI run: rank 0 alone printed and wrote, and the image equals the one-process one
-    assert capfd.readouterr().out.count("saved:") == 2
+    printed = capfd.readouterr().out
+    assert printed.count("saved:") == 2
+    assert printed.count("CFG parallel") == 1 and printed.count("CFG batched") == 1  # the summary says what ran
     a, b = (iio.imread(out_dir / f).astype(int) for f in ("single.png", "par.png"))
     assert a.shape == b.shape == (48, 64, 3) and a.std() > 1
     assert np.abs(a - b).max() <= 1
@@ -208,6 +210,14 @@ def test_parallel_flags_in_config_and_rank_arithmetic(tmp_path):
         (
             ["--cfg-parallel", "--num-gpus", "2", "--guidance-scale", "1"],
             "--guidance-scale is 1 (<= 1: no unconditional",
+        ),
+        (
+            ["--cfg-parallel", "--num-gpus", "2", "--cfg-batching", "sequential"],
+            "--cfg-batching sequential: with --cfg-parallel each guidance half runs on its own ranks",
+        ),
+        (
+            ["--cfg-parallel", "--num-gpus", "2", "--cfg-interval", "0.1:0.2", "--num-inference-steps", "4"],
+            "--cfg-interval 0.1:0.2 guides none of the 4 steps",
         ),
         (["--vae-parallel"], "--vae-parallel splits the VAE decode over the ranks and needs --num-gpus 2"),
         (["--cfg-parallel", "--num-gpus", "2", "--backend", "diffusers"], "runs the native pipeline only"),

@@ -55,3 +55,20 @@ def test_both_pipeline_classes_check_their_arguments(pipe, kw, match):
     for p in (pipe, pipe.native):  # WanPipeline, and the WanPipelineNative the README also shows
         with pytest.raises(AttentionConfigError, match=match):
             p.generate("a", **KW, **kw)
+
+
+def test_non_finite_latents_are_an_error_not_a_black_clip():
+    """Non-finite weights (a broken LoRA or checkpoint) denoised to NaN and decoded into an all-black clip
+    that was reported and saved as a result; the pipeline now stops before decoding, naming the cause."""
+    import torch
+
+    from ditattn.pipelines.wan import WanPipelineNative
+
+    native = WanPipelineNative.from_pretrained("ditattn:tiny-wan", device="cpu", dtype="float32")
+    good = native.generate("a fox", **KW)
+    assert np.isfinite(good.latents.numpy()).all() and good.frames.std() > 0
+    weight = next(p for n, p in native.components["transformer"].named_parameters() if n.endswith("weight"))
+    with torch.no_grad():
+        weight.view(-1)[0] = float("nan")
+    with pytest.raises(AttentionConfigError, match="denoised latents hold NaN or inf values, so no frames"):
+        native.generate("a fox", **KW)

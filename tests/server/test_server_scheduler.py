@@ -142,6 +142,33 @@ def test_signature_covers_every_batching_field():
         assert v.signature() != base.signature()
 
 
+def test_cached_jobs_never_share_a_batch():
+    """A step cache decides each step on the whole batch's change, so two requests with the same cache
+    settings batched together got each other's decisions (and one trace for both): a cached job runs alone."""
+    from ditattn.cache.config import resolve_cache
+
+    setting = resolve_cache("first_block_cache", "threshold=0.5", model="ditattn:shapes", num_blocks=6)
+    a, b = job(1, cache=setting), job(2, cache=setting)
+    assert a.signature() != b.signature()
+    assert a.signature() != job(1).signature()
+    assert job(1).signature() == job(2).signature()  # without a cache they still batch
+
+    gate = threading.Event()
+    runner = RecordingRunner(gate=gate)
+    sch = Scheduler(runner, max_batch_size=4, max_queue=8, batch_window_s=0.0).start()
+    try:
+        futs = [sch.submit(job(0))]  # holds the worker while the others queue up
+        while runner.calls == 0:
+            time.sleep(0.01)
+        futs += [sch.submit(j) for j in (job(3, cache=setting), job(4, cache=setting), job(5), job(6))]
+        gate.set()
+        for f in futs:
+            f.result(timeout=30)
+    finally:
+        sch.stop()
+    assert sorted(map(sorted, runner.batches)) == [["j0"], ["j3"], ["j4"], ["j5", "j6"]]
+
+
 def test_queue_full_raises_and_recovers():
     gate = threading.Event()
     runner = RecordingRunner(gate=gate)

@@ -32,21 +32,41 @@ def preflight(cfg: RunConfig) -> None:
     pipe = WanPipelineNative.from_config(cfg, load_weights=False)
     pipe.prepare_request(cfg.attention.attention_backend_override, cfg.attention.skip_softmax())
     if cfg.parallel.cfg_parallel:
-        check_cfg_guidance(cfg, pipe.defaults["guidance_scale"])
+        check_cfg_guidance(cfg, pipe.defaults["guidance_scale"], pipe.defaults["num_inference_steps"])
 
 
-def check_cfg_guidance(cfg: RunConfig, default: Optional[float] = None) -> None:
+def check_cfg_guidance(cfg: RunConfig, default: Optional[float] = None, default_steps: Optional[int] = None) -> None:
     """Refuse ``--cfg-parallel`` when the run has no unconditional pass to put on the second half of
-    the ranks: a guidance scale <= 1 (``--guidance-scale``, else ``default``, the model's)."""
-    g = cfg.sampling.guidance_scale if cfg.sampling.guidance_scale is not None else default
-    if cfg.parallel.cfg_parallel and g is not None and g <= 1.0:
-        where = (
-            "--guidance-scale" if cfg.sampling.guidance_scale is not None else "this model's default guidance scale"
-        )
+    the ranks: a guidance scale <= 1 (``--guidance-scale``, else ``default``, the model's), or a
+    ``--cfg-interval`` that guides none of the steps (``--num-inference-steps`` / ``--timesteps``, else
+    ``default_steps``); and with a ``--cfg-batching`` other than ``auto``, which the halves on their own
+    ranks cannot follow."""
+    if not cfg.parallel.cfg_parallel:
+        return
+    s = cfg.sampling
+    g = s.guidance_scale if s.guidance_scale is not None else default
+    if g is not None and g <= 1.0:
+        where = "--guidance-scale" if s.guidance_scale is not None else "this model's default guidance scale"
         raise AttentionConfigError(
             f"--cfg-parallel runs the unconditional pass on half of the ranks, but {where} is {g:g} (<= 1: no "
             f"unconditional pass); use --guidance-scale above 1, or drop --cfg-parallel"
         )
+    if s.cfg_batching != "auto":
+        raise AttentionConfigError(
+            f"--cfg-batching {s.cfg_batching}: with --cfg-parallel each guidance half runs on its own ranks, neither "
+            "batched nor in sequence; accepted: --cfg-batching auto, or no --cfg-parallel"
+        )
+    steps = len(s.timesteps) if s.timesteps else (s.num_inference_steps or default_steps)
+    if s.cfg_interval is not None and steps:
+        from ditattn.pipelines.sampling import guided_steps
+
+        if not any(guided_steps(steps, s.cfg_interval)):
+            start, end = s.cfg_interval
+            raise AttentionConfigError(
+                f"--cfg-interval {start:g}:{end:g} guides none of the {steps} steps (step i is guided when START <= "
+                "i / steps < END), so --cfg-parallel has no unconditional pass for half of the ranks; widen the "
+                "interval or drop --cfg-parallel"
+            )
 
 
 def run_on_ranks(rank_fn: Callable[[RankInfo, RunConfig], int], cfg: RunConfig) -> int:

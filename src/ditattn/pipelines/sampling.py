@@ -219,10 +219,12 @@ def sampling_plan(
     height: Optional[int] = None,
     width: Optional[int] = None,
     num_frames: Optional[int] = None,
+    cfg_parallel: bool = False,
 ) -> dict:
     """What a generation of ``pipe`` (a :class:`~ditattn.pipelines.wan.WanPipelineNative`, weights
     loaded or not) would sample with the :class:`~ditattn.runconfig.SamplingConfig` ``sampling`` and
-    the size / steps / guidance given (None: the model's defaults), for ``ditattn plan``:
+    the size / steps / guidance given (None: the model's defaults) and ``cfg_parallel`` (each guidance half
+    on its own ranks: the mode is ``parallel``; any other requested batching is refused), for ``ditattn plan``:
     ``{"scheduler", "flow_shift", "steps", "timesteps" (what the DiT is given), "cfg" (the mode),
     "cfg_batching" (resolved), "cfg_batching_requested", "forwards" (DiT passes per clip)}``."""
     from ditattn.pipelines.loading import _scheduler_factory
@@ -244,6 +246,13 @@ def sampling_plan(
     ref = pipe.components.get("transformer") or pipe.components.get("transformer_2")
     t, h, w = ref.latent_grid(*shape[1:])
     batching = resolve_cfg_batching(sampling.cfg_batching, device=pipe.device, tokens=t * h * w)
+    if cfg_parallel and guidance > 1.0:
+        if sampling.cfg_batching != "auto":
+            raise AttentionConfigError(
+                f"--cfg-batching {sampling.cfg_batching}: with --cfg-parallel each guidance half runs on its own "
+                "ranks, neither batched nor in sequence; accepted: --cfg-batching auto, or no --cfg-parallel"
+            )
+        batching = "parallel"
     return {
         "scheduler": sampler.name,
         "flow_shift": sampler.shift,

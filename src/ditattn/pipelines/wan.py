@@ -44,6 +44,7 @@ from ditattn.attention.context import (
 )
 from ditattn.attention.names import ROLES
 from ditattn.attention.sparse import fallback as sparse_run
+from ditattn.distributed.cfg import get_cfg_parallel
 from ditattn.errors import AttentionConfigError, GenerationCancelled
 from ditattn.models.lora import Adapter, resolve_request_lora
 from ditattn.pipelines.conditioning import conditioning_mode, image_condition
@@ -387,7 +388,8 @@ class WanPipelineNative:
         image's aspect ratio). guidance_scale > 1 enables classifier-free guidance
         (guidance_scale_2: the low-noise expert's scale of a two-expert checkpoint, default
         guidance_scale). seed: an int (prompt i uses seed + i) or N ints; each clip's initial noise
-        comes from its own CPU generator, so a clip does not depend on what it is batched with.
+        comes from its own CPU generator, so a clip does not depend on what it is batched with (except under a
+        step cache, whose compute-or-reuse decision covers the whole batch: one call per prompt keeps them apart).
         scheduler (``flow_euler``, ``unipc``, ``dpmpp``, ``lcm``; None: the checkpoint's), flow_shift,
         timesteps (explicit descending list; overrides num_inference_steps), cfg_interval (``(START, END)``
         or ``"START:END"``), cfg_batching (``auto``, ``batched``, ``sequential``): the sampler and the
@@ -455,6 +457,13 @@ class WanPipelineNative:
         check_stop()
         dev, dt = self.device, self.dtype
         do_cfg = inp.guidance > 1.0  # as diffusers: the first scale decides whether negatives are encoded
+        split = get_cfg_parallel() if do_cfg else None  # CFG parallelism: each guidance half on its own ranks
+        if split is not None and sampling.cfg_batching != "auto":
+            raise AttentionConfigError(
+                f"cfg_batching {sampling.cfg_batching}: with CFG parallelism (--cfg-parallel) each guidance half "
+                "runs on its own ranks, neither batched nor in sequence; accepted: cfg_batching auto, or no "
+                "--cfg-parallel"
+            )
         timings: dict[str, float] = {}
 
         scales = resolve_request_lora(lora, self.adapters)
@@ -534,6 +543,12 @@ class WanPipelineNative:
             timings["denoise"] = time.perf_counter() - t0
             if condition is not None:
                 latents = condition.finalize(latents)  # TI2V: the first latent frame is the image's
+            if not bool(torch.isfinite(latents).all()):  # a black or garbage clip is not a result
+                raise AttentionConfigError(
+                    "the denoised latents hold NaN or inf values, so no frames are decoded or saved (causes: "
+                    "non-finite weights, e.g. a broken LoRA or checkpoint, or an overflow in float16; try "
+                    "--dtype bfloat16 or float32)"
+                )
 
             # 4. decode
             check_stop()
@@ -560,7 +575,7 @@ class WanPipelineNative:
                 flow_shift=sampler.shift,
                 timesteps=sampler.timesteps,
                 forwards=forwards(guided),
-                cfg=cfg_mode(guided, batching),
+                cfg=cfg_mode(guided, "parallel" if split is not None else batching),
             )
             return GenerationResult(
                 frames,

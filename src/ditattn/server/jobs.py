@@ -107,7 +107,7 @@ class GenerationJob:
     flow_shift: Optional[float] = None
     timesteps: Optional[tuple] = None
     cfg_interval: Optional[tuple] = None
-    cache: Any = None  # the step cache (ditattn.cache.CacheSetting) or None: jobs batch only with the same one
+    cache: Any = None  # the step cache (ditattn.cache.CacheSetting) or None: a cached job runs in a batch of its own
     id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
     created: float = dataclasses.field(default_factory=time.time)
     future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
@@ -147,7 +147,9 @@ class GenerationJob:
             self.flow_shift,
             self.timesteps,
             self.cfg_interval,
-            None if self.cache is None else (self.cache.name, repr(sorted(self.cache.config.items()))),
+            # a step cache decides each step for the whole batch (its change summed over the clips), so a cached
+            # job never shares a batch: its output and its cache report are its own, whatever else is queued
+            None if self.cache is None else self.id,
         )
 
 

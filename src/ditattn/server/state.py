@@ -424,8 +424,10 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-def server_state(request: Request) -> ServerState:
-    """The app's :class:`ServerState` (a FastAPI dependency)."""
+async def server_state(request: Request) -> ServerState:
+    """The app's :class:`ServerState` (a FastAPI dependency).  ``async``: FastAPI runs a plain ``def``
+    dependency in its thread pool, a thread hop per request for an attribute read (and on a Ray Serve
+    replica a new thread per request)."""
     return request.app.state.server
 
 
