@@ -193,3 +193,18 @@ def test_offload_on_cuda_moves_weights(four_blocks):
     assert devices[2] == ["cpu", "cpu", "cuda", "cuda"]
     assert all(p.device.type == "cpu" for p in tr.parameters())
     assert res.peak_memory is not None and res.peak_memory > 0
+
+
+def test_offload_that_saves_nothing_says_so(caplog, four_blocks):
+    """--offload on the CPU, or a group as large as the DiT, ran without a word although it saves no memory."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="ditattn"):
+        WanPipelineNative.from_pretrained(four_blocks, device="cpu", offload="group", offload_group_blocks=4)
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "--offload group saves no memory on the CPU" in said
+    assert "--offload-group-blocks 4 streams the whole DiT (4 blocks) as one group" in said
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ditattn"):
+        WanPipelineNative.from_pretrained(four_blocks, device="cpu")
+    assert not [r for r in caplog.records if "offload" in r.getMessage()]

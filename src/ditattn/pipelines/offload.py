@@ -165,6 +165,20 @@ class ComponentPlacement:
         self.current: Optional[str] = None  # model / group: the component on the device now
         if mode == "none":
             return
+        if device.type == "cpu":  # the schedule runs (the CPU is the reference for it) but moves nothing
+            log.warning(
+                "--offload %s saves no memory on the CPU: every component already runs from CPU memory "
+                "(offloading is for an accelerator device)",
+                mode,
+            )
+        blocks = max((len(getattr(m, "blocks", ())) for n, m in components.items() if n in DIT), default=0)
+        if mode == "group" and blocks and group_blocks >= blocks:
+            log.warning(
+                "--offload-group-blocks %d streams the whole DiT (%d blocks) as one group: no saving over "
+                "--offload model; accepted: fewer blocks than the DiT has",
+                group_blocks,
+                blocks,
+            )
         pin = device.type == "cuda"
         for name, module in components.items():
             if not isinstance(module, nn.Module):
