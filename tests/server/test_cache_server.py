@@ -104,3 +104,21 @@ def test_video_job_reports_its_cache(server):
         server + "/v1/videos", json={**body, "cache_backend_config": "max_consecutive_skips=0"}, timeout=60
     )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_backend_config"
+
+
+def test_the_servers_cache_is_checked_against_a_requests_steps():
+    """A request whose step count leaves the server's own cache settings no step to reuse (serve
+    --cache-backend-config start_step=4, a request of 3 steps) failed at run time with param null; it is a
+    400 at admission naming num_inference_steps and the server's setting."""
+    cfg = RunConfig(
+        model=ModelConfig(model_path="ditattn:tiny-wan", device="cpu", dtype="float32"),
+        cache=CacheOptions(cache_backend="teacache", cache_backend_config="threshold=1e6,start_step=4"),
+    )
+    with serve(build_runner(cfg), max_batch_size=1) as (base, _app):
+        status, res = _post(base, {"num_inference_steps": 3})
+        err = res.get("error", res)
+        assert status == 400 and err["param"] == "num_inference_steps", res
+        assert "the server's step cache" in err["message"] and "start_step" in err["message"], err
+        status, res = _post(base, {"num_inference_steps": 6})
+        assert status == 200 and res["cache"]["backend"] == "teacache", res
+        assert _post(base, {"num_inference_steps": 3, "cache_backend": "none"})[0] == 200

@@ -179,9 +179,20 @@ class RequestChecks:
         """A request's ``cache_backend`` / ``cache_backend_config`` checked against the model (400 naming the
         field with the reason), as the JSON-safe params that build its job (absent: the server's default)."""
         backend, config = req.cache_backend, inline_cache_config(req.cache_backend_config)
-        if backend is None and config is None:
-            return {}
         prepare = getattr(self.runner, "prepare_cache", None)
+        if backend is None and config is None:
+            default = prepare(None, None) if prepare is not None else None
+            if default is not None and steps is not None:  # the server's cache may not fit this request's steps
+                try:
+                    default.check_steps(steps)
+                except AttentionConfigError as exc:
+                    raise RequestError(
+                        f"{steps} steps do not fit the server's step cache (serve --cache-backend "
+                        f"{default.describe()}): {exc}; send more steps, or cache_backend none",
+                        param="num_inference_steps",
+                        code="invalid_cache",
+                    ) from None
+            return {}
         if prepare is None:
             raise RequestError("cache_backend is not supported by this server", param="cache_backend")
         try:
