@@ -311,6 +311,129 @@ def test_pipeline_default_and_per_call_cache(tiny):
         pipe.generate("a fox", cache_backend="magcache", **GEN)
 
 
+def _calibration(tmp_path, name="cal.json", raw=None, **data):
+    """A calibration file of model ``m`` (4 steps) with ``data`` (or the text ``raw``)."""
+    path = tmp_path / name
+    body = {"format": "ditattn-cache-calibration", "version": 1, "model": "m", "num_steps": 4, **data}
+    path.write_text(raw if raw is not None else json.dumps(body))
+    return str(path)
+
+
+def test_a_call_s_keys_override_the_default_s_for_the_same_method(tmp_path):
+    """A per-call (per-request) config keeps the pipeline's (server's) calibration and keys and applies only the
+    keys it names; another method starts from its own defaults; a call naming calibration loads its own."""
+    from ditattn.cache.config import call_cache
+
+    custom = _calibration(tmp_path, "custom.json", teacache={"coefficients": [2.0, 0.0]})
+    other = _calibration(tmp_path, "other.json", teacache={"coefficients": [5.0, 0.0]})
+    default = resolve_cache("teacache", f"calibration={custom},threshold=0.5,start_step=2", model="m", num_blocks=4)
+
+    def call(backend, config):
+        return call_cache(default, backend, config, model="m", num_blocks=4)
+
+    for backend, config in (("teacache", {"threshold": 0.2}), (None, "threshold=0.2"), ("TeaCache", None)):
+        got = call(backend, config)
+        assert got.calibration["path"] == custom and got.calibration["coefficients"] == [2.0, 0.0], (backend, config)
+        assert got.config["start_step"] == 2 and "calibration custom.json" in got.describe()
+        assert got.config["threshold"] == (0.5 if config is None else 0.2)
+    assert call("teacache", f"calibration={other}").calibration["coefficients"] == [5.0, 0.0]
+    assert call("teacache", {"start_step": None}).config["start_step"] is None  # None: the method's default
+    fb = call("first_block_cache", None)
+    assert fb.config["threshold"] == 0.08 and fb.config["start_step"] is None and fb.calibration is None
+    # TaylorSeer's order goes with it: turned off by the call, the default's order does not linger
+    ts = call_cache(default, None, "taylorseer=true,taylorseer_order=2", model="m", num_blocks=4)
+    assert ts.config["taylorseer_order"] == 2 and ts.calibration is default.calibration
+    off = call_cache(ts, None, "taylorseer=false", model="m", num_blocks=4)
+    assert off.config["taylorseer"] is False and off.config["taylorseer_order"] == 1
+    assert call_cache(ts, None, "threshold=0.3", model="m", num_blocks=4).config["taylorseer_order"] == 2
+    # the pipeline: cache_backend alone keeps the pipeline's keys
+    from ditattn.pipelines.wan import WanPipelineNative
+
+    pipe = WanPipelineNative.from_pretrained(
+        "ditattn:tiny-wan", device="cpu", dtype="float32", cache_backend="teacache", cache_backend_config="threshold=7"
+    )
+    assert pipe.prepare_cache("teacache").config["threshold"] == 7.0
+    assert pipe.prepare_cache(None, "max_consecutive_skips=1").config["threshold"] == 7.0
+
+
+def test_an_explicit_calibration_without_the_method_s_data_is_refused(tmp_path):
+    mag_only = _calibration(tmp_path, "mag.json", magcache={"mag_ratios": [1.0] * 4})
+    tea_only = _calibration(tmp_path, "tea.json", teacache={"coefficients": [1.0, 0.0]})
+    with pytest.raises(AttentionConfigError, match=r"calibration file .*mag\.json has no teacache coefficients"):
+        resolve_cache("teacache", f"calibration={mag_only}", model="m", num_blocks=4)
+    with pytest.raises(AttentionConfigError, match=r"calibration file .*tea\.json has no magcache mag_ratios") as e:
+        resolve_cache("magcache", f"calibration={tea_only}", model="m", num_blocks=4)
+    assert "none ships" not in str(e.value)
+    assert resolve_cache("teacache", f"calibration={tea_only}", model="m", num_blocks=4).calibration
+    with pytest.raises(AttentionConfigError, match="none ships with it"):  # no file given, none shipped
+        resolve_cache("magcache", None, model="m", num_blocks=4)
+
+
+def test_a_key_given_twice_in_a_json_config_is_refused(tmp_path):
+    from ditattn.evaluation.compare import parse_variant
+
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text('{"threshold": 0.9, "threshold": 0.2}')
+    with pytest.raises(AttentionConfigError, match="cache backend config file .*'threshold' is given twice"):
+        resolve_cache("teacache", str(cfg), model=None, num_blocks=4)
+    cal = _calibration(
+        tmp_path,
+        raw='{"format": "ditattn-cache-calibration", "version": 1, "model": "m", "num_steps": 4, "num_steps": 5, '
+        '"teacache": {"coefficients": [1.0, 0.0]}}',
+    )
+    with pytest.raises(AttentionConfigError, match="calibration file .*'num_steps' is given twice"):
+        resolve_cache("teacache", f"calibration={cal}", model="m", num_blocks=4)
+    for variant in (
+        "b=auto+cache:teacache:threshold=0.1;threshold=0.2",
+        'b={"backend": "auto", "cache": {"backend": "teacache", "config": {"threshold": 0.1, "threshold": 0.2}}}',
+        "b=torch_sdpa+cache:teacache:threshold=0.1;start_step=2;threshold=0.2",
+    ):
+        with pytest.raises(AttentionConfigError, match="--variant b: key 'threshold' is given twice"):
+            parse_variant(variant)
+    assert parse_variant("b=auto+cache:teacache:threshold=0.1;start_step=2").cache["config"] == {
+        "threshold": 0.1,
+        "start_step": 2,
+    }
+
+
+@pytest.mark.parametrize(
+    "config,steps,words",
+    [
+        ("start_step=0,end_step=1", 4, "reuse may start at step 1, step 0 never is"),
+        ("end_step=100", 4, "end_step 100 is past this run's 4 steps"),
+        ("start_step=10", 4, "start_step 10 and end_step -1"),
+        ("end_step=1", 20, r"start_step 4 \(unset: the first 20 %\) and end_step 1"),
+    ],
+)
+def test_start_and_end_steps_that_leave_nothing_to_reuse_are_refused(config, steps, words):
+    setting = resolve_cache("teacache", config, model=None, num_blocks=4)
+    with pytest.raises(AttentionConfigError, match=words) as e:
+        setting.check_steps(steps)
+    assert e.value.field == "cache_backend_config" and "None" not in str(e.value)
+
+
+def test_start_and_end_steps_that_leave_a_step_to_reuse_are_taken():
+    for config, steps in (("start_step=0,end_step=2", 4), ("end_step=4", 4), ("start_step=1", 4), ("end_step=-2", 4)):
+        resolve_cache("teacache", config, model=None, num_blocks=4).check_steps(steps)
+
+
+def test_taylorseer_order_needs_taylorseer():
+    with pytest.raises(AttentionConfigError, match="'taylorseer_order' 2 is given with taylorseer off"):
+        resolve_cache("teacache", "taylorseer_order=2", model=None, num_blocks=4)
+    assert resolve_cache("teacache", "taylorseer=true,taylorseer_order=2", model=None, num_blocks=4)
+
+
+def test_plan_checks_the_start_and_end_steps_as_generate_does(capsys):
+    from ditattn.cli import main
+
+    common = ["plan", "--model-path", "ditattn:tiny-wan", "--num-inference-steps", "4", "--cache-backend", "teacache"]
+    assert main(common + ["--cache-backend-config", "start_step=10"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "start_step 10 and end_step -1 leave no step of this run's 4" in err[0], err
+    assert main(common + ["--cache-backend-config", "start_step=2"]) == 0
+    assert "step cache: teacache" in capsys.readouterr().out
+
+
 def test_two_expert_model_resets_at_the_switch():
     from ditattn.pipelines.wan import WanPipelineNative
 
@@ -444,6 +567,7 @@ def test_calibrate_cache_writes_a_calibration_the_methods_take(tmp_path, capsys)
     assert data["model"] == "ditattn:tiny-wan" and data["num_steps"] == 6 and len(data["samples"]["mag_ratio"]) == 4
     assert len(data["magcache"]["mag_ratios"]) == 6 and data["magcache"]["mag_ratios"][0] == 1.0
     assert 0 < data["teacache"]["input_range"][0] <= data["teacache"]["input_range"][1]
+    assert data["guidance_scale"] > 1 and isinstance(data["scheduler"], str)  # what a run is compared with
     pipe = WanPipelineNative.from_pretrained("ditattn:tiny-wan", device="cpu", dtype="float32")
     res = pipe.generate(
         "a fox", cache_backend="magcache", cache_backend_config=f"calibration={out},threshold=1", **GEN
@@ -451,6 +575,89 @@ def test_calibrate_cache_writes_a_calibration_the_methods_take(tmp_path, capsys)
     assert res.cache["reused"] > 0
     assert main(args[:-1] + [str(tmp_path / "x.txt")]) == 2
     assert "--output FILE.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "extra,words",
+    [
+        (["--model-path", "ditattn:tiny-wan2.2"], "a two-expert model"),
+        (["--cfg-interval", "0:0.5"], "guidance on 3 of 6 steps"),
+        (["--cfg-batching", "sequential"], "guidance halves in sequence"),
+        (["--backend", "diffusers"], "--backend native"),
+    ],
+)
+def test_calibrate_cache_refuses_what_it_cannot_calibrate_before_any_run(tmp_path, capsys, extra, words):
+    from ditattn.cli import main
+
+    args = ["calibrate-cache", "--prompt", "a fox", "--prompt", "a cat", "--num-inference-steps", "6"]
+    args += ["--height", "32", "--width", "32", "--num-frames", "5", "--output", str(tmp_path / "cal.json")]
+    model = [] if "--model-path" in extra else ["--model-path", "ditattn:tiny-wan"]
+    assert main(args + model + extra) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: calibrate-cache") and words in err[0], err
+    assert not (tmp_path / "cal.json").exists()
+
+
+def test_calibrate_cache_takes_no_parallelism_flags(capsys):
+    from ditattn.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["calibrate-cache", "--prompt", "a", "--output", "x.json", "--num-gpus", "2"])
+    assert e.value.code == 2 and "unrecognized arguments: --num-gpus" in capsys.readouterr().err
+
+
+def test_fit_refuses_signals_that_are_not_numbers():
+    from ditattn.cache.calibration import Recorder, fit
+
+    rec = Recorder()
+    rec.input_change, rec.output_change, rec.mag_ratio = [np.nan] * 4, [np.nan] * 4, [1.0] * 4
+    rec.input_change[2] = rec.output_change[2] = 0.1  # a state that started at step 3: NaN there
+    with pytest.raises(AttentionConfigError, match="calibration recorded 4 signal value"):
+        fit([rec], model="m", num_steps=4, guidance_scale=5.0, size=(32, 32, 5), prompts=["a"])
+
+
+@pytest.mark.parametrize(
+    "data,words",
+    [
+        ({"magcache": {"mag_ratios": [0.0] * 4}}, "magcache.mag_ratios must be a non-empty list of positive"),
+        ({"magcache": {"mag_ratios": [1.0, -0.5, 1.0, 1.0]}}, "magcache.mag_ratios must be .* positive"),
+        ({"teacache": {"coefficients": [1.0, 0.0], "input_range": [0.5, 0.1]}}, r"input_range \[0.5, 0.1\]"),
+        ({"teacache": {"coefficients": [1.0, 0.0], "input_range": [-0.1, 0.1]}}, "0 <= lo <= hi"),
+    ],
+)
+def test_a_calibration_with_impossible_values_is_refused(tmp_path, data, words):
+    from ditattn.cache.calibration import load_calibration
+
+    with pytest.raises(AttentionConfigError, match=words):
+        load_calibration(_calibration(tmp_path, **data))
+
+
+def test_non_finite_calibration_values_are_refused(tmp_path):
+    from ditattn.cache.calibration import load_calibration
+
+    for text in ("[1.0, NaN, 1.0, 1.0]", "[1.0, Infinity, 1.0, 1.0]"):
+        raw = json.dumps({"format": "ditattn-cache-calibration", "version": 1, "model": "m", "num_steps": 4})
+        raw = raw[:-1] + f', "magcache": {{"mag_ratios": {text}}}}}'
+        with pytest.raises(AttentionConfigError, match="finite"):
+            load_calibration(_calibration(tmp_path, raw=raw))
+
+
+def test_a_calibration_of_other_steps_guidance_or_scheduler_is_used_with_a_warning(tmp_path, caplog):
+    cal = _calibration(
+        tmp_path, guidance_scale=5.0, scheduler="flow_euler", magcache={"mag_ratios": [1.0, 0.9, 0.9, 0.8]}
+    )
+    setting = resolve_cache("magcache", f"calibration={cal}", model="m", num_blocks=4)
+    assert setting.calibration["guidance_scale"] == 5.0 and setting.calibration["scheduler"] == "flow_euler"
+    with caplog.at_level("WARNING", logger="ditattn.cache.runtime"):
+        setting.check_steps(4, guidance_scale=5.0, scheduler="flow_euler")
+        assert not caplog.records
+        for _ in range(3):  # once, not per run
+            setting.check_steps(8, guidance_scale=3.0, scheduler="unipc")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3, lines
+    for words in ("num_steps=4, this run has num_steps=8", "guidance_scale=5.0, this run has guidance_scale=3.0"):
+        assert any(words in line for line in lines), lines
+    assert any("scheduler=flow_euler, this run has scheduler=unipc" in line for line in lines)
 
 
 def test_ti2v_per_token_timesteps_cache_exactly_at_threshold_zero():

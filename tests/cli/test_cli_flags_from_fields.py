@@ -46,6 +46,18 @@ def test_every_field_flag_takes_its_help_from_the_field():
         assert not missing, f"{section} fields without a flag: {sorted(missing)}"
 
 
+def test_a_command_lists_only_flags_it_accepts():
+    """A command's --help lists no flag whose setting the command then refuses ("does not apply here"):
+    calibrate-cache runs in one process and has no parallelism flags."""
+    from ditattn.entrypoints.cli import COMMANDS
+
+    keys = RunConfig.keys()
+    for cmd in COMMANDS:
+        accepted = RunConfig.keys(cmd.accept)
+        listed = {a.dest for a in _subparsers()[cmd.name]._actions if a.option_strings and a.dest in keys}
+        assert not listed - set(accepted), (cmd.name, sorted(listed - set(accepted)))
+
+
 def test_field_help_is_the_field_metadata_with_the_default():
     assert flags.field_help("vae_tiling").endswith("(default false)")
     assert flags.field_help("port").endswith("(default 30000)")

@@ -14,7 +14,7 @@ import math
 import os
 import re
 import stat
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from ditattn.attention.names import ROLES, AttentionBackendEnum, role_chain
 from ditattn.attention.schemas import SCHEMAS, Param, parse_layer_list, schema_for  # noqa: F401  (re-exported)
@@ -77,22 +77,29 @@ def parse_error_reason(exc: BaseException) -> str:
     return msg[:200]
 
 
-def loads_json(text: str, what: str) -> Any:
-    """``json.loads(text)``; malformed JSON, too deep nesting and numbers with thousands of digits
-    raise :class:`AttentionConfigError` naming ``what``."""
-    if json_depth_exceeds(text, MAX_DEPTH):
-        raise AttentionConfigError(f"{what} is not valid JSON: nested too deeply (more than {MAX_DEPTH} levels)")
+def unique_keys(what: Optional[str] = None) -> Callable[[list], dict]:
+    """A ``json.loads`` ``object_pairs_hook`` refusing a key given twice in one object (JSON parsers keep
+    the last silently) with :class:`AttentionConfigError` ``"{what}: key 'k' is given twice; give it once"``."""
 
     def unique(pairs):
         out = dict(pairs)
         if len(out) < len(pairs):  # a key given twice: find it (one pass)
             seen = set()
             dup = next(k for k, _ in pairs if k in seen or seen.add(k))
-            raise AttentionConfigError(f"{what}: key {short_repr(dup)} is given twice; give it once")
+            where = f"{what}: " if what else ""
+            raise AttentionConfigError(f"{where}key {short_repr(dup)} is given twice; give it once")
         return out
 
+    return unique
+
+
+def loads_json(text: str, what: str) -> Any:
+    """``json.loads(text)``; malformed JSON, a key given twice in one object, too deep nesting and numbers
+    with thousands of digits raise :class:`AttentionConfigError` naming ``what``."""
+    if json_depth_exceeds(text, MAX_DEPTH):
+        raise AttentionConfigError(f"{what} is not valid JSON: nested too deeply (more than {MAX_DEPTH} levels)")
     try:
-        return json.loads(text, object_pairs_hook=unique)
+        return json.loads(text, object_pairs_hook=unique_keys(what))
     except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
         if isinstance(exc, AttentionConfigError):
             raise
@@ -226,8 +233,8 @@ def load_mapping_file(path: str, *, what: str = "config file", accepted: str = "
     """The mapping in the ``.json`` / ``.yaml`` / ``.yml`` file ``path`` ({} for an empty file).
 
     Unreadable or non-regular files (:func:`read_text_file`), parse errors (one line, with the
-    position) and documents that are not a mapping raise :class:`AttentionConfigError` naming
-    ``what`` and ``accepted``.
+    position), a key given twice in one mapping and documents that are not a mapping raise
+    :class:`AttentionConfigError` naming ``what`` and ``accepted``.
     """
     body = read_text_file(path, what=what, accepted=accepted)
     is_json, path = str(path).lower().endswith(".json"), short_text(path)
@@ -237,7 +244,7 @@ def load_mapping_file(path: str, *, what: str = "config file", accepted: str = "
         )
     try:
         if is_json:
-            data = json.loads(body)
+            data = json.loads(body, object_pairs_hook=unique_keys())  # a key given twice, as YAML's loader
         else:
             import yaml
 

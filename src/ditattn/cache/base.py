@@ -213,9 +213,12 @@ class CacheMethod:
         )
         return common + self.params
 
-    def validate(self, raw: dict) -> dict:
+    def validate(self, raw: dict, base: Optional[dict] = None) -> dict:
         """``raw`` checked against :meth:`schema` (unknown keys, wrong types, out of range:
-        :class:`AttentionConfigError` naming the key and what is accepted); the full config with defaults."""
+        :class:`AttentionConfigError` naming the key and what is accepted); the full config with defaults,
+        or with ``base``'s values (an already validated config of this method) for the keys ``raw`` leaves
+        out (a key given as None takes the default).  ``taylorseer_order`` is refused without ``taylorseer``
+        on (it would do nothing)."""
         params = {p.name: p for p in self.schema()}
         unknown = [k for k in raw if k not in params]
         if unknown:
@@ -225,7 +228,18 @@ class CacheMethod:
             )
         out: dict[str, Any] = {}
         for name, p in params.items():
-            out[name] = p.coerce(f"cache backend {self.name}", raw[name]) if raw.get(name) is not None else p.default
+            if raw.get(name) is not None:
+                out[name] = p.coerce(f"cache backend {self.name}", raw[name])
+            else:
+                out[name] = base[name] if base is not None and name not in raw else p.default
+        if not out["taylorseer"]:
+            if raw.get("taylorseer_order") is not None:
+                raise AttentionConfigError(
+                    f"cache backend {self.name}: 'taylorseer_order' {out['taylorseer_order']} is given with "
+                    "taylorseer off (it orders the TaylorSeer extrapolation, which then does not run); "
+                    "accepted: taylorseer=true with it, or no taylorseer_order"
+                )
+            out["taylorseer_order"] = params["taylorseer_order"].default  # unused: not carried from ``base``
         return out
 
     def check_model(self, config: dict, num_blocks: int) -> None:

@@ -4,7 +4,7 @@ fitted and written, and how ``calibration=PATH`` loads and checks it.
 A calibration file is a small JSON object::
 
     {"format": "ditattn-cache-calibration", "version": 1, "model": "ditattn:shapes", "num_steps": 20,
-     "guidance_scale": 5.0, "size": [128, 128, 17], "prompts": ["..."],
+     "guidance_scale": 5.0, "scheduler": "flow_euler", "size": [128, 128, 17], "prompts": ["..."],
      "teacache": {"coefficients": [c4, c3, c2, c1, c0],       # numpy.polyval order: output change from input change
                   "input_range": [lo, hi]},                     # the input changes it was fitted on
      "magcache": {"mag_ratios": [1.0, r1, ..., r19]},           # one per step
@@ -41,13 +41,15 @@ def packaged_calibration(model: Optional[str]) -> Optional[str]:
     return path if path and os.path.isfile(path) else None
 
 
-def _numbers(v, what: str, path: str, length: Optional[int] = None) -> list[float]:
+def _numbers(v, what: str, path: str, length: Optional[int] = None, positive: bool = False) -> list[float]:
     if (
         not isinstance(v, list)
         or not v
         or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and np.isfinite(x) for x in v)
+        or (positive and not all(x > 0 for x in v))
     ):
-        raise AttentionConfigError(f"calibration file {path}: {what} must be a non-empty list of finite numbers")
+        kind = "positive finite numbers" if positive else "finite numbers"
+        raise AttentionConfigError(f"calibration file {path}: {what} must be a non-empty list of {kind}")
     if length is not None and len(v) != length:
         raise AttentionConfigError(
             f"calibration file {path}: {what} has {len(v)} values for num_steps={length}; "
@@ -57,11 +59,13 @@ def _numbers(v, what: str, path: str, length: Optional[int] = None) -> list[floa
 
 
 def load_calibration(path: str, *, model: Optional[str] = None) -> dict:
-    """The checked content of calibration file ``path``: ``{"model", "num_steps", "coefficients",
-    "input_range", "mag_ratios", "path"}`` (``coefficients`` / ``input_range`` / ``mag_ratios`` None when
-    the file lacks that method's data; ``input_range``: the span of input changes the polynomial was
-    fitted on).  A file that is not one, malformed data (a curve whose length is not ``num_steps``, a
-    polynomial of the wrong size) or a calibration of another ``model`` raise :class:`AttentionConfigError`."""
+    """The checked content of calibration file ``path``: ``{"model", "num_steps", "guidance_scale",
+    "scheduler", "coefficients", "input_range", "mag_ratios", "path"}`` (``coefficients`` / ``input_range`` /
+    ``mag_ratios`` None when the file lacks that method's data, ``guidance_scale`` / ``scheduler`` when it
+    does not record them; ``input_range``: the span of input changes the polynomial was fitted on).  A file
+    that is not one, malformed data (a curve whose length is not ``num_steps`` or with a ratio <= 0, a
+    polynomial of the wrong size, a reversed input range) or a calibration of another ``model`` raise
+    :class:`AttentionConfigError`."""
     from ditattn.attention.config import load_mapping_file
 
     data = load_mapping_file(path, what="calibration file", accepted="a JSON file written by ditattn calibrate-cache")
@@ -87,16 +91,27 @@ def load_calibration(path: str, *, model: Optional[str] = None) -> dict:
         coefficients = _numbers((data["teacache"] or {}).get("coefficients"), "teacache.coefficients", path)
         if (data["teacache"] or {}).get("input_range") is not None:
             span = _numbers(data["teacache"]["input_range"], "teacache.input_range", path, 2)
+            if not 0 <= span[0] <= span[1]:
+                raise AttentionConfigError(
+                    f"calibration file {path}: teacache.input_range {span} is not a range of relative changes; "
+                    "accepted: [lo, hi] with 0 <= lo <= hi"
+                )
         if len(coefficients) > 8:
             raise AttentionConfigError(
                 f"calibration file {path}: teacache.coefficients has {len(coefficients)} "
                 "values; accepted: at most 8 (a polynomial of degree <= 7)"
             )
     if "magcache" in data:
-        mag = _numbers((data["magcache"] or {}).get("mag_ratios"), "magcache.mag_ratios", path, steps)
+        mag = _numbers((data["magcache"] or {}).get("mag_ratios"), "magcache.mag_ratios", path, steps, True)
+    guidance, scheduler = data.get("guidance_scale"), data.get("scheduler")
     return {
         "model": data.get("model"),
         "num_steps": steps,
+        # what it was recorded with, for the run's warning (CacheSetting.check_steps); None: not recorded
+        "guidance_scale": float(guidance)
+        if isinstance(guidance, (int, float)) and not isinstance(guidance, bool) and np.isfinite(guidance)
+        else None,
+        "scheduler": scheduler if isinstance(scheduler, str) else None,
         "coefficients": coefficients,
         "input_range": span,
         "mag_ratios": mag,
@@ -135,11 +150,21 @@ class Recorder(CacheMethod):
         return Outcome(out, False, view.num_blocks)
 
 
-def fit(runs: list[Recorder], *, model: str, num_steps: int, guidance_scale: float, size, prompts) -> dict:
+def fit(
+    runs: list[Recorder],
+    *,
+    model: str,
+    num_steps: int,
+    guidance_scale: float,
+    size,
+    prompts,
+    scheduler: Optional[str] = None,
+) -> dict:
     """The calibration file's content from one :class:`Recorder` per calibration run (each
     ``num_steps`` forwards): the TeaCache polynomial (:func:`numpy.polyfit` of degree
     :data:`POLY_DEGREE` of output change on input change over every step after the first) and the
-    MagCache curve (the mean magnitude ratio per step)."""
+    MagCache curve (the mean magnitude ratio per step).  Signals that are not finite (a state that started
+    after the first step records none) raise :class:`AttentionConfigError`."""
     for r in runs:
         if len(r.mag_ratio) != num_steps:
             raise AttentionConfigError(
@@ -149,15 +174,24 @@ def fit(runs: list[Recorder], *, model: str, num_steps: int, guidance_scale: flo
             )
     x = np.array([v for r in runs for v in r.input_change[1:]], dtype=np.float64)
     y = np.array([v for r in runs for v in r.output_change[1:]], dtype=np.float64)
+    mags = np.array([r.mag_ratio for r in runs], dtype=np.float64)
+    bad = int((~np.isfinite(x)).sum() + (~np.isfinite(y)).sum() + (~np.isfinite(mags)).sum())
+    if bad:
+        raise AttentionConfigError(
+            f"calibration recorded {bad} signal value(s) that are not numbers (NaN or infinite: a cache state "
+            "that started after the first step, or a run that overflowed); accepted: runs with one forward per "
+            "step from the first (one expert, guidance on every step or none, batched)"
+        )
     degree = min(POLY_DEGREE, max(len(x) // 10, 1))  # ten samples per coefficient: no wild fits of few points
     coefficients = np.polyfit(x, y, degree).tolist()
-    mag = np.mean(np.array([r.mag_ratio for r in runs], dtype=np.float64), axis=0).tolist()
+    mag = np.mean(mags, axis=0).tolist()
     return {
         "format": FORMAT,
         "version": VERSION,
         "model": model,
         "num_steps": num_steps,
         "guidance_scale": guidance_scale,
+        **({"scheduler": scheduler} if scheduler is not None else {}),
         "size": list(size),
         "prompts": list(prompts),
         "teacache": {"coefficients": coefficients, "input_range": [float(x.min()), float(x.max())]},

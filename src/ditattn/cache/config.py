@@ -87,18 +87,35 @@ def resolve_cache(
         return _for_model(method, cfg, model, num_blocks, native)
 
 
-def _for_model(method, cfg: dict, model: Optional[str], num_blocks: Optional[int], native: bool) -> CacheSetting:
+def _for_model(
+    method,
+    cfg: dict,
+    model: Optional[str],
+    num_blocks: Optional[int],
+    native: bool,
+    default: Optional[CacheSetting] = None,
+) -> CacheSetting:
+    """The setting of the validated ``cfg``; ``default``: a setting of the same method whose calibration
+    is kept (the call named no ``calibration``)."""
     if not native:
         raise AttentionConfigError(
             f"cache backend {method.name} runs in ditattn's native Wan transformer; "
             "accepted: --backend native (the diffusers pipeline has no step cache here)"
         )
     calibration = None
-    if "calibration" in cfg:
+    if default is not None:
+        calibration = default.calibration
+    elif "calibration" in cfg:
         path = cfg["calibration"] or packaged_calibration(model)
         if path is not None:
             calibration = load_calibration(path, model=model if cfg["calibration"] else None)
         key = {"teacache": "coefficients", "magcache": "mag_ratios"}.get(method.name)
+        if key is not None and cfg["calibration"] and calibration.get(key) is None:
+            raise AttentionConfigError(
+                f"calibration file {cfg['calibration']} has no {method.name} {key}; accepted: a calibration "
+                f"written by ditattn calibrate-cache (it holds both methods' data), or no calibration key "
+                f"(the one shipped for the model)"
+            )
         if method.facts.calibration == "required" and (calibration is None or calibration.get(key) is None):
             raise AttentionConfigError(
                 f"cache backend {method.name} needs a calibration for model {model or '(unknown)'} and none ships "
@@ -112,8 +129,10 @@ def _for_model(method, cfg: dict, model: Optional[str], num_blocks: Optional[int
 def call_cache(
     default: Optional[CacheSetting], backend, config, *, model: Optional[str], num_blocks: int
 ) -> Optional[CacheSetting]:
-    """A call's cache: ``default`` (the pipeline's) when neither ``backend`` nor ``config`` is given,
-    ``default``'s method with new keys when only ``config`` is, else :func:`resolve_cache`."""
+    """A call's cache: ``default`` (the pipeline's or server's) when neither ``backend`` nor ``config`` is
+    given; for ``default``'s method (``backend`` None or the same name), ``default``'s keys and calibration
+    with the keys ``config`` names applied over them (a ``calibration`` key loads its own); another method
+    starts from its own defaults (:func:`resolve_cache`)."""
     if backend is None and config in (None, "", {}):
         return default
     if backend is None:
@@ -123,4 +142,11 @@ def call_cache(
                 "cache_backend teacache|magcache|first_block_cache with it"
             )
         backend = default.name
-    return resolve_cache(backend, config, model=model, num_blocks=num_blocks)
+    with _field("cache_backend"):
+        method = cache_method(backend)
+    if default is None or method is not default.method:
+        return resolve_cache(backend, config, model=model, num_blocks=num_blocks)
+    with _field("cache_backend_config"):
+        raw = parse_cache_backend_config(config)
+        cfg = method.validate(raw, base=default.config)
+        return _for_model(method, cfg, model, num_blocks, True, None if "calibration" in raw else default)

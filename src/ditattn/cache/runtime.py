@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import logging
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -23,6 +24,10 @@ import torch
 from ditattn.attention.context import current_forward
 from ditattn.cache.base import CacheMethod, StepView, new_state, start_step
 from ditattn.errors import AttentionConfigError
+
+log = logging.getLogger(__name__)
+#: (calibration, what, recorded, run) differences already logged: a server logs each once, not per request
+_WARNED: set = set()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,26 +51,76 @@ class CacheSetting:
         cfg["_input_range"] = cal.get("input_range")
         return cfg
 
-    def check_steps(self, num_steps: int) -> None:
-        """Refuse (:class:`AttentionConfigError`, ``field`` cache_backend_config) a ``start_step`` /
-        ``end_step`` the user set that leaves no step of a ``num_steps``-step run that may be reused: the
-        cache would silently do nothing.  (With the defaults a run of very few steps may have no such step
-        either; the run summary then shows no reuse.)"""
+    def check_steps(
+        self, num_steps: int, *, guidance_scale: Optional[float] = None, scheduler: Optional[str] = None
+    ) -> None:
+        """Refuse (:class:`AttentionConfigError`, ``field`` cache_backend_config) an ``end_step`` past the
+        ``num_steps`` of the run, and a ``start_step`` / ``end_step`` the user set that leaves no step of the
+        run that may be reused (step 0 never is: nothing is cached yet): the cache would silently do nothing.
+        (With the defaults a run of very few steps may have no such step either; the run summary then shows
+        no reuse.)  Logs a warning, once per difference, when the calibration was recorded with another step
+        count, or another ``guidance_scale`` / ``scheduler`` than those given (None: not checked)."""
+        self._check_reuse(num_steps)
+        self._check_calibration(num_steps, guidance_scale, scheduler)
+
+    def _check_reuse(self, num_steps: int) -> None:
         cfg = self.config
-        explicit = cfg.get("start_step") is not None or cfg.get("end_step") != self.method.defaults.get("end_step", -1)
-        if not explicit or num_steps <= 0 or self.method.facts.reuses == "nothing":
+        if num_steps <= 0 or self.method.facts.reuses == "nothing":
             return
-        first = start_step(cfg, num_steps)
-        end = cfg["end_step"] if cfg["end_step"] >= 0 else num_steps + cfg["end_step"]
-        if first >= min(end, num_steps):
-            err = AttentionConfigError(
-                f"cache backend {self.name}: start_step {cfg.get('start_step')} and end_step {cfg['end_step']} "
-                f"leave no step of this run's {num_steps} that may be reused (steps from {first} on are reusable, "
-                f"steps from {max(end, 0)} on are computed); accepted: start_step below the end step, with end_step "
-                "an index or negative from the end (-1: every step but the last may be reused)"
-            )
+
+        def refuse(msg: str) -> None:
+            err = AttentionConfigError(f"cache backend {self.name}: {msg}")
             err.field = "cache_backend_config"
             raise err
+
+        if cfg["end_step"] > num_steps:
+            refuse(
+                f"end_step {cfg['end_step']} is past this run's {num_steps} steps; accepted: an index up to "
+                f"{num_steps} ({num_steps}: no step computed for being at the end), or negative from the end "
+                "(-1: the last step is computed)"
+            )
+        explicit = cfg.get("start_step") is not None or cfg.get("end_step") != self.method.defaults.get("end_step", -1)
+        if not explicit:
+            return
+        first = start_step(cfg, num_steps)
+        reusable = max(first, 1)  # step 0 has nothing cached to reuse
+        end = cfg["end_step"] if cfg["end_step"] >= 0 else num_steps + cfg["end_step"]
+        if reusable >= min(end, num_steps):
+            shown = cfg["start_step"] if cfg.get("start_step") is not None else f"{first} (unset: the first 20 %)"
+            zero = "" if first else ", step 0 never is: nothing is cached before it"
+            refuse(
+                f"start_step {shown} and end_step {cfg['end_step']} leave no step of this run's {num_steps} that "
+                f"may be reused (reuse may start at step {reusable}{zero}; steps from {max(end, 0)} on are "
+                "computed); accepted: start_step and end_step with a step from step 1 on between them (start_step <= "
+                "step < end_step), end_step an index or negative from the end (-1: every step but the last may be "
+                "reused)"
+            )
+
+    def _check_calibration(self, num_steps: int, guidance_scale, scheduler) -> None:
+        cal = self.calibration
+        if not cal:
+            return
+        for key, made, run in (
+            ("num_steps", cal.get("num_steps"), num_steps),
+            ("guidance_scale", cal.get("guidance_scale"), guidance_scale),
+            ("scheduler", cal.get("scheduler"), scheduler),
+        ):
+            if made is None or run is None or made == run:
+                continue
+            seen = (cal.get("path"), key, made, run)
+            if seen not in _WARNED:
+                if len(_WARNED) < 1024:  # bounded: a long-running server sees many guidance scales
+                    _WARNED.add(seen)
+                log.warning(
+                    "cache backend %s: calibration %s was recorded with %s=%s, this run has %s=%s (it is used "
+                    "as it is; ditattn calibrate-cache records one for these settings)",
+                    self.name,
+                    cal.get("path"),
+                    key,
+                    made,
+                    key,
+                    run,
+                )
 
     def new_run(self) -> "CacheRun":
         """A fresh request-scoped run of this setting."""

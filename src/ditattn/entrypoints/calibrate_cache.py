@@ -32,6 +32,11 @@ def run(cfg: RunConfig) -> int:
             f"calibrate-cache needs at least 2 denoising steps (a calibration relates each step to the one before), "
             f"got {steps}"
         )
+    if cfg.model.backend != "native":
+        raise AttentionConfigError(
+            f"calibrate-cache records the step cache's signals in ditattn's native Wan transformer, not with "
+            f"--backend {cfg.model.backend}; accepted: --backend native"
+        )
     from ditattn.pipelines.output import check_output_target
 
     check_output_target(c.calibrate_output, flag="--output", writer=False)  # before any work
@@ -40,6 +45,7 @@ def run(cfg: RunConfig) -> int:
     kw = cfg.generate_kwargs()
     for key in ("prompt", "seed", "override", "skip_softmax"):
         kw.pop(key)
+    _check_calibratable(pipe, cfg)  # before the runs, not after all of them
     runs = []
     res = None
     pairs = list(itertools.product(c.calibrate_prompts, c.calibrate_seeds))
@@ -57,6 +63,7 @@ def run(cfg: RunConfig) -> int:
         guidance_scale=guidance,
         size=(res.height, res.width, res.num_frames),
         prompts=c.calibrate_prompts,
+        scheduler=res.sampling.get("scheduler"),
     )
     write_calibration(data, c.calibrate_output)
     mag = data["magcache"]["mag_ratios"]
@@ -67,3 +74,40 @@ def run(cfg: RunConfig) -> int:
         f"{min(mag[1:]):.3f}-{max(mag[1:]):.3f}"
     )
     return 0
+
+
+def _check_calibratable(pipe, cfg: RunConfig) -> None:
+    """Refuse (one line) a run whose cache state would not run through every step as one forward: a calibration
+    relates each step's signal to the previous step's, in one state (two experts, guidance on part of the steps
+    or in sequence start states mid-run or split them)."""
+    from ditattn.pipelines.sampling import guided_steps, sampling_plan
+
+    if pipe.boundary_ratio is not None:
+        raise AttentionConfigError(
+            f"calibrate-cache cannot calibrate {pipe.model_index.name}: a two-expert model (the cache restarts at "
+            "the expert switch, so no signal runs through every step); accepted: a model with one expert"
+        )
+    s = cfg.sampling
+    info = sampling_plan(
+        pipe,
+        s,
+        steps=s.num_inference_steps,
+        guidance=s.guidance_scale,
+        height=s.height,
+        width=s.width,
+        num_frames=s.num_frames,
+    )
+    guidance = s.guidance_scale if s.guidance_scale is not None else pipe.defaults["guidance_scale"]
+    guided = sum(guided_steps(info["steps"], s.cfg_interval, guidance > 1.0))
+    if 0 < guided < info["steps"]:
+        raise AttentionConfigError(
+            f"calibrate-cache cannot calibrate with guidance on {guided} of {info['steps']} steps (--cfg-interval): "
+            "the unguided steps' forward starts a cache state mid-run; accepted: no --cfg-interval (guidance on "
+            "every step), or --guidance-scale 1 (none)"
+        )
+    if guided and info["cfg_batching"] != "batched":
+        why = "" if s.cfg_batching == "sequential" else f" (--cfg-batching auto at {info['tokens']} tokens here)"
+        raise AttentionConfigError(
+            f"calibrate-cache cannot calibrate with the guidance halves in sequence{why}: each half is its own "
+            "forward, and a calibration is one forward per step; accepted: --cfg-batching batched"
+        )

@@ -88,7 +88,7 @@ COMMANDS = (
         "Run uncached generations of the given prompts, record per step how much the DiT's modulated input and "
         "its block-stack residual change, and write a calibration JSON (the TeaCache polynomial and the MagCache "
         "magnitude-ratio curve) that the methods take as calibration=PATH (docs/caching.md).",
-        (lambda p: flags.model_flags(p, seed=False), flags.calibrate_flags),
+        (lambda p: flags.model_flags(p, seed=False, parallel=False), flags.calibrate_flags),
         ("model", "sampling", "calibrate", "verbose"),
         "ditattn.entrypoints.calibrate_cache:run",
     ),

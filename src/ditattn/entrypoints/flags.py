@@ -142,10 +142,11 @@ def platform_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def model_flags(p: argparse.ArgumentParser, *, prompt: bool = False, seed: bool = True) -> None:
+def model_flags(p: argparse.ArgumentParser, *, prompt: bool = False, seed: bool = True, parallel: bool = True) -> None:
     """Model, sampling, parallelism and performance flags (``generate``, ``plan``, ``serve``,
     ``compare``); ``--prompt`` only where the command takes one (``generate``), ``--seed`` unless the
-    command has its own (``compare``)."""
+    command has its own (``compare``), the parallelism flags where the command reads them (not
+    ``calibrate-cache``: one process)."""
     g = p.add_argument_group("model and sampling")
     if prompt:
         field_flags(g, "prompt", "image")
@@ -172,18 +173,9 @@ def model_flags(p: argparse.ArgumentParser, *, prompt: bool = False, seed: bool 
     )
     if seed:
         field_flags(g, "seed")
-    field_flags(
-        g,
-        "device",
-        "dtype",
-        "backend",
-        "model_variant",
-        "num_gpus",
-        "ulysses_degree",
-        "ring_degree",
-        "cfg_parallel",
-        "vae_parallel",
-    )
+    field_flags(g, "device", "dtype", "backend", "model_variant")
+    if parallel:
+        field_flags(g, "num_gpus", "ulysses_degree", "ring_degree", "cfg_parallel", "vae_parallel")
     field_flags(p.add_argument_group("LoRA"), "lora_path", "lora_fuse")
     field_flags(p.add_argument_group("memory"), "offload", "offload_group_blocks", "vae_tiling", "vae_slicing")
     field_flags(p.add_argument_group("performance"), "enable_torch_compile", "enable_cuda_graph", "dit_quantization")

@@ -38,7 +38,11 @@ def _plan(cfg: RunConfig) -> int:
         height=s.height,
         width=s.width,
         num_frames=s.num_frames,
+        cfg_parallel=cfg.parallel.cfg_parallel,
     )
+    if pipe.cache_setting is not None:  # as generate refuses them: a start / end step this run cannot take
+        guidance = s.guidance_scale if s.guidance_scale is not None else pipe.defaults["guidance_scale"]
+        pipe.cache_setting.check_steps(sampling["steps"], guidance_scale=guidance, scheduler=sampling["scheduler"])
     unused = [
         f"--{flag_name(k)}"
         for k in ("prompt", "negative_prompt", "guidance_scale_2", "image", "seed")

@@ -37,10 +37,15 @@ from typing import Any, Optional
 
 import torch
 
-from ditattn.attention.config import parse_attention_backend_config, parse_component_overrides, validate_backend_config
+from ditattn.attention.config import (
+    parse_attention_backend_config,
+    parse_component_overrides,
+    unique_keys,
+    validate_backend_config,
+)
 from ditattn.attention.context import AttentionSettings
 from ditattn.attention.names import AttentionBackendEnum
-from ditattn.errors import AttentionConfigError
+from ditattn.errors import AttentionConfigError, short_repr
 from ditattn.evaluation.capture import AttentionRecorder, resolve_steps, self_attention_layers
 from ditattn.evaluation.metrics import clip_metrics
 from ditattn.evaluation.report import format_summary, json_ready, summarise, write_outputs  # first two: re-exported
@@ -107,7 +112,7 @@ def parse_variant(text: str) -> Variant:
     cache = None
     if spec.startswith("{"):
         try:
-            data = json.loads(spec)
+            data = json.loads(spec, object_pairs_hook=unique_keys(f"--variant {name}"))
         except json.JSONDecodeError as exc:
             raise AttentionConfigError(
                 f"--variant {name}: not valid JSON ({exc}); expected {VARIANT_SYNTAX}"
@@ -130,10 +135,7 @@ def parse_variant(text: str) -> Variant:
         spec, quant = (head, tail.strip()) if plus and tail.strip() in MODES else (spec, "none")
         spec, at, comp_text = spec.partition("@")
         backend, colon, cfg_text = spec.partition(":")
-        config = {}
-        for piece in cfg_text.split(";") if colon else ():
-            if piece.strip():
-                config.update(parse_attention_backend_config(piece))
+        config = _config_pieces(name, cfg_text, parse_attention_backend_config) if colon else {}
         comps = dict(p.strip().partition("=")[::2] for p in comp_text.split(",") if p.strip()) if at else {}
     backend = str(backend or "").strip()
     if backend.lower() in ("", "auto"):
@@ -157,6 +159,22 @@ def parse_variant(text: str) -> Variant:
     )
 
 
+def _config_pieces(name: str, text: str, parse) -> dict:
+    """The keys of a variant's ``k=v;k=v`` text, each ``;`` piece read by ``parse``; a key given twice is
+    refused (the last would win silently, and the variant's label would no longer say what ran)."""
+    config: dict = {}
+    for piece in text.split(";"):
+        if piece.strip():
+            keys = parse(piece)
+            twice = next((k for k in keys if k in config), None)
+            if twice is not None:
+                raise AttentionConfigError(
+                    f"--variant {name}: key {short_repr(twice)} is given twice in {short_repr(text)}; give it once"
+                )
+            config.update(keys)
+    return config
+
+
 def _variant_cache(name: str, spec) -> Optional[dict]:
     """A variant's step cache from ``METHOD[:k=v;k=v]`` or ``{"backend": ..., "config": {...}}`` (None / "none":
     no cache), checked against the method's schema."""
@@ -166,10 +184,7 @@ def _variant_cache(name: str, spec) -> Optional[dict]:
         return None
     if isinstance(spec, str):
         method, _, keys = spec.strip().partition(":")
-        config: dict = {}
-        for piece in keys.split(";"):
-            if piece.strip():
-                config.update(parse_cache_backend_config(piece))
+        config = _config_pieces(name, keys, parse_cache_backend_config)
     elif isinstance(spec, dict) and set(spec) <= {"backend", "config"} and isinstance(spec.get("config", {}), dict):
         method, config = spec.get("backend"), dict(spec.get("config") or {})
     else:

@@ -445,8 +445,10 @@ class WanPipelineNative:
         )
         state = request_state if request_state is not None else self.prepare_request(override, skip_softmax)
         cache_setting = cache_setting or self.prepare_cache(cache_backend, cache_backend_config)
-        if cache_setting is not None:
-            cache_setting.check_steps(len(sampling.timesteps) if sampling.timesteps else steps)
+        if cache_setting is not None:  # refused before any work; a calibration of other settings: a warning
+            cache_setting.check_steps(
+                len(sampling.timesteps) if sampling.timesteps else steps, guidance_scale=inp.guidance
+            )
         cache = cache_setting.new_run() if cache_setting is not None else None
 
         def check_stop() -> None:
@@ -517,6 +519,8 @@ class WanPipelineNative:
                 seeds=inp.seeds,
             )
             steps = sampler.num_steps
+            if cache_setting is not None:  # the scheduler is known now (the checkpoint's when none was asked for)
+                cache_setting.check_steps(steps, scheduler=sampler.name)
             guided = guided_steps(steps, sampling.cfg_interval, do_cfg)
             batching = resolve_cfg_batching(sampling.cfg_batching, device=dev, tokens=self.tokens(latents))
             latents, used_models = denoise(
