@@ -296,3 +296,35 @@ def test_nccl_cfg_ulysses_and_vae_parallel_match_one_gpu():
     for frames in out:
         assert np.abs(frames - ref).max() <= 1e-4
         assert np.array_equal(frames, out[0])
+
+
+def test_cfg_parallel_reports_both_halves_step_cache(capfd):
+    """Under --cfg-parallel each rank ran (and reported) only its guidance half's forwards ('4 of 6 DiT
+    calls' for a 12-call run); the report gathers both halves and equals the sequential run's, where each
+    branch also decides on its own signal."""
+    import re
+
+    from ditattn.cli import main
+
+    common = ["generate", "--model-path", "ditattn:tiny-wan", "--prompt", "a red fox", "--num-frames", "1"]
+    common += ["--height", "48", "--width", "64", "--num-inference-steps", "6", "--guidance-scale", "3"]
+    common += ["--cache-backend", "teacache", "--cache-backend-config", "threshold=1e6,max_consecutive_skips=1"]
+    common += ["--no-save-output"]
+    assert main(common + ["--cfg-batching", "sequential"]) == 0
+    assert main(common + ["--num-gpus", "2", "--cfg-parallel"]) == 0
+    lines = [line for line in capfd.readouterr().out.splitlines() if line.startswith("done in")]
+    reports = [re.search(r"step cache teacache: (\d+) of (\d+) DiT calls computed, (\d+) reused", x) for x in lines]
+    assert len(reports) == 2 and all(reports), lines
+    assert reports[0].groups() == reports[1].groups() and reports[0].group(2) == "12", lines
+    assert "CFG sequential" in lines[0] and "CFG parallel" in lines[1]
+
+
+def test_merging_the_cfg_halves_counts_an_unguided_step_once():
+    from ditattn.cache.runtime import merge_cfg_halves
+
+    cond = ({"backend": "teacache", "trace": "CRCC", "forwards": 4}, [(6, 6), (0, 6), (6, 6), (6, 6)])
+    uncond = ({"backend": "teacache", "trace": "CCRC", "forwards": 4}, [(6, 6), (6, 6), (0, 6), (6, 6)])
+    merged = merge_cfg_halves([cond, uncond], [True, True, False, False])  # steps 2 and 3 unguided: one forward
+    assert merged["trace"] == "CCRCCC" and merged["forwards"] == 6
+    assert (merged["computed"], merged["reused"], merged["blocks_computed"], merged["blocks_total"]) == (5, 1, 30, 36)
+    assert merge_cfg_halves([cond, uncond], [True] * 5) is cond[0]  # counts that do not fit: one half's report

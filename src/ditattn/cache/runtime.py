@@ -17,7 +17,7 @@ import contextlib
 import contextvars
 import dataclasses
 import logging
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -159,6 +159,7 @@ class CacheRun:
         self.trace: list[str] = []
         self.blocks_computed = 0
         self.blocks_total = 0
+        self.forward_blocks_run: list[tuple[int, int]] = []  # (blocks computed, blocks) of each forward
 
     def _forced(self, step: int, num_steps: int) -> bool:
         end = self.config["end_step"]
@@ -204,6 +205,7 @@ class CacheRun:
         self.trace.append("R" if outcome.reused else "C")
         self.blocks_computed += outcome.blocks
         self.blocks_total += num_blocks
+        self.forward_blocks_run.append((outcome.blocks, num_blocks))
         return outcome.out
 
     def stats(self) -> dict:
@@ -218,6 +220,33 @@ class CacheRun:
             "expert_switches": self.expert_switches,
             "trace": "".join(self.trace),
         }
+
+
+def merge_cfg_halves(halves: Sequence[tuple[dict, list]], guided: Sequence[bool]) -> dict:
+    """The report of a run whose guidance halves ran on their own ranks (CFG parallelism) from each half's
+    ``(stats, forward_blocks_run)``, conditional half first.  Each half ran one forward per step: its own half
+    of the batch on a guided step (both count), the whole unguided batch on the others (the same forward on
+    every half: counted once).  The trace then reads as a sequential run's (cond, uncond on a guided step).
+    A half with another forward count than ``guided`` has steps: the first half's report as it is."""
+    first = halves[0][0]
+    if any(len(st["trace"]) != len(guided) or len(blocks) != len(guided) for st, blocks in halves):
+        return first
+    trace, computed, total = [], 0, 0
+    for i, g in enumerate(guided):
+        for st, blocks in halves if g else halves[:1]:
+            trace.append(st["trace"][i])
+            computed += blocks[i][0]
+            total += blocks[i][1]
+    reused = trace.count("R")
+    return {
+        **first,
+        "forwards": len(trace),
+        "computed": len(trace) - reused,
+        "reused": reused,
+        "blocks_computed": computed,
+        "blocks_total": total,
+        "trace": "".join(trace),
+    }
 
 
 def rel_l1(a: torch.Tensor, b: torch.Tensor, valid: Optional[int] = None) -> float:

@@ -594,8 +594,25 @@ class WanPipelineNative:
                 steps,
                 run.peak_memory(),
                 info,
-                cache.stats() if cache is not None else None,
+                self._cache_report(cache, split, guided),
             )
+
+    @staticmethod
+    def _cache_report(cache, split, guided) -> Optional[dict]:
+        """The step cache's report of the run; under CFG parallelism both halves' forwards (each rank saw its
+        own half only), gathered over the CFG group (every rank reaches this point)."""
+        if cache is None:
+            return None
+        stats = cache.stats()
+        if split is None:
+            return stats
+        import torch.distributed as dist
+
+        from ditattn.cache.runtime import merge_cfg_halves
+
+        halves = [None] * split.degree
+        dist.all_gather_object(halves, (stats, cache.forward_blocks_run), group=split.group)
+        return merge_cfg_halves(halves, guided)
 
     def tokens(self, latents: torch.Tensor) -> int:
         """Latent tokens per clip after patching (the DiT's sequence length) for ``latents [N, C, T, h, w]``."""
