@@ -118,6 +118,9 @@ def test_lora_and_memory_options_from_yaml(capsys, tmp_path):
     "argv,words",
     [
         (["generate", *I2V, "--prompt", "x", "--image", "/no/such.png"], "error: --image: no such file: /no/such.png"),
+        (["generate", *I2V, "--prompt", "x", "--image", ""], "error: --image: expected a non-empty value"),
+        (["generate", *I2V, "--prompt", "x", "--image", "https://a.example/f.png"], "remote URLs are not fetched"),
+        (["generate", *I2V, "--prompt", "x", "--image", "/"], "error: --image: / is a folder; expected an image"),
         (["generate", *I2V, "--prompt", "x", *SMALL], "image-to-video: give the first frame"),
         (["generate", "--prompt", "x", "--image", "IMAGE", *SMALL], "text-to-video and takes no image"),
         (["generate", "--prompt", "x", "--guidance-scale-2", "3", *SMALL], "guidance_scale_2 applies to two-expert"),
@@ -172,3 +175,51 @@ def test_plan_shows_the_image_cross_attention(capsys):
     assert {layer["source"] for layer in img} == {"component_role"}
     enc = next(c for c in plan["components"] if c["name"] == "image_encoder")
     assert enc["selectable"] and {layer["source"] for layer in enc["layers"]} == {"component"}
+
+
+def _error_line(capsys, *argv):
+    rc, _, err = run(capsys, *argv)
+    assert rc == 2, err
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith("error: "), err
+    return lines[-1]
+
+
+def test_backend_diffusers_refuses_lora_keys_like_the_native_pipeline(capsys, tmp_path, monkeypatch):
+    """--backend diffusers dropped LoRA keys that match nothing (transformer.* plus text_encoder.*) and
+    crashed on a file with no transformer keys (diffusers' set_adapters: "Adapter name(s) {'te'} not in
+    the list of present adapters"); both are now the native pipeline's one-line refusal."""
+    g = torch.Generator().manual_seed(0)
+    pair = {
+        "transformer.blocks.0.attn1.to_q.lora_A.weight": torch.randn(4, 512, generator=g),
+        "transformer.blocks.0.attn1.to_q.lora_B.weight": torch.randn(512, 4, generator=g),
+    }
+    te = {
+        "text_encoder.encoder.block.0.layer.0.SelfAttention.q.lora_A.weight": torch.randn(4, 512, generator=g),
+        "text_encoder.encoder.block.0.layer.0.SelfAttention.q.lora_B.weight": torch.randn(512, 4, generator=g),
+    }
+    nan = {k: v.clone() for k, v in pair.items()}
+    nan["transformer.blocks.0.attn1.to_q.lora_A.weight"][0, 0] = float("nan")
+    files = {"mixed": {**pair, **te}, "te": te, "nan": nan}
+    for name, state in files.items():
+        save_file(state, str(tmp_path / f"{name}.safetensors"))
+    common = ["generate", "--model-path", "ditattn:tiny-wan", "--prompt", "x", *SMALL, "--output-path", str(tmp_path)]
+    for name, words in (
+        ("mixed", "which is not a linear layer of this transformer"),
+        ("te", "which is not a linear layer of this transformer"),
+        ("nan", "holds NaN or infinite values"),
+    ):
+        lora = ["--lora-path", str(tmp_path / f"{name}.safetensors")]
+        native = _error_line(capsys, *common, *lora)
+        diffusers = _error_line(capsys, *common, *lora, "--backend", "diffusers")
+        assert diffusers == native and words in native, (native, diffusers)
+    # an error of diffusers' set_adapters / fuse_lora is one line too
+    from diffusers import WanPipeline
+
+    def refuse(self, *a, **k):
+        raise ValueError("Adapter name(s) {'x'} not in the list of present adapters: set().")
+
+    monkeypatch.setattr(WanPipeline, "set_adapters", refuse)
+    save_file(pair, str(tmp_path / "good.safetensors"))
+    line = _error_line(capsys, *common, "--lora-path", str(tmp_path / "good.safetensors"), "--backend", "diffusers")
+    assert "--lora-path: diffusers cannot apply the adapters good (Adapter name(s)" in line, line

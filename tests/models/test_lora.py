@@ -3,6 +3,7 @@ diffusers' ``load_lora_weights`` changes diffusers' (fused or unfused, with the 
 without metadata, with lora_B biases, into the low-noise expert), per-call scales, and refusals."""
 
 import os
+import re
 import warnings
 
 import numpy as np
@@ -11,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ditattn.errors import AttentionConfigError
-from ditattn.models.lora import LoRAError, LoRASpec, parse_lora_spec
+from ditattn.models.lora import Adapter, LoRAError, LoRASpec, parse_lora_spec, read_lora, resolve_request_lora
 from ditattn.models.tiny import tiny_model_path
 from ditattn.pipelines.wan import WanPipelineNative
 from ditattn.runconfig import ModelConfig
@@ -123,6 +124,16 @@ def test_per_call_scales_of_unfused_adapters(tmp_path):
     fused = WanPipelineNative.from_pretrained("ditattn:tiny-wan", lora=[a], lora_fuse=True)
     with pytest.raises(LoRAError, match="fused into the weights"):
         _frames(fused, lora={"a": 1.0})
+    with pytest.raises(LoRAError, match="fused into the weights"):  # {}: every adapter off, which fused ones cannot be
+        _frames(fused, lora={})
+
+
+def test_empty_lora_mapping_on_fused_adapters_is_refused():
+    fused = [Adapter("a", "transformer", 1.0, True, "a.safetensors", 1)]
+    with pytest.raises(LoRAError, match="fused into the weights"):
+        resolve_request_lora({}, fused)
+    assert resolve_request_lora({}, []) == {}  # no adapters: nothing to turn off
+    assert resolve_request_lora(None, fused) is None
 
 
 def test_lora_refusals(tmp_path):
@@ -147,7 +158,7 @@ def test_lora_refusals(tmp_path):
     with pytest.raises(LoRAError, match="no such file"):
         WanPipelineNative.from_pretrained("ditattn:tiny-wan", lora=[str(tmp_path / "missing.safetensors")])
     (tmp_path / "junk.safetensors").write_bytes(b"not safetensors")
-    with pytest.raises(LoRAError, match="cannot read a LoRA"):
+    with pytest.raises(LoRAError, match="not a valid safetensors file"):
         WanPipelineNative.from_pretrained("ditattn:tiny-wan", lora=[str(tmp_path / "junk.safetensors")])
 
 
@@ -165,3 +176,62 @@ def test_lora_spec_parsing():
     assert ModelConfig(lora_path="x.safetensors:2").lora_path == ("x.safetensors:2",)
     with pytest.raises(AttentionConfigError, match="lora_path"):
         ModelConfig(lora_path=["x:inf"])
+
+
+def _pair(module="blocks.0.attn1.to_q", rank=4):
+    g = torch.Generator().manual_seed(0)
+    return {
+        f"transformer.{module}.lora_A.weight": torch.randn(rank, 512, generator=g),
+        f"transformer.{module}.lora_B.weight": torch.randn(512, rank, generator=g),
+    }
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_lora_is_refused(tmp_path, bad):
+    """A LoRA holding NaN / Inf made an all-black clip with exit 0; it is refused naming file and tensor."""
+    state = _pair()
+    state["transformer.blocks.0.attn1.to_q.lora_B.weight"][3, 1] = bad
+    path = tmp_path / "broken.safetensors"
+    save_file(state, str(path))
+    words = f"--lora-path {path}: tensor 'transformer.blocks.0.attn1.to_q.lora_B.weight' holds NaN or infinite"
+    with pytest.raises(LoRAError, match=re.escape(words)):
+        read_lora(LoRASpec(str(path)))
+    with pytest.raises(LoRAError, match=re.escape(words)):
+        WanPipelineNative.from_pretrained("ditattn:tiny-wan", lora=[str(path)], lora_fuse=True)
+
+
+def test_unreadable_lora_files_are_one_clear_line(tmp_path):
+    """Empty, random and truncated files, kohya / SD keys and an empty folder: one line saying what is
+    wrong (not diffusers' "Unable to load weights", a bare KeyError or pytorch_lora_weights.bin)."""
+    good = tmp_path / "good.safetensors"
+    save_file(_pair(), str(good))
+    (tmp_path / "empty.safetensors").write_bytes(b"")
+    (tmp_path / "random.safetensors").write_bytes(np.random.RandomState(0).bytes(4096))
+    (tmp_path / "cut.safetensors").write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    g = torch.Generator().manual_seed(1)
+    save_file(
+        {
+            "lora_unet_down_blocks_0_attentions_0_proj_in.lora_down.weight": torch.randn(4, 320, generator=g),
+            "lora_unet_down_blocks_0_attentions_0_proj_in.lora_up.weight": torch.randn(320, 4, generator=g),
+            "lora_unet_down_blocks_0_attentions_0_proj_in.alpha": torch.tensor(4.0),
+        },
+        str(tmp_path / "kohya.safetensors"),
+    )
+    (tmp_path / "empty_dir").mkdir()
+    cases = {
+        "empty.safetensors": "not a valid safetensors file (0 bytes)",
+        "random.safetensors": "not a valid safetensors file (4096 bytes; header too large)",
+        "cut.safetensors": "not a valid safetensors file (",
+        "kohya.safetensors": "keys look like a kohya / SD LoRA (lora_down / lora_up",
+        "empty_dir": "the folder holds no .safetensors LoRA",
+    }
+    for name, words in cases.items():
+        with pytest.raises(LoRAError) as ei:
+            read_lora(LoRASpec(str(tmp_path / name)))
+        msg = str(ei.value)
+        assert msg.startswith(f"--lora-path {tmp_path / name}: {words}") and "\n" not in msg, msg
+        assert "Unable to load" not in msg and "pytorch_lora_weights.bin" not in msg
+    assert "accepted: a diffusers / PEFT Wan LoRA (transformer.<module>.lora_A / lora_B)" in str(
+        pytest.raises(LoRAError, read_lora, LoRASpec(str(tmp_path / "kohya.safetensors"))).value
+    )
+    assert list(read_lora(LoRASpec(str(good))).modules) == ["blocks.0.attn1.to_q"]

@@ -13,7 +13,13 @@ from ditattn.attention.config import parse_component_overrides
 from ditattn.attention.context import AttentionSettings, component_scope
 from ditattn.attention.names import AttentionBackendEnum as B
 from ditattn.errors import AttentionConfigError
-from ditattn.pipelines.conditioning import ImageInputError, load_image, size_for_image
+from ditattn.pipelines.conditioning import (
+    MAX_IMAGE_ASPECT,
+    ImageInputError,
+    load_image,
+    output_size_for_image,
+    size_for_image,
+)
 from ditattn.pipelines.wan import WanPipelineNative
 
 I2V, TI2V, A14B = "ditattn:tiny-wan-i2v", "ditattn:tiny-wan2.2-ti2v", "ditattn:tiny-wan2.2-i2v"
@@ -320,6 +326,108 @@ def test_size_for_image():
     assert size_for_image(480, 832, 480 * 832, 16) == (832, 480)
     h, w = size_for_image(1000, 1000, 480 * 832, 32)
     assert h == w and h % 32 == 0 and abs(h * w - 480 * 832) < 0.1 * 480 * 832
+
+
+def _encoded(img, fmt="PNG", **kw) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    img.save(buf, format=fmt, **kw)
+    return buf.getvalue()
+
+
+def test_sixteen_bit_images_are_scaled_not_clipped(pipes):
+    """A 16-bit grayscale PNG (mode I;16) of 32768 is mid-gray, not white: it conditions the clip as an
+    8-bit gray 128 image does (PIL's convert("RGB") clipped every value above 255 to white)."""
+    png16 = _encoded(Image.fromarray(np.full((32, 32), 32768, np.uint16)))
+    assert Image.open(__import__("io").BytesIO(png16)).mode == "I;16"
+    assert load_image(png16).getpixel((0, 0)) == (128, 128, 128)
+    for mode in ("I;16", "I;16B", "I"):  # PIL images too; full scale stays full scale
+        assert load_image(Image.new(mode, (20, 20), 32768)).getpixel((0, 0)) == (128, 128, 128)
+        assert load_image(Image.new(mode, (20, 20), 65535)).getpixel((0, 0)) == (255, 255, 255)
+    with pytest.raises(ImageInputError, match="float \\(mode F\\) images are not accepted"):
+        load_image(Image.new("F", (20, 20), 0.5))
+    with pytest.raises(ImageInputError, match="values outside 0-65535"):
+        load_image(Image.new("I", (20, 20), 70000))
+    kw = dict(height=32, width=32, num_frames=1, num_inference_steps=1, progress=False, output_type="latent")
+    gray16 = pipes(I2V).generate("x", image=png16, **kw).frames
+    gray8 = pipes(I2V).generate("x", image=np.full((32, 32, 3), 128, np.uint8), **kw).frames
+    white = pipes(I2V).generate("x", image=np.full((32, 32, 3), 255, np.uint8), **kw).frames
+    assert torch.equal(gray16, gray8) and not torch.equal(gray16, white)
+
+
+def test_exif_orientation_is_applied(tmp_path, pipes):
+    """A JPEG stored 64x32 with EXIF Orientation 6 (rotate 90 degrees) is shown 32 wide, 64 tall: it is
+    read upright, as diffusers' load_image reads it, and sizes the clip as a portrait image."""
+    from PIL import ImageOps
+
+    arr = np.zeros((32, 64, 3), np.uint8)
+    arr[:, :16] = 255  # the stored left edge: the top once rotated
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    path = tmp_path / "rotated.jpg"
+    Image.fromarray(arr).save(path, exif=exif, quality=100)
+    upright = ImageOps.exif_transpose(Image.open(path))
+    assert upright.size == (32, 64)
+    for value in (str(path), path.read_bytes(), Image.open(path)):
+        img = load_image(value)
+        assert img.size == (32, 64)
+        np.testing.assert_array_equal(np.asarray(img), np.asarray(upright.convert("RGB")))
+    res = pipes(I2V).generate(
+        "x", image=str(path), num_frames=1, num_inference_steps=1, progress=False, output_type="latent"
+    )
+    assert res.height > res.width
+
+
+def test_image_path_messages(tmp_path, monkeypatch):
+    with pytest.raises(ImageInputError, match="^--image: expected a non-empty value"):
+        load_image("", where="--image")
+    with pytest.raises(ImageInputError, match="^--image: .* is a folder; expected an image file"):
+        load_image(str(tmp_path), where="--image")
+    with pytest.raises(ImageInputError, match="^--image: remote URLs are not fetched"):
+        load_image("https://example.com/first.png", where="--image")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    Image.new("RGB", (20, 20)).save(tmp_path / "first.png")
+    assert load_image("~/first.png").size == (20, 20)
+
+
+def test_extreme_aspect_ratios_keep_the_default_area(pipes):
+    """A 16x10000 image with no size gave a 16-pixel-wide clip many times the default area; the aspect
+    ratio is now clamped to MAX_IMAGE_ASPECT : 1 at the default area.  With only a height (or width) the
+    other side follows the image's aspect ratio, not the model's default."""
+    area = 128 * 128
+    for w, h in ((16, 10000), (10000, 16)):
+        oh, ow = size_for_image(w, h, area, 16)
+        assert max(oh, ow) / min(oh, ow) == MAX_IMAGE_ASPECT and oh * ow <= area * 1.1
+    assert output_size_for_image(56, 40, 64, None, area, 16) == (64, 96)  # 64 * 56 / 40 = 89.6 -> 96
+    assert output_size_for_image(56, 40, None, 112, area, 16) == (80, 112)
+    assert output_size_for_image(16, 10000, 256, None, area, 16) == (256, 64)  # clamped too
+    assert output_size_for_image(56, 40, 48, 32, area, 16) == (48, 32)  # both given: kept
+    kw = dict(num_frames=1, num_inference_steps=1, progress=False, output_type="latent")
+    tall = np.zeros((2000, 16, 3), np.uint8)
+    res = pipes(I2V).generate("x", image=tall, **kw)
+    assert (res.height, res.width) == (256, 64)
+    res = pipes(I2V).generate("x", image=np.zeros((40, 56, 3), np.uint8), height=64, **kw)
+    assert (res.height, res.width) == (64, 96)
+
+
+def test_public_wan_pipeline_runs_image_to_video(pipes, image):
+    """ditattn.WanPipeline (the README's Python API) takes image=, guidance_scale_2= and lora= as the
+    native pipeline does (generate() had none of them: a TypeError), and the offload / VAE options."""
+    import ditattn
+
+    pipe = ditattn.WanPipeline.from_pretrained(A14B, device="cpu", dtype="float32", vae_tiling=True)
+    assert pipe.native.components["vae"].use_tiling
+    kw = dict(height=32, width=32, num_frames=1, num_inference_steps=2, guidance_scale=3.0, progress=False)
+    ours = pipe.generate("a cat", image=image, guidance_scale_2=2.0, seed=3, **kw).frames
+    want = pipes(A14B).generate("a cat", image=image, guidance_scale_2=2.0, seed=3, **kw).frames
+    np.testing.assert_array_equal(ours, want)
+    with pytest.raises(AttentionConfigError, match="image-to-video: give the first frame"):
+        pipe.generate("a cat", **kw)
+    with pytest.raises(AttentionConfigError, match="guidance_scale_2"):
+        pipe.generate("a cat", image=image, guidance_scale_2=-1.0, **kw)
+    with pytest.raises(AttentionConfigError, match="no LoRA adapters loaded"):
+        pipe.generate("a cat", image=image, lora={"style": 1.0}, **kw)
 
 
 def _sp_i2v_worker(groups, image_bytes):

@@ -115,6 +115,24 @@ def test_image_model_rules(app):
     assert card["lora_adapters"] == [{"name": "style", "component": "transformer", "scale": 1.0, "fused": False}]
 
 
+@pytest.mark.parametrize("scale", [True, "0.5", None, [0.5]])
+def test_lora_scales_must_be_json_numbers(app, scale):
+    """pydantic's lax mode read {"style": true} as 1.0 and {"style": "0.5"} as 0.5 (200); a JSON scale
+    must now be a number (400 naming lora), while a form, whose fields are all text, still sends one."""
+    ok = {"prompt": "x", "input_reference": base64.b64encode(_png()).decode()}
+    err = _error(app.post("/v1/videos", json={**ok, "lora": {"style": scale}}))
+    assert err["param"] == "lora" and "the scale of 'style' must be a number" in err["message"], err
+
+
+def test_lora_scales_from_a_form(app):
+    files = {"input_reference": ("first.png", _png(), "image/png")}
+    r = app.post("/v1/videos", data={"prompt": "x", "lora[style]": "0.5"}, files=files)
+    assert r.status_code == 200, r.text
+    assert _finished(app, r.json()["id"])["status"] == "completed"
+    err = _error(app.post("/v1/videos", data={"prompt": "x", "lora[style]": "true"}, files=files))
+    assert err["param"].startswith("lora") and "expected a number" in err["message"], err
+
+
 def test_size_follows_the_image(app):
     body = {"prompt": "x", "input_reference": "data:image/png;base64," + base64.b64encode(_png(64, 32)).decode()}
     v = app.post("/v1/videos", json=body).json()

@@ -184,15 +184,80 @@ def _metadata(raw) -> dict:
     return prefixed or raw
 
 
+#: what :func:`read_lora` reads, for its refusals
+ACCEPTED_LAYOUTS = (
+    "a diffusers / PEFT Wan LoRA (transformer.<module>.lora_A / lora_B) or the original Wan / musubi layouts "
+    "(diffusion_model.blocks.N.<module>.lora_down / lora_up, lora_unet_blocks_N_<module>)"
+)
+
+
+def _safetensors_keys(file: str, where: str) -> list[str]:
+    """The tensor names of the ``.safetensors`` ``file`` from its header; :class:`LoRAError` for an
+    empty, truncated or foreign file (instead of diffusers' "Unable to load weights")."""
+    from safetensors import safe_open
+
+    try:
+        size = os.path.getsize(file)
+    except OSError as exc:
+        raise LoRAError(f"{where}: cannot read it ({exc.strerror or exc})") from None
+    if size == 0:
+        raise LoRAError(f"{where}: not a valid safetensors file (0 bytes)")
+    try:
+        with safe_open(file, "pt") as f:
+            return list(f.keys())
+    except OSError as exc:
+        raise LoRAError(f"{where}: cannot read it ({exc.strerror or exc})") from None
+    except Exception as exc:  # noqa: BLE001 - SafetensorError and the like: the header is not safetensors'
+        reason = " ".join(str(exc).split()).removeprefix("Error while deserializing header: ")[:120]
+        raise LoRAError(
+            f"{where}: not a valid safetensors file ({size} bytes; {reason}); a truncated download or another format?"
+        ) from None
+
+
+def _kohya_key(keys) -> Optional[str]:
+    """The first ``lora_down`` / ``lora_up`` key of ``keys`` when they look like a kohya / Stable
+    Diffusion LoRA rather than the original Wan or musubi layouts (which diffusers converts), else None."""
+    if any(k.startswith(("diffusion_model.", "lora_unet_blocks_")) for k in keys):
+        return None
+    return next((k for k in keys if ".lora_down." in k or ".lora_up." in k), None)
+
+
+def _kohya_error(where: str, key: str) -> LoRAError:
+    return LoRAError(
+        f"{where}: keys look like a kohya / SD LoRA (lora_down / lora_up, e.g. {key[:100]!r}); accepted: "
+        + ACCEPTED_LAYOUTS
+    )
+
+
 def read_lora(spec: LoRASpec, name: Optional[str] = None) -> LoRAWeights:
     """Read the adapter of ``spec`` (a ``.safetensors`` file, or a folder holding
-    ``pytorch_lora_weights.safetensors``) into :class:`LoRAWeights`; unreadable files, unsupported
-    kinds (DoRA, non-LoRA tensors) and malformed pairs raise :class:`LoRAError`."""
+    ``pytorch_lora_weights.safetensors``) into :class:`LoRAWeights`; unreadable files (empty,
+    truncated, not safetensors), unsupported kinds (DoRA, kohya / SD keys, non-LoRA tensors), malformed
+    pairs and NaN / infinite values raise :class:`LoRAError` naming the file (and the tensor)."""
     from diffusers.loaders.lora_pipeline import WanLoraLoaderMixin
 
+    where = f"--lora-path {spec.path}"
     path = os.path.expanduser(spec.path)
     if not os.path.exists(path):
-        raise LoRAError(f"--lora-path {spec.path}: no such file or folder")
+        raise LoRAError(f"{where}: no such file or folder")
+    keys: list[str] = []
+    if os.path.isdir(path):
+        try:
+            files = os.listdir(path)
+        except OSError as exc:
+            raise LoRAError(f"{where}: cannot read the folder ({exc.strerror or exc})") from None
+        if not any(f.endswith((".safetensors", ".bin")) for f in files):
+            raise LoRAError(
+                f"{where}: the folder holds no .safetensors LoRA (expected pytorch_lora_weights.safetensors, as "
+                "diffusers' save_lora_weights writes it)"
+            )
+        if "pytorch_lora_weights.safetensors" in files:
+            keys = _safetensors_keys(os.path.join(path, "pytorch_lora_weights.safetensors"), where)
+    elif path.endswith(".safetensors"):
+        keys = _safetensors_keys(path, where)
+    kohya = _kohya_key(keys)
+    if kohya is not None:
+        raise _kohya_error(where, kohya)
     split = _split_deltas(path)
     kw, deltas, source = {}, {}, path
     if split is not None:
@@ -208,18 +273,26 @@ def read_lora(spec: LoRASpec, name: Optional[str] = None) -> LoRAWeights:
         )
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         msg = " ".join(str(exc).split())[:300]
-        raise LoRAError(f"--lora-path {spec.path}: cannot read a LoRA from it ({msg})") from None
+        raise LoRAError(f"{where}: cannot read a LoRA from it ({msg})") from None
     meta = _metadata(meta)
     if meta.get("use_dora") or any("lora_magnitude_vector" in k for k in state):
         raise LoRAError(f"--lora-path {spec.path}: DoRA adapters are not supported; accepted: plain LoRA")
     bad = [k for k in state if "lora" not in k]
     if bad:
         raise LoRAError(f"--lora-path {spec.path}: not a LoRA file (tensor {bad[0]!r} has no lora_A / lora_B name)")
+    for key, tensor in [*state.items(), *deltas.items()]:
+        if torch.is_tensor(tensor) and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise LoRAError(
+                f"{where}: tensor {key!r} holds NaN or infinite values (a damaged or diverged LoRA); "
+                "accepted: finite weights"
+            )
     rslora = bool(meta.get("use_rslora"))
     groups: dict[str, dict] = {}
     for key, tensor in state.items():
         m = re.fullmatch(r"(?:transformer\.)?(.+)\.(lora_A|lora_B)\.(weight|bias)", key)
         if m is None:
+            if _kohya_key([key]) is not None:
+                raise _kohya_error(where, key)
             raise LoRAError(
                 f"--lora-path {spec.path}: unexpected tensor {key!r} (accepted: "
                 "<module>.lora_A.weight, <module>.lora_B.weight, <module>.lora_B.bias)"
@@ -311,14 +384,11 @@ def _linear(model: nn.Module, module: str, where: str) -> tuple[nn.Module, str, 
     return parent, attr, layer
 
 
-def apply_lora(
-    model: nn.Module, weights: LoRAWeights, *, scale: float = 1.0, fuse: bool = False, where: str = "LoRA"
-) -> int:
-    """Add ``weights`` to ``model``'s linear layers at ``scale``: fused (``W += scale * c * B A``,
-    ``b += scale * c * bias_B``) or as a :class:`LoRALinear` adapter named ``weights.name``; its
-    full-weight deltas are added to their parameters (``P += scale * delta``) either way.  Shapes
-    are checked first (nothing changes when any module does not fit).  Returns the layers and
-    parameters touched."""
+def check_lora(model: nn.Module, weights: LoRAWeights, where: str = "LoRA") -> list:
+    """Whether ``weights`` fit ``model`` (each module a linear layer of the right shape, each delta a
+    parameter of its shape), without changing it; :class:`LoRAError` naming the first that does not.
+    Returns the targets :func:`apply_lora` changes.  The ``--backend diffusers`` path runs it on
+    diffusers' transformer before ``load_lora_weights`` so both backends refuse the same files."""
     params = dict(model.named_parameters())
     for pname, delta in weights.deltas.items():
         if pname not in params:
@@ -339,12 +409,25 @@ def apply_lora(
                 f"{where}: {module} is {layer.out_features}x{layer.in_features} but the LoRA is "
                 f"{b.shape[0]}x{a.shape[1]} (a LoRA for another model size?)"
             )
-        targets.append((parent, attr, layer, a, b, bias, scaling))
+        targets.append((module, parent, attr, layer, a, b, bias, scaling))
+    return targets
+
+
+def apply_lora(
+    model: nn.Module, weights: LoRAWeights, *, scale: float = 1.0, fuse: bool = False, where: str = "LoRA"
+) -> int:
+    """Add ``weights`` to ``model``'s linear layers at ``scale``: fused (``W += scale * c * B A``,
+    ``b += scale * c * bias_B``) or as a :class:`LoRALinear` adapter named ``weights.name``; its
+    full-weight deltas are added to their parameters (``P += scale * delta``) either way.  Shapes
+    are checked first (:func:`check_lora`: nothing changes when any module does not fit).  Returns the
+    layers and parameters touched."""
+    targets = check_lora(model, weights, where)
+    params = dict(model.named_parameters())
     with torch.no_grad():
         for pname, delta in weights.deltas.items():
             p = params[pname]
             p.copy_((p.float() + delta.float().to(p.device) * scale).to(p.dtype))
-        for parent, attr, layer, a, b, bias, scaling in targets:
+        for module, parent, attr, layer, a, b, bias, scaling in targets:
             if fuse:
                 c = scale * scaling
                 delta = (b.float() @ a.float()) * c
@@ -413,8 +496,9 @@ def load_loras(components: Mapping[str, nn.Module], specs, *, fuse: bool = False
 
 
 def resolve_request_lora(request: Optional[Mapping[str, float]], adapters: list[Adapter]) -> Optional[dict]:
-    """The scales a request's ``lora`` (adapter name -> scale; None: the defaults) runs unfused
-    adapters at, checked: known names, finite numbers, and adapters that are not fused."""
+    """The scales a request's ``lora`` (adapter name -> scale, adapters not named off; None: the
+    defaults) runs unfused adapters at, checked: known names, finite numbers, and adapters that are not
+    fused (any mapping, ``{}`` included, is refused for fused adapters: it could not turn them off)."""
     if request is None:
         return None
     if not isinstance(request, Mapping):
@@ -422,7 +506,7 @@ def resolve_request_lora(request: Optional[Mapping[str, float]], adapters: list[
     names = [a.name for a in adapters]
     if request and not adapters:
         raise LoRAError("lora: this pipeline has no LoRA adapters loaded (start it with --lora-path PATH[:SCALE])")
-    if request and all(a.fused for a in adapters):
+    if adapters and all(a.fused for a in adapters):  # {} too: it would turn every adapter off
         raise LoRAError(
             "lora: the adapters are fused into the weights (--lora-fuse); per-request scales need unfused adapters"
         )

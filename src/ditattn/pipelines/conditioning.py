@@ -25,6 +25,7 @@ import dataclasses
 import io
 import math
 import os
+import re
 import warnings
 from typing import Any, Optional, Sequence, Union
 
@@ -38,6 +39,11 @@ MODES = ("t2v", "i2v", "ti2v")
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "BMP")  # what PIL must identify an input image as
 MIN_IMAGE_SIDE = 16
 DEFAULT_MAX_IMAGE_PIXELS = 8192 * 8192  # larger inputs are refused before decoding (decompression bombs)
+#: the widest aspect ratio (long side : short side) an output sized from its image takes; a more extreme
+#: image gets this ratio at the same area (the image is resized to fill the frame)
+MAX_IMAGE_ASPECT = 4.0
+#: integer modes holding 16-bit samples (16-bit grayscale PNG); scaled to 8 bits, not clipped
+SIXTEEN_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")
 
 ImageInput = Union[str, "os.PathLike[str]", bytes, np.ndarray, Any]  # Any: a PIL.Image.Image
 
@@ -77,9 +83,43 @@ def _check_pil(img, where: str, max_pixels: int):
     return img
 
 
+def _to_rgb(img, where: str):
+    """``img`` upright (its EXIF orientation applied, as diffusers' ``load_image`` does) in RGB; 16-bit
+    samples (:data:`SIXTEEN_BIT_MODES`) are scaled to 8 bits (``round(v * 255 / 65535)``) rather than
+    clipped; a mode with no 8-bit RGB form (float ``F``) is refused."""
+    from PIL import Image, ImageOps
+
+    try:
+        img = ImageOps.exif_transpose(img)
+    except (OSError, ValueError, SyntaxError, TypeError, KeyError) as exc:
+        raise ImageInputError(f"{where}: the image's EXIF data is damaged ({str(exc)[:120]})") from None
+    if img.mode in SIXTEEN_BIT_MODES:
+        a = np.asarray(img)
+        if a.size and (int(a.min()) < 0 or int(a.max()) > 65535):
+            raise ImageInputError(
+                f"{where}: a mode-{img.mode} image with values outside 0-65535 cannot be shown in 8 bits; accepted: "
+                "8-bit images (L, RGB, RGBA, P) or 16-bit grayscale (I;16)"
+            )
+        a = (a.astype(np.uint32) * 255 + 32767) // 65535  # 16 -> 8 bits, rounded
+        img = Image.fromarray(a.astype(np.uint8), mode="L")
+    if img.mode == "F":
+        raise ImageInputError(
+            f"{where}: float (mode F) images are not accepted; accepted: 8-bit images (L, RGB, RGBA, P), 16-bit "
+            "grayscale (I;16) or a uint8 array"
+        )
+    try:
+        return img.convert("RGB")
+    except ValueError:
+        raise ImageInputError(
+            f"{where}: an image of mode {img.mode} cannot be converted to RGB; accepted: L, RGB, RGBA, P, CMYK "
+            "or 16-bit grayscale (I;16)"
+        ) from None
+
+
 def decode_image_bytes(data: bytes, *, where: str = "image", max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):
     """An RGB ``PIL.Image`` from encoded bytes (PNG, JPEG, WebP or BMP), checked before the pixels
-    are decoded (format, at least 16 pixels a side, at most ``max_pixels``); anything else raises
+    are decoded (format, at least 16 pixels a side, at most ``max_pixels``), upright (EXIF orientation
+    applied) with 16-bit samples scaled to 8 bits (:func:`_to_rgb`); anything else raises
     :class:`ImageInputError` naming ``where``."""
     from PIL import Image, UnidentifiedImageError
 
@@ -109,7 +149,6 @@ def decode_image_bytes(data: bytes, *, where: str = "image", max_pixels: int = D
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             img.load()
-            return img.convert("RGB")
     except Image.DecompressionBombError:
         raise ImageInputError(
             f"{where}: the image is larger than {2 * Image.MAX_IMAGE_PIXELS} pixels; at most "
@@ -117,6 +156,7 @@ def decode_image_bytes(data: bytes, *, where: str = "image", max_pixels: int = D
         ) from None
     except (OSError, ValueError, SyntaxError, MemoryError) as exc:
         raise ImageInputError(f"{where}: the image data is damaged ({str(exc)[:120]})") from None
+    return _to_rgb(img, where)
 
 
 def _sniff_format(data: bytes):
@@ -133,14 +173,27 @@ def _sniff_format(data: bytes):
 
 
 def load_image(value: ImageInput, *, where: str = "image", max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):
-    """An RGB ``PIL.Image`` from a file path, encoded bytes, a PIL image or a uint8 array
-    ``[H, W, 3|4]`` / ``[H, W]``; errors are :class:`ImageInputError` naming ``where``."""
+    """An RGB ``PIL.Image`` from a file path (``~`` expanded; not a URL: nothing is downloaded), encoded
+    bytes, a PIL image or a uint8 array ``[H, W, 3|4]`` / ``[H, W]``, upright (EXIF orientation applied)
+    with 16-bit samples scaled to 8 bits; errors are :class:`ImageInputError` naming ``where``."""
     from PIL import Image
 
     if isinstance(value, (str, os.PathLike)):
         path = os.fspath(value)
-        if not os.path.isfile(path):
+        if isinstance(path, str) and not path.strip():
+            raise ImageInputError(f"{where}: expected a non-empty value (leave the setting out for its default)")
+        if isinstance(path, str) and re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", path):
+            raise ImageInputError(
+                f"{where}: remote URLs are not fetched; download the image and give its local path "
+                f"(PNG, JPEG, WebP or BMP), got {path[:200]}"
+            )
+        path = os.path.expanduser(path)
+        if os.path.isdir(path):
+            raise ImageInputError(f"{where}: {path} is a folder; expected an image file (PNG, JPEG, WebP or BMP)")
+        if not os.path.exists(path):
             raise ImageInputError(f"{where}: no such file: {path}")
+        if not os.path.isfile(path):
+            raise ImageInputError(f"{where}: {path} is not a regular file; expected an image file")
         try:
             with open(path, "rb") as fh:
                 data = fh.read()
@@ -150,7 +203,7 @@ def load_image(value: ImageInput, *, where: str = "image", max_pixels: int = DEF
     if isinstance(value, (bytes, bytearray)):
         return decode_image_bytes(bytes(value), where=where, max_pixels=max_pixels)
     if isinstance(value, Image.Image):
-        return _check_pil(value, where, max_pixels).convert("RGB")
+        return _to_rgb(_check_pil(value, where, max_pixels), where)
     if isinstance(value, np.ndarray):
         if value.dtype != np.uint8 or value.ndim not in (2, 3) or (value.ndim == 3 and value.shape[2] not in (3, 4)):
             raise ImageInputError(
@@ -187,13 +240,35 @@ def batch_images(image, n: int, mode: str) -> Optional[list]:
     return images * n if len(images) == 1 else images
 
 
+def _clamped_aspect(aspect: float) -> float:
+    return min(max(aspect, 1.0 / MAX_IMAGE_ASPECT), MAX_IMAGE_ASPECT)
+
+
 def size_for_image(width: int, height: int, area: int, multiple: int) -> tuple[int, int]:
     """``(height, width)`` with about ``area`` pixels, the aspect ratio of a ``width x height``
-    image, each side a positive multiple of ``multiple`` (how Wan sizes image-to-video outputs)."""
-    aspect = height / width
+    image, each side a positive multiple of ``multiple`` (how Wan sizes image-to-video outputs).
+    The aspect ratio is clamped to at most :data:`MAX_IMAGE_ASPECT` : 1 either way, so an extreme
+    image (16x10000) keeps the area instead of making a clip many times the default's pixels."""
+    aspect = _clamped_aspect(height / width)
     h = max(multiple, int(round(math.sqrt(area * aspect) / multiple)) * multiple)
     w = max(multiple, int(round(math.sqrt(area / aspect) / multiple)) * multiple)
     return h, w
+
+
+def output_size_for_image(
+    image_width: int, image_height: int, height: Optional[int], width: Optional[int], area: int, multiple: int
+) -> tuple[int, int]:
+    """The ``(height, width)`` of a clip conditioned on a ``image_width x image_height`` image: both
+    given are kept; neither: :func:`size_for_image` (``area`` pixels); one: the other from the image's
+    aspect ratio (clamped as there), a positive multiple of ``multiple``."""
+    if height is not None and width is not None:
+        return height, width
+    if height is None and width is None:
+        return size_for_image(image_width, image_height, area, multiple)
+    aspect = _clamped_aspect(image_height / image_width)  # height / width
+    if width is None:
+        return height, max(multiple, int(round(height / aspect / multiple)) * multiple)
+    return max(multiple, int(round(width * aspect / multiple)) * multiple), width
 
 
 # ------------------------------------------------------------------------------------------------

@@ -238,14 +238,20 @@ def _is_model(library: str, klass: str) -> bool:
 
 
 def _apply_model_options(pipe, model, device: torch.device) -> None:
-    """Offload, VAE tiling / slicing and LoRA of a :class:`~ditattn.runconfig.ModelConfig`, diffusers' way."""
-    from ditattn.models.lora import LoRAError, parse_lora_spec
+    """Offload, VAE tiling / slicing and LoRA of a :class:`~ditattn.runconfig.ModelConfig`, diffusers' way.
+    Each LoRA file is first read and checked against the transformer as the native pipeline does
+    (:func:`~ditattn.models.lora.read_lora`, :func:`~ditattn.models.lora.check_lora`: the same one-line
+    refusals, nothing of the file left unmatched), then loaded by diffusers."""
+    from ditattn.models.lora import LoRAError, check_lora, parse_lora_spec, read_lora
 
     names, scales = [], []
     for raw in model.lora_path:
         spec = parse_lora_spec(raw)
-        if getattr(pipe, spec.component, None) is None:
+        dit = getattr(pipe, spec.component, None)
+        if dit is None:
             raise LoRAError(f"--lora-path {spec.path}: this checkpoint has no {spec.component}")
+        where = f"--lora-path {spec.path}"
+        check_lora(dit, read_lora(spec), where)  # unreadable, kohya, NaN, keys matching no layer of the DiT
         path = os.path.expanduser(spec.path)
         kw = {"weight_name": os.path.basename(path)} if os.path.isfile(path) else {}
         folder = os.path.dirname(path) or "." if os.path.isfile(path) else path
@@ -255,15 +261,19 @@ def _apply_model_options(pipe, model, device: torch.device) -> None:
                 folder, adapter_name=name, load_into_transformer_2=spec.component == "transformer_2", **kw
             )
         except (OSError, ValueError, KeyError, RuntimeError) as exc:
-            raise LoRAError(
-                f"--lora-path {spec.path}: diffusers cannot load it ({' '.join(str(exc).split())[:300]})"
-            ) from None
+            raise LoRAError(f"{where}: diffusers cannot load it ({' '.join(str(exc).split())[:300]})") from None
         names.append(name)
         scales.append(spec.scale)
     if names:
-        pipe.set_adapters(names, scales)
-        if model.lora_fuse is not False:
-            pipe.fuse_lora(adapter_names=names)
+        try:
+            pipe.set_adapters(names, scales)
+            if model.lora_fuse is not False:
+                pipe.fuse_lora(adapter_names=names)
+        except (ValueError, KeyError, RuntimeError) as exc:
+            raise LoRAError(
+                f"--lora-path: diffusers cannot apply the adapters {', '.join(names)} "
+                f"({' '.join(str(exc).split())[:300]})"
+            ) from None
     if model.vae_tiling:
         pipe.vae.enable_tiling()
     if model.vae_slicing:

@@ -14,7 +14,7 @@ import torch
 
 from ditattn.errors import AttentionConfigError
 from ditattn.models.lora import lora_scales
-from ditattn.pipelines.conditioning import batch_images, size_for_image
+from ditattn.pipelines.conditioning import batch_images, output_size_for_image
 from ditattn.pipelines.latents import VideoGeometry
 from ditattn.runconfig.checks import float_between, int_between
 from ditattn.runconfig.fields import MAX_GUIDANCE, MAX_SEED
@@ -71,7 +71,8 @@ def resolve_inputs(
 ) -> GenerationInputs:
     """The arguments of :meth:`~ditattn.pipelines.wan.WanPipelineNative.generate` (same meanings),
     checked, with None filled from ``defaults`` (with an image and neither height nor width: the
-    default area at the image's aspect ratio).  ``geometry`` / ``mode`` / ``two_experts``: the
+    default area at the image's aspect ratio, clamped to 4:1; only one of them: the other from that
+    aspect ratio).  ``geometry`` / ``mode`` / ``two_experts``: the
     model's size rules, image conditioning (:func:`~ditattn.pipelines.conditioning.batch_images`)
     and whether it has a low-noise expert.  Raises :class:`AttentionConfigError` naming the argument."""
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)
@@ -93,9 +94,9 @@ def resolve_inputs(
         _checked("seed", SEED, s)
     images = batch_images(image, n, mode)
     d = defaults
-    if images is not None and height is None and width is None:
-        height, width = size_for_image(
-            images[0].width, images[0].height, d["height"] * d["width"], geometry.size_multiple
+    if images is not None:
+        height, width = output_size_for_image(
+            images[0].width, images[0].height, height, width, d["height"] * d["width"], geometry.size_multiple
         )
     height = d["height"] if height is None else height
     width = d["width"] if width is None else width

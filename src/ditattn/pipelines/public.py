@@ -1,4 +1,4 @@
-"""``ditattn.WanPipeline``: the Wan text-to-video pipeline for Python users.
+"""``ditattn.WanPipeline``: the Wan text-to-video and image-to-video pipeline for Python users.
 
 A thin front of :class:`~ditattn.pipelines.wan.WanPipelineNative` that takes the CLI's settings
 as keyword arguments — strings, or :class:`~ditattn.AttentionBackendEnum` members, ``torch.dtype``
@@ -12,6 +12,9 @@ and ``torch.device`` objects — and checks them exactly as the CLI does (the fi
                                                device="cuda", dtype="bfloat16")
     frames = pipe("a red fox running through fresh snow", num_frames=33, seed=1)   # uint8 [1, 33, H, W, 3]
     ditattn.save_video(frames, "fox.mp4")
+
+An image-to-video checkpoint (Wan 2.1 I2V, Wan 2.2 I2V-A14B, TI2V-5B) takes the first frame:
+``pipe("a boat sets sail", image="first.png")``.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ Spec = Union[str, Mapping[str, Any], None]
 
 
 class WanPipeline:
-    """Wan 2.1 / 2.2 text-to-video with ditattn's attention backends; build it with
+    """Wan 2.1 / 2.2 text-to-video and image-to-video with ditattn's attention backends; build it with
     :meth:`from_pretrained`.  ``pipe(prompt, ...)`` returns the frames; :meth:`generate` also returns
     the attention backends that ran and the timings; :meth:`plan` the attention plan.
 
@@ -58,6 +61,10 @@ class WanPipeline:
         dit_weights: Spec = None,
         lora_path: Union[str, Sequence[str]] = (),
         lora_fuse: Optional[bool] = None,
+        offload: str = "none",
+        offload_group_blocks: int = 1,
+        vae_tiling: bool = False,
+        vae_slicing: bool = False,
         cache_backend: Optional[str] = None,
         cache_backend_config: Spec = None,
     ) -> "WanPipeline":
@@ -80,7 +87,10 @@ class WanPipeline:
         checkpoint's (FP8/INT8 with scales too) or ``{"transformer": file, "transformer_2": file}``;
         lora_path: LoRA adapters, ``[COMPONENT=]PATH[:SCALE]`` each (a step-distill LoRA for both experts of
         Wan 2.2: ``["transformer=high.safetensors", "transformer_2=low.safetensors"]``), fused unless
-        ``lora_fuse=False``.
+        ``lora_fuse=False`` (then :meth:`generate`'s ``lora=`` picks each call's scales).
+        offload: ``"none"``, ``"text_encoder"``, ``"model"`` or ``"group"`` (CPU offload, as ``--offload``;
+        offload_group_blocks: DiT blocks per streamed group); vae_tiling / vae_slicing: tiled / per-sample
+        VAE encode and decode.
         cache_backend / cache_backend_config: the step cache of every call (``"teacache"``, ``"magcache"``,
         ``"first_block_cache"`` and their keys as a dict, JSON, ``"k=v,k=v"`` or a file; docs/caching.md).
         Raises :class:`AttentionConfigError` for any bad value.
@@ -98,6 +108,10 @@ class WanPipeline:
                 dit_weights=dit_weights,
                 lora_path=lora_path,
                 lora_fuse=lora_fuse,
+                offload=offload,
+                offload_group_blocks=offload_group_blocks,
+                vae_tiling=vae_tiling,
+                vae_slicing=vae_slicing,
             ),
             attention=AttentionOptions(
                 attention_backend=attention_backend,
@@ -142,6 +156,9 @@ class WanPipeline:
         negative_prompt: Union[str, Sequence[str], None] = None,
         num_inference_steps: Optional[int] = None,
         guidance_scale: Optional[float] = None,
+        guidance_scale_2: Optional[float] = None,
+        image: Any = None,
+        lora: Optional[Mapping[str, float]] = None,
         height: Optional[int] = None,
         width: Optional[int] = None,
         num_frames: Optional[int] = None,
@@ -165,6 +182,14 @@ class WanPipeline:
         prompt: a string or a list of N strings (one batch); negative_prompt: a string or N strings.
         None sampling values take the model's :attr:`defaults`; height / width: multiples of 16;
         num_frames: 1 + 4k (1 = an image); seed: an int (prompt i uses seed + i; None: 0) or N ints.
+        guidance_scale_2: the low-noise expert's guidance scale of a two-expert Wan 2.2 checkpoint
+        (None: guidance_scale).  image: the first frame of an image-to-video checkpoint (required by Wan
+        2.1 I2V / Wan 2.2 I2V-A14B, optional for TI2V-5B, refused by text-to-video ones): a file path, encoded
+        bytes, a PIL image or a uint8 array ``[H, W, 3]``, or one per prompt; without height and width
+        the output takes the default area at the image's aspect ratio (clamped to 4:1), with one of them
+        the other follows that ratio.  lora: this call's scales of the unfused LoRA adapters
+        (``from_pretrained(lora_path=..., lora_fuse=False)``): ``{name: scale}``, adapters not named off
+        (None: their load-time scales).
         scheduler: ``flow_euler``, ``unipc``, ``dpmpp`` or ``lcm`` (None: the checkpoint's); flow_shift: the
         timestep shift (None: the checkpoint's); timesteps: explicit descending timesteps such as
         ``[1000, 750, 500, 250]`` (override num_inference_steps); cfg_interval: ``"START:END"`` or
@@ -191,6 +216,7 @@ class WanPipeline:
                 negative_prompt=negatives[min(i, len(negatives) - 1)],
                 num_inference_steps=num_inference_steps,
                 guidance_scale=guidance_scale,
+                guidance_scale_2=guidance_scale_2,
                 height=height,
                 width=width,
                 num_frames=num_frames,
@@ -217,6 +243,9 @@ class WanPipeline:
             num_frames=num_frames,
             num_inference_steps=num_inference_steps,
             guidance_scale=guidance_scale,
+            guidance_scale_2=guidance_scale_2,
+            image=image,
+            lora=lora,
             seed=0 if seed is None else seed,
             scheduler=sampling.scheduler,
             flow_shift=sampling.flow_shift,

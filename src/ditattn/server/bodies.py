@@ -143,6 +143,11 @@ async def _parse_form(headers: Headers, body: bytes, multipart: bool) -> list:
     return items
 
 
+class FormFields(dict):
+    """A form body's fields (every value text), told apart from a JSON object so that fields strict in
+    JSON (a ``lora`` scale must be a number there) still take the text a form sends."""
+
+
 async def read_body(request: Request, max_bytes: int, max_depth: int = 32) -> dict:
     """The request body (at most ``max_bytes``, else 413) as a dict: a JSON object (nested at most
     ``max_depth`` deep, checked before parsing), or a multipart / url-encoded form.  Malformed
@@ -158,7 +163,7 @@ async def read_body(request: Request, max_bytes: int, max_depth: int = 32) -> di
         )
     if mime in ("multipart/form-data", "application/x-www-form-urlencoded"):
         items = await _parse_form(request.headers, body, mime == "multipart/form-data")
-        return unflatten_form(items, max_depth=max_depth)
+        return FormFields(unflatten_form(items, max_depth=max_depth))
     if mime and mime != "application/json" and not mime.endswith("+json"):
         raise RequestError(
             f"unsupported Content-Type {short_repr(mime)}; accepted: {ACCEPTED_TYPES}",
@@ -181,8 +186,9 @@ async def read_body(request: Request, max_bytes: int, max_depth: int = 32) -> di
 
 
 def validate(model_cls, data: dict):
-    """``model_cls.model_validate(data)``, a validation error becoming one readable 400."""
+    """``model_cls.model_validate(data)``, a validation error becoming one readable 400 (validation
+    context ``form``: whether ``data`` came from a form, :class:`FormFields`)."""
     try:
-        return model_cls.model_validate(data)
+        return model_cls.model_validate(data, context={"form": isinstance(data, FormFields)})
     except ValidationError as exc:
         raise validation_error_to_request_error(exc, model_cls) from None

@@ -297,6 +297,20 @@ class _Extras(BaseModel):
     cache_backend: Optional[str] = Field(default=None, max_length=64)
     cache_backend_config: Union[str, dict[str, Union[str, int, float, bool, None]], None] = None
 
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _lora_scales_are_numbers(cls, value, info):
+        """A JSON ``lora`` maps names to numbers: ``true`` or ``"0.5"`` is refused, not read as 1 / 0.5
+        (pydantic's lax mode); a form body (context ``form``) carries every value as text."""
+        if isinstance(value, dict) and not (info.context or {}).get("form"):
+            for name, scale in value.items():
+                if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+                    raise ValueError(
+                        f"the scale of {short_repr(name)} must be a number (adapter name -> scale, e.g. "
+                        f'{{"style": 0.8}}), got {short_repr(scale)}'
+                    )
+        return value
+
     @field_validator("cache_backend_config", mode="after")
     @classmethod
     def _config_size(cls, value):
