@@ -223,3 +223,41 @@ def test_backend_diffusers_refuses_lora_keys_like_the_native_pipeline(capsys, tm
     save_file(pair, str(tmp_path / "good.safetensors"))
     line = _error_line(capsys, *common, "--lora-path", str(tmp_path / "good.safetensors"), "--backend", "diffusers")
     assert "--lora-path: diffusers cannot apply the adapters good (Adapter name(s)" in line, line
+
+
+def test_non_finite_weights_stop_both_backends_before_anything_is_saved(capsys, tmp_path):
+    """A checkpoint with a NaN weight decoded into an all-black clip that was saved with exit 0 (native and
+    --backend diffusers); both now end with one error line and write nothing."""
+    import shutil
+
+    from ditattn.models.tiny import tiny_model_path
+
+    model = tmp_path / "nan-model"
+    shutil.copytree(tiny_model_path("ditattn:tiny-wan"), model)
+    weights = next((model / "transformer").glob("*.safetensors"))
+    from safetensors.torch import load_file
+
+    state = load_file(str(weights))
+    state["proj_out.weight"][0, 0] = float("nan")  # the output projection: one channel of every token is NaN
+    save_file(state, str(weights))
+    out = tmp_path / "out"
+    common = ["generate", "--model-path", str(model), "--prompt", "x", *SMALL, "--output-path", str(out)]
+    for extra in ([], ["--backend", "diffusers"]):
+        line = _error_line(capsys, *common, *extra)
+        assert "NaN or inf values" in line and ("nothing is saved" in line or "no frames are decoded" in line), line
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_backend_diffusers_sizes_an_image_like_the_native_pipeline(capsys, tmp_path):
+    """With only --height and a conditioning image, --backend diffusers used the model's default width;
+    the native pipeline follows the image's aspect ratio, and so does diffusers now."""
+    Image.fromarray(np.full((128, 64, 3), 90, np.uint8)).save(tmp_path / "tall.png")  # 1:2, portrait
+    common = ["generate", *I2V, "--prompt", "x", "--image", str(tmp_path / "tall.png"), "--height", "64"]
+    common += ["--num-inference-steps", "2", "--num-frames", "1", "--output-path", str(tmp_path)]
+    sizes = []
+    for extra in ([], ["--backend", "diffusers"]):
+        rc, out, err = run(capsys, *common, *extra)
+        assert rc == 0, err
+        saved = out.split("saved: ")[1].split()[0]
+        sizes.append(Image.open(saved).size)
+    assert sizes[0] == sizes[1] == (32, 64), sizes

@@ -314,8 +314,8 @@ def _generate_diffusers(cfg: RunConfig, t_start: float) -> int:
     d = mi.builtin_defaults or CHECKPOINT_DEFAULTS
     image = _diffusers_image(mi, s.image)
     height, width = s.height or d["height"], s.width or d["width"]
-    if image is not None and s.height is None and s.width is None:
-        from ditattn.pipelines.conditioning import size_for_image
+    if image is not None and (s.height is None or s.width is None):  # as the native pipeline sizes it
+        from ditattn.pipelines.conditioning import output_size_for_image
 
         patch = read_json(
             os.path.join(
@@ -323,7 +323,9 @@ def _generate_diffusers(cfg: RunConfig, t_start: float) -> int:
             )
         ).get("patch_size", (1, 2, 2))
         spatial = int(read_json(os.path.join(mi.folder("vae"), "config.json")).get("scale_factor_spatial") or 8)
-        height, width = size_for_image(image.width, image.height, d["height"] * d["width"], spatial * int(patch[1]))
+        height, width = output_size_for_image(
+            image.width, image.height, s.height, s.width, d["height"] * d["width"], spatial * int(patch[1])
+        )
     num_frames = s.num_frames or d["num_frames"]
     steps = s.num_inference_steps or d["num_inference_steps"]
     guidance = d["guidance_scale"] if s.guidance_scale is None else s.guidance_scale

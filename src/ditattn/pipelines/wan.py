@@ -396,8 +396,9 @@ class WanPipelineNative:
         guidance, checked as the CLI's flags (:mod:`ditattn.pipelines.sampling`).
         image: the first frame of image-to-video / TI2V checkpoints (required by ``i2v`` ones,
         refused by text-to-video ones): a path, encoded bytes, a PIL image or a uint8 array ``[H, W,
-        3]``, or a list of N of those (one per prompt). lora: the scales of the loaded unfused LoRA
-        adapters for this call (name -> scale, adapters not named are off; None: their load-time
+        3]``, or a list of N of those (one per prompt); height / width None: sized from the (first) image, its
+        aspect ratio clamped to 4:1 at the default area, or from the one side given. lora: the scales of the
+        loaded unfused LoRA adapters for this call (name -> scale, adapters not named are off; None: their load-time
         scales). override: a per-request
         dense drop-in backend for the DiT; skip_softmax: ``{threshold_scale_factor,
         start_step}``; request_state: an already prepared state (:meth:`prepare_request`)

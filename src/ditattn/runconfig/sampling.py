@@ -58,9 +58,9 @@ class SamplingConfig(_Section):
         None,
         optional(text),
         "first frame for image-to-video checkpoints (Wan 2.1 I2V, Wan 2.2 I2V-A14B: "
-        "required; TI2V-5B: optional): a PNG, JPEG, WebP or BMP file. Without "
+        "required; TI2V-5B: optional): a local PNG, JPEG, WebP or BMP file. Without "
         "--height/--width the output takes the model's default area at the image's aspect "
-        "ratio",
+        "ratio (clamped to 4:1); with only one of them the other follows that ratio",
         metavar="PATH",
     )
     height: Optional[int] = _field(
