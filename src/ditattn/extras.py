@@ -3,7 +3,8 @@ one-line error when one is missing.
 
 The extras (``pyproject.toml``): ``server`` (``ditattn serve``: FastAPI, uvicorn, pydantic,
 python-multipart, prometheus-client; checked here), ``scale`` (``serve --replicas``: Ray Serve and
-psycopg for the PostgreSQL job store; checked here), ``quant`` (torchao: ``--dit-quantization fp8|int8``,
+psycopg for the PostgreSQL job store; checked here), ``eval`` (``ditattn compare``: torchmetrics and
+matplotlib; checked here, before the first generation), ``quant`` (torchao: ``--dit-quantization fp8|int8``,
 checked by :mod:`ditattn.models.quantization` with the platform), ``gpu`` (Triton and FlashAttention-4 for NVIDIA
 GPUs: a backend without its runtime is refused or substituted with the install hint that
 ``ditattn backends`` shows) and ``dev`` (the test tools).  Everything else is a hard dependency.
@@ -26,6 +27,8 @@ EXTRAS: dict[str, tuple[tuple[str, str], ...]] = {
     ),
     # serve --replicas (Ray Serve) / --job-store postgresql://
     "scale": (("ray", "ray[serve]"), ("psycopg", "psycopg[binary]")),
+    # ditattn compare (PSNR / SSIM / MS-SSIM, compare.png) and the bench/ plots
+    "eval": (("torchmetrics", "torchmetrics"), ("matplotlib", "matplotlib")),
 }
 
 

@@ -130,3 +130,41 @@ def test_attention_backend_help_says_what_happens(capsys):
         for row in c["layers"]
     ]
     assert {row["role"]: row["backend"] for row in dit} == {"self": "video_sparse_attn", "cross": "torch_sdpa"}
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_verbose_is_accepted_before_and_after_the_command(where):
+    """``ditattn -v generate`` and ``ditattn generate -v`` (and ``--verbose``) are the same setting, on every
+    command; one definition of the option (flags.verbose_flag)."""
+    from ditattn.entrypoints.cli import COMMANDS
+
+    for cmd in COMMANDS:
+        for opt in ("-v", "--verbose"):
+            argv = [opt, cmd.name] if where == "before" else [cmd.name, opt]
+            assert vars(build_parser().parse_args(argv)).get("verbose") is True, (cmd.name, argv)
+        assert "verbose" not in vars(build_parser().parse_args([cmd.name])), cmd.name
+
+
+@pytest.mark.parametrize(
+    "argv, value", [(["--lora-fuse"], True), (["--lora-fuse", "true"], True), (["--lora-fuse", "false"], False)]
+)
+def test_tri_state_bool_flag_takes_the_bare_form(argv, value):
+    """``--lora-fuse`` (unset: the command's own default) takes the bare form like every other boolean flag."""
+    ns = build_parser().parse_args(["generate", "--lora-path", "a.safetensors", *argv])
+    assert ns.lora_fuse is value
+    given = {k: v for k, v in vars(ns).items() if k != "command"}
+    assert (
+        RunConfig.from_mapping(
+            given, accept=("model", "sampling", "attention", "cache", "parallel", "output")
+        ).model.lora_fuse
+        is value
+    )
+    assert "lora_fuse" not in vars(build_parser().parse_args(["generate"]))
+
+
+def test_model_path_help_lists_every_builtin_model_and_override_help_every_role():
+    from ditattn.models.builtin import BUILTIN_MODELS
+
+    text = flags.field_help("model_path")
+    assert all(name in text for name in BUILTIN_MODELS), text
+    assert ".self/.cross/.cross_image" in flags.field_help("component_attention_backends")

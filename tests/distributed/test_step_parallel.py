@@ -231,6 +231,31 @@ def test_bad_combinations_are_one_error_line(flags, message, capsys):
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--cfg-interval", "0.5:0.6", "--num-inference-steps", "3"],
+            "--cfg-interval 0.5:0.6 guides none of the 3 steps",
+        ),
+        (["--cfg-interval", "0.9:0.95"], "guides none of the 8 steps"),  # the model's default step count
+        (["--guidance-scale", "1"], "--guidance-scale is 1 (<= 1: no unconditional"),
+        (["--cfg-batching", "sequential"], "--cfg-batching sequential: with --cfg-parallel"),
+    ],
+)
+def test_plan_refuses_cfg_parallel_without_guidance_as_generate_does(flags, message, capsys):
+    """``plan`` runs generate's --cfg-parallel check (with the model's default guidance and steps): one
+    error line and exit 2, not a plan that says "CFG off"."""
+    from ditattn.cli import main
+
+    argv = ["plan", "--model-path", "ditattn:tiny-wan", "--device", "cpu", "--num-gpus", "2", "--cfg-parallel"]
+    assert main(argv + flags) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    assert captured.out == ""
+
+
 def test_cfg_parallel_without_guidance_refused_from_model_default():
     from ditattn.entrypoints.ranks import check_cfg_guidance
     from ditattn.runconfig import ParallelConfig, RunConfig

@@ -300,6 +300,10 @@ def test_capture_qkv_roundtrip(tmp_path):
     T, H, W = e["video_shape"]
     assert q.shape == (1, T * H * W, 2, 128) and k.shape == q.shape and v.shape == q.shape  # ditattn:shapes
     assert e["step"] == 1 and e["layer_idx"] == 1 and e["model"] == "ditattn:shapes"
+    # a block index the model does not have (ditattn:shapes: 6 blocks) is refused before the generation
+    with pytest.raises(AttentionConfigError, match=r"^layers -1, 10: .* accepted: block indices 0 to 5 \(6 blocks\)$"):
+        capture_qkv(pipe, "a dog", str(tmp_path / "none.safetensors"), layers=[0, 5, 10, -1], num_inference_steps=2)
+    assert not (tmp_path / "none.safetensors").exists()
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"not a safetensors file")
     with pytest.raises(ActivationFileError, match="cannot read"):
@@ -345,3 +349,26 @@ def test_structured_sinks_draw_attention():
 
     sinks = with_s[3]["sinks"]
     assert sink_mass(with_s[0], with_s[1], sinks) > 3 * sink_mass(without[0], without[1], sinks)
+
+
+def test_compare_without_eval_extra_is_one_line_before_any_generation(monkeypatch, capsys, tmp_path):
+    from ditattn import extras
+    from ditattn.pipelines import wan
+
+    real = extras._installed
+    monkeypatch.setattr(extras, "_installed", lambda m: m not in ("torchmetrics", "matplotlib") and real(m))
+    assert extras.missing("eval") == ["torchmetrics", "matplotlib"]
+
+    def no_generation(*a, **k):
+        raise AssertionError("compare loaded a pipeline before checking the eval extra")
+
+    monkeypatch.setattr(wan.WanPipelineNative, "from_pretrained", no_generation)
+    argv = ["compare", "--prompt", "p", "--variant", "a=torch_sdpa", "--variant", "b=torch_sdpa"]
+    assert main([*argv, "--output-path", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith(
+            "error: ditattn compare needs torchmetrics, matplotlib, which are not installed; install ditattn[eval]"
+        )
+        and err.count("\n") == 1
+    )

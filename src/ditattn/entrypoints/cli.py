@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Diffusion-transformer inference with pluggable attention backends.",
         argument_default=argparse.SUPPRESS,
     )
-    p.add_argument("-v", "--verbose", action="store_true", help="log attention decisions and fallbacks")
+    flags.verbose_flag(p)
     p.add_argument("--version", action="version", version=f"ditattn {_version()}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
@@ -134,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(cmd.name, help=cmd.help, description=cmd.description, argument_default=argparse.SUPPRESS)
         for add in cmd.flags:
             add(sp)
+        if "--verbose" not in sp._option_string_actions:  # also after the command: ditattn generate -v
+            flags.verbose_flag(sp)
         flags.config_flag(sp)
     return p
 

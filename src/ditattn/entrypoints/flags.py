@@ -68,14 +68,15 @@ _PARSED_TYPES = {"int", "float", "bool", "Optional[int]", "Optional[float]", "Op
 def field_flags(g, *keys: str) -> None:
     """Add ``--KEY`` for each RunConfig field ``KEY`` to the parser or group ``g``, described once: the
     help text, value check and metavar are the field's own metadata (:func:`ditattn.runconfig.fields.setting`),
-    and a non-empty default is appended as "(default X)" (:func:`field_help`).  A bool field with a bool
-    default takes an optional value (``--flag`` = true, ``--flag false``); a field whose check names its
+    and a non-empty default is appended as "(default X)" (:func:`field_help`).  A bool field (also an
+    ``Optional[bool]`` one, unset = the command's default) takes an optional value (``--flag`` = true,
+    ``--flag false``); a field whose check names its
     choices lists them; a tuple field (``lora_path``) is repeated, each value one item."""
     for key in keys:
         f = _config_field(key)
         check = f.metadata["check"]
         kw: dict[str, Any] = dict(type=typed(key)) if str(f.type) in _PARSED_TYPES else {}
-        if isinstance(f.default, bool):
+        if isinstance(f.default, bool) or str(f.type) == "Optional[bool]":  # a tri-state too: bare = true
             kw.update(nargs="?", const=True, metavar="true|false")
         elif getattr(check, "choices", None):
             kw.update(choices=check.choices)
@@ -192,12 +193,16 @@ def output_flags(p: argparse.ArgumentParser) -> None:
 def backends_flags(p: argparse.ArgumentParser) -> None:
     """``backends [NAME] [--verbose]``."""
     p.add_argument("backend_name", nargs="?", metavar="NAME", help=field_help("backend_name"))
-    p.add_argument(
-        "-v",
-        "--verbose",
-        action="store_true",
-        help="every backend in full: parameters, every reason, notes and measured operating points",
-    )
+    verbose_flag(p, "every backend in full: parameters, every reason, notes and measured operating points")
+
+
+VERBOSE_HELP = "log attention decisions and fallbacks"
+
+
+def verbose_flag(p: argparse.ArgumentParser, help: str = VERBOSE_HELP) -> None:
+    """``-v`` / ``--verbose``: on the top-level parser (``ditattn -v generate``) and on every command
+    (``ditattn generate -v``), one setting (``verbose``) either way."""
+    p.add_argument("-v", "--verbose", action="store_true", help=help)
 
 
 def json_flag(p: argparse.ArgumentParser, what: str) -> None:

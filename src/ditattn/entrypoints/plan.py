@@ -24,6 +24,10 @@ def _plan(cfg: RunConfig) -> int:
 
     pipe = WanPipelineNative.from_config(cfg, load_weights=False)
     state = pipe.prepare_request(cfg.attention.attention_backend_override, cfg.attention.skip_softmax())
+    from ditattn.entrypoints.ranks import check_cfg_guidance
+
+    # --cfg-parallel without an unconditional pass is refused as generate's preflight refuses it
+    check_cfg_guidance(cfg, pipe.defaults["guidance_scale"], pipe.defaults["num_inference_steps"])
     s = cfg.sampling
     if any(v is not None for v in (s.height, s.width, s.num_frames)):  # a size the model cannot generate is an error
         d = pipe.defaults

@@ -246,6 +246,17 @@ def capture_qkv(
     num_steps = generate_kw.get("num_inference_steps") or pipe.defaults["num_inference_steps"]
     want = resolve_steps(steps, num_steps)
     keep_layers = None if layers is None else set(int(x) for x in layers)
+    attn_layers = self_attention_layers(pipe.dit_modules)
+    if keep_layers is not None:  # an index the model does not have would be dropped silently
+        from ditattn.errors import AttentionConfigError
+
+        have = sorted({m.layer_idx for m in attn_layers})
+        bad = sorted(keep_layers - set(have))
+        if bad:
+            raise AttentionConfigError(
+                f"layers {', '.join(map(str, bad))}: this model's DiT has no such block; accepted: block indices "
+                f"{have[0]} to {have[-1]} ({len(have)} blocks)"
+            )
     tensors: dict[str, Tensor] = {}
     entries: list[dict] = []
 
@@ -271,7 +282,7 @@ def capture_qkv(
             }
         )
 
-    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in self_attention_layers(pipe.dit_modules)]
+    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in attn_layers]
     try:
         pipe.generate(prompt, seed=seed, output_type="latent", **generate_kw)
     finally:

@@ -284,8 +284,10 @@ def run_compare(cfg: CompareConfig) -> dict:
     """Run every variant over every prompt and seed and return the report (module docstring)."""
     from tqdm.auto import tqdm
 
+    from ditattn.extras import require
     from ditattn.pipelines.wan import WanPipelineNative
 
+    require("eval", "ditattn compare")  # its metrics and chart, before the first generation, not after all of them
     cfg.validate()
     for var in cfg.variants:  # every variant refused before the first run, not after it (plans, no weights)
         plan = WanPipelineNative.from_pretrained(

@@ -131,3 +131,32 @@ def load_components(
             if components.get(comp) is not None:
                 compile_blocks(components[comp], mode="reduce-overhead" if settings.cuda_graphs else None)
     return LoadedComponents(mi, components, scopes, settings, platform, dev, dt, adapters, placement)
+
+
+def pretrained_kwargs(config, *, load_weights: bool, cache_dir: Optional[str], lora_fuse: Optional[bool]) -> dict:
+    """``WanPipelineNative.from_pretrained``'s keyword arguments for a :class:`~ditattn.runconfig.RunConfig`:
+    its model section, attention settings, ``vae_parallel`` and step cache; ``lora_fuse``: the command's
+    default when the config leaves it unset."""
+    m = config.model
+    return dict(
+        path=m.model_path,
+        settings=config.attention_settings(),
+        device=m.device,
+        dtype=m.dtype,
+        variant=m.model_variant,
+        load_weights=load_weights,
+        revision=m.revision,
+        local_files_only=m.local_files_only,
+        cache_dir=cache_dir,
+        offload=m.offload,
+        offload_group_blocks=m.offload_group_blocks,
+        vae_tiling=m.vae_tiling,
+        vae_slicing=m.vae_slicing,
+        lora=m.lora_path,
+        lora_fuse=m.lora_fuse if m.lora_fuse is not None else bool(lora_fuse),
+        dit_quantization=m.dit_quantization,
+        dit_weights=m.dit_weights,
+        vae_parallel=config.parallel.vae_parallel,
+        cache_backend=config.cache.cache_backend,
+        cache_backend_config=config.cache.cache_backend_config,
+    )

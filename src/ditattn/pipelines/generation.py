@@ -180,3 +180,45 @@ def generation_run(placement, device: torch.device, scales: Optional[dict], lock
             yield run
         finally:
             placement.release()
+
+
+def cfg_split(do_cfg: bool, cfg_batching: str):
+    """This rank's CFG-parallel state when the run is guided (:func:`~ditattn.distributed.cfg.get_cfg_parallel`),
+    else None; a ``cfg_batching`` other than ``auto`` under CFG parallelism is refused (the halves run on
+    their own ranks, neither batched nor in sequence)."""
+    from ditattn.distributed.cfg import get_cfg_parallel
+
+    split = get_cfg_parallel() if do_cfg else None
+    if split is not None and cfg_batching != "auto":
+        raise AttentionConfigError(
+            f"cfg_batching {cfg_batching}: with CFG parallelism (--cfg-parallel) each guidance half runs on its "
+            "own ranks, neither batched nor in sequence; accepted: cfg_batching auto, or no --cfg-parallel"
+        )
+    return split
+
+
+def check_finite(latents: torch.Tensor) -> None:
+    """Refuse denoised ``latents`` holding NaN or inf (one device sync): decoded, they would be a black or
+    garbage clip reported as a result."""
+    if not bool(torch.isfinite(latents).all()):
+        raise AttentionConfigError(
+            "the denoised latents hold NaN or inf values, so no frames are decoded or saved (causes: non-finite "
+            "weights, e.g. a broken LoRA or checkpoint, or an overflow in float16; try --dtype bfloat16 or float32)"
+        )
+
+
+def cache_report(cache, split, guided) -> Optional[dict]:
+    """The step cache's report of a run (None without a cache); under CFG parallelism both halves' forwards
+    (each rank saw its own half only), gathered over the CFG group (collective: every rank calls it)."""
+    if cache is None:
+        return None
+    stats = cache.stats()
+    if split is None:
+        return stats
+    import torch.distributed as dist
+
+    from ditattn.cache.runtime import merge_cfg_halves
+
+    halves = [None] * split.degree
+    dist.all_gather_object(halves, (stats, cache.forward_blocks_run), group=split.group)
+    return merge_cfg_halves(halves, guided)

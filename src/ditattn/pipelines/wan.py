@@ -43,13 +43,20 @@ from ditattn.attention.context import (
     RequestState,
 )
 from ditattn.attention.names import ROLES
+from ditattn.attention.override import dit_layers, request_backends
 from ditattn.attention.sparse import fallback as sparse_run
-from ditattn.distributed.cfg import get_cfg_parallel
 from ditattn.errors import AttentionConfigError, GenerationCancelled
 from ditattn.models.lora import Adapter, resolve_request_lora
 from ditattn.pipelines.conditioning import conditioning_mode, image_condition
 from ditattn.pipelines.denoise import denoise
-from ditattn.pipelines.generation import GenerationResult, generation_run, resolve_inputs
+from ditattn.pipelines.generation import (
+    GenerationResult,
+    cache_report,
+    cfg_split,
+    check_finite,
+    generation_run,
+    resolve_inputs,
+)
 from ditattn.pipelines.latents import VideoGeometry, decode_latents, prepare_latents
 from ditattn.pipelines.loading import DIT
 from ditattn.pipelines.model_index import ModelIndex
@@ -241,29 +248,10 @@ class WanPipelineNative:
         revision, compile, offload, VAE tiling / slicing and LoRA settings) and its attention settings
         (``cache_dir``: a Hugging Face cache instead of ``HF_HOME``'s; ``lora_fuse``: the command's
         default when the config leaves it unset).  Sample with ``generate(**config.generate_kwargs())``."""
-        m = config.model
-        fuse = m.lora_fuse if m.lora_fuse is not None else bool(lora_fuse)
+        from ditattn.pipelines.construction import pretrained_kwargs
+
         return cls.from_pretrained(
-            m.model_path,
-            config.attention_settings(),
-            device=m.device,
-            dtype=m.dtype,
-            variant=m.model_variant,
-            load_weights=load_weights,
-            revision=m.revision,
-            local_files_only=m.local_files_only,
-            cache_dir=cache_dir,
-            offload=m.offload,
-            offload_group_blocks=m.offload_group_blocks,
-            vae_tiling=m.vae_tiling,
-            vae_slicing=m.vae_slicing,
-            lora=m.lora_path,
-            lora_fuse=fuse,
-            dit_quantization=m.dit_quantization,
-            dit_weights=m.dit_weights,
-            vae_parallel=config.parallel.vae_parallel,
-            cache_backend=config.cache.cache_backend,
-            cache_backend_config=config.cache.cache_backend_config,
+            **pretrained_kwargs(config, load_weights=load_weights, cache_dir=cache_dir, lora_fuse=lora_fuse)
         )
 
     # ------------------------------------------------------------------------------------------
@@ -460,13 +448,7 @@ class WanPipelineNative:
         check_stop()
         dev, dt = self.device, self.dtype
         do_cfg = inp.guidance > 1.0  # as diffusers: the first scale decides whether negatives are encoded
-        split = get_cfg_parallel() if do_cfg else None  # CFG parallelism: each guidance half on its own ranks
-        if split is not None and sampling.cfg_batching != "auto":
-            raise AttentionConfigError(
-                f"cfg_batching {sampling.cfg_batching}: with CFG parallelism (--cfg-parallel) each guidance half "
-                "runs on its own ranks, neither batched nor in sequence; accepted: cfg_batching auto, or no "
-                "--cfg-parallel"
-            )
+        split = cfg_split(do_cfg, sampling.cfg_batching)  # CFG parallelism: each guidance half on its own ranks
         timings: dict[str, float] = {}
 
         scales = resolve_request_lora(lora, self.adapters)
@@ -548,12 +530,7 @@ class WanPipelineNative:
             timings["denoise"] = time.perf_counter() - t0
             if condition is not None:
                 latents = condition.finalize(latents)  # TI2V: the first latent frame is the image's
-            if not bool(torch.isfinite(latents).all()):  # a black or garbage clip is not a result
-                raise AttentionConfigError(
-                    "the denoised latents hold NaN or inf values, so no frames are decoded or saved (causes: "
-                    "non-finite weights, e.g. a broken LoRA or checkpoint, or an overflow in float16; try "
-                    "--dtype bfloat16 or float32)"
-                )
+            check_finite(latents)  # a black or garbage clip is not a result
 
             # 4. decode
             check_stop()
@@ -569,8 +546,6 @@ class WanPipelineNative:
             timings["decode"] = time.perf_counter() - t0
             timings["total"] = time.perf_counter() - t_start
 
-            from ditattn.attention.override import dit_layers, request_backends
-
             layers = dit_layers(dits[c] for c in DIT if c in used_models)
             backends = request_backends([l for r in ROLES for l in layers if l.role == r], state)
             stats = dict(state.stats) if state is not None else {}
@@ -582,6 +557,7 @@ class WanPipelineNative:
                 forwards=forwards(guided),
                 cfg=cfg_mode(guided, "parallel" if split is not None else batching),
             )
+            peak, report = run.peak_memory(), cache_report(cache, split, guided)
             return GenerationResult(
                 frames,
                 backends,
@@ -593,27 +569,10 @@ class WanPipelineNative:
                 width,
                 num_frames,
                 steps,
-                run.peak_memory(),
+                peak,
                 info,
-                self._cache_report(cache, split, guided),
+                report,
             )
-
-    @staticmethod
-    def _cache_report(cache, split, guided) -> Optional[dict]:
-        """The step cache's report of the run; under CFG parallelism both halves' forwards (each rank saw its
-        own half only), gathered over the CFG group (every rank reaches this point)."""
-        if cache is None:
-            return None
-        stats = cache.stats()
-        if split is None:
-            return stats
-        import torch.distributed as dist
-
-        from ditattn.cache.runtime import merge_cfg_halves
-
-        halves = [None] * split.degree
-        dist.all_gather_object(halves, (stats, cache.forward_blocks_run), group=split.group)
-        return merge_cfg_halves(halves, guided)
 
     def tokens(self, latents: torch.Tensor) -> int:
         """Latent tokens per clip after patching (the DiT's sequence length) for ``latents [N, C, T, h, w]``."""

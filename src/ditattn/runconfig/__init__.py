@@ -37,6 +37,7 @@ import dataclasses
 from typing import Any, Iterable, Mapping, Optional, Union
 
 from ditattn.errors import AttentionConfigError, short_repr, short_text
+from ditattn.models.builtin import BUILTIN_MODELS, DEFAULT_MODEL
 from ditattn.runconfig.checks import (
     boolean,
     float_between,
@@ -83,8 +84,8 @@ class ModelConfig(_Section):
         "local diffusers-format Wan checkpoint directory, a Hugging Face repo id "
         "(org/name, e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers: the local cache first, "
         "else a download; HF_HUB_OFFLINE=1 honoured), or a built-in model built "
-        "locally without downloading: ditattn:shapes (the default), ditattn:tiny-wan, "
-        "ditattn:tiny-wan2.2",
+        "locally without downloading: "
+        + ", ".join(n + (" (the default)" if n == DEFAULT_MODEL else "") for n in BUILTIN_MODELS),
         metavar="PATH_OR_ID",
     )
     revision: Optional[str] = _field(
@@ -200,7 +201,7 @@ class AttentionOptions(_Section):
         "per-component overrides: "
         "text_encoder=torch_sdpa,transformer.cross=fa or a "
         "JSON object; keys are model_index.json module "
-        "names, optionally with .self/.cross",
+        "names, optionally with .self/.cross/.cross_image",
         metavar="SPEC",
     )
     attention_backend_config: Union[str, dict, None] = _field(

@@ -279,7 +279,8 @@ class CalibrateOptions(_Section):
     calibrate_prompts: tuple = _field(
         (),
         text_items,
-        "calibration prompts (each runs with every seed); use prompts you will not judge the cache on",
+        "a calibration prompt, repeat for several (each runs with every seed); use prompts you will not judge "
+        "the cache on",
         metavar="TEXT",
     )
     calibrate_seeds: tuple = _field((0,), list_of(nonneg_int, "integers >= 0"), "calibration seeds", metavar="S")
