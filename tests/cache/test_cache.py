@@ -704,3 +704,24 @@ def test_i2v_image_conditioning_caches_exactly_at_threshold_zero():
     lossy = pipe.generate("a fox", cache_backend="first_block_cache", cache_backend_config="threshold=1e6", **kw)
     assert torch.equal(ref.frames, same.frames) and lossy.cache["reused"] == 3
     assert not torch.equal(ref.frames, lossy.frames)
+
+
+def test_compare_says_which_captured_layers_a_reused_step_did_not_run(capsys):
+    """At a capture step the step cache reused, the layers behind the first block did not run, and compare
+    reported an attention error of 0 for the variant; it now lists them and says so in a note."""
+    import json
+
+    from ditattn.cli import main
+
+    args = ["compare", "--model-path", "ditattn:tiny-wan", "--prompt", "a fox", "--seed", "0", "--height", "32"]
+    args += ["--width", "32", "--num-frames", "5", "--num-inference-steps", "6", "--capture-steps", "2", "--json"]
+    args += ["--variant", "ref=auto", "--variant", "fbc=auto+cache:first_block_cache:threshold=1e6"]
+    capsys.readouterr()
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    run = report["variants"][1]["runs"][0]
+    assert run["cache"]["trace"][2] == "R"  # step 2 was reused: only block 0 ran
+    assert run["layers_not_run"] == ["transformer.blocks.1.attn1@2"]
+    assert [x["layer"] for x in run["layers"]] == ["transformer.blocks.0.attn1"]
+    assert any("fbc" in n and "did not run" in n for n in report["notes"]), report["notes"]
+    assert report["variants"][0]["runs"][0].get("layers_not_run") is None  # the reference has nothing to miss

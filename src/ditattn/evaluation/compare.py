@@ -387,6 +387,10 @@ def run_compare(cfg: CompareConfig) -> dict:
                 else:
                     run.update(clip_metrics(clip, frames[(0, ji)]))
                     run["layers"] = rec.compare_to(ref_recs[ji])
+                    # captured in the reference but not here: forwards a step cache reused ran no layer
+                    run["layers_not_run"] = [
+                        f"{k[0]}@{k[1]}" for k in sorted(set(ref_recs[ji].outputs) - set(rec.outputs))
+                    ]
                     rec.outputs.clear()
                 runs.append(run)
                 bar.update(1)
@@ -419,10 +423,27 @@ def run_compare(cfg: CompareConfig) -> dict:
         "seeds": [int(s) for s in cfg.seeds],
         "variants": report_variants,
         "files": {},
+        "notes": _not_run_notes(report_variants),
     }
     if cfg.output_dir:
         write_outputs(report, frames, pairs, cfg)
     return report
+
+
+def _not_run_notes(variants: list) -> list[str]:
+    """One note per variant whose runs skipped captured layers (their step reused by a step cache): its
+    ``attn err`` covers only the layers that ran at the capture steps."""
+    notes = []
+    for rv in variants[1:]:
+        missing = sorted({x for r in rv["runs"] for x in r.get("layers_not_run", [])})
+        if missing:
+            notes.append(
+                f"variant {rv['name']}: {len(missing)} captured layer output(s) did not run (LAYER@STEP: "
+                f"{', '.join(missing[:8])}{', ...' if len(missing) > 8 else ''}; their forward was reused by the step "
+                "cache), so its attention error covers only the layers that ran; capture other steps with "
+                "--capture-steps to measure them"
+            )
+    return notes
 
 
 __all__ = ["CompareConfig", "Variant", "parse_variant", "run_compare", "format_summary", "json_ready"]
