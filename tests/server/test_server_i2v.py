@@ -34,6 +34,14 @@ def _png(w=40, h=24, fmt="PNG", seed=0, solid=False) -> bytes:
     return buf.getvalue()
 
 
+def _animated(fmt="PNG") -> bytes:
+    """A two-frame animated PNG (APNG) or WebP."""
+    buf = io.BytesIO()
+    frames = [Image.fromarray(np.full((24, 40, 3), v, np.uint8)) for v in (40, 200)]
+    frames[0].save(buf, format=fmt, save_all=True, append_images=frames[1:])
+    return buf.getvalue()
+
+
 def _finished(c, vid) -> dict:
     """Job ``vid`` once it has completed or failed, polled through the in-process ``TestClient`` ``c``."""
     for _ in range(600):
@@ -93,6 +101,9 @@ def _error(r, status=400):
         (base64.b64encode(_png(300, 200, solid=True)).decode(), "at most 40000 pixels"),
         (base64.b64encode(_png(100, 100, fmt="BMP")).decode(), "at most 20000 accepted"),
         (12, "expected a file upload"),
+        ("data:text/plain;base64," + base64.b64encode(_png()).decode(), "data URL of type text/plain is not an image"),
+        (base64.b64encode(_animated("PNG")).decode(), "an animated image (2 frames) is not accepted"),
+        (base64.b64encode(_animated("WEBP")).decode(), "an animated image (2 frames) is not accepted"),
     ],
 )
 def test_bad_input_reference_is_one_clear_400(app, ref, words):

@@ -145,6 +145,11 @@ def decode_image_bytes(data: bytes, *, where: str = "image", max_pixels: int = D
             f"{where}: not a readable image; accepted formats: {', '.join(f.lower() for f in IMAGE_FORMATS)}"
         ) from None
     _check_pil(img, where, max_pixels)
+    if getattr(img, "n_frames", 1) > 1:  # animated PNG / WebP: which frame conditions would be a guess
+        raise ImageInputError(
+            f"{where}: an animated image ({img.n_frames} frames) is not accepted; give the one frame to start from "
+            f"as a still {img.format} or JPEG"
+        )
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)

@@ -42,6 +42,9 @@ def _from_text(text: str) -> bytes:
     if text.lower().startswith("data:"):
         if m is None or not m.group("b64"):
             _refuse("a data URL must be base64-encoded (data:image/png;base64,...)")
+        mime = (m.group("mime") or "").lower()
+        if mime and not mime.startswith("image/"):  # a labelled non-image (data:text/plain) is not guessed at
+            _refuse(f"a data URL of type {mime} is not an image; accepted: data:image/png|jpeg|webp|bmp;base64,...")
         text = text[m.end() :]
     try:
         return base64.b64decode(re.sub(r"\s+", "", text), validate=True)
