@@ -14,6 +14,8 @@ def as_integer(value: Any) -> Optional[int]:
     """``value`` as a plain ``int`` when it is an integer: Python's, NumPy's (``np.int64``) or anything
     else ``operator.index`` takes (a one-element integer tensor); None for anything else, bools of every
     kind (``True``, ``np.bool_``, a bool tensor) included, so that a flag is never read as a count."""
+    if type(value) is int:  # the common case, on ditattn.attention's per-call path: no more work
+        return value
     if isinstance(value, bool) or "bool" in str(getattr(value, "dtype", "")):
         return None
     try:

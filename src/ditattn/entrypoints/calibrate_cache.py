@@ -80,7 +80,7 @@ def _check_calibratable(pipe, cfg: RunConfig) -> None:
     """Refuse (one line) a run whose cache state would not run through every step as one forward: a calibration
     relates each step's signal to the previous step's, in one state (two experts, guidance on part of the steps
     or in sequence start states mid-run or split them)."""
-    from ditattn.pipelines.sampling import guided_steps, sampling_plan
+    from ditattn.pipelines.sampling import config_sampling_plan, guided_steps
 
     if pipe.boundary_ratio is not None:
         raise AttentionConfigError(
@@ -88,15 +88,7 @@ def _check_calibratable(pipe, cfg: RunConfig) -> None:
             "the expert switch, so no signal runs through every step); accepted: a model with one expert"
         )
     s = cfg.sampling
-    info = sampling_plan(
-        pipe,
-        s,
-        steps=s.num_inference_steps,
-        guidance=s.guidance_scale,
-        height=s.height,
-        width=s.width,
-        num_frames=s.num_frames,
-    )
+    info = config_sampling_plan(pipe, cfg)
     guidance = s.guidance_scale if s.guidance_scale is not None else pipe.defaults["guidance_scale"]
     guided = sum(guided_steps(info["steps"], s.cfg_interval, guidance > 1.0))
     if 0 < guided < info["steps"]:

@@ -32,18 +32,9 @@ def _plan(cfg: RunConfig) -> int:
     if any(v is not None for v in (s.height, s.width, s.num_frames)):  # a size the model cannot generate is an error
         d = pipe.defaults
         pipe.check_size(s.height or d["height"], s.width or d["width"], s.num_frames or d["num_frames"])
-    from ditattn.pipelines.sampling import format_sampling, sampling_plan
+    from ditattn.pipelines.sampling import config_sampling_plan, format_sampling
 
-    sampling = sampling_plan(
-        pipe,
-        s,
-        steps=s.num_inference_steps,
-        guidance=s.guidance_scale,
-        height=s.height,
-        width=s.width,
-        num_frames=s.num_frames,
-        cfg_parallel=cfg.parallel.cfg_parallel,
-    )
+    sampling = config_sampling_plan(pipe, cfg)
     if pipe.cache_setting is not None:  # as generate refuses them: a start / end step this run cannot take
         guidance = s.guidance_scale if s.guidance_scale is not None else pipe.defaults["guidance_scale"]
         pipe.cache_setting.check_steps(sampling["steps"], guidance_scale=guidance, scheduler=sampling["scheduler"])

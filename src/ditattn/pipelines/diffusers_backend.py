@@ -329,8 +329,7 @@ def run_diffusers(
     ).frames
     frames = np.asarray(out, dtype=np.float32)
     if not np.isfinite(frames).all():  # a black or garbage clip is not a result (as the native pipeline refuses)
-        raise AttentionConfigError(
-            "diffusers decoded NaN or inf values, so nothing is saved (causes: non-finite weights, e.g. a broken "
-            "LoRA or checkpoint, or an overflow in float16; try --dtype bfloat16 or float32)"
-        )
+        from ditattn.pipelines.generation import NON_FINITE_CAUSES
+
+        raise AttentionConfigError(f"diffusers decoded NaN or inf values, so nothing is saved ({NON_FINITE_CAUSES})")
     return (frames * 255.0).round().clip(0, 255).astype(np.uint8), time.perf_counter() - t0

@@ -197,13 +197,19 @@ def cfg_split(do_cfg: bool, cfg_batching: str):
     return split
 
 
+#: why a run's numbers go non-finite, and what to try: said by both backends' refusals
+NON_FINITE_CAUSES = (
+    "causes: non-finite weights, e.g. a broken LoRA or checkpoint, or an overflow in float16; try --dtype "
+    "bfloat16 or float32"
+)
+
+
 def check_finite(latents: torch.Tensor) -> None:
     """Refuse denoised ``latents`` holding NaN or inf (one device sync): decoded, they would be a black or
     garbage clip reported as a result."""
     if not bool(torch.isfinite(latents).all()):
         raise AttentionConfigError(
-            "the denoised latents hold NaN or inf values, so no frames are decoded or saved (causes: non-finite "
-            "weights, e.g. a broken LoRA or checkpoint, or an overflow in float16; try --dtype bfloat16 or float32)"
+            f"the denoised latents hold NaN or inf values, so no frames are decoded or saved ({NON_FINITE_CAUSES})"
         )
 
 

@@ -266,6 +266,22 @@ def sampling_plan(
     }
 
 
+def config_sampling_plan(pipe, cfg) -> dict:
+    """:func:`sampling_plan` of a :class:`~ditattn.runconfig.RunConfig`'s sampling section (size, steps,
+    guidance; None: the model's) and its ``cfg_parallel``."""
+    s = cfg.sampling
+    return sampling_plan(
+        pipe,
+        s,
+        steps=s.num_inference_steps,
+        guidance=s.guidance_scale,
+        height=s.height,
+        width=s.width,
+        num_frames=s.num_frames,
+        cfg_parallel=cfg.parallel.cfg_parallel,
+    )
+
+
 def format_sampling(info: dict) -> str:
     """One line of ``ditattn plan``'s text output for :func:`sampling_plan`'s dict."""
     ts = info["timesteps"]
