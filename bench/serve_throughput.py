@@ -178,6 +178,9 @@ def overhead(bases: dict, k: int, warmup: int, size: int) -> dict:
             out[name]["generate_ms"] = round(statistics.median(r.get("generate", 0.0) for r in rows), 2)
             out[name]["route_ms"] = round(statistics.median(r["total"] for r in rows), 2)
             out[name]["outside_ms"] = round(statistics.median(r["latency"] - r["total"] for r in rows), 2)
+            if all("gc" in r for r in rows):  # spikes: the mean says what they cost, the max how large one is
+                out[name]["gc_mean_ms"] = round(statistics.fmean(r["gc"] for r in rows), 2)
+                out[name]["gc_max_ms"] = round(max(r["gc"] for r in rows), 2)
             out[name]["server_timing_ms"] = [{key: round(val, 2) for key, val in r.items()} for r in rows]
     ray, plain = out["ray"], out["plain"]
     for q in ("median", "p90"):
@@ -248,6 +251,11 @@ def table(res: dict) -> str:
                 f"{o['overhead_paired_outside_ms']:+.1f} (means)"
             )
         lines.append(paired)
+    if all("gc_mean_ms" in o[n] for n in ("plain", "ray")):
+        lines.append(
+            f"{'in the garbage collector':<26}plain {o['plain']['gc_mean_ms']:.2f} ms mean (max "
+            f"{o['plain']['gc_max_ms']:.1f}), Ray {o['ray']['gc_mean_ms']:.2f} (max {o['ray']['gc_max_ms']:.1f})"
+        )
     return "\n".join(lines)
 
 

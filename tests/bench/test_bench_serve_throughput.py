@@ -21,7 +21,7 @@ def _bench():
     return mod
 
 
-def _stub(extra_s: float):
+def _stub(extra_s: float, gc_ms: float = 0.0):
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_POST(self):
             self.rfile.read(int(self.headers["Content-Length"]))
@@ -30,7 +30,8 @@ def _stub(extra_s: float):
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
-            self.send_header("Server-Timing", "queue;dur=1.0, generate;dur=8.0, encode;dur=0.5, total;dur=10.0")
+            timing = f"queue;dur=1.0, generate;dur=8.0, encode;dur=0.5, gc;dur={gc_ms}, total;dur=10.0"
+            self.send_header("Server-Timing", timing)
             self.end_headers()
             self.wfile.write(body)
 
@@ -54,7 +55,7 @@ def test_parse_server_timing():
 
 def test_overhead_is_split_into_route_and_outside():
     bench = _bench()
-    plain, ray = _stub(0.0), _stub(0.030)
+    plain, ray = _stub(0.0), _stub(0.030, gc_ms=2.5)
     try:
         bases = {name: f"http://127.0.0.1:{s.server_address[1]}" for name, s in (("ray", ray), ("plain", plain))}
         o = bench.overhead(bases, k=6, warmup=1, size=16)
@@ -68,6 +69,8 @@ def test_overhead_is_split_into_route_and_outside():
     table = bench.table({"size": 16, "overhead": {"requests": 6, "warmup": 1, **o}})
     assert "in route" in table and f"outside it {o['overhead_outside_ms']:+.1f}" in table
     assert f"outside it {o['overhead_paired_outside_ms']:+.1f} (means)" in table
+    assert o["plain"]["gc_mean_ms"] == 0.0 and o["ray"]["gc_mean_ms"] == o["ray"]["gc_max_ms"] == 2.5
+    assert "plain 0.00 ms mean (max 0.0), Ray 2.50 (max 2.5)" in table
 
 
 def test_paired_overhead_is_the_mean_difference_of_request_pairs():

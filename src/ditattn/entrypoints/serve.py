@@ -123,6 +123,7 @@ def serve_on_ray(cfg: RunConfig) -> int:
 def serve_here(cfg: RunConfig) -> int:
     """Load the pipeline and serve it on ``cfg.server.host:port`` until a signal ends it (the
     first SIGTERM / Ctrl-C drains: :mod:`ditattn.server.lifecycle`)."""
+    from ditattn.server import gcpause
     from ditattn.server.app import create_app
     from ditattn.server.connection import uvicorn_config
     from ditattn.server.lifecycle import DrainingServer
@@ -162,6 +163,7 @@ def serve_here(cfg: RunConfig) -> int:
         app, cfg.server, log_level="info" if cfg.verbose else "warning", timeout_graceful_shutdown=5
     )
     server = DrainingServer(config, state)  # h11 with read timeouts and half-close support (server.connection)
+    gcpause.freeze_loaded()  # later collections skip the loaded pipeline and modules (server.gcpause)
     server.run()
     return 0
 

@@ -25,6 +25,7 @@ from typing import Optional
 from fastapi import FastAPI
 
 from ditattn.runconfig import ServerConfig
+from ditattn.server import gcpause
 from ditattn.server.errors import install_auth_and_metrics, install_error_handlers
 from ditattn.server.routes import health, images, models, videos
 from ditattn.server.state import ServerState
@@ -42,6 +43,7 @@ def create_app(runner, config: Optional[ServerConfig] = None, *, state: Optional
     restores its jobs itself).
     """
     state = state or ServerState(runner, config or ServerConfig())
+    gcpause.install()  # the image route's Server-Timing reports the collector's share
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -198,6 +198,7 @@ def _replica_class():
             self.owner = f"{socket.gethostname()}:{os.getpid()}:{tag}"
 
         def __serve_build_asgi_app__(self):
+            from ditattn.server import gcpause
             from ditattn.server.app import create_app
             from ditattn.server.cluster import ClusterState
             from ditattn.server.jobstores import is_postgres
@@ -205,7 +206,9 @@ def _replica_class():
             state = None  # one replica over SQLite: the single server's state
             if is_postgres(self.cfg.server.job_store):
                 state = ClusterState(self.runner, self.cfg.server, replicas=self.replicas, owner=self.owner)
-            return create_app(self.runner, self.cfg.server, state=state)
+            app = create_app(self.runner, self.cfg.server, state=state)
+            gcpause.freeze_loaded()  # later collections skip the pipeline and Ray's modules (server.gcpause)
+            return app
 
         def __del__(self):
             self._ranks.close()

@@ -7,8 +7,9 @@ public URL is configured; the request's ``Host`` header is never used.
 
 A generation's answer carries a ``Server-Timing`` header (ms): ``queue`` (from submission to the result,
 less the pipeline's own time: the wait in the queue and the batch around it), ``generate`` (the pipeline's
-run, decode included), ``encode`` (PNG and base64) and ``total`` (the route, from reading the body to the
-answer; the HTTP parsing and middleware around it are not counted): a client's latency less ``total`` is
+run, decode included), ``encode`` (PNG and base64), ``gc`` (the process's time in Python's garbage
+collector meanwhile, any thread's) and ``total`` (the route, from reading the body to the answer; the
+HTTP parsing and middleware around it are not counted): a client's latency less ``total`` is
 what lies outside the route (the network, the HTTP layer, a proxy such as Ray Serve's).
 """
 
@@ -23,6 +24,7 @@ import time
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 
+from ditattn.server import gcpause
 from ditattn.server.bodies import read_body, validate
 from ditattn.server.media import encode_png, failure_reason
 from ditattn.server.protocol import ImageData, ImageGenerationRequest, ImagesResponse, RequestError
@@ -35,7 +37,7 @@ CLIENT_CLOSED = 499  # nginx's "client closed request": counted in /metrics, nev
 
 @router.post("/v1/images/generations")
 async def images_generations(request: Request, state: ServerState = Depends(server_state)):
-    t_in = time.perf_counter()
+    t_in, gc_in = time.perf_counter(), gcpause.seconds()
     config = state.config
     state.check_accepting()
     req = validate(ImageGenerationRequest, await read_body(request, config.max_body_bytes, config.max_json_depth))
@@ -103,7 +105,11 @@ async def images_generations(request: Request, state: ServerState = Depends(serv
     t_out = time.perf_counter()
     generate = max(0.0, result.seconds)
     timing = server_timing(
-        queue=max(0.0, t_res - t_sub - generate), generate=generate, encode=t_out - t_res, total=t_out - t_in
+        queue=max(0.0, t_res - t_sub - generate),
+        generate=generate,
+        encode=t_out - t_res,
+        gc=gcpause.seconds() - gc_in,
+        total=t_out - t_in,
     )
     return JSONResponse(content, headers={BACKEND_HEADER: ",".join(backends), "Server-Timing": timing})
 
