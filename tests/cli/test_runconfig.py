@@ -194,3 +194,36 @@ def test_plan_and_backends_take_config_files(tmp_path, capsys):
     back.write_text("num-frames: 5\n")
     assert main(["backends", "--config", str(back)]) == 2
     assert "key 'num-frames' does not apply here" in capsys.readouterr().err
+
+
+def test_a_backend_flag_replaces_the_config_files_backend_with_its_keys(tmp_path, capsys):
+    """``--cache-backend none`` (or another attention backend) over a file that sets a backend and its keys: the
+    file's keys belonged to the old backend and go with it, said in a warning; the same backend again, or a
+    config given on the command line too, keeps the usual override rules."""
+    from ditattn.entrypoints.cli import COMMANDS, build_config
+
+    run = tmp_path / "run.yaml"
+    run.write_text(
+        "cache-backend: teacache\ncache-backend-config: {threshold: 0.1}\n"
+        "attention-backend: sparge_attn\nattention-backend-config: {topk: 0.3}\n"
+    )
+    plan = next(c for c in COMMANDS if c.name == "plan")
+    notes: list = []
+    cfg = build_config(plan, {"config_file": str(run), "cache_backend": "none"}, notes)
+    assert cfg.cache.cache_backend == "none" and cfg.cache.cache_backend_config is None
+    assert cfg.attention.attention_backend_config is not None  # not named: untouched
+    assert len(notes) == 1 and "--cache-backend none replaces the config file's cache-backend teacache" in notes[0]
+    notes.clear()
+    cfg = build_config(plan, {"config_file": str(run), "attention_backend": "torch_sdpa"}, notes)
+    assert cfg.attention.attention_backend_config is None and cfg.cache.cache_backend_config is not None
+    assert "attention-backend sparge_attn and its attention-backend-config" in notes[0]
+    notes.clear()
+    same = build_config(plan, {"config_file": str(run), "cache_backend": "TeaCache"}, notes)
+    assert same.cache.cache_backend_config is not None and not notes  # the same backend keeps its keys
+    both = build_config(
+        plan, {"config_file": str(run), "cache_backend": "magcache", "cache_backend_config": "threshold=0.2"}, notes
+    )
+    assert not notes and "0.2" in str(both.cache.cache_backend_config)
+    assert main(["plan", "--config", str(run), "--cache-backend", "none", "--attention-backend", "torch_sdpa"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("warning: ") == 2 and "error" not in err

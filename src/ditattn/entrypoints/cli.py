@@ -140,11 +140,33 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def build_config(command: Command, given: dict) -> RunConfig:
-    """The run's config: defaults, then ``--config`` (``given["config_file"]``), then the flags."""
+#: (section, backend field, its config field): a backend named on the command line replaces the config file's
+#: backend together with that backend's config, unless the command line gives a config too
+_REPLACED_WITH_BACKEND = (
+    ("cache", "cache_backend", "cache_backend_config"),
+    ("attention", "attention_backend", "attention_backend_config"),
+)
+
+
+def build_config(command: Command, given: dict, notes: Optional[list] = None) -> RunConfig:
+    """The run's config: defaults, then ``--config`` (``given["config_file"]``), then the flags.  A backend
+    flag (``--cache-backend``, ``--attention-backend``) that names another backend than the file's drops the
+    file's config of that backend (its keys were the old backend's); ``notes`` receives one sentence each."""
     given = dict(given)
     path = given.pop("config_file", None)
     cfg = RunConfig.from_file(path, accept=command.accept) if path else RunConfig()
+    for section, name, keys in _REPLACED_WITH_BACKEND:
+        old = getattr(getattr(cfg, section), name, None)
+        if name in given and keys not in given and getattr(getattr(cfg, section), keys, None) is not None:
+            new = given[name]
+            if str(new or "none").strip().lower() != str(old or "none").strip().lower():
+                cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **{keys: None})})
+                if notes is not None:
+                    flag = name.replace("_", "-")
+                    notes.append(
+                        f"--{flag} {new} replaces the config file's {flag} {old or 'none'} and its {flag}-config "
+                        f"(give --{flag}-config on the command line to set keys)"
+                    )
     return RunConfig.from_mapping(given, base=cfg, accept=command.accept, source="command line")
 
 
@@ -217,7 +239,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from ditattn import settings
 
         settings.check_environment()
-        cfg = build_config(command, given)
+        notes: list = []
+        cfg = build_config(command, given, notes)
+        for note in notes:
+            sys.stderr.write(f"warning: {note}\n")
         if cfg.verbose:
             logging.getLogger().setLevel(logging.INFO)
         for note in cfg.ignored_settings():  # given, but it would do nothing: said, not dropped silently

@@ -93,7 +93,8 @@ def config_flag(p: argparse.ArgumentParser) -> None:
         dest="config_file",
         metavar="FILE.yaml",
         help="settings from a YAML (or JSON) file: keys are the long flag names without the leading "
-        "dashes (e.g. 'num-inference-steps: 4'); flags given on the command line override it",
+        "dashes (e.g. 'num-inference-steps: 4'); flags given on the command line override it (--cache-backend "
+        "or --attention-backend naming another backend also drops the file's keys of the old one)",
     )
 
 
