@@ -475,3 +475,34 @@ def test_image_to_video_under_ulysses_matches_single_process(pipes):
     )
     for frames in spawn_ranks(_sp_i2v_worker, 2, args=(buf.getvalue(),), ulysses_degree=2, timeout_s=300):
         np.testing.assert_allclose(frames, want, atol=1e-4)
+
+
+def test_transparent_pixels_are_composited_over_white_and_said(tmp_path, caplog):
+    """An RGBA PNG whose lower half is transparent (its hidden colour black, as image editors often leave it) is read
+    with that half white, and a warning names it; an opaque RGBA image and a palette image with a transparent
+    index are treated alike (the opaque one unchanged, without a warning)."""
+    import logging
+
+    rgba = np.zeros((32, 32, 4), np.uint8)
+    rgba[..., 0] = 200
+    rgba[:16, :, 3] = 255
+    rgba[16:24, :, 3] = 128  # half transparent: blended
+    path = tmp_path / "cutout.png"
+    Image.fromarray(rgba, "RGBA").save(path)
+    with caplog.at_level(logging.WARNING, logger="ditattn.pipelines"):
+        got = np.asarray(load_image(str(path), where="--image"))
+    assert got[0, 0].tolist() == [200, 0, 0] and got[-1, -1].tolist() == [255, 255, 255]
+    assert abs(int(got[20, 0, 1]) - 127) <= 1 and abs(int(got[20, 0, 0]) - 228) <= 1  # 200 a + 255 (1 - a)
+    assert "cutout.png" in caplog.text and "has transparent pixels: they are composited over white" in caplog.text
+    caplog.clear()
+    rgba[..., 3] = 255
+    with caplog.at_level(logging.WARNING, logger="ditattn.pipelines"):
+        opaque = np.asarray(load_image(Image.fromarray(rgba, "RGBA")))
+    assert (opaque == rgba[..., :3]).all() and "transparent" not in caplog.text
+    pal = Image.fromarray(np.array([[0, 1] * 16] * 32, np.uint8), "P")
+    pal.putpalette([10, 20, 30, 40, 50, 60] + [0] * 762)
+    pal.info["transparency"] = 1
+    keyed = tmp_path / "keyed.png"
+    pal.save(keyed, transparency=1)
+    got = np.asarray(load_image(str(keyed)))
+    assert got[0, 0].tolist() == [10, 20, 30] and got[0, 1].tolist() == [255, 255, 255]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import logging
 import math
 import os
 import re
@@ -35,6 +36,7 @@ import torch
 from ditattn.errors import AttentionConfigError
 from ditattn.pipelines.latents import normalize_latents
 
+log = logging.getLogger("ditattn.pipelines")
 MODES = ("t2v", "i2v", "ti2v")
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "BMP")  # what PIL must identify an input image as
 MIN_IMAGE_SIDE = 16
@@ -86,7 +88,8 @@ def _check_pil(img, where: str, max_pixels: int):
 def _to_rgb(img, where: str):
     """``img`` upright (its EXIF orientation applied, as diffusers' ``load_image`` does) in RGB; 16-bit
     samples (:data:`SIXTEEN_BIT_MODES`) are scaled to 8 bits (``round(v * 255 / 65535)``) rather than
-    clipped; a mode with no 8-bit RGB form (float ``F``) is refused."""
+    clipped; transparent pixels are composited over white (said in a warning: their hidden colour is often black or
+    noise); a mode with no 8-bit RGB form (float ``F``) is refused."""
     from PIL import Image, ImageOps
 
     try:
@@ -107,6 +110,17 @@ def _to_rgb(img, where: str):
             f"{where}: float (mode F) images are not accepted; accepted: 8-bit images (L, RGB, RGBA, P), 16-bit "
             "grayscale (I;16) or a uint8 array"
         )
+    keyed = img.mode in ("P", "L", "RGB") and "transparency" in img.info  # a palette or colour-key transparency
+    if img.mode in ("RGBA", "LA", "PA", "La", "RGBa") or keyed:
+        rgba = img.convert("RGBA")
+        if rgba.getchannel("A").getextrema()[0] < 255:  # some pixel is (partly) transparent
+            log.warning(
+                "%s has transparent pixels: they are composited over white (flatten the image onto the background "
+                "you want first to choose another)",
+                where,
+            )
+            return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+        img = rgba
     try:
         return img.convert("RGB")
     except ValueError:
