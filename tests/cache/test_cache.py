@@ -208,6 +208,7 @@ def test_bad_configs_name_the_key():
         ("teacache", "taylorseer_order=3", "taylorseer_order"),
         ("first_block_cache", "max_consecutive_skips=x", "'max_consecutive_skips'"),
         ("nope", None, "unknown cache backend 'nope'"),
+        ("", None, "cache backend is empty; accepted: none, "),
         ("none", "threshold=1", "without a cache backend"),
         ("first_block_cache", "fn_blocks=3,bn_blocks=1", "fn_blocks + bn_blocks < 4"),
         ("magcache", None, "needs a calibration"),

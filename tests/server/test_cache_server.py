@@ -61,6 +61,7 @@ def test_concurrent_requests_keep_their_own_cache(server):
     "extra, field, words",
     [
         ({"cache_backend": "nope"}, "cache_backend", "unknown cache backend"),
+        ({"cache_backend": " "}, "cache_backend", "cache backend is empty"),  # not the default cache switched off
         ({"cache_backend": "teacache", "cache_backend_config": "threshold=-1"}, "cache_backend_config", "threshold"),
         ({"cache_backend": "teacache", "cache_backend_config": {"thresh": 1}}, "cache_backend_config", "thresh"),
         (

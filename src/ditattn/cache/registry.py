@@ -17,8 +17,13 @@ def cache_method(name) -> "CacheMethod | None":
     if name is None:
         return None
     key = str(name).strip().lower().replace("-", "_") if isinstance(name, str) else name
-    if key in ("none", ""):
+    if key == "none":
         return None
+    if key == "":  # not "none": a blank field would otherwise switch a server's or pipeline's default cache off
+        raise AttentionConfigError(
+            f"cache backend is empty; accepted: {', '.join(CACHE_BACKENDS)} (none turns the step cache off; leave the "
+            "setting out for the default)"
+        )
     if key not in CACHE_METHODS:
         raise AttentionConfigError(f"unknown cache backend {short_repr(name)}; accepted: {', '.join(CACHE_BACKENDS)}")
     return CACHE_METHODS[key]
