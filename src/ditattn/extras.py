@@ -71,9 +71,13 @@ class _DropTorchaoImportNotice:
 
 def quiet_third_party_import_notices() -> None:
     """Keep ``import ditattn`` (and the diffusers / torchao imports it triggers later) free of
-    third-party notices that concern nothing ditattn runs.  Idempotent."""
+    third-party notices that concern nothing ditattn runs: torchao's C++-extension notice, and the
+    ``SyntaxWarning`` (invalid escape sequences in its docstrings) that Python 3.12+ prints when it compiles
+    torchao's sources without cached bytecode (an install with ``--no-compile``, a read-only site).  Idempotent."""
     import logging
+    import warnings
 
+    warnings.filterwarnings("ignore", category=SyntaxWarning, module=r".*torchao[./\\]")  # by file path
     log = logging.getLogger("torchao")
     if not any(isinstance(f, _DropTorchaoImportNotice) for f in log.filters):
         log.addFilter(_DropTorchaoImportNotice())

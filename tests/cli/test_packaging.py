@@ -139,6 +139,20 @@ def test_type_checkers_see_the_attention_function(tmp_path):
     assert len(errors) == 1 and 'Unexpected keyword argument "bakend" for "attention"' in errors[0], proc.stdout
 
 
+def test_torchao_compile_time_syntax_warnings_are_quiet_after_import():
+    """Python 3.12+ compiling torchao's sources without cached bytecode warns about escape sequences in its docstrings
+    (seen on a GPU machine whose packages were installed with --no-compile); after ``import ditattn`` such a warning
+    attributed to a torchao file is dropped, one from any other file still shows."""
+    probe = (
+        "import warnings, ditattn\n"
+        "for path in ('/site/torchao/quantization/quant_api.py', '/site/other/mod.py'):\n"
+        "    warnings.warn_explicit(\"invalid escape sequence '\\\\.'\", SyntaxWarning, path, 3)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=ENV, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "torchao" not in proc.stderr and "/site/other/mod.py:3: SyntaxWarning" in proc.stderr
+
+
 def test_import_prints_no_third_party_notices():
     """``import ditattn`` and the imports it leads to (diffusers, torchao) print nothing: torchao's notice
     that it skips its C++ extensions (unused here) is dropped, its other log records pass."""

@@ -26,7 +26,7 @@ log = logging.getLogger("ditattn.pipelines")
 def clean_prompt(text: str) -> str:
     """Unescape HTML entities (twice), collapse whitespace runs, strip (as diffusers' Wan pipeline)."""
     try:
-        import ftfy  # optional, used by diffusers when installed
+        import ftfy  # a dependency (diffusers' Wan pipelines need it); guarded for a partial install
 
         text = ftfy.fix_text(text)
     except ImportError:
