@@ -43,6 +43,7 @@ import pytest  # noqa: E402
 
 
 def pytest_unconfigure(config):
+    _stop_sm90_census()  # still compiling when the session ended early
     shutil.rmtree(SESSION_TMP, ignore_errors=True)
 
 
@@ -117,6 +118,9 @@ def pytest_collection_modifyitems(config, items):
     _MODULES_WITH_DEVICE_AWARE_TESTS.update(
         item.module.__name__ for item in items if getattr(item, "module", None) is not None and _device_aware(item)
     )
+    # the tests that read the offline SM90 census run last (a stable sort: the others keep their order), so that
+    # the census, started in the background once collection ends (_start_sm90_census), compiles meanwhile
+    items.sort(key=lambda item: item.get_closest_marker("sm90_census") is not None)
 
 
 @pytest.fixture(autouse=True)
@@ -161,39 +165,90 @@ def pytest_configure(config):
 
 
 _CENSUS_DRIVER = r"""
-import json, sys
+import json, os, sys
+if hasattr(os, "nice"):
+    os.nice(10)  # the idle core's work: the tests (and the ranks they start) go first
 sys.path.insert(0, sys.argv[1])
 import sm90_offline
 for kernel, variants in json.loads(sys.argv[2]):
     sm90_offline.main(["--kernel", kernel, "--variants", variants, "--json", *json.loads(sys.argv[3])])
 """
 
+#: the census subprocess of this session (_start_sm90_census): {"wanted", "proc", "stdout", "stderr"}
+_SM90_CENSUS: dict = {}
 
-@pytest.fixture(scope="session")
-def _sm90_census_all(request) -> dict:
-    """Every census the session's ``sm90_census`` markers ask for, compiled in ONE fresh interpreter
-    without the Triton interpreter (tests/sm90_offline.py): ``{(kernel, variants): {variant:
-    registers, spills, shared, loop census}}``.  ``DITATTN_SM90_TRITON_PATH`` (a site-packages dir
-    holding the GPU machine's Triton, 3.6.0) compiles with that version instead of the installed one."""
+
+def _start_sm90_census(wanted: list) -> dict:
+    """Start compiling every census in ``wanted`` ([(kernel, variants)]) in ONE fresh interpreter without the
+    Triton interpreter (tests/sm90_offline.py), in the background; its output goes to files of the session
+    folder.  ``DITATTN_SM90_TRITON_PATH`` (a site-packages dir holding the GPU machine's Triton, 3.6.0)
+    compiles with that version instead of the installed one."""
     import json
     import subprocess
     import sys
 
-    wanted = sorted({tuple(m.args) for item in request.session.items for m in item.iter_markers("sm90_census")})
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.path.join(root, "src") + os.pathsep + env.get("PYTHONPATH", "")
     triton_path = os.environ.get("DITATTN_SM90_TRITON_PATH")
     extra = ["--triton-path", triton_path] if triton_path else []
-    proc = subprocess.run(
-        [sys.executable, "-c", _CENSUS_DRIVER, os.path.join(root, "tests"), json.dumps(wanted), json.dumps(extra)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()[-len(wanted) :]
+    folder = tempfile.mkdtemp(prefix="sm90-census-", dir=SESSION_TMP)
+    out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
+    with open(out, "w") as fo, open(err, "w") as fe:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _CENSUS_DRIVER, os.path.join(root, "tests"), json.dumps(wanted), json.dumps(extra)],
+            stdout=fo,
+            stderr=fe,
+            env=env,
+            start_new_session=True,  # its own process group: pytest_unconfigure stops it and its ptxas runs
+        )
+    _SM90_CENSUS.update(wanted=wanted, proc=proc, stdout=out, stderr=err)
+    return _SM90_CENSUS
+
+
+def _census_wanted(items) -> list:
+    return sorted({tuple(m.args) for item in items for m in item.iter_markers("sm90_census")})
+
+
+def pytest_collection_finish(session):
+    """The census the session's tests ask for starts compiling now, while the other tests run (they run
+    first: pytest_collection_modifyitems); the ``sm90_census`` fixture waits for it."""
+    wanted = _census_wanted(session.items)
+    if wanted and not session.config.option.collectonly:
+        _start_sm90_census(wanted)
+
+
+def _stop_sm90_census():
+    import signal
+
+    proc = _SM90_CENSUS.get("proc")
+    if proc is not None and proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.fixture(scope="session")
+def _sm90_census_all(request) -> dict:
+    """Every census the session's ``sm90_census`` markers ask for (:func:`_start_sm90_census`, started when
+    collection ended): ``{(kernel, variants): {variant: registers, spills, shared, loop census}}``."""
+    import json
+    import subprocess
+
+    wanted = _census_wanted(request.session.items)
+    run = _SM90_CENSUS if _SM90_CENSUS.get("wanted") == wanted else None
+    if run is None:  # not started at collection (another plugin changed the items since): start it now
+        _stop_sm90_census()
+        run = _start_sm90_census(wanted)
+    try:
+        rc = run["proc"].wait(timeout=900)
+    except subprocess.TimeoutExpired:
+        _stop_sm90_census()
+        raise
+    with open(run["stdout"]) as fo, open(run["stderr"], errors="replace") as fe:
+        stdout, stderr = fo.read(), fe.read()
+    assert rc == 0, stderr[-3000:]
+    lines = stdout.strip().splitlines()[-len(wanted) :]
     return {pair: json.loads(line) for pair, line in zip(wanted, lines)}
 
 

@@ -70,6 +70,14 @@ def subprocess_env(**extra) -> dict:
 def serve_process(args, log_path, *, startup_s: float = 180):
     """Run ``python -m ditattn serve --port P *args`` (output to ``log_path``) until it answers
     ``/health``; yields its base URL and stops it on exit."""
+    with serve_subprocess(args, log_path, startup_s=startup_s) as (base, _proc):
+        yield base
+
+
+@contextlib.contextmanager
+def serve_subprocess(args, log_path, *, startup_s: float = 180):
+    """:func:`serve_process` yielding ``(base URL, the subprocess.Popen)``: a test may signal the server
+    itself (on exit it is stopped unless it has exited)."""
     port = free_port()
     env = subprocess_env(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     cmd = [sys.executable, "-m", "ditattn", "serve", "--port", str(port), *args]
@@ -89,9 +97,10 @@ def serve_process(args, log_path, *, startup_s: float = 180):
             if time.time() - t0 > startup_s:
                 pytest.fail(f"ditattn serve did not come up:\n{open(log_path).read()}")
             time.sleep(0.2)
-        yield base
+        yield base, proc
     finally:
-        proc.terminate()
+        if proc.poll() is None:
+            proc.terminate()
         try:
             proc.wait(20)
         except subprocess.TimeoutExpired:

@@ -203,7 +203,8 @@ def test_nothing_below_the_entry_points_reads_argparse():
 
 
 # first thing in a fresh interpreter: heavy third-party libraries are imported once, then every
-# module is imported in its own forked child before any other ditattn module is loaded
+# module is imported in its own forked child before any other ditattn module is loaded (the children
+# are independent: one per core at a time)
 _IMPORT_EACH = r"""
 import importlib, os, sys, traceback
 for lib in ("torch", "numpy", "diffusers", "transformers", "fastapi", "pydantic", "triton"):
@@ -212,20 +213,34 @@ for lib in ("torch", "numpy", "diffusers", "transformers", "fastapi", "pydantic"
     except ImportError:
         pass
 assert not [m for m in sys.modules if m == "ditattn" or m.startswith("ditattn.")]
-failed = []
+failed, running = [], {}
+
+
+def reap():
+    while True:
+        pid, status = os.wait()
+        if pid in running:
+            break
+    name = running.pop(pid)
+    if status:
+        failed.append(name)
+
+
 for name in sys.argv[1:]:
+    if len(running) >= max(2, os.cpu_count() or 1):
+        reap()
     pid = os.fork()
     if pid == 0:
         try:
             importlib.import_module(name)
         except BaseException:
-            sys.stderr.write(f"--- {name}\n{traceback.format_exc()}")
+            os.write(2, f"--- {name}\n{traceback.format_exc()}".encode())  # one write: children run side by side
             os._exit(1)
         os._exit(0)
-    _, status = os.waitpid(pid, 0)
-    if status:
-        failed.append(name)
-print("FAILED:", " ".join(failed))
+    running[pid] = name
+while running:
+    reap()
+print("FAILED:", " ".join(sorted(failed)))
 sys.exit(1 if failed else 0)
 """
 

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from serving import serve_flags, serve_process, wait_video
+from serving import serve_flags, serve_process, serve_subprocess, wait_video
 
 pytest.importorskip("ray", reason="ray is not installed (pip install 'ditattn[scale]')")
 pytestmark = [pytest.mark.ray, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -43,9 +43,10 @@ def cluster(pg_server, tmp_path_factory):
         num_inference_steps=2,
         guidance_scale=1.0,
         num_frames=5,
+        max_output_pixels=64 * 64 * 41,  # test_sigterm_hands_the_running_job_back's long job
     )
-    with serve_process(args, log, startup_s=400) as base:
-        yield base, url, out, log
+    with serve_subprocess(args, log, startup_s=400) as (base, proc):
+        yield base, url, out, log, proc
 
 
 def _client(base):
@@ -70,7 +71,7 @@ def _ran_on(url, vid):
 
 
 def test_images_and_video_jobs_through_one_endpoint(cluster):
-    base, url, out, _ = cluster
+    base, url, out, _, _ = cluster
     c = _client(base)
     r = c.images.generate(
         prompt="a fox", n=2, size="16x16", extra_body={"seed": 3, "attention_backend_override": "torch_sdpa"}
@@ -113,7 +114,7 @@ def test_replicas_and_proxy_run_at_niceness_0(cluster):
 
 
 def test_50_concurrent_mixed_requests(cluster):
-    base, url, _, _ = cluster
+    base, url, _, _, _ = cluster
 
     def one(i):
         kind = i % 5
@@ -156,7 +157,7 @@ def test_50_concurrent_mixed_requests(cluster):
 
 
 def test_killing_the_replica_that_runs_a_video_job(cluster):
-    base, url, out, log = cluster
+    base, url, out, log, _ = cluster
     c = _client(base)
     vid = c.videos.create(
         prompt="survive", size="32x32", extra_body={"num_inference_steps": 100, "seed": 9, "num_frames": 9}
@@ -184,6 +185,31 @@ def test_killing_the_replica_that_runs_a_video_job(cluster):
     else:
         assert v.status == "failed" and v.error.code == "lease_expired" and v.error.message, v
     assert vid in {x.id for x in c.videos.list(limit=100).data}  # no job lost
+
+
+def test_sigterm_hands_the_running_job_back(cluster):
+    """SIGTERM to ``serve --replicas 2`` while a video job runs: exit 0, the job back in the store as
+    queued with no owner (the next deployment, or another one sharing the store, runs it).  The last test
+    of the module's deployment (it stops it): the tests above share its Ray instance."""
+    import psycopg
+
+    base, url, _, log, proc = cluster
+    t0 = time.time()
+    vid = httpx.post(
+        base + "/v1/videos",
+        json={"prompt": "long", "size": "64x64", "num_inference_steps": 100, "num_frames": 41},
+        headers=H,
+        timeout=60,
+    ).json()["id"]
+    while httpx.get(f"{base}/v1/videos/{vid}", headers=H, timeout=60).json()["status"] != "in_progress":
+        assert time.time() - t0 < 500
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(180) == 0, log.read_text()[-3000:]
+    with psycopg.connect(url) as c:
+        row = c.execute("SELECT status, owner FROM ditattn_videos WHERE id = %s", (vid,)).fetchone()
+    assert row == ("queued", None), row
+    assert "stopping the replicas" in log.read_text()
 
 
 def test_deployment_full_is_429_with_retry_after(pg_server, tmp_path):
@@ -219,69 +245,6 @@ def test_deployment_full_is_429_with_retry_after(pg_server, tmp_path):
     assert set(codes) <= {200, 429} and 429 in codes and 200 in codes, codes
     assert codes.count(200) <= 2 * 4 + 2 + 4  # replicas x (2 x batch + 2) in flight + the queue (+ the ones done)
     assert all(int(r.headers["retry-after"]) >= 1 for r in rs if r.status_code == 429)
-
-
-def test_sigterm_hands_the_running_job_back(pg_server, tmp_path):
-    """SIGTERM to ``serve --replicas 2`` while a video job runs: exit 0, the job back in the store as
-    queued with no owner (the next deployment, or another one sharing the store, runs it)."""
-    import subprocess
-    import sys
-
-    import psycopg
-
-    from serving import ROOT, free_port, subprocess_env
-
-    url = pg_server.fresh_db("st" + uuid.uuid4().hex[:10])
-    port, log = free_port(), tmp_path / "serve.log"
-    env = subprocess_env(HF_HUB_OFFLINE="1")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "ditattn",
-            "serve",
-            "--model-path",
-            "ditattn:tiny-wan",
-            "--replicas",
-            "2",
-            "--job-store",
-            url,
-            "--output-dir",
-            str(tmp_path / "out"),
-            "--port",
-            str(port),
-            "--height",
-            "64",
-            "--width",
-            "64",
-        ],
-        stdout=open(log, "w"),
-        stderr=subprocess.STDOUT,
-        env=env,
-        cwd=ROOT,
-    )
-    try:
-        t0 = time.time()
-        while "Ctrl-C stops" not in log.read_text():
-            assert proc.poll() is None and time.time() - t0 < 400, log.read_text()
-            time.sleep(0.5)
-        base = f"http://127.0.0.1:{port}"
-        vid = httpx.post(
-            base + "/v1/videos", json={"prompt": "long", "num_inference_steps": 100, "num_frames": 41}, timeout=60
-        ).json()["id"]
-        while httpx.get(f"{base}/v1/videos/{vid}", timeout=60).json()["status"] != "in_progress":
-            assert time.time() - t0 < 500
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(180) == 0, log.read_text()[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    with psycopg.connect(url) as c:
-        row = c.execute("SELECT status, owner FROM ditattn_videos WHERE id = %s", (vid,)).fetchone()
-    assert row == ("queued", None), row
-    assert "stopping the replicas" in log.read_text()
 
 
 def test_replica_with_two_ranks_on_ray(pg_server, tmp_path):
@@ -323,13 +286,22 @@ def test_replica_with_two_ranks_on_ray(pg_server, tmp_path):
         "--output-dir",
         str(tmp_path / "out"),
     ]
-    with serve_process(args, tmp_path / "serve.log", startup_s=400) as base:
-        r = httpx.post(base + "/v1/images/generations", json=body, timeout=300)
+
+    def single_process():  # the single-process server, same request
+        runner = build_runner(
+            RunConfig(model=ModelConfig(model_path="ditattn:tiny-wan", device="cpu", dtype="float32"))
+        )
+        with serve(runner) as (plain, _app):
+            return httpx.post(plain + "/v1/images/generations", json=body, timeout=300)
+
+    with ThreadPoolExecutor(1) as pool:
+        reference = pool.submit(single_process)  # independent of the Ray run: computed while Ray starts
+        with serve_process(args, tmp_path / "serve.log", startup_s=400) as base:
+            r = httpx.post(base + "/v1/images/generations", json=body, timeout=300)
+        one = reference.result()
     assert r.status_code == 200, r.text
     got = iio.imread(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"]))).astype(int)
-    runner = build_runner(RunConfig(model=ModelConfig(model_path="ditattn:tiny-wan", device="cpu", dtype="float32")))
-    with serve(runner) as (plain, _app):  # the single-process server, same request
-        one = httpx.post(plain + "/v1/images/generations", json=body, timeout=300)
+    assert one.status_code == 200, one.text
     ref = iio.imread(io.BytesIO(base64.b64decode(one.json()["data"][0]["b64_json"]))).astype(int)
     assert got.shape == ref.shape == (48, 32, 3) and ref.std() > 1
     assert np.abs(got - ref).max() <= 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib
 import logging
 import re
@@ -108,6 +109,7 @@ COMMANDS = (
 )
 
 
+@functools.lru_cache(maxsize=None)  # read once: every parser shows it
 def _version() -> str:
     """The installed distribution's version (importlib.metadata), else the package's own."""
     from importlib.metadata import PackageNotFoundError, version

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 from typing import Any, Callable
 
 from ditattn.runconfig import SECTIONS, RunConfig
@@ -41,6 +42,7 @@ def typed(key: str) -> Callable[[str], Any]:
     return arg_type(next(f.metadata["check"] for f in dataclasses.fields(cls) if f.name == key))
 
 
+@functools.lru_cache(maxsize=None)  # the fields are fixed; a parser looks each one up several times
 def _config_field(key: str) -> dataclasses.Field:
     section = RunConfig.keys()[key]
     if section is None:

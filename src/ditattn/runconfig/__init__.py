@@ -34,6 +34,7 @@ accepted); rules across fields live in :meth:`ParallelConfig.degrees`,
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Iterable, Mapping, Optional, Union
 
 from ditattn.errors import AttentionConfigError, short_repr, short_text
@@ -356,6 +357,16 @@ def _section(cls):
     return dataclasses.field(default_factory=cls)
 
 
+@functools.lru_cache(maxsize=None)  # the sections are fixed: built once (a parser asks ~650 times)
+def _keys(accept: Optional[frozenset]) -> dict[str, Optional[str]]:
+    out: dict[str, Optional[str]] = {}
+    for section, cls in SECTIONS.items():
+        if accept is None or section in accept:
+            out.update({f.name: section for f in dataclasses.fields(cls)})
+    out.update({k: None for k in TOP_LEVEL if accept is None or k in accept})
+    return out
+
+
 def _accepted(key: str, allowed, shown: str) -> str:
     """What an unknown key's message says is accepted: every key when the list is short, else the
     closest keys and where the whole list is (so a message stays a readable line)."""
@@ -408,13 +419,7 @@ class RunConfig:
     def keys(accept: Optional[Iterable[str]] = None) -> dict[str, Optional[str]]:
         """Every settable key → its section (None for ``verbose`` / ``json``), limited to the
         sections and top-level keys named in ``accept`` (None: all)."""
-        accept = None if accept is None else set(accept)
-        out: dict[str, Optional[str]] = {}
-        for section, cls in SECTIONS.items():
-            if accept is None or section in accept:
-                out.update({f.name: section for f in dataclasses.fields(cls)})
-        out.update({k: None for k in TOP_LEVEL if accept is None or k in accept})
-        return out
+        return dict(_keys(None if accept is None else frozenset(accept)))  # a copy: the callers' own
 
     @classmethod
     def from_mapping(
