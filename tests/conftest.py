@@ -28,6 +28,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # TorchInductor compile caches.  Set here, at import, so that code run at collection time and every
 # subprocess inherit it.  DITATTN_TEST_CACHE=DIR keeps the built models across sessions instead.
 import contextlib  # noqa: E402
+import pathlib  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
@@ -41,9 +42,11 @@ os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(SESSION_TMP, "inductor")
 
 import pytest  # noqa: E402
 
+import background  # noqa: E402
+
 
 def pytest_unconfigure(config):
-    _stop_sm90_census()  # still compiling when the session ended early
+    BACKGROUND.stop()  # a run still going when the session ended early
     shutil.rmtree(SESSION_TMP, ignore_errors=True)
 
 
@@ -119,7 +122,7 @@ def pytest_collection_modifyitems(config, items):
         item.module.__name__ for item in items if getattr(item, "module", None) is not None and _device_aware(item)
     )
     # the tests that read the offline SM90 census run last (a stable sort: the others keep their order), so that
-    # the census, started in the background once collection ends (_start_sm90_census), compiles meanwhile
+    # the census, compiled in the background once collection ends (pytest_collection_finish), is ready by then
     items.sort(key=lambda item: item.get_closest_marker("sm90_census") is not None)
 
 
@@ -162,93 +165,100 @@ def pytest_configure(config):
     )
     config.addinivalue_line("markers", "gpu: the test picks its device itself (not pinned to a CPU-only machine)")
     config.addinivalue_line("markers", "ray: starts a local Ray instance (select with -m ray)")
+    config.addinivalue_line(
+        "markers",
+        "background(spec): the test's subprocess runs in the background while the suite runs (tests/background.py); "
+        "the test reads it through the ``background_run`` fixture",
+    )
 
 
 _CENSUS_DRIVER = r"""
-import json, os, sys
-if hasattr(os, "nice"):
-    os.nice(10)  # the idle core's work: the tests (and the ranks they start) go first
+import json, sys
 sys.path.insert(0, sys.argv[1])
 import sm90_offline
 for kernel, variants in json.loads(sys.argv[2]):
     sm90_offline.main(["--kernel", kernel, "--variants", variants, "--json", *json.loads(sys.argv[3])])
 """
 
-#: the census subprocess of this session (_start_sm90_census): {"wanted", "proc", "stdout", "stderr"}
-_SM90_CENSUS: dict = {}
-
-
-def _start_sm90_census(wanted: list) -> dict:
-    """Start compiling every census in ``wanted`` ([(kernel, variants)]) in ONE fresh interpreter without the
-    Triton interpreter (tests/sm90_offline.py), in the background; its output goes to files of the session
-    folder.  ``DITATTN_SM90_TRITON_PATH`` (a site-packages dir holding the GPU machine's Triton, 3.6.0)
-    compiles with that version instead of the installed one."""
-    import json
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.path.join(root, "src") + os.pathsep + env.get("PYTHONPATH", "")
-    triton_path = os.environ.get("DITATTN_SM90_TRITON_PATH")
-    extra = ["--triton-path", triton_path] if triton_path else []
-    folder = tempfile.mkdtemp(prefix="sm90-census-", dir=SESSION_TMP)
-    out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
-    with open(out, "w") as fo, open(err, "w") as fe:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", _CENSUS_DRIVER, os.path.join(root, "tests"), json.dumps(wanted), json.dumps(extra)],
-            stdout=fo,
-            stderr=fe,
-            env=env,
-            start_new_session=True,  # its own process group: pytest_unconfigure stops it and its ptxas runs
-        )
-    _SM90_CENSUS.update(wanted=wanted, proc=proc, stdout=out, stderr=err)
-    return _SM90_CENSUS
-
 
 def _census_wanted(items) -> list:
     return sorted({tuple(m.args) for item in items for m in item.iter_markers("sm90_census")})
 
 
+def _sm90_census_run(wanted: list):
+    """The background run (tests/background.py) that compiles every census in ``wanted`` ([(kernel,
+    variants)]) in ONE fresh interpreter without the Triton interpreter (tests/sm90_offline.py).
+    ``DITATTN_SM90_TRITON_PATH`` (a site-packages dir holding the GPU machine's Triton, 3.6.0) compiles with
+    that version instead of the installed one."""
+    import json
+    import sys
+
+    def spec(folder):
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env["PYTHONPATH"] = os.path.join(root, "src") + os.pathsep + env.get("PYTHONPATH", "")
+        triton_path = os.environ.get("DITATTN_SM90_TRITON_PATH")
+        extra = ["--triton-path", triton_path] if triton_path else []
+        args = [sys.executable, "-c", _CENSUS_DRIVER, os.path.join(root, "tests"), json.dumps(wanted)]
+        return dict(args=[*args, json.dumps(extra)], env=env, timeout=900)
+
+    return ("sm90_census", tuple(wanted)), spec
+
+
+#: the session's background runs (tests/background.py)
+BACKGROUND = background.Runner(os.path.join(SESSION_TMP, "background"))
+
+
 def pytest_collection_finish(session):
-    """The census the session's tests ask for starts compiling now, while the other tests run (they run
-    first: pytest_collection_modifyitems); the ``sm90_census`` fixture waits for it."""
+    """Queue the subprocesses of the selected tests marked ``background`` (in the order the tests run), then
+    the SM90 census (its tests run last: pytest_collection_modifyitems), and start running them."""
+    if session.config.option.collectonly:
+        return
+    for item in session.items:
+        if item.get_closest_marker("background") is not None:
+            BACKGROUND.add(*_background_spec(item))
     wanted = _census_wanted(session.items)
-    if wanted and not session.config.option.collectonly:
-        _start_sm90_census(wanted)
+    if wanted:
+        BACKGROUND.add(*_sm90_census_run(wanted))
+    BACKGROUND.start()
 
 
-def _stop_sm90_census():
-    import signal
+@pytest.fixture
+def background_run(request) -> tuple:
+    """``(subprocess.CompletedProcess, folder)`` of the test's ``@pytest.mark.background.with_args(spec)`` run
+    (tests/background.py): run while the suite ran, or now if it had not started."""
+    assert request.node.get_closest_marker("background") is not None, "background_run needs @pytest.mark.background"
+    proc, folder = BACKGROUND.result(*_background_spec(request.node))
+    return proc, pathlib.Path(folder)
 
-    proc = _SM90_CENSUS.get("proc")
-    if proc is not None and proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+
+def _background_spec(item) -> tuple:
+    """``(key, spec)`` of the test's ``background`` mark; on a machine with a GPU a test that is not device-aware
+    gets the environment of a CPU-only machine's subprocesses (``CUDA_VISIBLE_DEVICES=""``: :func:`_as_cpu_machine`),
+    as the run has started before the test."""
+    spec = item.get_closest_marker("background").args[0]
+    if not _HAS_CUDA or _device_aware(item):
+        return spec, spec
+
+    def on_a_cpu_machine(folder):
+        kw = dict(spec(folder))
+        kw["env"] = {**(kw.get("env") or os.environ), "CUDA_VISIBLE_DEVICES": ""}
+        return kw
+
+    return (spec, "cpu"), on_a_cpu_machine
 
 
 @pytest.fixture(scope="session")
 def _sm90_census_all(request) -> dict:
-    """Every census the session's ``sm90_census`` markers ask for (:func:`_start_sm90_census`, started when
-    collection ended): ``{(kernel, variants): {variant: registers, spills, shared, loop census}}``."""
+    """Every census the session's ``sm90_census`` markers ask for (:func:`_sm90_census_run`, compiled in the
+    background while the other tests ran): ``{(kernel, variants): {variant: registers, spills, shared, loop
+    census}}``."""
     import json
-    import subprocess
 
     wanted = _census_wanted(request.session.items)
-    run = _SM90_CENSUS if _SM90_CENSUS.get("wanted") == wanted else None
-    if run is None:  # not started at collection (another plugin changed the items since): start it now
-        _stop_sm90_census()
-        run = _start_sm90_census(wanted)
-    try:
-        rc = run["proc"].wait(timeout=900)
-    except subprocess.TimeoutExpired:
-        _stop_sm90_census()
-        raise
-    with open(run["stdout"]) as fo, open(run["stderr"], errors="replace") as fe:
-        stdout, stderr = fo.read(), fe.read()
-    assert rc == 0, stderr[-3000:]
-    lines = stdout.strip().splitlines()[-len(wanted) :]
+    proc, _ = BACKGROUND.result(*_sm90_census_run(wanted))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()[-len(wanted) :]
     return {pair: json.loads(line) for pair, line in zip(wanted, lines)}
 
 

@@ -5,6 +5,7 @@ few files, and ends with the short table; bench/fidelity.py's budget list and su
 import importlib.util
 import json
 import os
+import sys
 
 import pytest
 
@@ -18,9 +19,16 @@ def _fidelity():
     return mod
 
 
-def test_frontier_smoke_on_cpu(tmp_path, run_bench):
-    out = tmp_path / "front"
-    stdout = run_bench("frontier.py", "--smoke", "--families", "original,weak", "--out", str(out))
+def _frontier_smoke_run(folder):
+    argv = ["--smoke", "--families", "original,weak", "--out", os.path.join(folder, "front")]
+    return dict(args=[sys.executable, os.path.join(ROOT, "bench", "frontier.py"), *argv])
+
+
+@pytest.mark.background.with_args(_frontier_smoke_run)  # its parts are subprocesses: run meanwhile
+def test_frontier_smoke_on_cpu(background_run):
+    proc, tmp_path = background_run
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    stdout, out = proc.stdout, tmp_path / "front"
     data = json.loads((out / "summary.json").read_text())
     assert set(data["parts"]) == {"capture", "fidelity", "sage"}
     assert all(p["rc"] == 0 and not p["timed_out"] for p in data["parts"].values()), data["parts"]

@@ -3,6 +3,12 @@ bugs): bench/e2e.py --i2v against diffusers, bench/wan_memory.py with block-stre
 (each variant in its own process, as on the GPU)."""
 
 import json
+import os
+import sys
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench")
 
 
 def test_e2e_i2v_step_matches_diffusers(tmp_path, run_bench):
@@ -28,24 +34,19 @@ def test_e2e_i2v_step_matches_diffusers(tmp_path, run_bench):
     assert json.loads(out.read_text())["i2v"] and ours["rel_err_vs_diffusers"] < 1e-2
 
 
-def test_wan_memory_runs_offload_variants(tmp_path, run_bench):
-    out = tmp_path / "mem.json"
-    stdout = run_bench(
-        "wan_memory.py",
-        "--arch",
-        "tiny",
-        "--res",
-        "tiny",
-        "--frames",
-        "5",
-        "--steps",
-        "1",
-        "--variants",
-        "none,group+tiling",
-        "--out",
-        str(out),
+def _wan_memory_run(folder):
+    argv = ["--arch", "tiny", "--res", "tiny", "--frames", "5", "--steps", "1", "--variants", "none,group+tiling"]
+    return dict(
+        args=[sys.executable, os.path.join(BENCH, "wan_memory.py"), *argv, "--out", os.path.join(folder, "mem.json")]
     )
-    rows = json.loads(out.read_text())["rows"]
+
+
+@pytest.mark.background.with_args(_wan_memory_run)  # the variants' processes: run meanwhile
+def test_wan_memory_runs_offload_variants(background_run):
+    proc, tmp_path = background_run
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    stdout = proc.stdout
+    rows = json.loads((tmp_path / "mem.json").read_text())["rows"]
     assert [r["variant"] for r in rows] == ["none", "group+tiling"] and not any("error" in r for r in rows)
     assert rows[1]["offloaded"] == ["text_encoder", "transformer", "vae"] and rows[1]["vae_tiling"]
     assert rows[0]["frames_shape"] == [1, 5, 64, 64, 3]

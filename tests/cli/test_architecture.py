@@ -11,8 +11,9 @@
 
 import ast
 import os
-import subprocess
 import sys
+
+import pytest
 
 import serving
 
@@ -245,12 +246,14 @@ sys.exit(1 if failed else 0)
 """
 
 
-def test_every_module_imports_first_in_a_fresh_interpreter():
-    env = serving.subprocess_env()
+def _import_each_module(folder):
     names = sorted(n for n in MODULES if n != "ditattn.__main__")  # a script: importing it runs the CLI
-    proc = subprocess.run(
-        [sys.executable, "-c", _IMPORT_EACH, *names], capture_output=True, text=True, env=env, timeout=900
-    )
+    return dict(args=[sys.executable, "-c", _IMPORT_EACH, *names], env=serving.subprocess_env(), timeout=900)
+
+
+@pytest.mark.background.with_args(_import_each_module)
+def test_every_module_imports_first_in_a_fresh_interpreter(background_run):
+    proc, _ = background_run
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     assert proc.stdout.strip() == "FAILED:"
 

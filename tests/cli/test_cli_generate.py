@@ -1,7 +1,6 @@
 """``ditattn generate`` end to end: MP4 / PNG output, the timing line, errors, the diffusers passthrough."""
 
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -187,32 +186,38 @@ def test_diffusers_passthrough_rejections(capsys, tmp_path):
     assert rc == 2 and "needs a ditattn --attention-backend; 'native' is diffusers' own" in err
 
 
-def test_cli_error_exit_code_in_a_subprocess():
-    proc = subprocess.run(
-        [sys.executable, "-m", "ditattn", "plan", "--component-attention-backends", "text_encoder=fa"],
-        capture_output=True,
-        text=True,
+def _plan_with_a_bad_component_backend(folder):
+    return dict(
+        args=[sys.executable, "-m", "ditattn", "plan", "--component-attention-backends", "text_encoder=fa"],
         env=_env(),
         timeout=300,
     )
+
+
+@pytest.mark.background.with_args(_plan_with_a_bad_component_backend)
+def test_cli_error_exit_code_in_a_subprocess(background_run):
+    proc, _ = background_run
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "bias" in proc.stderr
     assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
 
 
-def test_default_command_as_a_new_user(tmp_path):
-    """The README's main command: no flags but --prompt, the default model (the trained ditattn:shapes),
-    a video with a progress bar and the timing summary as the last line, showing what was asked for."""
+def _new_user_run(folder):
     env = _env()
     if OMP_THREADS_SET_HERE:  # not conftest's one-thread setting: a new user's run picks its CPU threads itself
         del env["OMP_NUM_THREADS"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "ditattn", "generate", "--prompt", "a blue square moving up"],
-        capture_output=True,
-        text=True,
+    return dict(
+        args=[sys.executable, "-m", "ditattn", "generate", "--prompt", "a blue square moving up"],
         env=env,
-        cwd=tmp_path,
+        cwd=folder,
         timeout=600,
     )
+
+
+@pytest.mark.background.with_args(_new_user_run)
+def test_default_command_as_a_new_user(background_run):
+    """The README's main command: no flags but --prompt, the default model (the trained ditattn:shapes),
+    a video with a progress bar and the timing summary as the last line, showing what was asked for."""
+    proc, tmp_path = background_run  # run in an empty folder of its own
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert lines[0] == "saved: outputs/a_blue_square_moving_up_s0.mp4"

@@ -5,8 +5,9 @@ traceback, no crash.  The targets are in ``tests/fuzz_targets.py``."""
 
 import json
 import os
-import subprocess
 import sys
+
+import pytest
 
 import fuzz_targets as ft
 
@@ -34,16 +35,19 @@ def test_fuzz_command_line():
     assert ft.COUNTS["cli"] >= 100
 
 
-def test_fuzz_attention_arguments_in_a_child_process():
-    """A crashed interpreter (signal) fails here with the child's output; so does any exception other
-    than AttentionConfigError (hypothesis prints the falsifying call)."""
+def _fuzz_attention_run(folder):
     env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(HERE), "src") + os.pathsep + HERE)
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "fuzz_targets.py"), "attention", str(ATTENTION_CASES)],
-        capture_output=True,
-        text=True,
+    return dict(
+        args=[sys.executable, os.path.join(HERE, "fuzz_targets.py"), "attention", str(ATTENTION_CASES)],
         env=env,
         timeout=600,
     )
+
+
+@pytest.mark.background.with_args(_fuzz_attention_run)
+def test_fuzz_attention_arguments_in_a_child_process(background_run):
+    """A crashed interpreter (signal) fails here with the child's output; so does any exception other
+    than AttentionConfigError (hypothesis prints the falsifying call)."""
+    proc, _ = background_run
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     assert json.loads(proc.stdout.strip().splitlines()[-1])["attention"] >= ATTENTION_CASES

@@ -3,6 +3,7 @@ names load on first use, a missing optional dependency is one line naming its ex
 dependency has a floor (``.ci/floors`` installs exactly those), ``py.typed`` ships."""
 
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -39,7 +40,7 @@ def test_help_imports_nothing_heavy_and_is_fast():
     assert best < 1.0, f"ditattn generate --help took {best:.2f} s"
 
 
-def test_public_names_load_on_first_use():
+def _public_names_probe(folder):
     probe = (
         "import sys, ditattn; assert 'torch' not in sys.modules\n"
         "assert callable(ditattn.attention) and ditattn.WanPipeline.__name__ == 'WanPipeline'\n"
@@ -47,7 +48,12 @@ def test_public_names_load_on_first_use():
         "assert set(ditattn.__all__) <= set(dir(ditattn))\n"
         "import ditattn.attention.selector as s; print(s.__name__)"
     )
-    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=ENV, timeout=120)
+    return dict(args=[sys.executable, "-c", probe], env=ENV, timeout=120)
+
+
+@pytest.mark.background.with_args(_public_names_probe)
+def test_public_names_load_on_first_use(background_run):
+    proc, _ = background_run
     assert proc.returncode == 0, proc.stderr[-2000:]
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         import ditattn
@@ -103,12 +109,8 @@ def _version(text):
     return tuple(int(x) for x in re.findall(r"\d+", text.split("+")[0])[:3])
 
 
-def test_type_checkers_see_the_attention_function(tmp_path):
-    """``ditattn.attention`` is the typed function to mypy (and the package is ``py.typed``): a
-    misspelt keyword is a type error.  mypy skips torch's own ~1400 modules (15 s of a 2-core CI run;
-    ``torch.Tensor`` is then ``Any``, which changes nothing here: the function's return is
-    unannotated and the call passes tensors where tensors are expected)."""
-    pytest.importorskip("mypy")
+def _mypy_run(folder):
+    tmp_path = pathlib.Path(folder)
     snippet = tmp_path / "use.py"
     snippet.write_text(
         "import torch\nimport ditattn\n\nq = torch.randn(1, 8, 2, 16)\n"
@@ -119,8 +121,8 @@ def test_type_checkers_see_the_attention_function(tmp_path):
     config = tmp_path / "mypy.ini"
     config.write_text("[mypy]\nfollow_imports = silent\n\n[mypy-torch.*]\nfollow_imports = skip\n")
     env = dict(os.environ, MYPYPATH=os.path.join(ROOT, "src"))
-    proc = subprocess.run(
-        [
+    return dict(
+        args=[
             sys.executable,
             "-m",
             "mypy",
@@ -130,12 +132,19 @@ def test_type_checkers_see_the_attention_function(tmp_path):
             str(tmp_path / "cache"),
             str(snippet),
         ],
-        capture_output=True,
-        text=True,
         env=env,
         timeout=600,
-        cwd=tmp_path,
     )
+
+
+@pytest.mark.background.with_args(_mypy_run)
+def test_type_checkers_see_the_attention_function(background_run):
+    """``ditattn.attention`` is the typed function to mypy (and the package is ``py.typed``): a
+    misspelt keyword is a type error.  mypy skips torch's own ~1400 modules (15 s of a 2-core CI run;
+    ``torch.Tensor`` is then ``Any``, which changes nothing here: the function's return is
+    unannotated and the call passes tensors where tensors are expected)."""
+    pytest.importorskip("mypy")
+    proc, _ = background_run
     errors = [l for l in proc.stdout.splitlines() if ": error:" in l]
     assert len(errors) == 1 and 'Unexpected keyword argument "bakend" for "attention"' in errors[0], proc.stdout
 
@@ -154,9 +163,7 @@ def test_torchao_compile_time_syntax_warnings_are_quiet_after_import():
     assert "torchao" not in proc.stderr and "/site/other/mod.py:3: SyntaxWarning" in proc.stderr
 
 
-def test_import_prints_no_third_party_notices():
-    """``import ditattn`` and the imports it leads to (diffusers, torchao) print nothing: torchao's notice
-    that it skips its C++ extensions (unused here) is dropped, its other log records pass."""
+def _import_probe(folder):
     probe = (
         "import logging, ditattn, diffusers\n"
         "from diffusers import AutoencoderKLWan\n"
@@ -167,6 +174,13 @@ def test_import_prints_no_third_party_notices():
         "log.warning('Skipping import of cpp extensions due to incompatible torch version')\n"
         "log.warning('another torchao message')\n"
     )
-    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=ENV, timeout=300)
+    return dict(args=[sys.executable, "-c", probe], env=ENV, timeout=300)
+
+
+@pytest.mark.background.with_args(_import_probe)
+def test_import_prints_no_third_party_notices(background_run):
+    """``import ditattn`` and the imports it leads to (diffusers, torchao) print nothing: torchao's notice
+    that it skips its C++ extensions (unused here) is dropped, its other log records pass."""
+    proc, _ = background_run
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stderr.strip() == "another torchao message"

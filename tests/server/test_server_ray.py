@@ -212,62 +212,22 @@ def test_sigterm_hands_the_running_job_back(cluster):
     assert "stopping the replicas" in log.read_text()
 
 
-def test_deployment_full_is_429_with_retry_after(pg_server, tmp_path):
-    """Small limits (1 replica slot of 2 x 1 + 2 requests, a deployment queue of 2 x 1): a burst of slow
-    image requests gets 429 with Retry-After for the excess, 200 for the rest, never a 5xx."""
-    url = pg_server.fresh_db("bp" + uuid.uuid4().hex[:10])
-    args = serve_flags(
-        model_path="ditattn:tiny-wan",
-        replicas=2,
-        job_store=url,
-        output_dir=tmp_path / "out",
-        api_key=KEY,
-        max_batch_size=1,
-        max_queue=1,
-        height=16,
-        width=16,
-        num_inference_steps=2,
-        guidance_scale=1.0,
-        num_frames=5,
-    )
-    with serve_process(args, tmp_path / "serve.log", startup_s=400) as base:
-
-        def one(i):
-            with httpx.Client(base_url=base, headers=H, timeout=300) as h:
-                return h.post(
-                    "/v1/images/generations",
-                    json={"prompt": f"p{i}", "size": "16x16", "seed": i, "num_inference_steps": 40},
-                )
-
-        with ThreadPoolExecutor(24) as pool:
-            rs = list(pool.map(one, range(24)))
-    codes = [r.status_code for r in rs]
-    assert set(codes) <= {200, 429} and 429 in codes and 200 in codes, codes
-    assert codes.count(200) <= 2 * 4 + 2 + 4  # replicas x (2 x batch + 2) in flight + the queue (+ the ones done)
-    assert all(int(r.headers["retry-after"]) >= 1 for r in rs if r.status_code == 429)
+SP_BODY = {"prompt": "a red fox", "size": "32x48", "seed": 11, "num_inference_steps": 2, "response_format": "b64_json"}
 
 
-def test_replica_with_two_ranks_on_ray(pg_server, tmp_path):
-    """``serve --ray-address local --num-gpus 2 --ulysses-degree 2`` on the CPU: one replica whose
-    process leads a 2-rank gloo group answers an image request like the single-process pipeline."""
-    import base64
-    import io
-
-    import imageio.v3 as iio
-    import numpy as np
+@pytest.fixture(scope="module")
+def sp_deployment(pg_server, tmp_path_factory):
+    """``serve --ray-address local --num-gpus 2 --ulysses-degree 2`` on the CPU (one replica whose process leads
+    a 2-rank gloo group) with small limits (``--max-batch-size 1 --max-queue 1``: the replica takes 2 x 1 + 2
+    requests at once, the deployment queues 1 x 1 more at Ray's proxy), and the single-process server's answer
+    to :data:`SP_BODY`, computed while the Ray instance and the replica start (it needs neither)."""
     from test_server_app import serve
 
     from ditattn.runconfig import ModelConfig, RunConfig
     from ditattn.server.runner import build_runner
 
     url = pg_server.fresh_db("sp" + uuid.uuid4().hex[:10])
-    body = {
-        "prompt": "a red fox",
-        "size": "32x48",
-        "seed": 11,
-        "num_inference_steps": 2,
-        "response_format": "b64_json",
-    }
+    folder = tmp_path_factory.mktemp("sp-deployment")
     args = [
         "--model-path",
         "ditattn:tiny-wan",
@@ -281,24 +241,40 @@ def test_replica_with_two_ranks_on_ray(pg_server, tmp_path):
         "2",
         "--ulysses-degree",
         "2",
+        "--max-batch-size",
+        "1",
+        "--max-queue",
+        "1",
         "--job-store",
         url,
         "--output-dir",
-        str(tmp_path / "out"),
+        str(folder / "out"),
     ]
 
-    def single_process():  # the single-process server, same request
+    def single_process():
         runner = build_runner(
             RunConfig(model=ModelConfig(model_path="ditattn:tiny-wan", device="cpu", dtype="float32"))
         )
         with serve(runner) as (plain, _app):
-            return httpx.post(plain + "/v1/images/generations", json=body, timeout=300)
+            return httpx.post(plain + "/v1/images/generations", json=SP_BODY, timeout=300)
 
     with ThreadPoolExecutor(1) as pool:
-        reference = pool.submit(single_process)  # independent of the Ray run: computed while Ray starts
-        with serve_process(args, tmp_path / "serve.log", startup_s=400) as base:
-            r = httpx.post(base + "/v1/images/generations", json=body, timeout=300)
-        one = reference.result()
+        reference = pool.submit(single_process)
+        with serve_process(args, folder / "serve.log", startup_s=400) as base:
+            yield base, reference.result()
+
+
+def test_replica_with_two_ranks_on_ray(sp_deployment):
+    """``serve --ray-address local --num-gpus 2 --ulysses-degree 2`` on the CPU: one replica whose
+    process leads a 2-rank gloo group answers an image request like the single-process pipeline."""
+    import base64
+    import io
+
+    import imageio.v3 as iio
+    import numpy as np
+
+    base, one = sp_deployment
+    r = httpx.post(base + "/v1/images/generations", json=SP_BODY, timeout=300)
     assert r.status_code == 200, r.text
     got = iio.imread(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"]))).astype(int)
     assert one.status_code == 200, one.text
@@ -306,3 +282,24 @@ def test_replica_with_two_ranks_on_ray(pg_server, tmp_path):
     assert got.shape == ref.shape == (48, 32, 3) and ref.std() > 1
     assert np.abs(got - ref).max() <= 1
     assert r.json()["attention_backends"] == one.json()["attention_backends"]
+
+
+def test_deployment_full_is_429_with_retry_after(sp_deployment):
+    """Small limits (the replica takes 2 x 1 + 2 requests at once, the deployment queues 1 x 1 at Ray's proxy:
+    :func:`sp_deployment`): a burst of slow image requests gets 429 with Retry-After for the excess, 200 for the
+    rest, never a 5xx."""
+    base, _ = sp_deployment
+
+    def one(i):
+        with httpx.Client(base_url=base, timeout=300) as h:
+            return h.post(
+                "/v1/images/generations",
+                json={"prompt": f"p{i}", "size": "16x16", "seed": i, "num_inference_steps": 40},
+            )
+
+    with ThreadPoolExecutor(24) as pool:
+        rs = list(pool.map(one, range(24)))
+    codes = [r.status_code for r in rs]
+    assert set(codes) <= {200, 429} and 429 in codes and 200 in codes, codes
+    assert codes.count(200) <= 1 * 4 + 1 + 4  # replicas x (2 x batch + 2) in flight + the queue (+ the ones done)
+    assert all(int(r.headers["retry-after"]) >= 1 for r in rs if r.status_code == 429)
