@@ -43,10 +43,12 @@ os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(SESSION_TMP, "inductor")
 import pytest  # noqa: E402
 
 import background  # noqa: E402
+import serving  # noqa: E402
 
 
 def pytest_unconfigure(config):
     BACKGROUND.stop()  # a run still going when the session ended early
+    serving.wait_stopped()  # servers stopped by the tests, still shutting down
     shutil.rmtree(SESSION_TMP, ignore_errors=True)
 
 
