@@ -24,8 +24,8 @@ import subprocess
 import tempfile
 import threading
 
-#: the background runs' niceness: the suite and the processes it starts come first
-NICENESS = 10
+#: the background runs' niceness (the lowest priority): the suite and the processes it starts come first
+NICENESS = 19
 
 
 def lower_priority(pid: int, niceness: int) -> None:
