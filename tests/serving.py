@@ -69,7 +69,8 @@ def subprocess_env(**extra) -> dict:
 @contextlib.contextmanager
 def serve_process(args, log_path, *, startup_s: float = 180):
     """Run ``python -m ditattn serve --port P *args`` (output to ``log_path``) until it answers
-    ``/health``; yields its base URL and stops it on exit."""
+    ``/health``; yields its base URL and sends it SIGTERM on exit (its shutdown is waited for at the end of
+    the session: :func:`wait_stopped`)."""
     with serve_subprocess(args, log_path, startup_s=startup_s) as (base, _proc):
         yield base
 
@@ -77,7 +78,7 @@ def serve_process(args, log_path, *, startup_s: float = 180):
 @contextlib.contextmanager
 def serve_subprocess(args, log_path, *, startup_s: float = 180):
     """:func:`serve_process` yielding ``(base URL, the subprocess.Popen)``: a test may signal the server
-    itself (on exit it is stopped unless it has exited)."""
+    itself (on exit it is sent SIGTERM unless it has exited)."""
     port = free_port()
     env = subprocess_env(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     cmd = [sys.executable, "-m", "ditattn", "serve", "--port", str(port), *args]
@@ -101,8 +102,19 @@ def serve_subprocess(args, log_path, *, startup_s: float = 180):
     finally:
         if proc.poll() is None:
             proc.terminate()
+            STOPPING.append(proc)  # it shuts down (a Ray instance: seconds) while the next tests run
+
+
+#: servers sent SIGTERM and not yet waited for: :func:`wait_stopped` (at the end of the session) waits
+STOPPING: list = []
+
+
+def wait_stopped(timeout: float = 20) -> None:
+    """Wait for every server of :data:`STOPPING` to exit, killing one that takes more than ``timeout`` s."""
+    while STOPPING:
+        proc = STOPPING.pop()
         try:
-            proc.wait(20)
+            proc.wait(timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()

@@ -108,12 +108,9 @@ EMPTY_SHAPES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def empty_dimension_calls():
+def _empty_dimension_run(folder):
     """Every EMPTY_SHAPES call in ONE fresh interpreter (a kernel that kills the process fails these
-    tests instead of pytest): ``(stdout lines by case index, stderr)``; a case the process did not
-    reach has no line."""
-    import subprocess
+    tests instead of pytest), run in the background (tests/background.py)."""
     import sys
 
     code = (
@@ -123,14 +120,20 @@ def empty_dimension_calls():
         "    try:\n        ditattn.attention(q, k, k, return_lse=True)\n        print(i, 'returned', flush=True)\n"
         "    except ditattn.AttentionConfigError as e:\n        print(i, 'refused:', e, flush=True)\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    return dict(args=[sys.executable, "-c", code], timeout=120)
+
+
+def _empty_dimension_calls(background_run):
+    """``(stdout lines by case index, stderr)``; a case the process did not reach has no line."""
+    r, _ = background_run
     lines = {int(ln.split(" ", 1)[0]): ln for ln in r.stdout.splitlines() if ln.split(" ", 1)[0].isdigit()}
     return lines, f"exit status {r.returncode}\n{r.stderr[-3000:]}"
 
 
+@pytest.mark.background.with_args(_empty_dimension_run)  # one run for every case
 @pytest.mark.parametrize("case", range(len(EMPTY_SHAPES)), ids=[str(s) for s in EMPTY_SHAPES])
-def test_empty_dimensions_are_refused_not_crashed(case, empty_dimension_calls):
-    lines, stderr = empty_dimension_calls
+def test_empty_dimensions_are_refused_not_crashed(case, background_run):
+    lines, stderr = _empty_dimension_calls(background_run)
     assert case in lines, stderr  # the interpreter died at this case (or before it)
     assert "refused:" in lines[case] and "empty" in lines[case], lines[case]
 

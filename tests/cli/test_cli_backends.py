@@ -217,12 +217,11 @@ def test_backends_leaves_the_sigpipe_handler_alone():
     assert signal.getsignal(signal.SIGPIPE) == before
 
 
-def test_backends_into_a_closed_pipe_is_quiet():
-    r = subprocess.run(
-        f"{sys.executable} -m ditattn backends --verbose | head -1",
-        shell=True,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def _backends_into_head(folder):
+    return dict(args=f"{sys.executable} -m ditattn backends --verbose | head -1", shell=True, timeout=120)
+
+
+@pytest.mark.background.with_args(_backends_into_head)
+def test_backends_into_a_closed_pipe_is_quiet(background_run):
+    r, _ = background_run
     assert r.returncode == 0 and r.stdout.startswith("platform:") and "Traceback" not in r.stderr, r.stderr

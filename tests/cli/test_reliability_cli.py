@@ -6,7 +6,6 @@ refused at once instead of hanging."""
 import json
 import os
 import re
-import subprocess
 import sys
 import threading
 
@@ -167,23 +166,30 @@ print(json.dumps(results))
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs os.mkfifo")
-def test_a_fifo_or_a_directory_as_a_config_is_refused_at_once(tmp_path):
+def _fifo_runs(folder) -> list:
+    return [
+        ["backends", "--config", os.path.join(folder, "run.yaml")],
+        ["backends", "--config", os.path.join(folder, "plain")],
+        ["backends", "--attention-backend-config", os.path.join(folder, "backend.json")],
+        ["backends", "--attention-backend-config", os.path.join(folder, "plain")],
+        ["backends", "--config", folder],
+        ["backends", "--attention-backend-config", folder],
+    ]
+
+
+def _fifo_child(folder):
+    for name in ("run.yaml", "plain", "backend.json"):
+        os.mkfifo(os.path.join(folder, name))
+    env = serving.subprocess_env(DITATTN_CACHE=os.path.join(folder, "cache"))
+    return dict(args=[sys.executable, "-c", _CHILD, json.dumps(_fifo_runs(folder))], env=env, timeout=180)
+
+
+@pytest.mark.background.with_args(_fifo_child)
+def test_a_fifo_or_a_directory_as_a_config_is_refused_at_once(background_run):
     """Each config flag given a FIFO (with and without a config suffix) or a directory: exit 2 with
     'is not a regular file' -- in a child process under a timeout, so a blocking open fails the test."""
-    for name in ("run.yaml", "plain", "backend.json"):
-        os.mkfifo(tmp_path / name)
-    runs = [
-        ["backends", "--config", str(tmp_path / "run.yaml")],
-        ["backends", "--config", str(tmp_path / "plain")],
-        ["backends", "--attention-backend-config", str(tmp_path / "backend.json")],
-        ["backends", "--attention-backend-config", str(tmp_path / "plain")],
-        ["backends", "--config", str(tmp_path)],
-        ["backends", "--attention-backend-config", str(tmp_path)],
-    ]
-    env = serving.subprocess_env(DITATTN_CACHE=str(tmp_path / "cache"))
-    proc = subprocess.run(
-        [sys.executable, "-c", _CHILD, json.dumps(runs)], capture_output=True, text=True, env=env, timeout=180
-    )
+    proc, tmp_path = background_run
+    runs = _fifo_runs(str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]
     for argv, (rc, err) in zip(runs, json.loads(proc.stdout.strip().splitlines()[-1])):
         kind = "a directory" if argv[-1] == str(tmp_path) else "a FIFO"

@@ -12,7 +12,6 @@
 """
 
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -266,12 +265,10 @@ def test_cfg_parallel_without_guidance_refused_from_model_default():
         check_cfg_guidance(cfg, 1.0)
 
 
-def test_cli_module_refuses_odd_ranks_before_loading(tmp_path):
-    """``python -m ditattn generate --cfg-parallel --num-gpus 3``: exit 2, one ``error:`` line, no
-    model built in the (empty) model cache."""
-    env = dict(os.environ, DITATTN_CACHE=str(tmp_path / "cache"), PYTHONPATH=os.pathsep.join(sys.path))
-    proc = subprocess.run(
-        [
+def _odd_ranks_run(folder):
+    env = dict(os.environ, DITATTN_CACHE=os.path.join(folder, "cache"), PYTHONPATH=os.pathsep.join(sys.path))
+    return dict(
+        args=[
             sys.executable,
             "-m",
             "ditattn",
@@ -284,11 +281,16 @@ def test_cli_module_refuses_odd_ranks_before_loading(tmp_path):
             "--num-gpus",
             "3",
         ],
-        capture_output=True,
-        text=True,
         env=env,
         timeout=120,
     )
+
+
+@pytest.mark.background.with_args(_odd_ranks_run)
+def test_cli_module_refuses_odd_ranks_before_loading(background_run):
+    """``python -m ditattn generate --cfg-parallel --num-gpus 3``: exit 2, one ``error:`` line, no
+    model built in the (empty) model cache."""
+    proc, tmp_path = background_run
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: --cfg-parallel needs an even --num-gpus (the conditional and unconditional passes each run on half "

@@ -7,6 +7,7 @@ the other one after the lease, and the file is there; a deleted job stops where 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 import uuid
@@ -138,28 +139,39 @@ def test_replica_refuses_without_shared_store(tmp_path):
         ClusterState(ToyRunner(), ServerConfig(job_store="postgresql://u@127.0.0.1:1/x", replicas=2))
 
 
+def _serve_replicas_run(args, folder):
+    import sys
+
+    args = [folder if a == "OUT" else a for a in args]
+    return dict(
+        args=[sys.executable, "-m", "ditattn", "serve", "--port", str(serving.free_port()), *args],
+        env=serving.subprocess_env(),
+        timeout=120,
+    )
+
+
+def _refusal(args, match):  # the run in the background (tests/background.py): a subprocess and nothing else
+    return pytest.param(
+        args, match, marks=pytest.mark.background.with_args(functools.partial(_serve_replicas_run, args))
+    )
+
+
 @pytest.mark.parametrize(
     "args, match",
     [
-        (["--replicas", "2"], "--replicas needs a job store the replicas share"),
-        (["--replicas", "2", "--job-store", "postgresql://u@127.0.0.1:1/x"], "--replicas needs an output folder"),
-        (["--replicas", "2", "--job-store", "mysql://x", "--output-dir", "OUT"], "expected sqlite or a postgresql://"),
+        _refusal(["--replicas", "2"], "--replicas needs a job store the replicas share"),
+        _refusal(
+            ["--replicas", "2", "--job-store", "postgresql://u@127.0.0.1:1/x"], "--replicas needs an output folder"
+        ),
+        _refusal(
+            ["--replicas", "2", "--job-store", "mysql://x", "--output-dir", "OUT"],
+            "expected sqlite or a postgresql://",
+        ),
     ],
 )
-def test_cli_refuses_replicas_without_shared_store(tmp_path, args, match):
+def test_cli_refuses_replicas_without_shared_store(background_run, args, match):
     """``serve --replicas`` checks its shared store and folder before Ray starts: exit 2, one line."""
-    import subprocess
-    import sys
-
-    args = [str(tmp_path) if a == "OUT" else a for a in args]
-    env = serving.subprocess_env()
-    r = subprocess.run(
-        [sys.executable, "-m", "ditattn", "serve", "--port", str(serving.free_port()), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    r, _ = background_run
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.startswith("error: ") and match in r.stderr, r.stderr
 
