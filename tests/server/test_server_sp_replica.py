@@ -17,7 +17,13 @@ from test_server_app import serve
 
 from ditattn.errors import AttentionConfigError
 from ditattn.runconfig import ModelConfig, ParallelConfig, RunConfig
-from ditattn.server.rayserve import check_cluster_fits, cpus_per_replica_for, open_runner, replica_resources
+from ditattn.server.rayserve import (
+    check_cluster_fits,
+    cpu_threads_per_gpu,
+    cpus_per_replica_for,
+    open_runner,
+    replica_resources,
+)
 from ditattn.server.runner import build_runner
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -91,3 +97,11 @@ def test_cpu_replicas_share_the_cores():
     assert [cpus_per_replica_for(n, [2.0]) for n in (1, 2, 3)] == [2, 1, 1]
     assert cpus_per_replica_for(2, [16.0, 8.0]) == 12 and cpus_per_replica_for(1, [16.0, 8.0]) == 16
     assert cpus_per_replica_for(4, [16.0, 8.0]) == 6
+
+
+def test_gpu_replica_threads_follow_the_cores_per_gpu():
+    # Ray starts workers with OMP_NUM_THREADS=1: a GPU replica's torch threads come from the node's cores per GPU
+    assert cpu_threads_per_gpu([(16.0, 1.0)]) == 16
+    assert cpu_threads_per_gpu([(128.0, 8.0), (16.0, 2.0), (64.0, 0.0)]) == 8  # the leanest GPU node; CPU nodes aside
+    assert cpu_threads_per_gpu([(4.0, 8.0)]) == 1
+    assert cpu_threads_per_gpu([(32.0, 0.0)]) == 1 and cpu_threads_per_gpu([]) == 1

@@ -24,6 +24,7 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 from typing import Optional
 
 from ditattn.errors import AttentionConfigError
@@ -35,6 +36,11 @@ BACKPRESSURE_RETRY_AFTER_S = 5
 #: Ray starts its worker processes (the replicas, Serve's proxy and controller) at niceness 15 unless this
 #: variable (or the ``worker_niceness`` system setting) says otherwise
 NICENESS_ENV = "RAY_worker_niceness"
+#: the replica's GIL switch interval (Python's default is 5 ms).  Ray's threads in the worker process take the GIL
+#: whenever the pipeline thread releases it around a kernel launch, and the pipeline then waits up to this long to
+#: get it back: at 5 ms a 256x256 GPU image ran ~21 ms slower in a Ray actor than in the driver, at 0.5 ms not
+#: slower (docs/serving.md, "Overhead")
+REPLICA_SWITCH_INTERVAL_S = 0.0005
 
 
 def local_system_config() -> dict:
@@ -127,6 +133,17 @@ def cpus_per_replica_for(replicas: int, node_cpus: list) -> int:
     return max(1, min(int(biggest), int(total // max(1, replicas))))
 
 
+def cpu_threads_per_gpu(nodes: list) -> int:
+    """The torch CPU threads a GPU replica runs per GPU it holds: the fewest CPUs per GPU among the
+    cluster's GPU nodes, ``nodes`` being ``(cpus, gpus)`` per alive node (1 when none has a GPU).
+
+    Ray starts its worker processes with ``OMP_NUM_THREADS=1`` (unless that variable is set where Ray
+    started), so a GPU replica would otherwise run the pipeline's CPU-side work on one thread where
+    ``ditattn serve`` uses every core of its host (docs/serving.md, "Overhead")."""
+    ratios = [cpus / gpus for cpus, gpus in nodes if gpus > 0]
+    return max(1, int(min(ratios))) if ratios else 1
+
+
 def _follow(rank, cfg: RunConfig) -> int:
     """Ranks 1..N-1 of a replica's sequence-parallel group: the same pipeline, replaying rank 0's
     calls until the replica stops (as ``ditattn serve --num-gpus N`` does on one host)."""
@@ -191,6 +208,8 @@ def _replica_class():
                 log.warning("%s", why)
             if cpu_threads:
                 torch.set_num_threads(cpu_threads)
+            sys.setswitchinterval(REPLICA_SWITCH_INTERVAL_S)
+            log.info("replica: %d torch CPU threads", torch.get_num_threads())
             self.cfg, self.replicas = cfg, replicas
             self._ranks = contextlib.ExitStack()  # the replica's sequence-parallel ranks, if any
             self.runner = open_runner(cfg, self._ranks)
@@ -216,15 +235,26 @@ def _replica_class():
     return DitReplica
 
 
-def build_app(cfg: RunConfig, *, cluster_gpus: float = 0.0, cpus_per_replica: float = 1.0):
-    """The Ray Serve application of ``cfg`` (``cfg.server.replicas`` replicas), for ``serve.run``."""
+def build_app(
+    cfg: RunConfig, *, cluster_gpus: float = 0.0, cpus_per_replica: float = 1.0, cpus_per_gpu: Optional[int] = None
+):
+    """The Ray Serve application of ``cfg`` (``cfg.server.replicas`` replicas), for ``serve.run``.
+    A CPU replica runs ``cpus_per_replica`` torch threads, a GPU replica ``cpus_per_gpu`` per GPU (default:
+    :func:`cpu_threads_per_gpu` of the connected Ray cluster); an ``OMP_NUM_THREADS`` set here wins."""
     from ray import serve
     from ray.serve.config import BackpressureConfig
 
     s = cfg.server
     actor = replica_resources(cfg, cluster_gpus, cpus_per_replica)
     # an OMP_NUM_THREADS set where Ray started wins (the replicas inherit it); else the replica's share of the cores
-    threads = None if actor.get("num_gpus") or os.environ.get("OMP_NUM_THREADS") else max(1, int(cpus_per_replica))
+    if os.environ.get("OMP_NUM_THREADS"):
+        threads = None
+    elif actor.get("num_gpus"):
+        if cpus_per_gpu is None:
+            cpus_per_gpu = cpu_threads_per_gpu(_node_resources())
+        threads = max(1, int(cpus_per_gpu)) * max(1, int(actor["num_gpus"]))
+    else:
+        threads = max(1, int(cpus_per_replica))
     deployment = serve.deployment(_replica_class()).options(
         name="DitReplica",
         num_replicas=s.replicas,
@@ -273,6 +303,16 @@ def deploy(cfg: RunConfig, *, cpus_per_replica: Optional[float] = None, ray_init
     app = build_app(cfg, cluster_gpus=ray.cluster_resources().get("GPU", 0.0), cpus_per_replica=cpus_per_replica)
     serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
     return f"http://{s.host}:{s.port}"
+
+
+def _node_resources() -> list:
+    """``(cpus, gpus)`` of each alive node of the connected Ray cluster (``[]`` when Ray is not initialised)."""
+    import ray
+
+    if not ray.is_initialized():
+        return []
+    res = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    return [(r.get("CPU", 0.0), r.get("GPU", 0.0)) for r in res]
 
 
 def undeploy(stop_ray: bool = True) -> None:
