@@ -24,7 +24,6 @@ import contextlib
 import logging
 import os
 import socket
-import sys
 from typing import Optional
 
 from ditattn.errors import AttentionConfigError
@@ -36,11 +35,6 @@ BACKPRESSURE_RETRY_AFTER_S = 5
 #: Ray starts its worker processes (the replicas, Serve's proxy and controller) at niceness 15 unless this
 #: variable (or the ``worker_niceness`` system setting) says otherwise
 NICENESS_ENV = "RAY_worker_niceness"
-#: the replica's GIL switch interval (Python's default is 5 ms).  Ray's threads in the worker process take the GIL
-#: whenever the pipeline thread releases it around a kernel launch, and the pipeline then waits up to this long to
-#: get it back: at 5 ms a 256x256 GPU image ran ~21 ms slower in a Ray actor than in the driver, at 0.5 ms not
-#: slower (docs/serving.md, "Overhead")
-REPLICA_SWITCH_INTERVAL_S = 0.0005
 
 
 def local_system_config() -> dict:
@@ -208,7 +202,6 @@ def _replica_class():
                 log.warning("%s", why)
             if cpu_threads:
                 torch.set_num_threads(cpu_threads)
-            sys.setswitchinterval(REPLICA_SWITCH_INTERVAL_S)
             log.info("replica: %d torch CPU threads", torch.get_num_threads())
             self.cfg, self.replicas = cfg, replicas
             self._ranks = contextlib.ExitStack()  # the replica's sequence-parallel ranks, if any
