@@ -354,24 +354,38 @@ def run_case(attention, q, k, v, grid, backend, cfg, *, layer=LAYER, stateful=Fa
 
 def skip_softmax_row(q, k, v, grid, rows, exact, factor):
     """Skip softmax at ``threshold_scale_factor`` ``factor``: the kernel on CUDA, the reference elsewhere;
-    ``kept`` = 1 - the fraction of tiles skipped."""
+    ``kept`` = 1 - the fraction of tiles skipped (at the first call).  Under ``--loop`` the calls go through
+    the layer route a request's skip-softmax layer uses (:class:`ditattn.attention.skip_route.LayerRoute`):
+    the first call runs the kernel, and where it skipped fewer tiles than the device's break-even the later
+    calls run the dense kernel, whose output and time are then the case's (``dense`` True)."""
+    import ditattn
+    from ditattn.attention import skip_route
     from ditattn.attention.kernels import skip_softmax_rules
 
-    frac = {}
+    frac, route = {}, (skip_route.LayerRoute() if LOOP else None)
+    dense_backend = "fa" if q.is_cuda else "torch_sdpa"
 
     def fn(q, k, v, **_):
+        if route is not None and route.dense_reason(q):
+            frac["dense"] = True
+            return ditattn.attention(q, k, v, backend=dense_backend)
         if q.is_cuda:
             from ditattn.attention.kernels.skip_softmax import skip_softmax_attention
 
             out, _, f = skip_softmax_attention(q, k, v, threshold_scale_factor=factor)
         else:
             out, _, f = skip_softmax_rules.skip_softmax_reference(q, k, v, threshold_scale_factor=factor)
+        if route is not None:
+            route.record(f)
         frac["skipped"] = float(f)
         return out
 
     ms, out = run_case(fn, q, k, v, grid, SKIP_SOFTMAX, None)
     rel, cos = errors(out, exact, rows)
-    return {"ms": ms, "rel_err": rel, "cosine": cos, "kept_fraction": 1.0 - frac["skipped"]}
+    row = {"ms": ms, "rel_err": rel, "cosine": cos, "kept_fraction": 1.0 - frac["skipped"]}
+    if frac.get("dense"):
+        row["dense"] = True
+    return row
 
 
 def sta_rows(attention, q, k, v, grid, rows, exact, label, candidates, tmp):

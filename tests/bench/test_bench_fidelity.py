@@ -182,3 +182,39 @@ def test_fidelity_on_activations_captured_from_the_shapes_model(tmp_path, run_be
     assert set(summary["sage_attn (defaults)"]) >= {"err_step0", "err_step1", "err_layer0", "err_layer2", "err_layer5"}
     assert "## Over the activation inputs" in stdout
     assert not data["notes"], data["notes"]
+
+
+def test_skip_softmax_row_under_loop_runs_the_layer_route(monkeypatch):
+    """Under --loop the skip-softmax case is timed as a request's layer runs it: after a first kernel call that
+    skipped fewer tiles than the break-even, the dense kernel (its output, its error); without --loop, the kernel."""
+    import importlib.util
+    import os
+
+    from ditattn.attention import skip_route
+    from ditattn.attention.sparse import fallback
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    spec = importlib.util.spec_from_file_location("fidelity_skip", os.path.join(root, "bench", "fidelity.py"))
+    fidelity = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fidelity)
+    monkeypatch.setattr(fidelity, "DEVICE", "cpu")
+    monkeypatch.setattr(fidelity.common, "DEVICE", "cpu")
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 200, 2, 128, generator=g) for _ in range(3))  # i.i.d.: nothing to skip
+    exact = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2).double() for t in (q, k, v)))
+    exact = exact.transpose(1, 2)
+    rows = torch.arange(200)
+
+    class Hopper(skip_route.LayerRoute):  # this CPU as an SM90 device: the break-even applies
+        def __init__(self):
+            super().__init__(sm=90)
+
+    monkeypatch.setattr(skip_route, "LayerRoute", Hopper)
+    monkeypatch.setitem(fallback.MIN_SEQ_LEN, "cpu", 0)
+    monkeypatch.setattr(fidelity, "LOOP", False)
+    plain = fidelity.skip_softmax_row(q, k, v, (2, 10, 10), rows, exact, 4.0)
+    assert "dense" not in plain and plain["kept_fraction"] > 0.5
+    monkeypatch.setattr(fidelity, "LOOP", True)
+    routed = fidelity.skip_softmax_row(q, k, v, (2, 10, 10), rows, exact, 4.0)
+    assert routed["dense"] is True and routed["kept_fraction"] == plain["kept_fraction"]
+    assert routed["rel_err"] < 1e-5 and routed["ms"] > 0  # the dense kernel's float32 output
