@@ -549,7 +549,6 @@ def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Attn
     """
     if call.attn_bias is not None:
         raise AttentionConfigError("sage_attn: does not accept an additive attention bias/mask; accepted: no bias")
-    check_retired("DITATTN_SAGE_IMPL", "DITATTN_SAGE_PV")
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         raise AttentionConfigError(
             "sage_attn does not support autograd: its INT8 Q.K has no gradient, so the gradients through it would "
@@ -566,5 +565,6 @@ def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Attn
     routed = dense_below_crossover(q, k, v, call, config)
     if routed is not None:
         return routed
+    check_retired("DITATTN_SAGE_IMPL", "DITATTN_SAGE_PV")  # (the variables chose sage's own kernel)
     cfg = complete_backend_config(B.SAGE_ATTN, config)
     return SAGE_IMPLS[sage_impl_for(q, call, cfg)].run(q, k, v, call, cfg)

@@ -44,9 +44,10 @@ def _routing_limit(q: torch.Tensor, cfg: dict) -> int:
     """``min_seq_len`` when this call runs ``fa`` instead, else 0.  The per-call check is a few
     comparisons: a routed call costs within a microsecond or two of calling ``fa`` directly."""
     limit = cfg.get("min_seq_len", DEFAULT_MIN_SEQ_LEN)
-    if not limit or q.shape[1] >= limit or cfg.get("impl", "auto") != "auto" or q.device.type != "cuda":
+    if not limit or q.shape[1] >= limit or cfg.get("impl", "auto") != "auto":
         return 0
-    return int(limit) if _is_sm90(q.device) else 0
+    device = q.device
+    return int(limit) if device.type == "cuda" and _is_sm90(device) else 0
 
 
 def routes_to_dense(q: torch.Tensor, cfg: dict) -> Optional[str]:
