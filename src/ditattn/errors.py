@@ -67,3 +67,6 @@ class GenerationCancelled(Exception):
     def __init__(self, reason: str):
         self.reason = str(reason)
         super().__init__(f"generation stopped: {self.reason}")
+
+    def __reduce__(self):  # pickled with its reason (a replica's pipeline process sends it to the replica)
+        return type(self), (self.reason,)

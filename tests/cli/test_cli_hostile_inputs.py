@@ -193,6 +193,10 @@ def test_settings_that_would_do_nothing_are_said_not_dropped(capsys):
     assert RunConfig(server=ServerConfig(job_lease_s=5.0)).ignored_settings() == [
         "--job-lease-s acts only with a shared --job-store postgresql://..."
     ]
+    assert RunConfig(server=ServerConfig(replica_process=False)).ignored_settings() == [
+        "--replica-process acts only on Ray Serve (--replicas N > 1, or --ray-address)"
+    ]
+    assert RunConfig(server=ServerConfig(replica_process=False, ray_address="auto")).ignored_settings() == []
     assert RunConfig().ignored_settings() == []
 
 

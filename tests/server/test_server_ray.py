@@ -111,6 +111,19 @@ def test_replicas_and_proxy_run_at_niceness_0(cluster):
     replicas, proxy = _ray_worker_niceness("ServeReplica:ditattn:DitReplica"), _ray_worker_niceness("ProxyActor")
     assert len(replicas) == 2 and len(proxy) == 1, (replicas, proxy)
     assert {n for threads in [*replicas.values(), *proxy.values()] for n in threads} == {0}
+    # each replica runs its pipeline in a process of its own (--replica-process, the default), at niceness 0 too
+    hosts = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"ditattn.server.pipehost" not in f.read():
+                    continue
+            with open(f"/proc/{pid}/stat") as f:
+                hosts[int(pid)] = int(f.read().rsplit(")", 1)[1].split()[1])  # its parent
+        except (OSError, ValueError):
+            continue
+    assert sorted(hosts.values()) == sorted(replicas), (hosts, replicas)
+    assert {os.getpriority(os.PRIO_PROCESS, pid) for pid in hosts} == {0}
 
 
 def test_50_concurrent_mixed_requests(cluster):

@@ -249,6 +249,7 @@ def server_flags(p: argparse.ArgumentParser) -> None:
     field_flags(
         p.add_argument_group("scale-out (Ray Serve replicas; docs/serving.md)"),
         "replicas",
+        "replica_process",
         "ray_address",
         "job_store",
         "job_lease_s",

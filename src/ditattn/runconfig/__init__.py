@@ -555,6 +555,8 @@ class RunConfig:
             for name in ("job_lease_s", "job_max_attempts"):
                 if getattr(sv, name) != getattr(defaults, name):
                     out.append(f"--{name.replace('_', '-')} acts only with a shared --job-store postgresql://...")
+        if sv.replica_process != defaults.replica_process and sv.replicas == 1 and not sv.ray_address:
+            out.append("--replica-process acts only on Ray Serve (--replicas N > 1, or --ray-address)")
         return out
 
     def generate_kwargs(self) -> dict:

@@ -50,8 +50,8 @@ class ServerConfig(_Section):
     allowed_hosts / allowed_origins: without an API key, the ``Host`` names and browser ``Origin``s
     answered besides the local ones (a web page elsewhere cannot drive the server); header_timeout_s /
     body_timeout_s: a connection that stalls while sending a request is closed;
-    replicas / ray_address / job_store / job_lease_s / job_max_attempts: scale-out on Ray Serve over a
-    shared PostgreSQL job store (``ditattn.server.rayserve``, ``ditattn.server.cluster``).
+    replicas / replica_process / ray_address / job_store / job_lease_s / job_max_attempts: scale-out on Ray
+    Serve over a shared PostgreSQL job store (``ditattn.server.rayserve``, ``ditattn.server.cluster``).
     """
 
     host: str = _field("127.0.0.1", text, "bind address", metavar="HOST")
@@ -159,6 +159,12 @@ class ServerConfig(_Section):
         int_between(1, 1024),
         "pipeline replicas behind one endpoint on Ray Serve (1: the single-process server)",
         metavar="N",
+    )
+    replica_process: bool = _field(
+        True,
+        boolean,
+        "Ray Serve replicas: run the pipeline in a child process of each replica, away from Ray's threads in "
+        "the replica's own process (false: in the replica's process)",
     )
     ray_address: Optional[str] = _field(
         None,

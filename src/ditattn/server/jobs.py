@@ -49,6 +49,9 @@ class JobCancelled(Exception):
         self.reason = reason
         super().__init__(f"the request was cancelled ({reason.replace('_', ' ')})")
 
+    def __reduce__(self):  # pickled with its reason, not its message
+        return type(self), (self.reason,)
+
 
 @dataclasses.dataclass
 class GenerationResult:

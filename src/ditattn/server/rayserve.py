@@ -204,8 +204,14 @@ def _replica_class():
                 torch.set_num_threads(cpu_threads)
             log.info("replica: %d torch CPU threads", torch.get_num_threads())
             self.cfg, self.replicas = cfg, replicas
-            self._ranks = contextlib.ExitStack()  # the replica's sequence-parallel ranks, if any
-            self.runner = open_runner(cfg, self._ranks)
+            self._ranks = contextlib.ExitStack()  # the replica's pipeline process or sequence-parallel ranks
+            if cfg.server.replica_process:  # the pipeline in a child process (server.pipehost)
+                from ditattn.server.pipehost import HostedRunner
+
+                self.runner = HostedRunner(cfg, threads=cpu_threads)
+                self._ranks.callback(self.runner.close)
+            else:
+                self.runner = open_runner(cfg, self._ranks)
             tag = serve.get_replica_context().replica_id.unique_id
             self.owner = f"{socket.gethostname()}:{os.getpid()}:{tag}"
 
@@ -221,6 +227,12 @@ def _replica_class():
             app = create_app(self.runner, self.cfg.server, state=state)
             gcpause.freeze_loaded()  # later collections skip the pipeline and Ray's modules (server.gcpause)
             return app
+
+        def check_health(self):
+            """Ray Serve's health check: a replica whose pipeline process ended is restarted."""
+            why = getattr(self.runner, "exit_reason", lambda: None)()
+            if why:
+                raise RuntimeError(why)
 
         def __del__(self):
             self._ranks.close()
