@@ -96,7 +96,7 @@ def test_a_cancelled_or_timed_out_batch_stops_with_the_in_process_error(runners)
         for j in jobs:
             j.stop_reason = "deleted"
 
-    jobs = _jobs(hosted, num_inference_steps=4, on_progress=cancel)
+    jobs = _jobs(hosted, num_inference_steps=20, on_progress=cancel)  # stopped a step or two later
     with pytest.raises(GenerationCancelled) as exc:
         hosted.run_batch(jobs)
     assert exc.value.reason == "deleted"

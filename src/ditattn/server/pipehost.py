@@ -14,8 +14,9 @@ Two pipes connect them, so that checking a new request never waits for a running
 * the *control* pipe (a thread of the child answers it): ``prepare``, ``prepare_cache``, ``check_lora``,
   ``check_sampling``;
 * the *run* pipe (the child's main thread): one batch at a time.  While a batch runs the child sends its
-  progress, and asks the parent (which holds the jobs, their deadlines and cancellations) whether to stop at
-  each step, as the in-process runner asks the jobs; the results (frames as numpy arrays) come back pickled.
+  progress, and the parent (which holds the jobs, their deadlines and cancellations) sends their stop reasons
+  whenever they change; the child reads them at each step, as the in-process runner asks the jobs, without a
+  round trip.  The results (frames as numpy arrays) come back pickled.
 
 A request's attention state is prepared twice: in the child at admission (its validation, and the backends
 it reports), and again in the child for the run (the prepared tables hold objects of that process; the
@@ -59,6 +60,8 @@ JOB_FIELDS = (
     "timesteps",
     "cfg_interval",
 )
+#: seconds between the parent's looks at a running batch's stop reasons (cancellations, deadlines, shutdown)
+STOP_CHECK_S = 0.05
 #: the runner's request checks the child answers on the control pipe
 CONTROL_OPS = ("prepare", "prepare_cache", "check_lora", "check_sampling")
 
@@ -86,7 +89,7 @@ def _skip_dict(skip) -> Optional[dict]:
 
 class _Job:
     """A job as the child's runner sees it: the fields of :data:`JOB_FIELDS`, its progress sent to the
-    parent, and its stop reason the parent's (asked once per poll, by the batch's first job)."""
+    parent, and its stop reason the latest the parent sent (read without waiting, by the batch's first job)."""
 
     def __init__(self, fields: dict, i: int, batch: "_Batch"):
         self.__dict__.update(fields)
@@ -96,19 +99,21 @@ class _Job:
 
     def should_stop(self, now: float) -> Optional[str]:
         if self.i == 0:
-            self.batch.poll()
+            self.batch.read_reasons()
         return self.batch.reasons[self.i]
 
 
 class _Batch:
-    def __init__(self, conn, n: int):
-        self.conn, self.reasons = conn, [None] * n
+    def __init__(self, conn, reasons: list):
+        self.conn, self.reasons = conn, reasons
 
-    def poll(self) -> None:
-        self.conn.send(("poll",))
-        kind, reasons = self.conn.recv()
-        assert kind == "reasons", kind
-        self.reasons = reasons
+    def read_reasons(self) -> None:
+        """Take the stop reasons the parent sent since the last look (no round trip: it sends them when
+        they change)."""
+        while self.conn.poll():
+            kind, reasons = self.conn.recv()
+            assert kind == "reasons", kind
+            self.reasons = reasons
 
     def progress(self, job: _Job, fraction: float) -> None:
         self.conn.send(("progress", job.i, fraction))
@@ -151,10 +156,10 @@ def _answer_checks(runner, conn) -> None:
             conn.send(("error", _sendable(exc)))
 
 
-def _run(runner, conn, fields: list, override: Optional[str], skip: Optional[dict]) -> list:
+def _run(runner, conn, fields: list, override: Optional[str], skip: Optional[dict], reasons: list) -> list:
     from ditattn.attention.context import request_scope
 
-    batch = _Batch(conn, len(fields))
+    batch = _Batch(conn, reasons)
     jobs = [_Job(f, i, batch) for i, f in enumerate(fields)]
     state = runner.prepare(override, skip)  # this process's tables, for this run
     with request_scope(state):
@@ -193,9 +198,9 @@ def host_main(run_conn, control_conn) -> None:
                 return
             if msg[0] == "stop":
                 return
-            _, fields, override, skip = msg
+            _, fields, override, skip, reasons = msg
             try:
-                run_conn.send(("done", _run(runner, run_conn, fields, override, skip)))
+                run_conn.send(("done", _run(runner, run_conn, fields, override, skip, reasons)))
             except (BrokenPipeError, EOFError):
                 return
             except Exception as exc:
@@ -322,28 +327,43 @@ class HostedRunner:
         self._control("check_sampling", sampling)
 
     def run_batch(self, jobs) -> list:
-        """Run ``jobs`` (one signature) in the child: their progress reported, their stop reasons (cancelled,
-        timed out, shutdown) answered at each step; the results as the in-process runner returns them."""
+        """Run ``jobs`` (one signature) in the child: their progress reported; their stop reasons (cancelled,
+        timed out, shutdown) sent to the child whenever they change, looked at after each step's progress and
+        every :data:`STOP_CHECK_S` seconds, which the child reads at each step without waiting (a stop lands
+        at the next step or the one after); the results as the in-process runner
+        returns them."""
         head = jobs[0]
         fields = [{k: getattr(j, k, None) for k in JOB_FIELDS} for j in jobs]
         state = head.state
         override = state.override.value if state is not None and state.override is not None else None
         skip = _skip_dict(state.skip_softmax) if state is not None else None
         with self._run_lock:
+            reasons = [j.should_stop(time.monotonic()) for j in jobs]
             try:
-                self._run_conn.send(("run", fields, override, skip))
+                self._run_conn.send(("run", fields, override, skip, reasons))
             except (BrokenPipeError, OSError):
                 raise PipelineProcessDied(self.exit_reason() or "the pipeline process is not answering") from None
             while True:
+                if not self._run_conn.poll(STOP_CHECK_S):
+                    now = time.monotonic()
+                    latest = [j.should_stop(now) for j in jobs]
+                    if latest != reasons:
+                        reasons = latest
+                        with contextlib.suppress(OSError):  # a dead child is reported by the next receive
+                            self._run_conn.send(("reasons", reasons))
+                    if self._proc.poll() is None:
+                        continue
                 msg = self._recv(self._run_conn, "running a batch")
                 if msg[0] == "progress":
                     job, fraction = jobs[msg[1]], msg[2]
                     job.denoised = fraction >= 1.0
                     if job.on_progress is not None:
                         job.on_progress(job, fraction)
-                elif msg[0] == "poll":
-                    now = time.monotonic()
-                    self._run_conn.send(("reasons", [j.should_stop(now) for j in jobs]))
+                    latest = [j.should_stop(time.monotonic()) for j in jobs]  # a step ended: look now too
+                    if latest != reasons:
+                        reasons = latest
+                        with contextlib.suppress(OSError):
+                            self._run_conn.send(("reasons", reasons))
                 elif msg[0] == "done":
                     return msg[1]
                 else:
