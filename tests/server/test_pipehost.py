@@ -165,3 +165,48 @@ def _state(pid: int) -> str:
             return f.read().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "gone"
+
+
+def test_image_to_video_with_a_lora_gives_the_in_process_frames(tmp_path):
+    """The fields a batch carries to the pipeline process: a first-frame image and a LoRA's scale."""
+    from PIL import Image
+    from safetensors.torch import save_file
+
+    from ditattn.runconfig import ModelConfig, SamplingConfig
+
+    g = torch.Generator().manual_seed(0)
+    lora = {
+        f"transformer.blocks.{i}.attn1.{p}.lora_{ab}.weight": torch.randn(*shape, generator=g) * 0.1
+        for i in range(2)
+        for p in ("to_q", "to_v")
+        for ab, shape in (("A", (4, 512)), ("B", (512, 4)))
+    }
+    save_file(lora, str(tmp_path / "style.safetensors"))
+    cfg = RunConfig(
+        model=ModelConfig(model_path="ditattn:tiny-wan-i2v", lora_path=(str(tmp_path / "style.safetensors"),)),
+        sampling=SamplingConfig(num_inference_steps=2, num_frames=5),
+    )
+    hosted, local = HostedRunner(cfg, threads=torch.get_num_threads()), build_runner(cfg)
+    try:
+        assert hosted.adapters() == local.adapters() and len(hosted.adapters()) == 1
+        name = hosted.adapters()[0]["name"]
+        image = Image.new("RGB", (32, 32), (200, 30, 30))
+        frames = []
+        for r in (hosted, local):
+            job = GenerationJob(
+                kind="video",
+                model="m",
+                prompt="a red square",
+                width=32,
+                height=32,
+                num_frames=5,
+                num_inference_steps=2,
+                guidance_scale=3.0,
+                image=image,
+                lora=r.check_lora({name: 0.7}),
+                state=r.prepare(None, None),
+            )
+            frames.append(r.run_batch([job])[0].frames)
+        assert frames[0].shape == (1, 5, 32, 32, 3) and np.array_equal(frames[0], frames[1])
+    finally:
+        hosted.close()
