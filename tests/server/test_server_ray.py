@@ -112,16 +112,7 @@ def test_replicas_and_proxy_run_at_niceness_0(cluster):
     assert len(replicas) == 2 and len(proxy) == 1, (replicas, proxy)
     assert {n for threads in [*replicas.values(), *proxy.values()] for n in threads} == {0}
     # each replica runs its pipeline in a process of its own (--replica-process, the default), at niceness 0 too
-    hosts = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"ditattn.server.pipehost" not in f.read():
-                    continue
-            with open(f"/proc/{pid}/stat") as f:
-                hosts[int(pid)] = int(f.read().rsplit(")", 1)[1].split()[1])  # its parent
-        except (OSError, ValueError):
-            continue
+    hosts = _pipeline_processes()
     assert sorted(hosts.values()) == sorted(replicas), (hosts, replicas)
     assert {os.getpriority(os.PRIO_PROCESS, pid) for pid in hosts} == {0}
 
@@ -198,6 +189,51 @@ def test_killing_the_replica_that_runs_a_video_job(cluster):
     else:
         assert v.status == "failed" and v.error.code == "lease_expired" and v.error.message, v
     assert vid in {x.id for x in c.videos.list(limit=100).data}  # no job lost
+
+
+def test_killing_the_pipeline_process_of_a_video_job(cluster):
+    """The replica lives on without its pipeline: it stops renewing the job's lease and claims no more, the other
+    replica finishes the job, and Ray Serve's health check replaces the replica."""
+    base, url, _, _, _ = cluster
+    c = _client(base)
+    vid = c.videos.create(
+        prompt="orphan", size="32x32", extra_body={"num_inference_steps": 100, "seed": 5, "num_frames": 9}
+    ).id
+    t0 = time.time()
+    while True:
+        owner, _, status = _owner(url, vid)
+        if owner and status == "in_progress" and c.videos.retrieve(vid).progress >= 5:
+            break
+        assert status in ("queued", "in_progress") and time.time() - t0 < 120, (owner, status)
+        time.sleep(0.1)
+    replica = int(owner.split(":")[1])
+    hosts = [p for p, parent in _pipeline_processes().items() if parent == replica]
+    assert len(hosts) == 1, (replica, _pipeline_processes())
+    os.kill(hosts[0], signal.SIGKILL)
+    v = wait_video(c, vid, timeout=300, poll=0.3)
+    _, attempts, status = _owner(url, vid)
+    assert (v.status, status, attempts) == ("completed", "completed", 2) and _ran_on(url, vid) != owner, v
+    got = httpx.get(f"{base}/v1/videos/{vid}/content", headers=H, timeout=60)
+    assert got.status_code == 200 and got.content[4:8] == b"ftyp"
+    t0 = time.time()  # Ray restarts the replica: two replicas, each with its pipeline process, again
+    while len(_ray_worker_niceness("ServeReplica:ditattn:DitReplica")) != 2 or len(_pipeline_processes()) != 2:
+        assert time.time() - t0 < 180, (_ray_worker_niceness("ServeReplica:ditattn:DitReplica"), _pipeline_processes())
+        time.sleep(0.5)
+
+
+def _pipeline_processes() -> dict:
+    """``{pid: parent pid}`` of the replicas' pipeline processes (``python -m ditattn.server.pipehost``)."""
+    out = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"ditattn.server.pipehost" not in f.read():
+                    continue
+            with open(f"/proc/{pid}/stat") as f:
+                out[int(pid)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
+            continue
+    return out
 
 
 def test_sigterm_hands_the_running_job_back(cluster):

@@ -218,6 +218,25 @@ class ClusterState(ServerState):
             self._beat.join(10)
         super().stop()
 
+    def pipeline_lost(self) -> Optional[str]:
+        """Why this replica's pipeline cannot run any more (its pipeline process ended), else None."""
+        why = getattr(self.runner, "exit_reason", None)
+        return why() if why is not None else None
+
+    def hand_over(self, rec, exc: BaseException) -> bool:
+        """A video job whose pipeline process died under it is not failed here: this replica stops renewing its
+        lease (and claims no more), so another replica takes it over once the lease runs out (a job started
+        ``--job-max-attempts`` times fails with the reason), while Ray Serve's health check restarts this one."""
+        from ditattn.server.pipehost import PipelineProcessDied
+
+        if not isinstance(exc, PipelineProcessDied):
+            return False
+        self.videos.drop_local(rec.id)
+        log.error(
+            "replica %s: %s; video %s is left to another replica once its lease runs out", self.owner, exc, rec.id
+        )
+        return True
+
     # -- video submission: into the shared queue ------------------------------------------------
     def submit(self, job, *, restore: bool = False) -> concurrent.futures.Future:
         """Image jobs and claimed video jobs (``restore``) run here.  A new video job is already in
@@ -294,6 +313,8 @@ class ClusterState(ServerState):
             self.publish_metrics()
         except Exception:
             log.exception("replica %s: cannot publish its metrics", self.owner)
+        if self.pipeline_lost():  # neither renew nor claim: its jobs' leases run out and other replicas take them
+            return None
         mine = self.videos.local()
         lost = store.renew([r.id for r in mine], self.lease_s, {r.id: r.progress for r in mine})
         for vid in lost:

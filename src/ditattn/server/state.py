@@ -412,6 +412,11 @@ class ServerState(RequestChecks):
             logged=True,
         )
 
+    def hand_over(self, rec, exc: BaseException) -> bool:
+        """Whether a video job that failed with ``exc`` is left to another replica instead of failing here
+        (a scaled-out replica whose pipeline process died: :class:`~ditattn.server.cluster.ClusterState`)."""
+        return False
+
     def count(self, kind: str, outcome: str, backends: list) -> None:
         self.metrics.generations.labels(kind=kind, outcome=outcome, attention_backend=",".join(backends)).inc()
 

@@ -394,6 +394,8 @@ def _finish(state: ServerState, rec: VideoRecord, fut: concurrent.futures.Future
             if state.videos.update(rec.id, status="queued", progress=0, job=None) is not None:
                 log.info("video %s stays queued for the next start (job store %s)", rec.id, state.videos.jobs.path)
             return
+        if state.hand_over(rec, exc):  # its stored first frame stays: the replica that takes it over reads it
+            return
         _drop_reference(state, rec)
         if isinstance(exc, JobCancelled):  # deleted: the record is already gone
             return
