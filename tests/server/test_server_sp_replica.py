@@ -17,14 +17,8 @@ from test_server_app import serve
 
 from ditattn.errors import AttentionConfigError
 from ditattn.runconfig import ModelConfig, ParallelConfig, RunConfig
-from ditattn.server.rayserve import (
-    check_cluster_fits,
-    cpu_threads_per_gpu,
-    cpus_per_replica_for,
-    open_runner,
-    replica_resources,
-)
-from ditattn.server.runner import build_runner
+from ditattn.server.rayserve import check_cluster_fits, cpu_threads_per_gpu, cpus_per_replica_for, replica_resources
+from ditattn.server.runner import build_runner, open_runner
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 # 9 frames at 48x32: latent grid 3x3x2 = 18 tokens; an odd image size too (48x32 -> 3x2 = 6 tokens)

@@ -168,12 +168,12 @@ def _run(runner, conn, fields: list, override: Optional[str], skip: Optional[dic
 
 def host_main(run_conn, control_conn) -> None:
     """The child process: receive the replica's config and torch threads on the control pipe, load the
-    pipeline (:func:`ditattn.server.rayserve.open_runner`), report ready (or the load's error), answer the
+    pipeline (:func:`ditattn.server.runner.open_runner`), report ready (or the load's error), answer the
     control pipe in a thread and run batches in the main thread until the parent says stop or goes away."""
     import torch
 
     from ditattn.server import gcpause
-    from ditattn.server.rayserve import open_runner
+    from ditattn.server.runner import open_runner
 
     try:
         cfg, threads = control_conn.recv()

@@ -15,7 +15,7 @@ Python entry point: :func:`deploy` (``ray.init`` + ``serve.run``), or :func:`bui
 GPU cluster and ``num_cpus`` (``cpus_per_replica``) on the CPU.  A replica of ``--num-gpus N`` > 1
 keeps the single-host sequence parallelism inside it: it is rank 0 of its own group of N ranks
 (NCCL on its GPUs, gloo on the CPU) and relays each pipeline call to the others
-(:func:`open_runner`).
+(:func:`ditattn.server.runner.open_runner`).
 """
 
 from __future__ import annotations
@@ -138,54 +138,6 @@ def cpu_threads_per_gpu(nodes: list) -> int:
     return max(1, int(min(ratios))) if ratios else 1
 
 
-def _follow(rank, cfg: RunConfig) -> int:
-    """Ranks 1..N-1 of a replica's sequence-parallel group: the same pipeline, replaying rank 0's
-    calls until the replica stops (as ``ditattn serve --num-gpus N`` does on one host)."""
-    from ditattn.distributed.relay import PipelineRelay
-    from ditattn.pipelines.wan import WanPipelineNative
-
-    relay = PipelineRelay()  # collective: created in the same order as on rank 0
-    relay.follow(WanPipelineNative.from_config(cfg.for_rank(rank.rank, rank.device)))
-    return 0
-
-
-def open_runner(cfg: RunConfig, stack: contextlib.ExitStack):
-    """The runner of one replica.  With ``--num-gpus N`` > 1 this process becomes rank 0 of the
-    replica's own sequence-parallel group: ranks 1..N-1 are spawned on the replica's other GPUs (gloo
-    processes on the CPU), every pipeline call is relayed to them, and ``stack`` (closed when the
-    replica stops) stops them.  Under Ray the replica's GPUs are the ones it was given
-    (``CUDA_VISIBLE_DEVICES``)."""
-    from ditattn.server.runner import build_runner
-
-    n = cfg.parallel.num_gpus
-    if n <= 1:
-        return build_runner(cfg)
-    import torch
-
-    from ditattn import settings
-    from ditattn.distributed.launch import lead_ranks
-    from ditattn.distributed.relay import PipelineRelay
-    from ditattn.pipelines.wan import WanPipelineNative
-
-    u, r = cfg.parallel.degrees()
-    device = cfg.model.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    rank = stack.enter_context(
-        lead_ranks(
-            _follow,
-            n,
-            args=(cfg,),
-            device=device,
-            ulysses_degree=u,
-            ring_degree=r,
-            cfg_degree=cfg.parallel.cfg_degree(),
-            timeout_s=settings.dist_timeout_s(),
-        )
-    )
-    relay = PipelineRelay()
-    stack.enter_context(relay.leading(WanPipelineNative))
-    return build_runner(cfg.for_rank(0, rank.device))
-
-
 def _replica_class():
     from ray import serve
 
@@ -211,6 +163,8 @@ def _replica_class():
                 self.runner = HostedRunner(cfg, threads=cpu_threads)
                 self._ranks.callback(self.runner.close)
             else:
+                from ditattn.server.runner import open_runner
+
                 self.runner = open_runner(cfg, self._ranks)
             tag = serve.get_replica_context().replica_id.unique_id
             self.owner = f"{socket.gethostname()}:{os.getpid()}:{tag}"

@@ -361,3 +361,51 @@ def build_runner(config) -> PipelineRunner:
     runner.check_sampling({})  # the server-wide sampler settings must themselves be valid
     runner.prepare(None, None)  # the server-wide attention defaults must themselves be valid
     return runner
+
+
+def _follow(rank, cfg) -> int:
+    """Ranks 1..N-1 of a replica's sequence-parallel group: the same pipeline, replaying rank 0's
+    calls until the replica stops (as ``ditattn serve --num-gpus N`` does on one host)."""
+    from ditattn.distributed.relay import PipelineRelay
+    from ditattn.pipelines.wan import WanPipelineNative
+
+    relay = PipelineRelay()  # collective: created in the same order as on rank 0
+    relay.follow(WanPipelineNative.from_config(cfg.for_rank(rank.rank, rank.device)))
+    return 0
+
+
+def open_runner(cfg, stack: contextlib.ExitStack):
+    """The runner of one replica.  With ``--num-gpus N`` > 1 this process becomes rank 0 of the
+    replica's own sequence-parallel group: ranks 1..N-1 are spawned on the replica's other GPUs (gloo
+    processes on the CPU), every pipeline call is relayed to them, and ``stack`` (closed when the
+    replica stops) stops them.  Under Ray the replica's GPUs are the ones it was given
+    (``CUDA_VISIBLE_DEVICES``)."""
+    from ditattn.server.runner import build_runner
+
+    n = cfg.parallel.num_gpus
+    if n <= 1:
+        return build_runner(cfg)
+    import torch
+
+    from ditattn import settings
+    from ditattn.distributed.launch import lead_ranks
+    from ditattn.distributed.relay import PipelineRelay
+    from ditattn.pipelines.wan import WanPipelineNative
+
+    u, r = cfg.parallel.degrees()
+    device = cfg.model.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    rank = stack.enter_context(
+        lead_ranks(
+            _follow,
+            n,
+            args=(cfg,),
+            device=device,
+            ulysses_degree=u,
+            ring_degree=r,
+            cfg_degree=cfg.parallel.cfg_degree(),
+            timeout_s=settings.dist_timeout_s(),
+        )
+    )
+    relay = PipelineRelay()
+    stack.enter_context(relay.leading(WanPipelineNative))
+    return build_runner(cfg.for_rank(0, rank.device))
