@@ -107,6 +107,22 @@ def test_a_cancelled_or_timed_out_batch_stops_with_the_in_process_error(runners)
     assert hosted.run_batch(_jobs(hosted, n=1))[0].frames.shape == (1, 1, 32, 32, 3)  # and it serves on
 
 
+def test_close_waits_for_a_running_batch_then_stops_the_pipeline_process():
+    import threading
+
+    cfg = RunConfig.from_mapping(CFG)
+    r = HostedRunner(cfg, threads=1)
+    started, results = threading.Event(), []
+    jobs = _jobs(r, n=1, num_inference_steps=30, on_progress=lambda job, f: started.set())
+    worker = threading.Thread(target=lambda: results.append(r.run_batch(jobs)))
+    worker.start()
+    assert started.wait(60)
+    r.close(timeout_s=120)  # after the batch: its result arrives whole, then the process ends
+    worker.join(10)
+    assert len(results) == 1 and results[0][0].frames.shape == (1, 1, 32, 32, 3)
+    assert not r.alive() and r.exit_reason().endswith("exited with code 0")
+
+
 def test_stop_errors_keep_their_reason_through_pickle():
     for exc in (GenerationCancelled("timeout"), JobCancelled("client_disconnected")):
         back = pickle.loads(pickle.dumps(exc))

@@ -281,13 +281,20 @@ class HostedRunner:
         return value
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Stop the child (after its current batch) and wait for it; kill it after ``timeout_s``."""
+        """Stop the child once its current batch (if one runs) has ended and wait for it; kill it when that takes
+        longer than ``timeout_s`` in all."""
+        deadline = time.monotonic() + timeout_s
         if self._proc.poll() is None:
-            with contextlib.suppress(OSError):
-                self._run_conn.send(("stop",))
+            if self._run_lock.acquire(timeout=timeout_s):  # the run pipe is the batch's until it ends
+                try:
+                    with contextlib.suppress(OSError):
+                        self._run_conn.send(("stop",))
+                finally:
+                    self._run_lock.release()
             try:
-                self._proc.wait(timeout_s)
+                self._proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                log.warning("the pipeline process (pid %d) did not stop in %.0f s; killed", self._proc.pid, timeout_s)
                 self._proc.kill()
                 self._proc.wait(5)
         for conn in (self._run_conn, self._control_conn):
