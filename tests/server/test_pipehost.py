@@ -209,20 +209,8 @@ def test_image_to_video_with_a_lora_gives_the_in_process_frames(tmp_path):
         image = Image.new("RGB", (32, 32), (200, 30, 30))
         frames = []
         for r in (hosted, local):
-            job = GenerationJob(
-                kind="video",
-                model="m",
-                prompt="a red square",
-                width=32,
-                height=32,
-                num_frames=5,
-                num_inference_steps=2,
-                guidance_scale=3.0,
-                image=image,
-                lora=r.check_lora({name: 0.7}),
-                state=r.prepare(None, None),
-            )
-            frames.append(r.run_batch([job])[0].frames)
+            jobs = _jobs(r, n=1, kind="video", num_frames=5, image=image, lora=r.check_lora({name: 0.7}))
+            frames.append(r.run_batch(jobs)[0].frames)
         assert frames[0].shape == (1, 5, 32, 32, 3) and np.array_equal(frames[0], frames[1])
     finally:
         hosted.close()

@@ -160,20 +160,26 @@ def test_50_concurrent_mixed_requests(cluster):
     assert len(owners) == 2, owners  # the video jobs went to both replicas
 
 
+def _running(c, url, vid) -> tuple:
+    """``(owner, progress)`` once video ``vid`` is well under way (its progress reaches the store with the lease
+    heartbeat)."""
+    t0 = time.time()
+    while True:
+        owner, _, status = _owner(url, vid)
+        progress = c.videos.retrieve(vid).progress  # the replica that answers: its own or the stored progress
+        if owner and status == "in_progress" and progress >= 5:
+            return owner, progress
+        assert status in ("queued", "in_progress") and time.time() - t0 < 120, (owner, status)
+        time.sleep(0.1)
+
+
 def test_killing_the_replica_that_runs_a_video_job(cluster):
     base, url, out, log, _ = cluster
     c = _client(base)
     vid = c.videos.create(
         prompt="survive", size="32x32", extra_body={"num_inference_steps": 100, "seed": 9, "num_frames": 9}
     ).id
-    t0 = time.time()
-    while True:  # until it is well under way (its progress reaches the store with the lease heartbeat)
-        owner, attempts, status = _owner(url, vid)
-        progress = c.videos.retrieve(vid).progress  # the replica that answers: its own or the stored progress
-        if owner and status == "in_progress" and progress >= 5:
-            break
-        assert status in ("queued", "in_progress") and time.time() - t0 < 120, (owner, status)
-        time.sleep(0.1)
+    owner, progress = _running(c, url, vid)
     pid = int(owner.split(":")[1])
     os.kill(pid, signal.SIGKILL)  # the replica dies mid-job
     killed = time.time()
@@ -199,13 +205,7 @@ def test_killing_the_pipeline_process_of_a_video_job(cluster):
     vid = c.videos.create(
         prompt="orphan", size="32x32", extra_body={"num_inference_steps": 100, "seed": 5, "num_frames": 9}
     ).id
-    t0 = time.time()
-    while True:
-        owner, _, status = _owner(url, vid)
-        if owner and status == "in_progress" and c.videos.retrieve(vid).progress >= 5:
-            break
-        assert status in ("queued", "in_progress") and time.time() - t0 < 120, (owner, status)
-        time.sleep(0.1)
+    owner, _ = _running(c, url, vid)
     replica = int(owner.split(":")[1])
     hosts = [p for p, parent in _pipeline_processes().items() if parent == replica]
     assert len(hosts) == 1, (replica, _pipeline_processes())

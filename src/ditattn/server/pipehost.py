@@ -121,26 +121,29 @@ class _Batch:
 
 def _meta(runner) -> dict:
     """What the parent serves from without asking the child."""
+    import torch
+
     return {
         "model_id": runner.model_id,
         "aliases": set(runner.aliases),
         "defaults": runner.defaults,
         "default_backends": list(runner.default_backends()),
-        "adapters": runner.adapters() if hasattr(runner, "adapters") else [],
+        "adapters": runner.adapters(),
         "default_negative_prompt": runner.default_negative_prompt,
         "default_sampling": dict(runner.default_sampling),
         "pid": os.getpid(),
+        "threads": torch.get_num_threads(),
     }
 
 
 def _answer_checks(runner, conn) -> None:
-    """The child's control thread: answer the request checks until the parent's end closes, then end the
-    process (the replica is gone)."""
+    """The child's control thread: answer the request checks until the parent's end closes (the replica is
+    gone; the main thread finds its pipe closed too, and ends the process after closing the ranks)."""
     while True:
         try:
             op, args = conn.recv()
         except (EOFError, OSError):
-            os._exit(0)
+            return
         try:
             if op not in CONTROL_OPS:
                 raise ValueError(f"pipeline process: unknown request check {op!r}; accepted: {', '.join(CONTROL_OPS)}")
@@ -248,7 +251,7 @@ class HostedRunner:
             setattr(self, key, value[key])
         self._default_backends, self._adapters, self.pid = value["default_backends"], value["adapters"], value["pid"]
         self._backends: dict = {}  # (override, skip) of a prepared state -> the backends it runs
-        log.info("replica: the pipeline runs in process %d", self.pid)
+        log.info("replica: the pipeline runs in process %d (%d torch CPU threads)", self.pid, value["threads"])
 
     # -- the child ------------------------------------------------------------------------------------------
     def _recv(self, conn, doing: str):
@@ -333,6 +336,16 @@ class HostedRunner:
     def check_sampling(self, sampling: dict) -> None:
         self._control("check_sampling", sampling)
 
+    def _push_reasons(self, jobs, sent: list) -> list:
+        """The jobs' stop reasons now, sent to the child when they differ from ``sent`` (a dead child is
+        reported by the next receive)."""
+        now = time.monotonic()
+        latest = [j.should_stop(now) for j in jobs]
+        if latest != sent:
+            with contextlib.suppress(OSError):
+                self._run_conn.send(("reasons", latest))
+        return latest
+
     def run_batch(self, jobs) -> list:
         """Run ``jobs`` (one signature) in the child: their progress reported; their stop reasons (cancelled,
         timed out, shutdown) sent to the child whenever they change, looked at after each step's progress and
@@ -352,12 +365,7 @@ class HostedRunner:
                 raise PipelineProcessDied(self.exit_reason() or "the pipeline process is not answering") from None
             while True:
                 if not self._run_conn.poll(STOP_CHECK_S):
-                    now = time.monotonic()
-                    latest = [j.should_stop(now) for j in jobs]
-                    if latest != reasons:
-                        reasons = latest
-                        with contextlib.suppress(OSError):  # a dead child is reported by the next receive
-                            self._run_conn.send(("reasons", reasons))
+                    reasons = self._push_reasons(jobs, reasons)
                     if self._proc.poll() is None:
                         continue
                 msg = self._recv(self._run_conn, "running a batch")
@@ -366,11 +374,7 @@ class HostedRunner:
                     job.denoised = fraction >= 1.0
                     if job.on_progress is not None:
                         job.on_progress(job, fraction)
-                    latest = [j.should_stop(time.monotonic()) for j in jobs]  # a step ended: look now too
-                    if latest != reasons:
-                        reasons = latest
-                        with contextlib.suppress(OSError):
-                            self._run_conn.send(("reasons", reasons))
+                    reasons = self._push_reasons(jobs, reasons)  # a step ended: look now too
                 elif msg[0] == "done":
                     return msg[1]
                 else:

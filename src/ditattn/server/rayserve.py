@@ -133,7 +133,7 @@ def cpu_threads_per_gpu(nodes: list) -> int:
 
     Ray starts its worker processes with ``OMP_NUM_THREADS=1`` (unless that variable is set where Ray
     started), so a GPU replica would otherwise run the pipeline's CPU-side work on one thread where
-    ``ditattn serve`` uses every core of its host (docs/serving.md, "Overhead")."""
+    ``ditattn serve`` uses every core of its host (docs/serving.md, "Threads")."""
     ratios = [cpus / gpus for cpus, gpus in nodes if gpus > 0]
     return max(1, int(min(ratios))) if ratios else 1
 
@@ -154,7 +154,6 @@ def _replica_class():
                 log.warning("%s", why)
             if cpu_threads:
                 torch.set_num_threads(cpu_threads)
-            log.info("replica: %d torch CPU threads", torch.get_num_threads())
             self.cfg, self.replicas = cfg, replicas
             self._ranks = contextlib.ExitStack()  # the replica's pipeline process or sequence-parallel ranks
             if cfg.server.replica_process:  # the pipeline in a child process (server.pipehost)
@@ -165,6 +164,7 @@ def _replica_class():
             else:
                 from ditattn.server.runner import open_runner
 
+                log.info("replica: the pipeline runs here (%d torch CPU threads)", torch.get_num_threads())
                 self.runner = open_runner(cfg, self._ranks)
             tag = serve.get_replica_context().replica_id.unique_id
             self.owner = f"{socket.gethostname()}:{os.getpid()}:{tag}"

@@ -380,8 +380,6 @@ def open_runner(cfg, stack: contextlib.ExitStack):
     processes on the CPU), every pipeline call is relayed to them, and ``stack`` (closed when the
     replica stops) stops them.  Under Ray the replica's GPUs are the ones it was given
     (``CUDA_VISIBLE_DEVICES``)."""
-    from ditattn.server.runner import build_runner
-
     n = cfg.parallel.num_gpus
     if n <= 1:
         return build_runner(cfg)
