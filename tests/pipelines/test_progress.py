@@ -45,6 +45,7 @@ def test_decode_bar_counts_the_decoder_calls(monkeypatch):
 
         def update(self, k=1):
             self.n += k
+            return True  # tqdm's update() returns True whenever it redraws
 
         def set_postfix_str(self, *a, **k):
             pass
@@ -59,3 +60,10 @@ def test_decode_bar_counts_the_decoder_calls(monkeypatch):
     (bar,) = bars
     assert bar.kw["desc"] == "decoding" and bar.kw["total"] == 3 and bar.n == 3 and bar.closed
     assert frames.shape[1] == 9  # 3 latent frames -> 1 + 2 * 4 frames
+    # neither the bar's nor a stop check's return value may stand in for the decoder's output or input
+    from ditattn.pipelines.latents import decode_latents
+
+    quiet = pipe.decode(latents, progress=False)
+    vae = pipe.components["vae"]
+    checked = decode_latents(vae, latents, torch.device("cpu"), progress=True, check_stop=lambda: True)
+    assert (frames == quiet).all() and (checked == quiet).all()

@@ -146,9 +146,17 @@ def decode_latents(
     decoder = getattr(vae, "decoder", None)
     hooks = []
     if isinstance(decoder, torch.nn.Module):
-        hooks.append(decoder.register_forward_hook(lambda *_: bar.update(1)))
+        # A hook's non-None return value replaces the module's output (or arguments): tqdm's update()
+        # returns True when it redraws, so neither hook may pass on what it calls.
+        def count(*_):
+            bar.update(1)
+
+        def stop_point(*_):
+            check_stop()
+
+        hooks.append(decoder.register_forward_hook(count))
         if check_stop is not None and not parallel:
-            hooks.append(decoder.register_forward_pre_hook(lambda module, args: check_stop()))
+            hooks.append(decoder.register_forward_pre_hook(stop_point))
     try:
         if parallel:
             from ditattn.distributed.vae import parallel_tiled_decode
