@@ -791,6 +791,7 @@ def test_seed_defaults():
         "edge_tiles": "packed",
         "block_sparse_impl": "auto",
         "error_budget": 0.01,
+        "max_rel_err": 0.045,
         "dense_above": 0.6,
         "min_seq_len": None,
     }

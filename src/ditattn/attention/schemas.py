@@ -203,6 +203,21 @@ def error_budget(default: float) -> Param:
     )
 
 
+def max_rel_err(default: float) -> Param:
+    """The ``max_rel_err`` key of a training-free sparse backend (:mod:`ditattn.attention.sparse.check`)."""
+    return P(
+        "max_rel_err",
+        "float",
+        default,
+        "Largest relative error a sparse call may keep, measured against exact attention on 512 sampled query "
+        "rows at the first sparse step of each layer in a request and every 10 steps after: over it, the layer "
+        "tries the error budget's wider selection, then runs the dense kernel for the rest of the request "
+        "(0 turns the check off; so does error_budget 0)",
+        check=in_range(0.0, 1.0, hi_open=True),
+        accepted="a number in [0, 1) (0: off)",
+    )
+
+
 def dense_above(default: float) -> Param:
     """The ``dense_above`` key of a budgeted sparse backend: the call-level break-even of the block-sparse path
     (the backends pass :data:`ditattn.attention.sparse.budget.DENSE_CALL_ABOVE`)."""

@@ -47,6 +47,7 @@ from ditattn.attention.reference import expand_kv
 from ditattn.attention.sparse import record_stats, stats_key
 from ditattn.attention.sparse.block_sparse import dense_attention
 from ditattn.attention.sparse.budget import DENSE_CALL_ABOVE
+from ditattn.attention.sparse.check import MAX_REL_ERR
 from ditattn.attention.sparse.fallback import (
     MIN_SEQ_LEN,
     budget_stats,
@@ -218,11 +219,13 @@ def sparse_done(name: str, call: AttnCall, plan, **extra):
 
 
 def budget_keys(default_budget: float) -> tuple:
-    """The schema keys of a backend under the error budget: ``error_budget`` (``default_budget``),
+    """The schema keys of a backend under the error budget: ``error_budget`` (``default_budget``), ``max_rel_err``
+    (:data:`~ditattn.attention.sparse.check.MAX_REL_ERR`),
     ``dense_above`` (:data:`~ditattn.attention.sparse.budget.DENSE_CALL_ABOVE`) and ``min_seq_len`` (unset:
     the device's figure, :data:`~ditattn.attention.sparse.fallback.MIN_SEQ_LEN`)."""
     return (
         schemas.error_budget(default_budget),
+        schemas.max_rel_err(MAX_REL_ERR),
         schemas.dense_above(DENSE_CALL_ABOVE),
         schemas.min_seq_len(MIN_SEQ_LEN["cuda"]),
     )
@@ -260,11 +263,120 @@ def sparse_backend(backend: B, *, spec: BackendSpec, schema=(), precheck=None, l
                 if why:
                     return run_dense(name, q, k, v, call, f"{why} (dense kernel)", announce=True)
             k, v = expand_kv(k, v, q.shape[2])
+            if cfg.get("max_rel_err", 0.0) > 0 and cfg.get("error_budget", 0.0) > 0:
+                return checked_call(name, body, q, k, v, call, cfg, vs, text_len)
             return body(name, q, k, v, call, cfg, vs, text_len)
 
         return register(backend, spec=spec, schema=schema)(impl)
 
     return deco
+
+
+def _ran_dense(key: str) -> bool:
+    from ditattn.attention.sparse import last_stats
+
+    entry = last_stats.get(key)
+    return entry is None or bool(dict.get(entry, "dense", False))
+
+
+def _measure(name: str, q, k, v, call: AttnCall, cfg: dict, res, mode: str):
+    """Check a sparse call's output (:func:`ditattn.attention.sparse.check.sampled_error`) and add the figures to
+    its ``last_stats`` entry and its layer's run counts; returns ``(passed, rel_err)``."""
+    from ditattn.attention.sparse import check as ck
+    from ditattn.attention.sparse.fallback import note_check
+
+    rel, head = ck.sampled_error(q, k, v, res[0], call.scale)
+    key = layer_stats_key(name, call)
+    _annotate(key, checked_rel_err=rel, checked_rel_err_head_max=head, max_rel_err=cfg["max_rel_err"], check=mode)
+    note_check(key, rel)
+    return rel <= cfg["max_rel_err"], rel
+
+
+def _annotate(key: str, **fields) -> None:
+    from ditattn.attention.sparse import last_stats
+
+    entry = last_stats.get(key)
+    if entry is not None:
+        dict.update(entry, fields)
+
+
+def _dense_after_check(name: str, q, k, v, call: AttnCall, cfg: dict, rel: float):
+    """Replace a sparse call whose measured error failed the check by the dense kernel (counted once)."""
+    from ditattn.attention.sparse import check as ck
+    from ditattn.attention.sparse.fallback import drop_last_call
+
+    drop_last_call(layer_stats_key(name, call))
+    why = _check_reason(rel, cfg)
+    ck.set_mode(budget_key(name, call), call.step, ck.DENSE, checked=call.step, rel_err=rel, reason=why)
+    return run_dense(name, q, k, v, call, why, announce=True)
+
+
+def _check_reason(rel: float, cfg: dict) -> str:
+    return f"error check: {rel:.1%} measured > max_rel_err {cfg['max_rel_err']:.1%} (dense kernel)"
+
+
+def _kept(key: str) -> float:
+    from ditattn.attention.sparse import last_stats
+
+    entry = last_stats.get(key)
+    return float(entry.get("kept_fraction", 1.0)) if entry is not None else 1.0
+
+
+def checked_call(name: str, body, q, k, v, call: AttnCall, cfg: dict, vs, text_len: int):
+    """Run ``body`` (a sparse backend's implementation) under the measured error check
+    (:mod:`ditattn.attention.sparse.check`): at the first sparse step of a layer in a request, the planner's own
+    selection (``error_budget`` 0) is run and checked; over ``max_rel_err``, the budgeted selection (which may
+    run dense by itself) is run and checked; over again, the dense kernel.  Later steps reuse the mode reached
+    and check again every ``CHECK_EVERY`` steps; a failed check runs the layer dense from that step on.
+    Dense phases and shapes the backend does not sparsify pass through unchecked."""
+    from ditattn.attention.sparse import check as ck
+    from ditattn.attention.sparse.fallback import drop_last_call
+
+    key, skey = budget_key(name, call), layer_stats_key(name, call)
+    plain = dict(cfg, error_budget=0.0)
+    state = ck.mode_of(key, call.step)
+    if state is not None:
+        if state.mode == ck.DENSE:
+            ck.set_mode(key, call.step, ck.DENSE)
+            why = f"{state.reason or 'error check'}; dense from an earlier step of the request"
+            return run_dense(name, q, k, v, call, why, announce=True)
+        res = body(name, q, k, v, call, plain if state.mode == ck.PLAIN else cfg, vs, text_len)
+        if _ran_dense(skey) or not ck.due(state, call.step):
+            ck.set_mode(key, call.step, state.mode)
+            return res
+        ok, rel = _measure(name, q, k, v, call, cfg, res, state.mode)
+        if ok:
+            ck.set_mode(key, call.step, state.mode, checked=call.step, rel_err=rel)
+            return res
+        return _dense_after_check(name, q, k, v, call, cfg, rel)
+    res = body(name, q, k, v, call, plain, vs, text_len)
+    if _ran_dense(skey):  # a dense phase or a shape the backend does not sparsify: nothing to decide
+        return res
+    ok, rel = _measure(name, q, k, v, call, cfg, res, ck.PLAIN)
+    kept = _kept(skey)
+    if ok and kept > cfg["dense_above"]:  # accurate, but past the break-even: the dense kernel from now on
+        why = (
+            f"error check: the backend's own selection keeps {kept:.2f} of the blocks > dense_above "
+            f"{cfg['dense_above']} (dense kernel)"
+        )
+        ck.set_mode(key, call.step, ck.DENSE, checked=call.step, rel_err=rel, reason=why)
+        drop_last_call(skey)
+        return run_dense(name, q, k, v, call, why, announce=True)
+    if ok:
+        ck.set_mode(key, call.step, ck.PLAIN, checked=call.step, rel_err=rel)
+        return res
+    drop_last_call(skey)  # the budgeted run replaces the plain one
+    res = body(name, q, k, v, call, cfg, vs, text_len)
+    if _ran_dense(skey):  # the budget itself ran the call dense (its own reason, said once)
+        why = f"error budget after a {rel:.1%} error check (dense kernel)"
+        ck.set_mode(key, call.step, ck.DENSE, checked=call.step, rel_err=rel, reason=why)
+        _annotate(skey, checked_rel_err=rel, max_rel_err=cfg["max_rel_err"], check=ck.PLAIN)
+        return res
+    ok, rel = _measure(name, q, k, v, call, cfg, res, ck.BUDGET)
+    if ok:
+        ck.set_mode(key, call.step, ck.BUDGET, checked=call.step, rel_err=rel)
+        return res
+    return _dense_after_check(name, q, k, v, call, cfg, rel)
 
 
 def sparse_runtime_label(spec: BackendSpec, platform, req, config) -> str:

@@ -496,5 +496,8 @@ def remember(key: str, step: Optional[int], dense: bool) -> None:
 
 def clear_memory() -> None:
     """Forget every layer's recorded decisions (tests; a new request starts over by itself when its steps
-    do not advance)."""
+    do not advance); also the measured error check's modes (:func:`.check.clear_memory`)."""
+    from ditattn.attention.sparse.check import clear_memory as clear_checks
+
     _decisions.clear()
+    clear_checks()

@@ -103,9 +103,35 @@ def count_call(key: str, *, kept, fallback: bool, dense: bool, dense_heads=None,
         e["dense_fallbacks"] += int(fallback)
         e["dense_phases"] += int(dense and not fallback)
         e["kept"].append(kept)
+        e["last_fallback"], e["last_phase"] = bool(fallback), bool(dense and not fallback)
+        e["last_heads"] = dense_heads is not None
         if dense_heads is not None:
             e["dense_heads"].append(dense_heads)
             e["heads"] = max(e["heads"], int(heads))
+
+
+def drop_last_call(key: str) -> None:
+    """Forget layer ``key``'s latest counted call (a run the error check replaced by another)."""
+    with _lock:
+        e = _run_layers.get(key)
+        if not e or not e["calls"]:
+            return
+        e["calls"] -= 1
+        e["kept"].pop()
+        if e.pop("last_fallback", False):
+            e["dense_fallbacks"] -= 1
+        if e.pop("last_phase", False):
+            e["dense_phases"] -= 1
+        if e.pop("last_heads", False) and e["dense_heads"]:
+            e["dense_heads"].pop()
+
+
+def note_check(key: str, rel_err: float) -> None:
+    """Record a measured error check of layer ``key`` (:mod:`.check`): the run summary gives the largest."""
+    with _lock:
+        e = _run_layers.get(key)
+        if e is not None:
+            e["checked_rel_err"] = max(float(rel_err), e.get("checked_rel_err", 0.0))
 
 
 def run_summary() -> dict:
@@ -126,6 +152,8 @@ def run_summary() -> dict:
             "dense_heads": int(sum(float(x) for x in e["dense_heads"])),
             "heads": e["heads"],
         }
+        if "checked_rel_err" in e:
+            out[key]["checked_rel_err"] = e["checked_rel_err"]
     return out
 
 
