@@ -683,3 +683,36 @@ def test_a_sparse_layer_is_checked_again_and_goes_dense_when_its_input_drifts(mo
     summary = next(iter(run_summary().values()))
     assert summary["checked_rel_err"] > 0.08 and summary["calls"] == len(seen), summary
     assert summary["dense_fallbacks"] == 2, summary  # the replaced call counted once, as a fallback
+
+
+def test_a_pilot_on_a_sixth_of_the_heads_spares_the_full_run_of_a_poor_selection(monkeypatch):
+    """From 8 heads on, the backend's own selection is first tried on a sixth of the heads (at least 2): far off
+    there, the full call never runs it (the budget's rung comes next, here dense); close enough, the full call
+    runs and is checked as before.  The pilot is not counted as a call."""
+    from ditattn.attention.sparse import budget as budget_mod
+    from ditattn.attention.sparse import check
+    from ditattn.attention.sparse.fallback import begin_run, run_summary
+
+    heads = []
+    real = __import__("ditattn.attention.backends.sparge", fromlist=["x"]).sparge_attention
+    monkeypatch.setattr(
+        "ditattn.attention.backends.sparge.sparge_attention",
+        lambda q, *a, **kw: heads.append(q.shape[2]) or real(q, *a, **kw),
+    )
+    assert check.pilot_heads(12, "cpu").tolist() == [0, 11] and check.pilot_heads(7, "cpu") is None
+    assert check.pilot_heads(40, "cpu").numel() == 7
+    weak = structured_qkv(family_spec("weak", (9, 16, 20), 12, head_dim=128, seed=2), dtype=torch.bfloat16)[:3]
+    budget_mod.clear_memory()
+    begin_run()
+    out, st = _run_mid("sparge_attn", *weak)
+    assert heads[0] == 2 and 12 not in heads[:1] and heads.count(12) <= 1, heads  # no full run of the poor rule
+    assert st["dense"] and torch.equal(out, ditattn.attention(*weak, backend="torch_sdpa")), st
+    assert next(iter(run_summary().values()))["calls"] == 1
+    heads.clear()
+    budget_mod.clear_memory()
+    from ditattn.evaluation.structured import StructuredSpec
+
+    spec = StructuredSpec(video_shape=(9, 16, 20), heads=12, head_dim=128, seed=4, content_norm=(20.0, 30.0))
+    q, k, v, _ = structured_qkv(spec, dtype=torch.bfloat16)
+    out, st = _run_mid("sparge_attn", q, k, v, max_rel_err=0.1)
+    assert heads == [2, 12] and not st["dense"] and st["check"] == "plain", (heads, st)

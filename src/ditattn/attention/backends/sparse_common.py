@@ -322,15 +322,34 @@ def _kept(key: str) -> float:
     return float(entry.get("kept_fraction", 1.0)) if entry is not None else 1.0
 
 
+def _pilot(name: str, body, q, k, v, call: AttnCall, plain: dict, vs, text_len: int) -> Optional[float]:
+    """The measured error of the backend's own selection on the pilot's heads
+    (:func:`ditattn.attention.sparse.check.pilot_heads`), or None: no pilot (too few heads) or a pilot that ran
+    dense.  The pilot is not counted as a call."""
+    from ditattn.attention.sparse import check as ck
+    from ditattn.attention.sparse.fallback import drop_last_call
+
+    heads = ck.pilot_heads(q.shape[2], q.device)
+    if heads is None:
+        return None
+    qs, ks, vs_ = (t.index_select(2, heads) for t in (q, k, v))
+    res = body(name, qs, ks, vs_, call, plain, vs, text_len)
+    skey = layer_stats_key(name, call)
+    dense = _ran_dense(skey)
+    drop_last_call(skey)
+    return None if dense else ck.sampled_error(qs, ks, vs_, res[0], call.scale)[0]
+
+
 def checked_call(name: str, body, q, k, v, call: AttnCall, cfg: dict, vs, text_len: int):
     """Run ``body`` (a sparse backend's implementation) under the measured error check
     (:mod:`ditattn.attention.sparse.check`): at the first sparse step of a layer in a request, the planner's own
-    selection (``error_budget`` 0) is run and checked; over ``max_rel_err``, the budgeted selection (which may
+    selection (``error_budget`` 0) is run and checked (from 8 heads on, first on a sixth of them: :func:`_pilot`;
+    1.5x over ``max_rel_err`` there, the full run is skipped); over ``max_rel_err``, the budgeted selection (which may
     run dense by itself) is run and checked; over again, the dense kernel.  Later steps reuse the mode reached
     and check again every ``CHECK_EVERY`` steps; a failed check runs the layer dense from that step on.
     Dense phases and shapes the backend does not sparsify pass through unchecked."""
     from ditattn.attention.sparse import check as ck
-    from ditattn.attention.sparse.fallback import drop_last_call
+    from ditattn.attention.sparse.fallback import drop_last_call, note_check
 
     key, skey = budget_key(name, call), layer_stats_key(name, call)
     plain = dict(cfg, error_budget=0.0)
@@ -349,11 +368,17 @@ def checked_call(name: str, body, q, k, v, call: AttnCall, cfg: dict, vs, text_l
             ck.set_mode(key, call.step, state.mode, checked=call.step, rel_err=rel)
             return res
         return _dense_after_check(name, q, k, v, call, cfg, rel)
-    res = body(name, q, k, v, call, plain, vs, text_len)
-    if _ran_dense(skey):  # a dense phase or a shape the backend does not sparsify: nothing to decide
-        return res
-    ok, rel = _measure(name, q, k, v, call, cfg, res, ck.PLAIN)
-    kept = _kept(skey)
+    rel = _pilot(name, body, q, k, v, call, plain, vs, text_len)
+    ran_plain = rel is None or rel <= ck.PILOT_MARGIN * cfg["max_rel_err"]
+    if ran_plain:
+        res = body(name, q, k, v, call, plain, vs, text_len)
+        if _ran_dense(skey):  # a dense phase or a shape the backend does not sparsify: nothing to decide
+            return res
+        ok, rel = _measure(name, q, k, v, call, cfg, res, ck.PLAIN)
+        kept = _kept(skey)
+    else:  # far off on the pilot's heads: straight to the budget's rung
+        ok, kept = False, 0.0
+        note_check(skey, rel)
     if ok and kept > cfg["dense_above"]:  # accurate, but past the break-even: the dense kernel from now on
         why = (
             f"error check: the backend's own selection keeps {kept:.2f} of the blocks > dense_above "
@@ -365,7 +390,8 @@ def checked_call(name: str, body, q, k, v, call: AttnCall, cfg: dict, vs, text_l
     if ok:
         ck.set_mode(key, call.step, ck.PLAIN, checked=call.step, rel_err=rel)
         return res
-    drop_last_call(skey)  # the budgeted run replaces the plain one
+    if ran_plain:
+        drop_last_call(skey)  # the budgeted run replaces the plain one
     res = body(name, q, k, v, call, cfg, vs, text_len)
     if _ran_dense(skey):  # the budget itself ran the call dense (its own reason, said once)
         why = f"error budget after a {rel:.1%} error check (dense kernel)"

@@ -11,7 +11,9 @@ the figure the backends' ``max_rel_err`` config key bounds.  Cost: ``CHECK_ROWS 
 request and every :data:`CHECK_EVERY` steps after it.
 
 The decision ladder of a layer (:func:`ditattn.attention.backends.sparse_common.checked_call`): the backend's
-own selection first (its planner alone, no budget widening); if its measured error exceeds ``max_rel_err``,
+own selection first (its planner alone, no budget widening; with 8 heads or more it is first tried on a sixth of
+the heads, and a selection off by more than 1.5x ``max_rel_err`` there is not run in full); if its measured
+error exceeds ``max_rel_err``,
 the selection widened by the error budget (which may itself decide to run dense); if that is measured over
 ``max_rel_err`` too, the dense kernel.  The layer keeps the mode it reached for the rest of the request
 (:func:`mode_of`); a later check that fails sends it dense from that step on.
@@ -36,7 +38,32 @@ CHECK_EVERY = 10
 #: figure the defaults promise, by the sampling error of :data:`CHECK_ROWS` rows)
 MAX_REL_ERR = 0.045
 
+#: a call with at least this many heads first tries the backend's own selection on a share of them (the pilot,
+#: :func:`pilot_heads`): a selection that is far off costs that share of a call instead of a whole one
+PILOT_MIN_HEADS = 8
+#: the pilot's share of the heads (at least 2 heads)
+PILOT_SHARE = 1 / 6
+#: the pilot skips the full run of the backend's own selection when its error exceeds this many times
+#: ``max_rel_err`` (a few heads are a noisy sample of the call; in between, the full call is run and checked)
+PILOT_MARGIN = 1.5
+
 PLAIN, BUDGET, DENSE = "plain", "budget", "dense"
+
+
+@functools.lru_cache(maxsize=64)
+def _pilot_on(heads: int, device: torch.device) -> Optional[Tensor]:
+    if heads < PILOT_MIN_HEADS:
+        return None
+    n = max(2, -(-heads // round(1 / PILOT_SHARE)))
+    idx = torch.linspace(0, heads - 1, n).round().long().unique()
+    with torch.inference_mode(False):
+        return idx.to(device)
+
+
+def pilot_heads(heads: int, device) -> Optional[Tensor]:
+    """The heads of the pilot run for a call of ``heads`` heads (evenly spread, :data:`PILOT_SHARE` of them, at
+    least 2), on ``device``; None below :data:`PILOT_MIN_HEADS` heads (no pilot)."""
+    return _pilot_on(int(heads), torch.device(device))
 
 
 @functools.lru_cache(maxsize=64)
