@@ -914,13 +914,20 @@ def main():
 REQUEST_STEPS = 40
 
 
-def request_ms(q, k, v, grid, backend, cfg, requests: int = 3) -> float:
+def request_ms(q, k, v, grid, backend, cfg, *, fresh: bool = True, requests: int = 3) -> float:
     """Mean milliseconds per call over whole requests of :data:`REQUEST_STEPS` steps (each starting over from
-    :data:`LOOP_STEP0`, so its first step decides and the rest reuse the decision), the best of ``requests``
-    after one warm-up request."""
+    :data:`LOOP_STEP0`, so its first step decides and the rest reuse the decision).  ``fresh``: every request
+    starts with no memory of earlier ones (the best of ``requests`` after a warm-up), the cost of a layer's
+    first request; else one warm-up request and then one whole cycle of the error check's memory
+    (``check.RETRY_EVERY`` requests: the later ones start where the earlier ended, one runs the whole ladder
+    again), their mean: the cost per request of a server that keeps serving the same layer."""
     import ditattn
+    from ditattn.attention.sparse import check
+    from ditattn.attention.sparse.budget import clear_memory
 
     def one() -> float:
+        if fresh:
+            clear_memory()
         device_sync()
         t0 = time.perf_counter()
         for step in range(LOOP_STEP0, LOOP_STEP0 + REQUEST_STEPS):
@@ -928,14 +935,18 @@ def request_ms(q, k, v, grid, backend, cfg, requests: int = 3) -> float:
         device_sync()
         return (time.perf_counter() - t0) / REQUEST_STEPS * 1e3
 
+    clear_memory()
     one()
-    return min(one() for _ in range(requests))
+    if fresh:
+        return min(one() for _ in range(requests))
+    return sum(one() for _ in range(check.RETRY_EVERY)) / check.RETRY_EVERY
 
 
 def measure_overhead(rec, q, k, v, grid, args):
     """Rows (``section="overhead"``) of what the error budget costs on this input: every budgeted backend with a
     budget and error check so tight that every call runs dense (per call: the whole decision each time; loop: the
-    mean call of whole :data:`REQUEST_STEPS`-step requests, :func:`request_ms`), then the budget's pieces
+    mean call of whole :data:`REQUEST_STEPS`-step requests, :func:`request_ms`, a layer's first request and the
+    later requests that start from the earlier ones' end), then the budget's pieces
     alone (tiling q and k, the centre-row check,
     the full probes and the widening), each against the dense kernel of the same run."""
     import ditattn
@@ -968,22 +979,22 @@ def measure_overhead(rec, q, k, v, grid, args):
         for backend in BUDGETED:
             if backend == SKIP_SOFTMAX or (only is not None and backend not in only):
                 continue
-            for loop in (False, True):
-                LOOP = loop
+            for mode in ("per call", "loop (mean)", "later requests"):
+                LOOP = mode != "per call"
                 clear_stats()
                 # a budget and an error check so tight that every rung fails: the sparse call, its check, the
                 # budget's early probe, then the dense kernel
                 forced = {"error_budget": 1e-6, "max_rel_err": 1e-6}
                 try:
-                    if loop:  # whole requests of REQUEST_STEPS steps: the decision's cost at its share
-                        ms = request_ms(q, k, v, grid, backend, forced)
+                    if LOOP:  # whole requests of REQUEST_STEPS steps: the decision's cost at its share
+                        ms = request_ms(q, k, v, grid, backend, forced, fresh=mode == "loop (mean)")
                     else:  # per call: no step (every call decides)
                         ms, _ = run_case(ditattn.attention, q, k, v, grid, backend, forced, mean=True)
                 except Exception as exc:  # report and go on
                     rec.note(f"overhead {backend}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
                     continue
                 dense = all(bool(s.get("dense")) for s in last_stats.values())
-                add(f"{backend} forced dense, {'loop (mean)' if loop else 'per call'}", ms, dense_ms, dense=dense)
+                add(f"{backend} forced dense, {mode}", ms, dense_ms, dense=dense)
     finally:
         LOOP = loop0
     layout = make_tile_layout(tuple(grid), (4, 4, 4), 0)

@@ -26,6 +26,13 @@ DEFAULTS = [
 CASES = [(b, d, layer) for b, dims, layers in DEFAULTS for d in dims for layer in layers]
 
 
+@pytest.fixture(autouse=True)
+def _fresh_decisions():
+    """Each test starts with no layer decision or error-check memory from another test (they share layer keys)."""
+    eb.clear_memory()
+    yield
+
+
 def _exact(q, k, v):
     f = [t.double().transpose(1, 2) for t in (q, k, v)]
     return torch.nn.functional.scaled_dot_product_attention(*f).transpose(1, 2)
@@ -90,6 +97,7 @@ def test_weak_locality_runs_dense_through_the_dense_kernel_and_records_it(inputs
         assert st["dense"] and st["kept_fraction"] == 1.0, st
         assert "error budget" in st["reason"] or "error check" in st["reason"], st
         assert torch.equal(out, dense), backend
+    eb.clear_memory()  # a deciding call (a later request would start dense from this one's end)
     _, st = _run("sparge_attn", q, k, v, 2)
     assert st["dense_heads"] == st["heads"] == 3
 
@@ -292,10 +300,11 @@ def test_svg2_layer_that_keeps_too_much_runs_dense_for_the_rest_of_the_request(i
         st = dict(next(iter(last_stats.values())))
         seen.append((st["dense"], st["reason"]))
         assert _errors(out, ref)[0] < 0.01
-    # the first step of each request runs the plain selection (checked: too far off), then the budgeted one
-    assert calls == [3, 3, 0, 0] and len(prechecks) == 2, (calls, prechecks)
+    # the first request's first step runs the plain selection (checked: too far off), then the budgeted one; the
+    # next request starts where that ended (dense, no clustering), until the whole ladder runs again
+    assert calls == [3, 3] and len(prechecks) == 1, (calls, prechecks)
     assert all(d for d, _ in seen) and "dense_above" in seen[0][1], seen
-    assert "earlier step" in seen[1][1] and "earlier step" in seen[2][1] and "earlier step" not in seen[3][1]
+    assert "earlier step" in seen[1][1] and "earlier step" in seen[2][1] and "earlier request" in seen[3][1]
     calls.clear()
     prechecks.clear()
     for step in (3, 4, 5):  # kept below dense_above 1.0: sparse, decided once
@@ -353,8 +362,8 @@ def test_skip_softmax_dropped_mass_bound_holds_per_row(factor):
 def test_the_call_level_decision_is_taken_once_per_layer_and_request(inputs, monkeypatch):
     """The first step of a request decides; its later steps reuse the decision: a dense layer calls the dense
     kernel directly (no probes, no tiling), a sparse layer skips the early probe and the call-level check
-    (no device sync), the budget still enforced per head.  A new request (the step does not advance)
-    decides again."""
+    (no device sync), the budget still enforced per head.  A new request (the step does not advance) starts
+    where the error check's ladder ended in the previous one (here: dense)."""
     from ditattn.attention.sparse import budget as budget_mod
 
     budget_mod.clear_memory()
@@ -371,8 +380,9 @@ def test_the_call_level_decision_is_taken_once_per_layer_and_request(inputs, mon
         st = dict(next(iter(last_stats.values())))
         assert st["dense"] and torch.equal(out, dense)
         reasons.append(st["reason"])
-    assert len(checks) == 2  # step 10 of each request
+    assert len(checks) == 1  # step 10 of the first request; the second starts dense from the first one's end
     assert ["earlier step" in r for r in reasons] == [False, True, True, True, False, True], reasons
+    assert "earlier request" in reasons[4], reasons
     budget_mod.clear_memory()
     checks.clear()
     q, k, v, _ = inputs[128]["original", 1]  # stays sparse under dense_above 1.0
@@ -716,3 +726,40 @@ def test_a_pilot_on_a_sixth_of_the_heads_spares_the_full_run_of_a_poor_selection
     q, k, v, _ = structured_qkv(spec, dtype=torch.bfloat16)
     out, st = _run_mid("sparge_attn", q, k, v, max_rel_err=0.1)
     assert heads == [2, 12] and not st["dense"] and st["check"] == "plain", (heads, st)
+
+
+def test_a_layer_whose_rules_failed_starts_the_next_requests_past_them_and_retries_every_few():
+    """Across requests (the step starts over): a layer that ended dense starts the next requests dense without
+    running its selection, and every RETRY_EVERY requests runs the whole ladder again; another config or length
+    of the same layer decides on its own; a layer that stayed sparse is checked at each request's first step."""
+    from ditattn.attention.sparse import check
+
+    calls = []
+    real = __import__("ditattn.attention.backends.sparge", fromlist=["x"]).sparge_attention
+    import ditattn.attention.backends.sparge as sparge_mod
+
+    orig = sparge_mod.sparge_attention
+    sparge_mod.sparge_attention = lambda q, *a, **kw: calls.append(q.shape[1]) or real(q, *a, **kw)
+    try:
+        q, k, v, _ = structured_qkv(family_spec("weak", (9, 16, 20), 3, head_dim=128, seed=2), dtype=torch.bfloat16)
+        per_request = []
+        for _ in range(check.RETRY_EVERY + 1):
+            before = len(calls)
+            for step in (20, 21):
+                _, st = _run_mid("sparge_attn", q, k, v, step=step)
+                assert st["dense"], st
+            per_request.append(len(calls) - before)
+        assert per_request[0] > 0 and per_request[check.RETRY_EVERY] > 0, per_request  # the whole ladder
+        assert per_request[1 : check.RETRY_EVERY] == [0] * (check.RETRY_EVERY - 1), per_request  # seeded dense
+        before = len(calls)
+        _run_mid("sparge_attn", q, k, v, step=20, topk=0.6)  # another config: its own ladder
+        assert len(calls) > before
+        good = _local()
+        sparse = []
+        for _ in range(2):
+            before = len(calls)
+            _, st = _run_mid("sparge_attn", *good[:3], step=20, max_rel_err=0.08)
+            sparse.append((st["check"], len(calls) - before))
+        assert sparse == [("plain", 1), ("plain", 1)], sparse  # checked again, its own selection run once each
+    finally:
+        sparge_mod.sparge_attention = orig

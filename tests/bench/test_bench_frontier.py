@@ -50,6 +50,7 @@ def test_frontier_smoke_on_cpu(background_run):
     assert got["vmoba_attn (defaults)", "original"]["n"] == 3  # three layer modes, one head count
     over = {r["case"]: r for r in data["overhead"]}
     assert over["sparge_attn forced dense, loop (mean)"]["dense"] is True
+    assert over["sparge_attn forced dense, later requests"]["dense"] is True
     assert {r["shape"] for r in data["sage_vs_fa"]} == {"1,2,256,128", "1,2,128,64"}
     assert set(data["checks"]) >= {"defaults_within_5_percent", "two_backends_1_5x", "sage_at_least_fa"}
     # structured cases are timed in pairs with the dense kernel (--paired 2 in the smoke run), the speed-up from them

@@ -169,13 +169,24 @@ def layer_stats_key(name: str, call: AttnCall) -> str:
     return stats_key(name, call.layer_key, call.layer_idx)
 
 
-def run_dense(name: str, q, k, v, call: AttnCall, reason: str, backend: Optional[str] = None, announce: bool = False):
+def run_dense(
+    name: str,
+    q,
+    k,
+    v,
+    call: AttnCall,
+    reason: str,
+    backend: Optional[str] = None,
+    announce: bool = False,
+    note: Optional[str] = None,
+):
     """Dense attention for the whole call (``backend``: a dense backend name, None: the platform's
     automatic dense choice), recorded with ``reason``; ``announce``: a fallback (a shape the backend never
-    sparsifies, or the error budget), said once and counted as such, else a dense phase.  q/k/v
+    sparsifies, or the error budget), said once (``note``, when given: the same reason without figures that
+    vary per call, so the once-said notes stay few) and counted as such, else a dense phase.  q/k/v
     ``[B, S, H, D]``; returns ``(out, lse|None)``."""
     if announce:  # a size the backend never sparsifies, or the error budget: said once (log line, plan notes)
-        note_dense_once(name, call, reason)
+        note_dense_once(name, call, note or reason)  # ``note``: the reason without its per-call figures
     record_stats(
         layer_stats_key(name, call),
         backend=name,
@@ -307,12 +318,22 @@ def _dense_after_check(name: str, q, k, v, call: AttnCall, cfg: dict, rel: float
 
     drop_last_call(layer_stats_key(name, call))
     why = _check_reason(rel, cfg)
-    ck.set_mode(budget_key(name, call), call.step, ck.DENSE, checked=call.step, rel_err=rel, reason=why)
-    return run_dense(name, q, k, v, call, why, announce=True)
+    ck.set_mode(_check_key(name, call, q, cfg), call.step, ck.DENSE, checked=call.step, rel_err=rel, reason=why)
+    return run_dense(name, q, k, v, call, why, announce=True, note=_CHECK_NOTE)
+
+
+def _check_key(name: str, call: AttnCall, q, cfg: dict) -> str:
+    """The key of the error check's memory: the budget's (layer, guidance branch, thread), the call's length and
+    heads and its config (another resolution or config of the same layer decides on its own)."""
+    return f"{budget_key(name, call)}#{q.shape[1]}x{q.shape[2]}#{hash(tuple(sorted(cfg.items())))}"
 
 
 def _check_reason(rel: float, cfg: dict) -> str:
     return f"error check: {rel:.1%} measured > max_rel_err {cfg['max_rel_err']:.1%} (dense kernel)"
+
+
+#: the once-said note of every dense call the error check decides (the figures are in the call's statistics)
+_CHECK_NOTE = "error check: measured error over max_rel_err, or the selection past dense_above (dense kernel)"
 
 
 def _kept(key: str) -> float:
@@ -351,14 +372,14 @@ def checked_call(name: str, body, q, k, v, call: AttnCall, cfg: dict, vs, text_l
     from ditattn.attention.sparse import check as ck
     from ditattn.attention.sparse.fallback import drop_last_call, note_check
 
-    key, skey = budget_key(name, call), layer_stats_key(name, call)
+    key, skey = _check_key(name, call, q, cfg), layer_stats_key(name, call)
     plain = dict(cfg, error_budget=0.0)
     state = ck.mode_of(key, call.step)
     if state is not None:
         if state.mode == ck.DENSE:
             ck.set_mode(key, call.step, ck.DENSE)
             why = f"{state.reason or 'error check'}; dense from an earlier step of the request"
-            return run_dense(name, q, k, v, call, why, announce=True)
+            return run_dense(name, q, k, v, call, why, announce=True, note=_CHECK_NOTE)
         res = body(name, q, k, v, call, plain if state.mode == ck.PLAIN else cfg, vs, text_len)
         if _ran_dense(skey) or not ck.due(state, call.step):
             ck.set_mode(key, call.step, state.mode)
@@ -368,17 +389,23 @@ def checked_call(name: str, body, q, k, v, call: AttnCall, cfg: dict, vs, text_l
             ck.set_mode(key, call.step, state.mode, checked=call.step, rel_err=rel)
             return res
         return _dense_after_check(name, q, k, v, call, cfg, rel)
-    rel = _pilot(name, body, q, k, v, call, plain, vs, text_len)
-    ran_plain = rel is None or rel <= ck.PILOT_MARGIN * cfg["max_rel_err"]
+    seed = ck.seed_for(key)
+    if seed is not None and seed.mode == ck.DENSE:  # dense at the end of an earlier request: no ladder
+        ck.set_mode(key, call.step, ck.DENSE, checked=call.step, rel_err=seed.rel_err, reason=seed.reason)
+        why = f"{seed.reason}; dense since an earlier request (the whole check again every {ck.RETRY_EVERY} requests)"
+        return run_dense(name, q, k, v, call, why, announce=True, note=_CHECK_NOTE)
+    rel = seed.rel_err if seed is not None else _pilot(name, body, q, k, v, call, plain, vs, text_len)
+    ran_plain = seed is None and (rel is None or rel <= ck.PILOT_MARGIN * cfg["max_rel_err"])
     if ran_plain:
         res = body(name, q, k, v, call, plain, vs, text_len)
         if _ran_dense(skey):  # a dense phase or a shape the backend does not sparsify: nothing to decide
             return res
         ok, rel = _measure(name, q, k, v, call, cfg, res, ck.PLAIN)
         kept = _kept(skey)
-    else:  # far off on the pilot's heads: straight to the budget's rung
+    else:  # far off on the pilot's heads, or in an earlier request: straight to the budget's rung
         ok, kept = False, 0.0
-        note_check(skey, rel)
+        if seed is None:
+            note_check(skey, rel)
     if ok and kept > cfg["dense_above"]:  # accurate, but past the break-even: the dense kernel from now on
         why = (
             f"error check: the backend's own selection keeps {kept:.2f} of the blocks > dense_above "
@@ -386,7 +413,7 @@ def checked_call(name: str, body, q, k, v, call: AttnCall, cfg: dict, vs, text_l
         )
         ck.set_mode(key, call.step, ck.DENSE, checked=call.step, rel_err=rel, reason=why)
         drop_last_call(skey)
-        return run_dense(name, q, k, v, call, why, announce=True)
+        return run_dense(name, q, k, v, call, why, announce=True, note=_CHECK_NOTE)
     if ok:
         ck.set_mode(key, call.step, ck.PLAIN, checked=call.step, rel_err=rel)
         return res

@@ -16,7 +16,9 @@ the heads, and a selection off by more than 1.5x ``max_rel_err`` there is not ru
 error exceeds ``max_rel_err``,
 the selection widened by the error budget (which may itself decide to run dense); if that is measured over
 ``max_rel_err`` too, the dense kernel.  The layer keeps the mode it reached for the rest of the request
-(:func:`mode_of`); a later check that fails sends it dense from that step on.
+(:func:`mode_of`); a later check that fails sends it dense from that step on.  Where its own selection failed,
+the layer's next requests start past it (:func:`seed_for`: at the budget's rung, still checked, or dense), and
+every :data:`RETRY_EVERY` requests it runs the whole ladder again.
 """
 
 from __future__ import annotations
@@ -115,8 +117,39 @@ class Mode:
     reason: str = ""
 
 
+@dataclass
+class Seed:
+    """Where layer ``key`` ended its latest request (``mode``, ``reason``, ``rel_err``: the measured error of the
+    rung that failed) and how many requests since then started from it (``skipped``)."""
+
+    mode: str
+    reason: str
+    rel_err: float
+    skipped: int = 0
+
+
+#: a layer whose own selection failed the check in a request starts the next requests past it (at the budget's
+#: rung, or dense where that failed too) and runs the whole ladder again every this many requests
+RETRY_EVERY = 8
+
 _modes: dict[str, Mode] = {}
+_seeds: dict[str, Seed] = {}
 _lock = threading.Lock()
+
+
+def seed_for(key: str) -> Optional[Seed]:
+    """At the first sparse step of a request: where layer ``key``'s previous request ended when that was past
+    its own selection (:data:`BUDGET` or :data:`DENSE`) and fewer than :data:`RETRY_EVERY` - 1 requests have
+    started from it since the whole ladder last ran (counted here); None: run the whole ladder (the count
+    starts over)."""
+    with _lock:
+        seed = _seeds.get(key)
+        if seed is None or seed.mode == PLAIN or seed.skipped >= RETRY_EVERY - 1:
+            if seed is not None:
+                seed.skipped = 0
+            return None
+        seed.skipped += 1
+        return Seed(seed.mode, seed.reason, seed.rel_err, seed.skipped)
 
 
 def mode_of(key: str, step: Optional[int]) -> Optional[Mode]:
@@ -142,6 +175,8 @@ def set_mode(
         err = float(rel_err) if rel_err is not None else (prev.rel_err if prev else 0.0)
         why = reason or (prev.reason if prev else "")
         _modes[key] = Mode(mode, int(step), last, err, why)
+        seed = _seeds.get(key)
+        _seeds[key] = Seed(mode, why, err, seed.skipped if seed is not None else 0)
 
 
 def due(mode: Mode, step: Optional[int]) -> bool:
@@ -153,3 +188,4 @@ def clear_memory() -> None:
     """Forget every layer's mode (tests; a new request starts over by itself when its steps do not advance)."""
     with _lock:
         _modes.clear()
+        _seeds.clear()
