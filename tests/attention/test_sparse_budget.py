@@ -763,3 +763,21 @@ def test_a_layer_whose_rules_failed_starts_the_next_requests_past_them_and_retri
         assert sparse == [("plain", 1), ("plain", 1)], sparse  # checked again, its own selection run once each
     finally:
         sparge_mod.sparge_attention = orig
+
+
+def test_the_dense_notes_stay_few_however_many_layers_the_check_sends_dense():
+    """The once-said notes (log lines, the plan's dense_notes) name the check's reason without the measured
+    figures, so many layers and requests with different errors add one note, not one each."""
+    clear_dense_notes()
+    for seed in range(4):
+        q, k, v, _ = structured_qkv(
+            family_spec("mixed", (9, 16, 20), 3, head_dim=128, seed=seed), dtype=torch.bfloat16
+        )
+        for layer in (2, 3):
+            eb.clear_memory()
+            clear_stats()
+            for step in (50, 51):  # the decision, then its reuse at the next step
+                ditattn.attention(q, k, v, backend="vmoba_attn", video_shape=(9, 16, 20), step=step, layer_idx=layer)
+                assert dict(next(iter(last_stats.values())))["dense"]
+    notes = dense_notes.get("vmoba_attn", [])
+    assert 1 <= len(notes) <= 2 and not any("%" in n for n in notes), notes
