@@ -781,3 +781,22 @@ def test_the_dense_notes_stay_few_however_many_layers_the_check_sends_dense():
                 assert dict(next(iter(last_stats.values())))["dense"]
     notes = dense_notes.get("vmoba_attn", [])
     assert 1 <= len(notes) <= 2 and not any("%" in n for n in notes), notes
+
+
+@pytest.mark.parametrize(
+    "backend,cfg",
+    [("vmoba_attn", {}), ("sol_attn", {"dense_layers": "2"}), ("sparse_video_gen_2_attn", {"first_full_steps": 60})],
+)
+def test_a_dense_phase_runs_the_dense_kernel_once_and_no_pilot(backend, cfg, monkeypatch):
+    """The steps and layers a backend keeps dense are run by the shared prologue before any selection or check:
+    one dense call over every head (no pilot on a share of them first), recorded as a dense phase."""
+    import ditattn.attention.backends.sparse_common as common
+
+    seen = []
+    real = common.dense_attention
+    monkeypatch.setattr(common, "dense_attention", lambda q, *a, **kw: seen.append(q.shape[2]) or real(q, *a, **kw))
+    q, k, v, _ = structured_qkv(family_spec("original", (9, 16, 20), 12, head_dim=128, seed=1), dtype=torch.bfloat16)
+    step = 5 if backend == "vmoba_attn" else 50  # V-MoBA: before its first_full_step (12)
+    out, st = _run_mid(backend, q, k, v, step=step, **cfg)
+    assert seen == [12] and st["dense"] and not st.get("fallback"), (seen, st)
+    assert torch.equal(out, ditattn.attention(q, k, v, backend="torch_sdpa")), backend

@@ -15,7 +15,6 @@ from ditattn.attention.backends.sparse_common import (
     line_tile,
     remember_budget,
     reused_dense,
-    run_dense,
     sparse_backend,
     sparse_done,
     sparse_runtime_label,
@@ -135,8 +134,27 @@ def _sol_precheck(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall, cf
     return None
 
 
+def _dense_backend(q: Tensor, cfg: dict):
+    """Sol's dense kernel: its ``dense_backend``, or None (the platform's) for ``fa`` where FlashAttention is
+    absent (without an "fa requested" note)."""
+    backend = cfg["dense_backend"]
+    return None if backend == "fa" and fa_fallback_reason(q.device) is not None else backend
+
+
+def _sol_phase(q: Tensor, call: AttnCall, cfg: dict):
+    backend = _dense_backend(q, cfg)
+    label = backend or "the platform's dense kernel"
+    if call.step is not None and call.step < cfg["dense_steps"]:
+        return f"step {call.step} < dense_steps {cfg['dense_steps']} ({label})", backend
+    layer = layer_index(call)
+    if layer in parse_layer_list(cfg["dense_layers"]):
+        return f"layer {layer} in dense_layers {cfg['dense_layers']} ({label})", backend
+    return None
+
+
 @sparse_backend(
     B.SOL_ATTN,
+    dense_phase=_sol_phase,
     schema=SOL_ATTN_SCHEMA,
     precheck=_sol_precheck,
     lines=True,
@@ -157,31 +175,7 @@ def _sol_precheck(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall, cf
 )
 def sol_attn(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall, cfg: dict, vs, text_len: int):
     tile_1d = line_tile(call, 64)
-    dense_backend = cfg["dense_backend"]
-    if dense_backend == "fa" and fa_fallback_reason(q.device) is not None:
-        dense_backend = None  # no FlashAttention here: the platform's dense kernel, without an "fa requested" note
-    dense_label = dense_backend or "the platform's dense kernel"
-    if call.step is not None and call.step < cfg["dense_steps"]:
-        return run_dense(
-            name,
-            q,
-            k,
-            v,
-            call,
-            f"step {call.step} < dense_steps {cfg['dense_steps']} ({dense_label})",
-            backend=dense_backend,
-        )
-    layer = layer_index(call)
-    if layer in parse_layer_list(cfg["dense_layers"]):
-        return run_dense(
-            name,
-            q,
-            k,
-            v,
-            call,
-            f"layer {layer} in dense_layers {cfg['dense_layers']} ({dense_label})",
-            backend=dense_backend,
-        )
+    dense_backend = _dense_backend(q, cfg)
     again = reused_dense(name, q, k, v, call, cfg, backend=dense_backend)
     if again is not None:
         return again

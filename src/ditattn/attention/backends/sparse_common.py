@@ -247,15 +247,17 @@ def layer_index(call: AttnCall) -> int:
     return 0 if call.layer_idx is None else int(call.layer_idx)
 
 
-def sparse_backend(backend: B, *, spec: BackendSpec, schema=(), precheck=None, lines: bool = False):
+def sparse_backend(backend: B, *, spec: BackendSpec, schema=(), precheck=None, lines: bool = False, dense_phase=None):
     """Register ``body`` as the implementation of the sparse video ``backend`` (with its capability row
     and schema, see ``backends.base.register``) behind the prologue every sparse backend shares:
     the config completed and validated, then ``precheck(name, q, k, v, call, cfg)`` when given (a
     result other than None is returned as is: a dense call on a shape the backend does not sparsify),
     the call checked (:func:`check_call`; with ``lines`` a call without ``video_shape`` is a plain sequence,
     the grid ``(1, 1, S - text_len)``, :func:`grid_or_line`), a call shorter than the config's ``min_seq_len``
-    (:func:`ditattn.attention.sparse.fallback.short_call`) sent to the dense kernel (said once), and K/V
-    expanded to q's heads.  ``body(name, q,
+    (:func:`ditattn.attention.sparse.fallback.short_call`) sent to the dense kernel (said once), K/V
+    expanded to q's heads, and ``dense_phase(q, call, cfg)`` when given: ``(reason, dense backend or None)``
+    for a call in one of the backend's dense phases (its first steps, its dense layers), run dense as a phase,
+    or None.  ``body(name, q,
     k, v, call, cfg, vs, text_len)`` gets q/k/v ``[B, S, H, D]``, the latent grid ``vs = (T, H, W)`` and the
     text length."""
     name = backend.value
@@ -274,6 +276,10 @@ def sparse_backend(backend: B, *, spec: BackendSpec, schema=(), precheck=None, l
                 if why:
                     return run_dense(name, q, k, v, call, f"{why} (dense kernel)", announce=True)
             k, v = expand_kv(k, v, q.shape[2])
+            phase = dense_phase(q, call, cfg) if dense_phase is not None else None
+            if phase is not None:  # the steps / layers the backend keeps dense: no selection, no check
+                why, dense_backend = phase
+                return run_dense(name, q, k, v, call, why, backend=dense_backend)
             if cfg.get("max_rel_err", 0.0) > 0 and cfg.get("error_budget", 0.0) > 0:
                 return checked_call(name, body, q, k, v, call, cfg, vs, text_len)
             return body(name, q, k, v, call, cfg, vs, text_len)
@@ -325,7 +331,7 @@ def _dense_after_check(name: str, q, k, v, call: AttnCall, cfg: dict, rel: float
 def _check_key(name: str, call: AttnCall, q, cfg: dict) -> str:
     """The key of the error check's memory: the budget's (layer, guidance branch, thread), the call's length and
     heads and its config (another resolution or config of the same layer decides on its own)."""
-    return f"{budget_key(name, call)}#{q.shape[1]}x{q.shape[2]}#{hash(tuple(sorted(cfg.items())))}"
+    return f"{budget_key(name, call)}#{q.shape[1]}x{q.shape[2]}#{hash(repr(sorted(cfg.items())))}"
 
 
 def _check_reason(rel: float, cfg: dict) -> str:

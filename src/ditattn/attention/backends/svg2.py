@@ -93,8 +93,15 @@ SPARSE_VIDEO_GEN_2_ATTN_SCHEMA = (
 )
 
 
+def _svg2_phase(q: Tensor, call: AttnCall, cfg: dict):
+    if call.step is not None and call.step < cfg["first_full_steps"]:
+        return f"step {call.step} < first_full_steps {cfg['first_full_steps']}", None
+    return None
+
+
 @sparse_backend(
     B.SPARSE_VIDEO_GEN_2_ATTN,
+    dense_phase=_svg2_phase,
     schema=SPARSE_VIDEO_GEN_2_ATTN_SCHEMA,
     spec=BackendSpec(
         runtime_label=sparse_runtime_label,
@@ -110,8 +117,6 @@ SPARSE_VIDEO_GEN_2_ATTN_SCHEMA = (
     ),
 )
 def sparse_video_gen_2_attn(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall, cfg: dict, vs, text_len: int):
-    if call.step is not None and call.step < cfg["first_full_steps"]:
-        return run_dense(name, q, k, v, call, f"step {call.step} < first_full_steps {cfg['first_full_steps']}")
     budget = cfg.get("error_budget", 0.0)
     state_key = budget_key(name, call)  # warm start and budget decision per layer and calling thread
     decision = budget_decision(name, call, cfg)  # None: decide at this call (or no budget)

@@ -13,7 +13,6 @@ from ditattn.attention.backends.sparse_common import (
     layer_index,
     remember_budget,
     reused_dense,
-    run_dense,
     sparse_backend,
     sparse_done,
     sparse_runtime_label,
@@ -135,8 +134,27 @@ VMOBA_ATTN_SCHEMA = (
 )
 
 
+def _layer_mode(call: AttnCall, cfg: dict) -> str:
+    return vmoba_layer_mode(
+        call.layer_idx,
+        first_full_layer=cfg["first_full_layer"],
+        temporal_layer=cfg["temporal_layer"],
+        spatial_layer=cfg["spatial_layer"],
+        st_layer=cfg["st_layer"],
+    )
+
+
+def _vmoba_phase(q: Tensor, call: AttnCall, cfg: dict):
+    if call.step is not None and call.step < cfg["first_full_step"]:
+        return f"step {call.step} < first_full_step {cfg['first_full_step']}", None
+    if _layer_mode(call, cfg) == "full":
+        return f"layer {layer_index(call)} < first_full_layer {cfg['first_full_layer']}", None
+    return None
+
+
 @sparse_backend(
     B.VMOBA_ATTN,
+    dense_phase=_vmoba_phase,
     schema=VMOBA_ATTN_SCHEMA,
     spec=BackendSpec(
         runtime_label=sparse_runtime_label,
@@ -152,19 +170,7 @@ VMOBA_ATTN_SCHEMA = (
     ),
 )
 def vmoba_attn(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall, cfg: dict, vs, text_len: int):
-    mode = vmoba_layer_mode(
-        call.layer_idx,
-        first_full_layer=cfg["first_full_layer"],
-        temporal_layer=cfg["temporal_layer"],
-        spatial_layer=cfg["spatial_layer"],
-        st_layer=cfg["st_layer"],
-    )
-    if call.step is not None and call.step < cfg["first_full_step"]:
-        return run_dense(name, q, k, v, call, f"step {call.step} < first_full_step {cfg['first_full_step']}")
-    if mode == "full":
-        return run_dense(
-            name, q, k, v, call, f"layer {layer_index(call)} < first_full_layer {cfg['first_full_layer']}"
-        )
+    mode = _layer_mode(call, cfg)
     chunk = {
         "temporal": cfg.get("temporal_chunk_size"),
         "spatial": cfg.get("spatial_chunk_size"),
