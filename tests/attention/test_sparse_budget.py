@@ -618,12 +618,12 @@ def _run_mid(backend, q, k, v, step=50, **cfg):
     return out, dict(next(iter(last_stats.values())))
 
 
-def _local(grid=(9, 16, 20), seed=4):
+def _local(grid=(9, 16, 20), seed=4, heads=3):
     """A more local variant of the original family (content norms 20-30): Sparge's and Sol's own selections
     come within 5-9 % here, so the check's rungs can be told apart."""
     from ditattn.evaluation.structured import StructuredSpec
 
-    spec = StructuredSpec(video_shape=grid, heads=3, head_dim=128, seed=seed, content_norm=(20.0, 30.0))
+    spec = StructuredSpec(video_shape=grid, heads=heads, head_dim=128, seed=seed, content_norm=(20.0, 30.0))
     q, k, v, _ = structured_qkv(spec, dtype=torch.bfloat16)
     return q, k, v, _exact(q, k, v)
 
@@ -699,15 +699,15 @@ def test_a_pilot_on_a_sixth_of_the_heads_spares_the_full_run_of_a_poor_selection
     """From 8 heads on, the backend's own selection is first tried on a sixth of the heads (at least 2): far off
     there, the full call never runs it (the budget's rung comes next, here dense); close enough, the full call
     runs and is checked as before.  The pilot is not counted as a call."""
+    import ditattn.attention.backends.sparge as sparge_mod
     from ditattn.attention.sparse import budget as budget_mod
     from ditattn.attention.sparse import check
     from ditattn.attention.sparse.fallback import begin_run, run_summary
 
     heads = []
-    real = __import__("ditattn.attention.backends.sparge", fromlist=["x"]).sparge_attention
+    real = sparge_mod.sparge_attention
     monkeypatch.setattr(
-        "ditattn.attention.backends.sparge.sparge_attention",
-        lambda q, *a, **kw: heads.append(q.shape[2]) or real(q, *a, **kw),
+        sparge_mod, "sparge_attention", lambda q, *a, **kw: heads.append(q.shape[2]) or real(q, *a, **kw)
     )
     assert check.pilot_heads(12, "cpu").tolist() == [0, 11] and check.pilot_heads(7, "cpu") is None
     assert check.pilot_heads(40, "cpu").numel() == 7
@@ -720,49 +720,43 @@ def test_a_pilot_on_a_sixth_of_the_heads_spares_the_full_run_of_a_poor_selection
     assert next(iter(run_summary().values()))["calls"] == 1
     heads.clear()
     budget_mod.clear_memory()
-    from ditattn.evaluation.structured import StructuredSpec
-
-    spec = StructuredSpec(video_shape=(9, 16, 20), heads=12, head_dim=128, seed=4, content_norm=(20.0, 30.0))
-    q, k, v, _ = structured_qkv(spec, dtype=torch.bfloat16)
+    q, k, v, _ = _local(heads=12)
     out, st = _run_mid("sparge_attn", q, k, v, max_rel_err=0.1)
     assert heads == [2, 12] and not st["dense"] and st["check"] == "plain", (heads, st)
 
 
-def test_a_layer_whose_rules_failed_starts_the_next_requests_past_them_and_retries_every_few():
+def test_a_layer_whose_rules_failed_starts_the_next_requests_past_them_and_retries_every_few(monkeypatch):
     """Across requests (the step starts over): a layer that ended dense starts the next requests dense without
     running its selection, and every RETRY_EVERY requests runs the whole ladder again; another config or length
     of the same layer decides on its own; a layer that stayed sparse is checked at each request's first step."""
+    import ditattn.attention.backends.sparge as sparge_mod
     from ditattn.attention.sparse import check
 
     calls = []
-    real = __import__("ditattn.attention.backends.sparge", fromlist=["x"]).sparge_attention
-    import ditattn.attention.backends.sparge as sparge_mod
-
-    orig = sparge_mod.sparge_attention
-    sparge_mod.sparge_attention = lambda q, *a, **kw: calls.append(q.shape[1]) or real(q, *a, **kw)
-    try:
-        q, k, v, _ = structured_qkv(family_spec("weak", (9, 16, 20), 3, head_dim=128, seed=2), dtype=torch.bfloat16)
-        per_request = []
-        for _ in range(check.RETRY_EVERY + 1):
-            before = len(calls)
-            for step in (20, 21):
-                _, st = _run_mid("sparge_attn", q, k, v, step=step)
-                assert st["dense"], st
-            per_request.append(len(calls) - before)
-        assert per_request[0] > 0 and per_request[check.RETRY_EVERY] > 0, per_request  # the whole ladder
-        assert per_request[1 : check.RETRY_EVERY] == [0] * (check.RETRY_EVERY - 1), per_request  # seeded dense
+    real = sparge_mod.sparge_attention
+    monkeypatch.setattr(
+        sparge_mod, "sparge_attention", lambda q, *a, **kw: calls.append(q.shape[1]) or real(q, *a, **kw)
+    )
+    q, k, v, _ = structured_qkv(family_spec("weak", (9, 16, 20), 3, head_dim=128, seed=2), dtype=torch.bfloat16)
+    per_request = []
+    for _ in range(check.RETRY_EVERY + 1):
         before = len(calls)
-        _run_mid("sparge_attn", q, k, v, step=20, topk=0.6)  # another config: its own ladder
-        assert len(calls) > before
-        good = _local()
-        sparse = []
-        for _ in range(2):
-            before = len(calls)
-            _, st = _run_mid("sparge_attn", *good[:3], step=20, max_rel_err=0.08)
-            sparse.append((st["check"], len(calls) - before))
-        assert sparse == [("plain", 1), ("plain", 1)], sparse  # checked again, its own selection run once each
-    finally:
-        sparge_mod.sparge_attention = orig
+        for step in (20, 21):
+            _, st = _run_mid("sparge_attn", q, k, v, step=step)
+            assert st["dense"], st
+        per_request.append(len(calls) - before)
+    assert per_request[0] > 0 and per_request[check.RETRY_EVERY] > 0, per_request  # the whole ladder
+    assert per_request[1 : check.RETRY_EVERY] == [0] * (check.RETRY_EVERY - 1), per_request  # seeded dense
+    before = len(calls)
+    _run_mid("sparge_attn", q, k, v, step=20, topk=0.6)  # another config: its own ladder
+    assert len(calls) > before
+    good = _local()
+    sparse = []
+    for _ in range(2):
+        before = len(calls)
+        _, st = _run_mid("sparge_attn", *good[:3], step=20, max_rel_err=0.08)
+        sparse.append((st["check"], len(calls) - before))
+    assert sparse == [("plain", 1), ("plain", 1)], sparse  # checked again, its own selection run once each
 
 
 def test_the_dense_notes_stay_few_however_many_layers_the_check_sends_dense():

@@ -173,12 +173,17 @@ def _running(c, url, vid) -> tuple:
         time.sleep(0.1)
 
 
+def _long_video(c, prompt: str, seed: int) -> str:
+    """A 100-step 32x32 video job (several seconds on the CPU replicas): its id."""
+    return c.videos.create(
+        prompt=prompt, size="32x32", extra_body={"num_inference_steps": 100, "seed": seed, "num_frames": 9}
+    ).id
+
+
 def test_killing_the_replica_that_runs_a_video_job(cluster):
     base, url, out, log, _ = cluster
     c = _client(base)
-    vid = c.videos.create(
-        prompt="survive", size="32x32", extra_body={"num_inference_steps": 100, "seed": 9, "num_frames": 9}
-    ).id
+    vid = _long_video(c, "survive", 9)
     owner, progress = _running(c, url, vid)
     pid = int(owner.split(":")[1])
     os.kill(pid, signal.SIGKILL)  # the replica dies mid-job
@@ -202,9 +207,7 @@ def test_killing_the_pipeline_process_of_a_video_job(cluster):
     replica finishes the job, and Ray Serve's health check replaces the replica."""
     base, url, _, _, _ = cluster
     c = _client(base)
-    vid = c.videos.create(
-        prompt="orphan", size="32x32", extra_body={"num_inference_steps": 100, "seed": 5, "num_frames": 9}
-    ).id
+    vid = _long_video(c, "orphan", 5)
     owner, _ = _running(c, url, vid)
     replica = int(owner.split(":")[1])
     hosts = [p for p, parent in _pipeline_processes().items() if parent == replica]

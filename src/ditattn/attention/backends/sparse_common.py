@@ -289,10 +289,14 @@ def sparse_backend(backend: B, *, spec: BackendSpec, schema=(), precheck=None, l
     return deco
 
 
-def _ran_dense(key: str) -> bool:
+def _entry(key: str):
     from ditattn.attention.sparse import last_stats
 
-    entry = last_stats.get(key)
+    return last_stats.get(key)
+
+
+def _ran_dense(key: str) -> bool:
+    entry = _entry(key)
     return entry is None or bool(dict.get(entry, "dense", False))
 
 
@@ -310,11 +314,21 @@ def _measure(name: str, q, k, v, call: AttnCall, cfg: dict, res, mode: str):
 
 
 def _annotate(key: str, **fields) -> None:
-    from ditattn.attention.sparse import last_stats
-
-    entry = last_stats.get(key)
+    entry = _entry(key)
     if entry is not None:
         dict.update(entry, fields)
+
+
+def _keep_or_dense(name: str, q, k, v, call: AttnCall, cfg: dict, key: str, res, mode: str):
+    """Measure a sparse call run in ``mode``: within ``max_rel_err`` the layer keeps ``mode`` (checked now) and
+    the call's output stands; over it, the dense kernel replaces the call (:func:`_dense_after_check`)."""
+    from ditattn.attention.sparse import check as ck
+
+    ok, rel = _measure(name, q, k, v, call, cfg, res, mode)
+    if ok:
+        ck.set_mode(key, call.step, mode, checked=call.step, rel_err=rel)
+        return res
+    return _dense_after_check(name, q, k, v, call, cfg, rel)
 
 
 def _dense_after_check(name: str, q, k, v, call: AttnCall, cfg: dict, rel: float):
@@ -331,7 +345,11 @@ def _dense_after_check(name: str, q, k, v, call: AttnCall, cfg: dict, rel: float
 def _check_key(name: str, call: AttnCall, q, cfg: dict) -> str:
     """The key of the error check's memory: the budget's (layer, guidance branch, thread), the call's length and
     heads and its config (another resolution or config of the same layer decides on its own)."""
-    return f"{budget_key(name, call)}#{q.shape[1]}x{q.shape[2]}#{hash(repr(sorted(cfg.items())))}"
+    try:  # every call computes this: the items' own hash (~1 us), their repr only for an unhashable value
+        config = hash(tuple(cfg.items()))
+    except TypeError:
+        config = hash(repr(sorted(cfg.items())))
+    return f"{budget_key(name, call)}#{q.shape[1]}x{q.shape[2]}#{config}"
 
 
 def _check_reason(rel: float, cfg: dict) -> str:
@@ -343,9 +361,7 @@ _CHECK_NOTE = "error check: measured error over max_rel_err, or the selection pa
 
 
 def _kept(key: str) -> float:
-    from ditattn.attention.sparse import last_stats
-
-    entry = last_stats.get(key)
+    entry = _entry(key)
     return float(entry.get("kept_fraction", 1.0)) if entry is not None else 1.0
 
 
@@ -390,11 +406,7 @@ def checked_call(name: str, body, q, k, v, call: AttnCall, cfg: dict, vs, text_l
         if _ran_dense(skey) or not ck.due(state, call.step):
             ck.set_mode(key, call.step, state.mode)
             return res
-        ok, rel = _measure(name, q, k, v, call, cfg, res, state.mode)
-        if ok:
-            ck.set_mode(key, call.step, state.mode, checked=call.step, rel_err=rel)
-            return res
-        return _dense_after_check(name, q, k, v, call, cfg, rel)
+        return _keep_or_dense(name, q, k, v, call, cfg, key, res, state.mode)
     seed = ck.seed_for(key)
     if seed is not None and seed.mode == ck.DENSE:  # dense at the end of an earlier request: no ladder
         ck.set_mode(key, call.step, ck.DENSE, checked=call.step, rel_err=seed.rel_err, reason=seed.reason)
@@ -431,11 +443,7 @@ def checked_call(name: str, body, q, k, v, call: AttnCall, cfg: dict, vs, text_l
         ck.set_mode(key, call.step, ck.DENSE, checked=call.step, rel_err=rel, reason=why)
         _annotate(skey, checked_rel_err=rel, max_rel_err=cfg["max_rel_err"], check=ck.PLAIN)
         return res
-    ok, rel = _measure(name, q, k, v, call, cfg, res, ck.BUDGET)
-    if ok:
-        ck.set_mode(key, call.step, ck.BUDGET, checked=call.step, rel_err=rel)
-        return res
-    return _dense_after_check(name, q, k, v, call, cfg, rel)
+    return _keep_or_dense(name, q, k, v, call, cfg, key, res, ck.BUDGET)
 
 
 def sparse_runtime_label(spec: BackendSpec, platform, req, config) -> str:

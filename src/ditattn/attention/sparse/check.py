@@ -84,8 +84,9 @@ def check_rows(seq_len: int, device) -> Tensor:
 def sampled_error(q: Tensor, k: Tensor, v: Tensor, out: Tensor, scale: Optional[float]) -> tuple[float, float]:
     """``(relative error, worst head's relative error)`` of ``out`` against exact attention on the
     :func:`check_rows` rows.  q/k/v ``[B, S, H, D]`` (k/v with q's heads), ``out`` ``[B, S, H, D]``.  The
-    reference runs the platform's dense kernel in the input dtype on CUDA (float32 accumulation) and float32
-    SDPA elsewhere.  One device sync."""
+    reference runs the platform's dense kernel in the input dtype on CUDA (float32 accumulation) and
+    :func:`ditattn.attention.reference.reference_attention` in float32 elsewhere.  One device sync."""
+    from ditattn.attention.reference import reference_attention
     from ditattn.attention.sparse.block_sparse import dense_attention
 
     rows = check_rows(q.shape[1], q.device)
@@ -93,8 +94,7 @@ def sampled_error(q: Tensor, k: Tensor, v: Tensor, out: Tensor, scale: Optional[
     if q.is_cuda:
         ref, _ = dense_attention(qs, k, v, scale=scale)
     else:
-        f = [t.float().transpose(1, 2) for t in (qs, k, v)]
-        ref = torch.nn.functional.scaled_dot_product_attention(*f, scale=scale).transpose(1, 2)
+        ref, _ = reference_attention(qs, k, v, scale=scale)
     ref = ref.float()
     diff = out.index_select(1, rows).float() - ref
     num = diff.pow(2).sum((0, 1, 3))  # [H]
