@@ -52,12 +52,10 @@ PILOT_MARGIN = 1.5
 PLAIN, BUDGET, DENSE = "plain", "budget", "dense"
 
 
-@functools.lru_cache(maxsize=64)
-def _pilot_on(heads: int, device: torch.device) -> Optional[Tensor]:
-    if heads < PILOT_MIN_HEADS:
-        return None
-    n = max(2, -(-heads // round(1 / PILOT_SHARE)))
-    idx = torch.linspace(0, heads - 1, n).round().long().unique()
+@functools.lru_cache(maxsize=128)
+def _spread(count: int, total: int, device: torch.device) -> Tensor:
+    """``count`` int64 indices spread evenly over ``range(total)``, on ``device`` (cached: no upload per call)."""
+    idx = torch.linspace(0, total - 1, count).round().long().unique()
     with torch.inference_mode(False):
         return idx.to(device)
 
@@ -65,20 +63,14 @@ def _pilot_on(heads: int, device: torch.device) -> Optional[Tensor]:
 def pilot_heads(heads: int, device) -> Optional[Tensor]:
     """The heads of the pilot run for a call of ``heads`` heads (evenly spread, :data:`PILOT_SHARE` of them, at
     least 2), on ``device``; None below :data:`PILOT_MIN_HEADS` heads (no pilot)."""
-    return _pilot_on(int(heads), torch.device(device))
-
-
-@functools.lru_cache(maxsize=64)
-def _rows_on(seq_len: int, device: torch.device) -> Tensor:
-    n = min(int(seq_len), CHECK_ROWS)
-    rows = torch.linspace(0, seq_len - 1, n).round().long().unique()
-    with torch.inference_mode(False):
-        return rows.to(device)
+    if heads < PILOT_MIN_HEADS:
+        return None
+    return _spread(max(2, -(-int(heads) // round(1 / PILOT_SHARE))), int(heads), torch.device(device))
 
 
 def check_rows(seq_len: int, device) -> Tensor:
     """The int64 query rows the check samples for a sequence of ``seq_len`` tokens, on ``device`` (cached)."""
-    return _rows_on(int(seq_len), torch.device(device))
+    return _spread(min(int(seq_len), CHECK_ROWS), int(seq_len), torch.device(device))
 
 
 def sampled_error(q: Tensor, k: Tensor, v: Tensor, out: Tensor, scale: Optional[float]) -> tuple[float, float]:
