@@ -3,6 +3,7 @@ smoke run of both stages on toy sizes (CPU, a few seconds)."""
 
 import json
 import os
+import types
 
 import numpy as np
 import pytest
@@ -377,6 +378,13 @@ def test_decoder_only_vae_stage_keeps_the_latents_and_the_dit(tiny_run, tmp_path
         (["--stage", "vae", "--vae-steps", "1", "--vae-edge-weight", "-0.5"], "--vae-edge-weight must be >= 0"),
         (["--stage", "dit", "--dit-steps", "1", "--eval-sizes", "64x64x8"], "frames 1 + 4k"),
         (["--stage", "dit", "--dit-steps", "1", "--eval-prompts", "61"], "--eval-prompts must be in 0..60"),
+        (["--stage", "dit", "--dit-steps", "1", "--dit-sigma-shift", "0"], "--dit-sigma-shift must be > 0"),
+        (["--stage", "dit", "--dit-steps", "1", "--dit-shape-weights", "hexagon=2"], "SHAPE one of circle, square"),
+        (["--stage", "dit", "--dit-steps", "1", "--dit-shape-weights", "square=-1"], "W >= 0, e.g. square=2"),
+        (
+            ["--stage", "dit", "--dit-steps", "1", "--dit-shape-weights", "circle=0,square=0,triangle=0"],
+            "at least one shape needs a weight above 0",
+        ),
     ],
 )
 def test_resume_and_tuning_flags_are_checked(argv, message, tmp_path, capsys):
@@ -416,6 +424,33 @@ def test_shape_weighted_losses_train(tiny_run, tmp_path):
         assert log["info"]["dit"]["fg_weight"] == float(w)
         losses[w] = [r[2] for r in log["stages"]["dit"]]
     assert all(np.isfinite(losses["2"])) and losses["0"][0] != losses["2"][0]
+    # noise levels and shape odds of the DiT's clips: logged, and they change what is trained on
+    out = tmp_path / "squares"
+    argv = ["--dit-sigma-shift", "1", "--dit-shape-weights", "circle=0,triangle=0"]
+    assert _train(out, "--stage", "dit", "--init", str(tiny_run), "--dit-steps", "2", *argv) == 0
+    log = json.loads((out / "loss.json").read_text())
+    assert log["info"]["dit"]["sigma_shift"] == 1.0 and log["info"]["dit"]["shape_weights"] == [0.0, 1.0, 0.0]
+    assert (
+        log["info"]["dit"]["sigma_shift"]
+        != json.loads((tmp_path / "dit0" / "loss.json").read_text())["info"]["dit"]["sigma_shift"]
+    )
+    assert all(np.isfinite(r[2]) for r in log["stages"]["dit"]) and log["stages"]["dit"][0][2] != losses["0"][0]
+
+
+def test_shape_odds_of_the_scenes():
+    from ditattn.train.recipe import parse_shape_weights
+
+    assert parse_shape_weights("square=2, triangle=1.5") == (1.0, 2.0, 1.5)
+    g = torch.Generator().manual_seed(0)
+    only = sample_scenes(64, 64, 64, g, shape_weights=(0.0, 1.0, 0.0))
+    assert set(only.kind.flatten().tolist()) == {SHAPES.index("square")}
+    many = sample_scenes(3000, 64, 64, torch.Generator().manual_seed(1), shape_weights=(1.0, 2.0, 0.0))
+    share = many.kind.flatten().bincount(minlength=3).double() / many.kind.numel()
+    assert share[2] == 0 and abs(float(share[1]) - 2 / 3) < 0.03
+    equal = sample_scenes(3000, 64, 64, torch.Generator().manual_seed(1))
+    assert (equal.kind.flatten().bincount(minlength=3).double() / equal.kind.numel() - 1 / 3).abs().max() < 0.03
+    with pytest.raises(ValueError, match="shape_weights"):
+        sample_scenes(2, 64, 64, g, shape_weights=(1.0, 1.0))
 
 
 def test_resuming_under_another_preset_is_refused(tiny_run, tmp_path, capsys):
@@ -509,6 +544,26 @@ def test_evaluation_cli_reports_shape_colour_and_motion(tiny_run, tmp_path, caps
     assert main(["--package", str(tmp_path), "--sizes", "32x32x5"]) == 2  # no package there
 
 
+def test_evaluation_passes_the_flow_shift_to_the_sampler(tiny_run, capsys):
+    from ditattn.train import evaluation
+
+    seen = []
+
+    class Spy:
+        def generate(self, prompts, **kw):
+            seen.append(kw["flow_shift"])
+            f = kw["num_frames"]
+            return types.SimpleNamespace(frames=np.zeros((len(prompts), f, kw["height"], kw["width"], 3), np.uint8))
+
+    ev = evaluation.evaluate_held_out(Spy(), [(32, 32, 5)], n=3, steps=1, flow_shift=1.5)[0]
+    assert seen == [1.5] and ev["flow_shift"] == 1.5 and "flow shift 1.5)" in evaluation.format_held_out(ev)
+    assert evaluation.main(["--package", str(tiny_run), "--flow-shift", "0", "--device", "cpu"]) == 2
+    assert "--flow-shift must be > 0" in capsys.readouterr().err
+    argv = ["--package", str(tiny_run), "--sizes", "32x32x5", "--prompts", "1", "--steps", "1", "--device", "cpu"]
+    assert evaluation.main([*argv, "--flow-shift", "5"]) == 0
+    assert ", flow shift 5): shape" in capsys.readouterr().out
+
+
 def test_guidance_tuning_picks_a_scale_of_the_grid(tiny_run):
     from ditattn.train.evaluation import tune_guidance
     from ditattn.train.recipe import recipe
@@ -568,8 +623,7 @@ def test_unclamped_decode_is_diffusers_decode_before_its_clamp():
 
 
 def test_bucket_flag_parsing():
-    from ditattn.train.recipe import Bucket
-    from ditattn.train.shapes import parse_buckets
+    from ditattn.train.recipe import Bucket, parse_buckets
 
     assert parse_buckets("64x64x9:2, 128x256x17") == (Bucket(64, 64, 9, 2.0), Bucket(128, 256, 17, 1.0))
     assert Bucket(256, 256, 33).tokens() == 2304

@@ -166,7 +166,7 @@ def train_dit(
     ema = EMA(trained, cfg.ema_decay)
     forward = torch.compile(dit) if compile_model else dit
     text = TextEncoder(te, device)
-    shift = float(recipe.scheduler["flow_shift"])
+    shift = float(recipe.scheduler["flow_shift"] if cfg.sigma_shift is None else cfg.sigma_shift)
 
     g_data = torch.Generator().manual_seed(seed + 201)
     g_noise = torch.Generator(device).manual_seed(seed + 202)
@@ -183,6 +183,8 @@ def train_dit(
         reuse=cfg.reuse,
         resumed=init is not None,
         fg_weight=cfg.fg_weight,
+        sigma_shift=shift,
+        shape_weights=None if cfg.shape_weights is None else list(cfg.shape_weights),
     )
     bar = progress(budget.steps, "dit")
     step, last_ckpt, encode_s = 0, time.perf_counter(), 0.0
@@ -194,7 +196,15 @@ def train_dit(
         chunk = math.ceil(B / cfg.reuse)
         for _ in range(math.ceil(B / chunk) if pool.filled < B else 1):  # one encoder shape per bucket
             with torch.no_grad(), autocast(device):
-                clips, caps, _ = scene_batch(chunk, bucket.frames, bucket.height, bucket.width, g_data, device=device)
+                clips, caps, _ = scene_batch(
+                    chunk,
+                    bucket.frames,
+                    bucket.height,
+                    bucket.width,
+                    g_data,
+                    device=device,
+                    shape_weights=cfg.shape_weights,
+                )
                 z = vae.encode(clips).latent_dist.mode().float()
                 fg = 1.0 + cfg.fg_weight * latent_foreground(clips) if cfg.fg_weight > 0 else None
                 pool.add(normalize_latents(vae, z), caps, fg)

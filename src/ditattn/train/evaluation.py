@@ -168,9 +168,11 @@ def generate_judged(
     steps: int,
     guidance: float,
     chunk: int = 8,
+    flow_shift: Optional[float] = None,
 ) -> list[dict]:
     """Generate ``"a {colour} {shape} {motion}"`` for each item (item ``i`` with seed ``seed + i``,
-    whatever the chunking) at ``size = (height, width, frames)``; the judge's verdict rows."""
+    whatever the chunking) at ``size = (height, width, frames)`` (``flow_shift``: the sampler's, None
+    = the package's); the judge's verdict rows."""
     h, w, f = size
     rows = []
     for start in range(0, len(items), chunk):
@@ -183,6 +185,7 @@ def generate_judged(
             num_frames=f,
             num_inference_steps=steps,
             guidance_scale=guidance,
+            flow_shift=flow_shift,
             progress=False,
         )
         rows += [_verdict_row(p, fr) for p, fr in zip(part, res.frames)]
@@ -255,15 +258,17 @@ def evaluate_held_out(
     steps: int = 20,
     guidance: float = 7.0,
     seed: int = SHAPE_EVAL_SEED,
+    flow_shift: Optional[float] = None,
 ) -> list[dict]:
     """Prompt following on :func:`held_out_prompts` (``n`` of them, prompt ``i`` with seed
-    ``seed + i``) at each ``(height, width, frames)`` of ``sizes``: per size ``{"size", "n",
-    "guidance", "steps", "shape_accuracy", "color_accuracy", "motion_accuracy", "results"}`` (the
-    judge's rows; shape judged as in :func:`ditattn.train.judge.judge_shape`)."""
+    ``seed + i``) at each ``(height, width, frames)`` of ``sizes`` (``flow_shift``: the sampler's, None
+    = the package's): per size ``{"size", "n", "guidance", "steps", "flow_shift", "shape_accuracy",
+    "color_accuracy", "motion_accuracy", "results"}`` (the judge's rows; shape judged as in
+    :func:`ditattn.train.judge.judge_shape`)."""
     items = held_out_prompts(n)
     out = []
     for size in sizes:
-        rows = generate_judged(pipe, items, seed, tuple(size), steps, guidance)
+        rows = generate_judged(pipe, items, seed, tuple(size), steps, guidance, flow_shift=flow_shift)
         acc = {k: sum(bool(r[k]) for r in rows) / max(len(rows), 1) for k in ("shape_ok", "color_ok", "motion_ok")}
         out.append(
             {
@@ -271,6 +276,7 @@ def evaluate_held_out(
                 "n": n,
                 "guidance": guidance,
                 "steps": steps,
+                "flow_shift": flow_shift,
                 "shape_accuracy": acc["shape_ok"],
                 "color_accuracy": acc["color_ok"],
                 "motion_accuracy": acc["motion_ok"],
@@ -282,9 +288,10 @@ def evaluate_held_out(
 
 def format_held_out(ev: dict) -> str:
     """One line for an :func:`evaluate_held_out` entry."""
+    shift = "" if ev.get("flow_shift") is None else f", flow shift {ev['flow_shift']:g}"
     return (
         f"held-out prompts ({ev['n']} at {'x'.join(map(str, ev['size']))}, {ev['steps']} steps, guidance "
-        f"{ev['guidance']:g}): shape {100 * ev['shape_accuracy']:.0f} %, "
+        f"{ev['guidance']:g}{shift}): shape {100 * ev['shape_accuracy']:.0f} %, "
         f"colour {100 * ev['color_accuracy']:.0f} %, motion {100 * ev['motion_accuracy']:.0f} %"
     )
 
@@ -367,6 +374,13 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=30, help="held-out prompts per size (1-60, default 30)")
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the package's)")
     p.add_argument("--guidance", type=float, default=None, help="guidance scale (default: the package's)")
+    p.add_argument(
+        "--flow-shift",
+        type=float,
+        default=None,
+        metavar="X",
+        help="the sampler's timestep shift (default: the package's scheduler, 3.0)",
+    )
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default cuda when available)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results (every prompt's verdict)")
     args = p.parse_args(argv)
@@ -378,6 +392,8 @@ def main(argv=None) -> int:
         sizes = parse_sizes(args.sizes)
         if not 1 <= args.prompts <= 60:
             raise ValueError(f"--prompts must be in 1..60, got {args.prompts}")
+        if args.flow_shift is not None and not args.flow_shift > 0:
+            raise ValueError(f"--flow-shift must be > 0, got {args.flow_shift}")
         device = parse_device(args.device)
         d = read_meta(package)["sampling_defaults"]
     except ValueError as exc:  # AttentionConfigError included: says what was wrong and what is accepted
@@ -389,7 +405,7 @@ def main(argv=None) -> int:
         pipe = load_pipeline(package, cache, device)
         evals = []
         for size in sizes:
-            ev = evaluate_held_out(pipe, [size], args.prompts, steps, guidance)[0]
+            ev = evaluate_held_out(pipe, [size], args.prompts, steps, guidance, flow_shift=args.flow_shift)[0]
             print(format_held_out(ev), flush=True)
             evals.append(ev)
     if args.json:

@@ -16,8 +16,10 @@ stages' training settings.  Presets:
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 from ditattn.models.local import BYTE_VOCAB_SIZE
+from ditattn.train.scenes import SHAPES
 
 SCHEDULER = dict(
     num_train_timesteps=1000,
@@ -81,7 +83,9 @@ class DitStage:
     ``batch_tokens // tokens-per-clip`` clips (at most ``max_batch``); latents come from a pool
     per bucket where each step encodes ``1 / reuse`` of a batch afresh (``reuse = 1``: every clip
     new); captions are dropped with ``caption_dropout`` (classifier-free guidance); sigmas are
-    ``shift``-ed uniform (as the scheduler's ``flow_shift``); AdamW at ``lr`` (text encoder:
+    uniform ``u`` shifted by ``sigma_shift`` (None: the scheduler's ``flow_shift``; 1: uniform, more
+    low-noise steps, where outlines are drawn); ``shape_weights``: the odds of circle, square,
+    triangle in the rendered clips (None: equal); AdamW at ``lr`` (text encoder:
     ``text_lr``; 0 = frozen) after a linear warm-up of ``warmup`` steps (``resume_warmup`` when
     continuing from saved weights, whose optimizer state is not saved), then constant until the last
     ``decay_frac`` of the budget, over which it falls linearly to ``final_lr_frac`` x (a
@@ -105,6 +109,8 @@ class DitStage:
     ema_decay: float = 0.999
     grad_clip: float = 1.0
     fg_weight: float = 0.0
+    sigma_shift: Optional[float] = None
+    shape_weights: Optional[tuple] = None
 
     def lr_factor(self, step: int, progress: float, resumed: bool = False) -> float:
         """The learning-rate multiplier at ``step`` (0-based) when ``progress`` in [0, 1] of the
@@ -259,3 +265,42 @@ def recipe(name: str) -> Recipe:
         return PRESETS[name]
     except KeyError:
         raise ValueError(f"unknown preset {name!r}; accepted: {', '.join(PRESETS)}") from None
+
+
+def parse_buckets(text: str) -> tuple:
+    """``"64x64x9:2,128x128x17"`` -> Buckets; sizes must be multiples of 16, frames 1 + 4k."""
+    out = []
+    for item in text.split(","):
+        size, _, weight = item.strip().partition(":")
+        try:
+            h, w, f = (int(v) for v in size.split("x"))
+            wt = float(weight) if weight else 1.0
+        except ValueError:
+            raise ValueError(f"--buckets: bad entry {item!r}; expected HxWxF or HxWxF:weight") from None
+        if h <= 0 or w <= 0 or h % 16 or w % 16 or f < 1 or (f - 1) % 4 or wt <= 0:
+            raise ValueError(
+                f"--buckets: {item!r}: height/width must be positive multiples of 16, frames 1 + 4k, weight positive"
+            )
+        out.append(Bucket(h, w, f, wt))
+    return tuple(out)
+
+
+def parse_shape_weights(text: str) -> tuple:
+    """``"square=2,triangle=1.5"`` -> odds per :data:`~ditattn.train.scenes.SHAPES` entry, ``(1.0, 2.0, 1.5)``
+    (shapes left out weigh 1; each >= 0, not all 0)."""
+    odds = dict.fromkeys(SHAPES, 1.0)
+    for item in text.split(","):
+        name, sep, value = item.strip().partition("=")
+        try:
+            w = float(value) if sep and name in SHAPES else None
+        except ValueError:
+            w = None
+        if w is None or not w >= 0:
+            raise ValueError(
+                f"--dit-shape-weights: bad entry {item!r}; expected SHAPE=W with SHAPE one of {', '.join(SHAPES)} "
+                "and W >= 0, e.g. square=2"
+            )
+        odds[name] = w
+    if sum(odds.values()) <= 0:
+        raise ValueError("--dit-shape-weights: at least one shape needs a weight above 0")
+    return tuple(odds[s] for s in SHAPES)

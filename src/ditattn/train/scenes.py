@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -94,11 +94,20 @@ def caption(color: str, shape: str, motion: str) -> str:
     return f"a {color} {shape} {motion}"
 
 
-def sample_scenes(n: int, height: int, width: int, generator: torch.Generator, p_two: float = 0.35) -> Scenes:
+def sample_scenes(
+    n: int,
+    height: int,
+    width: int,
+    generator: torch.Generator,
+    p_two: float = 0.35,
+    shape_weights: Optional[Sequence[float]] = None,
+) -> Scenes:
     """``n`` random scenes for frames of ``height x width`` (a CPU generator: deterministic).
 
     Shape radius: 0.12-0.20 of the short side with one shape, 0.09-0.15 with two; start positions
-    are uniform over the places where the whole motion stays ``MARGIN`` inside the frame.
+    are uniform over the places where the whole motion stays ``MARGIN`` inside the frame.  Each
+    slot's shape is drawn with the odds ``shape_weights`` (one per :data:`SHAPES` entry, >= 0, not
+    all 0; None: equal odds).
     """
     g = generator
     K = MAX_SHAPES
@@ -106,7 +115,13 @@ def sample_scenes(n: int, height: int, width: int, generator: torch.Generator, p
     def uniform(lo, hi, shape=(n, K)):
         return lo + (hi - lo) * torch.rand(shape, generator=g)
 
-    kind = torch.randint(0, len(SHAPES), (n, K), generator=g)
+    if shape_weights is None:
+        kind = torch.randint(0, len(SHAPES), (n, K), generator=g)
+    else:
+        w = torch.as_tensor(shape_weights, dtype=torch.float64)
+        if w.shape != (len(SHAPES),) or bool((w < 0).any()) or float(w.sum()) <= 0:
+            raise ValueError(f"shape_weights: {len(SHAPES)} odds >= 0 (not all 0) for {SHAPES}, got {shape_weights}")
+        kind = torch.multinomial(w, n * K, replacement=True, generator=g).view(n, K)
     color = torch.randint(0, len(COLORS), (n, K), generator=g)
     motion = torch.randint(0, len(MOTIONS), (n, K), generator=g)
     two = torch.rand(n, generator=g) < p_two
@@ -206,9 +221,11 @@ def scene_batch(
     device=None,
     dtype: torch.dtype = torch.float32,
     p_two: float = 0.35,
+    shape_weights: Optional[Sequence[float]] = None,
 ) -> tuple[torch.Tensor, list[str], Scenes]:
-    """``(clips [n, 3, F, H, W] in [-1, 1], captions, scenes)`` drawn from ``generator``."""
-    scenes = sample_scenes(n, height, width, generator, p_two=p_two)
+    """``(clips [n, 3, F, H, W] in [-1, 1], captions, scenes)`` drawn from ``generator``
+    (``shape_weights``: as :func:`sample_scenes`)."""
+    scenes = sample_scenes(n, height, width, generator, p_two=p_two, shape_weights=shape_weights)
     return render(scenes, num_frames, height, width, device=device, dtype=dtype), scenes.captions(), scenes
 
 

@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from ditattn.train.recipe import PRESETS, Recipe
+from ditattn.train.recipe import PRESETS, Recipe, parse_buckets, parse_shape_weights
 from ditattn.train.recipe import recipe as get_recipe
 from ditattn.train.tracking import Budget, LossLog
 
@@ -89,6 +89,20 @@ def parse_args(argv=None) -> argparse.Namespace:
         metavar="W",
         help="DiT loss: latent positions under a shape weigh 1 + W (normalised by the mean weight; "
         "default: the preset's, 0 = plain MSE)",
+    )
+    p.add_argument(
+        "--dit-sigma-shift",
+        type=float,
+        default=None,
+        metavar="S",
+        help="DiT training noise levels: uniform u shifted by S, S*u/(1+(S-1)*u) (default: the sampler's "
+        "flow shift, 3.0; 1 = uniform: 2.4 times the steps below sigma 0.3, where outlines are drawn)",
+    )
+    p.add_argument(
+        "--dit-shape-weights",
+        default=None,
+        metavar="circle=W,square=W,triangle=W",
+        help="DiT training clips: the odds of each shape (default: equal); shapes left out weigh 1",
     )
     p.add_argument(
         "--vae-edge-weight",
@@ -179,6 +193,13 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
     if args.eval_prompts is not None and not 0 <= args.eval_prompts <= 60:
         p.error(f"--eval-prompts must be in 0..60, got {args.eval_prompts}")
+    if args.dit_sigma_shift is not None and not args.dit_sigma_shift > 0:
+        p.error(f"--dit-sigma-shift must be > 0, got {args.dit_sigma_shift}")
+    if args.dit_shape_weights is not None:
+        try:
+            args.dit_shape_weights = parse_shape_weights(args.dit_shape_weights)
+        except ValueError as exc:
+            p.error(str(exc))
     if args.buckets is not None:
         try:
             args.buckets = parse_buckets(args.buckets)
@@ -223,26 +244,6 @@ def grid_edge_note(best: float, grid) -> Optional[str]:
         f"guidance {best:g} is the {side} scale tried ({grid[0]:g}-{grid[-1]:g}); a scale beyond it may do "
         f"better: tune again with --tune-guidance {hint}"
     )
-
-
-def parse_buckets(text: str) -> tuple:
-    """``"64x64x9:2,128x128x17"`` -> Buckets; sizes must be multiples of 16, frames 1 + 4k."""
-    from ditattn.train.recipe import Bucket
-
-    out = []
-    for item in text.split(","):
-        size, _, weight = item.strip().partition(":")
-        try:
-            h, w, f = (int(v) for v in size.split("x"))
-            wt = float(weight) if weight else 1.0
-        except ValueError:
-            raise ValueError(f"--buckets: bad entry {item!r}; expected HxWxF or HxWxF:weight") from None
-        if h <= 0 or w <= 0 or h % 16 or w % 16 or f < 1 or (f - 1) % 4 or wt <= 0:
-            raise ValueError(
-                f"--buckets: {item!r}: height/width must be positive multiples of 16, frames 1 + 4k, weight positive"
-            )
-        out.append(Bucket(h, w, f, wt))
-    return tuple(out)
 
 
 def _setup_logging(out: str) -> list:
@@ -370,6 +371,8 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
         buckets=args.buckets,
         batch_tokens=args.batch_tokens,
         fg_weight=args.dit_fg_weight,
+        sigma_shift=args.dit_sigma_shift,
+        shape_weights=args.dit_shape_weights,
         vae_edge_weight=args.vae_edge_weight,
     )
     losses = LossLog(args.out)
