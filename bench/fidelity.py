@@ -914,41 +914,48 @@ def main():
 REQUEST_STEPS = 40
 
 
-def request_ms(q, k, v, grid, backend, cfg, *, fresh: bool = True, requests: int = 3) -> float:
-    """Mean milliseconds per call over whole requests of :data:`REQUEST_STEPS` steps (each starting over from
-    :data:`LOOP_STEP0`, so its first step decides and the rest reuse the decision).  ``fresh``: every request
-    starts with no memory of earlier ones (the best of ``requests`` after a warm-up), the cost of a layer's
-    first request; else one warm-up request and then one whole cycle of the error check's memory
-    (``check.RETRY_EVERY`` requests: the later ones start where the earlier ended, one runs the whole ladder
-    again), their mean: the cost per request of a server that keeps serving the same layer."""
+def request_ms(q, k, v, grid, backend, cfg, dense, *, fresh: bool = True, requests: int = 3) -> tuple[float, float]:
+    """``(case ms, dense ms)``: mean milliseconds per call over whole requests of :data:`REQUEST_STEPS` steps
+    (each starting over from :data:`LOOP_STEP0`, so its first step decides and the rest reuse the decision), each
+    request followed by one of as many ``dense()`` calls, timed alike: adjacent requests see the same clocks, so
+    the ratio of the two means is the fallback's cost with the drift between separately timed runs cancelled.
+    ``fresh``: every request starts with no memory of earlier ones (``requests`` of them after a warm-up), the
+    cost of a layer's first request; else one warm-up request and then one whole cycle of the error check's
+    memory (``check.RETRY_EVERY`` requests: the later ones start where the earlier ended, one runs the whole
+    ladder again): the cost per request of a server that keeps serving the same layer."""
     import ditattn
     from ditattn.attention.sparse import check
     from ditattn.attention.sparse.budget import clear_memory
 
-    def one() -> float:
-        if fresh:
-            clear_memory()
+    def timed(fn) -> float:
         device_sync()
         t0 = time.perf_counter()
         for step in range(LOOP_STEP0, LOOP_STEP0 + REQUEST_STEPS):
-            ditattn.attention(q, k, v, backend=backend, config=cfg, video_shape=grid, step=step, layer_idx=LAYER)
+            fn(step)
         device_sync()
         return (time.perf_counter() - t0) / REQUEST_STEPS * 1e3
 
+    def case(step):
+        ditattn.attention(q, k, v, backend=backend, config=cfg, video_shape=grid, step=step, layer_idx=LAYER)
+
+    def pair() -> tuple[float, float]:
+        if fresh:
+            clear_memory()
+        return timed(case), timed(lambda _: dense())
+
     clear_memory()
-    one()
-    if fresh:
-        return min(one() for _ in range(requests))
-    return sum(one() for _ in range(check.RETRY_EVERY)) / check.RETRY_EVERY
+    pair()
+    rounds = [pair() for _ in range(requests if fresh else check.RETRY_EVERY)]
+    return sum(c for c, _ in rounds) / len(rounds), sum(d for _, d in rounds) / len(rounds)
 
 
 def measure_overhead(rec, q, k, v, grid, args):
     """Rows (``section="overhead"``) of what the error budget costs on this input: every budgeted backend with a
     budget and error check so tight that every call runs dense (per call: the whole decision each time; loop: the
     mean call of whole :data:`REQUEST_STEPS`-step requests, :func:`request_ms`, a layer's first request and the
-    later requests that start from the earlier ones' end), then the budget's pieces
-    alone (tiling q and k, the centre-row check,
-    the full probes and the widening), each against the dense kernel of the same run."""
+    later requests that start from the earlier ones' end, each against dense requests timed next to it), then the
+    budget's pieces alone (tiling q and k, the centre-row check, the full probes and the widening), each against the
+    dense kernel of the same run."""
     import ditattn
     from ditattn.attention.sparse import budget as eb
     from ditattn.attention.sparse import clear_stats, last_stats
@@ -971,7 +978,10 @@ def measure_overhead(rec, q, k, v, grid, args):
         )
         print(f"  overhead {what:<48} {ms:9.3f} ms  x{row['speedup'] or float('nan'):6.3f}", flush=True)
 
-    dense_ms = timed_ms(lambda: ditattn.attention(q, k, v, backend=dense_backend), mean=True)
+    def dense_call():
+        return ditattn.attention(q, k, v, backend=dense_backend)
+
+    dense_ms = timed_ms(dense_call, mean=True)
     add(f"dense {dense_backend}", dense_ms, dense_ms)
     only = set(args.backends.split(",")) if args.backends else None
     loop0 = LOOP
@@ -986,15 +996,18 @@ def measure_overhead(rec, q, k, v, grid, args):
                 # budget's early probe, then the dense kernel
                 forced = {"error_budget": 1e-6, "max_rel_err": 1e-6}
                 try:
-                    if LOOP:  # whole requests of REQUEST_STEPS steps: the decision's cost at its share
-                        ms = request_ms(q, k, v, grid, backend, forced, fresh=mode == "loop (mean)")
+                    if LOOP:  # whole requests of REQUEST_STEPS steps, each against a dense request run next to it
+                        ms, paired = request_ms(
+                            q, k, v, grid, backend, forced, dense_call, fresh=mode == "loop (mean)"
+                        )
                     else:  # per call: no step (every call decides)
                         ms, _ = run_case(ditattn.attention, q, k, v, grid, backend, forced, mean=True)
+                        paired = dense_ms
                 except Exception as exc:  # report and go on
                     rec.note(f"overhead {backend}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
                     continue
                 dense = all(bool(s.get("dense")) for s in last_stats.values())
-                add(f"{backend} forced dense, {mode}", ms, dense_ms, dense=dense)
+                add(f"{backend} forced dense, {mode}", ms, paired, dense=dense, paired_dense_ms=paired)
     finally:
         LOOP = loop0
     layout = make_tile_layout(tuple(grid), (4, 4, 4), 0)

@@ -51,6 +51,9 @@ def test_frontier_smoke_on_cpu(background_run):
     over = {r["case"]: r for r in data["overhead"]}
     assert over["sparge_attn forced dense, loop (mean)"]["dense"] is True
     assert over["sparge_attn forced dense, later requests"]["dense"] is True
+    for mode in ("loop (mean)", "later requests"):  # against dense requests timed next to each request
+        r = over[f"sol_attn forced dense, {mode}"]
+        assert r["paired_dense_ms"] > 0 and r["speedup"] == pytest.approx(r["paired_dense_ms"] / r["ms"]), r
     assert {r["shape"] for r in data["sage_vs_fa"]} == {"1,2,256,128", "1,2,128,64"}
     assert set(data["checks"]) >= {"defaults_within_5_percent", "two_backends_1_5x", "sage_at_least_fa"}
     # structured cases are timed in pairs with the dense kernel (--paired 2 in the smoke run), the speed-up from them
@@ -84,6 +87,31 @@ def test_paired_timing_alternates_and_returns_both_means(monkeypatch):
     c_ms, d_ms = fid.paired_ms(case, dense, 5)
     assert calls == ["c", "d"] * 7  # two warm-up rounds, then five timed ones, alternating
     assert c_ms >= 2.0 and d_ms >= 6.0 and d_ms - c_ms > 2.0, (c_ms, d_ms)  # sleeps only overshoot
+
+
+def test_request_timing_alternates_requests_with_dense_ones(monkeypatch):
+    import time
+
+    import ditattn
+
+    fid = _fidelity()
+    monkeypatch.setattr(fid, "DEVICE", "cpu")
+    monkeypatch.setattr(fid, "REQUEST_STEPS", 3)
+    calls = []
+
+    def case(q, k, v, **kw):
+        calls.append(("c", kw["step"]))
+        time.sleep(0.002)
+
+    def dense():
+        calls.append(("d", None))
+        time.sleep(0.006)
+
+    monkeypatch.setattr(ditattn, "attention", case)
+    c_ms, d_ms = fid.request_ms(None, None, None, (1, 2, 3), "sol_attn", {}, dense, requests=2)
+    one = [("c", fid.LOOP_STEP0 + i) for i in range(3)] + [("d", None)] * 3
+    assert calls == one * 3  # a warm-up pair, then two timed ones: each request next to a dense one
+    assert c_ms >= 2.0 and d_ms >= 6.0 and d_ms - c_ms > 2.0, (c_ms, d_ms)
 
 
 def test_budget_lists_per_backend():
