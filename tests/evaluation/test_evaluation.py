@@ -28,8 +28,10 @@ def test_identical_clips_give_infinite_psnr_and_unit_ssim():
     a = _clip()
     m = clip_metrics(a, a.copy())
     assert math.isinf(m["psnr"]) and m["psnr"] > 0
-    assert m["ssim"] == pytest.approx(1.0, abs=1e-6)
-    assert m["ms_ssim"] == pytest.approx(1.0, abs=1e-6)
+    assert m["ssim"] == 1.0 and m["ms_ssim"] == 1.0  # exactly (float32 rounding alone gives 1 - 1e-6)
+    b = a.copy()
+    b[1, 32, 40, 1] ^= 16  # one pixel (inside the SSIM window's valid region) off by 16 levels
+    assert ssim(b, a) < 1.0 and ms_ssim(b, a)[0] < 1.0 and not math.isinf(psnr(b, a))
 
 
 def test_known_perturbation_psnr_by_hand():

@@ -5,7 +5,8 @@ Clips are uint8 ``[F, H, W, 3]`` arrays (what the pipelines return per prompt) o
 
 * ``psnr``: ``10 * log10(1 / MSE)`` over every pixel of the clip (``data_range`` 1); ``inf`` for
   identical clips;
-* ``ssim``: SSIM (Gaussian window 11, sigma 1.5) per frame, averaged over frames;
+* ``ssim``: SSIM (Gaussian window 11, sigma 1.5) per frame, averaged over frames; exactly 1 for
+  identical clips;
 * ``ms_ssim``: MS-SSIM per frame, averaged; the standard 5 scales with window 11 need frames of
   at least 176 pixels on the short side, so smaller frames use as many scales as fit (at least 2,
   the standard weights of those scales renormalised) and report how many were used.
@@ -58,10 +59,12 @@ def psnr(pred: ClipLike, ref: ClipLike) -> float:
 
 
 def ssim(pred: ClipLike, ref: ClipLike) -> float:
-    """Mean per-frame SSIM (1.0 when identical)."""
+    """Mean per-frame SSIM (exactly 1.0 when identical: float32's rounding gives 1 - 1e-6 there)."""
     from torchmetrics.functional.image import structural_similarity_index_measure
 
     p, r = _pair(pred, ref)
+    if torch.equal(p, r):
+        return 1.0
     return float(structural_similarity_index_measure(p, r, data_range=1.0, kernel_size=SSIM_KERNEL))
 
 
@@ -76,13 +79,16 @@ def ms_ssim_scales(height: int, width: int) -> int:
 
 
 def ms_ssim(pred: ClipLike, ref: ClipLike) -> tuple[float, int]:
-    """``(mean per-frame MS-SSIM, scales used)``; ``(nan, 0)`` for frames too small for 2 scales."""
+    """``(mean per-frame MS-SSIM, scales used)`` (exactly 1 for identical clips); ``(nan, 0)`` for frames too
+    small for 2 scales."""
     from torchmetrics.functional.image import multiscale_structural_similarity_index_measure
 
     p, r = _pair(pred, ref)
     n = ms_ssim_scales(p.shape[-2], p.shape[-1])
     if n == 0:
         return float("nan"), 0
+    if torch.equal(p, r):
+        return 1.0, n
     betas = MS_SSIM_BETAS[:n]
     betas = tuple(b / sum(betas) for b in betas)
     val = multiscale_structural_similarity_index_measure(p, r, data_range=1.0, kernel_size=SSIM_KERNEL, betas=betas)
