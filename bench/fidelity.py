@@ -963,7 +963,10 @@ def measure_overhead(rec, q, k, v, grid, args):
 
     global LOOP
     H = q.shape[2]
+    from ditattn.attention.functional import auto_dense_backend
+
     dense_backend = "fa" if DEVICE == "cuda" else "torch_sdpa"
+    fallback_kernel = auto_dense_backend(q, k)  # what a sparse backend's dense fallback runs here
 
     def add(what, ms, dense_ms, **extra):
         row = rec.add(
@@ -1007,7 +1010,14 @@ def measure_overhead(rec, q, k, v, grid, args):
                     rec.note(f"overhead {backend}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
                     continue
                 dense = all(bool(s.get("dense")) for s in last_stats.values())
-                add(f"{backend} forced dense, {mode}", ms, paired, dense=dense, paired_dense_ms=paired)
+                add(
+                    f"{backend} forced dense, {mode}",
+                    ms,
+                    paired,
+                    dense=dense,
+                    paired_dense_ms=paired,
+                    kernel=fallback_kernel,
+                )
     finally:
         LOOP = loop0
     layout = make_tile_layout(tuple(grid), (4, 4, 4), 0)
