@@ -379,6 +379,7 @@ def test_decoder_only_vae_stage_keeps_the_latents_and_the_dit(tiny_run, tmp_path
         (["--stage", "dit", "--dit-steps", "1", "--eval-sizes", "64x64x8"], "frames 1 + 4k"),
         (["--stage", "dit", "--dit-steps", "1", "--eval-prompts", "61"], "--eval-prompts must be in 0..60"),
         (["--stage", "dit", "--dit-steps", "1", "--dit-sigma-shift", "0"], "--dit-sigma-shift must be > 0"),
+        (["--stage", "dit", "--dit-steps", "1", "--dit-two-shapes", "1.5"], "--dit-two-shapes must be in 0..1"),
         (["--stage", "dit", "--dit-steps", "1", "--dit-shape-weights", "hexagon=2"], "SHAPE one of circle, square"),
         (["--stage", "dit", "--dit-steps", "1", "--dit-shape-weights", "square=-1"], "W >= 0, e.g. square=2"),
         (
@@ -426,10 +427,13 @@ def test_shape_weighted_losses_train(tiny_run, tmp_path):
     assert all(np.isfinite(losses["2"])) and losses["0"][0] != losses["2"][0]
     # noise levels and shape odds of the DiT's clips: logged, and they change what is trained on
     out = tmp_path / "squares"
-    argv = ["--dit-sigma-shift", "1", "--dit-shape-weights", "circle=0,triangle=0"]
+    argv = ["--dit-sigma-shift", "1", "--dit-shape-weights", "circle=0,triangle=0", "--dit-two-shapes", "0"]
     assert _train(out, "--stage", "dit", "--init", str(tiny_run), "--dit-steps", "2", *argv) == 0
     log = json.loads((out / "loss.json").read_text())
     assert log["info"]["dit"]["sigma_shift"] == 1.0 and log["info"]["dit"]["shape_weights"] == [0.0, 1.0, 0.0]
+    assert log["info"]["dit"]["p_two"] == 0.0 and json.loads((tmp_path / "dit0" / "loss.json").read_text())["info"][
+        "dit"
+    ]["p_two"] == pytest.approx(0.35)
     assert (
         log["info"]["dit"]["sigma_shift"]
         != json.loads((tmp_path / "dit0" / "loss.json").read_text())["info"]["dit"]["sigma_shift"]

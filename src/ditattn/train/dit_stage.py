@@ -185,6 +185,7 @@ def train_dit(
         fg_weight=cfg.fg_weight,
         sigma_shift=shift,
         shape_weights=None if cfg.shape_weights is None else list(cfg.shape_weights),
+        p_two=cfg.p_two,
     )
     bar = progress(budget.steps, "dit")
     step, last_ckpt, encode_s = 0, time.perf_counter(), 0.0
@@ -204,6 +205,7 @@ def train_dit(
                     g_data,
                     device=device,
                     shape_weights=cfg.shape_weights,
+                    p_two=cfg.p_two,
                 )
                 z = vae.encode(clips).latent_dist.mode().float()
                 fg = 1.0 + cfg.fg_weight * latent_foreground(clips) if cfg.fg_weight > 0 else None

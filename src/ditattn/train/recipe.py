@@ -85,8 +85,8 @@ class DitStage:
     new); captions are dropped with ``caption_dropout`` (classifier-free guidance); sigmas are
     uniform ``u`` shifted by ``sigma_shift`` (None: the scheduler's ``flow_shift``; 1: uniform, more
     low-noise steps, where outlines are drawn); ``shape_weights``: the odds of circle, square,
-    triangle in the rendered clips (None: equal); AdamW at ``lr`` (text encoder:
-    ``text_lr``; 0 = frozen) after a linear warm-up of ``warmup`` steps (``resume_warmup`` when
+    triangle in the rendered clips (None: equal); ``p_two``: the share of clips with two shapes; AdamW at
+    ``lr`` (text encoder: ``text_lr``; 0 = frozen) after a linear warm-up of ``warmup`` steps (``resume_warmup`` when
     continuing from saved weights, whose optimizer state is not saved), then constant until the last
     ``decay_frac`` of the budget, over which it falls linearly to ``final_lr_frac`` x (a
     warm-up / stable / decay schedule: the stable phase can be continued, the decay anneals the
@@ -111,6 +111,7 @@ class DitStage:
     fg_weight: float = 0.0
     sigma_shift: Optional[float] = None
     shape_weights: Optional[tuple] = None
+    p_two: float = 0.35
 
     def lr_factor(self, step: int, progress: float, resumed: bool = False) -> float:
         """The learning-rate multiplier at ``step`` (0-based) when ``progress`` in [0, 1] of the

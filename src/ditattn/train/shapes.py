@@ -105,6 +105,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="DiT training clips: the odds of each shape (default: equal); shapes left out weigh 1",
     )
     p.add_argument(
+        "--dit-two-shapes",
+        type=float,
+        default=None,
+        metavar="P",
+        help="DiT training clips: the share with two shapes, 0-1 (default: the preset's, 0.35); lower it when "
+        "one-shape prompts come out with the shape drawn twice",
+    )
+    p.add_argument(
         "--vae-edge-weight",
         type=float,
         default=None,
@@ -195,6 +203,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--eval-prompts must be in 0..60, got {args.eval_prompts}")
     if args.dit_sigma_shift is not None and not args.dit_sigma_shift > 0:
         p.error(f"--dit-sigma-shift must be > 0, got {args.dit_sigma_shift}")
+    if args.dit_two_shapes is not None and not 0 <= args.dit_two_shapes <= 1:
+        p.error(f"--dit-two-shapes must be in 0..1, got {args.dit_two_shapes}")
     if args.dit_shape_weights is not None:
         try:
             args.dit_shape_weights = parse_shape_weights(args.dit_shape_weights)
@@ -373,6 +383,7 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
         fg_weight=args.dit_fg_weight,
         sigma_shift=args.dit_sigma_shift,
         shape_weights=args.dit_shape_weights,
+        p_two=args.dit_two_shapes,
         vae_edge_weight=args.vae_edge_weight,
     )
     losses = LossLog(args.out)
