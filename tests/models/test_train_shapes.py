@@ -568,6 +568,32 @@ def test_evaluation_passes_the_flow_shift_to_the_sampler(tiny_run, capsys):
     assert ", flow shift 5): shape" in capsys.readouterr().out
 
 
+def test_evaluation_from_a_later_prompt_keeps_each_prompt_s_seed(tiny_run, capsys):
+    from ditattn.train import evaluation
+
+    seen = []
+
+    class Spy:
+        def generate(self, prompts, **kw):
+            seen.append((list(prompts), list(kw["seed"])))
+            f = kw["num_frames"]
+            return types.SimpleNamespace(frames=np.zeros((len(prompts), f, kw["height"], kw["width"], 3), np.uint8))
+
+    everything = evaluation.held_out_prompts(60)
+    ev = evaluation.evaluate_held_out(Spy(), [(32, 32, 5)], n=3, steps=1, first=30)[0]
+    assert seen == [([f"a {c} {s} {m}" for c, s, m in everything[30:33]], [1030, 1031, 1032])]
+    assert ev["first"] == 30 and [r["prompt"] for r in ev["results"]] == seen[0][0]
+    assert "held-out prompts (30-32 at 32x32x5" in evaluation.format_held_out(ev)
+    seen.clear()
+    evaluation.evaluate_held_out(Spy(), [(32, 32, 5)], n=2, steps=1)
+    assert seen == [([f"a {c} {s} {m}" for c, s, m in everything[:2]], [1000, 1001])]
+    assert evaluation.main(["--package", str(tiny_run), "--prompts", "30", "--first-prompt", "31"]) == 2
+    assert "--first-prompt must be in 0..30 with --prompts 30" in capsys.readouterr().err
+    argv = ["--package", str(tiny_run), "--sizes", "32x32x5", "--prompts", "1", "--steps", "1", "--device", "cpu"]
+    assert evaluation.main([*argv, "--first-prompt", "59"]) == 0
+    assert "held-out prompts (59-59 at 32x32x5" in capsys.readouterr().out
+
+
 def test_guidance_tuning_picks_a_scale_of_the_grid(tiny_run):
     from ditattn.train.evaluation import tune_guidance
     from ditattn.train.recipe import recipe

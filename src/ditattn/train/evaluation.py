@@ -259,21 +259,26 @@ def evaluate_held_out(
     guidance: float = 7.0,
     seed: int = SHAPE_EVAL_SEED,
     flow_shift: Optional[float] = None,
+    first: int = 0,
 ) -> list[dict]:
-    """Prompt following on :func:`held_out_prompts` (``n`` of them, prompt ``i`` with seed
-    ``seed + i``) at each ``(height, width, frames)`` of ``sizes`` (``flow_shift``: the sampler's, None
-    = the package's): per size ``{"size", "n", "guidance", "steps", "flow_shift", "shape_accuracy",
-    "color_accuracy", "motion_accuracy", "results"}`` (the judge's rows; shape judged as in
-    :func:`ditattn.train.judge.judge_shape`)."""
-    items = held_out_prompts(n)
+    """Prompt following on :func:`held_out_prompts` ``first .. first + n - 1`` (prompt ``i`` with seed
+    ``seed + i``, so a prompt keeps its seed whatever ``first``: settings picked on the first 30 can be
+    checked on prompts 30-59) at each ``(height, width, frames)`` of ``sizes`` (``flow_shift``: the
+    sampler's, None = the package's): per size ``{"size", "n", "first", "guidance", "steps", "flow_shift",
+    "shape_accuracy", "color_accuracy", "motion_accuracy", "results"}`` (the judge's rows; shape judged
+    as in :func:`ditattn.train.judge.judge_shape`)."""
+    if first < 0:
+        raise ValueError(f"evaluate_held_out: first must be >= 0, got {first}")
+    items = held_out_prompts(first + n)[first:]
     out = []
     for size in sizes:
-        rows = generate_judged(pipe, items, seed, tuple(size), steps, guidance, flow_shift=flow_shift)
+        rows = generate_judged(pipe, items, seed + first, tuple(size), steps, guidance, flow_shift=flow_shift)
         acc = {k: sum(bool(r[k]) for r in rows) / max(len(rows), 1) for k in ("shape_ok", "color_ok", "motion_ok")}
         out.append(
             {
                 "size": list(size),
                 "n": n,
+                "first": first,
                 "guidance": guidance,
                 "steps": steps,
                 "flow_shift": flow_shift,
@@ -289,8 +294,10 @@ def evaluate_held_out(
 def format_held_out(ev: dict) -> str:
     """One line for an :func:`evaluate_held_out` entry."""
     shift = "" if ev.get("flow_shift") is None else f", flow shift {ev['flow_shift']:g}"
+    first = ev.get("first", 0)
+    which = f"{ev['n']}" if not first else f"{first}-{first + ev['n'] - 1}"
     return (
-        f"held-out prompts ({ev['n']} at {'x'.join(map(str, ev['size']))}, {ev['steps']} steps, guidance "
+        f"held-out prompts ({which} at {'x'.join(map(str, ev['size']))}, {ev['steps']} steps, guidance "
         f"{ev['guidance']:g}{shift}): shape {100 * ev['shape_accuracy']:.0f} %, "
         f"colour {100 * ev['color_accuracy']:.0f} %, motion {100 * ev['motion_accuracy']:.0f} %"
     )
@@ -372,6 +379,14 @@ def main(argv=None) -> int:
         help="sizes to generate at (default 128x128x17,256x256x33)",
     )
     p.add_argument("--prompts", type=int, default=30, help="held-out prompts per size (1-60, default 30)")
+    p.add_argument(
+        "--first-prompt",
+        type=int,
+        default=0,
+        metavar="K",
+        help="start at held-out prompt K (default 0; prompt i always has seed 1000 + i): --first-prompt 30 "
+        "--prompts 30 checks on fresh prompts a setting chosen on the first 30",
+    )
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the package's)")
     p.add_argument("--guidance", type=float, default=None, help="guidance scale (default: the package's)")
     p.add_argument(
@@ -392,6 +407,11 @@ def main(argv=None) -> int:
         sizes = parse_sizes(args.sizes)
         if not 1 <= args.prompts <= 60:
             raise ValueError(f"--prompts must be in 1..60, got {args.prompts}")
+        if not 0 <= args.first_prompt <= 60 - args.prompts:
+            raise ValueError(
+                f"--first-prompt must be in 0..{60 - args.prompts} with --prompts {args.prompts} (60 held-out "
+                f"prompts exist), got {args.first_prompt}"
+            )
         if args.flow_shift is not None and not args.flow_shift > 0:
             raise ValueError(f"--flow-shift must be > 0, got {args.flow_shift}")
         device = parse_device(args.device)
@@ -405,7 +425,9 @@ def main(argv=None) -> int:
         pipe = load_pipeline(package, cache, device)
         evals = []
         for size in sizes:
-            ev = evaluate_held_out(pipe, [size], args.prompts, steps, guidance, flow_shift=args.flow_shift)[0]
+            ev = evaluate_held_out(
+                pipe, [size], args.prompts, steps, guidance, flow_shift=args.flow_shift, first=args.first_prompt
+            )[0]
             print(format_held_out(ev), flush=True)
             evals.append(ev)
     if args.json:
