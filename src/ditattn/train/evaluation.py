@@ -384,8 +384,8 @@ def main(argv=None) -> int:
         type=int,
         default=0,
         metavar="K",
-        help="start at held-out prompt K (default 0; prompt i always has seed 1000 + i): --first-prompt 30 "
-        "--prompts 30 checks on fresh prompts a setting chosen on the first 30",
+        help=f"start at held-out prompt K (default 0; prompt i always has seed {SHAPE_EVAL_SEED} + i): "
+        "--first-prompt 30 --prompts 30 checks on fresh prompts a setting chosen on the first 30",
     )
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the package's)")
     p.add_argument("--guidance", type=float, default=None, help="guidance scale (default: the package's)")
