@@ -601,7 +601,7 @@ def test_guidance_tuning_picks_a_scale_of_the_grid(tiny_run):
 
 
 def test_a_tuned_scale_at_the_edge_of_the_grid_is_flagged_with_the_scales_beyond_it():
-    from ditattn.train.shapes import grid_edge_note
+    from ditattn.train.evaluation import grid_edge_note
 
     low = grid_edge_note(3.0, (3.0, 5.0, 7.0, 9.0, 11.0))
     assert "smallest" in low and "--tune-guidance 2,2.5,3,5,7,9,11" in low

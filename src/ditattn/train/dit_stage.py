@@ -59,6 +59,36 @@ def build_transformer(recipe: Recipe, seed: int):
     return model
 
 
+def grow_blocks(dit, layers: int):
+    """A diffusers ``WanTransformer3DModel`` like ``dit`` (L blocks) with ``layers`` >= L blocks, computing
+    exactly what ``dit`` does: the L trained blocks keep their order, and each added block is a copy of one
+    of them (spread evenly: 6 -> 9 copies blocks 1, 3 and 5), placed right after it, with its self-attention,
+    cross-attention and feed-forward output projections zeroed, so it starts as the identity and training
+    grows it from there.  Float32, eval mode, on the CPU."""
+    from diffusers import WanTransformer3DModel
+
+    old = len(dit.blocks)
+    if layers < old:
+        raise ValueError(f"grow_blocks: the DiT has {old} blocks; cannot grow it to {layers}")
+    extra = layers - old
+    copies = [min(old - 1, int((k + 0.5) * old / extra)) for k in range(extra)]
+    order = []  # (source block, added?) per new position
+    for i in range(old):
+        order.append((i, False))
+        order.extend((i, True) for _ in range(copies.count(i)))
+    sd = dit.state_dict()
+    new_sd = {k: v for k, v in sd.items() if not k.startswith("blocks.")}
+    zeroed = ("attn1.to_out.0.", "attn2.to_out.0.", "ffn.net.2.")
+    for j, (i, added) in enumerate(order):
+        for k, v in sd.items():
+            if k.startswith(f"blocks.{i}."):
+                rest = k[len(f"blocks.{i}.") :]
+                new_sd[f"blocks.{j}.{rest}"] = torch.zeros_like(v) if added and rest.startswith(zeroed) else v.clone()
+    model = WanTransformer3DModel.from_config(dict(dit.config, num_layers=layers))
+    model.load_state_dict(new_sd, strict=True)
+    return model.float().eval()
+
+
 class LatentPool:
     """A ring buffer of ``capacity`` normalised latents (``[N, C, T, h, w]``), their captions and
     (optionally) per-position loss weights (``[N, 1, T, h, w]``)."""

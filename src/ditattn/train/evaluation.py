@@ -438,3 +438,33 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def parse_guidance_grid(text: str):
+    """``"auto"`` -> ``"auto"``, ``"off"`` -> ``()``, ``"3,5,7"`` -> ``(3.0, 5.0, 7.0)`` (each > 1)."""
+    if text in ("auto", "off"):
+        return text if text == "auto" else ()
+    try:
+        grid = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"--tune-guidance: bad value {text!r}; expected auto, off or scales like 3,5,7,9") from None
+    if not grid or any(g <= 1.0 for g in grid):
+        raise ValueError(f"--tune-guidance: {text!r}: every scale must be above 1 (classifier-free guidance)")
+    return grid
+
+
+def grid_edge_note(best: float, grid) -> Optional[str]:
+    """A warning when the tuned guidance scale is the smallest or largest of a grid of several: the best
+    scale may lie beyond what was tried.  None when it is inside the grid (or the grid has one scale)."""
+    grid = sorted(set(grid))
+    if len(grid) < 2 or grid[0] < best < grid[-1]:
+        return None
+    side, beyond = ("smallest", {best - 1.0, best - 0.5}) if best == grid[0] else ("largest", {best + 2.0, best + 4.0})
+    beyond = {g for g in beyond if g > 1.0} - set(grid)  # classifier-free guidance needs a scale above 1
+    if not beyond:
+        return None
+    hint = ",".join(f"{g:g}" for g in sorted({*grid, *beyond}))
+    return (
+        f"guidance {best:g} is the {side} scale tried ({grid[0]:g}-{grid[-1]:g}); a scale beyond it may do "
+        f"better: tune again with --tune-guidance {hint}"
+    )

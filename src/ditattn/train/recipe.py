@@ -140,16 +140,20 @@ class Recipe:
         "a white circle moving left and a green square moving down",
     )
 
-    def with_overrides(self, vae_edge_weight=None, **changes) -> "Recipe":
+    def with_overrides(self, vae_edge_weight=None, dit_layers=None, **changes) -> "Recipe":
         """A copy whose DiT stage takes the ``changes`` that are not None (``text_lr``, ``buckets``,
-        ``fg_weight``, ...) and whose VAE stage takes ``vae_edge_weight`` when not None."""
+        ``fg_weight``, ...), whose VAE stage takes ``vae_edge_weight`` and whose DiT has ``dit_layers``
+        blocks, each when not None."""
         changes = {k: v for k, v in changes.items() if v is not None}
         vae = (
             self.vae_stage
             if vae_edge_weight is None
             else dataclasses.replace(self.vae_stage, edge_weight=vae_edge_weight)
         )
-        return dataclasses.replace(self, vae_stage=vae, dit_stage=dataclasses.replace(self.dit_stage, **changes))
+        dit = self.transformer if dit_layers is None else dict(self.transformer, num_layers=dit_layers)
+        return dataclasses.replace(
+            self, transformer=dit, vae_stage=vae, dit_stage=dataclasses.replace(self.dit_stage, **changes)
+        )
 
 
 def _text_encoder(d_model: int, layers: int, heads: int, d_ff: int) -> dict:

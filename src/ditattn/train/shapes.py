@@ -122,6 +122,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--batch-tokens", type=int, default=None, help="DiT tokens per step (default: the preset's)")
     p.add_argument(
+        "--dit-layers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="DiT blocks (default: the preset's, 6). With --resume from a package with fewer, the DiT grows: "
+        "each added block starts as a copy of a trained one with its outputs zeroed, so training starts "
+        "from exactly what the package computes",
+    )
+    p.add_argument(
         "--resume",
         default=None,
         metavar="DIR",
@@ -185,13 +194,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                     f"--{flag} {folder}: no {' or '.join(missing)} there (give the folder a training run "
                     "wrote with --out)"
                 )
+    from ditattn.train.evaluation import parse_guidance_grid, parse_sizes
+
     try:
         args.tune_guidance = parse_guidance_grid(args.tune_guidance)
     except ValueError as exc:
         p.error(str(exc))
     if args.eval_sizes is not None:
-        from ditattn.train.evaluation import parse_sizes
-
         try:
             args.eval_sizes = parse_sizes(args.eval_sizes)
         except ValueError as exc:
@@ -203,6 +212,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--eval-prompts must be in 0..60, got {args.eval_prompts}")
     if args.dit_sigma_shift is not None and not args.dit_sigma_shift > 0:
         p.error(f"--dit-sigma-shift must be > 0, got {args.dit_sigma_shift}")
+    if args.dit_layers is not None and args.dit_layers < 1:
+        p.error(f"--dit-layers must be >= 1, got {args.dit_layers}")
     if args.dit_two_shapes is not None and not 0 <= args.dit_two_shapes <= 1:
         p.error(f"--dit-two-shapes must be in 0..1, got {args.dit_two_shapes}")
     if args.dit_shape_weights is not None:
@@ -224,36 +235,6 @@ def parse_args(argv=None) -> argparse.Namespace:
             if b is None and getattr(args, f"{stage}_steps") is None:
                 p.error(f"stage {stage}: give --budget-s, --{stage}-budget-s or --{stage}-steps")
     return args
-
-
-def parse_guidance_grid(text: str):
-    """``"auto"`` -> ``"auto"``, ``"off"`` -> ``()``, ``"3,5,7"`` -> ``(3.0, 5.0, 7.0)`` (each > 1)."""
-    if text in ("auto", "off"):
-        return text if text == "auto" else ()
-    try:
-        grid = tuple(float(v) for v in text.split(","))
-    except ValueError:
-        raise ValueError(f"--tune-guidance: bad value {text!r}; expected auto, off or scales like 3,5,7,9") from None
-    if not grid or any(g <= 1.0 for g in grid):
-        raise ValueError(f"--tune-guidance: {text!r}: every scale must be above 1 (classifier-free guidance)")
-    return grid
-
-
-def grid_edge_note(best: float, grid) -> Optional[str]:
-    """A warning when the tuned guidance scale is the smallest or largest of a grid of several: the best
-    scale may lie beyond what was tried.  None when it is inside the grid (or the grid has one scale)."""
-    grid = sorted(set(grid))
-    if len(grid) < 2 or grid[0] < best < grid[-1]:
-        return None
-    side, beyond = ("smallest", {best - 1.0, best - 0.5}) if best == grid[0] else ("largest", {best + 2.0, best + 4.0})
-    beyond = {g for g in beyond if g > 1.0} - set(grid)  # classifier-free guidance needs a scale above 1
-    if not beyond:
-        return None
-    hint = ",".join(f"{g:g}" for g in sorted({*grid, *beyond}))
-    return (
-        f"guidance {best:g} is the {side} scale tried ({grid[0]:g}-{grid[-1]:g}); a scale beyond it may do "
-        f"better: tune again with --tune-guidance {hint}"
-    )
 
 
 def _setup_logging(out: str) -> list:
@@ -313,10 +294,12 @@ class PackageMismatch(ValueError):
     """A saved package cannot continue training under the chosen preset (another architecture)."""
 
 
-def load_package(folder: str, recipe: Optional[Recipe] = None) -> tuple[dict, dict]:
+def load_package(folder: str, recipe: Optional[Recipe] = None, grow: bool = False) -> tuple[dict, dict]:
     """``(meta, modules)`` of the package files in ``folder``: modules ``text_encoder``,
     ``transformer``, ``vae`` (float32, eval, on the CPU) and ``scheduler``.  With ``recipe``, a
-    component whose architecture differs from the recipe's is a :class:`PackageMismatch` naming the keys."""
+    component whose architecture differs from the recipe's is a :class:`PackageMismatch` naming the keys;
+    with ``grow`` too, a DiT with fewer blocks than the recipe's is grown to them
+    (:func:`~ditattn.train.dit_stage.grow_blocks`) instead."""
     from safetensors.torch import load_file
 
     from ditattn.models.shapes import build_components, package_files, read_meta
@@ -328,16 +311,26 @@ def load_package(folder: str, recipe: Optional[Recipe] = None) -> tuple[dict, di
             "transformer": _transformer_config(recipe),
             "vae": dict(recipe.vae),
         }
+        layers = wanted["transformer"]["num_layers"]
         for comp, cfg in wanted.items():
             have = meta["components"][comp]
             diff = sorted(k for k in cfg if have.get(k) != cfg[k])
+            if grow and comp == "transformer" and have.get("num_layers", layers + 1) < layers:
+                diff.remove("num_layers")
             if diff:
                 raise PackageMismatch(
                     f"{folder}: its {comp} is not preset {recipe.name!r}'s ("
                     + ", ".join(f"{k} {have.get(k)!r} vs {cfg[k]!r}" for k in diff[:4])
                     + "); resume with the preset it was trained with"
+                    + (" (--dit-layers only adds blocks)" if "num_layers" in diff and grow else "")
                 )
-    return meta, build_components(meta, load_file(package_files(folder)[1]))
+    modules = build_components(meta, load_file(package_files(folder)[1]))
+    if recipe is not None and grow and len(modules["transformer"].blocks) < layers:
+        from ditattn.train.dit_stage import grow_blocks
+
+        log.info("DiT of %s: %d blocks grown to %d", folder, len(modules["transformer"].blocks), layers)
+        modules["transformer"] = grow_blocks(modules["transformer"], layers)
+    return meta, modules
 
 
 def load_package_vae(folder: str, device: torch.device):
@@ -385,6 +378,7 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
         shape_weights=args.dit_shape_weights,
         p_two=args.dit_two_shapes,
         vae_edge_weight=args.vae_edge_weight,
+        dit_layers=args.dit_layers,
     )
     losses = LossLog(args.out)
     t_start = time.perf_counter()
@@ -415,7 +409,7 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
 
     resumed = None
     if args.resume:
-        resume_meta, resumed = load_package(args.resume, recipe)
+        resume_meta, resumed = load_package(args.resume, recipe, grow=args.dit_layers is not None)
         prev = resume_meta.get("training", {})
         training["resumed_from"] = {"folder": args.resume, "digest": package_digest(args.resume)}
         training["history"] = list(prev.get("history", [])) + [{k: v for k, v in prev.items() if k != "history"}]
@@ -512,6 +506,7 @@ def _judge(args, recipe: Recipe, device: torch.device, vae, te, dit, training: d
         evaluate,
         evaluate_held_out,
         format_held_out,
+        grid_edge_note,
         load_pipeline,
         sample_prompts_grid,
         tune_guidance,
