@@ -499,6 +499,12 @@ def main(argv=None):
         help="only sage_attn (defaults, and its own kernel at every length) against fa at each shape, "
         "through ditattn.attention, timed alternately",
     )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="--sage-vs-fa: alternating timing rounds per shape (default 2); each backend keeps its best median",
+    )
     args = ap.parse_args(argv)
     if common.DEVICE == "cuda" and not torch.cuda.is_available():
         print("bench/attention.py needs a CUDA GPU")
@@ -510,7 +516,7 @@ def main(argv=None):
     parse = lambda t: tuple(int(x) for x in t.split(","))  # noqa: E731
     if args.sage_vs_fa:
         shapes = [parse(t) for t in args.shapes.split(";")] if args.shapes else SHAPES
-        rows = run_sage_vs_fa(rec, dl, shapes)
+        rows = run_sage_vs_fa(rec, dl, shapes, rounds=max(1, args.rounds))
         print("\n## sage_attn against fa (ditattn.attention, one process; x fa = fa ms / sage_attn ms)")
         print(
             fmt_table(
