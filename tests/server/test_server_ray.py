@@ -91,10 +91,35 @@ def test_images_and_video_jobs_through_one_endpoint(cluster):
     assert httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
 
 
-def _ray_worker_niceness(title: str) -> dict:
-    """``{pid: [niceness of each thread]}`` of the processes whose title starts with ``ray::`` + ``title``."""
+def _parents() -> dict:
+    """``{pid: parent pid}`` of every process (from ``/proc``)."""
     out = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                out[int(pid)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def _tree(root: int) -> set:
+    """``root`` and every process below it: this deployment's Ray processes, not another Ray instance's on the
+    machine (a concurrent test run, a user's own cluster)."""
+    parents, tree = _parents(), {root}
+    grew = True
+    while grew:
+        new = {p for p, parent in parents.items() if parent in tree} - tree
+        tree |= new
+        grew = bool(new)
+    return tree
+
+
+def _ray_worker_niceness(title: str, root: int) -> dict:
+    """``{pid: [niceness of each thread]}`` of the processes below ``root`` whose title starts with ``ray::`` +
+    ``title``."""
+    out = {}
+    for pid in map(str, _tree(root)):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 if not f.read().startswith(b"ray::" + title.encode()):
@@ -108,11 +133,13 @@ def _ray_worker_niceness(title: str) -> dict:
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
 def test_replicas_and_proxy_run_at_niceness_0(cluster):
     """Ray's default would start them at 15, behind every other process of the node."""
-    replicas, proxy = _ray_worker_niceness("ServeReplica:ditattn:DitReplica"), _ray_worker_niceness("ProxyActor")
+    root = cluster[4].pid
+    replicas = _ray_worker_niceness("ServeReplica:ditattn:DitReplica", root)
+    proxy = _ray_worker_niceness("ProxyActor", root)
     assert len(replicas) == 2 and len(proxy) == 1, (replicas, proxy)
     assert {n for threads in [*replicas.values(), *proxy.values()] for n in threads} == {0}
     # each replica runs its pipeline in a process of its own (--replica-process, the default), at niceness 0 too
-    hosts = _pipeline_processes()
+    hosts = _pipeline_processes(root)
     assert sorted(hosts.values()) == sorted(replicas), (hosts, replicas)
     assert {os.getpriority(os.PRIO_PROCESS, pid) for pid in hosts} == {0}
 
@@ -205,13 +232,13 @@ def test_killing_the_replica_that_runs_a_video_job(cluster):
 def test_killing_the_pipeline_process_of_a_video_job(cluster):
     """The replica lives on without its pipeline: it stops renewing the job's lease and claims no more, the other
     replica finishes the job, and Ray Serve's health check replaces the replica."""
-    base, url, _, _, _ = cluster
+    base, url, _, _, proc = cluster
     c = _client(base)
     vid = _long_video(c, "orphan", 5)
     owner, _ = _running(c, url, vid)
     replica = int(owner.split(":")[1])
-    hosts = [p for p, parent in _pipeline_processes().items() if parent == replica]
-    assert len(hosts) == 1, (replica, _pipeline_processes())
+    hosts = [p for p, parent in _pipeline_processes(proc.pid).items() if parent == replica]
+    assert len(hosts) == 1, (replica, _pipeline_processes(proc.pid))
     os.kill(hosts[0], signal.SIGKILL)
     v = wait_video(c, vid, timeout=300, poll=0.3)
     _, attempts, status = _owner(url, vid)
@@ -219,15 +246,17 @@ def test_killing_the_pipeline_process_of_a_video_job(cluster):
     got = httpx.get(f"{base}/v1/videos/{vid}/content", headers=H, timeout=60)
     assert got.status_code == 200 and got.content[4:8] == b"ftyp"
     t0 = time.time()  # Ray restarts the replica: two replicas, each with its pipeline process, again
-    while len(_ray_worker_niceness("ServeReplica:ditattn:DitReplica")) != 2 or len(_pipeline_processes()) != 2:
-        assert time.time() - t0 < 180, (_ray_worker_niceness("ServeReplica:ditattn:DitReplica"), _pipeline_processes())
+    replicas = "ServeReplica:ditattn:DitReplica"
+    while len(_ray_worker_niceness(replicas, proc.pid)) != 2 or len(_pipeline_processes(proc.pid)) != 2:
+        assert time.time() - t0 < 180, (_ray_worker_niceness(replicas, proc.pid), _pipeline_processes(proc.pid))
         time.sleep(0.5)
 
 
-def _pipeline_processes() -> dict:
-    """``{pid: parent pid}`` of the replicas' pipeline processes (``python -m ditattn.server.pipehost``)."""
+def _pipeline_processes(root: int) -> dict:
+    """``{pid: parent pid}`` of the replicas' pipeline processes (``python -m ditattn.server.pipehost``) below
+    ``root``."""
     out = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for pid in map(str, _tree(root)):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 if b"ditattn.server.pipehost" not in f.read():
