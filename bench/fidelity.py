@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -949,9 +950,36 @@ def request_ms(q, k, v, grid, backend, cfg, dense, *, fresh: bool = True, reques
     return sum(c for c, _ in rounds) / len(rounds), sum(d for _, d in rounds) / len(rounds)
 
 
+def deciding_step_ms(q, k, v, grid, backend, cfg, dense, *, repeats: int = 3) -> tuple[float, float]:
+    """``(case ms, dense ms)``: the median time of a fresh request's first step alone (the call that runs the error
+    check's decision ladder) and of one ``dense()`` call timed alike right after it, each between device syncs:
+    where a layer's first request spends its extra time."""
+    import ditattn
+    from ditattn.attention.sparse.budget import clear_memory
+
+    def once(fn) -> float:
+        device_sync()
+        t0 = time.perf_counter()
+        fn()
+        device_sync()
+        return (time.perf_counter() - t0) * 1e3
+
+    def case():
+        ditattn.attention(q, k, v, backend=backend, config=cfg, video_shape=grid, step=LOOP_STEP0, layer_idx=LAYER)
+
+    clear_memory()
+    case()  # warm-up
+    rounds = []
+    for _ in range(repeats):
+        clear_memory()
+        rounds.append((once(case), once(dense)))
+    return statistics.median(c for c, _ in rounds), statistics.median(d for _, d in rounds)
+
+
 def measure_overhead(rec, q, k, v, grid, args):
     """Rows (``section="overhead"``) of what the error budget costs on this input: every budgeted backend with a
-    budget and error check so tight that every call runs dense (per call: the whole decision each time; loop: the
+    budget and error check so tight that every call runs dense (per call: the whole decision each time; deciding
+    step: a fresh request's first step alone, :func:`deciding_step_ms`; loop: the
     mean call of whole :data:`REQUEST_STEPS`-step requests, :func:`request_ms`, a layer's first request and the
     later requests that start from the earlier ones' end, each against dense requests timed next to it), then the
     budget's pieces alone (tiling q and k, the centre-row check, the full probes and the widening), each against the
@@ -991,8 +1019,8 @@ def measure_overhead(rec, q, k, v, grid, args):
         for backend in BUDGETED:
             if backend == SKIP_SOFTMAX or (only is not None and backend not in only):
                 continue
-            for mode in ("per call", "loop (mean)", "later requests"):
-                LOOP = mode != "per call"
+            for mode in ("per call", "deciding step", "loop (mean)", "later requests"):
+                LOOP = mode not in ("per call", "deciding step")
                 clear_stats()
                 # a budget and an error check so tight that every rung fails: the sparse call, its check, the
                 # budget's early probe, then the dense kernel
@@ -1002,6 +1030,8 @@ def measure_overhead(rec, q, k, v, grid, args):
                         ms, paired = request_ms(
                             q, k, v, grid, backend, forced, dense_call, fresh=mode == "loop (mean)"
                         )
+                    elif mode == "deciding step":  # a fresh request's first step alone, against one dense call
+                        ms, paired = deciding_step_ms(q, k, v, grid, backend, forced, dense_call)
                     else:  # per call: no step (every call decides)
                         ms, _ = run_case(ditattn.attention, q, k, v, grid, backend, forced, mean=True)
                         paired = None  # against the dense kernel timed once above

@@ -56,6 +56,8 @@ def test_frontier_smoke_on_cpu(background_run):
         assert r["paired_dense_ms"] > 0 and r["speedup"] == pytest.approx(r["paired_dense_ms"] / r["ms"]), r
         assert r["kernel"] == "torch_sdpa", r  # the dense kernel the fallback ran (the CPU's automatic choice)
     assert "paired_dense_ms" not in over["sol_attn forced dense, per call"]  # timed against the one dense figure
+    step = over["sparge_attn forced dense, deciding step"]  # a fresh request's first step, against one dense call
+    assert step["dense"] is True and step["paired_dense_ms"] > 0 and step["ms"] > 0, step
     assert {r["shape"] for r in data["sage_vs_fa"]} == {"1,2,256,128", "1,2,128,64"}
     assert set(data["checks"]) >= {"defaults_within_5_percent", "two_backends_1_5x", "sage_at_least_fa"}
     # structured cases are timed in pairs with the dense kernel (--paired 2 in the smoke run), the speed-up from them
