@@ -126,9 +126,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=int,
         default=None,
         metavar="N",
-        help="DiT blocks (default: the preset's, 6). With --resume from a package with fewer, the DiT grows: "
-        "each added block starts as a copy of a trained one with its outputs zeroed, so training starts "
-        "from exactly what the package computes",
+        help="DiT blocks (default: the preset's; 6 for full and cpu). With --resume from a package with fewer, "
+        "the DiT grows: each added block starts as a copy of a trained one with its outputs zeroed, so "
+        "training starts from exactly what the package computes",
     )
     p.add_argument(
         "--resume",
