@@ -103,10 +103,10 @@ def _parents() -> dict:
     return out
 
 
-def _tree(root: int) -> set:
-    """``root`` and every process below it: this deployment's Ray processes, not another Ray instance's on the
-    machine (a concurrent test run, a user's own cluster)."""
-    parents, tree = _parents(), {root}
+def _tree(root: int, parents: dict) -> set:
+    """``root`` and every process below it (``parents``: :func:`_parents`): this deployment's Ray processes, not
+    another Ray instance's on the machine (a concurrent test run, a user's own cluster)."""
+    tree = {root}
     grew = True
     while grew:
         new = {p for p, parent in parents.items() if parent in tree} - tree
@@ -119,7 +119,7 @@ def _ray_worker_niceness(title: str, root: int) -> dict:
     """``{pid: [niceness of each thread]}`` of the processes below ``root`` whose title starts with ``ray::`` +
     ``title``."""
     out = {}
-    for pid in map(str, _tree(root)):
+    for pid in map(str, _tree(root, _parents())):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 if not f.read().startswith(b"ray::" + title.encode()):
@@ -255,16 +255,14 @@ def test_killing_the_pipeline_process_of_a_video_job(cluster):
 def _pipeline_processes(root: int) -> dict:
     """``{pid: parent pid}`` of the replicas' pipeline processes (``python -m ditattn.server.pipehost``) below
     ``root``."""
-    out = {}
-    for pid in map(str, _tree(root)):
+    parents, out = _parents(), {}
+    for pid in _tree(root, parents):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"ditattn.server.pipehost" not in f.read():
-                    continue
-            with open(f"/proc/{pid}/stat") as f:
-                out[int(pid)] = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError):
-            continue
+                if b"ditattn.server.pipehost" in f.read():
+                    out[pid] = parents[pid]
+        except OSError:
+            continue  # a process that ended meanwhile
     return out
 
 

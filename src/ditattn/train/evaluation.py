@@ -436,10 +436,6 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
-
-
 def parse_guidance_grid(text: str):
     """``"auto"`` -> ``"auto"``, ``"off"`` -> ``()``, ``"3,5,7"`` -> ``(3.0, 5.0, 7.0)`` (each > 1)."""
     if text in ("auto", "off"):
@@ -468,3 +464,7 @@ def grid_edge_note(best: float, grid) -> Optional[str]:
         f"guidance {best:g} is the {side} scale tried ({grid[0]:g}-{grid[-1]:g}); a scale beyond it may do "
         f"better: tune again with --tune-guidance {hint}"
     )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
