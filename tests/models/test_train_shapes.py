@@ -590,6 +590,29 @@ def test_evaluation_from_a_later_prompt_keeps_each_prompt_s_seed(tiny_run, capsy
     assert "held-out prompts (59-59 at 32x32x5" in capsys.readouterr().out
 
 
+def test_evaluation_passes_sampler_options_and_another_noise_seed(tiny_run, capsys):
+    from ditattn.train import evaluation
+
+    seen = []
+
+    class Spy:
+        def generate(self, prompts, **kw):
+            seen.append({k: kw.get(k) for k in ("seed", "scheduler", "cfg_interval")})
+            f = kw["num_frames"]
+            return types.SimpleNamespace(frames=np.zeros((len(prompts), f, kw["height"], kw["width"], 3), np.uint8))
+
+    sampler = {"scheduler": "flow_euler", "cfg_interval": (0.1, 1.0)}
+    ev = evaluation.evaluate_held_out(Spy(), [(32, 32, 5)], n=2, steps=1, seed=5000, first=3, sampler=sampler)[0]
+    assert seen == [{"seed": [5003, 5004], **sampler}] and ev["seed"] == 5000 and ev["sampler"] == sampler
+    line = evaluation.format_held_out(ev)
+    assert "(3-4, seeds from 5000 at 32x32x5" in line and "scheduler flow_euler, cfg interval (0.1, 1.0)" in line
+    argv = ["--package", str(tiny_run), "--sizes", "32x32x5", "--prompts", "1", "--steps", "1", "--device", "cpu"]
+    assert evaluation.main([*argv, "--cfg-interval", "0.5:0.2"]) == 2
+    assert "START must be below END" in capsys.readouterr().err
+    assert evaluation.main([*argv, "--cfg-interval", "0:0.5", "--scheduler", "flow_euler", "--seed", "7"]) == 0
+    assert "seeds from 7 at 32x32x5, 1 steps, guidance" in capsys.readouterr().out
+
+
 def test_guidance_tuning_picks_a_scale_of_the_grid(tiny_run):
     from ditattn.train.evaluation import tune_guidance
     from ditattn.train.recipe import recipe

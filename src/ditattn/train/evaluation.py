@@ -169,10 +169,12 @@ def generate_judged(
     guidance: float,
     chunk: int = 8,
     flow_shift: Optional[float] = None,
+    sampler: Optional[dict] = None,
 ) -> list[dict]:
     """Generate ``"a {colour} {shape} {motion}"`` for each item (item ``i`` with seed ``seed + i``,
     whatever the chunking) at ``size = (height, width, frames)`` (``flow_shift``: the sampler's, None
-    = the package's); the judge's verdict rows."""
+    = the package's; ``sampler``: more keyword arguments of the pipeline's ``generate``, e.g.
+    ``{"scheduler": "flow_euler", "cfg_interval": "0.1:1"}``); the judge's verdict rows."""
     h, w, f = size
     rows = []
     for start in range(0, len(items), chunk):
@@ -187,6 +189,7 @@ def generate_judged(
             guidance_scale=guidance,
             flow_shift=flow_shift,
             progress=False,
+            **(sampler or {}),
         )
         rows += [_verdict_row(p, fr) for p, fr in zip(part, res.frames)]
     return rows
@@ -260,28 +263,33 @@ def evaluate_held_out(
     seed: int = SHAPE_EVAL_SEED,
     flow_shift: Optional[float] = None,
     first: int = 0,
+    sampler: Optional[dict] = None,
 ) -> list[dict]:
     """Prompt following on :func:`held_out_prompts` ``first .. first + n - 1`` (prompt ``i`` with seed
     ``seed + i``, so a prompt keeps its seed whatever ``first``: settings picked on the first 30 can be
     checked on prompts 30-59) at each ``(height, width, frames)`` of ``sizes`` (``flow_shift``: the
-    sampler's, None = the package's): per size ``{"size", "n", "first", "guidance", "steps", "flow_shift",
-    "shape_accuracy", "color_accuracy", "motion_accuracy", "results"}`` (the judge's rows; shape judged
-    as in :func:`ditattn.train.judge.judge_shape`)."""
+    sampler's, None = the package's; ``sampler``: as :func:`generate_judged`): per size ``{"size", "n", "first",
+    "seed", "guidance", "steps", "flow_shift", "sampler", "shape_accuracy", "color_accuracy", "motion_accuracy",
+    "results"}`` (the judge's rows; shape judged as in :func:`ditattn.train.judge.judge_shape`)."""
     if first < 0:
         raise ValueError(f"evaluate_held_out: first must be >= 0, got {first}")
     items = held_out_prompts(first + n)[first:]
     out = []
     for size in sizes:
-        rows = generate_judged(pipe, items, seed + first, tuple(size), steps, guidance, flow_shift=flow_shift)
+        rows = generate_judged(
+            pipe, items, seed + first, tuple(size), steps, guidance, flow_shift=flow_shift, sampler=sampler
+        )
         acc = {k: sum(bool(r[k]) for r in rows) / max(len(rows), 1) for k in ("shape_ok", "color_ok", "motion_ok")}
         out.append(
             {
                 "size": list(size),
                 "n": n,
                 "first": first,
+                "seed": seed,
                 "guidance": guidance,
                 "steps": steps,
                 "flow_shift": flow_shift,
+                "sampler": dict(sampler or {}),
                 "shape_accuracy": acc["shape_ok"],
                 "color_accuracy": acc["color_ok"],
                 "motion_accuracy": acc["motion_ok"],
@@ -294,8 +302,11 @@ def evaluate_held_out(
 def format_held_out(ev: dict) -> str:
     """One line for an :func:`evaluate_held_out` entry."""
     shift = "" if ev.get("flow_shift") is None else f", flow shift {ev['flow_shift']:g}"
+    shift += "".join(f", {k.replace('_', ' ')} {v}" for k, v in (ev.get("sampler") or {}).items())
     first = ev.get("first", 0)
     which = f"{ev['n']}" if not first else f"{first}-{first + ev['n'] - 1}"
+    if ev.get("seed", SHAPE_EVAL_SEED) != SHAPE_EVAL_SEED:
+        which += f", seeds from {ev['seed']}"
     return (
         f"held-out prompts ({which} at {'x'.join(map(str, ev['size']))}, {ev['steps']} steps, guidance "
         f"{ev['guidance']:g}{shift}): shape {100 * ev['shape_accuracy']:.0f} %, "
@@ -387,6 +398,13 @@ def main(argv=None) -> int:
         help=f"start at held-out prompt K (default 0; prompt i always has seed {SHAPE_EVAL_SEED} + i): "
         "--first-prompt 30 --prompts 30 checks on fresh prompts a setting chosen on the first 30",
     )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=SHAPE_EVAL_SEED,
+        help=f"noise seed of held-out prompt 0 (prompt i gets SEED + i; default {SHAPE_EVAL_SEED}): another "
+        "seed draws fresh clips of the same prompts, to check on unseen clips a setting chosen on these",
+    )
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the package's)")
     p.add_argument("--guidance", type=float, default=None, help="guidance scale (default: the package's)")
     p.add_argument(
@@ -395,6 +413,18 @@ def main(argv=None) -> int:
         default=None,
         metavar="X",
         help="the sampler's timestep shift (default: the package's scheduler, 3.0)",
+    )
+    p.add_argument(
+        "--scheduler",
+        default=None,
+        choices=("flow_euler", "unipc", "dpmpp", "lcm"),
+        help="the sampler (default: the package's, unipc)",
+    )
+    p.add_argument(
+        "--cfg-interval",
+        default=None,
+        metavar="START:END",
+        help="guide only the steps i of n with START <= i/n < END (default: every step), as generate's flag",
     )
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default cuda when available)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results (every prompt's verdict)")
@@ -414,6 +444,11 @@ def main(argv=None) -> int:
             )
         if args.flow_shift is not None and not args.flow_shift > 0:
             raise ValueError(f"--flow-shift must be > 0, got {args.flow_shift}")
+        sampler = {k: v for k, v in (("scheduler", args.scheduler), ("cfg_interval", args.cfg_interval)) if v}
+        if args.cfg_interval:
+            from ditattn.runconfig.checks import fraction_interval
+
+            sampler["cfg_interval"] = fraction_interval(args.cfg_interval)
         device = parse_device(args.device)
         d = read_meta(package)["sampling_defaults"]
     except ValueError as exc:  # AttentionConfigError included: says what was wrong and what is accepted
@@ -426,7 +461,15 @@ def main(argv=None) -> int:
         evals = []
         for size in sizes:
             ev = evaluate_held_out(
-                pipe, [size], args.prompts, steps, guidance, flow_shift=args.flow_shift, first=args.first_prompt
+                pipe,
+                [size],
+                args.prompts,
+                steps,
+                guidance,
+                seed=args.seed,
+                flow_shift=args.flow_shift,
+                first=args.first_prompt,
+                sampler=sampler,
             )[0]
             print(format_held_out(ev), flush=True)
             evals.append(ev)
