@@ -4,6 +4,7 @@ job until it ends."""
 
 import contextlib
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -17,7 +18,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A free TCP port on 127.0.0.1 below the kernel's ephemeral range (and above Ray's worker ports,
+    10002-19999), so that a server started on it cannot lose it to a process that binds port 0 meanwhile
+    (Ray's own services do, between the test's choice and Ray Serve's proxy binding it)."""
+    lo, hi = 20000, 32767
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            hi = min(hi, int(f.read().split()[0]) - 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    for port in random.sample(range(lo, hi + 1), min(200, max(hi - lo + 1, 0))):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # no such range here: any free port
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
@@ -90,10 +107,11 @@ def serve_subprocess(args, log_path, *, startup_s: float = 180):
         while True:
             if proc.poll() is not None:
                 pytest.fail(f"ditattn serve exited with {proc.returncode}:\n{open(log_path).read()}")
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
+            try:  # ditattn's own answer (a model and a queue), not another program's on the port
+                r = httpx.get(base + "/health", timeout=1)
+                if r.status_code == 200 and "queue_depth" in r.json():
                     break
-            except httpx.HTTPError:
+            except (httpx.HTTPError, ValueError):
                 pass
             if time.time() - t0 > startup_s:
                 pytest.fail(f"ditattn serve did not come up:\n{open(log_path).read()}")

@@ -254,7 +254,7 @@ def deploy(cfg: RunConfig, *, cpus_per_replica: Optional[float] = None, ray_init
                 "for a local instance"
             ) from None
     check_cluster_fits(cfg, [n.get("Resources", {}).get("GPU", 0.0) for n in ray.nodes() if n.get("Alive")])
-    serve.start(http_options={"host": s.host, "port": s.port}, logging_config={"enable_access_log": False})
+    start_proxy(serve, s.host, s.port)
     if cpus_per_replica is None:
         cpus_per_replica = cpus_per_replica_for(
             s.replicas, [n.get("Resources", {}).get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")]
@@ -272,6 +272,29 @@ def _node_resources() -> list:
         return []
     res = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
     return [(r.get("CPU", 0.0), r.get("GPU", 0.0)) for r in res]
+
+
+def start_proxy(serve, host: str, port: int) -> None:
+    """``serve.start`` on ``host:port``; a proxy that cannot bind the address (taken since ``ditattn serve``
+    checked it: by another program, or by one of Ray's own processes, which bind free ports as they start)
+    shuts Serve and this process's Ray down and raises :class:`AttentionConfigError` saying so."""
+    try:
+        serve.start(http_options={"host": host, "port": port}, logging_config={"enable_access_log": False})
+    except Exception as exc:
+        text = " ".join(str(exc).split())
+        if "Failed to bind" not in text and "already in use" not in text:
+            raise
+        import ray
+
+        with contextlib.suppress(Exception):
+            serve.shutdown()
+        ray.shutdown()
+        raise AttentionConfigError(
+            f"cannot listen on {host}:{port}: Ray Serve's proxy could not bind it (address in use: taken after "
+            "ditattn serve checked it, by another program or one of Ray's own processes); accepted: a free "
+            "port (--port), outside the ephemeral range (/proc/sys/net/ipv4/ip_local_port_range) where Ray's "
+            "processes pick theirs"
+        ) from None
 
 
 def undeploy(stop_ray: bool = True) -> None:
