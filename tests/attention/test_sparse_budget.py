@@ -725,40 +725,6 @@ def test_a_pilot_on_a_sixth_of_the_heads_spares_the_full_run_of_a_poor_selection
     assert heads == [2, 12] and not st["dense"] and st["check"] == "plain", (heads, st)
 
 
-def test_the_budget_rung_is_piloted_too_so_a_failing_layer_pays_two_pilots_not_a_full_sparse_call(monkeypatch):
-    """From 8 heads on, the error budget's rung is also tried on the pilot's heads first: where every rung fails
-    (here max_rel_err far below what any selection reaches), the layer goes to the dense kernel after two pilots
-    of 2 heads, without the full budgeted call; where the budget's selection is close enough on the pilot, the
-    full call runs and is checked."""
-    from ditattn.attention.sparse import budget as budget_mod
-    from ditattn.attention.sparse import check
-    from ditattn.attention.sparse.fallback import begin_run, run_summary
-
-    checked = []
-    real = check.sampled_error
-    monkeypatch.setattr(check, "sampled_error", lambda q, *a: checked.append(q.shape[2]) or real(q, *a))
-    q, k, v, ref = _local(heads=12)
-    for backend in ("sparge_attn", "sol_attn"):
-        checked.clear()
-        budget_mod.clear_memory()
-        begin_run()
-        out, st = _run_mid(backend, q, k, v, max_rel_err=1e-4)
-        assert 12 not in checked and st["dense"], (backend, checked, st)  # no full-size sparse call was checked
-        if backend == "sol_attn":  # the budget's selection ran sparse on the pilot: far off, so the dense kernel
-            assert checked == [2, 2] and "on a share of the heads" in st["reason"], (checked, st["reason"])
-            assert "max_rel_err 0.0%" in st["reason"], st["reason"]
-        else:  # Sparge's budget ran the pilot dense by itself; the full call is then its own dense decision
-            assert checked == [2] and st["reason"].startswith("error budget"), (checked, st["reason"])
-        assert torch.equal(out, ditattn.attention(q, k, v, backend="torch_sdpa")), backend
-        layer = next(iter(run_summary().values()))
-        assert layer["calls"] == 1 and layer["dense_fallbacks"] == 1 and layer["checked_rel_err"] > 1e-4, layer
-    checked.clear()
-    budget_mod.clear_memory()
-    out, st = _run_mid("sol_attn", q, k, v)  # its own selection is off (~8 %): the budget's passes on the pilot
-    assert checked[-2:] == [2, 12] and not st["dense"] and st["check"] == "budget", (checked, st)
-    assert _errors(out, ref)[0] <= 0.05
-
-
 def test_a_layer_whose_rules_failed_starts_the_next_requests_past_them_and_retries_every_few(monkeypatch):
     """Across requests (the step starts over): a layer that ended dense starts the next requests dense without
     running its selection, and every RETRY_EVERY requests runs the whole ladder again; another config or length

@@ -365,10 +365,10 @@ def _kept(key: str) -> float:
     return float(entry.get("kept_fraction", 1.0)) if entry is not None else 1.0
 
 
-def _pilot(name: str, body, q, k, v, call: AttnCall, cfg: dict, vs, text_len: int) -> Optional[float]:
-    """The measured error of the selection ``cfg`` makes (the backend's own with ``error_budget`` 0, else the
-    budget's) on the pilot's heads (:func:`ditattn.attention.sparse.check.pilot_heads`), or None: no pilot (too
-    few heads) or a pilot that ran dense.  The pilot is not counted as a call."""
+def _pilot(name: str, body, q, k, v, call: AttnCall, plain: dict, vs, text_len: int) -> Optional[float]:
+    """The measured error of the backend's own selection on the pilot's heads
+    (:func:`ditattn.attention.sparse.check.pilot_heads`), or None: no pilot (too few heads) or a pilot that ran
+    dense.  The pilot is not counted as a call."""
     from ditattn.attention.sparse import check as ck
     from ditattn.attention.sparse.fallback import drop_last_call
 
@@ -376,7 +376,7 @@ def _pilot(name: str, body, q, k, v, call: AttnCall, cfg: dict, vs, text_len: in
     if heads is None:
         return None
     qs, ks, vs_ = (t.index_select(2, heads) for t in (q, k, v))
-    res = body(name, qs, ks, vs_, call, cfg, vs, text_len)
+    res = body(name, qs, ks, vs_, call, plain, vs, text_len)
     skey = layer_stats_key(name, call)
     dense = _ran_dense(skey)
     drop_last_call(skey)
@@ -388,8 +388,7 @@ def checked_call(name: str, body, q, k, v, call: AttnCall, cfg: dict, vs, text_l
     (:mod:`ditattn.attention.sparse.check`): at the first sparse step of a layer in a request, the planner's own
     selection (``error_budget`` 0) is run and checked (from 8 heads on, first on a sixth of them: :func:`_pilot`;
     1.5x over ``max_rel_err`` there, the full run is skipped); over ``max_rel_err``, the budgeted selection (which may
-    run dense by itself) is run and checked, from 8 heads on also first on the pilot's heads (1.5x over there: the
-    dense kernel without the full budgeted run); over again, the dense kernel.  Later steps reuse the mode reached
+    run dense by itself) is run and checked; over again, the dense kernel.  Later steps reuse the mode reached
     and check again every ``CHECK_EVERY`` steps; a failed check runs the layer dense from that step on.
     Dense phases and shapes the backend does not sparsify pass through unchecked."""
     from ditattn.attention.sparse import check as ck
@@ -438,15 +437,6 @@ def checked_call(name: str, body, q, k, v, call: AttnCall, cfg: dict, vs, text_l
         return res
     if ran_plain:
         drop_last_call(skey)  # the budgeted run replaces the plain one
-    brel = _pilot(name, body, q, k, v, call, cfg, vs, text_len)  # the budget's rung on the pilot's heads first
-    if brel is not None and brel > ck.PILOT_MARGIN * cfg["max_rel_err"]:  # far off there too: no full run
-        note_check(skey, brel)
-        why = (
-            f"error check: {rel:.1%} measured, and {brel:.1%} for the error budget's selection on a share of the "
-            f"heads > max_rel_err {cfg['max_rel_err']:.1%} (dense kernel)"
-        )
-        ck.set_mode(key, call.step, ck.DENSE, checked=call.step, rel_err=brel, reason=why)
-        return run_dense(name, q, k, v, call, why, announce=True, note=_CHECK_NOTE)
     res = body(name, q, k, v, call, cfg, vs, text_len)
     if _ran_dense(skey):  # the budget itself ran the call dense (its own reason, said once)
         why = f"error budget after a {rel:.1%} error check (dense kernel)"

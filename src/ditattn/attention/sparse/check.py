@@ -14,12 +14,11 @@ The decision ladder of a layer (:func:`ditattn.attention.backends.sparse_common.
 own selection first (its planner alone, no budget widening; with 8 heads or more it is first tried on a sixth of
 the heads, and a selection off by more than 1.5x ``max_rel_err`` there is not run in full); if its measured
 error exceeds ``max_rel_err``,
-the selection widened by the error budget (which may itself decide to run dense; tried on the same share of the
-heads first, so a layer where every rung fails pays two pilots, not a full sparse call, before the dense kernel);
-if that is measured over ``max_rel_err`` too, the dense kernel.  The layer keeps the mode it reached for the rest
-of the request (:func:`mode_of`); a later check that fails sends it dense from that step on.  Where its own
-selection failed, the layer's next requests start past it (:func:`seed_for`: at the budget's rung, still checked,
-or dense), and every :data:`RETRY_EVERY` requests it runs the whole ladder again.
+the selection widened by the error budget (which may itself decide to run dense); if that is measured over
+``max_rel_err`` too, the dense kernel.  The layer keeps the mode it reached for the rest of the request
+(:func:`mode_of`); a later check that fails sends it dense from that step on.  Where its own selection failed,
+the layer's next requests start past it (:func:`seed_for`: at the budget's rung, still checked, or dense), and
+every :data:`RETRY_EVERY` requests it runs the whole ladder again.
 """
 
 from __future__ import annotations
