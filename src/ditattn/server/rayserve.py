@@ -292,8 +292,8 @@ def start_proxy(serve, host: str, port: int) -> None:
         raise AttentionConfigError(
             f"cannot listen on {host}:{port}: Ray Serve's proxy could not bind it (address in use: taken after "
             "ditattn serve checked it, by another program or one of Ray's own processes); accepted: a free "
-            "port (--port), outside the ephemeral range (/proc/sys/net/ipv4/ip_local_port_range) where Ray's "
-            "processes pick theirs"
+            "port (--port) below the ephemeral range (/proc/sys/net/ipv4/ip_local_port_range) and outside "
+            "Ray's own ports (6379, 8265, 10001-19999), e.g. 30000"
         ) from None
 
 
