@@ -372,6 +372,8 @@ def main(argv=None) -> int:
     import json
     import sys
 
+    from ditattn.runconfig.sampling import SCHEDULERS
+
     p = argparse.ArgumentParser(
         prog="python -m ditattn.train.evaluation",
         description="Judge a ditattn:shapes package on single-shape prompts that neither the semantic test nor "
@@ -417,7 +419,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--scheduler",
         default=None,
-        choices=("flow_euler", "unipc", "dpmpp", "lcm"),
+        choices=SCHEDULERS,
         help="the sampler (default: the package's, unipc)",
     )
     p.add_argument(
