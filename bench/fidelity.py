@@ -915,6 +915,27 @@ def main():
 REQUEST_STEPS = 40
 
 
+def _loop_step(q, k, v, grid, backend, cfg):
+    """``fn(step)``: one call of ``backend`` as a DiT layer of the denoising loop makes it at ``step``."""
+    import ditattn
+
+    def call(step):
+        ditattn.attention(q, k, v, backend=backend, config=cfg, video_shape=grid, step=step, layer_idx=LAYER)
+
+    return call
+
+
+def _synced_ms(fn, steps: int = 1) -> float:
+    """Mean milliseconds per call of ``fn(step)`` over steps :data:`LOOP_STEP0` .. + ``steps`` - 1, between device
+    syncs."""
+    device_sync()
+    t0 = time.perf_counter()
+    for step in range(LOOP_STEP0, LOOP_STEP0 + steps):
+        fn(step)
+    device_sync()
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
 def request_ms(q, k, v, grid, backend, cfg, dense, *, fresh: bool = True, requests: int = 3) -> tuple[float, float]:
     """``(case ms, dense ms)``: mean milliseconds per call over whole requests of :data:`REQUEST_STEPS` steps
     (each starting over from :data:`LOOP_STEP0`, so its first step decides and the rest reuse the decision), each
@@ -924,25 +945,15 @@ def request_ms(q, k, v, grid, backend, cfg, dense, *, fresh: bool = True, reques
     cost of a layer's first request; else one warm-up request and then one whole cycle of the error check's
     memory (``check.RETRY_EVERY`` requests: the later ones start where the earlier ended, one runs the whole
     ladder again): the cost per request of a server that keeps serving the same layer."""
-    import ditattn
     from ditattn.attention.sparse import check
     from ditattn.attention.sparse.budget import clear_memory
 
-    def timed(fn) -> float:
-        device_sync()
-        t0 = time.perf_counter()
-        for step in range(LOOP_STEP0, LOOP_STEP0 + REQUEST_STEPS):
-            fn(step)
-        device_sync()
-        return (time.perf_counter() - t0) / REQUEST_STEPS * 1e3
-
-    def case(step):
-        ditattn.attention(q, k, v, backend=backend, config=cfg, video_shape=grid, step=step, layer_idx=LAYER)
+    case = _loop_step(q, k, v, grid, backend, cfg)
 
     def pair() -> tuple[float, float]:
         if fresh:
             clear_memory()
-        return timed(case), timed(lambda _: dense())
+        return _synced_ms(case, REQUEST_STEPS), _synced_ms(lambda _: dense(), REQUEST_STEPS)
 
     clear_memory()
     pair()
@@ -954,25 +965,15 @@ def deciding_step_ms(q, k, v, grid, backend, cfg, dense, *, repeats: int = 3) ->
     """``(case ms, dense ms)``: the median time of a fresh request's first step alone (the call that runs the error
     check's decision ladder) and of one ``dense()`` call timed alike right after it, each between device syncs:
     where a layer's first request spends its extra time."""
-    import ditattn
     from ditattn.attention.sparse.budget import clear_memory
 
-    def once(fn) -> float:
-        device_sync()
-        t0 = time.perf_counter()
-        fn()
-        device_sync()
-        return (time.perf_counter() - t0) * 1e3
-
-    def case():
-        ditattn.attention(q, k, v, backend=backend, config=cfg, video_shape=grid, step=LOOP_STEP0, layer_idx=LAYER)
-
+    case = _loop_step(q, k, v, grid, backend, cfg)
     clear_memory()
-    case()  # warm-up
+    case(LOOP_STEP0)  # warm-up
     rounds = []
     for _ in range(repeats):
         clear_memory()
-        rounds.append((once(case), once(dense)))
+        rounds.append((_synced_ms(case), _synced_ms(lambda _: dense())))
     return statistics.median(c for c, _ in rounds), statistics.median(d for _, d in rounds)
 
 

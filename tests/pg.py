@@ -8,10 +8,11 @@ from __future__ import annotations
 import glob
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 from typing import Optional
+
+from serving import free_port
 
 
 def find_bin() -> Optional[str]:
@@ -25,12 +26,6 @@ def find_bin() -> Optional[str]:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class PgServer:
     """``start()`` a server, ``url`` to connect (user ``ditattn``, trust auth on 127.0.0.1),
     ``stop()`` removes it all."""
@@ -39,7 +34,7 @@ class PgServer:
         self.bindir = bindir
         self.tmp = tempfile.mkdtemp(prefix="ditattn-pg-")
         self.data = os.path.join(self.tmp, "data")
-        self.port = _free_port()
+        self.port = free_port()  # below the ephemeral range: no Ray process takes it meanwhile
         self.url = f"postgresql://ditattn@127.0.0.1:{self.port}/postgres"
         self._as = []
         if os.geteuid() == 0:
