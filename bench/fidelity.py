@@ -98,6 +98,11 @@ CASES = [
         {"cdfthreshd": 0.95, "topk": 0.3, "quantize": False, "block_size": 128},
     ),
     (
+        "sparge_attn exact cdf=0.95 topk=0.35 block_size=128",
+        "sparge_attn",
+        {"cdfthreshd": 0.95, "topk": 0.35, "quantize": False, "block_size": 128},
+    ),
+    (
         "sparge_attn exact cdf=0.97 topk=0.3 block_size=128",
         "sparge_attn",
         {"cdfthreshd": 0.97, "topk": 0.3, "quantize": False, "block_size": 128},
@@ -178,8 +183,8 @@ PRESETS = {
         ("vmoba_attn (defaults)", None),
         ("sparse_video_gen_2_attn (defaults)", None),
         ("skip_softmax (budget)", None),
-        ("sparge_attn exact cdf=0.93 topk=0.3", ("original",)),
-        ("sparge_attn exact topk=0.4", ("original",)),
+        ("sparge_attn exact cdf=0.93 topk=0.3 block_size=128", ("original",)),
+        ("sparge_attn exact cdf=0.95 topk=0.3 block_size=128", ("original",)),
     ],
 }
 VMOBA_MODES = {0: "temporal", 1: "spatial", 2: "st"}

@@ -158,19 +158,42 @@ def test_block_sparse_fa4_probe_cache(monkeypatch):
 
 def test_block_sparse_identity_cache_drops_dead_entries():
     """The per-plan cache of the FA4 path keeps results only while their tensors live."""
-    pytest.importorskip("triton")
-    from ditattn.attention.kernels import block_sparse_triton as bst
+    from ditattn.attention.kernels import identity_cached
 
     cache, runs = {}, []
     keep = [torch.zeros(3) for _ in range(70)]
     for t in keep:
-        bst._identity_cached(cache, (t, None), (1,), lambda: runs.append(1) or len(runs))
-    assert bst._identity_cached(cache, (keep[5], None), (1,), lambda: -1) == 6  # a hit, no recompute
+        identity_cached(cache, (t, None), (1,), lambda: runs.append(1) or len(runs))
+    assert identity_cached(cache, (keep[5], None), (1,), lambda: -1) == 6  # a hit, no recompute
     assert len(runs) == 70 and len(cache) == 70
     del keep[:60]
-    bst._identity_cached(cache, (torch.zeros(1), None), (1,), lambda: 0)  # insertion prunes the dead
+    identity_cached(cache, (torch.zeros(1), None), (1,), lambda: 0)  # insertion prunes the dead
     assert len(cache) == 11
     with torch.inference_mode():  # inference tensors have no version counter: recomputed, never cached
         t = torch.zeros(3)
-        assert [bst._identity_cached(cache, (t, None), (1,), lambda: runs.append(1) or 7) for _ in range(2)] == [7, 7]
+        assert [identity_cached(cache, (t, None), (1,), lambda: runs.append(1) or 7) for _ in range(2)] == [7, 7]
     assert len(runs) == 72 and len(cache) == 11
+
+
+def test_fa4_list_split_keeps_every_block_once_and_padded_ones_apart():
+    """FA4's mask path gets each row's blocks without padding as full blocks and those with padding as mask
+    blocks, both in list order, entries past a row's count ignored (random lists of odd sizes)."""
+    pytest.importorskip("triton")
+    from ditattn.attention.kernels.block_sparse_fa4 import split_lists
+
+    g = torch.Generator().manual_seed(3)
+    n_kv, m = 37, 29
+    idx = torch.stack([torch.randperm(n_kv, generator=g)[:m] for _ in range(2 * 3 * 5)]).view(2, 3, 5, m)
+    idx = idx.to(torch.int32)
+    cnt = torch.randint(0, m + 1, (2, 3, 5), generator=g, dtype=torch.int32)
+    idx[0, 0, 0, cnt[0, 0, 0] :] = 10_000  # garbage past the count is never read as a block
+    partial = torch.rand(n_kv, generator=g) < 0.3
+    fi, fc, mi, mc = split_lists(idx, cnt, partial)
+    for row in range(30):
+        b, h, i = row // 15, row // 5 % 3, row % 5
+        listed = idx[b, h, i, : cnt[b, h, i]].tolist()
+        want_full = [j for j in listed if not partial[j]]
+        want_mask = [j for j in listed if partial[j]]
+        assert fi[b, h, i, : fc[b, h, i]].tolist() == want_full
+        assert mi[b, h, i, : mc[b, h, i]].tolist() == want_mask
+    assert fc.dtype == mc.dtype == torch.int32 and fi.shape == mi.shape == idx.shape

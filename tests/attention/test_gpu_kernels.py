@@ -165,13 +165,16 @@ def test_int8_kernel(pv, gran, causal, d):
         (128, 1, torch.bfloat16, "triton"),
         (64, 1, torch.bfloat16, "fa4"),
         (128, 1, torch.float16, "fa4"),
+        (128, 1, torch.bfloat16, "fa4-mask"),
+        (64, 1, torch.float16, "fa4-mask"),
         (64, 1, torch.bfloat16, "triton-tma"),
         (128, 1, torch.float16, "triton-tma"),
     ],
 )
 def test_block_sparse_kernel(bs, kvpi, dtype, impl):
     tma = impl == "triton-tma"
-    impl = "triton" if tma else impl
+    masked = impl == "fa4-mask"
+    impl = "triton" if tma else "fa4" if masked else impl
     from ditattn.attention.kernels.block_sparse_triton import block_sparse_attention_triton
     from ditattn.attention.sparse.block_sparse import block_lists_to_dense_mask, block_mask_to_lists
 
@@ -183,11 +186,18 @@ def test_block_sparse_kernel(bs, kvpi, dtype, impl):
     idx, cnt = block_mask_to_lists(bm)
     valid = torch.ones(2, S, dtype=torch.bool, device="cuda")
     if impl == "fa4":
-        from ditattn.attention.kernels.block_sparse_triton import fa4_fits
+        from ditattn.attention.kernels.block_sparse_fa4 import fits
 
+        if fits(q, bs) is not None:
+            pytest.skip(fits(q, bs))
+    if masked:  # padding inside key blocks, one row shared by the batch (a tile layout's kv_valid): FA4's mask path
+        row = torch.ones(S, dtype=torch.bool, device="cuda")
+        row[bs + 3 : bs + 9] = False
+        row[5 * bs : 6 * bs] = False  # a listed key block that is all padding
+        row[-11:] = False
+        valid = row.unsqueeze(0).expand(2, -1)
+    elif impl == "fa4":
         valid[:, -11:] = False  # one valid prefix shared by the batch: FA4 masks the ragged end
-        if fa4_fits(q, bs, valid) is not None:
-            pytest.skip(fa4_fits(q, bs, valid))
     else:
         valid[0, -11:] = False
         valid[1, bs + 3 : bs + 9] = False  # padding inside a key block (tile layouts pad many blocks)
@@ -210,6 +220,39 @@ def test_block_sparse_kernel(bs, kvpi, dtype, impl):
     fin = torch.isfinite(rl)
     assert torch.equal(fin, torch.isfinite(lse)) and (lse[fin] - rl[fin]).abs().max() < 1e-2
     assert (o[1, 4 * bs : 5 * bs, 2] == 0).all()
+
+
+def test_fa4_list_split_on_the_device_matches_the_cpu_split():
+    from ditattn.attention.kernels.block_sparse_fa4 import split_lists
+
+    g = torch.Generator().manual_seed(4)
+    n_kv, m = 259, 259
+    idx = torch.stack([torch.randperm(n_kv, generator=g) for _ in range(3 * 7)]).view(1, 3, 7, m).to(torch.int32)
+    cnt = torch.randint(0, m + 1, (1, 3, 7), generator=g, dtype=torch.int32)
+    partial = torch.rand(n_kv, generator=g) < 0.05
+    cpu = split_lists(idx, cnt, partial)
+    gpu = split_lists(idx.cuda(), cnt.cuda(), partial.cuda())
+    for c, d, n in ((cpu[0], gpu[0], cpu[1]), (cpu[2], gpu[2], cpu[3])):
+        live = torch.arange(m) < n[..., None]
+        assert torch.equal(c[live], d.cpu()[live])
+    assert torch.equal(cpu[1], gpu[1].cpu()) and torch.equal(cpu[3], gpu[3].cpu())
+
+
+def test_fa4_refuses_padding_that_differs_per_batch_entry():
+    from ditattn.attention.kernels.block_sparse_fa4 import fits
+    from ditattn.attention.kernels.block_sparse_triton import block_sparse_attention_triton
+
+    q, k, v = qkv(2, 256, 256, 2, 2, 128)
+    if fits(q, 128) is not None:
+        pytest.skip(fits(q, 128))
+    idx = torch.tensor([[[[0, 1], [1, 0]]]], dtype=torch.int32, device="cuda")
+    cnt = torch.full((1, 1, 2), 2, dtype=torch.int32, device="cuda")
+    valid = torch.ones(2, 256, dtype=torch.bool, device="cuda")
+    valid[1, 10:20] = False
+    with pytest.raises(AttentionConfigError, match="differently per batch entry"):
+        block_sparse_attention_triton(q, k, v, idx, cnt, block_size=128, kv_valid=valid, impl="fa4")
+    out, _ = block_sparse_attention_triton(q, k, v, idx, cnt, block_size=128, kv_valid=valid)  # auto: Triton
+    assert torch.isfinite(out).all()
 
 
 def test_skip_softmax_kernel():

@@ -56,7 +56,15 @@ SPARGE_ATTN_SCHEMA = (
         check=in_range(0.0, 1.0, lo_open=True),
         accepted="a number in (0, 1]",
     ),
-    P("block_size", "int", 64, "Block size in tokens for the block importance prediction", choices=(32, 64, 128)),
+    P(
+        "block_size",
+        "int",
+        64,
+        "Block size in tokens of the selection and the kernel (32: 2x4x4 tiles, 64: 4x4x4, 128: 4x4x8). 128 runs "
+        "FlashAttention-4's block-sparse kernel on Hopper/Blackwell when installed (about 1.05x of the ideal time "
+        "against 1.45x for 64): with quantize=false, cdfthreshd=0.93, topk=0.3 the fastest setting within 5 %",
+        choices=(32, 64, 128),
+    ),
     P(
         "quantize",
         "bool",

@@ -4,6 +4,8 @@ Modules (import them lazily: importing one compiles nothing, but imports ``trito
 
 * :mod:`.block_sparse_triton` -- fused block-sparse flash-attention forward over per-query-block
   key-block lists (the GPU engine of the sparse video backends).
+* :mod:`.block_sparse_fa4` -- the same lists through FlashAttention-4's block-sparse forward (128-token blocks
+  by default; key blocks that hold padding through FA4's ``mask_mod``), with the one-launch list split it needs.
 * :mod:`.int8_attention` -- quantized dense attention (SageAttention-style): INT8 Q.K with smoothed
   K and per-block scales, P.V in FP16/BF16 or FP8 e4m3, online softmax, LSE, GQA; plus the PyTorch
   reference of the same quantization (runs anywhere, used on CPU).
@@ -23,6 +25,7 @@ have fewer heads: grouped-query attention) and returns ``(out, lse | None)`` wit
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Optional
 
 import torch
@@ -123,3 +126,32 @@ def num_sms(device: torch.device) -> int:
 def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     """``t`` with stride 1 in its last dimension (a copy only when needed)."""
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def identity_cached(cache: dict, tensors: tuple, extra: tuple, compute):
+    """``compute()``, memoised on the identity and in-place version of ``tensors`` (None allowed).
+
+    A layer reuses its plan's tensors across calls; keying on the objects (held by weak reference,
+    so a freed tensor whose id is recycled never hits) avoids recomputing per-plan facts that cost
+    a device sync or a few small kernels.  An in-place change of a tensor bumps its version and
+    misses.  Tensors created under ``torch.inference_mode`` have no version counter: for them the
+    result is recomputed on every call."""
+    if any(t is not None and t.is_inference() for t in tensors):
+        return compute()  # inference tensors carry no version counter: an in-place change would go unseen
+    key = tuple(id(t) for t in tensors) + extra
+    hit = cache.get(key)
+    if hit is not None:
+        refs, result = hit
+        if all(
+            (r is None and t is None) or (r is not None and t is not None and r[0]() is t and r[1] == t._version)
+            for r, t in zip(refs, tensors)
+        ):
+            return result
+    result = compute()
+    if len(cache) >= 64:  # drop entries whose tensors are gone (their results may hold device memory)
+        for k in [k for k, (refs, _) in cache.items() if any(r is not None and r[0]() is None for r in refs)]:
+            del cache[k]
+        if len(cache) >= 256:
+            cache.clear()
+    cache[key] = (tuple(None if t is None else (weakref.ref(t), t._version) for t in tensors), result)
+    return result

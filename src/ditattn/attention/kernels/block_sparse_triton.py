@@ -16,15 +16,21 @@ the key blocks that query block attends (distinct, in ``[0, S_kv / block_size)``
 
 from __future__ import annotations
 
-import functools
-import weakref
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from ditattn.attention.kernels import LOG2E, check_device, check_qkv, interpreting, last_dim_contiguous, launch_config
+from ditattn.attention.kernels import (
+    LOG2E,
+    check_device,
+    check_qkv,
+    identity_cached,
+    interpreting,
+    last_dim_contiguous,
+    launch_config,
+)
 from ditattn.errors import AttentionConfigError
 
 SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
@@ -183,14 +189,12 @@ def default_config(block_size: int, head_dim: int) -> dict:
 
 
 _POINTER_STAGES = 3  # pointer loads when a TMA default cannot run: one stage is slow there (H200: 1.90 vs 1.70x)
-FA4_BLOCK_SIZES = (64, 128)  # what impl="fa4" accepts
 FA4_AUTO_BLOCK_SIZES = (128,)  # where impl="auto" prefers FA4 (measured; at 64 ours is 0-14 % faster)
 IMPLS = ("auto", "triton", "fa4", "sm90")
 #: impl="auto" takes the SM90 Gluon kernel at 64-token tiles from this many query tokens on (H200, docs/benchmarks.md
 #: measured: at 75,600 tokens it is 1.28-1.51x ideal against Triton's 1.49-1.56; at 32,760 it is no faster)
 SM90_AUTO_MIN_TOKENS = 60_000
 _PROBE_CACHE: dict = {}
-_FA4_LISTS_CACHE: dict = {}
 _VALID_CACHE: dict = {}  # kv_valid -> (int8 mask, per key block 'holds padding' flags)
 
 
@@ -207,17 +211,6 @@ def _sm90_auto(q: torch.Tensor, block_size: int) -> bool:
     return block_sparse_sm90.why_not(q, block_size) is None
 
 
-@functools.lru_cache(maxsize=None)
-def _fa4_block_sparse():
-    """FlashAttention-4's block-sparse forward (``flash_attn.cute``), or None when not installed."""
-    try:
-        from flash_attn.cute import flash_attn_func
-        from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
-    except Exception:
-        return None
-    return flash_attn_func, BlockSparseTensorsTorch
-
-
 def _probe_uncached(kv_valid, kv_counts, skv):
     if kv_counts is None:  # the caller vouches that no query block is empty
         empty = torch.zeros((), dtype=torch.bool, device=kv_valid.device)
@@ -229,35 +222,6 @@ def _probe_uncached(kv_valid, kv_counts, skv):
     bad = (kv_valid != (torch.arange(skv, device=kv_valid.device) < n)).any()
     n, bad, empty = torch.stack([n, bad.long(), empty.long()]).tolist()
     return (None if bad else int(n)), bool(empty)
-
-
-def _identity_cached(cache: dict, tensors: tuple, extra: tuple, compute):
-    """``compute()``, memoised on the identity and in-place version of ``tensors`` (None allowed).
-
-    A layer reuses its plan's tensors across calls; keying on the objects (held by weak reference,
-    so a freed tensor whose id is recycled never hits) avoids recomputing per-plan facts that cost
-    a device sync or a few small kernels.  An in-place change of a tensor bumps its version and
-    misses.  Tensors created under ``torch.inference_mode`` have no version counter: for them the
-    result is recomputed on every call."""
-    if any(t is not None and t.is_inference() for t in tensors):
-        return compute()  # inference tensors carry no version counter: an in-place change would go unseen
-    key = tuple(id(t) for t in tensors) + extra
-    hit = cache.get(key)
-    if hit is not None:
-        refs, result = hit
-        if all(
-            (r is None and t is None) or (r is not None and t is not None and r[0]() is t and r[1] == t._version)
-            for r, t in zip(refs, tensors)
-        ):
-            return result
-    result = compute()
-    if len(cache) >= 64:  # drop entries whose tensors are gone (their results may hold device memory)
-        for k in [k for k, (refs, _) in cache.items() if any(r is not None and r[0]() is None for r in refs)]:
-            del cache[k]
-        if len(cache) >= 256:
-            cache.clear()
-    cache[key] = (tuple(None if t is None else (weakref.ref(t), t._version) for t in tensors), result)
-    return result
 
 
 def _probe(
@@ -274,59 +238,9 @@ def _probe(
     """
     if kv_valid is None and kv_counts is None:
         return skv, False
-    return _identity_cached(
+    return identity_cached(
         _PROBE_CACHE, (kv_valid, kv_counts), (skv,), lambda: _probe_uncached(kv_valid, kv_counts, skv)
     )
-
-
-def fa4_fits(
-    q: torch.Tensor, block_size: int, kv_valid: Optional[torch.Tensor], valid_len: Optional[int] = -1
-) -> Optional[str]:
-    """Why the FlashAttention-4 block-sparse path cannot take this call (None: it can).
-    ``valid_len``: the valid key prefix length if already known (-1: compute it)."""
-    if _fa4_block_sparse() is None:
-        return "flash_attn.cute (flash-attn-4) is not installed"
-    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] not in (9, 10):
-        return "FlashAttention-4 block sparsity runs on SM90/SM100 only"
-    if block_size not in FA4_BLOCK_SIZES:
-        return f"FlashAttention-4 block sparsity takes block sizes {list(FA4_BLOCK_SIZES)}, not {block_size}"
-    if q.shape[-1] > 128:
-        return "head dims above 128 use the Triton kernel"
-    if kv_valid is None:
-        return None
-    n = valid_len if valid_len != -1 else _probe(kv_valid, torch.ones(1, device=q.device), kv_valid.shape[1])[0]
-    if n is None:
-        return "kv_valid is not one valid prefix shared by the batch"
-    if kv_valid.shape[1] - n >= block_size:
-        return "kv_valid pads a whole key block"
-    return None
-
-
-def _fa4_call(q, k, v, kv_indices, kv_counts, block_size, scale, n, any_empty, return_lse):
-    flash_attn_func, BST = _fa4_block_sparse()
-    B, H = q.shape[0], q.shape[2]
-    if n < k.shape[1]:  # FA4 masks the ragged end of the key sequence itself
-        k, v = k[:, :n], v[:, :n]
-
-    def build():  # FA4's list format, once per plan (cached: no per-call copies on the host path)
-        idx = kv_indices.expand(B, H, -1, -1).contiguous()
-        cnt = kv_counts.expand(B, H, -1).contiguous()
-        return cnt, BST(
-            mask_block_cnt=torch.zeros_like(cnt),
-            mask_block_idx=torch.zeros_like(idx),
-            full_block_cnt=cnt,
-            full_block_idx=idx,
-            block_size=(block_size, block_size),
-        )
-
-    cnt, tensors = _identity_cached(_FA4_LISTS_CACHE, (kv_indices, kv_counts), (B, H, block_size), build)
-    out, lse = flash_attn_func(q, k, v, softmax_scale=scale, block_sparse_tensors=tensors, return_lse=return_lse)
-    if any_empty:  # our contract: rows with no key block are zero with LSE -inf
-        rows = (cnt == 0).repeat_interleave(block_size, dim=2)  # [B, H, Sq]
-        out = out.masked_fill(rows.transpose(1, 2)[..., None], 0.0)
-        if lse is not None:
-            lse = lse.masked_fill(rows, float("-inf"))
-    return out, (lse.float() if return_lse else None)
 
 
 def block_sparse_attention_triton(
@@ -362,7 +276,8 @@ def block_sparse_attention_triton(
     guarantees ``kv_counts >= 1`` for every query block (the FA4 path then skips its emptiness check, a
     device sync for lists it has not seen); ``"fa4"`` runs FlashAttention-4's
     block-sparse forward with the same lists (SM90/SM100, block size 64 or 128, head dim <= 128,
-    ``kv_valid`` None or one valid prefix shared by the batch); ``"auto"`` (default) takes FA4 for
+    ``kv_valid`` None, one valid prefix shared by the batch, or padding inside blocks shared by the batch:
+    :mod:`.block_sparse_fa4`); ``"auto"`` (default) takes FA4 for
     block size 128 when installed and the call fits (measured 1.11-1.35x faster than the Triton
     kernel on the H200, docs/benchmarks.md), the SM90 kernel for block size 64 from
     :data:`SM90_AUTO_MIN_TOKENS` query tokens on (no ``config`` given), else Triton (block size 64: ours,
@@ -420,13 +335,29 @@ def block_sparse_attention_triton(
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     scale = D**-0.5 if scale is None else float(scale)
     if impl == "fa4" or (impl == "auto" and q.is_cuda and block_size in FA4_AUTO_BLOCK_SIZES):
-        why = fa4_fits(q, block_size, None)
+        from ditattn.attention.kernels import block_sparse_fa4 as fa4
+
+        why = fa4.fits(q, block_size)
         if why is None:
             # the path's only device sync (none for lists vouched non-empty once kv_valid has been seen)
             n, any_empty = _probe(kv_valid, None if nonempty_rows else kv_counts, Skv)
-            why = fa4_fits(q, block_size, kv_valid, valid_len=n)
+            if n is not None and Skv - n >= block_size:
+                n = None  # a whole key block of padding: the mask path keeps the lists in range
+            why = None if n is not None else fa4.shared_validity(kv_valid)
         if why is None:
-            return _fa4_call(q, k, v, kv_indices, kv_counts, block_size, scale, n, any_empty, return_lse)
+            return fa4.call(
+                q,
+                k,
+                v,
+                kv_indices,
+                kv_counts,
+                block_size=block_size,
+                scale=scale,
+                kv_valid=kv_valid,
+                valid_len=n,
+                any_empty=any_empty,
+                return_lse=return_lse,
+            )
         if impl == "fa4":
             raise AttentionConfigError(f"{what}: impl 'fa4' cannot take this call: {why}")
     kv_indices = kv_indices.expand(B, H, -1, -1)
@@ -436,7 +367,7 @@ def block_sparse_attention_triton(
     if kv_counts.stride(-1) != 1:
         kv_counts = kv_counts.contiguous()
     if kv_valid is not None:  # int8 key mask + per key block "holds padding" flags, once per plan
-        valid, partial = _identity_cached(
+        valid, partial = identity_cached(
             _VALID_CACHE,
             (kv_valid,),
             (block_size,),
@@ -530,7 +461,6 @@ def block_sparse_attention_triton(
 __all__ = [
     "block_sparse_attention_triton",
     "default_config",
-    "fa4_fits",
     "SUPPORTED_BLOCK_SIZES",
     "SUPPORTED_HEAD_DIMS",
     "IMPLS",

@@ -424,10 +424,13 @@ def run_block_lists(
     extra: Optional[dict] = None,
     q_tiled: Optional[Tensor] = None,
     k_tiled: Optional[Tensor] = None,
+    nonempty_rows: bool = False,
 ) -> tuple[Tensor, Optional[Tensor], SparsePlan]:
     """:func:`run_block_mask` with block lists (int32 ``[B or 1, H or 1, n_blocks, m]`` /
     ``[B or 1, H or 1, n_blocks]`` on q's device) instead of a mask; ``kept_fraction`` as in
-    :class:`SparsePlan` (None: counted from the lists when read).  Adds no device sync of its own."""
+    :class:`SparsePlan` (None: counted from the lists when read).  ``nonempty_rows``: the caller guarantees
+    that every query block lists a key block (the FA4 path then needs no emptiness check, a device sync).
+    Adds no device sync of its own."""
     qt = tile(q, layout) if q_tiled is None else q_tiled
     kt = tile(k, layout) if k_tiled is None else k_tiled
     vt = tile(v, layout)
@@ -443,6 +446,7 @@ def run_block_lists(
         kv_valid=kv_valid,
         return_lse=return_lse,
         impl=impl,
+        nonempty_rows=nonempty_rows,
     )
     out = untile(out_t, layout).to(q.dtype)
     lse = untile(lse_t, layout, dim=2) if lse_t is not None else None

@@ -244,7 +244,8 @@ def sparge_attention(
             return dense_budgeted(q, k, v, layout, error_budget, scale=scale, return_lse=return_lse, extra=extra)
     qt, kt = tile(q, layout), tile(k, layout)
     qs, ks = quantize_qk_blocks(qt, kt, layout, impl=impl) if quantize else (qt, kt)
-    run = dict(scale=scale, return_lse=return_lse, impl=impl, q_tiled=qs, k_tiled=ks)
+    # every query block keeps at least topk's one block (text rows: every block), so no list is empty
+    run = dict(scale=scale, return_lse=return_lse, impl=impl, q_tiled=qs, k_tiled=ks, nonempty_rows=True)
     if error_budget > 0:  # the budgeted selection: through the video mask
         from ditattn.attention.sparse.budget import budgeted_lists
 
