@@ -197,3 +197,42 @@ def test_fa4_list_split_keeps_every_block_once_and_padded_ones_apart():
         assert fi[b, h, i, : fc[b, h, i]].tolist() == want_full
         assert mi[b, h, i, : mc[b, h, i]].tolist() == want_mask
     assert fc.dtype == mc.dtype == torch.int32 and fi.shape == mi.shape == idx.shape
+
+
+def test_sparge_plan_names_the_block_sparse_kernel_its_block_size_runs():
+    from ditattn.attention.backends.sparge import _sparge_runtime_label
+    from ditattn.attention.names import AttentionBackendEnum as B
+    from ditattn.attention.specs import SPECS
+    from ditattn.platforms import Platform
+
+    spec = SPECS[B.SPARGE_ATTN]
+    hopper = Platform.simulate("cuda", capability=(9, 0), packages={"flash_attn.cute", "triton"})
+    ampere = Platform.simulate("cuda", capability=(8, 0), packages={"flash_attn.cute", "triton"})
+    label = lambda p, **cfg: _sparge_runtime_label(spec, p, None, cfg)  # noqa: E731
+    assert "FlashAttention-4 block-sparse kernel (128-token blocks)" in label(hopper, block_size=128)
+    assert "SM90 kernel from 60,000" in label(hopper, block_size=64)
+    assert label(hopper, block_size=128, block_sparse_impl="triton").startswith("in-tree engine, Triton block-sparse")
+    assert "FlashAttention-4" not in label(ampere, block_size=128)
+    assert "FlexAttention block-sparse path" in label(hopper, block_size=128, block_sparse_impl="flex")
+    assert label(Platform.simulate("cpu"), block_size=128) == "in-tree PyTorch reference"
+
+
+def test_a_named_triton_impl_reaches_the_triton_kernel_alone(monkeypatch):
+    """block_sparse_impl=triton is our Triton kernel: the kernel module is told so and does not pick FA4 or the
+    SM90 kernel itself (impl auto leaves that choice to it)."""
+    pytest.importorskip("triton")
+    from ditattn.attention.sparse import block_sparse as bsp
+
+    seen = []
+
+    def fake(q, k, v, idx, cnt, **kw):
+        seen.append(kw["impl"])
+        return torch.zeros_like(q), None
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(bsp, "_load_triton", lambda: fake)
+    q = torch.randn(1, 256, 2, 64, dtype=torch.float16)
+    idx = torch.zeros(1, 1, 2, 1, dtype=torch.int32)
+    cnt = torch.ones(1, 1, 2, dtype=torch.int32)
+    bsp.block_sparse_attention(q, q, q, idx, cnt, block_size=128, impl="triton")
+    assert seen == ["triton"]

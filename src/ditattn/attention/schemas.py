@@ -173,7 +173,8 @@ BLOCK_SPARSE_IMPL = P(
     "auto",
     "Kernel of the block-sparse engine: auto (CUDA: FlashAttention-4's block-sparse kernel at 128-token blocks "
     "on SM90/SM100 when flash-attn-4 is installed, else our Triton kernel when the call fits it, else FlexAttention; "
-    "CPU: the blocked PyTorch reference), triton (CUDA, or CPU under TRITON_INTERPRET=1), flex or reference",
+    "CPU: the blocked PyTorch reference), triton (our Triton kernel only; CUDA, or CPU under TRITON_INTERPRET=1), "
+    "flex or reference",
     choices=BLOCK_SPARSE_IMPLS,
 )
 

@@ -8,6 +8,7 @@ import torch
 
 from ditattn.attention.backends.base import AttnCall
 from ditattn.attention.backends.sparse_common import (
+    block_kernel_label,
     budget_decision,
     budget_keys,
     line_tile,
@@ -97,6 +98,18 @@ SPARGE_ATTN_SCHEMA = (
 )
 
 
+def _sparge_runtime_label(spec: BackendSpec, platform, req, config) -> str:
+    """The plan's runtime label (:func:`sparse_runtime_label`) plus, on CUDA, the block-sparse kernel that the
+    configured ``block_size`` and ``block_sparse_impl`` run (128-token blocks: FlashAttention-4's where installed)."""
+    label = sparse_runtime_label(spec, platform, req, config)
+    rt = spec.runtime_on(platform)
+    if platform.name != "cuda" or rt is None or not label:
+        return label
+    cfg = config or {}
+    kernel = block_kernel_label(platform, int(cfg.get("block_size", 64)), str(cfg.get("block_sparse_impl", "auto")))
+    return label.replace(rt.label, f"in-tree engine, {kernel}", 1)
+
+
 def _sparge_precheck(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall, cfg: dict):
     """sparge_attn takes fp16/bf16 only, and runs dense SDPA on shapes it does not sparsify."""
     if q.dtype not in (torch.float16, torch.bfloat16):
@@ -118,7 +131,7 @@ def _sparge_precheck(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall,
     precheck=_sparge_precheck,
     lines=True,
     spec=BackendSpec(
-        runtime_label=sparse_runtime_label,
+        runtime_label=_sparge_runtime_label,
         kind="sparse+quantized",
         summary="SpargeAttention: top-k blocks by pooled-query block scores, INT8 Q.K in kept blocks",
         runtimes=IN_TREE_SPARSE,

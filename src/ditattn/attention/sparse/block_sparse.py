@@ -22,12 +22,13 @@ Implementations (``impl``):
 * ``"flex"`` — ``torch.nn.attention.flex_attention`` with a ``BlockMask`` built from the same lists
   (compiled on CUDA, eager elsewhere — eager is O(S^2) memory, for tests only).
 * ``"triton"`` — ``ditattn.attention.kernels.block_sparse_triton.block_sparse_attention_triton``
-  (imported lazily, CUDA tensors only), called with the same arguments as this function minus
-  ``impl`` (``nonempty_rows`` included): k/v with their own (GQA) head count, lists contiguous int32 ``[B, H, ...]``,
-  ``kv_valid`` None or ``[B, S_kv]``.
-* ``"auto"`` — triton on CUDA when importable and the call fits it (fp16/bf16, the module's
-  ``SUPPORTED_BLOCK_SIZES`` / ``SUPPORTED_HEAD_DIMS``, no per-head ``kv_valid``), else flex on
-  CUDA; reference on CPU.
+  with ``impl="triton"`` (our Triton kernel and no other; imported lazily, CUDA tensors only), called with the
+  same arguments as this function (``nonempty_rows`` included): k/v with their own (GQA) head count, lists
+  contiguous int32 ``[B, H, ...]``, ``kv_valid`` None or ``[B, S_kv]``.
+* ``"auto"`` — on CUDA, when that module is importable and the call fits it (fp16/bf16, the module's
+  ``SUPPORTED_BLOCK_SIZES`` / ``SUPPORTED_HEAD_DIMS``, no per-head ``kv_valid``), its own choice
+  (``impl="auto"``: FlashAttention-4's block-sparse forward at 128-token blocks where installed, the SM90
+  kernel at 64-token tiles from 60,000 query tokens, else the Triton kernel), else flex; reference on CPU.
 """
 
 from __future__ import annotations
@@ -189,6 +190,7 @@ def block_sparse_attention(
     _check(q, k, v, kv_indices, kv_counts, block_size, kv_valid)
     B, Sq, H, D = q.shape
     scale = D**-0.5 if scale is None else float(scale)
+    requested = impl
     if impl == "auto":
         impl = _auto_impl(q, block_size, kv_valid)
     if impl == "triton":
@@ -218,6 +220,7 @@ def block_sparse_attention(
             kv_valid=kv_valid,
             return_lse=return_lse,
             nonempty_rows=nonempty_rows,
+            impl="auto" if requested == "auto" else "triton",  # named: the Triton kernel, no other
         )
     kv_indices = kv_indices.expand(B, H, -1, -1)
     kv_counts = kv_counts.expand(B, H, -1)
