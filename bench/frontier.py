@@ -29,8 +29,8 @@ every default <= 5 % error and cosine >= 0.998 on every family, >= 1.0x FA4 on e
 backends >= 1.5x at <= 5 % on the original family, sage_attn >= 1.0x fa at every shape.
 
 Tuning in a later call: ``--budget default,0.02,0.05`` (or ``sol_attn:0.02``: one backend), ``--parts
-capture,fidelity``, ``--families``, ``--heads``, ``--backends``, ``--cases``, ``--dense-above`` (bench/fidelity.py's)
-and ``--no-overhead``.  ``--smoke`` runs every
+capture,fidelity``, ``--families``, ``--heads``, ``--backends``, ``--cases``, ``--dense-above``,
+``--ref-rows`` (bench/fidelity.py's) and ``--no-overhead``.  ``--smoke`` runs every
 part on the CPU at tiny sizes (``BENCH_DEVICE=cpu``; the tests part is left out unless named), as the CI does.
 """
 
@@ -162,6 +162,12 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--rep-ms", default="200", help="bench/fidelity.py --rep-ms (timing per case)")
     ap.add_argument(
+        "--ref-rows",
+        default=None,
+        help="bench/fidelity.py --ref-rows: query rows whose error is measured against float32 exact attention "
+        "(default: its 1,024, sampled at random; errors near 5 %% move by tenths of a point with the sample)",
+    )
+    ap.add_argument(
         "--paired",
         default="10",
         help="bench/fidelity.py --paired: each case's speed-up from this many rounds alternating with FA4 "
@@ -229,6 +235,7 @@ def main(argv=None) -> int:
             if args.smoke
             else ["--grids", "wan480", "--heads", args.heads]
         )
+        fid += ["--ref-rows", args.ref_rows] if args.ref_rows and not args.smoke else []
         fid += ["--cases", args.cases] if args.cases else ["--preset", "training-free"]
         fid += [] if args.no_overhead else ["--overhead"]
         fid += ["--backends", args.backends] if args.backends else []
