@@ -167,12 +167,27 @@ def test_block_sparse_identity_cache_drops_dead_entries():
     assert identity_cached(cache, (keep[5], None), (1,), lambda: -1) == 6  # a hit, no recompute
     assert len(runs) == 70 and len(cache) == 70
     del keep[:60]
-    identity_cached(cache, (torch.zeros(1), None), (1,), lambda: 0)  # insertion prunes the dead
+    new = torch.zeros(1)  # a live key: its entry stays
+    identity_cached(cache, (new, None), (1,), lambda: 0)  # the dead are gone (freed, or pruned at insertion)
     assert len(cache) == 11
     with torch.inference_mode():  # inference tensors have no version counter: recomputed, never cached
         t = torch.zeros(3)
         assert [identity_cached(cache, (t, None), (1,), lambda: runs.append(1) or 7) for _ in range(2)] == [7, 7]
     assert len(runs) == 72 and len(cache) == 11
+
+
+def test_identity_cache_lets_go_of_an_entry_when_its_tensor_is_freed():
+    """Per-call lists (a planner that re-plans every step) leave nothing behind: the entry, and the device
+    memory its result holds, go with the key tensor, not 64 insertions later; a live key still hits."""
+    from ditattn.attention.kernels import identity_cached
+
+    cache = {}
+    keep, gone = torch.zeros(3), torch.zeros(3)
+    identity_cached(cache, (keep, None), (1,), lambda: "kept")
+    identity_cached(cache, (gone, None), (1,), lambda: torch.ones(1000))
+    assert len(cache) == 2
+    del gone
+    assert len(cache) == 1 and identity_cached(cache, (keep, None), (1,), lambda: "recomputed") == "kept"
 
 
 def test_fa4_list_split_keeps_every_block_once_and_padded_ones_apart():

@@ -449,22 +449,27 @@ def checked_call(name: str, body, q, k, v, call: AttnCall, cfg: dict, vs, text_l
 def block_kernel_label(platform, block_size: int, impl: str = "auto") -> str:
     """The block-sparse kernel a CUDA call at ``block_size``-token blocks runs under ``block_sparse_impl``
     ``impl`` on ``platform`` (the plan's words; :func:`ditattn.attention.sparse.block_sparse.block_sparse_attention`
-    decides the same per call, and takes FlexAttention where the Triton kernel cannot serve a call)."""
+    decides the same per call from the same constants, and takes FlexAttention where the Triton kernel cannot serve
+    a call)."""
+    from ditattn.attention.kernels import FA4_AUTO_BLOCK_SIZES, SM90_AUTO_MIN_TOKENS
+
     if impl in ("flex", "reference"):
         return "FlexAttention block-sparse path" if impl == "flex" else "PyTorch reference block-sparse path"
     sm = platform.sm or 0
-    if impl == "auto" and block_size == 128 and 90 <= sm < 110 and platform.has_package("flash_attn.cute"):
-        return "FlashAttention-4 block-sparse kernel (128-token blocks)"
+    if impl == "auto" and block_size in FA4_AUTO_BLOCK_SIZES and 90 <= sm < 110:
+        if platform.has_package("flash_attn.cute"):
+            return f"FlashAttention-4 block-sparse kernel ({block_size}-token blocks)"
     if impl == "auto" and block_size == 64 and sm == 90:
-        return "Triton block-sparse kernel (the SM90 kernel from 60,000 query tokens)"
+        return f"Triton block-sparse kernel (the SM90 kernel from {SM90_AUTO_MIN_TOKENS:,} query tokens)"
     return "Triton block-sparse kernel"
 
 
-def sparse_runtime_label(spec: BackendSpec, platform, req, config) -> str:
-    """The plan's runtime label of a training-free sparse backend: its runtime on ``platform`` plus, where
-    its ``min_seq_len`` (:func:`ditattn.attention.sparse.fallback.min_seq_len`, the platform's figure when
-    unset) is positive, the lengths that run the dense kernel instead."""
+def sparse_runtime_label(spec: BackendSpec, platform, req, config, kernel: Optional[str] = None) -> str:
+    """The plan's runtime label of a training-free sparse backend: its runtime on ``platform`` (or, given
+    ``kernel``, "in-tree engine, <kernel>") plus, where its ``min_seq_len``
+    (:func:`ditattn.attention.sparse.fallback.min_seq_len`, the platform's figure when unset) is positive, the
+    lengths that run the dense kernel instead."""
     rt = spec.runtime_on(platform)
-    label = rt.label if rt is not None else ""
+    label = "" if rt is None else f"in-tree engine, {kernel}" if kernel else rt.label
     limit = min_seq_len(config or {}, platform.name)
     return f"{label}; dense kernel below {limit} tokens" if label and limit > 0 else label

@@ -24,6 +24,7 @@ have fewer heads: grouped-query attention) and returns ``(out, lse | None)`` wit
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 from typing import Optional
@@ -34,6 +35,13 @@ from ditattn.errors import AttentionConfigError
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+
+# which kernel the block-sparse engine's ``impl="auto"`` takes on CUDA (kept here, free of Triton imports, so that
+# the plan can name it): FlashAttention-4's block-sparse forward at these block sizes where installed (measured;
+# at 64 ours is 0-14 % faster), and the SM90 Gluon kernel at 64-token tiles from this many query tokens on (H200,
+# docs/benchmarks.md: at 75,600 tokens it is 1.28-1.51x ideal against Triton's 1.49-1.56; at 32,760 no faster)
+FA4_AUTO_BLOCK_SIZES = (128,)
+SM90_AUTO_MIN_TOKENS = 60_000
 
 
 def interpreting() -> bool:
@@ -128,30 +136,43 @@ def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _drop_entry(cache: dict, key: tuple, token: object, _ref) -> None:
+    """Weak-reference callback of :func:`identity_cached`: a key tensor died, so its entry (if it is still the
+    one stored under ``key``, recognised by ``token``) can never hit again; drop it and what it holds."""
+    got = cache.get(key)
+    if got is not None and got[2] is token:
+        cache.pop(key, None)
+
+
 def identity_cached(cache: dict, tensors: tuple, extra: tuple, compute):
     """``compute()``, memoised on the identity and in-place version of ``tensors`` (None allowed).
 
     A layer reuses its plan's tensors across calls; keying on the objects (held by weak reference,
     so a freed tensor whose id is recycled never hits) avoids recomputing per-plan facts that cost
     a device sync or a few small kernels.  An in-place change of a tensor bumps its version and
-    misses.  Tensors created under ``torch.inference_mode`` have no version counter: for them the
-    result is recomputed on every call."""
+    misses.  An entry goes as soon as one of its tensors is freed (a planner that builds new lists every
+    step leaves no device memory behind in the cache).  Tensors created under ``torch.inference_mode`` have
+    no version counter: for them the result is recomputed on every call."""
     if any(t is not None and t.is_inference() for t in tensors):
         return compute()  # inference tensors carry no version counter: an in-place change would go unseen
     key = tuple(id(t) for t in tensors) + extra
     hit = cache.get(key)
     if hit is not None:
-        refs, result = hit
+        refs, result, _ = hit
         if all(
             (r is None and t is None) or (r is not None and t is not None and r[0]() is t and r[1] == t._version)
             for r, t in zip(refs, tensors)
         ):
             return result
     result = compute()
-    if len(cache) >= 64:  # drop entries whose tensors are gone (their results may hold device memory)
-        for k in [k for k, (refs, _) in cache.items() if any(r is not None and r[0]() is None for r in refs)]:
-            del cache[k]
+    if len(cache) >= 64:  # drop entries whose tensors are gone (a callback may not have run yet)
+        snapshot = cache.copy()  # a callback may pop entries while this loop runs
+        for k in [k for k, (refs, _, _) in snapshot.items() if any(r is not None and r[0]() is None for r in refs)]:
+            cache.pop(k, None)
         if len(cache) >= 256:
             cache.clear()
-    cache[key] = (tuple(None if t is None else (weakref.ref(t), t._version) for t in tensors), result)
+    token = object()
+    drop = functools.partial(_drop_entry, cache, key, token)
+    refs = tuple(None if t is None else (weakref.ref(t, drop), t._version) for t in tensors)
+    cache[key] = (refs, result, token)
     return result

@@ -12,9 +12,9 @@ mask, and *mask* blocks, whose logits first go through a ``mask_mod``.  The engi
   of each key from an int32 copy of ``kv_valid``, so padding keys get ``-inf``.  The lists are split on
   the device in one launch (:func:`split_lists`, no sync); the few mask blocks cost the per-element mask.
 
-Padding that differs between batch entries is not served here (:func:`fits` says why; the Triton kernel
-takes it).  Measured on the H100 at the Wan 480p grid with Sparge's 128-token lists: 1.04-1.09x of the
-ideal time (FA4 dense x kept fraction) against 1.45-1.47x for the Triton kernel (docs/benchmarks.md).
+Padding that differs between batch entries is not served here (:func:`shared_validity` says why; the Triton
+kernel takes it).  What it buys: Sparge's 128-token setting at 1.8-1.9x FA4 dense against 1.3-1.4x for the
+same rule at 64-token tiles on the Triton kernel (docs/benchmarks.md, "Fast settings").
 """
 
 from __future__ import annotations

@@ -23,7 +23,9 @@ import triton
 import triton.language as tl
 
 from ditattn.attention.kernels import (
+    FA4_AUTO_BLOCK_SIZES,
     LOG2E,
+    SM90_AUTO_MIN_TOKENS,
     check_device,
     check_qkv,
     identity_cached,
@@ -189,11 +191,7 @@ def default_config(block_size: int, head_dim: int) -> dict:
 
 
 _POINTER_STAGES = 3  # pointer loads when a TMA default cannot run: one stage is slow there (H200: 1.90 vs 1.70x)
-FA4_AUTO_BLOCK_SIZES = (128,)  # where impl="auto" prefers FA4 (measured; at 64 ours is 0-14 % faster)
 IMPLS = ("auto", "triton", "fa4", "sm90")
-#: impl="auto" takes the SM90 Gluon kernel at 64-token tiles from this many query tokens on (H200, docs/benchmarks.md
-#: measured: at 75,600 tokens it is 1.28-1.51x ideal against Triton's 1.49-1.56; at 32,760 it is no faster)
-SM90_AUTO_MIN_TOKENS = 60_000
 _PROBE_CACHE: dict = {}
 _VALID_CACHE: dict = {}  # kv_valid -> (int8 mask, per key block 'holds padding' flags)
 
