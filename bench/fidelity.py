@@ -137,6 +137,9 @@ CASES = [
     ("sol_attn tau=0.75", "sol_attn", {"tau": 0.75}),
     ("sol_attn tau=1.25", "sol_attn", {"tau": 1.25}),
     ("sol_attn thresh_type=exact", "sol_attn", {"thresh_type": "exact"}),
+    ("sol_attn tau=0.8", "sol_attn", {"tau": 0.8}),
+    ("sol_attn block_size=128 tau=0.5", "sol_attn", {"block_size": 128, "tau": 0.5}),
+    ("sol_attn block_size=128 tau=0.6", "sol_attn", {"block_size": 128, "tau": 0.6}),
     (
         "sol_attn upstream predictor=pooled centroid_variance=false",
         "sol_attn",
@@ -185,6 +188,7 @@ PRESETS = {
         ("skip_softmax (budget)", None),
         ("sparge_attn exact cdf=0.93 topk=0.3 block_size=128", ("original",)),
         ("sparge_attn exact cdf=0.95 topk=0.3 block_size=128", ("original",)),
+        ("sol_attn block_size=128 tau=0.5", ("original",)),
     ],
 }
 VMOBA_MODES = {0: "temporal", 1: "spatial", 2: "st"}

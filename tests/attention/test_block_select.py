@@ -419,6 +419,43 @@ def test_pool_kernel_equals_pooled_blocks(dtype):
 
 
 @interp
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tiles,edge_tiles", [((4, 4, 4), "packed"), ((4, 4, 8), "padded")])
+def test_block_moments_kernel_equals_the_pytorch_path(dtype, tiles, edge_tiles):
+    """Sol's block moments (mean, and for the keys the per-channel variance) against pooled_blocks /
+    pooled_query_features on partial tiles of an odd grid: bitwise on integer-valued tokens (the sums are
+    exact), within float32 rounding on random ones with a large common offset (the variance's cancellation);
+    padding rows ignored, never negative."""
+    from ditattn.attention.kernels.block_select import pool_block_moments
+    from ditattn.attention.sparse.block_scores import pooled_query_features
+
+    lay = make_tile_layout((5, 6, 7), tiles, 9, edge_tiles=edge_tiles)
+    nv, bs = lay.n_video_blocks, lay.block_size
+    count = lay.on("cpu").count_as(torch.float32).view(-1)
+    g = torch.Generator().manual_seed(5)
+    for integer in (True, False):
+        x = (
+            torch.randint(-8, 9, (2, lay.seq_len, 3, 32), generator=g).float()
+            if integer
+            else torch.randn(2, lay.seq_len, 3, 32, generator=g) + 6.0
+        ).to(dtype)
+        xt = tile(x, lay)
+        mean, var = pool_block_moments(xt, count, n_blocks=nv, block_size=bs, variance=True)
+        alone, none = pool_block_moments(xt, count, n_blocks=nv, block_size=bs)
+        rm, rv = pooled_query_features(xt, lay, nv, variance=True)
+        assert none is None and torch.equal(alone, mean)
+        assert mean.shape == var.shape == (2, 3, nv, 32) and mean.dtype == var.dtype == torch.float32
+        assert bool((var >= 0).all())
+        if integer:
+            assert torch.equal(mean, rm) and torch.equal(var, rv)
+        else:
+            assert (mean - rm).abs().max() < 1e-5 and (var - rv).abs().max() < 1e-4
+            # and against float64 from the real tokens alone
+            m64, v64 = pooled_query_features(xt.double(), lay, nv, variance=True)
+            assert (var.double() - v64).abs().max() < 1e-3
+
+
+@interp
 @pytest.mark.parametrize("shape,text", [((5, 6, 7), 0), ((5, 8, 8), 7)])
 def test_vsa_triton_selection_equals_reference(shape, text):
     """The whole VSA call with the Triton selection (and core) against the PyTorch path: on
@@ -510,3 +547,9 @@ def test_kernels_reject_bad_input():
         pool_qk_blocks(x, x, torch.ones(2), n_blocks=2, block_size=48, scale=1.0)
     with pytest.raises(AttentionConfigError, match="one shape"):
         pool_qk_blocks(x, x[:, :64], torch.ones(2), n_blocks=1, block_size=64, scale=1.0)
+    from ditattn.attention.kernels.block_select import pool_block_moments
+
+    with pytest.raises(AttentionConfigError, match="block_size"):
+        pool_block_moments(x, torch.ones(2), n_blocks=2, block_size=48)
+    with pytest.raises(AttentionConfigError, match="count must be float32"):
+        pool_block_moments(x, torch.ones(1), n_blocks=2, block_size=64)

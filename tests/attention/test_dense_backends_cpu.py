@@ -214,16 +214,16 @@ def test_fa4_list_split_keeps_every_block_once_and_padded_ones_apart():
     assert fc.dtype == mc.dtype == torch.int32 and fi.shape == mi.shape == idx.shape
 
 
-def test_sparge_plan_names_the_block_sparse_kernel_its_block_size_runs():
-    from ditattn.attention.backends.sparge import _sparge_runtime_label
+@pytest.mark.parametrize("backend", ["sparge_attn", "sol_attn"])
+def test_sparse_plan_names_the_block_sparse_kernel_its_block_size_runs(backend):
     from ditattn.attention.names import AttentionBackendEnum as B
     from ditattn.attention.specs import SPECS
     from ditattn.platforms import Platform
 
-    spec = SPECS[B.SPARGE_ATTN]
+    spec = SPECS[B(backend)]
     hopper = Platform.simulate("cuda", capability=(9, 0), packages={"flash_attn.cute", "triton"})
     ampere = Platform.simulate("cuda", capability=(8, 0), packages={"flash_attn.cute", "triton"})
-    label = lambda p, **cfg: _sparge_runtime_label(spec, p, None, cfg)  # noqa: E731
+    label = lambda p, **cfg: spec.runtime_label(spec, p, None, cfg)  # noqa: E731
     assert "FlashAttention-4 block-sparse kernel (128-token blocks)" in label(hopper, block_size=128)
     assert "SM90 kernel from 60,000" in label(hopper, block_size=64)
     assert label(hopper, block_size=128, block_sparse_impl="triton").startswith("in-tree engine, Triton block-sparse")

@@ -352,12 +352,12 @@ def test_wan_transformer_fused_matches_plain_on_cuda():
     assert rel(fused, ref32) <= 2 * rel(plain, ref32) + 1e-4
 
 
-@pytest.mark.parametrize("centroid_variance", [True, False])
-def test_sol_fused_centroid_kernel(centroid_variance):
+@pytest.mark.parametrize("centroid_variance,block_size", [(True, 64), (False, 64), (True, 128)])
+def test_sol_fused_centroid_kernel(centroid_variance, block_size):
     """sol_attention on CUDA in bf16 (block-sparse kernel + the fused centroid kernel, with and
-    without the key-variance term) against its float64 PyTorch path on the same inputs: same routes
-    (upstream's pooled predictor: the pooled-query route is checked in the next test), error within
-    2x SDPA's."""
+    without the key-variance term; at 128-token blocks FlashAttention-4's block-sparse kernel where
+    installed) against its float64 PyTorch path on the same inputs: same routes (upstream's pooled
+    predictor: the pooled-query route is checked in the next test), error within 2x SDPA's."""
     from ditattn.attention.sparse.sol import sol_attention
 
     grid, text_len = (7, 10, 13), 33
@@ -372,6 +372,7 @@ def test_sol_fused_centroid_kernel(centroid_variance):
         return_lse=True,
         predictor="pooled",
         centroid_variance=centroid_variance,
+        block_size=block_size,
     )
     out, lse, plan = sol_attention(q, k, v, **kw)
     ro, rl, rplan = sol_attention(q.double(), k.double(), v.double(), impl="reference", **kw)
@@ -452,6 +453,30 @@ def test_vsa_pool_kernel(dtype):
             assert torch.equal(pq, rq) and torch.equal(pk, rk)
         else:
             assert (pq - rq).abs().max() < 1e-6 and (pk - rk).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("tiles", [(4, 4, 4), (4, 4, 8)])
+def test_sol_block_moments_kernel(tiles):
+    """The compiled block-moments kernel (Sol's pooled q, k, v and the keys' variance) against the PyTorch
+    path at the 480p grid (packed edge blocks): bitwise on integer-valued tokens, within float32 rounding on
+    random bf16 ones with a common offset (the variance's cancellation)."""
+    from ditattn.attention.kernels.block_select import pool_block_moments
+    from ditattn.attention.sparse.block_scores import pooled_query_features
+    from ditattn.attention.sparse.tiling import make_tile_layout, tile
+
+    lay = make_tile_layout((21, 30, 52), tiles, 0, edge_tiles="packed")
+    nv, S = lay.n_video_blocks, lay.seq_len
+    count = lay.on("cuda").count_as(torch.float32).view(-1)
+    for integer in (True, False):
+        _, k, _ = qkv(1, S, S, 4, 4, 128, dtype=torch.bfloat16, seed=13)
+        k = (k * 4).round() if integer else k + 6
+        kt = tile(k, lay)
+        mean, var = pool_block_moments(kt, count, n_blocks=nv, block_size=lay.block_size, variance=True)
+        rm, rv = pooled_query_features(kt, lay, nv, variance=True)
+        if integer:
+            assert torch.equal(mean, rm) and torch.equal(var, rv)
+        else:
+            assert (mean - rm).abs().max() < 1e-5 and (var - rv).abs().max() < 1e-4
 
 
 def test_vsa_selection_on_cuda():

@@ -788,6 +788,7 @@ def test_seed_defaults():
         "kv_splits": "auto",
         "predictor": "pooled_query",
         "centroid_variance": True,
+        "block_size": 64,
         "edge_tiles": "packed",
         "block_sparse_impl": "auto",
         "error_budget": 0.01,

@@ -972,6 +972,7 @@ def sol_reference(
     edge_tiles="padded",
     predictor="pooled",
     centroid_variance=False,
+    tile_size=(4, 4, 4),
 ):
     """Independent Sol: exact tokens of routed blocks + centroid virtual keys of the other blocks.
     ``pooled_query``: the rule's count per query block, filled with its neighbours, then the best
@@ -982,7 +983,7 @@ def sol_reference(
     special = torch.zeros(S, dtype=torch.bool)
     special[N:] = True
     special[sink[0] : sink[1]] = True
-    tid, groups = block_ids(grid, (4, 4, 4), edge_tiles, special[:N])
+    tid, groups = block_ids(grid, tile_size, edge_tiles, special[:N])
     tiles = range(len(groups))
     nv = len(groups)
     cq = torch.stack([q[:, :N][:, tid == t].double().mean(1) for t in tiles], 2)  # [B,H,nv,D]
@@ -1066,3 +1067,25 @@ def test_sol_routing_and_centroid_branch(
     assert 0 < float(exact.float().mean()) < 1
     torch.testing.assert_close(out.double(), ro, rtol=0, atol=1e-5)
     torch.testing.assert_close(lse.double(), rl, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("edge_tiles", ["padded", "packed"])
+def test_sol_block_size_128_routes_4x4x8_tiles(edge_tiles):
+    """block_size=128: the same rule on 4x4x8 tiles (128-token blocks) against the independent reference,
+    routes, output and LSE; an unknown block size is refused with the accepted ones."""
+    grid, text_len = (5, 9, 19), 5
+    q, k, v = qkv(grid, text_len, heads=2, dim=16, batch=1, seed=12)
+    kw = dict(video_shape=grid, text_len=text_len, tau=0.5, return_lse=True, edge_tiles=edge_tiles)
+    out, lse, plan = sol_attention(q, k, v, block_size=128, **kw)
+    (ro, rl), exact = sol_reference(
+        q, k, v, grid, text_len, 0.5, "diag", (0, 0), 16**-0.5, edge_tiles, "pooled_query", True, tile_size=(4, 4, 8)
+    )
+    assert plan.layout.block_size == 128 and plan.layout.n_video_blocks == exact.shape[-1]
+    assert torch.equal(plan.extra["exact"], exact)
+    assert 0 < float(exact.float().mean()) < 1
+    torch.testing.assert_close(out.double(), ro, rtol=0, atol=1e-5)
+    torch.testing.assert_close(lse.double(), rl, rtol=0, atol=1e-5)
+    from ditattn.errors import AttentionConfigError
+
+    with pytest.raises(AttentionConfigError, match=r"block_size must be one of \[64, 128\], got 96"):
+        sol_attention(q, k, v, block_size=96, **kw)

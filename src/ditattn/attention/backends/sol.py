@@ -9,6 +9,7 @@ import torch
 from ditattn.attention.backends.base import AttnCall
 from ditattn.attention.backends.flash import fa_fallback_reason
 from ditattn.attention.backends.sparse_common import (
+    block_size_runtime_label,
     budget_decision,
     budget_keys,
     layer_index,
@@ -17,7 +18,6 @@ from ditattn.attention.backends.sparse_common import (
     reused_dense,
     sparse_backend,
     sparse_done,
-    sparse_runtime_label,
 )
 from ditattn.attention.config import parse_layer_list
 from ditattn.attention.names import AttentionBackendEnum as B
@@ -119,6 +119,16 @@ SOL_ATTN_SCHEMA = (
         "Approximate blocks' virtual keys add the blocks' key variance term 0.5 * scale^2 * q^2 . var(k) (the mass "
         "of a spread block, which its mean key underestimates); false: upstream's mean key and log size only",
     ),
+    P(
+        "block_size",
+        "int",
+        64,
+        "Block size in tokens of the routing, the exact kernel and the centroids (64: 4x4x4 tiles, as upstream; "
+        "128: 4x4x8). 128 runs FlashAttention-4's block-sparse kernel on Hopper/Blackwell when installed: with "
+        "tau=0.5 it is faster than the defaults at lower error on the structured 480p benchmark (about 1.7-1.9x "
+        "FA4 dense at 2.8-3.9 %, docs/benchmarks.md); coarser centroids need the lower tau",
+        choices=(64, 128),
+    ),
     EDGE_TILES,
     *budget_keys(0.01),
     BLOCK_SPARSE_IMPL,
@@ -159,7 +169,7 @@ def _sol_phase(q: Tensor, call: AttnCall, cfg: dict):
     precheck=_sol_precheck,
     lines=True,
     spec=BackendSpec(
-        runtime_label=sparse_runtime_label,
+        runtime_label=block_size_runtime_label,
         kind="sparse",
         summary="Sol attention: threshold routing with exact KV sinks",
         runtimes=IN_TREE_SPARSE,
@@ -174,7 +184,7 @@ def _sol_phase(q: Tensor, call: AttnCall, cfg: dict):
     ),
 )
 def sol_attn(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall, cfg: dict, vs, text_len: int):
-    tile_1d = line_tile(call, 64)
+    tile_1d = line_tile(call, cfg["block_size"])
     dense_backend = _dense_backend(q, cfg)
     again = reused_dense(name, q, k, v, call, cfg, backend=dense_backend)
     if again is not None:
@@ -198,6 +208,7 @@ def sol_attn(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall, cfg: di
         error_budget=cfg.get("error_budget", 0.0),
         dense_backend=dense_backend,
         tile_size=tile_1d,
+        block_size=cfg["block_size"],
         decide=budget_decision(name, call, cfg) is None,
         dense_above=cfg["dense_above"],
     )

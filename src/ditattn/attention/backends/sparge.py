@@ -8,7 +8,7 @@ import torch
 
 from ditattn.attention.backends.base import AttnCall
 from ditattn.attention.backends.sparse_common import (
-    block_kernel_label,
+    block_size_runtime_label,
     budget_decision,
     budget_keys,
     line_tile,
@@ -17,7 +17,6 @@ from ditattn.attention.backends.sparse_common import (
     run_dense,
     sparse_backend,
     sparse_done,
-    sparse_runtime_label,
 )
 from ditattn.attention.names import AttentionBackendEnum as B
 from ditattn.attention.schemas import (
@@ -63,8 +62,8 @@ SPARGE_ATTN_SCHEMA = (
         64,
         "Block size in tokens of the selection and the kernel (32: 2x4x4 tiles, 64: 4x4x4, 128: 4x4x8). 128 runs "
         "FlashAttention-4's block-sparse kernel on Hopper/Blackwell when installed, much faster than the Triton "
-        "kernel at 64: with quantize=false, cdfthreshd=0.95, topk=0.3 about 1.8x FA4 dense at 3.7 % error on the "
-        "structured 480p benchmark (docs/benchmarks.md)",
+        "kernel at 64: with quantize=false, cdfthreshd=0.95, topk=0.3 about 1.7-1.8x FA4 dense at 4.0-4.1 % error "
+        "on the structured 480p benchmark (docs/benchmarks.md)",
         choices=(32, 64, 128),
     ),
     P(
@@ -99,17 +98,6 @@ SPARGE_ATTN_SCHEMA = (
 )
 
 
-def _sparge_runtime_label(spec: BackendSpec, platform, req, config) -> str:
-    """The plan's runtime label (:func:`sparse_runtime_label`) plus, on CUDA, the block-sparse kernel that the
-    configured ``block_size`` and ``block_sparse_impl`` run (128-token blocks: FlashAttention-4's where installed)."""
-    cfg = config or {}
-    kernel = None
-    if platform.name == "cuda":
-        impl = str(cfg.get("block_sparse_impl", "auto"))
-        kernel = block_kernel_label(platform, int(cfg.get("block_size", 64)), impl)
-    return sparse_runtime_label(spec, platform, req, config, kernel=kernel)
-
-
 def _sparge_precheck(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall, cfg: dict):
     """sparge_attn takes fp16/bf16 only, and runs dense SDPA on shapes it does not sparsify."""
     if q.dtype not in (torch.float16, torch.bfloat16):
@@ -131,7 +119,7 @@ def _sparge_precheck(name: str, q: Tensor, k: Tensor, v: Tensor, call: AttnCall,
     precheck=_sparge_precheck,
     lines=True,
     spec=BackendSpec(
-        runtime_label=_sparge_runtime_label,
+        runtime_label=block_size_runtime_label,
         kind="sparse+quantized",
         summary="SpargeAttention: top-k blocks by pooled-query block scores, INT8 Q.K in kept blocks",
         runtimes=IN_TREE_SPARSE,

@@ -464,6 +464,18 @@ def block_kernel_label(platform, block_size: int, impl: str = "auto") -> str:
     return "Triton block-sparse kernel"
 
 
+def block_size_runtime_label(spec: BackendSpec, platform, req, config) -> str:
+    """The plan's runtime label (:func:`sparse_runtime_label`) of a backend with a ``block_size`` key (default 64)
+    plus, on CUDA, the block-sparse kernel that the configured ``block_size`` and ``block_sparse_impl`` run
+    (128-token blocks: FlashAttention-4's where installed, :func:`block_kernel_label`)."""
+    cfg = config or {}
+    kernel = None
+    if platform.name == "cuda":
+        impl = str(cfg.get("block_sparse_impl", "auto"))
+        kernel = block_kernel_label(platform, int(cfg.get("block_size", 64)), impl)
+    return sparse_runtime_label(spec, platform, req, config, kernel=kernel)
+
+
 def sparse_runtime_label(spec: BackendSpec, platform, req, config, kernel: Optional[str] = None) -> str:
     """The plan's runtime label of a training-free sparse backend: its runtime on ``platform`` (or, given
     ``kernel``, "in-tree engine, <kernel>") plus, where its ``min_seq_len``

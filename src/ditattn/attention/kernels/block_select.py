@@ -1,10 +1,15 @@
-"""The block selection stage of the pooled sparse planners (VSA, Sparge, SLA) in three Triton kernels.
+"""The block selection stage of the pooled sparse planners (VSA, Sparge, SLA) in three Triton kernels,
+and Sol's block moments.
 
 **Pooling** (:func:`pool_qk_blocks`): one program per (video block, batch x head) loads the
 ``[block_size, D]`` tile of tiled q and of tiled k, sums each in float32, divides by the block's
 real-token count (padding rows are zero, as :func:`ditattn.attention.sparse.tiling.tile` leaves
 them) and multiplies the q mean by the attention scale. Pooled q and k come from one launch, with
 no float32 copies, permutes or scaling passes.
+
+**Block moments** (:func:`pool_block_moments`, Sol's routing and centroids): the same program shape
+over one tensor, writing each block's mean and, for the keys, the per-channel variance from the same
+read (the PyTorch path squares a float32 copy of the whole tensor).
 
 **Top-k to block lists** (:func:`topk_block_lists`): one program per (batch, head, query block).
 It loads the query block's row of ``nv`` float32 scores and maps each score to an int32 key with
@@ -32,6 +37,8 @@ contracts. On identical inputs the paths give identical blocks.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -74,6 +81,31 @@ def _pool_qk(
     # the PyTorch path's operations in its order: sum, divide (IEEE), then the scale
     tl.store(PQ + out, tl.div_rn(tl.sum(q.to(tl.float32), 0), cnt) * scale)
     tl.store(PK + out, tl.div_rn(tl.sum(k.to(tl.float32), 0), cnt))
+
+
+@triton.jit
+def _pool_moments(
+    X,
+    Count,
+    Mean,
+    Var,
+    stride_xb,
+    stride_xs,
+    stride_xh,
+    H,
+    NV,
+    HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    VARIANCE: tl.constexpr,
+):
+    blk, bh, b, h, offs_s, offs_d = block_head_program(H, BLOCK, HEAD_DIM)
+    cnt = tl.load(Count + blk)  # float32, clamped to >= 1
+    x = tl.load(X + b * stride_xb + h * stride_xh + offs_s[:, None] * stride_xs + offs_d[None, :]).to(tl.float32)
+    out = (bh * NV + blk) * HEAD_DIM + offs_d  # [B, H, NV, D] contiguous
+    mean = tl.div_rn(tl.sum(x, 0), cnt)
+    tl.store(Mean + out, mean)
+    if VARIANCE:  # padding rows are zero: the sums run over the real tokens
+        tl.store(Var + out, tl.maximum(tl.div_rn(tl.sum(x * x, 0), cnt) - mean * mean, 0.0))
 
 
 @triton.jit
@@ -221,6 +253,55 @@ def pool_qk_blocks(
             num_warps=4,
         )
     return pq, pk
+
+
+def pool_block_moments(
+    x_tiled: torch.Tensor, count: torch.Tensor, *, n_blocks: int, block_size: int, variance: bool = False
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(mean, per-channel variance or None)`` of the real tokens of each of the first ``n_blocks``
+    blocks: float32 ``[B, H, n_blocks, D]`` each, from one read of the tile (no float32 copy of it).
+
+    x_tiled: ``[B, P, H, D]`` fp16/bf16/fp32 in tile order (``P >= n_blocks * block_size``, padding rows
+    zero, unit stride on D); count: float32 ``[>= n_blocks]``, the real tokens per block clamped to
+    >= 1; block_size a power of two 16..128; D a power of two 16..256.  The variance is the population
+    one, ``max(mean(x^2) - mean(x)^2, 0)``, summed in float32 as the PyTorch path
+    (:func:`ditattn.attention.sparse.block_scores.pooled_query_features`) does.  Runs on CUDA, or on CPU
+    under ``TRITON_INTERPRET=1``.
+    """
+    what = "block moments kernel"
+    check_device(x_tiled, count, what=what)
+    if x_tiled.dim() != 4 or x_tiled.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise AttentionConfigError(
+            f"{what}: x must be float16, bfloat16 or float32 [B, P, H, D]; got {x_tiled.dtype} {tuple(x_tiled.shape)}"
+        )
+    B, P, H, D = x_tiled.shape
+    if D not in POOL_HEAD_DIMS or block_size not in POOL_BLOCK_SIZES or n_blocks * block_size > P:
+        raise AttentionConfigError(
+            f"{what}: needs head dim in {list(POOL_HEAD_DIMS)}, block_size in 16..128 (power "
+            f"of two) and {n_blocks} blocks within {P} rows; got D={D}, block_size={block_size}"
+        )
+    if count.dtype != torch.float32 or count.dim() != 1 or count.numel() < n_blocks:
+        raise AttentionConfigError(f"{what}: count must be float32 [>= {n_blocks}]")
+    x_tiled = x_tiled if x_tiled.stride(-1) == 1 else x_tiled.contiguous()
+    mean = torch.empty(B, H, n_blocks, D, dtype=torch.float32, device=x_tiled.device)
+    var = torch.empty_like(mean) if variance else None
+    if mean.numel():
+        _pool_moments[(n_blocks, B * H)](
+            x_tiled,
+            count,
+            mean,
+            var if variance else mean,  # a placeholder pointer when unused
+            x_tiled.stride(0),
+            x_tiled.stride(1),
+            x_tiled.stride(2),
+            H,
+            n_blocks,
+            HEAD_DIM=D,
+            BLOCK=block_size,
+            VARIANCE=bool(variance),
+            num_warps=4,
+        )
+    return mean, var
 
 
 def topk_block_lists(scores: torch.Tensor, k: int, *, n_blocks: int) -> torch.Tensor:

@@ -39,12 +39,13 @@ _CHUNK_ELEMS = 1 << 24
 
 
 def pooled_query_features(
-    q_tiled: Tensor, layout: TileLayout, n_blocks: int, *, variance: bool
+    q_tiled: Tensor, layout: TileLayout, n_blocks: int, *, variance: bool, mean: Optional[Tensor] = None
 ) -> tuple[Tensor, Optional[Tensor]]:
     """``(mean [B, H, n, D], per-channel variance [B, H, n, D] or None)`` over the real tokens of the
     first ``n_blocks`` blocks of a tiled ``[B, padded_len, H, D]`` tensor (float32; float64 input:
-    float64)."""
-    mean = pooled_blocks(q_tiled, layout, n_blocks)
+    float64).  ``mean``: that mean when the caller has it (``pooled_blocks(q_tiled, layout, n_blocks)``),
+    so it is not pooled twice."""
+    mean = pooled_blocks(q_tiled, layout, n_blocks) if mean is None else mean
     if not variance:
         return mean, None
     dt = mean.dtype
@@ -54,7 +55,14 @@ def pooled_query_features(
 
 
 def pooled_query_block_scores(
-    q_tiled: Tensor, k_tiled: Tensor, layout: TileLayout, scale: float, *, variance: bool = False, impl: str = "auto"
+    q_tiled: Tensor,
+    k_tiled: Tensor,
+    layout: TileLayout,
+    scale: float,
+    *,
+    variance: bool = False,
+    impl: str = "auto",
+    q_mean: Optional[Tensor] = None,
 ) -> Tensor:
     """Pooled-query log-mass of every (video query block, video key block) pair (module docstring).
 
@@ -63,9 +71,10 @@ def pooled_query_block_scores(
     ``log sum_{j in J, real} exp(scale * qbar_I . k_j (+ 0.5 scale^2 var_I . k_j^2))``; ``-inf``
     for a key block without real tokens.  ``impl``: ``"auto"`` (the Triton kernel on CUDA for
     fp16/bf16 and a power-of-two head dim 16..256, else PyTorch), ``"triton"`` or ``"reference"``.
+    ``q_mean``: the caller's ``pooled_blocks(q_tiled, layout, nv)``, reused instead of pooled again.
     """
     nv, bs = layout.n_video_blocks, layout.block_size
-    mean, var = pooled_query_features(q_tiled, layout, nv, variance=variance)
+    mean, var = pooled_query_features(q_tiled, layout, nv, variance=variance, mean=q_mean)
     valid = layout.on(k_tiled.device).valid[: nv * bs]
     if _use_triton(k_tiled, impl):
         from ditattn.attention.kernels.block_scores import pooled_query_lse

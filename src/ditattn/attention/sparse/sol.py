@@ -1,7 +1,9 @@
 """Sol attention: threshold routing between exact key blocks and block-centroid approximation.
 
-Blocks are 4x4x4 tiles (64 tokens); with ``edge_tiles="packed"`` (the default) the tiles cut by
-the grid edge are packed several to a block (:mod:`.tiling`), ``"padded"`` keeps one block per tile.
+Blocks are 4x4x4 tiles (64 tokens; ``block_size=128``: 4x4x8 tiles, whose exact part runs
+FlashAttention-4's block-sparse kernel on Hopper where installed); with ``edge_tiles="packed"`` (the
+default) the tiles cut by the grid edge are packed several to a block (:mod:`.tiling`), ``"padded"``
+keeps one block per tile.
 For every (batch, head, query block ``i``) and video key block ``j``, with block means ``q_i``,
 ``k_j``, ``v_j`` (over real tokens) and ``s_ij = scale * q_i . k_j``:
 
@@ -44,18 +46,19 @@ import torch
 
 from ditattn.attention.sparse.block_scores import pooled_query_block_scores, pooled_query_features
 from ditattn.attention.sparse.block_sparse import (
-    block_mask_to_lists,
     block_sparse_attention,
     dense_attention,
     list_width,
 )
-from ditattn.attention.sparse.common import SparsePlan, add_special_blocks, triton_path
+from ditattn.attention.sparse.common import SparsePlan, triton_path, video_mask_lists
 from ditattn.attention.sparse.tiling import TileLayout, make_tile_layout, pooled_blocks, tile, untile
 from ditattn.errors import AttentionConfigError
 
 Tensor = torch.Tensor
 
 SOL_TILE_SIZE = (4, 4, 4)
+#: the tiles of each ``block_size``
+SOL_TILES = {64: SOL_TILE_SIZE, 128: (4, 4, 8)}
 SOL_PREDICTORS = ("pooled_query", "pooled")
 _CHUNK_ELEMS = 1 << 25
 
@@ -70,12 +73,16 @@ def sol_route(
     scale: float,
     predictor: str = "pooled_query",
     impl: str = "auto",
+    pooled: Optional[tuple[Tensor, Tensor]] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     """``(exact video-block routes [B, H, nv, nv] bool, pooled scores [B, H, nv, nv], thresholds
-    [B, H, nv], pooled-query scores [B, H, nv, nv] or None)`` (module docstring)."""
+    [B, H, nv], pooled-query scores [B, H, nv, nv] or None)`` (module docstring).  ``pooled``: the
+    callers' block means ``(pooled_blocks(q_tiled, layout, nv), pooled_blocks(k_tiled, layout, nv))``,
+    computed here when None."""
     nv = layout.n_video_blocks
-    pq = pooled_blocks(q_tiled, layout, nv)
-    pk = pooled_blocks(k_tiled, layout, nv)
+    if pooled is None:
+        pooled = (pooled_blocks(q_tiled, layout, nv), pooled_blocks(k_tiled, layout, nv))
+    pq, pk = pooled
     s = (pq @ pk.transpose(-1, -2)) * scale
     if thresh_type == "diag":
         mu = pk.mean(2, keepdim=True)  # [B,H,1,D]
@@ -96,11 +103,22 @@ def sol_route(
         raise AttentionConfigError(f"sol_attn: predictor must be one of {list(SOL_PREDICTORS)}, got {predictor!r}")
     # upstream's count per query block; the neighbours first, then the best pooled-query scores
     route = pooled_query_block_scores(
-        q_tiled, k_tiled, layout, scale, impl="reference" if impl in ("reference", "flex") else "auto"
+        q_tiled, k_tiled, layout, scale, impl="reference" if impl in ("reference", "flex") else "auto", q_mean=pq
     )
-    order = route.masked_fill(near, float("inf")).argsort(dim=-1, descending=True)
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(nv, device=order.device).expand_as(order))
-    return rank < rule.sum(-1, keepdim=True), s, thr, route
+    # a block is exact when its score reaches the row's n_i-th largest (n_i >= 1: the diagonal is a neighbour)
+    ranked = route.masked_fill(near, float("inf"))
+    nth = ranked.sort(dim=-1, descending=True).values.gather(-1, rule.sum(-1, keepdim=True) - 1)
+    return ranked >= nth, s, thr, route
+
+
+def sol_tile_size(block_size: int) -> tuple[int, int, int]:
+    """The ``(t, h, w)`` tile of a ``block_size``-token block (:data:`SOL_TILES`)."""
+    try:
+        return SOL_TILES[int(block_size)]
+    except (KeyError, TypeError, ValueError):
+        raise AttentionConfigError(
+            f"sol_attn: block_size must be one of {sorted(SOL_TILES)}, got {block_size!r}"
+        ) from None
 
 
 @functools.lru_cache(maxsize=64)
@@ -120,6 +138,24 @@ def neighbour_blocks(layout: TileLayout, device: torch.device) -> Tensor:
         near[torch.repeat_interleave(rows, n), torch.repeat_interleave(first[other], n) + offs] = True
     with torch.inference_mode(False):  # cached: an ordinary tensor even when first built under inference mode
         return near.to(device)
+
+
+def _block_means(
+    qt: Tensor, kt: Tensor, vt: Tensor, layout: TileLayout, variance: bool, kernel: bool
+) -> tuple[Tensor, Tensor, Optional[Tensor], Tensor]:
+    """``(mean q, mean k, k's per-channel variance or None, mean v)`` of every video block, float32
+    ``[B, H, nv, D]``: on the Triton path one read of each tile (:func:`ditattn.attention.kernels.block_select.
+    pool_block_moments`, no float32 copy of k), else PyTorch (:func:`.tiling.pooled_blocks`)."""
+    nv = layout.n_video_blocks
+    if kernel:
+        from ditattn.attention.kernels.block_select import pool_block_moments
+
+        count = layout.on(qt.device).count_as(torch.float32).view(-1)
+        run = functools.partial(pool_block_moments, count=count, n_blocks=nv, block_size=layout.block_size)
+        kc, kvar = run(kt, variance=variance)
+        return run(qt)[0], kc, kvar, run(vt)[0]
+    kc, kvar = pooled_query_features(kt, layout, nv, variance=variance)
+    return pooled_blocks(qt, layout, nv), kc, kvar, pooled_blocks(vt, layout, nv)
 
 
 def sol_sink_range(sink_start: int, sink_tokens: int, seq_len: int) -> tuple[int, int]:
@@ -205,6 +241,7 @@ def sol_attention(
     edge_tiles: str = "packed",
     error_budget: float = 0.0,
     tile_size: Optional[tuple] = None,
+    block_size: int = 64,
     dense_backend: Optional[str] = None,
     decide: bool = True,
     dense_above: Optional[float] = None,
@@ -217,12 +254,12 @@ def sol_attention(
     ``error_budget`` > 0: more blocks become exact until the predicted mass of the approximate blocks
     per query block is at most the budget (:mod:`.budget`); ``decide`` and ``dense_above``: when the call
     runs ``dense_backend`` instead (``plan.extra["dense_fallback"]``), as in :func:`.sparge.sparge_attention`
-    (no floor).  ``tile_size``: default
-    ``SOL_TILE_SIZE``; ``(1, 1, 64)`` for plain sequences given as a ``(1, 1, S)`` grid."""
+    (no floor).  ``block_size``: 64 (``SOL_TILE_SIZE``, 4x4x4 tiles) or 128 (4x4x8 tiles);
+    ``tile_size`` overrides it: ``(1, 1, block_size)`` for plain sequences given as a ``(1, 1, S)`` grid."""
     B, S, H, D = q.shape
     n_video = math.prod(int(x) for x in video_shape)
     sink = sol_sink_range(int(sink_start), int(sink_tokens), n_video + int(text_len))
-    tiles = SOL_TILE_SIZE if tile_size is None else tuple(tile_size)
+    tiles = sol_tile_size(block_size) if tile_size is None else tuple(tile_size)
     layout = make_tile_layout(
         video_shape, tiles, text_len, special_ranges=[sink] if sink[1] > sink[0] else [], edge_tiles=edge_tiles
     )
@@ -245,8 +282,19 @@ def sol_attention(
                 extra={"predictor": predictor, "sink": sink},
             )
     qt, kt, vt = tile(q, layout), tile(k, layout), tile(v, layout)
+    nv, nb, bs = layout.n_video_blocks, layout.n_blocks, layout.block_size
+    # each block mean once: the routing's pooled q and k, the centroids' keys (and their spread) and values
+    pq, kc, kvar, vc = _block_means(qt, kt, vt, layout, bool(centroid_variance), triton_path(q, impl))
     exact, scores, thr, route = sol_route(
-        qt, kt, layout, tau=tau, thresh_type=thresh_type, scale=scale, predictor=predictor, impl=impl
+        qt,
+        kt,
+        layout,
+        tau=tau,
+        thresh_type=thresh_type,
+        scale=scale,
+        predictor=predictor,
+        impl=impl,
+        pooled=(pq, kc),
     )
     budget = None
     if error_budget > 0:
@@ -260,15 +308,21 @@ def sol_attention(
             res = eb.Budgeted(layout, None, None, budget)
             out, lse = dense_attention(q, k, v, scale=scale, return_lse=return_lse, backend=dense_backend)
             return out, lse, res.plan({"predictor": predictor, "sink": sink})
-    bm = add_special_blocks(layout, exact)
-    idx, cnt = block_mask_to_lists(bm, width=list_width(q.device, layout.n_blocks))
+    idx, cnt = video_mask_lists(layout, exact, width=list_width(q.device, layout.n_blocks))
     kvv = layout.kv_valid(B, q.device)
     o1, l1 = block_sparse_attention(
-        qt, kt, vt, idx, cnt, block_size=layout.block_size, scale=scale, kv_valid=kvv, return_lse=True, impl=impl
+        qt,
+        kt,
+        vt,
+        idx,
+        cnt,
+        block_size=layout.block_size,
+        scale=scale,
+        kv_valid=kvv,
+        return_lse=True,
+        impl=impl,
+        nonempty_rows=True,  # every query block routes its own block exactly (a tile neighbour): no check, no sync
     )
-    nv, nb, bs = layout.n_video_blocks, layout.n_blocks, layout.block_size
-    kc, kvar = pooled_query_features(kt, layout, nv, variance=bool(centroid_variance))
-    vc = pooled_blocks(vt, layout, nv)
     logw = layout.on(kc.device).block_count[:nv].to(kc.dtype).log()  # the device copy is cached: no upload
     approx = torch.zeros(B, H, nb, nv, dtype=torch.bool, device=q.device)
     approx[:, :, :nv] = ~exact
