@@ -85,7 +85,7 @@ OPERATING_POINTS: dict[str, OperatingPoint] = {
         speedup_40=1.28,
         rel_err_12=0.037,
         rel_err_40=0.080,
-        fast_setting="quantize=false block_size=128 cdfthreshd=0.95 topk=0.3: 1.66-1.79x at 4.0-4.1 % error (12 and "
+        fast_setting="quantize=false block_size=128 cdfthreshd=0.95 topk=0.3: 1.70-1.79x at 4.0-4.1 % error (12 and "
         "40 heads, H100, FlashAttention-4's block-sparse kernel); cdfthreshd=0.93: 1.75-1.87x at 4.4 %, closer to 5 %",
     ),
     "sparse_video_gen_2_attn": OperatingPoint(
@@ -108,8 +108,8 @@ OPERATING_POINTS: dict[str, OperatingPoint] = {
         speedup_40=1.85,
         rel_err_12=0.047,
         rel_err_40=0.035,
-        fast_setting="block_size=128 tau=0.5: 1.81-1.87x at 3.0-4.1 % error (12 and 40 heads, H100, "
-        "FlashAttention-4's block-sparse kernel for the exact blocks; the defaults there: 1.74-1.78x at 3.7-5.1 %)",
+        fast_setting="block_size=128 tau=0.5: 1.99-2.06x at 3.0-4.1 % error (12 and 40 heads, H100, "
+        "FlashAttention-4's block-sparse kernel for the exact blocks; the defaults there: 1.93-1.96x at 3.7-5.1 %)",
     ),
     "vmoba_attn": OperatingPoint(
         "threshold 0.25, pooled-query gate; mean of its temporal/spatial/st layers",

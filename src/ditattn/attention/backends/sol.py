@@ -125,8 +125,9 @@ SOL_ATTN_SCHEMA = (
         64,
         "Block size in tokens of the routing, the exact kernel and the centroids (64: 4x4x4 tiles, as upstream; "
         "128: 4x4x8). 128 runs FlashAttention-4's block-sparse kernel on Hopper/Blackwell when installed: with "
-        "tau=0.5 it is faster than the defaults at lower error on the structured 480p benchmark (about 1.7-1.9x "
-        "FA4 dense at 2.8-3.9 %, docs/benchmarks.md); coarser centroids need the lower tau",
+        "tau=0.5 it is faster than the defaults at lower error on the structured 480p benchmark (about 2.0x FA4 "
+        "dense at 3.0-4.1 %, the defaults 1.9x at 3.7-5.1 %; docs/benchmarks.md); coarser centroids want a lower "
+        "tau",
         choices=(64, 128),
     ),
     EDGE_TILES,
