@@ -10,6 +10,7 @@ except Exception:  # pragma: no cover
     _torch, _HAS_CUDA = None, False
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Without a GPU: one PyTorch CPU thread in the test process and in every process it starts.  The
 # tests' tensors are tiny and OpenMP threads spin-wait at barriers, so on a shared 2-core CI machine
 # two threads cost 2-6x the CPU time of one (and more wall time, not less).  An OMP_NUM_THREADS in
@@ -44,6 +45,30 @@ import pytest  # noqa: E402
 
 import background  # noqa: E402
 import serving  # noqa: E402
+
+
+def _fix_triton_kernels_to_the_interpreter() -> None:
+    """Import every module that defines Triton kernels while ``TRITON_INTERPRET=1``: ``@triton.jit`` decides at
+    decoration time whether a kernel is interpreted, so a module first imported inside a test that sets
+    ``TRITON_INTERPRET=0`` (to check the CPU refusal) would leave compiled-only kernels to every later test in
+    the process, and the interpreter tests would pass or fail with the order tests run in."""
+    import importlib
+    import pkgutil
+
+    try:
+        import ditattn.attention.kernels as kernels
+    except ImportError:  # pragma: no cover
+        return
+    names = [f"{kernels.__name__}.{m.name}" for m in pkgutil.iter_modules(kernels.__path__)]
+    for name in names + ["ditattn.models.fp8_linear", "ditattn.models.fused"]:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # a kernel module whose own dependency is absent here: its tests skip
+            pass
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _fix_triton_kernels_to_the_interpreter()
 
 
 def pytest_unconfigure(config):
