@@ -201,6 +201,18 @@ def _mask_lists(
         tl.store(Cnt + bh * NB + i, NB)
 
 
+def _check_pool_shape(what: str, D: int, P: int, count: torch.Tensor, *, n_blocks: int, block_size: int) -> None:
+    """The pooling kernels' shared limits: head dim, block size, the blocks within the ``P`` tiled rows, and the
+    float32 real-token count per block."""
+    if D not in POOL_HEAD_DIMS or block_size not in POOL_BLOCK_SIZES or n_blocks * block_size > P:
+        raise AttentionConfigError(
+            f"{what}: needs head dim in {list(POOL_HEAD_DIMS)}, block_size in 16..128 (power "
+            f"of two) and {n_blocks} blocks within {P} rows; got D={D}, block_size={block_size}"
+        )
+    if count.dtype != torch.float32 or count.dim() != 1 or count.numel() < n_blocks:
+        raise AttentionConfigError(f"{what}: count must be float32 [>= {n_blocks}]")
+
+
 def pool_qk_blocks(
     q_tiled: torch.Tensor, k_tiled: torch.Tensor, count: torch.Tensor, *, n_blocks: int, block_size: int, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,13 +234,7 @@ def pool_qk_blocks(
         raise AttentionConfigError(
             f"{what}: q/k must share float16, bfloat16 or float32; got {q_tiled.dtype}, {k_tiled.dtype}"
         )
-    if D not in POOL_HEAD_DIMS or block_size not in POOL_BLOCK_SIZES or n_blocks * block_size > P:
-        raise AttentionConfigError(
-            f"{what}: needs head dim in {list(POOL_HEAD_DIMS)}, block_size in 16..128 (power "
-            f"of two) and {n_blocks} blocks within {P} rows; got D={D}, block_size={block_size}"
-        )
-    if count.dtype != torch.float32 or count.dim() != 1 or count.numel() < n_blocks:
-        raise AttentionConfigError(f"{what}: count must be float32 [>= {n_blocks}]")
+    _check_pool_shape(what, D, P, count, n_blocks=n_blocks, block_size=block_size)
     q_tiled, k_tiled = (t if t.stride(-1) == 1 else t.contiguous() for t in (q_tiled, k_tiled))
     pq = torch.empty(B, H, n_blocks, D, dtype=torch.float32, device=q_tiled.device)
     pk = torch.empty_like(pq)
@@ -275,13 +281,7 @@ def pool_block_moments(
             f"{what}: x must be float16, bfloat16 or float32 [B, P, H, D]; got {x_tiled.dtype} {tuple(x_tiled.shape)}"
         )
     B, P, H, D = x_tiled.shape
-    if D not in POOL_HEAD_DIMS or block_size not in POOL_BLOCK_SIZES or n_blocks * block_size > P:
-        raise AttentionConfigError(
-            f"{what}: needs head dim in {list(POOL_HEAD_DIMS)}, block_size in 16..128 (power "
-            f"of two) and {n_blocks} blocks within {P} rows; got D={D}, block_size={block_size}"
-        )
-    if count.dtype != torch.float32 or count.dim() != 1 or count.numel() < n_blocks:
-        raise AttentionConfigError(f"{what}: count must be float32 [>= {n_blocks}]")
+    _check_pool_shape(what, D, P, count, n_blocks=n_blocks, block_size=block_size)
     x_tiled = x_tiled if x_tiled.stride(-1) == 1 else x_tiled.contiguous()
     mean = torch.empty(B, H, n_blocks, D, dtype=torch.float32, device=x_tiled.device)
     var = torch.empty_like(mean) if variance else None
