@@ -82,6 +82,20 @@ def fa_fallback_reason(device: "torch.device | str") -> Optional[str]:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _fa_target(device: torch.device) -> tuple:
+    """What ``fa`` runs for tensors on ``device``, resolved once per device (the per-call path then does no
+    imports, runtime scans or capability queries): ``(runtime key, kernel, SM major)``, or
+    ``(fallback reason, None, None)`` where it runs ``torch_sdpa``."""
+    reason = fa_fallback_reason(device)
+    if reason is not None:
+        return reason, None, None
+    rt = fa_runtime()
+    _, module, attr, _ = next(x for x in FA_RUNTIMES if x[0] == rt)
+    major = torch.cuda.get_device_capability(device)[0] if rt == "fa4" else None
+    return rt, _load(module, attr), major
+
+
 def _fa_check(spec, req, platform):
     if platform.name == "xpu" and req.head_dim is not None and req.head_dim not in (64, 96, 128, 192, 256):
         return [f"XPU flash attention supports head sizes 64/96/128/192/256, not {req.head_dim}"]
@@ -179,19 +193,15 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Att
     q ``[B, S_q, H, D]``, k/v ``[B, S_kv, H_kv, D]`` fp16/bf16, D a multiple of 8 up to 256 (up to
     128, or 256, on SM100).  Returns ``(out [B, S_q, H, D], lse [B, H, S_q] float32 or None)``.
     """
-    reason = fa_fallback_reason(q.device)
-    if reason is not None:
-        if reason not in _warned:
-            _warned.add(reason)
-            log.warning("fa: %s", reason)
+    rt, fn, major = _fa_target(q.device)
+    if fn is None:  # rt: why fa runs torch_sdpa here
+        if rt not in _warned:
+            _warned.add(rt)
+            log.warning("fa: %s", rt)
         return get_impl(B.TORCH_SDPA)(q, k, v, call, config)
     _check_inputs("fa", q, k, v, call)
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))  # the kernels index the head dim as packed
-    rt = fa_runtime()
-    key = next(x for x in FA_RUNTIMES if x[0] == rt)
-    fn = _load(key[1], key[2])
     if rt == "fa4":
-        major = torch.cuda.get_device_capability(q.device)[0]
         if major in (10, 11) and not _sm100_head_dim_ok(q.shape[-1]):
             raise AttentionConfigError(
                 f"fa: FlashAttention-4 on SM100 supports head dim <= 128 or 256, not {q.shape[-1]}"
