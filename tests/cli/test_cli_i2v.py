@@ -74,6 +74,20 @@ def test_generate_image_to_video_native_and_diffusers_agree(capsys, tmp_path, im
     assert np.abs(ours - ref).max() <= 1  # the same clip, up to uint8 rounding
 
 
+def test_backend_diffusers_image_to_video_without_ftfy_is_one_clear_error(capsys, tmp_path, image, monkeypatch):
+    """diffusers' WanImageToVideoPipeline calls ftfy unguarded: without it the run stops before loading,
+    naming the package, instead of a NameError from inside diffusers at the first prompt."""
+    from diffusers import utils
+
+    monkeypatch.setattr(utils, "is_ftfy_available", lambda: False)  # what diffusers sees without ftfy
+    rc, out, err = run(
+        capsys, "generate", *I2V, "--prompt", "a fox", "--image", image, *SMALL,
+        "--output-path", str(tmp_path), "--backend", "diffusers",
+    )  # fmt: skip
+    assert rc == 2 and "WanImageToVideoPipeline cleans every prompt with ftfy" in err and "pip install ftfy" in err
+    assert "Traceback" not in err and "NameError" in err and list(tmp_path.iterdir()) == []
+
+
 def test_image_size_follows_the_image_without_height_and_width(capsys, tmp_path, image):
     rc, out, err = run(
         capsys,

@@ -124,6 +124,14 @@ def diffusers_backend_names() -> list[str]:
         return []
 
 
+def _has_ftfy() -> bool:
+    """Whether diffusers found ftfy: its Wan image-to-video pipeline imports ftfy only then, but calls it on
+    every prompt either way (a package without its install metadata counts as absent, as diffusers sees it)."""
+    from diffusers import utils
+
+    return bool(utils.is_ftfy_available())
+
+
 def load_diffusers_pipeline(
     folder: str,
     *,
@@ -140,6 +148,12 @@ def load_diffusers_pipeline(
     VAE tiling / slicing and LoRA settings mapped to diffusers' own."""
     from diffusers import WanImageToVideoPipeline, WanPipeline
 
+    if image_to_video and not _has_ftfy():
+        raise AttentionConfigError(
+            "--backend diffusers: diffusers' WanImageToVideoPipeline cleans every prompt with ftfy, which is not "
+            "installed (it would stop at the first prompt with \"NameError: name 'ftfy' is not defined\"); "
+            "install it (pip install ftfy), or use the native pipeline (--backend native)"
+        )
     kw = {"variant": variant} if variant else {}
     try:
         pipe = (WanImageToVideoPipeline if image_to_video else WanPipeline).from_pretrained(folder, dtype=dtype, **kw)
