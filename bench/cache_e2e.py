@@ -105,7 +105,13 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--attention", default="auto,sol_attn", help="comma list of attention specs (name[:k=v;k=v])")
     ap.add_argument("--caches", default=DEFAULT_CACHES, help="';'-separated cache specs METHOD[:k=v,k=v] or none")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed loops first (kernel compilation, autotune)")
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="untimed whole loops first (kernel compilation, autotune: a sparse backend's first sparse step, after "
+        "its dense_steps, compiles its kernels)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -118,9 +124,8 @@ def main() -> int:
     base = None  # the uncached loop of the first attention backend
     for spec in args.attention.split(","):
         model, settings = build(cfg, spec, dt, dev)
-        warm = max(2, args.steps // 10)
-        for _ in range(args.warmup):
-            loop(model, settings, "none", argparse.Namespace(**{**vars(args), "steps": warm}), cfg, dev, dt)
+        for _ in range(args.warmup):  # whole loops: a backend's schedule (Sol's dense_steps) reaches its kernels late
+            loop(model, settings, "none", args, cfg, dev, dt)
         plain = None
         for cache in args.caches.split(";"):
             r = loop(model, settings, cache, args, cfg, dev, dt)
